@@ -1,0 +1,1 @@
+"""Runtime: interprets federated_language Computation protos (coordinator side)."""

@@ -1,0 +1,96 @@
+"""Where CLIENTS-placed values live while a TFF computation is interpreted.
+
+The coordinator (`fax_bridge.runtime.interpreter`) evaluates server-side and unplaced
+parts itself and hands every CLIENTS-placed operation to a `ClientsBackend`. A backend
+holds client values as opaque `ClientsValue` handles, so the data of each client can stay
+where it is (in this process, or on a device process reached over gRPC) between
+operations; only aggregates travel back.
+
+Local values (server-placed or unplaced) are numpy arrays, or
+`federated_language.common_libs.structure.Struct` of them (named or unnamed elements).
+A clients value has one such local value per client, in client order.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional, Sequence
+
+import federated_language
+import numpy as np
+from federated_language.common_libs import structure
+
+from federated_language.proto import computation_pb2
+
+LocalValue = Any  # np.ndarray | structure.Struct of LocalValue
+
+AGGREGATIONS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth")
+
+
+class ClientsValue(abc.ABC):
+    """Handle to one value per client, held by a backend."""
+
+    @property
+    @abc.abstractmethod
+    def num_clients(self) -> int:
+        """How many clients hold a member of this value."""
+
+    @property
+    @abc.abstractmethod
+    def type_signature(self) -> federated_language.Type:
+        """The member type (not federated) of each client's value."""
+
+
+class ClientsBackend(abc.ABC):
+    """Executes the CLIENTS-placed part of a TFF computation."""
+
+    @abc.abstractmethod
+    def put(
+            self, member_type: federated_language.Type, values: Sequence[LocalValue]
+    ) -> ClientsValue:
+        """Places `values[i]` on client i (one value per client)."""
+
+    @abc.abstractmethod
+    def broadcast(
+            self, member_type: federated_language.Type, value: LocalValue, num_clients: int
+    ) -> ClientsValue:
+        """Places the same value on every client (all_equal)."""
+
+    @abc.abstractmethod
+    def map(
+            self,
+            fn: computation_pb2.Computation,
+            fn_type: federated_language.FunctionType,
+            arg: ClientsValue,
+    ) -> ClientsValue:
+        """Applies a local functional computation (Xla, or Lambda of local parts) per client."""
+
+    @abc.abstractmethod
+    def zip(
+            self, values: Sequence[ClientsValue], names: Sequence[Optional[str]]
+    ) -> ClientsValue:
+        """Turns a struct of clients values into a clients value of structs."""
+
+    @abc.abstractmethod
+    def aggregate(
+            self,
+            value: ClientsValue,
+            kind: str,
+            weights: Optional[ClientsValue] = None,
+            bitwidth: Optional[LocalValue] = None,
+    ) -> LocalValue:
+        """Reduces over clients; `kind` is one of AGGREGATIONS. Client order is fixed."""
+
+    @abc.abstractmethod
+    def get(self, value: ClientsValue) -> list[LocalValue]:
+        """Brings every client's member back to the coordinator, in client order."""
+
+    def close(self) -> None:
+        """Releases whatever the backend holds."""
+
+
+def as_numpy(value: LocalValue) -> LocalValue:
+    """Converts a local value's leaves to numpy arrays, keeping Struct nesting."""
+    if isinstance(value, structure.Struct):
+        return structure.map_structure(np.asarray, value)
+    return np.asarray(value)
