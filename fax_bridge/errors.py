@@ -1,0 +1,23 @@
+"""Exceptions raised by fax_bridge; each message names what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class FaxBridgeError(Exception):
+    """Base class of every error fax_bridge raises on purpose."""
+
+
+class PlacementError(FaxBridgeError, TypeError):
+    """A value is used at a placement it does not have (e.g. CLIENTS where SERVER is needed)."""
+
+
+class ExportError(FaxBridgeError):
+    """A program cannot be expressed as a TFF building-block computation."""
+
+
+class ComputationError(FaxBridgeError):
+    """A TFF computation proto is malformed, ill-typed or uses something unsupported."""
+
+
+class FleetError(FaxBridgeError):
+    """A simulated device fleet could not complete a request (too few clients, dead devices...)."""
