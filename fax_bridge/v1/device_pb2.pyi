@@ -1,0 +1,233 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Aggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGGREGATION_UNSPECIFIED: _ClassVar[Aggregation]
+    SUM: _ClassVar[Aggregation]
+    MEAN: _ClassVar[Aggregation]
+    WEIGHTED_MEAN: _ClassVar[Aggregation]
+    MIN: _ClassVar[Aggregation]
+    MAX: _ClassVar[Aggregation]
+    SECURE_SUM_BITWIDTH: _ClassVar[Aggregation]
+AGGREGATION_UNSPECIFIED: Aggregation
+SUM: Aggregation
+MEAN: Aggregation
+WEIGHTED_MEAN: Aggregation
+MIN: Aggregation
+MAX: Aggregation
+SECURE_SUM_BITWIDTH: Aggregation
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Value(_message.Message):
+    __slots__ = ("tensor", "struct")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    STRUCT_FIELD_NUMBER: _ClassVar[int]
+    tensor: Tensor
+    struct: Struct
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., struct: _Optional[_Union[Struct, _Mapping]] = ...) -> None: ...
+
+class Struct(_message.Message):
+    __slots__ = ("elements",)
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    elements: _containers.RepeatedCompositeFieldContainer[Element]
+    def __init__(self, elements: _Optional[_Iterable[_Union[Element, _Mapping]]] = ...) -> None: ...
+
+class Element(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: Value
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+
+class ClientValue(_message.Message):
+    __slots__ = ("client_id", "value")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    value: Value
+    def __init__(self, client_id: _Optional[int] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "device_id", "pid", "protocol", "num_handles", "num_computations", "num_clients")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    device_id: str
+    pid: int
+    protocol: str
+    num_handles: int
+    num_computations: int
+    num_clients: int
+    def __init__(self, status: _Optional[str] = ..., device_id: _Optional[str] = ..., pid: _Optional[int] = ..., protocol: _Optional[str] = ..., num_handles: _Optional[int] = ..., num_computations: _Optional[int] = ..., num_clients: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("computation_hash", "computation")
+    COMPUTATION_HASH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTATION_FIELD_NUMBER: _ClassVar[int]
+    computation_hash: str
+    computation: bytes
+    def __init__(self, computation_hash: _Optional[str] = ..., computation: _Optional[bytes] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("already_loaded",)
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    already_loaded: bool
+    def __init__(self, already_loaded: _Optional[bool] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("handle", "values")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    values: _containers.RepeatedCompositeFieldContainer[ClientValue]
+    def __init__(self, handle: _Optional[int] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("num_clients",)
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    num_clients: int
+    def __init__(self, num_clients: _Optional[int] = ...) -> None: ...
+
+class BroadcastRequest(_message.Message):
+    __slots__ = ("handle", "value", "client_ids")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    value: Value
+    client_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[int] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., client_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BroadcastResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MapRequest(_message.Message):
+    __slots__ = ("computation_hash", "arg", "result", "delay_seconds")
+    COMPUTATION_HASH_FIELD_NUMBER: _ClassVar[int]
+    ARG_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    computation_hash: str
+    arg: int
+    result: int
+    delay_seconds: float
+    def __init__(self, computation_hash: _Optional[str] = ..., arg: _Optional[int] = ..., result: _Optional[int] = ..., delay_seconds: _Optional[float] = ...) -> None: ...
+
+class MapResponse(_message.Message):
+    __slots__ = ("num_clients", "compute_seconds")
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_clients: int
+    compute_seconds: float
+    def __init__(self, num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+
+class ZipField(_message.Message):
+    __slots__ = ("handle", "name")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    name: str
+    def __init__(self, handle: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ZipRequest(_message.Message):
+    __slots__ = ("fields", "result")
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    fields: _containers.RepeatedCompositeFieldContainer[ZipField]
+    result: int
+    def __init__(self, fields: _Optional[_Iterable[_Union[ZipField, _Mapping]]] = ..., result: _Optional[int] = ...) -> None: ...
+
+class ZipResponse(_message.Message):
+    __slots__ = ("num_clients",)
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    num_clients: int
+    def __init__(self, num_clients: _Optional[int] = ...) -> None: ...
+
+class LeafPartial(_message.Message):
+    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_LIMB_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIMBS_FIELD_NUMBER: _ClassVar[int]
+    LIMBS_FIELD_NUMBER: _ClassVar[int]
+    EXTREME_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    base_limb: int
+    num_limbs: int
+    limbs: bytes
+    extreme: Tensor
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AggregateRequest(_message.Message):
+    __slots__ = ("value", "kind", "weights")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    kind: Aggregation
+    weights: int
+    def __init__(self, value: _Optional[int] = ..., kind: _Optional[_Union[Aggregation, str]] = ..., weights: _Optional[int] = ...) -> None: ...
+
+class AggregateResponse(_message.Message):
+    __slots__ = ("leaves", "weight_leaves", "num_clients")
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_LEAVES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    leaves: _containers.RepeatedCompositeFieldContainer[LeafPartial]
+    weight_leaves: _containers.RepeatedCompositeFieldContainer[LeafPartial]
+    num_clients: int
+    def __init__(self, leaves: _Optional[_Iterable[_Union[LeafPartial, _Mapping]]] = ..., weight_leaves: _Optional[_Iterable[_Union[LeafPartial, _Mapping]]] = ..., num_clients: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("handle", "max_message_bytes")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    max_message_bytes: int
+    def __init__(self, handle: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[ClientValue]
+    def __init__(self, values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handles: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
