@@ -1,0 +1,454 @@
+"""Federated building blocks as JAX primitives, each with its rules registered beside it.
+
+A CLIENTS-placed array carries a leading axis of size `clients`; a SERVER-placed array is
+a plain array. Every primitive here works on single arrays (the public functions in
+`fax_bridge.api` map them over pytrees) and has: abstract evaluation, an implementation,
+an MLIR lowering, a JVP, a transpose and a batching rule. Transposes bind federated
+primitives again (broadcast <-> sum), so the derivative of a federated program is a
+federated program.
+
+`federated_map_p` is higher order: it carries the per-member computation as a closed
+jaxpr (`jaxpr`), applied to every client (`placement="clients"`, lowered as one `vmap`)
+or once at the server (`placement="server"`). Keeping the jaxpr in the equation is what
+lets the exporter turn it into a TFF `federated_map` of an Xla computation, including
+after `jax.grad` (JVP, transpose, partial evaluation and DCE all produce new
+`federated_map_p` equations with transformed per-member jaxprs).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core  # Primitive, ShapedArray, ClosedJaxpr, Tracer, new_jaxpr_eqn
+from jax.interpreters import mlir
+
+# Rule tables and jaxpr utilities for higher-order primitives live in jax's internal
+# interpreter modules on jax 0.10 (the public `jax.interpreters.*` re-export only some).
+from jax._src import ad_checkpoint as _ad_checkpoint  # transpose_jaxpr
+from jax._src import dispatch as _dispatch
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import ad, batching
+from jax._src.interpreters import partial_eval as pe
+
+CLIENTS = "clients"
+SERVER = "server"
+
+
+def _shaped(shape, dtype, weak_type=False) -> core.ShapedArray:
+    return core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)
+
+
+def _register_impl_and_lowering(prim: core.Primitive, fn) -> None:
+    """Implements `prim` by jitting its lowering, which is `fn` traced by jax."""
+    prim.def_impl(partial(_dispatch.apply_primitive, prim))
+    mlir.register_lowering(prim, mlir.lower_fun(fn, multiple_results=prim.multiple_results))
+
+
+def _zero_like(x):
+    return ad.Zero(core.typeof(x).to_tangent_aval())
+
+
+def _move_batch_axis_after_clients(x, bdim):
+    """Puts an outer vmap axis right after the clients axis (axis 1) of a CLIENTS value."""
+    if bdim is None:
+        return x
+    return jnp.moveaxis(x, bdim, 1)
+
+
+def _move_batch_axis_first(x, bdim):
+    if bdim is None:
+        return x
+    return jnp.moveaxis(x, bdim, 0)
+
+
+# --------------------------------------------------------------------------- broadcast
+
+federated_broadcast_p = core.Primitive("federated_broadcast")
+
+
+def _broadcast_impl(x, *, clients):
+    return lax.broadcast(x, (clients,))
+
+
+def _broadcast_abstract_eval(x, *, clients):
+    return _shaped((clients,) + x.shape, x.dtype, x.weak_type)
+
+
+def _broadcast_transpose(ct, x, *, clients):
+    del x
+    return [federated_sum_p.bind(ct, clients=clients)]
+
+
+def _broadcast_batch(axis_data, args, dims, *, clients):
+    del axis_data
+    (x,), (d,) = args, dims
+    out = federated_broadcast_p.bind(_move_batch_axis_first(x, d), clients=clients)
+    return out, (None if d is None else 1)
+
+
+federated_broadcast_p.def_abstract_eval(_broadcast_abstract_eval)
+_register_impl_and_lowering(federated_broadcast_p, _broadcast_impl)
+ad.deflinear2(federated_broadcast_p, lambda ct, x, **p: _broadcast_transpose(ct, x, **p))
+batching.fancy_primitive_batchers[federated_broadcast_p] = _broadcast_batch
+
+
+# --------------------------------------------------------------------------- sum / mean
+
+federated_sum_p = core.Primitive("federated_sum")
+federated_mean_p = core.Primitive("federated_mean")
+
+
+def _check_clients_axis(name, x, clients):
+    if not x.shape or x.shape[0] != clients:
+        raise TypeError(
+            f"{name} needs a CLIENTS value with a leading axis of size {clients}, got "
+            f"shape {tuple(x.shape)}."
+        )
+
+
+def _aggregate_abstract_eval(x, *, clients, name):
+    _check_clients_axis(name, x, clients)
+    return _shaped(x.shape[1:], x.dtype, x.weak_type)
+
+
+def _sum_impl(x, *, clients):
+    del clients
+    return jnp.sum(x, axis=0, dtype=x.dtype)
+
+
+def _mean_impl(x, *, clients):
+    return (jnp.sum(x, axis=0, dtype=x.dtype) / clients).astype(x.dtype)
+
+
+def _sum_transpose(ct, x, *, clients):
+    del x
+    return [federated_broadcast_p.bind(ct, clients=clients)]
+
+
+def _mean_transpose(ct, x, *, clients):
+    del x
+    return [federated_broadcast_p.bind(ct / jnp.asarray(clients, ct.dtype), clients=clients)]
+
+
+def _aggregate_batch(prim, axis_data, args, dims, *, clients):
+    del axis_data
+    (x,), (d,) = args, dims
+    out = prim.bind(_move_batch_axis_after_clients(x, d), clients=clients)
+    return out, (None if d is None else 0)
+
+
+for _prim, _impl, _transpose in (
+    (federated_sum_p, _sum_impl, _sum_transpose),
+    (federated_mean_p, _mean_impl, _mean_transpose),
+):
+    _prim.def_abstract_eval(partial(_aggregate_abstract_eval, name=_prim.name))
+    _register_impl_and_lowering(_prim, _impl)
+    ad.deflinear2(_prim, lambda ct, x, _t=_transpose, **p: _t(ct, x, **p))
+    batching.fancy_primitive_batchers[_prim] = partial(_aggregate_batch, _prim)
+
+
+# --------------------------------------------------------------------------- weighted mean
+
+federated_weighted_mean_p = core.Primitive("federated_weighted_mean")
+
+
+def _expand_weights(w, x):
+    """Gives per-client weights of shape w.shape the rank of x (trailing unit axes)."""
+    return lax.expand_dims(w, tuple(range(w.ndim, x.ndim)))
+
+
+def _weighted_mean_impl(x, w, *, clients):
+    del clients
+    wx = _expand_weights(w, x).astype(x.dtype)
+    total = jnp.sum(w, axis=0).astype(x.dtype)
+    num = jnp.sum(wx * x, axis=0)
+    return num / lax.expand_dims(total, tuple(range(total.ndim, num.ndim)))
+
+
+def _weighted_mean_abstract_eval(x, w, *, clients):
+    _check_clients_axis("federated_weighted_mean", x, clients)
+    if tuple(w.shape) != tuple(x.shape[: len(w.shape)]) or not w.shape:
+        raise TypeError(
+            "federated_weighted_mean needs weights of shape (clients,) (one weight per "
+            f"client); got weights of shape {tuple(w.shape)} for a value of shape "
+            f"{tuple(x.shape)}."
+        )
+    if not jnp.issubdtype(w.dtype, jnp.floating) or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            "federated_weighted_mean needs floating-point values and weights; got "
+            f"{x.dtype} values and {w.dtype} weights (cast them with .astype(jnp.float32))."
+        )
+    return _shaped(x.shape[1:], x.dtype, x.weak_type)
+
+
+def _member_scaled(c, w, total):
+    """Per client: the cotangent share w_i / sum(w) of the weighted mean."""
+    return [c * _expand_weights(w, c).astype(c.dtype) / _expand_weights(total, c).astype(c.dtype)]
+
+
+def _member_deviation(tw, x, m):
+    """Per client: tw_i * (x_i - m), the weight tangent's contribution."""
+    return [_expand_weights(tw, x).astype(x.dtype) * (x - m)]
+
+
+def _weighted_mean_jvp(primals, tangents, *, clients):
+    x, w = primals
+    tx, tw = tangents
+    out = federated_weighted_mean_p.bind(x, w, clients=clients)
+    parts = []
+    if type(tx) is not ad.Zero:
+        parts.append(federated_weighted_mean_p.bind(tx, w, clients=clients))
+    if type(tw) is not ad.Zero:
+        total = federated_sum_p.bind(w, clients=clients)
+        m_c = federated_broadcast_p.bind(out, clients=clients)
+        (dev,) = map_bind(_member_deviation, [tw, x, m_c], CLIENTS, clients)
+        dm = federated_sum_p.bind(dev, clients=clients)
+        parts.append(dm / _expand_weights(total, dm).astype(dm.dtype))
+    if not parts:
+        return out, _zero_like(out)
+    tangent = parts[0]
+    for p in parts[1:]:
+        tangent = tangent + p
+    return out, tangent
+
+
+def _weighted_mean_transpose(ct, x, w, *, clients):
+    if ad.is_undefined_primal(w):
+        raise ValueError("federated_weighted_mean is not linear in its weights.")
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval.to_tangent_aval()), None]
+    total = federated_sum_p.bind(w, clients=clients)
+    ct_c = federated_broadcast_p.bind(ct, clients=clients)
+    total_c = federated_broadcast_p.bind(total, clients=clients)
+    (ct_x,) = map_bind(_member_scaled, [ct_c, w, total_c], CLIENTS, clients)
+    return [ct_x, None]
+
+
+def _weighted_mean_batch(axis_data, args, dims, *, clients):
+    x, w = args
+    dx, dw = dims
+    if dx is None and dw is None:
+        return federated_weighted_mean_p.bind(x, w, clients=clients), None
+    size = axis_data.size
+    x = _move_batch_axis_after_clients(x, dx)
+    w = _move_batch_axis_after_clients(w, dw)
+    if dx is None:
+        x = jnp.broadcast_to(x[:, None], (x.shape[0], size) + x.shape[1:])
+    if dw is None:
+        w = jnp.broadcast_to(w[:, None], (w.shape[0], size) + w.shape[1:])
+    return federated_weighted_mean_p.bind(x, w, clients=clients), 0
+
+
+federated_weighted_mean_p.def_abstract_eval(_weighted_mean_abstract_eval)
+_register_impl_and_lowering(federated_weighted_mean_p, _weighted_mean_impl)
+ad.primitive_jvps[federated_weighted_mean_p] = _weighted_mean_jvp
+ad.primitive_transposes[federated_weighted_mean_p] = _weighted_mean_transpose
+batching.fancy_primitive_batchers[federated_weighted_mean_p] = _weighted_mean_batch
+
+
+# --------------------------------------------------------------------------- map
+
+
+federated_map_p = core.Primitive("federated_map")
+federated_map_p.multiple_results = True
+
+
+def outer_aval(aval, placement: str, clients: int) -> core.ShapedArray:
+    """The aval a member value has as a federated value at `placement`."""
+    if placement == CLIENTS:
+        return _shaped((clients,) + tuple(aval.shape), aval.dtype, aval.weak_type)
+    return _shaped(aval.shape, aval.dtype, aval.weak_type)
+
+
+def member_aval(aval, placement: str) -> core.ShapedArray:
+    """The aval of one member (one client's slice) of a federated value."""
+    if placement == CLIENTS:
+        return _shaped(aval.shape[1:], aval.dtype, aval.weak_type)
+    return _shaped(aval.shape, aval.dtype, aval.weak_type)
+
+
+def trace_member_fn(fn, member_avals: Sequence[core.ShapedArray], debug_name: str):
+    """Traces a flat per-member function to a closed jaxpr.
+
+    Returns (closed_jaxpr, captured): values the function closed over that are tracers of
+    an enclosing trace are lifted out as `captured` (the jaxpr takes them first), concrete
+    constants stay inside the closed jaxpr.
+    """
+    import jax.api_util as api_util
+    from jax._src import linear_util as lu
+
+    dbg = api_util.debug_info(debug_name, fn, tuple(member_avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=dbg), member_avals)
+    captured_idx = [i for i, c in enumerate(consts) if isinstance(c, core.Tracer)]
+    if not captured_idx:
+        return core.ClosedJaxpr(jaxpr, consts), []
+    # Move traced constants to the front of the invars; keep concrete ones closed.
+    constvars = list(jaxpr.constvars)
+    lifted = [constvars[i] for i in captured_idx]
+    lifted_set = set(captured_idx)
+    kept = [v for i, v in enumerate(constvars) if i not in lifted_set]
+    kept_consts = [c for i, c in enumerate(consts) if i not in lifted_set]
+    new_jaxpr = jaxpr.replace(constvars=kept, invars=lifted + list(jaxpr.invars))
+    return core.ClosedJaxpr(new_jaxpr, kept_consts), [consts[i] for i in captured_idx]
+
+
+def map_bind(fn, args: Sequence, placement: str, clients: int, name: str | None = None):
+    """Binds `federated_map_p` for `fn`, a function from flat member arrays to a list of them."""
+    avals = [member_aval(core.typeof(a), placement) for a in args]
+    closed, captured = trace_member_fn(fn, avals, name or getattr(fn, "__name__", "fn"))
+    if captured:
+        if placement == CLIENTS:
+            captured = [federated_broadcast_p.bind(c, clients=clients) for c in captured]
+        args = list(captured) + list(args)
+    return federated_map_p.bind(
+        *args, jaxpr=closed, placement=placement, clients=clients,
+        name=name or getattr(fn, "__name__", "fn"))
+
+
+def _map_abstract_eval(*avals, jaxpr, placement, clients, name):
+    del name
+    for i, (a, m) in enumerate(zip(avals, jaxpr.in_avals)):
+        expect = outer_aval(m, placement, clients)
+        if tuple(a.shape) != tuple(expect.shape) or a.dtype != expect.dtype:
+            raise TypeError(
+                f"federated_map at {placement.upper()}: operand {i} has type "
+                f"{a.str_short()}, expected {expect.str_short()}."
+            )
+    return [outer_aval(a, placement, clients) for a in jaxpr.out_avals]
+
+
+def _map_impl(*args, jaxpr, placement, clients, name):
+    del clients, name
+    fn = core.jaxpr_as_fun(jaxpr)
+    if placement == CLIENTS:
+        return jax.vmap(fn)(*args)
+    return fn(*args)
+
+
+def _map_jvp(primals, tangents, *, jaxpr, placement, clients, name):
+    nonzeros = [type(t) is not ad.Zero for t in tangents]
+    jvp_jaxpr, out_nz = ad.jvp_jaxpr(jaxpr, nonzeros, instantiate=False)
+    nz_tangents = [t for t in tangents if type(t) is not ad.Zero]
+    outs = federated_map_p.bind(
+        *primals, *nz_tangents, jaxpr=jvp_jaxpr, placement=placement, clients=clients,
+        name=f"jvp({name})")
+    n_out = len(jaxpr.out_avals)
+    out_primals, out_nz_tangents = outs[:n_out], iter(outs[n_out:])
+    out_tangents = [next(out_nz_tangents) if nz else _zero_like(p)
+                    for p, nz in zip(out_primals, out_nz)]
+    return out_primals, out_tangents
+
+
+def _map_transpose(cts, *args, jaxpr, placement, clients, name):
+    in_linear = [ad.is_undefined_primal(x) for x in args]
+    out_zeros = [type(ct) is ad.Zero for ct in cts]
+    zero_result = [ad.Zero(x.aval.to_tangent_aval()) if lin else None
+                   for x, lin in zip(args, in_linear)]
+    if all(out_zeros):
+        return zero_result
+    t_jaxpr, in_zeros = _ad_checkpoint.transpose_jaxpr(jaxpr, in_linear, out_zeros)
+    nonlinear = [x for x, lin in zip(args, in_linear) if not lin]
+    nz_cts = [ct for ct in cts if type(ct) is not ad.Zero]
+    outs = iter(federated_map_p.bind(
+        *nonlinear, *nz_cts, jaxpr=t_jaxpr, placement=placement, clients=clients,
+        name=f"transpose({name})"))
+    lin_zeros = iter(in_zeros)
+    result = []
+    for x, lin, zr in zip(args, in_linear, zero_result):
+        if not lin:
+            result.append(None)
+        elif next(lin_zeros):
+            result.append(zr)
+        else:
+            result.append(next(outs))
+    return result
+
+
+def _map_partial_eval(trace, *tracers, jaxpr, placement, clients, name):
+    unknowns = [not t.pval.is_known() for t in tracers]
+    if not any(unknowns):
+        known = [t.pval.get_known() for t in tracers]
+        return [trace.new_const(v) for v in federated_map_p.bind(
+            *known, jaxpr=jaxpr, placement=placement, clients=clients, name=name)]
+    jaxpr_known, jaxpr_unknown, out_unknowns, res_avals = pe.partial_eval_jaxpr_nounits(
+        jaxpr, unknowns, instantiate=False)
+    known_vals = [t.pval.get_known() for t, uk in zip(tracers, unknowns) if not uk]
+    known_outs = federated_map_p.bind(
+        *known_vals, jaxpr=jaxpr_known, placement=placement, clients=clients,
+        name=f"known({name})")
+    n_res = len(res_avals)
+    known_out_vals = known_outs[: len(known_outs) - n_res]
+    residuals = known_outs[len(known_outs) - n_res:]
+    res_tracers = [trace.new_instantiated_const(r) for r in residuals]
+    unknown_tracers = [trace.instantiate_const(t) for t, uk in zip(tracers, unknowns) if uk]
+    out_tracers = [
+        pe.JaxprTracer(trace, pe.PartialVal.unknown(outer_aval(a, placement, clients)), None)
+        for a in jaxpr_unknown.out_avals
+    ]
+    params = dict(jaxpr=jaxpr_unknown, placement=placement, clients=clients,
+                  name=f"staged({name})")
+    recipe = pe.new_eqn_recipe(
+        trace, res_tracers + unknown_tracers, out_tracers, federated_map_p, params,
+        core.no_effects, _source_info_util.current())
+    for t in out_tracers:
+        t.recipe = recipe
+    known_iter, unknown_iter = iter(known_out_vals), iter(out_tracers)
+    return [next(unknown_iter) if uk else trace.new_const(next(known_iter))
+            for uk in out_unknowns]
+
+
+def _map_dce(used_outputs, eqn):
+    if not any(used_outputs):
+        return [False] * len(eqn.invars), None
+    closed = eqn.params["jaxpr"]
+    new_jaxpr, used_inputs = pe.dce_jaxpr(closed.jaxpr, used_outputs)
+    new_params = dict(eqn.params, jaxpr=core.ClosedJaxpr(new_jaxpr, closed.consts))
+    new_eqn = core.new_jaxpr_eqn(
+        [v for v, u in zip(eqn.invars, used_inputs) if u],
+        [v for v, u in zip(eqn.outvars, used_outputs) if u],
+        federated_map_p, new_params, core.no_effects, eqn.source_info, eqn.ctx)
+    return used_inputs, new_eqn
+
+
+def _map_batch(axis_data, args, dims, *, jaxpr, placement, clients, name):
+    in_batched = [d is not None for d in dims]
+    if not any(in_batched):
+        outs = federated_map_p.bind(*args, jaxpr=jaxpr, placement=placement, clients=clients,
+                                    name=name)
+        return outs, [None] * len(outs)
+    if placement == CLIENTS:
+        args = [_move_batch_axis_after_clients(x, d) for x, d in zip(args, dims)]
+        out_dim = 1
+    else:
+        args = [_move_batch_axis_first(x, d) for x, d in zip(args, dims)]
+        out_dim = 0
+    batched, out_batched = batching.batch_jaxpr(jaxpr, axis_data, in_batched, False)
+    outs = federated_map_p.bind(*args, jaxpr=batched, placement=placement, clients=clients,
+                                name=name)
+    return outs, [out_dim if b else None for b in out_batched]
+
+
+def _map_lowering_fn(*args, jaxpr, placement, clients, name):
+    return _map_impl(*args, jaxpr=jaxpr, placement=placement, clients=clients, name=name)
+
+
+federated_map_p.def_abstract_eval(_map_abstract_eval)
+federated_map_p.def_impl(partial(_dispatch.apply_primitive, federated_map_p))
+mlir.register_lowering(federated_map_p, mlir.lower_fun(_map_lowering_fn, multiple_results=True))
+ad.primitive_jvps[federated_map_p] = _map_jvp
+ad.primitive_transposes[federated_map_p] = _map_transpose
+pe.custom_partial_eval_rules[federated_map_p] = _map_partial_eval
+pe.dce_rules[federated_map_p] = _map_dce
+batching.fancy_primitive_batchers[federated_map_p] = _map_batch
+
+FEDERATED_PRIMITIVES = (
+    federated_broadcast_p,
+    federated_sum_p,
+    federated_mean_p,
+    federated_weighted_mean_p,
+    federated_map_p,
+)
