@@ -1,0 +1,125 @@
+"""Compiles serialized `xla.HloModuleProto` bytes with jax's XLA client and runs them.
+
+This is the only module of fax_bridge that touches private jax APIs (jax 0.10.2):
+HLO -> StableHLO conversion, compilation with the default jax backend and raw executable
+calls. Everything else goes through `HloExecutable`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax._src import compiler as _compiler
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.interpreters import mlir as _mlir
+from jax._src.lib import _jax
+from jax._src.lib import xla_client as _xla_client
+from jax._src.lib.mlir import ir as _ir
+
+from fax_bridge.errors import ComputationError
+
+_ELEMENT_TYPES = {
+    "f16": np.float16, "f32": np.float32, "f64": np.float64, "bf16": None,
+    "i1": np.bool_, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
+    "ui8": np.uint8, "ui16": np.uint16, "ui32": np.uint32, "ui64": np.uint64,
+    "complex<f32>": np.complex64, "complex<f64>": np.complex128,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Shape and numpy dtype of one HLO parameter or result."""
+
+    shape: tuple[int, ...]
+    dtype: Optional[np.dtype]
+
+    def __str__(self) -> str:
+        name = "?" if self.dtype is None else np.dtype(self.dtype).name
+        return f"{name}{list(self.shape)}"
+
+
+def _spec_of(mlir_type) -> TensorSpec:
+    tensor = _ir.RankedTensorType(mlir_type)
+    element = str(tensor.element_type)
+    if element == "bf16":
+        import ml_dtypes  # imported lazily: only bfloat16 programs need it
+
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dtype = _ELEMENT_TYPES.get(element)
+        dtype = None if dtype is None else np.dtype(dtype)
+    return TensorSpec(tuple(int(d) for d in tensor.shape), dtype)
+
+
+def _signature(stablehlo: bytes) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Reads the parameter and result tensor specs of the module's `main` function."""
+    with _mlir.make_ir_context():
+        module = _ir.Module.parse(stablehlo)
+        for op in module.body.operations:
+            if _ir.StringAttr(op.attributes["sym_name"]).value != "main":
+                continue
+            fn_type = _ir.FunctionType(_ir.TypeAttr(op.attributes["function_type"]).value)
+            results: list[TensorSpec] = []
+            for t in fn_type.results:
+                if t.typeid == _ir.TupleType.static_typeid:
+                    tup = _ir.TupleType(t)
+                    results.extend(_spec_of(tup.get_type(i)) for i in range(tup.num_types))
+                else:
+                    results.append(_spec_of(t))
+            return [_spec_of(t) for t in fn_type.inputs], results
+    raise ComputationError("the HLO module has no entry function `main`")
+
+
+class HloExecutable:
+    """A compiled HLO module: call it with numpy arrays, get a list of numpy arrays."""
+
+    def __init__(self, hlo_module: bytes, platform: Optional[str] = None):
+        try:
+            stablehlo = _xla_client._xla.mlir.hlo_to_stablehlo(hlo_module)
+        except Exception as e:  # the converter raises plain RuntimeErrors
+            raise ComputationError(
+                f"cannot read the Xla computation's HloModuleProto ({e}); it must be the "
+                "bytes of a serialized xla.HloModuleProto"
+            ) from e
+        self.parameters, self.results = _signature(stablehlo)
+        backend = _xla_bridge.get_backend(platform)
+        self._device = backend.devices()[0]
+        options = _compiler.get_compile_options(num_replicas=1, num_partitions=1)
+        try:
+            self._executable = backend.compile_and_load(
+                stablehlo, _jax.DeviceList((self._device,)), options
+            )
+        except Exception as e:
+            raise ComputationError(f"XLA could not compile the HLO module: {e}") from e
+
+    def __call__(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if len(args) != len(self.parameters):
+            raise ComputationError(
+                f"the HLO module takes {len(self.parameters)} parameters, got {len(args)}"
+            )
+        arrays = []
+        for i, (arg, spec) in enumerate(zip(args, self.parameters)):
+            arr = np.asarray(arg)
+            if spec.dtype is not None and arr.dtype != spec.dtype:
+                arr = arr.astype(spec.dtype)
+            if arr.shape != spec.shape:
+                raise ComputationError(
+                    f"HLO parameter {i} expects {spec}, got an array of shape "
+                    f"{list(arr.shape)}"
+                )
+            arrays.append(arr)
+        # 64-bit types pass unchanged only while x64 is enabled; the context is local.
+        with jax.enable_x64(True):
+            try:
+                outs = self._executable.execute(jax.device_put(arrays, self._device))
+            except Exception as e:
+                raise ComputationError(f"XLA execution failed: {e}") from e
+            return [np.asarray(o) for o in outs]
+
+
+def compile_hlo(hlo_module: bytes, platform: Optional[str] = None) -> HloExecutable:
+    """Compiles serialized HloModuleProto bytes for the default (or named) jax platform."""
+    return HloExecutable(hlo_module, platform)

@@ -1,0 +1,427 @@
+"""Compiles local (unplaced) functional computations into python callables.
+
+A local computation is an `Xla` computation, or a `Lambda`/`Block`/`Call`/`Struct`/
+`Selection`/`Reference`/`Literal` composition of local parts, possibly using the generic
+intrinsics (`generic_plus`, `generic_multiply`, `generic_divide`, `generic_zero`).
+`compile_local` turns one into a callable on local values (numpy arrays, or `Struct`s of
+them), compiling it once per content hash and per process.
+
+Xla binding (TFF's convention): the parameter binding mirrors the parameter type; each
+tensor binding names the HLO parameter number of the tensor at that place of the type.
+The result binding likewise names, for each tensor of the result type, its position in
+the HLO module's (flattened) outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any, Callable, Optional
+
+import federated_language
+import numpy as np
+from federated_language.common_libs import structure
+from federated_language.compiler import array as fl_array
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import hlo
+
+LocalValue = Any  # np.ndarray | structure.Struct of LocalValue
+LocalFn = Callable[..., LocalValue]
+
+GENERIC_URIS = ("generic_plus", "generic_multiply", "generic_divide", "generic_zero")
+_HLO_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
+
+_lock = threading.Lock()
+_compiled: dict[str, LocalFn] = {}
+_executables: dict[str, hlo.HloExecutable] = {}
+
+
+def content_hash(proto: computation_pb2.Computation) -> str:
+    """Hex sha256 of the proto's deterministic serialization."""
+    return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
+
+
+def compile_local(fn: computation_pb2.Computation) -> LocalFn:
+    """Returns a callable `f(arg)` (or `f()` without a parameter) running `fn` locally.
+
+    Raises `ComputationError` if `fn` is not a local functional computation, uses names
+    it does not bind, or holds an Xla part that XLA cannot read.
+    """
+    if not isinstance(fn, computation_pb2.Computation):
+        raise ComputationError(
+            f"compile_local takes a federated_language Computation proto, got "
+            f"{type(fn).__name__}"
+        )
+    key = content_hash(fn)
+    with _lock:
+        cached = _compiled.get(key)
+    if cached is not None:
+        return cached
+    value = _build(fn, frozenset())({})
+    if not callable(value):
+        raise ComputationError(
+            f"compile_local needs a functional computation, got a "
+            f"{fn.WhichOneof('computation')} computation of type {parse_type(fn.type)}"
+        )
+    with _lock:
+        _compiled.setdefault(key, value)
+        return _compiled[key]
+
+
+def evaluate_local(comp: computation_pb2.Computation) -> LocalValue:
+    """Evaluates a closed local computation (functional or not) to its value."""
+    return _build(comp, frozenset())({})
+
+
+def parse_type(type_proto) -> Optional[federated_language.Type]:
+    """The federated_language Type of a `Type` proto, or None when the proto is unset."""
+    if type_proto is None or type_proto.WhichOneof("type") is None:
+        return None
+    try:
+        return federated_language.Type.from_proto(type_proto)
+    except Exception as e:
+        raise ComputationError(f"cannot read a type in the computation proto: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------
+# Tree compilation: each node becomes a function of the environment (a dict of names).
+
+_Env = dict
+_Node = Callable[[_Env], LocalValue]
+
+
+def _build(comp: computation_pb2.Computation, scope: frozenset) -> _Node:
+    kind = comp.WhichOneof("computation")
+    builder = _BUILDERS.get(kind)
+    if builder is None:
+        raise ComputationError(
+            f"a local computation cannot hold a `{kind}` computation; only Xla, Lambda, "
+            "Block, Call, Struct, Selection, Reference, Literal and generic intrinsics run "
+            "locally" if kind else "a computation proto has no computation case set"
+        )
+    return builder(comp, scope)
+
+
+def _build_reference(comp, scope):
+    name = comp.reference.name
+    if name not in scope:
+        raise ComputationError(
+            f"reference to unbound name `{name}` in a local computation; bind it in an "
+            "enclosing Lambda or Block"
+        )
+    return lambda env: env[name]
+
+
+def _build_lambda(comp, scope):
+    param = comp.__getattribute__("lambda").parameter_name
+    inner = scope | {param} if param else scope
+    body = _build(comp.__getattribute__("lambda").result, inner)
+
+    def make(env):
+        if not param:
+            return lambda *_: body(env)
+
+        def fn(arg=None):
+            local_env = dict(env)
+            local_env[param] = arg
+            return body(local_env)
+
+        return fn
+
+    return make
+
+
+def _build_block(comp, scope):
+    locals_ = []
+    for local in comp.block.local:
+        locals_.append((local.name, _build(local.value, scope)))
+        scope = scope | {local.name}
+    result = _build(comp.block.result, scope)
+
+    def run(env):
+        env = dict(env)
+        for name, node in locals_:
+            env[name] = node(env)
+        return result(env)
+
+    return run
+
+
+def _build_call(comp, scope):
+    fn = _build(comp.call.function, scope)
+    if comp.call.HasField("argument"):
+        arg = _build(comp.call.argument, scope)
+        return lambda env: _apply(fn(env), arg(env))
+    return lambda env: _apply(fn(env))
+
+
+def _apply(fn, *arg):
+    if not callable(fn):
+        raise ComputationError(f"a Call's function evaluated to a non-function value {fn!r}")
+    return fn(*arg)
+
+
+def _build_struct(comp, scope):
+    elements = [(e.name or None, _build(e.value, scope)) for e in comp.struct.element]
+    return lambda env: structure.Struct([(n, node(env)) for n, node in elements])
+
+
+def _build_selection(comp, scope):
+    source = _build(comp.selection.source, scope)
+    index = comp.selection.index
+
+    def select(env):
+        value = source(env)
+        if not isinstance(value, structure.Struct):
+            raise ComputationError(
+                f"Selection of element {index} from a non-struct value of type "
+                f"{type(value).__name__}"
+            )
+        if not 0 <= index < len(value):
+            raise ComputationError(
+                f"Selection index {index} is out of range for a struct of {len(value)} "
+                "elements"
+            )
+        return value[index]
+
+    return select
+
+
+def _build_literal(comp, scope):
+    try:
+        value = np.asarray(fl_array.from_proto(comp.literal.value))
+    except Exception as e:
+        raise ComputationError(f"cannot read a Literal's array: {e}") from e
+    return lambda env: value
+
+
+def _build_intrinsic(comp, scope):
+    uri = comp.intrinsic.uri
+    type_ = parse_type(comp.type)
+    if uri == "generic_zero":
+        zero = zeros_of_type(type_)
+        return lambda env: zero
+    if uri in ("generic_plus", "generic_multiply", "generic_divide"):
+        op = {"generic_plus": np.add, "generic_multiply": np.multiply,
+              "generic_divide": np.divide}[uri]
+        result_type = type_.result if isinstance(type_, federated_language.FunctionType) else None
+        fn = make_generic_binary(op, result_type, uri)
+        return lambda env: fn
+    raise ComputationError(
+        f"intrinsic `{uri}` cannot run in a local computation; local parts may use only "
+        f"{', '.join(GENERIC_URIS)}"
+    )
+
+
+def _build_xla(comp, scope):
+    fn = xla_function(comp)
+    return lambda env: fn
+
+
+_BUILDERS = {
+    "reference": _build_reference,
+    "lambda": _build_lambda,
+    "block": _build_block,
+    "call": _build_call,
+    "struct": _build_struct,
+    "selection": _build_selection,
+    "literal": _build_literal,
+    "intrinsic": _build_intrinsic,
+    "xla": _build_xla,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Generic intrinsics on local values.
+
+
+def zeros_of_type(type_: Optional[federated_language.Type]) -> LocalValue:
+    """The zero of a tensor or struct type (as `generic_zero` defines it)."""
+    if isinstance(type_, federated_language.TensorType):
+        if any(d is None for d in type_.shape or ()):
+            raise ComputationError(f"generic_zero needs a fully defined shape, got {type_}")
+        return np.zeros(type_.shape or (), dtype=type_.dtype)
+    if isinstance(type_, federated_language.StructType):
+        return structure.Struct([(n, zeros_of_type(t)) for n, t in type_.items()])
+    raise ComputationError(f"generic_zero is defined for tensors and structs, not {type_}")
+
+
+def _combine(op, a, b):
+    if isinstance(a, structure.Struct) and isinstance(b, structure.Struct):
+        if len(a) != len(b):
+            raise ComputationError(
+                f"a generic operation got structs of {len(a)} and {len(b)} elements"
+            )
+        names = structure.name_list_with_nones(a)
+        return structure.Struct(
+            [(n, _combine(op, x, y)) for n, x, y in zip(names, a, b)]
+        )
+    if isinstance(a, structure.Struct):
+        names = structure.name_list_with_nones(a)
+        return structure.Struct([(n, _combine(op, x, b)) for n, x in zip(names, a)])
+    if isinstance(b, structure.Struct):
+        names = structure.name_list_with_nones(b)
+        return structure.Struct([(n, _combine(op, a, y)) for n, y in zip(names, b)])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return op(np.asarray(a), np.asarray(b))
+
+
+def cast_to_type(value: LocalValue, type_: Optional[federated_language.Type]) -> LocalValue:
+    """Casts the tensors of `value` to the dtypes of `type_` (when `type_` is given)."""
+    if isinstance(type_, federated_language.TensorType):
+        return np.asarray(value, dtype=type_.dtype)
+    if isinstance(type_, federated_language.StructType) and isinstance(
+            value, structure.Struct):
+        names = structure.name_list_with_nones(value)
+        return structure.Struct(
+            [(n, cast_to_type(v, t)) for n, v, (_, t) in zip(names, value, type_.items())]
+        )
+    return value
+
+
+def make_generic_binary(op, result_type, uri: str) -> LocalFn:
+    """A local function taking the struct `<a, b>` and returning `op(a, b)` leaf by leaf."""
+
+    def fn(arg=None):
+        if not isinstance(arg, structure.Struct) or len(arg) != 2:
+            raise ComputationError(f"`{uri}` takes a struct of two values, got {arg!r}")
+        return cast_to_type(_combine(op, arg[0], arg[1]), result_type)
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------
+# Xla computations.
+
+
+def _executable(hlo_bytes: bytes) -> hlo.HloExecutable:
+    key = hashlib.sha256(hlo_bytes).hexdigest()
+    with _lock:
+        exe = _executables.get(key)
+    if exe is None:
+        exe = hlo.compile_hlo(hlo_bytes)
+        with _lock:
+            exe = _executables.setdefault(key, exe)
+    return exe
+
+
+def _count_tensors(binding: computation_pb2.Xla.Binding, where: str) -> list[int]:
+    kind = binding.WhichOneof("binding")
+    if kind == "tensor":
+        return [binding.tensor.index]
+    if kind == "struct":
+        out = []
+        for b in binding.struct.element:
+            out.extend(_count_tensors(b, where))
+        return out
+    raise ComputationError(f"the Xla {where} binding has an element with nothing set")
+
+
+def _flatten_arg(value, binding, type_, path, out: dict) -> None:
+    kind = binding.WhichOneof("binding")
+    if kind == "tensor":
+        if isinstance(value, structure.Struct):
+            raise ComputationError(
+                f"Xla parameter {path or '<arg>'}: expected a tensor "
+                f"{type_ if type_ is not None else ''}, got a struct"
+            )
+        arr = np.asarray(value)
+        if isinstance(type_, federated_language.TensorType):
+            arr = _check_tensor(arr, type_, path)
+        out[binding.tensor.index] = arr
+        return
+    elements = binding.struct.element
+    if not isinstance(value, structure.Struct) or len(value) != len(elements):
+        got = f"a struct of {len(value)} elements" if isinstance(
+            value, structure.Struct) else f"a {type(value).__name__}"
+        raise ComputationError(
+            f"Xla parameter {path or '<arg>'}: expected a struct of {len(elements)} "
+            f"elements, got {got}"
+        )
+    types = [t for _, t in type_.items()] if isinstance(
+        type_, federated_language.StructType) else [None] * len(elements)
+    for i, (b, v, t) in enumerate(zip(elements, value, types)):
+        _flatten_arg(v, b, t, f"{path}[{i}]", out)
+
+
+def _check_tensor(arr: np.ndarray, type_: federated_language.TensorType, path: str):
+    shape = type_.shape or ()
+    if len(arr.shape) != len(shape) or any(
+            d is not None and d != a for d, a in zip(shape, arr.shape)):
+        raise ComputationError(
+            f"Xla parameter {path or '<arg>'}: expected {type_}, got shape "
+            f"{list(arr.shape)} ({arr.dtype})"
+        )
+    if arr.dtype != type_.dtype:
+        if not np.can_cast(arr.dtype, type_.dtype, casting="same_kind"):
+            raise ComputationError(
+                f"Xla parameter {path or '<arg>'}: expected dtype {type_.dtype}, got "
+                f"{arr.dtype}"
+            )
+        arr = arr.astype(type_.dtype)
+    return arr
+
+
+def _pack_result(outputs, binding, type_):
+    kind = binding.WhichOneof("binding")
+    if kind == "tensor":
+        return outputs[binding.tensor.index]
+    names = [n for n, _ in type_.items()] if isinstance(
+        type_, federated_language.StructType) else [None] * len(binding.struct.element)
+    types = [t for _, t in type_.items()] if isinstance(
+        type_, federated_language.StructType) else [None] * len(binding.struct.element)
+    if len(names) != len(binding.struct.element):
+        raise ComputationError(
+            f"the Xla result binding has {len(binding.struct.element)} elements but the "
+            f"result type {type_} has {len(names)}"
+        )
+    return structure.Struct([
+        (n, _pack_result(outputs, b, t))
+        for n, b, t in zip(names, binding.struct.element, types)
+    ])
+
+
+def xla_function(comp: computation_pb2.Computation) -> LocalFn:
+    """A python callable running one `Xla` computation with TFF's binding convention."""
+    xla = comp.xla
+    if xla.hlo_module.type_url != _HLO_TYPE_URL:
+        raise ComputationError(
+            f"an Xla computation's hlo_module must be an Any of `{_HLO_TYPE_URL}`, got "
+            f"`{xla.hlo_module.type_url}`"
+        )
+    fn_type = parse_type(comp.type)
+    if not isinstance(fn_type, federated_language.FunctionType):
+        raise ComputationError(f"an Xla computation must have a function type, got {fn_type}")
+    exe = _executable(xla.hlo_module.value)
+    has_param = xla.HasField("parameter")
+    if has_param != (fn_type.parameter is not None):
+        raise ComputationError(
+            f"the Xla computation of type {fn_type} "
+            f"{'has' if has_param else 'lacks'} a parameter binding"
+        )
+    param_indices = _count_tensors(xla.parameter, "parameter") if has_param else []
+    if sorted(param_indices) != list(range(len(exe.parameters))):
+        raise ComputationError(
+            f"the Xla parameter binding names HLO parameters {sorted(param_indices)}, but "
+            f"the HLO module has {len(exe.parameters)} parameters"
+        )
+    if not xla.HasField("result"):
+        raise ComputationError("the Xla computation has no result binding")
+    result_indices = _count_tensors(xla.result, "result")
+    if any(not 0 <= i < len(exe.results) for i in result_indices):
+        raise ComputationError(
+            f"the Xla result binding names outputs {result_indices}, but the HLO module "
+            f"has {len(exe.results)} outputs"
+        )
+    n_params = len(exe.parameters)
+
+    def run(arg=None):
+        flat: dict[int, np.ndarray] = {}
+        if has_param:
+            _flatten_arg(arg, xla.parameter, fn_type.parameter, "", flat)
+        outputs = exe([flat[i] for i in range(n_params)])
+        return _pack_result(outputs, xla.result, fn_type.result)
+
+    return run
