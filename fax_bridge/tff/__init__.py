@@ -1,0 +1,1 @@
+"""Export of federated programs to TFF building-block protos (types, Xla parts, exporter)."""
