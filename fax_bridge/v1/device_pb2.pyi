@@ -171,20 +171,22 @@ class ZipResponse(_message.Message):
     def __init__(self, num_clients: _Optional[int] = ...) -> None: ...
 
 class LeafPartial(_message.Message):
-    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme")
+    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme", "nonfinite")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BASE_LIMB_FIELD_NUMBER: _ClassVar[int]
     NUM_LIMBS_FIELD_NUMBER: _ClassVar[int]
     LIMBS_FIELD_NUMBER: _ClassVar[int]
     EXTREME_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     base_limb: int
     num_limbs: int
     limbs: bytes
     extreme: Tensor
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    nonfinite: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bytes] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
     __slots__ = ("value", "kind", "weights")

@@ -1,0 +1,1 @@
+"""Fleet: device processes hosting virtual clients, the gRPC clients backend, a local launcher."""

@@ -1,0 +1,275 @@
+"""Exact, order-independent sums of float and integer arrays.
+
+A float sum is kept as a fixed-point integer: element-wise, a stack of signed 64-bit
+limbs, limb k weighing 2^(32 * (base + k)) units of the dtype's smallest subnormal.
+Adding a float is exact (its 24- or 53-bit significand lands in two or three limbs),
+adding two accumulators is exact, so any grouping of the same addends gives the same
+integer, and `result()` rounds it once, to nearest-even. Hence the sum of a clients
+value has the same bits whichever devices computed which partial sums. Integer sums
+wrap modulo 2^64 and are cast to the dtype at the end (modular addition is exact too).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from fax_bridge.errors import FleetError
+
+LIMB_BITS = 32
+_MASK = np.int64((1 << LIMB_BITS) - 1)
+_FOLD_LIMIT = 1 << 29  # a top limb below this folds into the one beneath it
+_COMPACT_EVERY = 1 << 24  # adds between carry propagations (limbs stay far below 2^63)
+
+
+def _float_params(dtype: np.dtype) -> tuple[int, int, int, type]:
+    """(significand bits p, exponent bits, lowest exponent of a subnormal lsb, uint view)."""
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        info = ml_dtypes.finfo(dtype)
+    else:
+        info = np.finfo(dtype)
+    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(dtype.itemsize)
+    if uint is None:
+        raise FleetError(f"exact sums do not support {dtype} ({dtype.itemsize}-byte floats)")
+    return info.nmant + 1, info.nexp, int(info.minexp) - info.nmant, uint
+
+
+def is_exact_kind(dtype: np.dtype) -> bool:
+    """Whether `sum` of this dtype is supported (floats and integers)."""
+    return dtype.kind in "fiu" or dtype.name == "bfloat16"
+
+
+class ExactSum:
+    """Running exact sum of arrays of one dtype and shape."""
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]):
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.is_float = self.dtype.kind not in "iu"
+        if not is_exact_kind(self.dtype):
+            raise FleetError(
+                f"cannot sum tensors of dtype {self.dtype}; federated sums take integer "
+                "or floating-point tensors")
+        self.base = 0
+        self.pending = 0
+        self.limbs = np.zeros((0 if self.is_float else 1, self.size), np.int64)
+        # Non-finite addends: NaN, +inf, -inf seen per element.
+        self.nan = np.zeros(self.size, bool) if self.is_float else None
+        self.pos_inf = np.zeros(self.size, bool) if self.is_float else None
+        self.neg_inf = np.zeros(self.size, bool) if self.is_float else None
+
+    # -- adding -------------------------------------------------------------------
+
+    def add(self, array: np.ndarray) -> None:
+        """Adds one addend of this accumulator's dtype and shape."""
+        array = np.asarray(array)
+        if array.shape != self.shape or array.dtype != self.dtype:
+            raise FleetError(
+                f"summed members disagree: expected {self.dtype}{list(self.shape)}, got "
+                f"{array.dtype}{list(array.shape)}; every client must hold the same type")
+        if not self.is_float:
+            self.limbs[0] += array.reshape(-1).astype(np.int64)  # wraps modulo 2^64
+            return
+        self._add_float(array.reshape(-1))
+        self.pending += 1
+        if self.pending >= _COMPACT_EVERY:
+            self.compact()
+
+    def _add_float(self, flat: np.ndarray) -> None:
+        p, nexp, _, uint = _float_params(self.dtype)
+        bits = flat.view(uint).astype(np.uint64)
+        nbits = 8 * self.dtype.itemsize
+        sign = (bits >> np.uint64(nbits - 1)).astype(bool)
+        expo = ((bits >> np.uint64(p - 1)) & np.uint64((1 << nexp) - 1)).astype(np.int64)
+        frac = (bits & np.uint64((1 << (p - 1)) - 1)).astype(np.int64)
+        special = expo == (1 << nexp) - 1
+        if special.any():
+            self.nan |= special & (frac != 0)
+            self.pos_inf |= special & (frac == 0) & ~sign
+            self.neg_inf |= special & (frac == 0) & sign
+        normal = expo > 0
+        mant = np.where(normal, frac | (1 << (p - 1)), frac)
+        mant[special] = 0
+        pos = np.where(normal, expo - 1, 0)
+        live = mant != 0
+        if not live.any():
+            return
+        idx = pos // LIMB_BITS
+        off = (pos % LIMB_BITS).astype(np.int64)
+        pieces = (p + LIMB_BITS - 1) // LIMB_BITS
+        lo_limb = int(idx[live].min())
+        hi_limb = int(idx[live].max()) + pieces + 1  # exclusive
+        self._cover(lo_limb, hi_limb)
+        cols = np.nonzero(live)[0]
+        rows0 = idx[cols] - self.base
+        off = off[cols]
+        mant = mant[cols]
+        neg = sign[cols]
+        for j in range(pieces):
+            piece = (mant >> (LIMB_BITS * j)) & _MASK
+            shifted = piece << off  # < 2^63
+            low = shifted & _MASK
+            high = shifted >> LIMB_BITS
+            low = np.where(neg, -low, low)
+            high = np.where(neg, -high, high)
+            self.limbs[rows0 + j, cols] += low
+            self.limbs[rows0 + j + 1, cols] += high
+
+    def _cover(self, lo: int, hi: int) -> None:
+        """Grows the limb stack so limbs [lo, hi) exist."""
+        if self.limbs.shape[0] == 0:
+            self.base = lo
+            self.limbs = np.zeros((hi - lo, self.size), np.int64)
+            return
+        top = self.base + self.limbs.shape[0]
+        below = max(0, self.base - lo)
+        above = max(0, hi - top)
+        if below or above:
+            self.limbs = np.pad(self.limbs, ((below, above), (0, 0)))
+            self.base -= below
+
+    def merge(self, other: "ExactSum") -> None:
+        """Adds another accumulator (a partial sum) of the same dtype and shape."""
+        if other.dtype != self.dtype or other.shape != self.shape:
+            raise FleetError(
+                f"partial sums disagree: {self.dtype}{list(self.shape)} vs "
+                f"{other.dtype}{list(other.shape)}")
+        if not self.is_float:
+            self.limbs[0] += other.limbs[0]
+            return
+        self.nan |= other.nan
+        self.pos_inf |= other.pos_inf
+        self.neg_inf |= other.neg_inf
+        if other.limbs.shape[0] == 0:
+            return
+        self._cover(other.base, other.base + other.limbs.shape[0] + 1)
+        start = other.base - self.base
+        self.limbs[start:start + other.limbs.shape[0]] += other.limbs
+        self.compact()
+
+    # -- normal form --------------------------------------------------------------
+
+    def compact(self) -> None:
+        """Propagates carries and drops limbs that hold nothing (the value is unchanged)."""
+        self.pending = 0
+        if not self.is_float or self.limbs.shape[0] == 0:
+            return
+        limbs = _normalize(self.limbs)
+        base = self.base
+        # Bottom limbs that are zero everywhere carry no information.
+        nonzero_rows = np.nonzero(limbs.any(axis=1))[0]
+        if nonzero_rows.size == 0:
+            self.limbs = np.zeros((0, self.size), np.int64)
+            return
+        first = int(nonzero_rows[0])
+        limbs = limbs[first:]
+        base += first
+        # Fold small top limbs down (digits below the top stay in [0, 2^32)).
+        while limbs.shape[0] > 1 and np.all(np.abs(limbs[-1]) < _FOLD_LIMIT):
+            limbs[-2] = limbs[-2] + (limbs[-1] << LIMB_BITS)
+            limbs = limbs[:-1]
+        self.limbs = np.ascontiguousarray(limbs)
+        self.base = base
+
+    # -- result -------------------------------------------------------------------
+
+    def result(self) -> np.ndarray:
+        """The sum, rounded once to the dtype (nearest, ties to even)."""
+        if not self.is_float:
+            return self.limbs[0].astype(self.dtype).reshape(self.shape)
+        out = self._round()
+        out = np.where(self.nan | (self.pos_inf & self.neg_inf), np.nan,
+                       np.where(self.pos_inf, np.inf, np.where(self.neg_inf, -np.inf, out)))
+        with np.errstate(over="ignore"):
+            return out.astype(self.dtype).reshape(self.shape)
+
+    def _round(self) -> np.ndarray:
+        """The finite part as float64 values exactly representable in the dtype."""
+        p, _, emin_sub, _ = _float_params(self.dtype)
+        if self.limbs.shape[0] == 0:
+            return np.zeros(self.size, np.float64)
+        limbs = _normalize(self.limbs)
+        negative = limbs[-1] < 0
+        limbs = _normalize(np.where(negative, -limbs, limbs))  # magnitudes, digits >= 0
+        n = limbs.shape[0]
+        nz = limbs != 0
+        zero = ~nz.any(axis=0)
+        top = n - 1 - np.argmax(nz[::-1], axis=0)  # highest nonzero digit
+        cols = np.arange(self.size)
+
+        def digit(k: np.ndarray) -> np.ndarray:
+            return np.where(k >= 0, limbs[np.clip(k, 0, n - 1), cols], 0).astype(np.uint64)
+
+        w2, w1, w0 = digit(top), digit(top - 1), digit(top - 2)
+        seen = np.logical_or.accumulate(nz, axis=0)
+        below = top - 3
+        sticky = np.where(below >= 0, seen[np.clip(below, 0, n - 1), cols], False)
+        bitlen = np.frexp(w2.astype(np.float64))[1].astype(np.int64)  # 1..32
+        s = (LIMB_BITS - bitlen).astype(np.uint64)
+        sig = (((w2 << np.uint64(32)) | w1) << s) | (w0 >> (np.uint64(32) - s))
+        lost = w0 & ((np.uint64(1) << (np.uint64(32) - s)) - np.uint64(1))
+        sticky = sticky | (lost != 0)
+        # sig (64 significant bits) has lsb exponent e_lsb, in real terms.
+        e_lsb = LIMB_BITS * (top - 1 + self.base) - s.astype(np.int64) + emin_sub
+        e_msb = e_lsb + 63
+        ulp = np.maximum(e_msb - (p - 1), emin_sub)
+        drop = ulp - e_lsb  # >= 64 - p
+        d = np.clip(drop, 1, 63).astype(np.uint64)
+        q = np.where(drop >= 64, np.uint64(0), sig >> d)
+        rem = np.where(drop >= 64, np.where(drop == 64, sig, np.uint64(0)),
+                       sig & ((np.uint64(1) << d) - np.uint64(1)))
+        half = np.where(drop == 64, np.uint64(1 << 63),
+                        np.where(drop > 64, np.uint64(1), np.uint64(1) << (d - np.uint64(1))))
+        up = (rem > half) | ((rem == half) & (sticky | ((q & np.uint64(1)) == 1)))
+        q = q + up.astype(np.uint64)
+        with np.errstate(over="ignore"):
+            magnitude = np.ldexp(q.astype(np.float64), ulp.astype(np.int32))
+        magnitude[zero] = 0.0
+        return np.where(negative, -magnitude, magnitude)
+
+    # -- wire form ----------------------------------------------------------------
+
+    def to_limbs(self) -> tuple[int, np.ndarray, Optional[np.ndarray]]:
+        """(base limb, limbs [num_limbs, *shape], non-finite flags or None), compacted.
+
+        The flags are one uint8 per element: bit 0 NaN, bit 1 +inf, bit 2 -inf seen.
+        """
+        self.compact()
+        limbs = self.limbs.reshape((self.limbs.shape[0],) + self.shape)
+        flags = None
+        if self.is_float and (self.nan.any() or self.pos_inf.any() or self.neg_inf.any()):
+            flags = (self.nan.astype(np.uint8) | (self.pos_inf.astype(np.uint8) << 1)
+                     | (self.neg_inf.astype(np.uint8) << 2))
+        return self.base, limbs, flags
+
+    @classmethod
+    def from_limbs(cls, dtype: np.dtype, shape: tuple[int, ...], base: int,
+                   limbs: np.ndarray, flags: Optional[np.ndarray] = None) -> "ExactSum":
+        """An accumulator holding a partial made by `to_limbs` (e.g. on a device)."""
+        acc = cls(dtype, shape)
+        acc.base = int(base)
+        acc.limbs = np.array(limbs, np.int64).reshape((-1, acc.size))
+        if not acc.is_float and acc.limbs.shape[0] != 1:
+            raise FleetError(f"an integer partial sum has one limb, got {acc.limbs.shape[0]}")
+        if flags is not None and acc.is_float:
+            flags = np.asarray(flags, np.uint8).reshape(-1)
+            acc.nan = (flags & 1).astype(bool)
+            acc.pos_inf = (flags & 2).astype(bool)
+            acc.neg_inf = (flags & 4).astype(bool)
+        return acc
+
+
+def _normalize(limbs: np.ndarray) -> np.ndarray:
+    """Carry-propagates: rows 0..n-1 of the result lie in [0, 2^32), row n is signed."""
+    out = np.zeros((limbs.shape[0] + 1, limbs.shape[1]), np.int64)
+    carry = np.zeros(limbs.shape[1], np.int64)
+    for k in range(limbs.shape[0]):
+        total = limbs[k] + carry
+        out[k] = total & _MASK
+        carry = total >> LIMB_BITS
+    out[-1] = carry
+    return out

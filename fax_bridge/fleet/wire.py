@@ -1,0 +1,120 @@
+"""Converts local values (numpy arrays, Structs of them) to and from fax_bridge.v1 messages."""
+
+from __future__ import annotations
+
+import numpy as np
+from federated_language.common_libs import structure
+
+from fax_bridge.errors import FleetError
+from fax_bridge.v1 import device_pb2 as pb
+
+LocalValue = object  # np.ndarray | structure.Struct of LocalValue
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """The numpy dtype a `Tensor.dtype` string names (ml_dtypes names such as bfloat16 too)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # jax's extended floating-point types
+
+        found = getattr(ml_dtypes, name, None)
+        if found is None:
+            raise FleetError(
+                f"unknown tensor dtype {name!r} on the wire; expected a numpy or ml_dtypes "
+                "dtype name such as 'float32' or 'bfloat16'") from None
+        return np.dtype(found)
+
+
+def encode_tensor(array: np.ndarray, out: pb.Tensor) -> None:
+    """Fills `out` with `array`'s dtype, shape and raw little-endian bytes."""
+    array = np.asarray(array)
+    if array.dtype.kind in "OUSV":
+        raise FleetError(
+            f"cannot send a {array.dtype} array to a device; only numeric and bool tensors "
+            "travel (encode strings as integer ids before placing them at CLIENTS)")
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    out.dtype = array.dtype.name
+    out.shape.extend(array.shape)
+    out.data = np.ascontiguousarray(array).tobytes()
+
+
+def decode_tensor(message: pb.Tensor) -> np.ndarray:
+    """The array a `Tensor` message holds (read-only, sharing the message's bytes)."""
+    dtype = dtype_from_name(message.dtype)
+    shape = tuple(message.shape)
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(message.data) != expected:
+        raise FleetError(
+            f"tensor of dtype {message.dtype} and shape {shape} should hold {expected} "
+            f"bytes but holds {len(message.data)}; sender and receiver disagree on the "
+            "encoding (both must speak fax_bridge.v1)")
+    return np.frombuffer(message.data, dtype=dtype).reshape(shape)
+
+
+def encode_value(value: LocalValue, out: pb.Value) -> None:
+    """Fills `out` with a local value: a tensor, or a Struct encoded element by element."""
+    if isinstance(value, structure.Struct):
+        elements = out.struct.elements
+        out.struct.SetInParent()
+        for name, member in structure.iter_elements(value):
+            element = elements.add()
+            if name is not None:
+                element.name = name
+            encode_value(member, element.value)
+    else:
+        encode_tensor(value, out.tensor)
+
+
+def to_message(value: LocalValue) -> pb.Value:
+    """A new `Value` message holding `value`."""
+    message = pb.Value()
+    encode_value(value, message)
+    return message
+
+
+def decode_value(message: pb.Value) -> LocalValue:
+    """The local value a `Value` message holds."""
+    kind = message.WhichOneof("kind")
+    if kind == "tensor":
+        return decode_tensor(message.tensor)
+    if kind == "struct":
+        return structure.Struct([
+            (e.name if e.HasField("name") else None, decode_value(e.value))
+            for e in message.struct.elements
+        ])
+    raise FleetError("a Value message holds neither a tensor nor a struct; the sender "
+                     "left it empty")
+
+
+def payload_bytes(message: pb.Value) -> int:
+    """Bytes of tensor data inside a `Value` (what the message carries, without framing)."""
+    kind = message.WhichOneof("kind")
+    if kind == "tensor":
+        return len(message.tensor.data)
+    if kind == "struct":
+        return sum(payload_bytes(e.value) for e in message.struct.elements)
+    return 0
+
+
+def leaves(value: LocalValue) -> list[np.ndarray]:
+    """The tensors of a local value, depth first."""
+    if isinstance(value, structure.Struct):
+        out: list[np.ndarray] = []
+        for _, member in structure.iter_elements(value):
+            out.extend(leaves(member))
+        return out
+    return [np.asarray(value)]
+
+
+def unflatten_like(template: LocalValue, flat: list) -> LocalValue:
+    """Rebuilds `template`'s Struct nesting (names included) around `flat` leaves."""
+    iterator = iter(flat)
+
+    def build(node: LocalValue) -> LocalValue:
+        if isinstance(node, structure.Struct):
+            return structure.Struct([(n, build(m)) for n, m in structure.iter_elements(node)])
+        return next(iterator)
+
+    return build(template)
