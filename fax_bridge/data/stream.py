@@ -1,0 +1,133 @@
+"""Client populations on disk, read back one cohort at a time through numpy memmaps.
+
+`write_population(directory, clients)` consumes an iterable of client datasets (a
+generator works, so the population never has to fit in memory) and appends each array
+to one flat binary file per key, recording where every client starts. `ClientStore`
+maps those files read-only and copies out only the clients a round asks for.
+
+Layout of the directory: `<key>.bin` (raw C-order bytes), `offsets.npy` (int64, one more
+entry than clients: client i owns examples `offsets[i]:offsets[i+1]`) and
+`population.json` (per key: dtype and per-example shape).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from fax_bridge.data.padding import PaddedClients, pad_clients
+
+_META = "population.json"
+_OFFSETS = "offsets.npy"
+_FORMAT = 1
+
+
+def _safe_key(key: str) -> str:
+    if not isinstance(key, str) or not key or not all(c.isalnum() or c in "_-" for c in key):
+        raise ValueError(
+            f"array key {key!r} cannot name a file; use letters, digits, '_' or '-'.")
+    return key
+
+
+def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]],
+                     overwrite: bool = False) -> int:
+    """Writes client datasets to `directory`; returns the number of clients written.
+
+    Every client must have the same keys, and per key the same dtype and per-example
+    shape. An existing population is only replaced with `overwrite=True`.
+    """
+    os.makedirs(directory, exist_ok=True)
+    if os.path.exists(os.path.join(directory, _META)) and not overwrite:
+        raise FileExistsError(
+            f"{directory} already holds a population; pass overwrite=True to replace it.")
+    spec: Optional[dict] = None
+    files: dict = {}
+    offsets = [0]
+    try:
+        for i, client in enumerate(clients):
+            if spec is None:
+                spec = {_safe_key(k): {"dtype": np.asarray(v).dtype.str,
+                                       "shape": list(np.shape(v)[1:])}
+                        for k, v in sorted(client.items())}
+                if not spec:
+                    raise ValueError("client 0 has no arrays.")
+                files = {k: open(os.path.join(directory, f"{k}.bin"), "wb") for k in spec}
+            if sorted(client) != sorted(spec):
+                raise ValueError(f"client {i} has keys {sorted(client)}, expected {sorted(spec)}.")
+            lengths = set()
+            for k, s in spec.items():
+                a = np.ascontiguousarray(client[k])
+                if a.dtype.str != s["dtype"] or list(a.shape[1:]) != s["shape"]:
+                    raise ValueError(
+                        f"client {i}: {k!r} has dtype {a.dtype} and example shape "
+                        f"{a.shape[1:]}, expected {np.dtype(s['dtype'])} and {tuple(s['shape'])}.")
+                lengths.add(a.shape[0])
+                files[k].write(a.tobytes())
+            if len(lengths) != 1:
+                raise ValueError(f"client {i}'s arrays have different lengths {sorted(lengths)}.")
+            offsets.append(offsets[-1] + lengths.pop())
+    finally:
+        for f in files.values():
+            f.close()
+    if spec is None:
+        raise ValueError("write_population got no clients.")
+    np.save(os.path.join(directory, _OFFSETS), np.asarray(offsets, dtype=np.int64))
+    with open(os.path.join(directory, _META), "w") as f:
+        json.dump({"format": _FORMAT, "arrays": spec, "num_clients": len(offsets) - 1}, f)
+    return len(offsets) - 1
+
+
+class ClientStore:
+    """A population written by `write_population`, memory-mapped read-only."""
+
+    def __init__(self, directory: str):
+        meta_path = os.path.join(directory, _META)
+        if not os.path.exists(meta_path):
+            raise FileNotFoundError(
+                f"{directory} holds no population ({_META} missing); write one with "
+                "fax_bridge.data.write_population.")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
+        self.directory = directory
+        self.offsets = np.load(os.path.join(directory, _OFFSETS))
+        total = int(self.offsets[-1])
+        self._arrays = {}
+        for k, s in meta["arrays"].items():
+            shape = (total,) + tuple(s["shape"])
+            path = os.path.join(directory, f"{k}.bin")
+            if total == 0:
+                self._arrays[k] = np.zeros(shape, dtype=np.dtype(s["dtype"]))
+            else:
+                self._arrays[k] = np.memmap(path, dtype=np.dtype(s["dtype"]), mode="r",
+                                            shape=shape)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Number of examples of every client."""
+        return np.diff(self.offsets)
+
+    @property
+    def keys(self) -> list[str]:
+        return sorted(self._arrays)
+
+    def client(self, i: int) -> dict:
+        """Client i's dataset, copied into memory."""
+        if not 0 <= i < self.num_clients:
+            raise IndexError(f"client {i} is out of range for {self.num_clients} clients.")
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return {k: np.array(a[lo:hi]) for k, a in self._arrays.items()}
+
+    def cohort(self, ids: Sequence[int], size: Optional[int] = None,
+               multiple_of: int = 1) -> PaddedClients:
+        """The clients `ids`, padded to a common size (see `pad_clients`)."""
+        return pad_clients([self.client(int(i)) for i in ids], size=size,
+                           multiple_of=multiple_of)
