@@ -1,0 +1,637 @@
+"""Interprets federated_language `Computation` protos on the coordinator.
+
+`evaluate(proto, arg)` walks the building-block tree. Unplaced and SERVER-placed work runs
+in this process (Xla parts through `local_eval`); every CLIENTS-placed operation goes to a
+`ClientsBackend` (broadcast, map, zip, aggregate, get, put), so client values can live
+elsewhere. Runtime values: local values (numpy arrays / `Struct`s) for unplaced and
+SERVER values, `ClientsValue` handles for CLIENTS values, and function values.
+
+At the boundary a CLIENTS value is a list with one member per client; `run_computation`
+takes and returns python pytrees instead (CLIENTS leaves stacked on a leading axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Union
+
+import federated_language
+import numpy as np
+from federated_language.common_libs import structure
+from federated_language.compiler import array as fl_array
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError, FaxBridgeError
+from fax_bridge.runtime import local_eval, reductions, values
+from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
+from fax_bridge.runtime.local_backend import LocalClientsBackend
+
+Computation = computation_pb2.Computation
+_LAMBDA = "lambda"  # a python keyword, so the proto field is read with getattr
+
+
+# ---------------------------------------------------------------------------------------
+# Function values.
+
+
+@dataclasses.dataclass
+class _Closure:
+    """A Lambda evaluated in an environment."""
+
+    comp: Computation
+    env: dict
+
+
+@dataclasses.dataclass
+class _LocalFn:
+    """A closed local computation (Xla, or a generic intrinsic)."""
+
+    comp: Computation
+
+
+@dataclasses.dataclass
+class _IntrinsicFn:
+    uri: str
+    type_signature: federated_language.FunctionType
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlacementValue:
+    uri: str
+
+
+_FunctionValue = (_Closure, _LocalFn, _IntrinsicFn)
+
+
+def _is_clients(t) -> bool:
+    return (isinstance(t, federated_language.FederatedType)
+            and t.placement is federated_language.CLIENTS)
+
+
+class _Interpreter:
+    """One evaluation: the backend, the number of clients and per-run caches."""
+
+    def __init__(self, backend: ClientsBackend, num_clients: Optional[int],
+                 data: Mapping[str, Any]):
+        self.backend = backend
+        self.num_clients = num_clients
+        self.data = data
+        self._types: dict[bytes, Optional[federated_language.Type]] = {}
+        self._compiled: dict[int, tuple[Computation, Callable]] = {}
+
+    def compiled(self, comp: Computation) -> Callable:
+        """`local_eval.compile_local(comp)`, hashed once per proto object in this run."""
+        hit = self._compiled.get(id(comp))
+        if hit is None or hit[0] is not comp:
+            hit = (comp, local_eval.compile_local(comp))
+            self._compiled[id(comp)] = hit
+        return hit[1]
+
+    # -- types ------------------------------------------------------------------------
+
+    def type_of(self, comp: Computation) -> Optional[federated_language.Type]:
+        if not comp.HasField("type"):
+            return None
+        key = comp.type.SerializeToString(deterministic=True)
+        if key not in self._types:
+            self._types[key] = local_eval.parse_type(comp.type)
+        return self._types[key]
+
+    def clients(self, what: str) -> int:
+        if self.num_clients is None:
+            raise ComputationError(
+                f"{what} needs the number of clients, but no CLIENTS input fixes it; pass "
+                "num_clients=")
+        return self.num_clients
+
+    # -- evaluation -------------------------------------------------------------------
+
+    def eval(self, comp: Computation, env: dict) -> Any:
+        kind = comp.WhichOneof("computation")
+        method = getattr(self, f"_eval_{kind}", None) if kind else None
+        if method is None:
+            if kind == "tensorflow":
+                raise ComputationError(
+                    "TensorFlow local computations are not supported; export local parts "
+                    "as Xla computations")
+            raise ComputationError(
+                f"unsupported computation case `{kind}`" if kind else
+                "a computation proto has no computation case set (malformed proto)")
+        return method(comp, env)
+
+    def _eval_reference(self, comp, env):
+        name = comp.reference.name
+        if name not in env:
+            raise ComputationError(
+                f"reference to unbound name `{name}`; names bound here: "
+                f"{sorted(env) or 'none'}")
+        return env[name]
+
+    def _eval_lambda(self, comp, env):
+        return _Closure(comp, env)
+
+    def _eval_block(self, comp, env):
+        env = dict(env)
+        for local in comp.block.local:
+            if not local.name:
+                raise ComputationError("a Block local has an empty name")
+            env[local.name] = self.eval(local.value, env)
+        return self.eval(comp.block.result, env)
+
+    def _eval_call(self, comp, env):
+        fn = self.eval(comp.call.function, env)
+        if comp.call.HasField("argument"):
+            return self.call(fn, self.eval(comp.call.argument, env), has_arg=True)
+        return self.call(fn, None, has_arg=False)
+
+    def _eval_struct(self, comp, env):
+        return structure.Struct(
+            [(e.name or None, self.eval(e.value, env)) for e in comp.struct.element])
+
+    def _eval_selection(self, comp, env):
+        source = self.eval(comp.selection.source, env)
+        index = comp.selection.index
+        if not isinstance(source, structure.Struct):
+            raise ComputationError(
+                f"Selection of element {index} from a value that is not a struct "
+                f"({type(source).__name__})")
+        if not 0 <= index < len(source):
+            raise ComputationError(
+                f"Selection index {index} is out of range for a struct of {len(source)} "
+                "elements")
+        return source[index]
+
+    def _eval_literal(self, comp, env):
+        try:
+            return np.asarray(fl_array.from_proto(comp.literal.value))
+        except Exception as e:
+            raise ComputationError(f"cannot read a Literal's array: {e}") from e
+
+    def _eval_placement(self, comp, env):
+        return _PlacementValue(comp.placement.uri)
+
+    def _eval_data(self, comp, env):
+        uri = comp.data.uri
+        if uri not in self.data:
+            raise ComputationError(
+                f"Data computation names `{uri}`, which is not among the inputs given "
+                f"(data={sorted(self.data)})")
+        type_ = self.type_of(comp)
+        value = self.data[uri]
+        if type_ is None:
+            return value
+        return self.import_value(values.check_value(value, type_, uri), type_)
+
+    def _eval_xla(self, comp, env):
+        return _LocalFn(comp)
+
+    def _eval_intrinsic(self, comp, env):
+        uri = comp.intrinsic.uri
+        type_ = self.type_of(comp)
+        if type_ is None:
+            raise ComputationError(f"intrinsic `{uri}` has no type signature")
+        if uri == "generic_zero":
+            return self.zero(type_)
+        if uri not in _INTRINSICS:
+            raise ComputationError(
+                f"unknown or unsupported intrinsic `{uri}`; supported: "
+                f"{', '.join(sorted(_INTRINSICS))}, generic_zero")
+        if not isinstance(type_, federated_language.FunctionType):
+            raise ComputationError(f"intrinsic `{uri}` has non-functional type {type_}")
+        return _IntrinsicFn(uri, type_)
+
+    # -- calls --------------------------------------------------------------------------
+
+    def call(self, fn, arg, has_arg: bool = True):
+        if isinstance(fn, _Closure):
+            lam = getattr(fn.comp, _LAMBDA)
+            env = dict(fn.env)
+            if lam.parameter_name:
+                if not has_arg:
+                    raise ComputationError(
+                        f"the Lambda of parameter `{lam.parameter_name}` was called "
+                        "without an argument")
+                env[lam.parameter_name] = arg
+            return self.eval(lam.result, env)
+        if isinstance(fn, _LocalFn):
+            compiled = self.compiled(fn.comp)
+            if any(isinstance(v, (ClientsValue,) + _FunctionValue) for v in _leaves(arg)):
+                raise ComputationError(
+                    "a local computation was called on a federated or functional value; "
+                    "use federated_map/federated_apply to run it at a placement")
+            return compiled(arg) if has_arg else compiled()
+        if isinstance(fn, _IntrinsicFn):
+            return _INTRINSICS[fn.uri](self, fn.type_signature, arg)
+        raise ComputationError(
+            f"a Call's function evaluated to a non-function value ({type(fn).__name__})")
+
+    # -- function values as standalone protos -------------------------------------------
+
+    def closed_proto(self, fn, what: str) -> Computation:
+        """A self-contained proto for a function value (free names bound as Literals)."""
+        if isinstance(fn, _LocalFn):
+            return fn.comp
+        if isinstance(fn, _IntrinsicFn):
+            if fn.uri in ("generic_plus", "generic_multiply", "generic_divide"):
+                return Computation(type=fn.type_signature.to_proto(),
+                                   intrinsic=computation_pb2.Intrinsic(uri=fn.uri))
+            raise ComputationError(f"{what}: intrinsic `{fn.uri}` cannot run per client")
+        if not isinstance(fn, _Closure):
+            raise ComputationError(f"{what} needs a function, got {type(fn).__name__}")
+        free = _free_references(fn.comp)
+        if not free:
+            return fn.comp
+        locals_ = []
+        for name in sorted(free):
+            if name not in fn.env:
+                raise ComputationError(f"{what}: reference to unbound name `{name}`")
+            value = fn.env[name]
+            if isinstance(value, _FunctionValue):
+                proto = self.closed_proto(value, what)
+            else:
+                proto = _value_proto(value, name, what)
+            locals_.append(computation_pb2.Block.Local(name=name, value=proto))
+        return Computation(type=fn.comp.type, block=computation_pb2.Block(
+            local=locals_, result=fn.comp))
+
+    # -- values at placements -----------------------------------------------------------
+
+    def zero(self, type_):
+        if isinstance(type_, federated_language.FederatedType):
+            member = local_eval.zeros_of_type(type_.member)
+            if _is_clients(type_):
+                return self.backend.broadcast(type_.member, member,
+                                              self.clients("generic_zero at CLIENTS"))
+            return member
+        return local_eval.zeros_of_type(type_)
+
+    def import_value(self, value, type_):
+        """Moves the CLIENTS parts of a checked boundary value into the backend."""
+        if isinstance(value, ClientsValue):
+            return value
+        if _is_clients(type_):
+            return self.backend.put(type_.member, value)
+        if isinstance(type_, federated_language.StructType) and values._contains_federated(
+                type_):
+            names = structure.name_list_with_nones(value)
+            return structure.Struct([
+                (n, self.import_value(v, t))
+                for n, v, (_, t) in zip(names, value, type_.items())])
+        return value
+
+    def export_value(self, value):
+        """Brings CLIENTS parts back as per-client lists."""
+        if isinstance(value, ClientsValue):
+            return self.backend.get(value)
+        if isinstance(value, structure.Struct):
+            names = structure.name_list_with_nones(value)
+            return structure.Struct([(n, self.export_value(v)) for n, v in zip(names, value)])
+        if isinstance(value, _FunctionValue):
+            raise ComputationError("the computation returned a function, not a value")
+        return value
+
+
+def _leaves(value):
+    if isinstance(value, structure.Struct):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _free_references(comp: Computation) -> set[str]:
+    """Names referenced in `comp` that it does not bind itself."""
+    free: set[str] = set()
+
+    def walk(c: Computation, bound: frozenset):
+        kind = c.WhichOneof("computation")
+        if kind == "reference":
+            if c.reference.name not in bound:
+                free.add(c.reference.name)
+        elif kind == _LAMBDA:
+            lam = getattr(c, _LAMBDA)
+            walk(lam.result, bound | {lam.parameter_name} if lam.parameter_name else bound)
+        elif kind == "block":
+            for local in c.block.local:
+                walk(local.value, bound)
+                bound = bound | {local.name}
+            walk(c.block.result, bound)
+        elif kind == "call":
+            walk(c.call.function, bound)
+            if c.call.HasField("argument"):
+                walk(c.call.argument, bound)
+        elif kind == "struct":
+            for e in c.struct.element:
+                walk(e.value, bound)
+        elif kind == "selection":
+            walk(c.selection.source, bound)
+
+    walk(comp, frozenset())
+    return free
+
+
+def _value_proto(value, name: str, what: str) -> Computation:
+    """A Literal (or Struct of Literals) proto holding a local value."""
+    if isinstance(value, structure.Struct):
+        elements = [computation_pb2.Struct.Element(name=n or "",
+                                                   value=_value_proto(v, name, what))
+                    for n, v in zip(structure.name_list_with_nones(value), value)]
+        type_ = federated_language.StructType(
+            [(n, local_eval.parse_type(e.value.type)) for n, e in
+             zip(structure.name_list_with_nones(value), elements)])
+        return Computation(type=type_.to_proto(),
+                           struct=computation_pb2.Struct(element=elements))
+    if isinstance(value, (ClientsValue, _PlacementValue)) or value is None:
+        raise ComputationError(
+            f"{what}: the function refers to `{name}`, a federated value; per-client "
+            "functions may only use local values")
+    arr = np.asarray(value)
+    type_ = federated_language.TensorType(arr.dtype, arr.shape)
+    return Computation(type=type_.to_proto(),
+                       literal=computation_pb2.Literal(value=fl_array.to_proto(arr)))
+
+
+# ---------------------------------------------------------------------------------------
+# Intrinsics.
+
+
+def _elements(arg, n: int, uri: str) -> list:
+    if not isinstance(arg, structure.Struct) or len(arg) != n:
+        raise ComputationError(f"`{uri}` takes a struct of {n} arguments")
+    return list(arg)
+
+
+def _clients_arg(value, uri: str) -> ClientsValue:
+    if not isinstance(value, ClientsValue):
+        raise ComputationError(
+            f"`{uri}` needs a CLIENTS-placed value, got {type(value).__name__}")
+    return value
+
+
+def _local_arg(value, uri: str):
+    if any(isinstance(v, (ClientsValue,) + _FunctionValue) for v in _leaves(value)):
+        raise ComputationError(f"`{uri}` needs a SERVER-placed or unplaced value")
+    return value
+
+
+def _broadcast(it: _Interpreter, t, arg):
+    uri = "federated_broadcast"
+    return it.backend.broadcast(t.result.member, _local_arg(arg, uri), it.clients(uri))
+
+
+def _value_at_clients(it: _Interpreter, t, arg):
+    uri = "federated_value_at_clients"
+    return it.backend.broadcast(t.result.member, _local_arg(arg, uri), it.clients(uri))
+
+
+def _identity_local(uri: str):
+    def impl(it: _Interpreter, t, arg):
+        return _local_arg(arg, uri)
+    return impl
+
+
+def _eval_at_server(it: _Interpreter, t, arg):
+    return it.call(arg, None, has_arg=False)
+
+
+def _eval_at_clients(it: _Interpreter, t, arg):
+    uri = "federated_eval_at_clients"
+    proto = it.closed_proto(arg, uri)
+    fn_type = t.parameter
+    seed = it.backend.broadcast(federated_language.StructType([]), structure.Struct([]),
+                                it.clients(uri))
+    return it.backend.map(proto, fn_type, seed)
+
+
+def _map(uri: str):
+    def impl(it: _Interpreter, t, arg):
+        fn, value = _elements(arg, 2, uri)
+        value_type = t.parameter[1]
+        if _is_clients(value_type):
+            proto = it.closed_proto(fn, uri)
+            return it.backend.map(proto, t.parameter[0], _clients_arg(value, uri))
+        return it.call(fn, _local_arg(value, uri))
+    return impl
+
+
+def _apply(it: _Interpreter, t, arg):
+    fn, value = _elements(arg, 2, "federated_apply")
+    return it.call(fn, _local_arg(value, "federated_apply"))
+
+
+def _aggregation(kind: str, uri: str):
+    def impl(it: _Interpreter, t, arg):
+        return it.backend.aggregate(_clients_arg(arg, uri), kind)
+    return impl
+
+
+def _weighted_mean(it: _Interpreter, t, arg):
+    uri = "federated_weighted_mean"
+    value, weight = _elements(arg, 2, uri)
+    return it.backend.aggregate(_clients_arg(value, uri), "weighted_mean",
+                                weights=_clients_arg(weight, uri))
+
+
+def _secure_sum_bitwidth(it: _Interpreter, t, arg):
+    uri = "federated_secure_sum_bitwidth"
+    value, bitwidth = _elements(arg, 2, uri)
+    return it.backend.aggregate(_clients_arg(value, uri), "secure_sum_bitwidth",
+                                bitwidth=_local_arg(bitwidth, uri))
+
+
+def _zip_at_clients(it: _Interpreter, t, arg):
+    uri = "federated_zip_at_clients"
+    if not isinstance(arg, structure.Struct):
+        raise ComputationError(f"`{uri}` takes a struct of CLIENTS values")
+    names = structure.name_list_with_nones(arg)
+    if len(arg) == 0:
+        return it.backend.broadcast(federated_language.StructType([]), structure.Struct([]),
+                                    it.clients(uri))
+    return it.backend.zip([_clients_arg(v, uri) for v in arg], names)
+
+
+def _zip_at_server(it: _Interpreter, t, arg):
+    uri = "federated_zip_at_server"
+    if not isinstance(arg, structure.Struct):
+        raise ComputationError(f"`{uri}` takes a struct of SERVER values")
+    return _local_arg(arg, uri)
+
+
+def _aggregate(it: _Interpreter, t, arg):
+    uri = "federated_aggregate"
+    value, zero, accumulate, merge, report = _elements(arg, 5, uri)
+    members = it.backend.get(_clients_arg(value, uri))
+    acc = _local_arg(zero, uri)
+    for member in members:  # one group in client order: merge is never needed
+        acc = it.call(accumulate, structure.Struct([(None, acc), (None, member)]))
+    return it.call(report, acc)
+
+
+def _secure_sum(it: _Interpreter, t, arg):
+    uri = "federated_secure_sum"
+    value, max_input = _elements(arg, 2, uri)
+    members = it.backend.get(_clients_arg(value, uri))
+
+    def check(v, m):
+        v, m = np.asarray(v), np.asarray(m)
+        if v.size and int(v.max()) > int(m):
+            raise ComputationError(
+                f"{uri}: a client value {int(v.max())} exceeds max_input {int(m)}")
+        return v
+
+    for member in members:
+        reductions._map_with_bitwidth(check, member, _local_arg(max_input, uri))
+    return reductions.reduce("sum", members)
+
+
+def _generic(uri: str, op):
+    def impl(it: _Interpreter, t, arg):
+        a, b = _elements(arg, 2, uri)
+        result_type = t.result
+        if _is_clients(result_type):
+            member = result_type.member
+            member_fn = Computation(
+                type=federated_language.FunctionType([member, member], member).to_proto(),
+                intrinsic=computation_pb2.Intrinsic(uri=uri))
+            zipped = it.backend.zip([_clients_arg(a, uri), _clients_arg(b, uri)],
+                                    [None, None])
+            return it.backend.map(member_fn, local_eval.parse_type(member_fn.type), zipped)
+        local_type = (result_type.member
+                      if isinstance(result_type, federated_language.FederatedType)
+                      else result_type)
+        fn = local_eval.make_generic_binary(op, local_type, uri)
+        return fn(structure.Struct([(None, _local_arg(a, uri)), (None, _local_arg(b, uri))]))
+    return impl
+
+
+_INTRINSICS: dict[str, Callable] = {
+    "federated_broadcast": _broadcast,
+    "federated_value_at_clients": _value_at_clients,
+    "federated_value_at_server": _identity_local("federated_value_at_server"),
+    "federated_eval_at_server": _eval_at_server,
+    "federated_eval_at_clients": _eval_at_clients,
+    "federated_map": _map("federated_map"),
+    "federated_map_all_equal": _map("federated_map_all_equal"),
+    "federated_apply": _apply,
+    "federated_sum": _aggregation("sum", "federated_sum"),
+    "federated_mean": _aggregation("mean", "federated_mean"),
+    "federated_min": _aggregation("min", "federated_min"),
+    "federated_max": _aggregation("max", "federated_max"),
+    "federated_weighted_mean": _weighted_mean,
+    "federated_secure_sum_bitwidth": _secure_sum_bitwidth,
+    "federated_secure_sum": _secure_sum,
+    "federated_zip_at_clients": _zip_at_clients,
+    "federated_zip_at_server": _zip_at_server,
+    "federated_aggregate": _aggregate,
+    "generic_plus": _generic("generic_plus", np.add),
+    "generic_multiply": _generic("generic_multiply", np.multiply),
+    "generic_divide": _generic("generic_divide", np.divide),
+}
+
+SUPPORTED_INTRINSICS = tuple(sorted(_INTRINSICS)) + ("generic_zero",)
+
+
+# ---------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def _as_proto(proto: Union[Computation, bytes]) -> Computation:
+    if isinstance(proto, (bytes, bytearray)):
+        try:
+            return Computation.FromString(bytes(proto))
+        except Exception as e:
+            raise ComputationError(f"the bytes are not a serialized Computation: {e}") from e
+    if not isinstance(proto, Computation):
+        raise ComputationError(
+            f"expected a federated_language Computation proto (or its bytes), got "
+            f"{type(proto).__name__}")
+    return proto
+
+
+def computation_type(proto: Union[Computation, bytes]) -> Optional[federated_language.Type]:
+    """The type signature a computation proto declares."""
+    return local_eval.parse_type(_as_proto(proto).type)
+
+
+def evaluate(proto: Union[Computation, bytes], arg: Any = None,
+             backend: Optional[ClientsBackend] = None, *,
+             num_clients: Optional[int] = None,
+             data: Optional[Mapping[str, Any]] = None) -> Any:
+    """Evaluates a computation (called on `arg` when it is functional).
+
+    `arg` is the TFF value of the parameter: local values as arrays/`Struct`s, SERVER
+    values as their member, CLIENTS values as a list with one member per client. The
+    result comes back the same way. `num_clients` is needed only when no CLIENTS input
+    fixes it; `data` maps the URIs of `Data` computations to their values.
+    """
+    proto = _as_proto(proto)
+    backend = backend if backend is not None else LocalClientsBackend()
+    try:
+        fn_type = local_eval.parse_type(proto.type)
+        it = _Interpreter(backend, num_clients, dict(data or {}))
+        if not isinstance(fn_type, federated_language.FunctionType):
+            if arg is not None:
+                raise ComputationError(
+                    f"the computation is not a function (type {fn_type}); it takes no "
+                    "argument")
+            return it.export_value(it.eval(proto, {}))
+        if fn_type.parameter is None:
+            if arg is not None:
+                raise ComputationError(f"the computation {fn_type} takes no argument")
+            result = it.call(it.eval(proto, {}), None, has_arg=False)
+        else:
+            checked = values.check_value(arg, fn_type.parameter)
+            found = values.num_clients_of(checked, fn_type.parameter)
+            if found is not None:
+                if num_clients is not None and num_clients != found:
+                    raise ComputationError(
+                        f"num_clients={num_clients} but the CLIENTS inputs hold {found} "
+                        "clients")
+                it.num_clients = found
+            result = it.call(it.eval(proto, {}), it.import_value(checked, fn_type.parameter))
+        return it.export_value(result)
+    except FaxBridgeError:
+        raise
+    except RecursionError as e:
+        raise ComputationError("the computation is nested too deeply to interpret") from e
+    except Exception as e:  # a malformed proto must not surface as a bare crash
+        raise ComputationError(
+            f"the computation could not be interpreted ({type(e).__name__}: {e}); it is "
+            "likely malformed or ill-typed") from e
+
+
+def run_computation(proto: Union[Computation, bytes], *args: Any,
+                    backend: Optional[ClientsBackend] = None,
+                    num_clients: Optional[int] = None, **kwargs: Any) -> Any:
+    """Runs a computation on python pytrees, one per parameter element; returns a pytree.
+
+    CLIENTS arguments and results carry a leading clients axis. Named parameter elements
+    may be passed by keyword.
+    """
+    proto = _as_proto(proto)
+    fn_type = local_eval.parse_type(proto.type)
+    param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
+    if param is None:
+        if args or kwargs:
+            raise ComputationError(f"the computation {fn_type} takes no arguments")
+        arg = None
+    elif isinstance(param, federated_language.StructType):
+        items = list(param.items())
+        given = list(args)
+        for name, _ in items[len(args):]:
+            if name in kwargs:
+                given.append(kwargs.pop(name))
+        if kwargs:
+            raise ComputationError(
+                f"unexpected keyword arguments {sorted(kwargs)} for parameter {param}")
+        if len(given) != len(items):
+            raise ComputationError(
+                f"the computation takes {len(items)} arguments ({param}), got {len(given)}")
+        arg = values.from_pytree(tuple(given), param)
+    else:
+        if kwargs or len(args) != 1:
+            raise ComputationError(
+                f"the computation takes one argument ({param}), got {len(args)}")
+        arg = values.from_pytree(args[0], param)
+    result = evaluate(proto, arg, backend, num_clients=num_clients)
+    result_type = fn_type.result if isinstance(fn_type, federated_language.FunctionType) \
+        else fn_type
+    return values.to_pytree(result, result_type)

@@ -1,0 +1,339 @@
+"""Conversions between python pytrees, npz files and TFF values, checked against types.
+
+Conventions:
+- Pytrees: dicts are named structs (matched by name; TFF element order kept), tuples and
+  lists unnamed structs, array-likes tensors. Results come back as dicts when every
+  element is named, tuples otherwise.
+- Federated values: a SERVER value is its member value; a CLIENTS value is given as a
+  pytree whose leaves carry a leading clients axis (its size is the number of clients).
+  Inside the runtime a CLIENTS value is a list of per-client member values.
+- npz files (the CLI's convention): one key per tensor, the dotted path of element names
+  (the element index where unnamed); the key is `arg` when the parameter is a single
+  tensor and `result` when the result is. CLIENTS tensors carry the clients axis.
+
+Every mismatch raises `ComputationError` naming the path, what was expected and got.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import federated_language
+import numpy as np
+from federated_language.common_libs import structure
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime.backend import ClientsValue
+
+LocalValue = Any  # np.ndarray | structure.Struct
+Pytree = Any
+
+ARG_KEY = "arg"
+RESULT_KEY = "result"
+
+
+def _where(path: str) -> str:
+    return f"`{path}`" if path else "the value"
+
+
+def _describe(value) -> str:
+    if isinstance(value, structure.Struct):
+        return f"a struct of {len(value)} elements"
+    if isinstance(value, Mapping):
+        return f"a dict with keys {sorted(value)}"
+    if isinstance(value, (tuple, list)):
+        return f"a sequence of {len(value)} elements"
+    arr = np.asarray(value)
+    return f"{arr.dtype}{list(arr.shape)}"
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _tensor(value, type_: federated_language.TensorType, path: str, lead: int) -> np.ndarray:
+    """`value` as an array of `type_` (with `lead` leading axes kept as they are)."""
+    if isinstance(value, (structure.Struct, Mapping)) or (
+            isinstance(value, (tuple, list)) and not _is_numeric_seq(value)):
+        raise ComputationError(f"{_where(path)}: expected a tensor {type_}, got "
+                               f"{_describe(value)}")
+    try:
+        arr = np.asarray(value)
+    except Exception as e:
+        raise ComputationError(f"{_where(path)}: cannot be read as an array ({e})") from e
+    shape = tuple(type_.shape or ())
+    got = arr.shape[lead:]
+    if arr.ndim != lead + len(shape) or any(
+            d is not None and d != g for d, g in zip(shape, got)):
+        extra = " after the leading clients axis" if lead else ""
+        raise ComputationError(
+            f"{_where(path)}: expected shape {list(shape)}{extra} ({type_}), got "
+            f"{arr.dtype}{list(arr.shape)}")
+    if arr.dtype != type_.dtype:
+        if arr.dtype == object or not np.can_cast(arr.dtype, type_.dtype, "same_kind"):
+            raise ComputationError(
+                f"{_where(path)}: expected dtype {type_.dtype} ({type_}), got "
+                f"{arr.dtype}{list(arr.shape)}")
+        arr = arr.astype(type_.dtype)
+    return arr
+
+
+def _is_numeric_seq(value) -> bool:
+    try:
+        return np.asarray(value).dtype.kind in "biufc"
+    except Exception:
+        return False
+
+
+def _struct_items(value, type_: federated_language.StructType, path: str):
+    """The elements of a pytree or Struct `value` in the order of `type_`'s elements."""
+    items = list(type_.items())
+    if isinstance(value, Mapping):
+        names = [n for n, _ in items]
+        if not all(names):
+            raise ComputationError(
+                f"{_where(path)}: {type_} has unnamed elements, pass a tuple, not a dict")
+        missing = [n for n in names if n not in value]
+        extra = sorted(str(k) for k in value if k not in names)
+        if missing or extra:
+            raise ComputationError(
+                f"{_where(path)}: expected keys {names} ({type_}); missing {missing}, "
+                f"unexpected {extra}")
+        return [(n, value[n]) for n in names]
+    if isinstance(value, (structure.Struct, tuple, list)):
+        elements = list(value)
+        if len(elements) != len(items):
+            raise ComputationError(
+                f"{_where(path)}: expected {len(items)} elements ({type_}), got "
+                f"{_describe(value)}")
+        if isinstance(value, structure.Struct):
+            for (name, _), got in zip(items, structure.name_list_with_nones(value)):
+                if got is not None and name is not None and got != name:
+                    raise ComputationError(
+                        f"{_where(path)}: element named `{got}` where {type_} has `{name}`")
+        return [(n, v) for (n, _), v in zip(items, elements)]
+    raise ComputationError(f"{_where(path)}: expected a struct {type_}, got "
+                           f"{_describe(value)}")
+
+
+def to_local(value: Pytree, type_: federated_language.Type, path: str = "",
+             lead: int = 0) -> LocalValue:
+    """Checks a pytree (or Struct) against a local type and returns the TFF local value.
+
+    `lead` leading axes are allowed on every tensor (1 for stacked CLIENTS values).
+    """
+    if isinstance(type_, federated_language.TensorType):
+        return _tensor(value, type_, path, lead)
+    if isinstance(type_, federated_language.StructType):
+        pairs = _struct_items(value, type_, path)
+        return structure.Struct([
+            (n, to_local(v, t, _join(path, n if n else i), lead))
+            for i, ((n, v), (_, t)) in enumerate(zip(pairs, type_.items()))
+        ])
+    raise ComputationError(
+        f"{_where(path)}: values of type {type_} cannot be given as data; only tensors, "
+        "structs and federated values of them can")
+
+
+def _leaves(value: LocalValue) -> list[np.ndarray]:
+    if isinstance(value, structure.Struct):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _index(value: LocalValue, i: int) -> LocalValue:
+    if isinstance(value, structure.Struct):
+        names = structure.name_list_with_nones(value)
+        return structure.Struct([(n, _index(v, i)) for n, v in zip(names, value)])
+    return value[i]
+
+
+def unstack(stacked: LocalValue, path: str = "") -> list[LocalValue]:
+    """Splits a local value whose tensors carry a leading clients axis, client by client."""
+    sizes = {int(np.shape(leaf)[0]) for leaf in _leaves(stacked)}
+    if len(sizes) > 1:
+        raise ComputationError(
+            f"{_where(path)}: the leading clients axis differs between tensors "
+            f"({sorted(sizes)}); every CLIENTS tensor needs one entry per client")
+    n = sizes.pop() if sizes else 0
+    return [_index(stacked, i) for i in range(n)]
+
+
+def stack(values: Sequence[LocalValue], path: str = "") -> LocalValue:
+    """Stacks per-client local values along a new leading clients axis."""
+    if not values:
+        raise ComputationError(f"{_where(path)}: cannot stack a CLIENTS value of 0 clients")
+    first = values[0]
+    if isinstance(first, structure.Struct):
+        names = structure.name_list_with_nones(first)
+        return structure.Struct([
+            (n, stack([v[k] for v in values], _join(path, n if n else k)))
+            for k, n in enumerate(names)
+        ])
+    return np.stack([np.asarray(v) for v in values])
+
+
+def from_pytree(value: Pytree, type_: federated_language.Type, path: str = "") -> Any:
+    """A pytree as the runtime value of `type_` (CLIENTS: a list of per-client values)."""
+    if isinstance(type_, federated_language.FederatedType):
+        if type_.placement is federated_language.CLIENTS:
+            return unstack(to_local(value, type_.member, path, lead=1), path)
+        return to_local(value, type_.member, path)
+    if isinstance(type_, federated_language.StructType) and _contains_federated(type_):
+        pairs = _struct_items(value, type_, path)
+        return structure.Struct([
+            (n, from_pytree(v, t, _join(path, n if n else i)))
+            for i, ((n, v), (_, t)) in enumerate(zip(pairs, type_.items()))
+        ])
+    return to_local(value, type_, path)
+
+
+def _contains_federated(type_) -> bool:
+    if isinstance(type_, federated_language.FederatedType):
+        return True
+    if isinstance(type_, federated_language.StructType):
+        return any(_contains_federated(t) for _, t in type_.items())
+    return False
+
+
+def local_to_pytree(value: LocalValue) -> Pytree:
+    """A local value as a pytree: dicts where every element is named, tuples otherwise."""
+    if isinstance(value, structure.Struct):
+        names = structure.name_list_with_nones(value)
+        if names and all(names):
+            return {n: local_to_pytree(v) for n, v in zip(names, value)}
+        return tuple(local_to_pytree(v) for v in value)
+    return np.asarray(value)
+
+
+def to_pytree(value: Any, type_: federated_language.Type) -> Pytree:
+    """A runtime value of `type_` as a pytree (CLIENTS values stacked on a leading axis)."""
+    if isinstance(type_, federated_language.FederatedType):
+        if type_.placement is federated_language.CLIENTS:
+            return local_to_pytree(stack(list(value)))
+        return local_to_pytree(value)
+    if isinstance(type_, federated_language.StructType) and _contains_federated(type_):
+        names = [n for n, _ in type_.items()]
+        items = [to_pytree(v, t) for v, (_, t) in zip(value, type_.items())]
+        if names and all(names):
+            return dict(zip(names, items))
+        return tuple(items)
+    return local_to_pytree(value)
+
+
+def check_value(value: Any, type_: federated_language.Type, path: str = "") -> Any:
+    """Checks a runtime value (CLIENTS as per-client lists) against `type_`; returns it cast."""
+    if isinstance(type_, federated_language.FederatedType):
+        if type_.placement is federated_language.CLIENTS:
+            if isinstance(value, ClientsValue):
+                return value
+            if isinstance(value, (structure.Struct, Mapping)) or not isinstance(
+                    value, (list, tuple)):
+                raise ComputationError(
+                    f"{_where(path)}: expected a CLIENTS value {type_} (one member per "
+                    f"client, as a list), got {_describe(value)}")
+            return [to_local(v, type_.member, f"{path}[client {i}]")
+                    for i, v in enumerate(value)]
+        return to_local(value, type_.member, path)
+    if isinstance(type_, federated_language.StructType) and _contains_federated(type_):
+        pairs = _struct_items(value, type_, path)
+        return structure.Struct([
+            (n, check_value(v, t, _join(path, n if n else i)))
+            for i, ((n, v), (_, t)) in enumerate(zip(pairs, type_.items()))
+        ])
+    return to_local(value, type_, path)
+
+
+# ---------------------------------------------------------------------------------------
+# npz files.
+
+
+def _npz_keys(type_: federated_language.Type, prefix: str) -> list[tuple[str, list]]:
+    """(key, index path) of every tensor of `type_`, depth-first."""
+    if isinstance(type_, federated_language.FederatedType):
+        return _npz_keys(type_.member, prefix)
+    if isinstance(type_, federated_language.StructType):
+        out = []
+        for i, (n, t) in enumerate(type_.items()):
+            out.extend(_npz_keys(t, _join(prefix, n if n else i)))
+        return out
+    return [(prefix, [])]
+
+
+def _tree_from_npz(npz: Mapping[str, np.ndarray], type_, prefix: str):
+    if isinstance(type_, federated_language.FederatedType):
+        return _tree_from_npz(npz, type_.member, prefix)
+    if isinstance(type_, federated_language.StructType):
+        items = list(type_.items())
+        children = [_tree_from_npz(npz, t, _join(prefix, n if n else i))
+                    for i, (n, t) in enumerate(items)]
+        if items and all(n for n, _ in items):
+            return {n: c for (n, _), c in zip(items, children)}
+        return tuple(children)
+    if prefix not in npz:
+        raise ComputationError(f"the npz file has no key `{prefix}` (a {type_} tensor); it "
+                               f"holds {sorted(npz)}")
+    return np.asarray(npz[prefix])
+
+
+def args_from_npz(npz: Mapping[str, np.ndarray],
+                  parameter_type: Optional[federated_language.Type]) -> Any:
+    """The runtime argument for `parameter_type` read from an npz mapping (or None)."""
+    if parameter_type is None:
+        if len(npz):
+            raise ComputationError(
+                f"the computation takes no argument, but the npz file holds {sorted(npz)}")
+        return None
+    top_struct = isinstance(parameter_type, federated_language.StructType)
+    prefix = "" if top_struct else ARG_KEY
+    wanted = {k for k, _ in _npz_keys(parameter_type, prefix)}
+    extra = sorted(set(npz) - wanted)
+    if extra:
+        raise ComputationError(
+            f"the npz file holds keys {extra} that the parameter {parameter_type} does not "
+            f"have; expected exactly {sorted(wanted)}")
+    return from_pytree(_tree_from_npz(npz, parameter_type, prefix), parameter_type)
+
+
+def _flat_npz(tree, type_, prefix: str, out: dict) -> None:
+    if isinstance(type_, federated_language.FederatedType):
+        return _flat_npz(tree, type_.member, prefix, out)
+    if isinstance(type_, federated_language.StructType):
+        elements = list(tree.values()) if isinstance(tree, dict) else list(tree)
+        for i, ((n, t), v) in enumerate(zip(type_.items(), elements)):
+            _flat_npz(v, t, _join(prefix, n if n else i), out)
+        return None
+    out[prefix] = np.asarray(tree)
+    return None
+
+
+def result_to_npz(value: Any, result_type: federated_language.Type) -> dict[str, np.ndarray]:
+    """A runtime result as npz entries (`result` when the result is not a struct)."""
+    prefix = "" if isinstance(result_type, federated_language.StructType) else RESULT_KEY
+    out: dict[str, np.ndarray] = {}
+    _flat_npz(to_pytree(value, result_type), result_type, prefix, out)
+    return out
+
+
+def num_clients_of(value: Any, type_: Optional[federated_language.Type]) -> Optional[int]:
+    """The number of clients of the CLIENTS parts of a runtime value (None if there are none).
+
+    Raises `ComputationError` if two CLIENTS parts disagree.
+    """
+    found: set[int] = set()
+
+    def walk(v, t):
+        if isinstance(t, federated_language.FederatedType):
+            if t.placement is federated_language.CLIENTS and not t.all_equal:
+                n = getattr(v, "num_clients", None)
+                found.add(int(n) if n is not None else len(v))
+        elif isinstance(t, federated_language.StructType):
+            for (_, tt), vv in zip(t.items(), v):
+                walk(vv, tt)
+
+    if type_ is not None:
+        walk(value, type_)
+    if len(found) > 1:
+        raise ComputationError(
+            f"CLIENTS inputs disagree on the number of clients: {sorted(found)}")
+    return found.pop() if found else None
