@@ -1,0 +1,374 @@
+"""The device server: one process hosting virtual clients, their data and their results.
+
+`fax-bridge device --listen 127.0.0.1:0` (or `python -m fax_bridge.fleet.device`) serves
+the fax_bridge.v1 `Device` service. Computations arrive once, by content hash; client
+values stay here behind coordinator-chosen handles until they are fetched, aggregated
+(partials over this device's own clients) or released. Once listening, the process
+prints one JSON line on stdout, e.g. `{"listening": "127.0.0.1:41234", "port": 41234,
+"pid": 4242, "device_id": "device-0"}`, and nothing else; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Optional, Sequence
+
+import grpc
+from federated_language.common_libs import structure
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import FaxBridgeError, FleetError
+from fax_bridge.fleet import partials, wire
+from fax_bridge.v1 import device_pb2 as pb
+from fax_bridge.v1 import device_pb2_grpc as pb_grpc
+
+PROTOCOL = "fax_bridge.v1"
+DEFAULT_FETCH_BYTES = 4 << 20
+MAX_DELAY_SECONDS = 600.0
+# Unlimited message sizes: tensors may be far above gRPC's 4 MiB default.
+GRPC_OPTIONS = (
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+)
+
+log = logging.getLogger("fax_bridge.device")
+
+
+@dataclasses.dataclass
+class Stored:
+    """A clients value held on this device: per-client members, or one shared member."""
+
+    client_ids: list
+    members: Optional[list] = None
+    shared: object = None
+
+    def member_list(self) -> list:
+        if self.members is not None:
+            return self.members
+        return [self.shared] * len(self.client_ids)
+
+
+class _RpcError(Exception):
+    """An error to report with a specific gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _rpc(method: Callable) -> Callable:
+    """Maps exceptions of a servicer method onto gRPC status codes with clear details."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except _RpcError as e:
+            context.abort(e.code, f"{self.device_id}: {e}")
+        except FaxBridgeError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{self.device_id}: {type(e).__name__}: {e}")
+        except Exception as e:  # reported to the coordinator instead of killing the device
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"{self.device_id}: {method.__name__} failed: "
+                          f"{type(e).__name__}: {e}")
+
+    return wrapper
+
+
+def _stream_rpc(method: Callable) -> Callable:
+    """Like `_rpc` for server-streaming methods (generators)."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except _RpcError as e:
+            context.abort(e.code, f"{self.device_id}: {e}")
+        except Exception as e:
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"{self.device_id}: {method.__name__} failed: "
+                          f"{type(e).__name__}: {e}")
+
+    return wrapper
+
+
+class DeviceServicer(pb_grpc.DeviceServicer):
+    """Holds this device's clients values and computations; serves the Device service."""
+
+    def __init__(self, device_id: str = "device"):
+        self.device_id = device_id
+        self._handles: dict[int, Stored] = {}
+        self._computations: dict[str, Callable] = {}
+        self._lock = threading.Lock()          # guards the two dicts
+        self._compute = threading.Lock()       # one computing request at a time
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _get(self, handle: int) -> Stored:
+        with self._lock:
+            stored = self._handles.get(handle)
+        if stored is None:
+            raise _RpcError(grpc.StatusCode.NOT_FOUND,
+                            f"no value with handle {handle} on this device (released, or "
+                            "placed on another device)")
+        return stored
+
+    def _store(self, handle: int, stored: Stored) -> None:
+        with self._lock:
+            if handle in self._handles:
+                raise _RpcError(grpc.StatusCode.ALREADY_EXISTS,
+                                f"handle {handle} is already in use on this device; the "
+                                "coordinator must pick a fresh handle per value")
+            self._handles[handle] = stored
+
+    # -- service ------------------------------------------------------------------
+
+    @_rpc
+    def Health(self, request, context):
+        with self._lock:
+            clients = {c for s in self._handles.values() for c in s.client_ids}
+            return pb.HealthResponse(
+                status="SERVING", device_id=self.device_id, pid=os.getpid(),
+                protocol=PROTOCOL, num_handles=len(self._handles),
+                num_computations=len(self._computations), num_clients=len(clients))
+
+    @_rpc
+    def Load(self, request, context):
+        with self._lock:
+            if request.computation_hash in self._computations:
+                return pb.LoadResponse(already_loaded=True)
+        from fax_bridge.runtime.local_eval import compile_local
+
+        proto = computation_pb2.Computation()
+        try:
+            proto.ParseFromString(request.computation)
+        except Exception as e:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Load: the bytes of computation {request.computation_hash[:12]} "
+                            f"are not a serialized federated_language Computation ({e})")
+        fn = compile_local(proto)
+        with self._lock:
+            self._computations[request.computation_hash] = fn
+        return pb.LoadResponse(already_loaded=False)
+
+    @_rpc
+    def Put(self, request_iterator, context):
+        handle = None
+        ids: list = []
+        members: list = []
+        for message in request_iterator:
+            if handle is None:
+                handle = message.handle
+            elif message.handle != handle:
+                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"Put stream mixes handles {handle} and {message.handle}")
+            for item in message.values:
+                ids.append(item.client_id)
+                members.append(wire.decode_value(item.value))
+        if handle is None:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "Put stream sent no message")
+        self._store(handle, Stored(client_ids=ids, members=members))
+        return pb.PutResponse(num_clients=len(ids))
+
+    @_rpc
+    def Broadcast(self, request, context):
+        value = wire.decode_value(request.value)
+        self._store(request.handle, Stored(client_ids=list(request.client_ids), shared=value))
+        return pb.BroadcastResponse()
+
+    @_rpc
+    def Map(self, request, context):
+        with self._lock:
+            fn = self._computations.get(request.computation_hash)
+        if fn is None:
+            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"computation {request.computation_hash[:12]} is not loaded; "
+                            "send it with Load before mapping it")
+        arg = self._get(request.arg)
+        from fax_bridge.runtime.backend import as_numpy
+
+        with self._compute:
+            start = time.perf_counter()
+            results = [as_numpy(fn(member)) for member in arg.member_list()]
+            elapsed = time.perf_counter() - start
+        delay = min(max(request.delay_seconds, 0.0), MAX_DELAY_SECONDS)
+        if delay > 0:
+            time.sleep(delay)
+        self._store(request.result, Stored(client_ids=list(arg.client_ids), members=results))
+        return pb.MapResponse(num_clients=len(results), compute_seconds=elapsed)
+
+    @_rpc
+    def Zip(self, request, context):
+        fields = [(f.name if f.HasField("name") else None, self._get(f.handle))
+                  for f in request.fields]
+        if not fields:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "Zip needs at least one field")
+        ids = fields[0][1].client_ids
+        for name, stored in fields[1:]:
+            if stored.client_ids != ids:
+                raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"Zip fields hold different clients ({len(ids)} vs "
+                                f"{len(stored.client_ids)} clients, or another order)")
+        if all(stored.members is None for _, stored in fields):
+            shared = structure.Struct([(n, s.shared) for n, s in fields])
+            self._store(request.result, Stored(client_ids=list(ids), shared=shared))
+        else:
+            columns = [(n, s.member_list()) for n, s in fields]
+            members = [structure.Struct([(n, column[i]) for n, column in columns])
+                       for i in range(len(ids))]
+            self._store(request.result, Stored(client_ids=list(ids), members=members))
+        return pb.ZipResponse(num_clients=len(ids))
+
+    @_rpc
+    def Aggregate(self, request, context):
+        kind = partials.ENUM_TO_KIND.get(request.kind)
+        if kind is None:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Aggregate: unknown aggregation number {request.kind}")
+        stored = self._get(request.value)
+        weights = None
+        if kind == "weighted_mean":
+            weight_store = self._get(request.weights)
+            if weight_store.client_ids != stored.client_ids:
+                raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "weighted_mean: weights and values hold different clients")
+            weights = weight_store.member_list()
+        with self._compute:
+            partial = partials.partial_of(kind, stored.member_list(), weights)
+        return partials.to_message(partial)
+
+    @_stream_rpc
+    def Fetch(self, request, context):
+        stored = self._get(request.handle)
+        budget = request.max_message_bytes or DEFAULT_FETCH_BYTES
+        message = pb.FetchResponse()
+        size = 0
+        for client_id, member in zip(stored.client_ids, stored.member_list()):
+            item = pb.ClientValue(client_id=client_id)
+            wire.encode_value(member, item.value)
+            item_size = item.ByteSize()
+            if message.values and size + item_size > budget:
+                yield message
+                message = pb.FetchResponse()
+                size = 0
+            message.values.append(item)
+            size += item_size
+        yield message
+
+    @_rpc
+    def Release(self, request, context):
+        released = 0
+        with self._lock:
+            for handle in request.handles:
+                if self._handles.pop(handle, None) is not None:
+                    released += 1
+        return pb.ReleaseResponse(released=released)
+
+
+# ---------------------------------------------------------------------------------------
+# Process
+
+
+def parse_listen(address: str) -> tuple[str, int]:
+    """Splits HOST:PORT (PORT 0 picks a free one)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise FleetError(
+            f"--listen {address!r} is not HOST:PORT; use e.g. 127.0.0.1:0 for a free port")
+    return host.strip("[]"), int(port)
+
+
+def start_server(listen: str, servicer: DeviceServicer,
+                 max_workers: int = 4) -> tuple[grpc.Server, int]:
+    """Starts a gRPC server for `servicer` on `listen`; returns it and the bound port."""
+    host, port = parse_listen(listen)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         options=GRPC_OPTIONS + (("grpc.so_reuseport", 0),))
+    pb_grpc.add_DeviceServicer_to_server(servicer, server)
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError as e:
+        raise FleetError(f"cannot listen on {listen}: {e}; pick another port or use port 0")
+    if not bound:
+        raise FleetError(f"cannot listen on {listen}; pick another port or use port 0")
+    server.start()
+    return server, bound
+
+
+def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
+    """Sets `stop` once the launching process is gone (so no device outlives it)."""
+    while not stop.wait(0.5):
+        if os.getppid() != parent_pid:
+            log.warning("parent process %d is gone; shutting down", parent_pid)
+            stop.set()
+
+
+def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: int = 4,
+          parent_pid: Optional[int] = None) -> int:
+    """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code."""
+    servicer = DeviceServicer(device_id)
+    server, port = start_server(listen, servicer, max_workers)
+    host, _ = parse_listen(listen)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    if parent_pid:
+        threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
+    print(json.dumps({"listening": f"{host}:{port}", "port": port, "pid": os.getpid(),
+                      "device_id": device_id}), flush=True)
+    while not stop.wait(1.0):
+        pass
+    server.stop(grace=1.0).wait(5.0)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format=f"%(asctime)s {args.device_id} %(levelname)s %(message)s")
+    return serve(args.listen, args.device_id, args.max_workers, args.parent_pid)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:0",
+                        help="HOST:PORT to serve on (default 127.0.0.1:0: loopback, free port)")
+    parser.add_argument("--device-id", default="device", help="name used in logs and errors")
+    parser.add_argument("--max-workers", type=int, default=4, help="gRPC worker threads")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process (the launcher) is no longer the parent")
+    parser.add_argument("--log-level", default="warning", help="stderr log level")
+    parser.set_defaults(func=_run)
+
+
+def register(subparsers) -> None:
+    """Adds the `device` subcommand to the fax-bridge CLI."""
+    parser = subparsers.add_parser(
+        "device", help="serve a simulated device (virtual clients) over gRPC",
+        description=__doc__.splitlines()[0])
+    _add_arguments(parser)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m fax_bridge.fleet.device ...`: the same as `fax-bridge device ...`."""
+    parser = argparse.ArgumentParser(prog="fax-bridge device",
+                                     description=__doc__.splitlines()[0])
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
