@@ -245,6 +245,11 @@ class _Interpreter:
         for name in sorted(free):
             if name not in fn.env:
                 raise ComputationError(f"{what}: reference to unbound name `{name}`")
+            for type_proto in free[name]:
+                if values._contains_federated(local_eval.parse_type(type_proto)):
+                    raise ComputationError(
+                        f"{what}: the function refers to `{name}`, a federated value; "
+                        "per-client functions may only use local values")
             value = fn.env[name]
             if isinstance(value, _FunctionValue):
                 proto = self.closed_proto(value, what)
@@ -297,15 +302,15 @@ def _leaves(value):
     return [value]
 
 
-def _free_references(comp: Computation) -> set[str]:
-    """Names referenced in `comp` that it does not bind itself."""
-    free: set[str] = set()
+def _free_references(comp: Computation) -> dict[str, list]:
+    """Names referenced in `comp` that it does not bind itself, with their Type protos."""
+    free: dict[str, list] = {}
 
     def walk(c: Computation, bound: frozenset):
         kind = c.WhichOneof("computation")
         if kind == "reference":
             if c.reference.name not in bound:
-                free.add(c.reference.name)
+                free.setdefault(c.reference.name, []).append(c.type)
         elif kind == _LAMBDA:
             lam = getattr(c, _LAMBDA)
             walk(lam.result, bound | {lam.parameter_name} if lam.parameter_name else bound)
@@ -438,14 +443,24 @@ def _secure_sum_bitwidth(it: _Interpreter, t, arg):
 
 
 def _zip_at_clients(it: _Interpreter, t, arg):
+    """Zips a (possibly nested) struct of CLIENTS values, innermost structs first."""
     uri = "federated_zip_at_clients"
+
+    def zip_struct(value):
+        if isinstance(value, ClientsValue):
+            return value
+        if not isinstance(value, structure.Struct):
+            raise ComputationError(
+                f"`{uri}` takes a struct of CLIENTS values, got {type(value).__name__}")
+        if len(value) == 0:
+            return it.backend.broadcast(federated_language.StructType([]),
+                                        structure.Struct([]), it.clients(uri))
+        return it.backend.zip([zip_struct(v) for v in value],
+                              structure.name_list_with_nones(value))
+
     if not isinstance(arg, structure.Struct):
         raise ComputationError(f"`{uri}` takes a struct of CLIENTS values")
-    names = structure.name_list_with_nones(arg)
-    if len(arg) == 0:
-        return it.backend.broadcast(federated_language.StructType([]), structure.Struct([]),
-                                    it.clients(uri))
-    return it.backend.zip([_clients_arg(v, uri) for v in arg], names)
+    return zip_struct(arg)
 
 
 def _zip_at_server(it: _Interpreter, t, arg):
