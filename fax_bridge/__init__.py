@@ -24,12 +24,14 @@ from fax_bridge.errors import (
 )
 from fax_bridge.local import clients_mesh, jit_program, to_hlo
 from fax_bridge.placements import Placement
+from fax_bridge.tracing import FederatedComputation, trace
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ComputationError",
     "ExportError",
+    "FederatedComputation",
     "FaxBridgeError",
     "FleetError",
     "Placement",
@@ -45,4 +47,5 @@ __all__ = [
     "jit_program",
     "program",
     "to_hlo",
+    "trace",
 ]

@@ -29,7 +29,19 @@ def _check_mesh(mesh: Mesh) -> Mesh:
         raise ValueError(
             f"the mesh has axes {mesh.axis_names} but no {CLIENTS_AXIS!r} axis; build it as "
             "jax.make_mesh((jax.device_count(),), ('clients',)).")
-    return mesh
+    return _auto_axes(mesh)
+
+
+def _auto_axes(mesh: Mesh) -> Mesh:
+    """The same devices and axes with sharding left to the compiler (GSPMD `Auto` axes).
+
+    Federated primitives place CLIENTS values with sharding constraints, which need
+    `Auto` axes; `jax.make_mesh` makes `Explicit` ones by default.
+    """
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    if tuple(getattr(mesh, "axis_types", auto)) == auto:
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 @contextlib.contextmanager
@@ -84,7 +96,7 @@ def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) 
     `placements` is a pytree prefix of "server"/"clients" per argument (default: all
     SERVER). Inside, every federated operation keeps CLIENTS values sharded the same way.
     """
-    _check_mesh(mesh)
+    mesh = _check_mesh(mesh)
 
     def run(*args):
         shardings = _placement_shardings(mesh, placements, args)

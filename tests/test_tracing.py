@@ -1,0 +1,178 @@
+"""Tracing: placements of inputs, outputs and intermediates, printing, and early errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fax_bridge as fb
+
+N = 5
+
+
+@fb.program(clients=N)
+def round_fn(w, x):
+    wc = fb.federated_broadcast(w)
+    g = fb.federated_map_clients(lambda a, b: (b @ a).sum() * b.sum(0), (wc, x))
+    return w - 0.1 * fb.federated_mean(g)
+
+
+W = jnp.ones(3)
+X = jnp.ones((N, 4, 3))
+
+
+def test_placements_of_inputs_outputs_and_intermediates():
+    comp = fb.trace(round_fn, W, X, placements=("server", "clients"))
+    assert comp.clients == N
+    assert comp.in_placements == [fb.Placement.SERVER, fb.Placement.CLIENTS]
+    assert comp.out_placements == [fb.Placement.SERVER]
+    by_prim = {e.primitive.name: comp.placement_of(e.outvars[0])
+               for e in comp.jaxpr.jaxpr.eqns}
+    assert by_prim["federated_broadcast"] is fb.Placement.CLIENTS
+    assert by_prim["federated_map"] is fb.Placement.CLIENTS
+    assert by_prim["federated_mean"] is fb.Placement.SERVER
+    assert comp.signature() == "(arg0: f32[3]@SERVER, arg1: {f32[4,3]}@CLIENTS) -> f32[3]@SERVER"
+    text = str(comp)
+    assert "{f32[3]}@CLIENTS = federated_broadcast" in text
+    assert "f32[3]@SERVER = federated_mean" in text
+
+
+def test_placements_prefix_over_pytrees():
+    @fb.program(clients=N)
+    def f(state, data):
+        return fb.federated_mean(data["x"]) + state["w"]
+
+    state = {"w": jnp.ones(2)}
+    data = {"x": jnp.ones((N, 2)), "y": jnp.ones((N,))}
+    comp = fb.trace(f, state, data, placements=("server", {"x": "clients", "y": "clients"}))
+    assert comp.in_placements == [fb.Placement.SERVER] * 1 + [fb.Placement.CLIENTS] * 2
+    assert comp.in_paths == ["arg0['w']", "arg1['x']", "arg1['y']"]
+    np.testing.assert_allclose(comp(state, data), 2 * np.ones(2))
+
+
+def test_server_clients_mix_is_a_placement_error_naming_the_line():
+    @fb.program(clients=N)
+    def bad(w, x):
+        return fb.federated_mean(w + x)
+
+    with pytest.raises(fb.PlacementError) as e:
+        fb.trace(bad, jnp.ones(3), jnp.ones((N, 3)), placements=("server", "clients"))
+    msg = str(e.value)
+    assert "test_tracing.py" in msg and "SERVER" in msg and "federated_broadcast" in msg
+
+
+def test_clients_value_where_server_is_needed():
+    @fb.program(clients=N)
+    def bad(x):
+        return fb.federated_broadcast(x)
+
+    with pytest.raises(fb.PlacementError, match="federated_broadcast sends a SERVER value"):
+        fb.trace(bad, jnp.ones((N, 3)), placements="clients")
+
+    @fb.program(clients=N)
+    def bad_map(x):
+        return fb.federated_map_server(jnp.sin, x)
+
+    with pytest.raises(fb.PlacementError, match="SERVER values"):
+        fb.trace(bad_map, jnp.ones((N, 3)), placements="clients")
+
+
+def test_server_value_aggregated_is_an_error():
+    @fb.program(clients=N)
+    def bad(w):
+        return fb.federated_sum(w)
+
+    with pytest.raises(fb.PlacementError, match="aggregates a CLIENTS value"):
+        fb.trace(bad, jnp.ones((N, 3)), placements="server")
+
+
+def test_wrong_leading_axis_is_named():
+    with pytest.raises(fb.PlacementError, match=r"argument arg1 .* leading axis of size 5"):
+        fb.trace(round_fn, W, jnp.ones((4, 4, 3)), placements=("server", "clients"))
+
+    @fb.program(clients=N)
+    def f(x):
+        return fb.federated_mean(x)
+
+    with pytest.raises(fb.PlacementError, match=r"value\['a'\] has shape \(3,\).*size 5"):
+        f({"a": jnp.ones(3)})
+
+
+def test_non_array_leaves_are_rejected():
+    @fb.program(clients=N)
+    def f(x):
+        return fb.federated_broadcast(x)
+
+    with pytest.raises(fb.PlacementError, match=r"value\['name'\] is a str"):
+        f({"name": "alice"})
+
+
+def test_outside_a_program_is_an_error():
+    with pytest.raises(fb.PlacementError, match="@fax_bridge.program"):
+        fb.federated_broadcast(jnp.ones(3))
+
+
+def test_program_decorator_forms():
+    @fb.program(placements={"clients": 3})
+    def f(x):
+        return fb.federated_sum(x)
+
+    assert f.clients == 3
+    np.testing.assert_allclose(f(jnp.ones((3, 2))), [3.0, 3.0])
+    with pytest.raises(ValueError, match="positive integer"):
+        fb.program(clients=0)
+    with pytest.raises(ValueError, match="placements must be"):
+        fb.program(placements={"servers": 1})
+
+
+def test_cross_client_ops_are_recorded_not_rejected():
+    @fb.program(clients=N)
+    def peek(x):
+        return x[0] + fb.federated_mean(x)
+
+    comp = fb.trace(peek, jnp.arange(float(N * 2)).reshape(N, 2), placements="clients")
+    assert comp.violations
+    assert "test_tracing.py" in comp.violations[0].location
+    assert "not exportable" in str(comp)
+
+
+def test_per_client_plain_ops_stay_at_clients():
+    @fb.program(clients=N)
+    def f(x):
+        y = jnp.tanh(x) * 2.0 + 1.0
+        z = jnp.sum(y, axis=1)
+        return fb.federated_sum(z.reshape(N, 1))
+
+    comp = fb.trace(f, jnp.ones((N, 3)), placements="clients")
+    assert not comp.violations
+    for eqn in comp.jaxpr.jaxpr.eqns[:-1]:
+        assert comp.placement_of(eqn.outvars[0]) is fb.Placement.CLIENTS
+
+
+def test_scan_carry_placement():
+    @fb.program(clients=N)
+    def f(w, x):
+        def body(w, _):
+            return w + fb.federated_mean(x), None
+        return jax.lax.scan(body, w, None, length=3)[0]
+
+    comp = fb.trace(f, jnp.zeros(2), jnp.ones((N, 2)), placements=("server", "clients"))
+    assert comp.out_placements == [fb.Placement.SERVER]
+    np.testing.assert_allclose(comp(jnp.zeros(2), jnp.ones((N, 2))), [3.0, 3.0])
+
+
+def test_trace_of_jit_and_custom_vjp_is_inlined():
+    @jax.custom_vjp
+    def clip_grad(x):
+        return x
+
+    clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1, 1),))
+
+    @fb.program(clients=N)
+    def f(w, x):
+        return jax.jit(lambda w: fb.federated_mean(fb.federated_broadcast(clip_grad(w)) * x))(w)
+
+    comp = fb.trace(f, jnp.ones(2), jnp.ones((N, 2)), placements=("server", "clients"))
+    names = [e.primitive.name for e in comp.jaxpr.jaxpr.eqns]
+    assert "jit" not in names and "pjit" not in names
+    assert "federated_broadcast" in names
