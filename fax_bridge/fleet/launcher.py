@@ -1,0 +1,431 @@
+"""`LocalFleet`: K device processes on loopback, a gRPC backend over them, and rounds.
+
+    with LocalFleet(devices=2, cohort_size=50, dropout=0.1, seed=0) as fleet:
+        result = fleet.run(proto, server_state, client_data)
+        print(fleet.last_report.summary())
+
+Each device is `python -m fax_bridge.fleet.device --listen 127.0.0.1:0` in its own
+process group; the fleet reads the port each one prints, waits for Health, and on exit
+(normal, exception or Ctrl-C) stops every process: SIGTERM to the group, SIGKILL after a
+grace period. An atexit hook covers interpreters that exit without leaving the `with`
+block, and each device also exits by itself when its launching process is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import pathlib
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import federated_language
+import numpy as np
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+
+_PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+# One XLA thread per device: several devices share the machine's cores.
+_DEVICE_ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+    "OMP_NUM_THREADS": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+}
+
+_live: "weakref.WeakSet[LocalFleet]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def _stop_all_at_exit() -> None:
+    with _live_lock:
+        fleets = list(_live)
+    for fleet in fleets:
+        fleet.close()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+class LocalFleet:
+    """A simulated fleet of `devices` device processes on 127.0.0.1.
+
+    Args:
+      devices: number of device processes.
+      preaggregate: devices reduce their own clients first (default); False brings every
+        per-client result back to the coordinator.
+      cohort_size, dropout, straggler_delay_s, round_deadline_s, min_clients, seed,
+        emulate_delays: the per-round behaviour, see `RoundPolicy`.
+      rpc_timeout_s: deadline of every RPC.
+      startup_timeout_s: how long to wait for all devices to listen and answer Health.
+      shutdown_grace_s: how long a device may take to stop after SIGTERM before SIGKILL.
+      progress: show a tqdm progress bar in `run_rounds`.
+      log_dir: where device logs go (kept); default a temporary folder removed on exit.
+      python: interpreter that runs the devices (default: this one).
+    """
+
+    def __init__(self, devices: int = 2, *, preaggregate: bool = True,
+                 cohort_size: Optional[int] = None, dropout: float = 0.0,
+                 straggler_delay_s: float = 0.0, round_deadline_s: Optional[float] = None,
+                 min_clients: int = 1, seed: int = 0, emulate_delays: bool = True,
+                 rpc_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
+                 shutdown_grace_s: float = 3.0, progress: bool = False,
+                 log_dir: Optional[Union[str, os.PathLike]] = None,
+                 python: Optional[str] = None):
+        if devices < 1:
+            raise FleetError(f"devices={devices}; a fleet needs at least one device")
+        self.num_devices = int(devices)
+        self.policy = RoundPolicy(cohort_size=cohort_size, dropout=dropout,
+                                  straggler_delay_s=straggler_delay_s,
+                                  round_deadline_s=round_deadline_s, min_clients=min_clients,
+                                  seed=seed, emulate_delays=emulate_delays)
+        self.preaggregate = preaggregate
+        self.rpc_timeout_s = rpc_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.progress = progress
+        self.python = python or sys.executable
+        self._keep_logs = log_dir is not None
+        self._log_dir = pathlib.Path(log_dir) if log_dir is not None else None
+        self._procs: list[subprocess.Popen] = []
+        self._logs: list = []
+        self.addresses: list[str] = []
+        self.backend: Optional[GrpcClientsBackend] = None
+        self.reports: list[RoundReport] = []
+        self._round = 0
+        self._closed = False
+
+    # -- lifetime -----------------------------------------------------------------
+
+    def __enter__(self) -> "LocalFleet":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the device processes (in device order)."""
+        return [p.pid for p in self._procs]
+
+    @property
+    def last_report(self) -> Optional[RoundReport]:
+        return self.reports[-1] if self.reports else None
+
+    def start(self) -> "LocalFleet":
+        """Spawns the devices, reads their ports and connects; cleans up if anything fails."""
+        if self._procs:
+            return self
+        with _live_lock:
+            _live.add(self)
+        try:
+            self._spawn()
+            self.addresses = self._read_ports(time.monotonic() + self.startup_timeout_s)
+            self.backend = GrpcClientsBackend(
+                self.addresses, preaggregate=self.preaggregate,
+                rpc_timeout_s=self.rpc_timeout_s, connect_timeout_s=self.startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _spawn(self) -> None:
+        if self._log_dir is None:
+            self._log_dir = pathlib.Path(tempfile.mkdtemp(prefix="fax_bridge_fleet_"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        for key, value in _DEVICE_ENV.items():
+            if key == "XLA_FLAGS":
+                env[key] = f"{value} {env.get(key, '')}".strip()
+            else:
+                env.setdefault(key, value)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        for index in range(self.num_devices):
+            log = open(self._log_dir / f"device-{index}.log", "wb")
+            self._logs.append(log)
+            command = [self.python, "-m", "fax_bridge.fleet.device",
+                       "--listen", "127.0.0.1:0", "--device-id", f"device-{index}",
+                       "--parent-pid", str(os.getpid())]
+            self._procs.append(subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True))
+
+    def _read_ports(self, deadline: float) -> list[str]:
+        addresses: dict[int, str] = {}
+        buffers = {i: b"" for i in range(len(self._procs))}
+        selector = selectors.DefaultSelector()
+        for index, proc in enumerate(self._procs):
+            os.set_blocking(proc.stdout.fileno(), False)
+            selector.register(proc.stdout, selectors.EVENT_READ, index)
+        try:
+            while len(addresses) < len(self._procs):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(len(self._procs))) - set(addresses))
+                    raise FleetError(
+                        f"devices {missing} did not report a port within "
+                        f"{self.startup_timeout_s:.0f}s; raise startup_timeout_s or see "
+                        f"{self._log_tail(missing[0])}")
+                for key, _ in selector.select(timeout=min(remaining, 0.5)):
+                    index = key.data
+                    chunk = key.fileobj.read(65536) or b""
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                        continue
+                    buffers[index] += chunk
+                    for line in buffers[index].splitlines():
+                        address = _parse_port_line(line)
+                        if address:
+                            addresses[index] = address
+                            selector.unregister(key.fileobj)
+                            break
+                for index, proc in enumerate(self._procs):
+                    if index not in addresses and proc.poll() is not None:
+                        raise FleetError(
+                            f"device {index} exited with code {proc.returncode} before "
+                            f"listening; {self._log_tail(index)}")
+        finally:
+            selector.close()
+        return [addresses[i] for i in range(len(self._procs))]
+
+    def _log_tail(self, index: int, lines: int = 15) -> str:
+        path = self._log_dir / f"device-{index}.log"
+        try:
+            self._logs[index].flush()
+            text = path.read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            text = []
+        return f"its log {path}:\n" + "\n".join(text) if text else f"its log {path} (empty)"
+
+    def close(self) -> None:
+        """Stops every device process (SIGTERM, then SIGKILL) and releases resources."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.backend is not None:
+            try:
+                self.backend.close()
+            except Exception:
+                pass
+        _terminate(self._procs, self.shutdown_grace_s)
+        for proc in self._procs:
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for log in self._logs:
+            log.close()
+        if not self._keep_logs and self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+        with _live_lock:
+            _live.discard(self)
+
+    # -- rounds -------------------------------------------------------------------
+
+    def run(self, proto, *args: Any, report: bool = False, num_clients: Optional[int] = None,
+            **kwargs: Any):
+        """Runs one round of `proto` on pytrees (CLIENTS ones with a leading clients axis).
+
+        The round's cohort, dropouts and delays follow the fleet's policy; the
+        computation sees only the participating clients. Returns the result as a
+        pytree, or `(result, RoundReport)` with `report=True` (also `last_report`).
+        `num_clients` gives the population when no argument is placed at CLIENTS.
+        """
+        from fax_bridge.runtime import interpreter
+
+        if self.backend is None or self._closed:
+            raise FleetError("the fleet is not running; use `with LocalFleet(...) as fleet:`")
+        fn_type = interpreter.computation_type(proto)
+        param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
+        round_index = self._round
+        self._round += 1
+        population = _population(args, kwargs, param)
+        if population is None:
+            if num_clients is None:
+                raise FleetError(
+                    "no argument is placed at CLIENTS, so the number of clients is unknown; "
+                    "pass num_clients=N to run()")
+            population = int(num_clients)
+        plan = plan_round(self.policy, population, round_index)
+        rep = RoundReport(round=round_index, population=population, cohort=plan.cohort,
+                          dropped=plan.dropped, late=plan.late,
+                          participants=plan.participants, delays_s=plan.delays_s,
+                          devices=self.num_devices, preaggregate=self.backend.preaggregate)
+        self.reports.append(rep)
+        try:
+            check_min_clients(self.policy, plan, round_index)
+        except FleetError as e:
+            rep.error = str(e)
+            raise
+        chosen = np.asarray(plan.participants, dtype=np.int64)
+        args, kwargs = _select_clients(args, kwargs, param, chosen)
+        if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
+            self.backend.set_delays([plan.delays_s[c] for c in plan.participants])
+        before = self.backend.traffic.__class__(**self.backend.traffic.as_dict())
+        start = time.perf_counter()
+        try:
+            result = interpreter.run_computation(
+                proto, *args, backend=self.backend,
+                num_clients=None if _population(args, kwargs, param) else len(chosen),
+                **kwargs)
+        except BaseException as e:
+            rep.error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            self.backend.set_delays(None)
+            rep.wall_s = time.perf_counter() - start
+            self.backend.collect()
+            spent = self.backend.traffic - before
+            rep.compute_s = spent.compute_seconds
+            rep.bytes_down, rep.bytes_up = spent.bytes_down, spent.bytes_up
+            rep.payload_down, rep.payload_up = spent.payload_down, spent.payload_up
+            rep.rpcs = spent.rpcs
+        return (result, rep) if report else result
+
+    def run_rounds(self, proto, rounds: Iterable[Sequence[Any]],
+                   progress: Optional[bool] = None) -> list:
+        """Runs `proto` once per argument tuple of `rounds`; a tqdm bar when `progress`."""
+        from tqdm.auto import tqdm
+
+        show = self.progress if progress is None else progress
+        results = []
+        rounds = list(rounds)
+        with tqdm(total=len(rounds), disable=not show, unit="round",
+                  desc="fleet rounds") as bar:
+            for args in rounds:
+                results.append(self.run(proto, *args))
+                rep = self.last_report
+                bar.set_postfix(clients=len(rep.participants), up=rep.bytes_up,
+                                down=rep.bytes_down, refresh=False)
+                bar.update(1)
+        return results
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+def _parse_port_line(line: bytes) -> Optional[str]:
+    line = line.strip()
+    if not line.startswith(b"{"):
+        return None
+    try:
+        info = json.loads(line)
+    except ValueError:
+        return None
+    address = info.get("listening")
+    return address if isinstance(address, str) else None
+
+
+def _terminate(procs: list, grace_s: float) -> None:
+    """SIGTERM each process group, wait up to `grace_s`, then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)  # the device leads its own session and group
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+
+def _param_items(args: Sequence, kwargs: dict, param) -> list:
+    """(value, type, where) of each top-level argument, following run_computation."""
+    if param is None:
+        return []
+    if isinstance(param, federated_language.StructType):
+        items = list(param.items())
+        out = [(a, t, ("args", i)) for i, (a, (_, t)) in enumerate(zip(args, items))]
+        for name, t in items[len(args):]:
+            if name in kwargs:
+                out.append((kwargs[name], t, ("kwargs", name)))
+        return out
+    return [(args[0], param, ("args", 0))] if args else []
+
+
+def _is_clients(t) -> bool:
+    return (isinstance(t, federated_language.FederatedType)
+            and t.placement is federated_language.CLIENTS and not t.all_equal)
+
+
+def _leading_sizes(value, t, out: list) -> None:
+    import jax
+
+    if _is_clients(t):
+        out.extend(int(np.shape(leaf)[0]) for leaf in jax.tree_util.tree_leaves(value))
+    elif isinstance(t, federated_language.StructType):
+        for i, (name, tt) in enumerate(t.items()):
+            child = value.get(name) if isinstance(value, dict) else (
+                value[i] if isinstance(value, (list, tuple)) else None)
+            if child is not None:
+                _leading_sizes(child, tt, out)
+
+
+def _population(args: Sequence, kwargs: dict, param) -> Optional[int]:
+    sizes: list = []
+    for value, t, _ in _param_items(args, kwargs, param):
+        _leading_sizes(value, t, sizes)
+    if not sizes:
+        return None
+    if len(set(sizes)) > 1:
+        raise FleetError(
+            f"CLIENTS arguments disagree on the number of clients (leading axes "
+            f"{sorted(set(sizes))}); give every CLIENTS tensor one row per client")
+    return sizes[0]
+
+
+def _select(value, t, chosen: np.ndarray):
+    import jax
+
+    if _is_clients(t):
+        return jax.tree_util.tree_map(lambda leaf: np.asarray(leaf)[chosen], value)
+    if isinstance(t, federated_language.StructType):
+        if isinstance(value, dict):
+            types = dict(t.items())
+            return {k: _select(v, types[k], chosen) if k in types else v
+                    for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            types = [tt for _, tt in t.items()]
+            picked = [_select(v, tt, chosen) for v, tt in zip(value, types)]
+            return type(value)(picked) if isinstance(value, tuple) else picked
+    return value
+
+
+def _select_clients(args: Sequence, kwargs: dict, param, chosen: np.ndarray):
+    args, kwargs = list(args), dict(kwargs)
+    for value, t, (where, key) in _param_items(args, kwargs, param):
+        picked = _select(value, t, chosen)
+        if where == "args":
+            args[key] = picked
+        else:
+            kwargs[key] = picked
+    return args, kwargs

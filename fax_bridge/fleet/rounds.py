@@ -1,0 +1,131 @@
+"""Who takes part in a round: seeded cohort sampling, dropout, stragglers and a deadline.
+
+`plan_round` is a pure function of the policy, the population size and the round
+number, so a rerun with the same seed makes the same choices. Clients that drop out or
+whose emulated delay exceeds the round deadline do not report; the round runs on the
+rest (the participants), in ascending population order. `RoundReport` records what
+happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from fax_bridge.errors import FleetError
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundPolicy:
+    """Per-round behaviour of a simulated fleet.
+
+    Attributes:
+      cohort_size: clients sampled (without replacement) from the population each round;
+        None takes everyone.
+      dropout: probability that a sampled client drops out (does not report).
+      straggler_delay_s: mean of the exponential delay each sampled client adds before
+        it reports; 0 for none.
+      round_deadline_s: clients whose delay exceeds this are late and do not report;
+        None waits for everyone.
+      min_clients: the round fails (FleetError) when fewer clients report.
+      seed: seeds every random choice, together with the round number.
+      emulate_delays: devices really wait for their slowest reporting client's delay.
+    """
+
+    cohort_size: Optional[int] = None
+    dropout: float = 0.0
+    straggler_delay_s: float = 0.0
+    round_deadline_s: Optional[float] = None
+    min_clients: int = 1
+    seed: int = 0
+    emulate_delays: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.dropout < 1.0:
+            raise FleetError(f"dropout={self.dropout} must lie in [0, 1)")
+        if self.cohort_size is not None and self.cohort_size < 1:
+            raise FleetError(f"cohort_size={self.cohort_size} must be at least 1 (or None)")
+        if self.straggler_delay_s < 0:
+            raise FleetError(f"straggler_delay_s={self.straggler_delay_s} must be >= 0")
+        if self.round_deadline_s is not None and self.round_deadline_s <= 0:
+            raise FleetError(f"round_deadline_s={self.round_deadline_s} must be > 0 (or None)")
+        if self.min_clients < 0:
+            raise FleetError(f"min_clients={self.min_clients} must be >= 0")
+
+
+@dataclasses.dataclass
+class RoundPlan:
+    """The clients of one round, as population indices (ascending)."""
+
+    cohort: list
+    dropped: list
+    late: list
+    participants: list
+    delays_s: dict  # population index -> emulated delay, for every cohort client
+
+
+@dataclasses.dataclass
+class RoundReport:
+    """What happened in one round on the fleet."""
+
+    round: int
+    population: int
+    cohort: list
+    dropped: list
+    late: list
+    participants: list
+    delays_s: dict
+    devices: int
+    preaggregate: bool
+    wall_s: float = 0.0
+    compute_s: float = 0.0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    payload_down: int = 0
+    payload_up: int = 0
+    rpcs: int = 0
+    error: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        return (f"round {self.round}: {len(self.participants)}/{len(self.cohort)} clients "
+                f"reported ({len(self.dropped)} dropped, {len(self.late)} late) in "
+                f"{self.wall_s:.3f}s; {self.bytes_down} B down, {self.bytes_up} B up")
+
+
+def plan_round(policy: RoundPolicy, population: int, round_index: int) -> RoundPlan:
+    """Samples the cohort and decides dropouts and delays of round `round_index`."""
+    if population < 0:
+        raise FleetError(f"population {population} must be >= 0")
+    rng = np.random.default_rng([policy.seed, round_index])
+    size = population if policy.cohort_size is None else policy.cohort_size
+    if size > population:
+        raise FleetError(
+            f"cohort_size={size} exceeds the population of {population} clients; lower "
+            "cohort_size or place more clients")
+    cohort = sorted(int(i) for i in rng.choice(population, size=size, replace=False))
+    drops = rng.random(size) < policy.dropout
+    delays = (rng.exponential(policy.straggler_delay_s, size) if policy.straggler_delay_s > 0
+              else np.zeros(size))
+    late_mask = (delays > policy.round_deadline_s if policy.round_deadline_s is not None
+                 else np.zeros(size, bool))
+    dropped = [c for c, d in zip(cohort, drops) if d]
+    late = [c for c, d, l in zip(cohort, drops, late_mask) if l and not d]
+    participants = [c for c, d, l in zip(cohort, drops, late_mask) if not d and not l]
+    return RoundPlan(cohort=cohort, dropped=dropped, late=late, participants=participants,
+                     delays_s={c: float(t) for c, t in zip(cohort, delays)})
+
+
+def check_min_clients(policy: RoundPolicy, plan: RoundPlan, round_index: int) -> None:
+    """Raises FleetError when fewer than `min_clients` clients report."""
+    if len(plan.participants) < policy.min_clients:
+        raise FleetError(
+            f"round {round_index}: only {len(plan.participants)} of {len(plan.cohort)} "
+            f"sampled clients reported ({len(plan.dropped)} dropped out, {len(plan.late)} "
+            f"missed the {policy.round_deadline_s}s deadline) but min_clients="
+            f"{policy.min_clients}; lower min_clients or dropout, raise cohort_size or "
+            "round_deadline_s")
