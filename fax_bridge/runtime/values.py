@@ -288,10 +288,12 @@ def args_from_npz(npz: Mapping[str, np.ndarray],
     prefix = "" if top_struct else ARG_KEY
     wanted = {k for k, _ in _npz_keys(parameter_type, prefix)}
     extra = sorted(set(npz) - wanted)
-    if extra:
+    missing = sorted(wanted - set(npz))
+    if missing or extra:
         raise ComputationError(
-            f"the npz file holds keys {extra} that the parameter {parameter_type} does not "
-            f"have; expected exactly {sorted(wanted)}")
+            f"the npz file does not fit the parameter {parameter_type}: no key "
+            f"{', '.join(f'`{k}`' for k in missing) or '(none missing)'}; unexpected keys "
+            f"{extra}; expected exactly {sorted(wanted)}")
     return from_pytree(_tree_from_npz(npz, parameter_type, prefix), parameter_type)
 
 

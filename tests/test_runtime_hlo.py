@@ -1,0 +1,36 @@
+"""Tests of fax_bridge.runtime.hlo: HloModuleProto bytes compiled and run on numpy arrays."""
+
+import jax
+import numpy as np
+import pytest
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import hlo
+
+
+def _hlo(fn, *specs):
+    return jax.jit(fn, keep_unused=True).lower(*specs).compiler_ir(
+        "hlo").as_serialized_hlo_module_proto()
+
+
+def test_signature_and_call():
+    exe = hlo.compile_hlo(_hlo(lambda a, b: (a @ b, b.sum()),
+                               np.zeros((2, 3), np.float32), np.zeros((3, 4), np.float32)))
+    assert [p.shape for p in exe.parameters] == [(2, 3), (3, 4)]
+    assert [str(r) for r in exe.results] == ["float32[2, 4]", "float32[]"]
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.ones((3, 4), np.float32)
+    prod, total = exe([a, b])
+    np.testing.assert_allclose(prod, a @ b)
+    assert total == 12.0
+
+
+def test_unused_parameters_are_kept_and_checked():
+    exe = hlo.compile_hlo(_hlo(lambda a, unused: a + 1, np.zeros(2, np.int32),
+                               np.zeros(5, np.float32)))
+    assert len(exe.parameters) == 2
+    np.testing.assert_array_equal(exe([np.array([1, 2]), np.zeros(5)])[0], [2, 3])
+    with pytest.raises(ComputationError, match="takes 2 parameters"):
+        exe([np.array([1, 2])])
+    with pytest.raises(ComputationError, match=r"parameter 1 expects float32\[5\]"):
+        exe([np.array([1, 2]), np.zeros(4)])

@@ -1,0 +1,101 @@
+"""Tests of fax_bridge.runtime.values: pytree and npz conversions, and type checks."""
+
+import federated_language as fl
+import numpy as np
+import pytest
+from federated_language.common_libs import structure
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import values
+
+F32 = np.float32
+V2 = fl.TensorType(F32, [2])
+
+
+def clients(t):
+    return fl.FederatedType(t, fl.CLIENTS)
+
+
+def server(t):
+    return fl.FederatedType(t, fl.SERVER)
+
+
+def test_dicts_become_named_structs_in_type_order():
+    t = fl.StructType([("b", V2), ("a", np.int32)])
+    v = values.to_local({"a": 3, "b": [1.0, 2.0]}, t)
+    assert structure.name_list(v) == ["b", "a"]
+    assert v.b.dtype == F32 and v.a.dtype == np.int32
+    assert values.local_to_pytree(v) == {"b": pytest.approx(np.array([1.0, 2.0])),
+                                         "a": 3}
+
+
+def test_tuples_are_unnamed_structs_and_round_trip():
+    t = fl.StructType([(None, V2), (None, fl.StructType([("k", np.int32)]))])
+    v = values.to_local(([1, 2], {"k": 5}), t)
+    back = values.local_to_pytree(v)
+    assert isinstance(back, tuple) and back[1] == {"k": 5}
+    np.testing.assert_array_equal(back[0], [1.0, 2.0])
+
+
+def test_clients_values_unstack_and_stack():
+    t = fl.StructType([("x", clients(fl.StructType([("w", V2), ("n", np.int32)]))),
+                       ("s", server(F32))])
+    stacked = {"x": {"w": np.arange(6, dtype=F32).reshape(3, 2), "n": np.arange(3)},
+               "s": 1.0}
+    v = values.from_pytree(stacked, t)
+    assert isinstance(v.x, list) and len(v.x) == 3
+    np.testing.assert_array_equal(v.x[1].w, [2.0, 3.0])
+    assert values.num_clients_of(v, t) == 3
+    back = values.to_pytree(v, t)
+    np.testing.assert_array_equal(back["x"]["w"], stacked["x"]["w"])
+    np.testing.assert_array_equal(back["x"]["n"], np.arange(3))
+
+
+def test_errors_name_path_expected_and_actual():
+    t = fl.StructType([("x", fl.StructType([(None, V2), ("z", np.int32)]))])
+    with pytest.raises(ComputationError, match=r"`x\.0`: expected shape \[2\].*float32"
+                                               r".*got float64\[3\]"):
+        values.to_local({"x": (np.zeros(3), 1)}, t)
+    with pytest.raises(ComputationError, match=r"`x\.z`: expected dtype int32"):
+        values.to_local({"x": (np.zeros(2), 1.5)}, t)
+    with pytest.raises(ComputationError, match=r"`x`: expected 2 elements"):
+        values.to_local({"x": (np.zeros(2),)}, t)
+    with pytest.raises(ComputationError, match=r"missing \['x'\], unexpected \['y'\]"):
+        values.to_local({"y": 1}, t)
+    with pytest.raises(ComputationError, match="expected a tensor"):
+        values.to_local({"x": ({"a": 1}, 1)}, t)
+    with pytest.raises(ComputationError, match="leading clients axis differs"):
+        values.from_pytree({"a": np.zeros((2, 2)), "b": np.zeros((3, 2))},
+                           clients(fl.StructType([("a", V2), ("b", V2)])))
+
+
+def test_npz_keys_follow_element_names_and_indices():
+    t = fl.StructType([("x", clients(V2)), (None, server(fl.StructType([("m", F32)]))),
+                       ("lr", server(F32))])
+    npz = {"x": np.ones((4, 2), F32), "1.m": np.float32(2.0), "lr": np.float32(0.1)}
+    arg = values.args_from_npz(npz, t)
+    assert len(arg[0]) == 4 and arg[1].m == 2.0
+    out = values.result_to_npz(arg, t)
+    assert sorted(out) == ["1.m", "lr", "x"]
+    np.testing.assert_array_equal(out["x"], npz["x"])
+
+
+def test_npz_single_tensor_uses_arg_and_result_keys():
+    arg = values.args_from_npz({"arg": np.ones((3, 2), F32)}, clients(V2))
+    assert len(arg) == 3
+    assert sorted(values.result_to_npz(np.float32(1.0), server(F32))) == ["result"]
+    with pytest.raises(ComputationError, match="no key `arg`"):
+        values.args_from_npz({"x": np.ones(2)}, server(V2))
+    with pytest.raises(ComputationError, match=r"keys \['extra'\]"):
+        values.args_from_npz({"arg": np.ones(2, F32), "extra": np.ones(1)}, server(V2))
+    assert values.args_from_npz({}, None) is None
+
+
+def test_check_value_for_per_client_lists():
+    t = clients(V2)
+    checked = values.check_value([np.zeros(2), [1, 2]], t)
+    assert all(c.dtype == F32 for c in checked)
+    with pytest.raises(ComputationError, match=r"\[client 1\]"):
+        values.check_value([np.zeros(2), np.zeros(3)], t)
+    with pytest.raises(ComputationError, match="one member per client"):
+        values.check_value(np.zeros((2, 2)), t)
