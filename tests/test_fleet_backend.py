@@ -1,0 +1,138 @@
+"""GrpcClientsBackend against LocalClientsBackend, on real device processes (127.0.0.1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import sample_computations as sc
+from fax_bridge.fleet.launcher import LocalFleet
+from fax_bridge.fleet.rounds import RoundPolicy
+from fax_bridge.runtime import interpreter
+from fax_bridge.runtime.local_backend import LocalClientsBackend
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(scope="module")
+def fleet2():
+    with LocalFleet(devices=2) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def fleet3():
+    with LocalFleet(devices=3) as fleet:
+        yield fleet
+
+
+def _local(proto, *args):
+    return interpreter.run_computation(proto, *args, backend=LocalClientsBackend())
+
+
+def _run(fleet, proto, *args, preaggregate=True, **kw):
+    fleet.backend.preaggregate = preaggregate
+    try:
+        return fleet.run(proto, *args, **kw)
+    finally:
+        fleet.backend.preaggregate = True
+
+
+def test_health_names_every_device(fleet2):
+    answers = fleet2.backend.health()
+    assert [a.status for a in answers] == ["SERVING", "SERVING"]
+    assert [a.pid for a in answers] == fleet2.pids
+    assert {a.protocol for a in answers} == {"fax_bridge.v1"}
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean", "min", "max"])
+def test_map_then_aggregate_equals_local_backend(fleet2, kind):
+    proto = sc.scaled_aggregate((4,), kind)
+    xs = RNG.integers(-50, 50, size=(9, 4)).astype(np.float32)  # sums exact in any order
+    s = np.array([1, -2, 3, 0.5], np.float32)
+    np.testing.assert_array_equal(fleet2.run(proto, xs, s), _local(proto, xs, s))
+    xs = RNG.normal(size=(9, 4)).astype(np.float32)
+    np.testing.assert_allclose(fleet2.run(proto, xs, s), _local(proto, xs, s), rtol=1e-6)
+
+
+def test_clients_results_and_several_maps_equal_local_backend(fleet2):
+    proto = sc.linear_regression_step(features=5, examples=6)
+    w = RNG.normal(size=5).astype(np.float32)
+    x = RNG.normal(size=(7, 6, 5)).astype(np.float32)
+    y = RNG.normal(size=(7, 6)).astype(np.float32)
+    got, want = fleet2.run(proto, w, x, y), _local(proto, w, x, y)
+    np.testing.assert_array_equal(got["losses"], want["losses"])  # per-client, no reduction
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+
+
+def test_same_bits_for_any_device_count_with_or_without_preaggregation(fleet2, fleet3):
+    proto = sc.scaled_aggregate((64,), "mean")
+    xs = (RNG.normal(size=(23, 64)) * 10.0 ** RNG.integers(-4, 4, size=(23, 1)))
+    xs = xs.astype(np.float32)
+    s = RNG.normal(size=64).astype(np.float32)
+    results = [_run(fleet, proto, xs, s, preaggregate=pre)
+               for fleet in (fleet2, fleet3) for pre in (True, False)]
+    assert len({r.tobytes() for r in results}) == 1
+    np.testing.assert_allclose(results[0], _local(proto, xs, s), rtol=1e-5)
+
+
+def test_preaggregation_makes_uplink_scale_with_devices_not_clients(fleet2):
+    proto = sc.scaled_aggregate((256,), "sum")
+    s = np.ones(256, np.float32)
+    up = {}
+    for n in (8, 32):
+        xs = RNG.integers(0, 4, size=(n, 256)).astype(np.float32)
+        for pre in (True, False):
+            _, rep = _run(fleet2, proto, xs, s, preaggregate=pre, report=True)
+            up[n, pre] = rep.bytes_up
+    assert up[32, False] > 3 * up[8, False]       # every client's result comes back
+    assert up[32, True] < 1.5 * up[8, True]       # one partial per device
+    assert up[32, True] < up[32, False] / 4
+
+
+def test_tensors_above_grpc_default_message_size(fleet2):
+    proto = sc.scaled_aggregate((1 << 21,), "sum")  # 8 MiB per client
+    xs = RNG.integers(-8, 8, size=(2, 1 << 21)).astype(np.float32)
+    s = np.full(1 << 21, 0.5, np.float32)
+    want = (xs * s).sum(0)
+    for pre in (True, False):
+        got, rep = _run(fleet2, proto, xs, s, preaggregate=pre, report=True)
+        np.testing.assert_array_equal(got, want)
+        assert rep.payload_down >= xs.nbytes
+    assert rep.payload_up >= xs.nbytes  # without pre-aggregation both 8 MiB results came up
+
+
+def test_rounds_sample_drop_and_straggle_deterministically(fleet2):
+    proto = sc.scaled_aggregate((3,), "sum")
+    xs = RNG.integers(0, 100, size=(30, 3)).astype(np.float32)
+    s = np.ones(3, np.float32)
+    policy = RoundPolicy(cohort_size=12, dropout=0.25, straggler_delay_s=0.004,
+                         round_deadline_s=0.006, seed=5)
+    reports = []
+    for _ in range(2):
+        fleet2.policy, fleet2._round = policy, 0
+        result, rep = fleet2.run(proto, xs, s, report=True)
+        np.testing.assert_array_equal(result, xs[rep.participants].sum(0))
+        reports.append(rep)
+    a, b = reports
+    assert (a.cohort, a.dropped, a.late, a.participants) == (
+        b.cohort, b.dropped, b.late, b.participants)
+    assert len(a.cohort) == 12 and a.dropped and a.late
+    fleet2.policy = RoundPolicy(dropout=0.9, min_clients=10, seed=1)
+    with pytest.raises(FleetError, match="min_clients=10"):
+        fleet2.run(proto, xs, s)
+    assert fleet2.last_report.error and "min_clients" in fleet2.last_report.error
+    fleet2.policy = RoundPolicy()
+
+
+def test_device_errors_surface_as_fleet_errors(fleet2):
+    import federated_language as fl
+
+    backend = fleet2.backend
+    value = backend.put(fl.TensorType(np.float32), [np.float32(1.0)] * 3)
+    backend.collect()
+    stale = type(value)(backend, 10**9, 3, value.type_signature)  # a handle never placed
+    with pytest.raises(FleetError, match="no value with handle"):
+        backend.get(stale)

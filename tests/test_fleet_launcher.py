@@ -1,0 +1,86 @@
+"""Device processes: the CLI's port line, and no process outliving its LocalFleet."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fax_bridge.fleet import device, sample_computations as sc
+from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet.launcher import LocalFleet
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, timeout_s=10.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def test_register_adds_the_device_subcommand():
+    parser = argparse.ArgumentParser()
+    device.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["device", "--listen", "127.0.0.1:0", "--device-id", "d7"])
+    assert args.func is not None and args.listen == "127.0.0.1:0" and args.device_id == "d7"
+
+
+def test_device_process_prints_its_port_and_serves():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fax_bridge.fleet.device", "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert info["listening"] == f"127.0.0.1:{info['port']}" and info["pid"] == proc.pid
+        with GrpcClientsBackend([info["listening"]], connect_timeout_s=30) as backend:
+            assert backend.health()[0].status == "SERVING"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0  # SIGTERM is a clean shutdown
+        proc.stdout.close()
+
+
+def test_no_device_outlives_the_fleet_even_after_an_exception():
+    proto = sc.scaled_aggregate((2,), "sum")
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with LocalFleet(devices=2) as fleet:
+            pids = fleet.pids
+            assert all(_alive(p) for p in pids)
+            got = fleet.run(proto, np.ones((4, 2), np.float32), np.ones(2, np.float32))
+            np.testing.assert_array_equal(got, [4.0, 4.0])
+            raise RuntimeError("inside the block")
+    assert _wait_gone(pids) == []
+    with LocalFleet(devices=1) as fleet:
+        pids = fleet.pids
+    assert _wait_gone(pids) == []
+
+
+def test_devices_exit_when_their_launcher_is_killed():
+    script = ("from fax_bridge.fleet.launcher import LocalFleet\n"
+              "f = LocalFleet(devices=1).start()\n"
+              "print(f.pids[0], flush=True)\n"
+              "import time; time.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        pid = int(launcher.stdout.readline())
+        assert _alive(pid)
+    finally:
+        os.killpg(launcher.pid, 9)  # no atexit, no __exit__: only the device's watchdog
+        launcher.wait(timeout=10)
+        launcher.stdout.close()
+    assert _wait_gone([pid]) == []

@@ -1,0 +1,40 @@
+"""Round planning: seeded cohorts, dropout, straggler deadlines and min_clients."""
+
+from __future__ import annotations
+
+import pytest
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet.rounds import RoundPolicy, check_min_clients, plan_round
+
+
+def test_same_seed_and_round_give_the_same_plan():
+    policy = RoundPolicy(cohort_size=7, dropout=0.3, straggler_delay_s=0.5,
+                         round_deadline_s=0.4, seed=11)
+    first, again = plan_round(policy, 50, 3), plan_round(policy, 50, 3)
+    assert first == again
+    assert first.cohort == sorted(first.cohort) and len(first.cohort) == 7
+    assert set(first.participants) | set(first.dropped) | set(first.late) == set(first.cohort)
+    assert not set(first.dropped) & set(first.late)
+    other_rounds = {tuple(plan_round(policy, 50, r).cohort) for r in range(6)}
+    assert len(other_rounds) > 1
+
+
+def test_late_clients_are_those_past_the_deadline():
+    policy = RoundPolicy(straggler_delay_s=1.0, round_deadline_s=0.5, seed=2)
+    plan = plan_round(policy, 40, 0)
+    assert plan.late and plan.participants
+    assert all(plan.delays_s[c] > 0.5 for c in plan.late)
+    assert all(plan.delays_s[c] <= 0.5 for c in plan.participants)
+
+
+def test_min_clients_and_bad_policies_raise_fleet_errors():
+    policy = RoundPolicy(dropout=0.9, min_clients=5, seed=0)
+    plan = plan_round(policy, 10, 0)
+    assert len(plan.participants) < 5
+    with pytest.raises(FleetError, match="min_clients=5"):
+        check_min_clients(policy, plan, 0)
+    with pytest.raises(FleetError, match="exceeds the population"):
+        plan_round(RoundPolicy(cohort_size=11), 10, 0)
+    with pytest.raises(FleetError, match="dropout"):
+        RoundPolicy(dropout=1.0)
