@@ -1,1 +1,33 @@
-"""Runtime: interprets federated_language Computation protos (coordinator side)."""
+"""Runtime: interprets federated_language Computation protos (coordinator side).
+
+Modules: `interpreter` (evaluate / run_computation), `local_eval` (compile_local for
+local parts, also used by device servers), `values` (pytree and npz conversions),
+`backend` (the ClientsBackend contract), `local_backend` (in-process clients),
+`reductions` (ordered aggregations), `hlo` (HLO compilation), `xla_builder` (Xla
+computations from JAX functions). The names below load their module on first use.
+"""
+
+import importlib
+
+_LAZY = {
+    "evaluate": "interpreter",
+    "run_computation": "interpreter",
+    "computation_type": "interpreter",
+    "compile_local": "local_eval",
+    "content_hash": "local_eval",
+    "args_from_npz": "values",
+    "result_to_npz": "values",
+    "LocalClientsBackend": "local_backend",
+    "ClientsBackend": "backend",
+    "ClientsValue": "backend",
+    "xla_computation": "xla_builder",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fax_bridge.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"fax_bridge.runtime.{module}"), name)
