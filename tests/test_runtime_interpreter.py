@@ -266,6 +266,10 @@ def test_data_names_an_input():
     np.testing.assert_array_equal(interpreter.evaluate(data, data={"weights": v}), v)
     with pytest.raises(ComputationError, match="weights"):
         interpreter.evaluate(data)
+    inline = computation_pb2.Computation(type=server(V3).to_proto())
+    inline.data.content.type_url = "type.googleapis.com/some.Dataset"
+    with pytest.raises(ComputationError, match="by uri"):
+        interpreter.evaluate(inline)
 
 
 def test_thousand_clients_through_the_local_backend():

@@ -171,6 +171,10 @@ class _Interpreter:
         return _PlacementValue(comp.placement.uri)
 
     def _eval_data(self, comp, env):
+        if comp.data.WhichOneof("data") != "uri":
+            raise ComputationError(
+                "only Data computations that name an input by uri are supported (this one "
+                "holds inline content); pass the value with evaluate(..., data={uri: value})")
         uri = comp.data.uri
         if uri not in self.data:
             raise ComputationError(
