@@ -24,6 +24,7 @@ from fax_bridge.errors import (
 )
 from fax_bridge.local import clients_mesh, jit_program, to_hlo
 from fax_bridge.placements import Placement
+from fax_bridge.tff.export import export_tff, load_computation, save_computation
 from fax_bridge.tracing import FederatedComputation, trace
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "PlacementError",
     "Program",
     "clients_mesh",
+    "export_tff",
     "federated_broadcast",
     "federated_map_clients",
     "federated_map_server",
@@ -45,7 +47,9 @@ __all__ = [
     "federated_sum",
     "federated_weighted_mean",
     "jit_program",
+    "load_computation",
     "program",
+    "save_computation",
     "to_hlo",
     "trace",
 ]

@@ -1,0 +1,525 @@
+"""Export of a traced federated program as a TFF building-block `Computation` proto.
+
+The placement-annotated jaxpr of `fax_bridge.trace` is cut into *stages* and
+*communication*:
+
+- every equation is given a depth, the number of federated communications (broadcast,
+  sum, mean, weighted mean) on its longest input path;
+- the local equations of one placement and one depth form one stage, lowered to one
+  `Xla` computation (consecutive work at a placement is fused, not one computation per
+  equation) and applied with `federated_map` (CLIENTS, per-client HLO without the clients
+  axis) or `federated_apply` (SERVER), their inputs zipped with `federated_zip_at_*`;
+- each communication becomes its intrinsic; constants are folded into the HLO, or
+  placed with `federated_value_at_*` / `federated_eval_at_*` where they are used
+  directly by an intrinsic.
+
+The result is `Lambda(arg -> Block(locals, result))`, type-checked by federated_language's
+building blocks as it is built. Pytrees become TFF structs: dict keys name elements,
+tuples and lists are unnamed; an argument (or result) whose leaves share one placement is
+one federated value of a struct, e.g. `{<x=float32[5,3],y=int32[5]>}@CLIENTS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Optional, Sequence
+
+import federated_language
+import jax
+import numpy as np
+from federated_language.compiler import building_block_factory as factory
+from federated_language.compiler import building_blocks as bb
+from federated_language.proto import computation_pb2
+from jax._src import core
+
+from fax_bridge import primitives as P
+from fax_bridge import tracing
+from fax_bridge.errors import ExportError
+from fax_bridge.placements import Placement
+from fax_bridge.tff import types as tff_types
+from fax_bridge.tff import xla as tff_xla
+
+S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
+
+_COMMUNICATION = (P.federated_broadcast_p, P.federated_sum_p, P.federated_mean_p,
+                  P.federated_weighted_mean_p)
+
+# Per-client equations whose UNPLACED operands of full shape are per-client data (one
+# row per client); for the others (dot_general's right operand, pad values, scalars)
+# an UNPLACED operand is the same for every client.
+_ROW_OPERANDS = tracing.ELEMENTWISE | {"concatenate"}
+
+
+@dataclasses.dataclass
+class _Group:
+    """A federated value held in a Block local: its member is a pytree of tensors."""
+
+    ref: bb.ComputationBuildingBlock
+    placement: Placement
+    member_avals: Any  # pytree of ShapedArray (member shapes, no clients axis)
+    leaf_vars: list  # jaxpr vars, in the member's flatten (= TFF depth-first) order
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.leaf_vars) == 1 and not jax.tree_util.tree_structure(
+            self.member_avals).children()
+
+
+def _member(aval, placement: Placement):
+    return P.member_aval(aval, P.CLIENTS if placement is C else P.SERVER)
+
+
+def _fed_type(member_type, placement: Placement) -> federated_language.FederatedType:
+    return tff_types.federated(member_type, placement.value)
+
+
+def _children(node) -> Optional[list]:
+    """One level of a pytree node as (name or None, child); None for a leaf."""
+    if isinstance(node, int):
+        return None
+    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    out = []
+    for path, child in flat:
+        (key,) = path
+        if isinstance(key, jax.tree_util.DictKey):
+            out.append((str(key.key), child))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            out.append((key.name, child))
+        else:
+            out.append((None, child))
+    return out
+
+
+def _fix_hint(v: tracing.Violation) -> str:
+    name = v.eqn.primitive.name
+    if name in ("slice", "gather", "dynamic_slice", "squeeze", "index_in_dim"):
+        return ("it reads the slice of particular clients. Compute per client inside "
+                "federated_map_clients, or aggregate with federated_mean/federated_sum.")
+    if name.startswith("reduce_") or name in ("argmax", "argmin"):
+        return ("it reduces over the clients axis. Use federated_sum, federated_mean or "
+                "federated_weighted_mean to aggregate.")
+    return ("cross-client work must go through the federated primitives; compute per "
+            "client inside federated_map_clients and aggregate with federated_sum/mean.")
+
+
+class _Exporter:
+    def __init__(self, comp: tracing.FederatedComputation, arg_names: Sequence[Optional[str]]):
+        self.comp = comp
+        self.arg_names = list(arg_names)
+        self.locals: list[tuple[str, bb.ComputationBuildingBlock]] = []
+        self.where: dict = {}  # var -> (group, index path inside the member)
+        self.singles: dict = {}  # var -> group whose member is that var alone
+        self.consts: dict = {}  # UNPLACED var -> concrete value
+        self._count = 0
+
+    # ----------------------------------------------------------------- helpers
+
+    def _local(self, value: bb.ComputationBuildingBlock, prefix: str) -> bb.Reference:
+        name = f"{prefix}{self._count}"
+        self._count += 1
+        self.locals.append((name, value))
+        return bb.Reference(name, value.type_signature)
+
+    def _placement(self, v) -> Placement:
+        return self.comp.placement_of(v)
+
+    def _fail(self, eqn, message: str):
+        raise ExportError(f"{eqn.primitive.name} at {tracing.eqn_location(eqn)}: {message}")
+
+    def _register(self, group: _Group) -> _Group:
+        leaves = tff_types.leaves_with_paths(tff_types.pytree_type(group.member_avals)) \
+            if not group.is_single else None
+        if group.is_single:
+            self.where.setdefault(group.leaf_vars[0], (group, ()))
+            self.singles.setdefault(group.leaf_vars[0], group)
+        else:
+            for var, leaf in zip(group.leaf_vars, leaves):
+                self.where.setdefault(var, (group, tuple(leaf.index_path)))
+        return group
+
+    # ----------------------------------------------------------------- checks
+
+    def check_exportable(self) -> None:
+        if self.comp.violations:
+            v = self.comp.violations[0]
+            raise ExportError(
+                f"cannot export: {v.eqn.primitive.name} at {v.location} {v.reason}; "
+                f"{_fix_hint(v)}")
+        for eqn in self.comp.jaxpr.jaxpr.eqns:
+            if eqn.primitive is P.federated_map_p:
+                continue
+            for sub in core.jaxprs_in_params(eqn.params):
+                if tracing._clients_from_jaxpr(sub):
+                    self._fail(eqn, (
+                        "federated operations inside control flow cannot be exported: TFF "
+                        "has no loop or branch over federated values. Export one round and "
+                        "loop in Python around the runtime, or unroll the loop."))
+
+    # ----------------------------------------------------------------- constants
+
+    def fold_constants(self) -> None:
+        j = self.comp.jaxpr
+        for v, c in zip(j.jaxpr.constvars, j.consts):
+            self.consts[v] = np.asarray(c)
+        for eqn in j.jaxpr.eqns:
+            if all(self._placement(v) is U for v in eqn.outvars) and not any(
+                    self._placement(v) is not U for v in eqn.invars):
+                vals = [v.val if isinstance(v, core.Literal) else self.consts[v]
+                        for v in eqn.invars]
+                outs = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+                for v, o in zip(eqn.outvars, outs):
+                    self.consts[v] = np.asarray(o)
+
+    def _const_row(self, eqn, v):
+        value = self.consts[v]
+        if value.ndim == 0 or value.shape[0] != self.comp.clients:
+            return value
+        if not np.all(value == value[:1]):
+            self._fail(eqn, (
+                "a constant with one different row per client is used as client data; "
+                "pass it as a CLIENTS argument of the program instead."))
+        return value[0]
+
+    def _const_fn(self, value) -> bb.ComputationBuildingBlock:
+        proto = tff_xla.xla_computation(lambda: jax.numpy.asarray(value), None)
+        return bb.CompiledComputation(proto, name=f"const{self._count}")
+
+    # ----------------------------------------------------------------- parameter
+
+    def parameter(self):
+        comp = self.comp
+        leaves = list(range(len(comp.in_avals)))
+        tree = jax.tree_util.tree_unflatten(comp.in_tree, leaves)  # tuple of args
+        if not tree:
+            return None, None
+        if len(tree) == 1:
+            ptype = self._arg_type(tree[0])
+            ref = bb.Reference("arg", ptype)
+            self._bind_arg(tree[0], ref)
+            return "arg", ptype
+        names = [n if n and n not in ("arg",) else None for n in self.arg_names]
+        if len(set(n for n in names if n)) != len([n for n in names if n]):
+            names = [None] * len(tree)
+        elements = [(names[i] if i < len(names) else None, self._arg_type(sub))
+                    for i, sub in enumerate(tree)]
+        ptype = federated_language.StructType(elements)
+        ref = bb.Reference("arg", ptype)
+        for i, sub in enumerate(tree):
+            self._bind_arg(sub, bb.Selection(ref, index=i))
+        return "arg", ptype
+
+    def _leaf_placements(self, subtree) -> set:
+        return {self.comp.in_placements[i] for i in jax.tree_util.tree_leaves(subtree)}
+
+    def _member_avals(self, subtree):
+        return jax.tree_util.tree_map(
+            lambda i: _member(self.comp.in_avals[i], self.comp.in_placements[i]), subtree)
+
+    def _arg_type(self, subtree):
+        placements = self._leaf_placements(subtree)
+        if not jax.tree_util.tree_leaves(subtree):
+            return federated_language.StructType([])
+        if len(placements) == 1:
+            return _fed_type(tff_types.pytree_type(self._member_avals(subtree)),
+                             placements.pop())
+        return federated_language.StructType(
+            [(name, self._arg_type(child)) for name, child in _children(subtree)])
+
+    def _bind_arg(self, subtree, expr) -> None:
+        placements = self._leaf_placements(subtree)
+        if not jax.tree_util.tree_leaves(subtree):
+            return
+        if len(placements) == 1:
+            ref = self._local(expr, "_arg") if not isinstance(expr, bb.Reference) else expr
+            invars = self.comp.jaxpr.jaxpr.invars
+            self._register(_Group(ref, placements.pop(), self._member_avals(subtree),
+                                  [invars[i] for i in jax.tree_util.tree_leaves(subtree)]))
+            return
+        for i, (_, child) in enumerate(_children(subtree)):
+            self._bind_arg(child, bb.Selection(expr, index=i))
+
+    # ----------------------------------------------------------------- values
+
+    def single(self, v, placement: Placement, eqn) -> _Group:
+        """A group whose member is exactly `v` (selecting it out of a struct if needed)."""
+        if v in self.singles:
+            return self.singles[v]
+        if isinstance(v, core.Literal) or v in self.consts:
+            value = np.asarray(v.val) if isinstance(v, core.Literal) else self.consts[v]
+            if placement is C:
+                row = self._const_row(eqn, v) if not isinstance(v, core.Literal) else value
+                call = factory.create_federated_eval(self._const_fn(row), federated_language.CLIENTS)
+                aval = core.ShapedArray(np.shape(row), np.asarray(row).dtype)
+            else:
+                call = factory.create_federated_eval(self._const_fn(value), federated_language.SERVER)
+                aval = core.ShapedArray(np.shape(value), value.dtype)
+            group = _Group(self._local(call, "_c"), placement, aval, [v])
+            return self._register(group) if not isinstance(v, core.Literal) else group
+        group, path = self.where[v]
+        expr = group.ref
+        for index in path:
+            expr = factory.create_federated_getitem_call(expr, index)
+        single = _Group(self._local(expr, "_s"), group.placement,
+                        _member(v.aval, group.placement), [v])
+        self.singles[v] = single
+        return single
+
+    # ----------------------------------------------------------------- communication
+
+    def communicate(self, eqn) -> None:
+        prim = eqn.primitive
+        (out,) = eqn.outvars
+        if prim is P.federated_broadcast_p:
+            (x,) = eqn.invars
+            if isinstance(x, core.Literal) or x in self.consts:
+                value = np.asarray(x.val) if isinstance(x, core.Literal) else self.consts[x]
+                call = factory.create_federated_value(
+                    bb.Call(self._const_fn(value)), federated_language.CLIENTS)
+            else:
+                call = factory.create_federated_broadcast(self.single(x, S, eqn).ref)
+            placement = C
+        elif prim in (P.federated_sum_p, P.federated_mean_p):
+            (x,) = eqn.invars
+            value = self.single(x, C, eqn).ref
+            call = (factory.create_federated_sum(value) if prim is P.federated_sum_p
+                    else factory.create_federated_mean(value, None))
+            placement = S
+        else:
+            x, w = eqn.invars
+            if len(w.aval.shape) != 1:
+                self._fail(eqn, (
+                    "a weighted mean under an outer vmap has one weight per client and "
+                    "batch element; TFF weights are one scalar per client. Export the "
+                    "program before vmapping it."))
+            call = factory.create_federated_mean(self.single(x, C, eqn).ref,
+                                                 self.single(w, C, eqn).ref)
+            placement = S
+        self._register(_Group(self._local(call, "_f"), placement, _member(out.aval, placement),
+                              [out]))
+
+    # ----------------------------------------------------------------- stages
+
+    def stage(self, placement: Placement, eqns: list, needed_later: set) -> None:
+        produced = {v for e in eqns for v in e.outvars}
+        inputs: list = []
+        for e in eqns:
+            for v in e.invars:
+                if isinstance(v, core.Literal) or v in produced or v in self.consts:
+                    continue
+                if v not in inputs:
+                    inputs.append(v)
+        outputs = [v for e in eqns for v in e.outvars
+                   if v in needed_later and not isinstance(v, core.DropVar)]
+        if not outputs:
+            return
+        groups: list[_Group] = []
+        for v in inputs:
+            group, _ = self.where[v]
+            if all(group is not g for g in groups):
+                groups.append(group)
+
+        def run(member_arg):
+            env: dict = {}
+            values = (member_arg,) if len(groups) == 1 else member_arg
+            for group, value in zip(groups, values):
+                for var, leaf in zip(group.leaf_vars, jax.tree_util.tree_leaves(value)):
+                    env.setdefault(var, leaf)
+            for e in eqns:
+                self._eval_local(e, placement, env)
+            return [env[v] for v in outputs] if len(outputs) > 1 else env[outputs[0]]
+
+        if groups:
+            arg_avals = groups[0].member_avals if len(groups) == 1 else tuple(
+                g.member_avals for g in groups)
+            fn = tff_xla.xla_computation(run, arg_avals)
+            if len(groups) == 1:
+                arg = groups[0].ref
+            else:
+                arg = factory.create_federated_zip(bb.Struct([g.ref for g in groups]))
+            compiled = bb.CompiledComputation(fn, name=f"stage{self._count}")
+            call = (factory.create_federated_map(compiled, arg) if placement is C
+                    else factory.create_federated_apply(compiled, arg))
+        else:
+            fn = tff_xla.xla_computation(lambda: run(()), None)
+            compiled = bb.CompiledComputation(fn, name=f"stage{self._count}")
+            call = factory.create_federated_eval(
+                compiled, federated_language.CLIENTS if placement is C
+                else federated_language.SERVER)
+        member = [_member(v.aval, placement) for v in outputs]
+        self._register(_Group(self._local(call, "_l"), placement,
+                              member if len(member) > 1 else member[0], outputs))
+
+    def _eval_local(self, e, placement: Placement, env: dict) -> None:
+        per_client = placement is C
+        params = self.comp.per_client_params.get(id(e)) if per_client else None
+
+        def read(v, row: bool):
+            if isinstance(v, core.Literal):
+                return v.val
+            if v in env:
+                return env[v]
+            return self._const_row(e, v) if row else self.consts[v]
+
+        if e.primitive is P.federated_map_p:
+            inner = e.params["jaxpr"]
+            vals = [read(v, per_client) for v in e.invars]
+            outs = core.eval_jaxpr(inner.jaxpr, inner.consts, *vals)
+        elif per_client:
+            if params is None:
+                self._fail(e, "this operation on CLIENTS values has no per-client form.")
+            row = e.primitive.name in _ROW_OPERANDS
+            vals = [read(v, row and self._full_shape(v, e)) for v in e.invars]
+            if params.get("__identity__"):
+                outs = vals[:1]
+            else:
+                outs = e.primitive.bind(*vals, **e.primitive.get_bind_params(params))
+                outs = outs if e.primitive.multiple_results else [outs]
+        else:
+            vals = [read(v, False) for v in e.invars]
+            outs = e.primitive.bind(*vals, **e.primitive.get_bind_params(e.params))
+            outs = outs if e.primitive.multiple_results else [outs]
+        for v, o in zip(e.outvars, outs):
+            env[v] = o
+
+    @staticmethod
+    def _full_shape(v, e) -> bool:
+        return bool(v.aval.shape) and tuple(v.aval.shape) == tuple(e.outvars[0].aval.shape)
+
+    # ----------------------------------------------------------------- driver
+
+    def body(self) -> None:
+        j = self.comp.jaxpr.jaxpr
+        depth: dict = {}
+
+        def d(v):
+            return 0 if isinstance(v, core.Literal) else depth.get(v, 0)
+
+        units: dict = {}
+        comms: dict = {}
+        uses_after: dict = {}
+        for idx, eqn in enumerate(j.eqns):
+            for v in eqn.invars:
+                if not isinstance(v, core.Literal):
+                    uses_after.setdefault(v, []).append(idx)
+        for eqn in j.eqns:
+            outs_p = {self._placement(v) for v in eqn.outvars}
+            if outs_p == {U}:
+                continue
+            base = max([d(v) for v in eqn.invars if not isinstance(v, core.Literal)
+                        and self._placement(v) is not U] or [0])
+            if eqn.primitive in _COMMUNICATION:
+                for v in eqn.outvars:
+                    depth[v] = base + 1
+                comms.setdefault(base + 1, []).append(eqn)
+            else:
+                (placement,) = outs_p
+                for v in eqn.outvars:
+                    depth[v] = base
+                units.setdefault((placement, base), []).append(eqn)
+        max_depth = max([0] + [k[1] for k in units] + list(comms))
+        stage_of = {id(e): key for key, es in units.items() for e in es}
+        program_outs = {v for v in j.outvars if not isinstance(v, core.Literal)}
+        eqn_by_index = list(j.eqns)
+        for level in range(max_depth + 1):
+            for eqn in comms.get(level, []):
+                self.communicate(eqn)
+            for placement in (S, C):
+                eqns = units.get((placement, level), [])
+                if not eqns:
+                    continue
+                key = (placement, level)
+                needed = set()
+                for e in eqns:
+                    for v in e.outvars:
+                        if v in program_outs or any(
+                                stage_of.get(id(eqn_by_index[i])) != key
+                                for i in uses_after.get(v, [])):
+                            needed.add(v)
+                self.stage(placement, eqns, needed)
+
+    def result(self) -> bb.ComputationBuildingBlock:
+        comp = self.comp
+        outvars = list(comp.jaxpr.jaxpr.outvars)
+        tree = jax.tree_util.tree_unflatten(comp.out_tree, list(range(len(outvars))))
+
+        def placements_of(sub):
+            return {comp.out_placements[i] for i in jax.tree_util.tree_leaves(sub)}
+
+        def build(sub):
+            ps = placements_of(sub)
+            if isinstance(sub, int):
+                return self.single(outvars[sub], comp.out_placements[sub], None).ref
+            children = _children(sub)
+            if len(ps) == 1 and children:
+                struct = bb.Struct([(name, build(child)) for name, child in children])
+                return factory.create_federated_zip(struct)
+            return bb.Struct([(name, build(child)) for name, child in children])
+
+        return build(tree)
+
+
+def _arg_names(fn: Callable, count: int) -> list[Optional[str]]:
+    target = getattr(fn, "fn", fn)
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return [None] * count
+    names = [p.name for p in params
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:count]
+    return names + [None] * (count - len(names))
+
+
+def export_computation(comp: tracing.FederatedComputation,
+                       arg_names: Optional[Sequence[Optional[str]]] = None
+                       ) -> computation_pb2.Computation:
+    """Builds the TFF proto of a traced program (see the module docstring)."""
+    n_args = len(jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals)))))
+    exporter = _Exporter(comp, arg_names or [None] * n_args)
+    exporter.check_exportable()
+    exporter.fold_constants()
+    param_name, param_type = exporter.parameter()
+    exporter.body()
+    result = exporter.result()
+    block = bb.Block(exporter.locals, result) if exporter.locals else result
+    fn = bb.Lambda(param_name, param_type, block)
+    return fn.to_proto()
+
+
+def export_tff(fn: Callable, *args, placements: Any = None,
+               clients: Optional[int] = None) -> computation_pb2.Computation:
+    """Exports `fn(*args)` as a `federated_language` `Computation` proto.
+
+    `placements` is a pytree prefix of "server"/"clients" per positional argument
+    (default: all SERVER). Raises `fax_bridge.ExportError` for what TFF cannot express,
+    naming the equation, the user's source line and the fix.
+    """
+    comp = tracing.trace(fn, *args, placements=placements, clients=clients)
+    return export_computation(comp, _arg_names(fn, len(args)))
+
+
+def save_computation(proto: computation_pb2.Computation, path) -> None:
+    """Writes the serialized proto bytes (the wire format TFF reads) to `path`."""
+    if not isinstance(proto, computation_pb2.Computation):
+        raise TypeError(f"expected a federated_language Computation proto, got "
+                        f"{type(proto).__name__}.")
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+
+
+def load_computation(path) -> computation_pb2.Computation:
+    """Reads a serialized `Computation` proto written by `save_computation` or by TFF."""
+    from google.protobuf.message import DecodeError
+
+    with open(path, "rb") as f:
+        data = f.read()
+    proto = computation_pb2.Computation()
+    try:
+        proto.ParseFromString(data)
+    except DecodeError as e:
+        raise ExportError(f"{path} is not a serialized Computation proto: {e}") from e
+    if proto.WhichOneof("computation") is None:
+        raise ExportError(f"{path} holds no computation (empty or not a Computation proto).")
+    return proto

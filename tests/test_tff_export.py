@@ -1,0 +1,268 @@
+"""Export to TFF building blocks: the mapping table, type signatures, fusion, gradients,
+errors, and that the exported protos compute what the local path computes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from federated_language.compiler import building_blocks as bb
+from federated_language.proto import computation_pb2
+
+import fax_bridge as fb
+from fax_bridge.runtime.interpreter import run_computation
+from fax_bridge.tff import xla as tff_xla
+
+N = 5
+
+
+def block(proto):
+    return bb.ComputationBuildingBlock.from_proto(proto)
+
+
+def intrinsics(proto) -> list[str]:
+    found = []
+
+    def walk(c):
+        kind = c.WhichOneof("computation")
+        if kind == "intrinsic":
+            found.append(c.intrinsic.uri)
+        elif kind == "lambda":
+            walk(c.__getattribute__("lambda").result)
+        elif kind == "block":
+            for loc in c.block.local:
+                walk(loc.value)
+            walk(c.block.result)
+        elif kind == "call":
+            walk(c.call.function)
+            if c.call.HasField("argument"):
+                walk(c.call.argument)
+        elif kind == "struct":
+            for e in c.struct.element:
+                walk(e.value)
+        elif kind == "selection":
+            walk(c.selection.source)
+    walk(proto)
+    return found
+
+
+def xla_parts(proto) -> list:
+    """Every Xla computation nested anywhere in the proto."""
+    parts = []
+
+    def walk(msg):
+        if isinstance(msg, computation_pb2.Computation) and msg.WhichOneof("computation") == "xla":
+            parts.append(msg)
+            return
+        for field, value in msg.ListFields():
+            if field.message_type is None:
+                continue
+            items = value if field.is_repeated else [value]
+            for item in items:
+                walk(item)
+
+    walk(proto)
+    return parts
+
+
+def assert_well_formed(proto):
+    """Deserializes, type-checks, has unique local names and no unbound reference."""
+    b = block(proto)
+    names = [name for name, _ in b.result.locals] if isinstance(b.result, bb.Block) else []
+    assert len(names) == len(set(names))
+    bound = {b.parameter_name} | set(names)
+    for ref in re.findall(r"\b(_[a-z]+\d+|arg)\b", b.compact_representation()):
+        assert ref in bound, ref
+    return b
+
+
+@fb.program(clients=N)
+def fedavg_step(w, x):
+    wc = fb.federated_broadcast(w)
+    g = fb.federated_map_clients(lambda a, b: jnp.tanh(b @ a) @ b, (wc, x))
+    return w - 0.1 * fb.federated_mean(g)
+
+
+W = jnp.array([0.1, -0.2, 0.3])
+X = jnp.arange(N * 5 * 3, dtype=jnp.float32).reshape(N, 5, 3) / 50
+
+
+def test_signature_of_a_fedavg_round():
+    proto = fb.export_tff(fedavg_step, W, X, placements=("server", "clients"))
+    b = assert_well_formed(proto)
+    assert str(b.type_signature) == \
+        "(<w=float32[3]@SERVER,x={float32[5,3]}@CLIENTS> -> float32[3]@SERVER)"
+    uris = intrinsics(proto)
+    assert uris.count("federated_broadcast") == 1
+    assert uris.count("federated_map") == 1
+    assert uris.count("federated_zip_at_clients") == 1
+    assert uris.count("federated_mean") == 1
+    assert uris.count("federated_apply") == 1
+    np.testing.assert_allclose(run_computation(proto, W, X), fedavg_step(W, X), rtol=1e-6)
+
+
+def test_per_client_hlo_has_no_clients_axis():
+    proto = fb.export_tff(fedavg_step, W, X, placements=("server", "clients"))
+    shapes = [str(block(part).type_signature) for part in xla_parts(proto)]
+    assert shapes
+    # The per-client computation takes one client's data f32[5,3], never f32[5,5,3].
+    assert any("float32[5,3]" in s for s in shapes)
+    assert not any("[5,5,3]" in s for s in shapes)
+
+
+def test_sum_weighted_mean_pytrees_and_several_outputs():
+    @fb.program(clients=N)
+    def stats(state, data):
+        pc = fb.federated_broadcast(state["scale"])
+        scaled = fb.federated_map_clients(lambda s, d: {"x": d["x"] * s, "n": d["n"]},
+                                          (pc, data))
+        total = fb.federated_sum(scaled["n"])
+        mean_x = fb.federated_weighted_mean(scaled["x"], scaled["n"])
+        new_state = fb.federated_map_server(lambda s, t: {"scale": s * 2.0, "seen": t},
+                                            (state["scale"], total))
+        return new_state, {"mean_x": mean_x, "total": total}
+
+    state = {"scale": jnp.float32(1.5)}
+    data = {"x": jnp.arange(N * 2, dtype=jnp.float32).reshape(N, 2),
+            "n": jnp.arange(1.0, N + 1.0)}
+    proto = fb.export_tff(stats, state, data, placements=("server", "clients"))
+    b = assert_well_formed(proto)
+    assert str(b.type_signature) == (
+        "(<state=<scale=float32>@SERVER,data={<n=float32,x=float32[2]>}@CLIENTS> -> "
+        "<<scale=float32,seen=float32>,<mean_x=float32[2],total=float32>>@SERVER)")
+    uris = set(intrinsics(proto))
+    assert {"federated_sum", "federated_weighted_mean", "federated_apply", "federated_map",
+            "federated_broadcast", "federated_zip_at_server"} <= uris
+    got = run_computation(proto, state, data)
+    want = stats(state, data)
+    for a, b_ in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b_, rtol=1e-6)
+
+
+def test_mixed_placement_argument_is_a_struct_of_federated_values():
+    @fb.program(clients=N)
+    def f(inputs):
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda s, x: s * x, (fb.federated_broadcast(inputs["s"]), inputs["x"])))
+
+    inputs = {"s": jnp.float32(2.0), "x": jnp.ones((N,))}
+    proto = fb.export_tff(f, inputs, placements=({"s": "server", "x": "clients"},))
+    assert str(block(proto).type_signature) == \
+        "(<s=float32@SERVER,x={float32}@CLIENTS> -> float32@SERVER)"
+    np.testing.assert_allclose(run_computation(proto, **inputs), 2.0)
+
+
+def test_consecutive_work_at_one_placement_is_fused():
+    @fb.program(clients=N)
+    def f(w, x):
+        a = jnp.sin(w) * 2.0
+        b = jnp.exp(a) + w
+        c = fb.federated_broadcast(b)
+        d = fb.federated_map_clients(lambda u, v: u * v, (c, x))
+        e = fb.federated_map_clients(jnp.tanh, d)
+        e = e + 1.0
+        return fb.federated_sum(e)
+
+    proto = fb.export_tff(f, W, jnp.ones((N, 3)), placements=("server", "clients"))
+    uris = intrinsics(proto)
+    assert uris.count("federated_map") == 1  # both maps and the add: one per-client stage
+    assert uris.count("federated_apply") == 1  # sin, mul, exp, add: one server stage
+    np.testing.assert_allclose(run_computation(proto, W, jnp.ones((N, 3))),
+                               f(W, jnp.ones((N, 3))), rtol=1e-6)
+
+
+def test_constants_and_literals():
+    @fb.program(clients=N)
+    def f(x):
+        offset = jnp.array([1.0, 2.0])  # folded into the HLO of the clients stage
+        y = fb.federated_map_clients(lambda v: v + offset, x)
+        return fb.federated_mean(y) * 3.0, fb.federated_broadcast(jnp.float32(4.0))
+
+    x = jnp.ones((N, 2))
+    proto = fb.export_tff(f, x, placements=("clients",))
+    b = assert_well_formed(proto)
+    assert str(b.type_signature) == \
+        "({float32[2]}@CLIENTS -> <float32[2]@SERVER,float32@CLIENTS>)"
+    assert "federated_value_at_clients" in intrinsics(proto)
+    mean, bcast = run_computation(proto, x)
+    np.testing.assert_allclose(mean, [6.0, 9.0])
+
+
+@pytest.mark.parametrize("mode", ["grad", "value_and_grad"])
+def test_gradients_export_with_the_same_intrinsics(mode):
+    @fb.program(clients=N)
+    def loss(w, x):
+        wc = fb.federated_broadcast(w)
+        per = fb.federated_map_clients(lambda a, b: jnp.mean((b @ a - 1.0) ** 2), (wc, x))
+        return fb.federated_mean(per)
+
+    transform = jax.grad(loss) if mode == "grad" else jax.value_and_grad(loss)
+    proto = fb.export_tff(transform, W, X, placements=("server", "clients"), clients=N)
+    b = assert_well_formed(proto)
+    allowed = {"federated_broadcast", "federated_map", "federated_zip_at_clients",
+               "federated_mean", "federated_sum", "federated_apply",
+               "federated_zip_at_server", "federated_value_at_clients",
+               "federated_eval_at_clients", "federated_eval_at_server"}
+    assert set(intrinsics(proto)) <= allowed
+    assert "federated_sum" in intrinsics(proto)  # broadcast's transpose
+    expected = "float32[3]@SERVER" if mode == "grad" else \
+        "<float32,float32[3]>@SERVER"
+    assert str(b.type_signature) == \
+        f"(<w=float32[3]@SERVER,x={{float32[5,3]}}@CLIENTS> -> {expected})"
+    got = run_computation(proto, W, X)
+    want = transform(W, X)
+    for a, b_ in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-7)
+
+
+def test_single_argument_and_no_struct():
+    @fb.program(clients=N)
+    def f(x):
+        return fb.federated_sum(x)
+
+    proto = fb.export_tff(f, jnp.ones((N, 2)), placements="clients")
+    assert str(block(proto).type_signature) == "({float32[2]}@CLIENTS -> float32[2]@SERVER)"
+
+
+def test_reading_one_client_is_an_export_error():
+    @fb.program(clients=N)
+    def peek(x):
+        return x[0]
+
+    with pytest.raises(fb.ExportError) as e:
+        fb.export_tff(peek, jnp.ones((N, 2)), placements="clients")
+    msg = str(e.value)
+    assert "test_tff_export.py" in msg and "federated_map_clients" in msg
+
+
+def test_cross_client_reduction_is_an_export_error():
+    @fb.program(clients=N)
+    def total(x):
+        return jnp.sum(x, axis=0) + fb.federated_sum(x)
+
+    with pytest.raises(fb.ExportError, match="federated_sum"):
+        fb.export_tff(total, jnp.ones((N, 2)), placements="clients")
+
+
+def test_federated_ops_in_control_flow_are_an_export_error():
+    @fb.program(clients=N)
+    def rounds(w, x):
+        def body(w, _):
+            return w + fb.federated_mean(fb.federated_map_clients(
+                lambda a, b: a * b, (fb.federated_broadcast(w), x))), None
+        return jax.lax.scan(body, w, None, length=2)[0]
+
+    with pytest.raises(fb.ExportError, match="control flow"):
+        fb.export_tff(rounds, W, jnp.ones((N, 3)), placements=("server", "clients"))
+
+
+def test_save_and_load(tmp_path):
+    proto = fb.export_tff(fedavg_step, W, X, placements=("server", "clients"))
+    path = tmp_path / "round.pb"
+    fb.save_computation(proto, path)
+    again = fb.load_computation(path)
+    assert again == proto
+    (tmp_path / "junk.pb").write_bytes(b"\xff\x00garbage")
+    with pytest.raises(fb.ExportError, match="junk.pb"):
+        fb.load_computation(tmp_path / "junk.pb")
