@@ -1,10 +1,12 @@
-# fax_bridge developer entry points. `make test` and `make demo` work from a fresh clone.
+# fax_bridge developer entry points. `make test` and `make demo` work from a fresh clone
+# with only Python 3.11: they build .venv (and .venv-tff for the TFF 0.87 checks).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TFF_OUT := out/tff
 
-.PHONY: venv test demo protos bench clean
+.PHONY: venv test demo protos tff-venv tff-check bench clean
 
 venv: $(STAMP)
 
@@ -14,11 +16,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# Generated gRPC modules are committed; this regenerates them (a test checks they match).
+protos: $(STAMP)
+	$(PY) tools/gen_protos.py
+
+tff-venv:
+	tools/tff087/setup.sh
+
+# Every example exported, then read back by TensorFlow Federated 0.87 itself, which must
+# see the same type signatures as federated_language (and the TFF-written test data too).
+tff-check: $(STAMP) tff-venv
+	$(PY) tools/tff_check.py --pb-dir $(TFF_OUT) --pb-dir tests/data/tff087 \
+		--generate "$(PY) tools/export_examples.py --out {pb_dir}"
+
+test: $(STAMP) tff-check
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
+bench: $(STAMP)
+	$(PY) benchmarks/local_overhead.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-tff build *.egg-info .pytest_cache out

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 # Modules that provide `register(subparsers)`, adding one subcommand each whose parser
 # sets `func` (called with the parsed namespace, returning an exit code).
 _SUBCOMMAND_MODULES = (
+    "fax_bridge.tff.cli",
 )
 
 

@@ -266,3 +266,27 @@ def test_save_and_load(tmp_path):
     (tmp_path / "junk.pb").write_bytes(b"\xff\x00garbage")
     with pytest.raises(fb.ExportError, match="junk.pb"):
         fb.load_computation(tmp_path / "junk.pb")
+
+
+def test_pytree_communication_is_one_intrinsic_per_struct():
+    @fb.program(clients=N)
+    def f(params, x):
+        pc = fb.federated_broadcast(params)
+        d = fb.federated_map_clients(
+            lambda p, v: jax.tree_util.tree_map(lambda a: a * v.sum(), p), (pc, x))
+        return fb.federated_mean(d)
+
+    params = {"a": jnp.ones(2), "b": jnp.ones((2, 2)), "c": jnp.float32(1.0)}
+    proto = fb.export_tff(f, params, jnp.ones((N, 3)), placements=("server", "clients"))
+    uris = intrinsics(proto)
+    assert uris.count("federated_broadcast") == 1 and uris.count("federated_mean") == 1
+
+
+def test_constant_with_distinct_rows_per_client_is_an_export_error():
+    @fb.program(clients=N)
+    def f(x):
+        w = jnp.arange(float(N))  # one different constant per client
+        return fb.federated_weighted_mean(x, w)
+
+    with pytest.raises(fb.ExportError, match="CLIENTS argument"):
+        fb.export_tff(f, jnp.ones((N, 2)), placements="clients")

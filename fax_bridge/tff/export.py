@@ -111,6 +111,7 @@ class _Exporter:
         self.where: dict = {}  # var -> (group, index path inside the member)
         self.singles: dict = {}  # var -> group whose member is that var alone
         self.consts: dict = {}  # UNPLACED var -> concrete value
+        self.all_equal_consts: set = set()  # CLIENTS vars holding a broadcast constant
         self._count = 0
 
     # ----------------------------------------------------------------- helpers
@@ -172,6 +173,13 @@ class _Exporter:
                     outs = [outs]
                 for v, o in zip(eqn.outvars, outs):
                     self.consts[v] = np.asarray(o)
+            elif eqn.primitive is P.federated_broadcast_p and self._is_const(eqn.invars[0]):
+                # A constant sent to every client is a constant there too: folded into
+                # the per-client HLO, or placed with federated_value_at_clients.
+                (x,), (out,) = eqn.invars, eqn.outvars
+                value = np.asarray(x.val) if isinstance(x, core.Literal) else self.consts[x]
+                self.consts[out] = np.broadcast_to(value, (self.comp.clients,) + value.shape)
+                self.all_equal_consts.add(out)
 
     def _const_row(self, eqn, v):
         value = self.consts[v]
@@ -245,11 +253,16 @@ class _Exporter:
 
     def single(self, v, placement: Placement, eqn) -> _Group:
         """A group whose member is exactly `v` (selecting it out of a struct if needed)."""
-        if v in self.singles:
+        if not isinstance(v, core.Literal) and v in self.singles:
             return self.singles[v]
         if isinstance(v, core.Literal) or v in self.consts:
             value = np.asarray(v.val) if isinstance(v, core.Literal) else self.consts[v]
-            if placement is C:
+            if placement is C and v in self.all_equal_consts:
+                row = value[0]
+                call = factory.create_federated_value(bb.Call(self._const_fn(row)),
+                                                      federated_language.CLIENTS)
+                aval = core.ShapedArray(np.shape(row), row.dtype)
+            elif placement is C:
                 row = self._const_row(eqn, v) if not isinstance(v, core.Literal) else value
                 call = factory.create_federated_eval(self._const_fn(row), federated_language.CLIENTS)
                 aval = core.ShapedArray(np.shape(row), np.asarray(row).dtype)
@@ -269,36 +282,51 @@ class _Exporter:
 
     # ----------------------------------------------------------------- communication
 
-    def communicate(self, eqn) -> None:
-        prim = eqn.primitive
-        (out,) = eqn.outvars
+    def _is_const(self, v) -> bool:
+        return isinstance(v, core.Literal) or v in self.consts
+
+    def _gather(self, vs: list, placement: Placement, eqn):
+        """One federated value holding `vs`: (expression, member avals pytree).
+
+        Uses a group as it is when it holds exactly `vs`, else zips the single values.
+        """
+        if not self._is_const(vs[0]) and vs[0] in self.where:
+            group, _ = self.where[vs[0]]
+            if list(group.leaf_vars) == list(vs):
+                return group.ref, group.member_avals
+        if len(vs) == 1:
+            g = self.single(vs[0], placement, eqn)
+            return g.ref, g.member_avals
+        singles = [self.single(v, placement, eqn) for v in vs]
+        return (factory.create_federated_zip(bb.Struct([g.ref for g in singles])),
+                tuple(g.member_avals for g in singles))
+
+    def communicate(self, eqns: list) -> None:
+        """One intrinsic call for equations of one kind (and weight) at one depth."""
+        prim = eqns[0].primitive
+        ins = [e.invars[0] for e in eqns]
+        outs = [e.outvars[0] for e in eqns]
         if prim is P.federated_broadcast_p:
-            (x,) = eqn.invars
-            if isinstance(x, core.Literal) or x in self.consts:
-                value = np.asarray(x.val) if isinstance(x, core.Literal) else self.consts[x]
-                call = factory.create_federated_value(
-                    bb.Call(self._const_fn(value)), federated_language.CLIENTS)
-            else:
-                call = factory.create_federated_broadcast(self.single(x, S, eqn).ref)
+            expr, member = self._gather(ins, S, eqns[0])
+            call = factory.create_federated_broadcast(expr)
             placement = C
         elif prim in (P.federated_sum_p, P.federated_mean_p):
-            (x,) = eqn.invars
-            value = self.single(x, C, eqn).ref
-            call = (factory.create_federated_sum(value) if prim is P.federated_sum_p
-                    else factory.create_federated_mean(value, None))
+            expr, member = self._gather(ins, C, eqns[0])
+            call = (factory.create_federated_sum(expr) if prim is P.federated_sum_p
+                    else factory.create_federated_mean(expr, None))
             placement = S
         else:
-            x, w = eqn.invars
+            w = eqns[0].invars[1]
             if len(w.aval.shape) != 1:
-                self._fail(eqn, (
+                self._fail(eqns[0], (
                     "a weighted mean under an outer vmap has one weight per client and "
                     "batch element; TFF weights are one scalar per client. Export the "
                     "program before vmapping it."))
-            call = factory.create_federated_mean(self.single(x, C, eqn).ref,
-                                                 self.single(w, C, eqn).ref)
+            expr, member = self._gather(ins, C, eqns[0])
+            call = factory.create_federated_mean(expr, self.single(w, C, eqns[0]).ref)
             placement = S
-        self._register(_Group(self._local(call, "_f"), placement, _member(out.aval, placement),
-                              [out]))
+        member = jax.tree_util.tree_map(lambda a: a, member)
+        self._register(_Group(self._local(call, "_f"), placement, member, outs))
 
     # ----------------------------------------------------------------- stages
 
@@ -406,7 +434,7 @@ class _Exporter:
                     uses_after.setdefault(v, []).append(idx)
         for eqn in j.eqns:
             outs_p = {self._placement(v) for v in eqn.outvars}
-            if outs_p == {U}:
+            if outs_p == {U} or all(v in self.consts for v in eqn.outvars):
                 continue
             base = max([d(v) for v in eqn.invars if not isinstance(v, core.Literal)
                         and self._placement(v) is not U] or [0])
@@ -424,8 +452,8 @@ class _Exporter:
         program_outs = {v for v in j.outvars if not isinstance(v, core.Literal)}
         eqn_by_index = list(j.eqns)
         for level in range(max_depth + 1):
-            for eqn in comms.get(level, []):
-                self.communicate(eqn)
+            for batch in self._batches(comms.get(level, [])):
+                self.communicate(batch)
             for placement in (S, C):
                 eqns = units.get((placement, level), [])
                 if not eqns:
@@ -439,6 +467,16 @@ class _Exporter:
                                 for i in uses_after.get(v, [])):
                             needed.add(v)
                 self.stage(placement, eqns, needed)
+
+    @staticmethod
+    def _batches(eqns: list) -> list[list]:
+        """Communication equations of one depth, grouped by kind (and weights)."""
+        batches: dict = {}
+        for e in eqns:
+            key = (e.primitive, e.invars[1] if e.primitive is P.federated_weighted_mean_p
+                   else None)
+            batches.setdefault(key, []).append(e)
+        return list(batches.values())
 
     def result(self) -> bb.ComputationBuildingBlock:
         comp = self.comp

@@ -1,0 +1,111 @@
+"""`fax-bridge export MODULE_OR_FILE:FUNCTION --clients N [-o out.pb]`.
+
+Example arguments come from the program's module: a function `FUNCTION_example_args`
+or, failing that, `example_args`, called with the number of clients and returning
+`(args, placements)`: a tuple of example arguments (arrays or
+`jax.ShapeDtypeStruct`s; CLIENTS values with a leading axis of `clients`) and the
+placements prefix ("server"/"clients" per argument). A plain function is wrapped in
+`fax_bridge.program(clients=N)`; an existing program must declare the same N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any, Callable
+
+from fax_bridge.errors import FaxBridgeError
+
+
+def load_target(spec: str) -> tuple[Any, Callable, str]:
+    """Imports `MODULE_OR_FILE:FUNCTION`; returns (module, function, function name)."""
+    if ":" not in spec:
+        raise FaxBridgeError(
+            f"{spec!r} names no function; write MODULE_OR_FILE:FUNCTION, e.g. "
+            "examples/quickstart.py:fedavg_round or mypkg.algos:round_fn.")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.exists(where):
+            raise FaxBridgeError(f"no such file: {where}")
+        mod_name = "_fax_bridge_target_" + os.path.splitext(os.path.basename(where))[0]
+        module_spec = importlib.util.spec_from_file_location(mod_name, where)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise FaxBridgeError(f"cannot import module {where!r}: {e}") from e
+    if not hasattr(module, name):
+        raise FaxBridgeError(f"{where} has no attribute {name!r}.")
+    return module, getattr(module, name), name
+
+
+def resolve_program(spec: str, clients: int):
+    """(program, example args, placements) for `spec` at `clients` clients."""
+    from fax_bridge.api import Program, program
+
+    module, fn, name = load_target(spec)
+    maker = getattr(module, f"{name}_example_args", None) or getattr(module, "example_args",
+                                                                      None)
+    if maker is None:
+        raise FaxBridgeError(
+            f"{spec}: the module defines neither {name}_example_args(clients) nor "
+            "example_args(clients); add one returning (args, placements).")
+    made = maker(clients)
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise FaxBridgeError(
+            f"{maker.__name__}({clients}) must return (args, placements), got "
+            f"{type(made).__name__}.")
+    args, placements = made
+    if isinstance(fn, Program):
+        if fn.clients != clients:
+            raise FaxBridgeError(
+                f"{spec} is a program with clients={fn.clients}, but --clients {clients} "
+                "was given; pass the same number.")
+        prog = fn
+    else:
+        prog = program(clients=clients)(fn)
+    return prog, tuple(args), placements
+
+
+def export_spec(spec: str, clients: int):
+    """Exports `spec`; returns the Computation proto."""
+    from fax_bridge.tff.export import export_tff
+
+    prog, args, placements = resolve_program(spec, clients)
+    return export_tff(prog, *args, placements=placements)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from federated_language.compiler import building_blocks
+
+    from fax_bridge.tff.export import save_computation
+
+    try:
+        proto = export_spec(args.target, args.clients)
+    except FaxBridgeError as e:
+        print(f"fax-bridge export: {e}", file=sys.stderr)
+        return 2
+    block = building_blocks.ComputationBuildingBlock.from_proto(proto)
+    print(block.type_signature)
+    print(block.compact_representation())
+    if args.output:
+        save_computation(proto, args.output)
+        print(f"wrote {args.output} ({proto.ByteSize()} bytes)")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Adds the `export` subcommand."""
+    p = subparsers.add_parser(
+        "export", help="export a FAX program as a TFF Computation proto",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
+    p.add_argument("--clients", type=int, required=True, help="number of clients")
+    p.add_argument("-o", "--output", help="write the serialized proto here")
+    p.set_defaults(func=_run)
