@@ -136,3 +136,38 @@ def test_device_errors_surface_as_fleet_errors(fleet2):
     stale = type(value)(backend, 10**9, 3, value.type_signature)  # a handle never placed
     with pytest.raises(FleetError, match="no value with handle"):
         backend.get(stale)
+
+
+def test_secure_sum_bitwidth_checks_the_range_on_devices(fleet2):
+    import federated_language as fl
+
+    backend = fleet2.backend
+    members = [np.array([1, 2], np.int32), np.array([3, 7], np.int32), np.array([0, 5], np.int32)]
+    value = backend.put(fl.TensorType(np.int32, [2]), members)
+    for pre in (True, False):
+        backend.preaggregate = pre
+        try:
+            np.testing.assert_array_equal(
+                backend.aggregate(value, "secure_sum_bitwidth", bitwidth=np.int32(3)), [4, 14])
+            with pytest.raises(FleetError, match=r"outside \[0, 3\]"):
+                backend.aggregate(value, "secure_sum_bitwidth", bitwidth=np.int32(2))
+        finally:
+            backend.preaggregate = True
+
+
+def test_eval_at_clients_without_clients_arguments(fleet2):
+    import federated_language as fl
+    from federated_language.compiler import building_blocks as bb
+
+    from fax_bridge.runtime.xla_builder import xla_computation
+
+    f32 = fl.TensorType(np.float32, [2])
+    const = bb.CompiledComputation(xla_computation(lambda: np.array([1.5, -2.0], np.float32)))
+    evaluated = bb.Call(bb.Intrinsic("federated_eval_at_clients", fl.FunctionType(
+        const.type_signature, sc.clients(f32))), const)
+    total = bb.Call(bb.Intrinsic("federated_sum", fl.FunctionType(
+        sc.clients(f32), sc.server(f32))), evaluated)
+    proto = bb.Lambda(None, None, total).to_proto()
+    got, rep = fleet2.run(proto, num_clients=5, report=True)
+    np.testing.assert_array_equal(got, [7.5, -10.0])
+    assert rep.participants == [0, 1, 2, 3, 4]

@@ -1,1 +1,27 @@
-"""Fleet: device processes hosting virtual clients, the gRPC clients backend, a local launcher."""
+"""Fleet: device processes hosting virtual clients, the gRPC clients backend, a local launcher.
+
+- `device`: the device server (`fax-bridge device`, `python -m fax_bridge.fleet.device`).
+- `coordinator.GrpcClientsBackend`: a `ClientsBackend` whose client values live on devices.
+- `launcher.LocalFleet`: spawns devices on 127.0.0.1 and runs rounds (`rounds.RoundPolicy`).
+
+Names are imported on first use, so `python -m fax_bridge.fleet.device` loads only what a
+device needs.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "GrpcClientsBackend": "fax_bridge.fleet.coordinator",
+    "Traffic": "fax_bridge.fleet.coordinator",
+    "LocalFleet": "fax_bridge.fleet.launcher",
+    "RoundPolicy": "fax_bridge.fleet.rounds",
+    "RoundReport": "fax_bridge.fleet.rounds",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'fax_bridge.fleet' has no attribute {name!r}")

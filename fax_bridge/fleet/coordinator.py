@@ -345,7 +345,8 @@ class GrpcClientsBackend(ClientsBackend):
                 delay = max((delays[i] for i in clients if i < len(delays)), default=0.0)
             longest = max(longest, delay)
             requests[index] = pb.MapRequest(computation_hash=key, arg=arg.handle,
-                                            result=result.handle, delay_seconds=delay)
+                                            result=result.handle, delay_seconds=delay,
+                                            no_argument=fn_type.parameter is None)
         answers = self._parallel("Map", requests, timeout=self.rpc_timeout_s + longest)
         self.traffic.compute_seconds += sum(a.compute_seconds for a in answers.values())
         return result
@@ -390,18 +391,23 @@ class GrpcClientsBackend(ClientsBackend):
                 raise FleetError(
                     f"weighted_mean: {value.num_clients} values but {weights.num_clients} "
                     "weights; give one weight per client")
+        if kind == "secure_sum_bitwidth" and bitwidth is None:
+            raise FleetError("federated_secure_sum_bitwidth needs a bitwidth")
         if self.preaggregate:
-            total = self._aggregate_on_devices(value, kind, weights)
+            total = self._aggregate_on_devices(value, kind, weights, bitwidth)
         else:
             members = self.get(value)
             weight_members = self.get(weights) if weights is not None else None
-            total = partials.partial_of(kind, members, weight_members)
+            total = partials.partial_of(kind, members, weight_members, bitwidth)
         return self._assemble(value.type_signature, partials.finish(total))
 
     def _aggregate_on_devices(self, value: GrpcClientsValue, kind: str,
-                              weights: Optional[GrpcClientsValue]) -> partials.Partial:
+                              weights: Optional[GrpcClientsValue],
+                              bitwidth=None) -> partials.Partial:
         request = pb.AggregateRequest(value=value.handle, kind=partials.KIND_TO_ENUM[kind],
                                       weights=weights.handle if weights is not None else 0)
+        if bitwidth is not None:
+            wire.encode_value(as_numpy(bitwidth), request.bitwidth)
         layout = self._layout(value.num_clients)
         answers = self._parallel("Aggregate", {d: request for d, _ in layout})
         total = partials.Partial(kind=kind, leaves=[])

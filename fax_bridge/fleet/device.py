@@ -202,7 +202,10 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
         with self._compute:
             start = time.perf_counter()
-            results = [as_numpy(fn(member)) for member in arg.member_list()]
+            if request.no_argument:
+                results = [as_numpy(fn()) for _ in arg.client_ids]
+            else:
+                results = [as_numpy(fn(member)) for member in arg.member_list()]
             elapsed = time.perf_counter() - start
         delay = min(max(request.delay_seconds, 0.0), MAX_DELAY_SECONDS)
         if delay > 0:
@@ -246,8 +249,10 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                                 "weighted_mean: weights and values hold different clients")
             weights = weight_store.member_list()
+        bitwidth = (wire.decode_value(request.bitwidth)
+                     if request.HasField("bitwidth") else None)
         with self._compute:
-            partial = partials.partial_of(kind, stored.member_list(), weights)
+            partial = partials.partial_of(kind, stored.member_list(), weights, bitwidth)
         return partials.to_message(partial)
 
     @_stream_rpc
@@ -324,8 +329,12 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
     server, port = start_server(listen, servicer, max_workers)
     host, _ = parse_listen(listen)
     stop = threading.Event()
+    def on_signal(signum, frame):
+        log.warning("received signal %d; shutting down", signum)
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
     print(json.dumps({"listening": f"{host}:{port}", "port": port, "pid": os.getpid(),

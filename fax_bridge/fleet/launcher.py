@@ -181,8 +181,11 @@ class LocalFleet:
                         f"{self._log_tail(missing[0])}")
                 for key, _ in selector.select(timeout=min(remaining, 0.5)):
                     index = key.data
-                    chunk = key.fileobj.read(65536) or b""
-                    if not chunk:
+                    try:
+                        chunk = os.read(key.fileobj.fileno(), 65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:  # end of file: the device closed its stdout
                         selector.unregister(key.fileobj)
                         continue
                     buffers[index] += chunk

@@ -50,9 +50,42 @@ def check_kind(kind: str) -> None:
             f"unknown aggregation {kind!r}; expected one of {sorted(KIND_TO_ENUM)}")
 
 
-def partial_of(kind: str, members: Sequence, weights: Optional[Sequence] = None) -> Partial:
+MAX_SECURE_BITWIDTH = 62
+
+
+def check_bitwidth(members: Sequence, bitwidth) -> None:
+    """Raises FleetError unless every member's tensors are integers in [0, 2^bitwidth - 1]."""
+    if bitwidth is None:
+        raise FleetError("federated_secure_sum_bitwidth needs a bitwidth")
+    bits = wire.leaves(bitwidth)
+    for member in members:
+        flat = wire.leaves(member)
+        if len(bits) not in (1, len(flat)):
+            raise FleetError(
+                f"federated_secure_sum_bitwidth: {len(bits)} bitwidths for a value of "
+                f"{len(flat)} tensors; give one overall or one per tensor")
+        for i, x in enumerate(flat):
+            b = bits[0] if len(bits) == 1 else bits[i]
+            if b.shape != () or b.dtype.kind not in "iu" or not 0 <= int(b) <= MAX_SECURE_BITWIDTH:
+                raise FleetError(
+                    f"federated_secure_sum_bitwidth: a bitwidth must be an integer scalar in "
+                    f"[0, {MAX_SECURE_BITWIDTH}], got {b.dtype}{list(b.shape)} {b}")
+            if x.dtype.kind not in "iu":
+                raise FleetError(f"federated_secure_sum_bitwidth sums integers, got {x.dtype}")
+            top = 2 ** int(b) - 1
+            if x.size and (int(x.min()) < 0 or int(x.max()) > top):
+                raise FleetError(
+                    f"federated_secure_sum_bitwidth: a client value lies outside [0, {top}] "
+                    f"(min {int(x.min())}, max {int(x.max())}); clip or quantize it on the "
+                    "clients first")
+
+
+def partial_of(kind: str, members: Sequence, weights: Optional[Sequence] = None,
+               bitwidth=None) -> Partial:
     """The partial aggregate of per-client `members` (local values), in client order."""
     check_kind(kind)
+    if kind == "secure_sum_bitwidth":
+        check_bitwidth(members, bitwidth)
     if kind == "weighted_mean":
         if weights is None or len(weights) != len(members):
             raise FleetError(
@@ -148,8 +181,11 @@ def finish(partial: Partial) -> list[np.ndarray]:
 
 def _divide(total: np.ndarray, by) -> np.ndarray:
     if total.dtype.kind in "iu":
-        return np.asarray(total / by)
-    return np.asarray(total / np.asarray(by, total.dtype), total.dtype)
+        raise FleetError(
+            f"federated mean and weighted_mean need floating-point values, got {total.dtype}; "
+            "cast the clients' values to a float type first")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(total / np.asarray(by, total.dtype), total.dtype)
 
 
 # ---------------------------------------------------------------------------------------

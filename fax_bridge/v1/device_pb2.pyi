@@ -129,16 +129,18 @@ class BroadcastResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class MapRequest(_message.Message):
-    __slots__ = ("computation_hash", "arg", "result", "delay_seconds")
+    __slots__ = ("computation_hash", "arg", "result", "delay_seconds", "no_argument")
     COMPUTATION_HASH_FIELD_NUMBER: _ClassVar[int]
     ARG_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_ARGUMENT_FIELD_NUMBER: _ClassVar[int]
     computation_hash: str
     arg: int
     result: int
     delay_seconds: float
-    def __init__(self, computation_hash: _Optional[str] = ..., arg: _Optional[int] = ..., result: _Optional[int] = ..., delay_seconds: _Optional[float] = ...) -> None: ...
+    no_argument: bool
+    def __init__(self, computation_hash: _Optional[str] = ..., arg: _Optional[int] = ..., result: _Optional[int] = ..., delay_seconds: _Optional[float] = ..., no_argument: _Optional[bool] = ...) -> None: ...
 
 class MapResponse(_message.Message):
     __slots__ = ("num_clients", "compute_seconds")
@@ -189,14 +191,16 @@ class LeafPartial(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bytes] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
-    __slots__ = ("value", "kind", "weights")
+    __slots__ = ("value", "kind", "weights", "bitwidth")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    BITWIDTH_FIELD_NUMBER: _ClassVar[int]
     value: int
     kind: Aggregation
     weights: int
-    def __init__(self, value: _Optional[int] = ..., kind: _Optional[_Union[Aggregation, str]] = ..., weights: _Optional[int] = ...) -> None: ...
+    bitwidth: Value
+    def __init__(self, value: _Optional[int] = ..., kind: _Optional[_Union[Aggregation, str]] = ..., weights: _Optional[int] = ..., bitwidth: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
 
 class AggregateResponse(_message.Message):
     __slots__ = ("leaves", "weight_leaves", "num_clients")
