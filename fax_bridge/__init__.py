@@ -22,7 +22,9 @@ from fax_bridge.errors import (
     FleetError,
     PlacementError,
 )
+from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.local import clients_mesh, jit_program, to_hlo
+from fax_bridge.parity import ParityReport, check_parity
 from fax_bridge.placements import Placement
 from fax_bridge.tff.export import export_tff, load_computation, save_computation
 from fax_bridge.tracing import FederatedComputation, trace
@@ -35,9 +37,12 @@ __all__ = [
     "FederatedComputation",
     "FaxBridgeError",
     "FleetError",
+    "LocalFleet",
+    "ParityReport",
     "Placement",
     "PlacementError",
     "Program",
+    "check_parity",
     "clients_mesh",
     "export_tff",
     "federated_broadcast",

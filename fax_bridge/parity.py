@@ -1,0 +1,150 @@
+"""Parity between the two paths: jit on this machine vs the exported proto on a fleet.
+
+`check_parity(fn, *args, placements=...)` runs the program locally (jit), exports it to
+a TFF proto, runs the proto on a `LocalFleet` of device processes (or a fleet you pass),
+and compares the two results leaf by leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+import federated_language
+import jax
+import numpy as np
+
+from fax_bridge import tracing
+from fax_bridge.tff import export as tff_export
+
+
+@dataclasses.dataclass
+class LeafParity:
+    """How one output leaf of the fleet path compares with the local path."""
+
+    path: str
+    shape: tuple
+    dtype: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+    note: str = ""
+
+
+@dataclasses.dataclass
+class ParityReport:
+    """Result of `check_parity`: `.ok` and one `LeafParity` per output leaf."""
+
+    leaves: list[LeafParity]
+    rtol: float
+    atol: float
+    devices: int
+    local_s: float
+    fleet_s: float
+    signature: str
+
+    @property
+    def ok(self) -> bool:
+        return all(leaf.ok for leaf in self.leaves)
+
+    def table(self) -> str:
+        """A plain-text table, one row per output leaf."""
+        rows = [("output", "shape", "dtype", "max abs err", "max rel err", "status")]
+        for leaf in self.leaves:
+            rows.append((leaf.path, str(leaf.shape), leaf.dtype, f"{leaf.max_abs:.3e}",
+                         f"{leaf.max_rel:.3e}",
+                         ("ok" if leaf.ok else "MISMATCH") + (f" ({leaf.note})" if leaf.note
+                                                              else "")))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"parity: {self.signature}",
+                 f"local jit {self.local_s:.3f} s, fleet of {self.devices} device(s) "
+                 f"{self.fleet_s:.3f} s, rtol={self.rtol:g} atol={self.atol:g}"]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.append("PARITY OK" if self.ok else "PARITY MISMATCH")
+        return "\n".join(lines)
+
+
+def compare_leaves(local: Any, remote: Any, rtol: float, atol: float,
+                   paths: Optional[list[str]] = None) -> list[LeafParity]:
+    """Leaf-by-leaf comparison of two results with the same flattened order."""
+    want = jax.tree_util.tree_leaves(local)
+    got = jax.tree_util.tree_leaves(remote)
+    if paths is None:
+        paths = [jax.tree_util.keystr(p) or "result"
+                 for p, _ in jax.tree_util.tree_flatten_with_path(local)[0]]
+    out = []
+    if len(want) != len(got):
+        return [LeafParity("result", (), "", float("inf"), float("inf"), False,
+                           f"{len(got)} leaves from the fleet, {len(want)} locally")]
+    for path, w, g in zip(paths, want, got):
+        w, g = np.asarray(w), np.asarray(g)
+        if w.shape != g.shape:
+            out.append(LeafParity(path, w.shape, str(w.dtype), float("inf"), float("inf"),
+                                  False, f"fleet shape {g.shape}"))
+            continue
+        wf, gf = w.astype(np.float64), g.astype(np.float64)
+        diff = np.abs(wf - gf)
+        max_abs = float(diff.max()) if diff.size else 0.0
+        rel = diff / np.maximum(np.abs(wf), np.finfo(np.float64).tiny)
+        max_rel = float(rel.max()) if rel.size else 0.0
+        ok = bool(np.allclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True))
+        note = "" if w.dtype == g.dtype else f"fleet dtype {g.dtype}"
+        out.append(LeafParity(path, tuple(w.shape), str(w.dtype), max_abs, max_rel,
+                              ok and not note, note))
+    return out
+
+
+def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -> tuple:
+    """The program's positional arguments as the runtime's per-element arguments."""
+    if parameter is None:
+        return ()
+    if len(args) == 1 and isinstance(parameter, federated_language.StructType):
+        return tuple(child for _, child in tff_export._children(args[0]))
+    return tuple(args)
+
+
+def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
+                 devices: int = 2, rtol: float = 1e-5, atol: float = 1e-6,
+                 clients: Optional[int] = None) -> ParityReport:
+    """Runs `fn(*args)` with jit and as an exported TFF proto on a fleet; compares them.
+
+    `fleet` is a running `fax_bridge.LocalFleet` (or any object with the same `run`);
+    without one, a `LocalFleet(devices=devices)` is started and stopped here.
+    """
+    from fax_bridge.fleet.launcher import LocalFleet
+    from fax_bridge.runtime import interpreter
+
+    comp = tracing.trace(fn, *args, placements=placements, clients=clients)
+    jitted = jax.jit(fn)
+    jax.block_until_ready(jitted(*args))  # compile
+    start = time.perf_counter()
+    local = jax.block_until_ready(jitted(*args))
+    local_s = time.perf_counter() - start
+    proto = tff_export.export_computation(comp, tff_export._arg_names(fn, len(args)))
+    fn_type = interpreter.computation_type(proto)
+    param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
+    run_args = fleet_arguments(args, param)
+
+    def run_on(f):
+        t0 = time.perf_counter()
+        result = f.run(proto, *run_args, num_clients=comp.clients)
+        return result, time.perf_counter() - t0
+
+    if fleet is None:
+        with LocalFleet(devices=devices) as own:
+            remote, fleet_s = run_on(own)
+        used = devices
+    else:
+        remote, fleet_s = run_on(fleet)
+        used = getattr(fleet, "num_devices", devices)
+    leaves = compare_leaves(local, remote, rtol, atol,
+                            paths=[p.replace("out", "result", 1) for p in comp.out_paths])
+    return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
+                        local_s=local_s, fleet_s=fleet_s, signature=str(
+                            federated_language.framework.ComputationBuildingBlock.from_proto(
+                                proto).type_signature)
+                        if hasattr(federated_language, "framework") else comp.signature())

@@ -1,0 +1,41 @@
+"""`fax-bridge parity MODULE_OR_FILE:FUNCTION --clients N --devices K`.
+
+Runs the program with jit and, exported, on a local fleet of K devices; prints the
+parity table and exits non-zero on a mismatch. Example arguments come from the module
+as for `fax-bridge export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fax_bridge.errors import FaxBridgeError
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fax_bridge.parity import check_parity
+    from fax_bridge.tff.cli import resolve_program
+
+    try:
+        prog, example, placements = resolve_program(args.target, args.clients)
+        report = check_parity(prog, *example, placements=placements, devices=args.devices,
+                              rtol=args.rtol, atol=args.atol)
+    except FaxBridgeError as e:
+        print(f"fax-bridge parity: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    return 0 if report.ok else 1
+
+
+def register(subparsers) -> None:
+    """Adds the `parity` subcommand."""
+    p = subparsers.add_parser(
+        "parity", help="compare the local path with the exported proto on a fleet",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
+    p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--atol", type=float, default=1e-6)
+    p.set_defaults(func=_run)
