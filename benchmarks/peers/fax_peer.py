@@ -1,0 +1,133 @@
+"""The shared FedAvg workload written with google-fax 0.0.2's own API (runs in .venv-fax).
+
+One round is one ``fax.fax_program`` over the cohort (``placements={"clients": 10}``):
+``federated_broadcast`` of the server model, ``federated_map_clients`` of the local SGD
+loop over (model, batches), and ``federated_weighted_mean`` of the client models and
+losses by example count. fax's decorator does not compile by itself, so the program is
+wrapped in ``jax.jit`` and compiled ahead of time during setup. Note that fax patches
+its own module while tracing: the federated names must be looked up as ``fax.NAME``.
+
+    .venv-fax/bin/python benchmarks/peers/fax_peer.py [--rounds 20] [--seed 0] [--json OUT]
+    .venv-fax/bin/python benchmarks/peers/fax_peer.py --grad-check [--json OUT]
+
+``--grad-check`` prints (one JSON line) the loss and gradient of a fixed small program,
+``workload.check_program_inputs``: the mean over round 0's clients of the loss of the
+broadcast initial weights on each client's first batch.
+"""
+
+from __future__ import annotations
+
+import common  # first: starts the clock and puts workload on the path
+
+import time
+from typing import Any, Dict, Tuple
+
+import numpy as np
+
+import workload
+
+
+def build(cohort: int) -> Tuple[Any, Any, Any]:
+    """(fax module, compiled round function, fax gradient-check program)."""
+    import jax
+    import jax.numpy as jnp
+
+    import fax
+
+    def loss_fn(params: Dict[str, Any], x: Any, y: Any) -> Any:
+        h = jax.nn.relu(x @ params["w1"] + params["b1"])
+        logits = h @ params["w2"] + params["b2"]
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+    def local_train(params: Dict[str, Any], xb: Any, yb: Any) -> Tuple[Any, Any]:
+        def step(p: Dict[str, Any], batch: Tuple[Any, Any]) -> Tuple[Any, Any]:
+            loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
+            return jax.tree_util.tree_map(lambda w, g: w - workload.LR * g, p, grads), loss
+
+        new_params, losses = jax.lax.scan(step, params, (xb, yb))
+        return new_params, jnp.mean(losses)
+
+    @fax.fax_program(placements={"clients": cohort})
+    def fedavg_round(params: Any, xb: Any, yb: Any, counts: Any) -> Tuple[Any, Any]:
+        params_at_clients = fax.federated_broadcast(params)
+        new_params, losses = fax.federated_map_clients(local_train, (params_at_clients, xb, yb))
+        # fax's weighted mean maps x * w leaf by leaf: the weights need x's structure.
+        weights = {k: counts for k in new_params}
+        new_global = fax.federated_weighted_mean(new_params, weights)
+        loss = fax.federated_weighted_mean(losses, counts)
+        return new_global, loss
+
+    @fax.fax_program(placements={"clients": cohort})
+    def mean_client_loss(params: Any, x: Any, y: Any) -> Any:
+        params_at_clients = fax.federated_broadcast(params)
+        losses = fax.federated_map_clients(loss_fn, (params_at_clients, x, y))
+        return fax.federated_mean(losses)
+
+    f32 = jnp.float32
+    specs = (
+        {k: jax.ShapeDtypeStruct(s, f32) for k, s in workload.PARAM_SHAPES.items()},
+        jax.ShapeDtypeStruct((cohort, workload.LOCAL_STEPS, workload.BATCH, workload.N_FEATURES), f32),
+        jax.ShapeDtypeStruct((cohort, workload.LOCAL_STEPS, workload.BATCH), jnp.int32),
+        jax.ShapeDtypeStruct((cohort,), f32),
+    )
+    compiled = jax.jit(fedavg_round).lower(*specs).compile()
+    return fax, compiled, mean_client_loss
+
+
+def grad_check() -> Dict[str, Any]:
+    """Loss and gradient of the fixed check program, through fax's AD rules."""
+    import jax
+
+    _, _, program = build(workload.COHORT)
+    params, x, y = workload.check_program_inputs()
+    loss, grads = jax.jit(jax.value_and_grad(program))(params, x, y)
+    grads = {k: np.asarray(v) for k, v in grads.items()}
+    return {
+        "peer": "fax",
+        "mode": "grad_check",
+        "jax_version": jax.__version__,
+        "loss": float(loss),
+        "grad_norm": {k: float(np.linalg.norm(v)) for k, v in grads.items()},
+        "grad": {k: v.tolist() for k, v in grads.items()},
+    }
+
+
+def run(rounds: int, seed: int) -> Dict[str, Any]:
+    """The benchmark: setup, then ``rounds`` timed rounds."""
+    rss = common.PeakRss().start()
+    import jax
+
+    split = workload.load_split()
+    data = workload.client_data(split)
+    params = {k: jax.device_put(v) for k, v in workload.load_init_params().items()}
+    _, round_fn, _ = build(workload.COHORT)
+    setup_s = time.perf_counter() - common.PROCESS_T0
+
+    round_s, losses, history = [], [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        ids = workload.cohort(seed, r)
+        params, loss = round_fn(params, data.x[ids], data.y[ids], data.counts[ids])
+        host_params = {k: np.asarray(v) for k, v in params.items()}  # waits for the round
+        loss = float(loss)
+        round_s.append(time.perf_counter() - t0)
+        losses.append(loss)
+        history.append(host_params)
+    peak = rss.stop()
+    return common.result_line(
+        "fax", setup_s, round_s, losses, history, peak, None,
+        extra={"versions": {"jax": jax.__version__, "google-fax": "0.0.2"}},
+    )
+
+
+def main() -> None:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--grad-check", action="store_true", help="print loss and gradient of the check program")
+    args = parser.parse_args()
+    result = grad_check() if args.grad_check else run(args.rounds, args.seed)
+    common.emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Runs one peer benchmark in its own venv and returns its result (standard library only).
+
+Each peer script runs as ``<repo>/.venv-<peer>/bin/python benchmarks/peers/<peer>_peer.py``
+in a new session (its own process group) under a hard timeout. When it ends, for any
+reason, whatever is left of its process group is killed, so no worker (TFF's
+``worker_binary``, Ray's daemons) outlives it. The result is the JSON object the script
+prints as its last line.
+
+    python benchmarks/peers/run_peer.py fax|tff|flower [--rounds N] [--seed S]
+        [--timeout SECONDS] [--json OUT] [--log LOG] [-- EXTRA PEER ARGS]
+
+Exit status: 0 with the JSON line on stdout; 2 when the peer's venv is missing
+(build it with ``benchmarks/peers/setup_venvs.sh PEER``); 1 when the peer failed or
+timed out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PEERS = ("fax", "tff", "flower")
+# Exit status a peer uses for "runtime did not start" (TFF's worker hang): retried.
+STARTUP_EXIT = 3
+DEFAULT_TIMEOUT_S = {"fax": 300.0, "tff": 600.0, "flower": 900.0}
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer's venv has not been built."""
+
+
+class PeerFailed(RuntimeError):
+    """The peer exited non-zero, timed out, or printed no result."""
+
+
+def venv_python(peer: str, repo: str = REPO) -> str:
+    """Path of the interpreter of ``peer``'s venv."""
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; one of {PEERS}")
+    return os.path.join(repo, f".venv-{peer}", "bin", "python")
+
+
+def peer_available(peer: str, repo: str = REPO) -> bool:
+    """Whether ``peer``'s venv exists."""
+    return os.access(venv_python(peer, repo), os.X_OK)
+
+
+def _kill_group(pgid: int) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.1)
+
+
+def _last_json(stdout: str) -> Optional[Dict[str, Any]]:
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and "peer" in obj:
+                return obj
+    return None
+
+
+def _env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_once(
+    peer: str,
+    args: Sequence[str],
+    timeout_s: float,
+    repo: str = REPO,
+    log_path: Optional[str] = None,
+) -> Dict[str, Any]:
+    """One run of ``peer`` with script arguments ``args``; returns its JSON object."""
+    python = venv_python(peer, repo)
+    if not os.access(python, os.X_OK):
+        raise PeerUnavailable(
+            f"{python} not found; build it with benchmarks/peers/setup_venvs.sh {peer}"
+        )
+    script = os.path.join(repo, "benchmarks", "peers", f"{peer}_peer.py")
+    cmd = [python, script, *args]
+    proc = subprocess.Popen(
+        cmd, cwd=repo, env=_env(), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc.pid)
+        out, err = proc.communicate()
+    finally:
+        _kill_group(proc.pid)  # stragglers of a finished run, too
+    if log_path:
+        with open(log_path, "w") as f:
+            f.write(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}\n")
+    tail = "\n".join((err or "").strip().splitlines()[-15:])
+    if timed_out:
+        raise PeerFailed(f"{peer}: timed out after {timeout_s:.0f} s; stderr tail:\n{tail}")
+    if proc.returncode != 0:
+        err_obj = PeerFailed(f"{peer}: exit status {proc.returncode}; stderr tail:\n{tail}")
+        err_obj.returncode = proc.returncode  # type: ignore[attr-defined]
+        raise err_obj
+    result = _last_json(out)
+    if result is None:
+        raise PeerFailed(f"{peer}: no JSON result line; stderr tail:\n{tail}")
+    return result
+
+
+def run_peer(
+    peer: str,
+    rounds: int = 20,
+    seed: int = 0,
+    timeout_s: Optional[float] = None,
+    extra_args: Sequence[str] = (),
+    repo: str = REPO,
+    retries: int = 1,
+    log_path: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Runs ``peer`` for ``rounds`` rounds and returns its result object.
+
+    A run whose runtime did not start (exit status 3) is retried up to ``retries``
+    times; any other failure raises ``PeerFailed`` at once.
+    """
+    timeout = DEFAULT_TIMEOUT_S[peer] if timeout_s is None else timeout_s
+    args = ["--rounds", str(rounds), "--seed", str(seed), *extra_args]
+    for attempt in range(retries + 1):
+        try:
+            return run_once(peer, args, timeout, repo=repo, log_path=log_path)
+        except PeerFailed as e:
+            if getattr(e, "returncode", None) != STARTUP_EXIT or attempt == retries:
+                raise
+            print(f"run_peer: {peer} did not start, retrying", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="Run one peer benchmark in its venv.")
+    p.add_argument("peer", choices=PEERS)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=None, help="seconds (default per peer)")
+    p.add_argument("--json", metavar="OUT", default=None, help="also write the result to OUT")
+    p.add_argument("--log", metavar="LOG", default=None, help="write the peer's stdout/stderr to LOG")
+    p.add_argument("extra", nargs="*", help="arguments passed on to the peer script (after --)")
+    a = p.parse_args(argv)
+    try:
+        result = run_peer(a.peer, a.rounds, a.seed, a.timeout, a.extra, log_path=a.log)
+    except PeerUnavailable as e:
+        print(f"run_peer: {e}", file=sys.stderr)
+        return 2
+    except PeerFailed as e:
+        print(f"run_peer: {e}", file=sys.stderr)
+        return 1
+    line = json.dumps(result)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
