@@ -29,7 +29,6 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import time
 from typing import Any, Dict, Iterable, Optional
 
-
 import numpy_mlp
 import workload
 
