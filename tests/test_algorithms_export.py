@@ -1,0 +1,96 @@
+"""Every algorithm's round exports to a TFF proto and matches jit on a LocalFleet."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fax_bridge as fb
+from fax_bridge.algorithms import (
+    fed_adam, fed_avg, fed_fish, fed_reconstruction, fed_sgd, learned_client_weights,
+    learned_server_lr, streaming_diloco)
+
+N = 3
+
+
+def loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+def recon_loss(g, l, b):
+    return jnp.mean((b["x"] @ g["w"] + l["b"] - b["y"]) ** 2)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(N, 2, 4, 2)).astype(np.float32),
+            "y": rng.normal(size=(N, 2, 4)).astype(np.float32)}
+    mask = np.ones((N, 2, 4), bool)
+    mask[1, 1, 2:] = False
+    return data, mask
+
+
+def _case(name):
+    data, mask = _data()
+    p = {"w": jnp.zeros(2), "b": jnp.zeros(())}
+    if name == "fed_avg":
+        a = fed_avg(loss, optax.sgd(0.1), clients=N)
+        return a.next, (a.init(p), data, mask), a.placements
+    if name == "fed_sgd":
+        a = fed_sgd(loss, clients=N)
+        return a.next, (a.init(p), data, mask), a.placements
+    if name == "fed_adam":
+        a = fed_adam(loss, optax.sgd(0.1), clients=N)
+        return a.next, (a.init(p), data, mask), a.placements
+    if name == "fed_fish":
+        a = fed_fish(loss, optax.sgd(0.1), clients=N)
+        return a.next, (a.init(p), data, mask), a.placements
+    if name == "learned_server_lr":
+        a = learned_server_lr(loss, optax.sgd(0.1), clients=N)
+        return a.next, (a.init(p), data, mask, data, mask), a.placements
+    if name == "learned_client_weights":
+        a = learned_client_weights(loss, optax.sgd(0.1), clients=N)
+        return a.next, (a.init(p), data, mask, data, mask), a.placements
+    if name == "streaming_diloco":
+        a = streaming_diloco(loss, p, clients=N, sync_every=4, num_fragments=2, overlap=1)
+        return a.rounds[0], (a.init(p), data, mask), a.placements
+    a = fed_reconstruction(recon_loss, {"b": jnp.zeros(())}, clients=N,
+                           client_optimizer=optax.sgd(0.1),
+                           reconstruction_optimizer=optax.sgd(0.5))
+    return a.next, (a.init({"w": jnp.zeros(2)}), data, mask, data, mask), a.placements
+
+
+NAMES = ["fed_avg", "fed_sgd", "fed_adam", "fed_fish", "learned_server_lr",
+         "learned_client_weights", "streaming_diloco", "fed_reconstruction"]
+# Known fleet-side failures (nested optax states come back in a different leaf order;
+# NamedTuple arguments mixing placements cannot be rebuilt when selecting clients).
+FLEET_XFAIL = {"fed_adam": "fleet returns nested optimizer-state leaves out of order",
+               "learned_server_lr": "fleet returns nested optimizer-state leaves out of order",
+               "learned_client_weights": "fleet cannot rebuild a NamedTuple argument",
+               "streaming_diloco": "fleet cannot rebuild a NamedTuple argument"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_round_exports_to_a_typed_tff_proto(name):
+    from federated_language.compiler import building_blocks
+
+    fn, args, placements = _case(name)
+    proto = fb.export_tff(fn, *args, placements=placements)
+    sig = str(building_blocks.ComputationBuildingBlock.from_proto(proto).type_signature)
+    assert "@CLIENTS" in sig.split("->")[0] and "@SERVER" in sig.split("->")[1]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with fb.LocalFleet(devices=2) as f:
+        yield f
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(reason=FLEET_XFAIL[n], strict=True))
+    if n in FLEET_XFAIL else n for n in NAMES])
+def test_round_parity_on_local_fleet(name, fleet):
+    fn, args, placements = _case(name)
+    report = fb.check_parity(fn, *args, placements=placements, fleet=fleet)
+    assert report.ok, report.table()
