@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fax_bridge import api as fx
+import fax_bridge as fx
 from fax_bridge.algorithms import common as C
 
 E3M0_LEVELS = 7          # non-zero magnitudes scale * 2**e, e in -6..0 (code 1..7)

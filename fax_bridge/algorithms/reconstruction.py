@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fax_bridge import api as fx
+import fax_bridge as fx
 from fax_bridge.algorithms import common as C
 
 
