@@ -1,0 +1,69 @@
+"""Smoke test of benchmarks/export_cost.py: tiny sizes, the proto does not grow with the model.
+
+No timing assertions: only that the script runs and what it measures behaves.
+"""
+
+import importlib.util
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fax_bridge as fb
+
+_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "export_cost.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("export_cost", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_runs_and_proto_is_not_proportional_to_params(bench, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    result = bench.main(["--sizes", "2k,20k", "--repeats", "1", "--clients", "3",
+                         "--json", str(out)])
+    small, large = result["rows"]
+    assert small["params"] == bench.param_count(small["layers"])
+    assert large["params"] / small["params"] > 8
+    # HLO holds shapes, not values: ~10x the parameters, barely more proto bytes.
+    assert large["proto_bytes"] / small["proto_bytes"] < 1.5
+    assert large["ratio"] < small["ratio"] / 5
+    for row in result["rows"]:
+        assert row["hlo_modules"] >= 1
+        assert 0 < row["hlo_bytes"] < row["proto_bytes"]
+        assert row["hlo_bytes"] + row["rest_bytes"] == row["proto_bytes"]
+        assert row["largest_constant_elements"] < 100
+        assert row["concrete_identical"] is True
+    assert result["slopes"]["proto_bytes"] < 0.5
+    assert json.loads(out.read_text())["config"]["clients"] == 3
+    assert "log-log slope" in capsys.readouterr().out
+
+
+def test_layer_sizes_hit_the_target(bench):
+    for target in (10_000, 1_000_000, 10_000_000):
+        assert abs(bench.param_count(bench.layer_sizes(target)) - target) / target < 0.02
+
+
+def test_breakdown_sees_a_constant_the_program_closes_over(bench):
+    """The detector works: a closed-over table is folded into the HLO and found there."""
+    def export_with(table):
+        @fb.program(clients=2)
+        def shift(x):
+            return fb.federated_map_server(lambda v: v + jnp.asarray(table), x)
+
+        return fb.export_tff(shift, jax.ShapeDtypeStruct((1000,), jnp.float32))
+
+    table = np.arange(1000, dtype=np.float32)
+    proto = export_with(table)
+    breakdown = bench.proto_breakdown(proto)
+    assert breakdown["largest_constant_elements"] == 1000
+    assert breakdown["hlo_bytes"] > 4 * 1000
+    assert bench.canonical_bytes(proto) == bench.canonical_bytes(export_with(table))
+    assert bench.canonical_bytes(proto) != bench.canonical_bytes(export_with(table + 1))
