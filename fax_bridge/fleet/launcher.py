@@ -32,7 +32,7 @@ import federated_language
 import numpy as np
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet.coordinator import GrpcClientsBackend, partition
 from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
 
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
@@ -58,7 +58,206 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
-class LocalFleet:
+class FleetRounds:
+    """Rounds on a fleet of devices reached through a `GrpcClientsBackend`.
+
+    The shared part of `LocalFleet` (which starts its devices) and
+    `fax_bridge.fleet.remote.RemoteFleet` (which joins devices started elsewhere):
+    seeded cohorts, dropouts, delays and `min_clients` per `RoundPolicy`, round reports,
+    and, when `survive_device_loss` is set, finishing a round on the surviving devices
+    when some stop answering (their clients count as lost). Subclasses set `backend`,
+    `addresses` and `num_devices` in `start()` and release them in `close()`.
+    """
+
+    survive_device_loss: bool = False
+    probe_timeout_s: float = 2.0
+
+    def _init_rounds(self, *, policy: RoundPolicy, preaggregate: bool,
+                     rpc_timeout_s: float, progress: bool) -> None:
+        self.policy = policy
+        self.preaggregate = preaggregate
+        self.rpc_timeout_s = rpc_timeout_s
+        self.progress = progress
+        self.addresses: list[str] = []
+        self.backend: Optional[GrpcClientsBackend] = None
+        self.reports: list[RoundReport] = []
+        self._round = 0
+        self._closed = False
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def last_report(self) -> Optional[RoundReport]:
+        return self.reports[-1] if self.reports else None
+
+    # -- rounds -------------------------------------------------------------------
+
+    def run(self, proto, *args: Any, report: bool = False, num_clients: Optional[int] = None,
+            **kwargs: Any):
+        """Runs one round of `proto` on pytrees (CLIENTS ones with a leading clients axis).
+
+        The round's cohort, dropouts and delays follow the fleet's policy; the
+        computation sees only the participating clients. Returns the result as a
+        pytree, or `(result, RoundReport)` with `report=True` (also `last_report`).
+        `num_clients` gives the population when no argument is placed at CLIENTS.
+        """
+        from fax_bridge.runtime import interpreter
+
+        if self.backend is None or self._closed:
+            raise FleetError(f"the fleet is not running; use `with {type(self).__name__}"
+                             "(...) as fleet:`")
+        fn_type = interpreter.computation_type(proto)
+        param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
+        round_index = self._round
+        self._round += 1
+        population = _population(args, kwargs, param)
+        if population is None:
+            if num_clients is None:
+                raise FleetError(
+                    "no argument is placed at CLIENTS, so the number of clients is unknown; "
+                    "pass num_clients=N to run()")
+            population = int(num_clients)
+        plan = plan_round(self.policy, population, round_index)
+        rep = RoundReport(round=round_index, population=population, cohort=plan.cohort,
+                          dropped=plan.dropped, late=plan.late,
+                          participants=plan.participants, delays_s=plan.delays_s,
+                          devices=self.num_devices, preaggregate=self.backend.preaggregate)
+        self.reports.append(rep)
+        try:
+            check_min_clients(self.policy, plan, round_index)
+        except FleetError as e:
+            rep.error = str(e)
+            raise
+        participants = list(plan.participants)
+        while True:
+            try:
+                result = self._attempt(proto, args, kwargs, param, participants, plan, rep)
+                break
+            except FleetError as e:
+                lost = self._lose_unreachable_devices(participants, rep, e)
+                if not lost:
+                    rep.error = f"{type(e).__name__}: {e}"
+                    raise
+                participants = [c for c in participants if c not in lost]
+                if len(participants) < self.policy.min_clients:
+                    rep.error = (
+                        f"round {round_index}: devices {rep.lost_devices} stopped answering, "
+                        f"taking clients {sorted(rep.lost_clients)} with them; only "
+                        f"{len(participants)} clients are left but min_clients="
+                        f"{self.policy.min_clients}")
+                    raise FleetError(rep.error + "; lower min_clients or restart those "
+                                     "devices") from e
+            except BaseException as e:
+                rep.error = f"{type(e).__name__}: {e}"
+                raise
+        rep.participants = participants
+        return (result, rep) if report else result
+
+    def _attempt(self, proto, args, kwargs, param, participants, plan, rep):
+        """One try at the round on the current devices; adds its costs to `rep`."""
+        from fax_bridge.runtime import interpreter
+
+        chosen = np.asarray(participants, dtype=np.int64)
+        args, kwargs = _select_clients(args, kwargs, param, chosen)
+        if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
+            self.backend.set_delays([plan.delays_s[c] for c in participants])
+        before = self.backend.traffic.__class__(**self.backend.traffic.as_dict())
+        start = time.perf_counter()
+        backend = self.backend
+        try:
+            return interpreter.run_computation(
+                proto, *args, backend=backend,
+                num_clients=None if _population(args, kwargs, param) else len(chosen),
+                **kwargs)
+        finally:
+            backend.set_delays(None)
+            rep.wall_s += time.perf_counter() - start
+            try:
+                backend.collect()
+            except FleetError:
+                pass  # an unreachable device; the caller decides what that means
+            spent = backend.traffic - before
+            rep.compute_s += spent.compute_seconds
+            rep.bytes_down += spent.bytes_down
+            rep.bytes_up += spent.bytes_up
+            rep.payload_down += spent.payload_down
+            rep.payload_up += spent.payload_up
+            rep.rpcs += spent.rpcs
+
+    def _lose_unreachable_devices(self, participants: list, rep: RoundReport,
+                                  error: FleetError) -> set:
+        """After a failed try: drops devices that no longer answer Health.
+
+        Returns the participants those devices held (empty when every device answers,
+        or when this fleet does not survive device loss), after reconnecting to the
+        survivors.
+        """
+        if not self.survive_device_loss or self.backend is None:
+            return set()
+        alive = probe_devices(self.backend, self.probe_timeout_s)
+        dead = [i for i, ok in enumerate(alive) if not ok]
+        if not dead or len(dead) == len(alive):
+            return set()
+        blocks = partition(len(participants), len(alive))
+        lost = {participants[j] for i in dead for j in blocks[i]}
+        gone = [self.addresses[i] for i in dead]
+        rep.lost_devices.extend(gone)
+        rep.lost_clients.extend(sorted(lost))
+        self._reconnect([a for i, a in enumerate(self.addresses) if i not in dead])
+        rep.devices = self.num_devices
+        return lost
+
+    def _reconnect(self, addresses: list[str]) -> None:
+        """Replaces the backend by one over `addresses` (handles keep counting)."""
+        old = self.backend
+        old.rpc_timeout_s = min(old.rpc_timeout_s, self.probe_timeout_s)
+        try:
+            old.close()
+        except FleetError:
+            pass
+        self.backend = self._connect(addresses)
+        # Survivors may still hold values of the failed try: never reuse their handles.
+        self.backend._handles = old._handles
+        self.addresses = list(addresses)
+        self.num_devices = len(addresses)
+
+    def _connect(self, addresses: list[str]) -> GrpcClientsBackend:
+        return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
+                                  rpc_timeout_s=self.rpc_timeout_s,
+                                  connect_timeout_s=self.probe_timeout_s * 5)
+
+    def run_rounds(self, proto, rounds: Iterable[Sequence[Any]],
+                   progress: Optional[bool] = None) -> list:
+        """Runs `proto` once per argument tuple of `rounds`; a tqdm bar when `progress`."""
+        from tqdm.auto import tqdm
+
+        show = self.progress if progress is None else progress
+        results = []
+        rounds = list(rounds)
+        with tqdm(total=len(rounds), disable=not show, unit="round",
+                  desc="fleet rounds") as bar:
+            for args in rounds:
+                results.append(self.run(proto, *args))
+                rep = self.last_report
+                bar.set_postfix(clients=len(rep.participants), up=rep.bytes_up,
+                                down=rep.bytes_down, refresh=False)
+                bar.update(1)
+        return results
+
+
+
+class LocalFleet(FleetRounds):
     """A simulated fleet of `devices` device processes on 127.0.0.1.
 
     Args:
@@ -86,25 +285,19 @@ class LocalFleet:
         if devices < 1:
             raise FleetError(f"devices={devices}; a fleet needs at least one device")
         self.num_devices = int(devices)
-        self.policy = RoundPolicy(cohort_size=cohort_size, dropout=dropout,
-                                  straggler_delay_s=straggler_delay_s,
-                                  round_deadline_s=round_deadline_s, min_clients=min_clients,
-                                  seed=seed, emulate_delays=emulate_delays)
-        self.preaggregate = preaggregate
-        self.rpc_timeout_s = rpc_timeout_s
+        self._init_rounds(
+            policy=RoundPolicy(cohort_size=cohort_size, dropout=dropout,
+                               straggler_delay_s=straggler_delay_s,
+                               round_deadline_s=round_deadline_s, min_clients=min_clients,
+                               seed=seed, emulate_delays=emulate_delays),
+            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress)
         self.startup_timeout_s = startup_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
-        self.progress = progress
         self.python = python or sys.executable
         self._keep_logs = log_dir is not None
         self._log_dir = pathlib.Path(log_dir) if log_dir is not None else None
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
-        self.addresses: list[str] = []
-        self.backend: Optional[GrpcClientsBackend] = None
-        self.reports: list[RoundReport] = []
-        self._round = 0
-        self._closed = False
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -112,17 +305,10 @@ class LocalFleet:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     @property
     def pids(self) -> list[int]:
         """Process ids of the device processes (in device order)."""
         return [p.pid for p in self._procs]
-
-    @property
-    def last_report(self) -> Optional[RoundReport]:
-        return self.reports[-1] if self.reports else None
 
     def start(self) -> "LocalFleet":
         """Spawns the devices, reads their ports and connects; cleans up if anything fails."""
@@ -234,89 +420,23 @@ class LocalFleet:
         with _live_lock:
             _live.discard(self)
 
-    # -- rounds -------------------------------------------------------------------
-
-    def run(self, proto, *args: Any, report: bool = False, num_clients: Optional[int] = None,
-            **kwargs: Any):
-        """Runs one round of `proto` on pytrees (CLIENTS ones with a leading clients axis).
-
-        The round's cohort, dropouts and delays follow the fleet's policy; the
-        computation sees only the participating clients. Returns the result as a
-        pytree, or `(result, RoundReport)` with `report=True` (also `last_report`).
-        `num_clients` gives the population when no argument is placed at CLIENTS.
-        """
-        from fax_bridge.runtime import interpreter
-
-        if self.backend is None or self._closed:
-            raise FleetError("the fleet is not running; use `with LocalFleet(...) as fleet:`")
-        fn_type = interpreter.computation_type(proto)
-        param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
-        round_index = self._round
-        self._round += 1
-        population = _population(args, kwargs, param)
-        if population is None:
-            if num_clients is None:
-                raise FleetError(
-                    "no argument is placed at CLIENTS, so the number of clients is unknown; "
-                    "pass num_clients=N to run()")
-            population = int(num_clients)
-        plan = plan_round(self.policy, population, round_index)
-        rep = RoundReport(round=round_index, population=population, cohort=plan.cohort,
-                          dropped=plan.dropped, late=plan.late,
-                          participants=plan.participants, delays_s=plan.delays_s,
-                          devices=self.num_devices, preaggregate=self.backend.preaggregate)
-        self.reports.append(rep)
-        try:
-            check_min_clients(self.policy, plan, round_index)
-        except FleetError as e:
-            rep.error = str(e)
-            raise
-        chosen = np.asarray(plan.participants, dtype=np.int64)
-        args, kwargs = _select_clients(args, kwargs, param, chosen)
-        if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
-            self.backend.set_delays([plan.delays_s[c] for c in plan.participants])
-        before = self.backend.traffic.__class__(**self.backend.traffic.as_dict())
-        start = time.perf_counter()
-        try:
-            result = interpreter.run_computation(
-                proto, *args, backend=self.backend,
-                num_clients=None if _population(args, kwargs, param) else len(chosen),
-                **kwargs)
-        except BaseException as e:
-            rep.error = f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            self.backend.set_delays(None)
-            rep.wall_s = time.perf_counter() - start
-            self.backend.collect()
-            spent = self.backend.traffic - before
-            rep.compute_s = spent.compute_seconds
-            rep.bytes_down, rep.bytes_up = spent.bytes_down, spent.bytes_up
-            rep.payload_down, rep.payload_up = spent.payload_down, spent.payload_up
-            rep.rpcs = spent.rpcs
-        return (result, rep) if report else result
-
-    def run_rounds(self, proto, rounds: Iterable[Sequence[Any]],
-                   progress: Optional[bool] = None) -> list:
-        """Runs `proto` once per argument tuple of `rounds`; a tqdm bar when `progress`."""
-        from tqdm.auto import tqdm
-
-        show = self.progress if progress is None else progress
-        results = []
-        rounds = list(rounds)
-        with tqdm(total=len(rounds), disable=not show, unit="round",
-                  desc="fleet rounds") as bar:
-            for args in rounds:
-                results.append(self.run(proto, *args))
-                rep = self.last_report
-                bar.set_postfix(clients=len(rep.participants), up=rep.bytes_up,
-                                down=rep.bytes_down, refresh=False)
-                bar.update(1)
-        return results
-
-
 # ---------------------------------------------------------------------------------------
 # Helpers
+
+
+def probe_devices(backend: GrpcClientsBackend, timeout_s: float) -> list[bool]:
+    """Whether each device of `backend` answers Health within `timeout_s` (in parallel)."""
+    from fax_bridge.v1 import device_pb2 as pb
+
+    calls = [d.stub.Health.future(pb.HealthRequest(), timeout=timeout_s)
+             for d in backend._devices]
+    alive = []
+    for call in calls:
+        try:
+            alive.append(call.result().status == "SERVING")
+        except Exception:
+            alive.append(False)
+    return alive
 
 
 def _parse_port_line(line: bytes) -> Optional[str]:

@@ -68,7 +68,11 @@ class RoundPlan:
 
 @dataclasses.dataclass
 class RoundReport:
-    """What happened in one round on the fleet."""
+    """What happened in one round on the fleet.
+
+    `lost_devices` are devices that stopped answering during the round (addresses);
+    `lost_clients` the participants they held, which the round then finished without.
+    """
 
     round: int
     population: int
@@ -87,13 +91,17 @@ class RoundReport:
     payload_up: int = 0
     rpcs: int = 0
     error: Optional[str] = None
+    lost_devices: list = dataclasses.field(default_factory=list)
+    lost_clients: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def summary(self) -> str:
+        lost = (f", {len(self.lost_clients)} lost with {len(self.lost_devices)} unreachable "
+                "devices" if self.lost_devices else "")
         return (f"round {self.round}: {len(self.participants)}/{len(self.cohort)} clients "
-                f"reported ({len(self.dropped)} dropped, {len(self.late)} late) in "
+                f"reported ({len(self.dropped)} dropped, {len(self.late)} late{lost}) in "
                 f"{self.wall_s:.3f}s; {self.bytes_down} B down, {self.bytes_up} B up")
 
 
