@@ -98,13 +98,42 @@ def compare_leaves(local: Any, remote: Any, rtol: float, atol: float,
     return out
 
 
+def leaves_in_type_order(tree: Any, type_: federated_language.Type) -> list:
+    """Leaves of a runtime result in the depth-first order of its TFF type.
+
+    The runtime returns named structs as dicts, which jax would flatten in sorted-key
+    order; the exported type keeps the program's own order (e.g. NamedTuple fields),
+    which is the order of the program's flattened outputs.
+    """
+    if isinstance(type_, federated_language.FederatedType):
+        return leaves_in_type_order(tree, type_.member)
+    if isinstance(type_, federated_language.StructType):
+        out = []
+        for i, (name, element) in enumerate(type_.items()):
+            child = tree[name] if isinstance(tree, dict) and name else tree[i]
+            out.extend(leaves_in_type_order(child, element))
+        return out
+    return [tree]
+
+
+def _plain_containers(tree: Any) -> Any:
+    """NamedTuples as dicts keyed by field (the runtime matches named elements by name)."""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return {f: _plain_containers(getattr(tree, f)) for f in tree._fields}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_plain_containers(x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _plain_containers(v) for k, v in tree.items()}
+    return tree
+
+
 def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -> tuple:
     """The program's positional arguments as the runtime's per-element arguments."""
     if parameter is None:
         return ()
     if len(args) == 1 and isinstance(parameter, federated_language.StructType):
-        return tuple(child for _, child in tff_export._children(args[0]))
-    return tuple(args)
+        args = tuple(child for _, child in tff_export._children(args[0]))
+    return tuple(_plain_containers(a) for a in args)
 
 
 def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
@@ -141,7 +170,9 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     else:
         remote, fleet_s = run_on(fleet)
         used = getattr(fleet, "num_devices", devices)
-    leaves = compare_leaves(local, remote, rtol, atol,
+    result_type = fn_type.result if isinstance(fn_type, federated_language.FunctionType) \
+        else fn_type
+    leaves = compare_leaves(local, leaves_in_type_order(remote, result_type), rtol, atol,
                             paths=[p.replace("out", "result", 1) for p in comp.out_paths])
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
                         local_s=local_s, fleet_s=fleet_s, signature=str(

@@ -322,10 +322,10 @@ def _map_abstract_eval(*avals, jaxpr, placement, clients, name):
 
 
 def _map_impl(*args, jaxpr, placement, clients, name):
-    del clients, name
+    del name
     fn = core.jaxpr_as_fun(jaxpr)
     if placement == CLIENTS:
-        return jax.vmap(fn)(*args)
+        return jax.vmap(fn, axis_size=clients)(*args)
     return fn(*args)
 
 

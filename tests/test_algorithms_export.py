@@ -62,14 +62,6 @@ def _case(name):
 
 NAMES = ["fed_avg", "fed_sgd", "fed_adam", "fed_fish", "learned_server_lr",
          "learned_client_weights", "streaming_diloco", "fed_reconstruction"]
-# Known fleet-side failures (nested optax states come back in a different leaf order;
-# NamedTuple arguments mixing placements cannot be rebuilt when selecting clients).
-FLEET_XFAIL = {"fed_adam": "fleet returns nested optimizer-state leaves out of order",
-               "learned_server_lr": "fleet returns nested optimizer-state leaves out of order",
-               "learned_client_weights": "fleet cannot rebuild a NamedTuple argument",
-               "streaming_diloco": "fleet cannot rebuild a NamedTuple argument"}
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_round_exports_to_a_typed_tff_proto(name):
     from federated_language.compiler import building_blocks
@@ -87,9 +79,7 @@ def fleet():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(reason=FLEET_XFAIL[n], strict=True))
-    if n in FLEET_XFAIL else n for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_round_parity_on_local_fleet(name, fleet):
     fn, args, placements = _case(name)
     report = fb.check_parity(fn, *args, placements=placements, fleet=fleet)

@@ -368,3 +368,13 @@ def test_execution_detects_a_wrong_binding():
     b_struct.element[0].tensor.index, b_struct.element[1].tensor.index = 2, 1
     with pytest.raises(AssertionError):
         _assert_runs_like(broken, _nested_fn, NESTED_VALUE)
+
+
+def test_exports_are_byte_identical_across_calls():
+    import jax.numpy as jnp
+    from fax_bridge.tff.xla import xla_computation
+
+    spec = jax.ShapeDtypeStruct((3,), jnp.float32)
+    a = xla_computation(lambda x: x * 2.0, spec).SerializeToString()
+    b = xla_computation(lambda x: x * 2.0, spec).SerializeToString()
+    assert a == b  # no per-process module counter in the bytes

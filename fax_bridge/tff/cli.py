@@ -34,7 +34,12 @@ def load_target(spec: str) -> tuple[Any, Callable, str]:
         module_spec = importlib.util.spec_from_file_location(mod_name, where)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[mod_name] = module
-        module_spec.loader.exec_module(module)
+        folder = os.path.dirname(os.path.abspath(where))
+        sys.path.insert(0, folder)  # so an example can import its sibling modules
+        try:
+            module_spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(folder)
     else:
         try:
             module = importlib.import_module(where)

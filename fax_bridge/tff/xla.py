@@ -49,6 +49,49 @@ HLO_MODULE_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
 LocalFn = Union[Callable[..., Any], jax.extend.core.ClosedJaxpr]
 
 
+_HLO_MODULE_ID_FIELD = 5  # HloModuleProto.id: a per-process counter, not content
+
+
+def without_module_id(module: bytes) -> bytes:
+    """The serialized HloModuleProto with its top-level `id` field dropped.
+
+    jax numbers modules with a process-wide counter; without it the same program always
+    exports to the same bytes (stable content hashes and caches). Works on the protobuf
+    wire format directly: field 5 is a varint at the top level of the message.
+    """
+    out = bytearray()
+    pos, n = 0, len(module)
+
+    def varint(at: int) -> tuple[int, int]:
+        value, shift = 0, 0
+        while True:
+            b = module[at]
+            value |= (b & 0x7F) << shift
+            at += 1
+            if not b & 0x80:
+                return value, at
+            shift += 7
+
+    while pos < n:
+        start = pos
+        key, pos = varint(pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, pos = varint(pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, pos = varint(pos)
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            return module  # groups are not used by HloModuleProto; leave it untouched
+        if not (field == _HLO_MODULE_ID_FIELD and wire == 0):
+            out += module[start:pos]
+    return bytes(out)
+
+
 def binding(tff_type: federated_language.Type, start: int = 0) -> computation_pb2.Xla.Binding:
     """The `Xla.Binding` numbering the tensors of `tff_type` depth-first from `start`."""
     counter = [start]
@@ -235,7 +278,7 @@ def xla_computation(
     xla_pb = computation_pb2.Xla(
         hlo_module=any_pb2.Any(
             type_url=HLO_MODULE_TYPE_URL,
-            value=hlo.as_serialized_hlo_module_proto(),
+            value=without_module_id(hlo.as_serialized_hlo_module_proto()),
         ),
         result=binding(result_type),
     )
