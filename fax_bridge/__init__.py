@@ -22,14 +22,28 @@ from fax_bridge.errors import (
     FleetError,
     PlacementError,
 )
-from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.local import clients_mesh, jit_program, to_hlo
-from fax_bridge.parity import ParityReport, check_parity
 from fax_bridge.placements import Placement
 from fax_bridge.tff.export import export_tff, load_computation, save_computation
 from fax_bridge.tracing import FederatedComputation, trace
 
 __version__ = "0.1.0"
+
+# The fleet (gRPC, device processes) and parity load on first use.
+_LAZY = {
+    "LocalFleet": ("fax_bridge.fleet.launcher", "LocalFleet"),
+    "ParityReport": ("fax_bridge.parity", "ParityReport"),
+    "check_parity": ("fax_bridge.parity", "check_parity"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'fax_bridge' has no attribute {name!r}")
 
 __all__ = [
     "ComputationError",
