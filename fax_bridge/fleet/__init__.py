@@ -3,6 +3,8 @@
 - `device`: the device server (`fax-bridge device`, `python -m fax_bridge.fleet.device`).
 - `coordinator.GrpcClientsBackend`: a `ClientsBackend` whose client values live on devices.
 - `launcher.LocalFleet`: spawns devices on 127.0.0.1 and runs rounds (`rounds.RoundPolicy`).
+- `remote.RemoteFleet`: the same rounds on devices started elsewhere, named by address or
+  by a JSON fleet file (`fleet_file`).
 
 Names are imported on first use, so `python -m fax_bridge.fleet.device` loads only what a
 device needs.
@@ -13,7 +15,11 @@ import importlib
 _EXPORTS = {
     "GrpcClientsBackend": "fax_bridge.fleet.coordinator",
     "Traffic": "fax_bridge.fleet.coordinator",
+    "FleetRounds": "fax_bridge.fleet.launcher",
+    "FleetSpec": "fax_bridge.fleet.fleet_file",
     "LocalFleet": "fax_bridge.fleet.launcher",
+    "RemoteFleet": "fax_bridge.fleet.remote",
+    "load_fleet_file": "fax_bridge.fleet.fleet_file",
     "RoundPolicy": "fax_bridge.fleet.rounds",
     "RoundReport": "fax_bridge.fleet.rounds",
 }

@@ -1,0 +1,169 @@
+"""`RemoteFleet`: rounds on device processes started elsewhere (other hosts, containers).
+
+    # on each host:  fax-bridge device --listen 0.0.0.0:50051 ...
+    with RemoteFleet(fleet_file="fleet.json", min_clients=100) as fleet:
+        result, report = fleet.run(proto, server_state, client_data, report=True)
+
+The devices are named by address (`addresses=[...]`, or a JSON fleet file, see
+`fleet_file`). The fleet only connects to them: it neither starts nor stops them, and
+closing it releases what it placed on them. Rounds follow the same `RoundPolicy` as
+`LocalFleet` (the code is shared, `launcher.FleetRounds`). A device that stops answering
+during a round (a crash, a cut network link) is dropped: the round is retried on the
+devices that still answer Health, without the clients the lost device held, and fails
+with FleetError only when fewer than `min_clients` clients are left.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import secrets
+from typing import Any, Optional, Sequence, Union
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet.fleet_file import check_address, load_fleet_file
+from fax_bridge.fleet.launcher import FleetRounds
+from fax_bridge.fleet.rounds import RoundPolicy
+
+TOKEN_ENV = "FAX_BRIDGE_FLEET_TOKEN"
+HANDLE_BASE = 1 << 32   # handles are uint64 on the wire; LocalFleet's count from 1
+HANDLE_SPAN = 1 << 61
+
+
+class RemoteFleet(FleetRounds):
+    """A fleet of already running devices, reached at their addresses.
+
+    Args:
+      addresses: HOST:PORT of each device, in client-assignment order; or
+      fleet_file: a JSON fleet file giving them (and optionally a token file and TLS).
+      token: the fleet token; default: `token_file`, the fleet file's `token_file`, or
+        the FAX_BRIDGE_FLEET_TOKEN environment variable, in that order.
+      token_file: a file holding the token (owner-only permissions).
+      tls: a `fax_bridge.fleet.security.TlsConfig` (or a mapping of its fields) for
+        mutual TLS; default the fleet file's `tls`.
+      survive_device_loss: finish a round on the devices that still answer when some
+        stop answering (default); False fails the round instead.
+      probe_timeout_s: how long a device may take to answer Health after a failed try.
+      connect_timeout_s: how long to wait for every device to answer Health on start.
+      preaggregate, cohort_size, dropout, straggler_delay_s, round_deadline_s,
+        min_clients, seed, emulate_delays, rpc_timeout_s, progress: as for `LocalFleet`.
+    """
+
+    def __init__(self, addresses: Optional[Sequence[str]] = None, *,
+                 fleet_file: Optional[Union[str, os.PathLike]] = None,
+                 token: Optional[str] = None, token_file: Optional[str] = None,
+                 tls: Any = None, survive_device_loss: bool = True,
+                 probe_timeout_s: float = 2.0, connect_timeout_s: float = 60.0,
+                 preaggregate: bool = True, cohort_size: Optional[int] = None,
+                 dropout: float = 0.0, straggler_delay_s: float = 0.0,
+                 round_deadline_s: Optional[float] = None, min_clients: int = 1,
+                 seed: int = 0, emulate_delays: bool = True, rpc_timeout_s: float = 60.0,
+                 progress: bool = False):
+        if (addresses is None) == (fleet_file is None):
+            raise FleetError("RemoteFleet needs exactly one of addresses=[HOST:PORT, ...] "
+                             "or fleet_file=PATH")
+        spec = load_fleet_file(fleet_file) if fleet_file is not None else None
+        if spec is not None:
+            addresses = list(spec.addresses)
+            token_file = token_file or spec.token_file
+            tls = tls if tls is not None else spec.tls
+        addresses = [check_address(a) for a in addresses]
+        if not addresses:
+            raise FleetError("RemoteFleet got an empty list of device addresses")
+        if len(set(addresses)) != len(addresses):
+            raise FleetError(f"RemoteFleet addresses {addresses} name a device twice")
+        self._init_rounds(
+            policy=RoundPolicy(cohort_size=cohort_size, dropout=dropout,
+                               straggler_delay_s=straggler_delay_s,
+                               round_deadline_s=round_deadline_s, min_clients=min_clients,
+                               seed=seed, emulate_delays=emulate_delays),
+            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress)
+        self.configured_addresses = list(addresses)
+        self.num_devices = len(addresses)
+        self.survive_device_loss = bool(survive_device_loss)
+        self.probe_timeout_s = float(probe_timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self._token = token
+        self._token_file = token_file
+        self._tls = tls
+
+    def __enter__(self) -> "RemoteFleet":
+        self.start()
+        return self
+
+    def start(self) -> "RemoteFleet":
+        """Connects to every device and waits until each answers Health."""
+        if self.backend is not None:
+            return self
+        if self._closed:
+            raise FleetError("this RemoteFleet was closed; make a new one")
+        self.addresses = list(self.configured_addresses)
+        self.num_devices = len(self.addresses)
+        self.backend = self._connect(self.addresses, self.connect_timeout_s)
+        # Devices outlive coordinators and may serve several: a random first handle keeps
+        # this fleet's values apart from those another coordinator left behind.
+        self.backend._handles = itertools.count(HANDLE_BASE + secrets.randbelow(HANDLE_SPAN))
+        return self
+
+    def close(self) -> None:
+        """Releases this fleet's values on the devices and closes the channels.
+
+        The device processes keep running: whoever started them stops them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.backend is not None:
+            try:
+                self.backend.close()
+            except Exception:
+                pass
+
+    def _connect(self, addresses: list[str],
+                 connect_timeout_s: Optional[float] = None) -> GrpcClientsBackend:
+        if connect_timeout_s is None:
+            connect_timeout_s = self.probe_timeout_s * 5
+        return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
+                                  rpc_timeout_s=self.rpc_timeout_s,
+                                  connect_timeout_s=connect_timeout_s,
+                                  **self._security_kwargs())
+
+    def _security_kwargs(self) -> dict:
+        """The token and TLS arguments, as far as this coordinator supports them."""
+        token = self._token
+        if token is None and self._token_file is not None:
+            token = _read_token(self._token_file)
+        if token is None:
+            token = os.environ.get(TOKEN_ENV) or None
+        tls = self._tls
+        if isinstance(tls, dict):
+            from fax_bridge.fleet.security import TlsConfig
+
+            tls = TlsConfig(**tls)
+        accepted = inspect.signature(GrpcClientsBackend).parameters
+        kwargs = {}
+        for name, value in (("token", token), ("tls", tls)):
+            if value is None:
+                continue
+            if name not in accepted:
+                raise FleetError(
+                    f"a fleet {name} was given but this coordinator cannot send one; "
+                    f"upgrade fax_bridge or run the devices without a {name}")
+            kwargs[name] = value
+        return kwargs
+
+
+def _read_token(path: str) -> str:
+    try:
+        from fax_bridge.fleet.security import read_token_file
+    except ImportError:
+        read_token_file = None
+    if read_token_file is not None:
+        return read_token_file(path)
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise FleetError(f"cannot read the fleet token file {path}: {e}") from None

@@ -1,0 +1,347 @@
+"""RemoteFleet: devices started on their own (not by the fleet) joined by address or fleet
+file; rounds equal to a direct computation; a device lost mid-round (killed on loopback,
+or its network namespace cut off) leaves the round to the survivors, or fails it when
+fewer than min_clients are left."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import pathlib
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import fax_bridge
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import device, fleet_file, sample_computations as sc
+from fax_bridge.fleet.coordinator import GrpcClientsBackend, partition
+from fax_bridge.fleet.remote import RemoteFleet
+
+PACKAGE_ROOT = str(pathlib.Path(fax_bridge.__file__).resolve().parents[1])
+TOKEN = secrets.token_hex(16)
+N = 12
+
+
+# ---------------------------------------------------------------------------------------
+# Starting devices by hand, as an operator would on each host
+
+
+def _device_options() -> set:
+    parser = argparse.ArgumentParser()
+    device._add_arguments(parser)
+    return {o for action in parser._actions for o in action.option_strings}
+
+
+def _coordinator_sends_token() -> bool:
+    return "token" in inspect.signature(GrpcClientsBackend).parameters
+
+
+def _env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
+               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, env.get("PYTHONPATH", "")]).strip(
+        os.pathsep)
+    if _coordinator_sends_token():
+        env["FAX_BRIDGE_FLEET_TOKEN"] = TOKEN
+    for key in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        env.pop(key, None)
+    return env
+
+
+def _device_argv(listen: str, name: str) -> list:
+    argv = [sys.executable, "-m", "fax_bridge.fleet.device", "--listen", listen,
+            "--device-id", name]
+    options = _device_options()
+    if "--allow-remote" in options and not listen.startswith("127."):
+        argv.append("--allow-remote")
+    if "--allow-no-auth" in options and not _coordinator_sends_token():
+        argv.append("--allow-no-auth")
+    return argv
+
+
+def _start_device(prefix: list, listen: str, name: str) -> subprocess.Popen:
+    return subprocess.Popen(prefix + _device_argv(listen, name), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _read_address(proc: subprocess.Popen, timeout_s: float = 90.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    buffer = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            buffer += chunk
+            for line in buffer.splitlines():
+                if line.startswith(b"{"):
+                    return json.loads(line)["listening"]
+            if not chunk and proc.poll() is not None:
+                break
+        elif proc.poll() is not None:
+            break
+    err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.poll() is not None else ""
+    raise AssertionError(f"device did not print its address (exit {proc.poll()}): {err}")
+
+
+def _stop(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _inputs():
+    x = np.stack([np.full(2, i + 1, np.float32) for i in range(N)])
+    return x, np.full(2, 0.5, np.float32)
+
+
+def _expected(participants) -> np.ndarray:
+    x, s = _inputs()
+    return (x[list(participants)] * s).sum(axis=0)
+
+
+@pytest.fixture
+def loopback_devices():
+    procs = [_start_device([], "127.0.0.1:0", f"dev-{i}") for i in range(3)]
+    try:
+        yield procs, [_read_address(p) for p in procs]
+    finally:
+        _stop(procs)
+
+
+# ---------------------------------------------------------------------------------------
+# Fleet files
+
+
+def test_fleet_file_round_trip_and_errors(tmp_path):
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({
+        "devices": ["10.0.0.2:50051", {"address": "[fd00::3]:50051", "name": "n3"}],
+        "token_file": "fleet.token",
+        "tls": {"ca_cert": "ca.pem", "cert": "c.pem", "key": "c.key"}}))
+    spec = fleet_file.load_fleet_file(path)
+    assert spec.addresses == ("10.0.0.2:50051", "[fd00::3]:50051")
+    assert spec.names == ("10.0.0.2:50051", "n3")
+    assert spec.token_file == str(tmp_path / "fleet.token")
+    assert spec.tls["ca_cert"] == str(tmp_path / "ca.pem")
+    out = tmp_path / "out.json"
+    fleet_file.write_fleet_file(out, ["h1:1", "h2:2"])
+    assert fleet_file.load_fleet_file(out).addresses == ("h1:1", "h2:2")
+    assert fleet_file.parse_devices(" h1:1, h2:2 ,") == ["h1:1", "h2:2"]
+
+    cases = [({"devices": []}, "non-empty 'devices'"),
+             ({"devices": ["h:0"]}, "port in 1..65535"),
+             ({"devices": ["nohost"]}, "not HOST:PORT"),
+             ({"devices": ["h:1", "h:1"]}, "twice"),
+             ({"devices": ["h:1"], "secret": "x"}, "unknown keys"),
+             ({"devices": ["h:1"], "tls": {"ca_cert": "a"}}, "ca_cert, cert, key")]
+    for data, message in cases:
+        path.write_text(json.dumps(data))
+        with pytest.raises(FleetError, match=message):
+            fleet_file.load_fleet_file(path)
+    path.write_text("{not json")
+    with pytest.raises(FleetError, match="not valid JSON"):
+        fleet_file.load_fleet_file(path)
+    with pytest.raises(FleetError, match="fd00::1"):
+        fleet_file.parse_devices("fd00::1:50051")
+    with pytest.raises(FleetError, match="exactly one of"):
+        RemoteFleet()
+
+
+# ---------------------------------------------------------------------------------------
+# Loopback: devices started by hand, one killed mid-round
+
+
+def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices, tmp_path):
+    procs, addresses = loopback_devices
+    path = tmp_path / "fleet.json"
+    fleet_file.write_fleet_file(path, addresses)
+    proto = sc.scaled_aggregate((2,), "sum")
+    x, s = _inputs()
+    with RemoteFleet(fleet_file=path) as fleet:
+        got, rep = fleet.run(proto, x, s, report=True)
+        np.testing.assert_array_equal(got, _expected(range(N)))
+        assert rep.devices == 3 and rep.lost_devices == []
+    for proc in procs:
+        assert proc.poll() is None  # closing a RemoteFleet leaves its devices running
+
+    # Emulated delays keep the devices in Map while device 2 is killed: with this seed
+    # the first round's slowest client of each device waits 0.58 s or more.
+    with RemoteFleet(addresses, straggler_delay_s=0.5, rpc_timeout_s=20,
+                     probe_timeout_s=2.0, seed=2) as fleet:
+        killer = threading.Timer(0.3, lambda: os.killpg(procs[2].pid, signal.SIGKILL))
+        killer.start()
+        try:
+            got, rep = fleet.run(proto, x, s, report=True)
+        finally:
+            killer.cancel()
+        lost = [list(range(N))[j] for j in partition(N, 3)[2]]
+        assert rep.lost_devices == [addresses[2]] and rep.lost_clients == lost
+        assert rep.participants == [c for c in range(N) if c not in lost]
+        assert rep.devices == 2 and fleet.addresses == addresses[:2]
+        np.testing.assert_array_equal(got, _expected(rep.participants))
+        # The next round runs on the two survivors from the start.
+        got, rep = fleet.run(proto, x, s, report=True)
+        np.testing.assert_array_equal(got, _expected(range(N)))
+        assert rep.lost_devices == [] and rep.devices == 2
+    with pytest.raises(FleetError, match="did not become healthy"):
+        RemoteFleet(addresses, connect_timeout_s=2).start()
+
+
+# ---------------------------------------------------------------------------------------
+# Network namespaces: every device in its own namespace, the coordinator in a hub
+# namespace, veth links between them; a link cut mid-round.
+
+COORDINATOR = textwrap.dedent("""
+    import json, subprocess, sys, threading
+    import numpy as np
+    from fax_bridge.errors import FleetError
+    from fax_bridge.fleet import sample_computations as sc
+    from fax_bridge.fleet.remote import RemoteFleet
+
+    cfg = json.loads(sys.argv[1])
+    n = cfg["clients"]
+    x = np.stack([np.full(2, i + 1, np.float32) for i in range(n)])
+    s = np.full(2, 0.5, np.float32)
+    proto = sc.scaled_aggregate((2,), "sum")
+    out = {}
+
+    def cut_later(command):
+        timer = threading.Timer(0.3, subprocess.run, args=(command,),
+                                kwargs={"check": True})
+        timer.start()
+        return timer
+
+    with RemoteFleet(cfg["addresses"]) as fleet:
+        got, rep = fleet.run(proto, x, s, report=True)
+        out["full"] = {"result": got.tolist(), "devices": rep.devices}
+    # Link of device 2 goes down mid-round (its clients' emulated delays keep it in Map
+    # for 0.96 s with this seed): the round finishes on devices 0 and 1.
+    with RemoteFleet(cfg["addresses"], straggler_delay_s=0.5, rpc_timeout_s=2,
+                     probe_timeout_s=1.0, seed=2) as fleet:
+        timer = cut_later(["ip", "link", "set", cfg["links"][2], "down"])
+        got, rep = fleet.run(proto, x, s, report=True)
+        timer.join()
+        out["cut"] = {"result": got.tolist(), "lost_devices": rep.lost_devices,
+                      "lost_clients": rep.lost_clients, "participants": rep.participants,
+                      "devices": rep.devices, "summary": rep.summary()}
+    # Device 1's link is deleted mid-round and every client is required: FleetError.
+    with RemoteFleet(cfg["addresses"][:2], straggler_delay_s=0.5, rpc_timeout_s=2,
+                     probe_timeout_s=1.0, min_clients=n, seed=2) as fleet:
+        timer = cut_later(["ip", "link", "del", cfg["links"][1]])
+        try:
+            fleet.run(proto, x, s)
+            out["strict"] = {"error": None}
+        except FleetError as e:
+            out["strict"] = {"error": str(e)}
+        timer.join()
+    print(json.dumps(out), flush=True)
+""")
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _netns_unavailable() -> str:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs the `ip` tool (apt-get install iproute2)"
+    probe = f"fbprobe{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except (RuntimeError, OSError) as e:
+        return f"`ip netns` does not work here ({e})"
+    _ip("netns", "del", probe)
+    return ""
+
+
+@pytest.fixture
+def namespaces():
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = f"{os.getpid() % 10000:04d}{secrets.token_hex(1)}"
+    hub = f"fbhub{tag}"
+    made, links, addresses = [], [], []
+    try:
+        _ip("netns", "add", hub)
+        made.append(hub)
+        for k in range(3):
+            ns = f"fbd{k}{tag}"
+            _ip("netns", "add", ns)
+            made.append(ns)
+            hub_end, dev_end = f"fb{tag}h{k}", f"fb{tag}d{k}"
+            _ip("link", "add", hub_end, "netns", hub, "type", "veth",
+                "peer", "name", dev_end, "netns", ns)
+            _ip("-n", hub, "addr", "add", f"10.200.{k}.1/24", "dev", hub_end)
+            _ip("-n", ns, "addr", "add", f"10.200.{k}.2/24", "dev", dev_end)
+            _ip("-n", hub, "link", "set", hub_end, "up")
+            _ip("-n", ns, "link", "set", dev_end, "up")
+            links.append(hub_end)
+            addresses.append((ns, f"10.200.{k}.2"))
+        yield hub, addresses, links
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def test_devices_in_namespaces_with_a_link_cut_mid_round(namespaces):
+    hub, hosts, links = namespaces
+    procs = []
+    try:
+        for k, (ns, host) in enumerate(hosts):
+            procs.append(_start_device(["ip", "netns", "exec", ns], f"{host}:0", f"ns-{k}"))
+        addresses = [_read_address(p) for p in procs]
+        assert [a.rsplit(":", 1)[0] for a in addresses] == [h for _, h in hosts]
+        cfg = json.dumps({"addresses": addresses, "links": links, "clients": N})
+        coordinator = subprocess.Popen(
+            ["ip", "netns", "exec", hub, sys.executable, "-c", COORDINATOR, cfg],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)
+        procs.append(coordinator)
+        try:
+            out, err = coordinator.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the coordinator did not finish within 150s")
+        assert coordinator.returncode == 0, err.decode(errors="replace")[-3000:]
+        r = json.loads(out.decode().strip().splitlines()[-1])
+    finally:
+        _stop(procs)
+
+    assert r["full"]["devices"] == 3
+    np.testing.assert_array_equal(r["full"]["result"], _expected(range(N)))
+    cut = r["cut"]
+    lost = list(partition(N, 3)[2])
+    assert cut["lost_devices"] == [addresses[2]] and cut["lost_clients"] == lost
+    assert cut["participants"] == [c for c in range(N) if c not in lost]
+    assert cut["devices"] == 2 and "lost with 1 unreachable" in cut["summary"]
+    np.testing.assert_array_equal(cut["result"], _expected(cut["participants"]))
+    error = r["strict"]["error"]
+    assert error is not None and "min_clients=12" in error and addresses[1] in error
