@@ -33,3 +33,13 @@ def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "fax_bridge.cli", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "export" in out.stdout
+
+
+def test_export_of_a_built_program_via_export_targets(capsys):
+    target = os.path.join(ROOT, "examples", "algorithm_rounds.py") + ":fed_fish"
+    assert cli.main(["export", target, "--clients", "3"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    params, result = first.split(" -> ")
+    assert "@CLIENTS" in params and "@SERVER" in result
+    assert cli.main(["export", target.replace("fed_fish", "nope"), "--clients", "3"]) == 2
+    assert "export_targets(3) has no 'nope'" in capsys.readouterr().err

@@ -4,7 +4,7 @@
 
 Each example module names its exportable programs in `__exportable__` and provides
 example arguments the way `fax-bridge export` expects (`NAME_example_args(clients)` or
-`example_args(clients)`). Used by `make tff-check`, which then has TensorFlow Federated
+`example_args(clients)`), or lists built programs in `export_targets(clients)`. Used by `make tff-check`, which then has TensorFlow Federated
 0.87 read every file back.
 """
 
@@ -31,7 +31,10 @@ def main(argv=None) -> int:
     written = 0
     for path in sorted(glob.glob(os.path.join(ROOT, "examples", "*.py"))):
         module, _, _ = load_target(f"{path}:__name__")
-        for name in getattr(module, "__exportable__", []):
+        names = list(getattr(module, "__exportable__", []))
+        if hasattr(module, "export_targets"):
+            names += sorted(module.export_targets(args.clients))
+        for name in names:
             proto = export_spec(f"{path}:{name}", args.clients)
             stem = os.path.splitext(os.path.basename(path))[0]
             out = os.path.join(args.out, f"{stem}.{name}.pb")

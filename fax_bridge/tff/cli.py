@@ -6,6 +6,10 @@ or, failing that, `example_args`, called with the number of clients and returnin
 `jax.ShapeDtypeStruct`s; CLIENTS values with a leading axis of `clients`) and the
 placements prefix ("server"/"clients" per argument). A plain function is wrapped in
 `fax_bridge.program(clients=N)`; an existing program must declare the same N.
+
+Programs built at run time (e.g. by `fax_bridge.algorithms`) are named through a
+module function `export_targets(clients)` returning `{NAME: (program, args,
+placements)}`; `MODULE:NAME` then picks one.
 """
 
 from __future__ import annotations
@@ -20,8 +24,12 @@ from typing import Any, Callable
 from fax_bridge.errors import FaxBridgeError
 
 
-def load_target(spec: str) -> tuple[Any, Callable, str]:
-    """Imports `MODULE_OR_FILE:FUNCTION`; returns (module, function, function name)."""
+def load_target(spec: str, allow_missing: bool = False) -> tuple[Any, Callable, str]:
+    """Imports `MODULE_OR_FILE:FUNCTION`; returns (module, function, function name).
+
+    With `allow_missing`, a name the module lacks but its `export_targets` may provide
+    gives (module, None, name).
+    """
     if ":" not in spec:
         raise FaxBridgeError(
             f"{spec!r} names no function; write MODULE_OR_FILE:FUNCTION, e.g. "
@@ -46,6 +54,8 @@ def load_target(spec: str) -> tuple[Any, Callable, str]:
         except ImportError as e:
             raise FaxBridgeError(f"cannot import module {where!r}: {e}") from e
     if not hasattr(module, name):
+        if allow_missing and hasattr(module, "export_targets"):
+            return module, None, name
         raise FaxBridgeError(f"{where} has no attribute {name!r}.")
     return module, getattr(module, name), name
 
@@ -54,7 +64,13 @@ def resolve_program(spec: str, clients: int):
     """(program, example args, placements) for `spec` at `clients` clients."""
     from fax_bridge.api import Program, program
 
-    module, fn, name = load_target(spec)
+    module, fn, name = load_target(spec, allow_missing=True)
+    if fn is None:
+        targets = module.export_targets(clients)
+        if name not in targets:
+            raise FaxBridgeError(f"{spec}: export_targets({clients}) has no {name!r}; it "
+                                 f"has {sorted(targets)}.")
+        return targets[name]
     maker = getattr(module, f"{name}_example_args", None) or getattr(module, "example_args",
                                                                       None)
     if maker is None:
