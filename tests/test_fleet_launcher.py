@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from fax_bridge.fleet import device, sample_computations as sc
+from fax_bridge.fleet import device, sample_computations as sc, security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.launcher import LocalFleet
 
@@ -40,13 +40,16 @@ def test_register_adds_the_device_subcommand():
 
 
 def test_device_process_prints_its_port_and_serves():
+    token = security.new_token()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fax_bridge.fleet.device", "--listen", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, security.TOKEN_ENV: token})
     try:
         info = json.loads(proc.stdout.readline())
         assert info["listening"] == f"127.0.0.1:{info['port']}" and info["pid"] == proc.pid
-        with GrpcClientsBackend([info["listening"]], connect_timeout_s=30) as backend:
+        with GrpcClientsBackend([info["listening"]], connect_timeout_s=30,
+                                token=token) as backend:
             assert backend.health()[0].status == "SERVING"
     finally:
         proc.terminate()

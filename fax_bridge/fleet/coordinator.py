@@ -8,6 +8,13 @@ over its own clients, so uplink bytes grow with devices, not clients; with
 `preaggregate=False` every per-client member comes back and the coordinator reduces
 them itself. Partials are exact sums merged in client order, so both ways, and any
 number of devices, give the same bits. Wire bytes are counted per direction.
+
+Faults: an RPC that fails because its device is gone or missed its deadline raises
+`DeviceLostError` naming those devices; `mark_lost` takes them out of the layout (the
+launcher then reruns the round on the survivors) and `rejoin` / `add_device` bring a
+device (back) in. Every answer is checked against the type it should have (structure,
+dtypes, shapes, partial sizes) before it is used; `reject_nonfinite` also refuses NaN
+and infinite values. Calls carry the fleet token; `tls` switches to mutual TLS.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from concurrent import futures
 import time
 import weakref
 from typing import Optional, Sequence
@@ -26,8 +34,8 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import partials, wire
-from fax_bridge.fleet.device import GRPC_OPTIONS, PROTOCOL
+from fax_bridge.fleet import partials, security, validate, wire
+from fax_bridge.fleet.device import DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, grpc_options
 from fax_bridge.runtime.backend import AGGREGATIONS, ClientsBackend, ClientsValue, as_numpy
 from fax_bridge.v1 import device_pb2 as pb
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
@@ -36,6 +44,17 @@ GRPC_PREFIX_BYTES = 5       # compressed flag + length in front of every gRPC me
 HTTP2_FRAME_BYTES = 9       # header of each HTTP/2 DATA frame
 HTTP2_FRAME_PAYLOAD = 16384  # default maximum DATA frame payload
 RELEASE_BATCH = 256
+# Status codes meaning "this device is gone or too slow", not "the request was wrong".
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.CANCELLED)
+
+
+class DeviceLostError(FleetError):
+    """Devices died or missed their deadline; `devices` lists their indices."""
+
+    def __init__(self, message: str, devices: Sequence[int]):
+        super().__init__(message)
+        self.devices = sorted(set(devices))
 
 
 def wire_size(message) -> int:
@@ -85,6 +104,7 @@ class GrpcClientsValue(ClientsValue):
         self.shared = shared
         self.is_shared = is_shared
         self._backend_id = id(backend)
+        self.devices: Optional[tuple] = None  # set by the backend that places it
         weakref.finalize(self, backend._queue_release, handle)
 
     @property
@@ -100,11 +120,21 @@ class GrpcClientsValue(ClientsValue):
 
 
 class _Device:
-    def __init__(self, index: int, address: str):
+    def __init__(self, index: int, address: str, options: tuple,
+                 tls: Optional[security.TlsConfig]):
         self.index = index
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        if tls is not None:
+            self.channel = grpc.secure_channel(address, tls.channel_credentials(),
+                                               options=options + tls.channel_options())
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.DeviceStub(self.channel)
+
+
+def _host(address: str) -> str:
+    host, _, _ = address.rpartition(":")
+    return host.strip("[]") or address
 
 
 class GrpcClientsBackend(ClientsBackend):
@@ -116,18 +146,35 @@ class GrpcClientsBackend(ClientsBackend):
       rpc_timeout_s: deadline of every RPC (a Map's emulated delay is added to it).
       connect_timeout_s: how long to wait for each device to answer Health.
       message_bytes: target size of the messages of streamed per-client transfers.
+      token: the fleet token sent with every call (see `security`); None sends none.
+      tls: mutual TLS (`security.TlsConfig`); None uses plaintext channels.
+      max_message_bytes: cap on every gRPC message, each direction.
+      reject_nonfinite: refuse NaN/inf in device answers (default: they propagate, as
+        on the local path).
     """
 
     def __init__(self, addresses: Sequence[str], *, preaggregate: bool = True,
                  rpc_timeout_s: float = 60.0, connect_timeout_s: float = 30.0,
-                 message_bytes: int = 4 << 20):
+                 message_bytes: int = 4 << 20, token: Optional[str] = None,
+                 tls: Optional[security.TlsConfig] = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 reject_nonfinite: bool = False):
         if not addresses:
             raise FleetError("GrpcClientsBackend needs at least one device address")
         self.preaggregate = preaggregate
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.message_bytes = int(message_bytes)
+        self.reject_nonfinite = bool(reject_nonfinite)
         self.traffic = Traffic()
-        self._devices = [_Device(i, a) for i, a in enumerate(addresses)]
+        self._tls = tls
+        self._options = grpc_options(max_message_bytes)
+        self._metadata = security.call_metadata(token)
+        self._devices: list[_Device] = []
+        for address in addresses:
+            self._devices.append(self._connect(len(self._devices), address))
+        self._active = list(range(len(self._devices)))
+        self._pool = futures.ThreadPoolExecutor(max_workers=max(2, min(32, len(addresses))),
+                                                thread_name_prefix="fax-bridge-fetch")
         self._handles = itertools.count(1)
         self._loaded: set[tuple[int, str]] = set()
         self._hashes: dict[int, str] = {}
@@ -147,32 +194,95 @@ class GrpcClientsBackend(ClientsBackend):
     def num_devices(self) -> int:
         return len(self._devices)
 
-    def wait_ready(self, timeout_s: float) -> list[pb.HealthResponse]:
-        """Waits until every device answers Health (SERVING, same protocol)."""
-        deadline = time.monotonic() + timeout_s
-        answers = []
-        for device in self._devices:
+    @property
+    def active_devices(self) -> list[int]:
+        """Indices of the devices clients are placed on (lost ones left out)."""
+        return list(self._active)
+
+    def _connect(self, index: int, address: str) -> _Device:
+        if self._tls is None and not security.is_loopback(_host(address)):
+            security.log.warning("device %s is reached without TLS: the fleet token and "
+                                 "all values travel in clear text", address)
+        return _Device(index, address, self._options, self._tls)
+
+    def mark_lost(self, indices: Sequence[int]) -> None:
+        """Stops placing clients on these devices (they died or missed a deadline)."""
+        lost = set(indices)
+        self._active = [d for d in self._active if d not in lost]
+        self._loaded = {(d, k) for d, k in self._loaded if d not in lost}
+
+    def rejoin(self, index: int, address: Optional[str] = None,
+               timeout_s: float = 30.0) -> pb.HealthResponse:
+        """Brings device `index` back (at `address` when it moved) once it answers Health.
+
+        The device is treated as new: computations are loaded again on first use.
+        """
+        if not 0 <= index < len(self._devices):
+            raise FleetError(f"rejoin: no device {index}; this backend has "
+                             f"{len(self._devices)} (use add_device for a new one)")
+        if address is not None and address != self._devices[index].address:
+            self._devices[index].channel.close()
+            self._devices[index] = self._connect(index, address)
+        answer = self._wait_one(self._devices[index], time.monotonic() + timeout_s, timeout_s)
+        self._loaded = {(d, k) for d, k in self._loaded if d != index}
+        self._active = sorted(set(self._active) | {index})
+        return answer
+
+    def add_device(self, address: str, timeout_s: float = 30.0) -> int:
+        """Adds a device at `address` (after the others in client order); returns its index."""
+        device = self._connect(len(self._devices), address)
+        try:
+            self._wait_one(device, time.monotonic() + timeout_s, timeout_s)
+        except FleetError:
+            device.channel.close()
+            raise
+        self._devices.append(device)
+        self._active.append(device.index)
+        return device.index
+
+    def _wait_one(self, device: _Device, deadline: float, timeout_s: float):
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            grpc.channel_ready_future(device.channel).result(timeout=remaining)
             remaining = max(0.1, deadline - time.monotonic())
+            answer = device.stub.Health(pb.HealthRequest(), timeout=remaining,
+                                        metadata=self._metadata)
+        except (grpc.FutureTimeoutError, grpc.RpcError) as e:
+            hint = ("; the device refused the fleet token (is it the same fleet's?)"
+                    if isinstance(e, grpc.RpcError)
+                    and e.code() == grpc.StatusCode.UNAUTHENTICATED else
+                    "; check that it is running and listening on that address")
+            raise FleetError(
+                f"device {device.index} at {device.address} did not become healthy "
+                f"within {timeout_s:.0f}s ({_describe(e)}){hint}") from None
+        if answer.status != "SERVING" or answer.protocol != PROTOCOL:
+            raise FleetError(
+                f"device {device.index} at {device.address} answered status "
+                f"{answer.status!r}, protocol {answer.protocol!r}; expected SERVING, "
+                f"{PROTOCOL}")
+        return answer
+
+    def probe(self, timeout_s: float) -> list[bool]:
+        """Whether each device answers Health within `timeout_s` (asked in parallel)."""
+        calls = [d.stub.Health.future(pb.HealthRequest(), timeout=timeout_s,
+                                      metadata=self._metadata) for d in self._devices]
+        alive = []
+        for call in calls:
             try:
-                grpc.channel_ready_future(device.channel).result(timeout=remaining)
-                remaining = max(0.1, deadline - time.monotonic())
-                answer = device.stub.Health(pb.HealthRequest(), timeout=remaining)
-            except (grpc.FutureTimeoutError, grpc.RpcError) as e:
-                raise FleetError(
-                    f"device {device.index} at {device.address} did not become healthy "
-                    f"within {timeout_s:.0f}s ({_describe(e)}); check that it is running "
-                    "and listening on that address") from None
-            if answer.status != "SERVING" or answer.protocol != PROTOCOL:
-                raise FleetError(
-                    f"device {device.index} at {device.address} answered status "
-                    f"{answer.status!r}, protocol {answer.protocol!r}; expected SERVING, "
-                    f"{PROTOCOL}")
-            answers.append(answer)
-        return answers
+                alive.append(call.result().status == "SERVING")
+            except grpc.RpcError:
+                alive.append(False)
+        return alive
+
+    def wait_ready(self, timeout_s: float) -> list[pb.HealthResponse]:
+        """Waits until every active device answers Health (SERVING, same protocol)."""
+        deadline = time.monotonic() + timeout_s
+        return [self._wait_one(self._devices[d], deadline, timeout_s) for d in self._active]
 
     def health(self) -> list[pb.HealthResponse]:
-        """Health of every device, in device order."""
-        return [self._unary(d, "Health", pb.HealthRequest()) for d in self._devices]
+        """Health of every active device, in device order."""
+        return [self._unary(self._devices[d], "Health", pb.HealthRequest())
+                for d in self._active]
 
     def _count(self, down=(), up=(), payload_down: int = 0, payload_up: int = 0) -> None:
         self.traffic.bytes_down += sum(wire_size(m) for m in down)
@@ -182,24 +292,40 @@ class GrpcClientsBackend(ClientsBackend):
 
     def _fail(self, device: _Device, method: str, error: Exception) -> FleetError:
         hint = ""
+        lost = False
         if isinstance(error, grpc.RpcError):
             code = error.code()
+            lost = code in LOST_CODES
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 hint = f"; it did not answer within the deadline (rpc_timeout_s={self.rpc_timeout_s})"
             elif code == grpc.StatusCode.UNAVAILABLE:
                 hint = "; the device process is not reachable (did it exit? see its log)"
-        return FleetError(
-            f"device {device.index} at {device.address}: {method} failed: "
-            f"{_describe(error)}{hint}")
+            elif code == grpc.StatusCode.UNAUTHENTICATED:
+                hint = "; the device refused the fleet token"
+        message = (f"device {device.index} at {device.address}: {method} failed: "
+                   f"{_describe(error)}{hint}")
+        return DeviceLostError(message, [device.index]) if lost else FleetError(message)
 
     def _unary(self, device: _Device, method: str, request, timeout: Optional[float] = None):
         self.traffic.rpcs += 1
         try:
-            response = getattr(device.stub, method)(request, timeout=timeout or self.rpc_timeout_s)
+            response = getattr(device.stub, method)(
+                request, timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._fail(device, method, e) from None
         self._count(down=[request], up=[response])
         return response
+
+    @staticmethod
+    def _raise_first(errors: list) -> None:
+        """Raises the collected errors: all lost devices together, else the first error."""
+        if not errors:
+            return
+        lost = [e for e in errors if isinstance(e, DeviceLostError)]
+        if lost:
+            raise DeviceLostError("; ".join(str(e) for e in lost),
+                                  [d for e in lost for d in e.devices])
+        raise errors[0]
 
     def _parallel(self, method: str, requests: dict[int, object],
                   timeout: Optional[float] = None) -> dict[int, object]:
@@ -209,27 +335,42 @@ class GrpcClientsBackend(ClientsBackend):
             device = self._devices[index]
             self.traffic.rpcs += 1
             calls[index] = getattr(device.stub, method).future(
-                request, timeout=timeout or self.rpc_timeout_s)
+                request, timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
         answers = {}
-        first_error = None
+        errors = []
         for index, call in calls.items():
             try:
                 answers[index] = call.result()
             except grpc.RpcError as e:
-                first_error = first_error or self._fail(self._devices[index], method, e)
-        if first_error is not None:
-            raise first_error
+                errors.append(self._fail(self._devices[index], method, e))
+        self._raise_first(errors)
         self._count(down=requests.values(), up=answers.values())
         return answers
 
-    def _layout(self, num_clients: int) -> list[tuple[int, range]]:
+    def _layout(self, num_clients: int,
+                devices: Optional[Sequence[int]] = None) -> list[tuple[int, range]]:
         """(device index, client range) of each device that holds clients."""
-        return [(d, r) for d, r in enumerate(partition(num_clients, len(self._devices)))
+        devices = self._active if devices is None else devices
+        if not devices:
+            raise FleetError("no device is left to place clients on (all were lost); "
+                             "rejoin or add devices")
+        return [(d, r) for d, r in zip(devices, partition(num_clients, len(devices)))
                 if len(r)]
+
+    def _value_layout(self, value: "GrpcClientsValue") -> list[tuple[int, range]]:
+        """The layout a value was placed with; DeviceLostError if one of them is gone."""
+        layout = self._layout(value.num_clients, value.devices)
+        gone = [d for d, _ in layout if d not in self._active]
+        if gone:
+            raise DeviceLostError(
+                f"value {value.handle} has clients on lost devices {gone}", gone)
+        return layout
 
     def _new_value(self, num_clients: int, member_type, **kw) -> GrpcClientsValue:
         self._flush_releases()
-        return GrpcClientsValue(self, next(self._handles), num_clients, member_type, **kw)
+        value = GrpcClientsValue(self, next(self._handles), num_clients, member_type, **kw)
+        value.devices = tuple(self._active)
+        return value
 
     def _queue_release(self, handle: int) -> None:
         with self._release_lock:
@@ -244,7 +385,10 @@ class GrpcClientsBackend(ClientsBackend):
         if self._closed:
             return
         request = pb.ReleaseRequest(handles=handles)
-        self._parallel("Release", {d.index: request for d in self._devices})
+        try:
+            self._parallel("Release", {d: request for d in self._active})
+        except DeviceLostError:
+            pass  # a device that is gone holds nothing any more; the next round notices
 
     def _check(self, value: ClientsValue) -> GrpcClientsValue:
         if not isinstance(value, GrpcClientsValue):
@@ -271,18 +415,20 @@ class GrpcClientsBackend(ClientsBackend):
         result = self._new_value(len(values), member_type)
         calls = {}
         sent = {}
-        for index, clients in self._layout(len(values)):
+        for index, clients in self._layout(len(values), result.devices):
             messages = list(self._put_messages(result.handle, clients, values))
             sent[index] = messages
             self.traffic.rpcs += 1
             calls[index] = self._devices[index].stub.Put.future(
-                iter(messages), timeout=self.rpc_timeout_s)
+                iter(messages), timeout=self.rpc_timeout_s, metadata=self._metadata)
         answers = []
+        errors = []
         for index, call in calls.items():
             try:
                 answers.append(call.result())
             except grpc.RpcError as e:
-                raise self._fail(self._devices[index], "Put", e) from None
+                errors.append(self._fail(self._devices[index], "Put", e))
+        self._raise_first(errors)
         for messages in sent.values():
             payload = sum(wire.payload_bytes(v.value) for m in messages for v in m.values)
             self._count(down=messages, payload_down=payload)
@@ -310,7 +456,7 @@ class GrpcClientsBackend(ClientsBackend):
         result = self._new_value(num_clients, member_type, shared=value, is_shared=True)
         encoded = wire.to_message(value)
         requests = {}
-        for index, clients in self._layout(num_clients):
+        for index, clients in self._layout(num_clients, result.devices):
             request = pb.BroadcastRequest(handle=result.handle, client_ids=clients)
             request.value.CopyFrom(encoded)
             requests[index] = request
@@ -333,9 +479,10 @@ class GrpcClientsBackend(ClientsBackend):
     def map(self, fn: computation_pb2.Computation, fn_type: federated_language.FunctionType,
             arg: ClientsValue) -> GrpcClientsValue:
         arg = self._check(arg)
-        layout = self._layout(arg.num_clients)
+        layout = self._value_layout(arg)
         key = self._ensure_loaded(fn, [d for d, _ in layout])
         result = self._new_value(arg.num_clients, fn_type.result)
+        result.devices = arg.devices
         delays, self._delays = self._delays, None
         requests = {}
         longest = 0.0
@@ -348,6 +495,11 @@ class GrpcClientsBackend(ClientsBackend):
                                             result=result.handle, delay_seconds=delay,
                                             no_argument=fn_type.parameter is None)
         answers = self._parallel("Map", requests, timeout=self.rpc_timeout_s + longest)
+        for index, clients in layout:
+            if answers[index].num_clients != len(clients):
+                raise FleetError(
+                    f"device {index} at {self._devices[index].address} mapped "
+                    f"{answers[index].num_clients} clients; it holds {len(clients)}")
         self.traffic.compute_seconds += sum(a.compute_seconds for a in answers.values())
         return result
 
@@ -364,7 +516,13 @@ class GrpcClientsBackend(ClientsBackend):
             raise FleetError(
                 f"zip of clients values with different numbers of clients {sorted(counts)}; "
                 "every zipped value must be placed on the same clients")
+        placements = {v.devices or tuple(self._active) for v in values}
+        if len(placements) != 1:
+            raise DeviceLostError("zip of values placed on different sets of devices",
+                                  [d for p in placements for d in p
+                                   if d not in self._active])
         n = counts.pop()
+        layout = self._value_layout(values[0])
         member_type = federated_language.StructType(
             [(name, v.type_signature) for name, v in zip(names, values)])
         if all(v.is_shared for v in values):
@@ -372,10 +530,11 @@ class GrpcClientsBackend(ClientsBackend):
             result = self._new_value(n, member_type, shared=shared, is_shared=True)
         else:
             result = self._new_value(n, member_type)
+        result.devices = values[0].devices or tuple(self._active)
         fields = [pb.ZipField(handle=v.handle, name=name) if name is not None
                   else pb.ZipField(handle=v.handle) for v, name in zip(values, names)]
         request = pb.ZipRequest(fields=fields, result=result.handle)
-        self._parallel("Zip", {d: request for d, _ in self._layout(n)})
+        self._parallel("Zip", {d: request for d, _ in layout})
         return result
 
     def aggregate(self, value: ClientsValue, kind: str,
@@ -408,11 +567,18 @@ class GrpcClientsBackend(ClientsBackend):
                                       weights=weights.handle if weights is not None else 0)
         if bitwidth is not None:
             wire.encode_value(as_numpy(bitwidth), request.bitwidth)
-        layout = self._layout(value.num_clients)
+        layout = self._value_layout(value)
+        if weights is not None:
+            self._value_layout(weights)
         answers = self._parallel("Aggregate", {d: request for d, _ in layout})
+        leaf_types = validate.leaf_types(value.type_signature)
+        weight_type = validate.leaf_types(weights.type_signature) if weights is not None else []
         total = partials.Partial(kind=kind, leaves=[])
-        for index, _ in layout:  # device order is client order
+        for index, clients in layout:  # device order is client order
             answer = answers[index]
+            where = f"device {index} at {self._devices[index].address}"
+            validate.check_partial(answer, kind, leaf_types, weight_type, len(clients),
+                                   where, self.reject_nonfinite)
             self.traffic.payload_up += partials.payload_bytes(answer)
             partials.merge(total, partials.from_message(kind, answer))
         return total
@@ -429,30 +595,57 @@ class GrpcClientsBackend(ClientsBackend):
             return flat[0]
         return wire.unflatten_like(template, flat)
 
+    def _fetch(self, index: int, clients: range, value: GrpcClientsValue) -> tuple:
+        """Streams one device's members of `value`; returns (messages, members)."""
+        device = self._devices[index]
+        request = pb.FetchRequest(handle=value.handle, max_message_bytes=self.message_bytes)
+        received = []
+        try:
+            for message in device.stub.Fetch(request, timeout=self.rpc_timeout_s,
+                                             metadata=self._metadata):
+                received.append(message)
+        except grpc.RpcError as e:
+            raise self._fail(device, "Fetch", e) from None
+        ids = [item.client_id for m in received for item in m.values]
+        if ids != list(clients):
+            raise FleetError(
+                f"device {index} at {device.address} returned clients {ids[:5]}... for "
+                f"handle {value.handle}; expected {clients}")
+        where = f"device {index} at {device.address}"
+        members = []
+        for m in received:
+            for item in m.values:
+                try:
+                    member = wire.decode_value(item.value)
+                except FleetError as e:
+                    raise FleetError(f"{where}, client {item.client_id}: {e}") from None
+                validate.check_member(member, value.type_signature,
+                                      f"{where}, client {item.client_id}",
+                                      self.reject_nonfinite)
+                members.append(member)
+        return request, received, members
+
     def get(self, value: ClientsValue) -> list:
         value = self._check(value)
         if value.is_shared:
             return [value.shared] * value.num_clients
+        layout = self._value_layout(value)
+        self.traffic.rpcs += len(layout)
+        jobs = [self._pool.submit(self._fetch, index, clients, value)
+                for index, clients in layout]
         members: list = []
-        for index, clients in self._layout(value.num_clients):
-            device = self._devices[index]
-            request = pb.FetchRequest(handle=value.handle, max_message_bytes=self.message_bytes)
-            self.traffic.rpcs += 1
-            received = []
+        errors = []
+        for job in jobs:  # every fetch has its own deadline, so each job ends
             try:
-                for message in device.stub.Fetch(request, timeout=self.rpc_timeout_s):
-                    received.append(message)
-            except grpc.RpcError as e:
-                raise self._fail(device, "Fetch", e) from None
-            ids = [item.client_id for m in received for item in m.values]
-            if ids != list(clients):
-                raise FleetError(
-                    f"device {index} at {device.address} returned clients {ids[:5]}... for "
-                    f"handle {value.handle}; expected {clients}")
+                request, received, got = job.result()
+            except FleetError as e:
+                errors.append(e)
+                continue
             self._count(down=[request], up=received,
                         payload_up=sum(wire.payload_bytes(i.value)
                                        for m in received for i in m.values))
-            members.extend(wire.decode_value(item.value) for m in received for item in m.values)
+            members.extend(got)
+        self._raise_first(errors)
         return members
 
     def close(self) -> None:
@@ -463,6 +656,7 @@ class GrpcClientsBackend(ClientsBackend):
         except FleetError:
             pass  # a device that is gone holds nothing any more
         self._closed = True
+        self._pool.shutdown(wait=False)
         for device in self._devices:
             device.channel.close()
 

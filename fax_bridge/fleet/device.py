@@ -1,7 +1,10 @@
 """The device server: one process hosting virtual clients, their data and their results.
 
 `fax-bridge device --listen 127.0.0.1:0` (or `python -m fax_bridge.fleet.device`) serves
-the fax_bridge.v1 `Device` service. Computations arrive once, by content hash; client
+the fax_bridge.v1 `Device` service. Every call must carry the fleet token (read from the
+FAX_BRIDGE_FLEET_TOKEN environment variable or `--token-file`, see `security`); `--tls-*`
+adds mutual TLS; addresses other than loopback need `--allow-remote`. Messages and the
+bytes held on the device are capped (`--max-message-bytes`, `--max-stored-bytes`). Computations arrive once, by content hash; client
 values stay here behind coordinator-chosen handles until they are fetched, aggregated
 (partials over this device's own clients) or released. Once listening, the process
 prints one JSON line on stdout, e.g. `{"listening": "127.0.0.1:41234", "port": 41234,
@@ -28,18 +31,29 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import FaxBridgeError, FleetError
-from fax_bridge.fleet import partials, wire
+from fax_bridge.fleet import partials, security, wire
 from fax_bridge.v1 import device_pb2 as pb
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 
 PROTOCOL = "fax_bridge.v1"
 DEFAULT_FETCH_BYTES = 4 << 20
 MAX_DELAY_SECONDS = 600.0
-# Unlimited message sizes: tensors may be far above gRPC's 4 MiB default.
-GRPC_OPTIONS = (
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-)
+# Tensors may be far above gRPC's 4 MiB default, but every message stays under a cap.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+DEFAULT_MAX_STORED_BYTES = 32 << 30
+
+
+def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple:
+    """Channel/server options: messages in both directions capped at `max_message_bytes`."""
+    size = int(max_message_bytes)
+    if not 0 < size < 1 << 31:
+        raise FleetError(f"max_message_bytes={size} must lie in [1, 2^31 - 1] (protobuf's "
+                         "own limit is 2 GiB)")
+    return (("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size))
+
+
+GRPC_OPTIONS = grpc_options()
 
 log = logging.getLogger("fax_bridge.device")
 
@@ -51,6 +65,7 @@ class Stored:
     client_ids: list
     members: Optional[list] = None
     shared: object = None
+    nbytes: int = 0
 
     def member_list(self) -> list:
         if self.members is not None:
@@ -96,6 +111,9 @@ def _stream_rpc(method: Callable) -> Callable:
             yield from method(self, request, context)
         except _RpcError as e:
             context.abort(e.code, f"{self.device_id}: {e}")
+        except FaxBridgeError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{self.device_id}: {type(e).__name__}: {e}")
         except Exception as e:
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
@@ -108,8 +126,11 @@ def _stream_rpc(method: Callable) -> Callable:
 class DeviceServicer(pb_grpc.DeviceServicer):
     """Holds this device's clients values and computations; serves the Device service."""
 
-    def __init__(self, device_id: str = "device"):
+    def __init__(self, device_id: str = "device",
+                 max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES):
         self.device_id = device_id
+        self.max_stored_bytes = int(max_stored_bytes)
+        self._stored_bytes = 0
         self._handles: dict[int, Stored] = {}
         self._computations: dict[str, Callable] = {}
         self._lock = threading.Lock()          # guards the two dicts
@@ -127,12 +148,23 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         return stored
 
     def _store(self, handle: int, stored: Stored) -> None:
+        if stored.members is not None:
+            stored.nbytes = sum(_value_bytes(m) for m in stored.members)
+        else:
+            stored.nbytes = _value_bytes(stored.shared)
         with self._lock:
             if handle in self._handles:
                 raise _RpcError(grpc.StatusCode.ALREADY_EXISTS,
                                 f"handle {handle} is already in use on this device; the "
                                 "coordinator must pick a fresh handle per value")
+            if self._stored_bytes + stored.nbytes > self.max_stored_bytes:
+                raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"storing {stored.nbytes} more bytes would exceed this "
+                                f"device's cap of {self.max_stored_bytes} bytes "
+                                f"({self._stored_bytes} held); release values or raise "
+                                "--max-stored-bytes")
             self._handles[handle] = stored
+            self._stored_bytes += stored.nbytes
 
     # -- service ------------------------------------------------------------------
 
@@ -169,6 +201,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         handle = None
         ids: list = []
         members: list = []
+        received = 0
         for message in request_iterator:
             if handle is None:
                 handle = message.handle
@@ -178,6 +211,11 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             for item in message.values:
                 ids.append(item.client_id)
                 members.append(wire.decode_value(item.value))
+                received += item.value.ByteSize()
+                if received > self.max_stored_bytes:
+                    raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"Put stream exceeds this device's cap of "
+                                    f"{self.max_stored_bytes} stored bytes")
         if handle is None:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "Put stream sent no message")
         self._store(handle, Stored(client_ids=ids, members=members))
@@ -278,13 +316,20 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         released = 0
         with self._lock:
             for handle in request.handles:
-                if self._handles.pop(handle, None) is not None:
+                stored = self._handles.pop(handle, None)
+                if stored is not None:
+                    self._stored_bytes -= stored.nbytes
                     released += 1
         return pb.ReleaseResponse(released=released)
 
 
 # ---------------------------------------------------------------------------------------
 # Process
+
+
+def _value_bytes(value) -> int:
+    """Bytes of the arrays of a local value."""
+    return sum(int(leaf.nbytes) for leaf in wire.leaves(value)) if value is not None else 0
 
 
 def parse_listen(address: str) -> tuple[str, int]:
@@ -296,16 +341,29 @@ def parse_listen(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def start_server(listen: str, servicer: DeviceServicer,
-                 max_workers: int = 4) -> tuple[grpc.Server, int]:
-    """Starts a gRPC server for `servicer` on `listen`; returns it and the bound port."""
+def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,
+                 token: Optional[str] = None, tls: Optional[security.TlsConfig] = None,
+                 allow_remote: bool = False,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 ) -> tuple[grpc.Server, int]:
+    """Starts a gRPC server for `servicer` on `listen`; returns it and the bound port.
+
+    `token`: refuse calls without it (UNAUTHENTICATED); `tls`: serve mutual TLS only;
+    `allow_remote`: permit a non-loopback `listen` host (logged as a warning).
+    """
     host, port = parse_listen(listen)
+    security.check_address(host, allow_remote, tls, "device listen address")
+    interceptors = [security.TokenAuthInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=GRPC_OPTIONS + (("grpc.so_reuseport", 0),))
+                         interceptors=interceptors,
+                         options=grpc_options(max_message_bytes) + (("grpc.so_reuseport", 0),))
     pb_grpc.add_DeviceServicer_to_server(servicer, server)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(target)
+        if tls is not None:
+            bound = server.add_secure_port(target, tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(target)
     except RuntimeError as e:
         raise FleetError(f"cannot listen on {listen}: {e}; pick another port or use port 0")
     if not bound:
@@ -323,12 +381,28 @@ def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
 
 
 def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: int = 4,
-          parent_pid: Optional[int] = None) -> int:
-    """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code."""
-    servicer = DeviceServicer(device_id)
-    server, port = start_server(listen, servicer, max_workers)
+          parent_pid: Optional[int] = None, *, token: Optional[str] = None,
+          tls: Optional[security.TlsConfig] = None, allow_remote: bool = False,
+          allow_no_auth: bool = False,
+          max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+          max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES) -> int:
+    """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
+
+    Without a `token` the device refuses to start unless `allow_no_auth` is set.
+    """
+    if not token:
+        if not allow_no_auth:
+            raise FleetError(
+                f"no fleet token: set {security.TOKEN_ENV} or pass --token-file (a 0600 "
+                "file); --insecure-no-auth serves without one, for debugging only")
+        log.warning("serving WITHOUT authentication (--insecure-no-auth): anyone who can "
+                    "reach %s may run computations here", listen)
+    servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes)
+    server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
+                                allow_remote=allow_remote, max_message_bytes=max_message_bytes)
     host, _ = parse_listen(listen)
     stop = threading.Event()
+
     def on_signal(signum, frame):
         log.warning("received signal %d; shutting down", signum)
         stop.set()
@@ -348,16 +422,42 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format=f"%(asctime)s {args.device_id} %(levelname)s %(message)s")
-    return serve(args.listen, args.device_id, args.max_workers, args.parent_pid)
+    try:
+        token = security.resolve_token(token_file=args.token_file)
+        os.environ.pop(security.TOKEN_ENV, None)  # not inherited by anything we start
+        tls = security.tls_from_args(args.tls_ca, args.tls_cert, args.tls_key)
+        return serve(args.listen, args.device_id, args.max_workers, args.parent_pid,
+                     token=token, tls=tls, allow_remote=args.allow_remote,
+                     allow_no_auth=args.insecure_no_auth,
+                     max_message_bytes=args.max_message_bytes,
+                     max_stored_bytes=args.max_stored_bytes)
+    except FleetError as e:
+        print(f"fax-bridge device: {e}", file=sys.stderr)
+        return 2
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0",
                         help="HOST:PORT to serve on (default 127.0.0.1:0: loopback, free port)")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="permit a non-loopback --listen host (reachable from other "
+                             "machines; use with TLS)")
     parser.add_argument("--device-id", default="device", help="name used in logs and errors")
     parser.add_argument("--max-workers", type=int, default=4, help="gRPC worker threads")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process (the launcher) is no longer the parent")
+    parser.add_argument("--token-file", default=None,
+                        help=f"file (mode 0600) holding the fleet token; default: the "
+                             f"{security.TOKEN_ENV} environment variable")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="serve without a fleet token (debugging only)")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA certificate (mutual TLS)")
+    parser.add_argument("--tls-cert", default=None, help="PEM device certificate")
+    parser.add_argument("--tls-key", default=None, help="PEM device private key")
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                        help="cap on every gRPC message, each direction")
+    parser.add_argument("--max-stored-bytes", type=int, default=DEFAULT_MAX_STORED_BYTES,
+                        help="cap on the bytes of all values held on this device")
     parser.add_argument("--log-level", default="warning", help="stderr log level")
     parser.set_defaults(func=_run)
 

@@ -32,6 +32,7 @@ import federated_language
 import numpy as np
 
 from fax_bridge.errors import FleetError
+from fax_bridge.fleet import security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend, partition
 from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
 
@@ -226,16 +227,26 @@ class FleetRounds:
             old.close()
         except FleetError:
             pass
-        self.backend = self._connect(addresses)
+        self.backend = self._connect(addresses, self.probe_timeout_s * 5)
         # Survivors may still hold values of the failed try: never reuse their handles.
         self.backend._handles = old._handles
         self.addresses = list(addresses)
         self.num_devices = len(addresses)
 
-    def _connect(self, addresses: list[str]) -> GrpcClientsBackend:
+    def _connect(self, addresses: list[str], connect_timeout_s: float) -> GrpcClientsBackend:
+        """A backend over `addresses` (subclasses add credentials)."""
         return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
                                   rpc_timeout_s=self.rpc_timeout_s,
-                                  connect_timeout_s=self.probe_timeout_s * 5)
+                                  connect_timeout_s=connect_timeout_s)
+
+    def run_loop(self, proto, state: Any, num_rounds: int, client_args, **kwargs) -> Any:
+        """Rounds that thread server state, checkpointed with `checkpoint_dir=`.
+
+        See `fax_bridge.fleet.checkpoint.run_loop` (next_state, checkpoint_dir, on_round).
+        """
+        from fax_bridge.fleet import checkpoint
+
+        return checkpoint.run_loop(self, proto, state, num_rounds, client_args, **kwargs)
 
     def run_rounds(self, proto, rounds: Iterable[Sequence[Any]],
                    progress: Optional[bool] = None) -> list:
@@ -272,6 +283,16 @@ class LocalFleet(FleetRounds):
       progress: show a tqdm progress bar in `run_rounds`.
       log_dir: where device logs go (kept); default a temporary folder removed on exit.
       python: interpreter that runs the devices (default: this one).
+      token: the fleet token; default a fresh `secrets.token_hex` per fleet. Devices get
+        it through their environment, never on the command line.
+      device_tls, coordinator_tls: `security.TlsConfig`s for mutual TLS (devices'
+        server certificate, coordinator's client certificate; both or neither).
+      survive_device_loss: finish a round on the devices that still answer when some
+        die or miss their deadline (default); False fails the round instead.
+      probe_timeout_s: how long a device may take to answer Health after a failed try.
+      reject_nonfinite: refuse NaN/inf in what devices send back.
+      max_message_bytes, max_stored_bytes: caps on each gRPC message and on the bytes
+        each device holds.
     """
 
     def __init__(self, devices: int = 2, *, preaggregate: bool = True,
@@ -281,7 +302,13 @@ class LocalFleet(FleetRounds):
                  rpc_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
                  shutdown_grace_s: float = 3.0, progress: bool = False,
                  log_dir: Optional[Union[str, os.PathLike]] = None,
-                 python: Optional[str] = None):
+                 python: Optional[str] = None, token: Optional[str] = None,
+                 device_tls: Optional[security.TlsConfig] = None,
+                 coordinator_tls: Optional[security.TlsConfig] = None,
+                 survive_device_loss: bool = True, probe_timeout_s: float = 2.0,
+                 reject_nonfinite: bool = False,
+                 max_message_bytes: Optional[int] = None,
+                 max_stored_bytes: Optional[int] = None):
         if devices < 1:
             raise FleetError(f"devices={devices}; a fleet needs at least one device")
         self.num_devices = int(devices)
@@ -294,6 +321,17 @@ class LocalFleet(FleetRounds):
         self.startup_timeout_s = startup_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.python = python or sys.executable
+        if (device_tls is None) != (coordinator_tls is None):
+            raise FleetError("mutual TLS needs both device_tls and coordinator_tls (or "
+                             "neither)")
+        self._token = token or security.new_token()
+        self._device_tls = device_tls
+        self._coordinator_tls = coordinator_tls
+        self.survive_device_loss = bool(survive_device_loss)
+        self.probe_timeout_s = float(probe_timeout_s)
+        self.reject_nonfinite = bool(reject_nonfinite)
+        self._max_message_bytes = max_message_bytes
+        self._max_stored_bytes = max_stored_bytes
         self._keep_logs = log_dir is not None
         self._log_dir = pathlib.Path(log_dir) if log_dir is not None else None
         self._procs: list[subprocess.Popen] = []
@@ -319,18 +357,25 @@ class LocalFleet(FleetRounds):
         try:
             self._spawn()
             self.addresses = self._read_ports(time.monotonic() + self.startup_timeout_s)
-            self.backend = GrpcClientsBackend(
-                self.addresses, preaggregate=self.preaggregate,
-                rpc_timeout_s=self.rpc_timeout_s, connect_timeout_s=self.startup_timeout_s)
+            self._proc_addresses = list(self.addresses)
+            self.backend = self._connect(self.addresses, self.startup_timeout_s)
         except BaseException:
             self.close()
             raise
         return self
 
-    def _spawn(self) -> None:
-        if self._log_dir is None:
-            self._log_dir = pathlib.Path(tempfile.mkdtemp(prefix="fax_bridge_fleet_"))
-        self._log_dir.mkdir(parents=True, exist_ok=True)
+    def _connect(self, addresses: list[str], connect_timeout_s: float) -> GrpcClientsBackend:
+        """A backend over `addresses` with this fleet's token and TLS."""
+        extra = {}
+        if self._max_message_bytes is not None:
+            extra["max_message_bytes"] = self._max_message_bytes
+        return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
+                                  rpc_timeout_s=self.rpc_timeout_s,
+                                  connect_timeout_s=connect_timeout_s, token=self._token,
+                                  tls=self._coordinator_tls,
+                                  reject_nonfinite=self.reject_nonfinite, **extra)
+
+    def _device_env(self) -> dict:
         env = dict(os.environ)
         for key, value in _DEVICE_ENV.items():
             if key == "XLA_FLAGS":
@@ -339,28 +384,87 @@ class LocalFleet(FleetRounds):
                 env.setdefault(key, value)
         env["PYTHONPATH"] = os.pathsep.join(
             [_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        for index in range(self.num_devices):
-            log = open(self._log_dir / f"device-{index}.log", "wb")
-            self._logs.append(log)
-            command = [self.python, "-m", "fax_bridge.fleet.device",
-                       "--listen", "127.0.0.1:0", "--device-id", f"device-{index}",
-                       "--parent-pid", str(os.getpid())]
-            self._procs.append(subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True))
+        env[security.TOKEN_ENV] = self._token  # the environment is private to the user
+        return env
 
-    def _read_ports(self, deadline: float) -> list[str]:
+    def _device_command(self, index: int) -> list[str]:
+        command = [self.python, "-m", "fax_bridge.fleet.device",
+                   "--listen", "127.0.0.1:0", "--device-id", f"device-{index}",
+                   "--parent-pid", str(os.getpid())]
+        if self._device_tls is not None:
+            command += ["--tls-ca", self._device_tls.ca_cert, "--tls-cert",
+                        self._device_tls.cert, "--tls-key", self._device_tls.key]
+        if self._max_message_bytes is not None:
+            command += ["--max-message-bytes", str(self._max_message_bytes)]
+        if self._max_stored_bytes is not None:
+            command += ["--max-stored-bytes", str(self._max_stored_bytes)]
+        return command
+
+    def _popen(self, index: int, env: dict) -> subprocess.Popen:
+        log = open(self._log_dir / f"device-{index}.log", "ab")
+        if index < len(self._logs):
+            self._logs[index].close()
+            self._logs[index] = log
+        else:
+            self._logs.append(log)
+        return subprocess.Popen(
+            self._device_command(index), stdout=subprocess.PIPE, stderr=log,
+            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def _spawn(self) -> None:
+        if self._log_dir is None:
+            self._log_dir = pathlib.Path(tempfile.mkdtemp(prefix="fax_bridge_fleet_"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        env = self._device_env()
+        for index in range(self.num_devices):
+            self._procs.append(self._popen(index, env))
+
+    # -- faults -------------------------------------------------------------------
+
+    def kill_device(self, index: int, signum: int = signal.SIGKILL) -> None:
+        """Sends `signum` to device `index` (a crash when SIGKILL, a hang when SIGSTOP)."""
+        _signal_group(self._procs[index], signum)
+        if signum == signal.SIGKILL:
+            try:
+                self._procs[index].wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def restart_device(self, index: int) -> str:
+        """Replaces device `index` by a fresh process; the next round uses it again.
+
+        The old process is killed if it still runs. Returns the new device's address.
+        """
+        if self.backend is None or self._closed:
+            raise FleetError("the fleet is not running; start it before restarting devices")
+        old = self._procs[index]
+        if old.poll() is None:
+            _signal_group(old, signal.SIGKILL)
+            old.wait(timeout=10.0)
+        if old.stdout is not None:
+            old.stdout.close()
+        self._procs[index] = self._popen(index, self._device_env())
+        address = self._read_ports(time.monotonic() + self.startup_timeout_s,
+                                   only=[index])[0]
+        self._proc_addresses[index] = address
+        self._reconnect([self._proc_addresses[i] for i, p in enumerate(self._procs)
+                         if p.poll() is None])
+        return address
+
+    def _read_ports(self, deadline: float, only: Optional[list] = None) -> list[str]:
+        wanted = list(range(len(self._procs))) if only is None else list(only)
         addresses: dict[int, str] = {}
-        buffers = {i: b"" for i in range(len(self._procs))}
+        buffers = {i: b"" for i in wanted}
         selector = selectors.DefaultSelector()
-        for index, proc in enumerate(self._procs):
+        for index in wanted:
+            proc = self._procs[index]
             os.set_blocking(proc.stdout.fileno(), False)
             selector.register(proc.stdout, selectors.EVENT_READ, index)
         try:
-            while len(addresses) < len(self._procs):
+            while len(addresses) < len(wanted):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = sorted(set(range(len(self._procs))) - set(addresses))
+                    missing = sorted(set(wanted) - set(addresses))
                     raise FleetError(
                         f"devices {missing} did not report a port within "
                         f"{self.startup_timeout_s:.0f}s; raise startup_timeout_s or see "
@@ -381,14 +485,15 @@ class LocalFleet(FleetRounds):
                             addresses[index] = address
                             selector.unregister(key.fileobj)
                             break
-                for index, proc in enumerate(self._procs):
+                for index in wanted:
+                    proc = self._procs[index]
                     if index not in addresses and proc.poll() is not None:
                         raise FleetError(
                             f"device {index} exited with code {proc.returncode} before "
                             f"listening; {self._log_tail(index)}")
         finally:
             selector.close()
-        return [addresses[i] for i in range(len(self._procs))]
+        return [addresses[i] for i in wanted]
 
     def _log_tail(self, index: int, lines: int = 15) -> str:
         path = self._log_dir / f"device-{index}.log"
@@ -426,17 +531,7 @@ class LocalFleet(FleetRounds):
 
 def probe_devices(backend: GrpcClientsBackend, timeout_s: float) -> list[bool]:
     """Whether each device of `backend` answers Health within `timeout_s` (in parallel)."""
-    from fax_bridge.v1 import device_pb2 as pb
-
-    calls = [d.stub.Health.future(pb.HealthRequest(), timeout=timeout_s)
-             for d in backend._devices]
-    alive = []
-    for call in calls:
-        try:
-            alive.append(call.result().status == "SERVING")
-        except Exception:
-            alive.append(False)
-    return alive
+    return backend.probe(timeout_s)
 
 
 def _parse_port_line(line: bytes) -> Optional[str]:

@@ -11,19 +11,31 @@ from fax_bridge.v1 import device_pb2 as pb
 LocalValue = object  # np.ndarray | structure.Struct of LocalValue
 
 
+_NUMERIC_KINDS = "biufc"
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz",
+              "float8_e4m3fnuz", "float8_e5m2fnuz", "int4", "uint4")
+MAX_STRUCT_DEPTH = 64
+
+
 def dtype_from_name(name: str) -> np.dtype:
-    """The numpy dtype a `Tensor.dtype` string names (ml_dtypes names such as bfloat16 too)."""
-    try:
-        return np.dtype(name)
-    except TypeError:
+    """The numeric dtype a `Tensor.dtype` string names (ml_dtypes ones such as bfloat16 too).
+
+    Only plain numeric and bool dtypes are accepted: object, string, structured and
+    datetime dtypes never come off the wire.
+    """
+    if name in _ML_DTYPES:
         import ml_dtypes  # jax's extended floating-point types
 
-        found = getattr(ml_dtypes, name, None)
-        if found is None:
-            raise FleetError(
-                f"unknown tensor dtype {name!r} on the wire; expected a numpy or ml_dtypes "
-                "dtype name such as 'float32' or 'bfloat16'") from None
-        return np.dtype(found)
+        return np.dtype(getattr(ml_dtypes, name))
+    try:
+        dtype = np.dtype(name) if name.isidentifier() else None
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in _NUMERIC_KINDS or dtype.fields or dtype.subdtype:
+        raise FleetError(
+            f"unknown tensor dtype {name[:40]!r} on the wire; expected a numeric numpy or "
+            "ml_dtypes dtype name such as 'float32', 'int32', 'bool' or 'bfloat16'")
+    return dtype
 
 
 def encode_tensor(array: np.ndarray, out: pb.Tensor) -> None:
@@ -42,9 +54,15 @@ def encode_tensor(array: np.ndarray, out: pb.Tensor) -> None:
 
 def decode_tensor(message: pb.Tensor) -> np.ndarray:
     """The array a `Tensor` message holds (read-only, sharing the message's bytes)."""
+    from fax_bridge.errors import ComputationError
+    from fax_bridge.runtime import limits
+
     dtype = dtype_from_name(message.dtype)
-    shape = tuple(message.shape)
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    shape = tuple(int(d) for d in message.shape)
+    try:
+        expected = limits.tensor_bytes(shape, dtype.itemsize, "a tensor on the wire")
+    except ComputationError as e:
+        raise FleetError(str(e)) from None
     if len(message.data) != expected:
         raise FleetError(
             f"tensor of dtype {message.dtype} and shape {shape} should hold {expected} "
@@ -74,15 +92,21 @@ def to_message(value: LocalValue) -> pb.Value:
     return message
 
 
-def decode_value(message: pb.Value) -> LocalValue:
+def decode_value(message: pb.Value, depth: int = 0) -> LocalValue:
     """The local value a `Value` message holds."""
     kind = message.WhichOneof("kind")
     if kind == "tensor":
         return decode_tensor(message.tensor)
     if kind == "struct":
+        if depth >= MAX_STRUCT_DEPTH:
+            raise FleetError(f"a Value message nests structs deeper than {MAX_STRUCT_DEPTH}")
+        names = [e.name if e.HasField("name") else None for e in message.struct.elements]
+        named = [n for n in names if n is not None]
+        if len(set(named)) != len(named):
+            raise FleetError(f"a Value struct repeats element names {sorted(named)[:8]}")
         return structure.Struct([
-            (e.name if e.HasField("name") else None, decode_value(e.value))
-            for e in message.struct.elements
+            (n, decode_value(e.value, depth + 1))
+            for n, e in zip(names, message.struct.elements)
         ])
     raise FleetError("a Value message holds neither a tensor nor a struct; the sender "
                      "left it empty")

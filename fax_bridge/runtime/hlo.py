@@ -21,6 +21,7 @@ from jax._src.lib import xla_client as _xla_client
 from jax._src.lib.mlir import ir as _ir
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import limits
 
 _COPY = _jax.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
 _ELEMENT_TYPES = {
@@ -86,7 +87,16 @@ class HloExecutable:
                 f"cannot read the Xla computation's HloModuleProto ({e}); it must be the "
                 "bytes of a serialized xla.HloModuleProto"
             ) from e
-        self.parameters, self.results = _signature(stablehlo)
+        try:
+            self.parameters, self.results = _signature(stablehlo)
+        except ComputationError:
+            raise
+        except Exception as e:
+            raise ComputationError(f"cannot read the HLO module's signature ({e})") from e
+        for where, specs in (("parameter", self.parameters), ("result", self.results)):
+            for i, spec in enumerate(specs):
+                itemsize = spec.dtype.itemsize if spec.dtype is not None else 8
+                limits.tensor_bytes(spec.shape, itemsize, f"HLO {where} {i}")
         unknown = [i for i, p in enumerate(self.parameters) if p.dtype is None]
         if unknown:
             raise ComputationError(

@@ -162,10 +162,7 @@ class _Interpreter:
         return source[index]
 
     def _eval_literal(self, comp, env):
-        try:
-            return np.asarray(fl_array.from_proto(comp.literal.value))
-        except Exception as e:
-            raise ComputationError(f"cannot read a Literal's array: {e}") from e
+        return local_eval.read_literal(comp.literal)
 
     def _eval_placement(self, comp, env):
         return _PlacementValue(comp.placement.uri)

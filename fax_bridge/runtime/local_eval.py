@@ -25,7 +25,7 @@ from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import hlo
+from fax_bridge.runtime import hlo, limits
 
 LocalValue = Any  # np.ndarray | structure.Struct of LocalValue
 LocalFn = Callable[..., LocalValue]
@@ -80,9 +80,24 @@ def parse_type(type_proto) -> Optional[federated_language.Type]:
     if type_proto is None or type_proto.WhichOneof("type") is None:
         return None
     try:
-        return federated_language.Type.from_proto(type_proto)
+        type_ = federated_language.Type.from_proto(type_proto)
+    except RecursionError:
+        raise ComputationError("a type in the computation proto is nested too deeply") from None
     except Exception as e:
         raise ComputationError(f"cannot read a type in the computation proto: {e}") from e
+    limits.type_bytes(type_, f"type {type_}" if len(str(type_)) < 200 else "a type")
+    return type_
+
+
+def read_literal(literal) -> np.ndarray:
+    """The array of a `Literal` proto, its declared shape checked against the caps first."""
+    shape = literal.value.shape
+    dims = list(shape.dim) if shape is not None else []
+    limits.tensor_bytes(dims, 1, "a Literal")
+    try:
+        return np.asarray(fl_array.from_proto(literal.value))
+    except Exception as e:
+        raise ComputationError(f"cannot read a Literal's array: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,10 +205,7 @@ def _build_selection(comp, scope):
 
 
 def _build_literal(comp, scope):
-    try:
-        value = np.asarray(fl_array.from_proto(comp.literal.value))
-    except Exception as e:
-        raise ComputationError(f"cannot read a Literal's array: {e}") from e
+    value = read_literal(comp.literal)
     return lambda env: value
 
 

@@ -1,0 +1,109 @@
+"""Caps on the memory a computation or a message may ask for, checked before allocating.
+
+A type (from a proto), a tensor on the wire or an HLO signature names shapes; a hostile
+or broken sender can name a dimension of 2^40. Every such size is computed with python
+integers (no overflow) and compared with these caps first:
+
+- `max_tensor_bytes`: one tensor (default 4 GiB);
+- `max_value_bytes`: all tensors of one type together (default 16 GiB).
+
+`FAX_BRIDGE_MAX_TENSOR_BYTES` / `FAX_BRIDGE_MAX_VALUE_BYTES` set them per process;
+`set_limits` changes them at run time (a device and a coordinator each have their own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import numpy as np
+
+from fax_bridge.errors import ComputationError
+
+MAX_RANK = 64
+
+
+@dataclasses.dataclass
+class Limits:
+    max_tensor_bytes: int
+    max_value_bytes: int
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ComputationError(f"{name}={raw!r} is not an integer number of bytes") from None
+
+
+LIMITS = Limits(max_tensor_bytes=_env_int("FAX_BRIDGE_MAX_TENSOR_BYTES", 4 << 30),
+                max_value_bytes=_env_int("FAX_BRIDGE_MAX_VALUE_BYTES", 16 << 30))
+
+
+def set_limits(max_tensor_bytes: Optional[int] = None,
+               max_value_bytes: Optional[int] = None) -> Limits:
+    """Changes the caps of this process; returns the previous ones."""
+    before = dataclasses.replace(LIMITS)
+    if max_tensor_bytes is not None:
+        LIMITS.max_tensor_bytes = int(max_tensor_bytes)
+    if max_value_bytes is not None:
+        LIMITS.max_value_bytes = int(max_value_bytes)
+    return before
+
+
+def tensor_bytes(shape, itemsize: int, what: str) -> int:
+    """Bytes of a dense tensor of `shape` (unknown dims count as 0); checked against the cap."""
+    dims = list(shape or ())
+    if len(dims) > MAX_RANK:
+        raise ComputationError(f"{what}: rank {len(dims)} exceeds the limit of {MAX_RANK}")
+    count = 1
+    for d in dims:
+        if d is None:
+            count = 0
+            continue
+        d = int(d)
+        if d < 0:
+            raise ComputationError(f"{what}: negative dimension {d} in shape {dims}")
+        count *= d
+    size = count * int(itemsize)
+    if size > LIMITS.max_tensor_bytes:
+        raise ComputationError(
+            f"{what}: a tensor of shape {dims} needs {size} bytes, above the cap of "
+            f"{LIMITS.max_tensor_bytes} bytes (FAX_BRIDGE_MAX_TENSOR_BYTES); the shape is "
+            "likely corrupt, or raise the cap")
+    return size
+
+
+def type_bytes(type_, what: str = "a type") -> int:
+    """Bytes the tensors of a federated_language type need (per member); checked."""
+    import federated_language
+
+    total = 0
+    stack = [type_]
+    seen = 0
+    while stack:
+        t = stack.pop()
+        seen += 1
+        if seen > 1_000_000:
+            raise ComputationError(f"{what}: the type has more than 10^6 parts")
+        if isinstance(t, federated_language.TensorType):
+            total += tensor_bytes(t.shape, np.dtype(t.dtype).itemsize, what)
+        elif isinstance(t, federated_language.StructType):
+            stack.extend(tt for _, tt in t.items())
+        elif isinstance(t, federated_language.FederatedType):
+            stack.append(t.member)
+        elif isinstance(t, federated_language.FunctionType):
+            if t.parameter is not None:
+                stack.append(t.parameter)
+            stack.append(t.result)
+        elif isinstance(t, federated_language.SequenceType):
+            stack.append(t.element)
+    if total > LIMITS.max_value_bytes:
+        raise ComputationError(
+            f"{what}: its tensors need {total} bytes together, above the cap of "
+            f"{LIMITS.max_value_bytes} bytes (FAX_BRIDGE_MAX_VALUE_BYTES)")
+    return total
