@@ -188,6 +188,17 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
     for proc in procs:
         assert proc.poll() is None  # closing a RemoteFleet leaves its devices running
 
+    # `fax-bridge run --fleet-file`: the same round from files.
+    from fax_bridge.fleet.run_cli import run_file
+    from fax_bridge.tff.export import save_computation
+
+    save_computation(proto, tmp_path / "comp.pb")
+    np.savez(tmp_path / "in.npz", x=x, s=s)
+    out, rep = run_file(str(tmp_path / "comp.pb"), str(tmp_path / "in.npz"), devices=1,
+                        fleet_file=str(path))
+    np.testing.assert_array_equal(out["result"], _expected(range(N)))
+    assert rep.devices == 3
+
     # Emulated delays keep the devices in Map while device 2 is killed: with this seed
     # the first round's slowest client of each device waits 0.58 s or more.
     with RemoteFleet(addresses, straggler_delay_s=0.5, rpc_timeout_s=20,

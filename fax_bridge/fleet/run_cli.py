@@ -20,8 +20,13 @@ from fax_bridge.errors import FaxBridgeError
 
 
 def run_file(comp_path: str, inputs_path: str | None, devices: int,
-             clients: int | None = None, preaggregate: bool = True):
-    """Runs the computation in `comp_path` on `inputs_path`; returns (result npz, report)."""
+             clients: int | None = None, preaggregate: bool = True,
+             fleet_file: str | None = None):
+    """Runs the computation in `comp_path` on `inputs_path`; returns (result npz, report).
+
+    With `fleet_file`, the round runs on the running devices that file names
+    (`RemoteFleet`) instead of `devices` local ones.
+    """
     from fax_bridge.fleet.launcher import LocalFleet
     from fax_bridge.runtime import interpreter, values
     from fax_bridge.tff.export import load_computation
@@ -46,7 +51,13 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
                 args = tuple(tree)
         else:
             args = (tree,)
-    with LocalFleet(devices=devices, preaggregate=preaggregate) as fleet:
+    if fleet_file is not None:
+        from fax_bridge.fleet.remote import RemoteFleet
+
+        fleet_cm = RemoteFleet(fleet_file=fleet_file, preaggregate=preaggregate)
+    else:
+        fleet_cm = LocalFleet(devices=devices, preaggregate=preaggregate)
+    with fleet_cm as fleet:
         result, report = fleet.run(proto, *args, report=True, num_clients=clients, **kwargs)
     value = values.from_pytree(result, result_type)
     return values.result_to_npz(value, result_type), report
@@ -55,7 +66,7 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
 def _run(args: argparse.Namespace) -> int:
     try:
         out, report = run_file(args.computation, args.inputs, args.devices, args.clients,
-                               not args.no_preaggregate)
+                               not args.no_preaggregate, args.fleet_file)
     except (FaxBridgeError, OSError, ValueError) as e:
         print(f"fax-bridge run: {e}", file=sys.stderr)
         return 2
@@ -76,6 +87,9 @@ def register(subparsers) -> None:
     p.add_argument("computation", help="serialized Computation proto (.pb)")
     p.add_argument("--inputs", help="npz file of arguments")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--fleet-file",
+                   help="JSON fleet file naming running devices (HOST:PORT); used instead "
+                        "of --devices local ones")
     p.add_argument("--clients", type=int, help="number of clients when no input is at CLIENTS")
     p.add_argument("--output", help="write the result here (.npz)")
     p.add_argument("--no-preaggregate", action="store_true",
