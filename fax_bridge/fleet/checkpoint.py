@@ -139,13 +139,14 @@ def run_loop(fleet, proto, state: Any, num_rounds: int,
     result itself). Round r is planned as round r of the fleet's policy whatever ran
     before, so a resumed run makes the same choices. With `checkpoint_dir` the state is
     saved after every round and a rerun resumes after the last saved round (refusing a
-    checkpoint of another computation or policy). `on_round(r, result, report)` is
+    checkpoint of a computation of another type, or of another policy). `on_round(r, result, report)` is
     called after each round.
     """
-    from fax_bridge.runtime.local_eval import content_hash
-    from fax_bridge.runtime.interpreter import _as_proto
+    from fax_bridge.runtime.interpreter import computation_type
 
-    meta = {"computation": content_hash(_as_proto(proto)), "policy": repr(fleet.policy),
+    # The type signature names the computation: its bytes hold source locations that
+    # differ between processes building the same program.
+    meta = {"computation": str(computation_type(proto)), "policy": repr(fleet.policy),
             "num_rounds": int(num_rounds)}
     start = 0
     if checkpoint_dir is not None:

@@ -1,0 +1,109 @@
+"""A coordinator killed mid-run resumes from its checkpoint with bit-identical results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import checkpoint, sample_computations as sc
+from fax_bridge.fleet.launcher import LocalFleet
+from fax_bridge.fleet.rounds import RoundPolicy
+
+ROUNDS = 6
+POLICY = dict(cohort_size=6, dropout=0.2, seed=3)
+
+# The run, as a script: the killed coordinator and the references run the same code.
+SCRIPT = """
+import json, sys, time
+import numpy as np
+from fax_bridge.fleet import sample_computations as sc
+from fax_bridge.fleet.launcher import LocalFleet
+
+def data(r):
+    rng = np.random.default_rng(r)
+    return (rng.normal(size=(10, 6, 5)).astype(np.float32),
+            rng.normal(size=(10, 6)).astype(np.float32))
+
+proto = sc.linear_regression_step(features=5, examples=6)
+w0 = np.zeros(5, np.float32)
+"""
+
+
+def _namespace() -> dict:
+    scope: dict = {}
+    exec(SCRIPT, scope)
+    return scope
+
+
+def test_checkpoints_round_trip_without_pickle(tmp_path):
+    state = {"w": np.arange(3, dtype=np.float32), "opt": (np.int64(4), [np.ones((2, 2))]),
+             "none": None}
+    checkpoint.save(tmp_path, 2, state, {"k": "v"})
+    saved = checkpoint.load(tmp_path)
+    assert saved.round == 2 and saved.meta == {"k": "v"}
+    np.testing.assert_array_equal(saved.state["opt"][1][0], np.ones((2, 2)))
+    assert saved.state["none"] is None and saved.state["w"].dtype == np.float32
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".state-")]
+    (tmp_path / checkpoint.FILE_NAME).write_bytes(b"not an npz")
+    with pytest.raises(FleetError, match="cannot be read"):
+        checkpoint.load(tmp_path)
+
+
+def test_a_killed_coordinator_resumes_with_identical_results(tmp_path):
+    ns = _namespace()
+    ckpt = tmp_path / "ckpt"
+    driver = SCRIPT + f"""
+fleet = LocalFleet(devices=2, cohort_size={POLICY['cohort_size']}, dropout={POLICY['dropout']},
+                   seed={POLICY['seed']}).start()
+print(json.dumps({{"devices": fleet.pids}}), flush=True)
+def on_round(r, result, rep):
+    print(json.dumps({{"round": r}}), flush=True)
+    time.sleep(0.4)
+fleet.run_loop(proto, w0, {ROUNDS}, data, next_state=lambda out: out["w"],
+               checkpoint_dir={str(ckpt)!r}, on_round=on_round)
+print(json.dumps({{"finished": True}}), flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    device_pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = json.loads(proc.stdout.readline() or "{}")
+            device_pids = line.get("devices", device_pids)
+            if line.get("round") == 1 or line.get("finished") or not line:
+                break
+        os.killpg(proc.pid, signal.SIGKILL)  # the coordinator dies; no cleanup runs
+    finally:
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    saved = checkpoint.load(ckpt)
+    assert saved is not None and saved.round < ROUNDS - 1  # it really was interrupted
+    deadline = time.monotonic() + 15  # its devices notice and exit by themselves
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and open(
+            f"/proc/{p}/stat").read().split()[2] != "Z" for p in device_pids):
+        time.sleep(0.1)
+    with LocalFleet(devices=3, **POLICY) as fleet:  # another device count, on purpose
+        resumed = fleet.run_loop(ns["proto"], ns["w0"], ROUNDS, ns["data"],
+                                 next_state=lambda out: out["w"], checkpoint_dir=ckpt)
+        fleet._round = 0
+        straight = fleet.run_loop(ns["proto"], ns["w0"], ROUNDS, ns["data"],
+                                  next_state=lambda out: out["w"])
+        with pytest.raises(FleetError, match="another run"):
+            fleet.policy = RoundPolicy(seed=99)
+            fleet.run_loop(ns["proto"], ns["w0"], ROUNDS, ns["data"],
+                           next_state=lambda out: out["w"], checkpoint_dir=ckpt)
+    assert resumed.tobytes() == straight.tobytes()
+    assert checkpoint.load(ckpt).round == ROUNDS - 1
+    alive = [p for p in device_pids if os.path.exists(f"/proc/{p}")
+             and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert alive == []
