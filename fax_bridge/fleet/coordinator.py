@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import secrets
 import threading
 from concurrent import futures
 import time
@@ -175,7 +176,9 @@ class GrpcClientsBackend(ClientsBackend):
         self._active = list(range(len(self._devices)))
         self._pool = futures.ThreadPoolExecutor(max_workers=max(2, min(32, len(addresses))),
                                                 thread_name_prefix="fax-bridge-fetch")
-        self._handles = itertools.count(1)
+        # A random start keeps this backend's handles apart from those an earlier
+        # coordinator (crashed, or closed with values still referenced) left behind.
+        self._handles = itertools.count(1 + secrets.randbelow(1 << 52))
         self._loaded: set[tuple[int, str]] = set()
         self._hashes: dict[int, str] = {}
         self._pending_release: list[int] = []

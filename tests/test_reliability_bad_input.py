@@ -1,0 +1,161 @@
+"""Hostile or broken input: each gives a named error and the next request still works."""
+
+from __future__ import annotations
+
+import federated_language as fl
+import grpc
+import numpy as np
+import pytest
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError, FleetError
+from fax_bridge.fleet import device, partials, sample_computations as sc, security, wire
+from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.runtime import interpreter
+from fax_bridge.v1 import device_pb2 as pb
+from fax_bridge.v1 import device_pb2_grpc as pb_grpc
+
+TOKEN = security.new_token()
+PROTO = sc.scaled_aggregate((3,), "sum")
+XS, S = np.ones((4, 3), np.float32), np.ones(3, np.float32)
+
+
+class LyingDevice(device.DeviceServicer):
+    """Answers with whatever `mode` says instead of the truth."""
+
+    mode = "honest"
+
+    def Fetch(self, request, context):
+        for message in super().Fetch(request, context):
+            if self.mode == "wrong_shape":
+                for item in message.values:
+                    item.value.CopyFrom(wire.to_message(np.zeros(5, np.float32)))
+            elif self.mode == "nan":
+                for item in message.values:
+                    item.value.CopyFrom(wire.to_message(np.full(3, np.nan, np.float32)))
+            yield message
+
+    def Aggregate(self, request, context):
+        answer = super().Aggregate(request, context)
+        if self.mode == "wrong_shape":
+            answer.leaves[0].shape[:] = [7]
+        elif self.mode == "nan":
+            answer.leaves[0].nonfinite = bytes([1, 0, 0])
+        elif self.mode == "bad_limbs":
+            answer.leaves[0].num_limbs = 10**6
+        return answer
+
+
+@pytest.fixture(scope="module")
+def devices():
+    liar = LyingDevice("liar")
+    servers, addresses = [], []
+    for servicer in (device.DeviceServicer("good", max_stored_bytes=1 << 20), liar):
+        srv, port = device.start_server("127.0.0.1:0", servicer, token=TOKEN)
+        servers.append(srv)
+        addresses.append(f"127.0.0.1:{port}")
+    yield addresses, liar
+    for srv in servers:
+        srv.stop(None)
+
+
+def _works(backend) -> None:
+    np.testing.assert_array_equal(interpreter.run_computation(PROTO, XS, S, backend=backend),
+                                  [4.0, 4.0, 4.0])
+
+
+def test_corrupt_protos_and_bad_arguments_name_the_problem():
+    data = PROTO.SerializeToString()
+    with pytest.raises(ComputationError, match="not a serialized Computation"):
+        interpreter.run_computation(data[: len(data) // 2], XS, S)
+    unknown = computation_pb2.Computation()
+    unknown.CopyFrom(PROTO)
+    getattr(unknown, "lambda").result.call.function.intrinsic.uri = "federated_teleport"
+    with pytest.raises(ComputationError, match="federated_teleport"):
+        interpreter.run_computation(unknown, XS, S)
+    with pytest.raises(ComputationError, match=r"expected shape \[3\]"):
+        interpreter.run_computation(PROTO, np.ones((4, 5), np.float32), S)
+    with pytest.raises(ComputationError, match="expected dtype float32"):
+        interpreter.run_computation(PROTO, XS, np.ones(3, np.complex64))
+    with pytest.raises(ComputationError, match="takes 2 arguments"):
+        interpreter.run_computation(PROTO, XS)
+    huge = computation_pb2.Computation()
+    huge.CopyFrom(PROTO)
+    huge.type.function.parameter.struct.element[0].value.federated.member.tensor.dims[:] = [
+        1 << 40]
+    with pytest.raises(ComputationError, match="above the cap"):
+        interpreter.run_computation(huge, XS, S)
+    np.testing.assert_array_equal(interpreter.run_computation(PROTO, XS, S), [4.0] * 3)
+
+
+def test_absurd_wire_tensors_are_refused_before_allocating():
+    for shape, data in (([1 << 40], b""), ([1 << 32, 1 << 32], b""), ([-1], b""),
+                        ([2], b"\0" * 7)):
+        with pytest.raises(FleetError, match="cap|negative|bytes but holds"):
+            wire.decode_tensor(pb.Tensor(dtype="float32", shape=shape, data=data))
+    for dtype in ("object", "U4", "float32,int32", "M8"):
+        with pytest.raises(FleetError, match="unknown tensor dtype"):
+            wire.decode_tensor(pb.Tensor(dtype=dtype, shape=[1], data=b"\0" * 4))
+
+
+def test_a_device_refuses_garbage_and_keeps_serving(devices):
+    (good, _), _ = devices
+    metadata = security.call_metadata(TOKEN)
+    with grpc.insecure_channel(good) as channel:
+        stub = pb_grpc.DeviceStub(channel)
+        cases = [
+            ("Load", pb.LoadRequest(computation_hash="x", computation=b"\xff\x00garbage")),
+            ("Load", pb.LoadRequest(computation_hash="y",
+                                    computation=PROTO.SerializeToString())),  # federated
+            ("Broadcast", pb.BroadcastRequest(handle=5, value=pb.Value(tensor=pb.Tensor(
+                dtype="float32", shape=[1 << 40])), client_ids=[0])),
+            ("Aggregate", pb.AggregateRequest(value=1, kind=99)),
+            ("Map", pb.MapRequest(computation_hash="nope", arg=1, result=2)),
+            ("Broadcast", pb.BroadcastRequest(handle=6, value=pb.Value(tensor=pb.Tensor(
+                dtype="uint8", shape=[2 << 20], data=b"\0" * (2 << 20))), client_ids=[0])),
+        ]
+        codes = []
+        for method, request in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(stub, method)(request, timeout=30, metadata=metadata)
+            codes.append(info.value.code())
+            assert info.value.details()  # a message naming the problem
+        assert grpc.StatusCode.INTERNAL not in codes
+        assert codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED  # over max_stored_bytes
+        assert stub.Health(pb.HealthRequest(), timeout=10, metadata=metadata).status == "SERVING"
+    with GrpcClientsBackend([good], token=TOKEN) as backend:
+        _works(backend)
+
+
+@pytest.mark.parametrize("mode,pre,pattern", [
+    ("wrong_shape", False, r"expected float32\[3\], got float32\[5\]"),
+    ("wrong_shape", True, r"partial sum of float32\[7\]"),
+    ("bad_limbs", True, "limbs"),
+    ("nan", False, "NaN"),
+    ("nan", True, "NaN"),
+])
+def test_lying_devices_are_caught_and_named(devices, mode, pre, pattern):
+    addresses, liar = devices
+    with GrpcClientsBackend(addresses, token=TOKEN, preaggregate=pre,
+                            reject_nonfinite=True) as backend:
+        liar.mode = mode
+        try:
+            with pytest.raises(FleetError, match=pattern) as info:
+                _works(backend)
+            assert "device 1" in str(info.value)
+        finally:
+            liar.mode = "honest"
+        _works(backend)
+
+
+def test_partials_are_checked_against_the_type():
+    member = fl.TensorType(np.float32, [3])
+    answer = partials.to_message(partials.partial_of("sum", [np.ones(3, np.float32)]))
+    from fax_bridge.fleet import validate
+
+    validate.check_partial(answer, "sum", [member], [], 1, "d")
+    with pytest.raises(FleetError, match="over 1 clients; the device holds 2"):
+        validate.check_partial(answer, "sum", [member], [], 2, "d")
+    answer.leaves[0].limbs = answer.leaves[0].limbs[:-8]
+    with pytest.raises(FleetError, match="should hold"):
+        validate.check_partial(answer, "sum", [member], [], 1, "d")
