@@ -1,0 +1,241 @@
+"""Fuzzing the proto interpreter and the device RPCs: only our own errors, never a hang.
+
+Each target runs `FAX_BRIDGE_FUZZ_EXAMPLES` cases (default 60, the fast subset of the
+test suite); `tools/fuzz.py` runs the long campaign. Hypothesis' per-case deadline turns
+a hang into a failure; device RPCs also carry gRPC deadlines.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import grpc
+import numpy as np
+import pytest
+from federated_language.proto import computation_pb2
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fax_bridge.errors import FaxBridgeError
+from fax_bridge.fleet import device, sample_computations as sc, security, wire
+from fax_bridge.runtime import interpreter
+from fax_bridge.runtime.local_backend import LocalClientsBackend
+from fax_bridge.v1 import device_pb2 as pb
+
+EXAMPLES = int(os.environ.get("FAX_BRIDGE_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=datetime.timedelta(seconds=20),
+                suppress_health_check=list(HealthCheck), database=None, derandomize=False)
+TOKEN = security.new_token()
+
+SEEDS = [sc.scaled_aggregate((3,), "sum").SerializeToString(),
+         sc.scaled_aggregate((2,), "max").SerializeToString(),
+         sc.linear_regression_step(features=2, examples=3).SerializeToString()]
+ARGS = [(np.ones((3, 3), np.float32), np.ones(3, np.float32)),
+        (np.ones((3, 2), np.float32), np.ones(2, np.float32)),
+        (np.zeros(2, np.float32), np.ones((3, 3, 2), np.float32), np.ones((3, 3), np.float32))]
+
+
+@st.composite
+def mutated(draw, seeds=SEEDS):
+    index = draw(st.integers(0, len(seeds) - 1))
+    data = bytearray(seeds[index])
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert", "splice"]))
+        at = draw(st.integers(0, max(0, len(data) - 1)))
+        if op == "flip" and data:
+            data[at] = draw(st.integers(0, 255))
+        elif op == "cut":
+            data = data[:at] + data[at + draw(st.integers(1, 64)):]
+        elif op == "insert":
+            data = data[:at] + draw(st.binary(max_size=16)) + data[at:]
+        else:
+            data = data[:at] + bytes(seeds[draw(st.integers(0, len(seeds) - 1))][at:at + 40])
+    return index, bytes(data)
+
+
+@FUZZ
+@given(mutated())
+def test_fuzz_interpreter_on_mutated_protos(case):
+    index, data = case
+    try:
+        interpreter.run_computation(data, *ARGS[index], backend=LocalClientsBackend())
+    except FaxBridgeError:
+        pass
+
+
+_URIS = list(interpreter.SUPPORTED_INTRINSICS) + ["federated_teleport", "", "sequence_map"]
+_dims = st.lists(st.sampled_from([0, 1, 2, 3, 1 << 40, -1]), max_size=3)
+
+
+@st.composite
+def _type(draw, depth=0):
+    t = computation_pb2.Computation().type.__class__()
+    kind = draw(st.sampled_from(["tensor", "struct", "federated", "function"][:2 + (depth < 2) * 2]))
+    if kind == "tensor":
+        t.tensor.dtype = draw(st.sampled_from([1, 3, 9, 10, 0, 77]))
+        t.tensor.dims[:] = draw(_dims)
+    elif kind == "struct":
+        for _ in range(draw(st.integers(0, 2))):
+            e = t.struct.element.add()
+            e.name = draw(st.sampled_from(["", "x", "s"]))
+            e.value.CopyFrom(draw(_type(depth + 1)))
+    elif kind == "federated":
+        t.federated.placement.value.uri = draw(st.sampled_from(["clients", "server", "moon"]))
+        t.federated.all_equal = draw(st.booleans())
+        t.federated.member.CopyFrom(draw(_type(depth + 1)))
+    else:
+        t.function.parameter.CopyFrom(draw(_type(depth + 1)))
+        t.function.result.CopyFrom(draw(_type(depth + 1)))
+    return t
+
+
+@st.composite
+def _comp(draw, depth=0):
+    c = computation_pb2.Computation()
+    if draw(st.booleans()):
+        c.type.CopyFrom(draw(_type()))
+    leaves = ["reference", "intrinsic", "placement", "literal", "data"]
+    kinds = leaves + (["call", "lambda", "block", "struct", "selection"] if depth < 3 else [])
+    kind = draw(st.sampled_from(kinds))
+    name = draw(st.sampled_from(["arg", "x", "y", ""]))
+    if kind == "reference":
+        c.reference.name = name
+    elif kind == "intrinsic":
+        c.intrinsic.uri = draw(st.sampled_from(_URIS))
+    elif kind == "placement":
+        c.placement.uri = draw(st.sampled_from(["clients", "server", "moon"]))
+    elif kind == "literal":
+        c.literal.value.dtype = draw(st.sampled_from([1, 3, 0]))
+        c.literal.value.shape.dim[:] = draw(_dims)
+        c.literal.value.float32_list.value[:] = draw(st.lists(st.floats(width=32), max_size=4))
+    elif kind == "data":
+        c.data.uri = name
+    elif kind == "call":
+        c.call.function.CopyFrom(draw(_comp(depth + 1)))
+        if draw(st.booleans()):
+            c.call.argument.CopyFrom(draw(_comp(depth + 1)))
+    elif kind == "lambda":
+        getattr(c, "lambda").parameter_name = name
+        getattr(c, "lambda").result.CopyFrom(draw(_comp(depth + 1)))
+    elif kind == "block":
+        local = c.block.local.add()
+        local.name = name
+        local.value.CopyFrom(draw(_comp(depth + 1)))
+        c.block.result.CopyFrom(draw(_comp(depth + 1)))
+    elif kind == "struct":
+        for _ in range(draw(st.integers(0, 2))):
+            c.struct.element.add().value.CopyFrom(draw(_comp(depth + 1)))
+    else:
+        c.selection.source.CopyFrom(draw(_comp(depth + 1)))
+        c.selection.index = draw(st.integers(-1, 3))
+    return c
+
+
+@FUZZ
+@given(_comp(), st.sampled_from([None, 0, 3]))
+def test_fuzz_interpreter_on_generated_trees(comp, num_clients):
+    try:
+        interpreter.evaluate(comp, None, LocalClientsBackend(), num_clients=num_clients)
+    except FaxBridgeError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# Device RPCs over gRPC: raw bytes, and well-formed requests with hostile contents.
+
+_METHODS = {"Health": "uu", "Load": "uu", "Broadcast": "uu", "Map": "uu", "Zip": "uu",
+            "Aggregate": "uu", "Release": "uu", "Fetch": "us", "Put": "su"}
+# gRPC's own answer to undecodable request bytes, not a failure of the device's code.
+_GRPC_DECODE_ERROR = "Exception deserializing request"
+
+
+@pytest.fixture(scope="module")
+def channel():
+    servicer = device.DeviceServicer("fuzz", max_stored_bytes=64 << 20)
+    srv, port = device.start_server("127.0.0.1:0", servicer, token=TOKEN,
+                                    max_message_bytes=16 << 20)
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield ch
+    ch.close()
+    srv.stop(None)
+
+
+def _call(channel, method: str, payload: bytes):
+    path = f"/fax_bridge.v1.Device/{method}"
+    shape = _METHODS[method]
+    ident = dict(request_serializer=None, response_deserializer=None)
+    kw = dict(timeout=10, metadata=security.call_metadata(TOKEN))
+    if shape == "uu":
+        return channel.unary_unary(path, **ident)(payload, **kw)
+    if shape == "us":
+        return list(channel.unary_stream(path, **ident)(payload, **kw))
+    return channel.stream_unary(path, **ident)(iter([payload, payload]), **kw)
+
+
+def _check_device(channel, method: str, payload: bytes) -> None:
+    try:
+        _call(channel, method, payload)
+    except grpc.RpcError as e:
+        code, details = e.code(), e.details() or ""
+        assert code != grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} hung"
+        assert code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) or (
+            _GRPC_DECODE_ERROR in details), f"{method}: {code} {details}"
+    health = _call(channel, "Health", b"")
+    assert pb.HealthResponse.FromString(health).status == "SERVING"
+
+
+_tensor = st.builds(
+    lambda dtype, shape, data: pb.Tensor(dtype=dtype, shape=shape, data=data),
+    st.sampled_from(["float32", "int32", "bool", "bfloat16", "object", "float32,int8", "x"]),
+    st.lists(st.sampled_from([0, 1, 2, 3, 1 << 40, -5]), max_size=3),
+    st.binary(max_size=24))
+_value = st.recursive(st.builds(lambda t: pb.Value(tensor=t), _tensor),
+                      lambda inner: st.builds(lambda vs: pb.Value(struct=pb.Struct(
+                          elements=[pb.Element(value=v) for v in vs])), st.lists(inner, max_size=3)),
+                      max_leaves=4)
+_handle = st.integers(0, 4)
+_requests = st.one_of(
+    st.tuples(st.just("Broadcast"), st.builds(
+        lambda h, v, ids: pb.BroadcastRequest(handle=h, value=v, client_ids=ids),
+        _handle, _value, st.lists(st.integers(-2, 3), max_size=3))),
+    st.tuples(st.just("Put"), st.builds(
+        lambda h, v: pb.PutRequest(handle=h, values=[pb.ClientValue(client_id=0, value=v)]),
+        _handle, _value)),
+    st.tuples(st.just("Aggregate"), st.builds(
+        lambda v, k, w, b: pb.AggregateRequest(value=v, kind=k, weights=w, bitwidth=b),
+        _handle, st.integers(0, 8), _handle, _value)),
+    st.tuples(st.just("Zip"), st.builds(
+        lambda hs, r: pb.ZipRequest(fields=[pb.ZipField(handle=h) for h in hs], result=r),
+        st.lists(_handle, max_size=3), _handle)),
+    st.tuples(st.just("Fetch"), st.builds(lambda h, m: pb.FetchRequest(
+        handle=h, max_message_bytes=m), _handle, st.integers(-5, 100))),
+    st.tuples(st.just("Release"), st.builds(lambda hs: pb.ReleaseRequest(handles=hs),
+                                            st.lists(_handle, max_size=3))),
+    st.tuples(st.just("Load"), st.builds(lambda c: pb.LoadRequest(
+        computation_hash="h", computation=c), mutated().map(lambda m: m[1]))),
+)
+
+
+@FUZZ
+@given(_requests)
+def test_fuzz_device_requests(channel, request_case):
+    method, request = request_case
+    _check_device(channel, method, request.SerializeToString())
+
+
+@FUZZ
+@given(st.sampled_from(sorted(_METHODS)), st.binary(max_size=200))
+def test_fuzz_device_raw_bytes(channel, method, payload):
+    _check_device(channel, method, payload)
+
+
+@FUZZ
+@given(_value)
+def test_fuzz_wire_decoding(value):
+    try:
+        decoded = wire.decode_value(value)
+    except FaxBridgeError:
+        return
+    again = wire.decode_value(wire.to_message(decoded))
+    assert [x.tobytes() for x in wire.leaves(again)] == [
+        x.tobytes() for x in wire.leaves(decoded)]
