@@ -175,10 +175,20 @@ def test_fleet_file_round_trip_and_errors(tmp_path):
 # Loopback: devices started by hand, one killed mid-round
 
 
+def _token_kwargs() -> dict:
+    return {"token": TOKEN} if _coordinator_sends_token() else {}
+
+
 def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices, tmp_path):
     procs, addresses = loopback_devices
     path = tmp_path / "fleet.json"
-    fleet_file.write_fleet_file(path, addresses)
+    token_file = None
+    if _coordinator_sends_token():
+        from fax_bridge.fleet import security
+
+        token_file = "fleet.token"
+        security.write_token_file(tmp_path / token_file, TOKEN)  # owner-only file
+    fleet_file.write_fleet_file(path, addresses, token_file=token_file)
     proto = sc.scaled_aggregate((2,), "sum")
     x, s = _inputs()
     with RemoteFleet(fleet_file=path) as fleet:
@@ -202,7 +212,7 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
     # Emulated delays keep the devices in Map while device 2 is killed: with this seed
     # the first round's slowest client of each device waits 0.58 s or more.
     with RemoteFleet(addresses, straggler_delay_s=0.5, rpc_timeout_s=20,
-                     probe_timeout_s=2.0, seed=2) as fleet:
+                     probe_timeout_s=2.0, seed=2, **_token_kwargs()) as fleet:
         killer = threading.Timer(0.3, lambda: os.killpg(procs[2].pid, signal.SIGKILL))
         killer.start()
         try:
@@ -219,7 +229,10 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
         np.testing.assert_array_equal(got, _expected(range(N)))
         assert rep.lost_devices == [] and rep.devices == 2
     with pytest.raises(FleetError, match="did not become healthy"):
-        RemoteFleet(addresses, connect_timeout_s=2).start()
+        RemoteFleet(addresses, connect_timeout_s=2, **_token_kwargs()).start()
+    if _coordinator_sends_token():
+        with pytest.raises(FleetError, match="token"):
+            RemoteFleet(addresses[:2], token="not-the-fleet-token", connect_timeout_s=5).start()
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,9 +16,7 @@ with FleetError only when fewer than `min_clients` clients are left.
 from __future__ import annotations
 
 import inspect
-import itertools
 import os
-import secrets
 from typing import Any, Optional, Sequence, Union
 
 from fax_bridge.errors import FleetError
@@ -28,8 +26,6 @@ from fax_bridge.fleet.launcher import FleetRounds
 from fax_bridge.fleet.rounds import RoundPolicy
 
 TOKEN_ENV = "FAX_BRIDGE_FLEET_TOKEN"
-HANDLE_BASE = 1 << 32   # handles are uint64 on the wire; LocalFleet's count from 1
-HANDLE_SPAN = 1 << 61
 
 
 class RemoteFleet(FleetRounds):
@@ -102,9 +98,6 @@ class RemoteFleet(FleetRounds):
         self.addresses = list(self.configured_addresses)
         self.num_devices = len(self.addresses)
         self.backend = self._connect(self.addresses, self.connect_timeout_s)
-        # Devices outlive coordinators and may serve several: a random first handle keeps
-        # this fleet's values apart from those another coordinator left behind.
-        self.backend._handles = itertools.count(HANDLE_BASE + secrets.randbelow(HANDLE_SPAN))
         return self
 
     def close(self) -> None:
