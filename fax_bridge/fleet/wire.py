@@ -41,7 +41,7 @@ def dtype_from_name(name: str) -> np.dtype:
 def encode_tensor(array: np.ndarray, out: pb.Tensor) -> None:
     """Fills `out` with `array`'s dtype, shape and raw little-endian bytes."""
     array = np.asarray(array)
-    if array.dtype.kind in "OUSV":
+    if array.dtype.kind in "OUSV" and array.dtype.name not in _ML_DTYPES:
         raise FleetError(
             f"cannot send a {array.dtype} array to a device; only numeric and bool tensors "
             "travel (encode strings as integer ids before placing them at CLIENTS)")

@@ -61,6 +61,7 @@ def tensor_bytes(shape, itemsize: int, what: str) -> int:
     if len(dims) > MAX_RANK:
         raise ComputationError(f"{what}: rank {len(dims)} exceeds the limit of {MAX_RANK}")
     count = 1
+    span = 1  # product of the non-zero dimensions: numpy needs it to fit even when empty
     for d in dims:
         if d is None:
             count = 0
@@ -69,10 +70,12 @@ def tensor_bytes(shape, itemsize: int, what: str) -> int:
         if d < 0:
             raise ComputationError(f"{what}: negative dimension {d} in shape {dims}")
         count *= d
+        span *= max(d, 1)
     size = count * int(itemsize)
-    if size > LIMITS.max_tensor_bytes:
+    if max(size, span * int(itemsize)) > LIMITS.max_tensor_bytes:
         raise ComputationError(
-            f"{what}: a tensor of shape {dims} needs {size} bytes, above the cap of "
+            f"{what}: a tensor of shape {dims} needs {size} bytes (its non-zero "
+            f"dimensions span {span * int(itemsize)}), above the cap of "
             f"{LIMITS.max_tensor_bytes} bytes (FAX_BRIDGE_MAX_TENSOR_BYTES); the shape is "
             "likely corrupt, or raise the cap")
     return size
