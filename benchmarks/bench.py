@@ -1,0 +1,552 @@
+"""fax_bridge side by side with google-fax, TFF and Flower on the shared FedAvg workload.
+
+Five runners, each a subprocess in its own process group under a timeout, run
+alternately (round-robin, the starting runner rotating each repeat) ``--repeats``
+times so that they share the machine's load:
+
+=================  ===========  =================================================
+runner             venv         script
+=================  ===========  =================================================
+fax_bridge_local   ``.venv``    ``peers/fax_bridge_peer.py --mode local``
+fax_bridge_fleet   ``.venv``    ``peers/fax_bridge_peer.py --mode fleet --devices K``
+fax                ``.venv-fax``     ``peers/fax_peer.py`` (google-fax 0.0.2)
+tff                ``.venv-tff``     ``peers/tff_peer.py`` (TFF 0.87 C++ runtime)
+flower             ``.venv-flower``  ``peers/flower_peer.py`` (Ray simulation)
+=================  ===========  =================================================
+
+Then once each: ``--grad-check`` of fax_bridge and of google-fax. It prints the medians
+over repeats (setup, median round, first round, peak RSS of the process tree, bytes
+moved), the ratios the goals are stated in (fax_bridge local against google-fax and
+TFF, fax_bridge fleet against Flower's simulation), and the numerical agreement: loss
+and gradient of fax_bridge against google-fax, and every runner's loss curve against
+the numpy reference (``peers/numpy_mlp.fedavg``). A peer whose venv is missing is
+reported as skipped with the command that builds it.
+
+    .venv/bin/python benchmarks/bench.py [--repeats 3] [--rounds 20] [--devices 2]
+        [--only fax_bridge_local,fax] [--json OUT] [--log-dir DIR]
+    .venv/bin/python benchmarks/bench.py --from-json OUT     # the tables of a saved run
+
+Exit status 0 when every runner that ran succeeded (goals missed are reported, not
+failures), 1 when a runner failed or numbers disagree beyond float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PEERS_DIR = os.path.join(HERE, "peers")
+sys.path.insert(0, PEERS_DIR)
+
+RUNNERS = ("fax_bridge_local", "fax_bridge_fleet", "fax", "tff", "flower")
+VENVS = {"fax_bridge_local": ".venv", "fax_bridge_fleet": ".venv", "fax": ".venv-fax",
+         "tff": ".venv-tff", "flower": ".venv-flower"}
+SCRIPTS = {"fax_bridge_local": "fax_bridge_peer.py", "fax_bridge_fleet": "fax_bridge_peer.py",
+           "fax": "fax_peer.py", "tff": "tff_peer.py", "flower": "flower_peer.py"}
+TIMEOUT_S = {"fax_bridge_local": 300.0, "fax_bridge_fleet": 600.0, "fax": 300.0,
+             "tff": 600.0, "flower": 900.0}
+# Exit status of a peer whose runtime never started (TFF's worker): retried once.
+STARTUP_EXIT = 3
+# float32 agreement: losses are printed to 6 decimals and drift over 20 rounds.
+LOSS_ATOL = 1e-5
+GRAD_ATOL = 1e-6
+GOALS = (
+    ("local_vs_fax_round", "fax_bridge local round time / google-fax <= 1.0"),
+    ("local_vs_tff_round", "TFF round time / fax_bridge local >= 10"),
+    ("fleet_vs_flower_round", "Flower round time / fax_bridge fleet >= 5"),
+    ("fleet_vs_flower_memory", "fax_bridge fleet peak RSS < Flower's"),
+)
+
+# The child running now, so a signal to this process can take its group down too.
+_CURRENT: Dict[str, Any] = {}
+
+
+class RunnerFailed(RuntimeError):
+    """A runner exited non-zero, timed out, or printed no result line."""
+
+    def __init__(self, message: str, returncode: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def venv_python(runner: str, repo: str = REPO) -> str:
+    """The interpreter that runs ``runner``."""
+    return os.path.join(repo, VENVS[runner], "bin", "python")
+
+
+def available(runner: str, repo: str = REPO) -> bool:
+    """Whether the venv of ``runner`` exists."""
+    return os.access(venv_python(runner, repo), os.X_OK)
+
+
+def setup_command(runner: str) -> str:
+    """The command that builds the venv ``runner`` needs."""
+    if VENVS[runner] == ".venv":
+        return "make venv"
+    return f"benchmarks/peers/setup_venvs.sh {runner}"
+
+
+def runner_args(runner: str, rounds: int, seed: int, devices: int) -> List[str]:
+    """Script arguments of one benchmark run."""
+    args = ["--rounds", str(rounds), "--seed", str(seed)]
+    if runner == "fax_bridge_local":
+        args += ["--mode", "local"]
+    elif runner == "fax_bridge_fleet":
+        args += ["--mode", "fleet", "--devices", str(devices)]
+    return args
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def kill_group(pgid: int, grace_s: float = 3.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is still in it after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
+def last_json(stdout: str) -> Optional[Dict[str, Any]]:
+    """The last line of ``stdout`` that is a JSON object with a ``peer`` key."""
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and "peer" in obj:
+                return obj
+    return None
+
+
+def _child_env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_script(python: str, script: str, args: Sequence[str], timeout_s: float,
+               log_path: Optional[str] = None) -> Dict[str, Any]:
+    """Runs one script in a new session under a timeout; returns its JSON result.
+
+    Whatever is left of the child's process group afterwards (device processes, TFF's
+    worker, Ray's daemons) is killed, whether the run succeeded, failed or timed out.
+    """
+    cmd = [python, script, *args]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _CURRENT["pgid"] = proc.pid
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        kill_group(proc.pid)
+        out, err = proc.communicate()
+    finally:
+        kill_group(proc.pid)
+        _CURRENT.pop("pgid", None)
+    if log_path:
+        with open(log_path, "w") as f:
+            f.write(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}\n")
+    tail = "\n".join((err or "").strip().splitlines()[-15:])
+    name = os.path.basename(script)
+    if timed_out:
+        raise RunnerFailed(f"{name}: timed out after {timeout_s:.0f} s; stderr tail:\n{tail}")
+    if proc.returncode != 0:
+        raise RunnerFailed(f"{name}: exit status {proc.returncode}; stderr tail:\n{tail}",
+                           proc.returncode)
+    result = last_json(out)
+    if result is None:
+        raise RunnerFailed(f"{name}: no JSON result line; stderr tail:\n{tail}")
+    return result
+
+
+def run_runner(runner: str, args: Sequence[str], timeout_s: float,
+               log_path: Optional[str] = None) -> Dict[str, Any]:
+    """One run of ``runner``; a run whose runtime did not start is retried once."""
+    script = os.path.join(PEERS_DIR, SCRIPTS[runner])
+    for attempt in range(2):
+        try:
+            return run_script(venv_python(runner), script, args, timeout_s, log_path)
+        except RunnerFailed as e:
+            if e.returncode != STARTUP_EXIT or attempt == 1:
+                raise
+            print(f"bench: {runner} did not start, retrying", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------
+# Summary
+
+
+def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return float(statistics.median(xs)) if xs else None
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _max_abs_diff(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+    if not a or not b or len(a) != len(b):
+        return None
+    return float(max(abs(float(x) - float(y)) for x, y in zip(a, b)))
+
+
+def summarize_runs(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
+    """Medians over the repeats of each runner's figures."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for runner, results in runs.items():
+        if not results:
+            continue
+        out[runner] = {
+            "repeats": len(results),
+            "setup_s": _median([r.get("setup_s") for r in results]),
+            "round_s_median": _median([r.get("round_s_median") for r in results]),
+            "first_round_s": _median([(r.get("round_s_all") or [None])[0] for r in results]),
+            "peak_rss_mb": _median([r.get("peak_rss_mb") for r in results]),
+            "bytes_moved": _median([r.get("bytes_moved") for r in results]),
+            "final_test_accuracy": results[-1].get("final_test_accuracy"),
+            "round_s_median_each": [r.get("round_s_median") for r in results],
+            "setup_s_each": [r.get("setup_s") for r in results],
+            "loss_per_round": results[-1].get("loss_per_round"),
+        }
+    return out
+
+
+def compare(summary: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[float]]]:
+    """The ratios of the goals. ``x_over_y`` is x's figure divided by y's."""
+    def fig(runner: str, key: str) -> Optional[float]:
+        return summary.get(runner, {}).get(key)
+
+    pairs = {"local_vs_fax": ("fax_bridge_local", "fax"),
+             "local_vs_tff": ("fax_bridge_local", "tff"),
+             "fleet_vs_flower": ("fax_bridge_fleet", "flower")}
+    out: Dict[str, Dict[str, Optional[float]]] = {}
+    for name, (ours, theirs) in pairs.items():
+        row = {}
+        for key in ("round_s_median", "setup_s", "peak_rss_mb", "bytes_moved"):
+            row[f"{key}_ours_over_theirs"] = _ratio(fig(ours, key), fig(theirs, key))
+        row["round_speedup"] = _ratio(fig(theirs, "round_s_median"), fig(ours, "round_s_median"))
+        mine = summary.get(ours, {}).get("round_s_median_each") or []
+        other = summary.get(theirs, {}).get("round_s_median_each") or []
+        row["round_speedup_each"] = [_ratio(b, a) for a, b in zip(mine, other)]  # type: ignore
+        out[name] = row
+    return out
+
+
+def verdicts(ratios: Dict[str, Dict[str, Optional[float]]]) -> Dict[str, Optional[bool]]:
+    """Each goal: True met, False missed, None not measured (a peer was skipped)."""
+    def check(value: Optional[float], ok: Any) -> Optional[bool]:
+        return None if value is None else bool(ok(value))
+
+    return {
+        "local_vs_fax_round": check(ratios["local_vs_fax"]["round_s_median_ours_over_theirs"],
+                                    lambda r: r <= 1.0),
+        "local_vs_tff_round": check(ratios["local_vs_tff"]["round_speedup"],
+                                    lambda r: r >= 10.0),
+        "fleet_vs_flower_round": check(ratios["fleet_vs_flower"]["round_speedup"],
+                                       lambda r: r >= 5.0),
+        "fleet_vs_flower_memory": check(ratios["fleet_vs_flower"]["peak_rss_mb_ours_over_theirs"],
+                                        lambda r: r < 1.0),
+    }
+
+
+def loss_agreement(summary: Dict[str, Dict[str, Any]],
+                   reference: Optional[Sequence[float]]) -> Dict[str, Dict[str, Optional[float]]]:
+    """Max abs difference of each loss curve from the numpy reference and from google-fax."""
+    fax_curve = summary.get("fax", {}).get("loss_per_round")
+    out = {}
+    for runner, s in summary.items():
+        curve = s.get("loss_per_round")
+        out[runner] = {
+            "vs_numpy": _max_abs_diff(curve, reference) if reference else None,
+            "vs_fax": _max_abs_diff(curve, fax_curve) if fax_curve and runner != "fax" else None,
+        }
+    return out
+
+
+def grad_agreement(ours: Optional[Dict[str, Any]],
+                   theirs: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Max abs differences of the check program's loss and gradient leaves."""
+    if not ours or not theirs:
+        return None
+    import numpy as np
+
+    grads = {k: float(np.max(np.abs(np.asarray(ours["grad"][k]) - np.asarray(theirs["grad"][k]))))
+             for k in sorted(ours["grad"])}
+    loss_diff = abs(float(ours["loss"]) - float(theirs["loss"]))
+    return {"loss": float(ours["loss"]), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grads,
+            "ok": loss_diff <= LOSS_ATOL and max(grads.values()) <= GRAD_ATOL}
+
+
+# ---------------------------------------------------------------------------------------
+# Table
+
+
+def _f(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _x(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _verdict(v: Optional[bool]) -> str:
+    return "not measured" if v is None else ("met" if v else "MISSED")
+
+
+def format_table(report: Dict[str, Any]) -> str:
+    """Markdown tables of a bench report (the object written by ``--json``)."""
+    summary = report["summary"]
+    ratios = report["ratios"]
+    lines = [
+        f"Medians over {report['config']['repeats']} alternating repeats, "
+        f"{report['config']['rounds']} rounds each, seed {report['config']['seed']}, "
+        f"fleet of {report['config']['devices']} devices.",
+        "",
+        "| runner | setup s | round s (median) | first round s | peak RSS MiB | bytes moved "
+        "| final test acc |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for runner in RUNNERS:
+        s = summary.get(runner)
+        if s is None:
+            why = report.get("skipped", {}).get(runner) or report.get("failed", {}).get(runner)
+            lines.append(f"| {runner} | {why or 'not run'} | | | | | |")
+            continue
+        bytes_moved = "-" if s["bytes_moved"] is None else f"{int(s['bytes_moved']):,}"
+        lines.append(
+            f"| {runner} | {_f(s['setup_s'], '.2f')} | {_f(s['round_s_median'], '.4f')} | "
+            f"{_f(s['first_round_s'], '.3f')} | {_f(s['peak_rss_mb'], '.0f')} | {bytes_moved} | "
+            f"{_f(s['final_test_accuracy'], '.4f')} |")
+    lines += [
+        "",
+        "| comparison | round time (ours / theirs) | speed-up per round | same, repeat by repeat "
+        "| setup (ours / theirs) | peak RSS (ours / theirs) | bytes (ours / theirs) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    names = {"local_vs_fax": "fax_bridge local vs google-fax",
+             "local_vs_tff": "fax_bridge local vs TFF",
+             "fleet_vs_flower": "fax_bridge fleet vs Flower"}
+    for key, label in names.items():
+        r = ratios[key]
+        lines.append(
+            f"| {label} | {_f(r['round_s_median_ours_over_theirs'], '.3f')} | "
+            f"{_x(r['round_speedup'])} | "
+            f"{', '.join(_x(x) for x in r.get('round_speedup_each') or []) or '-'} | "
+            f"{_f(r['setup_s_ours_over_theirs'], '.2f')} | "
+            f"{_f(r['peak_rss_mb_ours_over_theirs'], '.2f')} | "
+            f"{_f(r['bytes_moved_ours_over_theirs'], '.2f')} |")
+    lines += ["", "| goal | verdict |", "|---|---|"]
+    for key, text in GOALS:
+        lines.append(f"| {text} | {_verdict(report['verdicts'].get(key))} |")
+    lines += ["", "| loss curve | max abs diff vs numpy reference | vs google-fax |",
+              "|---|---|---|"]
+    for runner in RUNNERS:
+        a = report["loss_agreement"].get(runner)
+        if a is not None:
+            lines.append(f"| {runner} | {_f(a['vs_numpy'], '.1e')} | {_f(a['vs_fax'], '.1e')} |")
+    g = report.get("grad_agreement")
+    if g:
+        grads = ", ".join(f"{k} {v:.1e}" for k, v in g["grad_max_abs_diff"].items())
+        lines += ["", f"Gradient check (fax_bridge vs google-fax, loss {g['loss']:.6f}): loss abs "
+                      f"diff {g['loss_abs_diff']:.1e}; gradient max abs diff {grads}; "
+                      f"{'within' if g['ok'] else 'OUTSIDE'} float32 tolerance "
+                      f"(loss {LOSS_ATOL:g}, gradient {GRAD_ATOL:g})."]
+    else:
+        lines += ["", "Gradient check: not run (google-fax's venv is missing)."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Main
+
+
+def _machine() -> Dict[str, Any]:
+    info: Dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+        info["mem_gib"] = round(kb / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        info["loadavg_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def _numpy_reference(rounds: int, seed: int) -> Optional[List[float]]:
+    try:
+        import numpy_mlp
+    except ImportError:
+        return None
+    losses, _ = numpy_mlp.fedavg(rounds, seed)
+    return [float(x) for x in losses]
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    pgid = _CURRENT.get("pgid")
+    if pgid is not None:
+        kill_group(pgid, grace_s=1.0)
+    raise SystemExit(128 + signum)
+
+
+def run_bench(runners: Sequence[str], repeats: int, rounds: int, seed: int, devices: int,
+              log_dir: Optional[str] = None, grad_check: bool = True,
+              timeout_scale: float = 1.0) -> Dict[str, Any]:
+    """Runs the runners round-robin and returns the report object."""
+    machine = _machine()
+    skipped = {r: f"skipped: no {VENVS[r]} (build it with `{setup_command(r)}`)"
+               for r in runners if not available(r)}
+    todo = [r for r in runners if r not in skipped]
+    runs: Dict[str, List[Dict[str, Any]]] = {r: [] for r in todo}
+    failed: Dict[str, str] = {}
+    for rep in range(repeats):
+        order = todo[rep % len(todo):] + todo[:rep % len(todo)] if todo else []
+        for runner in order:
+            if runner in failed:
+                continue
+            log = os.path.join(log_dir, f"{runner}-{rep}.log") if log_dir else None
+            t0 = time.perf_counter()
+            try:
+                result = run_runner(runner, runner_args(runner, rounds, seed, devices),
+                                    TIMEOUT_S[runner] * timeout_scale, log)
+            except RunnerFailed as e:
+                failed[runner] = f"failed: {str(e).splitlines()[0]}"
+                print(f"bench: {runner} repeat {rep}: {e}", file=sys.stderr)
+                continue
+            runs[runner].append(result)
+            print(f"bench: repeat {rep} {runner}: setup {result.get('setup_s')} s, round "
+                  f"{result.get('round_s_median')} s, peak {result.get('peak_rss_mb')} MiB "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    grads: Dict[str, Dict[str, Any]] = {}
+    if grad_check:
+        for runner, name in (("fax_bridge_local", "fax_bridge"), ("fax", "fax")):
+            if runner not in runners or runner in skipped:
+                continue
+            log = os.path.join(log_dir, f"{name}-grad-check.log") if log_dir else None
+            try:
+                grads[name] = run_runner(runner, ["--grad-check"], TIMEOUT_S[runner], log)
+            except RunnerFailed as e:
+                failed[f"{name}_grad_check"] = f"failed: {str(e).splitlines()[0]}"
+    summary = summarize_runs(runs)
+    ratios = compare(summary)
+    reference = _numpy_reference(rounds, seed)
+    losses = loss_agreement(summary, reference)
+    grad = grad_agreement(grads.get("fax_bridge"), grads.get("fax"))
+    agree = all(v is None or v <= LOSS_ATOL for a in losses.values() for v in a.values())
+    return {
+        "config": {"repeats": repeats, "rounds": rounds, "seed": seed, "devices": devices,
+                   "runners": list(runners)},
+        "machine": machine,
+        "skipped": skipped,
+        "failed": failed,
+        "summary": summary,
+        "ratios": ratios,
+        "verdicts": verdicts(ratios),
+        "numpy_reference_loss": reference,
+        "loss_agreement": losses,
+        "losses_agree": agree,
+        "grad_agreement": grad,
+        "grad_checks": grads,
+        "runs": runs,
+    }
+
+
+def rerender(report: Dict[str, Any]) -> Dict[str, Any]:
+    """Recomputes the summary, ratios and agreement of a saved report from its runs."""
+    cfg = report["config"]
+    summary = summarize_runs(report["runs"])
+    ratios = compare(summary)
+    reference = report.get("numpy_reference_loss") or _numpy_reference(cfg["rounds"], cfg["seed"])
+    grads = report.get("grad_checks") or {}
+    grad = (grad_agreement(grads.get("fax_bridge"), grads.get("fax")) if grads
+            else report.get("grad_agreement"))
+    losses = loss_agreement(summary, reference)
+    return dict(report, summary=summary, ratios=ratios, verdicts=verdicts(ratios),
+                loss_agreement=losses, grad_agreement=grad,
+                losses_agree=all(v is None or v <= LOSS_ATOL
+                                 for a in losses.values() for v in a.values()))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=2, help="fleet devices (default 2)")
+    parser.add_argument("--only", default=None,
+                        help=f"comma-separated subset of {','.join(RUNNERS)}")
+    parser.add_argument("--no-grad-check", action="store_true")
+    parser.add_argument("--timeout-scale", type=float, default=1.0,
+                        help="multiplies every runner's timeout")
+    parser.add_argument("--json", metavar="OUT", default=None, help="write the report to OUT")
+    parser.add_argument("--log-dir", default=None, help="keep each run's stdout/stderr here")
+    parser.add_argument("--from-json", metavar="IN", default=None,
+                        help="print the tables of a saved report instead of running")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            print(format_table(rerender(json.load(f))))
+        return 0
+    runners = list(RUNNERS) if not args.only else [r.strip() for r in args.only.split(",")]
+    unknown = [r for r in runners if r not in RUNNERS]
+    if unknown:
+        parser.error(f"unknown runners {unknown}; choose from {', '.join(RUNNERS)}")
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    report = run_bench(runners, args.repeats, args.rounds, args.seed, args.devices,
+                       args.log_dir, grad_check=not args.no_grad_check,
+                       timeout_scale=args.timeout_scale)
+    try:
+        report["machine"]["loadavg_end"] = os.getloadavg()
+    except OSError:
+        pass
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    print(format_table(report))
+    for runner, why in report["skipped"].items():
+        print(f"{runner}: {why}")
+    grad_ok = report["grad_agreement"] is None or report["grad_agreement"]["ok"]
+    return 0 if not report["failed"] and report["losses_agree"] and grad_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

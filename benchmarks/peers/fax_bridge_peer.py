@@ -1,0 +1,291 @@
+"""The shared FedAvg workload on fax_bridge, locally under jit or exported to a device fleet.
+
+Runs in the main venv (``.venv``). One round is one ``fax_bridge.program(clients=10)``:
+``federated_broadcast`` of the server model, ``federated_map_clients`` of the local SGD
+loop (``lax.scan`` over the 5 batches), and ``federated_weighted_mean`` by the clients'
+example counts of the client models and of their mean losses. The cohort and its
+batches come from ``workload.py`` exactly as for the other peers.
+
+``--mode local``  the program under ``jax.jit``, compiled ahead of time during setup.
+``--mode fleet``  the program exported once with ``fax_bridge.export_tff`` (setup), then
+                  run each round on a ``fax_bridge.LocalFleet`` of ``--devices`` device
+                  processes (started in setup); ``bytes_moved`` is the sum over rounds of
+                  the wire bytes down and up of the round reports. The devices compile
+                  the exported stages on first use, so the first round includes that.
+
+    .venv/bin/python benchmarks/peers/fax_bridge_peer.py [--mode local|fleet]
+        [--devices 2] [--rounds 20] [--seed 0] [--json OUT]
+    .venv/bin/python benchmarks/peers/fax_bridge_peer.py --grad-check [--json OUT]
+
+``--grad-check`` prints the loss and gradient of the fixed program that
+``fax_peer.py --grad-check`` prints (``workload.check_program_inputs``: the mean over
+round 0's clients of the loss of the broadcast initial weights on each client's first
+batch), differentiated through fax_bridge's federated primitives.
+
+Peak memory is the largest sampled RSS sum over this process and all its descendants
+(the fleet's device processes); without psutil it is read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import common  # first: starts the clock and puts workload on the path
+
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+import workload  # noqa: E402
+
+PLACEMENTS = ("server", "clients", "clients", "clients")
+
+
+class ProcTreeRss(common.PeakRss):
+    """``common.PeakRss``, reading the process tree from ``/proc`` when psutil is absent."""
+
+    def _sample(self) -> None:
+        if self._proc is not None:
+            super()._sample()
+            return
+        total = 0
+        for pid in [os.getpid(), *_proc_descendants(os.getpid())]:
+            total += _proc_rss_bytes(pid)
+        self._peak = max(self._peak, total)
+
+
+def _proc_descendants(root: int) -> List[int]:
+    """Every live descendant of ``root``, from the parent ids in ``/proc/*/stat``."""
+    children: Dict[int, List[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name (field 2) may hold spaces; the fields after ")" are fixed.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _proc_rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def build(cohort: int) -> Tuple[Any, Callable, Any]:
+    """(round program, per-client loss function, mean-client-loss check program)."""
+    import jax
+    import jax.numpy as jnp
+
+    import fax_bridge as fb
+
+    def loss_fn(params: Dict[str, Any], x: Any, y: Any) -> Any:
+        h = jax.nn.relu(x @ params["w1"] + params["b1"])
+        logits = h @ params["w2"] + params["b2"]
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+    def local_train(params: Dict[str, Any], xb: Any, yb: Any) -> Tuple[Any, Any]:
+        def step(p: Dict[str, Any], batch: Tuple[Any, Any]) -> Tuple[Any, Any]:
+            loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
+            return jax.tree_util.tree_map(lambda w, g: w - workload.LR * g, p, grads), loss
+
+        new_params, losses = jax.lax.scan(step, params, (xb, yb))
+        return new_params, jnp.mean(losses)
+
+    @fb.program(clients=cohort)
+    def fedavg_round(params: Any, xb: Any, yb: Any, counts: Any) -> Tuple[Any, Any]:
+        at_clients = fb.federated_broadcast(params)
+        new_params, losses = fb.federated_map_clients(local_train, (at_clients, xb, yb))
+        return (fb.federated_weighted_mean(new_params, counts),
+                fb.federated_weighted_mean(losses, counts))
+
+    @fb.program(clients=cohort)
+    def mean_client_loss(params: Any, x: Any, y: Any) -> Any:
+        at_clients = fb.federated_broadcast(params)
+        return fb.federated_mean(fb.federated_map_clients(loss_fn, (at_clients, x, y)))
+
+    return fedavg_round, loss_fn, mean_client_loss
+
+
+def round_specs(cohort: int) -> Tuple[Any, ...]:
+    """Shapes and dtypes of the round's arguments (params, xb, yb, counts)."""
+    import jax
+    import jax.numpy as jnp
+
+    f32 = jnp.float32
+    steps, batch = workload.LOCAL_STEPS, workload.BATCH
+    return (
+        {k: jax.ShapeDtypeStruct(s, f32) for k, s in workload.PARAM_SHAPES.items()},
+        jax.ShapeDtypeStruct((cohort, steps, batch, workload.N_FEATURES), f32),
+        jax.ShapeDtypeStruct((cohort, steps, batch), jnp.int32),
+        jax.ShapeDtypeStruct((cohort,), f32),
+    )
+
+
+def _split_result(result: Any) -> Tuple[Dict[str, np.ndarray], float]:
+    """(host model, loss) from a round's result, whichever container it comes back in."""
+    model, loss = result
+    if not isinstance(model, dict):  # a struct in the exported type's order
+        model = dict(zip(sorted(workload.PARAM_NAMES), list(model)))
+    host = {k: np.asarray(model[k], dtype=np.float32) for k in workload.PARAM_NAMES}
+    return host, float(np.asarray(loss))
+
+
+def grad_check() -> Dict[str, Any]:
+    """Loss and gradient of the fixed check program, through fax_bridge's AD rules."""
+    import jax
+
+    _, _, program = build(workload.COHORT)
+    params, x, y = workload.check_program_inputs()
+    loss, grads = jax.jit(jax.value_and_grad(program))(params, x, y)
+    grads = {k: np.asarray(v) for k, v in grads.items()}
+    return {
+        "peer": "fax_bridge",
+        "mode": "grad_check",
+        "jax_version": jax.__version__,
+        "loss": float(loss),
+        "grad_norm": {k: float(np.linalg.norm(v)) for k, v in grads.items()},
+        "grad": {k: v.tolist() for k, v in grads.items()},
+    }
+
+
+def run_local(rounds: int, seed: int) -> Dict[str, Any]:
+    """Setup (import, data, ahead-of-time compilation), then ``rounds`` jitted rounds."""
+    rss = ProcTreeRss().start()
+    import jax
+
+    import fax_bridge as fb
+
+    t_data = time.perf_counter()
+    data = workload.client_data(workload.load_split())
+    params = {k: jax.device_put(v) for k, v in workload.load_init_params().items()}
+    t_compile = time.perf_counter()
+    program, _, _ = build(workload.COHORT)
+    round_fn = jax.jit(program).lower(*round_specs(workload.COHORT)).compile()
+    t_end = time.perf_counter()
+    setup_s = t_end - common.PROCESS_T0
+    breakdown = {"import_s": round(t_data - common.PROCESS_T0, 3),
+                 "data_s": round(t_compile - t_data, 3), "compile_s": round(t_end - t_compile, 3)}
+
+    round_s, losses, history = [], [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        ids = workload.cohort(seed, r)
+        params, loss = round_fn(params, data.x[ids], data.y[ids], data.counts[ids])
+        host = {k: np.asarray(v) for k, v in params.items()}  # waits for the round
+        loss = float(loss)
+        round_s.append(time.perf_counter() - t0)
+        losses.append(loss)
+        history.append(host)
+    peak = rss.stop()
+    return common.result_line(
+        "fax_bridge_local", setup_s, round_s, losses, history, peak, None,
+        extra={"mode": "local", "setup_breakdown": breakdown,
+               "versions": {"jax": jax.__version__, "fax_bridge": fb.__version__}},
+    )
+
+
+def run_fleet(rounds: int, seed: int, devices: int) -> Dict[str, Any]:
+    """Setup (import, data, export, fleet start), then ``rounds`` rounds on the fleet."""
+    rss = ProcTreeRss().start()
+    import jax
+
+    import fax_bridge as fb
+
+    t_data = time.perf_counter()
+    data = workload.client_data(workload.load_split())
+    params = workload.load_init_params()
+    import_s = t_data - common.PROCESS_T0
+    data_s = time.perf_counter() - t_data
+    program, _, _ = build(workload.COHORT)
+    ids0 = workload.cohort(seed, 0)
+    t_export = time.perf_counter()
+    proto = fb.export_tff(program, params, data.x[ids0], data.y[ids0], data.counts[ids0],
+                          placements=PLACEMENTS)
+    export_s = time.perf_counter() - t_export
+    fleet = fb.LocalFleet(devices=devices)
+    round_s: List[float] = []
+    losses: List[float] = []
+    history: List[Dict[str, np.ndarray]] = []
+    reports: List[Dict[str, Any]] = []
+    try:
+        t_start = time.perf_counter()
+        fleet.start()
+        fleet_start_s = time.perf_counter() - t_start
+        setup_s = time.perf_counter() - common.PROCESS_T0
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            ids = workload.cohort(seed, r)
+            result, rep = fleet.run(proto, params, data.x[ids], data.y[ids], data.counts[ids],
+                                    report=True)
+            params, loss = _split_result(result)
+            round_s.append(time.perf_counter() - t0)
+            losses.append(loss)
+            history.append(params)
+            reports.append({"bytes_down": rep.bytes_down, "bytes_up": rep.bytes_up,
+                            "payload_down": rep.payload_down, "payload_up": rep.payload_up,
+                            "rpcs": rep.rpcs, "wall_s": round(rep.wall_s, 4),
+                            "compute_s": round(rep.compute_s, 4),
+                            "participants": len(rep.participants)})
+    finally:
+        fleet.close()
+    peak = rss.stop()
+    return common.result_line(
+        "fax_bridge_fleet", setup_s, round_s, losses, history, peak,
+        sum(r["bytes_down"] + r["bytes_up"] for r in reports),
+        extra={
+            "mode": "fleet",
+            "devices": devices,
+            "setup_breakdown": {"import_s": round(import_s, 3), "data_s": round(data_s, 3),
+                                "export_s": round(export_s, 3),
+                                "fleet_start_s": round(fleet_start_s, 3)},
+            "proto_bytes": proto.ByteSize(),
+            "payload_moved": sum(r["payload_down"] + r["payload_up"] for r in reports),
+            "rpcs_per_round": reports[0]["rpcs"] if reports else None,
+            "device_compute_s_median": (float(np.median([r["compute_s"] for r in reports]))
+                                        if reports else None),
+            "round_reports": reports,
+            "bytes_moved_note": "wire bytes of the round reports, coordinator->devices and back",
+            "versions": {"jax": jax.__version__, "fax_bridge": fb.__version__},
+        },
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("local", "fleet"), default="local")
+    parser.add_argument("--devices", type=int, default=2, help="fleet devices (default 2)")
+    parser.add_argument("--grad-check", action="store_true",
+                        help="print loss and gradient of the check program")
+    args = parser.parse_args(argv)
+    if args.grad_check:
+        result = grad_check()
+    elif args.mode == "local":
+        result = run_local(args.rounds, args.seed)
+    else:
+        result = run_fleet(args.rounds, args.seed, args.devices)
+    common.emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

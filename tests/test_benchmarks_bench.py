@@ -1,0 +1,190 @@
+"""Smoke tests of benchmarks/bench.py and benchmarks/peers/fax_bridge_peer.py (no timing).
+
+fax_bridge's local mode runs one round in a subprocess and must report the peers' JSON
+fields and the numpy reference's round-0 loss; the gradient check must match plain
+numpy backprop; the table formatter and the goal verdicts run on canned data. The
+google-fax comparison runs only when ``.venv-fax`` exists (built by
+``benchmarks/peers/setup_venvs.sh fax``, never by the tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import sys
+from typing import Any, Dict
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PEERS_DIR = ROOT / "benchmarks" / "peers"
+sys.path.insert(0, str(PEERS_DIR))
+
+import numpy_mlp  # noqa: E402
+import workload  # noqa: E402
+
+FIELDS = ("setup_s", "round_s_median", "round_s_all", "peak_rss_mb", "final_test_accuracy",
+          "loss_per_round", "bytes_moved")
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _numpy_round0_loss() -> float:
+    data = workload.client_data(workload.load_split())
+    params = workload.load_init_params()
+    ids = workload.cohort(0, 0)
+    losses = [numpy_mlp.local_train(params, data.x[i], data.y[i])[1] for i in ids]
+    return float(np.average(losses, weights=data.counts[ids]))
+
+
+def test_local_mode_one_round_matches_numpy(bench: Any) -> None:
+    result = bench.run_runner("fax_bridge_local", bench.runner_args("fax_bridge_local", 1, 0, 2),
+                              timeout_s=300)
+    for field in FIELDS:
+        assert field in result, field
+    assert result["peer"] == "fax_bridge_local"
+    assert len(result["round_s_all"]) == 1 and len(result["loss_per_round"]) == 1
+    assert result["bytes_moved"] is None
+    assert result["peak_rss_mb"] > 0
+    assert abs(result["loss_per_round"][0] - _numpy_round0_loss()) <= 1e-5
+    ref_losses, _ = numpy_mlp.fedavg(1)
+    assert abs(result["loss_per_round"][0] - ref_losses[0]) <= 1e-5
+
+
+def test_grad_check_matches_numpy_backprop(bench: Any) -> None:
+    result = bench.run_runner("fax_bridge_local", ["--grad-check"], timeout_s=300)
+    params, x, y = workload.check_program_inputs()
+    per_client = [numpy_mlp.loss_and_grad(params, x[c], y[c]) for c in range(len(x))]
+    loss = np.mean([l for l, _ in per_client])
+    assert abs(result["loss"] - loss) <= 1e-5
+    for k in workload.PARAM_NAMES:
+        want = np.mean([g[k] for _, g in per_client], axis=0)
+        np.testing.assert_allclose(np.asarray(result["grad"][k]), want, atol=1e-6)
+
+
+@pytest.mark.skipif(not os.access(ROOT / ".venv-fax" / "bin" / "python", os.X_OK),
+                    reason=".venv-fax not built (benchmarks/peers/setup_venvs.sh fax)")
+def test_grad_check_agrees_with_google_fax(bench: Any) -> None:
+    ours = bench.run_runner("fax_bridge_local", ["--grad-check"], timeout_s=300)
+    theirs = bench.run_runner("fax", ["--grad-check"], timeout_s=300)
+    agreement = bench.grad_agreement(ours, theirs)
+    assert agreement["ok"], agreement
+
+
+def test_proc_tree_rss_counts_children() -> None:
+    import subprocess
+
+    import fax_bridge_peer
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in fax_bridge_peer._proc_descendants(os.getpid())
+        assert fax_bridge_peer._proc_rss_bytes(child.pid) > 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _canned_result(peer: str, round_s: float, setup_s: float, peak: float,
+                   bytes_moved: Any = None) -> Dict[str, Any]:
+    return {"peer": peer, "setup_s": setup_s, "round_s_median": round_s,
+            "round_s_all": [round_s * 10] + [round_s] * 3, "peak_rss_mb": peak,
+            "final_test_accuracy": 0.9, "loss_per_round": [2.0, 1.5, 1.0, 0.5],
+            "bytes_moved": bytes_moved}
+
+
+def test_summary_ratios_verdicts_and_table(bench: Any) -> None:
+    runs = {
+        "fax_bridge_local": [_canned_result("fax_bridge_local", 0.002, 4.0, 350.0)] * 3,
+        "fax_bridge_fleet": [_canned_result("fax_bridge_fleet", 0.05, 6.0, 800.0, 6_000_000)],
+        "fax": [_canned_result("fax", 0.0025, 3.0, 420.0)],
+        "tff": [_canned_result("tff", 0.05, 12.0, 1000.0)],
+        "flower": [_canned_result("flower", 0.4, 20.0, 1400.0, 8_000_000)],
+    }
+    summary = bench.summarize_runs(runs)
+    assert summary["fax_bridge_local"]["repeats"] == 3
+    assert summary["fax_bridge_local"]["first_round_s"] == pytest.approx(0.02)
+    ratios = bench.compare(summary)
+    assert ratios["local_vs_fax"]["round_s_median_ours_over_theirs"] == pytest.approx(0.8)
+    assert ratios["local_vs_tff"]["round_speedup"] == pytest.approx(25.0)
+    assert ratios["fleet_vs_flower"]["round_speedup"] == pytest.approx(8.0)
+    assert ratios["fleet_vs_flower"]["bytes_moved_ours_over_theirs"] == pytest.approx(0.75)
+    v = bench.verdicts(ratios)
+    assert v == {"local_vs_fax_round": True, "local_vs_tff_round": True,
+                 "fleet_vs_flower_round": True, "fleet_vs_flower_memory": True}
+    losses = bench.loss_agreement(summary, [2.0, 1.5, 1.0, 0.5])
+    assert all(a["vs_numpy"] == 0.0 for a in losses.values())
+    grad = bench.grad_agreement({"loss": 1.0, "grad": {"w": [[1.0, 2.0]]}},
+                                {"loss": 1.0, "grad": {"w": [[1.0, 2.0 + 1e-8]]}})
+    assert grad["ok"]
+    report = {"config": {"repeats": 3, "rounds": 4, "seed": 0, "devices": 2},
+              "summary": summary, "ratios": ratios, "verdicts": v, "loss_agreement": losses,
+              "grad_agreement": grad, "skipped": {}, "failed": {}}
+    table = bench.format_table(report)
+    assert "| fax_bridge_local | 4.00 | 0.0020 | 0.020 | 350 | - | 0.9000 |" in table
+    assert "| fax_bridge fleet vs Flower | 0.125 | 8.00x |" in table
+    assert "MISSED" not in table and "within float32 tolerance" in table
+
+
+def test_table_reports_skipped_and_missed(bench: Any) -> None:
+    runs = {
+        "fax_bridge_local": [_canned_result("fax_bridge_local", 0.003, 4.0, 350.0)],
+        "fax": [_canned_result("fax", 0.002, 3.0, 420.0)],
+    }
+    summary = bench.summarize_runs(runs)
+    ratios = bench.compare(summary)
+    v = bench.verdicts(ratios)
+    assert v["local_vs_fax_round"] is False and v["local_vs_tff_round"] is None
+    skipped = {"tff": "skipped: no .venv-tff (build it with "
+                      "`benchmarks/peers/setup_venvs.sh tff`)"}
+    report = {"config": {"repeats": 1, "rounds": 4, "seed": 0, "devices": 2},
+              "summary": summary, "ratios": ratios, "verdicts": v,
+              "loss_agreement": bench.loss_agreement(summary, None), "grad_agreement": None,
+              "skipped": skipped, "failed": {}}
+    table = bench.format_table(report)
+    assert "| tff | skipped: no .venv-tff (build it with `benchmarks/peers/setup_venvs.sh tff`)" \
+        in table
+    assert "| fax_bridge local round time / google-fax <= 1.0 | MISSED |" in table
+    assert "not measured" in table and "Gradient check: not run" in table
+
+
+def test_missing_venv_is_skipped_not_failed(bench: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(bench, "available", lambda runner, repo=bench.REPO: False)
+    report = bench.run_bench(["tff", "flower"], repeats=1, rounds=1, seed=0, devices=2,
+                             grad_check=False)
+    assert set(report["skipped"]) == {"tff", "flower"}
+    assert not report["failed"] and report["summary"] == {}
+    assert "setup_venvs.sh flower" in report["skipped"]["flower"]
+
+
+def test_fleet_mode_one_round_matches_numpy(bench: Any) -> None:
+    result = bench.run_runner("fax_bridge_fleet", bench.runner_args("fax_bridge_fleet", 1, 0, 2),
+                              timeout_s=300)
+    for field in FIELDS:
+        assert field in result, field
+    assert result["devices"] == 2 and result["bytes_moved"] > 0
+    assert abs(result["loss_per_round"][0] - _numpy_round0_loss()) <= 1e-5
+
+
+def test_from_json_rerenders_a_saved_report(bench: Any, tmp_path: pathlib.Path,
+                                            capsys: Any) -> None:
+    import json
+
+    runs = {"fax_bridge_local": [_canned_result("fax_bridge_local", 0.002, 4.0, 350.0)],
+            "fax": [_canned_result("fax", 0.0025, 3.0, 420.0)]}
+    saved = {"config": {"repeats": 1, "rounds": 4, "seed": 0, "devices": 2}, "runs": runs,
+             "numpy_reference_loss": [2.0, 1.5, 1.0, 0.5], "skipped": {}, "failed": {},
+             "grad_agreement": None}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(saved))
+    assert bench.main(["--from-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| fax_bridge local vs google-fax | 0.800 | 1.25x | 1.25x |" in out
