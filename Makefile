@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test demo protos tff-venv tff-check bench clean
+.PHONY: venv test demo protos tff-venv tff-check fuzz bench bench-scaling clean
 
 venv: $(STAMP)
 
@@ -35,8 +35,15 @@ test: $(STAMP) tff-check
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
+# The long hypothesis run over the proto interpreter and the device RPCs (11,000 cases).
+fuzz: $(STAMP)
+	$(PY) tools/fuzz.py --cases 2200
+
 bench: $(STAMP)
 	$(PY) benchmarks/local_overhead.py
+
+bench-scaling: $(STAMP)
+	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --out out/scaling.json
 
 clean:
 	rm -rf $(VENV) .venv-tff build *.egg-info .pytest_cache out

@@ -33,11 +33,16 @@ __version__ = "0.1.0"
 _LAZY = {
     "LocalFleet": ("fax_bridge.fleet.launcher", "LocalFleet"),
     "ParityReport": ("fax_bridge.parity", "ParityReport"),
+    "RemoteFleet": ("fax_bridge.fleet.remote", "RemoteFleet"),
     "check_parity": ("fax_bridge.parity", "check_parity"),
 }
 
 
 def __getattr__(name):
+    if name == "multihost":
+        import importlib
+
+        return importlib.import_module("fax_bridge.multihost")
     if name in _LAZY:
         import importlib
 
@@ -53,6 +58,7 @@ __all__ = [
     "FleetError",
     "LocalFleet",
     "ParityReport",
+    "RemoteFleet",
     "Placement",
     "PlacementError",
     "Program",

@@ -192,11 +192,13 @@ def format_table(rows: Sequence[Row], base: os.PathLike | str = REPO) -> str:
         except ValueError:
             return p
 
-    header = ("file", "federated_language signature", "TFF 0.87 signature", "status")
-    body = [(name(r.path), r.fl_signature or "-", r.tff_signature or "-", r.status) for r in rows]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
-             for line in [header, tuple("-" * w for w in widths), *body]]
+    # One line per file; both signatures are spelled out only where they differ.
+    width = max([len(name(r.path)) for r in rows] + [4])
+    lines = [f"{'status':8s}  {'file'.ljust(width)}  signature (federated_language = TFF 0.87)"]
+    for r in rows:
+        same = r.fl_signature == r.tff_signature
+        sig = r.fl_signature if same else f"fl: {r.fl_signature or '-'}  tff: {r.tff_signature or '-'}"
+        lines.append(f"{r.status:8s}  {name(r.path).ljust(width)}  {sig}")
     lines += [f"  {name(r.path)}: {r.detail}" for r in rows if r.status != OK]
     return "\n".join(lines)
 
