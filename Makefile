@@ -39,8 +39,11 @@ demo: $(STAMP)
 fuzz: $(STAMP)
 	$(PY) tools/fuzz.py --cases 2200
 
+# fax_bridge (local and fleet) against google-fax, TFF 0.87 and Flower, each peer in its
+# own venv; a peer whose venv cannot be built is reported as skipped.
 bench: $(STAMP)
-	$(PY) benchmarks/local_overhead.py
+	benchmarks/peers/setup_venvs.sh all || echo "bench: some peer venvs could not be built; they are reported as skipped"
+	$(PY) benchmarks/bench.py --repeats 3 --json out/bench/bench.json --log-dir out/bench/logs
 
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --out out/scaling.json

@@ -138,6 +138,16 @@ def _host(address: str) -> str:
     return host.strip("[]") or address
 
 
+class _Done:
+    """A call made in the calling thread, with a future's `result()` (one device)."""
+
+    def __init__(self, rpc, request, kwargs):
+        self._rpc, self._request, self._kwargs = rpc, request, kwargs
+
+    def result(self):
+        return self._rpc(self._request, **self._kwargs)
+
+
 class GrpcClientsBackend(ClientsBackend):
     """Runs CLIENTS-placed work on device processes reached over gRPC.
 
@@ -333,12 +343,16 @@ class GrpcClientsBackend(ClientsBackend):
     def _parallel(self, method: str, requests: dict[int, object],
                   timeout: Optional[float] = None) -> dict[int, object]:
         """Sends one unary request per device index at once; waits for all answers."""
+        # Blocking calls on the backend's own threads: a gRPC future would start a new
+        # thread per channel on every call when none is in flight.
         calls = {}
         for index, request in requests.items():
             device = self._devices[index]
             self.traffic.rpcs += 1
-            calls[index] = getattr(device.stub, method).future(
-                request, timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
+            rpc = getattr(device.stub, method)
+            kwargs = dict(timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
+            calls[index] = (self._pool.submit(rpc, request, **kwargs) if len(requests) > 1
+                            else _Done(rpc, request, kwargs))
         answers = {}
         errors = []
         for index, call in calls.items():

@@ -14,6 +14,8 @@ the HLO module's (flattened) outputs.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import threading
 from typing import Any, Callable, Optional
@@ -76,16 +78,32 @@ def evaluate_local(comp: computation_pb2.Computation) -> LocalValue:
 
 
 def parse_type(type_proto) -> Optional[federated_language.Type]:
-    """The federated_language Type of a `Type` proto, or None when the proto is unset."""
+    """The federated_language Type of a `Type` proto, or None when the proto is unset.
+
+    Parsed and size-checked once per distinct proto (types are immutable): a fleet
+    round would otherwise parse the same function types again and again.
+    """
     if type_proto is None or type_proto.WhichOneof("type") is None:
         return None
+    return _parse_type_bytes(type_proto.SerializeToString(deterministic=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_type_bytes(data: bytes) -> federated_language.Type:
+    type_proto = computation_pb2.Type.FromString(data)
     try:
         type_ = federated_language.Type.from_proto(type_proto)
     except RecursionError:
         raise ComputationError("a type in the computation proto is nested too deeply") from None
     except Exception as e:
         raise ComputationError(f"cannot read a type in the computation proto: {e}") from e
-    limits.type_bytes(type_, f"type {type_}" if len(str(type_)) < 200 else "a type")
+    try:
+        limits.type_bytes(type_, "a type")
+    except ComputationError as e:
+        text = str(type_)
+        if len(text) < 200:
+            raise ComputationError(str(e).replace("a type", f"type {text}", 1)) from None
+        raise
     return type_
 
 
