@@ -58,8 +58,8 @@ class ParityReport:
                                                               else "")))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"parity: {self.signature}",
-                 f"local jit {self.local_s:.3f} s, fleet of {self.devices} device(s) "
-                 f"{self.fleet_s:.3f} s, rtol={self.rtol:g} atol={self.atol:g}"]
+                 f"local jit {self.local_s * 1e3:.2f} ms, fleet of {self.devices} device(s) "
+                 f"{self.fleet_s * 1e3:.1f} ms, rtol={self.rtol:g} atol={self.atol:g}"]
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
