@@ -149,17 +149,6 @@ def test_nested_programs():
         wrong(W)
 
 
-def _federated_ops(jaxpr):
-    ops = []
-    for eqn in jaxpr.eqns:
-        ops.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params) if hasattr(
-                jax.extend.core, "jaxprs_in_params") else []:
-            if eqn.primitive is not P.federated_map_p:
-                ops.extend(_federated_ops(sub))
-    return ops
-
-
 def test_gradient_communicates_only_through_federated_primitives():
     comp = fb.trace(jax.grad(model), W, X, placements=("server", "clients"), clients=N)
     names = [e.primitive.name for e in comp.jaxpr.jaxpr.eqns]
