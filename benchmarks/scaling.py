@@ -2,6 +2,8 @@
 
     python benchmarks/scaling.py --clients 1000 10000 100000 --devices 2 4 \
         --out out/scaling.json
+    python benchmarks/scaling.py --device-data ...     # devices read the rows themselves
+    python benchmarks/scaling.py --both ...            # both modes, side by side
 
 Each configuration runs in a fresh coordinator process (so memory figures do not mix):
 a population of tiny clients (one float32[4] example each) is written once to disk with
@@ -13,11 +15,19 @@ time over `--rounds` rounds after one warm-up round (which compiles on the devic
 time to read the cohort from disk, the coordinator's peak RSS during a round above its
 RSS before the round (Linux VmHWM, reset with /proc/self/clear_refs), and the devices'
 peak RSS.
+
+`--device-data` measures the other way of feeding clients: every device hosts the same
+population (`LocalFleet(population=DIR)`, i.e. `fax-bridge device --population DIR`) and
+the round names its CLIENTS argument by reference (`fleet.population`), so the
+coordinator sends only client ids and each device reads its own clients' rows from its
+memmap. `--population N` (device data only) samples a cohort of `--clients` from a
+population of N clients each round.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -74,27 +84,44 @@ def _read_cohort(store, ids):
     return out
 
 
-def child(clients: int, devices: int, rounds: int, data_dir: str) -> dict:
+def child(clients: int, devices: int, rounds: int, data_dir: str,
+          device_data: bool = False, population: int = 0) -> dict:
     """One configuration, in this process; returns its figures."""
     import numpy as np
 
     from fax_bridge.data.stream import ClientStore
     from fax_bridge.fleet import sample_computations as sc
     from fax_bridge.fleet.launcher import LocalFleet
+    from fax_bridge.runtime.population import PopulationRef
 
-    _population(data_dir, clients)
+    population = max(population, clients)
+    _population(data_dir, population)
     store = ClientStore(data_dir)
     proto = sc.scaled_aggregate((FEATURES,), "mean")
     s = np.full(FEATURES, 0.5, np.float32)
     ids = np.arange(clients)
     times, reads, rss_round = [], [], []
-    with LocalFleet(devices=devices, rpc_timeout_s=600, startup_timeout_s=300) as fleet:
-        fleet.run(proto, _read_cohort(store, ids[: devices * 4]), s)  # compile on devices
+    extra = {}
+    if device_data:
+        extra["population"] = data_dir
+        if population > clients:
+            extra["cohort_size"] = clients
+    with LocalFleet(devices=devices, rpc_timeout_s=600, startup_timeout_s=300,
+                    **extra) as fleet:
+        warm = (PopulationRef(client_ids=ids[: devices * 4]) if device_data
+                else _read_cohort(store, ids[: devices * 4]))
+        policy = fleet.policy
+        fleet.policy = dataclasses.replace(policy, cohort_size=None)
+        fleet.run(proto, warm, s)  # compile on devices
+        fleet.policy = policy
         for _ in range(rounds):
             base = _status_kib("self", "VmRSS")
             exact = _reset_peak()
             start = time.perf_counter()
-            x = _read_cohort(store, ids)
+            if device_data:
+                x = fleet.population
+            else:
+                x = _read_cohort(store, ids)
             read_s = time.perf_counter() - start
             got, rep = fleet.run(proto, x, s, report=True)
             times.append(time.perf_counter() - start)
@@ -102,12 +129,14 @@ def child(clients: int, devices: int, rounds: int, data_dir: str) -> dict:
             del x
             peak = _status_kib("self", "VmHWM")
             rss_round.append((peak - base) if exact else None)
-            expected = (_read_cohort(store, ids) * s).mean(axis=0)
+            expected = (_read_cohort(store, rep.participants) * s).mean(axis=0)
             if not np.allclose(got, expected, rtol=1e-4, atol=1e-5):
                 raise AssertionError(f"wrong mean: {got} vs {expected}")
         device_peaks = [_status_kib(str(pid), "VmHWM") for pid in fleet.pids]
         bytes_down, bytes_up = rep.bytes_down, rep.bytes_up
     return {
+        "mode": "device-data" if device_data else "coordinator-fed",
+        "population": population,
         "clients": clients, "devices": devices, "rounds": rounds,
         "round_s": statistics.median(times), "read_cohort_s": statistics.median(reads),
         "coordinator_rss_mib": _status_kib("self", "VmRSS") / 1024,
@@ -127,33 +156,47 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", help="where populations are kept (default: temp)")
     parser.add_argument("--timeout-s", type=float, default=1800)
     parser.add_argument("--out", help="write the figures here as JSON")
+    parser.add_argument("--device-data", action="store_true",
+                        help="devices host the population and read their clients' rows; "
+                             "the coordinator sends only client ids")
+    parser.add_argument("--both", action="store_true",
+                        help="measure coordinator-fed and device-data rounds")
+    parser.add_argument("--population", type=int, default=0,
+                        help="device data: sample each cohort of --clients from this many")
     parser.add_argument("--child", nargs=3, type=int, metavar=("CLIENTS", "DEVICES", "ROUNDS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(*args.child, data_dir=args.data_dir)), flush=True)
+        print(json.dumps(child(*args.child, data_dir=args.data_dir,
+                               device_data=args.device_data,
+                               population=args.population)), flush=True)
         return 0
+    modes = [False, True] if args.both else [args.device_data]
     data_root = args.data_dir or tempfile.mkdtemp(prefix="fax_bridge_scaling_")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).strip(os.pathsep)
     results = []
-    for clients in args.clients:
-        for devices in args.devices:
-            command = [sys.executable, __file__, "--child", str(clients), str(devices),
-                       str(args.rounds), "--data-dir",
-                       os.path.join(data_root, f"population-{clients}")]
-            done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                  timeout=args.timeout_s)
-            if done.returncode:
-                print(done.stderr[-3000:], file=sys.stderr)
-                return done.returncode
-            r = json.loads(done.stdout.strip().splitlines()[-1])
-            results.append(r)
-            peak = r["coordinator_round_peak_above_base_mib"]
-            print(f"clients={clients:>7} devices={devices}: round {r['round_s']:.2f}s "
-                  f"(cohort read {r['read_cohort_s']:.2f}s), coordinator "
-                  f"{r['coordinator_rss_mib']:.0f} MiB, +{peak:.1f} MiB peak in a round, "
-                  f"devices peak {max(r['device_peak_rss_mib']):.0f} MiB", flush=True)
+    for clients, devices, device_data in (
+            (c, d, m) for c in args.clients for d in args.devices for m in modes):
+        size = max(clients, args.population if device_data else 0)
+        command = [sys.executable, __file__, "--child", str(clients), str(devices),
+                   str(args.rounds), "--data-dir",
+                   os.path.join(data_root, f"population-{size}")]
+        if device_data:
+            command += ["--device-data", "--population", str(size)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=args.timeout_s)
+        if done.returncode:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return done.returncode
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        results.append(r)
+        peak = r["coordinator_round_peak_above_base_mib"]
+        print(f"{r['mode']:>15} clients={clients:>7}/{r['population']} "
+              f"devices={devices}: round {r['round_s']:.2f}s "
+              f"(cohort read {r['read_cohort_s']:.2f}s), coordinator "
+              f"{r['coordinator_rss_mib']:.0f} MiB, +{peak:.1f} MiB peak in a round, "
+              f"devices peak {max(r['device_peak_rss_mib']):.0f} MiB", flush=True)
     if args.out:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:

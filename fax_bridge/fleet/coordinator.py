@@ -194,6 +194,7 @@ class GrpcClientsBackend(ClientsBackend):
         self._pending_release: list[int] = []
         self._release_lock = threading.Lock()
         self._delays: Optional[list[float]] = None
+        self._populations: dict[int, tuple[str, int, str]] = {}
         self._closed = False
         self.wait_ready(connect_timeout_s)
 
@@ -237,6 +238,7 @@ class GrpcClientsBackend(ClientsBackend):
             self._devices[index].channel.close()
             self._devices[index] = self._connect(index, address)
         answer = self._wait_one(self._devices[index], time.monotonic() + timeout_s, timeout_s)
+        self._populations.pop(index, None)
         self._loaded = {(d, k) for d, k in self._loaded if d != index}
         self._active = sorted(set(self._active) | {index})
         return answer
@@ -428,31 +430,47 @@ class GrpcClientsBackend(ClientsBackend):
 
     def put(self, member_type: federated_language.Type,
             values: Sequence) -> GrpcClientsValue:
-        values = list(values)
+        """Streams each device's members to it, one message of the stream at a time.
+
+        The messages of a device are built by a generator as gRPC asks for them and
+        counted as they go, so at most one message per device is held here besides
+        what gRPC has in flight; `values` itself is never copied.
+        """
+        if not isinstance(values, Sequence):
+            values = list(values)
         result = self._new_value(len(values), member_type)
         calls = {}
-        sent = {}
+        streams = {}
         for index, clients in self._layout(len(values), result.devices):
-            messages = list(self._put_messages(result.handle, clients, values))
-            sent[index] = messages
+            stream = _PutStream(self, result.handle, clients, values)
+            streams[index] = stream
             self.traffic.rpcs += 1
             calls[index] = self._devices[index].stub.Put.future(
-                iter(messages), timeout=self.rpc_timeout_s, metadata=self._metadata)
-        answers = []
+                iter(stream), timeout=self.rpc_timeout_s, metadata=self._metadata)
+        answers = {}
         errors = []
         for index, call in calls.items():
+            stream = streams[index]
             try:
-                answers.append(call.result())
+                answers[index] = call.result()
             except grpc.RpcError as e:
-                errors.append(self._fail(self._devices[index], "Put", e))
+                # A failure while encoding cancels the stream: report that, not CANCELLED.
+                errors.append(stream.error if stream.error is not None
+                              else self._fail(self._devices[index], "Put", e))
+            self.traffic.bytes_down += stream.bytes
+            self.traffic.payload_down += stream.payload
         self._raise_first(errors)
-        for messages in sent.values():
-            payload = sum(wire.payload_bytes(v.value) for m in messages for v in m.values)
-            self._count(down=messages, payload_down=payload)
-        self._count(up=answers)
+        for index, clients in self._layout(len(values), result.devices):
+            got = answers[index].num_clients
+            if got != len(clients):
+                raise FleetError(
+                    f"device {index} at {self._devices[index].address} stored {got} "
+                    f"clients of handle {result.handle}; {len(clients)} were sent")
+        self._count(up=answers.values())
         return result
 
-    def _put_messages(self, handle: int, clients: range, values: list):
+    def _put_messages(self, handle: int, clients: range, values: Sequence):
+        """The Put messages of one device's clients, built one at a time."""
         message = pb.PutRequest(handle=handle)
         size = 0
         for i in clients:
@@ -466,6 +484,92 @@ class GrpcClientsBackend(ClientsBackend):
             message.values.append(item)
             size += item_size
         yield message
+
+    # -- populations hosted by the devices ------------------------------------------
+
+    def population_info(self, ref=None) -> tuple[str, int, str]:
+        """(name, clients, digest) of the population every active device hosts.
+
+        Raises FleetError when a device hosts none, when they disagree, or when `ref`
+        names another population. Asked once per device (Health) and remembered.
+        """
+        missing = [d for d in self._active if d not in self._populations]
+        if missing:
+            answers = self._parallel("Health", {d: pb.HealthRequest() for d in missing})
+            for d, answer in answers.items():
+                self._populations[d] = (answer.population_name,
+                                        int(answer.population_clients),
+                                        answer.population_digest)
+        seen = {d: self._populations[d] for d in self._active}
+        if not seen:
+            raise FleetError("no device is left to read the population (all were lost)")
+        bare = [d for d, (_, _, digest) in seen.items() if not digest]
+        if bare:
+            raise FleetError(
+                "devices " + ", ".join(f"{d} at {self._devices[d].address}" for d in bare)
+                + " host no population; start every device with --population DIR (the "
+                "same population on each) to read CLIENTS inputs by client id")
+        if len({v for v in seen.values()}) > 1:
+            listed = "; ".join(f"device {d} at {self._devices[d].address}: {n!r}, {c} "
+                               f"clients, digest {g[:12]}" for d, (n, c, g) in seen.items())
+            raise FleetError(
+                f"the devices host different populations ({listed}); every device must "
+                "host the same population (a copy of the same directory)")
+        name, clients, digest = next(iter(seen.values()))
+        wanted = getattr(ref, "name", None)
+        if wanted and wanted != name:
+            raise FleetError(
+                f"the run asks for population {wanted!r} but the devices host {name!r}; "
+                "name the population they host, or start them with --population-name")
+        return name, clients, digest
+
+    def population_size(self, ref=None) -> int:
+        """How many clients the population the devices host holds."""
+        return self.population_info(ref)[1]
+
+    def put_from_store(self, member_type: federated_language.Type, ref,
+                       client_ids: Sequence[int]) -> GrpcClientsValue:
+        """Has each device read its block of `client_ids` from the population it hosts.
+
+        Only the ids travel (as ranges where they are consecutive); the devices check
+        the member type against their stored arrays and read just those rows.
+        """
+        from fax_bridge.runtime import population
+
+        _, size, _ = self.population_info(ref)
+        ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            bad = ids[(ids < 0) | (ids >= size)]
+            raise FleetError(f"client id {int(bad[0])} is out of range for the devices' "
+                             f"population of {size} clients")
+        keys = population.default_keys(member_type, getattr(ref, "keys", None))
+        type_bytes = member_type.to_proto().SerializeToString(deterministic=True)
+        result = self._new_value(len(ids), member_type)
+        layout = self._layout(len(ids), result.devices)
+        calls = {}
+        for index, clients in layout:
+            messages = _store_reads(result.handle, ids[clients.start:clients.stop],
+                                    clients.start, type_bytes, keys,
+                                    getattr(ref, "name", None) or "")
+            self.traffic.rpcs += 1
+            self._count(down=messages)
+            calls[index] = self._devices[index].stub.Put.future(
+                iter(messages), timeout=self.rpc_timeout_s, metadata=self._metadata)
+        answers = {}
+        errors = []
+        for index, call in calls.items():
+            try:
+                answers[index] = call.result()
+            except grpc.RpcError as e:
+                errors.append(self._fail(self._devices[index], "Put from_store", e))
+        self._raise_first(errors)
+        self._count(up=answers.values())
+        for index, clients in layout:
+            if answers[index].num_clients != len(clients):
+                raise FleetError(
+                    f"device {index} at {self._devices[index].address} read "
+                    f"{answers[index].num_clients} clients; it was asked for {len(clients)}")
+        return result
 
     def broadcast(self, member_type: federated_language.Type, value,
                   num_clients: int) -> GrpcClientsValue:
@@ -682,6 +786,70 @@ class GrpcClientsBackend(ClientsBackend):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _PutStream:
+    """The request stream of one device's Put: messages made lazily, bytes counted.
+
+    gRPC pulls the messages on its own thread; an encoding error is kept in `error`
+    and raised into gRPC, which cancels the call (the device stores nothing), so `put`
+    can report the error itself rather than the cancellation.
+    """
+
+    def __init__(self, backend: "GrpcClientsBackend", handle: int, clients: range,
+                 values: Sequence):
+        self._messages = backend._put_messages(handle, clients, values)
+        self.bytes = 0
+        self.payload = 0
+        self.messages = 0
+        self.error: Optional[Exception] = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            message = next(self._messages)
+        except StopIteration:
+            raise
+        except Exception as e:
+            self.error = e if isinstance(e, FleetError) else FleetError(
+                f"Put: cannot encode a client value ({type(e).__name__}: {e})")
+            raise
+        self.messages += 1
+        self.bytes += wire_size(message)
+        self.payload += sum(wire.payload_bytes(v.value) for v in message.values)
+        return message
+
+
+STORE_READ_IDS = 1 << 18  # ids per from_store message (about 2 MiB at most)
+
+
+def _store_reads(handle: int, ids: np.ndarray, first_client: int, member_type: bytes,
+                 keys: Sequence[str], population: str) -> list:
+    """The Put messages naming one device's population ids (ranges where shorter)."""
+    messages = []
+    for lo in range(0, max(1, len(ids)), STORE_READ_IDS):
+        chunk = ids[lo:lo + STORE_READ_IDS]
+        read = pb.StoreRead()
+        if lo == 0:
+            read.population = population
+            read.first_client = first_client
+            read.member_type = member_type
+            read.keys.extend(keys)
+        if chunk.size:
+            breaks = np.flatnonzero(np.diff(chunk) != 1) + 1
+            starts = np.concatenate([[0], breaks])
+            if 2 * len(starts) < len(chunk):
+                stops = np.concatenate([breaks, [len(chunk)]])
+                for a, b in zip(starts, stops):
+                    read.ranges.add(start=int(chunk[a]), stop=int(chunk[b - 1]) + 1)
+            else:
+                read.population_ids.extend(chunk.tolist())
+        message = pb.PutRequest(handle=handle)
+        message.from_store.CopyFrom(read)
+        messages.append(message)
+    return messages
 
 
 def _template(member_type: federated_language.Type):

@@ -4,7 +4,11 @@
 the fax_bridge.v1 `Device` service. Every call must carry the fleet token (read from the
 FAX_BRIDGE_FLEET_TOKEN environment variable or `--token-file`, see `security`); `--tls-*`
 adds mutual TLS; addresses other than loopback need `--allow-remote`. Messages and the
-bytes held on the device are capped (`--max-message-bytes`, `--max-stored-bytes`). Computations arrive once, by content hash; client
+bytes held on the device are capped (`--max-message-bytes`, `--max-stored-bytes`).
+`--population DIR` hosts a population written by `fax_bridge.data.stream.write_population`:
+the coordinator then sends only client ids (a Put stream of `from_store` reads) and
+the device reads those
+clients' rows from its memory-mapped store. Computations arrive once, by content hash; client
 values stay here behind coordinator-chosen handles until they are fetched, aggregated
 (partials over this device's own clients) or released. Once listening, the process
 prints one JSON line on stdout, e.g. `{"listening": "127.0.0.1:41234", "port": 41234,
@@ -127,9 +131,23 @@ class DeviceServicer(pb_grpc.DeviceServicer):
     """Holds this device's clients values and computations; serves the Device service."""
 
     def __init__(self, device_id: str = "device",
-                 max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES):
+                 max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES,
+                 population: Optional[str] = None,
+                 population_name: Optional[str] = None):
         self.device_id = device_id
         self.max_stored_bytes = int(max_stored_bytes)
+        self.population = None
+        self.population_name = ""
+        self.population_digest = ""
+        if population is not None:
+            from fax_bridge.runtime import population as pop
+
+            try:
+                self.population = pop.open_store(population)
+                self.population_digest = pop.store_digest(population)
+            except (FaxBridgeError, OSError, ValueError) as e:
+                raise FleetError(f"--population {population}: {e}") from None
+            self.population_name = population_name or pop.default_name(population)
         self._stored_bytes = 0
         self._handles: dict[int, Stored] = {}
         self._computations: dict[str, Callable] = {}
@@ -175,7 +193,11 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             return pb.HealthResponse(
                 status="SERVING", device_id=self.device_id, pid=os.getpid(),
                 protocol=PROTOCOL, num_handles=len(self._handles),
-                num_computations=len(self._computations), num_clients=len(clients))
+                num_computations=len(self._computations), num_clients=len(clients),
+                population_name=self.population_name,
+                population_clients=(self.population.num_clients
+                                    if self.population is not None else 0),
+                population_digest=self.population_digest)
 
     @_rpc
     def Load(self, request, context):
@@ -201,6 +223,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         handle = None
         ids: list = []
         members: list = []
+        reads: list = []
         received = 0
         for message in request_iterator:
             if handle is None:
@@ -208,6 +231,20 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             elif message.handle != handle:
                 raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"Put stream mixes handles {handle} and {message.handle}")
+            if message.HasField("from_store"):
+                if message.values or ids:
+                    raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "Put stream mixes client values and from_store reads")
+                received += message.from_store.ByteSize()
+                if received > self.max_stored_bytes:
+                    raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    "Put from_store stream exceeds this device's cap of "
+                                    f"{self.max_stored_bytes} stored bytes")
+                reads.append(message.from_store)
+                continue
+            if reads and message.values:
+                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                "Put stream mixes client values and from_store reads")
             for item in message.values:
                 ids.append(item.client_id)
                 members.append(wire.decode_value(item.value))
@@ -218,6 +255,8 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                                     f"{self.max_stored_bytes} stored bytes")
         if handle is None:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "Put stream sent no message")
+        if reads:
+            return self._put_from_store(handle, reads)
         self._store(handle, Stored(client_ids=ids, members=members))
         return pb.PutResponse(num_clients=len(ids))
 
@@ -226,6 +265,73 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         value = wire.decode_value(request.value)
         self._store(request.handle, Stored(client_ids=list(request.client_ids), shared=value))
         return pb.BroadcastResponse()
+
+    def _put_from_store(self, handle: int, reads: list) -> pb.PutResponse:
+        """Stores the members a Put stream of `StoreRead`s names, read from the population."""
+        import numpy as np
+
+        from fax_bridge.runtime import local_eval
+        from fax_bridge.runtime import population as pop
+
+        if self.population is None:
+            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                            "Put from_store: this device hosts no population; start it with "
+                            "--population DIR (a directory written by write_population)")
+        head = reads[0]
+        if head.population and head.population != self.population_name:
+            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"Put from_store asks for population {head.population!r} but "
+                            f"this device hosts {self.population_name!r}")
+        type_proto = computation_pb2.Type()
+        try:
+            type_proto.ParseFromString(head.member_type)
+        except Exception as e:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Put from_store: member_type is not a serialized Type ({e})")
+        member_type = local_eval.parse_type(type_proto)
+        if member_type is None:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            "Put from_store: member_type is empty")
+        if head.first_client < 0:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Put from_store: first_client {head.first_client} is negative")
+        store = self.population
+        limit = store.num_clients * 4 + 1024  # ids beyond any sensible cohort
+        chunks, count = [], 0
+        for read in reads:
+            if read.ranges:
+                spans = [(r.start, r.stop) for r in read.ranges]
+                if any(lo < 0 or hi < lo for lo, hi in spans):
+                    raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "Put from_store: a client range has start < 0 or "
+                                    "stop < start")
+                count += sum(hi - lo for lo, hi in spans)
+                if count > limit:
+                    break
+                chunks.extend(np.arange(lo, hi, dtype=np.int64) for lo, hi in spans)
+            else:
+                count += len(read.population_ids)
+                chunks.append(np.asarray(read.population_ids, dtype=np.int64))
+        if count > limit:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Put from_store names {count} clients, far more than the "
+                            f"{store.num_clients} this population holds")
+        ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+        columns = pop.plan_columns(store, member_type, list(head.keys))
+        pop.check_ids(store, ids)
+        need = pop.rows_bytes(store, columns, ids)
+        with self._lock:
+            held = self._stored_bytes
+        if held + need > self.max_stored_bytes:
+            raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"reading {len(ids)} clients ({need} bytes) would exceed this "
+                            f"device's cap of {self.max_stored_bytes} bytes ({held} held); "
+                            "release values or raise --max-stored-bytes")
+        members = pop.read_members(store, member_type, columns, ids)
+        first = int(head.first_client)
+        self._store(handle, Stored(client_ids=list(range(first, first + len(ids))),
+                                   members=members))
+        return pb.PutResponse(num_clients=len(ids))
 
     @_rpc
     def Map(self, request, context):
@@ -385,10 +491,13 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
           tls: Optional[security.TlsConfig] = None, allow_remote: bool = False,
           allow_no_auth: bool = False,
           max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-          max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES) -> int:
+          max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES,
+          population: Optional[str] = None, population_name: Optional[str] = None) -> int:
     """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
 
     Without a `token` the device refuses to start unless `allow_no_auth` is set.
+    `population`: a directory written by `write_population` whose clients this device
+    reads by id (named `population_name`, by default the directory's base name).
     """
     if not token:
         if not allow_no_auth:
@@ -397,7 +506,8 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
                 "file); --insecure-no-auth serves without one, for debugging only")
         log.warning("serving WITHOUT authentication (--insecure-no-auth): anyone who can "
                     "reach %s may run computations here", listen)
-    servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes)
+    servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes,
+                              population=population, population_name=population_name)
     server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
                                 allow_remote=allow_remote, max_message_bytes=max_message_bytes)
     host, _ = parse_listen(listen)
@@ -430,7 +540,8 @@ def _run(args: argparse.Namespace) -> int:
                      token=token, tls=tls, allow_remote=args.allow_remote,
                      allow_no_auth=args.insecure_no_auth,
                      max_message_bytes=args.max_message_bytes,
-                     max_stored_bytes=args.max_stored_bytes)
+                     max_stored_bytes=args.max_stored_bytes,
+                     population=args.population, population_name=args.population_name)
     except FleetError as e:
         print(f"fax-bridge device: {e}", file=sys.stderr)
         return 2
@@ -458,6 +569,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on every gRPC message, each direction")
     parser.add_argument("--max-stored-bytes", type=int, default=DEFAULT_MAX_STORED_BYTES,
                         help="cap on the bytes of all values held on this device")
+    parser.add_argument("--population", default=None, metavar="DIR",
+                        help="host this population (written by write_population): runs may "
+                             "then name CLIENTS inputs by client id and this device reads "
+                             "the rows itself")
+    parser.add_argument("--population-name", default=None,
+                        help="the name runs use for --population (default: its directory's "
+                             "base name)")
     parser.add_argument("--log-level", default="warning", help="stderr log level")
     parser.set_defaults(func=_run)
 

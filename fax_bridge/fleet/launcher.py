@@ -35,6 +35,7 @@ from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend, partition
 from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+from fax_bridge.runtime.population import PopulationRef
 
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 # One XLA thread per device: several devices share the machine's cores.
@@ -74,8 +75,10 @@ class FleetRounds:
     probe_timeout_s: float = 2.0
 
     def _init_rounds(self, *, policy: RoundPolicy, preaggregate: bool,
-                     rpc_timeout_s: float, progress: bool) -> None:
+                     rpc_timeout_s: float, progress: bool,
+                     population_name: Optional[str] = None) -> None:
         self.policy = policy
+        self.population_name = population_name
         self.preaggregate = preaggregate
         self.rpc_timeout_s = rpc_timeout_s
         self.progress = progress
@@ -102,6 +105,21 @@ class FleetRounds:
     def last_report(self) -> Optional[RoundReport]:
         return self.reports[-1] if self.reports else None
 
+    @property
+    def population(self) -> PopulationRef:
+        """Every client of the population the devices host, as a CLIENTS argument.
+
+        Pass it (or a `PopulationRef` with `keys=` / `client_ids=`) where a CLIENTS
+        argument goes: each round's cohort is sampled from it, and each device reads
+        only its share of the cohort's rows from its own store.
+        """
+        return PopulationRef(name=self.population_name)
+
+    def _population_size(self, ref: PopulationRef) -> int:
+        if self.backend is None:
+            raise FleetError("the fleet is not running; start it first")
+        return self.backend.population_size(ref)
+
     # -- rounds -------------------------------------------------------------------
 
     def run(self, proto, *args: Any, report: bool = False, num_clients: Optional[int] = None,
@@ -122,7 +140,7 @@ class FleetRounds:
         param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
         round_index = self._round
         self._round += 1
-        population = _population(args, kwargs, param)
+        population = _population(args, kwargs, param, self._population_size)
         if population is None:
             if num_clients is None:
                 raise FleetError(
@@ -170,7 +188,7 @@ class FleetRounds:
         from fax_bridge.runtime import interpreter
 
         chosen = np.asarray(participants, dtype=np.int64)
-        args, kwargs = _select_clients(args, kwargs, param, chosen)
+        args, kwargs = _select_clients(args, kwargs, param, chosen, self._population_size)
         if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
             self.backend.set_delays([plan.delays_s[c] for c in participants])
         before = self.backend.traffic.__class__(**self.backend.traffic.as_dict())
@@ -179,7 +197,8 @@ class FleetRounds:
         try:
             return interpreter.run_computation(
                 proto, *args, backend=backend,
-                num_clients=None if _population(args, kwargs, param) else len(chosen),
+                num_clients=(None if _population(args, kwargs, param, self._population_size)
+                             else len(chosen)),
                 **kwargs)
         finally:
             backend.set_delays(None)
@@ -293,6 +312,10 @@ class LocalFleet(FleetRounds):
       reject_nonfinite: refuse NaN/inf in what devices send back.
       max_message_bytes, max_stored_bytes: caps on each gRPC message and on the bytes
         each device holds.
+      population: a directory written by `write_population` that every device hosts
+        (`--population`): runs then pass `fleet.population` (or a `PopulationRef`) for
+        a CLIENTS argument and the devices read the cohort's rows themselves.
+      population_name: the name the devices give it (default: the directory's name).
     """
 
     def __init__(self, devices: int = 2, *, preaggregate: bool = True,
@@ -308,7 +331,9 @@ class LocalFleet(FleetRounds):
                  survive_device_loss: bool = True, probe_timeout_s: float = 2.0,
                  reject_nonfinite: bool = False,
                  max_message_bytes: Optional[int] = None,
-                 max_stored_bytes: Optional[int] = None):
+                 max_stored_bytes: Optional[int] = None,
+                 population: Optional[Union[str, os.PathLike]] = None,
+                 population_name: Optional[str] = None):
         if devices < 1:
             raise FleetError(f"devices={devices}; a fleet needs at least one device")
         self.num_devices = int(devices)
@@ -317,7 +342,19 @@ class LocalFleet(FleetRounds):
                                straggler_delay_s=straggler_delay_s,
                                round_deadline_s=round_deadline_s, min_clients=min_clients,
                                seed=seed, emulate_delays=emulate_delays),
-            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress)
+            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress,
+            population_name=population_name)
+        self._population_dir = None
+        if population is not None:
+            from fax_bridge.runtime import population as pop
+
+            self._population_dir = os.path.abspath(os.fspath(population))
+            try:
+                pop.open_store(self._population_dir)
+            except Exception as e:
+                raise FleetError(f"LocalFleet population={population!r}: {e}") from None
+            if population_name is None:
+                self.population_name = pop.default_name(self._population_dir)
         self.startup_timeout_s = startup_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.python = python or sys.executable
@@ -398,6 +435,9 @@ class LocalFleet(FleetRounds):
             command += ["--max-message-bytes", str(self._max_message_bytes)]
         if self._max_stored_bytes is not None:
             command += ["--max-stored-bytes", str(self._max_stored_bytes)]
+        if self._population_dir is not None:
+            command += ["--population", self._population_dir,
+                        "--population-name", self.population_name]
         return command
 
     def _popen(self, index: int, env: dict) -> subprocess.Popen:
@@ -595,23 +635,30 @@ def _is_clients(t) -> bool:
             and t.placement is federated_language.CLIENTS and not t.all_equal)
 
 
-def _leading_sizes(value, t, out: list) -> None:
+def _leading_sizes(value, t, out: list, sizer=None) -> None:
     import jax
 
-    if _is_clients(t):
+    if _is_clients(t) and isinstance(value, PopulationRef):
+        if value.client_ids is not None:
+            out.append(len(value.client_ids))
+        elif sizer is not None:
+            out.append(int(sizer(value)))
+        else:
+            raise FleetError(f"{value!r} names no client ids and no fleet can count them")
+    elif _is_clients(t):
         out.extend(int(np.shape(leaf)[0]) for leaf in jax.tree_util.tree_leaves(value))
     elif isinstance(t, federated_language.StructType):
         for i, (name, tt) in enumerate(t.items()):
             child = value.get(name) if isinstance(value, dict) else (
                 value[i] if isinstance(value, (list, tuple)) else None)
             if child is not None:
-                _leading_sizes(child, tt, out)
+                _leading_sizes(child, tt, out, sizer)
 
 
-def _population(args: Sequence, kwargs: dict, param) -> Optional[int]:
+def _population(args: Sequence, kwargs: dict, param, sizer=None) -> Optional[int]:
     sizes: list = []
     for value, t, _ in _param_items(args, kwargs, param):
-        _leading_sizes(value, t, sizes)
+        _leading_sizes(value, t, sizes, sizer)
     if not sizes:
         return None
     if len(set(sizes)) > 1:
@@ -621,27 +668,29 @@ def _population(args: Sequence, kwargs: dict, param) -> Optional[int]:
     return sizes[0]
 
 
-def _select(value, t, chosen: np.ndarray):
+def _select(value, t, chosen: np.ndarray, sizer=None):
     import jax
 
+    if _is_clients(t) and isinstance(value, PopulationRef):
+        return value.select(chosen)  # only ids: each device reads its own rows
     if _is_clients(t):
         return jax.tree_util.tree_map(lambda leaf: np.asarray(leaf)[chosen], value)
     if isinstance(t, federated_language.StructType):
         if isinstance(value, dict):
             types = dict(t.items())
-            return {k: _select(v, types[k], chosen) if k in types else v
+            return {k: _select(v, types[k], chosen, sizer) if k in types else v
                     for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             types = [tt for _, tt in t.items()]
-            picked = [_select(v, tt, chosen) for v, tt in zip(value, types)]
+            picked = [_select(v, tt, chosen, sizer) for v, tt in zip(value, types)]
             return type(value)(picked) if isinstance(value, tuple) else picked
     return value
 
 
-def _select_clients(args: Sequence, kwargs: dict, param, chosen: np.ndarray):
+def _select_clients(args: Sequence, kwargs: dict, param, chosen: np.ndarray, sizer=None):
     args, kwargs = list(args), dict(kwargs)
     for value, t, (where, key) in _param_items(args, kwargs, param):
-        picked = _select(value, t, chosen)
+        picked = _select(value, t, chosen, sizer)
         if where == "args":
             args[key] = picked
         else:

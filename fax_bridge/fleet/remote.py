@@ -43,6 +43,10 @@ class RemoteFleet(FleetRounds):
         stop answering (default); False fails the round instead.
       probe_timeout_s: how long a device may take to answer Health after a failed try.
       connect_timeout_s: how long to wait for every device to answer Health on start.
+      population: the name of the population every device hosts (`fax-bridge device
+        --population DIR`); checked on start. Runs pass `fleet.population` (or a
+        `PopulationRef`) for a CLIENTS argument and send only client ids. None: no
+        check (a `PopulationRef` then accepts whatever population the devices agree on).
       preaggregate, cohort_size, dropout, straggler_delay_s, round_deadline_s,
         min_clients, seed, emulate_delays, rpc_timeout_s, progress: as for `LocalFleet`.
     """
@@ -56,7 +60,7 @@ class RemoteFleet(FleetRounds):
                  dropout: float = 0.0, straggler_delay_s: float = 0.0,
                  round_deadline_s: Optional[float] = None, min_clients: int = 1,
                  seed: int = 0, emulate_delays: bool = True, rpc_timeout_s: float = 60.0,
-                 progress: bool = False):
+                 progress: bool = False, population: Optional[str] = None):
         if (addresses is None) == (fleet_file is None):
             raise FleetError("RemoteFleet needs exactly one of addresses=[HOST:PORT, ...] "
                              "or fleet_file=PATH")
@@ -75,7 +79,8 @@ class RemoteFleet(FleetRounds):
                                straggler_delay_s=straggler_delay_s,
                                round_deadline_s=round_deadline_s, min_clients=min_clients,
                                seed=seed, emulate_delays=emulate_delays),
-            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress)
+            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress,
+            population_name=population)
         self.configured_addresses = list(addresses)
         self.num_devices = len(addresses)
         self.survive_device_loss = bool(survive_device_loss)
@@ -98,6 +103,13 @@ class RemoteFleet(FleetRounds):
         self.addresses = list(self.configured_addresses)
         self.num_devices = len(self.addresses)
         self.backend = self._connect(self.addresses, self.connect_timeout_s)
+        if self.population_name is not None:
+            try:
+                self.backend.population_info(self.population)
+            except FleetError:
+                self.backend.close()
+                self.backend = None
+                raise
         return self
 
     def close(self) -> None:

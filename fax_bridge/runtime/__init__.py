@@ -3,7 +3,8 @@
 Modules: `interpreter` (evaluate / run_computation), `local_eval` (compile_local for
 local parts, also used by device servers), `values` (pytree and npz conversions),
 `backend` (the ClientsBackend contract), `local_backend` (in-process clients),
-`reductions` (ordered aggregations), `hlo` (HLO compilation), `xla_builder` (Xla
+`reductions` (ordered aggregations), `population` (CLIENTS inputs read
+from a population store by reference), `hlo` (HLO compilation), `xla_builder` (Xla
 computations from JAX functions). The names below load their module on first use.
 """
 
@@ -20,6 +21,7 @@ _LAZY = {
     "LocalClientsBackend": "local_backend",
     "ClientsBackend": "backend",
     "ClientsValue": "backend",
+    "PopulationRef": "population",
     "xla_computation": "xla_builder",
 }
 

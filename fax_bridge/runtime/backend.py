@@ -85,6 +85,27 @@ class ClientsBackend(abc.ABC):
     def get(self, value: ClientsValue) -> list[LocalValue]:
         """Brings every client's member back to the coordinator, in client order."""
 
+    def put_from_store(self, member_type: federated_language.Type, ref: Any,
+                       client_ids: Sequence[int]) -> ClientsValue:
+        """Places, on client i, the stored rows of population client `client_ids[i]`.
+
+        `ref` is a `fax_bridge.runtime.population.PopulationRef`: the data stays where the
+        clients run and only ids travel. Backends that cannot read populations raise.
+        """
+        from fax_bridge.errors import ComputationError
+
+        raise ComputationError(
+            f"{type(self).__name__} cannot read CLIENTS inputs from a population store; "
+            "pass the client data itself, or use a backend that hosts the population")
+
+    def population_size(self, ref: Any) -> int:
+        """How many clients the population `ref` names holds."""
+        from fax_bridge.errors import ComputationError
+
+        raise ComputationError(
+            f"{type(self).__name__} hosts no population; give PopulationRef(client_ids=...) "
+            "or use a backend that hosts the population")
+
     def close(self) -> None:
         """Releases whatever the backend holds."""
 

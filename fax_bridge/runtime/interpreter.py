@@ -25,6 +25,7 @@ from fax_bridge.errors import ComputationError, FaxBridgeError
 from fax_bridge.runtime import local_eval, reductions, values
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
+from fax_bridge.runtime.population import PopulationRef
 
 Computation = computation_pb2.Computation
 _LAMBDA = "lambda"  # a python keyword, so the proto field is read with getattr
@@ -276,6 +277,8 @@ class _Interpreter:
         if isinstance(value, ClientsValue):
             return value
         if _is_clients(type_):
+            if isinstance(value, PopulationRef):
+                return self.backend.put_from_store(type_.member, value, value.client_ids)
             return self.backend.put(type_.member, value)
         if isinstance(type_, federated_language.StructType) and values._contains_federated(
                 type_):
@@ -576,7 +579,9 @@ def evaluate(proto: Union[Computation, bytes], arg: Any = None,
     `arg` is the TFF value of the parameter: local values as arrays/`Struct`s, SERVER
     values as their member, CLIENTS values as a list with one member per client. The
     result comes back the same way. `num_clients` is needed only when no CLIENTS input
-    fixes it; `data` maps the URIs of `Data` computations to their values.
+    fixes it; `data` maps the URIs of `Data` computations to their values. A CLIENTS
+    value may also be a `PopulationRef`: its rows are read where the clients run
+    (`ClientsBackend.put_from_store`), so only client ids leave this process.
     """
     proto = _as_proto(proto)
     backend = backend if backend is not None else LocalClientsBackend()
@@ -594,7 +599,8 @@ def evaluate(proto: Union[Computation, bytes], arg: Any = None,
                 raise ComputationError(f"the computation {fn_type} takes no argument")
             result = it.call(it.eval(proto, {}), None, has_arg=False)
         else:
-            checked = values.check_value(arg, fn_type.parameter)
+            checked = values.check_value(arg, fn_type.parameter,
+                                         population_size=backend.population_size)
             found = values.num_clients_of(checked, fn_type.parameter)
             if found is not None:
                 if num_clients is not None and num_clients != found:

@@ -7,7 +7,7 @@ order (see `reductions`). This is the reference backend the gRPC one is compared
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import federated_language
 from federated_language.common_libs import structure
@@ -45,7 +45,38 @@ def _members(value: ClientsValue) -> list[LocalValue]:
 
 
 class LocalClientsBackend(ClientsBackend):
-    """Runs CLIENTS-placed work in this process (no devices, no network)."""
+    """Runs CLIENTS-placed work in this process (no devices, no network).
+
+    CLIENTS inputs given as `PopulationRef(directory=...)` are read from that store here.
+    """
+
+    def _store(self, ref):
+        from fax_bridge.runtime import population
+
+        if not getattr(ref, "directory", None):
+            raise ComputationError(
+                f"{ref!r} names no directory; the local backend reads populations in this "
+                "process, so give PopulationRef(directory=...)")
+        stores = self.__dict__.setdefault("_stores", {})
+        if ref.directory not in stores:
+            stores[ref.directory] = population.open_store(ref.directory)
+        return stores[ref.directory]
+
+    def put_from_store(self, member_type: federated_language.Type, ref: Any,
+                       client_ids: Sequence[int]) -> LocalClientsValue:
+        import numpy as np
+
+        from fax_bridge.runtime import population
+
+        store = self._store(ref)
+        columns = population.plan_columns(
+            store, member_type, population.default_keys(member_type, ref.keys))
+        ids = np.asarray(client_ids, np.int64)
+        return LocalClientsValue(member_type,
+                                 population.read_members(store, member_type, columns, ids))
+
+    def population_size(self, ref: Any) -> int:
+        return self._store(ref).num_clients
 
     def put(self, member_type: federated_language.Type,
             values: Sequence[LocalValue]) -> LocalClientsValue:

@@ -24,6 +24,7 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime.backend import ClientsValue
+from fax_bridge.runtime.population import PopulationRef
 
 LocalValue = Any  # np.ndarray | structure.Struct
 Pytree = Any
@@ -177,7 +178,13 @@ def from_pytree(value: Pytree, type_: federated_language.Type, path: str = "") -
     """A pytree as the runtime value of `type_` (CLIENTS: a list of per-client values)."""
     if isinstance(type_, federated_language.FederatedType):
         if type_.placement is federated_language.CLIENTS:
+            if isinstance(value, PopulationRef):
+                return value  # read where the clients run (backend.put_from_store)
             return unstack(to_local(value, type_.member, path, lead=1), path)
+        if isinstance(value, PopulationRef):
+            raise ComputationError(
+                f"{_where(path)}: a PopulationRef can only stand for a CLIENTS value, not "
+                f"{type_}")
         return to_local(value, type_.member, path)
     if isinstance(type_, federated_language.StructType) and _contains_federated(type_):
         pairs = _struct_items(value, type_, path)
@@ -221,11 +228,28 @@ def to_pytree(value: Any, type_: federated_language.Type) -> Pytree:
     return local_to_pytree(value)
 
 
-def check_value(value: Any, type_: federated_language.Type, path: str = "") -> Any:
-    """Checks a runtime value (CLIENTS as per-client lists) against `type_`; returns it cast."""
+def check_value(value: Any, type_: federated_language.Type, path: str = "",
+                population_size: Optional[Any] = None) -> Any:
+    """Checks a runtime value (CLIENTS as per-client lists) against `type_`; returns it cast.
+
+    A `PopulationRef` may stand for a CLIENTS value; one naming no client ids gets every
+    client of its population, counted by `population_size(ref)`.
+    """
     if isinstance(type_, federated_language.FederatedType):
         if type_.placement is federated_language.CLIENTS:
             if isinstance(value, ClientsValue):
+                return value
+            if isinstance(value, PopulationRef):
+                if type_.all_equal:
+                    raise ComputationError(
+                        f"{_where(path)}: a PopulationRef gives each client its own rows; it "
+                        f"cannot stand for the all-equal value {type_}")
+                if value.client_ids is None:
+                    if population_size is None:
+                        raise ComputationError(
+                            f"{_where(path)}: {value!r} names no client ids and nothing "
+                            "can count its population; give client_ids=")
+                    value = value.with_ids(np.arange(int(population_size(value))))
                 return value
             if isinstance(value, (structure.Struct, Mapping)) or not isinstance(
                     value, (list, tuple)):
@@ -238,7 +262,7 @@ def check_value(value: Any, type_: federated_language.Type, path: str = "") -> A
     if isinstance(type_, federated_language.StructType) and _contains_federated(type_):
         pairs = _struct_items(value, type_, path)
         return structure.Struct([
-            (n, check_value(v, t, _join(path, n if n else i)))
+            (n, check_value(v, t, _join(path, n if n else i), population_size))
             for i, ((n, v), (_, t)) in enumerate(zip(pairs, type_.items()))
         ])
     return to_local(value, type_, path)

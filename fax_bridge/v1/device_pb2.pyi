@@ -69,7 +69,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "device_id", "pid", "protocol", "num_handles", "num_computations", "num_clients")
+    __slots__ = ("status", "device_id", "pid", "protocol", "num_handles", "num_computations", "num_clients", "population_name", "population_clients", "population_digest")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,9 @@ class HealthResponse(_message.Message):
     NUM_HANDLES_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTATIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_NAME_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_DIGEST_FIELD_NUMBER: _ClassVar[int]
     status: str
     device_id: str
     pid: int
@@ -84,7 +87,10 @@ class HealthResponse(_message.Message):
     num_handles: int
     num_computations: int
     num_clients: int
-    def __init__(self, status: _Optional[str] = ..., device_id: _Optional[str] = ..., pid: _Optional[int] = ..., protocol: _Optional[str] = ..., num_handles: _Optional[int] = ..., num_computations: _Optional[int] = ..., num_clients: _Optional[int] = ...) -> None: ...
+    population_name: str
+    population_clients: int
+    population_digest: str
+    def __init__(self, status: _Optional[str] = ..., device_id: _Optional[str] = ..., pid: _Optional[int] = ..., protocol: _Optional[str] = ..., num_handles: _Optional[int] = ..., num_computations: _Optional[int] = ..., num_clients: _Optional[int] = ..., population_name: _Optional[str] = ..., population_clients: _Optional[int] = ..., population_digest: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("computation_hash", "computation")
@@ -101,12 +107,38 @@ class LoadResponse(_message.Message):
     def __init__(self, already_loaded: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("handle", "values")
+    __slots__ = ("handle", "values", "from_store")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     handle: int
     values: _containers.RepeatedCompositeFieldContainer[ClientValue]
-    def __init__(self, handle: _Optional[int] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ...) -> None: ...
+    from_store: StoreRead
+    def __init__(self, handle: _Optional[int] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., from_store: _Optional[_Union[StoreRead, _Mapping]] = ...) -> None: ...
+
+class ClientRange(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class StoreRead(_message.Message):
+    __slots__ = ("population", "first_client", "population_ids", "ranges", "member_type", "keys")
+    POPULATION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    POPULATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TYPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    population: str
+    first_client: int
+    population_ids: _containers.RepeatedScalarFieldContainer[int]
+    ranges: _containers.RepeatedCompositeFieldContainer[ClientRange]
+    member_type: bytes
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, population: _Optional[str] = ..., first_client: _Optional[int] = ..., population_ids: _Optional[_Iterable[int]] = ..., ranges: _Optional[_Iterable[_Union[ClientRange, _Mapping]]] = ..., member_type: _Optional[bytes] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("num_clients",)

@@ -1,0 +1,350 @@
+"""CLIENTS inputs named by reference: rows of a population store read where clients run.
+
+A `PopulationRef` stands for a CLIENTS-placed argument whose members are rows of a
+population written by `fax_bridge.data.stream.write_population`. Instead of reading
+every client's data and sending it, the coordinator passes the reference (and the
+population ids of the chosen clients) to its `ClientsBackend.put_from_store`: a fleet
+device that hosts the population itself (`fax-bridge device --population DIR`) reads only
+those clients' rows from its memory-mapped store; the local backend reads them from
+`directory`.
+
+How a member type maps onto stored arrays (checked before any row is read):
+
+- A tensor member reads one stored array (`keys=("x",)`, or the store's only array);
+  a struct member reads one array per tensor, depth first (`keys`, or by default the
+  arrays named like the struct's elements, which must then be flat and named).
+- A stored array holds, per client, `n` examples of one example shape. A member tensor
+  of rank `1 + example rank` is the client's whole block `[n, *example_shape]` (its
+  first dimension, when known, must equal every chosen client's `n`); a member tensor
+  of the example's rank is the client's single example (every chosen client must hold
+  exactly one).
+- dtypes must match exactly (no casting), and known dimensions must agree.
+
+Every mismatch is a `ComputationError` naming the element, the stored array and both
+types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Optional, Sequence
+
+import federated_language
+import numpy as np
+from federated_language.common_libs import structure
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import limits
+
+_META = "population.json"
+_OFFSETS = "offsets.npy"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PopulationRef:
+    """A CLIENTS-placed argument read from a population store where the clients run.
+
+    Attributes:
+      name: the population the devices must host (`--population-name`, by default the
+        store directory's base name); None accepts whatever they host, as long as every
+        device hosts the same one.
+      directory: the store, for backends that read it in this process (the local
+        backend); fleet devices read their own `--population` instead.
+      client_ids: population ids of the clients, in client order; None takes every
+        client of the population. Rounds on a fleet narrow them to the sampled cohort.
+      keys: the stored array behind each tensor of the member type, depth first; None
+        picks them by element name (or the only array, for a tensor member).
+    """
+
+    name: Optional[str] = None
+    directory: Optional[str] = None
+    client_ids: Optional[Sequence[int]] = None
+    keys: Optional[Sequence[str]] = None
+
+    def __post_init__(self):
+        if self.client_ids is not None:
+            ids = np.asarray(self.client_ids)
+            if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+                raise ComputationError(
+                    f"PopulationRef client_ids must be a flat sequence of integer ids, got "
+                    f"{ids.dtype}{list(ids.shape)}")
+            ids = ids.astype(np.int64)
+            if ids.size and int(ids.min()) < 0:
+                raise ComputationError(
+                    f"PopulationRef client_ids hold a negative id {int(ids.min())}")
+            ids.setflags(write=False)
+            object.__setattr__(self, "client_ids", ids)
+        if self.keys is not None:
+            if isinstance(self.keys, str):
+                object.__setattr__(self, "keys", (self.keys,))
+            else:
+                object.__setattr__(self, "keys", tuple(str(k) for k in self.keys))
+
+    @property
+    def num_clients(self) -> Optional[int]:
+        """How many clients the reference names (None: all, not known yet)."""
+        return None if self.client_ids is None else int(len(self.client_ids))
+
+    def with_ids(self, client_ids: Sequence[int]) -> "PopulationRef":
+        """The same reference naming the population clients `client_ids`."""
+        return dataclasses.replace(self, client_ids=np.asarray(client_ids, np.int64))
+
+    def select(self, positions: Sequence[int]) -> "PopulationRef":
+        """The clients at `positions` among those this reference names (a cohort)."""
+        positions = np.asarray(positions, np.int64)
+        if self.client_ids is None:
+            return self.with_ids(positions)
+        return self.with_ids(np.asarray(self.client_ids)[positions])
+
+    def __repr__(self) -> str:
+        ids = "all" if self.client_ids is None else f"{len(self.client_ids)} clients"
+        where = f", directory={self.directory!r}" if self.directory else ""
+        return f"PopulationRef(name={self.name!r}{where}, {ids}, keys={self.keys})"
+
+
+# ---------------------------------------------------------------------------------------
+# Stores.
+
+
+def store_digest(directory: str) -> str:
+    """A digest of a population's layout (array dtypes and shapes, client offsets)."""
+    h = hashlib.sha256()
+    with open(os.path.join(directory, _META), "rb") as f:
+        meta = json.load(f)
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    with open(os.path.join(directory, _OFFSETS), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def default_name(directory: str) -> str:
+    """The name a population goes by when none is given: its directory's base name."""
+    return os.path.basename(os.path.normpath(os.path.abspath(directory)))
+
+
+class PopulationStore:
+    """A population directory (see `fax_bridge.data.stream`) memory-mapped read-only.
+
+    The same layout `ClientStore` reads, with what reading by reference needs: the
+    dtype and example shape of each stored array and the arrays themselves (memmaps, so
+    only the rows that are indexed are ever read from disk).
+    """
+
+    def __init__(self, directory: str):
+        meta_path = os.path.join(directory, _META)
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            self.offsets = np.load(os.path.join(directory, _OFFSETS))
+            arrays = meta["arrays"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ComputationError(
+                f"cannot open the population store {directory}: {e}; write one with "
+                "fax_bridge.data.stream.write_population") from None
+        self.directory = directory
+        self.offsets = np.asarray(self.offsets, np.int64)
+        total = int(self.offsets[-1]) if self.offsets.size else 0
+        self.spec: dict[str, tuple[np.dtype, tuple]] = {}
+        self._arrays: dict[str, np.ndarray] = {}
+        for key, s in arrays.items():
+            dtype, example = np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"])
+            self.spec[key] = (dtype, example)
+            path = os.path.join(directory, f"{key}.bin")
+            if total == 0:
+                self._arrays[key] = np.zeros((0,) + example, dtype)
+                continue
+            want = total * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
+            size = os.path.getsize(path) if os.path.exists(path) else -1
+            if size != want:
+                raise ComputationError(
+                    f"population array {path} holds {size} bytes but {total} examples of "
+                    f"{dtype.name}{list(example)} need {want}; the store is damaged")
+            self._arrays[key] = np.memmap(path, dtype=dtype, mode="r",
+                                          shape=(total,) + example)
+
+    @property
+    def num_clients(self) -> int:
+        return max(0, len(self.offsets) - 1)
+
+    def array(self, key: str) -> np.ndarray:
+        """The stored array `key`, all examples of all clients (memory-mapped)."""
+        return self._arrays[key]
+
+
+def open_store(directory: str) -> PopulationStore:
+    """The population at `directory`, with a clear ComputationError when it is not one."""
+    return PopulationStore(directory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One tensor of the member: which stored array, and whole block or single example."""
+
+    path: str
+    key: str
+    type_: federated_language.TensorType
+    single: bool
+
+
+def _leaf_paths(member_type: federated_language.Type, path: str = "") -> list:
+    if isinstance(member_type, federated_language.TensorType):
+        return [(path, member_type)]
+    if isinstance(member_type, federated_language.StructType):
+        out = []
+        for i, (name, t) in enumerate(member_type.items()):
+            out.extend(_leaf_paths(t, f"{path}.{name or i}" if path else str(name or i)))
+        return out
+    raise ComputationError(
+        f"a population can only fill CLIENTS members of tensors or structs of tensors, "
+        f"not {member_type}")
+
+
+def default_keys(member_type: federated_language.Type,
+                 keys: Optional[Sequence[str]]) -> list[str]:
+    """The stored array of each tensor of `member_type` ([] leaves a tensor to the store)."""
+    leaves = _leaf_paths(member_type)
+    if keys is not None:
+        keys = list(keys)
+        if len(keys) != len(leaves):
+            raise ComputationError(
+                f"PopulationRef keys {keys} name {len(keys)} stored arrays but the member "
+                f"type {member_type} has {len(leaves)} tensors; give one key per tensor, "
+                "depth first")
+        return keys
+    if isinstance(member_type, federated_language.TensorType):
+        return []
+    items = list(member_type.items())
+    if not all(n for n, _ in items) or any(
+            not isinstance(t, federated_language.TensorType) for _, t in items):
+        raise ComputationError(
+            f"the member type {member_type} is not a flat struct of named tensors; give "
+            "PopulationRef(keys=[...]) with the stored array of each tensor, depth first")
+    return [n for n, _ in items]
+
+
+def plan_columns(store, member_type: federated_language.Type,
+                 keys: Sequence[str]) -> list[Column]:
+    """Checks the stored arrays against `member_type`; returns how to read each tensor."""
+    leaves = _leaf_paths(member_type)
+    keys = list(keys)
+    stored = store.spec
+    if not keys:
+        if len(leaves) != 1 or len(stored) != 1:
+            raise ComputationError(
+                f"the member type {member_type} does not say which stored arrays to read "
+                f"(the population holds {sorted(stored)}); give PopulationRef(keys=[...])")
+        keys = list(stored)
+    if len(keys) != len(leaves):
+        raise ComputationError(
+            f"{len(keys)} stored arrays {keys} for a member type {member_type} of "
+            f"{len(leaves)} tensors")
+    columns = []
+    for (path, t), key in zip(leaves, keys):
+        element = f"member element `{path}`" if path else "the member"
+        if key not in stored:
+            raise ComputationError(
+                f"{element} ({t}) reads stored array {key!r}, but the population holds "
+                f"only {sorted(stored)}")
+        dtype, example = stored[key]
+        want = np.dtype(t.dtype)
+        shape = list(t.shape or ())
+        where = (f"{element} is {t} but the population stores {key!r} as "
+                 f"{dtype.name} examples of shape {list(example)}")
+        if dtype != want:
+            raise ComputationError(f"{where}: the dtypes differ ({dtype.name} stored, "
+                                   f"{want.name} expected); rewrite the population or "
+                                   "change the parameter type")
+        if len(shape) == len(example) + 1:
+            rest, single = shape[1:], False
+        elif len(shape) == len(example):
+            rest, single = shape, True
+        else:
+            raise ComputationError(
+                f"{where}: a member tensor must have the example's rank (one example per "
+                f"client) or one more (all of a client's examples)")
+        if any(w is not None and w != g for w, g in zip(rest, example)):
+            raise ComputationError(f"{where}: the example shapes differ")
+        columns.append(Column(path=path, key=key, type_=t, single=single))
+    return columns
+
+
+def check_ids(store, ids: np.ndarray) -> None:
+    """Raises ComputationError unless every id names a client of the store."""
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= store.num_clients):
+        bad = ids[(ids < 0) | (ids >= store.num_clients)]
+        raise ComputationError(
+            f"client id {int(bad[0])} is out of range for a population of "
+            f"{store.num_clients} clients")
+
+
+def rows_bytes(store, columns: Sequence[Column], ids: np.ndarray) -> int:
+    """Bytes the members of `ids` take once read (checked against the tensor cap)."""
+    sizes = np.diff(store.offsets)[ids] if ids.size else np.zeros(0, np.int64)
+    examples = int(sizes.sum())
+    biggest = int(sizes.max()) if sizes.size else 0
+    total = 0
+    for c in columns:
+        dtype, example = store.spec[c.key]
+        limits.tensor_bytes([biggest] + list(example), dtype.itemsize,
+                            f"stored array {c.key!r} of one client")
+        total += examples * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
+    return total
+
+
+def read_members(store, member_type: federated_language.Type, columns: Sequence[Column],
+                 ids: np.ndarray) -> list:
+    """The members of clients `ids` (in order), reading only their rows."""
+    ids = np.asarray(ids, np.int64)
+    check_ids(store, ids)
+    starts = store.offsets[ids]
+    counts = store.offsets[ids + 1] - starts
+    per_column = []
+    for c in columns:
+        array = store.array(c.key)
+        where = f"member element `{c.path}`" if c.path else "the member"
+        if c.single:
+            wrong = np.flatnonzero(counts != 1)
+            if wrong.size:
+                i = int(wrong[0])
+                raise ComputationError(
+                    f"{where} ({c.type_}) is one example per client, but client "
+                    f"{int(ids[i])} holds {int(counts[i])} examples of {c.key!r}; use a "
+                    f"member type with a leading examples dimension")
+            block = np.asarray(array[starts])         # one copy of only these rows
+            per_column.append(list(block))
+            continue
+        first = (c.type_.shape or [None])[0]
+        if first is not None:
+            wrong = np.flatnonzero(counts != first)
+            if wrong.size:
+                i = int(wrong[0])
+                raise ComputationError(
+                    f"{where} is {c.type_}, but client {int(ids[i])} holds "
+                    f"{int(counts[i])} examples of {c.key!r}")
+        if ids.size and int(counts.min()) == int(counts.max()):
+            k = int(counts[0])
+            block = np.asarray(array[starts[:, None] + np.arange(k)])
+            per_column.append(list(block))
+        else:
+            per_column.append([np.array(array[s:s + n]) for s, n in zip(starts, counts)])
+    if isinstance(member_type, federated_language.TensorType):
+        return per_column[0] if per_column else []
+    template = _template(member_type)
+    return [_fill(template, iter(row)) for row in zip(*per_column)]
+
+
+def _template(t):
+    if isinstance(t, federated_language.StructType):
+        return structure.Struct([(n, _template(tt)) for n, tt in t.items()])
+    return None
+
+
+def _fill(template, leaves):
+    if isinstance(template, structure.Struct):
+        return structure.Struct([(n, _fill(m, leaves))
+                                 for n, m in structure.iter_elements(template)])
+    return next(leaves)

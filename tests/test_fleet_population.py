@@ -1,0 +1,241 @@
+"""Devices that host a population: CLIENTS inputs named by id, rows read on the devices."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+import pytest
+
+from fax_bridge.data.stream import write_population
+from fax_bridge.errors import ComputationError, FleetError
+from fax_bridge.fleet import sample_computations as sc
+from fax_bridge.fleet import security
+from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet.device import DeviceServicer, start_server
+from fax_bridge.fleet.launcher import LocalFleet
+from fax_bridge.fleet.remote import RemoteFleet
+from fax_bridge.fleet.rounds import RoundPolicy, plan_round
+from fax_bridge.runtime import interpreter
+from fax_bridge.runtime.local_backend import LocalClientsBackend
+from fax_bridge.runtime.population import PopulationRef
+from fax_bridge.v1 import device_pb2 as pb
+from fax_bridge.v1 import device_pb2_grpc as pb_grpc
+
+CLIENTS = 60
+FEATURES = 4
+EXAMPLES = 3
+S = np.array([1.0, -2.0, 3.0, 0.5], np.float32)
+X = PopulationRef(keys=["x"])  # the fixture's store holds x, bx and by
+
+
+def _write(directory, xs, examples=False, **extra):
+    """One client per row of `xs`: one example each (`examples`: xs[i] is a block of
+    examples); `extra` arrays hold one more example per client each."""
+    def gen():
+        for i, x in enumerate(xs):
+            client = {"x": x if examples else x[None]}
+            client.update({k: v[i][None] for k, v in extra.items()})
+            yield client
+    write_population(str(directory), gen())
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(CLIENTS, FEATURES)).astype(np.float32)
+    bx = rng.normal(size=(CLIENTS, EXAMPLES, FEATURES)).astype(np.float32)
+    by = rng.normal(size=(CLIENTS, EXAMPLES)).astype(np.float32)
+    root = tmp_path_factory.mktemp("population")
+    directory = _write(root / "pop", xs, bx=bx, by=by)
+    return {"dir": directory, "xs": xs, "bx": bx, "by": by}
+
+
+@pytest.fixture(scope="module")
+def fleet(data):
+    with LocalFleet(devices=2, population=data["dir"]) as fleet:
+        yield fleet
+
+
+@contextlib.contextmanager
+def _devices(*populations, token=None):
+    """In-process device servers, one per population directory (None: none hosted)."""
+    token = token or security.new_token()
+    servers, addresses = [], []
+    try:
+        for i, directory in enumerate(populations):
+            servicer = DeviceServicer(f"device-{i}", population=directory)
+            server, port = start_server("127.0.0.1:0", servicer, token=token)
+            servers.append(server)
+            addresses.append(f"127.0.0.1:{port}")
+        yield addresses, token
+    finally:
+        for server in servers:
+            server.stop(grace=None)
+
+
+def test_device_hosted_round_equals_coordinator_fed_round(fleet, data):
+    proto = sc.scaled_aggregate((FEATURES,), "sum")
+    fed = fleet.run(proto, data["xs"], S)
+    hosted, rep = fleet.run(proto, X, S, report=True)
+    np.testing.assert_array_equal(hosted, fed)  # exact partials: the same bits
+    local = interpreter.run_computation(proto, PopulationRef(directory=data["dir"],
+                                                             keys=["x"]), S,
+                                        backend=LocalClientsBackend())
+    np.testing.assert_allclose(hosted, local, rtol=1e-5)  # float32 folded in order
+    assert rep.payload_down == 2 * S.nbytes  # only the broadcast: no client data sent
+    assert len(rep.participants) == CLIENTS
+
+
+def test_several_clients_arguments_read_by_key_with_examples(fleet, data):
+    proto = sc.linear_regression_step(features=FEATURES, examples=EXAMPLES)
+    w = np.linspace(-1, 1, FEATURES).astype(np.float32)
+    fed = fleet.run(proto, w, data["bx"], data["by"])
+    hosted = fleet.run(proto, w, PopulationRef(keys=["bx"]), PopulationRef(keys=["by"]))
+    for key in ("w", "loss", "losses"):
+        np.testing.assert_array_equal(hosted[key], fed[key])
+
+
+def test_cohort_reads_only_the_chosen_clients(tmp_path):
+    population, cohort, seed = 400, 25, 7
+    chosen = plan_round(RoundPolicy(cohort_size=cohort, seed=seed), population,
+                        0).participants
+    rng = np.random.default_rng(1)
+    # two examples per client; the member is the client's whole [2, F] block
+    xs = rng.integers(-20, 20, size=(population, 2, FEATURES)).astype(np.float32)
+    others = np.setdiff1d(np.arange(population), chosen)
+    xs[others] = np.nan  # any row outside the cohort would poison the sum
+    directory = _write(tmp_path / "big", xs, examples=True)
+    proto = sc.scaled_aggregate((2, FEATURES), "sum")
+    s = np.tile(S, (2, 1))
+    with _devices(directory, directory) as (addresses, token):
+        with RemoteFleet(addresses, token=token, cohort_size=cohort, seed=seed,
+                         population="big") as remote:
+            got, rep = remote.run(proto, remote.population, s, report=True)
+    assert rep.cohort == list(chosen) and rep.population == population
+    expected = (xs[chosen] * s).sum(axis=0)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_stored_dtype_or_shape_mismatch_is_a_clear_error(fleet, data, tmp_path):
+    with pytest.raises(FleetError, match=r"dtypes differ \(float32 stored, int32"):
+        fleet.run(sc.scaled_aggregate((FEATURES,), "sum", dtype=np.int32),
+                  X, S.astype(np.int32))
+    with pytest.raises(FleetError, match="example shapes differ"):
+        fleet.run(sc.scaled_aggregate((FEATURES + 1,), "sum"), X,
+                  np.ones(FEATURES + 1, np.float32))
+    with pytest.raises(FleetError, match="holds only"):
+        fleet.run(sc.scaled_aggregate((FEATURES,), "sum"), PopulationRef(keys=["nope"]), S)
+    with pytest.raises(FleetError, match="which stored arrays"):
+        # three arrays are stored and no key is named
+        fleet.run(sc.scaled_aggregate((FEATURES,), "sum"), fleet.population, S)
+    # the same checks on the local backend raise ComputationError
+    with pytest.raises(ComputationError, match="dtypes differ"):
+        interpreter.run_computation(
+            sc.scaled_aggregate((FEATURES,), "sum", dtype=np.int32),
+            PopulationRef(directory=data["dir"], keys=["x"]), S.astype(np.int32),
+            backend=LocalClientsBackend())
+    # a block of 2 examples per client where the member wants exactly one
+    blocks = _write(tmp_path / "blocks", np.ones((3, 2, FEATURES), np.float32),
+                    examples=True)
+    with pytest.raises(ComputationError, match="one example per client"):
+        interpreter.run_computation(sc.scaled_aggregate((FEATURES,), "sum"),
+                                    PopulationRef(directory=blocks), S,
+                                    backend=LocalClientsBackend())
+
+
+def test_devices_must_host_the_same_population(data, tmp_path):
+    other = _write(tmp_path / "other", np.zeros((5, FEATURES), np.float32))
+    proto = sc.scaled_aggregate((FEATURES,), "sum")
+    with _devices(data["dir"], other) as (addresses, token):
+        with GrpcClientsBackend(addresses, token=token) as backend:
+            with pytest.raises(FleetError, match="different populations"):
+                interpreter.run_computation(proto, PopulationRef(keys=["x"]), S,
+                                            backend=backend)
+    with _devices(data["dir"], None) as (addresses, token):
+        with GrpcClientsBackend(addresses, token=token) as backend:
+            with pytest.raises(FleetError, match="host no population"):
+                backend.population_size()
+    with _devices(data["dir"]) as (addresses, token):
+        with pytest.raises(FleetError, match="asks for population 'elsewhere'"):
+            RemoteFleet(addresses, token=token, population="elsewhere").start()
+
+
+def test_reads_from_the_store_need_the_fleet_token(data):
+    with _devices(data["dir"]) as (addresses, token):
+        channel = grpc.insecure_channel(addresses[0])
+        try:
+            stub = pb_grpc.DeviceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                read = pb.StoreRead(population_ids=[0])
+                stub.Put(iter([pb.PutRequest(handle=1, from_store=read)]), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            channel.close()
+
+
+def test_hosted_round_never_puts_client_data(fleet, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("client data was placed from the coordinator")
+
+    monkeypatch.setattr(fleet.backend, "put", refuse)
+    got = fleet.run(sc.scaled_aggregate((FEATURES,), "mean"), X, S)
+    assert got.shape == (FEATURES,)
+
+
+class _Recording(Sequence):
+    """A sequence of client values that records how far it has been read."""
+
+    def __init__(self, values):
+        self._values = values
+        self.read = 0
+
+    def __len__(self):
+        return len(self._values)
+
+    def __getitem__(self, i):
+        self.read = max(self.read, i + 1)
+        return self._values[i]
+
+
+def test_put_streams_messages_one_at_a_time(data):
+    """The coordinator builds each Put message only when gRPC asks for the next one."""
+    import federated_language as fl
+
+    member = fl.TensorType(np.float32, [64])
+    values = _Recording([np.full(64, i, np.float32) for i in range(120)])
+    with _devices(None) as (addresses, token):
+        backend = GrpcClientsBackend(addresses, token=token, message_bytes=300)
+        try:
+            real = backend._devices[0].stub
+            ahead = []
+
+            class Stub:
+                def __init__(self):
+                    self.Put = self
+
+                def future(self, requests, **kw):
+                    taken, sent = [], 0
+                    for message in requests:
+                        sent += len(message.values)
+                        ahead.append(values.read - sent)
+                        taken.append(message)
+                    return real.Put.future(iter(taken), **kw)
+
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+            backend._devices[0].stub = Stub()
+            value = backend.put(member, values)
+            backend._devices[0].stub = real
+            assert len(ahead) == 120  # 300-byte messages: one client each
+            assert max(ahead) <= 1    # never more than one message's worth built ahead
+            got = backend.get(value)
+            np.testing.assert_array_equal(np.stack(got)[:, 0], np.arange(120))
+            assert backend.traffic.payload_down == 120 * 64 * 4
+        finally:
+            backend.close()
