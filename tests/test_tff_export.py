@@ -290,3 +290,18 @@ def test_constant_with_distinct_rows_per_client_is_an_export_error():
 
     with pytest.raises(fb.ExportError, match="CLIENTS argument"):
         fb.export_tff(f, jnp.ones((N, 2)), placements="clients")
+
+
+def test_server_work_runs_as_late_as_its_consumers_allow():
+    @fb.program(clients=N)
+    def f(w, x):
+        wm = fb.federated_weighted_mean(x, jnp.ones(N))  # depth 1
+        side = jnp.sum(wm) * 2.0                         # could run at depth 1 or 2
+        y = fb.federated_mean(fb.federated_map_clients(
+            lambda a, b: a * b, (fb.federated_broadcast(w), x)))  # depth 2
+        return y + side
+
+    proto = fb.export_tff(f, W, jnp.ones((N, 3)), placements=("server", "clients"))
+    assert intrinsics(proto).count("federated_apply") == 1  # one server stage, not two
+    np.testing.assert_allclose(run_computation(proto, W, jnp.ones((N, 3))),
+                               f(W, jnp.ones((N, 3))), rtol=1e-6)

@@ -425,13 +425,14 @@ class _Exporter:
         def d(v):
             return 0 if isinstance(v, core.Literal) else depth.get(v, 0)
 
-        units: dict = {}
         comms: dict = {}
         uses_after: dict = {}
         for idx, eqn in enumerate(j.eqns):
             for v in eqn.invars:
                 if not isinstance(v, core.Literal):
                     uses_after.setdefault(v, []).append(idx)
+        # Earliest depth of each local equation (communications stay at theirs).
+        earliest: dict = {}
         for eqn in j.eqns:
             outs_p = {self._placement(v) for v in eqn.outvars}
             if outs_p == {U} or all(v in self.consts for v in eqn.outvars):
@@ -443,13 +444,33 @@ class _Exporter:
                     depth[v] = base + 1
                 comms.setdefault(base + 1, []).append(eqn)
             else:
-                (placement,) = outs_p
                 for v in eqn.outvars:
                     depth[v] = base
-                units.setdefault((placement, base), []).append(eqn)
-        max_depth = max([0] + [k[1] for k in units] + list(comms))
-        stage_of = {id(e): key for key, es in units.items() for e in es}
+                earliest[id(eqn)] = base
+        max_depth = max([0] + list(earliest.values()) + list(comms))
+        # Each local equation runs as late as its consumers allow, so work at one
+        # placement that several depths could hold lands in one stage.
+        comm_level = {id(e): level for level, es in comms.items() for e in es}
         program_outs = {v for v in j.outvars if not isinstance(v, core.Literal)}
+        latest: dict = {}
+        for eqn in reversed(j.eqns):
+            if id(eqn) not in earliest:
+                continue
+            limit = max_depth if any(v in program_outs for v in eqn.outvars) else None
+            for v in eqn.outvars:
+                for i in uses_after.get(v, []):
+                    c = j.eqns[i]
+                    bound = comm_level[id(c)] - 1 if id(c) in comm_level else latest.get(id(c))
+                    if bound is not None:
+                        limit = bound if limit is None else min(limit, bound)
+            latest[id(eqn)] = earliest[id(eqn)] if limit is None else max(
+                earliest[id(eqn)], limit)
+        units: dict = {}
+        for eqn in j.eqns:
+            if id(eqn) in latest:
+                (placement,) = {self._placement(v) for v in eqn.outvars}
+                units.setdefault((placement, latest[id(eqn)]), []).append(eqn)
+        stage_of = {id(e): key for key, es in units.items() for e in es}
         eqn_by_index = list(j.eqns)
         for level in range(max_depth + 1):
             for batch in self._batches(comms.get(level, [])):
