@@ -20,8 +20,8 @@ import numpy as np
 
 from fax_bridge.data.padding import PaddedClients, pad_clients
 
-_META = "population.json"
-_OFFSETS = "offsets.npy"
+META_FILE = "population.json"
+OFFSETS_FILE = "offsets.npy"
 _FORMAT = 1
 
 
@@ -40,7 +40,7 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
     shape. An existing population is only replaced with `overwrite=True`.
     """
     os.makedirs(directory, exist_ok=True)
-    if os.path.exists(os.path.join(directory, _META)) and not overwrite:
+    if os.path.exists(os.path.join(directory, META_FILE)) and not overwrite:
         raise FileExistsError(
             f"{directory} already holds a population; pass overwrite=True to replace it.")
     spec: Optional[dict] = None
@@ -74,8 +74,8 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
             f.close()
     if spec is None:
         raise ValueError("write_population got no clients.")
-    np.save(os.path.join(directory, _OFFSETS), np.asarray(offsets, dtype=np.int64))
-    with open(os.path.join(directory, _META), "w") as f:
+    np.save(os.path.join(directory, OFFSETS_FILE), np.asarray(offsets, dtype=np.int64))
+    with open(os.path.join(directory, META_FILE), "w") as f:
         json.dump({"format": _FORMAT, "arrays": spec, "num_clients": len(offsets) - 1}, f)
     return len(offsets) - 1
 
@@ -84,27 +84,39 @@ class ClientStore:
     """A population written by `write_population`, memory-mapped read-only."""
 
     def __init__(self, directory: str):
-        meta_path = os.path.join(directory, _META)
+        meta_path = os.path.join(directory, META_FILE)
         if not os.path.exists(meta_path):
             raise FileNotFoundError(
-                f"{directory} holds no population ({_META} missing); write one with "
+                f"{directory} holds no population ({META_FILE} missing); write one with "
                 "fax_bridge.data.write_population.")
         with open(meta_path) as f:
             meta = json.load(f)
         if meta.get("format") != _FORMAT:
             raise ValueError(f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
         self.directory = directory
-        self.offsets = np.load(os.path.join(directory, _OFFSETS))
-        total = int(self.offsets[-1])
+        self.offsets = np.asarray(np.load(os.path.join(directory, OFFSETS_FILE)), np.int64)
+        total = int(self.offsets[-1]) if self.offsets.size else 0
+        self.spec: dict[str, tuple[np.dtype, tuple]] = {}  # key -> (dtype, example shape)
         self._arrays = {}
         for k, s in meta["arrays"].items():
-            shape = (total,) + tuple(s["shape"])
+            dtype, example = np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"])
+            self.spec[k] = (dtype, example)
+            shape = (total,) + example
             path = os.path.join(directory, f"{k}.bin")
             if total == 0:
-                self._arrays[k] = np.zeros(shape, dtype=np.dtype(s["dtype"]))
-            else:
-                self._arrays[k] = np.memmap(path, dtype=np.dtype(s["dtype"]), mode="r",
-                                            shape=shape)
+                self._arrays[k] = np.zeros(shape, dtype=dtype)
+                continue
+            want = total * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
+            size = os.path.getsize(path) if os.path.exists(path) else -1
+            if size != want:
+                raise ValueError(
+                    f"population array {path} holds {size} bytes but {total} examples of "
+                    f"{dtype.name}{list(example)} need {want}; the store is damaged.")
+            self._arrays[k] = np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+    def array(self, key: str) -> np.ndarray:
+        """The stored array `key`: every example of every client, memory-mapped."""
+        return self._arrays[key]
 
     @property
     def num_clients(self) -> int:

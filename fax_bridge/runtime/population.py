@@ -36,11 +36,9 @@ import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 
+from fax_bridge.data.stream import META_FILE, OFFSETS_FILE, ClientStore
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import limits
-
-_META = "population.json"
-_OFFSETS = "offsets.npy"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -112,10 +110,10 @@ class PopulationRef:
 def store_digest(directory: str) -> str:
     """A digest of a population's layout (array dtypes and shapes, client offsets)."""
     h = hashlib.sha256()
-    with open(os.path.join(directory, _META), "rb") as f:
+    with open(os.path.join(directory, META_FILE), "rb") as f:
         meta = json.load(f)
     h.update(json.dumps(meta, sort_keys=True).encode())
-    with open(os.path.join(directory, _OFFSETS), "rb") as f:
+    with open(os.path.join(directory, OFFSETS_FILE), "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()[:32]
@@ -126,58 +124,15 @@ def default_name(directory: str) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(directory)))
 
 
-class PopulationStore:
-    """A population directory (see `fax_bridge.data.stream`) memory-mapped read-only.
-
-    The same layout `ClientStore` reads, with what reading by reference needs: the
-    dtype and example shape of each stored array and the arrays themselves (memmaps, so
-    only the rows that are indexed are ever read from disk).
-    """
-
-    def __init__(self, directory: str):
-        meta_path = os.path.join(directory, _META)
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-            self.offsets = np.load(os.path.join(directory, _OFFSETS))
-            arrays = meta["arrays"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ComputationError(
-                f"cannot open the population store {directory}: {e}; write one with "
-                "fax_bridge.data.stream.write_population") from None
-        self.directory = directory
-        self.offsets = np.asarray(self.offsets, np.int64)
-        total = int(self.offsets[-1]) if self.offsets.size else 0
-        self.spec: dict[str, tuple[np.dtype, tuple]] = {}
-        self._arrays: dict[str, np.ndarray] = {}
-        for key, s in arrays.items():
-            dtype, example = np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"])
-            self.spec[key] = (dtype, example)
-            path = os.path.join(directory, f"{key}.bin")
-            if total == 0:
-                self._arrays[key] = np.zeros((0,) + example, dtype)
-                continue
-            want = total * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
-            size = os.path.getsize(path) if os.path.exists(path) else -1
-            if size != want:
-                raise ComputationError(
-                    f"population array {path} holds {size} bytes but {total} examples of "
-                    f"{dtype.name}{list(example)} need {want}; the store is damaged")
-            self._arrays[key] = np.memmap(path, dtype=dtype, mode="r",
-                                          shape=(total,) + example)
-
-    @property
-    def num_clients(self) -> int:
-        return max(0, len(self.offsets) - 1)
-
-    def array(self, key: str) -> np.ndarray:
-        """The stored array `key`, all examples of all clients (memory-mapped)."""
-        return self._arrays[key]
-
-
-def open_store(directory: str) -> PopulationStore:
-    """The population at `directory`, with a clear ComputationError when it is not one."""
-    return PopulationStore(directory)
+def open_store(directory: str):
+    """The population at `directory` (a `fax_bridge.data.ClientStore`), memory-mapped;
+    a clear ComputationError when it is not one."""
+    try:
+        return ClientStore(directory)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ComputationError(
+            f"cannot open the population store {directory}: {e}; write one with "
+            "fax_bridge.data.stream.write_population") from None
 
 
 @dataclasses.dataclass(frozen=True)
