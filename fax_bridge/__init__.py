@@ -34,6 +34,7 @@ _LAZY = {
     "LocalFleet": ("fax_bridge.fleet.launcher", "LocalFleet"),
     "ParityReport": ("fax_bridge.parity", "ParityReport"),
     "RemoteFleet": ("fax_bridge.fleet.remote", "RemoteFleet"),
+    "PopulationRef": ("fax_bridge.runtime.population", "PopulationRef"),
     "check_parity": ("fax_bridge.parity", "check_parity"),
 }
 
@@ -58,6 +59,7 @@ __all__ = [
     "FleetError",
     "LocalFleet",
     "ParityReport",
+    "PopulationRef",
     "RemoteFleet",
     "Placement",
     "PlacementError",
