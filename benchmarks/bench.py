@@ -48,6 +48,8 @@ REPO = os.path.dirname(HERE)
 PEERS_DIR = os.path.join(HERE, "peers")
 sys.path.insert(0, PEERS_DIR)
 
+from run_peer import child_env, kill_group, last_json  # noqa: E402  (benchmarks/peers)
+
 RUNNERS = ("fax_bridge_local", "fax_bridge_fleet", "fax", "tff", "flower")
 VENVS = {"fax_bridge_local": ".venv", "fax_bridge_fleet": ".venv", "fax": ".venv-fax",
          "tff": ".venv-tff", "flower": ".venv-flower"}
@@ -106,49 +108,6 @@ def runner_args(runner: str, rounds: int, seed: int, devices: int) -> List[str]:
     return args
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def kill_group(pgid: int, grace_s: float = 3.0) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is still in it after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if not _group_alive(pgid):
-                return
-            time.sleep(0.1)
-
-
-def last_json(stdout: str) -> Optional[Dict[str, Any]]:
-    """The last line of ``stdout`` that is a JSON object with a ``peer`` key."""
-    for line in reversed(stdout.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(obj, dict) and "peer" in obj:
-                return obj
-    return None
-
-
-def _child_env() -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def run_script(python: str, script: str, args: Sequence[str], timeout_s: float,
                log_path: Optional[str] = None) -> Dict[str, Any]:
     """Runs one script in a new session under a timeout; returns its JSON result.
@@ -158,7 +117,7 @@ def run_script(python: str, script: str, args: Sequence[str], timeout_s: float,
     """
     cmd = [python, script, *args]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        cmd, cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
     _CURRENT["pgid"] = proc.pid
     timed_out = False

@@ -53,8 +53,9 @@ def peer_available(peer: str, repo: str = REPO) -> bool:
     return os.access(venv_python(peer, repo), os.X_OK)
 
 
-def _kill_group(pgid: int) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
+def kill_group(pgid: int, grace_s: float = 3.0) -> None:
+    """SIGTERM the process group, SIGKILL what is left after `grace_s` seconds."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
@@ -68,7 +69,8 @@ def _kill_group(pgid: int) -> None:
             time.sleep(0.1)
 
 
-def _last_json(stdout: str) -> Optional[Dict[str, Any]]:
+def last_json(stdout: str) -> Optional[Dict[str, Any]]:
+    """The last line of `stdout` that is a JSON object with a `peer` key."""
     for line in reversed(stdout.splitlines()):
         line = line.strip()
         if line.startswith("{"):
@@ -81,7 +83,8 @@ def _last_json(stdout: str) -> Optional[Dict[str, Any]]:
     return None
 
 
-def _env() -> Dict[str, str]:
+def child_env() -> Dict[str, str]:
+    """This environment without the parent venv's variables, output unbuffered."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -103,7 +106,7 @@ def run_once(
     script = os.path.join(repo, "benchmarks", "peers", f"{peer}_peer.py")
     cmd = [python, script, *args]
     proc = subprocess.Popen(
-        cmd, cwd=repo, env=_env(), stdin=subprocess.DEVNULL,
+        cmd, cwd=repo, env=child_env(), stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     timed_out = False
@@ -111,10 +114,10 @@ def run_once(
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         out, err = proc.communicate()
     finally:
-        _kill_group(proc.pid)  # stragglers of a finished run, too
+        kill_group(proc.pid)  # stragglers of a finished run, too
     if log_path:
         with open(log_path, "w") as f:
             f.write(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}\n")
@@ -125,7 +128,7 @@ def run_once(
         err_obj = PeerFailed(f"{peer}: exit status {proc.returncode}; stderr tail:\n{tail}")
         err_obj.returncode = proc.returncode  # type: ignore[attr-defined]
         raise err_obj
-    result = _last_json(out)
+    result = last_json(out)
     if result is None:
         raise PeerFailed(f"{peer}: no JSON result line; stderr tail:\n{tail}")
     return result
