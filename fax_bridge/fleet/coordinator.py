@@ -26,7 +26,7 @@ import threading
 from concurrent import futures
 import time
 import weakref
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import federated_language
 import grpc
@@ -355,15 +355,26 @@ class GrpcClientsBackend(ClientsBackend):
             kwargs = dict(timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
             calls[index] = (self._pool.submit(rpc, request, **kwargs) if len(requests) > 1
                             else _Done(rpc, request, kwargs))
-        answers = {}
-        errors = []
+        answers = self._answers(calls, method)
+        self._count(down=requests.values(), up=answers.values())
+        return answers
+
+    def _answers(self, calls: dict, method: str,
+                 own_error: Optional[Callable[[int], Optional[Exception]]] = None) -> dict:
+        """Waits for every device's call; then raises the first failure, if any.
+
+        `own_error(index)` may name a failure of ours behind a device's error (e.g. an
+        encoding error that cancelled a stream), reported instead of the RPC status.
+        """
+        answers, errors = {}, []
         for index, call in calls.items():
             try:
                 answers[index] = call.result()
             except grpc.RpcError as e:
-                errors.append(self._fail(self._devices[index], method, e))
+                mine = own_error(index) if own_error is not None else None
+                errors.append(mine if mine is not None
+                              else self._fail(self._devices[index], method, e))
         self._raise_first(errors)
-        self._count(down=requests.values(), up=answers.values())
         return answers
 
     def _layout(self, num_clients: int,
@@ -447,19 +458,13 @@ class GrpcClientsBackend(ClientsBackend):
             self.traffic.rpcs += 1
             calls[index] = self._devices[index].stub.Put.future(
                 iter(stream), timeout=self.rpc_timeout_s, metadata=self._metadata)
-        answers = {}
-        errors = []
-        for index, call in calls.items():
-            stream = streams[index]
-            try:
-                answers[index] = call.result()
-            except grpc.RpcError as e:
-                # A failure while encoding cancels the stream: report that, not CANCELLED.
-                errors.append(stream.error if stream.error is not None
-                              else self._fail(self._devices[index], "Put", e))
-            self.traffic.bytes_down += stream.bytes
-            self.traffic.payload_down += stream.payload
-        self._raise_first(errors)
+        try:
+            # A failure while encoding cancels the stream: report that, not CANCELLED.
+            answers = self._answers(calls, "Put", lambda index: streams[index].error)
+        finally:
+            for stream in streams.values():
+                self.traffic.bytes_down += stream.bytes
+                self.traffic.payload_down += stream.payload
         for index, clients in self._layout(len(values), result.devices):
             got = answers[index].num_clients
             if got != len(clients):
@@ -555,14 +560,7 @@ class GrpcClientsBackend(ClientsBackend):
             self._count(down=messages)
             calls[index] = self._devices[index].stub.Put.future(
                 iter(messages), timeout=self.rpc_timeout_s, metadata=self._metadata)
-        answers = {}
-        errors = []
-        for index, call in calls.items():
-            try:
-                answers[index] = call.result()
-            except grpc.RpcError as e:
-                errors.append(self._fail(self._devices[index], "Put from_store", e))
-        self._raise_first(errors)
+        answers = self._answers(calls, "Put from_store")
         self._count(up=answers.values())
         for index, clients in layout:
             if answers[index].num_clients != len(clients):

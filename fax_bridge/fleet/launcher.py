@@ -99,7 +99,15 @@ class FleetRounds:
         raise NotImplementedError
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Releases this fleet's values on the devices and closes the channels."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.backend is not None:
+            try:
+                self.backend.close()
+            except Exception:
+                pass  # a device that is gone holds nothing any more
 
     @property
     def last_report(self) -> Optional[RoundReport]:
@@ -548,12 +556,7 @@ class LocalFleet(FleetRounds):
         """Stops every device process (SIGTERM, then SIGKILL) and releases resources."""
         if self._closed:
             return
-        self._closed = True
-        if self.backend is not None:
-            try:
-                self.backend.close()
-            except Exception:
-                pass
+        super().close()
         _terminate(self._procs, self.shutdown_grace_s)
         for proc in self._procs:
             if proc.stdout is not None:

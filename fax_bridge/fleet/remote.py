@@ -112,20 +112,6 @@ class RemoteFleet(FleetRounds):
                 raise
         return self
 
-    def close(self) -> None:
-        """Releases this fleet's values on the devices and closes the channels.
-
-        The device processes keep running: whoever started them stops them.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        if self.backend is not None:
-            try:
-                self.backend.close()
-            except Exception:
-                pass
-
     def _connect(self, addresses: list[str],
                  connect_timeout_s: Optional[float] = None) -> GrpcClientsBackend:
         if connect_timeout_s is None:
