@@ -38,7 +38,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -48,7 +47,7 @@ REPO = os.path.dirname(HERE)
 PEERS_DIR = os.path.join(HERE, "peers")
 sys.path.insert(0, PEERS_DIR)
 
-from run_peer import child_env, kill_group, last_json  # noqa: E402  (benchmarks/peers)
+from run_peer import PeerFailed, kill_group, run_script  # noqa: E402  (benchmarks/peers)
 
 RUNNERS = ("fax_bridge_local", "fax_bridge_fleet", "fax", "tff", "flower")
 VENVS = {"fax_bridge_local": ".venv", "fax_bridge_fleet": ".venv", "fax": ".venv-fax",
@@ -71,14 +70,6 @@ GOALS = (
 
 # The child running now, so a signal to this process can take its group down too.
 _CURRENT: Dict[str, Any] = {}
-
-
-class RunnerFailed(RuntimeError):
-    """A runner exited non-zero, timed out, or printed no result line."""
-
-    def __init__(self, message: str, returncode: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.returncode = returncode
 
 
 def venv_python(runner: str, repo: str = REPO) -> str:
@@ -108,42 +99,12 @@ def runner_args(runner: str, rounds: int, seed: int, devices: int) -> List[str]:
     return args
 
 
-def run_script(python: str, script: str, args: Sequence[str], timeout_s: float,
-               log_path: Optional[str] = None) -> Dict[str, Any]:
-    """Runs one script in a new session under a timeout; returns its JSON result.
-
-    Whatever is left of the child's process group afterwards (device processes, TFF's
-    worker, Ray's daemons) is killed, whether the run succeeded, failed or timed out.
-    """
-    cmd = [python, script, *args]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _CURRENT["pgid"] = proc.pid
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        kill_group(proc.pid)
-        out, err = proc.communicate()
-    finally:
-        kill_group(proc.pid)
+def _track_group(pgid: Optional[int]) -> None:
+    """Remembers the running child's process group so a signal can end it."""
+    if pgid is None:
         _CURRENT.pop("pgid", None)
-    if log_path:
-        with open(log_path, "w") as f:
-            f.write(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}\n")
-    tail = "\n".join((err or "").strip().splitlines()[-15:])
-    name = os.path.basename(script)
-    if timed_out:
-        raise RunnerFailed(f"{name}: timed out after {timeout_s:.0f} s; stderr tail:\n{tail}")
-    if proc.returncode != 0:
-        raise RunnerFailed(f"{name}: exit status {proc.returncode}; stderr tail:\n{tail}",
-                           proc.returncode)
-    result = last_json(out)
-    if result is None:
-        raise RunnerFailed(f"{name}: no JSON result line; stderr tail:\n{tail}")
-    return result
+    else:
+        _CURRENT["pgid"] = pgid
 
 
 def run_runner(runner: str, args: Sequence[str], timeout_s: float,
@@ -152,8 +113,9 @@ def run_runner(runner: str, args: Sequence[str], timeout_s: float,
     script = os.path.join(PEERS_DIR, SCRIPTS[runner])
     for attempt in range(2):
         try:
-            return run_script(venv_python(runner), script, args, timeout_s, log_path)
-        except RunnerFailed as e:
+            return run_script(venv_python(runner), script, args, timeout_s,
+                              log_path=log_path, on_start=_track_group)
+        except PeerFailed as e:
             if e.returncode != STARTUP_EXIT or attempt == 1:
                 raise
             print(f"bench: {runner} did not start, retrying", file=sys.stderr)
@@ -403,7 +365,7 @@ def run_bench(runners: Sequence[str], repeats: int, rounds: int, seed: int, devi
             try:
                 result = run_runner(runner, runner_args(runner, rounds, seed, devices),
                                     TIMEOUT_S[runner] * timeout_scale, log)
-            except RunnerFailed as e:
+            except PeerFailed as e:
                 failed[runner] = f"failed: {str(e).splitlines()[0]}"
                 print(f"bench: {runner} repeat {rep}: {e}", file=sys.stderr)
                 continue
@@ -419,7 +381,7 @@ def run_bench(runners: Sequence[str], repeats: int, rounds: int, seed: int, devi
             log = os.path.join(log_dir, f"{name}-grad-check.log") if log_dir else None
             try:
                 grads[name] = run_runner(runner, ["--grad-check"], TIMEOUT_S[runner], log)
-            except RunnerFailed as e:
+            except PeerFailed as e:
                 failed[f"{name}_grad_check"] = f"failed: {str(e).splitlines()[0]}"
     summary = summarize_runs(runs)
     ratios = compare(summary)

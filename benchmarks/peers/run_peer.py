@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -39,6 +39,10 @@ class PeerUnavailable(RuntimeError):
 
 class PeerFailed(RuntimeError):
     """The peer exited non-zero, timed out, or printed no result."""
+
+    def __init__(self, message: str, returncode: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
 
 
 def venv_python(peer: str, repo: str = REPO) -> str:
@@ -90,6 +94,49 @@ def child_env() -> Dict[str, str]:
     return env
 
 
+def run_script(python: str, script: str, args: Sequence[str], timeout_s: float,
+               repo: str = REPO, log_path: Optional[str] = None,
+               on_start: Optional[Callable[[Optional[int]], None]] = None) -> Dict[str, Any]:
+    """Runs one script in a new session under a timeout; returns its JSON result.
+
+    Whatever is left of the child's process group afterwards (device processes, TFF's
+    worker, Ray's daemons) is killed, whether the run succeeded, failed or timed out.
+    `on_start(pgid)` is told the group when it starts and `on_start(None)` when it is gone.
+    """
+    cmd = [python, script, *args]
+    proc = subprocess.Popen(
+        cmd, cwd=repo, env=child_env(), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    if on_start is not None:
+        on_start(proc.pid)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        kill_group(proc.pid)
+        out, err = proc.communicate()
+    finally:
+        kill_group(proc.pid)  # stragglers of a finished run, too
+        if on_start is not None:
+            on_start(None)
+    if log_path:
+        with open(log_path, "w") as f:
+            f.write(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}\n")
+    tail = "\n".join((err or "").strip().splitlines()[-15:])
+    name = os.path.basename(script)
+    if timed_out:
+        raise PeerFailed(f"{name}: timed out after {timeout_s:.0f} s; stderr tail:\n{tail}")
+    if proc.returncode != 0:
+        raise PeerFailed(f"{name}: exit status {proc.returncode}; stderr tail:\n{tail}",
+                         proc.returncode)
+    result = last_json(out)
+    if result is None:
+        raise PeerFailed(f"{name}: no JSON result line; stderr tail:\n{tail}")
+    return result
+
+
 def run_once(
     peer: str,
     args: Sequence[str],
@@ -104,34 +151,7 @@ def run_once(
             f"{python} not found; build it with benchmarks/peers/setup_venvs.sh {peer}"
         )
     script = os.path.join(repo, "benchmarks", "peers", f"{peer}_peer.py")
-    cmd = [python, script, *args]
-    proc = subprocess.Popen(
-        cmd, cwd=repo, env=child_env(), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        kill_group(proc.pid)
-        out, err = proc.communicate()
-    finally:
-        kill_group(proc.pid)  # stragglers of a finished run, too
-    if log_path:
-        with open(log_path, "w") as f:
-            f.write(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}\n")
-    tail = "\n".join((err or "").strip().splitlines()[-15:])
-    if timed_out:
-        raise PeerFailed(f"{peer}: timed out after {timeout_s:.0f} s; stderr tail:\n{tail}")
-    if proc.returncode != 0:
-        err_obj = PeerFailed(f"{peer}: exit status {proc.returncode}; stderr tail:\n{tail}")
-        err_obj.returncode = proc.returncode  # type: ignore[attr-defined]
-        raise err_obj
-    result = last_json(out)
-    if result is None:
-        raise PeerFailed(f"{peer}: no JSON result line; stderr tail:\n{tail}")
-    return result
+    return run_script(python, script, args, timeout_s, repo=repo, log_path=log_path)
 
 
 def run_peer(
@@ -155,7 +175,7 @@ def run_peer(
         try:
             return run_once(peer, args, timeout, repo=repo, log_path=log_path)
         except PeerFailed as e:
-            if getattr(e, "returncode", None) != STARTUP_EXIT or attempt == retries:
+            if e.returncode != STARTUP_EXIT or attempt == retries:
                 raise
             print(f"run_peer: {peer} did not start, retrying", file=sys.stderr)
     raise AssertionError("unreachable")
