@@ -93,24 +93,9 @@ def _proc_rss_bytes(pid: int) -> int:
 
 def build(cohort: int) -> Tuple[Any, Callable, Any]:
     """(round program, per-client loss function, mean-client-loss check program)."""
-    import jax
-    import jax.numpy as jnp
-
     import fax_bridge as fb
 
-    def loss_fn(params: Dict[str, Any], x: Any, y: Any) -> Any:
-        h = jax.nn.relu(x @ params["w1"] + params["b1"])
-        logits = h @ params["w2"] + params["b2"]
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
-
-    def local_train(params: Dict[str, Any], xb: Any, yb: Any) -> Tuple[Any, Any]:
-        def step(p: Dict[str, Any], batch: Tuple[Any, Any]) -> Tuple[Any, Any]:
-            loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
-            return jax.tree_util.tree_map(lambda w, g: w - workload.LR * g, p, grads), loss
-
-        new_params, losses = jax.lax.scan(step, params, (xb, yb))
-        return new_params, jnp.mean(losses)
+    from jax_mlp import local_train, loss_fn
 
     @fb.program(clients=cohort)
     def fedavg_round(params: Any, xb: Any, yb: Any, counts: Any) -> Tuple[Any, Any]:
