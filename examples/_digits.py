@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +81,27 @@ class Population:
     @property
     def test(self):
         return jnp.asarray(self.digits.test["x"]), jnp.asarray(self.digits.test["y"])
+
+
+def train(alg, pop: Population, sampler, rounds: int, seed: int,
+          progress: Optional[str] = None):
+    """Runs `rounds` rounds of `alg` (`init`/`next` over (state, data, mask)) on seeded
+    cohorts; returns (final state, test accuracy per round, round loss per round).
+
+    With `progress`, prints the round's loss under that label every 10 rounds.
+    """
+    state = alg.init(init_mlp(seed))
+    step = jax.jit(alg.next)
+    x_test, y_test = pop.test
+    accs, losses = [], []
+    for r in range(rounds):
+        c = pop.cohort(sampler(r))
+        state, m = step(state, c.data, c.mask)
+        accs.append(float(accuracy(state.params, x_test, y_test)))
+        losses.append(float(m["loss"]))
+        if progress and (r % 10 == 9 or r == rounds - 1):
+            print(f"round {r + 1:3d}  {progress} {losses[-1]:.4f}  test acc {accs[-1]:.4f}")
+    return state, accs, losses
 
 
 def parity_line(program, args: tuple, placements, devices: int = 2) -> str:

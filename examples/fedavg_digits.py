@@ -2,8 +2,6 @@
 
 import os
 
-import jax
-import jax.numpy as jnp
 import optax
 
 import _digits as D
@@ -17,17 +15,8 @@ def main():
     pop = D.Population(args.seed)
     sampler = fd.CohortSampler(pop.num_clients, args.clients, seed=args.seed)
     alg = fed_avg(D.loss, optax.sgd(0.1), clients=args.clients, local_epochs=5)
-    state = alg.init(D.init_mlp(args.seed))
-    step = jax.jit(alg.next)
-    x_test, y_test = pop.test
-    accs, losses = [], []
-    for r in range(args.rounds):
-        c = pop.cohort(sampler(r))
-        state, m = step(state, c.data, c.mask)
-        accs.append(float(D.accuracy(state.params, x_test, y_test)))
-        losses.append(float(m["loss"]))
-        if r % 10 == 9 or r == args.rounds - 1:
-            print(f"round {r + 1:3d}  train loss {losses[-1]:.4f}  test acc {accs[-1]:.4f}")
+    state, accs, losses = D.train(alg, pop, sampler, args.rounds, args.seed,
+                                  progress="train loss")
     D.plot(os.path.join(args.out, "fedavg_digits.png"), "FedAvg on digits",
            {"FedAvg": accs}, losses={"FedAvg train": losses})
     c = pop.cohort(sampler(0))

@@ -2,7 +2,6 @@
 
 import os
 
-import jax
 import optax
 
 import _digits as D
@@ -15,19 +14,11 @@ def main():
     timer = D.Timer()
     pop = D.Population(args.seed)
     sampler = fd.CohortSampler(pop.num_clients, args.clients, seed=args.seed)
-    x_test, y_test = pop.test
     curves, losses = {}, {}
     algs = {"FedFish": fed_fish(D.loss, optax.sgd(0.1), clients=args.clients, local_epochs=5),
             "FedAvg": fed_avg(D.loss, optax.sgd(0.1), clients=args.clients, local_epochs=5)}
     for name, alg in algs.items():
-        state = alg.init(D.init_mlp(args.seed))
-        step = jax.jit(alg.next)
-        accs, ls = [], []
-        for r in range(args.rounds):
-            c = pop.cohort(sampler(r))
-            state, m = step(state, c.data, c.mask)
-            accs.append(float(D.accuracy(state.params, x_test, y_test)))
-            ls.append(float(m["loss"]))
+        state, accs, ls = D.train(alg, pop, sampler, args.rounds, args.seed)
         curves[name], losses[name] = accs, ls
         print(f"{name:8s} final test accuracy {accs[-1]:.4f} (best {max(accs):.4f})")
         if name == "FedFish":

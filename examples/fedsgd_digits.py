@@ -2,7 +2,6 @@
 
 import os
 
-import jax
 import optax
 
 import _digits as D
@@ -17,17 +16,8 @@ def main():
     sampler = fd.CohortSampler(pop.num_clients, args.clients, seed=args.seed)
     alg = fed_sgd(D.loss, clients=args.clients,
                   server_optimizer=optax.sgd(0.5, momentum=0.9))
-    state = alg.init(D.init_mlp(args.seed))
-    step = jax.jit(alg.next)
-    x_test, y_test = pop.test
-    accs, losses = [], []
-    for r in range(args.rounds):
-        c = pop.cohort(sampler(r))
-        state, m = step(state, c.data, c.mask)
-        accs.append(float(D.accuracy(state.params, x_test, y_test)))
-        losses.append(float(m["loss"]))
-        if r % 10 == 9 or r == args.rounds - 1:
-            print(f"round {r + 1:3d}  federated loss {losses[-1]:.4f}  test acc {accs[-1]:.4f}")
+    state, accs, losses = D.train(alg, pop, sampler, args.rounds, args.seed,
+                                  progress="federated loss")
     D.plot(os.path.join(args.out, "fedsgd_digits.png"), "FedSGD (federated AD) on digits",
            {"FedSGD": accs}, losses={"FedSGD federated loss": losses})
     c = pop.cohort(sampler(0))
