@@ -59,9 +59,8 @@ def current_mesh() -> Optional[Mesh]:
     return _MESH.get()
 
 
-def clients_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Sharding of a CLIENTS array of rank `ndim`: leading axis split over `clients`."""
-    del ndim
+def clients_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a CLIENTS array: its leading axis split over the `clients` axis."""
     return NamedSharding(mesh, PartitionSpec(CLIENTS_AXIS))
 
 
@@ -77,16 +76,16 @@ def constrain_clients(x):
         return x
     if x.shape[0] % mesh.shape[CLIENTS_AXIS]:
         return x  # not evenly divisible: leave the layout to XLA
-    return jax.lax.with_sharding_constraint(x, clients_sharding(mesh, x.ndim))
+    return jax.lax.with_sharding_constraint(x, clients_sharding(mesh))
 
 
 def _placement_shardings(mesh: Mesh, placements: Any, args: tuple):
     from fax_bridge.placements import broadcast_placements, Placement
 
     flat = broadcast_placements(placements, args)
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    shardings = [clients_sharding(mesh, jax.numpy.ndim(x)) if p is Placement.CLIENTS
-                 else replicated(mesh) for p, x in zip(flat, leaves)]
+    treedef = jax.tree_util.tree_structure(args)
+    shardings = [clients_sharding(mesh) if p is Placement.CLIENTS else replicated(mesh)
+                 for p in flat]
     return jax.tree_util.tree_unflatten(treedef, shardings)
 
 

@@ -28,9 +28,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from fax_bridge.local import CLIENTS_AXIS, jit_program
+from fax_bridge.local import CLIENTS_AXIS, clients_sharding, jit_program, replicated
 
 _CPU_COLLECTIVES = "jax_cpu_collectives_implementation"
 
@@ -81,7 +81,7 @@ def _clients_sharding(mesh: Mesh) -> NamedSharding:
         raise ValueError(
             f"the mesh has axes {mesh.axis_names} but no {CLIENTS_AXIS!r} axis; build it "
             "with fax_bridge.multihost.global_clients_mesh()")
-    return NamedSharding(mesh, PartitionSpec(CLIENTS_AXIS))
+    return clients_sharding(mesh)
 
 
 def process_clients(num_clients: int, mesh: Mesh) -> range:
@@ -144,7 +144,7 @@ def global_clients_array(local_block: Any, mesh: Mesh, num_clients: Optional[int
 
 def global_server_array(value: Any, mesh: Mesh):
     """A SERVER value (the same on every process) as a replicated global array."""
-    sharding = NamedSharding(mesh, PartitionSpec())
+    sharding = replicated(mesh)
 
     def one(leaf):
         leaf = np.asarray(leaf)

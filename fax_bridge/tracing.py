@@ -510,8 +510,7 @@ def trace(fn: Callable, *args, placements: Any = None,
     if declared is not None:
         _check_clients_arguments(in_paths, [_shape_of(leaf) for _, leaf in leaves_with_paths],
                                  flat_placements, declared)
-    closed = jax.make_jaxpr(fn)(*args)
-    out_shape = jax.eval_shape(fn, *args)
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     closed = inline_calls(closed)
 
