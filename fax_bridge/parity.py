@@ -17,6 +17,7 @@ import numpy as np
 
 from fax_bridge import tracing
 from fax_bridge.tff import export as tff_export
+from fax_bridge.tff import types as tff_types
 
 
 @dataclasses.dataclass
@@ -132,7 +133,7 @@ def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -
     if parameter is None:
         return ()
     if len(args) == 1 and isinstance(parameter, federated_language.StructType):
-        args = tuple(child for _, child in tff_export._children(args[0]))
+        args = tuple(child for _, child in tff_types.named_children(args[0]))
     return tuple(_plain_containers(a) for a in args)
 
 
@@ -153,7 +154,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     start = time.perf_counter()
     local = jax.block_until_ready(jitted(*args))
     local_s = time.perf_counter() - start
-    proto = tff_export.export_computation(comp, tff_export._arg_names(fn, len(args)))
+    proto = tff_export.export_computation(comp, tff_export.argument_names(fn, len(args)))
     fn_type = interpreter.computation_type(proto)
     param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
     run_args = fleet_arguments(args, param)

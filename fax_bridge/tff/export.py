@@ -74,23 +74,6 @@ def _fed_type(member_type, placement: Placement) -> federated_language.Federated
     return tff_types.federated(member_type, placement.value)
 
 
-def _children(node) -> Optional[list]:
-    """One level of a pytree node as (name or None, child); None for a leaf."""
-    if isinstance(node, int):
-        return None
-    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    out = []
-    for path, child in flat:
-        (key,) = path
-        if isinstance(key, jax.tree_util.DictKey):
-            out.append((str(key.key), child))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            out.append((key.name, child))
-        else:
-            out.append((None, child))
-    return out
-
-
 def _fix_hint(v: tracing.Violation) -> str:
     name = v.eqn.primitive.name
     if name in ("slice", "gather", "dynamic_slice", "squeeze", "index_in_dim"):
@@ -234,7 +217,8 @@ class _Exporter:
             return _fed_type(tff_types.pytree_type(self._member_avals(subtree)),
                              placements.pop())
         return federated_language.StructType(
-            [(name, self._arg_type(child)) for name, child in _children(subtree)])
+            [(name, self._arg_type(child))
+             for name, child in tff_types.named_children(subtree)])
 
     def _bind_arg(self, subtree, expr) -> None:
         placements = self._leaf_placements(subtree)
@@ -246,7 +230,7 @@ class _Exporter:
             self._register(_Group(ref, placements.pop(), self._member_avals(subtree),
                                   [invars[i] for i in jax.tree_util.tree_leaves(subtree)]))
             return
-        for i, (_, child) in enumerate(_children(subtree)):
+        for i, (_, child) in enumerate(tff_types.named_children(subtree)):
             self._bind_arg(child, bb.Selection(expr, index=i))
 
     # ----------------------------------------------------------------- values
@@ -511,7 +495,7 @@ class _Exporter:
             ps = placements_of(sub)
             if isinstance(sub, int):
                 return self.single(outvars[sub], comp.out_placements[sub], None).ref
-            children = _children(sub)
+            children = tff_types.named_children(sub)
             if len(ps) == 1 and children:
                 struct = bb.Struct([(name, build(child)) for name, child in children])
                 return factory.create_federated_zip(struct)
@@ -520,7 +504,9 @@ class _Exporter:
         return build(tree)
 
 
-def _arg_names(fn: Callable, count: int) -> list[Optional[str]]:
+def argument_names(fn: Callable, count: int) -> list[Optional[str]]:
+    """The Python names of `fn`'s first `count` positional parameters (None if unknown);
+    they name the elements of the exported parameter struct."""
     target = getattr(fn, "fn", fn)
     try:
         params = list(inspect.signature(target).parameters.values())
@@ -556,7 +542,7 @@ def export_tff(fn: Callable, *args, placements: Any = None,
     naming the equation, the user's source line and the fix.
     """
     comp = tracing.trace(fn, *args, placements=placements, clients=clients)
-    return export_computation(comp, _arg_names(fn, len(args)))
+    return export_computation(comp, argument_names(fn, len(args)))
 
 
 def save_computation(proto: computation_pb2.Computation, path) -> None:

@@ -145,6 +145,15 @@ def _element_name(key: Any, path: Sequence[Any]) -> Optional[str]:
     return name
 
 
+def named_children(node: Any) -> Optional[list[tuple[Optional[str], Any]]]:
+    """One level of a pytree as `[(TFF element name or None, child), ...]`; None for a
+    leaf. Names follow `pytree_type` (dict keys, attribute names; None when positional)."""
+    children = _children(node)
+    if children is None:
+        return None
+    return [(_element_name(key, (key,)), child) for key, child in children]
+
+
 def pytree_type(tree: Any) -> federated_language.Type:
     """The TFF type of a pytree of avals (see the module docstring for the mapping).
 
