@@ -8,7 +8,8 @@ programs, optax style: `init(params) -> state` and `next(state, ...) -> (state, 
 from fax_bridge.algorithms.common import FederatedAlgorithm, ServerState
 from fax_bridge.algorithms.fedavg import fed_avg
 from fax_bridge.algorithms.fedsgd import fed_sgd, federated_loss
-from fax_bridge.algorithms.fedopt import fed_adagrad, fed_adam, fed_opt, fed_yogi
+from fax_bridge.algorithms.fedopt import (
+    fed_adagrad, fed_adam, fed_opt, fed_yogi, reddi_server_optimizer)
 from fax_bridge.algorithms.learned import learned_client_weights, learned_server_lr
 from fax_bridge.algorithms.diloco import (
     DiLoCoState, StreamingDiLoCo, diloco, quantize_e3m0, streaming_diloco)
@@ -19,5 +20,6 @@ __all__ = [
     "DiLoCoState", "FederatedAlgorithm", "Reconstruction", "ServerState", "StreamingDiLoCo",
     "diloco", "fed_adagrad", "fed_adam", "fed_avg", "fed_fish", "fed_opt",
     "fed_reconstruction", "fed_sgd", "fed_yogi", "federated_loss", "fisher_diagonal",
-    "learned_client_weights", "learned_server_lr", "quantize_e3m0", "streaming_diloco",
+    "learned_client_weights", "learned_server_lr", "quantize_e3m0", "reddi_server_optimizer",
+    "streaming_diloco",
 ]
