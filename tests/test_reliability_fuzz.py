@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fax_bridge.errors import FaxBridgeError
 from fax_bridge.fleet import device, sample_computations as sc, security, wire
-from fax_bridge.runtime import interpreter
+from fax_bridge.runtime import interpreter, limits, local_eval
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -138,6 +138,117 @@ def test_fuzz_interpreter_on_generated_trees(comp, num_clients):
         interpreter.evaluate(comp, None, LocalClientsBackend(), num_clients=num_clients)
     except FaxBridgeError:
         pass
+
+
+# ---------------------------------------------------------------------------------------
+# Sharing-heavy protos: tiny protos whose values (x_{i+1} = <x_i, x_i>) or calls
+# (f_{i+1} = () -> <f_i(), f_i()>) double at every level. Sharing must stay sharing; the
+# call blow-up is refused by `max_eval_steps`, lowered here so a refusal comes fast.
+
+_F32 = computation_pb2.Computation().type.__class__()
+_F32.tensor.dtype = 1
+_BOUND_ERRORS = ("FAX_BRIDGE_MAX_EVAL_STEPS", "FAX_BRIDGE_MAX_PROTO_BYTES",
+                 "declares its result")
+
+
+def _ref(name):
+    c = computation_pb2.Computation()
+    c.reference.name = name
+    return c
+
+
+def _one():
+    c = computation_pb2.Computation()
+    c.type.CopyFrom(_F32)
+    c.literal.value.dtype = 1
+    c.literal.value.shape.SetInParent()
+    c.literal.value.float32_list.value[:] = [1.0]
+    return c
+
+
+def _thunk(result, result_type=None):
+    c = computation_pb2.Computation()
+    if result_type is not None:
+        c.type.function.result.CopyFrom(result_type)
+    getattr(c, "lambda").result.CopyFrom(result)
+    return c
+
+
+def _select_first(source, depth):
+    for _ in range(depth):
+        outer = computation_pb2.Computation()
+        outer.selection.source.CopyFrom(source)
+        outer.selection.index = 0
+        source = outer
+    return source
+
+
+@st.composite
+def _sharing(draw):
+    """(proto, use, expected): a chain of Block locals each referring to earlier ones."""
+    calls = draw(st.booleans())
+    n = draw(st.integers(1, 64))
+    block = computation_pb2.Computation()
+    first = block.block.local.add()
+    first.name = "x0"
+    first.value.CopyFrom(_thunk(_one()) if calls else _one())
+    depth = [0]
+    for i in range(1, n + 1):
+        refs = [draw(st.integers(max(0, i - 3), i - 1)) for _ in range(draw(st.integers(1, 3)))]
+        struct = computation_pb2.Computation()
+        for j in refs:
+            element = struct.struct.element.add()
+            if calls:
+                element.value.call.function.CopyFrom(_ref(f"x{j}"))
+            else:
+                element.value.CopyFrom(_ref(f"x{j}"))
+        local = block.block.local.add()
+        local.name = f"x{i}"
+        local.value.CopyFrom(_thunk(struct) if calls else struct)
+        depth.append(depth[refs[0]] + 1)
+    top = _ref(f"x{n}")
+    if calls:
+        called = computation_pb2.Computation()
+        called.call.function.CopyFrom(top)
+        top = called
+    use = draw(st.sampled_from(["select", "whole", "plus"] if not calls else ["select"]))
+    if use == "plus":  # an untyped generic_plus inside a local function: 2 at every leaf
+        plus = computation_pb2.Computation()
+        plus.call.function.intrinsic.uri = "generic_plus"
+        for _ in range(2):
+            plus.call.argument.struct.element.add().value.CopyFrom(top)
+        top = plus
+    if use in ("select", "plus"):
+        top = _select_first(top, depth[n])
+    block.block.result.CopyFrom(top)
+    return _thunk(block, _F32), use, 2.0 if use == "plus" else 1.0
+
+
+@pytest.fixture
+def small_step_cap():
+    before = limits.set_limits(max_eval_steps=20_000)
+    yield
+    limits.set_limits(max_eval_steps=before.max_eval_steps)
+
+
+@FUZZ
+@given(_sharing())
+def test_fuzz_sharing_heavy_protos_stay_linear_or_are_refused_by_a_stated_bound(
+        small_step_cap, case):
+    proto, use, expected = case
+    runners = [lambda: local_eval.compile_local(proto)()]
+    if use != "plus":  # the interpreter requires typed intrinsics
+        runners.append(lambda: interpreter.evaluate(proto, None, LocalClientsBackend()))
+    for run in runners:
+        try:
+            got = run()
+        except FaxBridgeError as e:
+            assert use == "whole" or "FAX_BRIDGE_MAX_EVAL_STEPS" in str(e), e
+            assert any(bound in str(e) for bound in _BOUND_ERRORS), e
+            continue
+        assert use != "whole" or run is runners[0]  # the interpreter checks the result type
+        if use != "whole":
+            assert float(np.asarray(got)) == expected
 
 
 # ---------------------------------------------------------------------------------------

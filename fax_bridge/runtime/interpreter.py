@@ -22,7 +22,7 @@ from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError, FaxBridgeError
-from fax_bridge.runtime import local_eval, reductions, values
+from fax_bridge.runtime import limits, local_eval, reductions, values
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -79,6 +79,13 @@ class _Interpreter:
         self.data = data
         self._types: dict[bytes, Optional[federated_language.Type]] = {}
         self._compiled: dict[int, tuple[Computation, Callable]] = {}
+        self.steps = 0
+
+    def step(self, count: int = 1) -> None:
+        """Counts work against `max_eval_steps` (see `runtime/limits.py`)."""
+        self.steps += count
+        if self.steps > limits.LIMITS.max_eval_steps:
+            raise limits.too_many_steps("the computation")
 
     def compiled(self, comp: Computation) -> Callable:
         """`local_eval.compile_local(comp)`, hashed once per proto object in this run."""
@@ -108,6 +115,7 @@ class _Interpreter:
     # -- evaluation -------------------------------------------------------------------
 
     def eval(self, comp: Computation, env: dict) -> Any:
+        self.step()
         kind = comp.WhichOneof("computation")
         method = getattr(self, f"_eval_{kind}", None) if kind else None
         if method is None:
@@ -217,12 +225,14 @@ class _Interpreter:
             return self.eval(lam.result, env)
         if isinstance(fn, _LocalFn):
             compiled = self.compiled(fn.comp)
-            if any(isinstance(v, (ClientsValue,) + _FunctionValue) for v in _leaves(arg)):
+            if _has_leaf(arg, (ClientsValue,) + _FunctionValue):
                 raise ComputationError(
                     "a local computation was called on a federated or functional value; "
                     "use federated_map/federated_apply to run it at a placement")
             return compiled(arg) if has_arg else compiled()
         if isinstance(fn, _IntrinsicFn):
+            if has_arg and fn.type_signature.parameter is not None:
+                arg = self.conform(arg, fn.type_signature.parameter, f"`{fn.uri}`")
             return _INTRINSICS[fn.uri](self, fn.type_signature, arg)
         raise ComputationError(
             f"a Call's function evaluated to a non-function value ({type(fn).__name__})")
@@ -230,7 +240,22 @@ class _Interpreter:
     # -- function values as standalone protos -------------------------------------------
 
     def closed_proto(self, fn, what: str) -> Computation:
-        """A self-contained proto for a function value (free names bound as Literals)."""
+        """A self-contained proto for a function value (free names bound as Literals).
+
+        Its size is checked against `max_proto_bytes`: captured values and closures may
+        share parts that a proto has to spell out.
+        """
+        proto = self._closed_proto(fn, what)
+        size = proto.ByteSize()
+        if size > limits.LIMITS.max_proto_bytes:
+            raise ComputationError(
+                f"{what}: the per-client function with the values it captures is a proto of "
+                f"{size} bytes, above the cap of {limits.LIMITS.max_proto_bytes} "
+                "(FAX_BRIDGE_MAX_PROTO_BYTES); pass large values as arguments instead")
+        return proto
+
+    def _closed_proto(self, fn, what: str) -> Computation:
+        self.step()
         if isinstance(fn, _LocalFn):
             return fn.comp
         if isinstance(fn, _IntrinsicFn):
@@ -254,8 +279,9 @@ class _Interpreter:
                         "per-client functions may only use local values")
             value = fn.env[name]
             if isinstance(value, _FunctionValue):
-                proto = self.closed_proto(value, what)
+                proto = self._closed_proto(value, what)
             else:
+                self.step(_expanded_size(value))
                 proto = _value_proto(value, name, what)
             locals_.append(computation_pb2.Block.Local(name=name, value=proto))
         return Computation(type=fn.comp.type, block=computation_pb2.Block(
@@ -288,22 +314,77 @@ class _Interpreter:
                 for n, v, (_, t) in zip(names, value, type_.items())])
         return value
 
-    def export_value(self, value):
-        """Brings CLIENTS parts back as per-client lists."""
+    def conform(self, value, type_, what: str):
+        """`value` rebuilt along its declared `type_` (a tree as large as the type).
+
+        Struct values may share parts (`<x, x>`); walking them as trees would take time
+        exponential in the proto's size. Rebuilt along the type a proto spells out, a value
+        costs no more than its type, so everything downstream stays linear.
+        """
+        if isinstance(type_, federated_language.StructType):
+            if not isinstance(value, structure.Struct):
+                raise ComputationError(
+                    f"{what}: expected a struct {type_}, got {type(value).__name__}")
+            items = list(type_.items())
+            if len(value) != len(items):
+                raise ComputationError(
+                    f"{what}: expected a struct of {len(items)} elements ({type_}), got "
+                    f"{len(value)}")
+            self.step(len(items))
+            names = structure.name_list_with_nones(value)
+            return structure.Struct([(n, self.conform(v, t, what))
+                                     for n, v, (_, t) in zip(names, value, items)])
+        if isinstance(type_, federated_language.FederatedType) and not _is_clients(type_):
+            return self.conform(value, type_.member, what)
+        if isinstance(type_, federated_language.TensorType) and isinstance(
+                value, structure.Struct):
+            raise ComputationError(f"{what}: expected a tensor {type_}, got a struct")
+        return value
+
+    def export_value(self, value, memo: Optional[dict] = None):
+        """Brings CLIENTS parts back as per-client lists (shared parts stay shared)."""
         if isinstance(value, ClientsValue):
             return self.backend.get(value)
         if isinstance(value, structure.Struct):
-            names = structure.name_list_with_nones(value)
-            return structure.Struct([(n, self.export_value(v)) for n, v in zip(names, value)])
+            memo = {} if memo is None else memo
+            if id(value) not in memo:
+                names = structure.name_list_with_nones(value)
+                memo[id(value)] = (structure.Struct(
+                    [(n, self.export_value(v, memo)) for n, v in zip(names, value)]), value)
+            return memo[id(value)][0]
         if isinstance(value, _FunctionValue):
             raise ComputationError("the computation returned a function, not a value")
         return value
 
 
-def _leaves(value):
-    if isinstance(value, structure.Struct):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value]
+def _has_leaf(value, kinds: tuple) -> bool:
+    """Whether a leaf of `value` is one of `kinds`; each shared part is visited once."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, structure.Struct):
+            if id(v) not in seen:
+                seen.add(id(v))
+                stack.extend(v)
+        elif isinstance(v, kinds):
+            return True
+    return False
+
+
+def _expanded_size(value) -> int:
+    """The number of parts `value` has once written out as a tree (shared parts counted
+    each time they appear), computed without writing it out."""
+    sizes: dict[int, int] = {}
+
+    def size(v) -> int:
+        if not isinstance(v, structure.Struct):
+            return 1
+        if id(v) not in sizes:
+            sizes[id(v)] = 1 + sum(size(x) for x in v)
+        return sizes[id(v)]
+
+    return size(value)
 
 
 def _free_references(comp: Computation) -> dict[str, list]:
@@ -376,7 +457,7 @@ def _clients_arg(value, uri: str) -> ClientsValue:
 
 
 def _local_arg(value, uri: str):
-    if any(isinstance(v, (ClientsValue,) + _FunctionValue) for v in _leaves(value)):
+    if _has_leaf(value, (ClientsValue,) + _FunctionValue):
         raise ComputationError(f"`{uri}` needs a SERVER-placed or unplaced value")
     return value
 
@@ -593,7 +674,7 @@ def evaluate(proto: Union[Computation, bytes], arg: Any = None,
                 raise ComputationError(
                     f"the computation is not a function (type {fn_type}); it takes no "
                     "argument")
-            return it.export_value(it.eval(proto, {}))
+            return _checked_result(it, it.eval(proto, {}), fn_type)
         if fn_type.parameter is None:
             if arg is not None:
                 raise ComputationError(f"the computation {fn_type} takes no argument")
@@ -609,7 +690,7 @@ def evaluate(proto: Union[Computation, bytes], arg: Any = None,
                         "clients")
                 it.num_clients = found
             result = it.call(it.eval(proto, {}), it.import_value(checked, fn_type.parameter))
-        return it.export_value(result)
+        return _checked_result(it, result, fn_type.result)
     except FaxBridgeError:
         raise
     except RecursionError as e:
@@ -618,6 +699,19 @@ def evaluate(proto: Union[Computation, bytes], arg: Any = None,
         raise ComputationError(
             f"the computation could not be interpreted ({type(e).__name__}: {e}); it is "
             "likely malformed or ill-typed") from e
+
+
+def _checked_result(it: _Interpreter, result: Any, type_) -> Any:
+    """The exported result, checked against (and cast to) the type the proto declares."""
+    exported = it.export_value(result)
+    if type_ is None:
+        return exported
+    try:
+        return values.check_value(exported, type_, "result")
+    except ComputationError as e:
+        raise ComputationError(
+            f"the computation declares its result as {type_}, but its value does not "
+            f"match: {e}") from None
 
 
 def run_computation(proto: Union[Computation, bytes], *args: Any,

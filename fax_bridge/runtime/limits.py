@@ -5,9 +5,16 @@ or broken sender can name a dimension of 2^40. Every such size is computed with 
 integers (no overflow) and compared with these caps first:
 
 - `max_tensor_bytes`: one tensor (default 4 GiB);
-- `max_value_bytes`: all tensors of one type together (default 16 GiB).
+- `max_value_bytes`: all tensors of one type together (default 16 GiB);
+- `max_eval_steps`: the steps one evaluation may take (interpreter nodes, local function
+  calls, parts of values copied into protos; default 10^7). Values share their parts, so
+  a tiny proto cannot make the runtime copy exponentially much; this cap refuses the
+  remaining case, a tiny proto asking for exponentially many calls;
+- `max_proto_bytes`: one proto the interpreter builds for the devices (a per-client
+  function with its captured values; default 256 MiB).
 
-`FAX_BRIDGE_MAX_TENSOR_BYTES` / `FAX_BRIDGE_MAX_VALUE_BYTES` set them per process;
+`FAX_BRIDGE_MAX_TENSOR_BYTES`, `FAX_BRIDGE_MAX_VALUE_BYTES`, `FAX_BRIDGE_MAX_EVAL_STEPS` and
+`FAX_BRIDGE_MAX_PROTO_BYTES` set them per process;
 `set_limits` changes them at run time (a device and a coordinator each have their own).
 """
 
@@ -28,6 +35,8 @@ MAX_RANK = 64
 class Limits:
     max_tensor_bytes: int
     max_value_bytes: int
+    max_eval_steps: int
+    max_proto_bytes: int
 
 
 def _env_int(name: str, default: int) -> int:
@@ -37,22 +46,38 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ComputationError(f"{name}={raw!r} is not an integer number of bytes") from None
+        raise ComputationError(f"{name}={raw!r} is not an integer") from None
 
 
 LIMITS = Limits(max_tensor_bytes=_env_int("FAX_BRIDGE_MAX_TENSOR_BYTES", 4 << 30),
-                max_value_bytes=_env_int("FAX_BRIDGE_MAX_VALUE_BYTES", 16 << 30))
+                max_value_bytes=_env_int("FAX_BRIDGE_MAX_VALUE_BYTES", 16 << 30),
+                max_eval_steps=_env_int("FAX_BRIDGE_MAX_EVAL_STEPS", 10_000_000),
+                max_proto_bytes=_env_int("FAX_BRIDGE_MAX_PROTO_BYTES", 256 << 20))
 
 
 def set_limits(max_tensor_bytes: Optional[int] = None,
-               max_value_bytes: Optional[int] = None) -> Limits:
+               max_value_bytes: Optional[int] = None,
+               max_eval_steps: Optional[int] = None,
+               max_proto_bytes: Optional[int] = None) -> Limits:
     """Changes the caps of this process; returns the previous ones."""
     before = dataclasses.replace(LIMITS)
     if max_tensor_bytes is not None:
         LIMITS.max_tensor_bytes = int(max_tensor_bytes)
     if max_value_bytes is not None:
         LIMITS.max_value_bytes = int(max_value_bytes)
+    if max_eval_steps is not None:
+        LIMITS.max_eval_steps = int(max_eval_steps)
+    if max_proto_bytes is not None:
+        LIMITS.max_proto_bytes = int(max_proto_bytes)
     return before
+
+
+def too_many_steps(what: str) -> ComputationError:
+    """The error for an evaluation that ran past `max_eval_steps`."""
+    return ComputationError(
+        f"{what} took more than {LIMITS.max_eval_steps} steps (FAX_BRIDGE_MAX_EVAL_STEPS); "
+        "a small proto that calls its functions exponentially often is refused here. "
+        "Raise the cap if the computation is really that large")
 
 
 def tensor_bytes(shape, itemsize: int, what: str) -> int:

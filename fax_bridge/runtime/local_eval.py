@@ -36,6 +36,7 @@ GENERIC_URIS = ("generic_plus", "generic_multiply", "generic_divide", "generic_z
 _HLO_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
 
 _lock = threading.Lock()
+_steps = threading.local()  # calls made by the outermost local function running here
 _compiled: dict[str, LocalFn] = {}
 _executables: dict[str, hlo.HloExecutable] = {}
 
@@ -67,6 +68,7 @@ def compile_local(fn: computation_pb2.Computation) -> LocalFn:
             f"compile_local needs a functional computation, got a "
             f"{fn.WhichOneof('computation')} computation of type {parse_type(fn.type)}"
         )
+    value = _counted(value)
     with _lock:
         _compiled.setdefault(key, value)
         return _compiled[key]
@@ -190,9 +192,29 @@ def _build_call(comp, scope):
     return lambda env: _apply(fn(env))
 
 
+def _counted(fn: LocalFn) -> LocalFn:
+    """`fn`, counting the calls it makes against `max_eval_steps` (outermost call resets)."""
+
+    def run(*arg):
+        depth = getattr(_steps, "depth", 0)
+        if depth == 0:
+            _steps.count = 0
+        _steps.depth = depth + 1
+        try:
+            return fn(*arg)
+        finally:
+            _steps.depth = depth
+
+    return run
+
+
 def _apply(fn, *arg):
     if not callable(fn):
         raise ComputationError(f"a Call's function evaluated to a non-function value {fn!r}")
+    count = getattr(_steps, "count", 0) + 1
+    _steps.count = count
+    if count > limits.LIMITS.max_eval_steps:
+        raise limits.too_many_steps("a local computation")
     return fn(*arg)
 
 
@@ -278,7 +300,20 @@ def zeros_of_type(type_: Optional[federated_language.Type]) -> LocalValue:
     raise ComputationError(f"generic_zero is defined for tensors and structs, not {type_}")
 
 
-def _combine(op, a, b):
+def _combine(op, a, b, memo=None):
+    """`op` leaf by leaf; a part shared in the inputs is combined once and stays shared."""
+    if memo is None:
+        memo = {}
+    if not (isinstance(a, structure.Struct) or isinstance(b, structure.Struct)):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return op(np.asarray(a), np.asarray(b))
+    key = (id(a), id(b))
+    if key not in memo:
+        memo[key] = (_combine_struct(op, a, b, memo), a, b)  # a, b kept alive with the key
+    return memo[key][0]
+
+
+def _combine_struct(op, a, b, memo):
     if isinstance(a, structure.Struct) and isinstance(b, structure.Struct):
         if len(a) != len(b):
             raise ComputationError(
@@ -286,16 +321,13 @@ def _combine(op, a, b):
             )
         names = structure.name_list_with_nones(a)
         return structure.Struct(
-            [(n, _combine(op, x, y)) for n, x, y in zip(names, a, b)]
+            [(n, _combine(op, x, y, memo)) for n, x, y in zip(names, a, b)]
         )
     if isinstance(a, structure.Struct):
         names = structure.name_list_with_nones(a)
-        return structure.Struct([(n, _combine(op, x, b)) for n, x in zip(names, a)])
-    if isinstance(b, structure.Struct):
-        names = structure.name_list_with_nones(b)
-        return structure.Struct([(n, _combine(op, a, y)) for n, y in zip(names, b)])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return op(np.asarray(a), np.asarray(b))
+        return structure.Struct([(n, _combine(op, x, b, memo)) for n, x in zip(names, a)])
+    names = structure.name_list_with_nones(b)
+    return structure.Struct([(n, _combine(op, a, y, memo)) for n, y in zip(names, b)])
 
 
 def cast_to_type(value: LocalValue, type_: Optional[federated_language.Type]) -> LocalValue:
