@@ -34,3 +34,18 @@ def test_unused_parameters_are_kept_and_checked():
         exe([np.array([1, 2])])
     with pytest.raises(ComputationError, match=r"parameter 1 expects float32\[5\]"):
         exe([np.array([1, 2]), np.zeros(4)])
+
+
+def test_portable_artifact_round_trips_with_the_signature():
+    module = _hlo(lambda a, b: (a * b, a.sum()), np.zeros(3, np.float32),
+                  np.zeros(3, np.float32))
+    artifact, params, results = hlo.portable_artifact(module)
+    assert [str(p) for p in params] == ["float32[3]", "float32[3]"]
+    assert [str(r) for r in results] == ["float32[3]", "float32[]"]
+    # MLIR bytecode whose producer names the StableHLO version TF 2.14 reads.
+    assert artifact.startswith(b"ML\xefR") and b"StableHLO_v0.9.0" in artifact[:32]
+
+
+def test_portable_artifact_refuses_bytes_that_are_no_hlo_module():
+    with pytest.raises(ComputationError, match="StableHLO"):
+        hlo.portable_artifact(b"not a module")

@@ -305,3 +305,45 @@ def test_server_work_runs_as_late_as_its_consumers_allow():
     assert intrinsics(proto).count("federated_apply") == 1  # one server stage, not two
     np.testing.assert_allclose(run_computation(proto, W, jnp.ones((N, 3))),
                                f(W, jnp.ones((N, 3))), rtol=1e-6)
+
+
+@fb.program(clients=N)
+def _round_two_client_args(state, x, scale):
+    w = fb.federated_broadcast(state["w"])
+    loss = fb.federated_map_clients(lambda w, x, s: jnp.mean((x @ w) * s), (w, x, scale))
+    mean = fb.federated_mean(loss)
+    new = fb.federated_map_server(lambda w, m: {"w": w - 0.1 * m, "n": 1.0}, (state["w"], mean))
+    return new, {"loss": mean}
+
+
+def test_round_form_zips_client_arguments_and_splits_state_from_output():
+    state = {"w": W}
+    scale = jnp.arange(N, dtype=jnp.float32)
+    args = (state, X, scale)
+    default = fb.export_tff(_round_two_client_args, *args,
+                            placements=("server", "clients", "clients"))
+    proto = fb.export_tff(_round_two_client_args, *args,
+                          placements=("server", "clients", "clients"), round_form=True)
+    assert str(block(default).type_signature).startswith("(<state=<w=float32[3]>@SERVER,x=")
+    assert str(block(proto).type_signature) == (
+        "(<<w=float32[3]>@SERVER,{<float32[5,3],float32>}@CLIENTS> -> "
+        "<<n=float32,w=float32[3]>@SERVER,<loss=float32>@SERVER>)")
+    new, out = run_computation(proto, state, (X, scale))
+    want_new, want_out = _round_two_client_args(*args)
+    np.testing.assert_allclose(new["w"], want_new["w"], rtol=1e-6)
+    np.testing.assert_allclose(out["loss"], want_out["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("placements,result,match", [
+    (("server", "clients"), lambda s, x: s, "returns \\(new_state, output\\)"),
+    (("server", "clients"), lambda s, x: (s, fb.federated_map_clients(jnp.sum, x)),
+     "two values placed at SERVER"),
+    (({"a": "server", "b": "clients"}, "clients"), lambda s, x: (s["a"], s["a"]),
+     "mixes placements"),
+    (("server", "server"), lambda s, x: (s, x), "needs a CLIENTS argument"),
+])
+def test_round_form_refuses_other_shapes(placements, result, match):
+    prog = fb.program(clients=N)(result)
+    state = {"a": W, "b": X} if isinstance(placements[0], dict) else W
+    with pytest.raises(fb.ExportError, match=match):
+        fb.export_tff(prog, state, X, placements=placements, round_form=True)

@@ -1,8 +1,9 @@
 """Compiles serialized `xla.HloModuleProto` bytes with jax's XLA client and runs them.
 
 This is the only module of fax_bridge that touches private jax APIs (jax 0.10.2):
-HLO -> StableHLO conversion, compilation with the default jax backend and raw executable
-calls. Everything else goes through `HloExecutable`.
+HLO -> StableHLO conversion, compilation with the default jax backend, raw executable
+calls, and portable StableHLO artifacts for older consumers (`portable_artifact`).
+Everything else goes through `HloExecutable` and `portable_artifact`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,29 @@ def _signature(stablehlo: bytes) -> tuple[list[TensorSpec], list[TensorSpec]]:
                     results.append(_spec_of(t))
             return [_spec_of(t) for t in fn_type.inputs], results
     raise ComputationError("the HLO module has no entry function `main`")
+
+
+# The StableHLO version TensorFlow 2.14's XlaCallModule (op version 8) deserializes.
+PORTABLE_TARGET = "0.9.0"
+
+
+def portable_artifact(hlo_module: bytes, target: str = PORTABLE_TARGET
+                      ) -> tuple[bytes, list[TensorSpec], list[TensorSpec]]:
+    """A serialized HloModuleProto as a portable StableHLO artifact for `target`.
+
+    Returns (artifact bytes, parameter specs, result specs). The artifact is what
+    `XlaCallModule` (version >= 5) takes as its `module` attribute.
+    """
+    try:
+        stablehlo = _xla_client._xla.mlir.hlo_to_stablehlo(hlo_module)
+        params, results = _signature(stablehlo)
+        artifact = _jax.mlir.serialize_portable_artifact(stablehlo, target)
+    except ComputationError:
+        raise
+    except Exception as e:  # the converters raise plain RuntimeErrors
+        raise ComputationError(
+            f"cannot convert the HLO module to a StableHLO {target} artifact ({e})") from e
+    return bytes(artifact), params, results
 
 
 class HloExecutable:

@@ -87,8 +87,10 @@ def _fix_hint(v: tracing.Violation) -> str:
 
 
 class _Exporter:
-    def __init__(self, comp: tracing.FederatedComputation, arg_names: Sequence[Optional[str]]):
+    def __init__(self, comp: tracing.FederatedComputation, arg_names: Sequence[Optional[str]],
+                 round_form: bool = False):
         self.comp = comp
+        self.round_form = round_form
         self.arg_names = list(arg_names)
         self.locals: list[tuple[str, bb.ComputationBuildingBlock]] = []
         self.where: dict = {}  # var -> (group, index path inside the member)
@@ -186,6 +188,8 @@ class _Exporter:
         tree = jax.tree_util.tree_unflatten(comp.in_tree, leaves)  # tuple of args
         if not tree:
             return None, None
+        if self.round_form:
+            return self._round_parameter(tree)
         if len(tree) == 1:
             ptype = self._arg_type(tree[0])
             ref = bb.Reference("arg", ptype)
@@ -200,6 +204,39 @@ class _Exporter:
         ref = bb.Reference("arg", ptype)
         for i, sub in enumerate(tree):
             self._bind_arg(sub, bb.Selection(ref, index=i))
+        return "arg", ptype
+
+    def _round_parameter(self, tree):
+        """`<server_state@SERVER, client_data@CLIENTS>`: the SERVER arguments zipped into
+        one server value, the CLIENTS arguments into one client value."""
+        groups: dict = {S: [], C: []}
+        for i, sub in enumerate(tree):
+            placements = self._leaf_placements(sub)
+            if len(placements) != 1 or placements & {U}:
+                raise ExportError(
+                    f"argument {i} ({self.arg_names[i] if i < len(self.arg_names) else '?'})"
+                    f" mixes placements {sorted(p.value for p in placements)}; a round in "
+                    "the forms' shape takes SERVER state and CLIENTS data only. Keep client "
+                    "state at the server (e.g. one entry per client slot) or split it into "
+                    "its own argument.")
+            groups[placements.pop()].append(sub)
+        parts = []
+        for placement, subs in ((S, groups[S]), (C, groups[C])):
+            if not subs:
+                raise ExportError(
+                    f"a round in the forms' shape needs a {placement.value.upper()} argument "
+                    "(server state first, then client data); the program has none.")
+            member = subs[0] if len(subs) == 1 else tuple(subs)
+            parts.append((placement, member))
+        ptype = federated_language.StructType(
+            [(None, _fed_type(tff_types.pytree_type(self._member_avals(m)), p))
+             for p, m in parts])
+        ref = bb.Reference("arg", ptype)
+        invars = self.comp.jaxpr.jaxpr.invars
+        for i, (placement, member) in enumerate(parts):
+            self._register(_Group(self._local(bb.Selection(ref, index=i), "_arg"), placement,
+                                  self._member_avals(member),
+                                  [invars[j] for j in jax.tree_util.tree_leaves(member)]))
         return "arg", ptype
 
     def _leaf_placements(self, subtree) -> set:
@@ -501,6 +538,15 @@ class _Exporter:
                 return factory.create_federated_zip(struct)
             return bb.Struct([(name, build(child)) for name, child in children])
 
+        if self.round_form:
+            children = tff_types.named_children(tree) if not isinstance(tree, int) else []
+            if len(children) != 2 or any(placements_of(c) != {S} for _, c in children):
+                raise ExportError(
+                    "a round in the forms' shape returns (new_state, output), two values "
+                    f"placed at SERVER; this program returns {comp.signature().split(' -> ')[1]}."
+                    " Return a pair, and keep any CLIENTS result at the server (aggregate it) "
+                    "or drop it.")
+            return bb.Struct([(None, build(child)) for _, child in children])
         return build(tree)
 
 
@@ -518,11 +564,17 @@ def argument_names(fn: Callable, count: int) -> list[Optional[str]]:
 
 
 def export_computation(comp: tracing.FederatedComputation,
-                       arg_names: Optional[Sequence[Optional[str]]] = None
-                       ) -> computation_pb2.Computation:
-    """Builds the TFF proto of a traced program (see the module docstring)."""
+                       arg_names: Optional[Sequence[Optional[str]]] = None,
+                       round_form: bool = False) -> computation_pb2.Computation:
+    """Builds the TFF proto of a traced program (see the module docstring).
+
+    With `round_form`, the proto has the type TFF's production forms want:
+    `(<server_state@SERVER, client_data@CLIENTS> -> <new_state@SERVER, output@SERVER>)`,
+    the SERVER arguments zipped into one value, the CLIENTS arguments into another, and
+    the program's `(new_state, output)` result returned as two separate SERVER values.
+    """
     n_args = len(jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals)))))
-    exporter = _Exporter(comp, arg_names or [None] * n_args)
+    exporter = _Exporter(comp, arg_names or [None] * n_args, round_form)
     exporter.check_exportable()
     exporter.fold_constants()
     param_name, param_type = exporter.parameter()
@@ -533,16 +585,17 @@ def export_computation(comp: tracing.FederatedComputation,
     return fn.to_proto()
 
 
-def export_tff(fn: Callable, *args, placements: Any = None,
-               clients: Optional[int] = None) -> computation_pb2.Computation:
+def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[int] = None,
+               round_form: bool = False) -> computation_pb2.Computation:
     """Exports `fn(*args)` as a `federated_language` `Computation` proto.
 
     `placements` is a pytree prefix of "server"/"clients" per positional argument
     (default: all SERVER). Raises `fax_bridge.ExportError` for what TFF cannot express,
-    naming the equation, the user's source line and the fix.
+    naming the equation, the user's source line and the fix. `round_form`: see
+    `export_computation`.
     """
     comp = tracing.trace(fn, *args, placements=placements, clients=clients)
-    return export_computation(comp, argument_names(fn, len(args)))
+    return export_computation(comp, argument_names(fn, len(args)), round_form)
 
 
 def save_computation(proto: computation_pb2.Computation, path) -> None:
