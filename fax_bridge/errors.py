@@ -21,3 +21,11 @@ class ComputationError(FaxBridgeError):
 
 class FleetError(FaxBridgeError):
     """A simulated device fleet could not complete a request (too few clients, dead devices...)."""
+
+
+class AddressError(FleetError, ValueError):
+    """A HOST:PORT address is malformed (no port, a port out of range, IPv6 without brackets)."""
+
+
+class ArgumentError(FaxBridgeError, TypeError):
+    """A function got an argument it does not take, or a combination it cannot use."""

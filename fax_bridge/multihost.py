@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from fax_bridge.fleet.protocol import parse_address
 from fax_bridge.local import CLIENTS_AXIS, clients_sharding, jit_program, replicated
 
 _CPU_COLLECTIVES = "jax_cpu_collectives_implementation"
@@ -48,11 +49,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         raise ValueError(
             f"process_id={process_id} with num_processes={num_processes}: ids run from 0 "
             "to num_processes-1, one per process")
-    host, sep, port = coordinator_address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(
-            f"coordinator_address {coordinator_address!r} is not HOST:PORT; give the "
-            "address of process 0, e.g. 10.0.0.1:1234")
+    parse_address(coordinator_address, "coordinator_address (the address of process 0)")
     if jax.config.values.get(_CPU_COLLECTIVES, "none") in (None, "none"):
         jax.config.update(_CPU_COLLECTIVES, "gloo")
     kwargs = {}

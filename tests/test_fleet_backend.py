@@ -112,7 +112,7 @@ def test_rounds_sample_drop_and_straggle_deterministically(fleet2):
                          round_deadline_s=0.006, seed=5)
     reports = []
     for _ in range(2):
-        fleet2.policy, fleet2._round = policy, 0
+        fleet2.policy, fleet2.next_round = policy, 0
         result, rep = fleet2.run(proto, xs, s, report=True)
         np.testing.assert_array_equal(result, xs[rep.participants].sum(0))
         reports.append(rep)

@@ -26,7 +26,8 @@ import pytest
 import fax_bridge
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import device, fleet_file, sample_computations as sc
-from fax_bridge.fleet.coordinator import GrpcClientsBackend, partition
+from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.remote import RemoteFleet
 
 PACKAGE_ROOT = str(pathlib.Path(fax_bridge.__file__).resolve().parents[1])

@@ -95,7 +95,7 @@ print(json.dumps({{"finished": True}}), flush=True)
     with LocalFleet(devices=3, **POLICY) as fleet:  # another device count, on purpose
         resumed = fleet.run_loop(ns["proto"], ns["w0"], ROUNDS, ns["data"],
                                  next_state=lambda out: out["w"], checkpoint_dir=ckpt)
-        fleet._round = 0
+        fleet.next_round = 0
         straight = fleet.run_loop(ns["proto"], ns["w0"], ROUNDS, ns["data"],
                                   next_state=lambda out: out["w"])
         with pytest.raises(FleetError, match="another run"):

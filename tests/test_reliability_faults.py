@@ -12,7 +12,7 @@ from federated_language.compiler import building_blocks as bb
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import sample_computations as sc
-from fax_bridge.fleet.coordinator import partition
+from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.rounds import RoundPolicy, plan_round
 
@@ -74,7 +74,7 @@ def test_a_device_killed_mid_round_leaves_the_round_to_the_survivors(fleet3):
     blocks = partition(len(plan.participants), 3)
     # Precondition: device 1 waits long enough that the kill below lands inside the round.
     assert max(plan.delays_s[plan.participants[j]] for j in blocks[1]) > 1.0
-    fleet3.policy, fleet3._round = policy, 0
+    fleet3.policy, fleet3.next_round = policy, 0
     killer = threading.Timer(0.5, fleet3.kill_device, args=(1,))
     killer.start()
     try:

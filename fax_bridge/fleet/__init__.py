@@ -1,10 +1,15 @@
 """Fleet: device processes hosting virtual clients, the gRPC clients backend, a local launcher.
 
+By role:
+- `protocol`: what both sides agree on (protocol name, message caps, client layout,
+  HOST:PORT parsing); `wire`, `partials`, `validate`: message encoding and checks.
 - `device`: the device server (`fax-bridge device`, `python -m fax_bridge.fleet.device`).
-- `coordinator.GrpcClientsBackend`: a `ClientsBackend` whose client values live on devices.
-- `launcher.LocalFleet`: spawns devices on 127.0.0.1 and runs rounds (`rounds.RoundPolicy`).
-- `remote.RemoteFleet`: the same rounds on devices started elsewhere, named by address or
-  by a JSON fleet file (`fleet_file`).
+- `pool.DevicePool`: channels and deadline-bound calls to many devices;
+  `coordinator.GrpcClientsBackend` builds a `ClientsBackend` on it (values on devices).
+- `session.FleetRounds`: rounds under a `rounds.RoundPolicy`, reports, device loss,
+  `run_loop` with `checkpoint` save/load.
+- `launcher.LocalFleet`: starts devices on 127.0.0.1; `remote.RemoteFleet`: joins devices
+  started elsewhere, named by address or by a JSON fleet file (`fleet_file`).
 
 Names are imported on first use, so `python -m fax_bridge.fleet.device` loads only what a
 device needs.
@@ -14,8 +19,8 @@ import importlib
 
 _EXPORTS = {
     "GrpcClientsBackend": "fax_bridge.fleet.coordinator",
-    "Traffic": "fax_bridge.fleet.coordinator",
-    "FleetRounds": "fax_bridge.fleet.launcher",
+    "Traffic": "fax_bridge.fleet.pool",
+    "FleetRounds": "fax_bridge.fleet.session",
     "FleetSpec": "fax_bridge.fleet.fleet_file",
     "LocalFleet": "fax_bridge.fleet.launcher",
     "RemoteFleet": "fax_bridge.fleet.remote",

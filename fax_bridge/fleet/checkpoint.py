@@ -1,9 +1,10 @@
 """Checkpoints of server state between rounds, so a coordinator can resume after a crash.
 
-    state = run_loop(fleet, proto, init_state, num_rounds=100, client_args=data_for_round,
-                     checkpoint_dir="ckpt/")
+    save("ckpt/", round_index, state, meta)   # after each round
+    saved = load("ckpt/")                     # None, or a Checkpoint(round, state, meta)
 
-After each round the new state is written to `checkpoint_dir/state.npz` atomically (a
+`FleetRounds.run_loop(..., checkpoint_dir=)` saves after every round and resumes from
+the last saved one. The new state is written to `checkpoint_dir/state.npz` atomically (a
 temporary file, fsync, `os.replace`), so a crash at any moment leaves the previous or
 the new checkpoint, never a torn one. A rerun with the same `checkpoint_dir` starts at
 the round after the saved one; because each round's cohort depends only on the seed
@@ -21,7 +22,7 @@ import json
 import os
 import pathlib
 import tempfile
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -126,44 +127,3 @@ def load(directory: "os.PathLike | str") -> Optional[Checkpoint]:
                          f"expected {FORMAT}")
     return Checkpoint(round=int(header["round"]), state=_decode(header["tree"], arrays),
                       meta=header.get("meta", {}))
-
-
-def run_loop(fleet, proto, state: Any, num_rounds: int,
-             client_args: Callable[[int], Sequence[Any]], *,
-             next_state: Optional[Callable[[Any], Any]] = None,
-             checkpoint_dir: "Optional[os.PathLike | str]" = None,
-             on_round: Optional[Callable[[int, Any, Any], None]] = None) -> Any:
-    """Runs rounds 0..num_rounds-1 of `proto(state, *client_args(r))`; returns the state.
-
-    `next_state(result)` picks the next state from a round's result (default: the
-    result itself). Round r is planned as round r of the fleet's policy whatever ran
-    before, so a resumed run makes the same choices. With `checkpoint_dir` the state is
-    saved after every round and a rerun resumes after the last saved round (refusing a
-    checkpoint of a computation of another type, or of another policy). `on_round(r, result, report)` is
-    called after each round.
-    """
-    from fax_bridge.runtime.interpreter import computation_type
-
-    # The type signature names the computation: its bytes hold source locations that
-    # differ between processes building the same program.
-    meta = {"computation": str(computation_type(proto)), "policy": repr(fleet.policy),
-            "num_rounds": int(num_rounds)}
-    start = 0
-    if checkpoint_dir is not None:
-        saved = load(checkpoint_dir)
-        if saved is not None:
-            for key in ("computation", "policy"):
-                if saved.meta.get(key) != meta[key]:
-                    raise FleetError(
-                        f"checkpoint in {checkpoint_dir} belongs to another run (its {key} "
-                        "differs); use a fresh checkpoint_dir or delete the old one")
-            state, start = saved.state, saved.round + 1
-    for r in range(start, int(num_rounds)):
-        fleet._round = r
-        result = fleet.run(proto, state, *client_args(r))
-        state = next_state(result) if next_state is not None else result
-        if checkpoint_dir is not None:
-            save(checkpoint_dir, r, state, meta)
-        if on_round is not None:
-            on_round(r, result, fleet.last_report)
-    return state

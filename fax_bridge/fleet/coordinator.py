@@ -19,14 +19,11 @@ and infinite values. Calls carry the fleet token; `tls` switches to mutual TLS.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import secrets
 import threading
-from concurrent import futures
-import time
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import federated_language
 import grpc
@@ -36,62 +33,12 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import partials, security, validate, wire
-from fax_bridge.fleet.device import DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, grpc_options
+from fax_bridge.fleet.pool import DeviceLostError, DevicePool
+from fax_bridge.fleet.protocol import DEFAULT_MAX_MESSAGE_BYTES, partition, wire_size
 from fax_bridge.runtime.backend import AGGREGATIONS, ClientsBackend, ClientsValue, as_numpy
 from fax_bridge.v1 import device_pb2 as pb
-from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 
-GRPC_PREFIX_BYTES = 5       # compressed flag + length in front of every gRPC message
-HTTP2_FRAME_BYTES = 9       # header of each HTTP/2 DATA frame
-HTTP2_FRAME_PAYLOAD = 16384  # default maximum DATA frame payload
 RELEASE_BATCH = 256
-# Status codes meaning "this device is gone or too slow", not "the request was wrong".
-LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.CANCELLED)
-
-
-class DeviceLostError(FleetError):
-    """Devices died or missed their deadline; `devices` lists their indices."""
-
-    def __init__(self, message: str, devices: Sequence[int]):
-        super().__init__(message)
-        self.devices = sorted(set(devices))
-
-
-def wire_size(message) -> int:
-    """Bytes a message takes on the wire: serialized form, gRPC prefix, HTTP/2 DATA frames."""
-    body = message.ByteSize() + GRPC_PREFIX_BYTES
-    return body + HTTP2_FRAME_BYTES * max(1, -(-body // HTTP2_FRAME_PAYLOAD))
-
-
-def partition(num_clients: int, num_devices: int) -> list[range]:
-    """The clients of each device: contiguous blocks in client order, sizes within one."""
-    return [range(d * num_clients // num_devices, (d + 1) * num_clients // num_devices)
-            for d in range(num_devices)]
-
-
-@dataclasses.dataclass
-class Traffic:
-    """Bytes and RPCs between the coordinator and its devices.
-
-    `down`: coordinator to devices (placing data, broadcasts, computations, requests);
-    `up`: devices to coordinator (results, partials, acknowledgements). `*_payload`
-    counts only array data inside those messages; the rest is protocol overhead.
-    """
-
-    bytes_down: int = 0
-    bytes_up: int = 0
-    payload_down: int = 0
-    payload_up: int = 0
-    rpcs: int = 0
-    compute_seconds: float = 0.0
-
-    def __sub__(self, other: "Traffic") -> "Traffic":
-        return Traffic(*(getattr(self, f.name) - getattr(other, f.name)
-                         for f in dataclasses.fields(self)))
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class GrpcClientsValue(ClientsValue):
@@ -120,35 +67,7 @@ class GrpcClientsValue(ClientsValue):
         return f"GrpcClientsValue(handle={self.handle}, clients={self._num_clients}, {self._type})"
 
 
-class _Device:
-    def __init__(self, index: int, address: str, options: tuple,
-                 tls: Optional[security.TlsConfig]):
-        self.index = index
-        self.address = address
-        if tls is not None:
-            self.channel = grpc.secure_channel(address, tls.channel_credentials(),
-                                               options=options + tls.channel_options())
-        else:
-            self.channel = grpc.insecure_channel(address, options=options)
-        self.stub = pb_grpc.DeviceStub(self.channel)
-
-
-def _host(address: str) -> str:
-    host, _, _ = address.rpartition(":")
-    return host.strip("[]") or address
-
-
-class _Done:
-    """A call made in the calling thread, with a future's `result()` (one device)."""
-
-    def __init__(self, rpc, request, kwargs):
-        self._rpc, self._request, self._kwargs = rpc, request, kwargs
-
-    def result(self):
-        return self._rpc(self._request, **self._kwargs)
-
-
-class GrpcClientsBackend(ClientsBackend):
+class GrpcClientsBackend(DevicePool, ClientsBackend):
     """Runs CLIENTS-placed work on device processes reached over gRPC.
 
     Args:
@@ -170,212 +89,34 @@ class GrpcClientsBackend(ClientsBackend):
                  tls: Optional[security.TlsConfig] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  reject_nonfinite: bool = False):
-        if not addresses:
-            raise FleetError("GrpcClientsBackend needs at least one device address")
+        super().__init__(addresses, rpc_timeout_s=rpc_timeout_s,
+                         connect_timeout_s=connect_timeout_s, token=token, tls=tls,
+                         max_message_bytes=max_message_bytes)
         self.preaggregate = preaggregate
-        self.rpc_timeout_s = float(rpc_timeout_s)
         self.message_bytes = int(message_bytes)
         self.reject_nonfinite = bool(reject_nonfinite)
-        self.traffic = Traffic()
-        self._tls = tls
-        self._options = grpc_options(max_message_bytes)
-        self._metadata = security.call_metadata(token)
-        self._devices: list[_Device] = []
-        for address in addresses:
-            self._devices.append(self._connect(len(self._devices), address))
-        self._active = list(range(len(self._devices)))
-        self._pool = futures.ThreadPoolExecutor(max_workers=max(2, min(32, len(addresses))),
-                                                thread_name_prefix="fax-bridge-fetch")
         # A random start keeps this backend's handles apart from those an earlier
         # coordinator (crashed, or closed with values still referenced) left behind.
         self._handles = itertools.count(1 + secrets.randbelow(1 << 52))
         self._loaded: set[tuple[int, str]] = set()
-        self._hashes: dict[int, str] = {}
         self._pending_release: list[int] = []
         self._release_lock = threading.Lock()
         self._delays: Optional[list[float]] = None
         self._populations: dict[int, tuple[str, int, str]] = {}
-        self._closed = False
         self.wait_ready(connect_timeout_s)
 
+    def _forget(self, indices: set) -> None:
+        self._loaded = {(d, k) for d, k in self._loaded if d not in indices}
+        for index in indices:
+            self._populations.pop(index, None)
+
+    def take_handles(self, other: "GrpcClientsBackend") -> None:
+        """Continues `other`'s handle sequence: after a reconnect, devices that survived
+        may still hold values of `other`, so their handles are never reused."""
+        self._handles = other._handles
+
+
     # -- plumbing -----------------------------------------------------------------
-
-    @property
-    def addresses(self) -> list[str]:
-        return [d.address for d in self._devices]
-
-    @property
-    def num_devices(self) -> int:
-        return len(self._devices)
-
-    @property
-    def active_devices(self) -> list[int]:
-        """Indices of the devices clients are placed on (lost ones left out)."""
-        return list(self._active)
-
-    def _connect(self, index: int, address: str) -> _Device:
-        if self._tls is None and not security.is_loopback(_host(address)):
-            security.log.warning("device %s is reached without TLS: the fleet token and "
-                                 "all values travel in clear text", address)
-        return _Device(index, address, self._options, self._tls)
-
-    def mark_lost(self, indices: Sequence[int]) -> None:
-        """Stops placing clients on these devices (they died or missed a deadline)."""
-        lost = set(indices)
-        self._active = [d for d in self._active if d not in lost]
-        self._loaded = {(d, k) for d, k in self._loaded if d not in lost}
-
-    def rejoin(self, index: int, address: Optional[str] = None,
-               timeout_s: float = 30.0) -> pb.HealthResponse:
-        """Brings device `index` back (at `address` when it moved) once it answers Health.
-
-        The device is treated as new: computations are loaded again on first use.
-        """
-        if not 0 <= index < len(self._devices):
-            raise FleetError(f"rejoin: no device {index}; this backend has "
-                             f"{len(self._devices)} (use add_device for a new one)")
-        if address is not None and address != self._devices[index].address:
-            self._devices[index].channel.close()
-            self._devices[index] = self._connect(index, address)
-        answer = self._wait_one(self._devices[index], time.monotonic() + timeout_s, timeout_s)
-        self._populations.pop(index, None)
-        self._loaded = {(d, k) for d, k in self._loaded if d != index}
-        self._active = sorted(set(self._active) | {index})
-        return answer
-
-    def add_device(self, address: str, timeout_s: float = 30.0) -> int:
-        """Adds a device at `address` (after the others in client order); returns its index."""
-        device = self._connect(len(self._devices), address)
-        try:
-            self._wait_one(device, time.monotonic() + timeout_s, timeout_s)
-        except FleetError:
-            device.channel.close()
-            raise
-        self._devices.append(device)
-        self._active.append(device.index)
-        return device.index
-
-    def _wait_one(self, device: _Device, deadline: float, timeout_s: float):
-        remaining = max(0.1, deadline - time.monotonic())
-        try:
-            grpc.channel_ready_future(device.channel).result(timeout=remaining)
-            remaining = max(0.1, deadline - time.monotonic())
-            answer = device.stub.Health(pb.HealthRequest(), timeout=remaining,
-                                        metadata=self._metadata)
-        except (grpc.FutureTimeoutError, grpc.RpcError) as e:
-            hint = ("; the device refused the fleet token (is it the same fleet's?)"
-                    if isinstance(e, grpc.RpcError)
-                    and e.code() == grpc.StatusCode.UNAUTHENTICATED else
-                    "; check that it is running and listening on that address")
-            raise FleetError(
-                f"device {device.index} at {device.address} did not become healthy "
-                f"within {timeout_s:.0f}s ({_describe(e)}){hint}") from None
-        if answer.status != "SERVING" or answer.protocol != PROTOCOL:
-            raise FleetError(
-                f"device {device.index} at {device.address} answered status "
-                f"{answer.status!r}, protocol {answer.protocol!r}; expected SERVING, "
-                f"{PROTOCOL}")
-        return answer
-
-    def probe(self, timeout_s: float) -> list[bool]:
-        """Whether each device answers Health within `timeout_s` (asked in parallel)."""
-        calls = [d.stub.Health.future(pb.HealthRequest(), timeout=timeout_s,
-                                      metadata=self._metadata) for d in self._devices]
-        alive = []
-        for call in calls:
-            try:
-                alive.append(call.result().status == "SERVING")
-            except grpc.RpcError:
-                alive.append(False)
-        return alive
-
-    def wait_ready(self, timeout_s: float) -> list[pb.HealthResponse]:
-        """Waits until every active device answers Health (SERVING, same protocol)."""
-        deadline = time.monotonic() + timeout_s
-        return [self._wait_one(self._devices[d], deadline, timeout_s) for d in self._active]
-
-    def health(self) -> list[pb.HealthResponse]:
-        """Health of every active device, in device order."""
-        return [self._unary(self._devices[d], "Health", pb.HealthRequest())
-                for d in self._active]
-
-    def _count(self, down=(), up=(), payload_down: int = 0, payload_up: int = 0) -> None:
-        self.traffic.bytes_down += sum(wire_size(m) for m in down)
-        self.traffic.bytes_up += sum(wire_size(m) for m in up)
-        self.traffic.payload_down += payload_down
-        self.traffic.payload_up += payload_up
-
-    def _fail(self, device: _Device, method: str, error: Exception) -> FleetError:
-        hint = ""
-        lost = False
-        if isinstance(error, grpc.RpcError):
-            code = error.code()
-            lost = code in LOST_CODES
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                hint = f"; it did not answer within the deadline (rpc_timeout_s={self.rpc_timeout_s})"
-            elif code == grpc.StatusCode.UNAVAILABLE:
-                hint = "; the device process is not reachable (did it exit? see its log)"
-            elif code == grpc.StatusCode.UNAUTHENTICATED:
-                hint = "; the device refused the fleet token"
-        message = (f"device {device.index} at {device.address}: {method} failed: "
-                   f"{_describe(error)}{hint}")
-        return DeviceLostError(message, [device.index]) if lost else FleetError(message)
-
-    def _unary(self, device: _Device, method: str, request, timeout: Optional[float] = None):
-        self.traffic.rpcs += 1
-        try:
-            response = getattr(device.stub, method)(
-                request, timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise self._fail(device, method, e) from None
-        self._count(down=[request], up=[response])
-        return response
-
-    @staticmethod
-    def _raise_first(errors: list) -> None:
-        """Raises the collected errors: all lost devices together, else the first error."""
-        if not errors:
-            return
-        lost = [e for e in errors if isinstance(e, DeviceLostError)]
-        if lost:
-            raise DeviceLostError("; ".join(str(e) for e in lost),
-                                  [d for e in lost for d in e.devices])
-        raise errors[0]
-
-    def _parallel(self, method: str, requests: dict[int, object],
-                  timeout: Optional[float] = None) -> dict[int, object]:
-        """Sends one unary request per device index at once; waits for all answers."""
-        # Blocking calls on the backend's own threads: a gRPC future would start a new
-        # thread per channel on every call when none is in flight.
-        calls = {}
-        for index, request in requests.items():
-            device = self._devices[index]
-            self.traffic.rpcs += 1
-            rpc = getattr(device.stub, method)
-            kwargs = dict(timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
-            calls[index] = (self._pool.submit(rpc, request, **kwargs) if len(requests) > 1
-                            else _Done(rpc, request, kwargs))
-        answers = self._answers(calls, method)
-        self._count(down=requests.values(), up=answers.values())
-        return answers
-
-    def _answers(self, calls: dict, method: str,
-                 own_error: Optional[Callable[[int], Optional[Exception]]] = None) -> dict:
-        """Waits for every device's call; then raises the first failure, if any.
-
-        `own_error(index)` may name a failure of ours behind a device's error (e.g. an
-        encoding error that cancelled a stream), reported instead of the RPC status.
-        """
-        answers, errors = {}, []
-        for index, call in calls.items():
-            try:
-                answers[index] = call.result()
-            except grpc.RpcError as e:
-                mine = own_error(index) if own_error is not None else None
-                errors.append(mine if mine is not None
-                              else self._fail(self._devices[index], method, e))
-        self._raise_first(errors)
-        return answers
 
     def _layout(self, num_clients: int,
                 devices: Optional[Sequence[int]] = None) -> list[tuple[int, range]]:
@@ -774,10 +515,7 @@ class GrpcClientsBackend(ClientsBackend):
             self._flush_releases(force=True)
         except FleetError:
             pass  # a device that is gone holds nothing any more
-        self._closed = True
-        self._pool.shutdown(wait=False)
-        for device in self._devices:
-            device.channel.close()
+        super().close()
 
     def __enter__(self) -> "GrpcClientsBackend":
         return self
@@ -855,9 +593,3 @@ def _template(member_type: federated_language.Type):
     if isinstance(member_type, federated_language.StructType):
         return structure.Struct([(name, _template(t)) for name, t in member_type.items()])
     return None
-
-
-def _describe(error: Exception) -> str:
-    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
-        return f"{error.code().name}: {error.details()}"
-    return f"{type(error).__name__}: {error}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import os
@@ -36,28 +37,11 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import FaxBridgeError, FleetError
 from fax_bridge.fleet import partials, security, wire
+from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
+                                      DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS, PROTOCOL,
+                                      format_address, grpc_options, parse_address)
 from fax_bridge.v1 import device_pb2 as pb
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
-
-PROTOCOL = "fax_bridge.v1"
-DEFAULT_FETCH_BYTES = 4 << 20
-MAX_DELAY_SECONDS = 600.0
-# Tensors may be far above gRPC's 4 MiB default, but every message stays under a cap.
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
-DEFAULT_MAX_STORED_BYTES = 32 << 30
-
-
-def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple:
-    """Channel/server options: messages in both directions capped at `max_message_bytes`."""
-    size = int(max_message_bytes)
-    if not 0 < size < 1 << 31:
-        raise FleetError(f"max_message_bytes={size} must lie in [1, 2^31 - 1] (protobuf's "
-                         "own limit is 2 GiB)")
-    return (("grpc.max_send_message_length", size),
-            ("grpc.max_receive_message_length", size))
-
-
-GRPC_OPTIONS = grpc_options()
 
 log = logging.getLogger("fax_bridge.device")
 
@@ -85,46 +69,40 @@ class _RpcError(Exception):
         self.code = code
 
 
+def _abort(self, context, method: Callable, error: Exception) -> None:
+    """Reports an exception of a servicer method as a gRPC status with clear details."""
+    if isinstance(error, _RpcError):
+        context.abort(error.code, f"{self.device_id}: {error}")
+    if isinstance(error, FaxBridgeError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{self.device_id}: {type(error).__name__}: {error}")
+    # Anything else is reported to the coordinator instead of killing the device.
+    log.error("%s failed", method.__name__, exc_info=error)
+    context.abort(grpc.StatusCode.INTERNAL, f"{self.device_id}: {method.__name__} failed: "
+                  f"{type(error).__name__}: {error}")
+
+
 def _rpc(method: Callable) -> Callable:
-    """Maps exceptions of a servicer method onto gRPC status codes with clear details."""
+    """Maps exceptions of a servicer method (unary, or a generator for streamed answers)
+    onto gRPC status codes with clear details."""
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def stream(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Exception as e:
+                _abort(self, context, method, e)
+
+        return stream
 
     @functools.wraps(method)
-    def wrapper(self, request, context):
+    def unary(self, request, context):
         try:
             return method(self, request, context)
-        except _RpcError as e:
-            context.abort(e.code, f"{self.device_id}: {e}")
-        except FaxBridgeError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{self.device_id}: {type(e).__name__}: {e}")
-        except Exception as e:  # reported to the coordinator instead of killing the device
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL,
-                          f"{self.device_id}: {method.__name__} failed: "
-                          f"{type(e).__name__}: {e}")
-
-    return wrapper
-
-
-def _stream_rpc(method: Callable) -> Callable:
-    """Like `_rpc` for server-streaming methods (generators)."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            yield from method(self, request, context)
-        except _RpcError as e:
-            context.abort(e.code, f"{self.device_id}: {e}")
-        except FaxBridgeError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{self.device_id}: {type(e).__name__}: {e}")
         except Exception as e:
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL,
-                          f"{self.device_id}: {method.__name__} failed: "
-                          f"{type(e).__name__}: {e}")
+            _abort(self, context, method, e)
 
-    return wrapper
+    return unary
 
 
 class DeviceServicer(pb_grpc.DeviceServicer):
@@ -399,7 +377,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             partial = partials.partial_of(kind, stored.member_list(), weights, bitwidth)
         return partials.to_message(partial)
 
-    @_stream_rpc
+    @_rpc
     def Fetch(self, request, context):
         stored = self._get(request.handle)
         budget = request.max_message_bytes or DEFAULT_FETCH_BYTES
@@ -438,15 +416,6 @@ def _value_bytes(value) -> int:
     return sum(int(leaf.nbytes) for leaf in wire.leaves(value)) if value is not None else 0
 
 
-def parse_listen(address: str) -> tuple[str, int]:
-    """Splits HOST:PORT (PORT 0 picks a free one)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise FleetError(
-            f"--listen {address!r} is not HOST:PORT; use e.g. 127.0.0.1:0 for a free port")
-    return host.strip("[]"), int(port)
-
-
 def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,
                  token: Optional[str] = None, tls: Optional[security.TlsConfig] = None,
                  allow_remote: bool = False,
@@ -457,14 +426,14 @@ def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,
     `token`: refuse calls without it (UNAUTHENTICATED); `tls`: serve mutual TLS only;
     `allow_remote`: permit a non-loopback `listen` host (logged as a warning).
     """
-    host, port = parse_listen(listen)
+    host, port = parse_address(listen, "--listen", allow_port_zero=True)
     security.check_address(host, allow_remote, tls, "device listen address")
     interceptors = [security.TokenAuthInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
                          options=grpc_options(max_message_bytes) + (("grpc.so_reuseport", 0),))
     pb_grpc.add_DeviceServicer_to_server(servicer, server)
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    target = format_address(host, port)
     try:
         if tls is not None:
             bound = server.add_secure_port(target, tls.server_credentials())
@@ -510,7 +479,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
                               population=population, population_name=population_name)
     server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
                                 allow_remote=allow_remote, max_message_bytes=max_message_bytes)
-    host, _ = parse_listen(listen)
+    host, _ = parse_address(listen, "--listen", allow_port_zero=True)
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -521,7 +490,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
         signal.signal(signum, on_signal)
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
-    print(json.dumps({"listening": f"{host}:{port}", "port": port, "pid": os.getpid(),
+    print(json.dumps({"listening": format_address(host, port), "port": port, "pid": os.getpid(),
                       "device_id": device_id}), flush=True)
     while not stop.wait(1.0):
         pass

@@ -18,12 +18,12 @@ same addresses from a command line.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import os
 from typing import Any, Optional, Sequence
 
 from fax_bridge.errors import FleetError
+from fax_bridge.fleet.protocol import parse_address
 
 _KEYS = {"devices", "token_file", "tls"}
 _TLS_KEYS = {"ca_cert", "cert", "key", "server_name"}
@@ -48,23 +48,11 @@ class FleetSpec:
 
 
 def check_address(address: Any, where: str = "device address") -> str:
-    """Returns `address` if it is HOST:PORT with a port in 1..65535; else FleetError."""
-    if not isinstance(address, str):
-        raise FleetError(f"{where} {address!r} is not a string; write it as HOST:PORT")
-    host, sep, port = address.strip().rpartition(":")
-    bare = host.strip("[]")
-    if not sep or not bare or not port.isdigit() or not 0 < int(port) < 65536:
-        raise FleetError(
-            f"{where} {address!r} is not HOST:PORT with a port in 1..65535 (e.g. "
-            "10.0.0.2:50051); a remote device needs a fixed port, not 0")
-    if ":" in bare and not host.startswith("["):
-        try:
-            ipaddress.IPv6Address(bare)
-        except ValueError:
-            pass
-        else:
-            raise FleetError(f"{where} {address!r}: write IPv6 hosts in brackets, e.g. "
-                             f"[{bare}]:{port}")
+    """Returns `address` if it is HOST:PORT with a port in 1..65535; else AddressError.
+
+    A remote device needs a fixed port, not 0.
+    """
+    parse_address(address, where)
     return address.strip()
 
 

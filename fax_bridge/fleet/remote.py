@@ -7,7 +7,7 @@
 The devices are named by address (`addresses=[...]`, or a JSON fleet file, see
 `fleet_file`). The fleet only connects to them: it neither starts nor stops them, and
 closing it releases what it placed on them. Rounds follow the same `RoundPolicy` as
-`LocalFleet` (the code is shared, `launcher.FleetRounds`). A device that stops answering
+`LocalFleet` (the code is shared, `session.FleetRounds`). A device that stops answering
 during a round (a crash, a cut network link) is dropped: the round is retried on the
 devices that still answer Health, without the clients the lost device held, and fails
 with FleetError only when fewer than `min_clients` clients are left.
@@ -15,17 +15,14 @@ with FleetError only when fewer than `min_clients` clients are left.
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Any, Optional, Sequence, Union
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet import security
 from fax_bridge.fleet.fleet_file import check_address, load_fleet_file
-from fax_bridge.fleet.launcher import FleetRounds
-from fax_bridge.fleet.rounds import RoundPolicy
-
-TOKEN_ENV = "FAX_BRIDGE_FLEET_TOKEN"
+from fax_bridge.fleet.rounds import RoundPolicy, resolve_policy
+from fax_bridge.fleet.session import FleetRounds
 
 
 class RemoteFleet(FleetRounds):
@@ -47,8 +44,8 @@ class RemoteFleet(FleetRounds):
         --population DIR`); checked on start. Runs pass `fleet.population` (or a
         `PopulationRef`) for a CLIENTS argument and send only client ids. None: no
         check (a `PopulationRef` then accepts whatever population the devices agree on).
-      preaggregate, cohort_size, dropout, straggler_delay_s, round_deadline_s,
-        min_clients, seed, emulate_delays, rpc_timeout_s, progress: as for `LocalFleet`.
+      policy (or its fields as keywords), preaggregate, rpc_timeout_s, progress: as for
+        `LocalFleet`.
     """
 
     def __init__(self, addresses: Optional[Sequence[str]] = None, *,
@@ -56,11 +53,9 @@ class RemoteFleet(FleetRounds):
                  token: Optional[str] = None, token_file: Optional[str] = None,
                  tls: Any = None, survive_device_loss: bool = True,
                  probe_timeout_s: float = 2.0, connect_timeout_s: float = 60.0,
-                 preaggregate: bool = True, cohort_size: Optional[int] = None,
-                 dropout: float = 0.0, straggler_delay_s: float = 0.0,
-                 round_deadline_s: Optional[float] = None, min_clients: int = 1,
-                 seed: int = 0, emulate_delays: bool = True, rpc_timeout_s: float = 60.0,
-                 progress: bool = False, population: Optional[str] = None):
+                 policy: Optional[RoundPolicy] = None, preaggregate: bool = True,
+                 rpc_timeout_s: float = 60.0, progress: bool = False,
+                 population: Optional[str] = None, **policy_fields: Any):
         if (addresses is None) == (fleet_file is None):
             raise FleetError("RemoteFleet needs exactly one of addresses=[HOST:PORT, ...] "
                              "or fleet_file=PATH")
@@ -74,17 +69,13 @@ class RemoteFleet(FleetRounds):
             raise FleetError("RemoteFleet got an empty list of device addresses")
         if len(set(addresses)) != len(addresses):
             raise FleetError(f"RemoteFleet addresses {addresses} name a device twice")
-        self._init_rounds(
-            policy=RoundPolicy(cohort_size=cohort_size, dropout=dropout,
-                               straggler_delay_s=straggler_delay_s,
-                               round_deadline_s=round_deadline_s, min_clients=min_clients,
-                               seed=seed, emulate_delays=emulate_delays),
+        super().__init__(
+            policy=resolve_policy(policy, policy_fields, "RemoteFleet"),
             preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress,
+            survive_device_loss=survive_device_loss, probe_timeout_s=probe_timeout_s,
             population_name=population)
         self.configured_addresses = list(addresses)
         self.num_devices = len(addresses)
-        self.survive_device_loss = bool(survive_device_loss)
-        self.probe_timeout_s = float(probe_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self._token = token
         self._token_file = token_file
@@ -112,49 +103,12 @@ class RemoteFleet(FleetRounds):
                 raise
         return self
 
-    def _connect(self, addresses: list[str],
-                 connect_timeout_s: Optional[float] = None) -> GrpcClientsBackend:
-        if connect_timeout_s is None:
-            connect_timeout_s = self.probe_timeout_s * 5
-        return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
-                                  rpc_timeout_s=self.rpc_timeout_s,
-                                  connect_timeout_s=connect_timeout_s,
-                                  **self._security_kwargs())
-
-    def _security_kwargs(self) -> dict:
-        """The token and TLS arguments, as far as this coordinator supports them."""
+    def _backend_options(self) -> dict:
+        """The token (argument, token file, or environment, in that order) and TLS."""
         token = self._token
         if token is None and self._token_file is not None:
-            token = _read_token(self._token_file)
+            token = security.read_token_file(self._token_file)
         if token is None:
-            token = os.environ.get(TOKEN_ENV) or None
-        tls = self._tls
-        if isinstance(tls, dict):
-            from fax_bridge.fleet.security import TlsConfig
-
-            tls = TlsConfig(**tls)
-        accepted = inspect.signature(GrpcClientsBackend).parameters
-        kwargs = {}
-        for name, value in (("token", token), ("tls", tls)):
-            if value is None:
-                continue
-            if name not in accepted:
-                raise FleetError(
-                    f"a fleet {name} was given but this coordinator cannot send one; "
-                    f"upgrade fax_bridge or run the devices without a {name}")
-            kwargs[name] = value
-        return kwargs
-
-
-def _read_token(path: str) -> str:
-    try:
-        from fax_bridge.fleet.security import read_token_file
-    except ImportError:
-        read_token_file = None
-    if read_token_file is not None:
-        return read_token_file(path)
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as e:
-        raise FleetError(f"cannot read the fleet token file {path}: {e}") from None
+            token = os.environ.get(security.TOKEN_ENV) or None
+        tls = security.TlsConfig(**self._tls) if isinstance(self._tls, dict) else self._tls
+        return {"token": token, "tls": tls}

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import ArgumentError, FleetError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,23 @@ class RoundPolicy:
             raise FleetError(f"round_deadline_s={self.round_deadline_s} must be > 0 (or None)")
         if self.min_clients < 0:
             raise FleetError(f"min_clients={self.min_clients} must be >= 0")
+
+
+def resolve_policy(policy: Optional[RoundPolicy], fields: dict, owner: str) -> RoundPolicy:
+    """The policy of a fleet given `policy=` or the policy's fields as keywords."""
+    known = {f.name for f in dataclasses.fields(RoundPolicy)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ArgumentError(
+            f"{owner}() got unexpected keyword arguments {unknown}; the round policy's "
+            f"fields are {sorted(known)}")
+    if policy is not None and fields:
+        raise ArgumentError(
+            f"{owner}() got policy= and also {sorted(fields)}; put them in the RoundPolicy")
+    if policy is not None and not isinstance(policy, RoundPolicy):
+        raise ArgumentError(f"{owner}(policy=...) needs a RoundPolicy, got "
+                            f"{type(policy).__name__}")
+    return policy if policy is not None else RoundPolicy(**fields)
 
 
 @dataclasses.dataclass

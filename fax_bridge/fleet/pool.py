@@ -1,0 +1,317 @@
+"""`DevicePool`: channels to the devices of a fleet, and calls to them with deadlines.
+
+The pool knows devices, not values: it connects (plaintext on loopback, mutual TLS
+elsewhere), waits for Health, sends unary calls to many devices at once on its own
+threads, counts wire bytes per direction (`Traffic`), and turns a failed call into
+`FleetError`, or `DeviceLostError` when the device is gone or missed its deadline.
+`mark_lost`, `rejoin` and `add_device` change which devices take part.
+`coordinator.GrpcClientsBackend` builds the clients backend on top of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent import futures
+from typing import Callable, Optional, Sequence
+
+import grpc
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import security
+from fax_bridge.fleet.protocol import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, grpc_options,
+                                      parse_address, wire_size)
+from fax_bridge.v1 import device_pb2 as pb
+from fax_bridge.v1 import device_pb2_grpc as pb_grpc
+
+# Status codes meaning "this device is gone or too slow", not "the request was wrong".
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.CANCELLED)
+
+
+class DeviceLostError(FleetError):
+    """Devices died or missed their deadline; `devices` lists their indices."""
+
+    def __init__(self, message: str, devices: Sequence[int]):
+        super().__init__(message)
+        self.devices = sorted(set(devices))
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Bytes and RPCs between the coordinator and its devices.
+
+    `down`: coordinator to devices (placing data, broadcasts, computations, requests);
+    `up`: devices to coordinator (results, partials, acknowledgements). `*_payload`
+    counts only array data inside those messages; the rest is protocol overhead.
+    """
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    payload_down: int = 0
+    payload_up: int = 0
+    rpcs: int = 0
+    compute_seconds: float = 0.0
+
+    def __sub__(self, other: "Traffic") -> "Traffic":
+        return Traffic(*(getattr(self, f.name) - getattr(other, f.name)
+                         for f in dataclasses.fields(self)))
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Device:
+    def __init__(self, index: int, address: str, options: tuple,
+                 tls: Optional[security.TlsConfig]):
+        self.index = index
+        self.address = address
+        if tls is not None:
+            self.channel = grpc.secure_channel(address, tls.channel_credentials(),
+                                               options=options + tls.channel_options())
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.DeviceStub(self.channel)
+
+
+class _Done:
+    """A call made in the calling thread, with a future's `result()` (one device)."""
+
+    def __init__(self, rpc, request, kwargs):
+        self._rpc, self._request, self._kwargs = rpc, request, kwargs
+
+    def result(self):
+        return self._rpc(self._request, **self._kwargs)
+
+
+class DevicePool:
+    """Channels to `addresses` (in client-assignment order), all answering Health.
+
+    Args:
+      addresses: HOST:PORT of each device.
+      rpc_timeout_s: deadline of every call.
+      connect_timeout_s: how long to wait for each device to answer Health.
+      token: the fleet token sent with every call (see `security`); None sends none.
+      tls: mutual TLS (`security.TlsConfig`); None uses plaintext channels.
+      max_message_bytes: cap on every gRPC message, each direction.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, rpc_timeout_s: float = 60.0,
+                 connect_timeout_s: float = 30.0, token: Optional[str] = None,
+                 tls: Optional[security.TlsConfig] = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        if not addresses:
+            raise FleetError(f"{type(self).__name__} needs at least one device address")
+        self.rpc_timeout_s = float(rpc_timeout_s)
+        self.traffic = Traffic()
+        self._tls = tls
+        self._options = grpc_options(max_message_bytes)
+        self._metadata = security.call_metadata(token)
+        self._devices: list[_Device] = []
+        for address in addresses:
+            self._devices.append(self._connect(len(self._devices), address))
+        self._active = list(range(len(self._devices)))
+        self._pool = futures.ThreadPoolExecutor(max_workers=max(2, min(32, len(addresses))),
+                                                thread_name_prefix="fax-bridge-fetch")
+        self._closed = False
+
+    def _forget(self, indices: set) -> None:
+        """Drops what is remembered about these devices (they are lost or new)."""
+
+    @property
+    def addresses(self) -> list[str]:
+        return [d.address for d in self._devices]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self._devices)
+
+    @property
+    def active_devices(self) -> list[int]:
+        """Indices of the devices clients are placed on (lost ones left out)."""
+        return list(self._active)
+
+    def _connect(self, index: int, address: str) -> _Device:
+        if self._tls is None and not security.is_loopback(_host(address)):
+            security.log.warning("device %s is reached without TLS: the fleet token and "
+                                 "all values travel in clear text", address)
+        return _Device(index, address, self._options, self._tls)
+
+    def mark_lost(self, indices: Sequence[int]) -> None:
+        """Stops placing clients on these devices (they died or missed a deadline)."""
+        lost = set(indices)
+        self._active = [d for d in self._active if d not in lost]
+        self._forget(lost)
+
+    def rejoin(self, index: int, address: Optional[str] = None,
+               timeout_s: float = 30.0) -> pb.HealthResponse:
+        """Brings device `index` back (at `address` when it moved) once it answers Health.
+
+        The device is treated as new: computations are loaded again on first use.
+        """
+        if not 0 <= index < len(self._devices):
+            raise FleetError(f"rejoin: no device {index}; this backend has "
+                             f"{len(self._devices)} (use add_device for a new one)")
+        if address is not None and address != self._devices[index].address:
+            self._devices[index].channel.close()
+            self._devices[index] = self._connect(index, address)
+        answer = self._wait_one(self._devices[index], time.monotonic() + timeout_s, timeout_s)
+        self._forget({index})
+        self._active = sorted(set(self._active) | {index})
+        return answer
+
+    def add_device(self, address: str, timeout_s: float = 30.0) -> int:
+        """Adds a device at `address` (after the others in client order); returns its index."""
+        device = self._connect(len(self._devices), address)
+        try:
+            self._wait_one(device, time.monotonic() + timeout_s, timeout_s)
+        except FleetError:
+            device.channel.close()
+            raise
+        self._devices.append(device)
+        self._active.append(device.index)
+        return device.index
+
+    def _wait_one(self, device: _Device, deadline: float, timeout_s: float):
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            grpc.channel_ready_future(device.channel).result(timeout=remaining)
+            remaining = max(0.1, deadline - time.monotonic())
+            answer = device.stub.Health(pb.HealthRequest(), timeout=remaining,
+                                        metadata=self._metadata)
+        except (grpc.FutureTimeoutError, grpc.RpcError) as e:
+            hint = ("; the device refused the fleet token (is it the same fleet's?)"
+                    if isinstance(e, grpc.RpcError)
+                    and e.code() == grpc.StatusCode.UNAUTHENTICATED else
+                    "; check that it is running and listening on that address")
+            raise FleetError(
+                f"device {device.index} at {device.address} did not become healthy "
+                f"within {timeout_s:.0f}s ({_describe(e)}){hint}") from None
+        if answer.status != "SERVING" or answer.protocol != PROTOCOL:
+            raise FleetError(
+                f"device {device.index} at {device.address} answered status "
+                f"{answer.status!r}, protocol {answer.protocol!r}; expected SERVING, "
+                f"{PROTOCOL}")
+        return answer
+
+    def probe(self, timeout_s: float) -> list[bool]:
+        """Whether each device answers Health within `timeout_s` (asked in parallel)."""
+        calls = [d.stub.Health.future(pb.HealthRequest(), timeout=timeout_s,
+                                      metadata=self._metadata) for d in self._devices]
+        alive = []
+        for call in calls:
+            try:
+                alive.append(call.result().status == "SERVING")
+            except grpc.RpcError:
+                alive.append(False)
+        return alive
+
+    def wait_ready(self, timeout_s: float) -> list[pb.HealthResponse]:
+        """Waits until every active device answers Health (SERVING, same protocol)."""
+        deadline = time.monotonic() + timeout_s
+        return [self._wait_one(self._devices[d], deadline, timeout_s) for d in self._active]
+
+    def health(self) -> list[pb.HealthResponse]:
+        """Health of every active device, in device order."""
+        return [self._unary(self._devices[d], "Health", pb.HealthRequest())
+                for d in self._active]
+
+    def _count(self, down=(), up=(), payload_down: int = 0, payload_up: int = 0) -> None:
+        self.traffic.bytes_down += sum(wire_size(m) for m in down)
+        self.traffic.bytes_up += sum(wire_size(m) for m in up)
+        self.traffic.payload_down += payload_down
+        self.traffic.payload_up += payload_up
+
+    def _fail(self, device: _Device, method: str, error: Exception) -> FleetError:
+        hint = ""
+        lost = False
+        if isinstance(error, grpc.RpcError):
+            code = error.code()
+            lost = code in LOST_CODES
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                hint = f"; it did not answer within the deadline (rpc_timeout_s={self.rpc_timeout_s})"
+            elif code == grpc.StatusCode.UNAVAILABLE:
+                hint = "; the device process is not reachable (did it exit? see its log)"
+            elif code == grpc.StatusCode.UNAUTHENTICATED:
+                hint = "; the device refused the fleet token"
+        message = (f"device {device.index} at {device.address}: {method} failed: "
+                   f"{_describe(error)}{hint}")
+        return DeviceLostError(message, [device.index]) if lost else FleetError(message)
+
+    def _unary(self, device: _Device, method: str, request, timeout: Optional[float] = None):
+        self.traffic.rpcs += 1
+        try:
+            response = getattr(device.stub, method)(
+                request, timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._fail(device, method, e) from None
+        self._count(down=[request], up=[response])
+        return response
+
+    @staticmethod
+    def _raise_first(errors: list) -> None:
+        """Raises the collected errors: all lost devices together, else the first error."""
+        if not errors:
+            return
+        lost = [e for e in errors if isinstance(e, DeviceLostError)]
+        if lost:
+            raise DeviceLostError("; ".join(str(e) for e in lost),
+                                  [d for e in lost for d in e.devices])
+        raise errors[0]
+
+    def _parallel(self, method: str, requests: dict[int, object],
+                  timeout: Optional[float] = None) -> dict[int, object]:
+        """Sends one unary request per device index at once; waits for all answers."""
+        # Blocking calls on the backend's own threads: a gRPC future would start a new
+        # thread per channel on every call when none is in flight.
+        calls = {}
+        for index, request in requests.items():
+            device = self._devices[index]
+            self.traffic.rpcs += 1
+            rpc = getattr(device.stub, method)
+            kwargs = dict(timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
+            calls[index] = (self._pool.submit(rpc, request, **kwargs) if len(requests) > 1
+                            else _Done(rpc, request, kwargs))
+        answers = self._answers(calls, method)
+        self._count(down=requests.values(), up=answers.values())
+        return answers
+
+    def _answers(self, calls: dict, method: str,
+                 own_error: Optional[Callable[[int], Optional[Exception]]] = None) -> dict:
+        """Waits for every device's call; then raises the first failure, if any.
+
+        `own_error(index)` may name a failure of ours behind a device's error (e.g. an
+        encoding error that cancelled a stream), reported instead of the RPC status.
+        """
+        answers, errors = {}, []
+        for index, call in calls.items():
+            try:
+                answers[index] = call.result()
+            except grpc.RpcError as e:
+                mine = own_error(index) if own_error is not None else None
+                errors.append(mine if mine is not None
+                              else self._fail(self._devices[index], method, e))
+        self._raise_first(errors)
+        return answers
+
+    def close(self) -> None:
+        """Closes every channel (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False)
+        for device in self._devices:
+            device.channel.close()
+
+
+def _host(address: str) -> str:
+    try:
+        return parse_address(address)[0]
+    except FleetError:
+        return address
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"

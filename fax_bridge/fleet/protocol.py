@@ -1,0 +1,82 @@
+"""What devices and coordinators agree on: protocol name, message caps, layout, addresses.
+
+Both sides import these from here (the device server never imports the client side and
+the client never imports the server). `parse_address` is the one reader of HOST:PORT
+strings, for `--listen`, device addresses and fleet files alike. Nothing here needs gRPC.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from fax_bridge.errors import AddressError, FleetError
+
+PROTOCOL = "fax_bridge.v1"
+DEFAULT_FETCH_BYTES = 4 << 20
+MAX_DELAY_SECONDS = 600.0
+# Tensors may be far above gRPC's 4 MiB default, but every message stays under a cap.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+DEFAULT_MAX_STORED_BYTES = 32 << 30
+
+GRPC_PREFIX_BYTES = 5        # compressed flag + length in front of every gRPC message
+HTTP2_FRAME_BYTES = 9        # header of each HTTP/2 DATA frame
+HTTP2_FRAME_PAYLOAD = 16384  # default maximum DATA frame payload
+
+
+def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple:
+    """Channel/server options: messages in both directions capped at `max_message_bytes`."""
+    size = int(max_message_bytes)
+    if not 0 < size < 1 << 31:
+        raise FleetError(f"max_message_bytes={size} must lie in [1, 2^31 - 1] (protobuf's "
+                         "own limit is 2 GiB)")
+    return (("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size))
+
+
+GRPC_OPTIONS = grpc_options()
+
+
+def wire_size(message) -> int:
+    """Bytes a message takes on the wire: serialized form, gRPC prefix, HTTP/2 DATA frames."""
+    body = message.ByteSize() + GRPC_PREFIX_BYTES
+    return body + HTTP2_FRAME_BYTES * max(1, -(-body // HTTP2_FRAME_PAYLOAD))
+
+
+def partition(num_clients: int, num_devices: int) -> list[range]:
+    """The clients of each device: contiguous blocks in client order, sizes within one."""
+    return [range(d * num_clients // num_devices, (d + 1) * num_clients // num_devices)
+            for d in range(num_devices)]
+
+
+def parse_address(address: Any, where: str = "device address", *,
+                  allow_port_zero: bool = False) -> tuple[str, int]:
+    """Splits HOST:PORT into (host without brackets, port); AddressError when malformed.
+
+    The port must lie in 1..65535 (0 too with `allow_port_zero`: a free port to listen
+    on). IPv6 hosts are written in brackets, e.g. `[::1]:50051`.
+    """
+    if not isinstance(address, str):
+        raise AddressError(f"{where} {address!r} is not a string; write it as HOST:PORT")
+    host, sep, port = address.strip().rpartition(":")
+    bare = host.strip("[]")
+    low = 0 if allow_port_zero else 1
+    if not sep or not bare or not port.isdigit() or not low <= int(port) < 65536:
+        example = "127.0.0.1:0 for a free port" if allow_port_zero else "10.0.0.2:50051"
+        raise AddressError(
+            f"{where} {address!r} is not HOST:PORT with a port in {low}..65535 (e.g. "
+            f"{example})")
+    if ":" in bare and not host.startswith("["):
+        try:
+            ipaddress.IPv6Address(bare)
+        except ValueError:
+            pass
+        else:
+            raise AddressError(f"{where} {address!r}: write IPv6 hosts in brackets, e.g. "
+                               f"[{bare}]:{port}")
+    return bare, int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    """HOST:PORT, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

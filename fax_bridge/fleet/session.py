@@ -1,0 +1,368 @@
+"""`FleetRounds`: rounds of a computation on a fleet of devices, under a `RoundPolicy`.
+
+The part `launcher.LocalFleet` (which starts its devices) and `remote.RemoteFleet` (which
+joins devices started elsewhere) share: each round samples its cohort, drops and delays
+clients per the policy, runs the computation on the participants through a
+`GrpcClientsBackend`, and records a `RoundReport`. When devices stop answering and
+`survive_device_loss` is set, the round is finished on the devices that still answer.
+`run_loop` threads server state through rounds and checkpoints it (`checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import federated_language
+import jax
+import numpy as np
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import checkpoint
+from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet.protocol import partition
+from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+from fax_bridge.runtime import interpreter
+from fax_bridge.runtime.population import PopulationRef
+
+
+class FleetRounds:
+    """Rounds on a fleet of devices reached through a `GrpcClientsBackend`.
+
+    The shared part of `LocalFleet` (which starts its devices) and
+    `fax_bridge.fleet.remote.RemoteFleet` (which joins devices started elsewhere):
+    seeded cohorts, dropouts, delays and `min_clients` per `RoundPolicy`, round reports,
+    and, when `survive_device_loss` is set, finishing a round on the surviving devices
+    when some stop answering (their clients count as lost). Subclasses set `backend`,
+    `addresses` and `num_devices` in `start()` and release them in `close()`.
+    """
+
+    def __init__(self, *, policy: RoundPolicy, preaggregate: bool, rpc_timeout_s: float,
+                 progress: bool, survive_device_loss: bool, probe_timeout_s: float,
+                 population_name: Optional[str] = None) -> None:
+        self.policy = policy
+        self.survive_device_loss = bool(survive_device_loss)
+        self.probe_timeout_s = float(probe_timeout_s)
+        self.population_name = population_name
+        self.preaggregate = preaggregate
+        self.rpc_timeout_s = rpc_timeout_s
+        self.progress = progress
+        self.addresses: list[str] = []
+        self.backend: Optional[GrpcClientsBackend] = None
+        self.reports: list[RoundReport] = []
+        self.next_round = 0
+        self._closed = False
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Releases this fleet's values on the devices and closes the channels."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.backend is not None:
+            try:
+                self.backend.close()
+            except Exception:
+                pass  # a device that is gone holds nothing any more
+
+    @property
+    def last_report(self) -> Optional[RoundReport]:
+        return self.reports[-1] if self.reports else None
+
+    @property
+    def population(self) -> PopulationRef:
+        """Every client of the population the devices host, as a CLIENTS argument.
+
+        Pass it (or a `PopulationRef` with `keys=` / `client_ids=`) where a CLIENTS
+        argument goes: each round's cohort is sampled from it, and each device reads
+        only its share of the cohort's rows from its own store.
+        """
+        return PopulationRef(name=self.population_name)
+
+    def _population_size(self, ref: PopulationRef) -> int:
+        if self.backend is None:
+            raise FleetError("the fleet is not running; start it first")
+        return self.backend.population_size(ref)
+
+    # -- rounds -------------------------------------------------------------------
+
+    def run(self, proto, *args: Any, report: bool = False, num_clients: Optional[int] = None,
+            **kwargs: Any):
+        """Runs one round of `proto` on pytrees (CLIENTS ones with a leading clients axis).
+
+        The round's cohort, dropouts and delays follow the fleet's policy; the
+        computation sees only the participating clients. Returns the result as a
+        pytree, or `(result, RoundReport)` with `report=True` (also `last_report`).
+        `num_clients` gives the population when no argument is placed at CLIENTS.
+        """
+        if self.backend is None or self._closed:
+            raise FleetError(f"the fleet is not running; use `with {type(self).__name__}"
+                             "(...) as fleet:`")
+        fn_type = interpreter.computation_type(proto)
+        param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
+        round_index = self.next_round
+        self.next_round += 1
+        population = _population(args, kwargs, param, self._population_size)
+        if population is None:
+            if num_clients is None:
+                raise FleetError(
+                    "no argument is placed at CLIENTS, so the number of clients is unknown; "
+                    "pass num_clients=N to run()")
+            population = int(num_clients)
+        plan = plan_round(self.policy, population, round_index)
+        rep = RoundReport(round=round_index, population=population, cohort=plan.cohort,
+                          dropped=plan.dropped, late=plan.late,
+                          participants=plan.participants, delays_s=plan.delays_s,
+                          devices=self.num_devices, preaggregate=self.backend.preaggregate)
+        self.reports.append(rep)
+        try:
+            check_min_clients(self.policy, plan, round_index)
+        except FleetError as e:
+            rep.error = str(e)
+            raise
+        participants = list(plan.participants)
+        while True:
+            try:
+                result = self._attempt(proto, args, kwargs, param, participants, plan, rep)
+                break
+            except FleetError as e:
+                lost = self._lose_unreachable_devices(participants, rep, e)
+                if not lost:
+                    rep.error = f"{type(e).__name__}: {e}"
+                    raise
+                participants = [c for c in participants if c not in lost]
+                if len(participants) < self.policy.min_clients:
+                    rep.error = (
+                        f"round {round_index}: devices {rep.lost_devices} stopped answering, "
+                        f"taking clients {sorted(rep.lost_clients)} with them; only "
+                        f"{len(participants)} clients are left but min_clients="
+                        f"{self.policy.min_clients}")
+                    raise FleetError(rep.error + "; lower min_clients or restart those "
+                                     "devices") from e
+            except BaseException as e:
+                rep.error = f"{type(e).__name__}: {e}"
+                raise
+        rep.participants = participants
+        return (result, rep) if report else result
+
+    def _attempt(self, proto, args, kwargs, param, participants, plan, rep):
+        """One try at the round on the current devices; adds its costs to `rep`."""
+        chosen = np.asarray(participants, dtype=np.int64)
+        args, kwargs = _select_clients(args, kwargs, param, chosen, self._population_size)
+        if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
+            self.backend.set_delays([plan.delays_s[c] for c in participants])
+        before = self.backend.traffic.__class__(**self.backend.traffic.as_dict())
+        start = time.perf_counter()
+        backend = self.backend
+        try:
+            return interpreter.run_computation(
+                proto, *args, backend=backend,
+                num_clients=(None if _population(args, kwargs, param, self._population_size)
+                             else len(chosen)),
+                **kwargs)
+        finally:
+            backend.set_delays(None)
+            rep.wall_s += time.perf_counter() - start
+            try:
+                backend.collect()
+            except FleetError:
+                pass  # an unreachable device; the caller decides what that means
+            spent = backend.traffic - before
+            rep.compute_s += spent.compute_seconds
+            rep.bytes_down += spent.bytes_down
+            rep.bytes_up += spent.bytes_up
+            rep.payload_down += spent.payload_down
+            rep.payload_up += spent.payload_up
+            rep.rpcs += spent.rpcs
+
+    def _lose_unreachable_devices(self, participants: list, rep: RoundReport,
+                                  error: FleetError) -> set:
+        """After a failed try: drops devices that no longer answer Health.
+
+        Returns the participants those devices held (empty when every device answers,
+        or when this fleet does not survive device loss), after reconnecting to the
+        survivors.
+        """
+        if not self.survive_device_loss or self.backend is None:
+            return set()
+        alive = self.backend.probe(self.probe_timeout_s)
+        dead = [i for i, ok in enumerate(alive) if not ok]
+        if not dead or len(dead) == len(alive):
+            return set()
+        blocks = partition(len(participants), len(alive))
+        lost = {participants[j] for i in dead for j in blocks[i]}
+        gone = [self.addresses[i] for i in dead]
+        rep.lost_devices.extend(gone)
+        rep.lost_clients.extend(sorted(lost))
+        self._reconnect([a for i, a in enumerate(self.addresses) if i not in dead])
+        rep.devices = self.num_devices
+        return lost
+
+    def _reconnect(self, addresses: list[str]) -> None:
+        """Replaces the backend by one over `addresses` (handles keep counting)."""
+        old = self.backend
+        old.rpc_timeout_s = min(old.rpc_timeout_s, self.probe_timeout_s)
+        try:
+            old.close()
+        except FleetError:
+            pass
+        self.backend = self._connect(addresses, self.probe_timeout_s * 5)
+        # Survivors may still hold values of the failed try: never reuse their handles.
+        self.backend.take_handles(old)
+        self.addresses = list(addresses)
+        self.num_devices = len(addresses)
+
+    def _connect(self, addresses: list[str], connect_timeout_s: float) -> GrpcClientsBackend:
+        """A backend over `addresses` with this fleet's credentials and caps."""
+        return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
+                                  rpc_timeout_s=self.rpc_timeout_s,
+                                  connect_timeout_s=connect_timeout_s,
+                                  **self._backend_options())
+
+    def _backend_options(self) -> dict:
+        """Further `GrpcClientsBackend` arguments (token, TLS, caps) of this kind of fleet."""
+        return {}
+
+    def run_loop(self, proto, state: Any, num_rounds: int,
+                 client_args: Callable[[int], Sequence[Any]], *,
+                 next_state: Optional[Callable[[Any], Any]] = None,
+                 checkpoint_dir: "Optional[os.PathLike | str]" = None,
+                 on_round: Optional[Callable[[int, Any, Any], None]] = None) -> Any:
+        """Runs rounds 0..num_rounds-1 of `proto(state, *client_args(r))`; returns the state.
+
+        `next_state(result)` picks the next state from a round's result (default: the
+        result itself). Round r is planned as round r of the fleet's policy whatever ran
+        before, so a resumed run makes the same choices. With `checkpoint_dir` the state is
+        saved after every round and a rerun resumes after the last saved round (refusing a
+        checkpoint of a computation of another type, or of another policy).
+        `on_round(r, result, report)` is called after each round.
+        """
+        # The type signature names the computation: its bytes hold source locations that
+        # differ between processes building the same program.
+        meta = {"computation": str(interpreter.computation_type(proto)), "policy": repr(self.policy),
+                "num_rounds": int(num_rounds)}
+        start = 0
+        if checkpoint_dir is not None:
+            saved = checkpoint.load(checkpoint_dir)
+            if saved is not None:
+                for key in ("computation", "policy"):
+                    if saved.meta.get(key) != meta[key]:
+                        raise FleetError(
+                            f"checkpoint in {checkpoint_dir} belongs to another run (its {key} "
+                            "differs); use a fresh checkpoint_dir or delete the old one")
+                state, start = saved.state, saved.round + 1
+        for r in range(start, int(num_rounds)):
+            self.next_round = r
+            result = self.run(proto, state, *client_args(r))
+            state = next_state(result) if next_state is not None else result
+            if checkpoint_dir is not None:
+                checkpoint.save(checkpoint_dir, r, state, meta)
+            if on_round is not None:
+                on_round(r, result, self.last_report)
+        return state
+
+    def run_rounds(self, proto, rounds: Iterable[Sequence[Any]],
+                   progress: Optional[bool] = None) -> list:
+        """Runs `proto` once per argument tuple of `rounds`; a tqdm bar when `progress`."""
+        from tqdm.auto import tqdm
+
+        show = self.progress if progress is None else progress
+        results = []
+        rounds = list(rounds)
+        with tqdm(total=len(rounds), disable=not show, unit="round",
+                  desc="fleet rounds") as bar:
+            for args in rounds:
+                results.append(self.run(proto, *args))
+                rep = self.last_report
+                bar.set_postfix(clients=len(rep.participants), up=rep.bytes_up,
+                                down=rep.bytes_down, refresh=False)
+                bar.update(1)
+        return results
+
+
+def _param_items(args: Sequence, kwargs: dict, param) -> list:
+    """(value, type, where) of each top-level argument, following run_computation."""
+    if param is None:
+        return []
+    if isinstance(param, federated_language.StructType):
+        items = list(param.items())
+        out = [(a, t, ("args", i)) for i, (a, (_, t)) in enumerate(zip(args, items))]
+        for name, t in items[len(args):]:
+            if name in kwargs:
+                out.append((kwargs[name], t, ("kwargs", name)))
+        return out
+    return [(args[0], param, ("args", 0))] if args else []
+
+
+def _is_clients(t) -> bool:
+    return (isinstance(t, federated_language.FederatedType)
+            and t.placement is federated_language.CLIENTS and not t.all_equal)
+
+
+def _leading_sizes(value, t, out: list, sizer=None) -> None:
+    if _is_clients(t) and isinstance(value, PopulationRef):
+        if value.client_ids is not None:
+            out.append(len(value.client_ids))
+        elif sizer is not None:
+            out.append(int(sizer(value)))
+        else:
+            raise FleetError(f"{value!r} names no client ids and no fleet can count them")
+    elif _is_clients(t):
+        out.extend(int(np.shape(leaf)[0]) for leaf in jax.tree_util.tree_leaves(value))
+    elif isinstance(t, federated_language.StructType):
+        for i, (name, tt) in enumerate(t.items()):
+            child = value.get(name) if isinstance(value, dict) else (
+                value[i] if isinstance(value, (list, tuple)) else None)
+            if child is not None:
+                _leading_sizes(child, tt, out, sizer)
+
+
+def _population(args: Sequence, kwargs: dict, param, sizer=None) -> Optional[int]:
+    sizes: list = []
+    for value, t, _ in _param_items(args, kwargs, param):
+        _leading_sizes(value, t, sizes, sizer)
+    if not sizes:
+        return None
+    if len(set(sizes)) > 1:
+        raise FleetError(
+            f"CLIENTS arguments disagree on the number of clients (leading axes "
+            f"{sorted(set(sizes))}); give every CLIENTS tensor one row per client")
+    return sizes[0]
+
+
+def _select(value, t, chosen: np.ndarray, sizer=None):
+    if _is_clients(t) and isinstance(value, PopulationRef):
+        return value.select(chosen)  # only ids: each device reads its own rows
+    if _is_clients(t):
+        return jax.tree_util.tree_map(lambda leaf: np.asarray(leaf)[chosen], value)
+    if isinstance(t, federated_language.StructType):
+        if isinstance(value, dict):
+            types = dict(t.items())
+            return {k: _select(v, types[k], chosen, sizer) if k in types else v
+                    for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            types = [tt for _, tt in t.items()]
+            picked = [_select(v, tt, chosen, sizer) for v, tt in zip(value, types)]
+            return type(value)(picked) if isinstance(value, tuple) else picked
+    return value
+
+
+def _select_clients(args: Sequence, kwargs: dict, param, chosen: np.ndarray, sizer=None):
+    args, kwargs = list(args), dict(kwargs)
+    for value, t, (where, key) in _param_items(args, kwargs, param):
+        picked = _select(value, t, chosen, sizer)
+        if where == "args":
+            args[key] = picked
+        else:
+            kwargs[key] = picked
+    return args, kwargs
