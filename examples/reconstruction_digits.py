@@ -1,9 +1,11 @@
 """Federated Reconstruction on non-IID digits: a shared MLP body, a local output bias.
 
 The output-layer bias (the client's label prior) is local: reconstructed on each client
-from its own data every round and never sent. Held-out evaluation splits the test set
-into 20 unseen clients; each reconstructs its bias on half of its examples and is
-scored on the other half.
+from its own data every round and never sent. Every client's own examples are split
+into interleaved halves: the even-numbered ones reconstruct the local bias (support),
+the odd-numbered ones train the global model (query), so every client with two or more
+examples contributes to the global update. Held-out evaluation splits the test set into
+20 unseen clients, split the same way: reconstruct on one half, score on the other.
 """
 
 import os
@@ -22,11 +24,33 @@ def loss(global_params, local_params, batch):
     return D.loss({**global_params, **local_params}, batch)
 
 
-def split_halves(padded: fd.PaddedClients, steps_recon: int):
-    """First `steps_recon` batches reconstruct, the rest train/evaluate."""
-    first = {k: v[:, :steps_recon] for k, v in padded.data.items()}
-    rest = {k: v[:, steps_recon:] for k, v in padded.data.items()}
-    return first, padded.mask[:, :steps_recon], rest, padded.mask[:, steps_recon:]
+def interleaved_halves(clients, seed=None):
+    """Each client's examples split into (support, query): even and odd positions.
+
+    With `seed`, the examples are shuffled first (one seeded permutation per client).
+    """
+    support, query = [], []
+    for c in clients:
+        idx = np.arange(len(c["y"]))
+        if seed is not None:
+            idx = np.random.default_rng(seed).permutation(idx)
+        support.append({k: v[idx[0::2]] for k, v in c.items()})
+        query.append({k: v[idx[1::2]] for k, v in c.items()})
+    return support, query
+
+
+def half_size(clients) -> int:
+    """Padded size (a multiple of the batch) of the larger half of the largest client."""
+    largest = max(len(c["y"]) for c in clients)
+    return -(-(-(-largest // 2)) // D.BATCH) * D.BATCH
+
+
+def cohort_halves(pop: D.Population, ids, size: int):
+    """(support batches, support mask, query batches, query mask) of a cohort."""
+    support, query = interleaved_halves([pop.digits.clients[int(i)] for i in ids])
+    s = fd.to_batches(fd.pad_clients(support, size=size), D.BATCH)
+    q = fd.to_batches(fd.pad_clients(query, size=size), D.BATCH)
+    return s.data, s.mask, q.data, q.mask
 
 
 def main():
@@ -42,14 +66,10 @@ def main():
                              reconstruction_epochs=3, local_epochs=5)
     test_clients = fd.partition_dirichlet(pop.digits.test, "y", 20, alpha=0.5, seed=args.seed,
                                           min_size=4)
-    halves = []
-    for c in test_clients:
-        idx = np.random.default_rng(args.seed).permutation(len(c["y"]))
-        halves.append(({k: v[idx[::2]] for k, v in c.items()},
-                       {k: v[idx[1::2]] for k, v in c.items()}))
-    size = -(-max(len(h[0]["y"]) for h in halves) // D.BATCH) * D.BATCH
-    rec = fd.to_batches(fd.pad_clients([h[0] for h in halves], size=size), D.BATCH)
-    ev = fd.pad_clients([h[1] for h in halves], size=size)
+    test_support, test_query = interleaved_halves(test_clients, seed=args.seed)
+    size = half_size(test_clients)
+    rec = fd.to_batches(fd.pad_clients(test_support, size=size), D.BATCH)
+    ev = fd.pad_clients(test_query, size=size)
 
     @jax.jit
     def held_out_accuracy(g):
@@ -62,12 +82,10 @@ def main():
 
     state = alg.init(global0)
     step = jax.jit(alg.next)
-    recon_steps = pop.size // D.BATCH // 2
+    train_size = half_size(pop.digits.clients)
     accs, losses = [], []
     for r in range(args.rounds):
-        c = pop.cohort(sampler(r))
-        rb, rm, tb, tm = split_halves(c, recon_steps)
-        state, m = step(state, rb, rm, tb, tm)
+        state, m = step(state, *cohort_halves(pop, sampler(r), train_size))
         accs.append(float(held_out_accuracy(state.params)))
         losses.append(float(m["loss"]))
         if r % 10 == 9 or r == args.rounds - 1:
@@ -75,8 +93,8 @@ def main():
     D.plot(os.path.join(args.out, "reconstruction_digits.png"),
            "Federated Reconstruction on digits (local output bias)",
            {"held-out clients (reconstructed)": accs}, losses={"train": losses})
-    c = pop.cohort(sampler(0))
-    print(D.parity_line(alg.next, (state,) + split_halves(c, recon_steps), alg.placements))
+    print(D.parity_line(alg.next, (state,) + cohort_halves(pop, sampler(0), train_size),
+                        alg.placements))
     print(f"final held-out accuracy {accs[-1]:.4f} after {args.rounds} rounds of {args.clients} "
           f"clients (seed {args.seed}) in {timer():.1f}s")
 

@@ -8,6 +8,7 @@ proto, and run that proto on a simulated device fleet.
 from fax_bridge.api import (
     Program,
     federated_broadcast,
+    federated_decode_sum,
     federated_map_clients,
     federated_map_server,
     federated_mean,
@@ -68,6 +69,7 @@ __all__ = [
     "clients_mesh",
     "export_tff",
     "federated_broadcast",
+    "federated_decode_sum",
     "federated_map_clients",
     "federated_map_server",
     "federated_mean",

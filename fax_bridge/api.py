@@ -5,7 +5,8 @@ Inside a function decorated with `@fax_bridge.program(clients=N)`:
 - SERVER values are plain arrays (pytrees of them);
 - CLIENTS values carry a leading axis of size N on every leaf;
 - `federated_broadcast` sends SERVER to CLIENTS; `federated_sum`, `federated_mean`,
-  `federated_weighted_mean` aggregate CLIENTS to SERVER;
+  `federated_weighted_mean` aggregate CLIENTS to SERVER; `federated_decode_sum(decode,
+  value)` sums members decoded at the server (what crosses is the encoded member);
 - `federated_map_clients(fn, arg)` applies `fn` to each client's member,
   `federated_map_server(fn, arg)` applies it at the server; a tuple `arg` is unpacked
   into `fn`.
@@ -184,6 +185,36 @@ def federated_weighted_mean(x, weights):
                 f"needs floating-point values (at {user_location()}). Cast with .astype().")
         out.append(P.federated_weighted_mean_p.bind(a, w, clients=n))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def federated_decode_sum(decode: Callable, value):
+    """CLIENTS -> SERVER: the sum over clients of `decode(member)`, decoded at the server.
+
+    Each client's member of `value` (e.g. packed integer codes and their scales) crosses
+    to the server unchanged; the server decodes every member with `decode` (a function
+    of the member alone, tuples unpacked) and sums the decoded pytrees. Exported as TFF
+    `federated_aggregate`. Not differentiable.
+    """
+    op = "federated_decode_sum"
+    n = current_clients(op)
+    if not callable(decode):
+        raise TypeError(f"{op}: the first argument must be a function, got "
+                        f"{type(decode).__name__}.")
+    unpack = isinstance(value, tuple)
+    paths, arrays, treedef = _leaves_with_paths(value, op, "value")
+    _check_clients_leaves(op, "value", paths, arrays, n)
+    out_store = {}
+
+    def flat_decode(*member_leaves):
+        member = jax.tree_util.tree_unflatten(treedef, list(member_leaves))
+        result = decode(*member) if unpack else decode(member)
+        _, out_arrays, out_tree = _leaves_with_paths(result, op, "decoded value")
+        out_store["tree"] = out_tree
+        return out_arrays
+
+    outs = P.decode_sum_bind(flat_decode, [_local.constrain_clients(a) for a in arrays], n,
+                             name=getattr(decode, "__name__", type(decode).__name__))
+    return jax.tree_util.tree_unflatten(out_store["tree"], outs)
 
 
 def _federated_map(fn: Callable, arg, placement: str, op: str):

@@ -13,6 +13,13 @@ or once at the server (`placement="server"`). Keeping the jaxpr in the equation 
 lets the exporter turn it into a TFF `federated_map` of an Xla computation, including
 after `jax.grad` (JVP, transpose, partial evaluation and DCE all produce new
 `federated_map_p` equations with transformed per-member jaxprs).
+
+`federated_decode_sum_p` is an aggregation whose members cross to the server as they
+are (e.g. packed integer codes) and are decoded there: the sum over clients of
+`decode(member)`, `decode` carried as a closed jaxpr. It exports to TFF's
+`federated_aggregate` (accumulate = add the decoded member). It has abstract
+evaluation, an implementation and a lowering, but no JVP, transpose or batching rule:
+its operands are codes, not differentiable quantities.
 """
 
 from __future__ import annotations
@@ -445,10 +452,50 @@ pe.custom_partial_eval_rules[federated_map_p] = _map_partial_eval
 pe.dce_rules[federated_map_p] = _map_dce
 batching.fancy_primitive_batchers[federated_map_p] = _map_batch
 
+
+# --------------------------------------------------------------------------- decode-sum
+
+federated_decode_sum_p = core.Primitive("federated_decode_sum")
+federated_decode_sum_p.multiple_results = True
+
+
+def decode_sum_bind(fn, args: Sequence, clients: int, name: str | None = None):
+    """Binds `federated_decode_sum_p`: `fn` maps flat member arrays to a list of arrays."""
+    name = name or getattr(fn, "__name__", "decode")
+    avals = [member_aval(core.typeof(a), CLIENTS) for a in args]
+    closed, captured = trace_member_fn(fn, avals, name)
+    if captured:
+        raise TypeError(
+            f"federated_decode_sum: the decode function {name} closes over traced values; "
+            "a decoder runs at the server on each member alone, so it may use only its "
+            "member and constants. Put per-client parameters (e.g. scales) in the member.")
+    return federated_decode_sum_p.bind(*args, jaxpr=closed, clients=clients, name=name)
+
+
+def _decode_sum_abstract_eval(*avals, jaxpr, clients, name):
+    for i, (a, m) in enumerate(zip(avals, jaxpr.in_avals)):
+        expect = outer_aval(m, CLIENTS, clients)
+        if tuple(a.shape) != tuple(expect.shape) or a.dtype != expect.dtype:
+            raise TypeError(
+                f"federated_decode_sum ({name}): operand {i} has type {a.str_short()}, "
+                f"expected {expect.str_short()}.")
+    return [_shaped(a.shape, a.dtype) for a in jaxpr.out_avals]
+
+
+def _decode_sum_impl(*args, jaxpr, clients, name):
+    del name
+    decoded = jax.vmap(core.jaxpr_as_fun(jaxpr), axis_size=clients)(*args)
+    return [jnp.sum(d, axis=0, dtype=d.dtype) for d in decoded]
+
+
+federated_decode_sum_p.def_abstract_eval(_decode_sum_abstract_eval)
+_register_impl_and_lowering(federated_decode_sum_p, _decode_sum_impl)
+
 FEDERATED_PRIMITIVES = (
     federated_broadcast_p,
     federated_sum_p,
     federated_mean_p,
     federated_weighted_mean_p,
     federated_map_p,
+    federated_decode_sum_p,
 )

@@ -290,11 +290,12 @@ class _Analysis:
                        "broadcast comes from a value closed over by a federated_map_clients "
                        "function, pass that value explicitly in the map's argument instead.")
             return [C]
-        if prim in (P.federated_sum_p, P.federated_mean_p, P.federated_weighted_mean_p):
+        if prim in (P.federated_sum_p, P.federated_mean_p, P.federated_weighted_mean_p,
+                    P.federated_decode_sum_p):
             self._need(eqn, ins, (C, U), f"{prim.name} aggregates a CLIENTS value",
                        "A SERVER value needs no aggregation; send it to the clients with "
                        "federated_broadcast if that was the intent.")
-            return [S]
+            return [S] * n_out
         if prim is P.federated_map_p:
             if eqn.params["placement"] == P.CLIENTS:
                 self._need(eqn, ins, (C, U),

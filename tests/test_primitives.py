@@ -227,3 +227,33 @@ def test_pytrees_and_multiple_outputs():
     np.testing.assert_allclose(n, 5.0 * N)
     g = jax.grad(lambda p: f(p, data)[0])(params)
     np.testing.assert_allclose(g["b"], 2 * 3.5 * 5)
+
+
+def _decode(codes, scale):
+    return {"value": codes.astype(jnp.float32) * scale, "count": jnp.float32(1.0)}
+
+
+def test_decode_sum_sums_members_decoded_one_by_one():
+    codes = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    scales = np.array([1.0, 0.5, -2.0], np.float32)
+
+    @fb.program(clients=3)
+    def prog(codes, scales):
+        return fb.federated_decode_sum(_decode, (codes, scales))
+
+    out = jax.jit(prog)(codes, scales)
+    np.testing.assert_allclose(out["value"], (codes * scales[:, None]).sum(0))
+    assert float(out["count"]) == 3.0
+    comp = fb.trace(prog, codes, scales, placements="clients")
+    assert [str(p) for p in comp.out_placements] == ["SERVER", "SERVER"]
+
+
+def test_decode_sum_rejects_a_decoder_closing_over_traced_values():
+    @fb.program(clients=2)
+    def prog(w, codes):
+        return fb.federated_decode_sum(lambda c: c.astype(jnp.float32) * w, codes)
+
+    with pytest.raises(TypeError, match="closes over traced values"):
+        jax.jit(prog)(jnp.float32(2.0), np.ones((2, 3), np.uint8))
+    with pytest.raises(fb.PlacementError, match="leading axis of size 2"):
+        jax.jit(prog)(jnp.float32(2.0), np.ones((3,), np.uint8))

@@ -347,3 +347,28 @@ def test_round_form_refuses_other_shapes(placements, result, match):
     state = {"a": W, "b": X} if isinstance(placements[0], dict) else W
     with pytest.raises(fb.ExportError, match=match):
         fb.export_tff(prog, state, X, placements=placements, round_form=True)
+
+
+def test_decode_sum_exports_as_federated_aggregate_and_carries_the_codes():
+    def decode(codes, scale):
+        return codes.astype(jnp.float32) * scale
+
+    @fb.program(clients=3)
+    def prog(w, codes, scales):
+        return w + fb.federated_decode_sum(decode, (codes, scales)) / 3.0
+
+    args = (jnp.zeros(8), np.arange(24, dtype=np.uint8).reshape(3, 8),
+            np.array([1.0, 0.5, 2.0], np.float32))
+    places = ("server", "clients", "clients")
+    proto = fb.export_tff(prog, *args, placements=places)
+    tree = block(proto)
+    assert "federated_aggregate(" in tree.compact_representation()
+    assert str(tree.type_signature) == (
+        "(<w=float32[8]@SERVER,codes={uint8[8]}@CLIENTS,scales={float32}@CLIENTS> -> "
+        "float32[8]@SERVER)")
+    np.testing.assert_allclose(run_computation(proto, *args), jax.jit(prog)(*args), rtol=1e-6)
+    with fb.LocalFleet(devices=2) as fleet:
+        _, rep = fleet.run(proto, *args, report=True)
+        # up: every client's 8 one-byte codes and its 4-byte scale, nothing decoded
+        assert rep.payload_up == 3 * (8 + 4)
+        assert fb.check_parity(prog, *args, placements=places, fleet=fleet).ok

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import federated_language
 import jax
+import jax.numpy as jnp
 import numpy as np
 from federated_language.compiler import building_block_factory as factory
 from federated_language.compiler import building_blocks as bb
@@ -43,7 +44,7 @@ from fax_bridge.tff import xla as tff_xla
 S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
 
 _COMMUNICATION = (P.federated_broadcast_p, P.federated_sum_p, P.federated_mean_p,
-                  P.federated_weighted_mean_p)
+                  P.federated_weighted_mean_p, P.federated_decode_sum_p)
 
 # Per-client equations whose UNPLACED operands of full shape are per-client data (one
 # row per client); for the others (dot_general's right operand, pad values, scalars)
@@ -322,9 +323,46 @@ class _Exporter:
         return (factory.create_federated_zip(bb.Struct([g.ref for g in singles])),
                 tuple(g.member_avals for g in singles))
 
+    def decode_sum(self, eqn) -> None:
+        """`federated_aggregate` whose accumulate adds the decoded member.
+
+        The members cross as they are; zero, accumulate, merge and report are Xla
+        computations (zeros of the decoded type, acc + decode(member), a + b, identity).
+        """
+        closed = eqn.params["jaxpr"]
+        expr, member = self._gather(list(eqn.invars), C, eqn)
+        outs = list(eqn.outvars)
+        acc_avals = tuple(_member(v.aval, S) for v in outs)
+        decode = core.jaxpr_as_fun(closed)
+
+        def add(a, b):
+            return tuple(x + y for x, y in zip(a, b))
+
+        def accumulate(acc_and_member):
+            acc, m = acc_and_member
+            return add(acc, decode(*jax.tree_util.tree_leaves(m)))
+
+        def zeros():
+            return tuple(jnp.zeros(a.shape, a.dtype) for a in acc_avals)
+
+        name = f"{eqn.params['name']}{self._count}"
+        parts = [bb.Call(bb.CompiledComputation(tff_xla.xla_computation(zeros, None),
+                                                name=f"zero_{name}"))]
+        for fn, avals, kind in ((accumulate, (acc_avals, member), "accumulate"),
+                                (lambda ab: add(*ab), (acc_avals, acc_avals), "merge"),
+                                (lambda a: tuple(a), acc_avals, "report")):
+            parts.append(bb.CompiledComputation(tff_xla.xla_computation(fn, avals),
+                                                name=f"{kind}_{name}"))
+        call = factory.create_federated_aggregate(expr, *parts)
+        self._register(_Group(self._local(call, "_f"), S, list(acc_avals), outs))
+
     def communicate(self, eqns: list) -> None:
         """One intrinsic call for equations of one kind (and weight) at one depth."""
         prim = eqns[0].primitive
+        if prim is P.federated_decode_sum_p:
+            for eqn in eqns:
+                self.decode_sum(eqn)
+            return
         ins = [e.invars[0] for e in eqns]
         outs = [e.outvars[0] for e in eqns]
         if prim is P.federated_broadcast_p:
