@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import federated_language as fl
 import grpc
+import jax
 import numpy as np
 import pytest
 from federated_language.proto import computation_pb2
+from google.protobuf import any_pb2
 
 from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import device, partials, sample_computations as sc, security, wire
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.runtime import interpreter
+from fax_bridge.tff import xla as tff_xla
 from fax_bridge.v1 import device_pb2 as pb
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 
@@ -86,6 +89,34 @@ def test_corrupt_protos_and_bad_arguments_name_the_problem():
     with pytest.raises(ComputationError, match="above the cap"):
         interpreter.run_computation(huge, XS, S)
     np.testing.assert_array_equal(interpreter.run_computation(PROTO, XS, S), [4.0] * 3)
+
+
+def _xla_with_custom_call(target: str) -> computation_pb2.Computation:
+    """A per-client function f32[3] -> f32[3] whose HLO calls native code `target`."""
+    spec = jax.ShapeDtypeStruct((3,), np.float32)
+    hlo_bytes = jax.jit(lambda x: jax.ffi.ffi_call(target, spec)(x)).lower(spec).compiler_ir(
+        "hlo").as_serialized_hlo_module_proto()
+    t = fl.TensorType(np.float32, [3])
+    return computation_pb2.Computation(
+        type=fl.FunctionType(t, t).to_proto(),
+        xla=computation_pb2.Xla(
+            hlo_module=any_pb2.Any(type_url=tff_xla.HLO_MODULE_TYPE_URL, value=hlo_bytes),
+            parameter=tff_xla.binding(t), result=tff_xla.binding(t)))
+
+
+def test_devices_refuse_custom_calls_before_running_them(devices):
+    (good, _), _ = devices
+    metadata = security.call_metadata(TOKEN)
+    with grpc.insecure_channel(good) as channel:
+        stub = pb_grpc.DeviceStub(channel)
+        for target in ("lapack_sgetrf_ffi", "xla_ffi_python_cpu_callback"):
+            request = pb.LoadRequest(computation_hash=target, computation=_xla_with_custom_call(
+                target).SerializeToString())
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Load(request, timeout=30, metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"custom call `{target}`" in info.value.details()
+        assert stub.Health(pb.HealthRequest(), timeout=10, metadata=metadata).status == "SERVING"
 
 
 def test_absurd_wire_tensors_are_refused_before_allocating():

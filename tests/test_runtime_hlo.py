@@ -1,11 +1,16 @@
 """Tests of fax_bridge.runtime.hlo: HloModuleProto bytes compiled and run on numpy arrays."""
 
+import string
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from fax_bridge.errors import ComputationError
+from fax_bridge.errors import ComputationError, ExportError
 from fax_bridge.runtime import hlo
+from fax_bridge.tff import xla as tff_xla
 
 
 def _hlo(fn, *specs):
@@ -49,3 +54,45 @@ def test_portable_artifact_round_trips_with_the_signature():
 def test_portable_artifact_refuses_bytes_that_are_no_hlo_module():
     with pytest.raises(ComputationError, match="StableHLO"):
         hlo.portable_artifact(b"not a module")
+
+
+# --- custom calls: native code outside the HLO is refused before compilation ----------
+
+_TARGETS = st.one_of(
+    st.sampled_from(["lapack_sgetrf_ffi", "lapack_ssyevd_ffi", "xla_ffi_python_cpu_callback",
+                     "xla_python_cpu_callback", "__gpu$xla.gpu.triton", "Sharding"]),
+    st.text(alphabet=string.ascii_letters + string.digits + "_.$", min_size=1,
+            max_size=40))
+
+
+def _ffi(target: str, shape: tuple, dtype):
+    def fn(x):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype))(x) + 1
+    return fn
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(_TARGETS, st.lists(st.integers(1, 4), max_size=2).map(tuple),
+       st.sampled_from([np.float32, np.int32]))
+def test_any_custom_call_is_refused_before_compilation_and_at_export(target, shape, dtype):
+    fn = _ffi(target, shape, dtype)
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+    with pytest.raises(ComputationError, match="custom call") as info:
+        hlo.compile_hlo(_hlo(fn, spec))
+    assert f"`{target}`" in str(info.value)
+    with pytest.raises(ExportError, match="custom call") as info:
+        tff_xla.xla_computation(fn, spec)
+    assert f"`{target}`" in str(info.value) and "test_runtime_hlo.py:" in str(info.value)
+
+
+def test_linalg_and_debug_print_name_the_operation_and_its_line():
+    def fn(a):
+        jax.debug.print("a = {}", a)
+        return jnp.linalg.solve(a, a[0]) + jnp.linalg.eigh(a)[0]
+
+    line = fn.__code__.co_firstlineno
+    with pytest.raises(ExportError) as info:
+        tff_xla.xla_computation(fn, jax.ShapeDtypeStruct((3, 3), np.float32))
+    text = str(info.value)
+    for operation, at in (("debug_print", line + 1), ("lu", line + 2), ("eigh", line + 2)):
+        assert f"`{operation}` at {__file__}:{at}" in text

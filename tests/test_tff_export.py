@@ -372,3 +372,19 @@ def test_decode_sum_exports_as_federated_aggregate_and_carries_the_codes():
         # up: every client's 8 one-byte codes and its 4-byte scale, nothing decoded
         assert rep.payload_up == 3 * (8 + 4)
         assert fb.check_parity(prog, *args, placements=places, fleet=fleet).ok
+
+
+def test_native_custom_calls_in_client_work_are_refused_at_export_naming_the_line():
+    def client_solve(a, b):
+        return jnp.linalg.solve(b.T @ b + jnp.eye(3), a)
+
+    @fb.program(clients=N)
+    def solve_step(w, x):
+        return fb.federated_mean(fb.federated_map_clients(
+            client_solve, (fb.federated_broadcast(w), x)))
+
+    where = f"{__file__}:{client_solve.__code__.co_firstlineno + 1}"
+    with pytest.raises(fb.ExportError, match=r"custom call `lapack_sgetrf_ffi` \(from `lu` at "
+                       + re.escape(where)):
+        fb.export_tff(solve_step, W, X, placements=("server", "clients"))
+    assert np.all(np.isfinite(solve_step(W, X)))  # jit runs it in this process

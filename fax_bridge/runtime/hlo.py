@@ -4,11 +4,17 @@ This is the only module of fax_bridge that touches private jax APIs (jax 0.10.2)
 HLO -> StableHLO conversion, compilation with the default jax backend, raw executable
 calls, and portable StableHLO artifacts for older consumers (`portable_artifact`).
 Everything else goes through `HloExecutable` and `portable_artifact`.
+
+Custom calls (LAPACK kernels behind `jnp.linalg`, python callbacks behind
+`jax.debug.print` / `pure_callback`) are native code outside the HLO: a process that did
+not register the same handlers crashes running them. `custom_calls` lists them; modules
+holding any are refused here, before compilation, and by the exporter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional, Sequence
 
 import jax
@@ -100,6 +106,95 @@ def portable_artifact(hlo_module: bytes, target: str = PORTABLE_TARGET
     return bytes(artifact), params, results
 
 
+@dataclasses.dataclass(frozen=True)
+class CustomCall:
+    """One custom-call operation: its target, the jax operation and the source line."""
+
+    target: str
+    operation: str
+    where: str
+
+    def __str__(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        return f"custom call `{self.target}` (from `{self.operation}`{at})"
+
+
+_FILE_LINE = re.compile(r'"([^"]+)":(\d+):\d+')
+_NAME = re.compile(r'loc\("([^"]+)"')
+
+
+def custom_calls(module) -> list[CustomCall]:
+    """The custom-call operations of a StableHLO `ir.Module`, with where they come from.
+
+    A custom call inside a private function (jax lowers `jnp.linalg.solve` as one) carries
+    only the operation's name; its source line is that of the first call reaching it.
+    """
+    callers: dict[str, str] = {}
+    found: list[tuple[object, str]] = []
+
+    def visit(op):
+        name = op.name
+        if name == "func.call":
+            callee = str(op.attributes["callee"]).lstrip("@")
+            callers.setdefault(callee, str(op.location))
+        elif name == "stablehlo.custom_call":
+            found.append((op, str(op.location)))
+        return _ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    calls = []
+    for op, location in found:
+        target = _ir.StringAttr(op.attributes["call_target_name"]).value
+        names = _NAME.findall(location)
+        operation = names[0].rsplit("/", 1)[-1].rstrip(":") if names else target
+        where = _FILE_LINE.search(location)
+        parent, hops = op.parent, 0
+        while where is None and parent is not None and hops < 64:
+            if parent.name == "func.func":
+                fn = _ir.StringAttr(parent.attributes["sym_name"]).value
+                location = callers.get(fn, "")
+                where = _FILE_LINE.search(location)
+                if not location:
+                    break
+                parent = _enclosing_func_of_call(module, fn)
+            else:
+                parent = parent.parent
+            hops += 1
+        calls.append(CustomCall(target, operation,
+                                f"{where.group(1)}:{where.group(2)}" if where else ""))
+    return calls
+
+
+def _enclosing_func_of_call(module, callee: str):
+    """The function holding the first call of `callee` (None when there is none)."""
+    holder = []
+
+    def visit(op):
+        if op.name == "func.call" and str(op.attributes["callee"]).lstrip("@") == callee:
+            parent = op.parent
+            while parent is not None and parent.name != "func.func":
+                parent = parent.parent
+            holder.append(parent)
+            return _ir.WalkResult.INTERRUPT
+        return _ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    return holder[0] if holder else None
+
+
+def _refuse_custom_calls(stablehlo: bytes) -> None:
+    with _mlir.make_ir_context():
+        calls = custom_calls(_ir.Module.parse(stablehlo))
+    if calls:
+        listed = "; ".join(str(c) for c in calls[:5])
+        more = f" and {len(calls) - 5} more" if len(calls) > 5 else ""
+        raise ComputationError(
+            f"the HLO module holds {len(calls)} custom call(s): {listed}{more}. Custom calls "
+            "run native code outside the HLO (LAPACK kernels, python callbacks) that this "
+            "process cannot vouch for, so they are refused before compilation; export "
+            "local functions without jnp.linalg decompositions or jax.debug/callbacks")
+
+
 class HloExecutable:
     """A compiled HLO module: call it with numpy arrays, get a list of numpy arrays."""
 
@@ -117,6 +212,12 @@ class HloExecutable:
             raise
         except Exception as e:
             raise ComputationError(f"cannot read the HLO module's signature ({e})") from e
+        try:
+            _refuse_custom_calls(stablehlo)
+        except ComputationError:
+            raise
+        except Exception as e:
+            raise ComputationError(f"cannot read the HLO module's operations ({e})") from e
         for where, specs in (("parameter", self.parameters), ("result", self.results)):
             for i, spec in enumerate(specs):
                 itemsize = spec.dtype.itemsize if spec.dtype is not None else 8

@@ -211,6 +211,26 @@ def _check_against_hlo(
             )
 
 
+def _refuse_custom_calls(lowered) -> None:
+    """ExportError naming each custom call (native code outside the HLO) and its line."""
+    from fax_bridge.runtime import hlo as runtime_hlo
+
+    try:
+        calls = runtime_hlo.custom_calls(lowered.compiler_ir("stablehlo"))
+    except Exception as e:  # reading the lowered module must not mask the real problem
+        raise ExportError(f"cannot inspect the lowered local computation: {e}") from e
+    if calls:
+        listed = "; ".join(str(c) for c in calls)
+        raise ExportError(
+            f"the local computation lowers to {len(calls)} custom call(s): {listed}. A custom "
+            "call is native code outside the HLO (LAPACK kernels behind jnp.linalg "
+            "decompositions and solves, python callbacks behind jax.debug.print and "
+            "pure_callback); devices refuse them, so they cannot be exported. Remove the "
+            "operation from the federated function (e.g. solve with an iterative method "
+            "written in jnp, drop debug prints)."
+        )
+
+
 def xla_computation(
     fn: LocalFn,
     arg_avals: Any = None,
@@ -252,6 +272,7 @@ def xla_computation(
             f"lowering the local computation to HLO failed: {type(e).__name__}: {e}"
         ) from e
 
+    _refuse_custom_calls(lowered)
     out_info = lowered.out_info
     try:
         out_specs = jax.tree_util.tree_map(
