@@ -29,3 +29,7 @@ class AddressError(FleetError, ValueError):
 
 class ArgumentError(FaxBridgeError, TypeError):
     """A function got an argument it does not take, or a combination it cannot use."""
+
+
+class CheckpointError(FleetError):
+    """A checkpoint is truncated or corrupt, or was made by another program."""

@@ -5,6 +5,7 @@ import federated_language as fl
 import numpy as np
 import pytest
 from federated_language.common_libs import structure
+from hypothesis import given, settings, strategies as st
 from federated_language.compiler import building_blocks as bb
 from federated_language.proto import computation_pb2
 
@@ -380,3 +381,29 @@ def test_mapped_function_closing_over_a_federated_value_is_rejected():
     arg = structure.Struct([("x", [np.float32(1)]), ("s", np.float32(2))])
     with pytest.raises(ComputationError, match="federated value"):
         interpreter.evaluate(proto, arg)
+
+
+# --- the result honours the declared type ----------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(st.sampled_from([np.float32, np.float64, np.int32, np.bool_]),
+       st.sampled_from([[3], [], [1, 3], [None]]),
+       st.sampled_from(["server", "clients", "unplaced", "struct"]))
+def test_the_result_is_checked_against_the_declared_type(dtype, shape, where):
+    from fax_bridge.fleet import sample_computations as sc
+
+    proto = sc.scaled_aggregate((3,), "sum")  # really returns float32[3]@SERVER
+    tensor = fl.TensorType(dtype, shape)
+    declared = {"server": server(tensor), "clients": clients(tensor), "unplaced": tensor,
+                "struct": fl.StructType([("a", server(tensor))])}[where]
+    proto.type.function.result.CopyFrom(declared.to_proto())
+    # a SERVER value and an unplaced one are the same local value at the boundary
+    honest = (where in ("server", "unplaced") and shape in ([3], [None])
+              and np.can_cast(np.float32, dtype, "same_kind"))
+    if honest:
+        got = interpreter.run_computation(proto, np.ones((4, 3), F32), np.ones(3, F32))
+        assert got.dtype == dtype and got.tolist() == [4, 4, 4]
+    else:
+        with pytest.raises(ComputationError, match="declares its result as"):
+            interpreter.run_computation(proto, np.ones((4, 3), F32), np.ones(3, F32))

@@ -12,21 +12,30 @@ and the round number, and every aggregation is exact and in a fixed order, the r
 run ends with the same bits as an uninterrupted one.
 
 The file holds the state's arrays and a JSON description of its pytree (dicts, lists,
-tuples, None); it is read with `allow_pickle=False`: nothing is ever unpickled.
+tuples, None); it is read with `allow_pickle=False`: nothing is ever unpickled. A file
+that is truncated or corrupt gives a `CheckpointError` naming it.
+
+`program_fingerprint(proto)` names what a program computes (its structure, literals and
+HLO without source locations); `run_loop` stores it and refuses to resume a checkpoint
+made by another program, even one of the same type (another learning rate, say).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
 import tempfile
+import zipfile
 from typing import Any, Optional
 
 import numpy as np
+from federated_language.proto import computation_pb2
+from google.protobuf import message as message_pb
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import CheckpointError, FleetError
 
 FILE_NAME = "state.npz"
 FORMAT = "fax_bridge.checkpoint.v1"
@@ -58,6 +67,33 @@ def _encode(tree: Any, leaves: list) -> Any:
                          "arrays, in dicts, lists and tuples")
     leaves.append(array)
     return {"leaf": len(leaves) - 1}
+
+
+def program_fingerprint(proto: computation_pb2.Computation) -> str:
+    """Hex sha256 of what `proto` computes, equal across processes that build it.
+
+    Each Xla part's HLO is replaced by its location-free StableHLO text; everything else
+    (structure, types, intrinsics, literals) is hashed as it is.
+    """
+    from fax_bridge.runtime import hlo
+
+    copy = computation_pb2.Computation()
+    copy.CopyFrom(proto)
+    stack = [copy]
+    while stack:
+        message = stack.pop()
+        if isinstance(message, computation_pb2.Xla):
+            text = hlo.program_text(message.hlo_module.value)
+            message.hlo_module.value = hashlib.sha256(text.encode()).digest()
+            continue
+        for field, value in message.ListFields():
+            if field.message_type is None:
+                continue
+            if isinstance(value, message_pb.Message):
+                stack.append(value)
+            else:  # a repeated field of messages
+                stack.extend(value)
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _decode(node: Any, leaves: dict) -> Any:
@@ -119,11 +155,24 @@ def load(directory: "os.PathLike | str") -> Optional[Checkpoint]:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
         header = json.loads(bytes(arrays.pop("header")).decode())
-    except (OSError, ValueError, KeyError) as e:
-        raise FleetError(f"checkpoint {path} cannot be read ({e}); delete it to start "
-                         "over") from None
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile,
+            zipfile.LargeZipFile, NotImplementedError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or corrupt and cannot be read "
+            f"({type(e).__name__}: {e}); delete it to start over") from None
     if header.get("format") != FORMAT:
-        raise FleetError(f"checkpoint {path} has format {header.get('format')!r}; "
-                         f"expected {FORMAT}")
-    return Checkpoint(round=int(header["round"]), state=_decode(header["tree"], arrays),
-                      meta=header.get("meta", {}))
+        raise CheckpointError(f"checkpoint {path} has format {header.get('format')!r}; "
+                              f"expected {FORMAT}")
+    try:
+        state = _decode(header["tree"], arrays)
+        round_index = int(header["round"])
+        meta = dict(header.get("meta", {}))
+    except FleetError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} has a malformed header ({type(e).__name__}: {e}); delete "
+            "it to start over") from None
+    return Checkpoint(round=round_index, state=state, meta=meta)

@@ -18,7 +18,7 @@ import federated_language
 import jax
 import numpy as np
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import CheckpointError, FleetError
 from fax_bridge.fleet import checkpoint
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.protocol import partition
@@ -247,17 +247,18 @@ class FleetRounds:
         checkpoint of a computation of another type, or of another policy).
         `on_round(r, result, report)` is called after each round.
         """
-        # The type signature names the computation: its bytes hold source locations that
-        # differ between processes building the same program.
+        # The fingerprint names the program (its bytes hold source locations that differ
+        # between processes building the same program; the fingerprint leaves them out).
         meta = {"computation": str(interpreter.computation_type(proto)), "policy": repr(self.policy),
                 "num_rounds": int(num_rounds)}
         start = 0
         if checkpoint_dir is not None:
+            meta["program"] = checkpoint.program_fingerprint(interpreter.as_proto(proto))
             saved = checkpoint.load(checkpoint_dir)
             if saved is not None:
-                for key in ("computation", "policy"):
+                for key in ("computation", "program", "policy"):
                     if saved.meta.get(key) != meta[key]:
-                        raise FleetError(
+                        raise CheckpointError(
                             f"checkpoint in {checkpoint_dir} belongs to another run (its {key} "
                             "differs); use a fresh checkpoint_dir or delete the old one")
                 state, start = saved.state, saved.round + 1

@@ -195,6 +195,17 @@ def _refuse_custom_calls(stablehlo: bytes) -> None:
             "local functions without jnp.linalg decompositions or jax.debug/callbacks")
 
 
+def program_text(hlo_module: bytes) -> str:
+    """The module's StableHLO text without source locations: what it computes, the same
+    in every process that builds it (HLO bytes also carry where it was built)."""
+    try:
+        stablehlo = _xla_client._xla.mlir.hlo_to_stablehlo(hlo_module)
+        with _mlir.make_ir_context():
+            return _ir.Module.parse(stablehlo).operation.get_asm(enable_debug_info=False)
+    except Exception as e:  # the converters raise plain RuntimeErrors
+        raise ComputationError(f"cannot read the Xla computation's HloModuleProto ({e})") from e
+
+
 class HloExecutable:
     """A compiled HLO module: call it with numpy arrays, get a list of numpy arrays."""
 

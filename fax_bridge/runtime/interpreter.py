@@ -633,7 +633,7 @@ SUPPORTED_INTRINSICS = tuple(sorted(_INTRINSICS)) + ("generic_zero",)
 # Public entry points.
 
 
-def _as_proto(proto: Union[Computation, bytes]) -> Computation:
+def as_proto(proto: Union[Computation, bytes]) -> Computation:
     if isinstance(proto, (bytes, bytearray)):
         try:
             return Computation.FromString(bytes(proto))
@@ -648,7 +648,7 @@ def _as_proto(proto: Union[Computation, bytes]) -> Computation:
 
 def computation_type(proto: Union[Computation, bytes]) -> Optional[federated_language.Type]:
     """The type signature a computation proto declares."""
-    return local_eval.parse_type(_as_proto(proto).type)
+    return local_eval.parse_type(as_proto(proto).type)
 
 
 def evaluate(proto: Union[Computation, bytes], arg: Any = None,
@@ -664,7 +664,7 @@ def evaluate(proto: Union[Computation, bytes], arg: Any = None,
     value may also be a `PopulationRef`: its rows are read where the clients run
     (`ClientsBackend.put_from_store`), so only client ids leave this process.
     """
-    proto = _as_proto(proto)
+    proto = as_proto(proto)
     backend = backend if backend is not None else LocalClientsBackend()
     try:
         fn_type = local_eval.parse_type(proto.type)
@@ -722,7 +722,7 @@ def run_computation(proto: Union[Computation, bytes], *args: Any,
     CLIENTS arguments and results carry a leading clients axis. Named parameter elements
     may be passed by keyword.
     """
-    proto = _as_proto(proto)
+    proto = as_proto(proto)
     fn_type = local_eval.parse_type(proto.type)
     param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
     if param is None:
