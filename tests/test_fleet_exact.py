@@ -104,3 +104,17 @@ def test_many_random_float32_partitions_agree_bitwise():
     results = {_sum_in_groups(arrays, cuts).tobytes()
                for cuts in ([], [25], [10, 20, 30], [1, 2, 3, 49])}
     assert len(results) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(0, 3), max_size=2),
+       scale=st.sampled_from([0.0, 1e-30, 1.0, 3e5]), seed=st.integers(0, 2**16))
+def test_partials_cross_the_wire_unchanged_including_all_zero_and_empty(shape, scale, seed):
+    from fax_bridge.fleet import partials
+
+    rng = np.random.default_rng(seed)
+    members = [(rng.standard_normal(shape) * scale).astype(np.float32) for _ in range(3)]
+    for kind in ("sum", "mean"):
+        sent = partials.partial_of(kind, [[m] for m in members])
+        back = partials.from_message(kind, partials.to_message(sent))
+        np.testing.assert_array_equal(partials.finish(back)[0], partials.finish(sent)[0])

@@ -252,7 +252,9 @@ class ExactSum:
         """An accumulator holding a partial made by `to_limbs` (e.g. on a device)."""
         acc = cls(dtype, shape)
         acc.base = int(base)
-        acc.limbs = np.array(limbs, np.int64).reshape((-1, acc.size))
+        limbs = np.array(limbs, np.int64)
+        # [num_limbs, *shape] or [num_limbs, size]; num_limbs may be 0 (an all-zero sum).
+        acc.limbs = limbs.reshape((limbs.shape[0] if limbs.ndim > 1 else -1, acc.size))
         if not acc.is_float and acc.limbs.shape[0] != 1:
             raise FleetError(f"an integer partial sum has one limb, got {acc.limbs.shape[0]}")
         if flags is not None and acc.is_float:

@@ -211,10 +211,11 @@ def _leaf_from_message(kind: str, message: pb.LeafPartial):
         return np.array(wire.decode_tensor(message.extreme))
     dtype = wire.dtype_from_name(message.dtype)
     shape = tuple(message.shape)
-    limbs = np.frombuffer(message.limbs, "<i8")
+    size = int(np.prod(shape, dtype=np.int64))
+    # Explicit sizes: an all-zero sum has no limbs, and (0, -1) is no valid shape.
+    limbs = np.frombuffer(message.limbs, "<i8").reshape((message.num_limbs, size))
     flags = np.frombuffer(message.nonfinite, np.uint8) if message.nonfinite else None
-    return ExactSum.from_limbs(dtype, shape, message.base_limb,
-                               limbs.reshape((message.num_limbs, -1)), flags)
+    return ExactSum.from_limbs(dtype, shape, message.base_limb, limbs, flags)
 
 
 def to_message(partial: Partial) -> pb.AggregateResponse:
