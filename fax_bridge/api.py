@@ -1,15 +1,20 @@
 """The public federated building blocks (FAX names) and the `program` decorator.
 
-Inside a function decorated with `@fax_bridge.program(clients=N)`:
+Inside a function decorated with `@fax_bridge.program(clients=N)` (or
+`placements={'workers': N}`, any placement name):
 
 - SERVER values are plain arrays (pytrees of them);
-- CLIENTS values carry a leading axis of size N on every leaf;
+- placed values (CLIENTS) carry a leading axis of size N on every leaf;
 - `federated_broadcast` sends SERVER to CLIENTS; `federated_sum`, `federated_mean`,
   `federated_weighted_mean` aggregate CLIENTS to SERVER; `federated_decode_sum(decode,
   value)` sums members decoded at the server (what crosses is the encoded member);
 - `federated_map_clients(fn, arg)` applies `fn` to each client's member,
   `federated_map_server(fn, arg)` applies it at the server; a tuple `arg` is unpacked
   into `fn`.
+
+Programs nest: a program over `workers` called inside a `federated_map_clients` function
+of a program over `clients` places values at the workers of each client. The innermost
+program decides the placement the operations use.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from fax_bridge import local as _local
 from fax_bridge import primitives as P
 from fax_bridge.errors import PlacementError
 
-_CURRENT_CLIENTS: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
-    "fax_bridge_clients", default=None)
+# The enclosing programs, outermost first: (placement name, number of members).
+_PROGRAMS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "fax_bridge_programs", default=())
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,68 +51,97 @@ def user_location() -> str:
     return "<unknown location>"
 
 
-def current_clients(op: str) -> int:
-    """The cardinality of the enclosing program; a clear error outside of one."""
-    n = _CURRENT_CLIENTS.get()
-    if n is None:
+def current_placement(op: str) -> tuple[str, int]:
+    """(name, members) of the innermost enclosing program; a clear error outside of one."""
+    programs = _PROGRAMS.get()
+    if not programs:
         raise PlacementError(
             f"{op} was called outside a federated program (at {user_location()}). Decorate "
             "the function with @fax_bridge.program(clients=N) so the number of clients is "
             "known.")
-    return n
+    return programs[-1]
+
+
+def current_clients(op: str) -> int:
+    """The cardinality of the enclosing program; a clear error outside of one."""
+    return current_placement(op)[1]
 
 
 class Program:
-    """A federated program: a function whose federated operations use `clients` members."""
+    """A federated program: a function whose federated operations use `clients` members
+    of the placement named `placement`."""
 
-    def __init__(self, fn: Callable, clients: int):
+    def __init__(self, fn: Callable, clients: int, placement: str = P.CLIENTS):
         self.fn = fn
         self.clients = clients
+        self.placement = placement
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        outer = _CURRENT_CLIENTS.get()
-        if outer is not None and outer != self.clients:
-            raise PlacementError(
-                f"program {getattr(self.fn, '__name__', self.fn)!r} declares clients="
-                f"{self.clients} but is called inside a program with clients={outer} (at "
-                f"{user_location()}). Nested programs must use the same number of clients.")
-        token = _CURRENT_CLIENTS.set(self.clients)
+        outer = _PROGRAMS.get()
+        for name, n in outer:
+            if name == self.placement and n != self.clients:
+                raise PlacementError(
+                    f"program {getattr(self.fn, '__name__', self.fn)!r} declares "
+                    f"{self.placement}={self.clients} but is called inside a program with "
+                    f"{name}={n} (at {user_location()}). Nested programs must use the same "
+                    "number of members for one placement name; name the inner placement "
+                    "differently (e.g. placements={'workers': M}) to nest a new level.")
+        token = _PROGRAMS.set(outer + ((self.placement, self.clients),))
         try:
             return self.fn(*args, **kwargs)
         finally:
-            _CURRENT_CLIENTS.reset(token)
+            _PROGRAMS.reset(token)
 
     def __repr__(self) -> str:
-        return f"<fax_bridge.Program {getattr(self.fn, '__name__', '?')} clients={self.clients}>"
+        return (f"<fax_bridge.Program {getattr(self.fn, '__name__', '?')} "
+                f"{self.placement}={self.clients}>")
 
 
-def _validate_cardinality(clients: Any) -> int:
+def _validate_cardinality(clients: Any, name: str = P.CLIENTS) -> int:
     if isinstance(clients, bool) or not isinstance(clients, (int, np.integer)) or clients < 1:
         raise ValueError(
-            f"the number of clients must be a positive integer, got {clients!r}; write "
-            "@fax_bridge.program(clients=8) or placements={'clients': 8}.")
+            f"the number of {name} must be a positive integer, got {clients!r}; write "
+            f"@fax_bridge.program(clients=8) or placements={{{name!r}: 8}}.")
     return int(clients)
+
+
+def _validate_name(name: Any) -> str:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a placement name must be an identifier string, got {name!r}.")
+    if name.lower() == P.SERVER:
+        raise ValueError(
+            f"placements must not name {name!r}: SERVER has one member and needs no entry; "
+            "name the placed members, e.g. placements={'clients': 8}.")
+    return name
 
 
 def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
             placements: Optional[Mapping[str, int]] = None):
-    """Decorates a federated program: `@program(clients=N)` or `@program(placements={...})`."""
+    """Decorates a federated program: `@program(clients=N)` or `@program(placements={name: N})`.
+
+    The placement name is free (`clients`, `workers`, ...); a mesh axis of that name, when
+    the mesh has one, splits its members over devices. One placement per program; nest
+    programs for several levels.
+    """
+    name = P.CLIENTS
     if placements is not None:
         if clients is not None:
             raise ValueError("give either clients=N or placements={'clients': N}, not both.")
-        unknown = set(placements) - {"clients"}
-        if unknown or "clients" not in placements:
+        if not isinstance(placements, Mapping) or len(placements) != 1:
             raise ValueError(
-                f"placements must be {{'clients': N}}; got keys {sorted(placements)}. "
-                "SERVER has one member and needs no entry.")
-        clients = placements["clients"]
+                f"placements must be one {{name: N}} entry, got {placements!r}. For several "
+                "levels (clients, each with workers), call a program over "
+                "placements={'workers': M} inside federated_map_clients of a program over "
+                "placements={'clients': N}.")
+        ((name, clients),) = placements.items()
+        name = _validate_name(name)
     if clients is None:
         raise ValueError("program needs the number of clients: @fax_bridge.program(clients=N).")
-    n = _validate_cardinality(clients)
+    n = _validate_cardinality(clients, name)
     if fn is None:
-        return lambda f: Program(f, n)
-    return Program(fn, n)
+        return lambda f: Program(f, n, name)
+    return Program(fn, n, name)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -126,64 +161,129 @@ def _leaves_with_paths(tree, op: str, what: str):
     return [p for p, _ in leaves], arrays, treedef
 
 
-def _check_clients_leaves(op: str, what: str, paths, arrays, n: int) -> None:
+def _check_clients_leaves(op: str, what: str, paths, arrays, n: int,
+                          name: str = P.CLIENTS) -> None:
     for path, x in zip(paths, arrays):
         if x.ndim == 0 or x.shape[0] != n:
             raise PlacementError(
                 f"{op}: {what}{jax.tree_util.keystr(path)} has shape {tuple(x.shape)}, but a "
-                f"CLIENTS value needs a leading axis of size {n} (the program's clients) (at "
-                f"{user_location()}). If this is a SERVER value, send it to the clients with "
-                "federated_broadcast first.")
+                f"value placed at {name!r} needs a leading axis of size {n} (the program's "
+                f"{name}) (at {user_location()}). If this is a SERVER value, send it to the "
+                f"{name} with federated_broadcast first.")
+
+
+def _refuse_dtypes(op: str, paths, arrays) -> None:
+    for path, a in zip(paths, arrays):
+        refusal = P.aggregate_refusal(op, a.dtype)
+        if refusal:
+            raise PlacementError(
+                f"{op}: value{jax.tree_util.keystr(path)} has dtype {a.dtype}: {refusal} "
+                f"(at {user_location()})")
+
+
+def _params(op: str, mesh=None) -> dict:
+    """The placement parameters every federated primitive of this program carries."""
+    axis, n = current_placement(op)
+    where = f" (at {user_location()})"
+    return dict(clients=n, axis=axis,
+                mesh=_local.resolve_mesh(op, axis, n, mesh, where=where))
+
+
+def _pin(x, params: dict):
+    """Repeats the leading-axis constraint of a concrete mesh in the program itself, so that
+    `jax.jit` lays the whole computation out over that mesh's devices even when its
+    arguments are not yet placed there (constraints inside lowerings do not tell it)."""
+    mesh = params["mesh"]
+    if isinstance(mesh, jax.sharding.Mesh):
+        return _local.place_leading(x, params["axis"], mesh)
+    return x
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def federated_broadcast(x):
-    """SERVER -> CLIENTS: every client receives the same value (all_equal)."""
-    n = current_clients("federated_broadcast")
+def federated_broadcast(x, *, mesh=None):
+    """SERVER -> CLIENTS: every client receives the same value (all_equal).
+
+    The result's leading axis is split over the mesh axis named like the placement
+    (`mesh=`, else the active mesh); its other dimensions keep `x`'s sharding.
+    """
+    params = _params("federated_broadcast", mesh)
     paths, arrays, treedef = _leaves_with_paths(x, "federated_broadcast", "value")
-    out = [_local.constrain_clients(P.federated_broadcast_p.bind(a, clients=n)) for a in arrays]
+    out = [_pin(P.federated_broadcast_p.bind(a, **params), params) for a in arrays]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _aggregate(prim, op: str, x):
-    n = current_clients(op)
+    params = _params(op)
     paths, arrays, treedef = _leaves_with_paths(x, op, "value")
-    _check_clients_leaves(op, "value", paths, arrays, n)
-    return jax.tree_util.tree_unflatten(treedef, [prim.bind(a, clients=n) for a in arrays])
+    _check_clients_leaves(op, "value", paths, arrays, params["clients"], params["axis"])
+    _refuse_dtypes(op, paths, arrays)
+    return jax.tree_util.tree_unflatten(treedef, [prim.bind(a, **params) for a in arrays])
 
 
 def federated_sum(x):
-    """CLIENTS -> SERVER: the sum over clients of each leaf."""
+    """CLIENTS -> SERVER: the sum over clients of each leaf (numbers, not bools)."""
     return _aggregate(P.federated_sum_p, "federated_sum", x)
 
 
 def federated_mean(x):
-    """CLIENTS -> SERVER: the unweighted mean over clients of each leaf."""
+    """CLIENTS -> SERVER: the unweighted mean over clients of each floating-point leaf."""
     return _aggregate(P.federated_mean_p, "federated_mean", x)
 
 
-def federated_weighted_mean(x, weights):
-    """CLIENTS -> SERVER: sum_i w_i x_i / sum_i w_i per leaf; `weights` has shape (clients,)."""
-    op = "federated_weighted_mean"
-    n = current_clients(op)
-    paths, arrays, treedef = _leaves_with_paths(x, op, "value")
-    _check_clients_leaves(op, "value", paths, arrays, n)
-    w = jnp.asarray(weights)
-    if w.shape != (n,):
+def _weight_leaves(op: str, weights, treedef, n: int):
+    """One weight array per value leaf: a single weight array serves every leaf, a pytree
+    of weights must have the value's structure."""
+    w_paths, w_arrays, w_tree = _leaves_with_paths(weights, op, "weights")
+    if jax.tree_util.treedef_is_leaf(w_tree) and w_arrays:
+        return [w_arrays[0]] * treedef.num_leaves
+    if w_tree != treedef:
         raise PlacementError(
-            f"{op}: weights have shape {tuple(w.shape)}, expected ({n},): one weight per "
-            f"client (at {user_location()}).")
-    if not jnp.issubdtype(w.dtype, jnp.floating):
-        w = w.astype(jnp.result_type(float))
+            f"{op}: weights have structure {w_tree} but the value has structure {treedef} "
+            f"(at {user_location()}). Give one weight array for every leaf, or a pytree of "
+            "weights with the value's structure.")
+    return w_arrays
+
+
+def federated_weighted_mean(x, weights):
+    """CLIENTS -> SERVER: sum_i w_i x_i / sum_i w_i per leaf.
+
+    `weights` is a CLIENTS value: one array for every leaf or a pytree matching `x`. Each
+    client's weight is a scalar (shape (clients,)), or an array of the client's value
+    shape (element-wise), or any shape that broadcasts to it.
+    """
+    op = "federated_weighted_mean"
+    params = _params(op)
+    n, name = params["clients"], params["axis"]
+    paths, arrays, treedef = _leaves_with_paths(x, op, "value")
+    _check_clients_leaves(op, "value", paths, arrays, n, name)
+    _refuse_dtypes(op, paths, arrays)
     out = []
-    for path, a in zip(paths, arrays):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
+    for path, a, w in zip(paths, arrays, _weight_leaves(op, weights, treedef, n)):
+        member_x = tuple(a.shape[1:])
+        member_w = tuple(w.shape[1:]) if w.ndim and w.shape[0] == n else None
+        if member_w is not None:
+            try:
+                fits = np.broadcast_shapes(member_w, member_x) == member_x
+            except ValueError:
+                fits = False
+        if member_w is None or not fits:
             raise PlacementError(
-                f"{op}: value{jax.tree_util.keystr(path)} has dtype {a.dtype}; a weighted mean "
-                f"needs floating-point values (at {user_location()}). Cast with .astype().")
-        out.append(P.federated_weighted_mean_p.bind(a, w, clients=n))
+                f"{op}: weights for value{jax.tree_util.keystr(path)} have shape "
+                f"{tuple(w.shape)}, but the value has shape {tuple(a.shape)} (at "
+                f"{user_location()}). Weights need a leading axis of {n} (one per member of "
+                f"{name!r}) followed by () for one weight per client, or by the value's own "
+                f"shape {member_x} (or one that broadcasts to it) for element-wise weights.")
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+            w = w.astype(a.dtype)
+        if not member_w:
+            out.append(P.federated_weighted_mean_p.bind(a, w, **params))
+            continue
+        (weighted,) = P.map_bind(lambda ai, wi: [ai * wi.astype(ai.dtype)], [a, w],
+                                 P.CLIENTS, name="weight", **params)
+        total = P.federated_sum_p.bind(w.astype(a.dtype), **params)
+        out.append(P.federated_sum_p.bind(weighted, **params) / total)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -196,13 +296,13 @@ def federated_decode_sum(decode: Callable, value):
     `federated_aggregate`. Not differentiable.
     """
     op = "federated_decode_sum"
-    n = current_clients(op)
+    params = _params(op)
     if not callable(decode):
         raise TypeError(f"{op}: the first argument must be a function, got "
                         f"{type(decode).__name__}.")
     unpack = isinstance(value, tuple)
     paths, arrays, treedef = _leaves_with_paths(value, op, "value")
-    _check_clients_leaves(op, "value", paths, arrays, n)
+    _check_clients_leaves(op, "value", paths, arrays, params["clients"], params["axis"])
     out_store = {}
 
     def flat_decode(*member_leaves):
@@ -212,20 +312,21 @@ def federated_decode_sum(decode: Callable, value):
         out_store["tree"] = out_tree
         return out_arrays
 
-    outs = P.decode_sum_bind(flat_decode, [_local.constrain_clients(a) for a in arrays], n,
-                             name=getattr(decode, "__name__", type(decode).__name__))
+    outs = P.decode_sum_bind(flat_decode, [_pin(a, params) for a in arrays],
+                             name=getattr(decode, "__name__", type(decode).__name__), **params)
     return jax.tree_util.tree_unflatten(out_store["tree"], outs)
 
 
-def _federated_map(fn: Callable, arg, placement: str, op: str):
-    n = current_clients(op)
+def _federated_map(fn: Callable, arg, placement: str, op: str, mesh=None):
+    params = _params(op, mesh if placement == P.CLIENTS else None)
+    if placement != P.CLIENTS:
+        params["mesh"] = None
     if not callable(fn):
         raise TypeError(f"{op}: the first argument must be a function, got {type(fn).__name__}.")
     unpack = isinstance(arg, tuple)
     paths, arrays, treedef = _leaves_with_paths(arg, op, "arg")
     if placement == P.CLIENTS:
-        _check_clients_leaves(op, "arg", paths, arrays, n)
-        arrays = [_local.constrain_clients(a) for a in arrays]
+        _check_clients_leaves(op, "arg", paths, arrays, params["clients"], params["axis"])
     out_store = {}
 
     def flat_member_fn(*member_leaves):
@@ -236,15 +337,21 @@ def _federated_map(fn: Callable, arg, placement: str, op: str):
         return out_arrays
 
     name = getattr(fn, "__name__", type(fn).__name__)
-    outs = P.map_bind(flat_member_fn, arrays, placement, n, name=name)
     if placement == P.CLIENTS:
-        outs = [_local.constrain_clients(o) for o in outs]
+        arrays = [_pin(a, params) for a in arrays]
+    outs = P.map_bind(flat_member_fn, arrays, placement, name=name, **params)
+    if placement == P.CLIENTS:
+        outs = [_pin(o, params) for o in outs]
     return jax.tree_util.tree_unflatten(out_store["tree"], outs)
 
 
-def federated_map_clients(fn: Callable, arg):
-    """Applies `fn` to each client's member of the CLIENTS value `arg` (tuples unpacked)."""
-    return _federated_map(fn, arg, P.CLIENTS, "federated_map_clients")
+def federated_map_clients(fn: Callable, arg, *, mesh=None):
+    """Applies `fn` to each client's member of the CLIENTS value `arg` (tuples unpacked).
+
+    The clients axis is an SPMD axis of the mesh inside `fn`: its sharding constraints
+    and `shard_map`s keep it split.
+    """
+    return _federated_map(fn, arg, P.CLIENTS, "federated_map_clients", mesh)
 
 
 def federated_map_server(fn: Callable, arg):

@@ -1,57 +1,67 @@
-"""The local accelerator path: jit a federated program, sharding CLIENTS values over a mesh.
+"""The local accelerator path: jit a federated program, sharding placed values over a mesh.
 
-With `clients_mesh(mesh)` active (a `jax.sharding.Mesh` with a `clients` axis), every
-CLIENTS value a federated operation produces or consumes is constrained to be split
-along its leading axis over that mesh axis, so each device holds and computes on its own
-slice of the clients. `jit_program` jits a program with matching input and output
-shardings; `to_hlo` gives the HLO text of a whole program.
+A placed value (CLIENTS, or any placement name a program declares) is constrained on its
+leading axis only: split over the mesh axis named like the placement, when the mesh has
+one, while every other dimension keeps the sharding it has (a model sharded over a
+`model` axis stays sharded inside every client's copy). The mesh comes from, in order:
+`mesh=` on a federated operation, `clients_mesh(mesh)` / `jit_program`, `jax.set_mesh`
+. Meshes with `Auto` axes get sharding constraints that leave the other
+dimensions to propagation; `Explicit` axes (the default of `jax.make_mesh`) carry the
+sharding in the types and get `jax.sharding.reshard`. `to_hlo` gives the HLO text of a
+whole program.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from fax_bridge.errors import PlacementError
 
 CLIENTS_AXIS = "clients"
+
+AnyMesh = Union[Mesh, AbstractMesh]
 
 _MESH: contextvars.ContextVar[Optional[Mesh]] = contextvars.ContextVar(
     "fax_bridge_clients_mesh", default=None)
 
 
-def _check_mesh(mesh: Mesh) -> Mesh:
+def _check_mesh(mesh: Mesh, axis: str = CLIENTS_AXIS) -> Mesh:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    if CLIENTS_AXIS not in mesh.axis_names:
+    if axis not in mesh.axis_names:
         raise ValueError(
-            f"the mesh has axes {mesh.axis_names} but no {CLIENTS_AXIS!r} axis; build it as "
-            "jax.make_mesh((jax.device_count(),), ('clients',)).")
-    return _auto_axes(mesh)
-
-
-def _auto_axes(mesh: Mesh) -> Mesh:
-    """The same devices and axes with sharding left to the compiler (GSPMD `Auto` axes).
-
-    Federated primitives place CLIENTS values with sharding constraints, which need
-    `Auto` axes; `jax.make_mesh` makes `Explicit` ones by default.
-    """
-    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    if tuple(getattr(mesh, "axis_types", auto)) == auto:
-        return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+            f"the mesh has axes {mesh.axis_names} but no {axis!r} axis; build it as "
+            f"jax.make_mesh((jax.device_count(),), ({axis!r},)).")
+    return mesh
 
 
 @contextlib.contextmanager
 def clients_mesh(mesh: Mesh) -> Iterator[Mesh]:
-    """Within this context, CLIENTS values are sharded along `mesh`'s `clients` axis."""
-    token = _MESH.set(_check_mesh(mesh))
+    """Within this context, placed values are split along `mesh`'s axis of their placement.
+
+    For a mesh with Explicit axes, also make it jax's mesh (`jax.set_mesh`), as
+    `jit_program` does, so the types carry its shardings.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    token = _MESH.set(mesh)
     try:
         yield mesh
     finally:
         _MESH.reset(token)
+
+
+def _jax_mesh(mesh: Mesh):
+    """`jax.set_mesh(mesh)` for meshes with Explicit axes (their types need it; call it
+    outside of jit)."""
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
 
 
 def current_mesh() -> Optional[Mesh]:
@@ -59,9 +69,72 @@ def current_mesh() -> Optional[Mesh]:
     return _MESH.get()
 
 
-def clients_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a CLIENTS array: its leading axis split over the `clients` axis."""
-    return NamedSharding(mesh, PartitionSpec(CLIENTS_AXIS))
+def ambient_mesh() -> Optional[AnyMesh]:
+    """The mesh federated operations use when given none: `clients_mesh`, then jax's."""
+    mesh = _MESH.get()
+    if mesh is not None:
+        return mesh
+    abstract = jax.sharding.get_abstract_mesh()
+    return None if abstract is None or abstract.empty else abstract
+
+
+def axis_is_explicit(mesh: Optional[AnyMesh], axis: str) -> bool:
+    """True when `mesh` has an `Explicit` axis named `axis`."""
+    if mesh is None or axis not in mesh.axis_names:
+        return False
+    return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
+
+
+def resolve_mesh(op: str, axis: str, clients: int, mesh: Optional[AnyMesh] = None,
+                 where: str = "") -> Optional[AnyMesh]:
+    """The mesh a federated operation on placement `axis` constrains to, or None.
+
+    A mesh the user names (`mesh=`) must have the placement's axis; an ambient one
+    without it leaves placed values to the compiler. `clients` must split evenly over
+    the axis.
+    """
+    given = mesh is not None
+    if not given:
+        mesh = ambient_mesh()
+    if mesh is None:
+        return None
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise PlacementError(f"{op}: mesh= must be a jax.sharding.Mesh, got "
+                             f"{type(mesh).__name__}{where}.")
+    if axis not in mesh.axis_names:
+        if given:
+            raise PlacementError(
+                f"{op}: the mesh has axes {tuple(mesh.axis_names)} but no {axis!r} axis for "
+                f"the {axis!r} placement{where}. Add an axis named {axis!r} to the mesh, or "
+                "name the placement after one of its axes.")
+        return None
+    size = mesh.shape[axis]
+    if clients % size:
+        raise PlacementError(
+            f"{op}: {clients} members of placement {axis!r} do not split evenly over the "
+            f"{size} devices of mesh axis {axis!r}{where}. Use a number of {axis} that is a "
+            f"multiple of {size}, or a mesh whose {axis!r} axis divides {clients}.")
+    return mesh
+
+
+def place_leading(x, axis: str, mesh: Optional[AnyMesh]):
+    """Splits `x`'s leading axis over mesh axis `axis`; other dimensions keep theirs."""
+    if mesh is None or axis not in mesh.axis_names or x.ndim == 0:
+        return x
+    if axis_is_explicit(mesh, axis):
+        spec = tuple(jax.typeof(x).sharding.spec)
+        spec = spec + (None,) * (x.ndim - len(spec))
+        target = PartitionSpec(axis, *spec[1:])
+        if spec == tuple(target):
+            return x
+        return jax.sharding.reshard(x, NamedSharding(mesh, target))
+    spec = PartitionSpec(axis, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def clients_sharding(mesh: Mesh, axis: str = CLIENTS_AXIS) -> NamedSharding:
+    """Sharding of a placed array: its leading axis split over the placement's axis."""
+    return NamedSharding(mesh, PartitionSpec(axis))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -69,41 +142,55 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def constrain_clients(x):
-    """Constrains a CLIENTS array to the active clients mesh (a no-op without one)."""
-    mesh = _MESH.get()
-    if mesh is None:
-        return x
-    if x.shape[0] % mesh.shape[CLIENTS_AXIS]:
-        return x  # not evenly divisible: leave the layout to XLA
-    return jax.lax.with_sharding_constraint(x, clients_sharding(mesh))
+def _own_spec(leaf: Any, mesh: Mesh) -> Optional[tuple]:
+    """The spec of an array already laid out over `mesh`, padded to its rank."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        spec = tuple(sharding.spec)
+        return spec + (None,) * (leaf.ndim - len(spec))
+    return None
 
 
-def _placement_shardings(mesh: Mesh, placements: Any, args: tuple):
-    from fax_bridge.placements import broadcast_placements, Placement
+def argument_sharding(mesh: Mesh, placed: bool, leaf: Any, axis: str = CLIENTS_AXIS):
+    """The sharding `jit_program` gives an argument: placed ones split on the leading axis,
+    the rest replicated, except that dimensions an array already shards over this mesh
+    (a model axis) keep their sharding."""
+    own = _own_spec(leaf, mesh)
+    if placed:
+        rest = own[1:] if own else ()
+        return NamedSharding(mesh, PartitionSpec(axis, *rest))
+    return NamedSharding(mesh, PartitionSpec(*own)) if own else replicated(mesh)
+
+
+def _placement_shardings(mesh: Mesh, placements: Any, args: tuple, axis: str):
+    from fax_bridge.placements import Placement, broadcast_placements
 
     flat = broadcast_placements(placements, args)
-    treedef = jax.tree_util.tree_structure(args)
-    shardings = [clients_sharding(mesh) if p is Placement.CLIENTS else replicated(mesh)
-                 for p in flat]
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    shardings = [argument_sharding(mesh, p is Placement.CLIENTS, leaf, axis)
+                 for p, leaf in zip(flat, leaves)]
     return jax.tree_util.tree_unflatten(treedef, shardings)
 
 
 def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) -> Callable:
-    """Jits `fn` so CLIENTS arguments are sharded over `mesh`'s clients axis.
+    """Jits `fn` so its placed arguments are split over `mesh`'s axis of that placement.
 
     `placements` is a pytree prefix of "server"/"clients" per argument (default: all
-    SERVER). Inside, every federated operation keeps CLIENTS values sharded the same way.
+    SERVER). Inside, every federated operation keeps placed values split the same way;
+    SERVER values mixed with CLIENTS ones are refused as `fax_bridge.trace` refuses them.
     """
-    mesh = _check_mesh(mesh)
+    axis = getattr(fn, "placement", CLIENTS_AXIS)
+    mesh = _check_mesh(mesh, axis)
 
     def run(*args):
-        shardings = _placement_shardings(mesh, placements, args)
-        args = jax.device_put(args, shardings)
-        with clients_mesh(mesh):
+        args = jax.device_put(args, _placement_shardings(mesh, placements, args, axis))
+        with clients_mesh(mesh), _jax_mesh(mesh):
             return jitted(*args)
 
     def traced(*args):
+        from fax_bridge.tracing import check_placements
+
+        check_placements(fn, args, placements)
         with clients_mesh(mesh):
             return fn(*args)
 
@@ -113,7 +200,7 @@ def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) 
 
 
 def _lower(jitted, mesh, args):
-    with clients_mesh(mesh):
+    with clients_mesh(mesh), _jax_mesh(mesh):
         return jitted.lower(*args)
 
 

@@ -1,18 +1,27 @@
 """Federated building blocks as JAX primitives, each with its rules registered beside it.
 
-A CLIENTS-placed array carries a leading axis of size `clients`; a SERVER-placed array is
-a plain array. Every primitive here works on single arrays (the public functions in
+A placed array (CLIENTS, or any placement a program names) carries a leading axis of
+size `clients`, the placement's number of members; a SERVER-placed array is a plain
+array. Every primitive here works on single arrays (the public functions in
 `fax_bridge.api` map them over pytrees) and has: abstract evaluation, an implementation,
 an MLIR lowering, a JVP, a transpose and a batching rule. Transposes bind federated
 primitives again (broadcast <-> sum), so the derivative of a federated program is a
 federated program.
 
+Every primitive carries `clients` (members), `axis` (the placement's name) and `mesh`
+(the mesh to lay placed values out on, or None). Lowerings split the leading axis of
+placed values over the mesh axis named `axis` and leave every other dimension as it is
+(`local.place_leading`); abstract evaluation keeps the sharding of those dimensions in
+the types, so meshes with Explicit axes type-check.
+
 `federated_map_p` is higher order: it carries the per-member computation as a closed
-jaxpr (`jaxpr`), applied to every client (`placement="clients"`, lowered as one `vmap`)
-or once at the server (`placement="server"`). Keeping the jaxpr in the equation is what
-lets the exporter turn it into a TFF `federated_map` of an Xla computation, including
-after `jax.grad` (JVP, transpose, partial evaluation and DCE all produce new
-`federated_map_p` equations with transformed per-member jaxprs).
+jaxpr (`jaxpr`), applied to every member (`placement="clients"`, lowered as one `vmap`
+whose mapped axis is the mesh axis `axis`, so sharding constraints and `shard_map`
+inside the function see it as an SPMD axis) or once at the server (`placement="server"`).
+Keeping the jaxpr in the equation is what lets the exporter turn it into a TFF
+`federated_map` of an Xla computation, including after `jax.grad` (JVP, transpose,
+partial evaluation and DCE all produce new `federated_map_p` equations with transformed
+per-member jaxprs).
 
 `federated_decode_sum_p` is an aggregation whose members cross to the server as they
 are (e.g. packed integer codes) and are decoded there: the sum over clients of
@@ -32,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core  # Primitive, ShapedArray, ClosedJaxpr, Tracer, new_jaxpr_eqn
 from jax.interpreters import mlir
+from jax.sharding import PartitionSpec
 
 # Rule tables and jaxpr utilities for higher-order primitives live in jax's internal
 # interpreter modules on jax 0.10 (the public `jax.interpreters.*` re-export only some).
@@ -41,18 +51,70 @@ from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import partial_eval as pe
 
+from fax_bridge import local as _local
+from fax_bridge.errors import PlacementError
+
 CLIENTS = "clients"
 SERVER = "server"
 
 
-def _shaped(shape, dtype, weak_type=False) -> core.ShapedArray:
-    return core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)
+# --------------------------------------------------------------------------- types
+
+
+def _spec_of(aval) -> tuple:
+    sharding = getattr(aval, "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    return spec + (None,) * (len(aval.shape) - len(spec))
+
+
+def _explicit_lead(aval, axis: str):
+    """The leading entry of a placed value's type spec: `axis` on an Explicit mesh."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return axis if _local.axis_is_explicit(mesh, axis) else None
+
+
+def _placed(member, clients: int, axis: str, lead=None) -> core.ShapedArray:
+    """The type of a placed value whose members have type `member`."""
+    spec = PartitionSpec(lead, *_spec_of(member))
+    return member.update(shape=(clients,) + tuple(member.shape),
+                         sharding=member.sharding.update(spec=spec))
+
+
+def _unplaced(aval) -> core.ShapedArray:
+    """The type of one member of the placed value `aval` (its leading axis removed)."""
+    spec = PartitionSpec(*_spec_of(aval)[1:])
+    return aval.update(shape=tuple(aval.shape[1:]), sharding=aval.sharding.update(spec=spec))
+
+
+def aggregate_refusal(name: str, dtype) -> str | None:
+    """Why `name` (federated_sum/mean/weighted_mean) cannot aggregate `dtype` values, or None.
+
+    One rule for every path (jit, export, runtime): means need floating-point values (an
+    integer mean would truncate), sums need numbers (a sum of bools is not a bool).
+    """
+    dtype = jnp.dtype(dtype)
+    if name in ("federated_mean", "federated_weighted_mean") and not jnp.issubdtype(
+            dtype, jnp.inexact):
+        return (f"{name} of {dtype} values would truncate the mean to an integer; cast the "
+                "values to floating point first (x.astype(jnp.float32)), or sum them with "
+                "federated_sum and divide.")
+    if name == "federated_sum" and dtype == jnp.bool_:
+        return ("federated_sum of bool values is undefined (a count is not a bool); cast "
+                "them first (x.astype(jnp.int32)).")
+    return None
 
 
 def _register_impl_and_lowering(prim: core.Primitive, fn) -> None:
     """Implements `prim` by jitting its lowering, which is `fn` traced by jax."""
     prim.def_impl(partial(_dispatch.apply_primitive, prim))
     mlir.register_lowering(prim, mlir.lower_fun(fn, multiple_results=prim.multiple_results))
+    IMPLEMENTATIONS[prim] = fn
+
+
+# The plain-jax implementation of each federated primitive (what its lowering traces):
+# the map lowering evaluates nested federated equations through these, so an outer
+# `vmap(spmd_axis_name=...)` composes with the sharding constraints they apply.
+IMPLEMENTATIONS: dict = {}
 
 
 def _zero_like(x):
@@ -77,23 +139,24 @@ def _move_batch_axis_first(x, bdim):
 federated_broadcast_p = core.Primitive("federated_broadcast")
 
 
-def _broadcast_impl(x, *, clients):
-    return lax.broadcast(x, (clients,))
+def _broadcast_impl(x, *, clients, axis, mesh):
+    return _local.place_leading(lax.broadcast(x, (clients,)), axis, mesh)
 
 
-def _broadcast_abstract_eval(x, *, clients):
-    return _shaped((clients,) + x.shape, x.dtype, x.weak_type)
+def _broadcast_abstract_eval(x, *, clients, axis, mesh):
+    del mesh
+    return _placed(x, clients, axis, _explicit_lead(x, axis))
 
 
-def _broadcast_transpose(ct, x, *, clients):
+def _broadcast_transpose(ct, x, **params):
     del x
-    return [federated_sum_p.bind(ct, clients=clients)]
+    return [federated_sum_p.bind(ct, **params)]
 
 
-def _broadcast_batch(axis_data, args, dims, *, clients):
+def _broadcast_batch(axis_data, args, dims, **params):
     del axis_data
     (x,), (d,) = args, dims
-    out = federated_broadcast_p.bind(_move_batch_axis_first(x, d), clients=clients)
+    out = federated_broadcast_p.bind(_move_batch_axis_first(x, d), **params)
     return out, (None if d is None else 1)
 
 
@@ -117,34 +180,40 @@ def _check_clients_axis(name, x, clients):
         )
 
 
-def _aggregate_abstract_eval(x, *, clients, name):
+def _aggregate_abstract_eval(x, *, clients, axis, mesh, name):
+    del axis, mesh
     _check_clients_axis(name, x, clients)
-    return _shaped(x.shape[1:], x.dtype, x.weak_type)
+    refusal = aggregate_refusal(name, x.dtype)
+    if refusal:
+        raise PlacementError(refusal)
+    return _unplaced(x)
 
 
-def _sum_impl(x, *, clients):
-    del clients
+def _sum_impl(x, *, clients, axis, mesh):
+    del clients, axis, mesh
     return jnp.sum(x, axis=0, dtype=x.dtype)
 
 
-def _mean_impl(x, *, clients):
+def _mean_impl(x, *, clients, axis, mesh):
+    del axis, mesh
     return (jnp.sum(x, axis=0, dtype=x.dtype) / clients).astype(x.dtype)
 
 
-def _sum_transpose(ct, x, *, clients):
+def _sum_transpose(ct, x, **params):
     del x
-    return [federated_broadcast_p.bind(ct, clients=clients)]
+    return [federated_broadcast_p.bind(ct, **params)]
 
 
-def _mean_transpose(ct, x, *, clients):
+def _mean_transpose(ct, x, **params):
     del x
-    return [federated_broadcast_p.bind(ct / jnp.asarray(clients, ct.dtype), clients=clients)]
+    return [federated_broadcast_p.bind(ct / jnp.asarray(params["clients"], ct.dtype),
+                                       **params)]
 
 
-def _aggregate_batch(prim, axis_data, args, dims, *, clients):
+def _aggregate_batch(prim, axis_data, args, dims, **params):
     del axis_data
     (x,), (d,) = args, dims
-    out = prim.bind(_move_batch_axis_after_clients(x, d), clients=clients)
+    out = prim.bind(_move_batch_axis_after_clients(x, d), **params)
     return out, (None if d is None else 0)
 
 
@@ -168,15 +237,16 @@ def _expand_weights(w, x):
     return lax.expand_dims(w, tuple(range(w.ndim, x.ndim)))
 
 
-def _weighted_mean_impl(x, w, *, clients):
-    del clients
+def _weighted_mean_impl(x, w, *, clients, axis, mesh):
+    del clients, axis, mesh
     wx = _expand_weights(w, x).astype(x.dtype)
     total = jnp.sum(w, axis=0).astype(x.dtype)
     num = jnp.sum(wx * x, axis=0)
     return num / lax.expand_dims(total, tuple(range(total.ndim, num.ndim)))
 
 
-def _weighted_mean_abstract_eval(x, w, *, clients):
+def _weighted_mean_abstract_eval(x, w, *, clients, axis, mesh):
+    del axis, mesh
     _check_clients_axis("federated_weighted_mean", x, clients)
     if tuple(w.shape) != tuple(x.shape[: len(w.shape)]) or not w.shape:
         raise TypeError(
@@ -184,12 +254,15 @@ def _weighted_mean_abstract_eval(x, w, *, clients):
             f"client); got weights of shape {tuple(w.shape)} for a value of shape "
             f"{tuple(x.shape)}."
         )
-    if not jnp.issubdtype(w.dtype, jnp.floating) or not jnp.issubdtype(x.dtype, jnp.floating):
+    refusal = aggregate_refusal("federated_weighted_mean", x.dtype)
+    if refusal:
+        raise PlacementError(refusal)
+    if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(
-            "federated_weighted_mean needs floating-point values and weights; got "
-            f"{x.dtype} values and {w.dtype} weights (cast them with .astype(jnp.float32))."
+            "federated_weighted_mean needs floating-point weights; got "
+            f"{w.dtype} weights (cast them with .astype(jnp.float32))."
         )
-    return _shaped(x.shape[1:], x.dtype, x.weak_type)
+    return _unplaced(x)
 
 
 def _member_scaled(c, w, total):
@@ -202,18 +275,18 @@ def _member_deviation(tw, x, m):
     return [_expand_weights(tw, x).astype(x.dtype) * (x - m)]
 
 
-def _weighted_mean_jvp(primals, tangents, *, clients):
+def _weighted_mean_jvp(primals, tangents, **params):
     x, w = primals
     tx, tw = tangents
-    out = federated_weighted_mean_p.bind(x, w, clients=clients)
+    out = federated_weighted_mean_p.bind(x, w, **params)
     parts = []
     if type(tx) is not ad.Zero:
-        parts.append(federated_weighted_mean_p.bind(tx, w, clients=clients))
+        parts.append(federated_weighted_mean_p.bind(tx, w, **params))
     if type(tw) is not ad.Zero:
-        total = federated_sum_p.bind(w, clients=clients)
-        m_c = federated_broadcast_p.bind(out, clients=clients)
-        (dev,) = map_bind(_member_deviation, [tw, x, m_c], CLIENTS, clients)
-        dm = federated_sum_p.bind(dev, clients=clients)
+        total = federated_sum_p.bind(w, **params)
+        m_c = federated_broadcast_p.bind(out, **params)
+        (dev,) = map_bind(_member_deviation, [tw, x, m_c], CLIENTS, **params)
+        dm = federated_sum_p.bind(dev, **params)
         parts.append(dm / _expand_weights(total, dm).astype(dm.dtype))
     if not parts:
         return out, _zero_like(out)
@@ -223,23 +296,23 @@ def _weighted_mean_jvp(primals, tangents, *, clients):
     return out, tangent
 
 
-def _weighted_mean_transpose(ct, x, w, *, clients):
+def _weighted_mean_transpose(ct, x, w, **params):
     if ad.is_undefined_primal(w):
         raise ValueError("federated_weighted_mean is not linear in its weights.")
     if type(ct) is ad.Zero:
         return [ad.Zero(x.aval.to_tangent_aval()), None]
-    total = federated_sum_p.bind(w, clients=clients)
-    ct_c = federated_broadcast_p.bind(ct, clients=clients)
-    total_c = federated_broadcast_p.bind(total, clients=clients)
-    (ct_x,) = map_bind(_member_scaled, [ct_c, w, total_c], CLIENTS, clients)
+    total = federated_sum_p.bind(w, **params)
+    ct_c = federated_broadcast_p.bind(ct, **params)
+    total_c = federated_broadcast_p.bind(total, **params)
+    (ct_x,) = map_bind(_member_scaled, [ct_c, w, total_c], CLIENTS, **params)
     return [ct_x, None]
 
 
-def _weighted_mean_batch(axis_data, args, dims, *, clients):
+def _weighted_mean_batch(axis_data, args, dims, **params):
     x, w = args
     dx, dw = dims
     if dx is None and dw is None:
-        return federated_weighted_mean_p.bind(x, w, clients=clients), None
+        return federated_weighted_mean_p.bind(x, w, **params), None
     size = axis_data.size
     x = _move_batch_axis_after_clients(x, dx)
     w = _move_batch_axis_after_clients(w, dw)
@@ -247,7 +320,7 @@ def _weighted_mean_batch(axis_data, args, dims, *, clients):
         x = jnp.broadcast_to(x[:, None], (x.shape[0], size) + x.shape[1:])
     if dw is None:
         w = jnp.broadcast_to(w[:, None], (w.shape[0], size) + w.shape[1:])
-    return federated_weighted_mean_p.bind(x, w, clients=clients), 0
+    return federated_weighted_mean_p.bind(x, w, **params), 0
 
 
 federated_weighted_mean_p.def_abstract_eval(_weighted_mean_abstract_eval)
@@ -264,18 +337,18 @@ federated_map_p = core.Primitive("federated_map")
 federated_map_p.multiple_results = True
 
 
-def outer_aval(aval, placement: str, clients: int) -> core.ShapedArray:
+def outer_aval(aval, placement: str, clients: int, axis: str = CLIENTS) -> core.ShapedArray:
     """The aval a member value has as a federated value at `placement`."""
     if placement == CLIENTS:
-        return _shaped((clients,) + tuple(aval.shape), aval.dtype, aval.weak_type)
-    return _shaped(aval.shape, aval.dtype, aval.weak_type)
+        return _placed(aval, clients, axis, _explicit_lead(aval, axis))
+    return aval
 
 
 def member_aval(aval, placement: str) -> core.ShapedArray:
     """The aval of one member (one client's slice) of a federated value."""
     if placement == CLIENTS:
-        return _shaped(aval.shape[1:], aval.dtype, aval.weak_type)
-    return _shaped(aval.shape, aval.dtype, aval.weak_type)
+        return _unplaced(aval)
+    return aval
 
 
 def trace_member_fn(fn, member_avals: Sequence[core.ShapedArray], debug_name: str):
@@ -303,46 +376,79 @@ def trace_member_fn(fn, member_avals: Sequence[core.ShapedArray], debug_name: st
     return core.ClosedJaxpr(new_jaxpr, kept_consts), [consts[i] for i in captured_idx]
 
 
-def map_bind(fn, args: Sequence, placement: str, clients: int, name: str | None = None):
+def map_bind(fn, args: Sequence, placement: str, clients: int, name: str | None = None,
+             axis: str = CLIENTS, mesh=None):
     """Binds `federated_map_p` for `fn`, a function from flat member arrays to a list of them."""
     avals = [member_aval(core.typeof(a), placement) for a in args]
     closed, captured = trace_member_fn(fn, avals, name or getattr(fn, "__name__", "fn"))
     if captured:
         if placement == CLIENTS:
-            captured = [federated_broadcast_p.bind(c, clients=clients) for c in captured]
+            captured = [federated_broadcast_p.bind(c, clients=clients, axis=axis, mesh=mesh)
+                        for c in captured]
         args = list(captured) + list(args)
     return federated_map_p.bind(
         *args, jaxpr=closed, placement=placement, clients=clients,
-        name=name or getattr(fn, "__name__", "fn"))
+        name=name or getattr(fn, "__name__", "fn"), axis=axis, mesh=mesh)
 
 
-def _map_abstract_eval(*avals, jaxpr, placement, clients, name):
-    del name
+def _map_abstract_eval(*avals, jaxpr, placement, clients, name, axis, mesh):
+    del name, mesh
     for i, (a, m) in enumerate(zip(avals, jaxpr.in_avals)):
-        expect = outer_aval(m, placement, clients)
+        expect = outer_aval(m, placement, clients, axis)
         if tuple(a.shape) != tuple(expect.shape) or a.dtype != expect.dtype:
             raise TypeError(
                 f"federated_map at {placement.upper()}: operand {i} has type "
                 f"{a.str_short()}, expected {expect.str_short()}."
             )
-    return [outer_aval(a, placement, clients) for a in jaxpr.out_avals]
+    return [outer_aval(a, placement, clients, axis) for a in jaxpr.out_avals]
 
 
-def _map_impl(*args, jaxpr, placement, clients, name):
+def _eval_implemented(jaxpr: core.ClosedJaxpr, *args):
+    """Evaluates `jaxpr` with nested federated equations run as their plain-jax
+    implementations, so transformations applied around it reach their constraints."""
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    for v, c in zip(jaxpr.jaxpr.constvars, jaxpr.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        impl = IMPLEMENTATIONS.get(eqn.primitive)
+        if impl is not None:
+            outs = impl(*invals, **eqn.params)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, core.DropVar):
+                env[v] = o
+    return [read(v) for v in jaxpr.jaxpr.outvars]
+
+
+def _map_impl(*args, jaxpr, placement, clients, name, axis, mesh):
     del name
-    fn = core.jaxpr_as_fun(jaxpr)
-    if placement == CLIENTS:
+    fn = partial(_eval_implemented, jaxpr)
+    if placement != CLIENTS:
+        return fn(*args)
+    if mesh is None or axis not in mesh.axis_names:
         return jax.vmap(fn, axis_size=clients)(*args)
-    return fn(*args)
+    args = [_local.place_leading(a, axis, mesh) for a in args]
+    spmd = None if _local.axis_is_explicit(mesh, axis) else axis
+    outs = jax.vmap(fn, axis_size=clients, spmd_axis_name=spmd)(*args)
+    return [_local.place_leading(o, axis, mesh) for o in outs]
 
 
-def _map_jvp(primals, tangents, *, jaxpr, placement, clients, name):
+def _map_jvp(primals, tangents, *, jaxpr, name, **params):
     nonzeros = [type(t) is not ad.Zero for t in tangents]
     jvp_jaxpr, out_nz = ad.jvp_jaxpr(jaxpr, nonzeros, instantiate=False)
     nz_tangents = [t for t in tangents if type(t) is not ad.Zero]
-    outs = federated_map_p.bind(
-        *primals, *nz_tangents, jaxpr=jvp_jaxpr, placement=placement, clients=clients,
-        name=f"jvp({name})")
+    outs = federated_map_p.bind(*primals, *nz_tangents, jaxpr=jvp_jaxpr,
+                                name=f"jvp({name})", **params)
     n_out = len(jaxpr.out_avals)
     out_primals, out_nz_tangents = outs[:n_out], iter(outs[n_out:])
     out_tangents = [next(out_nz_tangents) if nz else _zero_like(p)
@@ -350,7 +456,7 @@ def _map_jvp(primals, tangents, *, jaxpr, placement, clients, name):
     return out_primals, out_tangents
 
 
-def _map_transpose(cts, *args, jaxpr, placement, clients, name):
+def _map_transpose(cts, *args, jaxpr, name, **params):
     in_linear = [ad.is_undefined_primal(x) for x in args]
     out_zeros = [type(ct) is ad.Zero for ct in cts]
     zero_result = [ad.Zero(x.aval.to_tangent_aval()) if lin else None
@@ -360,9 +466,8 @@ def _map_transpose(cts, *args, jaxpr, placement, clients, name):
     t_jaxpr, in_zeros = _ad_checkpoint.transpose_jaxpr(jaxpr, in_linear, out_zeros)
     nonlinear = [x for x, lin in zip(args, in_linear) if not lin]
     nz_cts = [ct for ct in cts if type(ct) is not ad.Zero]
-    outs = iter(federated_map_p.bind(
-        *nonlinear, *nz_cts, jaxpr=t_jaxpr, placement=placement, clients=clients,
-        name=f"transpose({name})"))
+    outs = iter(federated_map_p.bind(*nonlinear, *nz_cts, jaxpr=t_jaxpr,
+                                     name=f"transpose({name})", **params))
     lin_zeros = iter(in_zeros)
     result = []
     for x, lin, zr in zip(args, in_linear, zero_result):
@@ -375,31 +480,30 @@ def _map_transpose(cts, *args, jaxpr, placement, clients, name):
     return result
 
 
-def _map_partial_eval(trace, *tracers, jaxpr, placement, clients, name):
+def _map_partial_eval(trace, *tracers, jaxpr, name, **params):
     unknowns = [not t.pval.is_known() for t in tracers]
     if not any(unknowns):
         known = [t.pval.get_known() for t in tracers]
         return [trace.new_const(v) for v in federated_map_p.bind(
-            *known, jaxpr=jaxpr, placement=placement, clients=clients, name=name)]
+            *known, jaxpr=jaxpr, name=name, **params)]
     jaxpr_known, jaxpr_unknown, out_unknowns, res_avals = pe.partial_eval_jaxpr_nounits(
         jaxpr, unknowns, instantiate=False)
     known_vals = [t.pval.get_known() for t, uk in zip(tracers, unknowns) if not uk]
-    known_outs = federated_map_p.bind(
-        *known_vals, jaxpr=jaxpr_known, placement=placement, clients=clients,
-        name=f"known({name})")
+    known_outs = federated_map_p.bind(*known_vals, jaxpr=jaxpr_known,
+                                      name=f"known({name})", **params)
     n_res = len(res_avals)
     known_out_vals = known_outs[: len(known_outs) - n_res]
     residuals = known_outs[len(known_outs) - n_res:]
     res_tracers = [trace.new_instantiated_const(r) for r in residuals]
     unknown_tracers = [trace.instantiate_const(t) for t, uk in zip(tracers, unknowns) if uk]
     out_tracers = [
-        pe.JaxprTracer(trace, pe.PartialVal.unknown(outer_aval(a, placement, clients)), None)
+        pe.JaxprTracer(trace, pe.PartialVal.unknown(
+            outer_aval(a, params["placement"], params["clients"], params["axis"])), None)
         for a in jaxpr_unknown.out_avals
     ]
-    params = dict(jaxpr=jaxpr_unknown, placement=placement, clients=clients,
-                  name=f"staged({name})")
+    new_params = dict(params, jaxpr=jaxpr_unknown, name=f"staged({name})")
     recipe = pe.new_eqn_recipe(
-        trace, res_tracers + unknown_tracers, out_tracers, federated_map_p, params,
+        trace, res_tracers + unknown_tracers, out_tracers, federated_map_p, new_params,
         core.no_effects, _source_info_util.current())
     for t in out_tracers:
         t.recipe = recipe
@@ -421,31 +525,24 @@ def _map_dce(used_outputs, eqn):
     return used_inputs, new_eqn
 
 
-def _map_batch(axis_data, args, dims, *, jaxpr, placement, clients, name):
+def _map_batch(axis_data, args, dims, *, jaxpr, **params):
     in_batched = [d is not None for d in dims]
     if not any(in_batched):
-        outs = federated_map_p.bind(*args, jaxpr=jaxpr, placement=placement, clients=clients,
-                                    name=name)
+        outs = federated_map_p.bind(*args, jaxpr=jaxpr, **params)
         return outs, [None] * len(outs)
-    if placement == CLIENTS:
+    if params["placement"] == CLIENTS:
         args = [_move_batch_axis_after_clients(x, d) for x, d in zip(args, dims)]
         out_dim = 1
     else:
         args = [_move_batch_axis_first(x, d) for x, d in zip(args, dims)]
         out_dim = 0
     batched, out_batched = batching.batch_jaxpr(jaxpr, axis_data, in_batched, False)
-    outs = federated_map_p.bind(*args, jaxpr=batched, placement=placement, clients=clients,
-                                name=name)
+    outs = federated_map_p.bind(*args, jaxpr=batched, **params)
     return outs, [out_dim if b else None for b in out_batched]
 
 
-def _map_lowering_fn(*args, jaxpr, placement, clients, name):
-    return _map_impl(*args, jaxpr=jaxpr, placement=placement, clients=clients, name=name)
-
-
 federated_map_p.def_abstract_eval(_map_abstract_eval)
-federated_map_p.def_impl(partial(_dispatch.apply_primitive, federated_map_p))
-mlir.register_lowering(federated_map_p, mlir.lower_fun(_map_lowering_fn, multiple_results=True))
+_register_impl_and_lowering(federated_map_p, _map_impl)
 ad.primitive_jvps[federated_map_p] = _map_jvp
 ad.primitive_transposes[federated_map_p] = _map_transpose
 pe.custom_partial_eval_rules[federated_map_p] = _map_partial_eval
@@ -459,7 +556,8 @@ federated_decode_sum_p = core.Primitive("federated_decode_sum")
 federated_decode_sum_p.multiple_results = True
 
 
-def decode_sum_bind(fn, args: Sequence, clients: int, name: str | None = None):
+def decode_sum_bind(fn, args: Sequence, clients: int, name: str | None = None,
+                    axis: str = CLIENTS, mesh=None):
     """Binds `federated_decode_sum_p`: `fn` maps flat member arrays to a list of arrays."""
     name = name or getattr(fn, "__name__", "decode")
     avals = [member_aval(core.typeof(a), CLIENTS) for a in args]
@@ -469,22 +567,25 @@ def decode_sum_bind(fn, args: Sequence, clients: int, name: str | None = None):
             f"federated_decode_sum: the decode function {name} closes over traced values; "
             "a decoder runs at the server on each member alone, so it may use only its "
             "member and constants. Put per-client parameters (e.g. scales) in the member.")
-    return federated_decode_sum_p.bind(*args, jaxpr=closed, clients=clients, name=name)
+    return federated_decode_sum_p.bind(*args, jaxpr=closed, clients=clients, name=name,
+                                       axis=axis, mesh=mesh)
 
 
-def _decode_sum_abstract_eval(*avals, jaxpr, clients, name):
+def _decode_sum_abstract_eval(*avals, jaxpr, clients, name, axis, mesh):
+    del mesh
     for i, (a, m) in enumerate(zip(avals, jaxpr.in_avals)):
-        expect = outer_aval(m, CLIENTS, clients)
+        expect = outer_aval(m, CLIENTS, clients, axis)
         if tuple(a.shape) != tuple(expect.shape) or a.dtype != expect.dtype:
             raise TypeError(
                 f"federated_decode_sum ({name}): operand {i} has type {a.str_short()}, "
                 f"expected {expect.str_short()}.")
-    return [_shaped(a.shape, a.dtype) for a in jaxpr.out_avals]
+    return [a.update(weak_type=False) for a in jaxpr.out_avals]
 
 
-def _decode_sum_impl(*args, jaxpr, clients, name):
+def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
     del name
-    decoded = jax.vmap(core.jaxpr_as_fun(jaxpr), axis_size=clients)(*args)
+    args = [_local.place_leading(a, axis, mesh) for a in args]
+    decoded = jax.vmap(partial(_eval_implemented, jaxpr), axis_size=clients)(*args)
     return [jnp.sum(d, axis=0, dtype=d.dtype) for d in decoded]
 
 

@@ -399,14 +399,22 @@ class _Analysis:
 # --------------------------------------------------------------------------- computation
 
 
-def _clients_from_jaxpr(jaxpr: core.Jaxpr) -> set[int]:
+def placements_in(jaxpr: core.Jaxpr) -> set[tuple[str, int]]:
+    """(placement name, members) of the federated operations of `jaxpr`, outside the
+    per-member functions of maps (where nested programs' operations are local work)."""
     found = set()
     for eqn in jaxpr.eqns:
         if eqn.primitive in P.FEDERATED_PRIMITIVES:
-            found.add(eqn.params["clients"])
+            found.add((eqn.params["axis"], eqn.params["clients"]))
+            if eqn.primitive is P.federated_map_p:
+                continue
         for sub in core.jaxprs_in_params(eqn.params):
-            found |= _clients_from_jaxpr(sub)
+            found |= placements_in(sub)
     return found
+
+
+def _clients_from_jaxpr(jaxpr: core.Jaxpr) -> set[int]:
+    return {n for _, n in placements_in(jaxpr)}
 
 
 @dataclasses.dataclass
@@ -425,6 +433,7 @@ class FederatedComputation:
     violations: list[Violation]
     per_client_params: dict
     name: str = "program"
+    axis: str = P.CLIENTS  # the placement's name (TFF CLIENTS when exported)
 
     @property
     def in_avals(self):
@@ -516,19 +525,27 @@ def trace(fn: Callable, *args, placements: Any = None,
     closed = inline_calls(closed)
 
     n = clients if clients is not None else getattr(fn, "clients", None)
-    found = _clients_from_jaxpr(closed.jaxpr)
+    found = placements_in(closed.jaxpr)
+    names = {name for name, _ in found}
+    if len(names) > 1:
+        raise PlacementError(
+            f"the program places values at several placements {sorted(names)} at its top "
+            "level. Nest them instead: call the program over the inner placement inside "
+            "federated_map_clients of the outer one.")
+    axis = names.pop() if names else getattr(fn, "placement", P.CLIENTS)
+    counts = {k for _, k in found}
     if n is None:
-        if len(found) > 1:
-            raise PlacementError(f"the program mixes numbers of clients {sorted(found)}.")
-        if not found:
+        if len(counts) > 1:
+            raise PlacementError(f"the program mixes numbers of clients {sorted(counts)}.")
+        if not counts:
             raise PlacementError(
                 "cannot tell the number of clients: the program uses no federated operation "
                 "and trace() was given no clients=N.")
-        n = found.pop()
-    elif found - {n}:
+        n = counts.pop()
+    elif counts - {n}:
         raise PlacementError(
             f"trace(clients={n}) but the program's federated operations use "
-            f"{sorted(found - {n})} clients.")
+            f"{sorted(counts - {n})} clients.")
 
     _check_clients_arguments(in_paths, closed.in_avals, flat_placements, n)
 
@@ -542,7 +559,18 @@ def trace(fn: Callable, *args, placements: Any = None,
         in_placements=flat_placements, out_placements=out_placements,
         placements=analysis.placements, violations=analysis.violations,
         per_client_params=analysis.per_client,
-        name=getattr(fn, "__name__", "program"))
+        name=getattr(fn, "__name__", "program"), axis=axis)
+
+
+def check_placements(fn: Callable, args: tuple, placements: Any) -> None:
+    """Raises the `PlacementError` that `trace` raises for `fn(*args)` (e.g. a SERVER
+    value combined with a CLIENTS one); programs without federated operations pass."""
+    try:
+        trace(fn, *args, placements=placements)
+    except PlacementError as e:
+        if "cannot tell the number of clients" in str(e):
+            return
+        raise
 
 
 def _shape_of(leaf):

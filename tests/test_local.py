@@ -51,8 +51,8 @@ def test_clients_are_sharded_over_the_mesh_axis():
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["devices"] == 8
-    assert r["g_spec"] == "P('clients',)"
-    assert r["w_spec"] == "P()"  # SERVER values are replicated
+    assert r["g_spec"] in ("P('clients',)", "P('clients', None)")
+    assert r["w_spec"] in ("P()", "P(None,)")  # SERVER values are replicated
     assert r["g_shard_shapes"] == [[2, 3]]  # 16 clients over 8 devices
     assert r["per_device_x"], "the per-client computation should see 2 clients per device"
     assert r["has_all_reduce"], "federated_mean across devices is a cross-device reduction"

@@ -121,8 +121,11 @@ def test_program_decorator_forms():
     np.testing.assert_allclose(f(jnp.ones((3, 2))), [3.0, 3.0])
     with pytest.raises(ValueError, match="positive integer"):
         fb.program(clients=0)
-    with pytest.raises(ValueError, match="placements must be"):
-        fb.program(placements={"servers": 1})
+    with pytest.raises(ValueError, match="needs no entry"):
+        fb.program(placements={"server": 1})
+    with pytest.raises(ValueError, match="one {name: N} entry"):
+        fb.program(placements={"clients": 2, "workers": 3})
+    assert fb.program(placements={"workers": 4})(lambda x: x).placement == "workers"
 
 
 def test_cross_client_ops_are_recorded_not_rejected():
