@@ -19,6 +19,11 @@ class ComputationError(FaxBridgeError):
     """A TFF computation proto is malformed, ill-typed or uses something unsupported."""
 
 
+class AggregationError(ComputationError):
+    """An aggregation over clients cannot be computed (unknown kind, values of the wrong
+    dtype or range, mismatched weights or structures, no clients)."""
+
+
 class FleetError(FaxBridgeError):
     """A simulated device fleet could not complete a request (too few clients, dead devices...)."""
 

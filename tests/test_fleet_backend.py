@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import AggregationError, FleetError
 from fax_bridge.fleet import sample_computations as sc
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.rounds import RoundPolicy
@@ -76,6 +77,34 @@ def test_same_bits_for_any_device_count_with_or_without_preaggregation(fleet2, f
                for fleet in (fleet2, fleet3) for pre in (True, False)]
     assert len({r.tobytes() for r in results}) == 1
     np.testing.assert_allclose(results[0], _local(proto, xs, s), rtol=1e-5)
+
+
+_DELICATE = st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.25])
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["sum", "mean", "min", "max", "weighted_mean"]), st.data())
+def test_exact_zeros_and_cancellations_give_in_process_bits_on_any_fleet(
+        fleet2, fleet3, kind, data):
+    n = data.draw(st.integers(1, 7), label="clients")
+    rows = data.draw(st.lists(st.lists(_DELICATE, min_size=2, max_size=2), min_size=n,
+                              max_size=n), label="values")
+    if data.draw(st.booleans(), label="cancel"):  # e.g. [1, -1, 1, -1]: zero partials
+        rows = [r if i % 2 == 0 else [-v for v in rows[i - 1]] for i, r in enumerate(rows)]
+    xs = np.array(rows, np.float32)
+    if kind == "weighted_mean":
+        proto = sc.weighted_mean((2,))
+        w = np.array(data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.0]), min_size=n,
+                                        max_size=n), label="weights"), np.float32)
+        args = (xs, w)
+    else:
+        proto, args = sc.scaled_aggregate((2,), kind), (xs, np.ones(2, np.float32))
+    want = _local(proto, *args)
+    for fleet in (fleet2, fleet3):
+        for pre in (True, False):
+            got = _run(fleet, proto, *args, preaggregate=pre)
+            assert got.tobytes() == want.tobytes(), (fleet.num_devices, pre, got, want)
 
 
 def test_preaggregation_makes_uplink_scale_with_devices_not_clients(fleet2):
@@ -149,7 +178,9 @@ def test_secure_sum_bitwidth_checks_the_range_on_devices(fleet2):
         try:
             np.testing.assert_array_equal(
                 backend.aggregate(value, "secure_sum_bitwidth", bitwidth=np.int32(3)), [4, 14])
-            with pytest.raises(FleetError, match=r"outside \[0, 3\]"):
+            # Found on a device: a FleetError naming it; found here: an AggregationError.
+            with pytest.raises(FleetError if pre else AggregationError,
+                               match=r"outside \[0, 2\*\*2 - 1\] = \[0, 3\]"):
                 backend.aggregate(value, "secure_sum_bitwidth", bitwidth=np.int32(2))
         finally:
             backend.preaggregate = True

@@ -12,6 +12,7 @@ from google.protobuf import any_pb2
 
 from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import device, partials, sample_computations as sc, security, wire
+from fax_bridge.runtime import aggregation
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.runtime import interpreter
 from fax_bridge.tff import xla as tff_xla
@@ -181,7 +182,7 @@ def test_lying_devices_are_caught_and_named(devices, mode, pre, pattern):
 
 def test_partials_are_checked_against_the_type():
     member = fl.TensorType(np.float32, [3])
-    answer = partials.to_message(partials.partial_of("sum", [np.ones(3, np.float32)]))
+    answer = partials.to_message(aggregation.partial_of("sum", [np.ones(3, np.float32)]))
     from fax_bridge.fleet import validate
 
     validate.check_partial(answer, "sum", [member], [], 1, "d")

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from fax_bridge.errors import FaxBridgeError
 from fax_bridge.fleet import device, sample_computations as sc, security, wire
 from fax_bridge.runtime import interpreter, limits, local_eval
+from fax_bridge.runtime.backend import leaves
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -348,5 +349,5 @@ def test_fuzz_wire_decoding(value):
     except FaxBridgeError:
         return
     again = wire.decode_value(wire.to_message(decoded))
-    assert [x.tobytes() for x in wire.leaves(again)] == [
-        x.tobytes() for x in wire.leaves(decoded)]
+    assert [x.tobytes() for x in leaves(again)] == [
+        x.tobytes() for x in leaves(decoded)]

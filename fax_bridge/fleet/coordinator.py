@@ -31,11 +31,13 @@ import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import AggregationError, FleetError
 from fax_bridge.fleet import partials, security, validate, wire
 from fax_bridge.fleet.pool import DeviceLostError, DevicePool
 from fax_bridge.fleet.protocol import DEFAULT_MAX_MESSAGE_BYTES, partition, wire_size
-from fax_bridge.runtime.backend import AGGREGATIONS, ClientsBackend, ClientsValue, as_numpy
+from fax_bridge.runtime import aggregation
+from fax_bridge.runtime.backend import (ClientsBackend, ClientsValue, as_numpy, leaves,
+                                        unflatten_like)
 from fax_bridge.v1 import device_pb2 as pb
 
 RELEASE_BATCH = 256
@@ -400,29 +402,28 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
     def aggregate(self, value: ClientsValue, kind: str,
                   weights: Optional[ClientsValue] = None, bitwidth=None):
         value = self._check(value)
-        if kind not in AGGREGATIONS:
-            raise FleetError(f"unknown aggregation {kind!r}; expected one of {AGGREGATIONS}")
+        aggregation.check_kind(kind)
         if kind == "weighted_mean":
             if weights is None:
-                raise FleetError("weighted_mean needs a clients value of weights")
+                raise AggregationError("weighted_mean needs a clients value of weights")
             weights = self._check(weights)
             if weights.num_clients != value.num_clients:
-                raise FleetError(
+                raise AggregationError(
                     f"weighted_mean: {value.num_clients} values but {weights.num_clients} "
                     "weights; give one weight per client")
         if kind == "secure_sum_bitwidth" and bitwidth is None:
-            raise FleetError("federated_secure_sum_bitwidth needs a bitwidth")
+            raise AggregationError("federated_secure_sum_bitwidth needs a bitwidth")
         if self.preaggregate:
             total = self._aggregate_on_devices(value, kind, weights, bitwidth)
         else:
             members = self.get(value)
             weight_members = self.get(weights) if weights is not None else None
-            total = partials.partial_of(kind, members, weight_members, bitwidth)
-        return self._assemble(value.type_signature, partials.finish(total))
+            total = aggregation.partial_of(kind, members, weight_members, bitwidth)
+        return self._assemble(value.type_signature, aggregation.finish(total))
 
     def _aggregate_on_devices(self, value: GrpcClientsValue, kind: str,
                               weights: Optional[GrpcClientsValue],
-                              bitwidth=None) -> partials.Partial:
+                              bitwidth=None) -> aggregation.Partial:
         request = pb.AggregateRequest(value=value.handle, kind=partials.KIND_TO_ENUM[kind],
                                       weights=weights.handle if weights is not None else 0)
         if bitwidth is not None:
@@ -433,27 +434,27 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         answers = self._parallel("Aggregate", {d: request for d, _ in layout})
         leaf_types = validate.leaf_types(value.type_signature)
         weight_type = validate.leaf_types(weights.type_signature) if weights is not None else []
-        total = partials.Partial(kind=kind, leaves=[])
+        total = aggregation.Partial(kind=kind, leaves=[])
         for index, clients in layout:  # device order is client order
             answer = answers[index]
             where = f"device {index} at {self._devices[index].address}"
             validate.check_partial(answer, kind, leaf_types, weight_type, len(clients),
                                    where, self.reject_nonfinite)
             self.traffic.payload_up += partials.payload_bytes(answer)
-            partials.merge(total, partials.from_message(kind, answer))
+            aggregation.merge(total, partials.from_message(kind, answer))
         return total
 
     @staticmethod
     def _assemble(member_type: federated_language.Type, flat: list[np.ndarray]):
         template = _template(member_type)
-        count = len(wire.leaves(template)) if isinstance(template, structure.Struct) else 1
+        count = len(leaves(template)) if isinstance(template, structure.Struct) else 1
         if count != len(flat):
             raise FleetError(
                 f"the aggregate has {len(flat)} tensors but its type {member_type} has "
                 f"{count}; the devices returned values of another type")
         if not isinstance(template, structure.Struct):
             return flat[0]
-        return wire.unflatten_like(template, flat)
+        return unflatten_like(template, flat)
 
     def _fetch(self, index: int, clients: range, value: GrpcClientsValue) -> tuple:
         """Streams one device's members of `value`; returns (messages, members)."""

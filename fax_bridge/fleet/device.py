@@ -37,6 +37,8 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import FaxBridgeError, FleetError
 from fax_bridge.fleet import partials, security, wire
+from fax_bridge.runtime import aggregation
+from fax_bridge.runtime.backend import leaves
 from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                       DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS, PROTOCOL,
                                       format_address, grpc_options, parse_address)
@@ -374,7 +376,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         bitwidth = (wire.decode_value(request.bitwidth)
                      if request.HasField("bitwidth") else None)
         with self._compute:
-            partial = partials.partial_of(kind, stored.member_list(), weights, bitwidth)
+            partial = aggregation.partial_of(kind, stored.member_list(), weights, bitwidth)
         return partials.to_message(partial)
 
     @_rpc
@@ -413,7 +415,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
 def _value_bytes(value) -> int:
     """Bytes of the arrays of a local value."""
-    return sum(int(leaf.nbytes) for leaf in wire.leaves(value)) if value is not None else 0
+    return sum(int(leaf.nbytes) for leaf in leaves(value)) if value is not None else 0
 
 
 def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,

@@ -49,6 +49,17 @@ def scaled_aggregate(shape: tuple = (3,), kind: str = "sum",
     return bb.Lambda("arg", param, _call(uri, scaled, server(member))).to_proto()
 
 
+def weighted_mean(shape: tuple = (3,), dtype=np.float32) -> computation_pb2.Computation:
+    """(x={T}@CLIENTS, w={float32}@CLIENTS) -> federated_weighted_mean(x, w)."""
+    member = fl.TensorType(dtype, list(shape))
+    weight = fl.TensorType(np.float32)
+    param = fl.StructType([("x", clients(member)), ("w", clients(weight))])
+    arg = bb.Reference("arg", param)
+    pair = bb.Struct([bb.Selection(arg, name="x"), bb.Selection(arg, name="w")])
+    return bb.Lambda("arg", param, _call("federated_weighted_mean", pair,
+                                         server(member))).to_proto()
+
+
 def linear_regression_step(features: int = 8, examples: int = 16,
                            lr: float = 0.1) -> computation_pb2.Computation:
     """One FedAvg-style round of least squares: each client takes a gradient step from the
@@ -98,5 +109,6 @@ def linear_regression_step(features: int = 8, examples: int = 16,
 def make(name: str, **kwargs) -> computation_pb2.Computation:
     """A sample computation by name (see this module's functions)."""
     builders: dict[str, Callable] = {"scaled_aggregate": scaled_aggregate,
+                                     "weighted_mean": weighted_mean,
                                      "linear_regression_step": linear_regression_step}
     return builders[name](**kwargs)

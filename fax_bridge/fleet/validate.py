@@ -16,7 +16,9 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import partials, wire
+from fax_bridge.fleet import wire
+from fax_bridge.runtime.aggregation import EXTREMES
+from fax_bridge.runtime.exact import NONFINITE_FLAGS
 from fax_bridge.v1 import device_pb2 as pb
 
 MAX_LIMBS = 256
@@ -93,7 +95,7 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     if len(leaf.nonfinite) not in (0, size):
         raise FleetError(f"{where}: {len(leaf.nonfinite)} non-finite flags for {size} "
                          "elements")
-    if reject_nonfinite and any(leaf.nonfinite):
+    if reject_nonfinite and any(flag & NONFINITE_FLAGS for flag in leaf.nonfinite):
         raise FleetError(f"{where}: some clients sent NaN or infinity (reject_nonfinite "
                          "is set)")
 
@@ -110,7 +112,7 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
                          f"of {len(value_types)}")
     for i, (leaf, t) in enumerate(zip(answer.leaves, value_types)):
         leaf_where = f"{where}, {kind} leaf {i}"
-        if kind in partials.EXTREMES:
+        if kind in EXTREMES:
             array = wire.decode_tensor(leaf.extreme)
             check_tensor(array, t, leaf_where, reject_nonfinite)
         else:

@@ -6,9 +6,9 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import FleetError
+from fax_bridge.runtime.backend import LocalValue
 from fax_bridge.v1 import device_pb2 as pb
 
-LocalValue = object  # np.ndarray | structure.Struct of LocalValue
 
 
 _NUMERIC_KINDS = "biufc"
@@ -122,23 +122,3 @@ def payload_bytes(message: pb.Value) -> int:
     return 0
 
 
-def leaves(value: LocalValue) -> list[np.ndarray]:
-    """The tensors of a local value, depth first."""
-    if isinstance(value, structure.Struct):
-        out: list[np.ndarray] = []
-        for _, member in structure.iter_elements(value):
-            out.extend(leaves(member))
-        return out
-    return [np.asarray(value)]
-
-
-def unflatten_like(template: LocalValue, flat: list) -> LocalValue:
-    """Rebuilds `template`'s Struct nesting (names included) around `flat` leaves."""
-    iterator = iter(flat)
-
-    def build(node: LocalValue) -> LocalValue:
-        if isinstance(node, structure.Struct):
-            return structure.Struct([(n, build(m)) for n, m in structure.iter_elements(node)])
-        return next(iterator)
-
-    return build(template)

@@ -3,7 +3,7 @@
 Modules: `interpreter` (evaluate / run_computation), `local_eval` (compile_local for
 local parts, also used by device servers), `values` (pytree and npz conversions),
 `backend` (the ClientsBackend contract), `local_backend` (in-process clients),
-`reductions` (ordered aggregations), `population` (CLIENTS inputs read
+`aggregation` (what each aggregation means, exact sums via `exact`), `population` (CLIENTS inputs read
 from a population store by reference), `hlo` (HLO compilation), `xla_builder` (Xla
 computations from JAX functions). The names below load their module on first use.
 """

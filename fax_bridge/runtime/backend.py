@@ -24,8 +24,6 @@ from federated_language.proto import computation_pb2
 
 LocalValue = Any  # np.ndarray | structure.Struct of LocalValue
 
-AGGREGATIONS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth")
-
 
 class ClientsValue(abc.ABC):
     """Handle to one value per client, held by a backend."""
@@ -79,7 +77,7 @@ class ClientsBackend(abc.ABC):
             weights: Optional[ClientsValue] = None,
             bitwidth: Optional[LocalValue] = None,
     ) -> LocalValue:
-        """Reduces over clients; `kind` is one of AGGREGATIONS. Client order is fixed."""
+        """Reduces over clients as `aggregation` defines `kind` (one of aggregation.KINDS)."""
 
     @abc.abstractmethod
     def get(self, value: ClientsValue) -> list[LocalValue]:
@@ -115,3 +113,25 @@ def as_numpy(value: LocalValue) -> LocalValue:
     if isinstance(value, structure.Struct):
         return structure.map_structure(np.asarray, value)
     return np.asarray(value)
+
+
+def leaves(value: LocalValue) -> list[np.ndarray]:
+    """The tensors of a local value, depth first."""
+    if isinstance(value, structure.Struct):
+        out: list[np.ndarray] = []
+        for _, member in structure.iter_elements(value):
+            out.extend(leaves(member))
+        return out
+    return [np.asarray(value)]
+
+
+def unflatten_like(template: LocalValue, flat: list) -> LocalValue:
+    """Rebuilds `template`'s Struct nesting (names included) around `flat` leaves."""
+    iterator = iter(flat)
+
+    def build(node: LocalValue) -> LocalValue:
+        if isinstance(node, structure.Struct):
+            return structure.Struct([(n, build(m)) for n, m in structure.iter_elements(node)])
+        return next(iterator)
+
+    return build(template)

@@ -22,7 +22,7 @@ from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError, FaxBridgeError
-from fax_bridge.runtime import limits, local_eval, reductions, values
+from fax_bridge.runtime import aggregation, limits, local_eval, values
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -569,17 +569,8 @@ def _secure_sum(it: _Interpreter, t, arg):
     uri = "federated_secure_sum"
     value, max_input = _elements(arg, 2, uri)
     members = it.backend.get(_clients_arg(value, uri))
-
-    def check(v, m):
-        v, m = np.asarray(v), np.asarray(m)
-        if v.size and int(v.max()) > int(m):
-            raise ComputationError(
-                f"{uri}: a client value {int(v.max())} exceeds max_input {int(m)}")
-        return v
-
-    for member in members:
-        reductions._map_with_bitwidth(check, member, _local_arg(max_input, uri))
-    return reductions.reduce("sum", members)
+    aggregation.check_max_input(members, _local_arg(max_input, uri))
+    return aggregation.reduce("sum", members)
 
 
 def _generic(uri: str, op):

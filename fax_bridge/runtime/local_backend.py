@@ -1,8 +1,9 @@
 """A `ClientsBackend` that keeps every client's value in this process.
 
 Client values are held as a list of local values, one per client, so a map is one call
-of the compiled local computation per client and an aggregation folds the list in client
-order (see `reductions`). This is the reference backend the gRPC one is compared with.
+of the compiled local computation per client and an aggregation reduces the list with
+`aggregation` (exact sums), so results have the same bits as on a fleet. This is the
+reference backend the gRPC one is compared with.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import local_eval, reductions
+from fax_bridge.runtime import aggregation, local_eval
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue, LocalValue, as_numpy
 
 
@@ -115,7 +116,7 @@ class LocalClientsBackend(ClientsBackend):
                   weights: Optional[ClientsValue] = None,
                   bitwidth: Optional[LocalValue] = None) -> LocalValue:
         w = None if weights is None else _members(weights)
-        return reductions.reduce(kind, _members(value), w, bitwidth)
+        return aggregation.reduce(kind, _members(value), w, bitwidth)
 
     def get(self, value: ClientsValue) -> list[LocalValue]:
         return list(_members(value))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.fleet.exact import ExactSum
+from fax_bridge.runtime.exact import ExactSum
 
 
 def _rounded_exact(values: list[float], dtype: np.dtype) -> float:
@@ -111,10 +111,12 @@ def test_many_random_float32_partitions_agree_bitwise():
        scale=st.sampled_from([0.0, 1e-30, 1.0, 3e5]), seed=st.integers(0, 2**16))
 def test_partials_cross_the_wire_unchanged_including_all_zero_and_empty(shape, scale, seed):
     from fax_bridge.fleet import partials
+    from fax_bridge.runtime import aggregation
 
     rng = np.random.default_rng(seed)
     members = [(rng.standard_normal(shape) * scale).astype(np.float32) for _ in range(3)]
     for kind in ("sum", "mean"):
-        sent = partials.partial_of(kind, [[m] for m in members])
+        sent = aggregation.partial_of(kind, [[m] for m in members])
         back = partials.from_message(kind, partials.to_message(sent))
-        np.testing.assert_array_equal(partials.finish(back)[0], partials.finish(sent)[0])
+        np.testing.assert_array_equal(aggregation.finish(back)[0],
+                                      aggregation.finish(sent)[0])

@@ -7,6 +7,7 @@ adding two accumulators is exact, so any grouping of the same addends gives the 
 integer, and `result()` rounds it once, to nearest-even. Hence the sum of a clients
 value has the same bits whichever devices computed which partial sums. Integer sums
 wrap modulo 2^64 and are cast to the dtype at the end (modular addition is exact too).
+As in IEEE arithmetic, a sum whose addends are all -0 is -0; any other zero sum is +0.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Optional
 
 import numpy as np
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import AggregationError
 
 LIMB_BITS = 32
 _MASK = np.int64((1 << LIMB_BITS) - 1)
 _FOLD_LIMIT = 1 << 29  # a top limb below this folds into the one beneath it
 _COMPACT_EVERY = 1 << 24  # adds between carry propagations (limbs stay far below 2^63)
+NONFINITE_FLAGS = 0b111  # the bits of a wire flag byte that mean NaN, +inf or -inf
 
 
 def _float_params(dtype: np.dtype) -> tuple[int, int, int, type]:
@@ -33,7 +35,7 @@ def _float_params(dtype: np.dtype) -> tuple[int, int, int, type]:
         info = np.finfo(dtype)
     uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(dtype.itemsize)
     if uint is None:
-        raise FleetError(f"exact sums do not support {dtype} ({dtype.itemsize}-byte floats)")
+        raise AggregationError(f"exact sums do not support {dtype} ({dtype.itemsize}-byte floats)")
     return info.nmant + 1, info.nexp, int(info.minexp) - info.nmant, uint
 
 
@@ -51,7 +53,7 @@ class ExactSum:
         self.size = int(np.prod(self.shape, dtype=np.int64))
         self.is_float = self.dtype.kind not in "iu"
         if not is_exact_kind(self.dtype):
-            raise FleetError(
+            raise AggregationError(
                 f"cannot sum tensors of dtype {self.dtype}; federated sums take integer "
                 "or floating-point tensors")
         self.base = 0
@@ -61,63 +63,77 @@ class ExactSum:
         self.nan = np.zeros(self.size, bool) if self.is_float else None
         self.pos_inf = np.zeros(self.size, bool) if self.is_float else None
         self.neg_inf = np.zeros(self.size, bool) if self.is_float else None
+        # Elements whose every addend so far was -0 (a sum of no addends counts as one).
+        self.neg_zero = np.ones(self.size, bool) if self.is_float else None
 
     # -- adding -------------------------------------------------------------------
 
     def add(self, array: np.ndarray) -> None:
         """Adds one addend of this accumulator's dtype and shape."""
         array = np.asarray(array)
-        if array.shape != self.shape or array.dtype != self.dtype:
-            raise FleetError(
-                f"summed members disagree: expected {self.dtype}{list(self.shape)}, got "
-                f"{array.dtype}{list(array.shape)}; every client must hold the same type")
-        if not self.is_float:
-            self.limbs[0] += array.reshape(-1).astype(np.int64)  # wraps modulo 2^64
-            return
-        self._add_float(array.reshape(-1))
-        self.pending += 1
-        if self.pending >= _COMPACT_EVERY:
-            self.compact()
+        self.add_many(array.reshape((1,) + array.shape))
 
-    def _add_float(self, flat: np.ndarray) -> None:
+    def add_many(self, stack: np.ndarray) -> None:
+        """Adds `stack[0]`, `stack[1]`, ...: addends of this dtype and shape, at once."""
+        stack = np.asarray(stack)
+        if stack.shape[1:] != self.shape or stack.dtype != self.dtype:
+            raise AggregationError(
+                f"summed members disagree: expected {self.dtype}{list(self.shape)}, got "
+                f"{stack.dtype}{list(stack.shape[1:])}; every client must hold the same "
+                "type")
+        rows = stack.reshape((stack.shape[0], self.size))
+        if not self.is_float:
+            self.limbs[0] += rows.astype(np.int64).sum(axis=0)  # wraps modulo 2^64
+            return
+        for lo in range(0, rows.shape[0], _COMPACT_EVERY):
+            chunk = rows[lo:lo + _COMPACT_EVERY]
+            if self.pending + chunk.shape[0] > _COMPACT_EVERY:
+                self.compact()
+            self._add_float(chunk)
+            self.pending += chunk.shape[0]
+
+    def _add_float(self, rows: np.ndarray) -> None:
+        """Adds each row of `rows` ([addends, size]); limbs grow by < 2^32 per addend."""
         p, nexp, _, uint = _float_params(self.dtype)
-        bits = flat.view(uint).astype(np.uint64)
+        bits = rows.view(uint).astype(np.uint64)
         nbits = 8 * self.dtype.itemsize
         sign = (bits >> np.uint64(nbits - 1)).astype(bool)
         expo = ((bits >> np.uint64(p - 1)) & np.uint64((1 << nexp) - 1)).astype(np.int64)
         frac = (bits & np.uint64((1 << (p - 1)) - 1)).astype(np.int64)
+        self.neg_zero &= (bits == np.uint64(1 << (nbits - 1))).all(axis=0)
         special = expo == (1 << nexp) - 1
         if special.any():
-            self.nan |= special & (frac != 0)
-            self.pos_inf |= special & (frac == 0) & ~sign
-            self.neg_inf |= special & (frac == 0) & sign
+            self.nan |= (special & (frac != 0)).any(axis=0)
+            self.pos_inf |= (special & (frac == 0) & ~sign).any(axis=0)
+            self.neg_inf |= (special & (frac == 0) & sign).any(axis=0)
         normal = expo > 0
         mant = np.where(normal, frac | (1 << (p - 1)), frac)
         mant[special] = 0
-        pos = np.where(normal, expo - 1, 0)
         live = mant != 0
         if not live.any():
             return
+        pos = np.where(normal, expo - 1, 0)
         idx = pos // LIMB_BITS
-        off = (pos % LIMB_BITS).astype(np.int64)
+        off = pos % LIMB_BITS
+        starts = idx[live]
+        first = int(starts.min())
+        present = first + np.flatnonzero(np.bincount(starts - first))  # limbs addends start in
         pieces = (p + LIMB_BITS - 1) // LIMB_BITS
-        lo_limb = int(idx[live].min())
-        hi_limb = int(idx[live].max()) + pieces + 1  # exclusive
-        self._cover(lo_limb, hi_limb)
-        cols = np.nonzero(live)[0]
-        rows0 = idx[cols] - self.base
-        off = off[cols]
-        mant = mant[cols]
-        neg = sign[cols]
+        self._cover(int(present[0]), int(present[-1]) + pieces + 1)
+        signs = np.where(sign, -1, 1)
         for j in range(pieces):
-            piece = (mant >> (LIMB_BITS * j)) & _MASK
-            shifted = piece << off  # < 2^63
-            low = shifted & _MASK
-            high = shifted >> LIMB_BITS
-            low = np.where(neg, -low, low)
-            high = np.where(neg, -high, high)
-            self.limbs[rows0 + j, cols] += low
-            self.limbs[rows0 + j + 1, cols] += high
+            shifted = ((mant >> (LIMB_BITS * j)) & _MASK) << off  # < 2^63
+            low = (shifted & _MASK) * signs
+            high = (shifted >> LIMB_BITS) * signs
+            for start in present:  # zero addends add nothing wherever they would land
+                row = int(start) - self.base + j
+                if len(present) == 1:
+                    self.limbs[row] += low.sum(axis=0)
+                    self.limbs[row + 1] += high.sum(axis=0)
+                else:
+                    here = idx == start
+                    self.limbs[row] += np.where(here, low, 0).sum(axis=0)
+                    self.limbs[row + 1] += np.where(here, high, 0).sum(axis=0)
 
     def _cover(self, lo: int, hi: int) -> None:
         """Grows the limb stack so limbs [lo, hi) exist."""
@@ -135,7 +151,7 @@ class ExactSum:
     def merge(self, other: "ExactSum") -> None:
         """Adds another accumulator (a partial sum) of the same dtype and shape."""
         if other.dtype != self.dtype or other.shape != self.shape:
-            raise FleetError(
+            raise AggregationError(
                 f"partial sums disagree: {self.dtype}{list(self.shape)} vs "
                 f"{other.dtype}{list(other.shape)}")
         if not self.is_float:
@@ -144,6 +160,7 @@ class ExactSum:
         self.nan |= other.nan
         self.pos_inf |= other.pos_inf
         self.neg_inf |= other.neg_inf
+        self.neg_zero &= other.neg_zero
         if other.limbs.shape[0] == 0:
             return
         self._cover(other.base, other.base + other.limbs.shape[0] + 1)
@@ -182,6 +199,7 @@ class ExactSum:
         if not self.is_float:
             return self.limbs[0].astype(self.dtype).reshape(self.shape)
         out = self._round()
+        out[self.neg_zero] = -0.0
         out = np.where(self.nan | (self.pos_inf & self.neg_inf), np.nan,
                        np.where(self.pos_inf, np.inf, np.where(self.neg_inf, -np.inf, out)))
         with np.errstate(over="ignore"):
@@ -236,14 +254,18 @@ class ExactSum:
     def to_limbs(self) -> tuple[int, np.ndarray, Optional[np.ndarray]]:
         """(base limb, limbs [num_limbs, *shape], non-finite flags or None), compacted.
 
-        The flags are one uint8 per element: bit 0 NaN, bit 1 +inf, bit 2 -inf seen.
+        The flags are one uint8 per element: bit 0 NaN, bit 1 +inf, bit 2 -inf seen,
+        bit 3 only -0 added. A partial with no limbs (every element sums to exactly zero)
+        is valid.
         """
         self.compact()
         limbs = self.limbs.reshape((self.limbs.shape[0],) + self.shape)
         flags = None
-        if self.is_float and (self.nan.any() or self.pos_inf.any() or self.neg_inf.any()):
+        if self.is_float and (self.nan.any() or self.pos_inf.any() or self.neg_inf.any()
+                              or self.neg_zero.any()):
             flags = (self.nan.astype(np.uint8) | (self.pos_inf.astype(np.uint8) << 1)
-                     | (self.neg_inf.astype(np.uint8) << 2))
+                     | (self.neg_inf.astype(np.uint8) << 2)
+                     | (self.neg_zero.astype(np.uint8) << 3))
         return self.base, limbs, flags
 
     @classmethod
@@ -256,12 +278,15 @@ class ExactSum:
         # [num_limbs, *shape] or [num_limbs, size]; num_limbs may be 0 (an all-zero sum).
         acc.limbs = limbs.reshape((limbs.shape[0] if limbs.ndim > 1 else -1, acc.size))
         if not acc.is_float and acc.limbs.shape[0] != 1:
-            raise FleetError(f"an integer partial sum has one limb, got {acc.limbs.shape[0]}")
+            raise AggregationError(f"an integer partial sum has one limb, got {acc.limbs.shape[0]}")
         if flags is not None and acc.is_float:
             flags = np.asarray(flags, np.uint8).reshape(-1)
             acc.nan = (flags & 1).astype(bool)
             acc.pos_inf = (flags & 2).astype(bool)
             acc.neg_inf = (flags & 4).astype(bool)
+            acc.neg_zero = (flags & 8).astype(bool)
+        elif acc.is_float:
+            acc.neg_zero[:] = False
         return acc
 
 

@@ -1,0 +1,221 @@
+"""What each aggregation over clients means, computed exactly: the one owner of the rules.
+
+Both clients backends aggregate with this module: the in-process one over all members
+at once, the gRPC one as partials that each device builds over its own clients and the
+coordinator merges in client order. Sums are exact (`exact.ExactSum`) and rounded once,
+so a result has the same bits however the clients are split, in process or on a fleet.
+
+Kinds (as TFF's reference semantics state them):
+- sum, min, max: elementwise over clients.
+- mean: sum / number of clients. weighted_mean: sum(w_i * x_i) / sum(w_i), with the
+  scalar weight of each client broadcast over its value (each product rounded to the
+  value's dtype, then summed exactly). Both need floating-point values.
+- secure_sum_bitwidth: the plain sum of integer values, each of which must lie in
+  [0, 2**bitwidth - 1] (bitwidth at most MAX_SECURE_BITWIDTH, one scalar overall or
+  one per tensor). The bitwidth bounds the inputs; the sum is not reduced modulo.
+
+A partial over no clients is valid (it merges as nothing); finishing one is an error.
+Every refusal raises `AggregationError`; on a fleet, one found on a device reaches the
+coordinator as a FleetError naming the device and carrying the same message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from fax_bridge.errors import AggregationError
+from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
+from fax_bridge.runtime.exact import ExactSum
+
+KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth")
+SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth")
+EXTREMES = {"min": np.minimum, "max": np.maximum}
+MAX_SECURE_BITWIDTH = 62
+
+
+@dataclasses.dataclass
+class Partial:
+    """An aggregate in progress over `count` clients.
+
+    `leaves` holds, per tensor of the value (depth first), an `ExactSum` (sum-like
+    kinds) or the running extreme (min, max); it is empty while `count` is 0.
+    """
+
+    kind: str
+    leaves: list
+    weights: Optional[ExactSum] = None
+    count: int = 0
+
+
+def check_kind(kind: str) -> None:
+    """Raises AggregationError unless `kind` names a supported aggregation."""
+    if kind not in KINDS:
+        raise AggregationError(f"unknown aggregation {kind!r}; expected one of {list(KINDS)}")
+
+
+def _bounds(bound: LocalValue, count: int, what: str) -> list[np.ndarray]:
+    """One bound per tensor of a value of `count` tensors: given once, or once per tensor."""
+    flat = leaves(bound)
+    if len(flat) not in (1, count):
+        raise AggregationError(
+            f"{what}: {len(flat)} bounds for a value of {count} tensors; give one overall "
+            "or one per tensor")
+    return flat * count if len(flat) == 1 and count != 1 else flat
+
+
+def check_bitwidth(members: Sequence[LocalValue], bitwidth: Optional[LocalValue]) -> None:
+    """Raises AggregationError unless every member's tensors are integers in
+    [0, 2**bitwidth - 1] and each bitwidth is an integer scalar in [0, MAX_SECURE_BITWIDTH]."""
+    what = "federated_secure_sum_bitwidth"
+    if bitwidth is None:
+        raise AggregationError(f"{what} needs a bitwidth")
+    for member in members:
+        flat = leaves(member)
+        for x, b in zip(flat, _bounds(bitwidth, len(flat), what)):
+            if b.shape != () or b.dtype.kind not in "iu" or not (
+                    0 <= int(b) <= MAX_SECURE_BITWIDTH):
+                raise AggregationError(
+                    f"{what}: a bitwidth must be an integer scalar in [0, "
+                    f"{MAX_SECURE_BITWIDTH}], got {b.dtype}{list(b.shape)} {b}")
+            if x.dtype.kind not in "iu":
+                raise AggregationError(f"{what} sums integers, got {x.dtype}")
+            top = 2 ** int(b) - 1
+            if x.size and (int(x.min()) < 0 or int(x.max()) > top):
+                raise AggregationError(
+                    f"{what}: a client value lies outside [0, 2**{int(b)} - 1] = [0, {top}] "
+                    f"(min {int(x.min())}, max {int(x.max())}); clip or quantize it on "
+                    "the clients first")
+
+
+def check_max_input(members: Sequence[LocalValue], max_input: LocalValue) -> None:
+    """Raises AggregationError when a member exceeds `federated_secure_sum`'s max_input."""
+    what = "federated_secure_sum"
+    for member in members:
+        flat = leaves(member)
+        for x, m in zip(flat, _bounds(max_input, len(flat), what)):
+            if x.size and int(x.max()) > int(m):
+                raise AggregationError(
+                    f"{what}: a client value {int(x.max())} exceeds max_input {int(m)}")
+
+
+def _scalar_weight(weight: LocalValue) -> np.ndarray:
+    flat = leaves(weight)
+    if len(flat) != 1 or flat[0].size != 1:
+        raise AggregationError(
+            "a weighted_mean weight must be one scalar tensor per client; got "
+            f"{[leaf.shape for leaf in flat]}")
+    return flat[0].reshape(())
+
+
+def partial_of(kind: str, members: Sequence[LocalValue],
+               weights: Optional[Sequence[LocalValue]] = None,
+               bitwidth: Optional[LocalValue] = None) -> Partial:
+    """The partial aggregate of per-client `members` (local values), in client order."""
+    check_kind(kind)
+    if kind == "secure_sum_bitwidth":
+        check_bitwidth(members, bitwidth)
+    if kind == "weighted_mean" and (weights is None or len(weights) != len(members)):
+        raise AggregationError(
+            "weighted_mean needs one weight per client; got "
+            f"{'none' if weights is None else len(weights)} for {len(members)} clients")
+    columns = _columns(members)
+    partial = Partial(kind=kind, leaves=[], count=len(members))
+    if not members:
+        return partial
+    if kind == "weighted_mean":
+        w = np.stack([_scalar_weight(x) for x in weights])
+        partial.weights = ExactSum(w.dtype, ())
+        partial.weights.add_many(w)
+        with np.errstate(over="ignore", under="ignore"):  # as jit: inf, subnormals
+            columns = [np.asarray(c * w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1)),
+                                  c.dtype) for c in columns]
+    extreme = EXTREMES.get(kind)
+    for column in columns:
+        if extreme is not None:
+            partial.leaves.append(extreme.reduce(column, axis=0))
+        else:
+            acc = ExactSum(column.dtype, column.shape[1:])
+            acc.add_many(column)
+            partial.leaves.append(acc)
+    return partial
+
+
+def _columns(members: Sequence[LocalValue]) -> list[np.ndarray]:
+    """Per tensor of the value, the clients' tensors stacked (client order on axis 0)."""
+    flat = [leaves(m) for m in members]
+    if not flat:
+        return []
+    first = flat[0]
+    for other in flat[1:]:
+        if len(other) != len(first):
+            raise AggregationError(
+                f"clients disagree on the structure of the aggregated value: {len(other)} "
+                f"vs {len(first)} tensors")
+        for a, b in zip(first, other):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise AggregationError(
+                    f"clients disagree on a tensor of the aggregated value: "
+                    f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}; every client "
+                    "must hold the same type")
+    return [np.stack([m[i] for m in flat]) for i in range(len(first))]
+
+
+def merge(into: Partial, other: Partial) -> Partial:
+    """Adds `other` (a partial over the clients after `into`'s) into `into`; returns it."""
+    if other.kind != into.kind:
+        raise AggregationError(f"cannot merge a {other.kind} partial into a {into.kind} one")
+    if other.count == 0:
+        return into
+    if into.count == 0:
+        into.leaves, into.weights, into.count = other.leaves, other.weights, other.count
+        return into
+    if len(other.leaves) != len(into.leaves):
+        raise AggregationError("partials disagree on the number of tensors of the value")
+    extreme = EXTREMES.get(into.kind)
+    if extreme is not None:
+        into.leaves = [extreme(a, b) for a, b in zip(into.leaves, other.leaves)]
+    else:
+        for a, b in zip(into.leaves, other.leaves):
+            a.merge(b)
+        if into.weights is not None and other.weights is not None:
+            into.weights.merge(other.weights)
+    into.count += other.count
+    return into
+
+
+def finish(partial: Partial) -> list[np.ndarray]:
+    """The aggregate's tensor leaves, depth first."""
+    if partial.count == 0:
+        raise AggregationError(
+            f"cannot compute federated {partial.kind} over zero clients; place at least "
+            "one client (check the cohort size, dropout and round deadline)")
+    if partial.kind in EXTREMES:
+        return [np.array(x) for x in partial.leaves]
+    sums = [acc.result() for acc in partial.leaves]
+    if partial.kind in ("sum", "secure_sum_bitwidth"):
+        return sums
+    by = partial.count if partial.kind == "mean" else partial.weights.result()
+    return [_divide(s, by) for s in sums]
+
+
+def _divide(total: np.ndarray, by) -> np.ndarray:
+    if total.dtype.kind in "iub":
+        raise AggregationError(
+            f"federated mean and weighted_mean need floating-point values, got "
+            f"{total.dtype}; cast the clients' values to a float type first")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(total / np.asarray(by, total.dtype), total.dtype)
+
+
+def reduce(kind: str, members: Sequence[LocalValue],
+           weights: Optional[Sequence[LocalValue]] = None,
+           bitwidth: Optional[LocalValue] = None) -> LocalValue:
+    """The aggregate of `members` over clients, nested like each member."""
+    if not members:
+        check_kind(kind)
+        raise AggregationError(f"cannot compute federated {kind} over zero clients; "
+                               "place at least one client")
+    return unflatten_like(members[0], finish(partial_of(kind, members, weights, bitwidth)))

@@ -1,0 +1,126 @@
+"""runtime.aggregation: each kind against numpy, partials in any split equal the whole to
+the bit (exact zeros, cancellations, subnormals, signed zeros included), and errors."""
+
+import numpy as np
+import pytest
+from federated_language.common_libs import structure
+from hypothesis import given, settings, strategies as st
+
+from fax_bridge.errors import AggregationError, ComputationError
+from fax_bridge.fleet import partials
+from fax_bridge.runtime import aggregation
+
+RNG = np.random.default_rng(1)
+XS = [RNG.normal(size=(2, 3)).astype(np.float32) for _ in range(7)]
+WS = [np.float32(w) for w in RNG.uniform(0.5, 2.0, size=7)]
+
+
+@pytest.mark.parametrize("kind,closed_form", [
+    ("sum", lambda x: x.sum(0)),
+    ("mean", lambda x: x.mean(0)),
+    ("min", lambda x: x.min(0)),
+    ("max", lambda x: x.max(0)),
+])
+def test_kinds_match_numpy(kind, closed_form):
+    out = aggregation.reduce(kind, XS)
+    np.testing.assert_allclose(out, closed_form(np.stack(XS)), rtol=1e-6)
+    assert out.dtype == np.float32
+
+
+def test_sums_are_rounded_once():
+    members = [np.float32(1e8), np.float32(1.0), np.float32(-1e8)]
+    assert aggregation.reduce("sum", members) == np.float32(1.0)  # in-order adds give 0
+
+
+def test_weighted_mean_over_structs():
+    members = [structure.Struct([("a", x), ("b", x[0])]) for x in XS]
+    out = aggregation.reduce("weighted_mean", members, WS)
+    w = np.array(WS)
+    want = (np.stack(XS) * w[:, None, None]).sum(0) / w.sum()
+    np.testing.assert_allclose(out.a, want, rtol=1e-5)
+    np.testing.assert_allclose(out.b, want[0], rtol=1e-5)
+    assert structure.name_list(out) == ["a", "b"]
+
+
+# Values where exact sums are delicate: exact zeros of both signs, cancelling pairs,
+# subnormals, the largest finite values.
+_SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1.2e-38, 3.4e38, -3.4e38, 0.5, -2.0]
+_values = st.one_of(st.sampled_from(_SPECIAL),
+                    st.floats(width=32, allow_nan=False, allow_infinity=False))
+_KINDS = ("sum", "mean", "weighted_mean", "min", "max")
+
+
+def _split_partial(kind, members, weights, cuts):
+    """The aggregate as devices would give it: partials per block, through the wire."""
+    bounds = [0, *sorted({c % (len(members) + 1) for c in cuts}), len(members)]
+    total = aggregation.Partial(kind=kind, leaves=[])
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = aggregation.partial_of(kind, members[lo:hi],
+                                      None if weights is None else weights[lo:hi])
+        sent = partials.from_message(kind, partials.to_message(part))
+        aggregation.merge(total, sent)
+    return aggregation.finish(total)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(_KINDS), st.integers(1, 3), st.data())
+def test_any_split_gives_the_same_bits(kind, width, data):
+    n = data.draw(st.integers(1, 9), label="clients")
+    rows = data.draw(st.lists(st.lists(_values, min_size=width, max_size=width),
+                              min_size=n, max_size=n), label="values")
+    if data.draw(st.booleans(), label="cancel"):  # every second client undoes the one before
+        rows = [r if i % 2 == 0 else [-v for v in rows[i - 1]] for i, r in enumerate(rows)]
+    members = [np.array(r, np.float32) for r in rows]
+    weights = None
+    if kind == "weighted_mean":
+        weights = [np.float32(w) for w in data.draw(st.lists(
+            st.sampled_from([0.0, 1.0, 0.5, 2.0, 1e-45]), min_size=n, max_size=n))]
+    cuts = data.draw(st.lists(st.integers(0, n), max_size=4), label="device splits")
+    whole = aggregation.reduce(kind, members, weights)
+    split = _split_partial(kind, members, weights, cuts)[0]
+    assert whole.tobytes() == split.tobytes()
+
+
+def test_exact_zero_partials_and_signed_zeros():
+    zeros = [np.zeros(3, np.float32)] * 2
+    part = partials.from_message("sum", partials.to_message(aggregation.partial_of("sum", zeros)))
+    assert part.leaves[0].limbs.shape == (0, 3)
+    assert aggregation.finish(part)[0].tobytes() == np.zeros(3, np.float32).tobytes()
+    negative = [np.array([-0.0, -0.0, 1.0], np.float32)] * 2
+    got = aggregation.reduce("sum", negative)
+    assert np.signbit(got).tolist() == [True, True, False]  # -0 + -0 is -0, as in IEEE
+    mixed = [np.float32(-0.0), np.float32(0.0)]
+    assert not np.signbit(aggregation.reduce("sum", mixed))
+    empty = aggregation.partial_of("sum", [np.zeros((0, 2), np.float32)])
+    again = partials.from_message("sum", partials.to_message(empty))
+    assert aggregation.finish(again)[0].shape == (0, 2)
+
+
+def test_secure_sum_bitwidth_bounds_inputs_not_the_sum():
+    members = [np.array([255, 0], np.int32), np.array([255, 1], np.int32)]
+    np.testing.assert_array_equal(
+        aggregation.reduce("secure_sum_bitwidth", members, bitwidth=np.int32(8)), [510, 1])
+    with pytest.raises(AggregationError, match="outside"):
+        aggregation.reduce("secure_sum_bitwidth", members, bitwidth=np.int32(7))
+    with pytest.raises(AggregationError, match=r"\[0, 62\]"):
+        aggregation.reduce("secure_sum_bitwidth", members, bitwidth=np.int32(63))
+    with pytest.raises(AggregationError, match="integers"):
+        aggregation.reduce("secure_sum_bitwidth", XS, bitwidth=np.int32(8))
+    pair = [structure.Struct([(None, np.int32(3)), (None, np.int32(9))])] * 2
+    got = aggregation.reduce("secure_sum_bitwidth", pair,
+                             bitwidth=structure.Struct([(None, np.int32(2)),
+                                                        (None, np.int32(4))]))
+    assert [int(v) for v in got] == [6, 18]
+
+
+def test_errors():
+    with pytest.raises(AggregationError, match="unknown aggregation"):
+        aggregation.reduce("median", XS)
+    with pytest.raises(AggregationError, match="zero clients"):
+        aggregation.reduce("sum", [])
+    with pytest.raises(ComputationError, match="floating-point"):  # a ComputationError too
+        aggregation.reduce("mean", [np.int32(1), np.int32(2)])
+    with pytest.raises(AggregationError, match="one weight per client"):
+        aggregation.reduce("weighted_mean", XS, WS[:2])
+    with pytest.raises(AggregationError, match="exceeds max_input"):
+        aggregation.check_max_input([np.array([1, 7], np.int32)], np.int32(5))
