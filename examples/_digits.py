@@ -12,21 +12,30 @@ import jax.numpy as jnp
 import numpy as np
 
 import fax_bridge as fb
+from fax_bridge import cli_args
 from fax_bridge import data as fd
 
 BATCH = 8
 
 
+POPULATION = 100  # digits clients (Population); no round can sample more
+
+
 def parse_args(description: str, rounds: int = 50, clients: int = 10,
-               extra: Callable[[argparse.ArgumentParser], None] | None = None):
+               extra: Callable[[argparse.ArgumentParser], None] | None = None,
+               argv: Optional[Sequence[str]] = None):
+    """The examples' flags, each checked as it is read (argparse names a bad one)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--rounds", type=int, default=rounds, help="federated rounds")
-    p.add_argument("--clients", type=int, default=clients, help="clients per round")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=cli_args.int_in(1, 100_000), default=rounds,
+                   help=f"federated rounds (1..100000, default {rounds})")
+    p.add_argument("--clients", type=cli_args.int_in(1, POPULATION), default=clients,
+                   help=f"clients per round (1..{POPULATION}, the digits population; "
+                        f"default {clients})")
+    p.add_argument("--seed", type=cli_args.int_in(0, 2**32 - 1), default=0)
     p.add_argument("--out", default="docs/img", help="folder for the PNG plot")
     if extra is not None:
         extra(p)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def init_mlp(seed: int, sizes: Sequence[int] = (64, 64, 10)) -> dict:
@@ -69,7 +78,7 @@ def test_loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
 class Population:
     """The digits clients, every one padded to the same number of batches."""
 
-    def __init__(self, seed: int, num_clients: int = 100, alpha: float = 0.5):
+    def __init__(self, seed: int, num_clients: int = POPULATION, alpha: float = 0.5):
         self.digits = fd.load_federated_digits(num_clients=num_clients, alpha=alpha, seed=seed)
         self.size = int(-(-self.digits.sizes.max() // BATCH) * BATCH)
         self.num_clients = num_clients

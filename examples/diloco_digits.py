@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 import _digits as D
+from fax_bridge import cli_args
 from fax_bridge import data as fd
 from fax_bridge.algorithms import diloco, streaming_diloco
 
@@ -54,9 +55,11 @@ def run(alg, shards, outer_rounds, sync_every, params, test):
 
 def main():
     args = D.parse_args(__doc__, rounds=30, clients=4, extra=lambda p: (
-        p.add_argument("--sync-every", type=int, default=16, help="H inner steps"),
-        p.add_argument("--fragments", type=int, default=2, help="P"),
-        p.add_argument("--overlap", type=int, default=2, help="tau inner steps")))
+        p.add_argument("--sync-every", type=cli_args.int_in(1, 10_000), default=16,
+                       help="H inner steps"),
+        p.add_argument("--fragments", type=cli_args.int_in(1, 64), default=2, help="P"),
+        p.add_argument("--overlap", type=cli_args.int_in(0, 10_000), default=2,
+                       help="tau inner steps")))
     timer = D.Timer()
     digits = fd.load_federated_digits(num_clients=args.clients, alpha=0.5, seed=args.seed)
     shards = Shards(digits.clients, args.seed)

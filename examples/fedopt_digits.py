@@ -9,13 +9,14 @@ import os
 import optax
 
 import _digits as D
+from fax_bridge import cli_args
 from fax_bridge import data as fd
 from fax_bridge.algorithms import fed_adagrad, fed_adam, fed_yogi
 
 
 def main():
     args = D.parse_args(__doc__, extra=lambda p: p.add_argument(
-        "--server-lr", type=float, default=0.01))
+        "--server-lr", type=cli_args.float_at_least(0.0), default=0.01))
     timer = D.Timer()
     pop = D.Population(args.seed)
     sampler = fd.CohortSampler(pop.num_clients, args.clients, seed=args.seed)

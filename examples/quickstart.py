@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fax_bridge as fb
+from fax_bridge import cli_args
 
 FEATURES = 4
 EXAMPLES = 16
@@ -62,9 +63,9 @@ __exportable__ = ["fedavg_round"]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=cli_args.int_in(1, 100_000), default=8)
+    parser.add_argument("--devices", type=cli_args.int_in(1, 64), default=4)
+    parser.add_argument("--rounds", type=cli_args.int_in(1, 100_000), default=5)
     args = parser.parse_args()
 
     program = fb.program(clients=args.clients)(fedavg_round)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fax_bridge import cli_args
 from fax_bridge.errors import FaxBridgeError
 
 
@@ -34,8 +35,12 @@ def register(subparsers) -> None:
         "parity", help="compare the local path with the exported proto on a fleet",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
-    p.add_argument("--clients", type=int, required=True)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--rtol", type=float, default=1e-5)
-    p.add_argument("--atol", type=float, default=1e-6)
+    p.add_argument("--clients", type=cli_args.int_in(1), required=True,
+                   help="number of clients (>= 1)")
+    p.add_argument("--devices", type=cli_args.int_in(1, 1024), default=2,
+                   help="local devices (1..1024, default 2)")
+    p.add_argument("--rtol", type=cli_args.float_at_least(0.0), default=1e-5,
+                   help="relative tolerance (>= 0)")
+    p.add_argument("--atol", type=cli_args.float_at_least(0.0), default=1e-6,
+                   help="absolute tolerance (>= 0)")
     p.set_defaults(func=_run)

@@ -70,7 +70,7 @@ def test_token_files_must_be_private(tmp_path):
     os.chmod(path, 0o644)
     with pytest.raises(FleetError, match="chmod 600"):
         security.read_token_file(path)
-    assert security.resolve_token(environ={security.TOKEN_ENV: "abc"}) == "abc"
+    assert security.resolve_token(environ={security.TOKEN_ENV: "abc" * 6}) == "abc" * 6
 
 
 def test_devices_bind_loopback_unless_told_otherwise(caplog):

@@ -35,6 +35,7 @@ import grpc
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
+from fax_bridge import cli_args
 from fax_bridge.errors import FaxBridgeError, FleetError
 from fax_bridge.fleet import partials, security, wire
 from fax_bridge.runtime import aggregation
@@ -519,13 +520,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:0",
+    parser.add_argument("--listen", default="127.0.0.1:0", type=cli_args.listen_address,
                         help="HOST:PORT to serve on (default 127.0.0.1:0: loopback, free port)")
     parser.add_argument("--allow-remote", action="store_true",
                         help="permit a non-loopback --listen host (reachable from other "
                              "machines; use with TLS)")
     parser.add_argument("--device-id", default="device", help="name used in logs and errors")
-    parser.add_argument("--max-workers", type=int, default=4, help="gRPC worker threads")
+    parser.add_argument("--max-workers", type=cli_args.int_in(1, 256), default=4,
+                        help="gRPC worker threads (1..256)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process (the launcher) is no longer the parent")
     parser.add_argument("--token-file", default=None,
@@ -536,9 +538,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", default=None, help="PEM CA certificate (mutual TLS)")
     parser.add_argument("--tls-cert", default=None, help="PEM device certificate")
     parser.add_argument("--tls-key", default=None, help="PEM device private key")
-    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+    parser.add_argument("--max-message-bytes", type=cli_args.int_in(1, (1 << 31) - 1),
+                        default=DEFAULT_MAX_MESSAGE_BYTES,
                         help="cap on every gRPC message, each direction")
-    parser.add_argument("--max-stored-bytes", type=int, default=DEFAULT_MAX_STORED_BYTES,
+    parser.add_argument("--max-stored-bytes", type=cli_args.int_in(1),
+                        default=DEFAULT_MAX_STORED_BYTES,
                         help="cap on the bytes of all values held on this device")
     parser.add_argument("--population", default=None, metavar="DIR",
                         help="host this population (written by write_population): runs may "

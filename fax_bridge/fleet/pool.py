@@ -84,6 +84,9 @@ class _Done:
         return self._rpc(self._request, **self._kwargs)
 
 
+REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before giving up
+
+
 class DevicePool:
     """Channels to `addresses` (in client-assignment order), all answering Health.
 
@@ -173,20 +176,44 @@ class DevicePool:
         return device.index
 
     def _wait_one(self, device: _Device, deadline: float, timeout_s: float):
-        remaining = max(0.1, deadline - time.monotonic())
-        try:
-            grpc.channel_ready_future(device.channel).result(timeout=remaining)
+        """Health of `device`, waiting up to `deadline`; fails fast when nothing listens.
+
+        A refused connection (no process at the address) is retried for
+        REFUSED_GRACE_S only, and a refused token not at all: neither improves by waiting.
+        A device that accepts the connection but has not answered yet is waited for.
+        """
+        refused_until = time.monotonic() + min(REFUSED_GRACE_S, timeout_s)
+        while True:
             remaining = max(0.1, deadline - time.monotonic())
-            answer = device.stub.Health(pb.HealthRequest(), timeout=remaining,
-                                        metadata=self._metadata)
-        except (grpc.FutureTimeoutError, grpc.RpcError) as e:
-            hint = ("; the device refused the fleet token (is it the same fleet's?)"
-                    if isinstance(e, grpc.RpcError)
-                    and e.code() == grpc.StatusCode.UNAUTHENTICATED else
-                    "; check that it is running and listening on that address")
-            raise FleetError(
-                f"device {device.index} at {device.address} did not become healthy "
-                f"within {timeout_s:.0f}s ({_describe(e)}){hint}") from None
+            try:
+                answer = device.stub.Health(pb.HealthRequest(), timeout=min(remaining, 5.0),
+                                            metadata=self._metadata, wait_for_ready=False)
+                break
+            except grpc.RpcError as e:
+                code = e.code()
+                now = time.monotonic()
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise FleetError(
+                        f"device {device.index} at {device.address} did not become healthy: "
+                        f"it refused the fleet token ({_describe(e)}); give the coordinator "
+                        "the same fleet's token") from None
+                if code == grpc.StatusCode.UNAVAILABLE and now >= refused_until:
+                    tls = "SSL" in str(e.details()) or "andshake" in str(e.details())
+                    raise FleetError(
+                        f"device {device.index} at {device.address} did not become healthy: "
+                        f"nothing answers there ({_describe(e)}, for "
+                        f"{min(REFUSED_GRACE_S, timeout_s):.0f}s); " + (
+                            "the TLS handshake failed: check the certificates and that "
+                            "both sides use TLS" if tls else
+                            "check that the device is running and listening on that "
+                            "address")) from None
+                if now >= deadline:
+                    raise FleetError(
+                        f"device {device.index} at {device.address} did not become healthy "
+                        f"within {timeout_s:.0f}s ({_describe(e)}); it accepts connections "
+                        "but may be hung or overloaded") from None
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    time.sleep(0.1)
         if answer.status != "SERVING" or answer.protocol != PROTOCOL:
             raise FleetError(
                 f"device {device.index} at {device.address} answered status "

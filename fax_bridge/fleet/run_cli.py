@@ -16,6 +16,7 @@ import sys
 import federated_language
 import numpy as np
 
+from fax_bridge import cli_args
 from fax_bridge.errors import FaxBridgeError
 
 
@@ -36,10 +37,7 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
     param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
     result_type = fn_type.result if isinstance(fn_type, federated_language.FunctionType) \
         else fn_type
-    npz = {}
-    if inputs_path:
-        with np.load(inputs_path) as f:
-            npz = {k: f[k] for k in f.files}
+    npz = cli_args.load_npz(inputs_path) if inputs_path else {}
     arg = values.args_from_npz(npz, param)
     args, kwargs = (), {}
     if param is not None:
@@ -74,8 +72,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{key}: {np.asarray(out[key]).dtype}{list(np.shape(out[key]))}")
     print(report.summary() if hasattr(report, "summary") else report)
     if args.output:
-        np.savez(args.output, **out)
-        print(f"wrote {args.output}")
+        written, failed = cli_args.save_result(args.output, out)
+        if failed:
+            print(f"fax-bridge run: {failed}; the result was saved to {written} instead",
+                  file=sys.stderr)
+            return 1
+        print(f"wrote {written}")
     return 0
 
 
@@ -86,12 +88,15 @@ def register(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("computation", help="serialized Computation proto (.pb)")
     p.add_argument("--inputs", help="npz file of arguments")
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=cli_args.int_in(1, 1024), default=2,
+                   help="local devices to start (1..1024, default 2)")
     p.add_argument("--fleet-file",
                    help="JSON fleet file naming running devices (HOST:PORT); used instead "
                         "of --devices local ones")
-    p.add_argument("--clients", type=int, help="number of clients when no input is at CLIENTS")
-    p.add_argument("--output", help="write the result here (.npz)")
+    p.add_argument("--clients", type=cli_args.int_in(1),
+                   help="number of clients when no input is at CLIENTS (>= 1)")
+    p.add_argument("--output", type=cli_args.output_file(".npz"),
+                   help="write the result here (.npz is appended when missing)")
     p.add_argument("--no-preaggregate", action="store_true",
                    help="bring every client's result back instead of per-device partials")
     p.set_defaults(func=_run)

@@ -29,6 +29,7 @@ from fax_bridge.errors import FleetError
 TOKEN_ENV = "FAX_BRIDGE_FLEET_TOKEN"
 TOKEN_HEADER = "x-fax-bridge-token"
 TOKEN_BYTES = 32
+MIN_TOKEN_CHARS = 16  # a guessable token is no token; new_token() gives 64 hex digits
 
 log = logging.getLogger("fax_bridge.fleet.security")
 
@@ -66,15 +67,28 @@ def read_token_file(path: "os.PathLike | str") -> str:
     return token
 
 
+def check_token(token: str, where: str) -> str:
+    """`token` when it is long enough to resist guessing; FleetError naming `where` else."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise FleetError(
+            f"the fleet token from {where} has {len(token)} characters; at least "
+            f"{MIN_TOKEN_CHARS} are needed (security.new_token() makes a good one)")
+    return token
+
+
 def resolve_token(token: Optional[str] = None, token_file: Optional[str] = None,
                   environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """The token from, in order: `token`, `token_file`, the FAX_BRIDGE_FLEET_TOKEN variable."""
+    """The token from, in order: `token`, `token_file`, the FAX_BRIDGE_FLEET_TOKEN variable.
+
+    A token shorter than MIN_TOKEN_CHARS is refused (FleetError naming where it came from).
+    """
     if token:
-        return token
+        return check_token(token, "the token argument")
     if token_file:
-        return read_token_file(token_file)
+        return check_token(read_token_file(token_file), f"token file {token_file}")
     env = os.environ if environ is None else environ
-    return env.get(TOKEN_ENV) or None
+    value = env.get(TOKEN_ENV) or None
+    return check_token(value, f"${TOKEN_ENV}") if value else None
 
 
 def call_metadata(token: Optional[str]) -> tuple:
@@ -104,7 +118,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         if not token:
             raise FleetError("TokenAuthInterceptor needs a non-empty token")
-        self._token = token
+        self._token = check_token(token, "the device's configuration")
 
     def intercept_service(self, continuation, handler_call_details):
         if token_matches(self._token, handler_call_details.invocation_metadata):

@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from fax_bridge import cli_args
 from fax_bridge.errors import FaxBridgeError
 
 
@@ -105,8 +106,6 @@ def export_spec(spec: str, clients: int):
 def _run(args: argparse.Namespace) -> int:
     from federated_language.compiler import building_blocks
 
-    from fax_bridge.tff.export import save_computation
-
     try:
         proto = export_spec(args.target, args.clients)
     except FaxBridgeError as e:
@@ -116,8 +115,14 @@ def _run(args: argparse.Namespace) -> int:
     print(block.type_signature)
     print(block.compact_representation())
     if args.output:
-        save_computation(proto, args.output)
-        print(f"wrote {args.output} ({proto.ByteSize()} bytes)")
+        data = proto.SerializeToString()
+        written, failed = cli_args.write_or_rescue(args.output, lambda f: f.write(data), ".pb",
+                                                   "export")
+        if failed:
+            print(f"fax-bridge export: {failed}; the proto was saved to {written} instead",
+                  file=sys.stderr)
+            return 1
+        print(f"wrote {written} ({len(data)} bytes)")
     return 0
 
 
@@ -127,6 +132,8 @@ def register(subparsers) -> None:
         "export", help="export a FAX program as a TFF Computation proto",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
-    p.add_argument("--clients", type=int, required=True, help="number of clients")
-    p.add_argument("-o", "--output", help="write the serialized proto here")
+    p.add_argument("--clients", type=cli_args.int_in(1), required=True,
+                   help="number of clients (>= 1)")
+    p.add_argument("-o", "--output", type=cli_args.output_file(),
+                   help="write the serialized proto here")
     p.set_defaults(func=_run)
