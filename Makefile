@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test demo protos tff-venv tff-check fuzz bench bench-scaling clean
+.PHONY: venv test demo protos tff-venv tff-check forms-check fuzz bench bench-scaling clean
 
 venv: $(STAMP)
 
@@ -29,7 +29,12 @@ tff-check: $(STAMP) tff-venv
 	$(PY) tools/tff_check.py --pb-dir $(TFF_OUT) --pb-dir tests/data/tff087 \
 		--generate "$(PY) tools/export_examples.py --out {pb_dir}"
 
-test: $(STAMP) tff-check
+# Every single-round program as TFF's DistributeAggregateForm and MapReduceForm, built by
+# TFF 0.87, run piece by piece (runtime, fleet, TF sessions) and compared with jax.jit.
+forms-check: $(STAMP) tff-venv
+	$(PY) tools/forms_check.py --out out/forms
+
+test: $(STAMP) tff-check forms-check
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

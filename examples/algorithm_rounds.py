@@ -30,6 +30,7 @@ def export_targets(clients: int) -> dict:
     for name, make in (("fed_avg", A.fed_avg), ("fed_adam", A.fed_adam),
                        ("fed_yogi", A.fed_yogi), ("fed_adagrad", A.fed_adagrad),
                        ("fed_fish", A.fed_fish), ("learned_server_lr", A.learned_server_lr),
+                       ("learned_server_lr_one_trip", A.learned_server_lr_one_trip),
                        ("learned_client_weights", A.learned_client_weights)):
         alg = make(D.loss, optax.sgd(0.1), clients=clients)
         args = (alg.init(params), data, mask)
@@ -38,6 +39,9 @@ def export_targets(clients: int) -> dict:
         targets[name] = (alg.next, args, alg.placements)
     sgd = A.fed_sgd(D.loss, clients=clients)
     targets["fed_sgd"] = (sgd.next, (sgd.init(params), data, mask), sgd.placements)
+    sgd1 = A.fed_sgd_one_trip(D.loss, clients=clients)
+    targets["fed_sgd_one_trip"] = (sgd1.next, (sgd1.init(params), data, mask),
+                                   sgd1.placements)
     diloco = A.streaming_diloco(D.loss, params, clients=clients,
                                 sync_every=4, num_fragments=2, overlap=1,
                                 quantize=True)

@@ -37,6 +37,9 @@ _LAZY = {
     "RemoteFleet": ("fax_bridge.fleet.remote", "RemoteFleet"),
     "PopulationRef": ("fax_bridge.runtime.population", "PopulationRef"),
     "check_parity": ("fax_bridge.parity", "check_parity"),
+    "to_distribute_aggregate_form": ("fax_bridge.tff.forms", "to_distribute_aggregate_form"),
+    "to_map_reduce_form": ("fax_bridge.tff.forms", "to_map_reduce_form"),
+    "write_form": ("fax_bridge.tff.forms", "write_form"),
 }
 
 
@@ -79,6 +82,9 @@ __all__ = [
     "load_computation",
     "program",
     "save_computation",
+    "to_distribute_aggregate_form",
     "to_hlo",
+    "to_map_reduce_form",
     "trace",
+    "write_form",
 ]

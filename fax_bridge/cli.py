@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 # sets `func` (called with the parsed namespace, returning an exit code).
 _SUBCOMMAND_MODULES = (
     "fax_bridge.tff.cli",
+    "fax_bridge.tff.forms_cli",
     "fax_bridge.parity_cli",
     "fax_bridge.fleet.run_cli",
     "fax_bridge.fleet.device",

@@ -1,0 +1,364 @@
+"""TFF's production forms from a fax_bridge round: DistributeAggregateForm and MapReduceForm.
+
+Production cross-device systems run TFF's compiled forms, not arbitrary building-block
+trees. A round `(server_state, client_data...) -> (new_state, output)` is
+
+1. checked here for what one form cannot hold (a broadcast of a value computed from an
+   aggregate, i.e. two server-client trips; state or results placed at CLIENTS;
+   intrinsics outside the forms), each refusal naming the operations, their source
+   lines and the fix;
+2. exported with `round_form=True`, the type the forms want:
+   `(<state@SERVER, data@CLIENTS> -> <state@SERVER, output@SERVER>)`;
+3. handed to TFF 0.87 in its side environment (`tools/tff087/build_forms.py`), which
+   builds the form with `form_utils`: the DistributeAggregateForm keeps the `Xla` parts;
+   for the MapReduceForm every `Xla` part is first given as a portable StableHLO artifact
+   (`runtime.hlo.portable_artifact`) that TFF's side wraps in a TensorFlow computation
+   holding one `XlaCallModule` op.
+
+The pieces come back as `federated_language` Computation protos (`Form`), written with a
+manifest by `write_form`. `run_daf` runs a DistributeAggregateForm piece by piece on
+fax_bridge's runtime (in process or on a fleet's backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import jax
+from federated_language.proto import computation_pb2
+from jax._src import core
+
+from fax_bridge import primitives as P
+from fax_bridge import tracing
+from fax_bridge.errors import ExportError
+from fax_bridge.placements import Placement
+from fax_bridge.tff import side_env
+from fax_bridge.tff import xla as tff_xla
+from fax_bridge.tff.export import argument_names, export_computation
+
+Computation = computation_pb2.Computation
+
+DAF_PIECES = ("server_prepare", "server_to_client_broadcast", "client_work",
+              "client_to_server_aggregation", "server_result")
+MRF_PIECES = ("prepare", "work", "zero", "accumulate", "merge", "report",
+              "secure_sum_bitwidth", "secure_sum_max_input", "secure_modular_sum_modulus",
+              "update")
+FORMS = {"daf": ("DistributeAggregateForm", DAF_PIECES),
+         "mrf": ("MapReduceForm", MRF_PIECES)}
+
+# Intrinsics TFF's form builders accept (form_utils' reducible intrinsics, plus the sums
+# and means it rewrites into federated_aggregate).
+FORM_INTRINSICS = frozenset({
+    "federated_aggregate", "federated_apply", "federated_broadcast", "federated_eval_at_clients",
+    "federated_eval_at_server", "federated_map", "federated_map_all_equal",
+    "federated_secure_sum_bitwidth", "federated_secure_sum", "federated_secure_modular_sum",
+    "federated_value_at_clients", "federated_value_at_server", "federated_zip_at_clients",
+    "federated_zip_at_server", "federated_sum", "federated_mean", "federated_weighted_mean",
+})
+
+_AGGREGATES = (P.federated_sum_p, P.federated_mean_p, P.federated_weighted_mean_p,
+               P.federated_decode_sum_p)
+_FIX_TWO_TRIPS = (
+    "One form has one broadcast before one aggregation. Compute the second trip's "
+    "quantity at the server from this round's aggregate and carry it in the state to "
+    "the next round's broadcast (as fax_bridge.algorithms.fed_sgd_one_trip and "
+    "learned_server_lr_one_trip do), or split the round into two programs.")
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+_CORE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ALGORITHMS_DIR = os.path.join(_CORE_DIR, "algorithms")
+
+
+def _location(eqn) -> str:
+    """`file:line (function)` of the innermost frame of the round's own code (user code
+    or `fax_bridge.algorithms`), skipping jax and fax_bridge's machinery."""
+    from jax._src import source_info_util
+
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        path = os.path.abspath(frame.file_name)
+        if path.startswith(_CORE_DIR) and not path.startswith(_ALGORITHMS_DIR):
+            continue
+        return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return tracing.eqn_location(eqn)
+
+
+def _name(eqn) -> str:
+    return f"{eqn.primitive.name} at {_location(eqn)}"
+
+
+def check_round(comp: tracing.FederatedComputation) -> None:
+    """Raises `ExportError` when the traced round cannot be one production form."""
+    tree = jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals))))
+    client_state = []
+    for i, sub in enumerate(tree):
+        leaves = jax.tree_util.tree_leaves(sub)
+        if len({comp.in_placements[j] for j in leaves}) > 1:
+            client_state += [comp.in_paths[j] for j in leaves
+                             if comp.in_placements[j] is Placement.CLIENTS]
+    out_tree = jax.tree_util.tree_unflatten(comp.out_tree, list(range(len(comp.out_avals))))
+    if isinstance(out_tree, (tuple, list)) and len(out_tree) == 2:
+        client_out = [comp.out_paths[j] for j in jax.tree_util.tree_leaves(out_tree)
+                      if comp.out_placements[j] is Placement.CLIENTS]
+    else:
+        client_out = []
+    if client_state or client_out:
+        where = []
+        if client_state:
+            where.append(f"arguments {', '.join(client_state[:6])} are placed at CLIENTS")
+        if client_out:
+            where.append(f"results {', '.join(client_out[:6])} are placed at CLIENTS")
+        raise ExportError(
+            "the round keeps client state: " + "; ".join(where) + ". A production form "
+            "keeps state only at the server (clients are stateless and sampled anew each "
+            "round). Move it to the server (e.g. one entry per client slot in the server "
+            "state, selected by a client id in the client data), or aggregate CLIENTS "
+            "results into SERVER metrics.")
+    depends: dict = {}  # var -> the first aggregate equation it depends on
+    trips = []
+    for eqn in comp.jaxpr.jaxpr.eqns:
+        source = next((depends[v] for v in eqn.invars
+                       if not isinstance(v, core.Literal) and v in depends), None)
+        if eqn.primitive is P.federated_broadcast_p and source is not None:
+            trips.append((eqn, source))
+        if eqn.primitive in _AGGREGATES and source is None:
+            source = eqn
+        if source is not None:
+            for v in eqn.outvars:
+                depends[v] = source
+    if trips:
+        lines = list(dict.fromkeys(f"{_name(b)} sends a value computed from {_name(a)}"
+                                   for b, a in trips))
+        more = f" (and {len(lines) - 4} more)" if len(lines) > 4 else ""
+        lines = lines[:4]
+        raise ExportError(
+            "the round needs two server-client trips: " + "; ".join(lines) + more + ". "
+            + _FIX_TWO_TRIPS)
+
+
+def _walk(message, visit) -> None:
+    """Calls `visit` on `message` and every federated_language message inside it,
+    depth-first; `visit` returning True stops the descent below that message."""
+    if visit(message):
+        return
+    for field, value in message.ListFields():
+        if field.message_type is None or \
+                not field.message_type.full_name.startswith("federated_language."):
+            continue
+        repeated = field.is_repeated if hasattr(field, "is_repeated") else \
+            field.label == field.LABEL_REPEATED
+        for item in (value if repeated else [value]):
+            _walk(item, visit)
+
+
+def intrinsic_uris(proto: Computation) -> list[str]:
+    """Every intrinsic URI the proto calls, depth-first."""
+    found: list[str] = []
+    _walk(proto, lambda m: isinstance(m, computation_pb2.Intrinsic) and not found.append(m.uri))
+    return found
+
+
+def check_intrinsics(proto: Computation) -> None:
+    """Raises `ExportError` naming the intrinsics no production form can hold."""
+    bad = sorted({u for u in intrinsic_uris(proto) if u not in FORM_INTRINSICS})
+    if bad:
+        raise ExportError(
+            f"the round calls {', '.join(bad)}, which no production form can hold (they "
+            f"take only {', '.join(sorted(FORM_INTRINSICS))}). Express that step with "
+            "broadcast, per-client or server maps and sums/means.")
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def round_proto(fn: Callable, *args, placements: Any = None,
+                clients: Optional[int] = None) -> tuple[Computation, tracing.FederatedComputation]:
+    """The round's proto in the forms' type, after the refusal checks; also the trace."""
+    comp = tracing.trace(fn, *args, placements=placements, clients=clients)
+    check_round(comp)
+    proto = export_computation(comp, argument_names(fn, len(args)), round_form=True)
+    check_intrinsics(proto)
+    return proto, comp
+
+
+def xla_parts(proto: Computation) -> list[Computation]:
+    """The `Xla` computations inside a proto, depth-first, each once (by HLO content)."""
+    parts: dict = {}
+
+    def visit(message) -> bool:
+        if isinstance(message, Computation) and message.WhichOneof("computation") == "xla":
+            parts.setdefault(tff_xla.hlo_module_bytes(message), message)
+            return True
+        return False
+
+    _walk(proto, visit)
+    return list(parts.values())
+
+
+def write_artifacts(proto: Computation, folder: str) -> dict[str, str]:
+    """Each Xla part's portable StableHLO artifact in `folder`: {sha256 of HLO: path}."""
+    from fax_bridge.runtime import hlo
+
+    os.makedirs(folder, exist_ok=True)
+    out = {}
+    for part in xla_parts(proto):
+        module = tff_xla.hlo_module_bytes(part)
+        key = hashlib.sha256(module).hexdigest()
+        artifact, _, _ = hlo.portable_artifact(module)
+        path = os.path.join(folder, f"{key[:16]}.mlirbc")
+        with open(path, "wb") as f:
+            f.write(artifact)
+        out[key] = path
+    return out
+
+
+# ---------------------------------------------------------------------------- forms
+
+
+@dataclasses.dataclass
+class Form:
+    """A production form built by TFF: each piece a `federated_language` Computation.
+
+    `kind` is "daf" or "mrf"; `round` is the computation TFF re-derived from the pieces
+    (`get_computation_for_*_form`), whose type equals the round's `type_signature`.
+    """
+
+    kind: str
+    type_signature: str
+    pieces: dict[str, Computation]
+    piece_types: dict[str, str]
+    round: Computation
+    seconds: float
+    round_proto: Optional[Computation] = None
+
+    @property
+    def name(self) -> str:
+        return FORMS[self.kind][0]
+
+
+def _read(path: str) -> Computation:
+    with open(path, "rb") as f:
+        return Computation.FromString(f.read())
+
+
+def form_from_result(kind: str, result: dict) -> Form:
+    """A `Form` from one entry of `tools/tff087/build_forms.py`'s answer."""
+    if "error" in result:
+        raise ExportError(f"TFF could not build the {FORMS[kind][0]}: {result['error']}")
+    if not result["same_type"]:
+        raise ExportError(
+            f"TFF re-derived the {FORMS[kind][0]} as {result['round_type']}, not the round's "
+            "type; the form does not compute the round.")
+    pieces = {name: _read(info["path"]) for name, info in result["pieces"].items()}
+    types = {name: info["type"] for name, info in result["pieces"].items()}
+    return Form(kind, result["round_type"], pieces, types, _read(result["round"]["path"]),
+                result["seconds"])
+
+
+def job(name: str, proto: Computation, forms: Iterable[str], folder: str,
+        mrf_inputs: Optional[str] = None) -> dict:
+    """One job for the side environment: writes the proto (and artifacts for the MRF)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "round.pb")
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+    forms = list(forms)
+    entry = {"name": name, "proto": path, "forms": forms, "out": folder}
+    if "mrf" in forms:
+        entry["artifacts"] = write_artifacts(proto, os.path.join(folder, "stablehlo"))
+        if mrf_inputs:
+            entry["run_mrf"] = {"inputs": mrf_inputs,
+                                "outputs": os.path.join(folder, "mrf_outputs.npz")}
+    return entry
+
+
+def build_forms(jobs: Sequence[dict], folder: str, timeout_s: float = 600.0) -> dict:
+    """Runs TFF's form builders on `jobs` in one side-environment process."""
+    path = os.path.join(folder, "jobs.json")
+    with open(path, "w") as f:
+        json.dump({"jobs": list(jobs)}, f)
+    return side_env.run_json(side_env.script("build_forms.py"), [path], timeout_s)
+
+
+def _to_form(kind: str, fn: Callable, args, placements, clients, out_dir) -> Form:
+    proto, _ = round_proto(fn, *args, placements=placements, clients=clients)
+    with tempfile.TemporaryDirectory(prefix="fax_bridge_forms_") as tmp:
+        folder = out_dir or tmp
+        result = build_forms([job(kind, proto, [kind], folder)], folder)[kind]
+        form = form_from_result(kind, result[kind])
+    form.round_proto = proto
+    return form
+
+
+def to_distribute_aggregate_form(fn: Callable, *args, placements: Any = None,
+                                 clients: Optional[int] = None) -> Form:
+    """The round `fn(state, *client_data) -> (new_state, output)` as TFF's
+    DistributeAggregateForm (pieces with `Xla` parts), built by TFF 0.87.
+
+    Needs the TFF side environment (`make tff-venv`). Raises `ExportError` for rounds no
+    form can hold (two trips, client state, other intrinsics), naming the fix.
+    """
+    return _to_form("daf", fn, args, placements, clients, None)
+
+
+def to_map_reduce_form(fn: Callable, *args, placements: Any = None,
+                       clients: Optional[int] = None) -> Form:
+    """The round as TFF's MapReduceForm: TensorFlow pieces whose local work is one
+    `XlaCallModule` op (version 8) per Xla part, built by TFF 0.87 (see
+    `to_distribute_aggregate_form`)."""
+    return _to_form("mrf", fn, args, placements, clients, None)
+
+
+def write_form(form: Form, out_dir: str) -> dict:
+    """Writes each piece as `PIECE.pb`, the re-derived round as `round.pb` and
+    `manifest.json` (form, types, sizes, sha256 of each file); returns the manifest."""
+    os.makedirs(out_dir, exist_ok=True)
+    files = dict(form.pieces, round=form.round)
+    if form.round_proto is not None:
+        files["input_round"] = form.round_proto
+    entries = {}
+    for name, proto in files.items():
+        data = proto.SerializeToString()
+        path = os.path.join(out_dir, f"{name}.pb")
+        with open(path, "wb") as f:
+            f.write(data)
+        entries[name] = {"file": f"{name}.pb", "bytes": len(data),
+                         "sha256": hashlib.sha256(data).hexdigest(),
+                         "type": form.piece_types.get(name, form.type_signature)}
+    manifest = {"form": form.name, "type_signature": form.type_signature,
+                "pieces": list(form.pieces), "files": entries,
+                "tff_build_seconds": form.seconds}
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def run_daf(form: Form, state: Any, client_data: Sequence[Any], backend=None):
+    """One round of a DistributeAggregateForm on fax_bridge's runtime, piece by piece.
+
+    `state` is the SERVER member (arrays/structs), `client_data` one member per client.
+    `backend` is a `ClientsBackend` (e.g. a fleet's); default in process. Returns
+    `(new_state, output)` as runtime values.
+    """
+    from fax_bridge.runtime.interpreter import evaluate
+
+    if form.kind != "daf":
+        raise ExportError(f"run_daf runs a DistributeAggregateForm, not a {form.name}")
+    p = form.pieces
+    n = len(client_data)
+    prepared = evaluate(p["server_prepare"], state, backend, num_clients=n)
+    sent = evaluate(p["server_to_client_broadcast"], prepared[0], backend, num_clients=n)
+    work = evaluate(p["client_work"], [list(client_data), sent], backend)
+    aggregated = evaluate(p["client_to_server_aggregation"], [prepared[1], work], backend)
+    result = evaluate(p["server_result"], [prepared[1], aggregated], backend)
+    return result[0], result[1]

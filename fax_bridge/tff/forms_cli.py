@@ -1,0 +1,50 @@
+"""`fax-bridge forms MODULE_OR_FILE:FUNCTION --form daf|mrf --clients N -o DIR`.
+
+Builds TFF's production form of a round `(state, *client_data) -> (new_state, output)`
+(see `fax_bridge.tff.forms`) with TFF 0.87 in its side environment, and writes one
+`PIECE.pb` per piece, the round TFF re-derived from them (`round.pb`), the round that
+went in (`input_round.pb`) and `manifest.json` (form, type of every piece, bytes,
+sha256). The program and its example arguments are found as `fax-bridge export` finds
+them. A round no form can hold is refused with the operations, source lines and fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fax_bridge.errors import FaxBridgeError
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fax_bridge.tff import forms
+    from fax_bridge.tff.cli import resolve_program
+
+    try:
+        prog, prog_args, placements = resolve_program(args.target, args.clients)
+        build = (forms.to_distribute_aggregate_form if args.form == "daf"
+                 else forms.to_map_reduce_form)
+        form = build(prog, *prog_args, placements=placements)
+        manifest = forms.write_form(form, args.output)
+    except FaxBridgeError as e:
+        print(f"fax-bridge forms: {e}", file=sys.stderr)
+        return 2
+    print(f"{manifest['form']} {manifest['type_signature']}")
+    for name, entry in manifest["files"].items():
+        print(f"  {entry['file']:36s} {entry['bytes']:>10d} bytes  {entry['type']}")
+    print(f"wrote {args.output}/manifest.json")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Adds the `forms` subcommand."""
+    p = subparsers.add_parser(
+        "forms", help="build TFF's DistributeAggregateForm or MapReduceForm of a round",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
+    p.add_argument("--form", choices=("daf", "mrf"), required=True,
+                   help="daf: DistributeAggregateForm (Xla parts); mrf: MapReduceForm "
+                        "(TensorFlow parts holding XlaCallModule)")
+    p.add_argument("--clients", type=int, default=3, help="number of clients (default 3)")
+    p.add_argument("-o", "--output", required=True, help="folder for the pieces and manifest")
+    p.set_defaults(func=_run)

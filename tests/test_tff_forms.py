@@ -1,0 +1,137 @@
+"""Production forms: refusals naming operations, lines and fixes; StableHLO artifacts of
+the Xla parts; DAF and MRF built by TFF 0.87 (side environment) through the API and CLI."""
+
+import hashlib
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from federated_language.common_libs import structure
+
+import fax_bridge as fb
+from fax_bridge.cli import main as cli_main
+from fax_bridge.runtime.interpreter import evaluate
+from fax_bridge.tff import forms
+
+N = 3
+HERE = os.path.basename(__file__)
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _local_step(w, x):
+    return jnp.mean((x @ w) ** 2), jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+
+
+@fb.program(clients=N)
+def one_trip(w, x):
+    loss, g = fb.federated_map_clients(_local_step, (fb.federated_broadcast(w), x))
+    new_w = fb.federated_map_server(lambda w, g: w - 0.1 * g, (w, fb.federated_mean(g)))
+    return new_w, fb.federated_mean(loss)
+
+
+@fb.program(clients=N)
+def two_trips(w, x):
+    _, g = fb.federated_map_clients(_local_step, (fb.federated_broadcast(w), x))
+    w1 = fb.federated_map_server(lambda w, g: w - 0.1 * g, (w, fb.federated_mean(g)))
+    again = fb.federated_broadcast(w1)  # the second trip
+    loss, _ = fb.federated_map_clients(_local_step, (again, x))
+    return w1, fb.federated_mean(loss)
+
+
+@fb.program(clients=N)
+def client_state(state, x):
+    h = fb.federated_map_clients(lambda h, x: h + x.sum(), (state["h"], x))
+    return {"w": state["w"], "h": h}, fb.federated_mean(h)
+
+
+W = jnp.array([0.5, -0.25], jnp.float32)
+X = np.arange(N * 4 * 2, dtype=np.float32).reshape(N, 4, 2) / 10
+
+
+def two_trips_example_args(clients):  # for `fax-bridge forms THIS_FILE:two_trips`
+    return (W, X[:clients]), ("server", "clients")
+
+
+def test_two_trips_are_refused_naming_both_operations_and_lines():
+    with pytest.raises(fb.ExportError) as e:
+        forms.round_proto(two_trips, W, X, placements=("server", "clients"))
+    msg = str(e.value)
+    assert "two server-client trips" in msg
+    assert f"federated_broadcast at {__file__}:" in msg and "(two_trips)" in msg
+    assert "sends a value computed from federated_mean" in msg
+    assert "carry it in the state" in msg
+
+
+def test_client_state_is_refused_naming_the_values():
+    state = {"w": W, "h": np.zeros(N, np.float32)}
+    with pytest.raises(fb.ExportError, match=r"keeps client state: arguments arg0\['h'\].*"
+                                             r"results out0\['h'\].*Move it to the server"):
+        forms.round_proto(client_state, state, X,
+                          placements=({"w": "server", "h": "clients"}, "clients"))
+
+
+def test_intrinsics_outside_the_forms_are_refused():
+    proto, _ = forms.round_proto(one_trip, W, X, placements=("server", "clients"))
+    forms.check_intrinsics(proto)
+    data = proto.SerializeToString().replace(b"federated_broadcast", b"federated_select___")
+    odd = type(proto).FromString(data)
+    with pytest.raises(fb.ExportError, match="calls federated_select___, which no production"):
+        forms.check_intrinsics(odd)
+
+
+def test_every_xla_part_gets_one_portable_artifact(tmp_path):
+    proto, _ = forms.round_proto(one_trip, W, X, placements=("server", "clients"))
+    parts = forms.xla_parts(proto)
+    assert len(parts) == 2  # the clients' step and the server's update
+    artifacts = forms.write_artifacts(proto, str(tmp_path))
+    assert len(artifacts) == len(parts)
+    for path in artifacts.values():
+        assert pathlib.Path(path).read_bytes().startswith(b"ML\xefR")
+
+
+def _check_manifest(folder, manifest):
+    on_disk = json.loads((folder / "manifest.json").read_text())
+    assert on_disk == manifest
+    for entry in manifest["files"].values():
+        data = (folder / entry["file"]).read_bytes()
+        assert len(data) == entry["bytes"]
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"]
+
+
+def test_daf_built_by_tff_runs_piece_by_piece_like_jit(tmp_path):
+    daf = fb.to_distribute_aggregate_form(one_trip, W, X, placements=("server", "clients"))
+    assert list(daf.pieces) == list(forms.DAF_PIECES)
+    assert daf.type_signature == ("(<float32[2]@SERVER,{float32[4,2]}@CLIENTS> -> "
+                                  "<float32[2]@SERVER,float32@SERVER>)")
+    new_w, loss = forms.run_daf(daf, W, list(X))
+    want_w, want_loss = jax.jit(one_trip)(W, X)
+    np.testing.assert_allclose(new_w, want_w, rtol=1e-6)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    back = evaluate(daf.round, [W, list(X)])  # the round TFF re-derived from the pieces
+    np.testing.assert_allclose(structure.flatten(back)[0], want_w, rtol=1e-6)
+    manifest = fb.write_form(daf, str(tmp_path))
+    assert manifest["form"] == "DistributeAggregateForm"
+    _check_manifest(tmp_path, manifest)
+
+
+def test_cli_writes_the_map_reduce_form_and_its_manifest(tmp_path, capsys):
+    out = tmp_path / "mrf"
+    rc = cli_main(["forms", f"{REPO}/examples/quickstart.py:fedavg_round", "--form", "mrf",
+                   "--clients", "3", "-o", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["form"] == "MapReduceForm"
+    assert manifest["pieces"] == list(forms.MRF_PIECES)
+    assert manifest["files"]["work"]["type"].startswith("(<<x=float32[16,4],y=float32[16]>,")
+    _check_manifest(out, manifest)
+
+
+def test_cli_refusal_exits_2_with_the_reason(tmp_path, capsys):
+    rc = cli_main(["forms", f"{__file__}:two_trips", "--form", "daf", "-o", str(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "two server-client trips" in err and "(two_trips)" in err

@@ -1,0 +1,204 @@
+"""Checks every single-round program against TFF 0.87's production forms.
+
+    .venv/bin/python tools/forms_check.py [--clients 3] [--devices 2] [--out out/forms]
+
+Rounds: the quickstart's `fedavg_round` and every target of
+`examples/algorithm_rounds.py` (each algorithm in `fax_bridge.algorithms`). Each round is
+either refused (two trips, client state: it must be one of `EXPECTED_REFUSALS`, and the
+reason is printed) or exported in the forms' type, and then, with one TFF 0.87 process
+for all rounds (`tools/tff087/build_forms.py`):
+
+- TFF builds its DistributeAggregateForm and MapReduceForm, re-derives the round from
+  each and checks that the type signature is the original's;
+- the MapReduceForm runs piece by piece in TensorFlow 2.14 sessions;
+- back here, the DistributeAggregateForm runs piece by piece in fax_bridge's runtime and
+  on a `LocalFleet`, and the round TFF re-derived from it runs in the runtime.
+
+Every result must equal `jax.jit` of the round to float32 tolerance. Exit status 0 when
+all do, 1 otherwise, 2 when the check could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+# Rounds no single form can hold, and the reason their refusal must give.
+EXPECTED_REFUSALS = {
+    "fed_sgd": "two server-client trips",
+    "learned_server_lr": "two server-client trips",
+    "learned_client_weights": "client state",
+    "streaming_diloco": "client state",
+}
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def targets(clients: int) -> dict:
+    """name -> (program, args, placements) for every checked round."""
+    from fax_bridge.tff.cli import resolve_program
+
+    sys.path.insert(0, str(EXAMPLES))
+    import algorithm_rounds
+
+    out = {"quickstart": resolve_program(str(EXAMPLES / "quickstart.py") + ":fedavg_round",
+                                         clients)}
+    out.update(algorithm_rounds.export_targets(clients))
+    return out
+
+
+def _flat(tree) -> list:
+    import jax
+
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _struct_flat(value) -> list:
+    from federated_language.common_libs import structure
+
+    if isinstance(value, structure.Struct):
+        return [np.asarray(x) for x in structure.flatten(value)]
+    return [np.asarray(value)]
+
+
+def max_error(want: list, got: list) -> float:
+    """The largest absolute difference; raises AssertionError beyond float32 tolerance."""
+    if len(want) != len(got):
+        raise AssertionError(f"{len(got)} result tensors, expected {len(want)}")
+    worst = 0.0
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+        if w.size:
+            worst = max(worst, float(np.max(np.abs(g.astype(np.float64) - w))))
+    return worst
+
+
+def write_inputs(path: str, args, clients: int) -> tuple[list, list]:
+    """The MRF runner's npz: flat state leaves and each client's flat data leaves."""
+    state = _flat(args[0])
+    client_leaves = _flat(tuple(args[1:]))
+    z = {"num_state": len(state), "num_client_leaves": len(client_leaves),
+         "num_clients": clients}
+    z.update({f"state.{i}": v for i, v in enumerate(state)})
+    for j in range(clients):
+        z.update({f"client.{j}.{i}": v[j] for i, v in enumerate(client_leaves)})
+    np.savez(path, **z)
+    return state, client_leaves
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--out", default=str(REPO / "out" / "forms"))
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    import fax_bridge as fb
+    from fax_bridge.errors import ExportError
+    from fax_bridge.runtime.interpreter import evaluate
+    from fax_bridge.tff import forms
+    from fax_bridge.tff.side_env import SideEnvError
+
+    t0 = time.perf_counter()
+    rows, jobs, expected, inputs, failures = [], [], {}, {}, []
+    for name, (prog, prog_args, placements) in targets(args.clients).items():
+        try:
+            proto, _ = forms.round_proto(prog, *prog_args, placements=placements)
+        except ExportError as e:
+            reason = EXPECTED_REFUSALS.get(name)
+            ok = reason is not None and reason in str(e)
+            rows.append((name, "refused" if ok else "UNEXPECTED REFUSAL", str(e)))
+            if not ok:
+                failures.append(name)
+            continue
+        if name in EXPECTED_REFUSALS:
+            rows.append((name, "NOT REFUSED", f"expected: {EXPECTED_REFUSALS[name]}"))
+            failures.append(name)
+            continue
+        folder = os.path.join(args.out, name)
+        os.makedirs(folder, exist_ok=True)
+        in_path = os.path.join(folder, "inputs.npz")
+        write_inputs(in_path, prog_args, args.clients)
+        jobs.append(forms.job(name, proto, ["daf", "mrf"], folder, in_path))
+        expected[name] = _flat(jax.jit(prog)(*prog_args))
+        clients_tree = prog_args[1] if len(prog_args) == 2 else tuple(prog_args[1:])
+        members = [jax.tree_util.tree_map(lambda a, j=j: np.asarray(a)[j], clients_tree)
+                   for j in range(args.clients)]
+        inputs[name] = (prog_args[0], clients_tree, members)
+    t_export = time.perf_counter() - t0
+    try:
+        built = forms.build_forms(jobs, args.out, timeout_s=args.timeout)
+    except SideEnvError as e:
+        print(f"forms_check: {e}", file=sys.stderr)
+        return 2
+    t_tff = time.perf_counter() - t0 - t_export
+
+    def check(name: str, what: str, fn) -> str:
+        try:
+            return f"{what} {fn():.1e}"
+        except Exception as e:  # reported per round, the check goes on
+            failures.append(name)
+            return f"{what} FAILED ({type(e).__name__}: {str(e)[:300]})"
+
+    daf_forms = {}
+    for job in jobs:
+        name = job["name"]
+        result, want = built[name], expected[name]
+        state, clients_tree, members = inputs[name]
+        cells = []
+        try:
+            daf = forms.form_from_result("daf", result["daf"])
+            daf_forms[name] = daf
+            cells.append(check(name, "daf-runtime", lambda: max_error(
+                want, [x for v in forms.run_daf(daf, state, members) for x in _struct_flat(v)])))
+            cells.append(check(name, "daf-rederived", lambda: max_error(want, [
+                x for v in evaluate(daf.round, [state, members]) for x in _struct_flat(v)])))
+        except ExportError as e:
+            failures.append(name)
+            cells.append(f"daf FAILED ({e})")
+        mrf = result["mrf"]
+        if "error" in mrf or not mrf.get("same_type"):
+            failures.append(name)
+            cells.append(f"mrf FAILED ({mrf.get('error') or mrf.get('round_type')})")
+        else:
+            def mrf_error(mrf=mrf, want=want):
+                with np.load(mrf["outputs"]) as z:
+                    n_state = sum(1 for k in z.files if k.startswith("state."))
+                    got = [z[f"state.{i}"] for i in range(n_state)] + [
+                        z[f"output.{i}"] for i in range(len(z.files) - n_state)]
+                return max_error(want, got)
+            cells.append(check(name, "mrf-tf", mrf_error))
+        rows.append((name, "forms", "  ".join(cells)))
+    t_fleet0 = time.perf_counter()
+    if daf_forms:
+        with fb.LocalFleet(devices=args.devices) as fleet:
+            for name, daf in daf_forms.items():
+                state, _, members = inputs[name]
+                cell = check(name, "daf-fleet", lambda: max_error(expected[name], [
+                    x for v in forms.run_daf(daf, state, members, backend=fleet.backend)
+                    for x in _struct_flat(v)]))
+                rows = [(n, k, f"{d}  {cell}" if n == name else d) for n, k, d in rows]
+    t_fleet = time.perf_counter() - t_fleet0
+    width = max(len(r[0]) for r in rows)
+    for name, kind, detail in rows:
+        print(f"{name.ljust(width)}  {kind:8s}  {detail}")
+    print(f"\n{len(jobs)} rounds built as DAF and MRF by TFF 0.87, "
+          f"{len(rows) - len(jobs)} refused; export {t_export:.1f} s, TFF side "
+          f"{t_tff:.1f} s, fleet {t_fleet:.1f} s")
+    if failures:
+        print(f"forms_check: FAILED for {sorted(set(failures))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

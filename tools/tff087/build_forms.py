@@ -1,0 +1,317 @@
+"""Builds TFF's production forms from round protos, inside the TFF 0.87 environment.
+
+    .venv-tff/bin/python tools/tff087/build_forms.py JOBS.json
+
+`JOBS.json` (written by `fax_bridge.tff.forms`) lists jobs:
+
+    {"jobs": [{"name": "fed_avg", "proto": "round.pb", "forms": ["daf", "mrf"],
+               "out": "DIR", "artifacts": {"<sha256 of HLO bytes>": "part.mlirbc"},
+               "run_mrf": {"inputs": "in.npz", "outputs": "out.npz"}}]}
+
+For each job the round proto (typed `(<state@SERVER, data@CLIENTS> -> <state@SERVER,
+output@SERVER>)`) is read with TFF's own proto and building blocks, and:
+
+- `daf`: `get_distribute_aggregate_form_for_computation` (Xla parts kept); each piece is
+  written to `OUT/daf.PIECE.pb`, `get_computation_for_distribute_aggregate_form`
+  re-derives the round (`OUT/daf.round.pb`) and its type must equal the original's;
+- `mrf`: every Xla part is replaced by a TensorFlow computation of the same type that
+  holds one `XlaCallModule` op (version 8, the newest TF 2.14 loads) calling the part's
+  portable StableHLO artifact; `get_map_reduce_form_for_computation` then builds the
+  form, its pieces go to `OUT/mrf.PIECE.pb`, `get_computation_for_map_reduce_form`
+  re-derives the round (type checked as above), and with `run_mrf` the form is run
+  piece by piece in TensorFlow sessions on the given inputs (flat leaves `state.I` and
+  `client.J.I` in the npz; results `state.I`, `output.I`).
+
+stdout receives one JSON object {name: {form: {...} or {"error": "..."}}}; all other
+printing goes to stderr. Exit status 2 means TFF could not be imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+warnings.filterwarnings("ignore")
+
+DAF_PIECES = ("server_prepare", "server_to_client_broadcast", "client_work",
+              "client_to_server_aggregation", "server_result")
+MRF_PIECES = ("prepare", "work", "zero", "accumulate", "merge", "report",
+              "secure_sum_bitwidth", "secure_sum_max_input", "secure_modular_sum_modulus",
+              "update")
+
+
+def _imports():
+    global np, tf, tfxla, pb, bb, ctypes_, tu, structure, ser, ts, impl, ctx, fu
+    import hashlib  # noqa: F401
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.python import xla as tfxla
+    from tensorflow_federated.proto.v0 import computation_pb2 as pb
+    from tensorflow_federated.python.common_libs import structure
+    from tensorflow_federated.python.core.backends.mapreduce import form_utils as fu
+    from tensorflow_federated.python.core.impl.compiler import building_blocks as bb
+    from tensorflow_federated.python.core.impl.computation import computation_impl as impl
+    from tensorflow_federated.python.core.impl.context_stack import context_stack_impl as ctx
+    from tensorflow_federated.python.core.impl.types import computation_types as ctypes_
+    from tensorflow_federated.python.core.impl.types import type_serialization as ts
+    from tensorflow_federated.python.core.impl.utils import tensorflow_utils as tu
+    from tensorflow_federated.python.tensorflow_libs import serialization_utils as ser
+
+
+# ------------------------------------------------------------------------ types
+
+
+def tensor_leaves(t) -> list:
+    """The TensorTypes of `t`, depth-first (TFF's binding order)."""
+    if isinstance(t, ctypes_.StructType):
+        return [leaf for _, e in structure.iter_elements(t) for leaf in tensor_leaves(e)]
+    if isinstance(t, ctypes_.TensorType):
+        return [t]
+    raise TypeError(f"a local computation's type holds {t}; only tensors and structs are "
+                    "supported")
+
+
+def pack(t, flat: list):
+    """`flat` tensors as a `structure.Struct` shaped like the type `t`."""
+    it = iter(flat)
+
+    def build(node):
+        if isinstance(node, ctypes_.StructType):
+            return structure.Struct([(name, build(e)) for name, e in structure.iter_elements(node)])
+        return next(it)
+
+    return build(t)
+
+
+def concrete(proto):
+    return impl.ConcreteComputation(computation_proto=proto, context_stack=ctx.context_stack)
+
+
+def proto_of(comp):
+    return impl.ConcreteComputation.get_proto(comp)
+
+
+# ------------------------------------------------------------------------ Xla -> TF
+
+
+def xla_call_module_computation(fn_type, artifact: bytes):
+    """A TensorFlow computation of type `fn_type` holding one XlaCallModule op."""
+    results = tensor_leaves(fn_type.result)
+    graph = tf.Graph()
+    with graph.as_default():
+        if fn_type.parameter is not None:
+            value, param_binding = tu.stamp_parameter_in_graph("arg", fn_type.parameter, graph)
+            args = structure.flatten(value) if isinstance(
+                fn_type.parameter, ctypes_.StructType) else [value]
+        else:
+            param_binding, args = None, []
+        outs = tfxla.call_module(
+            list(args), version=8, module=artifact,
+            Tout=[tf.as_dtype(r.dtype) for r in results],
+            Sout=[tf.TensorShape(r.shape) for r in results], platforms=["CPU"])
+        outs = list(outs)
+        result = pack(fn_type.result, outs) if isinstance(
+            fn_type.result, ctypes_.StructType) else outs[0]
+        _, result_binding = tu.capture_result_from_graph(result, graph)
+    tf_proto = pb.TensorFlow(graph_def=ser.pack_graph_def(graph.as_graph_def()),
+                             result=result_binding)
+    if param_binding is not None:
+        tf_proto.parameter.CopyFrom(param_binding)
+    return pb.Computation(type=ts.serialize_type(fn_type), tensorflow=tf_proto)
+
+
+def xla_to_tensorflow(comp_proto, artifacts: dict):
+    """The round with every Xla part replaced by its XlaCallModule TF computation."""
+    import hashlib
+
+    from tensorflow_federated.python.core.impl.compiler import transformation_utils
+
+    missing = []
+
+    def replace(block):
+        if isinstance(block, bb.CompiledComputation) and \
+                block.proto.WhichOneof("computation") == "xla":
+            key = hashlib.sha256(block.proto.xla.hlo_module.value).hexdigest()
+            if key not in artifacts:
+                missing.append(key)
+                return block, False
+            with open(artifacts[key], "rb") as f:
+                tf_comp = xla_call_module_computation(block.type_signature, f.read())
+            return bb.CompiledComputation(tf_comp, type_signature=block.type_signature), True
+        return block, False
+
+    tree = bb.ComputationBuildingBlock.from_proto(comp_proto)
+    tree, _ = transformation_utils.transform_postorder(tree, replace)
+    if missing:
+        raise KeyError(f"no StableHLO artifact for Xla parts {missing}")
+    return tree.proto
+
+
+# ------------------------------------------------------------------------ TF sessions
+
+
+def run_tensorflow(comp_proto, flat_args: list) -> list:
+    """Runs a TensorFlow computation proto in a TF 2.14 session; flat in, flat out."""
+    t = comp_proto.tensorflow
+    graph_def = ser.unpack_graph_def(t.graph_def)
+
+    def names(binding) -> list:
+        kind = binding.WhichOneof("binding")
+        if kind == "tensor":
+            return [binding.tensor.tensor_name]
+        if kind == "struct":
+            return [n for e in binding.struct.element for n in names(e)]
+        if kind is None:
+            return []
+        raise TypeError(f"unsupported TensorFlow binding {kind}")
+
+    feeds = names(t.parameter) if t.HasField("parameter") else []
+    fetches = names(t.result)
+    if len(feeds) != len(flat_args):
+        raise ValueError(f"the computation takes {len(feeds)} tensors, got {len(flat_args)}")
+    with tf.Graph().as_default() as graph:
+        tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            if t.initialize_op:
+                sess.run(t.initialize_op)
+            if not fetches:
+                return []
+            return list(sess.run(fetches, feed_dict=dict(zip(feeds, flat_args))))
+
+
+def count(t) -> int:
+    return len(tensor_leaves(t))
+
+
+def run_mrf(mrf, state: list, clients: list) -> tuple[list, list]:
+    """One round of a MapReduceForm, each piece in a TF session (the order
+    `get_computation_for_map_reduce_form` composes them in)."""
+    p = {name: proto_of(getattr(mrf, name)) for name in MRF_PIECES}
+    broadcast = run_tensorflow(p["prepare"], state)
+    work_type = mrf.work.type_signature.result
+    sizes = [count(e) for _, e in structure.iter_elements(work_type)]
+    acc = run_tensorflow(p["zero"], [])
+    secure = [[] for _ in sizes[1:]]
+    for data in clients:
+        out = run_tensorflow(p["work"], list(data) + list(broadcast))
+        update, rest = out[:sizes[0]], out[sizes[0]:]
+        if rest:
+            raise ValueError("the form uses secure sums, which this runner does not model")
+        # One accumulator per client, merged in order: both halves of the form run.
+        acc = run_tensorflow(p["merge"], acc + run_tensorflow(
+            p["accumulate"], run_tensorflow(p["zero"], []) + update))
+    aggregate = run_tensorflow(p["report"], acc)
+    for name in ("secure_sum_bitwidth", "secure_sum_max_input", "secure_modular_sum_modulus"):
+        run_tensorflow(p[name], [])
+    out = run_tensorflow(p["update"], list(state) + aggregate + [x for s in secure for x in s])
+    n_state = count(mrf.update.type_signature.result[0])
+    return out[:n_state], out[n_state:]
+
+
+# ------------------------------------------------------------------------ jobs
+
+
+def write(path: str, proto) -> dict:
+    data = proto.SerializeToString()
+    with open(path, "wb") as f:
+        f.write(data)
+    return {"path": path, "bytes": len(data)}
+
+
+def build_daf(job: dict, comp) -> dict:
+    t0 = time.perf_counter()
+    daf = fu.get_distribute_aggregate_form_for_computation(comp)
+    seconds = time.perf_counter() - t0
+    pieces = {}
+    for name in DAF_PIECES:
+        piece = getattr(daf, name)
+        pieces[name] = dict(write(os.path.join(job["out"], f"daf.{name}.pb"),
+                                  proto_of(piece)), type=str(piece.type_signature))
+    back = fu.get_computation_for_distribute_aggregate_form(daf)
+    rederived = write(os.path.join(job["out"], "daf.round.pb"), proto_of(back))
+    return {"seconds": seconds, "pieces": pieces, "round": rederived,
+            "round_type": str(back.type_signature),
+            "same_type": back.type_signature.is_equivalent_to(comp.type_signature)}
+
+
+def build_mrf(job: dict, proto) -> dict:
+    t0 = time.perf_counter()
+    tf_round = concrete(xla_to_tensorflow(proto, job.get("artifacts", {})))
+    t1 = time.perf_counter()
+    mrf = fu.get_map_reduce_form_for_computation(tf_round)
+    t2 = time.perf_counter()
+    pieces = {}
+    for name in MRF_PIECES:
+        piece = getattr(mrf, name)
+        pieces[name] = dict(write(os.path.join(job["out"], f"mrf.{name}.pb"),
+                                  proto_of(piece)), type=str(piece.type_signature))
+    back = fu.get_computation_for_map_reduce_form(mrf)
+    rederived = write(os.path.join(job["out"], "mrf.round.pb"), proto_of(back))
+    result = {"xla_to_tf_seconds": t1 - t0, "seconds": t2 - t1, "pieces": pieces,
+              "round": rederived, "round_type": str(back.type_signature),
+              "same_type": back.type_signature.is_equivalent_to(tf_round.type_signature)}
+    run = job.get("run_mrf")
+    if run:
+        with np.load(run["inputs"]) as z:
+            state = [z[f"state.{i}"] for i in range(int(z["num_state"]))]
+            clients = [[z[f"client.{j}.{i}"] for i in range(int(z["num_client_leaves"]))]
+                       for j in range(int(z["num_clients"]))]
+        t3 = time.perf_counter()
+        new_state, output = run_mrf(mrf, state, clients)
+        result["run_seconds"] = time.perf_counter() - t3
+        np.savez(run["outputs"], **{f"state.{i}": v for i, v in enumerate(new_state)},
+                 **{f"output.{i}": v for i, v in enumerate(output)})
+        result["outputs"] = run["outputs"]
+    return result
+
+
+def run_job(job: dict) -> dict:
+    os.makedirs(job["out"], exist_ok=True)
+    with open(job["proto"], "rb") as f:
+        proto = pb.Computation.FromString(f.read())
+    comp = concrete(proto)
+    results = {"type": str(comp.type_signature)}
+    for form, build in (("daf", lambda: build_daf(job, comp)),
+                        ("mrf", lambda: build_mrf(job, proto))):
+        if form not in job.get("forms", ()):
+            continue
+        try:
+            results[form] = build()
+        except Exception as e:  # reported per job and form, never raised
+            results[form] = {"error": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc()[-3000:]}
+    return results
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr)
+        return 0 if argv else 2
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # whatever TF or TFF print goes to stderr
+    try:
+        try:
+            _imports()
+        except Exception as e:
+            print(f"build_forms.py: cannot import TFF 0.87 ({e}); build .venv-tff with "
+                  "tools/tff087/setup.sh.", file=sys.stderr)
+            return 2
+        with open(argv[0]) as f:
+            jobs = json.load(f)["jobs"]
+        out = {job["name"]: run_job(job) for job in jobs}
+    finally:
+        sys.stdout.flush()
+        os.dup2(real_stdout, 1)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
