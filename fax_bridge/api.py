@@ -32,6 +32,7 @@ import numpy as np
 from fax_bridge import local as _local
 from fax_bridge import primitives as P
 from fax_bridge.errors import PlacementError
+from fax_bridge.placements import aggregate_refusal
 
 # The enclosing programs, outermost first: (placement name, number of members).
 _PROGRAMS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
@@ -174,7 +175,7 @@ def _check_clients_leaves(op: str, what: str, paths, arrays, n: int,
 
 def _refuse_dtypes(op: str, paths, arrays) -> None:
     for path, a in zip(paths, arrays):
-        refusal = P.aggregate_refusal(op, a.dtype)
+        refusal = aggregate_refusal(op, a.dtype)
         if refusal:
             raise PlacementError(
                 f"{op}: value{jax.tree_util.keystr(path)} has dtype {a.dtype}: {refusal} "

@@ -6,6 +6,7 @@ import enum
 from typing import Any
 
 import jax
+import numpy as np
 
 
 class Placement(enum.Enum):
@@ -66,3 +67,21 @@ def broadcast_placements(placements: Any, args: tuple) -> list[Placement]:
                 expanded, is_leaf=lambda x: isinstance(x, list)):
             out.extend(chunk)
     return out
+
+
+def aggregate_refusal(name: str, dtype: Any) -> str | None:
+    """Why `name` (federated_sum/mean/weighted_mean) cannot aggregate `dtype` values, or None.
+
+    One rule for every path (jit, export, runtime): a mean needs floating-point values
+    (an integer mean would truncate: [1, 2, 4] would give 2), a sum needs numbers (a sum
+    of bools is a count, not a bool). Checked when the program is traced.
+    """
+    dtype = np.dtype(dtype)
+    if name in ("federated_mean", "federated_weighted_mean") and dtype.kind not in "fcV":
+        return (f"{name} of {dtype} values would truncate the mean to an integer; cast the "
+                "values to floating point first (x.astype(jnp.float32)), or sum them with "
+                "federated_sum and divide.")
+    if name == "federated_sum" and dtype == np.bool_:
+        return ("federated_sum of bool values is undefined (a count is not a bool); cast "
+                "them first (x.astype(jnp.int32)).")
+    return None

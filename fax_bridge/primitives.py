@@ -53,6 +53,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge import local as _local
 from fax_bridge.errors import PlacementError
+from fax_bridge.placements import aggregate_refusal
 
 CLIENTS = "clients"
 SERVER = "server"
@@ -84,24 +85,6 @@ def _unplaced(aval) -> core.ShapedArray:
     """The type of one member of the placed value `aval` (its leading axis removed)."""
     spec = PartitionSpec(*_spec_of(aval)[1:])
     return aval.update(shape=tuple(aval.shape[1:]), sharding=aval.sharding.update(spec=spec))
-
-
-def aggregate_refusal(name: str, dtype) -> str | None:
-    """Why `name` (federated_sum/mean/weighted_mean) cannot aggregate `dtype` values, or None.
-
-    One rule for every path (jit, export, runtime): means need floating-point values (an
-    integer mean would truncate), sums need numbers (a sum of bools is not a bool).
-    """
-    dtype = jnp.dtype(dtype)
-    if name in ("federated_mean", "federated_weighted_mean") and not jnp.issubdtype(
-            dtype, jnp.inexact):
-        return (f"{name} of {dtype} values would truncate the mean to an integer; cast the "
-                "values to floating point first (x.astype(jnp.float32)), or sum them with "
-                "federated_sum and divide.")
-    if name == "federated_sum" and dtype == jnp.bool_:
-        return ("federated_sum of bool values is undefined (a count is not a bool); cast "
-                "them first (x.astype(jnp.int32)).")
-    return None
 
 
 def _register_impl_and_lowering(prim: core.Primitive, fn) -> None:

@@ -26,6 +26,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge import primitives as P
 from fax_bridge.errors import PlacementError
+from fax_bridge.member_rules import ELEMENTWISE, member_params  # noqa: F401 (re-exported)
 from fax_bridge.placements import Placement, broadcast_placements
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -43,20 +44,6 @@ _INLINED_CALLS = {
     "remat": "jaxpr",
     "custom_lin": None,
 }
-
-ELEMENTWISE = frozenset("""
-add sub mul div rem pow max min neg sign floor ceil round is_finite exp exp2 log log1p
-expm1 tanh logistic sin cos tan asin acos atan sinh cosh asinh acosh atanh atan2 sqrt rsqrt
-cbrt integer_pow square abs erf erfc erf_inv lgamma digamma not and or xor eq ne lt le gt ge
-select_n clamp convert_element_type add_any nextafter copy copy_p real imag conj
-stop_gradient reduce_precision shift_left shift_right_logical shift_right_arithmetic
-population_count sharding_constraint
-""".split())
-
-_REDUCTIONS = frozenset(
-    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
-_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
-
 
 def eqn_location(eqn: core.JaxprEqn) -> str:
     """`file:line (function)` of the user's code that produced `eqn`."""
@@ -86,109 +73,6 @@ class Violation:
 
     def __str__(self) -> str:
         return f"{self.eqn.primitive.name} at {self.location}: {self.reason}"
-
-
-# --------------------------------------------------------------------------- per-client ops
-
-
-def member_params(eqn: core.JaxprEqn, in_placements: Sequence[Placement],
-                  clients: int) -> Optional[dict]:
-    """Params of the per-client (member) version of `eqn`, or None if it mixes clients.
-
-    Called for equations with at least one CLIENTS operand and no SERVER operand. The
-    member version acts on one client's slice: the leading clients axis removed from
-    every CLIENTS operand and from the results.
-    """
-    name = eqn.primitive.name
-    params = dict(eqn.params)
-    avals = [v.aval for v in eqn.invars]
-    outs = [v.aval for v in eqn.outvars]
-    if not outs or any(not o.shape or o.shape[0] != clients for o in outs):
-        return None
-    for a, p in zip(avals, in_placements):
-        if p is Placement.CLIENTS and (not a.shape or a.shape[0] != clients):
-            return None
-
-    def shifted(axes):
-        return tuple(int(a) - 1 for a in axes)
-
-    if name in ELEMENTWISE:
-        for a, p in zip(avals, in_placements):
-            if p is Placement.CLIENTS and tuple(a.shape) != tuple(outs[0].shape):
-                return None
-            if p is Placement.UNPLACED and a.shape and tuple(a.shape) != tuple(outs[0].shape):
-                return None
-        if name == "sharding_constraint":
-            return {"__identity__": True}  # one client's slice has no layout to constrain
-        return params
-    if name == "broadcast_in_dim":
-        bd = tuple(params["broadcast_dimensions"])
-        if not bd or bd[0] != 0:
-            return None
-        return dict(params, shape=tuple(params["shape"][1:]),
-                    broadcast_dimensions=shifted(bd[1:]), sharding=None)
-    if name == "reshape":
-        if params.get("dimensions") is not None or params["new_sizes"][0] != clients:
-            return None
-        return dict(params, new_sizes=tuple(params["new_sizes"][1:]), sharding=None)
-    if name == "transpose":
-        perm = tuple(params["permutation"])
-        return None if perm[0] != 0 else dict(params, permutation=shifted(perm[1:]))
-    if name in _REDUCTIONS:
-        axes = tuple(params["axes"])
-        if 0 in axes:
-            return None
-        return dict(params, axes=shifted(axes), **(
-            {"out_sharding": None} if "out_sharding" in params else {}))
-    if name == "squeeze":
-        dims = tuple(params["dimensions"])
-        return None if 0 in dims else dict(params, dimensions=shifted(dims))
-    if name == "rev":
-        dims = tuple(params["dimensions"])
-        return None if 0 in dims else dict(params, dimensions=shifted(dims))
-    if name == "concatenate":
-        if params["dimension"] == 0 or any(
-                p is not Placement.CLIENTS and (not a.shape or a.shape[0] != clients)
-                for a, p in zip(avals, in_placements)):
-            return None
-        return dict(params, dimension=params["dimension"] - 1)
-    if name in ("split",):
-        return None if params["axis"] == 0 else dict(params, axis=params["axis"] - 1)
-    if name == "slice":
-        strides = params.get("strides")
-        if params["start_indices"][0] != 0 or params["limit_indices"][0] != clients or (
-                strides is not None and strides[0] != 1):
-            return None
-        return dict(params, start_indices=tuple(params["start_indices"][1:]),
-                    limit_indices=tuple(params["limit_indices"][1:]),
-                    strides=None if strides is None else tuple(strides[1:]))
-    if name == "pad":
-        cfg = tuple(params["padding_config"])
-        if tuple(cfg[0]) != (0, 0, 0) or in_placements[1] is Placement.CLIENTS:
-            return None
-        return dict(params, padding_config=cfg[1:])
-    if name in _CUMULATIVE:
-        return None if params["axis"] == 0 else dict(params, axis=params["axis"] - 1)
-    if name == "sort":
-        if params["dimension"] == 0:
-            return None
-        return dict(params, dimension=params["dimension"] - 1)
-    if name == "dot_general":
-        (lc, rc), (lb, rb) = params["dimension_numbers"]
-        lp, rp = in_placements
-        if lp is Placement.CLIENTS and rp is Placement.CLIENTS:
-            if not lb or lb[0] != 0 or rb[0] != 0:
-                return None
-            dn = ((shifted(lc), shifted(rc)), (shifted(lb[1:]), shifted(rb[1:])))
-        elif lp is Placement.CLIENTS and rp is Placement.UNPLACED:
-            if lb or 0 in lc:
-                return None
-            dn = ((shifted(lc), tuple(rc)), ((), ()))
-        else:
-            return None
-        return dict(params, dimension_numbers=dn,
-                    **({"out_sharding": None} if "out_sharding" in params else {}))
-    return None
 
 
 # --------------------------------------------------------------------------- inlining
@@ -247,6 +131,9 @@ def _join(a: Placement, b: Placement, where: str) -> Placement:
     raise PlacementError(f"{where}: a value is SERVER on one path and CLIENTS on another.")
 
 
+S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
+
+
 class _Analysis:
     def __init__(self, clients: int):
         self.clients = clients
@@ -280,39 +167,45 @@ class _Analysis:
         self.violations.append(Violation(eqn, reason, eqn_location(eqn)))
 
     def eqn(self, eqn: core.JaxprEqn, ins: list[Placement]) -> list[Placement]:
+        """The placements of `eqn`'s results: its rule in `_PLACEMENT_RULES` (federated
+        primitives, control flow), else the placement its operands share."""
+        rule = _PLACEMENT_RULES.get(eqn.primitive) or _PLACEMENT_RULES.get(eqn.primitive.name)
+        if rule is not None:
+            return rule(self, eqn, ins)
+        return self._local(eqn, ins)
+
+    def _broadcast(self, eqn, ins):
+        self._need(eqn, ins, (S, U), "federated_broadcast sends a SERVER value",
+                   "A CLIENTS value is already at the clients; to send a value computed "
+                   "from client data, aggregate it first (federated_mean/sum). If the "
+                   "broadcast comes from a value closed over by a federated_map_clients "
+                   "function, pass that value explicitly in the map's argument instead.")
+        return [C]
+
+    def _aggregate(self, eqn, ins):
+        self._need(eqn, ins, (C, U), f"{eqn.primitive.name} aggregates a CLIENTS value",
+                   "A SERVER value needs no aggregation; send it to the clients with "
+                   "federated_broadcast if that was the intent.")
+        return [S] * len(eqn.outvars)
+
+    def _map(self, eqn, ins):
+        n_out = len(eqn.outvars)
+        if eqn.params["placement"] == P.CLIENTS:
+            self._need(eqn, ins, (C, U),
+                       "federated_map_clients applies its function to CLIENTS values",
+                       "Send SERVER values to the clients with federated_broadcast first.")
+            return [C] * n_out
+        self._need(eqn, ins, (S, U),
+                   "federated_map_server applies its function to SERVER values",
+                   "Aggregate CLIENTS values (federated_mean/sum) before using them at "
+                   "the server.")
+        return [S] * n_out
+
+    def _local(self, eqn, ins):
+        """An equation outside the federated primitives: SERVER, CLIENTS (per-client when
+        it has a member form) or a `PlacementError` when it mixes the two."""
         prim = eqn.primitive
         n_out = len(eqn.outvars)
-        S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
-        if prim is P.federated_broadcast_p:
-            self._need(eqn, ins, (S, U), "federated_broadcast sends a SERVER value",
-                       "A CLIENTS value is already at the clients; to send a value computed "
-                       "from client data, aggregate it first (federated_mean/sum). If the "
-                       "broadcast comes from a value closed over by a federated_map_clients "
-                       "function, pass that value explicitly in the map's argument instead.")
-            return [C]
-        if prim in (P.federated_sum_p, P.federated_mean_p, P.federated_weighted_mean_p,
-                    P.federated_decode_sum_p):
-            self._need(eqn, ins, (C, U), f"{prim.name} aggregates a CLIENTS value",
-                       "A SERVER value needs no aggregation; send it to the clients with "
-                       "federated_broadcast if that was the intent.")
-            return [S] * n_out
-        if prim is P.federated_map_p:
-            if eqn.params["placement"] == P.CLIENTS:
-                self._need(eqn, ins, (C, U),
-                           "federated_map_clients applies its function to CLIENTS values",
-                           "Send SERVER values to the clients with federated_broadcast first.")
-                return [C] * n_out
-            self._need(eqn, ins, (S, U),
-                       "federated_map_server applies its function to SERVER values",
-                       "Aggregate CLIENTS values (federated_mean/sum) before using them at "
-                       "the server.")
-            return [S] * n_out
-        if prim.name == "scan":
-            return self._scan(eqn, ins)
-        if prim.name == "while":
-            return self._while(eqn, ins)
-        if prim.name == "cond":
-            return self._cond(eqn, ins)
         placed = {p for p in ins if p is not U}
         if not placed:
             return [U] * n_out
@@ -394,6 +287,20 @@ class _Analysis:
             outs = b if outs is None else [
                 _join(x, y, f"lax.cond at {eqn_location(eqn)}") for x, y in zip(outs, b)]
         return outs
+
+
+# Placement rules keyed by primitive (federated ones) or primitive name (control flow).
+_PLACEMENT_RULES: dict = {
+    P.federated_broadcast_p: _Analysis._broadcast,
+    P.federated_sum_p: _Analysis._aggregate,
+    P.federated_mean_p: _Analysis._aggregate,
+    P.federated_weighted_mean_p: _Analysis._aggregate,
+    P.federated_decode_sum_p: _Analysis._aggregate,
+    P.federated_map_p: _Analysis._map,
+    "scan": _Analysis._scan,
+    "while": _Analysis._while,
+    "cond": _Analysis._cond,
+}
 
 
 # --------------------------------------------------------------------------- computation
