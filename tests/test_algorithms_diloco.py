@@ -1,4 +1,5 @@
-"""DiLoCo / Streaming DiLoCo: E3M0 quantizer, reference DiLoCo, fragments, bytes."""
+"""DiLoCo / Streaming DiLoCo: E3M0 codes, the papers' equations in numpy, fragments, and
+the bytes a fleet really carries."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,10 @@ import numpy as np
 import optax
 import pytest
 
-from fax_bridge.algorithms import diloco, quantize_e3m0, streaming_diloco
-from fax_bridge.algorithms.diloco import e3m0_decode, e3m0_encode, payload_bytes, split_fragments
+import fax_bridge as fb
+from fax_bridge.algorithms import diloco, e3m0, quantize_e3m0, streaming_diloco
+from fax_bridge.algorithms.diloco import (
+    SYNC_PLACEMENTS, e3m0_decode, e3m0_encode, payload_bytes, split_fragments)
 
 
 def test_e3m0_grid_sign_scale_and_error():
@@ -96,23 +99,113 @@ def test_streaming_syncs_one_fragment_per_round_and_learns():
     assert len(leaves0) == 2 and losses[-1] < 0.5 * losses[0]
 
 
-def test_bytes_accounting_against_plain_diloco():
-    params = {"a": jnp.zeros((64, 32)), "b": jnp.zeros(32), "c": jnp.zeros((32, 10)),
-              "d": jnp.zeros(10)}
-    plain = diloco(loss, params, clients=4, sync_every=8)
-    stream = streaming_diloco(loss, params, clients=4, sync_every=8, num_fragments=2,
-                              overlap=1)
-    size = 64 * 32 + 32 + 32 * 10 + 10
-    inner_steps = 80
-    p = plain.communication(inner_steps // plain.inner_steps_per_round)
-    s = stream.communication(inner_steps // stream.inner_steps_per_round)
-    assert p["total_bytes"] == 10 * 2 * 4 * size * 4    # 10 syncs, up+down, 4 workers, fp32
-    codes = sum(-(-k * 4 // 8) for k in (64 * 32, 32, 32 * 10, 10))
-    assert s["total_bytes"] == 10 * 2 * 4 * (codes + 4 * 4)   # each fragment 10 times
-    assert s["peak_bytes"] == max(stream.bytes_per_round)
-    # the larger fragment is leaf "a" alone: 4-bit codes of 2048 values plus its scale
-    assert s["peak_bytes"] == 2 * 4 * (1024 + 4) < p["peak_bytes"] / 8
-    assert payload_bytes([jnp.zeros(3)], quantized=True) == 2 + 4
+def _np_e3m0(x):
+    """E3M0 from its definition: sign, and |x| / max|x| rounded to the nearest power of
+    two 2**e in log2 (e in -6..0, ties up), zero below 2**-7."""
+    x = np.asarray(x, np.float64)
+    scale = np.abs(x).max()
+    if scale == 0:
+        return np.zeros_like(x)
+    r = np.abs(x) / scale
+    out = np.zeros_like(x)
+    for idx, v in np.ndenumerate(r):
+        if v < 2.0 ** -7:
+            continue
+        k = np.floor(np.log2(v))
+        e = min(0, max(-6, k + (v / 2.0 ** k >= 1.5)))
+        out[idx] = np.sign(x[idx]) * 2.0 ** e * scale
+    return out
+
+
+def test_streaming_diloco_rounds_match_the_papers_equations_in_numpy():
+    """Two rounds (fragment 0, then 1) of 4-bit Streaming DiLoCo with overlap and mixing,
+    recomputed in numpy: inner SGD on a linear least-squares loss, outer gradient
+    global - local quantized per worker, mean, re-quantized, Nesterov outer step,
+    local = a * local + (1 - a) * global for the synced fragment."""
+    data, mask = problem(workers=3, steps=2)
+    lr, a, outer_lr, mu = 0.05, 0.3, 0.7, 0.9
+    alg = streaming_diloco(loss, P0, clients=3, sync_every=4, num_fragments=2, overlap=1,
+                           mixing=a, inner_optimizer=optax.sgd(lr), fragments=[[0], [1]])
+    state = alg.init(P0)
+    for r in range(2):
+        state, _ = jax.jit(alg.rounds[r])(state, data, mask)
+
+    names = ["b", "w"]                                  # jax's leaf order: sorted keys
+    glob = {"b": np.zeros(()), "w": np.zeros(3)}
+    local = [dict(glob) for _ in range(3)]
+    mom = {"b": np.zeros(()), "w": np.zeros(3)}
+
+    def grad(p, x, y):
+        err = x @ p["w"] + p["b"] - y
+        return {"w": 2 * x.T @ err / len(y), "b": 2 * err.mean()}
+
+    for r in range(2):
+        name = names[r]
+        sent = []
+        for i in range(3):
+            for t in range(2):
+                if t == 1:                               # overlap: gradient taken before
+                    sent.append(_np_e3m0(glob[name] - local[i][name]))
+                g = grad(local[i], data["x"][i, t], data["y"][i, t])
+                local[i] = {k: local[i][k] - lr * g[k] for k in local[i]}
+        avg = _np_e3m0(np.mean(sent, axis=0))
+        mom[name] = mu * mom[name] + avg
+        glob[name] = glob[name] - outer_lr * (avg + mu * mom[name])
+        for i in range(3):
+            local[i][name] = a * local[i][name] + (1 - a) * glob[name]
+    for k in ("w", "b"):
+        np.testing.assert_allclose(state.global_params[k], glob[k], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(state.worker_global[k][2], glob[k], rtol=1e-4, atol=1e-6)
+        for i in range(3):
+            np.testing.assert_allclose(state.worker_params[k][i], local[i][k], rtol=1e-4,
+                                       atol=1e-6)
+
+
+def test_packed_codes_round_trip_two_per_byte():
+    rng = np.random.default_rng(1)
+    for shape in [(1,), (7,), (4, 5), (3, 3, 3), ()]:
+        codes = rng.integers(0, 16, size=shape).astype(np.uint8)
+        packed = e3m0.pack(codes)
+        assert packed.dtype == jnp.uint8 and packed.shape == (-(-codes.size // 2),)
+        np.testing.assert_array_equal(e3m0.unpack(packed, shape), codes)
+        assert e3m0.packed_bytes(shape) == packed.size + 4
+    x = jnp.asarray(rng.normal(size=(5, 3)).astype(np.float32))
+    np.testing.assert_array_equal(e3m0.decode_packed(*e3m0.encode_packed(x), (5, 3)),
+                                  quantize_e3m0(x))
+
+
+def test_the_fleet_carries_packed_codes_both_ways():
+    """One sync on a LocalFleet, one device per worker, members fetched as they are (no
+    preaggregation on the devices): what goes up is each worker's packed codes and
+    scales, what is broadcast is the re-quantized mean's."""
+    params = {"a": jnp.zeros((9, 4)), "b": jnp.zeros(4)}
+    data = {"x": np.ones((3, 2, 2, 9), np.float32), "y": np.ones((3, 2, 2), np.float32)}
+    measured = {}
+    with fb.LocalFleet(devices=3, preaggregate=False) as fleet:
+        for quant in (True, False):
+            alg = streaming_diloco(lambda p, b: jnp.mean((b["x"] @ p["a"] + p["b"]).sum(-1)
+                                                         - b["y"]) ** 2,
+                                   params, clients=3, sync_every=2, quantize=quant, mixing=0.5,
+                                   inner_optimizer=optax.sgd(0.1))
+            state = alg.init(params)
+            state, _ = alg.rounds[0](state, data, np.ones((3, 2, 2), bool))
+            args = alg.sync_args(state, 0)
+            want = alg.syncs[0](*args)
+            proto = fb.export_tff(alg.syncs[0], *args, placements=SYNC_PLACEMENTS)
+            fleet.run(proto, *args)                        # loads the computations once
+            got, rep = fleet.run(proto, *args, report=True)
+            for w, g in zip(jax.tree.leaves(want[:2]), jax.tree.leaves(got[:2])):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+            measured[quant] = rep
+            per_worker = alg.payload_bytes[0]
+            assert per_worker == (payload_bytes(jax.tree.leaves(params), quant))
+            # up: the workers' messages and their int32 acknowledgements
+            assert int(got[2]) == 3
+            assert rep.payload_up == 3 * per_worker + 3 * 4
+            # down: placing the payloads on the workers, then one broadcast to each
+            assert rep.payload_down == 3 * per_worker + 3 * per_worker
+    assert measured[True].payload_up == 3 * ((36 + 1) // 2 + 4 + 2 + 4) + 3 * 4
+    assert 4 * measured[True].payload_up < measured[False].payload_up
 
 
 def test_fragments_partition_and_argument_errors():
