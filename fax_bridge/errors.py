@@ -19,6 +19,10 @@ class ComputationError(FaxBridgeError):
     """A TFF computation proto is malformed, ill-typed or uses something unsupported."""
 
 
+class ClientCountError(ComputationError):
+    """A computation places values at CLIENTS but nothing tells how many clients there are."""
+
+
 class AggregationError(ComputationError):
     """An aggregation over clients cannot be computed (unknown kind, values of the wrong
     dtype or range, mismatched weights or structures, no clients)."""

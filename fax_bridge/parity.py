@@ -117,24 +117,17 @@ def leaves_in_type_order(tree: Any, type_: federated_language.Type) -> list:
     return [tree]
 
 
-def _plain_containers(tree: Any) -> Any:
-    """NamedTuples as dicts keyed by field (the runtime matches named elements by name)."""
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return {f: _plain_containers(getattr(tree, f)) for f in tree._fields}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_plain_containers(x) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _plain_containers(v) for k, v in tree.items()}
-    return tree
-
-
 def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -> tuple:
-    """The program's positional arguments as the runtime's per-element arguments."""
+    """The program's positional arguments as the runtime's per-element arguments.
+
+    The exporter makes the elements of a program's only argument the parameter's
+    elements; NamedTuple fields are matched by name (`values.bind_arguments`).
+    """
     if parameter is None:
         return ()
     if len(args) == 1 and isinstance(parameter, federated_language.StructType):
         args = tuple(child for _, child in tff_types.named_children(args[0]))
-    return tuple(_plain_containers(a) for a in args)
+    return tuple(args)
 
 
 def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,

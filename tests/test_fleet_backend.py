@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge.errors import AggregationError, FleetError
+from fax_bridge.errors import AggregationError, ClientCountError, FleetError
 from fax_bridge.fleet import sample_computations as sc
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.rounds import RoundPolicy
@@ -202,3 +202,42 @@ def test_eval_at_clients_without_clients_arguments(fleet2):
     got, rep = fleet2.run(proto, num_clients=5, report=True)
     np.testing.assert_array_equal(got, [7.5, -10.0])
     assert rep.participants == [0, 1, 2, 3, 4]
+
+
+def _server_only(broadcast: bool):
+    """float32@SERVER -> float32@SERVER: x * 2 at the server, or the sum of a broadcast."""
+    import federated_language as fl
+    from federated_language.compiler import building_blocks as bb
+
+    from fax_bridge.runtime.xla_builder import xla_computation
+
+    t = fl.TensorType(np.float32)
+    arg = bb.Reference("x", sc.server(t))
+    if broadcast:
+        spread = bb.Call(bb.Intrinsic("federated_broadcast", fl.FunctionType(
+            sc.server(t), sc.clients(t, all_equal=True))), arg)
+        body = bb.Call(bb.Intrinsic("federated_sum", fl.FunctionType(
+            sc.clients(t), sc.server(t))), spread)
+    else:
+        double = bb.CompiledComputation(xla_computation(lambda x: x * 2, t))
+        body = bb.Call(bb.Intrinsic("federated_apply", fl.FunctionType(
+            [double.type_signature, sc.server(t)], sc.server(t))), bb.Struct([double, arg]))
+    return bb.Lambda("x", sc.server(t), body).to_proto()
+
+
+def test_a_computation_that_places_nothing_at_clients_needs_no_client_count(fleet2, tmp_path):
+    from fax_bridge.fleet.run_cli import run_file
+
+    proto = _server_only(broadcast=False)
+    assert _local(proto, np.float32(3)) == 6.0
+    got, rep = fleet2.run(proto, np.float32(3), report=True)
+    assert got == 6.0 and rep.participants == []
+    (tmp_path / "c.pb").write_bytes(proto.SerializeToString())
+    np.savez(tmp_path / "in.npz", arg=np.float32(3))
+    out, _ = run_file(str(tmp_path / "c.pb"), str(tmp_path / "in.npz"), devices=1)
+    assert sorted(out) == ["result"] and out["result"] == 6.0
+    needs = _server_only(broadcast=True)
+    for run in (lambda: _local(needs, np.float32(1)), lambda: fleet2.run(needs, np.float32(1))):
+        with pytest.raises(ClientCountError, match="--clients N"):
+            run()
+    assert fleet2.run(needs, np.float32(1), num_clients=3) == 3.0

@@ -4,6 +4,7 @@ import federated_language as fl
 import numpy as np
 import pytest
 from federated_language.common_libs import structure
+from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import values
@@ -99,3 +100,92 @@ def test_check_value_for_per_client_lists():
         values.check_value([np.zeros(2), np.zeros(3)], t)
     with pytest.raises(ComputationError, match="one member per client"):
         values.check_value(np.zeros((2, 2)), t)
+
+
+# -- one npz rule for inputs and results ---------------------------------------------
+
+def test_npz_keys_ignore_placements_so_inputs_and_results_agree():
+    pair = fl.StructType([("a", V2), ("b", F32)])
+    for t in (server(pair), fl.StructType([("a", server(V2)), ("b", server(F32))])):
+        npz = {"a": np.ones(2, F32), "b": np.float32(3)}
+        arg = values.args_from_npz(npz, t)
+        assert sorted(values.result_to_npz(arg, t)) == ["a", "b"]
+
+
+_tensor_types = st.sampled_from([fl.TensorType(F32), V2, fl.TensorType(np.int32, [3])])
+
+
+def _types(depth: int):
+    base = _tensor_types if depth == 0 else st.one_of(_tensor_types, st.builds(
+        lambda children, named: fl.StructType(
+            [(f"e{i}" if named else None, c) for i, c in enumerate(children)]),
+        st.lists(_types(depth - 1), min_size=1, max_size=3), st.booleans()))
+    return base
+
+
+@settings(max_examples=60, deadline=None)
+@given(_types(2), st.sampled_from(["server", "clients", "none"]), st.integers(1, 3))
+def test_npz_round_trip_for_any_type(member, placement, n):
+    t = {"server": server, "clients": clients, "none": lambda x: x}[placement](member)
+    rng = np.random.default_rng(0)
+
+    def sample(tt, lead):
+        if isinstance(tt, fl.StructType):
+            return tuple(sample(c, lead) for _, c in tt.items())
+        return rng.normal(size=lead + tuple(tt.shape)).astype(tt.dtype)
+
+    tree = sample(member, (n,) if placement == "clients" else ())
+    value = values.from_pytree(tree, t)
+    out = values.result_to_npz(value, t)
+    keys = sorted(out)
+    assert keys == ["result"] if isinstance(member, fl.TensorType) else "result" not in keys
+    back = values.args_from_npz({("arg" if k == "result" else k): v for k, v in out.items()},
+                                t)
+    again = values.result_to_npz(back, t)
+    assert sorted(again) == keys
+    for k in keys:
+        np.testing.assert_array_equal(again[k], out[k])
+
+
+# -- binding arguments ----------------------------------------------------------------
+
+PARAM = fl.StructType([("x", clients(V2)), ("lr", server(F32))])
+
+
+def test_bind_arguments_positional_then_by_name():
+    xs = np.ones((4, 2), F32)
+    for args, kwargs in (((xs, 0.1), {}), ((xs,), {"lr": 0.1}), ((), {"x": xs, "lr": 0.1})):
+        bound = values.bind_arguments(PARAM, args, kwargs)
+        assert bound.num_clients() == 4
+        assert len(bound.runtime_value()[0]) == 4
+    with pytest.raises(ComputationError, match=r"missing \['lr'\]"):
+        values.bind_arguments(PARAM, (xs,), {})
+    with pytest.raises(ComputationError, match="unexpected keyword"):
+        values.bind_arguments(PARAM, (xs, 0.1), {"y": 1})
+    with pytest.raises(ComputationError, match="takes 2 arguments"):
+        values.bind_arguments(PARAM, (xs, 0.1, 3), {})
+    with pytest.raises(ComputationError, match="takes no arguments"):
+        values.bind_arguments(None, (xs,), {})
+    assert values.bind_arguments(server(F32), (1.0,), {}).num_clients() is None
+
+
+def test_select_clients_keeps_only_the_chosen_rows_of_clients_values():
+    xs = np.arange(10, dtype=F32).reshape(5, 2)
+    bound = values.bind_arguments(PARAM, (xs, 0.5), {})
+    picked = bound.select_clients(np.array([1, 3]))
+    assert picked.num_clients() == 2
+    members = picked.runtime_value()[0]
+    np.testing.assert_array_equal(np.stack(members), xs[[1, 3]])
+    assert float(picked.runtime_value()[1]) == 0.5
+    with pytest.raises(ComputationError, match="disagree on the number of clients"):
+        values.bind_arguments(fl.StructType([("a", clients(V2)), ("b", clients(V2))]),
+                              (np.ones((2, 2), F32), np.ones((3, 2), F32)), {}).num_clients()
+
+
+def test_named_tuples_match_named_elements_by_name():
+    import collections
+
+    Pair = collections.namedtuple("Pair", ["b", "a"])
+    t = fl.StructType([("a", F32), ("b", V2)])
+    v = values.to_local(Pair(b=np.ones(2), a=2.0), t)
+    assert float(v.a) == 2.0 and v.b.shape == (2,)

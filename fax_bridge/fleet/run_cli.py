@@ -1,11 +1,11 @@
 """`fax-bridge run COMP.pb --inputs IN.npz --devices K --output OUT.npz`.
 
 Runs a TFF computation from a file (exported by fax_bridge or written by TFF) on a
-local fleet. npz keys are the dotted paths of the parameter's element names (the
-element index where unnamed; `arg` when the parameter is not a struct). CLIENTS values
-carry a leading clients axis, whose size gives the number of clients (`--clients` when
-no argument is at CLIENTS). The result is written the same way: `result`, or the dotted
-paths of the result's element names.
+local fleet. npz keys follow one rule for inputs and results (`runtime.values`): the
+dotted path of each tensor through the value's struct elements (name, or index where
+unnamed; placements add nothing), `arg` / `result` for a value that is one tensor.
+CLIENTS values carry a leading clients axis, whose size gives the number of clients
+(`--clients` when no argument is at CLIENTS but the computation places values there).
 """
 
 from __future__ import annotations

@@ -10,12 +10,11 @@ clients per the policy, runs the computation on the participants through a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-import federated_language
-import jax
 import numpy as np
 
 from fax_bridge.errors import CheckpointError, FleetError
@@ -23,7 +22,7 @@ from fax_bridge.fleet import checkpoint
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
-from fax_bridge.runtime import interpreter
+from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.population import PopulationRef
 
 
@@ -103,37 +102,38 @@ class FleetRounds:
         The round's cohort, dropouts and delays follow the fleet's policy; the
         computation sees only the participating clients. Returns the result as a
         pytree, or `(result, RoundReport)` with `report=True` (also `last_report`).
-        `num_clients` gives the population when no argument is placed at CLIENTS.
+        `num_clients` gives the population when no argument is placed at CLIENTS; a
+        computation that places nothing at CLIENTS itself needs neither.
         """
         if self.backend is None or self._closed:
             raise FleetError(f"the fleet is not running; use `with {type(self).__name__}"
                              "(...) as fleet:`")
-        fn_type = interpreter.computation_type(proto)
-        param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
+        prepared = interpreter.prepare(proto)
+        bound = values.bind_arguments(prepared.parameter, args, kwargs)
         round_index = self.next_round
         self.next_round += 1
-        population = _population(args, kwargs, param, self._population_size)
-        if population is None:
-            if num_clients is None:
-                raise FleetError(
-                    "no argument is placed at CLIENTS, so the number of clients is unknown; "
-                    "pass num_clients=N to run()")
+        population = bound.num_clients(self._population_size)
+        clients_given = population is not None
+        if population is None and num_clients is not None:
             population = int(num_clients)
-        plan = plan_round(self.policy, population, round_index)
-        rep = RoundReport(round=round_index, population=population, cohort=plan.cohort,
+        plan = plan_round(self.policy, population or 0, round_index)
+        rep = RoundReport(round=round_index, population=population or 0, cohort=plan.cohort,
                           dropped=plan.dropped, late=plan.late,
                           participants=plan.participants, delays_s=plan.delays_s,
                           devices=self.num_devices, preaggregate=self.backend.preaggregate)
         self.reports.append(rep)
         try:
-            check_min_clients(self.policy, plan, round_index)
+            if population is not None:  # else no client takes part: nothing to check
+                check_min_clients(self.policy, plan, round_index)
         except FleetError as e:
             rep.error = str(e)
             raise
         participants = list(plan.participants)
         while True:
             try:
-                result = self._attempt(proto, args, kwargs, param, participants, plan, rep)
+                result = self._attempt(prepared, bound, clients_given,
+                                       None if population is None else participants,
+                                       plan, rep)
                 break
             except FleetError as e:
                 lost = self._lose_unreachable_devices(participants, rep, e)
@@ -155,21 +155,28 @@ class FleetRounds:
         rep.participants = participants
         return (result, rep) if report else result
 
-    def _attempt(self, proto, args, kwargs, param, participants, plan, rep):
-        """One try at the round on the current devices; adds its costs to `rep`."""
-        chosen = np.asarray(participants, dtype=np.int64)
-        args, kwargs = _select_clients(args, kwargs, param, chosen, self._population_size)
-        if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
-            self.backend.set_delays([plan.delays_s[c] for c in participants])
-        before = self.backend.traffic.__class__(**self.backend.traffic.as_dict())
+    def _attempt(self, prepared: interpreter.Prepared, bound: values.BoundArguments,
+                 clients_given: bool, participants: Optional[list], plan, rep):
+        """One try at the round on the current devices; adds its costs to `rep`.
+
+        `participants`: the population indices taking part (None when the round has no
+        population: the computation then must not need a number of clients).
+        """
+        num_clients = None
+        if participants is not None:
+            if clients_given:
+                bound = bound.select_clients(np.asarray(participants, dtype=np.int64))
+            else:
+                num_clients = len(participants)
+            if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
+                self.backend.set_delays([plan.delays_s[c] for c in participants])
+        before = dataclasses.replace(self.backend.traffic)
         start = time.perf_counter()
         backend = self.backend
         try:
-            return interpreter.run_computation(
-                proto, *args, backend=backend,
-                num_clients=(None if _population(args, kwargs, param, self._population_size)
-                             else len(chosen)),
-                **kwargs)
+            result = interpreter.evaluate(prepared, bound.runtime_value(), backend,
+                                          num_clients=num_clients)
+            return values.to_pytree(result, prepared.result)
         finally:
             backend.set_delays(None)
             rep.wall_s += time.perf_counter() - start
@@ -289,81 +296,3 @@ class FleetRounds:
                                 down=rep.bytes_down, refresh=False)
                 bar.update(1)
         return results
-
-
-def _param_items(args: Sequence, kwargs: dict, param) -> list:
-    """(value, type, where) of each top-level argument, following run_computation."""
-    if param is None:
-        return []
-    if isinstance(param, federated_language.StructType):
-        items = list(param.items())
-        out = [(a, t, ("args", i)) for i, (a, (_, t)) in enumerate(zip(args, items))]
-        for name, t in items[len(args):]:
-            if name in kwargs:
-                out.append((kwargs[name], t, ("kwargs", name)))
-        return out
-    return [(args[0], param, ("args", 0))] if args else []
-
-
-def _is_clients(t) -> bool:
-    return (isinstance(t, federated_language.FederatedType)
-            and t.placement is federated_language.CLIENTS and not t.all_equal)
-
-
-def _leading_sizes(value, t, out: list, sizer=None) -> None:
-    if _is_clients(t) and isinstance(value, PopulationRef):
-        if value.client_ids is not None:
-            out.append(len(value.client_ids))
-        elif sizer is not None:
-            out.append(int(sizer(value)))
-        else:
-            raise FleetError(f"{value!r} names no client ids and no fleet can count them")
-    elif _is_clients(t):
-        out.extend(int(np.shape(leaf)[0]) for leaf in jax.tree_util.tree_leaves(value))
-    elif isinstance(t, federated_language.StructType):
-        for i, (name, tt) in enumerate(t.items()):
-            child = value.get(name) if isinstance(value, dict) else (
-                value[i] if isinstance(value, (list, tuple)) else None)
-            if child is not None:
-                _leading_sizes(child, tt, out, sizer)
-
-
-def _population(args: Sequence, kwargs: dict, param, sizer=None) -> Optional[int]:
-    sizes: list = []
-    for value, t, _ in _param_items(args, kwargs, param):
-        _leading_sizes(value, t, sizes, sizer)
-    if not sizes:
-        return None
-    if len(set(sizes)) > 1:
-        raise FleetError(
-            f"CLIENTS arguments disagree on the number of clients (leading axes "
-            f"{sorted(set(sizes))}); give every CLIENTS tensor one row per client")
-    return sizes[0]
-
-
-def _select(value, t, chosen: np.ndarray, sizer=None):
-    if _is_clients(t) and isinstance(value, PopulationRef):
-        return value.select(chosen)  # only ids: each device reads its own rows
-    if _is_clients(t):
-        return jax.tree_util.tree_map(lambda leaf: np.asarray(leaf)[chosen], value)
-    if isinstance(t, federated_language.StructType):
-        if isinstance(value, dict):
-            types = dict(t.items())
-            return {k: _select(v, types[k], chosen, sizer) if k in types else v
-                    for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            types = [tt for _, tt in t.items()]
-            picked = [_select(v, tt, chosen, sizer) for v, tt in zip(value, types)]
-            return type(value)(picked) if isinstance(value, tuple) else picked
-    return value
-
-
-def _select_clients(args: Sequence, kwargs: dict, param, chosen: np.ndarray, sizer=None):
-    args, kwargs = list(args), dict(kwargs)
-    for value, t, (where, key) in _param_items(args, kwargs, param):
-        picked = _select(value, t, chosen, sizer)
-        if where == "args":
-            args[key] = picked
-        else:
-            kwargs[key] = picked
-    return args, kwargs

@@ -21,7 +21,7 @@ from federated_language.common_libs import structure
 from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
-from fax_bridge.errors import ComputationError, FaxBridgeError
+from fax_bridge.errors import ClientCountError, ComputationError, FaxBridgeError
 from fax_bridge.runtime import aggregation, limits, local_eval, values
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
@@ -107,9 +107,10 @@ class _Interpreter:
 
     def clients(self, what: str) -> int:
         if self.num_clients is None:
-            raise ComputationError(
-                f"{what} needs the number of clients, but no CLIENTS input fixes it; pass "
-                "num_clients=")
+            raise ClientCountError(
+                f"{what} needs the number of clients, but no argument is placed at CLIENTS "
+                "to fix it; give it (num_clients=N in Python, --clients N on the command "
+                "line)")
         return self.num_clients
 
     # -- evaluation -------------------------------------------------------------------
@@ -639,10 +640,36 @@ def as_proto(proto: Union[Computation, bytes]) -> Computation:
 
 def computation_type(proto: Union[Computation, bytes]) -> Optional[federated_language.Type]:
     """The type signature a computation proto declares."""
-    return local_eval.parse_type(as_proto(proto).type)
+    return prepare(proto).type
 
 
-def evaluate(proto: Union[Computation, bytes], arg: Any = None,
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A computation proto with its type signature, parsed once (see `prepare`)."""
+
+    proto: Computation
+    type: Optional[federated_language.Type]
+
+    @property
+    def parameter(self) -> Optional[federated_language.Type]:
+        return self.type.parameter if isinstance(
+            self.type, federated_language.FunctionType) else None
+
+    @property
+    def result(self) -> Optional[federated_language.Type]:
+        return self.type.result if isinstance(
+            self.type, federated_language.FunctionType) else self.type
+
+
+def prepare(proto: "Union[Computation, bytes, Prepared]") -> Prepared:
+    """Parses a computation (proto or bytes) and its type once, for repeated runs."""
+    if isinstance(proto, Prepared):
+        return proto
+    proto = as_proto(proto)
+    return Prepared(proto, local_eval.parse_type(proto.type))
+
+
+def evaluate(proto: Union[Computation, bytes, Prepared], arg: Any = None,
              backend: Optional[ClientsBackend] = None, *,
              num_clients: Optional[int] = None,
              data: Optional[Mapping[str, Any]] = None) -> Any:
@@ -655,10 +682,10 @@ def evaluate(proto: Union[Computation, bytes], arg: Any = None,
     value may also be a `PopulationRef`: its rows are read where the clients run
     (`ClientsBackend.put_from_store`), so only client ids leave this process.
     """
-    proto = as_proto(proto)
+    prepared = prepare(proto)
+    proto, fn_type = prepared.proto, prepared.type
     backend = backend if backend is not None else LocalClientsBackend()
     try:
-        fn_type = local_eval.parse_type(proto.type)
         it = _Interpreter(backend, num_clients, dict(data or {}))
         if not isinstance(fn_type, federated_language.FunctionType):
             if arg is not None:
@@ -705,40 +732,16 @@ def _checked_result(it: _Interpreter, result: Any, type_) -> Any:
             f"match: {e}") from None
 
 
-def run_computation(proto: Union[Computation, bytes], *args: Any,
+def run_computation(proto: Union[Computation, bytes, Prepared], *args: Any,
                     backend: Optional[ClientsBackend] = None,
                     num_clients: Optional[int] = None, **kwargs: Any) -> Any:
     """Runs a computation on python pytrees, one per parameter element; returns a pytree.
 
     CLIENTS arguments and results carry a leading clients axis. Named parameter elements
-    may be passed by keyword.
+    may be passed by keyword (`values.bind_arguments`). `num_clients` is needed only when
+    no argument is placed at CLIENTS and the computation places values there itself.
     """
-    proto = as_proto(proto)
-    fn_type = local_eval.parse_type(proto.type)
-    param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
-    if param is None:
-        if args or kwargs:
-            raise ComputationError(f"the computation {fn_type} takes no arguments")
-        arg = None
-    elif isinstance(param, federated_language.StructType):
-        items = list(param.items())
-        given = list(args)
-        for name, _ in items[len(args):]:
-            if name in kwargs:
-                given.append(kwargs.pop(name))
-        if kwargs:
-            raise ComputationError(
-                f"unexpected keyword arguments {sorted(kwargs)} for parameter {param}")
-        if len(given) != len(items):
-            raise ComputationError(
-                f"the computation takes {len(items)} arguments ({param}), got {len(given)}")
-        arg = values.from_pytree(tuple(given), param)
-    else:
-        if kwargs or len(args) != 1:
-            raise ComputationError(
-                f"the computation takes one argument ({param}), got {len(args)}")
-        arg = values.from_pytree(args[0], param)
-    result = evaluate(proto, arg, backend, num_clients=num_clients)
-    result_type = fn_type.result if isinstance(fn_type, federated_language.FunctionType) \
-        else fn_type
-    return values.to_pytree(result, result_type)
+    prepared = prepare(proto)
+    bound = values.bind_arguments(prepared.parameter, args, kwargs)
+    result = evaluate(prepared, bound.runtime_value(), backend, num_clients=num_clients)
+    return values.to_pytree(result, prepared.result)

@@ -7,23 +7,30 @@ Conventions:
 - Federated values: a SERVER value is its member value; a CLIENTS value is given as a
   pytree whose leaves carry a leading clients axis (its size is the number of clients).
   Inside the runtime a CLIENTS value is a list of per-client member values.
-- npz files (the CLI's convention): one key per tensor, the dotted path of element names
-  (the element index where unnamed); the key is `arg` when the parameter is a single
-  tensor and `result` when the result is. CLIENTS tensors carry the clients axis.
+- npz files (the CLI's convention), one rule for inputs and results: one key per
+  tensor, its dotted path through the value's struct elements (the element's name, its
+  index where unnamed); a placement adds nothing to the path, so `{a, b}@SERVER` and
+  `<a@SERVER, b@SERVER>` both have keys `a` and `b`. A value that is one tensor has the
+  empty path and the key `arg` (parameter) or `result`. CLIENTS tensors carry the
+  clients axis.
+- Arguments (`bind_arguments`): positional, then by keyword for named elements, one per
+  element of a struct parameter (one argument for any other parameter); the binding
+  counts and selects clients for the fleet's rounds.
 
 Every mismatch raises `ComputationError` naming the path, what was expected and got.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime.backend import ClientsValue
+from fax_bridge.runtime.backend import ClientsValue, leaves
 from fax_bridge.runtime.population import PopulationRef
 
 LocalValue = Any  # np.ndarray | structure.Struct
@@ -89,6 +96,8 @@ def _is_numeric_seq(value) -> bool:
 def _struct_items(value, type_: federated_language.StructType, path: str):
     """The elements of a pytree or Struct `value` in the order of `type_`'s elements."""
     items = list(type_.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields") and all(n for n, _ in items):
+        value = value._asdict()  # a NamedTuple's fields are matched by name
     if isinstance(value, Mapping):
         names = [n for n, _ in items]
         if not all(names):
@@ -136,28 +145,22 @@ def to_local(value: Pytree, type_: federated_language.Type, path: str = "",
         "structs and federated values of them can")
 
 
-def _leaves(value: LocalValue) -> list[np.ndarray]:
-    if isinstance(value, structure.Struct):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value]
-
-
-def _index(value: LocalValue, i: int) -> LocalValue:
+def _map_local(fn: Callable, value: LocalValue) -> LocalValue:
     if isinstance(value, structure.Struct):
         names = structure.name_list_with_nones(value)
-        return structure.Struct([(n, _index(v, i)) for n, v in zip(names, value)])
-    return value[i]
+        return structure.Struct([(n, _map_local(fn, v)) for n, v in zip(names, value)])
+    return fn(value)
 
 
 def unstack(stacked: LocalValue, path: str = "") -> list[LocalValue]:
     """Splits a local value whose tensors carry a leading clients axis, client by client."""
-    sizes = {int(np.shape(leaf)[0]) for leaf in _leaves(stacked)}
+    sizes = {int(np.shape(leaf)[0]) for leaf in leaves(stacked)}
     if len(sizes) > 1:
         raise ComputationError(
             f"{_where(path)}: the leading clients axis differs between tensors "
             f"({sorted(sizes)}); every CLIENTS tensor needs one entry per client")
     n = sizes.pop() if sizes else 0
-    return [_index(stacked, i) for i in range(n)]
+    return [_map_local(lambda leaf: leaf[i], stacked) for i in range(n)]
 
 
 def stack(values: Sequence[LocalValue], path: str = "") -> LocalValue:
@@ -294,10 +297,15 @@ def _tree_from_npz(npz: Mapping[str, np.ndarray], type_, prefix: str):
         if items and all(n for n, _ in items):
             return {n: c for (n, _), c in zip(items, children)}
         return tuple(children)
-    if prefix not in npz:
-        raise ComputationError(f"the npz file has no key `{prefix}` (a {type_} tensor); it "
+    key = _npz_key(prefix, ARG_KEY)
+    if key not in npz:
+        raise ComputationError(f"the npz file has no key `{key}` (a {type_} tensor); it "
                                f"holds {sorted(npz)}")
-    return np.asarray(npz[prefix])
+    return np.asarray(npz[key])
+
+
+def _npz_key(path: str, root: str) -> str:
+    return path or root
 
 
 def args_from_npz(npz: Mapping[str, np.ndarray],
@@ -308,9 +316,7 @@ def args_from_npz(npz: Mapping[str, np.ndarray],
             raise ComputationError(
                 f"the computation takes no argument, but the npz file holds {sorted(npz)}")
         return None
-    top_struct = isinstance(parameter_type, federated_language.StructType)
-    prefix = "" if top_struct else ARG_KEY
-    wanted = {k for k, _ in _npz_keys(parameter_type, prefix)}
+    wanted = {_npz_key(k, ARG_KEY) for k, _ in _npz_keys(parameter_type, "")}
     extra = sorted(set(npz) - wanted)
     missing = sorted(wanted - set(npz))
     if missing or extra:
@@ -318,7 +324,7 @@ def args_from_npz(npz: Mapping[str, np.ndarray],
             f"the npz file does not fit the parameter {parameter_type}: no key "
             f"{', '.join(f'`{k}`' for k in missing) or '(none missing)'}; unexpected keys "
             f"{extra}; expected exactly {sorted(wanted)}")
-    return from_pytree(_tree_from_npz(npz, parameter_type, prefix), parameter_type)
+    return from_pytree(_tree_from_npz(npz, parameter_type, ""), parameter_type)
 
 
 def _flat_npz(tree, type_, prefix: str, out: dict) -> None:
@@ -334,11 +340,137 @@ def _flat_npz(tree, type_, prefix: str, out: dict) -> None:
 
 
 def result_to_npz(value: Any, result_type: federated_language.Type) -> dict[str, np.ndarray]:
-    """A runtime result as npz entries (`result` when the result is not a struct)."""
-    prefix = "" if isinstance(result_type, federated_language.StructType) else RESULT_KEY
+    """A runtime result as npz entries (`result` when the result is one tensor)."""
     out: dict[str, np.ndarray] = {}
-    _flat_npz(to_pytree(value, result_type), result_type, prefix, out)
-    return out
+    _flat_npz(to_pytree(value, result_type), result_type, "", out)
+    return {_npz_key(k, RESULT_KEY): v for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# Binding python arguments to a computation's parameter.
+
+
+def _is_clients(type_) -> bool:
+    return (isinstance(type_, federated_language.FederatedType)
+            and type_.placement is federated_language.CLIENTS and not type_.all_equal)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundArguments:
+    """Python arguments matched to the elements of a computation's parameter.
+
+    `elements` holds (type, value) per top-level element, in the parameter's order
+    (one pair for a parameter that is not a struct; none without a parameter).
+    """
+
+    parameter: Optional[federated_language.Type]
+    elements: tuple
+
+    def pytree(self) -> Pytree:
+        """The argument as one pytree of the parameter's type (None without one)."""
+        if self.parameter is None:
+            return None
+        if isinstance(self.parameter, federated_language.StructType):
+            return tuple(v for _, v in self.elements)
+        return self.elements[0][1]
+
+    def runtime_value(self) -> Any:
+        """The argument as the runtime's value, checked against the parameter's type."""
+        if self.parameter is None:
+            return None
+        return from_pytree(self.pytree(), self.parameter)
+
+    def num_clients(self, population_size: Optional[Callable[[Any], int]] = None
+                    ) -> Optional[int]:
+        """The number of clients the CLIENTS arguments hold (None when none is at CLIENTS).
+
+        A `PopulationRef` naming no ids counts its population with `population_size`.
+        Raises ComputationError when CLIENTS arguments disagree.
+        """
+        sizes: list[int] = []
+        for type_, value in self.elements:
+            _leading_sizes(value, type_, sizes, population_size)
+        if len(set(sizes)) > 1:
+            raise ComputationError(
+                f"CLIENTS arguments disagree on the number of clients (leading axes "
+                f"{sorted(set(sizes))}); give every CLIENTS tensor one row per client")
+        return sizes[0] if sizes else None
+
+    def select_clients(self, chosen: np.ndarray) -> "BoundArguments":
+        """The same arguments with only the clients `chosen` (population indices)."""
+        return dataclasses.replace(self, elements=tuple(
+            (t, _select(v, t, chosen)) for t, v in self.elements))
+
+
+def bind_arguments(parameter: Optional[federated_language.Type], args: Sequence[Any],
+                   kwargs: Mapping[str, Any]) -> BoundArguments:
+    """Matches `args` (positional) and `kwargs` (named elements) to `parameter`."""
+    args, kwargs = list(args), dict(kwargs)
+    if parameter is None:
+        if args or kwargs:
+            raise ComputationError("the computation takes no arguments, got "
+                                   f"{len(args) + len(kwargs)}")
+        return BoundArguments(None, ())
+    if not isinstance(parameter, federated_language.StructType):
+        if kwargs or len(args) != 1:
+            raise ComputationError(
+                f"the computation takes one argument ({parameter}), got "
+                f"{len(args) + len(kwargs)}")
+        return BoundArguments(parameter, ((parameter, args[0]),))
+    items = list(parameter.items())
+    if len(args) > len(items):
+        raise ComputationError(
+            f"the computation takes {len(items)} arguments ({parameter}), got {len(args)}")
+    given = list(args)
+    for name, _ in items[len(args):]:
+        if name in kwargs:
+            given.append(kwargs.pop(name))
+        else:
+            break
+    if kwargs:
+        raise ComputationError(
+            f"unexpected keyword arguments {sorted(kwargs)} for parameter {parameter}")
+    if len(given) != len(items):
+        missing = [n or str(i) for i, (n, _) in enumerate(items)][len(given):]
+        raise ComputationError(
+            f"the computation takes {len(items)} arguments ({parameter}), got "
+            f"{len(given)}; missing {missing}")
+    return BoundArguments(parameter, tuple((t, v) for (_, t), v in zip(items, given)))
+
+
+def _leading_sizes(value, type_, out: list, population_size=None) -> None:
+    if _is_clients(type_) and isinstance(value, PopulationRef):
+        if value.client_ids is not None:
+            out.append(len(value.client_ids))
+        elif population_size is not None:
+            out.append(int(population_size(value)))
+        else:
+            raise ComputationError(
+                f"{value!r} names no client ids and nothing can count its population; "
+                "give client_ids=")
+    elif _is_clients(type_):
+        local = to_local(value, type_.member, "", lead=1)
+        out.extend(int(leaf.shape[0]) for leaf in leaves(local))
+    elif isinstance(type_, federated_language.StructType) and _contains_federated(type_):
+        try:
+            pairs = _struct_items(value, type_, "")
+        except ComputationError:
+            return  # reported with its path when the value is converted
+        for (_, child), (_, t) in zip(pairs, type_.items()):
+            _leading_sizes(child, t, out, population_size)
+
+
+def _select(value, type_, chosen: np.ndarray):
+    if _is_clients(type_) and isinstance(value, PopulationRef):
+        return value.select(chosen)  # only ids: each device reads its own rows
+    if _is_clients(type_):
+        return _map_local(lambda leaf: leaf[chosen], to_local(value, type_.member, "", lead=1))
+    if isinstance(type_, federated_language.StructType) and _contains_federated(type_):
+        pairs = _struct_items(value, type_, "")
+        return tuple(_select(child, t, chosen) for (_, child), (_, t)
+                     in zip(pairs, type_.items())) if not isinstance(value, Mapping) else {
+            n: _select(child, t, chosen) for (n, child), (_, t) in zip(pairs, type_.items())}
+    return value
 
 
 def num_clients_of(value: Any, type_: Optional[federated_language.Type]) -> Optional[int]:
