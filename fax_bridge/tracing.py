@@ -63,6 +63,10 @@ def type_string(aval, placement: Placement) -> str:
     return s + "@SERVER" if placement is Placement.SERVER else s
 
 
+class PlacementNestingError(PlacementError):
+    """Several placements side by side at a program's top level instead of nested."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Violation:
     """An equation that mixes clients outside the federated primitives (not exportable)."""
@@ -435,7 +439,7 @@ def trace(fn: Callable, *args, placements: Any = None,
     found = placements_in(closed.jaxpr)
     names = {name for name, _ in found}
     if len(names) > 1:
-        raise PlacementError(
+        raise PlacementNestingError(
             f"the program places values at several placements {sorted(names)} at its top "
             "level. Nest them instead: call the program over the inner placement inside "
             "federated_map_clients of the outer one.")
