@@ -84,6 +84,8 @@ def test_placements_side_by_side_are_refused_with_the_fix():
     args = (W, jnp.ones((GROUPS, 2)))
     with pytest.raises(fb.PlacementError, match="Nest them"):
         fb.trace(side_by_side, *args, placements=("server", "clients"))
+    with pytest.raises(fb.ExportError, match="one CLIENTS placement.*outermost"):
+        fb.export_tff(side_by_side, *args, placements=("server", "clients"))
 
 
 def test_one_name_with_two_sizes_is_refused():

@@ -628,11 +628,19 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
     """Exports `fn(*args)` as a `federated_language` `Computation` proto.
 
     `placements` is a pytree prefix of "server"/"clients" per positional argument
-    (default: all SERVER). Raises `fax_bridge.ExportError` for what TFF cannot express,
-    naming the equation, the user's source line and the fix. `round_form`: see
-    `export_computation`.
+    (default: all SERVER). The program's placement (any name) becomes TFF CLIENTS; nested
+    programs (another placement inside a `federated_map_clients` function) are local
+    work in the per-client Xla computations. Raises `fax_bridge.ExportError` for what
+    TFF cannot express, naming the equation, the user's source line and the fix.
+    `round_form`: see `export_computation`.
     """
-    comp = tracing.trace(fn, *args, placements=placements, clients=clients)
+    try:
+        comp = tracing.trace(fn, *args, placements=placements, clients=clients)
+    except tracing.PlacementNestingError as e:
+        raise ExportError(
+            f"cannot export: {e} TFF has one CLIENTS placement, which is the outermost "
+            "placement of the program; inner placements can only be local work inside a "
+            "per-client function.") from e
     return export_computation(comp, argument_names(fn, len(args)), round_form)
 
 
