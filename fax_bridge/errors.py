@@ -42,3 +42,7 @@ class ArgumentError(FaxBridgeError, TypeError):
 
 class CheckpointError(FleetError):
     """A checkpoint is truncated or corrupt, or was made by another program."""
+
+
+class PrivacyError(FaxBridgeError, ValueError):
+    """A differential-privacy setting is invalid or cannot give the requested guarantee."""

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fax_bridge.data import CohortSampler, sample_cohort
+from fax_bridge.data import CohortSampler, PoissonSampler, sample_cohort
 
 
 def test_same_seed_and_round_same_cohort():
@@ -32,3 +32,13 @@ def test_bad_arguments():
         sample_cohort(5, 6, 0)
     with pytest.raises(ValueError, match="non-negative"):
         sample_cohort(5, 2, 0, weights=np.ones(4))
+
+
+def test_poisson_sampler_draws_independent_members_within_capacity():
+    s = PoissonSampler(1000, 0.05, capacity=90, seed=3)
+    sizes = [len(s(r)) for r in range(200)]
+    assert abs(np.mean(sizes) - 50) < 2 and len(set(sizes)) > 5   # varies, mean q * N
+    np.testing.assert_array_equal(s(7), s(7))
+    assert np.all(np.diff(s(7)) > 0)
+    with pytest.raises(ValueError, match="capacity"):
+        PoissonSampler(1000, 0.5, capacity=10)(0)

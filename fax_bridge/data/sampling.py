@@ -49,3 +49,36 @@ class CohortSampler:
     def __call__(self, round_index: int) -> np.ndarray:
         return sample_cohort(self.num_clients, self.cohort_size, round_index, self.seed,
                              self.weights)
+
+
+class PoissonSampler:
+    """Poisson cohorts: each client joins round r independently with probability `rate`.
+
+    The cohort size varies from round to round; a program has a fixed number of client
+    slots, so `capacity` bounds it and `sampler(r)` raises when a draw exceeds it (choose
+    a capacity a few standard deviations above `rate * num_clients`). This is the
+    sampling that `PoissonSampledDpEvent` accounts for.
+    """
+
+    def __init__(self, num_clients: int, rate: float, capacity: int, seed: int = 0):
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"rate must lie in (0, 1], got {rate}.")
+        if not 1 <= capacity <= num_clients:
+            raise ValueError(
+                f"capacity must be between 1 and num_clients={num_clients}; got {capacity}.")
+        self.num_clients = num_clients
+        self.rate = float(rate)
+        self.capacity = capacity
+        self.seed = seed
+
+    def __call__(self, round_index: int) -> np.ndarray:
+        if round_index < 0:
+            raise ValueError(f"round_index must be >= 0, got {round_index}.")
+        rng = np.random.default_rng([self.seed, round_index, 1])
+        ids = np.flatnonzero(rng.random(self.num_clients) < self.rate)
+        if ids.size > self.capacity:
+            raise ValueError(
+                f"round {round_index} drew {ids.size} clients, more than the capacity "
+                f"{self.capacity} of the program's client slots; build the program with "
+                "more clients (slots) and a larger capacity.")
+        return ids

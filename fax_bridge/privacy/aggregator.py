@@ -1,0 +1,223 @@
+"""Differentially private mean of client updates: clip at clients, Gaussian noise at the server.
+
+Written with the federated primitives, so a program that aggregates through it traces,
+exports to TFF and runs on a fleet like any other. One round of `aggregate`:
+
+1. the server broadcasts the current clip norm C;
+2. every client clips its update to global L2 norm C (and, for adaptive clipping, reports
+   +-0.5: whether its norm was at most C);
+3. `federated_sum` adds the clipped updates (and the indicators);
+4. at the server, from the server-placed PRNG key in the state: the sum gets Gaussian
+   noise of standard deviation `C * value_noise_multiplier` on every coordinate, and is
+   divided by `clients_per_round` (the expected cohort size, a constant, so the division
+   costs no privacy); the indicator sum gets noise of standard deviation
+   `clipped_count_stddev` and moves C geometrically toward the target quantile.
+
+These are the conventions of TFF's `DifferentiallyPrivateFactory` (`gaussian_fixed`,
+`gaussian_adaptive`): noise on the sum, before normalisation; the adaptive clip's
+defaults from Andrew et al. 2021 (initial clip 0.1, target quantile 0.5, learning rate
+0.2, clipped-count stddev 0.05 x clients per round when noise is added); and the split of
+a total noise multiplier z between the values and the clipped count,
+`z_value = (z**-2 - (2 * clipped_count_stddev)**-2) ** -0.5`, so that the round as a
+whole is one Gaussian mechanism of noise multiplier z for accounting.
+
+Empty slots: `present` (one 0/1 per client) zeroes the contribution of padding slots, so
+a cohort of varying size (Poisson sampling) fits a program of fixed cardinality.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+import fax_bridge as fx
+from fax_bridge.errors import PrivacyError
+from fax_bridge.privacy import clipping
+
+
+class DPState(NamedTuple):
+    """SERVER state of a DP aggregator: the clip norm of the next round and the noise key.
+
+    `key` is raw threefry key data (uint32[2], `jax.random.key_data`), so the state is a
+    pytree of plain arrays that exports as TFF tensors.
+    """
+
+    clip: jax.Array
+    key: jax.Array
+
+
+class DPAggregator(NamedTuple):
+    """A DP mean: `init(seed) -> DPState`; `aggregate(state, value, present=None)`.
+
+    `aggregate` must be called inside a `fax_bridge.program`; `value` is a CLIENTS pytree,
+    `present` an optional CLIENTS vector of 0/1 (1 = a real client). It returns
+    `(mean, new_state, metrics)`, all at SERVER; `metrics['clip']` is the clip norm this
+    round used, and for adaptive clipping `metrics['unclipped_fraction']` is the noised
+    estimate that moved it. `noise_multiplier` is the total noise multiplier to account
+    for; `value_noise_multiplier` the one applied to the values.
+    """
+
+    init: Callable[..., DPState]
+    aggregate: Callable
+    noise_multiplier: float
+    value_noise_multiplier: float
+    clipped_count_stddev: float
+    clients_per_round: float
+    adaptive: bool
+
+
+def _check_nonneg(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value) or value < 0:
+        raise PrivacyError(f"{name} must be a finite number >= 0, got {value!r}.")
+    return float(value)
+
+
+def _check_positive(value, name: str) -> float:
+    v = _check_nonneg(value, name)
+    if v <= 0:
+        raise PrivacyError(f"{name} must be > 0, got {value!r}.")
+    return v
+
+
+def adaptive_clip_noise_params(noise_multiplier: float, clients_per_round: float,
+                               clipped_count_stddev: Optional[float] = None
+                               ) -> tuple[float, float]:
+    """`(value_noise_multiplier, clipped_count_stddev)` for a total noise multiplier.
+
+    The clipped count is a Gaussian sum of sensitivity 0.5, i.e. noise multiplier
+    `2 * clipped_count_stddev`; the values get the larger multiplier that leaves the
+    composition of both at `noise_multiplier`. With no noise, both are 0.
+    """
+    z = _check_nonneg(noise_multiplier, "noise_multiplier")
+    n = _check_positive(clients_per_round, "clients_per_round")
+    if z == 0.0:
+        return 0.0, 0.0 if clipped_count_stddev is None else _check_nonneg(
+            clipped_count_stddev, "clipped_count_stddev")
+    sigma_b = 0.05 * n if clipped_count_stddev is None else _check_nonneg(
+        clipped_count_stddev, "clipped_count_stddev")
+    if z >= 2 * sigma_b:
+        raise PrivacyError(
+            f"clipped_count_stddev={sigma_b:g} is too small for noise_multiplier={z:g}: the "
+            f"clipped count alone would spend more than the whole budget (it needs "
+            f"noise_multiplier < 2 * clipped_count_stddev). Raise clipped_count_stddev "
+            f"(default 0.05 * clients_per_round) or clients_per_round, or lower the noise "
+            f"multiplier.")
+    return (z ** -2 - (2 * sigma_b) ** -2) ** -0.5, sigma_b
+
+
+def _init_fn(initial_clip: float) -> Callable[..., DPState]:
+    def init(seed: Any = 0) -> DPState:
+        """The state before round 1; `seed` an int or a jax PRNG key."""
+        if isinstance(seed, (int,)) and not isinstance(seed, bool):
+            key = jax.random.key(seed)
+        else:
+            key = seed
+            if not jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+                key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+        return DPState(jnp.float32(initial_clip), jax.random.key_data(key))
+
+    return init
+
+
+def _client_clip(adaptive: bool):
+    def clip_one(clip, value, present):
+        clipped, norm = clipping.clip_by_global_norm(value, clip)
+        present = present.astype(jnp.float32)
+        clipped = jax.tree.map(lambda x: x * present.astype(x.dtype), clipped)
+        if adaptive:
+            return clipped, clipping.below_indicator(norm, clip) * present
+        return clipped
+
+    return clip_one
+
+
+def _noise_like(key, tree, stddev):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    noised = [x + (stddev * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+              for k, x in zip(keys, leaves)]
+    return jax.tree.unflatten(treedef, noised)
+
+
+def server_update(state: DPState, total, below_sum, *, value_noise_multiplier: float,
+                  clipped_count_stddev: float, clients_per_round: float,
+                  adaptive: bool, target_quantile: float = 0.5, learning_rate: float = 0.2):
+    """The server half of a round (a pure function): noise, normalise, move the clip."""
+    key = jax.random.wrap_key_data(state.key)
+    key, k_value, k_count = jax.random.split(key, 3)
+    clip = state.clip
+    noised = _noise_like(k_value, total, clip * jnp.float32(value_noise_multiplier))
+    mean = jax.tree.map(lambda x: x / jnp.asarray(clients_per_round, x.dtype), noised)
+    metrics = {"clip": clip}
+    new_clip = clip
+    if adaptive:
+        noisy_below = below_sum + jnp.float32(clipped_count_stddev) * jax.random.normal(
+            k_count, (), jnp.float32)
+        new_clip, fraction = clipping.geometric_clip_update(
+            clip, noisy_below, clients_per_round, target_quantile, learning_rate)
+        metrics["unclipped_fraction"] = fraction
+    return mean, DPState(new_clip, jax.random.key_data(key)), metrics
+
+
+def _make(noise_multiplier: float, value_noise_multiplier: float, clipped_count_stddev: float,
+          clients_per_round: float, initial_clip: float, adaptive: bool,
+          target_quantile: float = 0.5, learning_rate: float = 0.2) -> DPAggregator:
+    clip_one = _client_clip(adaptive)
+
+    def aggregate(state: DPState, value, present=None):
+        if present is None:
+            present = fx.federated_map_clients(
+                lambda leaf: jnp.ones((), jnp.float32), jax.tree.leaves(value)[0])
+        clip_at_clients = fx.federated_broadcast(state.clip)
+        out = fx.federated_map_clients(clip_one, (clip_at_clients, value, present))
+        clipped, below = out if adaptive else (out, None)
+        total = fx.federated_sum(clipped)
+
+        def server(s, t, b=None):
+            return server_update(s, t, b, value_noise_multiplier=value_noise_multiplier,
+                                 clipped_count_stddev=clipped_count_stddev,
+                                 clients_per_round=clients_per_round, adaptive=adaptive,
+                                 target_quantile=target_quantile,
+                                 learning_rate=learning_rate)
+
+        if adaptive:
+            return fx.federated_map_server(server, (state, total, fx.federated_sum(below)))
+        return fx.federated_map_server(server, (state, total))
+
+    return DPAggregator(_init_fn(initial_clip), aggregate, noise_multiplier,
+                        value_noise_multiplier, clipped_count_stddev, clients_per_round,
+                        adaptive)
+
+
+def gaussian_fixed(noise_multiplier: float, clients_per_round: float,
+                   clip: float) -> DPAggregator:
+    """Fixed L2 clip norm `clip`; noise standard deviation `clip * noise_multiplier` on the sum."""
+    z = _check_nonneg(noise_multiplier, "noise_multiplier")
+    n = _check_positive(clients_per_round, "clients_per_round")
+    c = _check_positive(clip, "clip")
+    return _make(z, z, 0.0, n, c, adaptive=False)
+
+
+def gaussian_adaptive(noise_multiplier: float, clients_per_round: float,
+                      initial_l2_norm_clip: float = 0.1,
+                      target_unclipped_quantile: float = 0.5, learning_rate: float = 0.2,
+                      clipped_count_stddev: Optional[float] = None) -> DPAggregator:
+    """Adaptive clip norm (geometric quantile tracking, Andrew et al. 2021) and Gaussian noise.
+
+    `noise_multiplier` is the total noise multiplier of the round; the values get the
+    slightly larger `value_noise_multiplier` (see `adaptive_clip_noise_params`).
+    """
+    z = _check_nonneg(noise_multiplier, "noise_multiplier")
+    n = _check_positive(clients_per_round, "clients_per_round")
+    c = _check_positive(initial_l2_norm_clip, "initial_l2_norm_clip")
+    q = _check_nonneg(target_unclipped_quantile, "target_unclipped_quantile")
+    if q > 1:
+        raise PrivacyError(f"target_unclipped_quantile must lie in [0, 1], got {q}.")
+    lr = _check_nonneg(learning_rate, "learning_rate")
+    z_value, sigma_b = adaptive_clip_noise_params(z, n, clipped_count_stddev)
+    return _make(z, z_value, sigma_b, n, c, adaptive=True, target_quantile=q,
+                 learning_rate=lr)
