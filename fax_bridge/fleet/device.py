@@ -42,6 +42,9 @@ from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.backend import leaves
 from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
                                       DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS, PROTOCOL,
+                                      DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_SECONDS,
+                                      DEFAULT_MAX_CLIENTS, DEFAULT_MAX_CONCURRENT_CALLS,
+                                      DEFAULT_MAX_CONNECTIONS, HANDSHAKE_TIMEOUT_MS,
                                       format_address, grpc_options, parse_address)
 from fax_bridge.v1 import device_pb2 as pb
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
@@ -114,9 +117,16 @@ class DeviceServicer(pb_grpc.DeviceServicer):
     def __init__(self, device_id: str = "device",
                  max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES,
                  population: Optional[str] = None,
-                 population_name: Optional[str] = None):
+                 population_name: Optional[str] = None, *,
+                 max_clients: int = DEFAULT_MAX_CLIENTS,
+                 max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
+                 max_delay_seconds: float = MAX_DELAY_SECONDS):
         self.device_id = device_id
         self.max_stored_bytes = int(max_stored_bytes)
+        self.max_clients = int(max_clients)
+        self.max_call_seconds = float(max_call_seconds)
+        self.max_delay_seconds = float(max_delay_seconds)
+        self.stopping = threading.Event()  # set on shutdown: waits and long calls end
         self.population = None
         self.population_name = ""
         self.population_digest = ""
@@ -137,6 +147,33 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     # -- helpers ------------------------------------------------------------------
 
+    def _check_clients(self, count: int, what: str) -> None:
+        if count > self.max_clients:
+            raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{what} names {count} clients, above this device's cap of "
+                            f"{self.max_clients} (--max-clients)")
+
+    def _check_room(self, extra: int, what: str) -> None:
+        """RESOURCE_EXHAUSTED unless `extra` more bytes fit under --max-stored-bytes."""
+        with self._lock:
+            held = self._stored_bytes
+        if held + extra > self.max_stored_bytes:
+            raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{what} would hold {extra} more bytes, above this device's cap "
+                            f"of {self.max_stored_bytes} bytes ({held} held); release values "
+                            "or raise --max-stored-bytes")
+
+    def _check_time(self, start: float, context, what: str) -> None:
+        """Ends a long call: the device is stopping, the caller gave up, or time ran out."""
+        if self.stopping.is_set():
+            raise _RpcError(grpc.StatusCode.UNAVAILABLE, f"{what}: the device is shutting down")
+        if context is not None and not context.is_active():
+            raise _RpcError(grpc.StatusCode.CANCELLED, f"{what}: the caller went away")
+        if time.monotonic() - start > self.max_call_seconds:
+            raise _RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{what} ran past this device's cap of {self.max_call_seconds:g}s "
+                            "per call (--max-call-seconds)")
+
     def _get(self, handle: int) -> Stored:
         with self._lock:
             stored = self._handles.get(handle)
@@ -151,6 +188,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             stored.nbytes = sum(_value_bytes(m) for m in stored.members)
         else:
             stored.nbytes = _value_bytes(stored.shared)
+        stored.nbytes += CLIENT_ID_BYTES * len(stored.client_ids)
         with self._lock:
             if handle in self._handles:
                 raise _RpcError(grpc.StatusCode.ALREADY_EXISTS,
@@ -217,23 +255,18 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                     raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                     "Put stream mixes client values and from_store reads")
                 received += message.from_store.ByteSize()
-                if received > self.max_stored_bytes:
-                    raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    "Put from_store stream exceeds this device's cap of "
-                                    f"{self.max_stored_bytes} stored bytes")
+                self._check_room(received, "Put from_store stream")
                 reads.append(message.from_store)
                 continue
             if reads and message.values:
                 raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                 "Put stream mixes client values and from_store reads")
+            self._check_clients(len(ids) + len(message.values), "Put")
+            received += sum(item.value.ByteSize() for item in message.values)
+            self._check_room(received, "Put")
             for item in message.values:
                 ids.append(item.client_id)
                 members.append(wire.decode_value(item.value))
-                received += item.value.ByteSize()
-                if received > self.max_stored_bytes:
-                    raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"Put stream exceeds this device's cap of "
-                                    f"{self.max_stored_bytes} stored bytes")
         if handle is None:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "Put stream sent no message")
         if reads:
@@ -243,6 +276,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     @_rpc
     def Broadcast(self, request, context):
+        self._check_clients(len(request.client_ids), "Broadcast")
+        self._check_room(request.value.ByteSize() + CLIENT_ID_BYTES * len(request.client_ids),
+                         "Broadcast")
         value = wire.decode_value(request.value)
         self._store(request.handle, Stored(client_ids=list(request.client_ids), shared=value))
         return pb.BroadcastResponse()
@@ -277,7 +313,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"Put from_store: first_client {head.first_client} is negative")
         store = self.population
-        limit = store.num_clients * 4 + 1024  # ids beyond any sensible cohort
+        limit = min(store.num_clients * 4 + 1024, self.max_clients)
         chunks, count = [], 0
         for read in reads:
             if read.ranges:
@@ -316,6 +352,11 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     @_rpc
     def Map(self, request, context):
+        delay = request.delay_seconds
+        if not 0.0 <= delay <= self.max_delay_seconds:  # NaN fails too
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Map: delay_seconds={delay} is outside 0..{self.max_delay_seconds:g}"
+                            " (--max-delay-seconds)")
         with self._lock:
             fn = self._computations.get(request.computation_hash)
         if fn is None:
@@ -325,16 +366,20 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         arg = self._get(request.arg)
         from fax_bridge.runtime.backend import as_numpy
 
+        results, produced = [], CLIENT_ID_BYTES * len(arg.client_ids)
         with self._compute:
             start = time.perf_counter()
-            if request.no_argument:
-                results = [as_numpy(fn()) for _ in arg.client_ids]
-            else:
-                results = [as_numpy(fn(member)) for member in arg.member_list()]
+            clock = time.monotonic()
+            members = [None] * len(arg.client_ids) if request.no_argument else arg.member_list()
+            for member in members:
+                self._check_time(clock, context, "Map")
+                result = as_numpy(fn() if request.no_argument else fn(member))
+                produced += _value_bytes(result)
+                self._check_room(produced, "Map's results")  # before the next client's
+                results.append(result)
             elapsed = time.perf_counter() - start
-        delay = min(max(request.delay_seconds, 0.0), MAX_DELAY_SECONDS)
-        if delay > 0:
-            time.sleep(delay)
+        if delay > 0 and self.stopping.wait(delay):
+            raise _RpcError(grpc.StatusCode.UNAVAILABLE, "Map: the device is shutting down")
         self._store(request.result, Stored(client_ids=list(arg.client_ids), members=results))
         return pb.MapResponse(num_clients=len(results), compute_seconds=elapsed)
 
@@ -414,27 +459,46 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 # Process
 
 
+ARRAY_OVERHEAD_BYTES = 128  # what python spends on an array beside its data
+CLIENT_ID_BYTES = 32        # a client id in a list (the int and its slot)
+
+
 def _value_bytes(value) -> int:
-    """Bytes of the arrays of a local value."""
-    return sum(int(leaf.nbytes) for leaf in leaves(value)) if value is not None else 0
+    """Bytes a local value holds: its arrays' data plus their python overhead."""
+    if value is None:
+        return 0
+    return sum(int(leaf.nbytes) + ARRAY_OVERHEAD_BYTES for leaf in leaves(value))
 
 
 def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,
                  token: Optional[str] = None, tls: Optional[security.TlsConfig] = None,
                  allow_remote: bool = False,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                  ) -> tuple[grpc.Server, int]:
     """Starts a gRPC server for `servicer` on `listen`; returns it and the bound port.
 
-    `token`: refuse calls without it (UNAUTHENTICATED); `tls`: serve mutual TLS only;
-    `allow_remote`: permit a non-loopback `listen` host (logged as a warning).
+    `token`: refuse calls without it (UNAUTHENTICATED, decided from the call's metadata
+    before its body is read); `tls`: serve mutual TLS only; `allow_remote`: permit a
+    non-loopback `listen` host (logged as a warning). `max_connections` open connections
+    at most (more are closed at once), `max_concurrent_calls` calls in progress at most
+    (more get RESOURCE_EXHAUSTED), connections idle for `idle_timeout_s` are closed and
+    a connection must finish its handshake within 10 s.
     """
     host, port = parse_address(listen, "--listen", allow_port_zero=True)
     security.check_address(host, allow_remote, tls, "device listen address")
     interceptors = [security.TokenAuthInterceptor(token)] if token else []
+    options = grpc_options(max_message_bytes) + (
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_allowed_incoming_connections", int(max_connections)),
+        ("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000)),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=interceptors,
-                         options=grpc_options(max_message_bytes) + (("grpc.so_reuseport", 0),))
+                         interceptors=interceptors, options=options,
+                         maximum_concurrent_rpcs=int(max_concurrent_calls))
     pb_grpc.add_DeviceServicer_to_server(servicer, server)
     target = format_address(host, port)
     try:
@@ -464,8 +528,17 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
           allow_no_auth: bool = False,
           max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
           max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES,
-          population: Optional[str] = None, population_name: Optional[str] = None) -> int:
+          population: Optional[str] = None, population_name: Optional[str] = None,
+          max_clients: int = DEFAULT_MAX_CLIENTS,
+          max_connections: int = DEFAULT_MAX_CONNECTIONS,
+          max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
+          idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+          max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
+          max_delay_seconds: float = MAX_DELAY_SECONDS) -> int:
     """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
+
+    On SIGTERM, waits (Map delays) end at once and long calls stop between clients; the
+    process exits within about two seconds.
 
     Without a `token` the device refuses to start unless `allow_no_auth` is set.
     `population`: a directory written by `write_population` whose clients this device
@@ -479,9 +552,14 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
         log.warning("serving WITHOUT authentication (--insecure-no-auth): anyone who can "
                     "reach %s may run computations here", listen)
     servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes,
-                              population=population, population_name=population_name)
+                              population=population, population_name=population_name,
+                              max_clients=max_clients, max_call_seconds=max_call_seconds,
+                              max_delay_seconds=max_delay_seconds)
     server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
-                                allow_remote=allow_remote, max_message_bytes=max_message_bytes)
+                                allow_remote=allow_remote, max_message_bytes=max_message_bytes,
+                                max_connections=max_connections,
+                                max_concurrent_calls=max_concurrent_calls,
+                                idle_timeout_s=idle_timeout_s)
     host, _ = parse_address(listen, "--listen", allow_port_zero=True)
     stop = threading.Event()
 
@@ -497,6 +575,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
                       "device_id": device_id}), flush=True)
     while not stop.wait(1.0):
         pass
+    servicer.stopping.set()
     server.stop(grace=1.0).wait(5.0)
     return 0
 
@@ -513,7 +592,12 @@ def _run(args: argparse.Namespace) -> int:
                      allow_no_auth=args.insecure_no_auth,
                      max_message_bytes=args.max_message_bytes,
                      max_stored_bytes=args.max_stored_bytes,
-                     population=args.population, population_name=args.population_name)
+                     population=args.population, population_name=args.population_name,
+                     max_clients=args.max_clients, max_connections=args.max_connections,
+                     max_concurrent_calls=args.max_concurrent_calls,
+                     idle_timeout_s=args.idle_timeout_s,
+                     max_call_seconds=args.max_call_seconds,
+                     max_delay_seconds=args.max_delay_seconds)
     except FleetError as e:
         print(f"fax-bridge device: {e}", file=sys.stderr)
         return 2
@@ -543,7 +627,25 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on every gRPC message, each direction")
     parser.add_argument("--max-stored-bytes", type=cli_args.int_in(1),
                         default=DEFAULT_MAX_STORED_BYTES,
-                        help="cap on the bytes of all values held on this device")
+                        help="cap on the bytes of all values held on this device, Map "
+                             "results included (checked as they are computed)")
+    parser.add_argument("--max-clients", type=cli_args.int_in(1), default=DEFAULT_MAX_CLIENTS,
+                        help="cap on the client ids of one value (Broadcast, Put, Map)")
+    parser.add_argument("--max-connections", type=cli_args.int_in(1, 65536),
+                        default=DEFAULT_MAX_CONNECTIONS,
+                        help="open connections at most; more are closed at once")
+    parser.add_argument("--max-concurrent-calls", type=cli_args.int_in(1, 65536),
+                        default=DEFAULT_MAX_CONCURRENT_CALLS,
+                        help="calls in progress at most; more get RESOURCE_EXHAUSTED")
+    parser.add_argument("--idle-timeout-s", type=cli_args.float_at_least(1.0),
+                        default=DEFAULT_IDLE_TIMEOUT_S,
+                        help="close a connection that made no call for this long")
+    parser.add_argument("--max-call-seconds", type=cli_args.float_at_least(0.001),
+                        default=DEFAULT_MAX_CALL_SECONDS,
+                        help="compute time one Map may take (checked between clients)")
+    parser.add_argument("--max-delay-seconds", type=cli_args.float_at_least(0.0),
+                        default=MAX_DELAY_SECONDS,
+                        help="largest emulated Map delay a caller may ask for")
     parser.add_argument("--population", default=None, metavar="DIR",
                         help="host this population (written by write_population): runs may "
                              "then name CLIENTS inputs by client id and this device reads "

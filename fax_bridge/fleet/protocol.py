@@ -18,6 +18,13 @@ MAX_DELAY_SECONDS = 600.0
 # Tensors may be far above gRPC's 4 MiB default, but every message stays under a cap.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 DEFAULT_MAX_STORED_BYTES = 32 << 30
+# Per-device bounds on what callers may make a device spend (device flags of these names).
+DEFAULT_MAX_CLIENTS = 1 << 20           # client ids in one value
+DEFAULT_MAX_CONNECTIONS = 256           # open connections, idle or not
+DEFAULT_MAX_CONCURRENT_CALLS = 64       # calls in progress; more are refused at once
+DEFAULT_IDLE_TIMEOUT_S = 300.0          # a connection without calls is closed after this
+DEFAULT_MAX_CALL_SECONDS = 3600.0       # compute time of one Map or Aggregate
+HANDSHAKE_TIMEOUT_MS = 10_000           # a connection must finish its handshake by then
 
 GRPC_PREFIX_BYTES = 5        # compressed flag + length in front of every gRPC message
 HTTP2_FRAME_BYTES = 9        # header of each HTTP/2 DATA frame

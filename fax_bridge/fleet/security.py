@@ -127,14 +127,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if handler is None:
             return None
-        abort = _refuse(method)
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(abort)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(abort)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(abort)
-        return grpc.unary_unary_rpc_method_handler(abort)
+        # A request-streaming handler runs before any request message is read, so the
+        # refusal costs the device the metadata only: a huge unauthenticated body is never
+        # received (flow control holds it back until the call is closed). The caller sees
+        # the same UNAUTHENTICATED status whatever the method's shape.
+        return grpc.stream_unary_rpc_method_handler(_refuse(method))
 
 
 # ---------------------------------------------------------------------------------------

@@ -276,7 +276,9 @@ class HloExecutable:
             outs = self._executable.execute(buffers)
         except Exception as e:
             raise ComputationError(f"XLA execution failed: {e}") from e
-        return [np.asarray(o) for o in outs]
+        # Copied out: a view would keep XLA's buffer (and its allocation, kilobytes even
+        # for a scalar) alive for as long as a device holds the result.
+        return [np.array(o, copy=True) for o in outs]
 
 
 def compile_hlo(hlo_module: bytes, platform: Optional[str] = None) -> HloExecutable:

@@ -1,0 +1,118 @@
+"""Device resource bounds under hostile requests on 127.0.0.1: authentication before
+bodies, client-id and byte caps (Map results included), bounded delays, connection caps
+and prompt shutdown. Small floods here; `make fuzz` runs tools/device_flood.py larger."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fax_bridge.fleet import device, security, wire
+from fax_bridge.v1 import device_pb2 as pb
+from fax_bridge.v1 import device_pb2_grpc as pb_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import device_flood  # noqa: E402
+
+sys.path.pop(0)
+TOKEN = security.new_token()
+MD = security.call_metadata(TOKEN)
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def stub():
+    servicer = device.DeviceServicer("limits", max_stored_bytes=4 * MB, max_clients=1000,
+                                     max_delay_seconds=2.0, max_call_seconds=30.0)
+    server, port = device.start_server("127.0.0.1:0", servicer, token=TOKEN,
+                                       max_concurrent_calls=8, max_connections=16)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.max_send_message_length", 64 * MB)])
+    yield pb_grpc.DeviceStub(channel)
+    channel.close()
+    server.stop(None)
+
+
+_METHODS = ["Health", "Load", "Broadcast", "Map", "Zip", "Aggregate", "Release", "Fetch"]
+
+
+@st.composite
+def _hostile(draw):
+    kind = draw(st.sampled_from(["unauthenticated", "ids", "delay", "bytes"]))
+    if kind == "unauthenticated":
+        token = draw(st.sampled_from([None, "", "x" * 64, TOKEN[:-1] + "0"]))
+        return kind, draw(st.sampled_from(_METHODS)), token, draw(st.integers(0, 8 * MB))
+    if kind == "ids":
+        return kind, "Broadcast", TOKEN, draw(st.integers(1001, 200_000))
+    if kind == "delay":
+        return kind, "Map", TOKEN, draw(st.sampled_from(
+            [math.nan, math.inf, -1.0, 2.5, 1e9, -math.inf]))
+    return kind, "Broadcast", TOKEN, draw(st.integers(4 * MB, 16 * MB))
+
+
+def _call(stub, method, request, metadata):
+    call = getattr(stub, method)
+    if method == "Fetch":
+        return list(call(request, timeout=30, metadata=metadata))
+    return call(request, timeout=30, metadata=metadata)
+
+
+@settings(max_examples=40, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_hostile())
+def test_hostile_requests_are_refused_by_their_bound_and_the_device_keeps_serving(stub, case):
+    kind, method, token, size = case
+    metadata = security.call_metadata(token) if token else ()
+    if kind == "unauthenticated":
+        payload = pb.Tensor(dtype="uint8", shape=[size], data=b"\0" * size)
+        request = {"Broadcast": pb.BroadcastRequest(handle=1, value=pb.Value(tensor=payload)),
+                   "Load": pb.LoadRequest(computation_hash="h", computation=b"\0" * size)}.get(
+            method) or getattr(pb, {"Fetch": "FetchRequest"}.get(method, f"{method}Request"))()
+        want = grpc.StatusCode.UNAUTHENTICATED
+    elif kind == "ids":
+        request = pb.BroadcastRequest(handle=2, value=wire.to_message(np.float32(1)),
+                                      client_ids=range(size))
+        want = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif kind == "delay":
+        request = pb.MapRequest(computation_hash="nothing", arg=1, result=3,
+                                delay_seconds=size)
+        want = grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        request = pb.BroadcastRequest(handle=4, value=pb.Value(tensor=pb.Tensor(
+            dtype="uint8", shape=[size], data=b"\0" * size)), client_ids=[0])
+        want = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as info:
+        _call(stub, method, request, metadata)
+    assert info.value.code() == want, info.value.details()
+    assert stub.Health(pb.HealthRequest(), timeout=10, metadata=MD).status == "SERVING"
+
+
+def test_an_unauthenticated_flood_is_refused_before_its_bodies_are_read():
+    result = device_flood.unauthenticated_flood(size_mb=24, concurrent=4)
+    assert result["codes"] == ["UNAUTHENTICATED"] and result["healthy_after"]
+    # 96 MB were sent; reading them would grow the device by at least that much
+    assert result["peak_rss_mb"] - result["before"]["rss_mb"] < 48, result
+
+
+def test_map_results_count_against_the_stored_bytes_cap_as_they_are_computed():
+    result = device_flood.map_outputs(clients=20_000, max_stored_mb=1)
+    assert result["code"] == "RESOURCE_EXHAUSTED" and result["healthy_after"], result
+
+
+def test_silent_connections_are_capped_and_do_not_stall_an_open_channel():
+    result = device_flood.idle_connections(count=300, max_connections=32)
+    assert result["established_channel_served"], result
+    assert result["during"]["fds"] <= result["before"]["fds"] + 32 + 8, result
+    assert result["ok"], result
+
+
+def test_sigterm_ends_a_device_whose_workers_all_sleep_in_map_delays():
+    result = device_flood.sigterm_during_delays(workers=2)
+    assert result["exited"], result
