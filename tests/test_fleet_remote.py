@@ -25,7 +25,7 @@ import pytest
 
 import fax_bridge
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import device, fleet_file, sample_computations as sc
+from fax_bridge.fleet import device, device_cli, fleet_file, sample_computations as sc
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.remote import RemoteFleet
@@ -41,7 +41,7 @@ N = 12
 
 def _device_options() -> set:
     parser = argparse.ArgumentParser()
-    device._add_arguments(parser)
+    device_cli._add_arguments(parser)
     return {o for action in parser._actions for o in action.option_strings}
 
 

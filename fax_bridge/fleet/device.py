@@ -17,7 +17,6 @@ prints one JSON line on stdout, e.g. `{"listening": "127.0.0.1:41234", "port": 4
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import inspect
@@ -35,7 +34,6 @@ import grpc
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
-from fax_bridge import cli_args
 from fax_bridge.errors import FaxBridgeError, FleetError
 from fax_bridge.fleet import partials, security, wire
 from fax_bridge.runtime import aggregation
@@ -580,98 +578,18 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
-                        format=f"%(asctime)s {args.device_id} %(levelname)s %(message)s")
-    try:
-        token = security.resolve_token(token_file=args.token_file)
-        os.environ.pop(security.TOKEN_ENV, None)  # not inherited by anything we start
-        tls = security.tls_from_args(args.tls_ca, args.tls_cert, args.tls_key)
-        return serve(args.listen, args.device_id, args.max_workers, args.parent_pid,
-                     token=token, tls=tls, allow_remote=args.allow_remote,
-                     allow_no_auth=args.insecure_no_auth,
-                     max_message_bytes=args.max_message_bytes,
-                     max_stored_bytes=args.max_stored_bytes,
-                     population=args.population, population_name=args.population_name,
-                     max_clients=args.max_clients, max_connections=args.max_connections,
-                     max_concurrent_calls=args.max_concurrent_calls,
-                     idle_timeout_s=args.idle_timeout_s,
-                     max_call_seconds=args.max_call_seconds,
-                     max_delay_seconds=args.max_delay_seconds)
-    except FleetError as e:
-        print(f"fax-bridge device: {e}", file=sys.stderr)
-        return 2
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:0", type=cli_args.listen_address,
-                        help="HOST:PORT to serve on (default 127.0.0.1:0: loopback, free port)")
-    parser.add_argument("--allow-remote", action="store_true",
-                        help="permit a non-loopback --listen host (reachable from other "
-                             "machines; use with TLS)")
-    parser.add_argument("--device-id", default="device", help="name used in logs and errors")
-    parser.add_argument("--max-workers", type=cli_args.int_in(1, 256), default=4,
-                        help="gRPC worker threads (1..256)")
-    parser.add_argument("--parent-pid", type=int, default=None,
-                        help="exit when this process (the launcher) is no longer the parent")
-    parser.add_argument("--token-file", default=None,
-                        help=f"file (mode 0600) holding the fleet token; default: the "
-                             f"{security.TOKEN_ENV} environment variable")
-    parser.add_argument("--insecure-no-auth", action="store_true",
-                        help="serve without a fleet token (debugging only)")
-    parser.add_argument("--tls-ca", default=None, help="PEM CA certificate (mutual TLS)")
-    parser.add_argument("--tls-cert", default=None, help="PEM device certificate")
-    parser.add_argument("--tls-key", default=None, help="PEM device private key")
-    parser.add_argument("--max-message-bytes", type=cli_args.int_in(1, (1 << 31) - 1),
-                        default=DEFAULT_MAX_MESSAGE_BYTES,
-                        help="cap on every gRPC message, each direction")
-    parser.add_argument("--max-stored-bytes", type=cli_args.int_in(1),
-                        default=DEFAULT_MAX_STORED_BYTES,
-                        help="cap on the bytes of all values held on this device, Map "
-                             "results included (checked as they are computed)")
-    parser.add_argument("--max-clients", type=cli_args.int_in(1), default=DEFAULT_MAX_CLIENTS,
-                        help="cap on the client ids of one value (Broadcast, Put, Map)")
-    parser.add_argument("--max-connections", type=cli_args.int_in(1, 65536),
-                        default=DEFAULT_MAX_CONNECTIONS,
-                        help="open connections at most; more are closed at once")
-    parser.add_argument("--max-concurrent-calls", type=cli_args.int_in(1, 65536),
-                        default=DEFAULT_MAX_CONCURRENT_CALLS,
-                        help="calls in progress at most; more get RESOURCE_EXHAUSTED")
-    parser.add_argument("--idle-timeout-s", type=cli_args.float_at_least(1.0),
-                        default=DEFAULT_IDLE_TIMEOUT_S,
-                        help="close a connection that made no call for this long")
-    parser.add_argument("--max-call-seconds", type=cli_args.float_at_least(0.001),
-                        default=DEFAULT_MAX_CALL_SECONDS,
-                        help="compute time one Map may take (checked between clients)")
-    parser.add_argument("--max-delay-seconds", type=cli_args.float_at_least(0.0),
-                        default=MAX_DELAY_SECONDS,
-                        help="largest emulated Map delay a caller may ask for")
-    parser.add_argument("--population", default=None, metavar="DIR",
-                        help="host this population (written by write_population): runs may "
-                             "then name CLIENTS inputs by client id and this device reads "
-                             "the rows itself")
-    parser.add_argument("--population-name", default=None,
-                        help="the name runs use for --population (default: its directory's "
-                             "base name)")
-    parser.add_argument("--log-level", default="warning", help="stderr log level")
-    parser.set_defaults(func=_run)
-
-
 def register(subparsers) -> None:
-    """Adds the `device` subcommand to the fax-bridge CLI."""
-    parser = subparsers.add_parser(
-        "device", help="serve a simulated device (virtual clients) over gRPC",
-        description=__doc__.splitlines()[0])
-    _add_arguments(parser)
+    """Adds the `device` subcommand to the fax-bridge CLI (see `device_cli`)."""
+    from fax_bridge.fleet import device_cli
+
+    device_cli.register(subparsers)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m fax_bridge.fleet.device ...`: the same as `fax-bridge device ...`."""
-    parser = argparse.ArgumentParser(prog="fax-bridge device",
-                                     description=__doc__.splitlines()[0])
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    from fax_bridge.fleet import device_cli
+
+    return device_cli.main(argv)
 
 
 if __name__ == "__main__":
