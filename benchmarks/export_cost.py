@@ -26,8 +26,15 @@ materialized, so 10M-parameter tracing is cheap.  For each size the script measu
 Times are medians over `--repeats` runs.  A least-squares slope on log-log of time and
 of proto bytes against the parameter count says how they grow (1: linear, 0: flat).
 
+With `--forms`, each size is also converted to TFF's production forms
+(`fax_bridge.tff.forms`): the round exported in the forms' type (time, bytes), every
+Xla part converted to a portable StableHLO artifact (time, HLO and artifact bytes), and,
+in one TFF 0.87 side-environment process for all sizes and repeats, the
+DistributeAggregateForm and the MapReduceForm built by TFF (its build times, the Xla ->
+XlaCallModule replacement time, and the bytes of all pieces of each form).
+
     python benchmarks/export_cost.py [--sizes 10k,30k,100k,1M,3M,10M] [--repeats 5] \
-        [--json OUT]
+        [--forms] [--json OUT]
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -53,7 +61,9 @@ from jax import lax  # noqa: E402
 from jax._src.lib import xla_client  # noqa: E402
 
 import fax_bridge  # noqa: E402
+from fax_bridge.runtime import hlo as runtime_hlo  # noqa: E402
 from fax_bridge.tff import export as tff_export  # noqa: E402
+from fax_bridge.tff import forms as tff_forms  # noqa: E402
 from fax_bridge.tff import xla as tff_xla  # noqa: E402
 
 DEFAULT_SIZES = (10_000, 30_000, 100_000, 1_000_000, 3_000_000, 10_000_000)
@@ -270,6 +280,75 @@ def measure(target: int, clients: int = 8, steps: int = 2, batch: int = 8, repea
     return row
 
 
+def stablehlo_conversion(target: int, clients: int = 8, steps: int = 2, batch: int = 8,
+                         repeats: int = 3) -> tuple[dict[str, Any], computation_pb2.Computation]:
+    """The round in the forms' type and its Xla parts as StableHLO artifacts: times
+    (medians) and bytes. Returns (row, the round proto)."""
+    args = abstract_args(layer_sizes(target), clients, steps, batch)
+    exports, converts = [], []
+    for _ in range(repeats):
+        program = make_round(clients)
+        t0 = time.perf_counter()
+        proto, _ = tff_forms.round_proto(program, *args, placements=PLACEMENTS)
+        data = proto.SerializeToString()
+        t1 = time.perf_counter()
+        modules = [tff_xla.hlo_module_bytes(p) for p in tff_forms.xla_parts(proto)]
+        artifacts = [runtime_hlo.portable_artifact(m)[0] for m in modules]
+        t2 = time.perf_counter()
+        exports.append(t1 - t0)
+        converts.append(t2 - t1)
+    row = {"round_form_export_s": statistics.median(exports),
+           "round_form_bytes": len(data),
+           "stablehlo_s": statistics.median(converts),
+           "xla_parts": len(modules),
+           "hlo_bytes": sum(len(m) for m in modules),
+           "stablehlo_bytes": sum(len(a) for a in artifacts)}
+    return row, proto
+
+
+def measure_forms(rows: list[dict[str, Any]], clients: int, steps: int, batch: int,
+                  repeats: int) -> None:
+    """Adds the production-form costs to each row (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="export_cost_forms_") as tmp:
+        jobs = []
+        for row in rows:
+            conv, proto = stablehlo_conversion(row["target"], clients, steps, batch, repeats)
+            row["forms"] = conv
+            for r in range(repeats):
+                jobs.append(tff_forms.job(f"{row['target']}.{r}", proto, ["daf", "mrf"],
+                                          os.path.join(tmp, f"{row['target']}.{r}")))
+        built = tff_forms.build_forms(jobs, tmp, timeout_s=1800)
+        for row in rows:
+            runs = [built[f"{row['target']}.{r}"] for r in range(repeats)]
+            for kind in ("daf", "mrf"):
+                errors = [r[kind]["error"] for r in runs if "error" in r[kind]]
+                if errors:
+                    raise RuntimeError(f"{row['params']:,} params, {kind}: {errors[0]}")
+            last = runs[-1]
+            row["forms"].update({
+                "daf_s": statistics.median(r["daf"]["seconds"] for r in runs),
+                "daf_bytes": sum(p["bytes"] for p in last["daf"]["pieces"].values()),
+                "xla_to_tf_s": statistics.median(r["mrf"]["xla_to_tf_seconds"] for r in runs),
+                "mrf_s": statistics.median(r["mrf"]["seconds"] for r in runs),
+                "mrf_bytes": sum(p["bytes"] for p in last["mrf"]["pieces"].values()),
+            })
+
+
+def _forms_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'params':>10} {'export s':>8} {'round B':>8} {'->SHLO s':>8} {'HLO B':>8} "
+            f"{'SHLO B':>8} {'DAF s':>6} {'DAF B':>8} {'->TF s':>6} {'MRF s':>6} "
+            f"{'MRF B':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        f = r["forms"]
+        lines.append(
+            f"{r['params']:>10,} {f['round_form_export_s']:>8.3f} {f['round_form_bytes']:>8,} "
+            f"{f['stablehlo_s']:>8.3f} {f['hlo_bytes']:>8,} {f['stablehlo_bytes']:>8,} "
+            f"{f['daf_s']:>6.3f} {f['daf_bytes']:>8,} {f['xla_to_tf_s']:>6.3f} "
+            f"{f['mrf_s']:>6.3f} {f['mrf_bytes']:>8,}")
+    return "\n".join(lines)
+
+
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Least-squares slope of log(y) against log(x)."""
     lx, ly = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))
@@ -310,6 +389,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--concrete-max", type=int, default=2_000_000,
                         help="also export concrete arrays for models up to this many params")
+    parser.add_argument("--forms", action="store_true",
+                        help="also measure the conversion to TFF's production forms (needs "
+                             "the TFF 0.87 side environment, make tff-venv)")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     args = parser.parse_args(argv)
     sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -355,6 +437,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
           f"({largest['largest_constant_elements']:,} elements, at {largest['params']:,} "
           f"params); concrete-argument exports identical: "
           f"{sum(bool(r['concrete_identical']) for r in checked)}/{len(checked)}")
+
+    if args.forms:
+        measure_forms(rows, args.clients, args.steps, args.batch, args.repeats)
+        print()
+        print("Production forms (SHLO: portable StableHLO artifacts; TFF times measured "
+              "inside TFF 0.87):")
+        print(_forms_table(rows))
+        for key in ("stablehlo_s", "stablehlo_bytes", "daf_s", "daf_bytes", "mrf_s",
+                    "mrf_bytes"):
+            slopes[f"forms.{key}"] = loglog_slope(params, [r["forms"][key] for r in rows])
+        print("log-log slope vs params: " + ", ".join(
+            f"{k[6:]} {v:.3f}" for k, v in slopes.items() if k.startswith("forms.")))
 
     result = {
         "config": {"clients": args.clients, "steps": args.steps, "batch": args.batch,

@@ -67,3 +67,15 @@ def test_breakdown_sees_a_constant_the_program_closes_over(bench):
     assert breakdown["hlo_bytes"] > 4 * 1000
     assert bench.canonical_bytes(proto) == bench.canonical_bytes(export_with(table))
     assert bench.canonical_bytes(proto) != bench.canonical_bytes(export_with(table + 1))
+
+
+def test_stablehlo_conversion_of_the_round_does_not_grow_with_the_model(bench):
+    small, _ = bench.stablehlo_conversion(2_000, clients=3, repeats=1)
+    large, proto = bench.stablehlo_conversion(20_000, clients=3, repeats=1)
+    assert large["xla_parts"] == small["xla_parts"] >= 2
+    assert 0 < large["stablehlo_bytes"] < 1.2 * small["stablehlo_bytes"]
+    assert large["round_form_bytes"] < 1.5 * small["round_form_bytes"]
+    from federated_language.compiler import building_blocks
+
+    signature = str(building_blocks.ComputationBuildingBlock.from_proto(proto).type_signature)
+    assert signature.endswith("@SERVER,float32@SERVER>)")  # state and output apart
