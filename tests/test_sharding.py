@@ -99,6 +99,14 @@ SCRIPT = textwrap.dedent(r"""
         r["broadcast_shards"] = jax.tree.map(shards, bc)
     base = jax.jit(base_round)
     r["base"] = collectives(base.lower(p, xs).compile().as_text())
+    import drjax
+    @drjax.program(clients=8)
+    def drjax_round(p, xs):
+        return drjax.reduce_mean(drjax.map_fn(local, (drjax.broadcast(p), xs)))
+    with jax.set_mesh(mesh):
+        dr = jax.jit(drjax_round)
+        r["drjax"] = collectives(dr.lower(p, xs).compile().as_text())
+        r["drjax_specs"] = specs(dr(p, xs))
     r["round_err"] = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
         jax.tree.leaves(fax(p, xs)), jax.tree.leaves(base(p, xs))))
     run = fb.jit_program(fed_round, mesh, placements=("server", "clients"))
@@ -201,6 +209,7 @@ def test_fedavg_round_over_a_model_sharded_mlp_on_a_2x4_mesh(result):
     assert r["broadcast_shards"] == {"b1": [[4, 16]], "w1": [[4, 16, 16]], "w2": [[4, 16, 4]]}
     assert r["fax"]["all-gather"] <= r["base"]["all-gather"]
     assert r["fax"]["all-reduce"] == r["base"]["all-reduce"]
+    assert r["fax"] == r["drjax"] and r["drjax_specs"] == model  # DrJAX on the same mesh
     assert r["round_err"] < 1e-6
     # An Explicit mesh (jax.make_mesh's default) used as it is, and jax.set_mesh globally.
     assert set(r["explicit_jit_program"].values()) == {"(None, None)", "(None,)"}
