@@ -117,20 +117,30 @@ def _np_e3m0(x):
     return out
 
 
-def test_streaming_diloco_rounds_match_the_papers_equations_in_numpy():
-    """Two rounds (fragment 0, then 1) of 4-bit Streaming DiLoCo with overlap and mixing,
-    recomputed in numpy: inner SGD on a linear least-squares loss, outer gradient
-    global - local quantized per worker, mean, re-quantized, Nesterov outer step,
-    local = a * local + (1 - a) * global for the synced fragment."""
+@pytest.mark.parametrize("streaming", [True, False])
+def test_rounds_match_the_papers_equations_in_numpy(streaming):
+    """Two rounds recomputed in numpy from the papers' equations: inner SGD on a linear
+    least-squares loss, outer gradient = global - local, averaged over workers, Nesterov
+    outer step, local = a * local + (1 - a) * global for the synced parameters.
+    Streaming: 4-bit, fragments {b} then {w}, overlap 1 (the outer gradient is taken
+    one inner step before the sync), a = 0.3; every message and the mean are E3M0
+    rounded. Plain DiLoCo: both leaves every round, float32, no overlap, a = 0."""
     data, mask = problem(workers=3, steps=2)
-    lr, a, outer_lr, mu = 0.05, 0.3, 0.7, 0.9
-    alg = streaming_diloco(loss, P0, clients=3, sync_every=4, num_fragments=2, overlap=1,
-                           mixing=a, inner_optimizer=optax.sgd(lr), fragments=[[0], [1]])
+    lr, outer_lr, mu = 0.05, 0.7, 0.9
+    if streaming:
+        a, overlap, q = 0.3, 1, _np_e3m0
+        alg = streaming_diloco(loss, P0, clients=3, sync_every=4, num_fragments=2,
+                               overlap=overlap, mixing=a, inner_optimizer=optax.sgd(lr),
+                               fragments=[[0], [1]])
+        synced = [["b"], ["w"]]                          # jax's leaf order: sorted keys
+    else:
+        a, overlap, q = 0.0, 0, (lambda x: x)
+        alg = diloco(loss, P0, clients=3, sync_every=2, inner_optimizer=optax.sgd(lr))
+        synced = [["b", "w"], ["b", "w"]]
     state = alg.init(P0)
     for r in range(2):
-        state, _ = jax.jit(alg.rounds[r])(state, data, mask)
+        state, _ = jax.jit(alg.rounds[alg.schedule(r)])(state, data, mask)
 
-    names = ["b", "w"]                                  # jax's leaf order: sorted keys
     glob = {"b": np.zeros(()), "w": np.zeros(3)}
     local = [dict(glob) for _ in range(3)]
     mom = {"b": np.zeros(()), "w": np.zeros(3)}
@@ -140,19 +150,23 @@ def test_streaming_diloco_rounds_match_the_papers_equations_in_numpy():
         return {"w": 2 * x.T @ err / len(y), "b": 2 * err.mean()}
 
     for r in range(2):
-        name = names[r]
-        sent = []
+        sent = {k: [] for k in synced[r]}
         for i in range(3):
             for t in range(2):
-                if t == 1:                               # overlap: gradient taken before
-                    sent.append(_np_e3m0(glob[name] - local[i][name]))
+                if t == 2 - overlap:
+                    for k in synced[r]:
+                        sent[k].append(q(glob[k] - local[i][k]))
                 g = grad(local[i], data["x"][i, t], data["y"][i, t])
                 local[i] = {k: local[i][k] - lr * g[k] for k in local[i]}
-        avg = _np_e3m0(np.mean(sent, axis=0))
-        mom[name] = mu * mom[name] + avg
-        glob[name] = glob[name] - outer_lr * (avg + mu * mom[name])
-        for i in range(3):
-            local[i][name] = a * local[i][name] + (1 - a) * glob[name]
+            if overlap == 0:
+                for k in synced[r]:
+                    sent[k].append(q(glob[k] - local[i][k]))
+        for k in synced[r]:
+            avg = q(np.mean(sent[k], axis=0))
+            mom[k] = mu * mom[k] + avg
+            glob[k] = glob[k] - outer_lr * (avg + mu * mom[k])
+            for i in range(3):
+                local[i][k] = a * local[i][k] + (1 - a) * glob[k]
     for k in ("w", "b"):
         np.testing.assert_allclose(state.global_params[k], glob[k], rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(state.worker_global[k][2], glob[k], rtol=1e-4, atol=1e-6)

@@ -83,3 +83,29 @@ def test_client_without_signal_on_a_weight_does_not_dilute_it():
     d_all, d_two = a_all.params["w"][1] - 0.3, a_two.params["w"][1] - 0.3
     assert abs(float(d_all)) < 0.8 * abs(float(d_two))  # FedAvg averages the zero change in
     assert np.isfinite(float(m["loss"]))
+
+
+def test_one_round_matches_the_equations_in_numpy():
+    """FedFish in numpy: one local SGD step of the squared error, the diagonal Fisher
+    F_i = mean over examples of the squared per-example gradient (2 r x)^2 at the local
+    model, and the round's model sum_i n_i (F_i + d) w_i / sum_i n_i (F_i + d)."""
+    data, mask = problem()
+    eta, damping = 0.05, 1e-6
+    alg = fed_fish(loss, optax.sgd(eta), clients=3, damping=damping)
+    w0, b0 = np.array([0.5, 0.2]), 0.1
+    state, _ = jax.jit(alg.next)(alg.init({"w": jnp.asarray(w0, jnp.float32),
+                                           "b": jnp.float32(b0)}), data, mask)
+    num_w, den_w, num_b, den_b = np.zeros(2), np.zeros(2), 0.0, 0.0
+    for i in range(3):
+        m = mask[i, 0]
+        x, y = data["x"][i, 0][m].astype(np.float64), data["y"][i, 0][m].astype(np.float64)
+        r = x @ w0 + b0 - y
+        w1, b1 = w0 - eta * 2 * x.T @ r / len(y), b0 - eta * 2 * r.mean()
+        r1 = x @ w1 + b1 - y
+        fw, fb = (4 * r1[:, None] ** 2 * x ** 2).mean(0), (4 * r1 ** 2).mean()
+        num_w += len(y) * (fw + damping) * w1
+        den_w += len(y) * (fw + damping)
+        num_b += len(y) * (fb + damping) * b1
+        den_b += len(y) * (fb + damping)
+    np.testing.assert_allclose(state.params["w"], num_w / den_w, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(state.params["b"], num_b / den_b, rtol=1e-4, atol=1e-6)

@@ -61,3 +61,24 @@ def test_loss_decreases_with_adam_server():
         state, m = step(state, data, mask)
         losses.append(float(m["loss"]))
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_one_round_matches_the_equations_in_numpy():
+    """w1 = w0 - lr * sum_i n_i g_i / sum_i n_i, g_i the gradient of client i's mean
+    squared error, written out: 2 x^T (x w + b - y) / n_i and 2 mean(x w + b - y)."""
+    data, mask = problem()
+    lr = 0.3
+    alg = fed_sgd(loss, clients=4, learning_rate=lr)
+    w0, b0 = np.array([0.3, -0.2, 0.1]), 0.2
+    state, _ = jax.jit(alg.next)(alg.init({"w": jnp.asarray(w0, jnp.float32),
+                                           "b": jnp.float32(b0)}), data, mask)
+    gw, gb, total = np.zeros(3), 0.0, 0
+    for i in range(4):
+        m = mask[i, 0]
+        x, y = data["x"][i, 0][m].astype(np.float64), data["y"][i, 0][m].astype(np.float64)
+        r = x @ w0 + b0 - y
+        gw += m.sum() * 2 * x.T @ r / m.sum()
+        gb += m.sum() * 2 * r.mean()
+        total += m.sum()
+    np.testing.assert_allclose(state.params["w"], w0 - lr * gw / total, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.params["b"], b0 - lr * gb / total, rtol=1e-5, atol=1e-6)

@@ -82,3 +82,26 @@ def test_outlier_client_is_down_weighted():
     weights = np.asarray(m["weights"])
     assert weights.argmin() == 3 and weights[3] < 0.5 * weights[:3].min()
     assert alg.placements[0].logits == "clients"
+
+
+def test_client_weights_round_matches_the_equations_in_numpy():
+    """One round in numpy: client changes d_i = eta (c_i - w0); weights a = softmax of
+    log(n_i) + logits; w1 = w0 + sum_i a_i d_i; validation loss 0.5 |w1 - v|^2 has
+    dL/dlogit_j = (w1 - v) . a_j (d_j - sum_i a_i d_i); meta SGD(1) steps the logits."""
+    c = np.array([[1.0, 0.0], [0.0, 2.0], [5.0, -5.0]])
+    data, mask, eta = targets(c), np.ones((3, 1, 2), bool), 0.5
+    mask[1, 0, 1] = False                                  # client 1 has one example
+    v = np.array([0.5, 1.0])
+    val = targets(np.zeros((3, 2)) + v)
+    alg = learned_client_weights(quad_loss, optax.sgd(eta), clients=3,
+                                 meta_optimizer=optax.sgd(1.0))
+    new, m = jax.jit(alg.next)(alg.init({"w": jnp.zeros(2)}), data, mask, val,
+                               np.ones((3, 1, 2), bool))
+    d = eta * c
+    n = mask.sum((1, 2)).astype(np.float64)
+    a = n / n.sum()
+    w1 = (a[:, None] * d).sum(0)
+    grad = np.array([(w1 - v) @ (a[j] * (d[j] - w1)) for j in range(3)])
+    np.testing.assert_allclose(m["weights"], a, rtol=1e-6)
+    np.testing.assert_allclose(new.logits, -grad, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(new.params["w"], w1, rtol=1e-5, atol=1e-6)
