@@ -190,10 +190,10 @@ def test_eval_at_clients_without_clients_arguments(fleet2):
     import federated_language as fl
     from federated_language.compiler import building_blocks as bb
 
-    from fax_bridge.runtime.xla_builder import xla_computation
+    from fax_bridge.tff.xla import typed_xla_computation
 
     f32 = fl.TensorType(np.float32, [2])
-    const = bb.CompiledComputation(xla_computation(lambda: np.array([1.5, -2.0], np.float32)))
+    const = bb.CompiledComputation(typed_xla_computation(lambda: np.array([1.5, -2.0], np.float32)))
     evaluated = bb.Call(bb.Intrinsic("federated_eval_at_clients", fl.FunctionType(
         const.type_signature, sc.clients(f32))), const)
     total = bb.Call(bb.Intrinsic("federated_sum", fl.FunctionType(
@@ -209,7 +209,7 @@ def _server_only(broadcast: bool):
     import federated_language as fl
     from federated_language.compiler import building_blocks as bb
 
-    from fax_bridge.runtime.xla_builder import xla_computation
+    from fax_bridge.tff.xla import typed_xla_computation
 
     t = fl.TensorType(np.float32)
     arg = bb.Reference("x", sc.server(t))
@@ -219,7 +219,7 @@ def _server_only(broadcast: bool):
         body = bb.Call(bb.Intrinsic("federated_sum", fl.FunctionType(
             sc.clients(t), sc.server(t))), spread)
     else:
-        double = bb.CompiledComputation(xla_computation(lambda x: x * 2, t))
+        double = bb.CompiledComputation(typed_xla_computation(lambda x: x * 2, t))
         body = bb.Call(bb.Intrinsic("federated_apply", fl.FunctionType(
             [double.type_signature, sc.server(t)], sc.server(t))), bb.Struct([double, arg]))
     return bb.Lambda("x", sc.server(t), body).to_proto()

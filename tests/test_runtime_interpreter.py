@@ -12,7 +12,7 @@ from federated_language.proto import computation_pb2
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import interpreter
 from fax_bridge.runtime.local_backend import LocalClientsBackend
-from fax_bridge.runtime.xla_builder import xla_computation
+from fax_bridge.tff.xla import typed_xla_computation
 
 F32 = np.float32
 I32 = np.int32
@@ -31,7 +31,7 @@ def server(t):
 
 
 def xla(fn, param_type):
-    return bb.CompiledComputation(xla_computation(fn, param_type))
+    return bb.CompiledComputation(typed_xla_computation(fn, param_type))
 
 
 def call(uri, arg, result_type):

@@ -7,7 +7,7 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime.local_backend import LocalClientsBackend
-from fax_bridge.runtime.xla_builder import xla_computation
+from fax_bridge.tff.xla import typed_xla_computation
 
 F32 = np.float32
 V2 = fl.TensorType(F32, [2])
@@ -22,7 +22,7 @@ def test_put_map_zip_aggregate_get():
     pair = fl.StructType([(None, V2), (None, F32)])
     zipped = backend.zip([x, s], [None, None])
     assert zipped.type_signature == pair
-    fn = xla_computation(lambda v, a: v * a, pair)
+    fn = typed_xla_computation(lambda v, a: v * a, pair)
     mapped = backend.map(fn, fl.Type.from_proto(fn.type), zipped)
     assert mapped.type_signature == V2
     np.testing.assert_allclose(backend.get(mapped), [v * 3 for v in xs])

@@ -9,7 +9,7 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import local_eval
-from fax_bridge.runtime.xla_builder import xla_computation
+from fax_bridge.tff.xla import typed_xla_computation
 
 F32 = np.float32
 VEC3 = fl.TensorType(F32, [3])
@@ -19,13 +19,11 @@ def _struct(**kw):
     return structure.Struct(list(kw.items()))
 
 
-def test_xla_binding_maps_depth_first_tff_order_onto_sorted_jax_order():
-    # Nested names out of sorted order: the binding must permute HLO parameters.
+def test_xla_parameters_with_names_out_of_sorted_order():
+    # Nested names out of sorted order still reach the function by name.
     inner = fl.StructType([("z", F32), ("a", VEC3)])
     param = fl.StructType([("w", inner), ("b", np.int32)])
-    comp = xla_computation(lambda w, b: (w["z"] * w["a"], w["a"] - b), param)
-    indices = [e.tensor.index for e in comp.xla.parameter.struct.element[0].struct.element]
-    assert indices == [1, 0]  # z is second in jax's sorted order
+    comp = typed_xla_computation(lambda w, b: (w["z"] * w["a"], w["a"] - b), param)
     fn = local_eval.compile_local(comp)
     a = np.array([1.0, 2.0, 3.0], F32)
     out = fn(_struct(w=_struct(z=np.float32(2.0), a=a), b=np.int32(1)))
@@ -34,7 +32,7 @@ def test_xla_binding_maps_depth_first_tff_order_onto_sorted_jax_order():
 
 
 def test_xla_named_results_and_no_parameter():
-    comp = xla_computation(lambda: {"b": np.ones(2, F32), "a": np.int32(7)})
+    comp = typed_xla_computation(lambda: {"b": np.ones(2, F32), "a": np.int32(7)})
     out = local_eval.compile_local(comp)()
     assert structure.name_list(out) == ["a", "b"]
     assert out.a == 7 and out.a.dtype == np.int32
@@ -45,7 +43,7 @@ def test_xla_int64_and_float64_round_trip():
     import jax
 
     with jax.enable_x64(True):
-        comp = xla_computation(lambda x, y: (x * 3, y / 2),
+        comp = typed_xla_computation(lambda x, y: (x * 3, y / 2),
                                fl.StructType([(None, np.int64), (None, np.float64)]))
     out = local_eval.compile_local(comp)(
         structure.Struct([(None, np.int64(2**40)), (None, np.float64(1.0))]))
@@ -55,8 +53,8 @@ def test_xla_int64_and_float64_round_trip():
 
 def test_lambda_block_call_struct_selection_literal_composition():
     # (x -> let sq = square(x), c = 3.0 in <add(<sq, c>), x>[0]) computed locally.
-    square = bb.CompiledComputation(xla_computation(lambda x: x * x, VEC3))
-    add = bb.CompiledComputation(xla_computation(
+    square = bb.CompiledComputation(typed_xla_computation(lambda x: x * x, VEC3))
+    add = bb.CompiledComputation(typed_xla_computation(
         lambda a, c: a + c, fl.StructType([(None, VEC3), (None, F32)])))
     x = bb.Reference("x", VEC3)
     sq = bb.Reference("sq", VEC3)
@@ -88,7 +86,7 @@ def test_generic_intrinsics_locally():
 
 
 def test_compiled_once_per_content_hash():
-    comp = xla_computation(lambda x: x + 1, VEC3)
+    comp = typed_xla_computation(lambda x: x + 1, VEC3)
     copy = computation_pb2.Computation.FromString(comp.SerializeToString())
     assert local_eval.content_hash(comp) == local_eval.content_hash(copy)
     assert len(local_eval.content_hash(comp)) == 64
@@ -111,7 +109,7 @@ def test_federated_intrinsic_is_not_local():
 
 
 def test_bad_hlo_payloads_are_reported():
-    comp = xla_computation(lambda x: x + 1, VEC3)
+    comp = typed_xla_computation(lambda x: x + 1, VEC3)
     wrong_url = computation_pb2.Computation()
     wrong_url.CopyFrom(comp)
     wrong_url.xla.hlo_module.type_url = "type.googleapis.com/something.Else"
@@ -125,7 +123,7 @@ def test_bad_hlo_payloads_are_reported():
 
 
 def test_argument_shape_and_dtype_mismatch():
-    fn = local_eval.compile_local(xla_computation(lambda x: x + 1, VEC3))
+    fn = local_eval.compile_local(typed_xla_computation(lambda x: x + 1, VEC3))
     with pytest.raises(ComputationError, match=r"expected float32\[3\].*\[4\]"):
         fn(np.zeros(4, F32))
     with pytest.raises(ComputationError, match="dtype"):

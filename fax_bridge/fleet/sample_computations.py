@@ -1,7 +1,7 @@
 """Small federated computations built directly from federated_language building blocks.
 
 They exercise the fleet (tests, benchmarks) without the exporter: Xla parts come from
-`jax.jit(...).lower(...)` via `fax_bridge.runtime.xla_builder`, the federated structure
+`fax_bridge.tff.xla.typed_xla_computation`, the federated structure
 from `building_blocks` Lambda/Call/Intrinsic nodes.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 from federated_language.compiler import building_blocks as bb
 from federated_language.proto import computation_pb2
 
-from fax_bridge.runtime.xla_builder import xla_computation
+from fax_bridge.tff.xla import typed_xla_computation
 
 
 def clients(t, all_equal: bool = False) -> fl.FederatedType:
@@ -43,7 +43,8 @@ def scaled_aggregate(shape: tuple = (3,), kind: str = "sum",
     pair = fl.StructType([("x", member), ("s", member)])
     zipped = _call("federated_zip_at_clients",
                    bb.Struct([("x", bb.Selection(arg, name="x")), ("s", bc)]), clients(pair))
-    scaled = _map(bb.CompiledComputation(xla_computation(lambda x, s: x * s, pair)), zipped)
+    scaled = _map(bb.CompiledComputation(typed_xla_computation(lambda x, s: x * s, pair)),
+                  zipped)
     uri = {"sum": "federated_sum", "mean": "federated_mean", "min": "federated_min",
            "max": "federated_max"}[kind]
     return bb.Lambda("arg", param, _call(uri, scaled, server(member))).to_proto()
@@ -87,14 +88,14 @@ def linear_regression_step(features: int = 8, examples: int = 16,
         grad = 2.0 * x.T @ residual / examples
         return {"w": w - lr * grad, "loss": loss}
 
-    step = bb.CompiledComputation(xla_computation(local_step, data))
+    step = bb.CompiledComputation(typed_xla_computation(local_step, data))
     stepped = _map(step, zipped)
     out_t = step.type_signature.result
     names = [n for n, _ in out_t.items()]
 
     def pick(name: str) -> bb.CompiledComputation:
         index = names.index(name)  # a struct parameter arrives as positional arguments
-        return bb.CompiledComputation(xla_computation(lambda *parts: parts[index], out_t))
+        return bb.CompiledComputation(typed_xla_computation(lambda *parts: parts[index], out_t))
 
     new_w = _map(pick("w"), stepped)
     losses = _map(pick("loss"), stepped)

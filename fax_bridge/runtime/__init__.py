@@ -3,9 +3,9 @@
 Modules: `interpreter` (evaluate / run_computation), `local_eval` (compile_local for
 local parts, also used by device servers), `values` (pytree and npz conversions),
 `backend` (the ClientsBackend contract), `local_backend` (in-process clients),
-`aggregation` (what each aggregation means, exact sums via `exact`), `population` (CLIENTS inputs read
-from a population store by reference), `hlo` (HLO compilation), `xla_builder` (Xla
-computations from JAX functions). The names below load their module on first use.
+`aggregation` (what each aggregation means, exact sums via `exact`), `population`
+(CLIENTS inputs read from a population store by reference), `hlo` (HLO compilation).
+The names below load their module on first use.
 """
 
 import importlib
@@ -22,7 +22,6 @@ _LAZY = {
     "ClientsBackend": "backend",
     "ClientsValue": "backend",
     "PopulationRef": "population",
-    "xla_computation": "xla_builder",
 }
 
 __all__ = sorted(_LAZY)

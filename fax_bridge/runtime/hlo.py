@@ -84,6 +84,8 @@ def _signature(stablehlo: bytes) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 
 # The StableHLO version TensorFlow 2.14's XlaCallModule (op version 8) deserializes.
+# The type URL under which an `Xla` computation holds its serialized HloModuleProto.
+HLO_MODULE_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
 PORTABLE_TARGET = "0.9.0"
 
 

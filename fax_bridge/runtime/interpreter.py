@@ -19,6 +19,7 @@ import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 from federated_language.compiler import array as fl_array
+from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ClientCountError, ComputationError, FaxBridgeError
@@ -117,16 +118,10 @@ class _Interpreter:
 
     def eval(self, comp: Computation, env: dict) -> Any:
         self.step()
-        kind = comp.WhichOneof("computation")
-        method = getattr(self, f"_eval_{kind}", None) if kind else None
+        kind = local_eval.computation_kind(comp)
+        method = getattr(self, f"_eval_{kind}", None)
         if method is None:
-            if kind == "tensorflow":
-                raise ComputationError(
-                    "TensorFlow local computations are not supported; export local parts "
-                    "as Xla computations")
-            raise ComputationError(
-                f"unsupported computation case `{kind}`" if kind else
-                "a computation proto has no computation case set (malformed proto)")
+            raise ComputationError(f"unsupported computation case `{kind}`")
         return method(comp, env)
 
     def _eval_reference(self, comp, env):
@@ -159,17 +154,8 @@ class _Interpreter:
             [(e.name or None, self.eval(e.value, env)) for e in comp.struct.element])
 
     def _eval_selection(self, comp, env):
-        source = self.eval(comp.selection.source, env)
-        index = comp.selection.index
-        if not isinstance(source, structure.Struct):
-            raise ComputationError(
-                f"Selection of element {index} from a value that is not a struct "
-                f"({type(source).__name__})")
-        if not 0 <= index < len(source):
-            raise ComputationError(
-                f"Selection index {index} is out of range for a struct of {len(source)} "
-                "elements")
-        return source[index]
+        return local_eval.select_element(self.eval(comp.selection.source, env),
+                                         comp.selection.index)
 
     def _eval_literal(self, comp, env):
         return local_eval.read_literal(comp.literal)
@@ -201,12 +187,12 @@ class _Interpreter:
         type_ = self.type_of(comp)
         if type_ is None:
             raise ComputationError(f"intrinsic `{uri}` has no type signature")
-        if uri == "generic_zero":
+        if uri == local_eval.GENERIC_ZERO:
             return self.zero(type_)
         if uri not in _INTRINSICS:
             raise ComputationError(
                 f"unknown or unsupported intrinsic `{uri}`; supported: "
-                f"{', '.join(sorted(_INTRINSICS))}, generic_zero")
+                f"{', '.join(SUPPORTED_INTRINSICS)}")
         if not isinstance(type_, federated_language.FunctionType):
             raise ComputationError(f"intrinsic `{uri}` has non-functional type {type_}")
         return _IntrinsicFn(uri, type_)
@@ -234,7 +220,7 @@ class _Interpreter:
         if isinstance(fn, _IntrinsicFn):
             if has_arg and fn.type_signature.parameter is not None:
                 arg = self.conform(arg, fn.type_signature.parameter, f"`{fn.uri}`")
-            return _INTRINSICS[fn.uri](self, fn.type_signature, arg)
+            return _INTRINSICS[fn.uri](self, fn.type_signature, arg, fn.uri)
         raise ComputationError(
             f"a Call's function evaluated to a non-function value ({type(fn).__name__})")
 
@@ -260,7 +246,7 @@ class _Interpreter:
         if isinstance(fn, _LocalFn):
             return fn.comp
         if isinstance(fn, _IntrinsicFn):
-            if fn.uri in ("generic_plus", "generic_multiply", "generic_divide"):
+            if fn.uri in local_eval.GENERIC_BINARY:
                 return Computation(type=fn.type_signature.to_proto(),
                                    intrinsic=computation_pb2.Intrinsic(uri=fn.uri))
             raise ComputationError(f"{what}: intrinsic `{fn.uri}` cannot run per client")
@@ -463,28 +449,19 @@ def _local_arg(value, uri: str):
     return value
 
 
-def _broadcast(it: _Interpreter, t, arg):
-    uri = "federated_broadcast"
+def _broadcast(it: _Interpreter, t, arg, uri: str):
     return it.backend.broadcast(t.result.member, _local_arg(arg, uri), it.clients(uri))
 
 
-def _value_at_clients(it: _Interpreter, t, arg):
-    uri = "federated_value_at_clients"
-    return it.backend.broadcast(t.result.member, _local_arg(arg, uri), it.clients(uri))
+def _identity_local(it: _Interpreter, t, arg, uri: str):
+    return _local_arg(arg, uri)
 
 
-def _identity_local(uri: str):
-    def impl(it: _Interpreter, t, arg):
-        return _local_arg(arg, uri)
-    return impl
-
-
-def _eval_at_server(it: _Interpreter, t, arg):
+def _eval_at_server(it: _Interpreter, t, arg, uri: str):
     return it.call(arg, None, has_arg=False)
 
 
-def _eval_at_clients(it: _Interpreter, t, arg):
-    uri = "federated_eval_at_clients"
+def _eval_at_clients(it: _Interpreter, t, arg, uri: str):
     proto = it.closed_proto(arg, uri)
     fn_type = t.parameter
     seed = it.backend.broadcast(federated_language.StructType([]), structure.Struct([]),
@@ -492,45 +469,40 @@ def _eval_at_clients(it: _Interpreter, t, arg):
     return it.backend.map(proto, fn_type, seed)
 
 
-def _map(uri: str):
-    def impl(it: _Interpreter, t, arg):
-        fn, value = _elements(arg, 2, uri)
-        value_type = t.parameter[1]
-        if _is_clients(value_type):
-            proto = it.closed_proto(fn, uri)
-            return it.backend.map(proto, t.parameter[0], _clients_arg(value, uri))
-        return it.call(fn, _local_arg(value, uri))
-    return impl
+def _map(it: _Interpreter, t, arg, uri: str):
+    fn, value = _elements(arg, 2, uri)
+    value_type = t.parameter[1]
+    if _is_clients(value_type):
+        proto = it.closed_proto(fn, uri)
+        return it.backend.map(proto, t.parameter[0], _clients_arg(value, uri))
+    return it.call(fn, _local_arg(value, uri))
 
 
-def _apply(it: _Interpreter, t, arg):
-    fn, value = _elements(arg, 2, "federated_apply")
-    return it.call(fn, _local_arg(value, "federated_apply"))
+def _apply(it: _Interpreter, t, arg, uri: str):
+    fn, value = _elements(arg, 2, uri)
+    return it.call(fn, _local_arg(value, uri))
 
 
-def _aggregation(kind: str, uri: str):
-    def impl(it: _Interpreter, t, arg):
+def _aggregation(kind: str):
+    def impl(it: _Interpreter, t, arg, uri: str):
         return it.backend.aggregate(_clients_arg(arg, uri), kind)
     return impl
 
 
-def _weighted_mean(it: _Interpreter, t, arg):
-    uri = "federated_weighted_mean"
+def _weighted_mean(it: _Interpreter, t, arg, uri: str):
     value, weight = _elements(arg, 2, uri)
     return it.backend.aggregate(_clients_arg(value, uri), "weighted_mean",
                                 weights=_clients_arg(weight, uri))
 
 
-def _secure_sum_bitwidth(it: _Interpreter, t, arg):
-    uri = "federated_secure_sum_bitwidth"
+def _secure_sum_bitwidth(it: _Interpreter, t, arg, uri: str):
     value, bitwidth = _elements(arg, 2, uri)
     return it.backend.aggregate(_clients_arg(value, uri), "secure_sum_bitwidth",
                                 bitwidth=_local_arg(bitwidth, uri))
 
 
-def _zip_at_clients(it: _Interpreter, t, arg):
+def _zip_at_clients(it: _Interpreter, t, arg, uri: str):
     """Zips a (possibly nested) struct of CLIENTS values, innermost structs first."""
-    uri = "federated_zip_at_clients"
 
     def zip_struct(value):
         if isinstance(value, ClientsValue):
@@ -549,15 +521,13 @@ def _zip_at_clients(it: _Interpreter, t, arg):
     return zip_struct(arg)
 
 
-def _zip_at_server(it: _Interpreter, t, arg):
-    uri = "federated_zip_at_server"
+def _zip_at_server(it: _Interpreter, t, arg, uri: str):
     if not isinstance(arg, structure.Struct):
         raise ComputationError(f"`{uri}` takes a struct of SERVER values")
     return _local_arg(arg, uri)
 
 
-def _aggregate(it: _Interpreter, t, arg):
-    uri = "federated_aggregate"
+def _aggregate(it: _Interpreter, t, arg, uri: str):
     value, zero, accumulate, merge, report = _elements(arg, 5, uri)
     members = it.backend.get(_clients_arg(value, uri))
     acc = _local_arg(zero, uri)
@@ -566,59 +536,58 @@ def _aggregate(it: _Interpreter, t, arg):
     return it.call(report, acc)
 
 
-def _secure_sum(it: _Interpreter, t, arg):
-    uri = "federated_secure_sum"
+def _secure_sum(it: _Interpreter, t, arg, uri: str):
     value, max_input = _elements(arg, 2, uri)
     members = it.backend.get(_clients_arg(value, uri))
     aggregation.check_max_input(members, _local_arg(max_input, uri))
     return aggregation.reduce("sum", members)
 
 
-def _generic(uri: str, op):
-    def impl(it: _Interpreter, t, arg):
-        a, b = _elements(arg, 2, uri)
-        result_type = t.result
-        if _is_clients(result_type):
-            member = result_type.member
-            member_fn = Computation(
-                type=federated_language.FunctionType([member, member], member).to_proto(),
-                intrinsic=computation_pb2.Intrinsic(uri=uri))
-            zipped = it.backend.zip([_clients_arg(a, uri), _clients_arg(b, uri)],
-                                    [None, None])
-            return it.backend.map(member_fn, local_eval.parse_type(member_fn.type), zipped)
-        local_type = (result_type.member
-                      if isinstance(result_type, federated_language.FederatedType)
-                      else result_type)
-        fn = local_eval.make_generic_binary(op, local_type, uri)
-        return fn(structure.Struct([(None, _local_arg(a, uri)), (None, _local_arg(b, uri))]))
-    return impl
+def _generic(it: _Interpreter, t, arg, uri: str):
+    a, b = _elements(arg, 2, uri)
+    result_type = t.result
+    if _is_clients(result_type):
+        member = result_type.member
+        member_fn = Computation(
+            type=federated_language.FunctionType([member, member], member).to_proto(),
+            intrinsic=computation_pb2.Intrinsic(uri=uri))
+        zipped = it.backend.zip([_clients_arg(a, uri), _clients_arg(b, uri)],
+                                [None, None])
+        return it.backend.map(member_fn, local_eval.parse_type(member_fn.type), zipped)
+    local_type = (result_type.member
+                  if isinstance(result_type, federated_language.FederatedType)
+                  else result_type)
+    fn = local_eval.make_generic_binary(local_eval.GENERIC_BINARY[uri], local_type, uri)
+    return fn(structure.Struct([(None, _local_arg(a, uri)), (None, _local_arg(b, uri))]))
 
 
-_INTRINSICS: dict[str, Callable] = {
-    "federated_broadcast": _broadcast,
-    "federated_value_at_clients": _value_at_clients,
-    "federated_value_at_server": _identity_local("federated_value_at_server"),
-    "federated_eval_at_server": _eval_at_server,
-    "federated_eval_at_clients": _eval_at_clients,
-    "federated_map": _map("federated_map"),
-    "federated_map_all_equal": _map("federated_map_all_equal"),
-    "federated_apply": _apply,
-    "federated_sum": _aggregation("sum", "federated_sum"),
-    "federated_mean": _aggregation("mean", "federated_mean"),
-    "federated_min": _aggregation("min", "federated_min"),
-    "federated_max": _aggregation("max", "federated_max"),
-    "federated_weighted_mean": _weighted_mean,
-    "federated_secure_sum_bitwidth": _secure_sum_bitwidth,
-    "federated_secure_sum": _secure_sum,
-    "federated_zip_at_clients": _zip_at_clients,
-    "federated_zip_at_server": _zip_at_server,
-    "federated_aggregate": _aggregate,
-    "generic_plus": _generic("generic_plus", np.add),
-    "generic_multiply": _generic("generic_multiply", np.multiply),
-    "generic_divide": _generic("generic_divide", np.divide),
+# What the runtime does for each intrinsic of federated_language it supports.
+_IMPLEMENTATIONS: dict[intrinsic_defs.IntrinsicDef, Callable] = {
+    intrinsic_defs.FEDERATED_BROADCAST: _broadcast,
+    intrinsic_defs.FEDERATED_VALUE_AT_CLIENTS: _broadcast,
+    intrinsic_defs.FEDERATED_VALUE_AT_SERVER: _identity_local,
+    intrinsic_defs.FEDERATED_EVAL_AT_SERVER: _eval_at_server,
+    intrinsic_defs.FEDERATED_EVAL_AT_CLIENTS: _eval_at_clients,
+    intrinsic_defs.FEDERATED_MAP: _map,
+    intrinsic_defs.FEDERATED_MAP_ALL_EQUAL: _map,
+    intrinsic_defs.FEDERATED_APPLY: _apply,
+    intrinsic_defs.FEDERATED_SUM: _aggregation("sum"),
+    intrinsic_defs.FEDERATED_MEAN: _aggregation("mean"),
+    intrinsic_defs.FEDERATED_MIN: _aggregation("min"),
+    intrinsic_defs.FEDERATED_MAX: _aggregation("max"),
+    intrinsic_defs.FEDERATED_WEIGHTED_MEAN: _weighted_mean,
+    intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH: _secure_sum_bitwidth,
+    intrinsic_defs.FEDERATED_SECURE_SUM: _secure_sum,
+    intrinsic_defs.FEDERATED_ZIP_AT_CLIENTS: _zip_at_clients,
+    intrinsic_defs.FEDERATED_ZIP_AT_SERVER: _zip_at_server,
+    intrinsic_defs.FEDERATED_AGGREGATE: _aggregate,
+    intrinsic_defs.GENERIC_PLUS: _generic,
+    intrinsic_defs.GENERIC_MULTIPLY: _generic,
+    intrinsic_defs.GENERIC_DIVIDE: _generic,
 }
+_INTRINSICS = {definition.uri: impl for definition, impl in _IMPLEMENTATIONS.items()}
 
-SUPPORTED_INTRINSICS = tuple(sorted(_INTRINSICS)) + ("generic_zero",)
+SUPPORTED_INTRINSICS = tuple(sorted([*_INTRINSICS, local_eval.GENERIC_ZERO]))
 
 
 # ---------------------------------------------------------------------------------------

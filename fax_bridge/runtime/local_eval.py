@@ -24,6 +24,7 @@ import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 from federated_language.compiler import array as fl_array
+from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
@@ -32,8 +33,12 @@ from fax_bridge.runtime import hlo, limits
 LocalValue = Any  # np.ndarray | structure.Struct of LocalValue
 LocalFn = Callable[..., LocalValue]
 
-GENERIC_URIS = ("generic_plus", "generic_multiply", "generic_divide", "generic_zero")
-_HLO_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
+# The generic intrinsics a local computation may use (the rest place values).
+GENERIC_BINARY = {intrinsic_defs.GENERIC_PLUS.uri: np.add,
+                  intrinsic_defs.GENERIC_MULTIPLY.uri: np.multiply,
+                  intrinsic_defs.GENERIC_DIVIDE.uri: np.divide}
+GENERIC_ZERO = intrinsic_defs.GENERIC_ZERO.uri
+GENERIC_URIS = (*GENERIC_BINARY, GENERIC_ZERO)
 
 _lock = threading.Lock()
 _steps = threading.local()  # calls made by the outermost local function running here
@@ -127,15 +132,41 @@ _Env = dict
 _Node = Callable[[_Env], LocalValue]
 
 
-def _build(comp: computation_pb2.Computation, scope: frozenset) -> _Node:
+def computation_kind(comp: computation_pb2.Computation) -> str:
+    """Which case of the Computation proto `comp` holds; ComputationError when none or
+    TensorFlow (both walkers of the proto, this module's and the interpreter's, use it)."""
     kind = comp.WhichOneof("computation")
+    if kind is None:
+        raise ComputationError(
+            "a computation proto has no computation case set (malformed proto)")
+    if kind == "tensorflow":
+        raise ComputationError(
+            "TensorFlow local computations are not supported; export local parts as Xla "
+            "computations")
+    return kind
+
+
+def select_element(value: Any, index: int) -> Any:
+    """Element `index` of a struct value, as a Selection computes it."""
+    if not isinstance(value, structure.Struct):
+        raise ComputationError(
+            f"Selection of element {index} from a value that is not a struct "
+            f"({type(value).__name__})")
+    if not 0 <= index < len(value):
+        raise ComputationError(
+            f"Selection index {index} is out of range for a struct of {len(value)} "
+            "elements")
+    return value[index]
+
+
+def _build(comp: computation_pb2.Computation, scope: frozenset) -> _Node:
+    kind = computation_kind(comp)
     builder = _BUILDERS.get(kind)
     if builder is None:
         raise ComputationError(
             f"a local computation cannot hold a `{kind}` computation; only Xla, Lambda, "
             "Block, Call, Struct, Selection, Reference, Literal and generic intrinsics run "
-            "locally" if kind else "a computation proto has no computation case set"
-        )
+            "locally")
     return builder(comp, scope)
 
 
@@ -227,21 +258,7 @@ def _build_selection(comp, scope):
     source = _build(comp.selection.source, scope)
     index = comp.selection.index
 
-    def select(env):
-        value = source(env)
-        if not isinstance(value, structure.Struct):
-            raise ComputationError(
-                f"Selection of element {index} from a non-struct value of type "
-                f"{type(value).__name__}"
-            )
-        if not 0 <= index < len(value):
-            raise ComputationError(
-                f"Selection index {index} is out of range for a struct of {len(value)} "
-                "elements"
-            )
-        return value[index]
-
-    return select
+    return lambda env: select_element(source(env), index)
 
 
 def _build_literal(comp, scope):
@@ -252,12 +269,11 @@ def _build_literal(comp, scope):
 def _build_intrinsic(comp, scope):
     uri = comp.intrinsic.uri
     type_ = parse_type(comp.type)
-    if uri == "generic_zero":
+    if uri == GENERIC_ZERO:
         zero = zeros_of_type(type_)
         return lambda env: zero
-    if uri in ("generic_plus", "generic_multiply", "generic_divide"):
-        op = {"generic_plus": np.add, "generic_multiply": np.multiply,
-              "generic_divide": np.divide}[uri]
+    if uri in GENERIC_BINARY:
+        op = GENERIC_BINARY[uri]
         result_type = type_.result if isinstance(type_, federated_language.FunctionType) else None
         fn = make_generic_binary(op, result_type, uri)
         return lambda env: fn
@@ -448,9 +464,9 @@ def _pack_result(outputs, binding, type_):
 def xla_function(comp: computation_pb2.Computation) -> LocalFn:
     """A python callable running one `Xla` computation with TFF's binding convention."""
     xla = comp.xla
-    if xla.hlo_module.type_url != _HLO_TYPE_URL:
+    if xla.hlo_module.type_url != hlo.HLO_MODULE_TYPE_URL:
         raise ComputationError(
-            f"an Xla computation's hlo_module must be an Any of `{_HLO_TYPE_URL}`, got "
+            f"an Xla computation's hlo_module must be an Any of `{hlo.HLO_MODULE_TYPE_URL}`, got "
             f"`{xla.hlo_module.type_url}`"
         )
     fn_type = parse_type(comp.type)

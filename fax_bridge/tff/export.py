@@ -1,7 +1,7 @@
 """Export of a traced federated program as a TFF building-block `Computation` proto.
 
 The placement-annotated jaxpr of `fax_bridge.trace` is cut into *stages* and
-*communication*:
+*communication* (planned by `stages.plan`, a pure function; this module emits the plan):
 
 - every equation is given a depth, the number of federated communications (broadcast,
   sum, mean, weighted mean) on its longest input path;
@@ -38,13 +38,11 @@ from fax_bridge import primitives as P
 from fax_bridge import tracing
 from fax_bridge.errors import ExportError
 from fax_bridge.placements import Placement
+from fax_bridge.tff import stages
 from fax_bridge.tff import types as tff_types
 from fax_bridge.tff import xla as tff_xla
 
 S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
-
-_COMMUNICATION = (P.federated_broadcast_p, P.federated_sum_p, P.federated_mean_p,
-                  P.federated_weighted_mean_p, P.federated_decode_sum_p)
 
 # Per-client equations whose UNPLACED operands of full shape are per-client data (one
 # row per client); for the others (dot_general's right operand, pad values, scalars)
@@ -478,85 +476,13 @@ class _Exporter:
     # ----------------------------------------------------------------- driver
 
     def body(self) -> None:
-        j = self.comp.jaxpr.jaxpr
-        depth: dict = {}
-
-        def d(v):
-            return 0 if isinstance(v, core.Literal) else depth.get(v, 0)
-
-        comms: dict = {}
-        uses_after: dict = {}
-        for idx, eqn in enumerate(j.eqns):
-            for v in eqn.invars:
-                if not isinstance(v, core.Literal):
-                    uses_after.setdefault(v, []).append(idx)
-        # Earliest depth of each local equation (communications stay at theirs).
-        earliest: dict = {}
-        for eqn in j.eqns:
-            outs_p = {self._placement(v) for v in eqn.outvars}
-            if outs_p == {U} or all(v in self.consts for v in eqn.outvars):
-                continue
-            base = max([d(v) for v in eqn.invars if not isinstance(v, core.Literal)
-                        and self._placement(v) is not U] or [0])
-            if eqn.primitive in _COMMUNICATION:
-                for v in eqn.outvars:
-                    depth[v] = base + 1
-                comms.setdefault(base + 1, []).append(eqn)
+        """Emits the steps `stages.plan` chose, in order."""
+        steps = stages.plan(self.comp.jaxpr.jaxpr, self._placement, self.consts)
+        for step in steps:
+            if isinstance(step, stages.Communicate):
+                self.communicate(step.eqns)
             else:
-                for v in eqn.outvars:
-                    depth[v] = base
-                earliest[id(eqn)] = base
-        max_depth = max([0] + list(earliest.values()) + list(comms))
-        # Each local equation runs as late as its consumers allow, so work at one
-        # placement that several depths could hold lands in one stage.
-        comm_level = {id(e): level for level, es in comms.items() for e in es}
-        program_outs = {v for v in j.outvars if not isinstance(v, core.Literal)}
-        latest: dict = {}
-        for eqn in reversed(j.eqns):
-            if id(eqn) not in earliest:
-                continue
-            limit = max_depth if any(v in program_outs for v in eqn.outvars) else None
-            for v in eqn.outvars:
-                for i in uses_after.get(v, []):
-                    c = j.eqns[i]
-                    bound = comm_level[id(c)] - 1 if id(c) in comm_level else latest.get(id(c))
-                    if bound is not None:
-                        limit = bound if limit is None else min(limit, bound)
-            latest[id(eqn)] = earliest[id(eqn)] if limit is None else max(
-                earliest[id(eqn)], limit)
-        units: dict = {}
-        for eqn in j.eqns:
-            if id(eqn) in latest:
-                (placement,) = {self._placement(v) for v in eqn.outvars}
-                units.setdefault((placement, latest[id(eqn)]), []).append(eqn)
-        stage_of = {id(e): key for key, es in units.items() for e in es}
-        eqn_by_index = list(j.eqns)
-        for level in range(max_depth + 1):
-            for batch in self._batches(comms.get(level, [])):
-                self.communicate(batch)
-            for placement in (S, C):
-                eqns = units.get((placement, level), [])
-                if not eqns:
-                    continue
-                key = (placement, level)
-                needed = set()
-                for e in eqns:
-                    for v in e.outvars:
-                        if v in program_outs or any(
-                                stage_of.get(id(eqn_by_index[i])) != key
-                                for i in uses_after.get(v, [])):
-                            needed.add(v)
-                self.stage(placement, eqns, needed)
-
-    @staticmethod
-    def _batches(eqns: list) -> list[list]:
-        """Communication equations of one depth, grouped by kind (and weights)."""
-        batches: dict = {}
-        for e in eqns:
-            key = (e.primitive, e.invars[1] if e.primitive is P.federated_weighted_mean_p
-                   else None)
-            batches.setdefault(key, []).append(e)
-        return list(batches.values())
+                self.stage(step.placement, step.eqns, step.needed)
 
     def result(self) -> bb.ComputationBuildingBlock:
         comp = self.comp

@@ -33,6 +33,7 @@ from federated_language.proto import computation_pb2
 from google.protobuf import any_pb2
 
 from fax_bridge.errors import ExportError
+from fax_bridge.runtime.hlo import HLO_MODULE_TYPE_URL, custom_calls
 from fax_bridge.tff import types as tff_types
 
 __all__ = [
@@ -41,10 +42,9 @@ __all__ = [
     "binding_indices",
     "hlo_module_bytes",
     "literal_or_none",
+    "typed_xla_computation",
     "xla_computation",
 ]
-
-HLO_MODULE_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
 
 LocalFn = Union[Callable[..., Any], jax.extend.core.ClosedJaxpr]
 
@@ -213,10 +213,8 @@ def _check_against_hlo(
 
 def _refuse_custom_calls(lowered) -> None:
     """ExportError naming each custom call (native code outside the HLO) and its line."""
-    from fax_bridge.runtime import hlo as runtime_hlo
-
     try:
-        calls = runtime_hlo.custom_calls(lowered.compiler_ir("stablehlo"))
+        calls = custom_calls(lowered.compiler_ir("stablehlo"))
     except Exception as e:  # reading the lowered module must not mask the real problem
         raise ExportError(f"cannot inspect the lowered local computation: {e}") from e
     if calls:
@@ -307,6 +305,49 @@ def xla_computation(
         xla_pb.parameter.CopyFrom(binding(parameter_type))
     function_type = federated_language.FunctionType(parameter_type, result_type)
     return computation_pb2.Computation(type=function_type.to_proto(), xla=xla_pb)
+
+
+def typed_xla_computation(fn: Callable[..., Any],
+                          parameter_type: Optional[Any] = None) -> computation_pb2.Computation:
+    """`xla_computation` for a function written against a TFF parameter type.
+
+    `fn` takes one positional argument per element of a struct `parameter_type` (the
+    value itself for any other type, nothing without one); nested named structs arrive
+    as dicts in the type's element order, unnamed ones as tuples. The binding is
+    depth-first over the type whatever its element names, and the result type follows
+    jax's pytree order (dicts as named structs with sorted keys).
+    """
+    if parameter_type is None:
+        return xla_computation(fn)
+    parameter_type = federated_language.to_type(parameter_type)
+    top_struct = isinstance(parameter_type, federated_language.StructType)
+
+    def call(tree: Any) -> Any:
+        arg = _as_named(tree, parameter_type)
+        return fn(*arg.values()) if top_struct and isinstance(arg, dict) else (
+            fn(*arg) if top_struct else fn(arg))
+
+    return xla_computation(call, _positional_specs(parameter_type),
+                           parameter_type=parameter_type)
+
+
+def _positional_specs(type_: federated_language.Type) -> Any:
+    """Avals of a TFF type as nested tuples, so jax's order is the type's depth-first one."""
+    if isinstance(type_, federated_language.StructType):
+        return tuple(_positional_specs(t) for _, t in type_.items())
+    if isinstance(type_, federated_language.TensorType):
+        return jax.ShapeDtypeStruct(tuple(type_.shape or ()), type_.dtype)
+    raise ExportError(f"an Xla parameter holds tensors and structs only, not {type_}")
+
+
+def _as_named(tree: Any, type_: federated_language.Type) -> Any:
+    if not isinstance(type_, federated_language.StructType):
+        return tree
+    items = list(type_.items())
+    children = [_as_named(v, t) for v, (_, t) in zip(tree, items)]
+    if items and all(n for n, _ in items):
+        return {n: c for (n, _), c in zip(items, children)}
+    return tuple(children)
 
 
 def literal_or_none(value: Any, *, max_elements: int = 1) -> Optional[computation_pb2.Computation]:
