@@ -1,6 +1,8 @@
 """Parity of the two paths on a real local fleet, and the parity / run commands."""
 
+import dataclasses
 import os
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -89,3 +91,36 @@ def test_run_command_errors_name_the_problem(tmp_path, capsys):
                      str(bad)])
     assert code == 2
     assert "wrong" in capsys.readouterr().err
+
+
+class _Pair(typing.NamedTuple):
+    w: jax.Array
+    b: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Params:
+    w: jax.Array
+    b: jax.Array
+
+
+@fb.program(clients=N)
+def _pytree_round(p, x):
+    scaled = fb.federated_map_clients(
+        lambda q, xx: jax.tree_util.tree_map(lambda a: a * jnp.mean(xx), q),
+        (fb.federated_broadcast(p), x))
+    return fb.federated_map_server(lambda a, m: jax.tree_util.tree_map(jnp.add, a, m),
+                                   (p, fb.federated_mean(scaled)))
+
+
+@pytest.mark.parametrize("kind", [_Pair, _Params])
+def test_namedtuples_and_registered_dataclasses_pass_parity(fleet, kind):
+    p = kind(jnp.array([1.0, -2.0]), jnp.float32(0.5))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(N, 4)), jnp.float32)
+    local = jax.jit(_pytree_round)(p, x)
+    assert isinstance(local, kind)
+    report = fb.check_parity(_pytree_round, p, x, placements=("server", "clients"),
+                             fleet=fleet)
+    assert report.ok, report.table()
+    assert [leaf.path for leaf in report.leaves] == ["result.w", "result.b"]

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from federated_language.compiler import building_blocks as bb
 from federated_language.proto import computation_pb2
 
@@ -388,3 +389,42 @@ def test_native_custom_calls_in_client_work_are_refused_at_export_naming_the_lin
                        + re.escape(where)):
         fb.export_tff(solve_step, W, X, placements=("server", "clients"))
     assert np.all(np.isfinite(solve_step(W, X)))  # jit runs it in this process
+
+
+def test_typed_prng_keys_are_refused_naming_the_argument():
+    @fb.program(clients=N)
+    def noisy(seed, x):
+        keys = fb.federated_broadcast(seed)
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda k, xx: jax.random.normal(k, ()) + xx.sum(), (keys, x)))
+
+    with pytest.raises(fb.ExportError, match=r"argument `seed` is a typed PRNG key .*key_data"):
+        fb.export_tff(noisy, jax.random.key(0), X, placements=("server", "clients"))
+    with pytest.raises(fb.ExportError, match=r"argument `state`\['rng'\] is a typed PRNG key"):
+        fb.export_tff(lambda state, x: noisy(state["rng"], x), {"rng": jax.random.key(1)}, X,
+                      placements=("server", "clients"))
+
+
+def _nested(tree_kinds, leaf):
+    for kind in tree_kinds:
+        leaf = {"a": leaf} if kind == "dict" else [leaf] if kind == "list" else (leaf,)
+    return leaf
+
+
+@settings(max_examples=12, deadline=None, database=None)
+@given(st.lists(st.sampled_from(["tuple", "dict", "list"]), min_size=1, max_size=60))
+def test_deeply_nested_pytrees_export_or_get_a_named_error(kinds):
+    @fb.program(clients=N)
+    def scale(p, x):
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda q, xx: jax.tree_util.tree_map(lambda a: a * xx.sum(), q),
+            (fb.federated_broadcast(p), x)))
+
+    tree = _nested(kinds, jnp.ones(2))
+    try:
+        proto = fb.export_tff(scale, tree, X, placements=("server", "clients"))
+    except fb.ExportError as e:
+        assert "nests deeper than protobuf allows" in str(e)
+        assert f"nest {len(kinds)} levels deep" in str(e)
+        return
+    assert proto.ByteSize() > 0

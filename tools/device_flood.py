@@ -137,9 +137,17 @@ def unauthenticated_flood(size_mb: int = 600, concurrent: int = 4) -> dict:
         codes = [_code(r[0]) if isinstance(r, tuple) else _code(r) for r in results]
         seconds = [r[1] for r in results if isinstance(r, tuple)]
         after = device.snapshot()
+        with _channel(device.address) as channel:  # a small one: the device's own time
+            start = time.monotonic()
+            try:
+                device.stub(channel).Health(pb.HealthRequest(), timeout=10)
+            except grpc.RpcError:
+                pass
+            small = time.monotonic() - start
         return {"attack": "unauthenticated Broadcast flood", "requests": concurrent,
                 "request_mb": size_mb, "codes": sorted(set(codes)),
                 "max_seconds_to_refuse": round(max(seconds), 3) if seconds else None,
+                "seconds_to_refuse_a_small_call": round(small, 4),
                 "before": before, "after": after,
                 "peak_rss_mb": round(device.status("VmHWM") / MB, 1),
                 "healthy_after": device.healthy(),
@@ -154,6 +162,12 @@ def idle_connections(count: int = 20000, max_connections: int = 64) -> dict:
     The coordinator's established channel must keep working during the flood; new
     connections must be served again once the silent ones pass the handshake timeout.
     """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < count + 256 <= hard or (hard == resource.RLIM_INFINITY and soft < count + 256):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count + 256, hard))
+    count = min(count, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256)
     device = Device("--max-connections", str(max_connections))
     sockets = []
     try:

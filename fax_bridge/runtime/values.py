@@ -122,8 +122,25 @@ def _struct_items(value, type_: federated_language.StructType, path: str):
                     raise ComputationError(
                         f"{_where(path)}: element named `{got}` where {type_} has `{name}`")
         return [(n, v) for (n, _), v in zip(items, elements)]
+    children = _pytree_children(value)
+    if children is not None:  # a registered dataclass or another custom pytree node
+        if all(n for n, _ in children):
+            return _struct_items(dict(children), type_, path)
+        return _struct_items(tuple(c for _, c in children), type_, path)
     raise ComputationError(f"{_where(path)}: expected a struct {type_}, got "
                            f"{_describe(value)}")
+
+
+def _pytree_children(value) -> Optional[list]:
+    """[(name or None, child)] of a registered pytree node (as the exporter names them)."""
+    if isinstance(value, np.ndarray) or np.isscalar(value):
+        return None
+    from fax_bridge.tff.types import named_children
+
+    try:
+        return named_children(value)
+    except Exception:  # not a pytree jax knows
+        return None
 
 
 def to_local(value: Pytree, type_: federated_language.Type, path: str = "",

@@ -32,6 +32,7 @@ import numpy as np
 from federated_language.compiler import building_block_factory as factory
 from federated_language.compiler import building_blocks as bb
 from federated_language.proto import computation_pb2
+from google.protobuf import message
 from jax._src import core
 
 from fax_bridge import primitives as P
@@ -546,7 +547,47 @@ def export_computation(comp: tracing.FederatedComputation,
     result = exporter.result()
     block = bb.Block(exporter.locals, result) if exporter.locals else result
     fn = bb.Lambda(param_name, param_type, block)
-    return fn.to_proto()
+    try:
+        return fn.to_proto()
+    except (message.DecodeError, RecursionError) as e:
+        raise _too_deep(jax.tree_util.tree_unflatten(comp.in_tree, list(comp.in_avals)),
+                        e) from None
+
+
+def _too_deep(args: Sequence[Any], error: Exception) -> ExportError:
+    depth = max((_pytree_depth(a) for a in args), default=0)
+    return ExportError(
+        f"the computation's proto nests deeper than protobuf allows ({PROTO_DEPTH_LIMIT} "
+        f"message levels; each level of a pytree takes several): its arguments nest "
+        f"{depth} levels deep. Flatten nested tuples/dicts (how deep a pytree can go "
+        "depends on where it is used; about 18 levels in a broadcast-map-mean round), "
+        "e.g. pass jax.tree_util.tree_leaves(tree) and rebuild the tree inside the "
+        f"program ({type(error).__name__})")
+
+
+# protobuf's default recursion limit for parsing (which building a proto also does).
+PROTO_DEPTH_LIMIT = 100
+
+
+def _pytree_depth(tree: Any) -> int:
+    children = tff_types.named_children(tree)
+    if not children:
+        return 0
+    return 1 + max(_pytree_depth(c) for _, c in children)
+
+
+def _refuse_typed_keys(args: Sequence[Any], names: Sequence[Optional[str]]) -> None:
+    """ExportError naming the argument that holds a typed PRNG key (not a tensor in TFF)."""
+    for i, arg in enumerate(args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+                name = names[i] if i < len(names) and names[i] else f"#{i}"
+                raise ExportError(
+                    f"argument `{name}`{jax.tree_util.keystr(path)} is a typed PRNG key "
+                    f"({dtype}); TFF tensors hold numbers only. Pass "
+                    "jax.random.key_data(key) (a uint32 array) and rebuild the key inside "
+                    "with jax.random.wrap_key_data, or use jax.random.PRNGKey keys")
 
 
 def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[int] = None,
@@ -560,6 +601,8 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
     TFF cannot express, naming the equation, the user's source line and the fix.
     `round_form`: see `export_computation`.
     """
+    names = argument_names(fn, len(args))
+    _refuse_typed_keys(args, names)
     try:
         comp = tracing.trace(fn, *args, placements=placements, clients=clients)
     except tracing.PlacementNestingError as e:
@@ -567,7 +610,10 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
             f"cannot export: {e} TFF has one CLIENTS placement, which is the outermost "
             "placement of the program; inner placements can only be local work inside a "
             "per-client function.") from e
-    return export_computation(comp, argument_names(fn, len(args)), round_form)
+    try:
+        return export_computation(comp, names, round_form)
+    except (message.DecodeError, RecursionError) as e:  # protobuf's depth limit, anywhere
+        raise _too_deep(args, e) from None
 
 
 def save_computation(proto: computation_pb2.Computation, path) -> None:
