@@ -2,8 +2,9 @@
 
     .venv/bin/python tools/forms_check.py [--clients 3] [--devices 2] [--out out/forms]
 
-Rounds: the quickstart's `fedavg_round` and every target of
-`examples/algorithm_rounds.py` (each algorithm in `fax_bridge.algorithms`). Each round is
+Rounds: the quickstart's `fedavg_round`, every target of
+`examples/algorithm_rounds.py` (each algorithm in `fax_bridge.algorithms`) and DP-FedAvg
+with a fixed and an adaptive clip. Each round is
 either refused (two trips, client state: it must be one of `EXPECTED_REFUSALS`, and the
 reason is printed) or exported in the forms' type, and then, with one TFF 0.87 process
 for all rounds (`tools/tff087/build_forms.py`):
@@ -48,9 +49,21 @@ def targets(clients: int) -> dict:
     sys.path.insert(0, str(EXAMPLES))
     import algorithm_rounds
 
+    import _digits as D
+    import optax
+
+    from fax_bridge import algorithms as A
+
     out = {"quickstart": resolve_program(str(EXAMPLES / "quickstart.py") + ":fedavg_round",
                                          clients)}
     out.update(algorithm_rounds.export_targets(clients))
+    cohort, params = D.Population(0).cohort(range(clients)), D.init_mlp(0)
+    for name, clip in (("dp_fed_avg", 1.0), ("dp_fed_avg_adaptive", None)):
+        if name not in out:
+            alg = A.dp_fed_avg(D.loss, optax.sgd(0.1), clients=clients, noise_multiplier=0.2,
+                               clip=clip)
+            out[name] = (alg.next, (alg.init(params), cohort.data, cohort.mask),
+                         alg.placements)
     return out
 
 

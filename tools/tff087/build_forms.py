@@ -157,33 +157,43 @@ def xla_to_tensorflow(comp_proto, artifacts: dict):
 # ------------------------------------------------------------------------ TF sessions
 
 
-def run_tensorflow(comp_proto, flat_args: list) -> list:
-    """Runs a TensorFlow computation proto in a TF 2.14 session; flat in, flat out."""
-    t = comp_proto.tensorflow
-    graph_def = ser.unpack_graph_def(t.graph_def)
+class TensorFlowPiece:
+    """A TensorFlow computation proto imported once into its own graph and session;
+    call it with flat tensors, get flat tensors (TFF's binding order)."""
 
-    def names(binding) -> list:
+    def __init__(self, comp_proto):
+        t = comp_proto.tensorflow
+        self.feeds = self._names(t.parameter) if t.HasField("parameter") else []
+        self.fetches = self._names(t.result)
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            tf.graph_util.import_graph_def(ser.unpack_graph_def(t.graph_def), name="")
+        self.session = tf.compat.v1.Session(graph=self.graph)
+        if t.initialize_op:
+            self.session.run(t.initialize_op)
+
+    @classmethod
+    def _names(cls, binding) -> list:
         kind = binding.WhichOneof("binding")
         if kind == "tensor":
             return [binding.tensor.tensor_name]
         if kind == "struct":
-            return [n for e in binding.struct.element for n in names(e)]
+            return [n for e in binding.struct.element for n in cls._names(e)]
         if kind is None:
             return []
         raise TypeError(f"unsupported TensorFlow binding {kind}")
 
-    feeds = names(t.parameter) if t.HasField("parameter") else []
-    fetches = names(t.result)
-    if len(feeds) != len(flat_args):
-        raise ValueError(f"the computation takes {len(feeds)} tensors, got {len(flat_args)}")
-    with tf.Graph().as_default() as graph:
-        tf.graph_util.import_graph_def(graph_def, name="")
-        with tf.compat.v1.Session(graph=graph) as sess:
-            if t.initialize_op:
-                sess.run(t.initialize_op)
-            if not fetches:
-                return []
-            return list(sess.run(fetches, feed_dict=dict(zip(feeds, flat_args))))
+    def __call__(self, flat_args: list) -> list:
+        if len(self.feeds) != len(flat_args):
+            raise ValueError(f"the computation takes {len(self.feeds)} tensors, got "
+                             f"{len(flat_args)}")
+        if not self.fetches:
+            return []
+        return list(self.session.run(self.fetches,
+                                     feed_dict=dict(zip(self.feeds, flat_args))))
+
+    def close(self) -> None:
+        self.session.close()
 
 
 def count(t) -> int:
@@ -193,24 +203,29 @@ def count(t) -> int:
 def run_mrf(mrf, state: list, clients: list) -> tuple[list, list]:
     """One round of a MapReduceForm, each piece in a TF session (the order
     `get_computation_for_map_reduce_form` composes them in)."""
-    p = {name: proto_of(getattr(mrf, name)) for name in MRF_PIECES}
-    broadcast = run_tensorflow(p["prepare"], state)
-    work_type = mrf.work.type_signature.result
-    sizes = [count(e) for _, e in structure.iter_elements(work_type)]
-    acc = run_tensorflow(p["zero"], [])
-    secure = [[] for _ in sizes[1:]]
-    for data in clients:
-        out = run_tensorflow(p["work"], list(data) + list(broadcast))
-        update, rest = out[:sizes[0]], out[sizes[0]:]
-        if rest:
-            raise ValueError("the form uses secure sums, which this runner does not model")
-        # One accumulator per client, merged in order: both halves of the form run.
-        acc = run_tensorflow(p["merge"], acc + run_tensorflow(
-            p["accumulate"], run_tensorflow(p["zero"], []) + update))
-    aggregate = run_tensorflow(p["report"], acc)
-    for name in ("secure_sum_bitwidth", "secure_sum_max_input", "secure_modular_sum_modulus"):
-        run_tensorflow(p[name], [])
-    out = run_tensorflow(p["update"], list(state) + aggregate + [x for s in secure for x in s])
+    p = {name: TensorFlowPiece(proto_of(getattr(mrf, name))) for name in MRF_PIECES}
+    try:
+        broadcast = p["prepare"](state)
+        work_type = mrf.work.type_signature.result
+        sizes = [count(e) for _, e in structure.iter_elements(work_type)]
+        acc = p["zero"]([])
+        for data in clients:
+            out = p["work"](list(data) + list(broadcast))
+            update, rest = out[:sizes[0]], out[sizes[0]:]
+            if rest:
+                raise ValueError("the form uses secure sums, which this runner does not "
+                                 "model")
+            # One accumulator per client, merged in order: both halves of the form run.
+            acc = p["merge"](acc + p["accumulate"](p["zero"]([]) + update))
+        aggregate = p["report"](acc)
+        for name in ("secure_sum_bitwidth", "secure_sum_max_input",
+                     "secure_modular_sum_modulus"):
+            if p[name]([]):
+                raise ValueError(f"the form's {name} is not empty")
+        out = p["update"](list(state) + aggregate)
+    finally:
+        for piece in p.values():
+            piece.close()
     n_state = count(mrf.update.type_signature.result[0])
     return out[:n_state], out[n_state:]
 
