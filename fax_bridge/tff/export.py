@@ -32,7 +32,7 @@ import numpy as np
 from federated_language.compiler import building_block_factory as factory
 from federated_language.compiler import building_blocks as bb
 from federated_language.proto import computation_pb2
-from google.protobuf import message
+from google.protobuf.message import DecodeError
 from jax._src import core
 
 from fax_bridge import primitives as P
@@ -539,55 +539,18 @@ def export_computation(comp: tracing.FederatedComputation,
     the program's `(new_state, output)` result returned as two separate SERVER values.
     """
     n_args = len(jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals)))))
-    exporter = _Exporter(comp, arg_names or [None] * n_args, round_form)
-    exporter.check_exportable()
-    exporter.fold_constants()
-    param_name, param_type = exporter.parameter()
-    exporter.body()
-    result = exporter.result()
-    block = bb.Block(exporter.locals, result) if exporter.locals else result
-    fn = bb.Lambda(param_name, param_type, block)
     try:
-        return fn.to_proto()
-    except (message.DecodeError, RecursionError) as e:
-        raise _too_deep(jax.tree_util.tree_unflatten(comp.in_tree, list(comp.in_avals)),
-                        e) from None
-
-
-def _too_deep(args: Sequence[Any], error: Exception) -> ExportError:
-    depth = max((_pytree_depth(a) for a in args), default=0)
-    return ExportError(
-        f"the computation's proto nests deeper than protobuf allows ({PROTO_DEPTH_LIMIT} "
-        f"message levels; each level of a pytree takes several): its arguments nest "
-        f"{depth} levels deep. Flatten nested tuples/dicts (how deep a pytree can go "
-        "depends on where it is used; about 18 levels in a broadcast-map-mean round), "
-        "e.g. pass jax.tree_util.tree_leaves(tree) and rebuild the tree inside the "
-        f"program ({type(error).__name__})")
-
-
-# protobuf's default recursion limit for parsing (which building a proto also does).
-PROTO_DEPTH_LIMIT = 100
-
-
-def _pytree_depth(tree: Any) -> int:
-    children = tff_types.named_children(tree)
-    if not children:
-        return 0
-    return 1 + max(_pytree_depth(c) for _, c in children)
-
-
-def _refuse_typed_keys(args: Sequence[Any], names: Sequence[Optional[str]]) -> None:
-    """ExportError naming the argument that holds a typed PRNG key (not a tensor in TFF)."""
-    for i, arg in enumerate(args):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            dtype = getattr(leaf, "dtype", None)
-            if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-                name = names[i] if i < len(names) and names[i] else f"#{i}"
-                raise ExportError(
-                    f"argument `{name}`{jax.tree_util.keystr(path)} is a typed PRNG key "
-                    f"({dtype}); TFF tensors hold numbers only. Pass "
-                    "jax.random.key_data(key) (a uint32 array) and rebuild the key inside "
-                    "with jax.random.wrap_key_data, or use jax.random.PRNGKey keys")
+        exporter = _Exporter(comp, arg_names or [None] * n_args, round_form)
+        exporter.check_exportable()
+        exporter.fold_constants()
+        param_name, param_type = exporter.parameter()
+        exporter.body()
+        result = exporter.result()
+        block = bb.Block(exporter.locals, result) if exporter.locals else result
+        return bb.Lambda(param_name, param_type, block).to_proto()
+    except (DecodeError, RecursionError) as e:  # protobuf's depth limit, anywhere
+        raise tff_types.too_deep_error(
+            jax.tree_util.tree_unflatten(comp.in_tree, list(comp.in_avals)), e) from None
 
 
 def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[int] = None,
@@ -602,7 +565,7 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
     `round_form`: see `export_computation`.
     """
     names = argument_names(fn, len(args))
-    _refuse_typed_keys(args, names)
+    tff_types.refuse_typed_keys(args, names)
     try:
         comp = tracing.trace(fn, *args, placements=placements, clients=clients)
     except tracing.PlacementNestingError as e:
@@ -610,10 +573,7 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
             f"cannot export: {e} TFF has one CLIENTS placement, which is the outermost "
             "placement of the program; inner placements can only be local work inside a "
             "per-client function.") from e
-    try:
-        return export_computation(comp, names, round_form)
-    except (message.DecodeError, RecursionError) as e:  # protobuf's depth limit, anywhere
-        raise _too_deep(args, e) from None
+    return export_computation(comp, names, round_form)
 
 
 def save_computation(proto: computation_pb2.Computation, path) -> None:
@@ -627,8 +587,6 @@ def save_computation(proto: computation_pb2.Computation, path) -> None:
 
 def load_computation(path) -> computation_pb2.Computation:
     """Reads a serialized `Computation` proto written by `save_computation` or by TFF."""
-    from google.protobuf.message import DecodeError
-
     with open(path, "rb") as f:
         data = f.read()
     proto = computation_pb2.Computation()

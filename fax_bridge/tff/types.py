@@ -286,3 +286,40 @@ def federated(
             f"cannot place {member_type} at {literal}: {e} Place only tensors and "
             "structs of tensors."
         ) from e
+
+
+def too_deep_error(args: Sequence[Any], error: Exception) -> ExportError:
+    """The ExportError for a proto past protobuf's depth limit, with the arguments' depth."""
+    depth = max((_pytree_depth(a) for a in args), default=0)
+    return ExportError(
+        f"the computation's proto nests deeper than protobuf allows ({PROTO_DEPTH_LIMIT} "
+        f"message levels; each level of a pytree takes several): its arguments nest "
+        f"{depth} levels deep. Flatten nested tuples/dicts (how deep a pytree can go "
+        "depends on where it is used; about 18 levels in a broadcast-map-mean round), "
+        "e.g. pass jax.tree_util.tree_leaves(tree) and rebuild the tree inside the "
+        f"program ({type(error).__name__})")
+
+
+# protobuf's default recursion limit for parsing (which building a proto also does).
+PROTO_DEPTH_LIMIT = 100
+
+
+def _pytree_depth(tree: Any) -> int:
+    children = named_children(tree)
+    if not children:
+        return 0
+    return 1 + max(_pytree_depth(c) for _, c in children)
+
+
+def refuse_typed_keys(args: Sequence[Any], names: Sequence[Optional[str]]) -> None:
+    """ExportError naming the argument that holds a typed PRNG key (not a tensor in TFF)."""
+    for i, arg in enumerate(args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+                name = names[i] if i < len(names) and names[i] else f"#{i}"
+                raise ExportError(
+                    f"argument `{name}`{jax.tree_util.keystr(path)} is a typed PRNG key "
+                    f"({dtype}); TFF tensors hold numbers only. Pass "
+                    "jax.random.key_data(key) (a uint32 array) and rebuild the key inside "
+                    "with jax.random.wrap_key_data, or use jax.random.PRNGKey keys")
