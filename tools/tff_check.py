@@ -23,7 +23,6 @@ import json
 import os
 import pathlib
 import shlex
-import signal
 import subprocess
 import sys
 from typing import Iterable, Mapping, Optional, Sequence
@@ -32,7 +31,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_TFF_PYTHON = REPO / ".venv-tff" / "bin" / "python"
 READER_SCRIPT = REPO / "tools" / "tff087" / "read_signatures.py"
 DEFAULT_TIMEOUT_S = 180.0
-SETUP_HINT = "build it with tools/tff087/setup.sh"
 
 OK = "OK"
 MISMATCH = "MISMATCH"
@@ -83,43 +81,21 @@ def read_fl_signature(path: os.PathLike | str) -> str:
     return str(building_blocks.ComputationBuildingBlock.from_proto(proto).type_signature)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def read_tff_signatures(paths: Sequence[os.PathLike | str],
                         tff_python: os.PathLike | str = DEFAULT_TFF_PYTHON,
                         timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, dict]:
     """Runs TFF's reader on `paths` in its own venv; returns {str(path): {type_signature, error}}.
 
-    The reader runs in a new process group; on timeout the whole group is killed, and it
-    is also killed after a normal exit so that no stray child survives.
+    The reader runs in a new process group (`fax_bridge.tff.side_env`), killed on timeout
+    and after a normal exit, so that no stray child survives.
     """
-    tff_python = pathlib.Path(tff_python)
-    if not tff_python.exists():
-        raise CheckError(f"TFF interpreter {tff_python} does not exist; {SETUP_HINT}")
-    args = [str(tff_python), str(READER_SCRIPT), *map(str, paths)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+    from fax_bridge.tff import side_env
+
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        proc.communicate()
-        raise CheckError(f"TFF's reader ({READER_SCRIPT.name}) did not finish within "
-                         f"{timeout_s:g} s and was killed; raise --timeout if the machine is slow")
-    finally:
-        _kill_group(proc)
-    tail = err.decode(errors="replace").strip()[-2000:]
-    if proc.returncode != 0:
-        raise CheckError(f"TFF's reader exited with status {proc.returncode}; its stderr:\n{tail}")
-    try:
-        result = json.loads(out.decode())
-    except json.JSONDecodeError as e:
-        raise CheckError(f"TFF's reader printed no valid JSON ({e}); its stderr:\n{tail}") from e
+        result = side_env.run_json(READER_SCRIPT, [str(p) for p in paths], timeout_s,
+                                   python=tff_python)
+    except side_env.SideEnvError as e:
+        raise CheckError(str(e)) from e
     missing = [str(p) for p in paths if str(p) not in result]
     if missing:
         raise CheckError(f"TFF's reader returned no entry for {missing}")
@@ -210,16 +186,18 @@ def run_generator(command: str, pb_dir: Optional[pathlib.Path], timeout_s: float
     if pb_dir is not None:
         pb_dir.mkdir(parents=True, exist_ok=True)
         command = command.replace("{pb_dir}", shlex.quote(str(pb_dir)))
+    from fax_bridge.tff.side_env import kill_group
+
     proc = subprocess.Popen(shlex.split(command), cwd=REPO, start_new_session=True,
                             stdin=subprocess.DEVNULL)
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         proc.wait()
         raise CheckError(f"--generate command did not finish within {timeout_s:g} s: {command}")
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     if rc != 0:
         raise CheckError(f"--generate command exited with status {rc}: {command}")
 

@@ -14,7 +14,7 @@ import os
 import pathlib
 import signal
 import subprocess
-from typing import Sequence
+from typing import Optional, Sequence
 
 from fax_bridge.errors import FaxBridgeError
 
@@ -41,16 +41,18 @@ def script(name: str) -> pathlib.Path:
     return path
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILLs the process group `proc` leads (started with `start_new_session`)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def run_json(path: os.PathLike, args: Sequence[str], timeout_s: float) -> dict:
-    """Runs `tff_python() path *args`; returns the JSON object it printed."""
-    python = tff_python()
+def run_json(path: os.PathLike, args: Sequence[str], timeout_s: float,
+             python: Optional[os.PathLike] = None) -> dict:
+    """Runs `python path *args` (default: `tff_python()`); returns the JSON it printed."""
+    python = pathlib.Path(python) if python is not None else tff_python()
     if not python.exists():
         raise SideEnvError(f"the TFF 0.87 interpreter {python} does not exist; {SETUP_HINT}")
     proc = subprocess.Popen([str(python), str(path), *map(str, args)],
@@ -59,12 +61,12 @@ def run_json(path: os.PathLike, args: Sequence[str], timeout_s: float) -> dict:
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         proc.communicate()
         raise SideEnvError(f"{pathlib.Path(path).name} did not finish within {timeout_s:g} s "
                            "and was killed")
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     tail = err.decode(errors="replace").strip()[-2000:]
     if proc.returncode != 0:
         raise SideEnvError(f"{pathlib.Path(path).name} exited with status {proc.returncode}; "
