@@ -46,3 +46,11 @@ class CheckpointError(FleetError):
 
 class PrivacyError(FaxBridgeError, ValueError):
     """A differential-privacy setting is invalid or cannot give the requested guarantee."""
+
+
+class DataError(FaxBridgeError, ValueError):
+    """Client data cannot be partitioned, padded, sampled or stored as asked."""
+
+
+class MeshError(FaxBridgeError, ValueError):
+    """A device mesh or a multi-process layout does not fit the clients."""

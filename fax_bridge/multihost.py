@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from fax_bridge.errors import MeshError
 from fax_bridge.fleet.protocol import parse_address
 from fax_bridge.local import CLIENTS_AXIS, clients_sharding, jit_program, replicated
 
@@ -46,7 +47,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     implementation; this selects gloo when none is set.
     """
     if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise ValueError(
+        raise MeshError(
             f"process_id={process_id} with num_processes={num_processes}: ids run from 0 "
             "to num_processes-1, one per process")
     parse_address(coordinator_address, "coordinator_address (the address of process 0)")
@@ -75,7 +76,7 @@ def global_clients_mesh(devices: Optional[Sequence[Any]] = None) -> Mesh:
 
 def _clients_sharding(mesh: Mesh) -> NamedSharding:
     if CLIENTS_AXIS not in mesh.axis_names:
-        raise ValueError(
+        raise MeshError(
             f"the mesh has axes {mesh.axis_names} but no {CLIENTS_AXIS!r} axis; build it "
             "with fax_bridge.multihost.global_clients_mesh()")
     return clients_sharding(mesh)
@@ -88,7 +89,7 @@ def process_clients(num_clients: int, mesh: Mesh) -> range:
     """
     size = mesh.shape[CLIENTS_AXIS]
     if num_clients % size:
-        raise ValueError(
+        raise MeshError(
             f"{num_clients} clients do not split evenly over the {size} devices of the "
             "clients axis; pad the population (or sample a cohort) to a multiple of "
             f"{size}")
@@ -100,7 +101,7 @@ def process_clients(num_clients: int, mesh: Mesh) -> range:
     start, stop = rows[0][0], rows[-1][1]
     covered = sorted({r for lo, hi in rows for r in range(lo, hi)})
     if covered != list(range(start, stop)):
-        raise ValueError(
+        raise MeshError(
             "this process's devices do not hold one contiguous block of clients; order "
             "the mesh's devices by process (global_clients_mesh does)")
     return range(start, stop)
@@ -116,17 +117,17 @@ def global_clients_array(local_block: Any, mesh: Mesh, num_clients: Optional[int
     sharding = _clients_sharding(mesh)
     leaves = jax.tree_util.tree_leaves(local_block)
     if not leaves:
-        raise ValueError("global_clients_array got an empty pytree; pass the client arrays")
+        raise MeshError("global_clients_array got an empty pytree; pass the client arrays")
     local_rows = {int(np.shape(leaf)[0]) for leaf in leaves}
     if len(local_rows) != 1:
-        raise ValueError(
+        raise MeshError(
             f"the local client arrays disagree on their leading axis {sorted(local_rows)}; "
             "give every CLIENTS leaf one row per local client")
     rows = local_rows.pop()
     total = rows * jax.process_count() if num_clients is None else int(num_clients)
     expected = process_clients(total, mesh)
     if rows != len(expected):
-        raise ValueError(
+        raise MeshError(
             f"process {jax.process_index()} passed {rows} clients but holds clients "
             f"{expected.start}..{expected.stop - 1} ({len(expected)}) of {total}; load "
             "exactly process_clients(num_clients, mesh)")

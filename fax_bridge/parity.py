@@ -16,6 +16,8 @@ import jax
 import numpy as np
 
 from fax_bridge import tracing
+from fax_bridge.fleet.launcher import LocalFleet
+from fax_bridge.runtime import interpreter
 from fax_bridge.tff import export as tff_export
 from fax_bridge.tff import types as tff_types
 
@@ -138,9 +140,6 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     `fleet` is a running `fax_bridge.LocalFleet` (or any object with the same `run`);
     without one, a `LocalFleet(devices=devices)` is started and stopped here.
     """
-    from fax_bridge.fleet.launcher import LocalFleet
-    from fax_bridge.runtime import interpreter
-
     comp = tracing.trace(fn, *args, placements=placements, clients=clients)
     jitted = jax.jit(fn)
     jax.block_until_ready(jitted(*args))  # compile

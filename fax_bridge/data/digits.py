@@ -11,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fax_bridge.data.partition import partition_dirichlet
+from fax_bridge.errors import DataError
 
 
 class FederatedDigits(NamedTuple):
@@ -34,7 +35,7 @@ def load_federated_digits(num_clients: int = 100, alpha: float = 0.5,
     from sklearn.datasets import load_digits
 
     if not 0 < test_fraction < 1:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")
+        raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}.")
     raw = load_digits()
     x = (raw.data / 16.0).astype(np.float32)
     y = raw.target.astype(np.int32)

@@ -12,6 +12,8 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from fax_bridge.errors import DataError
+
 
 class PaddedClients(NamedTuple):
     """A cohort stacked along a leading clients axis.
@@ -38,24 +40,24 @@ def pad_clients(clients: Sequence[Mapping[str, np.ndarray]], size: Optional[int]
     A client larger than `size` is an error (truncating would silently drop data).
     """
     if not clients:
-        raise ValueError("pad_clients needs at least one client dataset.")
+        raise DataError("pad_clients needs at least one client dataset.")
     keys = sorted(clients[0])
     sizes = []
     for i, c in enumerate(clients):
         if sorted(c) != keys:
-            raise ValueError(f"client {i} has keys {sorted(c)}, client 0 has {keys}.")
+            raise DataError(f"client {i} has keys {sorted(c)}, client 0 has {keys}.")
         lens = {k: np.shape(c[k])[0] for k in keys}
         if len(set(lens.values())) != 1:
-            raise ValueError(f"client {i}'s arrays have different lengths: {lens}.")
+            raise DataError(f"client {i}'s arrays have different lengths: {lens}.")
         sizes.append(lens[keys[0]])
     sizes = np.asarray(sizes, dtype=np.int64)
     if multiple_of < 1:
-        raise ValueError(f"multiple_of must be >= 1, got {multiple_of}.")
+        raise DataError(f"multiple_of must be >= 1, got {multiple_of}.")
     if size is None:
         size = int(max(1, sizes.max()))
         size = -(-size // multiple_of) * multiple_of
     if sizes.max() > size:
-        raise ValueError(
+        raise DataError(
             f"client {int(sizes.argmax())} has {int(sizes.max())} examples, more than the "
             f"padded size {size}; pass a larger size (or size=None for the largest).")
     data = {}
@@ -78,7 +80,7 @@ def to_batches(padded: PaddedClients, batch_size: int) -> PaddedClients:
     """
     size = padded.mask.shape[1]
     if batch_size < 1 or size % batch_size:
-        raise ValueError(
+        raise DataError(
             f"padded size {size} is not a multiple of batch_size {batch_size}; pad with "
             f"pad_clients(..., multiple_of={batch_size}).")
     steps = size // batch_size

@@ -12,17 +12,19 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from fax_bridge.errors import ArgumentError, DataError
+
 Arrays = Mapping[str, np.ndarray]
 
 
 def _check_arrays(arrays: Arrays) -> int:
     if not isinstance(arrays, Mapping) or not arrays:
-        raise TypeError(
+        raise ArgumentError(
             "expected a non-empty dict of arrays sharing a leading example axis, e.g. "
             "{'x': images, 'y': labels}.")
     sizes = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in arrays.items()}
     if None in sizes.values() or len(set(sizes.values())) != 1:
-        raise ValueError(
+        raise DataError(
             f"every array needs the same leading (example) axis; got sizes {sizes}.")
     return next(iter(sizes.values()))
 
@@ -43,7 +45,7 @@ def partition_by_key(arrays: Arrays, keys: np.ndarray) -> tuple[np.ndarray, list
     n = _check_arrays(arrays)
     keys = np.asarray(keys)
     if keys.shape != (n,):
-        raise ValueError(
+        raise DataError(
             f"keys must have one entry per example, shape ({n},); got {keys.shape}.")
     unique, inverse = np.unique(keys, return_inverse=True)
     order = np.argsort(inverse, kind="stable")
@@ -63,13 +65,13 @@ def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float,
     """
     labels = np.asarray(labels)
     if labels.ndim != 1:
-        raise ValueError(f"labels must be a 1-D array of class ids; got shape {labels.shape}.")
+        raise DataError(f"labels must be a 1-D array of class ids; got shape {labels.shape}.")
     if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1, got {num_clients}.")
+        raise DataError(f"num_clients must be >= 1, got {num_clients}.")
     if not alpha > 0:
-        raise ValueError(f"alpha must be > 0 (smaller is more skewed), got {alpha}.")
+        raise DataError(f"alpha must be > 0 (smaller is more skewed), got {alpha}.")
     if num_clients * min_size > labels.size:
-        raise ValueError(
+        raise DataError(
             f"{labels.size} examples cannot give {num_clients} clients {min_size} each; "
             "lower num_clients or min_size.")
     rng = np.random.default_rng(seed)
@@ -85,7 +87,7 @@ def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float,
         out = [np.sort(np.concatenate(p)) for p in parts]
         if min(o.size for o in out) >= min_size:
             return out
-    raise ValueError(
+    raise DataError(
         f"could not give every one of {num_clients} clients {min_size} examples in "
         f"{max_tries} Dirichlet draws with alpha={alpha}; raise alpha or lower min_size.")
 

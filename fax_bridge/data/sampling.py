@@ -10,6 +10,8 @@ from typing import Optional
 
 import numpy as np
 
+from fax_bridge.errors import DataError
+
 
 def sample_cohort(num_clients: int, cohort_size: int, round_index: int, seed: int = 0,
                   weights: Optional[np.ndarray] = None) -> np.ndarray:
@@ -19,15 +21,15 @@ def sample_cohort(num_clients: int, cohort_size: int, round_index: int, seed: in
     drawn with probability proportional to their weight, still without replacement.
     """
     if not 1 <= cohort_size <= num_clients:
-        raise ValueError(
+        raise DataError(
             f"cohort_size must be between 1 and num_clients={num_clients}; got {cohort_size}.")
     if round_index < 0:
-        raise ValueError(f"round_index must be >= 0, got {round_index}.")
+        raise DataError(f"round_index must be >= 0, got {round_index}.")
     p = None
     if weights is not None:
         w = np.asarray(weights, dtype=np.float64)
         if w.shape != (num_clients,) or (w < 0).any() or np.count_nonzero(w) < cohort_size:
-            raise ValueError(
+            raise DataError(
                 f"weights must be {num_clients} non-negative numbers with at least "
                 f"{cohort_size} non-zero; got shape {w.shape}.")
         p = w / w.sum()
@@ -62,9 +64,9 @@ class PoissonSampler:
 
     def __init__(self, num_clients: int, rate: float, capacity: int, seed: int = 0):
         if not 0.0 < rate <= 1.0:
-            raise ValueError(f"rate must lie in (0, 1], got {rate}.")
+            raise DataError(f"rate must lie in (0, 1], got {rate}.")
         if not 1 <= capacity <= num_clients:
-            raise ValueError(
+            raise DataError(
                 f"capacity must be between 1 and num_clients={num_clients}; got {capacity}.")
         self.num_clients = num_clients
         self.rate = float(rate)
@@ -73,11 +75,11 @@ class PoissonSampler:
 
     def __call__(self, round_index: int) -> np.ndarray:
         if round_index < 0:
-            raise ValueError(f"round_index must be >= 0, got {round_index}.")
+            raise DataError(f"round_index must be >= 0, got {round_index}.")
         rng = np.random.default_rng([self.seed, round_index, 1])
         ids = np.flatnonzero(rng.random(self.num_clients) < self.rate)
         if ids.size > self.capacity:
-            raise ValueError(
+            raise DataError(
                 f"round {round_index} drew {ids.size} clients, more than the capacity "
                 f"{self.capacity} of the program's client slots; build the program with "
                 "more clients (slots) and a larger capacity.")

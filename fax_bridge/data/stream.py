@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from fax_bridge.data.padding import PaddedClients, pad_clients
+from fax_bridge.errors import DataError
 
 META_FILE = "population.json"
 OFFSETS_FILE = "offsets.npy"
@@ -27,7 +28,7 @@ _FORMAT = 1
 
 def _safe_key(key: str) -> str:
     if not isinstance(key, str) or not key or not all(c.isalnum() or c in "_-" for c in key):
-        raise ValueError(
+        raise DataError(
             f"array key {key!r} cannot name a file; use letters, digits, '_' or '-'.")
     return key
 
@@ -53,27 +54,27 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
                                        "shape": list(np.shape(v)[1:])}
                         for k, v in sorted(client.items())}
                 if not spec:
-                    raise ValueError("client 0 has no arrays.")
+                    raise DataError("client 0 has no arrays.")
                 files = {k: open(os.path.join(directory, f"{k}.bin"), "wb") for k in spec}
             if sorted(client) != sorted(spec):
-                raise ValueError(f"client {i} has keys {sorted(client)}, expected {sorted(spec)}.")
+                raise DataError(f"client {i} has keys {sorted(client)}, expected {sorted(spec)}.")
             lengths = set()
             for k, s in spec.items():
                 a = np.ascontiguousarray(client[k])
                 if a.dtype.str != s["dtype"] or list(a.shape[1:]) != s["shape"]:
-                    raise ValueError(
+                    raise DataError(
                         f"client {i}: {k!r} has dtype {a.dtype} and example shape "
                         f"{a.shape[1:]}, expected {np.dtype(s['dtype'])} and {tuple(s['shape'])}.")
                 lengths.add(a.shape[0])
                 files[k].write(a.tobytes())
             if len(lengths) != 1:
-                raise ValueError(f"client {i}'s arrays have different lengths {sorted(lengths)}.")
+                raise DataError(f"client {i}'s arrays have different lengths {sorted(lengths)}.")
             offsets.append(offsets[-1] + lengths.pop())
     finally:
         for f in files.values():
             f.close()
     if spec is None:
-        raise ValueError("write_population got no clients.")
+        raise DataError("write_population got no clients.")
     np.save(os.path.join(directory, OFFSETS_FILE), np.asarray(offsets, dtype=np.int64))
     with open(os.path.join(directory, META_FILE), "w") as f:
         json.dump({"format": _FORMAT, "arrays": spec, "num_clients": len(offsets) - 1}, f)
@@ -92,7 +93,7 @@ class ClientStore:
         with open(meta_path) as f:
             meta = json.load(f)
         if meta.get("format") != _FORMAT:
-            raise ValueError(f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
+            raise DataError(f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
         self.directory = directory
         self.offsets = np.asarray(np.load(os.path.join(directory, OFFSETS_FILE)), np.int64)
         total = int(self.offsets[-1]) if self.offsets.size else 0
@@ -109,7 +110,7 @@ class ClientStore:
             want = total * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
             size = os.path.getsize(path) if os.path.exists(path) else -1
             if size != want:
-                raise ValueError(
+                raise DataError(
                     f"population array {path} holds {size} bytes but {total} examples of "
                     f"{dtype.name}{list(example)} need {want}; the store is damaged.")
             self._arrays[k] = np.memmap(path, dtype=dtype, mode="r", shape=shape)

@@ -36,6 +36,7 @@ from federated_language.proto import computation_pb2
 from google.protobuf import message as message_pb
 
 from fax_bridge.errors import CheckpointError, FleetError
+from fax_bridge.runtime import hlo
 
 FILE_NAME = "state.npz"
 FORMAT = "fax_bridge.checkpoint.v1"
@@ -75,8 +76,6 @@ def program_fingerprint(proto: computation_pb2.Computation) -> str:
     Each Xla part's HLO is replaced by its location-free StableHLO text; everything else
     (structure, types, intrinsics, literals) is hashed as it is.
     """
-    from fax_bridge.runtime import hlo
-
     copy = computation_pb2.Computation()
     copy.CopyFrom(proto)
     stack = [copy]

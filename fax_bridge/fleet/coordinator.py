@@ -35,9 +35,10 @@ from fax_bridge.errors import AggregationError, FleetError
 from fax_bridge.fleet import partials, security, validate, wire
 from fax_bridge.fleet.pool import DeviceLostError, DevicePool
 from fax_bridge.fleet.protocol import DEFAULT_MAX_MESSAGE_BYTES, partition, wire_size
-from fax_bridge.runtime import aggregation
+from fax_bridge.runtime import aggregation, population
 from fax_bridge.runtime.backend import (ClientsBackend, ClientsValue, as_numpy, leaves,
                                         unflatten_like)
+from fax_bridge.runtime.local_eval import content_hash
 from fax_bridge.v1 import device_pb2 as pb
 
 RELEASE_BATCH = 256
@@ -282,8 +283,6 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         Only the ids travel (as ranges where they are consecutive); the devices check
         the member type against their stored arrays and read just those rows.
         """
-        from fax_bridge.runtime import population
-
         _, size, _ = self.population_info(ref)
         ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
@@ -327,8 +326,6 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         return result
 
     def _ensure_loaded(self, fn: computation_pb2.Computation, devices: list[int]) -> str:
-        from fax_bridge.runtime.local_eval import content_hash
-
         key = content_hash(fn)
         missing = [d for d in devices if (d, key) not in self._loaded]
         if missing:

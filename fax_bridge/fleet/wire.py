@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 from federated_language.common_libs import structure
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import ComputationError, FleetError
+from fax_bridge.runtime import limits
 from fax_bridge.runtime.backend import LocalValue
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -54,9 +55,6 @@ def encode_tensor(array: np.ndarray, out: pb.Tensor) -> None:
 
 def decode_tensor(message: pb.Tensor) -> np.ndarray:
     """The array a `Tensor` message holds (read-only, sharing the message's bytes)."""
-    from fax_bridge.errors import ComputationError
-    from fax_bridge.runtime import limits
-
     dtype = dtype_from_name(message.dtype)
     shape = tuple(int(d) for d in message.shape)
     try:

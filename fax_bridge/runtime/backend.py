@@ -19,8 +19,9 @@ from typing import Any, Optional, Sequence
 import federated_language
 import numpy as np
 from federated_language.common_libs import structure
-
 from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError
 
 LocalValue = Any  # np.ndarray | structure.Struct of LocalValue
 
@@ -90,16 +91,12 @@ class ClientsBackend(abc.ABC):
         `ref` is a `fax_bridge.runtime.population.PopulationRef`: the data stays where the
         clients run and only ids travel. Backends that cannot read populations raise.
         """
-        from fax_bridge.errors import ComputationError
-
         raise ComputationError(
             f"{type(self).__name__} cannot read CLIENTS inputs from a population store; "
             "pass the client data itself, or use a backend that hosts the population")
 
     def population_size(self, ref: Any) -> int:
         """How many clients the population `ref` names holds."""
-        from fax_bridge.errors import ComputationError
-
         raise ComputationError(
             f"{type(self).__name__} hosts no population; give PopulationRef(client_ids=...) "
             "or use a backend that hosts the population")

@@ -24,6 +24,7 @@ import dataclasses
 import os
 from typing import Optional
 
+import federated_language
 import numpy as np
 
 from fax_bridge.errors import ComputationError
@@ -108,8 +109,6 @@ def tensor_bytes(shape, itemsize: int, what: str) -> int:
 
 def type_bytes(type_, what: str = "a type") -> int:
     """Bytes the tensors of a federated_language type need (per member); checked."""
-    import federated_language
-
     total = 0
     stack = [type_]
     seen = 0

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import federated_language
+import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import aggregation, local_eval
+from fax_bridge.runtime import aggregation, local_eval, population
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue, LocalValue, as_numpy
 
 
@@ -52,8 +53,6 @@ class LocalClientsBackend(ClientsBackend):
     """
 
     def _store(self, ref):
-        from fax_bridge.runtime import population
-
         if not getattr(ref, "directory", None):
             raise ComputationError(
                 f"{ref!r} names no directory; the local backend reads populations in this "
@@ -65,10 +64,6 @@ class LocalClientsBackend(ClientsBackend):
 
     def put_from_store(self, member_type: federated_language.Type, ref: Any,
                        client_ids: Sequence[int]) -> LocalClientsValue:
-        import numpy as np
-
-        from fax_bridge.runtime import population
-
         store = self._store(ref)
         columns = population.plan_columns(
             store, member_type, population.default_keys(member_type, ref.keys))

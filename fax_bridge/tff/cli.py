@@ -21,8 +21,12 @@ import os
 import sys
 from typing import Any, Callable
 
+from federated_language.compiler import building_blocks
+
 from fax_bridge import cli_args
+from fax_bridge.api import Program, program
 from fax_bridge.errors import FaxBridgeError
+from fax_bridge.tff.export import export_tff
 
 
 def load_target(spec: str, allow_missing: bool = False) -> tuple[Any, Callable, str]:
@@ -63,8 +67,6 @@ def load_target(spec: str, allow_missing: bool = False) -> tuple[Any, Callable, 
 
 def resolve_program(spec: str, clients: int):
     """(program, example args, placements) for `spec` at `clients` clients."""
-    from fax_bridge.api import Program, program
-
     module, fn, name = load_target(spec, allow_missing=True)
     if fn is None:
         targets = module.export_targets(clients)
@@ -97,15 +99,11 @@ def resolve_program(spec: str, clients: int):
 
 def export_spec(spec: str, clients: int):
     """Exports `spec`; returns the Computation proto."""
-    from fax_bridge.tff.export import export_tff
-
     prog, args, placements = resolve_program(spec, clients)
     return export_tff(prog, *args, placements=placements)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from federated_language.compiler import building_blocks
-
     try:
         proto = export_spec(args.target, args.clients)
     except FaxBridgeError as e:

@@ -37,7 +37,7 @@ from jax._src import core
 
 from fax_bridge import primitives as P
 from fax_bridge import tracing
-from fax_bridge.errors import ExportError
+from fax_bridge.errors import ArgumentError, ExportError
 from fax_bridge.placements import Placement
 from fax_bridge.tff import stages
 from fax_bridge.tff import types as tff_types
@@ -579,7 +579,7 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
 def save_computation(proto: computation_pb2.Computation, path) -> None:
     """Writes the serialized proto bytes (the wire format TFF reads) to `path`."""
     if not isinstance(proto, computation_pb2.Computation):
-        raise TypeError(f"expected a federated_language Computation proto, got "
+        raise ArgumentError(f"expected a federated_language Computation proto, got "
                         f"{type(proto).__name__}.")
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
