@@ -413,17 +413,69 @@ def _eval_implemented(jaxpr: core.ClosedJaxpr, *args):
     return [read(v) for v in jaxpr.jaxpr.outvars]
 
 
-def _map_impl(*args, jaxpr, placement, clients, name, axis, mesh):
+def _map_impl(*args, jaxpr, placement, clients, name, axis, mesh, shared=()):
+    """Applies `jaxpr` to every member: one vmap. Operands flagged in `shared` are one
+    member-shaped value that every member sees (a broadcast, see `_map_lowering`)."""
     del name
     fn = partial(_eval_implemented, jaxpr)
     if placement != CLIENTS:
         return fn(*args)
+    shared = shared or (False,) * len(args)
+    in_axes = [None if s else 0 for s in shared]
     if mesh is None or axis not in mesh.axis_names:
-        return jax.vmap(fn, axis_size=clients)(*args)
-    args = [_local.place_leading(a, axis, mesh) for a in args]
+        return jax.vmap(fn, in_axes=in_axes, axis_size=clients)(*args)
+    args = [a if s else _local.place_leading(a, axis, mesh) for a, s in zip(args, shared)]
     spmd = None if _local.axis_is_explicit(mesh, axis) else axis
-    outs = jax.vmap(fn, axis_size=clients, spmd_axis_name=spmd)(*args)
+    outs = jax.vmap(fn, in_axes=in_axes, axis_size=clients, spmd_axis_name=spmd)(*args)
     return [_local.place_leading(o, axis, mesh) for o in outs]
+
+
+_map_lower_batched = mlir.lower_fun(_map_impl, multiple_results=True)
+_LAYOUT_OPS = ("sdy.sharding_constraint", "stablehlo.custom_call")
+
+
+def _broadcast_source(value, clients: int):
+    """The member value `value` is a broadcast of (through layout constraints), or None."""
+    from jax._src.lib.mlir import ir
+
+    for _ in range(16):
+        owner = value.owner
+        if not isinstance(owner, (ir.Operation, ir.OpView)):
+            return None  # a block argument
+        op = owner.operation if isinstance(owner, ir.OpView) else owner
+        if op.name in _LAYOUT_OPS:
+            if op.name == "stablehlo.custom_call" and "Sharding" not in str(
+                    op.attributes["call_target_name"]):
+                return None
+            value = op.operands[0]
+            continue
+        if op.name != "stablehlo.broadcast_in_dim":
+            return None
+        source = op.operands[0]
+        src = ir.RankedTensorType(source.type)
+        out = ir.RankedTensorType(value.type)
+        dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+        if (dims == list(range(1, src.rank + 1)) and out.rank == src.rank + 1
+                and out.shape[0] == clients and list(out.shape[1:]) == list(src.shape)):
+            return source
+        return None
+    return None
+
+
+def _map_lowering(ctx, *args, **params):
+    """Lowers a map; an operand that is a broadcast of one value (as after
+    `federated_broadcast`) enters the per-member function unbatched, as `vmap` with
+    `in_axes=None` would take it, so the broadcast copy is never materialized."""
+    if params["placement"] != CLIENTS:
+        return _map_lower_batched(ctx, *args, **params)
+    sources = [_broadcast_source(a, params["clients"]) for a in args]
+    if all(s is None for s in sources):
+        return _map_lower_batched(ctx, *args, **params)
+    shared = tuple(s is not None for s in sources)
+    avals = [_unplaced(a) if s else a for a, s in zip(ctx.avals_in, shared)]
+    return _map_lower_batched(ctx.replace(avals_in=avals),
+                              *[s if s is not None else a for a, s in zip(args, sources)],
+                              shared=shared, **params)
 
 
 def _map_jvp(primals, tangents, *, jaxpr, name, **params):
@@ -525,7 +577,9 @@ def _map_batch(axis_data, args, dims, *, jaxpr, **params):
 
 
 federated_map_p.def_abstract_eval(_map_abstract_eval)
-_register_impl_and_lowering(federated_map_p, _map_impl)
+federated_map_p.def_impl(partial(_dispatch.apply_primitive, federated_map_p))
+mlir.register_lowering(federated_map_p, _map_lowering, cacheable=False)  # sees its operands
+IMPLEMENTATIONS[federated_map_p] = _map_impl
 ad.primitive_jvps[federated_map_p] = _map_jvp
 ad.primitive_transposes[federated_map_p] = _map_transpose
 pe.custom_partial_eval_rules[federated_map_p] = _map_partial_eval
