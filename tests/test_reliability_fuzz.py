@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fax_bridge.errors import FaxBridgeError
 from fax_bridge.fleet import device, sample_computations as sc, security, wire
-from fax_bridge.runtime import interpreter, limits, local_eval
+from fax_bridge.runtime import interpreter, intrinsics, limits, local_eval
 from fax_bridge.runtime.backend import leaves
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.v1 import device_pb2 as pb
@@ -64,7 +64,7 @@ def test_fuzz_interpreter_on_mutated_protos(case):
         pass
 
 
-_URIS = list(interpreter.SUPPORTED_INTRINSICS) + ["federated_teleport", "", "sequence_map"]
+_URIS = list(intrinsics.SUPPORTED_INTRINSICS) + ["federated_teleport", "", "sequence_map"]
 _dims = st.lists(st.sampled_from([0, 1, 2, 3, 1 << 40, -1]), max_size=3)
 
 

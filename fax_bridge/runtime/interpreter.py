@@ -19,11 +19,10 @@ import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 from federated_language.compiler import array as fl_array
-from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ClientCountError, ComputationError, FaxBridgeError
-from fax_bridge.runtime import aggregation, limits, local_eval, values
+from fax_bridge.runtime import intrinsics, limits, local_eval, values
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -63,11 +62,6 @@ class _PlacementValue:
 
 
 _FunctionValue = (_Closure, _LocalFn, _IntrinsicFn)
-
-
-def _is_clients(t) -> bool:
-    return (isinstance(t, federated_language.FederatedType)
-            and t.placement is federated_language.CLIENTS)
 
 
 class _Interpreter:
@@ -113,6 +107,12 @@ class _Interpreter:
                 "to fix it; give it (num_clients=N in Python, --clients N on the command "
                 "line)")
         return self.num_clients
+
+    def local_arg(self, value, what: str):
+        """`value`, checked to be SERVER-placed or unplaced (not CLIENTS, not a function)."""
+        if _has_leaf(value, (ClientsValue,) + _FunctionValue):
+            raise ComputationError(f"`{what}` needs a SERVER-placed or unplaced value")
+        return value
 
     # -- evaluation -------------------------------------------------------------------
 
@@ -189,10 +189,10 @@ class _Interpreter:
             raise ComputationError(f"intrinsic `{uri}` has no type signature")
         if uri == local_eval.GENERIC_ZERO:
             return self.zero(type_)
-        if uri not in _INTRINSICS:
+        if uri not in intrinsics.BY_URI:
             raise ComputationError(
                 f"unknown or unsupported intrinsic `{uri}`; supported: "
-                f"{', '.join(SUPPORTED_INTRINSICS)}")
+                f"{', '.join(intrinsics.SUPPORTED_INTRINSICS)}")
         if not isinstance(type_, federated_language.FunctionType):
             raise ComputationError(f"intrinsic `{uri}` has non-functional type {type_}")
         return _IntrinsicFn(uri, type_)
@@ -220,7 +220,7 @@ class _Interpreter:
         if isinstance(fn, _IntrinsicFn):
             if has_arg and fn.type_signature.parameter is not None:
                 arg = self.conform(arg, fn.type_signature.parameter, f"`{fn.uri}`")
-            return _INTRINSICS[fn.uri](self, fn.type_signature, arg, fn.uri)
+            return intrinsics.BY_URI[fn.uri](self, fn.type_signature, arg, fn.uri)
         raise ComputationError(
             f"a Call's function evaluated to a non-function value ({type(fn).__name__})")
 
@@ -279,7 +279,7 @@ class _Interpreter:
     def zero(self, type_):
         if isinstance(type_, federated_language.FederatedType):
             member = local_eval.zeros_of_type(type_.member)
-            if _is_clients(type_):
+            if intrinsics.is_clients(type_):
                 return self.backend.broadcast(type_.member, member,
                                               self.clients("generic_zero at CLIENTS"))
             return member
@@ -289,7 +289,7 @@ class _Interpreter:
         """Moves the CLIENTS parts of a checked boundary value into the backend."""
         if isinstance(value, ClientsValue):
             return value
-        if _is_clients(type_):
+        if intrinsics.is_clients(type_):
             if isinstance(value, PopulationRef):
                 return self.backend.put_from_store(type_.member, value, value.client_ids)
             return self.backend.put(type_.member, value)
@@ -321,7 +321,7 @@ class _Interpreter:
             names = structure.name_list_with_nones(value)
             return structure.Struct([(n, self.conform(v, t, what))
                                      for n, v, (_, t) in zip(names, value, items)])
-        if isinstance(type_, federated_language.FederatedType) and not _is_clients(type_):
+        if isinstance(type_, federated_language.FederatedType) and not intrinsics.is_clients(type_):
             return self.conform(value, type_.member, what)
         if isinstance(type_, federated_language.TensorType) and isinstance(
                 value, structure.Struct):
@@ -424,170 +424,6 @@ def _value_proto(value, name: str, what: str) -> Computation:
     type_ = federated_language.TensorType(arr.dtype, arr.shape)
     return Computation(type=type_.to_proto(),
                        literal=computation_pb2.Literal(value=fl_array.to_proto(arr)))
-
-
-# ---------------------------------------------------------------------------------------
-# Intrinsics.
-
-
-def _elements(arg, n: int, uri: str) -> list:
-    if not isinstance(arg, structure.Struct) or len(arg) != n:
-        raise ComputationError(f"`{uri}` takes a struct of {n} arguments")
-    return list(arg)
-
-
-def _clients_arg(value, uri: str) -> ClientsValue:
-    if not isinstance(value, ClientsValue):
-        raise ComputationError(
-            f"`{uri}` needs a CLIENTS-placed value, got {type(value).__name__}")
-    return value
-
-
-def _local_arg(value, uri: str):
-    if _has_leaf(value, (ClientsValue,) + _FunctionValue):
-        raise ComputationError(f"`{uri}` needs a SERVER-placed or unplaced value")
-    return value
-
-
-def _broadcast(it: _Interpreter, t, arg, uri: str):
-    return it.backend.broadcast(t.result.member, _local_arg(arg, uri), it.clients(uri))
-
-
-def _identity_local(it: _Interpreter, t, arg, uri: str):
-    return _local_arg(arg, uri)
-
-
-def _eval_at_server(it: _Interpreter, t, arg, uri: str):
-    return it.call(arg, None, has_arg=False)
-
-
-def _eval_at_clients(it: _Interpreter, t, arg, uri: str):
-    proto = it.closed_proto(arg, uri)
-    fn_type = t.parameter
-    seed = it.backend.broadcast(federated_language.StructType([]), structure.Struct([]),
-                                it.clients(uri))
-    return it.backend.map(proto, fn_type, seed)
-
-
-def _map(it: _Interpreter, t, arg, uri: str):
-    fn, value = _elements(arg, 2, uri)
-    value_type = t.parameter[1]
-    if _is_clients(value_type):
-        proto = it.closed_proto(fn, uri)
-        return it.backend.map(proto, t.parameter[0], _clients_arg(value, uri))
-    return it.call(fn, _local_arg(value, uri))
-
-
-def _apply(it: _Interpreter, t, arg, uri: str):
-    fn, value = _elements(arg, 2, uri)
-    return it.call(fn, _local_arg(value, uri))
-
-
-def _aggregation(kind: str):
-    def impl(it: _Interpreter, t, arg, uri: str):
-        return it.backend.aggregate(_clients_arg(arg, uri), kind)
-    return impl
-
-
-def _weighted_mean(it: _Interpreter, t, arg, uri: str):
-    value, weight = _elements(arg, 2, uri)
-    return it.backend.aggregate(_clients_arg(value, uri), "weighted_mean",
-                                weights=_clients_arg(weight, uri))
-
-
-def _secure_sum_bitwidth(it: _Interpreter, t, arg, uri: str):
-    value, bitwidth = _elements(arg, 2, uri)
-    return it.backend.aggregate(_clients_arg(value, uri), "secure_sum_bitwidth",
-                                bitwidth=_local_arg(bitwidth, uri))
-
-
-def _zip_at_clients(it: _Interpreter, t, arg, uri: str):
-    """Zips a (possibly nested) struct of CLIENTS values, innermost structs first."""
-
-    def zip_struct(value):
-        if isinstance(value, ClientsValue):
-            return value
-        if not isinstance(value, structure.Struct):
-            raise ComputationError(
-                f"`{uri}` takes a struct of CLIENTS values, got {type(value).__name__}")
-        if len(value) == 0:
-            return it.backend.broadcast(federated_language.StructType([]),
-                                        structure.Struct([]), it.clients(uri))
-        return it.backend.zip([zip_struct(v) for v in value],
-                              structure.name_list_with_nones(value))
-
-    if not isinstance(arg, structure.Struct):
-        raise ComputationError(f"`{uri}` takes a struct of CLIENTS values")
-    return zip_struct(arg)
-
-
-def _zip_at_server(it: _Interpreter, t, arg, uri: str):
-    if not isinstance(arg, structure.Struct):
-        raise ComputationError(f"`{uri}` takes a struct of SERVER values")
-    return _local_arg(arg, uri)
-
-
-def _aggregate(it: _Interpreter, t, arg, uri: str):
-    value, zero, accumulate, merge, report = _elements(arg, 5, uri)
-    members = it.backend.get(_clients_arg(value, uri))
-    acc = _local_arg(zero, uri)
-    for member in members:  # one group in client order: merge is never needed
-        acc = it.call(accumulate, structure.Struct([(None, acc), (None, member)]))
-    return it.call(report, acc)
-
-
-def _secure_sum(it: _Interpreter, t, arg, uri: str):
-    value, max_input = _elements(arg, 2, uri)
-    members = it.backend.get(_clients_arg(value, uri))
-    aggregation.check_max_input(members, _local_arg(max_input, uri))
-    return aggregation.reduce("sum", members)
-
-
-def _generic(it: _Interpreter, t, arg, uri: str):
-    a, b = _elements(arg, 2, uri)
-    result_type = t.result
-    if _is_clients(result_type):
-        member = result_type.member
-        member_fn = Computation(
-            type=federated_language.FunctionType([member, member], member).to_proto(),
-            intrinsic=computation_pb2.Intrinsic(uri=uri))
-        zipped = it.backend.zip([_clients_arg(a, uri), _clients_arg(b, uri)],
-                                [None, None])
-        return it.backend.map(member_fn, local_eval.parse_type(member_fn.type), zipped)
-    local_type = (result_type.member
-                  if isinstance(result_type, federated_language.FederatedType)
-                  else result_type)
-    fn = local_eval.make_generic_binary(local_eval.GENERIC_BINARY[uri], local_type, uri)
-    return fn(structure.Struct([(None, _local_arg(a, uri)), (None, _local_arg(b, uri))]))
-
-
-# What the runtime does for each intrinsic of federated_language it supports.
-_IMPLEMENTATIONS: dict[intrinsic_defs.IntrinsicDef, Callable] = {
-    intrinsic_defs.FEDERATED_BROADCAST: _broadcast,
-    intrinsic_defs.FEDERATED_VALUE_AT_CLIENTS: _broadcast,
-    intrinsic_defs.FEDERATED_VALUE_AT_SERVER: _identity_local,
-    intrinsic_defs.FEDERATED_EVAL_AT_SERVER: _eval_at_server,
-    intrinsic_defs.FEDERATED_EVAL_AT_CLIENTS: _eval_at_clients,
-    intrinsic_defs.FEDERATED_MAP: _map,
-    intrinsic_defs.FEDERATED_MAP_ALL_EQUAL: _map,
-    intrinsic_defs.FEDERATED_APPLY: _apply,
-    intrinsic_defs.FEDERATED_SUM: _aggregation("sum"),
-    intrinsic_defs.FEDERATED_MEAN: _aggregation("mean"),
-    intrinsic_defs.FEDERATED_MIN: _aggregation("min"),
-    intrinsic_defs.FEDERATED_MAX: _aggregation("max"),
-    intrinsic_defs.FEDERATED_WEIGHTED_MEAN: _weighted_mean,
-    intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH: _secure_sum_bitwidth,
-    intrinsic_defs.FEDERATED_SECURE_SUM: _secure_sum,
-    intrinsic_defs.FEDERATED_ZIP_AT_CLIENTS: _zip_at_clients,
-    intrinsic_defs.FEDERATED_ZIP_AT_SERVER: _zip_at_server,
-    intrinsic_defs.FEDERATED_AGGREGATE: _aggregate,
-    intrinsic_defs.GENERIC_PLUS: _generic,
-    intrinsic_defs.GENERIC_MULTIPLY: _generic,
-    intrinsic_defs.GENERIC_DIVIDE: _generic,
-}
-_INTRINSICS = {definition.uri: impl for definition, impl in _IMPLEMENTATIONS.items()}
-
-SUPPORTED_INTRINSICS = tuple(sorted([*_INTRINSICS, local_eval.GENERIC_ZERO]))
 
 
 # ---------------------------------------------------------------------------------------

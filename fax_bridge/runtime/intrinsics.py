@@ -1,0 +1,183 @@
+"""What the interpreter does for each intrinsic of federated_language it supports.
+
+`IMPLEMENTATIONS` is keyed by federated_language's `intrinsic_defs`; each implementation
+is called as `impl(it, type_signature, argument, uri)`, where `it` is the running
+interpreter: its `backend` (where CLIENTS values live), `clients(what)` (the number of
+clients), `call(fn, arg)`, `closed_proto(fn, what)` (a function as a proto to send to the
+clients) and `local_arg(value, what)` (a value checked to be SERVER-placed or unplaced).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import federated_language
+from federated_language.common_libs import structure
+from federated_language.compiler import intrinsic_defs
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import aggregation, local_eval
+from fax_bridge.runtime.backend import ClientsValue
+
+Computation = computation_pb2.Computation
+
+
+def is_clients(type_) -> bool:
+    """Whether `type_` is placed at CLIENTS (all-equal or not)."""
+    return (isinstance(type_, federated_language.FederatedType)
+            and type_.placement is federated_language.CLIENTS)
+
+
+def _elements(arg, n: int, uri: str) -> list:
+    if not isinstance(arg, structure.Struct) or len(arg) != n:
+        raise ComputationError(f"`{uri}` takes a struct of {n} arguments")
+    return list(arg)
+
+
+def _clients_arg(value, uri: str) -> ClientsValue:
+    if not isinstance(value, ClientsValue):
+        raise ComputationError(
+            f"`{uri}` needs a CLIENTS-placed value, got {type(value).__name__}")
+    return value
+
+
+def _broadcast(it, t, arg, uri: str):
+    return it.backend.broadcast(t.result.member, it.local_arg(arg, uri), it.clients(uri))
+
+
+def _identity_local(it, t, arg, uri: str):
+    return it.local_arg(arg, uri)
+
+
+def _eval_at_server(it, t, arg, uri: str):
+    return it.call(arg, None, has_arg=False)
+
+
+def _eval_at_clients(it, t, arg, uri: str):
+    proto = it.closed_proto(arg, uri)
+    fn_type = t.parameter
+    seed = it.backend.broadcast(federated_language.StructType([]), structure.Struct([]),
+                                it.clients(uri))
+    return it.backend.map(proto, fn_type, seed)
+
+
+def _map(it, t, arg, uri: str):
+    fn, value = _elements(arg, 2, uri)
+    value_type = t.parameter[1]
+    if is_clients(value_type):
+        proto = it.closed_proto(fn, uri)
+        return it.backend.map(proto, t.parameter[0], _clients_arg(value, uri))
+    return it.call(fn, it.local_arg(value, uri))
+
+
+def _apply(it, t, arg, uri: str):
+    fn, value = _elements(arg, 2, uri)
+    return it.call(fn, it.local_arg(value, uri))
+
+
+def _aggregation(kind: str):
+    def impl(it, t, arg, uri: str):
+        return it.backend.aggregate(_clients_arg(arg, uri), kind)
+    return impl
+
+
+def _weighted_mean(it, t, arg, uri: str):
+    value, weight = _elements(arg, 2, uri)
+    return it.backend.aggregate(_clients_arg(value, uri), "weighted_mean",
+                                weights=_clients_arg(weight, uri))
+
+
+def _secure_sum_bitwidth(it, t, arg, uri: str):
+    value, bitwidth = _elements(arg, 2, uri)
+    return it.backend.aggregate(_clients_arg(value, uri), "secure_sum_bitwidth",
+                                bitwidth=it.local_arg(bitwidth, uri))
+
+
+def _zip_at_clients(it, t, arg, uri: str):
+    """Zips a (possibly nested) struct of CLIENTS values, innermost structs first."""
+
+    def zip_struct(value):
+        if isinstance(value, ClientsValue):
+            return value
+        if not isinstance(value, structure.Struct):
+            raise ComputationError(
+                f"`{uri}` takes a struct of CLIENTS values, got {type(value).__name__}")
+        if len(value) == 0:
+            return it.backend.broadcast(federated_language.StructType([]),
+                                        structure.Struct([]), it.clients(uri))
+        return it.backend.zip([zip_struct(v) for v in value],
+                              structure.name_list_with_nones(value))
+
+    if not isinstance(arg, structure.Struct):
+        raise ComputationError(f"`{uri}` takes a struct of CLIENTS values")
+    return zip_struct(arg)
+
+
+def _zip_at_server(it, t, arg, uri: str):
+    if not isinstance(arg, structure.Struct):
+        raise ComputationError(f"`{uri}` takes a struct of SERVER values")
+    return it.local_arg(arg, uri)
+
+
+def _aggregate(it, t, arg, uri: str):
+    value, zero, accumulate, merge, report = _elements(arg, 5, uri)
+    members = it.backend.get(_clients_arg(value, uri))
+    acc = it.local_arg(zero, uri)
+    for member in members:  # one group in client order: merge is never needed
+        acc = it.call(accumulate, structure.Struct([(None, acc), (None, member)]))
+    return it.call(report, acc)
+
+
+def _secure_sum(it, t, arg, uri: str):
+    value, max_input = _elements(arg, 2, uri)
+    members = it.backend.get(_clients_arg(value, uri))
+    aggregation.check_max_input(members, it.local_arg(max_input, uri))
+    return aggregation.reduce("sum", members)
+
+
+def _generic(it, t, arg, uri: str):
+    a, b = _elements(arg, 2, uri)
+    result_type = t.result
+    if is_clients(result_type):
+        member = result_type.member
+        member_fn = Computation(
+            type=federated_language.FunctionType([member, member], member).to_proto(),
+            intrinsic=computation_pb2.Intrinsic(uri=uri))
+        zipped = it.backend.zip([_clients_arg(a, uri), _clients_arg(b, uri)],
+                                [None, None])
+        return it.backend.map(member_fn, local_eval.parse_type(member_fn.type), zipped)
+    local_type = (result_type.member
+                  if isinstance(result_type, federated_language.FederatedType)
+                  else result_type)
+    fn = local_eval.make_generic_binary(local_eval.GENERIC_BINARY[uri], local_type, uri)
+    return fn(structure.Struct([(None, it.local_arg(a, uri)), (None, it.local_arg(b, uri))]))
+
+
+# What the runtime does for each intrinsic of federated_language it supports.
+IMPLEMENTATIONS: dict[intrinsic_defs.IntrinsicDef, Callable] = {
+    intrinsic_defs.FEDERATED_BROADCAST: _broadcast,
+    intrinsic_defs.FEDERATED_VALUE_AT_CLIENTS: _broadcast,
+    intrinsic_defs.FEDERATED_VALUE_AT_SERVER: _identity_local,
+    intrinsic_defs.FEDERATED_EVAL_AT_SERVER: _eval_at_server,
+    intrinsic_defs.FEDERATED_EVAL_AT_CLIENTS: _eval_at_clients,
+    intrinsic_defs.FEDERATED_MAP: _map,
+    intrinsic_defs.FEDERATED_MAP_ALL_EQUAL: _map,
+    intrinsic_defs.FEDERATED_APPLY: _apply,
+    intrinsic_defs.FEDERATED_SUM: _aggregation("sum"),
+    intrinsic_defs.FEDERATED_MEAN: _aggregation("mean"),
+    intrinsic_defs.FEDERATED_MIN: _aggregation("min"),
+    intrinsic_defs.FEDERATED_MAX: _aggregation("max"),
+    intrinsic_defs.FEDERATED_WEIGHTED_MEAN: _weighted_mean,
+    intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH: _secure_sum_bitwidth,
+    intrinsic_defs.FEDERATED_SECURE_SUM: _secure_sum,
+    intrinsic_defs.FEDERATED_ZIP_AT_CLIENTS: _zip_at_clients,
+    intrinsic_defs.FEDERATED_ZIP_AT_SERVER: _zip_at_server,
+    intrinsic_defs.FEDERATED_AGGREGATE: _aggregate,
+    intrinsic_defs.GENERIC_PLUS: _generic,
+    intrinsic_defs.GENERIC_MULTIPLY: _generic,
+    intrinsic_defs.GENERIC_DIVIDE: _generic,
+}
+BY_URI = {definition.uri: impl for definition, impl in IMPLEMENTATIONS.items()}
+
+SUPPORTED_INTRINSICS = tuple(sorted([*BY_URI, local_eval.GENERIC_ZERO]))
