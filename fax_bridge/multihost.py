@@ -20,6 +20,11 @@ gloo, jax's default CPU collectives on 0.10; `initialize` makes sure of it).
 Clients are laid out in the mesh's device order: with `global_clients_mesh()` the
 devices of process 0 hold the first block of clients, those of process 1 the next, and
 so on, so `process_clients` is a contiguous range.
+
+A model too large for one device splits over a second mesh axis: `global_mesh((2, 4),
+("clients", "model"))` on 2 processes of 4 devices, the model made a global array with
+`global_server_array(params, mesh, specs)` (e.g. `P(None, "model")` per weight); the
+round keeps that split in every client's copy and in its result.
 """
 
 from __future__ import annotations
@@ -72,6 +77,21 @@ def global_clients_mesh(devices: Optional[Sequence[Any]] = None) -> Mesh:
     devices.sort(key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(devices), (CLIENTS_AXIS,),
                 axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def global_mesh(shape: Sequence[int], axis_names: Sequence[str],
+                devices: Optional[Sequence[Any]] = None) -> Mesh:
+    """A mesh over every device of every process, in process order, e.g. shape (2, 4)
+    with axes ("clients", "model") on 2 processes of 4 devices: the first axis spans the
+    processes, so each process holds a contiguous block of clients and every model
+    shard of them (Auto axes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    if int(np.prod(shape)) != len(devices):
+        raise MeshError(f"a mesh of shape {tuple(shape)} needs {int(np.prod(shape))} "
+                        f"devices; there are {len(devices)}")
+    return Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names),
+                axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
 def _clients_sharding(mesh: Mesh) -> NamedSharding:
@@ -140,36 +160,57 @@ def global_clients_array(local_block: Any, mesh: Mesh, num_clients: Optional[int
     return jax.tree_util.tree_map(one, local_block)
 
 
-def global_server_array(value: Any, mesh: Mesh):
-    """A SERVER value (the same on every process) as a replicated global array."""
-    sharding = replicated(mesh)
+def global_server_array(value: Any, mesh: Mesh, specs: Any = None):
+    """A SERVER value (the same on every process) as a global array: replicated, or laid
+    out by `specs` (a PartitionSpec, or a pytree of them matching `value`, e.g. a model
+    split over a `model` axis); each process keeps only the pieces its devices hold."""
+    if specs is None:
+        specs = jax.sharding.PartitionSpec()
 
-    def one(leaf):
+    def one(leaf, spec):
         leaf = np.asarray(leaf)
-        return jax.make_array_from_process_local_data(sharding, leaf, leaf.shape)
+        sharding = NamedSharding(mesh, spec) if spec != jax.sharding.PartitionSpec() \
+            else replicated(mesh)
+        return jax.make_array_from_callback(leaf.shape, sharding, lambda idx: leaf[idx])
 
-    return jax.tree_util.tree_map(one, value)
+    if isinstance(specs, jax.sharding.PartitionSpec):
+        return jax.tree_util.tree_map(lambda leaf: one(leaf, specs), value)
+    return jax.tree_util.tree_map(one, value, specs,
+                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
 def local_clients(x: Any) -> Any:
-    """This process's rows of global CLIENTS arrays, as numpy, in client order."""
+    """This process's rows of global CLIENTS arrays, as numpy, in client order (pieces
+    split over other mesh axes, e.g. `model`, are put back together)."""
 
     def one(leaf):
-        shards = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
-        seen, parts = set(), []
-        for shard in shards:
-            start = shard.index[0].start or 0
-            if start not in seen:  # a replicated axis repeats rows on several devices
-                seen.add(start)
-                parts.append(np.asarray(shard.data))
-        return np.concatenate(parts, axis=0)
+        n = leaf.shape[0]
+        starts = sorted({s.index[0].start or 0 for s in leaf.addressable_shards})
+        stops = sorted({s.index[0].stop if s.index[0].stop is not None else n
+                        for s in leaf.addressable_shards})
+        first = starts[0]
+        out = np.empty((stops[-1] - first,) + leaf.shape[1:], leaf.dtype)
+        for shard in leaf.addressable_shards:
+            rows = shard.index[0]
+            local = slice((rows.start or 0) - first,
+                          (rows.stop if rows.stop is not None else n) - first)
+            out[(local,) + tuple(shard.index[1:])] = np.asarray(shard.data)
+        return out
 
     return jax.tree_util.tree_map(one, x)
 
 
 def server_value(x: Any) -> Any:
-    """A replicated (SERVER) global array as numpy, read from a local device."""
-    return jax.tree_util.tree_map(lambda leaf: np.asarray(leaf.addressable_data(0)), x)
+    """A SERVER global array as numpy on every process: read locally when replicated,
+    gathered when split over a mesh axis (e.g. a model-parallel parameter)."""
+    from jax.experimental import multihost_utils
+
+    def one(leaf):
+        if leaf.is_fully_replicated:
+            return np.asarray(leaf.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+
+    return jax.tree_util.tree_map(one, x)
 
 
 def gather(x: Any) -> Any:
@@ -180,20 +221,31 @@ def gather(x: Any) -> Any:
         lambda leaf: np.asarray(multihost_utils.process_allgather(leaf, tiled=True)), x)
 
 
+def _is_global(leaf: Any, mesh: Mesh) -> bool:
+    """An argument already laid out over `mesh` (e.g. by `global_server_array` with specs)."""
+    sharding = getattr(leaf, "sharding", None)
+    return isinstance(leaf, jax.Array) and isinstance(sharding, NamedSharding) \
+        and sharding.mesh == mesh
+
+
 def run_program_multihost(fn: Callable, mesh: Mesh, placements: Any, *args: Any,
                           num_clients: Optional[int] = None, **jit_kwargs: Any):
     """Runs a federated program once over a mesh that spans processes.
 
     `placements` says "server" or "clients" per argument (as for `jit_program`). CLIENTS
     arguments are this process's blocks (see `process_clients`), SERVER arguments the
-    full value, equal on every process. Returns the program's outputs as global arrays:
+    full value, equal on every process; arguments already laid out over `mesh` (from
+    `global_server_array(value, mesh, specs)`, a model split over a `model` axis of a 2-D
+    mesh from `global_mesh`) are used as they are, and keep that layout through the
+    program. Returns the program's outputs as global arrays:
     read SERVER ones with `server_value`, CLIENTS ones with `local_clients` or `gather`.
     """
     from fax_bridge.placements import Placement, broadcast_placements
 
     flat_placements = broadcast_placements(placements, args)
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    placed = [global_clients_array(leaf, mesh, num_clients) if p is Placement.CLIENTS
+    placed = [leaf if _is_global(leaf, mesh)
+              else global_clients_array(leaf, mesh, num_clients) if p is Placement.CLIENTS
               else global_server_array(leaf, mesh)
               for p, leaf in zip(flat_placements, leaves)]
     global_args = jax.tree_util.tree_unflatten(treedef, placed)

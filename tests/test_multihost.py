@@ -68,13 +68,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(num_processes: int, timeout_s: float = 150.0) -> list[dict]:
+def _launch(num_processes: int, timeout_s: float = 150.0, worker: str = WORKER,
+            devices: int = 2) -> list[dict]:
     """Runs the worker in `num_processes` processes; kills them all on any failure."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(i), str(num_processes), str(port), str(N)],
+        [sys.executable, "-c", worker, str(i), str(num_processes), str(port), str(N)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True) for i in range(num_processes)]
     deadline = time.monotonic() + timeout_s
@@ -94,6 +95,61 @@ def _launch(num_processes: int, timeout_s: float = 150.0) -> list[dict]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
     return outputs
+
+
+WORKER_2D = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    process_id, num_processes, port, n = map(int, sys.argv[1:5])
+    from fax_bridge import multihost
+    multihost.initialize(f"127.0.0.1:{port}", num_processes, process_id,
+                         initialization_timeout_s=60)
+    import jax, jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import fax_bridge as fb
+
+    def local(p, x):
+        g = jax.grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2))(p)
+        return jax.tree.map(lambda a, b: a - 0.5 * b, p, g)
+
+    @fb.program(clients=n)
+    def step(p, x):
+        pc = fb.federated_map_clients(local, (fb.federated_broadcast(p), x))
+        return fb.federated_mean(pc), pc["w1"]
+
+    mesh = multihost.global_mesh((2, 4), ("clients", "model"))
+    rows = multihost.process_clients(n, mesh)
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(6, 8)).astype(np.float32),
+              "w2": rng.normal(size=(8, 3)).astype(np.float32)}
+    x_all = rng.normal(size=(n, 5, 6)).astype(np.float32)
+    p = multihost.global_server_array(params, mesh, {"w1": P(None, "model"), "w2": P("model")})
+    new_p, w1c = multihost.run_program_multihost(step, mesh, ("server", "clients"), p,
+                                                 x_all[rows.start:rows.stop])
+    print(json.dumps({
+        "process": jax.process_index(), "rows": [rows.start, rows.stop],
+        "p": {k: v.tolist() for k, v in multihost.server_value(new_p).items()},
+        "w1c": multihost.local_clients(w1c).tolist(),
+        "specs": {k: str(v.sharding.spec) for k, v in new_p.items()},
+        "w1c_spec": str(w1c.sharding.spec),
+        "shards": sorted({str(s.data.shape) for s in w1c.addressable_shards})}), flush=True)
+    multihost.shutdown()
+""")
+
+
+def test_two_dimensional_mesh_across_processes_matches_one_process():
+    one = _launch(1, worker=WORKER_2D, devices=8)[0]
+    two = sorted(_launch(2, worker=WORKER_2D, devices=4), key=lambda r: r["process"])
+    assert one["specs"] == {"w1": "P(None, 'model')", "w2": "P('model',)"}
+    assert one["w1c_spec"] == "P('clients', None, 'model')" and one["shards"] == ["(8, 6, 2)"]
+    assert [r["rows"] for r in two] == [[0, N // 2], [N // 2, N]]
+    for r in two:
+        assert r["specs"] == one["specs"] and r["w1c_spec"] == one["w1c_spec"]
+        assert r["shards"] == one["shards"]
+        for k in one["p"]:
+            np.testing.assert_allclose(r["p"][k], one["p"][k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two[0]["w1c"] + two[1]["w1c"], one["w1c"], rtol=1e-5,
+                               atol=1e-6)
 
 
 def _reference():
