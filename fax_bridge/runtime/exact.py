@@ -22,6 +22,7 @@ LIMB_BITS = 32
 _MASK = np.int64((1 << LIMB_BITS) - 1)
 _FOLD_LIMIT = 1 << 29  # a top limb below this folds into the one beneath it
 _COMPACT_EVERY = 1 << 24  # adds between carry propagations (limbs stay far below 2^63)
+_BLOCK_ELEMENTS = 1 << 15  # addend elements handled at once (temporaries stay in cache)
 NONFINITE_FLAGS = 0b111  # the bits of a wire flag byte that mean NaN, +inf or -inf
 
 
@@ -93,19 +94,27 @@ class ExactSum:
             self.pending += chunk.shape[0]
 
     def _add_float(self, rows: np.ndarray) -> None:
-        """Adds each row of `rows` ([addends, size]); limbs grow by < 2^32 per addend."""
+        """Adds each row of `rows` ([addends, size]); limbs grow by < 2^32 per addend.
+
+        Works through blocks of columns small enough for the temporaries to stay in cache.
+        """
+        step = max(1, _BLOCK_ELEMENTS // max(1, rows.shape[0]))
+        for lo in range(0, self.size, step):
+            self._add_block(rows[:, lo:lo + step], slice(lo, lo + step))
+
+    def _add_block(self, rows: np.ndarray, cols: slice) -> None:
         p, nexp, _, uint = _float_params(self.dtype)
         bits = rows.view(uint).astype(np.uint64)
         nbits = 8 * self.dtype.itemsize
         sign = (bits >> np.uint64(nbits - 1)).astype(bool)
         expo = ((bits >> np.uint64(p - 1)) & np.uint64((1 << nexp) - 1)).astype(np.int64)
         frac = (bits & np.uint64((1 << (p - 1)) - 1)).astype(np.int64)
-        self.neg_zero &= (bits == np.uint64(1 << (nbits - 1))).all(axis=0)
+        self.neg_zero[cols] &= (bits == np.uint64(1 << (nbits - 1))).all(axis=0)
         special = expo == (1 << nexp) - 1
         if special.any():
-            self.nan |= (special & (frac != 0)).any(axis=0)
-            self.pos_inf |= (special & (frac == 0) & ~sign).any(axis=0)
-            self.neg_inf |= (special & (frac == 0) & sign).any(axis=0)
+            self.nan[cols] |= (special & (frac != 0)).any(axis=0)
+            self.pos_inf[cols] |= (special & (frac == 0) & ~sign).any(axis=0)
+            self.neg_inf[cols] |= (special & (frac == 0) & sign).any(axis=0)
         normal = expo > 0
         mant = np.where(normal, frac | (1 << (p - 1)), frac)
         mant[special] = 0
@@ -128,12 +137,12 @@ class ExactSum:
             for start in present:  # zero addends add nothing wherever they would land
                 row = int(start) - self.base + j
                 if len(present) == 1:
-                    self.limbs[row] += low.sum(axis=0)
-                    self.limbs[row + 1] += high.sum(axis=0)
+                    self.limbs[row, cols] += low.sum(axis=0)
+                    self.limbs[row + 1, cols] += high.sum(axis=0)
                 else:
                     here = idx == start
-                    self.limbs[row] += np.where(here, low, 0).sum(axis=0)
-                    self.limbs[row + 1] += np.where(here, high, 0).sum(axis=0)
+                    self.limbs[row, cols] += np.where(here, low, 0).sum(axis=0)
+                    self.limbs[row + 1, cols] += np.where(here, high, 0).sum(axis=0)
 
     def _cover(self, lo: int, hi: int) -> None:
         """Grows the limb stack so limbs [lo, hi) exist."""
