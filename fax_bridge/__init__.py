@@ -29,6 +29,12 @@ from fax_bridge.local import clients_mesh, jit_program, to_hlo
 from fax_bridge.placements import Placement
 from fax_bridge.tff.export import export_tff, load_computation, save_computation
 from fax_bridge.tracing import FederatedComputation, trace
+from fax_bridge.secure import (
+    SecureAggregationError,
+    federated_secure_mean,
+    federated_secure_sum,
+    federated_secure_sum_bitwidth,
+)
 
 __version__ = "0.1.0"
 
@@ -68,6 +74,7 @@ __all__ = [
     "Placement",
     "PlacementError",
     "Program",
+    "SecureAggregationError",
     "check_parity",
     "clients_mesh",
     "export_tff",
@@ -76,6 +83,9 @@ __all__ = [
     "federated_map_clients",
     "federated_map_server",
     "federated_mean",
+    "federated_secure_mean",
+    "federated_secure_sum",
+    "federated_secure_sum_bitwidth",
     "federated_sum",
     "federated_weighted_mean",
     "jit_program",

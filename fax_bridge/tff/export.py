@@ -358,6 +358,10 @@ class _Exporter:
     def communicate(self, eqns: list) -> None:
         """One intrinsic call for equations of one kind (and weight) at one depth."""
         prim = eqns[0].primitive
+        if prim in stages.EXTRA_AGGREGATIONS:
+            for eqn in eqns:
+                stages.EXTRA_AGGREGATIONS[prim](self, eqn)
+            return
         if prim is P.federated_decode_sum_p:
             for eqn in eqns:
                 self.decode_sum(eqn)

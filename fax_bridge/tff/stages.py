@@ -22,6 +22,11 @@ from fax_bridge.placements import Placement
 COMMUNICATION = (P.federated_broadcast_p, P.federated_sum_p, P.federated_mean_p,
                  P.federated_weighted_mean_p, P.federated_decode_sum_p)
 
+# Aggregations defined beside their primitives in other modules (fax_bridge.secure):
+# primitive -> emit(exporter, eqn), which registers the SERVER group of the eqn's output.
+# Each equation is emitted alone.
+EXTRA_AGGREGATIONS: dict = {}
+
 
 @dataclasses.dataclass(frozen=True)
 class Communicate:
@@ -95,7 +100,7 @@ def _earliest_depths(eqns: list, placement_of, constants) -> tuple[dict, dict, i
             continue
         base = max([depth.get(v, 0) for v in eqn.invars if not isinstance(v, core.Literal)
                     and placement_of(v) is not Placement.UNPLACED] or [0])
-        if eqn.primitive in COMMUNICATION:
+        if eqn.primitive in COMMUNICATION or eqn.primitive in EXTRA_AGGREGATIONS:
             for v in eqn.outvars:
                 depth[v] = base + 1
             comms.setdefault(base + 1, []).append(eqn)
@@ -131,6 +136,6 @@ def _batches(eqns: list) -> list[list]:
     batches: dict = {}
     for e in eqns:
         key = (e.primitive, e.invars[1] if e.primitive is P.federated_weighted_mean_p
-               else None)
+               else id(e) if e.primitive in EXTRA_AGGREGATIONS else None)
         batches.setdefault(key, []).append(e)
     return list(batches.values())

@@ -1,0 +1,302 @@
+"""Secure aggregation: TFF's secure-sum intrinsics as primitives, and a float secure mean.
+
+- `federated_secure_sum_bitwidth(x, bitwidth)`: the sum over clients of integer values,
+  each in [0, 2**bitwidth - 1] (TFF's `federated_secure_sum_bitwidth`; the bitwidth bounds
+  the inputs, the sum is not reduced).
+- `federated_secure_sum(x, max_input)`: the same with each value in [0, max_input]
+  (TFF's `federated_secure_sum`).
+- `federated_secure_mean(x, keys, value_range=(lo, hi), bits=b)`: the mean of float
+  values through the secure path: each client clips to [lo, hi], maps to [0, 2**b - 1]
+  and rounds stochastically (its own PRNG key, `keys` one per client), the integers go
+  through `federated_secure_sum_bitwidth`, and the server divides the sum by the number
+  of clients and maps it back.
+
+Error bound of `federated_secure_mean` for values inside [lo, hi]: with step
+s = (hi - lo) / (2**b - 1), each client's rounded value is within s of its value and
+unbiased, so the result is within s of the exact mean (always) and its error has standard
+deviation at most s / (2 * sqrt(clients)). Values outside [lo, hi] count as the nearest
+end. The integer sum must fit int32: b + ceil(log2(clients)) <= 31.
+
+Out-of-range integers are refused: eagerly and under `jit` with a `FaxBridgeError`
+naming the bound, on the runtime and the fleet by its `AggregationError`.
+
+Derivatives (the FAD paper's closure property): the secure mean's JVP is the plain mean
+of the tangents where values were not clipped (rounding passes tangents straight
+through), a linear `federated_mean`, so `jax.grad` of a loss of a secure mean with respect
+to SERVER values transposes it to `federated_broadcast`: the gradient program uses only
+federated primitives, and its forward pass still aggregates through the secure path.
+
+Exported: the integer sums as TFF's intrinsics with the bound as a literal; the secure
+mean as `federated_map` (clip, quantize) -> `federated_secure_sum_bitwidth` ->
+`federated_apply` (dequantize). On a fleet each device returns the partial sum of its
+own clients only.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import federated_language
+import jax
+import jax.numpy as jnp
+import numpy as np
+from federated_language.compiler import building_block_factory as factory
+from federated_language.compiler import building_blocks as bb
+from jax._src import core
+from jax._src.interpreters import ad
+
+from fax_bridge import api as _api
+from fax_bridge import primitives as P
+from fax_bridge import tracing as _tracing
+from fax_bridge.tff import export as _export
+from fax_bridge.tff import stages as _stages
+from fax_bridge.tff import xla as tff_xla
+from fax_bridge.errors import FaxBridgeError, PlacementError
+
+SECURE_SUM_BITWIDTH = "federated_secure_sum_bitwidth"
+SECURE_SUM = "federated_secure_sum"
+MAX_BITWIDTH = 62
+
+
+class SecureAggregationError(FaxBridgeError, ValueError):
+    """A client value lies outside the range a secure aggregation was declared with."""
+
+
+def _top(kind: str, bound: int) -> int:
+    return 2 ** bound - 1 if kind == SECURE_SUM_BITWIDTH else bound
+
+
+def _range_message(kind: str, bound: int, low, high) -> str:
+    what = f"[0, 2**{bound} - 1] = [0, {_top(kind, bound)}]" if kind == SECURE_SUM_BITWIDTH \
+        else f"[0, max_input] = [0, {bound}]"
+    return (f"{kind}: a client value lies outside {what} (min {int(low)}, max {int(high)}); "
+            "clip or quantize the values on the clients first, or declare a larger bound")
+
+
+def _check_range(kind: str, bound: int, low, high) -> None:
+    if int(low) < 0 or int(high) > _top(kind, bound):
+        raise SecureAggregationError(_range_message(kind, bound, low, high))
+
+
+# --------------------------------------------------------------------------- integer sums
+
+secure_sum_bitwidth_p = core.Primitive(SECURE_SUM_BITWIDTH)
+secure_sum_p = core.Primitive(SECURE_SUM)
+_KIND = {secure_sum_bitwidth_p: SECURE_SUM_BITWIDTH, secure_sum_p: SECURE_SUM}
+
+
+def _int_sum_abstract_eval(x, *, clients, axis, mesh, bound, kind):
+    del axis, mesh, bound
+    if not x.shape or x.shape[0] != clients:
+        raise TypeError(f"{kind} needs a CLIENTS value with a leading axis of size "
+                        f"{clients}, got shape {tuple(x.shape)}.")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{kind} sums integers, got {x.dtype}.")
+    return P._unplaced(x)
+
+
+def _int_sum_impl(x, *, clients, axis, mesh, bound, kind):
+    del clients, axis, mesh
+    # Checked where the values are: concretely here, and by a callback under jit.
+    jax.debug.callback(partial(_check_range, kind, bound), jnp.min(x), jnp.max(x))
+    return jnp.sum(x, axis=0, dtype=x.dtype)
+
+
+def _int_sum_batch(prim, axis_data, args, dims, **params):
+    del axis_data
+    (x,), (d,) = args, dims
+    return prim.bind(P._move_batch_axis_after_clients(x, d), **params), (
+        None if d is None else 0)
+
+
+for _prim in (secure_sum_bitwidth_p, secure_sum_p):
+    _kind = _KIND[_prim]
+    _prim.def_effectful_abstract_eval(
+        lambda x, _k=_kind, **p: (_int_sum_abstract_eval(x, kind=_k, **p),
+                                  {jax._src.debugging.debug_effect}))
+    P._register_impl_and_lowering(_prim, partial(_int_sum_impl, kind=_kind))
+    ad.defjvp_zero(_prim)  # integer inputs carry no tangent
+    jax._src.interpreters.batching.fancy_primitive_batchers[_prim] = partial(
+        _int_sum_batch, _prim)
+
+
+def _bound(op: str, name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+            low <= int(value) <= high):
+        raise SecureAggregationError(
+            f"{op}: {name} must be a Python int in [{low}, {high}], got {value!r}; it is "
+            "part of the protocol, fixed when the program is written.")
+    return int(value)
+
+
+def _int_sum(prim, op: str, x, bound: int):
+    params = _api._params(op)
+    paths, arrays, treedef = _api._leaves_with_paths(x, op, "value")
+    _api._check_clients_leaves(op, "value", paths, arrays, params["clients"], params["axis"])
+    for path, a in zip(paths, arrays):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise PlacementError(
+                f"{op}: value{jax.tree_util.keystr(path)} has dtype {a.dtype}; secure sums "
+                f"add integers (at {_api.user_location()}). Quantize floats first, or use "
+                "federated_secure_mean.")
+    kind = _KIND[prim]
+    for a in arrays:
+        if not isinstance(a, core.Tracer) and a.size:  # concrete: refuse before binding
+            _check_range(kind, bound, jnp.min(a), jnp.max(a))
+    return jax.tree_util.tree_unflatten(
+        treedef, [prim.bind(a, bound=bound, **params) for a in arrays])
+
+
+def federated_secure_sum_bitwidth(x, bitwidth: int):
+    """CLIENTS -> SERVER: the sum of integer values, each in [0, 2**bitwidth - 1]."""
+    op = SECURE_SUM_BITWIDTH
+    return _int_sum(secure_sum_bitwidth_p, op, x, _bound(op, "bitwidth", bitwidth, 0,
+                                                         MAX_BITWIDTH))
+
+
+def federated_secure_sum(x, max_input: int):
+    """CLIENTS -> SERVER: the sum of integer values, each in [0, max_input]."""
+    op = SECURE_SUM
+    return _int_sum(secure_sum_p, op, x, _bound(op, "max_input", max_input, 0, 2 ** 62))
+
+
+# --------------------------------------------------------------------------- secure mean
+
+secure_mean_p = core.Primitive("federated_secure_mean")
+
+
+def quantize(x, key, lo: float, hi: float, bits: int):
+    """One client's values as int32 codes in [0, 2**bits - 1], rounded stochastically."""
+    top = 2 ** bits - 1
+    scale = jnp.float32(top / (hi - lo))
+    y = (jnp.clip(x.astype(jnp.float32), lo, hi) - jnp.float32(lo)) * scale
+    u = jax.random.uniform(jax.random.wrap_key_data(key), y.shape, jnp.float32)
+    return jnp.clip(jnp.floor(y + u), 0, top).astype(jnp.int32)
+
+
+def dequantize(total, clients: int, lo: float, hi: float, bits: int, dtype):
+    """The mean of `clients` clients' values from the sum of their codes."""
+    scale = jnp.float32((2 ** bits - 1) / (hi - lo))
+    return (jnp.float32(lo) + total.astype(jnp.float32) / (scale * clients)).astype(dtype)
+
+
+def _secure_mean_abstract_eval(x, keys, *, clients, axis, mesh, lo, hi, bits):
+    del axis, mesh, lo, hi, bits
+    if not x.shape or x.shape[0] != clients or keys.shape != (clients, 2):
+        raise TypeError(f"federated_secure_mean needs values and keys with a leading axis "
+                        f"of {clients}, got {tuple(x.shape)} and {tuple(keys.shape)}.")
+    return P._unplaced(x)
+
+
+def _secure_mean_impl(x, keys, *, clients, axis, mesh, lo, hi, bits):
+    del axis, mesh
+    codes = jax.vmap(lambda v, k: quantize(v, k, lo, hi, bits))(x, keys)
+    return dequantize(jnp.sum(codes, axis=0, dtype=jnp.int32), clients, lo, hi, bits, x.dtype)
+
+
+def _secure_mean_jvp(primals, tangents, **params):
+    x, keys = primals
+    t, _ = tangents
+    out = secure_mean_p.bind(x, keys, **params)
+    if type(t) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    inside = (x >= params["lo"]) & (x <= params["hi"])
+    agg = {k: params[k] for k in ("clients", "axis", "mesh")}
+    (t_in,) = P.map_bind(lambda ti, m: [jnp.where(m, ti, jnp.zeros_like(ti))], [t, inside],
+                         P.CLIENTS, name="unclipped", **agg)
+    return out, P.federated_mean_p.bind(t_in, **agg)
+
+
+secure_mean_p.def_abstract_eval(_secure_mean_abstract_eval)
+P._register_impl_and_lowering(secure_mean_p, _secure_mean_impl)
+ad.primitive_jvps[secure_mean_p] = _secure_mean_jvp
+
+
+def federated_secure_mean(x, keys, *, value_range: tuple, bits: int = 16):
+    """CLIENTS -> SERVER: the mean of float values through `federated_secure_sum_bitwidth`.
+
+    `keys` is a CLIENTS uint32 array of shape (clients, 2) (one raw PRNG key per client,
+    `jax.random.key_data`) driving the stochastic rounding; `value_range` (lo, hi) the
+    clipping range; `bits` the bitwidth of each client's codes. See the module docstring
+    for the error bound.
+    """
+    op = "federated_secure_mean"
+    params = _api._params(op)
+    n = params["clients"]
+    lo, hi = (float(v) for v in value_range)
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise SecureAggregationError(f"{op}: value_range must be finite (lo, hi) with lo < hi, "
+                                     f"got {value_range!r}.")
+    bits = _bound(op, "bits", bits, 1, 31 - math.ceil(math.log2(max(n, 2))))
+    paths, arrays, treedef = _api._leaves_with_paths(x, op, "value")
+    _api._check_clients_leaves(op, "value", paths, arrays, n, params["axis"])
+    keys = jnp.asarray(keys)
+    if keys.shape != (n, 2) or keys.dtype != jnp.uint32:
+        raise PlacementError(f"{op}: keys must be a CLIENTS uint32 array of shape ({n}, 2), "
+                             f"got {keys.dtype}{list(keys.shape)} (at {_api.user_location()}).")
+    out = []
+    for i, (path, a) in enumerate(zip(paths, arrays)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise PlacementError(f"{op}: value{jax.tree_util.keystr(path)} has dtype "
+                                 f"{a.dtype}; the secure mean averages floats.")
+        (k,) = P.map_bind(lambda kk, _i=i: [jax.random.key_data(jax.random.fold_in(
+            jax.random.wrap_key_data(kk), _i))], [keys], P.CLIENTS, name="leaf_key", **params)
+        out.append(secure_mean_p.bind(a, k, lo=lo, hi=hi, bits=bits, **params))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _intrinsic_call(uri: str, value, member_type, bound: np.generic):
+    """`uri(<value, bound>)`, typed <{member}@CLIENTS, bound> -> member@SERVER, the bound
+    a literal as in the protos TFF writes."""
+    bound_type = federated_language.TensorType(bound.dtype)
+    fn_type = federated_language.FunctionType(
+        [federated_language.FederatedType(member_type, federated_language.CLIENTS),
+         bound_type],
+        federated_language.FederatedType(member_type, federated_language.SERVER))
+    return bb.Call(bb.Intrinsic(uri, fn_type),
+                   bb.Struct([value, bb.Literal(bound, bound_type)]))
+
+
+def _export_int_sum(ex, eqn) -> None:
+    x = eqn.invars[0]
+    expr, member = ex._gather([x], _export.C, eqn)
+    dtype = np.dtype(np.int32) if eqn.primitive is secure_sum_bitwidth_p else np.dtype(
+        x.aval.dtype)
+    call = _intrinsic_call(_KIND[eqn.primitive], expr, expr.type_signature.member,
+                           dtype.type(eqn.params["bound"]))
+    ex._register(_export._Group(ex._local(call, "_f"), _export.S, member, [eqn.outvars[0]]))
+
+
+def _export_secure_mean(ex, eqn) -> None:
+    p = eqn.params
+    lo, hi, bits, n = p["lo"], p["hi"], p["bits"], p["clients"]
+    x, keys = eqn.invars
+    expr, member = ex._gather([x, keys], _export.C, eqn)
+    dtype = x.aval.dtype
+    name = f"secure_mean{ex._count}"
+    quant = bb.CompiledComputation(tff_xla.xla_computation(
+        lambda xk: quantize(xk[0], xk[1], lo, hi, bits), member), name=f"quantize_{name}")
+    codes = factory.create_federated_map(quant, expr)
+    code_type = codes.type_signature.member
+    total = _intrinsic_call(SECURE_SUM_BITWIDTH, codes, code_type, np.int32(bits))
+    code_aval = core.ShapedArray(member[0].shape, np.int32)
+    deq = bb.CompiledComputation(tff_xla.xla_computation(
+        lambda t: dequantize(t, n, lo, hi, bits, dtype), code_aval), name=f"dequantize_{name}")
+    mean = factory.create_federated_apply(deq, total)
+    ex._register(_export._Group(ex._local(mean, "_f"), _export.S, member[0],
+                                [eqn.outvars[0]]))
+
+
+# --------------------------------------------------------------------------- registration
+
+P.FEDERATED_PRIMITIVES = P.FEDERATED_PRIMITIVES + (secure_sum_bitwidth_p, secure_sum_p,
+                                                   secure_mean_p)
+for _prim in (secure_sum_bitwidth_p, secure_sum_p, secure_mean_p):
+    _tracing._PLACEMENT_RULES[_prim] = _tracing._Analysis._aggregate
+_stages.EXTRA_AGGREGATIONS.update({secure_sum_bitwidth_p: _export_int_sum,
+                                   secure_sum_p: _export_int_sum,
+                                   secure_mean_p: _export_secure_mean})

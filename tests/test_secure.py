@@ -1,0 +1,122 @@
+"""Secure aggregation: TFF's secure-sum intrinsics, range errors on every path, the float
+secure mean's error bound, its export, fleet parity, and the closure of its derivative."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from federated_language.compiler import building_blocks
+
+import fax_bridge as fb
+from fax_bridge.errors import AggregationError, FleetError
+from fax_bridge.runtime import run_computation
+
+N = 4
+X = np.array([[1, 2], [3, 4], [250, 0], [5, 5]], np.int32)
+Y = np.array([1, 999, 3, 4], np.int32)
+
+
+@fb.program(clients=N)
+def int_sums(x, y):
+    return fb.federated_secure_sum_bitwidth(x, 8), fb.federated_secure_sum(y, 1000)
+
+
+def _keys(n, seed=0):
+    return jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(
+        jnp.arange(seed * n, (seed + 1) * n))
+
+
+@fb.program(clients=N)
+def secure_round(w, data, keys):
+    v = fb.federated_map_clients(lambda w, d: w * d, (fb.federated_broadcast(w), data))
+    return fb.federated_secure_mean(v, keys, value_range=(-4.0, 4.0), bits=16)
+
+
+D = np.array([[0.5, 1.0], [0.25, -1.0], [1.0, 2.0], [-0.3, 0.1]], np.float32)
+W = np.array([1.0, 0.5], np.float32)
+
+
+def _block(proto):
+    return building_blocks.ComputationBuildingBlock.from_proto(proto)
+
+
+def test_integer_sums_locally_exported_and_on_a_fleet():
+    want = (X.sum(0), Y.sum())
+    for got in (int_sums(X, Y), jax.jit(int_sums)(X, Y)):
+        np.testing.assert_array_equal(got[0], want[0])
+        assert int(got[1]) == want[1]
+    proto = fb.export_tff(int_sums, X, Y, placements=("clients", "clients"))
+    rep = _block(proto).compact_representation()
+    assert "federated_secure_sum_bitwidth(<_arg0,8>)" in rep
+    assert "federated_secure_sum(<_arg1,1000>)" in rep
+    ran = run_computation(proto, X, Y)
+    np.testing.assert_array_equal(ran[0], want[0])
+    with fb.LocalFleet(devices=2) as fleet:
+        assert fb.check_parity(int_sums, X, Y, placements=("clients", "clients"),
+                               fleet=fleet).ok
+        assert fb.check_parity(secure_round, W, D, _keys(N),
+                               placements=("server", "clients", "clients"), fleet=fleet).ok
+        bad = X.copy()
+        bad[1, 0] = 256
+        with pytest.raises(FleetError, match=r"outside \[0, 2\*\*8 - 1\]"):
+            fleet.run(proto, bad, Y)
+
+
+def test_out_of_range_values_are_refused_on_every_path():
+    bad = X.copy()
+    bad[2, 1] = 256
+    with pytest.raises(fb.SecureAggregationError, match=r"outside \[0, 2\*\*8 - 1\] = \[0, 255\]"):
+        int_sums(bad, Y)
+    with pytest.raises(fb.SecureAggregationError, match=r"max_input\] = \[0, 1000\]"):
+        int_sums(X, np.where(Y == 1, 1001, Y))
+    with pytest.raises(Exception, match="a client value lies outside"):
+        jax.jit(int_sums)(np.where(X == 1, -1, X).astype(np.int32), Y)
+    proto = fb.export_tff(int_sums, X, Y, placements=("clients", "clients"))
+    with pytest.raises(AggregationError, match="outside"):
+        run_computation(proto, bad, Y)
+    with pytest.raises(fb.SecureAggregationError, match="bitwidth"):
+        fb.program(clients=N)(lambda x: fb.federated_secure_sum_bitwidth(x, 70))(X)
+    with pytest.raises(fb.PlacementError, match="integers"):
+        fb.program(clients=N)(lambda x: fb.federated_secure_sum_bitwidth(x, 8))(D)
+
+
+def test_secure_mean_error_bound():
+    n, bits, lo, hi = 64, 8, -1.0, 3.0
+    step = (hi - lo) / (2 ** bits - 1)
+    x = np.random.default_rng(0).uniform(lo, hi, size=(n, 200)).astype(np.float32)
+
+    @fb.program(clients=n)
+    def mean(x, keys):
+        return fb.federated_secure_mean(x, keys, value_range=(lo, hi), bits=bits)
+
+    run = jax.jit(mean)
+    errors = np.stack([np.asarray(run(x, _keys(n, s))) - x.mean(0) for s in range(20)])
+    assert np.abs(errors).max() <= step * 1.0001                # always within one step
+    assert errors.std() <= step / (2 * np.sqrt(n)) * 1.1         # and unbiased, averaging
+    assert abs(errors.mean()) < step / (2 * np.sqrt(n * errors.size)) * 4
+    clipped = run(np.full((n, 200), 10.0, np.float32), _keys(n))
+    np.testing.assert_allclose(clipped, hi, rtol=1e-6)           # outside: the nearest end
+
+
+def test_gradient_of_a_secure_mean_uses_only_federated_primitives():
+    def loss(w, data, keys):
+        return jnp.sum(secure_round(w, data, keys) ** 2)
+
+    grad = fb.program(clients=N)(lambda w, d, k: jax.grad(loss)(w, d, k))
+    g = grad(W, D, _keys(N))
+    m = secure_round(W, D, _keys(N))
+    np.testing.assert_allclose(g, 2 * m * D.mean(0), rtol=1e-4)   # straight-through
+    jaxpr = jax.make_jaxpr(grad)(W, D, _keys(N)).jaxpr
+    names = {e.primitive.name for e in jaxpr.eqns}
+    assert {"federated_secure_mean", "federated_broadcast"} <= names
+    # the only aggregation of client data in the forward pass is the secure one, and the
+    # backward pass needs broadcasts (the mean's transpose) and a sum (the broadcast's)
+    assert "federated_mean" not in names
+    comp = fb.trace(grad, W, D, _keys(N), placements=("server", "clients", "clients"))
+    assert comp is not None
+    proto = fb.export_tff(grad, W, D, _keys(N), placements=("server", "clients", "clients"))
+    rep = _block(proto).compact_representation()
+    assert "federated_secure_sum_bitwidth" in rep and "federated_broadcast" in rep
+    np.testing.assert_allclose(run_computation(proto, W, D, _keys(N)), g, rtol=1e-5)
