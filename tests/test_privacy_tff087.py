@@ -2,7 +2,9 @@
 
 With the noise multiplier at 0 the aggregators are deterministic, so fax_bridge's must
 give TFF's aggregate and TFF's clip-norm trajectory round after round, both under jit and
-as the exported proto run by the runtime. TFF runs once, in .venv-tff, for every case.
+as the exported proto run by the runtime. TFF runs once, in .venv-tff, for every case, and
+also reads back an exported DP-FedAvg round and the secure aggregations (sums, mean and
+the mean's gradient program) with the signatures federated_language gives.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from federated_language.compiler import building_blocks
 
 import fax_bridge as fb
 from fax_bridge import privacy
+from fax_bridge.algorithms import dp_fed_avg
 from fax_bridge.runtime import run_computation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -53,8 +58,8 @@ def _client_values():
     return rounds
 
 
-def _run_tff(rounds) -> dict:
-    spec = {"rounds": [[{k: r[k][i].tolist() for k in r} for i in range(CLIENTS)]
+def _run_tff(rounds, read=()) -> dict:
+    spec = {"read": [str(p) for p in read],"rounds": [[{k: r[k][i].tolist() for k in r} for i in range(CLIENTS)]
                        for r in rounds],
             "cases": [{"name": n, "factory": f, "kwargs": kw} for n, (f, kw) in CASES.items()]}
     # Files, not pipes: TFF's runtime starts worker processes that would hold a pipe open
@@ -66,7 +71,7 @@ def _run_tff(rounds) -> dict:
         proc = subprocess.Popen([str(TFF_PYTHON), str(SCRIPT)], stdin=fin, stdout=fout,
                                 stderr=ferr, cwd=REPO, start_new_session=True)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=120)  # about 15 s on an idle 2-core machine
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -77,6 +82,43 @@ def _run_tff(rounds) -> dict:
         out, err = fout.read(), ferr.read()
     assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
     return json.loads(out)
+
+
+def _export_dp_fed_avg_round(folder: pathlib.Path) -> pathlib.Path:
+    """One DP-FedAvg round (adaptive clipping, noise) exported for TFF to read back."""
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    alg = dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=0.1)
+    data = {"x": np.ones((3, 2, 4, 2), np.float32), "y": np.ones((3, 2, 4), np.float32)}
+    args = (alg.init({"w": jnp.zeros(2)}), data, np.ones((3, 2, 4), bool))
+    path = folder / "dp_fed_avg.pb"
+    fb.save_computation(fb.export_tff(alg.next, *args, placements=alg.placements), path)
+    return path
+
+
+def _export_secure(folder: pathlib.Path) -> list:
+    """The secure sums and the secure mean (with its gradient program), for TFF to read."""
+    @fb.program(clients=3)
+    def sums(x):
+        return fb.federated_secure_sum_bitwidth(x, 8), fb.federated_secure_sum(x, 200)
+
+    @fb.program(clients=3)
+    def mean(w, d, keys):
+        v = fb.federated_map_clients(lambda w, d: w * d, (fb.federated_broadcast(w), d))
+        return fb.federated_secure_mean(v, keys, value_range=(-2.0, 2.0), bits=12)
+
+    grad = fb.program(clients=3)(jax.grad(lambda w, d, k: jnp.sum(mean(w, d, k) ** 2)))
+    keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(3))
+    w, d = np.ones(2, np.float32), np.ones((3, 2), np.float32)
+    paths = []
+    for name, fn, args, pl in (
+            ("secure_sums", sums, (np.ones((3, 2), np.int32),), ("clients",)),
+            ("secure_mean", mean, (w, d, keys), ("server", "clients", "clients")),
+            ("secure_mean_grad", grad, (w, d, keys), ("server", "clients", "clients"))):
+        paths.append(folder / f"{name}.pb")
+        fb.save_computation(fb.export_tff(fn, *args, placements=pl), paths[-1])
+    return paths
 
 
 def _ours(factory: str, kwargs: dict):
@@ -92,9 +134,14 @@ def _ours(factory: str, kwargs: dict):
 @pytest.mark.skipif(not TFF_PYTHON.exists(),
                     reason=".venv-tff is absent; build it with tools/tff087/setup.sh "
                            "(make test does)")
-def test_same_aggregate_and_clip_trajectory_as_tff():
+def test_same_aggregate_and_clip_trajectory_as_tff(tmp_path):
     rounds = _client_values()
-    tff = _run_tff(rounds)
+    exported = [_export_dp_fed_avg_round(tmp_path), *_export_secure(tmp_path)]
+    tff = _run_tff(rounds, read=exported)
+    for path in exported:
+        want_sig = str(building_blocks.ComputationBuildingBlock.from_proto(
+            fb.load_computation(path)).type_signature)
+        assert tff["signatures"][str(path)] == {"type_signature": want_sig, "error": None}
     for name, (factory, kwargs) in CASES.items():
         agg, one_round = _ours(factory, kwargs)
         step = jax.jit(one_round)

@@ -9,7 +9,9 @@ Runs in .venv-tff. Reads one JSON object from stdin:
 builds `tff.aggregators.DifferentiallyPrivateFactory.<factory>(**kwargs)` for a struct
 value type of float32 vectors, runs `initialize` and one `next` per round on TFF's own
 runtime, and prints {name: {"results": [per round {leaf: [...]}], "clips": [...]}} as
-JSON, "clips" being the clip norm in TFF's state after each round.
+JSON, "clips" being the clip norm in TFF's state after each round. Optional
+`"read": [paths]` also reads those .pb files with TFF's building blocks (as
+`read_signatures.py` does) into `{"signatures": {path: {"type_signature", "error"}}}`.
 """
 
 import collections
@@ -49,6 +51,10 @@ def main() -> None:
             results.append({k: np.asarray(output.result[k]).tolist() for k in keys})
             clips.append(float(_clip(state)))
         out[case["name"]] = {"results": results, "clips": clips}
+    if spec.get("read"):
+        from read_signatures import read_signature  # beside this script
+
+        out["signatures"] = {p: read_signature(p) for p in spec["read"]}
     json.dump(out, sys.stdout)
 
 
