@@ -48,6 +48,11 @@ class PrivacyError(FaxBridgeError, ValueError):
     """A differential-privacy setting is invalid or cannot give the requested guarantee."""
 
 
+class HyperparameterError(FaxBridgeError, ValueError):
+    """An algorithm's setting is out of its range or does not fit the model (a rate, a
+    count, a fragment layout)."""
+
+
 class DataError(FaxBridgeError, ValueError):
     """Client data cannot be partitioned, padded, sampled or stored as asked."""
 

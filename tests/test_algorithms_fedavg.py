@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fax_bridge.algorithms import fed_avg
 
@@ -66,3 +68,58 @@ def test_bad_arguments_are_named():
         fed_avg(quad_loss, 0.1, clients=3)
     with pytest.raises(ValueError, match="clients"):
         fed_avg(quad_loss, optax.sgd(0.1), clients=0)
+
+
+# Every numeric setting of every constructor, with values that are out of range for all
+# of them; each must give the project's HyperparameterError naming the setting.
+def _recon_loss(g, l, b):
+    return quad_loss({"w": g["w"] + l["b"]}, b)
+
+
+def _constructors():
+    from fax_bridge import algorithms as A
+
+    sgd = optax.sgd(0.1)
+    p = {"w": jnp.zeros(2), "b": jnp.zeros(())}
+    return {
+        "fed_avg": (lambda **k: A.fed_avg(quad_loss, sgd, **{"clients": 3, **k}),
+                    ["clients", "local_epochs"]),
+        "fed_adam": (lambda **k: A.fed_adam(quad_loss, sgd, clients=3, **k),
+                     ["server_lr", "b1", "b2", "tau", "local_epochs"]),
+        "fed_yogi": (lambda **k: A.fed_yogi(quad_loss, sgd, clients=3, paper_exact=True, **k),
+                     ["server_lr", "b1", "b2", "tau"]),
+        "fed_adagrad": (lambda **k: A.fed_adagrad(quad_loss, sgd, clients=3, **k),
+                        ["server_lr", "b1", "tau"]),
+        "learned_server_lr": (lambda **k: A.learned_server_lr(quad_loss, sgd, clients=3, **k),
+                              ["initial_lr", "local_epochs"]),
+        "learned_client_weights": (
+            lambda **k: A.learned_client_weights(quad_loss, sgd, **{"clients": 3, **k}),
+            ["clients", "local_epochs"]),
+        "fed_fish": (lambda **k: A.fed_fish(quad_loss, sgd, clients=3, **k),
+                     ["damping", "local_epochs"]),
+        "fed_reconstruction": (
+            lambda **k: A.fed_reconstruction(_recon_loss, {"b": jnp.zeros(())}, clients=3,
+                                             client_optimizer=sgd,
+                                             reconstruction_optimizer=sgd, **k),
+            ["reconstruction_epochs", "local_epochs"]),
+        "streaming_diloco": (
+            lambda **k: A.streaming_diloco(quad_loss, p, clients=3, **{"sync_every": 4, **k}),
+            ["sync_every", "num_fragments", "overlap", "mixing", "outer_lr",
+             "outer_momentum"]),
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from([(name, key) for name, (_, keys) in _constructors().items()
+                             for key in keys]),
+       bad=st.sampled_from([-1, -0.5, float("nan"), float("inf"), True, "1", None]))
+def test_bad_settings_raise_a_hyperparameter_error_naming_them(case, bad):
+    from fax_bridge.errors import HyperparameterError
+
+    name, key = case
+    make, _ = _constructors()[name]
+    with pytest.raises(HyperparameterError, match=key.split("_")[0]):
+        make(**{key: bad})
+    if key in ("b1", "b2", "mixing", "outer_momentum"):       # bounded above by 1
+        with pytest.raises(HyperparameterError, match=key.split("_")[0]):
+            make(**{key: 1.5})

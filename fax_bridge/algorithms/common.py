@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
+
+from fax_bridge.errors import ArgumentError, HyperparameterError
 
 Loss = Callable[[Any, Any], jax.Array]
 
@@ -41,20 +45,43 @@ class FederatedAlgorithm(NamedTuple):
 
 def check_loss(loss: Any, name: str = "loss") -> Loss:
     if not callable(loss):
-        raise TypeError(
+        raise ArgumentError(
             f"{name} must be a function loss(params, batch) -> scalar, got {type(loss).__name__}.")
     return loss
 
 
+def check_count(value: Any, name: str, minimum: int = 1, what: str = "") -> int:
+    """`value` as an int >= `minimum`, else HyperparameterError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise HyperparameterError(
+            f"{name} must be an int >= {minimum}{what}, got {value!r}.")
+    return value
+
+
 def check_clients(clients: Any) -> int:
-    if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
-        raise ValueError(f"clients must be a positive int (the cohort size), got {clients!r}.")
-    return clients
+    return check_count(clients, "clients", what=" (the cohort size)")
+
+
+def check_real(value: Any, name: str, low: float | None = None, high: float | None = None, *,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """`value` as a finite float in the given range, else HyperparameterError."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    ok = ok and math.isfinite(float(value))
+    if ok and low is not None:
+        ok = float(value) > low if low_open else float(value) >= low
+    if ok and high is not None:
+        ok = float(value) < high if high_open else float(value) <= high
+    if not ok:
+        lo = "" if low is None else f"{'(' if low_open else '['}{low}"
+        hi = "" if high is None else f"{high}{')' if high_open else ']'}"
+        where = f"in {lo or '(-inf'}, {hi or 'inf)'}"
+        raise HyperparameterError(f"{name} must be a finite number {where}, got {value!r}.")
+    return float(value)
 
 
 def check_optimizer(opt: Any, name: str) -> optax.GradientTransformation:
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
-        raise TypeError(
+        raise ArgumentError(
             f"{name} must be an optax GradientTransformation (e.g. optax.sgd(0.1)), got "
             f"{type(opt).__name__}.")
     return opt

@@ -51,6 +51,7 @@ import optax
 import fax_bridge as fx
 from fax_bridge.algorithms import common as C
 from fax_bridge.algorithms import e3m0
+from fax_bridge.errors import HyperparameterError
 
 FLOAT32_BYTES = 4
 
@@ -73,8 +74,9 @@ def payload_bytes(leaves: Sequence[Any], quantized: bool) -> int:
 def split_fragments(params, num_fragments: int) -> tuple[tuple[int, ...], ...]:
     """Leaf indices of each fragment, balancing their element counts (largest first)."""
     leaves = jax.tree.leaves(params)
-    if not 1 <= num_fragments <= len(leaves):
-        raise ValueError(
+    if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or not (
+            1 <= num_fragments <= len(leaves)):
+        raise HyperparameterError(
             f"num_fragments must be between 1 and the number of parameter leaves "
             f"({len(leaves)}), got {num_fragments}.")
     sizes = [int(np.prod(np.shape(l))) for l in leaves]
@@ -166,19 +168,22 @@ def streaming_diloco(loss: C.Loss, params_example, *, clients: int, sync_every: 
         fragments = tuple(tuple(int(i) for i in f) for f in fragments)
         flat = sorted(i for f in fragments for i in f)
         if flat != list(range(len(leaves_example))):
-            raise ValueError(
+            raise HyperparameterError(
                 f"fragments must partition the {len(leaves_example)} parameter leaves; got "
                 f"{fragments}.")
     p = len(fragments)
-    if sync_every < 1 or sync_every % p:
-        raise ValueError(
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or (
+            sync_every < 1 or sync_every % p):
+        raise HyperparameterError(
             f"sync_every (H={sync_every}) must be a positive multiple of the number of "
             f"fragments ({p}) so fragments sync every H / P steps.")
     k = sync_every // p
-    if not 0 <= overlap <= k:
-        raise ValueError(f"overlap (tau={overlap}) must be between 0 and H / P = {k}.")
-    if not 0.0 <= mixing <= 1.0:
-        raise ValueError(f"mixing must be in [0, 1], got {mixing}.")
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= k:
+        raise HyperparameterError(
+            f"overlap (tau={overlap!r}) must be an int between 0 and H / P = {k}.")
+    mixing = C.check_real(mixing, "mixing (alpha)", 0.0, 1.0)
+    C.check_real(outer_lr, "outer_lr", 0.0, low_open=True)
+    C.check_real(outer_momentum, "outer_momentum", 0.0, 1.0, high_open=True)
 
     def frag_leaves(tree, f):
         leaves = treedef.flatten_up_to(tree)

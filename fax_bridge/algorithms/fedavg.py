@@ -20,6 +20,7 @@ from fax_bridge.algorithms import common as C
 def client_update_fn(loss: C.Loss, client_optimizer: optax.GradientTransformation,
                      local_epochs: int = 1):
     """`(params, batches, mask) -> (delta, num_examples, mean_loss)` for one client."""
+    local_epochs = C.check_count(local_epochs, "local_epochs")
 
     def client_update(params, batches, mask):
         new_params, _, value = C.local_train(loss, client_optimizer, params,
@@ -45,8 +46,6 @@ def fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cli
     client_optimizer = C.check_optimizer(client_optimizer, "client_optimizer")
     server_optimizer = C.check_optimizer(
         optax.sgd(1.0) if server_optimizer is None else server_optimizer, "server_optimizer")
-    if local_epochs < 1:
-        raise ValueError(f"local_epochs must be >= 1, got {local_epochs}.")
     client_update = client_update_fn(loss, client_optimizer, local_epochs)
     server_update = C.server_step(server_optimizer)
 

@@ -45,8 +45,8 @@ def fed_fish(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cl
     client_optimizer = C.check_optimizer(client_optimizer, "client_optimizer")
     server_optimizer = C.check_optimizer(
         optax.sgd(1.0) if server_optimizer is None else server_optimizer, "server_optimizer")
-    if not damping > 0:
-        raise ValueError(f"damping must be > 0 (it keeps the weights positive), got {damping}.")
+    C.check_real(damping, "damping (it keeps the weights positive)", 0.0, low_open=True)
+    C.check_count(local_epochs, "local_epochs")
     server_update = C.server_step(server_optimizer)
 
     def client_update(params, batches, mask):

@@ -29,6 +29,7 @@ import optax
 
 from fax_bridge.algorithms import common as C
 from fax_bridge.algorithms.fedavg import fed_avg
+from fax_bridge.errors import HyperparameterError
 
 DEFAULT_B1 = 0.9
 DEFAULT_B2 = 0.99
@@ -43,6 +44,13 @@ class ReddiState(NamedTuple):
     v: Any
 
 
+def _check_settings(lr, b1, b2, tau) -> tuple[float, float, float, float]:
+    return (C.check_real(lr, "server_lr", 0.0, low_open=True),
+            C.check_real(b1, "b1", 0.0, 1.0, high_open=True),
+            C.check_real(b2, "b2", 0.0, 1.0, high_open=True),
+            C.check_real(tau, "tau (the adaptivity)", 0.0, low_open=True))
+
+
 def reddi_server_optimizer(kind: str, learning_rate: float, *, b1: float = DEFAULT_B1,
                            b2: float = DEFAULT_B2,
                            tau: float = DEFAULT_TAU) -> optax.GradientTransformation:
@@ -53,11 +61,8 @@ def reddi_server_optimizer(kind: str, learning_rate: float, *, b1: float = DEFAU
     v at τ². `b2` is unused by 'adagrad'.
     """
     if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"b1 and b2 must lie in [0, 1), got b1={b1}, b2={b2}.")
-    if not tau > 0.0:
-        raise ValueError(f"tau (the adaptivity) must be > 0, got {tau}.")
+        raise HyperparameterError(f"kind must be one of {KINDS}, got {kind!r}.")
+    learning_rate, b1, b2, tau = _check_settings(learning_rate, b1, b2, tau)
 
     def init(params) -> ReddiState:
         return ReddiState(jax.tree.map(jnp.zeros_like, params),
@@ -98,6 +103,7 @@ def fed_adam(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cl
     Default: `optax.adam(server_lr, b1, b2, eps=tau)`, i.e. m and v start at 0 and are
     bias-corrected, step η m̂ / (√v̂ + τ).
     """
+    server_lr, b1, b2, tau = _check_settings(server_lr, b1, b2, tau)
     opt = (reddi_server_optimizer("adam", server_lr, b1=b1, b2=b2, tau=tau) if paper_exact
            else optax.adam(server_lr, b1=b1, b2=b2, eps=tau))
     return fed_opt(loss, client_optimizer, opt, clients=clients, local_epochs=local_epochs)
@@ -112,6 +118,7 @@ def fed_yogi(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cl
     Default: `optax.yogi(server_lr, b1, b2, eps=tau)`: m and v start at 1e-6 and are
     bias-corrected, v_t = v_{t-1} - (1 - β2) g² sign(v_{t-1} - g²), step η m̂ / (√v̂ + τ).
     """
+    server_lr, b1, b2, tau = _check_settings(server_lr, b1, b2, tau)
     opt = (reddi_server_optimizer("yogi", server_lr, b1=b1, b2=b2, tau=tau) if paper_exact
            else optax.yogi(server_lr, b1=b1, b2=b2, eps=tau))
     return fed_opt(loss, client_optimizer, opt, clients=clients, local_epochs=local_epochs)

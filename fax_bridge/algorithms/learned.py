@@ -61,8 +61,7 @@ def learned_server_lr(loss: C.Loss, client_optimizer: optax.GradientTransformati
     validation loss after the step with the old rate), `lr_hypergrad` (dL/dlr) and
     `lr` (the rate used this round).
     """
-    if not initial_lr > 0:
-        raise ValueError(f"initial_lr must be > 0, got {initial_lr}.")
+    C.check_real(initial_lr, "initial_lr", 0.0, low_open=True)
     meta = C.check_optimizer(optax.adam(0.05) if meta_optimizer is None else meta_optimizer,
                              "meta_optimizer")
     client_update = client_update_fn(C.check_loss(loss), client_optimizer, local_epochs)

@@ -21,6 +21,7 @@ import optax
 
 import fax_bridge as fx
 from fax_bridge.algorithms import common as C
+from fax_bridge.errors import ArgumentError
 
 
 class Reconstruction(NamedTuple):
@@ -44,8 +45,10 @@ def fed_reconstruction(loss: Callable[[Any, Any, Any], jax.Array], local_init, *
                        local_epochs: int = 1) -> Reconstruction:
     """Federated Reconstruction with local parameters started at `local_init`."""
     if not callable(loss):
-        raise TypeError("loss must be a function loss(global_params, local_params, batch).")
+        raise ArgumentError("loss must be a function loss(global_params, local_params, batch).")
     n = C.check_clients(clients)
+    C.check_count(reconstruction_epochs, "reconstruction_epochs")
+    C.check_count(local_epochs, "local_epochs")
     client_optimizer = C.check_optimizer(client_optimizer, "client_optimizer")
     recon_opt = C.check_optimizer(reconstruction_optimizer, "reconstruction_optimizer")
     server_optimizer = C.check_optimizer(
