@@ -10,9 +10,7 @@ the mean's gradient program) with the signatures federated_language gives.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import signal
 import subprocess
 import tempfile
 
@@ -27,10 +25,9 @@ import fax_bridge as fb
 from fax_bridge import privacy
 from fax_bridge.algorithms import dp_fed_avg
 from fax_bridge.runtime import run_computation
+from fax_bridge.tff import side_env
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-TFF_PYTHON = REPO / ".venv-tff" / "bin" / "python"
-SCRIPT = REPO / "tools" / "tff087" / "dp_reference.py"
+TFF_PYTHON = side_env.tff_python()
 CLIENTS, ROUNDS = 5, 5
 
 CASES = {
@@ -62,21 +59,19 @@ def _run_tff(rounds, read=()) -> dict:
     spec = {"read": [str(p) for p in read],"rounds": [[{k: r[k][i].tolist() for k in r} for i in range(CLIENTS)]
                        for r in rounds],
             "cases": [{"name": n, "factory": f, "kwargs": kw} for n, (f, kw) in CASES.items()]}
-    # Files, not pipes: TFF's runtime starts worker processes that would hold a pipe open
-    # after the reader exits; the whole process group is ended afterwards.
+    # Files, not pipes (side_env.run_json's): TFF's runtime starts worker processes that
+    # would hold a pipe open after the script exits; the whole group is ended afterwards.
     with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, \
             tempfile.TemporaryFile() as ferr:
         fin.write(json.dumps(spec).encode())
         fin.seek(0)
-        proc = subprocess.Popen([str(TFF_PYTHON), str(SCRIPT)], stdin=fin, stdout=fout,
-                                stderr=ferr, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen([str(TFF_PYTHON), str(side_env.script("dp_reference.py"))],
+                                stdin=fin, stdout=fout, stderr=ferr, cwd=side_env.REPO,
+                                start_new_session=True)
         try:
             proc.wait(timeout=120)  # about 15 s on an idle 2-core machine
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            side_env.kill_group(proc)
         fout.seek(0)
         ferr.seek(0)
         out, err = fout.read(), ferr.read()
