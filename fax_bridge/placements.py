@@ -78,9 +78,9 @@ def aggregate_refusal(name: str, dtype: Any) -> str | None:
     """
     dtype = np.dtype(dtype)
     if name in ("federated_mean", "federated_weighted_mean") and dtype.kind not in "fcV":
-        return (f"{name} of {dtype} values would truncate the mean to an integer; cast the "
-                "values to floating point first (x.astype(jnp.float32)), or sum them with "
-                "federated_sum and divide.")
+        return (f"{name} needs floating-point values: a mean of {dtype} values would "
+                "truncate to an integer; cast them first (x.astype(jnp.float32)), or sum "
+                "them with federated_sum and divide.")
     if name == "federated_sum" and dtype == np.bool_:
         return ("federated_sum of bool values is undefined (a count is not a bool); cast "
                 "them first (x.astype(jnp.int32)).")

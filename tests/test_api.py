@@ -101,7 +101,7 @@ def test_integer_means_are_refused_on_every_path(dtype, op):
     x = np.array([1, 2, 4]).astype(dtype)
     for run in (f, jax.jit(f), lambda x: fb.trace(f, x, placements="clients"),
                 lambda x: fb.export_tff(f, x, placements="clients")):
-        with pytest.raises(fb.PlacementError, match="truncate.*floating point"):
+        with pytest.raises(fb.PlacementError, match="floating-point.*truncate"):
             run(x)
     np.testing.assert_allclose(f(x.astype(np.float32)), x.astype(np.float32).mean(),
                                rtol=1e-6)
@@ -117,6 +117,17 @@ def test_bool_sums_are_refused_integer_sums_are_exact():
     with pytest.raises(fb.PlacementError, match="bool"):
         fb.export_tff(f, np.array([True, False, True]), placements="clients")
     assert int(jax.jit(f)(np.array([1, 2, 4], np.int32))) == 7
+
+
+def test_the_runtime_applies_the_same_rule():
+    from fax_bridge.errors import AggregationError
+    from fax_bridge.runtime import aggregation
+
+    with pytest.raises(AggregationError, match="bool"):
+        aggregation.reduce("sum", [np.array(True), np.array(False)])
+    with pytest.raises(AggregationError, match="truncate"):
+        aggregation.reduce("mean", [np.array(1, np.int32), np.array(2, np.int32)])
+    assert int(aggregation.reduce("sum", [np.array(1, np.int32), np.array(2, np.int32)])) == 3
 
 
 def test_jit_program_refuses_server_and_clients_arithmetic_like_trace():

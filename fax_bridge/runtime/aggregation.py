@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fax_bridge.errors import AggregationError
+from fax_bridge.placements import aggregate_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
 from fax_bridge.runtime.exact import ExactSum
 
@@ -122,6 +123,10 @@ def partial_of(kind: str, members: Sequence[LocalValue],
             "weighted_mean needs one weight per client; got "
             f"{'none' if weights is None else len(weights)} for {len(members)} clients")
     columns = _columns(members)
+    for column in columns:  # the rule jit and export apply when a program is traced
+        refusal = aggregate_refusal(f"federated_{kind}", column.dtype)
+        if refusal:
+            raise AggregationError(refusal)
     partial = Partial(kind=kind, leaves=[], count=len(members))
     if not members:
         return partial
