@@ -11,7 +11,7 @@ import pytest
 import fax_bridge as fb
 from fax_bridge.algorithms import dp_fed_avg, fed_avg
 from fax_bridge import privacy
-from fax_bridge.errors import PrivacyError
+from fax_bridge.errors import ArgumentError, HyperparameterError, PrivacyError
 
 
 def loss(p, b):
@@ -92,5 +92,10 @@ def test_round_exports_and_matches_on_a_fleet():
 def test_bad_arguments():
     with pytest.raises(PrivacyError, match="noise_multiplier"):
         dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=-1.0)
-    with pytest.raises(TypeError, match="DPAggregator"):
+    with pytest.raises(ArgumentError, match="DPAggregator"):
         dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=0.0, aggregator=object())
+    with pytest.raises(HyperparameterError, match="clients_per_round"):
+        dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=0.0,
+                   clients_per_round=float("nan"))
+    with pytest.raises(HyperparameterError, match="local_epochs"):
+        dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=0.0, local_epochs=0)

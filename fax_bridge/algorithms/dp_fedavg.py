@@ -29,6 +29,7 @@ import fax_bridge as fx
 from fax_bridge import privacy
 from fax_bridge.algorithms import common as C
 from fax_bridge.algorithms.fedavg import client_update_fn
+from fax_bridge.errors import ArgumentError
 
 
 class DPServerState(NamedTuple):
@@ -64,15 +65,15 @@ def dp_fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
     client_optimizer = C.check_optimizer(client_optimizer, "client_optimizer")
     server_optimizer = C.check_optimizer(
         optax.sgd(1.0) if server_optimizer is None else server_optimizer, "server_optimizer")
-    if local_epochs < 1:
-        raise ValueError(f"local_epochs must be >= 1, got {local_epochs}.")
+    local_epochs = C.check_count(local_epochs, "local_epochs")
     if aggregator is None:
-        expected = float(n if clients_per_round is None else clients_per_round)
+        expected = float(n) if clients_per_round is None else C.check_real(
+            clients_per_round, "clients_per_round", 0.0, low_open=True)
         aggregator = (privacy.gaussian_adaptive(noise_multiplier, expected) if clip is None
                       else privacy.gaussian_fixed(noise_multiplier, expected, clip))
     elif not isinstance(aggregator, privacy.DPAggregator):
-        raise TypeError(f"aggregator must be a fax_bridge.privacy.DPAggregator, got "
-                        f"{type(aggregator).__name__}.")
+        raise ArgumentError(f"aggregator must be a fax_bridge.privacy.DPAggregator (e.g. "
+                            f"privacy.gaussian_fixed(...)), got {type(aggregator).__name__}.")
     train = client_update_fn(loss, client_optimizer, local_epochs)
     server_update = C.server_step(server_optimizer)
 
