@@ -482,8 +482,9 @@ def evaluate(proto: Union[Computation, bytes, Prepared], arg: Any = None,
 
     `arg` is the TFF value of the parameter: local values as arrays/`Struct`s, SERVER
     values as their member, CLIENTS values as a list with one member per client. The
-    result comes back the same way. `num_clients` is needed only when no CLIENTS input
-    fixes it; `data` maps the URIs of `Data` computations to their values. A CLIENTS
+    result comes back the same way, checked against the type the proto declares.
+    `num_clients` is needed only when no CLIENTS input fixes it; `data` maps the URIs of
+    `Data` computations to their values. A CLIENTS
     value may also be a `PopulationRef`: its rows are read where the clients run
     (`ClientsBackend.put_from_store`), so only client ids leave this process.
     """

@@ -7,7 +7,7 @@ integers (no overflow) and compared with these caps first:
 - `max_tensor_bytes`: one tensor (default 4 GiB);
 - `max_value_bytes`: all tensors of one type together (default 16 GiB);
 - `max_eval_steps`: the steps one evaluation may take (interpreter nodes, local function
-  calls, parts of values copied into protos; default 10^7). Values share their parts, so
+  calls, parts of values copied into protos; default 10^6). Values share their parts, so
   a tiny proto cannot make the runtime copy exponentially much; this cap refuses the
   remaining case, a tiny proto asking for exponentially many calls;
 - `max_proto_bytes`: one proto the interpreter builds for the devices (a per-client
@@ -52,7 +52,7 @@ def _env_int(name: str, default: int) -> int:
 
 LIMITS = Limits(max_tensor_bytes=_env_int("FAX_BRIDGE_MAX_TENSOR_BYTES", 4 << 30),
                 max_value_bytes=_env_int("FAX_BRIDGE_MAX_VALUE_BYTES", 16 << 30),
-                max_eval_steps=_env_int("FAX_BRIDGE_MAX_EVAL_STEPS", 10_000_000),
+                max_eval_steps=_env_int("FAX_BRIDGE_MAX_EVAL_STEPS", 1_000_000),
                 max_proto_bytes=_env_int("FAX_BRIDGE_MAX_PROTO_BYTES", 256 << 20))
 
 
