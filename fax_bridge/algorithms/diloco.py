@@ -25,7 +25,9 @@ are what cross from CLIENTS to SERVER); the average is re-quantized to packed co
 and those codes are what is broadcast. Server and workers apply the same decoded
 average: every worker keeps its own copy of the global model and of the outer
 optimizer state (torchft's replicas each run the outer step) and steps them itself, so
-no float32 tensor crosses the network in a round. With `quantize=False` the same
+the only float32 values a round sends are the scales and the scalar loss metric. The
+exported round also carries the workers' state, because this runtime keeps no client
+state between programs; `syncs[f]` is the sync alone. With `quantize=False` the same
 round moves the float32 outer gradients (`federated_mean`) and the float32 average.
 
 One program per fragment: `rounds[f](state, batches, mask)` runs H / P inner steps and
