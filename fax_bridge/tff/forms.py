@@ -161,7 +161,14 @@ def _walk(message, visit) -> None:
 def intrinsic_uris(proto: Computation) -> list[str]:
     """Every intrinsic URI the proto calls, depth-first."""
     found: list[str] = []
-    _walk(proto, lambda m: isinstance(m, computation_pb2.Intrinsic) and not found.append(m.uri))
+
+    def visit(message) -> bool:
+        if isinstance(message, computation_pb2.Intrinsic):
+            found.append(message.uri)
+            return True
+        return False
+
+    _walk(proto, visit)
     return found
 
 
@@ -236,7 +243,7 @@ class Form:
     piece_types: dict[str, str]
     round: Computation
     seconds: float
-    round_proto: Optional[Computation] = None
+    input_round: Optional[Computation] = None  # the round in the forms' type TFF was given
 
     @property
     def name(self) -> str:
@@ -293,7 +300,7 @@ def _to_form(kind: str, fn: Callable, args, placements, clients, out_dir) -> For
         folder = out_dir or tmp
         result = build_forms([job(kind, proto, [kind], folder)], folder)[kind]
         form = form_from_result(kind, result[kind])
-    form.round_proto = proto
+    form.input_round = proto
     return form
 
 
@@ -321,8 +328,8 @@ def write_form(form: Form, out_dir: str) -> dict:
     `manifest.json` (form, types, sizes, sha256 of each file); returns the manifest."""
     os.makedirs(out_dir, exist_ok=True)
     files = dict(form.pieces, round=form.round)
-    if form.round_proto is not None:
-        files["input_round"] = form.round_proto
+    if form.input_round is not None:
+        files["input_round"] = form.input_round
     entries = {}
     for name, proto in files.items():
         data = proto.SerializeToString()
