@@ -114,6 +114,12 @@ class RoundReport:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def add_traffic(self, spent) -> None:
+        """Adds the wire and compute costs of one try (a `pool.Traffic` difference)."""
+        self.compute_s += spent.compute_seconds
+        for name in ("bytes_down", "bytes_up", "payload_down", "payload_up", "rpcs"):
+            setattr(self, name, getattr(self, name) + getattr(spent, name))
+
     def summary(self) -> str:
         lost = (f", {len(self.lost_clients)} lost with {len(self.lost_devices)} unreachable "
                 "devices" if self.lost_devices else "")

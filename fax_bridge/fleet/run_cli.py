@@ -32,23 +32,16 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
     from fax_bridge.runtime import interpreter, values
     from fax_bridge.tff.export import load_computation
 
-    proto = load_computation(comp_path)
-    fn_type = interpreter.computation_type(proto)
-    param = fn_type.parameter if isinstance(fn_type, federated_language.FunctionType) else None
-    result_type = fn_type.result if isinstance(fn_type, federated_language.FunctionType) \
-        else fn_type
+    prepared = interpreter.prepare(load_computation(comp_path))
+    param = prepared.parameter
     npz = cli_args.load_npz(inputs_path) if inputs_path else {}
     arg = values.args_from_npz(npz, param)
-    args, kwargs = (), {}
-    if param is not None:
+    args: tuple = ()
+    if isinstance(param, federated_language.StructType):  # one argument per element
         tree = values.to_pytree(arg, param)
-        if isinstance(param, federated_language.StructType):
-            if isinstance(tree, dict):
-                kwargs = tree
-            else:
-                args = tuple(tree)
-        else:
-            args = (tree,)
+        args = tuple(tree.values()) if isinstance(tree, dict) else tuple(tree)
+    elif param is not None:
+        args = (values.to_pytree(arg, param),)
     if fleet_file is not None:
         from fax_bridge.fleet.remote import RemoteFleet
 
@@ -56,9 +49,9 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
     else:
         fleet_cm = LocalFleet(devices=devices, preaggregate=preaggregate)
     with fleet_cm as fleet:
-        result, report = fleet.run(proto, *args, report=True, num_clients=clients, **kwargs)
-    value = values.from_pytree(result, result_type)
-    return values.result_to_npz(value, result_type), report
+        result, report = fleet.run(prepared, *args, report=True, num_clients=clients)
+    value = values.from_pytree(result, prepared.result)
+    return values.result_to_npz(value, prepared.result), report
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -184,13 +184,7 @@ class FleetRounds:
                 backend.collect()
             except FleetError:
                 pass  # an unreachable device; the caller decides what that means
-            spent = backend.traffic - before
-            rep.compute_s += spent.compute_seconds
-            rep.bytes_down += spent.bytes_down
-            rep.bytes_up += spent.bytes_up
-            rep.payload_down += spent.payload_down
-            rep.payload_up += spent.payload_up
-            rep.rpcs += spent.rpcs
+            rep.add_traffic(backend.traffic - before)
 
     def _lose_unreachable_devices(self, participants: list, rep: RoundReport,
                                   error: FleetError) -> set:

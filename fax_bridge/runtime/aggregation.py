@@ -134,7 +134,7 @@ def partial_of(kind: str, members: Sequence[LocalValue],
         w = np.stack([_scalar_weight(x) for x in weights])
         partial.weights = ExactSum(w.dtype, ())
         partial.weights.add_many(w)
-        with np.errstate(over="ignore", under="ignore"):  # as jit: inf, subnormals
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
             columns = [np.asarray(c * w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1)),
                                   c.dtype) for c in columns]
     extreme = EXTREMES.get(kind)
