@@ -2,7 +2,9 @@
 
 A code is 4 bits: bit 3 the sign, bits 0-2 an exponent code c; c = 0 is zero and
 c in 1..7 stands for `scale * 2**(c - 7)`, `scale` = max |x| of the tensor (one float32
-per tensor). Magnitudes round to the nearest level (in log2). Two codes share a byte:
+per tensor). A magnitude rounds to the nearer of its two neighbouring levels (a value
+in [2**k, 2**(k+1)) goes up from 1.5 * 2**k), and to zero below 2**-7 of the scale,
+half the smallest level. Two codes share a byte:
 element 2i in the low nibble, element 2i + 1 in the high one, so a tensor of n values
 travels as ceil(n / 2) bytes plus its 4-byte scale.
 """
