@@ -51,8 +51,9 @@ def test_empty_slots_are_not_clients():
     four = dp_fed_avg(loss, optax.sgd(0.1), clients=4, noise_multiplier=0.0,
                       clients_per_round=3.0)
     three = dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=0.0)
-    s4, m4 = four.next(four.init(P0), data, mask)
-    s3, m3 = three.next(three.init(P0), jax.tree.map(lambda a: a[:3], data), mask[:3])
+    s4, m4 = jax.jit(four.next)(four.init(P0), data, mask)
+    s3, m3 = jax.jit(three.next)(three.init(P0), jax.tree.map(lambda a: a[:3], data),
+                                 mask[:3])
     for k in P0:
         np.testing.assert_allclose(s4.params[k], s3.params[k], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(s4.dp.clip, s3.dp.clip, rtol=1e-6)

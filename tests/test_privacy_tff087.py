@@ -1,8 +1,8 @@
 """Parity with TFF 0.87's DifferentiallyPrivateFactory (gaussian_fixed, gaussian_adaptive).
 
 With the noise multiplier at 0 the aggregators are deterministic, so fax_bridge's must
-give TFF's aggregate and TFF's clip-norm trajectory round after round, both under jit and
-as the exported proto run by the runtime. TFF runs once, in .venv-tff, for every case, and
+give TFF's aggregate and TFF's clip-norm trajectory round after round, under jit and (one
+case) as the exported proto run by the runtime. TFF runs once, in .venv-tff, for every case, and
 also reads back an exported DP-FedAvg round and the secure aggregations (sums, mean and
 the mean's gradient program) with the signatures federated_language gives.
 """
@@ -141,18 +141,22 @@ def test_same_aggregate_and_clip_trajectory_as_tff(tmp_path):
         agg, one_round = _ours(factory, kwargs)
         step = jax.jit(one_round)
         state = agg.init(0)
-        proto = fb.export_tff(one_round, state, rounds[0], placements=("server", "clients"))
+        # the exported proto, run by the runtime, follows the same trajectory (one case)
+        proto = fb.export_tff(one_round, state, rounds[0], placements=("server", "clients")) \
+            if name == "adaptive_custom" else None
         exported_state = state
         for r, value in enumerate(rounds):
             mean, state, metrics = step(state, value)
-            e_mean, exported_state, _ = run_computation(proto, exported_state, value)
             want = tff[name]
             for k in ("a", "b"):
                 np.testing.assert_allclose(mean[k], want["results"][r][k], rtol=2e-6,
                                            atol=1e-7, err_msg=f"{name} round {r} {k}")
-                np.testing.assert_allclose(e_mean[k], mean[k], rtol=1e-6, atol=1e-8)
             np.testing.assert_allclose(state.clip, want["clips"][r], rtol=2e-6,
                                        err_msg=f"{name} clip after round {r}")
-            np.testing.assert_allclose(exported_state["clip"], state.clip, rtol=1e-6)
+            if proto is not None:
+                e_mean, exported_state, _ = run_computation(proto, exported_state, value)
+                for k in ("a", "b"):
+                    np.testing.assert_allclose(e_mean[k], mean[k], rtol=1e-6, atol=1e-8)
+                np.testing.assert_allclose(exported_state["clip"], state.clip, rtol=1e-6)
         if factory == "gaussian_adaptive":  # the clip really moved
             assert len(set(np.round(tff[name]["clips"], 6))) == ROUNDS, tff[name]["clips"]
