@@ -227,7 +227,7 @@ def _sharing(draw):
 
 @pytest.fixture
 def small_step_cap():
-    before = limits.set_limits(max_eval_steps=20_000)
+    before = limits.set_limits(max_eval_steps=2_000)
     yield
     limits.set_limits(max_eval_steps=before.max_eval_steps)
 
