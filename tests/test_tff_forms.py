@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from federated_language.common_libs import structure
 
 import fax_bridge as fb
@@ -135,3 +136,36 @@ def test_cli_refusal_exits_2_with_the_reason(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "two server-client trips" in err and "(two_trips)" in err
+
+
+@settings(max_examples=20, deadline=None)
+@given(steps=st.lists(st.sampled_from(["aggregate", "send_state", "send_aggregate", "work"]),
+                      min_size=1, max_size=6))
+def test_refused_exactly_when_a_broadcast_depends_on_an_aggregate(steps):
+    """Random rounds: two trips are found however the aggregate reaches the broadcast."""
+
+    @fb.program(clients=N)
+    def round_fn(w, x):
+        client = x
+        server = fb.federated_map_server(lambda w: w * 2.0, w)  # pure state: no trip
+        tainted = False
+        for step in steps:
+            if step == "aggregate":
+                server = fb.federated_map_server(
+                    jnp.add, (server, fb.federated_mean(client).sum(0)))
+                tainted = True
+            elif step in ("send_state", "send_aggregate"):
+                sent = fb.federated_broadcast(server if step == "send_aggregate" else w)
+                client = fb.federated_map_clients(lambda c, s: c * s[0], (client, sent))
+            else:
+                client = fb.federated_map_clients(jnp.tanh, client)
+        return server, fb.federated_mean(client).sum()
+
+    two_trips = any(s == "send_aggregate" and "aggregate" in steps[:i]
+                    for i, s in enumerate(steps))
+    if two_trips:
+        with pytest.raises(fb.ExportError, match="two server-client trips"):
+            forms.round_proto(round_fn, W, X, placements=("server", "clients"))
+    else:
+        proto, _ = forms.round_proto(round_fn, W, X, placements=("server", "clients"))
+        assert set(forms.intrinsic_uris(proto)) <= forms.FORM_INTRINSICS
