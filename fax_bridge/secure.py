@@ -208,7 +208,21 @@ def _secure_mean_jvp(primals, tangents, **params):
     return out, P.federated_mean_p.bind(t_in, **agg)
 
 
+def _secure_mean_batch(axis_data, args, dims, **params):
+    """An outer vmap's axis joins each client's member (one key rounds all of it)."""
+    del axis_data
+    (x, keys), (dx, dk) = args, dims
+    if dk is not None:
+        raise SecureAggregationError(
+            "federated_secure_mean under vmap needs the same keys for every batch element "
+            "(vmap with in_axes=None for the keys); batch the values only.")
+    if dx is None:
+        return secure_mean_p.bind(x, keys, **params), None
+    return secure_mean_p.bind(P._move_batch_axis_after_clients(x, dx), keys, **params), 0
+
+
 secure_mean_p.def_abstract_eval(_secure_mean_abstract_eval)
+jax._src.interpreters.batching.fancy_primitive_batchers[secure_mean_p] = _secure_mean_batch
 P._register_impl_and_lowering(secure_mean_p, _secure_mean_impl)
 ad.primitive_jvps[secure_mean_p] = _secure_mean_jvp
 

@@ -98,6 +98,9 @@ def test_secure_mean_error_bound():
     assert abs(errors.mean()) < step / (2 * np.sqrt(n * errors.size)) * 4
     clipped = run(np.full((n, 200), 10.0, np.float32), _keys(n))
     np.testing.assert_allclose(clipped, hi, rtol=1e-6)           # outside: the nearest end
+    batched = jax.vmap(mean, in_axes=(1, None))(x[:, :3, None], _keys(n))  # outer vmap
+    assert batched.shape == (3, 1)
+    assert np.abs(np.asarray(batched)[:, 0] - x[:, :3].mean(0)).max() <= step * 1.0001
 
 
 def test_gradient_of_a_secure_mean_uses_only_federated_primitives():
