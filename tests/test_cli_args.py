@@ -26,11 +26,13 @@ _COMMANDS = {
     "parity": ["parity", f"{QUICKSTART}:fedavg_round", "--clients", "2"],
     "export": ["export", f"{QUICKSTART}:fedavg_round", "--clients", "2"],
     "device": ["device"],
+    "forms": ["forms", f"{QUICKSTART}:fedavg_round", "--form", "daf", "-o", "out"],
 }
 _FLAGS = [  # (command, flag, lowest valid, highest valid or None)
     ("run", "--devices", 1, 1024), ("run", "--clients", 1, None),
     ("parity", "--clients", 1, None), ("parity", "--devices", 1, 1024),
-    ("export", "--clients", 1, None),
+    ("export", "--clients", 1, None), ("forms", "--clients", 1, None),
+    ("device", "--parent-pid", 1, None),
     ("device", "--max-workers", 1, 256), ("device", "--max-message-bytes", 1, (1 << 31) - 1),
     ("device", "--max-stored-bytes", 1, None),
 ]
@@ -186,3 +188,8 @@ def test_examples_refuse_zero_rounds_and_more_clients_than_the_data(capsys):
             _digits.parse_args("x", argv=argv)
         assert f"argument {flag}" in capsys.readouterr().err
     assert _digits.parse_args("x", argv=["--clients", str(_digits.POPULATION)]).clients == 100
+
+
+def test_the_device_log_level_is_one_of_the_known_ones(capsys):
+    assert cli.build_parser().parse_args(["device", "--log-level", "INFO"]).log_level == "info"
+    _refused(["device", "--log-level", "loud"], "--log-level", capsys)

@@ -52,7 +52,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-id", default="device", help="name used in logs and errors")
     parser.add_argument("--max-workers", type=cli_args.int_in(1, 256), default=4,
                         help="gRPC worker threads (1..256)")
-    parser.add_argument("--parent-pid", type=int, default=None,
+    parser.add_argument("--parent-pid", type=cli_args.int_in(1), default=None,
                         help="exit when this process (the launcher) is no longer the parent")
     parser.add_argument("--token-file", default=None,
                         help=f"file (mode 0600) holding the fleet token; default: the "
@@ -93,7 +93,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--population-name", default=None,
                         help="the name runs use for --population (default: its directory's "
                              "base name)")
-    parser.add_argument("--log-level", default="warning", help="stderr log level")
+    parser.add_argument("--log-level", default="warning", type=str.lower,
+                        choices=("debug", "info", "warning", "error", "critical"),
+                        help="stderr log level")
     parser.set_defaults(func=_run)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fax_bridge import cli_args
 from fax_bridge.errors import FaxBridgeError
 
 
@@ -45,6 +46,7 @@ def register(subparsers) -> None:
     p.add_argument("--form", choices=("daf", "mrf"), required=True,
                    help="daf: DistributeAggregateForm (Xla parts); mrf: MapReduceForm "
                         "(TensorFlow parts holding XlaCallModule)")
-    p.add_argument("--clients", type=int, default=3, help="number of clients (default 3)")
+    p.add_argument("--clients", type=cli_args.int_in(1), default=3,
+                   help="number of clients (>= 1, default 3)")
     p.add_argument("-o", "--output", required=True, help="folder for the pieces and manifest")
     p.set_defaults(func=_run)
