@@ -66,7 +66,8 @@ def local_step(p, x, y, lr: float = 0.01):
 
 @fb.program(clients=CLIENTS)
 def fax_round(p, x, y):
-    return fb.federated_mean(fb.federated_map_clients(local_step, (fb.federated_broadcast(p), x, y)))
+    trained = fb.federated_map_clients(local_step, (fb.federated_broadcast(p), x, y))
+    return fb.federated_mean(trained)
 
 
 def baseline_round(p, x, y):

@@ -52,6 +52,7 @@ from jax._src.interpreters import ad, batching
 from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge import local as _local
+from fax_bridge import lowering as _lowering
 from fax_bridge.errors import PlacementError
 from fax_bridge.placements import aggregate_refusal
 
@@ -87,17 +88,8 @@ def _unplaced(aval) -> core.ShapedArray:
     return aval.update(shape=tuple(aval.shape[1:]), sharding=aval.sharding.update(spec=spec))
 
 
-def _register_impl_and_lowering(prim: core.Primitive, fn) -> None:
-    """Implements `prim` by jitting its lowering, which is `fn` traced by jax."""
-    prim.def_impl(partial(_dispatch.apply_primitive, prim))
-    mlir.register_lowering(prim, mlir.lower_fun(fn, multiple_results=prim.multiple_results))
-    IMPLEMENTATIONS[prim] = fn
-
-
-# The plain-jax implementation of each federated primitive (what its lowering traces):
-# the map lowering evaluates nested federated equations through these, so an outer
-# `vmap(spmd_axis_name=...)` composes with the sharding constraints they apply.
-IMPLEMENTATIONS: dict = {}
+# Modules that define more federated primitives (fax_bridge.secure) register through it.
+register_impl_and_lowering = _register_impl_and_lowering = _lowering.register_impl_and_lowering
 
 
 def _zero_like(x):
@@ -144,7 +136,7 @@ def _broadcast_batch(axis_data, args, dims, **params):
 
 
 federated_broadcast_p.def_abstract_eval(_broadcast_abstract_eval)
-_register_impl_and_lowering(federated_broadcast_p, _broadcast_impl)
+_lowering.register_impl_and_lowering(federated_broadcast_p, _broadcast_impl)
 ad.deflinear2(federated_broadcast_p, lambda ct, x, **p: _broadcast_transpose(ct, x, **p))
 batching.fancy_primitive_batchers[federated_broadcast_p] = _broadcast_batch
 
@@ -205,7 +197,7 @@ for _prim, _impl, _transpose in (
     (federated_mean_p, _mean_impl, _mean_transpose),
 ):
     _prim.def_abstract_eval(partial(_aggregate_abstract_eval, name=_prim.name))
-    _register_impl_and_lowering(_prim, _impl)
+    _lowering.register_impl_and_lowering(_prim, _impl)
     ad.deflinear2(_prim, lambda ct, x, _t=_transpose, **p: _t(ct, x, **p))
     batching.fancy_primitive_batchers[_prim] = partial(_aggregate_batch, _prim)
 
@@ -307,7 +299,7 @@ def _weighted_mean_batch(axis_data, args, dims, **params):
 
 
 federated_weighted_mean_p.def_abstract_eval(_weighted_mean_abstract_eval)
-_register_impl_and_lowering(federated_weighted_mean_p, _weighted_mean_impl)
+_lowering.register_impl_and_lowering(federated_weighted_mean_p, _weighted_mean_impl)
 ad.primitive_jvps[federated_weighted_mean_p] = _weighted_mean_jvp
 ad.primitive_transposes[federated_weighted_mean_p] = _weighted_mean_transpose
 batching.fancy_primitive_batchers[federated_weighted_mean_p] = _weighted_mean_batch
@@ -386,38 +378,11 @@ def _map_abstract_eval(*avals, jaxpr, placement, clients, name, axis, mesh):
     return [outer_aval(a, placement, clients, axis) for a in jaxpr.out_avals]
 
 
-def _eval_implemented(jaxpr: core.ClosedJaxpr, *args):
-    """Evaluates `jaxpr` with nested federated equations run as their plain-jax
-    implementations, so transformations applied around it reach their constraints."""
-    env: dict = {}
-
-    def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
-
-    for v, c in zip(jaxpr.jaxpr.constvars, jaxpr.consts):
-        env[v] = c
-    for v, a in zip(jaxpr.jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        impl = IMPLEMENTATIONS.get(eqn.primitive)
-        if impl is not None:
-            outs = impl(*invals, **eqn.params)
-        else:
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, core.DropVar):
-                env[v] = o
-    return [read(v) for v in jaxpr.jaxpr.outvars]
-
-
 def _map_impl(*args, jaxpr, placement, clients, name, axis, mesh, shared=()):
     """Applies `jaxpr` to every member: one vmap. Operands flagged in `shared` are one
     member-shaped value that every member sees (a broadcast, see `_map_lowering`)."""
     del name
-    fn = partial(_eval_implemented, jaxpr)
+    fn = partial(_lowering.eval_implemented, jaxpr)
     if placement != CLIENTS:
         return fn(*args)
     shared = shared or (False,) * len(args)
@@ -431,35 +396,6 @@ def _map_impl(*args, jaxpr, placement, clients, name, axis, mesh, shared=()):
 
 
 _map_lower_batched = mlir.lower_fun(_map_impl, multiple_results=True)
-_LAYOUT_OPS = ("sdy.sharding_constraint", "stablehlo.custom_call")
-
-
-def _broadcast_source(value, clients: int):
-    """The member value `value` is a broadcast of (through layout constraints), or None."""
-    from jax._src.lib.mlir import ir
-
-    for _ in range(16):
-        owner = value.owner
-        if not isinstance(owner, (ir.Operation, ir.OpView)):
-            return None  # a block argument
-        op = owner.operation if isinstance(owner, ir.OpView) else owner
-        if op.name in _LAYOUT_OPS:
-            if op.name == "stablehlo.custom_call" and "Sharding" not in str(
-                    op.attributes["call_target_name"]):
-                return None
-            value = op.operands[0]
-            continue
-        if op.name != "stablehlo.broadcast_in_dim":
-            return None
-        source = op.operands[0]
-        src = ir.RankedTensorType(source.type)
-        out = ir.RankedTensorType(value.type)
-        dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
-        if (dims == list(range(1, src.rank + 1)) and out.rank == src.rank + 1
-                and out.shape[0] == clients and list(out.shape[1:]) == list(src.shape)):
-            return source
-        return None
-    return None
 
 
 def _map_lowering(ctx, *args, **params):
@@ -468,7 +404,7 @@ def _map_lowering(ctx, *args, **params):
     `in_axes=None` would take it, so the broadcast copy is never materialized."""
     if params["placement"] != CLIENTS:
         return _map_lower_batched(ctx, *args, **params)
-    sources = [_broadcast_source(a, params["clients"]) for a in args]
+    sources = [_lowering.broadcast_source(a, params["clients"]) for a in args]
     if all(s is None for s in sources):
         return _map_lower_batched(ctx, *args, **params)
     shared = tuple(s is not None for s in sources)
@@ -579,7 +515,7 @@ def _map_batch(axis_data, args, dims, *, jaxpr, **params):
 federated_map_p.def_abstract_eval(_map_abstract_eval)
 federated_map_p.def_impl(partial(_dispatch.apply_primitive, federated_map_p))
 mlir.register_lowering(federated_map_p, _map_lowering, cacheable=False)  # sees its operands
-IMPLEMENTATIONS[federated_map_p] = _map_impl
+_lowering.IMPLEMENTATIONS[federated_map_p] = _map_impl
 ad.primitive_jvps[federated_map_p] = _map_jvp
 ad.primitive_transposes[federated_map_p] = _map_transpose
 pe.custom_partial_eval_rules[federated_map_p] = _map_partial_eval
@@ -622,12 +558,12 @@ def _decode_sum_abstract_eval(*avals, jaxpr, clients, name, axis, mesh):
 def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
     del name
     args = [_local.place_leading(a, axis, mesh) for a in args]
-    decoded = jax.vmap(partial(_eval_implemented, jaxpr), axis_size=clients)(*args)
+    decoded = jax.vmap(partial(_lowering.eval_implemented, jaxpr), axis_size=clients)(*args)
     return [jnp.sum(d, axis=0, dtype=d.dtype) for d in decoded]
 
 
 federated_decode_sum_p.def_abstract_eval(_decode_sum_abstract_eval)
-_register_impl_and_lowering(federated_decode_sum_p, _decode_sum_impl)
+_lowering.register_impl_and_lowering(federated_decode_sum_p, _decode_sum_impl)
 
 FEDERATED_PRIMITIVES = (
     federated_broadcast_p,

@@ -99,7 +99,8 @@ def test_weighted_means_and_dtypes_match_drjax():
 def nested(drjax):
     @drjax.program(placements={"workers": 2})
     def inner(m, x):
-        return drjax.reduce_mean(drjax.map_fn(lambda a, b: jnp.tanh(a * b), (drjax.broadcast(m), x)))
+        mapped = drjax.map_fn(lambda a, b: jnp.tanh(a * b), (drjax.broadcast(m), x))
+        return drjax.reduce_mean(mapped)
 
     @drjax.program(placements={"clients": 3})
     def outer(m, x):

@@ -22,9 +22,12 @@ SCRIPT = textwrap.dedent(r"""
     def shards(a):
         return sorted({tuple(s.data.shape) for s in a.addressable_shards})
     def specs(tree):
-        return jax.tree.map(lambda a: str(tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))), tree)
+        def padded(a):
+            return str(tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec)))
+        return jax.tree.map(padded, tree)
     def collectives(text):
-        return {k: len(re.findall(rf"\b{k}(?:-start)?\(", text)) for k in ("all-gather", "all-reduce")}
+        return {k: len(re.findall(rf"\b{k}(?:-start)?\(", text))
+                for k in ("all-gather", "all-reduce")}
 
     # 2x2 (clients, data): a [10] array sharded over data, broadcast to 100 clients.
     N = 100
@@ -51,7 +54,8 @@ SCRIPT = textwrap.dedent(r"""
     ref_grad = jax.grad(loss, argnums=(0, 1))(x_np, xc_np)
     for kind in ("auto", "explicit"):
         t = AxisType.Auto if kind == "auto" else AxisType.Explicit
-        mesh = jax.make_mesh((2, 2), ("clients", "data"), axis_types=(t, t), devices=jax.devices()[:4])
+        mesh = jax.make_mesh((2, 2), ("clients", "data"), axis_types=(t, t),
+                             devices=jax.devices()[:4])
         x = jax.device_put(x_np, NamedSharding(mesh, P("data")))
         xc = jax.device_put(xc_np, NamedSharding(mesh, P("clients", "data")))
         w = jax.device_put(w_np, NamedSharding(mesh, P("clients")))
@@ -113,7 +117,8 @@ SCRIPT = textwrap.dedent(r"""
     r["jit_program_specs"] = specs(run(p, xs))
     emesh = jax.make_mesh((2, 4), ("clients", "model"))  # Explicit axes, jax's default
     ep = {k: jax.device_put(v, NamedSharding(emesh, P())) for k, v in p_np.items()}
-    r["explicit_jit_program"] = specs(fb.jit_program(fed_round, emesh, ("server", "clients"))(ep, xs_np))
+    explicit_run = fb.jit_program(fed_round, emesh, ("server", "clients"))
+    r["explicit_jit_program"] = specs(explicit_run(ep, xs_np))
     out["2x4"] = r
 """) + textwrap.dedent(r"""
     # mesh= on the primitives, without any ambient mesh.
@@ -133,10 +138,12 @@ SCRIPT = textwrap.dedent(r"""
     @fb.program(clients=4)
     def with_shard_map(w):
         return fb.federated_map_clients(colsum, fb.federated_broadcast(w))
-    wm = jax.device_put(np.arange(32, dtype=np.float32).reshape(4, 8), NamedSharding(mesh, P(None, "model")))
+    wm = jax.device_put(np.arange(32, dtype=np.float32).reshape(4, 8),
+                        NamedSharding(mesh, P(None, "model")))
     with fb.clients_mesh(mesh):
         sm = jax.jit(with_shard_map)(wm)
-    out["shard_map"] = {"shards": shards(sm), "ok": bool(np.allclose(sm, np.tile(np.asarray(wm).sum(1), (4, 1))))}
+    expect = np.tile(np.asarray(wm).sum(1), (4, 1))
+    out["shard_map"] = {"shards": shards(sm), "ok": bool(np.allclose(sm, expect))}
 
     # Nested placements: 4 clients each holding 2 workers, on a (clients, workers, model) mesh.
     @fb.program(placements={"workers": 2})
@@ -145,7 +152,8 @@ SCRIPT = textwrap.dedent(r"""
     @fb.program(clients=4)
     def outer(v, x):
         return fb.federated_map_clients(inner, (fb.federated_broadcast(v), x))
-    mesh3 = jax.make_mesh((2, 2, 2), ("clients", "workers", "model"), axis_types=(AxisType.Auto,) * 3)
+    mesh3 = jax.make_mesh((2, 2, 2), ("clients", "workers", "model"),
+                          axis_types=(AxisType.Auto,) * 3)
     xv = np.arange(4 * 2 * 6, dtype=np.float32).reshape(4, 2, 6)
     with fb.clients_mesh(mesh3):
         nested = jax.jit(outer)(np.ones(6, np.float32), xv)
