@@ -4,7 +4,8 @@
 
 Rounds: the quickstart's `fedavg_round`, every target of
 `examples/algorithm_rounds.py` (each algorithm in `fax_bridge.algorithms`) and DP-FedAvg
-with a fixed and an adaptive clip. Each round is
+with a fixed and an adaptive clip, and the quickstart round averaging through
+`federated_secure_mean` (secure sums in both forms). Each round is
 either refused (two trips, client state: it must be one of `EXPECTED_REFUSALS`, and the
 reason is printed) or exported in the forms' type, and then, with one TFF 0.87 process
 for all rounds (`tools/tff087/build_forms.py`):
@@ -64,7 +65,32 @@ def targets(clients: int) -> dict:
                                clip=clip)
             out[name] = (alg.next, (alg.init(params), cohort.data, cohort.mask),
                          alg.placements)
+    out.setdefault("secure_mean_round", secure_mean_round(clients))
     return out
+
+
+def secure_mean_round(clients: int):
+    """The quickstart's FedAvg round with the model change averaged through
+    `federated_secure_mean` (secure sums in both forms)."""
+    import jax
+    import jax.numpy as jnp
+
+    import fax_bridge as fb
+
+    sys.path.insert(0, str(EXAMPLES))
+    import quickstart
+
+    @fb.program(clients=clients)
+    def round_fn(params, data, keys):
+        delta, _, loss = fb.federated_map_clients(
+            quickstart.local_train, (fb.federated_broadcast(params), data))
+        mean = fb.federated_secure_mean(delta, keys, value_range=(-1.0, 1.0), bits=12)
+        new = fb.federated_map_server(lambda p, d: jax.tree.map(jnp.add, p, d), (params, mean))
+        return new, fb.federated_mean(loss)
+
+    (params, data), _ = quickstart.example_args(clients)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), clients))
+    return round_fn, (params, data, keys), ("server", "clients", "clients")
 
 
 def _flat(tree) -> list:
@@ -112,6 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", default=str(REPO / "out" / "forms"))
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="check only these rounds")
     args = parser.parse_args(argv)
 
     import jax
@@ -124,7 +151,15 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     rows, jobs, expected, inputs, failures = [], [], {}, {}, []
-    for name, (prog, prog_args, placements) in targets(args.clients).items():
+    chosen = targets(args.clients)
+    unknown = sorted(set(args.only or ()) - set(chosen))
+    if unknown:
+        print(f"forms_check: no round named {unknown}; the rounds are {sorted(chosen)}",
+              file=sys.stderr)
+        return 2
+    for name, (prog, prog_args, placements) in chosen.items():
+        if args.only and name not in args.only:
+            continue
         try:
             proto, _ = forms.round_proto(prog, *prog_args, placements=placements)
         except ExportError as e:

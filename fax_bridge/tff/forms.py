@@ -37,7 +37,7 @@ from fax_bridge import primitives as P
 from fax_bridge import tracing
 from fax_bridge.errors import ExportError
 from fax_bridge.placements import Placement
-from fax_bridge.tff import side_env
+from fax_bridge.tff import side_env, stages
 from fax_bridge.tff import xla as tff_xla
 from fax_bridge.tff.export import argument_names, export_computation
 
@@ -61,8 +61,11 @@ FORM_INTRINSICS = frozenset({
     "federated_zip_at_server", "federated_sum", "federated_mean", "federated_weighted_mean",
 })
 
-_AGGREGATES = (P.federated_sum_p, P.federated_mean_p, P.federated_weighted_mean_p,
-               P.federated_decode_sum_p)
+def _is_aggregate(prim) -> bool:
+    """A CLIENTS -> SERVER communication, as the exporter's stage planner counts them
+    (secure sums and means included)."""
+    return (prim in stages.COMMUNICATION and prim is not P.federated_broadcast_p) or \
+        prim in stages.EXTRA_AGGREGATIONS
 _FIX_TWO_TRIPS = (
     "One form has one broadcast before one aggregation. Compute the second trip's "
     "quantity at the server from this round's aggregate and carry it in the state to "
@@ -128,7 +131,7 @@ def check_round(comp: tracing.FederatedComputation) -> None:
                        if not isinstance(v, core.Literal) and v in depends), None)
         if eqn.primitive is P.federated_broadcast_p and source is not None:
             trips.append((eqn, source))
-        if eqn.primitive in _AGGREGATES and source is None:
+        if _is_aggregate(eqn.primitive) and source is None:
             source = eqn
         if source is not None:
             for v in eqn.outvars:

@@ -202,32 +202,48 @@ def count(t) -> int:
 
 def run_mrf(mrf, state: list, clients: list) -> tuple[list, list]:
     """One round of a MapReduceForm, each piece in a TF session (the order
-    `get_computation_for_map_reduce_form` composes them in)."""
+    `get_computation_for_map_reduce_form` composes them in). The secure sums are summed
+    in the clear here (their bounds are checked), as a secure aggregator would output."""
     p = {name: TensorFlowPiece(proto_of(getattr(mrf, name))) for name in MRF_PIECES}
     try:
         broadcast = p["prepare"](state)
         work_type = mrf.work.type_signature.result
         sizes = [count(e) for _, e in structure.iter_elements(work_type)]
+        bounds = [p[name]([]) for name in ("secure_sum_bitwidth", "secure_sum_max_input",
+                                            "secure_modular_sum_modulus")]
         acc = p["zero"]([])
+        secure = [None, None, None]
         for data in clients:
             out = p["work"](list(data) + list(broadcast))
-            update, rest = out[:sizes[0]], out[sizes[0]:]
-            if rest:
-                raise ValueError("the form uses secure sums, which this runner does not "
-                                 "model")
+            parts, start = [], 0
+            for size in sizes:
+                parts.append(out[start:start + size])
+                start += size
             # One accumulator per client, merged in order: both halves of the form run.
-            acc = p["merge"](acc + p["accumulate"](p["zero"]([]) + update))
+            acc = p["merge"](acc + p["accumulate"](p["zero"]([]) + parts[0]))
+            for k, values in enumerate(parts[1:]):
+                check_secure_bounds(k, values, bounds[k])
+                secure[k] = values if secure[k] is None else [
+                    a + b for a, b in zip(secure[k], values)]
         aggregate = p["report"](acc)
-        for name in ("secure_sum_bitwidth", "secure_sum_max_input",
-                     "secure_modular_sum_modulus"):
-            if p[name]([]):
-                raise ValueError(f"the form's {name} is not empty")
-        out = p["update"](list(state) + aggregate)
+        for k in range(3):
+            secure[k] = secure[k] or []
+            if k == 2:
+                secure[k] = [np.mod(v, m) for v, m in zip(secure[k], bounds[k])]
+        out = p["update"](list(state) + aggregate + [x for s in secure for x in s])
     finally:
         for piece in p.values():
             piece.close()
     n_state = count(mrf.update.type_signature.result[0])
     return out[:n_state], out[n_state:]
+
+
+def check_secure_bounds(kind: int, values: list, bounds: list) -> None:
+    """A client's secure-sum inputs lie in [0, 2**bitwidth - 1] / [0, max_input]."""
+    for v, b in zip(values, bounds):
+        top = (2 ** int(b) - 1) if kind == 0 else b
+        if kind < 2 and (np.any(v < 0) or np.any(v > top)):
+            raise ValueError(f"a secure-sum input lies outside [0, {top}]")
 
 
 # ------------------------------------------------------------------------ jobs
