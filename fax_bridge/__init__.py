@@ -32,6 +32,7 @@ from fax_bridge.tracing import FederatedComputation, trace
 from fax_bridge.secure import (
     SecureAggregationError,
     federated_secure_mean,
+    federated_secure_modular_sum,
     federated_secure_sum,
     federated_secure_sum_bitwidth,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "federated_map_server",
     "federated_mean",
     "federated_secure_mean",
+    "federated_secure_modular_sum",
     "federated_secure_sum",
     "federated_secure_sum_bitwidth",
     "federated_sum",

@@ -5,6 +5,9 @@
   the inputs, the sum is not reduced).
 - `federated_secure_sum(x, max_input)`: the same with each value in [0, max_input]
   (TFF's `federated_secure_sum`).
+- `federated_secure_modular_sum(x, modulus)`: the sum modulo `modulus` of values each
+  client first reduces modulo `modulus` (TFF's MapReduce-backend intrinsic of that name,
+  with its default `preapply_modulus`), built from the bitwidth sum.
 - `federated_secure_mean(x, keys, value_range=(lo, hi), bits=b)`: the mean of float
   values through the secure path: each client clips to [lo, hi], maps to [0, 2**b - 1]
   and rounds stochastically (its own PRNG key, `keys` one per client), the integers go
@@ -159,6 +162,41 @@ def federated_secure_sum(x, max_input: int):
     """CLIENTS -> SERVER: the sum of integer values, each in [0, max_input]."""
     op = SECURE_SUM
     return _int_sum(secure_sum_p, op, x, _bound(op, "max_input", max_input, 0, 2 ** 62))
+
+
+def federated_secure_modular_sum(x, modulus: int):
+    """CLIENTS -> SERVER: the sum of integer values modulo `modulus`.
+
+    As TFF's `federated_secure_modular_sum` with its default `preapply_modulus`, each
+    client first reduces its values modulo `modulus` (floor modulo, so negatives land in
+    range too). federated_language has no such intrinsic, so this is the composition
+    `federated_map` (reduce) -> `federated_secure_sum_bitwidth` (bitwidth of modulus - 1)
+    -> `federated_apply` (modulo), which the runtime and the fleet execute with partial
+    sums on the devices. The codes' sum must fit the dtype: clients * (modulus - 1) must
+    stay below 2**31 for int32 values (checked).
+    """
+    op = "federated_secure_modular_sum"
+    params = _api._params(op)
+    n = params["clients"]
+    modulus = _bound(op, "modulus", modulus, 1, 2 ** 31)
+    if n * (modulus - 1) >= 2 ** 31:
+        raise SecureAggregationError(
+            f"{op}: {n} clients times (modulus - 1) = {n * (modulus - 1)} does not fit "
+            "int32, so the secure sum of the reduced values could overflow; use a smaller "
+            "modulus or fewer clients per program.")
+    paths, arrays, treedef = _api._leaves_with_paths(x, op, "value")
+    _api._check_clients_leaves(op, "value", paths, arrays, n, params["axis"])
+    for path, a in zip(paths, arrays):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise PlacementError(f"{op}: value{jax.tree_util.keystr(path)} has dtype "
+                                 f"{a.dtype}; modular sums add integers.")
+    reduced = _api.federated_map_clients(
+        lambda *v: tuple(jnp.mod(a, jnp.asarray(modulus, a.dtype)) for a in v), tuple(arrays))
+    bits = max(1, (modulus - 1).bit_length())
+    totals = federated_secure_sum_bitwidth(tuple(reduced), bits)
+    out = _api.federated_map_server(
+        lambda *t: tuple(jnp.mod(a, jnp.asarray(modulus, a.dtype)) for a in t), tuple(totals))
+    return jax.tree_util.tree_unflatten(treedef, list(out))
 
 
 # --------------------------------------------------------------------------- secure mean

@@ -1,5 +1,6 @@
-"""Secure aggregation: TFF's secure-sum intrinsics, range errors on every path, the float
-secure mean's error bound, its export, fleet parity, and the closure of its derivative."""
+"""Secure aggregation: TFF's secure-sum intrinsics, the modular sum, range errors on every
+path, the float secure mean's error bound, its export, fleet parity, and the closure of
+its derivative."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ Y = np.array([1, 999, 3, 4], np.int32)
 @fb.program(clients=N)
 def int_sums(x, y):
     return fb.federated_secure_sum_bitwidth(x, 8), fb.federated_secure_sum(y, 1000)
+
+
+@fb.program(clients=N)
+def modular_sums(x, y):
+    return fb.federated_secure_modular_sum(x, 7), fb.federated_secure_modular_sum(y, 1000)
 
 
 def _keys(n, seed=0):
@@ -58,10 +64,26 @@ def test_integer_sums_locally_exported_and_on_a_fleet():
                                fleet=fleet).ok
         assert fb.check_parity(secure_round, W, D, _keys(N),
                                placements=("server", "clients", "clients"), fleet=fleet).ok
+        signed = X - 3                                   # negatives reduce into range too
+        assert fb.check_parity(modular_sums, signed, Y, placements=("clients", "clients"),
+                               fleet=fleet).ok
         bad = X.copy()
         bad[1, 0] = 256
         with pytest.raises(FleetError, match=r"outside \[0, 2\*\*8 - 1\]"):
             fleet.run(proto, bad, Y)
+
+
+def test_modular_sum_reduces_at_clients_then_sums_securely():
+    signed = X - 3
+    got = jax.jit(modular_sums)(signed, Y)
+    np.testing.assert_array_equal(got[0], np.mod(np.mod(signed, 7).sum(0), 7))
+    assert int(got[1]) == Y.sum() % 1000
+    proto = fb.export_tff(modular_sums, signed, Y, placements=("clients", "clients"))
+    rep = _block(proto).compact_representation()
+    assert "federated_secure_sum_bitwidth(<_s3,3>)" in rep          # bitwidth of 6
+    assert "federated_secure_sum_bitwidth(<_s5,10>)" in rep         # bitwidth of 999
+    with pytest.raises(fb.SecureAggregationError, match="does not fit int32"):
+        fb.program(clients=N)(lambda x: fb.federated_secure_modular_sum(x, 2 ** 30))(X)
 
 
 def test_out_of_range_values_are_refused_on_every_path():
