@@ -13,8 +13,8 @@ Streaming DiLoCo changes three things:
 - communication overlaps computation: the outer gradient of a fragment is taken, and
   workers keep training for `overlap` (tau) inner steps before the new global fragment
   arrives and is mixed in: `local = mixing * local + (1 - mixing) * global`. `mixing`
-  (alpha) defaults to 0, torchft's `fragment_update_alpha` default: the workers adopt
-  the global fragment;
+  (alpha) defaults to 0, the default of torchft's `fragment_update_alpha` and of
+  MaxText's `communication_overlapping_alpha`: the workers adopt the global fragment;
 - outer gradients travel as 4-bit E3M0 codes (`fax_bridge.algorithms.e3m0`).
 
 The communication of a sync is what a quantized all-reduce moves, as in torchft: each
@@ -161,7 +161,6 @@ def streaming_diloco(loss: C.Loss, params_example, *, clients: int, sync_every: 
     n = C.check_clients(clients)
     inner = C.check_optimizer(_default_inner() if inner_optimizer is None else inner_optimizer,
                               "inner_optimizer")
-    outer = optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)
     leaves_example, treedef = jax.tree.flatten(params_example)
     shapes = [tuple(np.shape(leaf)) for leaf in leaves_example]
     if fragments is None:
@@ -186,6 +185,7 @@ def streaming_diloco(loss: C.Loss, params_example, *, clients: int, sync_every: 
     mixing = C.check_real(mixing, "mixing (alpha)", 0.0, 1.0)
     C.check_real(outer_lr, "outer_lr", 0.0, low_open=True)
     C.check_real(outer_momentum, "outer_momentum", 0.0, 1.0, high_open=True)
+    outer = optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)
 
     def frag_leaves(tree, f):
         leaves = treedef.flatten_up_to(tree)
