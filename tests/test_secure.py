@@ -69,8 +69,12 @@ def test_integer_sums_locally_exported_and_on_a_fleet():
                                fleet=fleet).ok
         bad = X.copy()
         bad[1, 0] = 256
-        with pytest.raises(FleetError, match=r"outside \[0, 2\*\*8 - 1\]"):
+        with pytest.raises(FleetError, match=r"device .*outside \[0, 2\*\*8 - 1\]"):
             fleet.run(proto, bad, Y)
+        # federated_secure_sum too is checked by the device holding the client, which
+        # returns only its partial sum
+        with pytest.raises(FleetError, match=r"device .*outside \[0, max_input\] = \[0, 1000\]"):
+            fleet.run(proto, X, np.where(Y == 4, 1001, Y).astype(np.int32))
 
 
 def test_modular_sum_reduces_at_clients_then_sums_securely():

@@ -410,6 +410,8 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
                     "weights; give one weight per client")
         if kind == "secure_sum_bitwidth" and bitwidth is None:
             raise AggregationError("federated_secure_sum_bitwidth needs a bitwidth")
+        if kind == "secure_sum" and bitwidth is None:
+            raise AggregationError("federated_secure_sum needs a max_input")
         if self.preaggregate:
             total = self._aggregate_on_devices(value, kind, weights, bitwidth)
         else:

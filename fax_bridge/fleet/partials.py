@@ -22,6 +22,7 @@ KIND_TO_ENUM = {
     "min": pb.MIN,
     "max": pb.MAX,
     "secure_sum_bitwidth": pb.SECURE_SUM_BITWIDTH,
+    "secure_sum": pb.SECURE_SUM,
 }
 ENUM_TO_KIND = {v: k for k, v in KIND_TO_ENUM.items()}
 

@@ -13,6 +13,8 @@ Kinds (as TFF's reference semantics state them):
 - secure_sum_bitwidth: the plain sum of integer values, each of which must lie in
   [0, 2**bitwidth - 1] (bitwidth at most MAX_SECURE_BITWIDTH, one scalar overall or
   one per tensor). The bitwidth bounds the inputs; the sum is not reduced modulo.
+- secure_sum: the same with each value in [0, max_input] (passed where the bitwidth
+  goes: `bitwidth` carries the bound of either secure kind).
 
 A partial over no clients is valid (it merges as nothing); finishing one is an error.
 Every refusal raises `AggregationError`; on a fleet, one found on a device reaches the
@@ -31,8 +33,8 @@ from fax_bridge.placements import aggregate_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
 from fax_bridge.runtime.exact import ExactSum
 
-KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth")
-SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth")
+KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth", "secure_sum")
+SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
 EXTREMES = {"min": np.minimum, "max": np.maximum}
 MAX_SECURE_BITWIDTH = 62
 
@@ -91,15 +93,26 @@ def check_bitwidth(members: Sequence[LocalValue], bitwidth: Optional[LocalValue]
                     "the clients first")
 
 
-def check_max_input(members: Sequence[LocalValue], max_input: LocalValue) -> None:
-    """Raises AggregationError when a member exceeds `federated_secure_sum`'s max_input."""
+def check_max_input(members: Sequence[LocalValue], max_input: Optional[LocalValue]) -> None:
+    """Raises AggregationError unless every member's tensors are integers in
+    [0, max_input] (`federated_secure_sum`'s range; max_input an integer scalar)."""
     what = "federated_secure_sum"
+    if max_input is None:
+        raise AggregationError(f"{what} needs a max_input")
     for member in members:
         flat = leaves(member)
         for x, m in zip(flat, _bounds(max_input, len(flat), what)):
-            if x.size and int(x.max()) > int(m):
+            if m.shape != () or m.dtype.kind not in "iu" or int(m) < 0:
                 raise AggregationError(
-                    f"{what}: a client value {int(x.max())} exceeds max_input {int(m)}")
+                    f"{what}: max_input must be an integer scalar >= 0, got "
+                    f"{m.dtype}{list(m.shape)} {m}")
+            if x.dtype.kind not in "iu":
+                raise AggregationError(f"{what} sums integers, got {x.dtype}")
+            if x.size and (int(x.min()) < 0 or int(x.max()) > int(m)):
+                raise AggregationError(
+                    f"{what}: a client value lies outside [0, max_input] = [0, {int(m)}] "
+                    f"(min {int(x.min())}, max {int(x.max())}); clip the values on the "
+                    "clients first")
 
 
 def _scalar_weight(weight: LocalValue) -> np.ndarray:
@@ -118,6 +131,8 @@ def partial_of(kind: str, members: Sequence[LocalValue],
     check_kind(kind)
     if kind == "secure_sum_bitwidth":
         check_bitwidth(members, bitwidth)
+    if kind == "secure_sum":
+        check_max_input(members, bitwidth)
     if kind == "weighted_mean" and (weights is None or len(weights) != len(members)):
         raise AggregationError(
             "weighted_mean needs one weight per client; got "
@@ -200,7 +215,7 @@ def finish(partial: Partial) -> list[np.ndarray]:
     if partial.kind in EXTREMES:
         return [np.array(x) for x in partial.leaves]
     sums = [acc.result() for acc in partial.leaves]
-    if partial.kind in ("sum", "secure_sum_bitwidth"):
+    if partial.kind in ("sum", "secure_sum_bitwidth", "secure_sum"):
         return sums
     by = partial.count if partial.kind == "mean" else partial.weights.result()
     return [_divide(s, by) for s in sums]

@@ -131,9 +131,8 @@ def _aggregate(it, t, arg, uri: str):
 
 def _secure_sum(it, t, arg, uri: str):
     value, max_input = _elements(arg, 2, uri)
-    members = it.backend.get(_clients_arg(value, uri))
-    aggregation.check_max_input(members, it.local_arg(max_input, uri))
-    return aggregation.reduce("sum", members)
+    return it.backend.aggregate(_clients_arg(value, uri), "secure_sum",
+                                bitwidth=it.local_arg(max_input, uri))
 
 
 def _generic(it, t, arg, uri: str):

@@ -16,6 +16,7 @@ class Aggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MIN: _ClassVar[Aggregation]
     MAX: _ClassVar[Aggregation]
     SECURE_SUM_BITWIDTH: _ClassVar[Aggregation]
+    SECURE_SUM: _ClassVar[Aggregation]
 AGGREGATION_UNSPECIFIED: Aggregation
 SUM: Aggregation
 MEAN: Aggregation
@@ -23,6 +24,7 @@ WEIGHTED_MEAN: Aggregation
 MIN: Aggregation
 MAX: Aggregation
 SECURE_SUM_BITWIDTH: Aggregation
+SECURE_SUM: Aggregation
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
