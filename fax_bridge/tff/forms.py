@@ -61,11 +61,6 @@ FORM_INTRINSICS = frozenset({
     "federated_zip_at_server", "federated_sum", "federated_mean", "federated_weighted_mean",
 })
 
-def _is_aggregate(prim) -> bool:
-    """A CLIENTS -> SERVER communication, as the exporter's stage planner counts them
-    (secure sums and means included)."""
-    return (prim in stages.COMMUNICATION and prim is not P.federated_broadcast_p) or \
-        prim in stages.EXTRA_AGGREGATIONS
 _FIX_TWO_TRIPS = (
     "One form has one broadcast before one aggregation. Compute the second trip's "
     "quantity at the server from this round's aggregate and carry it in the state to "
@@ -97,11 +92,18 @@ def _name(eqn) -> str:
     return f"{eqn.primitive.name} at {_location(eqn)}"
 
 
+def _is_aggregate(prim) -> bool:
+    """A CLIENTS -> SERVER communication, as the exporter's stage planner counts them
+    (secure sums and means included)."""
+    return (prim in stages.COMMUNICATION and prim is not P.federated_broadcast_p) or \
+        prim in stages.EXTRA_AGGREGATIONS
+
+
 def check_round(comp: tracing.FederatedComputation) -> None:
     """Raises `ExportError` when the traced round cannot be one production form."""
     tree = jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals))))
     client_state = []
-    for i, sub in enumerate(tree):
+    for sub in tree:
         leaves = jax.tree_util.tree_leaves(sub)
         if len({comp.in_placements[j] for j in leaves}) > 1:
             client_state += [comp.in_paths[j] for j in leaves

@@ -48,8 +48,8 @@ MRF_PIECES = ("prepare", "work", "zero", "accumulate", "merge", "report",
 
 
 def _imports():
+    """Loads TF and TFF (after stdout is redirected, so their logs stay off the JSON)."""
     global np, tf, tfxla, pb, bb, ctypes_, tu, structure, ser, ts, impl, ctx, fu
-    import hashlib  # noqa: F401
     import numpy as np
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.python import xla as tfxla
