@@ -118,7 +118,7 @@ for _prim in (secure_sum_bitwidth_p, secure_sum_p):
     _prim.def_effectful_abstract_eval(
         lambda x, _k=_kind, **p: (_int_sum_abstract_eval(x, kind=_k, **p),
                                   {jax._src.debugging.debug_effect}))
-    P._register_impl_and_lowering(_prim, partial(_int_sum_impl, kind=_kind))
+    P.register_impl_and_lowering(_prim, partial(_int_sum_impl, kind=_kind))
     ad.defjvp_zero(_prim)  # integer inputs carry no tangent
     jax._src.interpreters.batching.fancy_primitive_batchers[_prim] = partial(
         _int_sum_batch, _prim)
@@ -261,7 +261,7 @@ def _secure_mean_batch(axis_data, args, dims, **params):
 
 secure_mean_p.def_abstract_eval(_secure_mean_abstract_eval)
 jax._src.interpreters.batching.fancy_primitive_batchers[secure_mean_p] = _secure_mean_batch
-P._register_impl_and_lowering(secure_mean_p, _secure_mean_impl)
+P.register_impl_and_lowering(secure_mean_p, _secure_mean_impl)
 ad.primitive_jvps[secure_mean_p] = _secure_mean_jvp
 
 
