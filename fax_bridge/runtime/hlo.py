@@ -121,6 +121,8 @@ class CustomCall:
         return f"custom call `{self.target}` (from `{self.operation}`{at})"
 
 
+# Targets XLA itself implements (sharding annotations for its partitioner), not native code.
+XLA_OWN_TARGETS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
 _FILE_LINE = re.compile(r'"([^"]+)":(\d+):\d+')
 _NAME = re.compile(r'loc\("([^"]+)"')
 
@@ -147,6 +149,8 @@ def custom_calls(module) -> list[CustomCall]:
     calls = []
     for op, location in found:
         target = _ir.StringAttr(op.attributes["call_target_name"]).value
+        if target in XLA_OWN_TARGETS:
+            continue
         names = _NAME.findall(location)
         operation = names[0].rsplit("/", 1)[-1].rstrip(":") if names else target
         where = _FILE_LINE.search(location)
