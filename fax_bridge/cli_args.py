@@ -121,7 +121,8 @@ def load_npz(path: str, flag: str = "--inputs") -> dict[str, np.ndarray]:
         raise ComputationError(f"{flag} {path}: no such file") from None
     except IsADirectoryError:
         raise ComputationError(f"{flag} {path}: is a folder, not an npz file") from None
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile,
+            NotImplementedError) as e:  # zipfile: an unknown zip version in garbage bytes
         if "Object arrays" in str(e):
             detail = "it holds object arrays, which are never unpickled"
         elif "pickle" in str(e):

@@ -193,3 +193,15 @@ def test_examples_refuse_zero_rounds_and_more_clients_than_the_data(capsys):
 def test_the_device_log_level_is_one_of_the_known_ones(capsys):
     assert cli.build_parser().parse_args(["device", "--log-level", "INFO"]).log_level == "info"
     _refused(["device", "--log-level", "loud"], "--log-level", capsys)
+
+
+def test_an_npz_claiming_an_unknown_zip_version_gives_a_named_error(tmp_path):
+    buf = io.BytesIO()
+    np.savez(buf, a=np.ones(2))
+    data = bytearray(buf.getvalue())
+    at = data.find(b"PK\x01\x02")  # central directory: 'version needed' at offset 6
+    data[at + 6:at + 8] = bytes([109, 0])
+    path = tmp_path / "odd.npz"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ComputationError, match="not a readable npz archive"):
+        cli_args.load_npz(str(path))
