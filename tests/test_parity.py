@@ -46,6 +46,23 @@ def test_parity_of_a_gradient_round_on_a_fleet(fleet):
     assert "PARITY OK" in report.table()
 
 
+@fb.program(clients=N)
+def frozen_parameter_round(params, x):
+    def client_delta(p, b):  # `frozen` never enters the loss: its delta is exactly zero
+        g = jax.grad(lambda q: jnp.mean((b @ q["w"] - 1.0) ** 2))(p)
+        return jax.tree_util.tree_map(lambda d: -0.5 * d, g)
+    deltas = fb.federated_map_clients(client_delta, (fb.federated_broadcast(params), x))
+    return jax.tree_util.tree_map(lambda v, d: v + d, params, fb.federated_mean(deltas))
+
+
+def test_parity_with_a_parameter_whose_update_is_exactly_zero(fleet):
+    params = {"w": jnp.array([0.1, 0.2, -0.3]), "frozen": jnp.array([-0.0, 2.0])}
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(N, 8, 3)), jnp.float32)
+    report = fb.check_parity(frozen_parameter_round, params, x,
+                             placements=("server", "clients"), fleet=fleet)
+    assert report.ok, report.table()
+
+
 def test_parity_of_the_quickstart_round(fleet):
     from fax_bridge.tff.cli import resolve_program
 
