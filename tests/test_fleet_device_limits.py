@@ -46,12 +46,14 @@ _METHODS = ["Health", "Load", "Broadcast", "Map", "Zip", "Aggregate", "Release",
 
 @st.composite
 def _hostile(draw):
-    kind = draw(st.sampled_from(["unauthenticated", "ids", "delay", "bytes"]))
+    kind = draw(st.sampled_from(["unauthenticated", "ids", "range", "delay", "bytes"]))
     if kind == "unauthenticated":
         token = draw(st.sampled_from([None, "", "x" * 64, _NEAR_TOKEN]))
         return kind, draw(st.sampled_from(_METHODS)), token, draw(st.integers(0, 8 * MB))
     if kind == "ids":
         return kind, "Broadcast", TOKEN, draw(st.integers(1001, 200_000))
+    if kind == "range":  # a range costs the request nothing: the cap still holds
+        return kind, "Broadcast", TOKEN, draw(st.integers(1001, 1 << 62))
     if kind == "delay":
         return kind, "Map", TOKEN, draw(st.sampled_from(
             [math.nan, math.inf, -1.0, 2.5, 1e9, -math.inf]))
@@ -81,6 +83,10 @@ def test_hostile_requests_are_refused_by_their_bound_and_the_device_keeps_servin
         request = pb.BroadcastRequest(handle=2, value=wire.to_message(np.float32(1)),
                                       client_ids=range(size))
         want = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif kind == "range":
+        request = pb.BroadcastRequest(handle=2, value=wire.to_message(np.float32(1)),
+                                      client_range=pb.ClientRange(start=7, stop=7 + size))
+        want = grpc.StatusCode.RESOURCE_EXHAUSTED
     elif kind == "delay":
         request = pb.MapRequest(computation_hash="nothing", arg=1, result=3,
                                 delay_seconds=size)
@@ -93,6 +99,26 @@ def test_hostile_requests_are_refused_by_their_bound_and_the_device_keeps_servin
         _call(stub, method, request, metadata)
     assert info.value.code() == want, info.value.details()
     assert stub.Health(pb.HealthRequest(), timeout=10, metadata=MD).status == "SERVING"
+
+
+def test_broadcast_client_ranges_are_stored_as_their_clients_or_refused(stub):
+    value = wire.to_message(np.float32(2))
+    stub.Broadcast(pb.BroadcastRequest(handle=11, value=value,
+                                       client_range=pb.ClientRange(start=3, stop=6)),
+                   timeout=10, metadata=MD)
+    got = _call(stub, "Fetch", pb.FetchRequest(handle=11), MD)
+    assert [item.client_id for m in got for item in m.values] == [3, 4, 5]
+    for bad in (pb.BroadcastRequest(handle=12, value=value,
+                                    client_range=pb.ClientRange(start=5, stop=4)),
+                pb.BroadcastRequest(handle=12, value=value,
+                                    client_range=pb.ClientRange(start=-1, stop=4)),
+                pb.BroadcastRequest(handle=12, value=value, client_ids=[0],
+                                    client_range=pb.ClientRange(start=0, stop=1))):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Broadcast(bad, timeout=10, metadata=MD)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "client_range" in info.value.details()
+    stub.Release(pb.ReleaseRequest(handles=[11]), timeout=10, metadata=MD)
 
 
 def test_an_unauthenticated_flood_is_refused_before_its_bodies_are_read():

@@ -44,8 +44,11 @@ def test_clients_values_unstack_and_stack():
     stacked = {"x": {"w": np.arange(6, dtype=F32).reshape(3, 2), "n": np.arange(3)},
                "s": 1.0}
     v = values.from_pytree(stacked, t)
-    assert isinstance(v.x, list) and len(v.x) == 3
+    assert isinstance(v.x, values.ClientRows) and len(v.x) == 3
     np.testing.assert_array_equal(v.x[1].w, [2.0, 3.0])
+    np.testing.assert_array_equal(v.x[-1].n, 2)
+    assert [int(m.n) for m in v.x] == [0, 1, 2]  # one member per client, made on access
+    assert values.check_value(v, t).x is v.x  # checked once, as a whole
     assert values.num_clients_of(v, t) == 3
     back = values.to_pytree(v, t)
     np.testing.assert_array_equal(back["x"]["w"], stacked["x"]["w"])

@@ -42,6 +42,9 @@ from fax_bridge.runtime.local_eval import content_hash
 from fax_bridge.v1 import device_pb2 as pb
 
 RELEASE_BATCH = 256
+# Clients per Put message at most: a parsed message holds a few hundred bytes per client
+# however small its values, so a message of tiny clients is cut by count, not by size.
+PUT_CLIENTS = 1024
 
 
 class GrpcClientsValue(ClientsValue):
@@ -104,7 +107,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         self._loaded: set[tuple[int, str]] = set()
         self._pending_release: list[int] = []
         self._release_lock = threading.Lock()
-        self._delays: Optional[list[float]] = None
+        self._delays: Optional[np.ndarray] = None
         self._populations: dict[int, tuple[str, int, str]] = {}
         self.wait_ready(connect_timeout_s)
 
@@ -175,7 +178,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
 
     def set_delays(self, delays: Optional[Sequence[float]]) -> None:
         """Per-client emulated delays (seconds) applied by the next map (then cleared)."""
-        self._delays = None if delays is None else [float(x) for x in delays]
+        self._delays = None if delays is None else np.asarray(delays, np.float64).reshape(-1)
 
     def collect(self) -> None:
         """Releases, on the devices, every value no longer referenced here."""
@@ -226,7 +229,8 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
             item = pb.ClientValue(client_id=i)
             wire.encode_value(as_numpy(values[i]), item.value)
             item_size = item.ByteSize()
-            if message.values and size + item_size > self.message_bytes:
+            if message.values and (size + item_size > self.message_bytes
+                                   or len(message.values) >= PUT_CLIENTS):
                 yield message
                 message = pb.PutRequest(handle=handle)
                 size = 0
@@ -318,7 +322,8 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         encoded = wire.to_message(value)
         requests = {}
         for index, clients in self._layout(num_clients, result.devices):
-            request = pb.BroadcastRequest(handle=result.handle, client_ids=clients)
+            request = pb.BroadcastRequest(handle=result.handle)
+            request.client_range.start, request.client_range.stop = clients.start, clients.stop
             request.value.CopyFrom(encoded)
             requests[index] = request
         self._parallel("Broadcast", requests)
@@ -348,7 +353,8 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         for index, clients in layout:
             delay = 0.0
             if delays is not None:
-                delay = max((delays[i] for i in clients if i < len(delays)), default=0.0)
+                mine = delays[clients.start:min(clients.stop, len(delays))]
+                delay = float(mine.max()) if mine.size else 0.0
             longest = max(longest, delay)
             requests[index] = pb.MapRequest(computation_hash=key, arg=arg.handle,
                                             result=result.handle, delay_seconds=delay,

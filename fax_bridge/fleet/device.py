@@ -274,11 +274,20 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     @_rpc
     def Broadcast(self, request, context):
-        self._check_clients(len(request.client_ids), "Broadcast")
-        self._check_room(request.value.ByteSize() + CLIENT_ID_BYTES * len(request.client_ids),
-                         "Broadcast")
+        count = len(request.client_ids)
+        if request.HasField("client_range"):
+            first, stop = request.client_range.start, request.client_range.stop
+            if count or not 0 <= first <= stop:
+                raise FleetError(
+                    f"Broadcast: client_range [{first}, {stop}) must satisfy 0 <= start <= "
+                    "stop and come without client_ids")
+            count = stop - first
+        self._check_clients(count, "Broadcast")
+        self._check_room(request.value.ByteSize() + CLIENT_ID_BYTES * count, "Broadcast")
         value = wire.decode_value(request.value)
-        self._store(request.handle, Stored(client_ids=list(request.client_ids), shared=value))
+        ids = (list(range(first, stop)) if request.HasField("client_range")
+               else list(request.client_ids))
+        self._store(request.handle, Stored(client_ids=ids, shared=value))
         return pb.BroadcastResponse()
 
     def _put_from_store(self, handle: int, reads: list) -> pb.PutResponse:

@@ -4,7 +4,8 @@
 number, so a rerun with the same seed makes the same choices. Clients that drop out or
 whose emulated delay exceeds the round deadline do not report; the round runs on the
 rest (the participants), in ascending population order. `RoundReport` records what
-happened.
+happened. Plans and reports hold their clients as `ids.ClientIds` (ranges or one array)
+and delays as `ids.ClientDelays` (one array), never as per-client Python objects.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Optional
 import numpy as np
 
 from fax_bridge.errors import ArgumentError, FleetError
+from fax_bridge.fleet.ids import ClientDelays, ClientIds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +78,11 @@ def resolve_policy(policy: Optional[RoundPolicy], fields: dict, owner: str) -> R
 class RoundPlan:
     """The clients of one round, as population indices (ascending)."""
 
-    cohort: list
-    dropped: list
-    late: list
-    participants: list
-    delays_s: dict  # population index -> emulated delay, for every cohort client
+    cohort: ClientIds
+    dropped: ClientIds
+    late: ClientIds
+    participants: ClientIds
+    delays_s: ClientDelays  # population index -> emulated delay, for every cohort client
 
 
 @dataclasses.dataclass
@@ -93,11 +95,11 @@ class RoundReport:
 
     round: int
     population: int
-    cohort: list
-    dropped: list
-    late: list
-    participants: list
-    delays_s: dict
+    cohort: ClientIds
+    dropped: ClientIds
+    late: ClientIds
+    participants: ClientIds
+    delays_s: ClientDelays
     devices: int
     preaggregate: bool
     wall_s: float = 0.0
@@ -112,7 +114,18 @@ class RoundReport:
     lost_clients: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The report as plain Python values (id sets as lists, delays as a dict)."""
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, ClientIds):
+                value = list(value)
+            elif isinstance(value, ClientDelays):
+                value = dict(zip(value.cohort, value.of(value.cohort.array()).tolist()))
+            elif isinstance(value, list):
+                value = list(value)
+            out[field.name] = value
+        return out
 
     def add_traffic(self, spent) -> None:
         """Adds the wire and compute costs of one try (a `pool.Traffic` difference)."""
@@ -138,18 +151,24 @@ def plan_round(policy: RoundPolicy, population: int, round_index: int) -> RoundP
         raise FleetError(
             f"cohort_size={size} exceeds the population of {population} clients; lower "
             "cohort_size or place more clients")
-    cohort = sorted(int(i) for i in rng.choice(population, size=size, replace=False))
+    chosen = np.sort(rng.choice(population, size=size, replace=False))
+    cohort = (ClientIds.span(0, population) if size == population else ClientIds(chosen))
+    del chosen
     drops = rng.random(size) < policy.dropout
     delays = (rng.exponential(policy.straggler_delay_s, size) if policy.straggler_delay_s > 0
-              else np.zeros(size))
-    late_mask = (delays > policy.round_deadline_s if policy.round_deadline_s is not None
+              else None)
+    late_mask = (delays > policy.round_deadline_s
+                 if policy.round_deadline_s is not None and delays is not None
                  else np.zeros(size, bool))
-    dropped = [c for c, d in zip(cohort, drops) if d]
-    late = [c for c, d, l in zip(cohort, drops, late_mask) if l and not d]
-    participants = [c for c, d, l in zip(cohort, drops, late_mask) if not d and not l]
+    if not drops.any() and not late_mask.any():  # everyone reports: share the encoding
+        participants, dropped, late = cohort, ClientIds(), ClientIds()
+    else:
+        ids = cohort.array()
+        dropped = ClientIds(ids[drops])
+        late = ClientIds(ids[late_mask & ~drops])
+        participants = ClientIds(ids[~drops & ~late_mask])
     return RoundPlan(cohort=cohort, dropped=dropped, late=late, participants=participants,
-                     delays_s={c: float(t) for c, t in zip(cohort, delays)})
-
+                     delays_s=ClientDelays(cohort, delays))
 
 def check_min_clients(policy: RoundPolicy, plan: RoundPlan, round_index: int) -> None:
     """Raises FleetError when fewer than `min_clients` clients report."""

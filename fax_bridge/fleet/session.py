@@ -20,10 +20,17 @@ import numpy as np
 from fax_bridge.errors import CheckpointError, FleetError
 from fax_bridge.fleet import checkpoint
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
+from fax_bridge.fleet.ids import ClientIds
 from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.population import PopulationRef
+
+
+def _listed(ids: list, shown: int = 20) -> str:
+    """The first `shown` ids of a list, and how many more there are."""
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return f"{sorted(ids)[:shown]}{more}"
 
 
 class FleetRounds:
@@ -128,7 +135,7 @@ class FleetRounds:
         except FleetError as e:
             rep.error = str(e)
             raise
-        participants = list(plan.participants)
+        participants = plan.participants
         while True:
             try:
                 result = self._attempt(prepared, bound, clients_given,
@@ -137,14 +144,14 @@ class FleetRounds:
                 break
             except FleetError as e:
                 lost = self._lose_unreachable_devices(participants, rep, e)
-                if not lost:
+                if not lost.size:
                     rep.error = f"{type(e).__name__}: {e}"
                     raise
-                participants = [c for c in participants if c not in lost]
+                participants = participants.without(lost)
                 if len(participants) < self.policy.min_clients:
                     rep.error = (
                         f"round {round_index}: devices {rep.lost_devices} stopped answering, "
-                        f"taking clients {sorted(rep.lost_clients)} with them; only "
+                        f"taking clients {_listed(rep.lost_clients)} with them; only "
                         f"{len(participants)} clients are left but min_clients="
                         f"{self.policy.min_clients}")
                     raise FleetError(rep.error + "; lower min_clients or restart those "
@@ -156,7 +163,7 @@ class FleetRounds:
         return (result, rep) if report else result
 
     def _attempt(self, prepared: interpreter.Prepared, bound: values.BoundArguments,
-                 clients_given: bool, participants: Optional[list], plan, rep):
+                 clients_given: bool, participants: Optional[ClientIds], plan, rep):
         """One try at the round on the current devices; adds its costs to `rep`.
 
         `participants`: the population indices taking part (None when the round has no
@@ -165,11 +172,11 @@ class FleetRounds:
         num_clients = None
         if participants is not None:
             if clients_given:
-                bound = bound.select_clients(np.asarray(participants, dtype=np.int64))
+                bound = bound.select_clients(participants.array())
             else:
                 num_clients = len(participants)
             if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
-                self.backend.set_delays([plan.delays_s[c] for c in participants])
+                self.backend.set_delays(plan.delays_s.of(participants.array()))
         before = dataclasses.replace(self.backend.traffic)
         start = time.perf_counter()
         backend = self.backend
@@ -186,25 +193,27 @@ class FleetRounds:
                 pass  # an unreachable device; the caller decides what that means
             rep.add_traffic(backend.traffic - before)
 
-    def _lose_unreachable_devices(self, participants: list, rep: RoundReport,
-                                  error: FleetError) -> set:
+    def _lose_unreachable_devices(self, participants: ClientIds, rep: RoundReport,
+                                  error: FleetError) -> np.ndarray:
         """After a failed try: drops devices that no longer answer Health.
 
         Returns the participants those devices held (empty when every device answers,
         or when this fleet does not survive device loss), after reconnecting to the
         survivors.
         """
+        none = np.zeros(0, np.int64)
         if not self.survive_device_loss or self.backend is None:
-            return set()
+            return none
         alive = self.backend.probe(self.probe_timeout_s)
         dead = [i for i, ok in enumerate(alive) if not ok]
         if not dead or len(dead) == len(alive):
-            return set()
+            return none
         blocks = partition(len(participants), len(alive))
-        lost = {participants[j] for i in dead for j in blocks[i]}
+        ids = participants.array()
+        lost = np.concatenate([ids[blocks[i].start:blocks[i].stop] for i in dead])
         gone = [self.addresses[i] for i in dead]
         rep.lost_devices.extend(gone)
-        rep.lost_clients.extend(sorted(lost))
+        rep.lost_clients.extend(sorted(lost.tolist()))
         self._reconnect([a for i, a in enumerate(self.addresses) if i not in dead])
         rep.devices = self.num_devices
         return lost

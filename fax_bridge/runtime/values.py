@@ -6,7 +6,8 @@ Conventions:
   element is named, tuples otherwise.
 - Federated values: a SERVER value is its member value; a CLIENTS value is given as a
   pytree whose leaves carry a leading clients axis (its size is the number of clients).
-  Inside the runtime a CLIENTS value is a list of per-client member values.
+  Inside the runtime a CLIENTS value is a sequence of per-client member values (a
+  `ClientRows` over the stacked arrays when it comes from a pytree).
 - npz files (the CLI's convention), one rule for inputs and results: one key per
   tensor, its dotted path through the value's struct elements (the element's name, its
   index where unnamed); a placement adds nothing to the path, so `{a, b}@SERVER` and
@@ -180,8 +181,39 @@ def unstack(stacked: LocalValue, path: str = "") -> list[LocalValue]:
     return [_map_local(lambda leaf: leaf[i], stacked) for i in range(n)]
 
 
+class ClientRows(Sequence):
+    """The members of a CLIENTS value kept stacked: client i's member is made on access.
+
+    What `from_pytree` gives for a CLIENTS pytree, so a cohort of 100,000 clients stays
+    one array per tensor (views are made one at a time as a backend reads them) rather
+    than a list of 100,000 per-client objects. `stacked` is the checked local value.
+    """
+
+    def __init__(self, stacked: LocalValue, path: str = "") -> None:
+        sizes = {int(np.shape(leaf)[0]) for leaf in leaves(stacked)}
+        if len(sizes) > 1:
+            raise ComputationError(
+                f"{_where(path)}: the leading clients axis differs between tensors "
+                f"({sorted(sizes)}); every CLIENTS tensor needs one entry per client")
+        self.stacked = stacked
+        self._n = sizes.pop() if sizes else 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._n))]
+        i = int(index)
+        if not -self._n <= i < self._n:
+            raise IndexError(f"client {index} out of range for {self._n} clients")
+        return _map_local(lambda leaf: leaf[i], self.stacked)
+
+
 def stack(values: Sequence[LocalValue], path: str = "") -> LocalValue:
     """Stacks per-client local values along a new leading clients axis."""
+    if isinstance(values, ClientRows) and len(values):
+        return values.stacked
     if not values:
         raise ComputationError(f"{_where(path)}: cannot stack a CLIENTS value of 0 clients")
     first = values[0]
@@ -200,7 +232,7 @@ def from_pytree(value: Pytree, type_: federated_language.Type, path: str = "") -
         if type_.placement is federated_language.CLIENTS:
             if isinstance(value, PopulationRef):
                 return value  # read where the clients run (backend.put_from_store)
-            return unstack(to_local(value, type_.member, path, lead=1), path)
+            return ClientRows(to_local(value, type_.member, path, lead=1), path)
         if isinstance(value, PopulationRef):
             raise ComputationError(
                 f"{_where(path)}: a PopulationRef can only stand for a CLIENTS value, not "
@@ -257,8 +289,8 @@ def check_value(value: Any, type_: federated_language.Type, path: str = "",
     """
     if isinstance(type_, federated_language.FederatedType):
         if type_.placement is federated_language.CLIENTS:
-            if isinstance(value, ClientsValue):
-                return value
+            if isinstance(value, (ClientsValue, ClientRows)):
+                return value  # ClientRows: checked as a whole when it was made
             if isinstance(value, PopulationRef):
                 if type_.all_equal:
                     raise ComputationError(

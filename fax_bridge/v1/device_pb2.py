@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61x_bridge/v1/device.proto\x12\rfax_bridge.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"a\n\x05Value\x12\'\n\x06tensor\x18\x01 \x01(\x0b\x32\x15.fax_bridge.v1.TensorH\x00\x12\'\n\x06struct\x18\x02 \x01(\x0b\x32\x15.fax_bridge.v1.StructH\x00\x42\x06\n\x04kind\"2\n\x06Struct\x12(\n\x08\x65lements\x18\x01 \x03(\x0b\x32\x16.fax_bridge.v1.Element\"J\n\x07\x45lement\x12\x11\n\x04name\x18\x01 \x01(\tH\x00\x88\x01\x01\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.fax_bridge.v1.ValueB\x07\n\x05_name\"E\n\x0b\x43lientValue\x12\x11\n\tclient_id\x18\x01 \x01(\x03\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.fax_bridge.v1.Value\"\x0f\n\rHealthRequest\"\xe6\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x10\n\x08protocol\x18\x04 \x01(\t\x12\x13\n\x0bnum_handles\x18\x05 \x01(\x03\x12\x18\n\x10num_computations\x18\x06 \x01(\x03\x12\x13\n\x0bnum_clients\x18\x07 \x01(\x03\x12\x17\n\x0fpopulation_name\x18\x08 \x01(\t\x12\x1a\n\x12population_clients\x18\t \x01(\x03\x12\x19\n\x11population_digest\x18\n \x01(\t\"<\n\x0bLoadRequest\x12\x18\n\x10\x63omputation_hash\x18\x01 \x01(\t\x12\x13\n\x0b\x63omputation\x18\x02 \x01(\x0c\"&\n\x0cLoadResponse\x12\x16\n\x0e\x61lready_loaded\x18\x01 \x01(\x08\"v\n\nPutRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12*\n\x06values\x18\x02 \x03(\x0b\x32\x1a.fax_bridge.v1.ClientValue\x12,\n\nfrom_store\x18\x03 \x01(\x0b\x32\x18.fax_bridge.v1.StoreRead\"*\n\x0b\x43lientRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"\x9c\x01\n\tStoreRead\x12\x12\n\npopulation\x18\x01 \x01(\t\x12\x14\n\x0c\x66irst_client\x18\x02 \x01(\x03\x12\x16\n\x0epopulation_ids\x18\x03 \x03(\x03\x12*\n\x06ranges\x18\x04 \x03(\x0b\x32\x1a.fax_bridge.v1.ClientRange\x12\x13\n\x0bmember_type\x18\x05 \x01(\x0c\x12\x0c\n\x04keys\x18\x06 \x03(\t\"\"\n\x0bPutResponse\x12\x13\n\x0bnum_clients\x18\x01 \x01(\x03\"[\n\x10\x42roadcastRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.fax_bridge.v1.Value\x12\x12\n\nclient_ids\x18\x03 \x03(\x03\"\x13\n\x11\x42roadcastResponse\"o\n\nMapRequest\x12\x18\n\x10\x63omputation_hash\x18\x01 \x01(\t\x12\x0b\n\x03\x61rg\x18\x02 \x01(\x04\x12\x0e\n\x06result\x18\x03 \x01(\x04\x12\x15\n\rdelay_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bno_argument\x18\x05 \x01(\x08\";\n\x0bMapResponse\x12\x13\n\x0bnum_clients\x18\x01 \x01(\x03\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\"6\n\x08ZipField\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x11\n\x04name\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"E\n\nZipRequest\x12\'\n\x06\x66ields\x18\x01 \x03(\x0b\x32\x17.fax_bridge.v1.ZipField\x12\x0e\n\x06result\x18\x02 \x01(\x04\"\"\n\x0bZipResponse\x12\x13\n\x0bnum_clients\x18\x01 \x01(\x03\"\x9b\x01\n\x0bLeafPartial\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x11\n\tbase_limb\x18\x03 \x01(\x03\x12\x11\n\tnum_limbs\x18\x04 \x01(\x03\x12\r\n\x05limbs\x18\x05 \x01(\x0c\x12&\n\x07\x65xtreme\x18\x06 \x01(\x0b\x32\x15.fax_bridge.v1.Tensor\x12\x11\n\tnonfinite\x18\x07 \x01(\x0c\"\x84\x01\n\x10\x41ggregateRequest\x12\r\n\x05value\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.fax_bridge.v1.Aggregation\x12\x0f\n\x07weights\x18\x03 \x01(\x04\x12&\n\x08\x62itwidth\x18\x04 \x01(\x0b\x32\x14.fax_bridge.v1.Value\"\x87\x01\n\x11\x41ggregateResponse\x12*\n\x06leaves\x18\x01 \x03(\x0b\x32\x1a.fax_bridge.v1.LeafPartial\x12\x31\n\rweight_leaves\x18\x02 \x03(\x0b\x32\x1a.fax_bridge.v1.LeafPartial\x12\x13\n\x0bnum_clients\x18\x03 \x01(\x03\"9\n\x0c\x46\x65tchRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x02 \x01(\x03\";\n\rFetchResponse\x12*\n\x06values\x18\x01 \x03(\x0b\x32\x1a.fax_bridge.v1.ClientValue\"!\n\x0eReleaseRequest\x12\x0f\n\x07handles\x18\x01 \x03(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x03*\x8b\x01\n\x0b\x41ggregation\x12\x1b\n\x17\x41GGREGATION_UNSPECIFIED\x10\x00\x12\x07\n\x03SUM\x10\x01\x12\x08\n\x04MEAN\x10\x02\x12\x11\n\rWEIGHTED_MEAN\x10\x03\x12\x07\n\x03MIN\x10\x04\x12\x07\n\x03MAX\x10\x05\x12\x17\n\x13SECURE_SUM_BITWIDTH\x10\x06\x12\x0e\n\nSECURE_SUM\x10\x07\x32\xfc\x04\n\x06\x44\x65vice\x12\x45\n\x06Health\x12\x1c.fax_bridge.v1.HealthRequest\x1a\x1d.fax_bridge.v1.HealthResponse\x12?\n\x04Load\x12\x1a.fax_bridge.v1.LoadRequest\x1a\x1b.fax_bridge.v1.LoadResponse\x12>\n\x03Put\x12\x19.fax_bridge.v1.PutRequest\x1a\x1a.fax_bridge.v1.PutResponse(\x01\x12N\n\tBroadcast\x12\x1f.fax_bridge.v1.BroadcastRequest\x1a .fax_bridge.v1.BroadcastResponse\x12<\n\x03Map\x12\x19.fax_bridge.v1.MapRequest\x1a\x1a.fax_bridge.v1.MapResponse\x12<\n\x03Zip\x12\x19.fax_bridge.v1.ZipRequest\x1a\x1a.fax_bridge.v1.ZipResponse\x12N\n\tAggregate\x12\x1f.fax_bridge.v1.AggregateRequest\x1a .fax_bridge.v1.AggregateResponse\x12\x44\n\x05\x46\x65tch\x12\x1b.fax_bridge.v1.FetchRequest\x1a\x1c.fax_bridge.v1.FetchResponse0\x01\x12H\n\x07Release\x12\x1d.fax_bridge.v1.ReleaseRequest\x1a\x1e.fax_bridge.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x61x_bridge/v1/device.proto\x12\rfax_bridge.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"a\n\x05Value\x12\'\n\x06tensor\x18\x01 \x01(\x0b\x32\x15.fax_bridge.v1.TensorH\x00\x12\'\n\x06struct\x18\x02 \x01(\x0b\x32\x15.fax_bridge.v1.StructH\x00\x42\x06\n\x04kind\"2\n\x06Struct\x12(\n\x08\x65lements\x18\x01 \x03(\x0b\x32\x16.fax_bridge.v1.Element\"J\n\x07\x45lement\x12\x11\n\x04name\x18\x01 \x01(\tH\x00\x88\x01\x01\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.fax_bridge.v1.ValueB\x07\n\x05_name\"E\n\x0b\x43lientValue\x12\x11\n\tclient_id\x18\x01 \x01(\x03\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.fax_bridge.v1.Value\"\x0f\n\rHealthRequest\"\xe6\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x10\n\x08protocol\x18\x04 \x01(\t\x12\x13\n\x0bnum_handles\x18\x05 \x01(\x03\x12\x18\n\x10num_computations\x18\x06 \x01(\x03\x12\x13\n\x0bnum_clients\x18\x07 \x01(\x03\x12\x17\n\x0fpopulation_name\x18\x08 \x01(\t\x12\x1a\n\x12population_clients\x18\t \x01(\x03\x12\x19\n\x11population_digest\x18\n \x01(\t\"<\n\x0bLoadRequest\x12\x18\n\x10\x63omputation_hash\x18\x01 \x01(\t\x12\x13\n\x0b\x63omputation\x18\x02 \x01(\x0c\"&\n\x0cLoadResponse\x12\x16\n\x0e\x61lready_loaded\x18\x01 \x01(\x08\"v\n\nPutRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12*\n\x06values\x18\x02 \x03(\x0b\x32\x1a.fax_bridge.v1.ClientValue\x12,\n\nfrom_store\x18\x03 \x01(\x0b\x32\x18.fax_bridge.v1.StoreRead\"*\n\x0b\x43lientRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"\x9c\x01\n\tStoreRead\x12\x12\n\npopulation\x18\x01 \x01(\t\x12\x14\n\x0c\x66irst_client\x18\x02 \x01(\x03\x12\x16\n\x0epopulation_ids\x18\x03 \x03(\x03\x12*\n\x06ranges\x18\x04 \x03(\x0b\x32\x1a.fax_bridge.v1.ClientRange\x12\x13\n\x0bmember_type\x18\x05 \x01(\x0c\x12\x0c\n\x04keys\x18\x06 \x03(\t\"\"\n\x0bPutResponse\x12\x13\n\x0bnum_clients\x18\x01 \x01(\x03\"\x8d\x01\n\x10\x42roadcastRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.fax_bridge.v1.Value\x12\x12\n\nclient_ids\x18\x03 \x03(\x03\x12\x30\n\x0c\x63lient_range\x18\x04 \x01(\x0b\x32\x1a.fax_bridge.v1.ClientRange\"\x13\n\x11\x42roadcastResponse\"o\n\nMapRequest\x12\x18\n\x10\x63omputation_hash\x18\x01 \x01(\t\x12\x0b\n\x03\x61rg\x18\x02 \x01(\x04\x12\x0e\n\x06result\x18\x03 \x01(\x04\x12\x15\n\rdelay_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bno_argument\x18\x05 \x01(\x08\";\n\x0bMapResponse\x12\x13\n\x0bnum_clients\x18\x01 \x01(\x03\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\"6\n\x08ZipField\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x11\n\x04name\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"E\n\nZipRequest\x12\'\n\x06\x66ields\x18\x01 \x03(\x0b\x32\x17.fax_bridge.v1.ZipField\x12\x0e\n\x06result\x18\x02 \x01(\x04\"\"\n\x0bZipResponse\x12\x13\n\x0bnum_clients\x18\x01 \x01(\x03\"\x9b\x01\n\x0bLeafPartial\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x11\n\tbase_limb\x18\x03 \x01(\x03\x12\x11\n\tnum_limbs\x18\x04 \x01(\x03\x12\r\n\x05limbs\x18\x05 \x01(\x0c\x12&\n\x07\x65xtreme\x18\x06 \x01(\x0b\x32\x15.fax_bridge.v1.Tensor\x12\x11\n\tnonfinite\x18\x07 \x01(\x0c\"\x84\x01\n\x10\x41ggregateRequest\x12\r\n\x05value\x18\x01 \x01(\x04\x12(\n\x04kind\x18\x02 \x01(\x0e\x32\x1a.fax_bridge.v1.Aggregation\x12\x0f\n\x07weights\x18\x03 \x01(\x04\x12&\n\x08\x62itwidth\x18\x04 \x01(\x0b\x32\x14.fax_bridge.v1.Value\"\x87\x01\n\x11\x41ggregateResponse\x12*\n\x06leaves\x18\x01 \x03(\x0b\x32\x1a.fax_bridge.v1.LeafPartial\x12\x31\n\rweight_leaves\x18\x02 \x03(\x0b\x32\x1a.fax_bridge.v1.LeafPartial\x12\x13\n\x0bnum_clients\x18\x03 \x01(\x03\"9\n\x0c\x46\x65tchRequest\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x02 \x01(\x03\";\n\rFetchResponse\x12*\n\x06values\x18\x01 \x03(\x0b\x32\x1a.fax_bridge.v1.ClientValue\"!\n\x0eReleaseRequest\x12\x0f\n\x07handles\x18\x01 \x03(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x03*\x8b\x01\n\x0b\x41ggregation\x12\x1b\n\x17\x41GGREGATION_UNSPECIFIED\x10\x00\x12\x07\n\x03SUM\x10\x01\x12\x08\n\x04MEAN\x10\x02\x12\x11\n\rWEIGHTED_MEAN\x10\x03\x12\x07\n\x03MIN\x10\x04\x12\x07\n\x03MAX\x10\x05\x12\x17\n\x13SECURE_SUM_BITWIDTH\x10\x06\x12\x0e\n\nSECURE_SUM\x10\x07\x32\xfc\x04\n\x06\x44\x65vice\x12\x45\n\x06Health\x12\x1c.fax_bridge.v1.HealthRequest\x1a\x1d.fax_bridge.v1.HealthResponse\x12?\n\x04Load\x12\x1a.fax_bridge.v1.LoadRequest\x1a\x1b.fax_bridge.v1.LoadResponse\x12>\n\x03Put\x12\x19.fax_bridge.v1.PutRequest\x1a\x1a.fax_bridge.v1.PutResponse(\x01\x12N\n\tBroadcast\x12\x1f.fax_bridge.v1.BroadcastRequest\x1a .fax_bridge.v1.BroadcastResponse\x12<\n\x03Map\x12\x19.fax_bridge.v1.MapRequest\x1a\x1a.fax_bridge.v1.MapResponse\x12<\n\x03Zip\x12\x19.fax_bridge.v1.ZipRequest\x1a\x1a.fax_bridge.v1.ZipResponse\x12N\n\tAggregate\x12\x1f.fax_bridge.v1.AggregateRequest\x1a .fax_bridge.v1.AggregateResponse\x12\x44\n\x05\x46\x65tch\x12\x1b.fax_bridge.v1.FetchRequest\x1a\x1c.fax_bridge.v1.FetchResponse0\x01\x12H\n\x07Release\x12\x1d.fax_bridge.v1.ReleaseRequest\x1a\x1e.fax_bridge.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fax_bridge.v1.device_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AGGREGATION']._serialized_start=2183
-  _globals['_AGGREGATION']._serialized_end=2322
+  _globals['_AGGREGATION']._serialized_start=2234
+  _globals['_AGGREGATION']._serialized_end=2373
   _globals['_TENSOR']._serialized_start=45
   _globals['_TENSOR']._serialized_end=97
   _globals['_VALUE']._serialized_start=99
@@ -59,34 +59,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOREREAD']._serialized_end=1070
   _globals['_PUTRESPONSE']._serialized_start=1072
   _globals['_PUTRESPONSE']._serialized_end=1106
-  _globals['_BROADCASTREQUEST']._serialized_start=1108
-  _globals['_BROADCASTREQUEST']._serialized_end=1199
-  _globals['_BROADCASTRESPONSE']._serialized_start=1201
-  _globals['_BROADCASTRESPONSE']._serialized_end=1220
-  _globals['_MAPREQUEST']._serialized_start=1222
-  _globals['_MAPREQUEST']._serialized_end=1333
-  _globals['_MAPRESPONSE']._serialized_start=1335
-  _globals['_MAPRESPONSE']._serialized_end=1394
-  _globals['_ZIPFIELD']._serialized_start=1396
-  _globals['_ZIPFIELD']._serialized_end=1450
-  _globals['_ZIPREQUEST']._serialized_start=1452
-  _globals['_ZIPREQUEST']._serialized_end=1521
-  _globals['_ZIPRESPONSE']._serialized_start=1523
-  _globals['_ZIPRESPONSE']._serialized_end=1557
-  _globals['_LEAFPARTIAL']._serialized_start=1560
-  _globals['_LEAFPARTIAL']._serialized_end=1715
-  _globals['_AGGREGATEREQUEST']._serialized_start=1718
-  _globals['_AGGREGATEREQUEST']._serialized_end=1850
-  _globals['_AGGREGATERESPONSE']._serialized_start=1853
-  _globals['_AGGREGATERESPONSE']._serialized_end=1988
-  _globals['_FETCHREQUEST']._serialized_start=1990
-  _globals['_FETCHREQUEST']._serialized_end=2047
-  _globals['_FETCHRESPONSE']._serialized_start=2049
-  _globals['_FETCHRESPONSE']._serialized_end=2108
-  _globals['_RELEASEREQUEST']._serialized_start=2110
-  _globals['_RELEASEREQUEST']._serialized_end=2143
-  _globals['_RELEASERESPONSE']._serialized_start=2145
-  _globals['_RELEASERESPONSE']._serialized_end=2180
-  _globals['_DEVICE']._serialized_start=2325
-  _globals['_DEVICE']._serialized_end=2961
+  _globals['_BROADCASTREQUEST']._serialized_start=1109
+  _globals['_BROADCASTREQUEST']._serialized_end=1250
+  _globals['_BROADCASTRESPONSE']._serialized_start=1252
+  _globals['_BROADCASTRESPONSE']._serialized_end=1271
+  _globals['_MAPREQUEST']._serialized_start=1273
+  _globals['_MAPREQUEST']._serialized_end=1384
+  _globals['_MAPRESPONSE']._serialized_start=1386
+  _globals['_MAPRESPONSE']._serialized_end=1445
+  _globals['_ZIPFIELD']._serialized_start=1447
+  _globals['_ZIPFIELD']._serialized_end=1501
+  _globals['_ZIPREQUEST']._serialized_start=1503
+  _globals['_ZIPREQUEST']._serialized_end=1572
+  _globals['_ZIPRESPONSE']._serialized_start=1574
+  _globals['_ZIPRESPONSE']._serialized_end=1608
+  _globals['_LEAFPARTIAL']._serialized_start=1611
+  _globals['_LEAFPARTIAL']._serialized_end=1766
+  _globals['_AGGREGATEREQUEST']._serialized_start=1769
+  _globals['_AGGREGATEREQUEST']._serialized_end=1901
+  _globals['_AGGREGATERESPONSE']._serialized_start=1904
+  _globals['_AGGREGATERESPONSE']._serialized_end=2039
+  _globals['_FETCHREQUEST']._serialized_start=2041
+  _globals['_FETCHREQUEST']._serialized_end=2098
+  _globals['_FETCHRESPONSE']._serialized_start=2100
+  _globals['_FETCHRESPONSE']._serialized_end=2159
+  _globals['_RELEASEREQUEST']._serialized_start=2161
+  _globals['_RELEASEREQUEST']._serialized_end=2194
+  _globals['_RELEASERESPONSE']._serialized_start=2196
+  _globals['_RELEASERESPONSE']._serialized_end=2231
+  _globals['_DEVICE']._serialized_start=2376
+  _globals['_DEVICE']._serialized_end=3012
 # @@protoc_insertion_point(module_scope)

@@ -149,14 +149,16 @@ class PutResponse(_message.Message):
     def __init__(self, num_clients: _Optional[int] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
-    __slots__ = ("handle", "value", "client_ids")
+    __slots__ = ("handle", "value", "client_ids", "client_range")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_RANGE_FIELD_NUMBER: _ClassVar[int]
     handle: int
     value: Value
     client_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[int] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., client_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    client_range: ClientRange
+    def __init__(self, handle: _Optional[int] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., client_ids: _Optional[_Iterable[int]] = ..., client_range: _Optional[_Union[ClientRange, _Mapping]] = ...) -> None: ...
 
 class BroadcastResponse(_message.Message):
     __slots__ = ()
