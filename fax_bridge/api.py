@@ -31,7 +31,7 @@ import numpy as np
 
 from fax_bridge import local as _local
 from fax_bridge import primitives as P
-from fax_bridge.errors import PlacementError
+from fax_bridge.errors import ArgumentError, PlacementError
 from fax_bridge.placements import aggregate_refusal
 
 # The enclosing programs, outermost first: (placement name, number of members).
@@ -299,7 +299,7 @@ def federated_decode_sum(decode: Callable, value):
     op = "federated_decode_sum"
     params = _params(op)
     if not callable(decode):
-        raise TypeError(f"{op}: the first argument must be a function, got "
+        raise ArgumentError(f"{op}: the first argument must be a function, got "
                         f"{type(decode).__name__}.")
     unpack = isinstance(value, tuple)
     paths, arrays, treedef = _leaves_with_paths(value, op, "value")
@@ -323,7 +323,8 @@ def _federated_map(fn: Callable, arg, placement: str, op: str, mesh=None):
     if placement != P.CLIENTS:
         params["mesh"] = None
     if not callable(fn):
-        raise TypeError(f"{op}: the first argument must be a function, got {type(fn).__name__}.")
+        raise ArgumentError(
+            f"{op}: the first argument must be a function, got {type(fn).__name__}.")
     unpack = isinstance(arg, tuple)
     paths, arrays, treedef = _leaves_with_paths(arg, op, "arg")
     if placement == P.CLIENTS:

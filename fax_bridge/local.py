@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from fax_bridge.errors import PlacementError
+from fax_bridge.errors import ArgumentError, MeshError, PlacementError
 
 CLIENTS_AXIS = "clients"
 
@@ -32,9 +32,9 @@ _MESH: contextvars.ContextVar[Optional[Mesh]] = contextvars.ContextVar(
 
 def _check_mesh(mesh: Mesh, axis: str = CLIENTS_AXIS) -> Mesh:
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}.")
+        raise ArgumentError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if axis not in mesh.axis_names:
-        raise ValueError(
+        raise MeshError(
             f"the mesh has axes {mesh.axis_names} but no {axis!r} axis; build it as "
             f"jax.make_mesh((jax.device_count(),), ({axis!r},)).")
     return mesh
@@ -48,7 +48,7 @@ def clients_mesh(mesh: Mesh) -> Iterator[Mesh]:
     `jit_program` does, so the types carry its shardings.
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}.")
+        raise ArgumentError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}.")
     token = _MESH.set(mesh)
     try:
         yield mesh
