@@ -27,7 +27,8 @@ from fax_bridge.errors import (
 )
 from fax_bridge.local import clients_mesh, jit_program, to_hlo
 from fax_bridge.placements import Placement
-from fax_bridge.tff.export import export_tff, load_computation, save_computation
+from fax_bridge.tff.export import export_tff
+from fax_bridge.tff.files import load_computation, save_computation
 from fax_bridge.tracing import FederatedComputation, trace
 from fax_bridge.secure import (
     SecureAggregationError,

@@ -201,7 +201,7 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
 
     # `fax-bridge run --fleet-file`: the same round from files.
     from fax_bridge.fleet.run_cli import run_file
-    from fax_bridge.tff.export import save_computation
+    from fax_bridge.tff.files import save_computation
 
     save_computation(proto, tmp_path / "comp.pb")
     np.savez(tmp_path / "in.npz", x=x, s=s)

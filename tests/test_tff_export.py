@@ -258,17 +258,6 @@ def test_federated_ops_in_control_flow_are_an_export_error():
         fb.export_tff(rounds, W, jnp.ones((N, 3)), placements=("server", "clients"))
 
 
-def test_save_and_load(tmp_path):
-    proto = fb.export_tff(fedavg_step, W, X, placements=("server", "clients"))
-    path = tmp_path / "round.pb"
-    fb.save_computation(proto, path)
-    again = fb.load_computation(path)
-    assert again == proto
-    (tmp_path / "junk.pb").write_bytes(b"\xff\x00garbage")
-    with pytest.raises(fb.ExportError, match="junk.pb"):
-        fb.load_computation(tmp_path / "junk.pb")
-
-
 def test_pytree_communication_is_one_intrinsic_per_struct():
     @fb.program(clients=N)
     def f(params, x):

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from fax_bridge.tff.cli import export_spec, load_target
-    from fax_bridge.tff.export import save_computation
+    from fax_bridge.tff.files import save_computation
 
     os.makedirs(args.out, exist_ok=True)
     written = 0

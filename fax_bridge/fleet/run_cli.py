@@ -30,7 +30,7 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
     """
     from fax_bridge.fleet.launcher import LocalFleet
     from fax_bridge.runtime import interpreter, values
-    from fax_bridge.tff.export import load_computation
+    from fax_bridge.tff.files import load_computation
 
     prepared = interpreter.prepare(load_computation(comp_path))
     param = prepared.parameter

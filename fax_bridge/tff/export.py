@@ -37,7 +37,7 @@ from jax._src import core
 
 from fax_bridge import primitives as P
 from fax_bridge import tracing
-from fax_bridge.errors import ArgumentError, ExportError
+from fax_bridge.errors import ExportError
 from fax_bridge.placements import Placement
 from fax_bridge.tff import stages
 from fax_bridge.tff import types as tff_types
@@ -579,25 +579,3 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
             "per-client function.") from e
     return export_computation(comp, names, round_form)
 
-
-def save_computation(proto: computation_pb2.Computation, path) -> None:
-    """Writes the serialized proto bytes (the wire format TFF reads) to `path`."""
-    if not isinstance(proto, computation_pb2.Computation):
-        raise ArgumentError(f"expected a federated_language Computation proto, got "
-                        f"{type(proto).__name__}.")
-    with open(path, "wb") as f:
-        f.write(proto.SerializeToString())
-
-
-def load_computation(path) -> computation_pb2.Computation:
-    """Reads a serialized `Computation` proto written by `save_computation` or by TFF."""
-    with open(path, "rb") as f:
-        data = f.read()
-    proto = computation_pb2.Computation()
-    try:
-        proto.ParseFromString(data)
-    except DecodeError as e:
-        raise ExportError(f"{path} is not a serialized Computation proto: {e}") from e
-    if proto.WhichOneof("computation") is None:
-        raise ExportError(f"{path} holds no computation (empty or not a Computation proto).")
-    return proto

@@ -1,0 +1,31 @@
+"""Computation protos on disk: the serialized bytes TFF reads and writes, nothing more."""
+
+from __future__ import annotations
+
+from federated_language.proto import computation_pb2
+from google.protobuf.message import DecodeError
+
+from fax_bridge.errors import ArgumentError, ExportError
+
+
+def save_computation(proto: computation_pb2.Computation, path) -> None:
+    """Writes the serialized proto bytes (the wire format TFF reads) to `path`."""
+    if not isinstance(proto, computation_pb2.Computation):
+        raise ArgumentError(f"expected a federated_language Computation proto, got "
+                            f"{type(proto).__name__}.")
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+
+
+def load_computation(path) -> computation_pb2.Computation:
+    """Reads a serialized `Computation` proto written by `save_computation` or by TFF."""
+    with open(path, "rb") as f:
+        data = f.read()
+    proto = computation_pb2.Computation()
+    try:
+        proto.ParseFromString(data)
+    except DecodeError as e:
+        raise ExportError(f"{path} is not a serialized Computation proto: {e}") from e
+    if proto.WhichOneof("computation") is None:
+        raise ExportError(f"{path} holds no computation (empty or not a Computation proto).")
+    return proto
