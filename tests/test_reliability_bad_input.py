@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import federated_language as fl
 import grpc
 import jax
@@ -111,13 +113,31 @@ def test_devices_refuse_custom_calls_before_running_them(devices):
     with grpc.insecure_channel(good) as channel:
         stub = pb_grpc.DeviceStub(channel)
         for target in ("lapack_sgetrf_ffi", "xla_ffi_python_cpu_callback"):
-            request = pb.LoadRequest(computation_hash=target, computation=_xla_with_custom_call(
-                target).SerializeToString())
+            data = _xla_with_custom_call(target).SerializeToString()
+            request = pb.LoadRequest(computation_hash=hashlib.sha256(data).hexdigest(),
+                                     computation=data)
             with pytest.raises(grpc.RpcError) as info:
                 stub.Load(request, timeout=30, metadata=metadata)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"custom call `{target}`" in info.value.details()
         assert stub.Health(pb.HealthRequest(), timeout=10, metadata=metadata).status == "SERVING"
+
+
+def test_a_device_refuses_code_under_another_computations_hash(devices):
+    """Devices outlive coordinators: bytes must hash to the name later Maps will use."""
+    (good, _), _ = devices
+    metadata = security.call_metadata(TOKEN)
+    fn = _xla_with_custom_call("lapack_sgetrf_ffi")  # refused anyway once parsed
+    real = sc.scaled_aggregate((3,), "sum")
+    with grpc.insecure_channel(good) as channel:
+        stub = pb_grpc.DeviceStub(channel)
+        for key in ("h", hashlib.sha256(real.SerializeToString()).hexdigest()):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Load(pb.LoadRequest(computation_hash=key,
+                                         computation=fn.SerializeToString()),
+                          timeout=30, metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is not the sha256 of the computation's bytes" in info.value.details()
 
 
 def test_absurd_wire_tensors_are_refused_before_allocating():

@@ -8,6 +8,7 @@ a hang into a failure; device RPCs also carry gRPC deadlines.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 
 import grpc
@@ -323,8 +324,10 @@ _requests = st.one_of(
         handle=h, max_message_bytes=m), _handle, st.integers(-5, 100))),
     st.tuples(st.just("Release"), st.builds(lambda hs: pb.ReleaseRequest(handles=hs),
                                             st.lists(_handle, max_size=3))),
+    # Named by their real hash, so the mutated bytes reach the parser and compiler.
     st.tuples(st.just("Load"), st.builds(lambda c: pb.LoadRequest(
-        computation_hash="h", computation=c), mutated().map(lambda m: m[1]))),
+        computation_hash=hashlib.sha256(c).hexdigest(), computation=c),
+        mutated().map(lambda m: m[1]))),
 )
 
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from fax_bridge.fleet import security, wire  # noqa: E402
 from fax_bridge.fleet.sample_computations import scaled_aggregate  # noqa: E402
+from fax_bridge.runtime.local_eval import content_hash  # noqa: E402
 from fax_bridge.v1 import device_pb2 as pb  # noqa: E402
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -232,20 +233,20 @@ def map_outputs(clients: int = 200_000, max_stored_mb: int = 20) -> dict:
     device = Device("--max-stored-bytes", str(max_stored_mb * MB))
     try:
         fn = _first_xla(scaled_aggregate((3,), "sum"))  # its per-client part
-        data = fn.SerializeToString()
+        data = fn.SerializeToString(deterministic=True)
         before = device.snapshot()
         with _channel(device.address) as channel:
             stub = device.stub(channel)
             md = device.metadata
-            stub.Load(pb.LoadRequest(computation_hash="f", computation=data), timeout=60,
-                      metadata=md)
+            stub.Load(pb.LoadRequest(computation_hash=content_hash(fn), computation=data),
+                      timeout=60, metadata=md)
             arg = wire.to_message(_arg_of(fn))
             stub.Broadcast(pb.BroadcastRequest(handle=1, value=arg, client_ids=range(clients)),
                            timeout=60, metadata=md)
             start = time.monotonic()
             try:
-                stub.Map(pb.MapRequest(computation_hash="f", arg=1, result=2), timeout=600,
-                         metadata=md)
+                stub.Map(pb.MapRequest(computation_hash=content_hash(fn), arg=1, result=2),
+                         timeout=600, metadata=md)
                 code = "OK"
             except grpc.RpcError as e:
                 code = e.code().name
@@ -292,11 +293,13 @@ def sigterm_during_delays(workers: int = 4) -> dict:
         with _channel(device.address) as channel:
             stub = device.stub(channel)
             md = device.metadata
-            stub.Load(pb.LoadRequest(computation_hash="f", computation=fn.SerializeToString()),
+            stub.Load(pb.LoadRequest(computation_hash=content_hash(fn),
+                                     computation=fn.SerializeToString(deterministic=True)),
                       timeout=60, metadata=md)
             stub.Broadcast(pb.BroadcastRequest(handle=1, value=wire.to_message(_arg_of(fn)),
                                                client_ids=[0]), timeout=60, metadata=md)
-            calls = [stub.Map.future(pb.MapRequest(computation_hash="f", arg=1, result=10 + i,
+            key = content_hash(fn)
+            calls = [stub.Map.future(pb.MapRequest(computation_hash=key, arg=1, result=10 + i,
                                                    delay_seconds=600.0),
                                      timeout=900, metadata=md) for i in range(workers)]
             time.sleep(1.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 import json
 import logging
@@ -218,6 +219,15 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     @_rpc
     def Load(self, request, context):
+        # The hash names the computation for every later Map, and for every coordinator
+        # sharing this device: bytes that do not hash to it are refused, so no caller can
+        # register other code under a computation's name.
+        digest = hashlib.sha256(request.computation).hexdigest()
+        if digest != request.computation_hash:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Load: computation_hash {request.computation_hash[:16]!r} is not "
+                            f"the sha256 of the computation's bytes ({digest[:16]}...); "
+                            "send the hex sha256 of exactly the bytes sent")
         with self._lock:
             if request.computation_hash in self._computations:
                 return pb.LoadResponse(already_loaded=True)
