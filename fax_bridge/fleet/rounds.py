@@ -111,7 +111,7 @@ class RoundReport:
     rpcs: int = 0
     error: Optional[str] = None
     lost_devices: list = dataclasses.field(default_factory=list)
-    lost_clients: list = dataclasses.field(default_factory=list)
+    lost_clients: ClientIds = dataclasses.field(default_factory=ClientIds)
 
     def as_dict(self) -> dict:
         """The report as plain Python values (id sets as lists, delays as a dict)."""

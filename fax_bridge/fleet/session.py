@@ -27,10 +27,10 @@ from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.population import PopulationRef
 
 
-def _listed(ids: list, shown: int = 20) -> str:
-    """The first `shown` ids of a list, and how many more there are."""
+def _listed(ids: ClientIds, shown: int = 20) -> str:
+    """The first `shown` ids of a set, and how many more there are."""
     more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
-    return f"{sorted(ids)[:shown]}{more}"
+    return f"{list(ids[:shown])}{more}"
 
 
 class FleetRounds:
@@ -213,7 +213,7 @@ class FleetRounds:
         lost = np.concatenate([ids[blocks[i].start:blocks[i].stop] for i in dead])
         gone = [self.addresses[i] for i in dead]
         rep.lost_devices.extend(gone)
-        rep.lost_clients.extend(sorted(lost.tolist()))
+        rep.lost_clients = ClientIds(np.union1d(rep.lost_clients.array(), lost))
         self._reconnect([a for i, a in enumerate(self.addresses) if i not in dead])
         rep.devices = self.num_devices
         return lost
