@@ -304,18 +304,24 @@ def federated_decode_sum(decode: Callable, value):
     unpack = isinstance(value, tuple)
     paths, arrays, treedef = _leaves_with_paths(value, op, "value")
     _check_clients_leaves(op, "value", paths, arrays, params["clients"], params["axis"])
-    out_store = {}
-
-    def flat_decode(*member_leaves):
-        member = jax.tree_util.tree_unflatten(treedef, list(member_leaves))
-        result = decode(*member) if unpack else decode(member)
-        _, out_arrays, out_tree = _leaves_with_paths(result, op, "decoded value")
-        out_store["tree"] = out_tree
-        return out_arrays
-
+    flat_decode, out_tree = _flat_member_fn(decode, treedef, unpack, op, "decoded value")
     outs = P.decode_sum_bind(flat_decode, [_pin(a, params) for a in arrays],
                              name=getattr(decode, "__name__", type(decode).__name__), **params)
-    return jax.tree_util.tree_unflatten(out_store["tree"], outs)
+    return jax.tree_util.tree_unflatten(out_tree(), outs)
+
+
+def _flat_member_fn(fn: Callable, treedef, unpack: bool, op: str, what: str):
+    """`fn` on one member, as a function of its flat leaves returning flat leaves (tuples
+    unpacked into `fn`'s arguments), and a getter of the result's tree once it has run."""
+    store = {}
+
+    def flat(*member_leaves):
+        member = jax.tree_util.tree_unflatten(treedef, list(member_leaves))
+        result = fn(*member) if unpack else fn(member)
+        _, out_arrays, store["tree"] = _leaves_with_paths(result, op, what)
+        return out_arrays
+
+    return flat, lambda: store["tree"]
 
 
 def _federated_map(fn: Callable, arg, placement: str, op: str, mesh=None):
@@ -329,14 +335,7 @@ def _federated_map(fn: Callable, arg, placement: str, op: str, mesh=None):
     paths, arrays, treedef = _leaves_with_paths(arg, op, "arg")
     if placement == P.CLIENTS:
         _check_clients_leaves(op, "arg", paths, arrays, params["clients"], params["axis"])
-    out_store = {}
-
-    def flat_member_fn(*member_leaves):
-        member = jax.tree_util.tree_unflatten(treedef, list(member_leaves))
-        result = fn(*member) if unpack else fn(member)
-        out_paths, out_arrays, out_tree = _leaves_with_paths(result, op, "result")
-        out_store["tree"] = out_tree
-        return out_arrays
+    flat_member_fn, out_tree = _flat_member_fn(fn, treedef, unpack, op, "result")
 
     name = getattr(fn, "__name__", type(fn).__name__)
     if placement == P.CLIENTS:
@@ -344,7 +343,7 @@ def _federated_map(fn: Callable, arg, placement: str, op: str, mesh=None):
     outs = P.map_bind(flat_member_fn, arrays, placement, name=name, **params)
     if placement == P.CLIENTS:
         outs = [_pin(o, params) for o in outs]
-    return jax.tree_util.tree_unflatten(out_store["tree"], outs)
+    return jax.tree_util.tree_unflatten(out_tree(), outs)
 
 
 def federated_map_clients(fn: Callable, arg, *, mesh=None):

@@ -69,50 +69,44 @@ def _bounds(bound: LocalValue, count: int, what: str) -> list[np.ndarray]:
     return flat * count if len(flat) == 1 and count != 1 else flat
 
 
+def _check_range(members: Sequence[LocalValue], bound: Optional[LocalValue], what: str,
+                 name: str, bound_ok, bad_bound: str, top, shown_range, fix: str) -> None:
+    """The shared check of the secure sums: every member's tensors are integers in
+    [0, top(bound)], and each bound is an integer scalar that `bound_ok` accepts."""
+    if bound is None:
+        raise AggregationError(f"{what} needs a {name}")
+    for member in members:
+        flat = leaves(member)
+        for x, b in zip(flat, _bounds(bound, len(flat), what)):
+            if b.shape != () or b.dtype.kind not in "iu" or not bound_ok(int(b)):
+                raise AggregationError(
+                    f"{what}: {bad_bound}, got {b.dtype}{list(b.shape)} {b}")
+            if x.dtype.kind not in "iu":
+                raise AggregationError(f"{what} sums integers, got {x.dtype}")
+            hi = top(int(b))
+            if x.size and (int(x.min()) < 0 or int(x.max()) > hi):
+                raise AggregationError(
+                    f"{what}: a client value lies outside {shown_range(int(b), hi)} "
+                    f"(min {int(x.min())}, max {int(x.max())}); {fix}")
+
+
 def check_bitwidth(members: Sequence[LocalValue], bitwidth: Optional[LocalValue]) -> None:
     """Raises AggregationError unless every member's tensors are integers in
     [0, 2**bitwidth - 1] and each bitwidth is an integer scalar in [0, MAX_SECURE_BITWIDTH]."""
-    what = "federated_secure_sum_bitwidth"
-    if bitwidth is None:
-        raise AggregationError(f"{what} needs a bitwidth")
-    for member in members:
-        flat = leaves(member)
-        for x, b in zip(flat, _bounds(bitwidth, len(flat), what)):
-            if b.shape != () or b.dtype.kind not in "iu" or not (
-                    0 <= int(b) <= MAX_SECURE_BITWIDTH):
-                raise AggregationError(
-                    f"{what}: a bitwidth must be an integer scalar in [0, "
-                    f"{MAX_SECURE_BITWIDTH}], got {b.dtype}{list(b.shape)} {b}")
-            if x.dtype.kind not in "iu":
-                raise AggregationError(f"{what} sums integers, got {x.dtype}")
-            top = 2 ** int(b) - 1
-            if x.size and (int(x.min()) < 0 or int(x.max()) > top):
-                raise AggregationError(
-                    f"{what}: a client value lies outside [0, 2**{int(b)} - 1] = [0, {top}] "
-                    f"(min {int(x.min())}, max {int(x.max())}); clip or quantize it on "
-                    "the clients first")
+    _check_range(members, bitwidth, "federated_secure_sum_bitwidth", "bitwidth",
+                 lambda b: 0 <= b <= MAX_SECURE_BITWIDTH,
+                 f"a bitwidth must be an integer scalar in [0, {MAX_SECURE_BITWIDTH}]",
+                 lambda b: 2 ** b - 1, lambda b, hi: f"[0, 2**{b} - 1] = [0, {hi}]",
+                 "clip or quantize it on the clients first")
 
 
 def check_max_input(members: Sequence[LocalValue], max_input: Optional[LocalValue]) -> None:
     """Raises AggregationError unless every member's tensors are integers in
     [0, max_input] (`federated_secure_sum`'s range; max_input an integer scalar)."""
-    what = "federated_secure_sum"
-    if max_input is None:
-        raise AggregationError(f"{what} needs a max_input")
-    for member in members:
-        flat = leaves(member)
-        for x, m in zip(flat, _bounds(max_input, len(flat), what)):
-            if m.shape != () or m.dtype.kind not in "iu" or int(m) < 0:
-                raise AggregationError(
-                    f"{what}: max_input must be an integer scalar >= 0, got "
-                    f"{m.dtype}{list(m.shape)} {m}")
-            if x.dtype.kind not in "iu":
-                raise AggregationError(f"{what} sums integers, got {x.dtype}")
-            if x.size and (int(x.min()) < 0 or int(x.max()) > int(m)):
-                raise AggregationError(
-                    f"{what}: a client value lies outside [0, max_input] = [0, {int(m)}] "
-                    f"(min {int(x.min())}, max {int(x.max())}); clip the values on the "
-                    "clients first")
+    _check_range(members, max_input, "federated_secure_sum", "max_input", lambda m: m >= 0,
+                 "max_input must be an integer scalar >= 0", lambda m: m,
+                 lambda m, hi: f"[0, max_input] = [0, {hi}]",
+                 "clip the values on the clients first")
 
 
 def _scalar_weight(weight: LocalValue) -> np.ndarray:
