@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge.fleet import device, security, wire
+from fax_bridge.fleet import device, device_process, security, wire
 from fax_bridge.v1 import device_pb2 as pb
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 
@@ -32,7 +32,7 @@ MB = 1 << 20
 def stub():
     servicer = device.DeviceServicer("limits", max_stored_bytes=4 * MB, max_clients=1000,
                                      max_delay_seconds=2.0, max_call_seconds=30.0)
-    server, port = device.start_server("127.0.0.1:0", servicer, token=TOKEN,
+    server, port = device_process.start_server("127.0.0.1:0", servicer, token=TOKEN,
                                        max_concurrent_calls=8, max_connections=16)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
         ("grpc.max_send_message_length", 64 * MB)])

@@ -14,7 +14,8 @@ from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import sample_computations as sc
 from fax_bridge.fleet import security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
-from fax_bridge.fleet.device import DeviceServicer, start_server
+from fax_bridge.fleet.device import DeviceServicer
+from fax_bridge.fleet.device_process import start_server
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.remote import RemoteFleet
 from fax_bridge.fleet.rounds import RoundPolicy, plan_round
@@ -239,16 +240,3 @@ def test_put_streams_messages_one_at_a_time(data):
             assert backend.traffic.payload_down == 120 * 64 * 4
         finally:
             backend.close()
-
-
-def test_put_messages_of_tiny_clients_are_cut_by_count():
-    """A parsed message costs a few hundred bytes a client, so size alone is no bound."""
-    from types import SimpleNamespace
-
-    from fax_bridge.fleet import coordinator
-
-    values = [np.float32(i) for i in range(2 * coordinator.PUT_CLIENTS + 5)]
-    owner = SimpleNamespace(message_bytes=4 << 20)
-    messages = list(GrpcClientsBackend._put_messages(owner, 9, range(len(values)), values))
-    assert [len(m.values) for m in messages] == [coordinator.PUT_CLIENTS] * 2 + [5]
-    assert [v.client_id for m in messages for v in m.values] == list(range(len(values)))

@@ -13,7 +13,7 @@ from federated_language.proto import computation_pb2
 from google.protobuf import any_pb2
 
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import device, partials, sample_computations as sc, security, wire
+from fax_bridge.fleet import device, device_process, partials, sample_computations as sc, security, wire
 from fax_bridge.runtime import aggregation
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.runtime import interpreter
@@ -57,7 +57,7 @@ def devices():
     liar = LyingDevice("liar")
     servers, addresses = [], []
     for servicer in (device.DeviceServicer("good", max_stored_bytes=1 << 20), liar):
-        srv, port = device.start_server("127.0.0.1:0", servicer, token=TOKEN)
+        srv, port = device_process.start_server("127.0.0.1:0", servicer, token=TOKEN)
         servers.append(srv)
         addresses.append(f"127.0.0.1:{port}")
     yield addresses, liar

@@ -18,7 +18,7 @@ from federated_language.proto import computation_pb2
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fax_bridge.errors import FaxBridgeError
-from fax_bridge.fleet import device, sample_computations as sc, security, wire
+from fax_bridge.fleet import device, device_process, sample_computations as sc, security, wire
 from fax_bridge.runtime import interpreter, intrinsics, limits, local_eval
 from fax_bridge.runtime.backend import leaves
 from fax_bridge.runtime.local_backend import LocalClientsBackend
@@ -265,7 +265,7 @@ _GRPC_DECODE_ERROR = "Exception deserializing request"
 @pytest.fixture(scope="module")
 def channel():
     servicer = device.DeviceServicer("fuzz", max_stored_bytes=64 << 20)
-    srv, port = device.start_server("127.0.0.1:0", servicer, token=TOKEN,
+    srv, port = device_process.start_server("127.0.0.1:0", servicer, token=TOKEN,
                                     max_message_bytes=16 << 20)
     ch = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield ch

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import device, sample_computations as sc, security
+from fax_bridge.fleet import device, device_process, sample_computations as sc, security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.v1 import device_pb2 as pb
@@ -25,7 +25,7 @@ TOKEN = security.new_token()
 
 @pytest.fixture(scope="module")
 def server():
-    srv, port = device.start_server("127.0.0.1:0", device.DeviceServicer("sec"), token=TOKEN)
+    srv, port = device_process.start_server("127.0.0.1:0", device.DeviceServicer("sec"), token=TOKEN)
     yield f"127.0.0.1:{port}"
     srv.stop(None)
 
@@ -75,13 +75,13 @@ def test_token_files_must_be_private(tmp_path):
 
 def test_devices_bind_loopback_unless_told_otherwise(caplog):
     with pytest.raises(FleetError, match="not a loopback address"):
-        device.start_server("0.0.0.0:0", device.DeviceServicer(), token=TOKEN)
+        device_process.start_server("0.0.0.0:0", device.DeviceServicer(), token=TOKEN)
     with caplog.at_level(logging.WARNING, logger="fax_bridge.fleet.security"):
         security.check_address("192.0.2.7", True, None, "device listen address")
     assert "without TLS" in caplog.text and "other machines" in caplog.text
     assert security.is_loopback("127.0.0.1") and security.is_loopback("[::1]")
     with pytest.raises(FleetError, match="no fleet token"):
-        device.serve("127.0.0.1:0", token=None)
+        device_process.serve("127.0.0.1:0", token=None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def _certificates(tmp_path):
 
 def test_mutual_tls_accepts_only_certificates_of_the_fleet_ca(tmp_path):
     tls = _certificates(tmp_path)
-    srv, port = device.start_server("127.0.0.1:0", device.DeviceServicer("tls"),
+    srv, port = device_process.start_server("127.0.0.1:0", device.DeviceServicer("tls"),
                                     token=TOKEN, tls=tls["ca-device"])
     address = f"127.0.0.1:{port}"
     try:

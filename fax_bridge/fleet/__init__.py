@@ -3,9 +3,12 @@
 By role:
 - `protocol`: what both sides agree on (protocol name, message caps, client layout,
   HOST:PORT parsing); `wire`, `partials`, `validate`: message encoding and checks.
-- `device`: the device server (`fax-bridge device`, `python -m fax_bridge.fleet.device`).
+- `device`: the device service (`DeviceServicer`); `device_process` serves it as a
+  process, `device_cli` reads its command line (`fax-bridge device`,
+  `python -m fax_bridge.fleet.device`).
 - `pool.DevicePool`: channels and deadline-bound calls to many devices;
-  `coordinator.GrpcClientsBackend` builds a `ClientsBackend` on it (values on devices).
+  `coordinator.GrpcClientsBackend` builds a `ClientsBackend` on it (values on devices),
+  sending client values and population reads as `put_messages` streams.
 - `session.FleetRounds`: rounds under a `rounds.RoundPolicy`, reports, device loss,
   `run_loop` with `checkpoint` save/load.
 - `launcher.LocalFleet`: starts devices on 127.0.0.1; `remote.RemoteFleet`: joins devices

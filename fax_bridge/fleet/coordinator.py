@@ -32,9 +32,9 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import AggregationError, FleetError
-from fax_bridge.fleet import partials, security, validate, wire
+from fax_bridge.fleet import partials, put_messages, security, validate, wire
 from fax_bridge.fleet.pool import DeviceLostError, DevicePool
-from fax_bridge.fleet.protocol import DEFAULT_MAX_MESSAGE_BYTES, partition, wire_size
+from fax_bridge.fleet.protocol import DEFAULT_MAX_MESSAGE_BYTES, partition
 from fax_bridge.runtime import aggregation, population
 from fax_bridge.runtime.backend import (ClientsBackend, ClientsValue, as_numpy, leaves,
                                         unflatten_like)
@@ -42,9 +42,6 @@ from fax_bridge.runtime.local_eval import content_hash
 from fax_bridge.v1 import device_pb2 as pb
 
 RELEASE_BATCH = 256
-# Clients per Put message at most: a parsed message holds a few hundred bytes per client
-# however small its values, so a message of tiny clients is cut by count, not by size.
-PUT_CLIENTS = 1024
 
 
 class GrpcClientsValue(ClientsValue):
@@ -200,7 +197,9 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         calls = {}
         streams = {}
         for index, clients in self._layout(len(values), result.devices):
-            stream = _PutStream(self, result.handle, clients, values)
+            stream = put_messages.PutStream(
+                put_messages.client_values(result.handle, clients, values,
+                                           self.message_bytes))
             streams[index] = stream
             self.traffic.rpcs += 1
             calls[index] = self._devices[index].stub.Put.future(
@@ -220,23 +219,6 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
                     f"clients of handle {result.handle}; {len(clients)} were sent")
         self._count(up=answers.values())
         return result
-
-    def _put_messages(self, handle: int, clients: range, values: Sequence):
-        """The Put messages of one device's clients, built one at a time."""
-        message = pb.PutRequest(handle=handle)
-        size = 0
-        for i in clients:
-            item = pb.ClientValue(client_id=i)
-            wire.encode_value(as_numpy(values[i]), item.value)
-            item_size = item.ByteSize()
-            if message.values and (size + item_size > self.message_bytes
-                                   or len(message.values) >= PUT_CLIENTS):
-                yield message
-                message = pb.PutRequest(handle=handle)
-                size = 0
-            message.values.append(item)
-            size += item_size
-        yield message
 
     # -- populations hosted by the devices ------------------------------------------
 
@@ -299,7 +281,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         layout = self._layout(len(ids), result.devices)
         calls = {}
         for index, clients in layout:
-            messages = _store_reads(result.handle, ids[clients.start:clients.stop],
+            messages = put_messages.store_reads(result.handle, ids[clients.start:clients.stop],
                                     clients.start, type_bytes, keys,
                                     getattr(ref, "name", None) or "")
             self.traffic.rpcs += 1
@@ -528,70 +510,6 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _PutStream:
-    """The request stream of one device's Put: messages made lazily, bytes counted.
-
-    gRPC pulls the messages on its own thread; an encoding error is kept in `error`
-    and raised into gRPC, which cancels the call (the device stores nothing), so `put`
-    can report the error itself rather than the cancellation.
-    """
-
-    def __init__(self, backend: "GrpcClientsBackend", handle: int, clients: range,
-                 values: Sequence):
-        self._messages = backend._put_messages(handle, clients, values)
-        self.bytes = 0
-        self.payload = 0
-        self.messages = 0
-        self.error: Optional[Exception] = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            message = next(self._messages)
-        except StopIteration:
-            raise
-        except Exception as e:
-            self.error = e if isinstance(e, FleetError) else FleetError(
-                f"Put: cannot encode a client value ({type(e).__name__}: {e})")
-            raise
-        self.messages += 1
-        self.bytes += wire_size(message)
-        self.payload += sum(wire.payload_bytes(v.value) for v in message.values)
-        return message
-
-
-STORE_READ_IDS = 1 << 18  # ids per from_store message (about 2 MiB at most)
-
-
-def _store_reads(handle: int, ids: np.ndarray, first_client: int, member_type: bytes,
-                 keys: Sequence[str], population: str) -> list:
-    """The Put messages naming one device's population ids (ranges where shorter)."""
-    messages = []
-    for lo in range(0, max(1, len(ids)), STORE_READ_IDS):
-        chunk = ids[lo:lo + STORE_READ_IDS]
-        read = pb.StoreRead()
-        if lo == 0:
-            read.population = population
-            read.first_client = first_client
-            read.member_type = member_type
-            read.keys.extend(keys)
-        if chunk.size:
-            breaks = np.flatnonzero(np.diff(chunk) != 1) + 1
-            starts = np.concatenate([[0], breaks])
-            if 2 * len(starts) < len(chunk):
-                stops = np.concatenate([breaks, [len(chunk)]])
-                for a, b in zip(starts, stops):
-                    read.ranges.add(start=int(chunk[a]), stop=int(chunk[b - 1]) + 1)
-            else:
-                read.population_ids.extend(chunk.tolist())
-        message = pb.PutRequest(handle=handle)
-        message.from_store.CopyFrom(read)
-        messages.append(message)
-    return messages
 
 
 def _template(member_type: federated_language.Type):

@@ -7,12 +7,14 @@ adds mutual TLS; addresses other than loopback need `--allow-remote`. Messages a
 bytes held on the device are capped (`--max-message-bytes`, `--max-stored-bytes`).
 `--population DIR` hosts a population written by `fax_bridge.data.stream.write_population`:
 the coordinator then sends only client ids (a Put stream of `from_store` reads) and
-the device reads those
-clients' rows from its memory-mapped store. Computations arrive once, by content hash; client
+the device reads those clients' rows from its memory-mapped store. Computations arrive once, by content hash; client
 values stay here behind coordinator-chosen handles until they are fetched, aggregated
 (partials over this device's own clients) or released. Once listening, the process
 prints one JSON line on stdout, e.g. `{"listening": "127.0.0.1:41234", "port": 41234,
 "pid": 4242, "device_id": "device-0"}`, and nothing else; logs go to stderr.
+
+This module is the service (`DeviceServicer`); `device_process` runs it as a process and
+`device_cli` reads its command line.
 """
 
 from __future__ import annotations
@@ -21,14 +23,11 @@ import dataclasses
 import functools
 import hashlib
 import inspect
-import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
-from concurrent import futures
 from typing import Callable, Optional, Sequence
 
 import grpc
@@ -36,15 +35,12 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import FaxBridgeError, FleetError
-from fax_bridge.fleet import partials, security, wire
+from fax_bridge.fleet import partials, wire
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.backend import leaves
-from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_MESSAGE_BYTES,
-                                      DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS, PROTOCOL,
-                                      DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_SECONDS,
-                                      DEFAULT_MAX_CLIENTS, DEFAULT_MAX_CONCURRENT_CALLS,
-                                      DEFAULT_MAX_CONNECTIONS, HANDSHAKE_TIMEOUT_MS,
-                                      format_address, grpc_options, parse_address)
+from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_CALL_SECONDS,
+                                      DEFAULT_MAX_CLIENTS, DEFAULT_MAX_STORED_BYTES,
+                                      MAX_DELAY_SECONDS, PROTOCOL)
 from fax_bridge.v1 import device_pb2 as pb
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 
@@ -473,7 +469,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
 
 # ---------------------------------------------------------------------------------------
-# Process
+# Storage accounting and the module's entry points
 
 
 ARRAY_OVERHEAD_BYTES = 128  # what python spends on an array beside its data
@@ -485,116 +481,6 @@ def _value_bytes(value) -> int:
     if value is None:
         return 0
     return sum(int(leaf.nbytes) + ARRAY_OVERHEAD_BYTES for leaf in leaves(value))
-
-
-def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,
-                 token: Optional[str] = None, tls: Optional[security.TlsConfig] = None,
-                 allow_remote: bool = False,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                 ) -> tuple[grpc.Server, int]:
-    """Starts a gRPC server for `servicer` on `listen`; returns it and the bound port.
-
-    `token`: refuse calls without it (UNAUTHENTICATED, decided from the call's metadata
-    before its body is read); `tls`: serve mutual TLS only; `allow_remote`: permit a
-    non-loopback `listen` host (logged as a warning). `max_connections` open connections
-    at most (more are closed at once), `max_concurrent_calls` calls in progress at most
-    (more get RESOURCE_EXHAUSTED), connections idle for `idle_timeout_s` are closed and
-    a connection must finish its handshake within 10 s.
-    """
-    host, port = parse_address(listen, "--listen", allow_port_zero=True)
-    security.check_address(host, allow_remote, tls, "device listen address")
-    interceptors = [security.TokenAuthInterceptor(token)] if token else []
-    options = grpc_options(max_message_bytes) + (
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_allowed_incoming_connections", int(max_connections)),
-        ("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000)),
-        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=interceptors, options=options,
-                         maximum_concurrent_rpcs=int(max_concurrent_calls))
-    pb_grpc.add_DeviceServicer_to_server(servicer, server)
-    target = format_address(host, port)
-    try:
-        if tls is not None:
-            bound = server.add_secure_port(target, tls.server_credentials())
-        else:
-            bound = server.add_insecure_port(target)
-    except RuntimeError as e:
-        raise FleetError(f"cannot listen on {listen}: {e}; pick another port or use port 0")
-    if not bound:
-        raise FleetError(f"cannot listen on {listen}; pick another port or use port 0")
-    server.start()
-    return server, bound
-
-
-def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
-    """Sets `stop` once the launching process is gone (so no device outlives it)."""
-    while not stop.wait(0.5):
-        if os.getppid() != parent_pid:
-            log.warning("parent process %d is gone; shutting down", parent_pid)
-            stop.set()
-
-
-def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: int = 4,
-          parent_pid: Optional[int] = None, *, token: Optional[str] = None,
-          tls: Optional[security.TlsConfig] = None, allow_remote: bool = False,
-          allow_no_auth: bool = False,
-          max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-          max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES,
-          population: Optional[str] = None, population_name: Optional[str] = None,
-          max_clients: int = DEFAULT_MAX_CLIENTS,
-          max_connections: int = DEFAULT_MAX_CONNECTIONS,
-          max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
-          idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-          max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
-          max_delay_seconds: float = MAX_DELAY_SECONDS) -> int:
-    """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
-
-    On SIGTERM, waits (Map delays) end at once and long calls stop between clients; the
-    process exits within about two seconds.
-
-    Without a `token` the device refuses to start unless `allow_no_auth` is set.
-    `population`: a directory written by `write_population` whose clients this device
-    reads by id (named `population_name`, by default the directory's base name).
-    """
-    if not token:
-        if not allow_no_auth:
-            raise FleetError(
-                f"no fleet token: set {security.TOKEN_ENV} or pass --token-file (a 0600 "
-                "file); --insecure-no-auth serves without one, for debugging only")
-        log.warning("serving WITHOUT authentication (--insecure-no-auth): anyone who can "
-                    "reach %s may run computations here", listen)
-    servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes,
-                              population=population, population_name=population_name,
-                              max_clients=max_clients, max_call_seconds=max_call_seconds,
-                              max_delay_seconds=max_delay_seconds)
-    server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
-                                allow_remote=allow_remote, max_message_bytes=max_message_bytes,
-                                max_connections=max_connections,
-                                max_concurrent_calls=max_concurrent_calls,
-                                idle_timeout_s=idle_timeout_s)
-    host, _ = parse_address(listen, "--listen", allow_port_zero=True)
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        log.warning("received signal %d; shutting down", signum)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
-    if parent_pid:
-        threading.Thread(target=_watch_parent, args=(parent_pid, stop), daemon=True).start()
-    print(json.dumps({"listening": format_address(host, port), "port": port, "pid": os.getpid(),
-                      "device_id": device_id}), flush=True)
-    while not stop.wait(1.0):
-        pass
-    servicer.stopping.set()
-    server.stop(grace=1.0).wait(5.0)
-    return 0
 
 
 def register(subparsers) -> None:

@@ -1,5 +1,5 @@
 """The `fax-bridge device` command line: flags (every resource bound among them, with
-safe defaults) read, checked and handed to `device.serve`."""
+safe defaults) read, checked and handed to `device_process.serve`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fax_bridge import cli_args
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet import device
-from fax_bridge.fleet.device import serve
+from fax_bridge.fleet.device_process import serve
 from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_SECONDS,
                                       DEFAULT_MAX_CLIENTS, DEFAULT_MAX_CONCURRENT_CALLS,
                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_MESSAGE_BYTES,
