@@ -24,6 +24,7 @@ from fax_bridge.errors import (
     FaxBridgeError,
     FleetError,
     PlacementError,
+    ProgramError,
 )
 from fax_bridge.local import clients_mesh, jit_program, to_hlo
 from fax_bridge.placements import Placement
@@ -75,6 +76,7 @@ __all__ = [
     "RemoteFleet",
     "Placement",
     "PlacementError",
+    "ProgramError",
     "Program",
     "SecureAggregationError",
     "check_parity",

@@ -31,7 +31,7 @@ import numpy as np
 
 from fax_bridge import local as _local
 from fax_bridge import primitives as P
-from fax_bridge.errors import ArgumentError, PlacementError
+from fax_bridge.errors import ArgumentError, PlacementError, ProgramError
 from fax_bridge.placements import aggregate_refusal
 
 # The enclosing programs, outermost first: (placement name, number of members).
@@ -101,7 +101,7 @@ class Program:
 
 def _validate_cardinality(clients: Any, name: str = P.CLIENTS) -> int:
     if isinstance(clients, bool) or not isinstance(clients, (int, np.integer)) or clients < 1:
-        raise ValueError(
+        raise ProgramError(
             f"the number of {name} must be a positive integer, got {clients!r}; write "
             f"@fax_bridge.program(clients=8) or placements={{{name!r}: 8}}.")
     return int(clients)
@@ -109,9 +109,9 @@ def _validate_cardinality(clients: Any, name: str = P.CLIENTS) -> int:
 
 def _validate_name(name: Any) -> str:
     if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"a placement name must be an identifier string, got {name!r}.")
+        raise ProgramError(f"a placement name must be an identifier string, got {name!r}.")
     if name.lower() == P.SERVER:
-        raise ValueError(
+        raise ProgramError(
             f"placements must not name {name!r}: SERVER has one member and needs no entry; "
             "name the placed members, e.g. placements={'clients': 8}.")
     return name
@@ -128,9 +128,9 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
     name = P.CLIENTS
     if placements is not None:
         if clients is not None:
-            raise ValueError("give either clients=N or placements={'clients': N}, not both.")
+            raise ProgramError("give either clients=N or placements={'clients': N}, not both.")
         if not isinstance(placements, Mapping) or len(placements) != 1:
-            raise ValueError(
+            raise ProgramError(
                 f"placements must be one {{name: N}} entry, got {placements!r}. For several "
                 "levels (clients, each with workers), call a program over "
                 "placements={'workers': M} inside federated_map_clients of a program over "
@@ -138,7 +138,7 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
         ((name, clients),) = placements.items()
         name = _validate_name(name)
     if clients is None:
-        raise ValueError("program needs the number of clients: @fax_bridge.program(clients=N).")
+        raise ProgramError("program needs the number of clients: @fax_bridge.program(clients=N).")
     n = _validate_cardinality(clients, name)
     if fn is None:
         return lambda f: Program(f, n, name)

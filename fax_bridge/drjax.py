@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fax_bridge import api as _api
-from fax_bridge.errors import PlacementError
+from fax_bridge.errors import PlacementError, ProgramError
 
 __all__ = ["OperatorUndefinedError", "broadcast", "map_fn", "program", "reduce_mean",
            "reduce_sum", "reduce_weighted_mean"]
@@ -52,16 +52,16 @@ def program(**kwargs: Any) -> Callable[[Callable], _api.Program]:
     try:
         [(placement, value)] = kwargs.items()
     except ValueError as e:
-        raise ValueError(
+        raise ProgramError(
             f"The program API expects a single keyword argument but got {kwargs=}.") from e
     if placement == "placements":
         if not isinstance(value, Mapping):
-            raise ValueError(
+            raise ProgramError(
                 f"When using the `placements` argument, value must be a mapping but got "
                 f"{type(value)=}. `placements` is a reserved name and not a valid placement "
                 "name.")
         if len(value) != 1:
-            raise ValueError(
+            raise ProgramError(
                 f"Expected a single-element dict for placements. Got placements={dict(value)}")
         placements = dict(value)
     else:

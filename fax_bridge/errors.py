@@ -59,3 +59,12 @@ class DataError(FaxBridgeError, ValueError):
 
 class MeshError(FaxBridgeError, ValueError):
     """A device mesh or a multi-process layout does not fit the clients."""
+
+
+class ProgramError(FaxBridgeError, ValueError):
+    """A program is declared wrongly: its placement name, its cardinality, or the
+    placements given for its arguments."""
+
+
+class SecureAggregationError(FaxBridgeError, ValueError):
+    """A client value lies outside the range a secure aggregation was declared with."""

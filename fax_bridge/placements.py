@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from fax_bridge.errors import ProgramError
+
 
 class Placement(enum.Enum):
     """Where a value lives: at the server, at the clients, or nowhere yet (a constant)."""
@@ -29,7 +31,7 @@ def parse_placement(value: Any, where: str = "") -> Placement:
         return value
     if isinstance(value, str) and value.lower() in ("server", "clients"):
         return Placement(value.lower())
-    raise ValueError(
+    raise ProgramError(
         f"placement{(' of ' + where) if where else ''} must be 'server' or 'clients', got "
         f"{value!r}.")
 
@@ -47,7 +49,7 @@ def broadcast_placements(placements: Any, args: tuple) -> list[Placement]:
         p = parse_placement(placements)
         return [p] * len(jax.tree_util.tree_leaves(args))
     if not isinstance(placements, (tuple, list)) or len(placements) != len(args):
-        raise ValueError(
+        raise ProgramError(
             f"placements must have one entry per argument ({len(args)} arguments), got "
             f"{placements!r}; e.g. placements=('server', 'clients').")
     out: list[Placement] = []
@@ -60,7 +62,7 @@ def broadcast_placements(placements: Any, args: tuple) -> list[Placement]:
         except ValueError as e:
             if "placement" in str(e):
                 raise
-            raise ValueError(
+            raise ProgramError(
                 f"placements[{i}] = {prefix!r} is not a pytree prefix of argument {i} "
                 f"(structure {jax.tree_util.tree_structure(arg)}).") from e
         for chunk in jax.tree_util.tree_leaves(

@@ -53,7 +53,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge import local as _local
 from fax_bridge import lowering as _lowering
-from fax_bridge.errors import PlacementError
+from fax_bridge.errors import ArgumentError, PlacementError
 from fax_bridge.placements import aggregate_refusal
 
 CLIENTS = "clients"
@@ -149,7 +149,7 @@ federated_mean_p = core.Primitive("federated_mean")
 
 def _check_clients_axis(name, x, clients):
     if not x.shape or x.shape[0] != clients:
-        raise TypeError(
+        raise PlacementError(
             f"{name} needs a CLIENTS value with a leading axis of size {clients}, got "
             f"shape {tuple(x.shape)}."
         )
@@ -224,7 +224,7 @@ def _weighted_mean_abstract_eval(x, w, *, clients, axis, mesh):
     del axis, mesh
     _check_clients_axis("federated_weighted_mean", x, clients)
     if tuple(w.shape) != tuple(x.shape[: len(w.shape)]) or not w.shape:
-        raise TypeError(
+        raise PlacementError(
             "federated_weighted_mean needs weights of shape (clients,) (one weight per "
             f"client); got weights of shape {tuple(w.shape)} for a value of shape "
             f"{tuple(x.shape)}."
@@ -233,7 +233,7 @@ def _weighted_mean_abstract_eval(x, w, *, clients, axis, mesh):
     if refusal:
         raise PlacementError(refusal)
     if not jnp.issubdtype(w.dtype, jnp.floating):
-        raise TypeError(
+        raise ArgumentError(
             "federated_weighted_mean needs floating-point weights; got "
             f"{w.dtype} weights (cast them with .astype(jnp.float32))."
         )
@@ -371,7 +371,7 @@ def _map_abstract_eval(*avals, jaxpr, placement, clients, name, axis, mesh):
     for i, (a, m) in enumerate(zip(avals, jaxpr.in_avals)):
         expect = outer_aval(m, placement, clients, axis)
         if tuple(a.shape) != tuple(expect.shape) or a.dtype != expect.dtype:
-            raise TypeError(
+            raise PlacementError(
                 f"federated_map at {placement.upper()}: operand {i} has type "
                 f"{a.str_short()}, expected {expect.str_short()}."
             )
@@ -536,7 +536,7 @@ def decode_sum_bind(fn, args: Sequence, clients: int, name: str | None = None,
     avals = [member_aval(core.typeof(a), CLIENTS) for a in args]
     closed, captured = trace_member_fn(fn, avals, name)
     if captured:
-        raise TypeError(
+        raise ArgumentError(
             f"federated_decode_sum: the decode function {name} closes over traced values; "
             "a decoder runs at the server on each member alone, so it may use only its "
             "member and constants. Put per-client parameters (e.g. scales) in the member.")
@@ -549,7 +549,7 @@ def _decode_sum_abstract_eval(*avals, jaxpr, clients, name, axis, mesh):
     for i, (a, m) in enumerate(zip(avals, jaxpr.in_avals)):
         expect = outer_aval(m, CLIENTS, clients, axis)
         if tuple(a.shape) != tuple(expect.shape) or a.dtype != expect.dtype:
-            raise TypeError(
+            raise PlacementError(
                 f"federated_decode_sum ({name}): operand {i} has type {a.str_short()}, "
                 f"expected {expect.str_short()}.")
     return [a.update(weak_type=False) for a in jaxpr.out_avals]

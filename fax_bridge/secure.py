@@ -55,15 +55,11 @@ from fax_bridge import tracing as _tracing
 from fax_bridge.tff import export as _export
 from fax_bridge.tff import stages as _stages
 from fax_bridge.tff import xla as tff_xla
-from fax_bridge.errors import FaxBridgeError, PlacementError
+from fax_bridge.errors import ArgumentError, PlacementError, SecureAggregationError
 
 SECURE_SUM_BITWIDTH = "federated_secure_sum_bitwidth"
 SECURE_SUM = "federated_secure_sum"
 MAX_BITWIDTH = 62
-
-
-class SecureAggregationError(FaxBridgeError, ValueError):
-    """A client value lies outside the range a secure aggregation was declared with."""
 
 
 def _top(kind: str, bound: int) -> int:
@@ -92,10 +88,10 @@ _KIND = {secure_sum_bitwidth_p: SECURE_SUM_BITWIDTH, secure_sum_p: SECURE_SUM}
 def _int_sum_abstract_eval(x, *, clients, axis, mesh, bound, kind):
     del axis, mesh, bound
     if not x.shape or x.shape[0] != clients:
-        raise TypeError(f"{kind} needs a CLIENTS value with a leading axis of size "
-                        f"{clients}, got shape {tuple(x.shape)}.")
+        raise PlacementError(f"{kind} needs a CLIENTS value with a leading axis of size "
+                             f"{clients}, got shape {tuple(x.shape)}.")
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{kind} sums integers, got {x.dtype}.")
+        raise ArgumentError(f"{kind} sums integers, got {x.dtype}.")
     return P._unplaced(x)
 
 
@@ -222,8 +218,8 @@ def dequantize(total, clients: int, lo: float, hi: float, bits: int, dtype):
 def _secure_mean_abstract_eval(x, keys, *, clients, axis, mesh, lo, hi, bits):
     del axis, mesh, lo, hi, bits
     if not x.shape or x.shape[0] != clients or keys.shape != (clients, 2):
-        raise TypeError(f"federated_secure_mean needs values and keys with a leading axis "
-                        f"of {clients}, got {tuple(x.shape)} and {tuple(keys.shape)}.")
+        raise PlacementError(f"federated_secure_mean needs values and keys with a leading axis "
+                             f"of {clients}, got {tuple(x.shape)} and {tuple(keys.shape)}.")
     return P._unplaced(x)
 
 

@@ -153,3 +153,31 @@ def test_any_placement_name():
     assert comp.axis == "workers" and comp.clients == 3
     with pytest.raises(fb.PlacementError, match="placed at 'workers'.*size 3"):
         f(np.arange(4.0))
+
+
+@settings(max_examples=25, deadline=None)
+@given(spec=st.one_of(
+    st.fixed_dictionaries({"clients": st.one_of(st.integers(-3, 0), st.booleans(),
+                                                st.just(2.5), st.just("8"))}),
+    st.fixed_dictionaries({"placements": st.one_of(
+        st.just({}), st.just({"clients": 2, "workers": 2}),
+        st.dictionaries(st.sampled_from(["server", "SERVER", "1x", "a b", ""]),
+                        st.integers(1, 4), min_size=1, max_size=1))})))
+def test_malformed_program_declarations_are_program_errors(spec):
+    """Every wrong declaration is a ProgramError (a ValueError, as before) naming the fix."""
+    with pytest.raises(fb.ProgramError) as info:
+        fb.program(lambda x: x, **spec)
+    assert isinstance(info.value, ValueError)
+    assert "clients" in str(info.value) or "placement" in str(info.value)
+
+
+def test_wrong_operands_of_primitives_are_placement_or_argument_errors():
+    """Operands the primitives cannot take fail with the project's TypeErrors."""
+    params = dict(clients=N, axis="clients", mesh=None)
+    with pytest.raises(fb.PlacementError, match=f"leading axis of size {N}"):
+        P.federated_sum_p.bind(jnp.ones((N + 1, 2)), **params)
+    with pytest.raises(fb.PlacementError, match="weights of shape"):
+        P.federated_weighted_mean_p.bind(jnp.ones((N, 2)), jnp.ones((N + 1,)), **params)
+    with pytest.raises(fb.errors.ArgumentError, match="floating-point weights"):
+        P.federated_weighted_mean_p.bind(jnp.ones((N, 2)), jnp.ones((N,), jnp.int32),
+                                         **params)

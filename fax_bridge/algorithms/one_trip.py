@@ -29,6 +29,7 @@ import optax
 import fax_bridge as fx
 from fax_bridge.algorithms import common as C
 from fax_bridge.algorithms.fedavg import client_update_fn
+from fax_bridge.errors import HyperparameterError
 
 
 def fed_sgd_one_trip(loss: C.Loss, *, clients: int,
@@ -87,7 +88,7 @@ def learned_server_lr_one_trip(loss: C.Loss, client_optimizer: optax.GradientTra
     `lr` (the rate applied this round).
     """
     if not initial_lr > 0:
-        raise ValueError(f"initial_lr must be > 0, got {initial_lr}.")
+        raise HyperparameterError(f"initial_lr must be > 0, got {initial_lr}.")
     loss = C.check_loss(loss)
     meta = C.check_optimizer(optax.adam(0.05) if meta_optimizer is None else meta_optimizer,
                              "meta_optimizer")
