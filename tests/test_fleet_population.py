@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+import federated_language
 import grpc
 import numpy as np
 import pytest
@@ -62,13 +63,13 @@ def fleet(data):
 
 
 @contextlib.contextmanager
-def _devices(*populations, token=None):
+def _devices(*populations, token=None, **servicer_options):
     """In-process device servers, one per population directory (None: none hosted)."""
     token = token or security.new_token()
     servers, addresses = [], []
     try:
         for i, directory in enumerate(populations):
-            servicer = DeviceServicer(f"device-{i}", population=directory)
+            servicer = DeviceServicer(f"device-{i}", population=directory, **servicer_options)
             server, port = start_server("127.0.0.1:0", servicer, token=token)
             servers.append(server)
             addresses.append(f"127.0.0.1:{port}")
@@ -164,6 +165,19 @@ def test_devices_must_host_the_same_population(data, tmp_path):
     with _devices(data["dir"]) as (addresses, token):
         with pytest.raises(FleetError, match="asks for population 'elsewhere'"):
             RemoteFleet(addresses, token=token, population="elsewhere").start()
+
+
+def test_reads_from_the_store_respect_the_stored_bytes_cap(data):
+    """Rows are counted before they are read: a read past --max-stored-bytes is refused
+    and the device keeps serving. 60 clients' rows are 960 bytes, above a 950-byte cap;
+    5 clients are stored as 880 bytes (data, array and id overhead), under it."""
+    member = federated_language.TensorType(np.float32, (FEATURES,))
+    with _devices(data["dir"], max_stored_bytes=950) as (addresses, token):
+        with GrpcClientsBackend(addresses, token=token) as backend:
+            with pytest.raises(FleetError, match="reading 60 clients would hold 960"):
+                backend.put_from_store(member, X, range(CLIENTS))
+            small = backend.put_from_store(member, X, range(5))
+            np.testing.assert_array_equal(np.stack(backend.get(small)), data["xs"][:5])
 
 
 def test_reads_from_the_store_need_the_fleet_token(data):

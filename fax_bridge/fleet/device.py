@@ -349,14 +349,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         columns = pop.plan_columns(store, member_type, list(head.keys))
         pop.check_ids(store, ids)
-        need = pop.rows_bytes(store, columns, ids)
-        with self._lock:
-            held = self._stored_bytes
-        if held + need > self.max_stored_bytes:
-            raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"reading {len(ids)} clients ({need} bytes) would exceed this "
-                            f"device's cap of {self.max_stored_bytes} bytes ({held} held); "
-                            "release values or raise --max-stored-bytes")
+        self._check_room(pop.rows_bytes(store, columns, ids), f"reading {len(ids)} clients")
         members = pop.read_members(store, member_type, columns, ids)
         first = int(head.first_client)
         self._store(handle, Stored(client_ids=list(range(first, first + len(ids))),
