@@ -12,9 +12,11 @@ batches come from ``workload.py`` exactly as for the other peers.
                   processes (started in setup); ``bytes_moved`` is the sum over rounds of
                   the wire bytes down and up of the round reports. The devices compile
                   the exported stages on first use, so the first round includes that.
+                  The round goes as one request per device (a round plan); with
+                  ``--phases`` phase by phase (Put, Broadcast, Zip, Map, Aggregate, ...).
 
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py [--mode local|fleet]
-        [--devices 2] [--rounds 20] [--seed 0] [--json OUT]
+        [--devices 2] [--phases] [--rounds 20] [--seed 0] [--json OUT]
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py --grad-check [--json OUT]
 
 ``--grad-check`` prints the loss and gradient of the fixed program that
@@ -190,8 +192,9 @@ def run_local(rounds: int, seed: int) -> Dict[str, Any]:
     )
 
 
-def run_fleet(rounds: int, seed: int, devices: int) -> Dict[str, Any]:
-    """Setup (import, data, export, fleet start), then ``rounds`` rounds on the fleet."""
+def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True) -> Dict[str, Any]:
+    """Setup (import, data, export, fleet start), then ``rounds`` rounds on the fleet
+    (one request per device per round; ``plans=False``: phase by phase)."""
     rss = ProcTreeRss().start()
     import jax
 
@@ -209,6 +212,7 @@ def run_fleet(rounds: int, seed: int, devices: int) -> Dict[str, Any]:
                           placements=PLACEMENTS)
     export_s = time.perf_counter() - t_export
     fleet = fb.LocalFleet(devices=devices)
+    fleet.use_plans = plans
     round_s: List[float] = []
     losses: List[float] = []
     history: List[Dict[str, np.ndarray]] = []
@@ -241,6 +245,7 @@ def run_fleet(rounds: int, seed: int, devices: int) -> Dict[str, Any]:
         extra={
             "mode": "fleet",
             "devices": devices,
+            "round_path": "plan" if plans else "phases",
             "setup_breakdown": {"import_s": round(import_s, 3), "data_s": round(data_s, 3),
                                 "export_s": round(export_s, 3),
                                 "fleet_start_s": round(fleet_start_s, 3)},
@@ -262,13 +267,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--devices", type=int, default=2, help="fleet devices (default 2)")
     parser.add_argument("--grad-check", action="store_true",
                         help="print loss and gradient of the check program")
+    parser.add_argument("--phases", action="store_true",
+                        help="fleet: run each round phase by phase, not as one request "
+                             "per device")
     args = parser.parse_args(argv)
     if args.grad_check:
         result = grad_check()
     elif args.mode == "local":
         result = run_local(args.rounds, args.seed)
     else:
-        result = run_fleet(args.rounds, args.seed, args.devices)
+        result = run_fleet(args.rounds, args.seed, args.devices, not args.phases)
     common.emit(result, args.json)
 
 

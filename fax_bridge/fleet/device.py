@@ -259,7 +259,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                     raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                     "Put stream mixes client values and from_store reads")
                 received += message.from_store.ByteSize()
-                self._check_room(received, "Put from_store stream")
+                self._check_room(received, "from_store stream")
                 reads.append(message.from_store)
                 continue
             if reads and message.values:
@@ -298,6 +298,13 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     def _put_from_store(self, handle: int, reads: list) -> pb.PutResponse:
         """Stores the members a Put stream of `StoreRead`s names, read from the population."""
+        first, members = self.read_store(reads)
+        self._store(handle, Stored(client_ids=list(range(first, first + len(members))),
+                                   members=members))
+        return pb.PutResponse(num_clients=len(members))
+
+    def read_store(self, reads: list) -> tuple[int, list]:
+        """(first client, members) of a stream of `StoreRead`s, read from the population."""
         import numpy as np
 
         from fax_bridge.runtime import local_eval
@@ -305,26 +312,26 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
         if self.population is None:
             raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                            "Put from_store: this device hosts no population; start it with "
+                            "from_store: this device hosts no population; start it with "
                             "--population DIR (a directory written by write_population)")
         head = reads[0]
         if head.population and head.population != self.population_name:
             raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"Put from_store asks for population {head.population!r} but "
+                            f"from_store asks for population {head.population!r} but "
                             f"this device hosts {self.population_name!r}")
         type_proto = computation_pb2.Type()
         try:
             type_proto.ParseFromString(head.member_type)
         except Exception as e:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Put from_store: member_type is not a serialized Type ({e})")
+                            f"from_store: member_type is not a serialized Type ({e})")
         member_type = local_eval.parse_type(type_proto)
         if member_type is None:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            "Put from_store: member_type is empty")
+                            "from_store: member_type is empty")
         if head.first_client < 0:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Put from_store: first_client {head.first_client} is negative")
+                            f"from_store: first_client {head.first_client} is negative")
         store = self.population
         limit = min(store.num_clients * 4 + 1024, self.max_clients)
         chunks, count = [], 0
@@ -333,7 +340,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 spans = [(r.start, r.stop) for r in read.ranges]
                 if any(lo < 0 or hi < lo for lo, hi in spans):
                     raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "Put from_store: a client range has start < 0 or "
+                                    "from_store: a client range has start < 0 or "
                                     "stop < start")
                 count += sum(hi - lo for lo, hi in spans)
                 if count > limit:
@@ -344,17 +351,13 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 chunks.append(np.asarray(read.population_ids, dtype=np.int64))
         if count > limit:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Put from_store names {count} clients, far more than the "
+                            f"from_store names {count} clients, far more than the "
                             f"{store.num_clients} this population holds")
         ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         columns = pop.plan_columns(store, member_type, list(head.keys))
         pop.check_ids(store, ids)
         self._check_room(pop.rows_bytes(store, columns, ids), f"reading {len(ids)} clients")
-        members = pop.read_members(store, member_type, columns, ids)
-        first = int(head.first_client)
-        self._store(handle, Stored(client_ids=list(range(first, first + len(ids))),
-                                   members=members))
-        return pb.PutResponse(num_clients=len(ids))
+        return int(head.first_client), pop.read_members(store, member_type, columns, ids)
 
     @_rpc
     def Map(self, request, context):
@@ -430,6 +433,12 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         with self._compute:
             partial = aggregation.partial_of(kind, stored.member_list(), weights, bitwidth)
         return partials.to_message(partial)
+
+    @_rpc
+    def Round(self, request_iterator, context):
+        from fax_bridge.fleet import device_round
+
+        return device_round.run_round(self, request_iterator, context)
 
     @_rpc
     def Fetch(self, request, context):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from fax_bridge.errors import CheckpointError, FleetError
-from fax_bridge.fleet import checkpoint
+from fax_bridge.fleet import checkpoint, plan_runner, plan as round_plan
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.ids import ClientIds
 from fax_bridge.fleet.protocol import partition
@@ -58,6 +58,10 @@ class FleetRounds:
         self.backend: Optional[GrpcClientsBackend] = None
         self.reports: list[RoundReport] = []
         self.next_round = 0
+        # Round-shaped computations run as one request per device per round (see
+        # `fleet.plan`); False runs every computation phase by phase.
+        self.use_plans = True
+        self._plans: dict = {}
         self._closed = False
 
     def __enter__(self):
@@ -181,8 +185,17 @@ class FleetRounds:
         start = time.perf_counter()
         backend = self.backend
         try:
-            result = interpreter.evaluate(prepared, bound.runtime_value(), backend,
-                                          num_clients=num_clients)
+            plan = self._plan(prepared) if participants is not None and clients_given else None
+            arg = bound.runtime_value()
+            if plan is not None:
+                arg = values.check_value(arg, prepared.parameter,
+                                         population_size=backend.population_size)
+            if plan_runner.usable(plan, arg, prepared.parameter):
+                delays, backend._delays = backend._delays, None
+                result = plan_runner.run_plan(backend, plan, arg, prepared.parameter,
+                                             prepared.result, delays)
+            else:
+                result = interpreter.evaluate(prepared, arg, backend, num_clients=num_clients)
             return values.to_pytree(result, prepared.result)
         finally:
             backend.set_delays(None)
@@ -192,6 +205,18 @@ class FleetRounds:
             except FleetError:
                 pass  # an unreachable device; the caller decides what that means
             rep.add_traffic(backend.traffic - before)
+
+    def _plan(self, prepared: interpreter.Prepared) -> Optional[round_plan.Plan]:
+        """The round plan of a computation (compiled once), or None: it runs phase by
+        phase (not round-shaped, plans switched off, or devices reduce nothing)."""
+        if not self.use_plans or not self.backend.preaggregate:
+            return None
+        key = id(prepared.proto)
+        hit = self._plans.get(key)
+        if hit is None or hit[0] is not prepared.proto:
+            hit = (prepared.proto, round_plan.compile_plan(prepared.proto))
+            self._plans = {key: hit}  # the last computation run
+        return hit[1]
 
     def _lose_unreachable_devices(self, participants: ClientIds, rep: RoundReport,
                                   error: FleetError) -> np.ndarray:

@@ -13,7 +13,7 @@ takes and returns python pytrees instead (CLIENTS leaves stacked on a leading ax
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import federated_language
 import numpy as np
@@ -523,6 +523,20 @@ def evaluate(proto: Union[Computation, bytes, Prepared], arg: Any = None,
         raise ComputationError(
             f"the computation could not be interpreted ({type(e).__name__}: {e}); it is "
             "likely malformed or ill-typed") from e
+
+
+def evaluate_steps(steps: Sequence[tuple[str, Computation]], env: Mapping[str, Any],
+                   backend: Optional[ClientsBackend] = None,
+                   num_clients: Optional[int] = None) -> dict:
+    """Evaluates named computations in order, each seeing `env` and those before it;
+    returns the extended environment (the locals of a Block, evaluated a few at a time
+    by a round plan's server pieces)."""
+    it = _Interpreter(backend if backend is not None else LocalClientsBackend(),
+                      num_clients, {})
+    env = dict(env)
+    for name, comp in steps:
+        env[name] = it.eval(comp, env)
+    return env
 
 
 def _checked_result(it: _Interpreter, result: Any, type_) -> Any:

@@ -273,3 +273,39 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class RoundAggregation(_message.Message):
+    __slots__ = ("kind", "value_index", "weight_index")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    kind: Aggregation
+    value_index: int
+    weight_index: int
+    def __init__(self, kind: _Optional[_Union[Aggregation, str]] = ..., value_index: _Optional[int] = ..., weight_index: _Optional[int] = ...) -> None: ...
+
+class RoundRequest(_message.Message):
+    __slots__ = ("computation_hash", "broadcast", "aggregations", "values", "from_store", "delay_seconds")
+    COMPUTATION_HASH_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATIONS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    computation_hash: str
+    broadcast: Value
+    aggregations: _containers.RepeatedCompositeFieldContainer[RoundAggregation]
+    values: _containers.RepeatedCompositeFieldContainer[ClientValue]
+    from_store: StoreRead
+    delay_seconds: float
+    def __init__(self, computation_hash: _Optional[str] = ..., broadcast: _Optional[_Union[Value, _Mapping]] = ..., aggregations: _Optional[_Iterable[_Union[RoundAggregation, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., from_store: _Optional[_Union[StoreRead, _Mapping]] = ..., delay_seconds: _Optional[float] = ...) -> None: ...
+
+class RoundResponse(_message.Message):
+    __slots__ = ("partials", "num_clients", "compute_seconds")
+    PARTIALS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    partials: _containers.RepeatedCompositeFieldContainer[AggregateResponse]
+    num_clients: int
+    compute_seconds: float
+    def __init__(self, partials: _Optional[_Iterable[_Union[AggregateResponse, _Mapping]]] = ..., num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...

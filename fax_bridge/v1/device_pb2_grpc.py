@@ -81,6 +81,11 @@ class DeviceStub:
                 request_serializer=fax__bridge_dot_v1_dot_device__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=fax__bridge_dot_v1_dot_device__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Round = channel.stream_unary(
+                '/fax_bridge.v1.Device/Round',
+                request_serializer=fax__bridge_dot_v1_dot_device__pb2.RoundRequest.SerializeToString,
+                response_deserializer=fax__bridge_dot_v1_dot_device__pb2.RoundResponse.FromString,
+                _registered_method=True)
 
 
 class DeviceServicer:
@@ -142,6 +147,12 @@ class DeviceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Round(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeviceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +200,11 @@ def add_DeviceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=fax__bridge_dot_v1_dot_device__pb2.ReleaseRequest.FromString,
                     response_serializer=fax__bridge_dot_v1_dot_device__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Round': grpc.stream_unary_rpc_method_handler(
+                    servicer.Round,
+                    request_deserializer=fax__bridge_dot_v1_dot_device__pb2.RoundRequest.FromString,
+                    response_serializer=fax__bridge_dot_v1_dot_device__pb2.RoundResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +452,33 @@ class Device:
             '/fax_bridge.v1.Device/Release',
             fax__bridge_dot_v1_dot_device__pb2.ReleaseRequest.SerializeToString,
             fax__bridge_dot_v1_dot_device__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Round(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fax_bridge.v1.Device/Round',
+            fax__bridge_dot_v1_dot_device__pb2.RoundRequest.SerializeToString,
+            fax__bridge_dot_v1_dot_device__pb2.RoundResponse.FromString,
             options,
             channel_credentials,
             insecure,

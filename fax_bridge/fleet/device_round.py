@@ -1,0 +1,105 @@
+"""A device's side of a round by plan: one `Round` stream in, one partial per aggregation out.
+
+The stream's first message names the round's client part (loaded before with `Load`,
+by content hash), the broadcast value and the aggregations; its messages bring this
+device's clients of the round (values, or `from_store` reads of the population the
+device hosts). The client part runs on <broadcast, member> for each client, in order,
+and each aggregation's exact partial over those clients is the answer
+(`runtime.aggregation`, `fleet.partials`). Nothing stays stored on the device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from federated_language.common_libs import structure
+
+from fax_bridge.fleet import partials, wire
+from fax_bridge.runtime import aggregation
+from fax_bridge.runtime.backend import as_numpy
+from fax_bridge.runtime.local_eval import select_element
+from fax_bridge.v1 import device_pb2 as pb
+
+
+def _error(code: grpc.StatusCode, message: str) -> Exception:
+    from fax_bridge.fleet.device import _RpcError
+
+    return _RpcError(code, message)
+
+
+def run_round(device, request_iterator, context) -> pb.RoundResponse:
+    """Serves one `Round` stream on `device` (a `DeviceServicer`)."""
+    head = None
+    members: list = []
+    reads: list = []
+    received = 0
+    for message in request_iterator:
+        if head is None:
+            head = message
+        if message.HasField("from_store"):
+            if message.values or members:
+                raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                             "Round stream mixes client values and from_store reads")
+            received += message.from_store.ByteSize()
+            device._check_room(received, "Round from_store stream")
+            reads.append(message.from_store)
+            continue
+        if reads and message.values:
+            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                         "Round stream mixes client values and from_store reads")
+        device._check_clients(len(members) + len(message.values), "Round")
+        received += sum(item.value.ByteSize() for item in message.values)
+        device._check_room(received, "Round")
+        members.extend(wire.decode_value(item.value) for item in message.values)
+    if head is None:
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, "Round stream sent no message")
+    delay = head.delay_seconds
+    if not 0.0 <= delay <= device.max_delay_seconds:  # NaN fails too
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                     f"Round: delay_seconds={delay} is outside 0..{device.max_delay_seconds:g}"
+                     " (--max-delay-seconds)")
+    with device._lock:
+        fn = device._computations.get(head.computation_hash)
+    if fn is None:
+        raise _error(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"Round: computation {head.computation_hash[:12]} is not loaded; send "
+                     "the round's client part with Load first")
+    kinds = []
+    for spec in head.aggregations:
+        kind = partials.ENUM_TO_KIND.get(spec.kind)
+        if kind is None or kind in ("secure_sum_bitwidth", "secure_sum"):
+            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"Round: aggregation number {spec.kind} cannot run in a round plan")
+        if (kind == "weighted_mean") != spec.HasField("weight_index"):
+            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"Round: a {kind} aggregation must name a weight_index exactly "
+                         "when it is a weighted mean")
+        kinds.append(kind)
+    if reads:
+        _, rows = device.read_store(reads)
+        members = [structure.Struct([(None, row)]) for row in rows]
+    sent = wire.decode_value(head.broadcast)
+    results = []
+    with device._compute:
+        start = time.perf_counter()
+        clock = time.monotonic()
+        for member in members:
+            device._check_time(clock, context, "Round")
+            results.append(fn(structure.Struct([(None, sent), (None, member)])))
+        answer = pb.RoundResponse(num_clients=len(results))
+        for spec, kind in zip(head.aggregations, kinds):
+            try:
+                values = [as_numpy(select_element(r, spec.value_index)) for r in results]
+                weights = ([as_numpy(select_element(r, spec.weight_index)) for r in results]
+                           if kind == "weighted_mean" else None)
+            except (IndexError, TypeError, ValueError) as e:
+                raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"Round: aggregation inputs at {spec.value_index} are not in "
+                             f"the client part's result ({e})") from None
+            partial = aggregation.partial_of(kind, values, weights)
+            answer.partials.append(partials.to_message(partial))
+        answer.compute_seconds = time.perf_counter() - start
+    if delay > 0 and device.stopping.wait(delay):
+        raise _error(grpc.StatusCode.UNAVAILABLE, "Round: the device is shutting down")
+    return answer

@@ -1,0 +1,411 @@
+"""Round plans: a computation of the round shape compiled once into its pieces.
+
+A computation exported by fax_bridge is a Lambda whose body is one Block of locals,
+each a call of an intrinsic (or a selection of the parameter). When every CLIENTS
+local is an argument, a broadcast, a per-client map or a zip, and every value that
+leaves the clients is one aggregation (sum, mean, weighted mean, min, max) whose
+inputs never depend on another aggregation's result, the round is
+
+  server prepare   the SERVER locals that do not depend on an aggregate (coordinator);
+  client part      ONE local computation  <broadcast values, client inputs> ->
+                   <aggregand_0, weight_0?, aggregand_1, ...>  (one client at a time);
+  aggregations     the kind of each aggregate and where its aggregand (and weights)
+                   sit in the client part's result;
+  server result    the remaining SERVER locals and the Block's result (coordinator).
+
+`compile_plan` returns None for every other computation (it keeps the phase-by-phase
+path). `run_in_process` runs a plan with no devices, for checking a plan against the
+interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Optional
+
+import federated_language
+from federated_language.proto import computation_pb2
+
+from fax_bridge.runtime import aggregation, local_eval
+
+Computation = computation_pb2.Computation
+
+_AGGREGATIONS = {"federated_sum": "sum", "federated_mean": "mean",
+                 "federated_weighted_mean": "weighted_mean", "federated_min": "min",
+                 "federated_max": "max"}
+_CLIENT_STEPS = ("federated_broadcast", "federated_map", "federated_zip_at_clients")
+_X = "__plan_x"  # the client part's parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class Aggregation:
+    """One aggregate local: its kind and where its inputs sit in the client result."""
+
+    local: str
+    kind: str
+    value_index: int
+    weight_index: Optional[int]
+    member_type: federated_language.Type
+    weight_type: Optional[federated_language.Type] = None
+
+
+@dataclasses.dataclass
+class Plan:
+    """A round computation split at its communication points (module docstring)."""
+
+    proto: Computation
+    parameter_name: str
+    server_locals: list          # [(name, Computation)] in block order
+    prepare_names: frozenset     # server locals that do not depend on an aggregate
+    broadcasts: list             # names of the server locals each broadcast sends
+    client_inputs: list          # parameter indices of the CLIENTS arguments
+    input_types: list            # their member types
+    client_part: Computation     # Lambda <broadcasts, inputs> -> <aggregands...>
+    aggregations: list           # [Aggregation]
+    result: Computation          # the Block's result (SERVER)
+    client_part_hash: str = ""
+
+    def __post_init__(self):
+        self.client_part_hash = local_eval.content_hash(self.client_part)
+
+
+def _type(comp: Computation):
+    return local_eval.parse_type(comp.type)
+
+
+def _is_clients(type_) -> bool:
+    return (isinstance(type_, federated_language.FederatedType)
+            and type_.placement is federated_language.CLIENTS)
+
+
+def _refs(comp: Computation) -> set:
+    """Every name a computation references (bound or not)."""
+    found = set()
+
+    def walk(c):
+        kind = c.WhichOneof("computation")
+        if kind == "reference":
+            found.add(c.reference.name)
+        elif kind == "call":
+            walk(c.call.function)
+            if c.call.HasField("argument"):
+                walk(c.call.argument)
+        elif kind == "struct":
+            for e in c.struct.element:
+                walk(e.value)
+        elif kind == "selection":
+            walk(c.selection.source)
+        elif kind == "block":
+            for local in c.block.local:
+                walk(local.value)
+            walk(c.block.result)
+        elif kind == "lambda":
+            walk(getattr(c, "lambda").result)
+
+    walk(comp)
+    return found
+
+
+def _ref(name: str) -> Computation:
+    out = Computation()
+    out.reference.name = name
+    return out
+
+
+def _sel(source: Computation, index: int) -> Computation:
+    out = Computation()
+    out.selection.source.CopyFrom(source)
+    out.selection.index = index
+    return out
+
+
+def _struct(items: list) -> Computation:
+    out = Computation()
+    for item in items:
+        out.struct.element.add().value.CopyFrom(item)
+    return out
+
+
+def _intrinsic_call(comp: Computation):
+    """(uri, argument or None) of a call of an intrinsic; None otherwise."""
+    if comp.WhichOneof("computation") != "call":
+        return None
+    fn = comp.call.function
+    if fn.WhichOneof("computation") != "intrinsic":
+        return None
+    return fn.intrinsic.uri, (comp.call.argument if comp.call.HasField("argument") else None)
+
+
+def _ref_name(comp: Optional[Computation]) -> Optional[str]:
+    if comp is not None and comp.WhichOneof("computation") == "reference":
+        return comp.reference.name
+    return None
+
+
+def compile_plan(proto: Computation) -> Optional[Plan]:
+    """The plan of a round-shaped computation, or None (module docstring)."""
+    if proto.WhichOneof("computation") != "lambda":
+        return None
+    lam = getattr(proto, "lambda")
+    param = lam.parameter_name
+    if not param:
+        return None
+    body = _flattened(lam.result, param)
+    client: dict = {}       # client local -> its translation in the client part
+    client_order: list = []
+    inputs: list = []       # parameter indices of CLIENTS arguments
+    members: dict = {}      # client local -> its member type
+    input_names: list = []
+    broadcasts: list = []
+    server: list = []
+    aggregates: list = []   # (local, kind, value name, weight name or None, member type)
+    depends_on_agg: set = set()
+    for local in body.block.local:
+        name, value = local.name, local.value
+        type_ = _type(value)
+        refs = _refs(value)
+        if _is_clients(type_):
+            members[name] = type_.member
+        if value.WhichOneof("computation") == "selection" and \
+                _ref_name(value.selection.source) == param:
+            if _is_clients(type_):
+                client[name] = _sel(_sel(_ref(_X), 1), len(inputs))
+                inputs.append(value.selection.index)
+                input_names.append(name)
+                client_order.append(name)
+            else:
+                server.append((name, value))
+            continue
+        call = _intrinsic_call(value)
+        uri, arg = call if call else (None, None)
+        if uri in _AGGREGATIONS:
+            kind = _AGGREGATIONS[uri]
+            if kind == "weighted_mean":
+                if arg is None or arg.WhichOneof("computation") != "struct" or \
+                        len(arg.struct.element) != 2:
+                    return None
+                v, w = (_ref_name(e.value) for e in arg.struct.element)
+            else:
+                v, w = _ref_name(arg), None
+            if v not in client or (kind == "weighted_mean" and w not in client):
+                return None
+            aggregates.append((name, kind, v, w, type_.member))
+            depends_on_agg.add(name)
+            continue
+        if uri == "federated_broadcast":
+            src = _ref_name(arg)
+            if src is None or src in client or src in depends_on_agg:
+                return None  # two trips, or not a plain broadcast of a server local
+            client[name] = _sel(_sel(_ref(_X), 0), len(broadcasts))
+            broadcasts.append(src)
+            client_order.append(name)
+            continue
+        if uri in ("federated_map", "federated_zip_at_clients") or _is_clients(type_):
+            if uri == "federated_map":
+                if arg is None or arg.WhichOneof("computation") != "struct" or \
+                        len(arg.struct.element) != 2:
+                    return None
+                fn = arg.struct.element[0].value
+                src = _translate_zip(arg.struct.element[1].value, client)
+                if src is None or _refs(fn) - _bound_inside(fn):
+                    return None
+                out = Computation()
+                out.call.function.CopyFrom(fn)
+                out.call.argument.CopyFrom(src)
+            elif uri == "federated_zip_at_clients":
+                out = _translate_zip(arg, client)
+                if out is None:
+                    return None
+            else:
+                return None  # another intrinsic producing CLIENTS values
+            client[name] = out
+            client_order.append(name)
+            continue
+        if refs & set(client) or param in refs:
+            return None  # a server step that reads client values (or all arguments)
+        if refs & depends_on_agg:
+            depends_on_agg.add(name)
+        server.append((name, value))
+    if not aggregates or not inputs and not broadcasts:
+        return None
+    if _refs(body.block.result) & set(client):
+        return None
+    # The client part: the client locals, then the struct of aggregands (and weights).
+    part = Computation()
+    getattr(part, "lambda").parameter_name = _X
+    block = getattr(part, "lambda").result.block
+    for name in client_order:
+        entry = block.local.add()
+        entry.name = name
+        entry.value.CopyFrom(client[name])
+    outs, aggs = [], []
+    for name, kind, v, w, member in aggregates:
+        vi = len(outs)
+        outs.append(_ref(v))
+        wi = None
+        if w is not None:
+            wi = len(outs)
+            outs.append(_ref(w))
+        aggs.append(Aggregation(name, kind, vi, wi, member,
+                                None if w is None else members[w]))
+    block.result.CopyFrom(_struct(outs))
+    prepare = frozenset(n for n, _ in server if n not in depends_on_agg)
+    return Plan(proto=proto, parameter_name=param, server_locals=server,
+                prepare_names=prepare, broadcasts=broadcasts, client_inputs=inputs,
+                input_types=[members[n] for n in input_names],
+                client_part=part, aggregations=aggs, result=body.block.result)
+
+
+def _flattened(body: Computation, param: str) -> Computation:
+    """`body` as one Block whose locals are each one intrinsic call (its operands
+    references or structs of them) or one selection from the parameter: nested calls
+    are lifted into locals of their own, innermost first, keeping their types."""
+    out = Computation()
+    out.CopyFrom(body)
+    block = Computation()
+    names = iter(f"__plan_{i}" for i in itertools.count())
+
+    def lift(c: Computation) -> Computation:
+        kind = c.WhichOneof("computation")
+        if kind == "struct":
+            new = Computation()
+            new.CopyFrom(c)
+            for element, old in zip(new.struct.element, c.struct.element):
+                element.value.CopyFrom(lift(old.value))
+            return new
+        is_arg = kind == "selection" and _ref_name(c.selection.source) == param
+        if _intrinsic_call(c) is None and not is_arg:
+            return c  # references, functions, and what the planner then refuses
+        name = next(names)
+        add(name, c)
+        ref = _ref(name)
+        ref.type.CopyFrom(c.type)
+        return ref
+
+    def add(name: str, c: Computation) -> None:
+        value = Computation()
+        value.CopyFrom(c)
+        if _intrinsic_call(c) is not None and c.call.HasField("argument"):
+            value.call.argument.CopyFrom(lift(c.call.argument))
+        entry = block.block.local.add()
+        entry.name = name
+        entry.value.CopyFrom(value)
+
+    if out.WhichOneof("computation") == "block":
+        for local in out.block.local:
+            add(local.name, local.value)
+        result = out.block.result
+    else:
+        result = out
+    block.block.result.CopyFrom(lift(result))
+    return block
+
+
+def _bound_inside(fn: Computation) -> set:
+    """Names a local function binds itself (its parameters and block locals)."""
+    bound = set()
+
+    def walk(c):
+        kind = c.WhichOneof("computation")
+        if kind == "lambda":
+            bound.add(getattr(c, "lambda").parameter_name)
+            walk(getattr(c, "lambda").result)
+        elif kind == "block":
+            for local in c.block.local:
+                bound.add(local.name)
+                walk(local.value)
+            walk(c.block.result)
+        elif kind == "call":
+            walk(c.call.function)
+            if c.call.HasField("argument"):
+                walk(c.call.argument)
+        elif kind == "struct":
+            for e in c.struct.element:
+                walk(e.value)
+        elif kind == "selection":
+            walk(c.selection.source)
+
+    walk(fn)
+    return bound
+
+
+def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computation]:
+    """A client local, or a zip of (nested structs of) them, as the same struct of
+    references."""
+    if arg is None:
+        return None
+    call = _intrinsic_call(arg)
+    if call is not None:
+        return _translate_zip(call[1], client) if call[0] == "federated_zip_at_clients" \
+            else None
+    kind = arg.WhichOneof("computation")
+    if kind == "reference":
+        return _ref(arg.reference.name) if arg.reference.name in client else None
+    if kind != "struct":
+        return None
+    out = Computation()
+    for e in arg.struct.element:
+        inner = _translate_zip(e.value, client)
+        if inner is None:
+            return None
+        element = out.struct.element.add()
+        if e.name:
+            element.name = e.name
+        element.value.CopyFrom(inner)
+    return out
+
+
+def client_results(plan: Plan, sent: list, members: list) -> list:
+    """The client part on each client's inputs (`members`: one Struct of inputs each)."""
+    from federated_language.common_libs import structure
+
+    fn = local_eval.compile_local(plan.client_part)
+    shared = structure.Struct([(None, v) for v in sent])
+    return [fn(structure.Struct([(None, shared), (None, m)])) for m in members]
+
+
+def partials_of(plan: Plan, results: list) -> list:
+    """One exact partial per aggregation over the clients' client-part results."""
+    from fax_bridge.runtime.local_eval import select_element
+
+    out = []
+    for agg in plan.aggregations:
+        values = [select_element(r, agg.value_index) for r in results]
+        weights = (None if agg.weight_index is None
+                   else [select_element(r, agg.weight_index) for r in results])
+        out.append(aggregation.partial_of(agg.kind, values, weights))
+    return out
+
+
+def run_in_process(plan: Plan, arg: Any, backend=None) -> Any:
+    """Runs a plan with no devices (`arg`: the runtime value of the parameter)."""
+    from federated_language.common_libs import structure
+
+    from fax_bridge.runtime import interpreter
+
+    members_by_input = [arg[i] for i in plan.client_inputs]
+    n = len(members_by_input[0])
+    members = [structure.Struct([(None, col[c]) for col in members_by_input])
+               for c in range(n)]
+    server_arg = structure.Struct([
+        (name, None if i in plan.client_inputs else arg[i])
+        for i, name in enumerate(structure.name_list_with_nones(arg))])
+    env = interpreter.evaluate_steps(
+        [(n_, v) for n_, v in plan.server_locals if n_ in plan.prepare_names],
+        {plan.parameter_name: server_arg}, backend, n)
+    sent = [env[name] for name in plan.broadcasts]
+    results = client_results(plan, sent, members)
+    for agg, partial in zip(plan.aggregations, partials_of(plan, results)):
+        flat = aggregation.finish(partial)
+        env[agg.local] = _assemble(agg.member_type, flat)
+    env = interpreter.evaluate_steps(
+        [(n_, v) for n_, v in plan.server_locals if n_ not in plan.prepare_names],
+        env, backend, n)
+    return interpreter.evaluate_steps([("__result", plan.result)], env, backend, n)["__result"]
+
+
+def _assemble(member_type, flat):
+    from fax_bridge.fleet.coordinator import GrpcClientsBackend
+
+    return GrpcClientsBackend._assemble(member_type, flat)

@@ -1,0 +1,151 @@
+"""The coordinator's side of a round by plan: one `Round` stream per device per round.
+
+`run_plan` runs a `plan.Plan` on a `GrpcClientsBackend`: the server prepare here, then
+one stream to each device holding clients (the round's client part loaded once per
+device, by content hash; the broadcast value; the device's block of the cohort, as
+values or as population ids), one answer per device with an exact partial per
+aggregation (checked by `validate.check_partial`, merged in client order), then the
+server result here. Lost devices raise `DeviceLostError` as on the phase path, so
+rounds finish on the survivors the same way; token and TLS are the backend's channels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+from federated_language.common_libs import structure
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import partials, put_messages, validate, wire
+from fax_bridge.fleet.plan import Plan
+from fax_bridge.runtime import aggregation, interpreter, population, values
+from fax_bridge.runtime.backend import as_numpy
+from fax_bridge.runtime.population import PopulationRef
+from fax_bridge.v1 import device_pb2 as pb
+
+
+def usable(plan: Optional[Plan], arg: Any, param_type) -> bool:
+    """Whether a round can go by plan: CLIENTS inputs all given as values, or exactly
+    one, read from the devices' population."""
+    if plan is None:
+        return False
+    inputs = [arg[i] for i in plan.client_inputs]
+    refs = [isinstance(v, PopulationRef) for v in inputs]
+    return not any(refs) or (len(refs) == 1 and refs[0])
+
+
+def _streams(backend, plan: Plan, inputs: list, layout, head_of) -> dict:
+    """Each device's request messages: its head, then its clients."""
+    out = {}
+    if isinstance(inputs[0], PopulationRef):
+        ref = inputs[0]
+        member_type = plan.input_types[0]
+        _, size, _ = backend.population_info(ref)
+        ids = np.asarray(ref.client_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            raise FleetError(f"a client id is out of range for the devices' population of "
+                             f"{size} clients")
+        keys = population.default_keys(member_type, getattr(ref, "keys", None))
+        type_bytes = member_type.to_proto().SerializeToString(deterministic=True)
+        for index, clients in layout:
+            reads = put_messages.store_reads(0, ids[clients.start:clients.stop],
+                                             clients.start, type_bytes, keys, ref.name or "")
+            messages = [pb.RoundRequest(from_store=m.from_store) for m in reads]
+            messages[0].MergeFrom(head_of(index))
+            out[index] = messages
+        return out
+    for index, clients in layout:
+        members = [structure.Struct([(None, col[c]) for col in inputs]) for c in clients]
+        puts = put_messages.client_values(0, range(len(members)), members,
+                                          backend.message_bytes)
+        messages = []
+        for put in puts:
+            message = pb.RoundRequest()
+            message.values.extend(put.values)
+            for item in message.values:
+                item.client_id += clients.start
+            messages.append(message)
+        messages[0].MergeFrom(head_of(index))
+        out[index] = messages
+    return out
+
+
+def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
+             delays: Optional[np.ndarray] = None) -> Any:
+    """One round of `plan` on the backend's devices (module docstring); returns the
+    result as the interpreter would (`arg` checked by `values.check_value`)."""
+    inputs = [arg[i] for i in plan.client_inputs]
+    first = inputs[0]
+    n = len(first.client_ids) if isinstance(first, PopulationRef) else len(first)
+    names = structure.name_list_with_nones(arg)
+    server_arg = structure.Struct([(name, None if i in plan.client_inputs else v)
+                                   for i, (name, v) in enumerate(zip(names, arg))])
+    env = interpreter.evaluate_steps(
+        [(k, v) for k, v in plan.server_locals if k in plan.prepare_names],
+        {plan.parameter_name: server_arg}, backend, n)
+    sent = structure.Struct([(None, as_numpy(env[k])) for k in plan.broadcasts])
+    layout = backend._layout(n)
+    devices = [d for d, _ in layout]
+    key = backend._ensure_loaded(plan.client_part, devices)
+    broadcast = wire.to_message(sent)
+    specs = []
+    for agg in plan.aggregations:
+        spec = pb.RoundAggregation(kind=partials.KIND_TO_ENUM[agg.kind],
+                                   value_index=agg.value_index)
+        if agg.weight_index is not None:
+            spec.weight_index = agg.weight_index
+        specs.append(spec)
+    longest = 0.0
+
+    def head_of(index: int) -> pb.RoundRequest:
+        nonlocal longest
+        clients = dict(layout)[index]
+        delay = 0.0
+        if delays is not None:
+            mine = delays[clients.start:min(clients.stop, len(delays))]
+            delay = float(mine.max()) if mine.size else 0.0
+        longest = max(longest, delay)
+        head = pb.RoundRequest(computation_hash=key, aggregations=specs, delay_seconds=delay)
+        head.broadcast.CopyFrom(broadcast)
+        return head
+
+    streams = _streams(backend, plan, inputs, layout, head_of)
+    calls = {}
+    for index, messages in streams.items():
+        backend.traffic.rpcs += 1
+        backend._count(down=messages,
+                       payload_down=sum(wire.payload_bytes(i.value)
+                                        for m in messages for i in m.values))
+        backend.traffic.payload_down += wire.payload_bytes(broadcast)
+        calls[index] = backend._devices[index].stub.Round.future(
+            iter(messages), timeout=backend.rpc_timeout_s + longest,
+            metadata=backend._metadata)
+    answers = backend._answers(calls, "Round")
+    backend._count(up=answers.values())
+    totals = [aggregation.Partial(kind=a.kind, leaves=[]) for a in plan.aggregations]
+    for index, clients in layout:  # device order is client order
+        answer = answers[index]
+        where = f"device {index} at {backend._devices[index].address}"
+        if answer.num_clients != len(clients) or \
+                len(answer.partials) != len(plan.aggregations):
+            raise FleetError(
+                f"{where} answered a round for {answer.num_clients} clients with "
+                f"{len(answer.partials)} partials; it was sent {len(clients)} clients and "
+                f"{len(plan.aggregations)} aggregations")
+        backend.traffic.compute_seconds += answer.compute_seconds
+        for agg, total, message in zip(plan.aggregations, totals, answer.partials):
+            weight_types = (validate.leaf_types(agg.weight_type)
+                            if agg.weight_type is not None else [])
+            validate.check_partial(message, agg.kind, validate.leaf_types(agg.member_type),
+                                   weight_types, len(clients), where,
+                                   backend.reject_nonfinite)
+            backend.traffic.payload_up += partials.payload_bytes(message)
+            aggregation.merge(total, partials.from_message(agg.kind, message))
+    for agg, total in zip(plan.aggregations, totals):
+        env[agg.local] = backend._assemble(agg.member_type, aggregation.finish(total))
+    env = interpreter.evaluate_steps(
+        [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
+        + [("", plan.result)], env, backend, n)
+    return values.check_value(env[""], result_type, "result")
+

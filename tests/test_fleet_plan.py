@@ -1,0 +1,144 @@
+"""Round plans: which computations compile to one, the same bits as the interpreter and
+as the phase-by-phase fleet path, and the round semantics kept on the plan path."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import plan as P
+from fax_bridge.fleet.launcher import LocalFleet
+from fax_bridge.runtime import interpreter, values
+from fax_bridge.v1 import device_pb2 as pb
+from fax_bridge.v1 import device_pb2_grpc as pb_grpc
+
+N = 6
+PLACE = ("server", "clients", "clients")
+
+
+@fb.program(clients=N)
+def _round(params, x, counts):
+    at = fb.federated_broadcast(params * 2.0)
+    out = fb.federated_map_clients(lambda p, x: (p + x.sum(), (x * p).mean()), (at, x))
+    return (fb.federated_weighted_mean(out[0], counts) + params,
+            fb.federated_sum(out[1]))
+
+
+@fb.program(clients=N)
+def _two_trips(params, x, counts):
+    at = fb.federated_broadcast(params)
+    mean = fb.federated_mean(fb.federated_map_clients(lambda p, x: p * x, (at, x)))
+    again = fb.federated_broadcast(mean)
+    return fb.federated_sum(fb.federated_map_clients(lambda m, x: m + x, (again, x)))
+
+
+def _args(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=3).astype(np.float32),
+            rng.normal(size=(N, 3)).astype(np.float32),
+            rng.uniform(1, 5, size=N).astype(np.float32))
+
+
+PROTO = fb.export_tff(_round, *_args(), placements=PLACE)
+
+
+def _bits(result) -> list:
+    return [np.asarray(leaf).tobytes() for leaf in fb_leaves(result)]
+
+
+def fb_leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def test_a_round_compiles_to_one_client_part_and_its_aggregations():
+    plan = P.compile_plan(PROTO)
+    assert plan is not None
+    assert [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations] == \
+        [("weighted_mean", 0, 1), ("sum", 2, None)]
+    assert len(plan.broadcasts) == 1 and len(plan.client_inputs) == 2
+    assert plan.client_part.WhichOneof("computation") == "lambda"
+
+
+def test_computations_of_another_shape_keep_the_phase_path():
+    x = _args()
+    assert P.compile_plan(fb.export_tff(_two_trips, *x, placements=PLACE)) is None
+
+    @fb.program(clients=N)
+    def per_client(params, x, counts):  # a CLIENTS result: nothing is aggregated
+        return fb.federated_map_clients(lambda p, x: p * x,
+                                        (fb.federated_broadcast(params), x))
+
+    assert P.compile_plan(fb.export_tff(per_client, *x, placements=PLACE)) is None
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_the_plan_gives_the_interpreters_bits(seed):
+    plan = P.compile_plan(PROTO)
+    prepared = interpreter.prepare(PROTO)
+    arg = values.bind_arguments(prepared.parameter, _args(seed), {}).runtime_value()
+    want = interpreter.evaluate(prepared, arg)
+    got = values.check_value(P.run_in_process(plan, arg), prepared.result, "result")
+    assert _bits(values.to_pytree(got, prepared.result)) == \
+        _bits(values.to_pytree(want, prepared.result))
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with LocalFleet(devices=2, cohort_size=5, dropout=0.2, straggler_delay_s=0.05,
+                    round_deadline_s=0.08, seed=3) as f:
+        yield f
+
+
+def test_plan_and_phase_paths_give_the_same_bits_and_clients(fleet):
+    args = _args(1)
+    got = {}
+    for use in (True, False):
+        fleet.use_plans = use
+        for r in range(3):
+            fleet.next_round = r
+            result, rep = fleet.run(PROTO, *args, report=True)
+            got[use, r] = (_bits(result), list(rep.participants), list(rep.dropped),
+                           list(rep.late), rep.rpcs)
+    fleet.use_plans = True
+    for r in range(3):
+        assert got[True, r][:4] == got[False, r][:4]
+        assert got[True, r][4] <= 4 < got[False, r][4]  # Load once, then one Round each
+    assert any(got[True, r][2] or got[True, r][3] for r in range(3))  # dropouts, late ones
+
+
+def test_min_clients_still_fails_the_round_on_the_plan_path(fleet):
+    fleet.policy = type(fleet.policy)(cohort_size=5, dropout=0.5, seed=3, min_clients=5)
+    try:
+        fleet.next_round = 0
+        with pytest.raises(FleetError, match="min_clients=5"):
+            fleet.run(PROTO, *_args())
+    finally:
+        fleet.policy = type(fleet.policy)(cohort_size=5, dropout=0.2,
+                                          straggler_delay_s=0.05, round_deadline_s=0.08,
+                                          seed=3)
+
+
+def test_a_round_without_the_fleet_token_is_refused(fleet):
+    with grpc.insecure_channel(fleet.addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.DeviceStub(channel).Round(iter([pb.RoundRequest()]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_round_naming_a_client_part_never_loaded_is_refused(fleet):
+    from fax_bridge.fleet import security
+
+    with grpc.insecure_channel(fleet.addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.DeviceStub(channel).Round(
+                iter([pb.RoundRequest(computation_hash="0" * 64)]), timeout=10,
+                metadata=security.call_metadata(fleet._token))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not loaded" in info.value.details()
