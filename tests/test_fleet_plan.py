@@ -142,3 +142,83 @@ def test_a_round_naming_a_client_part_never_loaded_is_refused(fleet):
                 metadata=security.call_metadata(fleet._token))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "not loaded" in info.value.details()
+
+
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(["sum", "mean", "min", "max", "weighted_mean"]),
+       shape=st.sampled_from([(), (3,), (2, 2)]), clients=st.integers(1, 7),
+       seed=st.integers(0, 2**31 - 1))
+def test_every_plan_aggregation_gives_the_interpreters_bits(kind, shape, clients, seed):
+    from fax_bridge.fleet import sample_computations as sc
+
+    rng = np.random.default_rng(seed)
+    x = list(rng.normal(size=(clients, *shape)).astype(np.float32))
+    if kind == "weighted_mean":
+        proto = sc.weighted_mean(shape)
+        other = list(rng.uniform(0.5, 3, size=clients).astype(np.float32))
+    else:
+        proto = sc.scaled_aggregate(shape, kind)
+        other = rng.normal(size=shape).astype(np.float32)
+    plan = P.compile_plan(proto)
+    assert plan is not None and [a.kind for a in plan.aggregations] == [kind]
+    prepared = interpreter.prepare(proto)
+    arg = values.check_value(values.bind_arguments(prepared.parameter, (x, other), {})
+                             .runtime_value(), prepared.parameter)
+    want = interpreter.evaluate(prepared, arg)
+    got = values.check_value(P.run_in_process(plan, arg), prepared.result, "result")
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.fixture(scope="module")
+def capped():
+    from fax_bridge.fleet import device, device_process, security
+
+    token = security.new_token()
+    servicer = device.DeviceServicer("plan", max_stored_bytes=1 << 20, max_clients=100,
+                                     max_delay_seconds=2.0)
+    server, port = device_process.start_server("127.0.0.1:0", servicer, token=token)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.DeviceStub(channel), security.call_metadata(token)
+    channel.close()
+    server.stop(None)
+
+
+def _round_messages(plan, key, members, delay=0.0):
+    from federated_language.common_libs import structure
+
+    from fax_bridge.fleet import partials, wire
+
+    head = pb.RoundRequest(computation_hash=key, delay_seconds=delay)
+    head.broadcast.CopyFrom(wire.to_message(structure.Struct([(None, np.ones(3, np.float32))])))
+    for agg in plan.aggregations:
+        spec = head.aggregations.add(kind=partials.KIND_TO_ENUM[agg.kind],
+                                     value_index=agg.value_index)
+        if agg.weight_index is not None:
+            spec.weight_index = agg.weight_index
+    for c, member in enumerate(members):
+        item = head.values.add(client_id=c)
+        wire.encode_value(member, item.value)
+    return [head]
+
+
+def test_a_device_bounds_round_requests_and_keeps_serving(capped):
+    from federated_language.common_libs import structure
+
+    stub, md = capped
+    plan = P.compile_plan(PROTO)
+    data = plan.client_part.SerializeToString(deterministic=True)
+    stub.Load(pb.LoadRequest(computation_hash=plan.client_part_hash, computation=data),
+              timeout=30, metadata=md)
+    member = structure.Struct([(None, np.ones(3, np.float32)), (None, np.float32(2.0))])
+    for members, delay, code in (([member] * 101, 0.0, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                                 ([member] * 2, float("nan"),
+                                  grpc.StatusCode.INVALID_ARGUMENT),
+                                 ([member] * 2, 5.0, grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Round(iter(_round_messages(plan, plan.client_part_hash, members, delay)),
+                       timeout=30, metadata=md)
+        assert info.value.code() == code
+    answer = stub.Round(iter(_round_messages(plan, plan.client_part_hash, [member] * 3)),
+                        timeout=30, metadata=md)
+    assert answer.num_clients == 3 and len(answer.partials) == 2
+    assert [p.num_clients for p in answer.partials] == [3, 3]

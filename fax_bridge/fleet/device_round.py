@@ -28,6 +28,12 @@ def _error(code: grpc.StatusCode, message: str) -> Exception:
     return _RpcError(code, message)
 
 
+def _value_bytes(value) -> int:
+    from fax_bridge.fleet.device import _value_bytes as size
+
+    return size(value)
+
+
 def run_round(device, request_iterator, context) -> pb.RoundResponse:
     """Serves one `Round` stream on `device` (a `DeviceServicer`)."""
     head = None
@@ -84,14 +90,18 @@ def run_round(device, request_iterator, context) -> pb.RoundResponse:
     with device._compute:
         start = time.perf_counter()
         clock = time.monotonic()
+        produced = 0
         for member in members:
             device._check_time(clock, context, "Round")
-            results.append(fn(structure.Struct([(None, sent), (None, member)])))
+            result = as_numpy(fn(structure.Struct([(None, sent), (None, member)])))
+            produced += _value_bytes(result)
+            device._check_room(received + produced, "Round's client results")
+            results.append(result)
         answer = pb.RoundResponse(num_clients=len(results))
         for spec, kind in zip(head.aggregations, kinds):
             try:
-                values = [as_numpy(select_element(r, spec.value_index)) for r in results]
-                weights = ([as_numpy(select_element(r, spec.weight_index)) for r in results]
+                values = [select_element(r, spec.value_index) for r in results]
+                weights = ([select_element(r, spec.weight_index) for r in results]
                            if kind == "weighted_mean" else None)
             except (IndexError, TypeError, ValueError) as e:
                 raise _error(grpc.StatusCode.INVALID_ARGUMENT,
