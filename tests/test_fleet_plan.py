@@ -222,3 +222,21 @@ def test_a_device_bounds_round_requests_and_keeps_serving(capped):
                         timeout=30, metadata=md)
     assert answer.num_clients == 3 and len(answer.partials) == 2
     assert [p.num_clients for p in answer.partials] == [3, 3]
+
+
+def test_a_resumed_run_loop_on_the_plan_path_gives_the_straight_runs_bits(fleet, tmp_path):
+    w0, x, counts = _args(2)
+
+    def loop(rounds, folder=None):
+        return fleet.run_loop(PROTO, w0, rounds, lambda r: (x + r, counts),
+                              next_state=lambda out: out[0], checkpoint_dir=folder)
+
+    straight = loop(4)
+    loop(2, tmp_path)  # stops after round 1, as a killed coordinator would
+    resumed = loop(4, tmp_path)
+    assert np.asarray(resumed).tobytes() == np.asarray(straight).tobytes()
+    fleet.use_plans = False
+    try:
+        assert np.asarray(loop(4)).tobytes() == np.asarray(straight).tobytes()
+    finally:
+        fleet.use_plans = True
