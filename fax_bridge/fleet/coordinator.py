@@ -177,6 +177,11 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         """Per-client emulated delays (seconds) applied by the next map (then cleared)."""
         self._delays = None if delays is None else np.asarray(delays, np.float64).reshape(-1)
 
+    def take_delays(self) -> Optional[np.ndarray]:
+        """The per-client delays set for the next map (or round by plan), clearing them."""
+        delays, self._delays = self._delays, None
+        return delays
+
     def collect(self) -> None:
         """Releases, on the devices, every value no longer referenced here."""
         self._flush_releases(force=True)
@@ -329,7 +334,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         key = self._ensure_loaded(fn, [d for d, _ in layout])
         result = self._new_value(arg.num_clients, fn_type.result)
         result.devices = arg.devices
-        delays, self._delays = self._delays, None
+        delays = self.take_delays()
         requests = {}
         longest = 0.0
         for index, clients in layout:

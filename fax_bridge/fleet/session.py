@@ -191,9 +191,8 @@ class FleetRounds:
                 arg = values.check_value(arg, prepared.parameter,
                                          population_size=backend.population_size)
             if plan_runner.usable(plan, arg, prepared.parameter):
-                delays, backend._delays = backend._delays, None
                 result = plan_runner.run_plan(backend, plan, arg, prepared.parameter,
-                                             prepared.result, delays)
+                                              prepared.result, backend.take_delays())
             else:
                 result = interpreter.evaluate(prepared, arg, backend, num_clients=num_clients)
             return values.to_pytree(result, prepared.result)

@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class DeviceStub:
     """One device process. Requests may arrive concurrently; the computing ones (Map, Zip,
-    Aggregate) run one at a time.
+    Aggregate, Round) run one at a time.
     """
 
     def __init__(self, channel):
@@ -90,7 +90,7 @@ class DeviceStub:
 
 class DeviceServicer:
     """One device process. Requests may arrive concurrently; the computing ones (Map, Zip,
-    Aggregate) run one at a time.
+    Aggregate, Round) run one at a time.
     """
 
     def Health(self, request, context):
@@ -216,7 +216,7 @@ def add_DeviceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Device:
     """One device process. Requests may arrive concurrently; the computing ones (Map, Zip,
-    Aggregate) run one at a time.
+    Aggregate, Round) run one at a time.
     """
 
     @staticmethod
