@@ -254,3 +254,30 @@ def test_put_streams_messages_one_at_a_time(data):
             assert backend.traffic.payload_down == 120 * 64 * 4
         finally:
             backend.close()
+
+
+def test_a_round_by_plan_reads_several_clients_arguments_from_the_store(fleet, data):
+    import fax_bridge as fb
+
+    @fb.program(clients=CLIENTS)
+    def round_(w, bx, by):
+        at = fb.federated_broadcast(w)
+        loss = fb.federated_map_clients(lambda w, x, y: ((x @ w - y) ** 2).mean(),
+                                        (at, bx, by))
+        return fb.federated_sum(loss), fb.federated_mean(bx)
+
+    w = np.linspace(-1, 1, FEATURES).astype(np.float32)
+    proto = fb.export_tff(round_, w, data["bx"], data["by"],
+                          placements=("server", "clients", "clients"))
+    refs = (PopulationRef(keys=["bx"]), PopulationRef(keys=["by"]))
+    fed, rep_fed = fleet.run(proto, w, data["bx"], data["by"], report=True)
+    hosted, rep = fleet.run(proto, w, *refs, report=True)
+    fleet.use_plans = False
+    try:
+        phases, rep_phases = fleet.run(proto, w, *refs, report=True)
+    finally:
+        fleet.use_plans = True
+    for a, b, c in zip(fed, hosted, phases):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes() == np.asarray(c).tobytes()
+    assert rep.payload_down == 2 * w.nbytes  # the broadcast only: no client data sent
+    assert rep.rpcs <= 4 < rep_phases.rpcs  # one Round per device (and Loads once)

@@ -83,8 +83,7 @@ def run_round(device, request_iterator, context) -> pb.RoundResponse:
                          "when it is a weighted mean")
         kinds.append(kind)
     if reads:
-        _, rows = device.read_store(reads)
-        members = [structure.Struct([(None, row)]) for row in rows]
+        _, members = device.read_store(reads)
     sent = wire.decode_value(head.broadcast)
     results = []
     with device._compute:

@@ -26,13 +26,34 @@ from fax_bridge.v1 import device_pb2 as pb
 
 
 def usable(plan: Optional[Plan], arg: Any, param_type) -> bool:
-    """Whether a round can go by plan: CLIENTS inputs all given as values, or exactly
-    one, read from the devices' population."""
+    """Whether a round can go by plan: CLIENTS inputs all given as values, or all read
+    from the devices' population (the same clients, each input's stored arrays named,
+    or one input whose tensor is the store's only array)."""
     if plan is None:
         return False
     inputs = [arg[i] for i in plan.client_inputs]
     refs = [isinstance(v, PopulationRef) for v in inputs]
-    return not any(refs) or (len(refs) == 1 and refs[0])
+    if not any(refs):
+        return True
+    if not all(refs) or len({v.name for v in inputs}) > 1:
+        return False
+    ids = [np.asarray(v.client_ids, np.int64).reshape(-1) for v in inputs]
+    if any(not np.array_equal(ids[0], i) for i in ids[1:]):
+        return False
+    try:
+        keys = [population.default_keys(t, v.keys) for t, v in zip(plan.input_types, inputs)]
+    except Exception:
+        return False  # the phase path reports what is wrong with the keys
+    return len(inputs) == 1 or all(keys)
+
+
+def _store_member(plan: Plan, inputs: list) -> tuple:
+    """(struct type of the client's inputs, the stored array of each tensor, depth first)."""
+    import federated_language
+
+    keys = [k for t, v in zip(plan.input_types, inputs)
+            for k in population.default_keys(t, v.keys)]
+    return federated_language.StructType([(None, t) for t in plan.input_types]), keys
 
 
 def _streams(backend, plan: Plan, inputs: list, layout, head_of) -> dict:
@@ -40,13 +61,12 @@ def _streams(backend, plan: Plan, inputs: list, layout, head_of) -> dict:
     out = {}
     if isinstance(inputs[0], PopulationRef):
         ref = inputs[0]
-        member_type = plan.input_types[0]
+        member_type, keys = _store_member(plan, inputs)
         _, size, _ = backend.population_info(ref)
         ids = np.asarray(ref.client_ids, dtype=np.int64).reshape(-1)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
             raise FleetError(f"a client id is out of range for the devices' population of "
                              f"{size} clients")
-        keys = population.default_keys(member_type, getattr(ref, "keys", None))
         type_bytes = member_type.to_proto().SerializeToString(deterministic=True)
         for index, clients in layout:
             reads = put_messages.store_reads(0, ids[clients.start:clients.stop],
