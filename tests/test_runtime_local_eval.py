@@ -138,3 +138,41 @@ def test_non_functional_computation_is_rejected():
         local_eval.compile_local(lit)
     with pytest.raises(ComputationError, match="Computation proto"):
         local_eval.compile_local(b"bytes")
+
+
+def _every_computation(message):
+    """Every Computation message nested in `message`, by protobuf reflection alone."""
+    found = [message] if isinstance(message, computation_pb2.Computation) else []
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        for item in (value if field.label == field.LABEL_REPEATED else [value]):
+            if hasattr(item, "ListFields"):
+                found.extend(_every_computation(item))
+    return found
+
+
+def test_children_reach_every_nested_computation():
+    """Walking `children` visits exactly the Computation messages a proto holds (except
+    inside Xla, whose module is not a Computation), for programs using every case."""
+    import jax.numpy as jnp
+
+    import fax_bridge as fb
+
+    @fb.program(clients=3)
+    def round_(w, x, weights):
+        wc = fb.federated_broadcast(w)
+        d = fb.federated_map_clients(lambda a, b: {"p": a * b, "q": b.sum()}, (wc, x))
+        return fb.federated_weighted_mean(d, weights), fb.federated_sum(x) + w.sum()
+
+    proto = fb.export_tff(round_, jnp.ones(2), jnp.ones((3, 2)), jnp.ones(3),
+                          placements=("server", "clients", "clients"))
+    seen, stack = [], [proto]
+    while stack:
+        c = stack.pop()
+        seen.append(c)
+        stack.extend(local_eval.children(c))
+    assert sorted(c.SerializeToString() for c in seen) == sorted(
+        c.SerializeToString() for c in _every_computation(proto))
+    kinds = {c.WhichOneof("computation") for c in seen}
+    assert {"lambda", "block", "call", "intrinsic", "reference", "xla"} <= kinds

@@ -81,29 +81,12 @@ def _is_clients(type_) -> bool:
 
 def _refs(comp: Computation) -> set:
     """Every name a computation references (bound or not)."""
-    found = set()
-
-    def walk(c):
-        kind = c.WhichOneof("computation")
-        if kind == "reference":
+    found, stack = set(), [comp]
+    while stack:
+        c = stack.pop()
+        if c.WhichOneof("computation") == "reference":
             found.add(c.reference.name)
-        elif kind == "call":
-            walk(c.call.function)
-            if c.call.HasField("argument"):
-                walk(c.call.argument)
-        elif kind == "struct":
-            for e in c.struct.element:
-                walk(e.value)
-        elif kind == "selection":
-            walk(c.selection.source)
-        elif kind == "block":
-            for local in c.block.local:
-                walk(local.value)
-            walk(c.block.result)
-        elif kind == "lambda":
-            walk(getattr(c, "lambda").result)
-
-    walk(comp)
+        stack.extend(local_eval.children(c))
     return found
 
 
@@ -304,29 +287,15 @@ def _flattened(body: Computation, param: str) -> Computation:
 
 def _bound_inside(fn: Computation) -> set:
     """Names a local function binds itself (its parameters and block locals)."""
-    bound = set()
-
-    def walk(c):
+    bound, stack = set(), [fn]
+    while stack:
+        c = stack.pop()
         kind = c.WhichOneof("computation")
         if kind == "lambda":
             bound.add(getattr(c, "lambda").parameter_name)
-            walk(getattr(c, "lambda").result)
         elif kind == "block":
-            for local in c.block.local:
-                bound.add(local.name)
-                walk(local.value)
-            walk(c.block.result)
-        elif kind == "call":
-            walk(c.call.function)
-            if c.call.HasField("argument"):
-                walk(c.call.argument)
-        elif kind == "struct":
-            for e in c.struct.element:
-                walk(e.value)
-        elif kind == "selection":
-            walk(c.selection.source)
-
-    walk(fn)
+            bound.update(local.name for local in c.block.local)
+        stack.extend(local_eval.children(c))
     return bound
 
 

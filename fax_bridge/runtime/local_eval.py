@@ -146,6 +146,25 @@ def computation_kind(comp: computation_pb2.Computation) -> str:
     return kind
 
 
+def children(comp: computation_pb2.Computation) -> list[computation_pb2.Computation]:
+    """The computations directly inside `comp`, in evaluation order: a call's function
+    then its argument, a struct's elements, a selection's source, a lambda's result, a
+    block's locals then its result; none for references, intrinsics, literals, Xla."""
+    kind = comp.WhichOneof("computation")
+    if kind == "call":
+        call = comp.call
+        return [call.function, call.argument] if call.HasField("argument") else [call.function]
+    if kind == "struct":
+        return [e.value for e in comp.struct.element]
+    if kind == "selection":
+        return [comp.selection.source]
+    if kind == "lambda":
+        return [getattr(comp, "lambda").result]
+    if kind == "block":
+        return [local.value for local in comp.block.local] + [comp.block.result]
+    return []
+
+
 def select_element(value: Any, index: int) -> Any:
     """Element `index` of a struct value, as a Selection computes it."""
     if not isinstance(value, structure.Struct):
