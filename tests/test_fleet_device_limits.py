@@ -143,3 +143,27 @@ def test_silent_connections_are_capped_and_do_not_stall_an_open_channel():
 def test_sigterm_ends_a_device_whose_workers_all_sleep_in_map_delays():
     result = device_flood.sigterm_during_delays(workers=2)
     assert result["exited"], result
+
+
+@pytest.mark.parametrize("method", ["Put", "Round"])
+def test_client_streams_refuse_mixed_or_empty_streams(stub, method):
+    """Put and Round read their clients the same way: values or from_store reads, never
+    both, and at least one message (and Put one handle); the device keeps serving."""
+    request = pb.PutRequest if method == "Put" else pb.RoundRequest
+    value = pb.ClientValue(client_id=0)
+    wire.encode_value(np.float32(1.0), value.value)
+    read = pb.StoreRead(population_ids=[0])
+    streams = {
+        "mixes client values and from_store": [request(values=[value]),
+                                               request(from_store=read)],
+        "sent no message": [],
+    }
+    if method == "Put":
+        streams["mixes handles 5 and 6"] = [pb.PutRequest(handle=5, values=[value]),
+                                            pb.PutRequest(handle=6, values=[value])]
+    for match, messages in streams.items():
+        with pytest.raises(grpc.RpcError) as info:
+            getattr(stub, method)(iter(messages), timeout=10, metadata=MD)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert match in info.value.details()
+    assert stub.Health(pb.HealthRequest(), timeout=10, metadata=MD).status == "SERVING"

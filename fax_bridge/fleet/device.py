@@ -241,41 +241,53 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             self._computations[request.computation_hash] = fn
         return pb.LoadResponse(already_loaded=False)
 
-    @_rpc
-    def Put(self, request_iterator, context):
-        handle = None
+    def read_clients(self, messages, what: str, check=None):
+        """Reads a stream of client messages (Put, Round): client values, or `from_store`
+        reads of the hosted population, never both; the client and byte caps are checked
+        as each message arrives. `check(first, message)` may refuse a message. Returns
+        the first message, the client ids, the members, the reads and the bytes received."""
+        first = None
         ids: list = []
         members: list = []
         reads: list = []
         received = 0
-        for message in request_iterator:
-            if handle is None:
-                handle = message.handle
-            elif message.handle != handle:
-                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"Put stream mixes handles {handle} and {message.handle}")
+        for message in messages:
+            if first is None:
+                first = message
+            elif check is not None:
+                check(first, message)
             if message.HasField("from_store"):
-                if message.values or ids:
+                if message.values or members:
                     raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "Put stream mixes client values and from_store reads")
+                                    f"{what} stream mixes client values and from_store reads")
                 received += message.from_store.ByteSize()
-                self._check_room(received, "from_store stream")
+                self._check_room(received, f"{what} from_store stream")
                 reads.append(message.from_store)
                 continue
             if reads and message.values:
                 raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                "Put stream mixes client values and from_store reads")
-            self._check_clients(len(ids) + len(message.values), "Put")
+                                f"{what} stream mixes client values and from_store reads")
+            self._check_clients(len(members) + len(message.values), what)
             received += sum(item.value.ByteSize() for item in message.values)
-            self._check_room(received, "Put")
+            self._check_room(received, what)
             for item in message.values:
                 ids.append(item.client_id)
                 members.append(wire.decode_value(item.value))
-        if handle is None:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "Put stream sent no message")
+        if first is None:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} stream sent no message")
+        return first, ids, members, reads, received
+
+    @_rpc
+    def Put(self, request_iterator, context):
+        def same_handle(first, message):
+            if message.handle != first.handle:
+                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"Put stream mixes handles {first.handle} and {message.handle}")
+
+        head, ids, members, reads, _ = self.read_clients(request_iterator, "Put", same_handle)
         if reads:
-            return self._put_from_store(handle, reads)
-        self._store(handle, Stored(client_ids=ids, members=members))
+            return self._put_from_store(head.handle, reads)
+        self._store(head.handle, Stored(client_ids=ids, members=members))
         return pb.PutResponse(num_clients=len(ids))
 
     @_rpc

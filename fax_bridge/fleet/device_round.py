@@ -36,30 +36,7 @@ def _value_bytes(value) -> int:
 
 def run_round(device, request_iterator, context) -> pb.RoundResponse:
     """Serves one `Round` stream on `device` (a `DeviceServicer`)."""
-    head = None
-    members: list = []
-    reads: list = []
-    received = 0
-    for message in request_iterator:
-        if head is None:
-            head = message
-        if message.HasField("from_store"):
-            if message.values or members:
-                raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                             "Round stream mixes client values and from_store reads")
-            received += message.from_store.ByteSize()
-            device._check_room(received, "Round from_store stream")
-            reads.append(message.from_store)
-            continue
-        if reads and message.values:
-            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                         "Round stream mixes client values and from_store reads")
-        device._check_clients(len(members) + len(message.values), "Round")
-        received += sum(item.value.ByteSize() for item in message.values)
-        device._check_room(received, "Round")
-        members.extend(wire.decode_value(item.value) for item in message.values)
-    if head is None:
-        raise _error(grpc.StatusCode.INVALID_ARGUMENT, "Round stream sent no message")
+    head, _, members, reads, received = device.read_clients(request_iterator, "Round")
     delay = head.delay_seconds
     if not 0.0 <= delay <= device.max_delay_seconds:  # NaN fails too
         raise _error(grpc.StatusCode.INVALID_ARGUMENT,
