@@ -169,6 +169,24 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                             f"{what} ran past this device's cap of {self.max_call_seconds:g}s "
                             "per call (--max-call-seconds)")
 
+    def check_delay(self, delay: float, what: str) -> float:
+        """`delay` if it lies in 0..--max-delay-seconds, else INVALID_ARGUMENT (NaN too)."""
+        if not 0.0 <= delay <= self.max_delay_seconds:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{what}: delay_seconds={delay} is outside "
+                            f"0..{self.max_delay_seconds:g} (--max-delay-seconds)")
+        return delay
+
+    def loaded(self, computation_hash: str, what: str):
+        """The compiled computation loaded under `computation_hash`, else FAILED_PRECONDITION."""
+        with self._lock:
+            fn = self._computations.get(computation_hash)
+        if fn is None:
+            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"{what}: computation {computation_hash[:12]} is not loaded; "
+                            "send it with Load first")
+        return fn
+
     def _get(self, handle: int) -> Stored:
         with self._lock:
             stored = self._handles.get(handle)
@@ -373,17 +391,8 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     @_rpc
     def Map(self, request, context):
-        delay = request.delay_seconds
-        if not 0.0 <= delay <= self.max_delay_seconds:  # NaN fails too
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Map: delay_seconds={delay} is outside 0..{self.max_delay_seconds:g}"
-                            " (--max-delay-seconds)")
-        with self._lock:
-            fn = self._computations.get(request.computation_hash)
-        if fn is None:
-            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"computation {request.computation_hash[:12]} is not loaded; "
-                            "send it with Load before mapping it")
+        delay = self.check_delay(request.delay_seconds, "Map")
+        fn = self.loaded(request.computation_hash, "Map")
         arg = self._get(request.arg)
         from fax_bridge.runtime.backend import as_numpy
 

@@ -37,17 +37,8 @@ def _value_bytes(value) -> int:
 def run_round(device, request_iterator, context) -> pb.RoundResponse:
     """Serves one `Round` stream on `device` (a `DeviceServicer`)."""
     head, _, members, reads, received = device.read_clients(request_iterator, "Round")
-    delay = head.delay_seconds
-    if not 0.0 <= delay <= device.max_delay_seconds:  # NaN fails too
-        raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                     f"Round: delay_seconds={delay} is outside 0..{device.max_delay_seconds:g}"
-                     " (--max-delay-seconds)")
-    with device._lock:
-        fn = device._computations.get(head.computation_hash)
-    if fn is None:
-        raise _error(grpc.StatusCode.FAILED_PRECONDITION,
-                     f"Round: computation {head.computation_hash[:12]} is not loaded; send "
-                     "the round's client part with Load first")
+    delay = device.check_delay(head.delay_seconds, "Round")
+    fn = device.loaded(head.computation_hash, "Round")
     kinds = []
     for spec in head.aggregations:
         kind = partials.ENUM_TO_KIND.get(spec.kind)
