@@ -146,7 +146,7 @@ def _every_computation(message):
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
-        for item in (value if field.label == field.LABEL_REPEATED else [value]):
+        for item in (value if field.is_repeated else [value]):
             if hasattr(item, "ListFields"):
                 found.extend(_every_computation(item))
     return found
