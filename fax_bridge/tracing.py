@@ -26,7 +26,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge import primitives as P
 from fax_bridge.errors import PlacementError
-from fax_bridge.member_rules import ELEMENTWISE, member_params  # noqa: F401 (re-exported)
+from fax_bridge.member_rules import member_params
 from fax_bridge.placements import Placement, broadcast_placements
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -212,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="command run first, e.g. an exporter writing into {pb_dir} "
                              "(the first --pb-dir)")
     parser.add_argument("--tff-python", type=pathlib.Path, default=DEFAULT_TFF_PYTHON,
-                        help=f"interpreter of the TFF 0.87 venv (default: .venv-tff/bin/python)")
+                        help="interpreter of the TFF 0.87 venv (default: .venv-tff/bin/python)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"seconds allowed for each subprocess (default: {DEFAULT_TIMEOUT_S:g})")
     args = parser.parse_args(argv)

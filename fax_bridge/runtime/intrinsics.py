@@ -17,7 +17,7 @@ from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import aggregation, local_eval
+from fax_bridge.runtime import local_eval
 from fax_bridge.runtime.backend import ClientsValue
 
 Computation = computation_pb2.Computation

@@ -38,6 +38,7 @@ from jax._src import core
 from fax_bridge import primitives as P
 from fax_bridge import tracing
 from fax_bridge.errors import ExportError
+from fax_bridge.member_rules import ELEMENTWISE
 from fax_bridge.placements import Placement
 from fax_bridge.tff import stages
 from fax_bridge.tff import types as tff_types
@@ -48,7 +49,7 @@ S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
 # Per-client equations whose UNPLACED operands of full shape are per-client data (one
 # row per client); for the others (dot_general's right operand, pad values, scalars)
 # an UNPLACED operand is the same for every client.
-_ROW_OPERANDS = tracing.ELEMENTWISE | {"concatenate"}
+_ROW_OPERANDS = ELEMENTWISE | {"concatenate"}
 
 
 @dataclasses.dataclass

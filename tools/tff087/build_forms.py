@@ -256,15 +256,21 @@ def write(path: str, proto) -> dict:
     return {"path": path, "bytes": len(data)}
 
 
+def write_pieces(job: dict, form, prefix: str, names) -> dict:
+    """Writes each named piece of `form` as `<prefix>.<name>.pb`; path, bytes and type."""
+    pieces = {}
+    for name in names:
+        piece = getattr(form, name)
+        pieces[name] = dict(write(os.path.join(job["out"], f"{prefix}.{name}.pb"),
+                                  proto_of(piece)), type=str(piece.type_signature))
+    return pieces
+
+
 def build_daf(job: dict, comp) -> dict:
     t0 = time.perf_counter()
     daf = fu.get_distribute_aggregate_form_for_computation(comp)
     seconds = time.perf_counter() - t0
-    pieces = {}
-    for name in DAF_PIECES:
-        piece = getattr(daf, name)
-        pieces[name] = dict(write(os.path.join(job["out"], f"daf.{name}.pb"),
-                                  proto_of(piece)), type=str(piece.type_signature))
+    pieces = write_pieces(job, daf, "daf", DAF_PIECES)
     back = fu.get_computation_for_distribute_aggregate_form(daf)
     rederived = write(os.path.join(job["out"], "daf.round.pb"), proto_of(back))
     return {"seconds": seconds, "pieces": pieces, "round": rederived,
@@ -278,11 +284,7 @@ def build_mrf(job: dict, proto) -> dict:
     t1 = time.perf_counter()
     mrf = fu.get_map_reduce_form_for_computation(tf_round)
     t2 = time.perf_counter()
-    pieces = {}
-    for name in MRF_PIECES:
-        piece = getattr(mrf, name)
-        pieces[name] = dict(write(os.path.join(job["out"], f"mrf.{name}.pb"),
-                                  proto_of(piece)), type=str(piece.type_signature))
+    pieces = write_pieces(job, mrf, "mrf", MRF_PIECES)
     back = fu.get_computation_for_map_reduce_form(mrf)
     rederived = write(os.path.join(job["out"], "mrf.round.pb"), proto_of(back))
     result = {"xla_to_tf_seconds": t1 - t0, "seconds": t2 - t1, "pieces": pieces,
