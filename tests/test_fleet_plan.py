@@ -3,6 +3,8 @@ as the phase-by-phase fleet path, and the round semantics kept on the plan path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import numpy as np
 import pytest
@@ -100,13 +102,13 @@ def test_plan_and_phase_paths_give_the_same_bits_and_clients(fleet):
     args = _args(1)
     got = {}
     for use in (True, False):
-        fleet.use_plans = use
+        fleet.policy = dataclasses.replace(fleet.policy, round_plans=use)
         for r in range(3):
             fleet.next_round = r
             result, rep = fleet.run(PROTO, *args, report=True)
             got[use, r] = (_bits(result), list(rep.participants), list(rep.dropped),
                            list(rep.late), rep.rpcs)
-    fleet.use_plans = True
+    fleet.policy = dataclasses.replace(fleet.policy, round_plans=True)
     for r in range(3):
         assert got[True, r][:4] == got[False, r][:4]
         assert got[True, r][4] <= 4 < got[False, r][4]  # Load once, then one Round each
@@ -235,8 +237,8 @@ def test_a_resumed_run_loop_on_the_plan_path_gives_the_straight_runs_bits(fleet,
     loop(2, tmp_path)  # stops after round 1, as a killed coordinator would
     resumed = loop(4, tmp_path)
     assert np.asarray(resumed).tobytes() == np.asarray(straight).tobytes()
-    fleet.use_plans = False
+    fleet.policy = dataclasses.replace(fleet.policy, round_plans=False)
     try:
         assert np.asarray(loop(4)).tobytes() == np.asarray(straight).tobytes()
     finally:
-        fleet.use_plans = True
+        fleet.policy = dataclasses.replace(fleet.policy, round_plans=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 
 import federated_language
@@ -272,11 +273,11 @@ def test_a_round_by_plan_reads_several_clients_arguments_from_the_store(fleet, d
     refs = (PopulationRef(keys=["bx"]), PopulationRef(keys=["by"]))
     fed, rep_fed = fleet.run(proto, w, data["bx"], data["by"], report=True)
     hosted, rep = fleet.run(proto, w, *refs, report=True)
-    fleet.use_plans = False
+    fleet.policy = dataclasses.replace(fleet.policy, round_plans=False)
     try:
         phases, rep_phases = fleet.run(proto, w, *refs, report=True)
     finally:
-        fleet.use_plans = True
+        fleet.policy = dataclasses.replace(fleet.policy, round_plans=True)
     for a, b, c in zip(fed, hosted, phases):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes() == np.asarray(c).tobytes()
     assert rep.payload_down == 2 * w.nbytes  # the broadcast only: no client data sent

@@ -33,10 +33,14 @@ from __future__ import annotations
 import common  # first: starts the clock and puts workload on the path
 
 import os
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The checkout this script belongs to is the fax_bridge measured (and the one its device
+# processes run), whichever checkout the venv was installed from.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 
@@ -211,8 +215,7 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True) -> Dict[
     proto = fb.export_tff(program, params, data.x[ids0], data.y[ids0], data.counts[ids0],
                           placements=PLACEMENTS)
     export_s = time.perf_counter() - t_export
-    fleet = fb.LocalFleet(devices=devices)
-    fleet.use_plans = plans
+    fleet = fb.LocalFleet(devices=devices, round_plans=plans)
     round_s: List[float] = []
     losses: List[float] = []
     history: List[Dict[str, np.ndarray]] = []

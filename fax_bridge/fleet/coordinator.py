@@ -36,8 +36,7 @@ from fax_bridge.fleet import partials, put_messages, security, validate, wire
 from fax_bridge.fleet.pool import DeviceLostError, DevicePool
 from fax_bridge.fleet.protocol import DEFAULT_MAX_MESSAGE_BYTES, partition
 from fax_bridge.runtime import aggregation, population
-from fax_bridge.runtime.backend import (ClientsBackend, ClientsValue, as_numpy, leaves,
-                                        unflatten_like)
+from fax_bridge.runtime.backend import ClientsBackend, ClientsValue, as_numpy, from_leaves
 from fax_bridge.runtime.local_eval import content_hash
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -118,10 +117,9 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         may still hold values of `other`, so their handles are never reused."""
         self._handles = other._handles
 
-
     # -- plumbing -----------------------------------------------------------------
 
-    def _layout(self, num_clients: int,
+    def layout(self, num_clients: int,
                 devices: Optional[Sequence[int]] = None) -> list[tuple[int, range]]:
         """(device index, client range) of each device that holds clients."""
         devices = self._active if devices is None else devices
@@ -133,7 +131,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
 
     def _value_layout(self, value: "GrpcClientsValue") -> list[tuple[int, range]]:
         """The layout a value was placed with; DeviceLostError if one of them is gone."""
-        layout = self._layout(value.num_clients, value.devices)
+        layout = self.layout(value.num_clients, value.devices)
         gone = [d for d, _ in layout if d not in self._active]
         if gone:
             raise DeviceLostError(
@@ -160,7 +158,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
             return
         request = pb.ReleaseRequest(handles=handles)
         try:
-            self._parallel("Release", {d: request for d in self._active})
+            self.call_each("Release", {d: request for d in self._active})
         except DeviceLostError:
             pass  # a device that is gone holds nothing any more; the next round notices
 
@@ -201,7 +199,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         result = self._new_value(len(values), member_type)
         calls = {}
         streams = {}
-        for index, clients in self._layout(len(values), result.devices):
+        for index, clients in self.layout(len(values), result.devices):
             stream = put_messages.PutStream(
                 put_messages.client_values(result.handle, clients, values,
                                            self.message_bytes))
@@ -216,7 +214,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
             for stream in streams.values():
                 self.traffic.bytes_down += stream.bytes
                 self.traffic.payload_down += stream.payload
-        for index, clients in self._layout(len(values), result.devices):
+        for index, clients in self.layout(len(values), result.devices):
             got = answers[index].num_clients
             if got != len(clients):
                 raise FleetError(
@@ -235,7 +233,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         """
         missing = [d for d in self._active if d not in self._populations]
         if missing:
-            answers = self._parallel("Health", {d: pb.HealthRequest() for d in missing})
+            answers = self.call_each("Health", {d: pb.HealthRequest() for d in missing})
             for d, answer in answers.items():
                 self._populations[d] = (answer.population_name,
                                         int(answer.population_clients),
@@ -283,7 +281,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         keys = population.default_keys(member_type, getattr(ref, "keys", None))
         type_bytes = member_type.to_proto().SerializeToString(deterministic=True)
         result = self._new_value(len(ids), member_type)
-        layout = self._layout(len(ids), result.devices)
+        layout = self.layout(len(ids), result.devices)
         calls = {}
         for index, clients in layout:
             messages = put_messages.store_reads(result.handle, ids[clients.start:clients.stop],
@@ -308,22 +306,24 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         result = self._new_value(num_clients, member_type, shared=value, is_shared=True)
         encoded = wire.to_message(value)
         requests = {}
-        for index, clients in self._layout(num_clients, result.devices):
+        for index, clients in self.layout(num_clients, result.devices):
             request = pb.BroadcastRequest(handle=result.handle)
             request.client_range.start, request.client_range.stop = clients.start, clients.stop
             request.value.CopyFrom(encoded)
             requests[index] = request
-        self._parallel("Broadcast", requests)
+        self.call_each("Broadcast", requests)
         self.traffic.payload_down += wire.payload_bytes(encoded) * len(requests)
         return result
 
-    def _ensure_loaded(self, fn: computation_pb2.Computation, devices: list[int]) -> str:
+    def ensure_loaded(self, fn: computation_pb2.Computation, devices: list[int]) -> str:
+        """Loads `fn` on those of `devices` that do not hold it yet; returns its
+        content hash, the key requests name it by."""
         key = content_hash(fn)
         missing = [d for d in devices if (d, key) not in self._loaded]
         if missing:
             request = pb.LoadRequest(computation_hash=key,
                                      computation=fn.SerializeToString(deterministic=True))
-            self._parallel("Load", {d: request for d in missing})
+            self.call_each("Load", {d: request for d in missing})
             self._loaded.update((d, key) for d in missing)
         return key
 
@@ -331,7 +331,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
             arg: ClientsValue) -> GrpcClientsValue:
         arg = self._check(arg)
         layout = self._value_layout(arg)
-        key = self._ensure_loaded(fn, [d for d, _ in layout])
+        key = self.ensure_loaded(fn, [d for d, _ in layout])
         result = self._new_value(arg.num_clients, fn_type.result)
         result.devices = arg.devices
         delays = self.take_delays()
@@ -346,7 +346,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
             requests[index] = pb.MapRequest(computation_hash=key, arg=arg.handle,
                                             result=result.handle, delay_seconds=delay,
                                             no_argument=fn_type.parameter is None)
-        answers = self._parallel("Map", requests, timeout=self.rpc_timeout_s + longest)
+        answers = self.call_each("Map", requests, timeout=self.rpc_timeout_s + longest)
         for index, clients in layout:
             if answers[index].num_clients != len(clients):
                 raise FleetError(
@@ -386,7 +386,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         fields = [pb.ZipField(handle=v.handle, name=name) if name is not None
                   else pb.ZipField(handle=v.handle) for v, name in zip(values, names)]
         request = pb.ZipRequest(fields=fields, result=result.handle)
-        self._parallel("Zip", {d: request for d, _ in layout})
+        self.call_each("Zip", {d: request for d, _ in layout})
         return result
 
     def aggregate(self, value: ClientsValue, kind: str,
@@ -411,7 +411,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
             members = self.get(value)
             weight_members = self.get(weights) if weights is not None else None
             total = aggregation.partial_of(kind, members, weight_members, bitwidth)
-        return self._assemble(value.type_signature, aggregation.finish(total))
+        return from_leaves(value.type_signature, aggregation.finish(total))
 
     def _aggregate_on_devices(self, value: GrpcClientsValue, kind: str,
                               weights: Optional[GrpcClientsValue],
@@ -423,7 +423,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         layout = self._value_layout(value)
         if weights is not None:
             self._value_layout(weights)
-        answers = self._parallel("Aggregate", {d: request for d, _ in layout})
+        answers = self.call_each("Aggregate", {d: request for d, _ in layout})
         leaf_types = validate.leaf_types(value.type_signature)
         weight_type = validate.leaf_types(weights.type_signature) if weights is not None else []
         total = aggregation.Partial(kind=kind, leaves=[])
@@ -435,18 +435,6 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
             self.traffic.payload_up += partials.payload_bytes(answer)
             aggregation.merge(total, partials.from_message(kind, answer))
         return total
-
-    @staticmethod
-    def _assemble(member_type: federated_language.Type, flat: list[np.ndarray]):
-        template = _template(member_type)
-        count = len(leaves(template)) if isinstance(template, structure.Struct) else 1
-        if count != len(flat):
-            raise FleetError(
-                f"the aggregate has {len(flat)} tensors but its type {member_type} has "
-                f"{count}; the devices returned values of another type")
-        if not isinstance(template, structure.Struct):
-            return flat[0]
-        return unflatten_like(template, flat)
 
     def _fetch(self, index: int, clients: range, value: GrpcClientsValue) -> tuple:
         """Streams one device's members of `value`; returns (messages, members)."""
@@ -515,10 +503,3 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _template(member_type: federated_language.Type):
-    """A Struct skeleton (names kept, leaves None) of a member type; None for a tensor."""
-    if isinstance(member_type, federated_language.StructType):
-        return structure.Struct([(name, _template(t)) for name, t in member_type.items()])
-    return None

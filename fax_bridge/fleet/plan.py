@@ -28,6 +28,7 @@ import federated_language
 from federated_language.proto import computation_pb2
 
 from fax_bridge.runtime import aggregation, local_eval
+from fax_bridge.runtime.backend import from_leaves
 
 Computation = computation_pb2.Computation
 
@@ -367,14 +368,9 @@ def run_in_process(plan: Plan, arg: Any, backend=None) -> Any:
     results = client_results(plan, sent, members)
     for agg, partial in zip(plan.aggregations, partials_of(plan, results)):
         flat = aggregation.finish(partial)
-        env[agg.local] = _assemble(agg.member_type, flat)
+        env[agg.local] = from_leaves(agg.member_type, flat)
     env = interpreter.evaluate_steps(
         [(n_, v) for n_, v in plan.server_locals if n_ not in plan.prepare_names],
         env, backend, n)
     return interpreter.evaluate_steps([("__result", plan.result)], env, backend, n)["__result"]
 
-
-def _assemble(member_type, flat):
-    from fax_bridge.fleet.coordinator import GrpcClientsBackend
-
-    return GrpcClientsBackend._assemble(member_type, flat)

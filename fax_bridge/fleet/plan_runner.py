@@ -20,7 +20,7 @@ from fax_bridge.errors import FleetError
 from fax_bridge.fleet import partials, put_messages, validate, wire
 from fax_bridge.fleet.plan import Plan
 from fax_bridge.runtime import aggregation, interpreter, population, values
-from fax_bridge.runtime.backend import as_numpy
+from fax_bridge.runtime.backend import as_numpy, from_leaves
 from fax_bridge.runtime.population import PopulationRef
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -105,9 +105,9 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
         [(k, v) for k, v in plan.server_locals if k in plan.prepare_names],
         {plan.parameter_name: server_arg}, backend, n)
     sent = structure.Struct([(None, as_numpy(env[k])) for k in plan.broadcasts])
-    layout = backend._layout(n)
+    layout = backend.layout(n)
     devices = [d for d, _ in layout]
-    key = backend._ensure_loaded(plan.client_part, devices)
+    key = backend.ensure_loaded(plan.client_part, devices)
     broadcast = wire.to_message(sent)
     specs = []
     for agg in plan.aggregations:
@@ -131,22 +131,15 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
         return head
 
     streams = _streams(backend, plan, inputs, layout, head_of)
-    calls = {}
-    for index, messages in streams.items():
-        backend.traffic.rpcs += 1
-        backend._count(down=messages,
-                       payload_down=sum(wire.payload_bytes(i.value)
-                                        for m in messages for i in m.values))
-        backend.traffic.payload_down += wire.payload_bytes(broadcast)
-        calls[index] = backend._devices[index].stub.Round.future(
-            iter(messages), timeout=backend.rpc_timeout_s + longest,
-            metadata=backend._metadata)
-    answers = backend._answers(calls, "Round")
-    backend._count(up=answers.values())
+    backend.traffic.payload_down += sum(
+        wire.payload_bytes(broadcast) + sum(wire.payload_bytes(i.value)
+                                            for m in messages for i in m.values)
+        for messages in streams.values())
+    answers = backend.call_each("Round", streams, timeout=backend.rpc_timeout_s + longest)
     totals = [aggregation.Partial(kind=a.kind, leaves=[]) for a in plan.aggregations]
     for index, clients in layout:  # device order is client order
         answer = answers[index]
-        where = f"device {index} at {backend._devices[index].address}"
+        where = f"device {index} at {backend.addresses[index]}"
         if answer.num_clients != len(clients) or \
                 len(answer.partials) != len(plan.aggregations):
             raise FleetError(
@@ -163,7 +156,7 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
             backend.traffic.payload_up += partials.payload_bytes(message)
             aggregation.merge(total, partials.from_message(agg.kind, message))
     for agg, total in zip(plan.aggregations, totals):
-        env[agg.local] = backend._assemble(agg.member_type, aggregation.finish(total))
+        env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
     env = interpreter.evaluate_steps(
         [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
         + [("", plan.result)], env, backend, n)

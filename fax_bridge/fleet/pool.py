@@ -286,21 +286,29 @@ class DevicePool:
                                   [d for e in lost for d in e.devices])
         raise errors[0]
 
-    def _parallel(self, method: str, requests: dict[int, object],
+    def call_each(self, method: str, requests: dict[int, object],
                   timeout: Optional[float] = None) -> dict[int, object]:
-        """Sends one unary request per device index at once; waits for all answers."""
+        """Sends one request per device index at once; waits for all answers (counted
+        in `traffic`). A request given as a list of messages goes as one client stream.
+        Raises DeviceLostError naming every lost device, else the first FleetError.
+        """
         # Blocking calls on the backend's own threads: a gRPC future would start a new
         # thread per channel on every call when none is in flight.
-        calls = {}
+        calls, sent = {}, []
         for index, request in requests.items():
             device = self._devices[index]
             self.traffic.rpcs += 1
             rpc = getattr(device.stub, method)
             kwargs = dict(timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
+            if isinstance(request, list):
+                sent.extend(request)
+                request = iter(request)
+            else:
+                sent.append(request)
             calls[index] = (self._pool.submit(rpc, request, **kwargs) if len(requests) > 1
                             else _Done(rpc, request, kwargs))
         answers = self._answers(calls, method)
-        self._count(down=requests.values(), up=answers.values())
+        self._count(down=sent, up=answers.values())
         return answers
 
     def _answers(self, calls: dict, method: str,

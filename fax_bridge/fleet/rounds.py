@@ -34,6 +34,9 @@ class RoundPolicy:
       min_clients: the round fails (FleetError) when fewer clients report.
       seed: seeds every random choice, together with the round number.
       emulate_delays: devices really wait for their slowest reporting client's delay.
+      round_plans: run a computation of the round shape (`fleet.plan`) as one request
+        per device per round; False runs every computation phase by phase (both give
+        the same bits).
     """
 
     cohort_size: Optional[int] = None
@@ -43,6 +46,7 @@ class RoundPolicy:
     min_clients: int = 1
     seed: int = 0
     emulate_delays: bool = True
+    round_plans: bool = True
 
     def __post_init__(self):
         if not 0.0 <= self.dropout < 1.0:

@@ -58,9 +58,6 @@ class FleetRounds:
         self.backend: Optional[GrpcClientsBackend] = None
         self.reports: list[RoundReport] = []
         self.next_round = 0
-        # Round-shaped computations run as one request per device per round (see
-        # `fleet.plan`); False runs every computation phase by phase.
-        self.use_plans = True
         self._plans: dict = {}
         self._closed = False
 
@@ -207,8 +204,8 @@ class FleetRounds:
 
     def _plan(self, prepared: interpreter.Prepared) -> Optional[round_plan.Plan]:
         """The round plan of a computation (compiled once), or None: it runs phase by
-        phase (not round-shaped, plans switched off, or devices reduce nothing)."""
-        if not self.use_plans or not self.backend.preaggregate:
+        phase (not round-shaped, `RoundPolicy.round_plans` off, or devices reduce nothing)."""
+        if not self.policy.round_plans or not self.backend.preaggregate:
             return None
         key = id(prepared.proto)
         hit = self._plans.get(key)

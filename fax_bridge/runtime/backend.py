@@ -132,3 +132,24 @@ def unflatten_like(template: LocalValue, flat: list) -> LocalValue:
         return next(iterator)
 
     return build(template)
+
+
+def _template(type_: federated_language.Type) -> LocalValue:
+    """A Struct skeleton (names kept, leaves None) of a type; None for a tensor."""
+    if isinstance(type_, federated_language.StructType):
+        return structure.Struct([(name, _template(t)) for name, t in type_.items()])
+    return None
+
+
+def from_leaves(type_: federated_language.Type, flat: list) -> LocalValue:
+    """The local value of `type_` whose tensors, depth first, are `flat` (an aggregate
+    computed leaf by leaf); ComputationError when their number does not fit the type."""
+    template = _template(type_)
+    count = len(leaves(template)) if isinstance(template, structure.Struct) else 1
+    if count != len(flat):
+        raise ComputationError(
+            f"an aggregate of {len(flat)} tensors cannot have type {type_}, which has "
+            f"{count}; its partials were computed for a value of another type")
+    if not isinstance(template, structure.Struct):
+        return flat[0]
+    return unflatten_like(template, flat)

@@ -34,9 +34,9 @@ from typing import Optional, Sequence
 
 import federated_language
 import numpy as np
-from federated_language.common_libs import structure
 
 from fax_bridge.data.stream import META_FILE, OFFSETS_FILE, ClientStore
+from fax_bridge.runtime.backend import from_leaves
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import limits
 
@@ -288,18 +288,4 @@ def read_members(store, member_type: federated_language.Type, columns: Sequence[
             per_column.append([np.array(array[s:s + n]) for s, n in zip(starts, counts)])
     if isinstance(member_type, federated_language.TensorType):
         return per_column[0] if per_column else []
-    template = _template(member_type)
-    return [_fill(template, iter(row)) for row in zip(*per_column)]
-
-
-def _template(t):
-    if isinstance(t, federated_language.StructType):
-        return structure.Struct([(n, _template(tt)) for n, tt in t.items()])
-    return None
-
-
-def _fill(template, leaves):
-    if isinstance(template, structure.Struct):
-        return structure.Struct([(n, _fill(m, leaves))
-                                 for n, m in structure.iter_elements(template)])
-    return next(leaves)
+    return [from_leaves(member_type, list(row)) for row in zip(*per_column)]
