@@ -165,12 +165,20 @@ def test_missing_venv_is_skipped_not_failed(bench: Any, monkeypatch: Any) -> Non
     assert "setup_venvs.sh flower" in report["skipped"]["flower"]
 
 
-def test_fleet_mode_one_round_matches_numpy(bench: Any) -> None:
-    result = bench.run_runner("fax_bridge_fleet", bench.runner_args("fax_bridge_fleet", 1, 0, 2),
-                              timeout_s=300)
+@pytest.mark.parametrize("data_on", ["device", "coordinator"])
+def test_fleet_mode_one_round_matches_numpy(bench: Any, data_on: str) -> None:
+    args = bench.runner_args("fax_bridge_fleet", 1, 0, 2) + ["--data", data_on]
+    result = bench.run_runner("fax_bridge_fleet", args, timeout_s=300)
     for field in FIELDS:
         assert field in result, field
     assert result["devices"] == 2 and result["bytes_moved"] > 0
+    assert result["client_data"] == data_on and result["round_path"] == "plan"
+    report = result["round_reports"][0]
+    model_bytes = 4 * (64 * 64 + 64 + 64 * 10 + 10)
+    if data_on == "device":  # the broadcast model once per device, no client data
+        assert report["payload_down"] == 2 * model_bytes
+    else:
+        assert report["payload_down"] > 2 * model_bytes
     assert abs(result["loss_per_round"][0] - _numpy_round0_loss()) <= 1e-5
 
 

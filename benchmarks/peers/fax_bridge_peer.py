@@ -196,9 +196,25 @@ def run_local(rounds: int, seed: int) -> Dict[str, Any]:
     )
 
 
-def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True) -> Dict[str, Any]:
+def write_population(data: "workload.ClientData", directory: str) -> None:
+    """Every client's batches as a population the devices host: client i stores one
+    example of each round argument, ``xb`` [LOCAL_STEPS, BATCH, 64], ``yb``
+    [LOCAL_STEPS, BATCH] and ``counts`` (its example count)."""
+    from fax_bridge.data import write_population as write
+
+    write(directory, ({"xb": data.x[i][None], "yb": data.y[i][None],
+                       "counts": data.counts[i][None]} for i in range(data.x.shape[0])))
+
+
+def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
+              data_on: str = "device") -> Dict[str, Any]:
     """Setup (import, data, export, fleet start), then ``rounds`` rounds on the fleet
-    (one request per device per round; ``plans=False``: phase by phase)."""
+    (one request per device per round; ``plans=False``: phase by phase). ``data_on``:
+    "device", the devices host every client's batches and each round names its cohort
+    by id, as Flower's clients hold their partitions; "coordinator", the coordinator
+    sends the cohort's batches in each round's requests."""
+    import tempfile
+
     rss = ProcTreeRss().start()
     import jax
 
@@ -215,7 +231,12 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True) -> Dict[
     proto = fb.export_tff(program, params, data.x[ids0], data.y[ids0], data.counts[ids0],
                           placements=PLACEMENTS)
     export_s = time.perf_counter() - t_export
-    fleet = fb.LocalFleet(devices=devices, round_plans=plans)
+    store = tempfile.TemporaryDirectory(prefix="fax_bridge_peer_")
+    population = None
+    if data_on == "device":
+        population = os.path.join(store.name, "clients")
+        write_population(data, population)
+    fleet = fb.LocalFleet(devices=devices, round_plans=plans, population=population)
     round_s: List[float] = []
     losses: List[float] = []
     history: List[Dict[str, np.ndarray]] = []
@@ -228,8 +249,12 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True) -> Dict[
         for r in range(rounds):
             t0 = time.perf_counter()
             ids = workload.cohort(seed, r)
-            result, rep = fleet.run(proto, params, data.x[ids], data.y[ids], data.counts[ids],
-                                    report=True)
+            if population is None:
+                cohort = (data.x[ids], data.y[ids], data.counts[ids])
+            else:
+                cohort = tuple(fb.PopulationRef(keys=[k], client_ids=ids)
+                               for k in ("xb", "yb", "counts"))
+            result, rep = fleet.run(proto, params, *cohort, report=True)
             params, loss = _split_result(result)
             round_s.append(time.perf_counter() - t0)
             losses.append(loss)
@@ -241,6 +266,7 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True) -> Dict[
                             "participants": len(rep.participants)})
     finally:
         fleet.close()
+        store.cleanup()
     peak = rss.stop()
     return common.result_line(
         "fax_bridge_fleet", setup_s, round_s, losses, history, peak,
@@ -249,6 +275,7 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True) -> Dict[
             "mode": "fleet",
             "devices": devices,
             "round_path": "plan" if plans else "phases",
+            "client_data": data_on,
             "setup_breakdown": {"import_s": round(import_s, 3), "data_s": round(data_s, 3),
                                 "export_s": round(export_s, 3),
                                 "fleet_start_s": round(fleet_start_s, 3)},
@@ -273,13 +300,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--phases", action="store_true",
                         help="fleet: run each round phase by phase, not as one request "
                              "per device")
+    parser.add_argument("--data", choices=("device", "coordinator"), default="device",
+                        help="fleet: where the clients' batches live (default: the devices "
+                             "host them and rounds name the cohort by id)")
     args = parser.parse_args(argv)
     if args.grad_check:
         result = grad_check()
     elif args.mode == "local":
         result = run_local(args.rounds, args.seed)
     else:
-        result = run_fleet(args.rounds, args.seed, args.devices, not args.phases)
+        result = run_fleet(args.rounds, args.seed, args.devices, not args.phases, args.data)
     common.emit(result, args.json)
 
 
