@@ -242,3 +242,28 @@ def test_a_resumed_run_loop_on_the_plan_path_gives_the_straight_runs_bits(fleet,
         assert np.asarray(loop(4)).tobytes() == np.asarray(straight).tobytes()
     finally:
         fleet.policy = dataclasses.replace(fleet.policy, round_plans=True)
+
+
+def test_round_streams_make_each_message_when_grpc_asks_for_it():
+    """A round fed by the coordinator holds at most one message per device at a time."""
+    from types import SimpleNamespace
+
+    from fax_bridge.fleet import plan_runner
+
+    class Recording(list):
+        read = 0
+
+        def __getitem__(self, i):
+            Recording.read = max(Recording.read, i + 1)
+            return list.__getitem__(self, i)
+
+    column = Recording(np.full(64, i, np.float32) for i in range(40))
+    backend = SimpleNamespace(message_bytes=300)  # one client per message
+    streams = plan_runner._streams(backend, None, [column], [(3, range(10, 40))],
+                                   lambda index: pb.RoundRequest(computation_hash="h"))
+    ahead, ids = [], []
+    for message in streams[3]:
+        ids.extend(v.client_id for v in message.values)
+        ahead.append(Recording.read - (10 + len(ids)))
+    assert ids == list(range(10, 40)) and max(ahead) <= 1  # the next client at most
+    assert streams[3].messages == 30 and streams[3].payload == 30 * 64 * 4

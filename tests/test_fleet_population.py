@@ -234,13 +234,13 @@ def test_put_streams_messages_one_at_a_time(data):
                 def __init__(self):
                     self.Put = self
 
-                def future(self, requests, **kw):
+                def __call__(self, requests, **kw):
                     taken, sent = [], 0
                     for message in requests:
                         sent += len(message.values)
                         ahead.append(values.read - sent)
                         taken.append(message)
-                    return real.Put.future(iter(taken), **kw)
+                    return real.Put(iter(taken), **kw)
 
                 def __getattr__(self, name):
                     return getattr(real, name)

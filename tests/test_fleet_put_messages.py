@@ -27,11 +27,11 @@ def test_large_clients_are_cut_by_size_and_a_lone_large_client_still_goes():
 
 
 def test_stream_counts_bytes_and_keeps_an_encoding_error():
-    stream = put_messages.PutStream(
+    stream = put_messages.stream(
         put_messages.client_values(1, range(3), [np.ones(4, np.float32)] * 3, 1 << 20))
     assert len(list(stream)) == 1 and stream.messages == 1
     assert stream.payload == 3 * 16 and stream.bytes > stream.payload
-    broken = put_messages.PutStream(
+    broken = put_messages.stream(
         put_messages.client_values(1, range(1), [object()], 1 << 20))
     with pytest.raises(FleetError, match="only numeric and bool tensors") as info:
         list(broken)

@@ -197,30 +197,16 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         if not isinstance(values, Sequence):
             values = list(values)
         result = self._new_value(len(values), member_type)
-        calls = {}
-        streams = {}
-        for index, clients in self.layout(len(values), result.devices):
-            stream = put_messages.PutStream(
-                put_messages.client_values(result.handle, clients, values,
-                                           self.message_bytes))
-            streams[index] = stream
-            self.traffic.rpcs += 1
-            calls[index] = self._devices[index].stub.Put.future(
-                iter(stream), timeout=self.rpc_timeout_s, metadata=self._metadata)
-        try:
-            # A failure while encoding cancels the stream: report that, not CANCELLED.
-            answers = self._answers(calls, "Put", lambda index: streams[index].error)
-        finally:
-            for stream in streams.values():
-                self.traffic.bytes_down += stream.bytes
-                self.traffic.payload_down += stream.payload
+        streams = {index: put_messages.stream(put_messages.client_values(
+                       result.handle, clients, values, self.message_bytes))
+                   for index, clients in self.layout(len(values), result.devices)}
+        answers = self.call_each("Put", streams)
         for index, clients in self.layout(len(values), result.devices):
             got = answers[index].num_clients
             if got != len(clients):
                 raise FleetError(
                     f"device {index} at {self._devices[index].address} stored {got} "
                     f"clients of handle {result.handle}; {len(clients)} were sent")
-        self._count(up=answers.values())
         return result
 
     # -- populations hosted by the devices ------------------------------------------
@@ -282,17 +268,11 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         type_bytes = member_type.to_proto().SerializeToString(deterministic=True)
         result = self._new_value(len(ids), member_type)
         layout = self.layout(len(ids), result.devices)
-        calls = {}
-        for index, clients in layout:
-            messages = put_messages.store_reads(result.handle, ids[clients.start:clients.stop],
-                                    clients.start, type_bytes, keys,
-                                    getattr(ref, "name", None) or "")
-            self.traffic.rpcs += 1
-            self._count(down=messages)
-            calls[index] = self._devices[index].stub.Put.future(
-                iter(messages), timeout=self.rpc_timeout_s, metadata=self._metadata)
-        answers = self._answers(calls, "Put from_store")
-        self._count(up=answers.values())
+        requests = {index: put_messages.store_reads(
+                        result.handle, ids[clients.start:clients.stop], clients.start,
+                        type_bytes, keys, getattr(ref, "name", None) or "")
+                    for index, clients in layout}
+        answers = self.call_each("Put", requests)
         for index, clients in layout:
             if answers[index].num_clients != len(clients):
                 raise FleetError(

@@ -11,7 +11,8 @@ rounds finish on the survivors the same way; token and TLS are the backend's cha
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any, Iterator, Optional
 
 import numpy as np
 from federated_language.common_libs import structure
@@ -56,8 +57,35 @@ def _store_member(plan: Plan, inputs: list) -> tuple:
     return federated_language.StructType([(None, t) for t in plan.input_types]), keys
 
 
+class _Members(Sequence):
+    """Client i's inputs as one Struct, made when asked for (nothing per client is kept)."""
+
+    def __init__(self, inputs: list):
+        self._inputs = inputs
+
+    def __len__(self) -> int:
+        return len(self._inputs[0])
+
+    def __getitem__(self, i):
+        return structure.Struct([(None, column[i]) for column in self._inputs])
+
+
+def _round_messages(head: pb.RoundRequest, messages: Iterator) -> Iterator[pb.RoundRequest]:
+    """`messages` (Put requests) as Round requests, the head merged into the first."""
+    for put in messages:
+        message = pb.RoundRequest()
+        if put.HasField("from_store"):
+            message.from_store.CopyFrom(put.from_store)
+        else:
+            message.values.extend(put.values)
+        if head is not None:
+            message.MergeFrom(head)
+            head = None
+        yield message
+
+
 def _streams(backend, plan: Plan, inputs: list, layout, head_of) -> dict:
-    """Each device's request messages: its head, then its clients."""
+    """Each device's request stream: its head, then its clients (made as gRPC asks)."""
     out = {}
     if isinstance(inputs[0], PopulationRef):
         ref = inputs[0]
@@ -71,23 +99,13 @@ def _streams(backend, plan: Plan, inputs: list, layout, head_of) -> dict:
         for index, clients in layout:
             reads = put_messages.store_reads(0, ids[clients.start:clients.stop],
                                              clients.start, type_bytes, keys, ref.name or "")
-            messages = [pb.RoundRequest(from_store=m.from_store) for m in reads]
-            messages[0].MergeFrom(head_of(index))
-            out[index] = messages
+            out[index] = put_messages.stream(
+                _round_messages(head_of(index), iter(reads)), "Round")
         return out
+    members = _Members(inputs)
     for index, clients in layout:
-        members = [structure.Struct([(None, col[c]) for col in inputs]) for c in clients]
-        puts = put_messages.client_values(0, range(len(members)), members,
-                                          backend.message_bytes)
-        messages = []
-        for put in puts:
-            message = pb.RoundRequest()
-            message.values.extend(put.values)
-            for item in message.values:
-                item.client_id += clients.start
-            messages.append(message)
-        messages[0].MergeFrom(head_of(index))
-        out[index] = messages
+        puts = put_messages.client_values(0, clients, members, backend.message_bytes)
+        out[index] = put_messages.stream(_round_messages(head_of(index), puts), "Round")
     return out
 
 
@@ -131,10 +149,6 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
         return head
 
     streams = _streams(backend, plan, inputs, layout, head_of)
-    backend.traffic.payload_down += sum(
-        wire.payload_bytes(broadcast) + sum(wire.payload_bytes(i.value)
-                                            for m in messages for i in m.values)
-        for messages in streams.values())
     answers = backend.call_each("Round", streams, timeout=backend.rpc_timeout_s + longest)
     totals = [aggregation.Partial(kind=a.kind, leaves=[]) for a in plan.aggregations]
     for index, clients in layout:  # device order is client order

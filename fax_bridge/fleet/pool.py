@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent import futures
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import grpc
 
@@ -82,6 +82,44 @@ class _Done:
 
     def result(self):
         return self._rpc(self._request, **self._kwargs)
+
+
+class RequestStream:
+    """The messages of one client-streaming call, made lazily and counted as they go.
+
+    gRPC pulls the messages on its own thread, so at most the message being sent is
+    held besides what gRPC has in flight. An error while making one is kept in `error`
+    and raised into gRPC, which cancels the call (the device keeps nothing), so the
+    caller reports that error rather than the cancellation. `payload(message)` gives
+    the array bytes inside a message (the rest is protocol overhead).
+    """
+
+    def __init__(self, messages: Iterable, what: str,
+                 payload: Callable[[object], int] = lambda message: 0):
+        self._messages = iter(messages)
+        self._what = what
+        self._payload = payload
+        self.bytes = 0
+        self.payload = 0
+        self.messages = 0
+        self.error: Optional[Exception] = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            message = next(self._messages)
+        except StopIteration:
+            raise
+        except Exception as e:
+            self.error = e if isinstance(e, FleetError) else FleetError(
+                f"{self._what}: cannot encode a client value ({type(e).__name__}: {e})")
+            raise
+        self.messages += 1
+        self.bytes += wire_size(message)
+        self.payload += self._payload(message)
+        return message
 
 
 REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before giving up
@@ -289,12 +327,13 @@ class DevicePool:
     def call_each(self, method: str, requests: dict[int, object],
                   timeout: Optional[float] = None) -> dict[int, object]:
         """Sends one request per device index at once; waits for all answers (counted
-        in `traffic`). A request given as a list of messages goes as one client stream.
-        Raises DeviceLostError naming every lost device, else the first FleetError.
+        in `traffic`). A request given as a list of messages, or as a `RequestStream`,
+        goes as one client stream. Raises DeviceLostError naming every lost device,
+        else the first FleetError (a stream's own encoding error before its RPC's).
         """
         # Blocking calls on the backend's own threads: a gRPC future would start a new
         # thread per channel on every call when none is in flight.
-        calls, sent = {}, []
+        calls, sent, streams = {}, [], {}
         for index, request in requests.items():
             device = self._devices[index]
             self.traffic.rpcs += 1
@@ -303,11 +342,19 @@ class DevicePool:
             if isinstance(request, list):
                 sent.extend(request)
                 request = iter(request)
+            elif isinstance(request, RequestStream):
+                streams[index] = request
             else:
                 sent.append(request)
             calls[index] = (self._pool.submit(rpc, request, **kwargs) if len(requests) > 1
                             else _Done(rpc, request, kwargs))
-        answers = self._answers(calls, method)
+        try:
+            answers = self._answers(
+                calls, method, lambda index: streams[index].error if index in streams else None)
+        finally:
+            for stream in streams.values():
+                self.traffic.bytes_down += stream.bytes
+                self.traffic.payload_down += stream.payload
         self._count(down=sent, up=answers.values())
         return answers
 

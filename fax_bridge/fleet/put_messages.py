@@ -3,13 +3,12 @@ and by count, and reads of a device-hosted population named by id ranges."""
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from fax_bridge.errors import FleetError
 from fax_bridge.fleet import wire
-from fax_bridge.fleet.protocol import wire_size
+from fax_bridge.fleet.pool import RequestStream
 from fax_bridge.runtime.backend import as_numpy
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -38,37 +37,17 @@ def client_values(handle: int, clients: range, values: Sequence,
     yield message
 
 
-class PutStream:
-    """The request stream of one device's Put: messages made lazily, bytes counted.
+def payload_bytes(message) -> int:
+    """Array bytes in a Put or Round message: its client values (and broadcast)."""
+    total = sum(wire.payload_bytes(v.value) for v in message.values)
+    if "broadcast" in message.DESCRIPTOR.fields_by_name and message.HasField("broadcast"):
+        total += wire.payload_bytes(message.broadcast)
+    return total
 
-    gRPC pulls the messages on its own thread; an encoding error is kept in `error`
-    and raised into gRPC, which cancels the call (the device stores nothing), so `put`
-    can report the error itself rather than the cancellation.
-    """
 
-    def __init__(self, messages: Iterator[pb.PutRequest]):
-        self._messages = messages
-        self.bytes = 0
-        self.payload = 0
-        self.messages = 0
-        self.error: Optional[Exception] = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            message = next(self._messages)
-        except StopIteration:
-            raise
-        except Exception as e:
-            self.error = e if isinstance(e, FleetError) else FleetError(
-                f"Put: cannot encode a client value ({type(e).__name__}: {e})")
-            raise
-        self.messages += 1
-        self.bytes += wire_size(message)
-        self.payload += sum(wire.payload_bytes(v.value) for v in message.values)
-        return message
+def stream(messages: Iterator, what: str = "Put") -> RequestStream:
+    """A lazily made, counted request stream of Put or Round messages."""
+    return RequestStream(messages, what, payload_bytes)
 
 
 STORE_READ_IDS = 1 << 18  # ids per from_store message (about 2 MiB at most)
