@@ -1,4 +1,5 @@
-"""fax_bridge side by side with google-fax, TFF and Flower on the shared FedAvg workload.
+"""fax_bridge side by side with google-fax, TFF and Flower on the shared FedAvg workload,
+and side by side with Flower on the large one (a cohort of 1,000 from 10,000 clients).
 
 Five runners, each a subprocess in its own process group under a timeout, run
 alternately (round-robin, the starting runner rotating each repeat) ``--repeats``
@@ -22,8 +23,17 @@ and gradient of fax_bridge against google-fax, and every runner's loss curve aga
 the numpy reference (``peers/numpy_mlp.fedavg``). A peer whose venv is missing is
 reported as skipped with the command that builds it.
 
+``--workload large`` (or ``both``, the default) then runs the large workload
+(``peers/large_workload.py``, report in ``bench_large.py``) with the fleet and Flower
+only, alternating, ``--large-repeats`` times: ``fax_bridge_peer.py --mode fleet
+--workload large`` on a fleet whose devices host the population (written once to
+``--population-dir``) and ``flower_peer.py --workload large --supernodes S``; each run
+is ``--large-rounds`` rounds, the first a warm-up left out of the round median.
+
     .venv/bin/python benchmarks/bench.py [--repeats 3] [--rounds 20] [--devices 2]
         [--only fax_bridge_local,fax] [--json OUT] [--log-dir DIR]
+        [--workload shared|large|both] [--large-rounds 4] [--large-repeats N]
+        [--supernodes S] [--population-dir DIR]
     .venv/bin/python benchmarks/bench.py --from-json OUT     # the tables of a saved run
 
 Exit status 0 when every runner that ran succeeded (goals missed are reported, not
@@ -40,13 +50,15 @@ import signal
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PEERS_DIR = os.path.join(HERE, "peers")
 sys.path.insert(0, PEERS_DIR)
+sys.path.insert(0, HERE)
 
+import bench_large  # noqa: E402  (benchmarks/)
 from run_peer import PeerFailed, kill_group, run_script  # noqa: E402  (benchmarks/peers)
 
 RUNNERS = ("fax_bridge_local", "fax_bridge_fleet", "fax", "tff", "flower")
@@ -56,6 +68,8 @@ SCRIPTS = {"fax_bridge_local": "fax_bridge_peer.py", "fax_bridge_fleet": "fax_br
            "fax": "fax_peer.py", "tff": "tff_peer.py", "flower": "flower_peer.py"}
 TIMEOUT_S = {"fax_bridge_local": 300.0, "fax_bridge_fleet": 600.0, "fax": 300.0,
              "tff": 600.0, "flower": 900.0}
+WORKLOADS = ("shared", "large")
+LARGE_TIMEOUT_S = {"fax_bridge_fleet": 600.0, "flower": 1800.0}
 # Exit status of a peer whose runtime never started (TFF's worker): retried once.
 STARTUP_EXIT = 3
 # float32 agreement: losses are printed to 6 decimals and drift over 20 rounds.
@@ -247,7 +261,18 @@ def _verdict(v: Optional[bool]) -> str:
 
 
 def format_table(report: Dict[str, Any]) -> str:
-    """Markdown tables of a bench report (the object written by ``--json``)."""
+    """Markdown tables of a bench report (the object written by ``--json``): the shared
+    workload's, then the large workload's when it ran."""
+    parts = []
+    if "summary" in report:
+        parts.append(format_shared_table(report))
+    if report.get("large"):
+        parts.append(bench_large.format_tables(report["large"]))
+    return "\n\n".join(parts)
+
+
+def format_shared_table(report: Dict[str, Any]) -> str:
+    """Markdown tables of the shared workload's part of a bench report."""
     summary = report["summary"]
     ratios = report["ratios"]
     lines = [
@@ -345,34 +370,72 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _round_robin(todo: Sequence[str], repeats: int, args_of: Any, timeout_of: Any,
+                 log_dir: Optional[str], tag: str = ""
+                 ) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, str]]:
+    """Runs each runner of ``todo`` ``repeats`` times, alternating, the first runner
+    rotating each repeat; returns (result lines per runner, failures)."""
+    runs: Dict[str, List[Dict[str, Any]]] = {r: [] for r in todo}
+    failed: Dict[str, str] = {}
+    for rep in range(repeats):
+        order = list(todo[rep % len(todo):]) + list(todo[:rep % len(todo)]) if todo else []
+        for runner in order:
+            if runner in failed:
+                continue
+            log = os.path.join(log_dir, f"{runner}{tag}-{rep}.log") if log_dir else None
+            t0 = time.perf_counter()
+            try:
+                result = run_runner(runner, args_of(runner), timeout_of(runner), log)
+            except PeerFailed as e:
+                failed[runner] = f"failed: {str(e).splitlines()[0]}"
+                print(f"bench: {runner}{tag} repeat {rep}: {e}", file=sys.stderr)
+                continue
+            runs[runner].append(result)
+            print(f"bench: repeat {rep} {runner}{tag}: setup {result.get('setup_s')} s, round "
+                  f"{result.get('round_s_median')} s, peak {result.get('peak_rss_mb')} MiB "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return runs, failed
+
+
+def _skipped(runners: Sequence[str]) -> Dict[str, str]:
+    return {r: f"skipped: no {VENVS[r]} (build it with `{setup_command(r)}`)"
+            for r in runners if not available(r)}
+
+
+def run_large(runners: Sequence[str], repeats: int, rounds: int, seed: int, devices: int,
+              supernodes: int, population_dir: str, log_dir: Optional[str] = None,
+              timeout_scale: float = 1.0) -> Dict[str, Any]:
+    """The large workload's runners (those of ``runners`` it has), round-robin; returns
+    the report's ``large`` object."""
+    import large_workload
+
+    mine = [r for r in bench_large.RUNNERS if r in runners]
+    skipped = _skipped(mine)
+    todo = [r for r in mine if r not in skipped]
+    runs, failed = _round_robin(
+        todo, repeats,
+        lambda r: bench_large.runner_args(r, rounds, seed, devices, supernodes,
+                                          population_dir),
+        lambda r: LARGE_TIMEOUT_S[r] * timeout_scale, log_dir, tag="-large")
+    config = {"repeats": repeats, "rounds": rounds, "seed": seed, "devices": devices,
+              "supernodes": supernodes, "population": large_workload.POPULATION,
+              "cohort": large_workload.COHORT, "population_dir": population_dir,
+              "runners": mine}
+    return bench_large.make_report(runs, config, skipped, failed,
+                                   bench_large.numpy_reference(rounds, seed), summarize_runs,
+                                   _ratio, LOSS_ATOL)
+
+
 def run_bench(runners: Sequence[str], repeats: int, rounds: int, seed: int, devices: int,
               log_dir: Optional[str] = None, grad_check: bool = True,
               timeout_scale: float = 1.0) -> Dict[str, Any]:
     """Runs the runners round-robin and returns the report object."""
     machine = _machine()
-    skipped = {r: f"skipped: no {VENVS[r]} (build it with `{setup_command(r)}`)"
-               for r in runners if not available(r)}
+    skipped = _skipped(runners)
     todo = [r for r in runners if r not in skipped]
-    runs: Dict[str, List[Dict[str, Any]]] = {r: [] for r in todo}
-    failed: Dict[str, str] = {}
-    for rep in range(repeats):
-        order = todo[rep % len(todo):] + todo[:rep % len(todo)] if todo else []
-        for runner in order:
-            if runner in failed:
-                continue
-            log = os.path.join(log_dir, f"{runner}-{rep}.log") if log_dir else None
-            t0 = time.perf_counter()
-            try:
-                result = run_runner(runner, runner_args(runner, rounds, seed, devices),
-                                    TIMEOUT_S[runner] * timeout_scale, log)
-            except PeerFailed as e:
-                failed[runner] = f"failed: {str(e).splitlines()[0]}"
-                print(f"bench: {runner} repeat {rep}: {e}", file=sys.stderr)
-                continue
-            runs[runner].append(result)
-            print(f"bench: repeat {rep} {runner}: setup {result.get('setup_s')} s, round "
-                  f"{result.get('round_s_median')} s, peak {result.get('peak_rss_mb')} MiB "
-                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    runs, failed = _round_robin(
+        todo, repeats, lambda r: runner_args(r, rounds, seed, devices),
+        lambda r: TIMEOUT_S[r] * timeout_scale, log_dir)
     grads: Dict[str, Dict[str, Any]] = {}
     if grad_check:
         for runner, name in (("fax_bridge_local", "fax_bridge"), ("fax", "fax")):
@@ -409,6 +472,14 @@ def run_bench(runners: Sequence[str], repeats: int, rounds: int, seed: int, devi
 
 def rerender(report: Dict[str, Any]) -> Dict[str, Any]:
     """Recomputes the summary, ratios and agreement of a saved report from its runs."""
+    large = report.get("large")
+    if large:
+        large = bench_large.make_report(
+            large["runs"], large["config"], large.get("skipped", {}), large.get("failed", {}),
+            large.get("numpy_reference"), summarize_runs, _ratio, LOSS_ATOL)
+        report = dict(report, large=large)
+    if "runs" not in report:
+        return report
     cfg = report["config"]
     summary = summarize_runs(report["runs"])
     ratios = compare(summary)
@@ -438,6 +509,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--log-dir", default=None, help="keep each run's stdout/stderr here")
     parser.add_argument("--from-json", metavar="IN", default=None,
                         help="print the tables of a saved report instead of running")
+    parser.add_argument("--workload", choices=("shared", "large", "both"), default="both",
+                        help="shared: the five runners on 100 clients; large: the fleet and "
+                             "Flower on a cohort of 1,000 from 10,000 clients; both (default)")
+    parser.add_argument("--large-rounds", type=int, default=4,
+                        help="large: rounds per run, the first a warm-up (default 4)")
+    parser.add_argument("--large-repeats", type=int, default=None,
+                        help="large: repeats (default --repeats)")
+    parser.add_argument("--supernodes", type=int, default=10_000,
+                        help="large: Flower SuperNodes (default 10000, one per client)")
+    parser.add_argument("--population-dir", default=os.path.join(REPO, "out", "bench",
+                                                                 "population-large"),
+                        help="large: where the fleet's population is written once and kept")
     args = parser.parse_args(argv)
     if args.from_json:
         with open(args.from_json) as f:
@@ -451,9 +534,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(args.log_dir, exist_ok=True)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    report = run_bench(runners, args.repeats, args.rounds, args.seed, args.devices,
-                       args.log_dir, grad_check=not args.no_grad_check,
-                       timeout_scale=args.timeout_scale)
+    if args.workload in ("shared", "both"):
+        report = run_bench(runners, args.repeats, args.rounds, args.seed, args.devices,
+                           args.log_dir, grad_check=not args.no_grad_check,
+                           timeout_scale=args.timeout_scale)
+    else:
+        report = {"config": {}, "machine": _machine(), "skipped": {}, "failed": {}}
+    report["config"]["workload"] = args.workload
+    if args.workload in ("large", "both"):
+        report["large"] = run_large(
+            runners, args.large_repeats or args.repeats, args.large_rounds, args.seed,
+            args.devices, args.supernodes, args.population_dir, args.log_dir,
+            timeout_scale=args.timeout_scale)
     try:
         report["machine"]["loadavg_end"] = os.getloadavg()
     except OSError:
@@ -465,8 +557,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(report))
     for runner, why in report["skipped"].items():
         print(f"{runner}: {why}")
-    grad_ok = report["grad_agreement"] is None or report["grad_agreement"]["ok"]
-    return 0 if not report["failed"] and report["losses_agree"] and grad_ok else 1
+    return 0 if succeeded(report) else 1
+
+
+def succeeded(report: Dict[str, Any]) -> bool:
+    """Every runner that ran succeeded and every number agrees within tolerance."""
+    ok = not report.get("failed")
+    if "summary" in report:
+        grad = report.get("grad_agreement")
+        ok = ok and report["losses_agree"] and (grad is None or grad["ok"])
+    large = report.get("large")
+    if large:
+        ok = ok and not large["failed"] and large["agreement"]["ok"]
+    return bool(ok)
 
 
 if __name__ == "__main__":

@@ -196,3 +196,124 @@ def test_from_json_rerenders_a_saved_report(bench: Any, tmp_path: pathlib.Path,
     assert bench.main(["--from-json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| fax_bridge local vs google-fax | 0.800 | 1.25x | 1.25x |" in out
+
+
+# ---------------------------------------------------------------------------------------
+# The large workload (a cohort of 1,000 from 10,000 clients), shrunk for the tests.
+
+SMALL = ["--population-size", "200", "--cohort-size", "30"]
+
+
+def _large_reference(rounds: int, population: int, cohort: int) -> Any:
+    import large_workload
+
+    pop = large_workload.Population(population)
+    return large_workload.fedavg(rounds, 0, pop=pop, cohort_size=cohort)
+
+
+def test_large_fleet_reads_its_cohort_on_the_devices(bench: Any, tmp_path: pathlib.Path) -> None:
+    args = bench.bench_large.runner_args("fax_bridge_fleet", 2, 0, 2, 10_000,
+                                         str(tmp_path / "population"))
+    result = bench.run_runner("fax_bridge_fleet", args + SMALL, timeout_s=300)
+    assert result["workload"] == "large" and result["population"] == 200
+    assert result["round_path"] == "plan" and result["one_request_per_device"]
+    assert result["rpcs_per_round"][1] == 2  # one Round request per device
+    assert result["population_write_s"] > 0 and result["warmup_rounds"] == 1
+    assert result["round_s_median"] == result["round_s_all"][1]
+    # Down: the model and 30 client ids, not 30 clients' rows (30 x 5 KiB of pixels).
+    assert result["round_reports"][1]["bytes_down"] < 2 * 20_000 + 30 * 5120
+    losses, history = _large_reference(2, 200, 30)
+    np.testing.assert_allclose(result["loss_per_round"], losses, atol=1e-5)
+    for k in workload.PARAM_NAMES:
+        np.testing.assert_allclose(np.asarray(result["final_params"][k]), history[-1][k],
+                                   atol=1e-5)
+
+
+def test_large_population_is_written_once(tmp_path: pathlib.Path) -> None:
+    import fax_bridge_peer
+    import large_workload
+
+    directory = str(tmp_path / "population")
+    pop = large_workload.Population(12)
+    assert fax_bridge_peer.write_large_population(directory, pop) > 0
+    assert fax_bridge_peer.write_large_population(directory, pop) == 0.0
+    from fax_bridge.data import ClientStore
+
+    store = ClientStore(directory)
+    x, y = pop.batches(np.asarray([7]))
+    np.testing.assert_array_equal(store.client(7)["xb"], x)
+    np.testing.assert_array_equal(store.client(7)["yb"], y)
+    with pytest.raises(SystemExit, match="holds another population"):
+        fax_bridge_peer.write_large_population(directory, large_workload.Population(10))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.access(ROOT / ".venv-flower" / "bin" / "python", os.X_OK),
+                    reason=".venv-flower not built (benchmarks/peers/setup_venvs.sh flower)")
+def test_large_flower_maps_clients_onto_fewer_supernodes(bench: Any) -> None:
+    args = bench.bench_large.runner_args("flower", 2, 0, 2, 20, "unused")
+    result = bench.run_runner("flower", args + SMALL, timeout_s=600)
+    assert result["supernodes"] == 20 and result["population"] == 200
+    losses, history = _large_reference(2, 200, 30)
+    np.testing.assert_allclose(result["loss_per_round"], losses, atol=1e-5)
+    for k in workload.PARAM_NAMES:
+        np.testing.assert_allclose(np.asarray(result["final_params"][k]), history[-1][k],
+                                   atol=1e-5)
+
+
+def _canned_large(peer: str, round_s: float, peak: float, params: Dict[str, Any],
+                  **extra: Any) -> Dict[str, Any]:
+    out = dict(_canned_result(peer, round_s, 5.0, peak, 1_000_000), final_params=params,
+               warmup_rounds=1, **extra)
+    out["round_s_all"] = [round_s * 3] + [round_s] * 3
+    return out
+
+
+def test_large_report_agreement_and_tables(bench: Any) -> None:
+    params = {"w": [[1.0, 2.0]]}
+    near = {"w": [[1.0, 2.0 + 1e-7]]}
+    fleet = _canned_large("fax_bridge_fleet", 0.5, 900.0, params, one_request_per_device=True,
+                          round_path="plan")
+    flower = _canned_large("flower", 20.0, 3000.0, near, supernodes=10_000)
+    reference = {"loss_per_round": [2.0, 1.5, 1.0, 0.5], "final_params": params}
+    config = {"repeats": 2, "rounds": 4, "seed": 0, "devices": 2, "supernodes": 10_000,
+              "population": 10_000, "cohort": 1_000}
+    large = bench.bench_large.make_report({"fax_bridge_fleet": [fleet] * 2, "flower": [flower] * 2},
+                                          config, {}, {}, reference, bench.summarize_runs,
+                                          bench._ratio, bench.LOSS_ATOL)
+    assert large["ratios"]["round_speedup"] == pytest.approx(40.0)
+    assert large["ratios"]["round_speedup_each"] == [pytest.approx(40.0)] * 2
+    assert large["ratios"]["peak_rss_mb_ours_over_theirs"] == pytest.approx(0.3)
+    a = large["agreement"]
+    assert a["ok"] and a["fleet_one_request_per_device"]
+    assert a["params_fleet_vs_flower"] == pytest.approx(1e-7)
+    table = bench.format_table({"config": {}, "large": large})
+    assert "a cohort of 1,000 of 10,000 clients" in table and "Flower on 10,000 SuperNodes" in table
+    assert "| fax_bridge_fleet | 5.00 | 0.500 | 0.500, 0.500 | 1.500 | 900 | 1,000,000 |" in table
+    assert "| fax_bridge fleet vs Flower, large | 0.025 | 40.00x | 40.00x, 40.00x |" in table
+    assert "(round plan): yes" in table and "within float32 tolerance" in table
+    assert bench.succeeded({"failed": {}, "large": large})
+    # A fleet round that fell back to phase by phase, or models that drift, fail the check.
+    phases = dict(fleet, one_request_per_device=False)
+    far = dict(flower, final_params={"w": [[1.0, 2.1]]})
+    bad = bench.bench_large.make_report({"fax_bridge_fleet": [phases], "flower": [far]},
+                                        config, {}, {}, reference, bench.summarize_runs,
+                                        bench._ratio, bench.LOSS_ATOL)
+    assert not bad["agreement"]["ok"] and not bench.succeeded({"failed": {}, "large": bad})
+    assert "(round plan): NO" in bench.bench_large.format_tables(bad)
+
+
+def test_large_workload_from_json_and_skipped(bench: Any, monkeypatch: Any,
+                                              tmp_path: pathlib.Path, capsys: Any) -> None:
+    import json
+
+    monkeypatch.setattr(bench, "available", lambda runner, repo=bench.REPO: False)
+    path = tmp_path / "report.json"
+    code = bench.main(["--workload", "large", "--json", str(path), "--large-rounds", "1",
+                       "--population-dir", str(tmp_path / "population")])
+    out = capsys.readouterr().out
+    assert code == 0 and "| flower | skipped: no .venv-flower" in out
+    assert "fax_bridge local vs google-fax" not in out  # the shared workload did not run
+    assert bench.main(["--from-json", str(path)]) == 0
+    assert "| fax_bridge_fleet | skipped: no .venv" in capsys.readouterr().out
+    assert json.loads(path.read_text())["config"]["workload"] == "large"

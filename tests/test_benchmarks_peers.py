@@ -72,6 +72,30 @@ def test_cohort_schedule() -> None:
     assert not np.array_equal(workload.cohort_schedule(1, 20), sched)
 
 
+def test_large_population_is_deterministic_and_samples_the_training_set(
+        split: workload.Split) -> None:
+    import large_workload
+
+    pop = large_workload.Population(50, split=split)
+    again = large_workload.Population(50, split=split)
+    np.testing.assert_array_equal(pop.rows, again.rows)
+    assert pop.rows.shape == (50, large_workload.EXAMPLES)
+    assert pop.rows.min() >= 0 and pop.rows.max() < len(split.y_train)
+    assert all(len(set(r.tolist())) == large_workload.EXAMPLES for r in pop.rows)
+    x, y = pop.batches(np.asarray([3, 0]))
+    assert x.shape == (2, workload.LOCAL_STEPS, workload.BATCH, workload.N_FEATURES)
+    np.testing.assert_array_equal(x[1, 1], split.x_train[pop.rows[0, 16:32]])
+    np.testing.assert_array_equal(y[0].ravel(), split.y_train[pop.rows[3]])
+    clients = list(pop.clients())
+    assert len(clients) == 50
+    np.testing.assert_array_equal(clients[3]["xb"][0], x[0])
+    assert clients[3]["counts"].tolist() == [large_workload.EXAMPLES]
+    ids = large_workload.cohort(0, 2)
+    assert len(set(ids.tolist())) == large_workload.COHORT
+    assert ids.max() < large_workload.POPULATION
+    np.testing.assert_array_equal(ids, large_workload.cohort(0, 2))
+
+
 def test_committed_init_params_match_their_generator() -> None:
     stored = workload.load_init_params()
     fresh = workload.make_init_params()

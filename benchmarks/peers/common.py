@@ -138,8 +138,11 @@ def result_line(
     peak_rss_mb: float,
     bytes_moved: Optional[int],
     extra: Optional[Dict[str, Any]] = None,
+    warmup: int = 0,
 ) -> Dict[str, Any]:
-    """The result object; test metrics are computed here, outside every timing."""
+    """The result object; test metrics are computed here, outside every timing.
+    ``round_s_median`` leaves out the first ``warmup`` rounds (when there are more)."""
+    timed = list(round_s[warmup:] if len(round_s) > warmup else round_s)
     split = workload.load_split()
     accs: List[float] = []
     test_losses: List[float] = []
@@ -150,7 +153,7 @@ def result_line(
     out: Dict[str, Any] = {
         "peer": peer,
         "setup_s": round(setup_s, 3),
-        "round_s_median": round(statistics.median(round_s), 4) if round_s else None,
+        "round_s_median": (round(statistics.median(timed), 4) if timed else None),
         "round_s_all": [round(t, 4) for t in round_s],
         "peak_rss_mb": peak_rss_mb,
         "final_test_accuracy": accs[-1] if accs else None,
@@ -159,6 +162,8 @@ def result_line(
         "test_accuracy_per_round": accs,
         "test_loss_per_round": test_losses,
     }
+    if warmup:
+        out["warmup_rounds"] = warmup
     if extra:
         out.update(extra)
     return out

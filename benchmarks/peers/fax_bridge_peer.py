@@ -14,9 +14,20 @@ batches come from ``workload.py`` exactly as for the other peers.
                   the exported stages on first use, so the first round includes that.
                   The round goes as one request per device (a round plan); with
                   ``--phases`` phase by phase (Put, Broadcast, Zip, Map, Aggregate, ...).
+``--workload large``  fleet mode on ``large_workload.py`` (a cohort of 1,000 from 10,000
+                  clients): the population is written once with
+                  ``fax_bridge.data.write_population`` to ``--population-dir`` (kept and
+                  reused; the write is reported as ``population_write_s``, not setup),
+                  every device hosts it (``LocalFleet(population=DIR)``), and each round
+                  names its cohort by reference (``PopulationRef`` with the cohort's
+                  ids), so the coordinator sends client ids and the model, no rows. Same
+                  round program as the shared workload (every client's count is 80). The
+                  first round is the warm-up; ``round_s_median`` is over the others.
 
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py [--mode local|fleet]
         [--devices 2] [--phases] [--rounds 20] [--seed 0] [--json OUT]
+    .venv/bin/python benchmarks/peers/fax_bridge_peer.py --mode fleet --workload large
+        [--devices 2] [--rounds 4] [--population-dir DIR] [--json OUT]
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py --grad-check [--json OUT]
 
 ``--grad-check`` prints the loss and gradient of the fixed program that
@@ -206,6 +217,18 @@ def write_population(data: "workload.ClientData", directory: str) -> None:
                        "counts": data.counts[i][None]} for i in range(data.x.shape[0])))
 
 
+def _report_row(rep: Any) -> Dict[str, Any]:
+    """The figures kept of one round's ``RoundReport``."""
+    return {"bytes_down": rep.bytes_down, "bytes_up": rep.bytes_up,
+            "payload_down": rep.payload_down, "payload_up": rep.payload_up,
+            "rpcs": rep.rpcs, "wall_s": round(rep.wall_s, 4),
+            "compute_s": round(rep.compute_s, 4), "participants": len(rep.participants)}
+
+
+def _device_compute_median(reports: List[Dict[str, Any]]) -> Optional[float]:
+    return float(np.median([r["compute_s"] for r in reports])) if reports else None
+
+
 def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
               data_on: str = "device") -> Dict[str, Any]:
     """Setup (import, data, export, fleet start), then ``rounds`` rounds on the fleet
@@ -259,11 +282,7 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
             round_s.append(time.perf_counter() - t0)
             losses.append(loss)
             history.append(params)
-            reports.append({"bytes_down": rep.bytes_down, "bytes_up": rep.bytes_up,
-                            "payload_down": rep.payload_down, "payload_up": rep.payload_up,
-                            "rpcs": rep.rpcs, "wall_s": round(rep.wall_s, 4),
-                            "compute_s": round(rep.compute_s, 4),
-                            "participants": len(rep.participants)})
+            reports.append(_report_row(rep))
     finally:
         fleet.close()
         store.cleanup()
@@ -282,10 +301,108 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
             "proto_bytes": proto.ByteSize(),
             "payload_moved": sum(r["payload_down"] + r["payload_up"] for r in reports),
             "rpcs_per_round": reports[0]["rpcs"] if reports else None,
-            "device_compute_s_median": (float(np.median([r["compute_s"] for r in reports]))
-                                        if reports else None),
+            "device_compute_s_median": _device_compute_median(reports),
             "round_reports": reports,
             "bytes_moved_note": "wire bytes of the round reports, coordinator->devices and back",
+            "versions": {"jax": jax.__version__, "fax_bridge": fb.__version__},
+        },
+    )
+
+
+def write_large_population(directory: str, pop: Any) -> float:
+    """Writes the large workload's population to ``directory`` unless it is there
+    already (checked by client count and example shapes); returns the seconds spent."""
+    from fax_bridge.data import ClientStore
+    from fax_bridge.data import write_population as write
+
+    t0 = time.perf_counter()
+    if os.path.exists(os.path.join(directory, "population.json")):
+        store = ClientStore(directory)
+        steps, batch = workload.LOCAL_STEPS, workload.BATCH
+        want = {"xb": (steps, batch, workload.N_FEATURES), "yb": (steps, batch), "counts": ()}
+        have = {k: tuple(shape) for k, (_, shape) in store.spec.items()}
+        if store.num_clients != pop.size or have != want or set(store.sizes) != {1}:
+            raise SystemExit(f"{directory} holds another population ({store.num_clients} "
+                             f"clients, arrays {have}); remove it or pass another "
+                             "--population-dir")
+        return 0.0
+    write(directory, pop.clients())
+    return time.perf_counter() - t0
+
+
+def run_fleet_large(rounds: int, seed: int, devices: int, population_dir: str,
+                    population: Optional[int] = None,
+                    cohort: Optional[int] = None) -> Dict[str, Any]:
+    """The large workload: setup (import, population index, export, fleet start), then
+    ``rounds`` rounds whose cohort the devices read from their own population store.
+    ``population`` / ``cohort`` shrink it (tests); default 10,000 and 1,000."""
+    rss = ProcTreeRss().start()
+    import jax
+
+    import fax_bridge as fb
+    import large_workload as large
+
+    t_data = time.perf_counter()
+    import_s = t_data - common.PROCESS_T0
+    pop = large.Population(population or large.POPULATION)
+    cohort = cohort or large.COHORT
+    write_s = write_large_population(population_dir, pop)
+    data_s = time.perf_counter() - t_data - write_s
+    params = workload.load_init_params()
+    program, _, _ = build(cohort)
+    t_export = time.perf_counter()
+    proto = fb.export_tff(program, params, *round_specs(cohort)[1:], placements=PLACEMENTS)
+    export_s = time.perf_counter() - t_export
+    fleet = fb.LocalFleet(devices=devices, population=population_dir, rpc_timeout_s=600,
+                          startup_timeout_s=300)
+    round_s: List[float] = []
+    losses: List[float] = []
+    history: List[Dict[str, np.ndarray]] = []
+    reports: List[Dict[str, Any]] = []
+    try:
+        t_start = time.perf_counter()
+        fleet.start()
+        fleet_start_s = time.perf_counter() - t_start
+        setup_s = time.perf_counter() - common.PROCESS_T0 - write_s
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            ids = large.cohort(seed, r, pop.size, cohort)
+            refs = tuple(fb.PopulationRef(keys=[k], client_ids=ids)
+                         for k in ("xb", "yb", "counts"))
+            result, rep = fleet.run(proto, params, *refs, report=True)
+            params, loss = _split_result(result)
+            round_s.append(time.perf_counter() - t0)
+            losses.append(loss)
+            history.append(params)
+            reports.append(_report_row(rep))
+        use_plans = fleet.policy.round_plans
+    finally:
+        fleet.close()
+    peak = rss.stop()
+    rpcs = [r["rpcs"] for r in reports]
+    return common.result_line(
+        "fax_bridge_fleet", setup_s, round_s, losses, history, peak,
+        sum(r["bytes_down"] + r["bytes_up"] for r in reports), warmup=1,
+        extra={
+            "mode": "fleet",
+            "workload": "large",
+            "devices": devices,
+            "population": pop.size,
+            "cohort": cohort,
+            "round_path": "plan" if use_plans else "phases",
+            "one_request_per_device": all(n == devices for n in rpcs[1:]),
+            "rpcs_per_round": rpcs,
+            "population_write_s": round(write_s, 3),
+            "setup_breakdown": {"import_s": round(import_s, 3), "data_s": round(data_s, 3),
+                                "export_s": round(export_s, 3),
+                                "fleet_start_s": round(fleet_start_s, 3)},
+            "proto_bytes": proto.ByteSize(),
+            "payload_moved": sum(r["payload_down"] + r["payload_up"] for r in reports),
+            "device_compute_s_median": _device_compute_median(reports[1:]),
+            "round_reports": reports,
+            "final_params": {k: v.tolist() for k, v in history[-1].items()} if history else None,
+            "bytes_moved_note": "wire bytes of the round reports, coordinator->devices and "
+                                "back (client ids and the model; devices read the rows)",
             "versions": {"jax": jax.__version__, "fax_bridge": fb.__version__},
         },
     )
@@ -303,13 +420,31 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--data", choices=("device", "coordinator"), default="device",
                         help="fleet: where the clients' batches live (default: the devices "
                              "host them and rounds name the cohort by id)")
+    parser.add_argument("--workload", choices=("shared", "large"), default="shared",
+                        help="large: a cohort of 1,000 from 10,000 clients (fleet mode)")
+    parser.add_argument("--population-dir", default=os.path.join("out", "bench",
+                                                                 "population-large"),
+                        help="large: where the population is written once and kept")
+    parser.add_argument("--population-size", type=int, default=None,
+                        help="large: clients in the population (default 10000)")
+    parser.add_argument("--cohort-size", type=int, default=None,
+                        help="large: clients per round (default 1000)")
+    parser.set_defaults(rounds=None)
     args = parser.parse_args(argv)
-    if args.grad_check:
+    if args.workload == "large":
+        if args.mode != "fleet" or args.grad_check or args.phases:
+            parser.error("--workload large runs only in --mode fleet, as a round plan")
+        import large_workload
+
+        result = run_fleet_large(args.rounds or large_workload.ROUNDS, args.seed, args.devices,
+                                 args.population_dir, args.population_size, args.cohort_size)
+    elif args.grad_check:
         result = grad_check()
     elif args.mode == "local":
-        result = run_local(args.rounds, args.seed)
+        result = run_local(args.rounds or workload.ROUNDS, args.seed)
     else:
-        result = run_fleet(args.rounds, args.seed, args.devices, not args.phases, args.data)
+        result = run_fleet(args.rounds or workload.ROUNDS, args.seed, args.devices,
+                           not args.phases, args.data)
     common.emit(result, args.json)
 
 

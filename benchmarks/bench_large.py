@@ -1,0 +1,177 @@
+"""The large workload's part of ``bench.py``: its runners, report and tables.
+
+The large workload (``peers/large_workload.py``) is a cohort of 1,000 clients per round
+sampled from a population of 10,000, run side by side by two runners: the fax_bridge
+fleet with the population on its devices (``fax_bridge_peer.py --mode fleet --workload
+large``) and Flower's simulation (``flower_peer.py --workload large --supernodes S``).
+``bench.py`` runs them (``--workload large`` or ``both``); this module turns their result
+lines into the report's ``large`` object and its tables: setup, round time after the
+warm-up round (median and each repeat), peak RSS of the process tree, bytes moved, and
+agreement: each loss curve against the numpy reference (``large_workload.fedavg``), the
+final models of the two runners and of the reference, and whether every fleet round
+after the warm-up went as one request per device (a round plan).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+RUNNERS = ("fax_bridge_fleet", "flower")
+# float32 agreement of the final server models (4 rounds of means over 1,000 clients).
+PARAM_ATOL = 1e-5
+
+
+def runner_args(runner: str, rounds: int, seed: int, devices: int, supernodes: int,
+                population_dir: str) -> List[str]:
+    """Script arguments of one large-workload run."""
+    args = ["--workload", "large", "--rounds", str(rounds), "--seed", str(seed)]
+    if runner == "fax_bridge_fleet":
+        return args + ["--mode", "fleet", "--devices", str(devices),
+                       "--population-dir", population_dir]
+    return args + ["--supernodes", str(supernodes)]
+
+
+def numpy_reference(rounds: int, seed: int) -> Optional[Dict[str, Any]]:
+    """Loss per round and final model of the numpy reference (None without sklearn)."""
+    try:
+        import large_workload
+    except ImportError:
+        return None
+    losses, history = large_workload.fedavg(rounds, seed)
+    return {"loss_per_round": [float(x) for x in losses],
+            "final_params": {k: v.tolist() for k, v in history[-1].items()}}
+
+
+def _params_diff(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]]) -> Optional[float]:
+    if not a or not b or sorted(a) != sorted(b):
+        return None
+    return float(max(np.max(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64)))
+                     for k in a))
+
+
+def _curve_diff(a: Optional[Sequence[float]], b: Optional[Sequence[float]]) -> Optional[float]:
+    if not a or not b or len(a) != len(b):
+        return None
+    return float(max(abs(float(x) - float(y)) for x, y in zip(a, b)))
+
+
+def agreement(runs: Dict[str, List[Dict[str, Any]]], reference: Optional[Dict[str, Any]],
+              loss_atol: float) -> Dict[str, Any]:
+    """Loss curves and final models of the last run of each runner against the numpy
+    reference and each other, and the fleet's round path; ``ok`` when all agree."""
+    last = {r: results[-1] for r, results in runs.items() if results}
+    ref_curve = (reference or {}).get("loss_per_round")
+    ref_params = (reference or {}).get("final_params")
+    out: Dict[str, Any] = {"loss_vs_numpy": {}, "params_vs_numpy": {}}
+    for runner, res in last.items():
+        out["loss_vs_numpy"][runner] = _curve_diff(res.get("loss_per_round"), ref_curve)
+        out["params_vs_numpy"][runner] = _params_diff(res.get("final_params"), ref_params)
+    fleet, flower = last.get("fax_bridge_fleet"), last.get("flower")
+    out["loss_fleet_vs_flower"] = (_curve_diff(fleet.get("loss_per_round"),
+                                               flower.get("loss_per_round"))
+                                   if fleet and flower else None)
+    out["params_fleet_vs_flower"] = (_params_diff(fleet.get("final_params"),
+                                                  flower.get("final_params"))
+                                     if fleet and flower else None)
+    fleet_runs = runs.get("fax_bridge_fleet") or []
+    out["fleet_one_request_per_device"] = (
+        all(r.get("one_request_per_device") and r.get("round_path") == "plan"
+            for r in fleet_runs) if fleet_runs else None)
+    losses = [v for v in (*out["loss_vs_numpy"].values(), out["loss_fleet_vs_flower"])
+              if v is not None]
+    params = [v for v in (*out["params_vs_numpy"].values(), out["params_fleet_vs_flower"])
+              if v is not None]
+    out["ok"] = (all(v <= loss_atol for v in losses) and all(v <= PARAM_ATOL for v in params)
+                 and out["fleet_one_request_per_device"] is not False)
+    return out
+
+
+def make_report(runs: Dict[str, List[Dict[str, Any]]], config: Dict[str, Any],
+                skipped: Dict[str, str], failed: Dict[str, str],
+                reference: Optional[Dict[str, Any]], summarize: Any, ratio: Any,
+                loss_atol: float) -> Dict[str, Any]:
+    """The report's ``large`` object (``summarize``/``ratio``: ``bench.summarize_runs``
+    and ``bench._ratio``, shared with the shared workload)."""
+    summary = summarize(runs)
+    for runner, results in runs.items():
+        if results and runner in summary:
+            summary[runner]["supernodes"] = results[-1].get("supernodes")
+            summary[runner]["round_s_all_each"] = [r.get("round_s_all") for r in results]
+    ours, theirs = summary.get("fax_bridge_fleet", {}), summary.get("flower", {})
+    ratios: Dict[str, Any] = {
+        f"{key}_ours_over_theirs": ratio(ours.get(key), theirs.get(key))
+        for key in ("round_s_median", "setup_s", "peak_rss_mb", "bytes_moved")}
+    ratios["round_speedup"] = ratio(theirs.get("round_s_median"), ours.get("round_s_median"))
+    ratios["round_speedup_each"] = [
+        ratio(b, a) for a, b in zip(ours.get("round_s_median_each") or [],
+                                    theirs.get("round_s_median_each") or [])]
+    return {"config": config, "skipped": skipped, "failed": failed, "summary": summary,
+            "ratios": ratios, "numpy_reference": reference,
+            "agreement": agreement(runs, reference, loss_atol), "runs": runs}
+
+
+def _f(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _x(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def format_tables(large: Dict[str, Any]) -> str:
+    """Markdown tables of the report's ``large`` object."""
+    cfg = large["config"]
+    summary = large["summary"]
+    lines = [
+        f"Large workload: a cohort of {cfg['cohort']:,} of {cfg['population']:,} clients per "
+        f"round, {cfg['rounds']} rounds (the first a warm-up, left out of the round median), "
+        f"seed {cfg['seed']}, medians over {cfg['repeats']} alternating repeats; fleet of "
+        f"{cfg['devices']} devices hosting the population, Flower on {cfg['supernodes']:,} "
+        "SuperNodes.",
+        "",
+        "| runner | setup s | round s (median) | round s, repeat by repeat | warm-up round s "
+        "| peak RSS MiB | bytes moved | final test acc |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for runner in RUNNERS:
+        s = summary.get(runner)
+        if s is None:
+            why = large.get("skipped", {}).get(runner) or large.get("failed", {}).get(runner)
+            lines.append(f"| {runner} | {why or 'not run'} | | | | | | |")
+            continue
+        each = ", ".join(_f(x, ".3f") for x in s.get("round_s_median_each") or []) or "-"
+        moved = "-" if s["bytes_moved"] is None else f"{int(s['bytes_moved']):,}"
+        lines.append(
+            f"| {runner} | {_f(s['setup_s'], '.2f')} | {_f(s['round_s_median'], '.3f')} | "
+            f"{each} | {_f(s['first_round_s'], '.3f')} | {_f(s['peak_rss_mb'], '.0f')} | "
+            f"{moved} | {_f(s['final_test_accuracy'], '.4f')} |")
+    r = large["ratios"]
+    lines += [
+        "",
+        "| comparison | round time (ours / theirs) | speed-up per round | same, repeat by repeat "
+        "| setup (ours / theirs) | peak RSS (ours / theirs) | bytes (ours / theirs) |",
+        "|---|---|---|---|---|---|---|",
+        f"| fax_bridge fleet vs Flower, large | {_f(r['round_s_median_ours_over_theirs'], '.3f')} "
+        f"| {_x(r['round_speedup'])} | "
+        f"{', '.join(_x(x) for x in r.get('round_speedup_each') or []) or '-'} | "
+        f"{_f(r['setup_s_ours_over_theirs'], '.2f')} | "
+        f"{_f(r['peak_rss_mb_ours_over_theirs'], '.2f')} | "
+        f"{_f(r['bytes_moved_ours_over_theirs'], '.2f')} |",
+    ]
+    a = large["agreement"]
+    lines += ["", "| large workload | loss curve, max abs diff | final model, max abs diff |",
+              "|---|---|---|"]
+    for runner in RUNNERS:
+        if runner in a["loss_vs_numpy"]:
+            lines.append(f"| {runner} vs numpy reference | "
+                         f"{_f(a['loss_vs_numpy'][runner], '.1e')} | "
+                         f"{_f(a['params_vs_numpy'].get(runner), '.1e')} |")
+    lines.append(f"| fax_bridge fleet vs Flower | {_f(a['loss_fleet_vs_flower'], '.1e')} | "
+                 f"{_f(a['params_fleet_vs_flower'], '.1e')} |")
+    plan = a["fleet_one_request_per_device"]
+    lines += ["", "Fleet rounds after the warm-up as one request per device (round plan): "
+                  f"{'not measured' if plan is None else ('yes' if plan else 'NO')}. "
+                  f"Agreement {'within' if a['ok'] else 'OUTSIDE'} float32 tolerance."]
+    return "\n".join(lines)
