@@ -120,3 +120,149 @@ def test_partials_cross_the_wire_unchanged_including_all_zero_and_empty(shape, s
         back = partials.from_message(kind, partials.to_message(sent))
         np.testing.assert_array_equal(aggregation.finish(back)[0],
                                       aggregation.finish(sent)[0])
+
+
+# -- fast paths against slow references ----------------------------------------------
+# Sums of floats of at most 4 bytes go through float64 where that is exact, and dtypes
+# of at most 24 significant bits are rounded through a float64 rounded to odd. Each is
+# checked here against exact rational arithmetic and against the general paths.
+
+_DTYPES = ["float16", "bfloat16", "float32", "float64"]
+
+
+def _dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _reference(column: np.ndarray) -> float:
+    """The exact semantics for one element's addends, from Python fractions."""
+    dtype = column.dtype
+    wide = column.astype(np.float64)
+    if np.isnan(wide).any() or (np.isposinf(wide).any() and np.isneginf(wide).any()):
+        return math.nan
+    if np.isinf(wide).any():
+        return float(wide[np.isinf(wide)][0])
+    if all(v == 0 and math.copysign(1, v) < 0 for v in wide):
+        return -0.0
+    total = sum(fractions.Fraction(float(v)) for v in wide)
+    if total == 0:
+        return 0.0
+    if dtype == np.float64:
+        try:
+            return float(total)  # rounds correctly
+        except OverflowError:
+            return math.inf if total > 0 else -math.inf
+    info = _info(dtype)
+    p, emin_sub = info.nmant + 1, int(info.minexp) - info.nmant
+    mag = abs(total)
+    e = mag.numerator.bit_length() - mag.denominator.bit_length()
+    while fractions.Fraction(2) ** e > mag:
+        e -= 1
+    while fractions.Fraction(2) ** (e + 1) <= mag:
+        e += 1
+    ulp = max(e - (p - 1), emin_sub)
+    q = round(mag / fractions.Fraction(2) ** ulp)  # half to even
+    with np.errstate(over="ignore"):
+        return math.copysign(float(np.ldexp(float(q), ulp)), total)
+
+
+def _info(dtype: np.dtype):
+    import ml_dtypes
+
+    return ml_dtypes.finfo(dtype) if dtype.name == "bfloat16" else np.finfo(dtype)
+
+
+@st.composite
+def _stacks(draw):
+    """[addends, elements] of one float dtype: any bit patterns, values of nearby
+    exponents (the float64 path), specials, and cancelling negations."""
+    dtype = _dtype(draw(st.sampled_from(_DTYPES)))
+    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+    n = draw(st.one_of(st.integers(1, 6), st.integers(7, 70)))
+    width = draw(st.integers(1, 5))
+    mode = draw(st.sampled_from(["bits", "near", "wide", "mixed", "ties"]))
+    info = _info(dtype)
+    p = info.nmant + 1
+    bits = np.array(draw(st.lists(st.integers(0, 2 ** (8 * dtype.itemsize) - 1),
+                                  min_size=n * width, max_size=n * width)), np.uint64)
+    values = bits.astype(uint).view(dtype).astype(np.float64).reshape(n, width)
+    if mode in ("near", "wide", "mixed"):  # full significands, exponents within a spread
+        scale = draw(st.sampled_from([1.0, float(info.tiny), float(info.max) / 4,
+                                      float(info.smallest_subnormal) * 2 ** (p + 8)]))
+        spread = 2 if mode == "near" else draw(st.sampled_from([16, 28, 31, 34, 60]))
+        grid = bits.reshape(n, width)
+        mant = (grid % 2 ** p).astype(np.float64) / 2 ** (p - 1) - 1
+        expo = (grid >> np.uint64(p)) % np.uint64(spread)
+        with np.errstate(all="ignore"):
+            values = mant * scale * np.exp2(-expo.astype(np.float64))
+        if mode == "mixed":
+            values[::3] = draw(st.sampled_from([0.0, -0.0, np.inf, -np.inf, np.nan,
+                                                float(info.max), -float(info.max)]))
+    if mode == "ties":  # a value, half its last place, and tiny amounts that break ties
+        picks = [1.0, -1.0, 2.0 ** -p, -(2.0 ** -p), 3 * 2.0 ** -p, 2.0 ** (1 - p),
+                 float(info.smallest_subnormal), -float(info.smallest_subnormal),
+                 float(info.max), 2.0 ** (int(info.maxexp) - 1 - p), -0.0]
+        values = np.array(picks)[bits.reshape(n, width) % len(picks)]
+    stack = values.astype(dtype)
+    if draw(st.booleans()):  # negations cancel
+        stack = np.concatenate([stack, -stack[: draw(st.integers(0, n))]])
+    return stack
+
+
+def _split_sum(stack: np.ndarray, cuts: list[int], order: list[int]) -> ExactSum:
+    bounds = [0, *sorted({c % (len(stack) + 1) for c in cuts}), len(stack)]
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        acc = ExactSum(stack.dtype, stack.shape[1:])
+        acc.add_many(stack[lo:hi])
+        parts.append(ExactSum.from_limbs(acc.dtype, acc.shape, *acc.to_limbs()))
+    total = ExactSum(stack.dtype, stack.shape[1:])
+    for i in sorted(range(len(parts)), key=lambda i: order[i % len(order)] if order else i):
+        total.merge(parts[i])
+    return total
+
+
+@settings(max_examples=150, deadline=None)
+@given(_stacks(), st.lists(st.integers(0, 200), max_size=4),
+       st.lists(st.integers(0, 9), max_size=5))
+def test_any_dtype_any_split_matches_exact_rationals(stack, cuts, order):
+    got = _split_sum(stack, cuts, order).result()
+    want = np.array([_reference(stack[:, j]) for j in range(stack.shape[1])])
+    with np.errstate(over="ignore"):
+        want = want.astype(stack.dtype)
+    assert got.dtype == stack.dtype
+    assert got.tobytes() == want.tobytes(), (got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_stacks(), st.lists(st.integers(0, 200), max_size=3))
+def test_float64_path_equals_the_general_path_limb_for_limb(stack, cuts):
+    fast = _split_sum(stack, cuts, [])
+    general = ExactSum(stack.dtype, stack.shape[1:])
+    for row in stack:  # one at a time, never through float64 sums
+        general._add_block(row[None], slice(0, stack.shape[1]))
+    general.pending = len(stack)
+    (base, limbs, flags), (want_base, want_limbs, want_flags) = fast.to_limbs(), general.to_limbs()
+    np.testing.assert_array_equal(limbs, want_limbs)
+    np.testing.assert_array_equal(flags, want_flags)
+    assert base == want_base or not limbs.size  # the base of no limbs means nothing
+    assert fast.result().tobytes() == general.result().tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(_DTYPES[:3]), st.integers(-6, 12),
+       st.lists(st.lists(st.one_of(st.integers(-2**62, 2**62), st.integers(-4, 4),
+                                   st.integers(0, 62).map(lambda k: 1 << k),
+                                   st.integers(0, 62).map(lambda k: -(1 << k)),
+                                   st.sampled_from([2**32 - 1, 2**32, -2**32, 2**31, 0])),
+                         min_size=3, max_size=3), min_size=1, max_size=6))
+def test_rounding_to_odd_equals_the_general_rounding(name, base, rows):
+    """Any limb stack (not normalized, of any sign) rounds the same both ways."""
+    acc = ExactSum(_dtype(name), (3,))
+    acc.base, acc.limbs = base, np.array(rows, np.int64)
+    with np.errstate(over="ignore"):
+        odd = acc._round_to_odd().astype(acc.dtype)
+        general = acc._round().astype(acc.dtype)
+    assert odd.tobytes() == general.tobytes()

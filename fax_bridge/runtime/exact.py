@@ -8,10 +8,16 @@ integer, and `result()` rounds it once, to nearest-even. Hence the sum of a clie
 value has the same bits whichever devices computed which partial sums. Integer sums
 wrap modulo 2^64 and are cast to the dtype at the end (modular addition is exact too).
 As in IEEE arithmetic, a sum whose addends are all -0 is -0; any other zero sum is +0.
+
+Two shortcuts keep the cost per call low and change no result: floats of at most 4 bytes
+are first summed in float64 wherever that sum is provably exact (then enter the limbs as
+one addend per element), and dtypes of at most 24 significant bits are rounded through
+a float64 rounded to odd, which the final cast rounds once more without double rounding.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -26,6 +32,7 @@ _BLOCK_ELEMENTS = 1 << 15  # addend elements handled at once (temporaries stay i
 NONFINITE_FLAGS = 0b111  # the bits of a wire flag byte that mean NaN, +inf or -inf
 
 
+@functools.lru_cache(maxsize=None)
 def _float_params(dtype: np.dtype) -> tuple[int, int, int, type]:
     """(significand bits p, exponent bits, lowest exponent of a subnormal lsb, uint view)."""
     if dtype.name == "bfloat16":
@@ -94,13 +101,82 @@ class ExactSum:
             self.pending += chunk.shape[0]
 
     def _add_float(self, rows: np.ndarray) -> None:
-        """Adds each row of `rows` ([addends, size]); limbs grow by < 2^32 per addend.
+        """Adds each row of `rows` ([addends, size]); limbs grow by < 2^33 per addend.
 
         Works through blocks of columns small enough for the temporaries to stay in cache.
+        Floats of at most 4 bytes are summed in float64 where that is exact, the rest of
+        the columns go through the limbs addend by addend.
         """
         step = max(1, _BLOCK_ELEMENTS // max(1, rows.shape[0]))
         for lo in range(0, self.size, step):
-            self._add_block(rows[:, lo:lo + step], slice(lo, lo + step))
+            block, cols = rows[:, lo:lo + step], slice(lo, lo + step)
+            if self.dtype.itemsize <= 4:
+                rest = self._add_in_doubles(block, lo)
+                if rest is None:
+                    continue
+                block, cols = block[:, rest], lo + rest
+            self._add_block(block, cols)
+
+    def _add_in_doubles(self, rows: np.ndarray, lo: int) -> Optional[np.ndarray]:
+        """Adds the columns of `rows` (columns lo.. of the value) whose float64 sum is
+        exact, as one addend each; returns the columns left (indices into rows) or None.
+
+        A float of p significant bits with exponent field E is an integer multiple of
+        the smallest subnormal: its highest bit lies at most at max(E, 1) + p - 2 and its
+        lowest at least at max(E - 1, 0). Summing n of them in float64 (in any order) is
+        exact when the highest bit of the largest magnitude and the lowest possible bit
+        of the smallest nonzero one, plus ceil(log2 n) bits of growth, span at most 53.
+        """
+        p, nexp, _, uint = _float_params(self.dtype)
+        n = rows.shape[0]
+        bits = rows.view(uint)
+        sign_bit = uint(1 << (8 * self.dtype.itemsize - 1))
+        mag = bits & (sign_bit - uint(1))
+        hi = mag.max(axis=0)
+        low = (mag - uint(1)).min(axis=0) + uint(1)  # zeros wrap to the top, then to 0
+        e_hi = (hi >> uint(p - 1)).astype(np.int32)
+        e_lo = (low >> uint(p - 1)).astype(np.int32)
+        span = np.maximum(e_hi, 1) - np.maximum(e_lo - 1, 0) + (p - 1 + (n - 1).bit_length())
+        zero = hi == 0
+        fast = (span <= 53) & (e_hi < (1 << nexp) - 1) & ~zero  # NaN, inf: the general way
+        neg_zero = self.neg_zero[lo:lo + rows.shape[1]]  # a view: updated in place
+        neg_zero &= zero  # an element stays -0 only while every addend is -0
+        if zero.any():
+            neg_zero[zero] &= (bits[:, zero] == sign_bit).all(axis=0)
+        if fast.any():
+            every = bool(fast.all())
+            with np.errstate(invalid="ignore", over="ignore"):
+                total = (rows if every else rows[:, fast]).astype(np.float64).sum(axis=0)
+            where = np.arange(rows.shape[1]) if every else np.flatnonzero(fast)
+            self._add_doubles(total, lo + where)
+        rest = ~(fast | zero)
+        return np.flatnonzero(rest) if rest.any() else None
+
+    def _add_doubles(self, values: np.ndarray, cols: np.ndarray) -> None:
+        """Adds float64 `values` that are integer multiples of the smallest subnormal of
+        the dtype (exactly), one per column `cols`; each limb grows by < 2^33."""
+        _, _, emin_sub, _ = _float_params(self.dtype)
+        live = values != 0
+        if not live.all():
+            values, cols = values[live], cols[live]
+            if not values.size:
+                return
+        frac, expo = np.frexp(values)
+        mant = np.ldexp(frac, 53).astype(np.int64)  # signed, |mant| < 2^53
+        pos = expo.astype(np.int64) - (53 + emin_sub)  # of mant's lowest bit, in units
+        if pos.min() < 0:  # an integer: the bits below the unit are zeros
+            mant = mant >> np.clip(-pos, 0, 63)
+            pos = np.maximum(pos, 0)
+        idx, off = pos // LIMB_BITS, pos % LIMB_BITS
+        first = int(idx.min())
+        self._cover(first, int(idx.max()) + 3)
+        row = idx - self.base
+        low = (mant & _MASK) << off  # < 2^63
+        high = (mant >> LIMB_BITS) << off  # signed, |high| < 2^52
+        limbs = self.limbs
+        limbs[row, cols] += low & _MASK
+        limbs[row + 1, cols] += (low >> LIMB_BITS) + (high & _MASK)
+        limbs[row + 2, cols] += high >> LIMB_BITS
 
     def _add_block(self, rows: np.ndarray, cols: slice) -> None:
         p, nexp, _, uint = _float_params(self.dtype)
@@ -207,12 +283,47 @@ class ExactSum:
         """The sum, rounded once to the dtype (nearest, ties to even)."""
         if not self.is_float:
             return self.limbs[0].astype(self.dtype).reshape(self.shape)
-        out = self._round()
+        out = self._round_to_odd() if _float_params(self.dtype)[0] <= 24 else self._round()
         out[self.neg_zero] = -0.0
         out = np.where(self.nan | (self.pos_inf & self.neg_inf), np.nan,
                        np.where(self.pos_inf, np.inf, np.where(self.neg_inf, -np.inf, out)))
         with np.errstate(over="ignore"):
             return out.astype(self.dtype).reshape(self.shape)
+
+    def _round_to_odd(self) -> np.ndarray:
+        """The finite part rounded to odd with at least 33 significant bits, as float64
+        (float32 with 24 for bfloat16), for dtypes of at most 24 significant bits.
+
+        Rounding to odd (truncate, then set the lowest bit if anything was dropped) with
+        at least two bits more than the dtype keeps the information rounding to nearest
+        needs, so the cast to the dtype that follows rounds once, correctly.
+        """
+        _, _, emin_sub, _ = _float_params(self.dtype)
+        if self.limbs.shape[0] == 0:
+            return np.zeros(self.size, np.float64)
+        signed = _normalize(self.limbs)
+        negative = signed[-1] < 0
+        digits = _normalize(np.where(negative, -signed, signed), below=2)  # magnitudes
+        rows = digits.shape[0]
+        nz = digits != 0
+        top = (rows - 1) - np.argmax(nz[::-1], axis=0)  # highest nonzero digit (>= 2)
+        sticky = np.argmax(nz, axis=0) < top - 2  # a nonzero digit below the three read
+        at = top * self.size + np.arange(self.size)
+        flat = digits.reshape(-1)
+        w2, w1, w0 = (flat[at].view(np.uint64), flat[at - self.size].view(np.uint64),
+                      flat[at - 2 * self.size])
+        window = (w2 << np.uint64(LIMB_BITS)) | w1  # 33 to 64 bits (or 0: a zero sum)
+        shift = np.where(w2 >> np.uint64(53 - LIMB_BITS) != 0, np.uint64(11), np.uint64(0))
+        dropped = window & ((np.uint64(1) << shift) - np.uint64(1))
+        odd = ((dropped != 0) | (w0 != 0) | sticky) & (w2 != 0)  # w2 is 0 for a zero sum
+        sig = (window >> shift) | odd.astype(np.uint64)  # at most 53 bits: exact in float64
+        scale = LIMB_BITS * (top - 3 + self.base) + emin_sub + shift.astype(np.int64)
+        with np.errstate(over="ignore"):
+            magnitude = np.ldexp(sig.astype(np.float64), scale.astype(np.int32))
+        out = np.where(negative, -magnitude, magnitude)
+        if self.dtype.name == "bfloat16":  # its cast from float64 rounds twice via float32
+            out = _to_odd_float32(out)
+        return out
 
     def _round(self) -> np.ndarray:
         """The finite part as float64 values exactly representable in the dtype."""
@@ -299,13 +410,31 @@ class ExactSum:
         return acc
 
 
-def _normalize(limbs: np.ndarray) -> np.ndarray:
-    """Carry-propagates: rows 0..n-1 of the result lie in [0, 2^32), row n is signed."""
-    out = np.zeros((limbs.shape[0] + 1, limbs.shape[1]), np.int64)
-    carry = np.zeros(limbs.shape[1], np.int64)
-    for k in range(limbs.shape[0]):
+def _normalize(limbs: np.ndarray, below: int = 0) -> np.ndarray:
+    """Carry-propagates: rows 0..n-1 of the result lie in [0, 2^32), row n is signed.
+
+    With `below`, that many zero rows come first (the result's rows shift up by it).
+    """
+    out = np.zeros((below + limbs.shape[0] + 1, limbs.shape[1]), np.int64)
+    if not limbs.shape[0]:
+        return out
+    carry = limbs[0] >> LIMB_BITS
+    out[below] = limbs[0] & _MASK
+    for k in range(1, limbs.shape[0]):
         total = limbs[k] + carry
-        out[k] = total & _MASK
+        out[below + k] = total & _MASK
         carry = total >> LIMB_BITS
     out[-1] = carry
     return out
+
+
+def _to_odd_float32(values: np.ndarray) -> np.ndarray:
+    """float64 values rounded to odd at float32's precision and range (as float32)."""
+    with np.errstate(over="ignore"):
+        near = values.astype(np.float32)
+    inexact = near.astype(np.float64) != values
+    even = (near.view(np.uint32) & np.uint32(1)) == 0
+    step = inexact & even  # the odd neighbour lies toward the value
+    toward = np.where(values[step] > near[step], np.float32(np.inf), np.float32(-np.inf))
+    near[step] = np.nextafter(near[step], toward)
+    return near
