@@ -136,7 +136,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             self.population_name = population_name or pop.default_name(population)
         self._stored_bytes = 0
         self._handles: dict[int, Stored] = {}
-        self._computations: dict[str, Callable] = {}
+        self._computations: dict[str, computation_pb2.Computation] = {}
         self._lock = threading.Lock()          # guards the two dicts
         self._compute = threading.Lock()       # one computing request at a time
 
@@ -177,8 +177,8 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                             f"0..{self.max_delay_seconds:g} (--max-delay-seconds)")
         return delay
 
-    def loaded(self, computation_hash: str, what: str):
-        """The compiled computation loaded under `computation_hash`, else FAILED_PRECONDITION."""
+    def loaded(self, computation_hash: str, what: str) -> computation_pb2.Computation:
+        """The computation loaded under `computation_hash`, else FAILED_PRECONDITION."""
         with self._lock:
             fn = self._computations.get(computation_hash)
         if fn is None:
@@ -254,9 +254,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"Load: the bytes of computation {request.computation_hash[:12]} "
                             f"are not a serialized federated_language Computation ({e})")
-        fn = compile_local(proto)
+        compile_local(proto)  # refused here, at Load, when it cannot run
         with self._lock:
-            self._computations[request.computation_hash] = fn
+            self._computations[request.computation_hash] = proto
         return pb.LoadResponse(already_loaded=False)
 
     def read_clients(self, messages, what: str, check=None):
@@ -394,19 +394,19 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         delay = self.check_delay(request.delay_seconds, "Map")
         fn = self.loaded(request.computation_hash, "Map")
         arg = self._get(request.arg)
-        from fax_bridge.runtime.backend import as_numpy
+        from fax_bridge.runtime import client_map
 
-        results, produced = [], CLIENT_ID_BYTES * len(arg.client_ids)
+        ids_bytes = CLIENT_ID_BYTES * len(arg.client_ids)
         with self._compute:
             start = time.perf_counter()
             clock = time.monotonic()
             members = [None] * len(arg.client_ids) if request.no_argument else arg.member_list()
-            for member in members:
-                self._check_time(clock, context, "Map")
-                result = as_numpy(fn() if request.no_argument else fn(member))
-                produced += _value_bytes(result)
-                self._check_room(produced, "Map's results")  # before the next client's
-                results.append(result)
+            guard = client_map.Guard(
+                tick=lambda: self._check_time(clock, context, "Map"),
+                room=lambda produced: self._check_room(ids_bytes + produced, "Map's results"),
+                size=_value_bytes)
+            results = client_map.map_clients(fn, members, key=request.computation_hash,
+                                             no_argument=request.no_argument, guard=guard)
             elapsed = time.perf_counter() - start
         if delay > 0 and self.stopping.wait(delay):
             raise _RpcError(grpc.StatusCode.UNAVAILABLE, "Map: the device is shutting down")

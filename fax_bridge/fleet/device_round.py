@@ -3,8 +3,8 @@
 The stream's first message names the round's client part (loaded before with `Load`,
 by content hash), the broadcast value and the aggregations; its messages bring this
 device's clients of the round (values, or `from_store` reads of the population the
-device hosts). The client part runs on <broadcast, member> for each client, in order,
-and each aggregation's exact partial over those clients is the answer
+device hosts). The client part runs on <broadcast, member> for each client, in order
+(`runtime.client_map`: one XLA call for all of them where it can), and each aggregation's exact partial over those clients is the answer
 (`runtime.aggregation`, `fleet.partials`). Nothing stays stored on the device.
 """
 
@@ -13,11 +13,9 @@ from __future__ import annotations
 import time
 
 import grpc
-from federated_language.common_libs import structure
 
 from fax_bridge.fleet import partials, wire
-from fax_bridge.runtime import aggregation
-from fax_bridge.runtime.backend import as_numpy
+from fax_bridge.runtime import aggregation, client_map
 from fax_bridge.runtime.local_eval import select_element
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -53,17 +51,16 @@ def run_round(device, request_iterator, context) -> pb.RoundResponse:
     if reads:
         _, members = device.read_store(reads)
     sent = wire.decode_value(head.broadcast)
-    results = []
     with device._compute:
         start = time.perf_counter()
         clock = time.monotonic()
-        produced = 0
-        for member in members:
-            device._check_time(clock, context, "Round")
-            result = as_numpy(fn(structure.Struct([(None, sent), (None, member)])))
-            produced += _value_bytes(result)
-            device._check_room(received + produced, "Round's client results")
-            results.append(result)
+        guard = client_map.Guard(
+            tick=lambda: device._check_time(clock, context, "Round"),
+            room=lambda produced: device._check_room(received + produced,
+                                                     "Round's client results"),
+            size=_value_bytes)
+        results = client_map.map_clients(fn, members, sent, key=head.computation_hash,
+                                         guard=guard)
         answer = pb.RoundResponse(num_clients=len(results))
         for spec, kind in zip(head.aggregations, kinds):
             try:

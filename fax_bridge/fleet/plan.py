@@ -8,7 +8,8 @@ inputs never depend on another aggregation's result, the round is
 
   server prepare   the SERVER locals that do not depend on an aggregate (coordinator);
   client part      ONE local computation  <broadcast values, client inputs> ->
-                   <aggregand_0, weight_0?, aggregand_1, ...>  (one client at a time);
+                   <aggregand_0, weight_0?, aggregand_1, ...>  (run over the clients
+                   by `runtime.client_map`: one XLA call for all of them where it can);
   aggregations     the kind of each aggregate and where its aggregand (and weights)
                    sit in the client part's result;
   server result    the remaining SERVER locals and the Block's result (coordinator).
@@ -330,9 +331,11 @@ def client_results(plan: Plan, sent: list, members: list) -> list:
     """The client part on each client's inputs (`members`: one Struct of inputs each)."""
     from federated_language.common_libs import structure
 
-    fn = local_eval.compile_local(plan.client_part)
+    from fax_bridge.runtime import client_map
+
     shared = structure.Struct([(None, v) for v in sent])
-    return [fn(structure.Struct([(None, shared), (None, m)])) for m in members]
+    return client_map.map_clients(plan.client_part, members, shared,
+                                  key=plan.client_part_hash)
 
 
 def partials_of(plan: Plan, results: list) -> list:

@@ -1,7 +1,7 @@
 """A `ClientsBackend` that keeps every client's value in this process.
 
-Client values are held as a list of local values, one per client, so a map is one call
-of the compiled local computation per client and an aggregation reduces the list with
+Client values are held as a list of local values, one per client; a map runs the local
+computation over them with `client_map` (one XLA call where it can) and an aggregation reduces the list with
 `aggregation` (exact sums), so results have the same bits as on a fleet. This is the
 reference backend the gRPC one is compared with.
 """
@@ -16,7 +16,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import aggregation, local_eval, population
+from fax_bridge.runtime import aggregation, client_map, population
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue, LocalValue, as_numpy
 
 
@@ -85,11 +85,8 @@ class LocalClientsBackend(ClientsBackend):
 
     def map(self, fn: computation_pb2.Computation, fn_type: federated_language.FunctionType,
             arg: ClientsValue) -> LocalClientsValue:
-        compiled = local_eval.compile_local(fn)
-        if fn_type.parameter is None:
-            out = [compiled() for _ in _members(arg)]
-        else:
-            out = [compiled(m) for m in _members(arg)]
+        out = client_map.map_clients(fn, _members(arg),
+                                     no_argument=fn_type.parameter is None)
         return LocalClientsValue(fn_type.result, out)
 
     def zip(self, values: Sequence[ClientsValue],

@@ -4,7 +4,8 @@ A local computation is an `Xla` computation, or a `Lambda`/`Block`/`Call`/`Struc
 `Selection`/`Reference`/`Literal` composition of local parts, possibly using the generic
 intrinsics (`generic_plus`, `generic_multiply`, `generic_divide`, `generic_zero`).
 `compile_local` turns one into a callable on local values (numpy arrays, or `Struct`s of
-them), compiling it once per content hash and per process.
+them), compiling it once per content hash and per process. The same callable runs on
+jax tracers too: `client_map` traces it once to run it over many clients in one XLA call.
 
 Xla binding (TFF's convention): the parameter binding mirrors the parameter type; each
 tensor binding names the HLO parameter number of the tensor at that place of the type.
@@ -424,7 +425,7 @@ def _flatten_arg(value, binding, type_, path, out: dict) -> None:
                 f"Xla parameter {path or '<arg>'}: expected a tensor "
                 f"{type_ if type_ is not None else ''}, got a struct"
             )
-        arr = np.asarray(value)
+        arr = value if hlo.is_traced(value) else np.asarray(value)
         if isinstance(type_, federated_language.TensorType):
             arr = _check_tensor(arr, type_, path)
         out[binding.tensor.index] = arr
@@ -518,7 +519,11 @@ def xla_function(comp: computation_pb2.Computation) -> LocalFn:
         flat: dict[int, np.ndarray] = {}
         if has_param:
             _flatten_arg(arg, xla.parameter, fn_type.parameter, "", flat)
-        outputs = exe([flat[i] for i in range(n_params)])
+        args = [flat[i] for i in range(n_params)]
+        if any(hlo.is_traced(a) for a in args):  # inside `client_map`'s batched function
+            outputs = hlo.call_traced(exe, args)
+        else:
+            outputs = exe(args)
         return _pack_result(outputs, xla.result, fn_type.result)
 
     return run

@@ -1,0 +1,260 @@
+"""Runs one local computation over many clients, as one XLA call where it can.
+
+`map_clients` is the one place fax_bridge maps a local computation (see `local_eval`)
+over clients: a device's `Map` and `Round`, the in-process backend's map and a round
+plan's client part all call it, so they all give the same bits.
+
+Batched: when the computation has a parameter and the clients' members (and the shared
+part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
+and dtypes for every client), the members are stacked along a leading clients axis,
+padded up to a power-of-two bucket with copies of the first client, and the whole
+computation, every `Xla` part inside it, runs as ONE jitted loop over the first `count`
+rows (the padding sets the shapes, it is not computed). Each row runs exactly the operations of the Xla parts, so
+results have the bits of one call per client. The executable is compiled once per
+(computation, layout, bucket): cohorts that shrink by dropouts reuse it.
+
+Per client: otherwise (no parameter, members of different layouts, generic intrinsics on
+client values, 64-bit types while jax runs with 32-bit ones, anything the trace refuses)
+each client is one call of `compile_local(fn)`, which also gives the clear errors of a
+computation that cannot run. The choice is automatic, and remembered per layout.
+
+Caps: a `Guard` checks time and room around the work: one client at a time, `tick` runs
+before each client and `room` after each with the bytes produced so far; batched, `tick`
+runs before and after the call and `room` before it, with the results' size x clients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from federated_language.common_libs import structure
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import hlo, local_eval
+from fax_bridge.runtime.backend import LocalValue, as_numpy
+
+NO_SHARED = object()  # `shared` when the computation takes the member alone
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """The caller's caps around the clients' work (see the module docstring)."""
+
+    tick: Callable[[], None]
+    room: Callable[[int], None]
+    size: Callable[[LocalValue], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batched:
+    run: Callable          # compiled: (shared leaves, stacked member leaves) -> stacked results
+    result_tree: Any       # the layout of one client's result
+    result_specs: tuple    # (shape, dtype) of each result leaf, per client
+
+
+_lock = threading.Lock()
+_batched: dict[tuple, Optional[_Batched]] = {}  # None: this layout runs per client
+
+
+def bucket(count: int) -> int:
+    """The padded number of rows for `count` clients: the next power of two."""
+    return 1 << max(0, count - 1).bit_length()
+
+
+def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
+                shared: Any = NO_SHARED, *, key: Optional[str] = None,
+                no_argument: bool = False, guard: Optional[Guard] = None) -> list:
+    """`fn` on each client's member (on `<shared, member>` when `shared` is given), one
+    numpy result per client in client order; `no_argument`: `fn()` once per client.
+
+    `key` names `fn`'s content (its hash, when the caller has one). Raises what running
+    `fn` on a client raises (`ComputationError` for computations that cannot run).
+    """
+    count = len(members)
+    if count == 0:
+        return []
+    if not no_argument:
+        batch = _stack(members, shared)
+        if batch is not None:
+            plan = _plan(fn, key, *batch[:2], bucket(count))
+            if plan is not None:
+                return _run_batched(plan, count, *batch[2:], guard)
+    compiled = local_eval.compile_local(fn)
+    results, produced = [], 0
+    for member in members:
+        if guard is not None:
+            guard.tick()
+        if no_argument:
+            result = as_numpy(compiled())
+        elif shared is NO_SHARED:
+            result = as_numpy(compiled(member))
+        else:
+            result = as_numpy(compiled(structure.Struct([(None, shared), (None, member)])))
+        if guard is not None:
+            produced += guard.size(result)
+            guard.room(produced)  # before the next client's compute
+        results.append(result)
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# Layouts: a local value as (tree, leaves)
+
+
+def _layout(value: LocalValue, leaves: list) -> Any:
+    """The value's tree (Struct names and nesting, leaf shapes and dtypes), its leaves
+    appended to `leaves`; None when a leaf is not a tensor jax can take as it is."""
+    if isinstance(value, structure.Struct):
+        names, trees = [], []
+        for name, member in structure.iter_elements(value):
+            tree = _layout(member, leaves)
+            if tree is None:
+                return None
+            names.append(name)
+            trees.append(tree)
+        return ("struct", tuple(names), tuple(trees))
+    arr = np.asarray(value)
+    if not _jax_takes(arr.dtype):
+        return None
+    leaves.append(arr)
+    return ("tensor", arr.shape, arr.dtype.str)
+
+
+def _jax_takes(dtype: np.dtype) -> bool:
+    """Whether jax passes a `dtype` array through unchanged (no 64-bit narrowing)."""
+    if dtype.kind not in "biufc" and dtype.name != "bfloat16":
+        return False
+    wide = dtype.itemsize == 8 and dtype.kind != "c" or dtype.itemsize == 16
+    return not wide or bool(jax.config.jax_enable_x64)
+
+
+def _build(tree: Any, leaves) -> LocalValue:
+    """The value of `tree` around `leaves` (an iterator)."""
+    if tree[0] == "struct":
+        return structure.Struct([(n, _build(t, leaves)) for n, t in zip(tree[1], tree[2])])
+    return next(leaves)
+
+
+def _result_layout(value: LocalValue, leaves: list) -> Any:
+    """`_layout` of a traced result (tracers or constants among its leaves)."""
+    if isinstance(value, structure.Struct):
+        names, trees = [], []
+        for name, member in structure.iter_elements(value):
+            names.append(name)
+            trees.append(_result_layout(member, leaves))
+        return ("struct", tuple(names), tuple(trees))
+    if not hlo.is_traced(value):
+        value = np.asarray(value)
+        if not _jax_takes(value.dtype):
+            raise ComputationError(f"a result leaf of dtype {value.dtype} cannot be batched")
+    leaves.append(value)
+    return ("tensor",)
+
+
+# ---------------------------------------------------------------------------------------
+# The batched executable
+
+
+def _stack(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
+    """(shared tree, member tree, shared leaves, stacked member leaves padded to the
+    bucket) when every member has the first one's layout; None otherwise."""
+    shared_leaves: list = []
+    shared_tree = None
+    if shared is not NO_SHARED:
+        shared_tree = _layout(shared, shared_leaves)
+        if shared_tree is None:
+            return None
+    columns: list = []
+    member_tree = None
+    for member in members:
+        leaves: list = []
+        tree = _layout(member, leaves)
+        if tree is None or not leaves or member_tree is not None and tree != member_tree:
+            return None
+        member_tree = tree
+        columns.append(leaves)
+    pad = [columns[0]] * (bucket(len(members)) - len(members))
+    stacked = [np.stack([c[j] for c in columns] + [c[j] for c in pad])
+               for j in range(len(columns[0]))]
+    return shared_tree, member_tree, shared_leaves, stacked
+
+
+def _plan(fn, key, shared_tree, member_tree, rows: int) -> Optional[_Batched]:
+    """The batched executable for this layout and bucket, compiled on first use; None
+    when this computation or layout runs per client."""
+    cache_key = (key or local_eval.content_hash(fn), shared_tree, member_tree, rows)
+    with _lock:
+        if cache_key in _batched:
+            return _batched[cache_key]
+    try:
+        plan = _compile(local_eval.compile_local(fn), shared_tree, member_tree, rows)
+    except Exception:  # what the trace refuses runs per client, which names the problem
+        plan = None
+    with _lock:
+        return _batched.setdefault(cache_key, plan)
+
+
+def _compile(compiled, shared_tree, member_tree, rows: int) -> _Batched:
+    found: dict = {}
+
+    def batched(shared_leaves, member_leaves, count):
+        shared = (NO_SHARED if shared_tree is None
+                  else _build(shared_tree, iter(shared_leaves)))
+
+        def one(row):
+            member = _build(member_tree, iter(row))
+            arg = member if shared is NO_SHARED else structure.Struct(
+                [(None, shared), (None, member)])
+            out: list = []
+            found["tree"] = _result_layout(compiled(arg), out)
+            return tuple(out)
+
+        # The loop runs `count` rows: the padding rows give the bucket's shapes, not work.
+        rows_in = [jax.ShapeDtypeStruct(m.shape[1:], m.dtype) for m in member_leaves]
+        empty = tuple(jnp.zeros((rows, *a.shape), a.dtype)
+                      for a in jax.eval_shape(one, rows_in))
+
+        def step(i, outs):
+            row = [jax.lax.dynamic_index_in_dim(m, i, keepdims=False) for m in member_leaves]
+            return tuple(jax.lax.dynamic_update_index_in_dim(o, r, i, 0)
+                         for o, r in zip(outs, one(row)))
+
+        return jax.lax.fori_loop(0, count, step, empty)
+
+    def avals(tree, stacked: bool) -> list:
+        if tree is None:
+            return []
+        if tree[0] == "struct":
+            return [a for t in tree[2] for a in avals(t, stacked)]
+        shape = (rows, *tree[1]) if stacked else tree[1]
+        return [jax.ShapeDtypeStruct(shape, np.dtype(tree[2]))]
+
+    lowered = jax.jit(batched).lower(avals(shared_tree, False), avals(member_tree, True),
+                                     jax.ShapeDtypeStruct((), np.int32))
+    specs = tuple((tuple(a.shape[1:]), np.dtype(a.dtype))
+                  for a in jax.tree_util.tree_leaves(lowered.out_info))
+    return _Batched(lowered.compile(), found["tree"], specs)
+
+
+def _run_batched(plan: _Batched, count: int, shared_leaves: list, stacked: list,
+                 guard: Optional[Guard]) -> list:
+    if guard is not None:
+        guard.tick()
+        example = _build(plan.result_tree, iter(
+            np.broadcast_to(np.zeros((), dtype), shape) for shape, dtype in plan.result_specs))
+        guard.room(guard.size(example) * count)
+    try:
+        outs = plan.run(shared_leaves, stacked, np.int32(count))
+        # Copied: no XLA buffer stays alive behind a client's result.
+        outs = [np.array(np.asarray(o)[:count]) for o in outs]
+    except Exception as e:
+        raise ComputationError(f"XLA execution failed: {e}") from e
+    if guard is not None:
+        guard.tick()
+    return [_build(plan.result_tree, (o[i] for o in outs)) for i in range(count)]

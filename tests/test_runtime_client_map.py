@@ -1,0 +1,247 @@
+"""Tests of fax_bridge.runtime.client_map: one XLA call over many clients, with the bits of
+one call per client; the per-client fallback; caps around the work."""
+
+import federated_language as fl
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from federated_language.common_libs import structure
+from federated_language.compiler import building_blocks as bb
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import client_map, local_eval
+from fax_bridge.tff.xla import typed_xla_computation
+
+F32 = np.float32
+W = fl.TensorType(F32, [3, 2])
+
+
+def _batched_entries(fn) -> list:
+    """The cached batched executables of `fn` (None: a layout that runs per client)."""
+    key = local_eval.content_hash(fn)
+    return [plan for k, plan in client_map._batched.items() if k[0] == key]
+
+
+def _per_client(fn, members, shared=client_map.NO_SHARED) -> list:
+    compiled = local_eval.compile_local(fn)
+    if shared is client_map.NO_SHARED:
+        return [compiled(m) for m in members]
+    return [compiled(structure.Struct([(None, shared), (None, m)])) for m in members]
+
+
+def _assert_same_bits(got, want, ulps: int = 0) -> None:
+    """Same layout and dtypes; the same bits (`ulps`: float leaves within that many units
+    in the last place, integer leaves still exact)."""
+    if isinstance(want, structure.Struct):
+        assert isinstance(got, structure.Struct)
+        assert structure.name_list_with_nones(got) == structure.name_list_with_nones(want)
+        for g, w in zip(got, want):
+            _assert_same_bits(g, w, ulps)
+        return
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if ulps and np.issubdtype(want.dtype, np.floating):
+        eps = float(np.finfo(want.dtype).eps)
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   rtol=ulps * eps, atol=ulps * eps)
+    else:
+        assert got.tobytes() == want.tobytes()
+
+
+def _leaf_fn(x, w):
+    """What the test computation does to one member leaf (w: the shared weights)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        y = jnp.sin(x.astype(F32)) * w.sum() + jnp.cumsum(x.astype(F32).reshape(-1))[-1]
+        return y.astype(x.dtype), jnp.tanh(jnp.ones((4, 3), F32) * y.mean() @ w)
+    return x * 3 + 1, (jnp.ones((4, 3), F32) * x.sum().astype(F32)) @ w
+
+
+def _round_computation(member_type: fl.StructType):
+    """Lambda x: <w, member> -> let a = step(x), b = finish(<a[1], x[0]>) in
+    <b, a[0], x[1][0]>: a Block of two Xla calls, selections, structs and a member leaf
+    passed through untouched."""
+    arg_type = fl.StructType([(None, W), (None, member_type)])
+
+    def step(w, member):
+        outs = [_leaf_fn(leaf, w) for leaf in member.values()] if isinstance(
+            member, dict) else [_leaf_fn(leaf, w) for leaf in member]
+        return tuple(o[0] for o in outs), sum(o[1] for o in outs)
+
+    def finish(m, w):
+        return m @ w.T, jnp.max(m)
+
+    step_comp = typed_xla_computation(step, arg_type)
+    step_type = local_eval.parse_type(step_comp.type)
+    finish_comp = typed_xla_computation(
+        finish, fl.StructType([(None, step_type.result[1]), (None, W)]))
+    x = bb.Reference("x", arg_type)
+    a = bb.Reference("a", step_type.result)
+    b = bb.Reference("b", local_eval.parse_type(finish_comp.type).result)
+    body = bb.Block(
+        [("a", bb.Call(bb.CompiledComputation(step_comp), x)),
+         ("b", bb.Call(bb.CompiledComputation(finish_comp),
+                       bb.Struct([bb.Selection(a, index=1), bb.Selection(x, index=0)])))],
+        bb.Struct([b, bb.Selection(a, index=0),
+                   bb.Selection(bb.Selection(x, index=1), index=0)]))
+    return bb.Lambda("x", arg_type, body).to_proto()
+
+
+_DTYPES = (np.float32, np.int32, np.float16)
+_SHAPES = ((), (3,), (2, 4))
+
+
+@st.composite
+def _layouts(draw):
+    count = draw(st.integers(1, 3))
+    leaves = [(draw(st.sampled_from(_SHAPES)), draw(st.sampled_from(_DTYPES)))
+              for _ in range(count)]
+    named = draw(st.booleans())
+    return [(f"k{i}" if named else None, shape, dtype)
+            for i, (shape, dtype) in enumerate(leaves)]
+
+
+def _member(layout, rng) -> structure.Struct:
+    items = []
+    for name, shape, dtype in layout:
+        value = rng.standard_normal(shape) * 4
+        items.append((name, np.asarray(value).astype(dtype)))
+    return structure.Struct(items)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(layout=_layouts(), count=st.integers(1, 13), seed=st.integers(0, 2**16))
+def test_batched_results_do_not_depend_on_the_cohort(layout, count, seed):
+    # A client's result has the same bits alone, in any cohort, at any position (so
+    # paths splitting clients differently agree), and matches one standalone call per
+    # client: integers exactly, floats within 2 ulps (XLA compiles a module's fused
+    # transcendental reductions differently inside a loop body than as its own program).
+    member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
+    fn = _round_computation(member_type)
+    rng = np.random.default_rng(seed)
+    shared = rng.standard_normal((3, 2)).astype(F32)
+    members = [_member(layout, rng) for _ in range(count)]
+    got = client_map.map_clients(fn, members, shared)
+    entries = _batched_entries(fn)
+    assert entries and all(p is not None for p in entries)
+    assert len(got) == count
+    alone = client_map.map_clients(fn, members[-1:], shared)
+    reversed_ = client_map.map_clients(fn, members[::-1], shared)
+    _assert_same_bits(got[-1], alone[0])
+    for g, r in zip(got, reversed_[::-1]):
+        _assert_same_bits(g, r)
+    for g, w in zip(got, _per_client(fn, members, shared)):
+        _assert_same_bits(g, w, ulps=2)
+
+
+def test_batched_results_have_the_bits_of_one_call_per_client_for_plain_arithmetic():
+    # Matmuls, sums and elementwise arithmetic: the same bits as standalone calls.
+    def fn(w, x):
+        return jnp.maximum(x @ w, 0.0) @ w.T + x.sum(axis=0), (x * 3 - 1).sum()
+
+    comp = typed_xla_computation(fn, fl.StructType([(None, W), (None, fl.TensorType(F32, [5, 3]))]))
+    rng = np.random.default_rng(0)
+    shared = rng.standard_normal((3, 2)).astype(F32)
+    members = [rng.standard_normal((5, 3)).astype(F32) for _ in range(6)]
+    got = client_map.map_clients(comp, members, shared)
+    assert all(p is not None for p in _batched_entries(comp))
+    for g, w in zip(got, _per_client(comp, members, shared)):
+        _assert_same_bits(g, w)
+
+
+def test_one_executable_per_bucket_and_padding_rows_are_dropped():
+    fn = typed_xla_computation(lambda x: x * 2 + 1, fl.TensorType(F32, [2]))
+    rows = [np.array([i, -i], F32) for i in range(9)]
+    for count in (5, 7, 8):  # one bucket of 8
+        out = client_map.map_clients(fn, rows[:count])
+        assert len(out) == count
+        np.testing.assert_array_equal(np.stack(out), np.stack(rows[:count]) * 2 + 1)
+    assert len(_batched_entries(fn)) == 1
+    client_map.map_clients(fn, rows[:9])  # the bucket of 16
+    client_map.map_clients(fn, rows[:1])
+    assert [client_map.bucket(n) for n in (1, 2, 3, 5, 9, 1000)] == [1, 2, 4, 8, 16, 1024]
+    assert len(_batched_entries(fn)) == 3
+    assert client_map.map_clients(fn, []) == []
+
+
+def _first_element():
+    """Lambda x -> x[0]: no Xla part, so it takes members of any shapes."""
+    pair = fl.StructType([(None, fl.TensorType(F32, [2])), (None, F32)])
+    return bb.Lambda("x", pair, bb.Selection(bb.Reference("x", pair), index=0)).to_proto()
+
+
+def test_members_of_different_shapes_run_per_client():
+    fn = _first_element()
+    members = [structure.Struct([(None, np.ones(n, F32)), (None, F32(n))]) for n in (2, 3)]
+    out = client_map.map_clients(fn, members)
+    assert [o.shape for o in out] == [(2,), (3,)]
+    assert _batched_entries(fn) == []
+
+
+def test_no_argument_and_generic_intrinsics_run_per_client():
+    const = typed_xla_computation(lambda: np.arange(3, dtype=F32))
+    out = client_map.map_clients(const, [None] * 3, no_argument=True)
+    for o in out:
+        np.testing.assert_array_equal(o, np.arange(3, dtype=F32))
+    vec = fl.TensorType(F32, [3])
+    plus = bb.Intrinsic("generic_plus", fl.FunctionType([vec, vec], vec))
+    y = bb.Reference("y", vec)
+    doubled = bb.Lambda("y", vec, bb.Call(plus, bb.Struct([y, y]))).to_proto()
+    members = [np.full(3, i, F32) for i in range(3)]
+    out = client_map.map_clients(doubled, members)
+    np.testing.assert_array_equal(np.stack(out), 2 * np.stack(members))
+    assert _batched_entries(doubled) == [None]  # the trace refused it, remembered
+
+
+def test_64_bit_members_with_x64_off_run_per_client():
+    fn = typed_xla_computation(lambda x: x * 2, fl.TensorType(np.int32, [2]))
+    members = [np.array([2**40 + 3, 1], np.int64)] * 2  # narrowed by the Xla call itself
+    got = client_map.map_clients(fn, members)
+    for g, w in zip(got, _per_client(fn, members)):
+        _assert_same_bits(g, w)
+    assert _batched_entries(fn) == []
+
+
+def test_errors_are_those_of_one_call_per_client():
+    fn = typed_xla_computation(lambda x: x + 1, fl.TensorType(F32, [3]))
+    with pytest.raises(ComputationError, match=r"expected float32\[3\].*\[4\]"):
+        client_map.map_clients(fn, [np.zeros(4, F32)] * 3)
+    with pytest.raises(ComputationError, match="expected a tensor"):
+        client_map.map_clients(fn, [structure.Struct([(None, np.zeros(3, F32))])] * 2)
+
+
+class _Full(Exception):
+    pass
+
+
+def _guard(log: list, cap: int) -> client_map.Guard:
+    def room(produced):
+        log.append(("room", produced))
+        if produced > cap:
+            raise _Full(produced)
+
+    return client_map.Guard(tick=lambda: log.append("tick"), room=room,
+                            size=lambda v: sum(np.asarray(x).nbytes for x in
+                                               (v if isinstance(v, structure.Struct) else [v])))
+
+
+def test_batched_room_is_checked_for_all_results_before_the_call():
+    fn = typed_xla_computation(lambda x: (x, x * 2), fl.TensorType(F32, [4]))
+    members = [np.ones(4, F32)] * 5
+    log: list = []
+    client_map.map_clients(fn, members, guard=_guard(log, cap=10**6))
+    assert log == ["tick", ("room", 5 * 32), "tick"]
+    log.clear()
+    with pytest.raises(_Full):
+        client_map.map_clients(fn, members, guard=_guard(log, cap=100))
+    assert log == ["tick", ("room", 160)]
+
+
+def test_per_client_room_is_checked_after_each_client():
+    fn = _first_element()
+    members = [structure.Struct([(None, np.ones(n, F32)), (None, F32(n))]) for n in (1, 2, 3)]
+    log: list = []
+    with pytest.raises(_Full):
+        client_map.map_clients(fn, members, guard=_guard(log, cap=6))
+    assert log == ["tick", ("room", 4), "tick", ("room", 12)]
