@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from fax_bridge.runtime import exact
 from fax_bridge.runtime.exact import ExactSum
 
 
@@ -265,4 +266,43 @@ def test_rounding_to_odd_equals_the_general_rounding(name, base, rows):
     with np.errstate(over="ignore"):
         odd = acc._round_to_odd().astype(acc.dtype)
         general = acc._round().astype(acc.dtype)
+    assert odd.tobytes() == general.tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(_stacks(), st.sampled_from([(), (1,), None])), min_size=1,
+                max_size=5),
+       st.integers(0, 2**16))
+def test_results_round_several_accumulators_as_each_alone(stacks, seed):
+    """`results` joins the float sums of each dtype into one; nothing changes."""
+    accs = []
+    for stack, shape in stacks:
+        acc = ExactSum(stack.dtype, stack.shape[1:] if shape is None else shape)
+        acc.add_many(stack if shape is None else stack[:, :1].reshape((-1,) + shape))
+        accs.append(acc)
+    integers = ExactSum(np.dtype(np.int64), (2,))  # integer sums stay as they are
+    integers.add_many(np.random.default_rng(seed).integers(-2**40, 2**40, size=(3, 2)))
+    accs.insert(seed % (len(accs) + 1), integers)
+    alone = [acc.result() for acc in accs]
+    together = exact.results(accs)
+    assert [a.tobytes() for a in together] == [a.tobytes() for a in alone]
+    assert [a.shape for a in together] == [a.shape for a in alone]
+    assert [a.dtype for a in together] == [a.dtype for a in alone]
+
+
+@pytest.mark.parametrize("name", _DTYPES[:3])
+def test_rounding_in_blocks_of_columns_matches_the_general_rounding(name):
+    """Large sums are rounded a block of columns at a time."""
+    dtype = _dtype(name)
+    uint = {2: np.uint16, 4: np.uint32}[dtype.itemsize]
+    rng = np.random.default_rng(3)
+    stack = rng.integers(0, 2 ** (8 * dtype.itemsize), size=(4, 50_000)).astype(uint)
+    stack = stack.view(dtype)
+    stack[:, ::2] = np.where(np.isfinite(stack[:, ::2].astype(np.float64)),
+                             stack[:, ::2], 0)  # and finite elements in every block
+    acc = ExactSum(dtype, (50_000,))
+    acc.add_many(stack)
+    with np.errstate(over="ignore"):
+        odd = acc._round_to_odd().astype(dtype)
+        general = acc._round().astype(dtype)
     assert odd.tobytes() == general.tobytes()

@@ -31,7 +31,7 @@ import numpy as np
 from fax_bridge.errors import AggregationError
 from fax_bridge.placements import aggregate_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
-from fax_bridge.runtime.exact import ExactSum
+from fax_bridge.runtime.exact import ExactSum, results
 
 KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth", "secure_sum")
 SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
@@ -208,10 +208,11 @@ def finish(partial: Partial) -> list[np.ndarray]:
             "one client (check the cohort size, dropout and round deadline)")
     if partial.kind in EXTREMES:
         return [np.array(x) for x in partial.leaves]
-    sums = [acc.result() for acc in partial.leaves]
     if partial.kind in ("sum", "secure_sum_bitwidth", "secure_sum"):
-        return sums
-    by = partial.count if partial.kind == "mean" else partial.weights.result()
+        return results(partial.leaves)
+    if partial.kind == "mean":
+        return [_divide(s, partial.count) for s in results(partial.leaves)]
+    *sums, by = results([*partial.leaves, partial.weights])  # rounded together
     return [_divide(s, by) for s in sums]
 
 

@@ -18,7 +18,7 @@ a float64 rounded to odd, which the final cast rounds once more without double r
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -230,7 +230,9 @@ class ExactSum:
         below = max(0, self.base - lo)
         above = max(0, hi - top)
         if below or above:
-            self.limbs = np.pad(self.limbs, ((below, above), (0, 0)))
+            grown = np.zeros((below + self.limbs.shape[0] + above, self.size), np.int64)
+            grown[below:below + self.limbs.shape[0]] = self.limbs
+            self.limbs = grown
             self.base -= below
 
     def merge(self, other: "ExactSum") -> None:
@@ -248,7 +250,7 @@ class ExactSum:
         self.neg_zero &= other.neg_zero
         if other.limbs.shape[0] == 0:
             return
-        self._cover(other.base, other.base + other.limbs.shape[0] + 1)
+        self._cover(other.base, other.base + other.limbs.shape[0])  # compact adds the carry
         start = other.base - self.base
         self.limbs[start:start + other.limbs.shape[0]] += other.limbs
         self.compact()
@@ -301,26 +303,10 @@ class ExactSum:
         _, _, emin_sub, _ = _float_params(self.dtype)
         if self.limbs.shape[0] == 0:
             return np.zeros(self.size, np.float64)
-        signed = _normalize(self.limbs)
-        negative = signed[-1] < 0
-        digits = _normalize(np.where(negative, -signed, signed), below=2)  # magnitudes
-        rows = digits.shape[0]
-        nz = digits != 0
-        top = (rows - 1) - np.argmax(nz[::-1], axis=0)  # highest nonzero digit (>= 2)
-        sticky = np.argmax(nz, axis=0) < top - 2  # a nonzero digit below the three read
-        at = top * self.size + np.arange(self.size)
-        flat = digits.reshape(-1)
-        w2, w1, w0 = (flat[at].view(np.uint64), flat[at - self.size].view(np.uint64),
-                      flat[at - 2 * self.size])
-        window = (w2 << np.uint64(LIMB_BITS)) | w1  # 33 to 64 bits (or 0: a zero sum)
-        shift = np.where(w2 >> np.uint64(53 - LIMB_BITS) != 0, np.uint64(11), np.uint64(0))
-        dropped = window & ((np.uint64(1) << shift) - np.uint64(1))
-        odd = ((dropped != 0) | (w0 != 0) | sticky) & (w2 != 0)  # w2 is 0 for a zero sum
-        sig = (window >> shift) | odd.astype(np.uint64)  # at most 53 bits: exact in float64
-        scale = LIMB_BITS * (top - 3 + self.base) + emin_sub + shift.astype(np.int64)
-        with np.errstate(over="ignore"):
-            magnitude = np.ldexp(sig.astype(np.float64), scale.astype(np.int32))
-        out = np.where(negative, -magnitude, magnitude)
+        step = max(1, _BLOCK_ELEMENTS // self.limbs.shape[0])  # temporaries stay in cache
+        out = np.concatenate([_round_block_to_odd(self.limbs[:, lo:lo + step], self.base,
+                                                  emin_sub)
+                              for lo in range(0, self.size, step)])
         if self.dtype.name == "bfloat16":  # its cast from float64 rounds twice via float32
             out = _to_odd_float32(out)
         return out
@@ -408,6 +394,72 @@ class ExactSum:
         elif acc.is_float:
             acc.neg_zero[:] = False
         return acc
+
+
+def results(accs: Sequence[ExactSum]) -> list[np.ndarray]:
+    """`[acc.result() for acc in accs]`, with the float sums of one dtype rounded together:
+    one set of array operations over all their elements instead of one per accumulator."""
+    out: list = [None] * len(accs)
+    groups: dict = {}
+    for i, acc in enumerate(accs):
+        if acc.is_float:
+            groups.setdefault(acc.dtype, []).append(i)
+        else:
+            out[i] = acc.result()
+    for dtype, members in groups.items():
+        if len(members) == 1:
+            out[members[0]] = accs[members[0]].result()
+            continue
+        flat = _joined([accs[i] for i in members]).result()
+        start = 0
+        for i in members:
+            out[i] = flat[start:start + accs[i].size].reshape(accs[i].shape)
+            start += accs[i].size
+    return out
+
+
+def _joined(accs: list[ExactSum]) -> ExactSum:
+    """One flat float accumulator holding the elements of `accs` (one dtype), in order."""
+    sizes = [acc.size for acc in accs]
+    joined = ExactSum(accs[0].dtype, (sum(sizes),))
+    live = [acc for acc in accs if acc.limbs.shape[0]]
+    if live:
+        joined.base = min(acc.base for acc in live)
+        rows = max(acc.base + acc.limbs.shape[0] for acc in live) - joined.base
+        joined.limbs = np.zeros((rows, joined.size), np.int64)
+        start = 0
+        for acc, size in zip(accs, sizes):
+            if acc.limbs.shape[0]:
+                first = acc.base - joined.base
+                joined.limbs[first:first + acc.limbs.shape[0], start:start + size] = acc.limbs
+            start += size
+    for flag in ("nan", "pos_inf", "neg_inf", "neg_zero"):
+        setattr(joined, flag, np.concatenate([getattr(acc, flag) for acc in accs]))
+    return joined
+
+
+def _round_block_to_odd(limbs: np.ndarray, base: int, emin_sub: int) -> np.ndarray:
+    """`ExactSum._round_to_odd` for the columns of a stack of limbs (at least one)."""
+    signed = _normalize(limbs)
+    negative = signed[-1] < 0
+    digits = _normalize(np.where(negative, -signed, signed), below=2)  # magnitudes
+    rows, size = digits.shape
+    nz = digits != 0
+    row = np.arange(rows, dtype=np.int16)[:, None]  # (max/min over rows are fast)
+    top = np.where(nz, row, 2).max(axis=0).astype(np.int64)  # highest nonzero, 2 if none
+    sticky = np.where(nz, row, rows).min(axis=0) < top - 2  # a digit below the three read
+    at = top * size + np.arange(size)
+    flat = digits.reshape(-1)
+    w2, w1, w0 = flat[at].view(np.uint64), flat[at - size].view(np.uint64), flat[at - 2 * size]
+    window = (w2 << np.uint64(LIMB_BITS)) | w1  # 33 to 64 bits (or 0: a zero sum)
+    shift = np.where(w2 >> np.uint64(53 - LIMB_BITS) != 0, np.uint64(11), np.uint64(0))
+    dropped = window & ((np.uint64(1) << shift) - np.uint64(1))
+    odd = ((dropped != 0) | (w0 != 0) | sticky) & (w2 != 0)  # w2 is 0 for a zero sum
+    sig = (window >> shift) | odd.astype(np.uint64)  # at most 53 bits: exact in float64
+    scale = LIMB_BITS * (top - 3 + base) + emin_sub + shift.astype(np.int64)
+    with np.errstate(over="ignore"):
+        magnitude = np.ldexp(sig.astype(np.float64), scale.astype(np.int32))
+    return np.where(negative, -magnitude, magnitude)
 
 
 def _normalize(limbs: np.ndarray, below: int = 0) -> np.ndarray:
