@@ -4,7 +4,8 @@ Modules: `interpreter` (evaluate / run_computation), `local_eval` (compile_local
 local parts, also used by device servers), `values` (pytree and npz conversions),
 `backend` (the ClientsBackend contract), `local_backend` (in-process clients),
 `aggregation` (what each aggregation means, exact sums via `exact`), `population`
-(CLIENTS inputs read from a population store by reference), `hlo` (HLO compilation).
+(CLIENTS inputs read from a population store by reference), `hlo` (HLO compilation),
+`client_map` (a local computation over many clients as one XLA call).
 The names below load their module on first use.
 """
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from typing import Optional, Sequence
 
 import jax
@@ -216,7 +217,8 @@ def program_text(hlo_module: bytes) -> str:
 
 
 class HloExecutable:
-    """A compiled HLO module: call it with numpy arrays, get a list of numpy arrays."""
+    """An HLO module to call with numpy arrays, giving a list of numpy arrays (XLA compiles
+    it on the first call)."""
 
     def __init__(self, hlo_module: bytes, platform: Optional[str] = None):
         try:
@@ -252,13 +254,21 @@ class HloExecutable:
         self._device = backend.devices()[0]
         self._sharding = jax.sharding.SingleDeviceSharding(self._device)
         self._avals = [_core.ShapedArray(p.shape, p.dtype) for p in self.parameters]
-        options = _compiler.get_compile_options(num_replicas=1, num_partitions=1)
-        try:
-            self._executable = backend.compile_and_load(
-                stablehlo, _jax.DeviceList((self._device,)), options
-            )
-        except Exception as e:
-            raise ComputationError(f"XLA could not compile the HLO module: {e}") from e
+        self._backend = backend
+        self._executable = None  # compiled on first call: a module that only ever runs
+        self._compiling = threading.Lock()  # inside `call_traced` is never compiled alone
+
+    def _compiled(self):
+        with self._compiling:
+            if self._executable is None:
+                options = _compiler.get_compile_options(num_replicas=1, num_partitions=1)
+                try:
+                    self._executable = self._backend.compile_and_load(
+                        self._stablehlo, _jax.DeviceList((self._device,)), options)
+                except Exception as e:
+                    raise ComputationError(f"XLA could not compile the HLO module: {e}"
+                                           ) from e
+        return self._executable
 
     def __call__(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
         if len(args) != len(self.parameters):
@@ -276,6 +286,7 @@ class HloExecutable:
                     f"{list(arr.shape)}"
                 )
             arrays.append(arr)
+        executable = self._executable or self._compiled()
         try:
             # A direct host-to-device copy per parameter (jax.device_put costs ~10x
             # more per call); enable_x64 keeps 64-bit types as they are.
@@ -284,7 +295,7 @@ class HloExecutable:
                                         [self._device], True, False, _COPY, True)
                 for aval, a in zip(self._avals, arrays)
             ]
-            outs = self._executable.execute(buffers)
+            outs = executable.execute(buffers)
         except Exception as e:
             raise ComputationError(f"XLA execution failed: {e}") from e
         # Copied out: a view would keep XLA's buffer (and its allocation, kilobytes even
@@ -349,5 +360,6 @@ def call_traced(hlo: HloExecutable, args: Sequence) -> list:
 
 
 def compile_hlo(hlo_module: bytes, platform: Optional[str] = None) -> HloExecutable:
-    """Compiles serialized HloModuleProto bytes for the default (or named) jax platform."""
+    """Serialized HloModuleProto bytes, read and checked, as an executable for the default
+    (or named) jax platform; XLA compiles it on its first call."""
     return HloExecutable(hlo_module, platform)
