@@ -306,3 +306,27 @@ def test_rounding_in_blocks_of_columns_matches_the_general_rounding(name):
         odd = acc._round_to_odd().astype(dtype)
         general = acc._round().astype(dtype)
     assert odd.tobytes() == general.tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_stacks(), min_size=1, max_size=4), st.integers(1, 6), st.data())
+def test_sums_of_several_stacks_equal_each_alone(stacks, count, data):
+    """`sums_of` adds the stacks of one dtype and count as one; every accumulator keeps
+    its own value, wire form and later merges."""
+    stacks = [np.resize(s, (count,) + s.shape[1:]) for s in stacks]  # some share counts
+    together = exact.sums_of(stacks)
+    for stack, acc in zip(stacks, together):
+        alone = ExactSum(stack.dtype, stack.shape[1:])
+        alone.add_many(stack)
+        extra = data.draw(_stacks().filter(lambda s: s.dtype == stack.dtype), "extra")
+        extra = np.resize(extra, (len(extra),) + stack.shape[1:])
+        for a in (acc, alone):  # merging into the shared columns touches no other sum
+            more = ExactSum(stack.dtype, stack.shape[1:])
+            more.add_many(extra)
+            a.merge(more)
+        (base, limbs, flags), (want_base, want_limbs, want_flags) = (acc.to_limbs(),
+                                                                      alone.to_limbs())
+        np.testing.assert_array_equal(limbs, want_limbs)
+        np.testing.assert_array_equal(flags, want_flags)
+        assert base == want_base or not limbs.size
+        assert acc.result().tobytes() == alone.result().tobytes()

@@ -31,7 +31,7 @@ import numpy as np
 from fax_bridge.errors import AggregationError
 from fax_bridge.placements import aggregate_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
-from fax_bridge.runtime.exact import ExactSum, results
+from fax_bridge.runtime.exact import ExactSum, results, sums_of
 
 KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth", "secure_sum")
 SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
@@ -139,21 +139,18 @@ def partial_of(kind: str, members: Sequence[LocalValue],
     partial = Partial(kind=kind, leaves=[], count=len(members))
     if not members:
         return partial
-    if kind == "weighted_mean":
-        w = np.stack([_scalar_weight(x) for x in weights])
-        partial.weights = ExactSum(w.dtype, ())
-        partial.weights.add_many(w)
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
-            columns = [np.asarray(c * w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1)),
-                                  c.dtype) for c in columns]
     extreme = EXTREMES.get(kind)
-    for column in columns:
-        if extreme is not None:
-            partial.leaves.append(extreme.reduce(column, axis=0))
-        else:
-            acc = ExactSum(column.dtype, column.shape[1:])
-            acc.add_many(column)
-            partial.leaves.append(acc)
+    if extreme is not None:
+        partial.leaves = [extreme.reduce(column, axis=0) for column in columns]
+        return partial
+    if kind != "weighted_mean":
+        partial.leaves = sums_of(columns)
+        return partial
+    w = np.stack([_scalar_weight(x) for x in weights])
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
+        columns = [np.asarray(c * w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1)),
+                              c.dtype) for c in columns]
+    *partial.leaves, partial.weights = sums_of([*columns, w])  # added together
     return partial
 
 

@@ -28,7 +28,7 @@ LIMB_BITS = 32
 _MASK = np.int64((1 << LIMB_BITS) - 1)
 _FOLD_LIMIT = 1 << 29  # a top limb below this folds into the one beneath it
 _COMPACT_EVERY = 1 << 24  # adds between carry propagations (limbs stay far below 2^63)
-_BLOCK_ELEMENTS = 1 << 15  # addend elements handled at once (temporaries stay in cache)
+_BLOCK_ELEMENTS = 1 << 17  # addend elements handled at once (temporaries stay in cache)
 NONFINITE_FLAGS = 0b111  # the bits of a wire flag byte that mean NaN, +inf or -inf
 
 
@@ -170,13 +170,17 @@ class ExactSum:
         idx, off = pos // LIMB_BITS, pos % LIMB_BITS
         first = int(idx.min())
         self._cover(first, int(idx.max()) + 3)
-        row = idx - self.base
+        if not self.limbs.flags.c_contiguous:
+            self.limbs = np.ascontiguousarray(self.limbs)
+        flat = self.limbs.reshape(-1)  # a view: 1-d indexing is the fast kind
+        at = (idx - self.base) * self.size + cols
         low = (mant & _MASK) << off  # < 2^63
         high = (mant >> LIMB_BITS) << off  # signed, |high| < 2^52
-        limbs = self.limbs
-        limbs[row, cols] += low & _MASK
-        limbs[row + 1, cols] += (low >> LIMB_BITS) + (high & _MASK)
-        limbs[row + 2, cols] += high >> LIMB_BITS
+        flat[at] += low & _MASK
+        at += self.size
+        flat[at] += (low >> LIMB_BITS) + (high & _MASK)
+        at += self.size
+        flat[at] += high >> LIMB_BITS
 
     def _add_block(self, rows: np.ndarray, cols: slice) -> None:
         p, nexp, _, uint = _float_params(self.dtype)
@@ -394,6 +398,39 @@ class ExactSum:
         elif acc.is_float:
             acc.neg_zero[:] = False
         return acc
+
+
+def sums_of(stacks: Sequence[np.ndarray]) -> list[ExactSum]:
+    """One accumulator per stack of addends ([addends, *shape]) holding its sum. Float
+    stacks of one dtype and count are added as one (fewer, larger array operations);
+    their accumulators then hold columns of a shared limb stack (views of disjoint
+    columns, so adding into one never touches another)."""
+    out: list = [None] * len(stacks)
+    groups: dict = {}
+    for i, stack in enumerate(stacks):
+        if is_exact_kind(stack.dtype) and stack.dtype.kind not in "iu":
+            groups.setdefault((stack.dtype, stack.shape[0]), []).append(i)
+    joined_members = {i for members in groups.values() if len(members) > 1 for i in members}
+    for i, stack in enumerate(stacks):
+        if i not in joined_members:
+            out[i] = ExactSum(stack.dtype, stack.shape[1:])
+            out[i].add_many(stack)
+    for (dtype, count), members in groups.items():
+        if len(members) < 2:
+            continue
+        joined = ExactSum(dtype, (sum(int(np.prod(stacks[i].shape[1:])) for i in members),))
+        joined.add_many(np.concatenate([stacks[i].reshape(count, -1) for i in members],
+                                       axis=1))
+        joined.compact()
+        start = 0
+        for i in members:
+            acc = out[i] = ExactSum(dtype, stacks[i].shape[1:])
+            cols = slice(start, start + acc.size)
+            acc.base, acc.limbs = joined.base, joined.limbs[:, cols]
+            acc.nan, acc.pos_inf = joined.nan[cols], joined.pos_inf[cols]
+            acc.neg_inf, acc.neg_zero = joined.neg_inf[cols], joined.neg_zero[cols]
+            start += acc.size
+    return out
 
 
 def results(accs: Sequence[ExactSum]) -> list[np.ndarray]:
