@@ -70,3 +70,23 @@ def test_exact_zero_and_signed_zero_partials_are_valid_and_finite():
     with pytest.raises(FleetError, match="NaN or infinity"):
         validate.check_partial(nan, "sum", validate.leaf_types(V3), [], 1, "d0",
                                reject_nonfinite=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_float_partials_of_any_float_dtype_may_span_several_limbs(dtype):
+    import ml_dtypes
+
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    info = ml_dtypes.finfo(dtype)
+    members = [np.array([info.max / 4, 1.0, -2.5], dtype),
+               np.array([info.smallest_subnormal, 7.0, 1e-3], dtype)]
+    answer = _answer("sum", members)
+    assert answer.leaves[0].num_limbs > 1 or dtype == np.float16  # its sums fit in one
+    validate.check_partial(answer, "sum", validate.leaf_types(fl.TensorType(dtype, [3])),
+                           [], 2, "d0", reject_nonfinite=True)
+    ints = _answer("sum", [np.arange(3, dtype=np.int32)])
+    ints.leaves[0].num_limbs = 2
+    ints.leaves[0].limbs += ints.leaves[0].limbs
+    with pytest.raises(FleetError, match="integer partial sum needs one limb"):
+        validate.check_partial(ints, "sum", validate.leaf_types(fl.TensorType(np.int32, [3])),
+                               [], 1, "d0")

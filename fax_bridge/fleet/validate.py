@@ -9,6 +9,8 @@ client or leaf, what was expected and what arrived.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional, Sequence
 
 import federated_language
@@ -40,7 +42,12 @@ def _shape_ok(shape: Sequence[int], type_: federated_language.TensorType) -> boo
 
 
 def _dtype_name(type_: federated_language.TensorType) -> str:
-    return np.dtype(type_.dtype).name
+    return _name_of(type_.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _name_of(dtype) -> str:
+    return np.dtype(dtype).name
 
 
 def check_tensor(array: np.ndarray, type_: federated_language.TensorType, where: str,
@@ -81,11 +88,11 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     if leaf.dtype != _dtype_name(type_) or not _shape_ok(shape, type_):
         raise FleetError(f"{where}: a partial sum of {leaf.dtype[:20]}{shape[:8]} for a "
                          f"tensor {type_}; the device aggregated a value of another type")
-    size = int(np.prod(shape, dtype=object)) if shape else 1
+    size = math.prod(shape)
     if not 0 <= leaf.num_limbs <= MAX_LIMBS or abs(leaf.base_limb) > MAX_BASE_LIMB:
         raise FleetError(f"{where}: a partial sum with {leaf.num_limbs} limbs from base "
                          f"{leaf.base_limb}; expected at most {MAX_LIMBS} limbs")
-    if np.dtype(type_.dtype).kind != "f" and leaf.num_limbs != 1:
+    if np.dtype(type_.dtype).kind in "iu" and leaf.num_limbs != 1:
         raise FleetError(f"{where}: an integer partial sum needs one limb, got "
                          f"{leaf.num_limbs}")
     if len(leaf.limbs) != leaf.num_limbs * size * 8:
@@ -95,7 +102,8 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     if len(leaf.nonfinite) not in (0, size):
         raise FleetError(f"{where}: {len(leaf.nonfinite)} non-finite flags for {size} "
                          "elements")
-    if reject_nonfinite and any(flag & NONFINITE_FLAGS for flag in leaf.nonfinite):
+    if reject_nonfinite and (np.frombuffer(leaf.nonfinite, np.uint8)
+                             & NONFINITE_FLAGS).any():
         raise FleetError(f"{where}: some clients sent NaN or infinity (reject_nonfinite "
                          "is set)")
 

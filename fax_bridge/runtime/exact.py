@@ -18,6 +18,7 @@ a float64 rounded to odd, which the final cast rounds once more without double r
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -30,6 +31,7 @@ _FOLD_LIMIT = 1 << 29  # a top limb below this folds into the one beneath it
 _COMPACT_EVERY = 1 << 24  # adds between carry propagations (limbs stay far below 2^63)
 _BLOCK_ELEMENTS = 1 << 17  # addend elements handled at once (temporaries stay in cache)
 NONFINITE_FLAGS = 0b111  # the bits of a wire flag byte that mean NaN, +inf or -inf
+_FLAG_BITS = np.array([[1], [2], [4], [8]], np.uint8)  # NaN, +inf, -inf, only -0
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +60,7 @@ class ExactSum:
     def __init__(self, dtype: np.dtype, shape: tuple[int, ...]):
         self.dtype = np.dtype(dtype)
         self.shape = tuple(shape)
-        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.size = math.prod(self.shape)
         self.is_float = self.dtype.kind not in "iu"
         if not is_exact_kind(self.dtype):
             raise AggregationError(
@@ -67,12 +69,13 @@ class ExactSum:
         self.base = 0
         self.pending = 0
         self.limbs = np.zeros((0 if self.is_float else 1, self.size), np.int64)
-        # Non-finite addends: NaN, +inf, -inf seen per element.
-        self.nan = np.zeros(self.size, bool) if self.is_float else None
-        self.pos_inf = np.zeros(self.size, bool) if self.is_float else None
-        self.neg_inf = np.zeros(self.size, bool) if self.is_float else None
-        # Elements whose every addend so far was -0 (a sum of no addends counts as one).
-        self.neg_zero = np.ones(self.size, bool) if self.is_float else None
+        # Non-finite addends: NaN, +inf, -inf seen per element; and the elements whose
+        # every addend so far was -0 (a sum of no addends counts as one). Rows of one
+        # array, each updated on its own.
+        flags = np.zeros((4, self.size), bool) if self.is_float else [None] * 4
+        if self.is_float:
+            flags[3] = True
+        self.nan, self.pos_inf, self.neg_inf, self.neg_zero = flags
 
     # -- adding -------------------------------------------------------------------
 
@@ -390,11 +393,8 @@ class ExactSum:
         if not acc.is_float and acc.limbs.shape[0] != 1:
             raise AggregationError(f"an integer partial sum has one limb, got {acc.limbs.shape[0]}")
         if flags is not None and acc.is_float:
-            flags = np.asarray(flags, np.uint8).reshape(-1)
-            acc.nan = (flags & 1).astype(bool)
-            acc.pos_inf = (flags & 2).astype(bool)
-            acc.neg_inf = (flags & 4).astype(bool)
-            acc.neg_zero = (flags & 8).astype(bool)
+            flags = np.asarray(flags, np.uint8).reshape(1, -1)
+            acc.nan, acc.pos_inf, acc.neg_inf, acc.neg_zero = (flags & _FLAG_BITS) != 0
         elif acc.is_float:
             acc.neg_zero[:] = False
         return acc
