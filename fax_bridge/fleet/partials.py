@@ -8,6 +8,8 @@ integer limbs, so nothing is rounded before the coordinator finishes the aggrega
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from fax_bridge.fleet import wire
@@ -50,7 +52,7 @@ def _leaf_from_message(kind: str, message: pb.LeafPartial):
         return np.array(wire.decode_tensor(message.extreme))
     dtype = wire.dtype_from_name(message.dtype)
     shape = tuple(message.shape)
-    size = int(np.prod(shape, dtype=np.int64))
+    size = math.prod(shape)
     # Explicit sizes: an all-zero sum has no limbs, and (0, -1) is no valid shape.
     limbs = np.frombuffer(message.limbs, "<i8").reshape((message.num_limbs, size))
     flags = np.frombuffer(message.nonfinite, np.uint8) if message.nonfinite else None

@@ -272,15 +272,15 @@ class ExactSum:
         limbs = _normalize(self.limbs)
         base = self.base
         # Bottom limbs that are zero everywhere carry no information.
-        nonzero_rows = np.nonzero(limbs.any(axis=1))[0]
-        if nonzero_rows.size == 0:
+        live_rows = limbs.any(axis=1)
+        if not live_rows.any():
             self.limbs = np.zeros((0, self.size), np.int64)
             return
-        first = int(nonzero_rows[0])
+        first = int(live_rows.argmax())
         limbs = limbs[first:]
         base += first
         # Fold small top limbs down (digits below the top stay in [0, 2^32)).
-        while limbs.shape[0] > 1 and np.all(np.abs(limbs[-1]) < _FOLD_LIMIT):
+        while limbs.shape[0] > 1 and (np.abs(limbs[-1]) < _FOLD_LIMIT).all():
             limbs[-2] = limbs[-2] + (limbs[-1] << LIMB_BITS)
             limbs = limbs[:-1]
         self.limbs = np.ascontiguousarray(limbs)
