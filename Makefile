@@ -50,7 +50,7 @@ fuzz: $(STAMP)
 # own venv; a peer whose venv cannot be built is reported as skipped.
 bench: $(STAMP)
 	benchmarks/peers/setup_venvs.sh all || echo "bench: some peer venvs could not be built; they are reported as skipped"
-	$(PY) benchmarks/bench.py --repeats 3 --json out/bench/bench.json --log-dir out/bench/logs
+	$(PY) benchmarks/bench.py --workload both --repeats 3 --json out/bench/bench.json --log-dir out/bench/logs
 
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --out out/scaling.json

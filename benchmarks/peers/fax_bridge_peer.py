@@ -27,7 +27,7 @@ batches come from ``workload.py`` exactly as for the other peers.
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py [--mode local|fleet]
         [--devices 2] [--phases] [--rounds 20] [--seed 0] [--json OUT]
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py --mode fleet --workload large
-        [--devices 2] [--rounds 4] [--population-dir DIR] [--json OUT]
+        [--devices 2] [--rounds 3] [--population-dir DIR] [--json OUT]
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py --grad-check [--json OUT]
 
 ``--grad-check`` prints the loss and gradient of the fixed program that

@@ -18,7 +18,7 @@ Flower's and Ray's usage telemetry are switched off, Ray's dashboard is not star
 and Ray is shut down at the end, with any leftover child processes terminated.
 
     .venv-flower/bin/python benchmarks/peers/flower_peer.py [--rounds 20] [--seed 0] [--json OUT]
-    .venv-flower/bin/python benchmarks/peers/flower_peer.py --workload large [--rounds 4]
+    .venv-flower/bin/python benchmarks/peers/flower_peer.py --workload large [--rounds 3]
         [--supernodes 10000] [--json OUT]
 """
 

@@ -31,7 +31,7 @@ import workload
 
 POPULATION = 10_000
 COHORT = 1_000
-ROUNDS = 4  # the first is the warm-up (compilation, first use), not in the median
+ROUNDS = 3  # the first is the warm-up (compilation, first use), not in the median
 DATA_SEED = 1
 EXAMPLES = workload.LOCAL_STEPS * workload.BATCH
 
