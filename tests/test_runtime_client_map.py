@@ -171,11 +171,14 @@ def _first_element():
     return bb.Lambda("x", pair, bb.Selection(bb.Reference("x", pair), index=0)).to_proto()
 
 
-def test_members_of_different_shapes_run_per_client():
+def test_members_of_different_shapes_or_non_numeric_leaves_run_per_client():
     fn = _first_element()
     members = [structure.Struct([(None, np.ones(n, F32)), (None, F32(n))]) for n in (2, 3)]
     out = client_map.map_clients(fn, members)
     assert [o.shape for o in out] == [(2,), (3,)]
+    texts = [structure.Struct([(None, np.ones(2, F32)), (None, np.array(t))]) for t in "ab"]
+    out = client_map.map_clients(fn, texts)  # a leaf jax cannot take
+    np.testing.assert_array_equal(np.stack(out), np.ones((2, 2), F32))
     assert _batched_entries(fn) == []
 
 

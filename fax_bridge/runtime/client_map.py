@@ -8,10 +8,13 @@ Batched: when the computation has a parameter and the clients' members (and the 
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
 and dtypes for every client), the members are stacked along a leading clients axis,
 padded up to a power-of-two bucket with copies of the first client, and the whole
-computation, every `Xla` part inside it, runs as ONE jitted loop over the first `count`
-rows (the padding sets the shapes, it is not computed). Each row runs exactly the operations of the Xla parts, so
-results have the bits of one call per client. The executable is compiled once per
-(computation, layout, bucket): cohorts that shrink by dropouts reuse it.
+computation, every `Xla` part inside it (`hlo.call_traced`), runs as ONE jitted loop
+over the first `count` rows (the padding sets the shapes, it is not computed). The
+executable is compiled once per (computation, layout, bucket): cohorts that shrink by
+dropouts reuse it. A client's result has the same bits whatever cohort it runs in and
+wherever it sits there. Matmuls, sums and elementwise arithmetic give the bits of the
+Xla parts' own executables; XLA may round a transcendental fused into a reduction
+(`sum(sin(x))`) an ulp apart inside the loop, which is why every path maps clients here.
 
 Per client: otherwise (no parameter, members of different layouts, generic intrinsics on
 client values, 64-bit types while jax runs with 32-bit ones, anything the trace refuses)
