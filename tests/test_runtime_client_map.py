@@ -150,6 +150,22 @@ def test_batched_results_have_the_bits_of_one_call_per_client_for_plain_arithmet
         _assert_same_bits(g, w)
 
 
+def test_literals_and_constant_results_inside_the_batched_call():
+    # Lambda x -> <add(<x, 3.0>), 7>: a Literal into an Xla part and one as a result.
+    vec = fl.TensorType(F32, [3])
+    add = bb.CompiledComputation(typed_xla_computation(
+        lambda a, c: a + c, fl.StructType([(None, vec), (None, F32)])))
+    x = bb.Reference("x", vec)
+    body = bb.Struct([bb.Call(add, bb.Struct([x, bb.Literal(F32(3.0), fl.TensorType(F32))])),
+                      bb.Literal(np.int32(7), fl.TensorType(np.int32))])
+    fn = bb.Lambda("x", vec, body).to_proto()
+    members = [np.arange(3, dtype=F32) * i for i in range(3)]
+    got = client_map.map_clients(fn, members)
+    assert all(p is not None for p in _batched_entries(fn))
+    for g, w in zip(got, _per_client(fn, members)):
+        _assert_same_bits(g, w)
+
+
 def test_one_executable_per_bucket_and_padding_rows_are_dropped():
     fn = typed_xla_computation(lambda x: x * 2 + 1, fl.TensorType(F32, [2]))
     rows = [np.array([i, -i], F32) for i in range(9)]
@@ -177,8 +193,9 @@ def test_members_of_different_shapes_or_non_numeric_leaves_run_per_client():
     out = client_map.map_clients(fn, members)
     assert [o.shape for o in out] == [(2,), (3,)]
     texts = [structure.Struct([(None, np.ones(2, F32)), (None, np.array(t))]) for t in "ab"]
+    texts.append(structure.Struct([(None, np.ones(2, ">f4")), (None, np.array("c"))]))
     out = client_map.map_clients(fn, texts)  # a leaf jax cannot take
-    np.testing.assert_array_equal(np.stack(out), np.ones((2, 2), F32))
+    np.testing.assert_array_equal(np.stack(out), np.ones((3, 2), F32))
     assert _batched_entries(fn) == []
 
 

@@ -131,7 +131,7 @@ def _layout(value: LocalValue, leaves: list) -> Any:
 
 def _jax_takes(dtype: np.dtype) -> bool:
     """Whether jax passes a `dtype` array through unchanged (no 64-bit narrowing)."""
-    if dtype.kind not in "biufc" and dtype.name != "bfloat16":
+    if dtype.kind not in "biufc" and dtype.name != "bfloat16" or not dtype.isnative:
         return False
     wide = dtype.itemsize == 8 and dtype.kind != "c" or dtype.itemsize == 16
     return not wide or bool(jax.config.jax_enable_x64)
