@@ -4,8 +4,9 @@ The stream's first message names the round's client part (loaded before with `Lo
 by content hash), the broadcast value and the aggregations; its messages bring this
 device's clients of the round (values, or `from_store` reads of the population the
 device hosts). The client part runs on <broadcast, member> for each client, in order
-(`runtime.client_map`: one XLA call for all of them where it can), and each aggregation's exact partial over those clients is the answer
-(`runtime.aggregation`, `fleet.partials`). Nothing stays stored on the device.
+(`runtime.client_map`: one XLA call for all of them where it can), and each
+aggregation's exact partial over those clients is the answer (`runtime.aggregation`,
+`fleet.partials`). Nothing stays stored on the device.
 """
 
 from __future__ import annotations

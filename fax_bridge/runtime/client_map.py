@@ -8,7 +8,7 @@ Batched: when the computation has a parameter and the clients' members (and the 
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
 and dtypes for every client), the members are stacked along a leading clients axis,
 padded up to a power-of-two bucket with copies of the first client, and the whole
-computation, every `Xla` part inside it (`hlo.call_traced`), runs as ONE jitted loop
+computation, every `Xla` part inside it (`HloExecutable.call_traced`), runs as ONE jitted loop
 over the first `count` rows (the padding sets the shapes, it is not computed). The
 executable is compiled once per (computation, layout, bucket): cohorts that shrink by
 dropouts reuse it. A client's result has the same bits whatever cohort it runs in and

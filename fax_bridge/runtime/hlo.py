@@ -2,10 +2,10 @@
 
 This is the only module of fax_bridge that touches private jax APIs (jax 0.10.2):
 HLO -> StableHLO conversion, compilation with the default jax backend, raw executable
-calls, the module as a call inside a traced (jitted) jax function (`HloExecutable.call_traced`,
-through a `jax.export.Exported` built from the module), and portable StableHLO artifacts for
-older consumers (`portable_artifact`). Everything else goes through `HloExecutable`,
-`is_traced` and `portable_artifact`.
+calls, the module as a call inside a traced (jitted) jax function
+(`HloExecutable.call_traced`, through a `jax.export.Exported` built from the module),
+and portable StableHLO artifacts for older consumers (`portable_artifact`). Everything
+else goes through `HloExecutable`, `is_traced` and `portable_artifact`.
 
 Custom calls (LAPACK kernels behind `jnp.linalg`, python callbacks behind
 `jax.debug.print` / `pure_callback`) are native code outside the HLO: a process that did
@@ -302,61 +302,62 @@ class HloExecutable:
         # for a scalar) alive for as long as a device holds the result.
         return [np.array(o, copy=True) for o in outs]
 
+    def _export(self) -> jax.export.Exported:
+        """The module as a `jax.export.Exported` (one platform, no effects, no shardings):
+        its `main` is called, after jax inlines it, by the function being traced."""
+        target = _hlo_dialect.get_version_from_compatibility_requirement(
+            _hlo_dialect.StablehloCompatibilityRequirement.WEEK_4)
+        artifact = bytes(_jax.mlir.serialize_portable_artifact(self._stablehlo, target))
+        ins = tuple(_core.ShapedArray(p.shape, p.dtype) for p in self.parameters)
+        outs = tuple(_core.ShapedArray(r.shape, r.dtype) for r in self.results)
+        nothing_in, nothing_out = (None,) * len(ins), (None,) * len(outs)
+        return jax.export.Exported(
+            fun_name="xla_computation",
+            in_tree=jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
+            in_avals=ins, out_tree=jax.tree_util.tree_structure(tuple(range(len(outs)))),
+            out_avals=outs, _has_named_shardings=False, _in_named_shardings=nothing_in,
+            _out_named_shardings=nothing_out, in_shardings_hlo=nothing_in,
+            out_shardings_hlo=nothing_out, nr_devices=1,
+            platforms=(jax.export.default_export_platform(),), ordered_effects=(),
+            unordered_effects=(), disabled_safety_checks=(), mlir_module_serialized=artifact,
+            calling_convention_version=9, module_kept_var_idx=tuple(range(len(ins))),
+            uses_global_constants=False, _get_vjp=None)
+
+    def call_traced(self, args: Sequence) -> list:
+        """The module's outputs for `args` (jax values, tracers among them) inside a
+        function jax is tracing: the module is inlined there, so XLA compiles it with its
+        caller.
+
+        Raises ComputationError when the module cannot be called so (64-bit types while
+        jax runs with 32-bit ones, a tuple-shaped result, shapes or dtypes that do not
+        match).
+        """
+        specs = [*self.parameters, *self.results]
+        if any(s.dtype is None for s in specs):
+            raise ComputationError("the HLO module has element types without a numpy dtype")
+        wide = [s for s in specs
+                if s.dtype.itemsize == 8 and s.dtype.kind != "c" or s.dtype.itemsize == 16]
+        if wide and not jax.config.jax_enable_x64:
+            raise ComputationError(
+                "the HLO module has 64-bit types and jax_enable_x64 is off; it runs only "
+                "as its own executable")
+        try:
+            if self._exported is None:
+                self._exported = self._export()
+            # Barriers on both sides keep XLA from fusing or simplifying across the
+            # module's edges, so it computes the same whatever computation calls it.
+            args = jax.lax.optimization_barrier(list(args))
+            return list(jax.lax.optimization_barrier(list(self._exported.call(*args))))
+        except ComputationError:
+            raise
+        except Exception as e:  # jax raises ValueErrors and MLIR errors of its own
+            raise ComputationError(
+                f"cannot call the HLO module inside a traced function ({e})") from e
+
 
 def is_traced(value) -> bool:
     """Whether `value` is a jax tracer (an array inside a function jax is tracing)."""
     return isinstance(value, jax.core.Tracer)
-
-
-def _exported(hlo: HloExecutable) -> jax.export.Exported:
-    """The module as a `jax.export.Exported` (one platform, no effects, no shardings):
-    its `main` is called, after jax inlines it, by the function being traced."""
-    target = _hlo_dialect.get_version_from_compatibility_requirement(
-        _hlo_dialect.StablehloCompatibilityRequirement.WEEK_4)
-    artifact = bytes(_jax.mlir.serialize_portable_artifact(hlo._stablehlo, target))
-    ins = tuple(_core.ShapedArray(p.shape, p.dtype) for p in hlo.parameters)
-    outs = tuple(_core.ShapedArray(r.shape, r.dtype) for r in hlo.results)
-    nothing_in, nothing_out = (None,) * len(ins), (None,) * len(outs)
-    return jax.export.Exported(
-        fun_name="xla_computation",
-        in_tree=jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
-        in_avals=ins, out_tree=jax.tree_util.tree_structure(tuple(range(len(outs)))),
-        out_avals=outs, _has_named_shardings=False, _in_named_shardings=nothing_in,
-        _out_named_shardings=nothing_out, in_shardings_hlo=nothing_in,
-        out_shardings_hlo=nothing_out, nr_devices=1,
-        platforms=(jax.export.default_export_platform(),), ordered_effects=(),
-        unordered_effects=(), disabled_safety_checks=(), mlir_module_serialized=artifact,
-        calling_convention_version=9, module_kept_var_idx=tuple(range(len(ins))),
-        uses_global_constants=False, _get_vjp=None)
-
-
-def call_traced(hlo: HloExecutable, args: Sequence) -> list:
-    """The module's outputs for `args` (jax values, tracers among them) inside a function
-    jax is tracing: the module is inlined there, so XLA compiles it with its caller.
-
-    Raises ComputationError when the module cannot be called so (64-bit types while jax
-    runs with 32-bit ones, a tuple-shaped result, shapes or dtypes that do not match).
-    """
-    specs = [*hlo.parameters, *hlo.results]
-    if any(s.dtype is None for s in specs):
-        raise ComputationError("the HLO module has element types without a numpy dtype")
-    if not jax.config.jax_enable_x64 and any(s.dtype.itemsize == 8 and s.dtype.kind != "c"
-                                             or s.dtype.itemsize == 16 for s in specs):
-        raise ComputationError(
-            "the HLO module has 64-bit types and jax_enable_x64 is off; it runs only as "
-            "its own executable")
-    try:
-        if hlo._exported is None:
-            hlo._exported = _exported(hlo)
-        # Barriers on both sides keep XLA from fusing or simplifying across the module's
-        # edges: its operations compile as in the module's own executable, same bits.
-        args = jax.lax.optimization_barrier(list(args))
-        return list(jax.lax.optimization_barrier(list(hlo._exported.call(*args))))
-    except ComputationError:
-        raise
-    except Exception as e:  # jax raises ValueErrors and MLIR errors of its own
-        raise ComputationError(f"cannot call the HLO module inside a traced function ({e})"
-                               ) from e
 
 
 def compile_hlo(hlo_module: bytes, platform: Optional[str] = None) -> HloExecutable:

@@ -521,7 +521,7 @@ def xla_function(comp: computation_pb2.Computation) -> LocalFn:
             _flatten_arg(arg, xla.parameter, fn_type.parameter, "", flat)
         args = [flat[i] for i in range(n_params)]
         if any(hlo.is_traced(a) for a in args):  # inside `client_map`'s batched function
-            outputs = hlo.call_traced(exe, args)
+            outputs = exe.call_traced(args)
         else:
             outputs = exe(args)
         return _pack_result(outputs, xla.result, fn_type.result)
