@@ -124,3 +124,36 @@ def test_errors():
         aggregation.reduce("weighted_mean", XS, WS[:2])
     with pytest.raises(AggregationError, match=r"outside \[0, max_input\] = \[0, 5\]"):
         aggregation.check_max_input([np.array([1, 7], np.int32)], np.int32(5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["sum", "mean", "weighted_mean"]), st.integers(1, 7),
+       st.lists(st.integers(0, 7), max_size=3), st.data())
+def test_values_of_several_dtypes_aggregate_as_each_tensor_alone(kind, n, cuts, data):
+    """The tensors of one dtype are summed and rounded together; each tensor's result is
+    the one it gets aggregated on its own, whatever the split into partials."""
+    import ml_dtypes
+
+    dtypes = [np.float32, np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+    shapes = [(2, 3), (4,), (), (), (2,)]
+    values = st.one_of(st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-45, 6e-8, 3e38, np.inf]),
+                       st.floats(-1e4, 1e4), st.floats(-1e-30, 1e-30))
+
+    def tensor(dtype, shape):
+        flat = data.draw(st.lists(values, min_size=int(np.prod(shape)),
+                                  max_size=int(np.prod(shape))))
+        with np.errstate(over="ignore"):
+            return np.array(flat, np.float64).astype(dtype).reshape(shape)
+
+    members = [structure.Struct([(None, tensor(d, s)) for d, s in zip(dtypes, shapes)])
+               for _ in range(n)]
+    weights = None
+    if kind == "weighted_mean":
+        weights = [np.float32(data.draw(st.sampled_from([0.5, 1.0, 3.0, 1e-3])))
+                   for _ in range(n)]
+    whole = aggregation.reduce(kind, members, weights)
+    split = _split_partial(kind, members, weights, cuts)
+    for i in range(len(dtypes)):
+        alone = aggregation.reduce(kind, [m[i] for m in members], weights)
+        assert whole[i].tobytes() == alone.tobytes() == split[i].tobytes()
+        assert whole[i].dtype == alone.dtype == np.dtype(dtypes[i])

@@ -148,8 +148,8 @@ def partial_of(kind: str, members: Sequence[LocalValue],
         return partial
     w = np.stack([_scalar_weight(x) for x in weights])
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
-        columns = [np.asarray(c * w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1)),
-                              c.dtype) for c in columns]
+        for c in columns:  # fresh stacks: each product rounded to the value's dtype
+            c *= w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1))
     *partial.leaves, partial.weights = sums_of([*columns, w])  # added together
     return partial
 
