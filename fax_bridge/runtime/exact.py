@@ -418,7 +418,7 @@ def sums_of(stacks: Sequence[np.ndarray]) -> list[ExactSum]:
     for (dtype, count), members in groups.items():
         if len(members) < 2:
             continue
-        joined = ExactSum(dtype, (sum(int(np.prod(stacks[i].shape[1:])) for i in members),))
+        joined = ExactSum(dtype, (sum(math.prod(stacks[i].shape[1:]) for i in members),))
         joined.add_many(np.concatenate([stacks[i].reshape(count, -1) for i in members],
                                        axis=1))
         joined.compact()
