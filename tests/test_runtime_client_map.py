@@ -128,9 +128,11 @@ def test_batched_results_do_not_depend_on_the_cohort(layout, count, seed):
     assert len(got) == count
     alone = client_map.map_clients(fn, members[-1:], shared)
     reversed_ = client_map.map_clients(fn, members[::-1], shared)
+    larger = client_map.map_clients(fn, members + members[:4], shared)  # another bucket
     _assert_same_bits(got[-1], alone[0])
-    for g, r in zip(got, reversed_[::-1]):
+    for g, r, b in zip(got, reversed_[::-1], larger):
         _assert_same_bits(g, r)
+        _assert_same_bits(g, b)
     for g, w in zip(got, _per_client(fn, members, shared)):
         _assert_same_bits(g, w, ulps=2)
 
@@ -176,7 +178,7 @@ def test_one_executable_per_bucket_and_padding_rows_are_dropped():
     assert len(_batched_entries(fn)) == 1
     client_map.map_clients(fn, rows[:9])  # the bucket of 16
     client_map.map_clients(fn, rows[:1])
-    assert [client_map.bucket(n) for n in (1, 2, 3, 5, 9, 1000)] == [1, 2, 4, 8, 16, 1024]
+    assert [client_map.bucket(n) for n in (1, 2, 3, 5, 9, 1000)] == [2, 2, 4, 8, 16, 1024]
     assert len(_batched_entries(fn)) == 3
     assert client_map.map_clients(fn, []) == []
 
@@ -185,6 +187,17 @@ def _first_element():
     """Lambda x -> x[0]: no Xla part, so it takes members of any shapes."""
     pair = fl.StructType([(None, fl.TensorType(F32, [2])), (None, F32)])
     return bb.Lambda("x", pair, bb.Selection(bb.Reference("x", pair), index=0)).to_proto()
+
+
+def test_cohorts_above_the_largest_bucket_run_as_several_calls(monkeypatch):
+    monkeypatch.setattr(client_map, "MAX_ROWS", 4)
+    fn = typed_xla_computation(lambda x: x * 3 - 1, fl.TensorType(np.int32, [2]))
+    members = [np.array([i, -i], np.int32) for i in range(11)]
+    log: list = []
+    out = client_map.map_clients(fn, members, guard=_guard(log, cap=10**6))
+    np.testing.assert_array_equal(np.stack(out), np.stack(members) * 3 - 1)
+    assert log == ["tick", ("room", 11 * 8), "tick", "tick", "tick"]  # 3 calls of 4 rows
+    assert len(_batched_entries(fn)) == 1
 
 
 def test_members_of_different_shapes_or_non_numeric_leaves_run_per_client():

@@ -7,14 +7,15 @@ plan's client part all call it, so they all give the same bits.
 Batched: when the computation has a parameter and the clients' members (and the shared
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
 and dtypes for every client), the members are stacked along a leading clients axis,
-padded up to a power-of-two bucket with copies of the first client, and the whole
-computation, every `Xla` part inside it (`HloExecutable.call_traced`), runs as ONE jitted loop
-over the first `count` rows (the padding sets the shapes, it is not computed). The
-executable is compiled once per (computation, layout, bucket): cohorts that shrink by
-dropouts reuse it. A client's result has the same bits whatever cohort it runs in and
-wherever it sits there. Matmuls, sums and elementwise arithmetic give the bits of the
-Xla parts' own executables; XLA may round a transcendental fused into a reduction
-(`sum(sin(x))`) an ulp apart inside the loop, which is why every path maps clients here.
+padded up to a power-of-two bucket (at least 2) with copies of the first client, and
+the whole computation, every `Xla` part inside it (`HloExecutable.call_traced`), runs as
+ONE jitted loop over the first `count` rows (the padding sets the shapes, it is not
+computed). The executable is compiled once per (computation, layout, bucket): cohorts
+that shrink by dropouts reuse it; cohorts above `MAX_ROWS` run that many clients per
+call. A client's result has the same bits whatever cohort it runs in and wherever it
+sits there. Matmuls, sums and elementwise arithmetic give the bits of the Xla parts' own
+executables; XLA may round a transcendental fused into a reduction (`sum(sin(x))`) an
+ulp apart inside the loop, which is why every path maps clients here.
 
 Per client: otherwise (no parameter, members of different layouts, generic intrinsics on
 client values, 64-bit types while jax runs with 32-bit ones, anything the trace refuses)
@@ -23,7 +24,8 @@ computation that cannot run. The choice is automatic, and remembered per layout.
 
 Caps: a `Guard` checks time and room around the work: one client at a time, `tick` runs
 before each client and `room` after each with the bytes produced so far; batched, `tick`
-runs before and after the call and `room` before it, with the results' size x clients.
+runs before and after each call (of up to `MAX_ROWS` clients) and `room` before the
+first, with the results' size x clients.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from fax_bridge.runtime import hlo, local_eval
 from fax_bridge.runtime.backend import LocalValue, as_numpy
 
 NO_SHARED = object()  # `shared` when the computation takes the member alone
+MAX_ROWS = 1024  # the largest bucket: larger cohorts run as several calls of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +69,10 @@ _batched: dict[tuple, Optional[_Batched]] = {}  # None: this layout runs per cli
 
 
 def bucket(count: int) -> int:
-    """The padded number of rows for `count` clients: the next power of two."""
-    return 1 << max(0, count - 1).bit_length()
+    """The padded number of rows for `count` clients: the next power of two, at least 2
+    (XLA simplifies the row slicing of a one-row loop, which can change a result's last
+    bit, and a client's bits must not depend on its cohort)."""
+    return max(2, 1 << max(0, count - 1).bit_length())
 
 
 def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
@@ -83,11 +88,12 @@ def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
     if count == 0:
         return []
     if not no_argument:
-        batch = _stack(members, shared)
+        batch = _layouts(members, shared)
         if batch is not None:
-            plan = _plan(fn, key, *batch[:2], bucket(count))
+            rows = bucket(min(count, MAX_ROWS))
+            plan = _plan(fn, key, *batch[:2], rows)
             if plan is not None:
-                return _run_batched(plan, count, *batch[2:], guard)
+                return _run_batched(plan, rows, *batch[2:], guard)
     compiled = local_eval.compile_local(fn)
     results, produced = [], 0
     for member in members:
@@ -164,9 +170,9 @@ def _result_layout(value: LocalValue, leaves: list) -> Any:
 # The batched executable
 
 
-def _stack(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
-    """(shared tree, member tree, shared leaves, stacked member leaves padded to the
-    bucket) when every member has the first one's layout; None otherwise."""
+def _layouts(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
+    """(shared tree, member tree, shared leaves, each member's leaves) when every member
+    has the first one's layout; None otherwise."""
     shared_leaves: list = []
     shared_tree = None
     if shared is not NO_SHARED:
@@ -182,10 +188,14 @@ def _stack(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
             return None
         member_tree = tree
         columns.append(leaves)
-    pad = [columns[0]] * (bucket(len(members)) - len(members))
-    stacked = [np.stack([c[j] for c in columns] + [c[j] for c in pad])
-               for j in range(len(columns[0]))]
-    return shared_tree, member_tree, shared_leaves, stacked
+    return shared_tree, member_tree, shared_leaves, columns
+
+
+def _stacked(columns: list, rows: int) -> list:
+    """The members' leaves stacked on a leading axis of `rows` (padded with the first)."""
+    pad = [columns[0]] * (rows - len(columns))
+    return [np.stack([c[j] for c in columns] + [c[j] for c in pad])
+            for j in range(len(columns[0]))]
 
 
 def _plan(fn, key, shared_tree, member_tree, rows: int) -> Optional[_Batched]:
@@ -245,19 +255,27 @@ def _compile(compiled, shared_tree, member_tree, rows: int) -> _Batched:
     return _Batched(lowered.compile(), found["tree"], specs)
 
 
-def _run_batched(plan: _Batched, count: int, shared_leaves: list, stacked: list,
+def _run_batched(plan: _Batched, rows: int, shared_leaves: list, columns: list,
                  guard: Optional[Guard]) -> list:
+    """Runs the clients `rows` at a time (one call for cohorts up to `MAX_ROWS`)."""
+    count = len(columns)
     if guard is not None:
         guard.tick()
         example = _build(plan.result_tree, iter(
             np.broadcast_to(np.zeros((), dtype), shape) for shape, dtype in plan.result_specs))
         guard.room(guard.size(example) * count)
-    try:
-        outs = plan.run(shared_leaves, stacked, np.int32(count))
-        # Copied: no XLA buffer stays alive behind a client's result.
-        outs = [np.array(np.asarray(o)[:count]) for o in outs]
-    except Exception as e:
-        raise ComputationError(f"XLA execution failed: {e}") from e
+    results: list = []
+    for start in range(0, count, rows):
+        chunk = columns[start:start + rows]
+        if start and guard is not None:
+            guard.tick()
+        try:
+            outs = plan.run(shared_leaves, _stacked(chunk, rows), np.int32(len(chunk)))
+            # Copied: no XLA buffer stays alive behind a client's result.
+            outs = [np.array(np.asarray(o)[:len(chunk)]) for o in outs]
+        except Exception as e:
+            raise ComputationError(f"XLA execution failed: {e}") from e
+        results.extend(_build(plan.result_tree, iter(row)) for row in zip(*outs))
     if guard is not None:
         guard.tick()
-    return [_build(plan.result_tree, (o[i] for o in outs)) for i in range(count)]
+    return results
