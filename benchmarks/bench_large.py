@@ -19,8 +19,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 RUNNERS = ("fax_bridge_fleet", "flower")
-# float32 agreement of the final server models (4 rounds of means over 1,000 clients).
-PARAM_ATOL = 1e-5
+# float32 agreement of the final server models. Flower adds the 1,000 scaled client
+# models in float32 (its model drifts about 2e-6 per round from the exact mean here);
+# the fleet's sums are exact.
+PARAM_ATOL = 5e-5
 
 
 def runner_args(runner: str, rounds: int, seed: int, devices: int, supernodes: int,
