@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import common  # first: starts the clock and puts workload on the path
 
+import dataclasses
 import os
 import sys
 import time
@@ -229,6 +230,81 @@ def _device_compute_median(reports: List[Dict[str, Any]]) -> Optional[float]:
     return float(np.median([r["compute_s"] for r in reports])) if reports else None
 
 
+@dataclasses.dataclass
+class FleetRounds:
+    """What ``fleet_rounds`` measured: per-round times, losses, models and report rows,
+    the fleet's start time, and the setup time up to the end of that start."""
+
+    round_s: List[float] = dataclasses.field(default_factory=list)
+    losses: List[float] = dataclasses.field(default_factory=list)
+    history: List[Dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    reports: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    fleet_start_s: float = 0.0
+    setup_s: float = 0.0
+    round_plans: bool = True
+
+
+def fleet_rounds(fleet: Any, proto: Any, params: Any, rounds: int,
+                 cohort_args: Callable[[int], Tuple[Any, ...]]) -> FleetRounds:
+    """Starts ``fleet``, runs ``rounds`` rounds of ``proto`` from ``params`` and closes
+    the fleet. ``cohort_args(r)`` gives round ``r``'s arguments after the model (the
+    cohort's batches or references to them); it runs inside the round's timing, as the
+    cohort's sampling is part of a round. ``setup_s`` counts from ``common.PROCESS_T0``
+    to the fleet's start."""
+    out = FleetRounds()
+    try:
+        t_start = time.perf_counter()
+        fleet.start()
+        out.fleet_start_s = time.perf_counter() - t_start
+        out.setup_s = time.perf_counter() - common.PROCESS_T0
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            result, rep = fleet.run(proto, params, *cohort_args(r), report=True)
+            params, loss = _split_result(result)
+            out.round_s.append(time.perf_counter() - t0)
+            out.losses.append(loss)
+            out.history.append(params)
+            out.reports.append(_report_row(rep))
+        out.round_plans = fleet.policy.round_plans
+    finally:
+        fleet.close()
+    return out
+
+
+def fleet_result(run: FleetRounds, rss: common.PeakRss, proto: Any, devices: int,
+                 setup: Dict[str, float], fields: Dict[str, Any], note: str,
+                 warmup: int = 0, setup_s: Optional[float] = None) -> Dict[str, Any]:
+    """The result line of a fleet run: stops ``rss``, adds the figures both workloads
+    report to ``fields`` (the workload's own, placed after the mode, devices and round
+    path). ``setup``: the import, data and export seconds; ``setup_s``: the setup time
+    when it differs from ``run.setup_s``; ``warmup``: rounds left out of the medians."""
+    import jax
+
+    import fax_bridge as fb
+
+    peak = rss.stop()
+    reports = run.reports
+    breakdown = {k: round(v, 3) for k, v in
+                 {**setup, "fleet_start_s": run.fleet_start_s}.items()}
+    extra = {
+        "mode": "fleet",
+        "devices": devices,
+        "round_path": "plan" if run.round_plans else "phases",
+        **fields,
+        "setup_breakdown": breakdown,
+        "proto_bytes": proto.ByteSize(),
+        "payload_moved": sum(r["payload_down"] + r["payload_up"] for r in reports),
+        "device_compute_s_median": _device_compute_median(reports[warmup:]),
+        "round_reports": reports,
+        "bytes_moved_note": note,
+        "versions": {"jax": jax.__version__, "fax_bridge": fb.__version__},
+    }
+    return common.result_line(
+        "fax_bridge_fleet", run.setup_s if setup_s is None else setup_s, run.round_s,
+        run.losses, run.history, peak, sum(r["bytes_down"] + r["bytes_up"] for r in reports),
+        warmup=warmup, extra=extra)
+
+
 def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
               data_on: str = "device") -> Dict[str, Any]:
     """Setup (import, data, export, fleet start), then ``rounds`` rounds on the fleet
@@ -239,8 +315,6 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
     import tempfile
 
     rss = ProcTreeRss().start()
-    import jax
-
     import fax_bridge as fb
 
     t_data = time.perf_counter()
@@ -259,54 +333,33 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
     if data_on == "device":
         population = os.path.join(store.name, "clients")
         write_population(data, population)
-    fleet = fb.LocalFleet(devices=devices, round_plans=plans, population=population)
-    round_s: List[float] = []
-    losses: List[float] = []
-    history: List[Dict[str, np.ndarray]] = []
-    reports: List[Dict[str, Any]] = []
+
+    def cohort_args(r: int) -> Tuple[Any, ...]:
+        ids = workload.cohort(seed, r)
+        if population is None:
+            return data.x[ids], data.y[ids], data.counts[ids]
+        return _population_refs(ids)
+
     try:
-        t_start = time.perf_counter()
-        fleet.start()
-        fleet_start_s = time.perf_counter() - t_start
-        setup_s = time.perf_counter() - common.PROCESS_T0
-        for r in range(rounds):
-            t0 = time.perf_counter()
-            ids = workload.cohort(seed, r)
-            if population is None:
-                cohort = (data.x[ids], data.y[ids], data.counts[ids])
-            else:
-                cohort = tuple(fb.PopulationRef(keys=[k], client_ids=ids)
-                               for k in ("xb", "yb", "counts"))
-            result, rep = fleet.run(proto, params, *cohort, report=True)
-            params, loss = _split_result(result)
-            round_s.append(time.perf_counter() - t0)
-            losses.append(loss)
-            history.append(params)
-            reports.append(_report_row(rep))
+        run = fleet_rounds(fb.LocalFleet(devices=devices, round_plans=plans,
+                                         population=population),
+                           proto, params, rounds, cohort_args)
     finally:
-        fleet.close()
         store.cleanup()
-    peak = rss.stop()
-    return common.result_line(
-        "fax_bridge_fleet", setup_s, round_s, losses, history, peak,
-        sum(r["bytes_down"] + r["bytes_up"] for r in reports),
-        extra={
-            "mode": "fleet",
-            "devices": devices,
-            "round_path": "plan" if plans else "phases",
-            "client_data": data_on,
-            "setup_breakdown": {"import_s": round(import_s, 3), "data_s": round(data_s, 3),
-                                "export_s": round(export_s, 3),
-                                "fleet_start_s": round(fleet_start_s, 3)},
-            "proto_bytes": proto.ByteSize(),
-            "payload_moved": sum(r["payload_down"] + r["payload_up"] for r in reports),
-            "rpcs_per_round": reports[0]["rpcs"] if reports else None,
-            "device_compute_s_median": _device_compute_median(reports),
-            "round_reports": reports,
-            "bytes_moved_note": "wire bytes of the round reports, coordinator->devices and back",
-            "versions": {"jax": jax.__version__, "fax_bridge": fb.__version__},
-        },
-    )
+    reports = run.reports
+    return fleet_result(
+        run, rss, proto, devices,
+        {"import_s": import_s, "data_s": data_s, "export_s": export_s},
+        {"client_data": data_on, "rpcs_per_round": reports[0]["rpcs"] if reports else None},
+        "wire bytes of the round reports, coordinator->devices and back")
+
+
+def _population_refs(ids: np.ndarray) -> Tuple[Any, ...]:
+    """The round arguments xb, yb and counts as references to clients ``ids`` of the
+    population the devices host."""
+    import fax_bridge as fb
+
+    return tuple(fb.PopulationRef(keys=[k], client_ids=ids) for k in ("xb", "yb", "counts"))
 
 
 def write_large_population(directory: str, pop: Any) -> float:
@@ -337,75 +390,35 @@ def run_fleet_large(rounds: int, seed: int, devices: int, population_dir: str,
     ``rounds`` rounds whose cohort the devices read from their own population store.
     ``population`` / ``cohort`` shrink it (tests); default 10,000 and 1,000."""
     rss = ProcTreeRss().start()
-    import jax
-
     import fax_bridge as fb
     import large_workload as large
 
     t_data = time.perf_counter()
     import_s = t_data - common.PROCESS_T0
     pop = large.Population(population or large.POPULATION)
-    cohort = cohort or large.COHORT
+    size = cohort or large.COHORT
     write_s = write_large_population(population_dir, pop)
     data_s = time.perf_counter() - t_data - write_s
     params = workload.load_init_params()
-    program, _, _ = build(cohort)
+    program, _, _ = build(size)
     t_export = time.perf_counter()
-    proto = fb.export_tff(program, params, *round_specs(cohort)[1:], placements=PLACEMENTS)
+    proto = fb.export_tff(program, params, *round_specs(size)[1:], placements=PLACEMENTS)
     export_s = time.perf_counter() - t_export
     fleet = fb.LocalFleet(devices=devices, population=population_dir, rpc_timeout_s=600,
                           startup_timeout_s=300)
-    round_s: List[float] = []
-    losses: List[float] = []
-    history: List[Dict[str, np.ndarray]] = []
-    reports: List[Dict[str, Any]] = []
-    try:
-        t_start = time.perf_counter()
-        fleet.start()
-        fleet_start_s = time.perf_counter() - t_start
-        setup_s = time.perf_counter() - common.PROCESS_T0 - write_s
-        for r in range(rounds):
-            t0 = time.perf_counter()
-            ids = large.cohort(seed, r, pop.size, cohort)
-            refs = tuple(fb.PopulationRef(keys=[k], client_ids=ids)
-                         for k in ("xb", "yb", "counts"))
-            result, rep = fleet.run(proto, params, *refs, report=True)
-            params, loss = _split_result(result)
-            round_s.append(time.perf_counter() - t0)
-            losses.append(loss)
-            history.append(params)
-            reports.append(_report_row(rep))
-        use_plans = fleet.policy.round_plans
-    finally:
-        fleet.close()
-    peak = rss.stop()
-    rpcs = [r["rpcs"] for r in reports]
-    return common.result_line(
-        "fax_bridge_fleet", setup_s, round_s, losses, history, peak,
-        sum(r["bytes_down"] + r["bytes_up"] for r in reports), warmup=1,
-        extra={
-            "mode": "fleet",
-            "workload": "large",
-            "devices": devices,
-            "population": pop.size,
-            "cohort": cohort,
-            "round_path": "plan" if use_plans else "phases",
-            "one_request_per_device": all(n == devices for n in rpcs[1:]),
-            "rpcs_per_round": rpcs,
-            "population_write_s": round(write_s, 3),
-            "setup_breakdown": {"import_s": round(import_s, 3), "data_s": round(data_s, 3),
-                                "export_s": round(export_s, 3),
-                                "fleet_start_s": round(fleet_start_s, 3)},
-            "proto_bytes": proto.ByteSize(),
-            "payload_moved": sum(r["payload_down"] + r["payload_up"] for r in reports),
-            "device_compute_s_median": _device_compute_median(reports[1:]),
-            "round_reports": reports,
-            "final_params": {k: v.tolist() for k, v in history[-1].items()} if history else None,
-            "bytes_moved_note": "wire bytes of the round reports, coordinator->devices and "
-                                "back (client ids and the model; devices read the rows)",
-            "versions": {"jax": jax.__version__, "fax_bridge": fb.__version__},
-        },
-    )
+    run = fleet_rounds(fleet, proto, params, rounds,
+                       lambda r: _population_refs(large.cohort(seed, r, pop.size, size)))
+    rpcs = [r["rpcs"] for r in run.reports]
+    final = run.history[-1] if run.history else None
+    return fleet_result(
+        run, rss, proto, devices,
+        {"import_s": import_s, "data_s": data_s, "export_s": export_s},
+        {"workload": "large", "population": pop.size, "cohort": size,
+         "one_request_per_device": all(n == devices for n in rpcs[1:]),
+         "rpcs_per_round": rpcs, "population_write_s": round(write_s, 3),
+         "final_params": {k: v.tolist() for k, v in final.items()} if final else None},
+        "wire bytes of the round reports, coordinator->devices and back (client ids and "
+        "the model; devices read the rows)", warmup=1, setup_s=run.setup_s - write_s)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
