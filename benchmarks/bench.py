@@ -47,7 +47,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -59,6 +58,8 @@ sys.path.insert(0, PEERS_DIR)
 sys.path.insert(0, HERE)
 
 import bench_large  # noqa: E402  (benchmarks/)
+from bench_summary import (COMPARISON_HEADER, comparison_row, count, fmt,  # noqa: E402
+                           max_abs_diff, not_run_row, ratio_row, summarize_runs)
 from run_peer import PeerFailed, kill_group, run_script  # noqa: E402  (benchmarks/peers)
 
 RUNNERS = ("fax_bridge_local", "fax_bridge_fleet", "fax", "tff", "flower")
@@ -140,63 +141,14 @@ def run_runner(runner: str, args: Sequence[str], timeout_s: float,
 # Summary
 
 
-def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return float(statistics.median(xs)) if xs else None
-
-
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def _max_abs_diff(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
-    if not a or not b or len(a) != len(b):
-        return None
-    return float(max(abs(float(x) - float(y)) for x, y in zip(a, b)))
-
-
-def summarize_runs(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
-    """Medians over the repeats of each runner's figures."""
-    out: Dict[str, Dict[str, Any]] = {}
-    for runner, results in runs.items():
-        if not results:
-            continue
-        out[runner] = {
-            "repeats": len(results),
-            "setup_s": _median([r.get("setup_s") for r in results]),
-            "round_s_median": _median([r.get("round_s_median") for r in results]),
-            "first_round_s": _median([(r.get("round_s_all") or [None])[0] for r in results]),
-            "peak_rss_mb": _median([r.get("peak_rss_mb") for r in results]),
-            "bytes_moved": _median([r.get("bytes_moved") for r in results]),
-            "final_test_accuracy": results[-1].get("final_test_accuracy"),
-            "round_s_median_each": [r.get("round_s_median") for r in results],
-            "setup_s_each": [r.get("setup_s") for r in results],
-            "loss_per_round": results[-1].get("loss_per_round"),
-        }
-    return out
-
-
-def compare(summary: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[float]]]:
-    """The ratios of the goals. ``x_over_y`` is x's figure divided by y's."""
-    def fig(runner: str, key: str) -> Optional[float]:
-        return summary.get(runner, {}).get(key)
-
+def compare(summary: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """The ratios of the goals (``bench_summary.ratio_row`` of each pair of runners).
+    ``x_over_y`` is x's figure divided by y's."""
     pairs = {"local_vs_fax": ("fax_bridge_local", "fax"),
              "local_vs_tff": ("fax_bridge_local", "tff"),
              "fleet_vs_flower": ("fax_bridge_fleet", "flower")}
-    out: Dict[str, Dict[str, Optional[float]]] = {}
-    for name, (ours, theirs) in pairs.items():
-        row = {}
-        for key in ("round_s_median", "setup_s", "peak_rss_mb", "bytes_moved"):
-            row[f"{key}_ours_over_theirs"] = _ratio(fig(ours, key), fig(theirs, key))
-        row["round_speedup"] = _ratio(fig(theirs, "round_s_median"), fig(ours, "round_s_median"))
-        mine = summary.get(ours, {}).get("round_s_median_each") or []
-        other = summary.get(theirs, {}).get("round_s_median_each") or []
-        row["round_speedup_each"] = [_ratio(b, a) for a, b in zip(mine, other)]  # type: ignore
-        out[name] = row
-    return out
+    return {name: ratio_row(summary.get(ours, {}), summary.get(theirs, {}))
+            for name, (ours, theirs) in pairs.items()}
 
 
 def verdicts(ratios: Dict[str, Dict[str, Optional[float]]]) -> Dict[str, Optional[bool]]:
@@ -224,8 +176,8 @@ def loss_agreement(summary: Dict[str, Dict[str, Any]],
     for runner, s in summary.items():
         curve = s.get("loss_per_round")
         out[runner] = {
-            "vs_numpy": _max_abs_diff(curve, reference) if reference else None,
-            "vs_fax": _max_abs_diff(curve, fax_curve) if fax_curve and runner != "fax" else None,
+            "vs_numpy": max_abs_diff(curve, reference) if reference else None,
+            "vs_fax": max_abs_diff(curve, fax_curve) if fax_curve and runner != "fax" else None,
         }
     return out
 
@@ -246,14 +198,6 @@ def grad_agreement(ours: Optional[Dict[str, Any]],
 
 # ---------------------------------------------------------------------------------------
 # Table
-
-
-def _f(x: Optional[float], fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _x(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def _verdict(v: Optional[bool]) -> str:
@@ -287,32 +231,18 @@ def format_shared_table(report: Dict[str, Any]) -> str:
     for runner in RUNNERS:
         s = summary.get(runner)
         if s is None:
-            why = report.get("skipped", {}).get(runner) or report.get("failed", {}).get(runner)
-            lines.append(f"| {runner} | {why or 'not run'} | | | | | |")
+            lines.append(not_run_row(report, runner, 7))
             continue
-        bytes_moved = "-" if s["bytes_moved"] is None else f"{int(s['bytes_moved']):,}"
         lines.append(
-            f"| {runner} | {_f(s['setup_s'], '.2f')} | {_f(s['round_s_median'], '.4f')} | "
-            f"{_f(s['first_round_s'], '.3f')} | {_f(s['peak_rss_mb'], '.0f')} | {bytes_moved} | "
-            f"{_f(s['final_test_accuracy'], '.4f')} |")
-    lines += [
-        "",
-        "| comparison | round time (ours / theirs) | speed-up per round | same, repeat by repeat "
-        "| setup (ours / theirs) | peak RSS (ours / theirs) | bytes (ours / theirs) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+            f"| {runner} | {fmt(s['setup_s'], '.2f')} | {fmt(s['round_s_median'], '.4f')} | "
+            f"{fmt(s['first_round_s'], '.3f')} | {fmt(s['peak_rss_mb'], '.0f')} | "
+            f"{count(s['bytes_moved'])} | {fmt(s['final_test_accuracy'], '.4f')} |")
+    lines += ["", *COMPARISON_HEADER]
     names = {"local_vs_fax": "fax_bridge local vs google-fax",
              "local_vs_tff": "fax_bridge local vs TFF",
              "fleet_vs_flower": "fax_bridge fleet vs Flower"}
     for key, label in names.items():
-        r = ratios[key]
-        lines.append(
-            f"| {label} | {_f(r['round_s_median_ours_over_theirs'], '.3f')} | "
-            f"{_x(r['round_speedup'])} | "
-            f"{', '.join(_x(x) for x in r.get('round_speedup_each') or []) or '-'} | "
-            f"{_f(r['setup_s_ours_over_theirs'], '.2f')} | "
-            f"{_f(r['peak_rss_mb_ours_over_theirs'], '.2f')} | "
-            f"{_f(r['bytes_moved_ours_over_theirs'], '.2f')} |")
+        lines.append(comparison_row(label, ratios[key]))
     lines += ["", "| goal | verdict |", "|---|---|"]
     for key, text in GOALS:
         lines.append(f"| {text} | {_verdict(report['verdicts'].get(key))} |")
@@ -321,7 +251,7 @@ def format_shared_table(report: Dict[str, Any]) -> str:
     for runner in RUNNERS:
         a = report["loss_agreement"].get(runner)
         if a is not None:
-            lines.append(f"| {runner} | {_f(a['vs_numpy'], '.1e')} | {_f(a['vs_fax'], '.1e')} |")
+            lines.append(f"| {runner} | {fmt(a['vs_numpy'], '.1e')} | {fmt(a['vs_fax'], '.1e')} |")
     g = report.get("grad_agreement")
     if g:
         grads = ", ".join(f"{k} {v:.1e}" for k, v in g["grad_max_abs_diff"].items())
@@ -422,8 +352,7 @@ def run_large(runners: Sequence[str], repeats: int, rounds: int, seed: int, devi
               "cohort": large_workload.COHORT, "population_dir": population_dir,
               "runners": mine}
     return bench_large.make_report(runs, config, skipped, failed,
-                                   bench_large.numpy_reference(rounds, seed), summarize_runs,
-                                   _ratio, LOSS_ATOL)
+                                   bench_large.numpy_reference(rounds, seed), LOSS_ATOL)
 
 
 def run_bench(runners: Sequence[str], repeats: int, rounds: int, seed: int, devices: int,
@@ -476,7 +405,7 @@ def rerender(report: Dict[str, Any]) -> Dict[str, Any]:
     if large:
         large = bench_large.make_report(
             large["runs"], large["config"], large.get("skipped", {}), large.get("failed", {}),
-            large.get("numpy_reference"), summarize_runs, _ratio, LOSS_ATOL)
+            large.get("numpy_reference"), LOSS_ATOL)
         report = dict(report, large=large)
     if "runs" not in report:
         return report

@@ -14,9 +14,12 @@ after the warm-up went as one request per device (a round plan).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import numpy as np
+
+from bench_summary import (COMPARISON_HEADER, comparison_row, count, fmt, max_abs_diff,
+                           not_run_row, ratio_row, summarize_runs)
 
 RUNNERS = ("fax_bridge_fleet", "flower")
 # float32 agreement of the final server models. Flower adds the 1,000 scaled client
@@ -53,12 +56,6 @@ def _params_diff(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]]) -> Op
                      for k in a))
 
 
-def _curve_diff(a: Optional[Sequence[float]], b: Optional[Sequence[float]]) -> Optional[float]:
-    if not a or not b or len(a) != len(b):
-        return None
-    return float(max(abs(float(x) - float(y)) for x, y in zip(a, b)))
-
-
 def agreement(runs: Dict[str, List[Dict[str, Any]]], reference: Optional[Dict[str, Any]],
               loss_atol: float) -> Dict[str, Any]:
     """Loss curves and final models of the last run of each runner against the numpy
@@ -68,10 +65,10 @@ def agreement(runs: Dict[str, List[Dict[str, Any]]], reference: Optional[Dict[st
     ref_params = (reference or {}).get("final_params")
     out: Dict[str, Any] = {"loss_vs_numpy": {}, "params_vs_numpy": {}}
     for runner, res in last.items():
-        out["loss_vs_numpy"][runner] = _curve_diff(res.get("loss_per_round"), ref_curve)
+        out["loss_vs_numpy"][runner] = max_abs_diff(res.get("loss_per_round"), ref_curve)
         out["params_vs_numpy"][runner] = _params_diff(res.get("final_params"), ref_params)
     fleet, flower = last.get("fax_bridge_fleet"), last.get("flower")
-    out["loss_fleet_vs_flower"] = (_curve_diff(fleet.get("loss_per_round"),
+    out["loss_fleet_vs_flower"] = (max_abs_diff(fleet.get("loss_per_round"),
                                                flower.get("loss_per_round"))
                                    if fleet and flower else None)
     out["params_fleet_vs_flower"] = (_params_diff(fleet.get("final_params"),
@@ -92,34 +89,18 @@ def agreement(runs: Dict[str, List[Dict[str, Any]]], reference: Optional[Dict[st
 
 def make_report(runs: Dict[str, List[Dict[str, Any]]], config: Dict[str, Any],
                 skipped: Dict[str, str], failed: Dict[str, str],
-                reference: Optional[Dict[str, Any]], summarize: Any, ratio: Any,
-                loss_atol: float) -> Dict[str, Any]:
-    """The report's ``large`` object (``summarize``/``ratio``: ``bench.summarize_runs``
-    and ``bench._ratio``, shared with the shared workload)."""
-    summary = summarize(runs)
+                reference: Optional[Dict[str, Any]], loss_atol: float) -> Dict[str, Any]:
+    """The report's ``large`` object: the runners' summaries and ratios as the shared
+    workload's (``bench_summary``), and their agreement."""
+    summary = summarize_runs(runs)
     for runner, results in runs.items():
         if results and runner in summary:
             summary[runner]["supernodes"] = results[-1].get("supernodes")
             summary[runner]["round_s_all_each"] = [r.get("round_s_all") for r in results]
     ours, theirs = summary.get("fax_bridge_fleet", {}), summary.get("flower", {})
-    ratios: Dict[str, Any] = {
-        f"{key}_ours_over_theirs": ratio(ours.get(key), theirs.get(key))
-        for key in ("round_s_median", "setup_s", "peak_rss_mb", "bytes_moved")}
-    ratios["round_speedup"] = ratio(theirs.get("round_s_median"), ours.get("round_s_median"))
-    ratios["round_speedup_each"] = [
-        ratio(b, a) for a, b in zip(ours.get("round_s_median_each") or [],
-                                    theirs.get("round_s_median_each") or [])]
     return {"config": config, "skipped": skipped, "failed": failed, "summary": summary,
-            "ratios": ratios, "numpy_reference": reference,
+            "ratios": ratio_row(ours, theirs), "numpy_reference": reference,
             "agreement": agreement(runs, reference, loss_atol), "runs": runs}
-
-
-def _f(x: Optional[float], fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _x(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def format_tables(large: Dict[str, Any]) -> str:
@@ -140,38 +121,25 @@ def format_tables(large: Dict[str, Any]) -> str:
     for runner in RUNNERS:
         s = summary.get(runner)
         if s is None:
-            why = large.get("skipped", {}).get(runner) or large.get("failed", {}).get(runner)
-            lines.append(f"| {runner} | {why or 'not run'} | | | | | | |")
+            lines.append(not_run_row(large, runner, 8))
             continue
-        each = ", ".join(_f(x, ".3f") for x in s.get("round_s_median_each") or []) or "-"
-        moved = "-" if s["bytes_moved"] is None else f"{int(s['bytes_moved']):,}"
+        each = ", ".join(fmt(x, ".3f") for x in s.get("round_s_median_each") or []) or "-"
         lines.append(
-            f"| {runner} | {_f(s['setup_s'], '.2f')} | {_f(s['round_s_median'], '.3f')} | "
-            f"{each} | {_f(s['first_round_s'], '.3f')} | {_f(s['peak_rss_mb'], '.0f')} | "
-            f"{moved} | {_f(s['final_test_accuracy'], '.4f')} |")
-    r = large["ratios"]
-    lines += [
-        "",
-        "| comparison | round time (ours / theirs) | speed-up per round | same, repeat by repeat "
-        "| setup (ours / theirs) | peak RSS (ours / theirs) | bytes (ours / theirs) |",
-        "|---|---|---|---|---|---|---|",
-        f"| fax_bridge fleet vs Flower, large | {_f(r['round_s_median_ours_over_theirs'], '.3f')} "
-        f"| {_x(r['round_speedup'])} | "
-        f"{', '.join(_x(x) for x in r.get('round_speedup_each') or []) or '-'} | "
-        f"{_f(r['setup_s_ours_over_theirs'], '.2f')} | "
-        f"{_f(r['peak_rss_mb_ours_over_theirs'], '.2f')} | "
-        f"{_f(r['bytes_moved_ours_over_theirs'], '.2f')} |",
-    ]
+            f"| {runner} | {fmt(s['setup_s'], '.2f')} | {fmt(s['round_s_median'], '.3f')} | "
+            f"{each} | {fmt(s['first_round_s'], '.3f')} | {fmt(s['peak_rss_mb'], '.0f')} | "
+            f"{count(s['bytes_moved'])} | {fmt(s['final_test_accuracy'], '.4f')} |")
+    lines += ["", *COMPARISON_HEADER,
+              comparison_row("fax_bridge fleet vs Flower, large", large["ratios"])]
     a = large["agreement"]
     lines += ["", "| large workload | loss curve, max abs diff | final model, max abs diff |",
               "|---|---|---|"]
     for runner in RUNNERS:
         if runner in a["loss_vs_numpy"]:
             lines.append(f"| {runner} vs numpy reference | "
-                         f"{_f(a['loss_vs_numpy'][runner], '.1e')} | "
-                         f"{_f(a['params_vs_numpy'].get(runner), '.1e')} |")
-    lines.append(f"| fax_bridge fleet vs Flower | {_f(a['loss_fleet_vs_flower'], '.1e')} | "
-                 f"{_f(a['params_fleet_vs_flower'], '.1e')} |")
+                         f"{fmt(a['loss_vs_numpy'][runner], '.1e')} | "
+                         f"{fmt(a['params_vs_numpy'].get(runner), '.1e')} |")
+    lines.append(f"| fax_bridge fleet vs Flower | {fmt(a['loss_fleet_vs_flower'], '.1e')} | "
+                 f"{fmt(a['params_fleet_vs_flower'], '.1e')} |")
     plan = a["fleet_one_request_per_device"]
     lines += ["", "Fleet rounds after the warm-up as one request per device (round plan): "
                   f"{'not measured' if plan is None else ('yes' if plan else 'NO')}. "

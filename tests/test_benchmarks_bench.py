@@ -279,8 +279,7 @@ def test_large_report_agreement_and_tables(bench: Any) -> None:
     config = {"repeats": 2, "rounds": 4, "seed": 0, "devices": 2, "supernodes": 10_000,
               "population": 10_000, "cohort": 1_000}
     large = bench.bench_large.make_report({"fax_bridge_fleet": [fleet] * 2, "flower": [flower] * 2},
-                                          config, {}, {}, reference, bench.summarize_runs,
-                                          bench._ratio, bench.LOSS_ATOL)
+                                          config, {}, {}, reference, bench.LOSS_ATOL)
     assert large["ratios"]["round_speedup"] == pytest.approx(40.0)
     assert large["ratios"]["round_speedup_each"] == [pytest.approx(40.0)] * 2
     assert large["ratios"]["peak_rss_mb_ours_over_theirs"] == pytest.approx(0.3)
@@ -297,8 +296,7 @@ def test_large_report_agreement_and_tables(bench: Any) -> None:
     phases = dict(fleet, one_request_per_device=False)
     far = dict(flower, final_params={"w": [[1.0, 2.1]]})
     bad = bench.bench_large.make_report({"fax_bridge_fleet": [phases], "flower": [far]},
-                                        config, {}, {}, reference, bench.summarize_runs,
-                                        bench._ratio, bench.LOSS_ATOL)
+                                        config, {}, {}, reference, bench.LOSS_ATOL)
     assert not bad["agreement"]["ok"] and not bench.succeeded({"failed": {}, "large": bad})
     assert "(round plan): NO" in bench.bench_large.format_tables(bad)
 
