@@ -59,7 +59,7 @@ sys.path.insert(0, HERE)
 
 import bench_large  # noqa: E402  (benchmarks/)
 from bench_summary import (COMPARISON_HEADER, comparison_row, count, fmt,  # noqa: E402
-                           max_abs_diff, not_run_row, ratio_row, summarize_runs)
+                           max_abs_diff, ratio_row, runner_rows, summarize_runs)
 from run_peer import PeerFailed, kill_group, run_script  # noqa: E402  (benchmarks/peers)
 
 RUNNERS = ("fax_bridge_local", "fax_bridge_fleet", "fax", "tff", "flower")
@@ -217,7 +217,6 @@ def format_table(report: Dict[str, Any]) -> str:
 
 def format_shared_table(report: Dict[str, Any]) -> str:
     """Markdown tables of the shared workload's part of a bench report."""
-    summary = report["summary"]
     ratios = report["ratios"]
     lines = [
         f"Medians over {report['config']['repeats']} alternating repeats, "
@@ -228,15 +227,10 @@ def format_shared_table(report: Dict[str, Any]) -> str:
         "| final test acc |",
         "|---|---|---|---|---|---|---|",
     ]
-    for runner in RUNNERS:
-        s = summary.get(runner)
-        if s is None:
-            lines.append(not_run_row(report, runner, 7))
-            continue
-        lines.append(
-            f"| {runner} | {fmt(s['setup_s'], '.2f')} | {fmt(s['round_s_median'], '.4f')} | "
-            f"{fmt(s['first_round_s'], '.3f')} | {fmt(s['peak_rss_mb'], '.0f')} | "
-            f"{count(s['bytes_moved'])} | {fmt(s['final_test_accuracy'], '.4f')} |")
+    lines += runner_rows(report, RUNNERS, 7, lambda s: [
+        fmt(s["setup_s"], ".2f"), fmt(s["round_s_median"], ".4f"), fmt(s["first_round_s"], ".3f"),
+        fmt(s["peak_rss_mb"], ".0f"), count(s["bytes_moved"]),
+        fmt(s["final_test_accuracy"], ".4f")])
     lines += ["", *COMPARISON_HEADER]
     names = {"local_vs_fax": "fax_bridge local vs google-fax",
              "local_vs_tff": "fax_bridge local vs TFF",

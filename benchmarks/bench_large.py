@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from bench_summary import (COMPARISON_HEADER, comparison_row, count, fmt, max_abs_diff,
-                           not_run_row, ratio_row, summarize_runs)
+                           ratio_row, runner_rows, summarize_runs)
 
 RUNNERS = ("fax_bridge_fleet", "flower")
 # float32 agreement of the final server models. Flower adds the 1,000 scaled client
@@ -106,7 +106,6 @@ def make_report(runs: Dict[str, List[Dict[str, Any]]], config: Dict[str, Any],
 def format_tables(large: Dict[str, Any]) -> str:
     """Markdown tables of the report's ``large`` object."""
     cfg = large["config"]
-    summary = large["summary"]
     lines = [
         f"Large workload: a cohort of {cfg['cohort']:,} of {cfg['population']:,} clients per "
         f"round, {cfg['rounds']} rounds (the first a warm-up, left out of the round median), "
@@ -118,16 +117,11 @@ def format_tables(large: Dict[str, Any]) -> str:
         "| peak RSS MiB | bytes moved | final test acc |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for runner in RUNNERS:
-        s = summary.get(runner)
-        if s is None:
-            lines.append(not_run_row(large, runner, 8))
-            continue
-        each = ", ".join(fmt(x, ".3f") for x in s.get("round_s_median_each") or []) or "-"
-        lines.append(
-            f"| {runner} | {fmt(s['setup_s'], '.2f')} | {fmt(s['round_s_median'], '.3f')} | "
-            f"{each} | {fmt(s['first_round_s'], '.3f')} | {fmt(s['peak_rss_mb'], '.0f')} | "
-            f"{count(s['bytes_moved'])} | {fmt(s['final_test_accuracy'], '.4f')} |")
+    lines += runner_rows(large, RUNNERS, 8, lambda s: [
+        fmt(s["setup_s"], ".2f"), fmt(s["round_s_median"], ".3f"),
+        ", ".join(fmt(x, ".3f") for x in s.get("round_s_median_each") or []) or "-",
+        fmt(s["first_round_s"], ".3f"), fmt(s["peak_rss_mb"], ".0f"), count(s["bytes_moved"]),
+        fmt(s["final_test_accuracy"], ".4f")])
     lines += ["", *COMPARISON_HEADER,
               comparison_row("fax_bridge fleet vs Flower, large", large["ratios"])]
     a = large["agreement"]

@@ -8,7 +8,7 @@ medians over repeats, the ours-over-theirs ratios, the comparison table and its 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 # The comparison table both workloads print, one row per pair of runners.
 COMPARISON_HEADER = [
@@ -98,8 +98,17 @@ def comparison_row(label: str, r: Dict[str, Any]) -> str:
             f"{fmt(r['bytes_moved_ours_over_theirs'], '.2f')} |")
 
 
-def not_run_row(report: Dict[str, Any], runner: str, columns: int) -> str:
-    """The runner table's row of a runner that has no summary: why (skipped or failed,
-    from ``report``), then empty cells up to ``columns``."""
-    why = report.get("skipped", {}).get(runner) or report.get("failed", {}).get(runner)
-    return f"| {runner} | {why or 'not run'} |" + " |" * (columns - 2)
+def runner_rows(report: Dict[str, Any], runners: Sequence[str], columns: int,
+                cells: Callable[[Dict[str, Any]], Sequence[str]]) -> List[str]:
+    """The runner table's rows: each runner's name and ``cells`` of its entry in
+    ``report["summary"]``, or, for a runner without one, why (skipped or failed, from
+    ``report``) and empty cells up to ``columns``."""
+    rows = []
+    for runner in runners:
+        s = report["summary"].get(runner)
+        if s is not None:
+            rows.append("| " + " | ".join([runner, *cells(s)]) + " |")
+            continue
+        why = report.get("skipped", {}).get(runner) or report.get("failed", {}).get(runner)
+        rows.append(f"| {runner} | {why or 'not run'} |" + " |" * (columns - 2))
+    return rows
