@@ -135,7 +135,8 @@ def build_apps(rounds: int, seed: int, spec: Optional[Spec] = None) -> Any:
             super().__init__(**kwargs)
             self.node_of_partition = node_of_partition
 
-        def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> Iterable[Any]:
+        def configure_train(self, server_round: int, arrays: Any, config: Any,
+                            grid: Any) -> Iterable[Any]:
             STATE["round_start"].append(time.perf_counter())
             ids = spec.cohort(seed, server_round - 1)
             STATE["bytes"] += arrays.count_bytes() * len(ids)
@@ -170,7 +171,8 @@ def build_apps(rounds: int, seed: int, spec: Optional[Spec] = None) -> Any:
             time.sleep(0.1)
         node_ids = list(grid.get_node_ids())
         replies = grid.send_and_receive(
-            [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids],
+            [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY)
+             for n in node_ids],
             timeout=1200,
         )
         node_of_partition = {
