@@ -1,7 +1,9 @@
-"""Helpers the peer scripts share: arguments, peak-memory sampling and the result line.
+"""Helpers the peer scripts share: arguments, the gradient check, peak-memory sampling
+and the result line.
 
 Imports only the standard library at module level (psutil when it is installed, and
-numpy through ``workload``), so it works in every peer venv.
+numpy through ``workload``), so it works in every peer venv; ``grad_check`` imports jax
+when called (only the jax peers call it).
 """
 
 from __future__ import annotations
@@ -24,13 +26,60 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402  (the path above makes it importable)
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """The arguments every peer takes."""
+def base_parser(description: str, grad_check: bool = False,
+                workloads: bool = False) -> argparse.ArgumentParser:
+    """The arguments every peer takes. ``grad_check``: also ``--grad-check`` (the peers
+    whose check program is differentiated, see ``grad_check``); ``workloads``: also
+    ``--workload shared|large`` with the large workload's ``--population-size`` and
+    ``--cohort-size``, and ``--rounds`` then defaults to the workload's (``rounds_of``)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--rounds", type=int, default=workload.ROUNDS, help="rounds to run (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the cohort schedule (default 0)")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the result line to OUT")
+    if grad_check:
+        p.add_argument("--grad-check", action="store_true",
+                       help="print loss and gradient of the check program")
+    if workloads:
+        p.add_argument("--workload", choices=("shared", "large"), default="shared",
+                       help="large: a cohort of 1,000 from 10,000 clients")
+        p.add_argument("--population-size", type=int, default=None,
+                       help="large: clients in the population (default 10000)")
+        p.add_argument("--cohort-size", type=int, default=None,
+                       help="large: clients per round (default 1000)")
+        p.set_defaults(rounds=None)
     return p
+
+
+def rounds_of(args: argparse.Namespace) -> int:
+    """``--rounds``, or the default of the chosen ``--workload`` when it is not given
+    (the shared workload's 20, the large one's 3)."""
+    if args.rounds:
+        return args.rounds
+    if getattr(args, "workload", "shared") == "large":
+        import large_workload
+
+        return large_workload.ROUNDS
+    return workload.ROUNDS
+
+
+def grad_check(peer: str, program: Any) -> Dict[str, Any]:
+    """What ``--grad-check`` prints: the loss and gradient of ``program``, a peer's
+    mean-client-loss check program, at ``workload.check_program_inputs`` (round 0's
+    clients' first batches and the initial weights), by ``jax.value_and_grad``."""
+    import jax
+    import numpy as np
+
+    params, x, y = workload.check_program_inputs()
+    loss, grads = jax.jit(jax.value_and_grad(program))(params, x, y)
+    grads = {k: np.asarray(v) for k, v in grads.items()}
+    return {
+        "peer": peer,
+        "mode": "grad_check",
+        "jax_version": jax.__version__,
+        "loss": float(loss),
+        "grad_norm": {k: float(np.linalg.norm(v)) for k, v in grads.items()},
+        "grad": {k: v.tolist() for k, v in grads.items()},
+    }
 
 
 class PeakRss:

@@ -156,20 +156,8 @@ def _split_result(result: Any) -> Tuple[Dict[str, np.ndarray], float]:
 
 def grad_check() -> Dict[str, Any]:
     """Loss and gradient of the fixed check program, through fax_bridge's AD rules."""
-    import jax
-
     _, _, program = build(workload.COHORT)
-    params, x, y = workload.check_program_inputs()
-    loss, grads = jax.jit(jax.value_and_grad(program))(params, x, y)
-    grads = {k: np.asarray(v) for k, v in grads.items()}
-    return {
-        "peer": "fax_bridge",
-        "mode": "grad_check",
-        "jax_version": jax.__version__,
-        "loss": float(loss),
-        "grad_norm": {k: float(np.linalg.norm(v)) for k, v in grads.items()},
-        "grad": {k: v.tolist() for k, v in grads.items()},
-    }
+    return common.grad_check("fax_bridge", program)
 
 
 def run_local(rounds: int, seed: int) -> Dict[str, Any]:
@@ -422,42 +410,31 @@ def run_fleet_large(rounds: int, seed: int, devices: int, population_dir: str,
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = common.base_parser(__doc__.splitlines()[0])
+    parser = common.base_parser(__doc__.splitlines()[0], grad_check=True, workloads=True)
     parser.add_argument("--mode", choices=("local", "fleet"), default="local")
     parser.add_argument("--devices", type=int, default=2, help="fleet devices (default 2)")
-    parser.add_argument("--grad-check", action="store_true",
-                        help="print loss and gradient of the check program")
     parser.add_argument("--phases", action="store_true",
                         help="fleet: run each round phase by phase, not as one request "
                              "per device")
     parser.add_argument("--data", choices=("device", "coordinator"), default="device",
                         help="fleet: where the clients' batches live (default: the devices "
                              "host them and rounds name the cohort by id)")
-    parser.add_argument("--workload", choices=("shared", "large"), default="shared",
-                        help="large: a cohort of 1,000 from 10,000 clients (fleet mode)")
     parser.add_argument("--population-dir", default=os.path.join("out", "bench",
                                                                  "population-large"),
                         help="large: where the population is written once and kept")
-    parser.add_argument("--population-size", type=int, default=None,
-                        help="large: clients in the population (default 10000)")
-    parser.add_argument("--cohort-size", type=int, default=None,
-                        help="large: clients per round (default 1000)")
-    parser.set_defaults(rounds=None)
     args = parser.parse_args(argv)
+    rounds = common.rounds_of(args)
     if args.workload == "large":
         if args.mode != "fleet" or args.grad_check or args.phases:
             parser.error("--workload large runs only in --mode fleet, as a round plan")
-        import large_workload
-
-        result = run_fleet_large(args.rounds or large_workload.ROUNDS, args.seed, args.devices,
-                                 args.population_dir, args.population_size, args.cohort_size)
+        result = run_fleet_large(rounds, args.seed, args.devices, args.population_dir,
+                                 args.population_size, args.cohort_size)
     elif args.grad_check:
         result = grad_check()
     elif args.mode == "local":
-        result = run_local(args.rounds or workload.ROUNDS, args.seed)
+        result = run_local(rounds, args.seed)
     else:
-        result = run_fleet(args.rounds or workload.ROUNDS, args.seed, args.devices,
-                           not args.phases, args.data)
+        result = run_fleet(rounds, args.seed, args.devices, not args.phases, args.data)
     common.emit(result, args.json)
 
 

@@ -65,20 +65,8 @@ def build(cohort: int) -> Tuple[Any, Any, Any]:
 
 def grad_check() -> Dict[str, Any]:
     """Loss and gradient of the fixed check program, through fax's AD rules."""
-    import jax
-
     _, _, program = build(workload.COHORT)
-    params, x, y = workload.check_program_inputs()
-    loss, grads = jax.jit(jax.value_and_grad(program))(params, x, y)
-    grads = {k: np.asarray(v) for k, v in grads.items()}
-    return {
-        "peer": "fax",
-        "mode": "grad_check",
-        "jax_version": jax.__version__,
-        "loss": float(loss),
-        "grad_norm": {k: float(np.linalg.norm(v)) for k, v in grads.items()},
-        "grad": {k: v.tolist() for k, v in grads.items()},
-    }
+    return common.grad_check("fax", program)
 
 
 def run(rounds: int, seed: int) -> Dict[str, Any]:
@@ -110,8 +98,7 @@ def run(rounds: int, seed: int) -> Dict[str, Any]:
 
 
 def main() -> None:
-    parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--grad-check", action="store_true", help="print loss and gradient of the check program")
+    parser = common.base_parser(__doc__.splitlines()[0], grad_check=True)
     args = parser.parse_args()
     result = grad_check() if args.grad_check else run(args.rounds, args.seed)
     common.emit(result, args.json)

@@ -270,22 +270,13 @@ def run(rounds: int, seed: int, spec: Optional[Spec] = None) -> Dict[str, Any]:
 
 
 def main() -> None:
-    parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("shared", "large"), default="shared",
-                        help="large: a cohort of 1,000 from 10,000 clients")
+    parser = common.base_parser(__doc__.splitlines()[0], workloads=True)
     parser.add_argument("--supernodes", type=int, default=None,
                         help="SuperNodes to simulate (default one per client)")
-    parser.add_argument("--population-size", type=int, default=None,
-                        help="large: clients in the population (default 10000)")
-    parser.add_argument("--cohort-size", type=int, default=None,
-                        help="large: clients per round (default 1000)")
-    parser.set_defaults(rounds=None)
     args = parser.parse_args()
     spec = spec_of(args.workload, args.supernodes, args.population_size, args.cohort_size)
-    rounds = args.rounds or (large_workload.ROUNDS if args.workload == "large"
-                             else workload.ROUNDS)
     try:
-        result = run(rounds, args.seed, spec)
+        result = run(common.rounds_of(args), args.seed, spec)
     finally:
         common.end_processes()
     common.emit(result, args.json)
