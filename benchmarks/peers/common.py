@@ -16,7 +16,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # Taken at import, which each peer script does before any heavy import.
 PROCESS_T0 = time.perf_counter()
@@ -176,6 +176,29 @@ def end_processes(procs: Optional[List[Any]] = None, grace_s: float = 5.0) -> No
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
+
+
+def jitted_rounds(round_fn: Any, params: Any, data: workload.ClientData, rounds: int,
+                  seed: int) -> Tuple[List[float], List[float], List[workload.Params]]:
+    """``rounds`` timed rounds of a compiled round function ``round_fn(params, xb, yb,
+    counts) -> (params, loss)`` on the shared workload's cohorts; returns (seconds, loss
+    and host model per round). A round's time includes the cohort's gather and the copy
+    of its model to the host, which waits for the round to finish."""
+    import numpy as np
+
+    round_s: List[float] = []
+    losses: List[float] = []
+    history: List[workload.Params] = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        ids = workload.cohort(seed, r)
+        params, loss = round_fn(params, data.x[ids], data.y[ids], data.counts[ids])
+        host = {k: np.asarray(v) for k, v in params.items()}  # waits for the round
+        loss = float(loss)
+        round_s.append(time.perf_counter() - t0)
+        losses.append(loss)
+        history.append(host)
+    return round_s, losses, history
 
 
 def result_line(

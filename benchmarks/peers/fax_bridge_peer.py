@@ -177,17 +177,7 @@ def run_local(rounds: int, seed: int) -> Dict[str, Any]:
     setup_s = t_end - common.PROCESS_T0
     breakdown = {"import_s": round(t_data - common.PROCESS_T0, 3),
                  "data_s": round(t_compile - t_data, 3), "compile_s": round(t_end - t_compile, 3)}
-
-    round_s, losses, history = [], [], []
-    for r in range(rounds):
-        t0 = time.perf_counter()
-        ids = workload.cohort(seed, r)
-        params, loss = round_fn(params, data.x[ids], data.y[ids], data.counts[ids])
-        host = {k: np.asarray(v) for k, v in params.items()}  # waits for the round
-        loss = float(loss)
-        round_s.append(time.perf_counter() - t0)
-        losses.append(loss)
-        history.append(host)
+    round_s, losses, history = common.jitted_rounds(round_fn, params, data, rounds, seed)
     peak = rss.stop()
     return common.result_line(
         "fax_bridge_local", setup_s, round_s, losses, history, peak, None,

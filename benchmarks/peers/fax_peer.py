@@ -22,8 +22,6 @@ import common  # first: starts the clock and puts workload on the path
 import time
 from typing import Any, Dict, Tuple
 
-import numpy as np
-
 import workload
 
 
@@ -79,17 +77,7 @@ def run(rounds: int, seed: int) -> Dict[str, Any]:
     params = {k: jax.device_put(v) for k, v in workload.load_init_params().items()}
     _, round_fn, _ = build(workload.COHORT)
     setup_s = time.perf_counter() - common.PROCESS_T0
-
-    round_s, losses, history = [], [], []
-    for r in range(rounds):
-        t0 = time.perf_counter()
-        ids = workload.cohort(seed, r)
-        params, loss = round_fn(params, data.x[ids], data.y[ids], data.counts[ids])
-        host_params = {k: np.asarray(v) for k, v in params.items()}  # waits for the round
-        loss = float(loss)
-        round_s.append(time.perf_counter() - t0)
-        losses.append(loss)
-        history.append(host_params)
+    round_s, losses, history = common.jitted_rounds(round_fn, params, data, rounds, seed)
     peak = rss.stop()
     return common.result_line(
         "fax", setup_s, round_s, losses, history, peak, None,
