@@ -127,21 +127,35 @@ def test_min_clients_still_fails_the_round_on_the_plan_path(fleet):
                                           seed=3)
 
 
-def test_a_round_without_the_fleet_token_is_refused(fleet):
+def _send(stub, method: str, messages: list, **kwargs):
+    """A round request as a `Round` stream, or as one `RoundOnce` call of its message."""
+    if method == "RoundOnce":
+        (message,) = messages
+        return stub.RoundOnce(message, **kwargs)
+    return stub.Round(iter(messages), **kwargs)
+
+
+ROUND_METHODS = ["Round", "RoundOnce"]
+
+
+@pytest.mark.parametrize("method", ROUND_METHODS)
+def test_a_round_without_the_fleet_token_is_refused(fleet, method):
     with grpc.insecure_channel(fleet.addresses[0]) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.DeviceStub(channel).Round(iter([pb.RoundRequest()]), timeout=10)
+            _send(pb_grpc.DeviceStub(channel), method, [pb.RoundRequest()], timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "fleet token" in info.value.details()
 
 
-def test_a_round_naming_a_client_part_never_loaded_is_refused(fleet):
+@pytest.mark.parametrize("method", ROUND_METHODS)
+def test_a_round_naming_a_client_part_never_loaded_is_refused(fleet, method):
     from fax_bridge.fleet import security
 
     with grpc.insecure_channel(fleet.addresses[0]) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.DeviceStub(channel).Round(
-                iter([pb.RoundRequest(computation_hash="0" * 64)]), timeout=10,
-                metadata=security.call_metadata(fleet._token))
+            _send(pb_grpc.DeviceStub(channel), method,
+                  [pb.RoundRequest(computation_hash="0" * 64)], timeout=10,
+                  metadata=security.call_metadata(fleet._token))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "not loaded" in info.value.details()
 
@@ -203,7 +217,8 @@ def _round_messages(plan, key, members, delay=0.0):
     return [head]
 
 
-def test_a_device_bounds_round_requests_and_keeps_serving(capped):
+@pytest.mark.parametrize("method", ROUND_METHODS)
+def test_a_device_bounds_round_requests_and_keeps_serving(capped, method):
     from federated_language.common_libs import structure
 
     stub, md = capped
@@ -217,13 +232,74 @@ def test_a_device_bounds_round_requests_and_keeps_serving(capped):
                                   grpc.StatusCode.INVALID_ARGUMENT),
                                  ([member] * 2, 5.0, grpc.StatusCode.INVALID_ARGUMENT)):
         with pytest.raises(grpc.RpcError) as info:
-            stub.Round(iter(_round_messages(plan, plan.client_part_hash, members, delay)),
-                       timeout=30, metadata=md)
+            _send(stub, method, _round_messages(plan, plan.client_part_hash, members, delay),
+                  timeout=30, metadata=md)
         assert info.value.code() == code
-    answer = stub.Round(iter(_round_messages(plan, plan.client_part_hash, [member] * 3)),
-                        timeout=30, metadata=md)
+    answer = _send(stub, method, _round_messages(plan, plan.client_part_hash, [member] * 3),
+                   timeout=30, metadata=md)
     assert answer.num_clients == 3 and len(answer.partials) == 2
     assert [p.num_clients for p in answer.partials] == [3, 3]
+    other = "RoundOnce" if method == "Round" else "Round"  # the same round, other shape
+    again = _send(stub, other, _round_messages(plan, plan.client_part_hash, [member] * 3),
+                  timeout=30, metadata=md)
+    assert again.num_clients == 3 and list(again.partials) == list(answer.partials)
+
+
+@pytest.mark.parametrize("method", ROUND_METHODS)
+def test_a_hostile_round_request_gets_a_clear_error_and_the_device_keeps_serving(capped,
+                                                                                method):
+    from federated_language.common_libs import structure
+
+    stub, md = capped
+    plan = P.compile_plan(PROTO)
+    data = plan.client_part.SerializeToString(deterministic=True)
+    stub.Load(pb.LoadRequest(computation_hash=plan.client_part_hash, computation=data),
+              timeout=30, metadata=md)
+    value = pb.ClientValue(client_id=0)
+    value.value.tensor.dtype = "float32"
+    value.value.tensor.shape.extend([1 << 40])  # claims far more elements than it holds
+    member = structure.Struct([(None, np.ones(3, np.float32)), (None, np.float32(2.0))])
+    head = _round_messages(plan, plan.client_part_hash, [member])[0]
+    bad_kind = pb.RoundRequest()
+    bad_kind.CopyFrom(head)
+    bad_kind.aggregations[0].kind = pb.SECURE_SUM
+    bad_index = pb.RoundRequest()
+    bad_index.CopyFrom(head)
+    bad_index.aggregations[1].value_index = 7
+    for request, code, match in (
+            (pb.RoundRequest(computation_hash=plan.client_part_hash, values=[value]),
+             grpc.StatusCode.INVALID_ARGUMENT, "the shape is likely corrupt"),
+            (bad_kind, grpc.StatusCode.INVALID_ARGUMENT, "cannot run in a round plan"),
+            (bad_index, grpc.StatusCode.INVALID_ARGUMENT, "index 7 is out of range"),
+            (pb.RoundRequest(computation_hash=plan.client_part_hash,
+                             from_store=pb.StoreRead(population_ids=[0])),
+             grpc.StatusCode.FAILED_PRECONDITION, "hosts no population")):
+        with pytest.raises(grpc.RpcError) as info:
+            _send(stub, method, [request], timeout=30, metadata=md)
+        assert info.value.code() == code, info.value.details()
+        assert info.value.details().startswith("plan: ") and match in info.value.details()
+    assert stub.Health(pb.HealthRequest(), timeout=10, metadata=md).status == "SERVING"
+
+
+@pytest.mark.parametrize("method", ROUND_METHODS)
+def test_bytes_that_are_no_round_request_are_refused(fleet, method):
+    from fax_bridge.fleet import security
+
+    path = f"/fax_bridge.v1.Device/{method}"
+    body = b"\x0a\xff\xff\xff\xff\x0f"  # a field whose length runs past the end
+    with grpc.insecure_channel(fleet.addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            if method == "RoundOnce":
+                channel.unary_unary(path)(body, timeout=10,
+                                          metadata=security.call_metadata(fleet._token))
+            else:
+                channel.stream_unary(path)(iter([body]), timeout=10,
+                                           metadata=security.call_metadata(fleet._token))
+        stub = pb_grpc.DeviceStub(channel)
+        assert stub.Health(pb.HealthRequest(), timeout=10,
+                           metadata=security.call_metadata(fleet._token)).status == "SERVING"
+    assert info.value.code() == grpc.StatusCode.INTERNAL  # gRPC's own answer, either shape
+    assert "deserializing request" in info.value.details()
 
 
 def test_a_resumed_run_loop_on_the_plan_path_gives_the_straight_runs_bits(fleet, tmp_path):

@@ -34,5 +34,5 @@ def test_service_lists_every_operation() -> None:
     service = device_pb2.DESCRIPTOR.services_by_name["Device"]
     assert sorted(m.name for m in service.methods) == sorted(
         ["Health", "Load", "Put", "Broadcast", "Map", "Zip", "Aggregate", "Fetch", "Release",
-         "Round"])
+         "Round", "RoundOnce"])
     assert device_pb2.DESCRIPTOR.package == "fax_bridge.v1"

@@ -462,6 +462,13 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         return device_round.run_round(self, request_iterator, context)
 
     @_rpc
+    def RoundOnce(self, request, context):
+        # The same round as a Round stream of this one message, by the same code.
+        from fax_bridge.fleet import device_round
+
+        return device_round.run_round(self, iter((request,)), context)
+
+    @_rpc
     def Fetch(self, request, context):
         stored = self._get(request.handle)
         budget = request.max_message_bytes or DEFAULT_FETCH_BYTES

@@ -6,7 +6,8 @@ device's clients of the round (values, or `from_store` reads of the population t
 device hosts). The client part runs on <broadcast, member> for each client, in order
 (`runtime.client_map`: one XLA call for all of them where it can), and each
 aggregation's exact partial over those clients is the answer (`runtime.aggregation`,
-`fleet.partials`). Nothing stays stored on the device.
+`fleet.partials`). Nothing stays stored on the device. `RoundOnce` serves a request of
+one message by the same code, as a stream of that one message.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def _value_bytes(value) -> int:
 
 
 def run_round(device, request_iterator, context) -> pb.RoundResponse:
-    """Serves one `Round` stream on `device` (a `DeviceServicer`)."""
+    """Serves one `Round` stream (or `RoundOnce` request, as a stream of one) on
+    `device` (a `DeviceServicer`)."""
     head, _, members, reads, received = device.read_clients(request_iterator, "Round")
     delay = device.check_delay(head.delay_seconds, "Round")
     fn = device.loaded(head.computation_hash, "Round")

@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class DeviceStub:
     """One device process. Requests may arrive concurrently; the computing ones (Map, Zip,
-    Aggregate, Round) run one at a time.
+    Aggregate, Round, RoundOnce) run one at a time.
     """
 
     def __init__(self, channel):
@@ -86,11 +86,16 @@ class DeviceStub:
                 request_serializer=fax__bridge_dot_v1_dot_device__pb2.RoundRequest.SerializeToString,
                 response_deserializer=fax__bridge_dot_v1_dot_device__pb2.RoundResponse.FromString,
                 _registered_method=True)
+        self.RoundOnce = channel.unary_unary(
+                '/fax_bridge.v1.Device/RoundOnce',
+                request_serializer=fax__bridge_dot_v1_dot_device__pb2.RoundRequest.SerializeToString,
+                response_deserializer=fax__bridge_dot_v1_dot_device__pb2.RoundResponse.FromString,
+                _registered_method=True)
 
 
 class DeviceServicer:
     """One device process. Requests may arrive concurrently; the computing ones (Map, Zip,
-    Aggregate, Round) run one at a time.
+    Aggregate, Round, RoundOnce) run one at a time.
     """
 
     def Health(self, request, context):
@@ -153,6 +158,16 @@ class DeviceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RoundOnce(self, request, context):
+        """A round whose request fits in one message (the head with its clients, or with
+        their population ids): served exactly as a Round stream of that one message, in
+        one unary call, which costs both sides less than a stream. Coordinators fall back
+        to Round when a device answers UNIMPLEMENTED (a device from before this method).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DeviceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +221,11 @@ def add_DeviceServicer_to_server(servicer, server):
                     request_deserializer=fax__bridge_dot_v1_dot_device__pb2.RoundRequest.FromString,
                     response_serializer=fax__bridge_dot_v1_dot_device__pb2.RoundResponse.SerializeToString,
             ),
+            'RoundOnce': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoundOnce,
+                    request_deserializer=fax__bridge_dot_v1_dot_device__pb2.RoundRequest.FromString,
+                    response_serializer=fax__bridge_dot_v1_dot_device__pb2.RoundResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'fax_bridge.v1.Device', rpc_method_handlers)
@@ -216,7 +236,7 @@ def add_DeviceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Device:
     """One device process. Requests may arrive concurrently; the computing ones (Map, Zip,
-    Aggregate, Round) run one at a time.
+    Aggregate, Round, RoundOnce) run one at a time.
     """
 
     @staticmethod
@@ -477,6 +497,33 @@ class Device:
             request_iterator,
             target,
             '/fax_bridge.v1.Device/Round',
+            fax__bridge_dot_v1_dot_device__pb2.RoundRequest.SerializeToString,
+            fax__bridge_dot_v1_dot_device__pb2.RoundResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoundOnce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fax_bridge.v1.Device/RoundOnce',
             fax__bridge_dot_v1_dot_device__pb2.RoundRequest.SerializeToString,
             fax__bridge_dot_v1_dot_device__pb2.RoundResponse.FromString,
             options,
