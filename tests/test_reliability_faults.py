@@ -128,3 +128,47 @@ def test_a_hung_device_misses_the_deadline_and_is_dropped(fleet3):
     fleet3.restart_device(2)
     fleet3.backend.rpc_timeout_s = backend_timeout
     np.testing.assert_array_equal(fleet3.run(proto, xs, s), xs.sum(0))
+
+
+def test_calls_to_several_devices_name_every_lost_one_and_count_every_call(fleet3):
+    """call_each makes the last device's call in the calling thread and the others on
+    the pool: a lost device is reported the same either way, all of them together."""
+    from fax_bridge.fleet.pool import DeviceLostError
+    from fax_bridge.v1 import device_pb2 as pb
+
+    backend = fleet3.backend
+    threads = {}
+
+    class Spy:
+        def __init__(self, index, stub):
+            self._index, self._stub = index, stub
+
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                threads[self._index] = threading.current_thread()
+                return getattr(self._stub, name)(*args, **kwargs)
+
+            return call
+
+    stubs = [d.stub for d in backend._devices]
+    for index, device in enumerate(backend._devices):
+        device.stub = Spy(index, device.stub)
+    try:
+        before = backend.traffic.rpcs
+        answers = backend.call_each("Health", {d: pb.HealthRequest() for d in range(3)})
+        assert [a.status for a in answers.values()] == ["SERVING"] * 3
+        assert threads[2] is threading.current_thread()
+        assert threading.current_thread() not in (threads[0], threads[1])
+        fleet3.kill_device(0)
+        fleet3.kill_device(2)
+        with pytest.raises(DeviceLostError) as info:
+            backend.call_each("Health", {d: pb.HealthRequest() for d in range(3)})
+        assert info.value.devices == [0, 2] and backend.traffic.rpcs == before + 6
+        assert "device 0 at" in str(info.value) and "device 2 at" in str(info.value)
+    finally:
+        for device, stub in zip(backend._devices, stubs):
+            device.stub = stub
+        fleet3.restart_device(0)
+        fleet3.restart_device(2)
+    assert fleet3.run(sc.scaled_aggregate((4,), "sum"), np.ones((6, 4), np.float32),
+                      np.ones(4, np.float32)).tolist() == [6.0] * 4

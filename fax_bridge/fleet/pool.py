@@ -75,13 +75,19 @@ class _Device:
 
 
 class _Done:
-    """A call made in the calling thread, with a future's `result()` (one device)."""
+    """A call made at once in the calling thread, with a future's `result()`."""
 
-    def __init__(self, rpc, request, kwargs):
-        self._rpc, self._request, self._kwargs = rpc, request, kwargs
+    def __init__(self, call: Callable, *args, **kwargs):
+        self._answer, self._error = None, None
+        try:
+            self._answer = call(*args, **kwargs)
+        except Exception as e:
+            self._error = e
 
     def result(self):
-        return self._rpc(self._request, **self._kwargs)
+        if self._error is not None:
+            raise self._error
+        return self._answer
 
 
 class RequestStream:
@@ -331,9 +337,11 @@ class DevicePool:
         goes as one client stream. Raises DeviceLostError naming every lost device,
         else the first FleetError (a stream's own encoding error before its RPC's).
         """
-        # Blocking calls on the backend's own threads: a gRPC future would start a new
-        # thread per channel on every call when none is in flight.
+        # Blocking calls on the backend's own threads, the last one in this thread: a
+        # gRPC future would start a new thread per channel on every call when none is in
+        # flight.
         calls, sent, streams = {}, [], {}
+        last = next(reversed(requests), None)
         for index, request in requests.items():
             device = self._devices[index]
             self.traffic.rpcs += 1
@@ -346,8 +354,8 @@ class DevicePool:
                 streams[index] = request
             else:
                 sent.append(request)
-            calls[index] = (self._pool.submit(rpc, request, **kwargs) if len(requests) > 1
-                            else _Done(rpc, request, kwargs))
+            calls[index] = (_Done(rpc, request, **kwargs) if index == last
+                            else self._pool.submit(rpc, request, **kwargs))
         try:
             answers = self._answers(
                 calls, method, lambda index: streams[index].error if index in streams else None)
