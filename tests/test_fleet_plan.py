@@ -302,6 +302,90 @@ def test_bytes_that_are_no_round_request_are_refused(fleet, method):
     assert "deserializing request" in info.value.details()
 
 
+class _Recorder:
+    """A device stub that records the name of each round method called on it."""
+
+    def __init__(self, stub, calls: list):
+        self._stub, self._calls = stub, calls
+
+    def __getattr__(self, name):
+        if name.startswith("Round"):
+            self._calls.append(name)
+        return getattr(self._stub, name)
+
+
+def test_rounds_of_one_message_go_unary_with_the_streamed_rounds_bits_and_counts(fleet):
+    """A device's round request of one message goes by RoundOnce; streamed by Round
+    instead (as to a device without RoundOnce) it gives the same bits and the same
+    counts; a cohort cut into several messages per device still streams."""
+    backend = fleet.backend
+    args = _args(4)
+    fleet.next_round = 1
+    fleet.run(PROTO, *args)  # the client part is loaded from here on
+    stubs = [d.stub for d in backend._devices]
+    got = {}
+    try:
+        for mode in ("once", "stream", "several"):
+            calls = []
+            for device in backend._devices:
+                device.stub = _Recorder(device.stub, calls)
+                device.missing = {"RoundOnce"} if mode == "stream" else set()
+            backend.message_bytes = 1 if mode == "several" else 4 << 20
+            fleet.next_round = 1
+            result, rep = fleet.run(PROTO, *args, report=True)
+            got[mode] = (_bits(result), list(rep.participants), rep.bytes_down, rep.bytes_up,
+                         rep.payload_down, rep.payload_up, rep.rpcs, sorted(calls))
+            for device, stub in zip(backend._devices, stubs):
+                device.stub = stub
+    finally:
+        for device, stub in zip(backend._devices, stubs):
+            device.stub, device.missing = stub, set()
+        backend.message_bytes = 4 << 20
+    assert got["once"][-1] == ["RoundOnce", "RoundOnce"]
+    assert got["stream"][-1] == ["Round", "Round"]
+    assert got["once"][:-1] == got["stream"][:-1] and got["once"][6] == 2
+    several = got["several"]
+    assert "Round" in several[-1] and several[:2] == got["once"][:2]
+    assert several[2] > got["once"][2] and several[4] == got["once"][4]  # same payload
+
+
+def test_a_device_without_round_once_gets_the_same_round_streamed(capped):
+    """A device from before RoundOnce answers UNIMPLEMENTED: the coordinator sends the
+    same message as a Round stream, counts both calls, and streams from then on."""
+    from federated_language.common_libs import structure
+
+    from fax_bridge.fleet import coordinator, device, device_process, put_messages, security
+    from fax_bridge.fleet.protocol import wire_size
+
+    class Older(device.DeviceServicer):
+        RoundOnce = pb_grpc.DeviceServicer.RoundOnce
+
+    token = security.new_token()
+    server, port = device_process.start_server("127.0.0.1:0", Older("older"), token=token)
+    backend = coordinator.GrpcClientsBackend([f"127.0.0.1:{port}"], token=token)
+    stub, md = capped
+    try:
+        plan = P.compile_plan(PROTO)
+        key = backend.ensure_loaded(plan.client_part, [0])
+        stub.Load(pb.LoadRequest(computation_hash=key, computation=plan.client_part
+                                 .SerializeToString(deterministic=True)),
+                  timeout=30, metadata=md)
+        member = structure.Struct([(None, np.ones(3, np.float32)), (None, np.float32(2.0))])
+        (message,) = _round_messages(plan, key, [member] * 3)
+        want = stub.RoundOnce(message, timeout=30, metadata=md)
+        for resent in (1, 0):
+            before = dataclasses.replace(backend.traffic)
+            answer = backend.call_each(
+                "Round", {0: put_messages.stream(iter([message]), "Round")}, once="RoundOnce")
+            spent = backend.traffic - before
+            assert list(answer[0].partials) == list(want.partials)
+            assert spent.rpcs == 1 + resent and backend._devices[0].missing == {"RoundOnce"}
+            assert spent.bytes_down == (1 + resent) * wire_size(message)
+    finally:
+        backend.close()
+        server.stop(None)
+
+
 def test_a_resumed_run_loop_on_the_plan_path_gives_the_straight_runs_bits(fleet, tmp_path):
     w0, x, counts = _args(2)
 

@@ -1,12 +1,15 @@
-"""The coordinator's side of a round by plan: one `Round` stream per device per round.
+"""The coordinator's side of a round by plan: one `Round` request per device per round.
 
 `run_plan` runs a `plan.Plan` on a `GrpcClientsBackend`: the server prepare here, then
 one stream to each device holding clients (the round's client part loaded once per
 device, by content hash; the broadcast value; the device's block of the cohort, as
 values or as population ids), one answer per device with an exact partial per
 aggregation (checked by `validate.check_partial`, merged in client order), then the
-server result here. Lost devices raise `DeviceLostError` as on the phase path, so
-rounds finish on the survivors the same way; token and TLS are the backend's channels.
+server result here. A device's request that fits in one message (the head with its
+clients or their population ids, the common case) goes as one unary `RoundOnce` call
+instead, which costs less than a stream (`DevicePool.call_each`). Lost devices raise
+`DeviceLostError` as on the phase path, so rounds finish on the survivors the same way;
+token and TLS are the backend's channels.
 """
 
 from __future__ import annotations
@@ -149,7 +152,8 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
         return head
 
     streams = _streams(backend, plan, inputs, layout, head_of)
-    answers = backend.call_each("Round", streams, timeout=backend.rpc_timeout_s + longest)
+    answers = backend.call_each("Round", streams, timeout=backend.rpc_timeout_s + longest,
+                                once="RoundOnce")
     totals = [aggregation.Partial(kind=a.kind, leaves=[]) for a in plan.aggregations]
     for index, clients in layout:  # device order is client order
         answer = answers[index]

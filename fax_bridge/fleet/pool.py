@@ -11,6 +11,7 @@ threads, counts wire bytes per direction (`Traffic`), and turns a failed call in
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from concurrent import futures
 from typing import Callable, Iterable, Optional, Sequence
@@ -72,15 +73,16 @@ class _Device:
         else:
             self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.DeviceStub(self.channel)
+        self.missing: set[str] = set()  # unary methods it answered UNIMPLEMENTED
 
 
 class _Done:
     """A call made at once in the calling thread, with a future's `result()`."""
 
-    def __init__(self, call: Callable, *args, **kwargs):
+    def __init__(self, call: Callable, *args):
         self._answer, self._error = None, None
         try:
-            self._answer = call(*args, **kwargs)
+            self._answer = call(*args)
         except Exception as e:
             self._error = e
 
@@ -94,7 +96,8 @@ class RequestStream:
     """The messages of one client-streaming call, made lazily and counted as they go.
 
     gRPC pulls the messages on its own thread, so at most the message being sent is
-    held besides what gRPC has in flight. An error while making one is kept in `error`
+    held besides what gRPC has in flight (`call_each` with a unary alternative makes
+    the first two itself, to learn whether there is more than one). An error while making one is kept in `error`
     and raised into gRPC, which cancels the call (the device keeps nothing), so the
     caller reports that error rather than the cancellation. `payload(message)` gives
     the array bytes inside a message (the rest is protocol overhead).
@@ -108,6 +111,7 @@ class RequestStream:
         self.bytes = 0
         self.payload = 0
         self.messages = 0
+        self.resent = 0  # calls made again (a unary call the device did not know)
         self.error: Optional[Exception] = None
 
     def __iter__(self):
@@ -126,6 +130,22 @@ class RequestStream:
         self.bytes += wire_size(message)
         self.payload += self._payload(message)
         return message
+
+    def head(self, count: int) -> list:
+        """Up to `count` next messages (fewer: the stream ends); raises `error` when one
+        cannot be made."""
+        try:
+            return list(itertools.islice(self, count))
+        except Exception:
+            if self.error is None:
+                raise
+            raise self.error from None
+
+    def count_again(self, message) -> None:
+        """Counts `message` sent once more, in a call of its own."""
+        self.resent += 1
+        self.bytes += wire_size(message)
+        self.payload += self._payload(message)
 
 
 REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before giving up
@@ -202,6 +222,7 @@ class DevicePool:
         if address is not None and address != self._devices[index].address:
             self._devices[index].channel.close()
             self._devices[index] = self._connect(index, address)
+        self._devices[index].missing.clear()  # it may run a newer version now
         answer = self._wait_one(self._devices[index], time.monotonic() + timeout_s, timeout_s)
         self._forget({index})
         self._active = sorted(set(self._active) | {index})
@@ -331,11 +352,15 @@ class DevicePool:
         raise errors[0]
 
     def call_each(self, method: str, requests: dict[int, object],
-                  timeout: Optional[float] = None) -> dict[int, object]:
+                  timeout: Optional[float] = None,
+                  once: Optional[str] = None) -> dict[int, object]:
         """Sends one request per device index at once; waits for all answers (counted
         in `traffic`). A request given as a list of messages, or as a `RequestStream`,
-        goes as one client stream. Raises DeviceLostError naming every lost device,
-        else the first FleetError (a stream's own encoding error before its RPC's).
+        goes as one client stream; with `once` (a unary method taking the same request
+        as `method`'s stream), a `RequestStream` that makes only one message goes by
+        `once` instead, counted the same. Raises DeviceLostError naming every lost
+        device, else the first FleetError (a stream's own encoding error before its
+        RPC's).
         """
         # Blocking calls on the backend's own threads, the last one in this thread: a
         # gRPC future would start a new thread per channel on every call when none is in
@@ -345,7 +370,6 @@ class DevicePool:
         for index, request in requests.items():
             device = self._devices[index]
             self.traffic.rpcs += 1
-            rpc = getattr(device.stub, method)
             kwargs = dict(timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
             if isinstance(request, list):
                 sent.extend(request)
@@ -354,17 +378,37 @@ class DevicePool:
                 streams[index] = request
             else:
                 sent.append(request)
-            calls[index] = (_Done(rpc, request, **kwargs) if index == last
-                            else self._pool.submit(rpc, request, **kwargs))
+            args = (device, method, once if index in streams else None, request, kwargs)
+            calls[index] = (_Done(self._call, *args) if index == last
+                            else self._pool.submit(self._call, *args))
         try:
             answers = self._answers(
                 calls, method, lambda index: streams[index].error if index in streams else None)
         finally:
             for stream in streams.values():
+                self.traffic.rpcs += stream.resent
                 self.traffic.bytes_down += stream.bytes
                 self.traffic.payload_down += stream.payload
         self._count(down=sent, up=answers.values())
         return answers
+
+    @staticmethod
+    def _call(device: _Device, method: str, once: Optional[str], request, kwargs: dict):
+        """One device's call of `call_each`: a `RequestStream` of one message goes by the
+        unary `once` unless the device does not know it (then by `method`'s stream)."""
+        if once is None or once in device.missing:
+            return getattr(device.stub, method)(request, **kwargs)
+        head = request.head(2)  # made here, not on a gRPC thread: counted as sent
+        if len(head) != 1:
+            return getattr(device.stub, method)(itertools.chain(head, request), **kwargs)
+        try:
+            return getattr(device.stub, once)(head[0], **kwargs)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        device.missing.add(once)  # a device from before `once`: streams from now on
+        request.count_again(head[0])
+        return getattr(device.stub, method)(iter(head), **kwargs)
 
     def _answers(self, calls: dict, method: str,
                  own_error: Optional[Callable[[int], Optional[Exception]]] = None) -> dict:
@@ -381,6 +425,8 @@ class DevicePool:
                 mine = own_error(index) if own_error is not None else None
                 errors.append(mine if mine is not None
                               else self._fail(self._devices[index], method, e))
+            except FleetError as e:  # a request stream could not make its first messages
+                errors.append(e)
         self._raise_first(errors)
         return answers
 
