@@ -97,10 +97,11 @@ class RequestStream:
 
     gRPC pulls the messages on its own thread, so at most the message being sent is
     held besides what gRPC has in flight (`call_each` with a unary alternative makes
-    the first two itself, to learn whether there is more than one). An error while making one is kept in `error`
-    and raised into gRPC, which cancels the call (the device keeps nothing), so the
-    caller reports that error rather than the cancellation. `payload(message)` gives
-    the array bytes inside a message (the rest is protocol overhead).
+    the first two itself, to learn whether there is more than one). An error while
+    making one is kept in `error` and raised into gRPC, which cancels the call (the
+    device keeps nothing), so the caller reports that error rather than the
+    cancellation. `payload(message)` gives the array bytes inside a message (the rest
+    is protocol overhead).
     """
 
     def __init__(self, messages: Iterable, what: str,
