@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import plan as P
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.runtime import interpreter, values
@@ -89,6 +89,37 @@ def test_the_plan_gives_the_interpreters_bits(seed):
     got = values.check_value(P.run_in_process(plan, arg), prepared.result, "result")
     assert _bits(values.to_pytree(got, prepared.result)) == \
         _bits(values.to_pytree(want, prepared.result))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, N))
+def test_batched_and_one_by_one_clients_give_the_same_partials(seed, count):
+    """`client_partials` aggregates batched clients from their stacked results and
+    others from per-client results: the partials are the same bits."""
+    from federated_language.common_libs import structure
+
+    from fax_bridge.runtime import aggregation, client_map
+
+    plan = P.compile_plan(PROTO)
+    params, x, counts = _args(seed)
+    sent = structure.Struct([(None, params * np.float32(2.0))])
+    members = [structure.Struct([(None, x[i]), (None, counts[i])]) for i in range(count)]
+    specs = [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations]
+    batched = P.client_partials(plan.client_part, plan.client_part_hash, sent, members, specs)
+    original = client_map.map_clients_stacked
+    client_map.map_clients_stacked = lambda *a, **k: None  # every client alone
+    try:
+        alone = P.client_partials(plan.client_part, plan.client_part_hash, sent, members,
+                                  specs)
+    finally:
+        client_map.map_clients_stacked = original
+    for b, a in zip(batched, alone):
+        assert b.count == a.count == count
+        assert [v.tobytes() for v in aggregation.finish(b)] == \
+            [v.tobytes() for v in aggregation.finish(a)]
+    with pytest.raises(ComputationError, match="aggregation inputs at 7"):
+        P.client_partials(plan.client_part, plan.client_part_hash, sent, members,
+                          [("sum", 7, None)])
 
 
 @pytest.fixture(scope="module")

@@ -157,3 +157,42 @@ def test_values_of_several_dtypes_aggregate_as_each_tensor_alone(kind, n, cuts, 
         alone = aggregation.reduce(kind, [m[i] for m in members], weights)
         assert whole[i].tobytes() == alone.tobytes() == split[i].tobytes()
         assert whole[i].dtype == alone.dtype == np.dtype(dtypes[i])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(_KINDS), st.integers(1, 9), st.data())
+def test_columns_give_the_partial_of_the_members(kind, n, data):
+    """`partial_of_columns` over stacked values is `partial_of` over the members, bit for
+    bit, and leaves its columns as they were."""
+    rows = data.draw(st.lists(st.lists(_values, min_size=3, max_size=3),
+                              min_size=n, max_size=n), label="values")
+    members = [structure.Struct([(None, np.array(r[:2], np.float32)),
+                                 (None, np.float32(r[2]))]) for r in rows]
+    weights = None
+    if kind == "weighted_mean":
+        weights = [np.float32(w) for w in data.draw(st.lists(
+            st.sampled_from([0.0, 1.0, 0.5, 2.0, 1e-45]), min_size=n, max_size=n))]
+    columns = [np.stack([m[0] for m in members]), np.stack([m[1] for m in members])]
+    before = [c.copy() for c in columns]
+    got = aggregation.partial_of_columns(
+        kind, columns, n, None if weights is None else [np.stack(weights).reshape(n, 1)])
+    want = aggregation.partial_of(kind, members, weights)
+    for g, w in zip(aggregation.finish(got), aggregation.finish(want)):
+        assert g.tobytes() == w.tobytes()
+    for c, b in zip(columns, before):
+        assert c.tobytes() == b.tobytes()
+
+
+def test_columns_errors():
+    col = np.ones((3, 2), np.float32)
+    with pytest.raises(AggregationError, match="does not hold 4 clients"):
+        aggregation.partial_of_columns("sum", [col], 4)
+    with pytest.raises(AggregationError, match="one scalar tensor per client"):
+        aggregation.partial_of_columns("weighted_mean", [col], 3, [col])
+    with pytest.raises(AggregationError, match="one scalar tensor per client; got none"):
+        aggregation.partial_of_columns("weighted_mean", [col], 3)
+    with pytest.raises(AggregationError, match="partial_of"):
+        aggregation.partial_of_columns("secure_sum", [col.astype(np.int32)], 3)
+    with pytest.raises(ComputationError, match="floating-point"):
+        aggregation.partial_of_columns("mean", [col.astype(np.int32)], 3)
+    assert aggregation.partial_of_columns("max", [col[:0]], 0).count == 0

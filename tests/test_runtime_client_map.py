@@ -278,3 +278,32 @@ def test_per_client_room_is_checked_after_each_client():
     with pytest.raises(_Full):
         client_map.map_clients(fn, members, guard=_guard(log, cap=6))
     assert log == ["tick", ("room", 4), "tick", ("room", 12)]
+
+
+def test_stacked_results_are_the_members_as_columns(monkeypatch):
+    # Lambda x -> <x * 3 - 1, <x.sum()>, <>>: the columns stack each result leaf, element()
+    # picks a top-level element's columns, and several calls concatenate in order.
+    monkeypatch.setattr(client_map, "MAX_ROWS", 4)
+    vec = fl.TensorType(np.int32, [2])
+    part = bb.CompiledComputation(typed_xla_computation(
+        lambda x: (x * 3 - 1, x.sum()), vec))
+    out = bb.Call(part, bb.Reference("x", vec))
+    body = bb.Struct([bb.Selection(out, index=0), bb.Struct([bb.Selection(out, index=1)]),
+                      bb.Struct([])])
+    fn = bb.Lambda("x", vec, body).to_proto()
+    members = [np.array([i, -2 * i], np.int32) for i in range(11)]
+    stacked = client_map.map_clients_stacked(fn, members)
+    assert stacked.count == 11 and len(stacked.columns) == 2
+    np.testing.assert_array_equal(stacked.element(0)[0], np.stack(members) * 3 - 1)
+    np.testing.assert_array_equal(stacked.element(1)[0], [-i for i in range(11)])
+    assert stacked.element(2) == []
+    for got, want in zip(stacked.members(), client_map.map_clients(fn, members)):
+        _assert_same_bits(got, want)
+    assert len(stacked.members()) == 11 and len(stacked.members()[0][2]) == 0
+    with pytest.raises(ComputationError, match="out of range"):
+        stacked.element(3)
+    # Clients that cannot run batched: no stacked results (map_clients runs them).
+    assert client_map.map_clients_stacked(_first_element(), [
+        structure.Struct([(None, np.zeros(2, F32)), (None, F32(1))]),
+        structure.Struct([(None, np.zeros(3, F32)), (None, F32(1))])]) is None
+    assert client_map.map_clients_stacked(fn, []) is None

@@ -16,9 +16,8 @@ import time
 
 import grpc
 
-from fax_bridge.fleet import partials, wire
-from fax_bridge.runtime import aggregation, client_map
-from fax_bridge.runtime.local_eval import select_element
+from fax_bridge.fleet import partials, plan, wire
+from fax_bridge.runtime import client_map
 from fax_bridge.v1 import device_pb2 as pb
 
 
@@ -62,20 +61,12 @@ def run_round(device, request_iterator, context) -> pb.RoundResponse:
             room=lambda produced: device._check_room(received + produced,
                                                      "Round's client results"),
             size=_value_bytes)
-        results = client_map.map_clients(fn, members, sent, key=head.computation_hash,
-                                         guard=guard)
-        answer = pb.RoundResponse(num_clients=len(results))
-        for spec, kind in zip(head.aggregations, kinds):
-            try:
-                values = [select_element(r, spec.value_index) for r in results]
-                weights = ([select_element(r, spec.weight_index) for r in results]
-                           if kind == "weighted_mean" else None)
-            except (IndexError, TypeError, ValueError) as e:
-                raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"Round: aggregation inputs at {spec.value_index} are not in "
-                             f"the client part's result ({e})") from None
-            partial = aggregation.partial_of(kind, values, weights)
-            answer.partials.append(partials.to_message(partial))
+        specs = [(kind, spec.value_index,
+                  spec.weight_index if kind == "weighted_mean" else None)
+                 for spec, kind in zip(head.aggregations, kinds)]
+        found = plan.client_partials(fn, head.computation_hash, sent, members, specs, guard)
+        answer = pb.RoundResponse(num_clients=len(members))
+        answer.partials.extend(partials.to_message(p) for p in found)
         answer.compute_seconds = time.perf_counter() - start
     if delay > 0 and device.stopping.wait(delay):
         raise _error(grpc.StatusCode.UNAVAILABLE, "Round: the device is shutting down")

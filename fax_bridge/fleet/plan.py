@@ -28,8 +28,10 @@ from typing import Any, Optional
 import federated_language
 from federated_language.proto import computation_pb2
 
-from fax_bridge.runtime import aggregation, local_eval
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import aggregation, client_map, local_eval
 from fax_bridge.runtime.backend import from_leaves
+from fax_bridge.runtime.local_eval import select_element
 
 Computation = computation_pb2.Computation
 
@@ -327,27 +329,34 @@ def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computa
     return out
 
 
-def client_results(plan: Plan, sent: list, members: list) -> list:
-    """The client part on each client's inputs (`members`: one Struct of inputs each)."""
-    from federated_language.common_libs import structure
+def client_partials(fn: Computation, key: str, sent: Any, members: Any,
+                    specs: list, guard: Any = None) -> list:
+    """The client part `fn` over the clients' `members` (one Struct of inputs each) with
+    the broadcast values `sent`, aggregated: one exact partial per
+    `(kind, value_index, weight_index or None)` of `specs`, over the elements of the
+    client part's result those indices select. Batched clients are aggregated from
+    their stacked results (`client_map.map_clients_stacked`), others one by one; the
+    partials are the same. `guard`: the caller's caps (`client_map.Guard`)."""
+    stacked = client_map.map_clients_stacked(fn, members, sent, key=key, guard=guard)
+    if stacked is not None:
+        def pick(index: int) -> list:
+            return stacked.element(index)
+    else:
+        results = client_map.map_clients(fn, members, sent, key=key, guard=guard)
 
-    from fax_bridge.runtime import client_map
-
-    shared = structure.Struct([(None, v) for v in sent])
-    return client_map.map_clients(plan.client_part, members, shared,
-                                  key=plan.client_part_hash)
-
-
-def partials_of(plan: Plan, results: list) -> list:
-    """One exact partial per aggregation over the clients' client-part results."""
-    from fax_bridge.runtime.local_eval import select_element
+        def pick(index: int) -> list:
+            return [select_element(r, index) for r in results]
 
     out = []
-    for agg in plan.aggregations:
-        values = [select_element(r, agg.value_index) for r in results]
-        weights = (None if agg.weight_index is None
-                   else [select_element(r, agg.weight_index) for r in results])
-        out.append(aggregation.partial_of(agg.kind, values, weights))
+    for kind, vi, wi in specs:
+        try:
+            values, weights = pick(vi), None if wi is None else pick(wi)
+        except ComputationError as e:
+            raise ComputationError(f"the aggregation inputs at {vi}"
+                                   f"{'' if wi is None else f' and {wi}'} are not in the "
+                                   f"client part's result: {e}") from None
+        out.append(aggregation.partial_of_columns(kind, values, stacked.count, weights)
+                   if stacked is not None else aggregation.partial_of(kind, values, weights))
     return out
 
 
@@ -367,9 +376,10 @@ def run_in_process(plan: Plan, arg: Any, backend=None) -> Any:
     env = interpreter.evaluate_steps(
         [(n_, v) for n_, v in plan.server_locals if n_ in plan.prepare_names],
         {plan.parameter_name: server_arg}, backend, n)
-    sent = [env[name] for name in plan.broadcasts]
-    results = client_results(plan, sent, members)
-    for agg, partial in zip(plan.aggregations, partials_of(plan, results)):
+    sent = structure.Struct([(None, env[name]) for name in plan.broadcasts])
+    specs = [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations]
+    partials = client_partials(plan.client_part, plan.client_part_hash, sent, members, specs)
+    for agg, partial in zip(plan.aggregations, partials):
         flat = aggregation.finish(partial)
         env[agg.local] = from_leaves(agg.member_type, flat)
     env = interpreter.evaluate_steps(

@@ -132,12 +132,44 @@ def partial_of(kind: str, members: Sequence[LocalValue],
             "weighted_mean needs one weight per client; got "
             f"{'none' if weights is None else len(weights)} for {len(members)} clients")
     columns = _columns(members)
-    for column in columns:  # the rule jit and export apply when a program is traced
-        refusal = aggregate_refusal(f"federated_{kind}", column.dtype)
-        if refusal:
-            raise AggregationError(refusal)
-    partial = Partial(kind=kind, leaves=[], count=len(members))
-    if not members:
+    _refuse(kind, columns)
+    w = (np.stack([_scalar_weight(x) for x in weights])
+         if kind == "weighted_mean" and members else None)
+    return _partial(kind, columns, len(members), w)
+
+
+def partial_of_columns(kind: str, columns: Sequence[np.ndarray], count: int,
+                       weights: Optional[Sequence[np.ndarray]] = None) -> Partial:
+    """`partial_of` of clients' values given stacked: `columns[j]` holds tensor j of
+    every client's value on a leading axis of `count` (client order), `weights` (for
+    weighted_mean) the clients' weight tensor likewise. The columns are only read. The
+    secure kinds check their inputs against a bound: they take members (`partial_of`)."""
+    check_kind(kind)
+    if kind in ("secure_sum_bitwidth", "secure_sum"):
+        raise AggregationError(f"{kind} checks each client's values against its bound; "
+                               "aggregate its members with partial_of")
+    for column in columns:
+        if column.shape[:1] != (count,):
+            raise AggregationError(
+                f"a column of shape {list(column.shape)} does not hold {count} clients")
+    w = None
+    if kind == "weighted_mean":
+        if weights is None or len(weights) != 1 or weights[0].shape[:1] != (count,) \
+                or weights[0][0].size != 1:
+            raise AggregationError(
+                "a weighted_mean weight must be one scalar tensor per client; got "
+                f"{'none' if weights is None else [list(c.shape[1:]) for c in weights]}")
+        w = weights[0].reshape(count)
+    _refuse(kind, columns)
+    return _partial(kind, list(columns), count, w, fresh=False)
+
+
+def _partial(kind: str, columns: list, count: int, w: Optional[np.ndarray],
+             fresh: bool = True) -> Partial:
+    """The partial of `count` clients' stacked tensors (`fresh`: the columns are this
+    call's own, so weighted products may overwrite them)."""
+    partial = Partial(kind=kind, leaves=[], count=count)
+    if not count:
         return partial
     extreme = EXTREMES.get(kind)
     if extreme is not None:
@@ -146,12 +178,20 @@ def partial_of(kind: str, members: Sequence[LocalValue],
     if kind != "weighted_mean":
         partial.leaves = sums_of(columns)
         return partial
-    w = np.stack([_scalar_weight(x) for x in weights])
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
-        for c in columns:  # fresh stacks: each product rounded to the value's dtype
-            c *= w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1))
+        # each product rounded to the value's dtype
+        columns = [np.multiply(c, w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1)),
+                               out=c if fresh else None) for c in columns]
     *partial.leaves, partial.weights = sums_of([*columns, w])  # added together
     return partial
+
+
+def _refuse(kind: str, columns: Sequence[np.ndarray]) -> None:
+    """The rule jit and export apply when a program is traced (an integer mean, ...)."""
+    for column in columns:
+        refusal = aggregate_refusal(f"federated_{kind}", column.dtype)
+        if refusal:
+            raise AggregationError(refusal)
 
 
 def _columns(members: Sequence[LocalValue]) -> list[np.ndarray]:

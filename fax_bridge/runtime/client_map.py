@@ -2,7 +2,9 @@
 
 `map_clients` is the one place fax_bridge maps a local computation (see `local_eval`)
 over clients: a device's `Map` and `Round`, the in-process backend's map and a round
-plan's client part all call it, so they all give the same bits.
+plan's client part all call it, so they all give the same bits. `map_clients_stacked`
+is its batched run with the results left stacked over clients (`Stacked`), for callers
+that aggregate them (a round plan's client part) and so never need them per client.
 
 Batched: when the computation has a parameter and the clients' members (and the shared
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
@@ -75,6 +77,42 @@ def bucket(count: int) -> int:
     return max(2, 1 << max(0, count - 1).bit_length())
 
 
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """The clients' results of a batched run, each result leaf stacked over clients.
+
+    `columns[j]` is leaf j of one client's result (depth first) with the clients on a
+    leading axis, in client order; the arrays are the caller's own (fresh copies).
+    """
+
+    tree: Any       # the layout of one client's result
+    columns: list   # each result leaf, [count, *shape]
+    count: int
+
+    def members(self) -> list:
+        """One result per client, as `map_clients` returns them."""
+        rows = zip(*self.columns) if self.columns else ([] for _ in range(self.count))
+        return [_build(self.tree, iter(row)) for row in rows]
+
+    def element(self, index: int) -> list[np.ndarray]:
+        """The columns of element `index` of the (struct) result, as a Selection picks
+        it on each client."""
+        if self.tree[0] != "struct":
+            raise ComputationError(
+                f"Selection of element {index} from a value that is not a struct (tensor)")
+        trees = self.tree[2]
+        if not 0 <= index < len(trees):
+            raise ComputationError(
+                f"Selection index {index} is out of range for a struct of {len(trees)} "
+                "elements")
+        start = sum(_leaf_count(t) for t in trees[:index])
+        return self.columns[start:start + _leaf_count(trees[index])]
+
+
+def _leaf_count(tree: Any) -> int:
+    return sum(_leaf_count(t) for t in tree[2]) if tree[0] == "struct" else 1
+
+
 def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
                 shared: Any = NO_SHARED, *, key: Optional[str] = None,
                 no_argument: bool = False, guard: Optional[Guard] = None) -> list:
@@ -84,16 +122,12 @@ def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
     `key` names `fn`'s content (its hash, when the caller has one). Raises what running
     `fn` on a client raises (`ComputationError` for computations that cannot run).
     """
-    count = len(members)
-    if count == 0:
+    if not members:
         return []
     if not no_argument:
-        batch = _layouts(members, shared)
-        if batch is not None:
-            rows = bucket(min(count, MAX_ROWS))
-            plan = _plan(fn, key, *batch[:2], rows)
-            if plan is not None:
-                return _run_batched(plan, rows, *batch[2:], guard)
+        stacked = map_clients_stacked(fn, members, shared, key=key, guard=guard)
+        if stacked is not None:
+            return stacked.members()
     compiled = local_eval.compile_local(fn)
     results, produced = [], 0
     for member in members:
@@ -110,6 +144,24 @@ def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
             guard.room(produced)  # before the next client's compute
         results.append(result)
     return results
+
+
+def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[LocalValue],
+                        shared: Any = NO_SHARED, *, key: Optional[str] = None,
+                        guard: Optional[Guard] = None) -> Optional[Stacked]:
+    """`map_clients` for callers that take the results as columns (an aggregation):
+    the batched run's results, never split per client; None when there are no clients
+    or they run one at a time (then `map_clients` gives their results)."""
+    if not members:
+        return None
+    batch = _layouts(members, shared)
+    if batch is None:
+        return None
+    rows = bucket(min(len(members), MAX_ROWS))
+    plan = _plan(fn, key, *batch[:2], rows)
+    if plan is None:
+        return None
+    return _run_batched(plan, rows, *batch[2:], guard)
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,7 +308,7 @@ def _compile(compiled, shared_tree, member_tree, rows: int) -> _Batched:
 
 
 def _run_batched(plan: _Batched, rows: int, shared_leaves: list, columns: list,
-                 guard: Optional[Guard]) -> list:
+                 guard: Optional[Guard]) -> Stacked:
     """Runs the clients `rows` at a time (one call for cohorts up to `MAX_ROWS`)."""
     count = len(columns)
     if guard is not None:
@@ -264,7 +316,7 @@ def _run_batched(plan: _Batched, rows: int, shared_leaves: list, columns: list,
         example = _build(plan.result_tree, iter(
             np.broadcast_to(np.zeros((), dtype), shape) for shape, dtype in plan.result_specs))
         guard.room(guard.size(example) * count)
-    results: list = []
+    chunks: list = []
     for start in range(0, count, rows):
         chunk = columns[start:start + rows]
         if start and guard is not None:
@@ -272,10 +324,11 @@ def _run_batched(plan: _Batched, rows: int, shared_leaves: list, columns: list,
         try:
             outs = plan.run(shared_leaves, _stacked(chunk, rows), np.int32(len(chunk)))
             # Copied: no XLA buffer stays alive behind a client's result.
-            outs = [np.array(np.asarray(o)[:len(chunk)]) for o in outs]
+            chunks.append([np.array(np.asarray(o)[:len(chunk)]) for o in outs])
         except Exception as e:
             raise ComputationError(f"XLA execution failed: {e}") from e
-        results.extend(_build(plan.result_tree, iter(row)) for row in zip(*outs))
     if guard is not None:
         guard.tick()
-    return results
+    stacked = (chunks[0] if len(chunks) == 1
+               else [np.concatenate(leaf) for leaf in zip(*chunks)])
+    return Stacked(plan.result_tree, stacked, count)
