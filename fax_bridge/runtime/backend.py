@@ -153,3 +153,30 @@ def from_leaves(type_: federated_language.Type, flat: list) -> LocalValue:
     if not isinstance(template, structure.Struct):
         return flat[0]
     return unflatten_like(template, flat)
+
+
+class Rows(Sequence):
+    """The members of several clients given stacked: `columns[j]` holds tensor j (depth
+    first) of every member of `member_type`, clients on axis 0. A member is made when
+    asked for (views of its rows); code that takes all of them at once (a batched map of
+    a local computation) reads the columns as they are, with no split and no restack."""
+
+    def __init__(self, member_type: federated_language.Type, columns: Sequence[np.ndarray]):
+        counts = {int(c.shape[0]) for c in columns}
+        if len(counts) != 1:
+            raise ComputationError(
+                f"stacked members need one number of clients in every column; got "
+                f"{sorted(counts) or 'no column'}")
+        self.member_type = member_type
+        self.columns = list(columns)
+        self._count = counts.pop()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if not -self._count <= index < self._count:
+            raise IndexError(f"client {index} of {self._count}")
+        return from_leaves(self.member_type, [c[index] for c in self.columns])

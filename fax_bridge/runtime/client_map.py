@@ -44,7 +44,7 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import hlo, local_eval
-from fax_bridge.runtime.backend import LocalValue, as_numpy
+from fax_bridge.runtime.backend import LocalValue, Rows, as_numpy
 
 NO_SHARED = object()  # `shared` when the computation takes the member alone
 MAX_ROWS = 1024  # the largest bucket: larger cohorts run as several calls of it
@@ -223,14 +223,19 @@ def _result_layout(value: LocalValue, leaves: list) -> Any:
 
 
 def _layouts(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
-    """(shared tree, member tree, shared leaves, each member's leaves) when every member
-    has the first one's layout; None otherwise."""
+    """(shared tree, member tree, shared leaves, the members' leaves as a `_Source`) when
+    every member has the first one's layout; None otherwise."""
     shared_leaves: list = []
     shared_tree = None
     if shared is not NO_SHARED:
         shared_tree = _layout(shared, shared_leaves)
         if shared_tree is None:
             return None
+    if isinstance(members, Rows):
+        member_tree = _layout(members[0], [])
+        if member_tree is None or not members.columns:
+            return None
+        return shared_tree, member_tree, shared_leaves, _Source(members.columns, None)
     columns: list = []
     member_tree = None
     for member in members:
@@ -240,14 +245,31 @@ def _layouts(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
             return None
         member_tree = tree
         columns.append(leaves)
-    return shared_tree, member_tree, shared_leaves, columns
+    return shared_tree, member_tree, shared_leaves, _Source(None, columns)
 
 
-def _stacked(columns: list, rows: int) -> list:
-    """The members' leaves stacked on a leading axis of `rows` (padded with the first)."""
-    pad = [columns[0]] * (rows - len(columns))
-    return [np.stack([c[j] for c in columns] + [c[j] for c in pad])
-            for j in range(len(columns[0]))]
+class _Source:
+    """The members' leaves, a bucket of rows at a time: `stacked` (clients on axis 0,
+    from `Rows`: sliced, no copy) or `columns` (each member's leaves: stacked per call,
+    so at most one call's rows are copied at once). Padding rows repeat the first."""
+
+    def __init__(self, stacked: Optional[list], columns: Optional[list]):
+        self.stacked, self.columns = stacked, columns
+        self.count = int(stacked[0].shape[0]) if stacked is not None else len(columns)
+
+    def chunk(self, start: int, rows: int) -> list:
+        stop = min(start + rows, self.count)
+        if self.stacked is None:
+            part = self.columns[start:stop]
+            part = part + [part[0]] * (rows - len(part))
+            return [np.stack([c[j] for c in part]) for j in range(len(part[0]))]
+        out = []
+        for leaf in self.stacked:
+            leaf = leaf[start:stop]
+            if leaf.shape[0] < rows:
+                leaf = np.concatenate([leaf, np.repeat(leaf[:1], rows - leaf.shape[0], 0)])
+            out.append(leaf)
+        return out
 
 
 def _plan(fn, key, shared_tree, member_tree, rows: int) -> Optional[_Batched]:
@@ -307,10 +329,10 @@ def _compile(compiled, shared_tree, member_tree, rows: int) -> _Batched:
     return _Batched(lowered.compile(), found["tree"], specs)
 
 
-def _run_batched(plan: _Batched, rows: int, shared_leaves: list, columns: list,
+def _run_batched(plan: _Batched, rows: int, shared_leaves: list, source: _Source,
                  guard: Optional[Guard]) -> Stacked:
     """Runs the clients `rows` at a time (one call for cohorts up to `MAX_ROWS`)."""
-    count = len(columns)
+    count = source.count
     if guard is not None:
         guard.tick()
         example = _build(plan.result_tree, iter(
@@ -318,17 +340,18 @@ def _run_batched(plan: _Batched, rows: int, shared_leaves: list, columns: list,
         guard.room(guard.size(example) * count)
     chunks: list = []
     for start in range(0, count, rows):
-        chunk = columns[start:start + rows]
+        chunk = source.chunk(start, rows)
+        size = min(rows, count - start)
         if start and guard is not None:
             guard.tick()
         try:
-            outs = plan.run(shared_leaves, _stacked(chunk, rows), np.int32(len(chunk)))
+            outs = plan.run(shared_leaves, chunk, np.int32(size))
             # Copied: no XLA buffer stays alive behind a client's result.
-            chunks.append([np.array(np.asarray(o)[:len(chunk)]) for o in outs])
+            chunks.append([np.array(np.asarray(o)[:size]) for o in outs])
         except Exception as e:
             raise ComputationError(f"XLA execution failed: {e}") from e
     if guard is not None:
         guard.tick()
-    stacked = (chunks[0] if len(chunks) == 1
+    results = (chunks[0] if len(chunks) == 1
                else [np.concatenate(leaf) for leaf in zip(*chunks)])
-    return Stacked(plan.result_tree, stacked, count)
+    return Stacked(plan.result_tree, results, count)

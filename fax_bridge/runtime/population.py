@@ -36,7 +36,7 @@ import federated_language
 import numpy as np
 
 from fax_bridge.data.stream import META_FILE, OFFSETS_FILE, ClientStore
-from fax_bridge.runtime.backend import from_leaves
+from fax_bridge.runtime.backend import Rows, from_leaves
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import limits
 
@@ -251,8 +251,10 @@ def rows_bytes(store, columns: Sequence[Column], ids: np.ndarray) -> int:
 
 
 def read_members(store, member_type: federated_language.Type, columns: Sequence[Column],
-                 ids: np.ndarray) -> list:
-    """The members of clients `ids` (in order), reading only their rows."""
+                 ids: np.ndarray) -> Sequence:
+    """The members of clients `ids` (in order), reading only their rows: a `Rows` over
+    one block per stored array when every client holds as many examples of each, a
+    list of members otherwise."""
     ids = np.asarray(ids, np.int64)
     check_ids(store, ids)
     starts = store.offsets[ids]
@@ -269,8 +271,7 @@ def read_members(store, member_type: federated_language.Type, columns: Sequence[
                     f"{where} ({c.type_}) is one example per client, but client "
                     f"{int(ids[i])} holds {int(counts[i])} examples of {c.key!r}; use a "
                     f"member type with a leading examples dimension")
-            block = np.asarray(array[starts])         # one copy of only these rows
-            per_column.append(list(block))
+            per_column.append(np.asarray(array[starts]))  # one copy of only these rows
             continue
         first = (c.type_.shape or [None])[0]
         if first is not None:
@@ -282,10 +283,11 @@ def read_members(store, member_type: federated_language.Type, columns: Sequence[
                     f"{int(counts[i])} examples of {c.key!r}")
         if ids.size and int(counts.min()) == int(counts.max()):
             k = int(counts[0])
-            block = np.asarray(array[starts[:, None] + np.arange(k)])
-            per_column.append(list(block))
+            per_column.append(np.asarray(array[starts[:, None] + np.arange(k)]))
         else:
             per_column.append([np.array(array[s:s + n]) for s, n in zip(starts, counts)])
+    if per_column and all(isinstance(c, np.ndarray) for c in per_column):
+        return Rows(member_type, per_column)
     if isinstance(member_type, federated_language.TensorType):
         return per_column[0] if per_column else []
     return [from_leaves(member_type, list(row)) for row in zip(*per_column)]
