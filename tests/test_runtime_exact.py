@@ -330,3 +330,48 @@ def test_sums_of_several_stacks_equal_each_alone(stacks, count, data):
         np.testing.assert_array_equal(flags, want_flags)
         assert base == want_base or not limbs.size
         assert acc.result().tobytes() == alone.result().tobytes()
+
+
+# -- magnitudes: no limb stack overflows int64 ---------------------------------------
+
+
+def _units(acc: ExactSum) -> list[int]:
+    """Each element's exact value, in units of the smallest subnormal (Python ints)."""
+    return [sum(int(acc.limbs[k, j]) << (exact.LIMB_BITS * (acc.base + k))
+                for k in range(acc.limbs.shape[0])) for j in range(acc.size)]
+
+
+_INT64 = st.one_of(st.integers(-2**63, 2**63 - 1), st.integers(-3, 3),
+                   st.sampled_from([2**63 - 1, -2**63, 2**62, -2**62, 2**61 - 1, -(2**61),
+                                    2**32 - 1, 2**32, -(2**32)]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4),
+                          st.lists(st.lists(_INT64, min_size=2, max_size=2), max_size=4)),
+                min_size=1, max_size=8))
+def test_merging_any_int64_limbs_stays_exact(stacks):
+    """`from_limbs` takes any int64 stack (a hostile device's included) and merges of
+    such stacks, in any number, equal the sum of the values they denote."""
+    total = ExactSum(np.dtype(np.float32), (2,))
+    want = [0, 0]
+    for base, rows in stacks:
+        part = ExactSum.from_limbs(total.dtype, (2,), base, np.array(rows, np.int64)
+                                   .reshape(len(rows), 2))
+        assert np.abs(part.limbs).max(initial=0) < exact.TOP_LIMIT
+        assert _units(part) == [sum(int(r[j]) << (32 * (base + k)) for k, r in enumerate(rows))
+                                for j in range(2)]
+        want = [w + u for w, u in zip(want, _units(part))]
+        total.merge(part)
+        assert _units(total) == want
+        assert np.abs(total.limbs).max(initial=0) < exact.TOP_LIMIT
+
+
+@pytest.mark.parametrize("name", _DTYPES)
+def test_max_units_is_the_largest_finite_value_in_units(name):
+    dtype = _dtype(name)
+    info = _info(dtype)
+    unit = fractions.Fraction(float(info.smallest_subnormal))
+    assert exact.max_units(dtype, 1) == fractions.Fraction(float(info.max)) / unit
+    assert exact.max_units(dtype, 7) == 7 * exact.max_units(dtype, 1)
+    assert exact.max_units(np.dtype(np.int8), 3) == 3 * 128

@@ -13,6 +13,14 @@ Two shortcuts keep the cost per call low and change no result: floats of at most
 are first summed in float64 wherever that sum is provably exact (then enter the limbs as
 one addend per element), and dtypes of at most 24 significant bits are rounded through
 a float64 rounded to odd, which the final cast rounds once more without double rounding.
+
+Magnitudes (why int64 never overflows): compacting leaves digits in [0, 2^32) under a
+signed top limb of magnitude < 2^61 (a fold adds a top < 2^29 times 2^32), and fewer than
+2^24 addends of < 2^33 per limb follow before the next compaction, so every limb at rest
+lies below 2^62. Two accumulators therefore add below 2^63 - 2^32 with room for the
+carries (< 2^32) that compacting their sum propagates: `merge` adds one partial and
+compacts. A stack from elsewhere (`from_limbs`) holding a limb of 2^61 or more is carried
+exactly first, so the bound holds whatever int64 limbs arrive.
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ from fax_bridge.errors import AggregationError
 LIMB_BITS = 32
 _MASK = np.int64((1 << LIMB_BITS) - 1)
 _FOLD_LIMIT = 1 << 29  # a top limb below this folds into the one beneath it
+TOP_LIMIT = 1 << 61  # every limb of a compacted stack (`to_limbs`) is smaller in magnitude
 _COMPACT_EVERY = 1 << 24  # adds between carry propagations (limbs stay far below 2^63)
 _BLOCK_ELEMENTS = 1 << 17  # addend elements handled at once (temporaries stay in cache)
 NONFINITE_FLAGS = 0b111  # the bits of a wire flag byte that mean NaN, +inf or -inf
+NEG_ZERO_FLAG = 0b1000  # the bit of a wire flag byte that means only -0 was added
 _FLAG_BITS = np.array([[1], [2], [4], [8]], np.uint8)  # NaN, +inf, -inf, only -0
 
 
@@ -52,6 +62,18 @@ def _float_params(dtype: np.dtype) -> tuple[int, int, int, type]:
 def is_exact_kind(dtype: np.dtype) -> bool:
     """Whether `sum` of this dtype is supported (floats and integers)."""
     return dtype.kind in "fiu" or dtype.name == "bfloat16"
+
+
+def max_units(dtype: np.dtype, count: int) -> int:
+    """The largest magnitude a sum of `count` finite addends of `dtype` can have: for
+    floats in units of the smallest subnormal (the limbs' unit), for integers as is."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return count * max(int(info.max), -int(info.min))
+    p, nexp, emin_sub, _ = _float_params(dtype)
+    emax = (1 << (nexp - 1)) - 1
+    return count * (((1 << p) - 1) << (emax - (p - 1) - emin_sub))  # count * largest finite
 
 
 class ExactSum:
@@ -243,7 +265,11 @@ class ExactSum:
             self.base -= below
 
     def merge(self, other: "ExactSum") -> None:
-        """Adds another accumulator (a partial sum) of the same dtype and shape."""
+        """Adds another accumulator (a partial sum) of the same dtype and shape.
+
+        Both stacks' limbs lie below 2^62 (see the module's magnitudes), so their sum and
+        its carries fit in int64; compacting it restores the bound for the next merge.
+        """
         if other.dtype != self.dtype or other.shape != self.shape:
             raise AggregationError(
                 f"partial sums disagree: {self.dtype}{list(self.shape)} vs "
@@ -384,7 +410,11 @@ class ExactSum:
     @classmethod
     def from_limbs(cls, dtype: np.dtype, shape: tuple[int, ...], base: int,
                    limbs: np.ndarray, flags: Optional[np.ndarray] = None) -> "ExactSum":
-        """An accumulator holding a partial made by `to_limbs` (e.g. on a device)."""
+        """An accumulator holding a partial made by `to_limbs` (e.g. on a device).
+
+        Any int64 limbs denote a value; a float stack that is not in the compact form's
+        range (a limb of magnitude 2^61 or more) is carried exactly before it is kept.
+        """
         acc = cls(dtype, shape)
         acc.base = int(base)
         limbs = np.array(limbs, np.int64)
@@ -392,6 +422,10 @@ class ExactSum:
         acc.limbs = limbs.reshape((limbs.shape[0] if limbs.ndim > 1 else -1, acc.size))
         if not acc.is_float and acc.limbs.shape[0] != 1:
             raise AggregationError(f"an integer partial sum has one limb, got {acc.limbs.shape[0]}")
+        if acc.is_float and acc.limbs.size and (acc.limbs.max() >= TOP_LIMIT
+                                                or acc.limbs.min() <= -TOP_LIMIT):
+            acc.limbs = _carry_exactly(acc.limbs)
+            acc.compact()
         if flags is not None and acc.is_float:
             flags = np.asarray(flags, np.uint8).reshape(1, -1)
             acc.nan, acc.pos_inf, acc.neg_inf, acc.neg_zero = (flags & _FLAG_BITS) != 0
@@ -513,6 +547,19 @@ def _normalize(limbs: np.ndarray, below: int = 0) -> np.ndarray:
         total = limbs[k] + carry
         out[below + k] = total & _MASK
         carry = total >> LIMB_BITS
+    out[-1] = carry
+    return out
+
+
+def _carry_exactly(limbs: np.ndarray) -> np.ndarray:
+    """`_normalize` for limbs of any int64 values (it needs room for the carries): each
+    limb's high half is carried apart from its low half, so no sum exceeds 2^33."""
+    out = np.zeros((limbs.shape[0] + 1, limbs.shape[1]), np.int64)
+    carry = np.zeros(limbs.shape[1], np.int64)
+    for k in range(limbs.shape[0]):
+        low = (limbs[k] & _MASK) + carry
+        out[k] = low & _MASK
+        carry = (limbs[k] >> LIMB_BITS) + (low >> LIMB_BITS)
     out[-1] = carry
     return out
 
