@@ -87,6 +87,6 @@ def test_float_partials_of_any_float_dtype_may_span_several_limbs(dtype):
     ints = _answer("sum", [np.arange(3, dtype=np.int32)])
     ints.leaves[0].num_limbs = 2
     ints.leaves[0].limbs += ints.leaves[0].limbs
-    with pytest.raises(FleetError, match="integer partial sum needs one limb"):
+    with pytest.raises(FleetError, match="2 limbs from limb 0; a sum of 1 int32 values has one limb at 0"):
         validate.check_partial(ints, "sum", validate.leaf_types(fl.TensorType(np.int32, [3])),
                                [], 1, "d0")

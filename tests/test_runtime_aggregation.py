@@ -6,9 +6,12 @@ import pytest
 from federated_language.common_libs import structure
 from hypothesis import given, settings, strategies as st
 
+import federated_language as fl
+
 from fax_bridge.errors import AggregationError, ComputationError
-from fax_bridge.fleet import partials
+from fax_bridge.fleet import partials, validate
 from fax_bridge.runtime import aggregation
+from fax_bridge.runtime.backend import leaves
 
 RNG = np.random.default_rng(1)
 XS = [RNG.normal(size=(2, 3)).astype(np.float32) for _ in range(7)]
@@ -50,15 +53,23 @@ _values = st.one_of(st.sampled_from(_SPECIAL),
 _KINDS = ("sum", "mean", "weighted_mean", "min", "max")
 
 
+def _types(member) -> list:
+    return [fl.TensorType(x.dtype, x.shape) for x in leaves(member)]
+
+
 def _split_partial(kind, members, weights, cuts):
-    """The aggregate as devices would give it: partials per block, through the wire."""
+    """The aggregate as devices would give it: partials per block, through the wire,
+    each one passing the coordinator's checks of what an honest device sends."""
     bounds = [0, *sorted({c % (len(members) + 1) for c in cuts}), len(members)]
     total = aggregation.Partial(kind=kind, leaves=[])
     for lo, hi in zip(bounds, bounds[1:]):
         part = aggregation.partial_of(kind, members[lo:hi],
                                       None if weights is None else weights[lo:hi])
-        sent = partials.from_message(kind, partials.to_message(part))
-        aggregation.merge(total, sent)
+        message = partials.to_message(part)
+        if hi > lo:
+            validate.check_partial(message, kind, _types(members[0]),
+                                   _types(weights[0]) if weights else [], hi - lo, "d")
+        aggregation.merge(total, partials.from_message(kind, message))
     return aggregation.finish(total)
 
 

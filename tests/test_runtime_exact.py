@@ -5,11 +5,13 @@ from __future__ import annotations
 import fractions
 import math
 
+import federated_language as fl
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.runtime import exact
+from fax_bridge.fleet import partials as wire_partials, validate
+from fax_bridge.runtime import aggregation, exact
 from fax_bridge.runtime.exact import ExactSum
 
 
@@ -213,11 +215,17 @@ def _stacks(draw):
 
 
 def _split_sum(stack: np.ndarray, cuts: list[int], order: list[int]) -> ExactSum:
+    """The sum as partials over blocks of addends, each passing the coordinator's checks
+    of an honest device's partial, merged in `order`."""
     bounds = [0, *sorted({c % (len(stack) + 1) for c in cuts}), len(stack)]
     parts = []
     for lo, hi in zip(bounds, bounds[1:]):
         acc = ExactSum(stack.dtype, stack.shape[1:])
         acc.add_many(stack[lo:hi])
+        if hi > lo:
+            message = wire_partials.to_message(aggregation.Partial("sum", [acc], count=hi - lo))
+            validate.check_partial(message, "sum", [fl.TensorType(acc.dtype, acc.shape)], [],
+                                   hi - lo, "d")
         parts.append(ExactSum.from_limbs(acc.dtype, acc.shape, *acc.to_limbs()))
     total = ExactSum(stack.dtype, stack.shape[1:])
     for i in sorted(range(len(parts)), key=lambda i: order[i % len(order)] if order else i):

@@ -3,8 +3,11 @@
 A device may be buggy, out of date or hostile: a fetched member or an aggregate partial
 is compared with its federated_language type (structure, dtypes, known dimensions, limb
 counts and byte sizes) before the coordinator uses it, and with `reject_nonfinite` NaN
-and infinities are refused too. Each failure is a `FleetError` naming the device, the
-client or leaf, what was expected and what arrived.
+and infinities are refused too. An exact-sum partial must also be one an honest device
+could send over its clients: limbs where a sum of that many values can reach, digits in
+[0, 2^32) under a top limb no larger than such a sum allows, consistent flags. Each
+failure is a `FleetError` naming the device, the client or leaf, what was expected and
+what arrived.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import wire
+from fax_bridge.runtime import limits
 from fax_bridge.runtime.aggregation import EXTREMES
-from fax_bridge.runtime.exact import NONFINITE_FLAGS
+from fax_bridge.runtime.exact import (LIMB_BITS, NEG_ZERO_FLAG, NONFINITE_FLAGS, TOP_LIMIT,
+                                      max_units)
 from fax_bridge.v1 import device_pb2 as pb
 
-MAX_LIMBS = 256
-MAX_BASE_LIMB = 4096
+_FORGED = ("the device's answer is corrupt or forged; check that it runs this "
+           "fax_bridge version, or take it out of the fleet")
 
 
 def leaf_types(type_: federated_language.Type) -> list:
@@ -48,6 +53,11 @@ def _dtype_name(type_: federated_language.TensorType) -> str:
 @functools.lru_cache(maxsize=None)
 def _name_of(dtype) -> str:
     return np.dtype(dtype).name
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_of(dtype) -> np.dtype:
+    return np.dtype(dtype)
 
 
 def check_tensor(array: np.ndarray, type_: federated_language.TensorType, where: str,
@@ -82,28 +92,93 @@ def check_member(member, type_: federated_language.Type, where: str,
     raise FleetError(f"{where}: cannot check a value of type {type_}")
 
 
+@functools.lru_cache(maxsize=1024)
+def _honest(dtype: np.dtype, count: int) -> tuple[int, int, int]:
+    """(largest |sum| of `count` addends, highest limb an honest partial reaches, the
+    bound checked on its top limb's magnitude: 0 when any int64 is honest).
+
+    A float sum's lowest limb lies at 0 or above (addends are whole units); its top limb
+    T at t has 2^(32 t) <= |sum|, as compacting leaves |T| >= 2^29 or a single limb.
+    Integer sums have one limb at 0; those that may wrap (64-bit, or huge counts) hold
+    any int64.
+    """
+    units = max_units(dtype, max(count, 1))
+    if dtype.kind not in "iu":
+        return units, (units.bit_length() - 1) // LIMB_BITS, TOP_LIMIT - 1
+    return units, 0, units if dtype.itemsize < 8 and units < 1 << 63 else 0
+
+
 def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, where: str,
-                    reject_nonfinite: bool) -> None:
+                    reject_nonfinite: bool, count: int) -> None:
     shape = list(leaf.shape)
     if leaf.dtype != _dtype_name(type_) or not _shape_ok(shape, type_):
         raise FleetError(f"{where}: a partial sum of {leaf.dtype[:20]}{shape[:8]} for a "
                          f"tensor {type_}; the device aggregated a value of another type")
+    dtype = _dtype_of(type_.dtype)
+    if None in (type_.shape or ()):  # the device chose those dimensions
+        try:
+            limits.tensor_bytes(shape, dtype.itemsize, f"{where}: a partial sum")
+        except ComputationError as e:
+            raise FleetError(str(e)) from None
     size = math.prod(shape)
-    if not 0 <= leaf.num_limbs <= MAX_LIMBS or abs(leaf.base_limb) > MAX_BASE_LIMB:
-        raise FleetError(f"{where}: a partial sum with {leaf.num_limbs} limbs from base "
-                         f"{leaf.base_limb}; expected at most {MAX_LIMBS} limbs")
-    if np.dtype(type_.dtype).kind in "iu" and leaf.num_limbs != 1:
-        raise FleetError(f"{where}: an integer partial sum needs one limb, got "
-                         f"{leaf.num_limbs}")
-    if len(leaf.limbs) != leaf.num_limbs * size * 8:
-        raise FleetError(f"{where}: a partial sum of {leaf.num_limbs} limbs x {size} "
-                         f"elements should hold {leaf.num_limbs * size * 8} bytes, holds "
-                         f"{len(leaf.limbs)}")
-    if len(leaf.nonfinite) not in (0, size):
-        raise FleetError(f"{where}: {len(leaf.nonfinite)} non-finite flags for {size} "
-                         "elements")
-    if reject_nonfinite and (np.frombuffer(leaf.nonfinite, np.uint8)
-                             & NONFINITE_FLAGS).any():
+    is_int = dtype.kind in "iu"
+    num, base = leaf.num_limbs, leaf.base_limb
+    units, last, cap = _honest(dtype, count)
+    if not (0 <= base <= last and 0 <= num <= last + 1 - base) or (is_int and num != 1):
+        raise FleetError(
+            f"{where}: a partial sum with {num} limbs from limb {base}; a sum of {count} "
+            f"{dtype} values has " + ("one limb at 0" if is_int else
+                                      f"limbs between 0 and {last}") + f"; {_FORGED}")
+    data = leaf.limbs  # read once: each read copies the bytes
+    if len(data) != num * size * 8:
+        raise FleetError(f"{where}: a partial sum of {num} limbs x {size} "
+                         f"elements should hold {num * size * 8} bytes, holds {len(data)}")
+    flag_bytes = leaf.nonfinite
+    if len(flag_bytes) not in ((0,) if is_int else (0, size)):
+        raise FleetError(f"{where}: {len(flag_bytes)} non-finite flags for {size} "
+                         f"{dtype} elements; expected {'none' if is_int else f'0 or {size}'}")
+    rows = np.frombuffer(data, "<i8").reshape((num, size))
+    if num and size:
+        _check_limbs(rows, dtype, count, units >> (LIMB_BITS * (base + num - 1)), cap,
+                     where)
+    if flag_bytes:
+        _check_flags(np.frombuffer(flag_bytes, np.uint8), rows, where, reject_nonfinite)
+
+
+def _check_limbs(rows: np.ndarray, dtype: np.dtype, count: int, most: int, cap: int,
+                 where: str) -> None:
+    """Digits below the top in [0, 2^32); the top T within what the sum allows: with
+    0 <= digits below < 2^(32 t) and |sum| <= units, -(most + 1) <= T <= most for
+    most = units >> 32 t (integers: T is the sum), and |T| < cap."""
+    if rows.shape[0] > 1 and int(np.maximum.reduce(rows[:-1].view(np.uint64),
+                                                   axis=None)) >> LIMB_BITS:
+        raise FleetError(f"{where}: a partial sum's limbs below the top lie outside "
+                         f"[0, 2^{LIMB_BITS}); devices send them carried; {_FORGED}")
+    if not cap:
+        return
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        high, low = max(count, 1) * int(info.max), max(count, 1) * int(info.min)
+    else:
+        high, low = min(most, cap), -min(most + 1, cap)
+    top = rows[-1]
+    if int(np.maximum.reduce(top)) > high or int(np.minimum.reduce(top)) < low:
+        raise FleetError(
+            f"{where}: a partial sum's top limb holds {int(top.min())} .. {int(top.max())}; "
+            f"a sum of {count} {dtype} values keeps it in [{low}, {high}]; {_FORGED}")
+
+
+def _check_flags(flags: np.ndarray, rows: np.ndarray, where: str,
+                 reject_nonfinite: bool) -> None:
+    """Non-finite flags: known bits, -0 only where nothing else was seen and the sum is 0."""
+    neg_zero = (flags & NEG_ZERO_FLAG) != 0
+    if flags.max() > NONFINITE_FLAGS | NEG_ZERO_FLAG or (neg_zero & (
+            (flags & NONFINITE_FLAGS) != 0)).any() or (neg_zero.any() and rows.size
+                                                        and rows[:, neg_zero].any()):
+        raise FleetError(f"{where}: a partial sum's non-finite flags are inconsistent "
+                         f"(unknown bits, or 'only -0 added' beside other addends); "
+                         f"{_FORGED}")
+    if reject_nonfinite and (flags & NONFINITE_FLAGS).any():
         raise FleetError(f"{where}: some clients sent NaN or infinity (reject_nonfinite "
                          "is set)")
 
@@ -124,7 +199,7 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
             array = wire.decode_tensor(leaf.extreme)
             check_tensor(array, t, leaf_where, reject_nonfinite)
         else:
-            _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite)
+            _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients)
     want_weights = 1 if kind == "weighted_mean" else 0
     if len(answer.weight_leaves) != want_weights:
         raise FleetError(f"{where}: {len(answer.weight_leaves)} weight partials for a "
@@ -137,4 +212,4 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
                              f"{len(weight_types)} tensors")
         scalar = federated_language.TensorType(weight_t.dtype)  # weights travel as scalars
         _check_sum_leaf(answer.weight_leaves[0], scalar, f"{where}, weight",
-                        reject_nonfinite)
+                        reject_nonfinite, num_clients)
