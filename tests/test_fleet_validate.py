@@ -1,13 +1,17 @@
 """fleet.validate: what devices send back is checked against the expected types."""
 
+import fractions
+
 import federated_language as fl
 import numpy as np
 import pytest
 from federated_language.common_libs import structure
+from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import partials, validate
-from fax_bridge.runtime import aggregation
+from fax_bridge.runtime import aggregation, exact
+from fax_bridge.v1 import device_pb2 as pb
 
 V3 = fl.TensorType(np.float32, [3])
 PAIR = fl.StructType([("a", V3), ("b", fl.TensorType(np.int32))])
@@ -87,6 +91,163 @@ def test_float_partials_of_any_float_dtype_may_span_several_limbs(dtype):
     ints = _answer("sum", [np.arange(3, dtype=np.int32)])
     ints.leaves[0].num_limbs = 2
     ints.leaves[0].limbs += ints.leaves[0].limbs
-    with pytest.raises(FleetError, match="2 limbs from limb 0; a sum of 1 int32 values has one limb at 0"):
+    with pytest.raises(FleetError, match="2 limbs from limb 0; a sum of 1 int32 values has one"):
         validate.check_partial(ints, "sum", validate.leaf_types(fl.TensorType(np.int32, [3])),
                                [], 1, "d0")
+
+
+# -- partials no honest device could send ----------------------------------------------
+# An honest partial over n clients sums n finite values: |sum| <= n * largest finite
+# (`max_units`, in units of the smallest subnormal). Its limbs lie from limb 0 up to the
+# one that sum reaches, the digits below the top in [0, 2^32), the top within the sum's
+# bound; the tests build stacks at that bound, and just beyond it.
+
+_FLOATS = ["float16", "bfloat16", "float32", "float64"]
+
+
+def _np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _message(dtype, shape, count, base, rows, flags=b"") -> pb.AggregateResponse:
+    answer = pb.AggregateResponse(num_clients=count)
+    leaf = answer.leaves.add(dtype=dtype.name, base_limb=base, num_limbs=len(rows),
+                             limbs=np.array(rows, "<i8").tobytes(), nonfinite=flags)
+    leaf.shape.extend(shape)
+    return answer
+
+
+@st.composite
+def _at_the_bound(draw, count=None):
+    """(dtype, count, base, rows [num, 2]) an honest device's limbs may reach: the top
+    limb and the digits at their extremes or anywhere between."""
+    dtype = _np_dtype(draw(st.sampled_from(_FLOATS)))
+    count = count or draw(st.one_of(st.integers(1, 9), st.integers(1, 2**40)))
+    units = exact.max_units(dtype, count)
+    last = (units.bit_length() - 1) // exact.LIMB_BITS
+    base = draw(st.integers(0, last))
+    num = draw(st.integers(1, last + 1 - base))
+    most = units >> (exact.LIMB_BITS * (base + num - 1))
+    high, low = min(most, exact.TOP_LIMIT - 1), -min(most + 1, exact.TOP_LIMIT - 1)
+    digit = st.one_of(st.sampled_from([0, 2**32 - 1]), st.integers(0, 2**32 - 1))
+    top = st.one_of(st.sampled_from([high, low, 0]), st.integers(low, high))
+    rows = [[draw(digit) for _ in range(2)] for _ in range(num - 1)]
+    rows.append([draw(top) for _ in range(2)])
+    return dtype, count, base, rows
+
+
+def _value(base, rows) -> list[int]:
+    return [sum(int(r[j]) << (exact.LIMB_BITS * (base + k)) for k, r in enumerate(rows))
+            for j in range(2)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_at_the_bound(), st.sampled_from(["top_up", "top_down", "digit_up", "digit_down",
+                                          "base_down", "limbs_up"]))
+def test_limbs_at_the_honest_bound_pass_and_beyond_it_are_refused(bound, forgery):
+    dtype, count, base, rows = bound
+    types = [fl.TensorType(dtype, [2])]
+    validate.check_partial(_message(dtype, [2], count, base, rows), "sum", types, [], count,
+                           "device 7")
+    units = exact.max_units(dtype, count)
+    last = (units.bit_length() - 1) // exact.LIMB_BITS
+    most = units >> (exact.LIMB_BITS * (base + len(rows) - 1))
+    rows = [list(r) for r in rows]
+    if forgery == "top_up":
+        rows[-1][1] = min(most, exact.TOP_LIMIT - 1) + 1
+    elif forgery == "top_down":
+        rows[-1][0] = -min(most + 1, exact.TOP_LIMIT - 1) - 1
+    elif forgery in ("digit_up", "digit_down"):
+        rows.insert(0, [2**32 if forgery == "digit_up" else -1, 0])
+        base -= base > 0  # the same top limb, one digit more below it
+    elif forgery == "base_down":
+        base = -1
+    else:
+        rows += [[1, 1]] * (last + 2 - base - len(rows))
+    pattern = {"top_up": "top limb holds", "top_down": "top limb holds",
+               "digit_up": r"outside \[0, 2\^32\)", "digit_down": r"outside \[0, 2\^32\)",
+               "base_down": f"limbs between 0 and {last}",
+               "limbs_up": f"limbs between 0 and {last}"}[forgery]
+    if forgery.startswith("digit") and len(rows) > last + 1 - base:
+        pattern = f"limbs between 0 and {last}"  # no room below: refused for its length
+    with pytest.raises(FleetError, match=f"device 7, sum leaf 0: .*{pattern}.*forged"):
+        validate.check_partial(_message(dtype, [2], count, base, rows), "sum", types, [],
+                               count, "device 7")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_at_the_bound(count=1), min_size=1, max_size=40).filter(
+    lambda bounds: len({b[0] for b in bounds}) == 1))
+def test_merging_many_partials_at_the_bound_stays_exact(bounds):
+    """Any number of partials as large as validation lets through merge exactly: the
+    coordinator's total equals the sum of the values they denote (Python integers)."""
+    dtype = bounds[0][0]
+    types = [fl.TensorType(dtype, [2])]
+    total = aggregation.Partial(kind="sum", leaves=[])
+    want = [0, 0]
+    for _, count, base, rows in bounds:
+        answer = _message(dtype, [2], count, base, rows)
+        validate.check_partial(answer, "sum", types, [], count, "d0")
+        aggregation.merge(total, partials.from_message("sum", answer))
+        want = [w + v for w, v in zip(want, _value(base, rows))]
+    acc = total.leaves[0]
+    assert _value(acc.base, acc.limbs.tolist()) == want
+    assert np.abs(acc.limbs).max(initial=0) < exact.TOP_LIMIT
+
+
+def test_thousands_of_maximal_partials_merge_exactly():
+    """Top limbs of 2^61 - 1 (the most a compacted stack holds), of either sign, from
+    3,000 devices: every merge adds one to a compacted total, so nothing overflows."""
+    dtype, types = np.dtype(np.float64), [fl.TensorType(np.float64, [2])]
+    total = aggregation.Partial(kind="sum", leaves=[])
+    top = exact.TOP_LIMIT - 1
+    want = [0, 0]
+    for i in range(3000):
+        rows = [[2**32 - 1, 0], [top, -top if i % 3 else top]]
+        answer = _message(dtype, [2], 1, 5, rows)
+        validate.check_partial(answer, "sum", types, [], 1, "d0")
+        aggregation.merge(total, partials.from_message("sum", answer))
+        want = [w + v for w, v in zip(want, _value(5, rows))]
+    assert _value(total.leaves[0].base, total.leaves[0].limbs.tolist()) == want
+    exact_sums = [fractions.Fraction(v, 2**1074) for v in want]  # units: 2^-1074
+    assert aggregation.finish(total)[0].tolist() == [float(v) for v in exact_sums]
+
+
+def test_inconsistent_fields_and_counts_are_refused():
+    f32, i32 = fl.TensorType(np.float32, [2]), fl.TensorType(np.int32, [2])
+    f32_open = fl.TensorType(np.float32, [None])
+    ok = _message(np.dtype(np.float32), [2], 3, 4, [[1, 2]])
+    validate.check_partial(ok, "sum", [f32], [], 3, "d1")
+    cases = [
+        (_message(np.dtype(np.float32), [2], 10**18, 4, [[1, 2]]), [f32], 3,
+         "over 1000000000000000000 clients; the device holds 3"),
+        (_message(np.dtype(np.int32), [2], 3, 1, [[1, 2]]), [i32], 3, "one limb at 0"),
+        (_message(np.dtype(np.int32), [2], 3, 0, [[1, 2]], b"\0\0"), [i32], 3,
+         "2 non-finite flags for 2 int32 elements; expected none"),
+        (_message(np.dtype(np.int32), [2], 3, 0, [[3 * 2**31, 2]]), [i32], 3,
+         r"top limb holds 2 .. 6442450944; .* keeps it in \[-6442450944, 6442450941\]"),
+        (_message(np.dtype(np.float32), [2], 3, 4, [[1, 2]], b"\x10\0"), [f32], 3,
+         "flags are inconsistent"),
+        (_message(np.dtype(np.float32), [2], 3, 4, [[1, 2]], b"\x09\0"), [f32], 3,
+         "flags are inconsistent"),  # NaN seen, yet only -0 added
+        (_message(np.dtype(np.float32), [2], 3, 4, [[1, 0]], b"\x08\0"), [f32], 3,
+         "flags are inconsistent"),  # only -0 added, yet a nonzero sum
+        (_message(np.dtype(np.float32), [-2], 3, 4, []), [f32_open], 3,
+         "negative dimension"),
+        (_message(np.dtype(np.float32), [2**40, 2**40], 3, 4, []),
+         [fl.TensorType(np.float32, [None, None])], 3, "above the cap"),
+    ]
+    for answer, types, count, pattern in cases:
+        with pytest.raises(FleetError, match=pattern):
+            validate.check_partial(answer, "sum", types, [], count, "d1")
+    negative_zero = _message(np.dtype(np.float32), [2], 3, 4, [[0, 2]], b"\x08\0")
+    validate.check_partial(negative_zero, "sum", [f32], [], 3, "d1")
+    weighted = _answer("weighted_mean", [np.ones(2, np.float32)] * 3, [np.float32(2)] * 3)
+    weight = weighted.weight_leaves[0]  # 3 float32 weights stay below 3 * 2^21 in limb 8
+    weight.base_limb, weight.num_limbs = 8, 1
+    weight.limbs = np.array([3 * 2**21 + 1], "<i8").tobytes()
+    with pytest.raises(FleetError, match="d1, weight: .*top limb"):
+        validate.check_partial(weighted, "weighted_mean", [f32], [fl.TensorType(np.float32)],
+                               3, "d1")

@@ -49,6 +49,10 @@ class LyingDevice(device.DeviceServicer):
             answer.leaves[0].nonfinite = bytes([1, 0, 0])
         elif self.mode == "bad_limbs":
             answer.leaves[0].num_limbs = 10**6
+        elif self.mode == "huge_limbs":  # in range for int64, far beyond any sum of 2 values
+            limbs = np.frombuffer(answer.leaves[0].limbs, "<i8").copy()
+            limbs[-1] = 2**62
+            answer.leaves[0].limbs = limbs.tobytes()
         return answer
 
 
@@ -183,6 +187,7 @@ def test_a_device_refuses_garbage_and_keeps_serving(devices):
     ("wrong_shape", False, r"expected float32\[3\], got float32\[5\]"),
     ("wrong_shape", True, r"partial sum of float32\[7\]"),
     ("bad_limbs", True, "limbs"),
+    ("huge_limbs", True, "sum leaf 0: a partial sum's top limb holds .* forged"),
     ("nan", False, "NaN"),
     ("nan", True, "NaN"),
 ])
