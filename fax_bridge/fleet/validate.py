@@ -186,7 +186,8 @@ def _check_flags(flags: np.ndarray, rows: np.ndarray, where: str,
 def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
                   weight_types: list, num_clients: int, where: str,
                   reject_nonfinite: bool = False) -> None:
-    """Raises FleetError unless an AggregateResponse fits the aggregated value's type."""
+    """Raises FleetError unless an AggregateResponse fits the aggregated value's type and
+    could come from an honest device holding `num_clients` clients."""
     if answer.num_clients != num_clients:
         raise FleetError(f"{where}: a partial over {answer.num_clients} clients; the "
                          f"device holds {num_clients}")

@@ -422,8 +422,9 @@ class ExactSum:
         acc.limbs = limbs.reshape((limbs.shape[0] if limbs.ndim > 1 else -1, acc.size))
         if not acc.is_float and acc.limbs.shape[0] != 1:
             raise AggregationError(f"an integer partial sum has one limb, got {acc.limbs.shape[0]}")
-        if acc.is_float and acc.limbs.size and (acc.limbs.max() >= TOP_LIMIT
-                                                or acc.limbs.min() <= -TOP_LIMIT):
+        if acc.is_float and acc.limbs.size and (
+                np.maximum.reduce(acc.limbs, axis=None) >= TOP_LIMIT
+                or np.minimum.reduce(acc.limbs, axis=None) <= -TOP_LIMIT):
             acc.limbs = _carry_exactly(acc.limbs)
             acc.compact()
         if flags is not None and acc.is_float:
