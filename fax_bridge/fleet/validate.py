@@ -93,9 +93,9 @@ def check_member(member, type_: federated_language.Type, where: str,
 
 
 @functools.lru_cache(maxsize=1024)
-def _honest(dtype: np.dtype, count: int) -> tuple[int, int, int]:
-    """(largest |sum| of `count` addends, highest limb an honest partial reaches, the
-    bound checked on its top limb's magnitude: 0 when any int64 is honest).
+def _honest(dtype: np.dtype, count: int) -> tuple[int, int, bool]:
+    """(largest |sum| of `count` addends, highest limb an honest partial reaches, whether
+    its top limb is bounded: False where any int64 is honest).
 
     A float sum's lowest limb lies at 0 or above (addends are whole units); its top limb
     T at t has 2^(32 t) <= |sum|, as compacting leaves |T| >= 2^29 or a single limb.
@@ -104,8 +104,8 @@ def _honest(dtype: np.dtype, count: int) -> tuple[int, int, int]:
     """
     units = max_units(dtype, max(count, 1))
     if dtype.kind not in "iu":
-        return units, (units.bit_length() - 1) // LIMB_BITS, TOP_LIMIT - 1
-    return units, 0, units if dtype.itemsize < 8 and units < 1 << 63 else 0
+        return units, (units.bit_length() - 1) // LIMB_BITS, True
+    return units, 0, dtype.itemsize < 8 and units < 1 << 63
 
 
 def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, where: str,
@@ -123,7 +123,7 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     size = math.prod(shape)
     is_int = dtype.kind in "iu"
     num, base = leaf.num_limbs, leaf.base_limb
-    units, last, cap = _honest(dtype, count)
+    units, last, bounded = _honest(dtype, count)
     if not (0 <= base <= last and 0 <= num <= last + 1 - base) or (is_int and num != 1):
         raise FleetError(
             f"{where}: a partial sum with {num} limbs from limb {base}; a sum of {count} "
@@ -139,28 +139,29 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
                          f"{dtype} elements; expected {'none' if is_int else f'0 or {size}'}")
     rows = np.frombuffer(data, "<i8").reshape((num, size))
     if num and size:
-        _check_limbs(rows, dtype, count, units >> (LIMB_BITS * (base + num - 1)), cap,
+        _check_limbs(rows, dtype, count, units >> (LIMB_BITS * (base + num - 1)), bounded,
                      where)
     if flag_bytes:
         _check_flags(np.frombuffer(flag_bytes, np.uint8), rows, where, reject_nonfinite)
 
 
-def _check_limbs(rows: np.ndarray, dtype: np.dtype, count: int, most: int, cap: int,
+def _check_limbs(rows: np.ndarray, dtype: np.dtype, count: int, most: int, bounded: bool,
                  where: str) -> None:
     """Digits below the top in [0, 2^32); the top T within what the sum allows: with
     0 <= digits below < 2^(32 t) and |sum| <= units, -(most + 1) <= T <= most for
-    most = units >> 32 t (integers: T is the sum), and |T| < cap."""
+    most = units >> 32 t, and |T| < TOP_LIMIT as compacting leaves it (integers: T is
+    the sum, in count times the dtype's range)."""
     if rows.shape[0] > 1 and int(np.maximum.reduce(rows[:-1].view(np.uint64),
                                                    axis=None)) >> LIMB_BITS:
         raise FleetError(f"{where}: a partial sum's limbs below the top lie outside "
                          f"[0, 2^{LIMB_BITS}); devices send them carried; {_FORGED}")
-    if not cap:
+    if not bounded:
         return
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         high, low = max(count, 1) * int(info.max), max(count, 1) * int(info.min)
     else:
-        high, low = min(most, cap), -min(most + 1, cap)
+        high, low = min(most, TOP_LIMIT - 1), -min(most + 1, TOP_LIMIT - 1)
     top = rows[-1]
     if int(np.maximum.reduce(top)) > high or int(np.minimum.reduce(top)) < low:
         raise FleetError(
