@@ -15,12 +15,13 @@ one addend per element), and dtypes of at most 24 significant bits are rounded t
 a float64 rounded to odd, which the final cast rounds once more without double rounding.
 
 Magnitudes (why int64 never overflows): compacting leaves digits in [0, 2^32) under a
-signed top limb of magnitude < 2^61 (a fold adds a top < 2^29 times 2^32), and fewer than
+signed top limb of magnitude < 2^61 (a fold adds a top < 2^29 times 2^32), and at most
 2^24 addends of < 2^33 per limb follow before the next compaction, so every limb at rest
-lies below 2^62. Two accumulators therefore add below 2^63 - 2^32 with room for the
-carries (< 2^32) that compacting their sum propagates: `merge` adds one partial and
-compacts. A stack from elsewhere (`from_limbs`) holding a limb of 2^61 or more is carried
-exactly first, so the bound holds whatever int64 limbs arrive.
+lies below 2^61 + 2^57 (< 2^62). Two accumulators therefore add below 2^62 + 2^58, with
+room for the carries (< 2^32) that compacting their sum propagates: `merge` adds one
+partial and compacts (three stacks would still fit, four could pass 2^63). A stack from
+elsewhere (`from_limbs`) holding a limb of 2^61 or more is carried exactly first, so the
+bound holds whatever int64 limbs arrive.
 """
 
 from __future__ import annotations
@@ -267,8 +268,8 @@ class ExactSum:
     def merge(self, other: "ExactSum") -> None:
         """Adds another accumulator (a partial sum) of the same dtype and shape.
 
-        Both stacks' limbs lie below 2^62 (see the module's magnitudes), so their sum and
-        its carries fit in int64; compacting it restores the bound for the next merge.
+        Both stacks' limbs lie below 2^61 + 2^57 (see the module's magnitudes), so their
+        sum and its carries fit in int64; compacting it restores the bound for the next.
         """
         if other.dtype != self.dtype or other.shape != self.shape:
             raise AggregationError(
