@@ -28,7 +28,7 @@ def test_every_kind_crosses_the_wire_unchanged(kind, clients, width, data):
         got = aggregation.finish(back)
         assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
     assert partials.payload_bytes(message) == sum(
-        len(leaf.limbs) + len(leaf.nonfinite) + len(leaf.extreme.data)
+        len(leaf.limbs) + len(leaf.nonfinite) + len(leaf.doubles) + len(leaf.extreme.data)
         for leaf in list(message.leaves) + list(message.weight_leaves))
 
 

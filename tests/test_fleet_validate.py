@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import partials, validate
 from fax_bridge.runtime import aggregation, exact
+from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.v1 import device_pb2 as pb
 
 V3 = fl.TensorType(np.float32, [3])
@@ -36,8 +37,19 @@ def test_members_must_have_the_expected_structure_dtype_and_shape():
                               reject_nonfinite=True)
 
 
-def _answer(kind, members, weights=None):
-    return partials.to_message(aggregation.partial_of(kind, members, weights))
+def _limbs(partial: aggregation.Partial) -> aggregation.Partial:
+    """The partial with every float64-form sum as limbs (the form the limb checks read)."""
+    def form(leaf):
+        return leaf.exact() if isinstance(leaf, DoubleSum) else leaf
+
+    partial.leaves = [form(leaf) for leaf in partial.leaves]
+    partial.weights = None if partial.weights is None else form(partial.weights)
+    return partial
+
+
+def _answer(kind, members, weights=None, limbs=True):
+    partial = aggregation.partial_of(kind, members, weights)
+    return partials.to_message(_limbs(partial) if limbs else partial)
 
 
 def test_partials_are_checked_leaf_by_leaf():
@@ -251,3 +263,48 @@ def test_inconsistent_fields_and_counts_are_refused():
     with pytest.raises(FleetError, match="d1, weight: .*top limb"):
         validate.check_partial(weighted, "weighted_mean", [f32], [fl.TensorType(np.float32)],
                                3, "d1")
+
+
+def test_float64_form_partials_are_checked_like_limbs():
+    """A sum sent as float64 values passes when an honest device could have sent it and
+    is refused, naming the leaf, when no honest device could."""
+    members = [np.array([1.5, -0.0, 3e38], np.float32), np.array([2.0, -0.0, 1e38],
+                                                                 np.float32)]
+    types = validate.leaf_types(V3)
+    good = _answer("sum", members, limbs=False)
+    assert good.leaves[0].doubles and not good.leaves[0].limbs
+    validate.check_partial(good, "sum", types, [], 2, "d0")
+    weighted = _answer("weighted_mean", members, [np.float32(2)] * 2, limbs=False)
+    validate.check_partial(weighted, "weighted_mean", types, [fl.TensorType(np.float32)], 2,
+                           "d0")
+
+    def forged(change):
+        answer = _answer("sum", members, limbs=False)
+        change(answer.leaves[0])
+        return answer
+
+    def values(*v):
+        return np.array(v, "<f8").tobytes()
+
+    cases = [
+        (forged(lambda leaf: setattr(leaf, "doubles", values(1.5, 0.0))), "should hold"),
+        (forged(lambda leaf: setattr(leaf, "doubles", values(1.5, np.nan, 1.0))),
+         "not finite whole multiples"),
+        (forged(lambda leaf: setattr(leaf, "doubles", values(1.5, 2.0**-150, 1.0))),
+         "not finite whole multiples"),  # below float32's smallest subnormal
+        (forged(lambda leaf: setattr(leaf, "doubles", values(1.5, 0.0, 7e38))),
+         "not finite whole multiples"),  # more than 2 float32 values can add up to
+        (forged(lambda leaf: setattr(leaf, "num_limbs", 1)), "both as float64 values"),
+        (forged(lambda leaf: setattr(leaf, "nonfinite", b"\1\0\0")),
+         "both as float64 values"),
+    ]
+    for answer, pattern in cases:
+        with pytest.raises(FleetError, match="d0, sum leaf 0: .*" + pattern):
+            validate.check_partial(answer, "sum", types, [], 2, "d0")
+    wide = pb.AggregateResponse(num_clients=2)
+    wide.leaves.add(dtype="float64", shape=[3], doubles=values(1.0, 2.0, 3.0))
+    with pytest.raises(FleetError, match="float64 sum sent as float64 values"):
+        validate.check_partial(wide, "sum", [fl.TensorType(np.float64, [3])], [], 2, "d0")
+    assert 6e38 < 2 * float(np.finfo(np.float32).max) < 7e38  # the bound is the sum's
+    validate.check_partial(forged(lambda leaf: setattr(leaf, "doubles", values(1.5, 0.0, 6e38))),
+                           "sum", types, [], 2, "d0")

@@ -43,6 +43,8 @@ class LyingDevice(device.DeviceServicer):
 
     def Aggregate(self, request, context):
         answer = super().Aggregate(request, context)
+        if self.mode in ("nan", "bad_limbs", "huge_limbs"):  # lies told in the limbs form
+            answer.leaves[0].CopyFrom(_as_limbs(answer.leaves[0]))
         if self.mode == "wrong_shape":
             answer.leaves[0].shape[:] = [7]
         elif self.mode == "nan":
@@ -53,7 +55,16 @@ class LyingDevice(device.DeviceServicer):
             limbs = np.frombuffer(answer.leaves[0].limbs, "<i8").copy()
             limbs[-1] = 2**62
             answer.leaves[0].limbs = limbs.tobytes()
+        elif self.mode == "huge_doubles":  # whole units, but beyond what 2 values add up to
+            answer.leaves[0].doubles = np.full(3, 1e39, "<f8").tobytes()
         return answer
+
+
+def _as_limbs(leaf: pb.LeafPartial) -> pb.LeafPartial:
+    """A float64-form sum leaf as the same sum in limbs."""
+    sent = partials.from_message("sum", pb.AggregateResponse(leaves=[leaf], num_clients=1))
+    limbs = aggregation.Partial("sum", [sent.leaves[0].exact()], count=1)
+    return partials.to_message(limbs).leaves[0]
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +199,7 @@ def test_a_device_refuses_garbage_and_keeps_serving(devices):
     ("wrong_shape", True, r"partial sum of float32\[7\]"),
     ("bad_limbs", True, "limbs"),
     ("huge_limbs", True, "sum leaf 0: a partial sum's top limb holds .* forged"),
+    ("huge_doubles", True, "sum leaf 0: a partial sum's float64 values .* forged"),
     ("nan", False, "NaN"),
     ("nan", True, "NaN"),
 ])
@@ -213,6 +225,12 @@ def test_partials_are_checked_against_the_type():
     validate.check_partial(answer, "sum", [member], [], 1, "d")
     with pytest.raises(FleetError, match="over 1 clients; the device holds 2"):
         validate.check_partial(answer, "sum", [member], [], 2, "d")
+    answer.leaves[0].doubles = answer.leaves[0].doubles[:-8]
+    with pytest.raises(FleetError, match="should hold"):
+        validate.check_partial(answer, "sum", [member], [], 1, "d")
+    answer = partials.to_message(aggregation.partial_of("sum", [np.ones(3, np.float32)]))
+    answer.leaves[0].CopyFrom(_as_limbs(answer.leaves[0]))
+    validate.check_partial(answer, "sum", [member], [], 1, "d")
     answer.leaves[0].limbs = answer.leaves[0].limbs[:-8]
     with pytest.raises(FleetError, match="should hold"):
         validate.check_partial(answer, "sum", [member], [], 1, "d")

@@ -3,7 +3,8 @@
 Devices build partials over their own clients with `runtime.aggregation.partial_of` and
 send them with `to_message`; the coordinator reads them with `from_message` (after
 `validate.check_partial`) and merges them in client order. Exact sums travel as their
-integer limbs, so nothing is rounded before the coordinator finishes the aggregate.
+integer limbs, or as float64 values where those hold them exactly (`doubles`), so
+nothing is rounded before the coordinator finishes the aggregate.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from fax_bridge.fleet import wire
 from fax_bridge.runtime.aggregation import EXTREMES, Partial
+from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.runtime.exact import ExactSum
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -34,7 +36,11 @@ ENUM_TO_KIND = {v: k for k, v in KIND_TO_ENUM.items()}
 
 
 def _leaf_message(leaf, out: pb.LeafPartial) -> None:
-    if isinstance(leaf, ExactSum):
+    if isinstance(leaf, DoubleSum):
+        out.dtype = leaf.dtype.name
+        out.shape.extend(leaf.shape)
+        out.doubles = np.ascontiguousarray(leaf.values, "<f8").tobytes()
+    elif isinstance(leaf, ExactSum):
         base, limbs, flags = leaf.to_limbs()
         out.dtype = leaf.dtype.name
         out.shape.extend(leaf.shape)
@@ -52,6 +58,8 @@ def _leaf_from_message(kind: str, message: pb.LeafPartial):
         return np.array(wire.decode_tensor(message.extreme))
     dtype = wire.dtype_from_name(message.dtype)
     shape = tuple(message.shape)
+    if message.doubles:
+        return DoubleSum(dtype, shape, np.frombuffer(message.doubles, "<f8").copy())
     size = math.prod(shape)
     # Explicit sizes: an all-zero sum has no limbs, and (0, -1) is no valid shape.
     limbs = np.frombuffer(message.limbs, "<i8").reshape((message.num_limbs, size))
@@ -81,5 +89,6 @@ def payload_bytes(message: pb.AggregateResponse) -> int:
     """Bytes of array data inside an `AggregateResponse`."""
     total = 0
     for leaf in list(message.leaves) + list(message.weight_leaves):
-        total += len(leaf.limbs) + len(leaf.nonfinite) + len(leaf.extreme.data)
+        total += (len(leaf.limbs) + len(leaf.nonfinite) + len(leaf.doubles)
+                  + len(leaf.extreme.data))
     return total

@@ -22,8 +22,9 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import wire
-from fax_bridge.runtime import limits
+from fax_bridge.runtime import double_sums, limits
 from fax_bridge.runtime.aggregation import EXTREMES
+from fax_bridge.runtime.float_bits import float_params
 from fax_bridge.runtime.exact import (LIMB_BITS, NEG_ZERO_FLAG, NONFINITE_FLAGS, TOP_LIMIT,
                                       max_units)
 from fax_bridge.v1 import device_pb2 as pb
@@ -124,6 +125,10 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     is_int = dtype.kind in "iu"
     num, base = leaf.num_limbs, leaf.base_limb
     units, last, bounded = _honest(dtype, count)
+    doubles = leaf.doubles  # read once: each read copies the bytes
+    if doubles:
+        _check_doubles(leaf, doubles, dtype, size, units, where)
+        return
     if not (0 <= base <= last and 0 <= num <= last + 1 - base) or (is_int and num != 1):
         raise FleetError(
             f"{where}: a partial sum with {num} limbs from limb {base}; a sum of {count} "
@@ -143,6 +148,31 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
                      where)
     if flag_bytes:
         _check_flags(np.frombuffer(flag_bytes, np.uint8), rows, where, reject_nonfinite)
+
+
+def _check_doubles(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, size: int,
+                   units: int, where: str) -> None:
+    """A sum sent as float64 values: only for floats of at most 4 bytes, instead of the
+    limbs, one finite value per element, each a whole number of the dtype's smallest
+    subnormal and at most what `count` addends reach (`units` of them)."""
+    if not double_sums.fits(dtype):
+        raise FleetError(f"{where}: a {dtype} sum sent as float64 values; devices send "
+                         f"those only for floats of at most 4 bytes; {_FORGED}")
+    if leaf.num_limbs or leaf.base_limb or leaf.limbs or leaf.nonfinite:
+        raise FleetError(f"{where}: a partial sum sent both as float64 values and as "
+                         f"limbs; devices send one form; {_FORGED}")
+    if len(data) != size * 8:
+        raise FleetError(f"{where}: a partial sum of {size} float64 values should hold "
+                         f"{size * 8} bytes, holds {len(data)}")
+    values = np.frombuffer(data, "<f8")
+    emin_sub = float_params(dtype)[2]
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = np.ldexp(values, -emin_sub)  # in units of the smallest subnormal
+        whole = np.isfinite(scaled) & (scaled == np.floor(scaled))
+    if not whole.all() or values.size and float(np.abs(scaled).max()) > float(units):
+        raise FleetError(f"{where}: a partial sum's float64 values are not finite whole "
+                         f"multiples of {dtype}'s smallest subnormal within what the "
+                         f"device's clients can add up to; {_FORGED}")
 
 
 def _check_limbs(rows: np.ndarray, dtype: np.dtype, count: int, most: int, bounded: bool,

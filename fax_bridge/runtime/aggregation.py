@@ -2,8 +2,9 @@
 
 Both clients backends aggregate with this module: the in-process one over all members
 at once, the gRPC one as partials that each device builds over its own clients and the
-coordinator merges in client order. Sums are exact (`exact.ExactSum`) and rounded once,
-so a result has the same bits however the clients are split, in process or on a fleet.
+coordinator merges in client order. Sums are exact (`exact.ExactSum`, or its float64
+form `double_sums.DoubleSum` where that is exact) and rounded once, so a result has the
+same bits however the clients are split, in process or on a fleet.
 
 Kinds (as TFF's reference semantics state them):
 - sum, min, max: elementwise over clients.
@@ -31,7 +32,7 @@ import numpy as np
 from fax_bridge.errors import AggregationError
 from fax_bridge.placements import aggregate_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
-from fax_bridge.runtime.exact import ExactSum, results, sums_of
+from fax_bridge.runtime.double_sums import Sum, merged, results, sums_of
 
 KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth", "secure_sum")
 SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
@@ -43,13 +44,14 @@ MAX_SECURE_BITWIDTH = 62
 class Partial:
     """An aggregate in progress over `count` clients.
 
-    `leaves` holds, per tensor of the value (depth first), an `ExactSum` (sum-like
-    kinds) or the running extreme (min, max); it is empty while `count` is 0.
+    `leaves` holds, per tensor of the value (depth first), an exact sum (`ExactSum` or
+    `DoubleSum`, sum-like kinds) or the running extreme (min, max); it is empty while
+    `count` is 0.
     """
 
     kind: str
     leaves: list
-    weights: Optional[ExactSum] = None
+    weights: Optional[Sum] = None
     count: int = 0
 
 
@@ -229,10 +231,9 @@ def merge(into: Partial, other: Partial) -> Partial:
     if extreme is not None:
         into.leaves = [extreme(a, b) for a, b in zip(into.leaves, other.leaves)]
     else:
-        for a, b in zip(into.leaves, other.leaves):
-            a.merge(b)
+        into.leaves = [merged(a, b) for a, b in zip(into.leaves, other.leaves)]
         if into.weights is not None and other.weights is not None:
-            into.weights.merge(other.weights)
+            into.weights = merged(into.weights, other.weights)
     into.count += other.count
     return into
 

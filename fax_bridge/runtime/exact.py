@@ -26,38 +26,24 @@ bound holds whatever int64 limbs arrive.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Sequence
 
 import numpy as np
 
 from fax_bridge.errors import AggregationError
+from fax_bridge.runtime.float_bits import (exact_in_doubles, float_params,
+                                           to_odd_float32)
 
 LIMB_BITS = 32
 _MASK = np.int64((1 << LIMB_BITS) - 1)
 _FOLD_LIMIT = 1 << 29  # a top limb below this folds into the one beneath it
 TOP_LIMIT = 1 << 61  # every limb of a compacted stack (`to_limbs`) is smaller in magnitude
 _COMPACT_EVERY = 1 << 24  # adds between carry propagations (limbs stay far below 2^63)
-_BLOCK_ELEMENTS = 1 << 17  # addend elements handled at once (temporaries stay in cache)
+BLOCK_ELEMENTS = 1 << 17  # addend elements handled at once (temporaries stay in cache)
 NONFINITE_FLAGS = 0b111  # the bits of a wire flag byte that mean NaN, +inf or -inf
 NEG_ZERO_FLAG = 0b1000  # the bit of a wire flag byte that means only -0 was added
 _FLAG_BITS = np.array([[1], [2], [4], [8]], np.uint8)  # NaN, +inf, -inf, only -0
-
-
-@functools.lru_cache(maxsize=None)
-def _float_params(dtype: np.dtype) -> tuple[int, int, int, type]:
-    """(significand bits p, exponent bits, lowest exponent of a subnormal lsb, uint view)."""
-    if dtype.name == "bfloat16":
-        import ml_dtypes
-
-        info = ml_dtypes.finfo(dtype)
-    else:
-        info = np.finfo(dtype)
-    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(dtype.itemsize)
-    if uint is None:
-        raise AggregationError(f"exact sums do not support {dtype} ({dtype.itemsize}-byte floats)")
-    return info.nmant + 1, info.nexp, int(info.minexp) - info.nmant, uint
 
 
 def is_exact_kind(dtype: np.dtype) -> bool:
@@ -72,7 +58,7 @@ def max_units(dtype: np.dtype, count: int) -> int:
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         return count * max(int(info.max), -int(info.min))
-    p, nexp, emin_sub, _ = _float_params(dtype)
+    p, nexp, emin_sub, _ = float_params(dtype)
     emax = (1 << (nexp - 1)) - 1
     return count * (((1 << p) - 1) << (emax - (p - 1) - emin_sub))  # count * largest finite
 
@@ -133,7 +119,7 @@ class ExactSum:
         Floats of at most 4 bytes are summed in float64 where that is exact, the rest of
         the columns go through the limbs addend by addend.
         """
-        step = max(1, _BLOCK_ELEMENTS // max(1, rows.shape[0]))
+        step = max(1, BLOCK_ELEMENTS // max(1, rows.shape[0]))
         for lo in range(0, self.size, step):
             block, cols = rows[:, lo:lo + step], slice(lo, lo + step)
             if self.dtype.itemsize <= 4:
@@ -145,30 +131,11 @@ class ExactSum:
 
     def _add_in_doubles(self, rows: np.ndarray, lo: int) -> Optional[np.ndarray]:
         """Adds the columns of `rows` (columns lo.. of the value) whose float64 sum is
-        exact, as one addend each; returns the columns left (indices into rows) or None.
-
-        A float of p significant bits with exponent field E is an integer multiple of
-        the smallest subnormal: its highest bit lies at most at max(E, 1) + p - 2 and its
-        lowest at least at max(E - 1, 0). Summing n of them in float64 (in any order) is
-        exact when the highest bit of the largest magnitude and the lowest possible bit
-        of the smallest nonzero one, plus ceil(log2 n) bits of growth, span at most 53.
-        """
-        p, nexp, _, uint = _float_params(self.dtype)
-        n = rows.shape[0]
-        bits = rows.view(uint)
-        sign_bit = uint(1 << (8 * self.dtype.itemsize - 1))
-        mag = bits & (sign_bit - uint(1))
-        hi = mag.max(axis=0)
-        low = (mag - uint(1)).min(axis=0) + uint(1)  # zeros wrap to the top, then to 0
-        e_hi = (hi >> uint(p - 1)).astype(np.int32)
-        e_lo = (low >> uint(p - 1)).astype(np.int32)
-        span = np.maximum(e_hi, 1) - np.maximum(e_lo - 1, 0) + (p - 1 + (n - 1).bit_length())
-        zero = hi == 0
-        fast = (span <= 53) & (e_hi < (1 << nexp) - 1) & ~zero  # NaN, inf: the general way
+        exact (`exact_in_doubles`), as one addend each; returns the columns left
+        (indices into rows) or None."""
+        fast, zero, negative_zero = exact_in_doubles(rows)
         neg_zero = self.neg_zero[lo:lo + rows.shape[1]]  # a view: updated in place
-        neg_zero &= zero  # an element stays -0 only while every addend is -0
-        if zero.any():
-            neg_zero[zero] &= (bits[:, zero] == sign_bit).all(axis=0)
+        neg_zero &= negative_zero  # an element stays -0 only while every addend is -0
         if fast.any():
             every = bool(fast.all())
             with np.errstate(invalid="ignore", over="ignore"):
@@ -181,7 +148,7 @@ class ExactSum:
     def _add_doubles(self, values: np.ndarray, cols: np.ndarray) -> None:
         """Adds float64 `values` that are integer multiples of the smallest subnormal of
         the dtype (exactly), one per column `cols`; each limb grows by < 2^33."""
-        _, _, emin_sub, _ = _float_params(self.dtype)
+        _, _, emin_sub, _ = float_params(self.dtype)
         live = values != 0
         if not live.all():
             values, cols = values[live], cols[live]
@@ -209,7 +176,7 @@ class ExactSum:
         flat[at] += high >> LIMB_BITS
 
     def _add_block(self, rows: np.ndarray, cols: slice) -> None:
-        p, nexp, _, uint = _float_params(self.dtype)
+        p, nexp, _, uint = float_params(self.dtype)
         bits = rows.view(uint).astype(np.uint64)
         nbits = 8 * self.dtype.itemsize
         sign = (bits >> np.uint64(nbits - 1)).astype(bool)
@@ -319,7 +286,7 @@ class ExactSum:
         """The sum, rounded once to the dtype (nearest, ties to even)."""
         if not self.is_float:
             return self.limbs[0].astype(self.dtype).reshape(self.shape)
-        out = self._round_to_odd() if _float_params(self.dtype)[0] <= 24 else self._round()
+        out = self._round_to_odd() if float_params(self.dtype)[0] <= 24 else self._round()
         out[self.neg_zero] = -0.0
         out = np.where(self.nan | (self.pos_inf & self.neg_inf), np.nan,
                        np.where(self.pos_inf, np.inf, np.where(self.neg_inf, -np.inf, out)))
@@ -334,20 +301,20 @@ class ExactSum:
         at least two bits more than the dtype keeps the information rounding to nearest
         needs, so the cast to the dtype that follows rounds once, correctly.
         """
-        _, _, emin_sub, _ = _float_params(self.dtype)
+        _, _, emin_sub, _ = float_params(self.dtype)
         if self.limbs.shape[0] == 0:
             return np.zeros(self.size, np.float64)
-        step = max(1, _BLOCK_ELEMENTS // self.limbs.shape[0])  # temporaries stay in cache
+        step = max(1, BLOCK_ELEMENTS // self.limbs.shape[0])  # temporaries stay in cache
         out = np.concatenate([_round_block_to_odd(self.limbs[:, lo:lo + step], self.base,
                                                   emin_sub)
                               for lo in range(0, self.size, step)])
         if self.dtype.name == "bfloat16":  # its cast from float64 rounds twice via float32
-            out = _to_odd_float32(out)
+            out = to_odd_float32(out)
         return out
 
     def _round(self) -> np.ndarray:
         """The finite part as float64 values exactly representable in the dtype."""
-        p, _, emin_sub, _ = _float_params(self.dtype)
+        p, _, emin_sub, _ = float_params(self.dtype)
         if self.limbs.shape[0] == 0:
             return np.zeros(self.size, np.float64)
         limbs = _normalize(self.limbs)
@@ -433,6 +400,18 @@ class ExactSum:
             acc.nan, acc.pos_inf, acc.neg_inf, acc.neg_zero = (flags & _FLAG_BITS) != 0
         elif acc.is_float:
             acc.neg_zero[:] = False
+        return acc
+
+
+    @classmethod
+    def from_doubles(cls, dtype: np.dtype, shape: tuple[int, ...],
+                     values: np.ndarray) -> "ExactSum":
+        """An accumulator holding finite float64 `values` that are whole multiples of
+        the dtype's smallest subnormal (a `double_sums.DoubleSum`); -0.0 stays -0."""
+        acc = cls(dtype, shape)
+        values = np.asarray(values, np.float64).reshape(acc.size)
+        acc.neg_zero = (values == 0) & np.signbit(values)
+        acc._add_doubles(values, np.arange(acc.size))
         return acc
 
 
@@ -564,15 +543,3 @@ def _carry_exactly(limbs: np.ndarray) -> np.ndarray:
         carry = (limbs[k] >> LIMB_BITS) + (low >> LIMB_BITS)
     out[-1] = carry
     return out
-
-
-def _to_odd_float32(values: np.ndarray) -> np.ndarray:
-    """float64 values rounded to odd at float32's precision and range (as float32)."""
-    with np.errstate(over="ignore"):
-        near = values.astype(np.float32)
-    inexact = near.astype(np.float64) != values
-    even = (near.view(np.uint32) & np.uint32(1)) == 0
-    step = inexact & even  # the odd neighbour lies toward the value
-    toward = np.where(values[step] > near[step], np.float32(np.inf), np.float32(-np.inf))
-    near[step] = np.nextafter(near[step], toward)
-    return near

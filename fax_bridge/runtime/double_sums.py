@@ -1,0 +1,123 @@
+"""Exact sums held as float64 values: the cheap form of an `exact.ExactSum` when it fits.
+
+Floats of at most 4 bytes (float32, float16, bfloat16) are integer multiples of their
+dtype's smallest subnormal, and a float64 sum of n of them is exact when the exponents
+of each element's addends span little enough (`float_bits.exact_in_doubles`). Where that
+holds for every element of a stack of addends, its partial sum is kept as those float64
+values (`DoubleSum`): a device forms it with one float64 sum instead of integer limbs
+and sends 8 bytes an element; the coordinator merges two with one addition whose
+exactness it checks (the error term of TwoSum is zero), and finishing is one cast.
+
+Whenever the float64 form would lose a bit (a merge whose sum needs more than 53 bits,
+non-finite addends, a wide span of exponents), the values move to an `ExactSum` and go
+on there. Both forms hold the same exact value, so a result has the same bits whichever
+form its partials took and however the clients were split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Union
+
+import numpy as np
+
+from fax_bridge.errors import AggregationError
+from fax_bridge.runtime import exact
+from fax_bridge.runtime.exact import ExactSum
+from fax_bridge.runtime.float_bits import exact_in_doubles, to_odd_float32
+
+
+class DoubleSum:
+    """The exact sum of addends of a float dtype of at most 4 bytes, as float64 values
+    (one per element, an all -0 element as -0.0)."""
+
+    is_float = True
+
+    def __init__(self, dtype: np.dtype, shape: tuple, values: np.ndarray):
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        self.size = math.prod(self.shape)
+        self.values = np.asarray(values, np.float64).reshape(self.size)
+
+    def exact(self) -> ExactSum:
+        """The same sum as an `ExactSum` (limbs)."""
+        return ExactSum.from_doubles(self.dtype, self.shape, self.values)
+
+    def result(self) -> np.ndarray:
+        """The sum rounded once to the dtype (nearest, ties to even)."""
+        out = self.values
+        if self.dtype != np.float32:  # float16, bfloat16: through float32 rounded to odd
+            out = to_odd_float32(out)
+        with np.errstate(over="ignore"):
+            return out.astype(self.dtype).reshape(self.shape)
+
+
+Sum = Union[ExactSum, DoubleSum]
+
+
+def fits(dtype: np.dtype) -> bool:
+    """Whether sums of `dtype` can take the float64 form."""
+    dtype = np.dtype(dtype)
+    return exact.is_exact_kind(dtype) and dtype.kind not in "iu" and dtype.itemsize <= 4
+
+
+def _double_sum(stack: np.ndarray):
+    """The stack's sum as a DoubleSum, or None where a float64 sum would not be exact."""
+    count = stack.shape[0]
+    rows = stack.reshape((count, -1))
+    totals = np.empty(rows.shape[1], np.float64)
+    step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
+    for lo in range(0, rows.shape[1], step):
+        block = rows[:, lo:lo + step]
+        fast, zero, negative_zero = exact_in_doubles(block)
+        if not (fast | zero).all():
+            return None
+        totals[lo:lo + step] = block.astype(np.float64).sum(axis=0)
+        if zero.any():  # numpy adds -0 + -0 as +0; an all -0 element stays -0
+            totals[lo:lo + step][zero] = np.where(negative_zero[zero], -0.0, 0.0)
+    return DoubleSum(stack.dtype, stack.shape[1:], totals)
+
+
+def sums_of(stacks: Sequence[np.ndarray]) -> list:
+    """One sum per stack of addends ([addends, *shape]): a DoubleSum where its float64
+    sum is exact, an `ExactSum` otherwise (`exact.sums_of`, which joins those of one
+    dtype)."""
+    out: list = [None] * len(stacks)
+    for i, stack in enumerate(stacks):
+        if fits(stack.dtype) and stack.shape[0]:
+            out[i] = _double_sum(stack)
+    rest = [i for i, sum_ in enumerate(out) if sum_ is None]
+    for i, acc in zip(rest, exact.sums_of([stacks[i] for i in rest])):
+        out[i] = acc
+    return out
+
+
+def merged(into: Sum, other: Sum) -> Sum:
+    """The sum of two partial sums of one tensor (`into` may be updated and returned)."""
+    if isinstance(into, DoubleSum) and isinstance(other, DoubleSum):
+        if into.dtype != other.dtype or into.size != other.size:
+            raise AggregationError(
+                f"partials disagree: {into.dtype}{list(into.shape)} vs "
+                f"{other.dtype}{list(other.shape)}")
+        a, b = into.values, other.values
+        with np.errstate(over="ignore", invalid="ignore"):
+            s = a + b
+            kept_b = s - a
+            error = (a - (s - kept_b)) + (b - kept_b)  # TwoSum: a + b == s + error exactly
+        if np.isfinite(s).all() and not error.any():
+            return DoubleSum(into.dtype, into.shape, s)
+    acc = into.exact() if isinstance(into, DoubleSum) else into
+    acc.merge(other.exact() if isinstance(other, DoubleSum) else other)
+    return acc
+
+
+def results(sums: Sequence[Sum]) -> list[np.ndarray]:
+    """Each sum rounded once to its dtype (`exact.results` for the limbs)."""
+    out: list = [None] * len(sums)
+    limbs = [i for i, s in enumerate(sums) if not isinstance(s, DoubleSum)]
+    for i, value in zip(limbs, exact.results([sums[i] for i in limbs])):
+        out[i] = value
+    for i, s in enumerate(sums):
+        if isinstance(s, DoubleSum):
+            out[i] = s.result()
+    return out

@@ -1,0 +1,72 @@
+"""Bit-level facts about float dtypes that exact sums build on.
+
+`float_params` gives a dtype's significand and exponent widths and the weight of its
+smallest subnormal; `exact_in_doubles` says for which columns of a stack of addends
+(floats of at most 4 bytes) a float64 sum is exact; `to_odd_float32` rounds float64
+values to odd at float32's precision, so a later cast to a narrower dtype rounds once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from fax_bridge.errors import AggregationError
+
+
+@functools.lru_cache(maxsize=None)
+def float_params(dtype: np.dtype) -> tuple[int, int, int, type]:
+    """(significand bits p, exponent bits, lowest exponent of a subnormal lsb, uint view)."""
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        info = ml_dtypes.finfo(dtype)
+    else:
+        info = np.finfo(dtype)
+    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(dtype.itemsize)
+    if uint is None:
+        raise AggregationError(f"exact sums do not support {dtype} ({dtype.itemsize}-byte floats)")
+    return info.nmant + 1, info.nexp, int(info.minexp) - info.nmant, uint
+
+
+def exact_in_doubles(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For addends `rows` ([n, size]) of a float dtype of at most 4 bytes, per column:
+    (its float64 sum is exact and nonzero-bearing, every addend is +-0, every addend is
+    -0).
+
+    A float of p significant bits with exponent field E is an integer multiple of the
+    smallest subnormal: its highest bit lies at most at max(E, 1) + p - 2 and its lowest
+    at least at max(E - 1, 0). Summing n of them in float64 (in any order) is exact when
+    the highest bit of the largest magnitude and the lowest possible bit of the smallest
+    nonzero one, plus ceil(log2 n) bits of growth, span at most 53. NaN and inf are never
+    fast (they go the general way).
+    """
+    p, nexp, _, uint = float_params(rows.dtype)
+    n = rows.shape[0]
+    bits = rows.view(uint)
+    sign_bit = uint(1 << (8 * rows.dtype.itemsize - 1))
+    mag = bits & (sign_bit - uint(1))
+    hi = mag.max(axis=0)
+    low = (mag - uint(1)).min(axis=0) + uint(1)  # zeros wrap to the top, then to 0
+    e_hi = (hi >> uint(p - 1)).astype(np.int32)
+    e_lo = (low >> uint(p - 1)).astype(np.int32)
+    span = np.maximum(e_hi, 1) - np.maximum(e_lo - 1, 0) + (p - 1 + (n - 1).bit_length())
+    zero = hi == 0
+    fast = (span <= 53) & (e_hi < (1 << nexp) - 1) & ~zero
+    negative_zero = zero.copy()
+    if zero.any():
+        negative_zero[zero] = (bits[:, zero] == sign_bit).all(axis=0)
+    return fast, zero, negative_zero
+
+
+def to_odd_float32(values: np.ndarray) -> np.ndarray:
+    """float64 values rounded to odd at float32's precision and range (as float32)."""
+    with np.errstate(over="ignore"):
+        near = values.astype(np.float32)
+    inexact = near.astype(np.float64) != values
+    even = (near.view(np.uint32) & np.uint32(1)) == 0
+    step = inexact & even  # the odd neighbour lies toward the value
+    toward = np.where(values[step] > near[step], np.float32(np.inf), np.float32(-np.inf))
+    near[step] = np.nextafter(near[step], toward)
+    return near

@@ -1,0 +1,81 @@
+"""runtime.double_sums: the float64 form of exact sums gives the bits of the limbs, in any
+split, any mix of forms and through the wire; merges that would lose a bit move to limbs."""
+
+import ml_dtypes
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from fax_bridge.fleet import partials
+from fax_bridge.runtime import aggregation, double_sums
+from fax_bridge.runtime.double_sums import DoubleSum
+from fax_bridge.runtime.exact import ExactSum
+
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+_SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 6e-8, 1.2e-38, 3.4e38, -3.4e38, 65504.0,
+            0.5, -2.0, np.inf, -np.inf, np.nan]
+
+
+def _as_limbs(sum_):
+    return sum_.exact() if isinstance(sum_, DoubleSum) else sum_
+
+
+def _limbs_only(partial):
+    partial.leaves = [_as_limbs(leaf) for leaf in partial.leaves]
+    partial.weights = None if partial.weights is None else _as_limbs(partial.weights)
+    return partial
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(DTYPES), st.sampled_from(["sum", "mean", "weighted_mean"]),
+       st.integers(1, 9), st.data())
+def test_the_float64_form_gives_the_limbs_bits(dtype, kind, n, data):
+    finite = data.draw(st.booleans(), label="finite only")
+    values = st.one_of(st.sampled_from(_SPECIAL[:-3] if finite else _SPECIAL),
+                       st.floats(-1e4, 1e4), st.floats(-1e-30, 1e-30),
+                       st.floats(width=32, allow_nan=not finite, allow_infinity=not finite))
+    rows = data.draw(st.lists(st.lists(values, min_size=3, max_size=3), min_size=n,
+                              max_size=n), label="values")
+    with np.errstate(over="ignore"):
+        members = [np.array(r, np.float64).astype(dtype) for r in rows]
+    weights = None
+    if kind == "weighted_mean":
+        weights = [np.array(w, dtype) for w in data.draw(st.lists(
+            st.sampled_from([0.0, 1.0, 0.5, 2.0, 3.0, 1e-3]), min_size=n, max_size=n))]
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=4), label="splits")))
+    bounds = [0, *cuts, n]
+    forms = data.draw(st.lists(st.booleans(), min_size=len(bounds), max_size=len(bounds)),
+                      label="limbs on the wire")
+    total = aggregation.Partial(kind=kind, leaves=[])
+    for (lo, hi), limbs in zip(zip(bounds, bounds[1:]), forms):
+        part = aggregation.partial_of(kind, members[lo:hi],
+                                      None if weights is None else weights[lo:hi])
+        part = _limbs_only(part) if limbs else part
+        aggregation.merge(total, partials.from_message(kind, partials.to_message(part)))
+    want = aggregation.finish(_limbs_only(aggregation.partial_of(kind, members, weights)))
+    got = aggregation.finish(total)
+    assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+
+
+def test_sums_take_the_float64_form_only_where_it_is_exact():
+    f32 = np.float32
+    exact_stack = np.array([[1.5, -0.0, 0.0], [2.25, -0.0, -0.0]], f32)
+    wide = np.array([[3e38, 1.0], [1e-45, 1.0]], f32)  # 3e38 + 1e-45 needs 276 bits
+    special = np.array([[np.inf, 1.0]], f32)
+    ints = np.array([[1, 2]], np.int32)
+    out = double_sums.sums_of([exact_stack, wide, special, ints,
+                               exact_stack.astype(np.float64)])
+    assert [type(s) for s in out] == [DoubleSum, ExactSum, ExactSum, ExactSum, ExactSum]
+    assert out[0].values.tolist() == [3.75, -0.0, 0.0]
+    assert np.signbit(out[0].values).tolist() == [False, True, False]  # only -0 added: -0
+    assert out[0].result().tobytes() == np.array([3.75, -0.0, 0.0], f32).tobytes()
+    # A merge that would round moves to limbs, and keeps every bit.
+    big = double_sums.sums_of([np.array([[3e38]], f32)])[0]
+    tiny = double_sums.sums_of([np.array([[1e-45]], f32)])[0]
+    both = double_sums.merged(big, tiny)
+    assert isinstance(both, ExactSum)
+    want = ExactSum(np.float32, (1,))
+    want.add_many(np.array([[3e38], [1e-45]], f32))
+    assert both.result().tobytes() == want.result().tobytes()
+    again = double_sums.merged(double_sums.sums_of([np.array([[1.5]], f32)])[0],
+                               double_sums.sums_of([np.array([[2.5]], f32)])[0])
+    assert isinstance(again, DoubleSum) and again.values.tolist() == [4.0]
