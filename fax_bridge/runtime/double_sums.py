@@ -61,10 +61,10 @@ def fits(dtype: np.dtype) -> bool:
     return exact.is_exact_kind(dtype) and dtype.kind not in "iu" and dtype.itemsize <= 4
 
 
-def _double_sum(stack: np.ndarray):
-    """The stack's sum as a DoubleSum, or None where a float64 sum would not be exact."""
-    count = stack.shape[0]
-    rows = stack.reshape((count, -1))
+def _double_values(rows: np.ndarray):
+    """The column sums of `rows` ([addends, size]) as float64, or None where one would
+    not be exact."""
+    count = rows.shape[0]
     totals = np.empty(rows.shape[1], np.float64)
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
     for lo in range(0, rows.shape[1], step):
@@ -75,17 +75,29 @@ def _double_sum(stack: np.ndarray):
         totals[lo:lo + step] = block.astype(np.float64).sum(axis=0)
         if zero.any():  # numpy adds -0 + -0 as +0; an all -0 element stays -0
             totals[lo:lo + step][zero] = np.where(negative_zero[zero], -0.0, 0.0)
-    return DoubleSum(stack.dtype, stack.shape[1:], totals)
+    return totals
 
 
 def sums_of(stacks: Sequence[np.ndarray]) -> list:
     """One sum per stack of addends ([addends, *shape]): a DoubleSum where its float64
     sum is exact, an `ExactSum` otherwise (`exact.sums_of`, which joins those of one
-    dtype)."""
+    dtype). Stacks of one dtype and count are tried together (one set of array
+    operations), then one by one if that fails."""
     out: list = [None] * len(stacks)
+    groups: dict = {}
     for i, stack in enumerate(stacks):
         if fits(stack.dtype) and stack.shape[0]:
-            out[i] = _double_sum(stack)
+            groups.setdefault((stack.dtype, stack.shape[0]), []).append(i)
+    for (dtype, count), members in groups.items():
+        rows = [stacks[i].reshape(count, -1) for i in members]
+        joined = _double_values(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1))
+        start = 0
+        for i, part in zip(members, rows):
+            values = (joined[start:start + part.shape[1]] if joined is not None
+                      else _double_values(part) if len(members) > 1 else None)
+            start += part.shape[1]
+            if values is not None:
+                out[i] = DoubleSum(dtype, stacks[i].shape[1:], values)
     rest = [i for i, sum_ in enumerate(out) if sum_ is None]
     for i, acc in zip(rest, exact.sums_of([stacks[i] for i in rest])):
         out[i] = acc
