@@ -53,7 +53,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py --workload both --repeats 3 --json out/bench/bench.json --log-dir out/bench/logs
 
 bench-scaling: $(STAMP)
-	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --out out/scaling.json
+	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --both --out out/scaling.json
 
 clean:
 	rm -rf $(VENV) .venv-tff build *.egg-info .pytest_cache out

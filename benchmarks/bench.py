@@ -59,7 +59,7 @@ sys.path.insert(0, HERE)
 
 import bench_large  # noqa: E402  (benchmarks/)
 from bench_summary import (COMPARISON_HEADER, comparison_row, count, fmt,  # noqa: E402
-                           max_abs_diff, ratio_row, runner_rows, summarize_runs)
+                           max_abs_diff, ratio, ratio_row, runner_rows, summarize_runs)
 from run_peer import PeerFailed, kill_group, run_script  # noqa: E402  (benchmarks/peers)
 
 RUNNERS = ("fax_bridge_local", "fax_bridge_fleet", "fax", "tff", "flower")
@@ -79,7 +79,9 @@ GRAD_ATOL = 1e-6
 GOALS = (
     ("local_vs_fax_round", "fax_bridge local round time / google-fax <= 1.0"),
     ("local_vs_tff_round", "TFF round time / fax_bridge local >= 10"),
-    ("fleet_vs_flower_round", "Flower round time / fax_bridge fleet >= 5"),
+    ("fleet_vs_flower_round", "Flower round time / fax_bridge fleet >= 20, in every repeat"),
+    ("fleet_vs_local_round", "fax_bridge fleet round time / fax_bridge local <= 5"),
+    ("fleet_wire_bytes", "fax_bridge fleet wire bytes / payload bytes <= 1.1"),
     ("fleet_vs_flower_memory", "fax_bridge fleet peak RSS < Flower's"),
 )
 
@@ -146,9 +148,14 @@ def compare(summary: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     ``x_over_y`` is x's figure divided by y's."""
     pairs = {"local_vs_fax": ("fax_bridge_local", "fax"),
              "local_vs_tff": ("fax_bridge_local", "tff"),
-             "fleet_vs_flower": ("fax_bridge_fleet", "flower")}
-    return {name: ratio_row(summary.get(ours, {}), summary.get(theirs, {}))
-            for name, (ours, theirs) in pairs.items()}
+             "fleet_vs_flower": ("fax_bridge_fleet", "flower"),
+             "fleet_vs_local": ("fax_bridge_fleet", "fax_bridge_local")}
+    out = {name: ratio_row(summary.get(ours, {}), summary.get(theirs, {}))
+           for name, (ours, theirs) in pairs.items()}
+    fleet = summary.get("fax_bridge_fleet", {})
+    out["fleet_wire"] = {"wire_over_payload": ratio(fleet.get("bytes_moved"),
+                                                    fleet.get("payload_moved"))}
+    return out
 
 
 def verdicts(ratios: Dict[str, Dict[str, Optional[float]]]) -> Dict[str, Optional[bool]]:
@@ -161,11 +168,21 @@ def verdicts(ratios: Dict[str, Dict[str, Optional[float]]]) -> Dict[str, Optiona
                                     lambda r: r <= 1.0),
         "local_vs_tff_round": check(ratios["local_vs_tff"]["round_speedup"],
                                     lambda r: r >= 10.0),
-        "fleet_vs_flower_round": check(ratios["fleet_vs_flower"]["round_speedup"],
-                                       lambda r: r >= 5.0),
+        "fleet_vs_flower_round": check(
+            _slowest(ratios["fleet_vs_flower"]), lambda r: r >= 20.0),
+        "fleet_vs_local_round": check(
+            ratios["fleet_vs_local"]["round_s_median_ours_over_theirs"], lambda r: r <= 5.0),
+        "fleet_wire_bytes": check(ratios["fleet_wire"]["wire_over_payload"],
+                                  lambda r: r <= 1.1),
         "fleet_vs_flower_memory": check(ratios["fleet_vs_flower"]["peak_rss_mb_ours_over_theirs"],
                                         lambda r: r < 1.0),
     }
+
+
+def _slowest(row: Dict[str, Any]) -> Optional[float]:
+    """The smallest speed-up of the repeats (the median's when there are none)."""
+    each = [r for r in row.get("round_speedup_each") or [] if r is not None]
+    return min(each) if each else row.get("round_speedup")
 
 
 def loss_agreement(summary: Dict[str, Dict[str, Any]],
@@ -234,7 +251,8 @@ def format_shared_table(report: Dict[str, Any]) -> str:
     lines += ["", *COMPARISON_HEADER]
     names = {"local_vs_fax": "fax_bridge local vs google-fax",
              "local_vs_tff": "fax_bridge local vs TFF",
-             "fleet_vs_flower": "fax_bridge fleet vs Flower"}
+             "fleet_vs_flower": "fax_bridge fleet vs Flower",
+             "fleet_vs_local": "fax_bridge fleet vs local"}
     for key, label in names.items():
         lines.append(comparison_row(label, ratios[key]))
     lines += ["", "| goal | verdict |", "|---|---|"]

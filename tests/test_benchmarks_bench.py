@@ -117,9 +117,28 @@ def test_summary_ratios_verdicts_and_table(bench: Any) -> None:
     assert ratios["local_vs_tff"]["round_speedup"] == pytest.approx(25.0)
     assert ratios["fleet_vs_flower"]["round_speedup"] == pytest.approx(8.0)
     assert ratios["fleet_vs_flower"]["bytes_moved_ours_over_theirs"] == pytest.approx(0.75)
+    assert ratios["fleet_vs_local"]["round_s_median_ours_over_theirs"] == pytest.approx(25.0)
     v = bench.verdicts(ratios)
     assert v == {"local_vs_fax_round": True, "local_vs_tff_round": True,
-                 "fleet_vs_flower_round": True, "fleet_vs_flower_memory": True}
+                 "fleet_vs_flower_round": False, "fleet_vs_local_round": False,
+                 "fleet_wire_bytes": None, "fleet_vs_flower_memory": True}
+    # The fleet goals: 20x Flower in every repeat (the slowest repeat decides), 5x the
+    # local path, wire bytes within 1.1x of the payload.
+    fast = dict(runs, flower=runs["flower"] * 3, fax_bridge_fleet=[
+        dict(_canned_result("fax_bridge_fleet", 0.008, 6.0, 800.0, 1_050_000),
+             payload_moved=1_000_000)] * 2 + [_canned_result("fax_bridge_fleet", 0.019, 6.0,
+                                                             800.0, 1_050_000)])
+    fast_ratios = bench.compare(bench.summarize_runs(fast))
+    assert fast_ratios["fleet_vs_flower"]["round_speedup_each"] == pytest.approx(
+        [50.0, 50.0, 400 / 19])
+    assert fast_ratios["fleet_wire"]["wire_over_payload"] == pytest.approx(1.05)
+    fast_v = bench.verdicts(fast_ratios)
+    assert fast_v["fleet_vs_flower_round"] and fast_v["fleet_vs_local_round"]
+    assert fast_v["fleet_wire_bytes"]
+    slow_repeat = dict(fast, fax_bridge_fleet=fast["fax_bridge_fleet"][:2] + [
+        _canned_result("fax_bridge_fleet", 0.021, 6.0, 800.0, 1_050_000)])
+    assert bench.verdicts(bench.compare(bench.summarize_runs(slow_repeat)))[
+        "fleet_vs_flower_round"] is False
     losses = bench.loss_agreement(summary, [2.0, 1.5, 1.0, 0.5])
     assert all(a["vs_numpy"] == 0.0 for a in losses.values())
     grad = bench.grad_agreement({"loss": 1.0, "grad": {"w": [[1.0, 2.0]]}},
@@ -131,7 +150,9 @@ def test_summary_ratios_verdicts_and_table(bench: Any) -> None:
     table = bench.format_table(report)
     assert "| fax_bridge_local | 4.00 | 0.0020 | 0.020 | 350 | - | 0.9000 |" in table
     assert "| fax_bridge fleet vs Flower | 0.125 | 8.00x |" in table
-    assert "MISSED" not in table and "within float32 tolerance" in table
+    assert "| fax_bridge fleet vs local | 25.000 |" in table
+    assert "| Flower round time / fax_bridge fleet >= 20, in every repeat | MISSED |" in table
+    assert "within float32 tolerance" in table
 
 
 def test_table_reports_skipped_and_missed(bench: Any) -> None:
