@@ -53,7 +53,8 @@ def build(cohort: int) -> Tuple[Any, Any, Any]:
     f32 = jnp.float32
     specs = (
         {k: jax.ShapeDtypeStruct(s, f32) for k, s in workload.PARAM_SHAPES.items()},
-        jax.ShapeDtypeStruct((cohort, workload.LOCAL_STEPS, workload.BATCH, workload.N_FEATURES), f32),
+        jax.ShapeDtypeStruct(
+            (cohort, workload.LOCAL_STEPS, workload.BATCH, workload.N_FEATURES), f32),
         jax.ShapeDtypeStruct((cohort, workload.LOCAL_STEPS, workload.BATCH), jnp.int32),
         jax.ShapeDtypeStruct((cohort,), f32),
     )

@@ -7,9 +7,11 @@ adds mutual TLS; addresses other than loopback need `--allow-remote`. Messages a
 bytes held on the device are capped (`--max-message-bytes`, `--max-stored-bytes`).
 `--population DIR` hosts a population written by `fax_bridge.data.stream.write_population`:
 the coordinator then sends only client ids (a Put stream of `from_store` reads) and
-the device reads those clients' rows from its memory-mapped store. Computations arrive once, by content hash; client
-values stay here behind coordinator-chosen handles until they are fetched, aggregated
-(partials over this device's own clients) or released. Once listening, the process
+the device reads those clients' rows from its memory-mapped store. Computations arrive
+once, by content hash; client values stay here behind coordinator-chosen handles until
+they are fetched, aggregated (partials over this device's own clients) or released. A
+round by plan (`Round`, or `RoundOnce` for a request of one message) is served by
+`device_round` and keeps nothing. Once listening, the process
 prints one JSON line on stdout, e.g. `{"listening": "127.0.0.1:41234", "port": 41234,
 "pid": 4242, "device_id": "device-0"}`, and nothing else; logs go to stderr.
 

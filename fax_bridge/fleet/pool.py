@@ -322,7 +322,8 @@ class DevicePool:
             code = error.code()
             lost = code in LOST_CODES
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                hint = f"; it did not answer within the deadline (rpc_timeout_s={self.rpc_timeout_s})"
+                hint = ("; it did not answer within the deadline "
+                        f"(rpc_timeout_s={self.rpc_timeout_s})")
             elif code == grpc.StatusCode.UNAVAILABLE:
                 hint = "; the device process is not reachable (did it exit? see its log)"
             elif code == grpc.StatusCode.UNAUTHENTICATED:
