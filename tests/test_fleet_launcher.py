@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from fax_bridge.fleet import device, sample_computations as sc, security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
@@ -87,3 +88,39 @@ def test_devices_exit_when_their_launcher_is_killed():
         launcher.wait(timeout=10)
         launcher.stdout.close()
     assert _wait_gone([pid]) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12), st.lists(st.integers(0, 63), min_size=0, max_size=16, unique=True))
+def test_cpu_shares_split_the_cpus_evenly_or_round_robin(devices, cpus):
+    from fax_bridge.fleet.launcher import cpu_shares
+
+    cpus = sorted(cpus)
+    shares = cpu_shares(devices, cpus)
+    assert len(shares) == devices
+    if len(cpus) < 2:
+        assert shares == [None] * devices  # nothing to split
+        return
+    assert all(share and share <= set(cpus) for share in shares)
+    if devices >= len(cpus):  # one CPU each, every CPU used as evenly as it can be
+        assert all(len(share) == 1 for share in shares)
+        counts = [sum(c in share for share in shares) for c in cpus]
+        assert max(counts) - min(counts) <= 1
+    else:  # disjoint runs covering every CPU, sizes within one of each other
+        assert set().union(*shares) == set(cpus)
+        assert sum(len(share) for share in shares) == len(cpus)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs at least two CPUs to split")
+def test_devices_start_on_their_own_share_of_the_cpus():
+    mine = os.sched_getaffinity(0)
+    with LocalFleet(devices=2) as fleet:
+        shares = [os.sched_getaffinity(pid) for pid in fleet.pids]
+        assert shares[0] and shares[1] and not shares[0] & shares[1]
+        assert shares[0] | shares[1] == mine
+        restarted = fleet.restart_device(1)
+        assert restarted and os.sched_getaffinity(fleet.pids[1]) == shares[1]
+    with LocalFleet(devices=2, share_cpus=False) as fleet:
+        assert all(os.sched_getaffinity(pid) == mine for pid in fleet.pids)

@@ -87,6 +87,11 @@ class LocalFleet(FleetRounds):
         (`--population`): runs then pass `fleet.population` (or a `PopulationRef`) for
         a CLIENTS argument and the devices read the cohort's rows themselves.
       population_name: the name the devices give it (default: the directory's name).
+      share_cpus: start each device on its own share of the CPUs this process may run
+        on (`cpu_shares`: split evenly, round-robin when there are more devices than
+        CPUs), so that devices on one machine do not run their XLA threads on each
+        other's cores; False leaves placement to the operating system. Linux only
+        (ignored elsewhere, and with one CPU).
     """
 
     def __init__(self, devices: int = 2, *, policy: Optional[RoundPolicy] = None,
@@ -102,7 +107,8 @@ class LocalFleet(FleetRounds):
                  max_message_bytes: Optional[int] = None,
                  max_stored_bytes: Optional[int] = None,
                  population: Optional[Union[str, os.PathLike]] = None,
-                 population_name: Optional[str] = None, **policy_fields: Any):
+                 population_name: Optional[str] = None, share_cpus: bool = True,
+                 **policy_fields: Any):
         if devices < 1:
             raise FleetError(f"devices={devices}; a fleet needs at least one device")
         super().__init__(
@@ -136,6 +142,7 @@ class LocalFleet(FleetRounds):
         self._log_dir = pathlib.Path(log_dir) if log_dir is not None else None
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
+        self._cpus = cpu_shares(self.num_devices) if share_cpus else [None] * self.num_devices
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -206,9 +213,15 @@ class LocalFleet(FleetRounds):
             self._logs[index] = log
         else:
             self._logs.append(log)
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             self._device_command(index), stdout=subprocess.PIPE, stderr=log,
             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        if self._cpus[index] is not None:
+            try:  # before the interpreter has started any thread, which would not follow
+                os.sched_setaffinity(proc.pid, self._cpus[index])
+            except OSError:  # the process already ended; its log says why
+                pass
+        return proc
 
     def _spawn(self) -> None:
         if self._log_dir is None:
@@ -321,6 +334,28 @@ class LocalFleet(FleetRounds):
 
 # ---------------------------------------------------------------------------------------
 # Processes
+
+
+def cpu_shares(devices: int, cpus: Optional[list[int]] = None) -> list[Optional[set]]:
+    """Each device's CPUs: `cpus` (default: those this process may run on) split into
+    `devices` runs of consecutive CPUs as even as can be, or one CPU each, round-robin,
+    when there are more devices than CPUs; None for every device when there is nothing
+    to split (one CPU, or no `os.sched_getaffinity`)."""
+    if cpus is None:
+        if not hasattr(os, "sched_getaffinity"):
+            return [None] * devices
+        cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return [None] * devices
+    if devices >= len(cpus):
+        return [{cpus[i % len(cpus)]} for i in range(devices)]
+    size, extra = divmod(len(cpus), devices)
+    shares, start = [], 0
+    for i in range(devices):
+        stop = start + size + (1 if i < extra else 0)
+        shares.append(set(cpus[start:stop]))
+        start = stop
+    return shares
 
 
 def _parse_port_line(line: bytes) -> Optional[str]:
