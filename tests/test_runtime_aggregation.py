@@ -208,3 +208,5 @@ def test_columns_errors():
     with pytest.raises(ComputationError, match="floating-point"):
         aggregation.partial_of_columns("mean", [col.astype(np.int32)], 3)
     assert aggregation.partial_of_columns("max", [col[:0]], 0).count == 0
+    assert aggregation.partial_of_columns("weighted_mean", [col[:0]], 0,
+                                          [np.zeros(0, np.float32)]).count == 0

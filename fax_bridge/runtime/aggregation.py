@@ -25,6 +25,7 @@ coordinator as a FleetError naming the device and carrying the same message.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -157,7 +158,7 @@ def partial_of_columns(kind: str, columns: Sequence[np.ndarray], count: int,
     w = None
     if kind == "weighted_mean":
         if weights is None or len(weights) != 1 or weights[0].shape[:1] != (count,) \
-                or weights[0][0].size != 1:
+                or math.prod(weights[0].shape[1:]) != 1:
             raise AggregationError(
                 "a weighted_mean weight must be one scalar tensor per client; got "
                 f"{'none' if weights is None else [list(c.shape[1:]) for c in weights]}")
