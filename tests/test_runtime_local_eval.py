@@ -176,3 +176,18 @@ def test_children_reach_every_nested_computation():
         c.SerializeToString() for c in _every_computation(proto))
     kinds = {c.WhichOneof("computation") for c in seen}
     assert {"lambda", "block", "call", "intrinsic", "reference", "xla"} <= kinds
+
+
+@pytest.mark.parametrize("depth", [150, 400])
+def test_types_nested_past_the_parsers_limit_are_a_clear_error(depth):
+    """A Type proto built in memory can nest deeper than protobuf parses back; reading it
+    is a ComputationError naming the nesting, as a proto too deep for the converter is."""
+    from federated_language.proto import computation_pb2
+
+    type_proto = computation_pb2.Type()
+    inner = type_proto
+    for _ in range(depth):
+        inner = inner.struct.element.add().value
+    inner.tensor.dtype = 1
+    with pytest.raises(ComputationError, match="nested too deeply"):
+        local_eval.parse_type(type_proto)

@@ -27,6 +27,7 @@ from federated_language.common_libs import structure
 from federated_language.compiler import array as fl_array
 from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
+from google.protobuf.message import DecodeError
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import hlo, limits
@@ -98,7 +99,12 @@ def parse_type(type_proto) -> Optional[federated_language.Type]:
 
 @functools.lru_cache(maxsize=4096)
 def _parse_type_bytes(data: bytes) -> federated_language.Type:
-    type_proto = computation_pb2.Type.FromString(data)
+    try:
+        type_proto = computation_pb2.Type.FromString(data)
+    except DecodeError:  # bytes it serialized itself: only nesting past the parser's limit
+        raise ComputationError(
+            "a type in the computation proto is nested too deeply (beyond the protobuf "
+            "parser's nesting limit); flatten the type's structs") from None
     try:
         type_ = federated_language.Type.from_proto(type_proto)
     except RecursionError:
