@@ -99,7 +99,8 @@ def _coordinator_timers(log: list) -> None:
     _timed(plan_runner.partials, "from_message", log, "decode the partials")
     _timed(plan_runner.aggregation, "merge", log, "merge the partials")
     _timed(plan_runner.aggregation, "finish", log, "finish the aggregates")
-    _timed(plan_runner.interpreter, "evaluate_steps", log, "server prepare and result")
+    _timed(plan_runner.plan_server, "prepare", log, "server prepare and result")
+    _timed(plan_runner.plan_server, "result", log, "server prepare and result")
     _timed(plan_runner.values, "check_value", log, "check arguments and result")
     _timed(plan_runner, "run_plan", log, "run_plan (all of the above but sampling)")
 

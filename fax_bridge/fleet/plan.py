@@ -22,6 +22,7 @@ interpreter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any, Optional
 
@@ -53,6 +54,15 @@ class Aggregation:
     member_type: federated_language.Type
     weight_type: Optional[federated_language.Type] = None
 
+    @functools.cached_property
+    def leaf_types(self) -> tuple[list, list]:
+        """(the TensorTypes of the value, of the weight), depth first, as partials hold
+        their leaves (worked out once: each round checks every device's partials)."""
+        from fax_bridge.fleet.validate import leaf_types
+
+        weights = leaf_types(self.weight_type) if self.weight_type is not None else []
+        return leaf_types(self.member_type), weights
+
 
 @dataclasses.dataclass
 class Plan:
@@ -69,9 +79,20 @@ class Plan:
     aggregations: list           # [Aggregation]
     result: Computation          # the Block's result (SERVER)
     client_part_hash: str = ""
+    # (serialized member type, stored array of each tensor) by the inputs' keys, made
+    # once for rounds that read the devices' population (`plan_runner`)
+    store_members: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.client_part_hash = local_eval.content_hash(self.client_part)
+
+    @functools.cached_property
+    def server_program(self):
+        """The server prepare and result compiled once (`plan_server.compile_server`),
+        or None where they keep the interpreter."""
+        from fax_bridge.fleet.plan_server import compile_server
+
+        return compile_server(self)
 
 
 def _type(comp: Computation):
@@ -364,7 +385,7 @@ def run_in_process(plan: Plan, arg: Any, backend=None) -> Any:
     """Runs a plan with no devices (`arg`: the runtime value of the parameter)."""
     from federated_language.common_libs import structure
 
-    from fax_bridge.runtime import interpreter
+    from fax_bridge.fleet import plan_server
 
     members_by_input = [arg[i] for i in plan.client_inputs]
     n = len(members_by_input[0])
@@ -373,17 +394,12 @@ def run_in_process(plan: Plan, arg: Any, backend=None) -> Any:
     server_arg = structure.Struct([
         (name, None if i in plan.client_inputs else arg[i])
         for i, name in enumerate(structure.name_list_with_nones(arg))])
-    env = interpreter.evaluate_steps(
-        [(n_, v) for n_, v in plan.server_locals if n_ in plan.prepare_names],
-        {plan.parameter_name: server_arg}, backend, n)
+    env = plan_server.prepare(plan, server_arg, backend, n)
     sent = structure.Struct([(None, env[name]) for name in plan.broadcasts])
     specs = [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations]
     partials = client_partials(plan.client_part, plan.client_part_hash, sent, members, specs)
     for agg, partial in zip(plan.aggregations, partials):
         flat = aggregation.finish(partial)
         env[agg.local] = from_leaves(agg.member_type, flat)
-    env = interpreter.evaluate_steps(
-        [(n_, v) for n_, v in plan.server_locals if n_ not in plan.prepare_names],
-        env, backend, n)
-    return interpreter.evaluate_steps([("__result", plan.result)], env, backend, n)["__result"]
+    return plan_server.result(plan, env, backend, n)
 

@@ -21,9 +21,9 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import partials, put_messages, validate, wire
+from fax_bridge.fleet import partials, plan_server, put_messages, validate, wire
 from fax_bridge.fleet.plan import Plan
-from fax_bridge.runtime import aggregation, interpreter, population, values
+from fax_bridge.runtime import aggregation, population, values
 from fax_bridge.runtime.backend import as_numpy, from_leaves
 from fax_bridge.runtime.population import PopulationRef
 from fax_bridge.v1 import device_pb2 as pb
@@ -52,12 +52,20 @@ def usable(plan: Optional[Plan], arg: Any, param_type) -> bool:
 
 
 def _store_member(plan: Plan, inputs: list) -> tuple:
-    """(struct type of the client's inputs, the stored array of each tensor, depth first)."""
+    """(the client's inputs' struct type, serialized; the stored array of each tensor,
+    depth first), made once per plan and keys."""
     import federated_language
 
-    keys = [k for t, v in zip(plan.input_types, inputs)
-            for k in population.default_keys(t, v.keys)]
-    return federated_language.StructType([(None, t) for t in plan.input_types]), keys
+    key = tuple(None if v.keys is None else tuple(v.keys) for v in inputs)
+    found = plan.store_members.get(key)
+    if found is None:
+        keys = [k for t, v in zip(plan.input_types, inputs)
+                for k in population.default_keys(t, v.keys)]
+        member_type = federated_language.StructType([(None, t) for t in plan.input_types])
+        found = (member_type.to_proto().SerializeToString(deterministic=True), keys)
+        if len(plan.store_members) < 64:  # a few key spellings per plan, not a leak
+            plan.store_members[key] = found
+    return found
 
 
 class _Members(Sequence):
@@ -92,13 +100,12 @@ def _streams(backend, plan: Plan, inputs: list, layout, head_of) -> dict:
     out = {}
     if isinstance(inputs[0], PopulationRef):
         ref = inputs[0]
-        member_type, keys = _store_member(plan, inputs)
+        type_bytes, keys = _store_member(plan, inputs)
         _, size, _ = backend.population_info(ref)
         ids = np.asarray(ref.client_ids, dtype=np.int64).reshape(-1)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
             raise FleetError(f"a client id is out of range for the devices' population of "
                              f"{size} clients")
-        type_bytes = member_type.to_proto().SerializeToString(deterministic=True)
         for index, clients in layout:
             reads = put_messages.store_reads(0, ids[clients.start:clients.stop],
                                              clients.start, type_bytes, keys, ref.name or "")
@@ -122,9 +129,7 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
     names = structure.name_list_with_nones(arg)
     server_arg = structure.Struct([(name, None if i in plan.client_inputs else v)
                                    for i, (name, v) in enumerate(zip(names, arg))])
-    env = interpreter.evaluate_steps(
-        [(k, v) for k, v in plan.server_locals if k in plan.prepare_names],
-        {plan.parameter_name: server_arg}, backend, n)
+    env = plan_server.prepare(plan, server_arg, backend, n)
     sent = structure.Struct([(None, as_numpy(env[k])) for k in plan.broadcasts])
     layout = backend.layout(n)
     devices = [d for d, _ in layout]
@@ -166,17 +171,13 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
                 f"{len(plan.aggregations)} aggregations")
         backend.traffic.compute_seconds += answer.compute_seconds
         for agg, total, message in zip(plan.aggregations, totals, answer.partials):
-            weight_types = (validate.leaf_types(agg.weight_type)
-                            if agg.weight_type is not None else [])
-            validate.check_partial(message, agg.kind, validate.leaf_types(agg.member_type),
-                                   weight_types, len(clients), where,
-                                   backend.reject_nonfinite)
+            value_types, weight_types = agg.leaf_types
+            validate.check_partial(message, agg.kind, value_types, weight_types,
+                                   len(clients), where, backend.reject_nonfinite)
             backend.traffic.payload_up += partials.payload_bytes(message)
             aggregation.merge(total, partials.from_message(agg.kind, message))
     for agg, total in zip(plan.aggregations, totals):
         env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
-    env = interpreter.evaluate_steps(
-        [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
-        + [("", plan.result)], env, backend, n)
-    return values.check_value(env[""], result_type, "result")
+    return values.check_value(plan_server.result(plan, env, backend, n), result_type,
+                              "result")
 

@@ -110,7 +110,11 @@ def _honest(dtype: np.dtype, count: int) -> tuple[int, int, bool]:
 
 
 def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, where: str,
-                    reject_nonfinite: bool, count: int) -> None:
+                    reject_nonfinite: bool, count: int,
+                    pending: Optional[list] = None) -> None:
+    """Checks one leaf of an exact-sum partial. A float64-form leaf's values are appended
+    to `pending` (checked with the others of their dtype by `_check_pending`) when it is
+    given, checked here otherwise."""
     shape = list(leaf.shape)
     if leaf.dtype != _dtype_name(type_) or not _shape_ok(shape, type_):
         raise FleetError(f"{where}: a partial sum of {leaf.dtype[:20]}{shape[:8]} for a "
@@ -127,7 +131,11 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     units, last, bounded = _honest(dtype, count)
     doubles = leaf.doubles  # read once: each read copies the bytes
     if doubles:
-        _check_doubles(leaf, doubles, dtype, size, units, where)
+        values = _doubles_of(leaf, doubles, dtype, size, where)
+        if pending is None:
+            _check_double_values(values, dtype, units, where)
+        else:
+            pending.append((values, dtype, units, where))
         return
     if not (0 <= base <= last and 0 <= num <= last + 1 - base) or (is_int and num != 1):
         raise FleetError(
@@ -150,11 +158,10 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
         _check_flags(np.frombuffer(flag_bytes, np.uint8), rows, where, reject_nonfinite)
 
 
-def _check_doubles(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, size: int,
-                   units: int, where: str) -> None:
-    """A sum sent as float64 values: only for floats of at most 4 bytes, instead of the
-    limbs, one finite value per element, each a whole number of the dtype's smallest
-    subnormal and at most what `count` addends reach (`units` of them)."""
+def _doubles_of(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, size: int,
+                where: str) -> np.ndarray:
+    """A sum sent as float64 values (only for floats of at most 4 bytes, instead of the
+    limbs, one value per element): those values, once the form is checked."""
     if not double_sums.fits(dtype):
         raise FleetError(f"{where}: a {dtype} sum sent as float64 values; devices send "
                          f"those only for floats of at most 4 bytes; {_FORGED}")
@@ -164,7 +171,13 @@ def _check_doubles(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, size: int
     if len(data) != size * 8:
         raise FleetError(f"{where}: a partial sum of {size} float64 values should hold "
                          f"{size * 8} bytes, holds {len(data)}")
-    values = np.frombuffer(data, "<f8")
+    return np.frombuffer(data, "<f8")
+
+
+def _check_double_values(values: np.ndarray, dtype: np.dtype, units: int,
+                         where: str) -> None:
+    """Each value finite, a whole number of the dtype's smallest subnormal and at most
+    what the device's addends reach (`units` of them)."""
     emin_sub = float_params(dtype)[2]
     with np.errstate(over="ignore", invalid="ignore"):
         scaled = np.ldexp(values, -emin_sub)  # in units of the smallest subnormal
@@ -173,6 +186,25 @@ def _check_doubles(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, size: int
         raise FleetError(f"{where}: a partial sum's float64 values are not finite whole "
                          f"multiples of {dtype}'s smallest subnormal within what the "
                          f"device's clients can add up to; {_FORGED}")
+
+
+def _check_pending(pending: list) -> None:
+    """`_check_double_values` of the leaves `_check_sum_leaf` set aside, one set of array
+    operations per dtype and bound; a failing group is checked leaf by leaf, so the error
+    names the leaf."""
+    groups: dict = {}
+    for entry in pending:
+        groups.setdefault(entry[1:3], []).append(entry)
+    for (dtype, units), entries in groups.items():
+        if len(entries) > 1:
+            try:
+                _check_double_values(np.concatenate([e[0] for e in entries]), dtype, units,
+                                     entries[0][3])
+                continue
+            except FleetError:
+                pass
+        for values, _, _, where in entries:
+            _check_double_values(values, dtype, units, where)
 
 
 def _check_limbs(rows: np.ndarray, dtype: np.dtype, count: int, most: int, bounded: bool,
@@ -225,13 +257,15 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
     if len(answer.leaves) != len(value_types):
         raise FleetError(f"{where}: a partial of {len(answer.leaves)} tensors for a value "
                          f"of {len(value_types)}")
+    pending: list = []  # float64-form leaves, checked together by dtype
     for i, (leaf, t) in enumerate(zip(answer.leaves, value_types)):
         leaf_where = f"{where}, {kind} leaf {i}"
         if kind in EXTREMES:
             array = wire.decode_tensor(leaf.extreme)
             check_tensor(array, t, leaf_where, reject_nonfinite)
         else:
-            _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients)
+            _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients, pending)
+    _check_pending(pending)
     want_weights = 1 if kind == "weighted_mean" else 0
     if len(answer.weight_leaves) != want_weights:
         raise FleetError(f"{where}: {len(answer.weight_leaves)} weight partials for a "

@@ -207,10 +207,13 @@ def plan_columns(store, member_type: federated_language.Type,
         dtype, example = stored[key]
         want = np.dtype(t.dtype)
         shape = list(t.shape or ())
-        where = (f"{element} is {t} but the population stores {key!r} as "
-                 f"{dtype.name} examples of shape {list(example)}")
+
+        def where() -> str:  # built only for an error: a type's text is slow to make
+            return (f"{element} is {t} but the population stores {key!r} as "
+                    f"{dtype.name} examples of shape {list(example)}")
+
         if dtype != want:
-            raise ComputationError(f"{where}: the dtypes differ ({dtype.name} stored, "
+            raise ComputationError(f"{where()}: the dtypes differ ({dtype.name} stored, "
                                    f"{want.name} expected); rewrite the population or "
                                    "change the parameter type")
         if len(shape) == len(example) + 1:
@@ -219,10 +222,10 @@ def plan_columns(store, member_type: federated_language.Type,
             rest, single = shape, True
         else:
             raise ComputationError(
-                f"{where}: a member tensor must have the example's rank (one example per "
+                f"{where()}: a member tensor must have the example's rank (one example per "
                 f"client) or one more (all of a client's examples)")
         if any(w is not None and w != g for w, g in zip(rest, example)):
-            raise ComputationError(f"{where}: the example shapes differ")
+            raise ComputationError(f"{where()}: the example shapes differ")
         columns.append(Column(path=path, key=key, type_=t, single=single))
     return columns
 
@@ -238,7 +241,7 @@ def check_ids(store, ids: np.ndarray) -> None:
 
 def rows_bytes(store, columns: Sequence[Column], ids: np.ndarray) -> int:
     """Bytes the members of `ids` take once read (checked against the tensor cap)."""
-    sizes = np.diff(store.offsets)[ids] if ids.size else np.zeros(0, np.int64)
+    sizes = store.offsets[ids + 1] - store.offsets[ids]  # these clients only
     examples = int(sizes.sum())
     biggest = int(sizes.max()) if sizes.size else 0
     total = 0

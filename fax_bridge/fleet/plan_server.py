@@ -1,0 +1,229 @@
+"""A round plan's server pieces (prepare and result), run as local functions.
+
+On the coordinator a SERVER value is its member, so the intrinsics a round's server
+steps use have local meanings: `federated_apply(<f, x>)` is `f(x)`,
+`federated_eval_at_server(f)` is `f()`, `federated_zip_at_server(s)` and
+`federated_value_at_server(v)` are their argument. `compile_server` translates the
+plan's server prepare and server result into two local computations by those meanings
+and compiles them once (`local_eval.compile_local`); a round then runs each as one call
+instead of interpreting the steps. Pieces holding anything else (another intrinsic, a
+generic intrinsic on placed values, a `Data` computation) keep the interpreter
+(`compile_server` returns None); both give the same values, and the round's result is
+checked against the computation's type either way.
+
+`prepare` and `result` run a plan's two pieces by whichever way it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import federated_language
+from federated_language.common_libs import structure
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.runtime import interpreter, local_eval
+
+Computation = computation_pb2.Computation
+
+_CALLS = "federated_apply"
+_CALLS_WITHOUT_ARG = "federated_eval_at_server"
+_SAME = ("federated_zip_at_server", "federated_value_at_server")
+_ENV = "__plan_server"  # the result piece's parameter: <arguments, prepared, aggregates>
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerProgram:
+    """The two compiled pieces: `prepare(server_arg)` returns the prepare locals (a
+    Struct in `prepare_names` order); `result(<server_arg, those, aggregates>)` the
+    round's result."""
+
+    prepare_names: tuple
+    prepare: Callable
+    result: Callable
+
+
+def _local(comp: Computation) -> Optional[Computation]:
+    """`comp` with every SERVER intrinsic replaced by its local meaning; None when it
+    holds a computation without one."""
+    kind = comp.WhichOneof("computation")
+    out = Computation()
+    if kind == "call":
+        fn = comp.call.function
+        uri = fn.intrinsic.uri if fn.WhichOneof("computation") == "intrinsic" else None
+        arg = comp.call.argument if comp.call.HasField("argument") else None
+        if uri in _SAME and arg is not None:
+            return _local(arg)
+        if uri == _CALLS_WITHOUT_ARG and arg is not None:
+            inner = _local(arg)
+            if inner is None:
+                return None
+            out.call.function.CopyFrom(inner)
+            return out
+        if uri == _CALLS:
+            if arg is None or arg.WhichOneof("computation") != "struct" or \
+                    len(arg.struct.element) != 2:
+                return None
+            pieces = [_local(e.value) for e in arg.struct.element]
+            if None in pieces:
+                return None
+            out.call.function.CopyFrom(pieces[0])
+            out.call.argument.CopyFrom(pieces[1])
+            return out
+        inner = _local(fn)
+        if inner is None:
+            return None
+        out.call.function.CopyFrom(inner)
+        if arg is not None:
+            inner = _local(arg)
+            if inner is None:
+                return None
+            out.call.argument.CopyFrom(inner)
+        return out
+    if kind == "intrinsic":
+        type_ = local_eval.parse_type(comp.type)
+        if comp.intrinsic.uri not in local_eval.GENERIC_URIS or _placed(type_):
+            return None
+        out.CopyFrom(comp)
+        return out
+    if kind in ("xla", "literal", "reference"):
+        out.CopyFrom(comp)
+        return out
+    if kind == "selection":
+        source = _local(comp.selection.source)
+        if source is None:
+            return None
+        out.selection.source.CopyFrom(source)
+        out.selection.index = comp.selection.index
+        return out
+    if kind == "struct":
+        out.struct.SetInParent()  # an empty struct is still a struct
+        for element in comp.struct.element:
+            value = _local(element.value)
+            if value is None:
+                return None
+            added = out.struct.element.add(value=value)
+            if element.name:
+                added.name = element.name
+        return out
+    if kind == "lambda":
+        lam = getattr(comp, "lambda")
+        body = _local(lam.result)
+        if body is None:
+            return None
+        getattr(out, "lambda").parameter_name = lam.parameter_name
+        getattr(out, "lambda").result.CopyFrom(body)
+        return out
+    if kind == "block":
+        for local in comp.block.local:
+            value = _local(local.value)
+            if value is None:
+                return None
+            out.block.local.add(name=local.name, value=value)
+        result = _local(comp.block.result)
+        if result is None:
+            return None
+        out.block.result.CopyFrom(result)
+        return out
+    return None  # data, placement
+
+
+def _placed(type_) -> bool:
+    """Whether a type holds a federated type anywhere."""
+    if isinstance(type_, federated_language.FederatedType):
+        return True
+    if isinstance(type_, federated_language.FunctionType):
+        return _placed(type_.parameter) or _placed(type_.result)
+    if isinstance(type_, federated_language.StructType):
+        return any(_placed(t) for _, t in type_.items())
+    return False
+
+
+def _ref(name: str) -> Computation:
+    out = Computation()
+    out.reference.name = name
+    return out
+
+
+def _sel(source: Computation, index: int) -> Computation:
+    out = Computation()
+    out.selection.source.CopyFrom(source)
+    out.selection.index = index
+    return out
+
+
+def _lambda(parameter: str, locals_: list, result: Computation) -> Optional[Computation]:
+    """Lambda(parameter) -> Block(locals_) -> result, translated; None if a part has no
+    local meaning."""
+    out = Computation()
+    lam = getattr(out, "lambda")
+    lam.parameter_name = parameter
+    for name, value in locals_:
+        translated = _local(value)
+        if translated is None:
+            return None
+        lam.result.block.local.add(name=name, value=translated)
+    lam.result.block.result.CopyFrom(result)
+    return out
+
+
+def compile_server(plan) -> Optional[ServerProgram]:
+    """The plan's server pieces compiled (module docstring), or None."""
+    prepare_steps = [(k, v) for k, v in plan.server_locals if k in plan.prepare_names]
+    result_steps = [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
+    names = [k for k, _ in prepare_steps]
+    if _ENV == plan.parameter_name or _ENV in {k for k, _ in plan.server_locals}:
+        return None
+    prepared = Computation()
+    prepared.struct.SetInParent()
+    for name in names:
+        prepared.struct.element.add(value=_ref(name))
+    prepare = _lambda(plan.parameter_name, prepare_steps, prepared)
+    unpack = [(plan.parameter_name, _sel(_ref(_ENV), 0))]
+    unpack += [(name, _sel(_sel(_ref(_ENV), 1), i)) for i, name in enumerate(names)]
+    unpack += [(agg.local, _sel(_sel(_ref(_ENV), 2), j))
+               for j, agg in enumerate(plan.aggregations)]
+    final = _local(plan.result)
+    if prepare is None or final is None:
+        return None
+    result = _lambda(_ENV, result_steps, final)
+    if result is None:
+        return None
+    block = getattr(result, "lambda").result.block
+    head = [computation_pb2.Block.Local(name=n, value=v) for n, v in unpack]
+    rest = list(block.local)
+    del block.local[:]
+    block.local.extend(head + rest)
+    try:
+        return ServerProgram(tuple(names), local_eval.compile_local(prepare),
+                             local_eval.compile_local(result))
+    except ComputationError:
+        return None  # e.g. a name the pieces do not bind: the interpreter says what
+
+
+def prepare(plan, server_arg: Any, backend, num_clients: int) -> dict:
+    """The environment after the server prepare: the parameter and each prepare local."""
+    program = plan.server_program
+    if program is None:
+        return interpreter.evaluate_steps(
+            [(k, v) for k, v in plan.server_locals if k in plan.prepare_names],
+            {plan.parameter_name: server_arg}, backend, num_clients)
+    env = {plan.parameter_name: server_arg}
+    env.update(zip(program.prepare_names, program.prepare(server_arg)))
+    return env
+
+
+def result(plan, env: dict, backend, num_clients: int) -> Any:
+    """The round's result from `env` (`prepare`'s, with each aggregate's local set)."""
+    program = plan.server_program
+    if program is None:
+        env = interpreter.evaluate_steps(
+            [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
+            + [("__result", plan.result)], env, backend, num_clients)
+        return env["__result"]
+    return program.result(structure.Struct([
+        (None, env[plan.parameter_name]),
+        (None, structure.Struct([(None, env[k]) for k in program.prepare_names])),
+        (None, structure.Struct([(None, env[a.local]) for a in plan.aggregations]))]))
