@@ -295,10 +295,11 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         self.traffic.payload_down += wire.payload_bytes(encoded) * len(requests)
         return result
 
-    def ensure_loaded(self, fn: computation_pb2.Computation, devices: list[int]) -> str:
+    def ensure_loaded(self, fn: computation_pb2.Computation, devices: list[int],
+                      key: Optional[str] = None) -> str:
         """Loads `fn` on those of `devices` that do not hold it yet; returns its
-        content hash, the key requests name it by."""
-        key = content_hash(fn)
+        content hash, the key requests name it by (`key`: that hash, known already)."""
+        key = key or content_hash(fn)
         missing = [d for d in devices if (d, key) not in self._loaded]
         if missing:
             request = pb.LoadRequest(computation_hash=key,

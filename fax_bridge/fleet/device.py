@@ -124,6 +124,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         self.max_call_seconds = float(max_call_seconds)
         self.max_delay_seconds = float(max_delay_seconds)
         self.stopping = threading.Event()  # set on shutdown: waits and long calls end
+        self._member_types: dict = {}  # serialized member type of from_store reads -> Type
         self.population = None
         self.population_name = ""
         self.population_digest = ""
@@ -351,16 +352,20 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"from_store asks for population {head.population!r} but "
                             f"this device hosts {self.population_name!r}")
-        type_proto = computation_pb2.Type()
-        try:
-            type_proto.ParseFromString(head.member_type)
-        except Exception as e:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"from_store: member_type is not a serialized Type ({e})")
-        member_type = local_eval.parse_type(type_proto)
+        member_type = self._member_types.get(head.member_type)
         if member_type is None:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            "from_store: member_type is empty")
+            type_proto = computation_pb2.Type()
+            try:
+                type_proto.ParseFromString(head.member_type)
+            except Exception as e:
+                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"from_store: member_type is not a serialized Type ({e})")
+            member_type = local_eval.parse_type(type_proto)
+            if member_type is None:
+                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                "from_store: member_type is empty")
+            if len(self._member_types) < 64:  # the few types a fleet's rounds read
+                self._member_types[head.member_type] = member_type
         if head.first_client < 0:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"from_store: first_client {head.first_client} is negative")

@@ -58,8 +58,9 @@ def _leaf_from_message(kind: str, message: pb.LeafPartial):
         return np.array(wire.decode_tensor(message.extreme))
     dtype = wire.dtype_from_name(message.dtype)
     shape = tuple(message.shape)
-    if message.doubles:
-        return DoubleSum(dtype, shape, np.frombuffer(message.doubles, "<f8").copy())
+    doubles = message.doubles  # read once: each read copies the bytes
+    if doubles:
+        return DoubleSum(dtype, shape, np.frombuffer(doubles, "<f8").copy())
     size = math.prod(shape)
     # Explicit sizes: an all-zero sum has no limbs, and (0, -1) is no valid shape.
     limbs = np.frombuffer(message.limbs, "<i8").reshape((message.num_limbs, size))

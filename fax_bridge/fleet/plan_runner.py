@@ -133,7 +133,7 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
     sent = structure.Struct([(None, as_numpy(env[k])) for k in plan.broadcasts])
     layout = backend.layout(n)
     devices = [d for d, _ in layout]
-    key = backend.ensure_loaded(plan.client_part, devices)
+    key = backend.ensure_loaded(plan.client_part, devices, plan.client_part_hash)
     broadcast = wire.to_message(sent)
     specs = []
     for agg in plan.aggregations:

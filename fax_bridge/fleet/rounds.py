@@ -149,12 +149,17 @@ def plan_round(policy: RoundPolicy, population: int, round_index: int) -> RoundP
     """Samples the cohort and decides dropouts and delays of round `round_index`."""
     if population < 0:
         raise FleetError(f"population {population} must be >= 0")
-    rng = np.random.default_rng([policy.seed, round_index])
     size = population if policy.cohort_size is None else policy.cohort_size
     if size > population:
         raise FleetError(
             f"cohort_size={size} exceeds the population of {population} clients; lower "
             "cohort_size or place more clients")
+    if size == population and policy.dropout == 0 and policy.straggler_delay_s == 0:
+        # Nothing to draw: every client takes part, as the draws below would decide.
+        everyone = ClientIds.span(0, population)
+        return RoundPlan(cohort=everyone, dropped=ClientIds(), late=ClientIds(),
+                         participants=everyone, delays_s=ClientDelays(everyone, None))
+    rng = np.random.default_rng([policy.seed, round_index])
     chosen = np.sort(rng.choice(population, size=size, replace=False))
     cohort = (ClientIds.span(0, population) if size == population else ClientIds(chosen))
     del chosen

@@ -108,7 +108,7 @@ class ClientsBackend(abc.ABC):
 def as_numpy(value: LocalValue) -> LocalValue:
     """Converts a local value's leaves to numpy arrays, keeping Struct nesting."""
     if isinstance(value, structure.Struct):
-        return structure.map_structure(np.asarray, value)
+        return structure.Struct([(n, as_numpy(m)) for n, m in structure.iter_elements(value)])
     return np.asarray(value)
 
 

@@ -33,6 +33,7 @@ first, with the results' size x clients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -64,6 +65,12 @@ class _Batched:
     run: Callable          # compiled: (shared leaves, stacked member leaves) -> stacked results
     result_tree: Any       # the layout of one client's result
     result_specs: tuple    # (shape, dtype) of each result leaf, per client
+
+    @functools.cached_property
+    def example(self) -> LocalValue:
+        """One client's result of zeros (read-only views), for sizing results."""
+        return _build(self.result_tree, iter(np.broadcast_to(np.zeros((), dtype), shape)
+                                             for shape, dtype in self.result_specs))
 
 
 _lock = threading.Lock()
@@ -335,9 +342,7 @@ def _run_batched(plan: _Batched, rows: int, shared_leaves: list, source: _Source
     count = source.count
     if guard is not None:
         guard.tick()
-        example = _build(plan.result_tree, iter(
-            np.broadcast_to(np.zeros((), dtype), shape) for shape, dtype in plan.result_specs))
-        guard.room(guard.size(example) * count)
+        guard.room(guard.size(plan.example) * count)
     chunks: list = []
     for start in range(0, count, rows):
         chunk = source.chunk(start, rows)

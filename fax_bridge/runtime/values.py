@@ -62,8 +62,9 @@ def _join(path: str, key) -> str:
 
 def _tensor(value, type_: federated_language.TensorType, path: str, lead: int) -> np.ndarray:
     """`value` as an array of `type_` (with `lead` leading axes kept as they are)."""
-    if isinstance(value, (structure.Struct, Mapping)) or (
-            isinstance(value, (tuple, list)) and not _is_numeric_seq(value)):
+    if type(value) is not np.ndarray and (  # arrays skip the slower container checks
+            isinstance(value, (structure.Struct, Mapping)) or (
+            isinstance(value, (tuple, list)) and not _is_numeric_seq(value))):
         raise ComputationError(f"{_where(path)}: expected a tensor {type_}, got "
                                f"{_describe(value)}")
     try:
@@ -97,6 +98,16 @@ def _is_numeric_seq(value) -> bool:
 def _struct_items(value, type_: federated_language.StructType, path: str):
     """The elements of a pytree or Struct `value` in the order of `type_`'s elements."""
     items = list(type_.items())
+    if isinstance(value, structure.Struct):  # the common case first: one cheap check
+        if len(value) != len(items):
+            raise ComputationError(
+                f"{_where(path)}: expected {len(items)} elements ({type_}), got "
+                f"{_describe(value)}")
+        for (name, _), got in zip(items, structure.name_list_with_nones(value)):
+            if got is not None and name is not None and got != name:
+                raise ComputationError(
+                    f"{_where(path)}: element named `{got}` where {type_} has `{name}`")
+        return [(n, v) for (n, _), v in zip(items, value)]
     if isinstance(value, tuple) and hasattr(value, "_fields") and all(n for n, _ in items):
         value = value._asdict()  # a NamedTuple's fields are matched by name
     if isinstance(value, Mapping):
@@ -111,18 +122,12 @@ def _struct_items(value, type_: federated_language.StructType, path: str):
                 f"{_where(path)}: expected keys {names} ({type_}); missing {missing}, "
                 f"unexpected {extra}")
         return [(n, value[n]) for n in names]
-    if isinstance(value, (structure.Struct, tuple, list)):
-        elements = list(value)
-        if len(elements) != len(items):
+    if isinstance(value, (tuple, list)):
+        if len(value) != len(items):
             raise ComputationError(
                 f"{_where(path)}: expected {len(items)} elements ({type_}), got "
                 f"{_describe(value)}")
-        if isinstance(value, structure.Struct):
-            for (name, _), got in zip(items, structure.name_list_with_nones(value)):
-                if got is not None and name is not None and got != name:
-                    raise ComputationError(
-                        f"{_where(path)}: element named `{got}` where {type_} has `{name}`")
-        return [(n, v) for (n, _), v in zip(items, elements)]
+        return [(n, v) for (n, _), v in zip(items, value)]
     children = _pytree_children(value)
     if children is not None:  # a registered dataclass or another custom pytree node
         if all(n for n, _ in children):
