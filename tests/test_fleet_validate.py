@@ -308,3 +308,29 @@ def test_float64_form_partials_are_checked_like_limbs():
     assert 6e38 < 2 * float(np.finfo(np.float32).max) < 7e38  # the bound is the sum's
     validate.check_partial(forged(lambda leaf: setattr(leaf, "doubles", values(1.5, 0.0, 6e38))),
                            "sum", types, [], 2, "d0")
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(["secure_sum_bitwidth", "secure_sum"]),
+       st.sampled_from([np.int32, np.int64, np.uint8]), st.integers(0, 30),
+       st.integers(1, 1000), st.sampled_from(["at_top", "at_zero", "above", "negative"]))
+def test_secure_sum_partials_stay_within_what_clients_in_bound_reach(kind, dtype, bound,
+                                                                     count, where_to):
+    """A secure sum's partial over `count` clients lies in [0, count * top] (top:
+    2**bitwidth - 1, or max_input); a device answering past it is refused, naming it."""
+    dtype = np.dtype(dtype)
+    bound_value = np.int32(bound)
+    top, = aggregation.secure_bounds(kind, bound_value, 1)
+    most = count * top
+    value = {"at_top": most, "at_zero": 0, "above": most + 1, "negative": -1}[where_to]
+    types = [fl.TensorType(dtype, [2])]
+    message = _message(dtype, [2], count, 0, [[0, value]])
+    info = np.iinfo(dtype)
+    in_dtype = count * int(info.min) <= value <= count * int(info.max)
+    if where_to in ("at_top", "at_zero") and in_dtype:
+        validate.check_partial(message, kind, types, [], count, "device 3", tops=[top])
+        return
+    # Past the integer type's own range its bound refuses first; within it, this one.
+    reason = "secure sum's partial" if in_dtype else "top limb holds"
+    with pytest.raises(FleetError, match=f"device 3, {kind} leaf 0: .*{reason}.*forged"):
+        validate.check_partial(message, kind, types, [], count, "device 3", tops=[top])

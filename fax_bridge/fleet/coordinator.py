@@ -404,15 +404,17 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         layout = self._value_layout(value)
         if weights is not None:
             self._value_layout(weights)
-        answers = self.call_each("Aggregate", {d: request for d, _ in layout})
         leaf_types = validate.leaf_types(value.type_signature)
         weight_type = validate.leaf_types(weights.type_signature) if weights is not None else []
+        tops = (aggregation.secure_bounds(kind, bitwidth, len(leaf_types))  # checked here
+                if kind in ("secure_sum_bitwidth", "secure_sum") else None)
+        answers = self.call_each("Aggregate", {d: request for d, _ in layout})
         total = aggregation.Partial(kind=kind, leaves=[])
         for index, clients in layout:  # device order is client order
             answer = answers[index]
             where = f"device {index} at {self._devices[index].address}"
             validate.check_partial(answer, kind, leaf_types, weight_type, len(clients),
-                                   where, self.reject_nonfinite)
+                                   where, self.reject_nonfinite, tops)
             self.traffic.payload_up += partials.payload_bytes(answer)
             aggregation.merge(total, partials.from_message(kind, answer))
         return total

@@ -111,10 +111,11 @@ def _honest(dtype: np.dtype, count: int) -> tuple[int, int, bool]:
 
 def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, where: str,
                     reject_nonfinite: bool, count: int,
-                    pending: Optional[list] = None) -> None:
+                    pending: Optional[list] = None, top: Optional[int] = None) -> None:
     """Checks one leaf of an exact-sum partial. A float64-form leaf's values are appended
     to `pending` (checked with the others of their dtype by `_check_pending`) when it is
-    given, checked here otherwise."""
+    given, checked here otherwise. `top`: the largest value one client may add (a
+    secure sum's bound), so the sum lies in [0, count * top]."""
     shape = list(leaf.shape)
     if leaf.dtype != _dtype_name(type_) or not _shape_ok(shape, type_):
         raise FleetError(f"{where}: a partial sum of {leaf.dtype[:20]}{shape[:8]} for a "
@@ -154,6 +155,8 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     if num and size:
         _check_limbs(rows, dtype, count, units >> (LIMB_BITS * (base + num - 1)), bounded,
                      where)
+        if top is not None and is_int:
+            _check_secure_sum(rows[0], count * top, where)
     if flag_bytes:
         _check_flags(np.frombuffer(flag_bytes, np.uint8), rows, where, reject_nonfinite)
 
@@ -231,6 +234,17 @@ def _check_limbs(rows: np.ndarray, dtype: np.dtype, count: int, most: int, bound
             f"a sum of {count} {dtype} values keeps it in [{low}, {high}]; {_FORGED}")
 
 
+def _check_secure_sum(sums: np.ndarray, most: int, where: str) -> None:
+    """A secure sum's partial: each element in [0, most], what `count` clients within the
+    bound reach (an int64 wraps past 2^63 - 1, so larger bounds are not checked)."""
+    if most >= 1 << 63:
+        return
+    if int(sums.min()) < 0 or int(sums.max()) > most:
+        raise FleetError(
+            f"{where}: a secure sum's partial holds {int(sums.min())} .. {int(sums.max())};"
+            f" its clients, each within the bound, keep it in [0, {most}]; {_FORGED}")
+
+
 def _check_flags(flags: np.ndarray, rows: np.ndarray, where: str,
                  reject_nonfinite: bool) -> None:
     """Non-finite flags: known bits, -0 only where nothing else was seen and the sum is 0."""
@@ -248,9 +262,11 @@ def _check_flags(flags: np.ndarray, rows: np.ndarray, where: str,
 
 def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
                   weight_types: list, num_clients: int, where: str,
-                  reject_nonfinite: bool = False) -> None:
+                  reject_nonfinite: bool = False,
+                  tops: Optional[Sequence[int]] = None) -> None:
     """Raises FleetError unless an AggregateResponse fits the aggregated value's type and
-    could come from an honest device holding `num_clients` clients."""
+    could come from an honest device holding `num_clients` clients. `tops`: for a secure
+    sum, the largest value one client may add to each leaf (`aggregation.secure_bounds`)."""
     if answer.num_clients != num_clients:
         raise FleetError(f"{where}: a partial over {answer.num_clients} clients; the "
                          f"device holds {num_clients}")
@@ -264,7 +280,8 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
             array = wire.decode_tensor(leaf.extreme)
             check_tensor(array, t, leaf_where, reject_nonfinite)
         else:
-            _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients, pending)
+            _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients, pending,
+                            None if tops is None else tops[i])
     _check_pending(pending)
     want_weights = 1 if kind == "weighted_mean" else 0
     if len(answer.weight_leaves) != want_weights:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -72,44 +72,80 @@ def _bounds(bound: LocalValue, count: int, what: str) -> list[np.ndarray]:
     return flat * count if len(flat) == 1 and count != 1 else flat
 
 
-def _check_range(members: Sequence[LocalValue], bound: Optional[LocalValue], what: str,
-                 name: str, bound_ok, bad_bound: str, top, shown_range, fix: str) -> None:
-    """The shared check of the secure sums: every member's tensors are integers in
-    [0, top(bound)], and each bound is an integer scalar that `bound_ok` accepts."""
+@dataclasses.dataclass(frozen=True)
+class _SecureRange:
+    """How a secure sum bounds each client's values: [0, top(bound)]."""
+
+    what: str
+    name: str
+    bound_ok: Callable[[int], bool]
+    bad_bound: str
+    top: Callable[[int], int]
+    shown: Callable[[int, int], str]
+    fix: str
+
+
+_SECURE = {
+    "secure_sum_bitwidth": _SecureRange(
+        "federated_secure_sum_bitwidth", "bitwidth",
+        lambda b: 0 <= b <= MAX_SECURE_BITWIDTH,
+        f"a bitwidth must be an integer scalar in [0, {MAX_SECURE_BITWIDTH}]",
+        lambda b: 2 ** b - 1, lambda b, hi: f"[0, 2**{b} - 1] = [0, {hi}]",
+        "clip or quantize it on the clients first"),
+    "secure_sum": _SecureRange(
+        "federated_secure_sum", "max_input", lambda m: m >= 0,
+        "max_input must be an integer scalar >= 0", lambda m: m,
+        lambda m, hi: f"[0, max_input] = [0, {hi}]", "clip the values on the clients first"),
+}
+
+
+def secure_bounds(kind: str, bound: Optional[LocalValue], count: int) -> list[int]:
+    """The largest value one client may give each of a value's `count` tensors in a
+    secure sum of `kind` (2**bitwidth - 1, or max_input); AggregationError unless the
+    bound is an integer scalar (once, or once per tensor) of the kind's range."""
+    spec = _SECURE[kind]
     if bound is None:
-        raise AggregationError(f"{what} needs a {name}")
+        raise AggregationError(f"{spec.what} needs a {spec.name}")
+    out = []
+    for b in _bounds(bound, count, spec.what):
+        if b.shape != () or b.dtype.kind not in "iu" or not spec.bound_ok(int(b)):
+            raise AggregationError(f"{spec.what}: {spec.bad_bound}, got "
+                                   f"{b.dtype}{list(b.shape)} {b}")
+        out.append(spec.top(int(b)))
+    return out
+
+
+def _check_range(kind: str, members: Sequence[LocalValue],
+                 bound: Optional[LocalValue]) -> None:
+    """The shared check of the secure sums: every member's tensors are integers in
+    [0, top(bound)], and each bound is an integer scalar of the kind's range."""
+    spec = _SECURE[kind]
+    if bound is None:
+        raise AggregationError(f"{spec.what} needs a {spec.name}")
+    tops: Optional[list[int]] = None
     for member in members:
         flat = leaves(member)
-        for x, b in zip(flat, _bounds(bound, len(flat), what)):
-            if b.shape != () or b.dtype.kind not in "iu" or not bound_ok(int(b)):
-                raise AggregationError(
-                    f"{what}: {bad_bound}, got {b.dtype}{list(b.shape)} {b}")
+        if tops is None:
+            tops = secure_bounds(kind, bound, len(flat))
+        for x, hi, b in zip(flat, tops, _bounds(bound, len(flat), spec.what)):
             if x.dtype.kind not in "iu":
-                raise AggregationError(f"{what} sums integers, got {x.dtype}")
-            hi = top(int(b))
+                raise AggregationError(f"{spec.what} sums integers, got {x.dtype}")
             if x.size and (int(x.min()) < 0 or int(x.max()) > hi):
                 raise AggregationError(
-                    f"{what}: a client value lies outside {shown_range(int(b), hi)} "
-                    f"(min {int(x.min())}, max {int(x.max())}); {fix}")
+                    f"{spec.what}: a client value lies outside {spec.shown(int(b), hi)} "
+                    f"(min {int(x.min())}, max {int(x.max())}); {spec.fix}")
 
 
 def check_bitwidth(members: Sequence[LocalValue], bitwidth: Optional[LocalValue]) -> None:
     """Raises AggregationError unless every member's tensors are integers in
     [0, 2**bitwidth - 1] and each bitwidth is an integer scalar in [0, MAX_SECURE_BITWIDTH]."""
-    _check_range(members, bitwidth, "federated_secure_sum_bitwidth", "bitwidth",
-                 lambda b: 0 <= b <= MAX_SECURE_BITWIDTH,
-                 f"a bitwidth must be an integer scalar in [0, {MAX_SECURE_BITWIDTH}]",
-                 lambda b: 2 ** b - 1, lambda b, hi: f"[0, 2**{b} - 1] = [0, {hi}]",
-                 "clip or quantize it on the clients first")
+    _check_range("secure_sum_bitwidth", members, bitwidth)
 
 
 def check_max_input(members: Sequence[LocalValue], max_input: Optional[LocalValue]) -> None:
     """Raises AggregationError unless every member's tensors are integers in
     [0, max_input] (`federated_secure_sum`'s range; max_input an integer scalar)."""
-    _check_range(members, max_input, "federated_secure_sum", "max_input", lambda m: m >= 0,
-                 "max_input must be an integer scalar >= 0", lambda m: m,
-                 lambda m, hi: f"[0, max_input] = [0, {hi}]",
-                 "clip the values on the clients first")
+    _check_range("secure_sum", members, max_input)
 
 
 def _scalar_weight(weight: LocalValue) -> np.ndarray:
