@@ -170,7 +170,8 @@ def make_inputs(key: jax.Array, layers: Sequence[int], clients: int, steps: int,
 
 def _hlo_summary(text: str) -> dict[str, int]:
     """Instruction counts of an optimized HLO module's text."""
-    lines = [ln.strip() for ln in text.splitlines() if " = " in ln and not ln.strip().startswith("//")]
+    lines = [ln.strip() for ln in text.splitlines()
+             if " = " in ln and not ln.strip().startswith("//")]
 
     def count(op: str) -> int:
         return sum(1 for ln in lines if f" {op}(" in ln)

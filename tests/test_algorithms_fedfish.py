@@ -60,7 +60,8 @@ def test_identical_clients_reduce_to_fedavg():
     data = {k: np.broadcast_to(v[1:2], v.shape).copy() for k, v in data.items()}
     mask = np.ones_like(mask)
     p0 = {"w": jnp.zeros(2), "b": jnp.zeros(())}
-    fish, avg = fed_fish(loss, optax.sgd(0.05), clients=3), fed_avg(loss, optax.sgd(0.05), clients=3)
+    fish = fed_fish(loss, optax.sgd(0.05), clients=3)
+    avg = fed_avg(loss, optax.sgd(0.05), clients=3)
     a, _ = jax.jit(fish.next)(fish.init(p0), data, mask)
     b, _ = jax.jit(avg.next)(avg.init(p0), data, mask)
     for k in p0:

@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-PEERS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peers")
+PEERS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks", "peers")
 sys.path.insert(0, PEERS_DIR)
 
 import numpy_mlp  # noqa: E402

@@ -271,7 +271,8 @@ COORDINATOR = textwrap.dedent("""
         got, rep = fleet.run(proto, x, s, report=True)
         timer.join()
         out["cut"] = {"result": got.tolist(), "lost_devices": rep.lost_devices,
-                      "lost_clients": list(rep.lost_clients), "participants": list(rep.participants),
+                      "lost_clients": list(rep.lost_clients),
+                      "participants": list(rep.participants),
                       "devices": rep.devices, "summary": rep.summary()}
     # Device 1's link is deleted mid-round and every client is required: FleetError.
     with RemoteFleet(cfg["addresses"][:2], straggler_delay_s=0.5, rpc_timeout_s=2,

@@ -56,7 +56,8 @@ def _client_values():
 
 
 def _run_tff(rounds, read=()) -> dict:
-    spec = {"read": [str(p) for p in read],"rounds": [[{k: r[k][i].tolist() for k in r} for i in range(CLIENTS)]
+    spec = {"read": [str(p) for p in read],
+            "rounds": [[{k: r[k][i].tolist() for k in r} for i in range(CLIENTS)]
                        for r in rounds],
             "cases": [{"name": n, "factory": f, "kwargs": kw} for n, (f, kw) in CASES.items()]}
     # Files, not pipes (side_env.run_json's): TFF's runtime starts worker processes that

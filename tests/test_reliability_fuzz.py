@@ -72,7 +72,8 @@ _dims = st.lists(st.sampled_from([0, 1, 2, 3, 1 << 40, -1]), max_size=3)
 @st.composite
 def _type(draw, depth=0):
     t = computation_pb2.Computation().type.__class__()
-    kind = draw(st.sampled_from(["tensor", "struct", "federated", "function"][:2 + (depth < 2) * 2]))
+    kinds = ["tensor", "struct", "federated", "function"][:2 + (depth < 2) * 2]
+    kind = draw(st.sampled_from(kinds))
     if kind == "tensor":
         t.tensor.dtype = draw(st.sampled_from([1, 3, 9, 10, 0, 77]))
         t.tensor.dims[:] = draw(_dims)
@@ -303,8 +304,10 @@ _tensor = st.builds(
     st.lists(st.sampled_from([0, 1, 2, 3, 1 << 40, -5]), max_size=3),
     st.binary(max_size=24))
 _value = st.recursive(st.builds(lambda t: pb.Value(tensor=t), _tensor),
-                      lambda inner: st.builds(lambda vs: pb.Value(struct=pb.Struct(
-                          elements=[pb.Element(value=v) for v in vs])), st.lists(inner, max_size=3)),
+                      lambda inner: st.builds(
+                          lambda vs: pb.Value(struct=pb.Struct(
+                              elements=[pb.Element(value=v) for v in vs])),
+                          st.lists(inner, max_size=3)),
                       max_leaves=4)
 _handle = st.integers(0, 4)
 _requests = st.one_of(

@@ -25,7 +25,8 @@ TOKEN = security.new_token()
 
 @pytest.fixture(scope="module")
 def server():
-    srv, port = device_process.start_server("127.0.0.1:0", device.DeviceServicer("sec"), token=TOKEN)
+    srv, port = device_process.start_server("127.0.0.1:0", device.DeviceServicer("sec"),
+                                             token=TOKEN)
     yield f"127.0.0.1:{port}"
     srv.stop(None)
 

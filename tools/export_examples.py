@@ -4,8 +4,8 @@
 
 Each example module names its exportable programs in `__exportable__` and provides
 example arguments the way `fax-bridge export` expects (`NAME_example_args(clients)` or
-`example_args(clients)`), or lists built programs in `export_targets(clients)`. Used by `make tff-check`, which then has TensorFlow Federated
-0.87 read every file back.
+`example_args(clients)`), or lists built programs in `export_targets(clients)`. Used by
+`make tff-check`, which then has TensorFlow Federated 0.87 read every file back.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Checks that TFF 0.87 reads our Computation protos with the same type signatures as federated_language.
+"""Checks that TFF 0.87 reads our Computation protos with the same type signatures as
+federated_language.
 
 Runs in the main venv (federated-language 0.5.4). Every .pb file is read here with
 `federated_language`'s building blocks and, in one subprocess, by TFF 0.87 itself
@@ -173,7 +174,8 @@ def format_table(rows: Sequence[Row], base: os.PathLike | str = REPO) -> str:
     lines = [f"{'status':8s}  {'file'.ljust(width)}  signature (federated_language = TFF 0.87)"]
     for r in rows:
         same = r.fl_signature == r.tff_signature
-        sig = r.fl_signature if same else f"fl: {r.fl_signature or '-'}  tff: {r.tff_signature or '-'}"
+        sig = (r.fl_signature if same
+               else f"fl: {r.fl_signature or '-'}  tff: {r.tff_signature or '-'}")
         lines.append(f"{r.status:8s}  {name(r.path).ljust(width)}  {sig}")
     lines += [f"  {name(r.path)}: {r.detail}" for r in rows if r.status != OK]
     return "\n".join(lines)
@@ -214,7 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tff-python", type=pathlib.Path, default=DEFAULT_TFF_PYTHON,
                         help="interpreter of the TFF 0.87 venv (default: .venv-tff/bin/python)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help=f"seconds allowed for each subprocess (default: {DEFAULT_TIMEOUT_S:g})")
+                        help="seconds allowed for each subprocess "
+                             f"(default: {DEFAULT_TIMEOUT_S:g})")
     args = parser.parse_args(argv)
     if not args.paths and not args.pb_dir:
         parser.error("give --pb-dir DIR and/or .pb files")

@@ -39,7 +39,8 @@ def loss_and_grad(params: Params, x: np.ndarray, y: np.ndarray) -> Tuple[float, 
     return float(loss), {k: v.astype(np.float32) for k, v in grads.items()}
 
 
-def local_train(params: Params, xb: np.ndarray, yb: np.ndarray, lr: float = workload.LR) -> Tuple[Params, float]:
+def local_train(params: Params, xb: np.ndarray, yb: np.ndarray,
+                lr: float = workload.LR) -> Tuple[Params, float]:
     """SGD over the batches ``xb[s], yb[s]`` in order; returns (model, mean step loss)."""
     p = {k: np.array(v, dtype=np.float32) for k, v in params.items()}
     lr32 = np.float32(lr)

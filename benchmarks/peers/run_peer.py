@@ -89,7 +89,8 @@ def last_json(stdout: str) -> Optional[Dict[str, Any]]:
 
 def child_env() -> Dict[str, str]:
     """This environment without the parent venv's variables, output unbuffered."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -188,7 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=None, help="seconds (default per peer)")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the result to OUT")
-    p.add_argument("--log", metavar="LOG", default=None, help="write the peer's stdout/stderr to LOG")
+    p.add_argument("--log", metavar="LOG", default=None,
+                   help="write the peer's stdout/stderr to LOG")
     p.add_argument("extra", nargs="*", help="arguments passed on to the peer script (after --)")
     a = p.parse_args(argv)
     try:

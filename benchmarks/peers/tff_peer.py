@@ -39,7 +39,8 @@ def start_runtime(timeout_s: float) -> Any:
 
     def watchdog() -> None:
         if not done.wait(timeout_s):
-            print(f"tff_peer: TFF's worker did not start within {timeout_s:.0f} s", file=sys.stderr, flush=True)
+            print(f"tff_peer: TFF's worker did not start within {timeout_s:.0f} s",
+                  file=sys.stderr, flush=True)
             common.end_processes(grace_s=1.0)
             os._exit(STARTUP_EXIT)
 
@@ -65,7 +66,8 @@ def build(tff: Any) -> Any:
     model_type = tff.StructType(
         [(k, tff.TensorType(np.float32, workload.PARAM_SHAPES[k])) for k in names]
     )
-    xb_type = tff.TensorType(np.float32, [workload.LOCAL_STEPS, workload.BATCH, workload.N_FEATURES])
+    xb_type = tff.TensorType(np.float32,
+                             [workload.LOCAL_STEPS, workload.BATCH, workload.N_FEATURES])
     yb_type = tff.TensorType(np.int32, [workload.LOCAL_STEPS, workload.BATCH])
 
     @tff.tensorflow.computation(model_type, xb_type, yb_type)

@@ -140,7 +140,8 @@ def client_data(split: Split, steps: int = LOCAL_STEPS, batch: int = BATCH) -> C
     )
 
 
-def cohort(seed: int, round_index: int, num_clients: int = NUM_CLIENTS, size: int = COHORT) -> np.ndarray:
+def cohort(seed: int, round_index: int, num_clients: int = NUM_CLIENTS,
+           size: int = COHORT) -> np.ndarray:
     """The clients (int64 ids) sampled for 0-based round ``round_index``."""
     return np.random.default_rng(seed + round_index).choice(num_clients, size, replace=False)
 

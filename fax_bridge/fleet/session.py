@@ -280,8 +280,8 @@ class FleetRounds:
         """
         # The fingerprint names the program (its bytes hold source locations that differ
         # between processes building the same program; the fingerprint leaves them out).
-        meta = {"computation": str(interpreter.computation_type(proto)), "policy": repr(self.policy),
-                "num_rounds": int(num_rounds)}
+        meta = {"computation": str(interpreter.computation_type(proto)),
+                "policy": repr(self.policy), "num_rounds": int(num_rounds)}
         start = 0
         if checkpoint_dir is not None:
             meta["program"] = checkpoint.program_fingerprint(interpreter.as_proto(proto))

@@ -1,8 +1,9 @@
 """A `ClientsBackend` that keeps every client's value in this process.
 
 Client values are held as a list of local values, one per client; a map runs the local
-computation over them with `client_map` (one XLA call where it can) and an aggregation reduces the list with
-`aggregation` (exact sums), so results have the same bits as on a fleet. This is the
+computation over them with `client_map` (one XLA call where it can) and an aggregation
+reduces the list with `aggregation` (exact sums), so results have the same bits as on a
+fleet. This is the
 reference backend the gRPC one is compared with.
 """
 

@@ -286,10 +286,12 @@ class _Exporter:
                 aval = core.ShapedArray(np.shape(row), row.dtype)
             elif placement is C:
                 row = self._const_row(eqn, v) if not isinstance(v, core.Literal) else value
-                call = factory.create_federated_eval(self._const_fn(row), federated_language.CLIENTS)
+                call = factory.create_federated_eval(self._const_fn(row),
+                                                     federated_language.CLIENTS)
                 aval = core.ShapedArray(np.shape(row), np.asarray(row).dtype)
             else:
-                call = factory.create_federated_eval(self._const_fn(value), federated_language.SERVER)
+                call = factory.create_federated_eval(self._const_fn(value),
+                                                     federated_language.SERVER)
                 aval = core.ShapedArray(np.shape(value), value.dtype)
             group = _Group(self._local(call, "_c"), placement, aval, [v])
             return self._register(group) if not isinstance(v, core.Literal) else group

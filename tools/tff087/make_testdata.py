@@ -146,7 +146,8 @@ def _cases() -> list[Case]:
         def combine(a, b):
             return a * b.astype(jnp.float32) + 1.0
 
-        @tff.federated_computation(tff.FederatedType(v3, tff.CLIENTS), tff.FederatedType(i3, tff.CLIENTS))
+        @tff.federated_computation(tff.FederatedType(v3, tff.CLIENTS),
+                                   tff.FederatedType(i3, tff.CLIENTS))
         def zip_map_struct(a, b):
             zipped = tff.federated_zip(tff.structure.Struct([("a", a), ("b", b)]))
             return tff.federated_sum(tff.federated_map(combine, zipped))
@@ -183,7 +184,8 @@ def _cases() -> list[Case]:
     cs = _f32(_rng(5).normal(size=(4, 2)))
     cases.append(Case(
         name="server_apply",
-        description="federated_sum of client vectors, then federated_apply of state - total/4 at the server",
+        description=("federated_sum of client vectors, then federated_apply of "
+                     "state - total/4 at the server"),
         clients=4,
         build=build_server_apply,
         inputs={"0": s0, "1": cs},
@@ -278,7 +280,8 @@ def _cases() -> list[Case]:
     mx64 = mx.astype(np.float64)
     cases.append(Case(
         name="multi_output",
-        description="named nested struct result: mean, weighted mean of squares, <total_weight, lr*mean>, client squares",
+        description=("named nested struct result: mean, weighted mean of squares, "
+                     "<total_weight, lr*mean>, client squares"),
         clients=3,
         build=build_multi_output,
         inputs={"x": mx, "w": mw, "lr": mlr},
