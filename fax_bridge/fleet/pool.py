@@ -92,6 +92,10 @@ class _Done:
         return self._answer
 
 
+def _raise(error: Exception):
+    raise error
+
+
 class RequestStream:
     """The messages of one client-streaming call, made lazily and counted as they go.
 
@@ -380,7 +384,17 @@ class DevicePool:
                 streams[index] = request
             else:
                 sent.append(request)
-            args = (device, method, once if index in streams else None, request, kwargs)
+            unary = once if index in streams and once not in device.missing else None
+            head = None
+            if unary is not None:
+                # Made here, before the call goes to its thread: that thread then needs
+                # the GIL only to send, so the devices' requests leave close together.
+                try:
+                    head = request.head(2)
+                except Exception as e:  # reported with the other devices' answers
+                    calls[index] = _Done(_raise, e)
+                    continue
+            args = (device, method, unary, request, kwargs, head)
             calls[index] = (_Done(self._call, *args) if index == last
                             else self._pool.submit(self._call, *args))
         try:
@@ -395,12 +409,14 @@ class DevicePool:
         return answers
 
     @staticmethod
-    def _call(device: _Device, method: str, once: Optional[str], request, kwargs: dict):
-        """One device's call of `call_each`: a `RequestStream` of one message goes by the
-        unary `once` unless the device does not know it (then by `method`'s stream)."""
-        if once is None or once in device.missing:
+    def _call(device: _Device, method: str, once: Optional[str], request, kwargs: dict,
+              head: Optional[list] = None):
+        """One device's call of `call_each`: a `RequestStream` whose `head` (its first
+        messages, up to two, made by the caller, not on a gRPC thread: counted as sent)
+        is one message goes by the unary `once` (then by `method`'s stream if the device
+        does not know it); without `once` the request goes by `method` as it is."""
+        if once is None or head is None:
             return getattr(device.stub, method)(request, **kwargs)
-        head = request.head(2)  # made here, not on a gRPC thread: counted as sent
         if len(head) != 1:
             return getattr(device.stub, method)(itertools.chain(head, request), **kwargs)
         try:
