@@ -115,13 +115,15 @@ def _refs(comp: Computation) -> set:
     return found
 
 
-def _ref(name: str) -> Computation:
+def make_reference(name: str) -> Computation:
+    """A Reference computation to `name`."""
     out = Computation()
     out.reference.name = name
     return out
 
 
-def _sel(source: Computation, index: int) -> Computation:
+def make_selection(source: Computation, index: int) -> Computation:
+    """A Selection of element `index` from `source`."""
     out = Computation()
     out.selection.source.CopyFrom(source)
     out.selection.index = index
@@ -178,7 +180,7 @@ def compile_plan(proto: Computation) -> Optional[Plan]:
         if value.WhichOneof("computation") == "selection" and \
                 _ref_name(value.selection.source) == param:
             if _is_clients(type_):
-                client[name] = _sel(_sel(_ref(_X), 1), len(inputs))
+                client[name] = make_selection(make_selection(make_reference(_X), 1), len(inputs))
                 inputs.append(value.selection.index)
                 input_names.append(name)
                 client_order.append(name)
@@ -205,7 +207,7 @@ def compile_plan(proto: Computation) -> Optional[Plan]:
             src = _ref_name(arg)
             if src is None or src in client or src in depends_on_agg:
                 return None  # two trips, or not a plain broadcast of a server local
-            client[name] = _sel(_sel(_ref(_X), 0), len(broadcasts))
+            client[name] = make_selection(make_selection(make_reference(_X), 0), len(broadcasts))
             broadcasts.append(src)
             client_order.append(name)
             continue
@@ -250,11 +252,11 @@ def compile_plan(proto: Computation) -> Optional[Plan]:
     outs, aggs = [], []
     for name, kind, v, w, member in aggregates:
         vi = len(outs)
-        outs.append(_ref(v))
+        outs.append(make_reference(v))
         wi = None
         if w is not None:
             wi = len(outs)
-            outs.append(_ref(w))
+            outs.append(make_reference(w))
         aggs.append(Aggregation(name, kind, vi, wi, member,
                                 None if w is None else members[w]))
     block.result.CopyFrom(_struct(outs))
@@ -287,7 +289,7 @@ def _flattened(body: Computation, param: str) -> Computation:
             return c  # references, functions, and what the planner then refuses
         name = next(names)
         add(name, c)
-        ref = _ref(name)
+        ref = make_reference(name)
         ref.type.CopyFrom(c.type)
         return ref
 
@@ -335,7 +337,7 @@ def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computa
             else None
     kind = arg.WhichOneof("computation")
     if kind == "reference":
-        return _ref(arg.reference.name) if arg.reference.name in client else None
+        return make_reference(arg.reference.name) if arg.reference.name in client else None
     if kind != "struct":
         return None
     out = Computation()

@@ -24,6 +24,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.fleet.plan import make_reference, make_selection
 from fax_bridge.runtime import interpreter, local_eval
 
 Computation = computation_pb2.Computation
@@ -141,19 +142,6 @@ def _placed(type_) -> bool:
     return False
 
 
-def _ref(name: str) -> Computation:
-    out = Computation()
-    out.reference.name = name
-    return out
-
-
-def _sel(source: Computation, index: int) -> Computation:
-    out = Computation()
-    out.selection.source.CopyFrom(source)
-    out.selection.index = index
-    return out
-
-
 def _lambda(parameter: str, locals_: list, result: Computation) -> Optional[Computation]:
     """Lambda(parameter) -> Block(locals_) -> result, translated; None if a part has no
     local meaning."""
@@ -179,11 +167,13 @@ def compile_server(plan) -> Optional[ServerProgram]:
     prepared = Computation()
     prepared.struct.SetInParent()
     for name in names:
-        prepared.struct.element.add(value=_ref(name))
+        prepared.struct.element.add(value=make_reference(name))
     prepare = _lambda(plan.parameter_name, prepare_steps, prepared)
-    unpack = [(plan.parameter_name, _sel(_ref(_ENV), 0))]
-    unpack += [(name, _sel(_sel(_ref(_ENV), 1), i)) for i, name in enumerate(names)]
-    unpack += [(agg.local, _sel(_sel(_ref(_ENV), 2), j))
+    env = make_reference(_ENV)
+    unpack = [(plan.parameter_name, make_selection(env, 0))]
+    unpack += [(name, make_selection(make_selection(env, 1), i))
+               for i, name in enumerate(names)]
+    unpack += [(agg.local, make_selection(make_selection(env, 2), j))
                for j, agg in enumerate(plan.aggregations)]
     final = _local(plan.result)
     if prepare is None or final is None:
