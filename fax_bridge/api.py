@@ -33,19 +33,18 @@ from fax_bridge import local as _local
 from fax_bridge import primitives as P
 from fax_bridge.errors import ArgumentError, PlacementError, ProgramError
 from fax_bridge.placements import aggregate_refusal
+from fax_bridge.tracing import is_machinery
 
 # The enclosing programs, outermost first: (placement name, number of members).
 _PROGRAMS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
     "fax_bridge_programs", default=())
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
 def user_location() -> str:
-    """`file:line (function)` of the innermost stack frame outside fax_bridge and jax."""
+    """`file:line (function)` of the innermost stack frame of the program's own code:
+    outside jax and fax_bridge's machinery (`tracing.is_machinery`)."""
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
-        if path.startswith(_PACKAGE_DIR) or f"{os.sep}jax{os.sep}" in path \
+        if is_machinery(path) or f"{os.sep}jax{os.sep}" in path \
                 or f"{os.sep}jax_" in path or "contextlib" in path:
             continue
         return f"{frame.filename}:{frame.lineno} ({frame.name})"

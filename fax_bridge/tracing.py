@@ -30,6 +30,15 @@ from fax_bridge.member_rules import member_params
 from fax_bridge.placements import Placement, broadcast_placements
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_ALGORITHMS_DIR = os.path.join(_PACKAGE_DIR, "algorithms")
+
+
+def is_machinery(path: str) -> bool:
+    """Whether a source file is fax_bridge's own machinery, which error locations skip.
+    `fax_bridge.algorithms` is not: its rounds are programs like a user's, so an error in
+    one points at its line."""
+    path = os.path.abspath(path)
+    return path.startswith(_PACKAGE_DIR) and not path.startswith(_ALGORITHMS_DIR)
 
 # Call-like primitives whose body is inlined: name -> parameter holding the body.
 _INLINED_CALLS = {
@@ -46,9 +55,10 @@ _INLINED_CALLS = {
 }
 
 def eqn_location(eqn: core.JaxprEqn) -> str:
-    """`file:line (function)` of the user's code that produced `eqn`."""
+    """`file:line (function)` of the innermost frame of the program's own code (the
+    user's, or `fax_bridge.algorithms`) that produced `eqn`."""
     for frame in source_info_util.user_frames(eqn.source_info.traceback):
-        if os.path.abspath(frame.file_name).startswith(_PACKAGE_DIR):
+        if is_machinery(frame.file_name):
             continue
         return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
     return "<unknown location>"

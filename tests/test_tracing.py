@@ -179,3 +179,33 @@ def test_trace_of_jit_and_custom_vjp_is_inlined():
     names = [e.primitive.name for e in comp.jaxpr.jaxpr.eqns]
     assert "jit" not in names and "pjit" not in names
     assert "federated_broadcast" in names
+
+
+def test_locations_point_at_the_program_s_own_code_algorithms_included():
+    """An equation's location is the innermost frame of the program's own code: the
+    user's file for a user's program, the algorithm's line for `fax_bridge.algorithms`
+    (whose rounds are programs like a user's), never fax_bridge's machinery."""
+    import os
+
+    from fax_bridge import tracing
+    from fax_bridge.algorithms import fed_sgd
+
+    def _loc_files(comp):
+        return {tracing.eqn_location(e).split(":")[0] for e in comp.jaxpr.jaxpr.eqns
+                if e.primitive.name.startswith("federated")}
+
+    mine = fb.trace(round_fn, W, X, placements=("server", "clients"))
+    assert _loc_files(mine) == {os.path.abspath(__file__)}
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    algo = fed_sgd(loss, clients=3)
+    data = {"x": np.ones((3, 2, 4, 2), np.float32), "y": np.ones((3, 2, 4), np.float32)}
+    comp = fb.trace(algo.next, algo.init({"w": jnp.zeros(2)}), data,
+                    np.ones((3, 2, 4), bool), placements=algo.placements)
+    files = _loc_files(comp)
+    assert files and all(os.sep + os.path.join("fax_bridge", "algorithms") + os.sep in f
+                         for f in files), files
+    assert not tracing.is_machinery(next(iter(files)))
+    assert tracing.is_machinery(tracing.__file__) and not tracing.is_machinery(__file__)

@@ -71,25 +71,10 @@ _FIX_TWO_TRIPS = (
 # ---------------------------------------------------------------------------- refusals
 
 
-_CORE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ALGORITHMS_DIR = os.path.join(_CORE_DIR, "algorithms")
-
-
-def _location(eqn) -> str:
-    """`file:line (function)` of the innermost frame of the round's own code (user code
-    or `fax_bridge.algorithms`), skipping jax and fax_bridge's machinery."""
-    from jax._src import source_info_util
-
-    for frame in source_info_util.user_frames(eqn.source_info.traceback):
-        path = os.path.abspath(frame.file_name)
-        if path.startswith(_CORE_DIR) and not path.startswith(_ALGORITHMS_DIR):
-            continue
-        return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
-    return tracing.eqn_location(eqn)
 
 
 def _name(eqn) -> str:
-    return f"{eqn.primitive.name} at {_location(eqn)}"
+    return f"{eqn.primitive.name} at {tracing.eqn_location(eqn)}"
 
 
 def _is_aggregate(prim) -> bool:
