@@ -118,3 +118,22 @@ def test_intrinsics_without_a_local_meaning_are_not_translated():
     broadcast.call.function.intrinsic.uri = "federated_broadcast"
     broadcast.call.argument.reference.name = "s"
     assert plan_server._local(broadcast) is None
+
+
+def test_server_pieces_nested_past_the_recursion_limit_keep_the_interpreter():
+    """A server step nested deeper than Python's recursion limit is not translated (no
+    bare RecursionError); the interpreter then takes the round and reports what it
+    can."""
+    import sys
+
+    from federated_language.proto import computation_pb2
+
+    plan = P.compile_plan(PROTO)
+    deep = computation_pb2.Computation()
+    node = deep
+    for _ in range(sys.getrecursionlimit() + 100):
+        node = node.struct.element.add().value
+    node.reference.name = plan.parameter_name
+    name, _ = plan.server_locals[0]
+    plan.server_locals[0] = (name, deep)
+    assert plan_server.compile_server(plan) is None

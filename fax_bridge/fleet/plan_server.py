@@ -159,6 +159,13 @@ def _lambda(parameter: str, locals_: list, result: Computation) -> Optional[Comp
 
 def compile_server(plan) -> Optional[ServerProgram]:
     """The plan's server pieces compiled (module docstring), or None."""
+    try:
+        return _compile_server(plan)
+    except RecursionError:
+        return None  # nested too deeply to translate: the interpreter reports it
+
+
+def _compile_server(plan) -> Optional[ServerProgram]:
     prepare_steps = [(k, v) for k, v in plan.server_locals if k in plan.prepare_names]
     result_steps = [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
     names = [k for k, _ in prepare_steps]
