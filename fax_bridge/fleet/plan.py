@@ -393,10 +393,7 @@ def run_in_process(plan: Plan, arg: Any, backend=None) -> Any:
     n = len(members_by_input[0])
     members = [structure.Struct([(None, col[c]) for col in members_by_input])
                for c in range(n)]
-    server_arg = structure.Struct([
-        (name, None if i in plan.client_inputs else arg[i])
-        for i, name in enumerate(structure.name_list_with_nones(arg))])
-    env = plan_server.prepare(plan, server_arg, backend, n)
+    env = plan_server.prepare(plan, arg, backend, n)
     sent = structure.Struct([(None, env[name]) for name in plan.broadcasts])
     specs = [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations]
     partials = client_partials(plan.client_part, plan.client_part_hash, sent, members, specs)

@@ -126,10 +126,7 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
     inputs = [arg[i] for i in plan.client_inputs]
     first = inputs[0]
     n = len(first.client_ids) if isinstance(first, PopulationRef) else len(first)
-    names = structure.name_list_with_nones(arg)
-    server_arg = structure.Struct([(name, None if i in plan.client_inputs else v)
-                                   for i, (name, v) in enumerate(zip(names, arg))])
-    env = plan_server.prepare(plan, server_arg, backend, n)
+    env = plan_server.prepare(plan, arg, backend, n)
     sent = structure.Struct([(None, as_numpy(env[k])) for k in plan.broadcasts])
     layout = backend.layout(n)
     devices = [d for d, _ in layout]

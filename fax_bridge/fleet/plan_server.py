@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-import federated_language
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
+from federated_language.types import type_analysis
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.fleet.plan import make_reference, make_selection
@@ -85,7 +85,8 @@ def _local(comp: Computation) -> Optional[Computation]:
         return out
     if kind == "intrinsic":
         type_ = local_eval.parse_type(comp.type)
-        if comp.intrinsic.uri not in local_eval.GENERIC_URIS or _placed(type_):
+        if comp.intrinsic.uri not in local_eval.GENERIC_URIS or (
+                type_ is not None and type_analysis.contains_federated_types(type_)):
             return None
         out.CopyFrom(comp)
         return out
@@ -131,17 +132,6 @@ def _local(comp: Computation) -> Optional[Computation]:
     return None  # data, placement
 
 
-def _placed(type_) -> bool:
-    """Whether a type holds a federated type anywhere."""
-    if isinstance(type_, federated_language.FederatedType):
-        return True
-    if isinstance(type_, federated_language.FunctionType):
-        return _placed(type_.parameter) or _placed(type_.result)
-    if isinstance(type_, federated_language.StructType):
-        return any(_placed(t) for _, t in type_.items())
-    return False
-
-
 def _lambda(parameter: str, locals_: list, result: Computation) -> Optional[Computation]:
     """Lambda(parameter) -> Block(locals_) -> result, translated; None if a part has no
     local meaning."""
@@ -166,8 +156,7 @@ def compile_server(plan) -> Optional[ServerProgram]:
 
 
 def _compile_server(plan) -> Optional[ServerProgram]:
-    prepare_steps = [(k, v) for k, v in plan.server_locals if k in plan.prepare_names]
-    result_steps = [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
+    prepare_steps, result_steps = _steps(plan)
     names = [k for k, _ in prepare_steps]
     if _ENV == plan.parameter_name or _ENV in {k for k, _ in plan.server_locals}:
         return None
@@ -200,13 +189,23 @@ def _compile_server(plan) -> Optional[ServerProgram]:
         return None  # e.g. a name the pieces do not bind: the interpreter says what
 
 
-def prepare(plan, server_arg: Any, backend, num_clients: int) -> dict:
-    """The environment after the server prepare: the parameter and each prepare local."""
+def _steps(plan) -> tuple[list, list]:
+    """(the server prepare's locals, the server result's), each [(name, Computation)]."""
+    prepare_steps = [(k, v) for k, v in plan.server_locals if k in plan.prepare_names]
+    result_steps = [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
+    return prepare_steps, result_steps
+
+
+def prepare(plan, arg: Any, backend, num_clients: int) -> dict:
+    """The environment after the server prepare, from `arg` (the parameter's runtime
+    value): the parameter, its CLIENTS elements left out (None), and each prepare local."""
+    server_arg = structure.Struct([
+        (name, None if i in plan.client_inputs else value)
+        for i, (name, value) in enumerate(zip(structure.name_list_with_nones(arg), arg))])
     program = plan.server_program
     if program is None:
-        return interpreter.evaluate_steps(
-            [(k, v) for k, v in plan.server_locals if k in plan.prepare_names],
-            {plan.parameter_name: server_arg}, backend, num_clients)
+        return interpreter.evaluate_steps(_steps(plan)[0], {plan.parameter_name: server_arg},
+                                          backend, num_clients)
     env = {plan.parameter_name: server_arg}
     env.update(zip(program.prepare_names, program.prepare(server_arg)))
     return env
@@ -216,9 +215,8 @@ def result(plan, env: dict, backend, num_clients: int) -> Any:
     """The round's result from `env` (`prepare`'s, with each aggregate's local set)."""
     program = plan.server_program
     if program is None:
-        env = interpreter.evaluate_steps(
-            [(k, v) for k, v in plan.server_locals if k not in plan.prepare_names]
-            + [("__result", plan.result)], env, backend, num_clients)
+        env = interpreter.evaluate_steps(_steps(plan)[1] + [("__result", plan.result)],
+                                         env, backend, num_clients)
         return env["__result"]
     return program.result(structure.Struct([
         (None, env[plan.parameter_name]),
