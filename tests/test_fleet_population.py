@@ -285,10 +285,10 @@ def test_a_round_by_plan_reads_several_clients_arguments_from_the_store(fleet, d
 
 
 def test_regular_reads_come_stacked_and_equal_the_rows(data):
-    # Every client holds as many examples: one block per stored array (`Rows`), whose
+    # Every client holds as many examples: one block per stored array (`ClientRows`), whose
     # members are exactly the stored rows of the chosen clients, in order.
     from fax_bridge.runtime import population
-    from fax_bridge.runtime.backend import Rows
+    from fax_bridge.runtime.backend import ClientRows
 
     store = population.open_store(data["dir"])
     member_type = federated_language.StructType(
@@ -297,7 +297,7 @@ def test_regular_reads_come_stacked_and_equal_the_rows(data):
     columns = population.plan_columns(store, member_type, ["bx", "by"])
     ids = np.array([5, 0, 9, 5], np.int64)
     got = population.read_members(store, member_type, columns, ids)
-    assert isinstance(got, Rows) and len(got) == 4
+    assert isinstance(got, ClientRows) and len(got) == 4
     for member, i in zip(got, ids):
         np.testing.assert_array_equal(member[0], data["bx"][i])
         np.testing.assert_array_equal(member[1], data["by"][i])

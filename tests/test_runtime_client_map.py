@@ -310,9 +310,9 @@ def test_stacked_results_are_the_members_as_columns(monkeypatch):
 
 
 def test_members_given_stacked_run_as_the_same_members_listed():
-    # Rows: the members as columns (no split, no restack); the same bits as the list of
-    # the members it makes, batched or one by one.
-    from fax_bridge.runtime.backend import Rows
+    # ClientRows: the members as columns (no split, no restack); the same bits as the
+    # list of the members it makes, batched or one by one.
+    from fax_bridge.runtime.backend import ClientRows, from_leaves
 
     pair = fl.StructType([("a", fl.TensorType(F32, [2])), ("n", fl.TensorType(np.int32))])
     fn = bb.Lambda("x", pair, bb.Struct([
@@ -320,7 +320,8 @@ def test_members_given_stacked_run_as_the_same_members_listed():
             lambda a, n: a * n.astype(F32) + 1, pair)), bb.Reference("x", pair)),
         bb.Selection(bb.Reference("x", pair), index=1)])).to_proto()
     rng = np.random.default_rng(3)
-    rows = Rows(pair, [rng.standard_normal((7, 2)).astype(F32), np.arange(7, dtype=np.int32)])
+    rows = ClientRows(from_leaves(pair, [rng.standard_normal((7, 2)).astype(F32),
+                                         np.arange(7, dtype=np.int32)]))
     listed = [rows[i] for i in range(len(rows))]
     assert structure.name_list(listed[2]) == ["a", "n"] and len(rows[1:4]) == 3
     for got, want in zip(client_map.map_clients(fn, rows), client_map.map_clients(fn, listed)):
@@ -330,4 +331,4 @@ def test_members_given_stacked_run_as_the_same_members_listed():
     with pytest.raises(IndexError):
         rows[7]
     with pytest.raises(ComputationError, match="one number of clients"):
-        Rows(pair, [np.zeros((2, 2), F32), np.zeros(3, np.int32)])
+        ClientRows(from_leaves(pair, [np.zeros((2, 2), F32), np.zeros(3, np.int32)]))

@@ -155,28 +155,34 @@ def from_leaves(type_: federated_language.Type, flat: list) -> LocalValue:
     return unflatten_like(template, flat)
 
 
-class Rows(Sequence):
-    """The members of several clients given stacked: `columns[j]` holds tensor j (depth
-    first) of every member of `member_type`, clients on axis 0. A member is made when
-    asked for (views of its rows); code that takes all of them at once (a batched map of
-    a local computation) reads the columns as they are, with no split and no restack."""
+class ClientRows(Sequence):
+    """The members of several clients kept stacked: `stacked` is one member's local
+    value whose every tensor carries the clients on a leading axis, and `columns` those
+    tensors, depth first. Client i's member is made when asked for (views of its rows),
+    so a cohort of 100,000 clients stays one array per tensor; code that takes all of
+    them at once (a batched map of a local computation) reads the columns as they are,
+    with no split and no restack. Made from a CLIENTS pytree (`values.from_pytree`) and
+    from population reads (`population.read_members`)."""
 
-    def __init__(self, member_type: federated_language.Type, columns: Sequence[np.ndarray]):
-        counts = {int(c.shape[0]) for c in columns}
-        if len(counts) != 1:
+    def __init__(self, stacked: LocalValue, path: str = "") -> None:
+        self.stacked = stacked
+        self.columns = leaves(stacked)
+        sizes = {int(np.shape(leaf)[0]) for leaf in self.columns}
+        if len(sizes) > 1:
+            where = f"`{path}`" if path else "the value"
             raise ComputationError(
-                f"stacked members need one number of clients in every column; got "
-                f"{sorted(counts) or 'no column'}")
-        self.member_type = member_type
-        self.columns = list(columns)
-        self._count = counts.pop()
+                f"{where}: the leading clients axis differs between tensors "
+                f"({sorted(sizes)}); stacked members need one number of clients in every "
+                "tensor: every CLIENTS tensor needs one entry per client")
+        self._n = sizes.pop() if sizes else 0
 
     def __len__(self) -> int:
-        return self._count
+        return self._n
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._count))]
-        if not -self._count <= index < self._count:
-            raise IndexError(f"client {index} of {self._count}")
-        return from_leaves(self.member_type, [c[index] for c in self.columns])
+            return [self[i] for i in range(*index.indices(self._n))]
+        i = int(index)
+        if not -self._n <= i < self._n:
+            raise IndexError(f"client {index} out of range for {self._n} clients")
+        return unflatten_like(self.stacked, [c[i] for c in self.columns])

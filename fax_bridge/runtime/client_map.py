@@ -45,7 +45,7 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import hlo, local_eval
-from fax_bridge.runtime.backend import LocalValue, Rows, as_numpy
+from fax_bridge.runtime.backend import ClientRows, LocalValue, as_numpy
 
 NO_SHARED = object()  # `shared` when the computation takes the member alone
 MAX_ROWS = 1024  # the largest bucket: larger cohorts run as several calls of it
@@ -238,7 +238,7 @@ def _layouts(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
         shared_tree = _layout(shared, shared_leaves)
         if shared_tree is None:
             return None
-    if isinstance(members, Rows):
+    if isinstance(members, ClientRows):
         member_tree = _layout(members[0], [])
         if member_tree is None or not members.columns:
             return None
@@ -257,7 +257,7 @@ def _layouts(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
 
 class _Source:
     """The members' leaves, a bucket of rows at a time: `stacked` (clients on axis 0,
-    from `Rows`: sliced, no copy) or `columns` (each member's leaves: stacked per call,
+    from `ClientRows`: sliced, no copy) or `columns` (each member's leaves: stacked per call,
     so at most one call's rows are copied at once). Padding rows repeat the first."""
 
     def __init__(self, stacked: Optional[list], columns: Optional[list]):

@@ -36,7 +36,7 @@ import federated_language
 import numpy as np
 
 from fax_bridge.data.stream import META_FILE, OFFSETS_FILE, ClientStore
-from fax_bridge.runtime.backend import Rows, from_leaves
+from fax_bridge.runtime.backend import ClientRows, from_leaves
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import limits
 
@@ -255,7 +255,7 @@ def rows_bytes(store, columns: Sequence[Column], ids: np.ndarray) -> int:
 
 def read_members(store, member_type: federated_language.Type, columns: Sequence[Column],
                  ids: np.ndarray) -> Sequence:
-    """The members of clients `ids` (in order), reading only their rows: a `Rows` over
+    """The members of clients `ids` (in order), reading only their rows: a `ClientRows` over
     one block per stored array when every client holds as many examples of each, a
     list of members otherwise."""
     ids = np.asarray(ids, np.int64)
@@ -290,7 +290,7 @@ def read_members(store, member_type: federated_language.Type, columns: Sequence[
         else:
             per_column.append([np.array(array[s:s + n]) for s, n in zip(starts, counts)])
     if per_column and all(isinstance(c, np.ndarray) for c in per_column):
-        return Rows(member_type, per_column)
+        return ClientRows(from_leaves(member_type, per_column))
     if isinstance(member_type, federated_language.TensorType):
         return per_column[0] if per_column else []
     return [from_leaves(member_type, list(row)) for row in zip(*per_column)]

@@ -31,7 +31,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime.backend import ClientsValue, leaves
+from fax_bridge.runtime.backend import ClientRows, ClientsValue, leaves
 from fax_bridge.runtime.population import PopulationRef
 
 LocalValue = Any  # np.ndarray | structure.Struct
@@ -184,35 +184,6 @@ def unstack(stacked: LocalValue, path: str = "") -> list[LocalValue]:
             f"({sorted(sizes)}); every CLIENTS tensor needs one entry per client")
     n = sizes.pop() if sizes else 0
     return [_map_local(lambda leaf: leaf[i], stacked) for i in range(n)]
-
-
-class ClientRows(Sequence):
-    """The members of a CLIENTS value kept stacked: client i's member is made on access.
-
-    What `from_pytree` gives for a CLIENTS pytree, so a cohort of 100,000 clients stays
-    one array per tensor (views are made one at a time as a backend reads them) rather
-    than a list of 100,000 per-client objects. `stacked` is the checked local value.
-    """
-
-    def __init__(self, stacked: LocalValue, path: str = "") -> None:
-        sizes = {int(np.shape(leaf)[0]) for leaf in leaves(stacked)}
-        if len(sizes) > 1:
-            raise ComputationError(
-                f"{_where(path)}: the leading clients axis differs between tensors "
-                f"({sorted(sizes)}); every CLIENTS tensor needs one entry per client")
-        self.stacked = stacked
-        self._n = sizes.pop() if sizes else 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._n))]
-        i = int(index)
-        if not -self._n <= i < self._n:
-            raise IndexError(f"client {index} out of range for {self._n} clients")
-        return _map_local(lambda leaf: leaf[i], self.stacked)
 
 
 def stack(values: Sequence[LocalValue], path: str = "") -> LocalValue:
