@@ -98,35 +98,35 @@ def _is_numeric_seq(value) -> bool:
 def _struct_items(value, type_: federated_language.StructType, path: str):
     """The elements of a pytree or Struct `value` in the order of `type_`'s elements."""
     items = list(type_.items())
-    if isinstance(value, structure.Struct):  # the common case first: one cheap check
-        if len(value) != len(items):
-            raise ComputationError(
-                f"{_where(path)}: expected {len(items)} elements ({type_}), got "
-                f"{_describe(value)}")
-        for (name, _), got in zip(items, structure.name_list_with_nones(value)):
-            if got is not None and name is not None and got != name:
+    is_struct = isinstance(value, structure.Struct)  # the common case: checked first
+    if not is_struct:
+        if isinstance(value, tuple) and hasattr(value, "_fields") and \
+                all(n for n, _ in items):
+            value = value._asdict()  # a NamedTuple's fields are matched by name
+        if isinstance(value, Mapping):
+            names = [n for n, _ in items]
+            if not all(names):
                 raise ComputationError(
-                    f"{_where(path)}: element named `{got}` where {type_} has `{name}`")
-        return [(n, v) for (n, _), v in zip(items, value)]
-    if isinstance(value, tuple) and hasattr(value, "_fields") and all(n for n, _ in items):
-        value = value._asdict()  # a NamedTuple's fields are matched by name
-    if isinstance(value, Mapping):
-        names = [n for n, _ in items]
-        if not all(names):
-            raise ComputationError(
-                f"{_where(path)}: {type_} has unnamed elements, pass a tuple, not a dict")
-        missing = [n for n in names if n not in value]
-        extra = sorted(str(k) for k in value if k not in names)
-        if missing or extra:
-            raise ComputationError(
-                f"{_where(path)}: expected keys {names} ({type_}); missing {missing}, "
-                f"unexpected {extra}")
-        return [(n, value[n]) for n in names]
-    if isinstance(value, (tuple, list)):
+                    f"{_where(path)}: {type_} has unnamed elements, pass a tuple, not a "
+                    "dict")
+            missing = [n for n in names if n not in value]
+            extra = sorted(str(k) for k in value if k not in names)
+            if missing or extra:
+                raise ComputationError(
+                    f"{_where(path)}: expected keys {names} ({type_}); missing {missing}, "
+                    f"unexpected {extra}")
+            return [(n, value[n]) for n in names]
+    if is_struct or isinstance(value, (tuple, list)):
         if len(value) != len(items):
             raise ComputationError(
                 f"{_where(path)}: expected {len(items)} elements ({type_}), got "
                 f"{_describe(value)}")
+        if is_struct:
+            for (name, _), got in zip(items, structure.name_list_with_nones(value)):
+                if got is not None and name is not None and got != name:
+                    raise ComputationError(
+                        f"{_where(path)}: element named `{got}` where {type_} has "
+                        f"`{name}`")
         return [(n, v) for (n, _), v in zip(items, value)]
     children = _pytree_children(value)
     if children is not None:  # a registered dataclass or another custom pytree node
