@@ -1,9 +1,10 @@
 """fleet.partials: aggregate partials survive the wire exactly, whatever they hold."""
 
+import federated_language
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.fleet import partials
+from fax_bridge.fleet import partials, validate
 from fax_bridge.runtime import aggregation
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -23,13 +24,20 @@ def test_every_kind_crosses_the_wire_unchanged(kind, clients, width, data):
     message = pb.AggregateResponse.FromString(partials.to_message(sent).SerializeToString())
     back = partials.from_message(kind, message)
     assert back.count == clients and message.num_clients == clients
-    if clients:
+    if clients:  # the coordinator's path: each leaf checked, then decoded from its bytes
+        value_types = [federated_language.TensorType(np.float32, [width])]
+        weight_types = ([federated_language.TensorType(np.float32)] if weights is not None
+                        else [])
+        checked, payload = validate.check_partial(message, kind, value_types, weight_types,
+                                                  clients, "device 0")
+        assert checked.count == clients
+        assert payload == sum(
+            len(leaf.limbs) + len(leaf.nonfinite) + len(leaf.doubles)
+            + len(leaf.extreme.data) for leaf in [*message.leaves, *message.weight_leaves])
         want = aggregation.finish(aggregation.partial_of(kind, members, weights))
-        got = aggregation.finish(back)
-        assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
-    assert partials.payload_bytes(message) == sum(
-        len(leaf.limbs) + len(leaf.nonfinite) + len(leaf.doubles) + len(leaf.extreme.data)
-        for leaf in list(message.leaves) + list(message.weight_leaves))
+        for decoded in (back, checked):
+            got = aggregation.finish(decoded)
+            assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
 
 
 def test_kind_numbers_cover_every_aggregation_once():

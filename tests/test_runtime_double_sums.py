@@ -79,3 +79,29 @@ def test_sums_take_the_float64_form_only_where_it_is_exact():
     again = double_sums.merged(double_sums.sums_of([np.array([[1.5]], f32)])[0],
                                double_sums.sums_of([np.array([[2.5]], f32)])[0])
     assert isinstance(again, DoubleSum) and again.values.tolist() == [4.0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(DTYPES[:2]), st.integers(1, 4)), min_size=1,
+                max_size=5), st.data())
+def test_merging_many_leaves_together_gives_each_merges_bits(specs, data):
+    """`merged_all` adds the float64-form pairs in one set of array operations; where any
+    pair's sum would round, each pair goes its own way. Either way every leaf gets the
+    bits (and the form) a merge of that pair alone gives."""
+    values = st.one_of(st.sampled_from(_SPECIAL), st.floats(-1e4, 1e4),
+                       st.floats(width=32))
+
+    def draw() -> list:
+        return [data.draw(st.lists(st.lists(values, min_size=size, max_size=size),
+                                   min_size=1, max_size=3)) for _, size in specs]
+
+    def sums(stacks: list) -> list:  # fresh each time: a limbs merge updates its first sum
+        with np.errstate(over="ignore"):
+            return [double_sums.sums_of([np.array(rows, np.float64).astype(dtype)])[0]
+                    for (dtype, _), rows in zip(specs, stacks)]
+
+    first, second = draw(), draw()
+    alone = [double_sums.merged_all([a], [b])[0] for a, b in zip(sums(first), sums(second))]
+    together = double_sums.merged_all(sums(first), sums(second))
+    assert [type(s) for s in together] == [type(s) for s in alone]
+    assert [s.result().tobytes() for s in together] == [s.result().tobytes() for s in alone]

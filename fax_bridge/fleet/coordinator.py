@@ -413,10 +413,11 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         for index, clients in layout:  # device order is client order
             answer = answers[index]
             where = f"device {index} at {self._devices[index].address}"
-            validate.check_partial(answer, kind, leaf_types, weight_type, len(clients),
-                                   where, self.reject_nonfinite, tops)
-            self.traffic.payload_up += partials.payload_bytes(answer)
-            aggregation.merge(total, partials.from_message(kind, answer))
+            partial, payload = validate.check_partial(answer, kind, leaf_types, weight_type,
+                                                      len(clients), where,
+                                                      self.reject_nonfinite, tops)
+            self.traffic.payload_up += payload
+            aggregation.merge(total, partial)
         return total
 
     def _fetch(self, index: int, clients: range, value: GrpcClientsValue) -> tuple:

@@ -124,7 +124,8 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         self.max_call_seconds = float(max_call_seconds)
         self.max_delay_seconds = float(max_delay_seconds)
         self.stopping = threading.Event()  # set on shutdown: waits and long calls end
-        self._member_types: dict = {}  # serialized member type of from_store reads -> Type
+        # (serialized member type, keys) of from_store reads -> (Type, the columns to read)
+        self._read_plans: dict = {}
         self.population = None
         self.population_name = ""
         self.population_digest = ""
@@ -340,7 +341,6 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         """(first client, members) of a stream of `StoreRead`s, read from the population."""
         import numpy as np
 
-        from fax_bridge.runtime import local_eval
         from fax_bridge.runtime import population as pop
 
         if self.population is None:
@@ -352,20 +352,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"from_store asks for population {head.population!r} but "
                             f"this device hosts {self.population_name!r}")
-        member_type = self._member_types.get(head.member_type)
-        if member_type is None:
-            type_proto = computation_pb2.Type()
-            try:
-                type_proto.ParseFromString(head.member_type)
-            except Exception as e:
-                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"from_store: member_type is not a serialized Type ({e})")
-            member_type = local_eval.parse_type(type_proto)
-            if member_type is None:
-                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                "from_store: member_type is empty")
-            if len(self._member_types) < 64:  # the few types a fleet's rounds read
-                self._member_types[head.member_type] = member_type
+        member_type, columns = self._read_plan(head.member_type, tuple(head.keys))
         if head.first_client < 0:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"from_store: first_client {head.first_client} is negative")
@@ -391,10 +378,32 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                             f"from_store names {count} clients, far more than the "
                             f"{store.num_clients} this population holds")
         ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
-        columns = pop.plan_columns(store, member_type, list(head.keys))
         pop.check_ids(store, ids)
         self._check_room(pop.rows_bytes(store, columns, ids), f"reading {len(ids)} clients")
         return int(head.first_client), pop.read_members(store, member_type, columns, ids)
+
+    def _read_plan(self, member_type_bytes: bytes, keys: tuple) -> tuple:
+        """(member Type, `population.plan_columns`) of a from_store read, kept for the few
+        (type, keys) pairs a fleet's rounds read: both depend only on them and the store."""
+        from fax_bridge.runtime import local_eval
+        from fax_bridge.runtime import population as pop
+
+        found = self._read_plans.get((member_type_bytes, keys))
+        if found is not None:
+            return found
+        type_proto = computation_pb2.Type()
+        try:
+            type_proto.ParseFromString(member_type_bytes)
+        except Exception as e:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"from_store: member_type is not a serialized Type ({e})")
+        member_type = local_eval.parse_type(type_proto)
+        if member_type is None:
+            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "from_store: member_type is empty")
+        found = (member_type, pop.plan_columns(self.population, member_type, list(keys)))
+        if len(self._read_plans) < 64:
+            self._read_plans[(member_type_bytes, keys)] = found
+        return found
 
     @_rpc
     def Map(self, request, context):

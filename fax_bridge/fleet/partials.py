@@ -1,8 +1,9 @@
 """Partial aggregates on the wire: `runtime.aggregation.Partial` as an AggregateResponse.
 
 Devices build partials over their own clients with `runtime.aggregation.partial_of` and
-send them with `to_message`; the coordinator reads them with `from_message` (after
-`validate.check_partial`) and merges them in client order. Exact sums travel as their
+send them with `to_message`; the coordinator reads them with `validate.check_partial`
+(which checks each leaf, then decodes it with `leaf_from_message`) and merges them in
+client order. `from_message` decodes a trusted message. Exact sums travel as their
 integer limbs, or as float64 values where those hold them exactly (`doubles`), so
 nothing is rounded before the coordinator finishes the aggregate.
 """
@@ -10,6 +11,7 @@ nothing is rounded before the coordinator finishes the aggregate.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -53,19 +55,24 @@ def _leaf_message(leaf, out: pb.LeafPartial) -> None:
         wire.encode_tensor(leaf, out.extreme)
 
 
-def _leaf_from_message(kind: str, message: pb.LeafPartial):
+def leaf_from_message(kind: str, message: pb.LeafPartial, doubles: Optional[bytes] = None,
+                      limbs: bytes = b"", flags: bytes = b""):
+    """One leaf of a partial: an extreme's array, a `DoubleSum` or an `ExactSum`.
+    `doubles`, `limbs`, `flags`: the leaf's bytes fields when the caller has read them
+    already (each read of a bytes field copies it); None reads them here."""
     if kind in EXTREMES:
         return np.array(wire.decode_tensor(message.extreme))
     dtype = wire.dtype_from_name(message.dtype)
     shape = tuple(message.shape)
-    doubles = message.doubles  # read once: each read copies the bytes
-    if doubles:
-        return DoubleSum(dtype, shape, np.frombuffer(doubles, "<f8").copy())
+    if doubles is None:
+        doubles, limbs, flags = message.doubles, message.limbs, message.nonfinite
+    if doubles:  # read-only over the bytes: every merge makes new arrays
+        return DoubleSum(dtype, shape, np.frombuffer(doubles, "<f8"))
     size = math.prod(shape)
     # Explicit sizes: an all-zero sum has no limbs, and (0, -1) is no valid shape.
-    limbs = np.frombuffer(message.limbs, "<i8").reshape((message.num_limbs, size))
-    flags = np.frombuffer(message.nonfinite, np.uint8) if message.nonfinite else None
-    return ExactSum.from_limbs(dtype, shape, message.base_limb, limbs, flags)
+    rows = np.frombuffer(limbs, "<i8").reshape((message.num_limbs, size))
+    return ExactSum.from_limbs(dtype, shape, message.base_limb, rows,
+                               np.frombuffer(flags, np.uint8) if flags else None)
 
 
 def to_message(partial: Partial) -> pb.AggregateResponse:
@@ -80,16 +87,7 @@ def to_message(partial: Partial) -> pb.AggregateResponse:
 
 def from_message(kind: str, message: pb.AggregateResponse) -> Partial:
     """The partial an `AggregateResponse` holds."""
-    leaves = [_leaf_from_message(kind, m) for m in message.leaves]
-    weights = (_leaf_from_message("sum", message.weight_leaves[0])
+    leaves = [leaf_from_message(kind, m) for m in message.leaves]
+    weights = (leaf_from_message("sum", message.weight_leaves[0])
                if len(message.weight_leaves) else None)
     return Partial(kind=kind, leaves=leaves, weights=weights, count=message.num_clients)
-
-
-def payload_bytes(message: pb.AggregateResponse) -> int:
-    """Bytes of array data inside an `AggregateResponse`."""
-    total = 0
-    for leaf in list(message.leaves) + list(message.weight_leaves):
-        total += (len(leaf.limbs) + len(leaf.nonfinite) + len(leaf.doubles)
-                  + len(leaf.extreme.data))
-    return total

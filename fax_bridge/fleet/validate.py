@@ -21,9 +21,9 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import wire
+from fax_bridge.fleet import partials, wire
 from fax_bridge.runtime import double_sums, limits
-from fax_bridge.runtime.aggregation import EXTREMES
+from fax_bridge.runtime.aggregation import EXTREMES, Partial
 from fax_bridge.runtime.float_bits import float_params
 from fax_bridge.runtime.exact import (LIMB_BITS, NEG_ZERO_FLAG, NONFINITE_FLAGS, TOP_LIMIT,
                                       max_units)
@@ -111,11 +111,12 @@ def _honest(dtype: np.dtype, count: int) -> tuple[int, int, bool]:
 
 def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, where: str,
                     reject_nonfinite: bool, count: int,
-                    pending: Optional[list] = None, top: Optional[int] = None) -> None:
-    """Checks one leaf of an exact-sum partial. A float64-form leaf's values are appended
-    to `pending` (checked with the others of their dtype by `_check_pending`) when it is
-    given, checked here otherwise. `top`: the largest value one client may add (a
-    secure sum's bound), so the sum lies in [0, count * top]."""
+                    pending: Optional[list] = None, top: Optional[int] = None) -> tuple:
+    """Checks one leaf of an exact-sum partial; returns (the sum it holds, its payload
+    bytes). A float64-form leaf's values are appended to `pending` (checked with the
+    others of their dtype by `check_pending`) when it is given, checked here otherwise.
+    `top`: the largest value one client may add (a secure sum's bound), so the sum lies
+    in [0, count * top]."""
     shape = list(leaf.shape)
     if leaf.dtype != _dtype_name(type_) or not _shape_ok(shape, type_):
         raise FleetError(f"{where}: a partial sum of {leaf.dtype[:20]}{shape[:8]} for a "
@@ -137,7 +138,7 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
             _check_double_values(values, dtype, units, where)
         else:
             pending.append((values, dtype, units, where))
-        return
+        return partials.leaf_from_message("sum", leaf, doubles), len(doubles)
     if not (0 <= base <= last and 0 <= num <= last + 1 - base) or (is_int and num != 1):
         raise FleetError(
             f"{where}: a partial sum with {num} limbs from limb {base}; a sum of {count} "
@@ -159,6 +160,8 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
             _check_secure_sum(rows[0], count * top, where)
     if flag_bytes:
         _check_flags(np.frombuffer(flag_bytes, np.uint8), rows, where, reject_nonfinite)
+    return (partials.leaf_from_message("sum", leaf, doubles, data, flag_bytes),
+            len(data) + len(flag_bytes))
 
 
 def _doubles_of(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, size: int,
@@ -191,8 +194,8 @@ def _check_double_values(values: np.ndarray, dtype: np.dtype, units: int,
                          f"device's clients can add up to; {_FORGED}")
 
 
-def _check_pending(pending: list) -> None:
-    """`_check_double_values` of the leaves `_check_sum_leaf` set aside, one set of array
+def check_pending(pending: list) -> None:
+    """`_check_double_values` of the leaves `check_partial` set aside, one set of array
     operations per dtype and bound; a failing group is checked leaf by leaf, so the error
     names the leaf."""
     groups: dict = {}
@@ -263,30 +266,42 @@ def _check_flags(flags: np.ndarray, rows: np.ndarray, where: str,
 def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
                   weight_types: list, num_clients: int, where: str,
                   reject_nonfinite: bool = False,
-                  tops: Optional[Sequence[int]] = None) -> None:
+                  tops: Optional[Sequence[int]] = None,
+                  pending: Optional[list] = None) -> tuple[Partial, int]:
     """Raises FleetError unless an AggregateResponse fits the aggregated value's type and
-    could come from an honest device holding `num_clients` clients. `tops`: for a secure
-    sum, the largest value one client may add to each leaf (`aggregation.secure_bounds`)."""
+    could come from an honest device holding `num_clients` clients; returns (the partial
+    it holds, its payload bytes). `tops`: for a secure sum, the largest value one client
+    may add to each leaf (`aggregation.secure_bounds`). `pending`: a list that keeps the
+    checks of float64-form values for the caller's one `check_pending(pending)` over
+    several answers, which must pass before the partials are used; without it they run
+    here."""
     if answer.num_clients != num_clients:
         raise FleetError(f"{where}: a partial over {answer.num_clients} clients; the "
                          f"device holds {num_clients}")
     if len(answer.leaves) != len(value_types):
         raise FleetError(f"{where}: a partial of {len(answer.leaves)} tensors for a value "
                          f"of {len(value_types)}")
-    pending: list = []  # float64-form leaves, checked together by dtype
+    mine = pending is None
+    if mine:
+        pending = []  # float64-form leaves, checked together by dtype
+    leaves, payload = [], 0
     for i, (leaf, t) in enumerate(zip(answer.leaves, value_types)):
         leaf_where = f"{where}, {kind} leaf {i}"
         if kind in EXTREMES:
             array = wire.decode_tensor(leaf.extreme)
             check_tensor(array, t, leaf_where, reject_nonfinite)
+            leaves.append(np.array(array))
+            payload += len(leaf.extreme.data)
         else:
-            _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients, pending,
-                            None if tops is None else tops[i])
-    _check_pending(pending)
+            value, size = _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients,
+                                          pending, None if tops is None else tops[i])
+            leaves.append(value)
+            payload += size
     want_weights = 1 if kind == "weighted_mean" else 0
     if len(answer.weight_leaves) != want_weights:
         raise FleetError(f"{where}: {len(answer.weight_leaves)} weight partials for a "
                          f"{kind}; expected {want_weights}")
+    weights = None
     if want_weights:
         weight_t: Optional[federated_language.TensorType] = (
             weight_types[0] if len(weight_types) == 1 else None)
@@ -294,5 +309,9 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
             raise FleetError(f"{where}: weighted_mean needs one scalar weight type, got "
                              f"{len(weight_types)} tensors")
         scalar = federated_language.TensorType(weight_t.dtype)  # weights travel as scalars
-        _check_sum_leaf(answer.weight_leaves[0], scalar, f"{where}, weight",
-                        reject_nonfinite, num_clients)
+        weights, size = _check_sum_leaf(answer.weight_leaves[0], scalar, f"{where}, weight",
+                                        reject_nonfinite, num_clients, pending)
+        payload += size
+    if mine:
+        check_pending(pending)
+    return Partial(kind=kind, leaves=leaves, weights=weights, count=num_clients), payload

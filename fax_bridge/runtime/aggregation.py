@@ -33,7 +33,7 @@ import numpy as np
 from fax_bridge.errors import AggregationError
 from fax_bridge.placements import aggregate_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
-from fax_bridge.runtime.double_sums import Sum, merged, results, sums_of
+from fax_bridge.runtime.double_sums import Sum, merged_all, results, sums_of
 
 KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth", "secure_sum")
 SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
@@ -268,9 +268,11 @@ def merge(into: Partial, other: Partial) -> Partial:
     if extreme is not None:
         into.leaves = [extreme(a, b) for a, b in zip(into.leaves, other.leaves)]
     else:
-        into.leaves = [merged(a, b) for a, b in zip(into.leaves, other.leaves)]
         if into.weights is not None and other.weights is not None:
-            into.weights = merged(into.weights, other.weights)
+            *into.leaves, into.weights = merged_all([*into.leaves, into.weights],
+                                                    [*other.leaves, other.weights])
+        else:
+            into.leaves = merged_all(into.leaves, other.leaves)
     into.count += other.count
     return into
 

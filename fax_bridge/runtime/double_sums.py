@@ -17,7 +17,7 @@ form its partials took and however the clients were split.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -106,21 +106,52 @@ def sums_of(stacks: Sequence[np.ndarray]) -> list:
 
 def merged(into: Sum, other: Sum) -> Sum:
     """The sum of two partial sums of one tensor (`into` may be updated and returned)."""
-    if isinstance(into, DoubleSum) and isinstance(other, DoubleSum):
-        if into.dtype != other.dtype or into.size != other.size:
-            raise AggregationError(
-                f"partials disagree: {into.dtype}{list(into.shape)} vs "
-                f"{other.dtype}{list(other.shape)}")
-        a, b = into.values, other.values
-        with np.errstate(over="ignore", invalid="ignore"):
-            s = a + b
-            kept_b = s - a
-            error = (a - (s - kept_b)) + (b - kept_b)  # TwoSum: a + b == s + error exactly
-        if np.isfinite(s).all() and not error.any():
-            return DoubleSum(into.dtype, into.shape, s)
-    acc = into.exact() if isinstance(into, DoubleSum) else into
-    acc.merge(other.exact() if isinstance(other, DoubleSum) else other)
-    return acc
+    return merged_all([into], [other])[0]
+
+
+def _two_sum_exact(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
+    """a + b where every element's float64 sum is finite and exact (the error term of
+    TwoSum is zero), else None."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = a + b
+        kept_b = s - a
+        error = (a - (s - kept_b)) + (b - kept_b)  # TwoSum: a + b == s + error exactly
+    return s if np.isfinite(s).all() and not error.any() else None
+
+
+def merged_all(intos: Sequence[Sum], others: Sequence[Sum]) -> list:
+    """`merged` of each pair, with the float64-form pairs added together (one set of
+    array operations) where every one of their sums is exact."""
+    out: list = [None] * len(intos)
+    doubles = []
+    for i, (a, b) in enumerate(zip(intos, others)):
+        if isinstance(a, DoubleSum) and isinstance(b, DoubleSum):
+            if a.dtype != b.dtype or a.size != b.size:
+                raise AggregationError(
+                    f"partials disagree: {a.dtype}{list(a.shape)} vs "
+                    f"{b.dtype}{list(b.shape)}")
+            doubles.append(i)
+    if len(doubles) > 1:
+        joined = _two_sum_exact(np.concatenate([intos[i].values for i in doubles]),
+                                np.concatenate([others[i].values for i in doubles]))
+        if joined is not None:
+            start = 0
+            for i in doubles:
+                size = intos[i].size
+                out[i] = DoubleSum(intos[i].dtype, intos[i].shape, joined[start:start + size])
+                start += size
+    for i, (into, other) in enumerate(zip(intos, others)):
+        if out[i] is not None:
+            continue
+        if i in doubles:
+            s = _two_sum_exact(into.values, other.values)
+            if s is not None:
+                out[i] = DoubleSum(into.dtype, into.shape, s)
+                continue
+        acc = into.exact() if isinstance(into, DoubleSum) else into
+        acc.merge(other.exact() if isinstance(other, DoubleSum) else other)
+        out[i] = acc
+    return out
 
 
 def results(sums: Sequence[Sum]) -> list[np.ndarray]:
