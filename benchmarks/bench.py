@@ -245,7 +245,7 @@ def format_shared_table(report: Dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     lines += runner_rows(report, RUNNERS, 7, lambda s: [
-        fmt(s["setup_s"], ".2f"), fmt(s["round_s_median"], ".4f"), fmt(s["first_round_s"], ".3f"),
+        fmt(s["setup_s"], ".2f"), fmt(s["round_s_median"], ".5f"), fmt(s["first_round_s"], ".3f"),
         fmt(s["peak_rss_mb"], ".0f"), count(s["bytes_moved"]),
         fmt(s["final_test_accuracy"], ".4f")])
     lines += ["", *COMPARISON_HEADER]

@@ -148,7 +148,7 @@ def test_summary_ratios_verdicts_and_table(bench: Any) -> None:
               "summary": summary, "ratios": ratios, "verdicts": v, "loss_agreement": losses,
               "grad_agreement": grad, "skipped": {}, "failed": {}}
     table = bench.format_table(report)
-    assert "| fax_bridge_local | 4.00 | 0.0020 | 0.020 | 350 | - | 0.9000 |" in table
+    assert "| fax_bridge_local | 4.00 | 0.00200 | 0.020 | 350 | - | 0.9000 |" in table
     assert "| fax_bridge fleet vs Flower | 0.125 | 8.00x |" in table
     assert "| fax_bridge fleet vs local | 25.000 |" in table
     assert "| Flower round time / fax_bridge fleet >= 20, in every repeat | MISSED |" in table

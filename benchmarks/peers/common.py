@@ -225,8 +225,8 @@ def result_line(
     out: Dict[str, Any] = {
         "peer": peer,
         "setup_s": round(setup_s, 3),
-        "round_s_median": (round(statistics.median(timed), 4) if timed else None),
-        "round_s_all": [round(t, 4) for t in round_s],
+        "round_s_median": (round(statistics.median(timed), 6) if timed else None),
+        "round_s_all": [round(t, 6) for t in round_s],
         "peak_rss_mb": peak_rss_mb,
         "final_test_accuracy": accs[-1] if accs else None,
         "loss_per_round": [round(float(x), 6) for x in loss_per_round],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from federated_language.common_libs import structure
 
@@ -18,6 +20,7 @@ _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz",
 MAX_STRUCT_DEPTH = 64
 
 
+@functools.lru_cache(maxsize=64)  # names that raise are not kept
 def dtype_from_name(name: str) -> np.dtype:
     """The numeric dtype a `Tensor.dtype` string names (ml_dtypes ones such as bfloat16 too).
 
@@ -61,12 +64,13 @@ def decode_tensor(message: pb.Tensor) -> np.ndarray:
         expected = limits.tensor_bytes(shape, dtype.itemsize, "a tensor on the wire")
     except ComputationError as e:
         raise FleetError(str(e)) from None
-    if len(message.data) != expected:
+    data = message.data  # read once: each read copies the bytes
+    if len(data) != expected:
         raise FleetError(
             f"tensor of dtype {message.dtype} and shape {shape} should hold {expected} "
-            f"bytes but holds {len(message.data)}; sender and receiver disagree on the "
+            f"bytes but holds {len(data)}; sender and receiver disagree on the "
             "encoding (both must speak fax_bridge.v1)")
-    return np.frombuffer(message.data, dtype=dtype).reshape(shape)
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def encode_value(value: LocalValue, out: pb.Value) -> None:
