@@ -417,6 +417,21 @@ def test_a_device_without_round_once_gets_the_same_round_streamed(capped):
         server.stop(None)
 
 
+@pytest.mark.parametrize("messages", [1, 2])
+def test_a_failed_round_names_the_rpc_it_went_by(fleet, messages):
+    """A one-message round goes by the unary RoundOnce, a longer one by the Round stream;
+    a device's refusal names the RPC called, on the device and at the coordinator."""
+    from fax_bridge.fleet import put_messages
+
+    head = pb.RoundRequest(computation_hash="0" * 64)  # never loaded
+    stream = put_messages.stream(iter([head] * messages), "Round")
+    with pytest.raises(FleetError) as info:
+        fleet.backend.call_each("Round", {0: stream}, once="RoundOnce")
+    called = "RoundOnce" if messages == 1 else "Round"
+    assert f"{called} failed" in str(info.value)
+    assert f"{called}: " in str(info.value) and "not loaded" in str(info.value)
+
+
 def test_a_resumed_run_loop_on_the_plan_path_gives_the_straight_runs_bits(fleet, tmp_path):
     w0, x, counts = _args(2)
 

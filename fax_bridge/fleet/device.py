@@ -482,7 +482,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         # The same round as a Round stream of this one message, by the same code.
         from fax_bridge.fleet import device_round
 
-        return device_round.run_round(self, iter((request,)), context)
+        return device_round.run_round(self, iter((request,)), context, "RoundOnce")
 
     @_rpc
     def Fetch(self, request, context):

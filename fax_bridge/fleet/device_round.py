@@ -33,21 +33,22 @@ def _value_bytes(value) -> int:
     return size(value)
 
 
-def run_round(device, request_iterator, context) -> pb.RoundResponse:
+def run_round(device, request_iterator, context, method: str = "Round") -> pb.RoundResponse:
     """Serves one `Round` stream (or `RoundOnce` request, as a stream of one) on
-    `device` (a `DeviceServicer`)."""
-    head, _, members, reads, received = device.read_clients(request_iterator, "Round")
-    delay = device.check_delay(head.delay_seconds, "Round")
-    fn = device.loaded(head.computation_hash, "Round")
+    `device` (a `DeviceServicer`); errors name `method`, the RPC called."""
+    head, _, members, reads, received = device.read_clients(request_iterator, method)
+    delay = device.check_delay(head.delay_seconds, method)
+    fn = device.loaded(head.computation_hash, method)
     kinds = []
     for spec in head.aggregations:
         kind = partials.ENUM_TO_KIND.get(spec.kind)
         if kind is None or kind in ("secure_sum_bitwidth", "secure_sum"):
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"Round: aggregation number {spec.kind} cannot run in a round plan")
+                         f"{method}: aggregation number {spec.kind} cannot run in a round "
+                         "plan")
         if (kind == "weighted_mean") != spec.HasField("weight_index"):
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"Round: a {kind} aggregation must name a weight_index exactly "
+                         f"{method}: a {kind} aggregation must name a weight_index exactly "
                          "when it is a weighted mean")
         kinds.append(kind)
     if reads:
@@ -57,9 +58,9 @@ def run_round(device, request_iterator, context) -> pb.RoundResponse:
         start = time.perf_counter()
         clock = time.monotonic()
         guard = client_map.Guard(
-            tick=lambda: device._check_time(clock, context, "Round"),
+            tick=lambda: device._check_time(clock, context, method),
             room=lambda produced: device._check_room(received + produced,
-                                                     "Round's client results"),
+                                                     f"{method}'s client results"),
             size=_value_bytes)
         specs = [(kind, spec.value_index,
                   spec.weight_index if kind == "weighted_mean" else None)
@@ -69,5 +70,5 @@ def run_round(device, request_iterator, context) -> pb.RoundResponse:
         answer.partials.extend(partials.to_message(p) for p in found)
         answer.compute_seconds = time.perf_counter() - start
     if delay > 0 and device.stopping.wait(delay):
-        raise _error(grpc.StatusCode.UNAVAILABLE, "Round: the device is shutting down")
+        raise _error(grpc.StatusCode.UNAVAILABLE, f"{method}: the device is shutting down")
     return answer

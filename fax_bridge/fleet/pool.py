@@ -371,7 +371,7 @@ class DevicePool:
         # Blocking calls on the backend's own threads, the last one in this thread: a
         # gRPC future would start a new thread per channel on every call when none is in
         # flight.
-        calls, sent, streams = {}, [], {}
+        calls, sent, streams, unaries = {}, [], {}, {}
         last = next(reversed(requests), None)
         for index, request in requests.items():
             device = self._devices[index]
@@ -394,12 +394,15 @@ class DevicePool:
                 except Exception as e:  # reported with the other devices' answers
                     calls[index] = _Done(_raise, e)
                     continue
+                if len(head) == 1:
+                    unaries[index] = unary
             args = (device, method, unary, request, kwargs, head)
             calls[index] = (_Done(self._call, *args) if index == last
                             else self._pool.submit(self._call, *args))
         try:
             answers = self._answers(
-                calls, method, lambda index: streams[index].error if index in streams else None)
+                calls, method, lambda index: streams[index].error if index in streams else None,
+                unaries)
         finally:
             for stream in streams.values():
                 self.traffic.rpcs += stream.resent
@@ -429,11 +432,14 @@ class DevicePool:
         return getattr(device.stub, method)(iter(head), **kwargs)
 
     def _answers(self, calls: dict, method: str,
-                 own_error: Optional[Callable[[int], Optional[Exception]]] = None) -> dict:
+                 own_error: Optional[Callable[[int], Optional[Exception]]] = None,
+                 unaries: Optional[dict] = None) -> dict:
         """Waits for every device's call; then raises the first failure, if any.
 
         `own_error(index)` may name a failure of ours behind a device's error (e.g. an
         encoding error that cancelled a stream), reported instead of the RPC status.
+        `unaries[index]`: the unary method a device's call went by instead of `method`
+        (the name its failure carries, unless the device did not know it).
         """
         answers, errors = {}, []
         for index, call in calls.items():
@@ -441,8 +447,11 @@ class DevicePool:
                 answers[index] = call.result()
             except grpc.RpcError as e:
                 mine = own_error(index) if own_error is not None else None
-                errors.append(mine if mine is not None
-                              else self._fail(self._devices[index], method, e))
+                device = self._devices[index]
+                called = (unaries or {}).get(index)
+                if called is None or called in device.missing:
+                    called = method
+                errors.append(mine if mine is not None else self._fail(device, called, e))
             except FleetError as e:  # a request stream could not make its first messages
                 errors.append(e)
         self._raise_first(errors)
