@@ -39,6 +39,7 @@ from fax_bridge.tracing import is_machinery
 _PROGRAMS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
     "fax_bridge_programs", default=())
 
+
 def user_location() -> str:
     """`file:line (function)` of the innermost stack frame of the program's own code:
     outside jax and fax_bridge's machinery (`tracing.is_machinery`)."""

@@ -38,7 +38,9 @@ def is_machinery(path: str) -> bool:
     `fax_bridge.algorithms` is not: its rounds are programs like a user's, so an error in
     one points at its line."""
     path = os.path.abspath(path)
-    return path.startswith(_PACKAGE_DIR) and not path.startswith(_ALGORITHMS_DIR)
+    return path.startswith(_PACKAGE_DIR + os.sep) and \
+        not path.startswith(_ALGORITHMS_DIR + os.sep)
+
 
 # Call-like primitives whose body is inlined: name -> parameter holding the body.
 _INLINED_CALLS = {

@@ -209,3 +209,20 @@ def test_locations_point_at_the_program_s_own_code_algorithms_included():
                          for f in files), files
     assert not tracing.is_machinery(next(iter(files)))
     assert tracing.is_machinery(tracing.__file__) and not tracing.is_machinery(__file__)
+
+
+def test_machinery_is_the_package_directory_itself_not_its_name_as_a_prefix():
+    """A sibling directory whose name starts like the package's (a user's
+    `fax_bridge_examples/`) is the user's code; the package's files and subpackages are
+    machinery, except `fax_bridge.algorithms`."""
+    import os
+
+    from fax_bridge import tracing
+
+    package = os.path.dirname(os.path.abspath(tracing.__file__))
+    assert tracing.is_machinery(os.path.join(package, "api.py"))
+    assert tracing.is_machinery(os.path.join(package, "fleet", "plan.py"))
+    assert not tracing.is_machinery(os.path.join(package, "algorithms", "fedsgd.py"))
+    assert not tracing.is_machinery(package + "_examples" + os.sep + "run.py")
+    # The algorithms' exception stops at that directory too.
+    assert tracing.is_machinery(os.path.join(package, "algorithms_extra.py"))

@@ -71,8 +71,6 @@ _FIX_TWO_TRIPS = (
 # ---------------------------------------------------------------------------- refusals
 
 
-
-
 def _name(eqn) -> str:
     return f"{eqn.primitive.name} at {tracing.eqn_location(eqn)}"
 
