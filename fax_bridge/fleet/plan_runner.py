@@ -157,6 +157,7 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
     answers = backend.call_each("Round", streams, timeout=backend.rpc_timeout_s + longest,
                                 once="RoundOnce")
     found, pending = [], []  # every answer is checked before any is merged
+    totals = [aggregation.Partial(kind=a.kind, leaves=[]) for a in plan.aggregations]
     for index, clients in layout:  # device order is client order
         answer = answers[index]
         where = f"device {index} at {backend.addresses[index]}"
@@ -167,17 +168,16 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
                 f"{len(answer.partials)} partials; it was sent {len(clients)} clients and "
                 f"{len(plan.aggregations)} aggregations")
         backend.traffic.compute_seconds += answer.compute_seconds
-        for agg, message in zip(plan.aggregations, answer.partials):
+        for total, agg, message in zip(totals, plan.aggregations, answer.partials):
             value_types, weight_types = agg.leaf_types
             partial, payload = validate.check_partial(
                 message, agg.kind, value_types, weight_types, len(clients), where,
                 backend.reject_nonfinite, pending=pending)
             backend.traffic.payload_up += payload
-            found.append(partial)
+            found.append((total, partial))
     validate.check_pending(pending)
-    totals = [aggregation.Partial(kind=a.kind, leaves=[]) for a in plan.aggregations]
-    for i, partial in enumerate(found):
-        aggregation.merge(totals[i % len(totals)], partial)
+    for total, partial in found:  # in device order, which is client order
+        aggregation.merge(total, partial)
     for agg, total in zip(plan.aggregations, totals):
         env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
     return values.check_value(plan_server.result(plan, env, backend, n), result_type,

@@ -291,7 +291,7 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
             array = wire.decode_tensor(leaf.extreme)
             check_tensor(array, t, leaf_where, reject_nonfinite)
             leaves.append(np.array(array))
-            payload += len(leaf.extreme.data)
+            payload += array.nbytes  # decode_tensor checked it is the data's length
         else:
             value, size = _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients,
                                           pending, None if tops is None else tops[i])

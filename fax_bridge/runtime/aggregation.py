@@ -122,17 +122,19 @@ def _check_range(kind: str, members: Sequence[LocalValue],
     spec = _SECURE[kind]
     if bound is None:
         raise AggregationError(f"{spec.what} needs a {spec.name}")
-    tops: Optional[list[int]] = None
+    ranges: dict = {}  # tensors per member -> [(bound, top)] per tensor, checked once
     for member in members:
         flat = leaves(member)
-        if tops is None:
+        if len(flat) not in ranges:
             tops = secure_bounds(kind, bound, len(flat))
-        for x, hi, b in zip(flat, tops, _bounds(bound, len(flat), spec.what)):
+            ranges[len(flat)] = [(int(b), hi) for b, hi in
+                                 zip(_bounds(bound, len(flat), spec.what), tops)]
+        for x, (b, hi) in zip(flat, ranges[len(flat)]):
             if x.dtype.kind not in "iu":
                 raise AggregationError(f"{spec.what} sums integers, got {x.dtype}")
             if x.size and (int(x.min()) < 0 or int(x.max()) > hi):
                 raise AggregationError(
-                    f"{spec.what}: a client value lies outside {spec.shown(int(b), hi)} "
+                    f"{spec.what}: a client value lies outside {spec.shown(b, hi)} "
                     f"(min {int(x.min())}, max {int(x.max())}); {spec.fix}")
 
 
