@@ -12,7 +12,6 @@ import argparse
 import os
 import pathlib
 import tempfile
-import zipfile
 from typing import Callable, Mapping, Optional
 
 import numpy as np
@@ -121,8 +120,9 @@ def load_npz(path: str, flag: str = "--inputs") -> dict[str, np.ndarray]:
         raise ComputationError(f"{flag} {path}: no such file") from None
     except IsADirectoryError:
         raise ComputationError(f"{flag} {path}: is a folder, not an npz file") from None
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile,
-            NotImplementedError) as e:  # zipfile: an unknown zip version in garbage bytes
+    except Exception as e:  # noqa: BLE001 - any failure to parse the file's bytes
+        # numpy and zipfile raise many kinds for damaged bytes (BadZipFile, an unknown zip
+        # version's NotImplementedError, a flipped flag's "encrypted" RuntimeError, ...)
         if "Object arrays" in str(e):
             detail = "it holds object arrays, which are never unpickled"
         elif "pickle" in str(e):

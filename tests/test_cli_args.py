@@ -147,6 +147,15 @@ def test_truncated_empty_or_garbage_inputs_give_a_named_error(tmp_path_factory, 
     assert set(loaded) <= {"a", "b"}
 
 
+def test_an_archive_flagged_encrypted_gives_a_named_error(tmp_path, flag_encrypted):
+    """zipfile refuses an entry flagged encrypted with a RuntimeError; like every other way
+    damaged bytes fail to parse, it is reported naming the flag and the file."""
+    path = tmp_path / "in.npz"
+    path.write_bytes(flag_encrypted(_npz_bytes()))
+    with pytest.raises(ComputationError, match=f"--inputs {path} is not a readable npz"):
+        cli_args.load_npz(str(path))
+
+
 def test_the_run_command_reports_bad_inputs_without_a_traceback(tmp_path, capsys):
     bad = tmp_path / "in.npz"
     bad.write_bytes(b"")

@@ -85,6 +85,15 @@ def test_truncated_or_damaged_checkpoints_give_a_named_error(tmp_path_factory, d
     np.testing.assert_array_equal(saved.state["opt"][1][0], STATE["opt"][1][0])
 
 
+def test_a_checkpoint_flagged_encrypted_gives_a_named_error(tmp_path, flag_encrypted):
+    """A damaged bit that marks the archive's entries encrypted (zipfile's RuntimeError)
+    is reported like every other damage: naming the file, saying how to start over."""
+    path = checkpoint.save(tmp_path, 1, STATE, {"k": "v"})
+    path.write_bytes(flag_encrypted(path.read_bytes()))
+    with pytest.raises(CheckpointError, match="truncated or corrupt.*delete it"):
+        checkpoint.load(tmp_path)
+
+
 def test_the_program_fingerprint_ignores_where_a_program_was_built_only():
     a = sc.linear_regression_step(features=5, examples=6)
     assert checkpoint.program_fingerprint(a) == checkpoint.program_fingerprint(
