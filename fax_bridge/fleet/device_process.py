@@ -32,6 +32,16 @@ from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 log = logging.getLogger("fax_bridge.device")
 
 
+def _run_xla_inline() -> None:
+    """Runs this process's XLA calls in the thread that makes them. A device waits for
+    every call's result at once, so jax's asynchronous CPU dispatch gains nothing and
+    costs a hand-off to its worker thread and back on each call (about 0.1 ms of a
+    0.7 ms round handler). Takes effect only before the CPU backend starts."""
+    import jax
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,
                  token: Optional[str] = None, tls: Optional[security.TlsConfig] = None,
                  allow_remote: bool = False,
@@ -113,6 +123,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
                 "file); --insecure-no-auth serves without one, for debugging only")
         log.warning("serving WITHOUT authentication (--insecure-no-auth): anyone who can "
                     "reach %s may run computations here", listen)
+    _run_xla_inline()
     servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes,
                               population=population, population_name=population_name,
                               max_clients=max_clients, max_call_seconds=max_call_seconds,
