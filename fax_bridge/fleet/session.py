@@ -183,10 +183,9 @@ class FleetRounds:
         backend = self.backend
         try:
             plan = self._plan(prepared) if participants is not None and clients_given else None
+            # Checked and converted here. A round by plan has its cohort selected
+            # above, so every PopulationRef in it names its clients' ids.
             arg = bound.runtime_value()
-            if plan is not None:
-                arg = values.check_value(arg, prepared.parameter,
-                                         population_size=backend.population_size)
             if plan_runner.usable(plan, arg, prepared.parameter):
                 result = plan_runner.run_plan(backend, plan, arg, prepared.parameter,
                                               prepared.result, backend.take_delays())
