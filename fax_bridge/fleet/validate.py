@@ -61,6 +61,23 @@ def _dtype_of(dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _scalar(dtype) -> federated_language.TensorType:
+    """The scalar type of `dtype` (weights travel as scalars)."""
+    return federated_language.TensorType(dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaf_spec(type_: federated_language.TensorType) -> tuple:
+    """(dtype name, the shape as a tuple or None where a dimension is open, numpy dtype,
+    whether its sums may take the float64 form) of a tensor type: what each leaf of
+    every round's partials is compared with, worked out once per type."""
+    shape = tuple(type_.shape or ())
+    dtype = _dtype_of(type_.dtype)
+    return (_name_of(type_.dtype), None if None in shape else shape, dtype,
+            double_sums.fits(dtype))
+
+
 def check_tensor(array: np.ndarray, type_: federated_language.TensorType, where: str,
                  reject_nonfinite: bool) -> None:
     """Raises FleetError unless `array` has `type_`'s dtype and shape (and is finite)."""
@@ -117,28 +134,30 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     others of their dtype by `check_pending`) when it is given, checked here otherwise.
     `top`: the largest value one client may add (a secure sum's bound), so the sum lies
     in [0, count * top]."""
-    shape = list(leaf.shape)
-    if leaf.dtype != _dtype_name(type_) or not _shape_ok(shape, type_):
-        raise FleetError(f"{where}: a partial sum of {leaf.dtype[:20]}{shape[:8]} for a "
-                         f"tensor {type_}; the device aggregated a value of another type")
-    dtype = _dtype_of(type_.dtype)
-    if None in (type_.shape or ()):  # the device chose those dimensions
+    name, want, dtype, fits = _leaf_spec(type_)
+    shape = tuple(leaf.shape)
+    if leaf.dtype != name or (shape != want if want is not None
+                              else not _shape_ok(shape, type_)):
+        raise FleetError(f"{where}: a partial sum of {leaf.dtype[:20]}{list(shape[:8])} "
+                         f"for a tensor {type_}; the device aggregated a value of another "
+                         "type")
+    if want is None:  # the device chose those dimensions
         try:
             limits.tensor_bytes(shape, dtype.itemsize, f"{where}: a partial sum")
         except ComputationError as e:
             raise FleetError(str(e)) from None
     size = math.prod(shape)
-    is_int = dtype.kind in "iu"
-    num, base = leaf.num_limbs, leaf.base_limb
     units, last, bounded = _honest(dtype, count)
     doubles = leaf.doubles  # read once: each read copies the bytes
     if doubles:
-        values = _doubles_of(leaf, doubles, dtype, size, where)
+        values = _doubles_of(leaf, doubles, dtype, fits, size, where)
         if pending is None:
             _check_double_values(values, dtype, units, where)
         else:
             pending.append((values, dtype, units, where))
-        return partials.leaf_from_message("sum", leaf, doubles), len(doubles)
+        return double_sums.DoubleSum(dtype, shape, values), len(doubles)
+    is_int = dtype.kind in "iu"
+    num, base = leaf.num_limbs, leaf.base_limb
     if not (0 <= base <= last and 0 <= num <= last + 1 - base) or (is_int and num != 1):
         raise FleetError(
             f"{where}: a partial sum with {num} limbs from limb {base}; a sum of {count} "
@@ -164,11 +183,12 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
             len(data) + len(flag_bytes))
 
 
-def _doubles_of(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, size: int,
-                where: str) -> np.ndarray:
+def _doubles_of(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, fits: bool,
+                size: int, where: str) -> np.ndarray:
     """A sum sent as float64 values (only for floats of at most 4 bytes, instead of the
-    limbs, one value per element): those values, once the form is checked."""
-    if not double_sums.fits(dtype):
+    limbs, one value per element; `fits`: whether `dtype` is one): those values, once the
+    form is checked."""
+    if not fits:
         raise FleetError(f"{where}: a {dtype} sum sent as float64 values; devices send "
                          f"those only for floats of at most 4 bytes; {_FORGED}")
     if leaf.num_limbs or leaf.base_limb or leaf.limbs or leaf.nonfinite:
@@ -308,8 +328,8 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
         if weight_t is None:
             raise FleetError(f"{where}: weighted_mean needs one scalar weight type, got "
                              f"{len(weight_types)} tensors")
-        scalar = federated_language.TensorType(weight_t.dtype)  # weights travel as scalars
-        weights, size = _check_sum_leaf(answer.weight_leaves[0], scalar, f"{where}, weight",
+        weights, size = _check_sum_leaf(answer.weight_leaves[0], _scalar(weight_t.dtype),
+                                        f"{where}, weight",
                                         reject_nonfinite, num_clients, pending)
         payload += size
     if mine:

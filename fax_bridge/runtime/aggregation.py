@@ -290,18 +290,20 @@ def finish(partial: Partial) -> list[np.ndarray]:
     if partial.kind in ("sum", "secure_sum_bitwidth", "secure_sum"):
         return results(partial.leaves)
     if partial.kind == "mean":
-        return [_divide(s, partial.count) for s in results(partial.leaves)]
-    *sums, by = results([*partial.leaves, partial.weights])  # rounded together
-    return [_divide(s, by) for s in sums]
+        sums, by = results(partial.leaves), partial.count
+    else:
+        *sums, by = results([*partial.leaves, partial.weights])  # rounded together
+    with np.errstate(divide="ignore", invalid="ignore"):  # once for all the leaves
+        return [_divide(s, by) for s in sums]
 
 
 def _divide(total: np.ndarray, by) -> np.ndarray:
+    """`total / by` in `total`'s dtype (the caller ignores division by zero)."""
     if total.dtype.kind in "iub":
         raise AggregationError(
             f"federated mean and weighted_mean need floating-point values, got "
             f"{total.dtype}; cast the clients' values to a float type first")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.asarray(total / np.asarray(by, total.dtype), total.dtype)
+    return np.asarray(total / np.asarray(by, total.dtype), total.dtype)
 
 
 def reduce(kind: str, members: Sequence[LocalValue],

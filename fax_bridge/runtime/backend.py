@@ -14,6 +14,7 @@ A clients value has one such local value per client, in client order.
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any, Optional, Sequence
 
 import federated_language
@@ -134,25 +135,32 @@ def unflatten_like(template: LocalValue, flat: list) -> LocalValue:
     return build(template)
 
 
-def _template(type_: federated_language.Type) -> LocalValue:
-    """A Struct skeleton (names kept, leaves None) of a type; None for a tensor."""
-    if isinstance(type_, federated_language.StructType):
-        return structure.Struct([(name, _template(t)) for name, t in type_.items()])
-    return None
+@functools.lru_cache(maxsize=1024)  # a program's few types, worked out once each
+def _nesting(type_: federated_language.Type) -> tuple[Any, int]:
+    """(a type's nesting: a tuple of (name, child nesting) per struct, None for a
+    tensor; its number of tensors)."""
+    if not isinstance(type_, federated_language.StructType):
+        return None, 1
+    children = [(name, _nesting(t)) for name, t in type_.items()]
+    return (tuple((name, node) for name, (node, _) in children),
+            sum(count for _, (_, count) in children))
+
+
+def _build_nested(node: Any, iterator) -> LocalValue:
+    if node is None:
+        return next(iterator)
+    return structure.Struct([(name, _build_nested(child, iterator)) for name, child in node])
 
 
 def from_leaves(type_: federated_language.Type, flat: list) -> LocalValue:
     """The local value of `type_` whose tensors, depth first, are `flat` (an aggregate
     computed leaf by leaf); ComputationError when their number does not fit the type."""
-    template = _template(type_)
-    count = len(leaves(template)) if isinstance(template, structure.Struct) else 1
+    node, count = _nesting(type_)
     if count != len(flat):
         raise ComputationError(
             f"an aggregate of {len(flat)} tensors cannot have type {type_}, which has "
             f"{count}; its partials were computed for a value of another type")
-    if not isinstance(template, structure.Struct):
-        return flat[0]
-    return unflatten_like(template, flat)
+    return _build_nested(node, iter(flat))
 
 
 class ClientRows(Sequence):
