@@ -82,16 +82,14 @@ class _Members(Sequence):
 
 
 def _round_messages(head: pb.RoundRequest, messages: Iterator) -> Iterator[pb.RoundRequest]:
-    """`messages` (Put requests) as Round requests, the head merged into the first."""
+    """`messages` (Put requests) as Round requests, the first of them `head` itself (its
+    broadcast is not copied again)."""
     for put in messages:
-        message = pb.RoundRequest()
+        message, head = (pb.RoundRequest() if head is None else head), None
         if put.HasField("from_store"):
             message.from_store.CopyFrom(put.from_store)
         else:
             message.values.extend(put.values)
-        if head is not None:
-            message.MergeFrom(head)
-            head = None
         yield message
 
 
