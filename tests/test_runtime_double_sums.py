@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.fleet import partials
-from fax_bridge.runtime import aggregation, double_sums
+from fax_bridge.runtime import aggregation, double_sums, float_bits
 from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.runtime.exact import ExactSum
 
@@ -105,3 +105,33 @@ def test_merging_many_leaves_together_gives_each_merges_bits(specs, data):
     together = double_sums.merged_all(sums(first), sums(second))
     assert [type(s) for s in together] == [type(s) for s in alone]
     assert [s.result().tobytes() for s in together] == [s.result().tobytes() for s in alone]
+
+
+def _column_by_column(rows):
+    """The float64 sums of `rows`' columns by the rule each column alone: None unless
+    every one is exact or holds only +-0 (then -0 where every addend is -0)."""
+    fast, zero, negative_zero = float_bits.exact_in_doubles(rows)
+    if not (fast | zero).all():
+        return None
+    sums = rows.astype(np.float64).sum(axis=0)
+    sums[zero] = np.where(negative_zero[zero], -0.0, 0.0)
+    return sums
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(DTYPES), st.integers(1, 6), st.integers(1, 5), st.data())
+def test_the_one_block_test_decides_as_the_columns_do(dtype, n, size, data):
+    """`all_exact_in_doubles` passes a block only when every column passes alone, and
+    the float64 sums (signs of zero included) are the column-by-column ones."""
+    values = st.one_of(st.sampled_from(_SPECIAL), st.floats(-1e4, 1e4),
+                       st.floats(-1e-30, 1e-30), st.floats(width=32))
+    flat = data.draw(st.lists(values, min_size=n * size, max_size=n * size))
+    with np.errstate(over="ignore", invalid="ignore"):
+        rows = np.array(flat, np.float64).astype(dtype).reshape(n, size)
+    if float_bits.all_exact_in_doubles(rows):
+        fast, zero, _ = float_bits.exact_in_doubles(rows)
+        assert (fast | zero).all()
+    got, want = double_sums._double_values(rows), _column_by_column(rows)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert got.tobytes() == want.tobytes()

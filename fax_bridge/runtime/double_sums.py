@@ -24,7 +24,8 @@ import numpy as np
 from fax_bridge.errors import AggregationError
 from fax_bridge.runtime import exact
 from fax_bridge.runtime.exact import ExactSum
-from fax_bridge.runtime.float_bits import exact_in_doubles, to_odd_float32
+from fax_bridge.runtime.float_bits import (all_exact_in_doubles, exact_in_doubles,
+                                           signed_zeros, to_odd_float32)
 
 
 class DoubleSum:
@@ -73,12 +74,13 @@ def _double_values(rows: np.ndarray):
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
     for lo in range(0, rows.shape[1], step):
         block = rows[:, lo:lo + step]
-        fast, zero, negative_zero = exact_in_doubles(block)
-        if not (fast | zero).all():
-            return None
-        totals[lo:lo + step] = block.astype(np.float64).sum(axis=0)
-        if zero.any():  # numpy adds -0 + -0 as +0; an all -0 element stays -0
-            totals[lo:lo + step][zero] = np.where(negative_zero[zero], -0.0, 0.0)
+        if not all_exact_in_doubles(block):  # one test for the block, else column-wise
+            fast, zero, _ = exact_in_doubles(block)
+            if not (fast | zero).all():
+                return None
+        sums = totals[lo:lo + step]
+        np.sum(block.astype(np.float64), axis=0, out=sums)
+        signed_zeros(block, sums)  # an all -0 element stays -0
     return totals
 
 

@@ -43,7 +43,6 @@ def exact_in_doubles(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     fast (they go the general way).
     """
     p, nexp, _, uint = float_params(rows.dtype)
-    n = rows.shape[0]
     bits = rows.view(uint)
     sign_bit = uint(1 << (8 * rows.dtype.itemsize - 1))
     mag = bits & (sign_bit - uint(1))
@@ -51,13 +50,46 @@ def exact_in_doubles(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     low = (mag - uint(1)).min(axis=0) + uint(1)  # zeros wrap to the top, then to 0
     e_hi = (hi >> uint(p - 1)).astype(np.int32)
     e_lo = (low >> uint(p - 1)).astype(np.int32)
-    span = np.maximum(e_hi, 1) - np.maximum(e_lo - 1, 0) + (p - 1 + (n - 1).bit_length())
     zero = hi == 0
-    fast = (span <= 53) & (e_hi < (1 << nexp) - 1) & ~zero
+    fast = _sums_fit(e_hi, e_lo, p, nexp, rows.shape[0]) & ~zero
     negative_zero = zero.copy()
     if zero.any():
         negative_zero[zero] = (bits[:, zero] == sign_bit).all(axis=0)
     return fast, zero, negative_zero
+
+
+def _sums_fit(e_hi, e_lo, p: int, nexp: int, n: int):
+    """Whether n addends whose largest magnitude has exponent field `e_hi` and whose
+    smallest nonzero one has `e_lo` (arrays or ints) sum exactly in float64, finite."""
+    span = np.maximum(e_hi, 1) - np.maximum(e_lo - 1, 0) + (p - 1 + (n - 1).bit_length())
+    return (span <= 53) & (e_hi < (1 << nexp) - 1)
+
+
+def all_exact_in_doubles(rows: np.ndarray) -> bool:
+    """Whether every column of `rows` ([n, size], a float dtype of at most 4 bytes) has
+    an exact float64 sum or holds only +-0 (`exact_in_doubles` says which, column by
+    column): one test over all of them, with the largest and the smallest nonzero
+    magnitude of the whole block. Columns span at most what the block spans, so a block
+    that passes passes column by column; one that fails may still pass that way."""
+    if not rows.size:
+        return True
+    p, nexp, _, uint = float_params(rows.dtype)
+    width = 8 * rows.dtype.itemsize
+    mag = rows.view(uint) & uint((1 << (width - 1)) - 1)
+    hi = int(mag.max())
+    low = (int((mag - uint(1)).min()) + 1) & ((1 << width) - 1)  # 0 when all are zero
+    return bool(_sums_fit(hi >> (p - 1), low >> (p - 1), p, nexp, rows.shape[0]))
+
+
+def signed_zeros(rows: np.ndarray, sums: np.ndarray) -> None:
+    """Sets `sums` (float64 column sums of `rows`) to -0.0 where every addend is -0 and
+    to +0.0 elsewhere it is zero (numpy may add -0 + -0 as +0)."""
+    zero = np.flatnonzero(sums == 0)
+    if zero.size:
+        _, _, _, uint = float_params(rows.dtype)
+        sign_bit = uint(1 << (8 * rows.dtype.itemsize - 1))
+        negative = (rows.view(uint)[:, zero] == sign_bit).all(axis=0)
+        sums[zero] = np.where(negative, -0.0, 0.0)
 
 
 def to_odd_float32(values: np.ndarray) -> np.ndarray:
