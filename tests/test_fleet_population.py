@@ -10,6 +10,7 @@ import federated_language
 import grpc
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from fax_bridge.data.stream import write_population
 from fax_bridge.errors import ComputationError, FleetError
@@ -301,3 +302,45 @@ def test_regular_reads_come_stacked_and_equal_the_rows(data):
     for member, i in zip(got, ids):
         np.testing.assert_array_equal(member[0], data["bx"][i])
         np.testing.assert_array_equal(member[1], data["by"][i])
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(1, 3), min_size=0, max_size=3), st.lists(
+    st.integers(0, 4), min_size=1, max_size=6), st.integers(1, 400), st.data())
+def test_rows_bytes_counts_and_caps_as_tensor_bytes_does(tmp_path, example, sizes, cap,
+                                                         data):
+    """The bytes a cohort's rows take, and the per-client tensor cap, as
+    `limits.tensor_bytes` works them out over each client's block (clients without
+    examples included), whatever the example shape, the clients' example counts and the
+    cap. (A store holds at least one byte: an empty file cannot be mapped.)"""
+    from fax_bridge.runtime import limits
+
+    assume(sum(sizes) > 0)
+    from fax_bridge.runtime import population as pop
+
+    directory = tmp_path / f"rows_{'_'.join(map(str, example))}_{'_'.join(map(str, sizes))}"
+    if not directory.exists():
+        write_population(str(directory), ({"v": np.zeros([n, *example], np.float32)}
+                                          for n in sizes))
+    store = pop.open_store(str(directory))
+    member = federated_language.TensorType(np.float32, [None, *example])
+    columns = pop.plan_columns(store, member, ["v"])
+    ids = np.array(data.draw(st.lists(st.integers(0, len(sizes) - 1), min_size=1,
+                                      max_size=4)), np.int64)
+    biggest = max(sizes[i] for i in ids)
+    before = limits.set_limits(max_tensor_bytes=cap)
+    try:
+        try:
+            limits.tensor_bytes([biggest, *example], 4, "one client")
+            refused = False
+        except ComputationError:
+            refused = True
+        if refused:
+            with pytest.raises(ComputationError, match="stored array 'v' of one client"):
+                pop.rows_bytes(store, columns, ids)
+        else:
+            want = sum(sizes[i] for i in ids) * int(np.prod(example, dtype=np.int64)) * 4
+            assert pop.rows_bytes(store, columns, ids) == want
+    finally:
+        limits.set_limits(max_tensor_bytes=before.max_tensor_bytes)

@@ -175,13 +175,15 @@ def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[Local
 # Layouts: a local value as (tree, leaves)
 
 
-def _layout(value: LocalValue, leaves: list) -> Any:
+def _layout(value: LocalValue, leaves: list, lead: int = 0) -> Any:
     """The value's tree (Struct names and nesting, leaf shapes and dtypes), its leaves
-    appended to `leaves`; None when a leaf is not a tensor jax can take as it is."""
+    appended to `leaves`; None when a leaf is not a tensor jax can take as it is.
+    `lead`: leading axes left out of the shapes (1: the tree of one row of stacked
+    members)."""
     if isinstance(value, structure.Struct):
         names, trees = [], []
         for name, member in structure.iter_elements(value):
-            tree = _layout(member, leaves)
+            tree = _layout(member, leaves, lead)
             if tree is None:
                 return None
             names.append(name)
@@ -191,7 +193,7 @@ def _layout(value: LocalValue, leaves: list) -> Any:
     if not _jax_takes(arr.dtype):
         return None
     leaves.append(arr)
-    return ("tensor", arr.shape, arr.dtype.str)
+    return ("tensor", arr.shape[lead:], arr.dtype.str)
 
 
 def _jax_takes(dtype: np.dtype) -> bool:
@@ -239,7 +241,7 @@ def _layouts(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
         if shared_tree is None:
             return None
     if isinstance(members, ClientRows):
-        member_tree = _layout(members[0], [])
+        member_tree = _layout(members.stacked, [], lead=1)
         if member_tree is None or not members.columns:
             return None
         return shared_tree, member_tree, shared_leaves, _Source(members.columns, None)

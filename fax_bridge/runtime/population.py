@@ -143,6 +143,11 @@ class Column:
     key: str
     type_: federated_language.TensorType
     single: bool
+    example_bytes: int = 0  # bytes of one stored example
+    # max(d, 1) over the example's dimensions, times its itemsize (what a client's block
+    # spans per example, as `limits.tensor_bytes` counts it); None when the example's
+    # rank leaves no room for the examples axis
+    span_bytes: Optional[int] = None
 
 
 def _leaf_paths(member_type: federated_language.Type, path: str = "") -> list:
@@ -226,7 +231,12 @@ def plan_columns(store, member_type: federated_language.Type,
                 f"client) or one more (all of a client's examples)")
         if any(w is not None and w != g for w, g in zip(rest, example)):
             raise ComputationError(f"{where()}: the example shapes differ")
-        columns.append(Column(path=path, key=key, type_=t, single=single))
+        dims = [int(d) for d in example]
+        columns.append(Column(
+            path=path, key=key, type_=t, single=single,
+            example_bytes=int(np.prod(dims, dtype=np.int64)) * dtype.itemsize,
+            span_bytes=(int(np.prod([max(d, 1) for d in dims], dtype=np.int64))
+                        * dtype.itemsize if len(dims) < limits.MAX_RANK else None)))
     return columns
 
 
@@ -244,13 +254,14 @@ def rows_bytes(store, columns: Sequence[Column], ids: np.ndarray) -> int:
     sizes = store.offsets[ids + 1] - store.offsets[ids]  # these clients only
     examples = int(sizes.sum())
     biggest = int(sizes.max()) if sizes.size else 0
-    total = 0
     for c in columns:
-        dtype, example = store.spec[c.key]
-        limits.tensor_bytes([biggest] + list(example), dtype.itemsize,
-                            f"stored array {c.key!r} of one client")
-        total += examples * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
-    return total
+        # What `limits.tensor_bytes` refuses, without its walk over the dimensions.
+        if c.span_bytes is None or max(biggest, 1) * c.span_bytes > \
+                limits.LIMITS.max_tensor_bytes:
+            dtype, example = store.spec[c.key]
+            limits.tensor_bytes([biggest] + list(example), dtype.itemsize,
+                                f"stored array {c.key!r} of one client")
+    return examples * sum(c.example_bytes for c in columns)
 
 
 def read_members(store, member_type: federated_language.Type, columns: Sequence[Column],
