@@ -39,12 +39,12 @@ ENUM_TO_KIND = {v: k for k, v in KIND_TO_ENUM.items()}
 
 def _leaf_message(leaf, out: pb.LeafPartial) -> None:
     if isinstance(leaf, DoubleSum):
-        out.dtype = leaf.dtype.name
+        out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
         out.doubles = np.ascontiguousarray(leaf.values, "<f8").tobytes()
     elif isinstance(leaf, ExactSum):
         base, limbs, flags = leaf.to_limbs()
-        out.dtype = leaf.dtype.name
+        out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
         out.base_limb = base
         out.num_limbs = limbs.shape[0]

@@ -48,12 +48,7 @@ def _shape_ok(shape: Sequence[int], type_: federated_language.TensorType) -> boo
 
 
 def _dtype_name(type_: federated_language.TensorType) -> str:
-    return _name_of(type_.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _name_of(dtype) -> str:
-    return np.dtype(dtype).name
+    return wire.dtype_name(type_.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,14 +69,14 @@ def _leaf_spec(type_: federated_language.TensorType) -> tuple:
     every round's partials is compared with, worked out once per type."""
     shape = tuple(type_.shape or ())
     dtype = _dtype_of(type_.dtype)
-    return (_name_of(type_.dtype), None if None in shape else shape, dtype,
+    return (wire.dtype_name(type_.dtype), None if None in shape else shape, dtype,
             double_sums.fits(dtype))
 
 
 def check_tensor(array: np.ndarray, type_: federated_language.TensorType, where: str,
                  reject_nonfinite: bool) -> None:
     """Raises FleetError unless `array` has `type_`'s dtype and shape (and is finite)."""
-    if array.dtype.name != _dtype_name(type_) or not _shape_ok(array.shape, type_):
+    if wire.dtype_name(array.dtype) != _dtype_name(type_) or not _shape_ok(array.shape, type_):
         raise FleetError(f"{where}: expected {type_}, got {array.dtype.name}"
                          f"{list(array.shape)}; the device sent a value of another type")
     if reject_nonfinite and array.dtype.kind in "fc" and not np.all(np.isfinite(array)):

@@ -20,6 +20,12 @@ _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz",
 MAX_STRUCT_DEPTH = 64
 
 
+@functools.lru_cache(maxsize=None)
+def dtype_name(dtype) -> str:
+    """`np.dtype(dtype).name`, kept: numpy works the name out again on every read."""
+    return np.dtype(dtype).name
+
+
 @functools.lru_cache(maxsize=64)  # names that raise are not kept
 def dtype_from_name(name: str) -> np.dtype:
     """The numeric dtype a `Tensor.dtype` string names (ml_dtypes ones such as bfloat16 too).
@@ -45,13 +51,14 @@ def dtype_from_name(name: str) -> np.dtype:
 def encode_tensor(array: np.ndarray, out: pb.Tensor) -> None:
     """Fills `out` with `array`'s dtype, shape and raw little-endian bytes."""
     array = np.asarray(array)
-    if array.dtype.kind in "OUSV" and array.dtype.name not in _ML_DTYPES:
+    name = dtype_name(array.dtype)
+    if array.dtype.kind in "OUSV" and name not in _ML_DTYPES:
         raise FleetError(
             f"cannot send a {array.dtype} array to a device; only numeric and bool tensors "
             "travel (encode strings as integer ids before placing them at CLIENTS)")
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    out.dtype = array.dtype.name
+    out.dtype = name
     out.shape.extend(array.shape)
     out.data = np.ascontiguousarray(array).tobytes()
 

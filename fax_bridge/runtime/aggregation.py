@@ -219,10 +219,15 @@ def _partial(kind: str, columns: list, count: int, w: Optional[np.ndarray],
     if kind != "weighted_mean":
         partial.leaves = sums_of(columns)
         return partial
+    products, cast = [], {}  # cast: the weights in each value dtype, made once
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
-        # each product rounded to the value's dtype
-        columns = [np.multiply(c, w.astype(c.dtype).reshape((-1,) + (1,) * (c.ndim - 1)),
-                               out=c if fresh else None) for c in columns]
+        for c in columns:
+            if c.dtype not in cast:
+                cast[c.dtype] = w.astype(c.dtype)
+            by = cast[c.dtype].reshape((-1,) + (1,) * (c.ndim - 1))
+            # each product rounded to the value's dtype
+            products.append(np.multiply(c, by, out=c if fresh else None))
+    columns = products
     *partial.leaves, partial.weights = sums_of([*columns, w])  # added together
     return partial
 
