@@ -67,7 +67,8 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
                  for spec, kind in zip(head.aggregations, kinds)]
         found = plan.client_partials(fn, head.computation_hash, sent, members, specs, guard)
         answer = pb.RoundResponse(num_clients=len(members))
-        answer.partials.extend(partials.to_message(p) for p in found)
+        for partial in found:
+            partials.to_message(partial, answer.partials.add())
         answer.compute_seconds = time.perf_counter() - start
     if delay > 0 and device.stopping.wait(delay):
         raise _error(grpc.StatusCode.UNAVAILABLE, f"{method}: the device is shutting down")

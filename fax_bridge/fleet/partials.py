@@ -75,9 +75,13 @@ def leaf_from_message(kind: str, message: pb.LeafPartial, doubles: Optional[byte
                                np.frombuffer(flags, np.uint8) if flags else None)
 
 
-def to_message(partial: Partial) -> pb.AggregateResponse:
-    """The partial as an `AggregateResponse`."""
-    out = pb.AggregateResponse(num_clients=partial.count)
+def to_message(partial: Partial,
+               out: Optional[pb.AggregateResponse] = None) -> pb.AggregateResponse:
+    """The partial as an `AggregateResponse`: written into `out` (an empty one, e.g.
+    a new element of a repeated field, so nothing is copied) or a new message."""
+    if out is None:
+        out = pb.AggregateResponse()
+    out.num_clients = partial.count
     for leaf in partial.leaves:
         _leaf_message(leaf, out.leaves.add())
     if partial.weights is not None:
