@@ -35,16 +35,22 @@ PROFILE_DIR_ENV = "FAX_BRIDGE_ROUND_PROFILE_DIR"
 
 
 def _timed(owner: Any, name: str, log: list, label: str) -> None:
-    """Replaces `owner.name` by a wrapper appending (label, start, end) to `log`."""
+    """Replaces `owner.name` by a wrapper appending (label, start, end) to `log`; a call
+    inside another of the same label (a recursive decode) is part of the outer one."""
     original = getattr(owner, name)
+    depth = [0]
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
+        if depth[0]:
+            return original(*args, **kwargs)
+        depth[0] += 1
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             log.append((label, start, time.perf_counter()))
+            depth[0] -= 1
 
     setattr(owner, name, wrapper)
 
@@ -58,12 +64,15 @@ def _device_shim(argv: list[str]) -> None:
     import runpy
 
     from fax_bridge.fleet import device, device_round, partials, plan, wire
+    from fax_bridge.runtime import aggregation, client_map
 
     log: list = []
     _timed(device.DeviceServicer, "read_clients", log, "read the request")
     _timed(device.DeviceServicer, "read_store", log, "read the cohort's rows")
     _timed(wire, "decode_value", log, "decode the broadcast")
     _timed(plan, "client_partials", log, "client part and partials")
+    _timed(client_map, "map_clients_stacked", log, "of which the XLA call (all clients)")
+    _timed(aggregation, "partial_of_columns", log, "of which the partial sums (float64)")
     _timed(partials, "to_message", log, "encode the partials")
     path = os.path.join(os.environ[PROFILE_DIR_ENV], f"device_{os.getpid()}.jsonl")
     original = device_round.run_round
@@ -175,8 +184,11 @@ def _table(rounds_log: list, device_logs: list, devices: int) -> dict:
         for entry in log:
             device.setdefault("whole handler", []).append(
                 entry["handler"][1] - entry["handler"][0])
+            sums: dict = {}
             for label, start, end in entry["parts"]:
-                device.setdefault(label, []).append(end - start)
+                sums[label] = sums.get(label, 0.0) + end - start
+            for label, total in sums.items():
+                device.setdefault(label, []).append(total)
     gaps: dict = {"call start to first handler entry": [],
                   "first handler entry to last handler exit": [],
                   "last handler exit to the answers in hand": []}
