@@ -47,15 +47,6 @@ def _shape_ok(shape: Sequence[int], type_: federated_language.TensorType) -> boo
     return len(shape) == len(want) and all(w is None or w == g for w, g in zip(want, shape))
 
 
-def _dtype_name(type_: federated_language.TensorType) -> str:
-    return wire.dtype_name(type_.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_of(dtype) -> np.dtype:
-    return np.dtype(dtype)
-
-
 @functools.lru_cache(maxsize=None)
 def _scalar(dtype) -> federated_language.TensorType:
     """The scalar type of `dtype` (weights travel as scalars)."""
@@ -68,7 +59,7 @@ def _leaf_spec(type_: federated_language.TensorType) -> tuple:
     whether its sums may take the float64 form) of a tensor type: what each leaf of
     every round's partials is compared with, worked out once per type."""
     shape = tuple(type_.shape or ())
-    dtype = _dtype_of(type_.dtype)
+    dtype = np.dtype(type_.dtype)
     return (wire.dtype_name(type_.dtype), None if None in shape else shape, dtype,
             double_sums.fits(dtype))
 
@@ -76,7 +67,8 @@ def _leaf_spec(type_: federated_language.TensorType) -> tuple:
 def check_tensor(array: np.ndarray, type_: federated_language.TensorType, where: str,
                  reject_nonfinite: bool) -> None:
     """Raises FleetError unless `array` has `type_`'s dtype and shape (and is finite)."""
-    if wire.dtype_name(array.dtype) != _dtype_name(type_) or not _shape_ok(array.shape, type_):
+    if wire.dtype_name(array.dtype) != _leaf_spec(type_)[0] or \
+            not _shape_ok(array.shape, type_):
         raise FleetError(f"{where}: expected {type_}, got {array.dtype.name}"
                          f"{list(array.shape)}; the device sent a value of another type")
     if reject_nonfinite and array.dtype.kind in "fc" and not np.all(np.isfinite(array)):
