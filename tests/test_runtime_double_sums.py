@@ -71,13 +71,13 @@ def test_sums_take_the_float64_form_only_where_it_is_exact():
     # A merge that would round moves to limbs, and keeps every bit.
     big = double_sums.sums_of([np.array([[3e38]], f32)])[0]
     tiny = double_sums.sums_of([np.array([[1e-45]], f32)])[0]
-    both = double_sums.merged(big, tiny)
+    both, = double_sums.merged_all([big], [tiny])
     assert isinstance(both, ExactSum)
     want = ExactSum(np.float32, (1,))
     want.add_many(np.array([[3e38], [1e-45]], f32))
     assert both.result().tobytes() == want.result().tobytes()
-    again = double_sums.merged(double_sums.sums_of([np.array([[1.5]], f32)])[0],
-                               double_sums.sums_of([np.array([[2.5]], f32)])[0])
+    again, = double_sums.merged_all(double_sums.sums_of([np.array([[1.5]], f32)]),
+                                    double_sums.sums_of([np.array([[2.5]], f32)]))
     assert isinstance(again, DoubleSum) and again.values.tolist() == [4.0]
 
 

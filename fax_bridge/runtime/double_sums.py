@@ -110,11 +110,6 @@ def sums_of(stacks: Sequence[np.ndarray]) -> list:
     return out
 
 
-def merged(into: Sum, other: Sum) -> Sum:
-    """The sum of two partial sums of one tensor (`into` may be updated and returned)."""
-    return merged_all([into], [other])[0]
-
-
 def _two_sum_exact(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
     """a + b where every element's float64 sum is finite and exact (the error term of
     TwoSum is zero), else None."""
@@ -126,8 +121,9 @@ def _two_sum_exact(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
 
 
 def merged_all(intos: Sequence[Sum], others: Sequence[Sum]) -> list:
-    """`merged` of each pair, with the float64-form pairs added together (one set of
-    array operations) where every one of their sums is exact."""
+    """The sum of each pair of partial sums of one tensor (an `into` may be updated and
+    returned), the float64-form pairs added together (one set of array operations)
+    where every one of their sums is exact."""
     out: list = [None] * len(intos)
     doubles = []
     for i, (a, b) in enumerate(zip(intos, others)):
