@@ -54,8 +54,16 @@ def exact_in_doubles(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     fast = _sums_fit(e_hi, e_lo, p, nexp, rows.shape[0]) & ~zero
     negative_zero = zero.copy()
     if zero.any():
-        negative_zero[zero] = (bits[:, zero] == sign_bit).all(axis=0)
+        negative_zero[zero] = _only_negative_zeros(rows, zero)
     return fast, zero, negative_zero
+
+
+def _only_negative_zeros(rows: np.ndarray, columns) -> np.ndarray:
+    """Per column of `rows` that `columns` picks (indices or a mask): whether every
+    addend is -0."""
+    _, _, _, uint = float_params(rows.dtype)
+    sign_bit = uint(1 << (8 * rows.dtype.itemsize - 1))
+    return (rows.view(uint)[:, columns] == sign_bit).all(axis=0)
 
 
 def _sums_fit(e_hi, e_lo, p: int, nexp: int, n: int):
@@ -86,10 +94,7 @@ def signed_zeros(rows: np.ndarray, sums: np.ndarray) -> None:
     to +0.0 elsewhere it is zero (numpy may add -0 + -0 as +0)."""
     zero = np.flatnonzero(sums == 0)
     if zero.size:
-        _, _, _, uint = float_params(rows.dtype)
-        sign_bit = uint(1 << (8 * rows.dtype.itemsize - 1))
-        negative = (rows.view(uint)[:, zero] == sign_bit).all(axis=0)
-        sums[zero] = np.where(negative, -0.0, 0.0)
+        sums[zero] = np.where(_only_negative_zeros(rows, zero), -0.0, 0.0)
 
 
 def to_odd_float32(values: np.ndarray) -> np.ndarray:
