@@ -143,11 +143,11 @@ class Column:
     key: str
     type_: federated_language.TensorType
     single: bool
-    example_bytes: int = 0  # bytes of one stored example
+    example_bytes: int  # bytes of one stored example
     # max(d, 1) over the example's dimensions, times its itemsize (what a client's block
     # spans per example, as `limits.tensor_bytes` counts it); None when the example's
     # rank leaves no room for the examples axis
-    span_bytes: Optional[int] = None
+    span_bytes: Optional[int]
 
 
 def _leaf_paths(member_type: federated_language.Type, path: str = "") -> list:
