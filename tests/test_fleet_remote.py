@@ -172,6 +172,23 @@ def test_fleet_file_round_trip_and_errors(tmp_path):
         RemoteFleet()
 
 
+def test_both_fleets_take_the_same_round_options():
+    from fax_bridge.fleet.launcher import LocalFleet
+    from fax_bridge.fleet.session import ROUND_OPTIONS, FleetRounds
+
+    shared = inspect.signature(FleetRounds.__init__).parameters
+    local = inspect.signature(LocalFleet.__init__).parameters
+    remote = inspect.signature(RemoteFleet.__init__).parameters
+    for name in ROUND_OPTIONS:
+        assert name in local and name in remote, name
+        assert local[name].default == remote[name].default, name
+        if name != "policy":
+            assert name in shared, name
+    fleet = RemoteFleet(["127.0.0.1:1"], reject_nonfinite=True)  # not started: no devices
+    assert fleet.reject_nonfinite is True
+    assert RemoteFleet(["127.0.0.1:1"]).reject_nonfinite is False
+
+
 # ---------------------------------------------------------------------------------------
 # Loopback: devices started by hand, one killed mid-round
 

@@ -27,6 +27,11 @@ from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.population import PopulationRef
 
 
+# The round-behaviour options every fleet takes, with the same meaning and defaults.
+ROUND_OPTIONS = ("policy", "preaggregate", "rpc_timeout_s", "progress",
+                 "survive_device_loss", "probe_timeout_s", "reject_nonfinite")
+
+
 def _listed(ids: ClientIds, shown: int = 20) -> str:
     """The first `shown` ids of a set, and how many more there are."""
     more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
@@ -42,12 +47,19 @@ class FleetRounds:
     and, when `survive_device_loss` is set, finishing a round on the surviving devices
     when some stop answering (their clients count as lost). Subclasses set `backend`,
     `addresses` and `num_devices` in `start()` and release them in `close()`.
+
+    Both fleets take the same round-behaviour options, the keyword arguments of this
+    constructor (`ROUND_OPTIONS`): `policy` (or its fields), `preaggregate`,
+    `rpc_timeout_s`, `progress` (tqdm bars in `run_rounds` and `run_loop`),
+    `survive_device_loss`, `probe_timeout_s` and `reject_nonfinite` (refuse NaN and
+    infinities in what devices send back).
     """
 
     def __init__(self, *, policy: RoundPolicy, preaggregate: bool, rpc_timeout_s: float,
                  progress: bool, survive_device_loss: bool, probe_timeout_s: float,
-                 population_name: Optional[str] = None) -> None:
+                 reject_nonfinite: bool, population_name: Optional[str] = None) -> None:
         self.policy = policy
+        self.reject_nonfinite = bool(reject_nonfinite)
         self.survive_device_loss = bool(survive_device_loss)
         self.probe_timeout_s = float(probe_timeout_s)
         self.population_name = population_name
@@ -257,6 +269,7 @@ class FleetRounds:
         return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
                                   rpc_timeout_s=self.rpc_timeout_s,
                                   connect_timeout_s=connect_timeout_s,
+                                  reject_nonfinite=self.reject_nonfinite,
                                   **self._backend_options())
 
     def _backend_options(self) -> dict:
