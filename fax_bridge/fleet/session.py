@@ -288,7 +288,8 @@ class FleetRounds:
         before, so a resumed run makes the same choices. With `checkpoint_dir` the state is
         saved after every round and a rerun resumes after the last saved round (refusing a
         checkpoint of a computation of another type, or of another policy).
-        `on_round(r, result, report)` is called after each round.
+        `on_round(r, result, report)` is called after each round. With the fleet's
+        `progress` a tqdm bar counts the rounds (a resumed run starts at the saved round).
         """
         # The fingerprint names the program (its bytes hold source locations that differ
         # between processes building the same program; the fingerprint leaves them out).
@@ -305,30 +306,40 @@ class FleetRounds:
                             f"checkpoint in {checkpoint_dir} belongs to another run (its {key} "
                             "differs); use a fresh checkpoint_dir or delete the old one")
                 state, start = saved.state, saved.round + 1
-        for r in range(start, int(num_rounds)):
-            self.next_round = r
-            result = self.run(proto, state, *client_args(r))
-            state = next_state(result) if next_state is not None else result
-            if checkpoint_dir is not None:
-                checkpoint.save(checkpoint_dir, r, state, meta)
-            if on_round is not None:
-                on_round(r, result, self.last_report)
+        with self._progress_bar(int(num_rounds), initial=start) as bar:
+            for r in range(start, int(num_rounds)):
+                self.next_round = r
+                result = self.run(proto, state, *client_args(r))
+                state = next_state(result) if next_state is not None else result
+                if checkpoint_dir is not None:
+                    checkpoint.save(checkpoint_dir, r, state, meta)
+                self._advance(bar)
+                if on_round is not None:
+                    on_round(r, result, self.last_report)
         return state
 
     def run_rounds(self, proto, rounds: Iterable[Sequence[Any]],
                    progress: Optional[bool] = None) -> list:
         """Runs `proto` once per argument tuple of `rounds`; a tqdm bar when `progress`."""
-        from tqdm.auto import tqdm
-
-        show = self.progress if progress is None else progress
         results = []
         rounds = list(rounds)
-        with tqdm(total=len(rounds), disable=not show, unit="round",
-                  desc="fleet rounds") as bar:
+        with self._progress_bar(len(rounds), show=progress) as bar:
             for args in rounds:
                 results.append(self.run(proto, *args))
-                rep = self.last_report
-                bar.set_postfix(clients=len(rep.participants), up=rep.bytes_up,
-                                down=rep.bytes_down, refresh=False)
-                bar.update(1)
+                self._advance(bar)
         return results
+
+    def _progress_bar(self, total: int, initial: int = 0, show: Optional[bool] = None):
+        """A tqdm bar over rounds, shown when `show` (default: the fleet's `progress`)."""
+        from tqdm.auto import tqdm
+
+        show = self.progress if show is None else show
+        return tqdm(total=total, initial=initial, disable=not show, unit="round",
+                    desc="fleet rounds")
+
+    def _advance(self, bar) -> None:
+        """Moves `bar` on by one round, showing the last round's clients and bytes."""
+        rep = self.last_report
+        bar.set_postfix(clients=len(rep.participants), up=rep.bytes_up,
+                        down=rep.bytes_down, refresh=False)
+        bar.update(1)
