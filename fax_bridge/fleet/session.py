@@ -121,7 +121,11 @@ class FleetRounds:
 
         The round's cohort, dropouts and delays follow the fleet's policy; the
         computation sees only the participating clients. Returns the result as a
-        pytree, or `(result, RoundReport)` with `report=True` (also `last_report`).
+        pytree, or `(result, RoundReport)` with `report=True` (also `last_report`): with
+        the structure jit gives the program (NamedTuples, dataclasses, optax states,
+        None, lists) when `proto` was exported in this process, so it can be fed to
+        `jax.jit(program)` or to the next round; a proto read from a file gives the
+        generic structure (`runtime.result_structure`).
         `num_clients` gives the population when no argument is placed at CLIENTS; a
         computation that places nothing at CLIENTS itself needs neither.
         """
@@ -203,7 +207,7 @@ class FleetRounds:
                                               prepared.result, backend.take_delays())
             else:
                 result = interpreter.evaluate(prepared, arg, backend, num_clients=num_clients)
-            return values.to_pytree(result, prepared.result)
+            return values.to_pytree(result, prepared.result, prepared.structure)
         finally:
             backend.set_delays(None)
             rep.wall_s += time.perf_counter() - start
@@ -298,7 +302,7 @@ class FleetRounds:
         start = 0
         if checkpoint_dir is not None:
             meta["program"] = checkpoint.program_fingerprint(interpreter.as_proto(proto))
-            saved = checkpoint.load(checkpoint_dir)
+            saved = checkpoint.load(checkpoint_dir, like=state)
             if saved is not None:
                 for key in ("computation", "program", "policy"):
                     if saved.meta.get(key) != meta[key]:
