@@ -98,7 +98,7 @@ def _same(got, want):
         assert np.asarray(g).dtype == np.asarray(w).dtype
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(state=PYTREES, extra=PYTREES)
 def test_runtime_results_have_the_structure_jit_gives(state, extra):
     step = _round(state, extra)
