@@ -40,8 +40,9 @@ import numpy as np
 from federated_language.proto import computation_pb2
 from google.protobuf import message as message_pb
 
-from fax_bridge.errors import CheckpointError, FleetError
+from fax_bridge.errors import CheckpointError, ExportError, FleetError
 from fax_bridge.runtime import hlo
+from fax_bridge.tff.types import named_children
 
 FILE_NAME = "state.npz"
 FORMAT = "fax_bridge.checkpoint.v1"
@@ -69,11 +70,14 @@ def _encode(tree: Any, leaves: list) -> Any:
     if type(tree) in (list, tuple):
         return {"list" if isinstance(tree, list) else "tuple":
                 [_encode(v, leaves) for v in tree]}
-    children = _node_children(tree)
+    try:
+        children = named_children(tree)  # one level of jax's flattening, names as TFF's
+    except ExportError as e:
+        raise FleetError(f"checkpoint: {e}") from None
     if children is not None:  # a NamedTuple, dataclass, optax state, ...
-        names = [_child_name(key) for key, _ in children]
         node = {"node": type(tree).__qualname__,
                 "items": [_encode(child, leaves) for _, child in children]}
+        names = [name for name, _ in children]
         if names and all(names):
             node["names"] = names
         return node
@@ -84,23 +88,6 @@ def _encode(tree: Any, leaves: list) -> Any:
                          "dataclasses)")
     leaves.append(array)
     return {"leaf": len(leaves) - 1}
-
-
-def _node_children(node: Any) -> Optional[list]:
-    """One level of jax's flattening of a registered pytree node; None for a leaf."""
-    if isinstance(node, (np.ndarray, np.generic, int, float, complex, bool)):
-        return None
-    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is node:
-        return None
-    return [(path[0], child) for path, child in flat]
-
-
-def _child_name(key: Any) -> Optional[str]:
-    name = getattr(key, "name", None)
-    if name is None and isinstance(key, jax.tree_util.DictKey):
-        name = key.key
-    return name if isinstance(name, str) and name else None
 
 
 def program_fingerprint(proto: computation_pb2.Computation) -> str:
