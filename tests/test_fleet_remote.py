@@ -215,6 +215,13 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
         assert rep.devices == 3 and rep.lost_devices == []
     for proc in procs:
         assert proc.poll() is None  # closing a RemoteFleet leaves its devices running
+    bad = x.copy()
+    bad[1, 0] = np.nan
+    with RemoteFleet(fleet_file=path) as fleet:  # by default NaN propagates, as in jit
+        assert np.isnan(fleet.run(proto, bad, s)[0])
+    with RemoteFleet(fleet_file=path, reject_nonfinite=True) as fleet:
+        with pytest.raises(FleetError, match="reject_nonfinite"):
+            fleet.run(proto, bad, s)
 
     # `fax-bridge run --fleet-file`: the same round from files.
     from fax_bridge.fleet.run_cli import run_file
