@@ -4,12 +4,14 @@ Conventions:
 - Pytrees: dicts are named structs (matched by name; TFF element order kept), tuples and
   lists unnamed structs, NamedTuples and other registered pytree nodes (dataclasses,
   optax states) structs named as the exporter names them, None an empty struct,
-  array-likes tensors. Results come back with the structure jit gives the program
-  (NamedTuples, dataclasses, None, lists, empty containers) when the output's treedef
-  is known (`result_structure`: the exporter records it for the protos it builds in
-  this process; `to_pytree(..., structure=)` applies it). Otherwise (a proto read from a file or
-  built elsewhere) they come back in the generic structure the type alone gives: dicts
-  where every element is named, tuples otherwise, `()` for an empty struct.
+  array-likes tensors; an argument without tensors (None, (), {}, nested) fits `<>`.
+  Results come back with the structure jit gives the program (NamedTuples,
+  dataclasses, None, lists, empty containers) when the output's treedef is known
+  (`result_structure`: the exporter records it for the protos it builds in this
+  process; `to_pytree(..., structure=)` applies it). Otherwise (a proto read from a
+  file or built elsewhere) they come back in the generic structure the type alone
+  gives: dicts where every element is named, tuples otherwise, `()` for an empty
+  struct.
 - Federated values: a SERVER value is its member value; a CLIENTS value is given as a
   pytree whose leaves carry a leading clients axis (its size is the number of clients).
   Inside the runtime a CLIENTS value is a sequence of per-client member values (a
@@ -268,7 +270,7 @@ def to_pytree(value: Any, type_: federated_language.Type,
               structure: Optional[Any] = None) -> Pytree:
     """A runtime value of `type_` as a pytree (CLIENTS values stacked on a leading axis).
 
-    `structure`: the jax treedef of the program's output (`keep_structure`); the result
+    `structure`: the jax treedef of the program's output (`result_structure`); the result
     then has exactly that structure, as jit returns it. Without it: the generic
     structure (dicts where every element is named, tuples otherwise).
     """
