@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge.errors import ComputationError
+from fax_bridge.errors import ArgumentError, ComputationError
 from fax_bridge.fleet import checkpoint
 from fax_bridge.runtime import interpreter, result_structure, run_computation
 
@@ -162,3 +162,5 @@ def test_a_structure_of_another_program_is_refused():
     with pytest.raises(ComputationError, match="another program"):
         result_structure.with_structure((np.ones(2), np.ones(1)),
                                         jax.tree.structure([1, 2, 3]))
+    with pytest.raises(ArgumentError, match="jax.tree.structure"):
+        interpreter.prepare(b"", structure=[1, 2])

@@ -478,6 +478,7 @@ def prepare(proto: "Union[Computation, bytes, Prepared]",
     `structure` (a jax treedef) gives results the program's output structure; by
     default the one the exporter recorded for this proto object, if any.
     """
+    structure = result_structure.checked_structure(structure)
     if isinstance(proto, Prepared):
         return proto if structure is None else dataclasses.replace(proto, structure=structure)
     proto = as_proto(proto)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import jax
 
-from fax_bridge.errors import ComputationError
+from fax_bridge.errors import ArgumentError, ComputationError
 
 Pytree = Any
 
@@ -35,6 +35,15 @@ def _generic_leaves(tree: Pytree, out: list) -> list:
     else:
         out.append(tree)
     return out
+
+
+def checked_structure(structure: Any) -> Any:
+    """`structure` if it is a jax treedef (or None); else an ArgumentError saying how."""
+    if structure is not None and not isinstance(structure, jax.tree_util.PyTreeDef):
+        raise ArgumentError(
+            f"structure must be a jax treedef, e.g. jax.tree.structure(jit_result), got "
+            f"{type(structure).__name__}")
+    return structure
 
 
 def with_structure(generic: Pytree, structure: Any) -> Pytree:
