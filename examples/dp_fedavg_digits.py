@@ -21,7 +21,7 @@ from fax_bridge import privacy
 from fax_bridge.algorithms import dp_fed_avg
 
 DELTA = 1e-3      # below 1 / population
-NOISE = (0.0, 0.5, 1.0, 1.5, 1.9)   # adaptive clipping needs z < 0.1 * clients
+NOISE = (0.0, 0.5, 1.0, 1.5, 1.9)   # the default clipped-count noise fits any z
 
 
 class PoissonCohorts(D.Population):

@@ -165,7 +165,9 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         used = getattr(fleet, "num_devices", devices)
     result_type = fn_type.result if isinstance(fn_type, federated_language.FunctionType) \
         else fn_type
-    leaves = compare_leaves(local, leaves_in_type_order(remote, result_type), rtol, atol,
+    if jax.tree_util.tree_structure(remote) != jax.tree_util.tree_structure(local):
+        remote = leaves_in_type_order(remote, result_type)  # the generic structure
+    leaves = compare_leaves(local, remote, rtol, atol,
                             paths=[p.replace("out", "result", 1) for p in comp.out_paths])
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
                         local_s=local_s, fleet_s=fleet_s, signature=str(

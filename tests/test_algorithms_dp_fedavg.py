@@ -100,3 +100,25 @@ def test_bad_arguments():
                    clients_per_round=float("nan"))
     with pytest.raises(HyperparameterError, match="local_epochs"):
         dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=0.0, local_epochs=0)
+
+
+def test_the_default_adaptive_clip_takes_any_noise_multiplier():
+    for clients, z in [(10, 1.0), (3, 5.0), (1000, 1.0)]:
+        alg = dp_fed_avg(loss, optax.sgd(0.1), clients=clients, noise_multiplier=z)
+        dp = alg.init(P0).dp
+        assert float(dp.clip) == pytest.approx(0.1)
+    data, mask = _data(3)
+    chosen = dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=1.0,
+                        clipped_count_stddev=3.0)
+    state, metrics = jax.jit(chosen.next)(chosen.init(P0), data, mask)
+    assert np.isfinite(float(metrics["unclipped_fraction"]))
+    with pytest.raises(PrivacyError, match="clipped_count_stddev=0.4 is too small"):
+        dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=1.0,
+                   clipped_count_stddev=0.4)
+    with pytest.raises(ArgumentError, match="clipped_count_stddev"):
+        dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=1.0, clip=1.0,
+                   clipped_count_stddev=3.0)
+    with pytest.raises(ArgumentError, match="clipped_count_stddev"):
+        dp_fed_avg(loss, optax.sgd(0.1), clients=3, noise_multiplier=1.0,
+                   clipped_count_stddev=3.0,
+                   aggregator=privacy.gaussian_fixed(1.0, 3.0, 1.0))

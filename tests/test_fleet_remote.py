@@ -172,6 +172,23 @@ def test_fleet_file_round_trip_and_errors(tmp_path):
         RemoteFleet()
 
 
+def test_both_fleets_take_the_same_round_options():
+    from fax_bridge.fleet.launcher import LocalFleet
+    from fax_bridge.fleet.session import ROUND_OPTIONS, FleetRounds
+
+    shared = inspect.signature(FleetRounds.__init__).parameters
+    local = inspect.signature(LocalFleet.__init__).parameters
+    remote = inspect.signature(RemoteFleet.__init__).parameters
+    for name in ROUND_OPTIONS:
+        assert name in local and name in remote, name
+        assert local[name].default == remote[name].default, name
+        if name != "policy":
+            assert name in shared, name
+    fleet = RemoteFleet(["127.0.0.1:1"], reject_nonfinite=True)  # not started: no devices
+    assert fleet.reject_nonfinite is True
+    assert RemoteFleet(["127.0.0.1:1"]).reject_nonfinite is False
+
+
 # ---------------------------------------------------------------------------------------
 # Loopback: devices started by hand, one killed mid-round
 
@@ -198,6 +215,13 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
         assert rep.devices == 3 and rep.lost_devices == []
     for proc in procs:
         assert proc.poll() is None  # closing a RemoteFleet leaves its devices running
+    bad = x.copy()
+    bad[1, 0] = np.nan
+    with RemoteFleet(fleet_file=path) as fleet:  # by default NaN propagates, as in jit
+        assert np.isnan(fleet.run(proto, bad, s)[0])
+    with RemoteFleet(fleet_file=path, reject_nonfinite=True) as fleet:
+        with pytest.raises(FleetError, match="reject_nonfinite"):
+            fleet.run(proto, bad, s)
 
     # `fax-bridge run --fleet-file`: the same round from files.
     from fax_bridge.fleet.run_cli import run_file

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet.rounds import RoundPolicy, check_min_clients, plan_round
@@ -38,3 +39,39 @@ def test_min_clients_and_bad_policies_raise_fleet_errors():
         plan_round(RoundPolicy(cohort_size=11), 10, 0)
     with pytest.raises(FleetError, match="dropout"):
         RoundPolicy(dropout=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(population=st.integers(1, 30), cohort=st.one_of(st.none(), st.integers(1, 30)),
+       dropout=st.sampled_from([0.0, 0.3, 0.9]),
+       delay=st.sampled_from([0.0, 0.5, 2.0]),
+       deadline=st.one_of(st.none(), st.sampled_from([0.1, 1.0])),
+       min_clients=st.integers(0, 40), seed=st.integers(0, 5))
+def test_min_clients_messages_name_only_what_happened(population, cohort, dropout, delay,
+                                                      deadline, min_clients, seed):
+    policy = RoundPolicy(cohort_size=cohort, dropout=dropout, straggler_delay_s=delay,
+                         round_deadline_s=deadline, min_clients=min_clients, seed=seed)
+    if cohort is not None and cohort > population:
+        return
+    plan = plan_round(policy, population, 0)
+    if len(plan.participants) >= min_clients:
+        check_min_clients(policy, plan, 0)
+        return
+    with pytest.raises(FleetError) as info:
+        check_min_clients(policy, plan, 0)
+    message = str(info.value)
+    assert "None" not in message
+    assert f"min_clients={min_clients}" in message
+    assert ("dropped out" in message) == bool(len(plan.dropped))
+    assert ("deadline" in message) == bool(len(plan.late))
+    if len(plan.late):
+        assert f"deadline of {deadline:g}s" in message
+    assert ("smaller than min_clients" in message) == (len(plan.cohort) < min_clients)
+
+
+def test_a_round_without_deadline_never_blames_one():
+    policy = RoundPolicy(dropout=0.9, min_clients=5, seed=0)
+    with pytest.raises(FleetError) as info:
+        check_min_clients(policy, plan_round(policy, 10, 0), 0)
+    assert "deadline" not in str(info.value) and "None" not in str(info.value)
+    assert "dropped out" in str(info.value) and "lower dropout" in str(info.value)

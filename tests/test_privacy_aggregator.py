@@ -97,8 +97,8 @@ def test_empty_slots_contribute_nothing():
 
 
 def test_bad_settings_are_privacy_errors():
-    with pytest.raises(PrivacyError, match="clipped_count_stddev"):
-        privacy.gaussian_adaptive(1.0, 5.0)     # 0.05 * 5 * 2 = 0.5 < 1
+    with pytest.raises(PrivacyError, match="clipped_count_stddev=0.25 is too small"):
+        privacy.gaussian_adaptive(1.0, 5.0, clipped_count_stddev=0.25)  # 2 * 0.25 < 1
     with pytest.raises(PrivacyError, match="noise_multiplier"):
         privacy.gaussian_fixed(-1.0, 5.0, 1.0)
     with pytest.raises(PrivacyError, match="clip"):
@@ -106,3 +106,17 @@ def test_bad_settings_are_privacy_errors():
     with pytest.raises(PrivacyError, match="target_unclipped_quantile"):
         privacy.gaussian_adaptive(0.0, 5.0, target_unclipped_quantile=1.5)
     assert privacy.adaptive_clip_noise_params(0.0, 10.0) == (0.0, 0.0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(z=st.floats(1e-3, 20.0), n=st.floats(1.0, 5000.0))
+def test_the_default_clipped_count_noise_fits_every_noise_multiplier(z, n):
+    agg = privacy.gaussian_adaptive(z, n)        # TFF's 0.05 * n alone is refused below 40 z
+    sigma_b = agg.clipped_count_stddev
+    assert sigma_b == pytest.approx(max(0.05 * n, 2 * z))
+    assert z < 2 * sigma_b
+    assert agg.value_noise_multiplier ** -2 + (2 * sigma_b) ** -2 == pytest.approx(z ** -2)
+    assert z < agg.value_noise_multiplier <= z / np.sqrt(15 / 16) * (1 + 1e-9)
+    small = z / 2 * 0.99
+    with pytest.raises(PrivacyError, match="is too small for noise_multiplier"):
+        privacy.gaussian_adaptive(z, n, clipped_count_stddev=small)

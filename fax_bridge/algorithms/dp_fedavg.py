@@ -46,6 +46,7 @@ def dp_fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
                clients_per_round: Optional[float] = None,
                server_optimizer: Optional[optax.GradientTransformation] = None,
                local_epochs: int = 1,
+               clipped_count_stddev: Optional[float] = None,
                aggregator: Optional[privacy.DPAggregator] = None) -> C.FederatedAlgorithm:
     """DP-FedAvg with `clients` client slots per round.
 
@@ -54,6 +55,15 @@ def dp_fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
     update norm (`privacy.gaussian_adaptive`, initial clip 0.1, learning rate 0.2).
     `clients_per_round` (default `clients`) is the expected cohort size. `aggregator`
     replaces both with any `privacy.DPAggregator`.
+
+    `clipped_count_stddev` (adaptive clip only): the standard deviation of the noise on
+    the clipped count, the sum of the clients' +-0.5 "my update norm was at most the
+    clip" indicators that moves the clip. Part of z goes to it: the updates get the
+    multiplier `(z**-2 - (2 * clipped_count_stddev)**-2) ** -0.5`, so it must exceed
+    z / 2; larger values leave more of the budget to the updates and make the clip
+    adapt more noisily. Default `max(0.05 * clients_per_round, 2 * z)`: TFF's
+    `gaussian_adaptive` default, raised where it would be refused (the count then spends
+    at most 1/16 of the budget).
 
     `init(params, seed=0)`; `next(state, batches, mask)` as in `fed_avg`; a client whose
     mask is all False is an empty slot. Metrics: `loss` (mean local training loss of the
@@ -69,8 +79,18 @@ def dp_fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
     if aggregator is None:
         expected = float(n) if clients_per_round is None else C.check_real(
             clients_per_round, "clients_per_round", 0.0, low_open=True)
-        aggregator = (privacy.gaussian_adaptive(noise_multiplier, expected) if clip is None
+        if clip is not None and clipped_count_stddev is not None:
+            raise ArgumentError(
+                "clipped_count_stddev sets the noise of the adaptive clip's count, but "
+                f"clip={clip} fixes the clip norm; drop one of them.")
+        aggregator = (privacy.gaussian_adaptive(
+            noise_multiplier, expected, clipped_count_stddev=clipped_count_stddev)
+                      if clip is None
                       else privacy.gaussian_fixed(noise_multiplier, expected, clip))
+    elif clipped_count_stddev is not None:
+        raise ArgumentError("clipped_count_stddev applies to the aggregator dp_fed_avg "
+                            "builds; pass it to the aggregator you give instead "
+                            "(privacy.gaussian_adaptive(..., clipped_count_stddev=...)).")
     elif not isinstance(aggregator, privacy.DPAggregator):
         raise ArgumentError(f"aggregator must be a fax_bridge.privacy.DPAggregator (e.g. "
                             f"privacy.gaussian_fixed(...)), got {type(aggregator).__name__}.")

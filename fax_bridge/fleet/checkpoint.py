@@ -11,8 +11,13 @@ the round after the saved one; because each round's cohort depends only on the s
 and the round number, and every aggregation is exact and in a fixed order, the resumed
 run ends with the same bits as an uninterrupted one.
 
-The file holds the state's arrays and a JSON description of its pytree (dicts, lists,
-tuples, None); it is read with `allow_pickle=False`: nothing is ever unpickled. A file
+The file holds the state's arrays (in jax's leaf order) and a JSON description of its
+pytree (dicts, lists, tuples, None, other registered nodes such as NamedTuples,
+dataclasses and optax states by their fields) with the text of its treedef; it is read
+with `allow_pickle=False`: nothing is ever unpickled, so no class is rebuilt from the
+file. `load(dir, like=state)` gives the saved state the structure of `like` (the state
+the run started from) when the treedefs agree; `run_loop` does so, and a resumed run
+feeds the same NamedTuples and optax states to its rounds as an uninterrupted one. A file
 that is truncated or corrupt gives a `CheckpointError` naming it.
 
 `program_fingerprint(proto)` names what a program computes (its structure, literals and
@@ -30,12 +35,14 @@ import pathlib
 import tempfile
 from typing import Any, Optional
 
+import jax
 import numpy as np
 from federated_language.proto import computation_pb2
 from google.protobuf import message as message_pb
 
-from fax_bridge.errors import CheckpointError, FleetError
+from fax_bridge.errors import CheckpointError, ExportError, FleetError
 from fax_bridge.runtime import hlo
+from fax_bridge.tff.types import named_children
 
 FILE_NAME = "state.npz"
 FORMAT = "fax_bridge.checkpoint.v1"
@@ -51,20 +58,34 @@ class Checkpoint:
 
 
 def _encode(tree: Any, leaves: list) -> Any:
-    if isinstance(tree, dict):
+    """The JSON description of `tree`; its arrays go to `leaves` in jax's leaf order."""
+    if tree is None:
+        return {"none": True}
+    if type(tree) is dict:
         keys = list(tree)
         if not all(isinstance(k, str) for k in keys):
             raise FleetError(f"checkpoint: dict keys must be strings, got {keys[:5]}")
+        keys = sorted(keys)  # jax's order, so the leaves follow the treedef
         return {"dict": keys, "items": [_encode(tree[k], leaves) for k in keys]}
-    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+    if type(tree) in (list, tuple):
         return {"list" if isinstance(tree, list) else "tuple":
                 [_encode(v, leaves) for v in tree]}
-    if tree is None:
-        return {"none": True}
+    try:
+        children = named_children(tree)  # one level of jax's flattening, names as TFF's
+    except ExportError as e:
+        raise FleetError(f"checkpoint: {e}") from None
+    if children is not None:  # a NamedTuple, dataclass, optax state, ...
+        node = {"node": type(tree).__qualname__,
+                "items": [_encode(child, leaves) for _, child in children]}
+        names = [name for name, _ in children]
+        if names and all(names):
+            node["names"] = names
+        return node
     array = np.asarray(tree)
     if array.dtype.kind not in "biufc":
         raise FleetError(f"checkpoint: cannot store a {array.dtype} leaf; only numeric "
-                         "arrays, in dicts, lists and tuples")
+                         "arrays, in pytrees (dicts, lists, tuples, NamedTuples, registered "
+                         "dataclasses)")
     leaves.append(array)
     return {"leaf": len(leaves) - 1}
 
@@ -103,6 +124,10 @@ def _decode(node: Any, leaves: dict) -> Any:
         return [_decode(v, leaves) for v in node["list"]]
     if "tuple" in node:
         return tuple(_decode(v, leaves) for v in node["tuple"])
+    if "node" in node:  # without its class: a dict of its named fields, else a tuple
+        items = [_decode(v, leaves) for v in node["items"]]
+        names = node.get("names")
+        return dict(zip(names, items)) if names else tuple(items)
     if "none" in node:
         return None
     key = f"leaf_{int(node['leaf'])}"
@@ -119,6 +144,7 @@ def save(directory: "os.PathLike | str", round_index: int, state: Any,
     leaves: list = []
     tree = _encode(state, leaves)
     header = {"format": FORMAT, "round": int(round_index), "tree": tree,
+              "structure": str(jax.tree_util.tree_structure(state)),
               "meta": dict(meta or {})}
     arrays = {f"leaf_{i}": a for i, a in enumerate(leaves)}
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
@@ -144,8 +170,15 @@ def save(directory: "os.PathLike | str", round_index: int, state: Any,
     return target
 
 
-def load(directory: "os.PathLike | str") -> Optional[Checkpoint]:
-    """The checkpoint in `directory`, or None when there is none yet."""
+def load(directory: "os.PathLike | str", like: Any = None) -> Optional[Checkpoint]:
+    """The checkpoint in `directory`, or None when there is none yet.
+
+    `like`: a state of the same pytree structure (e.g. the one a run started from); the
+    saved state then comes back with exactly that structure (NamedTuples, dataclasses,
+    optax states). Without it, or when the structures differ, it comes back in the
+    generic one (dicts, lists, tuples, None; other nodes as dicts of their named fields,
+    else tuples), which a computation takes all the same.
+    """
     path = pathlib.Path(directory) / FILE_NAME
     if not path.exists():
         return None
@@ -166,6 +199,11 @@ def load(directory: "os.PathLike | str") -> Optional[Checkpoint]:
                               f"expected {FORMAT}")
     try:
         state = _decode(header["tree"], arrays)
+        if like is not None:
+            wanted = jax.tree_util.tree_structure(like)
+            if str(wanted) == header.get("structure"):
+                state = jax.tree_util.tree_unflatten(
+                    wanted, [arrays[f"leaf_{i}"] for i in range(wanted.num_leaves)])
         round_index = int(header["round"])
         meta = dict(header.get("meta", {}))
     except FleetError as e:

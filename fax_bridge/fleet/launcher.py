@@ -70,7 +70,7 @@ class LocalFleet(FleetRounds):
       rpc_timeout_s: deadline of every RPC.
       startup_timeout_s: how long to wait for all devices to listen and answer Health.
       shutdown_grace_s: how long a device may take to stop after SIGTERM before SIGKILL.
-      progress: show a tqdm progress bar in `run_rounds`.
+      progress: show a tqdm progress bar in `run_rounds` and `run_loop`.
       log_dir: where device logs go (kept); default a temporary folder removed on exit.
       python: interpreter that runs the devices (default: this one).
       token: the fleet token; default a fresh `secrets.token_hex` per fleet. Devices get
@@ -115,7 +115,7 @@ class LocalFleet(FleetRounds):
             policy=resolve_policy(policy, policy_fields, "LocalFleet"),
             preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress,
             survive_device_loss=survive_device_loss, probe_timeout_s=probe_timeout_s,
-            population_name=population_name)
+            reject_nonfinite=reject_nonfinite, population_name=population_name)
         self.num_devices = int(devices)
         self._population_dir = None
         if population is not None:
@@ -135,7 +135,6 @@ class LocalFleet(FleetRounds):
         self._token = token or security.new_token()
         self._device_tls = device_tls
         self._coordinator_tls = coordinator_tls
-        self.reject_nonfinite = bool(reject_nonfinite)
         self._max_message_bytes = max_message_bytes
         self._max_stored_bytes = max_stored_bytes
         self._keep_logs = log_dir is not None
@@ -172,8 +171,7 @@ class LocalFleet(FleetRounds):
         return self
 
     def _backend_options(self) -> dict:
-        options = dict(token=self._token, tls=self._coordinator_tls,
-                       reject_nonfinite=self.reject_nonfinite)
+        options = dict(token=self._token, tls=self._coordinator_tls)
         if self._max_message_bytes is not None:
             options["max_message_bytes"] = self._max_message_bytes
         return options

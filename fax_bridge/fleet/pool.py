@@ -319,15 +319,21 @@ class DevicePool:
         self.traffic.payload_down += payload_down
         self.traffic.payload_up += payload_up
 
-    def _fail(self, device: _Device, method: str, error: Exception) -> FleetError:
+    def _fail(self, device: _Device, method: str, error: Exception,
+              timeout_s: Optional[float] = None) -> FleetError:
+        """The error of a failed call; `timeout_s` the deadline it had (default the
+        fleet's `rpc_timeout_s`; longer for a round with emulated delays)."""
         hint = ""
         lost = False
         if isinstance(error, grpc.RpcError):
             code = error.code()
             lost = code in LOST_CODES
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                hint = ("; it did not answer within the deadline "
-                        f"(rpc_timeout_s={self.rpc_timeout_s})")
+                waited = self.rpc_timeout_s if timeout_s is None else timeout_s
+                extra = (" plus the round's emulated delays" if waited > self.rpc_timeout_s
+                         else "")
+                hint = (f"; it did not answer {method} within its deadline of {waited:g}s "
+                        f"(rpc_timeout_s={self.rpc_timeout_s:g}{extra})")
             elif code == grpc.StatusCode.UNAVAILABLE:
                 hint = "; the device process is not reachable (did it exit? see its log)"
             elif code == grpc.StatusCode.UNAUTHENTICATED:
@@ -342,7 +348,7 @@ class DevicePool:
             response = getattr(device.stub, method)(
                 request, timeout=timeout or self.rpc_timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise self._fail(device, method, e) from None
+            raise self._fail(device, method, e, timeout or self.rpc_timeout_s) from None
         self._count(down=[request], up=[response])
         return response
 
@@ -402,7 +408,7 @@ class DevicePool:
         try:
             answers = self._answers(
                 calls, method, lambda index: streams[index].error if index in streams else None,
-                unaries)
+                unaries, timeout or self.rpc_timeout_s)
         finally:
             for stream in streams.values():
                 self.traffic.rpcs += stream.resent
@@ -433,7 +439,8 @@ class DevicePool:
 
     def _answers(self, calls: dict, method: str,
                  own_error: Optional[Callable[[int], Optional[Exception]]] = None,
-                 unaries: Optional[dict] = None) -> dict:
+                 unaries: Optional[dict] = None,
+                 timeout_s: Optional[float] = None) -> dict:
         """Waits for every device's call; then raises the first failure, if any.
 
         `own_error(index)` may name a failure of ours behind a device's error (e.g. an
@@ -451,7 +458,8 @@ class DevicePool:
                 called = (unaries or {}).get(index)
                 if called is None or called in device.missing:
                     called = method
-                errors.append(mine if mine is not None else self._fail(device, called, e))
+                errors.append(mine if mine is not None
+                              else self._fail(device, called, e, timeout_s))
             except FleetError as e:  # a request stream could not make its first messages
                 errors.append(e)
         self._raise_first(errors)

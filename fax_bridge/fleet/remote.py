@@ -44,8 +44,9 @@ class RemoteFleet(FleetRounds):
         --population DIR`); checked on start. Runs pass `fleet.population` (or a
         `PopulationRef`) for a CLIENTS argument and send only client ids. None: no
         check (a `PopulationRef` then accepts whatever population the devices agree on).
-      policy (or its fields as keywords), preaggregate, rpc_timeout_s, progress: as for
-        `LocalFleet`.
+      policy (or its fields as keywords), preaggregate, rpc_timeout_s, progress,
+        reject_nonfinite: as for `LocalFleet` (the round-behaviour options both fleets
+        share, `session.FleetRounds`).
     """
 
     def __init__(self, addresses: Optional[Sequence[str]] = None, *,
@@ -55,7 +56,8 @@ class RemoteFleet(FleetRounds):
                  probe_timeout_s: float = 2.0, connect_timeout_s: float = 60.0,
                  policy: Optional[RoundPolicy] = None, preaggregate: bool = True,
                  rpc_timeout_s: float = 60.0, progress: bool = False,
-                 population: Optional[str] = None, **policy_fields: Any):
+                 reject_nonfinite: bool = False, population: Optional[str] = None,
+                 **policy_fields: Any):
         if (addresses is None) == (fleet_file is None):
             raise FleetError("RemoteFleet needs exactly one of addresses=[HOST:PORT, ...] "
                              "or fleet_file=PATH")
@@ -73,7 +75,7 @@ class RemoteFleet(FleetRounds):
             policy=resolve_policy(policy, policy_fields, "RemoteFleet"),
             preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress,
             survive_device_loss=survive_device_loss, probe_timeout_s=probe_timeout_s,
-            population_name=population)
+            reject_nonfinite=reject_nonfinite, population_name=population)
         self.configured_addresses = list(addresses)
         self.num_devices = len(addresses)
         self.connect_timeout_s = float(connect_timeout_s)

@@ -179,12 +179,28 @@ def plan_round(policy: RoundPolicy, population: int, round_index: int) -> RoundP
     return RoundPlan(cohort=cohort, dropped=dropped, late=late, participants=participants,
                      delays_s=ClientDelays(cohort, delays))
 
+
 def check_min_clients(policy: RoundPolicy, plan: RoundPlan, round_index: int) -> None:
-    """Raises FleetError when fewer than `min_clients` clients report."""
-    if len(plan.participants) < policy.min_clients:
-        raise FleetError(
-            f"round {round_index}: only {len(plan.participants)} of {len(plan.cohort)} "
-            f"sampled clients reported ({len(plan.dropped)} dropped out, {len(plan.late)} "
-            f"missed the {policy.round_deadline_s}s deadline) but min_clients="
-            f"{policy.min_clients}; lower min_clients or dropout, raise cohort_size or "
-            "round_deadline_s")
+    """Raises FleetError when fewer than `min_clients` clients report.
+
+    The message names only what happened (clients that dropped out, clients past the
+    round deadline, a cohort smaller than `min_clients`) and the settings that change it.
+    """
+    if len(plan.participants) >= policy.min_clients:
+        return
+    why, fixes = [], ["lower min_clients"]
+    if len(plan.dropped):
+        why.append(f"{len(plan.dropped)} dropped out")
+        fixes.append("lower dropout")
+    if len(plan.late):
+        why.append(f"{len(plan.late)} missed the round deadline of "
+                   f"{policy.round_deadline_s:g}s")
+        fixes.append("raise round_deadline_s or lower straggler_delay_s")
+    if len(plan.cohort) < policy.min_clients:
+        why.append("the cohort is smaller than min_clients")
+        fixes.append("raise cohort_size or place more clients")
+    reasons = f" ({'; '.join(why)})" if why else ""
+    raise FleetError(
+        f"round {round_index}: only {len(plan.participants)} of {len(plan.cohort)} "
+        f"sampled clients reported{reasons} but min_clients={policy.min_clients}; "
+        f"{', '.join(fixes[:-1]) + ' or ' + fixes[-1] if len(fixes) > 1 else fixes[0]}")

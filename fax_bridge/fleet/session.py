@@ -27,6 +27,11 @@ from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.population import PopulationRef
 
 
+# The round-behaviour options every fleet takes, with the same meaning and defaults.
+ROUND_OPTIONS = ("policy", "preaggregate", "rpc_timeout_s", "progress",
+                 "survive_device_loss", "probe_timeout_s", "reject_nonfinite")
+
+
 def _listed(ids: ClientIds, shown: int = 20) -> str:
     """The first `shown` ids of a set, and how many more there are."""
     more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
@@ -42,12 +47,19 @@ class FleetRounds:
     and, when `survive_device_loss` is set, finishing a round on the surviving devices
     when some stop answering (their clients count as lost). Subclasses set `backend`,
     `addresses` and `num_devices` in `start()` and release them in `close()`.
+
+    Both fleets take the same round-behaviour options, the keyword arguments of this
+    constructor (`ROUND_OPTIONS`): `policy` (or its fields), `preaggregate`,
+    `rpc_timeout_s`, `progress` (tqdm bars in `run_rounds` and `run_loop`),
+    `survive_device_loss`, `probe_timeout_s` and `reject_nonfinite` (refuse NaN and
+    infinities in what devices send back).
     """
 
     def __init__(self, *, policy: RoundPolicy, preaggregate: bool, rpc_timeout_s: float,
                  progress: bool, survive_device_loss: bool, probe_timeout_s: float,
-                 population_name: Optional[str] = None) -> None:
+                 reject_nonfinite: bool, population_name: Optional[str] = None) -> None:
         self.policy = policy
+        self.reject_nonfinite = bool(reject_nonfinite)
         self.survive_device_loss = bool(survive_device_loss)
         self.probe_timeout_s = float(probe_timeout_s)
         self.population_name = population_name
@@ -109,7 +121,11 @@ class FleetRounds:
 
         The round's cohort, dropouts and delays follow the fleet's policy; the
         computation sees only the participating clients. Returns the result as a
-        pytree, or `(result, RoundReport)` with `report=True` (also `last_report`).
+        pytree, or `(result, RoundReport)` with `report=True` (also `last_report`): with
+        the structure jit gives the program (NamedTuples, dataclasses, optax states,
+        None, lists) when `proto` was exported in this process, so it can be fed to
+        `jax.jit(program)` or to the next round; a proto read from a file gives the
+        generic structure (`runtime.result_structure`).
         `num_clients` gives the population when no argument is placed at CLIENTS; a
         computation that places nothing at CLIENTS itself needs neither.
         """
@@ -191,7 +207,7 @@ class FleetRounds:
                                               prepared.result, backend.take_delays())
             else:
                 result = interpreter.evaluate(prepared, arg, backend, num_clients=num_clients)
-            return values.to_pytree(result, prepared.result)
+            return values.to_pytree(result, prepared.result, prepared.structure)
         finally:
             backend.set_delays(None)
             rep.wall_s += time.perf_counter() - start
@@ -257,6 +273,7 @@ class FleetRounds:
         return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
                                   rpc_timeout_s=self.rpc_timeout_s,
                                   connect_timeout_s=connect_timeout_s,
+                                  reject_nonfinite=self.reject_nonfinite,
                                   **self._backend_options())
 
     def _backend_options(self) -> dict:
@@ -275,7 +292,8 @@ class FleetRounds:
         before, so a resumed run makes the same choices. With `checkpoint_dir` the state is
         saved after every round and a rerun resumes after the last saved round (refusing a
         checkpoint of a computation of another type, or of another policy).
-        `on_round(r, result, report)` is called after each round.
+        `on_round(r, result, report)` is called after each round. With the fleet's
+        `progress` a tqdm bar counts the rounds (a resumed run starts at the saved round).
         """
         # The fingerprint names the program (its bytes hold source locations that differ
         # between processes building the same program; the fingerprint leaves them out).
@@ -284,7 +302,7 @@ class FleetRounds:
         start = 0
         if checkpoint_dir is not None:
             meta["program"] = checkpoint.program_fingerprint(interpreter.as_proto(proto))
-            saved = checkpoint.load(checkpoint_dir)
+            saved = checkpoint.load(checkpoint_dir, like=state)
             if saved is not None:
                 for key in ("computation", "program", "policy"):
                     if saved.meta.get(key) != meta[key]:
@@ -292,30 +310,40 @@ class FleetRounds:
                             f"checkpoint in {checkpoint_dir} belongs to another run (its {key} "
                             "differs); use a fresh checkpoint_dir or delete the old one")
                 state, start = saved.state, saved.round + 1
-        for r in range(start, int(num_rounds)):
-            self.next_round = r
-            result = self.run(proto, state, *client_args(r))
-            state = next_state(result) if next_state is not None else result
-            if checkpoint_dir is not None:
-                checkpoint.save(checkpoint_dir, r, state, meta)
-            if on_round is not None:
-                on_round(r, result, self.last_report)
+        with self._progress_bar(int(num_rounds), initial=start) as bar:
+            for r in range(start, int(num_rounds)):
+                self.next_round = r
+                result = self.run(proto, state, *client_args(r))
+                state = next_state(result) if next_state is not None else result
+                if checkpoint_dir is not None:
+                    checkpoint.save(checkpoint_dir, r, state, meta)
+                self._advance(bar)
+                if on_round is not None:
+                    on_round(r, result, self.last_report)
         return state
 
     def run_rounds(self, proto, rounds: Iterable[Sequence[Any]],
                    progress: Optional[bool] = None) -> list:
         """Runs `proto` once per argument tuple of `rounds`; a tqdm bar when `progress`."""
-        from tqdm.auto import tqdm
-
-        show = self.progress if progress is None else progress
         results = []
         rounds = list(rounds)
-        with tqdm(total=len(rounds), disable=not show, unit="round",
-                  desc="fleet rounds") as bar:
+        with self._progress_bar(len(rounds), show=progress) as bar:
             for args in rounds:
                 results.append(self.run(proto, *args))
-                rep = self.last_report
-                bar.set_postfix(clients=len(rep.participants), up=rep.bytes_up,
-                                down=rep.bytes_down, refresh=False)
-                bar.update(1)
+                self._advance(bar)
         return results
+
+    def _progress_bar(self, total: int, initial: int = 0, show: Optional[bool] = None):
+        """A tqdm bar over rounds, shown when `show` (default: the fleet's `progress`)."""
+        from tqdm.auto import tqdm
+
+        show = self.progress if show is None else show
+        return tqdm(total=total, initial=initial, disable=not show, unit="round",
+                    desc="fleet rounds")
+
+    def _advance(self, bar) -> None:
+        """Moves `bar` on by one round, showing the last round's clients and bytes."""
+        rep = self.last_report
+        bar.set_postfix(clients=len(rep.participants), up=rep.bytes_up,
+                        down=rep.bytes_down, refresh=False)
+        bar.update(1)

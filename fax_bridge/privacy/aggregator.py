@@ -16,7 +16,9 @@ exports to TFF and runs on a fleet like any other. One round of `aggregate`:
 These are the conventions of TFF's `DifferentiallyPrivateFactory` (`gaussian_fixed`,
 `gaussian_adaptive`): noise on the sum, before normalisation; the adaptive clip's
 defaults from Andrew et al. 2021 (initial clip 0.1, target quantile 0.5, learning rate
-0.2, clipped-count stddev 0.05 x clients per round when noise is added); and the split of
+0.2, clipped-count stddev 0.05 x clients per round when noise is added, raised to twice
+the noise multiplier where that is smaller, so the defaults always fit together: TFF
+refuses those cohorts); and the split of
 a total noise multiplier z between the values and the clipped count,
 `z_value = (z**-2 - (2 * clipped_count_stddev)**-2) ** -0.5`, so that the round as a
 whole is one Gaussian mechanism of noise multiplier z for accounting.
@@ -83,6 +85,20 @@ def _check_positive(value, name: str) -> float:
     return v
 
 
+def default_clipped_count_stddev(noise_multiplier: float, clients_per_round: float) -> float:
+    """The clipped count's noise standard deviation when none is given.
+
+    TFF's `gaussian_adaptive` default, `0.05 * clients_per_round`, raised to
+    `2 * noise_multiplier` where it is smaller (TFF refuses those settings: the count
+    would need more than the whole budget), so the clipped count spends at most 1/16 of
+    the budget and the values' multiplier is at most `z / sqrt(15/16)`, about 1.033 z.
+    0 without noise.
+    """
+    if noise_multiplier == 0:
+        return 0.0
+    return max(0.05 * clients_per_round, 2.0 * noise_multiplier)
+
+
 def adaptive_clip_noise_params(noise_multiplier: float, clients_per_round: float,
                                clipped_count_stddev: Optional[float] = None
                                ) -> tuple[float, float]:
@@ -90,22 +106,25 @@ def adaptive_clip_noise_params(noise_multiplier: float, clients_per_round: float
 
     The clipped count is a Gaussian sum of sensitivity 0.5, i.e. noise multiplier
     `2 * clipped_count_stddev`; the values get the larger multiplier that leaves the
-    composition of both at `noise_multiplier`. With no noise, both are 0.
+    composition of both at `noise_multiplier`, which needs
+    `noise_multiplier < 2 * clipped_count_stddev`. The default stddev
+    (`default_clipped_count_stddev`) always meets it. With no noise, both are 0.
     """
     z = _check_nonneg(noise_multiplier, "noise_multiplier")
     n = _check_positive(clients_per_round, "clients_per_round")
     if z == 0.0:
         return 0.0, 0.0 if clipped_count_stddev is None else _check_nonneg(
             clipped_count_stddev, "clipped_count_stddev")
-    sigma_b = 0.05 * n if clipped_count_stddev is None else _check_nonneg(
-        clipped_count_stddev, "clipped_count_stddev")
+    sigma_b = default_clipped_count_stddev(z, n) if clipped_count_stddev is None else \
+        _check_nonneg(clipped_count_stddev, "clipped_count_stddev")
     if z >= 2 * sigma_b:
         raise PrivacyError(
             f"clipped_count_stddev={sigma_b:g} is too small for noise_multiplier={z:g}: the "
             f"clipped count alone would spend more than the whole budget (it needs "
             f"noise_multiplier < 2 * clipped_count_stddev). Raise clipped_count_stddev "
-            f"(default 0.05 * clients_per_round) or clients_per_round, or lower the noise "
-            f"multiplier.")
+            f"(above {z / 2:g}; leaving it unset gives max(0.05 * clients_per_round, "
+            f"2 * noise_multiplier) = {default_clipped_count_stddev(z, n):g}), or lower "
+            f"the noise multiplier.")
     return (z ** -2 - (2 * sigma_b) ** -2) ** -0.5, sigma_b
 
 
@@ -210,6 +229,10 @@ def gaussian_adaptive(noise_multiplier: float, clients_per_round: float,
 
     `noise_multiplier` is the total noise multiplier of the round; the values get the
     slightly larger `value_noise_multiplier` (see `adaptive_clip_noise_params`).
+    `clipped_count_stddev`: the standard deviation of the noise on the clipped count
+    (the sum of the clients' +-0.5 indicators); it must exceed `noise_multiplier / 2`.
+    Default `max(0.05 * clients_per_round, 2 * noise_multiplier)`
+    (`default_clipped_count_stddev`).
     """
     z = _check_nonneg(noise_multiplier, "noise_multiplier")
     n = _check_positive(clients_per_round, "clients_per_round")

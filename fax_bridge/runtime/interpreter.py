@@ -22,7 +22,7 @@ from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ClientCountError, ComputationError, FaxBridgeError
-from fax_bridge.runtime import intrinsics, limits, local_eval, values
+from fax_bridge.runtime import intrinsics, limits, local_eval, result_structure, values
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -450,10 +450,15 @@ def computation_type(proto: Union[Computation, bytes]) -> Optional[federated_lan
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A computation proto with its type signature, parsed once (see `prepare`)."""
+    """A computation proto with its type signature, parsed once (see `prepare`).
+
+    `structure`: the jax treedef of the program's output when known
+    (`runtime.result_structure`); results then come back with it.
+    """
 
     proto: Computation
     type: Optional[federated_language.Type]
+    structure: Any = None
 
     @property
     def parameter(self) -> Optional[federated_language.Type]:
@@ -466,12 +471,20 @@ class Prepared:
             self.type, federated_language.FunctionType) else self.type
 
 
-def prepare(proto: "Union[Computation, bytes, Prepared]") -> Prepared:
-    """Parses a computation (proto or bytes) and its type once, for repeated runs."""
+def prepare(proto: "Union[Computation, bytes, Prepared]",
+            structure: Any = None) -> Prepared:
+    """Parses a computation (proto or bytes) and its type once, for repeated runs.
+
+    `structure` (a jax treedef) gives results the program's output structure; by
+    default the one the exporter recorded for this proto object, if any.
+    """
+    structure = result_structure.checked_structure(structure)
     if isinstance(proto, Prepared):
-        return proto
+        return proto if structure is None else dataclasses.replace(proto, structure=structure)
     proto = as_proto(proto)
-    return Prepared(proto, local_eval.parse_type(proto.type))
+    if structure is None:
+        structure = result_structure.kept_structure(proto)
+    return Prepared(proto, local_eval.parse_type(proto.type), structure)
 
 
 def evaluate(proto: Union[Computation, bytes, Prepared], arg: Any = None,
@@ -560,8 +573,11 @@ def run_computation(proto: Union[Computation, bytes, Prepared], *args: Any,
     CLIENTS arguments and results carry a leading clients axis. Named parameter elements
     may be passed by keyword (`values.bind_arguments`). `num_clients` is needed only when
     no argument is placed at CLIENTS and the computation places values there itself.
+    The result has the structure jit gives the program when the proto was exported in
+    this process (or `prepare(proto, structure=)` gave one), else the generic one
+    (`runtime.result_structure`).
     """
     prepared = prepare(proto)
     bound = values.bind_arguments(prepared.parameter, args, kwargs)
     result = evaluate(prepared, bound.runtime_value(), backend, num_clients=num_clients)
-    return values.to_pytree(result, prepared.result)
+    return values.to_pytree(result, prepared.result, prepared.structure)

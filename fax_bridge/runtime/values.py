@@ -2,8 +2,16 @@
 
 Conventions:
 - Pytrees: dicts are named structs (matched by name; TFF element order kept), tuples and
-  lists unnamed structs, array-likes tensors. Results come back as dicts when every
-  element is named, tuples otherwise.
+  lists unnamed structs, NamedTuples and other registered pytree nodes (dataclasses,
+  optax states) structs named as the exporter names them, None an empty struct,
+  array-likes tensors; an argument without tensors (None, (), {}, nested) fits `<>`.
+  Results come back with the structure jit gives the program (NamedTuples,
+  dataclasses, None, lists, empty containers) when the output's treedef is known
+  (`result_structure`: the exporter records it for the protos it builds in this
+  process; `to_pytree(..., structure=)` applies it). Otherwise (a proto read from a
+  file or built elsewhere) they come back in the generic structure the type alone
+  gives: dicts where every element is named, tuples otherwise, `()` for an empty
+  struct.
 - Federated values: a SERVER value is its member value; a CLIENTS value is given as a
   pytree whose leaves carry a leading clients axis (its size is the number of clients).
   Inside the runtime a CLIENTS value is a sequence of per-client member values (a
@@ -33,6 +41,7 @@ from federated_language.common_libs import structure
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime.backend import ClientRows, ClientsValue, leaves
 from fax_bridge.runtime.population import PopulationRef
+from fax_bridge.runtime.result_structure import with_structure
 
 LocalValue = Any  # np.ndarray | structure.Struct
 Pytree = Any
@@ -99,6 +108,8 @@ def _struct_items(value, type_: federated_language.StructType, path: str):
     """The elements of a pytree or Struct `value` in the order of `type_`'s elements."""
     items = list(type_.items())
     is_struct = isinstance(value, structure.Struct)  # the common case: checked first
+    if not items and not is_struct and _holds_no_tensor(value):
+        return []  # the exporter types any argument without tensors as <>
     if not is_struct:
         if isinstance(value, tuple) and hasattr(value, "_fields") and \
                 all(n for n, _ in items):
@@ -135,6 +146,20 @@ def _struct_items(value, type_: federated_language.StructType, path: str):
         return _struct_items(tuple(c for _, c in children), type_, path)
     raise ComputationError(f"{_where(path)}: expected a struct {type_}, got "
                            f"{_describe(value)}")
+
+
+def _holds_no_tensor(value) -> bool:
+    """Whether `value` is a pytree of containers only (None, (), [], {}, nested)."""
+    if value is None:
+        return True
+    if isinstance(value, (np.ndarray, np.generic, str, bytes)) or np.isscalar(value):
+        return False
+    children = (list(value.values()) if isinstance(value, Mapping) else list(value)
+                if isinstance(value, (tuple, list)) else
+                [c for _, c in _pytree_children(value) or [(None, value)]])
+    if len(children) == 1 and children[0] is value:
+        return False  # a leaf jax knows (e.g. an array)
+    return all(_holds_no_tensor(c) for c in children)
 
 
 def _pytree_children(value) -> Optional[list]:
@@ -241,15 +266,26 @@ def local_to_pytree(value: LocalValue) -> Pytree:
     return np.asarray(value)
 
 
-def to_pytree(value: Any, type_: federated_language.Type) -> Pytree:
-    """A runtime value of `type_` as a pytree (CLIENTS values stacked on a leading axis)."""
+def to_pytree(value: Any, type_: federated_language.Type,
+              structure: Optional[Any] = None) -> Pytree:
+    """A runtime value of `type_` as a pytree (CLIENTS values stacked on a leading axis).
+
+    `structure`: the jax treedef of the program's output (`result_structure`); the result
+    then has exactly that structure, as jit returns it. Without it: the generic
+    structure (dicts where every element is named, tuples otherwise).
+    """
+    generic = _generic_pytree(value, type_)
+    return generic if structure is None else with_structure(generic, structure)
+
+
+def _generic_pytree(value: Any, type_: federated_language.Type) -> Pytree:
     if isinstance(type_, federated_language.FederatedType):
         if type_.placement is federated_language.CLIENTS:
             return local_to_pytree(stack(list(value)))
         return local_to_pytree(value)
     if isinstance(type_, federated_language.StructType) and _contains_federated(type_):
         names = [n for n, _ in type_.items()]
-        items = [to_pytree(v, t) for v, (_, t) in zip(value, type_.items())]
+        items = [_generic_pytree(v, t) for v, (_, t) in zip(value, type_.items())]
         if names and all(names):
             return dict(zip(names, items))
         return tuple(items)

@@ -40,6 +40,7 @@ from fax_bridge import tracing
 from fax_bridge.errors import ExportError
 from fax_bridge.member_rules import ELEMENTWISE
 from fax_bridge.placements import Placement
+from fax_bridge.runtime import result_structure
 from fax_bridge.tff import stages
 from fax_bridge.tff import types as tff_types
 from fax_bridge.tff import xla as tff_xla
@@ -554,10 +555,13 @@ def export_computation(comp: tracing.FederatedComputation,
         exporter.body()
         result = exporter.result()
         block = bb.Block(exporter.locals, result) if exporter.locals else result
-        return bb.Lambda(param_name, param_type, block).to_proto()
+        proto = bb.Lambda(param_name, param_type, block).to_proto()
     except (DecodeError, RecursionError) as e:  # protobuf's depth limit, anywhere
         raise tff_types.too_deep_error(
             jax.tree_util.tree_unflatten(comp.in_tree, list(comp.in_avals)), e) from None
+    # Runs of this proto give results the program's output structure, as jit does.
+    result_structure.keep_structure(proto, comp.out_tree)
+    return proto
 
 
 def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[int] = None,

@@ -1,0 +1,166 @@
+"""Results keep the structure jit gives them: generated pytrees of NamedTuples, registered
+dataclasses, optax states, None, empty containers, lists and dicts as a round's state
+(input and output) round-trip through the in-process runtime, a checkpoint and jit."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge.errors import ArgumentError, ComputationError
+from fax_bridge.fleet import checkpoint
+from fax_bridge.runtime import interpreter, result_structure, run_computation
+
+
+class Empty(NamedTuple):
+    pass
+
+
+class Pair(NamedTuple):
+    b: Any
+    a: Any
+
+
+class Triple(NamedTuple):
+    z: Any
+    y: Any
+    x: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Node:
+    right: Any
+    left: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Tagged:
+    value: Any
+    tag: str = dataclasses.field(default="t", metadata=dict(static=True))
+
+
+def _leaf(shape):
+    return st.sampled_from(["f", "i"]).map(
+        lambda kind: np.arange(np.prod(shape, dtype=int), dtype=np.float32 if kind == "f"
+                               else np.int32).reshape(shape) + 1)
+
+
+LEAVES = st.sampled_from([(), (2,), (1, 3)]).flatmap(_leaf)
+EMPTY = st.sampled_from([None, (), [], {}, Empty()])
+KEYS = st.sampled_from(["a", "b", "kz", "w"])
+
+
+def _nodes(children):
+    return st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(KEYS, children, max_size=3),
+        st.builds(Pair, children, children),
+        st.builds(Triple, children, children, children),
+        st.builds(Node, children, children),
+        st.builds(Tagged, children),
+    )
+
+
+PYTREES = st.recursive(st.one_of(LEAVES, EMPTY), _nodes, max_leaves=6)
+
+
+def _round(state, extra):
+    """A program of the round's shape: `state` at the server, data at the clients."""
+
+    @fb.program(clients=3)
+    def step(state, data):
+        m = fb.federated_mean(data)
+        new = jax.tree.map(lambda x: x * 2 + m.astype(x.dtype), state)
+        out = jax.tree.map(lambda x: jnp.sum(x).astype(jnp.float32) + m, extra)
+        return new, {"out": out, "at_clients": fb.federated_broadcast(m), "none": None}
+
+    return step
+
+
+DATA = np.arange(3, dtype=np.float32)
+
+
+def _same(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+
+
+@settings(max_examples=6, deadline=None)
+@given(state=PYTREES, extra=PYTREES)
+def test_runtime_results_have_the_structure_jit_gives(state, extra):
+    step = _round(state, extra)
+    jitted = jax.jit(step)
+    want = jitted(state, DATA)
+    proto = fb.export_tff(step, state, DATA, placements=("server", "clients"))
+    got = run_computation(proto, state, DATA)
+    _same(got, want)
+    # The runtime's state is the next round's input, for jit and for the runtime.
+    _same(run_computation(proto, got[0], DATA), jitted(got[0], DATA))
+    # Without the program (a copy, as if read from a file): the generic structure.
+    copy = type(proto).FromString(proto.SerializeToString())
+    generic = run_computation(copy, state, DATA)
+    assert all(type(node) in (dict, tuple) for node in _nodes_of(generic))
+    _same(result_structure.with_structure(generic, jax.tree.structure(want)), want)
+    _same(run_computation(interpreter.prepare(copy, jax.tree.structure(want)), state,
+                          DATA), want)
+
+
+def _nodes_of(tree):
+    """The containers of a generic result (dicts and tuples), outermost first."""
+    if isinstance(tree, (dict, tuple, list)) or tree is None:
+        children = tree.values() if isinstance(tree, dict) else (tree or ())
+        yield tree
+        for child in children:
+            yield from _nodes_of(child)
+
+
+@settings(max_examples=25, deadline=None)
+@given(state=PYTREES)
+def test_checkpoints_give_back_the_state_s_structure(state, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt")
+    checkpoint.save(directory, 4, state, {"k": 1})
+    saved = checkpoint.load(directory, like=state)
+    assert saved.round == 4 and saved.meta == {"k": 1}
+    _same(saved.state, state)
+    generic = checkpoint.load(directory).state  # no structure given: plain containers
+    assert len(jax.tree.leaves(generic)) == len(jax.tree.leaves(state))
+
+
+def test_an_optax_state_round_trips_through_the_runtime():
+    params = {"w": jnp.ones(3), "b": jnp.zeros(())}
+    opt = optax.chain(optax.clip(1.0), optax.adam(0.1))
+
+    @fb.program(clients=3)
+    def step(state, data):
+        params, opt_state = state
+        grads = jax.tree.map(lambda p: p * fb.federated_mean(data), params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), None
+
+    state = (params, opt.init(params))
+    proto = fb.export_tff(step, state, DATA, placements=("server", "clients"))
+    got = run_computation(proto, state, DATA)
+    jitted = jax.jit(step)
+    _same(got, jitted(state, DATA))
+    _same(jitted(got[0], DATA), run_computation(proto, got[0], DATA))
+
+
+def test_a_structure_of_another_program_is_refused():
+    with pytest.raises(ComputationError, match="another program"):
+        result_structure.with_structure((np.ones(2), np.ones(1)),
+                                        jax.tree.structure([1, 2, 3]))
+    with pytest.raises(ArgumentError, match="jax.tree.structure"):
+        interpreter.prepare(b"", structure=[1, 2])
