@@ -6,7 +6,8 @@ HLO -> StableHLO conversion, compilation with the default jax backend, raw execu
 calls, the module as a call inside a traced (jitted) jax function
 (`HloExecutable.call_traced`, through a `jax.export.Exported` built from the module),
 and portable StableHLO artifacts for older consumers (`portable_artifact`). Everything
-else goes through `HloExecutable`, `is_traced` and `portable_artifact`.
+else goes through `HloExecutable`, `is_traced`, `portable_artifact`, `program_text` and
+`to_stablehlo`.
 
 Module bytes are untrusted (a user's file, a device's Load request): `to_stablehlo`
 checks their structure first (`hlo_check`), then has XLA import them in a helper process
@@ -99,10 +100,44 @@ def _signature(stablehlo: bytes) -> tuple[list[TensorSpec], list[TensorSpec]]:
 HLO_MODULE_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
 # The StableHLO version TensorFlow 2.14's XlaCallModule (op version 8) deserializes.
 PORTABLE_TARGET = "0.9.0"
-_CACHED_MODULES = 64
 _importer = hlo_import.Importer()
-_imported: collections.OrderedDict[str, object] = collections.OrderedDict()
-_imported_lock = threading.Lock()
+
+
+class _Verdicts:
+    """Imported modules by sha256, least recently used dropped first past `max_bytes`:
+    StableHLO bytes, or the error a refused module gives (so a module that killed the
+    helper is not run again)."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size(verdict) -> int:
+        return len(verdict) if isinstance(verdict, bytes) else 1024
+
+    def get(self, key: str):
+        with self._lock:
+            verdict = self._entries.get(key)
+            if verdict is not None:
+                self._entries.move_to_end(key)
+            return verdict
+
+    def put(self, key: str, verdict) -> None:
+        size = self._size(verdict)
+        with self._lock:
+            if key in self._entries or size > self.max_bytes:
+                return
+            self._entries[key] = verdict
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= self._size(old)
+
+
+_verdicts = _Verdicts()
 
 
 def to_stablehlo(hlo_module: bytes) -> bytes:
@@ -113,16 +148,10 @@ def to_stablehlo(hlo_module: bytes) -> bytes:
     `hlo_check`, XLA's refusal, or XLA dying in the helper process).
     """
     key = hashlib.sha256(hlo_module).hexdigest()
-    with _imported_lock:
-        verdict = _imported.get(key)
-        if verdict is not None:
-            _imported.move_to_end(key)
+    verdict = _verdicts.get(key)
     if verdict is None:
         verdict = _import(hlo_module)
-        with _imported_lock:
-            _imported[key] = verdict
-            while len(_imported) > _CACHED_MODULES:
-                _imported.popitem(last=False)
+        _verdicts.put(key, verdict)
     if isinstance(verdict, HloModuleError):
         raise HloModuleError(str(verdict))
     return verdict
