@@ -170,8 +170,8 @@ def test_remembered_imports_are_bounded_in_bytes():
     verdicts = hlo._Verdicts(max_bytes=2048)
     verdicts.put("a", b"x" * 1000)
     verdicts.put("b", HloModuleError("refused"))  # counts 1 KiB
-    assert verdicts.get("a") and verdicts.get("b")
-    verdicts.put("c", b"y" * 1000)  # "b" is now the least recently used one
+    assert verdicts.get("b") and verdicts.get("a")  # "b" is now the least recently used
+    verdicts.put("c", b"y" * 1000)
     assert verdicts.get("b") is None and verdicts.get("a") and verdicts.get("c")
     verdicts.put("d", b"z" * 4096)  # larger than the bound: not kept
     assert verdicts.get("d") is None
