@@ -49,7 +49,7 @@ _UNARY = ("abs", "bitcast", "bitcast-convert", "broadcast", "cbrt", "ceil", "clz
           "logistic", "negate", "not", "popcnt", "real", "reduce-precision", "reshape",
           "reverse", "round-nearest-afz", "round-nearest-even", "rsqrt", "sign", "sine",
           "slice", "sqrt", "tan", "tanh", "transpose", "get-tuple-element")
-_BINARY = ("add", "and", "atan2", "compare", "complex", "divide", "dot", "maximum",
+_BINARY = ("add", "and", "atan2", "compare", "complex", "divide", "maximum",
            "minimum", "multiply", "or", "pad", "power", "remainder", "shift-left",
            "shift-right-arithmetic", "shift-right-logical", "subtract", "xor",
            "stochastic-convert", "set-dimension-size", "add-dependency")
@@ -59,16 +59,17 @@ _NULLARY = ("constant", "iota", "parameter", "partition-id", "replica-id",
 # Operand counts of the operations of fixed arity.
 ARITY = {**{op: 1 for op in _UNARY}, **{op: 2 for op in _BINARY},
          **{op: 3 for op in _TERNARY}, **{op: 0 for op in _NULLARY}}
-# Every other operation of this XLA version (any operand count here).
+# Every other operation of this XLA version (any operand count here; `dot` too, as a
+# sparse dot has more than two).
 _VARIADIC = (
     "after-all", "all-gather", "all-gather-done", "all-gather-start", "all-reduce",
     "all-reduce-done", "all-reduce-start", "all-to-all", "async-done", "async-start",
     "async-update", "batch-norm-grad", "batch-norm-inference", "batch-norm-training",
     "call", "cholesky", "collective-broadcast", "collective-permute",
     "collective-permute-done", "collective-permute-start", "concatenate", "conditional",
-    "convolution", "copy-done", "copy-start", "custom-call", "domain", "dynamic-reshape",
-    "dynamic-slice", "dynamic-update-slice", "fft", "fusion", "gather", "infeed", "map",
-    "opt-barrier", "outfeed", "ragged-all-to-all", "ragged-dot", "recv",
+    "convolution", "copy-done", "copy-start", "custom-call", "domain", "dot",
+    "dynamic-reshape", "dynamic-slice", "dynamic-update-slice", "fft", "fusion", "gather",
+    "infeed", "map", "opt-barrier", "outfeed", "ragged-all-to-all", "ragged-dot", "recv",
     "recv-done", "reduce", "reduce-scatter", "reduce-window", "rng", "rng-bit-generator",
     "scaled-dot", "scatter", "select-and-scatter", "send", "send-done", "sort", "topk",
     "triangular-solve", "tuple", "while")
