@@ -41,8 +41,10 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 # The long hypothesis run over the proto interpreter (sharing-heavy protos included) and
-# the device RPCs (13,200 cases), then request floods against a device process with its
-# memory, descriptors and answer times measured (tools/device_flood.py).
+# the device RPCs (13,200 cases), mutated HLO modules through run_computation and a
+# device's Load (2 x 2,600, crashes detected in worker processes: tools/hlo_fuzz.py), then
+# request floods against a device process with its memory, descriptors and answer times
+# measured (tools/device_flood.py).
 fuzz: $(STAMP)
 	$(PY) tools/fuzz.py --cases 2200
 

@@ -68,3 +68,8 @@ class ProgramError(FaxBridgeError, ValueError):
 
 class SecureAggregationError(FaxBridgeError, ValueError):
     """A client value lies outside the range a secure aggregation was declared with."""
+
+
+class HloModuleError(ComputationError):
+    """An Xla computation's HloModuleProto is malformed: refused by the checks run before
+    XLA reads it, or XLA died reading it (in a separate process, so the caller lives)."""

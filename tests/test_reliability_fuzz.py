@@ -1,8 +1,12 @@
-"""Fuzzing the proto interpreter and the device RPCs: only our own errors, never a hang.
+"""Fuzzing the proto interpreter and the device RPCs: only our own errors, never a hang
+or a crash.
 
 Each target runs `FAX_BRIDGE_FUZZ_EXAMPLES` cases (default 60, the fast subset of the
 test suite); `tools/fuzz.py` runs the long campaign. Hypothesis' per-case deadline turns
-a hang into a failure; device RPCs also carry gRPC deadlines.
+a hang into a failure; device RPCs also carry gRPC deadlines. Mutated HLO modules
+(`tools/hlo_fuzz.py`) run in worker processes, so a crash is seen as one:
+`FAX_BRIDGE_HLO_FUZZ_CASES` mutations per entry point (default 156, 12 per byte class),
+from a fresh seed each run (`FAX_BRIDGE_HLO_FUZZ_SEED` fixes it).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import random
+import sys
 
 import grpc
 import numpy as np
@@ -17,14 +23,20 @@ import pytest
 from federated_language.proto import computation_pb2
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge.errors import FaxBridgeError
+from fax_bridge.errors import FaxBridgeError, HloModuleError
 from fax_bridge.fleet import device, device_process, sample_computations as sc, security, wire
 from fax_bridge.runtime import interpreter, intrinsics, limits, local_eval
 from fax_bridge.runtime.backend import leaves
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.v1 import device_pb2 as pb
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+import hlo_fuzz  # noqa: E402  (tools/, not a package)
+
+sys.path.pop(0)
+
 EXAMPLES = int(os.environ.get("FAX_BRIDGE_FUZZ_EXAMPLES", "60"))
+HLO_CASES = int(os.environ.get("FAX_BRIDGE_HLO_FUZZ_CASES", "156"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=datetime.timedelta(seconds=20),
                 suppress_health_check=list(HealthCheck), database=None, derandomize=False)
 TOKEN = security.new_token()
@@ -357,3 +369,41 @@ def test_fuzz_wire_decoding(value):
     again = wire.decode_value(wire.to_message(decoded))
     assert [x.tobytes() for x in leaves(again)] == [
         x.tobytes() for x in leaves(decoded)]
+
+
+# ---------------------------------------------------------------------------------------
+# Mutated HLO modules through run_computation and a device's Load, crashes detected.
+
+def test_a_module_that_crashed_xla_is_a_named_error_at_run_and_at_load():
+    from fax_bridge.v1 import hlo_module_pb2
+
+    proto = computation_pb2.Computation.FromString(SEEDS[2])
+    part = hlo_fuzz.xla_parts(proto)[0]
+    module = hlo_module_pb2.Module.FromString(part.xla.hlo_module.value)
+    module.host_program_shape.result.tuple_shapes.add(element_type=11, dimensions=[2])
+    part.xla.hlo_module.value = module.SerializeToString()  # XLA: a CHECK failure
+    with pytest.raises(HloModuleError, match="HloModuleProto `jit_.*host program shape"):
+        interpreter.run_computation(proto.SerializeToString(), *ARGS[2],
+                                    backend=LocalClientsBackend())
+    data = part.SerializeToString()
+    request = pb.LoadRequest(computation_hash=hashlib.sha256(data).hexdigest(),
+                             computation=data)
+    with pytest.raises(hlo_fuzz.Aborted) as info:
+        device.DeviceServicer("fuzz").Load(request, hlo_fuzz.Context())
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "HloModuleError" in str(info.value) and "host program shape" in str(info.value)
+
+
+@pytest.mark.parametrize("target", ["run", "load"])
+def test_mutated_hlo_modules_crash_no_entry_point(target):
+    seed = int(os.environ.get("FAX_BRIDGE_HLO_FUZZ_SEED", random.randrange(1 << 30)))
+    report = hlo_fuzz.run(target, HLO_CASES, seed=seed)
+    assert not report.crashes and not report.unexpected, report.summary()
+    assert report.tried == HLO_CASES and set(report.by_class) == set(hlo_fuzz.CLASSES)
+
+
+def test_the_hlo_fuzzer_sees_a_crash_as_one():
+    # Case 94 of seed 0 (a tuple shape one element too long) kills XLA's bare import.
+    report = hlo_fuzz.run("convert", 2, seed=0, start=94)
+    assert report.crashes == [(94, "tuple_length", "killed by SIGABRT")], report.summary()
+    assert report.tried == 2  # the next case ran in a fresh worker

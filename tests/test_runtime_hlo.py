@@ -1,6 +1,7 @@
 """Tests of fax_bridge.runtime.hlo: HloModuleProto bytes compiled and run on numpy arrays."""
 
 import string
+import time
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.errors import ComputationError, ExportError
-from fax_bridge.runtime import hlo
+from fax_bridge.errors import ComputationError, ExportError, HloModuleError
+from fax_bridge.runtime import hlo, hlo_import
 from fax_bridge.tff import xla as tff_xla
 
 
@@ -98,3 +99,79 @@ def test_linalg_and_debug_print_name_the_operation_and_its_line():
     text = str(info.value)
     for operation, at in (("debug_print", line + 1), ("lu", line + 2), ("eigh", line + 2)):
         assert f"`{operation}` at {__file__}:{at}" in text
+
+
+# --- untrusted modules: checked, then imported by XLA in a helper process --------------
+
+def _two_outputs(scale: float = 1.0) -> bytes:
+    return _hlo(lambda a, b: (a + b * scale, a * b), np.zeros(2, np.float32),
+                np.zeros(2, np.float32))
+
+
+def _crasher(where: str, scale: float) -> bytes:
+    """A module whose entry result lists one tuple element too many: unchecked, XLA's
+    import dies on it (SIGSEGV for the root's shape, a CHECK failure for the host's)."""
+    from fax_bridge.v1 import hlo_module_pb2
+
+    module = hlo_module_pb2.Module.FromString(_two_outputs(scale))
+    entry = next(c for c in module.computations if c.id == module.entry_computation_id)
+    root = next(i for i in entry.instructions if i.id == entry.root_id)
+    shape = root.shape if where == "root" else module.host_program_shape.result
+    shape.tuple_shapes.add(element_type=11, dimensions=[2])
+    return module.SerializeToString()
+
+
+@pytest.mark.parametrize("where,signal", [("root", "SIGSEGV"), ("host", "SIGABRT")])
+def test_xla_dying_on_a_module_is_a_named_error_and_the_caller_lives(
+        monkeypatch, where, signal):
+    with pytest.raises(HloModuleError, match="refused before XLA read it"):
+        hlo.compile_hlo(_crasher(where, scale=0.5 + (where == "host")))
+    # Past the structural checks, XLA itself dies on it: only its helper process goes.
+    crasher = _crasher(where, scale=0.25 + (where == "host"))
+    monkeypatch.setattr(hlo.hlo_check, "check_module", lambda module: None)
+    with pytest.raises(HloModuleError) as info:
+        hlo.to_stablehlo(crasher)
+    text = str(info.value)
+    assert f"XLA died reading the Xla computation's HloModuleProto `jit__lambda`" in text
+    assert f"killed by {signal}" in text
+    assert signal != "SIGABRT" or "Check failed" in text  # XLA's own reason, quoted
+    with pytest.raises(HloModuleError, match="XLA died"):  # remembered, not re-run
+        hlo.program_text(crasher)
+    a, b = np.array([1.0, 2.0], np.float32), np.array([3.0, 4.0], np.float32)
+    total, product = hlo.compile_hlo(_two_outputs(5.0 + (where == "host")))([a, b])
+    np.testing.assert_allclose(product, a * b)
+
+
+def test_each_module_is_imported_once_per_process(monkeypatch):
+    module = _two_outputs(7.0)
+    calls = []
+    convert = hlo._importer.convert
+    monkeypatch.setattr(hlo._importer, "convert", lambda m: calls.append(m) or convert(m))
+    first = hlo.to_stablehlo(module)
+    assert hlo.to_stablehlo(module) == first and hlo.program_text(module)
+    hlo.compile_hlo(module)
+    assert calls == [module]
+
+
+def test_the_helper_process_restarts_after_idling_and_is_killed_past_its_time_limit():
+    importer = hlo_import.Importer(idle_seconds=0.2)
+    assert importer.convert(_two_outputs(8.0))[0]
+    first = importer._proc.pid
+    time.sleep(1.0)  # the helper has exited by itself
+    converted, payload = importer.convert(b"\x0a\x03abc\x12")  # XLA refuses it
+    assert not converted and payload and importer._proc.pid != first
+    hasty = hlo_import.Importer(timeout_seconds=1e-9)
+    with pytest.raises(hlo_import.Died, match="did not finish importing it"):
+        hasty.convert(_two_outputs(9.0))
+    assert hasty._proc is None
+
+
+def test_remembered_imports_are_bounded_in_bytes():
+    verdicts = hlo._Verdicts(max_bytes=2048)
+    verdicts.put("a", b"x" * 1000)
+    verdicts.put("b", HloModuleError("refused"))  # counts 1 KiB
+    assert verdicts.get("b") and verdicts.get("a")  # "b" is now the least recently used
+    verdicts.put("c", b"y" * 1000)
+    assert verdicts.get("b") is None and verdicts.get("a") and verdicts.get("c")
+    verdicts.put("d", b"z" * 4096)  # larger than the bound: not kept
+    assert verdicts.get("d") is None

@@ -1,11 +1,19 @@
 """Compiles serialized `xla.HloModuleProto` bytes with jax's XLA client and runs them.
 
-This is the only module of fax_bridge that touches private jax APIs (jax 0.10.2):
+This is the only module of fax_bridge that touches private jax APIs (jax 0.10.2), with
+`hlo_import.py`, the helper process it runs XLA's HLO import in:
 HLO -> StableHLO conversion, compilation with the default jax backend, raw executable
 calls, the module as a call inside a traced (jitted) jax function
 (`HloExecutable.call_traced`, through a `jax.export.Exported` built from the module),
 and portable StableHLO artifacts for older consumers (`portable_artifact`). Everything
-else goes through `HloExecutable`, `is_traced` and `portable_artifact`.
+else goes through `HloExecutable`, `is_traced`, `portable_artifact`, `program_text` and
+`to_stablehlo`.
+
+Module bytes are untrusted (a user's file, a device's Load request): `to_stablehlo`
+checks their structure first (`hlo_check`), then has XLA import them in a helper process
+(`hlo_import`), so a module that would stop XLA on an internal CHECK, or crash it, gives
+an `HloModuleError` naming it instead of taking the caller's process down. Verdicts are
+cached by the bytes' sha256: each module is imported once per process, then compiled.
 
 Custom calls (LAPACK kernels behind `jnp.linalg`, python callbacks behind
 `jax.debug.print` / `pure_callback`) are native code outside the HLO: a process that did
@@ -15,7 +23,9 @@ holding any are refused here, before compilation, and by the exporter.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import re
 import threading
 from typing import Optional, Sequence
@@ -27,12 +37,11 @@ from jax._src import core as _core
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import mlir as _mlir
 from jax._src.lib import _jax
-from jax._src.lib import xla_client as _xla_client
 from jax._src.lib.mlir import ir as _ir
 from jax._src.lib.mlir.dialects import hlo as _hlo_dialect
 
-from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import limits
+from fax_bridge.errors import ComputationError, HloModuleError
+from fax_bridge.runtime import hlo_check, hlo_import, limits
 
 _COPY = _jax.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
 _ELEMENT_TYPES = {
@@ -87,10 +96,87 @@ def _signature(stablehlo: bytes) -> tuple[list[TensorSpec], list[TensorSpec]]:
     raise ComputationError("the HLO module has no entry function `main`")
 
 
-# The StableHLO version TensorFlow 2.14's XlaCallModule (op version 8) deserializes.
 # The type URL under which an `Xla` computation holds its serialized HloModuleProto.
 HLO_MODULE_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
+# The StableHLO version TensorFlow 2.14's XlaCallModule (op version 8) deserializes.
 PORTABLE_TARGET = "0.9.0"
+_importer = hlo_import.Importer()
+
+
+class _Verdicts:
+    """Imported modules by sha256, least recently used dropped first past `max_bytes`:
+    StableHLO bytes, or the error a refused module gives (so a module that killed the
+    helper is not run again)."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size(verdict) -> int:
+        return len(verdict) if isinstance(verdict, bytes) else 1024
+
+    def get(self, key: str):
+        with self._lock:
+            verdict = self._entries.get(key)
+            if verdict is not None:
+                self._entries.move_to_end(key)
+            return verdict
+
+    def put(self, key: str, verdict) -> None:
+        size = self._size(verdict)
+        with self._lock:
+            if key in self._entries or size > self.max_bytes:
+                return
+            self._entries[key] = verdict
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= self._size(old)
+
+
+_verdicts = _Verdicts()
+
+
+def to_stablehlo(hlo_module: bytes) -> bytes:
+    """Serialized HloModuleProto bytes as StableHLO bytecode, checked and imported where a
+    crash of XLA cannot reach the caller (see the module docstring).
+
+    Raises HloModuleError naming the module and the fault (a structural one found by
+    `hlo_check`, XLA's refusal, or XLA dying in the helper process).
+    """
+    key = hashlib.sha256(hlo_module).hexdigest()
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        verdict = _import(hlo_module)
+        _verdicts.put(key, verdict)
+    if isinstance(verdict, HloModuleError):
+        raise HloModuleError(str(verdict))
+    return verdict
+
+
+def _import(hlo_module: bytes):
+    """StableHLO bytes, or the HloModuleError to raise for this module every time."""
+    try:
+        hlo_check.check_module(hlo_module)
+    except HloModuleError as e:
+        return e
+    label = hlo_check.module_label(hlo_module)
+    try:
+        converted, payload = _importer.convert(hlo_module)
+    except hlo_import.Died as e:
+        return HloModuleError(
+            f"XLA died reading the Xla computation's {label}: {e}. The module passed "
+            "fax_bridge's structural checks but is malformed in a way XLA does not "
+            "survive; only its helper process was lost. Re-export the computation")
+    if not converted:
+        return HloModuleError(
+            f"XLA cannot read the Xla computation's {label} "
+            f"({payload.decode(errors='replace')[:2000]}); it must be the bytes of a "
+            "serialized xla.HloModuleProto")
+    return payload
 
 
 def portable_artifact(hlo_module: bytes, target: str = PORTABLE_TARGET
@@ -101,9 +187,12 @@ def portable_artifact(hlo_module: bytes, target: str = PORTABLE_TARGET
     `XlaCallModule` (version >= 5) takes as its `module` attribute.
     """
     try:
-        stablehlo = _xla_client._xla.mlir.hlo_to_stablehlo(hlo_module)
+        stablehlo = to_stablehlo(hlo_module)
         params, results = _signature(stablehlo)
         artifact = _jax.mlir.serialize_portable_artifact(stablehlo, target)
+    except HloModuleError as e:
+        raise HloModuleError(
+            f"cannot convert the HLO module to a StableHLO {target} artifact: {e}") from None
     except ComputationError:
         raise
     except Exception as e:  # the converters raise plain RuntimeErrors
@@ -208,8 +297,8 @@ def _refuse_custom_calls(stablehlo: bytes) -> None:
 def program_text(hlo_module: bytes) -> str:
     """The module's StableHLO text without source locations: what it computes, the same
     in every process that builds it (HLO bytes also carry where it was built)."""
+    stablehlo = to_stablehlo(hlo_module)
     try:
-        stablehlo = _xla_client._xla.mlir.hlo_to_stablehlo(hlo_module)
         with _mlir.make_ir_context():
             return _ir.Module.parse(stablehlo).operation.get_asm(enable_debug_info=False)
     except Exception as e:  # the converters raise plain RuntimeErrors
@@ -221,13 +310,7 @@ class HloExecutable:
     it on the first call)."""
 
     def __init__(self, hlo_module: bytes, platform: Optional[str] = None):
-        try:
-            stablehlo = _xla_client._xla.mlir.hlo_to_stablehlo(hlo_module)
-        except Exception as e:  # the converter raises plain RuntimeErrors
-            raise ComputationError(
-                f"cannot read the Xla computation's HloModuleProto ({e}); it must be the "
-                "bytes of a serialized xla.HloModuleProto"
-            ) from e
+        stablehlo = to_stablehlo(hlo_module)
         try:
             self.parameters, self.results = _signature(stablehlo)
         except ComputationError:

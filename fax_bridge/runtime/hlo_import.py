@@ -1,0 +1,159 @@
+"""XLA's HLO -> StableHLO import, run in a separate process that a crash cannot spread from.
+
+XLA stops its process on internal CHECK failures, and some malformed modules that pass
+`hlo_check` may still make it crash. `Importer.convert` sends the module to a helper
+process (this file run as a script, loading only jaxlib: about 0.25 s to start) and
+reads the StableHLO bytecode back; if the helper dies, the caller gets `Died` with the
+signal and XLA's last words, and the next module starts a fresh helper. The helper is
+reused for later modules and exits by itself after `IDLE_SECONDS` without one, or when
+its parent goes away (end of its input).
+
+Protocol, on the helper's stdin and stdout: a request is an 8-byte little-endian length
+and the module's bytes; an answer is one status byte (0: converted, 1: XLA refused the
+module), an 8-byte length and the StableHLO bytecode or XLA's error text.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+IDLE_SECONDS = 60.0
+TIMEOUT_SECONDS = 600.0  # one module's import; XLA converting a large model takes seconds
+_HEAD = struct.Struct("<BQ")
+_LENGTH = struct.Struct("<Q")
+
+
+class Died(Exception):
+    """The helper process died (or hung) importing a module."""
+
+
+def _read_exact(fd: int, count: int, deadline: Optional[float]) -> Optional[bytes]:
+    """`count` bytes from `fd`; None at end of input before the first byte."""
+    chunks, got = [], 0
+    while got < count:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, min(count - got, 1 << 20))
+        if not chunk:
+            if got == 0:
+                return None
+            raise EOFError("the stream ended inside a message")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _last_words(log: bytes) -> str:
+    """XLA's reason for stopping, from the helper's stderr (its CHECK line if any)."""
+    lines = [line.strip() for line in log.decode(errors="replace").splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("***", "@", "PC:"))]
+    checks = [line for line in lines if "Check failed" in line or "CHECK" in line]
+    text = (checks or lines or [""])[-1]
+    return text[-300:]
+
+
+class Importer:
+    """One helper process at a time, started on demand; thread-safe (one import at a time)."""
+
+    def __init__(self, idle_seconds: float = IDLE_SECONDS,
+                 timeout_seconds: float = TIMEOUT_SECONDS):
+        self._idle = idle_seconds
+        self._timeout = timeout_seconds
+        self._lock = threading.Lock()
+        self._proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    def _process(self) -> subprocess.Popen:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self._close()
+        self._log = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-P", os.path.abspath(__file__), str(self._idle)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            close_fds=True)
+        return self._proc
+
+    def _close(self) -> None:
+        if self._proc is not None:
+            for stream in (self._proc.stdin, self._proc.stdout):
+                stream.close()
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def convert(self, module: bytes) -> tuple[bool, bytes]:
+        """(True, StableHLO bytecode) or (False, XLA's error text); raises `Died` when
+        the helper dies or exceeds the time limit on this module."""
+        with self._lock:
+            for attempt in (0, 1):
+                proc = self._process()
+                log_start = self._log.seek(0, os.SEEK_END)
+                try:
+                    _write_all(proc.stdin.fileno(), _LENGTH.pack(len(module)) + module)
+                    deadline = time.monotonic() + self._timeout
+                    head = _read_exact(proc.stdout.fileno(), _HEAD.size, deadline)
+                    if head is None:
+                        raise EOFError("no answer")
+                    status, length = _HEAD.unpack(head)
+                    payload = _read_exact(proc.stdout.fileno(), length, deadline) or b""
+                    return status == 0, payload
+                except TimeoutError:
+                    self._close()
+                    raise Died(f"XLA did not finish importing it within {self._timeout:.0f} s"
+                               ) from None
+                except (BrokenPipeError, EOFError):
+                    code = proc.wait()
+                    self._log.seek(log_start)
+                    words = _last_words(self._log.read())
+                    self._close()
+                    if code == 0 and attempt == 0:
+                        continue  # the idle helper exited as this request came: retry once
+                    how = (f"killed by {signal.Signals(-code).name}" if code < 0
+                           else f"exited with status {code}")
+                    raise Died(f"the XLA import process was {how}"
+                               + (f" ({words})" if words else "")) from None
+        raise Died("the XLA import process exited twice before answering")  # unreachable
+
+
+def _serve(idle_seconds: float) -> int:
+    """The helper's loop: import modules until end of input or `idle_seconds` of quiet."""
+    from jaxlib import _jax  # jaxlib alone, not jax: a quarter of the start-up time
+
+    while True:
+        if not select.select([0], [], [], idle_seconds)[0]:
+            return 0
+        head = _read_exact(0, _LENGTH.size, None)
+        if head is None:
+            return 0
+        module = _read_exact(0, _LENGTH.unpack(head)[0], None) or b""
+        try:
+            status, payload = 0, bytes(_jax.mlir.hlo_to_stablehlo(module))
+        except Exception as e:  # XLA's refusals are plain RuntimeErrors
+            status, payload = 1, str(e).encode(errors="replace")
+        _write_all(1, _HEAD.pack(status, len(payload)) + payload)
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(float(sys.argv[1]) if len(sys.argv) > 1 else IDLE_SECONDS))
