@@ -28,6 +28,11 @@ class AggregationError(ComputationError):
     dtype or range, mismatched weights or structures, no clients)."""
 
 
+class WeightError(AggregationError, ValueError):
+    """The weights of a weighted mean are invalid: a client's weight is negative, or the
+    clients' weights sum to zero (the mean would be 0/0)."""
+
+
 class FleetError(FaxBridgeError):
     """A simulated device fleet could not complete a request (too few clients, dead devices...)."""
 

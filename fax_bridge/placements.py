@@ -74,9 +74,12 @@ def broadcast_placements(placements: Any, args: tuple) -> list[Placement]:
 def aggregate_refusal(name: str, dtype: Any) -> str | None:
     """Why `name` (federated_sum/mean/weighted_mean) cannot aggregate `dtype` values, or None.
 
-    One rule for every path (jit, export, runtime): a mean needs floating-point values
-    (an integer mean would truncate: [1, 2, 4] would give 2), a sum needs numbers (a sum
-    of bools is a count, not a bool). Checked when the program is traced.
+    One rule for every path (jit, export, runtime, fleet): a mean needs floating-point
+    values (an integer mean would truncate: [1, 2, 4] would give 2), a sum needs numbers
+    (a sum of bools is a count, not a bool), and no aggregation takes complex values
+    (the runtime and the fleet sum integer and float tensors only, so jit would accept
+    what they refuse). Checked when the program is traced; the runtime
+    applies it again to protos written elsewhere.
     """
     dtype = np.dtype(dtype)
     if name in ("federated_mean", "federated_weighted_mean") and dtype.kind not in "fcV":
@@ -86,4 +89,59 @@ def aggregate_refusal(name: str, dtype: Any) -> str | None:
     if name == "federated_sum" and dtype == np.bool_:
         return ("federated_sum of bool values is undefined (a count is not a bool); cast "
                 "them first (x.astype(jnp.int32)).")
+    if dtype.kind == "c":
+        return (f"{name} of {dtype} values is not supported: the runtime and the fleet "
+                "aggregate integer and floating-point tensors only; aggregate the real and "
+                "imaginary parts as two float values (jnp.real(x), jnp.imag(x)) and "
+                "rebuild the complex value at the server.")
+    return None
+
+
+def secure_sum_refusal(name: str, bound_name: str, bound: int, top: int, clients: int,
+                       dtype: Any) -> str | None:
+    """Why a secure sum whose clients each add at most `top` cannot be held by `dtype`.
+
+    TFF's `federated_secure_sum_bitwidth` and `federated_secure_sum` are typed
+    `<{V}@CLIENTS, B> -> V@SERVER`: the sum has the values' dtype and is not reduced
+    modulo anything, so `clients * top` must fit that dtype or the result would wrap
+    (four int32 clients at bitwidth 31 would give -4). One rule for every path (jit,
+    export, the runtime, the fleet); `bound_name`/`bound` name the declared bound
+    (bitwidth 31, max_input 1000) in the message.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "iu":
+        return None  # refused elsewhere: secure sums add integers
+    most = int(np.iinfo(dtype).max)
+    if clients * top <= most:
+        return None
+    fit = most // max(clients, 1)
+    bits = (fit + 1).bit_length() - 1  # the largest b with 2**b - 1 <= fit
+    if bound_name == "bitwidth":
+        largest = f"a bitwidth of at most {bits}"
+    elif bound_name == "modulus":
+        largest = f"a modulus of at most {2 ** bits}"
+    else:
+        largest = f"max_input at most {fit}"
+    return (f"{name}: {clients} clients each adding up to {top} ({bound_name} {bound}) can "
+            f"sum to {clients * top}, more than {dtype.name} holds ({most}), so the sum "
+            f"would wrap; declare {largest} for {clients} clients of {dtype.name}, use "
+            "fewer clients per program, or cast the values to a wider integer dtype first.")
+
+
+def weights_refusal(least: float, total_is_zero: bool) -> str | None:
+    """Why weights whose smallest is `least` cannot weight a mean, or None.
+
+    The rule of `federated_weighted_mean` wherever the weights are concrete (eager calls,
+    the runtime, the fleet): every client's weight is >= 0 (a negative weight makes the
+    result an extrapolation, not a mean) and the weights do not all sum to zero (0/0
+    would give nan or inf). Under `jit` the weights are traced and not checked.
+    """
+    if least < 0:
+        return (f"federated_weighted_mean: a client's weight is negative ({least}); a "
+                "weighted mean takes weights >= 0 (clip them, e.g. jnp.maximum(w, 0), or "
+                "give the sign to the value instead).")
+    if total_is_zero:
+        return ("federated_weighted_mean: the clients' weights sum to zero, so the mean "
+                "is 0/0; give at least one client a positive weight (e.g. skip the "
+                "round, or fall back to federated_mean).")
     return None
