@@ -25,28 +25,42 @@ class Placement(enum.Enum):
         return f"Placement.{self.name}"
 
 
-def parse_placement(value: Any, where: str = "") -> Placement:
-    """Accepts "server"/"clients" (any case) or a Placement."""
+def _accepted(name: str | None) -> str:
+    names = ["'server'", "'clients'"] + (
+        [repr(name)] if name and name.lower() not in ("server", "clients") else [])
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def parse_placement(value: Any, where: str = "", name: str | None = None) -> Placement:
+    """Accepts "server"/"clients" (any case), a Placement, or `name`, the program's own
+    placement (e.g. "workers" for `program(placements={"workers": 8})`): the outermost
+    placement of a program is TFF's CLIENTS whatever the program calls it."""
     if isinstance(value, Placement) and value is not Placement.UNPLACED:
         return value
     if isinstance(value, str) and value.lower() in ("server", "clients"):
         return Placement(value.lower())
+    if isinstance(value, str) and name and value.lower() == name.lower():
+        return Placement.CLIENTS
+    own = (f" ({name!r} is this program's placement, TFF's CLIENTS)"
+           if name and name.lower() not in ("server", "clients") else "")
     raise ProgramError(
-        f"placement{(' of ' + where) if where else ''} must be 'server' or 'clients', got "
+        f"placement{(' of ' + where) if where else ''} must be {_accepted(name)}{own}, got "
         f"{value!r}.")
 
 
-def broadcast_placements(placements: Any, args: tuple) -> list[Placement]:
+def broadcast_placements(placements: Any, args: tuple,
+                         name: str | None = None) -> list[Placement]:
     """Expands a pytree prefix of placements to one Placement per leaf of `args`.
 
     `placements` is None (every argument at the server), a single string for all
     arguments, or a tuple/list with one entry per positional argument, each of which is
-    a string or a pytree prefix of that argument.
+    a string or a pytree prefix of that argument. Strings are "server", "clients" or
+    `name`, the program's own placement (see `parse_placement`).
     """
     if placements is None:
         return [Placement.SERVER] * len(jax.tree_util.tree_leaves(args))
     if isinstance(placements, (str, Placement)):
-        p = parse_placement(placements)
+        p = parse_placement(placements, name=name)
         return [p] * len(jax.tree_util.tree_leaves(args))
     if not isinstance(placements, (tuple, list)) or len(placements) != len(args):
         raise ProgramError(
@@ -56,7 +70,7 @@ def broadcast_placements(placements: Any, args: tuple) -> list[Placement]:
     for i, (prefix, arg) in enumerate(zip(placements, args)):
         try:
             expanded = jax.tree_util.tree_map(
-                lambda p, sub, _i=i: [parse_placement(p, f"argument {_i}")] * len(
+                lambda p, sub, _i=i: [parse_placement(p, f"argument {_i}", name)] * len(
                     jax.tree_util.tree_leaves(sub)),
                 prefix, arg, is_leaf=lambda x: isinstance(x, (str, Placement)))
         except ValueError as e:

@@ -92,3 +92,29 @@ def test_a_dtype_is_aggregated_alike_on_every_path_or_refused_when_traced(dtype,
     else:  # jit's division may round differently from the runtime's exact sums: 1 ulp
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
                                    rtol=2 * float(ml_dtypes.finfo(want.dtype).eps))
+
+
+@settings(max_examples=8, deadline=None)
+@given(name=st.sampled_from(["workers", "Silos", "clients", "devices"]),
+       spelled=st.sampled_from([str.lower, str.upper, lambda s: s]))
+def test_a_program_s_own_placement_name_stands_for_clients(name, spelled):
+    """trace and export (and so parity, which traces) accept the program's placement name
+    for its CLIENTS arguments; an unknown name lists the accepted ones."""
+    @fb.program(placements={name: 2})
+    def f(w, x):
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda w, x: w * x, (fb.federated_broadcast(w), x)))
+
+    w, x = np.float32(2.0), np.array([1.0, 3.0], np.float32)
+    places = ("server", spelled(name))
+    assert broadcast_placements(places, (w, x), name) == [S, C]
+    comp = fb.trace(f, w, x, placements=places)
+    assert comp.in_placements == [S, C]
+    proto = fb.export_tff(f, w, x, placements=places)
+    assert proto.type == fb.export_tff(f, w, x, placements=("server", "clients")).type
+    assert float(run_computation(proto, w, x)) == 4.0
+    with pytest.raises(fb.ProgramError,
+                       match=r"must be 'server',? (or )?'clients'.* got 'bogus'") as e:
+        fb.export_tff(f, w, x, placements=("server", "bogus"))
+    if name.lower() != "clients":
+        assert f"or {name!r} ({name!r} is this program's placement" in str(e.value)
