@@ -19,6 +19,11 @@ class ComputationError(FaxBridgeError):
     """A TFF computation proto is malformed, ill-typed or uses something unsupported."""
 
 
+class DeclaredTypeError(ComputationError):
+    """A computation proto declares a type its body does not have (e.g. f32@SERVER for a
+    body that computes an unplaced f32)."""
+
+
 class ClientCountError(ComputationError):
     """A computation places values at CLIENTS but nothing tells how many clients there are."""
 

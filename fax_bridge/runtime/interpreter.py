@@ -22,7 +22,7 @@ from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ClientCountError, ComputationError, FaxBridgeError
-from fax_bridge.runtime import intrinsics, limits, local_eval, values
+from fax_bridge.runtime import declared_types, intrinsics, limits, local_eval, values
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -467,11 +467,14 @@ class Prepared:
 
 
 def prepare(proto: "Union[Computation, bytes, Prepared]") -> Prepared:
-    """Parses a computation (proto or bytes) and its type once, for repeated runs."""
+    """Parses a computation (proto or bytes) and its type once, for repeated runs; the
+    declared type must be the body's (`declared_types.check`)."""
     if isinstance(proto, Prepared):
         return proto
     proto = as_proto(proto)
-    return Prepared(proto, local_eval.parse_type(proto.type))
+    declared = local_eval.parse_type(proto.type)
+    declared_types.check(proto, declared)
+    return Prepared(proto, declared)
 
 
 def evaluate(proto: Union[Computation, bytes, Prepared], arg: Any = None,
