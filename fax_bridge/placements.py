@@ -95,6 +95,9 @@ def aggregate_refusal(name: str, dtype: Any) -> str | None:
     what they refuse). Checked when the program is traced; the runtime
     applies it again to protos written elsewhere.
     """
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return (f"{name} of typed PRNG keys ({dtype}) is undefined: keys are not numbers; "
+                "aggregate numbers drawn with them, or their jax.random.key_data.")
     dtype = np.dtype(dtype)
     if name in ("federated_mean", "federated_weighted_mean") and dtype.kind not in "fcV":
         return (f"{name} needs floating-point values: a mean of {dtype} values would "

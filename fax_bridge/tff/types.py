@@ -311,6 +311,11 @@ def _pytree_depth(tree: Any) -> int:
     return 1 + max(_pytree_depth(c) for _, c in children)
 
 
+TYPED_KEY_FIX = ("TFF tensors hold numbers only. Pass jax.random.key_data(key) (a uint32 "
+                 "array) and rebuild the key inside with jax.random.wrap_key_data, or use "
+                 "jax.random.PRNGKey keys")
+
+
 def refuse_typed_keys(args: Sequence[Any], names: Sequence[Optional[str]]) -> None:
     """ExportError naming the argument that holds a typed PRNG key (not a tensor in TFF)."""
     for i, arg in enumerate(args):
@@ -320,6 +325,4 @@ def refuse_typed_keys(args: Sequence[Any], names: Sequence[Optional[str]]) -> No
                 name = names[i] if i < len(names) and names[i] else f"#{i}"
                 raise ExportError(
                     f"argument `{name}`{jax.tree_util.keystr(path)} is a typed PRNG key "
-                    f"({dtype}); TFF tensors hold numbers only. Pass "
-                    "jax.random.key_data(key) (a uint32 array) and rebuild the key inside "
-                    "with jax.random.wrap_key_data, or use jax.random.PRNGKey keys")
+                    f"({dtype}); {TYPED_KEY_FIX}")
