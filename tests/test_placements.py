@@ -47,8 +47,10 @@ def test_one_dtype_rule_for_aggregations():
         assert aggregate_refusal(name, dtype) is None
 
 
-_DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.int8, np.int16, np.int32,
-           np.uint8, np.uint16, np.uint32, np.bool_, np.complex64]
+# 64-bit dtypes become their 32-bit kin in jax without x64, on every path alike
+_DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.int16,
+           np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.bool_,
+           np.complex64, np.complex128]
 _OPS = ["federated_sum", "federated_mean", "federated_weighted_mean",
         "federated_secure_sum"]
 

@@ -588,9 +588,9 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
     `placements` is a pytree prefix of "server"/"clients" per positional argument
     (default: all SERVER), or the program's own placement name in place of "clients"
     (`placements=("workers",)` for `program(placements={"workers": 2})`). The program's
-    placement (any name) becomes TFF CLIENTS; nested
-    programs (another placement inside a `federated_map_clients` function) are local
-    work in the per-client Xla computations. Raises `fax_bridge.ExportError` for what
+    placement (any name) becomes TFF CLIENTS; nested programs (another placement inside
+    a `federated_map_clients` function) are local work in the per-client Xla
+    computations. Raises `fax_bridge.ExportError` for what
     TFF cannot express, naming the equation, the user's source line and the fix.
     `round_form`: see `export_computation`.
     """
