@@ -195,8 +195,13 @@ def test_columns_give_the_partial_of_the_members(kind, n, data):
     got = aggregation.partial_of_columns(
         kind, columns, n, None if weights is None else [np.stack(weights).reshape(n, 1)])
     want = aggregation.partial_of(kind, members, weights)
-    for g, w in zip(aggregation.finish(got), aggregation.finish(want)):
-        assert g.tobytes() == w.tobytes()
+    if kind == "weighted_mean" and not any(weights):  # 0/0: both refuse to finish
+        for partial in (got, want):
+            with pytest.raises(WeightError, match="sum to zero"):
+                aggregation.finish(partial)
+    else:
+        for g, w in zip(aggregation.finish(got), aggregation.finish(want)):
+            assert g.tobytes() == w.tobytes()
     for c, b in zip(columns, before):
         assert c.tobytes() == b.tobytes()
 
