@@ -57,6 +57,13 @@ def _placed(type_proto: computation_pb2.Type) -> bool:
     return kind == "sequence" and _placed(type_proto.sequence.element)
 
 
+def _shown(type_proto: computation_pb2.Type) -> str:
+    try:
+        return str(federated_language.Type.from_proto(type_proto))
+    except Exception:  # a malformed type: its proto text, on one line
+        return " ".join(str(type_proto).split())[:200]
+
+
 def check(proto: computation_pb2.Computation,
           declared: Optional[federated_language.Type]) -> None:
     """DeclaredTypeError unless `proto`'s declared type (`declared`, parsed) and those of
@@ -68,10 +75,10 @@ def check(proto: computation_pb2.Computation,
     for part in _parts(proto):
         kind = part.WhichOneof("computation")
         if kind in _LOCAL_PARTS and _placed(part.type) or (
-                kind == "literal" and part.type.WhichOneof("type") != "tensor"):
+                kind == "literal" and part.type.WhichOneof("type") not in (None, "tensor")):
             raise DeclaredTypeError(
-                f"a {kind} part of the computation declares the type "
-                f"{federated_language.Type.from_proto(part.type)}; it computes "
+                f"a {kind} part of the computation declares the type {_shown(part.type)}; "
+                "it computes "
                 f"{'one tensor' if kind == 'literal' else 'local values only'}: declare "
                 "that type, and place its value with a federated intrinsic (e.g. "
                 "federated_value_at_server)")
