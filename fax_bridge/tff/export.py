@@ -75,14 +75,9 @@ def _fed_type(member_type, placement: Placement) -> federated_language.Federated
     return tff_types.federated(member_type, placement.value)
 
 
-def _is_key(aval) -> bool:
-    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key)
-
-
 def _host(value):
-    """A folded constant as a numpy array; a typed PRNG key stays a jax array (it has
-    no numpy form, and never crosses placements: `check_exportable`)."""
-    return value if _is_key(value) else np.asarray(value)
+    """A folded constant as numpy; a typed PRNG key stays jax (it never crosses)."""
+    return value if tff_types.is_typed_key(value) else np.asarray(value)
 
 
 def _fix_hint(v: tracing.Violation) -> str:
@@ -143,16 +138,15 @@ class _Exporter:
             raise ExportError(
                 f"cannot export: {v.eqn.primitive.name} at {v.location} {v.reason}; "
                 f"{_fix_hint(v)}")
-        tff_types.refuse_typed_keys(  # arguments: named as the user wrote them
-            jax.tree_util.tree_unflatten(self.comp.in_tree, list(self.comp.in_avals)),
-            self.arg_names)
+        args = jax.tree_util.tree_unflatten(self.comp.in_tree, list(self.comp.in_avals))
+        tff_types.refuse_typed_keys(args, self.arg_names)  # named as the user wrote them
         for path, aval in zip(self.comp.out_paths, self.comp.out_avals):
-            if _is_key(aval):
+            if tff_types.is_typed_key(aval):
                 raise ExportError(f"result {path} is a typed PRNG key ({aval.dtype}); "
                                   f"{tff_types.TYPED_KEY_FIX}")
         for eqn in self.comp.jaxpr.jaxpr.eqns:
             if eqn.primitive in P.FEDERATED_PRIMITIVES and any(
-                    _is_key(v.aval) for v in [*eqn.invars, *eqn.outvars]):
+                    tff_types.is_typed_key(v.aval) for v in [*eqn.invars, *eqn.outvars]):
                 self._fail(eqn, "a typed PRNG key crosses placements; "
                                 f"{tff_types.TYPED_KEY_FIX}")
             if eqn.primitive is P.federated_map_p:
