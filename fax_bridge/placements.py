@@ -139,10 +139,11 @@ def secure_sum_refusal(name: str, bound_name: str, bound: int, top: int, clients
         largest = f"a modulus of at most {2 ** bits}"
     else:
         largest = f"max_input at most {fit}"
-    return (f"{name}: {clients} clients each adding up to {top} ({bound_name} {bound}) can "
-            f"sum to {clients * top}, more than {dtype.name} holds ({most}), so the sum "
-            f"would wrap; declare {largest} for {clients} clients of {dtype.name}, use "
-            "fewer clients per program, or cast the values to a wider integer dtype first.")
+    who = f"{clients} client{'s' if clients != 1 else ''}"
+    return (f"{name}: {who} each adding up to {top} ({bound_name} {bound}) can sum to "
+            f"{clients * top}, more than {dtype.name} holds ({most}), so the sum would "
+            f"wrap; declare {largest} for {who} of {dtype.name}, use fewer clients per "
+            "program, or cast the values to a wider integer dtype first.")
 
 
 def weights_refusal(least: float, total_is_zero: bool) -> str | None:
