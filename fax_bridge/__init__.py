@@ -25,6 +25,7 @@ from fax_bridge.errors import (
     FleetError,
     PlacementError,
     ProgramError,
+    WeightError,
 )
 from fax_bridge.local import clients_mesh, jit_program, to_hlo
 from fax_bridge.placements import Placement
@@ -79,6 +80,7 @@ __all__ = [
     "ProgramError",
     "Program",
     "SecureAggregationError",
+    "WeightError",
     "check_parity",
     "clients_mesh",
     "export_tff",

@@ -31,8 +31,8 @@ import numpy as np
 
 from fax_bridge import local as _local
 from fax_bridge import primitives as P
-from fax_bridge.errors import ArgumentError, PlacementError, ProgramError
-from fax_bridge.placements import aggregate_refusal
+from fax_bridge.errors import ArgumentError, PlacementError, ProgramError, WeightError
+from fax_bridge.placements import aggregate_refusal, weights_refusal
 from fax_bridge.tracing import is_machinery
 
 # The enclosing programs, outermost first: (placement name, number of members).
@@ -247,12 +247,29 @@ def _weight_leaves(op: str, weights, treedef, n: int):
     return w_arrays
 
 
+def _check_concrete_weights(w) -> None:
+    """`placements.weights_refusal` of weights that are concrete (an eager call); traced
+    weights (under jit) cannot be read and pass as they are."""
+    if isinstance(w, jax.core.Tracer) or not w.size:
+        return
+    refusal = weights_refusal(float(jnp.min(w)), bool(jnp.any(jnp.sum(w, axis=0) == 0)))
+    if refusal:
+        raise WeightError(f"{refusal} (at {user_location()})")
+
+
 def federated_weighted_mean(x, weights):
     """CLIENTS -> SERVER: sum_i w_i x_i / sum_i w_i per leaf.
 
     `weights` is a CLIENTS value: one array for every leaf or a pytree matching `x`. Each
     client's weight is a scalar (shape (clients,)), or an array of the client's value
     shape (element-wise), or any shape that broadcasts to it.
+
+    Weights must be >= 0 and must not sum to zero (`WeightError`, a ValueError). That is
+    checked wherever they are concrete: an eager call of the program, and the runtime
+    and the fleet for weights of one scalar per client (TFF's `federated_weighted_mean`).
+    Under `jit` the weights are traced values and are not checked: a zero total gives
+    nan or inf and negative weights are used as given, as `jnp` division would; call
+    the program without `jit`, or run its export, for the checked rule.
     """
     op = "federated_weighted_mean"
     params = _params(op)
@@ -278,6 +295,7 @@ def federated_weighted_mean(x, weights):
                 f"shape {member_x} (or one that broadcasts to it) for element-wise weights.")
         if not jnp.issubdtype(w.dtype, jnp.floating):
             w = w.astype(a.dtype)
+        _check_concrete_weights(w)
         if not member_w:
             out.append(P.federated_weighted_mean_p.bind(a, w, **params))
             continue

@@ -19,6 +19,11 @@ class ComputationError(FaxBridgeError):
     """A TFF computation proto is malformed, ill-typed or uses something unsupported."""
 
 
+class DeclaredTypeError(ComputationError):
+    """A computation proto declares a type its body does not have (e.g. f32@SERVER for a
+    body that computes an unplaced f32)."""
+
+
 class ClientCountError(ComputationError):
     """A computation places values at CLIENTS but nothing tells how many clients there are."""
 
@@ -26,6 +31,11 @@ class ClientCountError(ComputationError):
 class AggregationError(ComputationError):
     """An aggregation over clients cannot be computed (unknown kind, values of the wrong
     dtype or range, mismatched weights or structures, no clients)."""
+
+
+class WeightError(AggregationError, ValueError):
+    """The weights of a weighted mean are invalid: a client's weight is negative, or the
+    clients' weights sum to zero (the mean would be 0/0)."""
 
 
 class FleetError(FaxBridgeError):

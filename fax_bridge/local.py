@@ -165,7 +165,7 @@ def argument_sharding(mesh: Mesh, placed: bool, leaf: Any, axis: str = CLIENTS_A
 def _placement_shardings(mesh: Mesh, placements: Any, args: tuple, axis: str):
     from fax_bridge.placements import Placement, broadcast_placements
 
-    flat = broadcast_placements(placements, args)
+    flat = broadcast_placements(placements, args, axis)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     shardings = [argument_sharding(mesh, p is Placement.CLIENTS, leaf, axis)
                  for p, leaf in zip(flat, leaves)]
@@ -175,8 +175,8 @@ def _placement_shardings(mesh: Mesh, placements: Any, args: tuple, axis: str):
 def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) -> Callable:
     """Jits `fn` so its placed arguments are split over `mesh`'s axis of that placement.
 
-    `placements` is a pytree prefix of "server"/"clients" per argument (default: all
-    SERVER). Inside, every federated operation keeps placed values split the same way;
+    `placements` is a pytree prefix of "server"/"clients" (or the program's own
+    placement name) per argument (default: all SERVER). Inside, every federated operation keeps placed values split the same way;
     SERVER values mixed with CLIENTS ones are refused as `fax_bridge.trace` refuses them.
     """
     axis = getattr(fn, "placement", CLIENTS_AXIS)

@@ -242,7 +242,7 @@ def run_program_multihost(fn: Callable, mesh: Mesh, placements: Any, *args: Any,
     """
     from fax_bridge.placements import Placement, broadcast_placements
 
-    flat_placements = broadcast_placements(placements, args)
+    flat_placements = broadcast_placements(placements, args, getattr(fn, "placement", None))
     leaves, treedef = jax.tree_util.tree_flatten(args)
     placed = [leaf if _is_global(leaf, mesh)
               else global_clients_array(leaf, mesh, num_clients) if p is Placement.CLIENTS

@@ -5,6 +5,14 @@
   the inputs, the sum is not reduced).
 - `federated_secure_sum(x, max_input)`: the same with each value in [0, max_input]
   (TFF's `federated_secure_sum`).
+
+Both are typed as TFF types them, `<{V}@CLIENTS, B> -> V@SERVER`: the sum has the values'
+own dtype and is not reduced. So a program is refused when it is traced (a
+`SecureAggregationError` naming the bound, the clients, the dtype and the largest bound
+that fits) unless clients * (2**bitwidth - 1), or clients * max_input, fits that dtype:
+no in-range input can then wrap the sum (four int32 clients at bitwidth 31 would give
+-4). The runtime and the fleet apply the same rule (`placements.secure_sum_refusal`) to
+every proto they run, ours or written elsewhere, with the number of clients they hold.
 - `federated_secure_modular_sum(x, modulus)`: the sum modulo `modulus` of values each
   client first reduces modulo `modulus` (TFF's MapReduce-backend intrinsic of that name,
   with its default `preapply_modulus`), built from the bitwidth sum.
@@ -56,6 +64,7 @@ from fax_bridge.tff import export as _export
 from fax_bridge.tff import stages as _stages
 from fax_bridge.tff import xla as tff_xla
 from fax_bridge.errors import ArgumentError, PlacementError, SecureAggregationError
+from fax_bridge.placements import secure_sum_refusal
 
 SECURE_SUM_BITWIDTH = "federated_secure_sum_bitwidth"
 SECURE_SUM = "federated_secure_sum"
@@ -73,6 +82,14 @@ def _range_message(kind: str, bound: int, low, high) -> str:
             "clip or quantize the values on the clients first, or declare a larger bound")
 
 
+def _check_fits(kind: str, bound: int, clients: int, dtype) -> None:
+    """SecureAggregationError unless `clients` values at the bound's top sum in `dtype`."""
+    refusal = secure_sum_refusal(kind, "bitwidth" if kind == SECURE_SUM_BITWIDTH else
+                                 "max_input", bound, _top(kind, bound), clients, dtype)
+    if refusal:
+        raise SecureAggregationError(refusal)
+
+
 def _check_range(kind: str, bound: int, low, high) -> None:
     if int(low) < 0 or int(high) > _top(kind, bound):
         raise SecureAggregationError(_range_message(kind, bound, low, high))
@@ -86,12 +103,13 @@ _KIND = {secure_sum_bitwidth_p: SECURE_SUM_BITWIDTH, secure_sum_p: SECURE_SUM}
 
 
 def _int_sum_abstract_eval(x, *, clients, axis, mesh, bound, kind):
-    del axis, mesh, bound
+    del axis, mesh
     if not x.shape or x.shape[0] != clients:
         raise PlacementError(f"{kind} needs a CLIENTS value with a leading axis of size "
                              f"{clients}, got shape {tuple(x.shape)}.")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise ArgumentError(f"{kind} sums integers, got {x.dtype}.")
+    _check_fits(kind, bound, clients, x.dtype)
     return P._unplaced(x)
 
 
@@ -141,6 +159,8 @@ def _int_sum(prim, op: str, x, bound: int):
                 "federated_secure_mean.")
     kind = _KIND[prim]
     for a in arrays:
+        _check_fits(kind, bound, params["clients"], a.dtype)  # before any value is read
+    for a in arrays:
         if not isinstance(a, core.Tracer) and a.size:  # concrete: refuse before binding
             _check_range(kind, bound, jnp.min(a), jnp.max(a))
     return jax.tree_util.tree_unflatten(
@@ -168,27 +188,26 @@ def federated_secure_modular_sum(x, modulus: int):
     range too). federated_language has no such intrinsic, so this is the composition
     `federated_map` (reduce) -> `federated_secure_sum_bitwidth` (bitwidth of modulus - 1)
     -> `federated_apply` (modulo), which the runtime and the fleet execute with partial
-    sums on the devices. The codes' sum must fit the dtype: clients * (modulus - 1) must
-    stay below 2**31 for int32 values (checked).
+    sums on the devices. The codes' sum must fit the dtype: clients * (2**b - 1), b the
+    bit length of modulus - 1, must fit the values' dtype (checked when traced).
     """
     op = "federated_secure_modular_sum"
     params = _api._params(op)
     n = params["clients"]
     modulus = _bound(op, "modulus", modulus, 1, 2 ** 31)
-    if n * (modulus - 1) >= 2 ** 31:
-        raise SecureAggregationError(
-            f"{op}: {n} clients times (modulus - 1) = {n * (modulus - 1)} does not fit "
-            "int32, so the secure sum of the reduced values could overflow; use a smaller "
-            "modulus or fewer clients per program.")
+    bits = max(1, (modulus - 1).bit_length())
     paths, arrays, treedef = _api._leaves_with_paths(x, op, "value")
     _api._check_clients_leaves(op, "value", paths, arrays, n, params["axis"])
     for path, a in zip(paths, arrays):
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise PlacementError(f"{op}: value{jax.tree_util.keystr(path)} has dtype "
                                  f"{a.dtype}; modular sums add integers.")
+        # the reduced values go through the bitwidth sum: its rule, named by the modulus
+        refusal = secure_sum_refusal(op, "modulus", modulus, 2 ** bits - 1, n, a.dtype)
+        if refusal:
+            raise SecureAggregationError(refusal)
     reduced = _api.federated_map_clients(
         lambda *v: tuple(jnp.mod(a, jnp.asarray(modulus, a.dtype)) for a in v), tuple(arrays))
-    bits = max(1, (modulus - 1).bit_length())
     totals = federated_secure_sum_bitwidth(tuple(reduced), bits)
     out = _api.federated_map_server(
         lambda *t: tuple(jnp.mod(a, jnp.asarray(modulus, a.dtype)) for a in t), tuple(totals))

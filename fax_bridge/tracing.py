@@ -25,7 +25,7 @@ from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge import primitives as P
-from fax_bridge.errors import PlacementError
+from fax_bridge.errors import PlacementError, ProgramError
 from fax_bridge.member_rules import member_params
 from fax_bridge.placements import Placement, broadcast_placements
 
@@ -433,14 +433,22 @@ def trace(fn: Callable, *args, placements: Any = None,
     """Traces `fn(*args)` to a `FederatedComputation`.
 
     `placements` is a pytree prefix of "server" / "clients" per positional argument
-    (default: every argument at the server). `clients` is taken from `fn` when it is a
-    `fax_bridge.program`, else from the federated operations in the program.
+    (default: every argument at the server); the program's own placement name (e.g.
+    "workers") may stand for "clients": it is the program's outermost placement, TFF's
+    CLIENTS. `clients` is taken from `fn` when it is a `fax_bridge.program`, else from
+    the federated operations in the program.
     """
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(args)
     in_paths = [_arg_path(path) for path, _ in leaves_with_paths]
-    flat_placements = broadcast_placements(placements, args)
+    own = getattr(fn, "placement", None)  # a program's own name for its placement
+    try:
+        flat_placements = broadcast_placements(placements, args, own)
+    except ProgramError:
+        if own is not None:
+            raise
+        flat_placements = None  # a plain function: its placement is known once traced
     declared = clients if clients is not None else getattr(fn, "clients", None)
-    if declared is not None:
+    if declared is not None and flat_placements is not None:
         _check_clients_arguments(in_paths, [_shape_of(leaf) for _, leaf in leaves_with_paths],
                                  flat_placements, declared)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -456,6 +464,8 @@ def trace(fn: Callable, *args, placements: Any = None,
             "level. Nest them instead: call the program over the inner placement inside "
             "federated_map_clients of the outer one.")
     axis = names.pop() if names else getattr(fn, "placement", P.CLIENTS)
+    if flat_placements is None:
+        flat_placements = broadcast_placements(placements, args, axis)
     counts = {k for _, k in found}
     if n is None:
         if len(counts) > 1:

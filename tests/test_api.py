@@ -181,3 +181,32 @@ def test_wrong_operands_of_primitives_are_placement_or_argument_errors():
     with pytest.raises(fb.errors.ArgumentError, match="floating-point weights"):
         P.federated_weighted_mean_p.bind(jnp.ones((N, 2)), jnp.ones((N,), jnp.int32),
                                          **params)
+
+
+@settings(max_examples=15, deadline=None)
+@given(weights=st.lists(st.sampled_from([0.0, 0.25, 1.0, 2.0, -0.5]), min_size=3,
+                        max_size=3),
+       elementwise=st.booleans())
+def test_weights_are_checked_where_concrete(weights, elementwise):
+    """Eager calls refuse negative weights and a zero total (WeightError, a ValueError);
+    under jit the weights are traced and the division is jnp's."""
+    @fb.program(clients=3)
+    def f(x, w):
+        return fb.federated_weighted_mean(x, w)
+
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    w = np.array(weights, np.float32)
+    if elementwise:
+        w = np.stack([w, w[::-1]], axis=1)
+    negative, zero = (w < 0).any(), (w.sum(0) == 0).any()
+    if negative or zero:
+        with pytest.raises(ValueError, match="negative" if negative else "sum to zero"):
+            f(x, w)
+        with pytest.raises(fb.WeightError):
+            f(x, w)
+        jax.jit(f)(x, w)  # traced: not checked (see federated_weighted_mean)
+        return
+    wb = w if elementwise else w[:, None]
+    want = (wb * x).sum(0) / wb.sum(0)
+    np.testing.assert_allclose(f(x, w), want, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(f)(x, w), want, rtol=1e-6)

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import federated_language as fl
 
-from fax_bridge.errors import AggregationError, ComputationError
+from fax_bridge.errors import AggregationError, ComputationError, WeightError
 from fax_bridge.fleet import partials, validate
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.backend import leaves
@@ -87,6 +87,12 @@ def test_any_split_gives_the_same_bits(kind, width, data):
         weights = [np.float32(w) for w in data.draw(st.lists(
             st.sampled_from([0.0, 1.0, 0.5, 2.0, 1e-45]), min_size=n, max_size=n))]
     cuts = data.draw(st.lists(st.integers(0, n), max_size=4), label="device splits")
+    if kind == "weighted_mean" and not any(weights):  # 0/0: refused however split
+        for run in (lambda: aggregation.reduce(kind, members, weights),
+                    lambda: _split_partial(kind, members, weights, cuts)):
+            with pytest.raises(WeightError, match="sum to zero"):
+                run()
+        return
     whole = aggregation.reduce(kind, members, weights)
     split = _split_partial(kind, members, weights, cuts)[0]
     assert whole.tobytes() == split.tobytes()
@@ -189,8 +195,13 @@ def test_columns_give_the_partial_of_the_members(kind, n, data):
     got = aggregation.partial_of_columns(
         kind, columns, n, None if weights is None else [np.stack(weights).reshape(n, 1)])
     want = aggregation.partial_of(kind, members, weights)
-    for g, w in zip(aggregation.finish(got), aggregation.finish(want)):
-        assert g.tobytes() == w.tobytes()
+    if kind == "weighted_mean" and not any(weights):  # 0/0: both refuse to finish
+        for partial in (got, want):
+            with pytest.raises(WeightError, match="sum to zero"):
+                aggregation.finish(partial)
+    else:
+        for g, w in zip(aggregation.finish(got), aggregation.finish(want)):
+            assert g.tobytes() == w.tobytes()
     for c, b in zip(columns, before):
         assert c.tobytes() == b.tobytes()
 
@@ -210,3 +221,50 @@ def test_columns_errors():
     assert aggregation.partial_of_columns("max", [col[:0]], 0).count == 0
     assert aggregation.partial_of_columns("weighted_mean", [col[:0]], 0,
                                           [np.zeros(0, np.float32)]).count == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, -0.0, -1.0, -1e-45]), min_size=1,
+                max_size=6), st.integers(0, 6))
+def test_weights_are_nonnegative_and_not_all_zero_however_split(weights, cut):
+    """One rule wherever the weights are concrete: a negative weight is refused by the
+    partial that holds it (a device), a zero total where the partials meet."""
+    n = len(weights)
+    members = [np.full(2, i + 1, np.float32) for i in range(n)]
+    w = [np.float32(x) for x in weights]
+    negative, zero = min(weights) < 0, not any(weights)
+    runs = [lambda: aggregation.reduce("weighted_mean", members, w),
+            lambda: _split_partial("weighted_mean", members, w, [cut]),
+            lambda: aggregation.finish(aggregation.partial_of_columns(
+                "weighted_mean", [np.stack(members)], n, [np.array(w)]))]
+    for run in runs:
+        if negative or zero:
+            with pytest.raises(WeightError, match="negative" if negative else "sum to zero"):
+                run()
+        else:
+            got = run()
+            got = got[0] if isinstance(got, list) else got
+            want = sum(wi * m for wi, m in zip(weights, members)) / sum(weights)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert issubclass(WeightError, ValueError) and issubclass(WeightError, AggregationError)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32]),
+       st.sampled_from(["secure_sum_bitwidth", "secure_sum"]), st.integers(1, 40),
+       st.integers(0, 40))
+def test_secure_sums_refuse_bounds_whose_sum_could_wrap(dtype, kind, clients, bits):
+    """clients * top must fit the dtype (the sum keeps it): else refused before any value
+    is read; when it fits, clients at the top sum exactly."""
+    bits = min(bits, np.iinfo(dtype).bits)
+    top = 2 ** bits - 1
+    bound = np.int32(bits) if kind == "secure_sum_bitwidth" else np.int64(top)
+    fits = clients * top <= np.iinfo(dtype).max
+    if not fits:
+        with pytest.raises(AggregationError, match=f"more than {np.dtype(dtype).name} holds"):
+            aggregation.check_secure_fits(kind, bound, [np.dtype(dtype)], clients)
+        return
+    aggregation.check_secure_fits(kind, bound, [np.dtype(dtype)], clients)
+    members = [np.array([top, 0], dtype)] * clients
+    got = aggregation.reduce(kind, members, bitwidth=bound)
+    assert got.dtype == dtype and got.tolist() == [clients * top, 0]

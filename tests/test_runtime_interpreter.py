@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from federated_language.compiler import building_blocks as bb
 from federated_language.proto import computation_pb2
 
-from fax_bridge.errors import ComputationError
+from fax_bridge.errors import ComputationError, DeclaredTypeError
 from fax_bridge.runtime import interpreter
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.tff.xla import typed_xla_computation
@@ -398,12 +398,11 @@ def test_the_result_is_checked_against_the_declared_type(dtype, shape, where):
     declared = {"server": server(tensor), "clients": clients(tensor), "unplaced": tensor,
                 "struct": fl.StructType([("a", server(tensor))])}[where]
     proto.type.function.result.CopyFrom(declared.to_proto())
-    # a SERVER value and an unplaced one are the same local value at the boundary
-    honest = (where in ("server", "unplaced") and shape in ([3], [None])
-              and np.can_cast(np.float32, dtype, "same_kind"))
+    # the declared type must be the body's, placements included (unplaced is not SERVER)
+    honest = where == "server" and shape in ([3], [None]) and dtype == np.float32
     if honest:
         got = interpreter.run_computation(proto, np.ones((4, 3), F32), np.ones(3, F32))
         assert got.dtype == dtype and got.tolist() == [4, 4, 4]
     else:
-        with pytest.raises(ComputationError, match="declares its result as"):
+        with pytest.raises(DeclaredTypeError, match="but its body has type"):
             interpreter.run_computation(proto, np.ones((4, 3), F32), np.ones(3, F32))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from federated_language.compiler import building_blocks
 
 import fax_bridge as fb
@@ -86,7 +87,7 @@ def test_modular_sum_reduces_at_clients_then_sums_securely():
     rep = _block(proto).compact_representation()
     assert "federated_secure_sum_bitwidth(<_s3,3>)" in rep          # bitwidth of 6
     assert "federated_secure_sum_bitwidth(<_s5,10>)" in rep         # bitwidth of 999
-    with pytest.raises(fb.SecureAggregationError, match="does not fit int32"):
+    with pytest.raises(fb.SecureAggregationError, match="more than int32 holds"):
         fb.program(clients=N)(lambda x: fb.federated_secure_modular_sum(x, 2 ** 30))(X)
 
 
@@ -149,3 +150,68 @@ def test_gradient_of_a_secure_mean_uses_only_federated_primitives():
     rep = _block(proto).compact_representation()
     assert "federated_secure_sum_bitwidth" in rep and "federated_broadcast" in rep
     np.testing.assert_allclose(run_computation(proto, W, D, _keys(N)), g, rtol=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(dtype=st.sampled_from([np.int8, np.uint8, np.int16, np.int32, np.uint32]),
+       kind=st.sampled_from(["bitwidth", "max_input"]), clients=st.integers(1, 6),
+       bits=st.integers(1, 32))
+def test_secure_sums_that_could_wrap_are_refused_when_traced(dtype, kind, clients, bits):
+    """The sum keeps the values' dtype (TFF's typing): a bound whose clients' sum cannot
+    fit it is refused at trace time on every path, and one that fits sums exactly."""
+    bits = min(bits, np.iinfo(dtype).bits - (np.dtype(dtype).kind == "i"))
+    top = 2 ** bits - 1
+
+    @fb.program(clients=clients)
+    def f(x):
+        if kind == "bitwidth":
+            return fb.federated_secure_sum_bitwidth(x, bits)
+        return fb.federated_secure_sum(x, top)
+
+    x = np.full((clients, 2), top, dtype)
+    runs = (f, jax.jit(f), lambda x: fb.export_tff(f, x, placements="clients"))
+    if clients * top > np.iinfo(dtype).max:
+        for run in runs:
+            with pytest.raises(fb.SecureAggregationError,
+                               match=rf"{clients} clients .*{kind} .*more than "
+                                     rf"{np.dtype(dtype).name} holds"):
+                run(x)
+        return
+    want = np.full(2, clients * top, dtype)
+    np.testing.assert_array_equal(jax.jit(f)(x), want)
+    proto = fb.export_tff(f, x, placements="clients")
+    got = run_computation(proto, x)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_runtime_and_fleet_refuse_a_sum_that_could_wrap_with_the_clients_they_hold():
+    """A proto written for 1 client (bitwidth 31 fits int32) run over 4 clients."""
+    one = fb.program(clients=1)(lambda x: (fb.federated_secure_sum_bitwidth(x, 31),
+                                           fb.federated_secure_sum(x, 2 ** 31 - 1)))
+    proto = fb.export_tff(one, np.ones((1,), np.int32), placements="clients")
+    assert run_computation(proto, np.full((1,), 2 ** 31 - 1, np.int32))[0] == 2 ** 31 - 1
+    x = np.full((4,), 2 ** 31 - 1, np.int32)
+    with pytest.raises(AggregationError, match="bitwidth of at most 29 for 4 clients"):
+        run_computation(proto, x)
+    with fb.LocalFleet(devices=2) as fleet:
+        with pytest.raises(AggregationError, match="bitwidth of at most 29 for 4 clients"):
+            fleet.run(proto, x)
+        # the weighted mean's weight rule, on the same fleet
+        wm = fb.program(clients=4)(lambda v, w: fb.federated_weighted_mean(v, w))
+        v = np.ones((4, 2), np.float32)
+        p = fb.export_tff(wm, v, np.ones(4, np.float32), placements=("clients", "clients"))
+        with pytest.raises(fb.WeightError, match="sum to zero"):
+            fleet.run(p, v, np.zeros(4, np.float32))
+        with pytest.raises(FleetError, match="WeightError: .*weight is negative"):
+            fleet.run(p, v, np.array([1, -1, 0, 1], np.float32))
+        np.testing.assert_array_equal(fleet.run(p, v, np.array([0, 0, 2, 0], np.float32)),
+                                      [1, 1])
+
+
+def test_modular_sums_obey_the_dtype_of_their_values():
+    f = fb.program(clients=4)(lambda x: fb.federated_secure_modular_sum(x, 100))
+    x8 = np.array([99, 1, 50, 7], np.int8)
+    with pytest.raises(fb.SecureAggregationError, match="modulus of at most 32 for 4 clients"):
+        f(x8)  # 4 * 127 codes would wrap int8
+    assert int(jax.jit(f)(x8.astype(np.int16))) == (99 + 1 + 50 + 7) % 100

@@ -394,6 +394,58 @@ def test_typed_prng_keys_are_refused_naming_the_argument():
                       placements=("server", "clients"))
 
 
+@settings(max_examples=6, deadline=None)
+@given(where=st.sampled_from(["server argument", "clients argument", "made and broadcast",
+                              "result", "summed"]),
+       path=st.sampled_from(["export", "parity"]))
+def test_typed_prng_keys_are_refused_wherever_they_would_cross(where, path):
+    """A typed key anywhere TFF needs a tensor (an argument, a value crossing placements,
+    a result) is refused by export and parity alike, naming key_data / PRNGKey; jit runs
+    every program that its placement rules allow."""
+    n = 2
+    x = np.ones((n,), np.float32)
+    keys = jax.vmap(jax.random.key)(jnp.arange(n))
+
+    @fb.program(clients=n)
+    def f(k, x):
+        if where == "made and broadcast":
+            k = jax.random.key(3)
+        if where == "summed":
+            return fb.federated_sum(k)
+        def draw(kk, xx):
+            typed = jax.dtypes.issubdtype(kk.dtype, jax.dtypes.prng_key)
+            return jax.random.normal(kk if typed else jax.random.wrap_key_data(kk)) + xx
+
+        placed = k if where == "clients argument" else fb.federated_broadcast(k)
+        noise = fb.federated_map_clients(draw, (placed, x))
+        total = fb.federated_sum(noise)
+        return (total, jax.random.key(1)) if where == "result" else total
+
+    k = keys if where in ("clients argument", "summed") else jax.random.key(0)
+    if where in ("made and broadcast", "result"):  # only the key made inside is typed
+        k = jax.random.key_data(k)
+    places = ("clients" if where in ("clients argument", "summed") else "server", "clients")
+    if where == "summed":
+        with pytest.raises(fb.PlacementError, match="typed PRNG keys .*key_data"):
+            jax.jit(f)(k, x)
+        return
+    jax.jit(f)(k, x)
+    want = {"server argument": r"argument `k` is a typed PRNG key",
+            "clients argument": r"argument `k` is a typed PRNG key",
+            "made and broadcast": r"federated_broadcast at .*typed PRNG key crosses placements",
+            "result": r"result out1 is a typed PRNG key"}[where]
+    with pytest.raises(fb.ExportError, match=want + r".*jax\.random\.key_data.*PRNGKey"):
+        if path == "export":
+            fb.export_tff(f, k, x, placements=places)
+        else:
+            fb.check_parity(f, k, x, placements=places)
+    if where == "server argument":  # the suggested fix exports, and agrees with jit
+        raw = jax.random.key_data(k)
+        proto = fb.export_tff(f, raw, x, placements=places)
+        np.testing.assert_allclose(run_computation(proto, raw, x), jax.jit(f)(raw, x),
+                                   rtol=1e-6)
+
+
 def _nested(tree_kinds, leaf):
     for kind in tree_kinds:
         leaf = {"a": leaf} if kind == "dict" else [leaf] if kind == "list" else (leaf,)

@@ -10,12 +10,17 @@ Kinds (as TFF's reference semantics state them):
 - sum, min, max: elementwise over clients.
 - mean: sum / number of clients. weighted_mean: sum(w_i * x_i) / sum(w_i), with the
   scalar weight of each client broadcast over its value (each product rounded to the
-  value's dtype, then summed exactly). Both need floating-point values.
+  value's dtype, then summed exactly). Both need floating-point values. A weighted
+  mean's weights must be >= 0 (checked where each client's weight is: in process, or
+  on the device that holds it) and must not sum to zero (checked when the partials
+  meet): `WeightError` otherwise, the rule of `placements.weights_refusal`.
 - secure_sum_bitwidth: the plain sum of integer values, each of which must lie in
   [0, 2**bitwidth - 1] (bitwidth at most MAX_SECURE_BITWIDTH, one scalar overall or
   one per tensor). The bitwidth bounds the inputs; the sum is not reduced modulo.
 - secure_sum: the same with each value in [0, max_input] (passed where the bitwidth
   goes: `bitwidth` carries the bound of either secure kind).
+  Both keep the values' dtype, so `check_secure_fits` refuses a secure sum whose clients
+  at the bound's top would overflow it, before any value is read.
 
 A partial over no clients is valid (it merges as nothing); finishing one is an error.
 Every refusal raises `AggregationError`; on a fleet, one found on a device reaches the
@@ -30,8 +35,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from fax_bridge.errors import AggregationError
-from fax_bridge.placements import aggregate_refusal
+from fax_bridge.errors import AggregationError, WeightError
+from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
 from fax_bridge.runtime.double_sums import Sum, merged_all, results, sums_of
 
@@ -113,6 +118,19 @@ def secure_bounds(kind: str, bound: Optional[LocalValue], count: int) -> list[in
                                    f"{b.dtype}{list(b.shape)} {b}")
         out.append(spec.top(int(b)))
     return out
+
+
+def check_secure_fits(kind: str, bound: Optional[LocalValue], dtypes: Sequence[np.dtype],
+                      clients: int) -> None:
+    """AggregationError unless `clients` values at the bound's top sum in each tensor's
+    dtype (`dtypes`, depth first): the rule jit and export apply when a program is
+    traced (`placements.secure_sum_refusal`), for protos written anywhere."""
+    spec = _SECURE[kind]
+    bounds = _bounds(bound, len(dtypes), spec.what) if bound is not None else []
+    for dtype, top, b in zip(dtypes, secure_bounds(kind, bound, len(dtypes)), bounds):
+        refusal = secure_sum_refusal(spec.what, spec.name, int(b), top, clients, dtype)
+        if refusal:
+            raise AggregationError(refusal)
 
 
 def _check_range(kind: str, members: Sequence[LocalValue],
@@ -219,6 +237,9 @@ def _partial(kind: str, columns: list, count: int, w: Optional[np.ndarray],
     if kind != "weighted_mean":
         partial.leaves = sums_of(columns)
         return partial
+    refusal = weights_refusal(float(w.min()), False)  # each client's, where it is held
+    if refusal:
+        raise WeightError(refusal)
     products, cast = [], {}  # cast: the weights in each value dtype, made once
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
         for c in columns:
@@ -298,6 +319,9 @@ def finish(partial: Partial) -> list[np.ndarray]:
         sums, by = results(partial.leaves), partial.count
     else:
         *sums, by = results([*partial.leaves, partial.weights])  # rounded together
+        refusal = weights_refusal(float(by), not by)  # the total, where all meet
+        if refusal:
+            raise WeightError(refusal)
     with np.errstate(divide="ignore", invalid="ignore"):  # once for all the leaves
         return [_divide(s, by) for s in sums]
 

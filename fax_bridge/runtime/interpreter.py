@@ -22,7 +22,8 @@ from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ClientCountError, ComputationError, FaxBridgeError
-from fax_bridge.runtime import intrinsics, limits, local_eval, result_structure, values
+from fax_bridge.runtime import (declared_types, intrinsics, limits, local_eval,
+                                result_structure, values)
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -473,7 +474,8 @@ class Prepared:
 
 def prepare(proto: "Union[Computation, bytes, Prepared]",
             structure: Any = None) -> Prepared:
-    """Parses a computation (proto or bytes) and its type once, for repeated runs.
+    """Parses a computation (proto or bytes) and its type once, for repeated runs; the
+    declared type must be the body's (`declared_types.check`).
 
     `structure` (a jax treedef) gives results the program's output structure; by
     default the one the exporter recorded for this proto object, if any.
@@ -484,7 +486,9 @@ def prepare(proto: "Union[Computation, bytes, Prepared]",
     proto = as_proto(proto)
     if structure is None:
         structure = result_structure.kept_structure(proto)
-    return Prepared(proto, local_eval.parse_type(proto.type), structure)
+    declared = local_eval.parse_type(proto.type)
+    declared_types.check(proto, declared)
+    return Prepared(proto, declared, structure)
 
 
 def evaluate(proto: Union[Computation, bytes, Prepared], arg: Any = None,

@@ -17,7 +17,7 @@ from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import local_eval
+from fax_bridge.runtime import aggregation, local_eval
 from fax_bridge.runtime.backend import ClientsValue
 
 Computation = computation_pb2.Computation
@@ -88,10 +88,25 @@ def _weighted_mean(it, t, arg, uri: str):
                                 weights=_clients_arg(weight, uri))
 
 
-def _secure_sum_bitwidth(it, t, arg, uri: str):
-    value, bitwidth = _elements(arg, 2, uri)
-    return it.backend.aggregate(_clients_arg(value, uri), "secure_sum_bitwidth",
-                                bitwidth=it.local_arg(bitwidth, uri))
+def _tensor_dtypes(type_) -> list:
+    """The dtypes of a local type's tensors, depth first."""
+    if isinstance(type_, federated_language.StructType):
+        return [d for _, t in type_.items() for d in _tensor_dtypes(t)]
+    if isinstance(type_, federated_language.TensorType):
+        return [type_.dtype]
+    raise ComputationError(f"a clients member of type {type_} is neither a tensor nor a struct")
+
+
+def _secure(kind: str):
+    """A secure sum: its bound checked against the clients and the dtypes (no value may
+    wrap the sum), then each client's values against the bound by the backend."""
+    def impl(it, t, arg, uri: str):
+        value, bound = _elements(arg, 2, uri)
+        value, bound = _clients_arg(value, uri), it.local_arg(bound, uri)
+        aggregation.check_secure_fits(kind, bound, _tensor_dtypes(value.type_signature),
+                                      value.num_clients)
+        return it.backend.aggregate(value, kind, bitwidth=bound)
+    return impl
 
 
 def _zip_at_clients(it, t, arg, uri: str):
@@ -129,12 +144,6 @@ def _aggregate(it, t, arg, uri: str):
     return it.call(report, acc)
 
 
-def _secure_sum(it, t, arg, uri: str):
-    value, max_input = _elements(arg, 2, uri)
-    return it.backend.aggregate(_clients_arg(value, uri), "secure_sum",
-                                bitwidth=it.local_arg(max_input, uri))
-
-
 def _generic(it, t, arg, uri: str):
     a, b = _elements(arg, 2, uri)
     result_type = t.result
@@ -168,8 +177,8 @@ IMPLEMENTATIONS: dict[intrinsic_defs.IntrinsicDef, Callable] = {
     intrinsic_defs.FEDERATED_MIN: _aggregation("min"),
     intrinsic_defs.FEDERATED_MAX: _aggregation("max"),
     intrinsic_defs.FEDERATED_WEIGHTED_MEAN: _weighted_mean,
-    intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH: _secure_sum_bitwidth,
-    intrinsic_defs.FEDERATED_SECURE_SUM: _secure_sum,
+    intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH: _secure("secure_sum_bitwidth"),
+    intrinsic_defs.FEDERATED_SECURE_SUM: _secure("secure_sum"),
     intrinsic_defs.FEDERATED_ZIP_AT_CLIENTS: _zip_at_clients,
     intrinsic_defs.FEDERATED_ZIP_AT_SERVER: _zip_at_server,
     intrinsic_defs.FEDERATED_AGGREGATE: _aggregate,

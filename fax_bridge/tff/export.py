@@ -76,6 +76,11 @@ def _fed_type(member_type, placement: Placement) -> federated_language.Federated
     return tff_types.federated(member_type, placement.value)
 
 
+def _host(value):
+    """A folded constant as numpy; a typed PRNG key stays jax (it never crosses)."""
+    return value if tff_types.is_typed_key(value) else np.asarray(value)
+
+
 def _fix_hint(v: tracing.Violation) -> str:
     name = v.eqn.primitive.name
     if name in ("slice", "gather", "dynamic_slice", "squeeze", "index_in_dim"):
@@ -134,7 +139,17 @@ class _Exporter:
             raise ExportError(
                 f"cannot export: {v.eqn.primitive.name} at {v.location} {v.reason}; "
                 f"{_fix_hint(v)}")
+        args = jax.tree_util.tree_unflatten(self.comp.in_tree, list(self.comp.in_avals))
+        tff_types.refuse_typed_keys(args, self.arg_names)  # named as the user wrote them
+        for path, aval in zip(self.comp.out_paths, self.comp.out_avals):
+            if tff_types.is_typed_key(aval):
+                raise ExportError(f"result {path} is a typed PRNG key ({aval.dtype}); "
+                                  f"{tff_types.TYPED_KEY_FIX}")
         for eqn in self.comp.jaxpr.jaxpr.eqns:
+            if eqn.primitive in P.FEDERATED_PRIMITIVES and any(
+                    tff_types.is_typed_key(v.aval) for v in [*eqn.invars, *eqn.outvars]):
+                self._fail(eqn, "a typed PRNG key crosses placements; "
+                                f"{tff_types.TYPED_KEY_FIX}")
             if eqn.primitive is P.federated_map_p:
                 continue
             for sub in core.jaxprs_in_params(eqn.params):
@@ -149,7 +164,7 @@ class _Exporter:
     def fold_constants(self) -> None:
         j = self.comp.jaxpr
         for v, c in zip(j.jaxpr.constvars, j.consts):
-            self.consts[v] = np.asarray(c)
+            self.consts[v] = _host(c)
         for eqn in j.jaxpr.eqns:
             if all(self._placement(v) is U for v in eqn.outvars) and not any(
                     self._placement(v) is not U for v in eqn.invars):
@@ -159,7 +174,7 @@ class _Exporter:
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
                 for v, o in zip(eqn.outvars, outs):
-                    self.consts[v] = np.asarray(o)
+                    self.consts[v] = _host(o)
             elif eqn.primitive is P.federated_broadcast_p and self._is_const(eqn.invars[0]):
                 # A constant sent to every client is a constant there too: folded into
                 # the per-client HLO, or placed with federated_value_at_clients.
@@ -569,14 +584,15 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
     """Exports `fn(*args)` as a `federated_language` `Computation` proto.
 
     `placements` is a pytree prefix of "server"/"clients" per positional argument
-    (default: all SERVER). The program's placement (any name) becomes TFF CLIENTS; nested
-    programs (another placement inside a `federated_map_clients` function) are local
-    work in the per-client Xla computations. Raises `fax_bridge.ExportError` for what
+    (default: all SERVER), or the program's own placement name in place of "clients"
+    (`placements=("workers",)` for `program(placements={"workers": 2})`). The program's
+    placement (any name) becomes TFF CLIENTS; nested programs (another placement inside
+    a `federated_map_clients` function) are local work in the per-client Xla
+    computations. Raises `fax_bridge.ExportError` for what
     TFF cannot express, naming the equation, the user's source line and the fix.
     `round_form`: see `export_computation`.
     """
     names = argument_names(fn, len(args))
-    tff_types.refuse_typed_keys(args, names)
     try:
         comp = tracing.trace(fn, *args, placements=placements, clients=clients)
     except tracing.PlacementNestingError as e:

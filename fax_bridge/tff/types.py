@@ -311,15 +311,24 @@ def _pytree_depth(tree: Any) -> int:
     return 1 + max(_pytree_depth(c) for _, c in children)
 
 
+TYPED_KEY_FIX = ("TFF tensors hold numbers only. Pass jax.random.key_data(key) (a uint32 "
+                 "array) and rebuild the key inside with jax.random.wrap_key_data, or use "
+                 "jax.random.PRNGKey keys")
+
+
+def is_typed_key(x: Any) -> bool:
+    """Whether `x` (an array or aval) is a typed PRNG key (`jax.random.key`)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def refuse_typed_keys(args: Sequence[Any], names: Sequence[Optional[str]]) -> None:
     """ExportError naming the argument that holds a typed PRNG key (not a tensor in TFF)."""
     for i, arg in enumerate(args):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
             dtype = getattr(leaf, "dtype", None)
-            if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            if is_typed_key(leaf):
                 name = names[i] if i < len(names) and names[i] else f"#{i}"
                 raise ExportError(
                     f"argument `{name}`{jax.tree_util.keystr(path)} is a typed PRNG key "
-                    f"({dtype}); TFF tensors hold numbers only. Pass "
-                    "jax.random.key_data(key) (a uint32 array) and rebuild the key inside "
-                    "with jax.random.wrap_key_data, or use jax.random.PRNGKey keys")
+                    f"({dtype}); {TYPED_KEY_FIX}")
