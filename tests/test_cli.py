@@ -64,17 +64,15 @@ def _interrupted_at(monkeypatch, owner, name):
     return seen
 
 
-@pytest.mark.parametrize("command", ["run", "parity", "export"])
+@pytest.mark.parametrize("command", ["parity", "export"])  # run: the real Ctrl-C below
 def test_ctrl_c_is_one_line_exit_130_and_stops_the_devices(monkeypatch, capsys, command):
     import signal
 
     from fax_bridge import parity
-    from fax_bridge.fleet.launcher import LocalFleet
     from fax_bridge.tff import cli as tff_cli
 
     before = signal.getsignal(signal.SIGINT)
     owner, name, argv = {
-        "run": (LocalFleet, "run", ["run", COMP, "--inputs", INPUTS, "--devices", "1"]),
         "parity": (parity.LocalFleet, "run", ["parity", f"{QUICKSTART}:fedavg_round",
                                               "--clients", "2", "--devices", "1"]),
         "export": (tff_cli, "export_tff", ["export", f"{QUICKSTART}:fedavg_round",

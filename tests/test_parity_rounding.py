@@ -56,7 +56,7 @@ def _cancelling(draw) -> np.ndarray:
     return np.stack(columns, axis=1)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(st.data(), st.sampled_from([_total, _average, _scaled_total]))
 def test_a_rounding_mismatch_says_so_with_its_size_and_a_covering_tolerance(data, fn):
     x = _cancelling(data.draw)
