@@ -47,8 +47,10 @@ def _interrupt(signum, frame) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the console script."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
+    previous = signal.getsignal(signal.SIGINT)
+    # only where Ctrl-C would stop it anyway (not in a thread, nor where it is ignored)
+    in_main_thread = threading.current_thread() is threading.main_thread() and \
+        previous is not signal.SIG_IGN
     command = "fax-bridge"
     try:
         if in_main_thread:
@@ -61,8 +63,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return INTERRUPTED
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, previous)
+        if in_main_thread:  # None: a handler not set from Python, left to the default
+            signal.signal(signal.SIGINT, previous if previous is not None
+                          else signal.default_int_handler)
 
 
 if __name__ == "__main__":
