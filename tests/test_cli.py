@@ -99,8 +99,12 @@ def test_a_real_ctrl_c_while_devices_start(tmp_path):
     import time
 
     env = dict(os.environ, PYTHONPATH=ROOT)
+    as_from_a_terminal = (  # SIGINT handled even if this test runs with it ignored
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)"
+        "; sys.argv[0] = 'fax-bridge'; runpy.run_module('fax_bridge.cli', "
+        "run_name='__main__')")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fax_bridge.cli", "run", COMP, "--inputs", INPUTS,
+        [sys.executable, "-c", as_from_a_terminal, "run", COMP, "--inputs", INPUTS,
          "--devices", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True, env=env, text=True)
     children: list[int] = []
