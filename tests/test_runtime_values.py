@@ -248,6 +248,32 @@ def test_npz_inputs_of_another_dtype_are_refused_naming_key_dtypes_and_fix(dtype
         assert got[0].dtype == F32
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(np.int64, np.int32), (np.float64, F32), (np.int32, np.int16),
+                        (np.uint16, np.uint8), (np.float64, np.float16)]),
+       st.lists(st.floats(-1e40, 1e40, allow_nan=False), min_size=1, max_size=4))
+def test_a_cast_never_wraps_or_overflows_a_value(pair, numbers):
+    """With cast=True a value the tensor's dtype cannot hold is refused, never wrapped
+    to another integer or turned into an infinity."""
+    given_dtype, want = pair
+    if np.dtype(given_dtype).kind == "f":
+        arr = np.asarray(numbers, given_dtype)
+    else:
+        info = np.iinfo(given_dtype)
+        arr = np.asarray([int(max(info.min, min(info.max, x))) for x in numbers], given_dtype)
+    t = fl.StructType([("v", fl.TensorType(want, [len(numbers)]))])
+    try:
+        got = values.args_from_npz({"v": arr}, t, cast=True)[0]
+    except ComputationError as e:
+        assert "`v`" in str(e) and "does not fit" in str(e)
+        return
+    assert got.dtype == want
+    if np.dtype(want).kind == "f":
+        assert np.isfinite(got).all()
+    else:
+        np.testing.assert_array_equal(got.astype(given_dtype), arr)
+
+
 # -- binding arguments ----------------------------------------------------------------
 
 PARAM = fl.StructType([("x", clients(V2)), ("lr", server(F32))])

@@ -7,9 +7,9 @@ unnamed, escaped so keys never collide; placements add nothing), `arg` / `result
 a value that is one tensor. CLIENTS values carry a leading clients axis, whose size
 gives the number of clients (`--clients` when no argument is at CLIENTS but the
 computation places values there). Input arrays need their tensors' dtypes (`--cast`
-converts within a kind). The result is written to exactly the `--output` path, never
-over an input; if it cannot be written it is saved in the temporary folder and the
-path printed.
+converts as numpy's same-kind casts do, refusing values that do not fit). The result
+is written to exactly the `--output` path, never over an input; if it cannot be
+written it is saved in the temporary folder and the path printed.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def register(subparsers) -> None:
                    help="write the result npz to exactly this path (never over an input)")
     p.add_argument("--cast", action="store_true",
                    help="convert inputs of another dtype of the same kind (float64 to "
-                        "float32, int64 to int32) instead of refusing them")
+                        "float32, int64 to int32) instead of refusing them; values the "
+                        "dtype cannot hold are still refused")
     p.add_argument("--no-preaggregate", action="store_true",
                    help="bring every client's result back instead of per-device partials")
     p.set_defaults(func=_run)

@@ -365,8 +365,9 @@ def args_from_npz(npz: Mapping[str, np.ndarray],
                   cast: bool = False) -> Any:
     """The runtime argument for `parameter_type` read from an npz mapping (or None).
 
-    Every array must have its tensor's dtype; `cast=True` converts within a kind
-    (float64 to float32, int64 to int32, ...) instead of refusing.
+    Every array must have its tensor's dtype; `cast=True` allows numpy's same-kind
+    conversions (float64 to float32, int64 to int32, int to float) instead, still
+    refusing a value the dtype cannot hold (no wrapping, no overflow to infinity).
     """
     if parameter_type is None:
         if len(npz):
@@ -383,13 +384,23 @@ def args_from_npz(npz: Mapping[str, np.ndarray],
             f"{', '.join(f'`{k}`' for k in missing) or '(none missing)'}; unexpected keys "
             f"{extra}; expected exactly {sorted(wanted)}")
     for key, tensor in layout:
-        got = np.asarray(npz[key]).dtype
-        if got != tensor.dtype and not cast:
-            want = np.dtype(tensor.dtype).name
+        arr = np.asarray(npz[key])
+        want = np.dtype(tensor.dtype)
+        if arr.dtype != want and not cast:
             raise ComputationError(
-                f"npz key `{key}` holds {got.name} but the parameter's tensor there is "
-                f"{tensor}; save it as {want} (`array.astype(numpy.{want})`), or allow "
-                "the conversion (`fax-bridge run --cast`, `args_from_npz(..., cast=True)`)")
+                f"npz key `{key}` holds {arr.dtype.name} but the parameter's tensor there "
+                f"is {tensor}; save it as {want.name} (`array.astype(numpy.{want.name})`), "
+                "or allow the conversion (`fax-bridge run --cast`, `args_from_npz(..., "
+                "cast=True)`)")
+        if arr.dtype != want and arr.dtype.kind in "biuf" and want.kind in "biuf":
+            with np.errstate(all="ignore"):
+                back = arr.astype(want).astype(arr.dtype)
+            lost = (back != arr) if want.kind in "biu" else (np.isfinite(arr) &
+                                                             ~np.isfinite(back))
+            if np.any(lost):
+                raise ComputationError(
+                    f"npz key `{key}`: {arr.dtype.name} value {arr[lost].flat[0]!r} does not "
+                    f"fit {want.name} ({tensor}); converting would change it")
     return from_pytree(_tree_from_npz(npz, parameter_type, ""), parameter_type)
 
 
