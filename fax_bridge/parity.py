@@ -111,7 +111,7 @@ def explain_mismatches(leaves: list[LeafParity], comp: Any, args: tuple) -> None
     """Sets the `explanation` of each mismatched float leaf that float rounding in an
     aggregation over clients may explain (`parity_rounding`)."""
     wrong = [i for i, leaf in enumerate(leaves) if not leaf.ok and not leaf.note
-             and np.dtype(leaf.dtype).kind == "f"]
+             and parity_rounding.is_float(leaf.dtype)]
     if not wrong or len(leaves) != len(comp.out_avals):
         return
     try:

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
@@ -57,6 +58,11 @@ class Rounding:
                 f"{self.abs_sum:.3g}, rounding may reach n*eps*sum|x| = {self.bound:.3g}")
 
 
+def is_float(dtype) -> bool:
+    """Whether `dtype` (a name too) is a float type, bfloat16 and float8s included."""
+    return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+
+
 def _exact(kind: str, x: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
     members = list(x)
     ws = None if weights is None else list(weights)
@@ -65,10 +71,10 @@ def _exact(kind: str, x: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarra
 
 def _measure(eqn, invals, out) -> Optional[Rounding]:
     x = np.asarray(invals[0])
-    if x.dtype.kind != "f" or x.shape[0] == 0:
+    if not is_float(x.dtype) or x.shape[0] == 0:
         return None  # integer sums are exact on both paths
     kind = _KINDS[eqn.primitive.name]
-    n, eps = x.shape[0], float(np.finfo(x.dtype).eps)
+    n, eps = x.shape[0], float(jnp.finfo(x.dtype).eps)
     weights = np.asarray(invals[1]) if kind == "weighted_mean" else None
     x64 = x.astype(np.float64)
     if weights is None:

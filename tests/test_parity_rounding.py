@@ -112,3 +112,12 @@ def test_the_documented_example(values):
     report = check_parity(_total, x, placements="clients", fleet=_InProcess())
     assert not report.ok
     assert "exact 2, jit " in report.leaves[0].explanation
+
+
+def test_bfloat16_sums_are_explained_too():
+    """numpy calls bfloat16 kind 'V' and np.finfo refuses it; it is a float all the same."""
+    x = jnp.asarray([256.0, 1.0, -256.0, 1.0, 0.5, 0.5], jnp.bfloat16)
+    report = check_parity(_total, x, placements="clients", fleet=_InProcess())
+    [leaf] = report.leaves
+    assert not leaf.ok and leaf.explanation.startswith("float rounding explains it")
+    assert "6 bfloat16 values" in leaf.explanation and "exact 3" in leaf.explanation
