@@ -2,21 +2,26 @@
 
 The `argparse` types here refuse a bad value when the command line is read, before any
 work starts; argparse then names the flag (`argument --clients: must be an integer >= 1,
-got 0`). `save_result` never loses a finished result to a bad output path: when the
-file cannot be written it saves the result in the temporary directory and says where.
+got 0`). Output paths are written exactly as given, never over an input file, through a
+new file renamed into place; `save_result` never loses a finished result to a bad
+output path: when the file cannot be written it saves the result in the temporary
+directory and says where.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
+import stat
 import tempfile
+import zipfile
 from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from fax_bridge.errors import ComputationError
+from fax_bridge.errors import ComputationError, FaxBridgeError
 
 
 def int_in(low: int, high: Optional[int] = None) -> Callable[[str], int]:
@@ -62,39 +67,86 @@ def listen_address(text: str) -> str:
     return text
 
 
-def output_file(suffix: str = "") -> Callable[[str], str]:
-    """An argparse type: a file path whose folder exists and is writable.
+def output_file(text: str) -> str:
+    """An argparse type: a file path that can be written, taken exactly as given.
 
-    With `suffix` (e.g. ".npz") a path without it gets it appended, as numpy would when
-    saving, so the path printed afterwards is the file really written.
+    An existing file (or device) must be writable; a new one needs a writable folder.
     """
+    if not text or text.endswith(os.sep):
+        raise argparse.ArgumentTypeError(f"{text!r} names a folder, not a file")
+    path = pathlib.Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
+        return text
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"the folder {str(folder)!r} of {text!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} is not writable")
+    return text
 
-    def parse(text: str) -> str:
-        if not text or text.endswith(os.sep):
-            raise argparse.ArgumentTypeError(f"{text!r} names a folder, not a file")
-        path = text if not suffix or text.endswith(suffix) else text + suffix
-        folder = pathlib.Path(path).parent
-        if not folder.is_dir():
-            raise argparse.ArgumentTypeError(
-                f"the folder {str(folder)!r} of {text!r} does not exist; create it first")
-        if not os.access(folder, os.W_OK):
-            raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} is not writable")
-        if pathlib.Path(path).is_dir():
-            raise argparse.ArgumentTypeError(f"{path!r} is a folder, not a file")
-        return path
 
-    return parse
+def refuse_overwriting(output: Optional[str], inputs: Mapping[str, Optional[str]]) -> None:
+    """Raises FaxBridgeError when `output` is one of `inputs` ({what: path}) on disk.
+
+    The same file reached through a symlink, a hard link or another relative path
+    counts as the same file.
+    """
+    if not output or not os.path.exists(output):
+        return
+    for what, path in inputs.items():
+        if path and os.path.exists(path) and os.path.samefile(output, path):
+            raise FaxBridgeError(
+                f"--output {output} is the same file as {what} {path}; writing it would "
+                "destroy the input. Give another --output path.")
+
+
+def _write_file(path: str, write: Callable[[object], None]) -> None:
+    """`write(file)` into `path`: a new file renamed over it once complete.
+
+    A failed write leaves an existing file as it was. Devices, pipes and files in a
+    folder that cannot hold the new file are written in place.
+    """
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target)
+    exists = os.path.exists(target)
+    if (exists and not os.path.isfile(target)) or not os.access(folder, os.W_OK):
+        with open(path, "wb") as f:
+            write(f)
+        return
+    if exists:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, part = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".part",
+                                dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(part, mode)
+        os.replace(part, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
 
 
 def write_or_rescue(path: str, write: Callable[[object], None], suffix: str,
                     what: str) -> tuple[str, Optional[str]]:
-    """Writes with `write(file)` to `path`; on failure to a new temporary file instead.
+    """Writes with `write(file)` to exactly `path`; on failure to a new temporary file.
 
     Returns (the path written, None) or (the rescue path, the reason `path` failed).
     """
     try:
-        with open(path, "wb") as f:
-            write(f)
+        _write_file(path, write)
         return path, None
     except OSError as e:
         reason = f"cannot write {path!r} ({e.strerror or e})"
@@ -104,9 +156,17 @@ def write_or_rescue(path: str, write: Callable[[object], None], suffix: str,
     return rescue, reason
 
 
+def write_npz(file, arrays: Mapping[str, np.ndarray]) -> None:
+    """Writes `arrays` as an npz archive (as `numpy.savez`, for any key string)."""
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for key, array in arrays.items():
+            with archive.open(key + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
 def save_result(path: str, arrays: Mapping[str, np.ndarray]) -> tuple[str, Optional[str]]:
     """Saves a result npz at `path` (or rescues it; see `write_or_rescue`)."""
-    return write_or_rescue(path, lambda f: np.savez(f, **arrays), ".npz", "result")
+    return write_or_rescue(path, lambda f: write_npz(f, arrays), ".npz", "result")
 
 
 def load_npz(path: str, flag: str = "--inputs") -> dict[str, np.ndarray]:
@@ -115,7 +175,14 @@ def load_npz(path: str, flag: str = "--inputs") -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as f:
             if not hasattr(f, "files"):
                 raise ValueError("it holds a single .npy array, not an npz archive")
-            return {k: f[k] for k in f.files}
+            out: dict[str, np.ndarray] = {}
+            for name in f.zip.namelist():  # each member once: np.load would read `a.npy`
+                key = name[:-4] if name.endswith(".npy") else name  # as `a` for key `a`
+                if key in out or not name.endswith(".npy"):
+                    raise ValueError(f"its member {name!r} is not one distinct .npy array")
+                with f.zip.open(name) as member:
+                    out[key] = np.lib.format.read_array(member, allow_pickle=False)
+            return out
     except FileNotFoundError:
         raise ComputationError(f"{flag} {path}: no such file") from None
     except IsADirectoryError:

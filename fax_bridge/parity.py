@@ -2,7 +2,9 @@
 
 `check_parity(fn, *args, placements=...)` runs the program locally (jit), exports it to
 a TFF proto, runs the proto on a `LocalFleet` of device processes (or a fleet you pass),
-and compares the two results leaf by leaf.
+and compares the two results leaf by leaf. A mismatched float output that an
+aggregation's float rounding may explain says so, with the rounding bound and the
+tolerance that covers it (`parity_rounding`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import federated_language
 import jax
 import numpy as np
 
-from fax_bridge import tracing
+from fax_bridge import parity_rounding, tracing
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.runtime import interpreter
 from fax_bridge.tff import export as tff_export
@@ -33,6 +35,7 @@ class LeafParity:
     max_rel: float
     ok: bool
     note: str = ""
+    explanation: str = ""  # why jit and the fleet may differ (float rounding), if known
 
 
 @dataclasses.dataclass
@@ -67,6 +70,8 @@ class ParityReport:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        lines.extend(f"{leaf.path}: {leaf.explanation}" for leaf in self.leaves
+                     if leaf.explanation and not leaf.ok)
         lines.append("PARITY OK" if self.ok else "PARITY MISMATCH")
         return "\n".join(lines)
 
@@ -92,13 +97,32 @@ def compare_leaves(local: Any, remote: Any, rtol: float, atol: float,
         wf, gf = w.astype(np.float64), g.astype(np.float64)
         diff = np.abs(wf - gf)
         max_abs = float(diff.max()) if diff.size else 0.0
-        rel = diff / np.maximum(np.abs(wf), np.finfo(np.float64).tiny)
+        with np.errstate(over="ignore"):  # a difference next to a zero: inf
+            rel = diff / np.maximum(np.abs(wf), np.finfo(np.float64).tiny)
         max_rel = float(rel.max()) if rel.size else 0.0
         ok = bool(np.allclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True))
         note = "" if w.dtype == g.dtype else f"fleet dtype {g.dtype}"
         out.append(LeafParity(path, tuple(w.shape), str(w.dtype), max_abs, max_rel,
                               ok and not note, note))
     return out
+
+
+def explain_mismatches(leaves: list[LeafParity], comp: Any, args: tuple) -> None:
+    """Sets the `explanation` of each mismatched float leaf that float rounding in an
+    aggregation over clients may explain (`parity_rounding`)."""
+    wrong = [i for i, leaf in enumerate(leaves) if not leaf.ok and not leaf.note
+             and parity_rounding.is_float(leaf.dtype)]
+    if not wrong or len(leaves) != len(comp.out_avals):
+        return
+    try:
+        roundings, depends, direct = parity_rounding.aggregation_roundings(comp, args)
+    except Exception as e:  # noqa: BLE001 - the comparison stands without the analysis
+        for i in wrong:
+            leaves[i].explanation = f"(no rounding analysis: {type(e).__name__}: {e})"
+        return
+    for i in wrong:
+        leaves[i].explanation = parity_rounding.explain(
+            leaves[i].max_abs, roundings, depends[i], direct[i])
 
 
 def leaves_in_type_order(tree: Any, type_: federated_language.Type) -> list:
@@ -169,6 +193,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         remote = leaves_in_type_order(remote, result_type)  # the generic structure
     leaves = compare_leaves(local, remote, rtol, atol,
                             paths=[p.replace("out", "result", 1) for p in comp.out_paths])
+    explain_mismatches(leaves, comp, args)
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
                         local_s=local_s, fleet_s=fleet_s, signature=str(
                             federated_language.framework.ComputationBuildingBlock.from_proto(

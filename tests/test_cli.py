@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from fax_bridge import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,3 +45,89 @@ def test_export_of_a_built_program_via_export_targets(capsys):
     assert "@CLIENTS" in params and "@SERVER" in result
     assert cli.main(["export", target.replace("fed_fish", "nope"), "--clients", "3"]) == 2
     assert "export_targets(3) has no 'nope'" in capsys.readouterr().err
+
+
+TFF_DATA = os.path.join(ROOT, "tests", "data", "tff087")
+COMP = os.path.join(TFF_DATA, "zip_map_struct.pb")
+INPUTS = os.path.join(TFF_DATA, "zip_map_struct.inputs.npz")
+
+
+def _interrupted_at(monkeypatch, owner, name):
+    seen = {}
+
+    def interrupt(*args, **kwargs):
+        if args and hasattr(args[0], "pids"):
+            seen["pids"] = list(args[0].pids)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, interrupt)
+    return seen
+
+
+@pytest.mark.parametrize("command", ["parity", "export"])  # run: the real Ctrl-C below
+def test_ctrl_c_is_one_line_exit_130_and_stops_the_devices(monkeypatch, capsys, command):
+    import signal
+
+    from fax_bridge import parity
+    from fax_bridge.tff import cli as tff_cli
+
+    before = signal.getsignal(signal.SIGINT)
+    owner, name, argv = {
+        "parity": (parity.LocalFleet, "run", ["parity", f"{QUICKSTART}:fedavg_round",
+                                              "--clients", "2", "--devices", "1"]),
+        "export": (tff_cli, "export_tff", ["export", f"{QUICKSTART}:fedavg_round",
+                                           "--clients", "2"]),
+    }[command]
+    seen = _interrupted_at(monkeypatch, owner, name)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err == f"fax-bridge {command}: interrupted (Ctrl-C); the processes it started " \
+                  "are stopped\n"
+    for pid in seen.get("pids", []):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped
+    assert command == "export" or seen["pids"]
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs /proc/PID/task/PID/children")
+def test_a_real_ctrl_c_while_devices_start(tmp_path):
+    """SIGINT to the command's process group, as a terminal sends it, once it has
+    started its device processes: one line, exit 130, no device left running."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    as_from_a_terminal = (  # SIGINT handled even if this test runs with it ignored
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)"
+        "; sys.argv[0] = 'fax-bridge'; runpy.run_module('fax_bridge.cli', "
+        "run_name='__main__')")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", as_from_a_terminal, "run", COMP, "--inputs", INPUTS,
+         "--devices", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True, env=env, text=True)
+    children: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(children) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(c) for c in f.read().split() if _is_device(int(c))]
+        except OSError:
+            break
+    assert len(children) == 2, "the command never started its devices"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err == "fax-bridge run: interrupted (Ctrl-C); the processes it started are " \
+                  "stopped\n"
+    assert not [pid for pid in children if _is_device(pid)]  # stopped and reaped
+
+
+def _is_device(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"fax_bridge.fleet.device" in f.read()
+    except OSError:
+        return False

@@ -89,17 +89,19 @@ def test_listen_takes_a_port_in_range_only(capsys, host, port):
         _refused(argv, "--listen", capsys)
 
 
-def test_output_paths_are_checked_first_and_name_the_real_file(tmp_path, capsys):
+def test_output_paths_are_checked_first_and_written_exactly(tmp_path, capsys):
     _refused(["run", COMP, "--output", str(tmp_path / "missing" / "x")], "--output", capsys)
     _refused(["export", f"{QUICKSTART}:fedavg_round", "--clients", "2", "-o",
               str(tmp_path)], "--output", capsys)
     args = cli.build_parser().parse_args(["run", COMP, "--output", str(tmp_path / "x")])
-    assert args.output == str(tmp_path / "x.npz")
+    assert args.output == str(tmp_path / "x")
     code = cli.main(["run", COMP, "--inputs", INPUTS, "--devices", "1", "--output",
                      str(tmp_path / "x")])
     assert code == 0
-    assert f"wrote {tmp_path / 'x.npz'}" in capsys.readouterr().out
-    assert (tmp_path / "x.npz").exists() and not (tmp_path / "x").exists()
+    assert f"wrote {tmp_path / 'x'}\n" in capsys.readouterr().out
+    assert (tmp_path / "x").exists() and not (tmp_path / "x.npz").exists()
+    assert sorted(cli_args.load_npz(str(tmp_path / "x"))) == ["result"]
+    assert os.listdir(tmp_path) == ["x"]  # no partial file left beside it
 
 
 def test_a_result_that_cannot_be_written_is_saved_elsewhere_and_said_so(tmp_path):
@@ -214,3 +216,97 @@ def test_an_npz_claiming_an_unknown_zip_version_gives_a_named_error(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ComputationError, match="not a readable npz archive"):
         cli_args.load_npz(str(path))
+
+
+def _spell(path, how: str, tmp) -> str:
+    """Another way to name the file at `path`: relative, through a folder, a link."""
+    if how == "relative":
+        return os.path.relpath(path)
+    if how == "dotted":
+        return os.path.join(os.path.dirname(path), ".", "sub", "..", os.path.basename(path))
+    link = os.path.join(tmp, f"{how}-{os.path.basename(path)}")
+    if not os.path.lexists(link):
+        (os.symlink if how == "symlink" else os.link)(path, link)
+    return link
+
+
+@_WITH_CAPSYS
+@given(which=st.sampled_from(["--inputs", "the computation", "--fleet-file", "export"]),
+       how=st.sampled_from(["relative", "dotted", "symlink", "hardlink"]))
+def test_the_output_is_never_one_of_the_inputs(tmp_path_factory, capsys, monkeypatch, which,
+                                               how):
+    tmp = str(tmp_path_factory.mktemp("out"))
+    os.makedirs(os.path.join(tmp, "sub"))
+    monkeypatch.chdir(tmp)
+    inputs, comp, fleet = (os.path.join(tmp, n) for n in ("in.npz", "c.pb", "fleet.json"))
+    program = os.path.join(tmp, "prog.py")
+    for path, data in ((inputs, open(INPUTS, "rb").read()), (comp, open(COMP, "rb").read()),
+                       (fleet, b'{"devices": []}'), (program, b"def f(x):\n  return x\n")):
+        with open(path, "wb") as f:
+            f.write(data)
+    target = {"--inputs": inputs, "the computation": comp, "--fleet-file": fleet,
+              "export": program}[which]
+    before = open(target, "rb").read()
+    output = _spell(target, how, tmp)
+    if which == "export":
+        argv = ["export", f"{program}:f", "--clients", "2", "-o", output]
+    else:
+        argv = ["run", comp, "--inputs", inputs, "--fleet-file", fleet, "--output", output]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--output {output} is the same file as" in err and target in err, err
+    assert open(target, "rb").read() == before
+
+
+def test_a_run_without_inputs_says_they_are_missing_and_how_to_give_them(capsys):
+    assert cli.main(["run", COMP]) == 2
+    err = capsys.readouterr().err
+    assert "no --inputs given" in err and "`a` (float32[3])" in err and "`b`" in err
+    assert "--inputs IN.npz" in err and "does not fit" not in err
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.float16])
+def test_run_refuses_inputs_of_another_dtype_unless_cast(tmp_path, capsys, dtype):
+    path = tmp_path / "in.npz"
+    with np.load(INPUTS) as f:
+        np.savez(path, a=f["a"].astype(dtype), b=f["b"])
+    assert cli.main(["run", COMP, "--inputs", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"`a` holds {np.dtype(dtype).name}" in err and "float32" in err
+    assert "--cast" in err
+
+
+def test_a_write_that_fails_keeps_the_old_file_and_leaves_no_part(tmp_path):
+    path = tmp_path / "out.npz"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o640)
+    calls = []
+
+    def fails_once(f):
+        calls.append(1)
+        f.write(b"new")
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+
+    written, failed = cli_args.write_or_rescue(str(path), fails_once, ".npz", "t")
+    try:
+        assert "No space left" in failed and written != str(path)
+        assert open(written, "rb").read() == b"new"
+    finally:
+        os.unlink(written)
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.npz"]
+    written, failed = cli_args.save_result(str(path), {"result": np.arange(2.0)})
+    assert failed is None and written == str(path)
+    assert os.stat(path).st_mode & 0o777 == 0o640  # its mode is kept
+    np.testing.assert_array_equal(cli_args.load_npz(str(path))["result"], [0.0, 1.0])
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_device_is_written_as_given_and_the_result_rescued():
+    written, failed = cli_args.save_result("/dev/full", {"result": np.arange(3.0)})
+    try:
+        assert "cannot write '/dev/full'" in failed and "No space left" in failed
+        np.testing.assert_array_equal(cli_args.load_npz(written)["result"], np.arange(3.0))
+    finally:
+        os.unlink(written)
+    assert not os.path.exists("/dev/full.npz")

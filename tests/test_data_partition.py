@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from fax_bridge.data import dirichlet_label_skew, partition_by_key, partition_dirichlet
+from fax_bridge.errors import DataError
 
 
 def _labels(n=600, classes=10, seed=0):
@@ -66,5 +67,5 @@ def test_partition_dirichlet_carries_all_arrays():
     for c in clients:
         np.testing.assert_array_equal(c["x"] // 10 >= 0, True)
         np.testing.assert_array_equal(y[c["x"] // 10], c["y"])
-    with pytest.raises(KeyError, match="label_key"):
+    with pytest.raises(DataError, match="label_key 'y' is not one of the arrays"):
         partition_dirichlet({"x": x}, "y", 4, alpha=1.0)

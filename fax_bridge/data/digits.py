@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fax_bridge.data import checks
 from fax_bridge.data.partition import partition_dirichlet
-from fax_bridge.errors import DataError
 
 
 class FederatedDigits(NamedTuple):
@@ -34,8 +34,9 @@ def load_federated_digits(num_clients: int = 100, alpha: float = 0.5,
     """
     from sklearn.datasets import load_digits
 
-    if not 0 < test_fraction < 1:
-        raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}.")
+    test_fraction = checks.real("test_fraction", test_fraction, 0.0, 1.0, low_open=True,
+                                high_open=True, fix="e.g. 0.2 holds out a fifth")
+    seed = checks.seed(seed)
     raw = load_digits()
     x = (raw.data / 16.0).astype(np.float32)
     y = raw.target.astype(np.int32)

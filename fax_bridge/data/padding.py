@@ -8,10 +8,11 @@ reshapes the example axis into `(steps, batch)` for local training loops.
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from fax_bridge.data import checks
 from fax_bridge.errors import DataError
 
 
@@ -36,26 +37,38 @@ def pad_clients(clients: Sequence[Mapping[str, np.ndarray]], size: Optional[int]
                 multiple_of: int = 1) -> PaddedClients:
     """Stacks client datasets, padding each with zeros to `size` examples.
 
-    `size` defaults to the largest client, rounded up to a multiple of `multiple_of`.
-    A client larger than `size` is an error (truncating would silently drop data).
+    `size` defaults to the largest client, rounded up to a multiple of `multiple_of`;
+    a given `size` must be such a multiple. A client larger than `size` is an error
+    (truncating would silently drop data), as are clients whose arrays differ in dtype
+    or example shape (stacking would cast or fail).
     """
-    if not clients:
-        raise DataError("pad_clients needs at least one client dataset.")
+    clients = _client_list(clients)
+    multiple_of = checks.integer("multiple_of", multiple_of, 1,
+                                 fix="pass 1, or the batch size the data will be cut into")
     keys = sorted(clients[0])
     sizes = []
     for i, c in enumerate(clients):
         if sorted(c) != keys:
             raise DataError(f"client {i} has keys {sorted(c)}, client 0 has {keys}.")
+        for k in keys:
+            first, mine = np.asarray(clients[0][k]), np.asarray(c[k])
+            if (mine.shape[1:], mine.dtype) != (first.shape[1:], first.dtype):
+                raise DataError(
+                    f"client {i}'s {k!r} has examples of {mine.dtype}{list(mine.shape[1:])}, "
+                    f"client 0's {first.dtype}{list(first.shape[1:])}; give every client "
+                    "the same dtype and example shape (e.g. .astype(...)).")
         lens = {k: np.shape(c[k])[0] for k in keys}
         if len(set(lens.values())) != 1:
             raise DataError(f"client {i}'s arrays have different lengths: {lens}.")
         sizes.append(lens[keys[0]])
     sizes = np.asarray(sizes, dtype=np.int64)
-    if multiple_of < 1:
-        raise DataError(f"multiple_of must be >= 1, got {multiple_of}.")
     if size is None:
         size = int(max(1, sizes.max()))
         size = -(-size // multiple_of) * multiple_of
+    size = checks.integer("size", size, 1, fix="pass None for the largest client's size")
+    if size % multiple_of:
+        raise DataError(f"size {size} is not a multiple of multiple_of {multiple_of}; pass "
+                        "a size that is, or size=None to round the largest client up.")
     if sizes.max() > size:
         raise DataError(
             f"client {int(sizes.argmax())} has {int(sizes.max())} examples, more than the "
@@ -63,12 +76,33 @@ def pad_clients(clients: Sequence[Mapping[str, np.ndarray]], size: Optional[int]
     data = {}
     for k in keys:
         first = np.asarray(clients[0][k])
-        out = np.zeros((len(clients), size) + first.shape[1:], dtype=first.dtype)
+        shape = (len(clients), size) + first.shape[1:]
+        try:
+            out = np.zeros(shape, dtype=first.dtype)
+        except (ValueError, MemoryError):
+            raise DataError(
+                f"padding to size={size} (multiple_of={multiple_of}) needs {k!r} of shape "
+                f"{shape}, more memory than there is; pass a smaller size or "
+                "multiple_of.") from None
         for i, c in enumerate(clients):
             out[i, : sizes[i]] = c[k]
         data[k] = out
     mask = np.arange(size)[None, :] < sizes[:, None]
     return PaddedClients(data, mask, sizes)
+
+
+def _client_list(clients) -> list:
+    """`clients` as a non-empty list of client datasets (dicts of arrays)."""
+    if isinstance(clients, (Mapping, str, bytes, np.ndarray)) or not isinstance(
+            clients, Iterable):
+        raise DataError(f"clients must be a list of client datasets (dicts of arrays), "
+                        f"got {checks.shown(clients)}; wrap one client as [client].")
+    clients = list(clients)
+    if not clients:
+        raise DataError("pad_clients needs at least one client dataset.")
+    for i, c in enumerate(clients):
+        checks.dataset(f"clients[{i}]", c)
+    return clients
 
 
 def to_batches(padded: PaddedClients, batch_size: int) -> PaddedClients:
@@ -78,8 +112,13 @@ def to_batches(padded: PaddedClients, batch_size: int) -> PaddedClients:
     multiple_of=batch_size)`). Real examples come first, so a client's padding fills its
     last batches; a batch with no real example is skipped by the algorithms.
     """
+    if not isinstance(padded, PaddedClients):
+        raise DataError(f"padded must be the PaddedClients that pad_clients returns, got "
+                        f"{type(padded).__name__}.")
+    batch_size = checks.integer("batch_size", batch_size, 1,
+                                fix="pass the number of examples per local step, e.g. 16")
     size = padded.mask.shape[1]
-    if batch_size < 1 or size % batch_size:
+    if size % batch_size:
         raise DataError(
             f"padded size {size} is not a multiple of batch_size {batch_size}; pad with "
             f"pad_clients(..., multiple_of={batch_size}).")

@@ -8,32 +8,37 @@ clients that see few classes (strong label skew), large alpha approaches IID.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from fax_bridge.errors import ArgumentError, DataError
+from fax_bridge.data import checks
+from fax_bridge.errors import DataError
 
 Arrays = Mapping[str, np.ndarray]
 
 
 def _check_arrays(arrays: Arrays) -> int:
-    if not isinstance(arrays, Mapping) or not arrays:
-        raise ArgumentError(
-            "expected a non-empty dict of arrays sharing a leading example axis, e.g. "
-            "{'x': images, 'y': labels}.")
-    sizes = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in arrays.items()}
-    if None in sizes.values() or len(set(sizes.values())) != 1:
+    checks.dataset("arrays", arrays)
+    sizes = {k: np.shape(v)[0] for k, v in arrays.items()}
+    if len(set(sizes.values())) != 1:
         raise DataError(
             f"every array needs the same leading (example) axis; got sizes {sizes}.")
     return next(iter(sizes.values()))
 
 
 def split_clients(arrays: Arrays, indices: Sequence[np.ndarray]) -> list[dict]:
-    """One client dataset per index array: `{k: arrays[k][idx]}`."""
-    _check_arrays(arrays)
-    return [{k: np.asarray(v)[np.asarray(idx, dtype=np.int64)] for k, v in arrays.items()}
-            for idx in indices]
+    """One client dataset per index array: `{k: arrays[k][idx]}`.
+
+    Every index array holds positions in [0, examples); negative positions and floats
+    are refused rather than wrapped or truncated.
+    """
+    n = _check_arrays(arrays)
+    if isinstance(indices, (Mapping, str, bytes)) or not isinstance(indices, Iterable):
+        raise DataError(f"indices must be a list of index arrays (one per client), got "
+                        f"{type(indices).__name__}.")
+    picked = [checks.indices(f"indices[{i}]", idx, n) for i, idx in enumerate(indices)]
+    return [{k: np.asarray(v)[idx] for k, v in arrays.items()} for idx in picked]
 
 
 def partition_by_key(arrays: Arrays, keys: np.ndarray) -> tuple[np.ndarray, list[dict]]:
@@ -43,10 +48,17 @@ def partition_by_key(arrays: Arrays, keys: np.ndarray) -> tuple[np.ndarray, list
     `unique_keys[i]`, in their original order.
     """
     n = _check_arrays(arrays)
-    keys = np.asarray(keys)
+    try:
+        keys = np.asarray(keys)
+    except Exception:  # noqa: BLE001 - ragged nested lists
+        keys = np.asarray(None)
     if keys.shape != (n,):
         raise DataError(
-            f"keys must have one entry per example, shape ({n},); got {keys.shape}.")
+            f"keys must have one entry per example of the arrays, shape ({n},); got "
+            f"{keys.shape}.")
+    if keys.dtype == object or (keys.dtype.kind == "f" and not np.isfinite(keys).all()):
+        raise DataError("keys must be finite numbers or strings of one kind, one per "
+                        f"example; got dtype {keys.dtype} with {checks.shown(keys)}.")
     unique, inverse = np.unique(keys, return_inverse=True)
     order = np.argsort(inverse, kind="stable")
     bounds = np.cumsum(np.bincount(inverse, minlength=len(unique)))[:-1]
@@ -63,24 +75,36 @@ def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float,
     until every client has at least `min_size` examples. Every example goes to exactly
     one client. Deterministic in `seed`.
     """
-    labels = np.asarray(labels)
-    if labels.ndim != 1:
-        raise DataError(f"labels must be a 1-D array of class ids; got shape {labels.shape}.")
-    if num_clients < 1:
-        raise DataError(f"num_clients must be >= 1, got {num_clients}.")
-    if not alpha > 0:
-        raise DataError(f"alpha must be > 0 (smaller is more skewed), got {alpha}.")
+    try:
+        labels = np.asarray(labels)
+    except Exception:  # noqa: BLE001 - ragged nested lists
+        labels = np.asarray(None)
+    if labels.ndim != 1 or labels.dtype == object or (
+            labels.dtype.kind == "f" and not np.isfinite(labels).all()):
+        raise DataError(f"labels must be a 1-D array of class ids (integers, strings or "
+                        f"finite numbers); got {checks.shown(labels)}.")
+    num_clients = checks.integer("num_clients", num_clients, 1)
+    alpha = checks.real("alpha", alpha, 0.0, low_open=True,
+                        fix="smaller is more skewed, e.g. 0.5")
+    seed = checks.seed(seed)
+    min_size = checks.integer("min_size", min_size, 0)
+    max_tries = checks.integer("max_tries", max_tries, 1)
     if num_clients * min_size > labels.size:
         raise DataError(
-            f"{labels.size} examples cannot give {num_clients} clients {min_size} each; "
-            "lower num_clients or min_size.")
+            f"labels has {labels.size} examples, which cannot give num_clients="
+            f"{num_clients} clients min_size={min_size} each; lower num_clients or min_size.")
+    if labels.size == 0:
+        return [np.zeros(0, np.int64) for _ in range(num_clients)]
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
     for _ in range(max_tries):
         parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         for c in classes:
             idx = rng.permutation(np.flatnonzero(labels == c))
-            shares = rng.dirichlet(np.full(num_clients, float(alpha)))
+            shares = rng.dirichlet(np.full(num_clients, alpha))
+            if not np.isfinite(shares).all():
+                raise DataError(f"alpha={alpha!r} is too small for numpy's Dirichlet "
+                                "draws (they came back NaN); use alpha >= 1e-3.")
             cuts = (np.cumsum(shares)[:-1] * idx.size).astype(np.int64)
             for i, piece in enumerate(np.split(idx, cuts)):
                 parts[i].append(piece)
@@ -88,15 +112,17 @@ def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float,
         if min(o.size for o in out) >= min_size:
             return out
     raise DataError(
-        f"could not give every one of {num_clients} clients {min_size} examples in "
-        f"{max_tries} Dirichlet draws with alpha={alpha}; raise alpha or lower min_size.")
+        f"could not give every one of num_clients={num_clients} clients min_size="
+        f"{min_size} of the {labels.size} labels in max_tries={max_tries} Dirichlet draws "
+        f"with alpha={alpha}; raise alpha or lower min_size.")
 
 
 def partition_dirichlet(arrays: Arrays, label_key: str, num_clients: int, alpha: float,
                         seed: int = 0, min_size: int = 1) -> list[dict]:
     """Splits `arrays` into `num_clients` client datasets skewed on `arrays[label_key]`."""
     _check_arrays(arrays)
-    if label_key not in arrays:
-        raise KeyError(f"label_key {label_key!r} is not one of the arrays {sorted(arrays)}.")
+    if not isinstance(label_key, str) or label_key not in arrays:
+        raise DataError(f"label_key {checks.shown(label_key)} is not one of the arrays "
+                        f"{sorted(map(str, arrays))}; pass the key of the labels.")
     idx = dirichlet_label_skew(arrays[label_key], num_clients, alpha, seed, min_size)
     return split_clients(arrays, idx)

@@ -10,7 +10,10 @@ from typing import Optional
 
 import numpy as np
 
+from fax_bridge.data import checks
 from fax_bridge.errors import DataError
+
+MAX_POISSON_CLIENTS = 2 ** 30  # 8 GiB of draws a round; a larger population is refused
 
 
 def sample_cohort(num_clients: int, cohort_size: int, round_index: int, seed: int = 0,
@@ -20,21 +23,37 @@ def sample_cohort(num_clients: int, cohort_size: int, round_index: int, seed: in
     With `weights` (one non-negative value per client, e.g. dataset sizes) clients are
     drawn with probability proportional to their weight, still without replacement.
     """
-    if not 1 <= cohort_size <= num_clients:
-        raise DataError(
-            f"cohort_size must be between 1 and num_clients={num_clients}; got {cohort_size}.")
-    if round_index < 0:
-        raise DataError(f"round_index must be >= 0, got {round_index}.")
+    num_clients = checks.integer("num_clients", num_clients, 1, 2 ** 62)
+    cohort_size = checks.integer("cohort_size", cohort_size, 1, num_clients,
+                                 fix="a cohort is drawn from num_clients clients")
+    round_index = checks.integer("round_index", round_index, 0)
+    seed = checks.seed(seed)
     p = None
     if weights is not None:
-        w = np.asarray(weights, dtype=np.float64)
-        if w.shape != (num_clients,) or (w < 0).any() or np.count_nonzero(w) < cohort_size:
-            raise DataError(
-                f"weights must be {num_clients} non-negative numbers with at least "
-                f"{cohort_size} non-zero; got shape {w.shape}.")
-        p = w / w.sum()
+        p = _probabilities(weights, num_clients, cohort_size)
     rng = np.random.default_rng([seed, round_index])
     return np.sort(rng.choice(num_clients, size=cohort_size, replace=False, p=p))
+
+
+def _probabilities(weights, num_clients: int, cohort_size: int) -> np.ndarray:
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        w = np.full(1, np.nan)
+    if w.shape != (num_clients,) or not np.isfinite(w).all() or (w < 0).any() or \
+            np.count_nonzero(w) < cohort_size:
+        raise DataError(
+            f"weights must be {num_clients} finite non-negative numbers (one per client) "
+            f"with at least cohort_size={cohort_size} non-zero; got {checks.shown(weights)}"
+            ". Pass e.g. each client's number of examples.")
+    p = w / w.max()  # no overflow in the sum below
+    p = p / p.sum()
+    if np.count_nonzero(p) < cohort_size:
+        raise DataError(
+            f"weights: fewer than cohort_size={cohort_size} clients keep a non-zero "
+            "probability next to the largest weight (the others underflow); raise the "
+            "smallest weights or lower cohort_size.")
+    return p
 
 
 class CohortSampler:
@@ -49,6 +68,7 @@ class CohortSampler:
         self.weights = weights
 
     def __call__(self, round_index: int) -> np.ndarray:
+        """The sorted client ids of round `round_index` (an integer >= 0)."""
         return sample_cohort(self.num_clients, self.cohort_size, round_index, self.seed,
                              self.weights)
 
@@ -63,19 +83,18 @@ class PoissonSampler:
     """
 
     def __init__(self, num_clients: int, rate: float, capacity: int, seed: int = 0):
-        if not 0.0 < rate <= 1.0:
-            raise DataError(f"rate must lie in (0, 1], got {rate}.")
-        if not 1 <= capacity <= num_clients:
-            raise DataError(
-                f"capacity must be between 1 and num_clients={num_clients}; got {capacity}.")
-        self.num_clients = num_clients
-        self.rate = float(rate)
-        self.capacity = capacity
-        self.seed = seed
+        self.num_clients = checks.integer(
+            "num_clients", num_clients, 1, MAX_POISSON_CLIENTS,
+            fix="a Poisson draw takes one random number per client each round")
+        self.rate = checks.real("rate", rate, 0.0, 1.0, low_open=True,
+                                fix="each client's probability of joining a round")
+        self.capacity = checks.integer(
+            "capacity", capacity, 1, self.num_clients,
+            fix="a few standard deviations above rate * num_clients")
+        self.seed = checks.seed(seed)
 
     def __call__(self, round_index: int) -> np.ndarray:
-        if round_index < 0:
-            raise DataError(f"round_index must be >= 0, got {round_index}.")
+        round_index = checks.integer("round_index", round_index, 0)
         rng = np.random.default_rng([self.seed, round_index, 1])
         ids = np.flatnonzero(rng.random(self.num_clients) < self.rate)
         if ids.size > self.capacity:

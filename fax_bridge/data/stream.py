@@ -18,6 +18,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from fax_bridge.data import checks
 from fax_bridge.data.padding import PaddedClients, pad_clients
 from fax_bridge.errors import DataError
 
@@ -40,6 +41,14 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
     Every client must have the same keys, and per key the same dtype and per-example
     shape. An existing population is only replaced with `overwrite=True`.
     """
+    if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+        raise DataError(f"directory must be a folder path, got {checks.shown(directory)}.")
+    if isinstance(clients, (Mapping, str, bytes, np.ndarray)) or not isinstance(
+            clients, Iterable):
+        raise DataError(f"clients must be an iterable of client datasets (dicts of "
+                        f"arrays), got {checks.shown(clients)}; wrap one client as [client].")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise DataError(f"directory {str(directory)!r} is a file; pass a folder path.")
     os.makedirs(directory, exist_ok=True)
     if os.path.exists(os.path.join(directory, META_FILE)) and not overwrite:
         raise FileExistsError(
@@ -49,12 +58,11 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
     offsets = [0]
     try:
         for i, client in enumerate(clients):
+            checks.dataset(f"client {i}", client)
             if spec is None:
                 spec = {_safe_key(k): {"dtype": np.asarray(v).dtype.str,
                                        "shape": list(np.shape(v)[1:])}
                         for k, v in sorted(client.items())}
-                if not spec:
-                    raise DataError("client 0 has no arrays.")
                 files = {k: open(os.path.join(directory, f"{k}.bin"), "wb") for k in spec}
             if sorted(client) != sorted(spec):
                 raise DataError(f"client {i} has keys {sorted(client)}, expected {sorted(spec)}.")
@@ -85,22 +93,38 @@ class ClientStore:
     """A population written by `write_population`, memory-mapped read-only."""
 
     def __init__(self, directory: str):
+        if not isinstance(directory, (str, os.PathLike)):
+            raise DataError(f"directory must be a folder path, got {checks.shown(directory)}.")
         meta_path = os.path.join(directory, META_FILE)
         if not os.path.exists(meta_path):
             raise FileNotFoundError(
                 f"{directory} holds no population ({META_FILE} missing); write one with "
                 "fax_bridge.data.write_population.")
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("format") != _FORMAT:
-            raise DataError(f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            if meta.get("format") != _FORMAT:
+                raise DataError(
+                    f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
+            offsets = np.asarray(np.load(os.path.join(directory, OFFSETS_FILE),
+                                         allow_pickle=False), np.int64)
+            arrays = {_safe_key(k): (np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"]))
+                      for k, s in meta["arrays"].items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            if isinstance(e, DataError):
+                raise
+            raise DataError(f"{directory} holds a damaged population ({type(e).__name__}: "
+                            f"{e}); write it again with write_population.") from None
+        if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or (
+                np.diff(offsets) < 0).any():
+            raise DataError(f"{directory}/{OFFSETS_FILE} is damaged (offsets must start at "
+                            "0 and never decrease); write the population again.")
         self.directory = directory
-        self.offsets = np.asarray(np.load(os.path.join(directory, OFFSETS_FILE)), np.int64)
-        total = int(self.offsets[-1]) if self.offsets.size else 0
+        self.offsets = offsets
+        total = int(self.offsets[-1])
         self.spec: dict[str, tuple[np.dtype, tuple]] = {}  # key -> (dtype, example shape)
         self._arrays = {}
-        for k, s in meta["arrays"].items():
-            dtype, example = np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"])
+        for k, (dtype, example) in arrays.items():
             self.spec[k] = (dtype, example)
             shape = (total,) + example
             path = os.path.join(directory, f"{k}.bin")
@@ -117,6 +141,9 @@ class ClientStore:
 
     def array(self, key: str) -> np.ndarray:
         """The stored array `key`: every example of every client, memory-mapped."""
+        if not isinstance(key, str) or key not in self._arrays:
+            raise DataError(f"key {checks.shown(key)} names no array of the store; it holds "
+                            f"{self.keys}.")
         return self._arrays[key]
 
     @property
@@ -134,13 +161,16 @@ class ClientStore:
 
     def client(self, i: int) -> dict:
         """Client i's dataset, copied into memory."""
-        if not 0 <= i < self.num_clients:
-            raise IndexError(f"client {i} is out of range for {self.num_clients} clients.")
+        i = checks.integer("i", i, 0, self.num_clients - 1,
+                           fix=f"the store holds clients 0..{self.num_clients - 1}")
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return {k: np.array(a[lo:hi]) for k, a in self._arrays.items()}
 
     def cohort(self, ids: Sequence[int], size: Optional[int] = None,
                multiple_of: int = 1) -> PaddedClients:
         """The clients `ids`, padded to a common size (see `pad_clients`)."""
-        return pad_clients([self.client(int(i)) for i in ids], size=size,
+        picked = checks.indices("ids", ids, self.num_clients)
+        if picked.size == 0:
+            raise DataError("ids names no client; pass at least one client id.")
+        return pad_clients([self.client(int(i)) for i in picked], size=size,
                            multiple_of=multiple_of)

@@ -14,6 +14,7 @@ block, and each device also exits by itself when its launching process is gone.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import pathlib
@@ -226,8 +227,9 @@ class LocalFleet(FleetRounds):
             self._log_dir = pathlib.Path(tempfile.mkdtemp(prefix="fax_bridge_fleet_"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         env = self._device_env()
-        for index in range(self.num_devices):
-            self._procs.append(self._popen(index, env))
+        with _interrupts_deferred():  # a Ctrl-C inside Popen would orphan its process
+            for index in range(self.num_devices):
+                self._procs.append(self._popen(index, env))
 
     # -- faults -------------------------------------------------------------------
 
@@ -366,6 +368,24 @@ def _parse_port_line(line: bytes) -> Optional[str]:
         return None
     address = info.get("listening")
     return address if isinstance(address, str) else None
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Holds back SIGINT's Python handler (KeyboardInterrupt) until the block ends, so
+    every process started in it is recorded (and later stopped) first."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    held: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    if held:
+        handler(signal.SIGINT, held[0])
 
 
 def _terminate(procs: list, grace_s: float) -> None:

@@ -105,6 +105,8 @@ def export_spec(spec: str, clients: int):
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        cli_args.refuse_overwriting(args.output, {"the program's file": args.target.rsplit(
+            ":", 1)[0]})
         proto = export_spec(args.target, args.clients)
     except FaxBridgeError as e:
         print(f"fax-bridge export: {e}", file=sys.stderr)
@@ -132,6 +134,6 @@ def register(subparsers) -> None:
     p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
     p.add_argument("--clients", type=cli_args.int_in(1), required=True,
                    help="number of clients (>= 1)")
-    p.add_argument("-o", "--output", type=cli_args.output_file(),
+    p.add_argument("-o", "--output", type=cli_args.output_file,
                    help="write the serialized proto here")
     p.set_defaults(func=_run)

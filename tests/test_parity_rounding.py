@@ -1,0 +1,123 @@
+"""Parity reports explain a mismatch that float rounding in an aggregation causes:
+generated cancellation-heavy client values, compared against the exact sums."""
+
+import math
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import event, given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge.parity import check_parity, compare_leaves
+from fax_bridge.parity_rounding import Rounding, aggregation_roundings, explain
+from fax_bridge.runtime import run_computation
+from fax_bridge.tracing import trace
+
+N = 6
+
+
+class _InProcess:
+    """The runtime in this process: exact aggregations, as on a fleet, without devices."""
+
+    num_devices = 0
+
+    def run(self, proto, *args, num_clients=None):
+        return run_computation(proto, *args, num_clients=num_clients)
+
+
+@fb.program(clients=N)
+def _total(x):
+    return fb.federated_sum(x)
+
+
+@fb.program(clients=N)
+def _average(x):
+    return fb.federated_mean(x)
+
+
+@fb.program(clients=N)
+def _scaled_total(x):
+    return fb.federated_map_server(lambda s: 2.0 * s - 1.0, fb.federated_sum(x))
+
+
+def _cancelling(draw) -> np.ndarray:
+    """N float32 addends per element: pairs of large values of opposite signs among
+    small ones, shuffled, so jit's float sum loses what the exact sum keeps."""
+    columns = []
+    for _ in range(3):
+        big = draw(st.floats(1e3, 1e9))
+        small = draw(st.lists(st.floats(-8.0, 8.0, width=32), min_size=N - 2,
+                              max_size=N - 2))
+        column = np.asarray([big, -big * draw(st.sampled_from([1.0, 1.0 + 2 ** -20]))]
+                            + small, np.float32)
+        columns.append(column[draw(st.permutations(range(N)))])
+    return np.stack(columns, axis=1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data(), st.sampled_from([_total, _average, _scaled_total]))
+def test_a_rounding_mismatch_says_so_with_its_size_and_a_covering_tolerance(data, fn):
+    x = _cancelling(data.draw)
+    report = check_parity(fn, jnp.asarray(x), placements="clients", fleet=_InProcess())
+    [leaf] = report.leaves
+    event(f"{fn.__name__} ok={leaf.ok}")
+    exact = np.asarray([math.fsum(map(float, column)) for column in x.T])
+    if fn is _average:
+        exact = exact / N
+    if fn is not _scaled_total:  # the fleet's value is the exact sum, rounded once
+        fleet = np.asarray(run_computation(fb.export_tff(fn, jnp.asarray(x),
+                                                         placements="clients"), x))
+        np.testing.assert_allclose(fleet, exact.astype(np.float32), rtol=2e-7, atol=1e-30)
+    if leaf.ok:
+        assert leaf.explanation == "" and "PARITY OK" in report.table()
+        return
+    text = report.table()
+    assert f"{leaf.path}: float rounding" in text and text.endswith("PARITY MISMATCH")
+    assert "n*eps*sum|x|" in leaf.explanation and "exact" in leaf.explanation
+    atol = float(re.search(r"atol=([0-9.e+-]+) (covers|accepts) this",
+                           leaf.explanation).group(1))
+    assert atol >= leaf.max_abs
+    [again] = compare_leaves(np.asarray(fn(jnp.asarray(x))),
+                             np.asarray(run_computation(fb.export_tff(
+                                 fn, jnp.asarray(x), placements="clients"), x)), 0.0, atol)
+    assert again.ok  # the tolerance it names does cover the difference
+    if fn is not _scaled_total:
+        roundings, _, direct = aggregation_roundings(trace(fn, jnp.asarray(x),
+                                                           placements="clients"), (x,))
+        assert direct == [0] and roundings[0].bound >= leaf.max_abs
+        assert leaf.explanation.startswith("float rounding explains it")
+    else:
+        assert leaf.explanation.startswith("float rounding may explain it")
+
+
+def test_more_than_the_bound_is_not_called_rounding():
+    r = Rounding("federated_sum", "f.py:1 (f)", 4, "float32", 10.0, 4.8e-6, 0.0, 1.0, 1.0)
+    assert explain(1e-6, [r], frozenset({0}), 0).startswith("float rounding explains it")
+    assert explain(1.0, [r], frozenset({0}), 0).startswith("not float rounding alone")
+    assert explain(1.0, [r], frozenset(), None) == ""  # no aggregation feeds it
+
+
+def test_integer_sums_need_no_explanation():
+    x = np.asarray([2 ** 30, 5, -(2 ** 30), 1, 0, 0], np.int32)
+    roundings, depends, _ = aggregation_roundings(trace(_total, x, placements="clients"),
+                                                  (x,))
+    assert roundings == [] and depends == [frozenset()]
+
+
+@pytest.mark.parametrize("values", [[1e8, 1, -1e8, 1, 0, 0]])
+def test_the_documented_example(values):
+    x = jnp.asarray(values, jnp.float32)
+    report = check_parity(_total, x, placements="clients", fleet=_InProcess())
+    assert not report.ok
+    assert "exact 2, jit " in report.leaves[0].explanation
+
+
+def test_bfloat16_sums_are_explained_too():
+    """numpy calls bfloat16 kind 'V' and np.finfo refuses it; it is a float all the same."""
+    x = jnp.asarray([256.0, 1.0, -256.0, 1.0, 0.5, 0.5], jnp.bfloat16)
+    report = check_parity(_total, x, placements="clients", fleet=_InProcess())
+    [leaf] = report.leaves
+    assert not leaf.ok and leaf.explanation.startswith("float rounding explains it")
+    assert "6 bfloat16 values" in leaf.explanation and "exact 3" in leaf.explanation
