@@ -15,7 +15,8 @@ A `query` message answers with that block. A `train` message brings the broadcas
 the population ids of the node's clients in the round; the node reads only their rows,
 runs the round's client part over them (`fleet.plan.client_partials`: one XLA call for
 all of them where it can) and answers with one exact partial per aggregation
-(`records.to_records`). No client row leaves the node.
+(`records.partials_layout`). No client row leaves the node. The ClientApp itself is
+`relay.client_app`; this runs in its process, or in a warm `worker`.
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ def describe(share: NodeShare) -> dict:
     return {"first-client": share.first, "num-clients": share.count}
 
 
+def answer_query(config) -> dict:
+    """A node's answer to a `query` message, from its `--node-config`."""
+    return describe(NodeShare.from_config(config))
+
+
 def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
                  broadcast: list) -> list:
     """The exact partial (an `AggregateResponse`) of each aggregation of the round over
@@ -124,34 +130,16 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     return [partials.to_message(p) for p in found]
 
 
-def client_app(bundle_dir: str):
-    """The Flower `ClientApp` of the round in `bundle_dir` (module docstring)."""
-    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-
-    app = ClientApp()
-
-    @app.query()
-    def query(msg: Message, context) -> Message:
-        share = NodeShare.from_config(context.node_config)
-        return Message(RecordDict({records.METRICS: MetricRecord(describe(share))}),
-                       reply_to=msg)
-
-    @app.train()
-    def train(msg: Message, context) -> Message:
-        start = time.perf_counter()
-        share = NodeShare.from_config(context.node_config)
-        content = msg.content
-        where = f"round {content[records.ROUND].get('round', '?')}"
-        ids = records.ids_from_record(content[records.IDS], where)
-        broadcast = records.tensors_from_record(content[records.BROADCAST],
-                                                content[records.LAYOUT], where)
-        answers = partials_for(bundle_dir, share, ids, broadcast)
-        arrays, layout, metrics = records.to_records(answers)
-        metrics["compute-s"] = time.perf_counter() - start
-        return Message(RecordDict({records.PARTIALS: arrays, records.LAYOUT: layout,
-                                   records.METRICS: metrics,
-                                   records.ROUND: ConfigRecord(dict(content[records.ROUND]))}),
-                       reply_to=msg)
-
-    return app
+def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
+    """A node's answer to a `train` message (as `relay.request_of` unpacks it): (the
+    partials' arrays by key, {"layout", "counts", "compute-s"})."""
+    start = time.perf_counter()
+    share = NodeShare.from_config(config)
+    where = f"round {header[records.ROUND].get('round', '?')}"
+    ids = records.ids_from_arrays(arrays, where)
+    broadcast = records.tensors_from_arrays(arrays, header[records.LAYOUT], where,
+                                            prefix="b")
+    answers = partials_for(bundle_dir, share, ids, broadcast)
+    out, layout, counts = records.partials_layout(answers)
+    return out, {"layout": layout, "counts": counts,
+                 "compute-s": time.perf_counter() - start}

@@ -12,9 +12,11 @@ do not say (dtype names, shapes, limb bases) and a `MetricRecord` of counts:
   max); `aJ.w.*` the same for a weighted mean's weights.
 
 Partials are the fleet's (`fleet.partials`): a node builds its `AggregateResponse` with
-`partials.to_message` and `to_records` lays its fields out as arrays; the server reads
-them back into an `AggregateResponse` with `from_records` and checks it with
-`validate.check_partial`, exactly as the coordinator checks a device's answer.
+`partials.to_message` and `partials_layout` lays its fields out as arrays; the server
+reads them back into an `AggregateResponse` with `from_layout` and checks it with
+`validate.check_partial`, exactly as the coordinator checks a device's answer. Reading
+works on plain dicts of numpy arrays (`numpy_dict` of an ArrayRecord), so a warm worker
+and the ClientApp's own process decode the same way. The record names are `relay`'s.
 """
 
 from __future__ import annotations
@@ -23,35 +25,45 @@ import numpy as np
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import wire
+from fax_bridge.flower.relay import BROADCAST, IDS, LAYOUT, METRICS, PARTIALS, ROUND
 from fax_bridge.v1 import device_pb2 as pb
 
-BROADCAST = "broadcast"
-IDS = "ids"
-ROUND = "round"
-PARTIALS = "partials"
-LAYOUT = "layout"
-METRICS = "metrics"
+__all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND"]
 
 
-def array(value: np.ndarray):
-    """A Flower `Array` of `value` (dtypes numpy cannot save, e.g. bfloat16, as bytes)."""
-    from flwr.app import Array
-
+def savable(value: np.ndarray) -> np.ndarray:
+    """`value` C-contiguous, as its bytes (uint8) when numpy cannot save its dtype (an
+    ml_dtypes one such as bfloat16, whose name travels beside it)."""
     value = np.asarray(value)
     if not value.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-d)
         value = value.copy(order="C")
     if value.dtype.kind == "V" or value.dtype.name != np.dtype(value.dtype.str).name:
-        value = value.view(np.uint8)  # an ml_dtypes array; its dtype travels by name
-    return Array(value)
+        value = value.view(np.uint8)
+    return value
 
 
-def numpy_of(item, dtype: np.dtype, shape, where: str) -> np.ndarray:
-    """The numpy array a Flower `Array` holds, as `dtype` and `shape` (checked)."""
-    try:
-        value = item.numpy()
-    except Exception as e:  # noqa: BLE001 - whatever numpy or Flower raise on bad bytes
-        raise FleetError(f"{where}: the array cannot be read ({type(e).__name__}: {e})") \
-            from None
+def array(value: np.ndarray):
+    """A Flower `Array` of `value` (`savable`)."""
+    from flwr.app import Array
+
+    return Array(savable(value))
+
+
+def numpy_dict(record, where: str) -> dict:
+    """{key: numpy array} of a Flower ArrayRecord."""
+    out = {}
+    for key, item in record.items():
+        try:
+            out[key] = item.numpy()
+        except Exception as e:  # noqa: BLE001 - whatever numpy or Flower raise on bad bytes
+            raise FleetError(f"{where}: array {key!r} cannot be read "
+                             f"({type(e).__name__}: {e})") from None
+    return out
+
+
+def numpy_of(value: np.ndarray, dtype: np.dtype, shape, where: str) -> np.ndarray:
+    """`value` as `dtype` and `shape` (checked; bytes of an ml_dtypes array viewed)."""
+    value = np.asarray(value)
     dtype, shape = np.dtype(dtype), tuple(int(d) for d in shape)
     if value.dtype != dtype:
         if value.dtype != np.uint8 or value.size != int(np.prod(shape)) * dtype.itemsize:
@@ -82,14 +94,15 @@ def tensors_to_record(tensors: list):
     return ArrayRecord(arrays), ConfigRecord(layout)
 
 
-def tensors_from_record(arrays, layout, where: str) -> list:
-    """The tensors `tensors_to_record` laid out."""
+def tensors_from_arrays(arrays: dict, layout, where: str, prefix: str = "") -> list:
+    """The tensors `tensors_to_record` laid out (keys `prefix` + "0", "1", ...)."""
     count = int(layout.get("count", -1))
-    if count < 0 or len(arrays) != count:
-        raise FleetError(f"{where}: {len(arrays)} broadcast arrays; expected {count}")
+    found = sum(1 for k in arrays if k.startswith(prefix) and k[len(prefix):].isdigit())
+    if count < 0 or found != count:
+        raise FleetError(f"{where}: {found} broadcast arrays; expected {count}")
     out = []
     for i in range(count):
-        key = str(i)
+        key = f"{prefix}{i}"
         if key not in arrays:
             raise FleetError(f"{where}: broadcast array {key} is missing")
         out.append(numpy_of(arrays[key], wire.dtype_from_name(str(layout[f"{i}.dtype"])),
@@ -104,10 +117,11 @@ def ids_to_record(ids: np.ndarray):
     return ArrayRecord({IDS: array(np.asarray(ids, np.int64))})
 
 
-def ids_from_record(arrays, where: str) -> np.ndarray:
+def ids_from_arrays(arrays: dict, where: str) -> np.ndarray:
+    """The client ids `ids_to_record` sent (checked)."""
     if IDS not in arrays:
         raise FleetError(f"{where}: the message names no clients (no {IDS!r} array)")
-    ids = arrays[IDS].numpy()
+    ids = np.asarray(arrays[IDS])
     if ids.dtype != np.int64 or ids.ndim != 1:
         raise FleetError(f"{where}: client ids must be one int64 vector, got "
                          f"{ids.dtype}{list(ids.shape)}")
@@ -122,28 +136,27 @@ def _leaf_out(prefix: str, leaf: pb.LeafPartial, arrays: dict, layout: dict) -> 
     shape = [int(d) for d in leaf.shape]
     if leaf.HasField("extreme"):
         value = wire.decode_tensor(leaf.extreme)
-        arrays[f"{prefix}.extreme"] = array(value)
+        arrays[f"{prefix}.extreme"] = value
         layout[f"{prefix}.dtype"] = wire.dtype_name(value.dtype)
         layout[f"{prefix}.shape"] = [int(d) for d in value.shape]
         return
     layout[f"{prefix}.dtype"] = leaf.dtype
     layout[f"{prefix}.shape"] = shape
     if leaf.doubles:
-        arrays[f"{prefix}.doubles"] = array(np.frombuffer(leaf.doubles, "<f8").reshape(shape))
+        arrays[f"{prefix}.doubles"] = np.frombuffer(leaf.doubles, "<f8").reshape(shape)
         return
     layout[f"{prefix}.base"] = int(leaf.base_limb)
     size = int(np.prod(shape))
-    arrays[f"{prefix}.limbs"] = array(
-        np.frombuffer(leaf.limbs, "<i8").reshape((int(leaf.num_limbs), size)))
+    arrays[f"{prefix}.limbs"] = np.frombuffer(leaf.limbs, "<i8").reshape(
+        (int(leaf.num_limbs), size))
     if leaf.nonfinite:
-        arrays[f"{prefix}.flags"] = array(np.frombuffer(leaf.nonfinite, np.uint8))
+        arrays[f"{prefix}.flags"] = np.frombuffer(leaf.nonfinite, np.uint8)
 
 
-def to_records(answers: list) -> tuple:
-    """(ArrayRecord, ConfigRecord, MetricRecord) of one `AggregateResponse` per
-    aggregation (a node's answer for its clients)."""
-    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
-
+def partials_layout(answers: list) -> tuple:
+    """(numpy arrays by key, layout, client counts) of one `AggregateResponse` per
+    aggregation (a node's answer for its clients); arrays of dtypes numpy cannot save
+    (bfloat16, ...) as their bytes, their dtype in the layout."""
     arrays: dict = {}
     layout: dict = {"aggregations": len(answers)}
     counts = []
@@ -155,10 +168,10 @@ def to_records(answers: list) -> tuple:
             _leaf_out(f"a{j}.v{i}", leaf, arrays, layout)
         for leaf in answer.weight_leaves:
             _leaf_out(f"a{j}.w", leaf, arrays, layout)
-    return ArrayRecord(arrays), ConfigRecord(layout), MetricRecord({"num-clients": counts})
+    return {k: savable(v) for k, v in arrays.items()}, layout, counts
 
 
-def _leaf_in(prefix: str, kind: str, arrays, layout, where: str) -> pb.LeafPartial:
+def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
     out = pb.LeafPartial()
     try:
         dtype = wire.dtype_from_name(str(layout[f"{prefix}.dtype"]))
@@ -178,7 +191,7 @@ def _leaf_in(prefix: str, kind: str, arrays, layout, where: str) -> pb.LeafParti
     if f"{prefix}.limbs" not in arrays:
         raise FleetError(f"{where}: partial tensor {prefix} has neither doubles, limbs "
                          "nor an extreme")
-    limbs = arrays[f"{prefix}.limbs"].numpy()
+    limbs = np.asarray(arrays[f"{prefix}.limbs"])
     if limbs.dtype != np.int64 or limbs.ndim != 2:
         raise FleetError(f"{where}: limbs of {prefix} must be an int64 matrix, got "
                          f"{limbs.dtype}{list(limbs.shape)}")
@@ -186,28 +199,27 @@ def _leaf_in(prefix: str, kind: str, arrays, layout, where: str) -> pb.LeafParti
     out.num_limbs = limbs.shape[0]
     out.limbs = np.ascontiguousarray(limbs, "<i8").tobytes()
     if f"{prefix}.flags" in arrays:
-        out.nonfinite = np.ascontiguousarray(arrays[f"{prefix}.flags"].numpy(),
-                                             np.uint8).tobytes()
+        out.nonfinite = np.ascontiguousarray(arrays[f"{prefix}.flags"], np.uint8).tobytes()
     return out
 
 
-def from_records(arrays, layout, metrics, kinds: list, where: str) -> list:
-    """One `AggregateResponse` per aggregation (of `kinds`) from a node's records, for
-    `validate.check_partial` to check."""
+def from_layout(arrays: dict, layout, counts: list, kinds: list, where: str) -> list:
+    """One `AggregateResponse` per aggregation (of `kinds`) from a node's partials
+    (`partials_layout`'s three parts), for `validate.check_partial` to check."""
     if int(layout.get("aggregations", -1)) != len(kinds):
         raise FleetError(f"{where}: partials of {layout.get('aggregations')} aggregations; "
                          f"the round has {len(kinds)}")
-    counts = list(metrics.get("num-clients", []))
+    counts = list(counts)
     if len(counts) != len(kinds):
         raise FleetError(f"{where}: {len(counts)} client counts for {len(kinds)} "
                          "aggregations")
     out = []
-    for j, kind in enumerate(kinds):
+    for j in range(len(kinds)):
         answer = pb.AggregateResponse(num_clients=int(counts[j]))
         for i in range(int(layout.get(f"a{j}.leaves", 0))):
-            answer.leaves.append(_leaf_in(f"a{j}.v{i}", kind, arrays, layout, where))
+            answer.leaves.append(_leaf_in(f"a{j}.v{i}", arrays, layout, where))
         if int(layout.get(f"a{j}.weights", 0)):
-            answer.weight_leaves.append(_leaf_in(f"a{j}.w", "sum", arrays, layout, where))
+            answer.weight_leaves.append(_leaf_in(f"a{j}.w", arrays, layout, where))
         out.append(answer)
     return out
 

@@ -9,7 +9,7 @@ which is population order, then finished and fed to the server result. A node th
 answers with an error or not within the deadline (`round-deadline-s`, else
 `node-timeout-s`) is dropped with its clients, as the fleet drops a lost device; when
 fewer than `min-clients` clients remain the round fails with a `FleetError` naming the
-nodes. Every round leaves a `RoundReport` (logged, and written to `reports.json`).
+nodes. Every round leaves a `RoundReport` (logged, and written to `reports.jsonl`).
 
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
 `flwr run --run-config`), see `Settings`. With `checkpoint-dir` the state is saved
@@ -145,9 +145,10 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
             content = reply.content
             rep.bytes_up += records.payload_bytes(content[records.PARTIALS])
             rep.compute_s += float(content[records.METRICS].get("compute-s", 0.0))
-            answers = records.from_records(content[records.PARTIALS],
-                                           content[records.LAYOUT],
-                                           content[records.METRICS], kinds, where)
+            answers = records.from_layout(
+                records.numpy_dict(content[records.PARTIALS], where),
+                content[records.LAYOUT], content[records.METRICS].get("num-clients", []),
+                kinds, where)
             for total, agg, answer in zip(totals, plan.aggregations, answers):
                 value_types, weight_types = agg.leaf_types
                 partial, payload = validate.check_partial(
@@ -182,8 +183,10 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
 
 
 class _Outputs:
-    """What a run leaves in `out-dir`: `reports.json`, `result.npz` (the last round's
-    result, keys as `fax-bridge run` writes them) and `state.npz`."""
+    """What a run leaves in `out-dir`: `reports.jsonl` (one `RoundReport` a line; a file
+    type Flower leaves out of app bundles, so an out-dir inside the app stays out of
+    them) and `result.npz` (the last round's result, keys as `fax-bridge run` writes
+    them)."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -192,8 +195,8 @@ class _Outputs:
             os.makedirs(folder, exist_ok=True)
 
     def write_reports(self, reports: list) -> None:
-        data = [_plain_report(rep) for rep in reports]
-        self._write("reports.json", json.dumps(data, default=_plain).encode())
+        lines = [json.dumps(_plain_report(rep), default=_plain) for rep in reports]
+        self._write("reports.jsonl", "".join(line + "\n" for line in lines).encode())
 
     def result(self, made, result: Any) -> None:
         from fax_bridge.runtime import values
