@@ -24,7 +24,8 @@ PACKAGE = "fax_round"
 
 DEFAULT_CONFIG = {
     "num-rounds": 3, "cohort-size": 0, "dropout": 0.0, "seed": 0, "min-clients": 1,
-    "round-deadline-s": 0.0, "node-timeout-s": 120.0, "min-nodes": 1,
+    "round-deadline-s": 0.0, "node-timeout-s": 120.0, "first-round-timeout-s": 300.0,
+    "min-nodes": 1,
     "wait-nodes-s": 60.0, "poll-s": 0.05, "out-dir": "", "checkpoint-dir": "",
 }
 
@@ -124,7 +125,8 @@ FLWR_HOME={os.path.join(os.path.abspath(folder), '.flwr')} \\
 insecure). Settings (`[tool.flwr.app.config]` in pyproject.toml) can be overridden with
 `--run-config 'num-rounds=10 out-dir="/tmp/out"'`: num-rounds; cohort-size (0: every
 client), dropout, seed, min-clients, round-deadline-s (0: none; else how long a round
-waits for the nodes), node-timeout-s (the wait without a deadline), min-nodes and
+waits for the nodes), node-timeout-s (the wait without a deadline),
+first-round-timeout-s (the least the first round waits: nodes start then), min-nodes and
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
 out-dir (reports.json, result.npz) and checkpoint-dir (resume after a crash).
 

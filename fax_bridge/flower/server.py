@@ -9,7 +9,8 @@ which is population order, then finished and fed to the server result. A node th
 answers with an error or not within the deadline (`round-deadline-s`, else
 `node-timeout-s`) is dropped with its clients, as the fleet drops a lost device; when
 fewer than `min-clients` clients remain the round fails with a `FleetError` naming the
-nodes. Every round leaves a `RoundReport` (logged, and written to `reports.jsonl`).
+nodes (the run's first round waits longer, `first-round-timeout-s`: nodes start
+then). Every round leaves a `RoundReport` (logged, and written to `reports.jsonl`).
 
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
 `flwr run --run-config`), see `Settings`. With `checkpoint-dir` the state is saved
@@ -41,6 +42,7 @@ class Settings:
     num_rounds: int = 1
     policy: RoundPolicy = RoundPolicy()
     node_timeout_s: float = 120.0
+    first_round_timeout_s: float = 300.0
     min_nodes: int = 1
     wait_nodes_s: float = 60.0
     poll_s: float = 0.05
@@ -65,17 +67,20 @@ class Settings:
                              seed=get("seed", int, 0), emulate_delays=False)
         return cls(num_rounds=get("num-rounds", int, 1), policy=policy,
                    node_timeout_s=get("node-timeout-s", float, 120.0),
+                   first_round_timeout_s=get("first-round-timeout-s", float, 300.0),
                    min_nodes=get("min-nodes", int, 1),
                    wait_nodes_s=get("wait-nodes-s", float, 60.0),
                    poll_s=get("poll-s", float, 0.05),
                    out_dir=get("out-dir", str, ""),
                    checkpoint_dir=get("checkpoint-dir", str, ""))
 
-    @property
-    def deadline_s(self) -> float:
-        """How long a round waits for the nodes' answers."""
+    def deadline_s(self, first: bool) -> float:
+        """How long a round waits for the nodes' answers: `round-deadline-s`, else
+        `node-timeout-s`; the run's first round at least `first-round-timeout-s`, as
+        nodes load jax and compile the client part then."""
         deadline = self.policy.round_deadline_s
-        return self.node_timeout_s if deadline is None else deadline
+        wait = self.node_timeout_s if deadline is None else deadline
+        return max(wait, self.first_round_timeout_s) if first else wait
 
 
 def _train_messages(made, env: dict, nodes: list, ids: np.ndarray, round_index: int):
@@ -104,9 +109,10 @@ def _train_messages(made, env: dict, nodes: list, ids: np.ndarray, round_index: 
 
 
 def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: Settings,
-              population: int, reports: list) -> Any:
+              population: int, reports: list, first: bool = False) -> Any:
     """One round (module docstring); returns its result. Its `RoundReport` is appended
-    to `reports` before anything runs, so a failed round leaves one too."""
+    to `reports` before anything runs, so a failed round leaves one too. `first`: the
+    run's first round (`Settings.deadline_s`)."""
     from fax_bridge.fleet import plan_server, validate
     from fax_bridge.runtime import aggregation, values
     from fax_bridge.runtime.backend import from_leaves
@@ -128,8 +134,9 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
         rep.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
                              for _, _, m in sends)
         rep.rpcs = len(sends)
-        replies = flower_nodes.exchange(grid, [m for _, _, m in sends],
-                                        settings.deadline_s, settings.poll_s)
+        wait = settings.deadline_s(first)
+        replies = flower_nodes.exchange(grid, [m for _, _, m in sends], wait,
+                                        settings.poll_s)
         kinds = [a.kind for a in plan.aggregations]
         totals = [aggregation.Partial(kind=k, leaves=[]) for k in kinds]
         found, pending, lost, reasons = [], [], [], []
@@ -138,7 +145,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
             if reply is None or reply.has_error():
                 lost.append((node, mine))
                 reasons.append(f"{node.name}: " + (
-                    f"no answer within {settings.deadline_s}s" if reply is None
+                    f"no answer within {wait}s" if reply is None
                     else reply.error.reason))
                 continue
             where = node.name
@@ -270,16 +277,17 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
     result = None
     for r in range(start, settings.num_rounds):
         try:
-            result = run_round(grid, made, nodes, state, r, settings, population, reports)
-        finally:
+            result = run_round(grid, made, nodes, state, r, settings, population, reports,
+                               first=r == start)
+            state = result[0]
+            if settings.checkpoint_dir:
+                checkpoint.save(settings.checkpoint_dir, r, leaves(as_numpy(state)), meta)
+            outputs.result(made, result)
+        finally:  # the report last: once it names a round, that round's files are there
             outputs.write_reports(reports)
             if reports and reports[-1].round == r:
                 log(f"fax_bridge: {reports[-1].summary()}"
                     + (f"; failed: {reports[-1].error}" if reports[-1].error else ""))
-        state = result[0]
-        if settings.checkpoint_dir:
-            checkpoint.save(settings.checkpoint_dir, r, leaves(as_numpy(state)), meta)
-        outputs.result(made, result)
     return result
 
 
