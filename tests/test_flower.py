@@ -234,6 +234,35 @@ def test_a_silent_node_is_dropped_and_min_clients_is_kept(tmp_path, quickstart,
     assert "min_clients=5" in _reports(out)[0]["error"]
 
 
+def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickstart,
+                                                               populations, app):
+    from fax_bridge.flower import worker
+
+    token_file = tmp_path / "token"
+    token_file.write_text("t" * 32)
+    servers, configs = [], []
+    for config in populations:
+        httpd = worker.serve("127.0.0.1:0", "t" * 32, config)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        configs.append({"worker": f"127.0.0.1:{httpd.server_address[1]}",
+                        "worker-token-file": str(token_file)})
+    try:
+        _, args, made = quickstart
+        out = str(tmp_path / "out")
+        got = server.run_server(_grid(app, configs), {"num-rounds": 2, "out-dir": out},
+                                os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
+        assert _bits(got, made) == _bits(_expected(made, args, 2), made)
+        with pytest.raises(RuntimeError, match="403: wrong or missing worker token"):
+            relay.call(configs[0]["worker"], "u" * 32, "/share")
+        assert json.loads(relay.call(configs[1]["worker"], "t" * 32, "/share")) == \
+            {"first-client": 4, "num-clients": 2}
+    finally:
+        for httpd in servers:
+            httpd.shutdown()
+            httpd.server_close()
+
+
 def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(
         tmp_path, quickstart, populations, app):
     from fax_bridge.fleet.rounds import RoundPolicy, plan_round

@@ -164,7 +164,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
                 rep.payload_up += payload
                 found.append((total, partial))
         if lost:
-            rep.lost_devices = [node.name for node, _ in lost]
+            rep.lost_devices = reasons  # each node's name and why it was dropped
             rep.lost_clients = ClientIds(np.concatenate([m for _, m in lost]))
             rep.participants = rep.participants.without(rep.lost_clients.array())
             if len(rep.participants) < policy.min_clients or not found:
