@@ -83,8 +83,11 @@ class Settings:
         return max(wait, self.first_round_timeout_s) if first else wait
 
 
-def _train_messages(made, env: dict, nodes: list, ids: np.ndarray, round_index: int):
-    """(node, message) for each node holding participants of the round."""
+def _train_messages(made, env: dict, nodes: list, ids: np.ndarray, round_index: int,
+                    ttl_s: float):
+    """(node, its participants, message) for each node holding participants of the
+    round; the messages expire when the round stops waiting (`ttl_s`), so a node that
+    comes back later does not work on a round that is over."""
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
     from fax_bridge.runtime.backend import as_numpy, leaves
@@ -104,7 +107,7 @@ def _train_messages(made, env: dict, nodes: list, ids: np.ndarray, round_index: 
                                          "client-part": made.plan.client_part_hash})})
         out.append((node, mine, Message(content, dst_node_id=node.node_id,
                                         message_type=MessageType.TRAIN,
-                                        group_id=str(round_index))))
+                                        group_id=str(round_index), ttl=ttl_s)))
     return out
 
 
@@ -130,11 +133,11 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
         plan = made.plan
         ids = planned.participants.array()
         env = plan_server.prepare(plan, made.server_arg(state), None, len(ids))
-        sends = _train_messages(made, env, nodes, ids, round_index)
+        wait = settings.deadline_s(first)
+        sends = _train_messages(made, env, nodes, ids, round_index, max(wait, 1.0))
         rep.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
                              for _, _, m in sends)
         rep.rpcs = len(sends)
-        wait = settings.deadline_s(first)
         replies = flower_nodes.exchange(grid, [m for _, _, m in sends], wait,
                                         settings.poll_s)
         kinds = [a.kind for a in plan.aggregations]
