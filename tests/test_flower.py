@@ -232,6 +232,10 @@ def test_a_silent_node_is_dropped_and_min_clients_is_kept(tmp_path, quickstart,
         server.run_server(grid, dict(quick, **{"min-clients": 5, "out-dir": out}),
                           bundle_dir, log=lambda text: None)
     assert "min_clients=5" in _reports(out)[0]["error"]
+    with pytest.raises(FleetError, match="no SuperNode answered: node 100 "):
+        server.run_server(_grid(app, populations, silent=[0, 1]),
+                          dict(quick, **{"min-clients": 0, "out-dir": out}), bundle_dir,
+                          log=lambda text: None)
 
 
 def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickstart,
