@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -346,6 +348,15 @@ def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):
         "fax_round.client_app:app"
     assert config["tool"]["flwr"]["app"]["config"]["min-nodes"] == 2
     assert len(build_fab_from_disk(Path(out))) < 10 * 1024 * 1024
+    # What Flower runs for every message: without a worker it is all that loads.
+    probe = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location("
+             f"'client_app', {str(out / 'fax_round' / 'client_app.py')!r}); "
+             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+             "print(type(m.app).__name__, sorted(k for k in sys.modules if k.split('.')[0] "
+             "in ('jax', 'fax_bridge', 'federated_language')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, FLWR_TELEMETRY_ENABLED="0"))
+    assert loaded.stdout.split() == ["ClientApp", "[]"], loaded.stderr[-2000:]
     made = bundle.read_round(str(out / "fax_round"))
     assert made.plan.aggregations[0].kind == "weighted_mean"
     assert client.NodeShare.from_config({"population": str(tmp_path / "pop" / "node-1"),

@@ -66,18 +66,33 @@ def flower_env(home: str, poll_s: float = 0.05) -> dict:
     return env
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float) -> None:
+def _tail(path: Optional[str], chars: int = 2000) -> str:
+    """The end of a process's log, to quote in an error."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - chars))
+            return "; its log ends:\n" + f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float,
+               log: Optional[str] = None) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise FleetError(f"{what} exited with code {proc.returncode} before it listened "
-                             f"on port {port}")
+                             f"on port {port}{_tail(log)}")
         try:
             with socket.create_connection((LOOPBACK, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.1)
-    raise FleetError(f"{what} did not listen on {LOOPBACK}:{port} within {timeout_s}s")
+    raise FleetError(f"{what} did not listen on {LOOPBACK}:{port} within {timeout_s}s"
+                     f"{_tail(log)}")
 
 
 class LocalDeployment:
@@ -130,7 +145,8 @@ class LocalDeployment:
             "--disable-runtime-dependency-installation"])
         configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
             if self.warm else self.nodes
-        _wait_port(self.port, self.superlink, "flower-superlink", self.start_timeout_s)
+        _wait_port(self.port, self.superlink, "flower-superlink", self.start_timeout_s,
+                   os.path.join(self.log_dir, "superlink.log"))
         for i, config in enumerate(configs):
             self.supernodes.append(self._spawn(f"supernode-{i}", [
                 "flower-supernode", "--insecure", "--superlink", self.address,
@@ -138,7 +154,8 @@ class LocalDeployment:
                 "--node-config", node_config_text(config)]))
         for i, worker in enumerate(self.workers):
             _wait_port(int(configs[i]["worker"].rsplit(":", 1)[1]), worker,
-                       f"the worker of SuperNode {i}", self.start_timeout_s)
+                       f"the worker of SuperNode {i}", self.start_timeout_s,
+                       os.path.join(self.log_dir, f"worker-{i}.log"))
 
     def _start_worker(self, index: int, config: dict) -> dict:
         """Starts node `index`'s warm worker; returns the node's config naming it."""

@@ -91,7 +91,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config["num-clients"] = args.num_clients
     if args.keys:
         config["keys"] = args.keys
-    server = serve(args.listen, relay.read_token(args.token_file), config)
+    from fax_bridge.errors import FaxBridgeError
+
+    try:
+        server = serve(args.listen, relay.read_token(args.token_file), config)
+    except (FaxBridgeError, OSError, ValueError) as e:
+        print(f"fax_bridge flower worker: {e}", file=sys.stderr)
+        return 2
     print(f"fax_bridge flower worker on {args.listen} (pid {os.getpid()})", flush=True)
     try:
         server.serve_forever()
