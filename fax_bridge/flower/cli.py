@@ -6,8 +6,10 @@ Writes a Flower app directory for a round `(state, client_data) -> (new_state, o
 program and its example arguments are found as `fax-bridge export` finds them; the
 example state is the first round's state. With `--write-population FOLDER --nodes K`
 the example clients are also written as K populations (one per SuperNode, contiguous
-blocks) and DIR/README.md gives the commands that start those SuperNodes. A round that
-one broadcast and aggregations cannot run is refused with the operations and the fix.
+blocks) and DIR/README.md gives the commands that start those SuperNodes. `--check`
+then runs the rounds on a loopback deployment and compares the result with jax.jit as
+`fax-bridge parity` does (and with the fleet's bits). A round that one broadcast and
+aggregations cannot run is refused with the operations and the fix.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ def _run(args: argparse.Namespace) -> int:
         prog, prog_args, placements = resolve_program(args.target, args.clients)
         made = bundle.build_round(prog, *prog_args, placements=placements)
         nodes = []
-        if args.write_population:
-            nodes = write_populations(prog_args[-1], args.write_population, args.nodes)
+        check_dir = os.path.join(args.output, ".flwr", "check")  # outside the bundle
+        pops = args.write_population or (os.path.join(check_dir, "pops") if args.check
+                                         else None)
+        if pops:
+            nodes = write_populations(prog_args[-1], pops, args.nodes)
         written = app_dir.write_app(made, args.output, superlink=args.superlink,
                                     config={"num-rounds": args.rounds,
                                             "min-nodes": max(1, len(nodes))},
@@ -74,7 +79,18 @@ def _run(args: argparse.Namespace) -> int:
     print(f"run: FLWR_HOME={os.path.join(os.path.abspath(args.output), '.flwr')} "
           f"flwr run {os.path.abspath(args.output)} fax-bridge --stream "
           f"(start the SuperLink and SuperNodes first: {args.output}/README.md)")
-    return 0
+    if not args.check:
+        return 0
+    from fax_bridge.flower.check import check_app
+
+    try:
+        text, ok = check_app(prog, prog_args, made, args.output, nodes,
+                             os.path.join(check_dir, "home"), args.rounds)
+    except FaxBridgeError as e:
+        print(f"fax-bridge flower --check: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0 if ok else 1
 
 
 def register(subparsers) -> None:
@@ -94,5 +110,9 @@ def register(subparsers) -> None:
     p.add_argument("--write-population", default=None, metavar="FOLDER",
                    help="also write the example clients as one population per SuperNode")
     p.add_argument("--nodes", type=cli_args.int_in(1), default=2,
-                   help="SuperNodes for --write-population (default 2)")
+                   help="SuperNodes for --write-population and --check (default 2)")
+    p.add_argument("--check", action="store_true",
+                   help="then run --rounds rounds on a loopback deployment (a SuperLink and "
+                        "--nodes SuperNodes) and compare the result with jax.jit and with "
+                        "the fleet's round plan; exit 1 on a mismatch")
     p.set_defaults(func=_run)
