@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test demo protos tff-venv tff-check forms-check fuzz bench bench-scaling clean
+.PHONY: venv test demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-flower clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,11 @@ bench: $(STAMP)
 
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --both --out out/scaling.json
+
+# Round times on Flower's Deployment Engine (a SuperLink and SuperNodes on loopback),
+# warm workers against ClientApps computing in their own processes (docs/flower.md).
+bench-flower: $(STAMP)
+	$(PY) benchmarks/flower_rounds.py --rounds 5 --json out/bench/flower_rounds.json
 
 clean:
 	rm -rf $(VENV) .venv-tff build *.egg-info .pytest_cache out

@@ -22,6 +22,7 @@ _SUBCOMMAND_MODULES = (
     "fax_bridge.parity_cli",
     "fax_bridge.fleet.run_cli",
     "fax_bridge.fleet.device",
+    "fax_bridge.flower.cli",
 )
 
 

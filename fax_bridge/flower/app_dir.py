@@ -1,0 +1,179 @@
+"""A Flower app directory for a round, as `flwr run DIR fax-bridge` runs it.
+
+    DIR/pyproject.toml            [project], [tool.flwr.app] (components, run config)
+    DIR/fax_round/server_app.py   app = fax_bridge.flower.server.server_app(here)
+    DIR/fax_round/client_app.py   app = fax_bridge.flower.client.client_app(here)
+    DIR/fax_round/round.json      the exported round and its initial state (`bundle`)
+    DIR/README.md                 how to start the SuperLink and SuperNodes and run it
+    DIR/.flwr/config.toml         the SuperLink connection `fax-bridge` (FLWR_HOME=DIR/.flwr)
+
+Everything in the app bundle is a file type Flower ships (.py, .toml, .md, .json);
+`.flwr/` is left out of bundles by Flower itself. fax_bridge and flwr must be installed
+where the SuperLink and SuperNodes run; nothing is installed at run time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from fax_bridge.flower.bundle import FlowerRound, write_round
+from fax_bridge.flower.deployment import CONNECTION, connection_toml, node_config_text
+
+PACKAGE = "fax_round"
+
+DEFAULT_CONFIG = {
+    "num-rounds": 3, "cohort-size": 0, "dropout": 0.0, "seed": 0, "min-clients": 1,
+    "round-deadline-s": 0.0, "node-timeout-s": 120.0, "first-round-timeout-s": 300.0,
+    "min-nodes": 1,
+    "wait-nodes-s": 60.0, "poll-s": 0.05, "out-dir": "", "checkpoint-dir": "",
+}
+
+_SERVER = '''"""The ServerApp of this round (written by `fax-bridge flower`)."""
+
+import os
+
+from fax_bridge.flower.server import server_app
+
+app = server_app(os.path.dirname(os.path.abspath(__file__)))
+'''
+
+_CLIENT = '''"""The ClientApp of this round (written by `fax-bridge flower`).
+
+Flower starts a process for every message; `fax_bridge.flower.relay` is loaded by its
+file, without the fax_bridge package (which loads jax), so that a SuperNode with a warm
+worker answers without loading jax at all.
+"""
+
+import importlib.util
+import os
+
+
+def _relay():
+    spec = importlib.util.find_spec("fax_bridge")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("fax_bridge is not installed where this SuperNode runs")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "flower", "relay.py")
+    relay_spec = importlib.util.spec_from_file_location("fax_bridge_flower_relay", path)
+    module = importlib.util.module_from_spec(relay_spec)
+    relay_spec.loader.exec_module(module)
+    return module
+
+
+def _local():
+    from fax_bridge.flower import client  # loads jax: only a node without a worker
+
+    return client
+
+
+app = _relay().client_app(os.path.dirname(os.path.abspath(__file__)), _local)
+'''
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def pyproject(name: str, config: dict) -> str:
+    """The app's pyproject.toml."""
+    lines = [
+        "[project]", f'name = "{name}"', 'version = "1.0.0"',
+        'description = "A fax_bridge round on Flower\'s Deployment Engine"',
+        'license = "Apache-2.0"', "dependencies = []", "",
+        "[tool.flwr.app]", 'publisher = "fax-bridge"', "",
+        "[tool.flwr.app.components]", f'serverapp = "{PACKAGE}.server_app:app"',
+        f'clientapp = "{PACKAGE}.client_app:app"', "", "[tool.flwr.app.config]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in config.items()]
+    return "\n".join(lines) + "\n"
+
+
+def readme(made: FlowerRound, folder: str, superlink: str, nodes: list) -> str:
+    """DIR/README.md: what the app runs and the commands that run it."""
+    node_lines = "\n".join(
+        f"flower-supernode --insecure --superlink {superlink} --port {9094 + i} \\\n"
+        f"    --node-config '{node_config_text(n)}' &" for i, n in enumerate(nodes)) or (
+        "flower-supernode --insecure --superlink " + superlink + " --port 9094 \\\n"
+        "    --node-config 'population=\"/path/to/population\" first-client=0' &")
+    host, port = superlink.rsplit(":", 1)
+    return f"""# A fax_bridge round on Flower
+
+Round: `{made.prepared.type}`
+
+Written by `fax-bridge flower`. The ServerApp runs the round's server steps and merges
+the SuperNodes' exact partials; each SuperNode runs the round's client part over the
+clients of its own population (its `--node-config`), so no client's data leaves it.
+
+## Run it
+
+fax_bridge and flwr must be installed where these run (the same Python environment);
+its `bin` folder must be on PATH, since Flower starts `flower-superexec` by name.
+
+```
+export FLWR_TELEMETRY_ENABLED=0
+flower-superlink --insecure --host {host} --port {port} \\
+    --disable-runtime-dependency-installation &
+{node_lines}
+FLWR_HOME={os.path.join(os.path.abspath(folder), '.flwr')} \\
+    flwr run {os.path.abspath(folder)} {CONNECTION} --stream
+```
+
+`.flwr/config.toml` here names the SuperLink connection `{CONNECTION}` ({superlink},
+insecure). Settings (`[tool.flwr.app.config]` in pyproject.toml) can be overridden with
+`--run-config 'num-rounds=10 out-dir="/tmp/out"'`: num-rounds; cohort-size (0: every
+client), dropout, seed, min-clients, round-deadline-s (0: none; else how long a round
+waits for the nodes), node-timeout-s (the wait without a deadline),
+first-round-timeout-s (the least the first round waits: nodes start then), min-nodes and
+wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
+out-dir (reports.json, result.npz) and checkpoint-dir (resume after a crash).
+
+Warm SuperNodes: Flower starts a process per message, so a node computing in it loads
+jax and compiles the round's client part every round. Start a worker beside each node
+once instead, and name it in the node's config (the population settings move to the
+worker):
+
+```
+python -m fax_bridge.flower.worker --listen 127.0.0.1:9300 --token-file TOKEN \
+    --population /path/to/population --first-client 0 &
+flower-supernode --insecure --superlink {superlink} --port 9094 \
+    --node-config 'worker="127.0.0.1:9300" worker-token-file="TOKEN"' &
+```
+
+(TOKEN: a file of mode 0600 holding 16+ random characters.)
+
+A SuperNode's `--node-config`: `population` (a directory written by
+`fax_bridge.data.write_population`), `first-client` (the population id of its first
+client), `num-clients`, `first-row` (its first client's row in the store) and `keys`
+(the stored array of each tensor of the client data, comma-separated). The nodes'
+blocks must together be clients 0..N-1.
+"""
+
+
+def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:9093",
+              config: Optional[dict] = None, nodes: Optional[list] = None,
+              name: str = "fax-bridge-round") -> list:
+    """Writes the app directory (module docstring); returns the paths written."""
+    settings = dict(DEFAULT_CONFIG)
+    settings["out-dir"] = os.path.join(os.path.abspath(folder), "results")
+    settings.update(config or {})
+    package = os.path.join(folder, PACKAGE)
+    home = os.path.join(folder, ".flwr")
+    os.makedirs(package, exist_ok=True)
+    os.makedirs(home, exist_ok=True)
+    written = [write_round(made, package)]
+    files = {
+        os.path.join(folder, "pyproject.toml"): pyproject(name, settings),
+        os.path.join(package, "__init__.py"): '"""A fax_bridge round as a Flower app."""\n',
+        os.path.join(package, "server_app.py"): _SERVER,
+        os.path.join(package, "client_app.py"): _CLIENT,
+        os.path.join(folder, "README.md"): readme(made, folder, superlink, nodes or []),
+        os.path.join(home, "config.toml"): connection_toml(superlink),
+    }
+    for path, text in files.items():
+        with open(path, "w") as f:
+            f.write(text)
+        written.append(path)
+    return written

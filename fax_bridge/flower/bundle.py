@@ -1,0 +1,163 @@
+"""A round for Flower: built from a program, kept as `round.json` inside a Flower app.
+
+`build_round(fn, *args, placements=...)` exports a round `(state, client_data) ->
+(new_state, output)` in the production forms' type (`tff.forms.round_proto`, which
+refuses two server-client trips, client state and intrinsics no form holds, by name)
+and splits it with `fleet.plan.compile_plan`; a round the plan cannot split (a secure
+sum, say) is refused too. `FlowerRound` holds the round, its plan and the initial server
+state (the example state's tensors, depth first over the state's type).
+
+A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
+10 MB, so `round.json` holds the proto base64-encoded and the state's tensors likewise.
+`read_round(folder)` reads it back where the ServerApp and ClientApps run.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import json
+import os
+from typing import Any, Callable, Optional
+
+import numpy as np
+from federated_language.common_libs import structure
+
+from fax_bridge.errors import ExportError
+from fax_bridge.fleet import plan as round_plan
+from fax_bridge.fleet import wire
+from fax_bridge.runtime import backend, interpreter, values
+
+FORMAT = "fax_bridge.flower.round.v1"
+FILE_NAME = "round.json"
+MAX_BUNDLE_BYTES = 10 * 1024 * 1024  # what Flower accepts in an app bundle
+
+
+@dataclasses.dataclass
+class FlowerRound:
+    """A round computation, its plan and its initial server state."""
+
+    proto: Any
+    state: list  # the initial state's tensors, depth first
+
+    @functools.cached_property
+    def prepared(self) -> interpreter.Prepared:
+        return interpreter.prepare(self.proto)
+
+    @functools.cached_property
+    def plan(self) -> round_plan.Plan:
+        plan = round_plan.compile_plan(self.proto)
+        if plan is None:
+            raise ExportError(
+                f"the round {self.prepared.type} cannot be split into one broadcast, one "
+                "client part and aggregations (sum, mean, weighted mean, min, max) whose "
+                "inputs come from the clients, so no Flower round can run it; express "
+                "its aggregations with those (secure sums run on the fleet)")
+        if len(self.plan_parameter) != 2 or plan.client_inputs != [1]:
+            raise ExportError(
+                f"a Flower round takes (server_state, client_data), but this one has the "
+                f"parameter {self.prepared.parameter}")
+        return plan
+
+    @property
+    def plan_parameter(self) -> list:
+        return list(self.prepared.parameter.items())
+
+    @property
+    def state_type(self):
+        """The member type of the server state (the parameter's first element)."""
+        return self.plan_parameter[0][1].member
+
+    def state_value(self, tensors: list) -> Any:
+        """The state as a runtime value, from its tensors (depth first)."""
+        return backend.from_leaves(self.state_type, [np.asarray(t) for t in tensors])
+
+    def server_arg(self, state: Any) -> structure.Struct:
+        """The round's runtime argument on the server: the state, no client values."""
+        (state_name, _), (data_name, _) = self.plan_parameter
+        return structure.Struct([(state_name, state), (data_name, None)])
+
+    @functools.cached_property
+    def sent_type(self):
+        """The type of the broadcast values the client part receives: a struct of the
+        members of the server locals the round broadcasts."""
+        import federated_language
+
+        from fax_bridge.runtime import local_eval
+
+        server = dict(self.plan.server_locals)
+        members = []
+        for name in self.plan.broadcasts:
+            type_ = local_eval.parse_type(server[name].type)
+            if isinstance(type_, federated_language.FederatedType):
+                type_ = type_.member
+            members.append((None, type_))
+        return federated_language.StructType(members)
+
+
+def build_round(fn: Callable, *args: Any, placements: Any = None,
+                clients: Optional[int] = None) -> FlowerRound:
+    """The Flower round of a program and its example arguments (module docstring)."""
+    from fax_bridge.tff import forms
+
+    proto, _ = forms.round_proto(fn, *args, placements=placements, clients=clients)
+    prepared = interpreter.prepare(proto)
+    bound = values.bind_arguments(prepared.parameter, args, {})
+    state = bound.runtime_value()[0]
+    made = FlowerRound(proto=proto, state=backend.leaves(backend.as_numpy(state)))
+    made.plan  # refuses what the plan cannot split, here rather than on the nodes
+    return made
+
+
+def _tensor_json(t: np.ndarray) -> dict:
+    t = np.asarray(t)
+    return {"dtype": wire.dtype_name(t.dtype), "shape": list(t.shape),
+            "base64": base64.b64encode(t.tobytes()).decode()}
+
+
+def _tensor_from_json(entry: dict) -> np.ndarray:
+    dtype = wire.dtype_from_name(entry["dtype"])
+    shape = tuple(int(d) for d in entry["shape"])
+    return np.frombuffer(base64.b64decode(entry["base64"]), dtype).reshape(shape).copy()
+
+
+def write_round(made: FlowerRound, folder: str) -> str:
+    """Writes `round.json` into `folder`; returns its path. Refuses a round whose file
+    would not fit in a Flower app bundle."""
+    from fax_bridge.fleet import checkpoint
+
+    text = json.dumps({
+        "format": FORMAT,
+        "type": str(made.prepared.type),
+        "program": checkpoint.program_fingerprint(made.proto),
+        "round": base64.b64encode(made.proto.SerializeToString(deterministic=True)).decode(),
+        "state": [_tensor_json(t) for t in made.state],
+    })
+    if len(text) > MAX_BUNDLE_BYTES:
+        raise ExportError(
+            f"the round and its initial state take {len(text)} bytes as {FILE_NAME}, over "
+            f"the {MAX_BUNDLE_BYTES} bytes a Flower app bundle may hold; make the state "
+            "smaller or load it on the server from a file of its own")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, FILE_NAME)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+@functools.lru_cache(maxsize=4)
+def read_round(folder: str) -> FlowerRound:
+    """The round `write_round` wrote into `folder` (read once per process)."""
+    path = os.path.join(folder, FILE_NAME)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+        proto = interpreter.as_proto(base64.b64decode(data["round"]))
+        state = [_tensor_from_json(e) for e in data["state"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"{path} is not a fax_bridge Flower round ({e}); write it again "
+                          "with `fax-bridge flower`") from None
+    return FlowerRound(proto=proto, state=state)

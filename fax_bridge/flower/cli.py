@@ -1,0 +1,118 @@
+"""`fax-bridge flower MODULE_OR_FILE:FUNCTION -o DIR [--clients N] [--rounds R]`.
+
+Writes a Flower app directory for a round `(state, client_data) -> (new_state, output)`
+(`app_dir.write_app`): `flwr run DIR fax-bridge --stream` runs it against a SuperLink
+(`FLWR_HOME=DIR/.flwr`, which names the connection), offline, with no edits. The
+program and its example arguments are found as `fax-bridge export` finds them; the
+example state is the first round's state. With `--write-population FOLDER --nodes K`
+the example clients are also written as K populations (one per SuperNode, contiguous
+blocks) and DIR/README.md gives the commands that start those SuperNodes. `--check`
+then runs the rounds on a loopback deployment and compares the result with jax.jit as
+`fax-bridge parity` does (and with the fleet's bits). A round that one broadcast and
+aggregations cannot run is refused with the operations and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from fax_bridge import cli_args
+from fax_bridge.errors import FaxBridgeError
+
+
+def write_populations(data, folder: str, nodes: int) -> list:
+    """Writes the example clients (a dict of arrays with a leading clients axis, or one
+    array) as `nodes` populations; returns each SuperNode's node config."""
+    import numpy as np
+
+    from fax_bridge.data import write_population
+    from fax_bridge.fleet.protocol import partition
+
+    if isinstance(data, dict):
+        columns = {str(k): np.asarray(v) for k, v in data.items()}
+    elif hasattr(data, "shape"):
+        columns = {"data": np.asarray(data)}
+    else:
+        raise FaxBridgeError(
+            f"--write-population takes client data that is a dict of arrays or one array, "
+            f"not {type(data).__name__}; write the populations with "
+            "fax_bridge.data.write_population and pass keys= in the node config")
+    count = len(next(iter(columns.values())))
+    if not 1 <= nodes <= count:
+        raise FaxBridgeError(f"--nodes {nodes}: give 1..{count} (the example's clients)")
+    configs = []
+    for k, block in enumerate(partition(count, nodes)):
+        directory = os.path.abspath(os.path.join(folder, f"node-{k}"))
+        write_population(directory, ({key: col[i] for key, col in columns.items()}
+                                     for i in block), overwrite=True)
+        configs.append({"population": directory, "first-client": block.start})
+    return configs
+
+
+def _run(args: argparse.Namespace) -> int:
+    from fax_bridge.flower import app_dir, bundle
+    from fax_bridge.tff.cli import resolve_program
+
+    try:
+        prog, prog_args, placements = resolve_program(args.target, args.clients)
+        made = bundle.build_round(prog, *prog_args, placements=placements)
+        nodes = []
+        check_dir = os.path.join(args.output, ".flwr", "check")  # outside the bundle
+        pops = args.write_population or (os.path.join(check_dir, "pops") if args.check
+                                         else None)
+        if pops:
+            nodes = write_populations(prog_args[-1], pops, args.nodes)
+        written = app_dir.write_app(made, args.output, superlink=args.superlink,
+                                    config={"num-rounds": args.rounds,
+                                            "min-nodes": max(1, len(nodes))},
+                                    nodes=nodes)
+    except FaxBridgeError as e:
+        print(f"fax-bridge flower: {e}", file=sys.stderr)
+        return 2
+    print(f"Flower round {made.prepared.type}")
+    for path in written:
+        print(f"  {path}")
+    for config in nodes:
+        print(f"  population {config['population']} (first client {config['first-client']})")
+    print(f"run: FLWR_HOME={os.path.join(os.path.abspath(args.output), '.flwr')} "
+          f"flwr run {os.path.abspath(args.output)} fax-bridge --stream "
+          f"(start the SuperLink and SuperNodes first: {args.output}/README.md)")
+    if not args.check:
+        return 0
+    from fax_bridge.flower.check import check_app
+
+    try:
+        text, ok = check_app(prog, prog_args, made, args.output, nodes,
+                             os.path.join(check_dir, "home"), args.rounds)
+    except FaxBridgeError as e:
+        print(f"fax-bridge flower --check: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0 if ok else 1
+
+
+def register(subparsers) -> None:
+    """Adds the `flower` subcommand."""
+    p = subparsers.add_parser(
+        "flower", help="write a Flower app that runs a round on Flower's Deployment Engine",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
+    p.add_argument("-o", "--output", required=True, help="the app directory to write")
+    p.add_argument("--clients", type=cli_args.int_in(1), default=8,
+                   help="clients of the example arguments (>= 1, default 8)")
+    p.add_argument("--rounds", type=cli_args.int_in(1), default=3,
+                   help="num-rounds in the app's run config (default 3)")
+    p.add_argument("--superlink", default="127.0.0.1:9093",
+                   help="HOST:PORT of the SuperLink `flwr run` talks to (default "
+                        "127.0.0.1:9093)")
+    p.add_argument("--write-population", default=None, metavar="FOLDER",
+                   help="also write the example clients as one population per SuperNode")
+    p.add_argument("--nodes", type=cli_args.int_in(1), default=2,
+                   help="SuperNodes for --write-population and --check (default 2)")
+    p.add_argument("--check", action="store_true",
+                   help="then run --rounds rounds on a loopback deployment (a SuperLink and "
+                        "--nodes SuperNodes) and compare the result with jax.jit and with "
+                        "the fleet's round plan; exit 1 on a mismatch")
+    p.set_defaults(func=_run)

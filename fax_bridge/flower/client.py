@@ -1,0 +1,145 @@
+"""The ClientApp of a Flower round: a SuperNode's own clients, their exact partials.
+
+Each SuperNode serves a block of the population, named by its `--node-config`:
+
+    population="/data/pop"   a directory written by `fax_bridge.data.write_population`
+    first-client=0           the population id of the node's first client
+    num-clients=4            how many clients it serves (default: the rest of its store)
+    first-row=0              the store row of its first client (default 0: a store of
+                             only this node's clients; give first-client for a store
+                             shared by every node)
+    keys="x,y"               the stored array of each tensor of the client data, depth
+                             first (default: by the data's element names)
+
+A `query` message answers with that block. A `train` message brings the broadcast and
+the population ids of the node's clients in the round; the node reads only their rows,
+runs the round's client part over them (`fleet.plan.client_partials`: one XLA call for
+all of them where it can) and answers with one exact partial per aggregation
+(`records.partials_layout`). No client row leaves the node. The ClientApp itself is
+`relay.client_app`; this runs in its process, or in a warm `worker`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import numpy as np
+
+from fax_bridge.errors import FleetError
+from fax_bridge.flower import records
+
+NODE_CONFIG_HELP = ("start the SuperNode with --node-config 'population=\"DIR\" "
+                    "first-client=0 num-clients=4' (see fax_bridge.flower.client)")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeShare:
+    """The clients one SuperNode serves: population ids [first, first + count)."""
+
+    population: str
+    first: int
+    count: int
+    first_row: int = 0
+    keys: Optional[tuple] = None
+
+    @property
+    def stop(self) -> int:
+        return self.first + self.count
+
+    @classmethod
+    def from_config(cls, config) -> "NodeShare":
+        """The share a SuperNode's `--node-config` names (module docstring)."""
+        if "population" not in config:
+            raise FleetError(f"this SuperNode names no population; {NODE_CONFIG_HELP}")
+        directory = str(config["population"])
+        store = _store(directory)
+        try:
+            first = int(config.get("first-client", 0))
+            first_row = int(config.get("first-row", 0))
+            count = int(config.get("num-clients", store.num_clients - first_row))
+        except (TypeError, ValueError) as e:
+            raise FleetError(f"--node-config: {e}; {NODE_CONFIG_HELP}") from None
+        if first < 0 or first_row < 0 or count < 1 or \
+                first_row + count > store.num_clients:
+            raise FleetError(
+                f"--node-config first-client={first} first-row={first_row} num-clients="
+                f"{count} does not fit the population in {directory}, which holds "
+                f"{store.num_clients} clients; rows first-row .. first-row+num-clients-1 "
+                "must exist")
+        keys = config.get("keys")
+        keys = tuple(k.strip() for k in str(keys).split(",")) if keys else None
+        return cls(directory, first, count, first_row, keys)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """The store rows of population ids `ids` (each must be this node's)."""
+        outside = ids[(ids < self.first) | (ids >= self.stop)]
+        if outside.size:
+            raise FleetError(
+                f"client {int(outside[0])} is not served here: this node serves "
+                f"clients {self.first}..{self.stop - 1}")
+        return ids - self.first + self.first_row
+
+
+_STORES: dict = {}  # directory -> ClientStore, opened once per process
+
+
+def _store(directory: str):
+    from fax_bridge.runtime import population
+
+    store = _STORES.get(directory)
+    if store is None:
+        store = _STORES[directory] = population.open_store(directory)
+    return store
+
+
+def describe(share: NodeShare) -> dict:
+    """What a node answers a `query`: its block of the population."""
+    return {"first-client": share.first, "num-clients": share.count}
+
+
+def answer_query(config) -> dict:
+    """A node's answer to a `query` message, from its `--node-config`."""
+    return describe(NodeShare.from_config(config))
+
+
+def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
+                 broadcast: list) -> list:
+    """The exact partial (an `AggregateResponse`) of each aggregation of the round over
+    the node's clients `ids`, given the broadcast tensors."""
+    import federated_language
+
+    from fax_bridge.fleet import partials
+    from fax_bridge.fleet.plan import client_partials
+    from fax_bridge.flower.bundle import read_round
+    from fax_bridge.runtime import population
+    from fax_bridge.runtime.backend import from_leaves
+
+    made = read_round(bundle_dir)
+    plan = made.plan
+    store = _store(share.population)
+    member_type = federated_language.StructType([(None, t) for t in plan.input_types])
+    keys = [k for t in plan.input_types
+            for k in population.default_keys(t, share.keys)]
+    columns = population.plan_columns(store, member_type, keys)
+    members = population.read_members(store, member_type, columns, share.rows(ids))
+    sent = from_leaves(made.sent_type, broadcast)
+    specs = [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations]
+    found = client_partials(plan.client_part, plan.client_part_hash, sent, members, specs)
+    return [partials.to_message(p) for p in found]
+
+
+def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
+    """A node's answer to a `train` message (as `relay.request_of` unpacks it): (the
+    partials' arrays by key, {"layout", "counts", "compute-s"})."""
+    start = time.perf_counter()
+    share = NodeShare.from_config(config)
+    where = f"round {header[records.ROUND].get('round', '?')}"
+    ids = records.ids_from_arrays(arrays, where)
+    broadcast = records.tensors_from_arrays(arrays, header[records.LAYOUT], where,
+                                            prefix="b")
+    answers = partials_for(bundle_dir, share, ids, broadcast)
+    out, layout, counts = records.partials_layout(answers)
+    return out, {"layout": layout, "counts": counts,
+                 "compute-s": time.perf_counter() - start}

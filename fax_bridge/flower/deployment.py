@@ -1,0 +1,281 @@
+"""A Flower deployment on this machine: one SuperLink and SuperNodes on loopback.
+
+    with LocalDeployment(nodes=[{"population": "/pop", "first-client": 0,
+                                 "num-clients": 4}, ...], home="/tmp/flwr") as d:
+        d.run("app/", {"num-rounds": 3, "out-dir": "/tmp/out"})
+
+Each process is Flower's own command (`flower-superlink`, `flower-supernode`, then
+`flwr run`), started insecure on 127.0.0.1 with free ports, and with `warm=True` (the
+default) a warm worker per SuperNode (`worker`; the node's config then names it), in a process group of its
+own so that `stop()` (also on leaving the `with`) ends it and every process it started
+(SuperExec, ServerApp and ClientApp processes). Flower's commands are found beside the
+running Python, and that folder leads PATH, because the SuperLink and SuperNodes start
+`flower-superexec` by name. Apps' dependencies are not installed at run time
+(`--disable-runtime-dependency-installation`): fax_bridge and flwr are already here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from fax_bridge.errors import FleetError
+
+CONNECTION = "fax-bridge"
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def node_config_text(config: dict) -> str:
+    """A `--node-config` value: space-separated key=value, strings quoted as TOML."""
+    parts = []
+    for key, value in config.items():
+        if isinstance(value, str):
+            value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def connection_toml(address: str, name: str = CONNECTION) -> str:
+    """The Flower configuration (`$FLWR_HOME/config.toml`) of an insecure SuperLink."""
+    return (f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
+            f'address = "{address}"\ninsecure = true\n')
+
+
+def flower_env(home: str, poll_s: float = 0.05) -> dict:
+    """The environment Flower's processes run in (module docstring)."""
+    env = dict(os.environ)
+    bin_dir = os.path.dirname(sys.executable)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    env["FLWR_HOME"] = home
+    env["FLWR_TELEMETRY_ENABLED"] = "0"
+    env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(poll_s)
+    return env
+
+
+def _tail(path: Optional[str], chars: int = 2000) -> str:
+    """The end of a process's log, to quote in an error."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - chars))
+            return "; its log ends:\n" + f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float,
+               log: Optional[str] = None) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise FleetError(f"{what} exited with code {proc.returncode} before it listened "
+                             f"on port {port}{_tail(log)}")
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise FleetError(f"{what} did not listen on {LOOPBACK}:{port} within {timeout_s}s"
+                     f"{_tail(log)}")
+
+
+class LocalDeployment:
+    """A SuperLink and one SuperNode per entry of `nodes` (their `--node-config`)."""
+
+    def __init__(self, nodes: list, home: str, *, warm: bool = True, poll_s: float = 0.05,
+                 log_dir: Optional[str] = None, start_timeout_s: float = 120.0):
+        self.nodes = [dict(n) for n in nodes]
+        self.warm = warm
+        self.home = os.path.abspath(home)
+        self.env = flower_env(self.home, poll_s)
+        self.log_dir = log_dir or os.path.join(self.home, "logs")
+        self.start_timeout_s = start_timeout_s
+        self.port = 0
+        self.superlink: Optional[subprocess.Popen] = None
+        self.supernodes: list = []
+        self.workers: list = []
+        self._logs: list = []
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def __enter__(self) -> "LocalDeployment":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, command: list) -> subprocess.Popen:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
+        self._logs.append(log)
+        return subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def start(self) -> None:
+        """Starts the SuperLink, waits for it, then starts the SuperNodes."""
+        os.makedirs(self.home, exist_ok=True)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.port = free_port()
+        with open(os.path.join(self.home, "config.toml"), "w") as f:
+            f.write(connection_toml(self.address))
+        self.superlink = self._spawn("superlink", [
+            "flower-superlink", "--insecure", "--host", LOOPBACK, "--port", str(self.port),
+            "--disable-runtime-dependency-installation"])
+        configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
+            if self.warm else self.nodes
+        _wait_port(self.port, self.superlink, "flower-superlink", self.start_timeout_s,
+                   os.path.join(self.log_dir, "superlink.log"))
+        for i, config in enumerate(configs):
+            self.supernodes.append(self._spawn(f"supernode-{i}", [
+                "flower-supernode", "--insecure", "--superlink", self.address,
+                "--host", LOOPBACK, "--port", str(free_port()),
+                "--node-config", node_config_text(config)]))
+        for i, worker in enumerate(self.workers):
+            _wait_port(int(configs[i]["worker"].rsplit(":", 1)[1]), worker,
+                       f"the worker of SuperNode {i}", self.start_timeout_s,
+                       os.path.join(self.log_dir, f"worker-{i}.log"))
+
+    def _start_worker(self, index: int, config: dict) -> dict:
+        """Starts node `index`'s warm worker; returns the node's config naming it."""
+        import secrets
+
+        token_file = os.path.join(self.home, f"worker-{index}.token")
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        address = f"{LOOPBACK}:{free_port()}"
+        command = [sys.executable, "-m", "fax_bridge.flower.worker", "--listen", address,
+                   "--token-file", token_file]
+        for key, value in config.items():
+            command += [f"--{key}", str(value)]
+        self.workers.append(self._spawn(f"worker-{index}", command))
+        return {"worker": address, "worker-token-file": token_file}
+
+    def run(self, app_dir: str, run_config: Optional[dict] = None,
+            timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+        """`flwr run APP_DIR fax-bridge --stream` with run config overrides; waits for it
+        (at most `timeout_s`, then its process group is ended) and returns it."""
+        command = ["flwr", "run", os.path.abspath(app_dir), CONNECTION, "--stream"]
+        if run_config:
+            command += ["--run-config", node_config_text(run_config)]
+        proc = subprocess.Popen(command, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _end_group(proc)
+            out, _ = proc.communicate()
+            raise FleetError(f"`{' '.join(command)}` did not finish within {timeout_s}s; "
+                             f"its output:\n{out.decode(errors='replace')[-4000:]}") from None
+        return subprocess.CompletedProcess(command, proc.returncode, out.decode(
+            errors="replace"), "")
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILLs SuperNode `index`, everything it started, and its worker."""
+        _end_group(self.supernodes[index], signal.SIGKILL)
+        if self.workers:
+            _end_group(self.workers[index], signal.SIGKILL)
+
+    def log(self, name: str) -> str:
+        """The output so far of `superlink` or `supernode-I`."""
+        with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        """Ends the SuperNodes, then the SuperLink, each with its process group."""
+        for proc in self.supernodes + self.workers + (
+                [self.superlink] if self.superlink else []):
+            _end_group(proc)
+        self.supernodes, self.workers, self.superlink = [], [], None
+        for log in self._logs:
+            log.close()
+        self._logs = []
+
+
+def _children() -> dict:
+    """{parent pid: [child pids]} of every process (Linux /proc; empty elsewhere)."""
+    out: dict = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 1:
+            out.setdefault(int(fields[1]), []).append(int(name))
+    return out
+
+
+def _descendants(pid: int) -> list:
+    """Every process started under `pid`, however deep (some of Flower's start a
+    session of their own, so the process group alone does not reach them)."""
+    children, found, stack = _children(), [], [pid]
+    while stack and len(found) < 10_000:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _signal(pids: list, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _end_group(proc: subprocess.Popen, sig: int = signal.SIGTERM,
+               grace_s: float = 5.0) -> None:
+    """Sends `sig` to `proc`'s process group and to every process started under it
+    (SIGKILL to what is left after `grace_s`), and reaps `proc`."""
+    below = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    _signal(below, sig)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    below += _descendants(proc.pid) if proc.poll() is None else []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+    except ProcessLookupError:
+        pass
+    _signal(below, signal.SIGKILL)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass

@@ -1,0 +1,229 @@
+"""A round's values as Flower records: broadcasts, client ids and exact partials.
+
+Everything a round sends through Flower is an `ArrayRecord` of numpy arrays (so Flower's
+mods see arrays, never opaque bytes) beside a `ConfigRecord` of what the arrays alone
+do not say (dtype names, shapes, limb bases) and a `MetricRecord` of counts:
+
+- the broadcast: its tensors depth first, keys "0", "1", ...;
+- a node's clients: one int64 array of population ids, key "ids";
+- a node's partials: for aggregation j and tensor i, `aJ.vI.doubles` (float64, an exact
+  sum that float64 holds), `aJ.vI.limbs` (int64 [limbs, size], the fleet's exact
+  limbs) with `aJ.vI.flags` (uint8, non-finite addends), or `aJ.vI.extreme` (a min or
+  max); `aJ.w.*` the same for a weighted mean's weights.
+
+Partials are the fleet's (`fleet.partials`): a node builds its `AggregateResponse` with
+`partials.to_message` and `partials_layout` lays its fields out as arrays; the server
+reads them back into an `AggregateResponse` with `from_layout` and checks it with
+`validate.check_partial`, exactly as the coordinator checks a device's answer. Reading
+works on plain dicts of numpy arrays (`numpy_dict` of an ArrayRecord), so a warm worker
+and the ClientApp's own process decode the same way. The record names are `relay`'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import wire
+from fax_bridge.flower.relay import BROADCAST, IDS, LAYOUT, METRICS, PARTIALS, ROUND
+from fax_bridge.v1 import device_pb2 as pb
+
+__all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND"]
+
+
+def savable(value: np.ndarray) -> np.ndarray:
+    """`value` C-contiguous, as its bytes (uint8) when numpy cannot save its dtype (an
+    ml_dtypes one such as bfloat16, whose name travels beside it)."""
+    value = np.asarray(value)
+    if not value.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-d)
+        value = value.copy(order="C")
+    if value.dtype.kind == "V" or value.dtype.name != np.dtype(value.dtype.str).name:
+        value = value.view(np.uint8)
+    return value
+
+
+def array(value: np.ndarray):
+    """A Flower `Array` of `value` (`savable`)."""
+    from flwr.app import Array
+
+    return Array(savable(value))
+
+
+def numpy_dict(record, where: str) -> dict:
+    """{key: numpy array} of a Flower ArrayRecord."""
+    out = {}
+    for key, item in record.items():
+        try:
+            out[key] = item.numpy()
+        except Exception as e:  # noqa: BLE001 - whatever numpy or Flower raise on bad bytes
+            raise FleetError(f"{where}: array {key!r} cannot be read "
+                             f"({type(e).__name__}: {e})") from None
+    return out
+
+
+def numpy_of(value: np.ndarray, dtype: np.dtype, shape, where: str) -> np.ndarray:
+    """`value` as `dtype` and `shape` (checked; bytes of an ml_dtypes array viewed)."""
+    value = np.asarray(value)
+    dtype, shape = np.dtype(dtype), tuple(int(d) for d in shape)
+    if value.dtype != dtype:
+        if value.dtype != np.uint8 or value.size != int(np.prod(shape)) * dtype.itemsize:
+            raise FleetError(f"{where}: an array of {value.dtype}{list(value.shape)}; "
+                             f"expected {dtype.name}{list(shape)}")
+        value = value.view(dtype)
+    if value.size != int(np.prod(shape)):
+        raise FleetError(f"{where}: an array of {value.size} elements; expected shape "
+                         f"{list(shape)}")
+    return value.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Broadcast and ids
+
+
+def tensors_to_record(tensors: list):
+    """(ArrayRecord, ConfigRecord) of a list of tensors (the broadcast's, depth first)."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    arrays, layout = {}, {}
+    for i, t in enumerate(tensors):
+        t = np.asarray(t)
+        arrays[str(i)] = array(t)
+        layout[f"{i}.dtype"] = wire.dtype_name(t.dtype)
+        layout[f"{i}.shape"] = [int(d) for d in t.shape]
+    layout["count"] = len(tensors)
+    return ArrayRecord(arrays), ConfigRecord(layout)
+
+
+def tensors_from_arrays(arrays: dict, layout, where: str, prefix: str = "") -> list:
+    """The tensors `tensors_to_record` laid out (keys `prefix` + "0", "1", ...)."""
+    count = int(layout.get("count", -1))
+    found = sum(1 for k in arrays if k.startswith(prefix) and k[len(prefix):].isdigit())
+    if count < 0 or found != count:
+        raise FleetError(f"{where}: {found} broadcast arrays; expected {count}")
+    out = []
+    for i in range(count):
+        key = f"{prefix}{i}"
+        if key not in arrays:
+            raise FleetError(f"{where}: broadcast array {key} is missing")
+        out.append(numpy_of(arrays[key], wire.dtype_from_name(str(layout[f"{i}.dtype"])),
+                            layout[f"{i}.shape"], f"{where}, broadcast array {key}"))
+    return out
+
+
+def ids_to_record(ids: np.ndarray):
+    """The population ids of a node's clients in the round, as an ArrayRecord."""
+    from flwr.app import ArrayRecord
+
+    return ArrayRecord({IDS: array(np.asarray(ids, np.int64))})
+
+
+def ids_from_arrays(arrays: dict, where: str) -> np.ndarray:
+    """The client ids `ids_to_record` sent (checked)."""
+    if IDS not in arrays:
+        raise FleetError(f"{where}: the message names no clients (no {IDS!r} array)")
+    ids = np.asarray(arrays[IDS])
+    if ids.dtype != np.int64 or ids.ndim != 1:
+        raise FleetError(f"{where}: client ids must be one int64 vector, got "
+                         f"{ids.dtype}{list(ids.shape)}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------
+# Partials
+
+
+def _leaf_out(prefix: str, leaf: pb.LeafPartial, arrays: dict, layout: dict) -> None:
+    shape = [int(d) for d in leaf.shape]
+    if leaf.HasField("extreme"):
+        value = wire.decode_tensor(leaf.extreme)
+        arrays[f"{prefix}.extreme"] = value
+        layout[f"{prefix}.dtype"] = wire.dtype_name(value.dtype)
+        layout[f"{prefix}.shape"] = [int(d) for d in value.shape]
+        return
+    layout[f"{prefix}.dtype"] = leaf.dtype
+    layout[f"{prefix}.shape"] = shape
+    if leaf.doubles:
+        arrays[f"{prefix}.doubles"] = np.frombuffer(leaf.doubles, "<f8").reshape(shape)
+        return
+    layout[f"{prefix}.base"] = int(leaf.base_limb)
+    size = int(np.prod(shape))
+    arrays[f"{prefix}.limbs"] = np.frombuffer(leaf.limbs, "<i8").reshape(
+        (int(leaf.num_limbs), size))
+    if leaf.nonfinite:
+        arrays[f"{prefix}.flags"] = np.frombuffer(leaf.nonfinite, np.uint8)
+
+
+def partials_layout(answers: list) -> tuple:
+    """(numpy arrays by key, layout, client counts) of one `AggregateResponse` per
+    aggregation (a node's answer for its clients); arrays of dtypes numpy cannot save
+    (bfloat16, ...) as their bytes, their dtype in the layout."""
+    arrays: dict = {}
+    layout: dict = {"aggregations": len(answers)}
+    counts = []
+    for j, answer in enumerate(answers):
+        layout[f"a{j}.leaves"] = len(answer.leaves)
+        layout[f"a{j}.weights"] = len(answer.weight_leaves)
+        counts.append(int(answer.num_clients))
+        for i, leaf in enumerate(answer.leaves):
+            _leaf_out(f"a{j}.v{i}", leaf, arrays, layout)
+        for leaf in answer.weight_leaves:
+            _leaf_out(f"a{j}.w", leaf, arrays, layout)
+    return {k: savable(v) for k, v in arrays.items()}, layout, counts
+
+
+def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
+    out = pb.LeafPartial()
+    try:
+        dtype = wire.dtype_from_name(str(layout[f"{prefix}.dtype"]))
+        shape = [int(d) for d in layout[f"{prefix}.shape"]]
+    except KeyError as e:
+        raise FleetError(f"{where}: the partial's layout has no {e.args[0]!r}") from None
+    if f"{prefix}.extreme" in arrays:
+        wire.encode_tensor(numpy_of(arrays[f"{prefix}.extreme"], dtype, shape, where),
+                           out.extreme)
+        return out
+    out.dtype = wire.dtype_name(dtype)
+    out.shape.extend(shape)
+    if f"{prefix}.doubles" in arrays:
+        out.doubles = np.ascontiguousarray(
+            numpy_of(arrays[f"{prefix}.doubles"], np.float64, shape, where), "<f8").tobytes()
+        return out
+    if f"{prefix}.limbs" not in arrays:
+        raise FleetError(f"{where}: partial tensor {prefix} has neither doubles, limbs "
+                         "nor an extreme")
+    limbs = np.asarray(arrays[f"{prefix}.limbs"])
+    if limbs.dtype != np.int64 or limbs.ndim != 2:
+        raise FleetError(f"{where}: limbs of {prefix} must be an int64 matrix, got "
+                         f"{limbs.dtype}{list(limbs.shape)}")
+    out.base_limb = int(layout.get(f"{prefix}.base", 0))
+    out.num_limbs = limbs.shape[0]
+    out.limbs = np.ascontiguousarray(limbs, "<i8").tobytes()
+    if f"{prefix}.flags" in arrays:
+        out.nonfinite = np.ascontiguousarray(arrays[f"{prefix}.flags"], np.uint8).tobytes()
+    return out
+
+
+def from_layout(arrays: dict, layout, counts: list, kinds: list, where: str) -> list:
+    """One `AggregateResponse` per aggregation (of `kinds`) from a node's partials
+    (`partials_layout`'s three parts), for `validate.check_partial` to check."""
+    if int(layout.get("aggregations", -1)) != len(kinds):
+        raise FleetError(f"{where}: partials of {layout.get('aggregations')} aggregations; "
+                         f"the round has {len(kinds)}")
+    counts = list(counts)
+    if len(counts) != len(kinds):
+        raise FleetError(f"{where}: {len(counts)} client counts for {len(kinds)} "
+                         "aggregations")
+    out = []
+    for j in range(len(kinds)):
+        answer = pb.AggregateResponse(num_clients=int(counts[j]))
+        for i in range(int(layout.get(f"a{j}.leaves", 0))):
+            answer.leaves.append(_leaf_in(f"a{j}.v{i}", arrays, layout, where))
+        if int(layout.get(f"a{j}.weights", 0)):
+            answer.weight_leaves.append(_leaf_in(f"a{j}.w", arrays, layout, where))
+        out.append(answer)
+    return out
+
+
+def payload_bytes(arrays) -> int:
+    """Bytes of the arrays of an ArrayRecord (as Flower counts them)."""
+    return int(arrays.count_bytes())

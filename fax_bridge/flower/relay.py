@@ -1,0 +1,142 @@
+"""The ClientApp of a Flower round, and its link to a warm worker.
+
+Flower 1.42 starts a new ClientApp process for every message a SuperNode receives. A
+round's client part needs jax and an XLA compilation, which would then be paid on every
+round; so a SuperNode can name a warm worker (`python -m fax_bridge.flower.worker`,
+started once beside it, which keeps jax loaded and the compiled client part) in its
+`--node-config`:
+
+    worker="127.0.0.1:9300" worker-token-file="/path/token"
+
+The ClientApp then only relays: it sends the round's broadcast and client ids to the
+worker (HTTP on loopback, the token in a header, arrays as an npz read with
+`allow_pickle=False`) and turns the worker's partials into Flower records. This module
+imports only the standard library, numpy and flwr, never fax_bridge's package (whose
+`__init__` loads jax), so the app loads it by file path (`app_dir`). Without `worker`
+the ClientApp computes in its own process: `client_app(..., local)` calls `local()`
+for the module that does (`fax_bridge.flower.client`, imported only then).
+
+The record names every side uses are kept here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import io
+import json
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+BROADCAST = "broadcast"
+IDS = "ids"
+ROUND = "round"
+PARTIALS = "partials"
+LAYOUT = "layout"
+METRICS = "metrics"
+TOKEN_HEADER = "X-Fax-Bridge-Token"
+HEADER_KEY = "__header__"
+MAX_BODY_BYTES = 1 << 30
+
+
+def pack(arrays: dict, header: dict) -> bytes:
+    """An npz of `arrays` with `header` (JSON) beside them."""
+    out = io.BytesIO()
+    data = dict(arrays)
+    data[HEADER_KEY] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(out, **data)
+    return out.getvalue()
+
+
+def unpack(data: bytes) -> tuple:
+    """(arrays, header) of a `pack`ed npz (nothing is unpickled)."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    header = json.loads(bytes(arrays.pop(HEADER_KEY)).decode())
+    if not isinstance(header, dict):
+        raise ValueError("the npz header is not a JSON object")
+    return arrays, header
+
+
+def token_matches(given: Optional[str], token: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def read_token(path: str) -> str:
+    with open(path) as f:
+        token = f.read().strip()
+    if len(token) < 16:
+        raise ValueError(f"the worker token in {path} is shorter than 16 characters")
+    return token
+
+
+def call(address: str, token: str, path: str, body: bytes = b"",
+         timeout_s: float = 600.0) -> bytes:
+    """POSTs `body` to the worker at `address` (HOST:PORT, loopback); its answer."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        connection.request("POST", path, body=body, headers={
+            TOKEN_HEADER: token, "Content-Type": "application/octet-stream"})
+        response = connection.getresponse()
+        data = response.read()
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise RuntimeError(f"the fax_bridge worker at {address} answered {path} with "
+                           f"{response.status}: {data.decode(errors='replace')[:2000]}")
+    return data
+
+
+def request_of(content) -> tuple:
+    """(arrays, header) of a `train` message's content, as a worker takes them."""
+    arrays = {IDS: content[IDS][IDS].numpy()}
+    for key, item in content[BROADCAST].items():
+        arrays[f"b{key}"] = item.numpy()
+    header = {LAYOUT: dict(content[LAYOUT]), ROUND: dict(content[ROUND])}
+    return arrays, header
+
+
+def _worker(config) -> tuple:
+    return str(config["worker"]), read_token(str(config["worker-token-file"]))
+
+
+def client_app(bundle_dir: str, local: Callable[[], Any]):
+    """The Flower `ClientApp` of the round whose `round.json` is in `bundle_dir`;
+    `local()` gives the module that answers in this process (`answer_query`,
+    `serve_round`) for a node without a worker."""
+    from flwr.app import (Array, ArrayRecord, ConfigRecord, Message, MetricRecord,
+                          RecordDict)
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+
+    @app.query()
+    def query(msg: Message, context) -> Message:
+        config = context.node_config
+        if "worker" in config:
+            address, token = _worker(config)
+            share = json.loads(call(address, token, "/share"))
+        else:
+            share = local().answer_query(config)
+        return Message(RecordDict({METRICS: MetricRecord(share)}), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context) -> Message:
+        config = context.node_config
+        arrays, header = request_of(msg.content)
+        if "worker" in config:
+            address, token = _worker(config)
+            header["bundle"] = bundle_dir
+            out, info = unpack(call(address, token, "/round", pack(arrays, header)))
+        else:
+            out, info = local().serve_round(bundle_dir, config, arrays, header)
+        metrics = MetricRecord({"num-clients": [int(c) for c in info["counts"]],
+                                "compute-s": float(info["compute-s"])})
+        return Message(RecordDict({
+            PARTIALS: ArrayRecord({k: Array(v) for k, v in out.items()}),
+            LAYOUT: ConfigRecord(info["layout"]), METRICS: metrics,
+            ROUND: ConfigRecord(header[ROUND])}), reply_to=msg)
+
+    return app

@@ -1,0 +1,317 @@
+"""The ServerApp of a Flower round: rounds under a `RoundPolicy` over the SuperNodes.
+
+Each round is planned as the fleet plans it (`rounds.plan_round`: the seeded cohort,
+dropouts, late clients, `check_min_clients`); the server prepare runs here
+(`plan_server`), each SuperNode holding participants gets one `train` message (the
+broadcast and the ids of its participants), and the answers are checked
+(`validate.check_partial`, as the coordinator checks a device) and merged in node order,
+which is population order, then finished and fed to the server result. A node that
+answers with an error or not within the deadline (`round-deadline-s`, else
+`node-timeout-s`) is dropped with its clients, as the fleet drops a lost device; when
+fewer than `min-clients` clients remain the round fails with a `FleetError` naming the
+nodes (the run's first round waits longer, `first-round-timeout-s`: nodes start
+then). Every round leaves a `RoundReport` (logged, and written to `reports.jsonl`).
+
+The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
+`flwr run --run-config`), see `Settings`. With `checkpoint-dir` the state is saved
+after every round (`fleet.checkpoint`) and a rerun resumes after the last saved round
+with the same bits as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from fax_bridge.errors import CheckpointError, FleetError
+from fax_bridge.flower import nodes as flower_nodes
+from fax_bridge.flower import records
+from fax_bridge.fleet.ids import ClientIds
+from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The run config of a Flower round (keys as in `[tool.flwr.app.config]`)."""
+
+    num_rounds: int = 1
+    policy: RoundPolicy = RoundPolicy()
+    node_timeout_s: float = 120.0
+    first_round_timeout_s: float = 300.0
+    min_nodes: int = 1
+    wait_nodes_s: float = 60.0
+    poll_s: float = 0.05
+    out_dir: str = ""
+    checkpoint_dir: str = ""
+
+    @classmethod
+    def from_run_config(cls, config) -> "Settings":
+        def get(key, kind, default):
+            try:
+                return kind(config.get(key, default))
+            except (TypeError, ValueError):
+                raise FleetError(f"run config {key}={config.get(key)!r} is not a "
+                                 f"{kind.__name__}") from None
+
+        cohort = get("cohort-size", int, 0)
+        deadline = get("round-deadline-s", float, 0.0)
+        policy = RoundPolicy(cohort_size=cohort if cohort > 0 else None,
+                             dropout=get("dropout", float, 0.0),
+                             round_deadline_s=deadline if deadline > 0 else None,
+                             min_clients=get("min-clients", int, 1),
+                             seed=get("seed", int, 0), emulate_delays=False)
+        return cls(num_rounds=get("num-rounds", int, 1), policy=policy,
+                   node_timeout_s=get("node-timeout-s", float, 120.0),
+                   first_round_timeout_s=get("first-round-timeout-s", float, 300.0),
+                   min_nodes=get("min-nodes", int, 1),
+                   wait_nodes_s=get("wait-nodes-s", float, 60.0),
+                   poll_s=get("poll-s", float, 0.05),
+                   out_dir=get("out-dir", str, ""),
+                   checkpoint_dir=get("checkpoint-dir", str, ""))
+
+    def deadline_s(self, first: bool) -> float:
+        """How long a round waits for the nodes' answers: `round-deadline-s`, else
+        `node-timeout-s`; the run's first round at least `first-round-timeout-s`, as
+        nodes load jax and compile the client part then."""
+        deadline = self.policy.round_deadline_s
+        wait = self.node_timeout_s if deadline is None else deadline
+        return max(wait, self.first_round_timeout_s) if first else wait
+
+
+def _train_messages(made, env: dict, nodes: list, ids: np.ndarray, round_index: int,
+                    ttl_s: float):
+    """(node, its participants, message) for each node holding participants of the
+    round; the messages expire when the round stops waiting (`ttl_s`), so a node that
+    comes back later does not work on a round that is over."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    from fax_bridge.runtime.backend import as_numpy, leaves
+
+    sent = [as_numpy(env[name]) for name in made.plan.broadcasts]
+    tensors = [t for value in sent for t in leaves(value)]
+    arrays, layout = records.tensors_to_record(tensors)
+    out = []
+    for node in nodes:
+        mine = ids[(ids >= node.first) & (ids < node.stop)]
+        if not mine.size:
+            continue
+        content = RecordDict({
+            records.BROADCAST: arrays, records.LAYOUT: layout,
+            records.IDS: records.ids_to_record(mine),
+            records.ROUND: ConfigRecord({"round": round_index,
+                                         "client-part": made.plan.client_part_hash})})
+        out.append((node, mine, Message(content, dst_node_id=node.node_id,
+                                        message_type=MessageType.TRAIN,
+                                        group_id=str(round_index), ttl=ttl_s)))
+    return out
+
+
+def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: Settings,
+              population: int, reports: list, first: bool = False) -> Any:
+    """One round (module docstring); returns its result. Its `RoundReport` is appended
+    to `reports` before anything runs, so a failed round leaves one too. `first`: the
+    run's first round (`Settings.deadline_s`)."""
+    from fax_bridge.fleet import plan_server, validate
+    from fax_bridge.runtime import aggregation, values
+    from fax_bridge.runtime.backend import from_leaves
+
+    policy = settings.policy
+    planned = plan_round(policy, population, round_index)
+    rep = RoundReport(round=round_index, population=population, cohort=planned.cohort,
+                      dropped=planned.dropped, late=planned.late,
+                      participants=planned.participants, delays_s=planned.delays_s,
+                      devices=len(nodes), preaggregate=True)
+    reports.append(rep)
+    start = time.perf_counter()
+    try:
+        check_min_clients(policy, planned, round_index)
+        plan = made.plan
+        ids = planned.participants.array()
+        env = plan_server.prepare(plan, made.server_arg(state), None, len(ids))
+        wait = settings.deadline_s(first)
+        sends = _train_messages(made, env, nodes, ids, round_index, max(wait, 1.0))
+        rep.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
+                             for _, _, m in sends)
+        rep.rpcs = len(sends)
+        replies = flower_nodes.exchange(grid, [m for _, _, m in sends], wait,
+                                        settings.poll_s)
+        kinds = [a.kind for a in plan.aggregations]
+        totals = [aggregation.Partial(kind=k, leaves=[]) for k in kinds]
+        found, pending, lost, reasons = [], [], [], []
+        for node, mine, _ in sends:  # node order is population order
+            reply = replies.get(node.node_id)
+            if reply is None or reply.has_error():
+                lost.append((node, mine))
+                reasons.append(f"{node.name}: " + (
+                    f"no answer within {wait}s" if reply is None
+                    else reply.error.reason))
+                continue
+            where = node.name
+            content = reply.content
+            rep.bytes_up += records.payload_bytes(content[records.PARTIALS])
+            rep.compute_s += float(content[records.METRICS].get("compute-s", 0.0))
+            answers = records.from_layout(
+                records.numpy_dict(content[records.PARTIALS], where),
+                content[records.LAYOUT], content[records.METRICS].get("num-clients", []),
+                kinds, where)
+            for total, agg, answer in zip(totals, plan.aggregations, answers):
+                value_types, weight_types = agg.leaf_types
+                partial, payload = validate.check_partial(
+                    answer, agg.kind, value_types, weight_types, len(mine), where,
+                    pending=pending)
+                rep.payload_up += payload
+                found.append((total, partial))
+        if lost:
+            rep.lost_devices = reasons  # each node's name and why it was dropped
+            rep.lost_clients = ClientIds(np.concatenate([m for _, m in lost]))
+            rep.participants = rep.participants.without(rep.lost_clients.array())
+            if not found:
+                raise FleetError(f"round {round_index}: no SuperNode answered: "
+                                 f"{'; '.join(reasons)}; restart them or raise the wait "
+                                 "(node-timeout-s, round-deadline-s)")
+            if len(rep.participants) < policy.min_clients:
+                raise FleetError(
+                    f"round {round_index}: {'; '.join(reasons)}; only "
+                    f"{len(rep.participants)} clients are left but min_clients="
+                    f"{policy.min_clients}; lower min-clients, raise the deadline or "
+                    "restart those SuperNodes")
+        validate.check_pending(pending)
+        for total, partial in found:
+            aggregation.merge(total, partial)
+        for agg, total in zip(plan.aggregations, totals):
+            env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
+        result = values.check_value(
+            plan_server.result(plan, env, None, len(rep.participants)),
+            made.prepared.result, "result")
+    except BaseException as e:
+        rep.error = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        rep.wall_s = time.perf_counter() - start
+    return result
+
+
+class _Outputs:
+    """What a run leaves in `out-dir`: `reports.jsonl` (one `RoundReport` a line; a file
+    type Flower leaves out of app bundles, so an out-dir inside the app stays out of
+    them) and `result.npz` (the last round's result, keys as `fax-bridge run` writes
+    them)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.reports: list = []
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+
+    def write_reports(self, reports: list) -> None:
+        lines = [json.dumps(_plain_report(rep), default=_plain) for rep in reports]
+        self._write("reports.jsonl", "".join(line + "\n" for line in lines).encode())
+
+    def result(self, made, result: Any) -> None:
+        from fax_bridge.runtime import values
+
+        if self.folder:
+            path = os.path.join(self.folder, "result.npz")
+            tmp = path + ".tmp.npz"
+            np.savez(tmp, **values.result_to_npz(result, made.prepared.result))
+            os.replace(tmp, path)
+
+    def _write(self, name: str, data: bytes) -> None:
+        if not self.folder:
+            return
+        path = os.path.join(self.folder, name)
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+
+
+def _plain_report(rep: RoundReport) -> dict:
+    out = rep.as_dict()
+    out["delays_s"] = {int(k): float(v) for k, v in out["delays_s"].items()}
+    return out
+
+
+def _plain(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _resume(made, settings: Settings) -> tuple:
+    """(state, first round, checkpoint meta) from the checkpoint or the bundle."""
+    from fax_bridge.fleet import checkpoint
+
+    meta = {"computation": str(made.prepared.type),
+            "program": checkpoint.program_fingerprint(made.proto),
+            "policy": repr(settings.policy), "num_rounds": settings.num_rounds}
+    state, start = made.state_value(made.state), 0
+    if settings.checkpoint_dir:
+        saved = checkpoint.load(settings.checkpoint_dir)
+        if saved is not None:
+            for key in ("computation", "program", "policy"):
+                if saved.meta.get(key) != meta[key]:
+                    raise CheckpointError(
+                        f"checkpoint in {settings.checkpoint_dir} belongs to another run "
+                        f"(its {key} differs); use a fresh checkpoint-dir or delete it")
+            state, start = made.state_value(saved.state), saved.round + 1
+    return state, start, meta
+
+
+def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
+    """Runs the rounds of the round in `bundle_dir` on the grid's SuperNodes; returns the
+    last round's result (None when every round had run already)."""
+    from fax_bridge.fleet import checkpoint
+    from fax_bridge.flower.bundle import read_round
+    from fax_bridge.runtime.backend import as_numpy, leaves
+
+    settings = Settings.from_run_config(run_config)
+    made = read_round(bundle_dir)
+    made.plan  # refuses a round the plan cannot split before any node is asked
+    node_ids = flower_nodes.wait_for_nodes(grid, settings.min_nodes, settings.wait_nodes_s,
+                                           settings.poll_s)
+    nodes = flower_nodes.discover(grid, node_ids, settings.node_timeout_s, settings.poll_s)
+    population = nodes[-1].stop
+    log(f"fax_bridge: {len(nodes)} SuperNodes serve {population} clients: "
+        + ", ".join(n.name for n in nodes))
+    state, start, meta = _resume(made, settings)
+    outputs = _Outputs(settings.out_dir)
+    reports: list = []
+    result = None
+    for r in range(start, settings.num_rounds):
+        try:
+            result = run_round(grid, made, nodes, state, r, settings, population, reports,
+                               first=r == start)
+            state = result[0]
+            if settings.checkpoint_dir:
+                checkpoint.save(settings.checkpoint_dir, r, leaves(as_numpy(state)), meta)
+            outputs.result(made, result)
+        finally:  # the report last: once it names a round, that round's files are there
+            outputs.write_reports(reports)
+            if reports and reports[-1].round == r:
+                log(f"fax_bridge: {reports[-1].summary()}"
+                    + (f"; failed: {reports[-1].error}" if reports[-1].error else ""))
+    return result
+
+
+def server_app(bundle_dir: str):
+    """The Flower `ServerApp` of the round in `bundle_dir` (module docstring)."""
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        from logging import INFO
+
+        from flwr.supercore import log as flwr_log
+
+        run_server(grid, context.run_config, bundle_dir,
+                   log=lambda text: flwr_log(INFO, text))
+
+    return app

@@ -1,0 +1,112 @@
+"""A SuperNode's warm worker: jax loaded once, the round's client part compiled once.
+
+    python -m fax_bridge.flower.worker --listen 127.0.0.1:9300 --token-file TOKEN \\
+        --population /data/pop --first-client 0 [--num-clients 4] [--first-row 0]
+
+Started once beside a SuperNode whose `--node-config` names it (`worker=...`,
+`worker-token-file=...`, see `relay`), it answers the ClientApp processes Flower starts
+for each message: `/share` (the node's block of the population) and `/round` (the
+partials of a round over the node's clients, computed by `client.serve_round`, the
+same code a ClientApp runs in its own process). It serves HTTP on loopback only, one
+request at a time, and refuses requests without its token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import os
+import sys
+import threading
+from typing import Optional, Sequence
+
+from fax_bridge.flower import relay
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _handler(config: dict, token: str):
+    from fax_bridge.flower import client
+
+    share = client.NodeShare.from_config(config)  # checked before serving
+    lock = threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # the SuperNode logs the rounds
+            pass
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            if not relay.token_matches(self.headers.get(relay.TOKEN_HEADER), token):
+                return self._answer(403, b"wrong or missing worker token")
+            size = int(self.headers.get("Content-Length", 0))
+            if not 0 <= size <= relay.MAX_BODY_BYTES:
+                return self._answer(413, b"request too large")
+            body = self.rfile.read(size)
+            try:
+                with lock:
+                    if self.path == "/share":
+                        return self._answer(200, json.dumps(client.describe(share)).encode())
+                    if self.path != "/round":
+                        return self._answer(404, f"no {self.path}".encode())
+                    arrays, header = relay.unpack(body)
+                    out, info = client.serve_round(str(header["bundle"]), config, arrays,
+                                                   header)
+                    return self._answer(200, relay.pack(out, info))
+            except Exception as e:  # noqa: BLE001 - reported to the ClientApp, which fails
+                return self._answer(500, f"{type(e).__name__}: {e}".encode())
+
+    return Handler
+
+
+def serve(listen: str, token: str, config: dict) -> http.server.HTTPServer:
+    """The worker's server, bound (serve it with `serve_forever`)."""
+    host, port = listen.rsplit(":", 1)
+    if host not in LOOPBACK:
+        raise SystemExit(f"--listen {listen}: the worker serves loopback only "
+                         "(127.0.0.1:PORT); it runs beside its SuperNode")
+    return http.server.HTTPServer((host, int(port)), _handler(config, token))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", required=True, help="127.0.0.1:PORT")
+    parser.add_argument("--token-file", required=True,
+                        help="file holding the token (16+ characters) requests must carry")
+    parser.add_argument("--population", required=True, help="the node's population dir")
+    parser.add_argument("--first-client", type=int, default=0)
+    parser.add_argument("--num-clients", type=int, default=None)
+    parser.add_argument("--first-row", type=int, default=0)
+    parser.add_argument("--keys", default=None, help="stored arrays, comma-separated")
+    args = parser.parse_args(argv)
+    config = {"population": args.population, "first-client": args.first_client,
+              "first-row": args.first_row}
+    if args.num_clients is not None:
+        config["num-clients"] = args.num_clients
+    if args.keys:
+        config["keys"] = args.keys
+    from fax_bridge.errors import FaxBridgeError
+
+    try:
+        server = serve(args.listen, relay.read_token(args.token_file), config)
+    except (FaxBridgeError, OSError, ValueError) as e:
+        print(f"fax_bridge flower worker: {e}", file=sys.stderr)
+        return 2
+    print(f"fax_bridge flower worker on {args.listen} (pid {os.getpid()})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,423 @@
+"""Rounds on Flower: partials as records, the ServerApp and ClientApp with Flower's own
+Message objects in process (the same bits as the fleet's plan; dropped nodes,
+min_clients, cohorts, checkpoints, refusals), the `fax-bridge flower` command, and one
+real deployment (a SuperLink and two SuperNodes on loopback, `flwr run`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import federated_language
+import jax
+import numpy as np
+import pytest
+from federated_language.common_libs import structure
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge import cli
+from fax_bridge.errors import CheckpointError, ExportError, FleetError
+from fax_bridge.fleet import partials, plan as P, validate
+from fax_bridge.runtime import aggregation, values
+
+flwr = pytest.importorskip("flwr")
+from flwr.app import Context, RecordDict  # noqa: E402
+from flwr.serverapp import Grid  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from fax_bridge.data import write_population  # noqa: E402
+from fax_bridge.flower import app_dir, bundle, client, records, relay, server  # noqa: E402
+from fax_bridge.tff.cli import resolve_program  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
+N = 6
+BLOCKS = [(0, 4), (4, 6)]
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    prog, args, placements = resolve_program(f"{QUICKSTART}:fedavg_round", N)
+    return prog, args, bundle.build_round(prog, *args, placements=placements)
+
+
+@pytest.fixture(scope="module")
+def populations(tmp_path_factory, quickstart):
+    _, (_, data), _ = quickstart
+    root = tmp_path_factory.mktemp("populations")
+    configs = []
+    for k, (a, b) in enumerate(BLOCKS):
+        path = str(root / f"node-{k}")
+        write_population(path, [{"x": data["x"][i], "y": data["y"][i]} for i in range(a, b)])
+        configs.append({"population": path, "first-client": a})
+    return configs
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory, quickstart):
+    folder = str(tmp_path_factory.mktemp("app"))
+    app_dir.write_app(quickstart[2], folder)
+    return folder
+
+
+class LocalGrid(Grid):
+    """A Grid that hands each message to a ClientApp in this process; `silent` nodes
+    answer a query but never a round (a node killed after the run started)."""
+
+    def __init__(self, apps: dict, silent=()):
+        self.apps, self.silent, self.replies = apps, set(silent), {}
+
+    def set_run(self, run) -> None:
+        pass
+
+    @property
+    def run(self):
+        return None
+
+    def create_message(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return list(self.apps)
+
+    def get_nodes(self):
+        return []
+
+    def push_messages(self, messages):
+        ids = []
+        for message in messages:
+            message_id = uuid.uuid4().hex
+            message.metadata.__dict__["_message_id"] = message_id
+            node = message.metadata.dst_node_id
+            if node not in self.silent or message.metadata.message_type == "query":
+                clientapp, context = self.apps[node]
+                self.replies[message_id] = clientapp(message, context)
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise AssertionError("the ServerApp pushes and pulls itself (`nodes.exchange`)")
+
+
+def _grid(app_folder: str, configs: list, silent=()) -> LocalGrid:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    clientapp = relay.client_app(os.path.join(app_folder, app_dir.PACKAGE), lambda: client)
+    apps = {100 + k: (clientapp, Context(run_id=1, node_id=100 + k, node_config=c,
+                                         state=RecordDict(), run_config={}))
+            for k, c in enumerate(configs)}
+    return LocalGrid(apps, silent={100 + k for k in silent})
+
+
+def _expected(made, args, rounds: int, clients=None, state=None):
+    """The fleet plan's results (run in process) over `rounds` rounds."""
+    bound = values.bind_arguments(made.prepared.parameter, args, {})
+    if clients is not None:
+        bound = bound.select_clients(np.asarray(clients))
+    data = bound.runtime_value()[1]
+    state = made.state_value(made.state) if state is None else state
+    result = None
+    for _ in range(rounds):
+        result = P.run_in_process(made.plan, structure.Struct(
+            [("params", state), ("data", data)]))
+        state = result[0]
+    return result
+
+
+def _bits(result, made) -> dict:
+    return {k: v.tobytes() for k, v in
+            values.result_to_npz(result, made.prepared.result).items()}
+
+
+def _npz_bits(path: str) -> dict:
+    with np.load(path) as f:
+        return {k: f[k].tobytes() for k in f.files}
+
+
+def _reports(folder: str) -> list:
+    with open(os.path.join(folder, "reports.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------ records
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["sum", "mean", "weighted_mean", "min", "max"]),
+       clients=st.integers(1, 5), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([np.float32, np.int32, np.float64]))
+def test_partials_cross_as_records_and_are_checked_like_a_device_answer(
+        kind, clients, seed, dtype):
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    if kind in ("mean", "weighted_mean") and dtype is np.int32:
+        dtype = np.float32  # means of integers are refused when traced
+    rng = np.random.default_rng(seed)
+    members = [(rng.normal(size=3) * 10).astype(dtype) for _ in range(clients)]
+    members[0][0] = 0  # exact zeros, and -0 where the sum has only them
+    members[-1][1] = -0.0
+    weights = [np.float32(w) for w in rng.uniform(0, 3, clients)] \
+        if kind == "weighted_mean" else None
+    partial = aggregation.partial_of(kind, members, weights)
+    arrays, layout, counts = records.partials_layout([partials.to_message(partial)])
+    record = ArrayRecord({k: records.array(v) for k, v in arrays.items()})
+    back = records.from_layout(records.numpy_dict(record, "test"), ConfigRecord(layout),
+                               counts, [kind], "test")
+    t = federated_language.TensorType(members[0].dtype, [3])
+    weight_types = [federated_language.TensorType(np.float32)] if weights else []
+    checked, _ = validate.check_partial(back[0], kind, [t], weight_types, clients, "test")
+    want = aggregation.finish(partial)
+    got = aggregation.finish(checked)
+    assert [w.tobytes() for w in want] == [g.tobytes() for g in got]
+
+
+def test_a_damaged_partial_is_refused_by_name():
+    arrays = {"a0.v0.doubles": np.zeros(4)}
+    layout = {"aggregations": 1, "a0.leaves": 1, "a0.weights": 0,
+              "a0.v0.dtype": "float32", "a0.v0.shape": [3]}
+    with pytest.raises(FleetError, match="expected shape"):
+        records.from_layout(arrays, layout, [2], ["sum"], "node 7")
+    with pytest.raises(FleetError, match="node 7: partials of 1 aggregations"):
+        records.from_layout(arrays, layout, [2], ["sum", "mean"], "node 7")
+
+
+# ------------------------------------------------------------ rounds in process
+
+
+def test_rounds_in_process_have_the_fleet_plans_bits(tmp_path, quickstart, populations,
+                                                     app):
+    prog, args, made = quickstart
+    grid = _grid(app, populations)
+    out = str(tmp_path / "out")
+    got = server.run_server(grid, {"num-rounds": 3, "out-dir": out}, os.path.join(
+        app, app_dir.PACKAGE), log=lambda text: None)
+    want = _expected(made, args, 3)
+    assert _bits(got, made) == _bits(want, made) == _npz_bits(f"{out}/result.npz")
+    params = args[0]
+    for _ in range(3):  # jit agrees as the fleet does (to rounding; exact sums above)
+        params, loss = jax.jit(prog)(params, args[1])
+    got_tree = values.to_pytree(got, made.prepared.result)
+    for a, b in zip(jax.tree_util.tree_leaves(got_tree),
+                    jax.tree_util.tree_leaves((params, loss))):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    from fax_bridge.flower.check import describe, parity_of_run
+
+    report, same_bits = parity_of_run(prog, args, made, f"{out}/result.npz", 3, 2, 0.0)
+    assert report.ok and same_bits, describe(report, same_bits, 3)
+    assert "PARITY OK" in describe(report, same_bits, 3)
+    reports = _reports(out)
+    assert [r["round"] for r in reports] == [0, 1, 2]
+    assert all(r["participants"] == list(range(N)) and r["devices"] == 2 and
+               r["bytes_up"] > 0 and r["error"] is None for r in reports)
+
+
+def test_a_silent_node_is_dropped_and_min_clients_is_kept(tmp_path, quickstart,
+                                                          populations, app):
+    _, args, made = quickstart
+    bundle_dir = os.path.join(app, app_dir.PACKAGE)
+    out = str(tmp_path / "out")
+    grid = _grid(app, populations, silent=[1])
+    quick = {"num-rounds": 1, "node-timeout-s": 0.2, "first-round-timeout-s": 0.0}
+    got = server.run_server(grid, dict(quick, **{"out-dir": out}), bundle_dir,
+                            log=lambda text: None)
+    assert _bits(got, made) == _bits(_expected(made, args, 1, clients=range(4)), made)
+    rep = _reports(out)[0]
+    assert rep["participants"] == [0, 1, 2, 3] and rep["lost_clients"] == [4, 5]
+    assert "node 101" in rep["lost_devices"][0]
+    grid = _grid(app, populations, silent=[1])
+    with pytest.raises(FleetError, match=r"node 101 .*no answer within 0.2s.*only 4 "
+                                         r"clients are left but min_clients=5"):
+        server.run_server(grid, dict(quick, **{"min-clients": 5, "out-dir": out}),
+                          bundle_dir, log=lambda text: None)
+    assert "min_clients=5" in _reports(out)[0]["error"]
+    with pytest.raises(FleetError, match="no SuperNode answered: node 100 "):
+        server.run_server(_grid(app, populations, silent=[0, 1]),
+                          dict(quick, **{"min-clients": 0, "out-dir": out}), bundle_dir,
+                          log=lambda text: None)
+
+
+def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickstart,
+                                                               populations, app):
+    from fax_bridge.flower import worker
+
+    token_file = tmp_path / "token"
+    token_file.write_text("t" * 32)
+    servers, configs = [], []
+    for config in populations:
+        httpd = worker.serve("127.0.0.1:0", "t" * 32, config)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        configs.append({"worker": f"127.0.0.1:{httpd.server_address[1]}",
+                        "worker-token-file": str(token_file)})
+    try:
+        _, args, made = quickstart
+        out = str(tmp_path / "out")
+        got = server.run_server(_grid(app, configs), {"num-rounds": 2, "out-dir": out},
+                                os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
+        assert _bits(got, made) == _bits(_expected(made, args, 2), made)
+        with pytest.raises(RuntimeError, match="403: wrong or missing worker token"):
+            relay.call(configs[0]["worker"], "u" * 32, "/share")
+        assert json.loads(relay.call(configs[1]["worker"], "t" * 32, "/share")) == \
+            {"first-client": 4, "num-clients": 2}
+    finally:
+        for httpd in servers:
+            httpd.shutdown()
+            httpd.server_close()
+
+
+def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(
+        tmp_path, quickstart, populations, app):
+    from fax_bridge.fleet.rounds import RoundPolicy, plan_round
+
+    bundle_dir = os.path.join(app, app_dir.PACKAGE)
+    config = {"cohort-size": 4, "seed": 3, "out-dir": str(tmp_path / "a")}
+    straight = server.run_server(_grid(app, populations), dict(config, **{"num-rounds": 3}),
+                                 bundle_dir, log=lambda text: None)
+    cohorts = [r["cohort"] for r in _reports(str(tmp_path / "a"))]
+    assert cohorts == [list(plan_round(RoundPolicy(cohort_size=4, seed=3), N, r).cohort)
+                       for r in range(3)]
+    ckpt = str(tmp_path / "ckpt")
+    config.update({"checkpoint-dir": ckpt, "out-dir": str(tmp_path / "b")})
+    server.run_server(_grid(app, populations), dict(config, **{"num-rounds": 2}),
+                      bundle_dir, log=lambda text: None)
+    resumed = server.run_server(_grid(app, populations), dict(config, **{"num-rounds": 3}),
+                                bundle_dir, log=lambda text: None)
+    made = quickstart[2]
+    assert _bits(resumed, made) == _bits(straight, made)
+    assert [r["round"] for r in _reports(str(tmp_path / "b"))] == [2]
+    with pytest.raises(CheckpointError, match="policy"):
+        server.run_server(_grid(app, populations), dict(config, **{"seed": 4}), bundle_dir,
+                          log=lambda text: None)
+
+
+def test_node_configs_that_do_not_tile_the_population_are_refused(app, populations):
+    with pytest.raises(FleetError, match="names no population.*--node-config"):
+        client.NodeShare.from_config({"first-client": 0})
+    overlapping = [populations[0], dict(populations[1], **{"first-client": 3})]
+    with pytest.raises(FleetError, match="overlaps client 4"):
+        server.run_server(_grid(app, overlapping), {"num-rounds": 1},
+                          os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
+    with pytest.raises(FleetError, match="does not fit the population"):
+        client.NodeShare.from_config(dict(populations[1], **{"num-clients": 3}))
+
+
+def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
+    @fb.program(clients=3)
+    def two_trips(w, x):
+        mean = fb.federated_mean(fb.federated_map_clients(
+            lambda a, b: a * b, (fb.federated_broadcast(w), x)))
+        again = fb.federated_broadcast(mean)
+        return w, fb.federated_sum(fb.federated_map_clients(lambda m, b: m + b, (again, x)))
+
+    w, x = np.float32(1.0), np.ones((3, 2), np.float32)
+    with pytest.raises(ExportError, match="two server-client trips"):
+        bundle.build_round(two_trips, w, x, placements=("server", "clients"))
+
+    @fb.program(clients=3)
+    def secure(w, x):
+        total = fb.federated_secure_sum_bitwidth(
+            fb.federated_map_clients(lambda a, b: (b * 0).astype(np.int32), (
+                fb.federated_broadcast(w), x)), 8)
+        return w, total
+
+    with pytest.raises(ExportError, match="cannot be split"):
+        bundle.build_round(secure, w, x, placements=("server", "clients"))
+
+
+# ---------------------------------------------------------------------- command
+
+
+def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):
+    from pathlib import Path
+
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.cli.config_utils import load_and_validate
+
+    out = tmp_path / "app"
+    code = cli.main(["flower", f"{QUICKSTART}:fedavg_round", "-o", str(out), "--clients",
+                     "6", "--write-population", str(tmp_path / "pop"), "--nodes", "2"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "flwr run" in text and "first client 3" in text
+    config, _ = load_and_validate(out / "pyproject.toml", check_module=False)
+    assert config["tool"]["flwr"]["app"]["components"]["clientapp"] == \
+        "fax_round.client_app:app"
+    assert config["tool"]["flwr"]["app"]["config"]["min-nodes"] == 2
+    assert len(build_fab_from_disk(Path(out))) < 10 * 1024 * 1024
+    # What Flower runs for every message: without a worker it is all that loads.
+    probe = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location("
+             f"'client_app', {str(out / 'fax_round' / 'client_app.py')!r}); "
+             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+             "print(type(m.app).__name__, sorted(k for k in sys.modules if k.split('.')[0] "
+             "in ('jax', 'fax_bridge', 'federated_language')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, FLWR_TELEMETRY_ENABLED="0"))
+    assert loaded.stdout.split() == ["ClientApp", "[]"], loaded.stderr[-2000:]
+    made = bundle.read_round(str(out / "fax_round"))
+    assert made.plan.aggregations[0].kind == "weighted_mean"
+    assert client.NodeShare.from_config({"population": str(tmp_path / "pop" / "node-1"),
+                                         "first-client": 3}).stop == 6
+
+
+# ------------------------------------------------------------------- deployment
+
+
+@pytest.mark.slow
+def test_a_deployment_runs_rounds_with_the_fleets_bits_and_survives_a_killed_node(
+        tmp_path, quickstart, populations):
+    """A SuperLink and two warm SuperNodes on loopback; `flwr run` of the app the
+    command writes: rounds 0-2 have the fleet plan's bits; SuperNode 1 is killed once
+    round 2 is reported, and round 3 finishes on node 0's clients."""
+    from fax_bridge.flower.deployment import LocalDeployment
+
+    prog, args, made = quickstart
+    folder = str(tmp_path / "app")
+    assert cli.main(["flower", f"{QUICKSTART}:fedavg_round", "-o", folder, "--clients",
+                     str(N)]) == 0
+    out = str(tmp_path / "out")
+    seen: dict = {}
+
+    def kill_after_round_2(deployment):
+        end = time.monotonic() + 240
+        while time.monotonic() < end and not seen.get("done"):
+            try:
+                rounds = [r["round"] for r in _reports(out)]
+            except (OSError, ValueError):
+                rounds = []
+            if 2 in rounds:
+                shutil.copy(f"{out}/result.npz", f"{out}/round-2.npz")
+                deployment.kill_node(1)
+                seen["killed"] = True
+                return
+            time.sleep(0.05)
+
+    with LocalDeployment(populations, str(tmp_path / "flwr")) as deployment:
+        watcher = threading.Thread(target=kill_after_round_2, args=(deployment,))
+        watcher.start()
+        try:
+            run = deployment.run(folder, {"num-rounds": 4, "out-dir": out, "min-nodes": 2,
+                                          "node-timeout-s": 40.0}, timeout_s=400)
+        finally:
+            seen["done"] = True
+            watcher.join()
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert seen.get("killed"), run.stdout[-3000:]
+    reports = _reports(out)
+    assert [r["round"] for r in reports] == [0, 1, 2, 3]
+    assert [r["participants"] for r in reports] == [list(range(N))] * 3 + [[0, 1, 2, 3]]
+    assert reports[3]["lost_clients"] == [4, 5] and "clients 4..5" in \
+        reports[3]["lost_devices"][0]
+    assert _npz_bits(f"{out}/round-2.npz") == _bits(_expected(made, args, 3), made)
+    state = _expected(made, args, 3)[0]
+    want = _expected(made, args, 1, clients=range(4), state=state)
+    assert _npz_bits(f"{out}/result.npz") == _bits(want, made)
+    assert "round 3: 4/6 clients reported" in run.stdout
