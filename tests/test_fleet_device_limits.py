@@ -167,3 +167,57 @@ def test_client_streams_refuse_mixed_or_empty_streams(stub, method):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert match in info.value.details()
     assert stub.Health(pb.HealthRequest(), timeout=10, metadata=MD).status == "SERVING"
+
+
+@st.composite
+def _id_chunks(draw):
+    """Client ids cut into a stream's messages, with some ids repeated (or none)."""
+    ids = draw(st.lists(st.integers(0, 1 << 40), min_size=1, max_size=12, unique=True))
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(ids)))
+        ids.insert(at, draw(st.sampled_from(ids)))
+    cuts = sorted(draw(st.lists(st.integers(1, len(ids)), max_size=3)))
+    bounds = [0, *cuts, len(ids)]
+    return ids, [ids[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@settings(max_examples=25, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_id_chunks(), method=st.sampled_from(["Put", "Round", "Broadcast"]))
+def test_a_value_naming_a_client_twice_is_refused_naming_the_id(stub, case, method):
+    """Within one message or across a stream's messages: a repeated client id would count
+    that client's data twice, so Put, Round and Broadcast refuse it before anything runs."""
+    ids, chunks = case
+    seen, repeated = set(), set()
+    for i in ids:
+        (repeated if i in seen else seen).add(i)
+
+    def values(chunk):
+        out = []
+        for i in chunk:
+            item = pb.ClientValue(client_id=i)
+            wire.encode_value(np.float32(i % 7), item.value)
+            out.append(item)
+        return out
+
+    if method == "Broadcast":
+        call = lambda: stub.Broadcast(pb.BroadcastRequest(
+            handle=40, value=wire.to_message(np.float32(1)), client_ids=ids),
+            timeout=10, metadata=MD)
+    else:
+        request = pb.PutRequest if method == "Put" else pb.RoundRequest
+        extra = {"handle": 40} if method == "Put" else {}
+        call = lambda: getattr(stub, method)(
+            iter([request(values=values(c), **extra) for c in chunks]), timeout=10,
+            metadata=MD)
+    if not repeated:
+        if method != "Round":  # a Round needs a loaded computation: Put and Broadcast do
+            call()
+            stub.Release(pb.ReleaseRequest(handles=[40]), timeout=10, metadata=MD)
+        return
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    first = min(repeated)
+    assert f"names client id {first} {ids.count(first)} times" in info.value.details()
+    assert stub.Health(pb.HealthRequest(), timeout=10, metadata=MD).num_handles == 0

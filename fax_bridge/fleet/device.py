@@ -33,6 +33,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 import grpc
+import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
@@ -297,6 +298,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 members.append(wire.decode_value(item.value))
         if first is None:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} stream sent no message")
+        check_unique_ids(ids, what)
         return first, ids, members, reads, received
 
     @_rpc
@@ -327,6 +329,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         value = wire.decode_value(request.value)
         ids = (list(range(first, stop)) if request.HasField("client_range")
                else list(request.client_ids))
+        check_unique_ids(ids, "Broadcast")
         self._store(request.handle, Stored(client_ids=ids, shared=value))
         return pb.BroadcastResponse()
 
@@ -339,8 +342,6 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     def read_store(self, reads: list) -> tuple[int, list]:
         """(first client, members) of a stream of `StoreRead`s, read from the population."""
-        import numpy as np
-
         from fax_bridge.runtime import population as pop
 
         if self.population is None:
@@ -520,6 +521,25 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
 ARRAY_OVERHEAD_BYTES = 128  # what python spends on an array beside its data
 CLIENT_ID_BYTES = 32        # a client id in a list (the int and its slot)
+
+
+def check_unique_ids(ids: Sequence[int], what: str) -> None:
+    """INVALID_ARGUMENT naming a client id that `ids` holds more than once: a value holds
+    one member per client, so a repeated id would count that client's data twice."""
+    if len(ids) < 2:
+        return
+    order = np.asarray(ids, np.int64)
+    if bool((order[1:] > order[:-1]).all()):  # the usual case: ids in increasing order
+        return
+    order = np.sort(order)
+    repeated = order[1:][order[1:] == order[:-1]]
+    if repeated.size:
+        first = int(repeated[0])
+        times = int(np.count_nonzero(order == first))
+        raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{what} names client id {first} {times} times (and "
+                        f"{np.unique(repeated).size} repeated ids in all); every client "
+                        "id of a value must be distinct")
 
 
 def _value_bytes(value) -> int:
