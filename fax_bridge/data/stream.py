@@ -1,9 +1,10 @@
-"""Client populations on disk, read back one cohort at a time through numpy memmaps.
+"""Client populations on disk, read back one cohort at a time.
 
 `write_population(directory, clients)` consumes an iterable of client datasets (a
 generator works, so the population never has to fit in memory) and appends each array
 to one flat binary file per key, recording where every client starts. `ClientStore`
-maps those files read-only and copies out only the clients a round asks for.
+keeps those files open and reads only the clients a round asks for (never mapping them,
+so a file changed under it is a clear error, not a crash).
 
 Layout of the directory: `<key>.bin` (raw C-order bytes), `offsets.npy` (int64, one more
 entry than clients: client i owns examples `offsets[i]:offsets[i+1]`) and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -22,6 +24,8 @@ from fax_bridge.data.padding import PaddedClients, pad_clients
 from fax_bridge.errors import DataError
 
 META_FILE = "population.json"
+# Scattered clients whose rows lie within this many bytes are read in one call
+SPAN_READ_BYTES = 64 << 10
 OFFSETS_FILE = "offsets.npy"
 _FORMAT = 1
 
@@ -82,7 +86,19 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
 
 
 class ClientStore:
-    """A population written by `write_population`, memory-mapped read-only."""
+    """A population written by `write_population`, read a cohort at a time.
+
+    Each array's file stays open and rows are read with `pread` into private buffers,
+    never memory-mapped: a file truncated, grown, rewritten or replaced under a running
+    reader makes that read fail with a `DataError` naming the file and what changed (a
+    mapping would instead kill the process with SIGBUS on a truncated page). `rows`
+    compares the open file it reads with what it opened (size, modification and change
+    times) before and after reading, so a read never mixes old and new bytes unnoticed;
+    `check` compares the files under their names (a file replaced or removed too, and
+    the layout files `population.json` and `offsets.npy`): `client` and population reads
+    call it once per read. A change made within the file
+    system's timestamp granularity of opening, keeping the size, can go unseen.
+    """
 
     def __init__(self, directory: str):
         meta_path = os.path.join(directory, META_FILE)
@@ -90,34 +106,132 @@ class ClientStore:
             raise FileNotFoundError(
                 f"{directory} holds no population ({META_FILE} missing); write one with "
                 "fax_bridge.data.write_population.")
-        with open(meta_path) as f:
-            meta = json.load(f)
+        self.directory = directory
+        self._fds: dict[str, int] = {}
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        # path -> its identity when opened (what `check` compares it with)
+        self._opened: dict[str, tuple] = {}
+        self._layout = [meta_path, os.path.join(directory, OFFSETS_FILE)]
+        with open(meta_path, "rb") as f:
+            self._opened[meta_path] = _identity(os.fstat(f.fileno()))
+            meta = json.loads(f.read())
         if meta.get("format") != _FORMAT:
             raise DataError(f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
-        self.directory = directory
-        self.offsets = np.asarray(np.load(os.path.join(directory, OFFSETS_FILE)), np.int64)
+        offsets_path = os.path.join(directory, OFFSETS_FILE)
+        with open(offsets_path, "rb") as f:
+            self._opened[offsets_path] = _identity(os.fstat(f.fileno()))
+            self.offsets = np.asarray(np.load(f), np.int64)
         total = int(self.offsets[-1]) if self.offsets.size else 0
         self.spec: dict[str, tuple[np.dtype, tuple]] = {}  # key -> (dtype, example shape)
-        self._arrays = {}
+        self._paths: dict[str, str] = {}
         for k, s in meta["arrays"].items():
             dtype, example = np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"])
             self.spec[k] = (dtype, example)
-            shape = (total,) + example
-            path = os.path.join(directory, f"{k}.bin")
             if total == 0:
-                self._arrays[k] = np.zeros(shape, dtype=dtype)
                 continue
+            path = os.path.join(directory, f"{k}.bin")
             want = total * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
-            size = os.path.getsize(path) if os.path.exists(path) else -1
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                fd, size = None, -1
+            else:
+                self._fds[k] = fd
+                opened = os.fstat(fd)
+                size = opened.st_size
             if size != want:
+                self.close()
                 raise DataError(
                     f"population array {path} holds {size} bytes but {total} examples of "
                     f"{dtype.name}{list(example)} need {want}; the store is damaged.")
-            self._arrays[k] = np.memmap(path, dtype=dtype, mode="r", shape=shape)
+            self._paths[k] = path
+            self._opened[path] = _identity(opened)
 
-    def array(self, key: str) -> np.ndarray:
-        """The stored array `key`: every example of every client, memory-mapped."""
-        return self._arrays[key]
+    def close(self) -> None:
+        """Closes the store's files (reads fail afterwards)."""
+        self._finalizer()
+
+    def __enter__(self) -> "ClientStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check(self, keys: Optional[Sequence[str]] = None) -> None:
+        """Raises DataError naming a file of the store that changed on disk since it was
+        opened (replaced or removed under its name too): the layout files and the arrays
+        `keys` (by default all of them)."""
+        paths = self._layout + [self._paths[k] for k in (self._paths if keys is None
+                                                         else keys) if k in self._paths]
+        for path in paths:
+            try:
+                now = _identity(os.stat(path))
+            except OSError as e:
+                raise self._changed(path, f"it is gone ({e.strerror})") from None
+            was = self._opened[path]
+            if now != was:
+                raise self._changed(path, _what_changed(was, now))
+
+    def _changed(self, path: str, what: str) -> DataError:
+        return DataError(
+            f"population file {path} changed since this store opened it: {what}; no row "
+            "was read from it. Open the population again (a new ClientStore; restart a device "
+            "hosting it) to read the new data.")
+
+    def rows(self, key: str, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Examples `starts[i]:starts[i] + counts[i]` of array `key` for every i, one block
+        after another, as one array of `sum(counts)` examples copied into memory."""
+        return self.read([key], starts, counts)[0]
+
+    def read(self, keys: Sequence[str], starts: np.ndarray,
+             counts: np.ndarray) -> list[np.ndarray]:
+        """`rows` of each array of `keys`, after one `check` of their files by name."""
+        starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
+        total = int(counts.sum())
+        self.check(keys)
+        runs = _runs(starts.tolist(), counts.tolist())
+        if runs:  # the examples' span; scattered runs within a small one are read as it
+            lo = min(first for first, _ in runs)
+            span = max(first + count for first, count in runs) - lo
+        index = None
+        out = []
+        for key in keys:
+            dtype, example = self.spec[key]
+            block = np.empty((total,) + example, dtype)
+            out.append(block)
+            if not block.size:
+                continue
+            fd, path = self._fds[key], self._paths[key]
+            step = block.itemsize * int(np.prod(example, dtype=np.int64))
+            if len(runs) > 1 and span * step <= max(SPAN_READ_BYTES, 2 * block.nbytes):
+                if index is None:
+                    index = np.concatenate([np.arange(f - lo, f - lo + n) for f, n in runs])
+                whole = np.empty((span,) + example, dtype)
+                self._pread(fd, path, memoryview(whole.reshape(-1).view(np.uint8)),
+                            lo * step)
+                np.take(whole, index, axis=0, out=block)
+            else:
+                buffer = memoryview(block.reshape(-1).view(np.uint8))
+                done = 0
+                for first, count in runs:
+                    self._pread(fd, path, buffer[done:done + count * step], first * step)
+                    done += count * step
+            now = _identity(os.fstat(fd))
+            if now != self._opened[path]:  # changed while read: old and new bytes may mix
+                raise self._changed(path, _what_changed(self._opened[path], now))
+        return out
+
+    def _pread(self, fd: int, path: str, buffer: memoryview, offset: int) -> None:
+        want = len(buffer)
+        got = os.preadv(fd, [buffer], offset)
+        while 0 < got < want:  # a read may return less than asked; ask for the rest
+            more = os.preadv(fd, [buffer[got:]], offset + got)
+            if not more:
+                break
+            got += more
+        if got != want:
+            raise self._changed(path, f"{want} bytes at offset {offset} read as {got} "
+                                "(truncated)")
 
     @property
     def num_clients(self) -> int:
@@ -130,17 +244,56 @@ class ClientStore:
 
     @property
     def keys(self) -> list[str]:
-        return sorted(self._arrays)
+        return sorted(self.spec)
 
     def client(self, i: int) -> dict:
         """Client i's dataset, copied into memory."""
         if not 0 <= i < self.num_clients:
             raise IndexError(f"client {i} is out of range for {self.num_clients} clients.")
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        return {k: np.array(a[lo:hi]) for k, a in self._arrays.items()}
+        self.check()
+        return {k: self.rows(k, np.array([lo]), np.array([hi - lo])) for k in self.keys}
 
     def cohort(self, ids: Sequence[int], size: Optional[int] = None,
                multiple_of: int = 1) -> PaddedClients:
         """The clients `ids`, padded to a common size (see `pad_clients`)."""
         return pad_clients([self.client(int(i)) for i in ids], size=size,
                            multiple_of=multiple_of)
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _what_changed(was: tuple, now: tuple) -> str:
+    """What differs between two `_identity` tuples of one path, in words."""
+    if was[:2] != now[:2]:
+        return f"it was replaced by another file (inode {was[1]} -> {now[1]})"
+    if now[2] < was[2]:
+        return f"it was truncated from {was[2]} to {now[2]} bytes"
+    if now[2] > was[2]:
+        return f"it grew from {was[2]} to {now[2]} bytes"
+    return f"it was rewritten in place (modified {(now[3] - was[3]) / 1e9:+.6f} s later)" \
+        if now[3] != was[3] else "its metadata changed (ctime)"
+
+
+def _runs(starts: list, counts: list) -> list:
+    """(first example, examples) of each run of consecutive blocks (one read each)."""
+    runs: list = []
+    end = -1
+    for first, count in zip(starts, counts):
+        if first == end and runs:
+            runs[-1][1] += count
+        elif count:
+            runs.append([first, count])
+        end = first + count if count else end
+    return runs
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()

@@ -7,7 +7,8 @@ adds mutual TLS; addresses other than loopback need `--allow-remote`. Messages a
 bytes held on the device are capped (`--max-message-bytes`, `--max-stored-bytes`).
 `--population DIR` hosts a population written by `fax_bridge.data.stream.write_population`:
 the coordinator then sends only client ids (a Put stream of `from_store` reads) and
-the device reads those clients' rows from its memory-mapped store. Computations arrive
+the device reads those clients' rows from its store (a store file changed on disk makes
+such a read FAILED_PRECONDITION, naming the file and the change; the device serves on). Computations arrive
 once, by content hash; client values stay here behind coordinator-chosen handles until
 they are fetched, aggregated (partials over this device's own clients) or released. A
 round by plan (`Round`, or `RoundOnce` for a request of one message) is served by
@@ -37,7 +38,7 @@ import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
-from fax_bridge.errors import FaxBridgeError, FleetError
+from fax_bridge.errors import DataError, FaxBridgeError, FleetError
 from fax_bridge.fleet import partials, wire
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.backend import leaves
@@ -381,7 +382,14 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         pop.check_ids(store, ids)
         self._check_room(pop.rows_bytes(store, columns, ids), f"reading {len(ids)} clients")
-        return int(head.first_client), pop.read_members(store, member_type, columns, ids)
+        try:
+            members = pop.read_members(store, member_type, columns, ids)
+        except DataError as e:  # a store file changed on disk: this read only is refused
+            log.error("population %r: %s", self.population_name, e)
+            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"from_store: the hosted population {self.population_name!r} "
+                            f"changed on disk: {e}") from None
+        return int(head.first_client), members
 
     def _read_plan(self, member_type_bytes: bytes, keys: tuple) -> tuple:
         """(member Type, `population.plan_columns`) of a from_store read, kept for the few
