@@ -221,3 +221,49 @@ def test_a_value_naming_a_client_twice_is_refused_naming_the_id(stub, case, meth
     first = min(repeated)
     assert f"names client id {first} {ids.count(first)} times" in info.value.details()
     assert stub.Health(pb.HealthRequest(), timeout=10, metadata=MD).num_handles == 0
+
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + SETTINGS
+
+
+def test_health_is_answered_beside_hundreds_of_idle_connections_and_stalled_streams():
+    """300 loopback connections that never make a call (half silent since connecting,
+    half idle after the HTTP/2 preface) and more never-sending Put streams than the
+    device runs calls at once: a new caller's Health is still answered, and the stalled
+    streams do not keep other calls out once they end."""
+    import socket
+    import threading
+
+    device_process.raise_fd_limit()  # the test process holds both ends of every socket
+    servicer = device.DeviceServicer("idle")
+    server, port = device_process.start_server("127.0.0.1:0", servicer, max_workers=2,
+                                               token=TOKEN)
+    address, sockets, release = f"127.0.0.1:{port}", [], threading.Event()
+
+    def never_sends():  # a request stream that sends nothing until released
+        release.wait(30)
+        yield from ()
+
+    try:
+        for i in range(300):
+            sockets.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            if i % 2:
+                sockets[-1].sendall(_PREFACE)
+        with grpc.insecure_channel(address) as busy:
+            stalled = [pb_grpc.DeviceStub(busy).Put.future(never_sends(), timeout=30,
+                                                           metadata=MD) for _ in range(3)]
+            with grpc.insecure_channel(address) as channel:  # a new connection
+                answer = pb_grpc.DeviceStub(channel).Health(pb.HealthRequest(), timeout=10,
+                                                            metadata=MD)
+                assert answer.status == "SERVING"
+                release.set()
+                for call in stalled:
+                    with pytest.raises(grpc.RpcError, match="sent no message"):
+                        call.result(timeout=30)
+                pb_grpc.DeviceStub(channel).Release(pb.ReleaseRequest(handles=[1]),
+                                                    timeout=10, metadata=MD)
+    finally:
+        release.set()
+        for s in sockets:
+            s.close()
+        server.stop(None)
