@@ -39,7 +39,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import DataError, FaxBridgeError, FleetError
-from fax_bridge.fleet import partials, wire
+from fax_bridge.fleet import memory, partials, wire
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.backend import leaves
 from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_CALL_SECONDS,
@@ -97,6 +97,8 @@ def _rpc(method: Callable) -> Callable:
                 yield from method(self, request, context)
             except Exception as e:
                 _abort(self, context, method, e)
+            finally:
+                self.moved.settle()  # a large call's buffers go back to the system
 
         return stream
 
@@ -106,6 +108,8 @@ def _rpc(method: Callable) -> Callable:
             return method(self, request, context)
         except Exception as e:
             _abort(self, context, method, e)
+        finally:
+            self.moved.settle()
 
     return unary
 
@@ -144,6 +148,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         self._handles: dict[int, Stored] = {}
         self._computations: dict[str, computation_pb2.Computation] = {}
         self._lock = threading.Lock()          # guards the two dicts
+        self.moved = memory.MovedBytes()  # request and answer bytes, for release_memory
         self._compute = threading.Lock()       # one computing request at a time
 
     # -- helpers ------------------------------------------------------------------
@@ -242,7 +247,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         # The hash names the computation for every later Map, and for every coordinator
         # sharing this device: bytes that do not hash to it are refused, so no caller can
         # register other code under a computation's name.
-        digest = hashlib.sha256(request.computation).hexdigest()
+        body = request.computation  # each read of a bytes field copies it: read it once
+        self.moved.add(len(body))
+        digest = hashlib.sha256(body).hexdigest()
         if digest != request.computation_hash:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"Load: computation_hash {request.computation_hash[:16]!r} is not "
@@ -255,11 +262,12 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
         proto = computation_pb2.Computation()
         try:
-            proto.ParseFromString(request.computation)
+            proto.ParseFromString(body)
         except Exception as e:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"Load: the bytes of computation {request.computation_hash[:12]} "
                             f"are not a serialized federated_language Computation ({e})")
+        del body
         compile_local(proto)  # refused here, at Load, when it cannot run
         with self._lock:
             self._computations[request.computation_hash] = proto
@@ -276,6 +284,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         reads: list = []
         received = 0
         for message in messages:
+            before = received
             if first is None:
                 first = message
             elif check is not None:
@@ -292,11 +301,13 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{what} stream mixes client values and from_store reads")
             self._check_clients(len(members) + len(message.values), what)
-            received += sum(item.value.ByteSize() for item in message.values)
-            self._check_room(received, what)
             for item in message.values:
                 ids.append(item.client_id)
-                members.append(wire.decode_value(item.value))
+                members.append(wire.decode_value(item.value))  # a copy of the bytes
+                received += _value_bytes(members[-1])
+            self.moved.add(received - before)
+            self._check_room(received, what)
+            message.ClearField("values")  # the decoded copies are all that is kept
         if first is None:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} stream sent no message")
         check_unique_ids(ids, what)
@@ -326,8 +337,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                     "stop and come without client_ids")
             count = stop - first
         self._check_clients(count, "Broadcast")
-        self._check_room(request.value.ByteSize() + CLIENT_ID_BYTES * count, "Broadcast")
-        value = wire.decode_value(request.value)
+        value = wire.decode_value(request.value)  # sized from the copy, not re-encoded
+        self.moved.add(_value_bytes(value))
+        self._check_room(_value_bytes(value) + CLIENT_ID_BYTES * count, "Broadcast")
         ids = (list(range(first, stop)) if request.HasField("client_range")
                else list(request.client_ids))
         check_unique_ids(ids, "Broadcast")
@@ -509,6 +521,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 size = 0
             message.values.append(item)
             size += item_size
+            self.moved.add(item_size)
         yield message
 
     @_rpc
