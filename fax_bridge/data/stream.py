@@ -202,30 +202,30 @@ class ClientStore:
             if not block.size:
                 continue
             fd, path = self._fds[key], self._paths[key]
-            step = block.itemsize * int(np.prod(example, dtype=np.int64))
+            step = block.nbytes // total  # bytes of one example
             if len(runs) > 1 and span * step <= max(SPAN_READ_BYTES, 2 * block.nbytes):
-                if index is None:
-                    index = np.concatenate([np.arange(f - lo, f - lo + n) for f, n in runs])
+                if index is None:  # each example's place in the span
+                    index = (np.arange(total) + np.repeat(starts - lo - np.cumsum(counts)
+                                                          + counts, counts))
                 whole = np.empty((span,) + example, dtype)
-                self._pread(fd, path, memoryview(whole.reshape(-1).view(np.uint8)),
-                            lo * step)
+                self._pread(fd, path, whole, lo * step)
                 np.take(whole, index, axis=0, out=block)
             else:
-                buffer = memoryview(block.reshape(-1).view(np.uint8))
                 done = 0
-                for first, count in runs:
-                    self._pread(fd, path, buffer[done:done + count * step], first * step)
-                    done += count * step
+                for first, count in runs:  # straight into the block, run by run
+                    self._pread(fd, path, block[done:done + count], first * step)
+                    done += count
             now = _identity(os.fstat(fd))
             if now != self._opened[path]:  # changed while read: old and new bytes may mix
                 raise self._changed(path, _what_changed(self._opened[path], now))
         return out
 
-    def _pread(self, fd: int, path: str, buffer: memoryview, offset: int) -> None:
-        want = len(buffer)
-        got = os.preadv(fd, [buffer], offset)
+    def _pread(self, fd: int, path: str, into: np.ndarray, offset: int) -> None:
+        """Fills the contiguous array `into` with the file's bytes from `offset`."""
+        want = into.nbytes
+        got = os.preadv(fd, [into], offset)
         while 0 < got < want:  # a read may return less than asked; ask for the rest
-            more = os.preadv(fd, [buffer[got:]], offset + got)
+            more = os.preadv(fd, [memoryview(into).cast("B")[got:]], offset + got)
             if not more:
                 break
             got += more
