@@ -59,14 +59,22 @@ class CallGate(grpc.ServerInterceptor):
         self._max_calls = int(max_calls)
         self._calls = 0
         self._lock = threading.Lock()
+        self._gated: dict = {}  # method -> (its handler, that handler gated)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method == HEALTH_METHOD:
+        method = handler_call_details.method
+        if handler is None or method == HEALTH_METHOD:
             return handler
+        found = self._gated.get(method)
+        if found is None or found[0] is not handler:
+            found = self._gated[method] = (handler, self._gate(handler, method))
+        return found[1]
+
+    def _gate(self, handler, method: str):
         kind = (("stream" if handler.request_streaming else "unary") + "_"
                 + ("stream" if handler.response_streaming else "unary"))
-        behavior, method = getattr(handler, kind), handler_call_details.method
+        behavior = getattr(handler, kind)
         if handler.response_streaming:
             def gated(request, context):
                 self._enter(context, method)
@@ -90,6 +98,8 @@ class CallGate(grpc.ServerInterceptor):
                               f"{method}: {self._max_calls} calls are in progress on this "
                               "device (--max-concurrent-calls); retry later")
             self._calls += 1
+        if self._running.acquire(blocking=False):
+            return
         while not self._running.acquire(timeout=0.5):
             if not context.is_active():  # the caller gave up while waiting for a turn
                 self._leave(running=False)
