@@ -228,16 +228,17 @@ _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 
 
 def test_health_is_answered_beside_hundreds_of_idle_connections_and_stalled_streams():
     """300 loopback connections that never make a call (half silent since connecting,
-    half idle after the HTTP/2 preface) and more never-sending Put streams than the
-    device runs calls at once: a new caller's Health is still answered, and the stalled
-    streams do not keep other calls out once they end."""
+    half idle after the HTTP/2 preface) and as many never-sending Put streams as the
+    device admits (twice what it runs at once): a new caller's Health is still answered,
+    one more call is refused by the cap, and the stalled streams keep no call out once
+    they end."""
     import socket
     import threading
 
     device_process.raise_fd_limit()  # the test process holds both ends of every socket
     servicer = device.DeviceServicer("idle")
     server, port = device_process.start_server("127.0.0.1:0", servicer, max_workers=2,
-                                               token=TOKEN)
+                                               max_concurrent_calls=4, token=TOKEN)
     address, sockets, release = f"127.0.0.1:{port}", [], threading.Event()
 
     def never_sends():  # a request stream that sends nothing until released
@@ -251,17 +252,27 @@ def test_health_is_answered_beside_hundreds_of_idle_connections_and_stalled_stre
                 sockets[-1].sendall(_PREFACE)
         with grpc.insecure_channel(address) as busy:
             stalled = [pb_grpc.DeviceStub(busy).Put.future(never_sends(), timeout=30,
-                                                           metadata=MD) for _ in range(3)]
+                                                           metadata=MD) for _ in range(4)]
             with grpc.insecure_channel(address) as channel:  # a new connection
-                answer = pb_grpc.DeviceStub(channel).Health(pb.HealthRequest(), timeout=10,
-                                                            metadata=MD)
+                stub = pb_grpc.DeviceStub(channel)
+                answer = stub.Health(pb.HealthRequest(), timeout=10, metadata=MD)
                 assert answer.status == "SERVING"
+                refused, tries = None, 0
+                while refused is None and tries < 100:  # once all 4 streams are admitted
+                    try:
+                        stub.Release(pb.ReleaseRequest(handles=[1]), timeout=10, metadata=MD)
+                    except grpc.RpcError as e:
+                        refused = e
+                    tries += 1
+                    threading.Event().wait(0.05)
+                assert refused is not None
+                assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "4 calls are in progress" in refused.details()
                 release.set()
                 for call in stalled:
                     with pytest.raises(grpc.RpcError, match="sent no message"):
                         call.result(timeout=30)
-                pb_grpc.DeviceStub(channel).Release(pb.ReleaseRequest(handles=[1]),
-                                                    timeout=10, metadata=MD)
+                stub.Release(pb.ReleaseRequest(handles=[1]), timeout=10, metadata=MD)
     finally:
         release.set()
         for s in sockets:
