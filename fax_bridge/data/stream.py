@@ -91,13 +91,13 @@ class ClientStore:
     Each array's file stays open and rows are read with `pread` into private buffers,
     never memory-mapped: a file truncated, grown, rewritten or replaced under a running
     reader makes that read fail with a `DataError` naming the file and what changed (a
-    mapping would instead kill the process with SIGBUS on a truncated page). `rows`
-    compares the open file it reads with what it opened (size, modification and change
-    times) before and after reading, so a read never mixes old and new bytes unnoticed;
-    `check` compares the files under their names (a file replaced or removed too, and
-    the layout files `population.json` and `offsets.npy`): `client` and population reads
-    call it once per read. A change made within the file
-    system's timestamp granularity of opening, keeping the size, can go unseen.
+    mapping would instead kill the process with SIGBUS on a truncated page). Before a
+    read, `check` compares the files it reads and the layout files (`population.json`,
+    `offsets.npy`), under their names, with what was opened (device, inode, size,
+    modification and change times: a file replaced or removed is seen too); after it,
+    each open file read again, so a read never mixes old and new bytes unnoticed. A
+    change that keeps the size, made within the file system's timestamp granularity of
+    opening, can go unseen.
     """
 
     def __init__(self, directory: str):
@@ -134,7 +134,7 @@ class ClientStore:
             try:
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
-                fd, size = None, -1
+                size = -1
             else:
                 self._fds[k] = fd
                 opened = os.fstat(fd)
@@ -175,8 +175,8 @@ class ClientStore:
     def _changed(self, path: str, what: str) -> DataError:
         return DataError(
             f"population file {path} changed since this store opened it: {what}; no row "
-            "was read from it. Open the population again (a new ClientStore; restart a device "
-            "hosting it) to read the new data.")
+            "was read from it. Open the population again (a new ClientStore; restart a "
+            "device hosting it) to read the new data.")
 
     def rows(self, key: str, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Examples `starts[i]:starts[i] + counts[i]` of array `key` for every i, one block

@@ -8,8 +8,8 @@ bytes held on the device are capped (`--max-message-bytes`, `--max-stored-bytes`
 `--population DIR` hosts a population written by `fax_bridge.data.stream.write_population`:
 the coordinator then sends only client ids (a Put stream of `from_store` reads) and
 the device reads those clients' rows from its store (a store file changed on disk makes
-such a read FAILED_PRECONDITION, naming the file and the change; the device serves on). Computations arrive
-once, by content hash; client values stay here behind coordinator-chosen handles until
+such a read FAILED_PRECONDITION, naming the file and the change; the device serves on).
+Computations arrive once, by content hash; client values stay here behind coordinator-chosen handles until
 they are fetched, aggregated (partials over this device's own clients) or released. A
 round by plan (`Round`, or `RoundOnce` for a request of one message) is served by
 `device_round` and keeps nothing. Once listening, the process

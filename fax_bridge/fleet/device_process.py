@@ -1,8 +1,9 @@
 """A device process: the gRPC server around a `device.DeviceServicer`, and its lifetime.
 
 `start_server` binds and starts the server (token checked from metadata before any body
-is read, TLS, connection, call and idle caps, Health answered beside other calls); `serve` runs one device until SIGTERM,
-SIGINT or its launcher's exit, printing one JSON line once listening (see `device`).
+is read, TLS, connection, call and idle caps, Health answered beside other calls);
+`serve` runs one device until SIGTERM, SIGINT or its launcher's exit, printing one JSON
+line once listening (see `device`).
 The command line that calls it is `device_cli`.
 """
 
