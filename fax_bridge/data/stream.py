@@ -175,7 +175,7 @@ class ClientStore:
     def _changed(self, path: str, what: str) -> DataError:
         return DataError(
             f"population file {path} changed since this store opened it: {what}; no row "
-            "was read from it. Open the population again (a new ClientStore; restart a "
+            "of it is returned. Open the population again (a new ClientStore; restart a "
             "device hosting it) to read the new data.")
 
     def rows(self, key: str, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
