@@ -439,3 +439,37 @@ def test_the_local_backend_reads_a_population_rewritten_since_its_last_read(tmp_
                                  for i in range(4)), overwrite=True)
     got = np.stack(backend.put_from_store(member, ref, range(4)).members)
     np.testing.assert_array_equal(got[:, 0], np.arange(4))
+
+
+def test_a_device_process_survives_its_population_file_truncated_under_it(tmp_path):
+    """The case that killed devices: rows past the new end of a truncated file (a mapping
+    raised SIGBUS there). The device process answers that read FAILED_PRECONDITION
+    naming the file, and lives on."""
+    import os
+    import sys
+
+    from fax_bridge.fleet import put_messages
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    import device_flood
+
+    sys.path.pop(0)
+    xs = np.arange(1024 * 16, dtype=np.float32).reshape(1024, 16)  # 64 KiB: 16 pages
+    directory = _write(tmp_path / "pop", xs)
+    member = federated_language.TensorType(np.float32, (16,)).to_proto()
+    reads = put_messages.store_reads(1, np.arange(900, 910), 0, member.SerializeToString(),
+                                     ["x"], "")
+    process = device_flood.Device("--population", directory)
+    try:
+        with grpc.insecure_channel(process.address) as channel:
+            stub = pb_grpc.DeviceStub(channel)
+            path = os.path.join(directory, "x.bin")
+            os.truncate(path, 4096)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Put(iter(reads), timeout=30, metadata=process.metadata)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"{path} changed" in info.value.details()
+            assert "truncated from 65536 to 4096 bytes" in info.value.details()
+            assert process.proc.poll() is None and process.healthy()
+    finally:
+        process.close()
