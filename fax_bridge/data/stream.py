@@ -24,8 +24,8 @@ from fax_bridge.data.padding import PaddedClients, pad_clients
 from fax_bridge.errors import DataError
 
 META_FILE = "population.json"
-# Scattered clients whose rows lie within this many bytes are read in one call
-SPAN_READ_BYTES = 64 << 10
+# Rows at most this many bytes apart are read with one call (and the gap dropped)
+GAP_BYTES = 16 << 10
 OFFSETS_FILE = "offsets.npy"
 _FORMAT = 1
 
@@ -189,11 +189,7 @@ class ClientStore:
         starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
         total = int(counts.sum())
         self.check(keys)
-        runs = _runs(starts.tolist(), counts.tolist())
-        if runs:  # the examples' span; scattered runs within a small one are read as it
-            lo = min(first for first, _ in runs)
-            span = max(first + count for first, count in runs) - lo
-        index = None
+        runs = _Runs(starts, counts)
         out = []
         for key in keys:
             dtype, example = self.spec[key]
@@ -203,18 +199,13 @@ class ClientStore:
                 continue
             fd, path = self._fds[key], self._paths[key]
             step = block.nbytes // total  # bytes of one example
-            if len(runs) > 1 and span * step <= max(SPAN_READ_BYTES, 2 * block.nbytes):
-                if index is None:  # each example's place in the span
-                    index = (np.arange(total) + np.repeat(starts - lo - np.cumsum(counts)
-                                                          + counts, counts))
-                whole = np.empty((span,) + example, dtype)
-                self._pread(fd, path, whole, lo * step)
-                np.take(whole, index, axis=0, out=block)
-            else:
-                done = 0
-                for first, count in runs:  # straight into the block, run by run
-                    self._pread(fd, path, block[done:done + count], first * step)
-                    done += count
+            for lo, hi, picks, count, places in runs.groups(max(1, GAP_BYTES // step)):
+                if count is not None:  # one run: straight into its place in the block
+                    self._pread(fd, path, block[places:places + count], lo * step)
+                    continue
+                span = np.empty((hi - lo,) + example, dtype)  # blocks close together
+                self._pread(fd, path, span, lo * step)
+                block[places] = span[picks]
             now = _identity(os.fstat(fd))
             if now != self._opened[path]:  # changed while read: old and new bytes may mix
                 raise self._changed(path, _what_changed(self._opened[path], now))
@@ -277,17 +268,43 @@ def _what_changed(was: tuple, now: tuple) -> str:
         if now[3] != was[3] else "its metadata changed (ctime)"
 
 
-def _runs(starts: list, counts: list) -> list:
-    """(first example, examples) of each run of consecutive blocks (one read each)."""
-    runs: list = []
-    end = -1
-    for first, count in zip(starts, counts):
-        if first == end and runs:
-            runs[-1][1] += count
-        elif count:
-            runs.append([first, count])
-        end = first + count if count else end
-    return runs
+class _Runs:
+    """Blocks of examples `starts[i]:starts[i] + counts[i]`, read in file order: the
+    blocks that follow one another make one run, and runs separated by at most a few
+    examples one read of their span (a call costs more than copying a few KiB)."""
+
+    def __init__(self, starts: np.ndarray, counts: np.ndarray):
+        keep = counts > 0
+        starts, counts = starts[keep], counts[keep]
+        order = np.argsort(starts, kind="stable")
+        # in file order: where each block starts, its examples, its place in the result
+        self.starts, self.counts = starts[order], counts[order]
+        self.dests = (np.cumsum(counts) - counts)[order]
+        self.ends = self.starts + self.counts
+
+    def groups(self, gap: int):
+        """What to read, a group of blocks at most `gap` examples apart at a time: the
+        span `lo:hi` of the group and either (None, count, place) when it goes straight
+        to `place:place + count` of the result, or (picks, None, places): the span's
+        examples `picks` go to the result's `places`."""
+        starts, ends, counts, dests = self.starts, self.ends, self.counts, self.dests
+        if not starts.size:
+            return
+        reach = np.maximum.accumulate(ends)
+        cuts = np.flatnonzero(starts[1:] - reach[:-1] > gap) + 1
+        bounds = [0, *cuts.tolist(), len(starts)]
+        first, last, place = starts.tolist(), reach.tolist(), dests.tolist()
+        for a, b in zip(bounds, bounds[1:]):
+            lo, hi = first[a], last[b - 1]
+            if b - a == 1 or (hi - lo == int(counts[a:b].sum()) and
+                              bool((np.diff(dests[a:b]) == counts[a:b - 1]).all())):
+                # one block, or blocks that follow one another in the file and the result
+                yield lo, hi, None, hi - lo, place[a]
+                continue
+            c = counts[a:b]
+            within = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+            yield (lo, hi, np.repeat(starts[a:b] - lo, c) + within, None,
+                   np.repeat(dests[a:b], c) + within)
 
 
 def _close_all(fds: dict) -> None:
