@@ -71,7 +71,7 @@ _CALLS = {
     ("to_batches", "padded"): lambda v, s: fd.to_batches(v, 2),
     ("ClientStore.client", "i"): lambda v, s: s.client(v),
     ("ClientStore.cohort", "ids"): lambda v, s: s.cohort(v),
-    ("ClientStore.array", "key"): lambda v, s: s.array(v),
+    ("ClientStore.rows", "key"): lambda v, s: s.rows(v, np.array([0]), np.array([1])),
     ("load_federated_digits", "test_fraction"): lambda v, s: fd.load_federated_digits(
         10, test_fraction=v),
     ("load_federated_digits", "seed"): lambda v, s: fd.load_federated_digits(10, seed=v),

@@ -344,3 +344,132 @@ def test_rows_bytes_counts_and_caps_as_tensor_bytes_does(tmp_path, example, size
             assert pop.rows_bytes(store, columns, ids) == want
     finally:
         limits.set_limits(max_tensor_bytes=before.max_tensor_bytes)
+
+
+def _change(path: str, how: str) -> str:
+    """Changes a store file on disk as `how` says; returns the words the error must hold."""
+    import os
+    import time
+
+    with open(path, "rb") as f:
+        body = f.read()
+    if how == "truncate":
+        os.truncate(path, len(body) // 2)
+        return f"truncated from {len(body)} to {len(body) // 2} bytes"
+    if how == "grow":
+        with open(path, "ab") as f:
+            f.write(b" " * 16)
+        return f"grew from {len(body)} to {len(body) + 16} bytes"
+    if how == "replace":  # a new file renamed over the old one, as atomic writers do
+        with open(path + ".new", "wb") as f:
+            f.write(body)
+        os.replace(path + ".new", path)
+        return "replaced by another file"
+    if how == "remove":
+        os.remove(path)
+        return "it is gone"
+    time.sleep(0.05)  # past the file system's timestamp granularity since opening
+    with open(path, "r+b") as f:  # the same size, other bytes
+        f.write(bytes(255 - b for b in body[:8]))
+    return "rewritten in place"
+
+
+@settings(max_examples=15, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(how=st.sampled_from(["truncate", "grow", "replace", "remove", "rewrite"]),
+       name=st.sampled_from(["x.bin", "bx.bin", "offsets.npy", "population.json"]))
+def test_a_store_file_changed_under_a_device_fails_that_read_and_the_device_serves_on(
+        tmp_path_factory, how, name):
+    """A hosted population's files are read, never mapped: truncating one (which would
+    raise SIGBUS in a mapping and kill the device), growing, replacing, removing or
+    rewriting it makes each later read of it FAILED_PRECONDITION naming the file and the
+    change, while the device keeps answering everything else (reads of the arrays left
+    alone too)."""
+    import os
+
+    from fax_bridge.fleet import put_messages, wire
+
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(8, FEATURES)).astype(np.float32)
+    directory = _write(tmp_path_factory.mktemp("changing") / "pop", xs,
+                       bx=rng.normal(size=(8, EXAMPLES, FEATURES)).astype(np.float32))
+    def reads(member, keys):
+        return put_messages.store_reads(1, np.array([5, 2, 3]), 0,
+                                        member.to_proto().SerializeToString(), keys, "")
+
+    x = federated_language.TensorType(np.float32, (FEATURES,))
+    both = reads(federated_language.StructType(
+        [("x", x), ("bx", federated_language.TensorType(np.float32, (EXAMPLES, FEATURES)))]),
+        ["x", "bx"])
+    with _devices(directory) as (addresses, token):
+        metadata = security.call_metadata(token)
+        with grpc.insecure_channel(addresses[0]) as channel:
+            stub = pb_grpc.DeviceStub(channel)
+            assert stub.Put(iter(both), timeout=10, metadata=metadata).num_clients == 3
+            stub.Release(pb.ReleaseRequest(handles=[1]), timeout=10, metadata=metadata)
+            path = os.path.join(directory, name)
+            words = _change(path, how)
+            for _ in range(2):  # every later read is refused the same way
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Put(iter(both), timeout=10, metadata=metadata)
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert path in info.value.details() and words in info.value.details(), \
+                    info.value.details()
+            if name == "bx.bin":
+                assert stub.Put(iter(reads(x, ["x"])), timeout=10,
+                                metadata=metadata).num_clients == 3
+                stub.Release(pb.ReleaseRequest(handles=[1]), timeout=10, metadata=metadata)
+            value = pb.ClientValue(client_id=0, value=wire.to_message(np.float32(1)))
+            assert stub.Put(iter([pb.PutRequest(handle=2, values=[value])]), timeout=10,
+                            metadata=metadata).num_clients == 1
+            health = stub.Health(pb.HealthRequest(), timeout=10, metadata=metadata)
+            assert health.status == "SERVING" and health.num_handles == 1
+
+
+def test_the_local_backend_reads_a_population_rewritten_since_its_last_read(tmp_path):
+    import time
+
+    directory = _write(tmp_path / "pop", np.zeros((4, FEATURES), np.float32))
+    backend = LocalClientsBackend()
+    member = federated_language.TensorType(np.float32, (FEATURES,))
+    ref = PopulationRef(directory=directory, keys=["x"])
+    assert not np.stack(backend.put_from_store(member, ref, range(4)).members).any()
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    write_population(directory, ({"x": np.full((1, FEATURES), i, np.float32)}
+                                 for i in range(4)), overwrite=True)
+    got = np.stack(backend.put_from_store(member, ref, range(4)).members)
+    np.testing.assert_array_equal(got[:, 0], np.arange(4))
+
+
+def test_a_device_process_survives_its_population_file_truncated_under_it(tmp_path):
+    """The case that killed devices: rows past the new end of a truncated file (a mapping
+    raised SIGBUS there). The device process answers that read FAILED_PRECONDITION
+    naming the file, and lives on."""
+    import os
+    import sys
+
+    from fax_bridge.fleet import put_messages
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    import device_flood
+
+    sys.path.pop(0)
+    xs = np.arange(1024 * 16, dtype=np.float32).reshape(1024, 16)  # 64 KiB: 16 pages
+    directory = _write(tmp_path / "pop", xs)
+    member = federated_language.TensorType(np.float32, (16,)).to_proto()
+    reads = put_messages.store_reads(1, np.arange(900, 910), 0, member.SerializeToString(),
+                                     ["x"], "")
+    process = device_flood.Device("--population", directory)
+    try:
+        with grpc.insecure_channel(process.address) as channel:
+            stub = pb_grpc.DeviceStub(channel)
+            path = os.path.join(directory, "x.bin")
+            os.truncate(path, 4096)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Put(iter(reads), timeout=30, metadata=process.metadata)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"{path} changed" in info.value.details()
+            assert "truncated from 65536 to 4096 bytes" in info.value.details()
+            assert process.proc.poll() is None and process.healthy()
+    finally:
+        process.close()

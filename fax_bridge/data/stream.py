@@ -1,9 +1,10 @@
-"""Client populations on disk, read back one cohort at a time through numpy memmaps.
+"""Client populations on disk, read back one cohort at a time.
 
 `write_population(directory, clients)` consumes an iterable of client datasets (a
 generator works, so the population never has to fit in memory) and appends each array
 to one flat binary file per key, recording where every client starts. `ClientStore`
-maps those files read-only and copies out only the clients a round asks for.
+keeps those files open and reads only the clients a round asks for (never mapping them,
+so a file changed under it is a clear error, not a crash).
 
 Layout of the directory: `<key>.bin` (raw C-order bytes), `offsets.npy` (int64, one more
 entry than clients: client i owns examples `offsets[i]:offsets[i+1]`) and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -23,6 +25,8 @@ from fax_bridge.data.padding import PaddedClients, pad_clients
 from fax_bridge.errors import DataError
 
 META_FILE = "population.json"
+# Rows at most this many bytes apart are read with one call (and the gap dropped)
+GAP_BYTES = 16 << 10
 OFFSETS_FILE = "offsets.npy"
 _FORMAT = 1
 
@@ -90,7 +94,19 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
 
 
 class ClientStore:
-    """A population written by `write_population`, memory-mapped read-only."""
+    """A population written by `write_population`, read a cohort at a time.
+
+    Each array's file stays open and rows are read with `pread` into private buffers,
+    never memory-mapped: a file truncated, grown, rewritten or replaced under a running
+    reader makes that read fail with a `DataError` naming the file and what changed (a
+    mapping would instead kill the process with SIGBUS on a truncated page). Before a
+    read, `check` compares the files it reads and the layout files (`population.json`,
+    `offsets.npy`), under their names, with what was opened (device, inode, size,
+    modification and change times: a file replaced or removed is seen too); after it,
+    each open file read again, so a read never mixes old and new bytes unnoticed. A
+    change that keeps the size, made within the file system's timestamp granularity of
+    opening, can go unseen.
+    """
 
     def __init__(self, directory: str):
         if not isinstance(directory, (str, os.PathLike)):
@@ -100,14 +116,23 @@ class ClientStore:
             raise FileNotFoundError(
                 f"{directory} holds no population ({META_FILE} missing); write one with "
                 "fax_bridge.data.write_population.")
+        self.directory = directory
+        self._fds: dict[str, int] = {}
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        # path -> its identity when opened (what `check` compares it with)
+        self._opened: dict[str, tuple] = {}
+        offsets_path = os.path.join(directory, OFFSETS_FILE)
+        self._layout = [meta_path, offsets_path]
         try:
-            with open(meta_path) as f:
-                meta = json.load(f)
+            with open(meta_path, "rb") as f:
+                self._opened[meta_path] = _identity(os.fstat(f.fileno()))
+                meta = json.loads(f.read())
             if meta.get("format") != _FORMAT:
                 raise DataError(
                     f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
-            offsets = np.asarray(np.load(os.path.join(directory, OFFSETS_FILE),
-                                         allow_pickle=False), np.int64)
+            with open(offsets_path, "rb") as f:
+                self._opened[offsets_path] = _identity(os.fstat(f.fileno()))
+                offsets = np.asarray(np.load(f, allow_pickle=False), np.int64)
             arrays = {_safe_key(k): (np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"]))
                       for k, s in meta["arrays"].items()}
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
@@ -119,32 +144,112 @@ class ClientStore:
                 np.diff(offsets) < 0).any():
             raise DataError(f"{directory}/{OFFSETS_FILE} is damaged (offsets must start at "
                             "0 and never decrease); write the population again.")
-        self.directory = directory
         self.offsets = offsets
         total = int(self.offsets[-1])
         self.spec: dict[str, tuple[np.dtype, tuple]] = {}  # key -> (dtype, example shape)
-        self._arrays = {}
+        self._paths: dict[str, str] = {}
         for k, (dtype, example) in arrays.items():
             self.spec[k] = (dtype, example)
-            shape = (total,) + example
-            path = os.path.join(directory, f"{k}.bin")
             if total == 0:
-                self._arrays[k] = np.zeros(shape, dtype=dtype)
                 continue
+            path = os.path.join(directory, f"{k}.bin")
             want = total * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
-            size = os.path.getsize(path) if os.path.exists(path) else -1
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                size = -1
+            else:
+                self._fds[k] = fd
+                opened = os.fstat(fd)
+                size = opened.st_size
             if size != want:
+                self.close()
                 raise DataError(
                     f"population array {path} holds {size} bytes but {total} examples of "
                     f"{dtype.name}{list(example)} need {want}; the store is damaged.")
-            self._arrays[k] = np.memmap(path, dtype=dtype, mode="r", shape=shape)
+            self._paths[k] = path
+            self._opened[path] = _identity(opened)
 
-    def array(self, key: str) -> np.ndarray:
-        """The stored array `key`: every example of every client, memory-mapped."""
-        if not isinstance(key, str) or key not in self._arrays:
-            raise DataError(f"key {checks.shown(key)} names no array of the store; it holds "
-                            f"{self.keys}.")
-        return self._arrays[key]
+    def close(self) -> None:
+        """Closes the store's files (reads fail afterwards)."""
+        self._finalizer()
+
+    def __enter__(self) -> "ClientStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check(self, keys: Optional[Sequence[str]] = None) -> None:
+        """Raises DataError naming a file of the store that changed on disk since it was
+        opened (replaced or removed under its name too): the layout files and the arrays
+        `keys` (by default all of them)."""
+        paths = self._layout + [self._paths[k] for k in (self._paths if keys is None
+                                                         else keys) if k in self._paths]
+        for path in paths:
+            try:
+                now = _identity(os.stat(path))
+            except OSError as e:
+                raise self._changed(path, f"it is gone ({e.strerror})") from None
+            was = self._opened[path]
+            if now != was:
+                raise self._changed(path, _what_changed(was, now))
+
+    def _changed(self, path: str, what: str) -> DataError:
+        return DataError(
+            f"population file {path} changed since this store opened it: {what}; no row "
+            "of it is returned. Open the population again (a new ClientStore; restart a "
+            "device hosting it) to read the new data.")
+
+    def rows(self, key: str, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Examples `starts[i]:starts[i] + counts[i]` of array `key` for every i, one block
+        after another, as one array of `sum(counts)` examples copied into memory."""
+        return self.read([key], starts, counts)[0]
+
+    def read(self, keys: Sequence[str], starts: np.ndarray,
+             counts: np.ndarray) -> list[np.ndarray]:
+        """`rows` of each array of `keys`, after one `check` of their files by name."""
+        for key in keys:
+            if not isinstance(key, str) or key not in self.spec:
+                raise DataError(f"key {checks.shown(key)} names no array of the store; it "
+                                f"holds {self.keys}.")
+        starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
+        total = int(counts.sum())
+        self.check(keys)
+        runs = _Runs(starts, counts)
+        out = []
+        for key in keys:
+            dtype, example = self.spec[key]
+            block = np.empty((total,) + example, dtype)
+            out.append(block)
+            if not block.size:
+                continue
+            fd, path = self._fds[key], self._paths[key]
+            step = block.nbytes // total  # bytes of one example
+            for lo, hi, picks, count, places in runs.groups(max(1, GAP_BYTES // step)):
+                if count is not None:  # one run: straight into its place in the block
+                    self._pread(fd, path, block[places:places + count], lo * step)
+                    continue
+                span = np.empty((hi - lo,) + example, dtype)  # blocks close together
+                self._pread(fd, path, span, lo * step)
+                block[places] = span[picks]
+            now = _identity(os.fstat(fd))
+            if now != self._opened[path]:  # changed while read: old and new bytes may mix
+                raise self._changed(path, _what_changed(self._opened[path], now))
+        return out
+
+    def _pread(self, fd: int, path: str, into: np.ndarray, offset: int) -> None:
+        """Fills the contiguous array `into` with the file's bytes from `offset`."""
+        want = into.nbytes
+        got = os.preadv(fd, [into], offset)
+        while 0 < got < want:  # a read may return less than asked; ask for the rest
+            more = os.preadv(fd, [memoryview(into).cast("B")[got:]], offset + got)
+            if not more:
+                break
+            got += more
+        if got != want:
+            raise self._changed(path, f"{want} bytes at offset {offset} read as {got} "
+                                "(truncated)")
 
     @property
     def num_clients(self) -> int:
@@ -157,14 +262,15 @@ class ClientStore:
 
     @property
     def keys(self) -> list[str]:
-        return sorted(self._arrays)
+        return sorted(self.spec)
 
     def client(self, i: int) -> dict:
         """Client i's dataset, copied into memory."""
         i = checks.integer("i", i, 0, self.num_clients - 1,
                            fix=f"the store holds clients 0..{self.num_clients - 1}")
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        return {k: np.array(a[lo:hi]) for k, a in self._arrays.items()}
+        self.check()
+        return {k: self.rows(k, np.array([lo]), np.array([hi - lo])) for k in self.keys}
 
     def cohort(self, ids: Sequence[int], size: Optional[int] = None,
                multiple_of: int = 1) -> PaddedClients:
@@ -174,3 +280,67 @@ class ClientStore:
             raise DataError("ids names no client; pass at least one client id.")
         return pad_clients([self.client(int(i)) for i in picked], size=size,
                            multiple_of=multiple_of)
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _what_changed(was: tuple, now: tuple) -> str:
+    """What differs between two `_identity` tuples of one path, in words."""
+    if was[:2] != now[:2]:
+        return f"it was replaced by another file (inode {was[1]} -> {now[1]})"
+    if now[2] < was[2]:
+        return f"it was truncated from {was[2]} to {now[2]} bytes"
+    if now[2] > was[2]:
+        return f"it grew from {was[2]} to {now[2]} bytes"
+    return f"it was rewritten in place (modified {(now[3] - was[3]) / 1e9:+.6f} s later)" \
+        if now[3] != was[3] else "its metadata changed (ctime)"
+
+
+class _Runs:
+    """Blocks of examples `starts[i]:starts[i] + counts[i]`, read in file order: the
+    blocks that follow one another make one run, and runs separated by at most a few
+    examples one read of their span (a call costs more than copying a few KiB)."""
+
+    def __init__(self, starts: np.ndarray, counts: np.ndarray):
+        keep = counts > 0
+        starts, counts = starts[keep], counts[keep]
+        order = np.argsort(starts, kind="stable")
+        # in file order: where each block starts, its examples, its place in the result
+        self.starts, self.counts = starts[order], counts[order]
+        self.dests = (np.cumsum(counts) - counts)[order]
+        self.ends = self.starts + self.counts
+
+    def groups(self, gap: int):
+        """What to read, a group of blocks at most `gap` examples apart at a time: the
+        span `lo:hi` of the group and either (None, count, place) when it goes straight
+        to `place:place + count` of the result, or (picks, None, places): the span's
+        examples `picks` go to the result's `places`."""
+        starts, ends, counts, dests = self.starts, self.ends, self.counts, self.dests
+        if not starts.size:
+            return
+        reach = np.maximum.accumulate(ends)
+        cuts = np.flatnonzero(starts[1:] - reach[:-1] > gap) + 1
+        bounds = [0, *cuts.tolist(), len(starts)]
+        first, last, place = starts.tolist(), reach.tolist(), dests.tolist()
+        for a, b in zip(bounds, bounds[1:]):
+            lo, hi = first[a], last[b - 1]
+            if b - a == 1 or (hi - lo == int(counts[a:b].sum()) and
+                              bool((np.diff(dests[a:b]) == counts[a:b - 1]).all())):
+                # one block, or blocks that follow one another in the file and the result
+                yield lo, hi, None, hi - lo, place[a]
+                continue
+            c = counts[a:b]
+            within = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+            yield (lo, hi, np.repeat(starts[a:b] - lo, c) + within, None,
+                   np.repeat(dests[a:b], c) + within)
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()

@@ -7,8 +7,9 @@ adds mutual TLS; addresses other than loopback need `--allow-remote`. Messages a
 bytes held on the device are capped (`--max-message-bytes`, `--max-stored-bytes`).
 `--population DIR` hosts a population written by `fax_bridge.data.stream.write_population`:
 the coordinator then sends only client ids (a Put stream of `from_store` reads) and
-the device reads those clients' rows from its memory-mapped store. Computations arrive
-once, by content hash; client values stay here behind coordinator-chosen handles until
+the device reads those clients' rows from its store (a store file changed on disk makes
+such a read FAILED_PRECONDITION, naming the file and the change; the device serves on).
+Computations arrive once, by content hash; client values stay here behind coordinator-chosen handles until
 they are fetched, aggregated (partials over this device's own clients) or released. A
 round by plan (`Round`, or `RoundOnce` for a request of one message) is served by
 `device_round` and keeps nothing. Once listening, the process
@@ -33,11 +34,12 @@ import time
 from typing import Callable, Optional, Sequence
 
 import grpc
+import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
-from fax_bridge.errors import FaxBridgeError, FleetError
-from fax_bridge.fleet import partials, wire
+from fax_bridge.errors import DataError, FaxBridgeError, FleetError
+from fax_bridge.fleet import memory, partials, wire
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.backend import leaves
 from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_CALL_SECONDS,
@@ -95,6 +97,8 @@ def _rpc(method: Callable) -> Callable:
                 yield from method(self, request, context)
             except Exception as e:
                 _abort(self, context, method, e)
+            finally:
+                self.moved.settle()  # a large call's buffers go back to the system
 
         return stream
 
@@ -104,6 +108,8 @@ def _rpc(method: Callable) -> Callable:
             return method(self, request, context)
         except Exception as e:
             _abort(self, context, method, e)
+        finally:
+            self.moved.settle()
 
     return unary
 
@@ -142,6 +148,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         self._handles: dict[int, Stored] = {}
         self._computations: dict[str, computation_pb2.Computation] = {}
         self._lock = threading.Lock()          # guards the two dicts
+        self.moved = memory.MovedBytes()  # request and answer bytes, for release_memory
         self._compute = threading.Lock()       # one computing request at a time
 
     # -- helpers ------------------------------------------------------------------
@@ -240,7 +247,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         # The hash names the computation for every later Map, and for every coordinator
         # sharing this device: bytes that do not hash to it are refused, so no caller can
         # register other code under a computation's name.
-        digest = hashlib.sha256(request.computation).hexdigest()
+        body = request.computation  # each read of a bytes field copies it: read it once
+        self.moved.add(len(body))
+        digest = hashlib.sha256(body).hexdigest()
         if digest != request.computation_hash:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"Load: computation_hash {request.computation_hash[:16]!r} is not "
@@ -253,11 +262,12 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
         proto = computation_pb2.Computation()
         try:
-            proto.ParseFromString(request.computation)
+            proto.ParseFromString(body)
         except Exception as e:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"Load: the bytes of computation {request.computation_hash[:12]} "
                             f"are not a serialized federated_language Computation ({e})")
+        del body
         compile_local(proto)  # refused here, at Load, when it cannot run
         with self._lock:
             self._computations[request.computation_hash] = proto
@@ -274,6 +284,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         reads: list = []
         received = 0
         for message in messages:
+            before = received
             if first is None:
                 first = message
             elif check is not None:
@@ -290,13 +301,16 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{what} stream mixes client values and from_store reads")
             self._check_clients(len(members) + len(message.values), what)
-            received += sum(item.value.ByteSize() for item in message.values)
-            self._check_room(received, what)
             for item in message.values:
                 ids.append(item.client_id)
-                members.append(wire.decode_value(item.value))
+                members.append(wire.decode_value(item.value))  # a copy of the bytes
+                received += _value_bytes(members[-1])
+            self.moved.add(received - before)
+            self._check_room(received, what)
+            message.ClearField("values")  # the decoded copies are all that is kept
         if first is None:
             raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} stream sent no message")
+        check_unique_ids(ids, what)
         return first, ids, members, reads, received
 
     @_rpc
@@ -323,10 +337,12 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                     "stop and come without client_ids")
             count = stop - first
         self._check_clients(count, "Broadcast")
-        self._check_room(request.value.ByteSize() + CLIENT_ID_BYTES * count, "Broadcast")
-        value = wire.decode_value(request.value)
+        value = wire.decode_value(request.value)  # sized from the copy, not re-encoded
+        self.moved.add(_value_bytes(value))
+        self._check_room(_value_bytes(value) + CLIENT_ID_BYTES * count, "Broadcast")
         ids = (list(range(first, stop)) if request.HasField("client_range")
                else list(request.client_ids))
+        check_unique_ids(ids, "Broadcast")
         self._store(request.handle, Stored(client_ids=ids, shared=value))
         return pb.BroadcastResponse()
 
@@ -339,8 +355,6 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
     def read_store(self, reads: list) -> tuple[int, list]:
         """(first client, members) of a stream of `StoreRead`s, read from the population."""
-        import numpy as np
-
         from fax_bridge.runtime import population as pop
 
         if self.population is None:
@@ -380,7 +394,14 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         pop.check_ids(store, ids)
         self._check_room(pop.rows_bytes(store, columns, ids), f"reading {len(ids)} clients")
-        return int(head.first_client), pop.read_members(store, member_type, columns, ids)
+        try:
+            members = pop.read_members(store, member_type, columns, ids)
+        except DataError as e:  # a store file changed on disk: this read only is refused
+            log.error("population %r: %s", self.population_name, e)
+            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"from_store: the hosted population {self.population_name!r} "
+                            f"changed on disk: {e}") from None
+        return int(head.first_client), members
 
     def _read_plan(self, member_type_bytes: bytes, keys: tuple) -> tuple:
         """(member Type, `population.plan_columns`) of a from_store read, kept for the few
@@ -500,6 +521,7 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 size = 0
             message.values.append(item)
             size += item_size
+            self.moved.add(item_size)
         yield message
 
     @_rpc
@@ -520,6 +542,25 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
 ARRAY_OVERHEAD_BYTES = 128  # what python spends on an array beside its data
 CLIENT_ID_BYTES = 32        # a client id in a list (the int and its slot)
+
+
+def check_unique_ids(ids: Sequence[int], what: str) -> None:
+    """INVALID_ARGUMENT naming a client id that `ids` holds more than once: a value holds
+    one member per client, so a repeated id would count that client's data twice."""
+    if len(ids) < 2:
+        return
+    order = np.asarray(ids, np.int64)
+    if bool((order[1:] > order[:-1]).all()):  # the usual case: ids in increasing order
+        return
+    order = np.sort(order)
+    repeated = order[1:][order[1:] == order[:-1]]
+    if repeated.size:
+        first = int(repeated[0])
+        times = int(np.count_nonzero(order == first))
+        raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{what} names client id {first} {times} times (and "
+                        f"{np.unique(repeated).size} repeated ids in all); every client "
+                        "id of a value must be distinct")
 
 
 def _value_bytes(value) -> int:

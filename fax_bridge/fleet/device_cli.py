@@ -51,7 +51,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "machines; use with TLS)")
     parser.add_argument("--device-id", default="device", help="name used in logs and errors")
     parser.add_argument("--max-workers", type=cli_args.int_in(1, 256), default=4,
-                        help="gRPC worker threads (1..256)")
+                        help="calls run at once (1..256); Health is answered beside them")
     parser.add_argument("--parent-pid", type=cli_args.int_in(1), default=None,
                         help="exit when this process (the launcher) is no longer the parent")
     parser.add_argument("--token-file", default=None,
@@ -73,7 +73,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on the client ids of one value (Broadcast, Put, Map)")
     parser.add_argument("--max-connections", type=cli_args.int_in(1, 65536),
                         default=DEFAULT_MAX_CONNECTIONS,
-                        help="open connections at most; more are closed at once")
+                        help="open connections at most, idle or not; more are closed at "
+                             "once (lowered to fit the open-file limit)")
     parser.add_argument("--max-concurrent-calls", type=cli_args.int_in(1, 65536),
                         default=DEFAULT_MAX_CONCURRENT_CALLS,
                         help="calls in progress at most; more get RESOURCE_EXHAUSTED")

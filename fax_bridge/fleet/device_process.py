@@ -1,8 +1,9 @@
 """A device process: the gRPC server around a `device.DeviceServicer`, and its lifetime.
 
 `start_server` binds and starts the server (token checked from metadata before any body
-is read, TLS, connection, call and idle caps); `serve` runs one device until SIGTERM,
-SIGINT or its launcher's exit, printing one JSON line once listening (see `device`).
+is read, TLS, connection, call and idle caps, Health answered beside other calls);
+`serve` runs one device until SIGTERM, SIGINT or its launcher's exit, printing one JSON
+line once listening (see `device`).
 The command line that calls it is `device_cli`.
 """
 
@@ -42,6 +43,106 @@ def _run_xla_inline() -> None:
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
+HEALTH_METHOD = "/fax_bridge.v1.Device/Health"
+HEALTH_CALLS = 8   # Health calls that may run beside --max-concurrent-calls others
+FD_RESERVE = 256   # descriptors kept for files, pipes and outgoing connections
+
+
+class CallGate(grpc.ServerInterceptor):
+    """Calls other than Health: at most `max_calls` in progress (more are refused at once
+    with RESOURCE_EXHAUSTED) and `max_running` of them running (the others wait, each in
+    its own thread, for one to finish). Health passes beside them: with a thread pool of
+    `max_calls + HEALTH_CALLS`, a device busy with calls, or held by streams that never
+    send, still answers a Health call at once."""
+
+    def __init__(self, max_running: int, max_calls: int):
+        self._running = threading.BoundedSemaphore(int(max_running))
+        self._max_calls = int(max_calls)
+        self._calls = 0
+        self._lock = threading.Lock()
+        self._gated: dict = {}  # method -> (its handler, that handler gated)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method == HEALTH_METHOD:
+            return handler
+        found = self._gated.get(method)
+        if found is None or found[0] is not handler:
+            found = self._gated[method] = (handler, self._gate(handler, method))
+        return found[1]
+
+    def _gate(self, handler, method: str):
+        kind = (("stream" if handler.request_streaming else "unary") + "_"
+                + ("stream" if handler.response_streaming else "unary"))
+        behavior = getattr(handler, kind)
+        if handler.response_streaming:
+            def gated(request, context):
+                self._enter(context, method)
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    self._leave()
+        else:
+            def gated(request, context):
+                self._enter(context, method)
+                try:
+                    return behavior(request, context)
+                finally:
+                    self._leave()
+        return handler._replace(**{kind: gated})
+
+    def _enter(self, context, method: str) -> None:
+        with self._lock:
+            if self._calls >= self._max_calls:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{method}: {self._max_calls} calls are in progress on this "
+                              "device (--max-concurrent-calls); retry later")
+            self._calls += 1
+        if self._running.acquire(blocking=False):
+            return
+        while not self._running.acquire(timeout=0.5):
+            if not context.is_active():  # the caller gave up while waiting for a turn
+                self._leave(running=False)
+                context.abort(grpc.StatusCode.CANCELLED, f"{method}: the caller went away")
+
+    def _leave(self, running: bool = True) -> None:
+        if running:
+            self._running.release()
+        with self._lock:
+            self._calls -= 1
+
+
+def raise_fd_limit() -> int:
+    """Raises this process's soft limit on open descriptors to its hard limit (at most
+    65536), so the connection cap, not the descriptor table, bounds idle connections;
+    returns the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, e)
+    return soft
+
+
+def _connection_cap(max_connections: int) -> int:
+    """`max_connections`, lowered to what the descriptor limit leaves room for."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft - FD_RESERVE >= max_connections:
+        return int(max_connections)
+    cap = max(1, soft - FD_RESERVE)
+    log.warning("--max-connections %d lowered to %d: this process may open %d files "
+                "(ulimit -n)", max_connections, cap, soft)
+    return cap
+
+
 def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,
                  token: Optional[str] = None, tls: Optional[security.TlsConfig] = None,
                  allow_remote: bool = False,
@@ -55,22 +156,28 @@ def start_server(listen: str, servicer: DeviceServicer, max_workers: int = 4, *,
     `token`: refuse calls without it (UNAUTHENTICATED, decided from the call's metadata
     before its body is read); `tls`: serve mutual TLS only; `allow_remote`: permit a
     non-loopback `listen` host (logged as a warning). `max_connections` open connections
-    at most (more are closed at once), `max_concurrent_calls` calls in progress at most
-    (more get RESOURCE_EXHAUSTED), connections idle for `idle_timeout_s` are closed and
-    a connection must finish its handshake within 10 s.
+    at most (more are closed at once; lowered to fit the descriptor limit), connections
+    idle for `idle_timeout_s` are closed and a connection must finish its handshake
+    within 10 s. Calls other than Health: `max_concurrent_calls` in progress at most
+    (more get RESOURCE_EXHAUSTED), `max_workers` of them running at once; Health is
+    answered beside them (`CallGate`).
     """
     host, port = parse_address(listen, "--listen", allow_port_zero=True)
     security.check_address(host, allow_remote, tls, "device listen address")
     interceptors = [security.TokenAuthInterceptor(token)] if token else []
+    interceptors.append(CallGate(max_workers, max_concurrent_calls))
     options = grpc_options(max_message_bytes) + (
         ("grpc.so_reuseport", 0),
-        ("grpc.max_allowed_incoming_connections", int(max_connections)),
+        ("grpc.max_allowed_incoming_connections", _connection_cap(max_connections)),
         ("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000)),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+    # A thread for every call admitted: calls wait for their turn in CallGate, never for
+    # a thread, so Health never queues behind them (threads start only when needed).
+    threads = int(max_concurrent_calls) + HEALTH_CALLS
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
                          interceptors=interceptors, options=options,
-                         maximum_concurrent_rpcs=int(max_concurrent_calls))
+                         maximum_concurrent_rpcs=threads)
     pb_grpc.add_DeviceServicer_to_server(servicer, server)
     target = format_address(host, port)
     try:
@@ -124,6 +231,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
         log.warning("serving WITHOUT authentication (--insecure-no-auth): anyone who can "
                     "reach %s may run computations here", listen)
     _run_xla_inline()
+    raise_fd_limit()
     servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes,
                               population=population, population_name=population_name,
                               max_clients=max_clients, max_call_seconds=max_call_seconds,

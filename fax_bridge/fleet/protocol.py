@@ -20,7 +20,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 DEFAULT_MAX_STORED_BYTES = 32 << 30
 # Per-device bounds on what callers may make a device spend (device flags of these names).
 DEFAULT_MAX_CLIENTS = 1 << 20           # client ids in one value
-DEFAULT_MAX_CONNECTIONS = 256           # open connections, idle or not
+DEFAULT_MAX_CONNECTIONS = 4096          # open connections, idle or not (~13 KB each)
 DEFAULT_MAX_CONCURRENT_CALLS = 64       # calls in progress; more are refused at once
 DEFAULT_IDLE_TIMEOUT_S = 300.0          # a connection without calls is closed after this
 DEFAULT_MAX_CALL_SECONDS = 3600.0       # compute time of one Map or Aggregate

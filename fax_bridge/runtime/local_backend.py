@@ -16,7 +16,7 @@ import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
-from fax_bridge.errors import ComputationError
+from fax_bridge.errors import ComputationError, DataError
 from fax_bridge.runtime import aggregation, client_map, population
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue, LocalValue, as_numpy
 
@@ -59,9 +59,16 @@ class LocalClientsBackend(ClientsBackend):
                 f"{ref!r} names no directory; the local backend reads populations in this "
                 "process, so give PopulationRef(directory=...)")
         stores = self.__dict__.setdefault("_stores", {})
-        if ref.directory not in stores:
-            stores[ref.directory] = population.open_store(ref.directory)
-        return stores[ref.directory]
+        store = stores.get(ref.directory)
+        if store is not None:
+            try:
+                store.check()
+            except DataError:  # rewritten since: this process reads the new files
+                store.close()
+                store = None
+        if store is None:
+            store = stores[ref.directory] = population.open_store(ref.directory)
+        return store
 
     def put_from_store(self, member_type: federated_language.Type, ref: Any,
                        client_ids: Sequence[int]) -> LocalClientsValue:

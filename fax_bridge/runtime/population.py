@@ -5,8 +5,9 @@ population written by `fax_bridge.data.stream.write_population`. Instead of read
 every client's data and sending it, the coordinator passes the reference (and the
 population ids of the chosen clients) to its `ClientsBackend.put_from_store`: a fleet
 device that hosts the population itself (`fax-bridge device --population DIR`) reads only
-those clients' rows from its memory-mapped store; the local backend reads them from
-`directory`.
+those clients' rows from its store; the local backend reads them from `directory`. A
+store file changed on disk since it was opened makes the read a `DataError` naming the
+file and the change (`ClientStore.check` and `rows`).
 
 How a member type maps onto stored arrays (checked before any row is read):
 
@@ -125,8 +126,8 @@ def default_name(directory: str) -> str:
 
 
 def open_store(directory: str):
-    """The population at `directory` (a `fax_bridge.data.ClientStore`), memory-mapped;
-    a clear ComputationError when it is not one."""
+    """The population at `directory` (a `fax_bridge.data.ClientStore`, its files kept
+    open); a clear ComputationError when it is not one."""
     try:
         return ClientStore(directory)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -273,33 +274,31 @@ def read_members(store, member_type: federated_language.Type, columns: Sequence[
     check_ids(store, ids)
     starts = store.offsets[ids]
     counts = store.offsets[ids + 1] - starts
-    per_column = []
-    for c in columns:
-        array = store.array(c.key)
+    for c in columns:  # every column's counts checked before any row is read
         where = f"member element `{c.path}`" if c.path else "the member"
-        if c.single:
-            wrong = np.flatnonzero(counts != 1)
-            if wrong.size:
-                i = int(wrong[0])
+        want = 1 if c.single else (c.type_.shape or [None])[0]
+        wrong = np.flatnonzero(counts != want) if want is not None else ()
+        if len(wrong):
+            i = int(wrong[0])
+            if c.single:
                 raise ComputationError(
                     f"{where} ({c.type_}) is one example per client, but client "
                     f"{int(ids[i])} holds {int(counts[i])} examples of {c.key!r}; use a "
                     f"member type with a leading examples dimension")
-            per_column.append(np.asarray(array[starts]))  # one copy of only these rows
-            continue
-        first = (c.type_.shape or [None])[0]
-        if first is not None:
-            wrong = np.flatnonzero(counts != first)
-            if wrong.size:
-                i = int(wrong[0])
-                raise ComputationError(
-                    f"{where} is {c.type_}, but client {int(ids[i])} holds "
-                    f"{int(counts[i])} examples of {c.key!r}")
-        if ids.size and int(counts.min()) == int(counts.max()):
-            k = int(counts[0])
-            per_column.append(np.asarray(array[starts[:, None] + np.arange(k)]))
+            raise ComputationError(
+                f"{where} is {c.type_}, but client {int(ids[i])} holds "
+                f"{int(counts[i])} examples of {c.key!r}")
+    # one copy of only these rows per column; DataError naming a file changed on disk
+    blocks = store.read([c.key for c in columns], starts, counts)
+    regular = ids.size and int(counts.min()) == int(counts.max())
+    per_column = []
+    for c, block in zip(columns, blocks):
+        if c.single:
+            per_column.append(block)
+        elif regular:
+            per_column.append(block.reshape((len(ids), int(counts[0])) + block.shape[1:]))
         else:
-            per_column.append([np.array(array[s:s + n]) for s, n in zip(starts, counts)])
+            per_column.append(np.split(block, np.cumsum(counts)[:-1]))
     if per_column and all(isinstance(c, np.ndarray) for c in per_column):
         return ClientRows(from_leaves(member_type, per_column))
     if isinstance(member_type, federated_language.TensorType):
