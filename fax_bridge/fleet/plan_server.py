@@ -24,8 +24,8 @@ from federated_language.proto import computation_pb2
 from federated_language.types import type_analysis
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.fleet.plan import make_reference, make_selection
 from fax_bridge.runtime import interpreter, local_eval
+from fax_bridge.runtime.grammar import make_reference, make_selection, struct_elements
 
 Computation = computation_pb2.Computation
 
@@ -64,10 +64,10 @@ def _local(comp: Computation) -> Optional[Computation]:
             out.call.function.CopyFrom(inner)
             return out
         if uri == _CALLS:
-            if arg is None or arg.WhichOneof("computation") != "struct" or \
-                    len(arg.struct.element) != 2:
+            pair = struct_elements(arg, 2)
+            if pair is None:
                 return None
-            pieces = [_local(e.value) for e in arg.struct.element]
+            pieces = [_local(e) for e in pair]
             if None in pieces:
                 return None
             out.call.function.CopyFrom(pieces[0])

@@ -30,7 +30,7 @@ from federated_language.proto import computation_pb2
 from google.protobuf.message import DecodeError
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import hlo, limits
+from fax_bridge.runtime import grammar, hlo, limits
 
 LocalValue = Any  # np.ndarray | structure.Struct of LocalValue
 LocalFn = Callable[..., LocalValue]
@@ -139,39 +139,6 @@ _Env = dict
 _Node = Callable[[_Env], LocalValue]
 
 
-def computation_kind(comp: computation_pb2.Computation) -> str:
-    """Which case of the Computation proto `comp` holds; ComputationError when none or
-    TensorFlow (both walkers of the proto, this module's and the interpreter's, use it)."""
-    kind = comp.WhichOneof("computation")
-    if kind is None:
-        raise ComputationError(
-            "a computation proto has no computation case set (malformed proto)")
-    if kind == "tensorflow":
-        raise ComputationError(
-            "TensorFlow local computations are not supported; export local parts as Xla "
-            "computations")
-    return kind
-
-
-def children(comp: computation_pb2.Computation) -> list[computation_pb2.Computation]:
-    """The computations directly inside `comp`, in evaluation order: a call's function
-    then its argument, a struct's elements, a selection's source, a lambda's result, a
-    block's locals then its result; none for references, intrinsics, literals, Xla."""
-    kind = comp.WhichOneof("computation")
-    if kind == "call":
-        call = comp.call
-        return [call.function, call.argument] if call.HasField("argument") else [call.function]
-    if kind == "struct":
-        return [e.value for e in comp.struct.element]
-    if kind == "selection":
-        return [comp.selection.source]
-    if kind == "lambda":
-        return [getattr(comp, "lambda").result]
-    if kind == "block":
-        return [local.value for local in comp.block.local] + [comp.block.result]
-    return []
-
-
 def select_element(value: Any, index: int) -> Any:
     """Element `index` of a struct value, as a Selection computes it."""
     if not isinstance(value, structure.Struct):
@@ -186,7 +153,7 @@ def select_element(value: Any, index: int) -> Any:
 
 
 def _build(comp: computation_pb2.Computation, scope: frozenset) -> _Node:
-    kind = computation_kind(comp)
+    kind = grammar.case(comp)
     builder = _BUILDERS.get(kind)
     if builder is None:
         raise ComputationError(
@@ -207,9 +174,10 @@ def _build_reference(comp, scope):
 
 
 def _build_lambda(comp, scope):
-    param = comp.__getattribute__("lambda").parameter_name
+    lam = grammar.lambda_of(comp)
+    param = lam.parameter_name
     inner = scope | {param} if param else scope
-    body = _build(comp.__getattribute__("lambda").result, inner)
+    body = _build(lam.result, inner)
 
     def make(env):
         if not param:
@@ -314,7 +282,7 @@ def _build_xla(comp, scope):
     return lambda env: fn
 
 
-_BUILDERS = {
+_BUILDERS = grammar.handlers({
     "reference": _build_reference,
     "lambda": _build_lambda,
     "block": _build_block,
@@ -324,7 +292,7 @@ _BUILDERS = {
     "literal": _build_literal,
     "intrinsic": _build_intrinsic,
     "xla": _build_xla,
-}
+})
 
 
 # ---------------------------------------------------------------------------------------
