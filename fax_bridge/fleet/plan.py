@@ -27,6 +27,7 @@ import itertools
 from typing import Any, Optional
 
 import federated_language
+from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
@@ -39,12 +40,12 @@ from fax_bridge.runtime.local_eval import select_element
 
 Computation = computation_pb2.Computation
 
-_AGGREGATIONS = {"federated_sum": "sum", "federated_mean": "mean",
-                 "federated_weighted_mean": "weighted_mean", "federated_min": "min",
-                 "federated_max": "max"}
-_BROADCAST = "federated_broadcast"
-_MAP = "federated_map"
-_ZIP = "federated_zip_at_clients"
+_AGGREGATIONS = {defs.FEDERATED_SUM.uri: "sum", defs.FEDERATED_MEAN.uri: "mean",
+                 defs.FEDERATED_WEIGHTED_MEAN.uri: "weighted_mean",
+                 defs.FEDERATED_MIN.uri: "min", defs.FEDERATED_MAX.uri: "max"}
+_BROADCAST = defs.FEDERATED_BROADCAST.uri
+_MAP = defs.FEDERATED_MAP.uri
+_ZIP = defs.FEDERATED_ZIP_AT_CLIENTS.uri
 _X = "__plan_x"  # the client part's parameter
 
 

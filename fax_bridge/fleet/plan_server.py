@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from federated_language.common_libs import structure
+from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 from federated_language.types import type_analysis
 
@@ -29,9 +30,9 @@ from fax_bridge.runtime.grammar import make_reference, make_selection, struct_el
 
 Computation = computation_pb2.Computation
 
-_CALLS = "federated_apply"
-_CALLS_WITHOUT_ARG = "federated_eval_at_server"
-_SAME = ("federated_zip_at_server", "federated_value_at_server")
+_CALLS = defs.FEDERATED_APPLY.uri
+_CALLS_WITHOUT_ARG = defs.FEDERATED_EVAL_AT_SERVER.uri
+_SAME = (defs.FEDERATED_ZIP_AT_SERVER.uri, defs.FEDERATED_VALUE_AT_SERVER.uri)
 _ENV = "__plan_server"  # the result piece's parameter: <arguments, prepared, aggregates>
 
 
