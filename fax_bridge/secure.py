@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from federated_language.compiler import building_block_factory as factory
 from federated_language.compiler import building_blocks as bb
+from federated_language.compiler import intrinsic_defs
 from jax._src import core
 from jax._src.interpreters import ad
 
@@ -66,8 +67,8 @@ from fax_bridge.tff import xla as tff_xla
 from fax_bridge.errors import ArgumentError, PlacementError, SecureAggregationError
 from fax_bridge.placements import secure_sum_refusal
 
-SECURE_SUM_BITWIDTH = "federated_secure_sum_bitwidth"
-SECURE_SUM = "federated_secure_sum"
+SECURE_SUM_BITWIDTH = intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH.uri
+SECURE_SUM = intrinsic_defs.FEDERATED_SECURE_SUM.uri
 MAX_BITWIDTH = 62
 
 

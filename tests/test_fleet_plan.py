@@ -79,6 +79,45 @@ def test_computations_of_another_shape_keep_the_phase_path():
     assert P.compile_plan(fb.export_tff(per_client, *x, placements=PLACE)) is None
 
 
+def _with_map_function(body) -> "P.Computation":
+    """PROTO with its per-client function replaced by `Lambda(p) -> body`."""
+    from federated_language.compiler import intrinsic_defs
+
+    from fax_bridge.runtime import grammar
+
+    proto = P.Computation()
+    proto.CopyFrom(PROTO)
+    stack = [proto]
+    while stack:
+        c = stack.pop()
+        call = grammar.intrinsic_call(c)
+        if call is not None and call[0] == intrinsic_defs.FEDERATED_MAP.uri:
+            fn = c.call.argument.struct.element[0].value
+            fn.Clear()
+            grammar.lambda_of(fn).parameter_name = "p"
+            grammar.lambda_of(fn).result.CopyFrom(body)
+            return proto
+        stack.extend(grammar.children(c))
+    raise AssertionError("PROTO has no federated_map")
+
+
+def test_a_per_client_function_using_an_outer_name_keeps_the_phase_path():
+    """A name the per-client function binds in one place (a Block local) and uses free
+    in another is still free: the function needs a value from outside, so no plan."""
+    from fax_bridge.runtime.grammar import make_reference
+
+    inner = P.Computation()
+    inner.block.local.add(name="b", value=make_reference("p"))
+    inner.block.result.CopyFrom(make_reference("b"))
+    bound_only = P.Computation()
+    bound_only.CopyFrom(inner)
+    also_free = P.Computation()
+    also_free.struct.element.add(value=inner)
+    also_free.struct.element.add(value=make_reference("b"))
+    assert P.compile_plan(_with_map_function(bound_only)) is not None
+    assert P.compile_plan(_with_map_function(also_free)) is None
+
+
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 2**31 - 1))
 def test_the_plan_gives_the_interpreters_bits(seed):

@@ -108,16 +108,28 @@ def fb_struct(**elements):
     return structure.Struct(list(elements.items()))
 
 
-def test_intrinsics_without_a_local_meaning_are_not_translated():
+def test_intrinsics_without_a_local_meaning_are_not_compiled_at_the_server():
+    import pytest
     from federated_language.proto import computation_pb2
+
+    from fax_bridge.errors import ComputationError
+    from fax_bridge.runtime import local_eval
+
+    def at_server(body):
+        fn = computation_pb2.Computation()
+        getattr(fn, "lambda").parameter_name = "s"
+        getattr(fn, "lambda").result.CopyFrom(body)
+        return local_eval.compile_local(fn, at_server=True)
 
     comp = computation_pb2.Computation()
     comp.data.uri = "somewhere"
-    assert plan_server._local(comp) is None
+    with pytest.raises(ComputationError):
+        at_server(comp)
     broadcast = computation_pb2.Computation()
     broadcast.call.function.intrinsic.uri = "federated_broadcast"
     broadcast.call.argument.reference.name = "s"
-    assert plan_server._local(broadcast) is None
+    with pytest.raises(ComputationError, match="federated_broadcast"):
+        at_server(broadcast)
 
 
 def test_server_pieces_nested_past_the_recursion_limit_keep_the_interpreter():

@@ -1,4 +1,5 @@
-"""Round planning: seeded cohorts, dropout, straggler deadlines and min_clients."""
+"""Round planning: seeded cohorts, dropout, straggler deadlines and min_clients; what a
+round's report adds up."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet.rounds import RoundPolicy, check_min_clients, plan_round
+from fax_bridge.fleet.pool import Traffic
+from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
 
 
 def test_same_seed_and_round_give_the_same_plan():
@@ -75,3 +77,28 @@ def test_a_round_without_deadline_never_blames_one():
         check_min_clients(policy, plan_round(policy, 10, 0), 0)
     assert "deadline" not in str(info.value) and "None" not in str(info.value)
     assert "dropped out" in str(info.value) and "lower dropout" in str(info.value)
+
+
+_TRY = st.builds(Traffic, *[st.integers(0, 10 ** 9)] * 5, st.floats(0, 10.0))
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(st.lists(_TRY, max_size=4))
+def test_a_report_adds_up_every_tries_traffic(tries):
+    """A report's traffic is the sum of its tries' `Traffic` differences, and reads under
+    the report's names, as attributes and in `as_dict`."""
+    plan = plan_round(RoundPolicy(), 3, 0)
+    rep = RoundReport(round=0, population=3, cohort=plan.cohort, dropped=plan.dropped,
+                      late=plan.late, participants=plan.participants,
+                      delays_s=plan.delays_s, devices=1, preaggregate=True)
+    for spent in tries:
+        rep.add_traffic(spent)
+    names = {"bytes_down": "bytes_down", "bytes_up": "bytes_up",
+             "payload_down": "payload_down", "payload_up": "payload_up", "rpcs": "rpcs",
+             "compute_s": "compute_seconds"}
+    row = rep.as_dict()
+    assert "traffic" not in row
+    for name, counter in names.items():
+        total = sum((getattr(t, counter) for t in tries), type(getattr(Traffic(), counter))())
+        assert getattr(rep, name) == pytest.approx(total) == row[name]
+        assert getattr(rep.traffic, counter) == getattr(rep, name)

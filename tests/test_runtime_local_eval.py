@@ -8,7 +8,7 @@ from federated_language.compiler import building_blocks as bb
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import local_eval
+from fax_bridge.runtime import grammar, local_eval
 from fax_bridge.tff.xla import typed_xla_computation
 
 F32 = np.float32
@@ -171,7 +171,7 @@ def test_children_reach_every_nested_computation():
     while stack:
         c = stack.pop()
         seen.append(c)
-        stack.extend(local_eval.children(c))
+        stack.extend(grammar.children(c))
     assert sorted(c.SerializeToString() for c in seen) == sorted(
         c.SerializeToString() for c in _every_computation(proto))
     kinds = {c.WhichOneof("computation") for c in seen}

@@ -27,19 +27,25 @@ import itertools
 from typing import Any, Optional
 
 import federated_language
+from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import aggregation, client_map, local_eval
 from fax_bridge.runtime.backend import from_leaves
+from fax_bridge.runtime.grammar import (free_references, intrinsic_call, lambda_of,
+                                        make_reference, make_selection, reference_name,
+                                        struct_elements)
 from fax_bridge.runtime.local_eval import select_element
 
 Computation = computation_pb2.Computation
 
-_AGGREGATIONS = {"federated_sum": "sum", "federated_mean": "mean",
-                 "federated_weighted_mean": "weighted_mean", "federated_min": "min",
-                 "federated_max": "max"}
-_CLIENT_STEPS = ("federated_broadcast", "federated_map", "federated_zip_at_clients")
+_AGGREGATIONS = {defs.FEDERATED_SUM.uri: "sum", defs.FEDERATED_MEAN.uri: "mean",
+                 defs.FEDERATED_WEIGHTED_MEAN.uri: "weighted_mean",
+                 defs.FEDERATED_MIN.uri: "min", defs.FEDERATED_MAX.uri: "max"}
+_BROADCAST = defs.FEDERATED_BROADCAST.uri
+_MAP = defs.FEDERATED_MAP.uri
+_ZIP = defs.FEDERATED_ZIP_AT_CLIENTS.uri
 _X = "__plan_x"  # the client part's parameter
 
 
@@ -104,32 +110,6 @@ def _is_clients(type_) -> bool:
             and type_.placement is federated_language.CLIENTS)
 
 
-def _refs(comp: Computation) -> set:
-    """Every name a computation references (bound or not)."""
-    found, stack = set(), [comp]
-    while stack:
-        c = stack.pop()
-        if c.WhichOneof("computation") == "reference":
-            found.add(c.reference.name)
-        stack.extend(local_eval.children(c))
-    return found
-
-
-def make_reference(name: str) -> Computation:
-    """A Reference computation to `name`."""
-    out = Computation()
-    out.reference.name = name
-    return out
-
-
-def make_selection(source: Computation, index: int) -> Computation:
-    """A Selection of element `index` from `source`."""
-    out = Computation()
-    out.selection.source.CopyFrom(source)
-    out.selection.index = index
-    return out
-
-
 def _struct(items: list) -> Computation:
     out = Computation()
     for item in items:
@@ -137,27 +117,11 @@ def _struct(items: list) -> Computation:
     return out
 
 
-def _intrinsic_call(comp: Computation):
-    """(uri, argument or None) of a call of an intrinsic; None otherwise."""
-    if comp.WhichOneof("computation") != "call":
-        return None
-    fn = comp.call.function
-    if fn.WhichOneof("computation") != "intrinsic":
-        return None
-    return fn.intrinsic.uri, (comp.call.argument if comp.call.HasField("argument") else None)
-
-
-def _ref_name(comp: Optional[Computation]) -> Optional[str]:
-    if comp is not None and comp.WhichOneof("computation") == "reference":
-        return comp.reference.name
-    return None
-
-
 def compile_plan(proto: Computation) -> Optional[Plan]:
     """The plan of a round-shaped computation, or None (module docstring)."""
     if proto.WhichOneof("computation") != "lambda":
         return None
-    lam = getattr(proto, "lambda")
+    lam = lambda_of(proto)
     param = lam.parameter_name
     if not param:
         return None
@@ -174,11 +138,11 @@ def compile_plan(proto: Computation) -> Optional[Plan]:
     for local in body.block.local:
         name, value = local.name, local.value
         type_ = _type(value)
-        refs = _refs(value)
+        refs = set(free_references(value))
         if _is_clients(type_):
             members[name] = type_.member
         if value.WhichOneof("computation") == "selection" and \
-                _ref_name(value.selection.source) == param:
+                reference_name(value.selection.source) == param:
             if _is_clients(type_):
                 client[name] = make_selection(make_selection(make_reference(_X), 1), len(inputs))
                 inputs.append(value.selection.index)
@@ -187,43 +151,43 @@ def compile_plan(proto: Computation) -> Optional[Plan]:
             else:
                 server.append((name, value))
             continue
-        call = _intrinsic_call(value)
+        call = intrinsic_call(value)
         uri, arg = call if call else (None, None)
         if uri in _AGGREGATIONS:
             kind = _AGGREGATIONS[uri]
             if kind == "weighted_mean":
-                if arg is None or arg.WhichOneof("computation") != "struct" or \
-                        len(arg.struct.element) != 2:
+                pair = struct_elements(arg, 2)
+                if pair is None:
                     return None
-                v, w = (_ref_name(e.value) for e in arg.struct.element)
+                v, w = (reference_name(e) for e in pair)
             else:
-                v, w = _ref_name(arg), None
+                v, w = reference_name(arg), None
             if v not in client or (kind == "weighted_mean" and w not in client):
                 return None
             aggregates.append((name, kind, v, w, type_.member))
             depends_on_agg.add(name)
             continue
-        if uri == "federated_broadcast":
-            src = _ref_name(arg)
+        if uri == _BROADCAST:
+            src = reference_name(arg)
             if src is None or src in client or src in depends_on_agg:
                 return None  # two trips, or not a plain broadcast of a server local
             client[name] = make_selection(make_selection(make_reference(_X), 0), len(broadcasts))
             broadcasts.append(src)
             client_order.append(name)
             continue
-        if uri in ("federated_map", "federated_zip_at_clients") or _is_clients(type_):
-            if uri == "federated_map":
-                if arg is None or arg.WhichOneof("computation") != "struct" or \
-                        len(arg.struct.element) != 2:
+        if uri in (_MAP, _ZIP) or _is_clients(type_):
+            if uri == _MAP:
+                pair = struct_elements(arg, 2)
+                if pair is None:
                     return None
-                fn = arg.struct.element[0].value
-                src = _translate_zip(arg.struct.element[1].value, client)
-                if src is None or _refs(fn) - _bound_inside(fn):
+                fn = pair[0]
+                src = _translate_zip(pair[1], client)
+                if src is None or free_references(fn):
                     return None
                 out = Computation()
                 out.call.function.CopyFrom(fn)
                 out.call.argument.CopyFrom(src)
-            elif uri == "federated_zip_at_clients":
+            elif uri == _ZIP:
                 out = _translate_zip(arg, client)
                 if out is None:
                     return None
@@ -239,12 +203,12 @@ def compile_plan(proto: Computation) -> Optional[Plan]:
         server.append((name, value))
     if not aggregates or not inputs and not broadcasts:
         return None
-    if _refs(body.block.result) & set(client):
+    if set(free_references(body.block.result)) & set(client):
         return None
     # The client part: the client locals, then the struct of aggregands (and weights).
     part = Computation()
-    getattr(part, "lambda").parameter_name = _X
-    block = getattr(part, "lambda").result.block
+    lambda_of(part).parameter_name = _X
+    block = lambda_of(part).result.block
     for name in client_order:
         entry = block.local.add()
         entry.name = name
@@ -284,8 +248,8 @@ def _flattened(body: Computation, param: str) -> Computation:
             for element, old in zip(new.struct.element, c.struct.element):
                 element.value.CopyFrom(lift(old.value))
             return new
-        is_arg = kind == "selection" and _ref_name(c.selection.source) == param
-        if _intrinsic_call(c) is None and not is_arg:
+        is_arg = kind == "selection" and reference_name(c.selection.source) == param
+        if intrinsic_call(c) is None and not is_arg:
             return c  # references, functions, and what the planner then refuses
         name = next(names)
         add(name, c)
@@ -296,7 +260,7 @@ def _flattened(body: Computation, param: str) -> Computation:
     def add(name: str, c: Computation) -> None:
         value = Computation()
         value.CopyFrom(c)
-        if _intrinsic_call(c) is not None and c.call.HasField("argument"):
+        if intrinsic_call(c) is not None and c.call.HasField("argument"):
             value.call.argument.CopyFrom(lift(c.call.argument))
         entry = block.block.local.add()
         entry.name = name
@@ -312,28 +276,14 @@ def _flattened(body: Computation, param: str) -> Computation:
     return block
 
 
-def _bound_inside(fn: Computation) -> set:
-    """Names a local function binds itself (its parameters and block locals)."""
-    bound, stack = set(), [fn]
-    while stack:
-        c = stack.pop()
-        kind = c.WhichOneof("computation")
-        if kind == "lambda":
-            bound.add(getattr(c, "lambda").parameter_name)
-        elif kind == "block":
-            bound.update(local.name for local in c.block.local)
-        stack.extend(local_eval.children(c))
-    return bound
-
-
 def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computation]:
     """A client local, or a zip of (nested structs of) them, as the same struct of
     references."""
     if arg is None:
         return None
-    call = _intrinsic_call(arg)
+    call = intrinsic_call(arg)
     if call is not None:
-        return _translate_zip(call[1], client) if call[0] == "federated_zip_at_clients" \
+        return _translate_zip(call[1], client) if call[0] == _ZIP \
             else None
     kind = arg.WhichOneof("computation")
     if kind == "reference":

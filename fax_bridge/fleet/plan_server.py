@@ -3,11 +3,12 @@
 On the coordinator a SERVER value is its member, so the intrinsics a round's server
 steps use have local meanings: `federated_apply(<f, x>)` is `f(x)`,
 `federated_eval_at_server(f)` is `f()`, `federated_zip_at_server(s)` and
-`federated_value_at_server(v)` are their argument. `compile_server` translates the
-plan's server prepare and server result into two local computations by those meanings
-and compiles them once (`local_eval.compile_local`); a round then runs each as one call
-instead of interpreting the steps. Pieces holding anything else (another intrinsic, a
-generic intrinsic on placed values, a `Data` computation) keep the interpreter
+`federated_value_at_server(v)` are their argument. `compile_server` puts the plan's
+server prepare and server result into two local computations and compiles them once
+with the runtime's local evaluator, which gives those intrinsics their meanings
+(`local_eval.compile_local(at_server=True)`); a round then runs each as one call instead
+of interpreting the steps. Pieces holding anything else (another intrinsic, a generic
+intrinsic on placed values, a `Data` computation) keep the interpreter
 (`compile_server` returns None); both give the same values, and the round's result is
 checked against the computation's type either way.
 
@@ -21,17 +22,14 @@ from typing import Any, Callable, Optional
 
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
-from federated_language.types import type_analysis
+from google.protobuf.message import DecodeError, EncodeError
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.fleet.plan import make_reference, make_selection
 from fax_bridge.runtime import interpreter, local_eval
+from fax_bridge.runtime.grammar import lambda_of, make_reference, make_selection
 
 Computation = computation_pb2.Computation
 
-_CALLS = "federated_apply"
-_CALLS_WITHOUT_ARG = "federated_eval_at_server"
-_SAME = ("federated_zip_at_server", "federated_value_at_server")
 _ENV = "__plan_server"  # the result piece's parameter: <arguments, prepared, aggregates>
 
 
@@ -46,103 +44,13 @@ class ServerProgram:
     result: Callable
 
 
-def _local(comp: Computation) -> Optional[Computation]:
-    """`comp` with every SERVER intrinsic replaced by its local meaning; None when it
-    holds a computation without one."""
-    kind = comp.WhichOneof("computation")
+def _lambda(parameter: str, locals_: list, result: Computation) -> Computation:
+    """Lambda(parameter) -> Block(locals_) -> result."""
     out = Computation()
-    if kind == "call":
-        fn = comp.call.function
-        uri = fn.intrinsic.uri if fn.WhichOneof("computation") == "intrinsic" else None
-        arg = comp.call.argument if comp.call.HasField("argument") else None
-        if uri in _SAME and arg is not None:
-            return _local(arg)
-        if uri == _CALLS_WITHOUT_ARG and arg is not None:
-            inner = _local(arg)
-            if inner is None:
-                return None
-            out.call.function.CopyFrom(inner)
-            return out
-        if uri == _CALLS:
-            if arg is None or arg.WhichOneof("computation") != "struct" or \
-                    len(arg.struct.element) != 2:
-                return None
-            pieces = [_local(e.value) for e in arg.struct.element]
-            if None in pieces:
-                return None
-            out.call.function.CopyFrom(pieces[0])
-            out.call.argument.CopyFrom(pieces[1])
-            return out
-        inner = _local(fn)
-        if inner is None:
-            return None
-        out.call.function.CopyFrom(inner)
-        if arg is not None:
-            inner = _local(arg)
-            if inner is None:
-                return None
-            out.call.argument.CopyFrom(inner)
-        return out
-    if kind == "intrinsic":
-        type_ = local_eval.parse_type(comp.type)
-        if comp.intrinsic.uri not in local_eval.GENERIC_URIS or (
-                type_ is not None and type_analysis.contains_federated_types(type_)):
-            return None
-        out.CopyFrom(comp)
-        return out
-    if kind in ("xla", "literal", "reference"):
-        out.CopyFrom(comp)
-        return out
-    if kind == "selection":
-        source = _local(comp.selection.source)
-        if source is None:
-            return None
-        out.selection.source.CopyFrom(source)
-        out.selection.index = comp.selection.index
-        return out
-    if kind == "struct":
-        out.struct.SetInParent()  # an empty struct is still a struct
-        for element in comp.struct.element:
-            value = _local(element.value)
-            if value is None:
-                return None
-            added = out.struct.element.add(value=value)
-            if element.name:
-                added.name = element.name
-        return out
-    if kind == "lambda":
-        lam = getattr(comp, "lambda")
-        body = _local(lam.result)
-        if body is None:
-            return None
-        getattr(out, "lambda").parameter_name = lam.parameter_name
-        getattr(out, "lambda").result.CopyFrom(body)
-        return out
-    if kind == "block":
-        for local in comp.block.local:
-            value = _local(local.value)
-            if value is None:
-                return None
-            out.block.local.add(name=local.name, value=value)
-        result = _local(comp.block.result)
-        if result is None:
-            return None
-        out.block.result.CopyFrom(result)
-        return out
-    return None  # data, placement
-
-
-def _lambda(parameter: str, locals_: list, result: Computation) -> Optional[Computation]:
-    """Lambda(parameter) -> Block(locals_) -> result, translated; None if a part has no
-    local meaning."""
-    out = Computation()
-    lam = getattr(out, "lambda")
+    lam = lambda_of(out)
     lam.parameter_name = parameter
     for name, value in locals_:
-        translated = _local(value)
-        if translated is None:
-            return None
-        lam.result.block.local.add(name=name, value=translated)
+        lam.result.block.local.add(name=name, value=value)
     lam.result.block.result.CopyFrom(result)
     return out
 
@@ -151,8 +59,8 @@ def compile_server(plan) -> Optional[ServerProgram]:
     """The plan's server pieces compiled (module docstring), or None."""
     try:
         return _compile_server(plan)
-    except RecursionError:
-        return None  # nested too deeply to translate: the interpreter reports it
+    except (RecursionError, DecodeError, EncodeError):
+        return None  # nested too deeply to copy or compile: the interpreter reports it
 
 
 def _compile_server(plan) -> Optional[ServerProgram]:
@@ -171,22 +79,13 @@ def _compile_server(plan) -> Optional[ServerProgram]:
                for i, name in enumerate(names)]
     unpack += [(agg.local, make_selection(make_selection(env, 2), j))
                for j, agg in enumerate(plan.aggregations)]
-    final = _local(plan.result)
-    if prepare is None or final is None:
-        return None
-    result = _lambda(_ENV, result_steps, final)
-    if result is None:
-        return None
-    block = getattr(result, "lambda").result.block
-    head = [computation_pb2.Block.Local(name=n, value=v) for n, v in unpack]
-    rest = list(block.local)
-    del block.local[:]
-    block.local.extend(head + rest)
+    result = _lambda(_ENV, unpack + result_steps, plan.result)
     try:
-        return ServerProgram(tuple(names), local_eval.compile_local(prepare),
-                             local_eval.compile_local(result))
+        return ServerProgram(tuple(names), local_eval.compile_local(prepare, at_server=True),
+                             local_eval.compile_local(result, at_server=True))
     except ComputationError:
-        return None  # e.g. a name the pieces do not bind: the interpreter says what
+        return None  # a step without a local meaning, or a name the pieces do not bind:
+        #              the interpreter runs it, or says what is wrong
 
 
 def _steps(plan) -> tuple[list, list]:

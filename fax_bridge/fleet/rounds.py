@@ -17,6 +17,7 @@ import numpy as np
 
 from fax_bridge.errors import ArgumentError, FleetError
 from fax_bridge.fleet.ids import ClientDelays, ClientIds
+from fax_bridge.fleet.pool import Traffic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +90,23 @@ class RoundPlan:
     delays_s: ClientDelays  # population index -> emulated delay, for every cohort client
 
 
+# The report's names for its traffic counters (`compute_s` is `Traffic.compute_seconds`).
+_COUNTERS = ("compute_s", "bytes_down", "bytes_up", "payload_down", "payload_up", "rpcs")
+
+
+def _counter(name: str) -> property:
+    """A read-only attribute of a report giving its `Traffic` counter `name`."""
+    return property(lambda self: getattr(self.traffic, name),
+                    doc=f"`traffic.{name}`: the round's total over its tries.")
+
+
 @dataclasses.dataclass
 class RoundReport:
     """What happened in one round on the fleet.
 
+    `traffic` holds the bytes, RPCs and device compute of every try of the round
+    (`pool.Traffic`), also read as `bytes_down`, `bytes_up`, `payload_down`,
+    `payload_up`, `rpcs` and `compute_s` (its `compute_seconds`).
     `lost_devices` are devices that stopped answering during the round (addresses);
     `lost_clients` the participants they held, which the round then finished without.
     """
@@ -107,21 +121,28 @@ class RoundReport:
     devices: int
     preaggregate: bool
     wall_s: float = 0.0
-    compute_s: float = 0.0
-    bytes_down: int = 0
-    bytes_up: int = 0
-    payload_down: int = 0
-    payload_up: int = 0
-    rpcs: int = 0
+    traffic: Traffic = dataclasses.field(default_factory=Traffic)
     error: Optional[str] = None
     lost_devices: list = dataclasses.field(default_factory=list)
     lost_clients: ClientIds = dataclasses.field(default_factory=ClientIds)
 
+    # The round's traffic counters, read as the report's own attributes.
+    bytes_down = _counter("bytes_down")
+    bytes_up = _counter("bytes_up")
+    payload_down = _counter("payload_down")
+    payload_up = _counter("payload_up")
+    rpcs = _counter("rpcs")
+    compute_s = _counter("compute_seconds")
+
     def as_dict(self) -> dict:
-        """The report as plain Python values (id sets as lists, delays as a dict)."""
+        """The report as plain Python values (id sets as lists, delays as a dict, the
+        traffic counters under the report's names)."""
         out = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if isinstance(value, Traffic):
+                out.update((name, getattr(self, name)) for name in _COUNTERS)
+                continue
             if isinstance(value, ClientIds):
                 value = list(value)
             elif isinstance(value, ClientDelays):
@@ -131,11 +152,11 @@ class RoundReport:
             out[field.name] = value
         return out
 
-    def add_traffic(self, spent) -> None:
-        """Adds the wire and compute costs of one try (a `pool.Traffic` difference)."""
-        self.compute_s += spent.compute_seconds
-        for name in ("bytes_down", "bytes_up", "payload_down", "payload_up", "rpcs"):
-            setattr(self, name, getattr(self, name) + getattr(spent, name))
+    def add_traffic(self, spent: Traffic) -> None:
+        """Adds the wire and compute costs of one try (a `Traffic` difference)."""
+        for field in dataclasses.fields(Traffic):
+            setattr(self.traffic, field.name,
+                    getattr(self.traffic, field.name) + getattr(spent, field.name))
 
     def summary(self) -> str:
         lost = (f", {len(self.lost_clients)} lost with {len(self.lost_devices)} unreachable "

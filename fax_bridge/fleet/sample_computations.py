@@ -12,6 +12,7 @@ from typing import Callable
 import federated_language as fl
 import numpy as np
 from federated_language.compiler import building_blocks as bb
+from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.tff.xla import typed_xla_computation
@@ -25,12 +26,14 @@ def server(t) -> fl.FederatedType:
     return fl.FederatedType(t, fl.SERVER)
 
 
-def _call(uri: str, arg: bb.ComputationBuildingBlock, result_type) -> bb.Call:
-    return bb.Call(bb.Intrinsic(uri, fl.FunctionType(arg.type_signature, result_type)), arg)
+def _call(definition: defs.IntrinsicDef, arg: bb.ComputationBuildingBlock,
+          result_type) -> bb.Call:
+    return bb.Call(bb.Intrinsic(definition.uri,
+                                fl.FunctionType(arg.type_signature, result_type)), arg)
 
 
 def _map(fn: bb.CompiledComputation, value) -> bb.Call:
-    return _call("federated_map", bb.Struct([fn, value]), clients(fn.type_signature.result))
+    return _call(defs.FEDERATED_MAP, bb.Struct([fn, value]), clients(fn.type_signature.result))
 
 
 def scaled_aggregate(shape: tuple = (3,), kind: str = "sum",
@@ -39,15 +42,15 @@ def scaled_aggregate(shape: tuple = (3,), kind: str = "sum",
     member = fl.TensorType(dtype, list(shape))
     param = fl.StructType([("x", clients(member)), ("s", server(member))])
     arg = bb.Reference("arg", param)
-    bc = _call("federated_broadcast", bb.Selection(arg, name="s"), clients(member, True))
+    bc = _call(defs.FEDERATED_BROADCAST, bb.Selection(arg, name="s"), clients(member, True))
     pair = fl.StructType([("x", member), ("s", member)])
-    zipped = _call("federated_zip_at_clients",
+    zipped = _call(defs.FEDERATED_ZIP_AT_CLIENTS,
                    bb.Struct([("x", bb.Selection(arg, name="x")), ("s", bc)]), clients(pair))
     scaled = _map(bb.CompiledComputation(typed_xla_computation(lambda x, s: x * s, pair)),
                   zipped)
-    uri = {"sum": "federated_sum", "mean": "federated_mean", "min": "federated_min",
-           "max": "federated_max"}[kind]
-    return bb.Lambda("arg", param, _call(uri, scaled, server(member))).to_proto()
+    definition = {"sum": defs.FEDERATED_SUM, "mean": defs.FEDERATED_MEAN,
+                  "min": defs.FEDERATED_MIN, "max": defs.FEDERATED_MAX}[kind]
+    return bb.Lambda("arg", param, _call(definition, scaled, server(member))).to_proto()
 
 
 def weighted_mean(shape: tuple = (3,), dtype=np.float32) -> computation_pb2.Computation:
@@ -57,7 +60,7 @@ def weighted_mean(shape: tuple = (3,), dtype=np.float32) -> computation_pb2.Comp
     param = fl.StructType([("x", clients(member)), ("w", clients(weight))])
     arg = bb.Reference("arg", param)
     pair = bb.Struct([bb.Selection(arg, name="x"), bb.Selection(arg, name="w")])
-    return bb.Lambda("arg", param, _call("federated_weighted_mean", pair,
+    return bb.Lambda("arg", param, _call(defs.FEDERATED_WEIGHTED_MEAN, pair,
                                          server(member))).to_proto()
 
 
@@ -76,9 +79,9 @@ def linear_regression_step(features: int = 8, examples: int = 16,
     y_t = fl.TensorType(f32, [examples])
     param = fl.StructType([("w", server(w_t)), ("x", clients(x_t)), ("y", clients(y_t))])
     arg = bb.Reference("arg", param)
-    bc = _call("federated_broadcast", bb.Selection(arg, name="w"), clients(w_t, True))
+    bc = _call(defs.FEDERATED_BROADCAST, bb.Selection(arg, name="w"), clients(w_t, True))
     data = fl.StructType([("w", w_t), ("x", x_t), ("y", y_t)])
-    zipped = _call("federated_zip_at_clients",
+    zipped = _call(defs.FEDERATED_ZIP_AT_CLIENTS,
                    bb.Struct([("w", bc), ("x", bb.Selection(arg, name="x")),
                               ("y", bb.Selection(arg, name="y"))]), clients(data))
 
@@ -100,8 +103,8 @@ def linear_regression_step(features: int = 8, examples: int = 16,
     new_w = _map(pick("w"), stepped)
     losses = _map(pick("loss"), stepped)
     result = bb.Struct([
-        ("w", _call("federated_mean", new_w, server(w_t))),
-        ("loss", _call("federated_mean", losses, server(fl.TensorType(f32)))),
+        ("w", _call(defs.FEDERATED_MEAN, new_w, server(w_t))),
+        ("loss", _call(defs.FEDERATED_MEAN, losses, server(fl.TensorType(f32)))),
         ("losses", losses),
     ])
     return bb.Lambda("arg", param, result).to_proto()

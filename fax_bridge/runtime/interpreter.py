@@ -22,14 +22,13 @@ from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ClientCountError, ComputationError, FaxBridgeError
-from fax_bridge.runtime import (declared_types, intrinsics, limits, local_eval,
+from fax_bridge.runtime import (declared_types, grammar, intrinsics, limits, local_eval,
                                 result_structure, values)
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
 
 Computation = computation_pb2.Computation
-_LAMBDA = "lambda"  # a python keyword, so the proto field is read with getattr
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,11 +118,11 @@ class _Interpreter:
 
     def eval(self, comp: Computation, env: dict) -> Any:
         self.step()
-        kind = local_eval.computation_kind(comp)
-        method = getattr(self, f"_eval_{kind}", None)
+        kind = grammar.case(comp)
+        method = _EVALUATORS.get(kind)
         if method is None:
             raise ComputationError(f"unsupported computation case `{kind}`")
-        return method(comp, env)
+        return method(self, comp, env)
 
     def _eval_reference(self, comp, env):
         name = comp.reference.name
@@ -202,7 +201,7 @@ class _Interpreter:
 
     def call(self, fn, arg, has_arg: bool = True):
         if isinstance(fn, _Closure):
-            lam = getattr(fn.comp, _LAMBDA)
+            lam = grammar.lambda_of(fn.comp)
             env = dict(fn.env)
             if lam.parameter_name:
                 if not has_arg:
@@ -253,7 +252,7 @@ class _Interpreter:
             raise ComputationError(f"{what}: intrinsic `{fn.uri}` cannot run per client")
         if not isinstance(fn, _Closure):
             raise ComputationError(f"{what} needs a function, got {type(fn).__name__}")
-        free = _free_references(fn.comp)
+        free = grammar.free_references(fn.comp)
         if not free:
             return fn.comp
         locals_ = []
@@ -345,6 +344,21 @@ class _Interpreter:
         return value
 
 
+_EVALUATORS = grammar.handlers({
+    "reference": _Interpreter._eval_reference,
+    "lambda": _Interpreter._eval_lambda,
+    "block": _Interpreter._eval_block,
+    "call": _Interpreter._eval_call,
+    "struct": _Interpreter._eval_struct,
+    "selection": _Interpreter._eval_selection,
+    "literal": _Interpreter._eval_literal,
+    "placement": _Interpreter._eval_placement,
+    "data": _Interpreter._eval_data,
+    "xla": _Interpreter._eval_xla,
+    "intrinsic": _Interpreter._eval_intrinsic,
+})
+
+
 def _has_leaf(value, kinds: tuple) -> bool:
     """Whether a leaf of `value` is one of `kinds`; each shared part is visited once."""
     seen: set[int] = set()
@@ -373,37 +387,6 @@ def _expanded_size(value) -> int:
         return sizes[id(v)]
 
     return size(value)
-
-
-def _free_references(comp: Computation) -> dict[str, list]:
-    """Names referenced in `comp` that it does not bind itself, with their Type protos."""
-    free: dict[str, list] = {}
-
-    def walk(c: Computation, bound: frozenset):
-        kind = c.WhichOneof("computation")
-        if kind == "reference":
-            if c.reference.name not in bound:
-                free.setdefault(c.reference.name, []).append(c.type)
-        elif kind == _LAMBDA:
-            lam = getattr(c, _LAMBDA)
-            walk(lam.result, bound | {lam.parameter_name} if lam.parameter_name else bound)
-        elif kind == "block":
-            for local in c.block.local:
-                walk(local.value, bound)
-                bound = bound | {local.name}
-            walk(c.block.result, bound)
-        elif kind == "call":
-            walk(c.call.function, bound)
-            if c.call.HasField("argument"):
-                walk(c.call.argument, bound)
-        elif kind == "struct":
-            for e in c.struct.element:
-                walk(e.value, bound)
-        elif kind == "selection":
-            walk(c.selection.source, bound)
-
-    walk(comp, frozenset())
-    return free
 
 
 def _value_proto(value, name: str, what: str) -> Computation:

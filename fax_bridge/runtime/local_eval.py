@@ -6,6 +6,10 @@ intrinsics (`generic_plus`, `generic_multiply`, `generic_divide`, `generic_zero`
 `compile_local` turns one into a callable on local values (numpy arrays, or `Struct`s of
 them), compiling it once per content hash and per process. The same callable runs on
 jax tracers too: `client_map` traces it once to run it over many clients in one XLA call.
+On the coordinator a SERVER value is its member, so a round's server steps compile here
+too (`compile_local(at_server=True)`): `federated_apply(<f, x>)` is `f(x)`,
+`federated_eval_at_server(f)` is `f()`, `federated_zip_at_server(s)` and
+`federated_value_at_server(v)` are their argument.
 
 Xla binding (TFF's convention): the parameter binding mirrors the parameter type; each
 tensor binding names the HLO parameter number of the tensor at that place of the type.
@@ -15,8 +19,8 @@ the HLO module's (flattened) outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-
 import hashlib
 import threading
 from typing import Any, Callable, Optional
@@ -27,10 +31,11 @@ from federated_language.common_libs import structure
 from federated_language.compiler import array as fl_array
 from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
+from federated_language.types import type_analysis
 from google.protobuf.message import DecodeError
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import hlo, limits
+from fax_bridge.runtime import grammar, hlo, limits
 
 LocalValue = Any  # np.ndarray | structure.Struct of LocalValue
 LocalFn = Callable[..., LocalValue]
@@ -53,23 +58,26 @@ def content_hash(proto: computation_pb2.Computation) -> str:
     return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
 
 
-def compile_local(fn: computation_pb2.Computation) -> LocalFn:
+def compile_local(fn: computation_pb2.Computation, at_server: bool = False) -> LocalFn:
     """Returns a callable `f(arg)` (or `f()` without a parameter) running `fn` locally.
 
-    Raises `ComputationError` if `fn` is not a local functional computation, uses names
-    it does not bind, or holds an Xla part that XLA cannot read.
+    `at_server`: `fn` runs on the coordinator, where a SERVER value is its member, so
+    calls of the SERVER intrinsics with a local meaning (`SERVER_LOCAL_URIS`) may appear
+    in it too.
+    Raises `ComputationError` if `fn` is not a local functional computation (at the
+    server), uses names it does not bind, or holds an Xla part that XLA cannot read.
     """
     if not isinstance(fn, computation_pb2.Computation):
         raise ComputationError(
             f"compile_local takes a federated_language Computation proto, got "
             f"{type(fn).__name__}"
         )
-    key = content_hash(fn)
+    key = ("server:" if at_server else "") + content_hash(fn)
     with _lock:
         cached = _compiled.get(key)
     if cached is not None:
         return cached
-    value = _build(fn, frozenset())({})
+    value = _build(fn, _Scope(frozenset(), at_server))({})
     if not callable(value):
         raise ComputationError(
             f"compile_local needs a functional computation, got a "
@@ -83,7 +91,7 @@ def compile_local(fn: computation_pb2.Computation) -> LocalFn:
 
 def evaluate_local(comp: computation_pb2.Computation) -> LocalValue:
     """Evaluates a closed local computation (functional or not) to its value."""
-    return _build(comp, frozenset())({})
+    return _build(comp, _Scope(frozenset(), False))({})
 
 
 def parse_type(type_proto) -> Optional[federated_language.Type]:
@@ -139,37 +147,16 @@ _Env = dict
 _Node = Callable[[_Env], LocalValue]
 
 
-def computation_kind(comp: computation_pb2.Computation) -> str:
-    """Which case of the Computation proto `comp` holds; ComputationError when none or
-    TensorFlow (both walkers of the proto, this module's and the interpreter's, use it)."""
-    kind = comp.WhichOneof("computation")
-    if kind is None:
-        raise ComputationError(
-            "a computation proto has no computation case set (malformed proto)")
-    if kind == "tensorflow":
-        raise ComputationError(
-            "TensorFlow local computations are not supported; export local parts as Xla "
-            "computations")
-    return kind
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """What a node is built in: the names bound around it, and whether it runs at the
+    server (`compile_local(at_server=True)`)."""
 
+    names: frozenset
+    at_server: bool
 
-def children(comp: computation_pb2.Computation) -> list[computation_pb2.Computation]:
-    """The computations directly inside `comp`, in evaluation order: a call's function
-    then its argument, a struct's elements, a selection's source, a lambda's result, a
-    block's locals then its result; none for references, intrinsics, literals, Xla."""
-    kind = comp.WhichOneof("computation")
-    if kind == "call":
-        call = comp.call
-        return [call.function, call.argument] if call.HasField("argument") else [call.function]
-    if kind == "struct":
-        return [e.value for e in comp.struct.element]
-    if kind == "selection":
-        return [comp.selection.source]
-    if kind == "lambda":
-        return [getattr(comp, "lambda").result]
-    if kind == "block":
-        return [local.value for local in comp.block.local] + [comp.block.result]
-    return []
+    def bind(self, name: str) -> "_Scope":
+        return _Scope(self.names | {name}, self.at_server)
 
 
 def select_element(value: Any, index: int) -> Any:
@@ -185,8 +172,8 @@ def select_element(value: Any, index: int) -> Any:
     return value[index]
 
 
-def _build(comp: computation_pb2.Computation, scope: frozenset) -> _Node:
-    kind = computation_kind(comp)
+def _build(comp: computation_pb2.Computation, scope: _Scope) -> _Node:
+    kind = grammar.case(comp)
     builder = _BUILDERS.get(kind)
     if builder is None:
         raise ComputationError(
@@ -198,7 +185,7 @@ def _build(comp: computation_pb2.Computation, scope: frozenset) -> _Node:
 
 def _build_reference(comp, scope):
     name = comp.reference.name
-    if name not in scope:
+    if name not in scope.names:
         raise ComputationError(
             f"reference to unbound name `{name}` in a local computation; bind it in an "
             "enclosing Lambda or Block"
@@ -207,9 +194,10 @@ def _build_reference(comp, scope):
 
 
 def _build_lambda(comp, scope):
-    param = comp.__getattribute__("lambda").parameter_name
-    inner = scope | {param} if param else scope
-    body = _build(comp.__getattribute__("lambda").result, inner)
+    lam = grammar.lambda_of(comp)
+    param = lam.parameter_name
+    inner = scope.bind(param) if param else scope
+    body = _build(lam.result, inner)
 
     def make(env):
         if not param:
@@ -229,7 +217,7 @@ def _build_block(comp, scope):
     locals_ = []
     for local in comp.block.local:
         locals_.append((local.name, _build(local.value, scope)))
-        scope = scope | {local.name}
+        scope = scope.bind(local.name)
     result = _build(comp.block.result, scope)
 
     def run(env):
@@ -242,6 +230,10 @@ def _build_block(comp, scope):
 
 
 def _build_call(comp, scope):
+    if scope.at_server:
+        meaning = _build_server_call(comp, scope)
+        if meaning is not None:
+            return meaning
     fn = _build(comp.call.function, scope)
     if comp.call.HasField("argument"):
         arg = _build(comp.call.argument, scope)
@@ -298,6 +290,9 @@ def _build_intrinsic(comp, scope):
     if uri == GENERIC_ZERO:
         zero = zeros_of_type(type_)
         return lambda env: zero
+    if scope.at_server and type_ is not None and type_analysis.contains_federated_types(type_):
+        raise ComputationError(
+            f"`{uri}` on placed values has no local meaning at the server (type {type_})")
     if uri in GENERIC_BINARY:
         op = GENERIC_BINARY[uri]
         result_type = type_.result if isinstance(type_, federated_language.FunctionType) else None
@@ -309,12 +304,43 @@ def _build_intrinsic(comp, scope):
     )
 
 
+_APPLY = intrinsic_defs.FEDERATED_APPLY.uri
+_EVAL_AT_SERVER = intrinsic_defs.FEDERATED_EVAL_AT_SERVER.uri
+# The SERVER intrinsics a round's server steps use, which have local meanings where a
+# SERVER value is its member (`compile_local(at_server=True)`), each in call position.
+SERVER_LOCAL_URIS = frozenset({_APPLY, _EVAL_AT_SERVER,
+                               intrinsic_defs.FEDERATED_ZIP_AT_SERVER.uri,
+                               intrinsic_defs.FEDERATED_VALUE_AT_SERVER.uri})
+
+
+def _build_server_call(comp, scope) -> Optional[_Node]:
+    """A call of one of `SERVER_LOCAL_URIS` built by its meaning: `federated_apply(<f, x>)`
+    as `f(x)`, `federated_eval_at_server(f)` as `f()`, the zips and values as their
+    argument; None for any other call."""
+    call = grammar.intrinsic_call(comp)
+    if call is None or call[0] not in SERVER_LOCAL_URIS:
+        return None
+    uri, arg = call
+    if arg is None:
+        raise ComputationError(f"`{uri}` was called without an argument")
+    if uri == _APPLY:
+        pair = grammar.struct_elements(arg, 2)
+        if pair is None:
+            raise ComputationError(f"`{uri}` takes a struct <function, value> at the server")
+        fn, value = _build(pair[0], scope), _build(pair[1], scope)
+        return lambda env: _apply(fn(env), value(env))
+    inner = _build(arg, scope)
+    if uri == _EVAL_AT_SERVER:
+        return lambda env: _apply(inner(env))
+    return inner
+
+
 def _build_xla(comp, scope):
     fn = xla_function(comp)
     return lambda env: fn
 
 
-_BUILDERS = {
+_BUILDERS = grammar.handlers({
     "reference": _build_reference,
     "lambda": _build_lambda,
     "block": _build_block,
@@ -324,7 +350,7 @@ _BUILDERS = {
     "literal": _build_literal,
     "intrinsic": _build_intrinsic,
     "xla": _build_xla,
-}
+})
 
 
 # ---------------------------------------------------------------------------------------

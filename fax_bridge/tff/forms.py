@@ -30,6 +30,7 @@ import tempfile
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
+from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 from jax._src import core
 
@@ -51,15 +52,20 @@ MRF_PIECES = ("prepare", "work", "zero", "accumulate", "merge", "report",
 FORMS = {"daf": ("DistributeAggregateForm", DAF_PIECES),
          "mrf": ("MapReduceForm", MRF_PIECES)}
 
+# TFF's own intrinsic, which federated_language does not define (fax_bridge never emits it:
+# its modular sum is a composition, see `secure.federated_secure_modular_sum`).
+_SECURE_MODULAR_SUM_URI = "federated_secure_modular_sum"
+
 # Intrinsics TFF's form builders accept (form_utils' reducible intrinsics, plus the sums
 # and means it rewrites into federated_aggregate).
-FORM_INTRINSICS = frozenset({
-    "federated_aggregate", "federated_apply", "federated_broadcast", "federated_eval_at_clients",
-    "federated_eval_at_server", "federated_map", "federated_map_all_equal",
-    "federated_secure_sum_bitwidth", "federated_secure_sum", "federated_secure_modular_sum",
-    "federated_value_at_clients", "federated_value_at_server", "federated_zip_at_clients",
-    "federated_zip_at_server", "federated_sum", "federated_mean", "federated_weighted_mean",
-})
+FORM_INTRINSICS = frozenset({_SECURE_MODULAR_SUM_URI} | {d.uri for d in (
+    defs.FEDERATED_AGGREGATE, defs.FEDERATED_APPLY, defs.FEDERATED_BROADCAST,
+    defs.FEDERATED_EVAL_AT_CLIENTS, defs.FEDERATED_EVAL_AT_SERVER, defs.FEDERATED_MAP,
+    defs.FEDERATED_MAP_ALL_EQUAL, defs.FEDERATED_SECURE_SUM_BITWIDTH,
+    defs.FEDERATED_SECURE_SUM, defs.FEDERATED_VALUE_AT_CLIENTS,
+    defs.FEDERATED_VALUE_AT_SERVER, defs.FEDERATED_ZIP_AT_CLIENTS,
+    defs.FEDERATED_ZIP_AT_SERVER, defs.FEDERATED_SUM, defs.FEDERATED_MEAN,
+    defs.FEDERATED_WEIGHTED_MEAN)})
 
 _FIX_TWO_TRIPS = (
     "One form has one broadcast before one aggregation. Compute the second trip's "

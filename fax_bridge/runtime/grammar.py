@@ -1,0 +1,146 @@
+"""The federated_language `Computation` grammar, read in one place.
+
+Every module that walks a computation proto takes from here: which case a computation
+holds (`case`, with a table of handlers by case checked against the proto's own list,
+`handlers`), the computations directly inside one (`children`), the names it uses
+without binding them (`free_references`), the parts of an intrinsic call
+(`intrinsic_call`), and the small pieces a rewriter builds (`make_reference`,
+`make_selection`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional
+
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError
+
+Computation = computation_pb2.Computation
+
+# The cases of the `computation` oneof, as the proto declares them.
+CASES = tuple(field.name for field in
+              Computation.DESCRIPTOR.oneofs_by_name["computation"].fields)
+LAMBDA = "lambda"  # a python keyword, so the proto field is read with getattr
+
+
+def case(comp: Computation) -> str:
+    """Which case of the Computation proto `comp` holds; ComputationError when none or
+    TensorFlow (no walker here runs TensorFlow parts)."""
+    kind = comp.WhichOneof("computation")
+    if kind is None:
+        raise ComputationError(
+            "a computation proto has no computation case set (malformed proto)")
+    if kind == "tensorflow":
+        raise ComputationError(
+            "TensorFlow local computations are not supported; export local parts as Xla "
+            "computations")
+    return kind
+
+
+def handlers(table: Mapping[str, Callable]) -> dict[str, Callable]:
+    """`table` (case name -> handler) as a dict, once every key is checked to be a case
+    of the proto: a misspelt case fails when the table is built, not when a proto of that
+    case first arrives."""
+    unknown = sorted(set(table) - set(CASES))
+    if unknown:
+        raise ComputationError(
+            f"handlers for {unknown}, which are not cases of Computation ({', '.join(CASES)})")
+    return dict(table)
+
+
+def lambda_of(comp: Computation) -> computation_pb2.Lambda:
+    """The Lambda message of a `lambda` computation."""
+    return getattr(comp, LAMBDA)
+
+
+def children(comp: Computation) -> list[Computation]:
+    """The computations directly inside `comp`, in evaluation order: a call's function
+    then its argument, a struct's elements, a selection's source, a lambda's result, a
+    block's locals then its result; none for references, intrinsics, literals, Xla."""
+    kind = comp.WhichOneof("computation")
+    if kind == "call":
+        call = comp.call
+        return [call.function, call.argument] if call.HasField("argument") else [call.function]
+    if kind == "struct":
+        return [e.value for e in comp.struct.element]
+    if kind == "selection":
+        return [comp.selection.source]
+    if kind == LAMBDA:
+        return [lambda_of(comp).result]
+    if kind == "block":
+        return [local.value for local in comp.block.local] + [comp.block.result]
+    return []
+
+
+def free_references(comp: Computation) -> dict[str, list]:
+    """The names `comp` references without binding them itself, each with the Type
+    proto of every such reference (in depth-first order).
+
+    A Lambda binds its parameter in its result; a Block binds each local in the locals
+    after it and in its result. Walked with an explicit stack, so nesting depth costs no
+    Python recursion.
+    """
+    free: dict[str, list] = {}
+    stack: list[tuple[Computation, frozenset]] = [(comp, frozenset())]
+    while stack:
+        c, bound = stack.pop()
+        kind = c.WhichOneof("computation")
+        if kind == "reference":
+            if c.reference.name not in bound:
+                free.setdefault(c.reference.name, []).append(c.type)
+        elif kind == LAMBDA:
+            lam = lambda_of(c)
+            stack.append((lam.result,
+                          bound | {lam.parameter_name} if lam.parameter_name else bound))
+        elif kind == "block":
+            scoped = []
+            for local in c.block.local:
+                scoped.append((local.value, bound))
+                bound = bound | {local.name}
+            scoped.append((c.block.result, bound))
+            stack.extend(reversed(scoped))
+        else:
+            stack.extend((child, bound) for child in reversed(children(c)))
+    return free
+
+
+def intrinsic_call(comp: Computation) -> Optional[tuple[str, Optional[Computation]]]:
+    """(uri, argument or None) of a call of an intrinsic; None for anything else."""
+    if comp.WhichOneof("computation") != "call":
+        return None
+    fn = comp.call.function
+    if fn.WhichOneof("computation") != "intrinsic":
+        return None
+    return fn.intrinsic.uri, (comp.call.argument if comp.call.HasField("argument") else None)
+
+
+def reference_name(comp: Optional[Computation]) -> Optional[str]:
+    """The name a Reference computation refers to; None for anything else."""
+    if comp is not None and comp.WhichOneof("computation") == "reference":
+        return comp.reference.name
+    return None
+
+
+def struct_elements(comp: Optional[Computation], count: int) -> Optional[list]:
+    """The element values of a Struct computation of exactly `count` elements; None for
+    anything else."""
+    if comp is None or comp.WhichOneof("computation") != "struct" or \
+            len(comp.struct.element) != count:
+        return None
+    return [e.value for e in comp.struct.element]
+
+
+def make_reference(name: str) -> Computation:
+    """A Reference computation to `name`."""
+    out = Computation()
+    out.reference.name = name
+    return out
+
+
+def make_selection(source: Computation, index: int) -> Computation:
+    """A Selection of element `index` from `source`."""
+    out = Computation()
+    out.selection.source.CopyFrom(source)
+    out.selection.index = index
+    return out
