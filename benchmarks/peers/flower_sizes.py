@@ -8,9 +8,8 @@ The workload, for each size of ``d * d`` parameters (``d = round(sqrt(size))``):
 weighted by their example counts (all equal, so the plain mean). The data are drawn as
 ``benchmarks/fleet_sizes.py`` draws them: one ``np.random.default_rng(seed)`` gives
 ``w = normal(d, d) / sqrt(d)``, then ``x = normal(clients, examples, d)``, then ``y``
-likewise; client ``i`` holds row ``i``. Round 1 therefore computes the same round as
-that script and as ``benchmarks/model_sizes.py``'s linear model, and ``round1_sum``
-can be compared with their results.
+likewise; client ``i`` holds row ``i``. Round 1 therefore computes the round that
+script times, and ``round1_sum`` can be compared with its results.
 
 One ``flwr.simulation.run_simulation`` (Ray backend, one virtual SuperNode per client,
 one Ray actor per core) serves every size, smallest first: for each, the ServerApp runs
