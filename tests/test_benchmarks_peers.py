@@ -154,3 +154,28 @@ def test_peer_runs_one_round(peer: str, reference_round0: float) -> None:
     # Same math in every peer: round 0's training loss agrees with the numpy reference.
     assert abs(result["loss_per_round"][0] - reference_round0) < 1e-4
     assert 0.0 <= result["final_test_accuracy"] <= 1.0
+
+
+def test_run_flower_sizes_reports_a_missing_venv(tmp_path) -> None:
+    with pytest.raises(run_peer.PeerUnavailable, match="setup_venvs.sh flower"):
+        run_peer.run_flower_sizes(["10k"], rounds=2, repo=str(tmp_path))
+
+
+@pytest.mark.slow
+def test_flower_sizes_matches_the_numpy_reference() -> None:
+    if not run_peer.peer_available("flower"):
+        pytest.skip(".venv-flower is not built (benchmarks/peers/setup_venvs.sh flower)")
+    import flower_sizes
+
+    (result,) = run_peer.run_flower_sizes(["10k"], rounds=2, seed=0)
+    assert result["peer"] == "flower-sizes" and result["params"] == 10_000
+    assert len(result["round_s_all"]) == 2 and result["peak_rss_mb"] > 0
+    assert result["bytes_moved_per_round"] >= result["payload_bytes_per_round"] == 800_000
+    # Checked here too, in this venv's numpy: the same data, rounds and weights.
+    ref = flower_sizes.reference(0, 100, 2)
+    assert result["max_abs_diff_final"] < 1e-5 and result["max_abs_diff_round1"] < 1e-5
+    assert abs(result["round1_sum"] - float(np.sum(ref[0], dtype=np.float64))) < 1e-3
+    assert abs(result["final_sum"] - float(np.sum(ref[1], dtype=np.float64))) < 1e-3
+    w0, x, y = flower_sizes.problem(0, 100)
+    loss0 = np.mean([flower_sizes.sgd_step(w0, x[i], y[i])[1] for i in range(10)])
+    assert abs(result["train_loss_per_round"][0] - loss0) < 1e-4

@@ -9,6 +9,12 @@ prints as its last line.
     python benchmarks/peers/run_peer.py fax|tff|flower [--rounds N] [--seed S]
         [--timeout SECONDS] [--json OUT] [--log LOG] [-- EXTRA PEER ARGS]
 
+Mode ``flower-sizes`` runs ``flower_sizes.py`` (one FedAvg round of a linear model at
+several model sizes on Flower's simulation) in ``.venv-flower`` the same way and prints
+its JSON line per size (``--rounds`` defaults to 5 there, the first a warm-up):
+
+    python benchmarks/peers/run_peer.py flower-sizes --sizes 10k,100k,1M,4M,10M
+
 Exit status: 0 with the JSON line on stdout; 2 when the peer's venv is missing
 (build it with ``benchmarks/peers/setup_venvs.sh PEER``); 1 when the peer failed or
 timed out.
@@ -23,14 +29,16 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 PEERS = ("fax", "tff", "flower")
 # Exit status a peer uses for "runtime did not start" (TFF's worker hang): retried.
 STARTUP_EXIT = 3
-DEFAULT_TIMEOUT_S = {"fax": 300.0, "tff": 600.0, "flower": 900.0}
+DEFAULT_TIMEOUT_S = {"fax": 300.0, "tff": 600.0, "flower": 900.0, "flower-sizes": 1800.0}
+# Modes that run another script of a peer's venv: mode -> (peer, script).
+MODES = {"flower-sizes": ("flower", "flower_sizes.py")}
 
 
 class PeerUnavailable(RuntimeError):
@@ -95,10 +103,27 @@ def child_env() -> Dict[str, str]:
     return env
 
 
+def peer_json_lines(stdout: str) -> List[Dict[str, Any]]:
+    """Every line of `stdout` that is a JSON object with a `peer` key, in order."""
+    out = []
+    for line in stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and "peer" in obj:
+                out.append(obj)
+    return out
+
+
 def run_script(python: str, script: str, args: Sequence[str], timeout_s: float,
                repo: str = REPO, log_path: Optional[str] = None,
-               on_start: Optional[Callable[[Optional[int]], None]] = None) -> Dict[str, Any]:
-    """Runs one script in a new session under a timeout; returns its JSON result.
+               on_start: Optional[Callable[[Optional[int]], None]] = None,
+               parse: Callable[[str], Any] = last_json) -> Any:
+    """Runs one script in a new session under a timeout; returns its JSON result
+    (``parse`` of its stdout: by default the last result line).
 
     Whatever is left of the child's process group afterwards (device processes, TFF's
     worker, Ray's daemons) is killed, whether the run succeeded, failed or timed out.
@@ -132,8 +157,8 @@ def run_script(python: str, script: str, args: Sequence[str], timeout_s: float,
     if proc.returncode != 0:
         raise PeerFailed(f"{name}: exit status {proc.returncode}; stderr tail:\n{tail}",
                          proc.returncode)
-    result = last_json(out)
-    if result is None:
+    result = parse(out)
+    if not result:
         raise PeerFailed(f"{name}: no JSON result line; stderr tail:\n{tail}")
     return result
 
@@ -182,10 +207,42 @@ def run_peer(
     raise AssertionError("unreachable")
 
 
+def run_flower_sizes(
+    sizes: Sequence[str] = ("10k", "100k", "1M", "4M", "10M"),
+    rounds: int = 5,
+    seed: int = 0,
+    timeout_s: Optional[float] = None,
+    extra_args: Sequence[str] = (),
+    repo: str = REPO,
+    log_path: Optional[str] = None,
+) -> List[Dict[str, Any]]:
+    """Runs ``flower_sizes.py`` in ``.venv-flower`` (mode ``flower-sizes``) at ``sizes``
+    (parameter counts such as ``"1M"``), ``rounds`` rounds each; returns one result
+    object per size, smallest first. Raises ``PeerUnavailable`` without the venv and
+    ``PeerFailed`` when the run fails, times out or does not report every size."""
+    peer, script = MODES["flower-sizes"]
+    python = venv_python(peer, repo)
+    if not os.access(python, os.X_OK):
+        raise PeerUnavailable(
+            f"{python} not found; build it with benchmarks/peers/setup_venvs.sh {peer}"
+        )
+    timeout = DEFAULT_TIMEOUT_S["flower-sizes"] if timeout_s is None else timeout_s
+    args = ["--sizes", ",".join(str(s) for s in sizes), "--rounds", str(rounds),
+            "--seed", str(seed), *extra_args]
+    results = run_script(python, os.path.join(repo, "benchmarks", "peers", script), args,
+                         timeout, repo=repo, log_path=log_path, parse=peer_json_lines)
+    if len(results) != len(sizes):
+        raise PeerFailed(f"{script}: reported {len(results)} of {len(sizes)} sizes")
+    return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Run one peer benchmark in its venv.")
-    p.add_argument("peer", choices=PEERS)
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("peer", choices=PEERS + tuple(MODES))
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds (default 20; flower-sizes: 5 per size)")
+    p.add_argument("--sizes", default="10k,100k,1M,4M,10M",
+                   help="flower-sizes: comma-separated parameter counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=None, help="seconds (default per peer)")
     p.add_argument("--json", metavar="OUT", default=None, help="also write the result to OUT")
@@ -194,18 +251,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("extra", nargs="*", help="arguments passed on to the peer script (after --)")
     a = p.parse_args(argv)
     try:
-        result = run_peer(a.peer, a.rounds, a.seed, a.timeout, a.extra, log_path=a.log)
+        if a.peer in MODES:
+            sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
+            results = run_flower_sizes(sizes, a.rounds or 5, a.seed, a.timeout, a.extra,
+                                       log_path=a.log)
+        else:
+            results = [run_peer(a.peer, a.rounds or 20, a.seed, a.timeout, a.extra,
+                                log_path=a.log)]
     except PeerUnavailable as e:
         print(f"run_peer: {e}", file=sys.stderr)
         return 2
     except PeerFailed as e:
         print(f"run_peer: {e}", file=sys.stderr)
         return 1
-    line = json.dumps(result)
+    lines = "".join(json.dumps(r) + "\n" for r in results)
     if a.json:
         with open(a.json, "w") as f:
-            f.write(line + "\n")
-    print(line)
+            f.write(lines)
+    print(lines, end="")
     return 0
 
 
