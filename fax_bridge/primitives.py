@@ -38,11 +38,11 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from federated_language.compiler import intrinsic_defs
 from jax import lax
 from jax._src import core  # Primitive, ShapedArray, ClosedJaxpr, Tracer, new_jaxpr_eqn
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec
-from federated_language.compiler import intrinsic_defs
 
 # Rule tables and jaxpr utilities for higher-order primitives live in jax's internal
 # interpreter modules on jax 0.10 (the public `jax.interpreters.*` re-export only some).
