@@ -21,6 +21,8 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from fax_bridge.errors import ArgumentError, MeshError, PlacementError
+from fax_bridge.placements import Placement, broadcast_placements
+from fax_bridge.tracing import check_placements
 
 CLIENTS_AXIS = "clients"
 
@@ -163,8 +165,6 @@ def argument_sharding(mesh: Mesh, placed: bool, leaf: Any, axis: str = CLIENTS_A
 
 
 def _placement_shardings(mesh: Mesh, placements: Any, args: tuple, axis: str):
-    from fax_bridge.placements import Placement, broadcast_placements
-
     flat = broadcast_placements(placements, args, axis)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     shardings = [argument_sharding(mesh, p is Placement.CLIENTS, leaf, axis)
@@ -188,8 +188,6 @@ def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) 
             return jitted(*args)
 
     def traced(*args):
-        from fax_bridge.tracing import check_placements
-
         check_placements(fn, args, placements)
         with clients_mesh(mesh):
             return fn(*args)

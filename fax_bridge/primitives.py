@@ -38,6 +38,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from federated_language.compiler import intrinsic_defs
 from jax import lax
 from jax._src import core  # Primitive, ShapedArray, ClosedJaxpr, Tracer, new_jaxpr_eqn
 from jax.interpreters import mlir
@@ -53,6 +54,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge import local as _local
 from fax_bridge import lowering as _lowering
+from fax_bridge import primitive_facts as _facts
 from fax_bridge.errors import ArgumentError, PlacementError
 from fax_bridge.placements import aggregate_refusal
 
@@ -139,6 +141,9 @@ federated_broadcast_p.def_abstract_eval(_broadcast_abstract_eval)
 _lowering.register_impl_and_lowering(federated_broadcast_p, _broadcast_impl)
 ad.deflinear2(federated_broadcast_p, lambda ct, x, **p: _broadcast_transpose(ct, x, **p))
 batching.fancy_primitive_batchers[federated_broadcast_p] = _broadcast_batch
+_facts.register(_facts.PrimitiveFacts(
+    federated_broadcast_p, _facts.Movement.BROADCAST, intrinsic_defs.FEDERATED_BROADCAST,
+    batching=_facts.Batching.KIND))
 
 
 # --------------------------------------------------------------------------- sum / mean
@@ -200,6 +205,12 @@ for _prim, _impl, _transpose in (
     _lowering.register_impl_and_lowering(_prim, _impl)
     ad.deflinear2(_prim, lambda ct, x, _t=_transpose, **p: _t(ct, x, **p))
     batching.fancy_primitive_batchers[_prim] = partial(_aggregate_batch, _prim)
+for _prim, _kind, _intrinsic in (
+    (federated_sum_p, "sum", intrinsic_defs.FEDERATED_SUM),
+    (federated_mean_p, "mean", intrinsic_defs.FEDERATED_MEAN),
+):
+    _facts.register(_facts.PrimitiveFacts(_prim, _facts.Movement.AGGREGATE, _intrinsic,
+                                          _kind, _facts.Batching.KIND))
 
 
 # --------------------------------------------------------------------------- weighted mean
@@ -303,6 +314,9 @@ _lowering.register_impl_and_lowering(federated_weighted_mean_p, _weighted_mean_i
 ad.primitive_jvps[federated_weighted_mean_p] = _weighted_mean_jvp
 ad.primitive_transposes[federated_weighted_mean_p] = _weighted_mean_transpose
 batching.fancy_primitive_batchers[federated_weighted_mean_p] = _weighted_mean_batch
+_facts.register(_facts.PrimitiveFacts(  # batched by weights: one TFF weight operand
+    federated_weighted_mean_p, _facts.Movement.AGGREGATE,
+    intrinsic_defs.FEDERATED_WEIGHTED_MEAN, "weighted_mean", _facts.Batching.WEIGHTS))
 
 
 # --------------------------------------------------------------------------- map
@@ -521,6 +535,7 @@ ad.primitive_transposes[federated_map_p] = _map_transpose
 pe.custom_partial_eval_rules[federated_map_p] = _map_partial_eval
 pe.dce_rules[federated_map_p] = _map_dce
 batching.fancy_primitive_batchers[federated_map_p] = _map_batch
+_facts.register(_facts.PrimitiveFacts(federated_map_p, _facts.Movement.MAP, None))
 
 
 # --------------------------------------------------------------------------- decode-sum
@@ -564,12 +579,7 @@ def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
 
 federated_decode_sum_p.def_abstract_eval(_decode_sum_abstract_eval)
 _lowering.register_impl_and_lowering(federated_decode_sum_p, _decode_sum_impl)
-
-FEDERATED_PRIMITIVES = (
-    federated_broadcast_p,
-    federated_sum_p,
-    federated_mean_p,
-    federated_weighted_mean_p,
-    federated_map_p,
-    federated_decode_sum_p,
-)
+# Exported as federated_aggregate, whose own functions the runtime runs (no kind).
+_facts.register(_facts.PrimitiveFacts(
+    federated_decode_sum_p, _facts.Movement.AGGREGATE, intrinsic_defs.FEDERATED_AGGREGATE,
+    batching=_facts.Batching.KIND))

@@ -60,12 +60,10 @@ from jax._src.interpreters import ad
 
 from fax_bridge import api as _api
 from fax_bridge import primitives as P
-from fax_bridge import tracing as _tracing
-from fax_bridge.tff import export as _export
-from fax_bridge.tff import stages as _stages
+from fax_bridge import primitive_facts as _facts
 from fax_bridge.tff import xla as tff_xla
 from fax_bridge.errors import ArgumentError, PlacementError, SecureAggregationError
-from fax_bridge.placements import secure_sum_refusal
+from fax_bridge.placements import Placement, secure_sum_refusal
 
 SECURE_SUM_BITWIDTH = intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH.uri
 SECURE_SUM = intrinsic_defs.FEDERATED_SECURE_SUM.uri
@@ -329,42 +327,46 @@ def _intrinsic_call(uri: str, value, member_type, bound: np.generic):
                    bb.Struct([value, bb.Literal(bound, bound_type)]))
 
 
-def _export_int_sum(ex, eqn) -> None:
+def _export_int_sum(ex, eqns: list) -> None:
+    (eqn,) = eqns  # batched alone
     x = eqn.invars[0]
-    expr, member = ex._gather([x], _export.C, eqn)
+    expr, member = ex.gather([x], Placement.CLIENTS, eqn)
     dtype = np.dtype(np.int32) if eqn.primitive is secure_sum_bitwidth_p else np.dtype(
         x.aval.dtype)
-    call = _intrinsic_call(_KIND[eqn.primitive], expr, expr.type_signature.member,
-                           dtype.type(eqn.params["bound"]))
-    ex._register(_export._Group(ex._local(call, "_f"), _export.S, member, [eqn.outvars[0]]))
+    call = _intrinsic_call(_facts.facts_of(eqn.primitive).intrinsic.uri, expr,
+                           expr.type_signature.member, dtype.type(eqn.params["bound"]))
+    ex.hold(call, Placement.SERVER, member, [eqn.outvars[0]])
 
 
-def _export_secure_mean(ex, eqn) -> None:
+def _export_secure_mean(ex, eqns: list) -> None:
+    (eqn,) = eqns  # batched alone
     p = eqn.params
     lo, hi, bits, n = p["lo"], p["hi"], p["bits"], p["clients"]
     x, keys = eqn.invars
-    expr, member = ex._gather([x, keys], _export.C, eqn)
+    expr, member = ex.gather([x, keys], Placement.CLIENTS, eqn)
     dtype = x.aval.dtype
-    name = f"secure_mean{ex._count}"
+    name = f"secure_mean{ex.count}"
     quant = bb.CompiledComputation(tff_xla.xla_computation(
         lambda xk: quantize(xk[0], xk[1], lo, hi, bits), member), name=f"quantize_{name}")
     codes = factory.create_federated_map(quant, expr)
     code_type = codes.type_signature.member
-    total = _intrinsic_call(SECURE_SUM_BITWIDTH, codes, code_type, np.int32(bits))
+    total = _intrinsic_call(intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH.uri, codes, code_type,
+                            np.int32(bits))
     code_aval = core.ShapedArray(member[0].shape, np.int32)
     deq = bb.CompiledComputation(tff_xla.xla_computation(
         lambda t: dequantize(t, n, lo, hi, bits, dtype), code_aval), name=f"dequantize_{name}")
     mean = factory.create_federated_apply(deq, total)
-    ex._register(_export._Group(ex._local(mean, "_f"), _export.S, member[0],
-                                [eqn.outvars[0]]))
+    ex.hold(mean, Placement.SERVER, member[0], [eqn.outvars[0]])
 
 
-# --------------------------------------------------------------------------- registration
+# --------------------------------------------------------------------------- records
 
-P.FEDERATED_PRIMITIVES = P.FEDERATED_PRIMITIVES + (secure_sum_bitwidth_p, secure_sum_p,
-                                                   secure_mean_p)
-for _prim in (secure_sum_bitwidth_p, secure_sum_p, secure_mean_p):
-    _tracing._PLACEMENT_RULES[_prim] = _tracing._Analysis._aggregate
-_stages.EXTRA_AGGREGATIONS.update({secure_sum_bitwidth_p: _export_int_sum,
-                                   secure_sum_p: _export_int_sum,
-                                   secure_mean_p: _export_secure_mean})
+_BITWIDTH = intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH
+for _prim, _intrinsic, _kind, _emit in (
+    (secure_sum_bitwidth_p, _BITWIDTH, "secure_sum_bitwidth", _export_int_sum),
+    (secure_sum_p, intrinsic_defs.FEDERATED_SECURE_SUM, "secure_sum", _export_int_sum),
+    # map (quantize) -> secure_sum_bitwidth -> apply (dequantize)
+    (secure_mean_p, _BITWIDTH, "secure_sum_bitwidth", _export_secure_mean),
+):
+    _facts.register(_facts.PrimitiveFacts(_prim, _facts.Movement.AGGREGATE, _intrinsic,
+                                          _kind, _facts.Batching.ALONE, _emit))

@@ -24,10 +24,10 @@ from jax._src import core
 from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 
-from fax_bridge import primitives as P
 from fax_bridge.errors import PlacementError, ProgramError
 from fax_bridge.member_rules import member_params
 from fax_bridge.placements import Placement, broadcast_placements
+from fax_bridge.primitive_facts import Movement, facts_of
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _ALGORITHMS_DIR = os.path.join(_PACKAGE_DIR, "algorithms")
@@ -183,9 +183,13 @@ class _Analysis:
         self.violations.append(Violation(eqn, reason, eqn_location(eqn)))
 
     def eqn(self, eqn: core.JaxprEqn, ins: list[Placement]) -> list[Placement]:
-        """The placements of `eqn`'s results: its rule in `_PLACEMENT_RULES` (federated
-        primitives, control flow), else the placement its operands share."""
-        rule = _PLACEMENT_RULES.get(eqn.primitive) or _PLACEMENT_RULES.get(eqn.primitive.name)
+        """The placements of `eqn`'s results: the rule of a federated primitive's movement
+        (its record in `primitive_facts`), of control flow, else the placement its
+        operands share."""
+        facts = facts_of(eqn.primitive)
+        if facts is not None:
+            return _MOVEMENT_RULES[facts.movement](self, eqn, ins)
+        rule = _CONTROL_FLOW_RULES.get(eqn.primitive.name)
         if rule is not None:
             return rule(self, eqn, ins)
         return self._local(eqn, ins)
@@ -206,7 +210,7 @@ class _Analysis:
 
     def _map(self, eqn, ins):
         n_out = len(eqn.outvars)
-        if eqn.params["placement"] == P.CLIENTS:
+        if eqn.params["placement"] == Placement.CLIENTS.value:
             self._need(eqn, ins, (C, U),
                        "federated_map_clients applies its function to CLIENTS values",
                        "Send SERVER values to the clients with federated_broadcast first.")
@@ -305,18 +309,15 @@ class _Analysis:
         return outs
 
 
-# Placement rules keyed by primitive (federated ones) or primitive name (control flow).
-_PLACEMENT_RULES: dict = {
-    P.federated_broadcast_p: _Analysis._broadcast,
-    P.federated_sum_p: _Analysis._aggregate,
-    P.federated_mean_p: _Analysis._aggregate,
-    P.federated_weighted_mean_p: _Analysis._aggregate,
-    P.federated_decode_sum_p: _Analysis._aggregate,
-    P.federated_map_p: _Analysis._map,
-    "scan": _Analysis._scan,
-    "while": _Analysis._while,
-    "cond": _Analysis._cond,
+# The placement rule of each way a federated primitive moves values (its record says
+# which), and of control flow, keyed by primitive name.
+_MOVEMENT_RULES = {
+    Movement.BROADCAST: _Analysis._broadcast,
+    Movement.AGGREGATE: _Analysis._aggregate,
+    Movement.MAP: _Analysis._map,
 }
+_CONTROL_FLOW_RULES = {"scan": _Analysis._scan, "while": _Analysis._while,
+                       "cond": _Analysis._cond}
 
 
 # --------------------------------------------------------------------------- computation
@@ -327,9 +328,10 @@ def placements_in(jaxpr: core.Jaxpr) -> set[tuple[str, int]]:
     per-member functions of maps (where nested programs' operations are local work)."""
     found = set()
     for eqn in jaxpr.eqns:
-        if eqn.primitive in P.FEDERATED_PRIMITIVES:
+        facts = facts_of(eqn.primitive)
+        if facts is not None:
             found.add((eqn.params["axis"], eqn.params["clients"]))
-            if eqn.primitive is P.federated_map_p:
+            if facts.movement is Movement.MAP:
                 continue
         for sub in core.jaxprs_in_params(eqn.params):
             found |= placements_in(sub)
@@ -356,7 +358,7 @@ class FederatedComputation:
     violations: list[Violation]
     per_client_params: dict
     name: str = "program"
-    axis: str = P.CLIENTS  # the placement's name (TFF CLIENTS when exported)
+    axis: str = Placement.CLIENTS.value  # the placement's name (TFF CLIENTS when exported)
 
     @property
     def in_avals(self):
@@ -407,7 +409,8 @@ class FederatedComputation:
         for eqn in j.eqns:
             outs = " ".join(typed(v) for v in eqn.outvars)
             extra = ""
-            if eqn.primitive is P.federated_map_p:
+            facts = facts_of(eqn.primitive)
+            if facts is not None and facts.movement is Movement.MAP:
                 extra = f"[{eqn.params['placement']}, fn={eqn.params['name']}]"
             lines.append(f"      {outs} = {eqn.primitive.name}{extra} "
                          + " ".join(name(v) for v in eqn.invars))
@@ -463,7 +466,7 @@ def trace(fn: Callable, *args, placements: Any = None,
             f"the program places values at several placements {sorted(names)} at its top "
             "level. Nest them instead: call the program over the inner placement inside "
             "federated_map_clients of the outer one.")
-    axis = names.pop() if names else getattr(fn, "placement", P.CLIENTS)
+    axis = names.pop() if names else getattr(fn, "placement", Placement.CLIENTS.value)
     if flat_placements is None:
         flat_placements = broadcast_placements(placements, args, axis)
     counts = {k for _, k in found}

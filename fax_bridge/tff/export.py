@@ -9,9 +9,10 @@ The placement-annotated jaxpr of `fax_bridge.trace` is cut into *stages* and
   `Xla` computation (consecutive work at a placement is fused, not one computation per
   equation) and applied with `federated_map` (CLIENTS, per-client HLO without the clients
   axis) or `federated_apply` (SERVER), their inputs zipped with `federated_zip_at_*`;
-- each communication becomes its intrinsic; constants are folded into the HLO, or
-  placed with `federated_value_at_*` / `federated_eval_at_*` where they are used
-  directly by an intrinsic.
+- each communication becomes its intrinsic (named by its primitive's record in
+  `primitive_facts`, emitted by the record's emitter or by `emitters`); constants are
+  folded into the HLO, or placed with `federated_value_at_*` / `federated_eval_at_*`
+  where they are used directly by an intrinsic.
 
 The result is `Lambda(arg -> Block(locals, result))`, type-checked by federated_language's
 building blocks as it is built. Pytrees become TFF structs: dict keys name elements,
@@ -27,7 +28,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import federated_language
 import jax
-import jax.numpy as jnp
 import numpy as np
 from federated_language.compiler import building_block_factory as factory
 from federated_language.compiler import building_blocks as bb
@@ -40,8 +40,9 @@ from fax_bridge import tracing
 from fax_bridge.errors import ExportError
 from fax_bridge.member_rules import ELEMENTWISE
 from fax_bridge.placements import Placement
+from fax_bridge.primitive_facts import Movement, facts_of
 from fax_bridge.runtime import result_structure
-from fax_bridge.tff import stages
+from fax_bridge.tff import emitters, stages
 from fax_bridge.tff import types as tff_types
 from fax_bridge.tff import xla as tff_xla
 
@@ -104,20 +105,20 @@ class _Exporter:
         self.singles: dict = {}  # var -> group whose member is that var alone
         self.consts: dict = {}  # UNPLACED var -> concrete value
         self.all_equal_consts: set = set()  # CLIENTS vars holding a broadcast constant
-        self._count = 0
+        self.count = 0
 
     # ----------------------------------------------------------------- helpers
 
     def _local(self, value: bb.ComputationBuildingBlock, prefix: str) -> bb.Reference:
-        name = f"{prefix}{self._count}"
-        self._count += 1
+        name = f"{prefix}{self.count}"
+        self.count += 1
         self.locals.append((name, value))
         return bb.Reference(name, value.type_signature)
 
     def _placement(self, v) -> Placement:
         return self.comp.placement_of(v)
 
-    def _fail(self, eqn, message: str):
+    def fail(self, eqn, message: str):
         raise ExportError(f"{eqn.primitive.name} at {tracing.eqn_location(eqn)}: {message}")
 
     def _register(self, group: _Group) -> _Group:
@@ -146,15 +147,16 @@ class _Exporter:
                 raise ExportError(f"result {path} is a typed PRNG key ({aval.dtype}); "
                                   f"{tff_types.TYPED_KEY_FIX}")
         for eqn in self.comp.jaxpr.jaxpr.eqns:
-            if eqn.primitive in P.FEDERATED_PRIMITIVES and any(
+            facts = facts_of(eqn.primitive)
+            if facts is not None and any(
                     tff_types.is_typed_key(v.aval) for v in [*eqn.invars, *eqn.outvars]):
-                self._fail(eqn, "a typed PRNG key crosses placements; "
-                                f"{tff_types.TYPED_KEY_FIX}")
-            if eqn.primitive is P.federated_map_p:
+                self.fail(eqn, "a typed PRNG key crosses placements; "
+                               f"{tff_types.TYPED_KEY_FIX}")
+            if facts is not None and facts.movement is Movement.MAP:
                 continue
             for sub in core.jaxprs_in_params(eqn.params):
                 if tracing._clients_from_jaxpr(sub):
-                    self._fail(eqn, (
+                    self.fail(eqn, (
                         "federated operations inside control flow cannot be exported: TFF "
                         "has no loop or branch over federated values. Export one round and "
                         "loop in Python around the runtime, or unroll the loop."))
@@ -175,7 +177,7 @@ class _Exporter:
                     outs = [outs]
                 for v, o in zip(eqn.outvars, outs):
                     self.consts[v] = _host(o)
-            elif eqn.primitive is P.federated_broadcast_p and self._is_const(eqn.invars[0]):
+            elif _moves(eqn, Movement.BROADCAST) and self._is_const(eqn.invars[0]):
                 # A constant sent to every client is a constant there too: folded into
                 # the per-client HLO, or placed with federated_value_at_clients.
                 (x,), (out,) = eqn.invars, eqn.outvars
@@ -188,14 +190,14 @@ class _Exporter:
         if value.ndim == 0 or value.shape[0] != self.comp.clients:
             return value
         if not np.all(value == value[:1]):
-            self._fail(eqn, (
+            self.fail(eqn, (
                 "a constant with one different row per client is used as client data; "
                 "pass it as a CLIENTS argument of the program instead."))
         return value[0]
 
     def _const_fn(self, value) -> bb.ComputationBuildingBlock:
         proto = tff_xla.xla_computation(lambda: jax.numpy.asarray(value), None)
-        return bb.CompiledComputation(proto, name=f"const{self._count}")
+        return bb.CompiledComputation(proto, name=f"const{self.count}")
 
     # ----------------------------------------------------------------- parameter
 
@@ -325,7 +327,7 @@ class _Exporter:
     def _is_const(self, v) -> bool:
         return isinstance(v, core.Literal) or v in self.consts
 
-    def _gather(self, vs: list, placement: Placement, eqn):
+    def gather(self, vs: list, placement: Placement, eqn):
         """One federated value holding `vs`: (expression, member avals pytree).
 
         Uses a group as it is when it holds exactly `vs`, else zips the single values.
@@ -341,73 +343,17 @@ class _Exporter:
         return (factory.create_federated_zip(bb.Struct([g.ref for g in singles])),
                 tuple(g.member_avals for g in singles))
 
-    def decode_sum(self, eqn) -> None:
-        """`federated_aggregate` whose accumulate adds the decoded member.
-
-        The members cross as they are; zero, accumulate, merge and report are Xla
-        computations (zeros of the decoded type, acc + decode(member), a + b, identity).
-        """
-        closed = eqn.params["jaxpr"]
-        expr, member = self._gather(list(eqn.invars), C, eqn)
-        outs = list(eqn.outvars)
-        acc_avals = tuple(_member(v.aval, S) for v in outs)
-        decode = core.jaxpr_as_fun(closed)
-
-        def add(a, b):
-            return tuple(x + y for x, y in zip(a, b))
-
-        def accumulate(acc_and_member):
-            acc, m = acc_and_member
-            return add(acc, decode(*jax.tree_util.tree_leaves(m)))
-
-        def zeros():
-            return tuple(jnp.zeros(a.shape, a.dtype) for a in acc_avals)
-
-        name = f"{eqn.params['name']}{self._count}"
-        parts = [bb.Call(bb.CompiledComputation(tff_xla.xla_computation(zeros, None),
-                                                name=f"zero_{name}"))]
-        for fn, avals, kind in ((accumulate, (acc_avals, member), "accumulate"),
-                                (lambda ab: add(*ab), (acc_avals, acc_avals), "merge"),
-                                (lambda a: tuple(a), acc_avals, "report")):
-            parts.append(bb.CompiledComputation(tff_xla.xla_computation(fn, avals),
-                                                name=f"{kind}_{name}"))
-        call = factory.create_federated_aggregate(expr, *parts)
-        self._register(_Group(self._local(call, "_f"), S, list(acc_avals), outs))
-
     def communicate(self, eqns: list) -> None:
-        """One intrinsic call for equations of one kind (and weight) at one depth."""
-        prim = eqns[0].primitive
-        if prim in stages.EXTRA_AGGREGATIONS:
-            for eqn in eqns:
-                stages.EXTRA_AGGREGATIONS[prim](self, eqn)
-            return
-        if prim is P.federated_decode_sum_p:
-            for eqn in eqns:
-                self.decode_sum(eqn)
-            return
-        ins = [e.invars[0] for e in eqns]
-        outs = [e.outvars[0] for e in eqns]
-        if prim is P.federated_broadcast_p:
-            expr, member = self._gather(ins, S, eqns[0])
-            call = factory.create_federated_broadcast(expr)
-            placement = C
-        elif prim in (P.federated_sum_p, P.federated_mean_p):
-            expr, member = self._gather(ins, C, eqns[0])
-            call = (factory.create_federated_sum(expr) if prim is P.federated_sum_p
-                    else factory.create_federated_mean(expr, None))
-            placement = S
-        else:
-            w = eqns[0].invars[1]
-            if len(w.aval.shape) != 1:
-                self._fail(eqns[0], (
-                    "a weighted mean under an outer vmap has one weight per client and "
-                    "batch element; TFF weights are one scalar per client. Export the "
-                    "program before vmapping it."))
-            expr, member = self._gather(ins, C, eqns[0])
-            call = factory.create_federated_mean(expr, self.single(w, C, eqns[0]).ref)
-            placement = S
-        member = jax.tree_util.tree_map(lambda a: a, member)
-        self._register(_Group(self._local(call, "_f"), placement, member, outs))
+        """Equations of one kind (and weights) at one depth: emitted by their record's own
+        emitter, else by the exporter's emitter of the record's intrinsic."""
+        facts = facts_of(eqns[0].primitive)
+        (facts.emit or emitters.INTRINSIC_EMITTERS[facts.intrinsic])(self, eqns)
+
+    def hold(self, value: bb.ComputationBuildingBlock, placement: Placement, member_avals,
+             leaf_vars: list) -> None:
+        """Holds a communication's result `value` in a Block local: the federated value
+        of `leaf_vars`, whose members are `member_avals`."""
+        self._register(_Group(self._local(value, "_f"), placement, member_avals, leaf_vars))
 
     # ----------------------------------------------------------------- stages
 
@@ -448,12 +394,12 @@ class _Exporter:
                 arg = groups[0].ref
             else:
                 arg = factory.create_federated_zip(bb.Struct([g.ref for g in groups]))
-            compiled = bb.CompiledComputation(fn, name=f"stage{self._count}")
+            compiled = bb.CompiledComputation(fn, name=f"stage{self.count}")
             call = (factory.create_federated_map(compiled, arg) if placement is C
                     else factory.create_federated_apply(compiled, arg))
         else:
             fn = tff_xla.xla_computation(lambda: run(()), None)
-            compiled = bb.CompiledComputation(fn, name=f"stage{self._count}")
+            compiled = bb.CompiledComputation(fn, name=f"stage{self.count}")
             call = factory.create_federated_eval(
                 compiled, federated_language.CLIENTS if placement is C
                 else federated_language.SERVER)
@@ -472,13 +418,13 @@ class _Exporter:
                 return env[v]
             return self._const_row(e, v) if row else self.consts[v]
 
-        if e.primitive is P.federated_map_p:
+        if _moves(e, Movement.MAP):
             inner = e.params["jaxpr"]
             vals = [read(v, per_client) for v in e.invars]
             outs = core.eval_jaxpr(inner.jaxpr, inner.consts, *vals)
         elif per_client:
             if params is None:
-                self._fail(e, "this operation on CLIENTS values has no per-client form.")
+                self.fail(e, "this operation on CLIENTS values has no per-client form.")
             row = e.primitive.name in _ROW_OPERANDS
             vals = [read(v, row and self._full_shape(v, e)) for v in e.invars]
             if params.get("__identity__"):
@@ -536,6 +482,11 @@ class _Exporter:
                     "or drop it.")
             return bb.Struct([(None, build(child)) for _, child in children])
         return build(tree)
+
+
+def _moves(eqn, movement: Movement) -> bool:
+    facts = facts_of(eqn.primitive)
+    return facts is not None and facts.movement is movement
 
 
 def argument_names(fn: Callable, count: int) -> list[Optional[str]]:

@@ -34,11 +34,11 @@ from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 from jax._src import core
 
-from fax_bridge import primitives as P
 from fax_bridge import tracing
 from fax_bridge.errors import ExportError
 from fax_bridge.placements import Placement
-from fax_bridge.tff import side_env, stages
+from fax_bridge.primitive_facts import facts_of
+from fax_bridge.tff import side_env
 from fax_bridge.tff import xla as tff_xla
 from fax_bridge.tff.export import argument_names, export_computation
 
@@ -81,11 +81,10 @@ def _name(eqn) -> str:
     return f"{eqn.primitive.name} at {tracing.eqn_location(eqn)}"
 
 
-def _is_aggregate(prim) -> bool:
-    """A CLIENTS -> SERVER communication, as the exporter's stage planner counts them
-    (secure sums and means included)."""
-    return (prim in stages.COMMUNICATION and prim is not P.federated_broadcast_p) or \
-        prim in stages.EXTRA_AGGREGATIONS
+def _form_role(eqn) -> Optional[str]:
+    """The form piece of `eqn`'s communication (its primitive's record), None for work."""
+    facts = facts_of(eqn.primitive)
+    return None if facts is None else facts.form_role
 
 
 def check_round(comp: tracing.FederatedComputation) -> None:
@@ -120,9 +119,10 @@ def check_round(comp: tracing.FederatedComputation) -> None:
     for eqn in comp.jaxpr.jaxpr.eqns:
         source = next((depends[v] for v in eqn.invars
                        if not isinstance(v, core.Literal) and v in depends), None)
-        if eqn.primitive is P.federated_broadcast_p and source is not None:
+        role = _form_role(eqn)
+        if role == "server_to_client_broadcast" and source is not None:
             trips.append((eqn, source))
-        if _is_aggregate(eqn.primitive) and source is None:
+        if role == "client_to_server_aggregation" and source is None:
             source = eqn
         if source is not None:
             for v in eqn.outvars:

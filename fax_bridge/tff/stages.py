@@ -16,16 +16,8 @@ from typing import Callable, Collection, Union
 
 from jax._src import core
 
-from fax_bridge import primitives as P
 from fax_bridge.placements import Placement
-
-COMMUNICATION = (P.federated_broadcast_p, P.federated_sum_p, P.federated_mean_p,
-                 P.federated_weighted_mean_p, P.federated_decode_sum_p)
-
-# Aggregations defined beside their primitives in other modules (fax_bridge.secure):
-# primitive -> emit(exporter, eqn), which registers the SERVER group of the eqn's output.
-# Each equation is emitted alone.
-EXTRA_AGGREGATIONS: dict = {}
+from fax_bridge.primitive_facts import Batching, facts_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +92,8 @@ def _earliest_depths(eqns: list, placement_of, constants) -> tuple[dict, dict, i
             continue
         base = max([depth.get(v, 0) for v in eqn.invars if not isinstance(v, core.Literal)
                     and placement_of(v) is not Placement.UNPLACED] or [0])
-        if eqn.primitive in COMMUNICATION or eqn.primitive in EXTRA_AGGREGATIONS:
+        facts = facts_of(eqn.primitive)
+        if facts is not None and facts.communicates:
             for v in eqn.outvars:
                 depth[v] = base + 1
             comms.setdefault(base + 1, []).append(eqn)
@@ -132,10 +125,12 @@ def _latest_depths(eqns: list, earliest: dict, comms: dict, uses_after: dict,
 
 
 def _batches(eqns: list) -> list[list]:
-    """Communication equations of one depth, grouped by kind (and weights)."""
+    """Communication equations of one depth, grouped as their records' `Batching` says:
+    by primitive, by primitive and weights, or each alone."""
     batches: dict = {}
     for e in eqns:
-        key = (e.primitive, e.invars[1] if e.primitive is P.federated_weighted_mean_p
-               else id(e) if e.primitive in EXTRA_AGGREGATIONS else None)
+        batching = facts_of(e.primitive).batching
+        key = (e.primitive, e.invars[1] if batching is Batching.WEIGHTS
+               else id(e) if batching is Batching.ALONE else None)
         batches.setdefault(key, []).append(e)
     return list(batches.values())

@@ -1,0 +1,112 @@
+"""One record per federated primitive: the facts tracing, export and the forms read.
+
+As jax registers a primitive's rules beside its definition, each module that defines a
+federated primitive (`primitives`, `secure`) calls `register` beside it with a
+`PrimitiveFacts`: how it moves values between placements (tracing's placement rule),
+which TFF intrinsic it exports to (federated_language's `intrinsic_defs`) and which
+runtime aggregation kind that is, how the exporter batches it at one depth, and its own
+export emitter when it is not one call of that intrinsic. Tracing, `tff/stages`,
+`tff/forms` and `tff/export` look records up here and keep no table of their own, so a
+new primitive touches its own module and its tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable, Optional
+
+from federated_language.compiler import intrinsic_defs
+from jax._src import core
+
+from fax_bridge.errors import ArgumentError
+from fax_bridge.placements import Placement
+
+
+class Movement(enum.Enum):
+    """How a primitive moves values: its placement rule when a program is traced."""
+
+    BROADCAST = "broadcast"  # SERVER operands -> CLIENTS results
+    AGGREGATE = "aggregate"  # CLIENTS operands -> SERVER results
+    MAP = "map"  # per-member work at params["placement"]: local work in a stage
+
+    @property
+    def takes(self) -> Optional[Placement]:
+        """Where the operands must be (None: where the equation's params say)."""
+        return {"broadcast": Placement.SERVER, "aggregate": Placement.CLIENTS}.get(self.value)
+
+    @property
+    def gives(self) -> Optional[Placement]:
+        """Where the results are (None: where the equation's params say)."""
+        return {"broadcast": Placement.CLIENTS, "aggregate": Placement.SERVER}.get(self.value)
+
+
+class Batching(enum.Enum):
+    """Which equations of one depth the exporter emits together."""
+
+    KIND = "kind"  # all equations of this primitive
+    WEIGHTS = "weights"  # those of this primitive sharing operand 1 (the weights)
+    ALONE = "alone"  # each equation alone
+
+
+# The DistributeAggregateForm piece a communication belongs to.
+_FORM_ROLES = {Movement.BROADCAST: "server_to_client_broadcast",
+               Movement.AGGREGATE: "client_to_server_aggregation"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveFacts:
+    """The facts of one federated primitive.
+
+    `intrinsic` is the TFF intrinsic its equations export to (None for the map, which is
+    local work inside a stage's `federated_map`/`federated_apply`); `kind` the runtime
+    aggregation kind (`runtime.aggregation.KINDS`) that intrinsic runs, None where it is
+    no aggregation or the runtime runs the intrinsic's own functions
+    (`federated_aggregate`). `emit(exporter, eqns)` emits a batch of its equations; None
+    when the exporter's emitter for `intrinsic` does (one call on the gathered operands).
+    """
+
+    primitive: core.Primitive
+    movement: Movement
+    intrinsic: Optional[intrinsic_defs.IntrinsicDef]
+    kind: Optional[str] = None
+    batching: Optional[Batching] = None
+    emit: Optional[Callable] = None
+
+    @property
+    def communicates(self) -> bool:
+        """Whether its equations cross placements (a step of their own when exported)."""
+        return self.movement is not Movement.MAP
+
+    @property
+    def aggregates(self) -> bool:
+        return self.movement is Movement.AGGREGATE
+
+    @property
+    def form_role(self) -> Optional[str]:
+        """The DistributeAggregateForm piece its equations belong to (None: work)."""
+        return _FORM_ROLES.get(self.movement)
+
+
+_REGISTRY: dict = {}
+
+
+def register(facts: PrimitiveFacts) -> PrimitiveFacts:
+    """Registers `facts` for `facts.primitive`, refusing an incomplete record."""
+    if facts.communicates and (facts.intrinsic is None or facts.batching is None):
+        raise ArgumentError(f"{facts.primitive.name}: a communication names its intrinsic and "
+                        "its batching.")
+    if not facts.communicates and (facts.batching is not None or facts.kind is not None):
+        raise ArgumentError(f"{facts.primitive.name}: local work has no batching or kind.")
+    _REGISTRY[facts.primitive] = facts
+    return facts
+
+
+def facts_of(prim: core.Primitive) -> Optional[PrimitiveFacts]:
+    """The record of `prim`, or None when it is no federated primitive."""
+    return _REGISTRY.get(prim)
+
+
+def registered() -> tuple:
+    """Every registered record, in registration order."""
+    return tuple(_REGISTRY.values())
