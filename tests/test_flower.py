@@ -321,15 +321,21 @@ def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
     with pytest.raises(ExportError, match="two server-client trips"):
         bundle.build_round(two_trips, w, x, placements=("server", "clients"))
 
-    @fb.program(clients=3)
-    def secure(w, x):
-        total = fb.federated_secure_sum_bitwidth(
-            fb.federated_map_clients(lambda a, b: (b * 0).astype(np.int32), (
-                fb.federated_broadcast(w), x)), 8)
-        return w, total
+    kinds = [(fb.federated_secure_sum_bitwidth, 8, "federated_secure_sum_bitwidth"),
+             (fb.federated_secure_sum, 100, "federated_secure_sum"),
+             (fb.federated_secure_modular_sum, 7, "federated_secure_sum_bitwidth")]
+    for secure_sum, bound, uri in kinds:  # a modular sum is a bitwidth sum inside
+        @fb.program(clients=3)
+        def secure(w, x):
+            total = secure_sum(fb.federated_map_clients(
+                lambda a, b: (b * 0).astype(np.int32), (fb.federated_broadcast(w), x)),
+                bound)
+            return w, total
 
-    with pytest.raises(ExportError, match="cannot be split"):
-        bundle.build_round(secure, w, x, placements=("server", "clients"))
+        with pytest.raises(ExportError, match=f"calls {uri}: a Flower round refuses "
+                                              r"secure sums.*SecAgg\+.*float64 mean.*"
+                                              "Run the round on the fleet"):
+            bundle.build_round(secure, w, x, placements=("server", "clients"))
 
 
 # ---------------------------------------------------------------------- command
@@ -388,7 +394,8 @@ def test_an_app_for_a_tls_superlink_names_its_ca_as_flower_reads_it(tmp_path, qu
     text = (folder / "README.md").read_text()
     assert f"--root-certificates {creds.ca_cert}" in text
     assert "supernode --insecure" not in text and "superlink --insecure" not in text
-    assert f"--ssl-ca-certfile {creds.ca_cert}" in text and "--enable-supernode-auth" in text
+    assert f"--ssl-ca-certfile {creds.ca_cert}" in text
+    assert "--enable-supernode-auth" in text
     assert os.stat(creds.server_key).st_mode & 0o077 == 0
 
 
@@ -450,8 +457,8 @@ def test_a_node_killed_mid_round_is_dropped_by_the_rounds_deadline(
         tmp_path, quickstart, deployed):
     """SuperNode 1 is SIGKILLed as soon as it has taken the round's message; the round
     stops waiting for it at its own deadline (`node-timeout-s`, which is also the
-    message's TTL, far below Flower's heartbeat expiry) and finishes on node 0's clients with the bits of a plan over
-    them."""
+    message's TTL, far below Flower's heartbeat expiry) and finishes on node 0's
+    clients with the bits of a plan over them."""
     _, args, made = quickstart
     deployment, folder = deployed
     out = str(tmp_path / "out")
