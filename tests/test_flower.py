@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -322,15 +321,21 @@ def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
     with pytest.raises(ExportError, match="two server-client trips"):
         bundle.build_round(two_trips, w, x, placements=("server", "clients"))
 
-    @fb.program(clients=3)
-    def secure(w, x):
-        total = fb.federated_secure_sum_bitwidth(
-            fb.federated_map_clients(lambda a, b: (b * 0).astype(np.int32), (
-                fb.federated_broadcast(w), x)), 8)
-        return w, total
+    kinds = [(fb.federated_secure_sum_bitwidth, 8, "federated_secure_sum_bitwidth"),
+             (fb.federated_secure_sum, 100, "federated_secure_sum"),
+             (fb.federated_secure_modular_sum, 7, "federated_secure_sum_bitwidth")]
+    for secure_sum, bound, uri in kinds:  # a modular sum is a bitwidth sum inside
+        @fb.program(clients=3)
+        def secure(w, x):
+            total = secure_sum(fb.federated_map_clients(
+                lambda a, b: (b * 0).astype(np.int32), (fb.federated_broadcast(w), x)),
+                bound)
+            return w, total
 
-    with pytest.raises(ExportError, match="cannot be split"):
-        bundle.build_round(secure, w, x, placements=("server", "clients"))
+        with pytest.raises(ExportError, match=f"calls {uri}: a Flower round refuses "
+                                              r"secure sums.*SecAgg\+.*float64 mean.*"
+                                              "Run the round on the fleet"):
+            bundle.build_round(secure, w, x, placements=("server", "clients"))
 
 
 # ---------------------------------------------------------------------- command
@@ -368,56 +373,155 @@ def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):
                                          "first-client": 3}).stop == 6
 
 
+def test_an_app_for_a_tls_superlink_names_its_ca_as_flower_reads_it(tmp_path, quickstart):
+    import tomllib
+
+    from flwr.cli.config_utils import load_certificate_in_connection
+    from flwr.cli.flower_config import parse_superlink_connection
+
+    from fax_bridge.flower.security import local_credentials
+
+    creds = local_credentials(str(tmp_path / "creds"))
+    folder = tmp_path / "app"
+    app_dir.write_app(quickstart[2], str(folder), root_certificates=creds.ca_cert,
+                      nodes=[{"population": "/p", "first-client": 0}])
+    with open(folder / ".flwr" / "config.toml", "rb") as f:
+        connection = parse_superlink_connection(
+            tomllib.load(f)["superlink"]["fax-bridge"], "fax-bridge")
+    assert not connection.insecure
+    with open(creds.ca_cert, "rb") as f:
+        assert load_certificate_in_connection(connection) == f.read()
+    text = (folder / "README.md").read_text()
+    assert f"--root-certificates {creds.ca_cert}" in text
+    assert "supernode --insecure" not in text and "superlink --insecure" not in text
+    assert f"--ssl-ca-certfile {creds.ca_cert}" in text
+    assert "--enable-supernode-auth" in text
+    assert os.stat(creds.server_key).st_mode & 0o077 == 0
+
+
 # ------------------------------------------------------------------- deployment
 
 
-@pytest.mark.slow
-def test_a_deployment_runs_rounds_with_the_fleets_bits_and_survives_a_killed_node(
-        tmp_path, quickstart, populations):
-    """A SuperLink and two warm SuperNodes on loopback; `flwr run` of the app the
-    command writes: rounds 0-2 have the fleet plan's bits; SuperNode 1 is killed once
-    round 2 is reported, and round 3 finishes on node 0's clients."""
+def _alive(pids: list) -> list:
+    """Those of `pids` that still run (not ended, not a zombie)."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory, populations):
+    """One SuperLink and two warm SuperNodes on loopback, insecure, shared by the
+    deployment tests below (the last one kills node 1), and the app the command writes;
+    every process started is ended."""
     from fax_bridge.flower.deployment import LocalDeployment
 
-    prog, args, made = quickstart
-    folder = str(tmp_path / "app")
+    folder = str(tmp_path_factory.mktemp("deployed") / "app")
     assert cli.main(["flower", f"{QUICKSTART}:fedavg_round", "-o", folder, "--clients",
                      str(N)]) == 0
-    out = str(tmp_path / "out")
-    seen: dict = {}
+    with LocalDeployment(populations, str(tmp_path_factory.mktemp("flwr"))) as d:
+        yield d, folder
+        pids = d.pids()
+    assert not _alive(pids), f"processes left running: {_alive(pids)}"
 
-    def kill_after_round_2(deployment):
+
+@pytest.mark.slow
+def test_a_deployment_runs_rounds_with_the_fleets_bits(tmp_path, quickstart, deployed):
+    """`flwr run` of the app the command writes: round 0 (nodes compile) and round 1
+    (warm, fed round 0's state) have the fleet plan's bits."""
+    _, args, made = quickstart
+    deployment, folder = deployed
+    out = str(tmp_path / "out")
+    run = deployment.run(folder, {"num-rounds": 2, "out-dir": out, "min-nodes": 2},
+                         timeout_s=400)
+    assert run.returncode == 0, run.stdout[-3000:]
+    reports = _reports(out)
+    assert [r["round"] for r in reports] == [0, 1]
+    assert all(r["participants"] == list(range(N)) and r["error"] is None
+               for r in reports)
+    assert _npz_bits(f"{out}/result.npz") == _bits(_expected(made, args, 2), made)
+
+
+def _trains(deployment, node: int) -> int:
+    return deployment.log(f"supernode-{node}").count("Receiving: train message")
+
+
+@pytest.mark.slow
+def test_a_node_killed_mid_round_is_dropped_by_the_rounds_deadline(
+        tmp_path, quickstart, deployed):
+    """SuperNode 1 is SIGKILLed as soon as it has taken the round's message; the round
+    stops waiting for it at its own deadline (`node-timeout-s`, which is also the
+    message's TTL, far below Flower's heartbeat expiry) and finishes on node 0's
+    clients with the bits of a plan over them."""
+    _, args, made = quickstart
+    deployment, folder = deployed
+    out = str(tmp_path / "out")
+    before, seen = _trains(deployment, 1), {}
+
+    def kill_when_node_1_has_the_round():
         end = time.monotonic() + 240
         while time.monotonic() < end and not seen.get("done"):
-            try:
-                rounds = [r["round"] for r in _reports(out)]
-            except (OSError, ValueError):
-                rounds = []
-            if 2 in rounds:
-                shutil.copy(f"{out}/result.npz", f"{out}/round-2.npz")
+            if _trains(deployment, 1) > before:
                 deployment.kill_node(1)
                 seen["killed"] = True
                 return
             time.sleep(0.05)
 
-    with LocalDeployment(populations, str(tmp_path / "flwr")) as deployment:
-        watcher = threading.Thread(target=kill_after_round_2, args=(deployment,))
-        watcher.start()
-        try:
-            run = deployment.run(folder, {"num-rounds": 4, "out-dir": out, "min-nodes": 2,
-                                          "node-timeout-s": 40.0}, timeout_s=400)
-        finally:
-            seen["done"] = True
-            watcher.join()
+    watcher = threading.Thread(target=kill_when_node_1_has_the_round)
+    watcher.start()
+    try:  # a warm round took 16 s at load 15; the deadline leaves it twice that
+        run = deployment.run(folder, {"num-rounds": 1, "out-dir": out, "min-nodes": 2,
+                                      "node-timeout-s": 30.0,
+                                      "first-round-timeout-s": 0.0}, timeout_s=300)
+    finally:
+        seen["done"] = True
+        watcher.join()
     assert run.returncode == 0, run.stdout[-3000:]
     assert seen.get("killed"), run.stdout[-3000:]
-    reports = _reports(out)
-    assert [r["round"] for r in reports] == [0, 1, 2, 3]
-    assert [r["participants"] for r in reports] == [list(range(N))] * 3 + [[0, 1, 2, 3]]
-    assert reports[3]["lost_clients"] == [4, 5] and "clients 4..5" in \
-        reports[3]["lost_devices"][0]
-    assert _npz_bits(f"{out}/round-2.npz") == _bits(_expected(made, args, 3), made)
-    state = _expected(made, args, 3)[0]
-    want = _expected(made, args, 1, clients=range(4), state=state)
+    (report,) = _reports(out)
+    assert report["participants"] == [0, 1, 2, 3] and report["lost_clients"] == [4, 5]
+    lost = report["lost_devices"][0]  # the round's wait ran out, or the message's TTL
+    assert "clients 4..5" in lost and ("no answer within 30.0s" in lost or "TTL" in lost)
+    want = _expected(made, args, 1, clients=range(4))
     assert _npz_bits(f"{out}/result.npz") == _bits(want, made)
-    assert "round 3: 4/6 clients reported" in run.stdout
+    assert "round 0: 4/6 clients reported" in run.stdout
+
+
+@pytest.mark.slow
+def test_a_tls_deployment_with_node_auth_has_the_same_bits_and_refuses_unknown_nodes(
+        tmp_path, quickstart, populations, app):
+    """TLS with a CA, a SuperLink certificate for loopback and node keys made here;
+    `--enable-supernode-auth` with both nodes' keys registered: a SuperNode whose key is
+    not registered is refused, and the round runs on the registered ones with the bits
+    of the insecure path (the fleet plan's)."""
+    from fax_bridge.flower.deployment import LocalDeployment
+    from fax_bridge.flower.security import local_credentials, node_key_pair
+
+    _, args, made = quickstart
+    creds = local_credentials(str(tmp_path / "creds"), nodes=2)
+    unknown_key, _ = node_key_pair(str(tmp_path / "creds"), "unknown")
+    out = str(tmp_path / "out")
+    with LocalDeployment(populations, str(tmp_path / "flwr"), credentials=creds) as d:
+        intruder = d.start_supernode(populations[1], unknown_key, "intruder")
+        try:  # the round runs while the SuperLink refuses the intruder
+            run = d.run(app, {"num-rounds": 1, "out-dir": out, "min-nodes": 2},
+                        timeout_s=400)
+            intruder.wait(timeout=120)
+        finally:
+            if intruder.poll() is None:
+                intruder.kill()
+                intruder.wait()
+        pids = d.pids()
+    assert not _alive(pids), f"processes left running: {_alive(pids)}"
+    assert intruder.returncode != 0 and "Failed to activate SuperNode" in d.log("intruder")
+    assert "Uvicorn running on https://" in d.log("superlink")
+    assert run.returncode == 0, run.stdout[-3000:]
+    (report,) = _reports(out)
+    assert report["participants"] == list(range(N)) and report["devices"] == 2
+    assert _npz_bits(f"{out}/result.npz") == _bits(_expected(made, args, 1), made)

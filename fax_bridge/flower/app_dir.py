@@ -5,7 +5,8 @@
     DIR/fax_round/client_app.py   app = fax_bridge.flower.client.client_app(here)
     DIR/fax_round/round.json      the exported round and its initial state (`bundle`)
     DIR/README.md                 how to start the SuperLink and SuperNodes and run it
-    DIR/.flwr/config.toml         the SuperLink connection `fax-bridge` (FLWR_HOME=DIR/.flwr)
+    DIR/.flwr/config.toml         the SuperLink connection `fax-bridge`
+                                  (FLWR_HOME=DIR/.flwr; TLS with `root_certificates`)
 
 Everything in the app bundle is a file type Flower ships (.py, .toml, .md, .json);
 `.flwr/` is left out of bundles by Flower itself. fax_bridge and flwr must be installed
@@ -91,14 +92,22 @@ def pyproject(name: str, config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme(made: FlowerRound, folder: str, superlink: str, nodes: list) -> str:
-    """DIR/README.md: what the app runs and the commands that run it."""
+def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
+           root_certificates: Optional[str] = None) -> str:
+    """DIR/README.md: what the app runs and the commands that run it (with TLS when
+    `root_certificates`, the CA certificate, is given)."""
+    ca = root_certificates and os.path.abspath(root_certificates)
+    node_security = "--insecure" if ca is None else f"--root-certificates {ca}"
+    link_security = "--insecure" if ca is None else (
+        f"--ssl-ca-certfile {ca} \\\n"
+        "    --ssl-certfile SERVER.crt --ssl-keyfile SERVER.key")
     node_lines = "\n".join(
-        f"flower-supernode --insecure --superlink {superlink} --port {9094 + i} \\\n"
+        f"flower-supernode {node_security} --superlink {superlink} --port {9094 + i} \\\n"
         f"    --node-config '{node_config_text(n)}' &" for i, n in enumerate(nodes)) or (
-        "flower-supernode --insecure --superlink " + superlink + " --port 9094 \\\n"
+        f"flower-supernode {node_security} --superlink " + superlink + " --port 9094 \\\n"
         "    --node-config 'population=\"/path/to/population\" first-client=0' &")
     host, port = superlink.rsplit(":", 1)
+    connection = "insecure" if ca is None else f"TLS, checked against {ca}"
     return f"""# A fax_bridge round on Flower
 
 Round: `{made.prepared.type}`
@@ -114,7 +123,7 @@ its `bin` folder must be on PATH, since Flower starts `flower-superexec` by name
 
 ```
 export FLWR_TELEMETRY_ENABLED=0
-flower-superlink --insecure --host {host} --port {port} \\
+flower-superlink {link_security} --host {host} --port {port} \\
     --disable-runtime-dependency-installation &
 {node_lines}
 FLWR_HOME={os.path.join(os.path.abspath(folder), '.flwr')} \\
@@ -122,7 +131,7 @@ FLWR_HOME={os.path.join(os.path.abspath(folder), '.flwr')} \\
 ```
 
 `.flwr/config.toml` here names the SuperLink connection `{CONNECTION}` ({superlink},
-insecure). Settings (`[tool.flwr.app.config]` in pyproject.toml) can be overridden with
+{connection}). Settings (`[tool.flwr.app.config]` in pyproject.toml) can be overridden with
 `--run-config 'num-rounds=10 out-dir="/tmp/out"'`: num-rounds; cohort-size (0: every
 client), dropout, seed, min-clients, round-deadline-s (0: none; else how long a round
 waits for the nodes), node-timeout-s (the wait without a deadline),
@@ -138,7 +147,7 @@ worker):
 ```
 python -m fax_bridge.flower.worker --listen 127.0.0.1:9300 --token-file TOKEN \
     --population /path/to/population --first-client 0 &
-flower-supernode --insecure --superlink {superlink} --port 9094 \
+flower-supernode {node_security} --superlink {superlink} --port 9094 \
     --node-config 'worker="127.0.0.1:9300" worker-token-file="TOKEN"' &
 ```
 
@@ -149,13 +158,30 @@ A SuperNode's `--node-config`: `population` (a directory written by
 client), `num-clients`, `first-row` (its first client's row in the store) and `keys`
 (the stored array of each tensor of the client data, comma-separated). The nodes'
 blocks must together be clients 0..N-1.
+
+## Security
+
+TLS (`fax-bridge flower --root-certificates CA` writes the commands above with it):
+the SuperLink serves with `--ssl-ca-certfile CA --ssl-certfile SERVER.crt
+--ssl-keyfile SERVER.key` (a certificate for the SuperLink's host signed by CA), each
+SuperNode checks it with `--root-certificates CA` instead of `--insecure`, and
+`.flwr/config.toml` names `root-certificates = "CA"` instead of `insecure = true`.
+
+SuperNode authentication (needs TLS): start the SuperLink with `--enable-supernode-auth`
+as well, make an EC key pair per SuperNode (NIST P-256, OpenSSH format, e.g.
+`ssh-keygen -t ecdsa -b 256 -N "" -f node-0`), register each public key before its node
+starts (`FLWR_HOME=DIR/.flwr flwr supernode register node-0.pub {CONNECTION}`) and start
+the node with `--auth-supernode-private-key node-0`. The SuperLink refuses a SuperNode
+whose key is not registered (the node exits: "Failed to activate SuperNode").
 """
 
 
 def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:9093",
               config: Optional[dict] = None, nodes: Optional[list] = None,
-              name: str = "fax-bridge-round") -> list:
-    """Writes the app directory (module docstring); returns the paths written."""
+              name: str = "fax-bridge-round",
+              root_certificates: Optional[str] = None) -> list:
+    """Writes the app directory (module docstring); returns the paths written. With
+    `root_certificates` (a CA certificate) the connection and README use TLS."""
     settings = dict(DEFAULT_CONFIG)
     settings["out-dir"] = os.path.join(os.path.abspath(folder), "results")
     settings.update(config or {})
@@ -169,8 +195,10 @@ def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:909
         os.path.join(package, "__init__.py"): '"""A fax_bridge round as a Flower app."""\n',
         os.path.join(package, "server_app.py"): _SERVER,
         os.path.join(package, "client_app.py"): _CLIENT,
-        os.path.join(folder, "README.md"): readme(made, folder, superlink, nodes or []),
-        os.path.join(home, "config.toml"): connection_toml(superlink),
+        os.path.join(folder, "README.md"): readme(made, folder, superlink, nodes or [],
+                                                    root_certificates),
+        os.path.join(home, "config.toml"): connection_toml(
+            superlink, root_certificates=root_certificates),
     }
     for path, text in files.items():
         with open(path, "w") as f:

@@ -67,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
         written = app_dir.write_app(made, args.output, superlink=args.superlink,
                                     config={"num-rounds": args.rounds,
                                             "min-nodes": max(1, len(nodes))},
-                                    nodes=nodes)
+                                    nodes=nodes, root_certificates=args.root_certificates)
     except FaxBridgeError as e:
         print(f"fax-bridge flower: {e}", file=sys.stderr)
         return 2
@@ -107,6 +107,10 @@ def register(subparsers) -> None:
     p.add_argument("--superlink", default="127.0.0.1:9093",
                    help="HOST:PORT of the SuperLink `flwr run` talks to (default "
                         "127.0.0.1:9093)")
+    p.add_argument("--root-certificates", default=None, metavar="CA",
+                   help="the CA certificate of a SuperLink serving TLS: the connection in "
+                        "DIR/.flwr/config.toml and README's commands use TLS (default: "
+                        "insecure)")
     p.add_argument("--write-population", default=None, metavar="FOLDER",
                    help="also write the example clients as one population per SuperNode")
     p.add_argument("--nodes", type=cli_args.int_in(1), default=2,

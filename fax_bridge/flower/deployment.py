@@ -5,10 +5,16 @@
         d.run("app/", {"num-rounds": 3, "out-dir": "/tmp/out"})
 
 Each process is Flower's own command (`flower-superlink`, `flower-supernode`, then
-`flwr run`), started insecure on 127.0.0.1 with free ports, and with `warm=True` (the
-default) a warm worker per SuperNode (`worker`; the node's config then names it), in a process group of its
-own so that `stop()` (also on leaving the `with`) ends it and every process it started
-(SuperExec, ServerApp and ClientApp processes). Flower's commands are found beside the
+`flwr run`), started on 127.0.0.1 with free ports, insecure or, with
+`credentials=security.local_credentials(...)`, with TLS (the SuperLink's certificate,
+the SuperNodes and `flwr run` checking it against the CA) and, when the credentials
+hold node keys, SuperNode authentication (`--enable-supernode-auth`: each node's public
+key is registered with `flwr supernode register` before the node starts with its
+private key; a SuperNode whose key is not registered is refused by the SuperLink), and
+with `warm=True` (the default) a warm worker per SuperNode (`worker`; the node's config
+then names it), each in a process group of its own so that `stop()` (also on leaving
+the `with`) ends it and every process it started (SuperExec, ServerApp and ClientApp
+processes). Flower's commands are found beside the
 running Python, and that folder leads PATH, because the SuperLink and SuperNodes start
 `flower-superexec` by name. Apps' dependencies are not installed at run time
 (`--disable-runtime-dependency-installation`): fax_bridge and flwr are already here.
@@ -49,10 +55,15 @@ def node_config_text(config: dict) -> str:
     return " ".join(parts)
 
 
-def connection_toml(address: str, name: str = CONNECTION) -> str:
-    """The Flower configuration (`$FLWR_HOME/config.toml`) of an insecure SuperLink."""
+def connection_toml(address: str, name: str = CONNECTION,
+                    root_certificates: Optional[str] = None) -> str:
+    """The Flower configuration (`$FLWR_HOME/config.toml`) of a SuperLink: insecure, or
+    TLS checked against the CA certificate `root_certificates`."""
+    security = "insecure = true" if root_certificates is None else \
+        'root-certificates = "' + os.path.abspath(root_certificates).replace(
+            "\\", "\\\\").replace('"', '\\"') + '"'
     return (f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
-            f'address = "{address}"\ninsecure = true\n')
+            f'address = "{address}"\n{security}\n')
 
 
 def flower_env(home: str, poll_s: float = 0.05) -> dict:
@@ -63,6 +74,7 @@ def flower_env(home: str, poll_s: float = 0.05) -> dict:
     env["FLWR_HOME"] = home
     env["FLWR_TELEMETRY_ENABLED"] = "0"
     env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(poll_s)
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"  # no network look-ups from `flwr`
     return env
 
 
@@ -99,8 +111,15 @@ class LocalDeployment:
     """A SuperLink and one SuperNode per entry of `nodes` (their `--node-config`)."""
 
     def __init__(self, nodes: list, home: str, *, warm: bool = True, poll_s: float = 0.05,
-                 log_dir: Optional[str] = None, start_timeout_s: float = 120.0):
+                 log_dir: Optional[str] = None, start_timeout_s: float = 120.0,
+                 credentials=None):
         self.nodes = [dict(n) for n in nodes]
+        self.credentials = credentials  # security.Credentials, or None: insecure
+        if credentials is not None and credentials.node_auth and \
+                len(credentials.node_keys) < len(self.nodes):
+            raise FleetError(f"{len(self.nodes)} SuperNodes but keys for only "
+                             f"{len(credentials.node_keys)}; make one key pair per node "
+                             "(security.local_credentials(folder, nodes=...))")
         self.warm = warm
         self.home = os.path.abspath(home)
         self.env = flower_env(self.home, poll_s)
@@ -134,28 +153,71 @@ class LocalDeployment:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
 
     def start(self) -> None:
-        """Starts the SuperLink, waits for it, then starts the SuperNodes."""
+        """Starts the SuperLink, waits for it, registers the nodes' keys (with node
+        authentication), then starts the SuperNodes."""
         os.makedirs(self.home, exist_ok=True)
         os.makedirs(self.log_dir, exist_ok=True)
         self.port = free_port()
+        creds = self.credentials
         with open(os.path.join(self.home, "config.toml"), "w") as f:
-            f.write(connection_toml(self.address))
+            f.write(connection_toml(self.address,
+                                    root_certificates=creds and creds.ca_cert))
+        security = ["--insecure"] if creds is None else [
+            "--ssl-ca-certfile", creds.ca_cert, "--ssl-certfile", creds.server_cert,
+            "--ssl-keyfile", creds.server_key] + (
+            ["--enable-supernode-auth"] if creds.node_auth else [])
         self.superlink = self._spawn("superlink", [
-            "flower-superlink", "--insecure", "--host", LOOPBACK, "--port", str(self.port),
+            "flower-superlink", *security, "--host", LOOPBACK, "--port", str(self.port),
             "--disable-runtime-dependency-installation"])
         configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
             if self.warm else self.nodes
         _wait_port(self.port, self.superlink, "flower-superlink", self.start_timeout_s,
                    os.path.join(self.log_dir, "superlink.log"))
+        if creds is not None and creds.node_auth:
+            self.register([public for _, public in creds.node_keys[:len(configs)]])
         for i, config in enumerate(configs):
-            self.supernodes.append(self._spawn(f"supernode-{i}", [
-                "flower-supernode", "--insecure", "--superlink", self.address,
-                "--host", LOOPBACK, "--port", str(free_port()),
-                "--node-config", node_config_text(config)]))
+            key = creds.node_keys[i][0] if creds is not None and creds.node_auth else None
+            self.supernodes.append(self.start_supernode(config, key, f"supernode-{i}"))
         for i, worker in enumerate(self.workers):
             _wait_port(int(configs[i]["worker"].rsplit(":", 1)[1]), worker,
                        f"the worker of SuperNode {i}", self.start_timeout_s,
                        os.path.join(self.log_dir, f"worker-{i}.log"))
+
+    def start_supernode(self, config: dict, private_key: Optional[str] = None,
+                        name: str = "supernode-extra") -> subprocess.Popen:
+        """Starts one `flower-supernode` with `config` as its `--node-config` (TLS when
+        the deployment has credentials; authenticating with `private_key` when given)
+        and returns it; its output goes to `log(name)`. `start` starts the deployment's
+        own nodes with this; a node started later is the caller's to stop."""
+        creds = self.credentials
+        security = ["--insecure"] if creds is None else \
+            ["--root-certificates", creds.ca_cert]
+        if private_key is not None:
+            security += ["--auth-supernode-private-key", private_key]
+        return self._spawn(name, [
+            "flower-supernode", *security, "--superlink", self.address,
+            "--host", LOOPBACK, "--port", str(free_port()),
+            "--node-config", node_config_text(config)])
+
+    def register(self, public_keys: list, timeout_s: float = 120.0) -> None:
+        """`flwr supernode register KEY fax-bridge` for each public key (OpenSSH), all at
+        once; raises a `FleetError` quoting Flower's output when one is refused."""
+        procs = [(key, subprocess.Popen(
+            ["flwr", "supernode", "register", key, CONNECTION], env=self.env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)) for key in public_keys]
+        failed = []
+        for key, proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _end_group(proc)
+                out, _ = proc.communicate()
+            if proc.returncode != 0:
+                failed.append(f"{key}: {out.decode(errors='replace')[-1000:]}")
+        if failed:
+            raise FleetError("the SuperLink did not register these SuperNode keys: "
+                             + "; ".join(failed))
 
     def _start_worker(self, index: int, config: dict) -> dict:
         """Starts node `index`'s warm worker; returns the node's config naming it."""
@@ -198,6 +260,13 @@ class LocalDeployment:
         _end_group(self.supernodes[index], signal.SIGKILL)
         if self.workers:
             _end_group(self.workers[index], signal.SIGKILL)
+
+    def pids(self) -> list:
+        """The ids of every process the deployment runs now: its own and all they
+        started (SuperExecs, ServerApp and ClientApp processes)."""
+        procs = self.supernodes + self.workers + (
+            [self.superlink] if self.superlink else [])
+        return [p.pid for p in procs] + [c for p in procs for c in _descendants(p.pid)]
 
     def log(self, name: str) -> str:
         """The output so far of `superlink` or `supernode-I`."""
