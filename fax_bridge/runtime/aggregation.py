@@ -33,7 +33,8 @@ import numpy as np
 from fax_bridge.errors import AggregationError
 from fax_bridge.placements import aggregate_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
-from fax_bridge.runtime.double_sums import Sum, merged_all, results, sums_of
+from fax_bridge.runtime.double_sums import (Sum, merged_all, results, sums_of,
+                                           weighted_sums_of)
 
 KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth", "secure_sum")
 SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
@@ -219,16 +220,8 @@ def _partial(kind: str, columns: list, count: int, w: Optional[np.ndarray],
     if kind != "weighted_mean":
         partial.leaves = sums_of(columns)
         return partial
-    products, cast = [], {}  # cast: the weights in each value dtype, made once
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
-        for c in columns:
-            if c.dtype not in cast:
-                cast[c.dtype] = w.astype(c.dtype)
-            by = cast[c.dtype].reshape((-1,) + (1,) * (c.ndim - 1))
-            # each product rounded to the value's dtype
-            products.append(np.multiply(c, by, out=c if fresh else None))
-    columns = products
-    *partial.leaves, partial.weights = sums_of([*columns, w])  # added together
+    # each product rounded to the value's dtype, summed with the weights' sum
+    *partial.leaves, partial.weights = weighted_sums_of(columns, w, overwrite=fresh)
     return partial
 
 

@@ -107,30 +107,37 @@ def fits(dtype: np.dtype) -> bool:
     return exact.is_exact_kind(dtype) and dtype.kind not in "iu" and dtype.itemsize <= 4
 
 
-def _split_values(rows: np.ndarray, most: int):
+def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = None):
     """(the column sums of `rows` ([addends, size]) as float64, the columns spilled:
     those whose float64 sum would not be exact, their values set to 0.0), or None when
-    more than `most` columns would spill."""
+    more than `most` columns would spill. With `scale` (one factor per row, the rows'
+    dtype), the addends are the products `rows * scale[:, None]`, each rounded to the
+    dtype, made a block at a time."""
     count = rows.shape[0]
     totals = np.empty(rows.shape[1], np.float64)
     spilled, num_spilled = [], 0
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
-    for lo in range(0, rows.shape[1], step):
-        block = rows[:, lo:lo + step]
-        sums = totals[lo:lo + step]
-        bad = None
-        if not all_exact_in_doubles(block):  # one test for the block, else column-wise
-            fast, zero, _ = exact_in_doubles(block)
-            bad = np.flatnonzero(~(fast | zero))
-            num_spilled += bad.size
-            if num_spilled > most:
-                return None
-        with np.errstate(invalid="ignore", over="ignore"):  # spilled columns only
-            _column_sums(block, sums)
-        if bad is not None and bad.size:
-            sums[bad] = 0.0
-            spilled.append(bad + lo)
-        signed_zeros(block, sums)  # an all -0 element stays -0
+    if scale is not None:
+        products = np.empty((count, min(step, rows.shape[1])), rows.dtype)
+        by = scale.reshape(count, 1)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        for lo in range(0, rows.shape[1], step):
+            block = rows[:, lo:lo + step]
+            if scale is not None:
+                block = np.multiply(block, by, out=products[:, :block.shape[1]])
+            sums = totals[lo:lo + step]
+            bad = None
+            if not all_exact_in_doubles(block):  # one test for the block, else by column
+                fast, zero, _ = exact_in_doubles(block)
+                bad = np.flatnonzero(~(fast | zero))
+                num_spilled += bad.size
+                if num_spilled > most:
+                    return None
+            _column_sums(block, sums)  # spilled columns are overwritten next
+            if bad is not None and bad.size:
+                sums[bad] = 0.0
+                spilled.append(bad + lo)
+            signed_zeros(block, sums)  # an all -0 element stays -0
     return totals, (np.concatenate(spilled) if spilled else _NO_COLS)
 
 
@@ -149,20 +156,53 @@ def _double_values(rows: np.ndarray) -> Optional[np.ndarray]:
     return None if found is None else found[0]
 
 
-def _double_sum(stack: np.ndarray) -> Optional[DoubleSum]:
-    """The sum of a stack of addends ([addends, *shape]) in the float64 form, spilling
-    what it must, or None when too many elements would spill."""
+def _double_sum(stack: np.ndarray, scale: Optional[np.ndarray] = None
+                ) -> Optional[DoubleSum]:
+    """The sum of a stack of addends ([addends, *shape]; with `scale`, of the products
+    `stack[i] * scale[i]` rounded to the dtype) in the float64 form, spilling what it
+    must, or None when too many elements would spill."""
     count, shape = stack.shape[0], stack.shape[1:]
     rows = stack.reshape(count, -1)
-    found = _split_values(rows, most_spilled(rows.shape[1]))
+    found = _split_values(rows, most_spilled(rows.shape[1]), scale)
     if found is None:
         return None
     values, cols = found
     rest = None
     if cols.size:
         rest = ExactSum(stack.dtype, (cols.size,))
-        rest.add_many(rows[:, cols])
+        addends = rows[:, cols]
+        if scale is not None:
+            with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+                addends = np.multiply(addends, scale.reshape(count, 1))
+        rest.add_many(addends)
     return DoubleSum(stack.dtype, shape, values, cols, rest)
+
+
+def weighted_sums_of(columns: Sequence[np.ndarray], weights: np.ndarray,
+                     overwrite: bool = False) -> list:
+    """`sums_of([c * w for c in columns] + [weights])`, each product `columns[j][i] *
+    weights[i]` rounded to the column's dtype (the weights cast to it first): the sums
+    of the weighted columns, then the sum of the weights. Large columns of the float64
+    form have their products made a block at a time as they are summed, never as a
+    whole; `overwrite`: the others' products may be written into their columns."""
+    out: list = [None] * (len(columns) + 1)
+    cast: dict = {}  # the weights in each column dtype, made once
+    rest, products = [], []
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
+        for i, c in enumerate(columns):
+            if c.dtype not in cast:
+                cast[c.dtype] = weights.astype(c.dtype)
+            by = cast[c.dtype]
+            if fits(c.dtype) and c.shape[0] and c.size > exact.BLOCK_ELEMENTS:
+                out[i] = _double_sum(c, by)
+                if out[i] is not None:
+                    continue
+            by = by.reshape((-1,) + (1,) * (c.ndim - 1))
+            rest.append(i)
+            products.append(np.multiply(c, by, out=c if overwrite else None))
+    for i, sum_ in zip(rest + [len(columns)], sums_of(products + [weights])):
+        out[i] = sum_
+    return out
 
 
 def sums_of(stacks: Sequence[np.ndarray]) -> list:
