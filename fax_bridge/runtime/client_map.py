@@ -155,10 +155,13 @@ def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
 
 def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[LocalValue],
                         shared: Any = NO_SHARED, *, key: Optional[str] = None,
-                        guard: Optional[Guard] = None) -> Optional[Stacked]:
+                        guard: Optional[Guard] = None, keep: bool = True
+                        ) -> Optional[Stacked]:
     """`map_clients` for callers that take the results as columns (an aggregation):
     the batched run's results, never split per client; None when there are no clients
-    or they run one at a time (then `map_clients` gives their results)."""
+    or they run one at a time (then `map_clients` gives their results). `keep=False`:
+    the caller reads the results once and drops them, so they may stay read-only views
+    of XLA's output (no copy of what may be gigabytes)."""
     if not members:
         return None
     batch = _layouts(members, shared)
@@ -168,7 +171,7 @@ def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[Local
     plan = _plan(fn, key, *batch[:2], rows)
     if plan is None:
         return None
-    return _run_batched(plan, rows, *batch[2:], guard)
+    return _run_batched(plan, rows, *batch[2:], guard, keep)
 
 
 # ---------------------------------------------------------------------------------------
@@ -339,7 +342,7 @@ def _compile(compiled, shared_tree, member_tree, rows: int) -> _Batched:
 
 
 def _run_batched(plan: _Batched, rows: int, shared_leaves: list, source: _Source,
-                 guard: Optional[Guard]) -> Stacked:
+                 guard: Optional[Guard], keep: bool = True) -> Stacked:
     """Runs the clients `rows` at a time (one call for cohorts up to `MAX_ROWS`)."""
     count = source.count
     if guard is not None:
@@ -353,8 +356,10 @@ def _run_batched(plan: _Batched, rows: int, shared_leaves: list, source: _Source
             guard.tick()
         try:
             outs = plan.run(shared_leaves, chunk, np.int32(size))
-            # Copied: no XLA buffer stays alive behind a client's result.
-            chunks.append([np.array(np.asarray(o)[:size]) for o in outs])
+            # Copied when kept: no XLA buffer (with its padding rows) stays alive
+            # behind a client's result.
+            chunks.append([np.array(np.asarray(o)[:size]) if keep else np.asarray(o)[:size]
+                           for o in outs])
         except Exception as e:
             raise ComputationError(f"XLA execution failed: {e}") from e
     if guard is not None:
