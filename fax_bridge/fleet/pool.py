@@ -84,7 +84,8 @@ def _counting_stub(channel: grpc.Channel, count: Callable[[bool, int], None]) ->
     """A stub with the generated `DeviceStub`'s methods whose serializers report the
     size of every message they handle (`count(down, serialized bytes)`): gRPC turns each
     message into bytes once, so its size comes free, where `ByteSize` would serialize a
-    message (of up to a GiB) again."""
+    message (of up to a GiB) again. A request given as bytes is sent as it is (a
+    `RequestStream` serialized and counted it)."""
     service = pb.DESCRIPTOR.services_by_name["Device"]
     stub = types.SimpleNamespace()
     calls = {(False, False): channel.unary_unary, (True, False): channel.stream_unary,
@@ -94,6 +95,8 @@ def _counting_stub(channel: grpc.Channel, count: Callable[[bool, int], None]) ->
         counted = method.name not in _UNCOUNTED
 
         def serialize(message, counted=counted) -> bytes:
+            if isinstance(message, bytes):  # serialized and counted by a RequestStream
+                return message
             data = message.SerializeToString()
             if counted:
                 count(True, len(data))
@@ -139,7 +142,8 @@ class RequestStream:
     making one is kept in `error` and raised into gRPC, which cancels the call (the
     device keeps nothing), so the caller reports that error rather than the
     cancellation. `payload(message)` gives the array bytes inside a message (the rest
-    is protocol overhead); the wire bytes are counted as gRPC serializes the messages.
+    is protocol overhead). The stream gives each message serialized (and counted), so
+    gRPC sends those bytes without serializing, or sizing, the message again.
     """
 
     def __init__(self, messages: Iterable, what: str,
@@ -147,7 +151,9 @@ class RequestStream:
         self._messages = iter(messages)
         self._what = what
         self._payload = payload
+        self.bytes = 0
         self.payload = 0
+        self._resent_payload = 0  # the payload of the first message, for `count_again`
         self.messages = 0
         self.resent = 0  # calls made again (a unary call the device did not know)
         self.error: Optional[Exception] = None
@@ -165,8 +171,13 @@ class RequestStream:
                 f"{self._what}: cannot encode a client value ({type(e).__name__}: {e})")
             raise
         self.messages += 1
-        self.payload += self._payload(message)
-        return message
+        payload = self._payload(message)
+        if self.messages == 1:
+            self._resent_payload = payload
+        self.payload += payload
+        data = message.SerializeToString()  # gRPC sends these bytes as they are
+        self.bytes += framed_size(len(data))
+        return data
 
     def head(self, count: int) -> list:
         """Up to `count` next messages (fewer: the stream ends); raises `error` when one
@@ -178,10 +189,12 @@ class RequestStream:
                 raise
             raise self.error from None
 
-    def count_again(self, message) -> None:
-        """Counts `message` sent once more, in a call of its own."""
+    def count_again(self, message: bytes) -> None:
+        """Counts the first message (as this stream gave it) sent once more, in a call of
+        its own."""
         self.resent += 1
-        self.payload += self._payload(message)
+        self.bytes += framed_size(len(message))
+        self.payload += self._resent_payload
 
 
 REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before giving up
@@ -447,6 +460,7 @@ class DevicePool:
         finally:
             for stream in streams.values():
                 self.traffic.rpcs += stream.resent
+                self.traffic.bytes_down += stream.bytes
                 self.traffic.payload_down += stream.payload
         self._count(down=sent, up=answers.values())
         return answers
