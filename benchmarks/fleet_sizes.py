@@ -11,8 +11,10 @@ size (d*d parameters, d = round(sqrt(params))) it times, each path in a fresh pr
 - fleet: the exported proto on `LocalFleet(devices=K)` (a round by plan), with the
   round report's wire bytes up and down and their payload, per parameter.
 
-Times are medians over the rounds after a warm-up round; peak RSS is `VmHWM` of the
-process (and of each device process). With `--profile DIR`, the runtime's and the
+Times are medians over the rounds after a warm-up round: wall seconds, and CPU seconds
+(user + system, all threads; for the fleet the coordinator's and the devices' together,
+which says what a round costs when other work shares the machine); peak RSS is `VmHWM`
+of the process (and of each device process). With `--profile DIR`, the runtime's and the
 coordinator's rounds run under cProfile, and each device's round handler too (the
 devices start through this script as a shim); the `.prof` files land in DIR.
 
@@ -88,26 +90,44 @@ def build(d: int):
 PLACEMENTS = ("server", "clients", "clients", "clients")
 
 
-def _times(fn, rounds: int, profile_path: Optional[str] = None) -> list:
-    """Seconds of each of `rounds` calls after a warm-up call (which compiles and loads
-    the client part); with `profile_path`, cProfile stats of the timed calls go there."""
+def cpu_seconds(pids: tuple = ()) -> float:
+    """CPU time (user + system, every thread) of this process and of `pids`, in s."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def _times(fn, rounds: int, profile_path: Optional[str] = None,
+           pids: tuple = ()) -> tuple[list, list]:
+    """(wall seconds, CPU seconds of this process and `pids`) of each of `rounds` calls
+    after a warm-up call (which compiles and loads the client part); with
+    `profile_path`, cProfile stats of the timed calls go there."""
     fn()
     profile = None
     if profile_path is not None:
         import cProfile
 
         profile = cProfile.Profile()
-    out = []
+    walls, cpus = [], []
     for _ in range(rounds):
+        cpu = cpu_seconds(pids)
         start = time.perf_counter()
         if profile is not None:
             profile.runcall(fn)
         else:
             fn()
-        out.append(time.perf_counter() - start)
+        walls.append(time.perf_counter() - start)
+        cpus.append(cpu_seconds(pids) - cpu)
     if profile is not None:
         profile.dump_stats(profile_path)
-    return out
+    return walls, cpus
 
 
 def measure(path: str, params: int, rounds: int, devices: int,
@@ -128,18 +148,19 @@ def measure(path: str, params: int, rounds: int, devices: int,
             if profile_dir and path != "jit" else None)
     if path == "jit":
         jitted = jax.jit(program)
-        times = _times(lambda: jax.block_until_ready(jitted(*args)), rounds)
+        times, cpus = _times(lambda: jax.block_until_ready(jitted(*args)), rounds)
     else:
         proto = fb.export_tff(program, *args, placements=PLACEMENTS)
         if path == "runtime":
-            times = _times(lambda: run_computation(proto, *args), rounds, prof)
+            times, cpus = _times(lambda: run_computation(proto, *args), rounds, prof)
         else:
             kwargs = {}
             if profile_dir:
                 os.environ[PROFILE_ENV] = profile_dir
                 kwargs["python"] = _shim_script(profile_dir)
             with fb.LocalFleet(devices=devices, **kwargs) as fleet:
-                times = _times(lambda: fleet.run(proto, *args), rounds, prof)
+                times, cpus = _times(lambda: fleet.run(proto, *args), rounds, prof,
+                                     tuple(fleet.pids))
                 rep = fleet.last_report
                 row.update(bytes_up=rep.bytes_up, bytes_down=rep.bytes_down,
                            payload_up=rep.payload_up, payload_down=rep.payload_down,
@@ -148,6 +169,7 @@ def measure(path: str, params: int, rounds: int, devices: int,
                            device_peak_rss_mb=[round(peak_rss_mb(str(p)), 1)
                                                for p in fleet.pids])
     row.update(seconds=statistics.median(times), all_seconds=[round(t, 4) for t in times],
+               cpu_seconds=statistics.median(cpus),
                peak_rss_mb=round(peak_rss_mb(), 1), devices=devices if path == "fleet" else 0)
     del np
     return row
@@ -209,9 +231,10 @@ def _print(rows: list) -> None:
     by = {}
     for r in rows:
         by.setdefault(r["params"], {})[r["path"]] = r
-    print("| params | jit s | runtime s | fleet s | runtime/jit | fleet/jit | up B/param/dev "
-          "| down B/param/dev | RSS MB jit / runtime / coordinator / devices |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| params | jit s | runtime s | fleet s | runtime/jit | fleet/jit | CPU s jit / "
+          "runtime / fleet | up B/param/dev | down B/param/dev | RSS MB jit / runtime / "
+          "coordinator / devices |")
+    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for params, paths in sorted(by.items()):
         def s(p: str) -> Any:
             return paths.get(p, {}).get("seconds")
@@ -224,8 +247,10 @@ def _print(rows: list) -> None:
                          for p in ("jit", "runtime", "fleet"))
         rss += f" / {fleet.get('device_peak_rss_mb', '-')}"
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        cpu = " / ".join(fmt(paths.get(p, {}).get("cpu_seconds"))
+                         for p in ("jit", "runtime", "fleet"))
         print(f"| {params:,} | {fmt(s('jit'))} | {fmt(s('runtime'))} | {fmt(s('fleet'))} "
-              f"| {ratio('runtime')} | {ratio('fleet')} "
+              f"| {ratio('runtime')} | {ratio('fleet')} | {cpu} "
               f"| {fleet.get('up_bytes_per_param_per_device', float('nan')):.2f} "
               f"| {fleet.get('down_bytes_per_param_per_device', float('nan')):.2f} | {rss} |",
               flush=True)
@@ -262,8 +287,8 @@ def main(argv: Optional[list] = None) -> int:
             rows.append(_child(path, params, args))
             r = rows[-1]
             print(f"  {path:8} {r['params']:>10,} params: "
-                  + (f"{r['seconds']:.3f} s {r['all_seconds']}" if "seconds" in r
-                     else f"error {r['error']}"), flush=True)
+                  + (f"{r['seconds']:.3f} s {r['all_seconds']}, CPU {r['cpu_seconds']:.3f} s"
+                     if "seconds" in r else f"error {r['error']}"), flush=True)
     _print([r for r in rows if "seconds" in r])
     if args.json:
         with open(args.json, "w") as f:
