@@ -19,8 +19,8 @@ coordinator's rounds run under cProfile, and each device's round handler too (th
 devices start through this script as a shim); the `.prof` files land in DIR.
 
     PYTHONPATH=$PWD python benchmarks/fleet_sizes.py [--params 100k,1M,4M,10M]
-        [--rounds 3] [--devices 2] [--paths jit,runtime,fleet] [--json OUT]
-        [--profile DIR]
+        [--rounds 3] [--devices 2] [--paths jit,runtime,fleet] [--init normal|zeros]
+        [--json OUT] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ def peak_rss_mb(pid: str = "self") -> float:
     return float("nan")
 
 
-def build(d: int):
-    """(the round as a fax_bridge program, its arguments: w, x, y, counts)."""
+def build(d: int, init: str = "normal"):
+    """(the round as a fax_bridge program, its arguments: w, x, y, counts); `init`:
+    the model's start, "normal" (scaled by 1/sqrt(d)) or "zeros" (then the clients'
+    models are their own steps alone, whose values spread far more between clients)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -81,6 +83,8 @@ def build(d: int):
 
     rng = np.random.default_rng(0)
     w = (rng.normal(size=(d, d)) / math.sqrt(d)).astype(np.float32)
+    if init == "zeros":
+        w = np.zeros_like(w)
     x = rng.normal(size=(CLIENTS, EXAMPLES, d)).astype(np.float32)
     y = rng.normal(size=(CLIENTS, EXAMPLES, d)).astype(np.float32)
     n = np.full((CLIENTS,), EXAMPLES, np.float32)
@@ -131,7 +135,7 @@ def _times(fn, rounds: int, profile_path: Optional[str] = None,
 
 
 def measure(path: str, params: int, rounds: int, devices: int,
-            profile_dir: Optional[str]) -> dict:
+            profile_dir: Optional[str], init: str = "normal") -> dict:
     """One path at one size, in this process."""
     sys.path.insert(0, ROOT)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -142,8 +146,9 @@ def measure(path: str, params: int, rounds: int, devices: int,
     from fax_bridge.runtime import run_computation
 
     d = max(1, round(math.sqrt(params)))
-    program, args = build(d)
-    row: dict = {"path": path, "params": d * d, "d": d, "payload_mb": d * d * 4 / 1e6}
+    program, args = build(d, init)
+    row: dict = {"path": path, "params": d * d, "d": d, "payload_mb": d * d * 4 / 1e6,
+                 "init": init}
     prof = (os.path.join(profile_dir, f"{path}_{d * d}.prof")
             if profile_dir and path != "jit" else None)
     if path == "jit":
@@ -217,7 +222,8 @@ first (the warm-up) profiled."""
 
 def _child(path: str, params: int, args) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--one", path, "--params",
-               str(params), "--rounds", str(args.rounds), "--devices", str(args.devices)]
+               str(params), "--rounds", str(args.rounds), "--devices", str(args.devices),
+               "--init", args.init]
     if args.profile:
         command += ["--profile", args.profile]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -266,6 +272,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--paths", default="jit,runtime,fleet")
+    parser.add_argument("--init", choices=("normal", "zeros"), default="normal",
+                        help="the model's start (zeros: clients' models spread widely)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--profile", help="write cProfile stats of the rounds here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: one path, one size
@@ -275,12 +283,12 @@ def main(argv: Optional[list] = None) -> int:
         os.makedirs(args.profile, exist_ok=True)
     if args.one:
         print(json.dumps(measure(args.one, parse_count(args.params), args.rounds,
-                                 args.devices, args.profile)))
+                                 args.devices, args.profile, args.init)))
         return 0
     rows = []
     print(f"machine: {os.cpu_count()} cores; {CLIENTS} clients x {EXAMPLES} examples, "
           f"one SGD step, weighted mean; median of {args.rounds} rounds after a warm-up; "
-          f"fleet: LocalFleet(devices={args.devices}); XLA_FLAGS="
+          f"fleet: LocalFleet(devices={args.devices}); init {args.init}; XLA_FLAGS="
           f"{os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     for params in [parse_count(p) for p in args.params.split(",")]:
         for path in args.paths.split(","):
