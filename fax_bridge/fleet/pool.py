@@ -133,6 +133,15 @@ def _raise(error: Exception):
     raise error
 
 
+@dataclasses.dataclass(frozen=True)
+class Serialized:
+    """A request message already serialized (e.g. around a part shared by several
+    devices' requests, serialized once), with its payload bytes."""
+
+    data: bytes
+    payload: int
+
+
 class RequestStream:
     """The messages of one client-streaming call, made lazily and counted as they go.
 
@@ -171,11 +180,14 @@ class RequestStream:
                 f"{self._what}: cannot encode a client value ({type(e).__name__}: {e})")
             raise
         self.messages += 1
-        payload = self._payload(message)
+        if isinstance(message, Serialized):
+            payload, data = message.payload, message.data
+        else:
+            payload = self._payload(message)
+            data = message.SerializeToString()  # gRPC sends these bytes as they are
         if self.messages == 1:
             self._resent_payload = payload
         self.payload += payload
-        data = message.SerializeToString()  # gRPC sends these bytes as they are
         self.bytes += framed_size(len(data))
         return data
 
