@@ -82,8 +82,6 @@ def test_refusals_name_the_problem():
 def test_a_message_field_appended_to_serialized_bytes_sets_that_field(size):
     """`message_field` writes a message field as protobuf does: a head serialized without
     its broadcast plus the broadcast's field parses as the head with it, byte for byte."""
-    from fax_bridge.v1 import device_pb2 as pb
-
     value = wire.to_message(np.arange(size, dtype=np.float32))
     head = pb.RoundRequest(computation_hash="h", delay_seconds=1.5)
     data = head.SerializeToString() + wire.message_field(
