@@ -507,8 +507,8 @@ def test_round_streams_make_each_message_when_grpc_asks_for_it():
     streams = plan_runner._streams(backend, None, [column], [(3, range(10, 40))],
                                    lambda index: pb.RoundRequest(computation_hash="h"))
     ahead, ids = [], []
-    for message in streams[3]:
-        ids.extend(v.client_id for v in message.values)
+    for data in streams[3]:  # each message as gRPC sends it, serialized
+        ids.extend(v.client_id for v in pb.RoundRequest.FromString(data).values)
         ahead.append(Recording.read - (10 + len(ids)))
     assert ids == list(range(10, 40)) and max(ahead) <= 1  # the next client at most
     assert streams[3].messages == 30 and streams[3].payload == 30 * 64 * 4

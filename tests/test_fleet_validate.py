@@ -334,3 +334,41 @@ def test_secure_sum_partials_stay_within_what_clients_in_bound_reach(kind, dtype
     reason = "secure sum's partial" if in_dtype else "top limb holds"
     with pytest.raises(FleetError, match=f"device 3, {kind} leaf 0: .*{reason}.*forged"):
         validate.check_partial(message, kind, types, [], count, "device 3", tops=[top])
+
+
+def test_spilled_elements_of_a_float64_form_sum_are_checked():
+    """A float64-form partial with spilled elements passes as an honest device sends
+    it; positions out of order or range, too many, a nonzero value where one spilled,
+    or limbs that do not match the positions are refused."""
+    stack = np.ones((3, 1000), np.float32)
+    stack[0, [4, 70]], stack[1, [4, 70]] = 3e38, 1e-45
+    types = validate.leaf_types(fl.TensorType(np.float32, [1000]))
+    honest = partials.to_message(aggregation.partial_of_columns("sum", [stack], 3))
+    got, _ = validate.check_partial(honest, "sum", types, [], 3, "d0")
+    assert got.leaves[0].cols.tolist() == [4, 70]
+
+    def forged(change) -> pb.AggregateResponse:
+        message = pb.AggregateResponse()
+        message.CopyFrom(honest)
+        change(message.leaves[0])
+        return message
+
+    def values_at(leaf, col, value):
+        values = np.frombuffer(leaf.doubles, "<f8").copy()
+        values[col] = value
+        leaf.doubles = values.tobytes()
+
+    for change, message in [
+            (lambda leaf: setattr(leaf, "spilled", np.array([70, 4], "<i8").tobytes()),
+             "spilled positions"),
+            (lambda leaf: setattr(leaf, "spilled", np.array([4, 1000], "<i8").tobytes()),
+             "spilled positions"),
+            (lambda leaf: setattr(leaf, "spilled", np.arange(40, dtype="<i8").tobytes()),
+             "at most 15"),
+            (lambda leaf: values_at(leaf, 70, 1.0), "spilled positions"),
+            (lambda leaf: values_at(leaf, 4, -0.0), "spilled positions"),
+            (lambda leaf: setattr(leaf, "spilled", np.array([4], "<i8").tobytes()),
+             "should hold"),
+    ]:
+        with pytest.raises(FleetError, match=message):
+            validate.check_partial(forged(change), "sum", types, [], 3, "d0")

@@ -76,3 +76,15 @@ def test_refusals_name_the_problem():
     twice.struct.elements[1].name = "a"
     with pytest.raises(FleetError, match="repeats element names"):
         wire.decode_value(twice)
+
+
+@pytest.mark.parametrize("size", [0, 1, 31, 32, 4095, 70_000])
+def test_a_message_field_appended_to_serialized_bytes_sets_that_field(size):
+    """`message_field` writes a message field as protobuf does: a head serialized without
+    its broadcast plus the broadcast's field parses as the head with it, byte for byte."""
+    value = wire.to_message(np.arange(size, dtype=np.float32))
+    head = pb.RoundRequest(computation_hash="h", delay_seconds=1.5)
+    data = head.SerializeToString() + wire.message_field(
+        pb.RoundRequest.BROADCAST_FIELD_NUMBER, value.SerializeToString())
+    head.broadcast.CopyFrom(value)
+    assert pb.RoundRequest.FromString(data) == head and len(data) == head.ByteSize()

@@ -1,11 +1,15 @@
 """runtime.double_sums: the float64 form of exact sums gives the bits of the limbs, in any
 split, any mix of forms and through the wire; merges that would lose a bit move to limbs."""
 
+import fractions
+import math
+
+import federated_language as fl
 import ml_dtypes
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.fleet import partials
+from fax_bridge.fleet import partials, validate
 from fax_bridge.runtime import aggregation, double_sums, float_bits
 from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.runtime.exact import ExactSum
@@ -135,3 +139,117 @@ def test_the_one_block_test_decides_as_the_columns_do(dtype, n, size, data):
     assert (got is None) == (want is None)
     if got is not None:
         assert got.tobytes() == want.tobytes()
+
+
+def _rounded(addends: list, dtype: np.dtype) -> np.ndarray:
+    """The exact sum of float `addends` (Python rationals), rounded once to `dtype`, with
+    IEEE's rules for non-finite addends and for zeros (reference, slow)."""
+    if any(math.isnan(a) for a in addends) or (math.inf in addends
+                                               and -math.inf in addends):
+        return np.array(np.nan, dtype)
+    if math.inf in addends or -math.inf in addends:
+        return np.array(math.inf if math.inf in addends else -math.inf, dtype)
+    total = sum(fractions.Fraction(a) for a in addends)
+    if total == 0:
+        negative = all(a == 0 and math.copysign(1, a) < 0 for a in addends)
+        return np.array(-0.0 if negative else 0.0, dtype)
+    info = ml_dtypes.finfo(dtype)
+    p, emin_sub = info.nmant + 1, int(info.minexp) - info.nmant
+    mag = abs(total)
+    e = mag.numerator.bit_length() - mag.denominator.bit_length()
+    e += 1 if fractions.Fraction(2) ** (e + 1) <= mag else 0
+    e -= 1 if fractions.Fraction(2) ** e > mag else 0
+    ulp = max(e - (p - 1), emin_sub)
+    value = math.ldexp(round(mag / fractions.Fraction(2) ** ulp), ulp)  # half to even
+    if value > float(info.max):
+        value = math.inf
+    with np.errstate(over="ignore"):
+        return np.array(math.copysign(value, total), dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(DTYPES), st.integers(1, 12), st.integers(64, 320), st.data())
+def test_spilled_elements_keep_every_bit_in_any_split(dtype, n, size, data):
+    """Large sums keep the float64 form with the few elements it cannot hold exactly
+    (widely spread or non-finite addends, merges past 53 bits) spilled to limbs; any
+    split into partials, through the wire and the coordinator's checks, in either form,
+    gives the bits of the exact rational sum rounded once."""
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    rng = np.random.default_rng(seed)
+    info = ml_dtypes.finfo(dtype)
+    stack = (rng.normal(size=(n, size)) * data.draw(st.sampled_from([1e-3, 1.0, 100.0]))
+             ).astype(np.float64)
+    wide = rng.choice(size, size=data.draw(st.integers(0, size // 64 + 2)), replace=False)
+    for col in wide:  # a huge addend, tiny ones, cancellations, non-finite values
+        kind = data.draw(st.sampled_from(["spread", "cancel", "special"]))
+        stack[:, col] = float(info.smallest_subnormal) * rng.integers(-3, 4, size=n)
+        if kind != "special":
+            stack[rng.integers(n), col] = float(info.max) * rng.uniform(-1, 1)
+        if kind == "cancel":
+            stack[rng.integers(n), col] = -stack[:, col].max()
+        if kind == "special":
+            stack[rng.integers(n), col] = data.draw(st.sampled_from(_SPECIAL[-3:]))
+    if data.draw(st.booleans(), label="-0 columns"):
+        stack[:, rng.integers(size)] = -0.0
+    with np.errstate(over="ignore"):
+        stack = stack.astype(dtype)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=4), label="splits")))
+    bounds = [0, *cuts, n]
+    forms = data.draw(st.lists(st.booleans(), min_size=len(bounds), max_size=len(bounds)),
+                      label="limbs on the wire")
+    leaf_type = validate.leaf_types(fl.TensorType(dtype, [size]))
+    total = aggregation.Partial(kind="sum", leaves=[])
+    for (lo, hi), limbs in zip(zip(bounds, bounds[1:]), forms):
+        if hi == lo:
+            continue
+        part = aggregation.partial_of_columns("sum", [stack[lo:hi]], hi - lo)
+        part = _limbs_only(part) if limbs else part
+        checked, _ = validate.check_partial(partials.to_message(part), "sum", leaf_type, [],
+                                            hi - lo, "d")
+        aggregation.merge(total, checked)
+    got, = aggregation.finish(total)
+    as_floats = stack.astype(np.float64)
+    want = np.array([_rounded(as_floats[:, j].tolist(), dtype) for j in range(size)], dtype)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_a_few_spread_elements_spill_and_the_rest_stay_float64():
+    """One element in a thousand with addends too far apart for float64 spills to limbs;
+    the others keep the float64 form (8 bytes an element on the wire); past one element
+    in `SPILL_RATIO`, the whole tensor takes the limbs."""
+    f32 = np.float32
+    stack = np.ones((4, 1000), f32)
+    stack[0, [7, 500]] = 3e38
+    stack[1, [7, 500]] = 1e-45
+    sum_, = double_sums.sums_of([stack])
+    assert isinstance(sum_, DoubleSum) and sum_.cols.tolist() == [7, 500]
+    assert sum_.values[[7, 500]].tolist() == [0.0, 0.0] and sum_.values[0] == 4.0
+    message = partials.to_message(aggregation.Partial("sum", [sum_], count=4))
+    assert len(message.leaves[0].doubles) == 8000 and len(message.leaves[0].spilled) == 16
+    want = ExactSum(f32, (1000,))
+    want.add_many(stack)
+    assert sum_.result().tobytes() == want.result().tobytes()
+    stack[0, :double_sums.most_spilled(1000) + 1] = 3e38
+    stack[1, :double_sums.most_spilled(1000) + 1] = 1e-45
+    assert isinstance(double_sums.sums_of([stack])[0], ExactSum)
+
+
+def test_a_merge_past_53_bits_spills_only_that_element():
+    """Two partials, each exact in float64, whose sum at one element is not: that
+    element spills (the others stay float64) and the result keeps every bit."""
+    f32 = np.float32
+    first, second = np.ones((2, 1000), f32), np.ones((3, 1000), f32)
+    first[:, 9] = [3e38, 0.0]
+    second[:, 9] = [1e-45, -1e-45, 2e-45]
+    a, = double_sums.sums_of([first])
+    b, = double_sums.sums_of([second])
+    assert not (a.cols.size or b.cols.size)
+    both, = double_sums.merged_all([a], [b])
+    assert isinstance(both, DoubleSum) and both.cols.tolist() == [9]
+    again, = double_sums.merged_all([both], double_sums.sums_of([second]))
+    assert isinstance(again, DoubleSum) and again.cols.tolist() == [9]
+    want = ExactSum(f32, (1000,))
+    for stack in (first, second, second):
+        want.add_many(stack)
+    assert again.result().tobytes() == want.result().tobytes()
+    assert again.exact().result().tobytes() == want.result().tobytes()

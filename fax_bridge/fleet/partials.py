@@ -4,7 +4,8 @@ Devices build partials over their own clients with `runtime.aggregation.partial_
 send them with `to_message`; the coordinator reads them with `validate.check_partial`
 (which checks each leaf, then decodes it with `leaf_from_message`) and merges them in
 client order. `from_message` decodes a trusted message. Exact sums travel as their
-integer limbs, or as float64 values where those hold them exactly (`doubles`), so
+integer limbs, or as float64 values where those hold them exactly (`doubles`, with the
+few elements whose float64 sum would not be exact as limbs beside them, `spilled`), so
 nothing is rounded before the coordinator finishes the aggregate.
 """
 
@@ -37,37 +38,55 @@ ENUM_TO_KIND = {v: k for k, v in KIND_TO_ENUM.items()}
 # Wire form
 
 
+def _limbs_message(acc: ExactSum, out: pb.LeafPartial) -> None:
+    base, limbs, flags = acc.to_limbs()
+    out.base_limb = base
+    out.num_limbs = limbs.shape[0]
+    out.limbs = np.ascontiguousarray(limbs, "<i8").tobytes()
+    if flags is not None:
+        out.nonfinite = flags.tobytes()
+
+
 def _leaf_message(leaf, out: pb.LeafPartial) -> None:
     if isinstance(leaf, DoubleSum):
         out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
         out.doubles = np.ascontiguousarray(leaf.values, "<f8").tobytes()
+        if leaf.cols.size:
+            out.spilled = np.ascontiguousarray(leaf.cols, "<i8").tobytes()
+            _limbs_message(leaf.rest, out)
     elif isinstance(leaf, ExactSum):
-        base, limbs, flags = leaf.to_limbs()
         out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
-        out.base_limb = base
-        out.num_limbs = limbs.shape[0]
-        out.limbs = np.ascontiguousarray(limbs, "<i8").tobytes()
-        if flags is not None:
-            out.nonfinite = flags.tobytes()
+        _limbs_message(leaf, out)
     else:
         wire.encode_tensor(leaf, out.extreme)
 
 
 def leaf_from_message(kind: str, message: pb.LeafPartial, doubles: Optional[bytes] = None,
-                      limbs: bytes = b"", flags: bytes = b""):
+                      limbs: bytes = b"", flags: bytes = b"", spilled: bytes = b""):
     """One leaf of a partial: an extreme's array, a `DoubleSum` or an `ExactSum`.
-    `doubles`, `limbs`, `flags`: the leaf's bytes fields when the caller has read them
-    already (each read of a bytes field copies it); None reads them here."""
+    `doubles`, `limbs`, `flags`, `spilled`: the leaf's bytes fields when the caller has
+    read them already (each read of a bytes field copies it); None reads them here."""
     if kind in EXTREMES:
         return np.array(wire.decode_tensor(message.extreme))
     dtype = wire.dtype_from_name(message.dtype)
     shape = tuple(message.shape)
     if doubles is None:
         doubles, limbs, flags = message.doubles, message.limbs, message.nonfinite
+        spilled = message.spilled
     if doubles:  # read-only over the bytes: every merge makes new arrays
-        return DoubleSum(dtype, shape, np.frombuffer(doubles, "<f8"))
+        values = np.frombuffer(doubles, "<f8")
+        if not spilled:
+            return DoubleSum(dtype, shape, values)
+        cols = np.frombuffer(spilled, "<i8")
+        rest = _limbs_of(dtype, (cols.size,), message, limbs, flags)
+        return DoubleSum(dtype, shape, values, cols, rest)
+    return _limbs_of(dtype, shape, message, limbs, flags)
+
+
+def _limbs_of(dtype: np.dtype, shape: tuple, message: pb.LeafPartial, limbs: bytes,
+              flags: bytes) -> ExactSum:
     size = math.prod(shape)
     # Explicit sizes: an all-zero sum has no limbs, and (0, -1) is no valid shape.
     rows = np.frombuffer(limbs, "<i8").reshape((message.num_limbs, size))

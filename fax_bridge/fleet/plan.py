@@ -310,7 +310,8 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
     client part's result those indices select. Batched clients are aggregated from
     their stacked results (`client_map.map_clients_stacked`), others one by one; the
     partials are the same. `guard`: the caller's caps (`client_map.Guard`)."""
-    stacked = client_map.map_clients_stacked(fn, members, sent, key=key, guard=guard)
+    stacked = client_map.map_clients_stacked(fn, members, sent, key=key, guard=guard,
+                                             keep=False)
     if stacked is not None:
         def pick(index: int) -> list:
             return stacked.element(index)

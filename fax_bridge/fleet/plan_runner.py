@@ -23,6 +23,7 @@ from federated_language.common_libs import structure
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import partials, plan_server, put_messages, validate, wire
 from fax_bridge.fleet.plan import Plan
+from fax_bridge.fleet.pool import Serialized
 from fax_bridge.runtime import aggregation, population, values
 from fax_bridge.runtime.backend import as_numpy, from_leaves
 from fax_bridge.runtime.population import PopulationRef
@@ -81,20 +82,30 @@ class _Members(Sequence):
         return structure.Struct([(None, column[i]) for column in self._inputs])
 
 
-def _round_messages(head: pb.RoundRequest, messages: Iterator) -> Iterator[pb.RoundRequest]:
-    """`messages` (Put requests) as Round requests, the first of them `head` itself (its
-    broadcast is not copied again)."""
+def _round_messages(head: pb.RoundRequest, messages: Iterator,
+                    broadcast: Optional[tuple] = None) -> Iterator:
+    """`messages` (Put requests) as Round requests, the first of them `head` itself.
+    `broadcast`: (the head's `broadcast` field serialized, its payload bytes), made once
+    for every device and appended to the head's bytes (`Serialized`), so the broadcast
+    is neither copied into each device's head nor serialized again for it."""
     for put in messages:
+        first = head is not None
         message, head = (pb.RoundRequest() if head is None else head), None
         if put.HasField("from_store"):
             message.from_store.CopyFrom(put.from_store)
         else:
             message.values.extend(put.values)
-        yield message
+        if first and broadcast is not None:
+            yield Serialized(message.SerializeToString() + broadcast[0],
+                             put_messages.payload_bytes(message) + broadcast[1])
+        else:
+            yield message
 
 
-def _streams(backend, plan: Plan, inputs: list, layout, head_of) -> dict:
-    """Each device's request stream: its head, then its clients (made as gRPC asks)."""
+def _streams(backend, plan: Plan, inputs: list, layout, head_of,
+             broadcast: Optional[tuple] = None) -> dict:
+    """Each device's request stream: its head (with `broadcast`, see `_round_messages`),
+    then its clients (made as gRPC asks)."""
     out = {}
     if isinstance(inputs[0], PopulationRef):
         ref = inputs[0]
@@ -108,12 +119,13 @@ def _streams(backend, plan: Plan, inputs: list, layout, head_of) -> dict:
             reads = put_messages.store_reads(0, ids[clients.start:clients.stop],
                                              clients.start, type_bytes, keys, ref.name or "")
             out[index] = put_messages.stream(
-                _round_messages(head_of(index), iter(reads)), "Round")
+                _round_messages(head_of(index), iter(reads), broadcast), "Round")
         return out
     members = _Members(inputs)
     for index, clients in layout:
         puts = put_messages.client_values(0, clients, members, backend.message_bytes)
-        out[index] = put_messages.stream(_round_messages(head_of(index), puts), "Round")
+        out[index] = put_messages.stream(_round_messages(head_of(index), puts, broadcast),
+                                         "Round")
     return out
 
 
@@ -129,7 +141,10 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
     layout = backend.layout(n)
     devices = [d for d, _ in layout]
     key = backend.ensure_loaded(plan.client_part, devices, plan.client_part_hash)
-    broadcast = wire.to_message(sent)
+    encoded = wire.to_message(sent)
+    broadcast = (wire.message_field(pb.RoundRequest.BROADCAST_FIELD_NUMBER,
+                                    encoded.SerializeToString()), wire.payload_bytes(encoded))
+    del encoded  # only its bytes travel
     specs = []
     for agg in plan.aggregations:
         spec = pb.RoundAggregation(kind=partials.KIND_TO_ENUM[agg.kind],
@@ -147,11 +162,9 @@ def run_plan(backend, plan: Plan, arg: Any, param_type, result_type,
             mine = delays[clients.start:min(clients.stop, len(delays))]
             delay = float(mine.max()) if mine.size else 0.0
         longest = max(longest, delay)
-        head = pb.RoundRequest(computation_hash=key, aggregations=specs, delay_seconds=delay)
-        head.broadcast.CopyFrom(broadcast)
-        return head
+        return pb.RoundRequest(computation_hash=key, aggregations=specs, delay_seconds=delay)
 
-    streams = _streams(backend, plan, inputs, layout, head_of)
+    streams = _streams(backend, plan, inputs, layout, head_of, broadcast)
     answers = backend.call_each("Round", streams, timeout=backend.rpc_timeout_s + longest,
                                 once="RoundOnce")
     found, pending = [], []  # every answer is checked before any is merged

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
+import types
 from concurrent import futures
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import grpc
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
-from fax_bridge.fleet.protocol import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, grpc_options,
-                                      parse_address, wire_size)
+from fax_bridge.fleet.protocol import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, framed_size,
+                                      grpc_options, parse_address)
 from fax_bridge.v1 import device_pb2 as pb
-from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 
 # Status codes meaning "this device is gone or too slow", not "the request was wrong".
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -64,7 +65,7 @@ class Traffic:
 
 class _Device:
     def __init__(self, index: int, address: str, options: tuple,
-                 tls: Optional[security.TlsConfig]):
+                 tls: Optional[security.TlsConfig], count: Callable[[bool, int], None]):
         self.index = index
         self.address = address
         if tls is not None:
@@ -72,8 +73,44 @@ class _Device:
                                                options=options + tls.channel_options())
         else:
             self.channel = grpc.insecure_channel(address, options=options)
-        self.stub = pb_grpc.DeviceStub(self.channel)
+        self.stub = _counting_stub(self.channel, count)
         self.missing: set[str] = set()  # unary methods it answered UNIMPLEMENTED
+
+
+_UNCOUNTED = ("Health",)  # connection checks: no part of any round's traffic
+
+
+def _counting_stub(channel: grpc.Channel, count: Callable[[bool, int], None]) -> Any:
+    """A stub with the generated `DeviceStub`'s methods whose serializers report the
+    size of every message they handle (`count(down, serialized bytes)`): gRPC turns each
+    message into bytes once, so its size comes free, where `ByteSize` would serialize a
+    message (of up to a GiB) again. A request given as bytes is sent as it is (a
+    `RequestStream` serialized and counted it)."""
+    service = pb.DESCRIPTOR.services_by_name["Device"]
+    stub = types.SimpleNamespace()
+    calls = {(False, False): channel.unary_unary, (True, False): channel.stream_unary,
+             (False, True): channel.unary_stream, (True, True): channel.stream_stream}
+    for method in service.methods:
+        response_class = getattr(pb, method.output_type.name)
+        counted = method.name not in _UNCOUNTED
+
+        def serialize(message, counted=counted) -> bytes:
+            if isinstance(message, bytes):  # serialized and counted by a RequestStream
+                return message
+            data = message.SerializeToString()
+            if counted:
+                count(True, len(data))
+            return data
+
+        def deserialize(data: bytes, parse=response_class.FromString, counted=counted):
+            if counted:
+                count(False, len(data))
+            return parse(data)
+
+        setattr(stub, method.name, calls[(method.client_streaming, method.server_streaming)](
+            f"/{service.full_name}/{method.name}", request_serializer=serialize,
+            response_deserializer=deserialize, _registered_method=True))
+    return stub
 
 
 class _Done:
@@ -96,6 +133,15 @@ def _raise(error: Exception):
     raise error
 
 
+@dataclasses.dataclass(frozen=True)
+class Serialized:
+    """A request message already serialized (e.g. around a part shared by several
+    devices' requests, serialized once), with its payload bytes."""
+
+    data: bytes
+    payload: int
+
+
 class RequestStream:
     """The messages of one client-streaming call, made lazily and counted as they go.
 
@@ -105,7 +151,8 @@ class RequestStream:
     making one is kept in `error` and raised into gRPC, which cancels the call (the
     device keeps nothing), so the caller reports that error rather than the
     cancellation. `payload(message)` gives the array bytes inside a message (the rest
-    is protocol overhead).
+    is protocol overhead). The stream gives each message serialized (and counted), so
+    gRPC sends those bytes without serializing, or sizing, the message again.
     """
 
     def __init__(self, messages: Iterable, what: str,
@@ -115,6 +162,7 @@ class RequestStream:
         self._payload = payload
         self.bytes = 0
         self.payload = 0
+        self._resent_payload = 0  # the payload of the first message, for `count_again`
         self.messages = 0
         self.resent = 0  # calls made again (a unary call the device did not know)
         self.error: Optional[Exception] = None
@@ -132,9 +180,16 @@ class RequestStream:
                 f"{self._what}: cannot encode a client value ({type(e).__name__}: {e})")
             raise
         self.messages += 1
-        self.bytes += wire_size(message)
-        self.payload += self._payload(message)
-        return message
+        if isinstance(message, Serialized):
+            payload, data = message.payload, message.data
+        else:
+            payload = self._payload(message)
+            data = message.SerializeToString()  # gRPC sends these bytes as they are
+        if self.messages == 1:
+            self._resent_payload = payload
+        self.payload += payload
+        self.bytes += framed_size(len(data))
+        return data
 
     def head(self, count: int) -> list:
         """Up to `count` next messages (fewer: the stream ends); raises `error` when one
@@ -146,11 +201,12 @@ class RequestStream:
                 raise
             raise self.error from None
 
-    def count_again(self, message) -> None:
-        """Counts `message` sent once more, in a call of its own."""
+    def count_again(self, message: bytes) -> None:
+        """Counts the first message (as this stream gave it) sent once more, in a call of
+        its own."""
         self.resent += 1
-        self.bytes += wire_size(message)
-        self.payload += self._payload(message)
+        self.bytes += framed_size(len(message))
+        self.payload += self._resent_payload
 
 
 REFUSED_GRACE_S = 3.0  # how long a refused connection is retried before giving up
@@ -176,6 +232,7 @@ class DevicePool:
             raise FleetError(f"{type(self).__name__} needs at least one device address")
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.traffic = Traffic()
+        self._traffic_lock = threading.Lock()
         self._tls = tls
         self._options = grpc_options(max_message_bytes)
         self._metadata = security.call_metadata(token)
@@ -207,7 +264,7 @@ class DevicePool:
         if self._tls is None and not security.is_loopback(_host(address)):
             security.log.warning("device %s is reached without TLS: the fleet token and "
                                  "all values travel in clear text", address)
-        return _Device(index, address, self._options, self._tls)
+        return _Device(index, address, self._options, self._tls, self._count_message)
 
     def mark_lost(self, indices: Sequence[int]) -> None:
         """Stops placing clients on these devices (they died or missed a deadline)."""
@@ -314,10 +371,19 @@ class DevicePool:
                 for d in self._active]
 
     def _count(self, down=(), up=(), payload_down: int = 0, payload_up: int = 0) -> None:
-        self.traffic.bytes_down += sum(wire_size(m) for m in down)
-        self.traffic.bytes_up += sum(wire_size(m) for m in up)
+        """Adds payload bytes to `traffic` (the messages `down` and `up` themselves were
+        counted as gRPC serialized them, `_count_message`)."""
         self.traffic.payload_down += payload_down
         self.traffic.payload_up += payload_up
+
+    def _count_message(self, down: bool, serialized_bytes: int) -> None:
+        """Counts one message on the wire (called by gRPC's serializers, on any thread)."""
+        size = framed_size(serialized_bytes)
+        with self._traffic_lock:
+            if down:
+                self.traffic.bytes_down += size
+            else:
+                self.traffic.bytes_up += size
 
     def _fail(self, device: _Device, method: str, error: Exception,
               timeout_s: Optional[float] = None) -> FleetError:

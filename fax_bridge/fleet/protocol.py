@@ -45,8 +45,14 @@ GRPC_OPTIONS = grpc_options()
 
 
 def wire_size(message) -> int:
-    """Bytes a message takes on the wire: serialized form, gRPC prefix, HTTP/2 DATA frames."""
-    body = message.ByteSize() + GRPC_PREFIX_BYTES
+    """Bytes a message takes on the wire: serialized form, gRPC prefix, HTTP/2 DATA frames.
+    (`ByteSize` serializes the message: for one already serialized, `framed_size`.)"""
+    return framed_size(message.ByteSize())
+
+
+def framed_size(serialized_bytes: int) -> int:
+    """Bytes on the wire of a message whose serialized form has `serialized_bytes`."""
+    body = serialized_bytes + GRPC_PREFIX_BYTES
     return body + HTTP2_FRAME_BYTES * max(1, -(-body // HTTP2_FRAME_PAYLOAD))
 
 

@@ -21,12 +21,12 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import partials, wire
+from fax_bridge.fleet import wire
 from fax_bridge.runtime import double_sums, limits
 from fax_bridge.runtime.aggregation import EXTREMES, Partial
 from fax_bridge.runtime.float_bits import float_params
-from fax_bridge.runtime.exact import (LIMB_BITS, NEG_ZERO_FLAG, NONFINITE_FLAGS, TOP_LIMIT,
-                                      max_units)
+from fax_bridge.runtime.exact import (BLOCK_ELEMENTS, LIMB_BITS, NEG_ZERO_FLAG,
+                                      NONFINITE_FLAGS, TOP_LIMIT, ExactSum, max_units)
 from fax_bridge.v1 import device_pb2 as pb
 
 _FORGED = ("the device's answer is corrupt or forged; check that it runs this "
@@ -134,15 +134,31 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
         except ComputationError as e:
             raise FleetError(str(e)) from None
     size = math.prod(shape)
-    units, last, bounded = _honest(dtype, count)
+    units = _honest(dtype, count)[0]
     doubles = leaf.doubles  # read once: each read copies the bytes
     if doubles:
-        values = _doubles_of(leaf, doubles, dtype, fits, size, where)
+        spilled = leaf.spilled
+        values = _doubles_of(leaf, doubles, dtype, fits, size, where, bool(spilled))
         if pending is None:
             _check_double_values(values, dtype, units, where)
         else:
             pending.append((values, dtype, units, where))
-        return double_sums.DoubleSum(dtype, shape, values), len(doubles)
+        if not spilled:
+            return double_sums.DoubleSum(dtype, shape, values), len(doubles)
+        cols = _spilled_of(spilled, values, size, where)
+        rest, limb_bytes = _check_limbs_leaf(leaf, dtype, (cols.size,), where,
+                                             reject_nonfinite, count, None)
+        return (double_sums.DoubleSum(dtype, shape, values, cols, rest),
+                len(doubles) + len(spilled) + limb_bytes)
+    return _check_limbs_leaf(leaf, dtype, shape, where, reject_nonfinite, count, top)
+
+
+def _check_limbs_leaf(leaf: pb.LeafPartial, dtype: np.dtype, shape: tuple, where: str,
+                      reject_nonfinite: bool, count: int, top: Optional[int]) -> tuple:
+    """Checks the limbs of a sum of `shape` (the leaf's, or its spilled elements');
+    returns (the `ExactSum` they hold, their payload bytes)."""
+    size = math.prod(shape)
+    units, last, bounded = _honest(dtype, count)
     is_int = dtype.kind in "iu"
     num, base = leaf.num_limbs, leaf.base_limb
     if not (0 <= base <= last and 0 <= num <= last + 1 - base) or (is_int and num != 1):
@@ -166,19 +182,38 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
             _check_secure_sum(rows[0], count * top, where)
     if flag_bytes:
         _check_flags(np.frombuffer(flag_bytes, np.uint8), rows, where, reject_nonfinite)
-    return (partials.leaf_from_message("sum", leaf, doubles, data, flag_bytes),
-            len(data) + len(flag_bytes))
+    acc = ExactSum.from_limbs(dtype, shape, base, rows,
+                              np.frombuffer(flag_bytes, np.uint8) if flag_bytes else None)
+    return acc, len(data) + len(flag_bytes)
+
+
+def _spilled_of(data: bytes, values: np.ndarray, size: int, where: str) -> np.ndarray:
+    """The positions of a float64-form sum's spilled elements, once checked: ascending,
+    within the tensor, no more than a device spills, each one's value +0.0."""
+    count = len(data) // 8
+    if len(data) % 8 or not 0 < count <= double_sums.most_spilled(size):
+        raise FleetError(f"{where}: {len(data)} bytes of spilled positions for a sum of "
+                         f"{size} elements; devices send whole int64 positions, at most "
+                         f"{double_sums.most_spilled(size)}; {_FORGED}")
+    cols = np.frombuffer(data, "<i8")
+    at = values[np.clip(cols, 0, max(size - 1, 0))]
+    if int(cols[0]) < 0 or int(cols[-1]) >= size or (count > 1 and (
+            np.diff(cols) <= 0).any()) or at.any() or np.signbit(at).any():
+        raise FleetError(f"{where}: a partial sum's spilled positions are not ascending "
+                         f"positions within its {size} elements whose float64 values are "
+                         f"+0.0; {_FORGED}")
+    return cols
 
 
 def _doubles_of(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, fits: bool,
-                size: int, where: str) -> np.ndarray:
-    """A sum sent as float64 values (only for floats of at most 4 bytes, instead of the
-    limbs, one value per element; `fits`: whether `dtype` is one): those values, once the
-    form is checked."""
+                size: int, where: str, spilled: bool) -> np.ndarray:
+    """A sum sent as float64 values (only for floats of at most 4 bytes, one value per
+    element, with limbs only for `spilled` elements; `fits`: whether `dtype` is one):
+    those values, once the form is checked."""
     if not fits:
         raise FleetError(f"{where}: a {dtype} sum sent as float64 values; devices send "
                          f"those only for floats of at most 4 bytes; {_FORGED}")
-    if leaf.num_limbs or leaf.base_limb or leaf.limbs or leaf.nonfinite:
+    if not spilled and (leaf.num_limbs or leaf.base_limb or leaf.limbs or leaf.nonfinite):
         raise FleetError(f"{where}: a partial sum sent both as float64 values and as "
                          f"limbs; devices send one form; {_FORGED}")
     if len(data) != size * 8:
@@ -187,27 +222,54 @@ def _doubles_of(leaf: pb.LeafPartial, data: bytes, dtype: np.dtype, fits: bool,
     return np.frombuffer(data, "<f8")
 
 
+_MAGNITUDE = np.uint64((1 << 63) - 1)
+
+
 def _check_double_values(values: np.ndarray, dtype: np.dtype, units: int,
                          where: str) -> None:
     """Each value finite, a whole number of the dtype's smallest subnormal and at most
-    what the device's addends reach (`units` of them)."""
+    what the device's addends reach (`units` of them).
+
+    Works on the values' bits, a block at a time: positive float64 values order as
+    their bits do (NaN above infinity), so one maximum checks finiteness and the bound;
+    a value of at least 2^52 units is a whole number of them, so only values below that
+    (the smallest nonzero magnitude says whether there are any) are looked at one by one.
+    """
     emin_sub = float_params(dtype)[2]
-    with np.errstate(over="ignore", invalid="ignore"):
-        scaled = np.ldexp(values, -emin_sub)  # in units of the smallest subnormal
-        whole = np.isfinite(scaled) & (scaled == np.floor(scaled))
-    if not whole.all() or values.size and float(np.abs(scaled).max()) > float(units):
-        raise FleetError(f"{where}: a partial sum's float64 values are not finite whole "
-                         f"multiples of {dtype}'s smallest subnormal within what the "
-                         f"device's clients can add up to; {_FORGED}")
+    with np.errstate(over="ignore"):
+        limit = np.float64(math.ldexp(float(units), emin_sub)).view(np.uint64)
+    whole = np.float64(math.ldexp(1.0, emin_sub + 52)).view(np.uint64)
+    bits = values.view(np.uint64)
+    step = BLOCK_ELEMENTS
+    mag = np.empty(min(step, bits.size), np.uint64)
+    for lo in range(0, bits.size, step):
+        block = bits[lo:lo + step]
+        m = mag[:block.size]
+        np.bitwise_and(block, _MAGNITUDE, out=m)
+        ok = m.max() <= limit
+        np.subtract(m, np.uint64(1), out=m)  # zeros wrap to the top
+        if ok and m.min() < whole - np.uint64(1):  # a nonzero value below 2^52 units
+            small = values[lo:lo + step]
+            small = small[(np.abs(small) < np.float64(math.ldexp(1.0, emin_sub + 52)))]
+            scaled = np.ldexp(small, -emin_sub)  # in units of the smallest subnormal
+            ok = bool((scaled == np.floor(scaled)).all())
+        if not ok:
+            raise FleetError(f"{where}: a partial sum's float64 values are not finite "
+                             f"whole multiples of {dtype}'s smallest subnormal within what "
+                             f"the device's clients can add up to; {_FORGED}")
 
 
 def check_pending(pending: list) -> None:
     """`_check_double_values` of the leaves `check_partial` set aside, one set of array
-    operations per dtype and bound; a failing group is checked leaf by leaf, so the error
-    names the leaf."""
+    operations per dtype and bound for the small ones (large ones go alone: joining
+    would copy them); a failing group is checked leaf by leaf, so the error names the
+    leaf."""
     groups: dict = {}
     for entry in pending:
-        groups.setdefault(entry[1:3], []).append(entry)
+        if entry[0].size > BLOCK_ELEMENTS:
+            _check_double_values(*entry)
+        else:
+            groups.setdefault(entry[1:3], []).append(entry)
     for (dtype, units), entries in groups.items():
         if len(entries) > 1:
             try:

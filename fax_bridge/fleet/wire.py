@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 from federated_language.common_libs import structure
@@ -121,11 +122,26 @@ def decode_value(message: pb.Value, depth: int = 0) -> LocalValue:
                      "left it empty")
 
 
+def message_field(number: int, body: bytes) -> bytes:
+    """Field `number` holding a message serialized as `body`, as protobuf writes it:
+    appended to a serialized message without that field, it sets the field."""
+    head, size = [(number << 3) | 2], len(body)
+    while True:
+        byte, size = size & 0x7F, size >> 7
+        head.append(byte | (0x80 if size else 0))
+        if not size:
+            return bytes(head) + body
+
+
 def payload_bytes(message: pb.Value) -> int:
-    """Bytes of tensor data inside a `Value` (what the message carries, without framing)."""
+    """Bytes of tensor data inside a `Value` (what the message carries, without framing),
+    from each tensor's dtype and shape: reading the data field would copy it. For a
+    message `decode_value` accepts (or one made by `encode_value`), that is the data's
+    length."""
     kind = message.WhichOneof("kind")
     if kind == "tensor":
-        return len(message.tensor.data)
+        tensor = message.tensor
+        return math.prod(tensor.shape) * dtype_from_name(tensor.dtype).itemsize
     if kind == "struct":
         return sum(payload_bytes(e.value) for e in message.struct.elements)
     return 0

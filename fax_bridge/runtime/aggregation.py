@@ -38,7 +38,8 @@ import numpy as np
 from fax_bridge.errors import AggregationError, WeightError
 from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
-from fax_bridge.runtime.double_sums import Sum, merged_all, results, sums_of
+from fax_bridge.runtime.double_sums import (Sum, merged_all, results, sums_of,
+                                           weighted_sums_of)
 
 KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth", "secure_sum")
 SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
@@ -240,16 +241,8 @@ def _partial(kind: str, columns: list, count: int, w: Optional[np.ndarray],
     refusal = weights_refusal(float(w.min()), False)  # each client's, where it is held
     if refusal:
         raise WeightError(refusal)
-    products, cast = [], {}  # cast: the weights in each value dtype, made once
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # as jit does
-        for c in columns:
-            if c.dtype not in cast:
-                cast[c.dtype] = w.astype(c.dtype)
-            by = cast[c.dtype].reshape((-1,) + (1,) * (c.ndim - 1))
-            # each product rounded to the value's dtype
-            products.append(np.multiply(c, by, out=c if fresh else None))
-    columns = products
-    *partial.leaves, partial.weights = sums_of([*columns, w])  # added together
+    # each product rounded to the value's dtype, summed with the weights' sum
+    *partial.leaves, partial.weights = weighted_sums_of(columns, w, overwrite=fresh)
     return partial
 
 

@@ -96,6 +96,13 @@ class Stacked:
     columns: list   # each result leaf, [count, *shape]
     count: int
 
+    def rows(self) -> Sequence:
+        """The clients' results kept stacked (a `ClientRows`: client i's made when asked
+        for), or `members()` when the result has no tensors."""
+        if not self.columns:
+            return self.members()
+        return ClientRows(_build(self.tree, iter(self.columns)))
+
     def members(self) -> list:
         """One result per client, as `map_clients` returns them."""
         rows = zip(*self.columns) if self.columns else ([] for _ in range(self.count))
@@ -155,20 +162,25 @@ def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
 
 def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[LocalValue],
                         shared: Any = NO_SHARED, *, key: Optional[str] = None,
-                        guard: Optional[Guard] = None) -> Optional[Stacked]:
+                        guard: Optional[Guard] = None, keep: bool = True
+                        ) -> Optional[Stacked]:
     """`map_clients` for callers that take the results as columns (an aggregation):
     the batched run's results, never split per client; None when there are no clients
-    or they run one at a time (then `map_clients` gives their results)."""
+    or they run one at a time (then `map_clients` gives their results). `keep=False`:
+    the caller reads the results once and drops them, so they may stay read-only views
+    of XLA's output (no copy of what may be gigabytes)."""
     if not members:
         return None
     batch = _layouts(members, shared)
     if batch is None:
         return None
     rows = bucket(min(len(members), MAX_ROWS))
-    plan = _plan(fn, key, *batch[:2], rows)
+    shared_tree, member_tree, shared_leaves, source = batch
+    plan = _plan(fn, key, shared_tree, member_tree, rows, source.fixed)
     if plan is None:
         return None
-    return _run_batched(plan, rows, *batch[2:], guard)
+    return _run_batched(plan, rows, shared_leaves + source.fixed_leaves(), source, guard,
+                        keep)
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,24 +266,44 @@ def _layouts(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
             return None
         member_tree = tree
         columns.append(leaves)
-    return shared_tree, member_tree, shared_leaves, _Source(None, columns)
+    return shared_tree, member_tree, shared_leaves, _Source(None, columns, _fixed(columns))
+
+
+def _fixed(columns: list) -> Optional[tuple]:
+    """Which leaves are the very same array in every member (a broadcast value zipped
+    into each client's member), or None when none is or all are: those run as shared
+    inputs of the batched call, not stacked once per client."""
+    if len(columns) < 2:
+        return None
+    first = columns[0]
+    fixed = tuple(all(c[j] is first[j] for c in columns[1:]) for j in range(len(first)))
+    return fixed if any(fixed) and not all(fixed) else None
 
 
 class _Source:
     """The members' leaves, a bucket of rows at a time: `stacked` (clients on axis 0,
     from `ClientRows`: sliced, no copy) or `columns` (each member's leaves: stacked per call,
-    so at most one call's rows are copied at once). Padding rows repeat the first."""
+    so at most one call's rows are copied at once). Padding rows repeat the first.
+    `fixed`: which of the members' leaves are one array shared by all (`_fixed`); they
+    are not stacked, the call takes them once (`fixed_leaves`)."""
 
-    def __init__(self, stacked: Optional[list], columns: Optional[list]):
-        self.stacked, self.columns = stacked, columns
+    def __init__(self, stacked: Optional[list], columns: Optional[list],
+                 fixed: Optional[tuple] = None):
+        self.stacked, self.columns, self.fixed = stacked, columns, fixed
         self.count = int(stacked[0].shape[0]) if stacked is not None else len(columns)
+
+    def fixed_leaves(self) -> list:
+        if self.fixed is None:
+            return []
+        return [leaf for leaf, f in zip(self.columns[0], self.fixed) if f]
 
     def chunk(self, start: int, rows: int) -> list:
         stop = min(start + rows, self.count)
         if self.stacked is None:
             part = self.columns[start:stop]
             part = part + [part[0]] * (rows - len(part))
-            return [np.stack([c[j] for c in part]) for j in range(len(part[0]))]
+            return [np.stack([c[j] for c in part]) for j in range(len(part[0]))
+                    if self.fixed is None or not self.fixed[j]]
         out = []
         for leaf in self.stacked:
             leaf = leaf[start:stop]
@@ -281,29 +313,38 @@ class _Source:
         return out
 
 
-def _plan(fn, key, shared_tree, member_tree, rows: int) -> Optional[_Batched]:
-    """The batched executable for this layout and bucket, compiled on first use; None
-    when this computation or layout runs per client."""
-    cache_key = (key or local_eval.content_hash(fn), shared_tree, member_tree, rows)
+def _plan(fn, key, shared_tree, member_tree, rows: int,
+          fixed: Optional[tuple] = None) -> Optional[_Batched]:
+    """The batched executable for this layout and bucket (and `fixed` member leaves),
+    compiled on first use; None when this computation or layout runs per client."""
+    cache_key = (key or local_eval.content_hash(fn), shared_tree, member_tree, rows, fixed)
     with _lock:
         if cache_key in _batched:
             return _batched[cache_key]
     try:
-        plan = _compile(local_eval.compile_local(fn), shared_tree, member_tree, rows)
+        plan = _compile(local_eval.compile_local(fn), shared_tree, member_tree, rows, fixed)
     except Exception:  # what the trace refuses runs per client, which names the problem
         plan = None
     with _lock:
         return _batched.setdefault(cache_key, plan)
 
 
-def _compile(compiled, shared_tree, member_tree, rows: int) -> _Batched:
+def _compile(compiled, shared_tree, member_tree, rows: int,
+             fixed: Optional[tuple] = None) -> _Batched:
+    """The batched executable: (shared leaves, then the `fixed` member leaves; the other
+    member leaves stacked over `rows`; count) -> the results stacked over `rows`."""
     found: dict = {}
+    num_fixed = sum(fixed) if fixed else 0
 
     def batched(shared_leaves, member_leaves, count):
+        cut = len(shared_leaves) - num_fixed
         shared = (NO_SHARED if shared_tree is None
-                  else _build(shared_tree, iter(shared_leaves)))
+                  else _build(shared_tree, iter(shared_leaves[:cut])))
 
         def one(row):
+            if fixed:
+                given, stacked = iter(shared_leaves[cut:]), iter(row)
+                row = [next(given) if f else next(stacked) for f in fixed]
             member = _build(member_tree, iter(row))
             arg = member if shared is NO_SHARED else structure.Struct(
                 [(None, shared), (None, member)])
@@ -331,15 +372,18 @@ def _compile(compiled, shared_tree, member_tree, rows: int) -> _Batched:
         shape = (rows, *tree[1]) if stacked else tree[1]
         return [jax.ShapeDtypeStruct(shape, np.dtype(tree[2]))]
 
-    lowered = jax.jit(batched).lower(avals(shared_tree, False), avals(member_tree, True),
-                                     jax.ShapeDtypeStruct((), np.int32))
+    shared_in, member_in = avals(shared_tree, False), avals(member_tree, True)
+    if fixed:
+        shared_in += [a for a, f in zip(avals(member_tree, False), fixed) if f]
+        member_in = [a for a, f in zip(member_in, fixed) if not f]
+    lowered = jax.jit(batched).lower(shared_in, member_in, jax.ShapeDtypeStruct((), np.int32))
     specs = tuple((tuple(a.shape[1:]), np.dtype(a.dtype))
                   for a in jax.tree_util.tree_leaves(lowered.out_info))
     return _Batched(lowered.compile(), found["tree"], specs)
 
 
 def _run_batched(plan: _Batched, rows: int, shared_leaves: list, source: _Source,
-                 guard: Optional[Guard]) -> Stacked:
+                 guard: Optional[Guard], keep: bool = True) -> Stacked:
     """Runs the clients `rows` at a time (one call for cohorts up to `MAX_ROWS`)."""
     count = source.count
     if guard is not None:
@@ -353,8 +397,10 @@ def _run_batched(plan: _Batched, rows: int, shared_leaves: list, source: _Source
             guard.tick()
         try:
             outs = plan.run(shared_leaves, chunk, np.int32(size))
-            # Copied: no XLA buffer stays alive behind a client's result.
-            chunks.append([np.array(np.asarray(o)[:size]) for o in outs])
+            # Copied when kept: no XLA buffer (with its padding rows) stays alive
+            # behind a client's result.
+            chunks.append([np.array(np.asarray(o)[:size]) if keep else np.asarray(o)[:size]
+                           for o in outs])
         except Exception as e:
             raise ComputationError(f"XLA execution failed: {e}") from e
     if guard is not None:

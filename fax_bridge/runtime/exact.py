@@ -403,6 +403,18 @@ class ExactSum:
         return acc
 
 
+    def placed(self, shape: tuple[int, ...], cols: np.ndarray) -> "ExactSum":
+        """A float accumulator of `shape` holding this one's elements at the flat
+        positions `cols` (one per element, distinct) and no addends elsewhere."""
+        out = ExactSum(self.dtype, shape)
+        for flag in ("nan", "pos_inf", "neg_inf", "neg_zero"):
+            getattr(out, flag)[cols] = getattr(self, flag)
+        if self.limbs.shape[0]:
+            out.base = self.base
+            out.limbs = np.zeros((self.limbs.shape[0], out.size), np.int64)
+            out.limbs[:, cols] = self.limbs
+        return out
+
     @classmethod
     def from_doubles(cls, dtype: np.dtype, shape: tuple[int, ...],
                      values: np.ndarray) -> "ExactSum":

@@ -1,9 +1,10 @@
 """A `ClientsBackend` that keeps every client's value in this process.
 
-Client values are held as a list of local values, one per client; a map runs the local
+Client values are held as a list of local values, one per client, or kept stacked (a
+`ClientRows`: a CLIENTS argument, a batched map's results); a map runs the local
 computation over them with `client_map` (one XLA call where it can) and an aggregation
-reduces the list with `aggregation` (exact sums), so results have the same bits as on a
-fleet. This is the
+reduces them with `aggregation` (exact sums; stacked ones as the columns they are), so
+results have the same bits as on a fleet. This is the
 reference backend the gRPC one is compared with.
 """
 
@@ -18,7 +19,12 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError, DataError
 from fax_bridge.runtime import aggregation, client_map, population
-from fax_bridge.runtime.backend import ClientsBackend, ClientsValue, LocalValue, as_numpy
+from fax_bridge.runtime.backend import (ClientRows, ClientsBackend, ClientsValue, LocalValue,
+                                       as_numpy, leaves, unflatten_like)
+
+# Aggregations that take the clients' tensors stacked (the secure sums check each
+# client's member against their bound: they go member by member).
+_BY_COLUMNS = ("sum", "mean", "weighted_mean", "min", "max")
 
 
 class LocalClientsValue(ClientsValue):
@@ -38,6 +44,24 @@ class LocalClientsValue(ClientsValue):
 
     def __repr__(self) -> str:
         return f"LocalClientsValue({self._type}, {len(self.members)} clients)"
+
+
+def _weight_column(weights: Optional[Sequence[LocalValue]], count: int) -> Optional[list]:
+    """`[the clients' weights stacked]` when there is one scalar tensor per client (the
+    stacked column itself for `ClientRows`), else None (the members' path says what is
+    wrong)."""
+    if weights is None or len(weights) != count:
+        return None
+    if isinstance(weights, ClientRows):
+        columns = weights.columns
+    else:
+        flat = [leaves(x) for x in weights]
+        if any(len(f) != 1 for f in flat):
+            return None
+        columns = [np.stack([f[0].reshape(-1) for f in flat])]
+    if len(columns) != 1 or columns[0].size != count:
+        return None
+    return list(columns)
 
 
 def _members(value: ClientsValue) -> list[LocalValue]:
@@ -93,8 +117,12 @@ class LocalClientsBackend(ClientsBackend):
 
     def map(self, fn: computation_pb2.Computation, fn_type: federated_language.FunctionType,
             arg: ClientsValue) -> LocalClientsValue:
-        out = client_map.map_clients(fn, _members(arg),
-                                     no_argument=fn_type.parameter is None)
+        members = _members(arg)
+        if fn_type.parameter is not None and members:  # results kept stacked
+            stacked = client_map.map_clients_stacked(fn, members)
+            if stacked is not None:
+                return LocalClientsValue(fn_type.result, stacked.rows())
+        out = client_map.map_clients(fn, members, no_argument=fn_type.parameter is None)
         return LocalClientsValue(fn_type.result, out)
 
     def zip(self, values: Sequence[ClientsValue],
@@ -115,8 +143,16 @@ class LocalClientsBackend(ClientsBackend):
     def aggregate(self, value: ClientsValue, kind: str,
                   weights: Optional[ClientsValue] = None,
                   bitwidth: Optional[LocalValue] = None) -> LocalValue:
+        members = _members(value)
         w = None if weights is None else _members(weights)
-        return aggregation.reduce(kind, _members(value), w, bitwidth)
+        w_columns = _weight_column(w, len(members))
+        if isinstance(members, ClientRows) and len(members) and kind in _BY_COLUMNS and (
+                w is None or w_columns is not None):
+            # The clients' tensors as they are stacked: no split, no restack.
+            partial = aggregation.partial_of_columns(kind, members.columns, len(members),
+                                                     w_columns)
+            return unflatten_like(members.stacked, aggregation.finish(partial))
+        return aggregation.reduce(kind, members, w, bitwidth)
 
     def get(self, value: ClientsValue) -> list[LocalValue]:
         return list(_members(value))

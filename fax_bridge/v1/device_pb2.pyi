@@ -209,7 +209,7 @@ class ZipResponse(_message.Message):
     def __init__(self, num_clients: _Optional[int] = ...) -> None: ...
 
 class LeafPartial(_message.Message):
-    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme", "nonfinite", "doubles")
+    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme", "nonfinite", "doubles", "spilled")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BASE_LIMB_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class LeafPartial(_message.Message):
     EXTREME_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_FIELD_NUMBER: _ClassVar[int]
     DOUBLES_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     base_limb: int
@@ -226,7 +227,8 @@ class LeafPartial(_message.Message):
     extreme: Tensor
     nonfinite: bytes
     doubles: bytes
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bytes] = ..., doubles: _Optional[bytes] = ...) -> None: ...
+    spilled: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bytes] = ..., doubles: _Optional[bytes] = ..., spilled: _Optional[bytes] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
     __slots__ = ("value", "kind", "weights", "bitwidth")

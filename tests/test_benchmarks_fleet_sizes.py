@@ -1,0 +1,35 @@
+"""Smoke test of benchmarks/fleet_sizes.py: every path runs one small round and reports
+its figures (no timing assertions)."""
+
+import importlib.util
+import math
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location(
+        "fleet_sizes", ROOT / "benchmarks" / "fleet_sizes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sizes_parse_and_every_path_reports(capsys):
+    sizes = _module()
+    assert [sizes.parse_count(t) for t in ("100k", "4M", "2500", "1.5k")] == [
+        100_000, 4_000_000, 2500, 1500]
+    rows = [sizes.measure(path, 2500, 1, 1, None) for path in ("jit", "runtime", "fleet")]
+    for row in rows:
+        assert row["params"] == 2500 and row["d"] == 50
+        assert row["seconds"] > 0 and math.isfinite(row["cpu_seconds"])
+        assert row["peak_rss_mb"] > 0
+    fleet = rows[2]
+    # Up: each device's float64 partial sums (8 bytes a parameter) and framing.
+    assert 8 <= fleet["up_bytes_per_param_per_device"] < 9
+    assert fleet["payload_up"] == 8 * 2500 + 8  # the model's sums and the weights' sum
+    assert len(fleet["device_peak_rss_mb"]) == 1
+    sizes._print(rows)
+    table = capsys.readouterr().out
+    assert "| 2,500 |" in table and "fleet/jit" in table
