@@ -164,44 +164,14 @@ def _aggregate_abstract_eval(x, *, clients, axis, mesh, name):
     return _unplaced(x)
 
 
-def clients_sum(x, weights=None):
-    """The sum over the leading (clients) axis of `x`, each member scaled by its weight
-    when `weights` (shape a prefix of `x.shape`) is given.
-
-    Floating-point sums are a dot product contracting the leading axis with a vector of
-    ones or of the weights (batched over any further weight dimensions): XLA's CPU
-    backend compiles a reduction over a leading axis into a fusion that is 10-500x slower
-    than a dot on large members, and the dot is what hand-written `jnp.tensordot(w, x, 1)`
-    compiles to. The dot adds members in another order than the reduction did, so float
-    results may differ from a reduction's in the last bits. Integer sums stay reductions
-    (exact, and fast there).
-    """
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        if weights is not None:
-            x = _expand_weights(weights, x).astype(x.dtype) * x
-        return jnp.sum(x, axis=0, dtype=x.dtype)
-    w = jnp.ones(x.shape[:1], x.dtype) if weights is None else weights.astype(x.dtype)
-    batch = tuple(range(1, w.ndim))
-    out_sharding = None
-    aval = core.typeof(x)
-    spec = _spec_of(aval)
-    if any(d is not None for d in spec):  # sharded over Explicit mesh axes: the weights
-        # take the value's layout, and the result keeps the sharding of the other dims
-        out_sharding = aval.sharding.update(spec=PartitionSpec(*spec[1:]))
-        w = jax.sharding.reshard(w, PartitionSpec(*spec[:w.ndim]))
-    return lax.dot_general(w, x, (((0,), (0,)), (batch, batch)),
-                           precision=lax.Precision.HIGHEST, preferred_element_type=x.dtype,
-                           out_sharding=out_sharding)
-
-
 def _sum_impl(x, *, clients, axis, mesh):
     del clients, axis, mesh
-    return clients_sum(x)
+    return _lowering.clients_sum(x)
 
 
 def _mean_impl(x, *, clients, axis, mesh):
     del axis, mesh
-    return (clients_sum(x) / clients).astype(x.dtype)
+    return (_lowering.clients_sum(x) / clients).astype(x.dtype)
 
 
 def _sum_transpose(ct, x, **params):
@@ -244,8 +214,8 @@ def _expand_weights(w, x):
 
 def _weighted_mean_impl(x, w, *, clients, axis, mesh):
     del clients, axis, mesh
-    total = clients_sum(w).astype(x.dtype)
-    num = clients_sum(x, w)
+    total = _lowering.clients_sum(w).astype(x.dtype)
+    num = _lowering.clients_sum(x, w)
     return num / lax.expand_dims(total, tuple(range(total.ndim, num.ndim)))
 
 
@@ -588,7 +558,7 @@ def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
     del name
     args = [_local.place_leading(a, axis, mesh) for a in args]
     decoded = jax.vmap(partial(_lowering.eval_implemented, jaxpr), axis_size=clients)(*args)
-    return [clients_sum(d) for d in decoded]
+    return [_lowering.clients_sum(d) for d in decoded]
 
 
 federated_decode_sum_p.def_abstract_eval(_decode_sum_abstract_eval)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge import primitives as P
+from fax_bridge import lowering
 
 FLOATS = {np.float32: 2e-6, jnp.bfloat16: 2e-2, np.float16: 2e-3}
 
@@ -118,7 +118,7 @@ def test_gradients_through_the_dot_lowering():
 def test_clients_sum_is_the_shared_helper():
     """federated_sum, mean and weighted mean all use `clients_sum`."""
     x = jnp.arange(12.0).reshape(3, 4)
-    np.testing.assert_array_equal(P.clients_sum(x), [12.0, 15.0, 18.0, 21.0])
-    np.testing.assert_array_equal(P.clients_sum(x, jnp.array([1.0, 0.0, 2.0])),
+    np.testing.assert_array_equal(lowering.clients_sum(x), [12.0, 15.0, 18.0, 21.0])
+    np.testing.assert_array_equal(lowering.clients_sum(x, jnp.array([1.0, 0.0, 2.0])),
                                   [16.0, 19.0, 22.0, 25.0])
-    np.testing.assert_array_equal(P.clients_sum(x.astype(jnp.int32)), [12, 15, 18, 21])
+    np.testing.assert_array_equal(lowering.clients_sum(x.astype(jnp.int32)), [12, 15, 18, 21])
