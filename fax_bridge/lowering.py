@@ -7,7 +7,7 @@ lowering traces. The map lowering evaluates a per-member jaxpr with nested feder
 equations run as those functions (`eval_implemented`), so the `vmap` around it reaches
 their sharding constraints (`spmd_axis_name` composes nested placements). A map operand
 that is a broadcast of one value (`broadcast_source`) is passed unbatched. Sums over a
-placed axis are one dot over it (`clients_sum`).
+placed axis are one dot over it off a mesh (`clients_sum`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def eval_implemented(jaxpr: core.ClosedJaxpr, *args):
     return [read(v) for v in jaxpr.jaxpr.outvars]
 
 
-def clients_sum(x, weights=None):
+def clients_sum(x, weights=None, *, reduce: bool = False):
     """The sum over the leading (clients) axis of `x`, each member scaled by its weight
     when `weights` (shape a prefix of `x.shape`) is given.
 
@@ -70,10 +70,14 @@ def clients_sum(x, weights=None):
     backend compiles a reduction over a leading axis into a fusion that is 10-500x slower
     than a dot on large members, and the dot is what hand-written `jnp.tensordot(w, x, 1)`
     compiles to. The dot adds members in another order than the reduction did, so float
-    results may differ from a reduction's in the last bits. Integer sums stay reductions
-    (exact, and fast there).
+    results may differ from a reduction's in the last bits.
+
+    Integer sums stay reductions (exact, and fast there), and so does every sum with
+    `reduce=True`, which federated operations placed over a mesh pass: there XLA fuses
+    the reduction with the computation of its operand, which a dot does not, so each
+    device's memory stays what it was (a dot would hold every local client's value).
     """
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+    if reduce or not jnp.issubdtype(x.dtype, jnp.floating):
         if weights is not None:
             x = lax.expand_dims(weights, tuple(range(weights.ndim, x.ndim))).astype(x.dtype) * x
         return jnp.sum(x, axis=0, dtype=x.dtype)

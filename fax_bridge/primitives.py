@@ -165,13 +165,13 @@ def _aggregate_abstract_eval(x, *, clients, axis, mesh, name):
 
 
 def _sum_impl(x, *, clients, axis, mesh):
-    del clients, axis, mesh
-    return _lowering.clients_sum(x)
+    del clients, axis
+    return _lowering.clients_sum(x, reduce=mesh is not None)
 
 
 def _mean_impl(x, *, clients, axis, mesh):
-    del axis, mesh
-    return (_lowering.clients_sum(x) / clients).astype(x.dtype)
+    del axis
+    return (_lowering.clients_sum(x, reduce=mesh is not None) / clients).astype(x.dtype)
 
 
 def _sum_transpose(ct, x, **params):
@@ -213,9 +213,9 @@ def _expand_weights(w, x):
 
 
 def _weighted_mean_impl(x, w, *, clients, axis, mesh):
-    del clients, axis, mesh
-    total = _lowering.clients_sum(w).astype(x.dtype)
-    num = _lowering.clients_sum(x, w)
+    del clients, axis
+    total = _lowering.clients_sum(w, reduce=mesh is not None).astype(x.dtype)
+    num = _lowering.clients_sum(x, w, reduce=mesh is not None)
     return num / lax.expand_dims(total, tuple(range(total.ndim, num.ndim)))
 
 
@@ -558,7 +558,7 @@ def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
     del name
     args = [_local.place_leading(a, axis, mesh) for a in args]
     decoded = jax.vmap(partial(_lowering.eval_implemented, jaxpr), axis_size=clients)(*args)
-    return [_lowering.clients_sum(d) for d in decoded]
+    return [_lowering.clients_sum(d, reduce=mesh is not None) for d in decoded]
 
 
 federated_decode_sum_p.def_abstract_eval(_decode_sum_abstract_eval)
