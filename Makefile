@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test demo protos tff-venv tff-check forms-check fuzz bench bench-scaling clean
+.PHONY: venv test demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-sizes clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,12 @@ bench: $(STAMP)
 
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --both --out out/scaling.json
+
+# One FedAvg round per model size (four models, 10k to 10M parameters, four aggregations):
+# fax_bridge under jax.jit against hand-written jit(vmap) and DrJAX 0.2.1; a table,
+# out/model_sizes.json and the plot docs/img/model_sizes.png (`--quick`: smallest sizes).
+bench-sizes: $(STAMP)
+	$(PY) benchmarks/model_sizes.py --json out/model_sizes.json --plot docs/img/model_sizes.png
 
 clean:
 	rm -rf $(VENV) .venv-tff build *.egg-info .pytest_cache out

@@ -26,7 +26,7 @@ def _program(clients, kind):
     return f
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(clients=st.integers(1, 40), member=st.lists(st.integers(1, 5), max_size=3),
        dtype=st.sampled_from(list(FLOATS)), kind=st.sampled_from(["sum", "mean", "weighted"]),
        weights=st.sampled_from(["client", "elementwise"]), seed=st.integers(0, 2 ** 16))
@@ -52,7 +52,7 @@ def test_float_aggregates_match_float64_reference(clients, member, dtype, kind, 
     assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 4 * tol), (got, want)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(clients=st.integers(1, 30), member=st.lists(st.integers(1, 4), max_size=2),
        dtype=st.sampled_from([np.int32, np.int8, np.uint8]), seed=st.integers(0, 2 ** 16))
 def test_integer_sums_are_exact(clients, member, dtype, seed):
