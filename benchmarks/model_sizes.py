@@ -389,8 +389,11 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 4.2), sharey=True,
+    cols = 2 if len(kinds) > 2 else len(kinds)
+    rows_n = -(-len(kinds) // cols)
+    fig, grid = plt.subplots(rows_n, cols, figsize=(5.5 * cols, 4.4 * rows_n), sharey=True,
                              squeeze=False)
+    axes = [list(grid.flat)]
     colors = {"linear": "C0", "mlp": "C1", "cnn": "C2", "lm": "C3"}
     styles = {"fax_bridge": ("-", "o"), "hand": ("--", "s"), "drjax": (":", "^")}
     for ax, kind in zip(axes[0], kinds):
@@ -409,7 +412,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
         ax.set_title(f"aggregation: {kind}")
         ax.set_xlabel("parameters")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("round time (s, median)")
+    for ax in grid[:, 0]:
+        ax.set_ylabel("round time (s, median)")
     axes[0][-1].legend(fontsize=6, ncol=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
