@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-flower clean
+.PHONY: venv test demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes clean
 
 venv: $(STAMP)
 
@@ -61,6 +61,12 @@ bench-scaling: $(STAMP)
 # warm workers against ClientApps computing in their own processes (docs/flower.md).
 bench-flower: $(STAMP)
 	$(PY) benchmarks/flower_rounds.py --rounds 5 --json out/bench/flower_rounds.json
+
+# One FedAvg round per model size (four models, 10k to 10M parameters, four aggregations):
+# fax_bridge under jax.jit against hand-written jit(vmap) and DrJAX 0.2.1; a table,
+# out/model_sizes.json and the plot docs/img/model_sizes.png (`--quick`: smallest sizes).
+bench-sizes: $(STAMP)
+	$(PY) benchmarks/model_sizes.py --json out/model_sizes.json --plot docs/img/model_sizes.png
 
 clean:
 	rm -rf $(VENV) .venv-tff build *.egg-info .pytest_cache out

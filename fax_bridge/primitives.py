@@ -170,13 +170,13 @@ def _aggregate_abstract_eval(x, *, clients, axis, mesh, name):
 
 
 def _sum_impl(x, *, clients, axis, mesh):
-    del clients, axis, mesh
-    return jnp.sum(x, axis=0, dtype=x.dtype)
+    del clients, axis
+    return _lowering.clients_sum(x, reduce=mesh is not None)
 
 
 def _mean_impl(x, *, clients, axis, mesh):
-    del axis, mesh
-    return (jnp.sum(x, axis=0, dtype=x.dtype) / clients).astype(x.dtype)
+    del axis
+    return (_lowering.clients_sum(x, reduce=mesh is not None) / clients).astype(x.dtype)
 
 
 def _sum_transpose(ct, x, **params):
@@ -224,10 +224,9 @@ def _expand_weights(w, x):
 
 
 def _weighted_mean_impl(x, w, *, clients, axis, mesh):
-    del clients, axis, mesh
-    wx = _expand_weights(w, x).astype(x.dtype)
-    total = jnp.sum(w, axis=0).astype(x.dtype)
-    num = jnp.sum(wx * x, axis=0)
+    del clients, axis
+    total = _lowering.clients_sum(w, reduce=mesh is not None).astype(x.dtype)
+    num = _lowering.clients_sum(x, w, reduce=mesh is not None)
     return num / lax.expand_dims(total, tuple(range(total.ndim, num.ndim)))
 
 
@@ -574,7 +573,7 @@ def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
     del name
     args = [_local.place_leading(a, axis, mesh) for a in args]
     decoded = jax.vmap(partial(_lowering.eval_implemented, jaxpr), axis_size=clients)(*args)
-    return [jnp.sum(d, axis=0, dtype=d.dtype) for d in decoded]
+    return [_lowering.clients_sum(d, reduce=mesh is not None) for d in decoded]
 
 
 federated_decode_sum_p.def_abstract_eval(_decode_sum_abstract_eval)

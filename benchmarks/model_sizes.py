@@ -1,0 +1,505 @@
+"""Round time against model size: fax_bridge's local path, hand-written jit(vmap), DrJAX.
+
+Four models, each at a few sizes from about 10k to 10M parameters:
+
+- `linear`: `w: [d, d]`, squared error on `[batch, d]` inputs;
+- `mlp`: 784 -> h -> h -> 10, softmax cross-entropy;
+- `cnn`: EMNIST-sized, 28x28x1 inputs, conv 3x3 (c1) -> conv 3x3 (c2) -> 2x2 max pool ->
+  dense k -> 62 classes (c1, c2, k = 32, 64, 128 is TFF's EMNIST CNN, 1.2M parameters);
+- `lm`: a decoder-only transformer language model (vocabulary V, width d, L layers, four
+  heads, 16 tokens per sequence), next-token cross-entropy.
+
+For each size and each aggregation (`sum`: the server adds the mean of the summed client
+deltas; `mean`; `weighted`: one weight per client, its example count; `elementwise`: one
+weight per parameter, count * (1 + g**2)), one FedAvg-style round (broadcast, one local
+SGD step on every client, aggregate) runs as:
+
+- `fax_bridge`: a `@fax_bridge.program` under `jax.jit`;
+- `hand`: `jax.jit` of `jax.vmap` with the sums written as `jnp.tensordot`, the fastest
+  hand-written form on XLA's CPU backend;
+- `drjax`: the same program in DrJAX 0.2.1 (`drjax.program`, `map_fn`, `reduce_*`);
+- with `--paths runtime fleet`, also the exported proto run by
+  `fax_bridge.runtime.run_computation` and by a `LocalFleet(devices=2)`.
+
+Times are medians of `--repeats` samples after a warm-up call (compile excluded; a sample
+of a round under 20 ms is the mean of as many calls in a row as fill 20 ms). A round
+slower than `--slow` seconds has 2 samples; one slower than `--give-up` seconds has its
+warm-up call as its only sample and is not run at the larger sizes of that model and
+aggregation ("not run"). The table (markdown) gives the ratios to the
+hand-written round and each implementation's largest difference from the hand-written
+result (relative to that result's largest magnitude). `uptime`'s load averages before
+and after the run are printed and saved: the figures are only as steady as the machine.
+
+    python benchmarks/model_sizes.py --json out/model_sizes.json --plot docs/img/model_sizes.png
+    python benchmarks/model_sizes.py --quick
+    python benchmarks/model_sizes.py --from-json out/model_sizes.json   # the table again
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import fax_bridge as fb  # noqa: E402
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # DrJAX's notes that no mesh is set
+
+KINDS = ("sum", "mean", "weighted", "elementwise")
+IMPLS = ("fax_bridge", "hand", "drjax")
+LR = 0.05
+MIN_SAMPLE_S = 0.02  # a faster round is timed over several calls in a row per sample
+
+# --------------------------------------------------------------------------- models
+
+
+def _dense(rng, n_in: int, n_out: int) -> np.ndarray:
+    return (rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(np.float32)
+
+
+def _xent(logits, labels):
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def linear_model(d: int):
+    def init(rng):
+        return {"w": _dense(rng, d, d)}
+
+    def batch(rng, clients, n):
+        return {"x": rng.standard_normal((clients, n, d)).astype(np.float32),
+                "y": rng.standard_normal((clients, n, d)).astype(np.float32)}
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    return init, batch, loss
+
+
+def mlp_model(h: int):
+    sizes = (784, h, h, 10)
+
+    def init(rng):
+        p = {}
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            p[f"w{i}"], p[f"b{i}"] = _dense(rng, a, b), np.zeros(b, np.float32)
+        return p
+
+    def batch(rng, clients, n):
+        return {"x": rng.standard_normal((clients, n, 784)).astype(np.float32),
+                "y": rng.integers(0, 10, (clients, n)).astype(np.int32)}
+
+    def loss(p, b):
+        z = b["x"]
+        for i in range(len(sizes) - 1):
+            z = z @ p[f"w{i}"] + p[f"b{i}"]
+            if i < len(sizes) - 2:
+                z = jax.nn.relu(z)
+        return _xent(z, b["y"])
+
+    return init, batch, loss
+
+
+def cnn_model(c1: int, c2: int, k: int):
+    flat = 12 * 12 * c2
+
+    def init(rng):
+        conv = lambda shape: (rng.standard_normal(shape) / np.sqrt(np.prod(shape[:3]))
+                              ).astype(np.float32)
+        return {"c1": conv((3, 3, 1, c1)), "cb1": np.zeros(c1, np.float32),
+                "c2": conv((3, 3, c1, c2)), "cb2": np.zeros(c2, np.float32),
+                "d1": _dense(rng, flat, k), "db1": np.zeros(k, np.float32),
+                "d2": _dense(rng, k, 62), "db2": np.zeros(62, np.float32)}
+
+    def batch(rng, clients, n):
+        return {"x": rng.random((clients, n, 28, 28, 1)).astype(np.float32),
+                "y": rng.integers(0, 62, (clients, n)).astype(np.int32)}
+
+    def loss(p, b):
+        dn = ("NHWC", "HWIO", "NHWC")
+        z = jax.nn.relu(jax.lax.conv_general_dilated(b["x"], p["c1"], (1, 1), "VALID",
+                                                     dimension_numbers=dn) + p["cb1"])
+        z = jax.nn.relu(jax.lax.conv_general_dilated(z, p["c2"], (1, 1), "VALID",
+                                                     dimension_numbers=dn) + p["cb2"])
+        z = jax.lax.reduce_window(z, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+                                  "VALID")
+        z = jax.nn.relu(z.reshape(z.shape[0], -1) @ p["d1"] + p["db1"])
+        return _xent(z @ p["d2"] + p["db2"], b["y"])
+
+    return init, batch, loss
+
+
+def lm_model(vocab: int, d: int, layers: int, seq: int = 16, heads: int = 4):
+    def init(rng):
+        p = {"embed": (rng.standard_normal((vocab, d)) * 0.02).astype(np.float32),
+             "pos": (rng.standard_normal((seq, d)) * 0.02).astype(np.float32),
+             "head": _dense(rng, d, vocab), "ln": np.ones(d, np.float32)}
+        for i in range(layers):
+            p[f"l{i}"] = {"ln1": np.ones(d, np.float32), "ln2": np.ones(d, np.float32),
+                          "qkv": _dense(rng, d, 3 * d), "o": _dense(rng, d, d),
+                          "up": _dense(rng, d, 4 * d), "down": _dense(rng, 4 * d, d)}
+        return p
+
+    def batch(rng, clients, n):
+        return {"tokens": rng.integers(0, vocab, (clients, n, seq + 1)).astype(np.int32)}
+
+    def norm(x, g):
+        return g * x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+
+    def block(lp, x):
+        t = x.shape[-2]
+        q, k, v = jnp.split(norm(x, lp["ln1"]) @ lp["qkv"], 3, axis=-1)
+        split = lambda a: a.reshape(a.shape[:-1] + (heads, d // heads))
+        q, k, v = split(q), split(k), split(v)
+        att = jnp.einsum("bqhc,bkhc->bhqk", q, k) / np.sqrt(d // heads)
+        att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+        y = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(att, -1), v).reshape(x.shape)
+        x = x + y @ lp["o"]
+        return x + jax.nn.gelu(norm(x, lp["ln2"]) @ lp["up"]) @ lp["down"]
+
+    def loss(p, b):
+        tokens = b["tokens"]
+        x = p["embed"][tokens[:, :-1]] + p["pos"]
+        for i in range(layers):
+            x = block(p[f"l{i}"], x)
+        return _xent(norm(x, p["ln"]) @ p["head"], tokens[:, 1:])
+
+    return init, batch, loss
+
+
+# model name -> (size label, builder arguments) in increasing size; `batch` examples each.
+SIZES = {
+    "linear": [("d=100", (100,)), ("d=316", (316,)), ("d=1000", (1000,)),
+               ("d=2000", (2000,)), ("d=3162", (3162,))],
+    "mlp": [("h=12", (12,)), ("h=100", (100,)), ("h=512", (512,)), ("h=1024", (1024,)),
+            ("h=2900", (2900,))],
+    "cnn": [("4-8-8", (4, 8, 8)), ("16-32-32", (16, 32, 32)), ("32-64-128", (32, 64, 128))],
+    "lm": [("V512-d64-L2", (512, 64, 2)), ("V2048-d128-L2", (2048, 128, 2)),
+           ("V8192-d320-L4", (8192, 320, 4))],
+}
+BUILDERS = {"linear": linear_model, "mlp": mlp_model, "cnn": cnn_model, "lm": lm_model}
+BATCH = {"linear": 8, "mlp": 8, "cnn": 4, "lm": 2}
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+def make_local(loss: Callable, kind: str) -> Callable:
+    """One client's work: one SGD step; what it returns depends on the aggregation."""
+
+    def local(p, b):
+        g = jax.grad(loss)(p, b)
+        if kind == "sum":
+            return jax.tree.map(lambda gi: -LR * gi, g)
+        new = jax.tree.map(lambda a, gi: a - LR * gi, p, g)
+        if kind == "mean":
+            return new
+        if kind == "weighted":
+            return new, b["count"]
+        return new, jax.tree.map(lambda gi: b["count"] * (1.0 + gi * gi), g)
+
+    return local
+
+
+def fax_round(local: Callable, kind: str, clients: int) -> Callable:
+    @fb.program(clients=clients)
+    def round_(p, data):
+        out = fb.federated_map_clients(local, (fb.federated_broadcast(p), data))
+        if kind == "sum":
+            return jax.tree.map(lambda a, s: a + s / clients, p, fb.federated_sum(out))
+        if kind == "mean":
+            return fb.federated_mean(out)
+        return fb.federated_weighted_mean(*out)
+
+    return round_
+
+
+def hand_round(local: Callable, kind: str, clients: int) -> Callable:
+    def round_(p, data):
+        out = jax.vmap(local, in_axes=(None, 0))(p, data)
+        ones = jnp.ones((clients,), jnp.float32)
+        total = lambda v: jnp.tensordot(ones, v, 1)
+        if kind == "sum":
+            return jax.tree.map(lambda a, d: a + total(d) / clients, p, out)
+        if kind == "mean":
+            return jax.tree.map(lambda v: total(v) / clients, out)
+        new, w = out
+        if kind == "weighted":
+            return jax.tree.map(lambda v: jnp.tensordot(w, v, 1) / jnp.sum(w), new)
+        return jax.tree.map(lambda v, wi: total(wi * v) / total(wi), new, w)
+
+    return round_
+
+
+def drjax_round(local: Callable, kind: str, clients: int) -> Callable:
+    import drjax
+
+    @drjax.program(placements={"clients": clients})
+    def round_(p, data):
+        out = drjax.map_fn(local, (drjax.broadcast(p), data))
+        if kind == "sum":
+            return jax.tree.map(lambda a, s: a + s / clients, p, drjax.reduce_sum(out))
+        if kind == "mean":
+            return drjax.reduce_mean(out)
+        new, w = out
+        if kind == "weighted":
+            w = jax.tree.map(lambda _: w, new)
+        return drjax.reduce_weighted_mean(new, w)
+
+    return round_
+
+
+ROUNDS = {"fax_bridge": fax_round, "hand": hand_round, "drjax": drjax_round}
+
+
+def param_count(params: Any) -> int:
+    return int(sum(np.size(a) for a in jax.tree.leaves(params)))
+
+
+def max_rel_diff(a: Any, b: Any) -> float:
+    """max |a - b| over all leaves, relative to the largest |b|."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    scale = max(float(np.max(np.abs(np.asarray(x)))) for x in lb) or 1.0
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(la, lb)) / scale
+
+
+def _timed(fn: Callable, *args, calls: int = 1) -> float:
+    """Seconds per call over `calls` calls in a row."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / calls
+
+
+def _measure(fns: dict[str, Callable], args: tuple, repeats: int, slow: float,
+             give_up: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """Each function's result (from a warm-up call) and samples of seconds per call,
+    taken in turn (the first one rotating) so that every function sees the same changes
+    in load: `repeats` samples, 2 of a round whose warm-up took over `slow` seconds, and
+    none of one whose warm-up took over `give_up` seconds (the warm-up call is then its
+    only sample).
+    """
+    results, times, samples, calls = {}, {}, {}, {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        results[name] = jax.block_until_ready(fn(*args))
+        warm = time.perf_counter() - start
+        calls[name] = min(50, max(1, int(MIN_SAMPLE_S / warm)))
+        samples[name] = repeats if warm <= slow else 2 if warm <= give_up else 0
+        times[name] = [] if samples[name] else [warm]
+    names = list(fns)
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            if len(times[name]) < samples[name]:
+                times[name].append(_timed(fns[name], *args, calls=calls[name]))
+    return results, times
+
+
+def run_size(model: str, label: str, cfg: tuple, kinds: tuple, clients: int, repeats: int,
+             slow: float, paths: tuple, fleet, given_up: dict, give_up: float,
+             seed: int = 0) -> list[dict[str, Any]]:
+    """Every aggregation kind and implementation at one model size: rows of the table.
+
+    An implementation that took over `give_up` seconds a round for a (model, kind) is not
+    run at the larger sizes (`given_up`, updated here).
+    """
+    init, make_batch, loss = BUILDERS[model](*cfg)
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(jnp.asarray, init(rng))
+    data = make_batch(rng, clients, BATCH[model])
+    data["count"] = rng.integers(1, BATCH[model] + 1, clients).astype(np.float32)
+    data = jax.tree.map(jnp.asarray, data)
+    rows = []
+    for kind in kinds:
+        local = make_local(loss, kind)
+        skipped = given_up.setdefault((model, kind), set())
+        fns = {name: ROUNDS[name](local, kind, clients) for name in IMPLS}
+        compiled, compile_s = {}, {}
+        for name, fn in fns.items():
+            if name not in skipped:
+                start = time.perf_counter()
+                compiled[name] = jax.jit(fn).lower(params, data).compile()
+                compile_s[name] = time.perf_counter() - start
+        if any(p not in skipped for p in paths):
+            proto = fb.export_tff(fns["fax_bridge"], params, data,
+                                  placements=("server", "clients"))
+            run_path = {"runtime": lambda p, d: fb.runtime.run_computation(proto, p, d),
+                        "fleet": lambda p, d: fleet.run(proto, p, d)}
+            compiled.update({p: run_path[p] for p in paths if p not in skipped})
+        results, times = _measure(compiled, (params, data), repeats, slow, give_up)
+        skipped.update(name for name, t in times.items() if max(t) > give_up)
+        med = {k: (statistics.median(times[k]) if k in times else None)
+               for k in IMPLS + paths}
+        ratio = lambda a: med[a] / med["hand"] if med[a] and med["hand"] else None
+        rows.append({
+            "model": model, "size": label, "params": param_count(params), "kind": kind,
+            "median_s": med, "runs": {k: len(v) for k, v in times.items()},
+            "compile_s": compile_s, "fax_over_hand": ratio("fax_bridge"),
+            "drjax_over_hand": ratio("drjax"),
+            "max_rel_diff": {k: max_rel_diff(results[k], results["hand"])
+                             for k in results if k != "hand" and "hand" in results},
+        })
+        print(format_row(rows[-1], paths), flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}" if s < 10 else f"{s * 1e3:.0f}"
+
+
+def header(paths: tuple) -> str:
+    cols = ["model", "size", "params", "agg", "fax_bridge ms", "hand ms", "drjax ms",
+            "fax/hand", "drjax/hand"] + [f"{p} ms" for p in paths]
+    cols += [f"{k} vs hand" for k in ("fax_bridge", "drjax") + paths]
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)  # a markdown table
+
+
+def format_row(r: dict[str, Any], paths: tuple) -> str:
+    m = r["median_s"]
+    ms = lambda k: "not run" if m.get(k) is None else _ms(m[k])
+    ratio = lambda v: "-" if v is None else f"{v:.2f}"
+    cols = [r["model"], r["size"], f"{r['params']:,}", r["kind"], ms("fax_bridge"), ms("hand"),
+            ms("drjax"), ratio(r["fax_over_hand"]), ratio(r["drjax_over_hand"])]
+    diff = lambda k: "-" if k not in r["max_rel_diff"] else f"{r['max_rel_diff'][k]:.1e}"
+    cols += [ms(p) for p in paths] + [diff(k) for k in ("fax_bridge", "drjax") + paths]
+    return "| " + " | ".join(cols) + " |"
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
+    cols = 2 if len(kinds) > 2 else len(kinds)
+    rows_n = -(-len(kinds) // cols)
+    fig, grid = plt.subplots(rows_n, cols, figsize=(5.5 * cols, 4.4 * rows_n), sharey=True,
+                             squeeze=False)
+    axes = [list(grid.flat)]
+    colors = {"linear": "C0", "mlp": "C1", "cnn": "C2", "lm": "C3"}
+    styles = {"fax_bridge": ("-", "o"), "hand": ("--", "s"), "drjax": (":", "^")}
+    for ax, kind in zip(axes[0], kinds):
+        for model, color in colors.items():
+            sel = sorted((r for r in rows if r["kind"] == kind and r["model"] == model),
+                         key=lambda r: r["params"])
+            if not sel:
+                continue
+            for impl, (ls, marker) in styles.items():
+                pts = [(r["params"], r["median_s"][impl]) for r in sel if r["median_s"][impl]]
+                ax.plot([p for p, _ in pts], [t for _, t in pts],
+                        ls=ls, marker=marker, color=color, ms=4,
+                        label=f"{model} {impl}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"aggregation: {kind}")
+        ax.set_xlabel("parameters")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in grid[:, 0]:
+        ax.set_ylabel("round time (s, median)")
+    axes[0][-1].legend(fontsize=6, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--max-params", type=float, default=None,
+                        help="skip sizes with more parameters than this")
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=None, help="samples (5; --quick: 3)")
+    parser.add_argument("--slow", type=float, default=1.0,
+                        help="seconds: a slower round is timed twice")
+    parser.add_argument("--give-up", type=float, default=10.0,
+                        help="seconds: a slower round is timed once, and not run at the "
+                             "larger sizes of that model and aggregation")
+    parser.add_argument("--paths", nargs="*", default=[], choices=["runtime", "fleet"],
+                        help="also time the exported proto in process and on LocalFleet(2)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the smallest size of each model")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--from-json", default=None,
+                        help="print the table (and --plot) of a saved run instead of running")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+        report(result, args.plot)
+        return result
+    repeats = args.repeats or (3 if args.quick else 5)
+    paths = tuple(args.paths)
+    load_before = os.getloadavg()
+    print(header(paths), flush=True)
+    rows: list[dict[str, Any]] = []
+    given_up: dict = {}
+    with contextlib.ExitStack() as stack:
+        fleet = stack.enter_context(fb.LocalFleet(devices=2)) if "fleet" in paths else None
+        for model in args.models:
+            for label, cfg in SIZES[model][:1] if args.quick else SIZES[model]:
+                init = BUILDERS[model](*cfg)[0]
+                if (args.max_params
+                        and param_count(init(np.random.default_rng(0))) > args.max_params):
+                    continue
+                rows += run_size(model, label, cfg, tuple(args.kinds), args.clients, repeats,
+                                 args.slow, paths, fleet, given_up, args.give_up)
+    import drjax
+
+    result = {
+        "config": {"clients": args.clients, "repeats": repeats, "slow_s": args.slow,
+                   "give_up_s": args.give_up, "batch": BATCH, "paths": list(paths),
+                   "jax": jax.__version__, "drjax": drjax.__version__,
+                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                   "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                   "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "rows": rows,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    report(result, args.plot, table=False)
+    return result
+
+
+def report(result: dict[str, Any], plot_path: str | None = None, table: bool = True) -> None:
+    """The table (unless printed already), the load, and the plot of a run's result."""
+    cfg = result["config"]
+    paths = tuple(cfg["paths"])
+    if table:
+        print(header(paths))
+        for r in result["rows"]:
+            print(format_row(r, paths))
+    load = lambda v: ", ".join(f"{x:.2f}" for x in v)
+    print(f"load average (1, 5, 15 min): before {load(cfg['loadavg_before'])}, "
+          f"after {load(cfg['loadavg_after'])}")
+    if plot_path:
+        plot(result["rows"], plot_path,
+             f"One FedAvg round, {cfg['clients']} clients, jax.jit on a shared "
+             f"{cfg['machine']} (load {cfg['loadavg_before'][0]:.0f}-"
+             f"{cfg['loadavg_after'][0]:.0f})")
+
+
+if __name__ == "__main__":
+    main()
