@@ -2,8 +2,10 @@
 
 import federated_language
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
+from fax_bridge.errors import WeightError
 from fax_bridge.fleet import partials, validate
 from fax_bridge.runtime import aggregation
 from fax_bridge.v1 import device_pb2 as pb
@@ -34,6 +36,11 @@ def test_every_kind_crosses_the_wire_unchanged(kind, clients, width, data):
         assert payload == sum(
             len(leaf.limbs) + len(leaf.nonfinite) + len(leaf.doubles)
             + len(leaf.extreme.data) for leaf in [*message.leaves, *message.weight_leaves])
+        if weights is not None and not sum(weights):  # zero total: refused on every side
+            for decoded in (aggregation.partial_of(kind, members, weights), back, checked):
+                with pytest.raises(WeightError, match="sum to zero"):
+                    aggregation.finish(decoded)
+            return
         want = aggregation.finish(aggregation.partial_of(kind, members, weights))
         for decoded in (back, checked):
             got = aggregation.finish(decoded)
