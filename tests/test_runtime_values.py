@@ -1,4 +1,4 @@
-"""Tests of fax_bridge.runtime.values: pytree and npz conversions, and type checks."""
+"""Tests of fax_bridge.runtime.values (pytree conversions, type checks) and npz_keys."""
 
 import federated_language as fl
 import numpy as np
@@ -7,7 +7,7 @@ from federated_language.common_libs import structure
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import values
+from fax_bridge.runtime import npz_keys, values
 
 F32 = np.float32
 V2 = fl.TensorType(F32, [2])
@@ -77,22 +77,22 @@ def test_npz_keys_follow_element_names_and_indices():
     t = fl.StructType([("x", clients(V2)), (None, server(fl.StructType([("m", F32)]))),
                        ("lr", server(F32))])
     npz = {"x": np.ones((4, 2), F32), "1.m": np.float32(2.0), "lr": np.float32(0.1)}
-    arg = values.args_from_npz(npz, t)
+    arg = npz_keys.args_from_npz(npz, t)
     assert len(arg[0]) == 4 and arg[1].m == 2.0
-    out = values.result_to_npz(arg, t)
+    out = npz_keys.result_to_npz(arg, t)
     assert sorted(out) == ["1.m", "lr", "x"]
     np.testing.assert_array_equal(out["x"], npz["x"])
 
 
 def test_npz_single_tensor_uses_arg_and_result_keys():
-    arg = values.args_from_npz({"arg": np.ones((3, 2), F32)}, clients(V2))
+    arg = npz_keys.args_from_npz({"arg": np.ones((3, 2), F32)}, clients(V2))
     assert len(arg) == 3
-    assert sorted(values.result_to_npz(np.float32(1.0), server(F32))) == ["result"]
+    assert sorted(npz_keys.result_to_npz(np.float32(1.0), server(F32))) == ["result"]
     with pytest.raises(ComputationError, match="no key `arg`"):
-        values.args_from_npz({"x": np.ones(2)}, server(V2))
+        npz_keys.args_from_npz({"x": np.ones(2)}, server(V2))
     with pytest.raises(ComputationError, match=r"keys \['extra'\]"):
-        values.args_from_npz({"arg": np.ones(2, F32), "extra": np.ones(1)}, server(V2))
-    assert values.args_from_npz({}, None) is None
+        npz_keys.args_from_npz({"arg": np.ones(2, F32), "extra": np.ones(1)}, server(V2))
+    assert npz_keys.args_from_npz({}, None) is None
 
 
 def test_check_value_for_per_client_lists():
@@ -111,8 +111,8 @@ def test_npz_keys_ignore_placements_so_inputs_and_results_agree():
     pair = fl.StructType([("a", V2), ("b", F32)])
     for t in (server(pair), fl.StructType([("a", server(V2)), ("b", server(F32))])):
         npz = {"a": np.ones(2, F32), "b": np.float32(3)}
-        arg = values.args_from_npz(npz, t)
-        assert sorted(values.result_to_npz(arg, t)) == ["a", "b"]
+        arg = npz_keys.args_from_npz(npz, t)
+        assert sorted(npz_keys.result_to_npz(arg, t)) == ["a", "b"]
 
 
 _tensor_types = st.sampled_from([fl.TensorType(F32), V2, fl.TensorType(np.int32, [3])])
@@ -139,12 +139,12 @@ def test_npz_round_trip_for_any_type(member, placement, n):
 
     tree = sample(member, (n,) if placement == "clients" else ())
     value = values.from_pytree(tree, t)
-    out = values.result_to_npz(value, t)
+    out = npz_keys.result_to_npz(value, t)
     keys = sorted(out)
     assert keys == ["result"] if isinstance(member, fl.TensorType) else "result" not in keys
-    back = values.args_from_npz({("arg" if k == "result" else k): v for k, v in out.items()},
+    back = npz_keys.args_from_npz({("arg" if k == "result" else k): v for k, v in out.items()},
                                 t)
-    again = values.result_to_npz(back, t)
+    again = npz_keys.result_to_npz(back, t)
     assert sorted(again) == keys
     for k in keys:
         np.testing.assert_array_equal(again[k], out[k])
@@ -192,8 +192,8 @@ def test_npz_keys_never_collide_and_round_trip_through_a_file(tmp_path_factory, 
 
     t = server(t) if placed else t
     local = values.to_local(_fill(t.member if placed else t, [0]), t.member if placed else t)
-    out = values.result_to_npz(local, t)
-    layout = values.npz_layout(t, root="result")
+    out = npz_keys.result_to_npz(local, t)
+    layout = npz_keys.npz_layout(t, root="result")
     assert [k for k, _ in layout] == list(out)  # one key per tensor: nothing merged
     tensors = [leaf for leaf in structure.flatten(local)] if isinstance(
         local, structure.Struct) else [local]
@@ -201,7 +201,7 @@ def test_npz_keys_never_collide_and_round_trip_through_a_file(tmp_path_factory, 
         np.testing.assert_array_equal(out[key], leaf)  # each key holds its own tensor
     for key in out:
         if key != "result":
-            path = values.split_npz_key(key)
+            path = npz_keys.split_npz_key(key)
             node = t.member if placed else t
             for step in path:  # the decoded path leads to a tensor of the type
                 items = list(node.items())
@@ -214,8 +214,8 @@ def test_npz_keys_never_collide_and_round_trip_through_a_file(tmp_path_factory, 
     loaded = cli_args.load_npz(str(path))
     assert sorted(loaded) == sorted(out)
     single = isinstance(t.member if placed else t, fl.TensorType)
-    back = values.args_from_npz({("arg" if single else k): v for k, v in loaded.items()}, t)
-    again = values.result_to_npz(back, t)
+    back = npz_keys.args_from_npz({("arg" if single else k): v for k, v in loaded.items()}, t)
+    again = npz_keys.result_to_npz(back, t)
     assert list(again) == list(out)
     for k in out:
         np.testing.assert_array_equal(again[k], out[k])
@@ -224,10 +224,10 @@ def test_npz_keys_never_collide_and_round_trip_through_a_file(tmp_path_factory, 
 def test_a_dotted_name_and_a_nested_path_get_different_keys():
     t = fl.StructType([("a.b", F32), ("a", fl.StructType([("b", F32)])),
                        ("1", F32), (None, F32)])
-    out = values.result_to_npz(values.to_local((1.0, {"b": 2.0}, 3.0, 4.0), t), t)
+    out = npz_keys.result_to_npz(values.to_local((1.0, {"b": 2.0}, 3.0, 4.0), t), t)
     assert {k: float(v) for k, v in out.items()} == {"a%2Eb": 1.0, "a.b": 2.0, "%31": 3.0,
                                                       "3": 4.0}
-    assert [values.split_npz_key(k) for k in out] == [["a.b"], ["a", "b"], ["1"], [3]]
+    assert [npz_keys.split_npz_key(k) for k in out] == [["a.b"], ["a", "b"], ["1"], [3]]
 
 
 @settings(max_examples=40, deadline=None)
@@ -236,15 +236,15 @@ def test_a_dotted_name_and_a_nested_path_get_different_keys():
 def test_npz_inputs_of_another_dtype_are_refused_naming_key_dtypes_and_fix(dtype, shape,
                                                                          name):
     t = fl.StructType([(name, fl.TensorType(F32, list(shape)))])
-    key = values.npz_layout(t)[0][0]
+    key = npz_keys.npz_layout(t)[0][0]
     npz = {key: np.ones(shape, dtype)}
     with pytest.raises(ComputationError) as e:
-        values.args_from_npz(npz, t)
+        npz_keys.args_from_npz(npz, t)
     text = str(e.value)
     assert f"`{key}`" in text and np.dtype(dtype).name in text and "float32" in text
     assert "astype(numpy.float32)" in text and "--cast" in text
     if np.can_cast(dtype, F32, "same_kind"):
-        got = values.args_from_npz(npz, t, cast=True)
+        got = npz_keys.args_from_npz(npz, t, cast=True)
         assert got[0].dtype == F32
 
 
@@ -263,7 +263,7 @@ def test_a_cast_never_wraps_or_overflows_a_value(pair, numbers):
         arr = np.asarray([int(max(info.min, min(info.max, x))) for x in numbers], given_dtype)
     t = fl.StructType([("v", fl.TensorType(want, [len(numbers)]))])
     try:
-        got = values.args_from_npz({"v": arr}, t, cast=True)[0]
+        got = npz_keys.args_from_npz({"v": arr}, t, cast=True)[0]
     except ComputationError as e:
         assert "`v`" in str(e) and "does not fit" in str(e)
         return
