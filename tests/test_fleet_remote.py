@@ -62,7 +62,7 @@ def _env() -> dict:
 
 
 def _device_argv(listen: str, name: str) -> list:
-    argv = [sys.executable, "-m", "fax_bridge.fleet.device", "--listen", listen,
+    argv = [sys.executable, "-m", "fax_bridge.fleet.device_cli", "--listen", listen,
             "--device-id", name]
     options = _device_options()
     if "--allow-remote" in options and not listen.startswith("127."):
