@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.fleet import device_cli, sample_computations as sc, security
+import sample_computations as sc
+from fax_bridge.fleet import device_cli, security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.launcher import LocalFleet
 

@@ -29,11 +29,12 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # sample_computations
 
 from fax_bridge.fleet import security, wire  # noqa: E402
-from fax_bridge.fleet.sample_computations import scaled_aggregate  # noqa: E402
 from fax_bridge.runtime.local_eval import content_hash  # noqa: E402
 from fax_bridge.v1 import device_pb2 as pb  # noqa: E402
+from sample_computations import scaled_aggregate  # noqa: E402
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc  # noqa: E402
 
 MB = 1 << 20
