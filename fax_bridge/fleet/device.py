@@ -29,6 +29,7 @@ import hashlib
 import inspect
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -552,3 +553,9 @@ def check_unique_ids(ids: Sequence[int], what: str) -> None:
                        f"{what} names client id {first} {times} times (and "
                        f"{np.unique(repeated).size} repeated ids in all); every client "
                        "id of a value must be distinct")
+
+
+if __name__ == "__main__":
+    sys.exit("python -m fax_bridge.fleet.device: this module is the device service, not a "
+             "command; start a device with `fax-bridge device ...` or `python -m "
+             "fax_bridge.fleet.device_cli ...`")
