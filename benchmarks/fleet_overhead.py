@@ -23,10 +23,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from fax_bridge.fleet import sample_computations as sc  # noqa: E402
 from fax_bridge.fleet.launcher import LocalFleet  # noqa: E402
 from fax_bridge.runtime import interpreter  # noqa: E402
 from fax_bridge.runtime.local_backend import LocalClientsBackend  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import sample_computations as sc  # noqa: E402
 
 
 def _data(clients: int, features: int, examples: int, seed: int = 0):

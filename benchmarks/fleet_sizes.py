@@ -191,7 +191,7 @@ def _shim_script(directory: str) -> str:
 
 
 def _device_shim(argv: list) -> None:
-    """Runs `python -m fax_bridge.fleet.device ...` with each round handler after the
+    """Runs `python -m fax_bridge.fleet.device_cli ...` with each round handler after the
 first (the warm-up) profiled."""
     import cProfile
     import runpy

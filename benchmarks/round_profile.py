@@ -4,7 +4,7 @@ Runs the round of `benchmarks/peers/fax_bridge_peer.py` (cohort 10 of 100 client
 devices hosting the population, a round by plan: one request per device) on a
 `LocalFleet`, with timers wrapped around the coordinator's steps and, in each device
 process (started through a shim that installs the same kind of timers and then runs
-`fax_bridge.fleet.device`), around the device's steps. No module of the package is
+`fax_bridge.fleet.device_cli`), around the device's steps. No module of the package is
 changed. Timestamps are `time.perf_counter()`, the system's monotonic clock on Linux,
 so coordinator and device times line up: the gaps between them (call start to handler
 entry, handler exit to the answers in hand) are the RPC's own cost.
@@ -60,7 +60,7 @@ def _timed(owner: Any, name: str, log: list, label: str) -> None:
 
 
 def _device_shim(argv: list[str]) -> None:
-    """Installs the device timers, then runs `python -m fax_bridge.fleet.device ...`."""
+    """Installs the device timers, then runs `python -m fax_bridge.fleet.device_cli ...`."""
     import runpy
 
     from fax_bridge.fleet import device, device_round, partials, plan, wire

@@ -90,7 +90,8 @@ def child(clients: int, devices: int, rounds: int, data_dir: str,
     import numpy as np
 
     from fax_bridge.data.stream import ClientStore
-    from fax_bridge.fleet import sample_computations as sc
+    sys.path.insert(0, str(ROOT / "tests"))
+    import sample_computations as sc
     from fax_bridge.fleet.launcher import LocalFleet
     from fax_bridge.runtime.population import PopulationRef
 

@@ -21,7 +21,7 @@ _SUBCOMMAND_MODULES = (
     "fax_bridge.tff.forms_cli",
     "fax_bridge.parity_cli",
     "fax_bridge.fleet.run_cli",
-    "fax_bridge.fleet.device",
+    "fax_bridge.fleet.device_cli",
     "fax_bridge.flower.cli",
 )
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fax_bridge.errors import AggregationError, ClientCountError, FleetError
-from fax_bridge.fleet import sample_computations as sc
+import sample_computations as sc
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.rounds import RoundPolicy
 from fax_bridge.runtime import interpreter

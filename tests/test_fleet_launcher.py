@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.fleet import device, sample_computations as sc, security
+import sample_computations as sc
+from fax_bridge.fleet import device_cli, security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.launcher import LocalFleet
 
@@ -35,7 +36,7 @@ def _wait_gone(pids, timeout_s=10.0) -> list:
 
 def test_register_adds_the_device_subcommand():
     parser = argparse.ArgumentParser()
-    device.register(parser.add_subparsers(dest="command"))
+    device_cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["device", "--listen", "127.0.0.1:0", "--device-id", "d7"])
     assert args.func is not None and args.listen == "127.0.0.1:0" and args.device_id == "d7"
 
@@ -43,7 +44,7 @@ def test_register_adds_the_device_subcommand():
 def test_device_process_prints_its_port_and_serves():
     token = security.new_token()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fax_bridge.fleet.device", "--listen", "127.0.0.1:0"],
+        [sys.executable, "-m", "fax_bridge.fleet.device_cli", "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, security.TOKEN_ENV: token})
     try:

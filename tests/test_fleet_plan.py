@@ -235,7 +235,7 @@ def test_a_round_naming_a_client_part_never_loaded_is_refused(fleet, method):
        shape=st.sampled_from([(), (3,), (2, 2)]), clients=st.integers(1, 7),
        seed=st.integers(0, 2**31 - 1))
 def test_every_plan_aggregation_gives_the_interpreters_bits(kind, shape, clients, seed):
-    from fax_bridge.fleet import sample_computations as sc
+    import sample_computations as sc
 
     rng = np.random.default_rng(seed)
     x = list(rng.normal(size=(clients, *shape)).astype(np.float32))

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 import fax_bridge as fb
 from fax_bridge.fleet import plan as P
 from fax_bridge.fleet import plan_server
-from fax_bridge.fleet.sample_computations import clients, server
+from sample_computations import clients, server
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.tff.xla import typed_xla_computation
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from fax_bridge.data.stream import write_population
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import sample_computations as sc
+import sample_computations as sc
 from fax_bridge.fleet import security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.device import DeviceServicer

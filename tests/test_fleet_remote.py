@@ -25,12 +25,14 @@ import pytest
 
 import fax_bridge
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import device, device_cli, fleet_file, sample_computations as sc
+import sample_computations as sc
+from fax_bridge.fleet import device, device_cli, fleet_file
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.remote import RemoteFleet
 
 PACKAGE_ROOT = str(pathlib.Path(fax_bridge.__file__).resolve().parents[1])
+TESTS_DIR = str(pathlib.Path(__file__).resolve().parent)  # sample_computations
 TOKEN = secrets.token_hex(16)
 N = 12
 
@@ -52,8 +54,8 @@ def _coordinator_sends_token() -> bool:
 def _env() -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, env.get("PYTHONPATH", "")]).strip(
-        os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [PACKAGE_ROOT, TESTS_DIR, env.get("PYTHONPATH", "")]).strip(os.pathsep)
     if _coordinator_sends_token():
         env["FAX_BRIDGE_FLEET_TOKEN"] = TOKEN
     for key in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
@@ -62,7 +64,7 @@ def _env() -> dict:
 
 
 def _device_argv(listen: str, name: str) -> list:
-    argv = [sys.executable, "-m", "fax_bridge.fleet.device", "--listen", listen,
+    argv = [sys.executable, "-m", "fax_bridge.fleet.device_cli", "--listen", listen,
             "--device-id", name]
     options = _device_options()
     if "--allow-remote" in options and not listen.startswith("127."):
@@ -268,7 +270,7 @@ COORDINATOR = textwrap.dedent("""
     import json, subprocess, sys, threading
     import numpy as np
     from fax_bridge.errors import FleetError
-    from fax_bridge.fleet import sample_computations as sc
+    import sample_computations as sc
     from fax_bridge.fleet.remote import RemoteFleet
 
     cfg = json.loads(sys.argv[1])

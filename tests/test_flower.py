@@ -24,7 +24,7 @@ import fax_bridge as fb
 from fax_bridge import cli
 from fax_bridge.errors import CheckpointError, ExportError, FleetError
 from fax_bridge.fleet import partials, plan as P, validate
-from fax_bridge.runtime import aggregation, values
+from fax_bridge.runtime import aggregation, npz_keys, values
 
 flwr = pytest.importorskip("flwr")
 from flwr.app import Context, RecordDict  # noqa: E402
@@ -134,7 +134,7 @@ def _expected(made, args, rounds: int, clients=None, state=None):
 
 def _bits(result, made) -> dict:
     return {k: v.tobytes() for k, v in
-            values.result_to_npz(result, made.prepared.result).items()}
+            npz_keys.result_to_npz(result, made.prepared.result).items()}
 
 
 def _npz_bits(path: str) -> dict:

@@ -14,7 +14,7 @@ from google.protobuf import any_pb2
 
 from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import device, device_process, partials, security, wire
-from fax_bridge.fleet import sample_computations as sc
+import sample_computations as sc
 from fax_bridge.runtime import aggregation
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.runtime import interpreter

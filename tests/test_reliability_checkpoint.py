@@ -15,10 +15,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import CheckpointError, FleetError
-from fax_bridge.fleet import checkpoint, sample_computations as sc
+import sample_computations as sc
+from fax_bridge.fleet import checkpoint
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.rounds import RoundPolicy
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 6
 POLICY = dict(cohort_size=6, dropout=0.2, seed=3)
 
@@ -26,7 +28,7 @@ POLICY = dict(cohort_size=6, dropout=0.2, seed=3)
 SCRIPT = """
 import json, sys, time
 import numpy as np
-from fax_bridge.fleet import sample_computations as sc
+import sample_computations as sc
 from fax_bridge.fleet.launcher import LocalFleet
 
 def data(r):
@@ -118,7 +120,9 @@ print(json.dumps({{"finished": True}}), flush=True)
 """
     proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                 "PYTHONPATH": os.pathsep.join(  # sample_computations
+                                     [HERE, os.environ.get("PYTHONPATH", "")])})
     device_pids = []
     try:
         deadline = time.monotonic() + 120

@@ -11,7 +11,7 @@ import pytest
 from federated_language.compiler import building_blocks as bb
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import sample_computations as sc
+import sample_computations as sc
 from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.rounds import RoundPolicy, plan_round

@@ -8,7 +8,7 @@ from federated_language.compiler import building_blocks as bb
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import ComputationError, DeclaredTypeError
-from fax_bridge.fleet import sample_computations as sc
+import sample_computations as sc
 from fax_bridge.runtime import declared_types, interpreter, run_computation
 
 F32 = fl.TensorType(np.float32)

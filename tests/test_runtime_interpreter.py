@@ -391,7 +391,7 @@ def test_mapped_function_closing_over_a_federated_value_is_rejected():
        st.sampled_from([[3], [], [1, 3], [None]]),
        st.sampled_from(["server", "clients", "unplaced", "struct"]))
 def test_the_result_is_checked_against_the_declared_type(dtype, shape, where):
-    from fax_bridge.fleet import sample_computations as sc
+    import sample_computations as sc
 
     proto = sc.scaled_aggregate((3,), "sum")  # really returns float32[3]@SERVER
     tensor = fl.TensorType(dtype, shape)

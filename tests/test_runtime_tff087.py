@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from federated_language.proto import computation_pb2
 
-from fax_bridge.runtime import interpreter, values
+from fax_bridge.runtime import interpreter, npz_keys, values
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "tff087"
 NAMES = sorted(p.stem for p in DATA.glob("*.pb"))
@@ -25,9 +25,9 @@ def test_tff087_computation_matches_expected(name):
         inputs = dict(f)
     with np.load(DATA / f"{name}.expected.npz") as f:
         expected = dict(f)
-    arg = values.args_from_npz(inputs, fn_type.parameter)
+    arg = npz_keys.args_from_npz(inputs, fn_type.parameter)
     result = interpreter.evaluate(proto, arg, num_clients=meta["clients"])
-    got = values.result_to_npz(result, fn_type.result)
+    got = npz_keys.result_to_npz(result, fn_type.result)
     assert sorted(got) == sorted(expected)
     for key, want in expected.items():
         assert got[key].dtype == want.dtype, key

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import device, device_process, sample_computations as sc, security
+import sample_computations as sc
+from fax_bridge.fleet import device, device_process, security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.v1 import device_pb2 as pb

@@ -4,7 +4,7 @@ descriptors and answer times measured before and after.
     python tools/device_flood.py                 # the `make fuzz` sizes
     python tools/device_flood.py --scale 0.05    # a quick run
 
-Each attack starts a fresh device subprocess (`python -m fax_bridge.fleet.device`) and
+Each attack starts a fresh device subprocess (`python -m fax_bridge.fleet.device_cli`) and
 prints one JSON line: what was sent, how the device answered, its resident memory
 (VmRSS) before and after and its peak (VmHWM), the descriptors it holds, and whether it
 still answers Health. Everything is bounded (request counts, sizes, timeouts) and goes to
@@ -29,11 +29,12 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # sample_computations
 
 from fax_bridge.fleet import security, wire  # noqa: E402
-from fax_bridge.fleet.sample_computations import scaled_aggregate  # noqa: E402
 from fax_bridge.runtime.local_eval import content_hash  # noqa: E402
 from fax_bridge.v1 import device_pb2 as pb  # noqa: E402
+from sample_computations import scaled_aggregate  # noqa: E402
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc  # noqa: E402
 
 MB = 1 << 20
@@ -47,7 +48,7 @@ class Device:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                    **{security.TOKEN_ENV: self.token})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fax_bridge.fleet.device", "--listen", "127.0.0.1:0",
+            [sys.executable, "-m", "fax_bridge.fleet.device_cli", "--listen", "127.0.0.1:0",
              *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         line = self.proc.stdout.readline()
         if not line:

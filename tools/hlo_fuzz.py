@@ -53,7 +53,8 @@ def seeds() -> list[tuple[bytes, tuple]]:
     """(serialized computation, arguments for run_computation) of each seed."""
     import numpy as np
 
-    from fax_bridge.fleet import sample_computations as sc
+    sys.path.insert(0, str(ROOT / "tests"))
+    import sample_computations as sc
 
     return [
         (sc.scaled_aggregate((3,), "sum").SerializeToString(),

@@ -5,7 +5,7 @@ By role:
   HOST:PORT parsing); `wire`, `partials`, `validate`: message encoding and checks.
 - `device`: the device service (`DeviceServicer`); `device_process` serves it as a
   process, `device_cli` reads its command line (`fax-bridge device`,
-  `python -m fax_bridge.fleet.device`).
+  `python -m fax_bridge.fleet.device_cli`).
 - `pool.DevicePool`: channels and deadline-bound calls to many devices;
   `coordinator.GrpcClientsBackend` builds a `ClientsBackend` on it (values on devices),
   sending client values and population reads as `put_messages` streams.
@@ -14,7 +14,7 @@ By role:
 - `launcher.LocalFleet`: starts devices on 127.0.0.1; `remote.RemoteFleet`: joins devices
   started elsewhere, named by address or by a JSON fleet file (`fleet_file`).
 
-Names are imported on first use, so `python -m fax_bridge.fleet.device` loads only what a
+Names are imported on first use, so `python -m fax_bridge.fleet.device_cli` loads only what a
 device needs.
 """
 

@@ -1,6 +1,6 @@
 """The device server: one process hosting virtual clients, their data and their results.
 
-`fax-bridge device --listen 127.0.0.1:0` (or `python -m fax_bridge.fleet.device`) serves
+`fax-bridge device --listen 127.0.0.1:0` (or `python -m fax_bridge.fleet.device_cli`) serves
 the fax_bridge.v1 `Device` service. Every call must carry the fleet token (read from the
 FAX_BRIDGE_FLEET_TOKEN environment variable or `--token-file`, see `security`); `--tls-*`
 adds mutual TLS; addresses other than loopback need `--allow-remote`. Messages and the
@@ -17,7 +17,8 @@ prints one JSON line on stdout, e.g. `{"listening": "127.0.0.1:41234", "port": 4
 "pid": 4242, "device_id": "device-0"}`, and nothing else; logs go to stderr.
 
 This module is the service (`DeviceServicer`); `device_process` runs it as a process and
-`device_cli` reads its command line.
+`device_cli` reads its command line. What the service shares with `device_round` (the
+status-coded `RpcError`, `value_bytes`) is in `device_common`.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import DataError, FaxBridgeError, FleetError
 from fax_bridge.fleet import memory, partials, wire
+from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import aggregation
-from fax_bridge.runtime.backend import leaves
 from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_CALL_SECONDS,
                                       DEFAULT_MAX_CLIENTS, DEFAULT_MAX_STORED_BYTES,
                                       MAX_DELAY_SECONDS, PROTOCOL)
@@ -66,17 +67,9 @@ class Stored:
         return [self.shared] * len(self.client_ids)
 
 
-class _RpcError(Exception):
-    """An error to report with a specific gRPC status code."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 def _abort(self, context, method: Callable, error: Exception) -> None:
     """Reports an exception of a servicer method as a gRPC status with clear details."""
-    if isinstance(error, _RpcError):
+    if isinstance(error, RpcError):
         context.abort(error.code, f"{self.device_id}: {error}")
     if isinstance(error, FaxBridgeError):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -149,43 +142,43 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         self._computations: dict[str, computation_pb2.Computation] = {}
         self._lock = threading.Lock()          # guards the two dicts
         self.moved = memory.MovedBytes()  # request and answer bytes, for release_memory
-        self._compute = threading.Lock()       # one computing request at a time
+        self.computing = threading.Lock()      # one computing request at a time
 
     # -- helpers ------------------------------------------------------------------
 
     def _check_clients(self, count: int, what: str) -> None:
         if count > self.max_clients:
-            raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{what} names {count} clients, above this device's cap of "
-                            f"{self.max_clients} (--max-clients)")
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{what} names {count} clients, above this device's cap of "
+                           f"{self.max_clients} (--max-clients)")
 
-    def _check_room(self, extra: int, what: str) -> None:
+    def check_room(self, extra: int, what: str) -> None:
         """RESOURCE_EXHAUSTED unless `extra` more bytes fit under --max-stored-bytes."""
         with self._lock:
             held = self._stored_bytes
         if held + extra > self.max_stored_bytes:
-            raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{what} would hold {extra} more bytes, above this device's cap "
-                            f"of {self.max_stored_bytes} bytes ({held} held); release values "
-                            "or raise --max-stored-bytes")
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{what} would hold {extra} more bytes, above this device's cap "
+                           f"of {self.max_stored_bytes} bytes ({held} held); release values "
+                           "or raise --max-stored-bytes")
 
-    def _check_time(self, start: float, context, what: str) -> None:
+    def check_time(self, start: float, context, what: str) -> None:
         """Ends a long call: the device is stopping, the caller gave up, or time ran out."""
         if self.stopping.is_set():
-            raise _RpcError(grpc.StatusCode.UNAVAILABLE, f"{what}: the device is shutting down")
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"{what}: the device is shutting down")
         if context is not None and not context.is_active():
-            raise _RpcError(grpc.StatusCode.CANCELLED, f"{what}: the caller went away")
+            raise RpcError(grpc.StatusCode.CANCELLED, f"{what}: the caller went away")
         if time.monotonic() - start > self.max_call_seconds:
-            raise _RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"{what} ran past this device's cap of {self.max_call_seconds:g}s "
-                            "per call (--max-call-seconds)")
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"{what} ran past this device's cap of {self.max_call_seconds:g}s "
+                           "per call (--max-call-seconds)")
 
     def check_delay(self, delay: float, what: str) -> float:
         """`delay` if it lies in 0..--max-delay-seconds, else INVALID_ARGUMENT (NaN too)."""
         if not 0.0 <= delay <= self.max_delay_seconds:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{what}: delay_seconds={delay} is outside "
-                            f"0..{self.max_delay_seconds:g} (--max-delay-seconds)")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{what}: delay_seconds={delay} is outside "
+                           f"0..{self.max_delay_seconds:g} (--max-delay-seconds)")
         return delay
 
     def loaded(self, computation_hash: str, what: str) -> computation_pb2.Computation:
@@ -193,37 +186,37 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         with self._lock:
             fn = self._computations.get(computation_hash)
         if fn is None:
-            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"{what}: computation {computation_hash[:12]} is not loaded; "
-                            "send it with Load first")
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"{what}: computation {computation_hash[:12]} is not loaded; "
+                           "send it with Load first")
         return fn
 
     def _get(self, handle: int) -> Stored:
         with self._lock:
             stored = self._handles.get(handle)
         if stored is None:
-            raise _RpcError(grpc.StatusCode.NOT_FOUND,
-                            f"no value with handle {handle} on this device (released, or "
-                            "placed on another device)")
+            raise RpcError(grpc.StatusCode.NOT_FOUND,
+                           f"no value with handle {handle} on this device (released, or "
+                           "placed on another device)")
         return stored
 
     def _store(self, handle: int, stored: Stored) -> None:
         if stored.members is not None:
-            stored.nbytes = sum(_value_bytes(m) for m in stored.members)
+            stored.nbytes = sum(value_bytes(m) for m in stored.members)
         else:
-            stored.nbytes = _value_bytes(stored.shared)
+            stored.nbytes = value_bytes(stored.shared)
         stored.nbytes += CLIENT_ID_BYTES * len(stored.client_ids)
         with self._lock:
             if handle in self._handles:
-                raise _RpcError(grpc.StatusCode.ALREADY_EXISTS,
-                                f"handle {handle} is already in use on this device; the "
-                                "coordinator must pick a fresh handle per value")
+                raise RpcError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"handle {handle} is already in use on this device; the "
+                               "coordinator must pick a fresh handle per value")
             if self._stored_bytes + stored.nbytes > self.max_stored_bytes:
-                raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"storing {stored.nbytes} more bytes would exceed this "
-                                f"device's cap of {self.max_stored_bytes} bytes "
-                                f"({self._stored_bytes} held); release values or raise "
-                                "--max-stored-bytes")
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"storing {stored.nbytes} more bytes would exceed this "
+                               f"device's cap of {self.max_stored_bytes} bytes "
+                               f"({self._stored_bytes} held); release values or raise "
+                               "--max-stored-bytes")
             self._handles[handle] = stored
             self._stored_bytes += stored.nbytes
 
@@ -251,10 +244,10 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         self.moved.add(len(body))
         digest = hashlib.sha256(body).hexdigest()
         if digest != request.computation_hash:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Load: computation_hash {request.computation_hash[:16]!r} is not "
-                            f"the sha256 of the computation's bytes ({digest[:16]}...); "
-                            "send the hex sha256 of exactly the bytes sent")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Load: computation_hash {request.computation_hash[:16]!r} is not "
+                           f"the sha256 of the computation's bytes ({digest[:16]}...); "
+                           "send the hex sha256 of exactly the bytes sent")
         with self._lock:
             if request.computation_hash in self._computations:
                 return pb.LoadResponse(already_loaded=True)
@@ -264,9 +257,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         try:
             proto.ParseFromString(body)
         except Exception as e:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Load: the bytes of computation {request.computation_hash[:12]} "
-                            f"are not a serialized federated_language Computation ({e})")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Load: the bytes of computation {request.computation_hash[:12]} "
+                           f"are not a serialized federated_language Computation ({e})")
         del body
         compile_local(proto)  # refused here, at Load, when it cannot run
         with self._lock:
@@ -291,25 +284,25 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 check(first, message)
             if message.HasField("from_store"):
                 if message.values or members:
-                    raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"{what} stream mixes client values and from_store reads")
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{what} stream mixes client values and from_store reads")
                 received += message.from_store.ByteSize()
-                self._check_room(received, f"{what} from_store stream")
+                self.check_room(received, f"{what} from_store stream")
                 reads.append(message.from_store)
                 continue
             if reads and message.values:
-                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{what} stream mixes client values and from_store reads")
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{what} stream mixes client values and from_store reads")
             self._check_clients(len(members) + len(message.values), what)
             for item in message.values:
                 ids.append(item.client_id)
                 members.append(wire.decode_value(item.value))  # a copy of the bytes
-                received += _value_bytes(members[-1])
+                received += value_bytes(members[-1])
             self.moved.add(received - before)
-            self._check_room(received, what)
+            self.check_room(received, what)
             message.ClearField("values")  # the decoded copies are all that is kept
         if first is None:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} stream sent no message")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} stream sent no message")
         check_unique_ids(ids, what)
         return first, ids, members, reads, received
 
@@ -317,8 +310,8 @@ class DeviceServicer(pb_grpc.DeviceServicer):
     def Put(self, request_iterator, context):
         def same_handle(first, message):
             if message.handle != first.handle:
-                raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"Put stream mixes handles {first.handle} and {message.handle}")
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"Put stream mixes handles {first.handle} and {message.handle}")
 
         head, ids, members, reads, _ = self.read_clients(request_iterator, "Put", same_handle)
         if reads:
@@ -338,8 +331,8 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             count = stop - first
         self._check_clients(count, "Broadcast")
         value = wire.decode_value(request.value)  # sized from the copy, not re-encoded
-        self.moved.add(_value_bytes(value))
-        self._check_room(_value_bytes(value) + CLIENT_ID_BYTES * count, "Broadcast")
+        self.moved.add(value_bytes(value))
+        self.check_room(value_bytes(value) + CLIENT_ID_BYTES * count, "Broadcast")
         ids = (list(range(first, stop)) if request.HasField("client_range")
                else list(request.client_ids))
         check_unique_ids(ids, "Broadcast")
@@ -358,18 +351,18 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         from fax_bridge.runtime import population as pop
 
         if self.population is None:
-            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                            "from_store: this device hosts no population; start it with "
-                            "--population DIR (a directory written by write_population)")
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "from_store: this device hosts no population; start it with "
+                           "--population DIR (a directory written by write_population)")
         head = reads[0]
         if head.population and head.population != self.population_name:
-            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"from_store asks for population {head.population!r} but "
-                            f"this device hosts {self.population_name!r}")
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"from_store asks for population {head.population!r} but "
+                           f"this device hosts {self.population_name!r}")
         member_type, columns = self._read_plan(head.member_type, tuple(head.keys))
         if head.first_client < 0:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"from_store: first_client {head.first_client} is negative")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"from_store: first_client {head.first_client} is negative")
         store = self.population
         limit = min(store.num_clients * 4 + 1024, self.max_clients)
         chunks, count = [], 0
@@ -377,9 +370,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
             if read.ranges:
                 spans = [(r.start, r.stop) for r in read.ranges]
                 if any(lo < 0 or hi < lo for lo, hi in spans):
-                    raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "from_store: a client range has start < 0 or "
-                                    "stop < start")
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "from_store: a client range has start < 0 or "
+                                   "stop < start")
                 count += sum(hi - lo for lo, hi in spans)
                 if count > limit:
                     break
@@ -388,19 +381,19 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 count += len(read.population_ids)
                 chunks.append(np.asarray(read.population_ids, dtype=np.int64))
         if count > limit:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"from_store names {count} clients, far more than the "
-                            f"{store.num_clients} this population holds")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"from_store names {count} clients, far more than the "
+                           f"{store.num_clients} this population holds")
         ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         pop.check_ids(store, ids)
-        self._check_room(pop.rows_bytes(store, columns, ids), f"reading {len(ids)} clients")
+        self.check_room(pop.rows_bytes(store, columns, ids), f"reading {len(ids)} clients")
         try:
             members = pop.read_members(store, member_type, columns, ids)
         except DataError as e:  # a store file changed on disk: this read only is refused
             log.error("population %r: %s", self.population_name, e)
-            raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"from_store: the hosted population {self.population_name!r} "
-                            f"changed on disk: {e}") from None
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"from_store: the hosted population {self.population_name!r} "
+                           f"changed on disk: {e}") from None
         return int(head.first_client), members
 
     def _read_plan(self, member_type_bytes: bytes, keys: tuple) -> tuple:
@@ -416,11 +409,11 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         try:
             type_proto.ParseFromString(member_type_bytes)
         except Exception as e:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"from_store: member_type is not a serialized Type ({e})")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"from_store: member_type is not a serialized Type ({e})")
         member_type = local_eval.parse_type(type_proto)
         if member_type is None:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "from_store: member_type is empty")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "from_store: member_type is empty")
         found = (member_type, pop.plan_columns(self.population, member_type, list(keys)))
         if len(self._read_plans) < 64:
             self._read_plans[(member_type_bytes, keys)] = found
@@ -434,19 +427,19 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         from fax_bridge.runtime import client_map
 
         ids_bytes = CLIENT_ID_BYTES * len(arg.client_ids)
-        with self._compute:
+        with self.computing:
             start = time.perf_counter()
             clock = time.monotonic()
             members = [None] * len(arg.client_ids) if request.no_argument else arg.member_list()
             guard = client_map.Guard(
-                tick=lambda: self._check_time(clock, context, "Map"),
-                room=lambda produced: self._check_room(ids_bytes + produced, "Map's results"),
-                size=_value_bytes)
+                tick=lambda: self.check_time(clock, context, "Map"),
+                room=lambda produced: self.check_room(ids_bytes + produced, "Map's results"),
+                size=value_bytes)
             results = client_map.map_clients(fn, members, key=request.computation_hash,
                                              no_argument=request.no_argument, guard=guard)
             elapsed = time.perf_counter() - start
         if delay > 0 and self.stopping.wait(delay):
-            raise _RpcError(grpc.StatusCode.UNAVAILABLE, "Map: the device is shutting down")
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "Map: the device is shutting down")
         self._store(request.result, Stored(client_ids=list(arg.client_ids), members=results))
         return pb.MapResponse(num_clients=len(results), compute_seconds=elapsed)
 
@@ -455,13 +448,13 @@ class DeviceServicer(pb_grpc.DeviceServicer):
         fields = [(f.name if f.HasField("name") else None, self._get(f.handle))
                   for f in request.fields]
         if not fields:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT, "Zip needs at least one field")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "Zip needs at least one field")
         ids = fields[0][1].client_ids
         for name, stored in fields[1:]:
             if stored.client_ids != ids:
-                raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"Zip fields hold different clients ({len(ids)} vs "
-                                f"{len(stored.client_ids)} clients, or another order)")
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"Zip fields hold different clients ({len(ids)} vs "
+                               f"{len(stored.client_ids)} clients, or another order)")
         if all(stored.members is None for _, stored in fields):
             shared = structure.Struct([(n, s.shared) for n, s in fields])
             self._store(request.result, Stored(client_ids=list(ids), shared=shared))
@@ -476,19 +469,19 @@ class DeviceServicer(pb_grpc.DeviceServicer):
     def Aggregate(self, request, context):
         kind = partials.ENUM_TO_KIND.get(request.kind)
         if kind is None:
-            raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"Aggregate: unknown aggregation number {request.kind}")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Aggregate: unknown aggregation number {request.kind}")
         stored = self._get(request.value)
         weights = None
         if kind == "weighted_mean":
             weight_store = self._get(request.weights)
             if weight_store.client_ids != stored.client_ids:
-                raise _RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                                "weighted_mean: weights and values hold different clients")
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "weighted_mean: weights and values hold different clients")
             weights = weight_store.member_list()
         bitwidth = (wire.decode_value(request.bitwidth)
                      if request.HasField("bitwidth") else None)
-        with self._compute:
+        with self.computing:
             partial = aggregation.partial_of(kind, stored.member_list(), weights, bitwidth)
         return partials.to_message(partial)
 
@@ -537,10 +530,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
 
 
 # ---------------------------------------------------------------------------------------
-# Storage accounting and the module's entry points
+# Client ids
 
 
-ARRAY_OVERHEAD_BYTES = 128  # what python spends on an array beside its data
 CLIENT_ID_BYTES = 32        # a client id in a list (the int and its slot)
 
 
@@ -557,32 +549,13 @@ def check_unique_ids(ids: Sequence[int], what: str) -> None:
     if repeated.size:
         first = int(repeated[0])
         times = int(np.count_nonzero(order == first))
-        raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{what} names client id {first} {times} times (and "
-                        f"{np.unique(repeated).size} repeated ids in all); every client "
-                        "id of a value must be distinct")
-
-
-def _value_bytes(value) -> int:
-    """Bytes a local value holds: its arrays' data plus their python overhead."""
-    if value is None:
-        return 0
-    return sum(int(leaf.nbytes) + ARRAY_OVERHEAD_BYTES for leaf in leaves(value))
-
-
-def register(subparsers) -> None:
-    """Adds the `device` subcommand to the fax-bridge CLI (see `device_cli`)."""
-    from fax_bridge.fleet import device_cli
-
-    device_cli.register(subparsers)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m fax_bridge.fleet.device ...`: the same as `fax-bridge device ...`."""
-    from fax_bridge.fleet import device_cli
-
-    return device_cli.main(argv)
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"{what} names client id {first} {times} times (and "
+                       f"{np.unique(repeated).size} repeated ids in all); every client "
+                       "id of a value must be distinct")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit("python -m fax_bridge.fleet.device: this module is the device service, not a "
+             "command; start a device with `fax-bridge device ...` or `python -m "
+             "fax_bridge.fleet.device_cli ...`")

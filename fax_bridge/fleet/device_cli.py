@@ -1,4 +1,5 @@
-"""The `fax-bridge device` command line: flags (every resource bound among them, with
+"""The `fax-bridge device` command line (also `python -m fax_bridge.fleet.device_cli`, the
+command a launcher starts each device with): flags (every resource bound among them, with
 safe defaults) read, checked and handed to `device_process.serve`."""
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from typing import Optional, Sequence
 from fax_bridge import cli_args
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
-from fax_bridge.fleet import device
 from fax_bridge.fleet.device_process import serve
 from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_SECONDS,
                                       DEFAULT_MAX_CLIENTS, DEFAULT_MAX_CONCURRENT_CALLS,
                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_MESSAGE_BYTES,
                                       DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS)
+
+DESCRIPTION = ("The device server: one process hosting virtual clients, their data and "
+               "their results.")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -104,15 +107,17 @@ def register(subparsers) -> None:
     """Adds the `device` subcommand to the fax-bridge CLI."""
     parser = subparsers.add_parser(
         "device", help="serve a simulated device (virtual clients) over gRPC",
-        description=device.__doc__.splitlines()[0])
+        description=DESCRIPTION)
     _add_arguments(parser)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m fax_bridge.fleet.device ...`: the same as `fax-bridge device ...`."""
-    parser = argparse.ArgumentParser(prog="fax-bridge device",
-                                     description=device.__doc__.splitlines()[0])
+    """`python -m fax_bridge.fleet.device_cli ...`: the same as `fax-bridge device ...`."""
+    parser = argparse.ArgumentParser(prog="fax-bridge device", description=DESCRIPTION)
     _add_arguments(parser)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
+
+if __name__ == "__main__":
+    sys.exit(main())

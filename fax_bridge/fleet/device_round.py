@@ -17,20 +17,9 @@ import time
 import grpc
 
 from fax_bridge.fleet import partials, plan, wire
+from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import client_map
 from fax_bridge.v1 import device_pb2 as pb
-
-
-def _error(code: grpc.StatusCode, message: str) -> Exception:
-    from fax_bridge.fleet.device import _RpcError
-
-    return _RpcError(code, message)
-
-
-def _value_bytes(value) -> int:
-    from fax_bridge.fleet.device import _value_bytes as size
-
-    return size(value)
 
 
 def run_round(device, request_iterator, context, method: str = "Round") -> pb.RoundResponse:
@@ -43,25 +32,25 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
     for spec in head.aggregations:
         kind = partials.ENUM_TO_KIND.get(spec.kind)
         if kind is None or kind in ("secure_sum_bitwidth", "secure_sum"):
-            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"{method}: aggregation number {spec.kind} cannot run in a round "
-                         "plan")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{method}: aggregation number {spec.kind} cannot run in a round "
+                           "plan")
         if (kind == "weighted_mean") != spec.HasField("weight_index"):
-            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"{method}: a {kind} aggregation must name a weight_index exactly "
-                         "when it is a weighted mean")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{method}: a {kind} aggregation must name a weight_index exactly "
+                           "when it is a weighted mean")
         kinds.append(kind)
     if reads:
         _, members = device.read_store(reads)
     sent = wire.decode_value(head.broadcast)
-    with device._compute:
+    with device.computing:
         start = time.perf_counter()
         clock = time.monotonic()
         guard = client_map.Guard(
-            tick=lambda: device._check_time(clock, context, method),
-            room=lambda produced: device._check_room(received + produced,
-                                                     f"{method}'s client results"),
-            size=_value_bytes)
+            tick=lambda: device.check_time(clock, context, method),
+            room=lambda produced: device.check_room(received + produced,
+                                                    f"{method}'s client results"),
+            size=value_bytes)
         specs = [(kind, spec.value_index,
                   spec.weight_index if kind == "weighted_mean" else None)
                  for spec, kind in zip(head.aggregations, kinds)]
@@ -71,5 +60,5 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
             partials.to_message(partial, answer.partials.add())
         answer.compute_seconds = time.perf_counter() - start
     if delay > 0 and device.stopping.wait(delay):
-        raise _error(grpc.StatusCode.UNAVAILABLE, f"{method}: the device is shutting down")
+        raise RpcError(grpc.StatusCode.UNAVAILABLE, f"{method}: the device is shutting down")
     return answer

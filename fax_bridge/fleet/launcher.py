@@ -4,7 +4,7 @@
         result = fleet.run(proto, server_state, client_data)
         print(fleet.last_report.summary())
 
-Each device is `python -m fax_bridge.fleet.device --listen 127.0.0.1:0` in its own
+Each device is `python -m fax_bridge.fleet.device_cli --listen 127.0.0.1:0` in its own
 process group; the fleet reads the port each one prints, waits for Health, and on exit
 (normal, exception or Ctrl-C) stops every process: SIGTERM to the group, SIGKILL after a
 grace period. An atexit hook covers interpreters that exit without leaving the `with`
@@ -193,7 +193,7 @@ class LocalFleet(FleetRounds):
         return env
 
     def _device_command(self, index: int) -> list[str]:
-        command = [self.python, "-m", "fax_bridge.fleet.device",
+        command = [self.python, "-m", "fax_bridge.fleet.device_cli",
                    "--listen", "127.0.0.1:0", "--device-id", f"device-{index}",
                    "--parent-pid", str(os.getpid())]
         if self._device_tls is not None:

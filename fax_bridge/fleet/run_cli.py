@@ -26,9 +26,9 @@ from fax_bridge.errors import ComputationError, FaxBridgeError
 
 def missing_inputs(param: federated_language.Type) -> str:
     """Why a computation with parameter `param` cannot run without --inputs, and the fix."""
-    from fax_bridge.runtime import values
+    from fax_bridge.runtime import npz_keys
 
-    layout = values.npz_layout(param)
+    layout = npz_keys.npz_layout(param)
     shown = ", ".join(f"`{k}` ({t})" for k, t in layout[:8])
     more = f" and {len(layout) - 8} more" if len(layout) > 8 else ""
     return (f"no --inputs given, but the computation takes an argument {param}; save its "
@@ -46,7 +46,7 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
     tensors' dtypes unless `cast` (conversion within a kind, e.g. float64 to float32).
     """
     from fax_bridge.fleet.launcher import LocalFleet
-    from fax_bridge.runtime import interpreter, values
+    from fax_bridge.runtime import interpreter, npz_keys, values
     from fax_bridge.tff.files import load_computation
 
     prepared = interpreter.prepare(load_computation(comp_path))
@@ -54,7 +54,7 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
     if inputs_path is None and param is not None:
         raise ComputationError(missing_inputs(param))
     npz = cli_args.load_npz(inputs_path) if inputs_path else {}
-    arg = values.args_from_npz(npz, param, cast=cast)
+    arg = npz_keys.args_from_npz(npz, param, cast=cast)
     args: tuple = ()
     if isinstance(param, federated_language.StructType):  # one argument per element
         tree = values.to_pytree(arg, param)
@@ -70,7 +70,7 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
     with fleet_cm as fleet:
         result, report = fleet.run(prepared, *args, report=True, num_clients=clients)
     value = values.from_pytree(result, prepared.result)
-    return values.result_to_npz(value, prepared.result), report
+    return npz_keys.result_to_npz(value, prepared.result), report
 
 
 def _run(args: argparse.Namespace) -> int:

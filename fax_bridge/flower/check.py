@@ -28,7 +28,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     from federated_language.common_libs import structure
 
     from fax_bridge.fleet import plan as round_plan
-    from fax_bridge.runtime import values
+    from fax_bridge.runtime import npz_keys, values
 
     start = time.perf_counter()
     state, data = args[0], args[1]
@@ -39,7 +39,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
         state = result[0]
     local_s = time.perf_counter() - start
     result_type = made.prepared.result
-    want = values.result_to_npz(values.from_pytree(jax.device_get(result), result_type),
+    want = npz_keys.result_to_npz(values.from_pytree(jax.device_get(result), result_type),
                                 result_type)
     with np.load(result_npz) as f:
         got = {k: f[k] for k in f.files}
@@ -56,7 +56,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
         fleet = round_plan.run_in_process(made.plan, structure.Struct(
             [(None, fleet_state), (None, bound[1])]))
         fleet_state = fleet[0]
-    fleet_npz = values.result_to_npz(fleet, result_type)
+    fleet_npz = npz_keys.result_to_npz(fleet, result_type)
     same = sorted(fleet_npz) == sorted(got) and all(
         fleet_npz[k].tobytes() == np.asarray(got[k]).tobytes() for k in fleet_npz)
     return report, same

@@ -213,12 +213,12 @@ class _Outputs:
         self._write("reports.jsonl", "".join(line + "\n" for line in lines).encode())
 
     def result(self, made, result: Any) -> None:
-        from fax_bridge.runtime import values
+        from fax_bridge.runtime import npz_keys
 
         if self.folder:
             path = os.path.join(self.folder, "result.npz")
             tmp = path + ".tmp.npz"
-            np.savez(tmp, **values.result_to_npz(result, made.prepared.result))
+            np.savez(tmp, **npz_keys.result_to_npz(result, made.prepared.result))
             os.replace(tmp, path)
 
     def _write(self, name: str, data: bytes) -> None:

@@ -1,11 +1,12 @@
 """Runtime: interprets federated_language Computation protos (coordinator side).
 
 Modules: `interpreter` (evaluate / run_computation), `local_eval` (compile_local for
-local parts, also used by device servers), `values` (pytree and npz conversions),
-`backend` (the ClientsBackend contract), `local_backend` (in-process clients),
-`aggregation` (what each aggregation means, exact sums via `exact`), `population`
-(CLIENTS inputs read from a population store by reference), `hlo` (HLO compilation),
-`client_map` (a local computation over many clients as one XLA call).
+local parts, also used by device servers), `values` (pytree conversions), `npz_keys`
+(npz keys of inputs and results), `backend` (the ClientsBackend contract),
+`local_backend` (in-process clients), `aggregation` (what each aggregation means, exact
+sums via `exact`), `population` (CLIENTS inputs read from a population store by
+reference), `hlo` (HLO compilation), `client_map` (a local computation over many clients
+as one XLA call).
 The names below load their module on first use.
 """
 
@@ -17,8 +18,8 @@ _LAZY = {
     "computation_type": "interpreter",
     "compile_local": "local_eval",
     "content_hash": "local_eval",
-    "args_from_npz": "values",
-    "result_to_npz": "values",
+    "args_from_npz": "npz_keys",
+    "result_to_npz": "npz_keys",
     "LocalClientsBackend": "local_backend",
     "ClientsBackend": "backend",
     "ClientsValue": "backend",

@@ -45,6 +45,7 @@ from fax_bridge.runtime import result_structure
 from fax_bridge.tff import emitters, stages
 from fax_bridge.tff import types as tff_types
 from fax_bridge.tff import xla as tff_xla
+from fax_bridge.tff.exportable import check_exportable
 
 S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
 
@@ -80,18 +81,6 @@ def _fed_type(member_type, placement: Placement) -> federated_language.Federated
 def _host(value):
     """A folded constant as numpy; a typed PRNG key stays jax (it never crosses)."""
     return value if tff_types.is_typed_key(value) else np.asarray(value)
-
-
-def _fix_hint(v: tracing.Violation) -> str:
-    name = v.eqn.primitive.name
-    if name in ("slice", "gather", "dynamic_slice", "squeeze", "index_in_dim"):
-        return ("it reads the slice of particular clients. Compute per client inside "
-                "federated_map_clients, or aggregate with federated_mean/federated_sum.")
-    if name.startswith("reduce_") or name in ("argmax", "argmin"):
-        return ("it reduces over the clients axis. Use federated_sum, federated_mean or "
-                "federated_weighted_mean to aggregate.")
-    return ("cross-client work must go through the federated primitives; compute per "
-            "client inside federated_map_clients and aggregate with federated_sum/mean.")
 
 
 class _Exporter:
@@ -131,35 +120,6 @@ class _Exporter:
             for var, leaf in zip(group.leaf_vars, leaves):
                 self.where.setdefault(var, (group, tuple(leaf.index_path)))
         return group
-
-    # ----------------------------------------------------------------- checks
-
-    def check_exportable(self) -> None:
-        if self.comp.violations:
-            v = self.comp.violations[0]
-            raise ExportError(
-                f"cannot export: {v.eqn.primitive.name} at {v.location} {v.reason}; "
-                f"{_fix_hint(v)}")
-        args = jax.tree_util.tree_unflatten(self.comp.in_tree, list(self.comp.in_avals))
-        tff_types.refuse_typed_keys(args, self.arg_names)  # named as the user wrote them
-        for path, aval in zip(self.comp.out_paths, self.comp.out_avals):
-            if tff_types.is_typed_key(aval):
-                raise ExportError(f"result {path} is a typed PRNG key ({aval.dtype}); "
-                                  f"{tff_types.TYPED_KEY_FIX}")
-        for eqn in self.comp.jaxpr.jaxpr.eqns:
-            facts = facts_of(eqn.primitive)
-            if facts is not None and any(
-                    tff_types.is_typed_key(v.aval) for v in [*eqn.invars, *eqn.outvars]):
-                self.fail(eqn, "a typed PRNG key crosses placements; "
-                               f"{tff_types.TYPED_KEY_FIX}")
-            if facts is not None and facts.movement is Movement.MAP:
-                continue
-            for sub in core.jaxprs_in_params(eqn.params):
-                if tracing._clients_from_jaxpr(sub):
-                    self.fail(eqn, (
-                        "federated operations inside control flow cannot be exported: TFF "
-                        "has no loop or branch over federated values. Export one round and "
-                        "loop in Python around the runtime, or unroll the loop."))
 
     # ----------------------------------------------------------------- constants
 
@@ -515,7 +475,7 @@ def export_computation(comp: tracing.FederatedComputation,
     n_args = len(jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals)))))
     try:
         exporter = _Exporter(comp, arg_names or [None] * n_args, round_form)
-        exporter.check_exportable()
+        check_exportable(comp, exporter.arg_names)
         exporter.fold_constants()
         param_name, param_type = exporter.parameter()
         exporter.body()
