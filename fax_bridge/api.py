@@ -252,7 +252,8 @@ def _check_concrete_weights(w) -> None:
     weights (under jit) cannot be read and pass as they are."""
     if isinstance(w, jax.core.Tracer) or not w.size:
         return
-    refusal = weights_refusal(float(jnp.min(w)), bool(jnp.any(jnp.sum(w, axis=0) == 0)))
+    w = np.asarray(w)  # read on the host: a jnp op here would be staged into a jit trace
+    refusal = weights_refusal(float(np.min(w)), bool(np.any(np.sum(w, axis=0) == 0)))
     if refusal:
         raise WeightError(f"{refusal} (at {user_location()})")
 

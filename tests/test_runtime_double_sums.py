@@ -7,8 +7,10 @@ import math
 import federated_language as fl
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
+from fax_bridge.errors import WeightError
 from fax_bridge.fleet import partials, validate
 from fax_bridge.runtime import aggregation, double_sums, float_bits
 from fax_bridge.runtime.double_sums import DoubleSum
@@ -55,6 +57,11 @@ def test_the_float64_form_gives_the_limbs_bits(dtype, kind, n, data):
                                       None if weights is None else weights[lo:hi])
         part = _limbs_only(part) if limbs else part
         aggregation.merge(total, partials.from_message(kind, partials.to_message(part)))
+    if weights is not None and not any(weights):  # zero total: refused in either form
+        for partial in (_limbs_only(aggregation.partial_of(kind, members, weights)), total):
+            with pytest.raises(WeightError, match="sum to zero"):
+                aggregation.finish(partial)
+        return
     want = aggregation.finish(_limbs_only(aggregation.partial_of(kind, members, weights)))
     got = aggregation.finish(total)
     assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
