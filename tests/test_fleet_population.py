@@ -237,8 +237,8 @@ def test_put_streams_messages_one_at_a_time(data):
 
                 def __call__(self, requests, **kw):
                     taken, sent = [], 0
-                    for message in requests:
-                        sent += len(message.values)
+                    for message in requests:  # each serialized once, as gRPC sends it
+                        sent += len(pb.PutRequest.FromString(message).values)
                         ahead.append(values.read - sent)
                         taken.append(message)
                     return real.Put(iter(taken), **kw)

@@ -158,6 +158,6 @@ def test_same_aggregate_and_clip_trajectory_as_tff(tmp_path):
                 e_mean, exported_state, _ = run_computation(proto, exported_state, value)
                 for k in ("a", "b"):
                     np.testing.assert_allclose(e_mean[k], mean[k], rtol=1e-6, atol=1e-8)
-                np.testing.assert_allclose(exported_state["clip"], state.clip, rtol=1e-6)
+                np.testing.assert_allclose(exported_state.clip, state.clip, rtol=1e-6)
         if factory == "gaussian_adaptive":  # the clip really moved
             assert len(set(np.round(tff[name]["clips"], 6))) == ROUNDS, tff[name]["clips"]

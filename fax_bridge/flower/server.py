@@ -135,9 +135,9 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
         env = plan_server.prepare(plan, made.server_arg(state), None, len(ids))
         wait = settings.deadline_s(first)
         sends = _train_messages(made, env, nodes, ids, round_index, max(wait, 1.0))
-        rep.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
-                             for _, _, m in sends)
-        rep.rpcs = len(sends)
+        rep.traffic.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
+                                     for _, _, m in sends)
+        rep.traffic.rpcs = len(sends)
         replies = flower_nodes.exchange(grid, [m for _, _, m in sends], wait,
                                         settings.poll_s)
         kinds = [a.kind for a in plan.aggregations]
@@ -153,8 +153,8 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
                 continue
             where = node.name
             content = reply.content
-            rep.bytes_up += records.payload_bytes(content[records.PARTIALS])
-            rep.compute_s += float(content[records.METRICS].get("compute-s", 0.0))
+            rep.traffic.bytes_up += records.payload_bytes(content[records.PARTIALS])
+            rep.traffic.compute_seconds += float(content[records.METRICS].get("compute-s", 0.0))
             answers = records.from_layout(
                 records.numpy_dict(content[records.PARTIALS], where),
                 content[records.LAYOUT], content[records.METRICS].get("num-clients", []),
@@ -164,7 +164,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
                 partial, payload = validate.check_partial(
                     answer, agg.kind, value_types, weight_types, len(mine), where,
                     pending=pending)
-                rep.payload_up += payload
+                rep.traffic.payload_up += payload
                 found.append((total, partial))
         if lost:
             rep.lost_devices = reasons  # each node's name and why it was dropped
