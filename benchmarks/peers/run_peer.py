@@ -83,16 +83,8 @@ def kill_group(pgid: int, grace_s: float = 3.0) -> None:
 
 def last_json(stdout: str) -> Optional[Dict[str, Any]]:
     """The last line of `stdout` that is a JSON object with a `peer` key."""
-    for line in reversed(stdout.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(obj, dict) and "peer" in obj:
-                return obj
-    return None
+    found = peer_json_lines(stdout)
+    return found[-1] if found else None
 
 
 def child_env() -> Dict[str, str]:
