@@ -1,5 +1,6 @@
 """Tests of fax_bridge.runtime.hlo: HloModuleProto bytes compiled and run on numpy arrays."""
 
+import re
 import string
 import time
 
@@ -133,8 +134,13 @@ def test_xla_dying_on_a_module_is_a_named_error_and_the_caller_lives(
         hlo.to_stablehlo(crasher)
     text = str(info.value)
     assert f"XLA died reading the Xla computation's HloModuleProto `jit__lambda`" in text
-    assert f"killed by {signal}" in text
-    assert signal != "SIGABRT" or "Check failed" in text  # XLA's own reason, quoted
+    # How the helper dies is XLA's undefined behaviour on a bad pointer for the root's
+    # shape (SIGSEGV here, once another ending in a full run); the host's is a CHECK.
+    died = re.search(r"the XLA import process was (killed by (SIG[A-Z]+)|exited with "
+                     r"status -?\d+)", text)
+    assert died, text
+    assert where == "root" or died.group(2) == signal
+    assert died.group(2) != "SIGABRT" or "Check failed" in text  # XLA's reason, quoted
     with pytest.raises(HloModuleError, match="XLA died"):  # remembered, not re-run
         hlo.program_text(crasher)
     a, b = np.array([1.0, 2.0], np.float32), np.array([3.0, 4.0], np.float32)
