@@ -162,7 +162,9 @@ def measure(path: str, params: int, rounds: int, devices: int,
             kwargs = {}
             if profile_dir:
                 os.environ[PROFILE_ENV] = profile_dir
-                kwargs["python"] = _shim_script(profile_dir)
+                sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+                from round_profile import shim_script  # noqa: E402  (a sibling script)
+                kwargs["python"] = shim_script(profile_dir, __file__)
             with fb.LocalFleet(devices=devices, **kwargs) as fleet:
                 times, cpus = _times(lambda: fleet.run(proto, *args), rounds, prof,
                                      tuple(fleet.pids))
@@ -178,16 +180,6 @@ def measure(path: str, params: int, rounds: int, devices: int,
                peak_rss_mb=round(peak_rss_mb(), 1), devices=devices if path == "fleet" else 0)
     del np
     return row
-
-
-def _shim_script(directory: str) -> str:
-    """An interpreter for the devices: this script, profiling each round handler."""
-    path = os.path.join(directory, "device-python")
-    with open(path, "w") as f:
-        f.write(f'#!/bin/sh\nexec "{sys.executable}" "{os.path.abspath(__file__)}" '
-                f'--device-shim "$@"\n')
-    os.chmod(path, 0o755)
-    return path
 
 
 def _device_shim(argv: list) -> None:

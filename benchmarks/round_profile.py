@@ -114,10 +114,12 @@ def _coordinator_timers(log: list) -> None:
     _timed(plan_runner, "run_plan", log, "run_plan (all of the above but sampling)")
 
 
-def _shim_script(directory: str) -> str:
+def shim_script(directory: str, script: str = __file__) -> str:
+    """An interpreter for device processes, written into `directory`: `script` run with
+    `--device-shim` and the device's arguments (this script's by default)."""
     path = os.path.join(directory, "device-python")
     with open(path, "w") as f:
-        f.write(f'#!/bin/sh\nexec "{sys.executable}" "{os.path.abspath(__file__)}" '
+        f.write(f'#!/bin/sh\nexec "{sys.executable}" "{os.path.abspath(script)}" '
                 f'--device-shim "$@"\n')
     os.chmod(path, 0o755)
     return path
@@ -151,7 +153,7 @@ def profile(devices: int, rounds: int) -> dict:
         os.environ[PROFILE_DIR_ENV] = scratch
         rounds_log: list = []
         with fb.LocalFleet(devices=devices, population=population,
-                           python=_shim_script(scratch)) as fleet:
+                           python=shim_script(scratch)) as fleet:
             for r in range(rounds):
                 ids = workload.cohort(0, r)
                 cohort = tuple(fb.PopulationRef(keys=[k], client_ids=ids)
