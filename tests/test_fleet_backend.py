@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge.errors import AggregationError, ClientCountError, FleetError
+from fax_bridge.errors import AggregationError, ClientCountError, FleetError, WeightError
 import sample_computations as sc
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.rounds import RoundPolicy
@@ -100,6 +100,14 @@ def test_exact_zeros_and_cancellations_give_in_process_bits_on_any_fleet(
         args = (xs, w)
     else:
         proto, args = sc.scaled_aggregate((2,), kind), (xs, np.ones(2, np.float32))
+    if kind == "weighted_mean" and not w.any():  # zero total: refused on every path
+        with pytest.raises(WeightError, match="sum to zero"):
+            _local(proto, *args)
+        for fleet in (fleet2, fleet3):
+            for pre in (True, False):
+                with pytest.raises(WeightError, match="sum to zero"):
+                    _run(fleet, proto, *args, preaggregate=pre)
+        return
     want = _local(proto, *args)
     for fleet in (fleet2, fleet3):
         for pre in (True, False):
