@@ -49,10 +49,14 @@ fuzz: $(STAMP)
 	$(PY) tools/fuzz.py --cases 2200
 
 # fax_bridge (local and fleet) against google-fax, TFF 0.87 and Flower, each peer in its
-# own venv; a peer whose venv cannot be built is reported as skipped.
+# own venv; a peer whose venv cannot be built is reported as skipped. Then the model-size
+# sweep: four models, 10k to 10M parameters, jit (fax_bridge, hand-written, DrJAX), the
+# exported round in process and on a LocalFleet, and Flower's simulation on the linear model.
 bench: $(STAMP)
 	benchmarks/peers/setup_venvs.sh all || echo "bench: some peer venvs could not be built; they are reported as skipped"
 	$(PY) benchmarks/bench.py --workload both --repeats 3 --json out/bench/bench.json --log-dir out/bench/logs
+	$(PY) benchmarks/model_sizes.py --paths runtime fleet --flower --json out/bench/model_sizes.json \
+		--plot docs/img/model_sizes.png
 
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --both --out out/scaling.json

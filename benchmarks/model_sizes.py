@@ -19,7 +19,17 @@ SGD step on every client, aggregate) runs as:
   hand-written form on XLA's CPU backend;
 - `drjax`: the same program in DrJAX 0.2.1 (`drjax.program`, `map_fn`, `reduce_*`);
 - with `--paths runtime fleet`, also the exported proto run by
-  `fax_bridge.runtime.run_computation` and by a `LocalFleet(devices=2)`.
+  `fax_bridge.runtime.run_computation` and by a `LocalFleet(devices=2)`, with the bytes
+  the fleet's last round moved (`RoundReport`) and the devices' peak resident memory;
+- with `--flower`, Flower 1.42's simulation engine (`benchmarks/peers/flower_sizes.py`, in
+  `.venv-flower`) doing the linear model's round at the same sizes: `w: [d, d]`, one SGD
+  step on 8 examples per client, FedAvg weighted by example counts, so it stands in the
+  linear model's `weighted` rows (its data and learning rate are its own: times compare,
+  results do not).
+
+Each row also records this process's peak resident memory (`VmHWM`) when it was done:
+sizes run smallest first, so a row's figure is the largest its size or a smaller one
+needed.
 
 Times are medians of `--repeats` samples after a warm-up call (compile excluded; a sample
 of a round under 20 ms is the mean of as many calls in a row as fill 20 ms). A round
@@ -55,6 +65,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fax_bridge as fb  # noqa: E402
+from fleet_sizes import peak_rss_mb  # noqa: E402  (benchmarks/)
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # DrJAX's notes that no mesh is set
 
@@ -342,6 +353,13 @@ def run_size(model: str, label: str, cfg: tuple, kinds: tuple, clients: int, rep
             compiled.update({p: run_path[p] for p in paths if p not in skipped})
         results, times = _measure(compiled, (params, data), repeats, slow, give_up)
         skipped.update(name for name, t in times.items() if max(t) > give_up)
+        fleet_round = None
+        if "fleet" in times and fleet.last_report is not None:
+            traffic = fleet.last_report.traffic
+            fleet_round = {"bytes_up": traffic.bytes_up, "bytes_down": traffic.bytes_down,
+                           "payload_up": traffic.payload_up,
+                           "device_peak_rss_mb": [round(peak_rss_mb(str(p)), 1)
+                                                  for p in fleet.pids]}
         med = {k: (statistics.median(times[k]) if k in times else None)
                for k in IMPLS + paths}
         ratio = lambda a: med[a] / med["hand"] if med[a] and med["hand"] else None
@@ -352,6 +370,7 @@ def run_size(model: str, label: str, cfg: tuple, kinds: tuple, clients: int, rep
             "drjax_over_hand": ratio("drjax"),
             "max_rel_diff": {k: max_rel_diff(results[k], results["hand"])
                              for k in results if k != "hand" and "hand" in results},
+            "peak_rss_mb": round(peak_rss_mb(), 1), "fleet_round": fleet_round,
         })
         print(format_row(rows[-1], paths), flush=True)
     return rows
@@ -373,7 +392,7 @@ def header(paths: tuple) -> str:
 
 def format_row(r: dict[str, Any], paths: tuple) -> str:
     m = r["median_s"]
-    ms = lambda k: "not run" if m.get(k) is None else _ms(m[k])
+    ms = lambda k: "-" if k not in m else "not run" if m[k] is None else _ms(m[k])
     ratio = lambda v: "-" if v is None else f"{v:.2f}"
     cols = [r["model"], r["size"], f"{r['params']:,}", r["kind"], ms("fax_bridge"), ms("hand"),
             ms("drjax"), ratio(r["fax_over_hand"]), ratio(r["drjax_over_hand"])]
@@ -395,7 +414,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
                              squeeze=False)
     axes = [list(grid.flat)]
     colors = {"linear": "C0", "mlp": "C1", "cnn": "C2", "lm": "C3"}
-    styles = {"fax_bridge": ("-", "o"), "hand": ("--", "s"), "drjax": (":", "^")}
+    styles = {"fax_bridge": ("-", "o"), "hand": ("--", "s"), "drjax": (":", "^"),
+              "runtime": ("-.", "v"), "fleet": ("-.", "D"), "flower": ((0, (1, 3)), "x")}
     for ax, kind in zip(axes[0], kinds):
         for model, color in colors.items():
             sel = sorted((r for r in rows if r["kind"] == kind and r["model"] == model),
@@ -403,7 +423,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
             if not sel:
                 continue
             for impl, (ls, marker) in styles.items():
-                pts = [(r["params"], r["median_s"][impl]) for r in sel if r["median_s"][impl]]
+                pts = [(r["params"], r["median_s"][impl]) for r in sel
+                       if r["median_s"].get(impl)]
+                if not pts:
+                    continue
                 ax.plot([p for p, _ in pts], [t for _, t in pts],
                         ls=ls, marker=marker, color=color, ms=4,
                         label=f"{model} {impl}")
@@ -436,6 +459,10 @@ def main(argv=None) -> dict[str, Any]:
                              "larger sizes of that model and aggregation")
     parser.add_argument("--paths", nargs="*", default=[], choices=["runtime", "fleet"],
                         help="also time the exported proto in process and on LocalFleet(2)")
+    parser.add_argument("--flower", action="store_true",
+                        help="also time Flower's simulation engine on the linear model's "
+                             "sizes (needs .venv-flower: benchmarks/peers/setup_venvs.sh "
+                             "flower)")
     parser.add_argument("--quick", action="store_true",
                         help="only the smallest size of each model")
     parser.add_argument("--json", default=None)
@@ -466,9 +493,13 @@ def main(argv=None) -> dict[str, Any]:
                                  args.slow, paths, fleet, given_up, args.give_up)
     import drjax
 
+    flower = run_flower(rows, args.clients, repeats) if args.flower else None
+    if flower is not None:
+        paths += ("flower",)
     result = {
         "config": {"clients": args.clients, "repeats": repeats, "slow_s": args.slow,
                    "give_up_s": args.give_up, "batch": BATCH, "paths": list(paths),
+                   "flower": flower,
                    "jax": jax.__version__, "drjax": drjax.__version__,
                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -479,8 +510,63 @@ def main(argv=None) -> dict[str, Any]:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    report(result, args.plot, table=False)
+    report(result, args.plot, table=flower is not None)
     return result
+
+
+def run_flower(rows: list[dict[str, Any]], clients: int, repeats: int) -> dict[str, Any]:
+    """Flower's simulation engine at the linear model's sizes (module docstring), its
+    median round put beside the linear `weighted` rows (`median_s["flower"]`, with its
+    peak memory and bytes in `flower_round`); what ran, or why it could not."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+    from run_peer import PeerFailed, PeerUnavailable, run_flower_sizes
+
+    linear = [r for r in rows if r["model"] == "linear" and r["kind"] == "weighted"]
+    if not linear:
+        return {"skipped": "no linear weighted rows to stand beside"}
+    sizes = sorted({str(r["params"]) for r in linear}, key=int)
+    print(f"Flower simulation at {', '.join(sizes)} parameters ...", flush=True)
+    try:
+        found = run_flower_sizes(sizes, rounds=repeats + 1,
+                                 extra_args=["--clients", str(clients)])
+    except (PeerUnavailable, PeerFailed) as e:
+        print(f"Flower: skipped ({e})", flush=True)
+        return {"skipped": str(e)}
+    by_params = {int(f["params"]): f for f in found}
+    for r in linear:
+        f = by_params.get(r["params"])
+        if f is None:
+            continue
+        r["median_s"]["flower"] = f["round_s_median"]
+        r["flower_round"] = {k: f.get(k) for k in (
+            "round_s_all", "peak_rss_mb", "driver_peak_rss_mb", "bytes_moved_per_round",
+            "payload_bytes_per_round", "loadavg")}
+    return {"sizes": sizes, "rounds": repeats + 1}
+
+
+def memory_table(rows: list[dict[str, Any]]) -> None:
+    """Bytes and peak memory per process, for the rows the fleet or Flower ran."""
+    shown = [r for r in rows if r.get("fleet_round") or r.get("flower_round")]
+    if not shown:
+        return
+    print("\n| model | size | params | agg | this process peak MB | fleet bytes up / param "
+          "/ device | fleet bytes down / param / device | fleet devices' peak MB "
+          "| Flower bytes / round / param | Flower peak MB (all processes) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+    for r in shown:
+        fleet, flower, n = r.get("fleet_round") or {}, r.get("flower_round") or {}, r["params"]
+        devices = len(fleet.get("device_peak_rss_mb") or []) or 1
+        per = lambda b: "-" if b is None else f"{b / n / devices:.2f}"
+        moved = flower.get("bytes_moved_per_round")
+        flower_bytes = "-" if moved is None else f"{moved / n:.1f}"
+        print(f"| {r['model']} | {r['size']} | {n:,} | {r['kind']} | {r.get('peak_rss_mb', '-')} "
+              f"| {per(fleet.get('bytes_up'))} | {per(fleet.get('bytes_down'))} "
+              f"| {' / '.join(map(str, fleet.get('device_peak_rss_mb') or [])) or '-'} "
+              f"| {flower_bytes} "
+              f"| {flower.get('peak_rss_mb', '-') if flower else '-'} |")
+    print()
 
 
 def report(result: dict[str, Any], plot_path: str | None = None, table: bool = True) -> None:
@@ -491,6 +577,7 @@ def report(result: dict[str, Any], plot_path: str | None = None, table: bool = T
         print(header(paths))
         for r in result["rows"]:
             print(format_row(r, paths))
+    memory_table(result["rows"])
     load = lambda v: ", ".join(f"{x:.2f}" for x in v)
     print(f"load average (1, 5, 15 min): before {load(cfg['loadavg_before'])}, "
           f"after {load(cfg['loadavg_after'])}")
