@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from fax_bridge import tracing
+from fax_bridge import primitive_facts, tracing
 from fax_bridge.runtime import aggregation
 
-_KINDS = {"federated_sum": "sum", "federated_mean": "mean",
-          "federated_weighted_mean": "weighted_mean"}
+# The aggregation kinds (a primitive's record, `primitive_facts`) jit rounds in floats.
+_FLOAT_KINDS = ("sum", "mean", "weighted_mean")
 _CALLS = ("pjit", "jit", "closed_call", "core_call")  # sub-jaxprs evaluated in place
 
 
@@ -63,6 +63,12 @@ def is_float(dtype) -> bool:
     return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
 
 
+def _float_kind(prim) -> Optional[str]:
+    """The aggregation kind of `prim` when jit may round it in floats, else None."""
+    facts = primitive_facts.facts_of(prim)
+    return facts.kind if facts is not None and facts.kind in _FLOAT_KINDS else None
+
+
 def _exact(kind: str, x: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
     members = list(x)
     ws = None if weights is None else list(weights)
@@ -73,7 +79,7 @@ def _measure(eqn, invals, out) -> Optional[Rounding]:
     x = np.asarray(invals[0])
     if not is_float(x.dtype) or x.shape[0] == 0:
         return None  # integer sums are exact on both paths
-    kind = _KINDS[eqn.primitive.name]
+    kind = _float_kind(eqn.primitive)
     n, eps = x.shape[0], float(jnp.finfo(x.dtype).eps)
     weights = np.asarray(invals[1]) if kind == "weighted_mean" else None
     x64 = x.astype(np.float64)
@@ -128,7 +134,7 @@ def _evaluate(jaxpr, consts: Sequence, args: Sequence, found: list):
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             out_deps = [before] * len(outs)
-            if eqn.primitive.name in _KINDS:
+            if _float_kind(eqn.primitive) is not None:
                 measured = _measure(eqn, invals, outs[0])
                 if measured is not None:
                     found.append(measured)
