@@ -20,7 +20,7 @@ import os
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from fax_bridge.errors import CheckpointError, FleetError
+from fax_bridge.errors import FleetError
 from fax_bridge.fleet import checkpoint, engine, grpc_transport, round_split
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.ids import ClientIds
@@ -284,13 +284,8 @@ class FleetRounds:
         start = 0
         if checkpoint_dir is not None:
             meta["program"] = checkpoint.program_fingerprint(interpreter.as_proto(proto))
-            saved = checkpoint.load(checkpoint_dir, like=state)
+            saved = checkpoint.resume(checkpoint_dir, meta, like=state)
             if saved is not None:
-                for key in ("computation", "program", "policy"):
-                    if saved.meta.get(key) != meta[key]:
-                        raise CheckpointError(
-                            f"checkpoint in {checkpoint_dir} belongs to another run (its {key} "
-                            "differs); use a fresh checkpoint_dir or delete the old one")
                 state, start = saved.state, saved.round + 1
         with self._progress_bar(int(num_rounds), initial=start) as bar:
             for r in range(start, int(num_rounds)):

@@ -5,10 +5,9 @@ plans it (`engine.open_round`: the seeded cohort, dropouts, late clients,
 `min_clients`), the server prepare here, one `train` message to each SuperNode holding
 participants (the broadcast and the ids of its participants: `flower.transport`), the
 answers checked as the coordinator checks a device's and merged in node order, which is
-population order, then finished and fed to the server result. A node that
-answers with an error or not within the deadline (`round-deadline-s`, else
-`node-timeout-s`) is dropped with its clients, as the fleet drops a lost device
-(`engine.drop_lost`); when
+population order, then finished and fed to the server result. A node that answers with
+an error or not within the deadline (`round-deadline-s`, else `node-timeout-s`) is
+dropped with its clients, as the fleet drops a lost device (`engine.drop_lost`); when
 fewer than `min-clients` clients remain the round fails with a `FleetError` naming the
 nodes (the run's first round waits longer, `first-round-timeout-s`: nodes start
 then). Every round leaves a `RoundReport` (logged, and written to `reports.jsonl`).
@@ -16,7 +15,8 @@ then). Every round leaves a `RoundReport` (logged, and written to `reports.jsonl
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
 `flwr run --run-config`), see `Settings`. With `checkpoint-dir` the state is saved
 after every round (`fleet.checkpoint`) and a rerun resumes after the last saved round
-with the same bits as an uninterrupted run.
+(`checkpoint.resume`, which refuses a checkpoint of another run) with the same bits as
+an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fax_bridge.errors import CheckpointError, FleetError
+from fax_bridge.errors import FleetError
 from fax_bridge.flower import nodes as flower_nodes
 from fax_bridge.fleet.rounds import RoundPolicy, RoundReport
 
@@ -172,13 +172,8 @@ def _resume(made, settings: Settings) -> tuple:
             "policy": repr(settings.policy), "num_rounds": settings.num_rounds}
     state, start = made.state_value(made.state), 0
     if settings.checkpoint_dir:
-        saved = checkpoint.load(settings.checkpoint_dir)
+        saved = checkpoint.resume(settings.checkpoint_dir, meta, setting="checkpoint-dir")
         if saved is not None:
-            for key in ("computation", "program", "policy"):
-                if saved.meta.get(key) != meta[key]:
-                    raise CheckpointError(
-                        f"checkpoint in {settings.checkpoint_dir} belongs to another run "
-                        f"(its {key} differs); use a fresh checkpoint-dir or delete it")
             state, start = made.state_value(saved.state), saved.round + 1
     return state, start, meta
 
