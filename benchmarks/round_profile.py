@@ -1,7 +1,8 @@
 """Where a fleet round's time goes: the shared FedAvg workload, timed piece by piece.
 
 Runs the round of `benchmarks/peers/fax_bridge_peer.py` (cohort 10 of 100 clients, the
-devices hosting the population, a round by plan: one request per device) on a
+devices hosting the population, a round by split through the round engine: one request
+per device) on a
 `LocalFleet`, with timers wrapped around the coordinator's steps and, in each device
 process (started through a shim that installs the same kind of timers and then runs
 `fax_bridge.fleet.device_cli`), around the device's steps. No module of the package is
@@ -63,14 +64,14 @@ def _device_shim(argv: list[str]) -> None:
     """Installs the device timers, then runs `python -m fax_bridge.fleet.device_cli ...`."""
     import runpy
 
-    from fax_bridge.fleet import device, device_round, partials, plan, wire
+    from fax_bridge.fleet import device, device_round, partials, round_split, wire
     from fax_bridge.runtime import aggregation, client_map
 
     log: list = []
     _timed(device.DeviceServicer, "read_clients", log, "read the request")
     _timed(device.DeviceServicer, "read_store", log, "read the cohort's rows")
     _timed(wire, "decode_value", log, "decode the broadcast")
-    _timed(plan, "client_partials", log, "client part and partials")
+    _timed(round_split, "client_partials", log, "client part and partials")
     _timed(client_map, "map_clients_stacked", log, "of which the XLA call (all clients)")
     _timed(aggregation, "partial_of_columns", log, "of which the partial sums (float64)")
     _timed(partials, "to_message", log, "encode the partials")
@@ -98,20 +99,20 @@ def _device_shim(argv: list[str]) -> None:
 
 
 def _coordinator_timers(log: list) -> None:
-    from fax_bridge.fleet import coordinator, plan_runner, session
+    from fax_bridge.fleet import coordinator, engine, grpc_transport
 
-    _timed(session, "plan_round", log, "sample the cohort")
-    _timed(plan_runner, "_streams", log, "build the requests")
-    _timed(plan_runner.wire, "to_message", log, "encode the broadcast")
+    _timed(engine, "plan_round", log, "sample the cohort")
+    _timed(grpc_transport, "_streams", log, "build the requests")
+    _timed(grpc_transport.wire, "to_message", log, "encode the broadcast")
     _timed(coordinator.GrpcClientsBackend, "call_each", log, "RPCs (call_each)")
-    _timed(plan_runner.validate, "check_partial", log, "check and decode the partials")
-    _timed(plan_runner.validate, "check_pending", log, "check and decode the partials")
-    _timed(plan_runner.aggregation, "merge", log, "merge the partials")
-    _timed(plan_runner.aggregation, "finish", log, "finish the aggregates")
-    _timed(plan_runner.plan_server, "prepare", log, "server prepare and result")
-    _timed(plan_runner.plan_server, "result", log, "server prepare and result")
-    _timed(plan_runner.values, "check_value", log, "check arguments and result")
-    _timed(plan_runner, "run_plan", log, "run_plan (all of the above but sampling)")
+    _timed(engine.validate, "check_partial", log, "check and decode the partials")
+    _timed(engine.validate, "check_pending", log, "check and decode the partials")
+    _timed(engine.aggregation, "merge", log, "merge the partials")
+    _timed(engine.aggregation, "finish", log, "finish the aggregates")
+    _timed(engine.server_steps, "prepare", log, "server prepare and result")
+    _timed(engine.server_steps, "result", log, "server prepare and result")
+    _timed(engine.values, "check_value", log, "check arguments and result")
+    _timed(engine, "run_round", log, "run_round (all of the above but sampling)")
 
 
 def shim_script(directory: str, script: str = __file__) -> str:

@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 import fax_bridge as fb
 from fax_bridge import cli
 from fax_bridge.errors import CheckpointError, ExportError, FleetError
-from fax_bridge.fleet import partials, plan as P, validate
+from fax_bridge.fleet import engine, partials, validate
 from fax_bridge.runtime import aggregation, npz_keys, values
 
 flwr = pytest.importorskip("flwr")
@@ -126,7 +126,7 @@ def _expected(made, args, rounds: int, clients=None, state=None):
     state = made.state_value(made.state) if state is None else state
     result = None
     for _ in range(rounds):
-        result = P.run_in_process(made.plan, structure.Struct(
+        result = engine.run_in_process(made.split, structure.Struct(
             [("params", state), ("data", data)]))
         state = result[0]
     return result
@@ -368,7 +368,7 @@ def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):
                             timeout=120, env=dict(os.environ, FLWR_TELEMETRY_ENABLED="0"))
     assert loaded.stdout.split() == ["ClientApp", "[]"], loaded.stderr[-2000:]
     made = bundle.read_round(str(out / "fax_round"))
-    assert made.plan.aggregations[0].kind == "weighted_mean"
+    assert made.split.aggregations[0].kind == "weighted_mean"
     assert client.NodeShare.from_config({"population": str(tmp_path / "pop" / "node-1"),
                                          "first-client": 3}).stop == 6
 

@@ -160,3 +160,18 @@ print(json.dumps({{"finished": True}}), flush=True)
     alive = [p for p in device_pids if os.path.exists(f"/proc/{p}")
              and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     assert alive == []
+
+
+@settings(max_examples=10, deadline=None)
+@given(key=st.sampled_from(checkpoint.RUN_KEYS), setting=st.sampled_from(
+    ["checkpoint_dir", "checkpoint-dir"]))
+def test_a_checkpoint_of_another_run_is_refused_by_the_key_that_differs(tmp_path_factory,
+                                                                         key, setting):
+    folder = tmp_path_factory.mktemp("ckpt")
+    meta = {"computation": "(x -> y)", "program": "abc", "policy": "P()", "num_rounds": 3}
+    assert checkpoint.resume(folder, meta, setting=setting) is None  # nothing saved yet
+    checkpoint.save(folder, 1, np.arange(3.0), meta)
+    saved = checkpoint.resume(folder, dict(meta, num_rounds=9), setting=setting)
+    assert saved.round == 1 and saved.state.tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(CheckpointError, match=f"its {key} differs.*fresh {setting}"):
+        checkpoint.resume(folder, dict(meta, **{key: "other"}), setting=setting)

@@ -9,8 +9,12 @@ By role:
 - `pool.DevicePool`: channels and deadline-bound calls to many devices;
   `coordinator.GrpcClientsBackend` builds a `ClientsBackend` on it (values on devices),
   sending client values and population reads as `put_messages` streams.
-- `session.FleetRounds`: rounds under a `rounds.RoundPolicy`, reports, device loss,
-  `run_loop` with `checkpoint` save/load.
+- `round_split`: a round-shaped computation split once (server prepare, client part,
+  aggregations, server result; `server_steps` runs the server ones); `engine`: one round
+  of a split end to end over a transport (`grpc_transport` for the devices), and the
+  round policy every fleet shares.
+- `session.FleetRounds`: rounds under a `rounds.RoundPolicy` (through the engine, else
+  phase by phase), device loss, `run_loop` with `checkpoint` save/load.
 - `launcher.LocalFleet`: starts devices on 127.0.0.1; `remote.RemoteFleet`: joins devices
   started elsewhere, named by address or by a JSON fleet file (`fleet_file`).
 

@@ -23,6 +23,8 @@ that is truncated or corrupt gives a `CheckpointError` naming it.
 `program_fingerprint(proto)` names what a program computes (its structure, literals and
 HLO without source locations); `run_loop` stores it and refuses to resume a checkpoint
 made by another program, even one of the same type (another learning rate, say).
+`resume(dir, meta)` is that refusal, written once: `load`, and a `CheckpointError` when
+the computation, program or policy differ (`FleetRounds.run_loop`, the Flower ServerApp).
 """
 
 from __future__ import annotations
@@ -213,3 +215,22 @@ def load(directory: "os.PathLike | str", like: Any = None) -> Optional[Checkpoin
             f"checkpoint {path} has a malformed header ({type(e).__name__}: {e}); delete "
             "it to start over") from None
     return Checkpoint(round=round_index, state=state, meta=meta)
+
+
+RUN_KEYS = ("computation", "program", "policy")  # what a resumed run must share
+
+
+def resume(directory: "os.PathLike | str", meta: dict, like: Any = None,
+           setting: str = "checkpoint_dir") -> Optional[Checkpoint]:
+    """The checkpoint in `directory` (`load`), or None when there is none yet; a
+    `CheckpointError` when it belongs to another run: `meta` (the run's, as `save`
+    stores it) and the checkpoint's differ in one of `RUN_KEYS`. `setting`: how the user
+    names the directory, for the message."""
+    saved = load(directory, like=like)
+    if saved is not None:
+        for key in RUN_KEYS:
+            if saved.meta.get(key) != meta.get(key):
+                raise CheckpointError(
+                    f"checkpoint in {directory} belongs to another run (its {key} "
+                    f"differs); use a fresh {setting} or delete the old one")
+    return saved

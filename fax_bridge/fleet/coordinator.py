@@ -32,7 +32,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import AggregationError, FleetError
-from fax_bridge.fleet import partials, put_messages, security, validate, wire
+from fax_bridge.fleet import engine, partials, put_messages, security, validate, wire
 from fax_bridge.fleet.pool import DeviceLostError, DevicePool
 from fax_bridge.fleet.protocol import DEFAULT_MAX_MESSAGE_BYTES, partition
 from fax_bridge.runtime import aggregation, population
@@ -176,7 +176,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         self._delays = None if delays is None else np.asarray(delays, np.float64).reshape(-1)
 
     def take_delays(self) -> Optional[np.ndarray]:
-        """The per-client delays set for the next map (or round by plan), clearing them."""
+        """The per-client delays set for the next map (or round by split), clearing them."""
         delays, self._delays = self._delays, None
         return delays
 
@@ -409,16 +409,11 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         tops = (aggregation.secure_bounds(kind, bitwidth, len(leaf_types))  # checked here
                 if kind in ("secure_sum_bitwidth", "secure_sum") else None)
         answers = self.call_each("Aggregate", {d: request for d, _ in layout})
-        total = aggregation.Partial(kind=kind, leaves=[])
-        for index, clients in layout:  # device order is client order
-            answer = answers[index]
-            where = f"device {index} at {self._devices[index].address}"
-            partial, payload = validate.check_partial(answer, kind, leaf_types, weight_type,
-                                                      len(clients), where,
-                                                      self.reject_nonfinite, tops)
-            self.traffic.payload_up += payload
-            aggregation.merge(total, partial)
-        return total
+        found = [engine.HolderAnswer(f"device {index} at {self._devices[index].address}",
+                                     len(clients), [answers[index]])
+                 for index, clients in layout]  # device order is client order
+        return engine.check_and_merge([(kind, leaf_types, weight_type, tops)], found,
+                                      self.reject_nonfinite, self.traffic)[0]
 
     def _fetch(self, index: int, clients: range, value: GrpcClientsValue) -> tuple:
         """Streams one device's members of `value`; returns (messages, members)."""

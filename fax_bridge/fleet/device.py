@@ -11,7 +11,7 @@ the device reads those clients' rows from its store (a store file changed on dis
 such a read FAILED_PRECONDITION, naming the file and the change; the device serves on).
 Computations arrive once, by content hash; client values stay here behind coordinator-chosen handles until
 they are fetched, aggregated (partials over this device's own clients) or released. A
-round by plan (`Round`, or `RoundOnce` for a request of one message) is served by
+round by split (`Round`, or `RoundOnce` for a request of one message) is served by
 `device_round` and keeps nothing. Once listening, the process
 prints one JSON line on stdout, e.g. `{"listening": "127.0.0.1:41234", "port": 41234,
 "pid": 4242, "device_id": "device-0"}`, and nothing else; logs go to stderr.

@@ -1,4 +1,4 @@
-"""A device's side of a round by plan: one `Round` stream in, one partial per aggregation out.
+"""A device's side of a round by split: one `Round` stream in, one partial per aggregation out.
 
 The stream's first message names the round's client part (loaded before with `Load`,
 by content hash), the broadcast value and the aggregations; its messages bring this
@@ -16,7 +16,7 @@ import time
 
 import grpc
 
-from fax_bridge.fleet import partials, plan, wire
+from fax_bridge.fleet import partials, round_split, wire
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import client_map
 from fax_bridge.v1 import device_pb2 as pb
@@ -34,7 +34,7 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
         if kind is None or kind in ("secure_sum_bitwidth", "secure_sum"):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{method}: aggregation number {spec.kind} cannot run in a round "
-                           "plan")
+                           "split")
         if (kind == "weighted_mean") != spec.HasField("weight_index"):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{method}: a {kind} aggregation must name a weight_index exactly "
@@ -54,7 +54,7 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
         specs = [(kind, spec.value_index,
                   spec.weight_index if kind == "weighted_mean" else None)
                  for spec, kind in zip(head.aggregations, kinds)]
-        found = plan.client_partials(fn, head.computation_hash, sent, members, specs, guard)
+        found = round_split.client_partials(fn, head.computation_hash, sent, members, specs, guard)
         answer = pb.RoundResponse(num_clients=len(members))
         for partial in found:
             partials.to_message(partial, answer.partials.add())

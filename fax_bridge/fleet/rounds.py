@@ -35,9 +35,9 @@ class RoundPolicy:
       min_clients: the round fails (FleetError) when fewer clients report.
       seed: seeds every random choice, together with the round number.
       emulate_delays: devices really wait for their slowest reporting client's delay.
-      round_plans: run a computation of the round shape (`fleet.plan`) as one request
-        per device per round; False runs every computation phase by phase (both give
-        the same bits).
+      round_plans: run a computation of the round shape (`fleet.round_split`) through
+        the round engine, one request per device per round; False runs every
+        computation phase by phase (both give the same bits).
     """
 
     cohort_size: Optional[int] = None

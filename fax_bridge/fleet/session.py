@@ -3,8 +3,13 @@
 The part `launcher.LocalFleet` (which starts its devices) and `remote.RemoteFleet` (which
 joins devices started elsewhere) share: each round samples its cohort, drops and delays
 clients per the policy, runs the computation on the participants through a
-`GrpcClientsBackend`, and records a `RoundReport`. When devices stop answering and
-`survive_device_loss` is set, the round is finished on the devices that still answer.
+`GrpcClientsBackend`, and records a `RoundReport`. A round-shaped computation runs
+through the round engine (`engine.run_round` over a `grpc_transport.GrpcTransport`);
+any other computation, or inputs a round split cannot take, runs phase by phase
+(`interpreter.evaluate` on the same backend). The policy (cohort, `min_clients`, lost
+devices, the report) is the engine's (`engine.open_round`, `engine.drop_lost`). When
+devices stop answering and `survive_device_loss` is set, the round is finished on the
+devices that still answer.
 `run_loop` threads server state through rounds and checkpoints it (`checkpoint`).
 """
 
@@ -15,14 +20,12 @@ import os
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-import numpy as np
-
-from fax_bridge.errors import CheckpointError, FleetError
-from fax_bridge.fleet import checkpoint, plan_runner, plan as round_plan
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import checkpoint, engine, grpc_transport, round_split
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.ids import ClientIds
 from fax_bridge.fleet.protocol import partition
-from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+from fax_bridge.fleet.rounds import RoundPolicy, RoundReport
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.population import PopulationRef
 
@@ -30,12 +33,6 @@ from fax_bridge.runtime.population import PopulationRef
 # The round-behaviour options every fleet takes, with the same meaning and defaults.
 ROUND_OPTIONS = ("policy", "preaggregate", "rpc_timeout_s", "progress",
                  "survive_device_loss", "probe_timeout_s", "reject_nonfinite")
-
-
-def _listed(ids: ClientIds, shown: int = 20) -> str:
-    """The first `shown` ids of a set, and how many more there are."""
-    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
-    return f"{list(ids[:shown])}{more}"
 
 
 class FleetRounds:
@@ -70,7 +67,7 @@ class FleetRounds:
         self.backend: Optional[GrpcClientsBackend] = None
         self.reports: list[RoundReport] = []
         self.next_round = 0
-        self._plans: dict = {}
+        self._splits: dict = {}
         self._closed = False
 
     def __enter__(self):
@@ -140,47 +137,33 @@ class FleetRounds:
         clients_given = population is not None
         if population is None and num_clients is not None:
             population = int(num_clients)
-        plan = plan_round(self.policy, population or 0, round_index)
-        rep = RoundReport(round=round_index, population=population or 0, cohort=plan.cohort,
-                          dropped=plan.dropped, late=plan.late,
-                          participants=plan.participants, delays_s=plan.delays_s,
-                          devices=self.num_devices, preaggregate=self.backend.preaggregate)
-        self.reports.append(rep)
-        try:
-            if population is not None:  # else no client takes part: nothing to check
-                check_min_clients(self.policy, plan, round_index)
-        except FleetError as e:
-            rep.error = str(e)
-            raise
-        participants = plan.participants
+        rep = engine.open_round(self.policy, population, round_index, self.reports,
+                                self.num_devices, self.backend.preaggregate)
         while True:
             try:
                 result = self._attempt(prepared, bound, clients_given,
-                                       None if population is None else participants,
-                                       plan, rep)
+                                       None if population is None else rep.participants,
+                                       rep)
                 break
             except FleetError as e:
-                lost = self._lose_unreachable_devices(participants, rep, e)
-                if not lost.size:
+                lost = self._lose_unreachable_devices(rep.participants, rep, e)
+                if not any(len(h.clients) for h in lost):  # none of them held a participant
+                    if lost:
+                        engine.record_lost(rep, lost)
                     rep.error = f"{type(e).__name__}: {e}"
                     raise
-                participants = participants.without(lost)
-                if len(participants) < self.policy.min_clients:
-                    rep.error = (
-                        f"round {round_index}: devices {rep.lost_devices} stopped answering, "
-                        f"taking clients {_listed(rep.lost_clients)} with them; only "
-                        f"{len(participants)} clients are left but min_clients="
-                        f"{self.policy.min_clients}")
-                    raise FleetError(rep.error + "; lower min_clients or restart those "
-                                     "devices") from e
+                try:
+                    engine.drop_lost(rep, self.policy, lost,
+                                     "lower min_clients or restart those devices")
+                except FleetError as refused:
+                    raise refused from e
             except BaseException as e:
                 rep.error = f"{type(e).__name__}: {e}"
                 raise
-        rep.participants = participants
         return (result, rep) if report else result
 
     def _attempt(self, prepared: interpreter.Prepared, bound: values.BoundArguments,
-                 clients_given: bool, participants: Optional[ClientIds], plan, rep):
+                 clients_given: bool, participants: Optional[ClientIds], rep: RoundReport):
         """One try at the round on the current devices; adds its costs to `rep`.
 
         `participants`: the population indices taking part (None when the round has no
@@ -193,18 +176,20 @@ class FleetRounds:
             else:
                 num_clients = len(participants)
             if self.policy.emulate_delays and self.policy.straggler_delay_s > 0:
-                self.backend.set_delays(plan.delays_s.of(participants.array()))
+                self.backend.set_delays(rep.delays_s.of(participants.array()))
         before = dataclasses.replace(self.backend.traffic)
         start = time.perf_counter()
         backend = self.backend
         try:
-            plan = self._plan(prepared) if participants is not None and clients_given else None
-            # Checked and converted here. A round by plan has its cohort selected
+            split = (self._split(prepared) if participants is not None and clients_given
+                     else None)
+            # Checked and converted here. A round by split has its cohort selected
             # above, so every PopulationRef in it names its clients' ids.
             arg = bound.runtime_value()
-            if plan_runner.usable(plan, arg, prepared.parameter):
-                result = plan_runner.run_plan(backend, plan, arg, prepared.parameter,
-                                              prepared.result, backend.take_delays())
+            if grpc_transport.usable(split, arg):
+                transport = grpc_transport.GrpcTransport(backend, split, arg,
+                                                         backend.take_delays())
+                result = engine.run_round(split, arg, transport, prepared.result)
             else:
                 result = interpreter.evaluate(prepared, arg, backend, num_clients=num_clients)
             return values.to_pytree(result, prepared.result, prepared.structure)
@@ -217,39 +202,36 @@ class FleetRounds:
                 pass  # an unreachable device; the caller decides what that means
             rep.add_traffic(backend.traffic - before)
 
-    def _plan(self, prepared: interpreter.Prepared) -> Optional[round_plan.Plan]:
-        """The round plan of a computation (compiled once), or None: it runs phase by
+    def _split(self, prepared: interpreter.Prepared) -> Optional[round_split.RoundSplit]:
+        """The round split of a computation (made once), or None: it runs phase by
         phase (not round-shaped, `RoundPolicy.round_plans` off, or devices reduce nothing)."""
         if not self.policy.round_plans or not self.backend.preaggregate:
             return None
         key = id(prepared.proto)
-        hit = self._plans.get(key)
+        hit = self._splits.get(key)
         if hit is None or hit[0] is not prepared.proto:
-            hit = (prepared.proto, round_plan.compile_plan(prepared.proto))
-            self._plans = {key: hit}  # the last computation run
+            hit = (prepared.proto, round_split.split_round(prepared.proto))
+            self._splits = {key: hit}  # the last computation run
         return hit[1]
 
     def _lose_unreachable_devices(self, participants: ClientIds, rep: RoundReport,
-                                  error: FleetError) -> np.ndarray:
-        """After a failed try: drops devices that no longer answer Health.
+                                  error: FleetError) -> list:
+        """After a failed try: finds the devices that no longer answer Health.
 
-        Returns the participants those devices held (empty when every device answers,
-        or when this fleet does not survive device loss), after reconnecting to the
-        survivors.
+        Returns them as `engine.LostHolder`s (their addresses and the participants they
+        held; none when every device answers, or when this fleet does not survive device
+        loss), after reconnecting to the survivors.
         """
-        none = np.zeros(0, np.int64)
         if not self.survive_device_loss or self.backend is None:
-            return none
+            return []
         alive = self.backend.probe(self.probe_timeout_s)
         dead = [i for i, ok in enumerate(alive) if not ok]
         if not dead or len(dead) == len(alive):
-            return none
+            return []
         blocks = partition(len(participants), len(alive))
         ids = participants.array()
-        lost = np.concatenate([ids[blocks[i].start:blocks[i].stop] for i in dead])
-        gone = [self.addresses[i] for i in dead]
-        rep.lost_devices.extend(gone)
-        rep.lost_clients = ClientIds(np.union1d(rep.lost_clients.array(), lost))
+        lost = [engine.LostHolder(self.addresses[i], ids[blocks[i].start:blocks[i].stop])
+                for i in dead]
         self._reconnect([a for i, a in enumerate(self.addresses) if i not in dead])
         rep.devices = self.num_devices
         return lost
@@ -302,13 +284,8 @@ class FleetRounds:
         start = 0
         if checkpoint_dir is not None:
             meta["program"] = checkpoint.program_fingerprint(interpreter.as_proto(proto))
-            saved = checkpoint.load(checkpoint_dir, like=state)
+            saved = checkpoint.resume(checkpoint_dir, meta, like=state)
             if saved is not None:
-                for key in ("computation", "program", "policy"):
-                    if saved.meta.get(key) != meta[key]:
-                        raise CheckpointError(
-                            f"checkpoint in {checkpoint_dir} belongs to another run (its {key} "
-                            "differs); use a fresh checkpoint_dir or delete the old one")
                 state, start = saved.state, saved.round + 1
         with self._progress_bar(int(num_rounds), initial=start) as bar:
             for r in range(start, int(num_rounds)):

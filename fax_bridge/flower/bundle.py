@@ -3,9 +3,9 @@
 `build_round(fn, *args, placements=...)` exports a round `(state, client_data) ->
 (new_state, output)` in the production forms' type (`tff.forms.round_proto`, which
 refuses two server-client trips, client state and intrinsics no form holds, by name)
-and splits it with `fleet.plan.compile_plan`; a round the plan cannot split is refused
+and splits it with `fleet.round_split.split_round`; a round that cannot be split is refused
 too, and a round with a secure sum is refused by name (Flower's SecAgg+ cannot carry
-its exact sum: see `FlowerRound.plan`). `FlowerRound` holds the round, its plan and
+its exact sum: see `FlowerRound.split`). `FlowerRound` holds the round, its split and
 the initial server state (the example state's tensors, depth first over the state's
 type).
 
@@ -27,7 +27,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ExportError
-from fax_bridge.fleet import plan as round_plan
+from fax_bridge.fleet import round_split
 from fax_bridge.fleet import wire
 from fax_bridge.runtime import backend, interpreter, values
 
@@ -40,7 +40,7 @@ MAX_BUNDLE_BYTES = 10 * 1024 * 1024  # what Flower accepts in an app bundle
 
 @dataclasses.dataclass
 class FlowerRound:
-    """A round computation, its plan and its initial server state."""
+    """A round computation, its split and its initial server state."""
 
     proto: Any
     state: list  # the initial state's tensors, depth first
@@ -50,7 +50,7 @@ class FlowerRound:
         return interpreter.prepare(self.proto)
 
     @functools.cached_property
-    def plan(self) -> round_plan.Plan:
+    def split(self) -> round_split.RoundSplit:
         from fax_bridge.tff import forms
 
         secure = sorted({u for u in forms.intrinsic_uris(self.proto) if u in SECURE_SUMS})
@@ -66,27 +66,27 @@ class FlowerRound:
                 "modular one, and it runs through Flower's legacy fit messages, not this "
                 "round's records. Run the round on the fleet (LocalFleet, RemoteFleet), "
                 "or use federated_sum for a Flower round")
-        plan = round_plan.compile_plan(self.proto)
-        if plan is None:
+        split = round_split.split_round(self.proto)
+        if split is None:
             raise ExportError(
                 f"the round {self.prepared.type} cannot be split into one broadcast, one "
                 "client part and aggregations (sum, mean, weighted mean, min, max) whose "
                 "inputs come from the clients, so no Flower round can run it; express "
                 "its aggregations with those (secure sums run on the fleet)")
-        if len(self.plan_parameter) != 2 or plan.client_inputs != [1]:
+        if len(self.parameter_items) != 2 or split.client_inputs != [1]:
             raise ExportError(
                 f"a Flower round takes (server_state, client_data), but this one has the "
                 f"parameter {self.prepared.parameter}")
-        return plan
+        return split
 
     @property
-    def plan_parameter(self) -> list:
+    def parameter_items(self) -> list:
         return list(self.prepared.parameter.items())
 
     @property
     def state_type(self):
         """The member type of the server state (the parameter's first element)."""
-        return self.plan_parameter[0][1].member
+        return self.parameter_items[0][1].member
 
     def state_value(self, tensors: list) -> Any:
         """The state as a runtime value, from its tensors (depth first)."""
@@ -94,7 +94,7 @@ class FlowerRound:
 
     def server_arg(self, state: Any) -> structure.Struct:
         """The round's runtime argument on the server: the state, no client values."""
-        (state_name, _), (data_name, _) = self.plan_parameter
+        (state_name, _), (data_name, _) = self.parameter_items
         return structure.Struct([(state_name, state), (data_name, None)])
 
     @functools.cached_property
@@ -105,9 +105,9 @@ class FlowerRound:
 
         from fax_bridge.runtime import local_eval
 
-        server = dict(self.plan.server_locals)
+        server = dict(self.split.server_locals)
         members = []
-        for name in self.plan.broadcasts:
+        for name in self.split.broadcasts:
             type_ = local_eval.parse_type(server[name].type)
             if isinstance(type_, federated_language.FederatedType):
                 type_ = type_.member
@@ -125,7 +125,7 @@ def build_round(fn: Callable, *args: Any, placements: Any = None,
     bound = values.bind_arguments(prepared.parameter, args, {})
     state = bound.runtime_value()[0]
     made = FlowerRound(proto=proto, state=backend.leaves(backend.as_numpy(state)))
-    made.plan  # refuses what the plan cannot split, here rather than on the nodes
+    made.split  # refuses what cannot be split, here rather than on the nodes
     return made
 
 

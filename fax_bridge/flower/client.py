@@ -13,7 +13,7 @@ Each SuperNode serves a block of the population, named by its `--node-config`:
 
 A `query` message answers with that block. A `train` message brings the broadcast and
 the population ids of the node's clients in the round; the node reads only their rows,
-runs the round's client part over them (`fleet.plan.client_partials`: one XLA call for
+runs the round's client part over them (`fleet.round_split.client_partials`: one XLA call for
 all of them where it can) and answers with one exact partial per aggregation
 (`records.partials_layout`). No client row leaves the node. The ClientApp itself is
 `relay.client_app`; this runs in its process, or in a warm `worker`.
@@ -111,22 +111,22 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     import federated_language
 
     from fax_bridge.fleet import partials
-    from fax_bridge.fleet.plan import client_partials
+    from fax_bridge.fleet.round_split import client_partials
     from fax_bridge.flower.bundle import read_round
     from fax_bridge.runtime import population
     from fax_bridge.runtime.backend import from_leaves
 
     made = read_round(bundle_dir)
-    plan = made.plan
+    split = made.split
     store = _store(share.population)
-    member_type = federated_language.StructType([(None, t) for t in plan.input_types])
-    keys = [k for t in plan.input_types
+    member_type = federated_language.StructType([(None, t) for t in split.input_types])
+    keys = [k for t in split.input_types
             for k in population.default_keys(t, share.keys)]
     columns = population.plan_columns(store, member_type, keys)
     members = population.read_members(store, member_type, columns, share.rows(ids))
     sent = from_leaves(made.sent_type, broadcast)
-    specs = [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations]
-    found = client_partials(plan.client_part, plan.client_part_hash, sent, members, specs)
+    specs = [(a.kind, a.value_index, a.weight_index) for a in split.aggregations]
+    found = client_partials(split.client_part, split.client_part_hash, sent, members, specs)
     return [partials.to_message(p) for p in found]
 
 

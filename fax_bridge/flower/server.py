@@ -1,13 +1,13 @@
 """The ServerApp of a Flower round: rounds under a `RoundPolicy` over the SuperNodes.
 
-Each round is planned as the fleet plans it (`rounds.plan_round`: the seeded cohort,
-dropouts, late clients, `check_min_clients`); the server prepare runs here
-(`plan_server`), each SuperNode holding participants gets one `train` message (the
-broadcast and the ids of its participants), and the answers are checked
-(`validate.check_partial`, as the coordinator checks a device) and merged in node order,
-which is population order, then finished and fed to the server result. A node that
-answers with an error or not within the deadline (`round-deadline-s`, else
-`node-timeout-s`) is dropped with its clients, as the fleet drops a lost device; when
+Each round runs through the fleet's round engine (`fleet.engine`): planned as the fleet
+plans it (`engine.open_round`: the seeded cohort, dropouts, late clients,
+`min_clients`), the server prepare here, one `train` message to each SuperNode holding
+participants (the broadcast and the ids of its participants: `flower.transport`), the
+answers checked as the coordinator checks a device's and merged in node order, which is
+population order, then finished and fed to the server result. A node that answers with
+an error or not within the deadline (`round-deadline-s`, else `node-timeout-s`) is
+dropped with its clients, as the fleet drops a lost device (`engine.drop_lost`); when
 fewer than `min-clients` clients remain the round fails with a `FleetError` naming the
 nodes (the run's first round waits longer, `first-round-timeout-s`: nodes start
 then). Every round leaves a `RoundReport` (logged, and written to `reports.jsonl`).
@@ -15,7 +15,8 @@ then). Every round leaves a `RoundReport` (logged, and written to `reports.jsonl
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
 `flwr run --run-config`), see `Settings`. With `checkpoint-dir` the state is saved
 after every round (`fleet.checkpoint`) and a rerun resumes after the last saved round
-with the same bits as an uninterrupted run.
+(`checkpoint.resume`, which refuses a checkpoint of another run) with the same bits as
+an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fax_bridge.errors import CheckpointError, FleetError
+from fax_bridge.errors import FleetError
 from fax_bridge.flower import nodes as flower_nodes
-from fax_bridge.flower import records
-from fax_bridge.fleet.ids import ClientIds
-from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+from fax_bridge.fleet.rounds import RoundPolicy, RoundReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,117 +82,39 @@ class Settings:
         return max(wait, self.first_round_timeout_s) if first else wait
 
 
-def _train_messages(made, env: dict, nodes: list, ids: np.ndarray, round_index: int,
-                    ttl_s: float):
-    """(node, its participants, message) for each node holding participants of the
-    round; the messages expire when the round stops waiting (`ttl_s`), so a node that
-    comes back later does not work on a round that is over."""
-    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-
-    from fax_bridge.runtime.backend import as_numpy, leaves
-
-    sent = [as_numpy(env[name]) for name in made.plan.broadcasts]
-    tensors = [t for value in sent for t in leaves(value)]
-    arrays, layout = records.tensors_to_record(tensors)
-    out = []
-    for node in nodes:
-        mine = ids[(ids >= node.first) & (ids < node.stop)]
-        if not mine.size:
-            continue
-        content = RecordDict({
-            records.BROADCAST: arrays, records.LAYOUT: layout,
-            records.IDS: records.ids_to_record(mine),
-            records.ROUND: ConfigRecord({"round": round_index,
-                                         "client-part": made.plan.client_part_hash})})
-        out.append((node, mine, Message(content, dst_node_id=node.node_id,
-                                        message_type=MessageType.TRAIN,
-                                        group_id=str(round_index), ttl=ttl_s)))
-    return out
-
-
 def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: Settings,
               population: int, reports: list, first: bool = False) -> Any:
-    """One round (module docstring); returns its result. Its `RoundReport` is appended
-    to `reports` before anything runs, so a failed round leaves one too. `first`: the
-    run's first round (`Settings.deadline_s`)."""
-    from fax_bridge.fleet import plan_server, validate
-    from fax_bridge.runtime import aggregation, values
-    from fax_bridge.runtime.backend import from_leaves
+    """One round (module docstring) through the round engine over the SuperNodes
+    (`flower.transport.FlowerTransport`); returns its result. Its `RoundReport` is
+    appended to `reports` before anything runs, so a failed round leaves one too.
+    `first`: the run's first round (`Settings.deadline_s`)."""
+    from fax_bridge.fleet import engine
+    from fax_bridge.flower.transport import FlowerTransport
 
     policy = settings.policy
-    planned = plan_round(policy, population, round_index)
-    rep = RoundReport(round=round_index, population=population, cohort=planned.cohort,
-                      dropped=planned.dropped, late=planned.late,
-                      participants=planned.participants, delays_s=planned.delays_s,
-                      devices=len(nodes), preaggregate=True)
-    reports.append(rep)
+    rep = engine.open_round(policy, population, round_index, reports, len(nodes))
     start = time.perf_counter()
+    wait = settings.deadline_s(first)
+
+    def drop(lost: list, answered: int) -> None:
+        if not answered:
+            engine.record_lost(rep, lost)
+            raise FleetError(f"round {round_index}: no SuperNode answered: "
+                             f"{'; '.join(h.where for h in lost)}; restart them or raise "
+                             "the wait (node-timeout-s, round-deadline-s)")
+        engine.drop_lost(rep, policy, lost, "lower min-clients, raise the deadline or "
+                         "restart those SuperNodes")
+
     try:
-        check_min_clients(policy, planned, round_index)
-        plan = made.plan
-        ids = planned.participants.array()
-        env = plan_server.prepare(plan, made.server_arg(state), None, len(ids))
-        wait = settings.deadline_s(first)
-        sends = _train_messages(made, env, nodes, ids, round_index, max(wait, 1.0))
-        rep.traffic.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
-                                     for _, _, m in sends)
-        rep.traffic.rpcs = len(sends)
-        replies = flower_nodes.exchange(grid, [m for _, _, m in sends], wait,
-                                        settings.poll_s)
-        kinds = [a.kind for a in plan.aggregations]
-        totals = [aggregation.Partial(kind=k, leaves=[]) for k in kinds]
-        found, pending, lost, reasons = [], [], [], []
-        for node, mine, _ in sends:  # node order is population order
-            reply = replies.get(node.node_id)
-            if reply is None or reply.has_error():
-                lost.append((node, mine))
-                reasons.append(f"{node.name}: " + (
-                    f"no answer within {wait}s" if reply is None
-                    else reply.error.reason))
-                continue
-            where = node.name
-            content = reply.content
-            rep.traffic.bytes_up += records.payload_bytes(content[records.PARTIALS])
-            rep.traffic.compute_seconds += float(content[records.METRICS].get("compute-s", 0.0))
-            answers = records.from_layout(
-                records.numpy_dict(content[records.PARTIALS], where),
-                content[records.LAYOUT], content[records.METRICS].get("num-clients", []),
-                kinds, where)
-            for total, agg, answer in zip(totals, plan.aggregations, answers):
-                value_types, weight_types = agg.leaf_types
-                partial, payload = validate.check_partial(
-                    answer, agg.kind, value_types, weight_types, len(mine), where,
-                    pending=pending)
-                rep.traffic.payload_up += payload
-                found.append((total, partial))
-        if lost:
-            rep.lost_devices = reasons  # each node's name and why it was dropped
-            rep.lost_clients = ClientIds(np.concatenate([m for _, m in lost]))
-            rep.participants = rep.participants.without(rep.lost_clients.array())
-            if not found:
-                raise FleetError(f"round {round_index}: no SuperNode answered: "
-                                 f"{'; '.join(reasons)}; restart them or raise the wait "
-                                 "(node-timeout-s, round-deadline-s)")
-            if len(rep.participants) < policy.min_clients:
-                raise FleetError(
-                    f"round {round_index}: {'; '.join(reasons)}; only "
-                    f"{len(rep.participants)} clients are left but min_clients="
-                    f"{policy.min_clients}; lower min-clients, raise the deadline or "
-                    "restart those SuperNodes")
-        validate.check_pending(pending)
-        for total, partial in found:
-            aggregation.merge(total, partial)
-        for agg, total in zip(plan.aggregations, totals):
-            env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
-        result = values.check_value(
-            plan_server.result(plan, env, None, len(rep.participants)),
-            made.prepared.result, "result")
+        transport = FlowerTransport(grid, nodes, rep.participants.array(), round_index, wait,
+                                    settings.poll_s, rep.traffic)
+        return engine.run_round(made.split, made.server_arg(state), transport,
+                                made.prepared.result, on_lost=drop)
     except BaseException as e:
         rep.error = f"{type(e).__name__}: {e}"
         raise
     finally:
         rep.wall_s = time.perf_counter() - start
-    return result
 
 
 class _Outputs:
@@ -251,13 +172,8 @@ def _resume(made, settings: Settings) -> tuple:
             "policy": repr(settings.policy), "num_rounds": settings.num_rounds}
     state, start = made.state_value(made.state), 0
     if settings.checkpoint_dir:
-        saved = checkpoint.load(settings.checkpoint_dir)
+        saved = checkpoint.resume(settings.checkpoint_dir, meta, setting="checkpoint-dir")
         if saved is not None:
-            for key in ("computation", "program", "policy"):
-                if saved.meta.get(key) != meta[key]:
-                    raise CheckpointError(
-                        f"checkpoint in {settings.checkpoint_dir} belongs to another run "
-                        f"(its {key} differs); use a fresh checkpoint-dir or delete it")
             state, start = made.state_value(saved.state), saved.round + 1
     return state, start, meta
 
@@ -271,7 +187,7 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
 
     settings = Settings.from_run_config(run_config)
     made = read_round(bundle_dir)
-    made.plan  # refuses a round the plan cannot split before any node is asked
+    made.split  # refuses a round that cannot be split before any node is asked
     node_ids = flower_nodes.wait_for_nodes(grid, settings.min_nodes, settings.wait_nodes_s,
                                            settings.poll_s)
     nodes = flower_nodes.discover(grid, node_ids, settings.node_timeout_s, settings.poll_s)

@@ -2,9 +2,9 @@
 
 `map_clients` is the one place fax_bridge maps a local computation (see `local_eval`)
 over clients: a device's `Map` and `Round`, the in-process backend's map and a round
-plan's client part all call it, so they all give the same bits. `map_clients_stacked`
+split's client part all call it, so they all give the same bits. `map_clients_stacked`
 is its batched run with the results left stacked over clients (`Stacked`), for callers
-that aggregate them (a round plan's client part) and so never need them per client.
+that aggregate them (a round split's client part) and so never need them per client.
 
 Batched: when the computation has a parameter and the clients' members (and the shared
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes

@@ -1,4 +1,4 @@
-"""Round plans: a computation of the round shape compiled once into its pieces.
+"""Round splits: a computation of the round shape split once into its pieces.
 
 A computation exported by fax_bridge is a Lambda whose body is one Block of locals,
 each a call of an intrinsic (or a selection of the parameter). When every CLIENTS
@@ -14,9 +14,9 @@ inputs never depend on another aggregation's result, the round is
                    sit in the client part's result;
   server result    the remaining SERVER locals and the Block's result (coordinator).
 
-`compile_plan` returns None for every other computation (it keeps the phase-by-phase
-path). `run_in_process` runs a plan with no devices, for checking a plan against the
-interpreter.
+`split_round` returns None for every other computation (it keeps the phase-by-phase
+path). `engine.run_round` runs a split over any transport (in process, the device
+fleet, Flower's SuperNodes).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import aggregation, client_map, local_eval
-from fax_bridge.runtime.backend import from_leaves
 from fax_bridge.runtime.grammar import (free_references, intrinsic_call, lambda_of,
                                         make_reference, make_selection, reference_name,
                                         struct_elements)
@@ -46,7 +45,7 @@ _AGGREGATIONS = {defs.FEDERATED_SUM.uri: "sum", defs.FEDERATED_MEAN.uri: "mean",
 _BROADCAST = defs.FEDERATED_BROADCAST.uri
 _MAP = defs.FEDERATED_MAP.uri
 _ZIP = defs.FEDERATED_ZIP_AT_CLIENTS.uri
-_X = "__plan_x"  # the client part's parameter
+_X = "__split_x"  # the client part's parameter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +70,7 @@ class Aggregation:
 
 
 @dataclasses.dataclass
-class Plan:
+class RoundSplit:
     """A round computation split at its communication points (module docstring)."""
 
     proto: Computation
@@ -86,7 +85,7 @@ class Plan:
     result: Computation          # the Block's result (SERVER)
     client_part_hash: str = ""
     # (serialized member type, stored array of each tensor) by the inputs' keys, made
-    # once for rounds that read the devices' population (`plan_runner`)
+    # once for rounds that read the devices' population (`grpc_transport`)
     store_members: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -94,9 +93,9 @@ class Plan:
 
     @functools.cached_property
     def server_program(self):
-        """The server prepare and result compiled once (`plan_server.compile_server`),
+        """The server prepare and result compiled once (`server_steps.compile_server`),
         or None where they keep the interpreter."""
-        from fax_bridge.fleet.plan_server import compile_server
+        from fax_bridge.fleet.server_steps import compile_server
 
         return compile_server(self)
 
@@ -117,8 +116,8 @@ def _struct(items: list) -> Computation:
     return out
 
 
-def compile_plan(proto: Computation) -> Optional[Plan]:
-    """The plan of a round-shaped computation, or None (module docstring)."""
+def split_round(proto: Computation) -> Optional[RoundSplit]:
+    """The split of a round-shaped computation, or None (module docstring)."""
     if proto.WhichOneof("computation") != "lambda":
         return None
     lam = lambda_of(proto)
@@ -225,7 +224,7 @@ def compile_plan(proto: Computation) -> Optional[Plan]:
                                 None if w is None else members[w]))
     block.result.CopyFrom(_struct(outs))
     prepare = frozenset(n for n, _ in server if n not in depends_on_agg)
-    return Plan(proto=proto, parameter_name=param, server_locals=server,
+    return RoundSplit(proto=proto, parameter_name=param, server_locals=server,
                 prepare_names=prepare, broadcasts=broadcasts, client_inputs=inputs,
                 input_types=[members[n] for n in input_names],
                 client_part=part, aggregations=aggs, result=body.block.result)
@@ -238,7 +237,7 @@ def _flattened(body: Computation, param: str) -> Computation:
     out = Computation()
     out.CopyFrom(body)
     block = Computation()
-    names = iter(f"__plan_{i}" for i in itertools.count())
+    names = iter(f"__split_{i}" for i in itertools.count())
 
     def lift(c: Computation) -> Computation:
         kind = c.WhichOneof("computation")
@@ -250,7 +249,7 @@ def _flattened(body: Computation, param: str) -> Computation:
             return new
         is_arg = kind == "selection" and reference_name(c.selection.source) == param
         if intrinsic_call(c) is None and not is_arg:
-            return c  # references, functions, and what the planner then refuses
+            return c  # references, functions, and what `split_round` then refuses
         name = next(names)
         add(name, c)
         ref = make_reference(name)
@@ -332,24 +331,4 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
         out.append(aggregation.partial_of_columns(kind, values, stacked.count, weights)
                    if stacked is not None else aggregation.partial_of(kind, values, weights))
     return out
-
-
-def run_in_process(plan: Plan, arg: Any, backend=None) -> Any:
-    """Runs a plan with no devices (`arg`: the runtime value of the parameter)."""
-    from federated_language.common_libs import structure
-
-    from fax_bridge.fleet import plan_server
-
-    members_by_input = [arg[i] for i in plan.client_inputs]
-    n = len(members_by_input[0])
-    members = [structure.Struct([(None, col[c]) for col in members_by_input])
-               for c in range(n)]
-    env = plan_server.prepare(plan, arg, backend, n)
-    sent = structure.Struct([(None, env[name]) for name in plan.broadcasts])
-    specs = [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations]
-    partials = client_partials(plan.client_part, plan.client_part_hash, sent, members, specs)
-    for agg, partial in zip(plan.aggregations, partials):
-        flat = aggregation.finish(partial)
-        env[agg.local] = from_leaves(agg.member_type, flat)
-    return plan_server.result(plan, env, backend, n)
 

@@ -1,4 +1,4 @@
-"""A round plan's server pieces as compiled local functions: the same values as the
+"""A round split's server pieces as compiled local functions: the same values as the
 interpreter, and the interpreter kept where a piece has no local meaning."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from federated_language.compiler import building_blocks as bb
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge.fleet import plan as P
-from fax_bridge.fleet import plan_server
+from fax_bridge.fleet import engine
+from fax_bridge.fleet import round_split as P
+from fax_bridge.fleet import server_steps
 from sample_computations import clients, server
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.tff.xla import typed_xla_computation
@@ -49,19 +50,19 @@ def _bits(value, type_) -> list:
 
 
 def _same_as_interpreter(proto, arg) -> None:
-    plan = P.compile_plan(proto)
+    split = P.split_round(proto)
     prepared = interpreter.prepare(proto)
     want = interpreter.evaluate(prepared, arg)
-    got = values.check_value(P.run_in_process(plan, arg), prepared.result, "result")
+    got = values.check_value(engine.run_in_process(split, arg), prepared.result, "result")
     assert _bits(got, prepared.result) == _bits(want, prepared.result)
 
 
 @settings(max_examples=12, deadline=None)
 @given(st.integers(0, 2**31 - 1))
 def test_compiled_server_pieces_give_the_interpreters_bits(seed):
-    plan = P.compile_plan(PROTO)
-    assert plan.server_program is not None
-    assert plan.server_program.prepare_names  # the broadcast value is prepared here
+    split = P.split_round(PROTO)
+    assert split.server_program is not None
+    assert split.server_program.prepare_names  # the broadcast value is prepared here
     prepared = interpreter.prepare(PROTO)
     arg = values.bind_arguments(prepared.parameter, _args(seed), {}).runtime_value()
     _same_as_interpreter(PROTO, arg)
@@ -92,8 +93,8 @@ def _generic_plus_at_server():
 
 def test_a_server_step_without_a_local_meaning_keeps_the_interpreter():
     proto = _generic_plus_at_server()
-    plan = P.compile_plan(proto)
-    assert plan is not None and plan.server_program is None
+    split = P.split_round(proto)
+    assert split is not None and split.server_program is None
     rng = np.random.default_rng(1)
     arg = values.check_value(
         fb_struct(x=[rng.normal(size=3).astype(np.float32) for _ in range(3)],
@@ -140,12 +141,12 @@ def test_server_pieces_nested_past_the_recursion_limit_keep_the_interpreter():
 
     from federated_language.proto import computation_pb2
 
-    plan = P.compile_plan(PROTO)
+    split = P.split_round(PROTO)
     deep = computation_pb2.Computation()
     node = deep
     for _ in range(sys.getrecursionlimit() + 100):
         node = node.struct.element.add().value
-    node.reference.name = plan.parameter_name
-    name, _ = plan.server_locals[0]
-    plan.server_locals[0] = (name, deep)
-    assert plan_server.compile_server(plan) is None
+    node.reference.name = split.parameter_name
+    name, _ = split.server_locals[0]
+    split.server_locals[0] = (name, deep)
+    assert server_steps.compile_server(split) is None

@@ -1,5 +1,5 @@
-"""Round plans: which computations compile to one, the same bits as the interpreter and
-as the phase-by-phase fleet path, and the round semantics kept on the plan path."""
+"""Round splits: which computations split into one, the same bits as the interpreter and
+as the phase-by-phase fleet path, and the round semantics kept on the split path."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import plan as P
+from fax_bridge.fleet import engine
+from fax_bridge.fleet import round_split as P
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.v1 import device_pb2 as pb
@@ -59,24 +60,24 @@ def fb_leaves(tree):
 
 
 def test_a_round_compiles_to_one_client_part_and_its_aggregations():
-    plan = P.compile_plan(PROTO)
-    assert plan is not None
-    assert [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations] == \
+    split = P.split_round(PROTO)
+    assert split is not None
+    assert [(a.kind, a.value_index, a.weight_index) for a in split.aggregations] == \
         [("weighted_mean", 0, 1), ("sum", 2, None)]
-    assert len(plan.broadcasts) == 1 and len(plan.client_inputs) == 2
-    assert plan.client_part.WhichOneof("computation") == "lambda"
+    assert len(split.broadcasts) == 1 and len(split.client_inputs) == 2
+    assert split.client_part.WhichOneof("computation") == "lambda"
 
 
 def test_computations_of_another_shape_keep_the_phase_path():
     x = _args()
-    assert P.compile_plan(fb.export_tff(_two_trips, *x, placements=PLACE)) is None
+    assert P.split_round(fb.export_tff(_two_trips, *x, placements=PLACE)) is None
 
     @fb.program(clients=N)
     def per_client(params, x, counts):  # a CLIENTS result: nothing is aggregated
         return fb.federated_map_clients(lambda p, x: p * x,
                                         (fb.federated_broadcast(params), x))
 
-    assert P.compile_plan(fb.export_tff(per_client, *x, placements=PLACE)) is None
+    assert P.split_round(fb.export_tff(per_client, *x, placements=PLACE)) is None
 
 
 def _with_map_function(body) -> "P.Computation":
@@ -103,7 +104,7 @@ def _with_map_function(body) -> "P.Computation":
 
 def test_a_per_client_function_using_an_outer_name_keeps_the_phase_path():
     """A name the per-client function binds in one place (a Block local) and uses free
-    in another is still free: the function needs a value from outside, so no plan."""
+    in another is still free: the function needs a value from outside, so no split."""
     from fax_bridge.runtime.grammar import make_reference
 
     inner = P.Computation()
@@ -114,18 +115,18 @@ def test_a_per_client_function_using_an_outer_name_keeps_the_phase_path():
     also_free = P.Computation()
     also_free.struct.element.add(value=inner)
     also_free.struct.element.add(value=make_reference("b"))
-    assert P.compile_plan(_with_map_function(bound_only)) is not None
-    assert P.compile_plan(_with_map_function(also_free)) is None
+    assert P.split_round(_with_map_function(bound_only)) is not None
+    assert P.split_round(_with_map_function(also_free)) is None
 
 
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 2**31 - 1))
-def test_the_plan_gives_the_interpreters_bits(seed):
-    plan = P.compile_plan(PROTO)
+def test_the_split_gives_the_interpreters_bits(seed):
+    split = P.split_round(PROTO)
     prepared = interpreter.prepare(PROTO)
     arg = values.bind_arguments(prepared.parameter, _args(seed), {}).runtime_value()
     want = interpreter.evaluate(prepared, arg)
-    got = values.check_value(P.run_in_process(plan, arg), prepared.result, "result")
+    got = values.check_value(engine.run_in_process(split, arg), prepared.result, "result")
     assert _bits(values.to_pytree(got, prepared.result)) == \
         _bits(values.to_pytree(want, prepared.result))
 
@@ -139,16 +140,16 @@ def test_batched_and_one_by_one_clients_give_the_same_partials(seed, count):
 
     from fax_bridge.runtime import aggregation, client_map
 
-    plan = P.compile_plan(PROTO)
+    split = P.split_round(PROTO)
     params, x, counts = _args(seed)
     sent = structure.Struct([(None, params * np.float32(2.0))])
     members = [structure.Struct([(None, x[i]), (None, counts[i])]) for i in range(count)]
-    specs = [(a.kind, a.value_index, a.weight_index) for a in plan.aggregations]
-    batched = P.client_partials(plan.client_part, plan.client_part_hash, sent, members, specs)
+    specs = [(a.kind, a.value_index, a.weight_index) for a in split.aggregations]
+    batched = P.client_partials(split.client_part, split.client_part_hash, sent, members, specs)
     original = client_map.map_clients_stacked
     client_map.map_clients_stacked = lambda *a, **k: None  # every client alone
     try:
-        alone = P.client_partials(plan.client_part, plan.client_part_hash, sent, members,
+        alone = P.client_partials(split.client_part, split.client_part_hash, sent, members,
                                   specs)
     finally:
         client_map.map_clients_stacked = original
@@ -157,7 +158,7 @@ def test_batched_and_one_by_one_clients_give_the_same_partials(seed, count):
         assert [v.tobytes() for v in aggregation.finish(b)] == \
             [v.tobytes() for v in aggregation.finish(a)]
     with pytest.raises(ComputationError, match="aggregation inputs at 7"):
-        P.client_partials(plan.client_part, plan.client_part_hash, sent, members,
+        P.client_partials(split.client_part, split.client_part_hash, sent, members,
                           [("sum", 7, None)])
 
 
@@ -168,7 +169,7 @@ def fleet():
         yield f
 
 
-def test_plan_and_phase_paths_give_the_same_bits_and_clients(fleet):
+def test_split_and_phase_paths_give_the_same_bits_and_clients(fleet):
     args = _args(1)
     got = {}
     for use in (True, False):
@@ -185,7 +186,7 @@ def test_plan_and_phase_paths_give_the_same_bits_and_clients(fleet):
     assert any(got[True, r][2] or got[True, r][3] for r in range(3))  # dropouts, late ones
 
 
-def test_min_clients_still_fails_the_round_on_the_plan_path(fleet):
+def test_min_clients_still_fails_the_round_on_the_split_path(fleet):
     fleet.policy = type(fleet.policy)(cohort_size=5, dropout=0.5, seed=3, min_clients=5)
     try:
         fleet.next_round = 0
@@ -234,7 +235,7 @@ def test_a_round_naming_a_client_part_never_loaded_is_refused(fleet, method):
 @given(kind=st.sampled_from(["sum", "mean", "min", "max", "weighted_mean"]),
        shape=st.sampled_from([(), (3,), (2, 2)]), clients=st.integers(1, 7),
        seed=st.integers(0, 2**31 - 1))
-def test_every_plan_aggregation_gives_the_interpreters_bits(kind, shape, clients, seed):
+def test_every_split_aggregation_gives_the_interpreters_bits(kind, shape, clients, seed):
     import sample_computations as sc
 
     rng = np.random.default_rng(seed)
@@ -245,13 +246,13 @@ def test_every_plan_aggregation_gives_the_interpreters_bits(kind, shape, clients
     else:
         proto = sc.scaled_aggregate(shape, kind)
         other = rng.normal(size=shape).astype(np.float32)
-    plan = P.compile_plan(proto)
-    assert plan is not None and [a.kind for a in plan.aggregations] == [kind]
+    split = P.split_round(proto)
+    assert split is not None and [a.kind for a in split.aggregations] == [kind]
     prepared = interpreter.prepare(proto)
     arg = values.check_value(values.bind_arguments(prepared.parameter, (x, other), {})
                              .runtime_value(), prepared.parameter)
     want = interpreter.evaluate(prepared, arg)
-    got = values.check_value(P.run_in_process(plan, arg), prepared.result, "result")
+    got = values.check_value(engine.run_in_process(split, arg), prepared.result, "result")
     assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
@@ -269,14 +270,14 @@ def capped():
     server.stop(None)
 
 
-def _round_messages(plan, key, members, delay=0.0):
+def _round_messages(split, key, members, delay=0.0):
     from federated_language.common_libs import structure
 
     from fax_bridge.fleet import partials, wire
 
     head = pb.RoundRequest(computation_hash=key, delay_seconds=delay)
     head.broadcast.CopyFrom(wire.to_message(structure.Struct([(None, np.ones(3, np.float32))])))
-    for agg in plan.aggregations:
+    for agg in split.aggregations:
         spec = head.aggregations.add(kind=partials.KIND_TO_ENUM[agg.kind],
                                      value_index=agg.value_index)
         if agg.weight_index is not None:
@@ -292,9 +293,9 @@ def test_a_device_bounds_round_requests_and_keeps_serving(capped, method):
     from federated_language.common_libs import structure
 
     stub, md = capped
-    plan = P.compile_plan(PROTO)
-    data = plan.client_part.SerializeToString(deterministic=True)
-    stub.Load(pb.LoadRequest(computation_hash=plan.client_part_hash, computation=data),
+    split = P.split_round(PROTO)
+    data = split.client_part.SerializeToString(deterministic=True)
+    stub.Load(pb.LoadRequest(computation_hash=split.client_part_hash, computation=data),
               timeout=30, metadata=md)
     member = structure.Struct([(None, np.ones(3, np.float32)), (None, np.float32(2.0))])
     for members, delay, code in (([member] * 101, 0.0, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -302,15 +303,15 @@ def test_a_device_bounds_round_requests_and_keeps_serving(capped, method):
                                   grpc.StatusCode.INVALID_ARGUMENT),
                                  ([member] * 2, 5.0, grpc.StatusCode.INVALID_ARGUMENT)):
         with pytest.raises(grpc.RpcError) as info:
-            _send(stub, method, _round_messages(plan, plan.client_part_hash, members, delay),
+            _send(stub, method, _round_messages(split, split.client_part_hash, members, delay),
                   timeout=30, metadata=md)
         assert info.value.code() == code
-    answer = _send(stub, method, _round_messages(plan, plan.client_part_hash, [member] * 3),
+    answer = _send(stub, method, _round_messages(split, split.client_part_hash, [member] * 3),
                    timeout=30, metadata=md)
     assert answer.num_clients == 3 and len(answer.partials) == 2
     assert [p.num_clients for p in answer.partials] == [3, 3]
     other = "RoundOnce" if method == "Round" else "Round"  # the same round, other shape
-    again = _send(stub, other, _round_messages(plan, plan.client_part_hash, [member] * 3),
+    again = _send(stub, other, _round_messages(split, split.client_part_hash, [member] * 3),
                   timeout=30, metadata=md)
     assert again.num_clients == 3 and list(again.partials) == list(answer.partials)
 
@@ -321,15 +322,15 @@ def test_a_hostile_round_request_gets_a_clear_error_and_the_device_keeps_serving
     from federated_language.common_libs import structure
 
     stub, md = capped
-    plan = P.compile_plan(PROTO)
-    data = plan.client_part.SerializeToString(deterministic=True)
-    stub.Load(pb.LoadRequest(computation_hash=plan.client_part_hash, computation=data),
+    split = P.split_round(PROTO)
+    data = split.client_part.SerializeToString(deterministic=True)
+    stub.Load(pb.LoadRequest(computation_hash=split.client_part_hash, computation=data),
               timeout=30, metadata=md)
     value = pb.ClientValue(client_id=0)
     value.value.tensor.dtype = "float32"
     value.value.tensor.shape.extend([1 << 40])  # claims far more elements than it holds
     member = structure.Struct([(None, np.ones(3, np.float32)), (None, np.float32(2.0))])
-    head = _round_messages(plan, plan.client_part_hash, [member])[0]
+    head = _round_messages(split, split.client_part_hash, [member])[0]
     bad_kind = pb.RoundRequest()
     bad_kind.CopyFrom(head)
     bad_kind.aggregations[0].kind = pb.SECURE_SUM
@@ -337,11 +338,11 @@ def test_a_hostile_round_request_gets_a_clear_error_and_the_device_keeps_serving
     bad_index.CopyFrom(head)
     bad_index.aggregations[1].value_index = 7
     for request, code, match in (
-            (pb.RoundRequest(computation_hash=plan.client_part_hash, values=[value]),
+            (pb.RoundRequest(computation_hash=split.client_part_hash, values=[value]),
              grpc.StatusCode.INVALID_ARGUMENT, "the shape is likely corrupt"),
-            (bad_kind, grpc.StatusCode.INVALID_ARGUMENT, "cannot run in a round plan"),
+            (bad_kind, grpc.StatusCode.INVALID_ARGUMENT, "cannot run in a round split"),
             (bad_index, grpc.StatusCode.INVALID_ARGUMENT, "index 7 is out of range"),
-            (pb.RoundRequest(computation_hash=plan.client_part_hash,
+            (pb.RoundRequest(computation_hash=split.client_part_hash,
                              from_store=pb.StoreRead(population_ids=[0])),
              grpc.StatusCode.FAILED_PRECONDITION, "hosts no population")):
         with pytest.raises(grpc.RpcError) as info:
@@ -435,13 +436,13 @@ def test_a_device_without_round_once_gets_the_same_round_streamed(capped):
     backend = coordinator.GrpcClientsBackend([f"127.0.0.1:{port}"], token=token)
     stub, md = capped
     try:
-        plan = P.compile_plan(PROTO)
-        key = backend.ensure_loaded(plan.client_part, [0])
-        stub.Load(pb.LoadRequest(computation_hash=key, computation=plan.client_part
+        split = P.split_round(PROTO)
+        key = backend.ensure_loaded(split.client_part, [0])
+        stub.Load(pb.LoadRequest(computation_hash=key, computation=split.client_part
                                  .SerializeToString(deterministic=True)),
                   timeout=30, metadata=md)
         member = structure.Struct([(None, np.ones(3, np.float32)), (None, np.float32(2.0))])
-        (message,) = _round_messages(plan, key, [member] * 3)
+        (message,) = _round_messages(split, key, [member] * 3)
         want = stub.RoundOnce(message, timeout=30, metadata=md)
         for resent in (1, 0):
             before = dataclasses.replace(backend.traffic)
@@ -471,7 +472,7 @@ def test_a_failed_round_names_the_rpc_it_went_by(fleet, messages):
     assert f"{called}: " in str(info.value) and "not loaded" in str(info.value)
 
 
-def test_a_resumed_run_loop_on_the_plan_path_gives_the_straight_runs_bits(fleet, tmp_path):
+def test_a_resumed_run_loop_on_the_split_path_gives_the_straight_runs_bits(fleet, tmp_path):
     w0, x, counts = _args(2)
 
     def loop(rounds, folder=None):
@@ -493,7 +494,7 @@ def test_round_streams_make_each_message_when_grpc_asks_for_it():
     """A round fed by the coordinator holds at most one message per device at a time."""
     from types import SimpleNamespace
 
-    from fax_bridge.fleet import plan_runner
+    from fax_bridge.fleet import grpc_transport
 
     class Recording(list):
         read = 0
@@ -504,7 +505,7 @@ def test_round_streams_make_each_message_when_grpc_asks_for_it():
 
     column = Recording(np.full(64, i, np.float32) for i in range(40))
     backend = SimpleNamespace(message_bytes=300)  # one client per message
-    streams = plan_runner._streams(backend, None, [column], [(3, range(10, 40))],
+    streams = grpc_transport._streams(backend, None, [column], [(3, range(10, 40))],
                                    lambda index: pb.RoundRequest(computation_hash="h"))
     ahead, ids = [], []
     for data in streams[3]:  # each message as gRPC sends it, serialized

@@ -1,0 +1,231 @@
+"""The round engine: one round of a `RoundSplit`, end to end, over a pluggable transport.
+
+A round by split always runs the same way, wherever its clients live:
+
+  server prepare   `server_steps.prepare`, here;
+  broadcast and    the transport sends the client part and the broadcast values to the
+  client part      holders of the cohort's clients (device processes, Flower SuperNodes,
+                   or this process) and returns one `HolderAnswer` per holder that
+                   answered, in client order, and a `LostHolder` per holder that did not;
+  check            every answer checked (`validate.check_partial`, `check_pending`)
+                   before any is merged;
+  merge, finish    partials merged in client order (`aggregation.merge`), finished;
+  server result    `server_steps.result`, checked against the computation's type.
+
+`check_and_merge` is the one loop that checks and merges holders' partials; the phase
+path's device aggregation (`GrpcClientsBackend`) uses it too. A `Transport` is the only
+thing that differs between the in-process run (`InProcessTransport`), the gRPC device
+fleet (`grpc_transport.GrpcTransport`) and Flower (`flower.transport.FlowerTransport`).
+
+The round's policy is here too, written once for every fleet: `open_round` samples the
+cohort (`rounds.plan_round`), records the `RoundReport` and applies `min_clients`;
+`drop_lost` takes lost holders' clients out of a round and applies `min_clients` again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+from federated_language.common_libs import structure
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import server_steps, validate
+from fax_bridge.fleet.ids import ClientIds
+from fax_bridge.fleet.pool import Traffic
+from fax_bridge.fleet.round_split import RoundSplit, client_partials
+from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+from fax_bridge.runtime import aggregation, values
+from fax_bridge.runtime.backend import from_leaves
+
+
+@dataclasses.dataclass
+class HolderAnswer:
+    """One holder's answer for its clients: one partial per aggregation, either as it
+    arrived (an `AggregateResponse`, checked before use) or an `aggregation.Partial`
+    computed in this process (nothing to check)."""
+
+    where: str         # names the holder in errors
+    num_clients: int   # the clients it was sent
+    partials: list
+    compute_s: float = 0.0
+
+
+@dataclasses.dataclass
+class LostHolder:
+    """A holder that did not answer: its name (and why), and the clients it held."""
+
+    where: str
+    clients: np.ndarray
+
+
+@dataclasses.dataclass
+class Answers:
+    """What a transport brings back: the answers in client order, and the lost holders."""
+
+    answered: list
+    lost: list = dataclasses.field(default_factory=list)
+
+
+class Transport(Protocol):
+    """How a round's client part reaches the clients and their partials come back.
+
+    `num_clients`: the round's clients; `backend`: what the server steps' interpreter
+    path runs on (None where there is none); `reject_nonfinite`: refuse NaN and
+    infinities in answers; `traffic`: where the engine adds the partials' payload and
+    the holders' compute (None: not counted).
+    """
+
+    num_clients: int
+    backend: Any
+    reject_nonfinite: bool
+    traffic: Optional[Traffic]
+
+    def run_clients(self, split: RoundSplit, sent: structure.Struct) -> Answers:
+        """Runs `split`'s client part with the broadcast values `sent` on every holder of
+        the round's clients; a holder that cannot be reached either raises (the caller
+        retries the round) or comes back as a `LostHolder`."""
+        ...
+
+
+def check_and_merge(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
+                    reject_nonfinite: bool = False,
+                    traffic: Optional[Traffic] = None) -> list:
+    """The aggregates' totals (`aggregation.Partial`, one per entry of `checks`) over
+    `answers`, which are in client order. `checks`: per aggregation, (kind, its value's
+    leaf types, its weight's leaf types, the secure sum's tops or None). Every answer is
+    checked before any is merged."""
+    totals = [aggregation.Partial(kind=c[0], leaves=[]) for c in checks]
+    found, pending = [], []
+    for answer in answers:
+        if len(answer.partials) != len(checks):
+            raise FleetError(f"{answer.where}: {len(answer.partials)} partials for "
+                             f"{len(checks)} aggregations")
+        if traffic is not None:
+            traffic.compute_seconds += answer.compute_s
+        for total, (kind, value_types, weight_types, tops), message in zip(
+                totals, checks, answer.partials):
+            if isinstance(message, aggregation.Partial):
+                found.append((total, message))  # computed in this process
+                continue
+            partial, payload = validate.check_partial(
+                message, kind, value_types, weight_types, answer.num_clients, answer.where,
+                reject_nonfinite, tops, pending=pending)
+            if traffic is not None:
+                traffic.payload_up += payload
+            found.append((total, partial))
+    validate.check_pending(pending)
+    for total, partial in found:  # in client order
+        aggregation.merge(total, partial)
+    return totals
+
+
+def split_checks(split: RoundSplit) -> list:
+    """`check_and_merge`'s checks for a split's aggregations."""
+    return [(a.kind, *a.leaf_types, None) for a in split.aggregations]
+
+
+def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=None,
+              on_lost: Optional[Callable[[list, int], None]] = None) -> Any:
+    """One round of `split` (module docstring); `arg` is the parameter's runtime value
+    (its CLIENTS elements are the transport's business). `on_lost(lost, answered)` is
+    called with the lost holders (and how many answered) after every answer is checked;
+    it raises to fail the round, else the round finishes without those clients. Without
+    it, a lost holder fails the round. The result is checked against `result_type` when
+    given."""
+    n = transport.num_clients
+    env = server_steps.prepare(split, arg, transport.backend, n)
+    sent = structure.Struct([(None, env[name]) for name in split.broadcasts])
+    answers = transport.run_clients(split, sent)
+    totals = check_and_merge(split_checks(split), answers.answered,
+                             transport.reject_nonfinite, transport.traffic)
+    if answers.lost:
+        if on_lost is None:
+            raise FleetError("holders of the round's clients did not answer: "
+                             + "; ".join(h.where for h in answers.lost))
+        on_lost(answers.lost, len(answers.answered))
+        n -= sum(len(h.clients) for h in answers.lost)
+    for agg, total in zip(split.aggregations, totals):
+        env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
+    result = server_steps.result(split, env, transport.backend, n)
+    return result if result_type is None else values.check_value(result, result_type,
+                                                                 "result")
+
+
+class InProcessTransport:
+    """Every client in this process, as one holder: the client part over the clients'
+    inputs (`round_split.client_partials`)."""
+
+    reject_nonfinite = False
+    traffic = None
+
+    def __init__(self, arg: Any, client_inputs: Sequence[int], backend=None):
+        self.inputs = [arg[i] for i in client_inputs]
+        self.num_clients = len(self.inputs[0])
+        self.backend = backend
+
+    def run_clients(self, split: RoundSplit, sent: structure.Struct) -> Answers:
+        members = [structure.Struct([(None, column[c]) for column in self.inputs])
+                   for c in range(self.num_clients)]
+        specs = [(a.kind, a.value_index, a.weight_index) for a in split.aggregations]
+        found = client_partials(split.client_part, split.client_part_hash, sent, members,
+                                specs)
+        return Answers([HolderAnswer("this process", self.num_clients, found)])
+
+
+def run_in_process(split: RoundSplit, arg: Any, backend=None) -> Any:
+    """Runs a split with no devices (`arg`: the runtime value of the parameter)."""
+    return run_round(split, arg, InProcessTransport(arg, split.client_inputs, backend))
+
+
+# -- the round's policy, for every fleet -------------------------------------------------
+
+
+def open_round(policy: RoundPolicy, population: Optional[int], round_index: int,
+               reports: list, devices: int, preaggregate: bool = True) -> RoundReport:
+    """Samples round `round_index`'s clients (`rounds.plan_round`) and appends its
+    `RoundReport` to `reports` (before anything runs, so a failed round leaves one too);
+    raises FleetError, recorded in the report, when fewer than `min_clients` take part.
+    `population` None: no client takes part, nothing to check."""
+    planned = plan_round(policy, population or 0, round_index)
+    rep = RoundReport(round=round_index, population=population or 0, cohort=planned.cohort,
+                      dropped=planned.dropped, late=planned.late,
+                      participants=planned.participants, delays_s=planned.delays_s,
+                      devices=devices, preaggregate=preaggregate)
+    reports.append(rep)
+    if population is not None:
+        try:
+            check_min_clients(policy, planned, round_index)
+        except FleetError as e:
+            rep.error = str(e)
+            raise
+    return rep
+
+
+def drop_lost(rep: RoundReport, policy: RoundPolicy, lost: Sequence[LostHolder],
+              fix: str) -> None:
+    """Takes the lost holders' clients out of the round `rep` reports (its
+    `lost_devices`, `lost_clients`, `participants`); raises FleetError, recorded in the
+    report, when fewer than `min_clients` are left (`fix`: what the user can change)."""
+    record_lost(rep, lost)
+    if len(rep.participants) < policy.min_clients:
+        rep.error = (f"round {rep.round}: lost {'; '.join(rep.lost_devices)}, taking "
+                     f"clients {listed(rep.lost_clients)} with them; only "
+                     f"{len(rep.participants)} clients are left but "
+                     f"min_clients={policy.min_clients}; {fix}")
+        raise FleetError(rep.error)
+
+
+def record_lost(rep: RoundReport, lost: Sequence[LostHolder]) -> None:
+    """Records lost holders in `rep` (`drop_lost` without the `min_clients` check)."""
+    rep.lost_devices.extend(h.where for h in lost)
+    gone = np.concatenate([np.asarray(h.clients, np.int64) for h in lost])
+    rep.lost_clients = ClientIds(np.union1d(rep.lost_clients.array(), gone))
+    rep.participants = rep.participants.without(gone)
+
+
+def listed(ids: ClientIds, shown: int = 20) -> str:
+    """The first `shown` ids of a set, and how many more there are."""
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return f"{list(ids[:shown])}{more}"

@@ -1,0 +1,198 @@
+"""The device fleet as a round transport: one `Round` request per device per round.
+
+`GrpcTransport` carries a `round_split.RoundSplit`'s client part for `engine.run_round`
+over a `GrpcClientsBackend`: one stream to each device holding clients (the round's
+client part loaded once per device, by content hash; the broadcast value; the device's
+block of the cohort, as values or as population ids), one answer per device with an
+exact partial per aggregation, which the engine checks and merges in client order. A
+device's request that fits in one message (the head with its clients or their
+population ids, the common case) goes as one unary `RoundOnce` call instead, which
+costs less than a stream (`DevicePool.call_each`). Lost devices raise `DeviceLostError`
+as on the phase path, so rounds finish on the survivors the same way; token and TLS are
+the backend's channels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Iterator, Optional
+
+import numpy as np
+from federated_language.common_libs import structure
+
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import partials, put_messages, wire
+from fax_bridge.fleet.engine import Answers, HolderAnswer
+from fax_bridge.fleet.round_split import RoundSplit
+from fax_bridge.fleet.pool import Serialized
+from fax_bridge.runtime import population
+from fax_bridge.runtime.backend import as_numpy
+from fax_bridge.runtime.population import PopulationRef
+from fax_bridge.v1 import device_pb2 as pb
+
+
+def usable(split: Optional[RoundSplit], arg: Any) -> bool:
+    """Whether a round can go by split: CLIENTS inputs all given as values, or all read
+    from the devices' population (the same clients, each input's stored arrays named,
+    or one input whose tensor is the store's only array)."""
+    if split is None:
+        return False
+    inputs = [arg[i] for i in split.client_inputs]
+    refs = [isinstance(v, PopulationRef) for v in inputs]
+    if not any(refs):
+        return True
+    if not all(refs) or len({v.name for v in inputs}) > 1:
+        return False
+    ids = [np.asarray(v.client_ids, np.int64).reshape(-1) for v in inputs]
+    if any(not np.array_equal(ids[0], i) for i in ids[1:]):
+        return False
+    try:
+        keys = [population.default_keys(t, v.keys) for t, v in zip(split.input_types, inputs)]
+    except Exception:
+        return False  # the phase path reports what is wrong with the keys
+    return len(inputs) == 1 or all(keys)
+
+
+def _store_member(split: RoundSplit, inputs: list) -> tuple:
+    """(the client's inputs' struct type, serialized; the stored array of each tensor,
+    depth first), made once per split and keys."""
+    import federated_language
+
+    key = tuple(None if v.keys is None else tuple(v.keys) for v in inputs)
+    found = split.store_members.get(key)
+    if found is None:
+        keys = [k for t, v in zip(split.input_types, inputs)
+                for k in population.default_keys(t, v.keys)]
+        member_type = federated_language.StructType([(None, t) for t in split.input_types])
+        found = (member_type.to_proto().SerializeToString(deterministic=True), keys)
+        if len(split.store_members) < 64:  # a few key spellings per split, not a leak
+            split.store_members[key] = found
+    return found
+
+
+class _Members(Sequence):
+    """Client i's inputs as one Struct, made when asked for (nothing per client is kept)."""
+
+    def __init__(self, inputs: list):
+        self._inputs = inputs
+
+    def __len__(self) -> int:
+        return len(self._inputs[0])
+
+    def __getitem__(self, i):
+        return structure.Struct([(None, column[i]) for column in self._inputs])
+
+
+def _round_messages(head: pb.RoundRequest, messages: Iterator,
+                    broadcast: Optional[tuple] = None) -> Iterator:
+    """`messages` (Put requests) as Round requests, the first of them `head` itself.
+    `broadcast`: (the head's `broadcast` field serialized, its payload bytes), made once
+    for every device and appended to the head's bytes (`Serialized`), so the broadcast
+    is neither copied into each device's head nor serialized again for it."""
+    for put in messages:
+        first = head is not None
+        message, head = (pb.RoundRequest() if head is None else head), None
+        if put.HasField("from_store"):
+            message.from_store.CopyFrom(put.from_store)
+        else:
+            message.values.extend(put.values)
+        if first and broadcast is not None:
+            yield Serialized(message.SerializeToString() + broadcast[0],
+                             put_messages.payload_bytes(message) + broadcast[1])
+        else:
+            yield message
+
+
+def _streams(backend, split: RoundSplit, inputs: list, layout, head_of,
+             broadcast: Optional[tuple] = None) -> dict:
+    """Each device's request stream: its head (with `broadcast`, see `_round_messages`),
+    then its clients (made as gRPC asks)."""
+    out = {}
+    if isinstance(inputs[0], PopulationRef):
+        ref = inputs[0]
+        type_bytes, keys = _store_member(split, inputs)
+        _, size, _ = backend.population_info(ref)
+        ids = np.asarray(ref.client_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            raise FleetError(f"a client id is out of range for the devices' population of "
+                             f"{size} clients")
+        for index, clients in layout:
+            reads = put_messages.store_reads(0, ids[clients.start:clients.stop],
+                                             clients.start, type_bytes, keys, ref.name or "")
+            out[index] = put_messages.stream(
+                _round_messages(head_of(index), iter(reads), broadcast), "Round")
+        return out
+    members = _Members(inputs)
+    for index, clients in layout:
+        puts = put_messages.client_values(0, clients, members, backend.message_bytes)
+        out[index] = put_messages.stream(_round_messages(head_of(index), puts, broadcast),
+                                         "Round")
+    return out
+
+
+class GrpcTransport:
+    """The devices of a `GrpcClientsBackend` as an `engine.Transport` (module docstring).
+
+    `arg`: the round's parameter value (its CLIENTS inputs: values, or `PopulationRef`s
+    naming the cohort's ids); `delays`: each client's emulated delay, in client order
+    (a device waits for its slowest client's).
+    """
+
+    def __init__(self, backend, split: RoundSplit, arg: Any,
+                 delays: Optional[np.ndarray] = None):
+        self.backend = backend
+        self.inputs = [arg[i] for i in split.client_inputs]
+        first = self.inputs[0]
+        self.num_clients = (len(first.client_ids) if isinstance(first, PopulationRef)
+                            else len(first))
+        self.delays = delays
+        self.reject_nonfinite = backend.reject_nonfinite
+        self.traffic = backend.traffic
+
+    def run_clients(self, split: RoundSplit, sent: structure.Struct) -> Answers:
+        backend, delays = self.backend, self.delays
+        layout = backend.layout(self.num_clients)
+        blocks = dict(layout)
+        key = backend.ensure_loaded(split.client_part, [d for d, _ in layout],
+                                    split.client_part_hash)
+        encoded = wire.to_message(structure.Struct([(None, as_numpy(v)) for v in sent]))
+        broadcast = (wire.message_field(pb.RoundRequest.BROADCAST_FIELD_NUMBER,
+                                        encoded.SerializeToString()),
+                     wire.payload_bytes(encoded))
+        del encoded  # only its bytes travel
+        specs = []
+        for agg in split.aggregations:
+            spec = pb.RoundAggregation(kind=partials.KIND_TO_ENUM[agg.kind],
+                                       value_index=agg.value_index)
+            if agg.weight_index is not None:
+                spec.weight_index = agg.weight_index
+            specs.append(spec)
+        longest = 0.0
+
+        def head_of(index: int) -> pb.RoundRequest:
+            nonlocal longest
+            clients = blocks[index]
+            delay = 0.0
+            if delays is not None:
+                mine = delays[clients.start:min(clients.stop, len(delays))]
+                delay = float(mine.max()) if mine.size else 0.0
+            longest = max(longest, delay)
+            return pb.RoundRequest(computation_hash=key, aggregations=specs,
+                                   delay_seconds=delay)
+
+        streams = _streams(backend, split, self.inputs, layout, head_of, broadcast)
+        answers = backend.call_each("Round", streams,
+                                    timeout=backend.rpc_timeout_s + longest, once="RoundOnce")
+        out = []
+        for index, clients in layout:  # device order is client order
+            answer = answers[index]
+            where = f"device {index} at {backend.addresses[index]}"
+            if answer.num_clients != len(clients) or \
+                    len(answer.partials) != len(split.aggregations):
+                raise FleetError(
+                    f"{where} answered a round for {answer.num_clients} clients with "
+                    f"{len(answer.partials)} partials; it was sent {len(clients)} clients "
+                    f"and {len(split.aggregations)} aggregations")
+            out.append(HolderAnswer(where, len(clients), list(answer.partials),
+                                    answer.compute_seconds))
+        return Answers(out)

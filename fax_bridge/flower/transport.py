@@ -1,0 +1,89 @@
+"""Flower's SuperNodes as a round transport (`fleet.engine.Transport`).
+
+Each SuperNode holding participants of a round gets one `train` message (the broadcast
+and the ids of its participants) and answers with its clients' partials as records
+(`records`); a node that answers with an error or not within the wait comes back as a
+lost holder, named with the reason, for the engine's policy to drop. The engine checks
+and merges the partials as it does a device's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fax_bridge.fleet.engine import Answers, HolderAnswer, LostHolder
+from fax_bridge.fleet.pool import Traffic
+from fax_bridge.fleet.round_split import RoundSplit
+from fax_bridge.flower import nodes as flower_nodes
+from fax_bridge.flower import records
+
+
+def train_messages(split: RoundSplit, sent: Any, nodes: list, ids: np.ndarray,
+                   round_index: int, ttl_s: float) -> list:
+    """(node, its participants, message) for each node holding participants of the
+    round; the messages expire when the round stops waiting (`ttl_s`), so a node that
+    comes back later does not work on a round that is over."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    from fax_bridge.runtime.backend import as_numpy, leaves
+
+    tensors = [t for value in sent for t in leaves(as_numpy(value))]
+    arrays, layout = records.tensors_to_record(tensors)
+    out = []
+    for node in nodes:
+        mine = ids[(ids >= node.first) & (ids < node.stop)]
+        if not mine.size:
+            continue
+        content = RecordDict({
+            records.BROADCAST: arrays, records.LAYOUT: layout,
+            records.IDS: records.ids_to_record(mine),
+            records.ROUND: ConfigRecord({"round": round_index,
+                                         "client-part": split.client_part_hash})})
+        out.append((node, mine, Message(content, dst_node_id=node.node_id,
+                                        message_type=MessageType.TRAIN,
+                                        group_id=str(round_index), ttl=ttl_s)))
+    return out
+
+
+class FlowerTransport:
+    """The SuperNodes of a grid as an `engine.Transport`: `ids` are the round's
+    participants (population order), `wait_s` how long the round waits for answers."""
+
+    backend = None
+    reject_nonfinite = False
+
+    def __init__(self, grid, nodes: list, ids: np.ndarray, round_index: int, wait_s: float,
+                 poll_s: float, traffic: Traffic):
+        self.grid, self.nodes, self.ids = grid, nodes, ids
+        self.round_index, self.wait_s, self.poll_s = round_index, wait_s, poll_s
+        self.num_clients = len(ids)
+        self.traffic = traffic
+
+    def run_clients(self, split: RoundSplit, sent: Any) -> Answers:
+        sends = train_messages(split, sent, self.nodes, self.ids, self.round_index,
+                               max(self.wait_s, 1.0))
+        self.traffic.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
+                                      for _, _, m in sends)
+        self.traffic.rpcs = len(sends)
+        replies = flower_nodes.exchange(self.grid, [m for _, _, m in sends], self.wait_s,
+                                        self.poll_s)
+        kinds = [a.kind for a in split.aggregations]
+        out = Answers([])
+        for node, mine, _ in sends:  # node order is population order
+            reply = replies.get(node.node_id)
+            if reply is None or reply.has_error():
+                out.lost.append(LostHolder(f"{node.name}: " + (
+                    f"no answer within {self.wait_s}s" if reply is None
+                    else reply.error.reason), mine))
+                continue
+            content = reply.content
+            metrics = content[records.METRICS]
+            self.traffic.bytes_up += records.payload_bytes(content[records.PARTIALS])
+            partials = records.from_layout(
+                records.numpy_dict(content[records.PARTIALS], node.name),
+                content[records.LAYOUT], metrics.get("num-clients", []), kinds, node.name)
+            out.answered.append(HolderAnswer(node.name, len(mine), partials,
+                                             float(metrics.get("compute-s", 0.0))))
+        return out

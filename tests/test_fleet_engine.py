@@ -1,0 +1,135 @@
+"""The round engine: any split of the clients over holders gives the same bits, every
+answer is checked before any is merged, and lost holders go through the one policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from federated_language.common_libs import structure
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import engine, partials
+from fax_bridge.fleet import round_split
+from fax_bridge.fleet.ids import ClientIds
+from fax_bridge.fleet.pool import Traffic
+from fax_bridge.fleet.rounds import RoundPolicy
+from fax_bridge.runtime import aggregation, interpreter, values
+
+N = 7
+PLACE = ("server", "clients", "clients")
+
+
+@fb.program(clients=N)
+def _round(params, x, counts):
+    at = fb.federated_broadcast(params * 2.0)
+    out = fb.federated_map_clients(lambda p, x: (p + x.sum(), (x * p).mean()), (at, x))
+    return (fb.federated_weighted_mean(out[0], counts) + params,
+            fb.federated_sum(out[1]), fb.federated_mean(out[1] * 3.0))
+
+
+def _args(seed: int):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=3).astype(np.float32),
+            (rng.normal(size=(N, 3)) * 10.0 ** rng.integers(-3, 4, size=(N, 1))
+             ).astype(np.float32),
+            rng.uniform(1, 5, size=N).astype(np.float32))
+
+
+PROTO = fb.export_tff(_round, *_args(0), placements=PLACE)
+SPLIT = round_split.split_round(PROTO)
+PREPARED = interpreter.prepare(PROTO)
+
+
+class _Holders:
+    """A transport over holders of consecutive blocks of the clients, answering with
+    encoded partials as a device does (`lost`: holder indices that do not answer;
+    `forged`: a holder whose answer claims one client too many)."""
+
+    backend = None
+    reject_nonfinite = False
+
+    def __init__(self, arg, cuts, lost=(), forged=None):
+        self.inputs = [arg[i] for i in SPLIT.client_inputs]
+        self.num_clients = len(self.inputs[0])
+        self.blocks = [range(a, b) for a, b in zip([0, *cuts], [*cuts, self.num_clients])]
+        self.lost, self.forged = set(lost), forged
+        self.traffic = Traffic()
+
+    def run_clients(self, split, sent):
+        out = engine.Answers([])
+        specs = [(a.kind, a.value_index, a.weight_index) for a in split.aggregations]
+        for h, block in enumerate(self.blocks):
+            if h in self.lost:
+                out.lost.append(engine.LostHolder(f"holder {h}", np.arange(
+                    block.start, block.stop)))
+                continue
+            members = [structure.Struct([(None, c[i]) for c in self.inputs]) for i in block]
+            found = round_split.client_partials(split.client_part, split.client_part_hash,
+                                                sent, members, specs)
+            messages = [partials.to_message(p) for p in found]
+            if h == self.forged:
+                messages[0].num_clients += 1
+            out.answered.append(engine.HolderAnswer(f"holder {h}", len(block), messages))
+        return out
+
+
+def _bits(result) -> list:
+    return [np.asarray(leaf).tobytes() for leaf in structure.flatten(result)]
+
+
+def _arg(seed: int, clients=None):
+    bound = values.bind_arguments(PREPARED.parameter, _args(seed), {})
+    if clients is not None:
+        bound = bound.select_clients(np.asarray(clients))
+    return bound.runtime_value()
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), cuts=st.sets(st.integers(1, N - 1), max_size=N - 1))
+def test_any_split_over_holders_gives_the_in_process_bits(seed, cuts):
+    arg = _arg(seed)
+    want = engine.run_in_process(SPLIT, arg)
+    transport = _Holders(arg, sorted(cuts))
+    got = engine.run_round(SPLIT, arg, transport, PREPARED.result)
+    assert _bits(got) == _bits(want)
+    assert transport.traffic.payload_up > 0
+
+
+def test_a_forged_answer_is_refused_before_anything_is_merged(monkeypatch):
+    merged = []
+    monkeypatch.setattr(aggregation, "merge", lambda *a: merged.append(a))
+    with pytest.raises(FleetError, match="holder 2: a partial over 4 clients"):
+        engine.run_round(SPLIT, _arg(1), _Holders(_arg(1), [2, 4], forged=2))
+    assert merged == []  # holders 0 and 1 answered well, yet nothing was merged
+
+
+def test_lost_holders_fail_the_round_unless_the_policy_drops_them():
+    arg = _arg(2)
+    with pytest.raises(FleetError, match="did not answer: holder 1"):
+        engine.run_round(SPLIT, arg, _Holders(arg, [3], lost=[1]))
+    reports: list = []
+    rep = engine.open_round(RoundPolicy(min_clients=3), N, 0, reports, devices=2)
+    got = engine.run_round(SPLIT, arg, _Holders(arg, [3], lost=[1]), PREPARED.result,
+                           on_lost=lambda lost, answered: engine.drop_lost(
+                               rep, RoundPolicy(min_clients=3), lost, "fix it"))
+    assert _bits(got) == _bits(engine.run_in_process(SPLIT, _arg(2, range(3))))
+    assert reports == [rep] and rep.lost_devices == ["holder 1"]
+    assert rep.lost_clients == ClientIds(np.arange(3, N)) and len(rep.participants) == 3
+    rep = engine.open_round(RoundPolicy(min_clients=4), N, 1, reports, devices=2)
+    with pytest.raises(FleetError, match=r"round 1: lost holder 1, taking clients "
+                                         r"\[3, 4, 5, 6\] .*only 3 clients are left but "
+                                         r"min_clients=4; fix it"):
+        engine.drop_lost(rep, RoundPolicy(min_clients=4),
+                         [engine.LostHolder("holder 1", np.arange(3, N))], "fix it")
+    assert "min_clients=4" in rep.error
+
+
+def test_open_round_records_a_report_even_when_min_clients_refuses():
+    reports: list = []
+    with pytest.raises(FleetError, match="min_clients"):
+        engine.open_round(RoundPolicy(cohort_size=2, min_clients=3), N, 0, reports, 1)
+    assert len(reports) == 1 and "min_clients" in reports[0].error
+    rep = engine.open_round(RoundPolicy(min_clients=3), None, 1, reports, 1)
+    assert rep.population == 0 and rep.error is None  # no clients: nothing to check
