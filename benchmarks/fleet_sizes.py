@@ -11,6 +11,11 @@ size (d*d parameters, d = round(sqrt(params))) it times, each path in a fresh pr
 - fleet: the exported proto on `LocalFleet(devices=K)` (a round by plan), with the
   round report's wire bytes up and down and their payload, per parameter.
 
+With `--model mlp` the round is instead `benchmarks/model_parallel.py`'s: a two-layer MLP
+(`w1: [width, 3 width]`, `b1`, `w2: [3 width, width]`, `b2`; `mlp_width` picks the
+width, so `--params 100M` gives its 100.7M-parameter default, width 4096), 8 clients, one SGD step each on 4 examples, `federated_mean`, on one host
+device (no model sharding: the exported round runs whole on each path).
+
 Times are medians over the rounds after a warm-up round: wall seconds, and CPU seconds
 (user + system, all threads; for the fleet the coordinator's and the devices' together,
 which says what a round costs when other work shares the machine); peak RSS is `VmHWM`
@@ -20,7 +25,7 @@ devices start through this script as a shim); the `.prof` files land in DIR.
 
     PYTHONPATH=$PWD python benchmarks/fleet_sizes.py [--params 100k,1M,4M,10M]
         [--rounds 3] [--devices 2] [--paths jit,runtime,fleet] [--init normal|zeros]
-        [--json OUT] [--profile DIR]
+        [--model linear|mlp] [--json OUT] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -92,6 +97,34 @@ def build(d: int, init: str = "normal"):
 
 
 PLACEMENTS = ("server", "clients", "clients", "clients")
+MLP_BATCH = 4
+
+
+def mlp_width(params: int) -> int:
+    """The MLP width whose parameters (6 width^2 + 4 width) come nearest `params`, a
+    multiple of 64 from 64 up (100M: 4096, model_parallel.py's default)."""
+    width = math.sqrt(params / 6)
+    return max(1, round(width / 64) * 64 if width >= 64 else round(width))
+
+
+def build_mlp(params: int):
+    """(model_parallel's FedAvg round of a two-layer MLP, its arguments p, x, y, its
+    placements, its parameter count, its width) at `mlp_width(params)`."""
+    import numpy as np
+
+    os.environ.setdefault("XLA_FLAGS", "")  # one host device, as for the linear model
+    sys.path.insert(0, HERE)
+    import model_parallel as mp  # noqa: E402  (a sibling script)
+
+    width = mlp_width(params)
+    shapes = mp.shapes(width, 3 * width)
+    rng = np.random.default_rng(0)
+    p = {k: (rng.normal(size=s) / math.sqrt(s[0])).astype(np.float32)
+         for k, s in shapes.items()}
+    x, y = (rng.normal(size=(mp.CLIENTS, MLP_BATCH, width)).astype(np.float32)
+            for _ in range(2))
+    count = sum(math.prod(s) for s in shapes.values())
+    return mp.fax_round, (p, x, y), ("server", "clients", "clients"), count, width
 
 
 def cpu_seconds(pids: tuple = ()) -> float:
@@ -135,7 +168,7 @@ def _times(fn, rounds: int, profile_path: Optional[str] = None,
 
 
 def measure(path: str, params: int, rounds: int, devices: int,
-            profile_dir: Optional[str], init: str = "normal") -> dict:
+            profile_dir: Optional[str], init: str = "normal", model: str = "linear") -> dict:
     """One path at one size, in this process."""
     sys.path.insert(0, ROOT)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -145,21 +178,27 @@ def measure(path: str, params: int, rounds: int, devices: int,
     import fax_bridge as fb
     from fax_bridge.runtime import run_computation
 
-    d = max(1, round(math.sqrt(params)))
-    program, args = build(d, init)
-    row: dict = {"path": path, "params": d * d, "d": d, "payload_mb": d * d * 4 / 1e6,
-                 "init": init}
-    prof = (os.path.join(profile_dir, f"{path}_{d * d}.prof")
+    if model == "mlp":
+        program, args, placements, count, d = build_mlp(params)
+    else:
+        d = max(1, round(math.sqrt(params)))
+        program, args = build(d, init)
+        placements, count = PLACEMENTS, d * d
+    row: dict = {"path": path, "params": count, "d": d, "payload_mb": count * 4 / 1e6,
+                 "init": init, "model": model}
+    prof = (os.path.join(profile_dir, f"{path}_{count}.prof")
             if profile_dir and path != "jit" else None)
     if path == "jit":
         jitted = jax.jit(program)
         times, cpus = _times(lambda: jax.block_until_ready(jitted(*args)), rounds)
     else:
-        proto = fb.export_tff(program, *args, placements=PLACEMENTS)
+        proto = fb.export_tff(program, *args, placements=placements)
         if path == "runtime":
             times, cpus = _times(lambda: run_computation(proto, *args), rounds, prof)
         else:
-            kwargs = {}
+            # A warm-up round of a large model (compiling, paging in) outlasts the
+            # default deadline on a loaded machine.
+            kwargs = {"rpc_timeout_s": 600.0}
             if profile_dir:
                 os.environ[PROFILE_ENV] = profile_dir
                 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -171,8 +210,8 @@ def measure(path: str, params: int, rounds: int, devices: int,
                 rep = fleet.last_report
                 row.update(bytes_up=rep.bytes_up, bytes_down=rep.bytes_down,
                            payload_up=rep.payload_up, payload_down=rep.payload_down,
-                           up_bytes_per_param_per_device=rep.bytes_up / devices / (d * d),
-                           down_bytes_per_param_per_device=rep.bytes_down / devices / (d * d),
+                           up_bytes_per_param_per_device=rep.bytes_up / devices / count,
+                           down_bytes_per_param_per_device=rep.bytes_down / devices / count,
                            device_peak_rss_mb=[round(peak_rss_mb(str(p)), 1)
                                                for p in fleet.pids])
     row.update(seconds=statistics.median(times), all_seconds=[round(t, 4) for t in times],
@@ -215,7 +254,7 @@ first (the warm-up) profiled."""
 def _child(path: str, params: int, args) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--one", path, "--params",
                str(params), "--rounds", str(args.rounds), "--devices", str(args.devices),
-               "--init", args.init]
+               "--init", args.init, "--model", args.model]
     if args.profile:
         command += ["--profile", args.profile]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -266,6 +305,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--paths", default="jit,runtime,fleet")
     parser.add_argument("--init", choices=("normal", "zeros"), default="normal",
                         help="the model's start (zeros: clients' models spread widely)")
+    parser.add_argument("--model", choices=("linear", "mlp"), default="linear",
+                        help="mlp: model_parallel.py's MLP round (--params 100M: 100.7M)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--profile", help="write cProfile stats of the rounds here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: one path, one size
@@ -275,11 +316,14 @@ def main(argv: Optional[list] = None) -> int:
         os.makedirs(args.profile, exist_ok=True)
     if args.one:
         print(json.dumps(measure(args.one, parse_count(args.params), args.rounds,
-                                 args.devices, args.profile, args.init)))
+                                 args.devices, args.profile, args.init, args.model)))
         return 0
     rows = []
-    print(f"machine: {os.cpu_count()} cores; {CLIENTS} clients x {EXAMPLES} examples, "
-          f"one SGD step, weighted mean; median of {args.rounds} rounds after a warm-up; "
+    workload = (f"{CLIENTS} clients x {EXAMPLES} examples, one SGD step, weighted mean"
+                if args.model == "linear" else
+                f"MLP, 8 clients x {MLP_BATCH} examples, one SGD step, mean")
+    print(f"machine: {os.cpu_count()} cores; {workload}; "
+          f"median of {args.rounds} rounds after a warm-up; "
           f"fleet: LocalFleet(devices={args.devices}); init {args.init}; XLA_FLAGS="
           f"{os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     for params in [parse_count(p) for p in args.params.split(",")]:

@@ -33,3 +33,12 @@ def test_sizes_parse_and_every_path_reports(capsys):
     sizes._print(rows)
     table = capsys.readouterr().out
     assert "| 2,500 |" in table and "fleet/jit" in table
+
+
+def test_sizes_mlp_model_runs_model_parallels_round():
+    sizes = _module()
+    assert sizes.mlp_width(100_000_000) == 4096  # model_parallel.py's 100.7M default
+    row = sizes.measure("runtime", 2500, 1, 1, None, model="mlp")
+    assert row["model"] == "mlp" and row["d"] == 20
+    assert row["params"] == 6 * 20 * 20 + 4 * 20  # w1, b1, w2, b2 at hidden = 3 width
+    assert row["seconds"] > 0 and row["peak_rss_mb"] > 0

@@ -3,6 +3,7 @@ split, any mix of forms and through the wire; merges that would lose a bit move 
 
 import fractions
 import math
+from unittest import mock
 
 import federated_language as fl
 import ml_dtypes
@@ -12,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import WeightError
 from fax_bridge.fleet import partials, validate
-from fax_bridge.runtime import aggregation, double_sums, float_bits
+from fax_bridge.runtime import aggregation, double_sums, exact, float_bits
 from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.runtime.exact import ExactSum
 
@@ -139,7 +140,11 @@ def test_the_one_block_test_decides_as_the_columns_do(dtype, n, size, data):
     flat = data.draw(st.lists(values, min_size=n * size, max_size=n * size))
     with np.errstate(over="ignore", invalid="ignore"):
         rows = np.array(flat, np.float64).astype(dtype).reshape(n, size)
-    if float_bits.all_exact_in_doubles(rows):
+    passed = float_bits.all_exact_in_doubles(rows)
+    # a caller's scratch buffer (written over, left dirty) gives the same verdict
+    scratch = np.full(rows.shape, 12345, float_bits.float_params(rows.dtype)[3])
+    assert float_bits.all_exact_in_doubles(rows, scratch) == passed
+    if passed:
         fast, zero, _ = float_bits.exact_in_doubles(rows)
         assert (fast | zero).all()
     got, want = double_sums._double_values(rows), _column_by_column(rows)
@@ -206,15 +211,18 @@ def test_spilled_elements_keep_every_bit_in_any_split(dtype, n, size, data):
                       label="limbs on the wire")
     leaf_type = validate.leaf_types(fl.TensorType(dtype, [size]))
     total = aggregation.Partial(kind="sum", leaves=[])
-    for (lo, hi), limbs in zip(zip(bounds, bounds[1:]), forms):
-        if hi == lo:
-            continue
-        part = aggregation.partial_of_columns("sum", [stack[lo:hi]], hi - lo)
-        part = _limbs_only(part) if limbs else part
-        checked, _ = validate.check_partial(partials.to_message(part), "sum", leaf_type, [],
-                                            hi - lo, "d")
-        aggregation.merge(total, checked)
-    got, = aggregation.finish(total)
+    # Small blocks: many blocks per tensor, each written into the buffers of the last.
+    block = data.draw(st.sampled_from([exact.BLOCK_ELEMENTS, 3 * n, 64]), label="block")
+    with mock.patch.object(exact, "BLOCK_ELEMENTS", block):
+        for (lo, hi), limbs in zip(zip(bounds, bounds[1:]), forms):
+            if hi == lo:
+                continue
+            part = aggregation.partial_of_columns("sum", [stack[lo:hi]], hi - lo)
+            part = _limbs_only(part) if limbs else part
+            checked, _ = validate.check_partial(partials.to_message(part), "sum", leaf_type,
+                                                [], hi - lo, "d")
+            aggregation.merge(total, checked)
+        got, = aggregation.finish(total)
     as_floats = stack.astype(np.float64)
     want = np.array([_rounded(as_floats[:, j].tolist(), dtype) for j in range(size)], dtype)
     assert got.tobytes() == want.tobytes()

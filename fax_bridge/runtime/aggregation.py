@@ -320,12 +320,14 @@ def finish(partial: Partial) -> list[np.ndarray]:
 
 
 def _divide(total: np.ndarray, by) -> np.ndarray:
-    """`total / by` in `total`'s dtype (the caller ignores division by zero)."""
+    """`total / by` in `total`'s dtype, written over `total` (a sum `results` made for
+    this call alone: no second array of the model's size); the caller ignores division
+    by zero."""
     if total.dtype.kind in "iub":
         raise AggregationError(
             f"federated mean and weighted_mean need floating-point values, got "
             f"{total.dtype}; cast the clients' values to a float type first")
-    return np.asarray(total / np.asarray(by, total.dtype), total.dtype)
+    return np.divide(total, np.asarray(by, total.dtype), out=total)
 
 
 def reduce(kind: str, members: Sequence[LocalValue],

@@ -32,7 +32,7 @@ from fax_bridge.errors import AggregationError
 from fax_bridge.runtime import exact
 from fax_bridge.runtime.exact import ExactSum
 from fax_bridge.runtime.float_bits import (all_exact_in_doubles, exact_in_doubles,
-                                           signed_zeros, to_odd_float32)
+                                           float_params, signed_zeros, to_odd_float32)
 
 SPILL_RATIO = 64  # at most one element in this many spills to limbs, else all go there
 _NO_COLS = np.zeros(0, np.int64)
@@ -117,8 +117,12 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
     totals = np.empty(rows.shape[1], np.float64)
     spilled, num_spilled = [], 0
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
+    width = min(step, rows.shape[1])
+    # Buffers made once and written over block after block: a new one per block would
+    # be freed and faulted in again at every block.
+    scratch = np.empty((count, width), float_params(rows.dtype)[3])
     if scale is not None:
-        products = np.empty((count, min(step, rows.shape[1])), rows.dtype)
+        products = np.empty((count, width), rows.dtype)
         by = scale.reshape(count, 1)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         for lo in range(0, rows.shape[1], step):
@@ -127,7 +131,8 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
                 block = np.multiply(block, by, out=products[:, :block.shape[1]])
             sums = totals[lo:lo + step]
             bad = None
-            if not all_exact_in_doubles(block):  # one test for the block, else by column
+            # one test for the block, else column by column
+            if not all_exact_in_doubles(block, scratch[:, :block.shape[1]]):
                 fast, zero, _ = exact_in_doubles(block)
                 bad = np.flatnonzero(~(fast | zero))
                 num_spilled += bad.size

@@ -9,6 +9,7 @@ values to odd at float32's precision, so a later cast to a narrower dtype rounds
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import numpy as np
 
@@ -73,19 +74,22 @@ def _sums_fit(e_hi, e_lo, p: int, nexp: int, n: int):
     return (span <= 53) & (e_hi < (1 << nexp) - 1)
 
 
-def all_exact_in_doubles(rows: np.ndarray) -> bool:
+def all_exact_in_doubles(rows: np.ndarray, scratch: Optional[np.ndarray] = None) -> bool:
     """Whether every column of `rows` ([n, size], a float dtype of at most 4 bytes) has
     an exact float64 sum or holds only +-0 (`exact_in_doubles` says which, column by
     column): one test over all of them, with the largest and the smallest nonzero
     magnitude of the whole block. Columns span at most what the block spans, so a block
-    that passes passes column by column; one that fails may still pass that way."""
+    that passes passes column by column; one that fails may still pass that way.
+    `scratch`: an array of `rows`' shape and the dtype's unsigned view, written over (a
+    caller testing many blocks keeps one, so no block allocates)."""
     if not rows.size:
         return True
     p, nexp, _, uint = float_params(rows.dtype)
     width = 8 * rows.dtype.itemsize
-    mag = rows.view(uint) & uint((1 << (width - 1)) - 1)
-    hi = int(mag.max())
-    low = (int((mag - uint(1)).min()) + 1) & ((1 << width) - 1)  # 0 when all are zero
+    mag = np.bitwise_and(rows.view(uint), uint((1 << (width - 1)) - 1), out=scratch)
+    hi = int(np.maximum.reduce(mag, axis=None))
+    np.subtract(mag, uint(1), out=mag)  # zeros wrap to the top
+    low = (int(np.minimum.reduce(mag, axis=None)) + 1) & ((1 << width) - 1)  # 0: all zero
     return bool(_sums_fit(hi >> (p - 1), low >> (p - 1), p, nexp, rows.shape[0]))
 
 
