@@ -186,7 +186,10 @@ class IntrinsicTable:
     whether every intrinsic must carry its type signature. `data`, `placement`: node
     builders of those cases (None: refused). `defer_xla`: whether Xla parts compile on
     their first call rather than when built. `local_guard`: a check of every argument an
-    Xla part is called on.
+    Xla part is called on. `direct_calls`: by URI, the node of a call of that intrinsic
+    on a Struct computation, built from the nodes of the Struct's elements (so a
+    `federated_apply(<f, x>)` at the server calls `f(x)` without building the pair: a
+    `Struct` costs more to build than a call).
     """
 
     name: str
@@ -197,6 +200,8 @@ class IntrinsicTable:
     placement: Optional[Callable[[Computation], Node]] = None
     defer_xla: bool = False
     local_guard: Optional[Callable[[Any], None]] = None
+    direct_calls: Mapping[str, Callable[[list], Node]] = dataclasses.field(
+        default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,11 +263,25 @@ def _build_block(comp, scope):
 
 
 def _build_call(comp, scope):
+    direct = _direct_call(comp, scope)
+    if direct is not None:
+        return direct
     fn = _build(comp.call.function, scope)
     if comp.call.HasField("argument"):
         arg = _build(comp.call.argument, scope)
         return lambda env: apply(fn(env), arg(env))
     return lambda env: apply(fn(env))
+
+
+def _direct_call(comp, scope) -> Optional[Node]:
+    """The table's direct node of an intrinsic called on a Struct computation, or None."""
+    call = grammar.intrinsic_call(comp)
+    if call is None or call[0] not in scope.table.direct_calls or call[1] is None or \
+            grammar.case(call[1]) != "struct":
+        return None
+    _build(comp.call.function, scope)  # the intrinsic refused or typed as the table says
+    elements = [_build(e.value, scope) for e in call[1].struct.element]
+    return scope.table.direct_calls[call[0]](elements)
 
 
 def _build_struct(comp, scope):

@@ -143,6 +143,13 @@ def _apply_at_server(uri: str, arg):
     return evaluator.apply(arg[0], arg[1])
 
 
+def _direct_apply(nodes: list) -> evaluator.Node:
+    if len(nodes) != 2:
+        raise ComputationError(f"`{_APPLY}` takes a struct <function, value> at the server")
+    fn, value = nodes
+    return lambda env: evaluator.apply(fn(env), value(env))
+
+
 def _local_refusal(uri: str) -> str:
     return (f"intrinsic `{uri}` cannot run in a local computation; local parts may use "
             f"only {', '.join(GENERIC_URIS)}")
@@ -168,7 +175,8 @@ AT_SERVER = evaluator.IntrinsicTable(
                     lambda uri, value: value),
                 intrinsic_defs.FEDERATED_VALUE_AT_SERVER.uri: _server_meaning(
                     lambda uri, value: value)},
-    refusal=_server_refusal)
+    refusal=_server_refusal,
+    direct_calls={_APPLY: _direct_apply})
 
 
 # ---------------------------------------------------------------------------------------
