@@ -17,10 +17,10 @@ computations where a table has them:
   `interpreter.evaluate`; its nodes find the running evaluation in the environment under
   `RUN`.
 
-An evaluation counts its calls against `max_eval_steps` (`runtime/limits.py`), each
-evaluation on its own (`counted`). The values of the grammar's leaves that every reader
-of a proto shares are read here too: types (`parse_type`), literals (`read_literal`),
-selections (`select_element`).
+An evaluation counts its calls and the Structs it builds against `max_eval_steps`
+(`runtime/limits.py`), each evaluation on its own (`counted`). The values of the
+grammar's leaves that every reader of a proto shares are read here too: types
+(`parse_type`), literals (`read_literal`), selections (`select_element`).
 """
 
 from __future__ import annotations
@@ -286,7 +286,12 @@ def _direct_call(comp, scope) -> Optional[Node]:
 
 def _build_struct(comp, scope):
     elements = [(e.name or None, _build(e.value, scope)) for e in comp.struct.element]
-    return lambda env: structure.Struct([(n, node(env)) for n, node in elements])
+
+    def run(env):
+        count_steps()  # a Struct costs more to build than a call: counted as one
+        return structure.Struct([(n, node(env)) for n, node in elements])
+
+    return run
 
 
 def _build_selection(comp, scope):
