@@ -138,15 +138,21 @@ def has_leaf(value: Any, kinds: tuple) -> bool:
 # ---------------------------------------------------------------------------------------
 # Steps: calls counted per evaluation.
 
-_steps = threading.local()
+class _Steps(threading.local):
+    """The running evaluation's count of steps, per thread."""
+
+    count = 0
+    what = "the computation"
+
+
+_steps = _Steps()
 
 
 def count_steps(count: int = 1) -> None:
     """Counts `count` steps of the running evaluation against `max_eval_steps`."""
-    total = getattr(_steps, "count", 0) + count
-    _steps.count = total
-    if total > limits.LIMITS.max_eval_steps:
-        raise limits.too_many_steps(getattr(_steps, "what", None) or "the computation")
+    _steps.count += count
+    if _steps.count > limits.LIMITS.max_eval_steps:
+        raise limits.too_many_steps(_steps.what)
 
 
 def counted(fn: Callable, what: str) -> Callable:
@@ -154,12 +160,13 @@ def counted(fn: Callable, what: str) -> Callable:
     its own count of steps; the count of an evaluation it runs inside is kept."""
 
     def run(*arg):
-        saved = getattr(_steps, "count", 0), getattr(_steps, "what", None)
-        _steps.count, _steps.what = 0, what
+        steps = _steps
+        saved_count, saved_what = steps.count, steps.what
+        steps.count, steps.what = 0, what
         try:
             return fn(*arg)
         finally:
-            _steps.count, _steps.what = saved
+            steps.count, steps.what = saved_count, saved_what
 
     return run
 
