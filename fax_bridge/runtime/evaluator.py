@@ -102,7 +102,8 @@ class LocalFunction:
     def __call__(self, *arg):
         if self._guard is not None and arg:
             self._guard(arg[0])
-        return self.function()(*arg)
+        fn = self._fn
+        return (fn if fn is not None else self.function())(*arg)
 
 
 class IntrinsicFunction:
