@@ -32,8 +32,6 @@ from fax_bridge.fleet import wire
 from fax_bridge.runtime import backend, interpreter, values
 
 FORMAT = "fax_bridge.flower.round.v1"
-SECURE_SUMS = ("federated_secure_sum", "federated_secure_sum_bitwidth",
-               "federated_secure_modular_sum")
 FILE_NAME = "round.json"
 MAX_BUNDLE_BYTES = 10 * 1024 * 1024  # what Flower accepts in an app bundle
 
@@ -53,7 +51,7 @@ class FlowerRound:
     def split(self) -> round_split.RoundSplit:
         from fax_bridge.tff import forms
 
-        secure = sorted({u for u in forms.intrinsic_uris(self.proto) if u in SECURE_SUMS})
+        secure = sorted(set(forms.intrinsic_uris(self.proto)) & forms.SECURE_SUM_URIS)
         if secure:
             raise ExportError(
                 f"the round {self.prepared.type} calls {', '.join(secure)}: a Flower round "

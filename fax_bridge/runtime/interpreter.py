@@ -1,10 +1,14 @@
 """Interprets federated_language `Computation` protos on the coordinator.
 
-`evaluate(proto, arg)` walks the building-block tree. Unplaced and SERVER-placed work runs
-in this process (Xla parts through `local_eval`); every CLIENTS-placed operation goes to a
-`ClientsBackend` (broadcast, map, zip, aggregate, get, put), so client values can live
-elsewhere. Runtime values: local values (numpy arrays / `Struct`s) for unplaced and
-SERVER values, `ClientsValue` handles for CLIENTS values, and function values.
+The interpreter is the runtime's one evaluator of the grammar (`runtime/evaluator.py`)
+with the placed intrinsic table (`intrinsics.PLACED`), a clients backend, and the checks
+and conversions of values at its boundary (`values`). `evaluate(proto, arg)` compiles a
+computation once (per `Prepared`) into nodes and runs them with a `Run`: unplaced and
+SERVER-placed work runs in this process (Xla parts through `xla_function`); every
+CLIENTS-placed operation goes to a `ClientsBackend` (broadcast, map, zip, aggregate,
+get, put), so client values can live elsewhere. Runtime values: local values (numpy
+arrays / `Struct`s) for unplaced and SERVER values, `ClientsValue` handles for CLIENTS
+values, and the evaluator's function values.
 
 At the boundary a CLIENTS value is a list with one member per client; `run_computation`
 takes and returns python pytrees instead (CLIENTS leaves stacked on a leading axis).
@@ -13,7 +17,8 @@ takes and returns python pytrees instead (CLIENTS leaves stacked on a leading ax
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+import functools
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import federated_language
 import numpy as np
@@ -22,8 +27,8 @@ from federated_language.compiler import array as fl_array
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ClientCountError, ComputationError, FaxBridgeError
-from fax_bridge.runtime import (declared_types, grammar, intrinsics, limits, local_eval,
-                                result_structure, values)
+from fax_bridge.runtime import (declared_types, evaluator, grammar, intrinsics, limits,
+                                local_eval, result_structure, values)
 from fax_bridge.runtime.backend import ClientsBackend, ClientsValue
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -31,74 +36,22 @@ from fax_bridge.runtime.population import PopulationRef
 Computation = computation_pb2.Computation
 
 
-# ---------------------------------------------------------------------------------------
-# Function values.
+_FUNCTION_VALUES = evaluator.FUNCTION_VALUES
 
 
-@dataclasses.dataclass
-class _Closure:
-    """A Lambda evaluated in an environment."""
-
-    comp: Computation
-    env: dict
-
-
-@dataclasses.dataclass
-class _LocalFn:
-    """A closed local computation (Xla, or a generic intrinsic)."""
-
-    comp: Computation
-
-
-@dataclasses.dataclass
-class _IntrinsicFn:
-    uri: str
-    type_signature: federated_language.FunctionType
-
-
-@dataclasses.dataclass(frozen=True)
-class _PlacementValue:
-    uri: str
-
-
-_FunctionValue = (_Closure, _LocalFn, _IntrinsicFn)
-
-
-class _Interpreter:
-    """One evaluation: the backend, the number of clients and per-run caches."""
+class Run:
+    """One evaluation: the backend, the number of clients and the Data inputs; what the
+    placed intrinsics (`intrinsics.IMPLEMENTATIONS`) work with."""
 
     def __init__(self, backend: ClientsBackend, num_clients: Optional[int],
                  data: Mapping[str, Any]):
         self.backend = backend
         self.num_clients = num_clients
         self.data = data
-        self._types: dict[bytes, Optional[federated_language.Type]] = {}
-        self._compiled: dict[int, tuple[Computation, Callable]] = {}
-        self.steps = 0
 
     def step(self, count: int = 1) -> None:
         """Counts work against `max_eval_steps` (see `runtime/limits.py`)."""
-        self.steps += count
-        if self.steps > limits.LIMITS.max_eval_steps:
-            raise limits.too_many_steps("the computation")
-
-    def compiled(self, comp: Computation) -> Callable:
-        """`local_eval.compile_local(comp)`, hashed once per proto object in this run."""
-        hit = self._compiled.get(id(comp))
-        if hit is None or hit[0] is not comp:
-            hit = (comp, local_eval.compile_local(comp))
-            self._compiled[id(comp)] = hit
-        return hit[1]
-
-    # -- types ------------------------------------------------------------------------
-
-    def type_of(self, comp: Computation) -> Optional[federated_language.Type]:
-        if not comp.HasField("type"):
-            return None
-        key = comp.type.SerializeToString(deterministic=True)
-        if key not in self._types:
-            self._types[key] = local_eval.parse_type(comp.type)
-        return self._types[key]
+        evaluator.count_steps(count)
 
     def clients(self, what: str) -> int:
         if self.num_clients is None:
@@ -110,119 +63,24 @@ class _Interpreter:
 
     def local_arg(self, value, what: str):
         """`value`, checked to be SERVER-placed or unplaced (not CLIENTS, not a function)."""
-        if _has_leaf(value, (ClientsValue,) + _FunctionValue):
+        if evaluator.has_leaf(value, (ClientsValue,) + _FUNCTION_VALUES):
             raise ComputationError(f"`{what}` needs a SERVER-placed or unplaced value")
         return value
 
-    # -- evaluation -------------------------------------------------------------------
+    def call(self, fn, arg, has_arg: bool = True):
+        """A call of a function value, as a Call computation makes it."""
+        return evaluator.apply(fn, arg) if has_arg else evaluator.apply(fn)
 
-    def eval(self, comp: Computation, env: dict) -> Any:
-        self.step()
-        kind = grammar.case(comp)
-        method = _EVALUATORS.get(kind)
-        if method is None:
-            raise ComputationError(f"unsupported computation case `{kind}`")
-        return method(self, comp, env)
-
-    def _eval_reference(self, comp, env):
-        name = comp.reference.name
-        if name not in env:
-            raise ComputationError(
-                f"reference to unbound name `{name}`; names bound here: "
-                f"{sorted(env) or 'none'}")
-        return env[name]
-
-    def _eval_lambda(self, comp, env):
-        return _Closure(comp, env)
-
-    def _eval_block(self, comp, env):
-        env = dict(env)
-        for local in comp.block.local:
-            if not local.name:
-                raise ComputationError("a Block local has an empty name")
-            env[local.name] = self.eval(local.value, env)
-        return self.eval(comp.block.result, env)
-
-    def _eval_call(self, comp, env):
-        fn = self.eval(comp.call.function, env)
-        if comp.call.HasField("argument"):
-            return self.call(fn, self.eval(comp.call.argument, env), has_arg=True)
-        return self.call(fn, None, has_arg=False)
-
-    def _eval_struct(self, comp, env):
-        return structure.Struct(
-            [(e.name or None, self.eval(e.value, env)) for e in comp.struct.element])
-
-    def _eval_selection(self, comp, env):
-        return local_eval.select_element(self.eval(comp.selection.source, env),
-                                         comp.selection.index)
-
-    def _eval_literal(self, comp, env):
-        return local_eval.read_literal(comp.literal)
-
-    def _eval_placement(self, comp, env):
-        return _PlacementValue(comp.placement.uri)
-
-    def _eval_data(self, comp, env):
-        if comp.data.WhichOneof("data") != "uri":
-            raise ComputationError(
-                "only Data computations that name an input by uri are supported (this one "
-                "holds inline content); pass the value with evaluate(..., data={uri: value})")
-        uri = comp.data.uri
+    def data_value(self, uri: str, type_):
+        """The value of a Data computation naming `uri`, checked against `type_`."""
         if uri not in self.data:
             raise ComputationError(
                 f"Data computation names `{uri}`, which is not among the inputs given "
                 f"(data={sorted(self.data)})")
-        type_ = self.type_of(comp)
         value = self.data[uri]
         if type_ is None:
             return value
         return self.import_value(values.check_value(value, type_, uri), type_)
-
-    def _eval_xla(self, comp, env):
-        return _LocalFn(comp)
-
-    def _eval_intrinsic(self, comp, env):
-        uri = comp.intrinsic.uri
-        type_ = self.type_of(comp)
-        if type_ is None:
-            raise ComputationError(f"intrinsic `{uri}` has no type signature")
-        if uri == local_eval.GENERIC_ZERO:
-            return self.zero(type_)
-        if uri not in intrinsics.BY_URI:
-            raise ComputationError(
-                f"unknown or unsupported intrinsic `{uri}`; supported: "
-                f"{', '.join(intrinsics.SUPPORTED_INTRINSICS)}")
-        if not isinstance(type_, federated_language.FunctionType):
-            raise ComputationError(f"intrinsic `{uri}` has non-functional type {type_}")
-        return _IntrinsicFn(uri, type_)
-
-    # -- calls --------------------------------------------------------------------------
-
-    def call(self, fn, arg, has_arg: bool = True):
-        if isinstance(fn, _Closure):
-            lam = grammar.lambda_of(fn.comp)
-            env = dict(fn.env)
-            if lam.parameter_name:
-                if not has_arg:
-                    raise ComputationError(
-                        f"the Lambda of parameter `{lam.parameter_name}` was called "
-                        "without an argument")
-                env[lam.parameter_name] = arg
-            return self.eval(lam.result, env)
-        if isinstance(fn, _LocalFn):
-            compiled = self.compiled(fn.comp)
-            if _has_leaf(arg, (ClientsValue,) + _FunctionValue):
-                raise ComputationError(
-                    "a local computation was called on a federated or functional value; "
-                    "use federated_map/federated_apply to run it at a placement")
-            return compiled(arg) if has_arg else compiled()
-        if isinstance(fn, _IntrinsicFn):
-            if has_arg and fn.type_signature.parameter is not None:
-                arg = self.conform(arg, fn.type_signature.parameter, f"`{fn.uri}`")
-            return intrinsics.BY_URI[fn.uri](self, fn.type_signature, arg, fn.uri)
-        raise ComputationError(
-            f"a Call's function evaluated to a non-function value ({type(fn).__name__})")
 
     # -- function values as standalone protos -------------------------------------------
 
@@ -243,14 +101,14 @@ class _Interpreter:
 
     def _closed_proto(self, fn, what: str) -> Computation:
         self.step()
-        if isinstance(fn, _LocalFn):
+        if isinstance(fn, evaluator.LocalFunction):
             return fn.comp
-        if isinstance(fn, _IntrinsicFn):
+        if isinstance(fn, evaluator.IntrinsicFunction):
             if fn.uri in local_eval.GENERIC_BINARY:
                 return Computation(type=fn.type_signature.to_proto(),
                                    intrinsic=computation_pb2.Intrinsic(uri=fn.uri))
             raise ComputationError(f"{what}: intrinsic `{fn.uri}` cannot run per client")
-        if not isinstance(fn, _Closure):
+        if not isinstance(fn, evaluator.Closure):
             raise ComputationError(f"{what} needs a function, got {type(fn).__name__}")
         free = grammar.free_references(fn.comp)
         if not free:
@@ -265,7 +123,7 @@ class _Interpreter:
                         f"{what}: the function refers to `{name}`, a federated value; "
                         "per-client functions may only use local values")
             value = fn.env[name]
-            if isinstance(value, _FunctionValue):
+            if isinstance(value, _FUNCTION_VALUES):
                 proto = self._closed_proto(value, what)
             else:
                 self.step(_expanded_size(value))
@@ -339,39 +197,9 @@ class _Interpreter:
                 memo[id(value)] = (structure.Struct(
                     [(n, self.export_value(v, memo)) for n, v in zip(names, value)]), value)
             return memo[id(value)][0]
-        if isinstance(value, _FunctionValue):
+        if isinstance(value, _FUNCTION_VALUES):
             raise ComputationError("the computation returned a function, not a value")
         return value
-
-
-_EVALUATORS = grammar.handlers({
-    "reference": _Interpreter._eval_reference,
-    "lambda": _Interpreter._eval_lambda,
-    "block": _Interpreter._eval_block,
-    "call": _Interpreter._eval_call,
-    "struct": _Interpreter._eval_struct,
-    "selection": _Interpreter._eval_selection,
-    "literal": _Interpreter._eval_literal,
-    "placement": _Interpreter._eval_placement,
-    "data": _Interpreter._eval_data,
-    "xla": _Interpreter._eval_xla,
-    "intrinsic": _Interpreter._eval_intrinsic,
-})
-
-
-def _has_leaf(value, kinds: tuple) -> bool:
-    """Whether a leaf of `value` is one of `kinds`; each shared part is visited once."""
-    seen: set[int] = set()
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, structure.Struct):
-            if id(v) not in seen:
-                seen.add(id(v))
-                stack.extend(v)
-        elif isinstance(v, kinds):
-            return True
-    return False
 
 
 def _expanded_size(value) -> int:
@@ -400,7 +228,7 @@ def _value_proto(value, name: str, what: str) -> Computation:
              zip(structure.name_list_with_nones(value), elements)])
         return Computation(type=type_.to_proto(),
                            struct=computation_pb2.Struct(element=elements))
-    if isinstance(value, (ClientsValue, _PlacementValue)) or value is None:
+    if isinstance(value, (ClientsValue, intrinsics.PlacementValue)) or value is None:
         raise ComputationError(
             f"{what}: the function refers to `{name}`, a federated value; per-client "
             "functions may only use local values")
@@ -454,6 +282,12 @@ class Prepared:
         return self.type.result if isinstance(
             self.type, federated_language.FunctionType) else self.type
 
+    @functools.cached_property
+    def program(self) -> evaluator.Node:
+        """The proto compiled by the evaluator with the placed intrinsics, once: a node
+        of an environment holding the running evaluation under `evaluator.RUN`."""
+        return evaluator.compile_node(self.proto, intrinsics.PLACED)
+
 
 def prepare(proto: "Union[Computation, bytes, Prepared]",
             structure: Any = None) -> Prepared:
@@ -489,32 +323,10 @@ def evaluate(proto: Union[Computation, bytes, Prepared], arg: Any = None,
     (`ClientsBackend.put_from_store`), so only client ids leave this process.
     """
     prepared = prepare(proto)
-    proto, fn_type = prepared.proto, prepared.type
     backend = backend if backend is not None else LocalClientsBackend()
     try:
-        it = _Interpreter(backend, num_clients, dict(data or {}))
-        if not isinstance(fn_type, federated_language.FunctionType):
-            if arg is not None:
-                raise ComputationError(
-                    f"the computation is not a function (type {fn_type}); it takes no "
-                    "argument")
-            return _checked_result(it, it.eval(proto, {}), fn_type)
-        if fn_type.parameter is None:
-            if arg is not None:
-                raise ComputationError(f"the computation {fn_type} takes no argument")
-            result = it.call(it.eval(proto, {}), None, has_arg=False)
-        else:
-            checked = values.check_value(arg, fn_type.parameter,
-                                         population_size=backend.population_size)
-            found = values.num_clients_of(checked, fn_type.parameter)
-            if found is not None:
-                if num_clients is not None and num_clients != found:
-                    raise ComputationError(
-                        f"num_clients={num_clients} but the CLIENTS inputs hold {found} "
-                        "clients")
-                it.num_clients = found
-            result = it.call(it.eval(proto, {}), it.import_value(checked, fn_type.parameter))
-        return _checked_result(it, result, fn_type.result)
+        return evaluator.counted(_evaluate, "the computation")(
+            prepared, arg, Run(backend, num_clients, dict(data or {})))
     except FaxBridgeError:
         raise
     except RecursionError as e:
@@ -525,21 +337,53 @@ def evaluate(proto: Union[Computation, bytes, Prepared], arg: Any = None,
             "likely malformed or ill-typed") from e
 
 
+def _evaluate(prepared: Prepared, arg: Any, it: Run) -> Any:
+    fn_type = prepared.type
+    env = {evaluator.RUN: it}
+    if not isinstance(fn_type, federated_language.FunctionType):
+        if arg is not None:
+            raise ComputationError(
+                f"the computation is not a function (type {fn_type}); it takes no argument")
+        return _checked_result(it, prepared.program(env), fn_type)
+    if fn_type.parameter is None:
+        if arg is not None:
+            raise ComputationError(f"the computation {fn_type} takes no argument")
+        result = it.call(prepared.program(env), None, has_arg=False)
+    else:
+        checked = values.check_value(arg, fn_type.parameter,
+                                     population_size=it.backend.population_size)
+        found = values.num_clients_of(checked, fn_type.parameter)
+        if found is not None:
+            if it.num_clients is not None and it.num_clients != found:
+                raise ComputationError(
+                    f"num_clients={it.num_clients} but the CLIENTS inputs hold {found} "
+                    "clients")
+            it.num_clients = found
+        result = it.call(prepared.program(env), it.import_value(checked, fn_type.parameter))
+    return _checked_result(it, result, fn_type.result)
+
+
 def evaluate_steps(steps: Sequence[tuple[str, Computation]], env: Mapping[str, Any],
                    backend: Optional[ClientsBackend] = None,
                    num_clients: Optional[int] = None) -> dict:
     """Evaluates named computations in order, each seeing `env` and those before it;
     returns the extended environment (the locals of a Block, evaluated a few at a time
     by a round plan's server pieces)."""
-    it = _Interpreter(backend if backend is not None else LocalClientsBackend(),
-                      num_clients, {})
-    env = dict(env)
-    for name, comp in steps:
-        env[name] = it.eval(comp, env)
-    return env
+    it = Run(backend if backend is not None else LocalClientsBackend(), num_clients, {})
+
+    def run() -> dict:
+        scope = {**env, evaluator.RUN: it}
+        for name, comp in steps:
+            node = evaluator.compile_node(comp, intrinsics.PLACED,
+                                          [k for k in scope if k is not evaluator.RUN])
+            scope[name] = node(scope)
+        del scope[evaluator.RUN]
+        return scope
+
+    return evaluator.counted(run, "the computation")()
 
 
-def _checked_result(it: _Interpreter, result: Any, type_) -> Any:
+def _checked_result(it: Run, result: Any, type_) -> Any:
     """The exported result, checked against (and cast to) the type the proto declares."""
     exported = it.export_value(result)
     if type_ is None:

@@ -1,14 +1,20 @@
-"""What the interpreter does for each intrinsic of federated_language it supports.
+"""What each intrinsic of federated_language means in a placed computation: the
+evaluator's placed intrinsic table (`PLACED`), over a clients backend.
 
 `IMPLEMENTATIONS` is keyed by federated_language's `intrinsic_defs`; each implementation
 is called as `impl(it, type_signature, argument, uri)`, where `it` is the running
-interpreter: its `backend` (where CLIENTS values live), `clients(what)` (the number of
-clients), `call(fn, arg)`, `closed_proto(fn, what)` (a function as a proto to send to the
-clients) and `local_arg(value, what)` (a value checked to be SERVER-placed or unplaced).
+evaluation (`interpreter.Run`): its `backend` (where CLIENTS values live),
+`clients(what)` (the number of clients), `call(fn, arg)`, `closed_proto(fn, what)` (a
+function as a proto to send to the clients) and `local_arg(value, what)` (a value checked
+to be SERVER-placed or unplaced). `PLACED` gives the evaluator (`runtime/evaluator.py`)
+these meanings by URI, `generic_zero` (placed values' zeros), and the meanings of `Data`
+computations (inputs named by URI) and `Placement` literals; its nodes find the running
+evaluation in their environment under `evaluator.RUN`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import federated_language
@@ -17,7 +23,7 @@ from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import aggregation, local_eval
+from fax_bridge.runtime import aggregation, evaluator, local_eval
 from fax_bridge.runtime.backend import ClientsValue
 
 Computation = computation_pb2.Computation
@@ -189,3 +195,71 @@ IMPLEMENTATIONS: dict[intrinsic_defs.IntrinsicDef, Callable] = {
 BY_URI = {definition.uri: impl for definition, impl in IMPLEMENTATIONS.items()}
 
 SUPPORTED_INTRINSICS = tuple(sorted([*BY_URI, local_eval.GENERIC_ZERO]))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementValue:
+    """The value of a `Placement` computation: its URI."""
+
+    uri: str
+
+
+def _placed(impl: Callable):
+    """The node builder of an intrinsic implemented by `impl`: its value calls `impl` in
+    the running evaluation, on the argument rebuilt along the declared parameter type."""
+
+    def build(comp, type_):
+        uri = comp.intrinsic.uri
+        if not isinstance(type_, federated_language.FunctionType):
+            raise ComputationError(f"intrinsic `{uri}` has non-functional type {type_}")
+        parameter = type_.parameter
+
+        def node(env):
+            it = env[evaluator.RUN]
+
+            def call(*arg):
+                value = arg[0] if arg else None
+                if arg and parameter is not None:
+                    value = it.conform(value, parameter, f"`{uri}`")
+                return impl(it, type_, value, uri)
+
+            return evaluator.IntrinsicFunction(uri, type_, call)
+
+        return node
+
+    return build
+
+
+def _zero(comp, type_):
+    return lambda env: env[evaluator.RUN].zero(type_)
+
+
+def _data(comp):
+    if comp.data.WhichOneof("data") != "uri":
+        raise ComputationError(
+            "only Data computations that name an input by uri are supported (this one "
+            "holds inline content); pass the value with evaluate(..., data={uri: value})")
+    uri, type_ = comp.data.uri, local_eval.parse_type(comp.type)
+    return lambda env: env[evaluator.RUN].data_value(uri, type_)
+
+
+def _placement(comp):
+    value = PlacementValue(comp.placement.uri)
+    return lambda env: value
+
+
+def _local_guard(arg) -> None:
+    if evaluator.has_leaf(arg, (ClientsValue,) + evaluator.FUNCTION_VALUES):
+        raise ComputationError(
+            "a local computation was called on a federated or functional value; use "
+            "federated_map/federated_apply to run it at a placement")
+
+
+PLACED = evaluator.IntrinsicTable(
+    name="the computation",
+    intrinsics={local_eval.GENERIC_ZERO: _zero,
+                **{uri: _placed(impl) for uri, impl in BY_URI.items()}},
+    refusal=lambda uri: (f"unknown or unsupported intrinsic `{uri}`; supported: "
+                         f"{', '.join(SUPPORTED_INTRINSICS)}"),
+    typed=True, data=_data, placement=_placement, defer_xla=True,
+    local_guard=_local_guard)

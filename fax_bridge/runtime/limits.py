@@ -6,8 +6,9 @@ integers (no overflow) and compared with these caps first:
 
 - `max_tensor_bytes`: one tensor (default 4 GiB);
 - `max_value_bytes`: all tensors of one type together (default 16 GiB);
-- `max_eval_steps`: the steps one evaluation may take (interpreter nodes, local function
-  calls, parts of values copied into protos; default 10^6). Values share their parts, so
+- `max_eval_steps`: the steps one evaluation may take (calls of functions, Structs built,
+  struct elements rebuilt along an intrinsic's parameter type, parts of values copied
+  into protos; default 10^6; counted by `runtime/evaluator.py`). Values share their parts, so
   a tiny proto cannot make the runtime copy exponentially much; this cap refuses the
   remaining case, a tiny proto asking for exponentially many calls;
 - `max_proto_bytes`: one proto the interpreter builds for the devices (a per-client
