@@ -319,7 +319,10 @@ def test_rows_bytes_counts_and_caps_as_tensor_bytes_does(tmp_path, example, size
     assume(sum(sizes) > 0)
     from fax_bridge.runtime import population as pop
 
-    directory = tmp_path / f"rows_{'_'.join(map(str, example))}_{'_'.join(map(str, sizes))}"
+    # One directory per (example shape, sizes); the two parts are named apart, so that
+    # shape [2, 3] with sizes [2, 1] and shape [2, 3, 2] with sizes [1] never share one.
+    directory = tmp_path / (f"rows_e{'x'.join(map(str, example))}"
+                            f"_s{'_'.join(map(str, sizes))}")
     if not directory.exists():
         write_population(str(directory), ({"v": np.zeros([n, *example], np.float32)}
                                           for n in sizes))
