@@ -61,10 +61,11 @@ bench: $(STAMP)
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py --clients 1000 10000 100000 --devices 1 2 4 --both --out out/scaling.json
 
-# Round times on Flower's Deployment Engine (a SuperLink and SuperNodes on loopback),
-# warm workers against ClientApps computing in their own processes (docs/flower.md).
+# The peers' digits FedAvg rounds on Flower's Deployment Engine (a SuperLink and two
+# SuperNodes on loopback): fax_bridge's Flower app beside Flower's own NumPy FedAvg app,
+# and a LocalFleet for scale (docs/benchmarks.md).
 bench-flower: $(STAMP)
-	$(PY) benchmarks/flower_rounds.py --rounds 5 --json out/bench/flower_rounds.json
+	$(PY) benchmarks/flower_rounds.py --rounds 6 --repeats 2 --json out/bench/flower_rounds.json
 
 # One FedAvg round per model size (four models, 10k to 10M parameters, four aggregations):
 # fax_bridge under jax.jit against hand-written jit(vmap) and DrJAX 0.2.1; a table,

@@ -1,110 +1,28 @@
 """Parity between the two paths: jit on this machine vs the exported proto on a fleet.
 
 `check_parity(fn, *args, placements=...)` runs the program locally (jit), exports it to
-a TFF proto, runs the proto on a `LocalFleet` of device processes (or a fleet you pass),
-and compares the two results leaf by leaf. A mismatched float output that an
-aggregation's float rounding may explain says so, with the rounding bound and the
+a TFF proto, runs the proto on a `LocalFleet` of device processes (or a fleet you pass,
+or, with `flower=`, a round on Flower's Deployment Engine: `flower/check.py`), and
+compares the two results leaf by leaf (`parity_report`). A mismatched float output that
+an aggregation's float rounding may explain says so, with the rounding bound and the
 tolerance that covers it (`parity_rounding`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable, Optional
 
 import federated_language
 import jax
-import numpy as np
 
 from fax_bridge import parity_rounding, tracing
+from fax_bridge.errors import ArgumentError
 from fax_bridge.fleet.launcher import LocalFleet
+from fax_bridge.parity_report import LeafParity, ParityReport, compare_leaves
 from fax_bridge.runtime import interpreter
 from fax_bridge.tff import export as tff_export
 from fax_bridge.tff import types as tff_types
-
-
-@dataclasses.dataclass
-class LeafParity:
-    """How one output leaf of the fleet path compares with the local path."""
-
-    path: str
-    shape: tuple
-    dtype: str
-    max_abs: float
-    max_rel: float
-    ok: bool
-    note: str = ""
-    explanation: str = ""  # why jit and the fleet may differ (float rounding), if known
-
-
-@dataclasses.dataclass
-class ParityReport:
-    """Result of `check_parity`: `.ok` and one `LeafParity` per output leaf."""
-
-    leaves: list[LeafParity]
-    rtol: float
-    atol: float
-    devices: int
-    local_s: float
-    fleet_s: float
-    signature: str
-
-    @property
-    def ok(self) -> bool:
-        return all(leaf.ok for leaf in self.leaves)
-
-    def table(self) -> str:
-        """A plain-text table, one row per output leaf."""
-        rows = [("output", "shape", "dtype", "max abs err", "max rel err", "status")]
-        for leaf in self.leaves:
-            rows.append((leaf.path, str(leaf.shape), leaf.dtype, f"{leaf.max_abs:.3e}",
-                         f"{leaf.max_rel:.3e}",
-                         ("ok" if leaf.ok else "MISMATCH") + (f" ({leaf.note})" if leaf.note
-                                                              else "")))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"parity: {self.signature}",
-                 f"local jit {self.local_s * 1e3:.2f} ms, fleet of {self.devices} device(s) "
-                 f"{self.fleet_s * 1e3:.1f} ms, rtol={self.rtol:g} atol={self.atol:g}"]
-        for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        lines.extend(f"{leaf.path}: {leaf.explanation}" for leaf in self.leaves
-                     if leaf.explanation and not leaf.ok)
-        lines.append("PARITY OK" if self.ok else "PARITY MISMATCH")
-        return "\n".join(lines)
-
-
-def compare_leaves(local: Any, remote: Any, rtol: float, atol: float,
-                   paths: Optional[list[str]] = None) -> list[LeafParity]:
-    """Leaf-by-leaf comparison of two results with the same flattened order."""
-    want = jax.tree_util.tree_leaves(local)
-    got = jax.tree_util.tree_leaves(remote)
-    if paths is None:
-        paths = [jax.tree_util.keystr(p) or "result"
-                 for p, _ in jax.tree_util.tree_flatten_with_path(local)[0]]
-    out = []
-    if len(want) != len(got):
-        return [LeafParity("result", (), "", float("inf"), float("inf"), False,
-                           f"{len(got)} leaves from the fleet, {len(want)} locally")]
-    for path, w, g in zip(paths, want, got):
-        w, g = np.asarray(w), np.asarray(g)
-        if w.shape != g.shape:
-            out.append(LeafParity(path, w.shape, str(w.dtype), float("inf"), float("inf"),
-                                  False, f"fleet shape {g.shape}"))
-            continue
-        wf, gf = w.astype(np.float64), g.astype(np.float64)
-        diff = np.abs(wf - gf)
-        max_abs = float(diff.max()) if diff.size else 0.0
-        with np.errstate(over="ignore"):  # a difference next to a zero: inf
-            rel = diff / np.maximum(np.abs(wf), np.finfo(np.float64).tiny)
-        max_rel = float(rel.max()) if rel.size else 0.0
-        ok = bool(np.allclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True))
-        note = "" if w.dtype == g.dtype else f"fleet dtype {g.dtype}"
-        out.append(LeafParity(path, tuple(w.shape), str(w.dtype), max_abs, max_rel,
-                              ok and not note, note))
-    return out
 
 
 def explain_mismatches(leaves: list[LeafParity], comp: Any, args: tuple) -> None:
@@ -158,12 +76,33 @@ def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -
 
 def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
                  devices: int = 2, rtol: float = 1e-5, atol: float = 1e-6,
-                 clients: Optional[int] = None) -> ParityReport:
+                 clients: Optional[int] = None, flower: Any = None,
+                 rounds: int = 1) -> ParityReport:
     """Runs `fn(*args)` with jit and as an exported TFF proto on a fleet; compares them.
 
     `fleet` is a running `fax_bridge.LocalFleet` (or any object with the same `run`);
     without one, a `LocalFleet(devices=devices)` is started and stopped here.
+
+    `flower=True` runs `fn`, a round `(state, client_data) -> (new_state, output)`, on
+    Flower's Deployment Engine instead: a loopback SuperLink and `devices` warm
+    SuperNodes, each serving a block of the example clients, started and stopped here;
+    `flower=` a running `fax_bridge.flower.deployment.LocalDeployment` uses that one
+    (its SuperNodes must serve the clients of `args`). `rounds` rounds are run there and
+    under jit, each fed the state the round before returned (Flower only); the report
+    also says whether the result has the bits of the fleet's round plan
+    (`ParityReport.fleet_bits`, part of `.ok`).
     """
+    if flower is not None and flower is not False:
+        if fleet is not None:
+            raise ArgumentError("check_parity: give fleet= or flower=, not both")
+        from fax_bridge.flower import check
+
+        return check.check_round(fn, args, placements=placements, clients=clients,
+                                 deployment=None if flower is True else flower,
+                                 nodes=devices, rounds=rounds, rtol=rtol, atol=atol)
+    if rounds != 1:
+        raise ArgumentError(f"check_parity: rounds={rounds!r} needs flower=; a fleet "
+                            "check compares one call of the program")
     comp = tracing.trace(fn, *args, placements=placements, clients=clients)
     jitted = jax.jit(fn)
     jax.block_until_ready(jitted(*args))  # compile

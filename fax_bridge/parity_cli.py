@@ -1,8 +1,11 @@
-"""`fax-bridge parity MODULE_OR_FILE:FUNCTION --clients N --devices K`.
+"""`fax-bridge parity MODULE_OR_FILE:FUNCTION --clients N --devices K [--flower]`.
 
 Runs the program with jit and, exported, on a local fleet of K devices; prints the
 parity table and exits non-zero on a mismatch. Example arguments come from the module
-as for `fax-bridge export`.
+as for `fax-bridge export`. With `--flower` the program, a round `(state, client_data)
+-> (new_state, output)`, runs `--rounds` rounds on a loopback Flower deployment of K
+SuperNodes instead (each serving a block of the example clients), compared with as many
+rounds of jit and with the bits of the fleet's round plan.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         prog, example, placements = resolve_program(args.target, args.clients)
         report = check_parity(prog, *example, placements=placements, devices=args.devices,
-                              rtol=args.rtol, atol=args.atol)
+                              rtol=args.rtol, atol=args.atol, flower=args.flower or None,
+                              rounds=args.rounds)
     except FaxBridgeError as e:
         print(f"fax-bridge parity: {e}", file=sys.stderr)
         return 2
@@ -43,4 +47,10 @@ def register(subparsers) -> None:
                    help="relative tolerance (>= 0)")
     p.add_argument("--atol", type=cli_args.float_at_least(0.0), default=1e-6,
                    help="absolute tolerance (>= 0)")
+    p.add_argument("--flower", action="store_true",
+                   help="run the round on a loopback Flower deployment (a SuperLink and "
+                        "--devices SuperNodes) instead of a fleet")
+    p.add_argument("--rounds", type=cli_args.int_in(1, 10_000), default=1,
+                   help="with --flower: rounds to run, each fed the state the round "
+                        "before returned (1..10000, default 1)")
     p.set_defaults(func=_run)

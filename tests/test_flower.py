@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
 N = 6
 BLOCKS = [(0, 4), (4, 6)]
+ROWS = 16  # rows per client in the populations: the quickstart's examples per client
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +49,53 @@ def quickstart():
 
 
 @pytest.fixture(scope="module")
-def populations(tmp_path_factory, quickstart):
+def digits():
+    """FedAvg (`fax_bridge.algorithms.fed_avg`, client SGD at 0.1) of a 64-64-10 MLP on
+    N digits clients, each its first 80 examples as 16 local steps of 5 (so a client has
+    the quickstart's 16 rows, and one store per node holds both data sets): a round
+    `(state, {"dx", "dy", "dmask"})` and its example arguments."""
+    import optax
+
+    from fax_bridge import data as fd
+    from fax_bridge.algorithms import fed_avg
+
+    split = fd.load_federated_digits(num_clients=N, seed=0)
+    batches = fd.to_batches(fd.pad_clients(
+        [{k: v[:ROWS * 5] for k, v in c.items()} for c in split.clients], size=ROWS * 5), 5)
+    rng = np.random.default_rng(0)
+    params = {}
+    for i, (m, n) in enumerate([(64, 64), (64, 10)]):
+        limit = np.sqrt(6.0 / (m + n))
+        params[f"w{i}"] = rng.uniform(-limit, limit, (m, n)).astype(np.float32)
+        params[f"b{i}"] = np.zeros(n, np.float32)
+
+    def loss(p, batch):
+        h = jax.nn.relu(batch["x"] @ p["w0"] + p["b0"])
+        logp = jax.nn.log_softmax(h @ p["w1"] + p["b1"])
+        return -jax.numpy.mean(jax.numpy.take_along_axis(logp, batch["y"][:, None], 1))
+
+    alg = fed_avg(loss, optax.sgd(0.1), clients=N)
+
+    @fb.program(clients=N)
+    def digits_round(state, data):
+        return alg.next(state, {"x": data["dx"], "y": data["dy"]}, data["dmask"])
+
+    data = {"dx": batches.data["x"], "dy": batches.data["y"], "dmask": batches.mask}
+    return digits_round, (alg.init(params), data)
+
+
+@pytest.fixture(scope="module")
+def populations(tmp_path_factory, quickstart, digits):
     _, (_, data), _ = quickstart
+    _, (_, more) = digits
+    data = {**data, **more}
+    assert all(len(v[0]) == ROWS for v in data.values())
     root = tmp_path_factory.mktemp("populations")
     configs = []
     for k, (a, b) in enumerate(BLOCKS):
         path = str(root / f"node-{k}")
-        write_population(path, [{"x": data["x"][i], "y": data["y"][i]} for i in range(a, b)])
+        write_population(path, [{key: v[i] for key, v in data.items()}
+                                for i in range(a, b)])
         configs.append({"population": path, "first-client": a})
     return configs
 
@@ -446,6 +487,27 @@ def test_a_deployment_runs_rounds_with_the_fleets_bits(tmp_path, quickstart, dep
     assert all(r["participants"] == list(range(N)) and r["error"] is None
                for r in reports)
     assert _npz_bits(f"{out}/result.npz") == _bits(_expected(made, args, 2), made)
+
+
+@pytest.mark.slow
+def test_check_parity_on_a_deployment_runs_fed_avg_on_digits_as_jit_does(digits, deployed):
+    """`check_parity(..., flower=deployment, rounds=3)`: three rounds of fed_avg on the
+    digits clients on the running deployment (another app than the one it ran before,
+    the same SuperNodes and warm workers) equal three rounds under jit within the
+    fleet's tolerances, and have the fleet plan's bits."""
+    prog, args = digits
+    deployment, _ = deployed
+    report = fb.check_parity(prog, *args, placements=("server", "clients"),
+                             flower=deployment, rounds=3)
+    assert report.ok, report.table()
+    assert report.target == "flower" and report.fleet_bits and report.devices == 2
+    assert (report.rtol, report.atol) == (1e-5, 1e-6)
+    paths = [leaf.path for leaf in report.leaves]
+    assert len(paths) == len(jax.tree_util.tree_leaves(jax.jit(prog)(*args)))
+    assert any("loss" in p for p in paths) and any("w0" in p for p in paths)
+    text = report.table()
+    assert "Flower deployment of 2 SuperNode(s)" in text and "PARITY OK" in text
+    assert "the same bits as the fleet's round plan: yes" in text
 
 
 def _trains(deployment, node: int) -> int:

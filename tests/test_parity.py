@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hypothesis import given, settings, strategies as st
+
 import fax_bridge as fb
 from fax_bridge import cli
+from fax_bridge.errors import ArgumentError
 from fax_bridge.parity import compare_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,6 +89,52 @@ def test_parity_command(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "PARITY OK" in out and "result0['w']" in out
+
+
+@settings(max_examples=15, deadline=None)
+@given(rounds=st.one_of(st.integers(max_value=0), st.booleans(),
+                        st.floats(allow_nan=False), st.text(max_size=3)))
+def test_a_flower_check_with_bad_arguments_is_refused_before_anything_starts(rounds):
+    """Refused by name before a deployment starts: rounds that are not a whole number
+    >= 1, rounds without flower=, flower= beside fleet=, a program that is not a round
+    (state, client_data)."""
+    w = jnp.zeros(3)
+    x = jnp.ones((N, 8, 3))
+    with pytest.raises(ArgumentError, match="rounds"):
+        fb.check_parity(loss_and_grad_round, w, x, flower=True, rounds=rounds)
+    with pytest.raises(ArgumentError, match="needs flower="):
+        fb.check_parity(loss_and_grad_round, w, x, rounds=2)
+    with pytest.raises(ArgumentError, match="not both"):
+        fb.check_parity(loss_and_grad_round, w, x, fleet=object(), flower=True)
+    with pytest.raises(ArgumentError, match="3 arguments"):
+        fb.check_parity(loss_and_grad_round, w, x, x, flower=True)
+
+
+def test_parity_command_with_flower_checks_on_a_deployment(monkeypatch, capsys):
+    """`fax-bridge parity ... --flower --devices 3 --rounds 2` asks check_parity for a
+    Flower deployment of 3 SuperNodes and 2 rounds, prints its table, and exits 1 when
+    the result lacks the fleet plan's bits."""
+    from fax_bridge import parity
+    from fax_bridge.parity_report import LeafParity, ParityReport
+
+    asked = {}
+
+    def fake(prog, *args, **kwargs):
+        asked.update(kwargs)
+        return ParityReport([LeafParity("result", (3,), "float32", 0.0, 0.0, True)],
+                            kwargs["rtol"], kwargs["atol"], kwargs["devices"], 0.001, 1.0,
+                            "sig", target="flower", fleet_bits=asked.get("bits", True))
+
+    monkeypatch.setattr(parity, "check_parity", fake)
+    argv = ["parity", f"{QUICKSTART}:fedavg_round", "--clients", "4", "--devices", "3",
+            "--flower", "--rounds", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert asked["flower"] is True and asked["devices"] == 3 and asked["rounds"] == 2
+    assert "Flower deployment of 3 SuperNode(s)" in out and "PARITY OK" in out
+    asked["bits"] = False
+    assert cli.main(argv) == 1
+    assert "the same bits as the fleet's round plan: NO" in capsys.readouterr().out
 
 
 def test_run_command_on_a_tff_written_computation(tmp_path, capsys):

@@ -1,22 +1,27 @@
-"""Parity of a Flower run with jit: `fax-bridge flower ... --check`.
+"""Parity of a Flower run with jit: `fax-bridge flower ... --check`,
+`fax-bridge parity ... --flower` and `check_parity(..., flower=...)`.
 
 `run_check` starts a loopback deployment (`deployment.LocalDeployment`, warm workers)
-for an app `fax-bridge flower` wrote and the populations it wrote, runs its rounds with
-`flwr run` (every client in every round), and `parity_of_run` compares the last round's
-result (`result.npz`) leaf by leaf with the same rounds under `jax.jit`, as
-`fax-bridge parity` compares the fleet (`parity.compare_leaves`, its tolerances), and
-says whether the run also has the bits of the fleet's round plan run in process.
+for an app `fax-bridge flower` wrote and the populations it wrote, and `run_rounds` runs
+an app's rounds with `flwr run` on a deployment (every client in every round);
+`parity_of_run` compares the last round's result (`result.npz`) leaf by leaf with the
+same rounds under `jax.jit`, as `fax-bridge parity` compares the fleet
+(`parity_report.compare_leaves`, its tolerances), and says whether the run also has the
+bits of the fleet's round plan run in process. `check_round` does all of it for a
+program and its example arguments.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
-from fax_bridge.parity import ParityReport, compare_leaves
+from fax_bridge.errors import ArgumentError, FleetError
+from fax_bridge.parity_report import ParityReport, compare_leaves
 
 
 def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
@@ -48,7 +53,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
                             rtol, atol, paths=keys)
     report = ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=nodes,
                           local_s=local_s, fleet_s=flower_s,
-                          signature=str(made.prepared.type))
+                          signature=str(made.prepared.type), target="flower")
     bound = values.bind_arguments(made.prepared.parameter, args, {}).runtime_value()
     fleet_state = made.state_value(made.state)
     fleet = None
@@ -59,34 +64,77 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     fleet_npz = npz_keys.result_to_npz(fleet, result_type)
     same = sorted(fleet_npz) == sorted(got) and all(
         fleet_npz[k].tobytes() == np.asarray(got[k]).tobytes() for k in fleet_npz)
+    report.fleet_bits = same
     return report, same
 
 
-def run_check(app: str, nodes: list, home: str, rounds: int) -> tuple:
-    """Runs the app on a loopback deployment; (the `flwr run` output, result.npz path,
-    seconds the run took)."""
-    from fax_bridge.errors import FleetError
-    from fax_bridge.flower.deployment import LocalDeployment
-
-    out = os.path.join(home, "results")
-    with LocalDeployment(nodes, home) as deployment:
-        start = time.perf_counter()
-        run = deployment.run(app, {"num-rounds": rounds, "out-dir": out,
-                                   "min-nodes": len(nodes), "cohort-size": 0,
-                                   "dropout": 0.0, "min-clients": 1})
-        took = time.perf_counter() - start
+def run_rounds(deployment, app: str, rounds: int, out: str,
+               timeout_s: float = 300.0) -> tuple:
+    """`flwr run` of the app's `rounds` rounds on a running deployment, every client in
+    every round, results in `out`; (the `flwr run` output, result.npz path, seconds the
+    run took)."""
+    start = time.perf_counter()
+    run = deployment.run(app, {"num-rounds": rounds, "out-dir": out,
+                               "min-nodes": len(deployment.nodes), "cohort-size": 0,
+                               "dropout": 0.0, "min-clients": 1}, timeout_s=timeout_s)
+    took = time.perf_counter() - start
     if run.returncode != 0:
         raise FleetError(f"`flwr run` failed on the loopback deployment:\n"
                          f"{run.stdout[-3000:]}")
     return run.stdout, os.path.join(out, "result.npz"), took
 
 
+def run_check(app: str, nodes: list, home: str, rounds: int) -> tuple:
+    """Runs the app on a loopback deployment of its own; (the `flwr run` output,
+    result.npz path, seconds the run took)."""
+    from fax_bridge.flower.deployment import LocalDeployment
+
+    with LocalDeployment(nodes, home) as deployment:
+        return run_rounds(deployment, app, rounds, os.path.join(home, "results"))
+
+
+def check_round(fn, args: tuple, *, placements: Any = None, clients: Optional[int] = None,
+                deployment: Any = None, nodes: int = 2, rounds: int = 1,
+                rtol: float = 1e-5, atol: float = 1e-6) -> ParityReport:
+    """`check_parity(fn, *args, flower=...)`: the round's app (and, without a running
+    `deployment`, the example clients as `nodes` populations and a loopback deployment
+    serving them) in a temporary folder, `rounds` rounds there and under jit, compared
+    (`ParityReport` with `target="flower"` and `fleet_bits`)."""
+    from fax_bridge.flower import app_dir, bundle
+    from fax_bridge.flower.deployment import write_populations
+
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ArgumentError(f"rounds={rounds!r}: give a whole number of rounds >= 1")
+    if len(args) != 2:
+        raise ArgumentError(
+            f"a Flower round takes (state, client_data), here {len(args)} arguments; "
+            "wrap the program in one taking the client arguments as one dict")
+    made = bundle.build_round(fn, *args, placements=placements, clients=clients)
+    with tempfile.TemporaryDirectory(prefix="fax-bridge-flower-parity-") as folder:
+        app = os.path.join(folder, "app")
+        if deployment is None:
+            configs = write_populations(args[-1], os.path.join(folder, "pops"), nodes)
+            app_dir.write_app(made, app, config={"num-rounds": rounds,
+                                                 "min-nodes": len(configs)})
+            _, result_npz, took = run_check(app, configs, os.path.join(folder, "home"),
+                                            rounds)
+        else:
+            configs = deployment.nodes
+            app_dir.write_app(made, app, config={"num-rounds": rounds,
+                                                 "min-nodes": len(configs)})
+            _, result_npz, took = run_rounds(deployment, app, rounds,
+                                             os.path.join(folder, "out"))
+        report, _ = parity_of_run(fn, args, made, result_npz, rounds, len(configs),
+                                  took, rtol, atol)
+    return report
+
+
 def describe(report: ParityReport, same_bits: bool, rounds: int) -> str:
-    """The report's table, labelled for a Flower run."""
-    table = report.table().replace("fleet of", "Flower deployment of").replace(
-        "device(s)", "SuperNode(s)")
-    return (f"{table}\nafter {rounds} rounds; the same bits as the fleet's round plan: "
-            f"{'yes' if same_bits else 'NO'}")
+    """The report's table (labelled for a Flower run, with whether it has the fleet
+    plan's bits) and the rounds it compared."""
+    if report.fleet_bits is None:
+        report.fleet_bits = same_bits
+    return f"{report.table()}\nafter {rounds} rounds of jit and of the Flower deployment"
 
 
 def check_app(prog, args: tuple, made: Any, app: str, nodes: list, home: str,

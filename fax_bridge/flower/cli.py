@@ -22,37 +22,8 @@ from fax_bridge import cli_args
 from fax_bridge.errors import FaxBridgeError
 
 
-def write_populations(data, folder: str, nodes: int) -> list:
-    """Writes the example clients (a dict of arrays with a leading clients axis, or one
-    array) as `nodes` populations; returns each SuperNode's node config."""
-    import numpy as np
-
-    from fax_bridge.data import write_population
-    from fax_bridge.fleet.protocol import partition
-
-    if isinstance(data, dict):
-        columns = {str(k): np.asarray(v) for k, v in data.items()}
-    elif hasattr(data, "shape"):
-        columns = {"data": np.asarray(data)}
-    else:
-        raise FaxBridgeError(
-            f"--write-population takes client data that is a dict of arrays or one array, "
-            f"not {type(data).__name__}; write the populations with "
-            "fax_bridge.data.write_population and pass keys= in the node config")
-    count = len(next(iter(columns.values())))
-    if not 1 <= nodes <= count:
-        raise FaxBridgeError(f"--nodes {nodes}: give 1..{count} (the example's clients)")
-    configs = []
-    for k, block in enumerate(partition(count, nodes)):
-        directory = os.path.abspath(os.path.join(folder, f"node-{k}"))
-        write_population(directory, ({key: col[i] for key, col in columns.items()}
-                                     for i in block), overwrite=True)
-        configs.append({"population": directory, "first-client": block.start})
-    return configs
-
-
 def _run(args: argparse.Namespace) -> int:
-    from fax_bridge.flower import app_dir, bundle
+    from fax_bridge.flower import app_dir, bundle, deployment
     from fax_bridge.tff.cli import resolve_program
 
     try:
@@ -63,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
         pops = args.write_population or (os.path.join(check_dir, "pops") if args.check
                                          else None)
         if pops:
-            nodes = write_populations(prog_args[-1], pops, args.nodes)
+            nodes = deployment.write_populations(prog_args[-1], pops, args.nodes)
         written = app_dir.write_app(made, args.output, superlink=args.superlink,
                                     config={"num-rounds": args.rounds,
                                             "min-nodes": max(1, len(nodes))},

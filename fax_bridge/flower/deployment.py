@@ -78,6 +78,37 @@ def flower_env(home: str, poll_s: float = 0.05) -> dict:
     return env
 
 
+def write_populations(data, folder: str, nodes: int) -> list:
+    """Writes the example clients (a dict of arrays with a leading clients axis, or one
+    array) as `nodes` populations, contiguous blocks of clients, one per SuperNode
+    (`folder/node-K`); returns each SuperNode's node config."""
+    import numpy as np
+
+    from fax_bridge.data import write_population
+    from fax_bridge.fleet.protocol import partition
+
+    if isinstance(data, dict):
+        columns = {str(k): np.asarray(v) for k, v in data.items()}
+    elif hasattr(data, "shape"):
+        columns = {"data": np.asarray(data)}
+    else:
+        raise FleetError(
+            f"the SuperNodes' populations are written from client data that is a dict of "
+            f"arrays or one array, not {type(data).__name__}; write the populations with "
+            "fax_bridge.data.write_population and pass keys= in the node config")
+    count = len(next(iter(columns.values())))
+    if not 1 <= nodes <= count:
+        raise FleetError(f"{nodes} SuperNodes for {count} example clients: give 1..{count} "
+                         "nodes (--nodes, or devices= in check_parity)")
+    configs = []
+    for k, block in enumerate(partition(count, nodes)):
+        directory = os.path.abspath(os.path.join(folder, f"node-{k}"))
+        write_population(directory, ({key: col[i] for key, col in columns.items()}
+                                     for i in block), overwrite=True)
+        configs.append({"population": directory, "first-client": block.start})
+    return configs
+
+
 def _tail(path: Optional[str], chars: int = 2000) -> str:
     """The end of a process's log, to quote in an error."""
     if not path:
