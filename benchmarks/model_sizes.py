@@ -309,7 +309,11 @@ def _measure(fns: dict[str, Callable], args: tuple, repeats: int, slow: float,
         start = time.perf_counter()
         results[name] = jax.block_until_ready(fn(*args))
         warm = time.perf_counter() - start
-        calls[name] = min(50, max(1, int(MIN_SAMPLE_S / warm)))
+        # How many calls fill a sample is worked out from a second call: the first one
+        # pays one-off costs, and a fast round timed over too few calls in a row measures
+        # XLA's thread pool waking up rather than the round.
+        per_call = _timed(fn, *args) if warm <= slow else warm
+        calls[name] = min(50, max(1, int(MIN_SAMPLE_S / per_call)))
         samples[name] = repeats if warm <= slow else 2 if warm <= give_up else 0
         times[name] = [] if samples[name] else [warm]
     names = list(fns)
