@@ -5,7 +5,9 @@ dropouts, late clients, `check_min_clients`); the server prepare runs here
 (`plan_server`), each SuperNode holding participants gets one `train` message (the
 broadcast and the ids of its participants), and the answers are checked
 (`validate.check_partial`, as the coordinator checks a device) and merged in node order,
-which is population order, then finished and fed to the server result. A node that
+which is population order, then finished and fed to the server result. The round's
+secure sums are not in the answers: Flower's SecAgg+ sums them over the nodes that
+answered (`secagg.aggregate`), so this app sees only their totals. A node that
 answers with an error or not within the deadline (`round-deadline-s`, else
 `node-timeout-s`) is dropped with its clients, as the fleet drops a lost device; when
 fewer than `min-clients` clients remain the round fails with a `FleetError` naming the
@@ -31,6 +33,7 @@ import numpy as np
 from fax_bridge.errors import CheckpointError, FleetError
 from fax_bridge.flower import nodes as flower_nodes
 from fax_bridge.flower import records
+from fax_bridge.flower import secagg
 from fax_bridge.fleet.ids import ClientIds
 from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
 
@@ -140,9 +143,10 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
         rep.traffic.rpcs = len(sends)
         replies = flower_nodes.exchange(grid, [m for _, _, m in sends], wait,
                                         settings.poll_s)
-        kinds = [a.kind for a in plan.aggregations]
+        plain = secagg.plain_aggregations(plan)  # secure sums: secagg.aggregate below
+        kinds = [a.kind for a in plain]
         totals = [aggregation.Partial(kind=k, leaves=[]) for k in kinds]
-        found, pending, lost, reasons = [], [], [], []
+        found, pending, lost, reasons, answered = [], [], [], [], []
         for node, mine, _ in sends:  # node order is population order
             reply = replies.get(node.node_id)
             if reply is None or reply.has_error():
@@ -152,6 +156,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
                     else reply.error.reason))
                 continue
             where = node.name
+            answered.append((node, mine))
             content = reply.content
             rep.traffic.bytes_up += records.payload_bytes(content[records.PARTIALS])
             rep.traffic.compute_seconds += float(content[records.METRICS].get("compute-s", 0.0))
@@ -159,7 +164,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
                 records.numpy_dict(content[records.PARTIALS], where),
                 content[records.LAYOUT], content[records.METRICS].get("num-clients", []),
                 kinds, where)
-            for total, agg, answer in zip(totals, plan.aggregations, answers):
+            for total, agg, answer in zip(totals, plain, answers):
                 value_types, weight_types = agg.leaf_types
                 partial, payload = validate.check_partial(
                     answer, agg.kind, value_types, weight_types, len(mine), where,
@@ -181,9 +186,11 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
                     f"{policy.min_clients}; lower min-clients, raise the deadline or "
                     "restart those SuperNodes")
         validate.check_pending(pending)
+        env.update(secagg.aggregate(grid, made, answered, round_index, wait,
+                                    settings.poll_s))  # {} without secure sums
         for total, partial in found:
             aggregation.merge(total, partial)
-        for agg, total in zip(plan.aggregations, totals):
+        for agg, total in zip(plain, totals):
             env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
         result = values.check_value(
             plan_server.result(plan, env, None, len(rep.participants)),
