@@ -525,6 +525,25 @@ def test_a_deployment_runs_rounds_with_the_fleets_bits(tmp_path, quickstart, dep
     assert _npz_bits(f"{out}/result.npz") == _bits(_expected(made, args, 2), made)
 
 
+@pytest.mark.slow
+def test_a_deployment_sums_secure_sums_through_secaggplus(tmp_path, secure_app, deployed):
+    """`flwr run` of a round with secure sums on the shared deployment: SecAgg+'s four
+    stages run through the SuperLink after the round's message, and the result has the
+    fleet plan's bits, whose integers are jit's."""
+    prog, args, made, folder = secure_app
+    deployment, _ = deployed
+    out = str(tmp_path / "out")
+    run = deployment.run(folder, {"num-rounds": 1, "out-dir": out, "min-nodes": 2},
+                         timeout_s=400)
+    assert run.returncode == 0, run.stdout[-3000:]
+    (report,) = _reports(out)
+    assert report["participants"] == list(range(N)) and report["error"] is None
+    want = _expected(made, args, 1)
+    assert _npz_bits(f"{out}/result.npz") == _bits(want, made)
+    _assert_secure_result(want, prog, args, made, 1)
+    assert "Secure aggregation completed" in run.stdout
+
+
 def _trains(deployment, node: int) -> int:
     return deployment.log(f"supernode-{node}").count("Receiving: train message")
 
