@@ -126,6 +126,12 @@ def test_choose_needs_two_nodes_and_takes_the_largest_partial_of_every_sum():
     quant = secagg.choose([small, wide], [4, 2, 1])
     assert (quant.levels, quant.nodes, quant.center) == (400, 3, 200.0)
     assert secagg.choose([_agg("secure_sum", 0)], [3, 3]).levels == 1  # all zeros
+    # int32 values the dtype rule lets 10 clients sum, on uneven nodes: 5 * 6 * top
+    top = 2 ** 31 // 10 - 1
+    uneven = _agg("secure_sum", top, dtype=np.int32)
+    secagg.choose([uneven], [2] * 5)
+    with pytest.raises(AggregationError, match="SuperNode of 6 clients.*5 \\* 1288490178"):
+        secagg.choose([uneven], [6, 1, 1, 1, 1])
 
 
 def test_totals_outside_what_the_clients_can_give_are_refused():
