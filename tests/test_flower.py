@@ -328,7 +328,8 @@ def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
 
 
 def _secure_round(params, data):
-    """Secure sums of every kind beside a plain mean: codes of the clients' targets."""
+    """Secure sums of every kind, and a secure mean, beside a plain mean: codes of the
+    clients' targets (the secure mean's rounding keys are bits of them too)."""
     import jax.numpy as jnp
 
     codes = fb.federated_map_clients(
@@ -338,8 +339,12 @@ def _secure_round(params, data):
     modular = fb.federated_secure_modular_sum(codes, 7)
     scaled = fb.federated_secure_sum(fb.federated_map_clients(lambda c: c * 1000, codes),
                                      255_000)
+    keys = fb.federated_map_clients(
+        lambda d: jax.lax.bitcast_convert_type(d["y"][:2], jnp.uint32), data)
+    mean = fb.federated_secure_mean(fb.federated_map_clients(lambda d: d["y"][:3], data),
+                                    keys, value_range=(-5.0, 5.0), bits=12)
     loss = fb.federated_mean(fb.federated_map_clients(lambda d: jnp.mean(d["y"]), data))
-    return params + 1.0, (total, modular, scaled, loss)
+    return params + 1.0, (total, modular, scaled, mean, loss)
 
 
 @pytest.fixture(scope="module")
@@ -362,13 +367,14 @@ def _jit_secure(prog, args, rounds: int):
 
 def _assert_secure_result(got, prog, args, made, rounds: int, clients=None) -> None:
     """The fleet plan's bits (its secure sums summed exactly in process), and jit's
-    integers exactly (its float mean to rounding, as the fleet)."""
+    secure sums and secure mean exactly (its plain float mean to rounding, as the
+    fleet)."""
     assert _bits(got, made) == _bits(_expected(made, args, rounds, clients), made)
-    state, (total, modular, scaled, loss) = _jit_secure(prog, args, rounds)
+    state, (*secure, loss) = _jit_secure(prog, args, rounds)
     tree = values.to_pytree(got, made.prepared.result)
-    for g, w in zip(jax.tree_util.tree_leaves(tree[1][:3]), (total, modular, scaled)):
+    for g, w in zip(jax.tree_util.tree_leaves(tree[1][:4]), secure):
         assert g.dtype == w.dtype and g.tobytes() == np.asarray(w).tobytes()
-    np.testing.assert_allclose(tree[1][3], loss, rtol=1e-6)
+    np.testing.assert_allclose(tree[1][4], loss, rtol=1e-6)
     assert float(tree[0]) == float(state)
 
 
