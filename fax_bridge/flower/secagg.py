@@ -33,7 +33,7 @@ app-build time a secure sum no split of the program's clients over nodes can car
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 

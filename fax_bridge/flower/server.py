@@ -175,7 +175,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
             rep.lost_devices = reasons  # each node's name and why it was dropped
             rep.lost_clients = ClientIds(np.concatenate([m for _, m in lost]))
             rep.participants = rep.participants.without(rep.lost_clients.array())
-            if not found:
+            if not answered:
                 raise FleetError(f"round {round_index}: no SuperNode answered: "
                                  f"{'; '.join(reasons)}; restart them or raise the wait "
                                  "(node-timeout-s, round-deadline-s)")
