@@ -16,6 +16,7 @@ from fax_bridge.fleet.ids import ClientIds
 from fax_bridge.fleet.pool import Traffic
 from fax_bridge.fleet.rounds import RoundPolicy
 from fax_bridge.runtime import aggregation, interpreter, values
+from fax_bridge.runtime.backend import from_leaves
 
 N = 7
 PLACE = ("server", "clients", "clients")
@@ -133,3 +134,94 @@ def test_open_round_records_a_report_even_when_min_clients_refuses():
     assert len(reports) == 1 and "min_clients" in reports[0].error
     rep = engine.open_round(RoundPolicy(min_clients=3), None, 1, reports, 1)
     assert rep.population == 0 and rep.error is None  # no clients: nothing to check
+
+
+# -- a transport that sums the secure sums itself (as Flower's SecAgg+ does) -----------
+
+
+@fb.program(clients=N)
+def _secure_round(params, x, counts):
+    import jax.numpy as jnp
+
+    at = fb.federated_broadcast(params)
+    codes = fb.federated_map_clients(
+        lambda p, x: jnp.clip(jnp.abs(x + p) * 10, 0, 255).astype(jnp.int32), (at, x))
+    return (fb.federated_secure_sum_bitwidth(codes, 8),
+            fb.federated_weighted_mean(x, counts) + params)
+
+
+SECURE_PROTO = fb.export_tff(_secure_round, *_args(0), placements=PLACE)
+SECURE_SPLIT = round_split.split_round(SECURE_PROTO, secure=True)
+SECURE_PREPARED = interpreter.prepare(SECURE_PROTO)
+
+
+class _SecureHolders(_Holders):
+    """Holders that answer their plain partials as messages and keep their secure sums'
+    partials back for a secure phase of the transport's own (`Answers.secure`), which
+    sums them over the holders that answered; `events` records what ran when."""
+
+    def __init__(self, arg, cuts, lost=(), events=None):
+        super().__init__(arg, cuts, lost)
+        self.events = events if events is not None else []
+
+    def run_clients(self, split, sent):
+        out, kept = engine.Answers([]), []
+        specs = [a.spec for a in split.aggregations]
+        for h, block in enumerate(self.blocks):
+            if h in self.lost:
+                out.lost.append(engine.LostHolder(f"holder {h}", np.arange(
+                    block.start, block.stop)))
+                continue
+            members = [structure.Struct([(None, c[i]) for c in self.inputs]) for i in block]
+            found = round_split.client_partials(split.client_part, split.client_part_hash,
+                                                sent, members, specs)
+            kept.append([p for p, a in zip(found, split.aggregations) if a.secure])
+            out.answered.append(engine.HolderAnswer(f"holder {h}", len(block), [
+                partials.to_message(p) for p, a in zip(found, split.aggregations)
+                if not a.secure]))
+
+        def secure() -> dict:
+            self.events.append(("secure", len(kept)))
+            got = {}
+            for i, agg in enumerate(a for a in split.aggregations if a.secure):
+                total = aggregation.Partial(kind=agg.kind, leaves=[])
+                for holder in kept:
+                    aggregation.merge(total, holder[i])
+                got[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
+            return got
+
+        out.secure = secure
+        return out
+
+
+def test_the_fleet_splits_no_secure_sum_and_a_flower_split_holds_them():
+    assert round_split.split_round(SECURE_PROTO) is None  # the fleet: phase by phase
+    kinds = {a.kind: a.secure for a in SECURE_SPLIT.aggregations}
+    assert kinds == {"secure_sum_bitwidth": True, "weighted_mean": False}
+    assert [a.kind for a in engine.plain_aggregations(SECURE_SPLIT)] == ["weighted_mean"]
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), cut=st.integers(1, N - 1), lose=st.booleans())
+def test_a_transports_secure_phase_runs_after_the_lost_are_dropped(seed, cut, lose):
+    """The engine merges only the plain aggregations; the secure phase runs once the
+    policy has dropped the lost holders, over those that answered, and the round has
+    the bits of the in-process round over them."""
+    arg, events = _arg(seed), []
+    lost = [1] if lose else []
+    transport = _SecureHolders(arg, [cut], lost=lost, events=events)
+    got = engine.run_round(SECURE_SPLIT, arg, transport, SECURE_PREPARED.result,
+                           on_lost=lambda gone, answered: events.append(("lost", answered)))
+    survivors = range(cut) if lose else range(N)
+    want = engine.run_in_process(SECURE_SPLIT, _arg(seed, survivors))
+    assert _bits(got) == _bits(want)
+    assert events == ([("lost", 1)] if lose else []) + [("secure", 2 - lose)]
+
+    def refuse(gone, answered):
+        raise FleetError("too few")
+
+    events.clear()
+    with pytest.raises(FleetError, match="too few"):
+        engine.run_round(SECURE_SPLIT, arg, _SecureHolders(arg, [cut], [1], events),
+                         on_lost=refuse)
+    assert events == []  # the policy refused: no secure phase over a failed round

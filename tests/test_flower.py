@@ -5,6 +5,7 @@ real deployment (a SuperLink and two SuperNodes on loopback, `flwr run`)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -137,8 +138,8 @@ class LocalGrid(Grid):
             message.metadata.__dict__["_message_id"] = message_id
             node = message.metadata.dst_node_id
             if node not in self.silent or message.metadata.message_type == "query":
-                clientapp, context = self.apps[node]
-                self.replies[message_id] = clientapp(message, context)
+                clientapp, context = self.apps[node]  # a copy, as a node receives one
+                self.replies[message_id] = clientapp(copy.deepcopy(message), context)
             ids.append(message_id)
         return ids
 
@@ -362,21 +363,129 @@ def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
     with pytest.raises(ExportError, match="two server-client trips"):
         bundle.build_round(two_trips, w, x, placements=("server", "clients"))
 
-    kinds = [(fb.federated_secure_sum_bitwidth, 8, "federated_secure_sum_bitwidth"),
-             (fb.federated_secure_sum, 100, "federated_secure_sum"),
-             (fb.federated_secure_modular_sum, 7, "federated_secure_sum_bitwidth")]
-    for secure_sum, bound, uri in kinds:  # a modular sum is a bitwidth sum inside
-        @fb.program(clients=3)
-        def secure(w, x):
-            total = secure_sum(fb.federated_map_clients(
-                lambda a, b: (b * 0).astype(np.int32), (fb.federated_broadcast(w), x)),
-                bound)
-            return w, total
 
-        with pytest.raises(ExportError, match=f"calls {uri}: a Flower round refuses "
-                                              r"secure sums.*SecAgg\+.*float64 mean.*"
-                                              "Run the round on the fleet"):
-            bundle.build_round(secure, w, x, placements=("server", "clients"))
+
+# ------------------------------------------------------------ secure sums (SecAgg+)
+
+
+def _secure_round(params, data):
+    """Secure sums of every kind, and a secure mean, beside a plain mean: codes of the
+    clients' targets (the secure mean's rounding keys are bits of them too)."""
+    import jax.numpy as jnp
+
+    codes = fb.federated_map_clients(
+        lambda s, d: jnp.clip(jnp.round(jnp.abs(d["y"][:4]) * 10 + s), 0, 255).astype(
+            jnp.int32), (fb.federated_broadcast(params), data))
+    total = fb.federated_secure_sum_bitwidth(codes, 8)
+    modular = fb.federated_secure_modular_sum(codes, 7)
+    scaled = fb.federated_secure_sum(fb.federated_map_clients(lambda c: c * 1000, codes),
+                                     255_000)
+    keys = fb.federated_map_clients(
+        lambda d: jax.lax.bitcast_convert_type(d["y"][:2], jnp.uint32), data)
+    mean = fb.federated_secure_mean(fb.federated_map_clients(lambda d: d["y"][:3], data),
+                                    keys, value_range=(-5.0, 5.0), bits=12)
+    loss = fb.federated_mean(fb.federated_map_clients(lambda d: jnp.mean(d["y"]), data))
+    return params + 1.0, (total, modular, scaled, mean, loss)
+
+
+@pytest.fixture(scope="module")
+def secure_app(tmp_path_factory, quickstart):
+    _, (_, data), _ = quickstart
+    prog = fb.program(clients=N)(_secure_round)
+    args = (np.float32(2.0), data)
+    made = bundle.build_round(prog, *args, placements=("server", "clients"))
+    folder = str(tmp_path_factory.mktemp("secure_app"))
+    app_dir.write_app(made, folder)
+    return prog, args, made, folder
+
+
+def _jit_secure(prog, args, rounds: int):
+    state, out = args[0], None
+    for _ in range(rounds):
+        state, out = jax.jit(prog)(state, args[1])
+    return state, out
+
+
+def _assert_secure_result(got, made, args, rounds: int, clients=None) -> None:
+    """The fleet plan's bits (its secure sums summed exactly in process), and jit's
+    secure sums and secure mean exactly (its plain float mean to rounding, as the
+    fleet), over all clients or those of `clients` (then not the secure mean: its
+    export divides by the program's clients, where jit divides by those it has)."""
+    assert _bits(got, made) == _bits(_expected(made, args, rounds, clients), made)
+    ids = np.arange(N) if clients is None else np.asarray(list(clients))
+    prog = fb.program(clients=len(ids))(_secure_round)
+    data = jax.tree_util.tree_map(lambda v: v[ids], args[1])
+    state, (*secure, loss) = _jit_secure(prog, (args[0], data), rounds)
+    tree = values.to_pytree(got, made.prepared.result)
+    exact = 4 if clients is None else 3
+    for g, w in zip(jax.tree_util.tree_leaves(tree[1][:exact]), secure[:exact]):
+        assert g.dtype == w.dtype and g.tobytes() == np.asarray(w).tobytes()
+    np.testing.assert_allclose(tree[1][4], loss, rtol=1e-6)
+    assert float(tree[0]) == float(state)
+
+
+def test_secure_sums_go_through_secaggplus_with_jits_exact_sums(
+        tmp_path, secure_app, quickstart):
+    """2 and 3 SuperNodes, the ServerApp and ClientApps in process with Flower's own
+    SecAgg+ (secaggplus_mod, SecAggPlusWorkflow): no node's secure partial is in its
+    answer to the round, and the totals are jit's."""
+    prog, args, made, folder = secure_app
+    _, data = args
+    bundle_dir = os.path.join(folder, app_dir.PACKAGE)
+    for blocks in ([(0, 4), (4, 6)], [(0, 2), (2, 5), (5, 6)]):
+        configs = []
+        for k, (a, b) in enumerate(blocks):
+            path = str(tmp_path / f"{len(blocks)}-{k}")
+            write_population(path, [{"x": data["x"][i], "y": data["y"][i]}
+                                    for i in range(a, b)])
+            configs.append({"population": path, "first-client": a})
+        grid = _grid(folder, configs)
+        answers = []
+        push = grid.push_messages
+
+        def recording_push(messages, push=push):
+            ids = push(messages)
+            answers.extend(grid.replies[i] for i in ids if i in grid.replies)
+            return ids
+
+        grid.push_messages = recording_push
+        got = server.run_server(grid, {"num-rounds": 2}, bundle_dir, log=lambda text: None)
+        _assert_secure_result(got, made, args, 2)
+        round_answers = [a for a in answers if records.PARTIALS in a.content]
+        assert len(round_answers) == 2 * len(blocks)
+        for answer in round_answers:  # only the plain mean's partial crosses
+            assert answer.content[records.LAYOUT]["aggregations"] == 1
+            assert not [k for k in answer.content[records.PARTIALS].keys()
+                        if k.startswith(relay.KEPT)]
+        masked = [a for a in answers if "fitres.parameters" in a.content.array_records]
+        assert not any(len(a.content.array_records["fitres.parameters"]) for a in masked)
+    # a node that never answers the round is dropped before SecAgg+, which runs on the
+    # others; a round of secure sums only (no partial crosses) does the same
+    quick = {"num-rounds": 1, "node-timeout-s": 0.2, "first-round-timeout-s": 0.0}
+    got = server.run_server(_grid(folder, configs, silent=[2]), quick, bundle_dir,
+                            log=lambda text: None)
+    _assert_secure_result(got, made, args, 1, clients=range(5))
+
+    def only_secure(params, data):
+        codes = fb.federated_map_clients(lambda d: (d["y"][:2] > 0).astype(np.int32), data)
+        return params, fb.federated_secure_sum(codes, 1)
+
+    made_only = bundle.build_round(fb.program(clients=N)(only_secure), *args,
+                                   placements=("server", "clients"))
+    only_folder = str(tmp_path / "only")
+    app_dir.write_app(made_only, only_folder)
+    got = server.run_server(_grid(only_folder, configs, silent=[2]), quick,
+                            os.path.join(only_folder, app_dir.PACKAGE),
+                            log=lambda text: None)
+    want = jax.jit(fb.program(clients=5)(only_secure))(
+        args[0], jax.tree_util.tree_map(lambda v: v[:5], data))
+    assert np.asarray(got[1]).tobytes() == np.asarray(want[1]).tobytes()
+    one_node = str(tmp_path / "one")
+    write_population(one_node, [{"x": data["x"][i], "y": data["y"][i]} for i in range(N)])
+    with pytest.raises(FleetError, match=r"SecAgg\+, which needs at least 2 SuperNodes.*"
+                                         r"1 answered"):
+        server.run_server(_grid(folder, [{"population": one_node, "first-client": 0}]),
+                          {"num-rounds": 1}, bundle_dir, log=lambda text: None)
 
 
 # ---------------------------------------------------------------------- command
@@ -508,6 +617,25 @@ def test_check_parity_on_a_deployment_runs_fed_avg_on_digits_as_jit_does(digits,
     text = report.table()
     assert "Flower deployment of 2 SuperNode(s)" in text and "PARITY OK" in text
     assert "the same bits as the fleet's round plan: yes" in text
+
+
+@pytest.mark.slow
+def test_a_deployment_sums_secure_sums_through_secaggplus(tmp_path, secure_app, deployed):
+    """`flwr run` of a round with secure sums on the shared deployment: SecAgg+'s four
+    stages run through the SuperLink after the round's message, and the result has the
+    fleet plan's bits, whose integers are jit's."""
+    prog, args, made, folder = secure_app
+    deployment, _ = deployed
+    out = str(tmp_path / "out")
+    run = deployment.run(folder, {"num-rounds": 1, "out-dir": out, "min-nodes": 2},
+                         timeout_s=400)
+    assert run.returncode == 0, run.stdout[-3000:]
+    (report,) = _reports(out)
+    assert report["participants"] == list(range(N)) and report["error"] is None
+    want = _expected(made, args, 1)
+    assert _npz_bits(f"{out}/result.npz") == _bits(want, made)
+    _assert_secure_result(want, made, args, 1)
+    assert "Secure aggregation completed" in run.stdout
 
 
 def _trains(deployment, node: int) -> int:

@@ -214,7 +214,7 @@ def test_columns_errors():
         aggregation.partial_of_columns("weighted_mean", [col], 3, [col])
     with pytest.raises(AggregationError, match="one scalar tensor per client; got none"):
         aggregation.partial_of_columns("weighted_mean", [col], 3)
-    with pytest.raises(AggregationError, match="partial_of"):
+    with pytest.raises(AggregationError, match="federated_secure_sum needs a max_input"):
         aggregation.partial_of_columns("secure_sum", [col.astype(np.int32)], 3)
     with pytest.raises(ComputationError, match="floating-point"):
         aggregation.partial_of_columns("mean", [col.astype(np.int32)], 3)
@@ -268,3 +268,33 @@ def test_secure_sums_refuse_bounds_whose_sum_could_wrap(dtype, kind, clients, bi
     members = [np.array([top, 0], dtype)] * clients
     got = aggregation.reduce(kind, members, bitwidth=bound)
     assert got.dtype == dtype and got.tolist() == [clients * top, 0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["secure_sum_bitwidth", "secure_sum"]), st.integers(0, 6),
+       st.integers(0, 9), st.data())
+def test_secure_columns_give_the_partial_of_the_members(kind, n, bound, data):
+    """A secure sum's stacked columns are checked against its bound as its members are,
+    and sum to the same bits."""
+    top = 2 ** bound - 1 if kind == "secure_sum_bitwidth" else bound
+    rows = data.draw(st.lists(st.lists(st.integers(0, top + 1), min_size=3, max_size=3),
+                              min_size=n, max_size=n), label="values")
+    members = [structure.Struct([(None, np.array(r[:2], np.int32)), (None, np.int32(r[2]))])
+               for r in rows]
+    columns = [np.array([r[:2] for r in rows], np.int32).reshape(n, 2),
+               np.array([r[2] for r in rows], np.int32).reshape(n)]
+    b = np.int32(bound)
+    if any(v > top for r in rows for v in r):
+        for call in (lambda: aggregation.partial_of(kind, members, None, b),
+                     lambda: aggregation.partial_of_columns(kind, columns, n, None, b)):
+            with pytest.raises(AggregationError, match="lies outside"):
+                call()
+        return
+    got = aggregation.partial_of_columns(kind, columns, n, None, b)
+    want = aggregation.partial_of(kind, members, None, b)
+    assert got.count == want.count == n
+    if n:
+        assert [g.tobytes() for g in aggregation.finish(got)] == \
+            [w.tobytes() for w in aggregation.finish(want)]
+    with pytest.raises(AggregationError, match="needs a"):
+        aggregation.partial_of_columns(kind, columns, n)

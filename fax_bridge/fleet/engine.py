@@ -10,6 +10,10 @@ A round by split always runs the same way, wherever its clients live:
   check            every answer checked (`validate.check_partial`, `check_pending`)
                    before any is merged;
   merge, finish    partials merged in client order (`aggregation.merge`), finished;
+  secure sums      where the transport sums the split's secure sums itself (Flower's
+                   SecAgg+: `Answers.secure`), the answers carry partials of the other
+                   aggregations only, and their totals come from that phase, run over
+                   the holders that answered once the lost ones are dropped;
   server result    `server_steps.result`, checked against the computation's type.
 
 `check_and_merge` is the one loop that checks and merges holders' partials; the phase
@@ -62,10 +66,14 @@ class LostHolder:
 
 @dataclasses.dataclass
 class Answers:
-    """What a transport brings back: the answers in client order, and the lost holders."""
+    """What a transport brings back: the answers in client order, and the lost holders.
+    `secure`: where the transport sums the split's secure sums in a phase of its own,
+    that phase (returning {aggregation local: its total}); the answers then hold
+    partials of the other aggregations only (`plain_aggregations`)."""
 
     answered: list
     lost: list = dataclasses.field(default_factory=list)
+    secure: Optional[Callable[[], dict]] = None
 
 
 class Transport(Protocol):
@@ -121,9 +129,16 @@ def check_and_merge(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
     return totals
 
 
-def split_checks(split: RoundSplit) -> list:
-    """`check_and_merge`'s checks for a split's aggregations."""
-    return [(a.kind, *a.leaf_types, None) for a in split.aggregations]
+def split_checks(aggregations: Sequence) -> list:
+    """`check_and_merge`'s checks for a split's aggregations (`RoundSplit.aggregations`,
+    or `plain_aggregations`)."""
+    return [(a.kind, *a.leaf_types, None) for a in aggregations]
+
+
+def plain_aggregations(split: RoundSplit) -> list:
+    """The split's aggregations other than secure sums, in split order: those whose
+    partials cross as answers where a transport sums the secure ones itself."""
+    return [a for a in split.aggregations if not a.secure]
 
 
 def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=None,
@@ -133,12 +148,15 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
     called with the lost holders (and how many answered) after every answer is checked;
     it raises to fail the round, else the round finishes without those clients. Without
     it, a lost holder fails the round. The result is checked against `result_type` when
-    given."""
+    given. Where the answers come with a secure phase (`Answers.secure`), only the
+    other aggregations are merged here, and the phase runs after `on_lost`, over the
+    holders that answered."""
     n = transport.num_clients
     env = server_steps.prepare(split, arg, transport.backend, n)
     sent = structure.Struct([(None, env[name]) for name in split.broadcasts])
     answers = transport.run_clients(split, sent)
-    totals = check_and_merge(split_checks(split), answers.answered,
+    merged = split.aggregations if answers.secure is None else plain_aggregations(split)
+    totals = check_and_merge(split_checks(merged), answers.answered,
                              transport.reject_nonfinite, transport.traffic)
     if answers.lost:
         if on_lost is None:
@@ -146,7 +164,9 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
                              + "; ".join(h.where for h in answers.lost))
         on_lost(answers.lost, len(answers.answered))
         n -= sum(len(h.clients) for h in answers.lost)
-    for agg, total in zip(split.aggregations, totals):
+    if answers.secure is not None:
+        env.update(answers.secure())
+    for agg, total in zip(merged, totals):
         env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
     result = server_steps.result(split, env, transport.backend, n)
     return result if result_type is None else values.check_value(result, result_type,
@@ -168,7 +188,7 @@ class InProcessTransport:
     def run_clients(self, split: RoundSplit, sent: structure.Struct) -> Answers:
         members = [structure.Struct([(None, column[c]) for column in self.inputs])
                    for c in range(self.num_clients)]
-        specs = [(a.kind, a.value_index, a.weight_index) for a in split.aggregations]
+        specs = [a.spec for a in split.aggregations]  # secure sums too, summed exactly
         found = client_partials(split.client_part, split.client_part_hash, sent, members,
                                 specs)
         return Answers([HolderAnswer("this process", self.num_clients, found)])

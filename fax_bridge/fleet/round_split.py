@@ -14,6 +14,11 @@ inputs never depend on another aggregation's result, the round is
                    sit in the client part's result;
   server result    the remaining SERVER locals and the Block's result (coordinator).
 
+With `secure=True` (a Flower round: `flower/secagg.py` sums them through SecAgg+) a
+secure sum (`federated_secure_sum_bitwidth`, `federated_secure_sum`) whose bound is a
+literal is one more aggregation (`Aggregation.secure`), its bound kept with it; the
+fleet splits without them.
+
 `split_round` returns None for every other computation (it keeps the phase-by-phase
 path). `engine.run_round` runs a split over any transport (in process, the device
 fleet, Flower's SuperNodes).
@@ -42,6 +47,11 @@ Computation = computation_pb2.Computation
 _AGGREGATIONS = {defs.FEDERATED_SUM.uri: "sum", defs.FEDERATED_MEAN.uri: "mean",
                  defs.FEDERATED_WEIGHTED_MEAN.uri: "weighted_mean",
                  defs.FEDERATED_MIN.uri: "min", defs.FEDERATED_MAX.uri: "max"}
+# Secure sums, split only where asked (`split_round(secure=True)`: a Flower round,
+# whose SecAgg+ phase sums them); their bound is a literal of the intrinsic's argument.
+_SECURE = {defs.FEDERATED_SECURE_SUM_BITWIDTH.uri: "secure_sum_bitwidth",
+           defs.FEDERATED_SECURE_SUM.uri: "secure_sum"}
+SECURE_KINDS = tuple(_SECURE.values())
 _BROADCAST = defs.FEDERATED_BROADCAST.uri
 _MAP = defs.FEDERATED_MAP.uri
 _ZIP = defs.FEDERATED_ZIP_AT_CLIENTS.uri
@@ -58,6 +68,17 @@ class Aggregation:
     weight_index: Optional[int]
     member_type: federated_language.Type
     weight_type: Optional[federated_language.Type] = None
+    bound: Any = None  # a secure sum's bitwidth or max_input (a numpy scalar)
+
+    @property
+    def spec(self) -> tuple:
+        """(kind, value index, weight index, bound), as `client_partials` takes it."""
+        return self.kind, self.value_index, self.weight_index, self.bound
+
+    @property
+    def secure(self) -> bool:
+        """A secure sum (`SECURE_KINDS`): only a `split_round(secure=True)` holds one."""
+        return self.kind in SECURE_KINDS
 
     @functools.cached_property
     def leaf_types(self) -> tuple[list, list]:
@@ -116,8 +137,10 @@ def _struct(items: list) -> Computation:
     return out
 
 
-def split_round(proto: Computation) -> Optional[RoundSplit]:
-    """The split of a round-shaped computation, or None (module docstring)."""
+def split_round(proto: Computation, secure: bool = False) -> Optional[RoundSplit]:
+    """The split of a round-shaped computation, or None (module docstring). `secure`:
+    secure sums whose bound is a literal are aggregations too (kinds `SECURE_KINDS`,
+    their `bound` kept)."""
     if proto.WhichOneof("computation") != "lambda":
         return None
     lam = lambda_of(proto)
@@ -132,7 +155,7 @@ def split_round(proto: Computation) -> Optional[RoundSplit]:
     input_names: list = []
     broadcasts: list = []
     server: list = []
-    aggregates: list = []   # (local, kind, value name, weight name or None, member type)
+    aggregates: list = []   # (local, kind, value, weight or None, member type, bound)
     depends_on_agg: set = set()
     for local in body.block.local:
         name, value = local.name, local.value
@@ -163,7 +186,18 @@ def split_round(proto: Computation) -> Optional[RoundSplit]:
                 v, w = reference_name(arg), None
             if v not in client or (kind == "weighted_mean" and w not in client):
                 return None
-            aggregates.append((name, kind, v, w, type_.member))
+            aggregates.append((name, kind, v, w, type_.member, None))
+            depends_on_agg.add(name)
+            continue
+        if secure and uri in _SECURE:
+            pair = struct_elements(arg, 2)
+            if pair is None or pair[1].WhichOneof("computation") != "literal":
+                return None
+            v = reference_name(pair[0])
+            if v not in client:
+                return None
+            aggregates.append((name, _SECURE[uri], v, None, type_.member,
+                               local_eval.read_literal(pair[1].literal)))
             depends_on_agg.add(name)
             continue
         if uri == _BROADCAST:
@@ -213,7 +247,7 @@ def split_round(proto: Computation) -> Optional[RoundSplit]:
         entry.name = name
         entry.value.CopyFrom(client[name])
     outs, aggs = [], []
-    for name, kind, v, w, member in aggregates:
+    for name, kind, v, w, member, bound in aggregates:
         vi = len(outs)
         outs.append(make_reference(v))
         wi = None
@@ -221,7 +255,7 @@ def split_round(proto: Computation) -> Optional[RoundSplit]:
             wi = len(outs)
             outs.append(make_reference(w))
         aggs.append(Aggregation(name, kind, vi, wi, member,
-                                None if w is None else members[w]))
+                                None if w is None else members[w], bound))
     block.result.CopyFrom(_struct(outs))
     prepare = frozenset(n for n, _ in server if n not in depends_on_agg)
     return RoundSplit(proto=proto, parameter_name=param, server_locals=server,
@@ -305,7 +339,8 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
                     specs: list, guard: Any = None) -> list:
     """The client part `fn` over the clients' `members` (one Struct of inputs each) with
     the broadcast values `sent`, aggregated: one exact partial per
-    `(kind, value_index, weight_index or None)` of `specs`, over the elements of the
+    `(kind, value_index, weight_index or None[, bound])` of `specs` (the bound of a
+    secure sum, `Aggregation.spec`), over the elements of the
     client part's result those indices select. Batched clients are aggregated from
     their stacked results (`client_map.map_clients_stacked`), others one by one; the
     partials are the same. `guard`: the caller's caps (`client_map.Guard`)."""
@@ -321,14 +356,16 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
             return [select_element(r, index) for r in results]
 
     out = []
-    for kind, vi, wi in specs:
+    for kind, vi, wi, *bound in specs:
+        bound = bound[0] if bound else None
         try:
             values, weights = pick(vi), None if wi is None else pick(wi)
         except ComputationError as e:
             raise ComputationError(f"the aggregation inputs at {vi}"
                                    f"{'' if wi is None else f' and {wi}'} are not in the "
                                    f"client part's result: {e}") from None
-        out.append(aggregation.partial_of_columns(kind, values, stacked.count, weights)
-                   if stacked is not None else aggregation.partial_of(kind, values, weights))
+        out.append(aggregation.partial_of_columns(kind, values, stacked.count, weights,
+                                                  bound)
+                   if stacked is not None
+                   else aggregation.partial_of(kind, values, weights, bound))
     return out
-

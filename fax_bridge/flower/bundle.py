@@ -3,11 +3,14 @@
 `build_round(fn, *args, placements=...)` exports a round `(state, client_data) ->
 (new_state, output)` in the production forms' type (`tff.forms.round_proto`, which
 refuses two server-client trips, client state and intrinsics no form holds, by name)
-and splits it with `fleet.round_split.split_round`; a round that cannot be split is refused
-too, and a round with a secure sum is refused by name (Flower's SecAgg+ cannot carry
-its exact sum: see `FlowerRound.split`). `FlowerRound` holds the round, its split and
-the initial server state (the example state's tensors, depth first over the state's
-type).
+and splits it with `fleet.round_split.split_round(secure=True)`; a round that cannot
+be split is refused too. Its secure sums (`federated_secure_sum_bitwidth`,
+`federated_secure_sum`, and so `federated_secure_modular_sum` and
+`federated_secure_mean`, built on the bitwidth sum) are aggregations of the split that
+Flower's SecAgg+ sums (`flower/secagg.py`); one that SecAgg+ cannot carry exactly
+however the example's clients are split over SuperNodes is refused by name
+(`secagg.check_build`). `FlowerRound` holds the round, its split and the initial server
+state (the example state's tensors, depth first over the state's type).
 
 A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
 10 MB, so `round.json` holds the proto base64-encoded and the state's tensors likewise.
@@ -49,28 +52,13 @@ class FlowerRound:
 
     @functools.cached_property
     def split(self) -> round_split.RoundSplit:
-        from fax_bridge.tff import forms
-
-        secure = sorted(set(forms.intrinsic_uris(self.proto)) & forms.SECURE_SUM_URIS)
-        if secure:
-            raise ExportError(
-                f"the round {self.prepared.type} calls {', '.join(secure)}: a Flower round "
-                "refuses secure sums. fax_bridge sums them exactly in the values' integer "
-                "dtype; Flower's SecAgg+ "
-                "(secaggplus_mod with SecAggPlusWorkflow) clips each SuperNode's vector "
-                "to its clipping range, rounds it stochastically onto int32 levels and "
-                "returns the unmasked total dequantized and divided by the total weight, "
-                "a float64 mean, so it carries neither an exact integer sum nor a "
-                "modular one, and it runs through Flower's legacy fit messages, not this "
-                "round's records. Run the round on the fleet (LocalFleet, RemoteFleet), "
-                "or use federated_sum for a Flower round")
-        split = round_split.split_round(self.proto)
+        split = round_split.split_round(self.proto, secure=True)
         if split is None:
             raise ExportError(
                 f"the round {self.prepared.type} cannot be split into one broadcast, one "
-                "client part and aggregations (sum, mean, weighted mean, min, max) whose "
-                "inputs come from the clients, so no Flower round can run it; express "
-                "its aggregations with those (secure sums run on the fleet)")
+                "client part and aggregations (sum, mean, weighted mean, min, max, secure "
+                "sums with a literal bound) whose inputs come from the clients, so no "
+                "Flower round can run it; express its aggregations with those")
         if len(self.parameter_items) != 2 or split.client_inputs != [1]:
             raise ExportError(
                 f"a Flower round takes (server_state, client_data), but this one has the "
@@ -124,6 +112,9 @@ def build_round(fn: Callable, *args: Any, placements: Any = None,
     state = bound.runtime_value()[0]
     made = FlowerRound(proto=proto, state=backend.leaves(backend.as_numpy(state)))
     made.split  # refuses what cannot be split, here rather than on the nodes
+    from fax_bridge.flower import secagg
+
+    secagg.check_build(made.split, bound.num_clients() or 0)  # what SecAgg+ cannot carry
     return made
 
 

@@ -106,11 +106,10 @@ def answer_query(config) -> dict:
 
 def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
                  broadcast: list) -> list:
-    """The exact partial (an `AggregateResponse`) of each aggregation of the round over
-    the node's clients `ids`, given the broadcast tensors."""
+    """The exact partial (`aggregation.Partial`) of each aggregation of the round over
+    the node's clients `ids`, given the broadcast tensors, in split order."""
     import federated_language
 
-    from fax_bridge.fleet import partials
     from fax_bridge.fleet.round_split import client_partials
     from fax_bridge.flower.bundle import read_round
     from fax_bridge.runtime import population
@@ -125,21 +124,33 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     columns = population.plan_columns(store, member_type, keys)
     members = population.read_members(store, member_type, columns, share.rows(ids))
     sent = from_leaves(made.sent_type, broadcast)
-    specs = [(a.kind, a.value_index, a.weight_index) for a in split.aggregations]
-    found = client_partials(split.client_part, split.client_part_hash, sent, members, specs)
-    return [partials.to_message(p) for p in found]
+    specs = [a.spec for a in split.aggregations]
+    return client_partials(split.client_part, split.client_part_hash, sent, members, specs)
 
 
 def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
     """A node's answer to a `train` message (as `relay.request_of` unpacks it): (the
-    partials' arrays by key, {"layout", "counts", "compute-s"})."""
+    partials' arrays by key, {"layout", "counts", "compute-s"}). The partials of the
+    round's secure sums are not among the partials: their exact totals over the node's
+    clients come as `relay.KEPT` + "0", "1", ... (tensors depth first over the secure
+    sums), which the ClientApp keeps for SecAgg+ (`secagg`) and never sends."""
     start = time.perf_counter()
     share = NodeShare.from_config(config)
     where = f"round {header[records.ROUND].get('round', '?')}"
     ids = records.ids_from_arrays(arrays, where)
     broadcast = records.tensors_from_arrays(arrays, header[records.LAYOUT], where,
                                             prefix="b")
-    answers = partials_for(bundle_dir, share, ids, broadcast)
-    out, layout, counts = records.partials_layout(answers)
+    # --- secure sums (flower/secagg.py): kept back from the answer -------------------
+    from fax_bridge.fleet import partials
+    from fax_bridge.fleet.round_split import SECURE_KINDS
+    from fax_bridge.flower import relay
+    from fax_bridge.runtime import aggregation
+
+    found = partials_for(bundle_dir, share, ids, broadcast)
+    plain = [p for p in found if p.kind not in SECURE_KINDS]
+    kept = [x for p in found if p.kind in SECURE_KINDS for x in aggregation.finish(p)]
+    out, layout, counts = records.partials_layout([partials.to_message(p) for p in plain])
+    out.update({f"{relay.KEPT}{i}": x for i, x in enumerate(kept)})
+    # ---------------------------------------------------------------------------------
     return out, {"layout": layout, "counts": counts,
                  "compute-s": time.perf_counter() - start}

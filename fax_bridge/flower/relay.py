@@ -16,6 +16,13 @@ imports only the standard library, numpy and flwr, never fax_bridge's package (w
 the ClientApp computes in its own process: `client_app(..., local)` calls `local()`
 for the module that does (`fax_bridge.flower.client`, imported only then).
 
+A round with secure sums (`fax_bridge.flower.secagg`): the node's answer keeps back
+its exact partials of them (`KEPT` + "0", ...); `keep` stores them in the node's run
+state (`context.state`, which Flower keeps on the SuperNode between the ClientApp
+processes of a run, never sending it), and the SecAgg+ stages that follow (messages
+carrying `SECAGG_CONFIGS`) go through Flower's `secaggplus_mod`, whose masked stage
+takes them minus the center the ServerApp names (`give_kept`).
+
 The record names every side uses are kept here.
 """
 
@@ -38,6 +45,12 @@ METRICS = "metrics"
 TOKEN_HEADER = "X-Fax-Bridge-Token"
 HEADER_KEY = "__header__"
 MAX_BODY_BYTES = 1 << 30
+KEPT = "secure."            # a node's partials of the round's secure sums, kept back
+KEPT_RECORD = "fax-secure"  # where the node's run state holds them (ArrayRecord),
+KEPT_INFO = "fax-secure-info"  # and their round and count (ConfigRecord; one namespace)
+SECAGG_CONFIGS = "secaggplus_configs"  # flwr's RECORD_KEY_CONFIGS: a SecAgg+ stage
+ROUND_KEY = "fax-round"            # FitIns config of the masked stage: the round,
+CENTER_KEY = "fax-secure-center"   # and C, subtracted from each kept partial
 
 
 def pack(arrays: dict, header: dict) -> bytes:
@@ -98,6 +111,47 @@ def request_of(content) -> tuple:
     return arrays, header
 
 
+def keep(state, out: dict, round_index: int) -> None:
+    """Moves the kept partials (`KEPT` keys) out of a node's answer `out` into its run
+    state `state` (a RecordDict), for round `round_index`."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    kept = {k: out.pop(k) for k in [k for k in out if k.startswith(KEPT)]}
+    for records, name in ((state.array_records, KEPT_RECORD),
+                          (state.config_records, KEPT_INFO)):
+        if name in records:
+            del records[name]
+    if kept:
+        state.array_records[KEPT_RECORD] = ArrayRecord(
+            {k: Array(np.ascontiguousarray(v)) for k, v in kept.items()})
+        state.config_records[KEPT_INFO] = ConfigRecord(
+            {"round": int(round_index), "count": len(kept)})
+
+
+def give_kept(msg, context):
+    """The FitRes SecAgg+'s masked stage asks of a node (`secaggplus_mod` calls it): its
+    kept partials of the round the FitIns config names, each minus the center C, as
+    float64 (exact, see `fax_bridge.flower.secagg`), with weight 1."""
+    from flwr.app import Message
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.compat.common import recorddict_compat as compat
+
+    config = msg.content.config_records["fitins.config"]
+    round_index, center = int(config[ROUND_KEY]), float(config[CENTER_KEY])
+    state = context.state
+    info = state.config_records.get(KEPT_INFO)
+    if info is None or int(info["round"]) != round_index:
+        raise RuntimeError(
+            f"SecAgg+ asks for this node's secure partials of round {round_index}, but it "
+            f"keeps {'none' if info is None else 'those of round ' + str(info['round'])}")
+    arrays = state.array_records[KEPT_RECORD]
+    vector = [np.asarray(arrays[f"{KEPT}{i}"].numpy(), np.float64) - center
+              for i in range(int(info["count"]))]
+    del state.array_records[KEPT_RECORD], state.config_records[KEPT_INFO]
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(vector), 1, {})
+    return Message(compat.fitres_to_recorddict(fitres, False), reply_to=msg)
+
+
 def _worker(config) -> tuple:
     return str(config["worker"]), read_token(str(config["worker-token-file"]))
 
@@ -124,6 +178,10 @@ def client_app(bundle_dir: str, local: Callable[[], Any]):
 
     @app.train()
     def train(msg: Message, context) -> Message:
+        if SECAGG_CONFIGS in msg.content.config_records:  # a SecAgg+ stage
+            from flwr.client.mod import secaggplus_mod
+
+            return secaggplus_mod(msg, context, give_kept)
         config = context.node_config
         arrays, header = request_of(msg.content)
         if "worker" in config:
@@ -132,6 +190,7 @@ def client_app(bundle_dir: str, local: Callable[[], Any]):
             out, info = unpack(call(address, token, "/round", pack(arrays, header)))
         else:
             out, info = local().serve_round(bundle_dir, config, arrays, header)
+        keep(context.state, out, header[ROUND].get("round", -1))
         metrics = MetricRecord({"num-clients": [int(c) for c in info["counts"]],
                                 "compute-s": float(info["compute-s"])})
         return Message(RecordDict({

@@ -5,9 +5,12 @@ plans it (`engine.open_round`: the seeded cohort, dropouts, late clients,
 `min_clients`), the server prepare here, one `train` message to each SuperNode holding
 participants (the broadcast and the ids of its participants: `flower.transport`), the
 answers checked as the coordinator checks a device's and merged in node order, which is
-population order, then finished and fed to the server result. A node that answers with
-an error or not within the deadline (`round-deadline-s`, else `node-timeout-s`) is
-dropped with its clients, as the fleet drops a lost device (`engine.drop_lost`); when
+population order, then finished and fed to the server result. The round's secure sums
+are not in the answers: Flower's SecAgg+ sums them over the nodes that answered
+(`secagg.aggregate`, the transport's secure phase, run after the lost nodes are
+dropped), so this app sees only their totals. A node that answers with an error or not
+within the deadline (`round-deadline-s`, else `node-timeout-s`) is dropped with its
+clients, as the fleet drops a lost device (`engine.drop_lost`); when
 fewer than `min-clients` clients remain the round fails with a `FleetError` naming the
 nodes (the run's first round waits longer, `first-round-timeout-s`: nodes start
 then). Every round leaves a `RoundReport` (logged, and written to `reports.jsonl`).

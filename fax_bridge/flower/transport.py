@@ -5,6 +5,11 @@ and the ids of its participants) and answers with its clients' partials as recor
 (`records`); a node that answers with an error or not within the wait comes back as a
 lost holder, named with the reason, for the engine's policy to drop. The engine checks
 and merges the partials as it does a device's.
+
+The round's secure sums are not in the answers: a node keeps its partials of them
+back, and the transport hands the engine a secure phase (`engine.Answers.secure`) that
+sums them through Flower's SecAgg+ over the nodes that answered (`secagg.aggregate`),
+so the ServerApp sees only their totals.
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from fax_bridge.fleet.engine import Answers, HolderAnswer, LostHolder
+from fax_bridge.fleet.engine import Answers, HolderAnswer, LostHolder, plain_aggregations
 from fax_bridge.fleet.pool import Traffic
 from fax_bridge.fleet.round_split import RoundSplit
 from fax_bridge.flower import nodes as flower_nodes
-from fax_bridge.flower import records
+from fax_bridge.flower import records, secagg
 
 
 def train_messages(split: RoundSplit, sent: Any, nodes: list, ids: np.ndarray,
@@ -69,8 +74,9 @@ class FlowerTransport:
         self.traffic.rpcs = len(sends)
         replies = flower_nodes.exchange(self.grid, [m for _, _, m in sends], self.wait_s,
                                         self.poll_s)
-        kinds = [a.kind for a in split.aggregations]
-        out = Answers([])
+        plain = plain_aggregations(split)  # secure sums: the secure phase below
+        kinds = [a.kind for a in plain]
+        out, answered = Answers([]), []
         for node, mine, _ in sends:  # node order is population order
             reply = replies.get(node.node_id)
             if reply is None or reply.has_error():
@@ -78,6 +84,7 @@ class FlowerTransport:
                     f"no answer within {self.wait_s}s" if reply is None
                     else reply.error.reason), mine))
                 continue
+            answered.append((node, mine))
             content = reply.content
             metrics = content[records.METRICS]
             self.traffic.bytes_up += records.payload_bytes(content[records.PARTIALS])
@@ -86,4 +93,7 @@ class FlowerTransport:
                 content[records.LAYOUT], metrics.get("num-clients", []), kinds, node.name)
             out.answered.append(HolderAnswer(node.name, len(mine), partials,
                                              float(metrics.get("compute-s", 0.0))))
+        if len(plain) < len(split.aggregations):
+            out.secure = lambda: secagg.aggregate(self.grid, split, answered,
+                                                  self.round_index, self.wait_s, self.poll_s)
         return out

@@ -34,6 +34,7 @@ import math
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+from federated_language.common_libs import structure
 
 from fax_bridge.errors import AggregationError, WeightError
 from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
@@ -199,19 +200,22 @@ def partial_of(kind: str, members: Sequence[LocalValue],
 
 
 def partial_of_columns(kind: str, columns: Sequence[np.ndarray], count: int,
-                       weights: Optional[Sequence[np.ndarray]] = None) -> Partial:
+                       weights: Optional[Sequence[np.ndarray]] = None,
+                       bitwidth: Optional[LocalValue] = None) -> Partial:
     """`partial_of` of clients' values given stacked: `columns[j]` holds tensor j of
     every client's value on a leading axis of `count` (client order), `weights` (for
-    weighted_mean) the clients' weight tensor likewise. The columns are only read. The
-    secure kinds check their inputs against a bound: they take members (`partial_of`)."""
+    weighted_mean) the clients' weight tensor likewise, `bitwidth` a secure sum's bound
+    (as `partial_of`'s). The columns are only read."""
     check_kind(kind)
-    if kind in ("secure_sum_bitwidth", "secure_sum"):
-        raise AggregationError(f"{kind} checks each client's values against its bound; "
-                               "aggregate its members with partial_of")
     for column in columns:
         if column.shape[:1] != (count,):
             raise AggregationError(
                 f"a column of shape {list(column.shape)} does not hold {count} clients")
+    if kind in _SECURE and count:
+        member = structure.Struct([(None, c) for c in columns])  # all clients at once
+        _check_range(kind, [member], bitwidth)
+    elif kind in _SECURE:
+        secure_bounds(kind, bitwidth, len(columns))
     w = None
     if kind == "weighted_mean":
         if weights is None or len(weights) != 1 or weights[0].shape[:1] != (count,) \

@@ -55,9 +55,6 @@ FORMS = {"daf": ("DistributeAggregateForm", DAF_PIECES),
 # TFF's own intrinsic, which federated_language does not define (fax_bridge never emits it:
 # its modular sum is a composition, see `secure.federated_secure_modular_sum`).
 SECURE_MODULAR_SUM_URI = "federated_secure_modular_sum"
-# Every secure sum a proto may call, TFF's modular sum included.
-SECURE_SUM_URIS = frozenset({SECURE_MODULAR_SUM_URI, defs.FEDERATED_SECURE_SUM.uri,
-                             defs.FEDERATED_SECURE_SUM_BITWIDTH.uri})
 
 # Intrinsics TFF's form builders accept (form_utils' reducible intrinsics, plus the sums
 # and means it rewrites into federated_aggregate).

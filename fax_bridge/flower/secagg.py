@@ -1,0 +1,277 @@
+"""A Flower round's secure sums through Flower's SecAgg+: the ServerApp sees only totals.
+
+A round's `federated_secure_sum_bitwidth` and `federated_secure_sum` (a
+`federated_secure_modular_sum` is a bitwidth sum between two local maps, and
+`federated_secure_mean` one after a quantizing map) are aggregations of the round's
+split (`fleet.round_split.split_round(secure=True)`). Each SuperNode computes its exact
+integer partial of each (the sum over its clients, in the values' dtype) with the
+round's other partials, answers the `train` message with the others only and keeps
+the secure ones in its run state (`relay`). Once the round engine has dropped the
+nodes that did not answer (`fleet.engine`), the ServerApp runs Flower's
+`SecAggPlusWorkflow` over the nodes that answered (`aggregate`, the secure phase of
+`flower.transport`): a small strategy
+whose `configure_fit` names those nodes and whose `aggregate_fit` keeps the vector
+SecAgg+ reconstructs; each node's ClientApp answers the masked stage through
+`secaggplus_mod` with its kept partials. No node's partial of a secure sum reaches
+the ServerApp, only their total.
+
+SecAgg+ (flwr 1.42) computes, for n nodes with weight `num_examples` each,
+`clipping_range` C, `quantization_range` L and `modulus_range` M:
+  node:   q = ceil((clip(v * r, -C, C) + C) * L / (2C)) (stochastic), r =
+          round(num_examples / max_weight * L) / L, then q and r*L are masked mod M;
+  server: unmasked totals mod M, then  (sum(q) * 2C / L - C - (n - 1) C) * L / sum(rL).
+With num_examples = max_weight (r = 1) and L = 2C every step is exact for integers:
+a node's vector is v = x - C for its partial x in [0, 2C], so q = x exactly (the
+ceiling of an integer: the random step never moves it), sum(q) = sum(x) < M when
+n * L < M, and the server's vector is (sum(x) - n C) * fl(1/n), from which
+`recover` gets sum(x) = rint(vector * n + n C) exactly (|sum(x) - n C| < 2**31 here,
+so the relative error of 3 float64 roundings is far below 1/2). `choose` picks
+L = the largest partial a node may hold (clients of the node in the round times one
+client's bound, at least 1), C = L / 2, M = 2**32 (Flower's largest), and refuses the
+round when n * L >= M or n < 2 (SecAgg+ needs two nodes). `check_build` refuses at
+app-build time a secure sum no split of the program's clients over nodes can carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from fax_bridge.errors import AggregationError, ExportError, FleetError
+from fax_bridge.flower.relay import CENTER_KEY, ROUND_KEY
+
+MOD_RANGE = 2 ** 32  # SecAgg+'s modulus_range: at most 2**32 (its docstring)
+MIN_NODES = 2        # SecAggPlusWorkflow stops below two sampled nodes
+_WHAT = {"secure_sum_bitwidth": ("federated_secure_sum_bitwidth", "bitwidth"),
+         "secure_sum": ("federated_secure_sum", "max_input")}
+_FIX = ("lower the bound (a smaller bitwidth or max_input, clipping the values on the "
+        "clients), spread the clients over more, smaller SuperNodes, or run the round on "
+        "the fleet (LocalFleet, RemoteFleet), whose secure sums have no such limit")
+
+
+def secure_aggregations(split) -> list:
+    """The round split's secure sums, in split order (the others:
+    `engine.plain_aggregations`)."""
+    return [a for a in split.aggregations if a.secure]
+
+
+def tops(agg) -> list:
+    """The largest value one client may give each tensor of a secure sum, depth first."""
+    from fax_bridge.runtime import aggregation
+
+    return aggregation.secure_bounds(agg.kind, agg.bound, len(agg.leaf_types[0]))
+
+
+def _named(agg, top: int) -> str:
+    what, name = _WHAT[agg.kind]
+    return f"{what} ({name} {int(np.asarray(agg.bound).max())}, each client's value <= {top})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """SecAgg+'s settings for a round's secure sums over `nodes` nodes (module docstring)."""
+
+    levels: int   # quantization_range L: a node's partial lies in [0, L]
+    nodes: int
+
+    @property
+    def center(self) -> float:
+        """clipping_range C = L / 2: a node sends its partial minus C."""
+        return self.levels / 2
+
+
+def choose(secure: Sequence, counts: Sequence[int]) -> Quantization:
+    """The quantization that carries the secure sums `secure` exactly when nodes holding
+    `counts` clients of the round each send their partials; FleetError below two nodes,
+    AggregationError when the largest partial times the nodes reaches 2**32."""
+    n = len(counts)
+    if n < MIN_NODES:
+        raise FleetError(
+            f"the round's secure sums ({', '.join(_WHAT[a.kind][0] for a in secure)}) run "
+            f"through Flower's SecAgg+, which needs at least {MIN_NODES} SuperNodes holding "
+            f"clients of the round; {n} answered. Start more SuperNodes (min-nodes), lower "
+            "the dropout or raise the wait, or run the round on the fleet")
+    largest, worst = 0, None
+    for agg in secure:
+        for top in tops(agg):
+            if max(counts) * top >= largest:
+                largest, worst = max(counts) * top, (agg, top)
+    levels = max(largest, 1)
+    if n * levels >= MOD_RANGE:
+        agg, top = worst
+        raise AggregationError(
+            f"{_named(agg, top)}: a SuperNode of {max(counts)} clients in the round may "
+            f"hold a partial of {largest}, and SecAgg+ carries {n} such partials exactly "
+            f"only while {n} * {largest} < its modulus 2**32; {_FIX}")
+    return Quantization(levels=levels, nodes=n)
+
+
+def check_build(split, clients: int) -> None:
+    """ExportError when a secure sum of the round cannot be carried by SecAgg+ however
+    `clients` clients are split over two or more nodes: n nodes, the largest holding k,
+    need n * k * top < 2**32, and n * k >= clients."""
+    for agg in secure_aggregations(split):
+        for top in tops(agg):
+            if max(clients, MIN_NODES) * top >= MOD_RANGE:
+                raise ExportError(
+                    f"{_named(agg, top)}: a Flower round sums it through SecAgg+, which "
+                    f"carries it exactly only while the nodes times the largest node's "
+                    f"partial stays below its modulus 2**32, and {max(clients, MIN_NODES)}"
+                    f" clients * {top} reaches it whatever the split; {_FIX}")
+
+
+def node_vector(kept: Sequence[np.ndarray], center: float) -> list:
+    """What a node gives SecAgg+ for its kept partials: each minus C, in float64 (exact:
+    the partials are integers below 2**31 and C a multiple of 1/2). `relay` does the
+    same without importing fax_bridge."""
+    return [np.asarray(x, np.float64) - center for x in kept]
+
+
+def recover(vector: Sequence[np.ndarray], quant: Quantization, nodes: int) -> list:
+    """The exact integer totals (int64) from the vector SecAgg+ hands `aggregate_fit`
+    when `nodes` nodes contributed (module docstring)."""
+    shift = nodes * quant.center
+    return [np.rint(np.asarray(v, np.float64) * nodes + shift).astype(np.int64)
+            for v in vector]
+
+
+def totals_of(secure: Sequence, totals: Sequence[np.ndarray], clients: int,
+              where: str) -> dict:
+    """{aggregation local: its value} from the recovered totals (depth first over the
+    secure sums), each checked to lie in [0, clients * top] and cast to its dtype."""
+    from fax_bridge.runtime.backend import from_leaves
+
+    out, i = {}, 0
+    for agg in secure:
+        types = agg.leaf_types[0]
+        leaves = []
+        for t, top in zip(types, tops(agg)):
+            if i >= len(totals):
+                raise FleetError(f"{where}: SecAgg+ gave {len(totals)} tensors, fewer than "
+                                 "the round's secure sums hold")
+            total, shape = totals[i], tuple(t.shape)
+            i += 1
+            if total.shape != shape:
+                raise FleetError(f"{where}: SecAgg+ gave a tensor of shape "
+                                 f"{list(total.shape)} for {_WHAT[agg.kind][0]}'s "
+                                 f"{list(shape)}")
+            if total.size and (int(total.min()) < 0 or int(total.max()) > clients * top):
+                raise FleetError(
+                    f"{where}: the SecAgg+ total of {_WHAT[agg.kind][0]} lies in "
+                    f"{int(total.min())}..{int(total.max())}, outside what {clients} clients "
+                    f"within the bound can give (0..{clients * top}): a node gave a partial "
+                    "out of range")
+            leaves.append(total.astype(np.dtype(t.dtype.type)))
+        out[agg.local] = from_leaves(agg.member_type, leaves)
+    if i != len(totals):
+        raise FleetError(f"{where}: SecAgg+ gave {len(totals)} tensors, the round's secure "
+                         f"sums hold {i}")
+    return out
+
+
+# ------------------------------------------------------------------- server phase
+
+
+class _Exchange:
+    """What `SecAggPlusWorkflow` calls on a grid (`send_and_receive`), through
+    `nodes.exchange` (Flower's own sleeps 3 s between pulls); it notes which nodes did
+    not answer a stage, or answered with an error, and why."""
+
+    def __init__(self, grid, poll_s: float):
+        self.grid, self.poll_s, self.problems = grid, poll_s, []
+
+    def send_and_receive(self, messages, *, timeout=None) -> list:
+        from fax_bridge.flower import nodes
+
+        messages = list(messages)
+        replies = nodes.exchange(self.grid, messages, timeout, self.poll_s)
+        for m in messages:
+            reply = replies.get(m.metadata.dst_node_id)
+            if reply is None:
+                self.problems.append(f"node {m.metadata.dst_node_id}: no answer within "
+                                     f"{timeout}s")
+            elif reply.has_error():
+                self.problems.append(f"node {m.metadata.dst_node_id}: {reply.error.reason}")
+        return list(replies.values())
+
+
+def _strategy(node_ids: list, config: dict):
+    """A Flower strategy for one SecAgg+ phase: fit on `node_ids` with `config`, keeping
+    the reconstructed vector and the contributing nodes (`.vector`, `.contributors`)."""
+    from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
+    from flwr.server.strategy import Strategy
+
+    class Capture(Strategy):
+        vector = None
+        contributors: list = []
+
+        def initialize_parameters(self, client_manager):
+            return None
+
+        def configure_fit(self, server_round, parameters, client_manager):
+            empty = Parameters(tensors=[], tensor_type="numpy.ndarray")
+            return [(GridClientProxy(n, None, 0), FitIns(empty, dict(config)))
+                    for n in node_ids]
+
+        def aggregate_fit(self, server_round, results, failures):
+            self.contributors = sorted(proxy.node_id for proxy, _ in results)
+            if results:  # every result holds the same reconstructed vector
+                self.vector = parameters_to_ndarrays(results[0][1].parameters)
+            return None, {}
+
+        def configure_evaluate(self, server_round, parameters, client_manager):
+            return []
+
+        def aggregate_evaluate(self, server_round, results, failures):
+            return None, {}
+
+        def evaluate(self, server_round, parameters):
+            return None
+
+    return Capture()
+
+
+def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
+              poll_s: float) -> dict:
+    """{aggregation local: its total} of the round's secure sums (none: {}), summed by
+    SecAgg+ over the nodes that answered the round's `train` message: `answered` holds
+    (node, its participants) in node order. Every such node must give its vector: one
+    lost during SecAgg+ fails the round (FleetError naming it), as its other partials
+    are merged already."""
+    secure = secure_aggregations(split)
+    if not secure:
+        return {}
+    from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+    from flwr.server.compat.legacy_context import LegacyContext
+    from flwr.server.workflow import SecAggPlusWorkflow
+    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+    from flwr.server.workflow.constant import Key as WorkflowKey
+
+    counts = [len(mine) for _, mine in answered]
+    quant = choose(secure, counts)
+    node_ids = [node.node_id for node, _ in answered]
+    strategy = _strategy(node_ids, {ROUND_KEY: round_index, CENTER_KEY: quant.center})
+    context = LegacyContext(Context(run_id=0, node_id=0, node_config={},
+                                    state=RecordDict(), run_config={}), strategy=strategy)
+    context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
+        {WorkflowKey.CURRENT_ROUND: round_index})
+    context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
+    workflow = SecAggPlusWorkflow(
+        num_shares=1.0, reconstruction_threshold=1.0, max_weight=1.0,
+        clipping_range=float(quant.center), quantization_range=quant.levels,
+        modulus_range=MOD_RANGE, timeout=wait_s)
+    link = _Exchange(grid, poll_s)
+    workflow(link, context)
+    where = f"round {round_index} (SecAgg+)"
+    missing = sorted(set(node_ids) - set(strategy.contributors))
+    if strategy.vector is None or missing:
+        raise FleetError(
+            f"{where}: the secure sums need every node that answered the round, but "
+            f"{'SecAgg+ stopped' if strategy.vector is None else f'nodes {missing} gave no vector'}"
+            f" ({'; '.join(link.problems) or 'no node answered with an error'}); restart "
+            "the nodes or raise the wait (node-timeout-s, round-deadline-s)")
+    totals = recover(strategy.vector, quant, len(strategy.contributors))
+    return totals_of(secure, totals, sum(counts), where)
