@@ -29,7 +29,7 @@ def fleet3():
 
 
 def _local(proto, *args):
-    return interpreter.run_computation(proto, *args, backend=LocalClientsBackend())
+    return interpreter.interpret(proto, *args, backend=LocalClientsBackend())
 
 
 def _run(fleet, proto, *args, preaggregate=True, **kw):

@@ -86,7 +86,7 @@ def test_device_hosted_round_equals_coordinator_fed_round(fleet, data):
     fed = fleet.run(proto, data["xs"], S)
     hosted, rep = fleet.run(proto, X, S, report=True)
     np.testing.assert_array_equal(hosted, fed)  # exact partials: the same bits
-    local = interpreter.run_computation(proto, PopulationRef(directory=data["dir"],
+    local = interpreter.interpret(proto, PopulationRef(directory=data["dir"],
                                                              keys=["x"]), S,
                                         backend=LocalClientsBackend())
     np.testing.assert_allclose(hosted, local, rtol=1e-5)  # float32 folded in order
@@ -139,7 +139,7 @@ def test_stored_dtype_or_shape_mismatch_is_a_clear_error(fleet, data, tmp_path):
         fleet.run(sc.scaled_aggregate((FEATURES,), "sum"), fleet.population, S)
     # the same checks on the local backend raise ComputationError
     with pytest.raises(ComputationError, match="dtypes differ"):
-        interpreter.run_computation(
+        interpreter.interpret(
             sc.scaled_aggregate((FEATURES,), "sum", dtype=np.int32),
             PopulationRef(directory=data["dir"], keys=["x"]), S.astype(np.int32),
             backend=LocalClientsBackend())
@@ -147,7 +147,7 @@ def test_stored_dtype_or_shape_mismatch_is_a_clear_error(fleet, data, tmp_path):
     blocks = _write(tmp_path / "blocks", np.ones((3, 2, FEATURES), np.float32),
                     examples=True)
     with pytest.raises(ComputationError, match="one example per client"):
-        interpreter.run_computation(sc.scaled_aggregate((FEATURES,), "sum"),
+        interpreter.interpret(sc.scaled_aggregate((FEATURES,), "sum"),
                                     PopulationRef(directory=blocks), S,
                                     backend=LocalClientsBackend())
 
@@ -158,7 +158,7 @@ def test_devices_must_host_the_same_population(data, tmp_path):
     with _devices(data["dir"], other) as (addresses, token):
         with GrpcClientsBackend(addresses, token=token) as backend:
             with pytest.raises(FleetError, match="different populations"):
-                interpreter.run_computation(proto, PopulationRef(keys=["x"]), S,
+                interpreter.interpret(proto, PopulationRef(keys=["x"]), S,
                                             backend=backend)
     with _devices(data["dir"], None) as (addresses, token):
         with GrpcClientsBackend(addresses, token=token) as backend:

@@ -17,7 +17,7 @@ from fax_bridge.placements import Placement
 from fax_bridge.primitive_facts import Batching, Movement, PrimitiveFacts, facts_of
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime import intrinsics as runtime_intrinsics
-from fax_bridge.runtime.interpreter import run_computation
+from fax_bridge.runtime.interpreter import interpret
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.tff import emitters, forms
 
@@ -118,5 +118,5 @@ def test_export_and_the_runtime_aggregate_as_the_records_say(monkeypatch):
         emitted = [u for u in forms.intrinsic_uris(proto) if u in _AGGREGATION_URIS]
         assert emitted == [facts.intrinsic.uri], prim
         kinds.clear()
-        run_computation(proto, *args)
+        interpret(proto, *args)
         assert kinds == ([facts.kind] if facts.kind else []), prim

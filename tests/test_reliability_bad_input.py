@@ -82,32 +82,32 @@ def devices():
 
 
 def _works(backend) -> None:
-    np.testing.assert_array_equal(interpreter.run_computation(PROTO, XS, S, backend=backend),
+    np.testing.assert_array_equal(interpreter.interpret(PROTO, XS, S, backend=backend),
                                   [4.0, 4.0, 4.0])
 
 
 def test_corrupt_protos_and_bad_arguments_name_the_problem():
     data = PROTO.SerializeToString()
     with pytest.raises(ComputationError, match="not a serialized Computation"):
-        interpreter.run_computation(data[: len(data) // 2], XS, S)
+        interpreter.interpret(data[: len(data) // 2], XS, S)
     unknown = computation_pb2.Computation()
     unknown.CopyFrom(PROTO)
     getattr(unknown, "lambda").result.call.function.intrinsic.uri = "federated_teleport"
     with pytest.raises(ComputationError, match="federated_teleport"):
-        interpreter.run_computation(unknown, XS, S)
+        interpreter.interpret(unknown, XS, S)
     with pytest.raises(ComputationError, match=r"expected shape \[3\]"):
-        interpreter.run_computation(PROTO, np.ones((4, 5), np.float32), S)
+        interpreter.interpret(PROTO, np.ones((4, 5), np.float32), S)
     with pytest.raises(ComputationError, match="expected dtype float32"):
-        interpreter.run_computation(PROTO, XS, np.ones(3, np.complex64))
+        interpreter.interpret(PROTO, XS, np.ones(3, np.complex64))
     with pytest.raises(ComputationError, match="takes 2 arguments"):
-        interpreter.run_computation(PROTO, XS)
+        interpreter.interpret(PROTO, XS)
     huge = computation_pb2.Computation()
     huge.CopyFrom(PROTO)
     huge.type.function.parameter.struct.element[0].value.federated.member.tensor.dims[:] = [
         1 << 40]
     with pytest.raises(ComputationError, match="above the cap"):
-        interpreter.run_computation(huge, XS, S)
-    np.testing.assert_array_equal(interpreter.run_computation(PROTO, XS, S), [4.0] * 3)
+        interpreter.interpret(huge, XS, S)
+    np.testing.assert_array_equal(interpreter.interpret(PROTO, XS, S), [4.0] * 3)
 
 
 def _xla_with_custom_call(target: str) -> computation_pb2.Computation:

@@ -73,7 +73,7 @@ def mutated(draw, seeds=SEEDS):
 def test_fuzz_interpreter_on_mutated_protos(case):
     index, data = case
     try:
-        interpreter.run_computation(data, *ARGS[index], backend=LocalClientsBackend())
+        interpreter.interpret(data, *ARGS[index], backend=LocalClientsBackend())
     except FaxBridgeError:
         pass
 
@@ -384,7 +384,7 @@ def test_a_module_that_crashed_xla_is_a_named_error_at_run_and_at_load():
     module.host_program_shape.result.tuple_shapes.add(element_type=11, dimensions=[2])
     part.xla.hlo_module.value = module.SerializeToString()  # XLA: a CHECK failure
     with pytest.raises(HloModuleError, match="HloModuleProto `jit_.*host program shape"):
-        interpreter.run_computation(proto.SerializeToString(), *ARGS[2],
+        interpreter.interpret(proto.SerializeToString(), *ARGS[2],
                                     backend=LocalClientsBackend())
     data = part.SerializeToString()
     request = pb.LoadRequest(computation_hash=hashlib.sha256(data).hexdigest(),

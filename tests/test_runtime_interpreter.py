@@ -46,7 +46,7 @@ def fmap(fn, value):
 
 
 def run(comp, *args, **kwargs):
-    return interpreter.run_computation(comp.to_proto(), *args, **kwargs)
+    return interpreter.interpret(comp.to_proto(), *args, **kwargs)
 
 
 def lam(name, type_, body_fn):
@@ -278,7 +278,7 @@ def test_thousand_clients_through_the_local_backend():
     xs = RNG.normal(size=(n, 3)).astype(F32)
     comp = lam("x", clients(V3), lambda x: call(
         "federated_mean", fmap(xla(lambda v: v * 2 + 1, V3), x), server(V3)))
-    out = interpreter.run_computation(comp.to_proto().SerializeToString(), xs,
+    out = interpreter.interpret(comp.to_proto().SerializeToString(), xs,
                                       backend=LocalClientsBackend())
     np.testing.assert_allclose(out, (xs * 2 + 1).mean(0), rtol=1e-5)
 
@@ -401,8 +401,8 @@ def test_the_result_is_checked_against_the_declared_type(dtype, shape, where):
     # the declared type must be the body's, placements included (unplaced is not SERVER)
     honest = where == "server" and shape in ([3], [None]) and dtype == np.float32
     if honest:
-        got = interpreter.run_computation(proto, np.ones((4, 3), F32), np.ones(3, F32))
+        got = interpreter.interpret(proto, np.ones((4, 3), F32), np.ones(3, F32))
         assert got.dtype == dtype and got.tolist() == [4, 4, 4]
     else:
         with pytest.raises(DeclaredTypeError, match="but its body has type"):
-            interpreter.run_computation(proto, np.ones((4, 3), F32), np.ones(3, F32))
+            interpreter.interpret(proto, np.ones((4, 3), F32), np.ones(3, F32))

@@ -12,7 +12,7 @@ from federated_language.compiler import building_blocks as bb
 from federated_language.proto import computation_pb2
 
 import fax_bridge as fb
-from fax_bridge.runtime.interpreter import run_computation
+from fax_bridge.runtime import run_computation
 from fax_bridge.tff import xla as tff_xla
 
 N = 5

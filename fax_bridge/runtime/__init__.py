@@ -1,6 +1,7 @@
 """Runtime: interprets federated_language Computation protos (coordinator side).
 
-Modules: `interpreter` (evaluate / run_computation), `local_eval` (compile_local for
+Modules: `run` (run_computation: rounds by the round engine, the rest interpreted),
+`interpreter` (evaluate / interpret), `local_eval` (compile_local for
 local parts, also used by device servers), `values` (pytree conversions), `npz_keys`
 (npz keys of inputs and results), `backend` (the ClientsBackend contract),
 `local_backend` (in-process clients), `aggregation` (what each aggregation means, exact
@@ -14,7 +15,7 @@ import importlib
 
 _LAZY = {
     "evaluate": "interpreter",
-    "run_computation": "interpreter",
+    "run_computation": "run",
     "computation_type": "interpreter",
     "compile_local": "local_eval",
     "content_hash": "local_eval",

@@ -396,10 +396,12 @@ def _checked_result(it: Run, result: Any, type_) -> Any:
             f"match: {e}") from None
 
 
-def run_computation(proto: Union[Computation, bytes, Prepared], *args: Any,
-                    backend: Optional[ClientsBackend] = None,
-                    num_clients: Optional[int] = None, **kwargs: Any) -> Any:
-    """Runs a computation on python pytrees, one per parameter element; returns a pytree.
+def interpret(proto: Union[Computation, bytes, Prepared], *args: Any,
+              backend: Optional[ClientsBackend] = None,
+              num_clients: Optional[int] = None, **kwargs: Any) -> Any:
+    """Interprets a computation on python pytrees, one per parameter element, phase by
+    phase; returns a pytree. (`runtime.run_computation`, the public entry, runs rounds
+    through the round engine instead, with the same bits, and everything else here.)
 
     CLIENTS arguments and results carry a leading clients axis. Named parameter elements
     may be passed by keyword (`values.bind_arguments`). `num_clients` is needed only when

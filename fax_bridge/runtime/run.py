@@ -1,0 +1,85 @@
+"""`run_computation`: a computation run in this process, on python pytrees.
+
+A round-shaped computation (server prepare, one broadcast, one client part,
+aggregations, server result: `fleet.round_split`) whose CLIENTS inputs are all values
+runs through the round engine with its in-process transport (`fleet.engine`): the client
+part once over every client, as one batched XLA call, and its exact partials finished as
+every other path finishes them. Anything else, and any call given its own `backend` or
+`num_clients`, is interpreted phase by phase (`interpreter.evaluate`). Both give the same
+bits: exact aggregations do not depend on how clients are grouped or ordered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from federated_language.proto.computation_pb2 import Computation
+
+from fax_bridge.errors import ComputationError, FaxBridgeError
+from fax_bridge.fleet import engine, round_split
+from fax_bridge.runtime import interpreter, values
+from fax_bridge.runtime.backend import ClientsBackend
+from fax_bridge.runtime.population import PopulationRef
+
+_SPLITS: dict = {}  # id(proto) -> (proto, its round split or None), the last few run
+_KEPT_SPLITS = 16
+
+
+def round_split_of(prepared: interpreter.Prepared) -> Optional[round_split.RoundSplit]:
+    """The round split of a prepared computation (made once per proto object), or None
+    when it is not round-shaped."""
+    key = id(prepared.proto)
+    hit = _SPLITS.get(key)
+    if hit is None or hit[0] is not prepared.proto:
+        hit = (prepared.proto, round_split.split_round(prepared.proto))
+        if len(_SPLITS) >= _KEPT_SPLITS:
+            _SPLITS.pop(next(iter(_SPLITS)))
+        _SPLITS[key] = hit
+    return hit[1]
+
+
+def _by_engine(split: Optional[round_split.RoundSplit], arg: Any) -> bool:
+    """Whether the round engine takes this call: a split whose CLIENTS inputs are all
+    values (no population references) for at least one client."""
+    if split is None or not split.client_inputs:
+        return False
+    inputs = [arg[i] for i in split.client_inputs]
+    if any(isinstance(v, PopulationRef) for v in inputs):
+        return False
+    counts = {len(v) for v in inputs}
+    return len(counts) == 1 and counts != {0}
+
+
+def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *args: Any,
+                    backend: Optional[ClientsBackend] = None,
+                    num_clients: Optional[int] = None, **kwargs: Any) -> Any:
+    """Runs a computation on python pytrees, one per parameter element; returns a pytree.
+
+    CLIENTS arguments and results carry a leading clients axis. Named parameter elements
+    may be passed by keyword (`values.bind_arguments`). `num_clients` is needed only when
+    no argument is placed at CLIENTS and the computation places values there itself.
+    The result has the structure jit gives the program when the proto was exported in
+    this process (or `prepare(proto, structure=)` gave one), else the generic one
+    (`runtime.result_structure`). Rounds go through the round engine, the rest through
+    the interpreter (module docstring); `interpreter.interpret` always interprets.
+    """
+    prepared = interpreter.prepare(proto)
+    if backend is not None or num_clients is not None:
+        return interpreter.interpret(prepared, *args, backend=backend,
+                                     num_clients=num_clients, **kwargs)
+    bound = values.bind_arguments(prepared.parameter, args, kwargs)
+    arg = bound.runtime_value()
+    split = round_split_of(prepared)
+    if not _by_engine(split, arg):
+        result = interpreter.evaluate(prepared, arg)
+    else:
+        try:
+            result = values.check_value(engine.run_in_process(split, arg), prepared.result,
+                                        "result")
+        except FaxBridgeError:
+            raise
+        except Exception as e:  # as the interpreter reports what a malformed proto does
+            raise ComputationError(
+                f"the computation could not be run ({type(e).__name__}: {e}); it is "
+                "likely malformed or ill-typed") from e
+    return values.to_pytree(result, prepared.result, prepared.structure)

@@ -1,0 +1,96 @@
+"""`runtime.run_computation`: rounds through the round engine in process, everything else
+interpreted, with the interpreter's bits and refusals either way."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge.errors import WeightError
+from fax_bridge.runtime import interpreter, run
+from fax_bridge.runtime.population import PopulationRef
+
+D = 3
+
+
+def _round(params, data):
+    """One weighted FedAvg-style round: a step on each client, means back at the server."""
+    def local(p, d):
+        g = jax.grad(lambda q: jnp.mean((d["x"] @ q - d["y"]) ** 2))(p)
+        return p - 0.1 * g, d["n"], jnp.sum(g * g)
+
+    new, n, norm = fb.federated_map_clients(local, (fb.federated_broadcast(params), data))
+    return fb.federated_weighted_mean(new, n), fb.federated_sum(norm), fb.federated_mean(n)
+
+
+def _args(rng, clients: int, counts):
+    params = rng.standard_normal((D, D)).astype(np.float32)
+    data = {"x": rng.standard_normal((clients, 4, D)).astype(np.float32),
+            "y": rng.standard_normal((clients, 4, D)).astype(np.float32),
+            "n": np.asarray(counts, np.float32)}
+    return params, data
+
+
+def _proto(clients: int):
+    rng = np.random.default_rng(0)
+    args = _args(rng, clients, [1.0] * clients)
+    return fb.export_tff(fb.program(clients=clients)(_round), *args,
+                         placements=("server", "clients"))
+
+
+PROTOS = {n: _proto(n) for n in (1, 3, 5)}
+
+
+def _bits(tree):
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(tree)]
+
+
+def test_a_round_is_split_and_other_computations_are_not():
+    assert run.round_split_of(interpreter.prepare(PROTOS[3])) is not None
+
+    @fb.program(clients=3)
+    def no_round(x):
+        return fb.federated_sum(x)
+
+    proto = fb.export_tff(no_round, np.ones((3, 2), np.float32), placements=("clients",))
+    assert np.array_equal(fb.runtime.run_computation(proto, np.ones((3, 2), np.float32)),
+                          np.full(2, 3.0, np.float32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(sorted(PROTOS)), st.integers(0, 2**32 - 1), st.data())
+def test_rounds_through_the_engine_have_the_interpreters_bits(clients, seed, data):
+    counts = data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, 1e-3, 7.0]),
+                                min_size=clients, max_size=clients))
+    params, batch = _args(np.random.default_rng(seed), clients, counts)
+    proto = PROTOS[clients]
+    if sum(counts) == 0:  # the weights rule, on both paths
+        for runner in (fb.runtime.run_computation, interpreter.interpret):
+            with pytest.raises(WeightError):
+                runner(proto, params, batch)
+        return
+    got = fb.runtime.run_computation(proto, params, batch)
+    want = interpreter.interpret(proto, params, batch)
+    assert _bits(got) == _bits(want)
+    jitted = jax.jit(fb.program(clients=clients)(_round))(params, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jitted)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_round_given_a_backend_or_population_references_is_interpreted(monkeypatch):
+    params, batch = _args(np.random.default_rng(1), 3, [1.0, 2.0, 3.0])
+    calls = []
+    monkeypatch.setattr(run.engine, "run_in_process",
+                        lambda *a, **k: calls.append(a) or pytest.fail("engine used"))
+    from fax_bridge.runtime.local_backend import LocalClientsBackend
+
+    want = interpreter.interpret(PROTOS[3], params, batch)
+    got = fb.runtime.run_computation(PROTOS[3], params, batch, backend=LocalClientsBackend())
+    assert _bits(got) == _bits(want) and not calls
+    split = run.round_split_of(interpreter.prepare(PROTOS[3]))
+    arg = [params, PopulationRef("p", [0, 1, 2])]
+    assert not run._by_engine(split, arg)
