@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     for n in client_counts:
         data = _data(n, args.features, args.examples)
         local[n] = _median_time(
-            lambda: interpreter.run_computation(proto, *data, backend=LocalClientsBackend()),
+            lambda: interpreter.interpret(proto, *data, backend=LocalClientsBackend()),
             args.rounds)
 
     rows = []

@@ -398,7 +398,7 @@ def _runner(target: str):
 
         def run(c: Case) -> str:
             try:
-                interpreter.run_computation(c.computation, *c.args,
+                interpreter.interpret(c.computation, *c.args,
                                             backend=LocalClientsBackend())
             except FaxBridgeError as e:
                 return f"{_kind(str(e))} {type(e).__name__}"
