@@ -5,7 +5,7 @@ HloModuleProto bytes (`CLASSES`: shapes, layouts, tuple lengths, opcodes, operan
 computation ids, parameter numbers, root and entry ids, program shapes, varint lengths,
 random bytes) and runs it through a real entry point (`TARGETS`):
 
-- `run`: `runtime.run_computation` of the whole computation holding the mutated part;
+- `run`: `interpreter.interpret` of the whole computation holding the mutated part;
 - `load`: a device's `Load` RPC handler, in process, with the mutated Xla computation;
 - `convert`: jax's bare HLO -> StableHLO import, to measure what XLA does unprotected.
 
