@@ -58,17 +58,22 @@ class _Holders:
         self.lost, self.forged = set(lost), forged
         self.traffic = Traffic()
 
-    def run_clients(self, split, sent):
-        out = engine.Answers([])
-        specs = [(a.kind, a.value_index, a.weight_index) for a in split.aggregations]
+    def answering(self, split, sent, out):
+        """(holder, its block, its partials) of each holder that answers; the others are
+        added to `out.lost`."""
+        specs = [a.spec for a in split.aggregations]
         for h, block in enumerate(self.blocks):
             if h in self.lost:
                 out.lost.append(engine.LostHolder(f"holder {h}", np.arange(
                     block.start, block.stop)))
                 continue
             members = [structure.Struct([(None, c[i]) for c in self.inputs]) for i in block]
-            found = round_split.client_partials(split.client_part, split.client_part_hash,
-                                                sent, members, specs)
+            yield h, block, round_split.client_partials(
+                split.client_part, split.client_part_hash, sent, members, specs)
+
+    def run_clients(self, split, sent):
+        out = engine.Answers([])
+        for h, block, found in self.answering(split, sent, out):
             messages = [partials.to_message(p) for p in found]
             if h == self.forged:
                 messages[0].num_clients += 1
@@ -166,15 +171,7 @@ class _SecureHolders(_Holders):
 
     def run_clients(self, split, sent):
         out, kept = engine.Answers([]), []
-        specs = [a.spec for a in split.aggregations]
-        for h, block in enumerate(self.blocks):
-            if h in self.lost:
-                out.lost.append(engine.LostHolder(f"holder {h}", np.arange(
-                    block.start, block.stop)))
-                continue
-            members = [structure.Struct([(None, c[i]) for c in self.inputs]) for i in block]
-            found = round_split.client_partials(split.client_part, split.client_part_hash,
-                                                sent, members, specs)
+        for h, block, found in self.answering(split, sent, out):
             kept.append([p for p, a in zip(found, split.aggregations) if a.secure])
             out.answered.append(engine.HolderAnswer(f"holder {h}", len(block), [
                 partials.to_message(p) for p, a in zip(found, split.aggregations)

@@ -137,6 +137,23 @@ def _struct(items: list) -> Computation:
     return out
 
 
+_MADE: dict = {}  # id(proto) -> (proto, its split or None), for the last few protos run
+_KEPT = 16
+
+
+def split_of(proto: Computation) -> Optional[RoundSplit]:
+    """`split_round(proto)`, made once per proto object (the last `_KEPT` are kept): what
+    every path that runs rounds by split calls."""
+    key = id(proto)
+    hit = _MADE.get(key)
+    if hit is None or hit[0] is not proto:
+        hit = (proto, split_round(proto))
+        if len(_MADE) >= _KEPT:
+            _MADE.pop(next(iter(_MADE)))
+        _MADE[key] = hit
+    return hit[1]
+
+
 def split_round(proto: Computation, secure: bool = False) -> Optional[RoundSplit]:
     """The split of a round-shaped computation, or None (module docstring). `secure`:
     secure sums whose bound is a literal are aggregations too (kinds `SECURE_KINDS`,

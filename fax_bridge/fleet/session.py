@@ -67,7 +67,6 @@ class FleetRounds:
         self.backend: Optional[GrpcClientsBackend] = None
         self.reports: list[RoundReport] = []
         self.next_round = 0
-        self._splits: dict = {}
         self._closed = False
 
     def __enter__(self):
@@ -207,12 +206,7 @@ class FleetRounds:
         phase (not round-shaped, `RoundPolicy.round_plans` off, or devices reduce nothing)."""
         if not self.policy.round_plans or not self.backend.preaggregate:
             return None
-        key = id(prepared.proto)
-        hit = self._splits.get(key)
-        if hit is None or hit[0] is not prepared.proto:
-            hit = (prepared.proto, round_split.split_round(prepared.proto))
-            self._splits = {key: hit}  # the last computation run
-        return hit[1]
+        return round_split.split_of(prepared.proto)
 
     def _lose_unreachable_devices(self, participants: ClientIds, rep: RoundReport,
                                   error: FleetError) -> list:

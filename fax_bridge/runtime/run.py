@@ -21,21 +21,10 @@ from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.backend import ClientsBackend
 from fax_bridge.runtime.population import PopulationRef
 
-_SPLITS: dict = {}  # id(proto) -> (proto, its round split or None), the last few run
-_KEPT_SPLITS = 16
-
-
 def round_split_of(prepared: interpreter.Prepared) -> Optional[round_split.RoundSplit]:
-    """The round split of a prepared computation (made once per proto object), or None
-    when it is not round-shaped."""
-    key = id(prepared.proto)
-    hit = _SPLITS.get(key)
-    if hit is None or hit[0] is not prepared.proto:
-        hit = (prepared.proto, round_split.split_round(prepared.proto))
-        if len(_SPLITS) >= _KEPT_SPLITS:
-            _SPLITS.pop(next(iter(_SPLITS)))
-        _SPLITS[key] = hit
-    return hit[1]
+    """The round split of a prepared computation (`round_split.split_of`), or None when
+    it is not round-shaped."""
+    return round_split.split_of(prepared.proto)
 
 
 def _by_engine(split: Optional[round_split.RoundSplit], arg: Any) -> bool:
