@@ -252,9 +252,9 @@ def test_rounds_in_process_have_the_fleet_plans_bits(tmp_path, quickstart, popul
         np.testing.assert_allclose(a, b, rtol=1e-5)
     from fax_bridge.flower.check import describe, parity_of_run
 
-    report, same_bits = parity_of_run(prog, args, made, f"{out}/result.npz", 3, 2, 0.0)
-    assert report.ok and same_bits, describe(report, same_bits, 3)
-    assert "PARITY OK" in describe(report, same_bits, 3)
+    report = parity_of_run(prog, args, made, f"{out}/result.npz", 3, 2, 0.0)
+    assert report.ok and report.fleet_bits, describe(report, 3)
+    assert "PARITY OK" in describe(report, 3)
     reports = _reports(out)
     assert [r["round"] for r in reports] == [0, 1, 2]
     assert all(r["participants"] == list(range(N)) and r["devices"] == 2 and
