@@ -8,17 +8,10 @@ from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import npz_keys, values
+from sample_computations import clients, server
 
 F32 = np.float32
 V2 = fl.TensorType(F32, [2])
-
-
-def clients(t):
-    return fl.FederatedType(t, fl.CLIENTS)
-
-
-def server(t):
-    return fl.FederatedType(t, fl.SERVER)
 
 
 def test_npz_keys_follow_element_names_and_indices():

@@ -7,17 +7,10 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import values
+from sample_computations import clients, server
 
 F32 = np.float32
 V2 = fl.TensorType(F32, [2])
-
-
-def clients(t):
-    return fl.FederatedType(t, fl.CLIENTS)
-
-
-def server(t):
-    return fl.FederatedType(t, fl.SERVER)
 
 
 def test_dicts_become_named_structs_in_type_order():
