@@ -44,8 +44,6 @@ from fax_bridge.flower.relay import CENTER_KEY, ROUND_KEY
 
 MOD_RANGE = 2 ** 32  # SecAgg+'s modulus_range: at most 2**32 (its docstring)
 MIN_NODES = 2        # SecAggPlusWorkflow stops below two sampled nodes
-_WHAT = {"secure_sum_bitwidth": ("federated_secure_sum_bitwidth", "bitwidth"),
-         "secure_sum": ("federated_secure_sum", "max_input")}
 _FIX = ("lower the bound (a smaller bitwidth or max_input, clipping the values on the "
         "clients), spread the clients over more, smaller SuperNodes, or run the round on "
         "the fleet (LocalFleet, RemoteFleet), whose secure sums have no such limit")
@@ -64,8 +62,17 @@ def tops(agg) -> list:
     return aggregation.secure_bounds(agg.kind, agg.bound, len(agg.leaf_types[0]))
 
 
+def _named_kind(agg) -> str:
+    """The name of a secure sum's intrinsic, as messages give it."""
+    from fax_bridge.runtime.aggregation import secure_sum_words
+
+    return secure_sum_words(agg.kind)[0]
+
+
 def _named(agg, top: int) -> str:
-    what, name = _WHAT[agg.kind]
+    from fax_bridge.runtime.aggregation import secure_sum_words
+
+    what, name = secure_sum_words(agg.kind)
     return f"{what} ({name} {int(np.asarray(agg.bound).max())}, each client's value <= {top})"
 
 
@@ -89,7 +96,7 @@ def choose(secure: Sequence, counts: Sequence[int]) -> Quantization:
     n = len(counts)
     if n < MIN_NODES:
         raise FleetError(
-            f"the round's secure sums ({', '.join(_WHAT[a.kind][0] for a in secure)}) run "
+            f"the round's secure sums ({', '.join(_named_kind(a) for a in secure)}) run "
             f"through Flower's SecAgg+, which needs at least {MIN_NODES} SuperNodes holding "
             f"clients of the round; {n} answered. Start more SuperNodes (min-nodes), lower "
             "the dropout or raise the wait, or run the round on the fleet")
@@ -155,11 +162,11 @@ def totals_of(secure: Sequence, totals: Sequence[np.ndarray], clients: int,
             i += 1
             if total.shape != shape:
                 raise FleetError(f"{where}: SecAgg+ gave a tensor of shape "
-                                 f"{list(total.shape)} for {_WHAT[agg.kind][0]}'s "
+                                 f"{list(total.shape)} for {_named_kind(agg)}'s "
                                  f"{list(shape)}")
             if total.size and (int(total.min()) < 0 or int(total.max()) > clients * top):
                 raise FleetError(
-                    f"{where}: the SecAgg+ total of {_WHAT[agg.kind][0]} lies in "
+                    f"{where}: the SecAgg+ total of {_named_kind(agg)} lies in "
                     f"{int(total.min())}..{int(total.max())}, outside what {clients} clients "
                     f"within the bound can give (0..{clients * top}): a node gave a partial "
                     "out of range")

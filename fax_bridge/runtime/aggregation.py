@@ -106,6 +106,14 @@ _SECURE = {
 }
 
 
+def secure_sum_words(kind: str) -> tuple[str, str]:
+    """(the intrinsic's name, its bound's name) of a secure sum kind, as messages name
+    them: ("federated_secure_sum_bitwidth", "bitwidth") or ("federated_secure_sum",
+    "max_input")."""
+    spec = _SECURE[kind]
+    return spec.what, spec.name
+
+
 def secure_bounds(kind: str, bound: Optional[LocalValue], count: int) -> list[int]:
     """The largest value one client may give each of a value's `count` tensors in a
     secure sum of `kind` (2**bitwidth - 1, or max_input); AggregationError unless the
