@@ -38,9 +38,12 @@ to SERVER values transposes it to `federated_broadcast`: the gradient program us
 federated primitives, and its forward pass still aggregates through the secure path.
 
 Exported: the integer sums as TFF's intrinsics with the bound as a literal; the secure
-mean as `federated_map` (clip, quantize) -> `federated_secure_sum_bitwidth` ->
-`federated_apply` (dequantize). On a fleet each device returns the partial sum of its
-own clients only.
+mean as `federated_map` (clip, quantize) -> `federated_secure_sum_bitwidth`, beside a
+`federated_sum` of ones counting the clients whose codes were summed, -> `federated_apply`
+(dequantize by that count). So a fleet or Flower round over a cohort, or one that lost
+a client, averages the clients that took part; under jit every client does and the
+count is the program's. On a fleet each device returns the partial sums of its own
+clients only.
 """
 
 from __future__ import annotations
@@ -227,10 +230,12 @@ def quantize(x, key, lo: float, hi: float, bits: int):
     return jnp.clip(jnp.floor(y + u), 0, top).astype(jnp.int32)
 
 
-def dequantize(total, clients: int, lo: float, hi: float, bits: int, dtype):
-    """The mean of `clients` clients' values from the sum of their codes."""
+def dequantize(total, clients, lo: float, hi: float, bits: int, dtype):
+    """The mean of `clients` clients' values from the sum of their codes (`clients` an
+    int, or an integer scalar counted where the codes were summed)."""
     scale = jnp.float32((2 ** bits - 1) / (hi - lo))
-    return (jnp.float32(lo) + total.astype(jnp.float32) / (scale * clients)).astype(dtype)
+    count = jnp.asarray(clients).astype(jnp.float32)
+    return (jnp.float32(lo) + total.astype(jnp.float32) / (scale * count)).astype(dtype)
 
 
 def _secure_mean_abstract_eval(x, keys, *, clients, axis, mesh, lo, hi, bits):
@@ -341,7 +346,7 @@ def _export_int_sum(ex, eqns: list) -> None:
 def _export_secure_mean(ex, eqns: list) -> None:
     (eqn,) = eqns  # batched alone
     p = eqn.params
-    lo, hi, bits, n = p["lo"], p["hi"], p["bits"], p["clients"]
+    lo, hi, bits = p["lo"], p["hi"], p["bits"]
     x, keys = eqn.invars
     expr, member = ex.gather([x, keys], Placement.CLIENTS, eqn)
     dtype = x.aval.dtype
@@ -352,10 +357,19 @@ def _export_secure_mean(ex, eqns: list) -> None:
     code_type = codes.type_signature.member
     total = _intrinsic_call(intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH.uri, codes, code_type,
                             np.int32(bits))
+    # The divisor is counted with the codes (a plain sum of ones: how many clients took
+    # part is no secret from the server), not the program's client count: with a cohort,
+    # or a client lost, the mean is over the clients whose codes were summed.
+    one = bb.CompiledComputation(tff_xla.xla_computation(
+        lambda xk: jnp.ones((), jnp.int32), member), name=f"one_{name}")
+    count = factory.create_federated_sum(factory.create_federated_map(one, expr))
     code_aval = core.ShapedArray(member[0].shape, np.int32)
+    count_aval = core.ShapedArray((), np.int32)
     deq = bb.CompiledComputation(tff_xla.xla_computation(
-        lambda t: dequantize(t, n, lo, hi, bits, dtype), code_aval), name=f"dequantize_{name}")
-    mean = factory.create_federated_apply(deq, total)
+        lambda tc: dequantize(tc[0], tc[1], lo, hi, bits, dtype), (code_aval, count_aval)),
+        name=f"dequantize_{name}")
+    mean = factory.create_federated_apply(
+        deq, factory.create_federated_zip(bb.Struct([total, count])))
     ex.hold(mean, Placement.SERVER, member[0], [eqn.outvars[0]])
 
 

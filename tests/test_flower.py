@@ -409,16 +409,15 @@ def _jit_secure(prog, args, rounds: int):
 def _assert_secure_result(got, made, args, rounds: int, clients=None) -> None:
     """The fleet plan's bits (its secure sums summed exactly in process), and jit's
     secure sums and secure mean exactly (its plain float mean to rounding, as the
-    fleet), over all clients or those of `clients` (then not the secure mean: its
-    export divides by the program's clients, where jit divides by those it has)."""
+    fleet), over all clients or those of `clients` (the secure mean too: it divides by
+    the clients whose codes were summed)."""
     assert _bits(got, made) == _bits(_expected(made, args, rounds, clients), made)
     ids = np.arange(N) if clients is None else np.asarray(list(clients))
     prog = fb.program(clients=len(ids))(_secure_round)
     data = jax.tree_util.tree_map(lambda v: v[ids], args[1])
     state, (*secure, loss) = _jit_secure(prog, (args[0], data), rounds)
     tree = values.to_pytree(got, made.prepared.result)
-    exact = 4 if clients is None else 3
-    for g, w in zip(jax.tree_util.tree_leaves(tree[1][:exact]), secure[:exact]):
+    for g, w in zip(jax.tree_util.tree_leaves(tree[1][:4]), secure[:4]):
         assert g.dtype == w.dtype and g.tobytes() == np.asarray(w).tobytes()
     np.testing.assert_allclose(tree[1][4], loss, rtol=1e-6)
     assert float(tree[0]) == float(state)
@@ -453,8 +452,8 @@ def test_secure_sums_go_through_secaggplus_with_jits_exact_sums(
         _assert_secure_result(got, made, args, 2)
         round_answers = [a for a in answers if records.PARTIALS in a.content]
         assert len(round_answers) == 2 * len(blocks)
-        for answer in round_answers:  # only the plain mean's partial crosses
-            assert answer.content[records.LAYOUT]["aggregations"] == 1
+        for answer in round_answers:  # only the plain mean's and the count's partials
+            assert answer.content[records.LAYOUT]["aggregations"] == 2
             assert not [k for k in answer.content[records.PARTIALS].keys()
                         if k.startswith(relay.KEPT)]
         masked = [a for a in answers if "fitres.parameters" in a.content.array_records]

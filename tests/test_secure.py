@@ -130,6 +130,30 @@ def test_secure_mean_error_bound():
     assert np.abs(np.asarray(batched)[:, 0] - x[:, :3].mean(0)).max() <= step * 1.0001
 
 
+def _secure_round_of(clients: int):
+    @fb.program(clients=clients)
+    def secure_round_n(w, data, keys):
+        v = fb.federated_map_clients(lambda w, d: w * d, (fb.federated_broadcast(w), data))
+        return fb.federated_secure_mean(v, keys, value_range=(-4.0, 4.0), bits=16)
+    return secure_round_n
+
+
+@settings(max_examples=6, deadline=None)
+@given(taking=st.integers(1, 6), seed=st.integers(0, 3))
+def test_an_exported_secure_mean_averages_the_clients_that_took_part(taking, seed):
+    """Exported for 6 clients and run over fewer (a cohort, a lost client), the secure
+    mean divides by the clients whose codes were summed, bit for bit as jit's program
+    written for that many; it never divides by the 6 the program was exported with."""
+    n = 6
+    data = np.random.default_rng(seed).uniform(-2, 2, (n, 2)).astype(np.float32)
+    keys = _keys(n, seed)
+    proto = fb.export_tff(_secure_round_of(n), W, data, keys,
+                          placements=("server", "clients", "clients"))
+    got = run_computation(proto, W, data[:taking], keys[:taking])
+    want = jax.jit(_secure_round_of(taking))(W, data[:taking], keys[:taking])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_gradient_of_a_secure_mean_uses_only_federated_primitives():
     def loss(w, data, keys):
         return jnp.sum(secure_round(w, data, keys) ** 2)
