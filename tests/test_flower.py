@@ -762,7 +762,7 @@ def test_a_deployment_sums_secure_sums_through_secaggplus(tmp_path, secure_app, 
     want = _expected(made, args, 1)
     assert _npz_bits(f"{out}/result.npz") == _bits(want, made)
     _assert_secure_result(want, made, args, 1)
-    assert "Secure aggregation completed" in run.stdout
+    assert "round 0 (SecAgg+): summed the secure sums of nodes [" in run.stdout
 
 
 def _trains(deployment, node: int) -> int:

@@ -379,5 +379,11 @@ def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
         raise FleetError(f"{where}: SecAgg+ summed the vectors of nodes "
                          f"{sorted(contributors)}, not of the nodes left in the round "
                          f"{[node.node_id for node, _ in live]}; {_LOSS_FIX}")
+    from logging import INFO
+
+    from flwr.supercore import log as flwr_log
+
+    flwr_log(INFO, f"fax_bridge: {where}: summed the secure sums of nodes "
+                   f"{sorted(contributors)}")
     totals = recover(strategy.vector, quant, len(contributors))
     return totals_of(secure, totals, sum(len(mine) for _, mine in live), where)
