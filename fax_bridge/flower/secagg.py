@@ -307,25 +307,21 @@ def _lose(live: list, link: _Exchange, stage: str, shares: int, started: int, wh
 
     kept = stage == STAGES[-1]
     by_id = {node.node_id: (node, mine) for node, mine in live}
-    lost = []
+    named, lost = [], []
     for node_id, why in sorted(link.lost.items()):
         node, mine = by_id[node_id]
-        if kept:
-            lost.append(LostHolder(
-                f"{node.name}: lost during SecAgg+'s unmask stage ({why}) after its masked "
-                "vector was summed, so its clients stay in the round",
-                np.zeros(0, np.int64)))
-        else:
-            lost.append(LostHolder(f"{node.name}: lost during SecAgg+'s {stage} stage "
-                                   f"({why})", mine, answer=index[node_id]))
+        named.append(f"{node.name}: lost during SecAgg+'s {stage} stage ({why})")
+        lost.append(LostHolder(named[-1] + ", after its masked vector was summed: its "
+                               "clients stay in the round", np.zeros(0, np.int64))
+                    if kept else LostHolder(named[-1], mine, answer=index[node_id]))
     left = link.sent - len(lost)
     if left < shares:
         problem = (
-            f"{where}: lost {'; '.join(h.where for h in lost)}; {left} nodes are left, "
-            f"below SecAgg+'s reconstruction threshold of {shares} shares (run config "
-            f"secagg-threshold, of the {started} nodes that started SecAgg+); "
-            f"{_LOSS_FIX}, or lower secagg-threshold (fewer nodes then suffice to "
-            "unmask a node)")
+            f"{where}: lost {'; '.join(named)}; only {left} of the {link.sent} nodes "
+            f"asked answered that stage, fewer than SecAgg+'s reconstruction threshold of "
+            f"{shares} shares (run config secagg-threshold, of the {started} nodes that "
+            f"started SecAgg+); {_LOSS_FIX}, or lower secagg-threshold (fewer nodes then "
+            "suffice to unmask a node)")
         try:
             drop(lost)
         except FleetError as e:
