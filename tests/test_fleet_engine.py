@@ -165,24 +165,32 @@ class _SecureHolders(_Holders):
     partials back for a secure phase of the transport's own (`Answers.secure`), which
     sums them over the holders that answered; `events` records what ran when."""
 
-    def __init__(self, arg, cuts, lost=(), events=None):
+    def __init__(self, arg, cuts, lost=(), events=None, lost_in_phase=()):
         super().__init__(arg, cuts, lost)
         self.events = events if events is not None else []
+        self.lost_in_phase = set(lost_in_phase)
 
     def run_clients(self, split, sent):
         out, kept = engine.Answers([]), []
         for h, block, found in self.answering(split, sent, out):
-            kept.append([p for p, a in zip(found, split.aggregations) if a.secure])
+            kept.append((h, block, [p for p, a in zip(found, split.aggregations)
+                                    if a.secure]))
             out.answered.append(engine.HolderAnswer(f"holder {h}", len(block), [
                 partials.to_message(p) for p, a in zip(found, split.aggregations)
                 if not a.secure]))
 
-        def secure() -> dict:
-            self.events.append(("secure", len(kept)))
+        def secure(drop) -> dict:
+            gone = [engine.LostHolder(f"holder {h} (in the secure phase)",
+                                      np.arange(block.start, block.stop), answer=i)
+                    for i, (h, block, _) in enumerate(kept) if h in self.lost_in_phase]
+            if gone:
+                drop(gone)
+            summed = [k for k in kept if k[0] not in self.lost_in_phase]
+            self.events.append(("secure", len(summed)))
             got = {}
             for i, agg in enumerate(a for a in split.aggregations if a.secure):
                 total = aggregation.Partial(kind=agg.kind, leaves=[])
-                for holder in kept:
+                for _, _, holder in summed:
                     aggregation.merge(total, holder[i])
                 got[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
             return got
@@ -222,3 +230,37 @@ def test_a_transports_secure_phase_runs_after_the_lost_are_dropped(seed, cut, lo
         engine.run_round(SECURE_SPLIT, arg, _SecureHolders(arg, [cut], [1], events),
                          on_lost=refuse)
     assert events == []  # the policy refused: no secure phase over a failed round
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), cuts=st.sets(st.integers(1, N - 1), min_size=2,
+                                                 max_size=4), data=st.data())
+def test_holders_the_secure_phase_loses_leave_every_aggregation_of_the_round(
+        seed, cuts, data):
+    """A holder lost in the secure phase, after its answer was checked, goes through
+    the policy; its plain partials are left out too, so the round has the in-process
+    bits over the holders left; the policy can still fail the round."""
+    arg, events, cuts = _arg(seed), [], sorted(cuts)
+    blocks = list(zip([0, *cuts], [*cuts, N]))
+    gone = data.draw(st.sets(st.integers(0, len(blocks) - 1), min_size=1,
+                             max_size=len(blocks) - 1))
+    transport = _SecureHolders(arg, cuts, events=events, lost_in_phase=gone)
+    reports: list = []
+    rep = engine.open_round(RoundPolicy(), N, 0, reports, devices=len(blocks))
+    got = engine.run_round(SECURE_SPLIT, arg, transport, SECURE_PREPARED.result,
+                           on_lost=lambda lost, answered: (
+                               events.append(("lost", answered)),
+                               engine.drop_lost(rep, RoundPolicy(), lost, "fix it")))
+    survivors = [c for h, (a, b) in enumerate(blocks) if h not in gone
+                 for c in range(a, b)]
+    want = engine.run_in_process(SECURE_SPLIT, _arg(seed, survivors))
+    assert _bits(got) == _bits(want)
+    assert events == [("lost", len(blocks) - len(gone)), ("secure", len(blocks) - len(gone))]
+    assert list(rep.participants) == survivors
+    assert rep.lost_devices == [f"holder {h} (in the secure phase)" for h in sorted(gone)]
+    rep = engine.open_round(RoundPolicy(min_clients=N), N, 1, reports, len(blocks))
+    with pytest.raises(FleetError, match=r"round 1: lost holder .*in the secure phase.*"
+                                         r"min_clients=7; fix it"):
+        engine.run_round(SECURE_SPLIT, arg, _SecureHolders(arg, cuts, lost_in_phase=gone),
+                         on_lost=lambda lost, answered: engine.drop_lost(
+                             rep, RoundPolicy(min_clients=N), lost, "fix it"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 from federated_language.common_libs import structure
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge import cli
@@ -28,7 +29,8 @@ from fax_bridge.fleet import engine, partials, validate
 from fax_bridge.runtime import aggregation, npz_keys, values
 
 flwr = pytest.importorskip("flwr")
-from flwr.app import Context, RecordDict  # noqa: E402
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.common.secure_aggregation.secaggplus_constants import Stage  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
@@ -110,10 +112,25 @@ def app(tmp_path_factory, quickstart):
 
 class LocalGrid(Grid):
     """A Grid that hands each message to a ClientApp in this process; `silent` nodes
-    answer a query but never a round (a node killed after the run started)."""
+    answer a query but never a round (a node killed after the run started); `lose_at`
+    {node: (SecAgg+ stage, "silent" or "error")}: a node that answers nothing, or an
+    error, from that stage of SecAgg+ on (lost after it answered the round)."""
 
-    def __init__(self, apps: dict, silent=()):
+    def __init__(self, apps: dict, silent=(), lose_at=None):
         self.apps, self.silent, self.replies = apps, set(silent), {}
+        self.lose_at = dict(lose_at or {})
+
+    def lost(self, message) -> str | None:
+        """How the destination of `message` fails it (None: it answers)."""
+        if message.metadata.dst_node_id in self.silent:
+            return "silent" if message.metadata.message_type != "query" else None
+        if (message.metadata.dst_node_id not in self.lose_at
+                or relay.SECAGG_CONFIGS not in message.content.config_records):
+            return None
+        stage, how = self.lose_at[message.metadata.dst_node_id]
+        order = list(Stage.all())
+        at = message.content.config_records[relay.SECAGG_CONFIGS]["stage"]
+        return how if order.index(at) >= order.index(stage) else None
 
     def set_run(self, run) -> None:
         pass
@@ -136,10 +153,13 @@ class LocalGrid(Grid):
         for message in messages:
             message_id = uuid.uuid4().hex
             message.metadata.__dict__["_message_id"] = message_id
-            node = message.metadata.dst_node_id
-            if node not in self.silent or message.metadata.message_type == "query":
+            node, how = message.metadata.dst_node_id, self.lost(message)
+            if how is None:
                 clientapp, context = self.apps[node]  # a copy, as a node receives one
                 self.replies[message_id] = clientapp(copy.deepcopy(message), context)
+            elif how == "error":
+                self.replies[message_id] = Message(
+                    Error(code=0, reason="the ClientApp failed"), reply_to=message)
             ids.append(message_id)
         return ids
 
@@ -150,13 +170,14 @@ class LocalGrid(Grid):
         raise AssertionError("the ServerApp pushes and pulls itself (`nodes.exchange`)")
 
 
-def _grid(app_folder: str, configs: list, silent=()) -> LocalGrid:
+def _grid(app_folder: str, configs: list, silent=(), lose_at=None) -> LocalGrid:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     clientapp = relay.client_app(os.path.join(app_folder, app_dir.PACKAGE), lambda: client)
     apps = {100 + k: (clientapp, Context(run_id=1, node_id=100 + k, node_config=c,
                                          state=RecordDict(), run_config={}))
             for k, c in enumerate(configs)}
-    return LocalGrid(apps, silent={100 + k for k in silent})
+    return LocalGrid(apps, silent={100 + k for k in silent},
+                     lose_at={100 + k: v for k, v in (lose_at or {}).items()})
 
 
 def _expected(made, args, rounds: int, clients=None, state=None):
@@ -487,6 +508,112 @@ def test_secure_sums_go_through_secaggplus_with_jits_exact_sums(
                           {"num-rounds": 1}, bundle_dir, log=lambda text: None)
 
 
+THREE = [(0, 2), (2, 5), (5, 6)]  # the clients of three SuperNodes, 100 to 102
+STAGE_WORDS = dict(zip(Stage.all(), ("setup", "share keys", "collect masked vectors",
+                                     "unmask")))
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory, secure_app):
+    _, (_, data), _, _ = secure_app
+    root = tmp_path_factory.mktemp("three_nodes")
+    configs = []
+    for k, (a, b) in enumerate(THREE):
+        write_population(str(root / f"node-{k}"),
+                         [{"x": data["x"][i], "y": data["y"][i]} for i in range(a, b)])
+        configs.append({"population": str(root / f"node-{k}"), "first-client": a})
+    return configs, str(root / "out")
+
+
+def _secagg_outcome(losses: dict, shares: int, min_clients: int) -> tuple:
+    """What a round over THREE's nodes should give when each node of `losses` {node:
+    (stage, how)} is lost from that SecAgg+ stage on: (the clients left, None) or
+    (None, (the condition not met, the nodes lost then, the stage))."""
+    live = set(range(len(THREE)))
+    for stage in Stage.all():
+        gone = sorted(k for k, (at, _) in losses.items() if at == stage and k in live)
+        if not gone:
+            continue
+        if len(live) - len(gone) < shares:
+            return None, ("threshold", gone, stage)
+        if stage != "unmask":  # lost in unmask: its vector is in the sum, it stays
+            live -= set(gone)
+            if sum(THREE[k][1] - THREE[k][0] for k in live) < min_clients:
+                return None, ("min_clients", gone, stage)
+    return [c for k in sorted(live) for c in range(*THREE[k])], None
+
+
+def _node_name(k: int) -> str:
+    return f"node {100 + k} (clients {THREE[k][0]}..{THREE[k][1] - 1})"
+
+
+_LOSSES = st.dictionaries(st.integers(0, len(THREE) - 1),
+                          st.tuples(st.sampled_from(Stage.all()),
+                                    st.sampled_from(["silent", "error"])),
+                          min_size=1, max_size=2)
+
+
+@settings(max_examples=6, deadline=None)
+@given(losses=_LOSSES, threshold=st.sampled_from([0.0, 1.0]),
+       min_clients=st.sampled_from([1, 5]))
+@example(losses={1: ("setup", "silent")}, threshold=0.0, min_clients=1)
+@example(losses={2: ("share_keys", "error")}, threshold=0.0, min_clients=1)
+@example(losses={0: ("collect_masked_vectors", "silent")}, threshold=0.0, min_clients=1)
+@example(losses={1: ("unmask", "silent")}, threshold=0.0, min_clients=6)
+@example(losses={1: ("share_keys", "silent")}, threshold=1.0, min_clients=1)
+@example(losses={0: ("collect_masked_vectors", "error")}, threshold=0.0, min_clients=5)
+@example(losses={0: ("setup", "silent"), 2: ("unmask", "error")}, threshold=0.0,
+         min_clients=1)
+def test_a_node_lost_during_secaggplus_is_dropped_or_named_with_the_unmet_condition(
+        secure_app, three_nodes, losses, threshold, min_clients):
+    """Three SuperNodes (SecAgg+'s threshold: 2 of them by default, all 3 with
+    secagg-threshold=1); each node of `losses` stops answering, or answers an error,
+    from a SecAgg+ stage on. Lost before its masked vector is summed, a node is dropped
+    with its clients and the round has the fleet plan's bits and jit's exact secure sums
+    over the others (its plain partials left out too); lost in the unmask stage, its
+    vector is in the sum and its clients stay. Too few nodes for the threshold, or too
+    few clients for min-clients, fail the round naming the nodes, the stage and the
+    condition."""
+    prog, args, made, folder = secure_app
+    configs, out = three_nodes
+    config = {"num-rounds": 1, "node-timeout-s": 0.2, "first-round-timeout-s": 0.0,
+              "secagg-threshold": threshold, "min-clients": min_clients, "out-dir": out}
+    shares = 2 if threshold == 0.0 else 3
+    left, failure = _secagg_outcome(losses, shares, min_clients)
+    grid = _grid(folder, configs, lose_at=losses)
+
+    def run():
+        return server.run_server(grid, config, os.path.join(folder, app_dir.PACKAGE),
+                                 log=lambda text: None)
+
+    if failure is not None:
+        condition, gone, stage = failure
+        named = ".*".join(f"{re.escape(_node_name(k))}: lost during SecAgg\\+'s "
+                          f"{STAGE_WORDS[stage]} stage" for k in gone)
+        unmet = (f"reconstruction threshold of {shares} shares" if condition == "threshold"
+                 else f"min_clients={min_clients}")
+        with pytest.raises(FleetError, match=f"{named}.*{unmet}"):
+            run()
+        rep = _reports(out)[0]
+        assert unmet in rep["error"] and all(_node_name(k) in rep["error"] for k in gone)
+        return
+    got = run()
+    _assert_secure_result(got, made, args, 1,
+                          clients=None if len(left) == N else left)
+    rep = _reports(out)[0]
+    assert rep["error"] is None and rep["participants"] == left
+    assert rep["lost_clients"] == [c for c in range(N) if c not in left]
+    order = sorted(losses, key=lambda k: (Stage.all().index(losses[k][0]), k))
+    assert len(rep["lost_devices"]) == len(order)
+    for k, lost in zip(order, rep["lost_devices"]):
+        stage, how = losses[k]
+        assert lost.startswith(f"{_node_name(k)}: lost during SecAgg+'s "
+                               f"{STAGE_WORDS[stage]} stage (")
+        assert ("no answer within 0.2s" if how == "silent" else "the ClientApp failed") \
+            in lost
+        assert ("its clients stay in the round" in lost) == (stage == "unmask")
+
+
 # ---------------------------------------------------------------------- command
 
 
@@ -634,7 +761,7 @@ def test_a_deployment_sums_secure_sums_through_secaggplus(tmp_path, secure_app, 
     want = _expected(made, args, 1)
     assert _npz_bits(f"{out}/result.npz") == _bits(want, made)
     _assert_secure_result(want, made, args, 1)
-    assert "Secure aggregation completed" in run.stdout
+    assert "round 0 (SecAgg+): summed the secure sums of nodes [" in run.stdout
 
 
 def _trains(deployment, node: int) -> int:

@@ -162,3 +162,14 @@ def test_check_build_refuses_exactly_what_no_split_of_the_clients_can_carry(
         per = -(-max(clients, 2) // nodes)
         if nodes * per * top < secagg.MOD_RANGE:
             secagg.choose(split.aggregations[:1], [per] * nodes)
+
+
+def test_the_reconstruction_threshold_is_a_majority_or_the_fraction_asked():
+    assert [secagg.shares_needed(0.0, n) for n in range(2, 8)] == [2, 2, 3, 3, 4, 4]
+    assert [secagg.shares_needed(0.6, n) for n in range(2, 8)] == [2, 2, 3, 3, 4, 5]
+    assert [secagg.shares_needed(1.0, n) for n in range(2, 8)] == list(range(2, 8))
+    assert secagg.shares_needed(0.1, 10) == 2  # SecAgg+ never reconstructs from one
+    for wrong in (-0.1, 1.5):
+        with pytest.raises(FleetError, match=f"secagg-threshold={wrong} is not a "
+                                             r"fraction of the nodes in \[0, 1\]"):
+            secagg.shares_needed(wrong, 3)

@@ -13,7 +13,10 @@ A round by split always runs the same way, wherever its clients live:
   secure sums      where the transport sums the split's secure sums itself (Flower's
                    SecAgg+: `Answers.secure`), the answers carry partials of the other
                    aggregations only, and their totals come from that phase, run over
-                   the holders that answered once the lost ones are dropped;
+                   the holders that answered once the lost ones are dropped; a holder
+                   the phase loses before it contributes is dropped by the same policy,
+                   its partials left out of every aggregation, so the whole round is
+                   over the holders left;
   server result    `server_steps.result`, checked against the computation's type.
 
 `check_and_merge` is the one loop that checks and merges holders' partials; the phase
@@ -58,22 +61,29 @@ class HolderAnswer:
 
 @dataclasses.dataclass
 class LostHolder:
-    """A holder that did not answer: its name (and why), and the clients it held."""
+    """A holder that did not answer: its name (and why), and the clients it held (that
+    the round goes on without). `answer`: for a holder a secure phase loses after it
+    answered, the index of its answer in `Answers.answered`, whose partials then leave
+    the round too (None: it had not answered, or its answer stays in the round)."""
 
     where: str
     clients: np.ndarray
+    answer: Optional[int] = None
 
 
 @dataclasses.dataclass
 class Answers:
     """What a transport brings back: the answers in client order, and the lost holders.
     `secure`: where the transport sums the split's secure sums in a phase of its own,
-    that phase (returning {aggregation local: its total}); the answers then hold
-    partials of the other aggregations only (`plain_aggregations`)."""
+    that phase, called with `drop` and returning {aggregation local: its total}; the
+    answers then hold partials of the other aggregations only (`plain_aggregations`).
+    The phase calls `drop(lost)` with the `LostHolder`s it loses (each naming its
+    answer) before it goes on without them; `drop` raises when the round's policy
+    fails the round."""
 
     answered: list
     lost: list = dataclasses.field(default_factory=list)
-    secure: Optional[Callable[[], dict]] = None
+    secure: Optional[Callable[[Callable[[list], None]], dict]] = None
 
 
 class Transport(Protocol):
@@ -104,28 +114,45 @@ def check_and_merge(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
     `answers`, which are in client order. `checks`: per aggregation, (kind, its value's
     leaf types, its weight's leaf types, the secure sum's tops or None). Every answer is
     checked before any is merged."""
-    totals = [aggregation.Partial(kind=c[0], leaves=[]) for c in checks]
-    found, pending = [], []
+    return merge_checked(checks, check_answers(checks, answers, reject_nonfinite,
+                                               traffic))
+
+
+def check_answers(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
+                  reject_nonfinite: bool = False,
+                  traffic: Optional[Traffic] = None) -> list:
+    """Each answer's partials (`aggregation.Partial`, one per entry of `checks`), every
+    one checked (`check_and_merge`), in the answers' order; nothing is merged."""
+    out, pending = [], []
     for answer in answers:
         if len(answer.partials) != len(checks):
             raise FleetError(f"{answer.where}: {len(answer.partials)} partials for "
                              f"{len(checks)} aggregations")
         if traffic is not None:
             traffic.compute_seconds += answer.compute_s
-        for total, (kind, value_types, weight_types, tops), message in zip(
-                totals, checks, answer.partials):
+        found = []
+        for (kind, value_types, weight_types, tops), message in zip(checks,
+                                                                     answer.partials):
             if isinstance(message, aggregation.Partial):
-                found.append((total, message))  # computed in this process
+                found.append(message)  # computed in this process
                 continue
             partial, payload = validate.check_partial(
                 message, kind, value_types, weight_types, answer.num_clients, answer.where,
                 reject_nonfinite, tops, pending=pending)
             if traffic is not None:
                 traffic.payload_up += payload
-            found.append((total, partial))
+            found.append(partial)
+        out.append(found)
     validate.check_pending(pending)
-    for total, partial in found:  # in client order
-        aggregation.merge(total, partial)
+    return out
+
+
+def merge_checked(checks: Sequence[tuple], checked: Sequence[list]) -> list:
+    """The totals of answers' partials checked by `check_answers`, merged in order."""
+    totals = [aggregation.Partial(kind=c[0], leaves=[]) for c in checks]
+    for found in checked:  # in client order
+        for total, partial in zip(totals, found):
+            aggregation.merge(total, partial)
     return totals
 
 
@@ -145,27 +172,37 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
               on_lost: Optional[Callable[[list, int], None]] = None) -> Any:
     """One round of `split` (module docstring); `arg` is the parameter's runtime value
     (its CLIENTS elements are the transport's business). `on_lost(lost, answered)` is
-    called with the lost holders (and how many answered) after every answer is checked;
-    it raises to fail the round, else the round finishes without those clients. Without
-    it, a lost holder fails the round. The result is checked against `result_type` when
-    given. Where the answers come with a secure phase (`Answers.secure`), only the
-    other aggregations are merged here, and the phase runs after `on_lost`, over the
-    holders that answered."""
+    called with the lost holders (and how many answered and are still in the round)
+    after every answer is checked; it raises to fail the round, else the round finishes
+    without those clients. Without it, a lost holder fails the round. The result is
+    checked against `result_type` when given. Where the answers come with a secure
+    phase (`Answers.secure`), the phase runs after `on_lost`, over the holders that
+    answered; the holders it loses go through `on_lost` too and their answers are left
+    out, and only then are the other aggregations merged."""
     n = transport.num_clients
     env = server_steps.prepare(split, arg, transport.backend, n)
     sent = structure.Struct([(None, env[name]) for name in split.broadcasts])
     answers = transport.run_clients(split, sent)
     merged = split.aggregations if answers.secure is None else plain_aggregations(split)
-    totals = check_and_merge(split_checks(merged), answers.answered,
-                             transport.reject_nonfinite, transport.traffic)
-    if answers.lost:
+    checks = split_checks(merged)
+    checked = check_answers(checks, answers.answered, transport.reject_nonfinite,
+                            transport.traffic)
+    out: set = set()  # answers the secure phase left out
+
+    def drop(lost: list) -> None:
+        nonlocal n
         if on_lost is None:
             raise FleetError("holders of the round's clients did not answer: "
-                             + "; ".join(h.where for h in answers.lost))
-        on_lost(answers.lost, len(answers.answered))
-        n -= sum(len(h.clients) for h in answers.lost)
+                             + "; ".join(h.where for h in lost))
+        out.update(h.answer for h in lost if h.answer is not None)
+        on_lost(lost, len(answers.answered) - len(out))
+        n -= sum(len(h.clients) for h in lost)
+
+    if answers.lost:
+        drop(answers.lost)
     if answers.secure is not None:
-        env.update(answers.secure())
+        env.update(answers.secure(drop))
+    totals = merge_checked(checks, [c for i, c in enumerate(checked) if i not in out])
     for agg, total in zip(merged, totals):
         env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
     result = server_steps.result(split, env, transport.backend, n)

@@ -28,6 +28,7 @@ DEFAULT_CONFIG = {
     "round-deadline-s": 0.0, "node-timeout-s": 120.0, "first-round-timeout-s": 300.0,
     "min-nodes": 1,
     "wait-nodes-s": 60.0, "poll-s": 0.05, "out-dir": "", "checkpoint-dir": "",
+    "secagg-threshold": 0.0,
 }
 
 _SERVER = '''"""The ServerApp of this round (written by `fax-bridge flower`)."""
@@ -137,7 +138,9 @@ client), dropout, seed, min-clients, round-deadline-s (0: none; else how long a 
 waits for the nodes), node-timeout-s (the wait without a deadline),
 first-round-timeout-s (the least the first round waits: nodes start then), min-nodes and
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
-out-dir (reports.json, result.npz) and checkpoint-dir (resume after a crash).
+out-dir (reports.json, result.npz), checkpoint-dir (resume after a crash) and
+secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
+unmask a lost one; 0: a strict majority).
 
 Warm SuperNodes: Flower starts a process per message, so a node computing in it loads
 jax and compiles the round's client part every round. Start a worker beside each node

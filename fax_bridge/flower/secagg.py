@@ -8,12 +8,14 @@ integer partial of each (the sum over its clients, in the values' dtype) with th
 round's other partials, answers the `train` message with the others only and keeps
 the secure ones in its run state (`relay`). Once the round engine has dropped the
 nodes that did not answer (`fleet.engine`), the ServerApp runs Flower's
-`SecAggPlusWorkflow` over the nodes that answered (`aggregate`, the secure phase of
-`flower.transport`): a small strategy
-whose `configure_fit` names those nodes and whose `aggregate_fit` keeps the vector
-SecAgg+ reconstructs; each node's ClientApp answers the masked stage through
-`secaggplus_mod` with its kept partials. No node's partial of a secure sum reaches
-the ServerApp, only their total.
+`SecAggPlusWorkflow` stage by stage over the nodes that answered (`aggregate`, the
+secure phase of `flower.transport`): a small strategy whose `configure_fit` names
+those nodes and whose `aggregate_fit` keeps the vector SecAgg+ reconstructs; each
+node's ClientApp answers the masked stage through `secaggplus_mod` with its kept
+partials. No node's partial of a secure sum reaches the ServerApp, only their total.
+A node lost during the stages is dropped through the engine's policy while enough
+nodes are left to reconstruct (`shares_needed`), and the totals are over the nodes
+whose vectors were summed (`aggregate`).
 
 SecAgg+ (flwr 1.42) computes, for n nodes with weight `num_examples` each,
 `clipping_range` C, `quantization_range` L and `modulus_range` M:
@@ -35,6 +37,7 @@ app-build time a secure sum no split of the program's clients over nodes can car
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import numpy as np
@@ -180,27 +183,51 @@ def totals_of(secure: Sequence, totals: Sequence[np.ndarray], clients: int,
 
 # ------------------------------------------------------------------- server phase
 
+STAGES = ("setup", "share keys", "collect masked vectors", "unmask")  # SecAgg+'s, in order
+_LOSS_FIX = ("restart the nodes or raise the wait (node-timeout-s, round-deadline-s)")
+
+
+def checked_threshold(fraction: float) -> float:
+    """`fraction` (run config `secagg-threshold`) when it lies in [0, 1], else FleetError."""
+    if not 0.0 <= fraction <= 1.0:
+        raise FleetError(f"run config secagg-threshold={fraction} is not a fraction of the "
+                         "nodes in [0, 1]; give 0 (a strict majority, the default) or a "
+                         "fraction such as 0.75 (1: every node, no loss tolerated)")
+    return fraction
+
+
+def shares_needed(fraction: float, nodes: int) -> int:
+    """SecAgg+'s reconstruction threshold for a round whose SecAgg+ starts on `nodes`
+    nodes (every node holds a share of every node's secrets): `fraction` of them rounded
+    up, 0 meaning a strict majority (nodes // 2 + 1), at least 2 and at most `nodes`.
+    That many nodes' shares reconstruct a lost node's masks; fewer survivors fail the
+    round."""
+    fraction = checked_threshold(fraction)
+    wanted = nodes // 2 + 1 if fraction == 0.0 else math.ceil(fraction * nodes - 1e-9)
+    return min(nodes, max(MIN_NODES, wanted))
+
 
 class _Exchange:
-    """What `SecAggPlusWorkflow` calls on a grid (`send_and_receive`), through
-    `nodes.exchange` (Flower's own sleeps 3 s between pulls); it notes which nodes did
-    not answer a stage, or answered with an error, and why."""
+    """What `SecAggPlusWorkflow`'s stages call on a grid (`send_and_receive`), through
+    `nodes.exchange` (Flower's own sleeps 3 s between pulls); it notes, for the last
+    exchange, how many nodes were asked and which did not answer or answered with an
+    error, and why (`sent`, `lost`)."""
 
     def __init__(self, grid, poll_s: float):
-        self.grid, self.poll_s, self.problems = grid, poll_s, []
+        self.grid, self.poll_s, self.sent, self.lost = grid, poll_s, 0, {}
 
     def send_and_receive(self, messages, *, timeout=None) -> list:
         from fax_bridge.flower import nodes
 
         messages = list(messages)
         replies = nodes.exchange(self.grid, messages, timeout, self.poll_s)
+        self.sent, self.lost = len(messages), {}
         for m in messages:
             reply = replies.get(m.metadata.dst_node_id)
             if reply is None:
-                self.problems.append(f"node {m.metadata.dst_node_id}: no answer within "
-                                     f"{timeout}s")
+                self.lost[m.metadata.dst_node_id] = f"no answer within {timeout}s"
             elif reply.has_error():
-                self.problems.append(f"node {m.metadata.dst_node_id}: {reply.error.reason}")
+                self.lost[m.metadata.dst_node_id] = reply.error.reason
         return list(replies.values())
 
 
@@ -241,44 +268,118 @@ def _strategy(node_ids: list, config: dict):
     return Capture()
 
 
-def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
-              poll_s: float) -> dict:
-    """{aggregation local: its total} of the round's secure sums (none: {}), summed by
-    SecAgg+ over the nodes that answered the round's `train` message: `answered` holds
-    (node, its participants) in node order. Every such node must give its vector: one
-    lost during SecAgg+ fails the round (FleetError naming it), as its other partials
-    are merged already."""
-    secure = secure_aggregations(split)
-    if not secure:
-        return {}
+def _stages(link: _Exchange, strategy, round_index: int, quant: Quantization,
+            shares: int, wait_s: float):
+    """Runs Flower's `SecAggPlusWorkflow` stage by stage over the strategy's nodes,
+    yielding (stage name, whether the workflow goes on) after each."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
     from flwr.server.compat.legacy_context import LegacyContext
     from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
     from flwr.server.workflow.constant import Key as WorkflowKey
+    from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 
-    counts = [len(mine) for _, mine in answered]
-    quant = choose(secure, counts)
-    node_ids = [node.node_id for node, _ in answered]
-    strategy = _strategy(node_ids, {ROUND_KEY: round_index, CENTER_KEY: quant.center})
     context = LegacyContext(Context(run_id=0, node_id=0, node_config={},
                                     state=RecordDict(), run_config={}), strategy=strategy)
     context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
         {WorkflowKey.CURRENT_ROUND: round_index})
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
     workflow = SecAggPlusWorkflow(
-        num_shares=1.0, reconstruction_threshold=1.0, max_weight=1.0,
+        num_shares=1.0, reconstruction_threshold=shares, max_weight=1.0,
         clipping_range=float(quant.center), quantization_range=quant.levels,
         modulus_range=MOD_RANGE, timeout=wait_s)
-    link = _Exchange(grid, poll_s)
-    workflow(link, context)
+    state = WorkflowState()
+    for name, step in zip(STAGES, (workflow.setup_stage, workflow.share_keys_stage,
+                                   workflow.collect_masked_vectors_stage,
+                                   workflow.unmask_stage)):
+        link.sent, link.lost = 0, {}
+        yield name, step(link, context, state)
+
+
+def _lose(live: list, link: _Exchange, stage: str, shares: int, started: int, where: str,
+          drop, index: dict) -> list:
+    """Hands the nodes lost at `stage` (`link.lost`) to the round's policy (`drop`) and
+    returns the nodes left in the round. Before the masked vectors are summed a lost
+    node leaves the round with its clients (its answer is left out); one lost during
+    the unmask stage has its vector in the sum already, so its clients stay. Raises
+    FleetError when fewer nodes than the reconstruction threshold answered `stage`."""
+    from fax_bridge.fleet.engine import LostHolder
+
+    kept = stage == STAGES[-1]
+    by_id = {node.node_id: (node, mine) for node, mine in live}
+    named, lost = [], []
+    for node_id, why in sorted(link.lost.items()):
+        node, mine = by_id[node_id]
+        named.append(f"{node.name}: lost during SecAgg+'s {stage} stage ({why})")
+        lost.append(LostHolder(named[-1] + ", after its masked vector was summed: its "
+                               "clients stay in the round", np.zeros(0, np.int64))
+                    if kept else LostHolder(named[-1], mine, answer=index[node_id]))
+    left = link.sent - len(lost)
+    if left < shares:
+        problem = (
+            f"{where}: lost {'; '.join(named)}; only {left} of the {link.sent} nodes "
+            f"asked answered that stage, fewer than SecAgg+'s reconstruction threshold of "
+            f"{shares} shares (run config secagg-threshold, of the {started} nodes that "
+            f"started SecAgg+); {_LOSS_FIX}, or lower secagg-threshold (fewer nodes then "
+            "suffice to unmask a node)")
+        try:
+            drop(lost)
+        except FleetError as e:
+            problem += f"; {e}"
+        raise FleetError(problem)
+    drop(lost)
+    return live if kept else [(n, m) for n, m in live if n.node_id not in link.lost]
+
+
+def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
+              poll_s: float, drop, threshold: float = 0.0) -> dict:
+    """{aggregation local: its total} of the round's secure sums (none: {}), summed by
+    SecAgg+ over the nodes that answered the round's `train` message: `answered` holds
+    (node, its participants) in node order, the order of the engine's answers.
+
+    A node lost at a stage goes to `drop` (the engine's policy, which fails the round
+    below min_clients) unless fewer nodes than SecAgg+'s reconstruction threshold
+    (`shares_needed(threshold, ...)`) answered that stage, which fails the round.
+    Lost during setup or share keys, before any masked vector exists: SecAgg+ starts
+    again over the nodes left. During collect masked vectors: the unmask stage removes
+    the lost nodes' masks from the others' shares, and the totals are over the nodes
+    left. During unmask: the lost node's vector is in the sum, so it stays in the round
+    (starting again without it would show the ServerApp its partial, as the difference
+    of two sums)."""
+    secure = secure_aggregations(split)
+    if not secure:
+        return {}
     where = f"round {round_index} (SecAgg+)"
-    missing = sorted(set(node_ids) - set(strategy.contributors))
-    if strategy.vector is None or missing:
-        raise FleetError(
-            f"{where}: the secure sums need every node that answered the round, but "
-            f"{'SecAgg+ stopped' if strategy.vector is None else f'nodes {missing} gave no vector'}"
-            f" ({'; '.join(link.problems) or 'no node answered with an error'}); restart "
-            "the nodes or raise the wait (node-timeout-s, round-deadline-s)")
-    totals = recover(strategy.vector, quant, len(strategy.contributors))
-    return totals_of(secure, totals, sum(counts), where)
+    index = {node.node_id: i for i, (node, _) in enumerate(answered)}
+    live, shares = list(answered), None
+    while True:
+        quant = choose(secure, [len(mine) for _, mine in live])
+        if shares is None:
+            shares = shares_needed(threshold, len(live))
+        strategy = _strategy([node.node_id for node, _ in live],
+                             {ROUND_KEY: round_index, CENTER_KEY: quant.center})
+        link, again = _Exchange(grid, poll_s), False
+        for stage, going in _stages(link, strategy, round_index, quant, shares, wait_s):
+            if link.lost:
+                live = _lose(live, link, stage, shares, len(answered), where, drop, index)
+                again = stage in STAGES[:2]
+                if again:
+                    break
+            if not going:
+                raise FleetError(f"{where}: SecAgg+ stopped at its {stage} stage with no "
+                                 f"node lost; {_LOSS_FIX}")
+        if not again:
+            break
+    contributors = set(strategy.contributors)
+    if strategy.vector is None or contributors != {node.node_id for node, _ in live}:
+        raise FleetError(f"{where}: SecAgg+ summed the vectors of nodes "
+                         f"{sorted(contributors)}, not of the nodes left in the round "
+                         f"{[node.node_id for node, _ in live]}; {_LOSS_FIX}")
+    from logging import INFO
+
+    from flwr.supercore import log as flwr_log
+
+    flwr_log(INFO, f"fax_bridge: {where}: summed the secure sums of nodes "
+                   f"{sorted(contributors)}")
+    totals = recover(strategy.vector, quant, len(contributors))
+    return totals_of(secure, totals, sum(len(mine) for _, mine in live), where)

@@ -10,10 +10,13 @@ are not in the answers: Flower's SecAgg+ sums them over the nodes that answered
 (`secagg.aggregate`, the transport's secure phase, run after the lost nodes are
 dropped), so this app sees only their totals. A node that answers with an error or not
 within the deadline (`round-deadline-s`, else `node-timeout-s`) is dropped with its
-clients, as the fleet drops a lost device (`engine.drop_lost`); when
-fewer than `min-clients` clients remain the round fails with a `FleetError` naming the
-nodes (the run's first round waits longer, `first-round-timeout-s`: nodes start
-then). Every round leaves a `RoundReport` (logged, and written to `reports.jsonl`).
+clients, as the fleet drops a lost device (`engine.drop_lost`); so is a node lost
+during SecAgg+ before its masked vector is summed (its other partials leave the round
+too), while fewer nodes than SecAgg+'s reconstruction threshold (`secagg-threshold`,
+`secagg.shares_needed`) fail the round; when fewer than `min-clients` clients remain
+the round fails with a `FleetError` naming the nodes (the run's first round waits
+longer, `first-round-timeout-s`: nodes start then). Every round leaves a `RoundReport`
+(logged, and written to `reports.jsonl`).
 
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
 `flwr run --run-config`), see `Settings`. With `checkpoint-dir` the state is saved
@@ -34,6 +37,7 @@ import numpy as np
 
 from fax_bridge.errors import FleetError
 from fax_bridge.flower import nodes as flower_nodes
+from fax_bridge.flower import secagg
 from fax_bridge.fleet.rounds import RoundPolicy, RoundReport
 
 
@@ -50,6 +54,7 @@ class Settings:
     poll_s: float = 0.05
     out_dir: str = ""
     checkpoint_dir: str = ""
+    secagg_threshold: float = 0.0
 
     @classmethod
     def from_run_config(cls, config) -> "Settings":
@@ -74,7 +79,9 @@ class Settings:
                    wait_nodes_s=get("wait-nodes-s", float, 60.0),
                    poll_s=get("poll-s", float, 0.05),
                    out_dir=get("out-dir", str, ""),
-                   checkpoint_dir=get("checkpoint-dir", str, ""))
+                   checkpoint_dir=get("checkpoint-dir", str, ""),
+                   secagg_threshold=secagg.checked_threshold(
+                       get("secagg-threshold", float, 0.0)))
 
     def deadline_s(self, first: bool) -> float:
         """How long a round waits for the nodes' answers: `round-deadline-s`, else
@@ -110,7 +117,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
 
     try:
         transport = FlowerTransport(grid, nodes, rep.participants.array(), round_index, wait,
-                                    settings.poll_s, rep.traffic)
+                                    settings.poll_s, rep.traffic, settings.secagg_threshold)
         return engine.run_round(made.split, made.server_arg(state), transport,
                                 made.prepared.result, on_lost=drop)
     except BaseException as e:

@@ -9,7 +9,9 @@ and merges the partials as it does a device's.
 The round's secure sums are not in the answers: a node keeps its partials of them
 back, and the transport hands the engine a secure phase (`engine.Answers.secure`) that
 sums them through Flower's SecAgg+ over the nodes that answered (`secagg.aggregate`),
-so the ServerApp sees only their totals.
+so the ServerApp sees only their totals. A node SecAgg+ loses before its masked vector
+is summed goes to the engine's policy as a lost holder naming its answer, which the
+engine then leaves out of the round's other aggregations too.
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ def train_messages(split: RoundSplit, sent: Any, nodes: list, ids: np.ndarray,
 
 class FlowerTransport:
     """The SuperNodes of a grid as an `engine.Transport`: `ids` are the round's
-    participants (population order), `wait_s` how long the round waits for answers."""
+    participants (population order), `wait_s` how long the round waits for answers,
+    `threshold` SecAgg+'s reconstruction threshold as a fraction of the nodes that
+    start it (`secagg.shares_needed`)."""
 
     backend = None
     reject_nonfinite = False
 
     def __init__(self, grid, nodes: list, ids: np.ndarray, round_index: int, wait_s: float,
-                 poll_s: float, traffic: Traffic):
-        self.grid, self.nodes, self.ids = grid, nodes, ids
+                 poll_s: float, traffic: Traffic, threshold: float = 0.0):
+        self.grid, self.nodes, self.ids, self.threshold = grid, nodes, ids, threshold
         self.round_index, self.wait_s, self.poll_s = round_index, wait_s, poll_s
         self.num_clients = len(ids)
         self.traffic = traffic
@@ -94,6 +98,7 @@ class FlowerTransport:
             out.answered.append(HolderAnswer(node.name, len(mine), partials,
                                              float(metrics.get("compute-s", 0.0))))
         if len(plain) < len(split.aggregations):
-            out.secure = lambda: secagg.aggregate(self.grid, split, answered,
-                                                  self.round_index, self.wait_s, self.poll_s)
+            out.secure = lambda drop: secagg.aggregate(
+                self.grid, split, answered, self.round_index, self.wait_s, self.poll_s,
+                drop, self.threshold)
         return out
