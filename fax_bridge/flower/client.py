@@ -128,6 +128,39 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     return client_partials(split.client_part, split.client_part_hash, sent, members, specs)
 
 
+def bucket_counts(share: NodeShare, cohort: int, served: int) -> list:
+    """One client count for each bucket of clients (`client_map.bucket`) a round of
+    the node could bring but `served` (the count it has run) did not: counts 1 .. the
+    most it can hold in a round, `min(cohort, share.count)` (`cohort` 0: its whole
+    share), each bucket's largest."""
+    from fax_bridge.runtime.client_map import MAX_ROWS, bucket
+
+    most = min(cohort if cohort > 0 else share.count, share.count, MAX_ROWS)
+    counts: dict = {}
+    for count in range(1, most + 1):
+        counts[bucket(count)] = count
+    counts.pop(bucket(served), None)
+    return sorted(counts.values())
+
+
+def warm_buckets(bundle_dir: str, config, arrays: dict, header: dict) -> list:
+    """Compiles the round's client part for every other bucket of clients the node
+    could be sent (`bucket_counts`), by running it over that many of the node's own
+    clients with the broadcast of `arrays` (a `train` request, as `serve_round` takes
+    it) and dropping the partials, so that no later round compiles when the node's
+    share of the cohort changes bucket; returns the counts run."""
+    share = NodeShare.from_config(config)
+    where = f"round {header[records.ROUND].get('round', '?')}"
+    served = len(records.ids_from_arrays(arrays, where))
+    broadcast = records.tensors_from_arrays(arrays, header[records.LAYOUT], where,
+                                            prefix="b")
+    counts = bucket_counts(share, int(header[records.ROUND].get("cohort", 0)), served)
+    for count in counts:
+        partials_for(bundle_dir, share, np.arange(share.first, share.first + count),
+                     broadcast)
+    return counts
+
+
 def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
     """A node's answer to a `train` message (as `relay.request_of` unpacks it): (the
     partials' arrays by key, {"layout", "counts", "compute-s"}). The partials of the
