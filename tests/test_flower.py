@@ -315,41 +315,38 @@ def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickst
             httpd.server_close()
 
 
-def test_a_worker_compiles_every_bucket_its_node_can_be_sent_ahead(quickstart,
-                                                                    populations, app):
-    import dataclasses
-
+def test_a_node_compiles_its_client_part_once_however_its_share_of_the_cohort_varies(
+        quickstart, populations, app):
     from fax_bridge.fleet import server_steps
     from fax_bridge.flower import nodes, transport
     from fax_bridge.runtime import client_map
 
     share = client.NodeShare.from_config(populations[0])  # clients 0..3
-    assert client.bucket_counts(share, 0, 1) == [4]  # cohort 0: up to its 4 clients
-    assert client.bucket_counts(share, 3, 1) == [3]
-    assert client.bucket_counts(share, 1, 1) == []
-    wide = dataclasses.replace(share, count=50)
-    assert client.bucket_counts(wide, 10, 5) == [2, 4, 10]  # buckets 2, 4, 16; 8 ran
-    assert client.bucket_counts(wide, 0, 50) == [2, 4, 8, 16, 32]
-
+    assert [client.most_clients(share, c) for c in (0, 2, 6)] == [4, 2, 4]
     _, _, made = quickstart
     split = made.split
     env = server_steps.prepare(split, made.server_arg(made.state_value(made.state)),
                                None, 1)
     sent = structure.Struct([(None, env[name]) for name in split.broadcasts])
-    (_, _, message), = transport.train_messages(
-        split, sent, [nodes.Node(100, 0, 4)], np.array([2]), 0, 10.0, cohort=6)
-    arrays, header = relay.request_of(message.content)
-    assert header[relay.ROUND]["cohort"] == 6
+    bundle_dir = os.path.join(app, app_dir.PACKAGE)
     key = split.client_part_hash
+
+    def serve(ids, cohort):
+        (_, _, message), = transport.train_messages(
+            split, sent, [nodes.Node(100, 0, 4)], np.array(ids), 0, 10.0, cohort=cohort)
+        arrays, header = relay.request_of(message.content)
+        assert header[relay.ROUND]["cohort"] == cohort
+        out, _ = client.serve_round(bundle_dir, populations[0], arrays, header)
+        return {k: v.tobytes() for k, v in out.items()}
+
     for entry in [k for k in client_map._batched if k[0] == key]:
         del client_map._batched[entry]  # as in a fresh worker
-    bundle_dir = os.path.join(app, app_dir.PACKAGE)
-    assert client.warm_buckets(bundle_dir, populations[0], arrays, header) == [4]
-    assert {k[3] for k in client_map._batched if k[0] == key} == {4}
-    compiled = dict(client_map._batched)
-    client.serve_round(bundle_dir, populations[0], {**arrays, records.IDS: np.arange(3)},
-                       header)  # 3 clients: bucket 4, compiled ahead
-    assert dict(client_map._batched) == compiled
+    got = [serve(ids, 6) for ids in ([2], [0, 3], [0, 1, 3], [0, 1, 2, 3])]
+    assert {k[3] for k in client_map._batched if k[0] == key} == {4}  # one bucket
+    # The same bits as each share in its own bucket (2, 2, 4, 4), as without a cohort.
+    assert got == [serve(ids, 1) for ids in ([2], [0, 3])] + \
+        [serve(ids, 3) for ids in ([0, 1, 3], [0, 1, 2, 3])]
+    assert {k[3] for k in client_map._batched if k[0] == key} == {2, 4}
 
 
 def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(

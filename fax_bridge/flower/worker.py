@@ -9,13 +9,6 @@ for each message: `/share` (the node's block of the population) and `/round` (th
 partials of a round over the node's clients, computed by `client.serve_round`, the
 same code a ClientApp runs in its own process). It serves HTTP on loopback only, one
 request at a time, and refuses requests without its token.
-
-The client part is compiled once per bucket of clients (`client_map.bucket`: 2, 4, 8,
-...), and a node's share of a sampled cohort moves between buckets from round to round;
-so after answering the first `/round` of a round's client part the worker compiles it
-for every other bucket the node could be sent (`client.warm_buckets`: up to the
-cohort the message names, or the node's share), while the node waits for the next
-round, and no later round compiles.
 """
 
 from __future__ import annotations
@@ -38,7 +31,6 @@ def _handler(config: dict, token: str):
 
     share = client.NodeShare.from_config(config)  # checked before serving
     lock = threading.Lock()
-    warmed: set = set()  # (bundle, client part) whose buckets are compiled
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *args) -> None:  # the SuperNode logs the rounds
@@ -64,21 +56,11 @@ def _handler(config: dict, token: str):
                     if self.path != "/round":
                         return self._answer(404, f"no {self.path}".encode())
                     arrays, header = relay.unpack(body)
-                    bundle = str(header["bundle"])
-                    out, info = client.serve_round(bundle, config, arrays, header)
-                    self._answer(200, relay.pack(out, info))
+                    out, info = client.serve_round(str(header["bundle"]), config, arrays,
+                                                   header)
+                    return self._answer(200, relay.pack(out, info))
             except Exception as e:  # noqa: BLE001 - reported to the ClientApp, which fails
                 return self._answer(500, f"{type(e).__name__}: {e}".encode())
-            part = (bundle, str(header[relay.ROUND].get("client-part", "")))
-            if part in warmed:
-                return
-            warmed.add(part)
-            try:  # the answer is out; the next request waits for the lock
-                with lock:
-                    client.warm_buckets(bundle, config, arrays, header)
-            except Exception as e:  # noqa: BLE001 - a round that needs it compiles then
-                print(f"fax_bridge flower worker: compiling ahead failed: "
-                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     return Handler
 

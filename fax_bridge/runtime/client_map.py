@@ -162,19 +162,22 @@ def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
 
 def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[LocalValue],
                         shared: Any = NO_SHARED, *, key: Optional[str] = None,
-                        guard: Optional[Guard] = None, keep: bool = True
-                        ) -> Optional[Stacked]:
+                        guard: Optional[Guard] = None, keep: bool = True,
+                        least_rows: int = 0) -> Optional[Stacked]:
     """`map_clients` for callers that take the results as columns (an aggregation):
     the batched run's results, never split per client; None when there are no clients
     or they run one at a time (then `map_clients` gives their results). `keep=False`:
     the caller reads the results once and drops them, so they may stay read-only views
-    of XLA's output (no copy of what may be gigabytes)."""
+    of XLA's output (no copy of what may be gigabytes). `least_rows`: run in a bucket
+    of at least this many rows (up to `MAX_ROWS`), so that a caller whose cohorts vary
+    in size compiles once, for the largest; the padding rows cost no work and a
+    client's bits do not depend on its bucket."""
     if not members:
         return None
     batch = _layouts(members, shared)
     if batch is None:
         return None
-    rows = bucket(min(len(members), MAX_ROWS))
+    rows = bucket(min(max(len(members), least_rows), MAX_ROWS))
     shared_tree, member_tree, shared_leaves, source = batch
     plan = _plan(fn, key, shared_tree, member_tree, rows, source.fixed)
     if plan is None:
