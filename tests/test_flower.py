@@ -321,6 +321,7 @@ def test_a_node_compiles_its_client_part_once_however_its_share_of_the_cohort_va
     from fax_bridge.flower import nodes, transport
     from fax_bridge.runtime import client_map
 
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # Messages
     share = client.NodeShare.from_config(populations[0])  # clients 0..3
     assert [client.most_clients(share, c) for c in (0, 2, 6)] == [4, 2, 4]
     _, _, made = quickstart

@@ -118,8 +118,9 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     the node's clients `ids`, given the broadcast tensors, in split order. `most`: the
     most clients a round of the run can bring the node (`most_clients`); every round
     runs its clients in the bucket of that many (`client_map.bucket`; padding rows cost
-    no work), so the client part compiles once, in the run's first round, however the
-    node's share of the cohort varies."""
+    no work; while their inputs take under `client_map.MAX_PAD_BYTES`), so the client
+    part compiles once, in the run's first round, however the node's share of the
+    cohort varies."""
     import federated_language
 
     from fax_bridge.fleet.round_split import client_partials
