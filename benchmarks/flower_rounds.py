@@ -162,9 +162,10 @@ def run_fleet(rounds: int, seed: int) -> dict:
 
 def summary(runs: list) -> dict:
     """Each run's first round apart; the median and range of the later ones over all
-    runs. fax_bridge's later rounds in which a node compiled (its workers compile the
-    client part once per bucket of clients, `client_map.bucket`: a round whose share of
-    the cohort falls in a new bucket, compute over `COMPILING_S`) are counted apart too."""
+    runs. fax_bridge's later rounds in which a node compiled (compute over
+    `COMPILING_S`) are counted apart too: a node runs every round in the bucket of its
+    largest share of the cohort (`flower.client.partials_for`), so only a run's first
+    round should compile."""
     later, compiling = [], []
     for r in runs:
         computes = r.get("compute_s", [0.0] * len(r["wall_s"]))

@@ -336,6 +336,41 @@ def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickst
             httpd.server_close()
 
 
+def test_a_node_compiles_its_client_part_once_however_its_share_of_the_cohort_varies(
+        quickstart, populations, app):
+    from fax_bridge.fleet import server_steps
+    from fax_bridge.flower import nodes, transport
+    from fax_bridge.runtime import client_map
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # Messages
+    share = client.NodeShare.from_config(populations[0])  # clients 0..3
+    assert [client.most_clients(share, c) for c in (0, 2, 6)] == [4, 2, 4]
+    _, _, made = quickstart
+    split = made.split
+    env = server_steps.prepare(split, made.server_arg(made.state_value(made.state)),
+                               None, 1)
+    sent = structure.Struct([(None, env[name]) for name in split.broadcasts])
+    bundle_dir = os.path.join(app, app_dir.PACKAGE)
+    key = split.client_part_hash
+
+    def serve(ids, cohort):
+        (_, _, message), = transport.train_messages(
+            split, sent, [nodes.Node(100, 0, 4)], np.array(ids), 0, 10.0, cohort=cohort)
+        arrays, header = relay.request_of(message.content)
+        assert header[relay.ROUND]["cohort"] == cohort
+        out, _ = client.serve_round(bundle_dir, populations[0], arrays, header)
+        return {k: v.tobytes() for k, v in out.items()}
+
+    for entry in [k for k in client_map._batched if k[0] == key]:
+        del client_map._batched[entry]  # as in a fresh worker
+    got = [serve(ids, 6) for ids in ([2], [0, 3], [0, 1, 3], [0, 1, 2, 3])]
+    assert {k[3] for k in client_map._batched if k[0] == key} == {4}  # one bucket
+    # The same bits as each share in its own bucket (2, 2, 4, 4), as without a cohort.
+    assert got == [serve(ids, 1) for ids in ([2], [0, 3])] + \
+        [serve(ids, 3) for ids in ([0, 1, 3], [0, 1, 2, 3])]
+    assert {k[3] for k in client_map._batched if k[0] == key} == {2, 4}
+
+
 def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(
         tmp_path, quickstart, populations, app):
     from fax_bridge.fleet.rounds import RoundPolicy, plan_round

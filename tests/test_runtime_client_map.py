@@ -313,6 +313,37 @@ def test_stacked_results_are_the_members_as_columns(monkeypatch):
     assert client_map.map_clients_stacked(fn, []) is None
 
 
+def test_least_rows_runs_any_cohort_in_one_bucket_with_the_same_bits(monkeypatch):
+    # A caller whose cohorts vary (a Flower node's share of each round's cohort) names
+    # the most it can see: every run uses that bucket, one compile, the same bits.
+    layout = [("x", (2, 3), np.float32), ("n", (2,), np.int32)]
+    member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
+    fn = _round_computation(member_type)
+    rng = np.random.default_rng(3)
+    shared = rng.standard_normal((3, 2)).astype(F32)
+    members = [_member(layout, rng) for _ in range(7)]
+    alone = [client_map.map_clients_stacked(fn, members[:k], shared) for k in (1, 3, 7)]
+    key = local_eval.content_hash(fn)
+    before = {k[3] for k in client_map._batched if k[0] == key}
+    assert {2, 4, 8} <= before
+    for k in [k for k in client_map._batched if k[0] == key]:
+        del client_map._batched[k]
+    padded = [client_map.map_clients_stacked(fn, members[:k], shared, least_rows=5)
+              for k in (1, 3, 7)]
+    assert {k[3] for k in client_map._batched if k[0] == key} == {8}
+    for a, p in zip(alone, padded):
+        assert a.count == p.count
+        for x, y in zip(a.columns, p.columns):
+            assert x.tobytes() == y.tobytes()
+    # Padding rows whose inputs would take more than MAX_PAD_BYTES: the own bucket.
+    monkeypatch.setattr(client_map, "MAX_PAD_BYTES", 5 * 32)  # a row: 6 floats, 2 ints
+    for k in [k for k in client_map._batched if k[0] == key]:
+        del client_map._batched[k]
+    client_map.map_clients_stacked(fn, members[:3], shared, least_rows=5)  # 5 pad rows: 8
+    client_map.map_clients_stacked(fn, members[:2], shared, least_rows=5)  # 6: its own 2
+    assert {k[3] for k in client_map._batched if k[0] == key} == {2, 8}
+
+
 def test_members_given_stacked_run_as_the_same_members_listed():
     # ClientRows: the members as columns (no split, no restack); the same bits as the
     # list of the members it makes, batched or one by one.

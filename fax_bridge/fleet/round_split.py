@@ -353,16 +353,17 @@ def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computa
 
 
 def client_partials(fn: Computation, key: str, sent: Any, members: Any,
-                    specs: list, guard: Any = None) -> list:
+                    specs: list, guard: Any = None, least_rows: int = 0) -> list:
     """The client part `fn` over the clients' `members` (one Struct of inputs each) with
     the broadcast values `sent`, aggregated: one exact partial per
     `(kind, value_index, weight_index or None[, bound])` of `specs` (the bound of a
     secure sum, `Aggregation.spec`), over the elements of the
     client part's result those indices select. Batched clients are aggregated from
     their stacked results (`client_map.map_clients_stacked`), others one by one; the
-    partials are the same. `guard`: the caller's caps (`client_map.Guard`)."""
+    partials are the same. `guard`: the caller's caps (`client_map.Guard`);
+    `least_rows`: `client_map.map_clients_stacked`'s."""
     stacked = client_map.map_clients_stacked(fn, members, sent, key=key, guard=guard,
-                                             keep=False)
+                                             keep=False, least_rows=least_rows)
     if stacked is not None:
         def pick(index: int) -> list:
             return stacked.element(index)

@@ -13,10 +13,12 @@ Each SuperNode serves a block of the population, named by its `--node-config`:
 
 A `query` message answers with that block. A `train` message brings the broadcast and
 the population ids of the node's clients in the round; the node reads only their rows,
-runs the round's client part over them (`fleet.round_split.client_partials`: one XLA call for
-all of them where it can) and answers with one exact partial per aggregation
-(`records.partials_layout`). No client row leaves the node. The ClientApp itself is
-`relay.client_app`; this runs in its process, or in a warm `worker`.
+runs the round's client part over them (`fleet.round_split.client_partials`: one XLA
+call for all of them where it can, in the bucket of the most clients a round can bring
+the node, from the cohort size the message names, so that it compiles once a run) and
+answers with one exact partial per aggregation (`records.partials_layout`). No client
+row leaves the node. The ClientApp itself is `relay.client_app`; this runs in its
+process, or in a warm `worker`.
 """
 
 from __future__ import annotations
@@ -104,10 +106,21 @@ def answer_query(config) -> dict:
     return describe(NodeShare.from_config(config))
 
 
+def most_clients(share: NodeShare, cohort: int) -> int:
+    """The most clients a round can bring the node: its share, or fewer where the
+    run samples a cohort of `cohort` clients (0: not known)."""
+    return min(cohort, share.count) if cohort > 0 else share.count
+
+
 def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
-                 broadcast: list) -> list:
+                 broadcast: list, most: int = 0) -> list:
     """The exact partial (`aggregation.Partial`) of each aggregation of the round over
-    the node's clients `ids`, given the broadcast tensors, in split order."""
+    the node's clients `ids`, given the broadcast tensors, in split order. `most`: the
+    most clients a round of the run can bring the node (`most_clients`); every round
+    runs its clients in the bucket of that many (`client_map.bucket`; padding rows cost
+    no work; while their inputs take under `client_map.MAX_PAD_BYTES`), so the client
+    part compiles once, in the run's first round, however the node's share of the
+    cohort varies."""
     import federated_language
 
     from fax_bridge.fleet.round_split import client_partials
@@ -125,7 +138,8 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     members = population.read_members(store, member_type, columns, share.rows(ids))
     sent = from_leaves(made.sent_type, broadcast)
     specs = [a.spec for a in split.aggregations]
-    return client_partials(split.client_part, split.client_part_hash, sent, members, specs)
+    return client_partials(split.client_part, split.client_part_hash, sent, members, specs,
+                           least_rows=most)
 
 
 def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
@@ -146,7 +160,8 @@ def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
     from fax_bridge.flower import relay
     from fax_bridge.runtime import aggregation
 
-    found = partials_for(bundle_dir, share, ids, broadcast)
+    most = most_clients(share, int(header[records.ROUND].get("cohort", 0)))
+    found = partials_for(bundle_dir, share, ids, broadcast, most)
     plain = [p for p in found if p.kind not in SECURE_KINDS]
     kept = [x for p in found if p.kind in SECURE_KINDS for x in aggregation.finish(p)]
     out, layout, counts = records.partials_layout([partials.to_message(p) for p in plain])

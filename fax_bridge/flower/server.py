@@ -117,7 +117,8 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
 
     try:
         transport = FlowerTransport(grid, nodes, rep.participants.array(), round_index, wait,
-                                    settings.poll_s, rep.traffic, settings.secagg_threshold)
+                                    settings.poll_s, rep.traffic, settings.secagg_threshold,
+                                    cohort=policy.cohort_size or population)
         return engine.run_round(made.split, made.server_arg(state), transport,
                                 made.prepared.result, on_lost=drop)
     except BaseException as e:

@@ -28,10 +28,11 @@ from fax_bridge.flower import records, secagg
 
 
 def train_messages(split: RoundSplit, sent: Any, nodes: list, ids: np.ndarray,
-                   round_index: int, ttl_s: float) -> list:
+                   round_index: int, ttl_s: float, cohort: int = 0) -> list:
     """(node, its participants, message) for each node holding participants of the
     round; the messages expire when the round stops waiting (`ttl_s`), so a node that
-    comes back later does not work on a round that is over."""
+    comes back later does not work on a round that is over. `cohort`: the most clients
+    any round of the run samples (0: not known), which a warm worker compiles for."""
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
     from fax_bridge.runtime.backend import as_numpy, leaves
@@ -46,7 +47,7 @@ def train_messages(split: RoundSplit, sent: Any, nodes: list, ids: np.ndarray,
         content = RecordDict({
             records.BROADCAST: arrays, records.LAYOUT: layout,
             records.IDS: records.ids_to_record(mine),
-            records.ROUND: ConfigRecord({"round": round_index,
+            records.ROUND: ConfigRecord({"round": round_index, "cohort": int(cohort),
                                          "client-part": split.client_part_hash})})
         out.append((node, mine, Message(content, dst_node_id=node.node_id,
                                         message_type=MessageType.TRAIN,
@@ -58,21 +59,23 @@ class FlowerTransport:
     """The SuperNodes of a grid as an `engine.Transport`: `ids` are the round's
     participants (population order), `wait_s` how long the round waits for answers,
     `threshold` SecAgg+'s reconstruction threshold as a fraction of the nodes that
-    start it (`secagg.shares_needed`)."""
+    start it (`secagg.shares_needed`), `cohort` the most clients a round of the run
+    samples (`train_messages`)."""
 
     backend = None
     reject_nonfinite = False
 
     def __init__(self, grid, nodes: list, ids: np.ndarray, round_index: int, wait_s: float,
-                 poll_s: float, traffic: Traffic, threshold: float = 0.0):
-        self.grid, self.nodes, self.ids, self.threshold = grid, nodes, ids, threshold
+                 poll_s: float, traffic: Traffic, threshold: float = 0.0, cohort: int = 0):
+        self.grid, self.nodes, self.ids = grid, nodes, ids
+        self.threshold, self.cohort = threshold, cohort
         self.round_index, self.wait_s, self.poll_s = round_index, wait_s, poll_s
         self.num_clients = len(ids)
         self.traffic = traffic
 
     def run_clients(self, split: RoundSplit, sent: Any) -> Answers:
         sends = train_messages(split, sent, self.nodes, self.ids, self.round_index,
-                               max(self.wait_s, 1.0))
+                               max(self.wait_s, 1.0), self.cohort)
         self.traffic.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
                                       for _, _, m in sends)
         self.traffic.rpcs = len(sends)

@@ -49,6 +49,7 @@ from fax_bridge.runtime.backend import ClientRows, LocalValue, as_numpy
 
 NO_SHARED = object()  # `shared` when the computation takes the member alone
 MAX_ROWS = 1024  # the largest bucket: larger cohorts run as several calls of it
+MAX_PAD_BYTES = 64 << 20  # `least_rows` widens a bucket while its padding stays under this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,20 +163,27 @@ def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
 
 def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[LocalValue],
                         shared: Any = NO_SHARED, *, key: Optional[str] = None,
-                        guard: Optional[Guard] = None, keep: bool = True
-                        ) -> Optional[Stacked]:
+                        guard: Optional[Guard] = None, keep: bool = True,
+                        least_rows: int = 0) -> Optional[Stacked]:
     """`map_clients` for callers that take the results as columns (an aggregation):
     the batched run's results, never split per client; None when there are no clients
     or they run one at a time (then `map_clients` gives their results). `keep=False`:
     the caller reads the results once and drops them, so they may stay read-only views
-    of XLA's output (no copy of what may be gigabytes)."""
+    of XLA's output (no copy of what may be gigabytes). `least_rows`: run in a bucket
+    of at least this many rows (up to `MAX_ROWS`), so that a caller whose cohorts vary
+    in size compiles once, for the largest; the padding rows cost no work and a
+    client's bits do not depend on its bucket, but their inputs are stacked, so the
+    bucket is widened only while they take under `MAX_PAD_BYTES`."""
     if not members:
         return None
     batch = _layouts(members, shared)
     if batch is None:
         return None
-    rows = bucket(min(len(members), MAX_ROWS))
     shared_tree, member_tree, shared_leaves, source = batch
+    rows = bucket(min(len(members), MAX_ROWS))
+    wider = bucket(min(least_rows, MAX_ROWS))
+    if wider > rows and (wider - len(members)) * source.row_bytes() <= MAX_PAD_BYTES:
+        rows = wider
     plan = _plan(fn, key, shared_tree, member_tree, rows, source.fixed)
     if plan is None:
         return None
@@ -291,6 +299,13 @@ class _Source:
                  fixed: Optional[tuple] = None):
         self.stacked, self.columns, self.fixed = stacked, columns, fixed
         self.count = int(stacked[0].shape[0]) if stacked is not None else len(columns)
+
+    def row_bytes(self) -> int:
+        """The bytes of one row of the stacked inputs (a padding row's)."""
+        if self.stacked is not None:
+            return sum(leaf.nbytes // max(1, leaf.shape[0]) for leaf in self.stacked)
+        return sum(np.asarray(leaf).nbytes for j, leaf in enumerate(self.columns[0])
+                   if self.fixed is None or not self.fixed[j])
 
     def fixed_leaves(self) -> list:
         if self.fixed is None:
