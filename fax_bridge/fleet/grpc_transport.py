@@ -108,10 +108,10 @@ def _round_messages(head: pb.RoundRequest, messages: Iterator,
 
 
 def _streams(backend, split: RoundSplit, inputs: list, layout, head_of,
-             broadcasts: dict) -> dict:
+             broadcasts: Optional[dict] = None) -> dict:
     """Each device's request stream: its head (with `broadcasts[index]`, see
     `_round_messages`), then its clients (made as gRPC asks)."""
-    out = {}
+    out, broadcasts = {}, broadcasts or {}
     if isinstance(inputs[0], PopulationRef):
         ref = inputs[0]
         type_bytes, keys = _store_member(split, inputs)
@@ -124,13 +124,13 @@ def _streams(backend, split: RoundSplit, inputs: list, layout, head_of,
             reads = put_messages.store_reads(0, ids[clients.start:clients.stop],
                                              clients.start, type_bytes, keys, ref.name or "")
             out[index] = put_messages.stream(
-                _round_messages(head_of(index), iter(reads), broadcasts[index]), "Round")
+                _round_messages(head_of(index), iter(reads), broadcasts.get(index)), "Round")
         return out
     members = _Members(inputs)
     for index, clients in layout:
         puts = put_messages.client_values(0, clients, members, backend.message_bytes)
         out[index] = put_messages.stream(
-            _round_messages(head_of(index), puts, broadcasts[index]), "Round")
+            _round_messages(head_of(index), puts, broadcasts.get(index)), "Round")
     return out
 
 
