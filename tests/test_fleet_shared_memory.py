@@ -12,7 +12,7 @@ import federated_language as fl
 import numpy as np
 import pytest
 from federated_language.common_libs import structure
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import FleetError
@@ -79,6 +79,7 @@ def test_values_through_a_segment_decode_to_the_wire_paths_bytes(shared, shapes,
        seed=st.integers(0, 1000))
 def test_partials_through_a_segment_check_and_merge_to_the_wire_paths_bits(
         shared, kind, dtype, shape, clients, spread, seed):
+    assume(not (kind in ("mean", "weighted_mean") and dtype == "int32"))  # refused
     rng = np.random.default_rng(seed)
     np_dtype = np.dtype(dtype)
     scale = spread if np_dtype.kind == "f" and np_dtype.itemsize >= 4 else 10.0
