@@ -181,7 +181,7 @@ class Writer:
             for offset, array in self._arrays:
                 if offset > at:
                     parts.append(bytes(offset - at))
-                parts.append(memoryview(array.reshape(-1)).cast("B"))
+                parts.append(memoryview(array.reshape(-1).view(np.uint8)))  # any dtype
                 at = offset + array.nbytes
             _write_all(fd, parts)
         except BaseException:
