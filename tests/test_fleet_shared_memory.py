@@ -272,3 +272,23 @@ def test_no_segment_outlives_a_device_killed_in_its_round():
         assert "error" in done or done["result"][1].lost_devices
         assert not os.listdir(directory.path)
     assert not os.path.exists(directory.path)
+
+
+def test_a_truncated_answer_segment_fails_the_round_clearly_and_leaves_nothing(monkeypatch):
+    from fax_bridge.fleet import grpc_transport
+
+    with LocalFleet(devices=1, survive_device_loss=False) as fleet:
+        directory = fleet.backend.shared_memory
+        original = shm.open_segment
+
+        def truncating(directory, ref, where, **kwargs):
+            os.truncate(directory.file(ref.name), shm.HEADER_BYTES + ref.length // 2)
+            return original(directory, ref, where, **kwargs)
+
+        monkeypatch.setattr(grpc_transport.shared_memory, "open_segment", truncating)
+        with pytest.raises(FleetError, match=r"device 0 at .*truncated or rewritten"):
+            fleet.run(PROTO, *_args())
+        assert not os.listdir(directory.path)
+        monkeypatch.setattr(grpc_transport.shared_memory, "open_segment", original)
+        result, rep = fleet.run(PROTO, *_args(), report=True)  # the next round is whole
+        assert rep.shared_up > 0 and not os.listdir(directory.path)
