@@ -292,3 +292,40 @@ def test_a_truncated_answer_segment_fails_the_round_clearly_and_leaves_nothing(m
         monkeypatch.setattr(grpc_transport.shared_memory, "open_segment", original)
         result, rep = fleet.run(PROTO, *_args(), report=True)  # the next round is whole
         assert rep.shared_up > 0 and not os.listdir(directory.path)
+
+
+def test_a_device_whose_launcher_is_gone_removes_the_directory():
+    import subprocess
+    import sys
+
+    from fax_bridge.fleet import security
+
+    directory = shm.SharedDir.create()
+    launcher = (
+        "import os, subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'fax_bridge.fleet.device_cli',\n"
+        "    '--parent-pid', str(os.getpid()), '--shared-memory', sys.argv[1]],\n"
+        "    stdout=subprocess.PIPE, start_new_session=True)\n"
+        "p.stdout.readline()\n"  # listening: then this launcher dies without cleaning up
+        "print(p.pid, flush=True)\n"
+        "os._exit(0)\n")
+    try:
+        done = subprocess.run([sys.executable, "-c", launcher, directory.path],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, security.TOKEN_ENV: security.new_token()})
+        pid = int(done.stdout.split()[0])
+        deadline = time.monotonic() + 30
+        while os.path.exists(directory.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(directory.path)
+    finally:
+        directory.remove()
+    for _ in range(200):  # the device exits by itself once its launcher is gone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("the device outlived its launcher")
