@@ -329,3 +329,17 @@ def test_a_device_whose_launcher_is_gone_removes_the_directory():
     else:
         os.kill(pid, 9)
         raise AssertionError("the device outlived its launcher")
+
+
+def test_a_device_without_the_directory_refuses_shared_payloads(monkeypatch):
+    with LocalFleet(devices=1, shared_memory=False) as fleet:
+        directory = shm.SharedDir.create()
+        try:
+            fleet.backend.shared_memory = directory
+            assert not fleet.backend.shares_memory(0)  # it reported no directory
+            monkeypatch.setattr(fleet.backend, "shares_memory", lambda index: True)
+            with pytest.raises(FleetError, match="started without --shared-memory"):
+                fleet.run(PROTO, *_args())
+            assert not os.listdir(directory.path)
+        finally:
+            directory.remove()

@@ -181,7 +181,13 @@ class GrpcTransport:
             if writer.length:
                 name, generation = shared.new_name("b")
                 segments[-1] = (name, generation)
-                segment_ref = writer.write(shared, name, generation)
+                try:
+                    segment_ref = writer.write(shared, name, generation)
+                except OSError as e:
+                    raise FleetError(
+                        f"cannot write the broadcast's shared-memory segment in "
+                        f"{shared.path}: {e.strerror}; free memory there, or start the "
+                        "fleet with shared_memory=False") from None
             broadcast = _broadcast_field(encoded)
             broadcasts.update((d, broadcast) for d in sharing)
         if len(sharing) < len(layout):
