@@ -9,7 +9,10 @@ size (d*d parameters, d = round(sqrt(params))) it times, each path in a fresh pr
 - jit: the program under `jax.jit`;
 - runtime: the exported proto on `runtime.run_computation` (the in-process backend);
 - fleet: the exported proto on `LocalFleet(devices=K)` (a round by plan), with the
-  round report's wire bytes up and down and their payload, per parameter.
+  round report's bytes up and down per parameter (gRPC messages and the payload that
+  went through shared memory together, and the shared-memory part of them apart);
+- fleet-grpc: the same fleet with `shared_memory=False`, every payload over gRPC (what
+  remote devices get), for comparison (not run unless named in `--paths`).
 
 With `--model mlp` the round is instead `benchmarks/model_parallel.py`'s: a two-layer MLP
 (`w1: [width, 3 width]`, `b1`, `w2: [3 width, width]`, `b2`; `mlp_width` picks the
@@ -204,19 +207,25 @@ def measure(path: str, params: int, rounds: int, devices: int,
                 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
                 from round_profile import shim_script  # noqa: E402  (a sibling script)
                 kwargs["python"] = shim_script(profile_dir, __file__)
+            kwargs["shared_memory"] = path != "fleet-grpc"
             with fb.LocalFleet(devices=devices, **kwargs) as fleet:
                 times, cpus = _times(lambda: fleet.run(proto, *args), rounds, prof,
                                      tuple(fleet.pids))
                 rep = fleet.last_report
+                # Bytes moved: gRPC messages plus the payload shared memory carried.
+                up, down = rep.bytes_up + rep.shared_up, rep.bytes_down + rep.shared_down
                 row.update(bytes_up=rep.bytes_up, bytes_down=rep.bytes_down,
                            payload_up=rep.payload_up, payload_down=rep.payload_down,
-                           up_bytes_per_param_per_device=rep.bytes_up / devices / count,
-                           down_bytes_per_param_per_device=rep.bytes_down / devices / count,
+                           shared_up=rep.shared_up, shared_down=rep.shared_down,
+                           up_bytes_per_param_per_device=up / devices / count,
+                           down_bytes_per_param_per_device=down / devices / count,
+                           shared_share_up=rep.shared_up / up if up else 0.0,
                            device_peak_rss_mb=[round(peak_rss_mb(str(p)), 1)
                                                for p in fleet.pids])
     row.update(seconds=statistics.median(times), all_seconds=[round(t, 4) for t in times],
                cpu_seconds=statistics.median(cpus),
-               peak_rss_mb=round(peak_rss_mb(), 1), devices=devices if path == "fleet" else 0)
+               peak_rss_mb=round(peak_rss_mb(), 1),
+               devices=devices if path.startswith("fleet") else 0)
     del np
     return row
 
@@ -268,10 +277,12 @@ def _print(rows: list) -> None:
     by = {}
     for r in rows:
         by.setdefault(r["params"], {})[r["path"]] = r
+    grpc = any("fleet-grpc" in paths for paths in by.values())
     print("| params | jit s | runtime s | fleet s | runtime/jit | fleet/jit | CPU s jit / "
-          "runtime / fleet | up B/param/dev | down B/param/dev | RSS MB jit / runtime / "
-          "coordinator / devices |")
-    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
+          "runtime / fleet | up B/param/dev (shared memory) | down B/param/dev | RSS MB "
+          "jit / runtime / coordinator / devices |"
+          + (" fleet-grpc s (CPU s) |" if grpc else ""))
+    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---|" + ("---:|" if grpc else ""))
     for params, paths in sorted(by.items()):
         def s(p: str) -> Any:
             return paths.get(p, {}).get("seconds")
@@ -289,7 +300,10 @@ def _print(rows: list) -> None:
         print(f"| {params:,} | {fmt(s('jit'))} | {fmt(s('runtime'))} | {fmt(s('fleet'))} "
               f"| {ratio('runtime')} | {ratio('fleet')} | {cpu} "
               f"| {fleet.get('up_bytes_per_param_per_device', float('nan')):.2f} "
-              f"| {fleet.get('down_bytes_per_param_per_device', float('nan')):.2f} | {rss} |",
+              f"({fleet.get('shared_share_up', 0.0):.0%}) "
+              f"| {fleet.get('down_bytes_per_param_per_device', float('nan')):.2f} | {rss} |"
+              + (f" {fmt(s('fleet-grpc'))} "
+                 f"({fmt(paths.get('fleet-grpc', {}).get('cpu_seconds'))}) |" if grpc else ""),
               flush=True)
 
 

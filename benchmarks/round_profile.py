@@ -64,7 +64,8 @@ def _device_shim(argv: list[str]) -> None:
     """Installs the device timers, then runs `python -m fax_bridge.fleet.device_cli ...`."""
     import runpy
 
-    from fax_bridge.fleet import device, device_round, partials, round_split, wire
+    from fax_bridge.fleet import (device, device_round, partials, round_split,
+                                  shared_memory, wire)
     from fax_bridge.runtime import aggregation, client_map
 
     log: list = []
@@ -75,6 +76,7 @@ def _device_shim(argv: list[str]) -> None:
     _timed(client_map, "map_clients_stacked", log, "of which the XLA call (all clients)")
     _timed(aggregation, "partial_of_columns", log, "of which the partial sums (float64)")
     _timed(partials, "to_message", log, "encode the partials")
+    _timed(shared_memory.Writer, "write", log, "write the answer's shared-memory segment")
     path = os.path.join(os.environ[PROFILE_DIR_ENV], f"device_{os.getpid()}.jsonl")
     original = device_round.run_round
 
@@ -104,6 +106,10 @@ def _coordinator_timers(log: list) -> None:
     _timed(engine, "plan_round", log, "sample the cohort")
     _timed(grpc_transport, "_streams", log, "build the requests")
     _timed(grpc_transport.wire, "to_message", log, "encode the broadcast")
+    _timed(grpc_transport.shared_memory.Writer, "write", log,
+           "write the broadcast's shared-memory segment")
+    _timed(grpc_transport.shared_memory, "open_segment", log,
+           "map the answers' shared-memory segments")
     _timed(coordinator.GrpcClientsBackend, "call_each", log, "RPCs (call_each)")
     _timed(engine.validate, "check_partial", log, "check and decode the partials")
     _timed(engine.validate, "check_pending", log, "check and decode the partials")

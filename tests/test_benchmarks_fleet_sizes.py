@@ -42,3 +42,14 @@ def test_sizes_mlp_model_runs_model_parallels_round():
     assert row["model"] == "mlp" and row["d"] == 20
     assert row["params"] == 6 * 20 * 20 + 4 * 20  # w1, b1, w2, b2 at hidden = 3 width
     assert row["seconds"] > 0 and row["peak_rss_mb"] > 0
+
+
+def test_fleet_bytes_count_shared_memory_and_the_grpc_path_apart():
+    sizes = _module()
+    shared, grpc = (sizes.measure(path, 40_000, 1, 1, None) for path in ("fleet", "fleet-grpc"))
+    # Above the cut, the partials go through shared memory: counted as moved bytes.
+    assert shared["shared_up"] > 0.9 * shared["payload_up"] and shared["shared_share_up"] > 0.9
+    assert grpc["shared_up"] == grpc["shared_down"] == 0 and grpc["shared_share_up"] == 0
+    assert shared["payload_up"] == grpc["payload_up"]
+    for row in (shared, grpc):
+        assert 8 <= row["up_bytes_per_param_per_device"] < 9

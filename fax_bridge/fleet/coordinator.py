@@ -83,6 +83,8 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
       max_message_bytes: cap on every gRPC message, each direction.
       reject_nonfinite: refuse NaN/inf in device answers (default: they propagate, as
         on the local path).
+      shared_memory: a `shared_memory.SharedDir` for devices on this host that report
+        it (see `DevicePool`).
     """
 
     def __init__(self, addresses: Sequence[str], *, preaggregate: bool = True,
@@ -90,10 +92,10 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
                  message_bytes: int = 4 << 20, token: Optional[str] = None,
                  tls: Optional[security.TlsConfig] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 reject_nonfinite: bool = False):
+                 reject_nonfinite: bool = False, shared_memory=None):
         super().__init__(addresses, rpc_timeout_s=rpc_timeout_s,
                          connect_timeout_s=connect_timeout_s, token=token, tls=tls,
-                         max_message_bytes=max_message_bytes)
+                         max_message_bytes=max_message_bytes, shared_memory=shared_memory)
         self.preaggregate = preaggregate
         self.message_bytes = int(message_bytes)
         self.reject_nonfinite = bool(reject_nonfinite)

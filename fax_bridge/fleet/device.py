@@ -41,6 +41,7 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import DataError, FaxBridgeError, FleetError
 from fax_bridge.fleet import memory, partials, wire
+from fax_bridge.fleet.shared_memory import SharedDir
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import aggregation
 from fax_bridge.fleet.protocol import (DEFAULT_FETCH_BYTES, DEFAULT_MAX_CALL_SECONDS,
@@ -116,8 +117,11 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                  population_name: Optional[str] = None, *,
                  max_clients: int = DEFAULT_MAX_CLIENTS,
                  max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
-                 max_delay_seconds: float = MAX_DELAY_SECONDS):
+                 max_delay_seconds: float = MAX_DELAY_SECONDS,
+                 shared_memory: Optional[str] = None):
         self.device_id = device_id
+        # The launcher's directory of shared-memory segments (`--shared-memory`), if any.
+        self.shared_memory = None if shared_memory is None else SharedDir(shared_memory)
         self.max_stored_bytes = int(max_stored_bytes)
         self.max_clients = int(max_clients)
         self.max_call_seconds = float(max_call_seconds)
@@ -233,7 +237,9 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 population_name=self.population_name,
                 population_clients=(self.population.num_clients
                                     if self.population is not None else 0),
-                population_digest=self.population_digest)
+                population_digest=self.population_digest,
+                shared_memory_dir=(self.shared_memory.path
+                                   if self.shared_memory is not None else ""))
 
     @_rpc
     def Load(self, request, context):

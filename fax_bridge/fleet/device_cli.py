@@ -40,7 +40,8 @@ def _run(args: argparse.Namespace) -> int:
                      max_concurrent_calls=args.max_concurrent_calls,
                      idle_timeout_s=args.idle_timeout_s,
                      max_call_seconds=args.max_call_seconds,
-                     max_delay_seconds=args.max_delay_seconds)
+                     max_delay_seconds=args.max_delay_seconds,
+                     shared_memory=args.shared_memory)
     except FleetError as e:
         print(f"fax-bridge device: {e}", file=sys.stderr)
         return 2
@@ -97,6 +98,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--population-name", default=None,
                         help="the name runs use for --population (default: its directory's "
                              "base name)")
+    parser.add_argument("--shared-memory", default=None, metavar="DIR",
+                        help="a directory (mode 0700, this user's) of shared-memory "
+                             "segments through which a coordinator on this host passes "
+                             "large payloads; LocalFleet gives its devices one")
     parser.add_argument("--log-level", default="warning", type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"),
                         help="stderr log level")

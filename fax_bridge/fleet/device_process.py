@@ -213,7 +213,8 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
           max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
           idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
           max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
-          max_delay_seconds: float = MAX_DELAY_SECONDS) -> int:
+          max_delay_seconds: float = MAX_DELAY_SECONDS,
+          shared_memory: Optional[str] = None) -> int:
     """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
 
     On SIGTERM, waits (Map delays) end at once and long calls stop between clients; the
@@ -222,6 +223,8 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
     Without a `token` the device refuses to start unless `allow_no_auth` is set.
     `population`: a directory written by `write_population` whose clients this device
     reads by id (named `population_name`, by default the directory's base name).
+    `shared_memory`: the launcher's directory of shared-memory segments (`LocalFleet`
+    gives one to the devices it starts); removed on exit when the launcher is gone.
     """
     if not token:
         if not allow_no_auth:
@@ -235,7 +238,8 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
     servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes,
                               population=population, population_name=population_name,
                               max_clients=max_clients, max_call_seconds=max_call_seconds,
-                              max_delay_seconds=max_delay_seconds)
+                              max_delay_seconds=max_delay_seconds,
+                              shared_memory=shared_memory)
     server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
                                 allow_remote=allow_remote, max_message_bytes=max_message_bytes,
                                 max_connections=max_connections,
@@ -258,4 +262,6 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
         pass
     servicer.stopping.set()
     server.stop(grace=1.0).wait(5.0)
+    if servicer.shared_memory is not None and parent_pid and os.getppid() != parent_pid:
+        servicer.shared_memory.remove()  # its coordinator cannot any more
     return 0

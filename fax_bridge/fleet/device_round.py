@@ -7,7 +7,9 @@ device hosts). The client part runs on <broadcast, member> for each client, in o
 (`runtime.client_map`: one XLA call for all of them where it can), and each
 aggregation's exact partial over those clients is the answer (`runtime.aggregation`,
 `fleet.partials`). Nothing stays stored on the device. `RoundOnce` serves a request of
-one message by the same code, as a stream of that one message.
+one message by the same code, as a stream of that one message. A device started with
+`--shared-memory` reads a broadcast the coordinator put in a segment, and writes its
+answer's large payloads in the segment the request names (`shared_memory`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import time
 
 import grpc
 
-from fax_bridge.fleet import partials, round_split, wire
+from fax_bridge.errors import FleetError
+from fax_bridge.fleet import partials, round_split, shared_memory, wire
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import client_map
 from fax_bridge.v1 import device_pb2 as pb
@@ -42,7 +45,12 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
         kinds.append(kind)
     if reads:
         _, members = device.read_store(reads)
-    sent = wire.decode_value(head.broadcast)
+    sent = wire.decode_value(head.broadcast, segment=_broadcast_segment(device, head, method))
+    writer = None
+    if head.HasField("answer_segment"):
+        _shared_dir(device, method)
+        shared_memory.check_name(head.answer_segment.name, method)
+        writer = shared_memory.Writer()
     with device.computing:
         start = time.perf_counter()
         clock = time.monotonic()
@@ -57,8 +65,39 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
         found = round_split.client_partials(fn, head.computation_hash, sent, members, specs, guard)
         answer = pb.RoundResponse(num_clients=len(members))
         for partial in found:
-            partials.to_message(partial, answer.partials.add())
+            partials.to_message(partial, answer.partials.add(), writer)
+        del found
+        if writer is not None and writer.length:
+            try:
+                answer.segment.CopyFrom(writer.write(
+                    device.shared_memory, head.answer_segment.name,
+                    head.answer_segment.generation))
+            except OSError as e:
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{method}: cannot write shared-memory segment "
+                               f"{head.answer_segment.name}: {e.strerror}") from None
         answer.compute_seconds = time.perf_counter() - start
     if delay > 0 and device.stopping.wait(delay):
         raise RpcError(grpc.StatusCode.UNAVAILABLE, f"{method}: the device is shutting down")
     return answer
+
+
+def _shared_dir(device, method: str) -> shared_memory.SharedDir:
+    """The device's shared-memory directory, else FAILED_PRECONDITION."""
+    if device.shared_memory is None:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"{method}: the request passes payloads through shared memory, but "
+                       "this device was started without --shared-memory; send them in "
+                       "the message")
+    return device.shared_memory
+
+
+def _broadcast_segment(device, head: pb.RoundRequest, method: str):
+    """The mapped segment of the request's broadcast, or None when it names none."""
+    if not head.HasField("broadcast_segment"):
+        return None
+    try:
+        return shared_memory.open_segment(_shared_dir(device, method), head.broadcast_segment,
+                                          f"{method}'s broadcast")
+    except FleetError as e:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None

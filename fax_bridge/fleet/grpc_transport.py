@@ -9,7 +9,11 @@ device's request that fits in one message (the head with its clients or their
 population ids, the common case) goes as one unary `RoundOnce` call instead, which
 costs less than a stream (`DevicePool.call_each`). Lost devices raise `DeviceLostError`
 as on the phase path, so rounds finish on the survivors the same way; token and TLS are
-the backend's channels.
+the backend's channels. Devices that share this host's memory with the coordinator
+(`DevicePool.shares_memory`: those `LocalFleet` started) get the broadcast's large
+tensors in one shared-memory segment written once for all of them, and put their
+partials' large payloads in a segment each (`shared_memory`); every segment of a round
+is removed when the round's calls end, however they end.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import partials, put_messages, wire
+from fax_bridge.fleet import partials, put_messages, shared_memory, wire
 from fax_bridge.fleet.engine import Answers, HolderAnswer
 from fax_bridge.fleet.round_split import RoundSplit
 from fax_bridge.fleet.pool import Serialized
@@ -104,10 +108,10 @@ def _round_messages(head: pb.RoundRequest, messages: Iterator,
 
 
 def _streams(backend, split: RoundSplit, inputs: list, layout, head_of,
-             broadcast: Optional[tuple] = None) -> dict:
-    """Each device's request stream: its head (with `broadcast`, see `_round_messages`),
-    then its clients (made as gRPC asks)."""
-    out = {}
+             broadcasts: Optional[dict] = None) -> dict:
+    """Each device's request stream: its head (with `broadcasts[index]`, see
+    `_round_messages`), then its clients (made as gRPC asks)."""
+    out, broadcasts = {}, broadcasts or {}
     if isinstance(inputs[0], PopulationRef):
         ref = inputs[0]
         type_bytes, keys = _store_member(split, inputs)
@@ -120,13 +124,13 @@ def _streams(backend, split: RoundSplit, inputs: list, layout, head_of,
             reads = put_messages.store_reads(0, ids[clients.start:clients.stop],
                                              clients.start, type_bytes, keys, ref.name or "")
             out[index] = put_messages.stream(
-                _round_messages(head_of(index), iter(reads), broadcast), "Round")
+                _round_messages(head_of(index), iter(reads), broadcasts.get(index)), "Round")
         return out
     members = _Members(inputs)
     for index, clients in layout:
         puts = put_messages.client_values(0, clients, members, backend.message_bytes)
-        out[index] = put_messages.stream(_round_messages(head_of(index), puts, broadcast),
-                                         "Round")
+        out[index] = put_messages.stream(
+            _round_messages(head_of(index), puts, broadcasts.get(index)), "Round")
     return out
 
 
@@ -150,16 +154,46 @@ class GrpcTransport:
         self.traffic = backend.traffic
 
     def run_clients(self, split: RoundSplit, sent: structure.Struct) -> Answers:
-        backend, delays = self.backend, self.delays
+        backend = self.backend
         layout = backend.layout(self.num_clients)
-        blocks = dict(layout)
         key = backend.ensure_loaded(split.client_part, [d for d, _ in layout],
                                     split.client_part_hash)
-        encoded = wire.to_message(structure.Struct([(None, as_numpy(v)) for v in sent]))
-        broadcast = (wire.message_field(pb.RoundRequest.BROADCAST_FIELD_NUMBER,
-                                        encoded.SerializeToString()),
-                     wire.payload_bytes(encoded))
-        del encoded  # only its bytes travel
+        shared = backend.shared_memory
+        sharing = {d for d, _ in layout if backend.shares_memory(d)}
+        segments = {}  # device index -> its answer segment's (name, generation)
+        try:
+            return self._run(split, sent, layout, key, shared, sharing, segments)
+        finally:  # answered, failed or lost: no segment of this round outlives it
+            for name in segments.values():
+                shared.unlink(name[0])
+
+    def _run(self, split: RoundSplit, sent: structure.Struct, layout, key: str,
+             shared, sharing: set, segments: dict) -> Answers:
+        """`run_clients` once the client part is loaded; `segments` collects the names of
+        the segments made for the round (the caller removes them)."""
+        backend, delays = self.backend, self.delays
+        blocks = dict(layout)
+        value = structure.Struct([(None, as_numpy(v)) for v in sent])
+        broadcasts, segment_ref = {}, None
+        if sharing:
+            writer = shared_memory.Writer()
+            encoded = wire.to_message(value, writer)
+            if writer.length:
+                name, generation = shared.new_name("b")
+                segments[-1] = (name, generation)
+                try:
+                    segment_ref = writer.write(shared, name, generation)
+                except OSError as e:
+                    raise FleetError(
+                        f"cannot write the broadcast's shared-memory segment in "
+                        f"{shared.path}: {e.strerror}; free memory there, or start the "
+                        "fleet with shared_memory=False") from None
+            broadcast = _broadcast_field(encoded)
+            broadcasts.update((d, broadcast) for d in sharing)
+        if len(sharing) < len(layout):
+            broadcast = _broadcast_field(wire.to_message(value))
+            broadcasts.update((d, broadcast) for d, _ in layout if d not in sharing)
+        del value
         specs = []
         for agg in split.aggregations:
             spec = pb.RoundAggregation(kind=partials.KIND_TO_ENUM[agg.kind],
@@ -177,10 +211,16 @@ class GrpcTransport:
                 mine = delays[clients.start:min(clients.stop, len(delays))]
                 delay = float(mine.max()) if mine.size else 0.0
             longest = max(longest, delay)
-            return pb.RoundRequest(computation_hash=key, aggregations=specs,
+            head = pb.RoundRequest(computation_hash=key, aggregations=specs,
                                    delay_seconds=delay)
+            if index in sharing:
+                if segment_ref is not None:
+                    head.broadcast_segment.CopyFrom(segment_ref)
+                name, generation = segments[index] = shared.new_name("a")
+                head.answer_segment.name, head.answer_segment.generation = name, generation
+            return head
 
-        streams = _streams(backend, split, self.inputs, layout, head_of, broadcast)
+        streams = _streams(backend, split, self.inputs, layout, head_of, broadcasts)
         answers = backend.call_each("Round", streams,
                                     timeout=backend.rpc_timeout_s + longest, once="RoundOnce")
         out = []
@@ -193,6 +233,26 @@ class GrpcTransport:
                     f"{where} answered a round for {answer.num_clients} clients with "
                     f"{len(answer.partials)} partials; it was sent {len(clients)} clients "
                     f"and {len(split.aggregations)} aggregations")
-            out.append(HolderAnswer(where, len(clients), list(answer.partials),
-                                    answer.compute_seconds))
+            segment = None
+            if answer.HasField("segment"):
+                if index not in sharing:
+                    raise FleetError(f"{where} answered through shared-memory segment "
+                                     f"{answer.segment.name[:40]!r}, which it was not asked "
+                                     "to use")
+                segment = shared_memory.open_segment(shared, answer.segment, where,
+                                                     unlink=True, expect=segments[index])
+                self.traffic.shared_up += segment.length
+            if index in sharing and segment_ref is not None:
+                self.traffic.shared_down += segment_ref.length
+            out.append(HolderAnswer(
+                where, len(clients),
+                [shared_memory.view_partial(p, segment, where) for p in answer.partials],
+                answer.compute_seconds))
         return Answers(out)
+
+
+def _broadcast_field(encoded: pb.Value) -> tuple:
+    """(The request's `broadcast` field holding `encoded`, serialized; its payload bytes),
+    made once for every device it goes to and appended to each head's bytes."""
+    return (wire.message_field(pb.RoundRequest.BROADCAST_FIELD_NUMBER,
+                               encoded.SerializeToString()), wire.payload_bytes(encoded))

@@ -9,6 +9,9 @@ process group; the fleet reads the port each one prints, waits for Health, and o
 (normal, exception or Ctrl-C) stops every process: SIGTERM to the group, SIGKILL after a
 grace period. An atexit hook covers interpreters that exit without leaving the `with`
 block, and each device also exits by itself when its launching process is gone.
+Rounds pass large payloads (the broadcast, the devices' partials) through a
+shared-memory directory the fleet makes and removes (`shared_memory`), since its
+devices run on this host; `shared_memory=False` sends them over gRPC.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Optional, Union
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
+from fax_bridge.fleet import shared_memory as shm
 from fax_bridge.fleet.rounds import RoundPolicy, resolve_policy
 from fax_bridge.fleet.session import FleetRounds
 from fax_bridge.runtime import population as pop
@@ -96,6 +100,11 @@ class LocalFleet(FleetRounds):
         CPUs), so that devices on one machine do not run their XLA threads on each
         other's cores; False leaves placement to the operating system. Linux only
         (ignored elsewhere, and with one CPU).
+      shared_memory: pass rounds' large payloads (the broadcast, the devices' partials)
+        through shared-memory segments in a directory of this fleet under /dev/shm
+        instead of over gRPC (default; the devices run on this host); False sends
+        every payload over gRPC, as to remote devices. Ignored where there is no
+        /dev/shm. The round report says which bytes went which way (`shared_up`).
     """
 
     def __init__(self, devices: int = 2, *, policy: Optional[RoundPolicy] = None,
@@ -112,7 +121,7 @@ class LocalFleet(FleetRounds):
                  max_stored_bytes: Optional[int] = None,
                  population: Optional[Union[str, os.PathLike]] = None,
                  population_name: Optional[str] = None, share_cpus: bool = True,
-                 **policy_fields: Any):
+                 shared_memory: bool = True, **policy_fields: Any):
         if devices < 1:
             raise FleetError(f"devices={devices}; a fleet needs at least one device")
         super().__init__(
@@ -146,6 +155,8 @@ class LocalFleet(FleetRounds):
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
         self._cpus = cpu_shares(self.num_devices) if share_cpus else [None] * self.num_devices
+        self._use_shared_memory = bool(shared_memory) and shm.available()
+        self._shared: Optional[shm.SharedDir] = None
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -165,6 +176,8 @@ class LocalFleet(FleetRounds):
         with _live_lock:
             _live.add(self)
         try:
+            if self._use_shared_memory:
+                self._shared = shm.SharedDir.create()
             self._spawn()
             self.addresses = self._read_ports(time.monotonic() + self.startup_timeout_s)
             self._proc_addresses = list(self.addresses)
@@ -175,7 +188,8 @@ class LocalFleet(FleetRounds):
         return self
 
     def _backend_options(self) -> dict:
-        options = dict(token=self._token, tls=self._coordinator_tls)
+        options = dict(token=self._token, tls=self._coordinator_tls,
+                       shared_memory=self._shared)
         if self._max_message_bytes is not None:
             options["max_message_bytes"] = self._max_message_bytes
         return options
@@ -206,6 +220,8 @@ class LocalFleet(FleetRounds):
         if self._population_dir is not None:
             command += ["--population", self._population_dir,
                         "--population-name", self.population_name]
+        if self._shared is not None:
+            command += ["--shared-memory", self._shared.path]
         return command
 
     def _popen(self, index: int, env: dict) -> subprocess.Popen:
@@ -332,6 +348,8 @@ class LocalFleet(FleetRounds):
             log.close()
         if not self._keep_logs and self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
+        if self._shared is not None:
+            self._shared.remove()
         with _live_lock:
             _live.discard(self)
 

@@ -6,7 +6,9 @@ send them with `to_message`; the coordinator reads them with `validate.check_par
 client order. `from_message` decodes a trusted message. Exact sums travel as their
 integer limbs, or as float64 values where those hold them exactly (`doubles`, with the
 few elements whose float64 sum would not be exact as limbs beside them, `spilled`), so
-nothing is rounded before the coordinator finishes the aggregate.
+nothing is rounded before the coordinator finishes the aggregate. With a
+`shared_memory.Writer`, `to_message` puts the large bytes fields in a shared-memory
+segment instead (their `*_at` spans set, the fields empty).
 """
 
 from __future__ import annotations
@@ -38,29 +40,37 @@ ENUM_TO_KIND = {v: k for k, v in KIND_TO_ENUM.items()}
 # Wire form
 
 
-def _limbs_message(acc: ExactSum, out: pb.LeafPartial) -> None:
+def _put(out: pb.LeafPartial, field: str, array: np.ndarray, shared) -> None:
+    """Sets bytes field `field` to `array`'s bytes, or its span in `shared`'s segment."""
+    if shared is not None and shared.takes(array.nbytes):
+        shared.span(array, getattr(out, f"{field}_at"))
+    else:
+        setattr(out, field, array.tobytes())
+
+
+def _limbs_message(acc: ExactSum, out: pb.LeafPartial, shared=None) -> None:
     base, limbs, flags = acc.to_limbs()
     out.base_limb = base
     out.num_limbs = limbs.shape[0]
-    out.limbs = np.ascontiguousarray(limbs, "<i8").tobytes()
+    _put(out, "limbs", np.ascontiguousarray(limbs, "<i8"), shared)
     if flags is not None:
-        out.nonfinite = flags.tobytes()
+        _put(out, "nonfinite", np.ascontiguousarray(flags, np.uint8), shared)
 
 
-def _leaf_message(leaf, out: pb.LeafPartial) -> None:
+def _leaf_message(leaf, out: pb.LeafPartial, shared=None) -> None:
     if isinstance(leaf, DoubleSum):
         out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
-        out.doubles = np.ascontiguousarray(leaf.values, "<f8").tobytes()
+        _put(out, "doubles", np.ascontiguousarray(leaf.values, "<f8"), shared)
         if leaf.cols.size:
-            out.spilled = np.ascontiguousarray(leaf.cols, "<i8").tobytes()
-            _limbs_message(leaf.rest, out)
+            _put(out, "spilled", np.ascontiguousarray(leaf.cols, "<i8"), shared)
+            _limbs_message(leaf.rest, out, shared)
     elif isinstance(leaf, ExactSum):
         out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
-        _limbs_message(leaf, out)
+        _limbs_message(leaf, out, shared)
     else:
-        wire.encode_tensor(leaf, out.extreme)
+        wire.encode_tensor(leaf, out.extreme, shared)
 
 
 def leaf_from_message(kind: str, message: pb.LeafPartial, doubles: Optional[bytes] = None,
@@ -94,17 +104,18 @@ def _limbs_of(dtype: np.dtype, shape: tuple, message: pb.LeafPartial, limbs: byt
                                np.frombuffer(flags, np.uint8) if flags else None)
 
 
-def to_message(partial: Partial,
-               out: Optional[pb.AggregateResponse] = None) -> pb.AggregateResponse:
+def to_message(partial: Partial, out: Optional[pb.AggregateResponse] = None,
+               shared=None) -> pb.AggregateResponse:
     """The partial as an `AggregateResponse`: written into `out` (an empty one, e.g.
-    a new element of a repeated field, so nothing is copied) or a new message."""
+    a new element of a repeated field, so nothing is copied) or a new message. `shared`:
+    a `shared_memory.Writer` that takes the large bytes fields (their spans are set)."""
     if out is None:
         out = pb.AggregateResponse()
     out.num_clients = partial.count
     for leaf in partial.leaves:
-        _leaf_message(leaf, out.leaves.add())
+        _leaf_message(leaf, out.leaves.add(), shared)
     if partial.weights is not None:
-        _leaf_message(partial.weights, out.weight_leaves.add())
+        _leaf_message(partial.weights, out.weight_leaves.add(), shared)
     return out
 
 

@@ -44,8 +44,11 @@ class Traffic:
     """Bytes and RPCs between the coordinator and its devices.
 
     `down`: coordinator to devices (placing data, broadcasts, computations, requests);
-    `up`: devices to coordinator (results, partials, acknowledgements). `*_payload`
-    counts only array data inside those messages; the rest is protocol overhead.
+    `up`: devices to coordinator (results, partials, acknowledgements). `bytes_*`
+    counts gRPC messages as framed on the wire; `payload_*` counts the array data a
+    round moved, in those messages or through shared memory; `shared_*` counts the
+    part of the payload that went through shared-memory segments instead of the wire
+    (`shared_memory`: a segment's data bytes, once per device that read or wrote it).
     """
 
     bytes_down: int = 0
@@ -54,6 +57,8 @@ class Traffic:
     payload_up: int = 0
     rpcs: int = 0
     compute_seconds: float = 0.0
+    shared_down: int = 0
+    shared_up: int = 0
 
     def __sub__(self, other: "Traffic") -> "Traffic":
         return Traffic(*(getattr(self, f.name) - getattr(other, f.name)
@@ -75,6 +80,7 @@ class _Device:
             self.channel = grpc.insecure_channel(address, options=options)
         self.stub = _counting_stub(self.channel, count)
         self.missing: set[str] = set()  # unary methods it answered UNIMPLEMENTED
+        self.shared_dir = ""  # the shared-memory directory its Health reported
 
 
 _UNCOUNTED = ("Health",)  # connection checks: no part of any round's traffic
@@ -222,16 +228,21 @@ class DevicePool:
       token: the fleet token sent with every call (see `security`); None sends none.
       tls: mutual TLS (`security.TlsConfig`); None uses plaintext channels.
       max_message_bytes: cap on every gRPC message, each direction.
+      shared_memory: this coordinator's `shared_memory.SharedDir`, through which devices
+        that report it in Health (those `LocalFleet` started) get large payloads;
+        None sends every payload over gRPC.
     """
 
     def __init__(self, addresses: Sequence[str], *, rpc_timeout_s: float = 60.0,
                  connect_timeout_s: float = 30.0, token: Optional[str] = None,
                  tls: Optional[security.TlsConfig] = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 shared_memory=None):
         if not addresses:
             raise FleetError(f"{type(self).__name__} needs at least one device address")
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.traffic = Traffic()
+        self.shared_memory = shared_memory
         self._traffic_lock = threading.Lock()
         self._tls = tls
         self._options = grpc_options(max_message_bytes)
@@ -254,6 +265,11 @@ class DevicePool:
     @property
     def num_devices(self) -> int:
         return len(self._devices)
+
+    def shares_memory(self, index: int) -> bool:
+        """Whether device `index` reported this coordinator's shared-memory directory."""
+        return (self.shared_memory is not None
+                and self._devices[index].shared_dir == self.shared_memory.path)
 
     @property
     def active_devices(self) -> list[int]:
@@ -346,6 +362,7 @@ class DevicePool:
                 f"device {device.index} at {device.address} answered status "
                 f"{answer.status!r}, protocol {answer.protocol!r}; expected SERVING, "
                 f"{PROTOCOL}")
+        device.shared_dir = answer.shared_memory_dir
         return answer
 
     def probe(self, timeout_s: float) -> list[bool]:

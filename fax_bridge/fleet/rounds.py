@@ -91,7 +91,8 @@ class RoundPlan:
 
 
 # The report's names for its traffic counters (`compute_s` is `Traffic.compute_seconds`).
-_COUNTERS = ("compute_s", "bytes_down", "bytes_up", "payload_down", "payload_up", "rpcs")
+_COUNTERS = ("compute_s", "bytes_down", "bytes_up", "payload_down", "payload_up", "rpcs",
+             "shared_down", "shared_up")
 
 
 def _counter(name: str) -> property:
@@ -105,8 +106,10 @@ class RoundReport:
     """What happened in one round on the fleet.
 
     `traffic` holds the bytes, RPCs and device compute of every try of the round
-    (`pool.Traffic`), also read as `bytes_down`, `bytes_up`, `payload_down`,
-    `payload_up`, `rpcs` and `compute_s` (its `compute_seconds`).
+    (`pool.Traffic`), also read as `bytes_down`, `bytes_up` (gRPC messages),
+    `payload_down`, `payload_up` (array data, however it went), `shared_down`,
+    `shared_up` (the payload that went through shared memory instead of gRPC), `rpcs`
+    and `compute_s` (its `compute_seconds`).
     `lost_devices` are devices that stopped answering during the round (addresses);
     `lost_clients` the participants they held, which the round then finished without.
     """
@@ -133,6 +136,8 @@ class RoundReport:
     payload_up = _counter("payload_up")
     rpcs = _counter("rpcs")
     compute_s = _counter("compute_seconds")
+    shared_down = _counter("shared_down")
+    shared_up = _counter("shared_up")
 
     def as_dict(self) -> dict:
         """The report as plain Python values (id sets as lists, delays as a dict, the
@@ -163,7 +168,9 @@ class RoundReport:
                 "devices" if self.lost_devices else "")
         return (f"round {self.round}: {len(self.participants)}/{len(self.cohort)} clients "
                 f"reported ({len(self.dropped)} dropped, {len(self.late)} late{lost}) in "
-                f"{self.wall_s:.3f}s; {self.bytes_down} B down, {self.bytes_up} B up")
+                f"{self.wall_s:.3f}s; {self.bytes_down} B down, {self.bytes_up} B up"
+                + (f" over gRPC, {self.shared_down} B down and {self.shared_up} B up "
+                   "through shared memory" if self.shared_down or self.shared_up else ""))
 
 
 def plan_round(policy: RoundPolicy, population: int, round_index: int) -> RoundPlan:

@@ -1,4 +1,10 @@
-"""Converts local values (numpy arrays, Structs of them) to and from fax_bridge.v1 messages."""
+"""Converts local values (numpy arrays, Structs of them) to and from fax_bridge.v1 messages.
+
+A tensor's bytes travel in its `data` field, or, between a coordinator and the devices
+it started on its host, in a shared-memory segment (`shared_memory`): encoding with a
+`shared_memory.Writer` places large tensors there and leaves a span (`data_at`) in the
+message; decoding with the mapped `shared_memory.Segment` reads them back.
+"""
 
 from __future__ import annotations
 
@@ -49,8 +55,10 @@ def dtype_from_name(name: str) -> np.dtype:
     return dtype
 
 
-def encode_tensor(array: np.ndarray, out: pb.Tensor) -> None:
-    """Fills `out` with `array`'s dtype, shape and raw little-endian bytes."""
+def encode_tensor(array: np.ndarray, out: pb.Tensor, shared=None) -> None:
+    """Fills `out` with `array`'s dtype, shape and raw little-endian bytes: in its
+    `data`, or in the segment `shared` (a `shared_memory.Writer`) gathers when it takes
+    arrays of this size (`data_at`)."""
     array = np.asarray(array)
     name = dtype_name(array.dtype)
     if array.dtype.kind in "OUSV" and name not in _ML_DTYPES:
@@ -61,11 +69,15 @@ def encode_tensor(array: np.ndarray, out: pb.Tensor) -> None:
         array = array.astype(array.dtype.newbyteorder("<"))
     out.dtype = name
     out.shape.extend(array.shape)
-    out.data = np.ascontiguousarray(array).tobytes()
+    if shared is not None and shared.takes(array.nbytes):
+        shared.span(array, out.data_at)
+    else:
+        out.data = np.ascontiguousarray(array).tobytes()
 
 
-def decode_tensor(message: pb.Tensor) -> np.ndarray:
-    """The array a `Tensor` message holds (read-only, sharing the message's bytes)."""
+def decode_tensor(message: pb.Tensor, segment=None) -> np.ndarray:
+    """The array a `Tensor` message holds (read-only, sharing the message's bytes, or
+    the mapped `segment`'s, a `shared_memory.Segment`, where its `data_at` says)."""
     dtype = dtype_from_name(message.dtype)
     shape = tuple(int(d) for d in message.shape)
     try:
@@ -73,6 +85,13 @@ def decode_tensor(message: pb.Tensor) -> np.ndarray:
     except ComputationError as e:
         raise FleetError(str(e)) from None
     data = message.data  # read once: each read copies the bytes
+    if message.HasField("data_at"):
+        if segment is None or len(data):
+            raise FleetError(
+                f"tensor of dtype {message.dtype} and shape {shape} refers to shared "
+                "memory, but " + ("also holds bytes; senders set one" if len(data) else
+                                  "its message names no segment"))
+        data = segment.bytes_of(message.data_at, "a tensor")
     if len(data) != expected:
         raise FleetError(
             f"tensor of dtype {message.dtype} and shape {shape} should hold {expected} "
@@ -81,8 +100,9 @@ def decode_tensor(message: pb.Tensor) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def encode_value(value: LocalValue, out: pb.Value) -> None:
-    """Fills `out` with a local value: a tensor, or a Struct encoded element by element."""
+def encode_value(value: LocalValue, out: pb.Value, shared=None) -> None:
+    """Fills `out` with a local value: a tensor, or a Struct encoded element by element
+    (`shared`: as in `encode_tensor`)."""
     if isinstance(value, structure.Struct):
         elements = out.struct.elements
         out.struct.SetInParent()
@@ -90,23 +110,23 @@ def encode_value(value: LocalValue, out: pb.Value) -> None:
             element = elements.add()
             if name is not None:
                 element.name = name
-            encode_value(member, element.value)
+            encode_value(member, element.value, shared)
     else:
-        encode_tensor(value, out.tensor)
+        encode_tensor(value, out.tensor, shared)
 
 
-def to_message(value: LocalValue) -> pb.Value:
-    """A new `Value` message holding `value`."""
+def to_message(value: LocalValue, shared=None) -> pb.Value:
+    """A new `Value` message holding `value` (`shared`: as in `encode_tensor`)."""
     message = pb.Value()
-    encode_value(value, message)
+    encode_value(value, message, shared)
     return message
 
 
-def decode_value(message: pb.Value, depth: int = 0) -> LocalValue:
-    """The local value a `Value` message holds."""
+def decode_value(message: pb.Value, depth: int = 0, segment=None) -> LocalValue:
+    """The local value a `Value` message holds (`segment`: as in `decode_tensor`)."""
     kind = message.WhichOneof("kind")
     if kind == "tensor":
-        return decode_tensor(message.tensor)
+        return decode_tensor(message.tensor, segment)
     if kind == "struct":
         if depth >= MAX_STRUCT_DEPTH:
             raise FleetError(f"a Value message nests structs deeper than {MAX_STRUCT_DEPTH}")
@@ -115,7 +135,7 @@ def decode_value(message: pb.Value, depth: int = 0) -> LocalValue:
         if len(set(named)) != len(named):
             raise FleetError(f"a Value struct repeats element names {sorted(named)[:8]}")
         return structure.Struct([
-            (n, decode_value(e.value, depth + 1))
+            (n, decode_value(e.value, depth + 1, segment))
             for n, e in zip(names, message.struct.elements)
         ])
     raise FleetError("a Value message holds neither a tensor nor a struct; the sender "

@@ -27,14 +27,34 @@ SECURE_SUM_BITWIDTH: Aggregation
 SECURE_SUM: Aggregation
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "data_at")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    DATA_AT_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    data_at: SharedSpan
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., data_at: _Optional[_Union[SharedSpan, _Mapping]] = ...) -> None: ...
+
+class SharedSpan(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class SharedSegment(_message.Message):
+    __slots__ = ("name", "generation", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    generation: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., generation: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Value(_message.Message):
     __slots__ = ("tensor", "struct")
@@ -71,7 +91,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "device_id", "pid", "protocol", "num_handles", "num_computations", "num_clients", "population_name", "population_clients", "population_digest")
+    __slots__ = ("status", "device_id", "pid", "protocol", "num_handles", "num_computations", "num_clients", "population_name", "population_clients", "population_digest", "shared_memory_dir")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +102,7 @@ class HealthResponse(_message.Message):
     POPULATION_NAME_FIELD_NUMBER: _ClassVar[int]
     POPULATION_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     POPULATION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_DIR_FIELD_NUMBER: _ClassVar[int]
     status: str
     device_id: str
     pid: int
@@ -92,7 +113,8 @@ class HealthResponse(_message.Message):
     population_name: str
     population_clients: int
     population_digest: str
-    def __init__(self, status: _Optional[str] = ..., device_id: _Optional[str] = ..., pid: _Optional[int] = ..., protocol: _Optional[str] = ..., num_handles: _Optional[int] = ..., num_computations: _Optional[int] = ..., num_clients: _Optional[int] = ..., population_name: _Optional[str] = ..., population_clients: _Optional[int] = ..., population_digest: _Optional[str] = ...) -> None: ...
+    shared_memory_dir: str
+    def __init__(self, status: _Optional[str] = ..., device_id: _Optional[str] = ..., pid: _Optional[int] = ..., protocol: _Optional[str] = ..., num_handles: _Optional[int] = ..., num_computations: _Optional[int] = ..., num_clients: _Optional[int] = ..., population_name: _Optional[str] = ..., population_clients: _Optional[int] = ..., population_digest: _Optional[str] = ..., shared_memory_dir: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("computation_hash", "computation")
@@ -209,7 +231,7 @@ class ZipResponse(_message.Message):
     def __init__(self, num_clients: _Optional[int] = ...) -> None: ...
 
 class LeafPartial(_message.Message):
-    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme", "nonfinite", "doubles", "spilled")
+    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme", "nonfinite", "doubles", "spilled", "limbs_at", "nonfinite_at", "doubles_at", "spilled_at")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BASE_LIMB_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +241,10 @@ class LeafPartial(_message.Message):
     NONFINITE_FIELD_NUMBER: _ClassVar[int]
     DOUBLES_FIELD_NUMBER: _ClassVar[int]
     SPILLED_FIELD_NUMBER: _ClassVar[int]
+    LIMBS_AT_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_AT_FIELD_NUMBER: _ClassVar[int]
+    DOUBLES_AT_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_AT_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     base_limb: int
@@ -228,7 +254,11 @@ class LeafPartial(_message.Message):
     nonfinite: bytes
     doubles: bytes
     spilled: bytes
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bytes] = ..., doubles: _Optional[bytes] = ..., spilled: _Optional[bytes] = ...) -> None: ...
+    limbs_at: SharedSpan
+    nonfinite_at: SharedSpan
+    doubles_at: SharedSpan
+    spilled_at: SharedSpan
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bytes] = ..., doubles: _Optional[bytes] = ..., spilled: _Optional[bytes] = ..., limbs_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., nonfinite_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., doubles_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., spilled_at: _Optional[_Union[SharedSpan, _Mapping]] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
     __slots__ = ("value", "kind", "weights", "bitwidth")
@@ -289,27 +319,33 @@ class RoundAggregation(_message.Message):
     def __init__(self, kind: _Optional[_Union[Aggregation, str]] = ..., value_index: _Optional[int] = ..., weight_index: _Optional[int] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("computation_hash", "broadcast", "aggregations", "values", "from_store", "delay_seconds")
+    __slots__ = ("computation_hash", "broadcast", "aggregations", "values", "from_store", "delay_seconds", "broadcast_segment", "answer_segment")
     COMPUTATION_HASH_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
     AGGREGATIONS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     computation_hash: str
     broadcast: Value
     aggregations: _containers.RepeatedCompositeFieldContainer[RoundAggregation]
     values: _containers.RepeatedCompositeFieldContainer[ClientValue]
     from_store: StoreRead
     delay_seconds: float
-    def __init__(self, computation_hash: _Optional[str] = ..., broadcast: _Optional[_Union[Value, _Mapping]] = ..., aggregations: _Optional[_Iterable[_Union[RoundAggregation, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., from_store: _Optional[_Union[StoreRead, _Mapping]] = ..., delay_seconds: _Optional[float] = ...) -> None: ...
+    broadcast_segment: SharedSegment
+    answer_segment: SharedSegment
+    def __init__(self, computation_hash: _Optional[str] = ..., broadcast: _Optional[_Union[Value, _Mapping]] = ..., aggregations: _Optional[_Iterable[_Union[RoundAggregation, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., from_store: _Optional[_Union[StoreRead, _Mapping]] = ..., delay_seconds: _Optional[float] = ..., broadcast_segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., answer_segment: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
 
 class RoundResponse(_message.Message):
-    __slots__ = ("partials", "num_clients", "compute_seconds")
+    __slots__ = ("partials", "num_clients", "compute_seconds", "segment")
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     partials: _containers.RepeatedCompositeFieldContainer[AggregateResponse]
     num_clients: int
     compute_seconds: float
-    def __init__(self, partials: _Optional[_Iterable[_Union[AggregateResponse, _Mapping]]] = ..., num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    segment: SharedSegment
+    def __init__(self, partials: _Optional[_Iterable[_Union[AggregateResponse, _Mapping]]] = ..., num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,326 @@
+"""Large payloads through shared memory between a coordinator and the devices it started.
+
+A `LocalFleet` makes one directory for its fleet (`SharedDir`, under /dev/shm: memory,
+not disk) and starts its devices with `--shared-memory DIR`; a device reports the
+directory in Health, and the coordinator passes a round's large payloads through it
+only to devices that report its own directory (`pool.DevicePool.shares_memory`). A
+round's broadcast goes in one segment the coordinator writes for all its devices; each
+device writes its partials' large bytes in a segment the coordinator named, and the
+answer carries spans (`SharedSpan`: offset, length) where it would carry bytes. Readers
+map a segment (`Segment`) and read arrays straight from the mapping: no gRPC transfer,
+no protobuf copy. Every other device (`RemoteFleet`'s, or one started without the
+directory) gets the same payloads in bytes fields, unchanged.
+
+A segment is a file: a 64-byte header (magic, the generation the coordinator picked,
+the data's length) and the data, each region 64-byte aligned. A segment that vanished,
+is truncated, or whose header does not repeat the expected generation and length is
+refused with a `FleetError` naming it, as is any span outside it; what the payloads
+hold is checked as wire bytes are (`validate`). The content carries no checksum: the
+directory is the coordinator's (mode 0700, same user) and its devices' alone.
+
+Clean-up: the coordinator unlinks each answer segment once it has mapped it, and every
+segment name it handed out when the round ends (answered, failed, device killed);
+`SharedDir.remove` deletes the directory when the fleet closes; a device whose
+launcher is gone removes it too; and a new `SharedDir` first removes directories left
+by coordinators that no longer run (killed before they could).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import re
+import secrets
+import shutil
+import struct
+from typing import Optional
+
+import numpy as np
+
+from fax_bridge.errors import FleetError
+from fax_bridge.v1 import device_pb2 as pb
+
+MAGIC = b"FAXSHM01"
+HEADER_BYTES = 64
+ALIGN = 64
+MIN_SHARED_BYTES = 64 << 10  # smaller payloads stay in the message: a span costs more
+ROOT = "/dev/shm"
+PREFIX = "fax-bridge-shm-"
+_HEADER = struct.Struct("<8sQQ")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+_IOV_MAX = 512
+
+
+def available() -> bool:
+    """Whether this host has a memory file system for segments (Linux's /dev/shm)."""
+    return os.path.isdir(ROOT) and os.access(ROOT, os.W_OK | os.X_OK)
+
+
+def check_name(name: str, what: str) -> str:
+    """`name` if it is a plain segment file name (no path), else FleetError."""
+    if not _NAME.match(name or ""):
+        raise FleetError(f"{what}: shared-memory segment name {name[:40]!r} is not a plain "
+                         "file name (letters, digits, '_', '.', '-')")
+    return name
+
+
+class SharedDir:
+    """A fleet's directory of segments (mode 0700), removed by `remove()`.
+
+    `SharedDir.create()` makes a new one under /dev/shm (first removing those of
+    coordinators that no longer run); `SharedDir(path)` names an existing one (a
+    device's `--shared-memory`), which must be a directory this user owns, closed to
+    others."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        try:
+            info = os.stat(self.path, follow_symlinks=False)
+        except OSError as e:
+            raise FleetError(f"shared-memory directory {path}: {e.strerror}; pass a "
+                             "directory made by the coordinator (LocalFleet does)") from None
+        if not os.path.isdir(self.path) or os.path.islink(self.path):
+            raise FleetError(f"shared-memory directory {path} is not a directory")
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise FleetError(f"shared-memory directory {path} must belong to this user "
+                             f"and be closed to others (mode 0700; it is "
+                             f"{info.st_mode & 0o777:o})")
+
+    @classmethod
+    def create(cls) -> "SharedDir":
+        sweep_stale()
+        path = os.path.join(ROOT, f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        os.mkdir(path, 0o700)
+        return cls(path)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def new_name(self, kind: str) -> tuple[str, int]:
+        """A fresh segment name and generation for a `kind` ('b', 'a') segment."""
+        return f"{kind}-{secrets.token_hex(8)}", secrets.randbits(64)
+
+    def unlink(self, name: str) -> None:
+        """Removes segment `name` if it is there."""
+        try:
+            os.unlink(self.file(name))
+        except FileNotFoundError:
+            pass
+
+    def remove(self) -> None:
+        """Deletes the directory and every segment in it (idempotent)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def sweep_stale(root: str = ROOT) -> list[str]:
+    """Removes directories of segments whose coordinator process no longer runs; returns
+    their paths."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Writer:
+    """Gathers the arrays of one segment (`span` for each), then writes them (`write`)."""
+
+    def __init__(self, min_bytes: int = MIN_SHARED_BYTES):
+        self.min_bytes = int(min_bytes)
+        self._arrays: list = []
+        self.length = 0
+
+    def takes(self, nbytes: int) -> bool:
+        """Whether a payload of `nbytes` goes in the segment (large enough to gain)."""
+        return nbytes >= self.min_bytes
+
+    def span(self, array: np.ndarray, out: pb.SharedSpan) -> None:
+        """Places `array`'s bytes (C order, as they are) in the segment; fills `out`."""
+        array = np.ascontiguousarray(array)
+        offset = -(-self.length // ALIGN) * ALIGN
+        out.offset, out.length = offset, array.nbytes
+        self._arrays.append((offset, array))
+        self.length = offset + array.nbytes
+
+    def write(self, directory: SharedDir, name: str, generation: int) -> pb.SharedSegment:
+        """Creates segment `name` (it must not exist) holding the arrays; removes it again
+        if writing fails. Returns its reference."""
+        check_name(name, "writing a segment")
+        path = directory.file(name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                     0o600)
+        try:
+            parts = [_HEADER.pack(MAGIC, generation, self.length).ljust(HEADER_BYTES, b"\0")]
+            at = 0
+            for offset, array in self._arrays:
+                if offset > at:
+                    parts.append(bytes(offset - at))
+                parts.append(memoryview(array.reshape(-1).view(np.uint8)))  # any dtype
+                at = offset + array.nbytes
+            _write_all(fd, parts)
+        except BaseException:
+            os.close(fd)
+            directory.unlink(name)
+            raise
+        os.close(fd)
+        self._arrays = []
+        return pb.SharedSegment(name=name, generation=generation, length=self.length)
+
+
+def _write_all(fd: int, parts: list) -> None:
+    """Writes every buffer of `parts` in order (a large write may be cut short)."""
+    parts = [p for p in parts if len(p)]
+    while parts:
+        done = os.writev(fd, parts[:_IOV_MAX])
+        while parts and done >= len(parts[0]):
+            done -= len(parts[0])
+            parts.pop(0)
+        if done:
+            parts[0] = memoryview(parts[0])[done:]
+
+
+@dataclasses.dataclass
+class Segment:
+    """A mapped segment, read-only: `bytes_of(span)` gives a span's bytes (no copy).
+    The mapping lives as long as any array read from it."""
+
+    name: str
+    length: int
+    data: memoryview
+
+    def bytes_of(self, span: pb.SharedSpan, where: str) -> memoryview:
+        offset, length = span.offset, span.length
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise FleetError(f"{where}: a span of {length} bytes at offset {offset} lies "
+                             f"outside shared-memory segment {self.name} of {self.length} "
+                             "bytes; the sender and this process disagree on the segment")
+        return self.data[offset:offset + length]
+
+
+def open_segment(directory: SharedDir, ref: pb.SharedSegment, where: str,
+                 unlink: bool = False, expect: Optional[tuple] = None) -> Segment:
+    """Maps segment `ref` of `directory` once its file and header match `ref` (and its
+    name and generation `expect`, when given); `unlink` removes its file once mapped.
+    Raises FleetError naming what is wrong: a vanished, truncated or foreign segment."""
+    name = check_name(ref.name, where)
+    if expect is not None and (name, ref.generation) != expect:
+        raise FleetError(f"{where}: names shared-memory segment {name} (generation "
+                         f"{ref.generation:x}); it was asked for {expect[0]} (generation "
+                         f"{expect[1]:x})")
+    path = directory.file(name)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise FleetError(f"{where}: shared-memory segment {path} vanished before it was "
+                         "read (removed, or its writer failed)") from None
+    except OSError as e:
+        raise FleetError(f"{where}: cannot open shared-memory segment {path}: "
+                         f"{e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if ref.length < 0 or size != HEADER_BYTES + ref.length:
+            raise FleetError(f"{where}: shared-memory segment {path} holds {size} bytes; "
+                             f"its reference says {HEADER_BYTES} + {ref.length} (truncated "
+                             "or rewritten)")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+        if unlink:
+            directory.unlink(name)
+    magic, generation, length = _HEADER.unpack_from(mapping, 0)
+    if magic != MAGIC or generation != ref.generation or length != ref.length:
+        mapping.close()
+        raise FleetError(f"{where}: shared-memory segment {path} has header ({magic!r}, "
+                         f"generation {generation:x}, {length} bytes); its reference says "
+                         f"generation {ref.generation:x}, {ref.length} bytes (a stale or "
+                         "foreign segment)")
+    return Segment(name, length, memoryview(mapping)[HEADER_BYTES:])
+
+
+# ---------------------------------------------------------------------------------------
+# Answers read through a segment
+
+
+class TensorView:
+    """A `Tensor` message's fields with its data read from a segment (what
+    `wire.decode_tensor` reads)."""
+
+    def __init__(self, message: pb.Tensor, segment: Optional[Segment], where: str):
+        self.dtype = message.dtype
+        self.shape = list(message.shape)
+        self.data = _field(message, "data", segment, where)
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 (protobuf's name)
+        return False  # its data is resolved already
+
+
+class LeafView:
+    """A `LeafPartial` with its bytes fields read from a segment (what
+    `validate.check_partial` and `partials.leaf_from_message` read)."""
+
+    def __init__(self, message: pb.LeafPartial, segment: Optional[Segment], where: str):
+        self.dtype = message.dtype
+        self.shape = list(message.shape)
+        self.base_limb = message.base_limb
+        self.num_limbs = message.num_limbs
+        self.extreme = TensorView(message.extreme, segment, where)
+        for field in ("limbs", "nonfinite", "doubles", "spilled"):
+            setattr(self, field, _field(message, field, segment, where))
+
+
+@dataclasses.dataclass
+class PartialView:
+    """An `AggregateResponse` whose leaves are `LeafView`s."""
+
+    leaves: list
+    weight_leaves: list
+    num_clients: int
+
+
+def _field(message, field: str, segment: Optional[Segment], where: str):
+    """A bytes field's content: from the segment when its `*_at` span is set (the field
+    itself must then be empty), else the field (one copy)."""
+    if not message.HasField(f"{field}_at"):
+        return getattr(message, field)
+    if segment is None:
+        raise FleetError(f"{where}: a {field} payload refers to shared memory, but the "
+                         "answer names no segment")
+    if getattr(message, field):
+        raise FleetError(f"{where}: a {field} payload is both in the message and in "
+                         "shared memory; senders set one")
+    return segment.bytes_of(getattr(message, f"{field}_at"), where)
+
+
+def view_partial(message: pb.AggregateResponse, segment: Optional[Segment],
+                 where: str) -> PartialView:
+    """`message` with every payload read from `segment` where its spans say."""
+    return PartialView([LeafView(m, segment, where) for m in message.leaves],
+                       [LeafView(m, segment, where) for m in message.weight_leaves],
+                       message.num_clients)
