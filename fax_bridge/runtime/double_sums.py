@@ -19,21 +19,19 @@ forms its partials took and however the clients were split.
 
 Every pass over the elements works through blocks of columns small enough for the
 temporaries to stay in cache (`exact.BLOCK_ELEMENTS`), and no stack of addends is copied;
-a large stack is summed in spans of columns on one thread per CPU (`workers`).
+a large stack is summed in spans of columns on one thread per CPU (`threads`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
-from concurrent import futures
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from fax_bridge.errors import AggregationError
-from fax_bridge.runtime import exact
+from fax_bridge.runtime import exact, threads
 from fax_bridge.runtime.exact import ExactSum
 from fax_bridge.runtime.float_bits import (all_exact_in_doubles, exact_in_doubles,
                                            float_params, signed_zeros, to_odd_float32)
@@ -117,19 +115,19 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
     more than `most` columns would spill. With `scale` (one factor per row, the rows'
     dtype), the addends are the products `rows * scale[:, None]`, each rounded to the
     dtype, made a block at a time. Large stacks are split into spans of columns summed
-    on `workers()` threads at once (numpy lets go of the GIL): a column's sum is
+    on `threads.workers()` threads at once (numpy lets go of the GIL): a column's sum is
     the same whichever thread makes it."""
     count, size = rows.shape
     totals = np.empty(size, np.float64)
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
     blocks = -(-size // step)
-    spans = min(workers(), blocks // _MIN_SPAN_BLOCKS)
+    spans = min(threads.workers(), blocks // _MIN_SPAN_BLOCKS)
     state = _Spill(most)
     if spans <= 1:
         found = [_split_span(rows, totals, 0, size, step, scale, state)]
     else:
         per = -(-blocks // spans) * step
-        found = list(_pool().map(
+        found = list(threads.pool().map(
             lambda lo: _split_span(rows, totals, lo, min(lo + per, size), step, scale,
                                    state), range(0, size, per)))
     if state.over:
@@ -139,27 +137,6 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
 
 
 _MIN_SPAN_BLOCKS = 8  # blocks of columns per thread, at least: fewer run on one thread
-_threads: list = []  # the pool of `_pool`, made on first use
-
-
-def workers() -> int:
-    """How many threads sum a large stack: the CPUs this process may run on (one on a
-    fleet device, which runs on its own share of them)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def _pool() -> futures.ThreadPoolExecutor:
-    with _pool_lock:
-        if not _threads:
-            _threads.append(futures.ThreadPoolExecutor(
-                max_workers=workers(), thread_name_prefix="fax_bridge-sums"))
-        return _threads[0]
-
-
-_pool_lock = threading.Lock()
 
 
 class _Spill:
