@@ -2,6 +2,7 @@
 one call per client; the per-client fallback; caps around the work."""
 
 import federated_language as fl
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from federated_language.compiler import building_blocks as bb
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import client_map, local_eval
+from fax_bridge.runtime import client_map, local_eval, threads
 from fax_bridge.tff.xla import typed_xla_computation
 
 F32 = np.float32
@@ -156,6 +157,28 @@ def test_batched_results_have_the_bits_of_one_call_per_client_for_plain_arithmet
         _assert_same_bits(g, w)
 
 
+def test_batched_convolution_gradients_have_the_bits_of_one_call_per_client():
+    # A convolution's weight gradient is a convolution in a non-canonical dimension
+    # order; inside the batched loop it runs as in the module's own executable.
+    def fn(k, x):
+        def loss(k):
+            z = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jnp.sum(jnp.tanh(z) ** 2)
+        return jax.grad(loss)(k)
+
+    kernel = fl.TensorType(F32, [3, 3, 2, 4])
+    comp = typed_xla_computation(
+        fn, fl.StructType([(None, kernel), (None, fl.TensorType(F32, [3, 9, 9, 2]))]))
+    rng = np.random.default_rng(0)
+    shared = rng.standard_normal((3, 3, 2, 4)).astype(F32)
+    members = [rng.standard_normal((3, 9, 9, 2)).astype(F32) for _ in range(5)]
+    got = client_map.map_clients(comp, members, shared)
+    assert all(p is not None for p in _batched_entries(comp))
+    for g, w in zip(got, _per_client(comp, members, shared)):
+        _assert_same_bits(g, w)
+
+
 def test_literals_and_constant_results_inside_the_batched_call():
     # Lambda x -> <add(<x, 3.0>), 7>: a Literal into an Xla part and one as a result.
     vec = fl.TensorType(F32, [3])
@@ -172,8 +195,9 @@ def test_literals_and_constant_results_inside_the_batched_call():
         _assert_same_bits(g, w)
 
 
-def test_one_executable_per_bucket_and_padding_rows_are_dropped():
+def test_one_executable_per_bucket_and_padding_rows_are_dropped(monkeypatch):
     fn = typed_xla_computation(lambda x: x * 2 + 1, fl.TensorType(F32, [2]))
+    monkeypatch.setattr(threads, "workers", lambda: 1)  # one call per cohort
     rows = [np.array([i, -i], F32) for i in range(9)]
     for count in (5, 7, 8):  # one bucket of 8
         out = client_map.map_clients(fn, rows[:count])
@@ -195,6 +219,7 @@ def _first_element():
 
 def test_cohorts_above_the_largest_bucket_run_as_several_calls(monkeypatch):
     monkeypatch.setattr(client_map, "MAX_ROWS", 4)
+    monkeypatch.setattr(threads, "workers", lambda: 1)
     fn = typed_xla_computation(lambda x: x * 3 - 1, fl.TensorType(np.int32, [2]))
     members = [np.array([i, -i], np.int32) for i in range(11)]
     log: list = []
@@ -202,6 +227,29 @@ def test_cohorts_above_the_largest_bucket_run_as_several_calls(monkeypatch):
     np.testing.assert_array_equal(np.stack(out), np.stack(members) * 3 - 1)
     assert log == ["tick", ("room", 11 * 8), "tick", "tick", "tick"]  # 3 calls of 4 rows
     assert len(_batched_entries(fn)) == 1
+
+
+@pytest.mark.parametrize("cpus", [2, 3])
+def test_a_cohort_runs_as_one_call_per_cpu_with_the_bits_of_one_call(monkeypatch, cpus):
+    def fn(w, x):
+        return jnp.tanh(x @ w).sum(axis=0) * jnp.float32(0.3), (x * 3 - 1).sum()
+
+    comp = typed_xla_computation(fn, fl.StructType([(None, W), (None, fl.TensorType(F32, [5, 3]))]))
+    rng = np.random.default_rng(1)
+    shared = rng.standard_normal((3, 2)).astype(F32)
+    members = [rng.standard_normal((5, 3)).astype(F32) for _ in range(10)]
+    monkeypatch.setattr(threads, "workers", lambda: 1)
+    whole = client_map.map_clients(comp, members, shared)
+    monkeypatch.setattr(threads, "workers", lambda: cpus)
+    assert client_map.part_size(10) == -(-10 // cpus)
+    log: list = []
+    parts = client_map.map_clients(comp, members, shared, guard=_guard(log, cap=10**6))
+    assert log == ["tick", ("room", 10 * 12)] + ["tick"] * cpus  # after each call
+    for got, want in zip(parts, whole):
+        _assert_same_bits(got, want)
+    stacked = client_map.map_clients_stacked(comp, members, shared)
+    for got, want in zip(stacked.members(), whole):  # in client order
+        _assert_same_bits(got, want)
 
 
 def test_members_of_different_shapes_or_non_numeric_leaves_run_per_client():
@@ -263,7 +311,8 @@ def _guard(log: list, cap: int) -> client_map.Guard:
                                                (v if isinstance(v, structure.Struct) else [v])))
 
 
-def test_batched_room_is_checked_for_all_results_before_the_call():
+def test_batched_room_is_checked_for_all_results_before_the_call(monkeypatch):
+    monkeypatch.setattr(threads, "workers", lambda: 1)  # one call
     fn = typed_xla_computation(lambda x: (x, x * 2), fl.TensorType(F32, [4]))
     members = [np.ones(4, F32)] * 5
     log: list = []

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import WeightError
 from fax_bridge.fleet import partials, validate
-from fax_bridge.runtime import aggregation, double_sums, exact, float_bits
+from fax_bridge.runtime import aggregation, double_sums, exact, float_bits, threads
 from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.runtime.exact import ExactSum
 
@@ -247,6 +247,43 @@ def test_a_few_spread_elements_spill_and_the_rest_stay_float64():
     stack[0, :double_sums.most_spilled(1000) + 1] = 3e38
     stack[1, :double_sums.most_spilled(1000) + 1] = 1e-45
     assert isinstance(double_sums.sums_of([stack])[0], ExactSum)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_large_stacks_summed_on_several_threads_give_one_threads_sums(count, weighted):
+    """Spans of columns summed at once: the same values, spilled columns (in order) and
+    bits as one thread; too many spills in any span give the limbs form all the same."""
+    rng = np.random.default_rng(0)
+    rows = 6
+    size = 40 * (exact.BLOCK_ELEMENTS // rows) + 17  # 41 blocks: several spans each
+    stack = rng.standard_normal((rows, size)).astype(np.float32)
+    stack[0, [5, size // 2, size - 1]] = 3e38
+    stack[1, [5, size // 2, size - 1]] = 1e-45
+    stack[:, 100] = -0.0
+    weights = rng.integers(1, 9, rows).astype(np.float32)
+
+    def sums(workers: int):
+        with mock.patch.object(threads, "workers", return_value=workers):
+            if weighted:
+                return double_sums.weighted_sums_of([stack], weights)[0]
+            return double_sums.sums_of([stack])[0]
+
+    one, many = sums(1), sums(count)
+    assert isinstance(many, DoubleSum)
+    assert many.cols.tolist() == one.cols.tolist() == [5, size // 2, size - 1]
+    assert many.values.tobytes() == one.values.tobytes()
+    assert many.result().tobytes() == one.result().tobytes()
+    assert np.signbit(many.result()[100])
+    spread = stack.copy()
+    spread[0, ::20] = 3e38  # one column in 20 spills: past `SPILL_RATIO`
+    spread[1, ::20] = 1e-45
+    with mock.patch.object(threads, "workers", return_value=count):
+        limbs = double_sums.sums_of([spread])[0]
+    assert isinstance(limbs, ExactSum)
+    want = ExactSum(np.float32, (size,))
+    want.add_many(spread)
+    assert limbs.result().tobytes() == want.result().tobytes()
 
 
 def test_a_merge_past_53_bits_spills_only_that_element():

@@ -32,6 +32,45 @@ def test_signature_and_call():
     assert total == 12.0
 
 
+def _conv_gradient(k, x):
+    """A weight gradient: jax writes it as a convolution in a non-canonical order."""
+    def loss(k):
+        z = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID",
+                                         dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return jnp.sum(jnp.tanh(z) ** 2)
+    return jax.grad(loss)(k)
+
+
+def _conv_labels(compiled_text: str) -> list[str]:
+    return re.findall(r"convolution\(.*?dim_labels=([^,\s]+)", compiled_text)
+
+
+def test_convolutions_inlined_in_a_loop_are_canonical_with_the_bits_of_their_executable():
+    k = np.zeros((4, 2, 3, 3), np.float32)
+    x = np.zeros((3, 2, 9, 9), np.float32)
+    module = _hlo(_conv_gradient, k, x)
+    stablehlo = hlo.to_stablehlo(module)
+    rewritten = hlo.canonical_convolutions(stablehlo)
+    assert rewritten != stablehlo
+    assert hlo.canonical_convolutions(rewritten) == rewritten  # nothing left to rewrite
+    exe = hlo.compile_hlo(module)
+
+    def loop(k, xs):  # XLA's CPU compiler leaves a loop body's convolutions as they are
+        return jax.lax.fori_loop(0, xs.shape[0],
+                                 lambda i, out: out.at[i].set(exe.call_traced([k, xs[i]])[0]),
+                                 jnp.zeros((xs.shape[0], *k.shape), k.dtype))
+
+    rng = np.random.default_rng(0)
+    kernel = rng.standard_normal(k.shape).astype(np.float32)
+    xs = rng.standard_normal((3, *x.shape)).astype(np.float32)
+    compiled = jax.jit(loop).lower(kernel, xs).compile()
+    labels = _conv_labels(compiled.as_text())
+    assert labels and set(labels) == {"b01f_01io->b01f"}
+    got = np.asarray(compiled(kernel, xs))
+    for i in range(len(xs)):
+        assert got[i].tobytes() == exe([kernel, xs[i]])[0].tobytes()
+
+
 def test_unused_parameters_are_kept_and_checked():
     exe = hlo.compile_hlo(_hlo(lambda a, unused: a + 1, np.zeros(2, np.int32),
                                np.zeros(5, np.float32)))

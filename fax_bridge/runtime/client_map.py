@@ -12,10 +12,11 @@ and dtypes for every client), the members are stacked along a leading clients ax
 padded up to a power-of-two bucket (at least 2) with copies of the first client, and
 the whole computation, every `Xla` part inside it (`HloExecutable.call_traced`), runs as
 ONE jitted loop over the first `count` rows (the padding sets the shapes, it is not
-computed). The executable is compiled once per (computation, layout, bucket): cohorts
-that shrink by dropouts reuse it; cohorts above `MAX_ROWS` run that many clients per
-call. A client's result has the same bits whatever cohort it runs in and wherever it
-sits there. Matmuls, sums and elementwise arithmetic give the bits of the Xla parts' own
+computed). A cohort runs as one call per CPU of this process (`part_size`), at once on
+the worker threads (`threads`), each call over its share of the clients and never over
+`MAX_ROWS`. The executable is compiled once per (computation, layout, bucket): cohorts
+that shrink by dropouts reuse it. A client's result has the same bits whatever cohort
+and call it runs in and wherever it sits there. Matmuls, sums and elementwise arithmetic give the bits of the Xla parts' own
 executables; XLA may round a transcendental fused into a reduction (`sum(sin(x))`) an
 ulp apart inside the loop, which is why every path maps clients here.
 
@@ -26,8 +27,8 @@ computation that cannot run. The choice is automatic, and remembered per layout.
 
 Caps: a `Guard` checks time and room around the work: one client at a time, `tick` runs
 before each client and `room` after each with the bytes produced so far; batched, `tick`
-runs before and after each call (of up to `MAX_ROWS` clients) and `room` before the
-first, with the results' size x clients.
+runs before the calls and after each, and `room` before the first, with the results'
+size x clients.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import hlo, local_eval
+from fax_bridge.runtime import hlo, local_eval, threads
 from fax_bridge.runtime.backend import ClientRows, LocalValue, as_numpy
 
 NO_SHARED = object()  # `shared` when the computation takes the member alone
@@ -169,9 +170,9 @@ def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[Local
     the batched run's results, never split per client; None when there are no clients
     or they run one at a time (then `map_clients` gives their results). `keep=False`:
     the caller reads the results once and drops them, so they may stay read-only views
-    of XLA's output (no copy of what may be gigabytes). `least_rows`: run in a bucket
-    of at least this many rows (up to `MAX_ROWS`), so that a caller whose cohorts vary
-    in size compiles once, for the largest; the padding rows cost no work and a
+    of XLA's output (no copy of what may be gigabytes). `least_rows`: run in the bucket
+    a cohort of this many clients would take (its `part_size`), so that a caller whose
+    cohorts vary in size compiles once, for the largest; the padding rows cost no work and a
     client's bits do not depend on its bucket, but their inputs are stacked, so the
     bucket is widened only while they take under `MAX_PAD_BYTES`."""
     if not members:
@@ -180,15 +181,24 @@ def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[Local
     if batch is None:
         return None
     shared_tree, member_tree, shared_leaves, source = batch
-    rows = bucket(min(len(members), MAX_ROWS))
-    wider = bucket(min(least_rows, MAX_ROWS))
-    if wider > rows and (wider - len(members)) * source.row_bytes() <= MAX_PAD_BYTES:
+    part = part_size(len(members))
+    rows = bucket(part)
+    wider = bucket(part_size(least_rows))
+    if wider > rows and (wider - part) * source.row_bytes() <= MAX_PAD_BYTES:
         rows = wider
     plan = _plan(fn, key, shared_tree, member_tree, rows, source.fixed)
     if plan is None:
         return None
-    return _run_batched(plan, rows, shared_leaves + source.fixed_leaves(), source, guard,
-                        keep)
+    return _run_batched(plan, part, rows, shared_leaves + source.fixed_leaves(), source,
+                        guard, keep)
+
+
+def part_size(count: int) -> int:
+    """How many clients one batched call runs: a cohort is split into as many parts
+    as this process has CPUs (`threads.workers`), run at once, each at most `MAX_ROWS`.
+    A loop over clients runs one client after the other, on one core (a client's
+    work is too small for XLA to spread it): parts put the other cores to work."""
+    return max(1, min(-(-count // threads.workers()), MAX_ROWS))
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,8 +322,8 @@ class _Source:
             return []
         return [leaf for leaf, f in zip(self.columns[0], self.fixed) if f]
 
-    def chunk(self, start: int, rows: int) -> list:
-        stop = min(start + rows, self.count)
+    def chunk(self, start: int, stop: int, rows: int) -> list:
+        """Members [start, stop), padded to `rows`."""
         if self.stacked is None:
             part = self.columns[start:stop]
             part = part + [part[0]] * (rows - len(part))
@@ -397,30 +407,34 @@ def _compile(compiled, shared_tree, member_tree, rows: int,
     return _Batched(lowered.compile(), found["tree"], specs)
 
 
-def _run_batched(plan: _Batched, rows: int, shared_leaves: list, source: _Source,
-                 guard: Optional[Guard], keep: bool = True) -> Stacked:
-    """Runs the clients `rows` at a time (one call for cohorts up to `MAX_ROWS`)."""
+def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
+                 source: _Source, guard: Optional[Guard], keep: bool = True) -> Stacked:
+    """Runs the clients `part` at a time, each call padded to `rows`, the calls at once
+    on the worker threads (`part_size`)."""
     count = source.count
     if guard is not None:
         guard.tick()
         guard.room(guard.size(plan.example) * count)
-    chunks: list = []
-    for start in range(0, count, rows):
-        chunk = source.chunk(start, rows)
-        size = min(rows, count - start)
-        if start and guard is not None:
-            guard.tick()
+
+    def call(start: int) -> list:
+        size = min(part, count - start)
+        chunk = source.chunk(start, start + size, rows)
         try:
             outs = plan.run(shared_leaves, chunk, np.int32(size))
             # Copied when kept and padded: no XLA buffer's padding rows stay alive behind
             # the clients' results. Without padding the view holds nothing more, and a
             # copy would cost as much as the clients' work (3.2 GB at 8 x 100M floats).
-            chunks.append([np.array(np.asarray(o)[:size]) if keep and size < rows
-                           else np.asarray(o)[:size] for o in outs])
+            return [np.array(np.asarray(o)[:size]) if keep and size < rows
+                    else np.asarray(o)[:size] for o in outs]
         except Exception as e:
             raise ComputationError(f"XLA execution failed: {e}") from e
-    if guard is not None:
-        guard.tick()
+
+    chunks = []
+    for done in (threads.pool().map(call, range(0, count, part)) if part < count
+                 else [call(0)]):  # in client order
+        chunks.append(done)
+        if guard is not None:
+            guard.tick()
     results = (chunks[0] if len(chunks) == 1
                else [np.concatenate(leaf) for leaf in zip(*chunks)])
     return Stacked(plan.result_tree, results, count)

@@ -18,18 +18,20 @@ whole. Every form holds the same exact value, so a result has the same bits whic
 forms its partials took and however the clients were split.
 
 Every pass over the elements works through blocks of columns small enough for the
-temporaries to stay in cache (`exact.BLOCK_ELEMENTS`), and no stack of addends is copied.
+temporaries to stay in cache (`exact.BLOCK_ELEMENTS`), and no stack of addends is copied;
+a large stack is summed in spans of columns on one thread per CPU (`threads`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from fax_bridge.errors import AggregationError
-from fax_bridge.runtime import exact
+from fax_bridge.runtime import exact, threads
 from fax_bridge.runtime.exact import ExactSum
 from fax_bridge.runtime.float_bits import (all_exact_in_doubles, exact_in_doubles,
                                            float_params, signed_zeros, to_odd_float32)
@@ -112,12 +114,54 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
     those whose float64 sum would not be exact, their values set to 0.0), or None when
     more than `most` columns would spill. With `scale` (one factor per row, the rows'
     dtype), the addends are the products `rows * scale[:, None]`, each rounded to the
-    dtype, made a block at a time."""
-    count = rows.shape[0]
-    totals = np.empty(rows.shape[1], np.float64)
-    spilled, num_spilled = [], 0
+    dtype, made a block at a time. Large stacks are split into spans of columns summed
+    on `threads.workers()` threads at once (numpy lets go of the GIL): a column's sum is
+    the same whichever thread makes it."""
+    count, size = rows.shape
+    totals = np.empty(size, np.float64)
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
-    width = min(step, rows.shape[1])
+    blocks = -(-size // step)
+    spans = min(threads.workers(), blocks // _MIN_SPAN_BLOCKS)
+    state = _Spill(most)
+    if spans <= 1:
+        found = [_split_span(rows, totals, 0, size, step, scale, state)]
+    else:
+        per = -(-blocks // spans) * step
+        found = list(threads.pool().map(
+            lambda lo: _split_span(rows, totals, lo, min(lo + per, size), step, scale,
+                                   state), range(0, size, per)))
+    if state.over:
+        return None
+    spilled = [cols for part in found for cols in part]
+    return totals, (np.concatenate(spilled) if spilled else _NO_COLS)
+
+
+_MIN_SPAN_BLOCKS = 8  # blocks of columns per thread, at least: fewer run on one thread
+
+
+class _Spill:
+    """How many columns the spans of one stack have spilled so far, against `most`."""
+
+    def __init__(self, most: int):
+        self.most, self.count, self.over = most, 0, False
+        self.lock = threading.Lock()
+
+    def add(self, count: int) -> bool:
+        """Counts `count` more spilled columns; False once there are too many."""
+        with self.lock:
+            self.count += count
+            self.over |= self.count > self.most
+            return not self.over
+
+
+def _split_span(rows: np.ndarray, totals: np.ndarray, start: int, stop: int, step: int,
+                scale: Optional[np.ndarray], state: _Spill) -> list:
+    """`_split_values` over the columns [start, stop), a block at a time: their sums
+    written into `totals`, the spilled columns returned (a list of ascending arrays);
+    stops early once `state` has too many."""
+    count = rows.shape[0]
+    spilled: list = []
+    width = min(step, stop - start)
     # Buffers made once and written over block after block: a new one per block would
     # be freed and faulted in again at every block.
     scratch = np.empty((count, width), float_params(rows.dtype)[3])
@@ -125,25 +169,26 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
         products = np.empty((count, width), rows.dtype)
         by = scale.reshape(count, 1)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        for lo in range(0, rows.shape[1], step):
-            block = rows[:, lo:lo + step]
+        for lo in range(start, stop, step):
+            if state.over:
+                return spilled
+            block = rows[:, lo:min(lo + step, stop)]
             if scale is not None:
                 block = np.multiply(block, by, out=products[:, :block.shape[1]])
-            sums = totals[lo:lo + step]
+            sums = totals[lo:lo + block.shape[1]]
             bad = None
             # one test for the block, else column by column
             if not all_exact_in_doubles(block, scratch[:, :block.shape[1]]):
                 fast, zero, _ = exact_in_doubles(block)
                 bad = np.flatnonzero(~(fast | zero))
-                num_spilled += bad.size
-                if num_spilled > most:
-                    return None
+                if not state.add(bad.size):
+                    return spilled
             _column_sums(block, sums)  # spilled columns are overwritten next
             if bad is not None and bad.size:
                 sums[bad] = 0.0
                 spilled.append(bad + lo)
             signed_zeros(block, sums)  # an all -0 element stays -0
-    return totals, (np.concatenate(spilled) if spilled else _NO_COLS)
+    return spilled
 
 
 def _column_sums(block: np.ndarray, out: np.ndarray) -> None:

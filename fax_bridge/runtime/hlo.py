@@ -6,8 +6,8 @@ HLO -> StableHLO conversion, compilation with the default jax backend, raw execu
 calls, the module as a call inside a traced (jitted) jax function
 (`HloExecutable.call_traced`, through a `jax.export.Exported` built from the module),
 and portable StableHLO artifacts for older consumers (`portable_artifact`). Everything
-else goes through `HloExecutable`, `is_traced`, `portable_artifact`, `program_text` and
-`to_stablehlo`.
+else goes through `HloExecutable`, `is_traced`, `portable_artifact`, `program_text`,
+`to_stablehlo` and `canonical_convolutions` (what `call_traced` inlines on CPU).
 
 Module bytes are untrusted (a user's file, a device's Load request): `to_stablehlo`
 checks their structure first (`hlo_check`), then has XLA import them in a helper process
@@ -387,10 +387,14 @@ class HloExecutable:
 
     def _export(self) -> jax.export.Exported:
         """The module as a `jax.export.Exported` (one platform, no effects, no shardings):
-        its `main` is called, after jax inlines it, by the function being traced."""
+        its `main` is called, after jax inlines it, by the function being traced. On CPU
+        its convolutions are put in canonical form first (`canonical_convolutions`)."""
         target = _hlo_dialect.get_version_from_compatibility_requirement(
             _hlo_dialect.StablehloCompatibilityRequirement.WEEK_4)
-        artifact = bytes(_jax.mlir.serialize_portable_artifact(self._stablehlo, target))
+        stablehlo = self._stablehlo
+        if self._backend.platform == "cpu":
+            stablehlo = canonical_convolutions(stablehlo)
+        artifact = bytes(_jax.mlir.serialize_portable_artifact(stablehlo, target))
         ins = tuple(_core.ShapedArray(p.shape, p.dtype) for p in self.parameters)
         outs = tuple(_core.ShapedArray(r.shape, r.dtype) for r in self.results)
         nothing_in, nothing_out = (None,) * len(ins), (None,) * len(outs)
@@ -436,6 +440,81 @@ class HloExecutable:
         except Exception as e:  # jax raises ValueErrors and MLIR errors of its own
             raise ComputationError(
                 f"cannot call the HLO module inside a traced function ({e})") from e
+
+
+def canonical_convolutions(stablehlo: bytes) -> bytes:
+    """The module with every convolution in the canonical form of XLA's CPU backend
+    (input NHWC, kernel HWIO, output NHWC), between transposes to and from its own
+    dimension order; the bytes unchanged when every one already is.
+
+    XLA's CPU compiler runs a convolution on Eigen's fast kernels only in that form, and
+    puts the entry computation's convolutions in it itself (its `ConvCanonicalization`
+    pass, the same transposes), but not those of a loop's body, which run on a naive
+    kernel instead: a gradient's weight convolution of a small CNN takes several times
+    as long there. `call_traced` inlines a module into `client_map`'s loop over clients,
+    so the module is canonicalized before, and its convolutions run there as in its own
+    executable.
+    """
+    with _mlir.make_ir_context():
+        module = _ir.Module.parse(stablehlo)
+        convolutions: list = []
+
+        def visit(op):
+            if op.name == "stablehlo.convolution":
+                convolutions.append(op)
+            return _ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
+        changed = False
+        for op in convolutions:
+            changed |= _canonicalize_convolution(op)
+        if not changed:
+            return stablehlo
+        module.operation.verify()
+        return bytes(module.operation.get_asm(binary=True))
+
+
+def _canonicalize_convolution(op) -> bool:
+    """Rewrites one `stablehlo.convolution` as transpose, canonical convolution,
+    transpose (`canonical_convolutions`); False when it already is canonical."""
+    dims = _hlo_dialect.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    rank = len(dims.input_spatial_dimensions) + 2
+    spatial = list(range(1, rank - 1))
+    lhs = [dims.input_batch_dimension, *dims.input_spatial_dimensions,
+           dims.input_feature_dimension]
+    rhs = [*dims.kernel_spatial_dimensions, dims.kernel_input_feature_dimension,
+           dims.kernel_output_feature_dimension]
+    out = [dims.output_batch_dimension, *dims.output_spatial_dimensions,
+           dims.output_feature_dimension]
+    if lhs == rhs == out == list(range(rank)):
+        return False
+
+    def transpose(value, perm: list):
+        t = _ir.RankedTensorType(value.type)
+        shape = _ir.RankedTensorType.get([t.shape[p] for p in perm], t.element_type)
+        return _ir.Operation.create(
+            "stablehlo.transpose", results=[shape], operands=[value],
+            attributes={"permutation": _ir.DenseI64ArrayAttr.get(perm)}).result
+
+    with op.location, _ir.InsertionPoint(op):
+        attributes = {name: op.attributes[name] for name in op.attributes}
+        attributes["dimension_numbers"] = _hlo_dialect.ConvDimensionNumbers.get(
+            input_batch_dimension=0, input_feature_dimension=rank - 1,
+            input_spatial_dimensions=spatial, kernel_input_feature_dimension=rank - 2,
+            kernel_output_feature_dimension=rank - 1,
+            kernel_spatial_dimensions=list(range(rank - 2)), output_batch_dimension=0,
+            output_feature_dimension=rank - 1, output_spatial_dimensions=spatial)
+        result = _ir.RankedTensorType(op.results[0].type)
+        shape = _ir.RankedTensorType.get([result.shape[p] for p in out],
+                                         result.element_type)
+        conv = _ir.Operation.create(
+            "stablehlo.convolution", results=[shape],
+            operands=[transpose(op.operands[0], lhs), transpose(op.operands[1], rhs)],
+            attributes=attributes).result
+        back = transpose(conv, [out.index(i) for i in range(rank)])
+    op.results[0].replace_all_uses_with(back)
+    op.erase()
+    return True
 
 
 def is_traced(value) -> bool:
