@@ -54,6 +54,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -65,6 +66,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fax_bridge as fb  # noqa: E402
+
+# its sibling fleet_sizes, however this file is loaded (as a script, or by path in tests)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fleet_sizes import peak_rss_mb  # noqa: E402  (benchmarks/)
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # DrJAX's notes that no mesh is set

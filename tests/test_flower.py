@@ -364,11 +364,14 @@ def test_a_node_compiles_its_client_part_once_however_its_share_of_the_cohort_va
     for entry in [k for k in client_map._batched if k[0] == key]:
         del client_map._batched[entry]  # as in a fresh worker
     got = [serve(ids, 6) for ids in ([2], [0, 3], [0, 1, 3], [0, 1, 2, 3])]
-    assert {k[3] for k in client_map._batched if k[0] == key} == {4}  # one bucket
-    # The same bits as each share in its own bucket (2, 2, 4, 4), as without a cohort.
+    # one bucket: that of the node's whole share of 4, split over this process's CPUs
+    assert {k[3] for k in client_map._batched if k[0] == key} == {
+        client_map.bucket(client_map.part_size(4))}
+    # The same bits as each share in its own bucket, as without a cohort.
     assert got == [serve(ids, 1) for ids in ([2], [0, 3])] + \
         [serve(ids, 3) for ids in ([0, 1, 3], [0, 1, 2, 3])]
-    assert {k[3] for k in client_map._batched if k[0] == key} == {2, 4}
+    assert {k[3] for k in client_map._batched if k[0] == key} == {
+        client_map.bucket(client_map.part_size(n)) for n in (1, 2, 3, 4)}
 
 
 def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(

@@ -365,6 +365,7 @@ def test_stacked_results_are_the_members_as_columns(monkeypatch):
 def test_least_rows_runs_any_cohort_in_one_bucket_with_the_same_bits(monkeypatch):
     # A caller whose cohorts vary (a Flower node's share of each round's cohort) names
     # the most it can see: every run uses that bucket, one compile, the same bits.
+    monkeypatch.setattr(threads, "workers", lambda: 1)  # one call per cohort
     layout = [("x", (2, 3), np.float32), ("n", (2,), np.int32)]
     member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
     fn = _round_computation(member_type)
@@ -391,6 +392,17 @@ def test_least_rows_runs_any_cohort_in_one_bucket_with_the_same_bits(monkeypatch
     client_map.map_clients_stacked(fn, members[:3], shared, least_rows=5)  # 5 pad rows: 8
     client_map.map_clients_stacked(fn, members[:2], shared, least_rows=5)  # 6: its own 2
     assert {k[3] for k in client_map._batched if k[0] == key} == {2, 8}
+    # Cohorts split over two CPUs: the bucket of the largest cohort's part, 5 -> 3 -> 4.
+    monkeypatch.setattr(threads, "workers", lambda: 2)
+    monkeypatch.setattr(client_map, "MAX_PAD_BYTES", 64 << 20)
+    for k in [k for k in client_map._batched if k[0] == key]:
+        del client_map._batched[k]
+    split = [client_map.map_clients_stacked(fn, members[:k], shared, least_rows=5)
+             for k in (1, 3, 5)]
+    assert {k[3] for k in client_map._batched if k[0] == key} == {4}
+    for a, p in zip(alone, split[:2]):
+        for x, y in zip(a.columns, p.columns):
+            assert x.tobytes() == y.tobytes()
 
 
 def test_members_given_stacked_run_as_the_same_members_listed():
