@@ -365,6 +365,7 @@ def run_size(model: str, label: str, cfg: tuple, kinds: tuple, clients: int, rep
         if "fleet" in times and fleet.last_report is not None:
             traffic = fleet.last_report.traffic
             fleet_round = {"bytes_up": traffic.bytes_up, "bytes_down": traffic.bytes_down,
+                           "shared_up": traffic.shared_up, "shared_down": traffic.shared_down,
                            "payload_up": traffic.payload_up,
                            "device_peak_rss_mb": [round(peak_rss_mb(str(p)), 1)
                                                   for p in fleet.pids]}
@@ -560,17 +561,22 @@ def memory_table(rows: list[dict[str, Any]]) -> None:
     if not shown:
         return
     print("\n| model | size | params | agg | this process peak MB | fleet bytes up / param "
-          "/ device | fleet bytes down / param / device | fleet devices' peak MB "
+          "/ device (of it by shared memory) | fleet bytes down / param / device (by shared "
+          "memory) | fleet devices' peak MB "
           "| Flower bytes / round / param | Flower peak MB (all processes) |\n"
           "|---|---|---|---|---|---|---|---|---|---|")
     for r in shown:
         fleet, flower, n = r.get("fleet_round") or {}, r.get("flower_round") or {}, r["params"]
         devices = len(fleet.get("device_peak_rss_mb") or []) or 1
         per = lambda b: "-" if b is None else f"{b / n / devices:.2f}"
+
+        def moved_of(way: str) -> str:  # gRPC bytes and shared-memory bytes together
+            wire, shared = fleet.get(f"bytes_{way}"), fleet.get(f"shared_{way}") or 0
+            return "-" if wire is None else f"{per(wire + shared)} ({per(shared)})"
         moved = flower.get("bytes_moved_per_round")
         flower_bytes = "-" if moved is None else f"{moved / n:.1f}"
         print(f"| {r['model']} | {r['size']} | {n:,} | {r['kind']} | {r.get('peak_rss_mb', '-')} "
-              f"| {per(fleet.get('bytes_up'))} | {per(fleet.get('bytes_down'))} "
+              f"| {moved_of('up')} | {moved_of('down')} "
               f"| {' / '.join(map(str, fleet.get('device_peak_rss_mb') or [])) or '-'} "
               f"| {flower_bytes} "
               f"| {flower.get('peak_rss_mb', '-') if flower else '-'} |")
