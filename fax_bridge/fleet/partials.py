@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from fax_bridge.fleet import wire
+from fax_bridge.fleet import shared_memory, wire
 from fax_bridge.runtime.aggregation import EXTREMES, Partial
 from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.runtime.exact import ExactSum
@@ -40,30 +40,22 @@ ENUM_TO_KIND = {v: k for k, v in KIND_TO_ENUM.items()}
 # Wire form
 
 
-def _put(out: pb.LeafPartial, field: str, array: np.ndarray, shared) -> None:
-    """Sets bytes field `field` to `array`'s bytes, or its span in `shared`'s segment."""
-    if shared is not None and shared.takes(array.nbytes):
-        shared.span(array, getattr(out, f"{field}_at"))
-    else:
-        setattr(out, field, array.tobytes())
-
-
 def _limbs_message(acc: ExactSum, out: pb.LeafPartial, shared=None) -> None:
     base, limbs, flags = acc.to_limbs()
     out.base_limb = base
     out.num_limbs = limbs.shape[0]
-    _put(out, "limbs", np.ascontiguousarray(limbs, "<i8"), shared)
+    shared_memory.put_bytes(out, "limbs", np.ascontiguousarray(limbs, "<i8"), shared)
     if flags is not None:
-        _put(out, "nonfinite", np.ascontiguousarray(flags, np.uint8), shared)
+        shared_memory.put_bytes(out, "nonfinite", np.ascontiguousarray(flags, np.uint8), shared)
 
 
 def _leaf_message(leaf, out: pb.LeafPartial, shared=None) -> None:
     if isinstance(leaf, DoubleSum):
         out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
-        _put(out, "doubles", np.ascontiguousarray(leaf.values, "<f8"), shared)
+        shared_memory.put_bytes(out, "doubles", np.ascontiguousarray(leaf.values, "<f8"), shared)
         if leaf.cols.size:
-            _put(out, "spilled", np.ascontiguousarray(leaf.cols, "<i8"), shared)
+            shared_memory.put_bytes(out, "spilled", np.ascontiguousarray(leaf.cols, "<i8"), shared)
             _limbs_message(leaf.rest, out, shared)
     elif isinstance(leaf, ExactSum):
         out.dtype = wire.dtype_name(leaf.dtype)

@@ -275,7 +275,7 @@ class TensorView:
     def __init__(self, message: pb.Tensor, segment: Optional[Segment], where: str):
         self.dtype = message.dtype
         self.shape = list(message.shape)
-        self.data = _field(message, "data", segment, where)
+        self.data = field_bytes(message, "data", segment, where)
 
     def HasField(self, name: str) -> bool:  # noqa: N802 (protobuf's name)
         return False  # its data is resolved already
@@ -292,7 +292,7 @@ class LeafView:
         self.num_limbs = message.num_limbs
         self.extreme = TensorView(message.extreme, segment, where)
         for field in ("limbs", "nonfinite", "doubles", "spilled"):
-            setattr(self, field, _field(message, field, segment, where))
+            setattr(self, field, field_bytes(message, field, segment, where))
 
 
 @dataclasses.dataclass
@@ -304,17 +304,27 @@ class PartialView:
     num_clients: int
 
 
-def _field(message, field: str, segment: Optional[Segment], where: str):
+def put_bytes(out, field: str, array: np.ndarray, writer: Optional[Writer]) -> None:
+    """Sets bytes field `field` of message `out` to `array`'s bytes (C order), or, when
+    `writer` takes arrays of its size, its span in the writer's segment (`*_at`)."""
+    if writer is not None and writer.takes(array.nbytes):
+        writer.span(array, getattr(out, f"{field}_at"))
+    else:
+        setattr(out, field, np.ascontiguousarray(array).tobytes())
+
+
+def field_bytes(message, field: str, segment: Optional[Segment], where: str):
     """A bytes field's content: from the segment when its `*_at` span is set (the field
     itself must then be empty), else the field (one copy)."""
     if not message.HasField(f"{field}_at"):
         return getattr(message, field)
     if segment is None:
-        raise FleetError(f"{where}: a {field} payload refers to shared memory, but the "
-                         "answer names no segment")
-    if getattr(message, field):
-        raise FleetError(f"{where}: a {field} payload is both in the message and in "
-                         "shared memory; senders set one")
+        raise FleetError(f"{where}: a {field} payload refers to shared memory, but its "
+                         "message names no segment")
+    if len(getattr(message, field)):
+        raise FleetError(f"{where}: a {field} payload refers to shared memory, but also "
+                         "holds bytes: it is both in the message and in shared memory; "
+                         "senders set one")
     return segment.bytes_of(getattr(message, f"{field}_at"), where)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError, FleetError
+from fax_bridge.fleet import shared_memory
 from fax_bridge.runtime import limits
 from fax_bridge.runtime.backend import LocalValue
 from fax_bridge.v1 import device_pb2 as pb
@@ -69,10 +70,7 @@ def encode_tensor(array: np.ndarray, out: pb.Tensor, shared=None) -> None:
         array = array.astype(array.dtype.newbyteorder("<"))
     out.dtype = name
     out.shape.extend(array.shape)
-    if shared is not None and shared.takes(array.nbytes):
-        shared.span(array, out.data_at)
-    else:
-        out.data = np.ascontiguousarray(array).tobytes()
+    shared_memory.put_bytes(out, "data", array, shared)
 
 
 def decode_tensor(message: pb.Tensor, segment=None) -> np.ndarray:
@@ -84,14 +82,9 @@ def decode_tensor(message: pb.Tensor, segment=None) -> np.ndarray:
         expected = limits.tensor_bytes(shape, dtype.itemsize, "a tensor on the wire")
     except ComputationError as e:
         raise FleetError(str(e)) from None
-    data = message.data  # read once: each read copies the bytes
-    if message.HasField("data_at"):
-        if segment is None or len(data):
-            raise FleetError(
-                f"tensor of dtype {message.dtype} and shape {shape} refers to shared "
-                "memory, but " + ("also holds bytes; senders set one" if len(data) else
-                                  "its message names no segment"))
-        data = segment.bytes_of(message.data_at, "a tensor")
+    # read once: each read of the field copies its bytes
+    data = shared_memory.field_bytes(message, "data", segment,
+                                     f"tensor of dtype {message.dtype} and shape {shape}")
     if len(data) != expected:
         raise FleetError(
             f"tensor of dtype {message.dtype} and shape {shape} should hold {expected} "
