@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Callable
 
 import federated_language as fl
+import jax
+import jax.numpy as jnp
 import numpy as np
 from federated_language.compiler import building_blocks as bb
 from federated_language.compiler import intrinsic_defs as defs
@@ -116,3 +118,16 @@ def make(name: str, **kwargs) -> computation_pb2.Computation:
                                      "weighted_mean": weighted_mean,
                                      "linear_regression_step": linear_regression_step}
     return builders[name](**kwargs)
+
+
+def conv_weight_gradient(dimension_numbers: tuple) -> Callable:
+    """`(k, x) ->` the gradient in the kernel `k` of sum(tanh(conv(x, k))**2), a VALID
+    convolution with `dimension_numbers`: jax writes the gradient as a convolution in a
+    non-canonical dimension order."""
+    def gradient(k, x):
+        def loss(k):
+            z = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID",
+                                             dimension_numbers=dimension_numbers)
+            return jnp.sum(jnp.tanh(z) ** 2)
+        return jax.grad(loss)(k)
+    return gradient

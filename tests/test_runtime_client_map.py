@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import client_map, local_eval, threads
 from fax_bridge.tff.xla import typed_xla_computation
+from sample_computations import conv_weight_gradient
 
 F32 = np.float32
 W = fl.TensorType(F32, [3, 2])
@@ -160,13 +161,7 @@ def test_batched_results_have_the_bits_of_one_call_per_client_for_plain_arithmet
 def test_batched_convolution_gradients_have_the_bits_of_one_call_per_client():
     # A convolution's weight gradient is a convolution in a non-canonical dimension
     # order; inside the batched loop it runs as in the module's own executable.
-    def fn(k, x):
-        def loss(k):
-            z = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID",
-                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
-            return jnp.sum(jnp.tanh(z) ** 2)
-        return jax.grad(loss)(k)
-
+    fn = conv_weight_gradient(("NHWC", "HWIO", "NHWC"))
     kernel = fl.TensorType(F32, [3, 3, 2, 4])
     comp = typed_xla_computation(
         fn, fl.StructType([(None, kernel), (None, fl.TensorType(F32, [3, 9, 9, 2]))]))

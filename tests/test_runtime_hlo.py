@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from fax_bridge.errors import ComputationError, ExportError, HloModuleError
 from fax_bridge.runtime import hlo, hlo_import
 from fax_bridge.tff import xla as tff_xla
+from sample_computations import conv_weight_gradient
 
 
 def _hlo(fn, *specs):
@@ -32,13 +33,8 @@ def test_signature_and_call():
     assert total == 12.0
 
 
-def _conv_gradient(k, x):
-    """A weight gradient: jax writes it as a convolution in a non-canonical order."""
-    def loss(k):
-        z = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID",
-                                         dimension_numbers=("NCHW", "OIHW", "NCHW"))
-        return jnp.sum(jnp.tanh(z) ** 2)
-    return jax.grad(loss)(k)
+# A weight gradient: jax writes it as a convolution in a non-canonical order.
+_conv_gradient = conv_weight_gradient(("NCHW", "OIHW", "NCHW"))
 
 
 def _conv_labels(compiled_text: str) -> list[str]:
