@@ -2,7 +2,6 @@
 one call per client; the per-client fallback; caps around the work."""
 
 import federated_language as fl
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
