@@ -34,8 +34,13 @@ tff-check: $(STAMP) tff-venv
 forms-check: $(STAMP) tff-venv
 	$(PY) tools/forms_check.py --out out/forms
 
-test: $(STAMP) tff-check forms-check
-	$(PY) -m pytest -q
+# The two venvs build side by side and so do the two TFF checks (each half waits on the
+# network or on one core); pytest runs on two workers, a test file to a worker so that
+# module-scoped fixtures (a Flower deployment, a fleet) start once.
+test:
+	$(MAKE) -j2 $(STAMP) tff-venv
+	$(MAKE) -j2 tff-check forms-check
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
