@@ -132,20 +132,25 @@ def test_the_split_gives_the_interpreters_bits(seed):
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, N))
-def test_batched_and_one_by_one_clients_give_the_same_partials(seed, count):
-    """`client_partials` aggregates batched clients from their stacked results and
-    others from per-client results: the partials are the same bits."""
+@given(st.integers(0, 2**31 - 1), st.integers(1, N), st.integers(1, 3))
+def test_batched_and_one_by_one_clients_give_the_same_partials(seed, count, cpus):
+    """`client_partials` aggregates batched clients from their stacked results (a
+    partial per call when the cohort runs as one call per CPU, merged in client order)
+    and others from per-client results: the partials are the same bits."""
+    from unittest import mock
+
     from federated_language.common_libs import structure
 
-    from fax_bridge.runtime import aggregation, client_map
+    from fax_bridge.runtime import aggregation, client_map, threads
 
     split = P.split_round(PROTO)
     params, x, counts = _args(seed)
     sent = structure.Struct([(None, params * np.float32(2.0))])
     members = [structure.Struct([(None, x[i]), (None, counts[i])]) for i in range(count)]
     specs = [(a.kind, a.value_index, a.weight_index) for a in split.aggregations]
-    batched = P.client_partials(split.client_part, split.client_part_hash, sent, members, specs)
+    with mock.patch.object(threads, "workers", return_value=cpus):
+        batched = P.client_partials(split.client_part, split.client_part_hash, sent,
+                                    members, specs)
     original = client_map.map_clients_stacked
     client_map.map_clients_stacked = lambda *a, **k: None  # every client alone
     try:
@@ -234,9 +239,16 @@ def test_a_round_naming_a_client_part_never_loaded_is_refused(fleet, method):
 @settings(max_examples=20, deadline=None)
 @given(kind=st.sampled_from(["sum", "mean", "min", "max", "weighted_mean"]),
        shape=st.sampled_from([(), (3,), (2, 2)]), clients=st.integers(1, 7),
-       seed=st.integers(0, 2**31 - 1))
-def test_every_split_aggregation_gives_the_interpreters_bits(kind, shape, clients, seed):
+       seed=st.integers(0, 2**31 - 1), cpus=st.integers(1, 3))
+def test_every_split_aggregation_gives_the_interpreters_bits(kind, shape, clients, seed,
+                                                            cpus):
+    """Each kind over the split, its clients run as one call per CPU (partials of the
+    calls merged) or as one: the interpreter's bits."""
+    from unittest import mock
+
     import sample_computations as sc
+
+    from fax_bridge.runtime import threads
 
     rng = np.random.default_rng(seed)
     x = list(rng.normal(size=(clients, *shape)).astype(np.float32))
@@ -252,7 +264,9 @@ def test_every_split_aggregation_gives_the_interpreters_bits(kind, shape, client
     arg = values.check_value(values.bind_arguments(prepared.parameter, (x, other), {})
                              .runtime_value(), prepared.parameter)
     want = interpreter.evaluate(prepared, arg)
-    got = values.check_value(engine.run_in_process(split, arg), prepared.result, "result")
+    with mock.patch.object(threads, "workers", return_value=cpus):
+        got = values.check_value(engine.run_in_process(split, arg), prepared.result,
+                                 "result")
     assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 

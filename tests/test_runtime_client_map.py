@@ -347,8 +347,18 @@ def test_stacked_results_are_the_members_as_columns(monkeypatch):
     for got, want in zip(stacked.members(), client_map.map_clients(fn, members)):
         _assert_same_bits(got, want)
     assert len(stacked.members()) == 11 and len(stacked.members()[0][2]) == 0
+    # The calls' results as they came (4 + 4 + 3 clients), joined by `columns` only.
+    assert stacked.counts == [4, 4, 3]
+    for index in (0, 1):
+        parts = stacked.element_parts(index)
+        assert [p[0].shape[0] for p in parts] == [4, 4, 3]
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]),
+                                      stacked.element(index)[0])
+    assert stacked.element_parts(2) == [[], [], []]
     with pytest.raises(ComputationError, match="out of range"):
         stacked.element(3)
+    with pytest.raises(ComputationError, match="out of range"):
+        stacked.element_parts(3)
     # Clients that cannot run batched: no stacked results (map_clients runs them).
     assert client_map.map_clients_stacked(_first_element(), [
         structure.Struct([(None, np.zeros(2, F32)), (None, F32(1))]),

@@ -286,6 +286,36 @@ def test_large_stacks_summed_on_several_threads_give_one_threads_sums(count, wei
     assert limbs.result().tobytes() == want.result().tobytes()
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(2, 3), st.integers(0, 40), st.data())
+def test_merges_of_large_partials_on_several_threads_give_one_threads_bits(
+        workers, inexact, data):
+    """Two large float64-form partials merged in spans of blocks at once: the same
+    sums, the same elements spilled (those past 53 bits) and the same bits as one
+    thread."""
+    size = 16 * exact.BLOCK_ELEMENTS + data.draw(st.integers(0, 999))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    first = (rng.uniform(1, 2, (2, size)) * rng.choice([-1, 1], (2, size))).astype(
+        np.float32)  # one binade: no column spills alone
+    second = rng.uniform(1, 2, (3, size)).astype(np.float32)
+    where = rng.choice(size, inexact, replace=False)
+    first[:, where], second[:, where] = 3e38, 1e-45  # each exact alone, not together
+
+    def merged(count: int):
+        a, = double_sums.sums_of([first])
+        b, = double_sums.sums_of([second])
+        assert not (a.cols.size or b.cols.size)
+        with mock.patch.object(threads, "workers", return_value=count):
+            return double_sums.merged_all([a], [b])[0]
+
+    one, many = merged(1), merged(workers)
+    assert sorted(where.tolist()) == one.cols.tolist() == many.cols.tolist()
+    assert many.values.tobytes() == one.values.tobytes()
+    want = ExactSum(np.float32, (size,))
+    want.add_many(np.concatenate([first, second]))
+    assert many.result().tobytes() == one.result().tobytes() == want.result().tobytes()
+
+
 def test_a_merge_past_53_bits_spills_only_that_element():
     """Two partials, each exact in float64, whose sum at one element is not: that
     element spills (the others stay float64) and the result keeps every bit."""

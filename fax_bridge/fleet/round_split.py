@@ -366,7 +366,7 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
                                              keep=False, least_rows=least_rows)
     if stacked is not None:
         def pick(index: int) -> list:
-            return stacked.element(index)
+            return stacked.element_parts(index)
     else:
         results = client_map.map_clients(fn, members, sent, key=key, guard=guard)
 
@@ -382,8 +382,15 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
             raise ComputationError(f"the aggregation inputs at {vi}"
                                    f"{'' if wi is None else f' and {wi}'} are not in the "
                                    f"client part's result: {e}") from None
-        out.append(aggregation.partial_of_columns(kind, values, stacked.count, weights,
-                                                  bound)
-                   if stacked is not None
-                   else aggregation.partial_of(kind, values, weights, bound))
+        if stacked is None:
+            out.append(aggregation.partial_of(kind, values, weights, bound))
+            continue
+        # A partial per call of the batched run, merged in client order: the calls'
+        # results are never joined into one stack (a copy as large as the results).
+        partial = None
+        for i, count in enumerate(stacked.counts):
+            part = aggregation.partial_of_columns(
+                kind, values[i], count, None if weights is None else weights[i], bound)
+            partial = part if partial is None else aggregation.merge(partial, part)
+        out.append(partial)
     return out

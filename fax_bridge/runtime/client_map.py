@@ -90,13 +90,28 @@ def bucket(count: int) -> int:
 class Stacked:
     """The clients' results of a batched run, each result leaf stacked over clients.
 
-    `columns[j]` is leaf j of one client's result (depth first) with the clients on a
-    leading axis, in client order; the arrays are the caller's own (fresh copies).
+    `parts` holds the results of each call of the run in client order (`counts[i]`
+    clients in part i): part i's leaf j is leaf j of one client's result (depth first)
+    with those clients on a leading axis. `columns` joins them: leaf j of every
+    client's result, stacked. The arrays are the caller's own (fresh copies) unless
+    the run was asked not to keep them. A caller that aggregates may take the parts one
+    by one (`element_parts`) and merge, which spares the copy that joining them costs.
     """
 
     tree: Any       # the layout of one client's result
-    columns: list   # each result leaf, [count, *shape]
-    count: int
+    parts: list     # per call, the result leaves over its clients
+    counts: list    # per call, how many clients
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    @functools.cached_property
+    def columns(self) -> list:
+        """Each result leaf over every client, `[count, *shape]` (the parts joined)."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        return [np.concatenate(leaf) for leaf in zip(*self.parts)]
 
     def rows(self) -> Sequence:
         """The clients' results kept stacked (a `ClientRows`: client i's made when asked
@@ -113,6 +128,16 @@ class Stacked:
     def element(self, index: int) -> list[np.ndarray]:
         """The columns of element `index` of the (struct) result, as a Selection picks
         it on each client."""
+        start, stop = self._leaves_of(index)
+        return self.columns[start:stop]
+
+    def element_parts(self, index: int) -> list[list[np.ndarray]]:
+        """`element(index)` of each part, in client order (nothing joined)."""
+        start, stop = self._leaves_of(index)
+        return [part[start:stop] for part in self.parts]
+
+    def _leaves_of(self, index: int) -> tuple[int, int]:
+        """The span of result leaves that element `index` of the (struct) result holds."""
         if self.tree[0] != "struct":
             raise ComputationError(
                 f"Selection of element {index} from a value that is not a struct (tensor)")
@@ -122,7 +147,7 @@ class Stacked:
                 f"Selection index {index} is out of range for a struct of {len(trees)} "
                 "elements")
         start = sum(_leaf_count(t) for t in trees[:index])
-        return self.columns[start:start + _leaf_count(trees[index])]
+        return start, start + _leaf_count(trees[index])
 
 
 def _leaf_count(tree: Any) -> int:
@@ -435,6 +460,5 @@ def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
         chunks.append(done)
         if guard is not None:
             guard.tick()
-    results = (chunks[0] if len(chunks) == 1
-               else [np.concatenate(leaf) for leaf in zip(*chunks)])
-    return Stacked(plan.result_tree, results, count)
+    counts = [min(part, count - start) for start in range(0, count, part)]
+    return Stacked(plan.result_tree, chunks, counts)

@@ -290,14 +290,34 @@ def sums_of(stacks: Sequence[np.ndarray]) -> list:
 
 def _checked_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(a + b in float64, the positions where that sum is not exact or not finite: the
-    error term of TwoSum is not zero there)."""
+    error term of TwoSum is not zero there). Large arrays are added in spans of blocks
+    on the worker threads (`threads`) at once."""
     out = np.empty(a.size, np.float64)
     step = exact.BLOCK_ELEMENTS
-    u, v = np.empty(min(step, a.size)), np.empty(min(step, a.size))
+    blocks = -(-a.size // step)
+    spans = min(threads.workers(), blocks // _MIN_SPAN_BLOCKS)
+    if spans <= 1:
+        found = [_checked_span(a, b, out, 0, a.size)]
+    else:
+        per = -(-blocks // spans) * step
+        found = list(threads.pool().map(
+            lambda lo: _checked_span(a, b, out, lo, min(lo + per, a.size)),
+            range(0, a.size, per)))
+    bad = [cols for part in found for cols in part]
+    return out, (np.concatenate(bad) if bad else _NO_COLS)
+
+
+def _checked_span(a: np.ndarray, b: np.ndarray, out: np.ndarray, start: int,
+                  stop: int) -> list:
+    """`_checked_sum` over the positions [start, stop), a block at a time, into `out`;
+    the inexact positions found (a list of ascending arrays)."""
+    step = exact.BLOCK_ELEMENTS
+    u, v = np.empty(min(step, stop - start)), np.empty(min(step, stop - start))
     bad = []
     with np.errstate(over="ignore", invalid="ignore"):
-        for lo in range(0, a.size, step):
-            x, y, s = a[lo:lo + step], b[lo:lo + step], out[lo:lo + step]
+        for lo in range(start, stop, step):
+            hi = min(lo + step, stop)
+            x, y, s = a[lo:hi], b[lo:hi], out[lo:hi]
             e, f = u[:s.size], v[:s.size]
             np.add(x, y, out=s)
             np.subtract(s, x, out=e)  # y's part of s
@@ -307,7 +327,7 @@ def _checked_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             np.add(e, f, out=e)  # TwoSum: x + y == s + e exactly (NaN once s overflows)
             if e.any():
                 bad.append(np.flatnonzero(e) + lo)
-    return out, (np.concatenate(bad) if bad else _NO_COLS)
+    return bad
 
 
 def _merged(a: DoubleSum, b: DoubleSum) -> Sum:
