@@ -104,8 +104,10 @@ def test_any_split_over_holders_gives_the_in_process_bits(seed, cuts):
 
 
 def test_a_forged_answer_is_refused_before_anything_is_merged(monkeypatch):
+    # The engine's merge of holders' partials is watched; a holder's own partial (of
+    # its clients' calls, `round_split.client_partials`) is made as usual.
     merged = []
-    monkeypatch.setattr(aggregation, "merge", lambda *a: merged.append(a))
+    monkeypatch.setattr(engine, "merge_checked", lambda *a: merged.append(a))
     with pytest.raises(FleetError, match="holder 2: a partial over 4 clients"):
         engine.run_round(SPLIT, _arg(1), _Holders(_arg(1), [2, 4], forged=2))
     assert merged == []  # holders 0 and 1 answered well, yet nothing was merged
