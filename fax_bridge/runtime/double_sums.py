@@ -120,16 +120,9 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
     count, size = rows.shape
     totals = np.empty(size, np.float64)
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
-    blocks = -(-size // step)
-    spans = min(threads.workers(), blocks // _MIN_SPAN_BLOCKS)
     state = _Spill(most)
-    if spans <= 1:
-        found = [_split_span(rows, totals, 0, size, step, scale, state)]
-    else:
-        per = -(-blocks // spans) * step
-        found = list(threads.pool().map(
-            lambda lo: _split_span(rows, totals, lo, min(lo + per, size), step, scale,
-                                   state), range(0, size, per)))
+    found = _in_spans(size, step, lambda lo, hi: _split_span(rows, totals, lo, hi, step,
+                                                             scale, state))
     if state.over:
         return None
     spilled = [cols for part in found for cols in part]
@@ -137,6 +130,19 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
 
 
 _MIN_SPAN_BLOCKS = 8  # blocks of columns per thread, at least: fewer run on one thread
+
+
+def _in_spans(size: int, step: int, work) -> list:
+    """`work(start, stop)` over [0, size) in blocks of `step`: once over all of it, or
+    over spans of whole blocks (at least `_MIN_SPAN_BLOCKS` each), one per worker thread
+    at once (`threads`); the results in order of the spans."""
+    blocks = -(-size // step)
+    spans = min(threads.workers(), blocks // _MIN_SPAN_BLOCKS)
+    if spans <= 1:
+        return [work(0, size)]
+    per = -(-blocks // spans) * step
+    return list(threads.pool().map(lambda lo: work(lo, min(lo + per, size)),
+                                   range(0, size, per)))
 
 
 class _Spill:
@@ -293,16 +299,8 @@ def _checked_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     error term of TwoSum is not zero there). Large arrays are added in spans of blocks
     on the worker threads (`threads`) at once."""
     out = np.empty(a.size, np.float64)
-    step = exact.BLOCK_ELEMENTS
-    blocks = -(-a.size // step)
-    spans = min(threads.workers(), blocks // _MIN_SPAN_BLOCKS)
-    if spans <= 1:
-        found = [_checked_span(a, b, out, 0, a.size)]
-    else:
-        per = -(-blocks // spans) * step
-        found = list(threads.pool().map(
-            lambda lo: _checked_span(a, b, out, lo, min(lo + per, a.size)),
-            range(0, a.size, per)))
+    found = _in_spans(a.size, exact.BLOCK_ELEMENTS,
+                      lambda lo, hi: _checked_span(a, b, out, lo, hi))
     bad = [cols for part in found for cols in part]
     return out, (np.concatenate(bad) if bad else _NO_COLS)
 
