@@ -133,20 +133,29 @@ def _column_by_column(rows):
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(DTYPES), st.integers(1, 6), st.integers(1, 5), st.data())
 def test_the_one_block_test_decides_as_the_columns_do(dtype, n, size, data):
-    """`all_exact_in_doubles` passes a block only when every column passes alone, and
-    the float64 sums (signs of zero included) are the column-by-column ones."""
+    """`block_test` passes a block only when every column passes alone, says whether it
+    holds a zero, and the float64 sums (signs of zero included) are the column-by-column
+    ones."""
     values = st.one_of(st.sampled_from(_SPECIAL), st.floats(-1e4, 1e4),
                        st.floats(-1e-30, 1e-30), st.floats(width=32))
     flat = data.draw(st.lists(values, min_size=n * size, max_size=n * size))
     with np.errstate(over="ignore", invalid="ignore"):
         rows = np.array(flat, np.float64).astype(dtype).reshape(n, size)
-    passed = float_bits.all_exact_in_doubles(rows)
+    passed, zeros = float_bits.block_test(rows)
+    assert zeros == bool((rows.astype(np.float64) == 0).any())
     # a caller's scratch buffer (written over, left dirty) gives the same verdict
     scratch = np.full(rows.shape, 12345, float_bits.float_params(rows.dtype)[3])
-    assert float_bits.all_exact_in_doubles(rows, scratch) == passed
+    assert float_bits.block_test(rows, scratch) == (passed, zeros)
     if passed:
         fast, zero, _ = float_bits.exact_in_doubles(rows)
         assert (fast | zero).all()
+    # the verdict is the rule's on the block's largest and smallest nonzero magnitude
+    bits, nexp, _, uint = float_bits.float_params(rows.dtype)
+    mag = rows.view(uint) & uint((1 << (8 * rows.dtype.itemsize - 1)) - 1)
+    nonzero = mag[mag != 0]
+    least = int(nonzero.min()) if nonzero.size else 0
+    assert passed == bool(float_bits._sums_fit(int(mag.max()) >> (bits - 1),
+                                               least >> (bits - 1), bits, nexp, n))
     got, want = double_sums._double_values(rows), _column_by_column(rows)
     assert (got is None) == (want is None)
     if got is not None:

@@ -33,8 +33,8 @@ import numpy as np
 from fax_bridge.errors import AggregationError
 from fax_bridge.runtime import exact, threads
 from fax_bridge.runtime.exact import ExactSum
-from fax_bridge.runtime.float_bits import (all_exact_in_doubles, exact_in_doubles,
-                                           float_params, signed_zeros, to_odd_float32)
+from fax_bridge.runtime.float_bits import (block_test, exact_in_doubles, float_params,
+                                           signed_zeros, to_odd_float32)
 
 SPILL_RATIO = 64  # at most one element in this many spills to limbs, else all go there
 _NO_COLS = np.zeros(0, np.int64)
@@ -184,7 +184,8 @@ def _split_span(rows: np.ndarray, totals: np.ndarray, start: int, stop: int, ste
             sums = totals[lo:lo + block.shape[1]]
             bad = None
             # one test for the block, else column by column
-            if not all_exact_in_doubles(block, scratch[:, :block.shape[1]]):
+            exact, zeros = block_test(block, scratch[:, :block.shape[1]])
+            if not exact:
                 fast, zero, _ = exact_in_doubles(block)
                 bad = np.flatnonzero(~(fast | zero))
                 if not state.add(bad.size):
@@ -193,7 +194,8 @@ def _split_span(rows: np.ndarray, totals: np.ndarray, start: int, stop: int, ste
             if bad is not None and bad.size:
                 sums[bad] = 0.0
                 spilled.append(bad + lo)
-            signed_zeros(block, sums)  # an all -0 element stays -0
+            if zeros:  # an all -0 element stays -0; without zero addends a zero sum is +0
+                signed_zeros(block, sums)
     return spilled
 
 

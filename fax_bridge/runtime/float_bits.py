@@ -74,23 +74,40 @@ def _sums_fit(e_hi, e_lo, p: int, nexp: int, n: int):
     return (span <= 53) & (e_hi < (1 << nexp) - 1)
 
 
-def all_exact_in_doubles(rows: np.ndarray, scratch: Optional[np.ndarray] = None) -> bool:
-    """Whether every column of `rows` ([n, size], a float dtype of at most 4 bytes) has
-    an exact float64 sum or holds only +-0 (`exact_in_doubles` says which, column by
-    column): one test over all of them, with the largest and the smallest nonzero
-    magnitude of the whole block. Columns span at most what the block spans, so a block
-    that passes passes column by column; one that fails may still pass that way.
-    `scratch`: an array of `rows`' shape and the dtype's unsigned view, written over (a
-    caller testing many blocks keeps one, so no block allocates)."""
+def block_test(rows: np.ndarray, scratch: Optional[np.ndarray] = None) -> tuple[bool, bool]:
+    """For a block of addends `rows` ([n, size], a float dtype of at most 4 bytes):
+    (every column has an exact float64 sum or holds only +-0, some addend is +-0).
+
+    One test for the whole block (`exact_in_doubles` says which columns pass, column by
+    column), from its largest and smallest nonzero magnitude: columns span at most what
+    the block spans, so a block that passes passes column by column; one that fails may
+    still pass that way. Without zeros, four reductions of the bits find both, nothing
+    written: as unsigned integers the floats of sign + order by magnitude below those of
+    sign -, which order by magnitude above them; as signed integers, the reverse. A
+    block holding a zero finds its smallest nonzero magnitude in `scratch` (an array of
+    `rows`' shape and the dtype's unsigned view, written over; a caller testing many
+    blocks keeps one, so no block allocates)."""
     if not rows.size:
-        return True
+        return True, False
     p, nexp, _, uint = float_params(rows.dtype)
     width = 8 * rows.dtype.itemsize
-    mag = np.bitwise_and(rows.view(uint), uint((1 << (width - 1)) - 1), out=scratch)
-    hi = int(np.maximum.reduce(mag, axis=None))
-    np.subtract(mag, uint(1), out=mag)  # zeros wrap to the top
-    low = (int(np.minimum.reduce(mag, axis=None)) + 1) & ((1 << width) - 1)  # 0: all zero
-    return bool(_sums_fit(hi >> (p - 1), low >> (p - 1), p, nexp, rows.shape[0]))
+    sign = 1 << (width - 1)
+    bits, signed = rows.view(uint), rows.view(_SIGNED[rows.dtype.itemsize])
+    low_u = int(np.minimum.reduce(bits, axis=None))    # least of sign +, if any
+    low_s = int(np.minimum.reduce(signed, axis=None))  # least of sign -, if any
+    least = min(low_u if low_u < sign else sign, low_s + sign if low_s < 0 else sign)
+    high_u = int(np.maximum.reduce(bits, axis=None))   # greatest of sign -, if any
+    high_s = int(np.maximum.reduce(signed, axis=None))  # greatest of sign +, if any
+    hi = max(high_s if high_s >= 0 else 0, high_u - sign if high_u >= sign else 0)
+    zeros = least == 0
+    if zeros:
+        mag = np.bitwise_and(bits, uint(sign - 1), out=scratch)
+        np.subtract(mag, uint(1), out=mag)  # zeros wrap to the top
+        least = (int(np.minimum.reduce(mag, axis=None)) + 1) & ((1 << width) - 1)  # 0: all zero
+    return bool(_sums_fit(hi >> (p - 1), least >> (p - 1), p, nexp, rows.shape[0])), zeros
+
+
+_SIGNED = {2: np.int16, 4: np.int32}
 
 
 def signed_zeros(rows: np.ndarray, sums: np.ndarray) -> None:
