@@ -372,3 +372,29 @@ def test_spilled_elements_of_a_float64_form_sum_are_checked():
     ]:
         with pytest.raises(FleetError, match=message):
             validate.check_partial(forged(change), "sum", types, [], 3, "d0")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 199), st.sampled_from([np.nan, 2.0**-150, 7e38]))
+def test_large_float64_form_partials_are_checked_in_spans_wherever_a_forgery_sits(
+        workers, at, bad):
+    """A large partial's values are checked in spans on the worker threads: an honest
+    one passes on any number of threads, and a value no honest device sends is refused,
+    naming the leaf, wherever it sits."""
+    from unittest import mock
+
+    from fax_bridge.runtime import threads
+
+    values = np.linspace(-3e38, 3e38, 200).astype(np.float32).astype("<f8")
+    with mock.patch.object(threads, "workers", lambda: workers), \
+            mock.patch.object(threads, "MIN_SPAN_BLOCKS", 1), \
+            mock.patch.object(validate, "BLOCK_ELEMENTS", 16):
+        honest = pb.AggregateResponse(num_clients=2)
+        honest.leaves.add(dtype="float32", shape=[200], doubles=values.tobytes())
+        types = [fl.TensorType(np.float32, [200])]
+        validate.check_partial(honest, "sum", types, [], 2, "d0")
+        forged = values.copy()
+        forged[at] = bad
+        honest.leaves[0].doubles = forged.tobytes()
+        with pytest.raises(FleetError, match="d0, sum leaf 0: .*not finite whole multiples"):
+            validate.check_partial(honest, "sum", types, [], 2, "d0")

@@ -298,3 +298,33 @@ def test_secure_columns_give_the_partial_of_the_members(kind, n, bound, data):
             [w.tobytes() for w in aggregation.finish(want)]
     with pytest.raises(AggregationError, match="needs a"):
         aggregation.partial_of_columns(kind, columns, n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.sampled_from(["sum", "mean", "weighted_mean"]),
+       st.lists(st.one_of(st.floats(width=32), st.sampled_from([0.0, -0.0, 3e38, -3e38])),
+                min_size=1, max_size=120), st.integers(0, 3))
+def test_large_results_rounded_and_divided_on_several_threads_give_one_threads_bits(
+        workers, kind, flat, weight):
+    """Finishing rounds the float64-form sums and divides a mean's in spans of blocks
+    on the worker threads; the bits (overflow to infinity, NaN, signed zeros, a zero
+    weight) are one thread's."""
+    from unittest import mock
+
+    from fax_bridge.runtime import exact, threads
+
+    rows = np.array(flat, np.float32)
+    members = [rows, rows[::-1].copy()]
+    weights = [np.float32(weight), np.float32(1)] if kind == "weighted_mean" else None
+
+    def finished(threads_, block):
+        with mock.patch.object(threads, "workers", lambda: threads_), \
+                mock.patch.object(threads, "MIN_SPAN_BLOCKS", 1), \
+                mock.patch.object(exact, "BLOCK_ELEMENTS", block), \
+                mock.patch.object(aggregation, "_DIVIDE_BLOCK", block):
+            with np.errstate(all="ignore"):
+                return aggregation.finish(aggregation.partial_of(kind, members, weights))
+
+    want = finished(1, 1 << 17)
+    got = finished(workers, 8)
+    assert [g.tobytes() for g in got] == [w.tobytes() for w in want]

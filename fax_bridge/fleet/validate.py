@@ -22,7 +22,7 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import wire
-from fax_bridge.runtime import double_sums, limits
+from fax_bridge.runtime import double_sums, limits, threads
 from fax_bridge.runtime.aggregation import EXTREMES, Partial
 from fax_bridge.runtime.float_bits import float_params
 from fax_bridge.runtime.exact import (BLOCK_ELEMENTS, LIMB_BITS, NEG_ZERO_FLAG,
@@ -262,14 +262,15 @@ def _check_double_values(values: np.ndarray, dtype: np.dtype, units: int,
 def check_pending(pending: list) -> None:
     """`_check_double_values` of the leaves `check_partial` set aside, one set of array
     operations per dtype and bound for the small ones (large ones go alone: joining
-    would copy them); a failing group is checked leaf by leaf, so the error names the
-    leaf."""
+    would copy them; each in spans of blocks on the worker threads, `threads.in_spans`);
+    a failing group is checked leaf by leaf, so the error names the leaf."""
     groups: dict = {}
-    for entry in pending:
-        if entry[0].size > BLOCK_ELEMENTS:
-            _check_double_values(*entry)
+    for values, dtype, units, where in pending:
+        if values.size > BLOCK_ELEMENTS:  # in spans of blocks on the worker threads
+            threads.in_spans(values.size, BLOCK_ELEMENTS, lambda lo, hi: _check_double_values(
+                values[lo:hi], dtype, units, where))
         else:
-            groups.setdefault(entry[1:3], []).append(entry)
+            groups.setdefault((dtype, units), []).append((values, dtype, units, where))
     for (dtype, units), entries in groups.items():
         if len(entries) > 1:
             try:

@@ -38,6 +38,7 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import AggregationError, WeightError
 from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
+from fax_bridge.runtime import threads
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
 from fax_bridge.runtime.double_sums import (Sum, merged_all, results, sums_of,
                                            weighted_sums_of)
@@ -339,7 +340,20 @@ def _divide(total: np.ndarray, by) -> np.ndarray:
         raise AggregationError(
             f"federated mean and weighted_mean need floating-point values, got "
             f"{total.dtype}; cast the clients' values to a float type first")
-    return np.divide(total, np.asarray(by, total.dtype), out=total)
+    by = np.asarray(by, total.dtype)
+    if not total.flags.c_contiguous:
+        return np.divide(total, by, out=total)
+    flat = total.reshape(-1)  # a view of `total`
+
+    def divide(start: int, stop: int) -> None:  # large ones on the worker threads
+        with np.errstate(divide="ignore", invalid="ignore"):  # numpy's is per thread
+            np.divide(flat[start:stop], by, out=flat[start:stop])
+
+    threads.in_spans(flat.size, _DIVIDE_BLOCK, divide)
+    return total
+
+
+_DIVIDE_BLOCK = 1 << 17  # elements a worker thread divides at once
 
 
 def reduce(kind: str, members: Sequence[LocalValue],

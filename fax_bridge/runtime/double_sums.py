@@ -93,14 +93,26 @@ class DoubleSum:
         """`result` for a caller that already ignores overflow (np.errstate)."""
         out = self.values
         if self.dtype != np.float32:  # float16, bfloat16: through float32 rounded to odd
-            out = to_odd_float32(out)
-        out = out.astype(self.dtype)
+            out = to_odd_float32(out).astype(self.dtype)
+        else:  # large ones in spans of blocks on the worker threads
+            out = np.empty(self.size, np.float32)
+            threads.in_spans(self.size, exact.BLOCK_ELEMENTS,
+                             lambda lo, hi: _cast_span(self.values, out, lo, hi))
         if self.cols.size:
             out[self.cols] = self.rest.result()
         return out.reshape(self.shape)
 
 
 Sum = Union[ExactSum, DoubleSum]
+
+
+def _cast_span(values: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+    """`out[start:stop]` = `values[start:stop]` rounded to `out`'s dtype, a block at a
+    time (a thread of its own ignores overflow: numpy's error state is per thread)."""
+    with np.errstate(over="ignore"):
+        for lo in range(start, stop, exact.BLOCK_ELEMENTS):
+            hi = min(lo + exact.BLOCK_ELEMENTS, stop)
+            np.copyto(out[lo:hi], values[lo:hi], casting="unsafe")
 
 
 def fits(dtype: np.dtype) -> bool:
@@ -121,28 +133,12 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
     totals = np.empty(size, np.float64)
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
     state = _Spill(most)
-    found = _in_spans(size, step, lambda lo, hi: _split_span(rows, totals, lo, hi, step,
-                                                             scale, state))
+    found = threads.in_spans(size, step, lambda lo, hi: _split_span(rows, totals, lo, hi,
+                                                                    step, scale, state))
     if state.over:
         return None
     spilled = [cols for part in found for cols in part]
     return totals, (np.concatenate(spilled) if spilled else _NO_COLS)
-
-
-_MIN_SPAN_BLOCKS = 8  # blocks of columns per thread, at least: fewer run on one thread
-
-
-def _in_spans(size: int, step: int, work) -> list:
-    """`work(start, stop)` over [0, size) in blocks of `step`: once over all of it, or
-    over spans of whole blocks (at least `_MIN_SPAN_BLOCKS` each), one per worker thread
-    at once (`threads`); the results in order of the spans."""
-    blocks = -(-size // step)
-    spans = min(threads.workers(), blocks // _MIN_SPAN_BLOCKS)
-    if spans <= 1:
-        return [work(0, size)]
-    per = -(-blocks // spans) * step
-    return list(threads.pool().map(lambda lo: work(lo, min(lo + per, size)),
-                                   range(0, size, per)))
 
 
 class _Spill:
@@ -301,7 +297,7 @@ def _checked_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     error term of TwoSum is not zero there). Large arrays are added in spans of blocks
     on the worker threads (`threads`) at once."""
     out = np.empty(a.size, np.float64)
-    found = _in_spans(a.size, exact.BLOCK_ELEMENTS,
+    found = threads.in_spans(a.size, exact.BLOCK_ELEMENTS,
                       lambda lo, hi: _checked_span(a, b, out, lo, hi))
     bad = [cols for part in found for cols in part]
     return out, (np.concatenate(bad) if bad else _NO_COLS)
