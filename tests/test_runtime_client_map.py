@@ -433,3 +433,59 @@ def test_members_given_stacked_run_as_the_same_members_listed():
         rows[7]
     with pytest.raises(ComputationError, match="one number of clients"):
         ClientRows(from_leaves(pair, [np.zeros((2, 2), F32), np.zeros(3, np.int32)]))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 7), st.booleans(), st.booleans()), min_size=1,
+                max_size=6), st.integers(1, 3))
+def test_later_calls_write_over_spare_results_never_over_results_still_held(calls, cpus):
+    """Results read once (`keep=False`) are kept spare and a later call writes its own
+    over them instead of over new zeroed memory, but only once nothing of them is held:
+    whatever sequence of cohorts, parts and held results, every result still held has
+    its bits from the call that made it, and every call's results are the cohort's."""
+    from unittest import mock
+
+    layout = [("x", (2, 3), np.float32), ("n", (2,), np.int32)]
+    member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
+    fn = _round_computation(member_type)
+    rng = np.random.default_rng(len(calls))
+    shared = rng.standard_normal((3, 2)).astype(F32)
+    members = [_member(layout, rng) for _ in range(7)]
+    want = {}  # a client's results, each leaf's bytes, from a call of that client alone
+    held = []
+    with mock.patch.object(threads, "workers", lambda: cpus):
+        for count, keep, hold in calls:
+            start = int(rng.integers(0, 8 - count))  # the cohort: members[start:start + count]
+            got = client_map.map_clients_stacked(fn, members[start:start + count], shared,
+                                                 keep=keep)
+            columns = [[leaf.tobytes() for leaf in np.asarray(c)] for c in got.columns]
+            for i in range(count):
+                mine = [col[i] for col in columns]
+                assert want.setdefault(start + i, mine) == mine
+            if hold:
+                held.append((got, columns))
+            del got
+        for got, columns in held:  # what later calls did not write over
+            assert [[leaf.tobytes() for leaf in np.asarray(c)] for c in got.columns] == columns
+
+
+def test_a_spare_call_result_is_written_over_once_nothing_holds_it(monkeypatch):
+    monkeypatch.setattr(threads, "workers", lambda: 1)
+    layout = [("x", (2, 3), np.float32), ("n", (2,), np.int32)]
+    member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
+    fn = _round_computation(member_type)
+    rng = np.random.default_rng(0)
+    shared = rng.standard_normal((3, 2)).astype(F32)
+    members = [_member(layout, rng) for _ in range(5)]
+    client_map.map_clients_stacked(fn, members, shared, keep=False)
+    spare = client_map._spares.sets[-1]
+    held = client_map.map_clients_stacked(fn, members, shared, keep=False)
+    assert all(a.is_deleted() for a in spare)  # written over: nothing held it
+    spare = client_map._spares.sets[-1]
+    client_map.map_clients_stacked(fn, members, shared, keep=False)
+    assert not any(a.is_deleted() for a in spare)  # `held` views it: left alone
+    del held
+    monkeypatch.setattr(client_map, "MAX_SPARE_BYTES", 0)  # nothing kept beyond the cap
+    client_map._spares.sets.clear()
+    client_map.map_clients_stacked(fn, members, shared, keep=False)
+    assert client_map._spares.sets == []

@@ -15,7 +15,10 @@ ONE jitted loop over the first `count` rows (the padding sets the shapes, it is 
 computed). A cohort runs as one call per CPU of this process (`part_size`), at once on
 the worker threads (`threads`), each call over its share of the clients and never over
 `MAX_ROWS`. The executable is compiled once per (computation, layout, bucket): cohorts
-that shrink by dropouts reuse it. A client's result has the same bits whatever cohort
+that shrink by dropouts reuse it. It writes its results over arrays it is given
+(donated): the results of an earlier call that its caller read once and dropped
+(`_Spares`), else new zeros, so that a round does not fault in and zero fresh memory
+for every call's results. A client's result has the same bits whatever cohort
 and call it runs in and wherever it sits there. Matmuls, sums and elementwise arithmetic give the bits of the Xla parts' own
 executables; XLA may round a transcendental fused into a reduction (`sum(sin(x))`) an
 ulp apart inside the loop, which is why every path maps clients here.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -51,6 +55,7 @@ from fax_bridge.runtime.backend import ClientRows, LocalValue, as_numpy
 NO_SHARED = object()  # `shared` when the computation takes the member alone
 MAX_ROWS = 1024  # the largest bucket: larger cohorts run as several calls of it
 MAX_PAD_BYTES = 64 << 20  # `least_rows` widens a bucket while its padding stays under this
+MAX_SPARE_BYTES = 2 << 30  # the most a process keeps of calls' results for later calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +69,66 @@ class Guard:
 
 @dataclasses.dataclass(frozen=True)
 class _Batched:
-    run: Callable          # compiled: (shared leaves, stacked member leaves) -> stacked results
+    run: Callable          # compiled: (shared leaves, stacked member leaves, count, outputs
+    #                        to write over, donated) -> stacked results
     result_tree: Any       # the layout of one client's result
     result_specs: tuple    # (shape, dtype) of each result leaf, per client
+    rows: int              # the bucket
 
     @functools.cached_property
     def example(self) -> LocalValue:
         """One client's result of zeros (read-only views), for sizing results."""
         return _build(self.result_tree, iter(np.broadcast_to(np.zeros((), dtype), shape)
                                              for shape, dtype in self.result_specs))
+
+    @functools.cached_property
+    def output_bytes(self) -> int:
+        """The bytes of one call's stacked results."""
+        return self.rows * sum(math.prod(shape) * dtype.itemsize
+                               for shape, dtype in self.result_specs)
+
+    def outputs(self, reuse: bool) -> tuple:
+        """Arrays for a call to write its results over (it takes them donated): with
+        `reuse`, an earlier call's results when one is spare (`_Spares`), else zeros."""
+        spare = _spares.take(self) if reuse else None
+        if spare is not None:
+            return spare
+        return tuple(jnp.zeros((self.rows, *shape), dtype) for shape, dtype in self.result_specs)
+
+
+class _Spares:
+    """The results of recent calls, kept so that a later call of the same executable
+    writes its results over them instead of over a new buffer: allocating and zeroing a
+    fresh one (the page faults of a new mapping) cost about 20 ms per 40 MB row of a
+    bucket, as much as a client's work at 10M parameters. jax writes over a donated
+    array only when no view of it is alive, else it allocates anew, so a caller still
+    reading earlier results keeps them intact. Kept: the results of the most recently
+    used executable only (a round reuses one), one set per worker thread, and none
+    beyond `MAX_SPARE_BYTES`."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.plan: Optional[_Batched] = None
+        self.sets: list = []
+
+    def take(self, plan: _Batched) -> Optional[tuple]:
+        with self.lock:
+            while self.plan is plan and self.sets:
+                spare = self.sets.pop()
+                if not any(a.is_deleted() for a in spare):
+                    return spare
+            return None
+
+    def give(self, plan: _Batched, outputs: tuple) -> None:
+        with self.lock:
+            if self.plan is not plan:
+                self.plan, self.sets = plan, []
+            if (len(self.sets) + 1) * plan.output_bytes <= MAX_SPARE_BYTES and \
+                    len(self.sets) < threads.workers():
+                self.sets.append(outputs)
+
+
+_spares = _Spares()
 
 
 _lock = threading.Lock()
@@ -389,37 +445,35 @@ def _plan(fn, key, shared_tree, member_tree, rows: int,
 def _compile(compiled, shared_tree, member_tree, rows: int,
              fixed: Optional[tuple] = None) -> _Batched:
     """The batched executable: (shared leaves, then the `fixed` member leaves; the other
-    member leaves stacked over `rows`; count) -> the results stacked over `rows`."""
+    member leaves stacked over `rows`; count; the arrays to write the results over,
+    donated) -> the results stacked over `rows`."""
     found: dict = {}
     num_fixed = sum(fixed) if fixed else 0
 
-    def batched(shared_leaves, member_leaves, count):
+    def one(shared_leaves, row) -> tuple:
+        """One client's result leaves."""
         cut = len(shared_leaves) - num_fixed
         shared = (NO_SHARED if shared_tree is None
                   else _build(shared_tree, iter(shared_leaves[:cut])))
+        if fixed:
+            given, stacked = iter(shared_leaves[cut:]), iter(row)
+            row = [next(given) if f else next(stacked) for f in fixed]
+        member = _build(member_tree, iter(row))
+        arg = member if shared is NO_SHARED else structure.Struct(
+            [(None, shared), (None, member)])
+        out: list = []
+        found["tree"] = _result_layout(compiled(arg), out)
+        return tuple(out)
 
-        def one(row):
-            if fixed:
-                given, stacked = iter(shared_leaves[cut:]), iter(row)
-                row = [next(given) if f else next(stacked) for f in fixed]
-            member = _build(member_tree, iter(row))
-            arg = member if shared is NO_SHARED else structure.Struct(
-                [(None, shared), (None, member)])
-            out: list = []
-            found["tree"] = _result_layout(compiled(arg), out)
-            return tuple(out)
-
-        # The loop runs `count` rows: the padding rows give the bucket's shapes, not work.
-        rows_in = [jax.ShapeDtypeStruct(m.shape[1:], m.dtype) for m in member_leaves]
-        empty = tuple(jnp.zeros((rows, *a.shape), a.dtype)
-                      for a in jax.eval_shape(one, rows_in))
-
+    def batched(shared_leaves, member_leaves, count, outputs):
+        # The loop runs `count` rows: the padding rows give the bucket's shapes, not work,
+        # and their share of `outputs` is left as it came.
         def step(i, outs):
             row = [jax.lax.dynamic_index_in_dim(m, i, keepdims=False) for m in member_leaves]
             return tuple(jax.lax.dynamic_update_index_in_dim(o, r, i, 0)
-                         for o, r in zip(outs, one(row)))
+                         for o, r in zip(outs, one(shared_leaves, row)))
 
-        return jax.lax.fori_loop(0, count, step, empty)
+        return jax.lax.fori_loop(0, count, step, tuple(outputs))
 
     def avals(tree, stacked: bool) -> list:
         if tree is None:
@@ -433,10 +487,13 @@ def _compile(compiled, shared_tree, member_tree, rows: int,
     if fixed:
         shared_in += [a for a, f in zip(avals(member_tree, False), fixed) if f]
         member_in = [a for a, f in zip(member_in, fixed) if not f]
-    lowered = jax.jit(batched).lower(shared_in, member_in, jax.ShapeDtypeStruct((), np.int32))
-    specs = tuple((tuple(a.shape[1:]), np.dtype(a.dtype))
-                  for a in jax.tree_util.tree_leaves(lowered.out_info))
-    return _Batched(lowered.compile(), found["tree"], specs)
+    results = jax.eval_shape(one, shared_in,
+                             [jax.ShapeDtypeStruct(m.shape[1:], m.dtype) for m in member_in])
+    outputs_in = tuple(jax.ShapeDtypeStruct((rows, *a.shape), a.dtype) for a in results)
+    lowered = jax.jit(batched, donate_argnums=3).lower(
+        shared_in, member_in, jax.ShapeDtypeStruct((), np.int32), outputs_in)
+    specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in results)
+    return _Batched(lowered.compile(), found["tree"], specs, rows)
 
 
 def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
@@ -448,24 +505,29 @@ def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
         guard.tick()
         guard.room(guard.size(plan.example) * count)
 
-    def call(start: int) -> list:
+    def call(start: int) -> tuple[list, tuple]:
         size = min(part, count - start)
         chunk = source.chunk(start, start + size, rows)
         try:
-            outs = plan.run(shared_leaves, chunk, np.int32(size))
+            # Results read once and dropped (not `keep`) are written over by a later call.
+            outs = plan.run(shared_leaves, chunk, np.int32(size), plan.outputs(not keep))
             # Copied when kept and padded: no XLA buffer's padding rows stay alive behind
             # the clients' results. Without padding the view holds nothing more, and a
             # copy would cost as much as the clients' work (3.2 GB at 8 x 100M floats).
             return [np.array(np.asarray(o)[:size]) if keep and size < rows
-                    else np.asarray(o)[:size] for o in outs]
+                    else np.asarray(o)[:size] for o in outs], outs
         except Exception as e:
             raise ComputationError(f"XLA execution failed: {e}") from e
 
-    chunks = []
-    for done in (threads.pool().map(call, range(0, count, part)) if part < count
-                 else [call(0)]):  # in client order
+    chunks, outputs = [], []
+    for done, outs in (threads.pool().map(call, range(0, count, part)) if part < count
+                       else [call(0)]):  # in client order
         chunks.append(done)
+        outputs.append(outs)
         if guard is not None:
             guard.tick()
+    if not keep:  # spare once every call is done: no call of this run writes over another's
+        for outs in outputs:
+            _spares.give(plan, outs)
     counts = [min(part, count - start) for start in range(0, count, part)]
     return Stacked(plan.result_tree, chunks, counts)
