@@ -375,6 +375,7 @@ def run_size(model: str, label: str, cfg: tuple, kinds: tuple, clients: int, rep
         rows.append({
             "model": model, "size": label, "params": param_count(params), "kind": kind,
             "median_s": med, "runs": {k: len(v) for k, v in times.items()},
+            "samples_s": {k: [round(t, 6) for t in v] for k, v in times.items()},
             "compile_s": compile_s, "fax_over_hand": ratio("fax_bridge"),
             "drjax_over_hand": ratio("drjax"),
             "max_rel_diff": {k: max_rel_diff(results[k], results["hand"])
