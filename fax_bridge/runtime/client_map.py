@@ -9,7 +9,7 @@ that aggregate them (a round split's client part) and so never need them per cli
 Batched: when the computation has a parameter and the clients' members (and the shared
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
 and dtypes for every client), the members are stacked along a leading clients axis,
-padded up to a bucket (`bucket`: 2, 3, 4, 6, 8, 12, ...) with copies of the first client, and
+padded up to a power-of-two bucket (at least 2) with copies of the first client, and
 the whole computation, every `Xla` part inside it (`HloExecutable.call_traced`), runs as
 ONE jitted loop over the first `count` rows (the padding sets the shapes, it is not
 computed). A cohort runs as one call per CPU of this process (`part_size`), at once on
@@ -136,17 +136,12 @@ _batched: dict[tuple, Optional[_Batched]] = {}  # None: this layout runs per cli
 
 
 def bucket(count: int) -> int:
-    """The padded number of rows for `count` clients: the next step of the ladder 2, 3,
-    4, 6, 8, 12, 16, 24, ... (powers of two and three times them), at least 2 (XLA
-    simplifies the row slicing of a one-row loop, which can change a result's last bit,
-    and a client's bits must not depend on its cohort). A padding row computes nothing,
-    but its share of the stacked output is still allocated and zeroed (about 20 ms per
-    40 MB row on a CPU), so the steps are finer than powers of two: at most a third of
-    a bucket pads, at the cost of one more compile per octave of cohort sizes."""
-    n = max(2, count)
-    power = 1 << (n - 1).bit_length()  # the next power of two
-    three = 3 * power // 4
-    return three if power >= 4 and three >= n else power
+    """The padded number of rows for `count` clients: the next power of two, at least 2
+    (XLA simplifies the row slicing of a one-row loop, which can change a result's last
+    bit, and a client's bits must not depend on its cohort). Padding rows compute
+    nothing, and a call that writes over an earlier call's results (`_Spares`) does not
+    touch their share of the output either."""
+    return max(2, 1 << max(0, count - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
