@@ -320,8 +320,7 @@ def test_large_results_rounded_and_divided_on_several_threads_give_one_threads_b
     def finished(threads_, block):
         with mock.patch.object(threads, "workers", lambda: threads_), \
                 mock.patch.object(threads, "MIN_SPAN_BLOCKS", 1), \
-                mock.patch.object(exact, "BLOCK_ELEMENTS", block), \
-                mock.patch.object(aggregation, "_DIVIDE_BLOCK", block):
+                mock.patch.object(exact, "BLOCK_ELEMENTS", block):
             with np.errstate(all="ignore"):
                 return aggregation.finish(aggregation.partial_of(kind, members, weights))
 

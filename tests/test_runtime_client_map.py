@@ -366,16 +366,22 @@ def test_stacked_results_are_the_members_as_columns(monkeypatch):
     assert client_map.map_clients_stacked(fn, []) is None
 
 
+def _round_setup(seed: int, count: int):
+    """(`_round_computation` of a two-leaf member, its shared weights, `count` members,
+    the generator that made them) from `seed`."""
+    layout = [("x", (2, 3), np.float32), ("n", (2,), np.int32)]
+    member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
+    rng = np.random.default_rng(seed)
+    shared = rng.standard_normal((3, 2)).astype(F32)
+    return (_round_computation(member_type), shared,
+            [_member(layout, rng) for _ in range(count)], rng)
+
+
 def test_least_rows_runs_any_cohort_in_one_bucket_with_the_same_bits(monkeypatch):
     # A caller whose cohorts vary (a Flower node's share of each round's cohort) names
     # the most it can see: every run uses that bucket, one compile, the same bits.
     monkeypatch.setattr(threads, "workers", lambda: 1)  # one call per cohort
-    layout = [("x", (2, 3), np.float32), ("n", (2,), np.int32)]
-    member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
-    fn = _round_computation(member_type)
-    rng = np.random.default_rng(3)
-    shared = rng.standard_normal((3, 2)).astype(F32)
-    members = [_member(layout, rng) for _ in range(7)]
+    fn, shared, members, rng = _round_setup(3, 7)
     alone = [client_map.map_clients_stacked(fn, members[:k], shared) for k in (1, 3, 7)]
     key = local_eval.content_hash(fn)
     before = {k[3] for k in client_map._batched if k[0] == key}
@@ -444,12 +450,7 @@ def test_later_calls_write_over_spare_results_never_over_results_still_held(call
     its bits from the call that made it, and every call's results are the cohort's."""
     from unittest import mock
 
-    layout = [("x", (2, 3), np.float32), ("n", (2,), np.int32)]
-    member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
-    fn = _round_computation(member_type)
-    rng = np.random.default_rng(len(calls))
-    shared = rng.standard_normal((3, 2)).astype(F32)
-    members = [_member(layout, rng) for _ in range(7)]
+    fn, shared, members, rng = _round_setup(len(calls), 7)
     want = {}  # a client's results, each leaf's bytes, from a call of that client alone
     held = []
     with mock.patch.object(threads, "workers", lambda: cpus):
@@ -470,12 +471,7 @@ def test_later_calls_write_over_spare_results_never_over_results_still_held(call
 
 def test_a_spare_call_result_is_written_over_once_nothing_holds_it(monkeypatch):
     monkeypatch.setattr(threads, "workers", lambda: 1)
-    layout = [("x", (2, 3), np.float32), ("n", (2,), np.int32)]
-    member_type = fl.StructType([(n, fl.TensorType(d, list(s))) for n, s, d in layout])
-    fn = _round_computation(member_type)
-    rng = np.random.default_rng(0)
-    shared = rng.standard_normal((3, 2)).astype(F32)
-    members = [_member(layout, rng) for _ in range(5)]
+    fn, shared, members, _ = _round_setup(0, 5)
     client_map.map_clients_stacked(fn, members, shared, keep=False)
     spare = client_map._spares.sets[-1]
     held = client_map.map_clients_stacked(fn, members, shared, keep=False)

@@ -38,7 +38,7 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import AggregationError, WeightError
 from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
-from fax_bridge.runtime import threads
+from fax_bridge.runtime import exact, threads
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
 from fax_bridge.runtime.double_sums import (Sum, merged_all, results, sums_of,
                                            weighted_sums_of)
@@ -349,11 +349,8 @@ def _divide(total: np.ndarray, by) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):  # numpy's is per thread
             np.divide(flat[start:stop], by, out=flat[start:stop])
 
-    threads.in_spans(flat.size, _DIVIDE_BLOCK, divide)
+    threads.in_spans(flat.size, exact.BLOCK_ELEMENTS, divide)
     return total
-
-
-_DIVIDE_BLOCK = 1 << 17  # elements a worker thread divides at once
 
 
 def reduce(kind: str, members: Sequence[LocalValue],

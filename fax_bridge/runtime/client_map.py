@@ -113,11 +113,7 @@ class _Spares:
 
     def take(self, plan: _Batched) -> Optional[tuple]:
         with self.lock:
-            while self.plan is plan and self.sets:
-                spare = self.sets.pop()
-                if not any(a.is_deleted() for a in spare):
-                    return spare
-            return None
+            return self.sets.pop() if self.plan is plan and self.sets else None
 
     def give(self, plan: _Batched, outputs: tuple) -> None:
         with self.lock:

@@ -180,8 +180,8 @@ def _split_span(rows: np.ndarray, totals: np.ndarray, start: int, stop: int, ste
             sums = totals[lo:lo + block.shape[1]]
             bad = None
             # one test for the block, else column by column
-            exact, zeros = block_test(block, scratch[:, :block.shape[1]])
-            if not exact:
+            passed, zeros = block_test(block, scratch[:, :block.shape[1]])
+            if not passed:
                 fast, zero, _ = exact_in_doubles(block)
                 bad = np.flatnonzero(~(fast | zero))
                 if not state.add(bad.size):
@@ -298,7 +298,7 @@ def _checked_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     on the worker threads (`threads`) at once."""
     out = np.empty(a.size, np.float64)
     found = threads.in_spans(a.size, exact.BLOCK_ELEMENTS,
-                      lambda lo, hi: _checked_span(a, b, out, lo, hi))
+                             lambda lo, hi: _checked_span(a, b, out, lo, hi))
     bad = [cols for part in found for cols in part]
     return out, (np.concatenate(bad) if bad else _NO_COLS)
 
