@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from fax_bridge.errors import AggregationError
-from fax_bridge.runtime import exact, threads
+from fax_bridge.runtime import buffers, exact, threads
 from fax_bridge.runtime.exact import ExactSum
 from fax_bridge.runtime.float_bits import (block_test, exact_in_doubles, float_params,
                                            signed_zeros, to_odd_float32)
@@ -95,7 +95,7 @@ class DoubleSum:
         if self.dtype != np.float32:  # float16, bfloat16: through float32 rounded to odd
             out = to_odd_float32(out).astype(self.dtype)
         else:  # large ones in spans of blocks on the worker threads
-            out = np.empty(self.size, np.float32)
+            out = buffers.empty(self.size, np.float32)
             threads.in_spans(self.size, exact.BLOCK_ELEMENTS,
                              lambda lo, hi: _cast_span(self.values, out, lo, hi))
         if self.cols.size:
@@ -130,7 +130,7 @@ def _split_values(rows: np.ndarray, most: int, scale: Optional[np.ndarray] = Non
     on `threads.workers()` threads at once (numpy lets go of the GIL): a column's sum is
     the same whichever thread makes it."""
     count, size = rows.shape
-    totals = np.empty(size, np.float64)
+    totals = buffers.empty(size, np.float64)
     step = max(1, exact.BLOCK_ELEMENTS // max(1, count))
     state = _Spill(most)
     found = threads.in_spans(size, step, lambda lo, hi: _split_span(rows, totals, lo, hi,
@@ -296,7 +296,7 @@ def _checked_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(a + b in float64, the positions where that sum is not exact or not finite: the
     error term of TwoSum is not zero there). Large arrays are added in spans of blocks
     on the worker threads (`threads`) at once."""
-    out = np.empty(a.size, np.float64)
+    out = buffers.empty(a.size, np.float64)
     found = threads.in_spans(a.size, exact.BLOCK_ELEMENTS,
                              lambda lo, hi: _checked_span(a, b, out, lo, hi))
     bad = [cols for part in found for cols in part]
