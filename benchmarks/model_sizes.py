@@ -31,11 +31,12 @@ Each row also records this process's peak resident memory (`VmHWM`) when it was 
 sizes run smallest first, so a row's figure is the largest its size or a smaller one
 needed.
 
-Times are medians of `--repeats` samples after a warm-up call (compile excluded; a sample
-of a round under 20 ms is the mean of as many calls in a row as fill 20 ms). A round
-slower than `--slow` seconds has 2 samples; one slower than `--give-up` seconds has its
-warm-up call as its only sample and is not run at the larger sizes of that model and
-aggregation ("not run"). The table (markdown) gives the ratios to the
+Times are medians of `--repeats` samples after two warm-up calls (the first compiles;
+the second pays what the first left to later rounds, such as memory they write over); a
+sample of a round under 100 ms is the mean of as many calls in a row as fill 100 ms, up
+to 1,000. A round slower than `--slow` seconds (its second call) has 2 samples; one whose
+first call took over `--give-up` seconds has that call as its only sample and is not run
+at the larger sizes of that model and aggregation ("not run"). The table (markdown) gives the ratios to the
 hand-written round and each implementation's largest difference from the hand-written
 result (relative to that result's largest magnitude). `uptime`'s load averages before
 and after the run are printed and saved: the figures are only as steady as the machine.
@@ -76,7 +77,8 @@ logging.getLogger("absl").setLevel(logging.ERROR)  # DrJAX's notes that no mesh 
 KINDS = ("sum", "mean", "weighted", "elementwise")
 IMPLS = ("fax_bridge", "hand", "drjax")
 LR = 0.05
-MIN_SAMPLE_S = 0.02  # a faster round is timed over several calls in a row per sample
+MIN_SAMPLE_S = 0.1  # a faster round is timed over several calls in a row per sample
+MAX_CALLS = 1000  # calls in a row per sample, at most
 
 # --------------------------------------------------------------------------- models
 
@@ -304,8 +306,8 @@ def _measure(fns: dict[str, Callable], args: tuple, repeats: int, slow: float,
              give_up: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """Each function's result (from a warm-up call) and samples of seconds per call,
     taken in turn (the first one rotating) so that every function sees the same changes
-    in load: `repeats` samples, 2 of a round whose warm-up took over `slow` seconds, and
-    none of one whose warm-up took over `give_up` seconds (the warm-up call is then its
+    in load: `repeats` samples, 2 of a round whose second call took over `slow` seconds,
+    and none of one whose first call took over `give_up` seconds (that call is then its
     only sample).
     """
     results, times, samples, calls = {}, {}, {}, {}
@@ -313,13 +315,17 @@ def _measure(fns: dict[str, Callable], args: tuple, repeats: int, slow: float,
         start = time.perf_counter()
         results[name] = jax.block_until_ready(fn(*args))
         warm = time.perf_counter() - start
-        # How many calls fill a sample is worked out from a second call: the first one
-        # pays one-off costs, and a fast round timed over too few calls in a row measures
-        # XLA's thread pool waking up rather than the round.
-        per_call = _timed(fn, *args) if warm <= slow else warm
-        calls[name] = min(50, max(1, int(MIN_SAMPLE_S / per_call)))
-        samples[name] = repeats if warm <= slow else 2 if warm <= give_up else 0
-        times[name] = [] if samples[name] else [warm]
+        if warm > give_up:
+            samples[name], calls[name], times[name] = 0, 1, [warm]
+            continue
+        # A second call before the samples: the first pays one-off costs (a compile,
+        # memory that later rounds write over), and how many calls fill a sample is
+        # worked out from the second; a fast round timed over too few calls in a row
+        # measures XLA's thread pool waking up rather than the round.
+        per_call = _timed(fn, *args)
+        calls[name] = min(MAX_CALLS, max(1, int(MIN_SAMPLE_S / per_call)))
+        samples[name] = repeats if per_call <= slow else 2
+        times[name] = []
     names = list(fns)
     for i in range(repeats):
         for name in names[i % len(names):] + names[:i % len(names)]:
@@ -463,10 +469,10 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=None, help="samples (5; --quick: 3)")
     parser.add_argument("--slow", type=float, default=1.0,
-                        help="seconds: a slower round is timed twice")
+                        help="seconds: a round whose second call is slower is timed twice")
     parser.add_argument("--give-up", type=float, default=10.0,
-                        help="seconds: a slower round is timed once, and not run at the "
-                             "larger sizes of that model and aggregation")
+                        help="seconds: a round whose first call is slower is timed once, "
+                             "and not run at the larger sizes of that model and aggregation")
     parser.add_argument("--paths", nargs="*", default=[], choices=["runtime", "fleet"],
                         help="also time the exported proto in process and on LocalFleet(2)")
     parser.add_argument("--flower", action="store_true",
