@@ -305,10 +305,10 @@ def _timed(fn: Callable, *args, calls: int = 1) -> float:
 def _measure(fns: dict[str, Callable], args: tuple, repeats: int, slow: float,
              give_up: float) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """Each function's result (from a warm-up call) and samples of seconds per call,
-    taken in turn (the first one rotating) so that every function sees the same changes
-    in load: `repeats` samples, 2 of a round whose second call took over `slow` seconds,
-    and none of one whose first call took over `give_up` seconds (that call is then its
-    only sample).
+    taken in turn (the first one rotating; the jit rounds, `IMPLS`, apart from the
+    others) so that every function sees the same changes in load: `repeats` samples, 2
+    of a round whose second call took over `slow` seconds, and none of one whose first
+    call took over `give_up` seconds (that call is then its only sample).
     """
     results, times, samples, calls = {}, {}, {}, {}
     for name, fn in fns.items():
@@ -326,11 +326,15 @@ def _measure(fns: dict[str, Callable], args: tuple, repeats: int, slow: float,
         calls[name] = min(MAX_CALLS, max(1, int(MIN_SAMPLE_S / per_call)))
         samples[name] = repeats if per_call <= slow else 2
         times[name] = []
-    names = list(fns)
+    # The jit rounds take turns among themselves, then the exported ones among theirs:
+    # in one rotation of all five, fax_bridge's sample came right after the fleet's in
+    # four repeats of five, and hand-written's in none.
+    groups = [[n for n in fns if n in IMPLS], [n for n in fns if n not in IMPLS]]
     for i in range(repeats):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            if len(times[name]) < samples[name]:
-                times[name].append(_timed(fns[name], *args, calls=calls[name]))
+        for names in groups:
+            for name in (names[i % len(names):] + names[:i % len(names)]) if names else ():
+                if len(times[name]) < samples[name]:
+                    times[name].append(_timed(fns[name], *args, calls=calls[name]))
     return results, times
 
 
