@@ -1,6 +1,7 @@
 """fleet.shared_memory: payloads through shared-memory segments give the bytes the gRPC
-path gives; vanished, truncated and foreign segments are refused; no segment outlives
-its round, a killed device or its fleet."""
+path gives; vanished, truncated and foreign segments are refused; a device's answer
+segment is written over round after round, never while something read from it is alive;
+no other segment outlives its round, and none a killed device or its fleet."""
 
 from __future__ import annotations
 
@@ -215,6 +216,7 @@ def test_rounds_through_shared_memory_keep_the_byte_paths_bits_in_every_split():
         with LocalFleet(devices=devices, shared_memory=shared, seed=1) as fleet:
             directory = fleet.backend.shared_memory
             assert (directory is not None) == shared
+            kept = None
             for spread in (1.0, 1e30):
                 result, rep = fleet.run(PROTO, *_args(2, spread), report=True)
                 got[devices, shared, spread] = _bits(result)
@@ -222,7 +224,11 @@ def test_rounds_through_shared_memory_keep_the_byte_paths_bits_in_every_split():
                     assert rep.shared_up > rep.payload_up // 2
                     assert rep.shared_down == 4 * D * devices
                     assert rep.bytes_up < rep.shared_up // 10
-                    assert not os.listdir(directory.path)  # no segment outlives its round
+                    # one answer segment per device is left, the same files every round
+                    names = sorted(os.listdir(directory.path))
+                    assert len(names) == devices and all(n.startswith("a-") for n in names)
+                    assert kept is None or names == kept
+                    kept = names
                     assert "through shared memory" in rep.summary()
                 else:
                     assert rep.shared_up == rep.shared_down == 0
@@ -291,7 +297,75 @@ def test_a_truncated_answer_segment_fails_the_round_clearly_and_leaves_nothing(m
         assert not os.listdir(directory.path)
         monkeypatch.setattr(grpc_transport.shared_memory, "open_segment", original)
         result, rep = fleet.run(PROTO, *_args(), report=True)  # the next round is whole
-        assert rep.shared_up > 0 and not os.listdir(directory.path)
+        assert rep.shared_up > 0 and len(os.listdir(directory.path)) == 1  # kept answer
+
+
+def test_an_answer_segment_still_read_from_is_never_written_over(monkeypatch):
+    """A caller holding bytes of a round's answer segment past the round: the next round
+    gets a new segment, the held bytes stay as they were, and the held file is gone."""
+    from fax_bridge.fleet import grpc_transport
+
+    with LocalFleet(devices=1) as fleet:
+        directory = fleet.backend.shared_memory
+        original, held = shm.open_segment, []
+
+        def holding(directory, ref, where, **kwargs):
+            segment = original(directory, ref, where, **kwargs)
+            held.append((ref.name, segment.data[:segment.length]))
+            return segment
+
+        monkeypatch.setattr(grpc_transport.shared_memory, "open_segment", holding)
+        first = _bits(fleet.run(PROTO, *_args(2, 1.0)))
+        name, data = held[0]
+        before = bytes(data)
+        assert not os.path.exists(directory.file(name))  # not kept: it is read from
+        second = _bits(fleet.run(PROTO, *_args(2, 1e30)))
+        assert held[1][0] != name and bytes(data) == before
+        monkeypatch.setattr(grpc_transport.shared_memory, "open_segment", original)
+        del held, data
+        third = _bits(fleet.run(PROTO, *_args(2, 1.0)))  # kept again from here on
+        fourth = _bits(fleet.run(PROTO, *_args(2, 1e30)))
+        assert third == first and fourth == second
+        assert len(os.listdir(directory.path)) == 1
+
+
+def test_kept_answer_segments_are_taken_once_and_dropped_with_their_devices(shared):
+    for name in ("a-1", "a-2", "a-3"):
+        open(shared.file(name), "wb").close()
+    shared.keep("host:1", "a-1")
+    shared.keep("host:1", "a-2")  # the one kept before for that device is removed
+    shared.keep("host:2", "a-3")
+    assert sorted(os.listdir(shared.path)) == ["a-2", "a-3"]
+    assert shared.kept("host:1") == "a-2" and shared.kept("host:1") is None
+    shared.keep("host:1", "a-2")
+    shared.drop_kept(["host:1"])  # host:2 is gone
+    assert os.listdir(shared.path) == ["a-2"] and shared.kept("host:2") is None
+
+
+def test_a_segment_written_over_holds_exactly_its_new_arrays(shared):
+    big, small = np.arange(5000, dtype=np.float64), np.arange(7, dtype=np.int32)
+    for arrays in ([big, small], [small], [big]):
+        writer = shm.Writer(0)
+        spans = [pb.SharedSpan() for _ in arrays]
+        for a, span in zip(arrays, spans):
+            writer.span(a, span)
+        name, generation = "a-over", len(arrays) * 7
+        ref = writer.write(shared, name, generation, over=True)
+        segment = shm.open_segment(shared, ref, "test", expect=(name, generation))
+        for a, span in zip(arrays, spans):
+            assert bytes(segment.bytes_of(span, "test")) == a.tobytes()
+        assert os.path.getsize(shared.file(name)) == shm.HEADER_BYTES + writer.length
+        assert segment.close()
+
+
+def test_writing_over_a_name_that_is_not_a_regular_file_is_refused_at_once(shared):
+    os.mkfifo(shared.file("a-fifo"))  # opened to write, a FIFO would wait for a reader
+    os.mkdir(shared.file("a-dir"))
+    writer = shm.Writer(0)
+    writer.span(np.zeros(4), pb.SharedSpan())
+    for name in ("a-fifo", "a-dir"):
+        with pytest.raises(OSError):
+            writer.write(shared, name, 1, over=True)
 
 
 def test_a_device_whose_launcher_is_gone_removes_the_directory():

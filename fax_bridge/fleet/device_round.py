@@ -69,9 +69,9 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
         del found
         if writer is not None and writer.length:
             try:
-                answer.segment.CopyFrom(writer.write(
+                answer.segment.CopyFrom(writer.write(  # over its last answer's, if named
                     device.shared_memory, head.answer_segment.name,
-                    head.answer_segment.generation))
+                    head.answer_segment.generation, over=True))
             except OSError as e:
                 raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{method}: cannot write shared-memory segment "

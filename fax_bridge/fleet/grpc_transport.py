@@ -12,8 +12,10 @@ as on the phase path, so rounds finish on the survivors the same way; token and 
 the backend's channels. Devices that share this host's memory with the coordinator
 (`DevicePool.shares_memory`: those `LocalFleet` started) get the broadcast's large
 tensors in one shared-memory segment written once for all of them, and put their
-partials' large payloads in a segment each (`shared_memory`); every segment of a round
-is removed when the round's calls end, however they end.
+partials' large payloads in a segment each (`shared_memory`). Every segment of a round
+is removed when the round ends, however it ends, but a device's answer segment after a
+round that ended well with nothing read from it alive (`end_round`): that one is kept,
+and the device writes its next answer over it.
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ class GrpcTransport:
         self.delays = delays
         self.reject_nonfinite = backend.reject_nonfinite
         self.traffic = backend.traffic
+        self._answer_segments: list = []  # (device address, name, mapped Segment)
 
     def run_clients(self, split: RoundSplit, sent: structure.Struct) -> Answers:
         backend = self.backend
@@ -161,11 +164,28 @@ class GrpcTransport:
         shared = backend.shared_memory
         sharing = {d for d, _ in layout if backend.shares_memory(d)}
         segments = {}  # device index -> its answer segment's (name, generation)
+        ok = False
         try:
-            return self._run(split, sent, layout, key, shared, sharing, segments)
-        finally:  # answered, failed or lost: no segment of this round outlives it
-            for name in segments.values():
-                shared.unlink(name[0])
+            answers = self._run(split, sent, layout, key, shared, sharing, segments)
+            ok = True
+            return answers
+        finally:  # the mapped answers' segments wait for `end_round`
+            mapped = {name for _, name, _ in self._answer_segments}
+            for name, _ in segments.values():
+                if not (ok and name in mapped):
+                    shared.unlink(name)
+
+    def end_round(self, ok: bool) -> None:
+        """After the engine's round (`ok`: it ended well): each answer segment read in it
+        is kept for its device's next answer where nothing read from it is alive any
+        more, else removed."""
+        shared = self.backend.shared_memory
+        answers, self._answer_segments = self._answer_segments, []
+        for address, name, segment in answers:
+            if ok and segment.close():
+                shared.keep(address, name)
+            else:
+                shared.unlink(name)
 
     def _run(self, split: RoundSplit, sent: structure.Struct, layout, key: str,
              shared, sharing: set, segments: dict) -> Answers:
@@ -216,7 +236,9 @@ class GrpcTransport:
             if index in sharing:
                 if segment_ref is not None:
                     head.broadcast_segment.CopyFrom(segment_ref)
-                name, generation = segments[index] = shared.new_name("a")
+                name, generation = shared.new_name("a")
+                name = shared.kept(backend.addresses[index]) or name
+                segments[index] = (name, generation)
                 head.answer_segment.name, head.answer_segment.generation = name, generation
             return head
 
@@ -240,7 +262,9 @@ class GrpcTransport:
                                      f"{answer.segment.name[:40]!r}, which it was not asked "
                                      "to use")
                 segment = shared_memory.open_segment(shared, answer.segment, where,
-                                                     unlink=True, expect=segments[index])
+                                                     expect=segments[index])
+                self._answer_segments.append((backend.addresses[index],
+                                              segments[index][0], segment))
                 self.traffic.shared_up += segment.length
             if index in sharing and segment_ref is not None:
                 self.traffic.shared_down += segment_ref.length

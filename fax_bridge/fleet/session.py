@@ -188,7 +188,12 @@ class FleetRounds:
             if grpc_transport.usable(split, arg):
                 transport = grpc_transport.GrpcTransport(backend, split, arg,
                                                          backend.take_delays())
-                result = engine.run_round(split, arg, transport, prepared.result)
+                ended = False
+                try:
+                    result = engine.run_round(split, arg, transport, prepared.result)
+                    ended = True
+                finally:
+                    transport.end_round(ended)
             else:
                 result = interpreter.evaluate(prepared, arg, backend, num_clients=num_clients)
             return values.to_pytree(result, prepared.result, prepared.structure)
@@ -238,6 +243,8 @@ class FleetRounds:
             old.close()
         except FleetError:
             pass
+        if old.shared_memory is not None:  # the answers kept for lost devices go
+            old.shared_memory.drop_kept(addresses)
         self.backend = self._connect(addresses, self.probe_timeout_s * 5)
         # Survivors may still hold values of the failed try: never reuse their handles.
         self.backend.take_handles(old)
