@@ -19,11 +19,13 @@ def bench():
     return module
 
 
-def test_smallest_configuration_agrees_across_implementations(bench, tmp_path):
+def test_smallest_configuration_agrees_across_implementations(bench, tmp_path, monkeypatch):
     out, png = tmp_path / "sizes.json", tmp_path / "sizes.png"
+    monkeypatch.setattr(bench, "RECHECK_SAMPLES", 3)
+    monkeypatch.setattr(bench, "RECHECK_SAMPLE_S", 0.01)
     result = bench.main(["--quick", "--models", "linear", "--kinds", "weighted", "elementwise",
                          "--repeats", "1", "--clients", "4", "--json", str(out), "--plot",
-                         str(png)])
+                         str(png), "--recheck-above", "1e-9"])  # every row timed again
     assert json.loads(out.read_text())["rows"] == result["rows"]
     assert png.stat().st_size > 0
     rows = result["rows"]
@@ -34,3 +36,5 @@ def test_smallest_configuration_agrees_across_implementations(bench, tmp_path):
         assert all(n == 1 for n in r["runs"].values())
         assert set(r["max_rel_diff"]) == {"fax_bridge", "drjax"}
         assert max(r["max_rel_diff"].values()) < 1e-5, r
+        assert r["fax_over_hand_recheck"] > 0
+        assert f"(again: {r['fax_over_hand_recheck']:.2f})" in bench.format_row(r, ())
