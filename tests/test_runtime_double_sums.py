@@ -202,9 +202,13 @@ def test_spilled_elements_keep_every_bit_in_any_split(dtype, n, size, data):
              ).astype(np.float64)
     wide = rng.choice(size, size=data.draw(st.integers(0, size // 64 + 2)), replace=False)
     for col in wide:  # a huge addend, tiny ones, cancellations, non-finite values
-        kind = data.draw(st.sampled_from(["spread", "cancel", "special"]))
+        kind = data.draw(st.sampled_from(["spread", "cancel", "special", "negative"]))
         stack[:, col] = float(info.smallest_subnormal) * rng.integers(-3, 4, size=n)
-        if kind != "special":
+        if kind == "negative":  # of sign - only, -0 among them: spilled, never -0
+            stack[:, col] = -np.abs(stack[:, col])
+            stack[:, col][stack[:, col] == 0] = -0.0
+            stack[rng.integers(n), col] = -float(info.max) * rng.uniform(0.5, 1)
+        elif kind != "special":
             stack[rng.integers(n), col] = float(info.max) * rng.uniform(-1, 1)
         if kind == "cancel":
             stack[rng.integers(n), col] = -stack[:, col].max()
@@ -235,6 +239,24 @@ def test_spilled_elements_keep_every_bit_in_any_split(dtype, n, size, data):
     as_floats = stack.astype(np.float64)
     want = np.array([_rounded(as_floats[:, j].tolist(), dtype) for j in range(size)], dtype)
     assert got.tobytes() == want.tobytes()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(DTYPES), st.integers(1, 6), st.integers(1, 40), st.data())
+def test_zero_sums_are_minus_zero_exactly_where_every_addend_is(dtype, n, size, data):
+    values = st.sampled_from([0.0, -0.0, 1.0, -1.0, -2.0, 0.5, -1e-45])
+    rows = np.array(data.draw(st.lists(st.lists(values, min_size=size, max_size=size),
+                                       min_size=n, max_size=n)), np.float64).astype(dtype)
+    sums = rows.astype(np.float64).sum(axis=0)
+    sums[sums == 0] = data.draw(st.sampled_from([0.0, -0.0]))  # either sign going in
+    float_bits.signed_zeros(rows, sums)
+    for j in range(size):
+        column = rows[:, j].astype(np.float64)
+        if sums[j] == 0:
+            negative = all(a == 0 and math.copysign(1, a) < 0 for a in column)
+            assert math.copysign(1, sums[j]) == (-1 if negative else 1), column
+        else:
+            assert sums[j] == column.sum()
 
 
 def test_a_few_spread_elements_spill_and_the_rest_stay_float64():

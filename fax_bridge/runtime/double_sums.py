@@ -186,12 +186,12 @@ def _split_span(rows: np.ndarray, totals: np.ndarray, start: int, stop: int, ste
                 bad = np.flatnonzero(~(fast | zero))
                 if not state.add(bad.size):
                     return spilled
-            _column_sums(block, sums)  # spilled columns are overwritten next
-            if bad is not None and bad.size:
-                sums[bad] = 0.0
-                spilled.append(bad + lo)
+            _column_sums(block, sums)
             if zeros:  # an all -0 element stays -0; without zero addends a zero sum is +0
                 signed_zeros(block, sums)
+            if bad is not None and bad.size:  # spilled: +0.0, their sums kept in limbs
+                sums[bad] = 0.0
+                spilled.append(bad + lo)
     return spilled
 
 

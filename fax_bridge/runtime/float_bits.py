@@ -111,11 +111,18 @@ _SIGNED = {2: np.int16, 4: np.int32}
 
 
 def signed_zeros(rows: np.ndarray, sums: np.ndarray) -> None:
-    """Sets `sums` (float64 column sums of `rows`) to -0.0 where every addend is -0 and
-    to +0.0 elsewhere it is zero (numpy may add -0 + -0 as +0)."""
-    zero = np.flatnonzero(sums == 0)
-    if zero.size:
-        sums[zero] = np.where(_only_negative_zeros(rows, zero), -0.0, 0.0)
+    """Sets `sums` (float64 column sums of `rows`, in any order, rounded or not) to -0.0
+    where every addend is -0 and to +0.0 elsewhere it is zero (numpy may add -0 + -0 as
+    +0). A zero sum whose addends are all of sign - (as unsigned integers, none below
+    -0's bits) has only -0 addends: addends of one sign never cancel. One reduction of
+    the block's columns, where picking the zero columns out first cost more once many
+    columns were zero (an embedding's unused rows)."""
+    zero = sums == 0
+    if zero.any():
+        _, _, _, uint = float_params(rows.dtype)
+        sign_bit = uint(1 << (8 * rows.dtype.itemsize - 1))
+        negative = np.minimum.reduce(rows.view(uint), axis=0) == sign_bit
+        sums[zero] = np.where(negative[zero], -0.0, 0.0)
 
 
 def to_odd_float32(values: np.ndarray) -> np.ndarray:
