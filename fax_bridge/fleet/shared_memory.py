@@ -139,9 +139,9 @@ class SharedDir:
 
     def drop_kept(self, keep_addresses: Sequence[str] = ()) -> None:
         """Removes the answer segments kept for devices not at `keep_addresses`."""
+        staying = set(keep_addresses)
         with self._kept_lock:
-            gone = [a for a in self._kept if a not in set(keep_addresses)]
-            names = [self._kept.pop(a) for a in gone]
+            names = [self._kept.pop(a) for a in list(self._kept) if a not in staying]
         for name in names:
             self.unlink(name)
 

@@ -54,17 +54,19 @@ def exact_in_doubles(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     zero = hi == 0
     fast = _sums_fit(e_hi, e_lo, p, nexp, rows.shape[0]) & ~zero
     negative_zero = zero.copy()
-    if zero.any():
-        negative_zero[zero] = _only_negative_zeros(rows, zero)
+    if zero.any():  # the zero columns alone: in a block that failed, usually a few
+        negative_zero[zero] = _all_of_sign_minus(rows[:, zero])
     return fast, zero, negative_zero
 
 
-def _only_negative_zeros(rows: np.ndarray, columns) -> np.ndarray:
-    """Per column of `rows` that `columns` picks (indices or a mask): whether every
-    addend is -0."""
+def _all_of_sign_minus(rows: np.ndarray) -> np.ndarray:
+    """Per column of `rows`: whether every addend has its sign bit set (-0 included): as
+    unsigned integers, none lies below -0's bits. One reduction of the columns. In a
+    column of zeros, or one whose sum is zero, that is: every addend is -0 (addends of
+    one sign never cancel)."""
     _, _, _, uint = float_params(rows.dtype)
     sign_bit = uint(1 << (8 * rows.dtype.itemsize - 1))
-    return (rows.view(uint)[:, columns] == sign_bit).all(axis=0)
+    return np.minimum.reduce(rows.view(uint), axis=0) >= sign_bit
 
 
 def _sums_fit(e_hi, e_lo, p: int, nexp: int, n: int):
@@ -113,16 +115,12 @@ _SIGNED = {2: np.int16, 4: np.int32}
 def signed_zeros(rows: np.ndarray, sums: np.ndarray) -> None:
     """Sets `sums` (float64 column sums of `rows`, in any order, rounded or not) to -0.0
     where every addend is -0 and to +0.0 elsewhere it is zero (numpy may add -0 + -0 as
-    +0). A zero sum whose addends are all of sign - (as unsigned integers, none below
-    -0's bits) has only -0 addends: addends of one sign never cancel. One reduction of
-    the block's columns, where picking the zero columns out first cost more once many
-    columns were zero (an embedding's unused rows)."""
+    +0): a zero sum's addends are all -0 when all are of sign - (`_all_of_sign_minus`,
+    one reduction of the block's columns, where picking the zero columns out first cost
+    more once many columns were zero, as an embedding's unused rows are)."""
     zero = sums == 0
     if zero.any():
-        _, _, _, uint = float_params(rows.dtype)
-        sign_bit = uint(1 << (8 * rows.dtype.itemsize - 1))
-        negative = np.minimum.reduce(rows.view(uint), axis=0) == sign_bit
-        sums[zero] = np.where(negative[zero], -0.0, 0.0)
+        sums[zero] = np.where(_all_of_sign_minus(rows)[zero], -0.0, 0.0)
 
 
 def to_odd_float32(values: np.ndarray) -> np.ndarray:
