@@ -64,8 +64,8 @@ def _device_shim(argv: list[str]) -> None:
     """Installs the device timers, then runs `python -m fax_bridge.fleet.device_cli ...`."""
     import runpy
 
-    from fax_bridge.fleet import (device, device_round, partials, round_split,
-                                  shared_memory, wire)
+    from fax_bridge.fleet import device, device_round, shared_memory
+    from fax_bridge.rounds import partials, round_split, wire
     from fax_bridge.runtime import aggregation, client_map
 
     log: list = []
@@ -101,7 +101,8 @@ def _device_shim(argv: list[str]) -> None:
 
 
 def _coordinator_timers(log: list) -> None:
-    from fax_bridge.fleet import coordinator, engine, grpc_transport
+    from fax_bridge.fleet import coordinator, grpc_transport
+    from fax_bridge.rounds import engine
 
     _timed(engine, "plan_round", log, "sample the cohort")
     _timed(grpc_transport, "_streams", log, "build the requests")

@@ -75,10 +75,11 @@ def test_round_exports_to_a_typed_tff_proto(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_round_splits_run_the_server_pieces_compiled_with_the_interpreters_bits(name):
     """Each algorithm whose round is one trip gets its server prepare and result
-    compiled (`fleet.server_steps`), and the split gives the interpreter's bits."""
+    compiled (`rounds.server_steps`), and the split gives the interpreter's bits."""
     import jax
 
-    from fax_bridge.fleet import engine, round_split
+    from fax_bridge.rounds import round_split
+    from fax_bridge import in_process
     from fax_bridge.runtime import interpreter, values
 
     fn, args, placements = _case(name)
@@ -90,7 +91,7 @@ def test_round_splits_run_the_server_pieces_compiled_with_the_interpreters_bits(
     prepared = interpreter.prepare(proto)
     arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
     want = interpreter.evaluate(prepared, arg)
-    got = values.check_value(engine.run_in_process(split, arg), prepared.result, "result")
+    got = values.check_value(in_process.run_in_process(split, arg), prepared.result, "result")
     bits = [[np.asarray(v).tobytes() for v in jax.tree_util.tree_leaves(
         values.to_pytree(r, prepared.result))] for r in (got, want)]
     assert bits[0] == bits[1]

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from fax_bridge.errors import AggregationError, ClientCountError, FleetError, WeightError
 import sample_computations as sc
 from fax_bridge.fleet.launcher import LocalFleet
-from fax_bridge.fleet.rounds import RoundPolicy
+from fax_bridge.rounds.policy import RoundPolicy
 from fax_bridge.runtime import interpreter
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 

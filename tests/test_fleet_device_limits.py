@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge.fleet import device, device_process, security, wire
+from fax_bridge.fleet import device, device_process, security
+from fax_bridge.rounds import wire
 from fax_bridge.v1 import device_pb2 as pb
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 

@@ -21,7 +21,7 @@ from fax_bridge.fleet.device import DeviceServicer
 from fax_bridge.fleet.device_process import start_server
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.fleet.remote import RemoteFleet
-from fax_bridge.fleet.rounds import RoundPolicy, plan_round
+from fax_bridge.rounds.policy import RoundPolicy, plan_round
 from fax_bridge.runtime import interpreter
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -390,7 +390,8 @@ def test_a_store_file_changed_under_a_device_fails_that_read_and_the_device_serv
     alone too)."""
     import os
 
-    from fax_bridge.fleet import put_messages, wire
+    from fax_bridge.fleet import put_messages
+    from fax_bridge.rounds import wire
 
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(8, FEATURES)).astype(np.float32)

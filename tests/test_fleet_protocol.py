@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 from fax_bridge.errors import AddressError, ArgumentError
 from fax_bridge.fleet import fleet_file
 from fax_bridge.fleet.protocol import format_address, parse_address, partition
-from fax_bridge.fleet.rounds import RoundPolicy, resolve_policy
+from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 
 
 @given(st.sampled_from(["127.0.0.1", "localhost", "10.0.0.2", "::1", "fe80::1"]),

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import partials, shared_memory as shm, validate, wire
+from fax_bridge.fleet import shared_memory as shm
+from fax_bridge.rounds import partials, validate, wire
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.runtime import aggregation

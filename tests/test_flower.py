@@ -25,7 +25,8 @@ from hypothesis import example, given, settings, strategies as st
 import fax_bridge as fb
 from fax_bridge import cli
 from fax_bridge.errors import CheckpointError, ExportError, FleetError
-from fax_bridge.fleet import engine, partials, validate
+from fax_bridge.rounds import partials, validate
+from fax_bridge import in_process
 from fax_bridge.runtime import aggregation, npz_keys, values
 
 flwr = pytest.importorskip("flwr")
@@ -189,7 +190,7 @@ def _expected(made, args, rounds: int, clients=None, state=None):
     state = made.state_value(made.state) if state is None else state
     result = None
     for _ in range(rounds):
-        result = engine.run_in_process(made.split, structure.Struct(
+        result = in_process.run_in_process(made.split, structure.Struct(
             [("params", state), ("data", data)]))
         state = result[0]
     return result
@@ -338,7 +339,7 @@ def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickst
 
 def test_a_node_compiles_its_client_part_once_however_its_share_of_the_cohort_varies(
         quickstart, populations, app):
-    from fax_bridge.fleet import server_steps
+    from fax_bridge.rounds import server_steps
     from fax_bridge.flower import nodes, transport
     from fax_bridge.runtime import client_map
 
@@ -376,7 +377,7 @@ def test_a_node_compiles_its_client_part_once_however_its_share_of_the_cohort_va
 
 def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(
         tmp_path, quickstart, populations, app):
-    from fax_bridge.fleet.rounds import RoundPolicy, plan_round
+    from fax_bridge.rounds.policy import RoundPolicy, plan_round
 
     bundle_dir = os.path.join(app, app_dir.PACKAGE)
     config = {"cohort-size": 4, "seed": 3, "out-dir": str(tmp_path / "a")}

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import event, example, given, settings, strategies as st
 
 from fax_bridge.errors import AggregationError, ExportError, FleetError
-from fax_bridge.fleet.round_split import Aggregation
+from fax_bridge.rounds.round_split import Aggregation
 
 pytest.importorskip("flwr")
 from flwr.common.secure_aggregation.ndarrays_arithmetic import (  # noqa: E402

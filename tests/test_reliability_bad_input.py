@@ -13,7 +13,8 @@ from federated_language.proto import computation_pb2
 from google.protobuf import any_pb2
 
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import device, device_process, partials, security, wire
+from fax_bridge.fleet import device, device_process, security
+from fax_bridge.rounds import partials, wire
 import sample_computations as sc
 from fax_bridge.runtime import aggregation
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
@@ -221,7 +222,7 @@ def test_lying_devices_are_caught_and_named(devices, mode, pre, pattern):
 def test_partials_are_checked_against_the_type():
     member = fl.TensorType(np.float32, [3])
     answer = partials.to_message(aggregation.partial_of("sum", [np.ones(3, np.float32)]))
-    from fax_bridge.fleet import validate
+    from fax_bridge.rounds import validate
 
     validate.check_partial(answer, "sum", [member], [], 1, "d")
     with pytest.raises(FleetError, match="over 1 clients; the device holds 2"):

@@ -16,9 +16,9 @@ from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import CheckpointError, FleetError
 import sample_computations as sc
-from fax_bridge.fleet import checkpoint
+from fax_bridge.rounds import checkpoint
 from fax_bridge.fleet.launcher import LocalFleet
-from fax_bridge.fleet.rounds import RoundPolicy
+from fax_bridge.rounds.policy import RoundPolicy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 6

@@ -14,7 +14,7 @@ from fax_bridge.errors import FleetError
 import sample_computations as sc
 from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.launcher import LocalFleet
-from fax_bridge.fleet.rounds import RoundPolicy, plan_round
+from fax_bridge.rounds.policy import RoundPolicy, plan_round
 
 RNG = np.random.default_rng(7)
 

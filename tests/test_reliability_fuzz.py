@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fax_bridge.errors import FaxBridgeError, HloModuleError
 import sample_computations as sc
-from fax_bridge.fleet import device, device_process, security, wire
+from fax_bridge.fleet import device, device_process, security
+from fax_bridge.rounds import wire
 from fax_bridge.runtime import interpreter, intrinsics, limits, local_eval
 from fax_bridge.runtime.backend import leaves
 from fax_bridge.runtime.local_backend import LocalClientsBackend

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import federated_language as fl
 
 from fax_bridge.errors import AggregationError, ComputationError, WeightError
-from fax_bridge.fleet import partials, validate
+from fax_bridge.rounds import partials, validate
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.backend import leaves
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import WeightError
-from fax_bridge.fleet import partials, validate
+from fax_bridge.rounds import partials, validate
 from fax_bridge.runtime import aggregation, double_sums, exact, float_bits, threads
 from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.runtime.exact import ExactSum

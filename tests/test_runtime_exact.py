@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.fleet import partials as wire_partials, validate
+from fax_bridge.rounds import partials as wire_partials, validate
 from fax_bridge.runtime import aggregation, exact
 from fax_bridge.runtime.exact import ExactSum
 
@@ -113,7 +113,7 @@ def test_many_random_float32_partitions_agree_bitwise():
 @given(shape=st.lists(st.integers(0, 3), max_size=2),
        scale=st.sampled_from([0.0, 1e-30, 1.0, 3e5]), seed=st.integers(0, 2**16))
 def test_partials_cross_the_wire_unchanged_including_all_zero_and_empty(shape, scale, seed):
-    from fax_bridge.fleet import partials
+    from fax_bridge.rounds import partials
     from fax_bridge.runtime import aggregation
 
     rng = np.random.default_rng(seed)

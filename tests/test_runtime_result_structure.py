@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import ArgumentError, ComputationError
-from fax_bridge.fleet import checkpoint
+from fax_bridge.rounds import checkpoint
 from fax_bridge.runtime import interpreter, result_structure, run_computation
 
 

@@ -31,7 +31,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # sample_computations
 
-from fax_bridge.fleet import security, wire  # noqa: E402
+from fax_bridge.fleet import security  # noqa: E402
+from fax_bridge.rounds import wire  # noqa: E402
 from fax_bridge.runtime.local_eval import content_hash  # noqa: E402
 from fax_bridge.v1 import device_pb2 as pb  # noqa: E402
 from sample_computations import scaled_aggregate  # noqa: E402

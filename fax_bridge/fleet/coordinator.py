@@ -32,7 +32,8 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import AggregationError, FleetError
-from fax_bridge.fleet import engine, partials, put_messages, security, validate, wire
+from fax_bridge.fleet import put_messages, security
+from fax_bridge.rounds import engine, partials, validate, wire
 from fax_bridge.fleet.pool import DeviceLostError, DevicePool
 from fax_bridge.fleet.protocol import DEFAULT_MAX_MESSAGE_BYTES, partition
 from fax_bridge.runtime import aggregation, population

@@ -40,7 +40,8 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import DataError, FaxBridgeError, FleetError
-from fax_bridge.fleet import memory, partials, wire
+from fax_bridge.fleet import memory
+from fax_bridge.rounds import partials, wire
 from fax_bridge.fleet.shared_memory import SharedDir
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import aggregation

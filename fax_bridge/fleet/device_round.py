@@ -6,7 +6,7 @@ device's clients of the round (values, or `from_store` reads of the population t
 device hosts). The client part runs on <broadcast, member> for each client, in order
 (`runtime.client_map`: one XLA call for all of them where it can), and each
 aggregation's exact partial over those clients is the answer (`runtime.aggregation`,
-`fleet.partials`). Nothing stays stored on the device. `RoundOnce` serves a request of
+`rounds.partials`). Nothing stays stored on the device. `RoundOnce` serves a request of
 one message by the same code, as a stream of that one message. A device started with
 `--shared-memory` reads a broadcast the coordinator put in a segment, and writes its
 answer's large payloads in the segment the request names (`shared_memory`).
@@ -19,7 +19,8 @@ import time
 import grpc
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import partials, round_split, shared_memory, wire
+from fax_bridge.fleet import shared_memory
+from fax_bridge.rounds import partials, round_split, wire
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import client_map
 from fax_bridge.v1 import device_pb2 as pb

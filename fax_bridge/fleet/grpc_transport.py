@@ -27,9 +27,10 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import partials, put_messages, shared_memory, wire
-from fax_bridge.fleet.engine import Answers, HolderAnswer
-from fax_bridge.fleet.round_split import RoundSplit
+from fax_bridge.fleet import put_messages, shared_memory
+from fax_bridge.rounds import partials, wire
+from fax_bridge.rounds.engine import Answers, HolderAnswer
+from fax_bridge.rounds.round_split import RoundSplit
 from fax_bridge.fleet.pool import Serialized
 from fax_bridge.runtime import population
 from fax_bridge.runtime.backend import as_numpy

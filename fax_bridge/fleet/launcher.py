@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
-from fax_bridge.fleet.rounds import RoundPolicy, resolve_policy
+from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 from fax_bridge.fleet.session import FleetRounds
 from fax_bridge.runtime import population as pop
 

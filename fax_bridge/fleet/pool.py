@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import grpc
 
 from fax_bridge.errors import FleetError
+from fax_bridge.rounds.policy import Traffic
 from fax_bridge.fleet import security
 from fax_bridge.fleet.protocol import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, framed_size,
                                       grpc_options, parse_address)
@@ -37,35 +38,6 @@ class DeviceLostError(FleetError):
     def __init__(self, message: str, devices: Sequence[int]):
         super().__init__(message)
         self.devices = sorted(set(devices))
-
-
-@dataclasses.dataclass
-class Traffic:
-    """Bytes and RPCs between the coordinator and its devices.
-
-    `down`: coordinator to devices (placing data, broadcasts, computations, requests);
-    `up`: devices to coordinator (results, partials, acknowledgements). `bytes_*`
-    counts gRPC messages as framed on the wire; `payload_*` counts the array data a
-    round moved, in those messages or through shared memory; `shared_*` counts the
-    part of the payload that went through shared-memory segments instead of the wire
-    (`shared_memory`: a segment's data bytes, once per device that read or wrote it).
-    """
-
-    bytes_down: int = 0
-    bytes_up: int = 0
-    payload_down: int = 0
-    payload_up: int = 0
-    rpcs: int = 0
-    compute_seconds: float = 0.0
-    shared_down: int = 0
-    shared_up: int = 0
-
-    def __sub__(self, other: "Traffic") -> "Traffic":
-        return Traffic(*(getattr(self, f.name) - getattr(other, f.name)
-                         for f in dataclasses.fields(self)))
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class _Device:

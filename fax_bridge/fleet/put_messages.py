@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from fax_bridge.fleet import wire
+from fax_bridge.rounds import wire
 from fax_bridge.fleet.pool import RequestStream
 from fax_bridge.runtime.backend import as_numpy
 from fax_bridge.v1 import device_pb2 as pb

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence, Union
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet.fleet_file import check_address, load_fleet_file
-from fax_bridge.fleet.rounds import RoundPolicy, resolve_policy
+from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 from fax_bridge.fleet.session import FleetRounds
 
 

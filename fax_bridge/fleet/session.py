@@ -21,11 +21,12 @@ import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import checkpoint, engine, grpc_transport, round_split
+from fax_bridge.fleet import grpc_transport
+from fax_bridge.rounds import checkpoint, engine, round_split
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
-from fax_bridge.fleet.ids import ClientIds
+from fax_bridge.rounds.ids import ClientIds
 from fax_bridge.fleet.protocol import partition
-from fax_bridge.fleet.rounds import RoundPolicy, RoundReport
+from fax_bridge.rounds.policy import RoundPolicy, RoundReport
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.population import PopulationRef
 

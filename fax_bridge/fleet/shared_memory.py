@@ -52,6 +52,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from fax_bridge.errors import FleetError
+from fax_bridge.rounds import wire
 from fax_bridge.v1 import device_pb2 as pb
 
 MAGIC = b"FAXSHM01"
@@ -331,7 +332,7 @@ class TensorView:
     def __init__(self, message: pb.Tensor, segment: Optional[Segment], where: str):
         self.dtype = message.dtype
         self.shape = list(message.shape)
-        self.data = field_bytes(message, "data", segment, where)
+        self.data = wire.field_bytes(message, "data", segment, where)
 
     def HasField(self, name: str) -> bool:  # noqa: N802 (protobuf's name)
         return False  # its data is resolved already
@@ -348,7 +349,7 @@ class LeafView:
         self.num_limbs = message.num_limbs
         self.extreme = TensorView(message.extreme, segment, where)
         for field in ("limbs", "nonfinite", "doubles", "spilled"):
-            setattr(self, field, field_bytes(message, field, segment, where))
+            setattr(self, field, wire.field_bytes(message, field, segment, where))
 
 
 @dataclasses.dataclass
@@ -358,30 +359,6 @@ class PartialView:
     leaves: list
     weight_leaves: list
     num_clients: int
-
-
-def put_bytes(out, field: str, array: np.ndarray, writer: Optional[Writer]) -> None:
-    """Sets bytes field `field` of message `out` to `array`'s bytes (C order), or, when
-    `writer` takes arrays of its size, its span in the writer's segment (`*_at`)."""
-    if writer is not None and writer.takes(array.nbytes):
-        writer.span(array, getattr(out, f"{field}_at"))
-    else:
-        setattr(out, field, np.ascontiguousarray(array).tobytes())
-
-
-def field_bytes(message, field: str, segment: Optional[Segment], where: str):
-    """A bytes field's content: from the segment when its `*_at` span is set (the field
-    itself must then be empty), else the field (one copy)."""
-    if not message.HasField(f"{field}_at"):
-        return getattr(message, field)
-    if segment is None:
-        raise FleetError(f"{where}: a {field} payload refers to shared memory, but its "
-                         "message names no segment")
-    if len(getattr(message, field)):
-        raise FleetError(f"{where}: a {field} payload refers to shared memory, but also "
-                         "holds bytes: it is both in the message and in shared memory; "
-                         "senders set one")
-    return segment.bytes_of(getattr(message, f"{field}_at"), where)
 
 
 def view_partial(message: pb.AggregateResponse, segment: Optional[Segment],

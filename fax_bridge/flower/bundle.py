@@ -3,7 +3,7 @@
 `build_round(fn, *args, placements=...)` exports a round `(state, client_data) ->
 (new_state, output)` in the production forms' type (`tff.forms.round_proto`, which
 refuses two server-client trips, client state and intrinsics no form holds, by name)
-and splits it with `fleet.round_split.split_round(secure=True)`; a round that cannot
+and splits it with `rounds.round_split.split_round(secure=True)`; a round that cannot
 be split is refused too. Its secure sums (`federated_secure_sum_bitwidth`,
 `federated_secure_sum`, and so `federated_secure_modular_sum` and
 `federated_secure_mean`, built on the bitwidth sum) are aggregations of the split that
@@ -30,8 +30,8 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ExportError
-from fax_bridge.fleet import round_split
-from fax_bridge.fleet import wire
+from fax_bridge.rounds import round_split
+from fax_bridge.rounds import wire
 from fax_bridge.runtime import backend, interpreter, values
 
 FORMAT = "fax_bridge.flower.round.v1"
@@ -133,7 +133,7 @@ def _tensor_from_json(entry: dict) -> np.ndarray:
 def write_round(made: FlowerRound, folder: str) -> str:
     """Writes `round.json` into `folder`; returns its path. Refuses a round whose file
     would not fit in a Flower app bundle."""
-    from fax_bridge.fleet import checkpoint
+    from fax_bridge.rounds import checkpoint
 
     text = json.dumps({
         "format": FORMAT,

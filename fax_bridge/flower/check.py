@@ -32,7 +32,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     import jax
     from federated_language.common_libs import structure
 
-    from fax_bridge.fleet import engine
+    from fax_bridge import in_process
     from fax_bridge.runtime import npz_keys, values
 
     start = time.perf_counter()
@@ -58,7 +58,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     fleet_state = made.state_value(made.state)
     fleet = None
     for _ in range(rounds):
-        fleet = engine.run_in_process(made.split, structure.Struct(
+        fleet = in_process.run_in_process(made.split, structure.Struct(
             [(None, fleet_state), (None, bound[1])]))
         fleet_state = fleet[0]
     fleet_npz = npz_keys.result_to_npz(fleet, result_type)

@@ -13,7 +13,7 @@ Each SuperNode serves a block of the population, named by its `--node-config`:
 
 A `query` message answers with that block. A `train` message brings the broadcast and
 the population ids of the node's clients in the round; the node reads only their rows,
-runs the round's client part over them (`fleet.round_split.client_partials`: one XLA
+runs the round's client part over them (`rounds.round_split.client_partials`: one XLA
 call for all of them where it can, in the bucket of the most clients a round can bring
 the node, from the cohort size the message names, so that it compiles once a run) and
 answers with one exact partial per aggregation (`records.partials_layout`). No client
@@ -123,7 +123,7 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     cohort varies."""
     import federated_language
 
-    from fax_bridge.fleet.round_split import client_partials
+    from fax_bridge.rounds.round_split import client_partials
     from fax_bridge.flower.bundle import read_round
     from fax_bridge.runtime import population
     from fax_bridge.runtime.backend import from_leaves
@@ -155,8 +155,8 @@ def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
     broadcast = records.tensors_from_arrays(arrays, header[records.LAYOUT], where,
                                             prefix="b")
     # --- secure sums (flower/secagg.py): kept back from the answer -------------------
-    from fax_bridge.fleet import partials
-    from fax_bridge.fleet.round_split import SECURE_KINDS
+    from fax_bridge.rounds import partials
+    from fax_bridge.rounds.round_split import SECURE_KINDS
     from fax_bridge.flower import relay
     from fax_bridge.runtime import aggregation
 

@@ -11,7 +11,7 @@ do not say (dtype names, shapes, limb bases) and a `MetricRecord` of counts:
   limbs) with `aJ.vI.flags` (uint8, non-finite addends), or `aJ.vI.extreme` (a min or
   max); `aJ.w.*` the same for a weighted mean's weights.
 
-Partials are the fleet's (`fleet.partials`): a node builds its `AggregateResponse` with
+Partials are the fleet's (`rounds.partials`): a node builds its `AggregateResponse` with
 `partials.to_message` and `partials_layout` lays its fields out as arrays; the server
 reads them back into an `AggregateResponse` with `from_layout` and checks it with
 `validate.check_partial`, exactly as the coordinator checks a device's answer. Reading
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import wire
+from fax_bridge.rounds import wire
 from fax_bridge.flower.relay import BROADCAST, IDS, LAYOUT, METRICS, PARTIALS, ROUND
 from fax_bridge.v1 import device_pb2 as pb
 

@@ -3,11 +3,11 @@
 A round's `federated_secure_sum_bitwidth` and `federated_secure_sum` (a
 `federated_secure_modular_sum` is a bitwidth sum between two local maps, and
 `federated_secure_mean` one after a quantizing map) are aggregations of the round's
-split (`fleet.round_split.split_round(secure=True)`). Each SuperNode computes its exact
+split (`rounds.round_split.split_round(secure=True)`). Each SuperNode computes its exact
 integer partial of each (the sum over its clients, in the values' dtype) with the
 round's other partials, answers the `train` message with the others only and keeps
 the secure ones in its run state (`relay`). Once the round engine has dropped the
-nodes that did not answer (`fleet.engine`), the ServerApp runs Flower's
+nodes that did not answer (`rounds.engine`), the ServerApp runs Flower's
 `SecAggPlusWorkflow` stage by stage over the nodes that answered (`aggregate`, the
 secure phase of `flower.transport`): a small strategy whose `configure_fit` names
 those nodes and whose `aggregate_fit` keeps the vector SecAgg+ reconstructs; each
@@ -303,7 +303,7 @@ def _lose(live: list, link: _Exchange, stage: str, shares: int, started: int, wh
     node leaves the round with its clients (its answer is left out); one lost during
     the unmask stage has its vector in the sum already, so its clients stay. Raises
     FleetError when fewer nodes than the reconstruction threshold answered `stage`."""
-    from fax_bridge.fleet.engine import LostHolder
+    from fax_bridge.rounds.engine import LostHolder
 
     kept = stage == STAGES[-1]
     by_id = {node.node_id: (node, mine) for node, mine in live}

@@ -1,6 +1,6 @@
 """The ServerApp of a Flower round: rounds under a `RoundPolicy` over the SuperNodes.
 
-Each round runs through the fleet's round engine (`fleet.engine`): planned as the fleet
+Each round runs through the fleet's round engine (`rounds.engine`): planned as the fleet
 plans it (`engine.open_round`: the seeded cohort, dropouts, late clients,
 `min_clients`), the server prepare here, one `train` message to each SuperNode holding
 participants (the broadcast and the ids of its participants: `flower.transport`), the
@@ -20,7 +20,7 @@ longer, `first-round-timeout-s`: nodes start then). Every round leaves a `RoundR
 
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
 `flwr run --run-config`), see `Settings`. With `checkpoint-dir` the state is saved
-after every round (`fleet.checkpoint`) and a rerun resumes after the last saved round
+after every round (`rounds.checkpoint`) and a rerun resumes after the last saved round
 (`checkpoint.resume`, which refuses a checkpoint of another run) with the same bits as
 an uninterrupted run.
 """
@@ -38,7 +38,7 @@ import numpy as np
 from fax_bridge.errors import FleetError
 from fax_bridge.flower import nodes as flower_nodes
 from fax_bridge.flower import secagg
-from fax_bridge.fleet.rounds import RoundPolicy, RoundReport
+from fax_bridge.rounds.policy import RoundPolicy, RoundReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
     (`flower.transport.FlowerTransport`); returns its result. Its `RoundReport` is
     appended to `reports` before anything runs, so a failed round leaves one too.
     `first`: the run's first round (`Settings.deadline_s`)."""
-    from fax_bridge.fleet import engine
+    from fax_bridge.rounds import engine
     from fax_bridge.flower.transport import FlowerTransport
 
     policy = settings.policy
@@ -176,7 +176,7 @@ def _plain(value):
 
 def _resume(made, settings: Settings) -> tuple:
     """(state, first round, checkpoint meta) from the checkpoint or the bundle."""
-    from fax_bridge.fleet import checkpoint
+    from fax_bridge.rounds import checkpoint
 
     meta = {"computation": str(made.prepared.type),
             "program": checkpoint.program_fingerprint(made.proto),
@@ -192,7 +192,7 @@ def _resume(made, settings: Settings) -> tuple:
 def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
     """Runs the rounds of the round in `bundle_dir` on the grid's SuperNodes; returns the
     last round's result (None when every round had run already)."""
-    from fax_bridge.fleet import checkpoint
+    from fax_bridge.rounds import checkpoint
     from fax_bridge.flower.bundle import read_round
     from fax_bridge.runtime.backend import as_numpy, leaves
 

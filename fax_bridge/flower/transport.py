@@ -1,4 +1,4 @@
-"""Flower's SuperNodes as a round transport (`fleet.engine.Transport`).
+"""Flower's SuperNodes as a round transport (`rounds.engine.Transport`).
 
 Each SuperNode holding participants of a round gets one `train` message (the broadcast
 and the ids of its participants) and answers with its clients' partials as records
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from fax_bridge.fleet.engine import Answers, HolderAnswer, LostHolder, plain_aggregations
-from fax_bridge.fleet.pool import Traffic
-from fax_bridge.fleet.round_split import RoundSplit
+from fax_bridge.rounds.engine import Answers, HolderAnswer, LostHolder, plain_aggregations
+from fax_bridge.rounds.policy import Traffic
+from fax_bridge.rounds.round_split import RoundSplit
 from fax_bridge.flower import nodes as flower_nodes
 from fax_bridge.flower import records, secagg
 

@@ -1,6 +1,7 @@
 """Runtime: interprets federated_language Computation protos (coordinator side).
 
-Modules: `run` (run_computation: rounds by the round engine, the rest interpreted),
+`run_computation` (rounds by the round engine, the rest interpreted) lives with the
+in-process transport, `fax_bridge.in_process`, and is named here too. Modules:
 `interpreter` (evaluate / interpret), `local_eval` (compile_local for
 local parts, also used by device servers), `values` (pytree conversions), `npz_keys`
 (npz keys of inputs and results), `backend` (the ClientsBackend contract),
@@ -15,7 +16,7 @@ import importlib
 
 _LAZY = {
     "evaluate": "interpreter",
-    "run_computation": "run",
+    "run_computation": "fax_bridge.in_process",
     "computation_type": "interpreter",
     "compile_local": "local_eval",
     "content_hash": "local_eval",
@@ -34,4 +35,6 @@ def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'fax_bridge.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"fax_bridge.runtime.{module}"), name)
+    if "." not in module:
+        module = f"fax_bridge.runtime.{module}"
+    return getattr(importlib.import_module(module), name)

@@ -1,7 +1,7 @@
 """The runtime's worker threads: one per CPU this process may run on.
 
 Work that numpy or XLA does without the GIL (the spans of columns of a large exact sum,
-`double_sums`; the checks of a large partial's values, `fleet.validate`; the parts of a
+`double_sums`; the checks of a large partial's values, `rounds.validate`; the parts of a
 cohort's batched client call, `client_map`) runs on these threads at once (`in_spans`
 splits work over positions into spans of whole blocks, one per thread). A fleet device
 runs on its own share of the CPUs (`LocalFleet` `share_cpus`), one as a rule, and so on

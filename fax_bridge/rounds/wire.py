@@ -15,7 +15,6 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import shared_memory
 from fax_bridge.runtime import limits
 from fax_bridge.runtime.backend import LocalValue
 from fax_bridge.v1 import device_pb2 as pb
@@ -56,6 +55,30 @@ def dtype_from_name(name: str) -> np.dtype:
     return dtype
 
 
+def put_bytes(out, field: str, array: np.ndarray, writer=None) -> None:
+    """Sets bytes field `field` of message `out` to `array`'s bytes (C order), or, when
+    `writer` takes arrays of its size, its span in the writer's segment (`*_at`)."""
+    if writer is not None and writer.takes(array.nbytes):
+        writer.span(array, getattr(out, f"{field}_at"))
+    else:
+        setattr(out, field, np.ascontiguousarray(array).tobytes())
+
+
+def field_bytes(message, field: str, segment, where: str):
+    """A bytes field's content: from the segment when its `*_at` span is set (the field
+    itself must then be empty), else the field (one copy)."""
+    if not message.HasField(f"{field}_at"):
+        return getattr(message, field)
+    if segment is None:
+        raise FleetError(f"{where}: a {field} payload refers to shared memory, but its "
+                         "message names no segment")
+    if len(getattr(message, field)):
+        raise FleetError(f"{where}: a {field} payload refers to shared memory, but also "
+                         "holds bytes: it is both in the message and in shared memory; "
+                         "senders set one")
+    return segment.bytes_of(getattr(message, f"{field}_at"), where)
+
+
 def encode_tensor(array: np.ndarray, out: pb.Tensor, shared=None) -> None:
     """Fills `out` with `array`'s dtype, shape and raw little-endian bytes: in its
     `data`, or in the segment `shared` (a `shared_memory.Writer`) gathers when it takes
@@ -70,7 +93,7 @@ def encode_tensor(array: np.ndarray, out: pb.Tensor, shared=None) -> None:
         array = array.astype(array.dtype.newbyteorder("<"))
     out.dtype = name
     out.shape.extend(array.shape)
-    shared_memory.put_bytes(out, "data", array, shared)
+    put_bytes(out, "data", array, shared)
 
 
 def decode_tensor(message: pb.Tensor, segment=None) -> np.ndarray:
@@ -83,7 +106,7 @@ def decode_tensor(message: pb.Tensor, segment=None) -> np.ndarray:
     except ComputationError as e:
         raise FleetError(str(e)) from None
     # read once: each read of the field copies its bytes
-    data = shared_memory.field_bytes(message, "data", segment,
+    data = field_bytes(message, "data", segment,
                                      f"tensor of dtype {message.dtype} and shape {shape}")
     if len(data) != expected:
         raise FleetError(

@@ -1,4 +1,4 @@
-"""fleet.wire: local values to fax_bridge.v1 messages and back, and refusals."""
+"""rounds.wire: local values to fax_bridge.v1 messages and back, and refusals."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import wire
+from fax_bridge.rounds import wire
 from fax_bridge.runtime.backend import leaves
 from fax_bridge.v1 import device_pb2 as pb
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet.pool import Traffic
-from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+from fax_bridge.rounds.policy import RoundPolicy, RoundReport, check_min_clients, plan_round
 
 
 def test_same_seed_and_round_give_the_same_plan():

@@ -10,11 +10,12 @@ from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import engine, partials
-from fax_bridge.fleet import round_split
-from fax_bridge.fleet.ids import ClientIds
+from fax_bridge.rounds import engine, partials
+from fax_bridge import in_process
+from fax_bridge.rounds import round_split
+from fax_bridge.rounds.ids import ClientIds
 from fax_bridge.fleet.pool import Traffic
-from fax_bridge.fleet.rounds import RoundPolicy
+from fax_bridge.rounds.policy import RoundPolicy
 from fax_bridge.runtime import aggregation, interpreter, values
 from fax_bridge.runtime.backend import from_leaves
 
@@ -96,7 +97,7 @@ def _arg(seed: int, clients=None):
 @given(seed=st.integers(0, 2**16), cuts=st.sets(st.integers(1, N - 1), max_size=N - 1))
 def test_any_split_over_holders_gives_the_in_process_bits(seed, cuts):
     arg = _arg(seed)
-    want = engine.run_in_process(SPLIT, arg)
+    want = in_process.run_in_process(SPLIT, arg)
     transport = _Holders(arg, sorted(cuts))
     got = engine.run_round(SPLIT, arg, transport, PREPARED.result)
     assert _bits(got) == _bits(want)
@@ -122,7 +123,7 @@ def test_lost_holders_fail_the_round_unless_the_policy_drops_them():
     got = engine.run_round(SPLIT, arg, _Holders(arg, [3], lost=[1]), PREPARED.result,
                            on_lost=lambda lost, answered: engine.drop_lost(
                                rep, RoundPolicy(min_clients=3), lost, "fix it"))
-    assert _bits(got) == _bits(engine.run_in_process(SPLIT, _arg(2, range(3))))
+    assert _bits(got) == _bits(in_process.run_in_process(SPLIT, _arg(2, range(3))))
     assert reports == [rep] and rep.lost_devices == ["holder 1"]
     assert rep.lost_clients == ClientIds(np.arange(3, N)) and len(rep.participants) == 3
     rep = engine.open_round(RoundPolicy(min_clients=4), N, 1, reports, devices=2)
@@ -220,7 +221,7 @@ def test_a_transports_secure_phase_runs_after_the_lost_are_dropped(seed, cut, lo
     got = engine.run_round(SECURE_SPLIT, arg, transport, SECURE_PREPARED.result,
                            on_lost=lambda gone, answered: events.append(("lost", answered)))
     survivors = range(cut) if lose else range(N)
-    want = engine.run_in_process(SECURE_SPLIT, _arg(seed, survivors))
+    want = in_process.run_in_process(SECURE_SPLIT, _arg(seed, survivors))
     assert _bits(got) == _bits(want)
     assert events == ([("lost", 1)] if lose else []) + [("secure", 2 - lose)]
 
@@ -255,7 +256,7 @@ def test_holders_the_secure_phase_loses_leave_every_aggregation_of_the_round(
                                engine.drop_lost(rep, RoundPolicy(), lost, "fix it")))
     survivors = [c for h, (a, b) in enumerate(blocks) if h not in gone
                  for c in range(a, b)]
-    want = engine.run_in_process(SECURE_SPLIT, _arg(seed, survivors))
+    want = in_process.run_in_process(SECURE_SPLIT, _arg(seed, survivors))
     assert _bits(got) == _bits(want)
     assert events == [("lost", len(blocks) - len(gone)), ("secure", len(blocks) - len(gone))]
     assert list(rep.participants) == survivors

@@ -1,4 +1,4 @@
-"""fleet.validate: what devices send back is checked against the expected types."""
+"""rounds.validate: what devices send back is checked against the expected types."""
 
 import fractions
 
@@ -9,7 +9,7 @@ from federated_language.common_libs import structure
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import partials, validate
+from fax_bridge.rounds import partials, validate
 from fax_bridge.runtime import aggregation, exact
 from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.v1 import device_pb2 as pb

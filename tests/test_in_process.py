@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import WeightError
-from fax_bridge.runtime import interpreter, run
+from fax_bridge.runtime import interpreter
+from fax_bridge import in_process as run
 from fax_bridge.runtime.population import PopulationRef
 
 D = 3
@@ -84,7 +85,7 @@ def test_rounds_through_the_engine_have_the_interpreters_bits(clients, seed, dat
 def test_a_round_given_a_backend_or_population_references_is_interpreted(monkeypatch):
     params, batch = _args(np.random.default_rng(1), 3, [1.0, 2.0, 3.0])
     calls = []
-    monkeypatch.setattr(run.engine, "run_in_process",
+    monkeypatch.setattr(run, "run_in_process",
                         lambda *a, **k: calls.append(a) or pytest.fail("engine used"))
     from fax_bridge.runtime.local_backend import LocalClientsBackend
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import engine
-from fax_bridge.fleet import round_split as P
+from fax_bridge import in_process
+from fax_bridge.rounds import round_split as P
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.v1 import device_pb2 as pb
@@ -126,7 +126,7 @@ def test_the_split_gives_the_interpreters_bits(seed):
     prepared = interpreter.prepare(PROTO)
     arg = values.bind_arguments(prepared.parameter, _args(seed), {}).runtime_value()
     want = interpreter.evaluate(prepared, arg)
-    got = values.check_value(engine.run_in_process(split, arg), prepared.result, "result")
+    got = values.check_value(in_process.run_in_process(split, arg), prepared.result, "result")
     assert _bits(values.to_pytree(got, prepared.result)) == \
         _bits(values.to_pytree(want, prepared.result))
 
@@ -265,7 +265,7 @@ def test_every_split_aggregation_gives_the_interpreters_bits(kind, shape, client
                              .runtime_value(), prepared.parameter)
     want = interpreter.evaluate(prepared, arg)
     with mock.patch.object(threads, "workers", return_value=cpus):
-        got = values.check_value(engine.run_in_process(split, arg), prepared.result,
+        got = values.check_value(in_process.run_in_process(split, arg), prepared.result,
                                  "result")
     assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
@@ -287,7 +287,7 @@ def capped():
 def _round_messages(split, key, members, delay=0.0):
     from federated_language.common_libs import structure
 
-    from fax_bridge.fleet import partials, wire
+    from fax_bridge.rounds import partials, wire
 
     head = pb.RoundRequest(computation_hash=key, delay_seconds=delay)
     head.broadcast.CopyFrom(wire.to_message(structure.Struct([(None, np.ones(3, np.float32))])))

@@ -9,9 +9,9 @@ from federated_language.compiler import building_blocks as bb
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge.fleet import engine
-from fax_bridge.fleet import round_split as P
-from fax_bridge.fleet import server_steps
+from fax_bridge import in_process
+from fax_bridge.rounds import round_split as P
+from fax_bridge.rounds import server_steps
 from sample_computations import clients, server
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.tff.xla import typed_xla_computation
@@ -53,7 +53,7 @@ def _same_as_interpreter(proto, arg) -> None:
     split = P.split_round(proto)
     prepared = interpreter.prepare(proto)
     want = interpreter.evaluate(prepared, arg)
-    got = values.check_value(engine.run_in_process(split, arg), prepared.result, "result")
+    got = values.check_value(in_process.run_in_process(split, arg), prepared.result, "result")
     assert _bits(got, prepared.result) == _bits(want, prepared.result)
 
 

@@ -84,7 +84,7 @@ class Aggregation:
     def leaf_types(self) -> tuple[list, list]:
         """(the TensorTypes of the value, of the weight), depth first, as partials hold
         their leaves (worked out once: each round checks every device's partials)."""
-        from fax_bridge.fleet.validate import leaf_types
+        from fax_bridge.rounds.validate import leaf_types
 
         weights = leaf_types(self.weight_type) if self.weight_type is not None else []
         return leaf_types(self.member_type), weights
@@ -116,7 +116,7 @@ class RoundSplit:
     def server_program(self):
         """The server prepare and result compiled once (`server_steps.compile_server`),
         or None where they keep the interpreter."""
-        from fax_bridge.fleet.server_steps import compile_server
+        from fax_bridge.rounds.server_steps import compile_server
 
         return compile_server(self)
 

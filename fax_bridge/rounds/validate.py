@@ -21,7 +21,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.fleet import wire
+from fax_bridge.rounds import wire
 from fax_bridge.runtime import double_sums, limits, threads
 from fax_bridge.runtime.aggregation import EXTREMES, Partial
 from fax_bridge.runtime.float_bits import float_params

@@ -1,4 +1,4 @@
-"""fleet.partials: aggregate partials survive the wire exactly, whatever they hold."""
+"""rounds.partials: aggregate partials survive the wire exactly, whatever they hold."""
 
 import federated_language
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import WeightError
-from fax_bridge.fleet import partials, validate
+from fax_bridge.rounds import partials, validate
 from fax_bridge.runtime import aggregation
 from fax_bridge.v1 import device_pb2 as pb
 

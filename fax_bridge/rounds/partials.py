@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from fax_bridge.fleet import shared_memory, wire
+from fax_bridge.rounds import wire
 from fax_bridge.runtime.aggregation import EXTREMES, Partial
 from fax_bridge.runtime.double_sums import DoubleSum
 from fax_bridge.runtime.exact import ExactSum
@@ -44,18 +44,18 @@ def _limbs_message(acc: ExactSum, out: pb.LeafPartial, shared=None) -> None:
     base, limbs, flags = acc.to_limbs()
     out.base_limb = base
     out.num_limbs = limbs.shape[0]
-    shared_memory.put_bytes(out, "limbs", np.ascontiguousarray(limbs, "<i8"), shared)
+    wire.put_bytes(out, "limbs", np.ascontiguousarray(limbs, "<i8"), shared)
     if flags is not None:
-        shared_memory.put_bytes(out, "nonfinite", np.ascontiguousarray(flags, np.uint8), shared)
+        wire.put_bytes(out, "nonfinite", np.ascontiguousarray(flags, np.uint8), shared)
 
 
 def _leaf_message(leaf, out: pb.LeafPartial, shared=None) -> None:
     if isinstance(leaf, DoubleSum):
         out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
-        shared_memory.put_bytes(out, "doubles", np.ascontiguousarray(leaf.values, "<f8"), shared)
+        wire.put_bytes(out, "doubles", np.ascontiguousarray(leaf.values, "<f8"), shared)
         if leaf.cols.size:
-            shared_memory.put_bytes(out, "spilled", np.ascontiguousarray(leaf.cols, "<i8"), shared)
+            wire.put_bytes(out, "spilled", np.ascontiguousarray(leaf.cols, "<i8"), shared)
             _limbs_message(leaf.rest, out, shared)
     elif isinstance(leaf, ExactSum):
         out.dtype = wire.dtype_name(leaf.dtype)

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet.ids import ClientDelays, ClientIds
-from fax_bridge.fleet.rounds import RoundPolicy, plan_round
+from fax_bridge.rounds.ids import ClientDelays, ClientIds
+from fax_bridge.rounds.policy import RoundPolicy, plan_round
 
 id_sets = st.lists(st.integers(0, 400), max_size=120).map(lambda v: sorted(set(v)))
 

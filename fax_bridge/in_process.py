@@ -1,8 +1,8 @@
-"""`run_computation`: a computation run in this process, on python pytrees.
+"""The in-process transport, and `run_computation`: a computation run here on pytrees.
 
 A round-shaped computation (server prepare, one broadcast, one client part,
-aggregations, server result: `fleet.round_split`) whose CLIENTS inputs are all values
-runs through the round engine with its in-process transport (`fleet.engine`): the client
+aggregations, server result: `rounds.round_split`) whose CLIENTS inputs are all values
+runs through the round engine (`rounds.engine`) with this module's transport: the client
 part once over every client, as one batched XLA call, and its exact partials finished as
 every other path finishes them. Anything else, and any call given its own `backend` or
 `num_clients`, is interpreted phase by phase (`interpreter.evaluate`). Both give the same
@@ -11,15 +11,43 @@ bits: exact aggregations do not depend on how clients are grouped or ordered.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
+from federated_language.common_libs import structure
 from federated_language.proto.computation_pb2 import Computation
 
 from fax_bridge.errors import ComputationError, FaxBridgeError
-from fax_bridge.fleet import engine, round_split
+from fax_bridge.rounds import engine, round_split
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.backend import ClientsBackend
 from fax_bridge.runtime.population import PopulationRef
+
+class InProcessTransport:
+    """Every client in this process, as one holder: the client part over the clients'
+    inputs (`round_split.client_partials`)."""
+
+    reject_nonfinite = False
+    traffic = None
+
+    def __init__(self, arg: Any, client_inputs: Sequence[int], backend=None):
+        self.inputs = [arg[i] for i in client_inputs]
+        self.num_clients = len(self.inputs[0])
+        self.backend = backend
+
+    def run_clients(self, split: round_split.RoundSplit,
+                    sent: structure.Struct) -> engine.Answers:
+        members = [structure.Struct([(None, column[c]) for column in self.inputs])
+                   for c in range(self.num_clients)]
+        specs = [a.spec for a in split.aggregations]  # secure sums too, summed exactly
+        found = round_split.client_partials(split.client_part, split.client_part_hash, sent,
+                                            members, specs)
+        return engine.Answers([engine.HolderAnswer("this process", self.num_clients, found)])
+
+
+def run_in_process(split: round_split.RoundSplit, arg: Any, backend=None) -> Any:
+    """Runs a split with no devices (`arg`: the runtime value of the parameter)."""
+    return engine.run_round(split, arg, InProcessTransport(arg, split.client_inputs, backend))
+
 
 def round_split_of(prepared: interpreter.Prepared) -> Optional[round_split.RoundSplit]:
     """The round split of a prepared computation (`round_split.split_of`), or None when
@@ -63,7 +91,7 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
         result = interpreter.evaluate(prepared, arg)
     else:
         try:
-            result = values.check_value(engine.run_in_process(split, arg), prepared.result,
+            result = values.check_value(run_in_process(split, arg), prepared.result,
                                         "result")
         except FaxBridgeError:
             raise

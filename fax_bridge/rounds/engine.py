@@ -21,11 +21,12 @@ A round by split always runs the same way, wherever its clients live:
 
 `check_and_merge` is the one loop that checks and merges holders' partials; the phase
 path's device aggregation (`GrpcClientsBackend`) uses it too. A `Transport` is the only
-thing that differs between the in-process run (`InProcessTransport`), the gRPC device
-fleet (`grpc_transport.GrpcTransport`) and Flower (`flower.transport.FlowerTransport`).
+thing that differs between the in-process run (`fax_bridge.in_process`), the gRPC device
+fleet (`fleet.grpc_transport.GrpcTransport`) and Flower
+(`flower.transport.FlowerTransport`).
 
 The round's policy is here too, written once for every fleet: `open_round` samples the
-cohort (`rounds.plan_round`), records the `RoundReport` and applies `min_clients`;
+cohort (`policy.plan_round`), records the `RoundReport` and applies `min_clients`;
 `drop_lost` takes lost holders' clients out of a round and applies `min_clients` again.
 """
 
@@ -38,11 +39,11 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import FleetError
-from fax_bridge.fleet import server_steps, validate
-from fax_bridge.fleet.ids import ClientIds
-from fax_bridge.fleet.pool import Traffic
-from fax_bridge.fleet.round_split import RoundSplit, client_partials
-from fax_bridge.fleet.rounds import RoundPolicy, RoundReport, check_min_clients, plan_round
+from fax_bridge.rounds import server_steps, validate
+from fax_bridge.rounds.ids import ClientIds
+from fax_bridge.rounds.round_split import RoundSplit, client_partials
+from fax_bridge.rounds.policy import (RoundPolicy, RoundReport, Traffic, check_min_clients,
+                                      plan_round)
 from fax_bridge.runtime import aggregation, values
 from fax_bridge.runtime.backend import from_leaves
 
@@ -210,38 +211,12 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
                                                                  "result")
 
 
-class InProcessTransport:
-    """Every client in this process, as one holder: the client part over the clients'
-    inputs (`round_split.client_partials`)."""
-
-    reject_nonfinite = False
-    traffic = None
-
-    def __init__(self, arg: Any, client_inputs: Sequence[int], backend=None):
-        self.inputs = [arg[i] for i in client_inputs]
-        self.num_clients = len(self.inputs[0])
-        self.backend = backend
-
-    def run_clients(self, split: RoundSplit, sent: structure.Struct) -> Answers:
-        members = [structure.Struct([(None, column[c]) for column in self.inputs])
-                   for c in range(self.num_clients)]
-        specs = [a.spec for a in split.aggregations]  # secure sums too, summed exactly
-        found = client_partials(split.client_part, split.client_part_hash, sent, members,
-                                specs)
-        return Answers([HolderAnswer("this process", self.num_clients, found)])
-
-
-def run_in_process(split: RoundSplit, arg: Any, backend=None) -> Any:
-    """Runs a split with no devices (`arg`: the runtime value of the parameter)."""
-    return run_round(split, arg, InProcessTransport(arg, split.client_inputs, backend))
-
-
 # -- the round's policy, for every fleet -------------------------------------------------
 
 
 def open_round(policy: RoundPolicy, population: Optional[int], round_index: int,
                reports: list, devices: int, preaggregate: bool = True) -> RoundReport:
-    """Samples round `round_index`'s clients (`rounds.plan_round`) and appends its
+    """Samples round `round_index`'s clients (`policy.plan_round`) and appends its
     `RoundReport` to `reports` (before anything runs, so a failed round leaves one too);
     raises FleetError, recorded in the report, when fewer than `min_clients` take part.
     `population` None: no client takes part, nothing to check."""

@@ -16,8 +16,36 @@ from typing import Optional
 import numpy as np
 
 from fax_bridge.errors import ArgumentError, FleetError
-from fax_bridge.fleet.ids import ClientDelays, ClientIds
-from fax_bridge.fleet.pool import Traffic
+from fax_bridge.rounds.ids import ClientDelays, ClientIds
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Bytes and RPCs between the coordinator and its devices.
+
+    `down`: coordinator to devices (placing data, broadcasts, computations, requests);
+    `up`: devices to coordinator (results, partials, acknowledgements). `bytes_*`
+    counts gRPC messages as framed on the wire; `payload_*` counts the array data a
+    round moved, in those messages or through shared memory; `shared_*` counts the
+    part of the payload that went through shared-memory segments instead of the wire
+    (`shared_memory`: a segment's data bytes, once per device that read or wrote it).
+    """
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    payload_down: int = 0
+    payload_up: int = 0
+    rpcs: int = 0
+    compute_seconds: float = 0.0
+    shared_down: int = 0
+    shared_up: int = 0
+
+    def __sub__(self, other: "Traffic") -> "Traffic":
+        return Traffic(*(getattr(self, f.name) - getattr(other, f.name)
+                         for f in dataclasses.fields(self)))
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +63,7 @@ class RoundPolicy:
       min_clients: the round fails (FleetError) when fewer clients report.
       seed: seeds every random choice, together with the round number.
       emulate_delays: devices really wait for their slowest reporting client's delay.
-      round_plans: run a computation of the round shape (`fleet.round_split`) through
+      round_plans: run a computation of the round shape (`rounds.round_split`) through
         the round engine, one request per device per round; False runs every
         computation phase by phase (both give the same bits).
     """
@@ -106,7 +134,7 @@ class RoundReport:
     """What happened in one round on the fleet.
 
     `traffic` holds the bytes, RPCs and device compute of every try of the round
-    (`pool.Traffic`), also read as `bytes_down`, `bytes_up` (gRPC messages),
+    (`Traffic`), also read as `bytes_down`, `bytes_up` (gRPC messages),
     `payload_down`, `payload_up` (array data, however it went), `shared_down`,
     `shared_up` (the payload that went through shared memory instead of gRPC), `rpcs`
     and `compute_s` (its `compute_seconds`).
