@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes clean
+.PHONY: venv test doctest demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,14 @@ test:
 	$(MAKE) -j2 $(STAMP) tff-venv
 	$(MAKE) -j2 tff-check forms-check
 	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(MAKE) doctest
+
+# The examples in the public functions' docstrings (a few clients each: seconds).
+DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local.py fax_bridge/tracing.py \
+	fax_bridge/tff/export.py fax_bridge/tff/files.py fax_bridge/secure.py \
+	fax_bridge/parity.py fax_bridge/in_process.py fax_bridge/data
+doctest: $(STAMP)
+	$(PY) -m pytest -q --doctest-modules $(DOCTEST_MODULES)
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py

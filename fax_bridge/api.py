@@ -124,6 +124,25 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
     The placement name is free (`clients`, `workers`, ...); a mesh axis of that name, when
     the mesh has one, splits its members over devices. One placement per program; nest
     programs for several levels.
+
+    Args:
+      fn: the function to decorate; omitted when the decorator is called with arguments.
+      clients: the number of members of the `clients` placement.
+      placements: instead of `clients`, one `{name: members}` entry naming the placement.
+
+    Returns:
+      A `Program` (or, without `fn`, a decorator making one): callable as the function,
+      traceable, exportable. A bad count or name is a `ProgramError`.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_sum(x)
+      >>> total
+      <fax_bridge.Program total clients=3>
+      >>> print(total(jnp.array([1.0, 2.0, 3.0])))
+      6.0
     """
     name = P.CLIENTS
     if placements is not None:
@@ -208,6 +227,21 @@ def federated_broadcast(x, *, mesh=None):
 
     The result's leading axis is split over the mesh axis named like the placement
     (`mesh=`, else the active mesh); its other dimensions keep `x`'s sharding.
+
+    Args:
+      x: a SERVER value (a pytree of arrays).
+      mesh: the mesh to split the result over; default the active one, if any.
+
+    Returns:
+      The CLIENTS value: every leaf with a leading axis of the program's members.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def send(w):
+      ...     return fb.federated_broadcast(w)
+      >>> print(send(jnp.float32(2.0)))
+      [2. 2.]
     """
     params = _params("federated_broadcast", mesh)
     paths, arrays, treedef = _leaves_with_paths(x, "federated_broadcast", "value")
@@ -224,12 +258,44 @@ def _aggregate(prim, op: str, x):
 
 
 def federated_sum(x):
-    """CLIENTS -> SERVER: the sum over clients of each leaf (numbers, not bools)."""
+    """CLIENTS -> SERVER: the sum over clients of each leaf (numbers, not bools).
+
+    Args:
+      x: a CLIENTS value (a pytree of arrays with a leading clients axis).
+
+    Returns:
+      The SERVER value, each leaf's sum over its leading axis in the leaf's dtype. A
+      bool or complex leaf is a `PlacementError`.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_sum(x)
+      >>> print(total(jnp.array([1, 2, 3])))
+      6
+    """
     return _aggregate(P.federated_sum_p, "federated_sum", x)
 
 
 def federated_mean(x):
-    """CLIENTS -> SERVER: the unweighted mean over clients of each floating-point leaf."""
+    """CLIENTS -> SERVER: the unweighted mean over clients of each floating-point leaf.
+
+    Args:
+      x: a CLIENTS value of floating-point leaves (an integer, bool or complex leaf is a
+        `PlacementError`: cast to float first).
+
+    Returns:
+      The SERVER value, each leaf's mean over its leading axis.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=4)
+      ... def average(x):
+      ...     return fb.federated_mean(x)
+      >>> print(average(jnp.array([1.0, 2.0, 3.0, 6.0])))
+      3.0
+    """
     return _aggregate(P.federated_mean_p, "federated_mean", x)
 
 
@@ -271,6 +337,21 @@ def federated_weighted_mean(x, weights):
     Under `jit` the weights are traced values and are not checked: a zero total gives
     nan or inf and negative weights are used as given, as `jnp` division would; call
     the program without `jit`, or run its export, for the checked rule.
+
+    Args:
+      x: a CLIENTS value of floating-point leaves.
+      weights: a CLIENTS value: one array for every leaf, or a pytree matching `x`.
+
+    Returns:
+      The SERVER value, each leaf's weighted mean over clients.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def weighted(x, n):
+      ...     return fb.federated_weighted_mean(x, n)
+      >>> print(weighted(jnp.array([1.0, 4.0]), jnp.array([3.0, 1.0])))
+      1.75
     """
     op = "federated_weighted_mean"
     params = _params(op)
@@ -314,6 +395,22 @@ def federated_decode_sum(decode: Callable, value):
     to the server unchanged; the server decodes every member with `decode` (a function
     of the member alone, tuples unpacked) and sums the decoded pytrees. Exported as TFF
     `federated_aggregate`. Not differentiable.
+
+    Args:
+      decode: a function of one client's member (tuples unpacked into its arguments).
+      value: a CLIENTS value: what each client sends.
+
+    Returns:
+      The SERVER value: the sum over clients of `decode(member)`.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def decoded(codes, scale):
+      ...     return fb.federated_decode_sum(lambda c, s: c.astype(jnp.float32) * s,
+      ...                                    (codes, scale))
+      >>> print(decoded(jnp.array([[1, 2], [3, 4]], jnp.int8), jnp.array([0.5, 1.0])))
+      [3.5 5. ]
     """
     op = "federated_decode_sum"
     params = _params(op)
@@ -370,10 +467,44 @@ def federated_map_clients(fn: Callable, arg, *, mesh=None):
 
     The clients axis is an SPMD axis of the mesh inside `fn`: its sharding constraints
     and `shard_map`s keep it split.
+
+    Args:
+      fn: a function of one client's member (no clients axis); a tuple `arg` is unpacked
+        into its arguments.
+      arg: a CLIENTS value, or a tuple of them.
+      mesh: the mesh to split the clients over; default the active one, if any.
+
+    Returns:
+      The CLIENTS value of `fn`'s results, stacked on a leading clients axis.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def step(w, x):
+      ...     return fb.federated_map_clients(lambda w, x: w * x,
+      ...                                     (fb.federated_broadcast(w), x))
+      >>> print(step(jnp.float32(3.0), jnp.array([1.0, 2.0])))
+      [3. 6.]
     """
     return _federated_map(fn, arg, P.CLIENTS, "federated_map_clients", mesh)
 
 
 def federated_map_server(fn: Callable, arg):
-    """Applies `fn` at the server to the SERVER value `arg` (tuples unpacked)."""
+    """Applies `fn` at the server to the SERVER value `arg` (tuples unpacked).
+
+    Args:
+      fn: a function of the SERVER value (a tuple `arg` is unpacked into its arguments).
+      arg: a SERVER value, or a tuple of them; a CLIENTS value is a `PlacementError`.
+
+    Returns:
+      The SERVER value `fn(arg)`.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def scaled_mean(x):
+      ...     return fb.federated_map_server(lambda m: 10 * m, fb.federated_mean(x))
+      >>> print(scaled_mean(jnp.array([1.0, 2.0])))
+      15.0
+    """
     return _federated_map(fn, arg, P.SERVER, "federated_map_server")

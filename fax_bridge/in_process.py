@@ -79,6 +79,26 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
     this process (or `prepare(proto, structure=)` gave one), else the generic one
     (`runtime.result_structure`). Rounds go through the round engine, the rest through
     the interpreter (module docstring); `interpreter.interpret` always interprets.
+
+    Args:
+      proto: a `Computation`, its serialized bytes, or `interpreter.prepare(proto)`.
+      *args: one pytree per parameter element.
+      backend: a clients backend to run the client work on (interprets the computation).
+      num_clients: the number of clients, when no argument is placed at CLIENTS.
+      **kwargs: named parameter elements.
+
+    Returns:
+      The result, checked against the type the proto declares.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> from fax_bridge.runtime import run_computation
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_sum(x)
+      >>> proto = fb.export_tff(total, jnp.zeros(3), placements="clients")
+      >>> print(run_computation(proto, jnp.array([1.0, 2.0, 3.0])))
+      6.0
     """
     prepared = interpreter.prepare(proto)
     if backend is not None or num_clients is not None:

@@ -48,6 +48,21 @@ def clients_mesh(mesh: Mesh) -> Iterator[Mesh]:
 
     For a mesh with Explicit axes, also make it jax's mesh (`jax.set_mesh`), as
     `jit_program` does, so the types carry its shardings.
+
+    Args:
+      mesh: a `jax.sharding.Mesh`; an axis named like a placement splits its members.
+
+    Yields:
+      `mesh`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def total(x):
+      ...     return fb.federated_sum(x)
+      >>> with fb.clients_mesh(jax.make_mesh((1,), ("clients",))):
+      ...     print(jax.jit(total)(jnp.array([2.0, 3.0])))
+      5.0
     """
     if not isinstance(mesh, Mesh):
         raise ArgumentError(f"expected a jax.sharding.Mesh, got {type(mesh).__name__}.")
@@ -176,8 +191,30 @@ def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) 
     """Jits `fn` so its placed arguments are split over `mesh`'s axis of that placement.
 
     `placements` is a pytree prefix of "server"/"clients" (or the program's own
-    placement name) per argument (default: all SERVER). Inside, every federated operation keeps placed values split the same way;
-    SERVER values mixed with CLIENTS ones are refused as `fax_bridge.trace` refuses them.
+    placement name) per argument (default: all SERVER). Inside, every federated
+    operation keeps placed values split the same way; SERVER values mixed with CLIENTS
+    ones are refused as `fax_bridge.trace` refuses them.
+
+    Args:
+      fn: the program (a `fax_bridge.program`, or a function using federated operations).
+      mesh: a mesh with an axis named like the program's placement (`clients`); its size
+        must divide the number of clients.
+      placements: a pytree prefix of placements per argument.
+      **jit_kwargs: passed on to `jax.jit`.
+
+    Returns:
+      A function of the program's arguments that places them on `mesh` and runs the
+      jitted program (`.lower(*args)` lowers it).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def average(w, x):
+      ...     return fb.federated_mean(fb.federated_broadcast(w) * x)
+      >>> run = fb.jit_program(average, jax.make_mesh((1,), ("clients",)),
+      ...                      placements=("server", "clients"))
+      >>> print(run(jnp.float32(2.0), jnp.array([1.0, 3.0])))
+      4.0
     """
     axis = getattr(fn, "placement", CLIENTS_AXIS)
     mesh = _check_mesh(mesh, axis)
@@ -203,5 +240,22 @@ def _lower(jitted, mesh, args):
 
 
 def to_hlo(fn: Callable, *args, **kwargs) -> str:
-    """The HLO text of the whole program `fn` at these example arguments."""
+    """The HLO text of the whole program `fn` at these example arguments.
+
+    Args:
+      fn: the program.
+      *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+      **kwargs: keyword arguments of `fn`.
+
+    Returns:
+      The text of the HLO module `jax.jit(fn)` lowers to.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def total(x):
+      ...     return fb.federated_sum(x)
+      >>> fb.to_hlo(total, jnp.zeros(2)).splitlines()[0]
+      'HloModule jit_total, entry_computation_layout={(f32[2]{0})->f32[]}'
+    """
     return jax.jit(fn).lower(*args, **kwargs).as_text(dialect="hlo")

@@ -91,6 +91,30 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     under jit, each fed the state the round before returned (Flower only); the report
     also says whether the result has the bits of the fleet's round plan
     (`ParityReport.fleet_bits`, part of `.ok`).
+
+    Args:
+      fn: the program.
+      *args: its arguments; CLIENTS ones carry a leading clients axis.
+      placements: a pytree prefix of placements per argument.
+      fleet: a running fleet to use; default a `LocalFleet(devices=devices)`.
+      devices: device processes (or Flower SuperNodes) to start when none is given.
+      rtol, atol: the tolerances of the comparison.
+      clients: the number of clients, for a plain function.
+      flower: True, or a running `LocalDeployment`, to compare on Flower instead.
+      rounds: rounds to run on Flower.
+
+    Returns:
+      A `ParityReport`: `.ok`, and `.table()` with every output's errors.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_sum(x)
+      >>> report = fb.check_parity(total, jnp.array([1.0, 2.0, 3.0]), placements="clients",
+      ...                          devices=1)
+      >>> report.ok, report.devices
+      (True, 1)
     """
     if flower is not None and flower is not False:
         if fleet is not None:

@@ -170,14 +170,47 @@ def _int_sum(prim, op: str, x, bound: int):
 
 
 def federated_secure_sum_bitwidth(x, bitwidth: int):
-    """CLIENTS -> SERVER: the sum of integer values, each in [0, 2**bitwidth - 1]."""
+    """CLIENTS -> SERVER: the sum of integer values, each in [0, 2**bitwidth - 1].
+
+    Args:
+      x: a CLIENTS value of integer leaves.
+      bitwidth: each client's values fit in this many bits.
+
+    Returns:
+      The SERVER value: the exact sum. A value out of range, or a bound whose clients'
+      sum could wrap the dtype, is a `SecureAggregationError`.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_secure_sum_bitwidth(x, 4)
+      >>> print(total(jnp.array([1, 2, 15], jnp.int32)))
+      18
+    """
     op = SECURE_SUM_BITWIDTH
     return _int_sum(secure_sum_bitwidth_p, op, x, _bound(op, "bitwidth", bitwidth, 0,
                                                          MAX_BITWIDTH))
 
 
 def federated_secure_sum(x, max_input: int):
-    """CLIENTS -> SERVER: the sum of integer values, each in [0, max_input]."""
+    """CLIENTS -> SERVER: the sum of integer values, each in [0, max_input].
+
+    Args:
+      x: a CLIENTS value of integer leaves.
+      max_input: the largest value a client may send.
+
+    Returns:
+      The SERVER value: the exact sum (out-of-range values are refused).
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_secure_sum(x, 10)
+      >>> print(total(jnp.array([1, 2, 10], jnp.int32)))
+      13
+    """
     op = SECURE_SUM
     return _int_sum(secure_sum_p, op, x, _bound(op, "max_input", max_input, 0, 2 ** 62))
 
@@ -192,6 +225,21 @@ def federated_secure_modular_sum(x, modulus: int):
     -> `federated_apply` (modulo), which the runtime and the fleet execute with partial
     sums on the devices. The codes' sum must fit the dtype: clients * (2**b - 1), b the
     bit length of modulus - 1, must fit the values' dtype (checked when traced).
+
+    Args:
+      x: a CLIENTS value of integer leaves.
+      modulus: the modulus, in [1, 2**31].
+
+    Returns:
+      The SERVER value: the sum of the clients' values, modulo `modulus`.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_secure_modular_sum(x, 5)
+      >>> print(total(jnp.array([4, 4, -1], jnp.int32)))  # (4 + 4 + 4) mod 5
+      2
     """
     op = "federated_secure_modular_sum"
     params = _api._params(op)
@@ -291,6 +339,24 @@ def federated_secure_mean(x, keys, *, value_range: tuple, bits: int = 16):
     `jax.random.key_data`) driving the stochastic rounding; `value_range` (lo, hi) the
     clipping range; `bits` the bitwidth of each client's codes. See the module docstring
     for the error bound.
+
+    Args:
+      x: a CLIENTS value of float leaves.
+      keys: the clients' raw PRNG keys, uint32 of shape (clients, 2).
+      value_range: (lo, hi): values are clipped to it before they are quantized.
+      bits: bits per client's code.
+
+    Returns:
+      The SERVER value: the mean, within one quantization step of the exact one.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=2)
+      ... def mean(x, keys):
+      ...     return fb.federated_secure_mean(x, keys, value_range=(0.0, 1.0), bits=8)
+      >>> keys = jax.random.key_data(jax.random.split(jax.random.PRNGKey(0), 2))
+      >>> print(mean(jnp.array([0.25, 0.75]), keys))
+      0.5
     """
     op = "federated_secure_mean"
     params = _api._params(op)

@@ -440,6 +440,28 @@ def trace(fn: Callable, *args, placements: Any = None,
     "workers") may stand for "clients": it is the program's outermost placement, TFF's
     CLIENTS. `clients` is taken from `fn` when it is a `fax_bridge.program`, else from
     the federated operations in the program.
+
+    Args:
+      fn: the program.
+      *args: example arguments; CLIENTS ones carry a leading clients axis.
+      placements: a pytree prefix of placements per argument.
+      clients: the number of clients, for a plain function.
+
+    Returns:
+      The `FederatedComputation`: the closed jaxpr and the placement of every value. A
+      SERVER value combined with a CLIENTS one is a `PlacementError` naming the line.
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_sum(x)
+      >>> print(fb.trace(total, jnp.zeros(3), placements="clients"))
+      federated computation total (clients=3)
+        (arg0: {f32[]}@CLIENTS) -> f32[]@SERVER
+        { lambda ; a:{f32[]}@CLIENTS. let
+            b:f32[]@SERVER = federated_sum a
+          in (b) }
     """
     leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(args)
     in_paths = [_arg_path(path) for path, _ in leaves_with_paths]

@@ -31,6 +31,22 @@ def load_federated_digits(num_clients: int = 100, alpha: float = 0.5,
     """Digits split over `num_clients` clients by Dirichlet(alpha) label skew.
 
     A stratified `test_fraction` of the examples is held out first (same seed).
+
+    Args:
+      num_clients: the number of clients.
+      alpha: the Dirichlet concentration (smaller: more label skew).
+      test_fraction: the share of examples held out as `test`.
+      seed: the seed of the split.
+      min_size: the fewest examples a client may get.
+
+    Returns:
+      `FederatedDigits(clients, test)`.
+
+    Example:
+      >>> from fax_bridge.data import load_federated_digits
+      >>> digits = load_federated_digits(num_clients=10)
+      >>> len(digits.clients), digits.test["x"].shape[1]
+      (10, 64)
     """
     from sklearn.datasets import load_digits
 

@@ -41,6 +41,23 @@ def pad_clients(clients: Sequence[Mapping[str, np.ndarray]], size: Optional[int]
     a given `size` must be such a multiple. A client larger than `size` is an error
     (truncating would silently drop data), as are clients whose arrays differ in dtype
     or example shape (stacking would cast or fail).
+
+    Args:
+      clients: client datasets (dicts of arrays with the same keys).
+      size: the padded number of examples; default the largest client's.
+      multiple_of: round the default size up to a multiple of this (a batch size).
+
+    Returns:
+      `PaddedClients`: the stacked data, the mask of real examples and each count.
+
+    Example:
+      >>> import numpy as np
+      >>> from fax_bridge.data import pad_clients
+      >>> padded = pad_clients([{"x": np.ones(3)}, {"x": np.ones(1)}], multiple_of=2)
+      >>> padded.data["x"].shape, padded.counts.tolist()
+      ((2, 4), [3, 1])
+      >>> padded.mask.astype(int).tolist()
+      [[1, 1, 1, 0], [1, 0, 0, 0]]
     """
     clients = _client_list(clients)
     multiple_of = checks.integer("multiple_of", multiple_of, 1,
@@ -111,6 +128,20 @@ def to_batches(padded: PaddedClients, batch_size: int) -> PaddedClients:
     The padded size must be a multiple of `batch_size` (use `pad_clients(...,
     multiple_of=batch_size)`). Real examples come first, so a client's padding fills its
     last batches; a batch with no real example is skipped by the algorithms.
+
+    Args:
+      padded: what `pad_clients` returned.
+      batch_size: examples per batch.
+
+    Returns:
+      `PaddedClients` whose data and mask have a steps axis and a batch axis.
+
+    Example:
+      >>> import numpy as np
+      >>> from fax_bridge.data import pad_clients, to_batches
+      >>> padded = pad_clients([{"x": np.ones(3)}, {"x": np.ones(1)}], multiple_of=2)
+      >>> to_batches(padded, 2).data["x"].shape
+      (2, 2, 2)
     """
     if not isinstance(padded, PaddedClients):
         raise DataError(f"padded must be the PaddedClients that pad_clients returns, got "

@@ -32,6 +32,20 @@ def split_clients(arrays: Arrays, indices: Sequence[np.ndarray]) -> list[dict]:
 
     Every index array holds positions in [0, examples); negative positions and floats
     are refused rather than wrapped or truncated.
+
+    Args:
+      arrays: a dataset: a dict of arrays sharing a leading example axis.
+      indices: one array of example positions per client.
+
+    Returns:
+      One dataset per client.
+
+    Example:
+      >>> import numpy as np
+      >>> from fax_bridge.data import split_clients
+      >>> clients = split_clients({"x": np.arange(5)}, [np.array([0, 1]), np.array([4])])
+      >>> [c["x"].tolist() for c in clients]
+      [[0, 1], [4]]
     """
     n = _check_arrays(arrays)
     if isinstance(indices, (Mapping, str, bytes)) or not isinstance(indices, Iterable):
@@ -44,8 +58,20 @@ def split_clients(arrays: Arrays, indices: Sequence[np.ndarray]) -> list[dict]:
 def partition_by_key(arrays: Arrays, keys: np.ndarray) -> tuple[np.ndarray, list[dict]]:
     """Groups examples by `keys` (one value per example): one client per distinct key.
 
-    Returns `(unique_keys, clients)`; `clients[i]` holds the examples whose key is
-    `unique_keys[i]`, in their original order.
+    Args:
+      arrays: a dataset: a dict of arrays sharing a leading example axis.
+      keys: one key (a number or a string) per example, e.g. the writer of each example.
+
+    Returns:
+      `(unique_keys, clients)`; `clients[i]` holds the examples whose key is
+      `unique_keys[i]`, in their original order.
+
+    Example:
+      >>> import numpy as np
+      >>> from fax_bridge.data import partition_by_key
+      >>> keys, clients = partition_by_key({"x": np.arange(4)}, np.array(["b", "a", "b", "a"]))
+      >>> keys.tolist(), [c["x"].tolist() for c in clients]
+      (['a', 'b'], [[1, 3], [0, 2]])
     """
     n = _check_arrays(arrays)
     try:
@@ -74,6 +100,24 @@ def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float,
     proportions follow a Dirichlet(alpha) draw. The draw is repeated (same seed stream)
     until every client has at least `min_size` examples. Every example goes to exactly
     one client. Deterministic in `seed`.
+
+    Args:
+      labels: one class id per example (1-D).
+      num_clients: the number of clients.
+      alpha: the Dirichlet concentration: smaller is more skewed.
+      seed: the seed of the draws.
+      min_size: the fewest examples a client may get.
+      max_tries: draws to try before giving up with a `DataError`.
+
+    Returns:
+      One sorted array of example positions per client.
+
+    Example:
+      >>> import numpy as np
+      >>> from fax_bridge.data import dirichlet_label_skew
+      >>> parts = dirichlet_label_skew(np.repeat([0, 1], 50), num_clients=4, alpha=0.5)
+      >>> len(parts), sum(p.size for p in parts)
+      (4, 100)
     """
     try:
         labels = np.asarray(labels)
@@ -119,7 +163,24 @@ def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float,
 
 def partition_dirichlet(arrays: Arrays, label_key: str, num_clients: int, alpha: float,
                         seed: int = 0, min_size: int = 1) -> list[dict]:
-    """Splits `arrays` into `num_clients` client datasets skewed on `arrays[label_key]`."""
+    """Splits `arrays` into `num_clients` client datasets skewed on `arrays[label_key]`.
+
+    Args:
+      arrays: a dataset: a dict of arrays sharing a leading example axis.
+      label_key: the key of the labels in `arrays`.
+      num_clients, alpha, seed, min_size: as `dirichlet_label_skew`.
+
+    Returns:
+      One dataset per client (see `dirichlet_label_skew`).
+
+    Example:
+      >>> import numpy as np
+      >>> from fax_bridge.data import partition_dirichlet
+      >>> data = {"x": np.zeros((100, 2)), "y": np.repeat([0, 1], 50)}
+      >>> clients = partition_dirichlet(data, "y", num_clients=4, alpha=0.5, min_size=1)
+      >>> sum(len(c["y"]) for c in clients)
+      100
+    """
     _check_arrays(arrays)
     if not isinstance(label_key, str) or label_key not in arrays:
         raise DataError(f"label_key {checks.shown(label_key)} is not one of the arrays "

@@ -22,6 +22,22 @@ def sample_cohort(num_clients: int, cohort_size: int, round_index: int, seed: in
 
     With `weights` (one non-negative value per client, e.g. dataset sizes) clients are
     drawn with probability proportional to their weight, still without replacement.
+
+    Args:
+      num_clients: the population's size.
+      cohort_size: the clients to draw.
+      round_index: the round (an integer >= 0); the cohort depends only on it and `seed`.
+      seed: the run's seed.
+      weights: optional sampling weights, one per client.
+
+    Returns:
+      The sorted client ids.
+
+    Example:
+      >>> from fax_bridge.data import sample_cohort
+      >>> ids = sample_cohort(100, 10, round_index=3, seed=0)
+      >>> len(ids), bool((ids == sample_cohort(100, 10, round_index=3, seed=0)).all())
+      (10, True)
     """
     num_clients = checks.integer("num_clients", num_clients, 1, 2 ** 62)
     cohort_size = checks.integer("cohort_size", cohort_size, 1, num_clients,
@@ -57,7 +73,14 @@ def _probabilities(weights, num_clients: int, cohort_size: int) -> np.ndarray:
 
 
 class CohortSampler:
-    """Draws the cohort of each round: `sampler(r)` is `sample_cohort(..., r, seed)`."""
+    """Draws the cohort of each round: `sampler(r)` is `sample_cohort(..., r, seed)`.
+
+    Example:
+      >>> from fax_bridge.data import CohortSampler
+      >>> sampler = CohortSampler(num_clients=100, cohort_size=5, seed=1)
+      >>> len(sampler(0)), bool((sampler(0) == sampler(0)).all())
+      (5, True)
+    """
 
     def __init__(self, num_clients: int, cohort_size: int, seed: int = 0,
                  weights: Optional[np.ndarray] = None):
@@ -80,6 +103,12 @@ class PoissonSampler:
     slots, so `capacity` bounds it and `sampler(r)` raises when a draw exceeds it (choose
     a capacity a few standard deviations above `rate * num_clients`). This is the
     sampling that `PoissonSampledDpEvent` accounts for.
+
+    Example:
+      >>> from fax_bridge.data import PoissonSampler
+      >>> sampler = PoissonSampler(num_clients=1000, rate=0.01, capacity=40, seed=0)
+      >>> bool((sampler(2) == sampler(2)).all()), len(sampler(2)) <= 40
+      (True, True)
     """
 
     def __init__(self, num_clients: int, rate: float, capacity: int, seed: int = 0):

@@ -501,7 +501,25 @@ def export_tff(fn: Callable, *args, placements: Any = None, clients: Optional[in
     a `federated_map_clients` function) are local work in the per-client Xla
     computations. Raises `fax_bridge.ExportError` for what
     TFF cannot express, naming the equation, the user's source line and the fix.
-    `round_form`: see `export_computation`.
+
+    Args:
+      fn: the program.
+      *args: example arguments (their shapes and dtypes become the proto's types).
+      placements: a pytree prefix of placements per argument.
+      clients: the number of clients, for a plain function.
+      round_form: see `export_computation`.
+
+    Returns:
+      The `federated_language` `Computation` proto (local parts as `Xla` HLO modules).
+
+    Example:
+      >>> import jax.numpy as jnp, fax_bridge as fb
+      >>> @fb.program(clients=3)
+      ... def total(x):
+      ...     return fb.federated_sum(x)
+      >>> proto = fb.export_tff(total, jnp.zeros(3), placements="clients")
+      >>> proto.WhichOneof("computation")
+      'lambda'
     """
     names = argument_names(fn, len(args))
     try:
