@@ -547,6 +547,61 @@ def test_secure_sums_go_through_secaggplus_with_jits_exact_sums(
                           {"num-rounds": 1}, bundle_dir, log=lambda text: None)
 
 
+_SECURE_KINDS = {
+    "bitwidth": lambda v, top: fb.federated_secure_sum_bitwidth(v, top.bit_length()),
+    "max_input": lambda v, top: fb.federated_secure_sum(v, top),
+    "modular": lambda v, top: fb.federated_secure_modular_sum(v, top + 1),
+}
+
+
+@settings(max_examples=5, deadline=None)
+@given(kind=st.sampled_from(sorted(_SECURE_KINDS)),
+       shape=st.sampled_from([(), (0,), (1,), (3,), (2, 0), (2, 3)]),
+       dtype=st.sampled_from([np.int8, np.uint8, np.int16, np.int32, np.uint32]),
+       top=st.sampled_from([1, 9, 100]))
+@example(kind="bitwidth", shape=(), dtype=np.int32, top=9)
+@example(kind="max_input", shape=(), dtype=np.int32, top=9)
+@example(kind="modular", shape=(), dtype=np.uint8, top=9)
+@example(kind="max_input", shape=(0,), dtype=np.int32, top=9)
+@example(kind="bitwidth", shape=(2, 3), dtype=np.int16, top=100)
+def test_secure_sums_of_every_shape_cross_secaggplus_with_jits_bits(
+        tmp_path_factory, quickstart, kind, shape, dtype, top):
+    """A secure sum of any shape (a scalar, no elements, a matrix), kind and integer
+    dtype the fleet takes runs through Flower's SecAgg+ (two nodes, in process) with
+    jit's exact bits, beside a bfloat16 scalar in the server state."""
+    import jax.numpy as jnp
+
+    _, (_, data), _ = quickstart
+    if np.dtype(dtype).itemsize == 1 and top * N > np.iinfo(dtype).max:
+        top = 9  # a sum that could wrap in the dtype is refused when traced
+
+    def secure(state, data):
+        values = fb.federated_map_clients(
+            lambda d: jnp.broadcast_to(jnp.clip(jnp.floor(jnp.abs(d["y"][0]) * 7), 0, top),
+                                       shape).astype(dtype), data)
+        return state * jnp.bfloat16(2), _SECURE_KINDS[kind](values, top)
+
+    prog = fb.program(clients=N)(secure)
+    args = (jnp.bfloat16(1.5), data)
+    made = bundle.build_round(prog, *args, placements=("server", "clients"))
+    tmp_path = tmp_path_factory.mktemp("secure_shapes")
+    folder = str(tmp_path / "app")
+    app_dir.write_app(made, folder)
+    configs = []
+    for k, (a, b) in enumerate(BLOCKS):
+        path = str(tmp_path / f"node-{k}")
+        write_population(path, [{"x": data["x"][i], "y": data["y"][i]}
+                                for i in range(a, b)])
+        configs.append({"population": path, "first-client": a})
+    got = server.run_server(_grid(folder, configs), {"num-rounds": 1},
+                            os.path.join(folder, app_dir.PACKAGE), log=lambda text: None)
+    want = jax.jit(prog)(*args)
+    tree = values.to_pytree(got, made.prepared.result)
+    for g, w in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(want)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert (g.dtype, g.shape) == (w.dtype, w.shape) and g.tobytes() == w.tobytes()
+
+
 THREE = [(0, 2), (2, 5), (5, 6)]  # the clients of three SuperNodes, 100 to 102
 STAGE_WORDS = dict(zip(Stage.all(), ("setup", "share keys", "collect masked vectors",
                                      "unmask")))
@@ -654,6 +709,61 @@ def test_a_node_lost_during_secaggplus_is_dropped_or_named_with_the_unmet_condit
 
 
 # ---------------------------------------------------------------------- command
+
+
+class _ScriptedDeployment:
+    """A deployment whose `flwr run` exits 0 and leaves in its out-dir what `leaves`
+    says: the reports of `reported` rounds (round `failed` with an error) and, with
+    `result`, a result.npz (what a ServerApp that failed at various points leaves)."""
+
+    nodes = [{}, {}]
+
+    def __init__(self, reported: int, failed, result: bool):
+        self.reported, self.failed, self.result = reported, failed, result
+        self.out_dirs: list = []
+
+    def run(self, app, config, timeout_s=300.0):
+        out = config["out-dir"]
+        self.out_dirs.append(out)
+        assert os.path.isdir(out) and not os.listdir(out)  # this run's own, empty
+        if self.reported:
+            with open(os.path.join(out, "reports.jsonl"), "w") as f:
+                for r in range(self.reported):
+                    error = "FleetError: node 7 lost" if r == self.failed else None
+                    f.write(json.dumps({"round": r, "error": error}) + "\n")
+        if self.result:
+            np.savez(os.path.join(out, "result.npz"), fresh=np.ones(1))
+        return subprocess.CompletedProcess(["flwr"], 0, "ServerApp traceback ...", "")
+
+
+@settings(max_examples=20, deadline=None)
+@given(rounds=st.integers(1, 3), reported=st.integers(0, 3), failed=st.integers(0, 3),
+       result=st.booleans())
+def test_a_check_reads_only_what_its_own_run_wrote_and_surfaces_its_error(
+        tmp_path_factory, rounds, reported, failed, result):
+    """`flwr run` exits 0 when the ServerApp fails; the check reads the run's own
+    reports and result in a folder made for that run (never an earlier run's
+    result.npz beside it), and any failure is a FleetError quoting the run's error."""
+    from fax_bridge.flower import check
+
+    out = tmp_path_factory.mktemp("results")
+    np.savez(out / "result.npz", stale=np.zeros(1))  # an earlier run's
+    (out / "reports.jsonl").write_text('{"round": 0, "error": null}\n')
+    deployment = _ScriptedDeployment(reported, failed if failed < reported else None,
+                                     result)
+    ok = reported == rounds and deployment.failed is None and result
+    if not ok:
+        with pytest.raises(FleetError) as info:
+            check.run_rounds(deployment, "app", rounds, str(out))
+        if deployment.failed is not None:
+            assert f"round {failed} failed: FleetError: node 7 lost" in str(info.value)
+        elif not reported:
+            assert "left no reports.jsonl" in str(info.value)
+    else:
+        _, path, _ = check.run_rounds(deployment, "app", rounds, str(out))
+        assert os.path.dirname(path) == deployment.out_dirs[0] != str(out)
+        with np.load(path) as f:
+            assert f.files == ["fresh"]
 
 
 def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):

@@ -32,13 +32,13 @@ __all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND"]
 
 
 def savable(value: np.ndarray) -> np.ndarray:
-    """`value` C-contiguous, as its bytes (uint8) when numpy cannot save its dtype (an
-    ml_dtypes one such as bfloat16, whose name travels beside it)."""
+    """`value` C-contiguous, as its bytes (uint8, flat) when numpy cannot save its dtype
+    (an ml_dtypes one such as bfloat16, whose name and shape travel beside it)."""
     value = np.asarray(value)
     if not value.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-d)
         value = value.copy(order="C")
     if value.dtype.kind == "V" or value.dtype.name != np.dtype(value.dtype.str).name:
-        value = value.view(np.uint8)
+        value = value.reshape(-1).view(np.uint8)  # flat: a 0-d array has no bytes view
     return value
 
 

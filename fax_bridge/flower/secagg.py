@@ -133,40 +133,53 @@ def check_build(split, clients: int) -> None:
 
 
 def node_vector(kept: Sequence[np.ndarray], center: float) -> list:
-    """What a node gives SecAgg+ for its kept partials: each minus C, in float64 (exact:
-    the partials are integers below 2**31 and C a multiple of 1/2). `relay` does the
-    same without importing fax_bridge."""
-    return [np.asarray(x, np.float64) - center for x in kept]
+    """What a node gives SecAgg+ for its kept partials: one flat float64 vector, every
+    tensor's elements depth first, minus C (exact: the partials are integers below 2**31
+    and C a multiple of 1/2). One flat vector whatever the tensors' shapes: SecAgg+'s
+    server adjusts each array it reconstructs in place, which a 0-d array does not take
+    (its sum would come back unadjusted); tensors of no elements add nothing, and a
+    vector of none at all is one zero partial (`carried_size`). `relay.give_kept` does
+    the same without importing fax_bridge."""
+    flat = [np.asarray(x, np.float64).reshape(-1) for x in kept]
+    vector = np.concatenate(flat) if flat else np.zeros(0)
+    if not vector.size:
+        vector = np.zeros(1)
+    return [vector - center]
 
 
-def recover(vector: Sequence[np.ndarray], quant: Quantization, nodes: int) -> list:
-    """The exact integer totals (int64) from the vector SecAgg+ hands `aggregate_fit`
-    when `nodes` nodes contributed (module docstring)."""
+def carried_size(secure: Sequence) -> int:
+    """The length of the vector a node gives SecAgg+ for the secure sums `secure`: their
+    tensors' elements, at least 1 (`node_vector`)."""
+    return max(1, sum(math.prod(t.shape) for agg in secure for t in agg.leaf_types[0]))
+
+
+def recover(vector: Sequence[np.ndarray], quant: Quantization, nodes: int) -> np.ndarray:
+    """The exact integer totals (int64, one flat vector as `node_vector` laid them out)
+    from what SecAgg+ hands `aggregate_fit` when `nodes` nodes contributed (module
+    docstring)."""
     shift = nodes * quant.center
-    return [np.rint(np.asarray(v, np.float64) * nodes + shift).astype(np.int64)
-            for v in vector]
+    flat = [np.asarray(v, np.float64).reshape(-1) for v in vector]
+    flat = np.concatenate(flat) if flat else np.zeros(0)
+    return np.rint(flat * nodes + shift).astype(np.int64)
 
 
-def totals_of(secure: Sequence, totals: Sequence[np.ndarray], clients: int,
-              where: str) -> dict:
-    """{aggregation local: its value} from the recovered totals (depth first over the
-    secure sums), each checked to lie in [0, clients * top] and cast to its dtype."""
+def totals_of(secure: Sequence, totals: np.ndarray, clients: int, where: str) -> dict:
+    """{aggregation local: its value} from the recovered flat totals (`recover`: tensors
+    depth first over the secure sums), each checked to lie in [0, clients * top], shaped
+    as its tensor and cast to its dtype."""
     from fax_bridge.runtime.backend import from_leaves
 
-    out, i = {}, 0
+    totals = np.asarray(totals).reshape(-1)
+    if totals.size != carried_size(secure):
+        raise FleetError(f"{where}: SecAgg+ gave {totals.size} values; the round's secure "
+                         f"sums hold {carried_size(secure)}")
+    out, at = {}, 0
     for agg in secure:
-        types = agg.leaf_types[0]
         leaves = []
-        for t, top in zip(types, tops(agg)):
-            if i >= len(totals):
-                raise FleetError(f"{where}: SecAgg+ gave {len(totals)} tensors, fewer than "
-                                 "the round's secure sums hold")
-            total, shape = totals[i], tuple(t.shape)
-            i += 1
-            if total.shape != shape:
-                raise FleetError(f"{where}: SecAgg+ gave a tensor of shape "
-                                 f"{list(total.shape)} for {_named_kind(agg)}'s "
-                                 f"{list(shape)}")
+        for t, top in zip(agg.leaf_types[0], tops(agg)):
+            shape = tuple(t.shape)
+            total = totals[at:at + math.prod(shape)].reshape(shape)
+            at += total.size
             if total.size and (int(total.min()) < 0 or int(total.max()) > clients * top):
                 raise FleetError(
                     f"{where}: the SecAgg+ total of {_named_kind(agg)} lies in "
@@ -175,9 +188,9 @@ def totals_of(secure: Sequence, totals: Sequence[np.ndarray], clients: int,
                     "out of range")
             leaves.append(total.astype(np.dtype(t.dtype.type)))
         out[agg.local] = from_leaves(agg.member_type, leaves)
-    if i != len(totals):
-        raise FleetError(f"{where}: SecAgg+ gave {len(totals)} tensors, the round's secure "
-                         f"sums hold {i}")
+    if not at and totals[0] != 0:
+        raise FleetError(f"{where}: the SecAgg+ total of secure sums of no elements is "
+                         f"{int(totals[0])}, not 0: a node gave a partial out of range")
     return out
 
 
