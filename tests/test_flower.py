@@ -253,6 +253,89 @@ def test_a_damaged_partial_is_refused_by_name():
         records.from_layout(arrays, layout, [2], ["sum", "mean"], "node 7")
 
 
+_FORGED_VALUES = st.one_of(
+    st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True), st.text(max_size=5),
+    st.lists(st.integers(-2 ** 64, 2 ** 64), max_size=4), st.none(), st.booleans(),
+    st.just([2 ** 40] * 3), st.just("bogus"), st.just(["float32"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(["sum", "weighted_mean", "max"]), clients=st.integers(1, 4),
+       dtype=st.sampled_from([np.float32, np.int32, np.float64]),
+       forgery=st.sampled_from(["layout", "drop_layout", "array", "drop_array", "counts",
+                                "negative_weight", "record", "compute"]),
+       data=st.data())
+def test_forged_partials_are_refused_naming_the_node(kind, clients, dtype, forgery, data):
+    """A node's answer with any one field forged (layout entries of any type, huge
+    shapes, unknown dtypes, arrays of another form, missing records or arrays, client
+    counts, a weight partial below zero) is refused with a FleetError naming the node,
+    never a raw KeyError, ValueError, TypeError or OverflowError, nor accepted when no
+    honest node could send it."""
+    from flwr.app import ArrayRecord
+
+    if kind == "weighted_mean":
+        dtype = np.float32
+    rng = np.random.default_rng(clients)
+    members = [(rng.normal(size=3) * 10).astype(dtype) for _ in range(clients)]
+    weights = [np.float32(w) for w in rng.uniform(0, 3, clients)] \
+        if kind == "weighted_mean" else None
+    partial = aggregation.partial_of(kind, members, weights)
+    arrays, layout, counts = records.partials_layout([partials.to_message(partial)])
+    metrics = {"num-clients": counts, "compute-s": 0.5}
+    content = {records.PARTIALS: arrays, records.LAYOUT: layout, records.METRICS: metrics}
+    honest = True
+    if forgery == "layout":
+        key = data.draw(st.sampled_from(sorted(layout)))
+        layout[key] = data.draw(_FORGED_VALUES)
+        honest = layout[key] == records.partials_layout(
+            [partials.to_message(partial)])[1][key]
+    elif forgery == "drop_layout":
+        del layout[data.draw(st.sampled_from(sorted(layout)))]
+        honest = False
+    elif forgery in ("array", "drop_array"):
+        key = data.draw(st.sampled_from(sorted(arrays)))
+        if forgery == "drop_array":
+            del arrays[key]
+        else:
+            arrays[key] = data.draw(st.sampled_from(
+                [np.zeros(0), np.zeros((2, 2)), np.array(-5.0), np.full_like(arrays[key], -5),
+                 np.zeros(3, np.uint8), arrays[key].reshape(-1)[:1]]))
+        honest = False
+    elif forgery == "counts":
+        metrics["num-clients"] = data.draw(st.sampled_from(
+            [[], [-1], [clients, 1], [1.5], ["x"], [2 ** 70], [clients + 1]]))
+        honest = False
+    elif forgery == "negative_weight" and weights is not None:
+        for key in [k for k in arrays if k.startswith("a0.w.")]:
+            arrays[key] = -np.abs(arrays[key]) - 5
+        honest = False
+    elif forgery == "record":
+        del content[data.draw(st.sampled_from(sorted(content)))]
+        honest = False
+    elif forgery == "compute":
+        metrics["compute-s"] = data.draw(st.sampled_from([-1.0, float("nan"), [1.0], "x"]))
+        honest = False
+    wrapped = dict(content)  # layout and metrics as the node sent them, of any type
+    if records.PARTIALS in wrapped:
+        wrapped[records.PARTIALS] = ArrayRecord({k: records.array(v)
+                                                 for k, v in arrays.items()})
+    t = federated_language.TensorType(np.dtype(dtype), [3])
+    weight_types = [federated_language.TensorType(np.float32)] if weights else []
+
+    try:
+        back, _ = records.answer_of(wrapped, [kind], "node 7 (clients 0..3)")
+        validate.check_partial(back[0], kind, [t], weight_types, clients,
+                               "node 7 (clients 0..3)")
+    except FleetError as e:
+        assert "node 7 (clients 0..3)" in str(e)
+        return
+    # accepted: what it holds is the honest answer (a forged entry equal to the honest
+    # one, or a default the honest layout spells out), or values an honest node could
+    # hold in arrays of the honest form
+    assert honest or back[0] == partials.to_message(partial) or forgery == "array", \
+        "a forged answer was accepted"
+
+
 # ------------------------------------------------------------ rounds in process
 
 
@@ -335,6 +418,38 @@ def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickst
         for httpd in servers:
             httpd.shutdown()
             httpd.server_close()
+
+
+@settings(max_examples=6, deadline=None)
+@given(stalls=st.lists(st.sampled_from([b"", b"POST /share HTTP/1.1\r\n",
+                                        b"POST /round HTTP/1.1\r\nContent-Length: 100\r\n"
+                                        b"X-Fax-Bridge-Token: " + b"t" * 32 + b"\r\n\r\n"
+                                        b"partial body"]),
+                       min_size=1, max_size=3))
+def test_idle_or_stalled_connections_never_hold_up_a_warm_worker(populations, stalls):
+    """Connections that send nothing, half a request line, or half a body and then go
+    quiet stay open while the worker answers its SuperNode's requests (a connection per
+    thread, each read under a timeout)."""
+    import socket
+
+    from fax_bridge.flower import worker
+
+    httpd = worker.serve("127.0.0.1:0", "t" * 32, populations[1])
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{httpd.server_address[1]}"
+    idle = []
+    try:
+        for sent in stalls:
+            idle.append(socket.create_connection(("127.0.0.1", httpd.server_address[1])))
+            idle[-1].sendall(sent)
+        # a deadline only so that a blocked worker fails the test instead of hanging it
+        assert json.loads(relay.call(address, "t" * 32, "/share", timeout_s=120)) == \
+            {"first-client": 4, "num-clients": 2}
+    finally:
+        for conn in idle:
+            conn.close()
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_a_node_compiles_its_client_part_once_however_its_share_of_the_cohort_varies(

@@ -92,14 +92,9 @@ class FlowerTransport:
                     else reply.error.reason), mine))
                 continue
             answered.append((node, mine))
-            content = reply.content
-            metrics = content[records.METRICS]
-            self.traffic.bytes_up += records.payload_bytes(content[records.PARTIALS])
-            partials = records.from_layout(
-                records.numpy_dict(content[records.PARTIALS], node.name),
-                content[records.LAYOUT], metrics.get("num-clients", []), kinds, node.name)
-            out.answered.append(HolderAnswer(node.name, len(mine), partials,
-                                             float(metrics.get("compute-s", 0.0))))
+            partials, seconds = records.answer_of(reply.content, kinds, node.name)
+            self.traffic.bytes_up += records.payload_bytes(reply.content[records.PARTIALS])
+            out.answered.append(HolderAnswer(node.name, len(mine), partials, seconds))
         if len(plain) < len(split.aggregations):
             out.secure = lambda drop: secagg.aggregate(
                 self.grid, split, answered, self.round_index, self.wait_s, self.poll_s,
