@@ -526,6 +526,61 @@ def test_node_configs_that_do_not_tile_the_population_are_refused(app, populatio
         client.NodeShare.from_config(dict(populations[1], **{"num-clients": 3}))
 
 
+@settings(max_examples=30, deadline=None)
+@given(key=st.sampled_from(["first-client", "num-clients", "first-row"]),
+       value=st.one_of(st.floats(0.01, 5.99).filter(lambda v: not v.is_integer()),
+                       st.booleans(), st.just("1.5"), st.just("two"), st.just([1]),
+                       st.just(1)))
+@example(key="first-client", value=4.7)
+@example(key="num-clients", value=1.9)
+@example(key="first-row", value=0.5)
+def test_node_config_numbers_are_whole_or_refused_by_name(populations, key, value):
+    """A SuperNode's first-client, num-clients and first-row are whole numbers (an int,
+    or its digits as a string); a fraction is refused naming the setting, never
+    truncated; the run config's whole-number settings likewise."""
+    config = dict(populations[1], **{key: value})
+    if isinstance(value, int) and not isinstance(value, bool):
+        share = client.NodeShare.from_config(config)
+        assert {"first-client": share.first, "num-clients": share.count,
+                "first-row": share.first_row}[key] == value
+    else:
+        with pytest.raises(FleetError, match=f"--node-config {key}=.* is not a whole "
+                                             f"number; give e.g. {key}=4"):
+            client.NodeShare.from_config(config)
+    run_key = {"first-client": "num-rounds", "num-clients": "min-clients",
+               "first-row": "cohort-size"}[key]
+    if isinstance(value, float) or isinstance(value, bool):
+        with pytest.raises(FleetError, match=f"run config {run_key}=.* is not a whole"):
+            server.Settings.from_run_config({run_key: value})
+
+
+@settings(max_examples=15, deadline=None)
+@given(name=st.text(st.sampled_from("ab '\"$`\\;&|*!"), min_size=1, max_size=8))
+def test_written_commands_survive_any_path_the_shell_could_break_on(
+        tmp_path_factory, quickstart, name):
+    """Paths with spaces, quotes, apostrophes, `$`, backticks and backslashes reach the
+    SuperNodes' node configs, FLWR_HOME and `flwr run` as they are: the README's
+    commands are quoted with shlex.quote, and a SuperNode's --node-config reads back
+    the population it names."""
+    import shlex
+
+    from flwr.common.config import parse_config_args  # how a SuperNode reads it
+
+    root = tmp_path_factory.mktemp("quoted")
+    folder, population = str(root / f"app {name}"), str(root / f"pop {name}")
+    text = app_dir.readme(quickstart[2], folder, "127.0.0.1:9093",
+                          [{"population": population, "first-client": 0}])
+    commands = []
+    for block in text.split("```")[1::2]:
+        commands += [shlex.split(c) for c in block.replace("\\\n", " ").split("\n") if c]
+    words = [w for c in commands for w in c]
+    assert os.path.abspath(folder) in words
+    assert f"FLWR_HOME={os.path.join(os.path.abspath(folder), '.flwr')}" in words
+    assert population in words  # the warm worker's --population
+    configs = [c[c.index("--node-config") + 1] for c in commands if "--node-config" in c]
+    assert parse_config_args([configs[0]])["population"] == population
+
+
 def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
     @fb.program(clients=3)
     def two_trips(w, x):

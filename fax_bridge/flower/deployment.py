@@ -43,12 +43,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _toml_string(text: str) -> str:
+    """`text` as a TOML basic string Flower's config parser takes: it finds a quoted
+    value up to the next `"`, so a `"` (and a backslash or control character) inside is
+    written as an escape, never as itself."""
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch == '"' or ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def node_config_text(config: dict) -> str:
-    """A `--node-config` value: space-separated key=value, strings quoted as TOML."""
+    """A `--node-config` (or `--run-config`) value: space-separated key=value, strings
+    as TOML basic strings Flower's parser reads back as they are (`_toml_string`)."""
     parts = []
     for key, value in config.items():
         if isinstance(value, str):
-            value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            value = _toml_string(value)
         elif isinstance(value, bool):
             value = "true" if value else "false"
         parts.append(f"{key}={value}")
