@@ -763,9 +763,13 @@ def test_secure_sums_of_every_shape_cross_secaggplus_with_jits_bits(
         write_population(path, [{"x": data["x"][i], "y": data["y"][i]}
                                 for i in range(a, b)])
         configs.append({"population": path, "first-client": a})
-    got = server.run_server(_grid(folder, configs), {"num-rounds": 1},
+    out = str(tmp_path / "out")
+    got = server.run_server(_grid(folder, configs), {"num-rounds": 1, "out-dir": out},
                             os.path.join(folder, app_dir.PACKAGE), log=lambda text: None)
     want = jax.jit(prog)(*args)
+    rep = _reports(out)[0]  # SecAgg+'s four stages counted beside the train messages
+    assert rep["rpcs"] == len(configs) * 5 and rep["payload_down"] > 0
+    assert rep["bytes_down"] > rep["payload_down"] and rep["bytes_up"] > rep["payload_up"]
     tree = values.to_pytree(got, made.prepared.result)
     for g, w in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(want)):
         g, w = np.asarray(g), np.asarray(w)
@@ -966,6 +970,45 @@ def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):
     assert made.split.aggregations[0].kind == "weighted_mean"
     assert client.NodeShare.from_config({"population": str(tmp_path / "pop" / "node-1"),
                                          "first-client": 3}).stop == 6
+
+
+@settings(max_examples=20, deadline=None)
+@given(shapes=st.dictionaries(st.sampled_from(["x", "y", "w"]),
+                              st.sampled_from([(), (3,), (3, 2), (1,)]), min_size=1),
+       clients=st.integers(1, 5), nodes=st.integers(1, 6))
+def test_populations_are_written_whole_or_not_at_all(tmp_path_factory, shapes, clients,
+                                                     nodes):
+    """Every array needs an example axis after the clients axis; a value per client
+    (shape (clients,), a per-client weight) or too many nodes is refused naming the
+    array and the fix before anything is written, and an earlier population stays."""
+    from fax_bridge.flower.deployment import write_populations
+    from fax_bridge.runtime import population
+
+    folder = tmp_path_factory.mktemp("pops")
+    earlier = folder / "node-0"
+    earlier.mkdir()
+    (earlier / "mark").write_text("earlier")
+    data = {k: np.arange(clients * int(np.prod(s)), dtype=np.float32).reshape(
+        (clients,) + s) for k, s in shapes.items()}
+    per_client = [k for k, s in shapes.items() if not s]  # the first one is named
+    uneven = len({s[0] for s in shapes.values() if s}) > 1
+    if per_client or uneven or nodes > clients:
+        match = (f"client data {per_client[0]!r} has shape \\[{clients}\\].*example axis"
+                 if per_client else "different numbers of examples" if uneven else
+                 f"{nodes} SuperNodes for {clients} example clients")
+        with pytest.raises(FleetError, match=match):
+            write_populations(data, str(folder), nodes)
+        assert sorted(os.listdir(folder)) == ["node-0"] and \
+            os.listdir(earlier) == ["mark"]
+        assert not [p for p in os.listdir(folder.parent) if p.startswith(".populations-")]
+        return
+    configs = write_populations(data, str(folder), nodes)
+    assert sorted(os.listdir(folder)) == [f"node-{k}" for k in range(nodes)]
+    assert [c["first-client"] for c in configs] == \
+        [b.start for b in __import__("fax_bridge.fleet.protocol",
+                                     fromlist=["partition"]).partition(clients, nodes)]
+    assert sum(population.open_store(c["population"]).num_clients for c in configs) \
+        == clients
 
 
 def test_an_app_for_a_tls_superlink_names_its_ca_as_flower_reads_it(tmp_path, quickstart):

@@ -297,3 +297,19 @@ def answer_of(content, kinds: list, where: str) -> tuple:
 def payload_bytes(arrays) -> int:
     """Bytes of the arrays of an ArrayRecord (as Flower counts them)."""
     return int(arrays.count_bytes())
+
+
+def content_bytes(content) -> int:
+    """Bytes of every record of a message's content, what a round's report counts as
+    `bytes_*` on Flower: arrays as Flower counts them, and each metric or config entry
+    as its key and value (8 bytes a number, the length of a string or bytes)."""
+    def size(value) -> int:
+        if isinstance(value, (list, tuple)):
+            return sum(size(v) for v in value)
+        return len(value) if isinstance(value, (str, bytes)) else 8
+
+    total = sum(record.count_bytes() for record in content.array_records.values())
+    for records_ in (content.metric_records, content.config_records):
+        total += sum(len(key) + size(value) for record in records_.values()
+                     for key, value in record.items())
+    return int(total)

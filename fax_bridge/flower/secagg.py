@@ -226,8 +226,9 @@ class _Exchange:
     exchange, how many nodes were asked and which did not answer or answered with an
     error, and why (`sent`, `lost`)."""
 
-    def __init__(self, grid, poll_s: float):
+    def __init__(self, grid, poll_s: float, traffic=None):
         self.grid, self.poll_s, self.sent, self.lost = grid, poll_s, 0, {}
+        self.traffic = traffic  # a RoundReport's Traffic: SecAgg+'s messages counted
 
     def send_and_receive(self, messages, *, timeout=None) -> list:
         from fax_bridge.flower import nodes
@@ -235,6 +236,13 @@ class _Exchange:
         messages = list(messages)
         replies = nodes.exchange(self.grid, messages, timeout, self.poll_s)
         self.sent, self.lost = len(messages), {}
+        if self.traffic is not None:
+            from fax_bridge.flower.records import content_bytes
+
+            self.traffic.rpcs += len(messages)
+            self.traffic.bytes_down += sum(content_bytes(m.content) for m in messages)
+            self.traffic.bytes_up += sum(content_bytes(r.content)
+                                         for r in replies.values() if not r.has_error())
         for m in messages:
             reply = replies.get(m.metadata.dst_node_id)
             if reply is None:
@@ -244,8 +252,8 @@ class _Exchange:
         return list(replies.values())
 
 
-def _strategy(node_ids: list, config: dict):
-    """A Flower strategy for one SecAgg+ phase: fit on `node_ids` with `config`, keeping
+def _strategy(ids: list, config: dict):
+    """A Flower strategy for one SecAgg+ phase: fit on nodes `ids` with `config`, keeping
     the reconstructed vector and the contributing nodes (`.vector`, `.contributors`)."""
     from flwr.common import FitIns, Parameters, parameters_to_ndarrays
     from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -254,6 +262,7 @@ def _strategy(node_ids: list, config: dict):
     class Capture(Strategy):
         vector = None
         contributors: list = []
+        node_ids = list(ids)
 
         def initialize_parameters(self, client_manager):
             return None
@@ -261,7 +270,7 @@ def _strategy(node_ids: list, config: dict):
         def configure_fit(self, server_round, parameters, client_manager):
             empty = Parameters(tensors=[], tensor_type="numpy.ndarray")
             return [(GridClientProxy(n, None, 0), FitIns(empty, dict(config)))
-                    for n in node_ids]
+                    for n in self.node_ids]
 
         def aggregate_fit(self, server_round, results, failures):
             self.contributors = sorted(proxy.node_id for proxy, _ in results)
@@ -292,8 +301,15 @@ def _stages(link: _Exchange, strategy, round_index: int, quant: Quantization,
     from flwr.server.workflow.constant import Key as WorkflowKey
     from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 
+    from flwr.server.client_manager import SimpleClientManager
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
+
+    nodes = SimpleClientManager()  # the nodes SecAgg+ runs over: what its log counts
+    for node_id in strategy.node_ids:
+        nodes.register(GridClientProxy(node_id, None, 0))
     context = LegacyContext(Context(run_id=0, node_id=0, node_config={},
-                                    state=RecordDict(), run_config={}), strategy=strategy)
+                                    state=RecordDict(), run_config={}), strategy=strategy,
+                            client_manager=nodes)
     context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
         {WorkflowKey.CURRENT_ROUND: round_index})
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
@@ -345,7 +361,7 @@ def _lose(live: list, link: _Exchange, stage: str, shares: int, started: int, wh
 
 
 def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
-              poll_s: float, drop, threshold: float = 0.0) -> dict:
+              poll_s: float, drop, threshold: float = 0.0, traffic=None) -> dict:
     """{aggregation local: its total} of the round's secure sums (none: {}), summed by
     SecAgg+ over the nodes that answered the round's `train` message: `answered` holds
     (node, its participants) in node order, the order of the engine's answers.
@@ -358,7 +374,8 @@ def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
     the lost nodes' masks from the others' shares, and the totals are over the nodes
     left. During unmask: the lost node's vector is in the sum, so it stays in the round
     (starting again without it would show the ServerApp its partial, as the difference
-    of two sums)."""
+    of two sums). `traffic` (the round report's): SecAgg+'s messages are counted in its
+    bytes and RPCs."""
     secure = secure_aggregations(split)
     if not secure:
         return {}
@@ -371,7 +388,7 @@ def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
             shares = shares_needed(threshold, len(live))
         strategy = _strategy([node.node_id for node, _ in live],
                              {ROUND_KEY: round_index, CENTER_KEY: quant.center})
-        link, again = _Exchange(grid, poll_s), False
+        link, again = _Exchange(grid, poll_s, traffic), False
         for stage, going in _stages(link, strategy, round_index, quant, shares, wait_s):
             if link.lost:
                 live = _lose(live, link, stage, shares, len(answered), where, drop, index)
