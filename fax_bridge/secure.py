@@ -117,8 +117,10 @@ def _int_sum_abstract_eval(x, *, clients, axis, mesh, bound, kind):
 
 def _int_sum_impl(x, *, clients, axis, mesh, bound, kind):
     del clients, axis, mesh
-    # Checked where the values are: concretely here, and by a callback under jit.
-    jax.debug.callback(partial(_check_range, kind, bound), jnp.min(x), jnp.max(x))
+    # Checked where the values are: concretely here, and by a callback under jit (a
+    # value of no elements has none to check, and no minimum to take).
+    if x.size:
+        jax.debug.callback(partial(_check_range, kind, bound), jnp.min(x), jnp.max(x))
     return jnp.sum(x, axis=0, dtype=x.dtype)
 
 
@@ -282,7 +284,10 @@ def dequantize(total, clients, lo: float, hi: float, bits: int, dtype):
     """The mean of `clients` clients' values from the sum of their codes (`clients` an
     int, or an integer scalar counted where the codes were summed)."""
     scale = jnp.float32((2 ** bits - 1) / (hi - lo))
-    count = jnp.asarray(clients).astype(jnp.float32)
+    # Behind a barrier: a count known when tracing would be folded into the constant
+    # divisor, which XLA turns into a product with its rounded reciprocal for scalars,
+    # one rounding more than the division the export runs with a counted divisor.
+    count = jax.lax.optimization_barrier(jnp.asarray(clients).astype(jnp.float32))
     return (jnp.float32(lo) + total.astype(jnp.float32) / (scale * count)).astype(dtype)
 
 

@@ -138,6 +138,48 @@ def test_a_vanished_truncated_or_foreign_segment_is_refused(shared):
             shm.open_segment(shared, pb.SharedSegment(name=bad), "device 0")
 
 
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(1, 300_000), cut=st.floats(0.0, 1.0, exclude_max=True))
+def test_a_segment_that_shrinks_after_its_size_check_is_refused_without_a_signal(
+        shared, monkeypatch, size, cut):
+    """Another process truncates the file between the size check and the read (here:
+    right after `fstat`, to any shorter length, header included): the reader gets a
+    FleetError naming the segment, never SIGBUS (which a mapping gives at the first
+    page past the new end, killing the process)."""
+    writer = shm.Writer(0)
+    wire.to_message(np.arange(size, dtype=np.uint8), writer)
+    name, generation = shared.new_name("a")
+    ref = writer.write(shared, name, generation)
+    full = shm.HEADER_BYTES + ref.length
+    real_fstat = os.fstat
+
+    def shrinking(fd):
+        info = real_fstat(fd)
+        os.truncate(shared.file(name), int(cut * full))
+        return info
+
+    monkeypatch.setattr(shm.os, "fstat", shrinking)
+    with pytest.raises(FleetError, match=f"segment {shared.file(name)} shrank to "
+                                         f"{int(cut * full)} bytes while it was read"):
+        shm.open_segment(shared, ref, "device 0", expect=(name, generation))
+    monkeypatch.setattr(shm.os, "fstat", real_fstat)
+    shared.unlink(name)
+
+
+def test_a_directory_or_fifo_under_a_segments_name_is_refused_and_cleaned_up(shared):
+    os.mkdir(shared.file("a-dir"))
+    open(shared.file("a-dir/inside"), "wb").close()
+    os.mkfifo(shared.file("a-fifo"))  # opened to read, a FIFO would wait for a writer
+    for name, kind in (("a-dir", "directory"), ("a-fifo", "FIFO")):
+        ref = pb.SharedSegment(name=name, generation=1, length=0)
+        with pytest.raises(FleetError, match=f"segment {shared.file(name)} is not a file "
+                                             f"\\(a {kind} is under its name\\)"):
+            shm.open_segment(shared, ref, "device 0")
+        shared.unlink(name)  # the round's clean-up removes whatever is there
+    assert os.listdir(shared.path) == []
+
+
 def test_spans_outside_the_segment_or_beside_bytes_or_without_one_are_refused(shared):
     message, segment = _one_span_message(shared)
     message.tensor.data_at.length += 8
@@ -301,9 +343,11 @@ def test_a_truncated_answer_segment_fails_the_round_clearly_and_leaves_nothing(m
         assert rep.shared_up > 0 and len(os.listdir(directory.path)) == 1  # kept answer
 
 
-def test_an_answer_segment_still_read_from_is_never_written_over(monkeypatch):
-    """A caller holding bytes of a round's answer segment past the round: the next round
-    gets a new segment, the held bytes stay as they were, and the held file is gone."""
+def test_bytes_read_from_an_answer_segment_stay_as_read_when_it_is_written_over(
+        monkeypatch):
+    """A caller holding bytes of a round's answer past the round: the segment's file is
+    kept and the next round's answer is written over it in place, while the held bytes,
+    copied out when read, stay as they were."""
     from fax_bridge.fleet import grpc_transport
 
     with LocalFleet(devices=1) as fleet:
@@ -319,12 +363,12 @@ def test_an_answer_segment_still_read_from_is_never_written_over(monkeypatch):
         first = _bits(fleet.run(PROTO, *_args(2, 1.0)))
         name, data = held[0]
         before = bytes(data)
-        assert not os.path.exists(directory.file(name))  # not kept: it is read from
+        assert os.path.exists(directory.file(name))  # kept: nothing reads the file
         second = _bits(fleet.run(PROTO, *_args(2, 1e30)))
-        assert held[1][0] != name and bytes(data) == before
+        assert held[1][0] == name and bytes(data) == before != bytes(held[1][1])
         monkeypatch.setattr(grpc_transport.shared_memory, "open_segment", original)
         del held, data
-        third = _bits(fleet.run(PROTO, *_args(2, 1.0)))  # kept again from here on
+        third = _bits(fleet.run(PROTO, *_args(2, 1.0)))
         fourth = _bits(fleet.run(PROTO, *_args(2, 1e30)))
         assert third == first and fourth == second
         assert len(os.listdir(directory.path)) == 1

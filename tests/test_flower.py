@@ -253,6 +253,89 @@ def test_a_damaged_partial_is_refused_by_name():
         records.from_layout(arrays, layout, [2], ["sum", "mean"], "node 7")
 
 
+_FORGED_VALUES = st.one_of(
+    st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True), st.text(max_size=5),
+    st.lists(st.integers(-2 ** 64, 2 ** 64), max_size=4), st.none(), st.booleans(),
+    st.just([2 ** 40] * 3), st.just("bogus"), st.just(["float32"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(["sum", "weighted_mean", "max"]), clients=st.integers(1, 4),
+       dtype=st.sampled_from([np.float32, np.int32, np.float64]),
+       forgery=st.sampled_from(["layout", "drop_layout", "array", "drop_array", "counts",
+                                "negative_weight", "record", "compute"]),
+       data=st.data())
+def test_forged_partials_are_refused_naming_the_node(kind, clients, dtype, forgery, data):
+    """A node's answer with any one field forged (layout entries of any type, huge
+    shapes, unknown dtypes, arrays of another form, missing records or arrays, client
+    counts, a weight partial below zero) is refused with a FleetError naming the node,
+    never a raw KeyError, ValueError, TypeError or OverflowError, nor accepted when no
+    honest node could send it."""
+    from flwr.app import ArrayRecord
+
+    if kind == "weighted_mean":
+        dtype = np.float32
+    rng = np.random.default_rng(clients)
+    members = [(rng.normal(size=3) * 10).astype(dtype) for _ in range(clients)]
+    weights = [np.float32(w) for w in rng.uniform(0, 3, clients)] \
+        if kind == "weighted_mean" else None
+    partial = aggregation.partial_of(kind, members, weights)
+    arrays, layout, counts = records.partials_layout([partials.to_message(partial)])
+    metrics = {"num-clients": counts, "compute-s": 0.5}
+    content = {records.PARTIALS: arrays, records.LAYOUT: layout, records.METRICS: metrics}
+    honest = True
+    if forgery == "layout":
+        key = data.draw(st.sampled_from(sorted(layout)))
+        layout[key] = data.draw(_FORGED_VALUES)
+        honest = layout[key] == records.partials_layout(
+            [partials.to_message(partial)])[1][key]
+    elif forgery == "drop_layout":
+        del layout[data.draw(st.sampled_from(sorted(layout)))]
+        honest = False
+    elif forgery in ("array", "drop_array"):
+        key = data.draw(st.sampled_from(sorted(arrays)))
+        if forgery == "drop_array":
+            del arrays[key]
+        else:
+            arrays[key] = data.draw(st.sampled_from(
+                [np.zeros(0), np.zeros((2, 2)), np.array(-5.0), np.full_like(arrays[key], -5),
+                 np.zeros(3, np.uint8), arrays[key].reshape(-1)[:1]]))
+        honest = False
+    elif forgery == "counts":
+        metrics["num-clients"] = data.draw(st.sampled_from(
+            [[], [-1], [clients, 1], [1.5], ["x"], [2 ** 70], [clients + 1]]))
+        honest = False
+    elif forgery == "negative_weight" and weights is not None:
+        for key in [k for k in arrays if k.startswith("a0.w.")]:
+            arrays[key] = -np.abs(arrays[key]) - 5
+        honest = False
+    elif forgery == "record":
+        del content[data.draw(st.sampled_from(sorted(content)))]
+        honest = False
+    elif forgery == "compute":
+        metrics["compute-s"] = data.draw(st.sampled_from([-1.0, float("nan"), [1.0], "x"]))
+        honest = False
+    wrapped = dict(content)  # layout and metrics as the node sent them, of any type
+    if records.PARTIALS in wrapped:
+        wrapped[records.PARTIALS] = ArrayRecord({k: records.array(v)
+                                                 for k, v in arrays.items()})
+    t = federated_language.TensorType(np.dtype(dtype), [3])
+    weight_types = [federated_language.TensorType(np.float32)] if weights else []
+
+    try:
+        back, _ = records.answer_of(wrapped, [kind], "node 7 (clients 0..3)")
+        validate.check_partial(back[0], kind, [t], weight_types, clients,
+                               "node 7 (clients 0..3)")
+    except FleetError as e:
+        assert "node 7 (clients 0..3)" in str(e)
+        return
+    # accepted: what it holds is the honest answer (a forged entry equal to the honest
+    # one, or a default the honest layout spells out), or values an honest node could
+    # hold in arrays of the honest form
+    assert honest or back[0] == partials.to_message(partial) or forgery == "array", \
+        "a forged answer was accepted"
+
+
 # ------------------------------------------------------------ rounds in process
 
 
@@ -337,6 +420,38 @@ def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickst
             httpd.server_close()
 
 
+@settings(max_examples=6, deadline=None)
+@given(stalls=st.lists(st.sampled_from([b"", b"POST /share HTTP/1.1\r\n",
+                                        b"POST /round HTTP/1.1\r\nContent-Length: 100\r\n"
+                                        b"X-Fax-Bridge-Token: " + b"t" * 32 + b"\r\n\r\n"
+                                        b"partial body"]),
+                       min_size=1, max_size=3))
+def test_idle_or_stalled_connections_never_hold_up_a_warm_worker(populations, stalls):
+    """Connections that send nothing, half a request line, or half a body and then go
+    quiet stay open while the worker answers its SuperNode's requests (a connection per
+    thread, each read under a timeout)."""
+    import socket
+
+    from fax_bridge.flower import worker
+
+    httpd = worker.serve("127.0.0.1:0", "t" * 32, populations[1])
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{httpd.server_address[1]}"
+    idle = []
+    try:
+        for sent in stalls:
+            idle.append(socket.create_connection(("127.0.0.1", httpd.server_address[1])))
+            idle[-1].sendall(sent)
+        # a deadline only so that a blocked worker fails the test instead of hanging it
+        assert json.loads(relay.call(address, "t" * 32, "/share", timeout_s=120)) == \
+            {"first-client": 4, "num-clients": 2}
+    finally:
+        for conn in idle:
+            conn.close()
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_a_node_compiles_its_client_part_once_however_its_share_of_the_cohort_varies(
         quickstart, populations, app):
     from fax_bridge.rounds import server_steps
@@ -409,6 +524,61 @@ def test_node_configs_that_do_not_tile_the_population_are_refused(app, populatio
                           os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
     with pytest.raises(FleetError, match="does not fit the population"):
         client.NodeShare.from_config(dict(populations[1], **{"num-clients": 3}))
+
+
+@settings(max_examples=30, deadline=None)
+@given(key=st.sampled_from(["first-client", "num-clients", "first-row"]),
+       value=st.one_of(st.floats(0.01, 5.99).filter(lambda v: not v.is_integer()),
+                       st.booleans(), st.just("1.5"), st.just("two"), st.just([1]),
+                       st.just(1)))
+@example(key="first-client", value=4.7)
+@example(key="num-clients", value=1.9)
+@example(key="first-row", value=0.5)
+def test_node_config_numbers_are_whole_or_refused_by_name(populations, key, value):
+    """A SuperNode's first-client, num-clients and first-row are whole numbers (an int,
+    or its digits as a string); a fraction is refused naming the setting, never
+    truncated; the run config's whole-number settings likewise."""
+    config = dict(populations[1], **{key: value})
+    if isinstance(value, int) and not isinstance(value, bool):
+        share = client.NodeShare.from_config(config)
+        assert {"first-client": share.first, "num-clients": share.count,
+                "first-row": share.first_row}[key] == value
+    else:
+        with pytest.raises(FleetError, match=f"--node-config {key}=.* is not a whole "
+                                             f"number; give e.g. {key}=4"):
+            client.NodeShare.from_config(config)
+    run_key = {"first-client": "num-rounds", "num-clients": "min-clients",
+               "first-row": "cohort-size"}[key]
+    if isinstance(value, float) or isinstance(value, bool):
+        with pytest.raises(FleetError, match=f"run config {run_key}=.* is not a whole"):
+            server.Settings.from_run_config({run_key: value})
+
+
+@settings(max_examples=15, deadline=None)
+@given(name=st.text(st.sampled_from("ab '\"$`\\;&|*!"), min_size=1, max_size=8))
+def test_written_commands_survive_any_path_the_shell_could_break_on(
+        tmp_path_factory, quickstart, name):
+    """Paths with spaces, quotes, apostrophes, `$`, backticks and backslashes reach the
+    SuperNodes' node configs, FLWR_HOME and `flwr run` as they are: the README's
+    commands are quoted with shlex.quote, and a SuperNode's --node-config reads back
+    the population it names."""
+    import shlex
+
+    from flwr.common.config import parse_config_args  # how a SuperNode reads it
+
+    root = tmp_path_factory.mktemp("quoted")
+    folder, population = str(root / f"app {name}"), str(root / f"pop {name}")
+    text = app_dir.readme(quickstart[2], folder, "127.0.0.1:9093",
+                          [{"population": population, "first-client": 0}])
+    commands = []
+    for block in text.split("```")[1::2]:
+        commands += [shlex.split(c) for c in block.replace("\\\n", " ").split("\n") if c]
+    words = [w for c in commands for w in c]
+    assert os.path.abspath(folder) in words
+    assert f"FLWR_HOME={os.path.join(os.path.abspath(folder), '.flwr')}" in words
+    assert population in words  # the warm worker's --population
+    configs = [c[c.index("--node-config") + 1] for c in commands if "--node-config" in c]
+    assert parse_config_args([configs[0]])["population"] == population
 
 
 def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
@@ -547,6 +717,65 @@ def test_secure_sums_go_through_secaggplus_with_jits_exact_sums(
                           {"num-rounds": 1}, bundle_dir, log=lambda text: None)
 
 
+_SECURE_KINDS = {
+    "bitwidth": lambda v, top: fb.federated_secure_sum_bitwidth(v, top.bit_length()),
+    "max_input": lambda v, top: fb.federated_secure_sum(v, top),
+    "modular": lambda v, top: fb.federated_secure_modular_sum(v, top + 1),
+}
+
+
+@settings(max_examples=5, deadline=None)
+@given(kind=st.sampled_from(sorted(_SECURE_KINDS)),
+       shape=st.sampled_from([(), (0,), (1,), (3,), (2, 0), (2, 3)]),
+       dtype=st.sampled_from([np.int8, np.uint8, np.int16, np.int32, np.uint32]),
+       top=st.sampled_from([1, 9, 100]))
+@example(kind="bitwidth", shape=(), dtype=np.int32, top=9)
+@example(kind="max_input", shape=(), dtype=np.int32, top=9)
+@example(kind="modular", shape=(), dtype=np.uint8, top=9)
+@example(kind="max_input", shape=(0,), dtype=np.int32, top=9)
+@example(kind="bitwidth", shape=(2, 3), dtype=np.int16, top=100)
+def test_secure_sums_of_every_shape_cross_secaggplus_with_jits_bits(
+        tmp_path_factory, quickstart, kind, shape, dtype, top):
+    """A secure sum of any shape (a scalar, no elements, a matrix), kind and integer
+    dtype the fleet takes runs through Flower's SecAgg+ (two nodes, in process) with
+    jit's exact bits, beside a bfloat16 scalar in the server state."""
+    import jax.numpy as jnp
+
+    _, (_, data), _ = quickstart
+    if np.dtype(dtype).itemsize == 1 and top * N > np.iinfo(dtype).max:
+        top = 9  # a sum that could wrap in the dtype is refused when traced
+
+    def secure(state, data):
+        values = fb.federated_map_clients(
+            lambda d: jnp.broadcast_to(jnp.clip(jnp.floor(jnp.abs(d["y"][0]) * 7), 0, top),
+                                       shape).astype(dtype), data)
+        return state * jnp.bfloat16(2), _SECURE_KINDS[kind](values, top)
+
+    prog = fb.program(clients=N)(secure)
+    args = (jnp.bfloat16(1.5), data)
+    made = bundle.build_round(prog, *args, placements=("server", "clients"))
+    tmp_path = tmp_path_factory.mktemp("secure_shapes")
+    folder = str(tmp_path / "app")
+    app_dir.write_app(made, folder)
+    configs = []
+    for k, (a, b) in enumerate(BLOCKS):
+        path = str(tmp_path / f"node-{k}")
+        write_population(path, [{"x": data["x"][i], "y": data["y"][i]}
+                                for i in range(a, b)])
+        configs.append({"population": path, "first-client": a})
+    out = str(tmp_path / "out")
+    got = server.run_server(_grid(folder, configs), {"num-rounds": 1, "out-dir": out},
+                            os.path.join(folder, app_dir.PACKAGE), log=lambda text: None)
+    want = jax.jit(prog)(*args)
+    rep = _reports(out)[0]  # SecAgg+'s four stages counted beside the train messages
+    assert rep["rpcs"] == len(configs) * 5 and rep["payload_down"] > 0
+    assert rep["bytes_down"] > rep["payload_down"] and rep["bytes_up"] > rep["payload_up"]
+    tree = values.to_pytree(got, made.prepared.result)
+    for g, w in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(want)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert (g.dtype, g.shape) == (w.dtype, w.shape) and g.tobytes() == w.tobytes()
+
+
 THREE = [(0, 2), (2, 5), (5, 6)]  # the clients of three SuperNodes, 100 to 102
 STAGE_WORDS = dict(zip(Stage.all(), ("setup", "share keys", "collect masked vectors",
                                      "unmask")))
@@ -656,6 +885,61 @@ def test_a_node_lost_during_secaggplus_is_dropped_or_named_with_the_unmet_condit
 # ---------------------------------------------------------------------- command
 
 
+class _ScriptedDeployment:
+    """A deployment whose `flwr run` exits 0 and leaves in its out-dir what `leaves`
+    says: the reports of `reported` rounds (round `failed` with an error) and, with
+    `result`, a result.npz (what a ServerApp that failed at various points leaves)."""
+
+    nodes = [{}, {}]
+
+    def __init__(self, reported: int, failed, result: bool):
+        self.reported, self.failed, self.result = reported, failed, result
+        self.out_dirs: list = []
+
+    def run(self, app, config, timeout_s=300.0):
+        out = config["out-dir"]
+        self.out_dirs.append(out)
+        assert os.path.isdir(out) and not os.listdir(out)  # this run's own, empty
+        if self.reported:
+            with open(os.path.join(out, "reports.jsonl"), "w") as f:
+                for r in range(self.reported):
+                    error = "FleetError: node 7 lost" if r == self.failed else None
+                    f.write(json.dumps({"round": r, "error": error}) + "\n")
+        if self.result:
+            np.savez(os.path.join(out, "result.npz"), fresh=np.ones(1))
+        return subprocess.CompletedProcess(["flwr"], 0, "ServerApp traceback ...", "")
+
+
+@settings(max_examples=20, deadline=None)
+@given(rounds=st.integers(1, 3), reported=st.integers(0, 3), failed=st.integers(0, 3),
+       result=st.booleans())
+def test_a_check_reads_only_what_its_own_run_wrote_and_surfaces_its_error(
+        tmp_path_factory, rounds, reported, failed, result):
+    """`flwr run` exits 0 when the ServerApp fails; the check reads the run's own
+    reports and result in a folder made for that run (never an earlier run's
+    result.npz beside it), and any failure is a FleetError quoting the run's error."""
+    from fax_bridge.flower import check
+
+    out = tmp_path_factory.mktemp("results")
+    np.savez(out / "result.npz", stale=np.zeros(1))  # an earlier run's
+    (out / "reports.jsonl").write_text('{"round": 0, "error": null}\n')
+    deployment = _ScriptedDeployment(reported, failed if failed < reported else None,
+                                     result)
+    ok = reported == rounds and deployment.failed is None and result
+    if not ok:
+        with pytest.raises(FleetError) as info:
+            check.run_rounds(deployment, "app", rounds, str(out))
+        if deployment.failed is not None:
+            assert f"round {failed} failed: FleetError: node 7 lost" in str(info.value)
+        elif not reported:
+            assert "left no reports.jsonl" in str(info.value)
+    else:
+        _, path, _ = check.run_rounds(deployment, "app", rounds, str(out))
+        assert os.path.dirname(path) == deployment.out_dirs[0] != str(out)
+        with np.load(path) as f:
+            assert f.files == ["fresh"]
+
+
 def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):
     from pathlib import Path
 
@@ -686,6 +970,45 @@ def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):
     assert made.split.aggregations[0].kind == "weighted_mean"
     assert client.NodeShare.from_config({"population": str(tmp_path / "pop" / "node-1"),
                                          "first-client": 3}).stop == 6
+
+
+@settings(max_examples=20, deadline=None)
+@given(shapes=st.dictionaries(st.sampled_from(["x", "y", "w"]),
+                              st.sampled_from([(), (3,), (3, 2), (1,)]), min_size=1),
+       clients=st.integers(1, 5), nodes=st.integers(1, 6))
+def test_populations_are_written_whole_or_not_at_all(tmp_path_factory, shapes, clients,
+                                                     nodes):
+    """Every array needs an example axis after the clients axis; a value per client
+    (shape (clients,), a per-client weight) or too many nodes is refused naming the
+    array and the fix before anything is written, and an earlier population stays."""
+    from fax_bridge.flower.deployment import write_populations
+    from fax_bridge.runtime import population
+
+    folder = tmp_path_factory.mktemp("pops")
+    earlier = folder / "node-0"
+    earlier.mkdir()
+    (earlier / "mark").write_text("earlier")
+    data = {k: np.arange(clients * int(np.prod(s)), dtype=np.float32).reshape(
+        (clients,) + s) for k, s in shapes.items()}
+    per_client = [k for k, s in shapes.items() if not s]  # the first one is named
+    uneven = len({s[0] for s in shapes.values() if s}) > 1
+    if per_client or uneven or nodes > clients:
+        match = (f"client data {per_client[0]!r} has shape \\[{clients}\\].*example axis"
+                 if per_client else "different numbers of examples" if uneven else
+                 f"{nodes} SuperNodes for {clients} example clients")
+        with pytest.raises(FleetError, match=match):
+            write_populations(data, str(folder), nodes)
+        assert sorted(os.listdir(folder)) == ["node-0"] and \
+            os.listdir(earlier) == ["mark"]
+        assert not [p for p in os.listdir(folder.parent) if p.startswith(".populations-")]
+        return
+    configs = write_populations(data, str(folder), nodes)
+    assert sorted(os.listdir(folder)) == [f"node-{k}" for k in range(nodes)]
+    assert [c["first-client"] for c in configs] == \
+        [b.start for b in __import__("fax_bridge.fleet.protocol",
+                                     fromlist=["partition"]).partition(clients, nodes)]
+    assert sum(population.open_store(c["population"]).num_clients for c in configs) \
+        == clients
 
 
 def test_an_app_for_a_tls_superlink_names_its_ca_as_flower_reads_it(tmp_path, quickstart):

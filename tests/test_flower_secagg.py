@@ -75,13 +75,14 @@ def _rounds(draw, max_top: int):
     else:
         bound = top = draw(st.one_of(st.integers(0, 1000), st.integers(2 ** 24, max_top)))
     counts = draw(st.lists(st.integers(1, 40), min_size=2, max_size=6))
-    shape = (draw(st.integers(1, 3)),)
+    shape = draw(st.sampled_from([(), (0,), (1,), (3,), (2, 0), (2, 3)]))
+    size = int(np.prod(shape))
     partials = []
     for k in counts:
         most = k * top
         x = draw(st.lists(st.one_of(st.just(most), st.just(0), st.integers(0, most)),
-                          min_size=shape[0], max_size=shape[0]))
-        partials.append(np.array(x, np.int64))
+                          min_size=size, max_size=size))
+        partials.append(np.array(x, np.int64).reshape(shape))
     return kind, bound, top, counts, shape, partials
 
 
@@ -89,6 +90,10 @@ def _rounds(draw, max_top: int):
 @given(_rounds(max_top=2 ** 31))
 @example(("secure_sum_bitwidth", 31, 2 ** 31 - 1, [1, 1], (1,),  # the largest carried
           [np.array([2 ** 31 - 1]), np.array([2 ** 31 - 1])]))
+@example(("secure_sum", 9, 9, [2, 3], (),  # a scalar: one element of a flat vector
+          [np.array(18), np.array(27)]))
+@example(("secure_sum", 9, 9, [2, 3], (2, 0),  # no elements: one zero partial
+          [np.zeros((2, 0), np.int64), np.zeros((2, 0), np.int64)]))
 @example(("secure_sum", 2 ** 31, 2 ** 31, [1, 1], (1,),  # n * L = 2**32: refused
           [np.array([0]), np.array([0])]))
 def test_secaggplus_carries_the_exact_sum_exactly_when_choose_accepts(case):
@@ -106,17 +111,21 @@ def test_secaggplus_carries_the_exact_sum_exactly_when_choose_accepts(case):
         quant = secagg.Quantization(levels=largest, nodes=n)
         zeros = [secagg.node_vector([np.zeros(shape, np.int64)], quant.center)] * n
         with np.errstate(all="ignore"):
-            (got,) = secagg.recover(_secaggplus(zeros, quant), quant, n)
+            got = secagg.recover(_secaggplus(zeros, quant), quant, n)
         assert np.all(got != 0)
         return
     quant = secagg.choose([agg], counts)
     assert quant.levels == max(largest, 1) and quant.nodes == n
     vectors = [secagg.node_vector([p], quant.center) for p in partials]
-    (got,) = secagg.recover(_secaggplus(vectors, quant), quant, n)
+    assert all(len(v) == 1 and v[0].shape == (max(1, p.size),)
+               for v, p in zip(vectors, partials))  # one flat vector, never 0-d
+    got = secagg.recover(_secaggplus(vectors, quant), quant, n)
     want = np.sum(partials, axis=0)
-    assert got.dtype == np.int64 and np.array_equal(got, want)
-    totals = secagg.totals_of([agg], [got], sum(counts), "test")
-    assert totals["s"].dtype == np.int64 and np.array_equal(totals["s"], want)
+    assert got.dtype == np.int64 and got.shape == (max(1, want.size),)
+    assert np.array_equal(got[:want.size], want.reshape(-1))
+    totals = secagg.totals_of([agg], got, sum(counts), "test")
+    assert totals["s"].dtype == np.int64 and totals["s"].shape == shape
+    assert np.array_equal(totals["s"], want)
 
 
 def test_choose_needs_two_nodes_and_takes_the_largest_partial_of_every_sum():
@@ -137,11 +146,13 @@ def test_choose_needs_two_nodes_and_takes_the_largest_partial_of_every_sum():
 def test_totals_outside_what_the_clients_can_give_are_refused():
     agg = _agg("secure_sum", 10, shape=(2,))
     with pytest.raises(FleetError, match="lies in 0..31, outside.*0..30"):
-        secagg.totals_of([agg], [np.array([0, 31])], 3, "round 0")
-    with pytest.raises(FleetError, match="shape"):
-        secagg.totals_of([agg], [np.array([0, 1, 2])], 3, "round 0")
-    with pytest.raises(FleetError, match="gave 2 tensors, the round's secure sums hold 1"):
-        secagg.totals_of([agg], [np.array([0, 1]), np.array([1, 1])], 3, "round 0")
+        secagg.totals_of([agg], np.array([0, 31]), 3, "round 0")
+    with pytest.raises(FleetError, match="gave 3 values; the round's secure sums hold 2"):
+        secagg.totals_of([agg], np.array([0, 1, 2]), 3, "round 0")
+    empty = _agg("secure_sum", 10, shape=(0,))
+    assert secagg.totals_of([empty], np.array([0]), 3, "round 0")["s"].shape == (0,)
+    with pytest.raises(FleetError, match="no elements is 5, not 0"):
+        secagg.totals_of([empty], np.array([5]), 3, "round 0")
 
 
 @settings(max_examples=40, deadline=None)

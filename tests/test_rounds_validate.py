@@ -6,7 +6,7 @@ import federated_language as fl
 import numpy as np
 import pytest
 from federated_language.common_libs import structure
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from fax_bridge.errors import FleetError
 from fax_bridge.rounds import partials, validate
@@ -398,3 +398,37 @@ def test_large_float64_form_partials_are_checked_in_spans_wherever_a_forgery_sit
         honest.leaves[0].doubles = forged.tobytes()
         with pytest.raises(FleetError, match="d0, sum leaf 0: .*not finite whole multiples"):
             validate.check_partial(honest, "sum", types, [], 2, "d0")
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64, np.float16, np.int32]),
+       weights=st.lists(st.one_of(st.integers(-6, 6), st.floats(-3, 3, width=16),
+                                  st.sampled_from([-0.0, float("-inf"), float("inf")])),
+                        min_size=1, max_size=4),
+       limbs=st.booleans())
+@example(dtype=np.float32, weights=[float("inf"), -5], limbs=True)
+@example(dtype=np.float32, weights=[float("inf"), -5], limbs=False)
+@example(dtype=np.float32, weights=[-5, -0.5], limbs=False)
+@example(dtype=np.float64, weights=[-0.0, 0], limbs=True)
+@example(dtype=np.int32, weights=[2, -3], limbs=True)
+def test_a_weight_partial_below_zero_is_refused_naming_the_device(dtype, weights, limbs):
+    """Every client's weight is >= 0, so no honest partial of weights has a finite part
+    below 0 or holds -inf: a forged weight partial (the exact sum of any weights, in
+    either form) is refused exactly then, naming the device; -0 and 0 pass."""
+    if np.dtype(dtype).kind == "i":
+        weights = [int(w) if np.isfinite(w) else 1 for w in weights]
+    w = [np.asarray(x, dtype) for x in weights]
+    members = [np.ones(3, np.float32)] * len(w)
+    answer = _answer("weighted_mean", members, [np.abs(x) for x in w], limbs)
+    forged = _answer("sum", w, limbs=limbs).leaves[0]
+    answer.weight_leaves[0].CopyFrom(forged)
+    exact = sum(fractions.Fraction(float(x)) for x in w if np.isfinite(x))
+    negative = exact < 0 or any(np.isneginf(x) for x in w)  # honest finite parts >= 0
+    args = (answer, "weighted_mean", validate.leaf_types(V3), [fl.TensorType(dtype)],
+            len(w), "device 3")
+    if negative:
+        with pytest.raises(FleetError, match="device 3, weight: a partial sum of weights "
+                                             r"holds .*>= 0"):
+            validate.check_partial(*args)
+    else:
+        validate.check_partial(*args)

@@ -216,3 +216,110 @@ def test_remembered_imports_are_bounded_in_bytes():
     assert verdicts.get("b") is None and verdicts.get("a") and verdicts.get("c")
     verdicts.put("d", b"z" * 4096)  # larger than the bound: not kept
     assert verdicts.get("d") is None
+
+
+@pytest.mark.parametrize("size", [70 << 10, 4 << 20])
+def test_a_stopped_helper_cannot_hold_the_caller_past_its_time_limit(size):
+    """The deadline is armed before the module is written: a helper stopped with
+    SIGSTOP (it reads nothing, so a module larger than the pipe's 64 KiB would block
+    the write) costs the caller its time limit, then a Died naming it."""
+    import os
+    import signal as signals
+    import threading
+
+    importer = hlo_import.Importer(timeout_seconds=1.0)
+    assert importer.convert(_two_outputs(10.0))[0]
+    os.kill(importer._proc.pid, signals.SIGSTOP)
+    outcome = []
+
+    def convert():
+        try:
+            importer.convert(b"\x0a" + b"x" * size)
+        except hlo_import.Died as e:
+            outcome.append(e)
+
+    worker = threading.Thread(target=convert, daemon=True)
+    worker.start()
+    worker.join(120)  # only so that a hang fails the test instead of stalling it
+    assert outcome and outcome[0].timed_out and not outcome[0].crash
+    assert importer._proc is None  # the stopped helper was killed
+    assert importer.convert(_two_outputs(10.0))[0]  # a fresh helper serves the next
+
+
+def test_a_helper_killed_from_outside_is_retried_and_never_the_modules_verdict(
+        monkeypatch):
+    """SIGKILL from outside while a module is imported: the module is imported again
+    in a fresh helper, and its result is the one an undisturbed import gives."""
+    import os
+    import signal as signals
+
+    module = _two_outputs(11.0)
+    importer = hlo_import.Importer()
+    want = importer.convert(module)
+    process, kills = importer._process, []
+
+    def killed_once():  # the helper a call writes to dies as the call begins
+        proc = process()
+        if not kills:
+            os.kill(proc.pid, signals.SIGKILL)
+            while proc.poll() is None:
+                time.sleep(0.01)
+            kills.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(importer, "_process", killed_once)
+    with pytest.raises(hlo_import.Died, match="killed by SIGKILL from outside") as info:
+        importer.convert(module)
+    assert not info.value.crash and not info.value.timed_out
+    monkeypatch.setattr(hlo, "_importer", importer)
+    kills.clear()
+    assert hlo.to_stablehlo(module) == want[1] and len(kills) == 1
+
+
+_SCRIPTED: list = []
+_DEATHS = {"crash": lambda: hlo_import.Died("killed by SIGABRT", crash=True),
+           "killed": lambda: hlo_import.Died("killed by SIGKILL from outside"),
+           "timeout": lambda: hlo_import.Died("not within 1 s", timed_out=True)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(["crash", "killed", "timeout", "ok"]), min_size=1,
+                max_size=6))
+def test_only_xla_crashing_twice_on_a_module_is_kept_as_its_verdict(outcomes):
+    """Each call of the helper dies one way or answers: calls repeat until one gives a
+    result; a verdict is kept (the helper never asked again) only when XLA crashed on
+    the module in two helpers in a row, never for a kill from outside or the time
+    limit."""
+    _SCRIPTED.append(None)
+    module = _two_outputs(100.0 + len(_SCRIPTED))  # a module of its own: no verdict yet
+    real = hlo._importer.convert(module)
+    left = list(outcomes)
+
+    def scripted(m):
+        what = left.pop(0) if left else "ok"
+        if what == "ok":
+            return real
+        raise _DEATHS[what]()
+
+    original = hlo._importer
+    fake = type("Fake", (), {"convert": staticmethod(scripted)})()
+    hlo._importer = fake
+    try:
+        for _ in range(len(outcomes) + 1):
+            before = list(left)
+            try:
+                assert hlo.to_stablehlo(module) == real[1]
+                break
+            except HloModuleError as e:
+                used = before[:len(before) - len(left)]
+                if used == ["crash", "crash"]:
+                    assert "in two helper processes" in str(e)
+                    with pytest.raises(HloModuleError, match="two helper"):
+                        hlo.to_stablehlo(module)  # kept: the helper is not asked again
+                    assert left == before[2:]
+                    break
+                assert "cut short" in str(e) and "not judged" in str(e)
+        else:
+            raise AssertionError(f"no result after {outcomes}")
+    finally:
+        hlo._importer = original

@@ -239,3 +239,40 @@ def test_modular_sums_obey_the_dtype_of_their_values():
     with pytest.raises(fb.SecureAggregationError, match="modulus of at most 32 for 4 clients"):
         f(x8)  # 4 * 127 codes would wrap int8
     assert int(jax.jit(f)(x8.astype(np.int16))) == (99 + 1 + 50 + 7) % 100
+
+
+@settings(max_examples=10, deadline=None)
+@given(clients=st.integers(1, 6), shape=st.sampled_from([(), (1,), (3,), (2, 2)]),
+       bits=st.integers(4, 16), value_range=st.sampled_from(
+           [(-5.0, 5.0), (-1.0, 1.0), (0.0, 1.0), (-0.3, 2.0)]), seed=st.integers(0, 3))
+def test_a_secure_means_bits_are_jits_eagerly_and_in_the_runtime(
+        clients, shape, bits, value_range, seed):
+    """The dequantizing division is the same division everywhere: jit does not fold the
+    clients' count into a constant divisor (which XLA would turn into a product with its
+    rounded reciprocal for a scalar mean, 10 ulps off the runtime's counted division)."""
+    @fb.program(clients=clients)
+    def mean(x, keys):
+        return fb.federated_secure_mean(x, keys, value_range=value_range, bits=bits)
+
+    x = np.random.default_rng(seed).normal(size=(clients,) + shape).astype(np.float32)
+    keys = _keys(clients, seed)
+    want = np.asarray(jax.jit(mean)(x, keys))
+    assert np.asarray(mean(x, keys)).tobytes() == want.tobytes()
+    proto = fb.export_tff(mean, x, keys, placements=("clients", "clients"))
+    assert np.asarray(run_computation(proto, x, keys)).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0)])
+def test_secure_sums_of_no_elements_are_empty_sums_on_every_path(shape):
+    """No value to check the range of, no minimum to take: an empty sum, eagerly, under
+    jit and in the runtime."""
+    @fb.program(clients=3)
+    def sums(x):
+        return (fb.federated_secure_sum_bitwidth(x, 8), fb.federated_secure_sum(x, 100),
+                fb.federated_secure_modular_sum(x, 7))
+
+    x = np.zeros((3,) + shape, np.int32)
+    proto = fb.export_tff(sums, x, placements=("clients",))
+    for got in (sums(x), jax.jit(sums)(x), run_computation(proto, x)):
+        assert [(np.asarray(g).shape, np.asarray(g).dtype) for g in got] == \
+            [(shape, np.int32)] * 3

@@ -7,8 +7,11 @@ only to devices that report its own directory (`pool.DevicePool.shares_memory`).
 round's broadcast goes in one segment the coordinator writes for all its devices; each
 device writes its partials' large bytes in a segment the coordinator named, and the
 answer carries spans (`SharedSpan`: offset, length) where it would carry bytes. Readers
-map a segment (`Segment`) and read arrays straight from the mapping: no gRPC transfer,
-no protobuf copy. Every other device (`RemoteFleet`'s, or one started without the
+copy a segment into memory of their own with bounded reads (`open_segment`, `Segment`)
+and read arrays straight from that copy: no gRPC transfer, no protobuf copy. They never
+map the file: a mapped file that shrinks under its reader (any process of this user may
+truncate it) kills the reader with SIGBUS, while a read only comes back short, which is
+refused naming the segment. Every other device (`RemoteFleet`'s, or one started without the
 directory) gets the same payloads in bytes fields, unchanged.
 
 A segment is a file: a 64-byte header (magic, the generation the coordinator picked,
@@ -18,18 +21,18 @@ refused with a `FleetError` naming it, as is any span outside it; what the paylo
 hold is checked as wire bytes are (`validate`). The content carries no checksum: the
 directory is the coordinator's (mode 0700, same user) and its devices' alone.
 
-Answer segments are written over, round after round: once a round has ended well and
-nothing read from a device's answer segment is alive any more (`Segment.close` unmaps
-it only then), the coordinator keeps the file (`SharedDir.keep`) and names it again in
-that device's next request, with a new generation; the device writes over it in place.
-Its pages are then neither freed nor faulted in and zeroed again: at 10M parameters a
-device wrote its 80 MB answer into a new segment in 30 ms, and freeing a mapped 32 MB
-segment took the coordinator 5 ms. The device writes only after the coordinator asks
-again, so never under a reader.
+Answer segments are written over, round after round: once a round has ended well (its
+answers were copied out when read: `Segment.close`), the coordinator keeps the file
+(`SharedDir.keep`) and names it again in that device's next request, with a new
+generation; the device writes over it in place. Its pages are then neither freed nor
+faulted in and zeroed again: at 10M parameters a device wrote its 80 MB answer into a
+new segment in 30 ms, and freeing a 32 MB segment took the coordinator 5 ms. The
+copies readers make land in memory `buffers.empty` hands out again round after round,
+for the same reason.
 
 Clean-up: every other segment name the coordinator handed out is removed when the round
-ends (answered, failed, device killed), as is a kept answer segment whose round failed,
-whose mapping is still read from, or whose device is gone; `SharedDir.remove` deletes
+ends (answered, failed, device killed), whatever is under the name, as is a kept answer
+segment whose round failed or whose device is gone; `SharedDir.remove` deletes
 the directory when the fleet closes; a device whose launcher is gone removes it too;
 and a new `SharedDir` first removes directories left by coordinators that no longer run
 (killed before they could).
@@ -39,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import mmap
 import os
 import re
 import secrets
@@ -118,11 +120,15 @@ class SharedDir:
         return f"{kind}-{secrets.token_hex(8)}", secrets.randbits(64)
 
     def unlink(self, name: str) -> None:
-        """Removes segment `name` if it is there."""
+        """Removes segment `name` if it is there (whatever is under the name: a directory
+        planted there goes too; the directory is this fleet's alone)."""
+        path = self.file(name)
         try:
-            os.unlink(self.file(name))
+            os.unlink(path)
         except FileNotFoundError:
             pass
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
 
     def keep(self, address: str, name: str) -> None:
         """Keeps answer segment `name` for the next answer of the device at `address`
@@ -253,22 +259,17 @@ def _write_all(fd: int, parts: list) -> None:
 
 @dataclasses.dataclass
 class Segment:
-    """A mapped segment, read-only: `bytes_of(span)` gives a span's bytes (no copy).
-    The mapping lives as long as any array read from it."""
+    """A segment's data, read into this process's memory: `bytes_of(span)` gives a
+    span's bytes (no further copy). The memory lives as long as any array read from it
+    (`buffers.empty` hands it out again only then)."""
 
     name: str
     length: int
     data: memoryview
 
     def close(self) -> bool:
-        """Unmaps the segment if nothing read from it is alive any more (True); else
-        leaves it mapped until the last of it goes (False)."""
-        mapping = self.data.obj
-        try:
-            self.data.release()
-            mapping.close()
-        except BufferError:
-            return False
+        """Lets the segment's file go: True, as nothing reads the file after
+        `open_segment` (the data was copied out of it), so it may be written over."""
         return True
 
     def bytes_of(self, span: pb.SharedSpan, where: str) -> memoryview:
@@ -282,17 +283,24 @@ class Segment:
 
 def open_segment(directory: SharedDir, ref: pb.SharedSegment, where: str,
                  unlink: bool = False, expect: Optional[tuple] = None) -> Segment:
-    """Maps segment `ref` of `directory` once its file and header match `ref` (and its
-    name and generation `expect`, when given); `unlink` removes its file once mapped.
-    Raises FleetError naming what is wrong: a vanished, truncated or foreign segment."""
+    """Reads segment `ref` of `directory` once its file and header match `ref` (and its
+    name and generation `expect`, when given); `unlink` removes its file once read.
+    Raises FleetError naming what is wrong: a vanished, truncated or foreign segment,
+    something other than a file under its name, or a file that shrank while read.
+
+    The data is copied out with bounded reads (`os.preadv`) into memory of this
+    process's own (`buffers.empty`, reused round after round), never read through a
+    mapping: a mapped file that shrinks under its reader kills the reader with SIGBUS
+    at the first page past its end, and nothing stops another process of this user
+    from truncating it after any check. A read past the end returns short instead."""
     name = check_name(ref.name, where)
     if expect is not None and (name, ref.generation) != expect:
         raise FleetError(f"{where}: names shared-memory segment {name} (generation "
                          f"{ref.generation:x}); it was asked for {expect[0]} (generation "
                          f"{expect[1]:x})")
     path = directory.file(name)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:  # O_NONBLOCK: opening a FIFO planted under the name fails instead of waiting
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise FleetError(f"{where}: shared-memory segment {path} vanished before it was "
                          "read (removed, or its writer failed)") from None
@@ -300,25 +308,58 @@ def open_segment(directory: SharedDir, ref: pb.SharedSegment, where: str,
         raise FleetError(f"{where}: cannot open shared-memory segment {path}: "
                          f"{e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
-        if ref.length < 0 or size != HEADER_BYTES + ref.length:
-            raise FleetError(f"{where}: shared-memory segment {path} holds {size} bytes; "
-                             f"its reference says {HEADER_BYTES} + {ref.length} (truncated "
-                             "or rewritten)")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FleetError(f"{where}: shared-memory segment {path} is not a file (a "
+                             f"{_file_kind(info.st_mode)} is under its name); something "
+                             "other than the fleet wrote in its directory")
+        if ref.length < 0 or info.st_size != HEADER_BYTES + ref.length:
+            raise FleetError(f"{where}: shared-memory segment {path} holds {info.st_size} "
+                             f"bytes; its reference says {HEADER_BYTES} + {ref.length} "
+                             "(truncated or rewritten)")
+        header = _read_exact(fd, memoryview(bytearray(HEADER_BYTES)), 0, where, path)
+        magic, generation, length = _HEADER.unpack_from(header, 0)
+        if magic != MAGIC or generation != ref.generation or length != ref.length:
+            raise FleetError(f"{where}: shared-memory segment {path} has header ("
+                             f"{magic!r}, generation {generation:x}, {length} bytes); its "
+                             f"reference says generation {ref.generation:x}, {ref.length} "
+                             "bytes (a stale or foreign segment)")
+        from fax_bridge.runtime import buffers
+
+        data = _read_exact(fd, memoryview(buffers.empty(length, np.uint8)), HEADER_BYTES,
+                           where, path)
     finally:
         os.close(fd)
         if unlink:
             directory.unlink(name)
-    magic, generation, length = _HEADER.unpack_from(mapping, 0)
-    if magic != MAGIC or generation != ref.generation or length != ref.length:
-        mapping.close()
-        raise FleetError(f"{where}: shared-memory segment {path} has header ({magic!r}, "
-                         f"generation {generation:x}, {length} bytes); its reference says "
-                         f"generation {ref.generation:x}, {ref.length} bytes (a stale or "
-                         "foreign segment)")
-    return Segment(name, length, memoryview(mapping)[HEADER_BYTES:])
+    return Segment(name, length, data)
+
+
+_READ_CHUNK = 1 << 30  # Linux reads at most 2 GiB - 4 KiB in one call
+
+
+def _read_exact(fd: int, out: memoryview, offset: int, where: str, path: str) -> memoryview:
+    """Fills `out` from `fd` at `offset` with bounded reads; FleetError if the file ends
+    first (it shrank after its size was checked)."""
+    done = 0
+    while done < len(out):
+        got = os.preadv(fd, [out[done:done + _READ_CHUNK]], offset + done)
+        if got <= 0:
+            raise FleetError(f"{where}: shared-memory segment {path} shrank to "
+                             f"{offset + done} bytes while it was read ({offset + len(out)} "
+                             "expected): something truncated it; the round's answer from "
+                             "it is refused")
+        done += got
+    return out
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISLNK, "symbolic link")):
+        if test(mode):
+            return kind
+    return "special file"
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ where the SuperLink and SuperNodes run; nothing is installed at run time.
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Optional
 
 from fax_bridge.flower.bundle import FlowerRound, write_round
@@ -96,17 +97,29 @@ def pyproject(name: str, config: dict) -> str:
 def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
            root_certificates: Optional[str] = None) -> str:
     """DIR/README.md: what the app runs and the commands that run it (with TLS when
-    `root_certificates`, the CA certificate, is given)."""
+    `root_certificates`, the CA certificate, is given; every path and value quoted for
+    the shell with `shlex.quote`)."""
+    q = shlex.quote
     ca = root_certificates and os.path.abspath(root_certificates)
-    node_security = "--insecure" if ca is None else f"--root-certificates {ca}"
+    node_security = "--insecure" if ca is None else f"--root-certificates {q(ca)}"
     link_security = "--insecure" if ca is None else (
-        f"--ssl-ca-certfile {ca} \\\n"
+        f"--ssl-ca-certfile {q(ca)} \\\n"
         "    --ssl-certfile SERVER.crt --ssl-keyfile SERVER.key")
+    examples = nodes or [{"population": "/path/to/population", "first-client": 0}]
     node_lines = "\n".join(
-        f"flower-supernode {node_security} --superlink {superlink} --port {9094 + i} \\\n"
-        f"    --node-config '{node_config_text(n)}' &" for i, n in enumerate(nodes)) or (
-        f"flower-supernode {node_security} --superlink " + superlink + " --port 9094 \\\n"
-        "    --node-config 'population=\"/path/to/population\" first-client=0' &")
+        f"flower-supernode {node_security} --superlink {q(superlink)} --port {9094 + i} "
+        f"\\\n    --node-config {q(node_config_text(n))} &"
+        for i, n in enumerate(examples))
+    warm_lines = "\n".join(
+        f"python -m fax_bridge.flower.worker --listen 127.0.0.1:{9300 + i} "
+        f"--token-file TOKEN-{i} \\\n    "
+        + " ".join(f"--{key} {q(str(value))}" for key, value in n.items()) + " &\n"
+        f"flower-supernode {node_security} --superlink {q(superlink)} --port {9094 + i} "
+        f"\\\n    --node-config "
+        + q(node_config_text({"worker": f"127.0.0.1:{9300 + i}",
+                              "worker-token-file": f"TOKEN-{i}"})) + " &"
+        for i, n in enumerate(examples))
+    app = os.path.abspath(folder)
     host, port = superlink.rsplit(":", 1)
     connection = "insecure" if ca is None else f"TLS, checked against {ca}"
     return f"""# A fax_bridge round on Flower
@@ -127,9 +140,12 @@ export FLWR_TELEMETRY_ENABLED=0
 flower-superlink {link_security} --host {host} --port {port} \\
     --disable-runtime-dependency-installation &
 {node_lines}
-FLWR_HOME={os.path.join(os.path.abspath(folder), '.flwr')} \\
-    flwr run {os.path.abspath(folder)} {CONNECTION} --stream
+FLWR_HOME={q(os.path.join(app, '.flwr'))} \\
+    flwr run {q(app)} {CONNECTION} --stream
 ```
+
+The SuperLink installs each app it is sent under `~/.flwr/apps` (its own FLWR_HOME) and
+runs it from there, so edits to this folder reach it only through the next `flwr run`.
 
 `.flwr/config.toml` here names the SuperLink connection `{CONNECTION}` ({superlink},
 {connection}). Settings (`[tool.flwr.app.config]` in pyproject.toml) can be overridden with
@@ -138,8 +154,8 @@ client), dropout, seed, min-clients, round-deadline-s (0: none; else how long a 
 waits for the nodes), node-timeout-s (the wait without a deadline),
 first-round-timeout-s (the least the first round waits: nodes start then), min-nodes and
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
-out-dir (reports.json, result.npz), checkpoint-dir (resume after a crash) and
-secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
+out-dir (reports.jsonl, one round's report a line, and result.npz), checkpoint-dir
+(resume after a crash) and secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
 unmask a lost one; 0: a strict majority).
 
 Warm SuperNodes: Flower starts a process per message, so a node computing in it loads
@@ -148,13 +164,19 @@ once instead, and name it in the node's config (the population settings move to 
 worker):
 
 ```
-python -m fax_bridge.flower.worker --listen 127.0.0.1:9300 --token-file TOKEN \
-    --population /path/to/population --first-client 0 &
-flower-supernode {node_security} --superlink {superlink} --port 9094 \
-    --node-config 'worker="127.0.0.1:9300" worker-token-file="TOKEN"' &
+{warm_lines}
 ```
 
-(TOKEN: a file of mode 0600 holding 16+ random characters.)
+(TOKEN-0, ...: files of mode 0600 holding 16+ random characters each, e.g.
+`(umask 077; python -c "import secrets; print(secrets.token_hex(32))" > TOKEN-0)`.)
+
+## Did it work?
+
+`flwr run` exits 0 even when the ServerApp fails: read the run's `reports.jsonl` in
+its out-dir (its last line's `error` is null when the round ended well; a round that
+failed names the reason there, and in the ServerApp's log that `--stream` shows), or
+let `fax-bridge flower ... --check` run and compare the rounds (it exits non-zero on any
+failure or mismatch).
 
 A SuperNode's `--node-config`: `population` (a directory written by
 `fax_bridge.data.write_population`), `first-client` (the population id of its first

@@ -4,10 +4,12 @@
 `run_check` starts a loopback deployment (`deployment.LocalDeployment`, warm workers)
 for an app `fax-bridge flower` wrote and the populations it wrote, and `run_rounds` runs
 an app's rounds with `flwr run` on a deployment (every client in every round);
-`parity_of_run` compares the last round's result (`result.npz`) leaf by leaf with the
-same rounds under `jax.jit`, as `fax-bridge parity` compares the fleet
-(`parity_report.compare_leaves`, its tolerances), and says whether the run also has the
-bits of the fleet's round plan run in process. `check_round` does all of it for a
+`parity_of_run` compares the last round's result (`result.npz`, read from a folder made
+for that run alone, once the run's own `reports.jsonl` shows every round done without
+an error: `run_outcome`) leaf by leaf with the same rounds under `jax.jit`, as
+`fax-bridge parity` compares the fleet (`parity_report.compare_leaves`, its
+tolerances), and says whether the run also has the bits of the fleet's round plan run
+in process. `check_round` does all of it for a
 program and its example arguments.
 """
 
@@ -70,8 +72,14 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
 def run_rounds(deployment, app: str, rounds: int, out: str,
                timeout_s: float = 300.0) -> tuple:
     """`flwr run` of the app's `rounds` rounds on a running deployment, every client in
-    every round, results in `out`; (the `flwr run` output, result.npz path, seconds the
-    run took)."""
+    every round, results in a new folder of this run's own under `out`; (the `flwr run`
+    output, result.npz path, seconds the run took).
+
+    Only what this run wrote is read (`run_outcome`): `flwr run` exits 0 even when the
+    ServerApp fails, so its exit code alone proves nothing, and an earlier run's files
+    are never in the new folder."""
+    os.makedirs(out, exist_ok=True)
+    out = tempfile.mkdtemp(prefix="run-", dir=out)
     start = time.perf_counter()
     run = deployment.run(app, {"num-rounds": rounds, "out-dir": out,
                                "min-nodes": len(deployment.nodes), "cohort-size": 0,
@@ -80,7 +88,37 @@ def run_rounds(deployment, app: str, rounds: int, out: str,
     if run.returncode != 0:
         raise FleetError(f"`flwr run` failed on the loopback deployment:\n"
                          f"{run.stdout[-3000:]}")
-    return run.stdout, os.path.join(out, "result.npz"), took
+    return run.stdout, run_outcome(out, rounds, run.stdout), took
+
+
+def run_outcome(out: str, rounds: int, output: str = "") -> str:
+    """The result.npz of a run whose ServerApp wrote to `out` (its `out-dir`), once its
+    `reports.jsonl` shows `rounds` rounds, none failed; else FleetError with the
+    ServerApp's own error (`output`: what `flwr run` printed, quoted when the run left
+    no report)."""
+    import json
+
+    tail = f"; `flwr run` printed:\n{output[-3000:]}" if output else ""
+    try:
+        with open(os.path.join(out, "reports.jsonl")) as f:
+            reports = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        raise FleetError(f"the Flower run left no reports.jsonl in {out}: its ServerApp "
+                         f"failed before its first round ended{tail}") from None
+    except (OSError, ValueError) as e:
+        raise FleetError(f"the Flower run's reports in {out} cannot be read ({e})") from None
+    failed = [r for r in reports if r.get("error")]
+    if failed:
+        raise FleetError(f"the Flower run's round {failed[0].get('round')} failed: "
+                         f"{failed[0]['error']}")
+    if len(reports) != rounds:
+        raise FleetError(f"the Flower run reported {len(reports)} of its {rounds} rounds: "
+                         f"its ServerApp stopped early{tail}")
+    result = os.path.join(out, "result.npz")
+    if not os.path.isfile(result):
+        raise FleetError(f"the Flower run reported its {rounds} rounds but wrote no "
+                         f"result.npz in {out}{tail}")
+    return result
 
 
 def run_check(app: str, nodes: list, home: str, rounds: int) -> tuple:

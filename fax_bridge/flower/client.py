@@ -57,12 +57,9 @@ class NodeShare:
             raise FleetError(f"this SuperNode names no population; {NODE_CONFIG_HELP}")
         directory = str(config["population"])
         store = _store(directory)
-        try:
-            first = int(config.get("first-client", 0))
-            first_row = int(config.get("first-row", 0))
-            count = int(config.get("num-clients", store.num_clients - first_row))
-        except (TypeError, ValueError) as e:
-            raise FleetError(f"--node-config: {e}; {NODE_CONFIG_HELP}") from None
+        first = whole_setting(config, "first-client", 0)
+        first_row = whole_setting(config, "first-row", 0)
+        count = whole_setting(config, "num-clients", store.num_clients - first_row)
         if first < 0 or first_row < 0 or count < 1 or \
                 first_row + count > store.num_clients:
             raise FleetError(
@@ -82,6 +79,19 @@ class NodeShare:
                 f"client {int(outside[0])} is not served here: this node serves "
                 f"clients {self.first}..{self.stop - 1}")
         return ids - self.first + self.first_row
+
+
+def whole_setting(config, key: str, default: int) -> int:
+    """`config[key]` (else `default`) as a whole number: an int, or a string of one (as
+    a command line gives it); a fraction, a bool or anything else is a FleetError naming
+    the setting, never truncated."""
+    value = config.get(key, default)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise FleetError(f"--node-config {key}={value!r} is not a whole number; give e.g. "
+                         f"{key}=4; {NODE_CONFIG_HELP}")
+    return int(value)
 
 
 _STORES: dict = {}  # directory -> ClientStore, opened once per process

@@ -21,6 +21,8 @@ and the ClientApp's own process decode the same way. The record names are `relay
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from fax_bridge.errors import FleetError
@@ -32,13 +34,13 @@ __all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND"]
 
 
 def savable(value: np.ndarray) -> np.ndarray:
-    """`value` C-contiguous, as its bytes (uint8) when numpy cannot save its dtype (an
-    ml_dtypes one such as bfloat16, whose name travels beside it)."""
+    """`value` C-contiguous, as its bytes (uint8, flat) when numpy cannot save its dtype
+    (an ml_dtypes one such as bfloat16, whose name and shape travel beside it)."""
     value = np.asarray(value)
     if not value.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-d)
         value = value.copy(order="C")
     if value.dtype.kind == "V" or value.dtype.name != np.dtype(value.dtype.str).name:
-        value = value.view(np.uint8)
+        value = value.reshape(-1).view(np.uint8)  # flat: a 0-d array has no bytes view
     return value
 
 
@@ -61,16 +63,61 @@ def numpy_dict(record, where: str) -> dict:
     return out
 
 
+def whole(value, what: str, where: str, low: int = 0, high: int = 2 ** 62) -> int:
+    """`value` (a layout or metric entry another process sent) as an int in [low, high];
+    FleetError naming `what` and `where` for anything else (a float, a string, a bool,
+    a list, out of range)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or not low <= int(value) <= high:
+        raise FleetError(f"{where}: {what} is {str(value)[:40]!r}; expected a whole number "
+                         f"in [{low}, {high}]; {_FORGED}")
+    return int(value)
+
+
+def shape_of(value, what: str, where: str) -> tuple:
+    """A shape another process sent: a list of whole dimensions, of a rank and a size
+    the runtime's limits allow (`limits.tensor_bytes`, so no product overflows);
+    FleetError naming `what` and `where` otherwise."""
+    from fax_bridge.errors import ComputationError
+    from fax_bridge.runtime import limits
+
+    if not isinstance(value, (list, tuple)) or len(value) > limits.MAX_RANK:
+        raise FleetError(f"{where}: {what} is {str(value)[:40]!r}; expected a list of at "
+                         f"most {limits.MAX_RANK} dimensions; {_FORGED}")
+    shape = tuple(whole(d, what, where, 0, 2 ** 62) for d in value)
+    try:
+        limits.tensor_bytes(shape, 1, f"{where}: {what}")
+    except ComputationError as e:
+        raise FleetError(str(e)) from None
+    return shape
+
+
+def dtype_of(value, what: str, where: str) -> np.dtype:
+    """A dtype name another process sent (`wire.dtype_from_name`); FleetError naming
+    `what` and `where` for a name that is not one."""
+    if not isinstance(value, str):
+        raise FleetError(f"{where}: {what} is {str(value)[:40]!r}, not a dtype name; "
+                         f"{_FORGED}")
+    try:
+        return wire.dtype_from_name(value)
+    except FleetError as e:
+        raise FleetError(f"{where}: {what}: {e}") from None
+
+
+_FORGED = "the message is corrupt or forged; check that the node runs this fax_bridge"
+
+
 def numpy_of(value: np.ndarray, dtype: np.dtype, shape, where: str) -> np.ndarray:
     """`value` as `dtype` and `shape` (checked; bytes of an ml_dtypes array viewed)."""
     value = np.asarray(value)
-    dtype, shape = np.dtype(dtype), tuple(int(d) for d in shape)
+    dtype, shape = np.dtype(dtype), shape_of(shape, "a shape", where)
+    size = math.prod(shape)
     if value.dtype != dtype:
-        if value.dtype != np.uint8 or value.size != int(np.prod(shape)) * dtype.itemsize:
+        if value.dtype != np.uint8 or value.size != size * dtype.itemsize:
             raise FleetError(f"{where}: an array of {value.dtype}{list(value.shape)}; "
                              f"expected {dtype.name}{list(shape)}")
         value = value.view(dtype)
-    if value.size != int(np.prod(shape)):
+    if value.size != size:
         raise FleetError(f"{where}: an array of {value.size} elements; expected shape "
                          f"{list(shape)}")
     return value.reshape(shape)
@@ -96,17 +143,17 @@ def tensors_to_record(tensors: list):
 
 def tensors_from_arrays(arrays: dict, layout, where: str, prefix: str = "") -> list:
     """The tensors `tensors_to_record` laid out (keys `prefix` + "0", "1", ...)."""
-    count = int(layout.get("count", -1))
+    count = whole(layout.get("count"), "the broadcast's count", where, 0, 1 << 20)
     found = sum(1 for k in arrays if k.startswith(prefix) and k[len(prefix):].isdigit())
-    if count < 0 or found != count:
+    if found != count:
         raise FleetError(f"{where}: {found} broadcast arrays; expected {count}")
     out = []
     for i in range(count):
-        key = f"{prefix}{i}"
+        key, at = f"{prefix}{i}", f"{where}, broadcast array {prefix}{i}"
         if key not in arrays:
             raise FleetError(f"{where}: broadcast array {key} is missing")
-        out.append(numpy_of(arrays[key], wire.dtype_from_name(str(layout[f"{i}.dtype"])),
-                            layout[f"{i}.shape"], f"{where}, broadcast array {key}"))
+        out.append(numpy_of(arrays[key], dtype_of(layout.get(f"{i}.dtype"), "its dtype", at),
+                            layout.get(f"{i}.shape"), at))
     return out
 
 
@@ -173,11 +220,12 @@ def partials_layout(answers: list) -> tuple:
 
 def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
     out = pb.LeafPartial()
-    try:
-        dtype = wire.dtype_from_name(str(layout[f"{prefix}.dtype"]))
-        shape = [int(d) for d in layout[f"{prefix}.shape"]]
-    except KeyError as e:
-        raise FleetError(f"{where}: the partial's layout has no {e.args[0]!r}") from None
+    for key in (f"{prefix}.dtype", f"{prefix}.shape"):
+        if key not in layout:
+            raise FleetError(f"{where}: the partial's layout has no {key!r}")
+    dtype = dtype_of(layout[f"{prefix}.dtype"], f"partial tensor {prefix}'s dtype", where)
+    shape = list(shape_of(layout[f"{prefix}.shape"], f"partial tensor {prefix}'s shape",
+                          where))
     if f"{prefix}.extreme" in arrays:
         wire.encode_tensor(numpy_of(arrays[f"{prefix}.extreme"], dtype, shape, where),
                            out.extreme)
@@ -195,7 +243,8 @@ def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
     if limbs.dtype != np.int64 or limbs.ndim != 2:
         raise FleetError(f"{where}: limbs of {prefix} must be an int64 matrix, got "
                          f"{limbs.dtype}{list(limbs.shape)}")
-    out.base_limb = int(layout.get(f"{prefix}.base", 0))
+    out.base_limb = whole(layout.get(f"{prefix}.base"), f"partial tensor {prefix}'s "
+                          "base limb", where, 0, 1 << 20)
     out.num_limbs = limbs.shape[0]
     out.limbs = np.ascontiguousarray(limbs, "<i8").tobytes()
     if f"{prefix}.flags" in arrays:
@@ -206,24 +255,61 @@ def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
 def from_layout(arrays: dict, layout, counts: list, kinds: list, where: str) -> list:
     """One `AggregateResponse` per aggregation (of `kinds`) from a node's partials
     (`partials_layout`'s three parts), for `validate.check_partial` to check."""
-    if int(layout.get("aggregations", -1)) != len(kinds):
+    if whole(layout.get("aggregations"), "the partials' aggregations", where,
+             0, 1 << 20) != len(kinds):
         raise FleetError(f"{where}: partials of {layout.get('aggregations')} aggregations; "
                          f"the round has {len(kinds)}")
-    counts = list(counts)
-    if len(counts) != len(kinds):
-        raise FleetError(f"{where}: {len(counts)} client counts for {len(kinds)} "
-                         "aggregations")
+    if not isinstance(counts, (list, tuple)) or len(counts) != len(kinds):
+        raise FleetError(f"{where}: client counts {str(counts)[:40]} for {len(kinds)} "
+                         "aggregations; a node sends one count per aggregation")
     out = []
     for j in range(len(kinds)):
-        answer = pb.AggregateResponse(num_clients=int(counts[j]))
-        for i in range(int(layout.get(f"a{j}.leaves", 0))):
+        answer = pb.AggregateResponse(num_clients=whole(
+            counts[j], f"the client count of aggregation {j}", where, 0, 2 ** 62))
+        for i in range(whole(layout.get(f"a{j}.leaves"), f"aggregation {j}'s tensors",
+                             where, 0, 1 << 20)):
             answer.leaves.append(_leaf_in(f"a{j}.v{i}", arrays, layout, where))
-        if int(layout.get(f"a{j}.weights", 0)):
+        if whole(layout.get(f"a{j}.weights"), f"aggregation {j}'s weights", where, 0, 1):
             answer.weight_leaves.append(_leaf_in(f"a{j}.w", arrays, layout, where))
         out.append(answer)
     return out
 
 
+def answer_of(content, kinds: list, where: str) -> tuple:
+    """(one `AggregateResponse` per aggregation of `kinds`, the node's compute seconds)
+    from the content of a node's answer to a `train` message; FleetError naming `where`
+    when a record is missing or malformed."""
+    missing = [name for name in (PARTIALS, LAYOUT, METRICS) if name not in content]
+    if missing:
+        raise FleetError(f"{where}: its answer has no {', '.join(missing)} record; "
+                         f"{_FORGED}")
+    metrics = content[METRICS]
+    seconds = metrics.get("compute-s", 0.0)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+            not 0.0 <= seconds < float("inf"):
+        raise FleetError(f"{where}: its compute time is {str(seconds)[:40]!r}, not seconds; "
+                         f"{_FORGED}")
+    answers = from_layout(numpy_dict(content[PARTIALS], where), content[LAYOUT],
+                          metrics.get("num-clients", []), kinds, where)
+    return answers, float(seconds)
+
+
 def payload_bytes(arrays) -> int:
     """Bytes of the arrays of an ArrayRecord (as Flower counts them)."""
     return int(arrays.count_bytes())
+
+
+def content_bytes(content) -> int:
+    """Bytes of every record of a message's content, what a round's report counts as
+    `bytes_*` on Flower: arrays as Flower counts them, and each metric or config entry
+    as its key and value (8 bytes a number, the length of a string or bytes)."""
+    def size(value) -> int:
+        if isinstance(value, (list, tuple)):
+            return sum(size(v) for v in value)
+        return len(value) if isinstance(value, (str, bytes)) else 8
+
+    total = sum(record.count_bytes() for record in content.array_records.values())
+    for records_ in (content.metric_records, content.config_records):
+        total += sum(len(key) + size(value) for record in records_.values()
+                     for key, value in record.items())
+    return int(total)

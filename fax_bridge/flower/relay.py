@@ -130,8 +130,9 @@ def keep(state, out: dict, round_index: int) -> None:
 
 def give_kept(msg, context):
     """The FitRes SecAgg+'s masked stage asks of a node (`secaggplus_mod` calls it): its
-    kept partials of the round the FitIns config names, each minus the center C, as
-    float64 (exact, see `fax_bridge.flower.secagg`), with weight 1."""
+    kept partials of the round the FitIns config names, as one flat float64 vector minus
+    the center C (exact; laid out as `fax_bridge.flower.secagg.node_vector` lays it out),
+    with weight 1."""
     from flwr.app import Message
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
     from flwr.compat.common import recorddict_compat as compat
@@ -145,8 +146,11 @@ def give_kept(msg, context):
             f"SecAgg+ asks for this node's secure partials of round {round_index}, but it "
             f"keeps {'none' if info is None else 'those of round ' + str(info['round'])}")
     arrays = state.array_records[KEPT_RECORD]
-    vector = [np.asarray(arrays[f"{KEPT}{i}"].numpy(), np.float64) - center
-              for i in range(int(info["count"]))]
+    # one flat vector (as fax_bridge.flower.secagg.node_vector lays it out)
+    flat = [np.asarray(arrays[f"{KEPT}{i}"].numpy(), np.float64).reshape(-1)
+            for i in range(int(info["count"]))]
+    vector = np.concatenate(flat) if flat else np.zeros(0)
+    vector = [(vector if vector.size else np.zeros(1)) - center]
     del state.array_records[KEPT_RECORD], state.config_records[KEPT_INFO]
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(vector), 1, {})
     return Message(compat.fitres_to_recorddict(fitres, False), reply_to=msg)

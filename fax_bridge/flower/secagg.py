@@ -133,40 +133,53 @@ def check_build(split, clients: int) -> None:
 
 
 def node_vector(kept: Sequence[np.ndarray], center: float) -> list:
-    """What a node gives SecAgg+ for its kept partials: each minus C, in float64 (exact:
-    the partials are integers below 2**31 and C a multiple of 1/2). `relay` does the
-    same without importing fax_bridge."""
-    return [np.asarray(x, np.float64) - center for x in kept]
+    """What a node gives SecAgg+ for its kept partials: one flat float64 vector, every
+    tensor's elements depth first, minus C (exact: the partials are integers below 2**31
+    and C a multiple of 1/2). One flat vector whatever the tensors' shapes: SecAgg+'s
+    server adjusts each array it reconstructs in place, which a 0-d array does not take
+    (its sum would come back unadjusted); tensors of no elements add nothing, and a
+    vector of none at all is one zero partial (`carried_size`). `relay.give_kept` does
+    the same without importing fax_bridge."""
+    flat = [np.asarray(x, np.float64).reshape(-1) for x in kept]
+    vector = np.concatenate(flat) if flat else np.zeros(0)
+    if not vector.size:
+        vector = np.zeros(1)
+    return [vector - center]
 
 
-def recover(vector: Sequence[np.ndarray], quant: Quantization, nodes: int) -> list:
-    """The exact integer totals (int64) from the vector SecAgg+ hands `aggregate_fit`
-    when `nodes` nodes contributed (module docstring)."""
+def carried_size(secure: Sequence) -> int:
+    """The length of the vector a node gives SecAgg+ for the secure sums `secure`: their
+    tensors' elements, at least 1 (`node_vector`)."""
+    return max(1, sum(math.prod(t.shape) for agg in secure for t in agg.leaf_types[0]))
+
+
+def recover(vector: Sequence[np.ndarray], quant: Quantization, nodes: int) -> np.ndarray:
+    """The exact integer totals (int64, one flat vector as `node_vector` laid them out)
+    from what SecAgg+ hands `aggregate_fit` when `nodes` nodes contributed (module
+    docstring)."""
     shift = nodes * quant.center
-    return [np.rint(np.asarray(v, np.float64) * nodes + shift).astype(np.int64)
-            for v in vector]
+    flat = [np.asarray(v, np.float64).reshape(-1) for v in vector]
+    flat = np.concatenate(flat) if flat else np.zeros(0)
+    return np.rint(flat * nodes + shift).astype(np.int64)
 
 
-def totals_of(secure: Sequence, totals: Sequence[np.ndarray], clients: int,
-              where: str) -> dict:
-    """{aggregation local: its value} from the recovered totals (depth first over the
-    secure sums), each checked to lie in [0, clients * top] and cast to its dtype."""
+def totals_of(secure: Sequence, totals: np.ndarray, clients: int, where: str) -> dict:
+    """{aggregation local: its value} from the recovered flat totals (`recover`: tensors
+    depth first over the secure sums), each checked to lie in [0, clients * top], shaped
+    as its tensor and cast to its dtype."""
     from fax_bridge.runtime.backend import from_leaves
 
-    out, i = {}, 0
+    totals = np.asarray(totals).reshape(-1)
+    if totals.size != carried_size(secure):
+        raise FleetError(f"{where}: SecAgg+ gave {totals.size} values; the round's secure "
+                         f"sums hold {carried_size(secure)}")
+    out, at = {}, 0
     for agg in secure:
-        types = agg.leaf_types[0]
         leaves = []
-        for t, top in zip(types, tops(agg)):
-            if i >= len(totals):
-                raise FleetError(f"{where}: SecAgg+ gave {len(totals)} tensors, fewer than "
-                                 "the round's secure sums hold")
-            total, shape = totals[i], tuple(t.shape)
-            i += 1
-            if total.shape != shape:
-                raise FleetError(f"{where}: SecAgg+ gave a tensor of shape "
-                                 f"{list(total.shape)} for {_named_kind(agg)}'s "
-                                 f"{list(shape)}")
+        for t, top in zip(agg.leaf_types[0], tops(agg)):
+            shape = tuple(t.shape)
+            total = totals[at:at + math.prod(shape)].reshape(shape)
+            at += total.size
             if total.size and (int(total.min()) < 0 or int(total.max()) > clients * top):
                 raise FleetError(
                     f"{where}: the SecAgg+ total of {_named_kind(agg)} lies in "
@@ -175,9 +188,9 @@ def totals_of(secure: Sequence, totals: Sequence[np.ndarray], clients: int,
                     "out of range")
             leaves.append(total.astype(np.dtype(t.dtype.type)))
         out[agg.local] = from_leaves(agg.member_type, leaves)
-    if i != len(totals):
-        raise FleetError(f"{where}: SecAgg+ gave {len(totals)} tensors, the round's secure "
-                         f"sums hold {i}")
+    if not at and totals[0] != 0:
+        raise FleetError(f"{where}: the SecAgg+ total of secure sums of no elements is "
+                         f"{int(totals[0])}, not 0: a node gave a partial out of range")
     return out
 
 
@@ -213,8 +226,9 @@ class _Exchange:
     exchange, how many nodes were asked and which did not answer or answered with an
     error, and why (`sent`, `lost`)."""
 
-    def __init__(self, grid, poll_s: float):
+    def __init__(self, grid, poll_s: float, traffic=None):
         self.grid, self.poll_s, self.sent, self.lost = grid, poll_s, 0, {}
+        self.traffic = traffic  # a RoundReport's Traffic: SecAgg+'s messages counted
 
     def send_and_receive(self, messages, *, timeout=None) -> list:
         from fax_bridge.flower import nodes
@@ -222,6 +236,13 @@ class _Exchange:
         messages = list(messages)
         replies = nodes.exchange(self.grid, messages, timeout, self.poll_s)
         self.sent, self.lost = len(messages), {}
+        if self.traffic is not None:
+            from fax_bridge.flower.records import content_bytes
+
+            self.traffic.rpcs += len(messages)
+            self.traffic.bytes_down += sum(content_bytes(m.content) for m in messages)
+            self.traffic.bytes_up += sum(content_bytes(r.content)
+                                         for r in replies.values() if not r.has_error())
         for m in messages:
             reply = replies.get(m.metadata.dst_node_id)
             if reply is None:
@@ -231,8 +252,8 @@ class _Exchange:
         return list(replies.values())
 
 
-def _strategy(node_ids: list, config: dict):
-    """A Flower strategy for one SecAgg+ phase: fit on `node_ids` with `config`, keeping
+def _strategy(ids: list, config: dict):
+    """A Flower strategy for one SecAgg+ phase: fit on nodes `ids` with `config`, keeping
     the reconstructed vector and the contributing nodes (`.vector`, `.contributors`)."""
     from flwr.common import FitIns, Parameters, parameters_to_ndarrays
     from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -241,6 +262,7 @@ def _strategy(node_ids: list, config: dict):
     class Capture(Strategy):
         vector = None
         contributors: list = []
+        node_ids = list(ids)
 
         def initialize_parameters(self, client_manager):
             return None
@@ -248,7 +270,7 @@ def _strategy(node_ids: list, config: dict):
         def configure_fit(self, server_round, parameters, client_manager):
             empty = Parameters(tensors=[], tensor_type="numpy.ndarray")
             return [(GridClientProxy(n, None, 0), FitIns(empty, dict(config)))
-                    for n in node_ids]
+                    for n in self.node_ids]
 
         def aggregate_fit(self, server_round, results, failures):
             self.contributors = sorted(proxy.node_id for proxy, _ in results)
@@ -279,8 +301,15 @@ def _stages(link: _Exchange, strategy, round_index: int, quant: Quantization,
     from flwr.server.workflow.constant import Key as WorkflowKey
     from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 
+    from flwr.server.client_manager import SimpleClientManager
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
+
+    nodes = SimpleClientManager()  # the nodes SecAgg+ runs over: what its log counts
+    for node_id in strategy.node_ids:
+        nodes.register(GridClientProxy(node_id, None, 0))
     context = LegacyContext(Context(run_id=0, node_id=0, node_config={},
-                                    state=RecordDict(), run_config={}), strategy=strategy)
+                                    state=RecordDict(), run_config={}), strategy=strategy,
+                            client_manager=nodes)
     context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
         {WorkflowKey.CURRENT_ROUND: round_index})
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
@@ -332,7 +361,7 @@ def _lose(live: list, link: _Exchange, stage: str, shares: int, started: int, wh
 
 
 def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
-              poll_s: float, drop, threshold: float = 0.0) -> dict:
+              poll_s: float, drop, threshold: float = 0.0, traffic=None) -> dict:
     """{aggregation local: its total} of the round's secure sums (none: {}), summed by
     SecAgg+ over the nodes that answered the round's `train` message: `answered` holds
     (node, its participants) in node order, the order of the engine's answers.
@@ -345,7 +374,8 @@ def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
     the lost nodes' masks from the others' shares, and the totals are over the nodes
     left. During unmask: the lost node's vector is in the sum, so it stays in the round
     (starting again without it would show the ServerApp its partial, as the difference
-    of two sums)."""
+    of two sums). `traffic` (the round report's): SecAgg+'s messages are counted in its
+    bytes and RPCs."""
     secure = secure_aggregations(split)
     if not secure:
         return {}
@@ -358,7 +388,7 @@ def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
             shares = shares_needed(threshold, len(live))
         strategy = _strategy([node.node_id for node, _ in live],
                              {ROUND_KEY: round_index, CENTER_KEY: quant.center})
-        link, again = _Exchange(grid, poll_s), False
+        link, again = _Exchange(grid, poll_s, traffic), False
         for stage, going in _stages(link, strategy, round_index, quant, shares, wait_s):
             if link.lost:
                 live = _lose(live, link, stage, shares, len(answered), where, drop, index)

@@ -59,11 +59,17 @@ class Settings:
     @classmethod
     def from_run_config(cls, config) -> "Settings":
         def get(key, kind, default):
+            value = config.get(key, default)
+            if kind is int and (isinstance(value, bool) or (
+                    isinstance(value, float) and not value.is_integer())):
+                raise FleetError(f"run config {key}={value!r} is not a whole number; "
+                                 f"give e.g. {key}={int(default)}")
             try:
-                return kind(config.get(key, default))
-            except (TypeError, ValueError):
-                raise FleetError(f"run config {key}={config.get(key)!r} is not a "
-                                 f"{kind.__name__}") from None
+                return kind(value)
+            except (TypeError, ValueError, OverflowError):
+                raise FleetError(f"run config {key}={value!r} is not a "
+                                 f"{'whole number' if kind is int else kind.__name__}"
+                                 ) from None
 
         cohort = get("cohort-size", int, 0)
         deadline = get("round-deadline-s", float, 0.0)

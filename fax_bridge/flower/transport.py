@@ -76,9 +76,13 @@ class FlowerTransport:
     def run_clients(self, split: RoundSplit, sent: Any) -> Answers:
         sends = train_messages(split, sent, self.nodes, self.ids, self.round_index,
                                max(self.wait_s, 1.0), self.cohort)
-        self.traffic.bytes_down = sum(records.payload_bytes(m.content[records.BROADCAST])
-                                      for _, _, m in sends)
-        self.traffic.rpcs = len(sends)
+        # bytes_*: every record of the messages (SecAgg+'s too, `secagg.aggregate`);
+        # payload_*: the round's arrays (broadcast and ids down, partials up)
+        self.traffic.bytes_down += sum(records.content_bytes(m.content) for _, _, m in sends)
+        self.traffic.payload_down += sum(
+            records.payload_bytes(m.content[records.BROADCAST])
+            + records.payload_bytes(m.content[records.IDS]) for _, _, m in sends)
+        self.traffic.rpcs += len(sends)
         replies = flower_nodes.exchange(self.grid, [m for _, _, m in sends], self.wait_s,
                                         self.poll_s)
         plain = plain_aggregations(split)  # secure sums: the secure phase below
@@ -92,16 +96,12 @@ class FlowerTransport:
                     else reply.error.reason), mine))
                 continue
             answered.append((node, mine))
-            content = reply.content
-            metrics = content[records.METRICS]
-            self.traffic.bytes_up += records.payload_bytes(content[records.PARTIALS])
-            partials = records.from_layout(
-                records.numpy_dict(content[records.PARTIALS], node.name),
-                content[records.LAYOUT], metrics.get("num-clients", []), kinds, node.name)
-            out.answered.append(HolderAnswer(node.name, len(mine), partials,
-                                             float(metrics.get("compute-s", 0.0))))
+            partials, seconds = records.answer_of(reply.content, kinds, node.name)
+            self.traffic.bytes_up += records.content_bytes(reply.content)
+            self.traffic.payload_up += records.payload_bytes(reply.content[records.PARTIALS])
+            out.answered.append(HolderAnswer(node.name, len(mine), partials, seconds))
         if len(plain) < len(split.aggregations):
             out.secure = lambda drop: secagg.aggregate(
                 self.grid, split, answered, self.round_index, self.wait_s, self.poll_s,
-                drop, self.threshold)
+                drop, self.threshold, self.traffic)
         return out

@@ -7,8 +7,11 @@ Started once beside a SuperNode whose `--node-config` names it (`worker=...`,
 `worker-token-file=...`, see `relay`), it answers the ClientApp processes Flower starts
 for each message: `/share` (the node's block of the population) and `/round` (the
 partials of a round over the node's clients, computed by `client.serve_round`, the
-same code a ClientApp runs in its own process). It serves HTTP on loopback only, one
-request at a time, and refuses requests without its token.
+same code a ClientApp runs in its own process). It serves HTTP on loopback only, each
+connection in a thread of its own (one idle or slow connection never holds up the
+others, its SuperNode's included), reads a request within `READ_TIMEOUT_S` of its last
+bytes or drops the connection, computes one round at a time, and refuses requests
+without its token.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Optional, Sequence
 from fax_bridge.flower import relay
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+READ_TIMEOUT_S = 60.0  # a connection that sends nothing for this long is dropped
 
 
 def _handler(config: dict, token: str):
@@ -33,6 +37,8 @@ def _handler(config: dict, token: str):
     lock = threading.Lock()
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # the connection's socket timeout (StreamRequestHandler)
+
         def log_message(self, *args) -> None:  # the SuperNode logs the rounds
             pass
 
@@ -45,10 +51,20 @@ def _handler(config: dict, token: str):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             if not relay.token_matches(self.headers.get(relay.TOKEN_HEADER), token):
                 return self._answer(403, b"wrong or missing worker token")
-            size = int(self.headers.get("Content-Length", 0))
+            try:
+                size = int(self.headers.get("Content-Length", 0))
+            except ValueError:
+                return self._answer(400, b"Content-Length is not a number")
             if not 0 <= size <= relay.MAX_BODY_BYTES:
                 return self._answer(413, b"request too large")
-            body = self.rfile.read(size)
+            try:
+                body = self.rfile.read(size)
+            except OSError:  # the sender went quiet for READ_TIMEOUT_S, or away
+                self.close_connection = True
+                return None
+            if len(body) != size:
+                self.close_connection = True
+                return None
             try:
                 with lock:
                     if self.path == "/share":
@@ -66,12 +82,15 @@ def _handler(config: dict, token: str):
 
 
 def serve(listen: str, token: str, config: dict) -> http.server.HTTPServer:
-    """The worker's server, bound (serve it with `serve_forever`)."""
+    """The worker's server, bound (serve it with `serve_forever`): a thread per
+    connection (daemon threads: they never hold the process at exit)."""
     host, port = listen.rsplit(":", 1)
     if host not in LOOPBACK:
         raise SystemExit(f"--listen {listen}: the worker serves loopback only "
                          "(127.0.0.1:PORT); it runs beside its SuperNode")
-    return http.server.HTTPServer((host, int(port)), _handler(config, token))
+    server = http.server.ThreadingHTTPServer((host, int(port)), _handler(config, token))
+    server.daemon_threads = True
+    return server
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

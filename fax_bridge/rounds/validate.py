@@ -5,7 +5,8 @@ is compared with its federated_language type (structure, dtypes, known dimension
 counts and byte sizes) before the coordinator uses it, and with `reject_nonfinite` NaN
 and infinities are refused too. An exact-sum partial must also be one an honest device
 could send over its clients: limbs where a sum of that many values can reach, digits in
-[0, 2^32) under a top limb no larger than such a sum allows, consistent flags. Each
+[0, 2^32) under a top limb no larger than such a sum allows, consistent flags, and a
+weighted mean's weights summed to no value below 0 (every client's weight is >= 0). Each
 failure is a `FleetError` naming the device, the client or leaf, what was expected and
 what arrived.
 """
@@ -27,6 +28,8 @@ from fax_bridge.runtime.aggregation import EXTREMES, Partial
 from fax_bridge.runtime.float_bits import float_params
 from fax_bridge.runtime.exact import (BLOCK_ELEMENTS, LIMB_BITS, NEG_ZERO_FLAG,
                                       NONFINITE_FLAGS, TOP_LIMIT, ExactSum, max_units)
+
+NEG_INF_FLAG = 0b100  # the bit of a wire flag byte that means -inf was added
 from fax_bridge.v1 import device_pb2 as pb
 
 _FORGED = ("the device's answer is corrupt or forged; check that it runs this "
@@ -115,12 +118,14 @@ def _honest(dtype: np.dtype, count: int) -> tuple[int, int, bool]:
 
 def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, where: str,
                     reject_nonfinite: bool, count: int,
-                    pending: Optional[list] = None, top: Optional[int] = None) -> tuple:
+                    pending: Optional[list] = None, top: Optional[int] = None,
+                    nonnegative: bool = False) -> tuple:
     """Checks one leaf of an exact-sum partial; returns (the sum it holds, its payload
     bytes). A float64-form leaf's values are appended to `pending` (checked with the
     others of their dtype by `check_pending`) when it is given, checked here otherwise.
     `top`: the largest value one client may add (a secure sum's bound), so the sum lies
-    in [0, count * top]."""
+    in [0, count * top]. `nonnegative`: a sum of addends >= 0 (a weighted mean's
+    weights), so no element is below 0 nor -inf."""
     name, want, dtype, fits = _leaf_spec(type_)
     shape = tuple(leaf.shape)
     if leaf.dtype != name or (shape != want if want is not None
@@ -139,6 +144,8 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
     if doubles:
         spilled = leaf.spilled
         values = _doubles_of(leaf, doubles, dtype, fits, size, where, bool(spilled))
+        if nonnegative and size and np.minimum.reduce(values, axis=None) < 0:
+            _negative(where, float(np.minimum.reduce(values, axis=None)))
         if pending is None:
             _check_double_values(values, dtype, units, where)
         else:
@@ -147,16 +154,25 @@ def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, 
             return double_sums.DoubleSum(dtype, shape, values), len(doubles)
         cols = _spilled_of(spilled, values, size, where)
         rest, limb_bytes = _check_limbs_leaf(leaf, dtype, (cols.size,), where,
-                                             reject_nonfinite, count, None)
+                                             reject_nonfinite, count, None, nonnegative)
         return (double_sums.DoubleSum(dtype, shape, values, cols, rest),
                 len(doubles) + len(spilled) + limb_bytes)
-    return _check_limbs_leaf(leaf, dtype, shape, where, reject_nonfinite, count, top)
+    return _check_limbs_leaf(leaf, dtype, shape, where, reject_nonfinite, count, top,
+                             nonnegative)
+
+
+def _negative(where: str, least) -> None:
+    raise FleetError(f"{where}: a partial sum of weights holds {least}; a weighted mean's "
+                     f"weights are >= 0 on every client, so an honest partial of them is "
+                     f"too; {_FORGED}")
 
 
 def _check_limbs_leaf(leaf: pb.LeafPartial, dtype: np.dtype, shape: tuple, where: str,
-                      reject_nonfinite: bool, count: int, top: Optional[int]) -> tuple:
+                      reject_nonfinite: bool, count: int, top: Optional[int],
+                      nonnegative: bool = False) -> tuple:
     """Checks the limbs of a sum of `shape` (the leaf's, or its spilled elements');
-    returns (the `ExactSum` they hold, their payload bytes)."""
+    returns (the `ExactSum` they hold, their payload bytes). `nonnegative`: as in
+    `_check_sum_leaf` (the top limb, digits below it being >= 0, has the sum's sign)."""
     size = math.prod(shape)
     units, last, bounded = _honest(dtype, count)
     is_int = dtype.kind in "iu"
@@ -180,8 +196,12 @@ def _check_limbs_leaf(leaf: pb.LeafPartial, dtype: np.dtype, shape: tuple, where
                      where)
         if top is not None and is_int:
             _check_secure_sum(rows[0], count * top, where)
+        if nonnegative and int(np.minimum.reduce(rows[-1])) < 0:
+            _negative(where, "a negative sum")
     if flag_bytes:
         _check_flags(np.frombuffer(flag_bytes, np.uint8), rows, where, reject_nonfinite)
+        if nonnegative and (np.frombuffer(flag_bytes, np.uint8) & NEG_INF_FLAG).any():
+            _negative(where, "-inf")
     acc = ExactSum.from_limbs(dtype, shape, base, rows,
                               np.frombuffer(flag_bytes, np.uint8) if flag_bytes else None)
     return acc, len(data) + len(flag_bytes)
@@ -379,8 +399,8 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
             raise FleetError(f"{where}: weighted_mean needs one scalar weight type, got "
                              f"{len(weight_types)} tensors")
         weights, size = _check_sum_leaf(answer.weight_leaves[0], _scalar(weight_t.dtype),
-                                        f"{where}, weight",
-                                        reject_nonfinite, num_clients, pending)
+                                        f"{where}, weight", reject_nonfinite, num_clients,
+                                        pending, nonnegative=True)
         payload += size
     if mine:
         check_pending(pending)

@@ -13,7 +13,9 @@ Module bytes are untrusted (a user's file, a device's Load request): `to_stableh
 checks their structure first (`hlo_check`), then has XLA import them in a helper process
 (`hlo_import`), so a module that would stop XLA on an internal CHECK, or crash it, gives
 an `HloModuleError` naming it instead of taking the caller's process down. Verdicts are
-cached by the bytes' sha256: each module is imported once per process, then compiled.
+cached by the bytes' sha256: each module is imported once per process, then compiled;
+a helper lost to something other than the module (killed from outside, past its time
+limit) leaves no verdict.
 
 Custom calls (LAPACK kernels behind `jnp.linalg`, python callbacks behind
 `jax.debug.print` / `pure_callback`) are native code outside the HLO: a process that did
@@ -150,33 +152,53 @@ def to_stablehlo(hlo_module: bytes) -> bytes:
     key = hashlib.sha256(hlo_module).hexdigest()
     verdict = _verdicts.get(key)
     if verdict is None:
-        verdict = _import(hlo_module)
-        _verdicts.put(key, verdict)
+        verdict, judged = _import(hlo_module)
+        if judged:
+            _verdicts.put(key, verdict)
     if isinstance(verdict, HloModuleError):
         raise HloModuleError(str(verdict))
     return verdict
 
 
-def _import(hlo_module: bytes):
-    """StableHLO bytes, or the HloModuleError to raise for this module every time."""
+def _import(hlo_module: bytes) -> tuple:
+    """(StableHLO bytes or the HloModuleError to raise, whether that is the module's
+    verdict, to give every time).
+
+    A helper XLA crashed is tried once more in a fresh helper: a crash both times is
+    the module's verdict. A helper that died otherwise (killed from outside, or past
+    its time limit) judged nothing: the error says so and is not kept, so the next
+    call imports the module again."""
     try:
         hlo_check.check_module(hlo_module)
     except HloModuleError as e:
-        return e
+        return e, True
     label = hlo_check.module_label(hlo_module)
+    crashed = True
     try:
-        converted, payload = _importer.convert(hlo_module)
+        try:
+            converted, payload = _importer.convert(hlo_module)
+        except hlo_import.Died as first:
+            if first.timed_out:  # waiting again would double the caller's wait
+                raise
+            crashed = first.crash
+            converted, payload = _importer.convert(hlo_module)  # a fresh helper
     except hlo_import.Died as e:
+        if not (e.crash and crashed):
+            return HloModuleError(
+                f"XLA's import of the Xla computation's {label} was cut short: {e}. Its "
+                "helper process was lost, not judged the module; run it again (raise "
+                "hlo_import.TIMEOUT_SECONDS for a module that takes XLA longer)"), False
         return HloModuleError(
-            f"XLA died reading the Xla computation's {label}: {e}. The module passed "
-            "fax_bridge's structural checks but is malformed in a way XLA does not "
-            "survive; only its helper process was lost. Re-export the computation")
+            f"XLA died reading the Xla computation's {label}: {e}, in two helper "
+            "processes. The module passed fax_bridge's structural checks but is "
+            "malformed in a way XLA does not survive; only its helper processes were "
+            "lost. Re-export the computation"), True
     if not converted:
         return HloModuleError(
             f"XLA cannot read the Xla computation's {label} "
             f"({payload.decode(errors='replace')[:2000]}); it must be the bytes of a "
-            "serialized xla.HloModuleProto")
-    return payload
+            "serialized xla.HloModuleProto"), True
+    return payload, True
 
 
 def portable_artifact(hlo_module: bytes, target: str = PORTABLE_TARGET

@@ -4,7 +4,12 @@ XLA stops its process on internal CHECK failures, and some malformed modules tha
 `hlo_check` may still make it crash. `Importer.convert` sends the module to a helper
 process (this file run as a script, loading only jaxlib: about 0.25 s to start) and
 reads the StableHLO bytecode back; if the helper dies, the caller gets `Died` with the
-signal and XLA's last words, and the next module starts a fresh helper. The helper is
+signal and XLA's last words, and the next module starts a fresh helper. `Died.crash`
+says whether XLA itself stopped the helper (SIGABRT on a CHECK, SIGSEGV, ..., or a
+non-zero exit): a helper killed from outside (SIGKILL, SIGTERM, ...) or past its time
+limit says nothing about the module. The time limit is armed before the module is
+written: a helper that stops reading (SIGSTOP) cannot hold the caller past it, however
+large the module (writes go through a non-blocking pipe, waiting with `select`). The helper is
 reused for later modules and exits by itself after `IDLE_SECONDS` without one, or when
 its parent goes away (end of its input).
 
@@ -33,7 +38,19 @@ _LENGTH = struct.Struct("<Q")
 
 
 class Died(Exception):
-    """The helper process died (or hung) importing a module."""
+    """The helper process died (or hung) importing a module; `crash`: XLA stopped it
+    itself (the module may be at fault), not a signal from outside or the time limit
+    (`timed_out`)."""
+
+    def __init__(self, message: str, crash: bool = False, timed_out: bool = False):
+        super().__init__(message)
+        self.crash, self.timed_out = crash, timed_out
+
+
+# Signals XLA raises in its own process when it fails on a module; any other signal
+# came from outside (a user, a supervisor, the OOM killer).
+CRASH_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL,
+                           signal.SIGFPE, signal.SIGTRAP})
 
 
 def _read_exact(fd: int, count: int, deadline: Optional[float]) -> Optional[bytes]:
@@ -54,10 +71,19 @@ def _read_exact(fd: int, count: int, deadline: Optional[float]) -> Optional[byte
     return b"".join(chunks)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes, deadline: Optional[float] = None) -> None:
+    """Writes `data` to `fd`; with a `deadline`, `fd` must be non-blocking, and a reader
+    that stops reading raises TimeoutError at the deadline instead of blocking."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                raise TimeoutError
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            continue
 
 
 def _last_words(log: bytes) -> str:
@@ -89,12 +115,16 @@ class Importer:
             [sys.executable, "-P", os.path.abspath(__file__), str(self._idle)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             close_fds=True)
+        os.set_blocking(self._proc.stdin.fileno(), False)  # writes wait under the deadline
         return self._proc
 
     def _close(self) -> None:
         if self._proc is not None:
             for stream in (self._proc.stdin, self._proc.stdout):
-                stream.close()
+                try:
+                    stream.close()
+                except OSError:  # unwritten bytes of a stopped helper's pipe
+                    pass
             if self._proc.poll() is None:
                 self._proc.kill()
             self._proc.wait()
@@ -105,14 +135,16 @@ class Importer:
 
     def convert(self, module: bytes) -> tuple[bool, bytes]:
         """(True, StableHLO bytecode) or (False, XLA's error text); raises `Died` when
-        the helper dies or exceeds the time limit on this module."""
+        the helper dies or exceeds the time limit on this module (counted from before
+        the module is written)."""
         with self._lock:
             for attempt in (0, 1):
                 proc = self._process()
                 log_start = self._log.seek(0, os.SEEK_END)
+                deadline = time.monotonic() + self._timeout
                 try:
-                    _write_all(proc.stdin.fileno(), _LENGTH.pack(len(module)) + module)
-                    deadline = time.monotonic() + self._timeout
+                    _write_all(proc.stdin.fileno(), _LENGTH.pack(len(module)) + module,
+                               deadline)
                     head = _read_exact(proc.stdout.fileno(), _HEAD.size, deadline)
                     if head is None:
                         raise EOFError("no answer")
@@ -121,8 +153,8 @@ class Importer:
                     return status == 0, payload
                 except TimeoutError:
                     self._close()
-                    raise Died(f"XLA did not finish importing it within {self._timeout:.0f} s"
-                               ) from None
+                    raise Died(f"XLA did not finish importing it within {self._timeout:g} s",
+                               timed_out=True) from None
                 except (BrokenPipeError, EOFError):
                     code = proc.wait()
                     self._log.seek(log_start)
@@ -130,10 +162,13 @@ class Importer:
                     self._close()
                     if code == 0 and attempt == 0:
                         continue  # the idle helper exited as this request came: retry once
+                    crash = code > 0 or (code < 0 and -code in CRASH_SIGNALS)
                     how = (f"killed by {signal.Signals(-code).name}" if code < 0
                            else f"exited with status {code}")
+                    if not crash:
+                        how += " from outside (not by XLA)"
                     raise Died(f"the XLA import process was {how}"
-                               + (f" ({words})" if words else "")) from None
+                               + (f" ({words})" if words else ""), crash) from None
         raise Died("the XLA import process exited twice before answering")  # unreachable
 
 
