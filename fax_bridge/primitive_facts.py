@@ -4,8 +4,8 @@ As jax registers a primitive's rules beside its definition, each module that def
 federated primitive (`primitives`, `secure`) calls `register` beside it with a
 `PrimitiveFacts`: how it moves values between placements (tracing's placement rule),
 which TFF intrinsic it exports to (federated_language's `intrinsic_defs`) and which
-runtime aggregation kind that is, how the exporter batches it at one depth, and its own
-export emitter when it is not one call of that intrinsic. Tracing, `tff/stages`,
+runtime aggregation kind that is, and how the exporter batches it at one depth (the
+exporter's `tff/emitters` emits it). Tracing, `tff/stages`,
 `tff/forms` and `tff/export` look records up here and keep no table of their own, so a
 new primitive touches its own module and its tests.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Optional
+from typing import Optional
 
 from federated_language.compiler import intrinsic_defs
 from jax._src import core
@@ -62,8 +62,7 @@ class PrimitiveFacts:
     local work inside a stage's `federated_map`/`federated_apply`); `kind` the runtime
     aggregation kind (`runtime.aggregation.KINDS`) that intrinsic runs, None where it is
     no aggregation or the runtime runs the intrinsic's own functions
-    (`federated_aggregate`). `emit(exporter, eqns)` emits a batch of its equations; None
-    when the exporter's emitter for `intrinsic` does (one call on the gathered operands).
+    (`federated_aggregate`).
     """
 
     primitive: core.Primitive
@@ -71,7 +70,6 @@ class PrimitiveFacts:
     intrinsic: Optional[intrinsic_defs.IntrinsicDef]
     kind: Optional[str] = None
     batching: Optional[Batching] = None
-    emit: Optional[Callable] = None
 
     @property
     def communicates(self) -> bool:
