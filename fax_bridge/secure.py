@@ -316,11 +316,11 @@ def federated_secure_mean(x, keys, *, value_range: tuple, bits: int = 16):
 # --------------------------------------------------------------------------- records
 
 _BITWIDTH = intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH
-for _prim, _intrinsic, _kind in (
-    (secure_sum_bitwidth_p, _BITWIDTH, "secure_sum_bitwidth"),
-    (secure_sum_p, intrinsic_defs.FEDERATED_SECURE_SUM, "secure_sum"),
+for _prim, _intrinsic in (
+    (secure_sum_bitwidth_p, _BITWIDTH),
+    (secure_sum_p, intrinsic_defs.FEDERATED_SECURE_SUM),
     # exported as map (quantize) -> secure_sum_bitwidth -> apply (dequantize)
-    (secure_mean_p, _BITWIDTH, "secure_sum_bitwidth"),
+    (secure_mean_p, _BITWIDTH),
 ):
     _facts.register(_facts.PrimitiveFacts(_prim, _facts.Movement.AGGREGATE, _intrinsic,
-                                          _kind, _facts.Batching.ALONE))
+                                          _facts.Batching.ALONE))
