@@ -70,8 +70,6 @@ class LocalFleet(FleetRounds):
 
     Args:
       devices: number of device processes.
-      preaggregate: devices reduce their own clients first (default); False brings every
-        per-client result back to the coordinator.
       policy: the per-round behaviour (cohort, dropout, delays, deadline, min_clients,
         seed), a `RoundPolicy`; its fields may instead be given as keywords
         (`cohort_size=50, seed=0`).
@@ -108,7 +106,6 @@ class LocalFleet(FleetRounds):
     """
 
     def __init__(self, devices: int = 2, *, policy: Optional[RoundPolicy] = None,
-                 preaggregate: bool = True,
                  rpc_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
                  shutdown_grace_s: float = 3.0, progress: bool = False,
                  log_dir: Optional[Union[str, os.PathLike]] = None,
@@ -126,7 +123,7 @@ class LocalFleet(FleetRounds):
             raise FleetError(f"devices={devices}; a fleet needs at least one device")
         super().__init__(
             policy=resolve_policy(policy, policy_fields, "LocalFleet"),
-            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress,
+            rpc_timeout_s=rpc_timeout_s, progress=progress,
             survive_device_loss=survive_device_loss, probe_timeout_s=probe_timeout_s,
             reject_nonfinite=reject_nonfinite, population_name=population_name)
         self.num_devices = int(devices)
