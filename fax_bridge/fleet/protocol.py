@@ -9,6 +9,9 @@ needs gRPC.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from fax_bridge.addresses import format_address, parse_address  # noqa: F401 (re-exported)
 from fax_bridge.data.partition import contiguous_blocks as partition  # noqa: F401
 from fax_bridge.errors import FleetError
@@ -26,6 +29,47 @@ DEFAULT_MAX_CONCURRENT_CALLS = 64       # calls in progress; more are refused at
 DEFAULT_IDLE_TIMEOUT_S = 300.0          # a connection without calls is closed after this
 DEFAULT_MAX_CALL_SECONDS = 3600.0       # compute time of one Map or Aggregate
 HANDSHAKE_TIMEOUT_MS = 10_000           # a connection must finish its handshake by then
+
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """What callers may make one device spend: the `fax-bridge device` flags of these
+    names (`--max-message-bytes`, ...), read once into this object and handed whole to
+    `device_process.serve`; `flags()` writes them back for a launcher.
+
+    Attributes:
+      max_message_bytes: cap on every gRPC message, each direction.
+      max_stored_bytes: bytes of values the device holds, results included.
+      max_clients: client ids in one value.
+      max_connections: open connections, idle or not.
+      max_concurrent_calls: calls in progress; more are refused at once.
+      idle_timeout_s: a connection without calls is closed after this.
+      max_call_seconds: compute time of one Map, Aggregate or Round.
+      max_delay_seconds: the longest emulated client delay a call may ask for.
+    """
+
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES
+    max_clients: int = DEFAULT_MAX_CLIENTS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS
+    max_delay_seconds: float = MAX_DELAY_SECONDS
+
+    @classmethod
+    def from_flags(cls, namespace: Any) -> "DeviceLimits":
+        """The limits an argparse namespace holds (attributes named as the fields)."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+    def flags(self) -> list[str]:
+        """The device command-line flags of the limits that differ from the defaults."""
+        default = DeviceLimits()
+        return [x for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)
+                for x in (f"--{f.name.replace('_', '-')}", str(getattr(self, f.name)))]
+
 
 GRPC_PREFIX_BYTES = 5        # compressed flag + length in front of every gRPC message
 HTTP2_FRAME_BYTES = 9        # header of each HTTP/2 DATA frame
