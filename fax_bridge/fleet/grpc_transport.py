@@ -161,9 +161,7 @@ class GrpcTransport:
                  delays: Optional[np.ndarray] = None):
         self.backend = backend
         self.inputs = [arg[i] for i in split.client_inputs]
-        first = self.inputs[0]
-        self.num_clients = (len(first.client_ids) if isinstance(first, PopulationRef)
-                            else len(first))
+        self.num_clients = split.num_clients(arg)
         self.delays = delays
         self.reject_nonfinite = backend.reject_nonfinite
         self.traffic = backend.traffic
