@@ -114,7 +114,7 @@ def main():
                 streaming_diloco(D.loss, params, clients=n, sync_every=h, num_fragments=p,
                                  overlap=args.overlap, quantize=quant, inner_optimizer=inner))
     curves, states, rows = {}, {}, []
-    with fb.LocalFleet(devices=n, preaggregate=False) as fleet:
+    with fb.LocalFleet(devices=n) as fleet:
         for name, alg in runs.items():
             states[name], curves[name] = run(alg, shards, args.rounds, h, params, test)
             syncs = measure_syncs(fleet, alg, states[name], n)

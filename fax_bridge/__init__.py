@@ -44,6 +44,7 @@ __version__ = "0.1.0"
 
 # The fleet (gRPC, device processes) and parity load on first use.
 _LAZY = {
+    "FleetConfig": ("fax_bridge.fleet.config", "FleetConfig"),
     "LocalFleet": ("fax_bridge.fleet.launcher", "LocalFleet"),
     "ParityReport": ("fax_bridge.parity", "ParityReport"),
     "RemoteFleet": ("fax_bridge.fleet.remote", "RemoteFleet"),
@@ -70,6 +71,7 @@ __all__ = [
     "ExportError",
     "FederatedComputation",
     "FaxBridgeError",
+    "FleetConfig",
     "FleetError",
     "LocalFleet",
     "ParityReport",

@@ -58,7 +58,7 @@ def float_at_least(low: float) -> Callable[[str], float]:
 def listen_address(text: str) -> str:
     """An argparse type: HOST:PORT to listen on, port in 0..65535 (0: a free port)."""
     from fax_bridge.errors import AddressError
-    from fax_bridge.fleet.protocol import parse_address
+    from fax_bridge.addresses import parse_address
 
     try:
         parse_address(text, "HOST:PORT", allow_port_zero=True)

@@ -11,7 +11,7 @@ bits: exact aggregations do not depend on how clients are grouped or ordered.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 from federated_language.common_libs import structure
 from federated_language.proto.computation_pb2 import Computation
@@ -29,9 +29,9 @@ class InProcessTransport:
     reject_nonfinite = False
     traffic = None
 
-    def __init__(self, arg: Any, client_inputs: Sequence[int], backend=None):
-        self.inputs = [arg[i] for i in client_inputs]
-        self.num_clients = len(self.inputs[0])
+    def __init__(self, arg: Any, split: round_split.RoundSplit, backend=None):
+        self.inputs = [arg[i] for i in split.client_inputs]
+        self.num_clients = split.num_clients(arg)
         self.backend = backend
 
     def run_clients(self, split: round_split.RoundSplit,
@@ -46,7 +46,7 @@ class InProcessTransport:
 
 def run_in_process(split: round_split.RoundSplit, arg: Any, backend=None) -> Any:
     """Runs a split with no devices (`arg`: the runtime value of the parameter)."""
-    return engine.run_round(split, arg, InProcessTransport(arg, split.client_inputs, backend))
+    return engine.run_round(split, arg, InProcessTransport(arg, split, backend))
 
 
 def round_split_of(prepared: interpreter.Prepared) -> Optional[round_split.RoundSplit]:
@@ -60,11 +60,9 @@ def _by_engine(split: Optional[round_split.RoundSplit], arg: Any) -> bool:
     values (no population references) for at least one client."""
     if split is None or not split.client_inputs:
         return False
-    inputs = [arg[i] for i in split.client_inputs]
-    if any(isinstance(v, PopulationRef) for v in inputs):
+    if any(isinstance(arg[i], PopulationRef) for i in split.client_inputs):
         return False
-    counts = {len(v) for v in inputs}
-    return len(counts) == 1 and counts != {0}
+    return split.num_clients(arg) > 0
 
 
 def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *args: Any,

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from fax_bridge.errors import MeshError
-from fax_bridge.fleet.protocol import parse_address
+from fax_bridge.addresses import parse_address
 from fax_bridge.local import CLIENTS_AXIS, clients_sharding, jit_program, replicated
 
 _CPU_COLLECTIVES = "jax_cpu_collectives_implementation"

@@ -2,7 +2,7 @@
 
 `check_parity(fn, *args, placements=...)` runs the program locally (jit), exports it to
 a TFF proto, runs the proto on a `LocalFleet` of device processes (or a fleet you pass,
-or, with `flower=`, a round on Flower's Deployment Engine: `flower/check.py`), and
+or, with `flower=`, a round on Flower's Deployment Engine: `parity_flower.py`), and
 compares the two results leaf by leaf (`parity_report`). A mismatched float output that
 an aggregation's float rounding may explain says so, with the rounding bound and the
 tolerance that covers it (`parity_rounding`).
@@ -119,7 +119,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     if flower is not None and flower is not False:
         if fleet is not None:
             raise ArgumentError("check_parity: give fleet= or flower=, not both")
-        from fax_bridge.flower import check
+        from fax_bridge import parity_flower as check
 
         return check.check_round(fn, args, placements=placements, clients=clients,
                                  deployment=None if flower is True else flower,

@@ -1,7 +1,7 @@
 """A parity comparison's result: one `LeafParity` per output leaf in a `ParityReport`.
 
 `compare_leaves` compares two results leaf by leaf; `parity.check_parity` (jit against a
-fleet, the interpreter or a Flower deployment) and `flower/check.py` report with it.
+fleet, the interpreter or a Flower deployment) and `parity_flower.py` report with it.
 """
 
 from __future__ import annotations

@@ -3,18 +3,23 @@
 As jax registers a primitive's rules beside its definition, each module that defines a
 federated primitive (`primitives`, `secure`) calls `register` beside it with a
 `PrimitiveFacts`: how it moves values between placements (tracing's placement rule),
-which TFF intrinsic it exports to (federated_language's `intrinsic_defs`) and which
-runtime aggregation kind that is, how the exporter batches it at one depth, and its own
-export emitter when it is not one call of that intrinsic. Tracing, `tff/stages`,
+which TFF intrinsic it exports to (federated_language's `intrinsic_defs`) and so which
+runtime aggregation kind it runs, and how the exporter batches it at one depth (the
+exporter's `tff/emitters` emits it). Tracing, `tff/stages`,
 `tff/forms` and `tff/export` look records up here and keep no table of their own, so a
 new primitive touches its own module and its tests.
+
+`AGGREGATION_KINDS` is the one table from a TFF intrinsic to the runtime aggregation
+kind it runs (`runtime.aggregation`), checked against `intrinsic_defs` when this module
+loads: a record's `kind`, the runtime's intrinsic table (`runtime.intrinsics`) and the
+round split (`rounds.round_split`) all read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Optional
+from typing import Optional
 
 from federated_language.compiler import intrinsic_defs
 from jax._src import core
@@ -59,19 +64,21 @@ class PrimitiveFacts:
     """The facts of one federated primitive.
 
     `intrinsic` is the TFF intrinsic its equations export to (None for the map, which is
-    local work inside a stage's `federated_map`/`federated_apply`); `kind` the runtime
-    aggregation kind (`runtime.aggregation.KINDS`) that intrinsic runs, None where it is
+    local work inside a stage's `federated_map`/`federated_apply`); `kind` (derived) the
+    runtime aggregation kind that intrinsic runs (`AGGREGATION_KINDS`), None where it is
     no aggregation or the runtime runs the intrinsic's own functions
-    (`federated_aggregate`). `emit(exporter, eqns)` emits a batch of its equations; None
-    when the exporter's emitter for `intrinsic` does (one call on the gathered operands).
+    (`federated_aggregate`).
     """
 
     primitive: core.Primitive
     movement: Movement
     intrinsic: Optional[intrinsic_defs.IntrinsicDef]
-    kind: Optional[str] = None
     batching: Optional[Batching] = None
-    emit: Optional[Callable] = None
+
+    @property
+    def kind(self) -> Optional[str]:
+        """The runtime aggregation kind its intrinsic runs (None: no such kind)."""
+        return AGGREGATION_KINDS.get(self.intrinsic)
 
     @property
     def communicates(self) -> bool:
@@ -88,6 +95,45 @@ class PrimitiveFacts:
         return _FORM_ROLES.get(self.movement)
 
 
+# Every aggregation of `intrinsic_defs` but `federated_aggregate` (whose own zero,
+# accumulate, merge and report the runtime runs) is one of the runtime's kinds. Min and
+# max no primitive exports; the runtime runs them in protos written elsewhere.
+AGGREGATION_KINDS: dict = {
+    intrinsic_defs.FEDERATED_SUM: "sum",
+    intrinsic_defs.FEDERATED_MEAN: "mean",
+    intrinsic_defs.FEDERATED_WEIGHTED_MEAN: "weighted_mean",
+    intrinsic_defs.FEDERATED_MIN: "min",
+    intrinsic_defs.FEDERATED_MAX: "max",
+    intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH: "secure_sum_bitwidth",
+    intrinsic_defs.FEDERATED_SECURE_SUM: "secure_sum",
+}
+KIND_OF_URI: dict = {d.uri: kind for d, kind in AGGREGATION_KINDS.items()}
+SECURE_KINDS: tuple = tuple(kind for d, kind in AGGREGATION_KINDS.items()
+                            if d.aggregation_kind is intrinsic_defs.AggregationKind.SECURE)
+
+
+def kind_table_mismatches() -> list:
+    """How `AGGREGATION_KINDS` disagrees with `intrinsic_defs` (empty when it agrees):
+    the aggregations it names must be those `intrinsic_defs` marks as aggregations (but
+    `federated_aggregate`), and exactly its secure ones secure kinds."""
+    marked = {d for d in vars(intrinsic_defs).values()
+              if isinstance(d, intrinsic_defs.IntrinsicDef) and d.aggregation_kind is not None}
+    wrong = [f"{d.uri} is an aggregation of intrinsic_defs with no kind"
+             for d in marked - set(AGGREGATION_KINDS) - {intrinsic_defs.FEDERATED_AGGREGATE}]
+    wrong += [f"{d.uri} has a kind but is no aggregation of intrinsic_defs"
+              for d in set(AGGREGATION_KINDS) - marked]
+    wrong += [f"{d.uri}: kind {kind!r} but intrinsic_defs says {d.aggregation_kind}"
+              for d, kind in AGGREGATION_KINDS.items() if d in marked
+              and (d.aggregation_kind is intrinsic_defs.AggregationKind.SECURE)
+              != kind.startswith("secure_")]
+    return wrong
+
+
+if kind_table_mismatches():  # a federated_language that moved an intrinsic
+    raise ImportError("fax_bridge.primitive_facts.AGGREGATION_KINDS disagrees with this "
+                      f"federated_language's intrinsic_defs: {kind_table_mismatches()}")
+
+
 _REGISTRY: dict = {}
 
 
@@ -96,8 +142,9 @@ def register(facts: PrimitiveFacts) -> PrimitiveFacts:
     if facts.communicates and (facts.intrinsic is None or facts.batching is None):
         raise ArgumentError(f"{facts.primitive.name}: a communication names its intrinsic and "
                         "its batching.")
-    if not facts.communicates and (facts.batching is not None or facts.kind is not None):
-        raise ArgumentError(f"{facts.primitive.name}: local work has no batching or kind.")
+    if not facts.communicates and (facts.batching is not None or facts.intrinsic is not None):
+        raise ArgumentError(f"{facts.primitive.name}: local work has no batching or "
+                            "intrinsic.")
     _REGISTRY[facts.primitive] = facts
     return facts
 

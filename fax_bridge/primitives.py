@@ -205,12 +205,10 @@ for _prim, _impl, _transpose in (
     _lowering.register_impl_and_lowering(_prim, _impl)
     ad.deflinear2(_prim, lambda ct, x, _t=_transpose, **p: _t(ct, x, **p))
     batching.fancy_primitive_batchers[_prim] = partial(_aggregate_batch, _prim)
-for _prim, _kind, _intrinsic in (
-    (federated_sum_p, "sum", intrinsic_defs.FEDERATED_SUM),
-    (federated_mean_p, "mean", intrinsic_defs.FEDERATED_MEAN),
-):
+for _prim, _intrinsic in ((federated_sum_p, intrinsic_defs.FEDERATED_SUM),
+                          (federated_mean_p, intrinsic_defs.FEDERATED_MEAN)):
     _facts.register(_facts.PrimitiveFacts(_prim, _facts.Movement.AGGREGATE, _intrinsic,
-                                          _kind, _facts.Batching.KIND))
+                                          _facts.Batching.KIND))
 
 
 # --------------------------------------------------------------------------- weighted mean
@@ -315,7 +313,7 @@ ad.primitive_transposes[federated_weighted_mean_p] = _weighted_mean_transpose
 batching.fancy_primitive_batchers[federated_weighted_mean_p] = _weighted_mean_batch
 _facts.register(_facts.PrimitiveFacts(  # batched by weights: one TFF weight operand
     federated_weighted_mean_p, _facts.Movement.AGGREGATE,
-    intrinsic_defs.FEDERATED_WEIGHTED_MEAN, "weighted_mean", _facts.Batching.WEIGHTS))
+    intrinsic_defs.FEDERATED_WEIGHTED_MEAN, _facts.Batching.WEIGHTS))
 
 
 # --------------------------------------------------------------------------- map

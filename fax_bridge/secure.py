@@ -51,12 +51,9 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import federated_language
 import jax
 import jax.numpy as jnp
 import numpy as np
-from federated_language.compiler import building_block_factory as factory
-from federated_language.compiler import building_blocks as bb
 from federated_language.compiler import intrinsic_defs
 from jax._src import core
 from jax._src.interpreters import ad
@@ -64,9 +61,8 @@ from jax._src.interpreters import ad
 from fax_bridge import api as _api
 from fax_bridge import primitives as P
 from fax_bridge import primitive_facts as _facts
-from fax_bridge.tff import xla as tff_xla
 from fax_bridge.errors import ArgumentError, PlacementError, SecureAggregationError
-from fax_bridge.placements import Placement, secure_sum_refusal
+from fax_bridge.placements import secure_sum_refusal
 
 SECURE_SUM_BITWIDTH = intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH.uri
 SECURE_SUM = intrinsic_defs.FEDERATED_SECURE_SUM.uri
@@ -388,70 +384,14 @@ def federated_secure_mean(x, keys, *, value_range: tuple, bits: int = 16):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-# --------------------------------------------------------------------------- export
-
-
-def _intrinsic_call(uri: str, value, member_type, bound: np.generic):
-    """`uri(<value, bound>)`, typed <{member}@CLIENTS, bound> -> member@SERVER, the bound
-    a literal as in the protos TFF writes."""
-    bound_type = federated_language.TensorType(bound.dtype)
-    fn_type = federated_language.FunctionType(
-        [federated_language.FederatedType(member_type, federated_language.CLIENTS),
-         bound_type],
-        federated_language.FederatedType(member_type, federated_language.SERVER))
-    return bb.Call(bb.Intrinsic(uri, fn_type),
-                   bb.Struct([value, bb.Literal(bound, bound_type)]))
-
-
-def _export_int_sum(ex, eqns: list) -> None:
-    (eqn,) = eqns  # batched alone
-    x = eqn.invars[0]
-    expr, member = ex.gather([x], Placement.CLIENTS, eqn)
-    dtype = np.dtype(np.int32) if eqn.primitive is secure_sum_bitwidth_p else np.dtype(
-        x.aval.dtype)
-    call = _intrinsic_call(_facts.facts_of(eqn.primitive).intrinsic.uri, expr,
-                           expr.type_signature.member, dtype.type(eqn.params["bound"]))
-    ex.hold(call, Placement.SERVER, member, [eqn.outvars[0]])
-
-
-def _export_secure_mean(ex, eqns: list) -> None:
-    (eqn,) = eqns  # batched alone
-    p = eqn.params
-    lo, hi, bits = p["lo"], p["hi"], p["bits"]
-    x, keys = eqn.invars
-    expr, member = ex.gather([x, keys], Placement.CLIENTS, eqn)
-    dtype = x.aval.dtype
-    name = f"secure_mean{ex.count}"
-    quant = bb.CompiledComputation(tff_xla.xla_computation(
-        lambda xk: quantize(xk[0], xk[1], lo, hi, bits), member), name=f"quantize_{name}")
-    codes = factory.create_federated_map(quant, expr)
-    code_type = codes.type_signature.member
-    total = _intrinsic_call(intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH.uri, codes, code_type,
-                            np.int32(bits))
-    # The divisor is counted with the codes (a plain sum of ones: how many clients took
-    # part is no secret from the server), not the program's client count: with a cohort,
-    # or a client lost, the mean is over the clients whose codes were summed.
-    one = bb.CompiledComputation(tff_xla.xla_computation(
-        lambda xk: jnp.ones((), jnp.int32), member), name=f"one_{name}")
-    count = factory.create_federated_sum(factory.create_federated_map(one, expr))
-    code_aval = core.ShapedArray(member[0].shape, np.int32)
-    count_aval = core.ShapedArray((), np.int32)
-    deq = bb.CompiledComputation(tff_xla.xla_computation(
-        lambda tc: dequantize(tc[0], tc[1], lo, hi, bits, dtype), (code_aval, count_aval)),
-        name=f"dequantize_{name}")
-    mean = factory.create_federated_apply(
-        deq, factory.create_federated_zip(bb.Struct([total, count])))
-    ex.hold(mean, Placement.SERVER, member[0], [eqn.outvars[0]])
-
-
 # --------------------------------------------------------------------------- records
 
 _BITWIDTH = intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH
-for _prim, _intrinsic, _kind, _emit in (
-    (secure_sum_bitwidth_p, _BITWIDTH, "secure_sum_bitwidth", _export_int_sum),
-    (secure_sum_p, intrinsic_defs.FEDERATED_SECURE_SUM, "secure_sum", _export_int_sum),
-    # map (quantize) -> secure_sum_bitwidth -> apply (dequantize)
-    (secure_mean_p, _BITWIDTH, "secure_sum_bitwidth", _export_secure_mean),
+for _prim, _intrinsic in (
+    (secure_sum_bitwidth_p, _BITWIDTH),
+    (secure_sum_p, intrinsic_defs.FEDERATED_SECURE_SUM),
+    # exported as map (quantize) -> secure_sum_bitwidth -> apply (dequantize)
+    (secure_mean_p, _BITWIDTH),
 ):
     _facts.register(_facts.PrimitiveFacts(_prim, _facts.Movement.AGGREGATE, _intrinsic,
-                                          _kind, _facts.Batching.ALONE, _emit))
+                                          _facts.Batching.ALONE))

@@ -40,7 +40,8 @@ def _map(fn: bb.CompiledComputation, value) -> bb.Call:
 
 def scaled_aggregate(shape: tuple = (3,), kind: str = "sum",
                      dtype=np.float32) -> computation_pb2.Computation:
-    """(x={T}@CLIENTS, s=T@SERVER) -> aggregate_kind(map(x * s, zip(x, broadcast(s))))."""
+    """(x={T}@CLIENTS, s=T@SERVER) -> aggregate_kind(map(x * s, zip(x, broadcast(s))));
+    kind "members" returns the mapped {T}@CLIENTS values themselves."""
     member = fl.TensorType(dtype, list(shape))
     param = fl.StructType([("x", clients(member)), ("s", server(member))])
     arg = bb.Reference("arg", param)
@@ -50,6 +51,8 @@ def scaled_aggregate(shape: tuple = (3,), kind: str = "sum",
                    bb.Struct([("x", bb.Selection(arg, name="x")), ("s", bc)]), clients(pair))
     scaled = _map(bb.CompiledComputation(typed_xla_computation(lambda x, s: x * s, pair)),
                   zipped)
+    if kind == "members":
+        return bb.Lambda("arg", param, scaled).to_proto()
     definition = {"sum": defs.FEDERATED_SUM, "mean": defs.FEDERATED_MEAN,
                   "min": defs.FEDERATED_MIN, "max": defs.FEDERATED_MAX}[kind]
     return bb.Lambda("arg", param, _call(definition, scaled, server(member))).to_proto()

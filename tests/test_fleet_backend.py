@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge.errors import AggregationError, ClientCountError, FleetError, WeightError
+from fax_bridge.errors import ClientCountError, FleetError, WeightError
 import sample_computations as sc
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.rounds.policy import RoundPolicy
@@ -32,12 +32,12 @@ def _local(proto, *args):
     return interpreter.interpret(proto, *args, backend=LocalClientsBackend())
 
 
-def _run(fleet, proto, *args, preaggregate=True, **kw):
-    fleet.backend.preaggregate = preaggregate
-    try:
-        return fleet.run(proto, *args, **kw)
-    finally:
-        fleet.backend.preaggregate = True
+def _run(fleet, proto, *args, path="round"):
+    """A round on the fleet (by its split, as `fleet.run` takes it), or phase by phase on
+    the same devices (the interpreter over the fleet's backend)."""
+    if path == "round":
+        return fleet.run(proto, *args)
+    return interpreter.interpret(proto, *args, backend=fleet.backend)
 
 
 def test_health_names_every_device(fleet2):
@@ -68,13 +68,13 @@ def test_clients_results_and_several_maps_equal_local_backend(fleet2):
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
 
 
-def test_same_bits_for_any_device_count_with_or_without_preaggregation(fleet2, fleet3):
+def test_same_bits_for_any_device_count_by_round_or_by_phases(fleet2, fleet3):
     proto = sc.scaled_aggregate((64,), "mean")
     xs = (RNG.normal(size=(23, 64)) * 10.0 ** RNG.integers(-4, 4, size=(23, 1)))
     xs = xs.astype(np.float32)
     s = RNG.normal(size=64).astype(np.float32)
-    results = [_run(fleet, proto, xs, s, preaggregate=pre)
-               for fleet in (fleet2, fleet3) for pre in (True, False)]
+    results = [_run(fleet, proto, xs, s, path=path)
+               for fleet in (fleet2, fleet3) for path in ("round", "phases")]
     assert len({r.tobytes() for r in results}) == 1
     np.testing.assert_allclose(results[0], _local(proto, xs, s), rtol=1e-5)
 
@@ -104,15 +104,15 @@ def test_exact_zeros_and_cancellations_give_in_process_bits_on_any_fleet(
         with pytest.raises(WeightError, match="sum to zero"):
             _local(proto, *args)
         for fleet in (fleet2, fleet3):
-            for pre in (True, False):
+            for path in ("round", "phases"):
                 with pytest.raises(WeightError, match="sum to zero"):
-                    _run(fleet, proto, *args, preaggregate=pre)
+                    _run(fleet, proto, *args, path=path)
         return
     want = _local(proto, *args)
     for fleet in (fleet2, fleet3):
-        for pre in (True, False):
-            got = _run(fleet, proto, *args, preaggregate=pre)
-            assert got.tobytes() == want.tobytes(), (fleet.num_devices, pre, got, want)
+        for path in ("round", "phases"):
+            got = _run(fleet, proto, *args, path=path)
+            assert got.tobytes() == want.tobytes(), (fleet.num_devices, path, got, want)
 
 
 def test_preaggregation_makes_uplink_scale_with_devices_not_clients(fleet2):
@@ -121,12 +121,10 @@ def test_preaggregation_makes_uplink_scale_with_devices_not_clients(fleet2):
     up = {}
     for n in (8, 32):
         xs = RNG.integers(0, 4, size=(n, 256)).astype(np.float32)
-        for pre in (True, False):
-            _, rep = _run(fleet2, proto, xs, s, preaggregate=pre, report=True)
-            up[n, pre] = rep.bytes_up
-    assert up[32, False] > 3 * up[8, False]       # every client's result comes back
-    assert up[32, True] < 1.5 * up[8, True]       # one partial per device
-    assert up[32, True] < up[32, False] / 4
+        _, rep = fleet2.run(proto, xs, s, report=True)
+        up[n] = rep.bytes_up
+    assert up[32] < 1.5 * up[8]       # one partial per device, whatever the clients
+    assert up[32] < 32 * 256 * 4 / 4  # far below every client's result
 
 
 def test_tensors_above_grpc_default_message_size(fleet2):
@@ -134,11 +132,10 @@ def test_tensors_above_grpc_default_message_size(fleet2):
     xs = RNG.integers(-8, 8, size=(2, 1 << 21)).astype(np.float32)
     s = np.full(1 << 21, 0.5, np.float32)
     want = (xs * s).sum(0)
-    for pre in (True, False):
-        got, rep = _run(fleet2, proto, xs, s, preaggregate=pre, report=True)
-        np.testing.assert_array_equal(got, want)
-        assert rep.payload_down >= xs.nbytes
-    assert rep.payload_up >= xs.nbytes  # without pre-aggregation both 8 MiB results came up
+    got, rep = fleet2.run(proto, xs, s, report=True)
+    np.testing.assert_array_equal(got, want)
+    assert rep.payload_down >= xs.nbytes
+    np.testing.assert_array_equal(_run(fleet2, proto, xs, s, path="phases"), want)
 
 
 def test_rounds_sample_drop_and_straggle_deterministically(fleet2):
@@ -181,17 +178,11 @@ def test_secure_sum_bitwidth_checks_the_range_on_devices(fleet2):
     backend = fleet2.backend
     members = [np.array([1, 2], np.int32), np.array([3, 7], np.int32), np.array([0, 5], np.int32)]
     value = backend.put(fl.TensorType(np.int32, [2]), members)
-    for pre in (True, False):
-        backend.preaggregate = pre
-        try:
-            np.testing.assert_array_equal(
-                backend.aggregate(value, "secure_sum_bitwidth", bitwidth=np.int32(3)), [4, 14])
-            # Found on a device: a FleetError naming it; found here: an AggregationError.
-            with pytest.raises(FleetError if pre else AggregationError,
-                               match=r"outside \[0, 2\*\*2 - 1\] = \[0, 3\]"):
-                backend.aggregate(value, "secure_sum_bitwidth", bitwidth=np.int32(2))
-        finally:
-            backend.preaggregate = True
+    np.testing.assert_array_equal(
+        backend.aggregate(value, "secure_sum_bitwidth", bitwidth=np.int32(3)), [4, 14])
+    # Found on a device: a FleetError naming it.
+    with pytest.raises(FleetError, match=r"outside \[0, 2\*\*2 - 1\] = \[0, 3\]"):
+        backend.aggregate(value, "secure_sum_bitwidth", bitwidth=np.int32(2))
 
 
 def test_eval_at_clients_without_clients_arguments(fleet2):

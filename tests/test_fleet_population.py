@@ -274,15 +274,34 @@ def test_a_round_by_plan_reads_several_clients_arguments_from_the_store(fleet, d
     refs = (PopulationRef(keys=["bx"]), PopulationRef(keys=["by"]))
     fed, rep_fed = fleet.run(proto, w, data["bx"], data["by"], report=True)
     hosted, rep = fleet.run(proto, w, *refs, report=True)
-    fleet.policy = dataclasses.replace(fleet.policy, round_plans=False)
-    try:
-        phases, rep_phases = fleet.run(proto, w, *refs, report=True)
-    finally:
-        fleet.policy = dataclasses.replace(fleet.policy, round_plans=True)
+    ids = rep.participants.array()  # phase by phase on the same devices, reading the store
+    phases = interpreter.interpret(
+        proto, w, *(PopulationRef(keys=r.keys, client_ids=ids) for r in refs),
+        backend=fleet.backend)
     for a, b, c in zip(fed, hosted, phases):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes() == np.asarray(c).tobytes()
     assert rep.payload_down == 2 * w.nbytes  # the broadcast only: no client data sent
-    assert rep.rpcs <= 4 < rep_phases.rpcs  # one Round per device (and Loads once)
+    assert rep.rpcs <= 4  # one Round per device (and Loads once)
+
+
+def test_a_round_refuses_inputs_one_request_per_device_cannot_carry(fleet, data):
+    """A round's CLIENTS arguments come all as values or all from the store, named."""
+    import fax_bridge as fb
+
+    @fb.program(clients=CLIENTS)
+    def round_(w, bx, by):
+        at = fb.federated_broadcast(w)
+        loss = fb.federated_map_clients(lambda w, x, y: ((x @ w - y) ** 2).mean(),
+                                        (at, bx, by))
+        return fb.federated_sum(loss)
+
+    w = np.linspace(-1, 1, FEATURES).astype(np.float32)
+    proto = fb.export_tff(round_, w, data["bx"], data["by"],
+                          placements=("server", "clients", "clients"))
+    with pytest.raises(FleetError, match="1 of 2 are PopulationRefs"):
+        fleet.run(proto, w, PopulationRef(keys=["bx"]), data["by"])
+    with pytest.raises(FleetError, match="name each one's stored arrays"):
+        fleet.run(proto, w, PopulationRef(), PopulationRef())
 
 
 def test_regular_reads_come_stacked_and_equal_the_rows(data):

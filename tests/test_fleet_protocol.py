@@ -48,3 +48,22 @@ def test_fleets_take_a_policy_or_its_fields():
         resolve_policy(policy, {"seed": 1}, "RemoteFleet")
     with pytest.raises(TypeError):
         resolve_policy({"seed": 1}, {}, "RemoteFleet")
+
+
+@given(st.fixed_dictionaries({}, optional={
+    "max_clients": st.integers(1, 1 << 30), "max_connections": st.integers(1, 65536),
+    "idle_timeout_s": st.floats(1.0, 1e4), "max_call_seconds": st.floats(0.001, 1e5),
+    "max_stored_bytes": st.integers(1, 1 << 40)}))
+def test_device_limits_go_through_the_device_flags_unchanged(fields):
+    """What a launcher writes (`DeviceLimits.flags`) the device command reads back."""
+    import argparse
+
+    from fax_bridge.fleet import device_cli
+    from fax_bridge.fleet.protocol import DeviceLimits
+
+    parser = argparse.ArgumentParser()
+    device_cli._add_arguments(parser)
+    limits = DeviceLimits(**fields)
+    assert DeviceLimits.from_flags(parser.parse_args(limits.flags())) == limits
+    assert len(limits.flags()) == 2 * len([k for k, v in fields.items()
+                                           if v != getattr(DeviceLimits(), k)])

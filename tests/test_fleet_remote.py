@@ -175,11 +175,16 @@ def test_fleet_file_round_trip_and_errors(tmp_path):
 
 
 def test_both_fleets_take_the_same_round_options():
+    import dataclasses
+
+    from fax_bridge.fleet.config import FleetConfig
     from fax_bridge.fleet.launcher import LocalFleet
     from fax_bridge.fleet.session import ROUND_OPTIONS, FleetRounds
 
     shared = inspect.signature(FleetRounds.__init__).parameters
-    local = inspect.signature(LocalFleet.__init__).parameters
+    # LocalFleet takes the policy itself and the rest as FleetConfig fields
+    local = {**inspect.signature(LocalFleet.__init__).parameters,
+             **{f.name: f for f in dataclasses.fields(FleetConfig)}}
     remote = inspect.signature(RemoteFleet.__init__).parameters
     for name in ROUND_OPTIONS:
         assert name in local and name in remote, name

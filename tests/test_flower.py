@@ -355,7 +355,7 @@ def test_rounds_in_process_have_the_fleet_plans_bits(tmp_path, quickstart, popul
     for a, b in zip(jax.tree_util.tree_leaves(got_tree),
                     jax.tree_util.tree_leaves((params, loss))):
         np.testing.assert_allclose(a, b, rtol=1e-5)
-    from fax_bridge.flower.check import describe, parity_of_run
+    from fax_bridge.parity_flower import describe, parity_of_run
 
     report = parity_of_run(prog, args, made, f"{out}/result.npz", 3, 2, 0.0)
     assert report.ok and report.fleet_bits, describe(report, 3)

@@ -38,13 +38,14 @@ def test_every_federated_primitive_has_a_complete_record():
     for r in records:
         assert facts_of(r.primitive) is r
         if not r.communicates:  # the map: local work in a stage
-            assert (r.intrinsic, r.kind, r.batching, r.emit, r.form_role) == (
-                None, None, None, None, None)
+            assert (r.intrinsic, r.kind, r.batching, r.form_role) == (
+                None, None, None, None)
             continue
         assert r.intrinsic in _INTRINSICS, r.primitive
         assert r.intrinsic.uri in forms.FORM_INTRINSICS  # a form can hold it
         assert r.intrinsic in runtime_intrinsics.IMPLEMENTATIONS  # the runtime runs it
-        assert r.emit is not None or r.intrinsic in emitters.INTRINSIC_EMITTERS
+        assert (r.primitive in emitters.PRIMITIVE_EMITTERS
+                or r.intrinsic in emitters.INTRINSIC_EMITTERS)
         assert r.kind is None or r.kind in aggregation.KINDS
         assert isinstance(r.batching, Batching)
         assert r.form_role in forms.DAF_PIECES
@@ -68,8 +69,32 @@ def test_the_records_reproduce_the_tables_they_replace():
             P.federated_weighted_mean_p: Batching.WEIGHTS,
             S.secure_sum_bitwidth_p: Batching.ALONE, S.secure_sum_p: Batching.ALONE,
             S.secure_mean_p: Batching.ALONE}
-    assert {r.primitive for r in primitive_facts.registered() if r.emit is not None} == {
-        S.secure_sum_bitwidth_p, S.secure_sum_p, S.secure_mean_p}
+    assert set(emitters.PRIMITIVE_EMITTERS) == {S.secure_mean_p}
+
+
+def test_one_kind_table_agrees_with_intrinsic_defs_and_every_reader(monkeypatch):
+    from fax_bridge.rounds import round_split
+
+    assert primitive_facts.kind_table_mismatches() == []
+    assert aggregation.KINDS == tuple(primitive_facts.AGGREGATION_KINDS.values())
+    assert set(primitive_facts.SECURE_KINDS) == {"secure_sum_bitwidth", "secure_sum"}
+    for d, kind in primitive_facts.AGGREGATION_KINDS.items():
+        assert d in runtime_intrinsics.IMPLEMENTATIONS
+        split_kind = (round_split._SECURE if kind in primitive_facts.SECURE_KINDS
+                      else round_split._AGGREGATIONS)[d.uri]
+        assert split_kind == kind
+    for r in primitive_facts.registered():  # a record's kind is its intrinsic's
+        assert r.kind == primitive_facts.AGGREGATION_KINDS.get(r.intrinsic)
+    # the check names what a table out of step with intrinsic_defs gets wrong
+    monkeypatch.setitem(primitive_facts.AGGREGATION_KINDS,
+                        intrinsic_defs.FEDERATED_SECURE_SUM, "sum")
+    monkeypatch.setitem(primitive_facts.AGGREGATION_KINDS,
+                        intrinsic_defs.FEDERATED_BROADCAST, "sum")
+    monkeypatch.delitem(primitive_facts.AGGREGATION_KINDS, intrinsic_defs.FEDERATED_MIN)
+    assert sorted(primitive_facts.kind_table_mismatches()) == sorted([
+        "federated_min is an aggregation of intrinsic_defs with no kind",
+        "federated_broadcast has a kind but is no aggregation of intrinsic_defs",
+        "federated_secure_sum: kind 'sum' but intrinsic_defs says AggregationKind.SECURE"])
 
 
 def test_an_incomplete_record_is_refused():
@@ -77,7 +102,7 @@ def test_an_incomplete_record_is_refused():
     with pytest.raises(ArgumentError, match="names its intrinsic"):
         primitive_facts.register(PrimitiveFacts(prim, Movement.AGGREGATE, None))
     with pytest.raises(ArgumentError, match="no batching"):
-        primitive_facts.register(PrimitiveFacts(prim, Movement.MAP, None, "sum"))
+        primitive_facts.register(PrimitiveFacts(prim, Movement.MAP, None, Batching.KIND))
     assert facts_of(prim) is None
 
 

@@ -25,6 +25,7 @@ from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 
 TOKEN = security.new_token()
 PROTO = sc.scaled_aggregate((3,), "sum")
+MEMBERS = sc.scaled_aggregate((3,), "members")
 XS, S = np.ones((4, 3), np.float32), np.ones(3, np.float32)
 
 
@@ -82,9 +83,15 @@ def devices():
         srv.stop(None)
 
 
-def _works(backend) -> None:
-    np.testing.assert_array_equal(interpreter.interpret(PROTO, XS, S, backend=backend),
-                                  [4.0, 4.0, 4.0])
+def _works(backend, by_partials: bool = True) -> None:
+    """A sum over the backend's devices (their partials), or with `by_partials=False` every
+    client's own value brought back (members)."""
+    if by_partials:
+        np.testing.assert_array_equal(interpreter.interpret(PROTO, XS, S, backend=backend),
+                                      [4.0, 4.0, 4.0])
+    else:
+        np.testing.assert_array_equal(
+            interpreter.interpret(MEMBERS, XS, S, backend=backend), XS * S)
 
 
 def test_corrupt_protos_and_bad_arguments_name_the_problem():
@@ -196,7 +203,7 @@ def test_a_device_refuses_garbage_and_keeps_serving(devices):
         _works(backend)
 
 
-@pytest.mark.parametrize("mode,pre,pattern", [
+@pytest.mark.parametrize("mode,by_partials,pattern", [
     ("wrong_shape", False, r"expected float32\[3\], got float32\[5\]"),
     ("wrong_shape", True, r"partial sum of float32\[7\]"),
     ("bad_limbs", True, "limbs"),
@@ -205,18 +212,17 @@ def test_a_device_refuses_garbage_and_keeps_serving(devices):
     ("nan", False, "NaN"),
     ("nan", True, "NaN"),
 ])
-def test_lying_devices_are_caught_and_named(devices, mode, pre, pattern):
+def test_lying_devices_are_caught_and_named(devices, mode, by_partials, pattern):
     addresses, liar = devices
-    with GrpcClientsBackend(addresses, token=TOKEN, preaggregate=pre,
-                            reject_nonfinite=True) as backend:
+    with GrpcClientsBackend(addresses, token=TOKEN, reject_nonfinite=True) as backend:
         liar.mode = mode
         try:
             with pytest.raises(FleetError, match=pattern) as info:
-                _works(backend)
+                _works(backend, by_partials=by_partials)
             assert "device 1" in str(info.value)
         finally:
             liar.mode = "honest"
-        _works(backend)
+        _works(backend, by_partials=by_partials)
 
 
 def test_partials_are_checked_against_the_type():

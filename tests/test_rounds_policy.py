@@ -90,7 +90,7 @@ def test_a_report_adds_up_every_tries_traffic(tries):
     plan = plan_round(RoundPolicy(), 3, 0)
     rep = RoundReport(round=0, population=3, cohort=plan.cohort, dropped=plan.dropped,
                       late=plan.late, participants=plan.participants,
-                      delays_s=plan.delays_s, devices=1, preaggregate=True)
+                      delays_s=plan.delays_s, devices=1)
     for spent in tries:
         rep.add_traffic(spent)
     names = {"bytes_down": "bytes_down", "bytes_up": "bytes_up",

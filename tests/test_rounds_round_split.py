@@ -4,6 +4,7 @@ as the phase-by-phase fleet path, and the round semantics kept on the split path
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import grpc
 import numpy as np
@@ -175,20 +176,20 @@ def fleet():
 
 
 def test_split_and_phase_paths_give_the_same_bits_and_clients(fleet):
+    """A round on the fleet (one request per device) has the bits of its participants'
+    round phase by phase, on the same devices and in process."""
     args = _args(1)
-    got = {}
-    for use in (True, False):
-        fleet.policy = dataclasses.replace(fleet.policy, round_plans=use)
-        for r in range(3):
-            fleet.next_round = r
-            result, rep = fleet.run(PROTO, *args, report=True)
-            got[use, r] = (_bits(result), list(rep.participants), list(rep.dropped),
-                           list(rep.late), rep.rpcs)
-    fleet.policy = dataclasses.replace(fleet.policy, round_plans=True)
+    reps = []
     for r in range(3):
-        assert got[True, r][:4] == got[False, r][:4]
-        assert got[True, r][4] <= 4 < got[False, r][4]  # Load once, then one Round each
-    assert any(got[True, r][2] or got[True, r][3] for r in range(3))  # dropouts, late ones
+        fleet.next_round = r
+        result, rep = fleet.run(PROTO, *args, report=True)
+        reps.append(rep)
+        chosen = tuple(a[rep.participants.array()] if i else a for i, a in enumerate(args))
+        assert _bits(result) == _bits(interpreter.interpret(PROTO, *chosen,
+                                                            backend=fleet.backend))
+        assert _bits(result) == _bits(interpreter.interpret(PROTO, *chosen))
+        assert rep.rpcs <= 4  # Load once, then one Round each
+    assert any(rep.dropped or rep.late for rep in reps)  # dropouts, late ones
 
 
 def test_min_clients_still_fails_the_round_on_the_split_path(fleet):
@@ -497,11 +498,6 @@ def test_a_resumed_run_loop_on_the_split_path_gives_the_straight_runs_bits(fleet
     loop(2, tmp_path)  # stops after round 1, as a killed coordinator would
     resumed = loop(4, tmp_path)
     assert np.asarray(resumed).tobytes() == np.asarray(straight).tobytes()
-    fleet.policy = dataclasses.replace(fleet.policy, round_plans=False)
-    try:
-        assert np.asarray(loop(4)).tobytes() == np.asarray(straight).tobytes()
-    finally:
-        fleet.policy = dataclasses.replace(fleet.policy, round_plans=True)
 
 
 def test_round_streams_make_each_message_when_grpc_asks_for_it():
@@ -527,3 +523,23 @@ def test_round_streams_make_each_message_when_grpc_asks_for_it():
         ahead.append(Recording.read - (10 + len(ids)))
     assert ids == list(range(10, 40)) and max(ahead) <= 1  # the next client at most
     assert streams[3].messages == 30 and streams[3].payload == 30 * 64 * 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=2, max_size=2))
+def test_a_round_counts_its_clients_once_from_every_input(counts):
+    """The one count every transport takes: the CLIENTS inputs' members (or the ids a
+    PopulationRef names), refused naming both counts when they disagree."""
+    from fax_bridge.runtime.population import PopulationRef
+
+    split = P.split_of(PROTO)
+    xs, ws = (list(range(counts[0])), list(range(counts[1])))
+    arg = [None] * (max(split.client_inputs) + 1)
+    arg[split.client_inputs[0]], arg[split.client_inputs[1]] = xs, PopulationRef(
+        client_ids=ws)
+    if counts[0] == counts[1]:
+        assert split.num_clients(arg) == counts[0]
+    else:
+        with pytest.raises(ComputationError, match=re.escape(
+                f"disagree on the number of clients: {sorted(set(counts))}")):
+            split.num_clients(arg)

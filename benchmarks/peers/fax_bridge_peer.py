@@ -12,8 +12,7 @@ batches come from ``workload.py`` exactly as for the other peers.
                   processes (started in setup); ``bytes_moved`` is the sum over rounds of
                   the wire bytes down and up of the round reports. The devices compile
                   the exported stages on first use, so the first round includes that.
-                  The round goes as one request per device (a round plan); with
-                  ``--phases`` phase by phase (Put, Broadcast, Zip, Map, Aggregate, ...).
+                  The round goes as one request per device (a round plan).
 ``--workload large``  fleet mode on ``large_workload.py`` (a cohort of 1,000 from 10,000
                   clients): the population is written once with
                   ``fax_bridge.data.write_population`` to ``--population-dir`` (kept and
@@ -25,7 +24,7 @@ batches come from ``workload.py`` exactly as for the other peers.
                   first round is the warm-up; ``round_s_median`` is over the others.
 
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py [--mode local|fleet]
-        [--devices 2] [--phases] [--rounds 20] [--seed 0] [--json OUT]
+        [--devices 2] [--rounds 20] [--seed 0] [--json OUT]
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py --mode fleet --workload large
         [--devices 2] [--rounds 3] [--population-dir DIR] [--json OUT]
     .venv/bin/python benchmarks/peers/fax_bridge_peer.py --grad-check [--json OUT]
@@ -219,7 +218,6 @@ class FleetRounds:
     reports: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
     fleet_start_s: float = 0.0
     setup_s: float = 0.0
-    round_plans: bool = True
 
 
 def fleet_rounds(fleet: Any, proto: Any, params: Any, rounds: int,
@@ -243,7 +241,6 @@ def fleet_rounds(fleet: Any, proto: Any, params: Any, rounds: int,
             out.losses.append(loss)
             out.history.append(params)
             out.reports.append(_report_row(rep))
-        out.round_plans = fleet.policy.round_plans
     finally:
         fleet.close()
     return out
@@ -267,7 +264,7 @@ def fleet_result(run: FleetRounds, rss: common.PeakRss, proto: Any, devices: int
     extra = {
         "mode": "fleet",
         "devices": devices,
-        "round_path": "plan" if run.round_plans else "phases",
+        "round_path": "plan",
         **fields,
         "setup_breakdown": breakdown,
         "proto_bytes": proto.ByteSize(),
@@ -283,10 +280,10 @@ def fleet_result(run: FleetRounds, rss: common.PeakRss, proto: Any, devices: int
         warmup=warmup, extra=extra)
 
 
-def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
+def run_fleet(rounds: int, seed: int, devices: int,
               data_on: str = "device") -> Dict[str, Any]:
     """Setup (import, data, export, fleet start), then ``rounds`` rounds on the fleet
-    (one request per device per round; ``plans=False``: phase by phase). ``data_on``:
+    (one request per device per round). ``data_on``:
     "device", the devices host every client's batches and each round names its cohort
     by id, as Flower's clients hold their partitions; "coordinator", the coordinator
     sends the cohort's batches in each round's requests."""
@@ -319,8 +316,7 @@ def run_fleet(rounds: int, seed: int, devices: int, plans: bool = True,
         return _population_refs(ids)
 
     try:
-        run = fleet_rounds(fb.LocalFleet(devices=devices, round_plans=plans,
-                                         population=population),
+        run = fleet_rounds(fb.LocalFleet(devices=devices, population=population),
                            proto, params, rounds, cohort_args)
     finally:
         store.cleanup()
@@ -403,9 +399,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = common.base_parser(__doc__.splitlines()[0], grad_check=True, workloads=True)
     parser.add_argument("--mode", choices=("local", "fleet"), default="local")
     parser.add_argument("--devices", type=int, default=2, help="fleet devices (default 2)")
-    parser.add_argument("--phases", action="store_true",
-                        help="fleet: run each round phase by phase, not as one request "
-                             "per device")
     parser.add_argument("--data", choices=("device", "coordinator"), default="device",
                         help="fleet: where the clients' batches live (default: the devices "
                              "host them and rounds name the cohort by id)")
@@ -415,7 +408,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     rounds = common.rounds_of(args)
     if args.workload == "large":
-        if args.mode != "fleet" or args.grad_check or args.phases:
+        if args.mode != "fleet" or args.grad_check:
             parser.error("--workload large runs only in --mode fleet, as a round plan")
         result = run_fleet_large(rounds, args.seed, args.devices, args.population_dir,
                                  args.population_size, args.cohort_size)
@@ -424,7 +417,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     elif args.mode == "local":
         result = run_local(rounds, args.seed)
     else:
-        result = run_fleet(rounds, args.seed, args.devices, not args.phases, args.data)
+        result = run_fleet(rounds, args.seed, args.devices, args.data)
     common.emit(result, args.json)
 
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import fax_bridge as fx
+from fax_bridge import api as fx
 from fax_bridge.algorithms import common as C
 from fax_bridge.algorithms import e3m0
 from fax_bridge.errors import HyperparameterError

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fax_bridge as fx
+from fax_bridge import api as fx
 from fax_bridge import privacy
 from fax_bridge.algorithms import common as C
 from fax_bridge.algorithms.fedavg import client_update_fn

@@ -15,7 +15,7 @@ from typing import Optional
 import jax
 import optax
 
-import fax_bridge as fx
+from fax_bridge import api as fx
 from fax_bridge.algorithms import common as C
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fax_bridge as fx
+from fax_bridge import api as fx
 from fax_bridge.algorithms import common as C
 from fax_bridge.algorithms.fedavg import client_update_fn
 from fax_bridge.errors import HyperparameterError

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fax_bridge as fx
+from fax_bridge import api as fx
 from fax_bridge.algorithms import common as C
 from fax_bridge.errors import ArgumentError
 

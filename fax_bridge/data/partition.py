@@ -27,6 +27,13 @@ def _check_arrays(arrays: Arrays) -> int:
     return next(iter(sizes.values()))
 
 
+def contiguous_blocks(num_clients: int, num_parts: int) -> list[range]:
+    """The clients of each of `num_parts` parts (devices, SuperNodes): contiguous blocks in
+    client order, sizes within one."""
+    return [range(d * num_clients // num_parts, (d + 1) * num_clients // num_parts)
+            for d in range(num_parts)]
+
+
 def split_clients(arrays: Arrays, indices: Sequence[np.ndarray]) -> list[dict]:
     """One client dataset per index array: `{k: arrays[k][idx]}`.
 

@@ -13,9 +13,11 @@ By role:
 - `grpc_transport`: the devices as a transport of the round engine
   (`fax_bridge.rounds.engine`), which splits, checks and merges rounds for every
   transport.
-- `session.FleetRounds`: rounds under a `policy.RoundPolicy` (through the engine, else
-  phase by phase), device loss, `run_loop` with `checkpoint` save/load.
-- `launcher.LocalFleet`: starts devices on 127.0.0.1; `remote.RemoteFleet`: joins devices
+- `session.FleetRounds`: rounds under a `policy.RoundPolicy` (a round-shaped
+  computation through the engine, anything else phase by phase), device loss, `run_loop` with `checkpoint` save/load.
+- `launcher.LocalFleet`: starts devices on 127.0.0.1, configured by one
+  `config.FleetConfig` (devices' own bounds: `protocol.DeviceLimits`);
+  `remote.RemoteFleet`: joins devices
   started elsewhere, named by address or by a JSON fleet file (`fleet_file`).
 
 Names are imported on first use, so `python -m fax_bridge.fleet.device_cli` loads only what a
@@ -27,6 +29,8 @@ import importlib
 _EXPORTS = {
     "GrpcClientsBackend": "fax_bridge.fleet.coordinator",
     "Traffic": "fax_bridge.rounds.policy",
+    "DeviceLimits": "fax_bridge.fleet.protocol",
+    "FleetConfig": "fax_bridge.fleet.config",
     "FleetRounds": "fax_bridge.fleet.session",
     "FleetSpec": "fax_bridge.fleet.fleet_file",
     "LocalFleet": "fax_bridge.fleet.launcher",

@@ -3,11 +3,9 @@
 Clients 0..n-1 of a clients value are split over the devices in a fixed order (device d
 holds a contiguous block), so every value of n clients is laid out the same way. Each
 operation goes to every device that holds clients, in parallel, each RPC with a
-deadline. Aggregations are pre-aggregated by default: each device sends one exact partial
-over its own clients, so uplink bytes grow with devices, not clients; with
-`preaggregate=False` every per-client member comes back and the coordinator reduces
-them itself. Partials are exact sums merged in client order, so both ways, and any
-number of devices, give the same bits. Wire bytes are counted per direction.
+deadline. Aggregations are pre-aggregated: each device sends one exact partial over its
+own clients, so uplink bytes grow with devices, not clients. Partials are exact sums
+merged in client order, so any number of devices gives the same bits. Wire bytes are counted per direction.
 
 Faults: an RPC that fails because its device is gone or missed its deadline raises
 `DeviceLostError` naming those devices; `mark_lost` takes them out of the layout (the
@@ -75,7 +73,6 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
 
     Args:
       addresses: HOST:PORT of each device, in the fixed order clients are assigned.
-      preaggregate: reduce on each device first (default); False fetches every member.
       rpc_timeout_s: deadline of every RPC (a Map's emulated delay is added to it).
       connect_timeout_s: how long to wait for each device to answer Health.
       message_bytes: target size of the messages of streamed per-client transfers.
@@ -88,8 +85,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         it (see `DevicePool`).
     """
 
-    def __init__(self, addresses: Sequence[str], *, preaggregate: bool = True,
-                 rpc_timeout_s: float = 60.0, connect_timeout_s: float = 30.0,
+    def __init__(self, addresses: Sequence[str], *, rpc_timeout_s: float = 60.0, connect_timeout_s: float = 30.0,
                  message_bytes: int = 4 << 20, token: Optional[str] = None,
                  tls: Optional[security.TlsConfig] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -97,7 +93,6 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         super().__init__(addresses, rpc_timeout_s=rpc_timeout_s,
                          connect_timeout_s=connect_timeout_s, token=token, tls=tls,
                          max_message_bytes=max_message_bytes, shared_memory=shared_memory)
-        self.preaggregate = preaggregate
         self.message_bytes = int(message_bytes)
         self.reject_nonfinite = bool(reject_nonfinite)
         # A random start keeps this backend's handles apart from those an earlier
@@ -389,12 +384,7 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
             raise AggregationError("federated_secure_sum_bitwidth needs a bitwidth")
         if kind == "secure_sum" and bitwidth is None:
             raise AggregationError("federated_secure_sum needs a max_input")
-        if self.preaggregate:
-            total = self._aggregate_on_devices(value, kind, weights, bitwidth)
-        else:
-            members = self.get(value)
-            weight_members = self.get(weights) if weights is not None else None
-            total = aggregation.partial_of(kind, members, weight_members, bitwidth)
+        total = self._aggregate_on_devices(value, kind, weights, bitwidth)
         return from_leaves(value.type_signature, aggregation.finish(total))
 
     def _aggregate_on_devices(self, value: GrpcClientsValue, kind: str,

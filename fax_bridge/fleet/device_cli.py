@@ -17,7 +17,8 @@ from fax_bridge.fleet.device_process import serve
 from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_SECONDS,
                                       DEFAULT_MAX_CLIENTS, DEFAULT_MAX_CONCURRENT_CALLS,
                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_MESSAGE_BYTES,
-                                      DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS)
+                                      DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS,
+                                      DeviceLimits)
 
 DESCRIPTION = ("The device server: one process hosting virtual clients, their data and "
                "their results.")
@@ -33,14 +34,8 @@ def _run(args: argparse.Namespace) -> int:
         return serve(args.listen, args.device_id, args.max_workers, args.parent_pid,
                      token=token, tls=tls, allow_remote=args.allow_remote,
                      allow_no_auth=args.insecure_no_auth,
-                     max_message_bytes=args.max_message_bytes,
-                     max_stored_bytes=args.max_stored_bytes,
-                     population=args.population, population_name=args.population_name,
-                     max_clients=args.max_clients, max_connections=args.max_connections,
-                     max_concurrent_calls=args.max_concurrent_calls,
-                     idle_timeout_s=args.idle_timeout_s,
-                     max_call_seconds=args.max_call_seconds,
-                     max_delay_seconds=args.max_delay_seconds,
+                     limits=DeviceLimits.from_flags(args), population=args.population,
+                     population_name=args.population_name,
                      shared_memory=args.shared_memory)
     except FleetError as e:
         print(f"fax-bridge device: {e}", file=sys.stderr)

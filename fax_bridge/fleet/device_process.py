@@ -22,12 +22,10 @@ import grpc
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet.device import DeviceServicer
-from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_SECONDS,
-                                      DEFAULT_MAX_CLIENTS, DEFAULT_MAX_CONCURRENT_CALLS,
+from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_CALLS,
                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_MESSAGE_BYTES,
-                                      DEFAULT_MAX_STORED_BYTES, HANDSHAKE_TIMEOUT_MS,
-                                      MAX_DELAY_SECONDS, format_address, grpc_options,
-                                      parse_address)
+                                      HANDSHAKE_TIMEOUT_MS, DeviceLimits, format_address,
+                                      grpc_options, parse_address)
 from fax_bridge.v1 import device_pb2_grpc as pb_grpc
 
 log = logging.getLogger("fax_bridge.device")
@@ -204,16 +202,8 @@ def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
 def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: int = 4,
           parent_pid: Optional[int] = None, *, token: Optional[str] = None,
           tls: Optional[security.TlsConfig] = None, allow_remote: bool = False,
-          allow_no_auth: bool = False,
-          max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-          max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES,
+          allow_no_auth: bool = False, limits: Optional[DeviceLimits] = None,
           population: Optional[str] = None, population_name: Optional[str] = None,
-          max_clients: int = DEFAULT_MAX_CLIENTS,
-          max_connections: int = DEFAULT_MAX_CONNECTIONS,
-          max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
-          idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-          max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
-          max_delay_seconds: float = MAX_DELAY_SECONDS,
           shared_memory: Optional[str] = None) -> int:
     """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
 
@@ -221,6 +211,8 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
     process exits within about two seconds.
 
     Without a `token` the device refuses to start unless `allow_no_auth` is set.
+    `limits`: what callers may make it spend (`protocol.DeviceLimits`, default its
+    defaults).
     `population`: a directory written by `write_population` whose clients this device
     reads by id (named `population_name`, by default the directory's base name).
     `shared_memory`: the launcher's directory of shared-memory segments (`LocalFleet`
@@ -233,18 +225,21 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
                 "file); --insecure-no-auth serves without one, for debugging only")
         log.warning("serving WITHOUT authentication (--insecure-no-auth): anyone who can "
                     "reach %s may run computations here", listen)
+    limits = limits or DeviceLimits()
     _run_xla_inline()
     raise_fd_limit()
-    servicer = DeviceServicer(device_id, max_stored_bytes=max_stored_bytes,
+    servicer = DeviceServicer(device_id, max_stored_bytes=limits.max_stored_bytes,
                               population=population, population_name=population_name,
-                              max_clients=max_clients, max_call_seconds=max_call_seconds,
-                              max_delay_seconds=max_delay_seconds,
+                              max_clients=limits.max_clients,
+                              max_call_seconds=limits.max_call_seconds,
+                              max_delay_seconds=limits.max_delay_seconds,
                               shared_memory=shared_memory)
     server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
-                                allow_remote=allow_remote, max_message_bytes=max_message_bytes,
-                                max_connections=max_connections,
-                                max_concurrent_calls=max_concurrent_calls,
-                                idle_timeout_s=idle_timeout_s)
+                                allow_remote=allow_remote,
+                                max_message_bytes=limits.max_message_bytes,
+                                max_connections=limits.max_connections,
+                                max_concurrent_calls=limits.max_concurrent_calls,
+                                idle_timeout_s=limits.idle_timeout_s)
     host, _ = parse_address(listen, "--listen", allow_port_zero=True)
     stop = threading.Event()
 

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 from federated_language.common_libs import structure
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import FaxBridgeError, FleetError
 from fax_bridge.fleet import put_messages, shared_memory
 from fax_bridge.rounds import partials, wire
 from fax_bridge.rounds.engine import Answers, HolderAnswer
@@ -38,26 +38,38 @@ from fax_bridge.runtime.population import PopulationRef
 from fax_bridge.v1 import device_pb2 as pb
 
 
-def usable(split: Optional[RoundSplit], arg: Any) -> bool:
-    """Whether a round can go by split: CLIENTS inputs all given as values, or all read
-    from the devices' population (the same clients, each input's stored arrays named,
-    or one input whose tensor is the store's only array)."""
-    if split is None:
-        return False
+def check_inputs(split: RoundSplit, arg: Any) -> None:
+    """FleetError unless the round's CLIENTS inputs are all given as values, or all read
+    from the devices' population (the same clients, each input's stored arrays named, or
+    one input whose tensor is the store's only array): what one `Round` request per
+    device can carry."""
     inputs = [arg[i] for i in split.client_inputs]
     refs = [isinstance(v, PopulationRef) for v in inputs]
     if not any(refs):
-        return True
-    if not all(refs) or len({v.name for v in inputs}) > 1:
-        return False
+        return
+    if not all(refs):
+        raise FleetError(
+            "a round's CLIENTS arguments are all values or all read from the devices' "
+            f"population; here {sum(refs)} of {len(refs)} are PopulationRefs. Pass every "
+            "CLIENTS argument as a PopulationRef (keys= naming its stored arrays), or "
+            "every one as values")
+    if len({v.name for v in inputs}) > 1:
+        raise FleetError(
+            f"a round reads one population; its CLIENTS arguments name "
+            f"{sorted({str(v.name) for v in inputs})}")
     ids = [np.asarray(v.client_ids, np.int64).reshape(-1) for v in inputs]
     if any(not np.array_equal(ids[0], i) for i in ids[1:]):
-        return False
+        raise FleetError("a round's PopulationRefs name the same clients (each client's "
+                         "arguments are read together); give them the same client_ids")
     try:
         keys = [population.default_keys(t, v.keys) for t, v in zip(split.input_types, inputs)]
-    except Exception:
-        return False  # the phase path reports what is wrong with the keys
-    return len(inputs) == 1 or all(keys)
+    except FaxBridgeError as e:
+        raise FleetError(str(e)) from None
+    if len(inputs) > 1 and not all(keys):
+        raise FleetError(
+            f"{len(inputs)} CLIENTS arguments read from the population: name each one's "
+            "stored arrays with PopulationRef(keys=[...]) (only a single argument may "
+            "leave the choice to a store of one array)")
 
 
 def _store_member(split: RoundSplit, inputs: list) -> tuple:
@@ -149,9 +161,7 @@ class GrpcTransport:
                  delays: Optional[np.ndarray] = None):
         self.backend = backend
         self.inputs = [arg[i] for i in split.client_inputs]
-        first = self.inputs[0]
-        self.num_clients = (len(first.client_ids) if isinstance(first, PopulationRef)
-                            else len(first))
+        self.num_clients = split.num_clients(arg)
         self.delays = delays
         self.reject_nonfinite = backend.reject_nonfinite
         self.traffic = backend.traffic

@@ -35,6 +35,7 @@ from typing import Any, Optional, Union
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
+from fax_bridge.fleet.config import FleetConfig, resolve_config
 from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 from fax_bridge.fleet.session import FleetRounds
 from fax_bridge.runtime import population as pop
@@ -70,92 +71,51 @@ class LocalFleet(FleetRounds):
 
     Args:
       devices: number of device processes.
-      preaggregate: devices reduce their own clients first (default); False brings every
-        per-client result back to the coordinator.
       policy: the per-round behaviour (cohort, dropout, delays, deadline, min_clients,
         seed), a `RoundPolicy`; its fields may instead be given as keywords
         (`cohort_size=50, seed=0`).
-      rpc_timeout_s: deadline of every RPC.
-      startup_timeout_s: how long to wait for all devices to listen and answer Health.
-      shutdown_grace_s: how long a device may take to stop after SIGTERM before SIGKILL.
-      progress: show a tqdm progress bar in `run_rounds` and `run_loop`.
-      log_dir: where device logs go (kept); default a temporary folder removed on exit.
-      python: interpreter that runs the devices (default: this one).
-      token: the fleet token; default a fresh `secrets.token_hex` per fleet. Devices get
-        it through their environment, never on the command line.
-      device_tls, coordinator_tls: `security.TlsConfig`s for mutual TLS (devices'
-        server certificate, coordinator's client certificate; both or neither).
-      survive_device_loss: finish a round on the devices that still answer when some
-        die or miss their deadline (default); False fails the round instead.
-      probe_timeout_s: how long a device may take to answer Health after a failed try.
-      reject_nonfinite: refuse NaN/inf in what devices send back.
-      max_message_bytes, max_stored_bytes: caps on each gRPC message and on the bytes
-        each device holds.
-      population: a directory written by `write_population` that every device hosts
-        (`--population`): runs then pass `fleet.population` (or a `PopulationRef`) for
-        a CLIENTS argument and the devices read the cohort's rows themselves.
-      population_name: the name the devices give it (default: the directory's name).
-      share_cpus: start each device on its own share of the CPUs this process may run
-        on (`cpu_shares`: split evenly, round-robin when there are more devices than
-        CPUs), so that devices on one machine do not run their XLA threads on each
-        other's cores; False leaves placement to the operating system. Linux only
-        (ignored elsewhere, and with one CPU).
-      shared_memory: pass rounds' large payloads (the broadcast, the devices' partials)
-        through shared-memory segments in a directory of this fleet under /dev/shm
-        instead of over gRPC (default; the devices run on this host); False sends
-        every payload over gRPC, as to remote devices. Ignored where there is no
-        /dev/shm. The round report says which bytes went which way (`shared_up`).
+      config: how the fleet starts and reaches its devices, a `FleetConfig` (timeouts,
+        token and TLS, caps, population, CPU shares, shared memory); its fields may
+        instead be given as keywords (`rpc_timeout_s=30, shared_memory=False`), as may
+        the policy's, in one call.
     """
 
     def __init__(self, devices: int = 2, *, policy: Optional[RoundPolicy] = None,
-                 preaggregate: bool = True,
-                 rpc_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
-                 shutdown_grace_s: float = 3.0, progress: bool = False,
-                 log_dir: Optional[Union[str, os.PathLike]] = None,
-                 python: Optional[str] = None, token: Optional[str] = None,
-                 device_tls: Optional[security.TlsConfig] = None,
-                 coordinator_tls: Optional[security.TlsConfig] = None,
-                 survive_device_loss: bool = True, probe_timeout_s: float = 2.0,
-                 reject_nonfinite: bool = False,
-                 max_message_bytes: Optional[int] = None,
-                 max_stored_bytes: Optional[int] = None,
-                 population: Optional[Union[str, os.PathLike]] = None,
-                 population_name: Optional[str] = None, share_cpus: bool = True,
-                 shared_memory: bool = True, **policy_fields: Any):
+                 config: Optional[FleetConfig] = None, **options: Any):
+        config, policy_fields = resolve_config(config, options, "LocalFleet")
         if devices < 1:
             raise FleetError(f"devices={devices}; a fleet needs at least one device")
+        c = self.config = config
         super().__init__(
             policy=resolve_policy(policy, policy_fields, "LocalFleet"),
-            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress,
-            survive_device_loss=survive_device_loss, probe_timeout_s=probe_timeout_s,
-            reject_nonfinite=reject_nonfinite, population_name=population_name)
+            rpc_timeout_s=c.rpc_timeout_s, progress=c.progress,
+            survive_device_loss=c.survive_device_loss, probe_timeout_s=c.probe_timeout_s,
+            reject_nonfinite=c.reject_nonfinite, population_name=c.population_name)
         self.num_devices = int(devices)
         self._population_dir = None
-        if population is not None:
-            self._population_dir = os.path.abspath(os.fspath(population))
+        if c.population is not None:
+            self._population_dir = os.path.abspath(os.fspath(c.population))
             try:
                 pop.open_store(self._population_dir)
             except Exception as e:
-                raise FleetError(f"LocalFleet population={population!r}: {e}") from None
-            if population_name is None:
+                raise FleetError(f"LocalFleet population={c.population!r}: {e}") from None
+            if c.population_name is None:
                 self.population_name = pop.default_name(self._population_dir)
-        self.startup_timeout_s = startup_timeout_s
-        self.shutdown_grace_s = shutdown_grace_s
-        self.python = python or sys.executable
-        if (device_tls is None) != (coordinator_tls is None):
-            raise FleetError("mutual TLS needs both device_tls and coordinator_tls (or "
-                             "neither)")
-        self._token = token or security.new_token()
-        self._device_tls = device_tls
-        self._coordinator_tls = coordinator_tls
-        self._max_message_bytes = max_message_bytes
-        self._max_stored_bytes = max_stored_bytes
-        self._keep_logs = log_dir is not None
-        self._log_dir = pathlib.Path(log_dir) if log_dir is not None else None
+        self.startup_timeout_s = c.startup_timeout_s
+        self.shutdown_grace_s = c.shutdown_grace_s
+        self.python = c.python or sys.executable
+        self._token = c.token or security.new_token()
+        self._device_tls = c.device_tls
+        self._coordinator_tls = c.coordinator_tls
+        self._max_message_bytes = c.max_message_bytes
+        self._max_stored_bytes = c.max_stored_bytes
+        self._keep_logs = c.log_dir is not None
+        self._log_dir = pathlib.Path(c.log_dir) if c.log_dir is not None else None
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
-        self._cpus = cpu_shares(self.num_devices) if share_cpus else [None] * self.num_devices
-        self._use_shared_memory = bool(shared_memory) and shm.available()
+        self._cpus = (cpu_shares(self.num_devices) if c.share_cpus
+                      else [None] * self.num_devices)
+        self._use_shared_memory = bool(c.shared_memory) and shm.available()
         self._shared: Optional[shm.SharedDir] = None
 
     # -- lifetime -----------------------------------------------------------------

@@ -1,16 +1,20 @@
 """What devices and coordinators agree on: protocol name, message caps, layout, addresses.
 
 Both sides import these from here (the device server never imports the client side and
-the client never imports the server). `parse_address` is the one reader of HOST:PORT
-strings, for `--listen`, device addresses and fleet files alike. Nothing here needs gRPC.
+the client never imports the server). HOST:PORT strings are read by
+`fax_bridge.addresses` and the clients' blocks cut by `data.partition.contiguous_blocks`
+(re-exported here as `parse_address`, `format_address` and `partition`). Nothing here
+needs gRPC.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import dataclasses
 from typing import Any
 
-from fax_bridge.errors import AddressError, FleetError
+from fax_bridge.addresses import format_address, parse_address  # noqa: F401 (re-exported)
+from fax_bridge.data.partition import contiguous_blocks as partition  # noqa: F401
+from fax_bridge.errors import FleetError
 
 PROTOCOL = "fax_bridge.v1"
 DEFAULT_FETCH_BYTES = 4 << 20
@@ -25,6 +29,47 @@ DEFAULT_MAX_CONCURRENT_CALLS = 64       # calls in progress; more are refused at
 DEFAULT_IDLE_TIMEOUT_S = 300.0          # a connection without calls is closed after this
 DEFAULT_MAX_CALL_SECONDS = 3600.0       # compute time of one Map or Aggregate
 HANDSHAKE_TIMEOUT_MS = 10_000           # a connection must finish its handshake by then
+
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """What callers may make one device spend: the `fax-bridge device` flags of these
+    names (`--max-message-bytes`, ...), read once into this object and handed whole to
+    `device_process.serve`; `flags()` writes them back for a launcher.
+
+    Attributes:
+      max_message_bytes: cap on every gRPC message, each direction.
+      max_stored_bytes: bytes of values the device holds, results included.
+      max_clients: client ids in one value.
+      max_connections: open connections, idle or not.
+      max_concurrent_calls: calls in progress; more are refused at once.
+      idle_timeout_s: a connection without calls is closed after this.
+      max_call_seconds: compute time of one Map, Aggregate or Round.
+      max_delay_seconds: the longest emulated client delay a call may ask for.
+    """
+
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_stored_bytes: int = DEFAULT_MAX_STORED_BYTES
+    max_clients: int = DEFAULT_MAX_CLIENTS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS
+    max_delay_seconds: float = MAX_DELAY_SECONDS
+
+    @classmethod
+    def from_flags(cls, namespace: Any) -> "DeviceLimits":
+        """The limits an argparse namespace holds (attributes named as the fields)."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+    def flags(self) -> list[str]:
+        """The device command-line flags of the limits that differ from the defaults."""
+        default = DeviceLimits()
+        return [x for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)
+                for x in (f"--{f.name.replace('_', '-')}", str(getattr(self, f.name)))]
+
 
 GRPC_PREFIX_BYTES = 5        # compressed flag + length in front of every gRPC message
 HTTP2_FRAME_BYTES = 9        # header of each HTTP/2 DATA frame
@@ -54,42 +99,3 @@ def framed_size(serialized_bytes: int) -> int:
     """Bytes on the wire of a message whose serialized form has `serialized_bytes`."""
     body = serialized_bytes + GRPC_PREFIX_BYTES
     return body + HTTP2_FRAME_BYTES * max(1, -(-body // HTTP2_FRAME_PAYLOAD))
-
-
-def partition(num_clients: int, num_devices: int) -> list[range]:
-    """The clients of each device: contiguous blocks in client order, sizes within one."""
-    return [range(d * num_clients // num_devices, (d + 1) * num_clients // num_devices)
-            for d in range(num_devices)]
-
-
-def parse_address(address: Any, where: str = "device address", *,
-                  allow_port_zero: bool = False) -> tuple[str, int]:
-    """Splits HOST:PORT into (host without brackets, port); AddressError when malformed.
-
-    The port must lie in 1..65535 (0 too with `allow_port_zero`: a free port to listen
-    on). IPv6 hosts are written in brackets, e.g. `[::1]:50051`.
-    """
-    if not isinstance(address, str):
-        raise AddressError(f"{where} {address!r} is not a string; write it as HOST:PORT")
-    host, sep, port = address.strip().rpartition(":")
-    bare = host.strip("[]")
-    low = 0 if allow_port_zero else 1
-    if not sep or not bare or not port.isdigit() or not low <= int(port) < 65536:
-        example = "127.0.0.1:0 for a free port" if allow_port_zero else "10.0.0.2:50051"
-        raise AddressError(
-            f"{where} {address!r} is not HOST:PORT with a port in {low}..65535 (e.g. "
-            f"{example})")
-    if ":" in bare and not host.startswith("["):
-        try:
-            ipaddress.IPv6Address(bare)
-        except ValueError:
-            pass
-        else:
-            raise AddressError(f"{where} {address!r}: write IPv6 hosts in brackets, e.g. "
-                               f"[{bare}]:{port}")
-    return bare, int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    """HOST:PORT, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -44,7 +44,7 @@ class RemoteFleet(FleetRounds):
         --population DIR`); checked on start. Runs pass `fleet.population` (or a
         `PopulationRef`) for a CLIENTS argument and send only client ids. None: no
         check (a `PopulationRef` then accepts whatever population the devices agree on).
-      policy (or its fields as keywords), preaggregate, rpc_timeout_s, progress,
+      policy (or its fields as keywords), rpc_timeout_s, progress,
         reject_nonfinite: as for `LocalFleet` (the round-behaviour options both fleets
         share, `session.FleetRounds`).
     """
@@ -54,8 +54,7 @@ class RemoteFleet(FleetRounds):
                  token: Optional[str] = None, token_file: Optional[str] = None,
                  tls: Any = None, survive_device_loss: bool = True,
                  probe_timeout_s: float = 2.0, connect_timeout_s: float = 60.0,
-                 policy: Optional[RoundPolicy] = None, preaggregate: bool = True,
-                 rpc_timeout_s: float = 60.0, progress: bool = False,
+                 policy: Optional[RoundPolicy] = None, rpc_timeout_s: float = 60.0, progress: bool = False,
                  reject_nonfinite: bool = False, population: Optional[str] = None,
                  **policy_fields: Any):
         if (addresses is None) == (fleet_file is None):
@@ -73,7 +72,7 @@ class RemoteFleet(FleetRounds):
             raise FleetError(f"RemoteFleet addresses {addresses} name a device twice")
         super().__init__(
             policy=resolve_policy(policy, policy_fields, "RemoteFleet"),
-            preaggregate=preaggregate, rpc_timeout_s=rpc_timeout_s, progress=progress,
+            rpc_timeout_s=rpc_timeout_s, progress=progress,
             survive_device_loss=survive_device_loss, probe_timeout_s=probe_timeout_s,
             reject_nonfinite=reject_nonfinite, population_name=population)
         self.configured_addresses = list(addresses)

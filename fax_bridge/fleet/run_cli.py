@@ -37,8 +37,7 @@ def missing_inputs(param: federated_language.Type) -> str:
 
 
 def run_file(comp_path: str, inputs_path: str | None, devices: int,
-             clients: int | None = None, preaggregate: bool = True,
-             fleet_file: str | None = None, cast: bool = False):
+             clients: int | None = None, fleet_file: str | None = None, cast: bool = False):
     """Runs the computation in `comp_path` on `inputs_path`; returns (result npz, report).
 
     With `fleet_file`, the round runs on the running devices that file names
@@ -64,9 +63,9 @@ def run_file(comp_path: str, inputs_path: str | None, devices: int,
     if fleet_file is not None:
         from fax_bridge.fleet.remote import RemoteFleet
 
-        fleet_cm = RemoteFleet(fleet_file=fleet_file, preaggregate=preaggregate)
+        fleet_cm = RemoteFleet(fleet_file=fleet_file)
     else:
-        fleet_cm = LocalFleet(devices=devices, preaggregate=preaggregate)
+        fleet_cm = LocalFleet(devices=devices)
     with fleet_cm as fleet:
         result, report = fleet.run(prepared, *args, report=True, num_clients=clients)
     value = values.from_pytree(result, prepared.result)
@@ -79,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
             "--inputs": args.inputs, "the computation": args.computation,
             "--fleet-file": args.fleet_file})
         out, report = run_file(args.computation, args.inputs, args.devices, args.clients,
-                               not args.no_preaggregate, args.fleet_file, args.cast)
+                               args.fleet_file, args.cast)
     except (FaxBridgeError, OSError, ValueError) as e:
         print(f"fax-bridge run: {e}", file=sys.stderr)
         return 2
@@ -116,6 +115,4 @@ def register(subparsers) -> None:
                    help="convert inputs of another dtype of the same kind (float64 to "
                         "float32, int64 to int32) instead of refusing them; values the "
                         "dtype cannot hold are still refused")
-    p.add_argument("--no-preaggregate", action="store_true",
-                   help="bring every client's result back instead of per-device partials")
     p.set_defaults(func=_run)

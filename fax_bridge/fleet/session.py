@@ -5,9 +5,9 @@ joins devices started elsewhere) share: each round samples its cohort, drops and
 clients per the policy, runs the computation on the participants through a
 `GrpcClientsBackend`, and records a `RoundReport`. A round-shaped computation runs
 through the round engine (`engine.run_round` over a `grpc_transport.GrpcTransport`);
-any other computation, or inputs a round split cannot take, runs phase by phase
-(`interpreter.evaluate` on the same backend). The policy (cohort, `min_clients`, lost
-devices, the report) is the engine's (`engine.open_round`, `engine.drop_lost`). When
+any other computation runs phase by phase (`interpreter.evaluate` on the same backend):
+the computation's shape picks the path (`round_split.split_of`), nothing else. The
+policy (cohort, `min_clients`, lost devices, the report) is the engine's (`engine.open_round`, `engine.drop_lost`). When
 devices stop answering and `survive_device_loss` is set, the round is finished on the
 devices that still answer.
 `run_loop` threads server state through rounds and checkpoints it (`checkpoint`).
@@ -32,7 +32,7 @@ from fax_bridge.runtime.population import PopulationRef
 
 
 # The round-behaviour options every fleet takes, with the same meaning and defaults.
-ROUND_OPTIONS = ("policy", "preaggregate", "rpc_timeout_s", "progress",
+ROUND_OPTIONS = ("policy", "rpc_timeout_s", "progress",
                  "survive_device_loss", "probe_timeout_s", "reject_nonfinite")
 
 
@@ -47,13 +47,12 @@ class FleetRounds:
     `addresses` and `num_devices` in `start()` and release them in `close()`.
 
     Both fleets take the same round-behaviour options, the keyword arguments of this
-    constructor (`ROUND_OPTIONS`): `policy` (or its fields), `preaggregate`,
-    `rpc_timeout_s`, `progress` (tqdm bars in `run_rounds` and `run_loop`),
+    constructor (`ROUND_OPTIONS`): `policy` (or its fields), `rpc_timeout_s`, `progress` (tqdm bars in `run_rounds` and `run_loop`),
     `survive_device_loss`, `probe_timeout_s` and `reject_nonfinite` (refuse NaN and
     infinities in what devices send back).
     """
 
-    def __init__(self, *, policy: RoundPolicy, preaggregate: bool, rpc_timeout_s: float,
+    def __init__(self, *, policy: RoundPolicy, rpc_timeout_s: float,
                  progress: bool, survive_device_loss: bool, probe_timeout_s: float,
                  reject_nonfinite: bool, population_name: Optional[str] = None) -> None:
         self.policy = policy
@@ -61,7 +60,6 @@ class FleetRounds:
         self.survive_device_loss = bool(survive_device_loss)
         self.probe_timeout_s = float(probe_timeout_s)
         self.population_name = population_name
-        self.preaggregate = preaggregate
         self.rpc_timeout_s = rpc_timeout_s
         self.progress = progress
         self.addresses: list[str] = []
@@ -138,7 +136,7 @@ class FleetRounds:
         if population is None and num_clients is not None:
             population = int(num_clients)
         rep = engine.open_round(self.policy, population, round_index, self.reports,
-                                self.num_devices, self.backend.preaggregate)
+                                self.num_devices)
         while True:
             try:
                 result = self._attempt(prepared, bound, clients_given,
@@ -181,12 +179,13 @@ class FleetRounds:
         start = time.perf_counter()
         backend = self.backend
         try:
-            split = (self._split(prepared) if participants is not None and clients_given
-                     else None)
+            split = (round_split.split_of(prepared.proto)
+                     if participants is not None and clients_given else None)
             # Checked and converted here. A round by split has its cohort selected
             # above, so every PopulationRef in it names its clients' ids.
             arg = bound.runtime_value()
-            if grpc_transport.usable(split, arg):
+            if split is not None:
+                grpc_transport.check_inputs(split, arg)
                 transport = grpc_transport.GrpcTransport(backend, split, arg,
                                                          backend.take_delays())
                 ended = False
@@ -206,13 +205,6 @@ class FleetRounds:
             except FleetError:
                 pass  # an unreachable device; the caller decides what that means
             rep.add_traffic(backend.traffic - before)
-
-    def _split(self, prepared: interpreter.Prepared) -> Optional[round_split.RoundSplit]:
-        """The round split of a computation (made once), or None: it runs phase by
-        phase (not round-shaped, `RoundPolicy.round_plans` off, or devices reduce nothing)."""
-        if not self.policy.round_plans or not self.backend.preaggregate:
-            return None
-        return round_split.split_of(prepared.proto)
 
     def _lose_unreachable_devices(self, participants: ClientIds, rep: RoundReport,
                                   error: FleetError) -> list:
@@ -254,8 +246,7 @@ class FleetRounds:
 
     def _connect(self, addresses: list[str], connect_timeout_s: float) -> GrpcClientsBackend:
         """A backend over `addresses` with this fleet's credentials and caps."""
-        return GrpcClientsBackend(addresses, preaggregate=self.preaggregate,
-                                  rpc_timeout_s=self.rpc_timeout_s,
+        return GrpcClientsBackend(addresses, rpc_timeout_s=self.rpc_timeout_s,
                                   connect_timeout_s=connect_timeout_s,
                                   reject_nonfinite=self.reject_nonfinite,
                                   **self._backend_options())

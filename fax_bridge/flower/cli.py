@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
           f"(start the SuperLink and SuperNodes first: {args.output}/README.md)")
     if not args.check:
         return 0
-    from fax_bridge.flower.check import check_app
+    from fax_bridge.parity_flower import check_app
 
     try:
         text, ok = check_app(prog, prog_args, made, args.output, nodes,

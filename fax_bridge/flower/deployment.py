@@ -111,7 +111,7 @@ def write_populations(data, folder: str, nodes: int) -> list:
     import numpy as np
 
     from fax_bridge.data import write_population
-    from fax_bridge.fleet.protocol import partition
+    from fax_bridge.data.partition import contiguous_blocks as partition
 
     if isinstance(data, dict):
         columns = {str(k): np.asarray(v) for k, v in data.items()}

@@ -35,7 +35,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-import fax_bridge as fx
+from fax_bridge import api as fx
 from fax_bridge.errors import PrivacyError
 from fax_bridge.privacy import clipping
 

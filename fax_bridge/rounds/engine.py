@@ -215,7 +215,7 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
 
 
 def open_round(policy: RoundPolicy, population: Optional[int], round_index: int,
-               reports: list, devices: int, preaggregate: bool = True) -> RoundReport:
+               reports: list, devices: int) -> RoundReport:
     """Samples round `round_index`'s clients (`policy.plan_round`) and appends its
     `RoundReport` to `reports` (before anything runs, so a failed round leaves one too);
     raises FleetError, recorded in the report, when fewer than `min_clients` take part.
@@ -224,7 +224,7 @@ def open_round(policy: RoundPolicy, population: Optional[int], round_index: int,
     rep = RoundReport(round=round_index, population=population or 0, cohort=planned.cohort,
                       dropped=planned.dropped, late=planned.late,
                       participants=planned.participants, delays_s=planned.delays_s,
-                      devices=devices, preaggregate=preaggregate)
+                      devices=devices)
     reports.append(rep)
     if population is not None:
         try:

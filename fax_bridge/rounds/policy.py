@@ -63,9 +63,6 @@ class RoundPolicy:
       min_clients: the round fails (FleetError) when fewer clients report.
       seed: seeds every random choice, together with the round number.
       emulate_delays: devices really wait for their slowest reporting client's delay.
-      round_plans: run a computation of the round shape (`rounds.round_split`) through
-        the round engine, one request per device per round; False runs every
-        computation phase by phase (both give the same bits).
     """
 
     cohort_size: Optional[int] = None
@@ -75,7 +72,6 @@ class RoundPolicy:
     min_clients: int = 1
     seed: int = 0
     emulate_delays: bool = True
-    round_plans: bool = True
 
     def __post_init__(self):
         if not 0.0 <= self.dropout < 1.0:
@@ -90,14 +86,22 @@ class RoundPolicy:
             raise FleetError(f"min_clients={self.min_clients} must be >= 0")
 
 
+# Keywords that picked an implementation once: the computation's shape picks it now.
+_NO_SWITCH = {
+    "preaggregate": "devices always reduce their own clients first (the same bits)",
+    "round_plans": "a round-shaped computation always runs as one request per device",
+}
+
+
 def resolve_policy(policy: Optional[RoundPolicy], fields: dict, owner: str) -> RoundPolicy:
     """The policy of a fleet given `policy=` or the policy's fields as keywords."""
     known = {f.name for f in dataclasses.fields(RoundPolicy)}
     unknown = sorted(set(fields) - known)
     if unknown:
+        gone = "".join(f"; {_NO_SWITCH[k]}" for k in unknown if k in _NO_SWITCH)
         raise ArgumentError(
             f"{owner}() got unexpected keyword arguments {unknown}; the round policy's "
-            f"fields are {sorted(known)}")
+            f"fields are {sorted(known)}{gone}")
     if policy is not None and fields:
         raise ArgumentError(
             f"{owner}() got policy= and also {sorted(fields)}; put them in the RoundPolicy")
@@ -150,7 +154,6 @@ class RoundReport:
     participants: ClientIds
     delays_s: ClientDelays
     devices: int
-    preaggregate: bool
     wall_s: float = 0.0
     traffic: Traffic = dataclasses.field(default_factory=Traffic)
     error: Optional[str] = None

@@ -36,22 +36,20 @@ from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.primitive_facts import KIND_OF_URI, SECURE_KINDS
 from fax_bridge.runtime import aggregation, client_map, local_eval
 from fax_bridge.runtime.grammar import (free_references, intrinsic_call, lambda_of,
                                         make_reference, make_selection, reference_name,
-                                        struct_elements)
+                                        struct_elements, which)
 from fax_bridge.runtime.local_eval import select_element
 
 Computation = computation_pb2.Computation
 
-_AGGREGATIONS = {defs.FEDERATED_SUM.uri: "sum", defs.FEDERATED_MEAN.uri: "mean",
-                 defs.FEDERATED_WEIGHTED_MEAN.uri: "weighted_mean",
-                 defs.FEDERATED_MIN.uri: "min", defs.FEDERATED_MAX.uri: "max"}
-# Secure sums, split only where asked (`split_round(secure=True)`: a Flower round,
-# whose SecAgg+ phase sums them); their bound is a literal of the intrinsic's argument.
-_SECURE = {defs.FEDERATED_SECURE_SUM_BITWIDTH.uri: "secure_sum_bitwidth",
-           defs.FEDERATED_SECURE_SUM.uri: "secure_sum"}
-SECURE_KINDS = tuple(_SECURE.values())
+# The aggregations by kind (`primitive_facts.AGGREGATION_KINDS`). Secure sums are split
+# only where asked (`split_round(secure=True)`: a Flower round, whose SecAgg+ phase sums
+# them); their bound is a literal of the intrinsic's argument.
+_AGGREGATIONS = {uri: kind for uri, kind in KIND_OF_URI.items() if kind not in SECURE_KINDS}
+_SECURE = {uri: kind for uri, kind in KIND_OF_URI.items() if kind in SECURE_KINDS}
 _BROADCAST = defs.FEDERATED_BROADCAST.uri
 _MAP = defs.FEDERATED_MAP.uri
 _ZIP = defs.FEDERATED_ZIP_AT_CLIENTS.uri
@@ -112,6 +110,19 @@ class RoundSplit:
     def __post_init__(self):
         self.client_part_hash = local_eval.content_hash(self.client_part)
 
+    def num_clients(self, arg: Any) -> int:
+        """How many clients the round's CLIENTS inputs in `arg` (its parameter value)
+        hold: the one count every transport takes, from the ids a `PopulationRef` names
+        or the values' number of members. ComputationError when two inputs disagree."""
+        counts = set()
+        for i in self.client_inputs:
+            n = getattr(arg[i], "num_clients", None)
+            counts.add(int(n) if n is not None else len(arg[i]))
+        if len(counts) != 1:
+            raise ComputationError(
+                f"CLIENTS inputs disagree on the number of clients: {sorted(counts)}")
+        return counts.pop()
+
     @functools.cached_property
     def server_program(self):
         """The server prepare and result compiled once (`server_steps.compile_server`),
@@ -158,7 +169,7 @@ def split_round(proto: Computation, secure: bool = False) -> Optional[RoundSplit
     """The split of a round-shaped computation, or None (module docstring). `secure`:
     secure sums whose bound is a literal are aggregations too (kinds `SECURE_KINDS`,
     their `bound` kept)."""
-    if proto.WhichOneof("computation") != "lambda":
+    if which(proto) != "lambda":
         return None
     lam = lambda_of(proto)
     param = lam.parameter_name
@@ -180,7 +191,7 @@ def split_round(proto: Computation, secure: bool = False) -> Optional[RoundSplit
         refs = set(free_references(value))
         if _is_clients(type_):
             members[name] = type_.member
-        if value.WhichOneof("computation") == "selection" and \
+        if which(value) == "selection" and \
                 reference_name(value.selection.source) == param:
             if _is_clients(type_):
                 client[name] = make_selection(make_selection(make_reference(_X), 1), len(inputs))
@@ -208,7 +219,7 @@ def split_round(proto: Computation, secure: bool = False) -> Optional[RoundSplit
             continue
         if secure and uri in _SECURE:
             pair = struct_elements(arg, 2)
-            if pair is None or pair[1].WhichOneof("computation") != "literal":
+            if pair is None or which(pair[1]) != "literal":
                 return None
             v = reference_name(pair[0])
             if v not in client:
@@ -291,7 +302,7 @@ def _flattened(body: Computation, param: str) -> Computation:
     names = iter(f"__split_{i}" for i in itertools.count())
 
     def lift(c: Computation) -> Computation:
-        kind = c.WhichOneof("computation")
+        kind = which(c)
         if kind == "struct":
             new = Computation()
             new.CopyFrom(c)
@@ -316,7 +327,7 @@ def _flattened(body: Computation, param: str) -> Computation:
         entry.name = name
         entry.value.CopyFrom(value)
 
-    if out.WhichOneof("computation") == "block":
+    if which(out) == "block":
         for local in out.block.local:
             add(local.name, local.value)
         result = out.block.result
@@ -335,7 +346,7 @@ def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computa
     if call is not None:
         return _translate_zip(call[1], client) if call[0] == _ZIP \
             else None
-    kind = arg.WhichOneof("computation")
+    kind = which(arg)
     if kind == "reference":
         return make_reference(arg.reference.name) if arg.reference.name in client else None
     if kind != "struct":

@@ -38,12 +38,13 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import AggregationError, WeightError
 from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
+from fax_bridge.primitive_facts import AGGREGATION_KINDS
 from fax_bridge.runtime import exact, threads
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
 from fax_bridge.runtime.double_sums import (Sum, merged_all, results, sums_of,
                                            weighted_sums_of)
 
-KINDS = ("sum", "mean", "weighted_mean", "min", "max", "secure_sum_bitwidth", "secure_sum")
+KINDS = tuple(AGGREGATION_KINDS.values())  # sum, mean, weighted_mean, min, max, secure
 SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
 EXTREMES = {"min": np.minimum, "max": np.maximum}
 MAX_SECURE_BITWIDTH = 62

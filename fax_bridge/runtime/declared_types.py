@@ -12,37 +12,17 @@ proto, since a fleet runs the same round again and again.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import federated_language
 from federated_language.compiler import building_blocks
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import DeclaredTypeError
+from fax_bridge.runtime import grammar
 
 _LOCAL_PARTS = ("literal", "xla", "tensorflow")
 _CHECKED: dict = {}  # digests of the protos checked, a bounded set
-
-
-def _parts(comp: computation_pb2.Computation) -> Iterator[computation_pb2.Computation]:
-    """`comp` and the computations inside it, depth first."""
-    stack = [comp]
-    while stack:
-        c = stack.pop()
-        yield c
-        kind = c.WhichOneof("computation")
-        if kind == "lambda":
-            stack.append(getattr(c, "lambda").result)
-        elif kind == "block":
-            stack.extend([local.value for local in c.block.local] + [c.block.result])
-        elif kind == "call":
-            stack.append(c.call.function)
-            if c.call.HasField("argument"):
-                stack.append(c.call.argument)
-        elif kind == "struct":
-            stack.extend(e.value for e in c.struct.element)
-        elif kind == "selection":
-            stack.append(c.selection.source)
 
 
 def _placed(type_proto: computation_pb2.Type) -> bool:
@@ -72,8 +52,8 @@ def check(proto: computation_pb2.Computation,
                           digest_size=16).digest()
     if key in _CHECKED:
         return
-    for part in _parts(proto):
-        kind = part.WhichOneof("computation")
+    for part in grammar.walk(proto):
+        kind = grammar.which(part)
         if kind in _LOCAL_PARTS and _placed(part.type) or (
                 kind == "literal" and part.type.WhichOneof("type") not in (None, "tensor")):
             raise DeclaredTypeError(

@@ -1,8 +1,10 @@
 """The federated_language `Computation` grammar, read in one place.
 
 Every module that walks a computation proto takes from here: which case a computation
-holds (`case`, with a table of handlers by case checked against the proto's own list,
-`handlers`), the computations directly inside one (`children`), the names it uses
+holds (`which`, the one reader of the proto's oneof; `case`, which refuses none and
+TensorFlow; a table of handlers by case checked against the proto's own list,
+`handlers`), the computations directly inside one (`children`) and every one inside,
+depth first (`walk`), the names it uses
 without binding them (`free_references`), the parts of an intrinsic call
 (`intrinsic_call`), and the small pieces a rewriter builds (`make_reference`,
 `make_selection`).
@@ -10,7 +12,7 @@ without binding them (`free_references`), the parts of an intrinsic call
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 from federated_language.proto import computation_pb2
 
@@ -24,10 +26,15 @@ CASES = tuple(field.name for field in
 LAMBDA = "lambda"  # a python keyword, so the proto field is read with getattr
 
 
+def which(comp: Computation) -> Optional[str]:
+    """Which case of the Computation proto `comp` holds (None when none is set)."""
+    return comp.WhichOneof("computation")
+
+
 def case(comp: Computation) -> str:
     """Which case of the Computation proto `comp` holds; ComputationError when none or
     TensorFlow (no walker here runs TensorFlow parts)."""
-    kind = comp.WhichOneof("computation")
+    kind = which(comp)
     if kind is None:
         raise ComputationError(
             "a computation proto has no computation case set (malformed proto)")
@@ -58,7 +65,7 @@ def children(comp: Computation) -> list[Computation]:
     """The computations directly inside `comp`, in evaluation order: a call's function
     then its argument, a struct's elements, a selection's source, a lambda's result, a
     block's locals then its result; none for references, intrinsics, literals, Xla."""
-    kind = comp.WhichOneof("computation")
+    kind = which(comp)
     if kind == "call":
         call = comp.call
         return [call.function, call.argument] if call.HasField("argument") else [call.function]
@@ -73,6 +80,16 @@ def children(comp: Computation) -> list[Computation]:
     return []
 
 
+def walk(comp: Computation) -> Iterator[Computation]:
+    """`comp` and every computation inside it, depth first, each before its children
+    (in `children` order). Walked with an explicit stack, so nesting costs no recursion."""
+    stack = [comp]
+    while stack:
+        c = stack.pop()
+        yield c
+        stack.extend(reversed(children(c)))
+
+
 def free_references(comp: Computation) -> dict[str, list]:
     """The names `comp` references without binding them itself, each with the Type
     proto of every such reference (in depth-first order).
@@ -85,7 +102,7 @@ def free_references(comp: Computation) -> dict[str, list]:
     stack: list[tuple[Computation, frozenset]] = [(comp, frozenset())]
     while stack:
         c, bound = stack.pop()
-        kind = c.WhichOneof("computation")
+        kind = which(c)
         if kind == "reference":
             if c.reference.name not in bound:
                 free.setdefault(c.reference.name, []).append(c.type)
@@ -107,17 +124,17 @@ def free_references(comp: Computation) -> dict[str, list]:
 
 def intrinsic_call(comp: Computation) -> Optional[tuple[str, Optional[Computation]]]:
     """(uri, argument or None) of a call of an intrinsic; None for anything else."""
-    if comp.WhichOneof("computation") != "call":
+    if which(comp) != "call":
         return None
     fn = comp.call.function
-    if fn.WhichOneof("computation") != "intrinsic":
+    if which(fn) != "intrinsic":
         return None
     return fn.intrinsic.uri, (comp.call.argument if comp.call.HasField("argument") else None)
 
 
 def reference_name(comp: Optional[Computation]) -> Optional[str]:
     """The name a Reference computation refers to; None for anything else."""
-    if comp is not None and comp.WhichOneof("computation") == "reference":
+    if comp is not None and which(comp) == "reference":
         return comp.reference.name
     return None
 
@@ -125,7 +142,7 @@ def reference_name(comp: Optional[Computation]) -> Optional[str]:
 def struct_elements(comp: Optional[Computation], count: int) -> Optional[list]:
     """The element values of a Struct computation of exactly `count` elements; None for
     anything else."""
-    if comp is None or comp.WhichOneof("computation") != "struct" or \
+    if comp is None or which(comp) != "struct" or \
             len(comp.struct.element) != count:
         return None
     return [e.value for e in comp.struct.element]

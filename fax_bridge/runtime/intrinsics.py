@@ -23,6 +23,7 @@ from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.primitive_facts import AGGREGATION_KINDS, SECURE_KINDS
 from fax_bridge.runtime import aggregation, evaluator, local_eval
 from fax_bridge.runtime.backend import ClientsValue
 
@@ -178,13 +179,10 @@ IMPLEMENTATIONS: dict[intrinsic_defs.IntrinsicDef, Callable] = {
     intrinsic_defs.FEDERATED_MAP: _map,
     intrinsic_defs.FEDERATED_MAP_ALL_EQUAL: _map,
     intrinsic_defs.FEDERATED_APPLY: _apply,
-    intrinsic_defs.FEDERATED_SUM: _aggregation("sum"),
-    intrinsic_defs.FEDERATED_MEAN: _aggregation("mean"),
-    intrinsic_defs.FEDERATED_MIN: _aggregation("min"),
-    intrinsic_defs.FEDERATED_MAX: _aggregation("max"),
-    intrinsic_defs.FEDERATED_WEIGHTED_MEAN: _weighted_mean,
-    intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH: _secure("secure_sum_bitwidth"),
-    intrinsic_defs.FEDERATED_SECURE_SUM: _secure("secure_sum"),
+    # every aggregation by its kind (`primitive_facts.AGGREGATION_KINDS`)
+    **{d: (_weighted_mean if kind == "weighted_mean" else
+           _secure(kind) if kind in SECURE_KINDS else _aggregation(kind))
+       for d, kind in AGGREGATION_KINDS.items()},
     intrinsic_defs.FEDERATED_ZIP_AT_CLIENTS: _zip_at_clients,
     intrinsic_defs.FEDERATED_ZIP_AT_SERVER: _zip_at_server,
     intrinsic_defs.FEDERATED_AGGREGATE: _aggregate,

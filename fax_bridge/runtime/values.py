@@ -34,6 +34,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.pytree_names import named_children
 from fax_bridge.runtime.backend import ClientRows, ClientsValue, leaves
 from fax_bridge.runtime.population import PopulationRef
 from fax_bridge.runtime.result_structure import with_structure
@@ -159,8 +160,6 @@ def _pytree_children(value) -> Optional[list]:
     """[(name or None, child)] of a registered pytree node (as the exporter names them)."""
     if isinstance(value, np.ndarray) or np.isscalar(value):
         return None
-    from fax_bridge.tff.types import named_children
-
     try:
         return named_children(value)
     except Exception:  # not a pytree jax knows

@@ -304,10 +304,8 @@ class _Exporter:
                 tuple(g.member_avals for g in singles))
 
     def communicate(self, eqns: list) -> None:
-        """Equations of one kind (and weights) at one depth: emitted by their record's own
-        emitter, else by the exporter's emitter of the record's intrinsic."""
-        facts = facts_of(eqns[0].primitive)
-        (facts.emit or emitters.INTRINSIC_EMITTERS[facts.intrinsic])(self, eqns)
+        """Equations of one kind (and weights) at one depth, emitted by `emitters.emit`."""
+        emitters.emit(self, eqns)
 
     def hold(self, value: bb.ComputationBuildingBlock, placement: Placement, member_avals,
              leaf_vars: list) -> None:

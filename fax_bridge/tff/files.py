@@ -6,6 +6,7 @@ from federated_language.proto import computation_pb2
 from google.protobuf.message import DecodeError
 
 from fax_bridge.errors import ArgumentError, ExportError
+from fax_bridge.runtime import grammar
 
 
 def save_computation(proto: computation_pb2.Computation, path) -> None:
@@ -50,6 +51,6 @@ def load_computation(path) -> computation_pb2.Computation:
         proto.ParseFromString(data)
     except DecodeError as e:
         raise ExportError(f"{path} is not a serialized Computation proto: {e}") from e
-    if proto.WhichOneof("computation") is None:
+    if grammar.which(proto) is None:
         raise ExportError(f"{path} holds no computation (empty or not a Computation proto).")
     return proto

@@ -38,6 +38,7 @@ from fax_bridge import tracing
 from fax_bridge.errors import ExportError
 from fax_bridge.placements import Placement
 from fax_bridge.primitive_facts import facts_of
+from fax_bridge.runtime import grammar
 from fax_bridge.tff import side_env
 from fax_bridge.tff import xla as tff_xla
 from fax_bridge.tff.export import argument_names, export_computation
@@ -194,7 +195,7 @@ def xla_parts(proto: Computation) -> list[Computation]:
     parts: dict = {}
 
     def visit(message) -> bool:
-        if isinstance(message, Computation) and message.WhichOneof("computation") == "xla":
+        if isinstance(message, Computation) and grammar.which(message) == "xla":
             parts.setdefault(tff_xla.hlo_module_bytes(message), message)
             return True
         return False

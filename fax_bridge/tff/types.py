@@ -17,6 +17,10 @@ import jax
 import numpy as np
 
 from fax_bridge.errors import ExportError
+from fax_bridge.pytree_names import children as _children
+from fax_bridge.pytree_names import element_name as _element_name
+from fax_bridge.pytree_names import named_children  # noqa: F401 (re-exported)
+from fax_bridge.pytree_names import path_str as _path_str
 
 __all__ = [
     "TensorLeaf",
@@ -115,43 +119,6 @@ def tensor_type(aval: Any, *, where: str = "") -> federated_language.TensorType:
             "avoid shape polymorphism in exported programs."
         ) from e
     return federated_language.TensorType(dtype_of(dtype, where=where), dims)
-
-
-def _path_str(path: Sequence[Any]) -> str:
-    return jax.tree_util.keystr(tuple(path)) if path else "<root>"
-
-
-def _children(node: Any) -> Optional[list[tuple[Any, Any]]]:
-    """One level of jax's flattening: `[(key, child), ...]`, or None for a leaf."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is node:
-        return None
-    return [(path[0], child) for path, child in flat]
-
-
-def _element_name(key: Any, path: Sequence[Any]) -> Optional[str]:
-    """The TFF element name for one jax key entry (None for positional entries)."""
-    if isinstance(key, jax.tree_util.DictKey):
-        name = key.key
-    elif isinstance(key, jax.tree_util.GetAttrKey):
-        name = key.name
-    else:
-        return None
-    if not isinstance(name, str) or not name:
-        raise ExportError(
-            f"dict key {name!r} at {_path_str(path)} cannot name a TFF struct element; "
-            "use non-empty string keys (or a tuple/list for positional elements)."
-        )
-    return name
-
-
-def named_children(node: Any) -> Optional[list[tuple[Optional[str], Any]]]:
-    """One level of a pytree as `[(TFF element name or None, child), ...]`; None for a
-    leaf. Names follow `pytree_type` (dict keys, attribute names; None when positional)."""
-    children = _children(node)
-    if children is None:
-        return None
-    return [(_element_name(key, (key,)), child) for key, child in children]
 
 
 def pytree_type(tree: Any) -> federated_language.Type:

@@ -34,6 +34,7 @@ from google.protobuf import any_pb2
 
 from fax_bridge.errors import ExportError
 from fax_bridge.runtime.hlo import HLO_MODULE_TYPE_URL, custom_calls
+from fax_bridge.runtime import grammar
 from fax_bridge.tff import types as tff_types
 
 __all__ = [
@@ -130,7 +131,7 @@ def binding_indices(b: computation_pb2.Xla.Binding) -> list[int]:
 
 def hlo_module_bytes(comp: computation_pb2.Computation) -> bytes:
     """The serialized HloModuleProto inside an Xla computation proto."""
-    if comp.WhichOneof("computation") != "xla":
+    if grammar.which(comp) != "xla":
         raise ExportError(
             f"expected an Xla computation, found a {comp.WhichOneof('computation')!r} one."
         )
