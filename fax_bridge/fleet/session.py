@@ -187,6 +187,7 @@ class FleetRounds:
             # above, so every PopulationRef in it names its clients' ids.
             arg = bound.runtime_value()
             if grpc_transport.usable(split, arg):
+                backend.rounded_partials = self.policy.rounded_partials
                 transport = grpc_transport.GrpcTransport(backend, split, arg,
                                                          backend.take_delays())
                 ended = False

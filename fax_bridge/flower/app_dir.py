@@ -16,6 +16,7 @@ where the SuperLink and SuperNodes run; nothing is installed at run time.
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Optional
 
 from fax_bridge.flower.bundle import FlowerRound, write_round
@@ -28,7 +29,7 @@ DEFAULT_CONFIG = {
     "round-deadline-s": 0.0, "node-timeout-s": 120.0, "first-round-timeout-s": 300.0,
     "min-nodes": 1,
     "wait-nodes-s": 60.0, "poll-s": 0.05, "out-dir": "", "checkpoint-dir": "",
-    "secagg-threshold": 0.0,
+    "secagg-threshold": 0.0, "rounded-partials": False,
 }
 
 _SERVER = '''"""The ServerApp of this round (written by `fax-bridge flower`)."""
@@ -93,6 +94,14 @@ def pyproject(name: str, config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def node_starter(node: dict, node_security: str, superlink: str, port: int) -> str:
+    """The one-line command (`fax_bridge.flower.supernode`) starting a warm SuperNode
+    for the share `node` (a node config: population, first-client, ...)."""
+    share = " ".join(f"--{key} {shlex.quote(str(value))}" for key, value in node.items())
+    return (f"python -m fax_bridge.flower.supernode {node_security} --superlink "
+            f"{superlink} --port {port} \\\n    {share} &")
+
+
 def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
            root_certificates: Optional[str] = None) -> str:
     """DIR/README.md: what the app runs and the commands that run it (with TLS when
@@ -103,10 +112,10 @@ def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
         f"--ssl-ca-certfile {ca} \\\n"
         "    --ssl-certfile SERVER.crt --ssl-keyfile SERVER.key")
     node_lines = "\n".join(
-        f"flower-supernode {node_security} --superlink {superlink} --port {9094 + i} \\\n"
-        f"    --node-config '{node_config_text(n)}' &" for i, n in enumerate(nodes)) or (
-        f"flower-supernode {node_security} --superlink " + superlink + " --port 9094 \\\n"
-        "    --node-config 'population=\"/path/to/population\" first-client=0' &")
+        node_starter(n, node_security, superlink, 9094 + i) for i, n in enumerate(nodes)
+    ) or node_starter({"population": "/path/to/population", "first-client": 0},
+                      node_security, superlink, 9094)
+    cold = (nodes or [{"population": "/path/to/population", "first-client": 0}])[0]
     host, port = superlink.rsplit(":", 1)
     connection = "insecure" if ca is None else f"TLS, checked against {ca}"
     return f"""# A fax_bridge round on Flower
@@ -140,21 +149,24 @@ first-round-timeout-s (the least the first round waits: nodes start then), min-n
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
 out-dir (reports.json, result.npz), checkpoint-dir (resume after a crash) and
 secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
-unmask a lost one; 0: a strict majority).
+unmask a lost one; 0: a strict majority) and rounded-partials (true: each node sends
+its float sums rounded once to float32, Flower's bytes, and the result agrees with the
+exact one within that rounding instead of bit for bit; a node of one client sends its
+exact float32 addend either way).
 
-Warm SuperNodes: Flower starts a process per message, so a node computing in it loads
-jax and compiles the round's client part every round. Start a worker beside each node
-once instead, and name it in the node's config (the population settings move to the
-worker):
+Each `python -m fax_bridge.flower.supernode` line starts a warm SuperNode: a worker
+that loads jax and compiles the round's client part once, on the node's loopback with a
+private token, then Flower's own `flower-supernode` naming it; ending the command ends
+both. Add `--auth-supernode-private-key KEY` with SuperNode authentication (below).
+
+Cold SuperNodes (the slow path): Flower starts a process per message, so a SuperNode
+started alone, its population in its `--node-config`, loads jax and compiles the
+client part in every round's ClientApp process (tens of seconds a round):
 
 ```
-python -m fax_bridge.flower.worker --listen 127.0.0.1:9300 --token-file TOKEN \
-    --population /path/to/population --first-client 0 &
 flower-supernode {node_security} --superlink {superlink} --port 9094 \
-    --node-config 'worker="127.0.0.1:9300" worker-token-file="TOKEN"' &
+    --node-config {shlex.quote(node_config_text(cold))} &
 ```
-
-(TOKEN: a file of mode 0600 holding 16+ random characters.)
 
 A SuperNode's `--node-config`: `population` (a directory written by
 `fax_bridge.data.write_population`), `first-client` (the population id of its first

@@ -41,6 +41,18 @@ from fax_bridge.flower import secagg
 from fax_bridge.rounds.policy import RoundPolicy, RoundReport
 
 
+def _flag(value) -> bool:
+    """A run config's yes/no value: a TOML boolean, or true/false, 1/0 written as text."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise ValueError(text)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The run config of a Flower round (keys as in `[tool.flwr.app.config]`)."""
@@ -71,7 +83,8 @@ class Settings:
                              dropout=get("dropout", float, 0.0),
                              round_deadline_s=deadline if deadline > 0 else None,
                              min_clients=get("min-clients", int, 1),
-                             seed=get("seed", int, 0), emulate_delays=False)
+                             seed=get("seed", int, 0), emulate_delays=False,
+                             rounded_partials=get("rounded-partials", _flag, False))
         return cls(num_rounds=get("num-rounds", int, 1), policy=policy,
                    node_timeout_s=get("node-timeout-s", float, 120.0),
                    first_round_timeout_s=get("first-round-timeout-s", float, 300.0),
@@ -118,7 +131,8 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
     try:
         transport = FlowerTransport(grid, nodes, rep.participants.array(), round_index, wait,
                                     settings.poll_s, rep.traffic, settings.secagg_threshold,
-                                    cohort=policy.cohort_size or population)
+                                    cohort=policy.cohort_size or population,
+                                    rounded_partials=policy.rounded_partials)
         return engine.run_round(made.split, made.server_arg(state), transport,
                                 made.prepared.result, on_lost=drop)
     except BaseException as e:

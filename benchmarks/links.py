@@ -1,0 +1,347 @@
+"""Rounds on shaped links: the SuperLink and each SuperNode on hosts of their own.
+
+Every host is a Linux network namespace (needs root, `ip netns`, veth and `tc tbf`):
+`fxl-hub` holds a bridge at 10.77.0.1/24 and the SuperLink (with the ServerApp and
+`flwr run`); each node K is `fxl-nK` at 10.77.0.(10+K), joined to the bridge by a veth
+pair whose node end is shaped to the uplink rate and whose hub end to the downlink rate
+(`tc tbf` on each end's egress). The deployment is `fax_bridge.flower.deployment.
+LocalDeployment` bound to 10.77.0.1 with each SuperNode and its warm worker run in its
+node's namespace (`wrap`), TLS on (a CA and a SuperLink certificate for 10.77.0.1,
+`security.local_credentials`): the code a multi-host deployment runs.
+
+Two apps run on it, in turns, `--repeats` times each per link: fax_bridge's (a FedAvg
+round `params * 0.5 + x_c`, weighted by each client's count (and the counts' sum as
+the round's output), written by
+`fax_bridge.flower.app_dir`; with `--rounded`, also the same app with
+`rounded-partials=true`) and Flower's own NumPy FedAvg app (`flower_links_app.py`: the
+same update in numpy, `flwr.serverapp.strategy.FedAvg`, one message per client). Each
+size (`--sizes`, float32 parameters) and cohort (`--per-node` clients on each of
+`--nodes` nodes) gets a deployment; each link (`--links UP/DOWN` in Mbit/s) is set with
+`tc` between runs. Per run: the rounds' wall times (the first set apart: nodes compile
+then), the bytes each node's link carried up and down per round (its veth's counters,
+everything Flower and TLS send), and the link floor, `up bytes / up rate + down bytes /
+down rate` of the busiest node. Namespaces and processes are removed on every exit
+(and stale ones, by the `fxl-` prefix, before starting).
+
+    sudo .venv/bin/python benchmarks/links.py [--sizes 1000000 10000000] \\
+        [--links 20/100 100/1000] [--per-node 1 2] [--rounds 3] [--repeats 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PREFIX = "fxl-"
+HUB = PREFIX + "hub"
+SUBNET = "10.77.0"
+HUB_IP = f"{SUBNET}.1"
+SYSTEMS = ("fax_bridge", "flower")
+
+
+def _ip(*args: str, check: bool = True) -> str:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and out.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def _tc(ns: str, *args: str) -> None:
+    out = subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True,
+                         timeout=30)
+    if out.returncode:
+        raise RuntimeError(f"tc -n {ns} {' '.join(args)}: {out.stderr.strip()}")
+
+
+def node_ns(k: int) -> str:
+    return f"{PREFIX}n{k}"
+
+
+def node_ip(k: int) -> str:
+    return f"{SUBNET}.{10 + k}"
+
+
+def remove_stale() -> None:
+    """Ends every process in, and deletes, each namespace of this benchmark's prefix."""
+    for line in _ip("netns", "list", check=False).splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith(PREFIX):
+            continue
+        for pid in _ip("netns", "pids", name, check=False).split():
+            try:
+                os.kill(int(pid), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+        _ip("netns", "del", name, check=False)
+
+
+class Network:
+    """The hub and `nodes` node namespaces (module docstring); `shape` sets the links."""
+
+    def __init__(self, nodes: int):
+        self.nodes = nodes
+
+    def __enter__(self) -> "Network":
+        remove_stale()
+        atexit.register(remove_stale)
+        try:
+            _ip("netns", "add", HUB)
+            _ip("-n", HUB, "link", "set", "lo", "up")
+            _ip("-n", HUB, "link", "add", "br0", "type", "bridge")
+            _ip("-n", HUB, "addr", "add", f"{HUB_IP}/24", "dev", "br0")
+            _ip("-n", HUB, "link", "set", "br0", "up")
+            for k in range(self.nodes):
+                ns = node_ns(k)
+                _ip("netns", "add", ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", HUB, "link", "add", f"hv{k}", "type", "veth", "peer", "name",
+                    "eth0", "netns", ns)
+                _ip("-n", HUB, "link", "set", f"hv{k}", "master", "br0", "up")
+                _ip("-n", ns, "addr", "add", f"{node_ip(k)}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+        except BaseException:
+            remove_stale()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        remove_stale()
+
+    def shape(self, k: int, up_mbit: float, down_mbit: float) -> None:
+        """Node `k`'s uplink (its veth end's egress) and downlink (the hub end's)."""
+        for ns, dev, rate in ((node_ns(k), "eth0", up_mbit), (HUB, f"hv{k}", down_mbit)):
+            burst = max(32 << 10, int(rate * 1e6 / 8 / 50))  # 20 ms of the rate
+            _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                f"{rate}mbit", "burst", str(burst), "latency", "200ms")
+
+    def set_link(self, k: int, up: bool) -> None:
+        """Takes node `k`'s link down (a cut cable) or brings it up again."""
+        _ip("-n", node_ns(k), "link", "set", "eth0", "up" if up else "down")
+
+    def counters(self, k: int) -> tuple:
+        """(bytes node `k` sent, bytes it received) on its link so far."""
+        stats = json.loads(_ip("-n", node_ns(k), "-s", "-j", "link", "show", "eth0"))[0]
+        return stats["stats64"]["tx"]["bytes"], stats["stats64"]["rx"]["bytes"]
+
+
+def wrap(name: str) -> list:
+    """`LocalDeployment`'s command prefix: SuperNode K and its worker in `fxl-nK`; the
+    SuperLink and `flwr run` where this runs (the hub)."""
+    if name.startswith(("supernode-", "worker-")):
+        return ["ip", "netns", "exec", node_ns(int(name.rsplit("-", 1)[1]))]
+    return []
+
+
+def fax_round(cohort: int):
+    import fax_bridge as fb
+
+    def train(p, x):
+        return p * 0.5 + x
+
+    @fb.program(clients=cohort)
+    def links_round(params, data):
+        new = fb.federated_map_clients(train, (fb.federated_broadcast(params), data["x"]))
+        return fb.federated_weighted_mean(new, data["w"]), fb.federated_sum(data["w"])
+
+    return links_round
+
+
+def write_apps(folder: str, size: int, nodes: int, per_node: int, creds) -> tuple:
+    """fax_bridge's app with one population per node, and Flower's app; (node configs,
+    {system: app dir})."""
+    import numpy as np
+
+    from fax_bridge.data import write_population
+    from fax_bridge.flower import app_dir, bundle
+
+    cohort = nodes * per_node
+    ids = np.arange(cohort)
+    example = {"x": ((ids + 1) / 1000).astype(np.float32),
+               "w": (ids + 1).astype(np.float32)}
+    made = bundle.build_round(fax_round(cohort), np.zeros(size, np.float32), example,
+                              placements=("server", "clients"))
+    configs = []
+    for k in range(nodes):
+        path = os.path.join(folder, "pops", f"node-{k}")
+        mine = [c for c in range(cohort) if c // per_node == k]
+        write_population(path, ({"x": np.float32([(c + 1) / 1000]),
+                                 "w": np.float32([c + 1])} for c in mine))
+        configs.append({"population": path, "first-client": mine[0]})
+    fax = os.path.join(folder, "fax_app")
+    app_dir.write_app(made, fax, superlink=f"{HUB_IP}:9093", nodes=configs,
+                      root_certificates=creds.ca_cert,
+                      config={"min-nodes": nodes, "poll-s": 0.05})
+    flower = os.path.join(folder, "flower_app")
+    package = os.path.join(flower, "flower_links")
+    os.makedirs(package)
+    shutil.copy(os.path.join(HERE, "flower_links_app.py"), os.path.join(package, "apps.py"))
+    shutil.copy(os.path.join(HERE, "flower_numpy_app.py"), package)
+    for name in ("workload.py", "numpy_mlp.py"):
+        shutil.copy(os.path.join(HERE, "peers", name), package)
+    with open(os.path.join(package, "__init__.py"), "w") as f:
+        f.write('"""Flower\'s FedAvg of a vector model."""\n')
+    with open(os.path.join(flower, "pyproject.toml"), "w") as f:
+        f.write("\n".join([
+            "[project]", 'name = "flower-links"', 'version = "1.0.0"',
+            'description = "FedAvg of a vector model"', 'license = "Apache-2.0"',
+            "dependencies = []", "", "[tool.flwr.app]", 'publisher = "bench"', "",
+            "[tool.flwr.app.components]", 'serverapp = "flower_links.apps:server_app"',
+            'clientapp = "flower_links.apps:client_app"', "", "[tool.flwr.app.config]",
+            "num-rounds = 3", f"size = {size}", f"clients-per-node = {per_node}",
+            f"min-nodes = {nodes}", "poll-s = 0.05", 'out-dir = ""', ""]))
+    return configs, {"fax_bridge": fax, "flower": flower}
+
+
+def run_once(deployment, network: Network, system: str, apps: dict, rounds: int,
+             out: str) -> dict:
+    """One `flwr run`: each round's wall time and each node's link bytes per round."""
+    before = [network.counters(k) for k in range(network.nodes)]
+    app = apps["flower" if system == "flower" else "fax_bridge"]
+    config = {"num-rounds": rounds, "out-dir": out}
+    if system == "fax_bridge_rounded":
+        config["rounded-partials"] = True
+    run = deployment.run(app, config, timeout_s=1800)
+    after = [network.counters(k) for k in range(network.nodes)]
+    if run.returncode != 0:
+        raise SystemExit(f"{system}: flwr run failed:\n{run.stdout[-3000:]}")
+    if system == "flower":
+        with open(os.path.join(out, "rounds.json")) as f:
+            walls = json.load(f)["wall_s"]
+        reported = None
+    else:
+        with open(os.path.join(out, "reports.jsonl")) as f:
+            reports = [json.loads(line) for line in f]
+        walls = [r["wall_s"] for r in reports]
+        reported = {"bytes_up_per_client": reports[-1]["bytes_up_per_client"],
+                    "bytes_down_per_client": reports[-1]["bytes_down_per_client"]}
+    return {"wall_s": walls, "reported": reported,
+            "up_bytes": [(a[0] - b[0]) / rounds for a, b in zip(after, before)],
+            "down_bytes": [(a[1] - b[1]) / rounds for a, b in zip(after, before)]}
+
+
+def summarize(runs: list, up_mbit: float, down_mbit: float) -> dict:
+    later = [w for r in runs for w in r["wall_s"][1:]]
+    up = max(statistics.median(r["up_bytes"][k] for r in runs)
+             for k in range(len(runs[0]["up_bytes"])))
+    down = max(statistics.median(r["down_bytes"][k] for r in runs)
+               for k in range(len(runs[0]["down_bytes"])))
+    floor = up * 8 / (up_mbit * 1e6) + down * 8 / (down_mbit * 1e6)
+    median = statistics.median(later) if later else None
+    return {"round_s": median, "up_bytes": up, "down_bytes": down, "floor_s": floor,
+            "to_floor": median / floor if median else None,
+            "first_s": [r["wall_s"][0] for r in runs]}
+
+
+def inside(args: argparse.Namespace) -> int:
+    """The benchmark proper, run in the hub namespace (`main` sets up the network)."""
+    sys.path.insert(0, ROOT)
+    from fax_bridge.flower.deployment import LocalDeployment
+    from fax_bridge.flower.security import local_credentials
+
+    network = Network(args.nodes)  # made by main; only shaped and read here
+    links = [tuple(float(x) for x in link.split("/")) for link in args.links]
+    systems = list(SYSTEMS) + (["fax_bridge_rounded"] if args.rounded else [])
+    results = {"machine": f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} "
+                          "at start", "nodes": args.nodes, "rounds": args.rounds,
+               "repeats": args.repeats, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="links-") as folder:
+        creds = local_credentials(os.path.join(folder, "creds"), hosts=[HUB_IP])
+        for size in args.sizes:
+            for per_node in args.per_node:
+                sub = os.path.join(folder, f"{size}-{per_node}")
+                configs, apps = write_apps(sub, size, args.nodes, per_node, creds)
+                with LocalDeployment(configs, os.path.join(sub, "flwr"), host=HUB_IP,
+                                     wrap=wrap, credentials=creds,
+                                     start_timeout_s=600) as deployment:
+                    for up, down in links:
+                        for k in range(args.nodes):
+                            network.shape(k, up, down)
+                        runs: dict = {s: [] for s in systems}
+                        for repeat in range(args.repeats):
+                            order = systems if repeat % 2 == 0 else systems[::-1]
+                            for system in order:
+                                out = os.path.join(sub, f"out-{system}-{up}-{repeat}")
+                                got = run_once(deployment, network, system, apps,
+                                               args.rounds, out)
+                                got["load_average"] = os.getloadavg()[0]
+                                runs[system].append(got)
+                                print(f"{size} x{per_node} {up:g}/{down:g} {system} "
+                                      f"#{repeat}: rounds "
+                                      + ", ".join(f"{w:.2f}" for w in got["wall_s"])
+                                      + f" s; up {max(got['up_bytes']) / 1e6:.2f} MB, "
+                                      f"down {max(got['down_bytes']) / 1e6:.2f} MB a node"
+                                      f" (load {got['load_average']:.1f})", flush=True)
+                        for system in systems:
+                            row = {"size": size, "per_node": per_node,
+                                   "link": f"{up:g}/{down:g}", "system": system,
+                                   **summarize(runs[system], up, down),
+                                   "runs": runs[system]}
+                            results["rows"].append(row)
+                        fax = results["rows"][-len(systems)]
+                        flower = results["rows"][-len(systems) + 1]
+                        fax["to_flower"] = fax["round_s"] / flower["round_s"]
+    print(results["machine"])
+    print(f"{'link':>9s} {'size':>9s} {'cl/node':>7s} {'system':>19s} {'round s':>8s} "
+          f"{'up MB':>7s} {'down MB':>8s} {'floor s':>8s} {'/floor':>6s} {'/flower':>7s}")
+    for r in results["rows"]:
+        print(f"{r['link']:>9s} {r['size']:>9d} {r['per_node']:>7d} {r['system']:>19s} "
+              f"{r['round_s']:8.2f} {r['up_bytes'] / 1e6:7.2f} {r['down_bytes'] / 1e6:8.2f} "
+              f"{r['floor_s']:8.2f} {r['to_floor']:6.2f} "
+              + (f"{r['to_flower']:7.2f}" if "to_flower" in r else ""))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    p.add_argument("--links", nargs="+", default=["20/100", "100/1000"],
+                   help="UP/DOWN rates in Mbit/s")
+    p.add_argument("--per-node", type=int, nargs="+", default=[1, 2],
+                   help="cohort clients on each node")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rounded", action="store_true",
+                   help="also run fax_bridge's app with rounded-partials=true")
+    p.add_argument("--json", default=None)
+    p.add_argument("--timeout-s", type=float, default=7200)
+    p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
+    if args.inside:
+        return inside(args)
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        print("links: needs root with `ip` and `tc` (network namespaces); skipped",
+              file=sys.stderr)
+        return 2
+    with Network(args.nodes):
+        command = ["ip", "netns", "exec", HUB, sys.executable, os.path.abspath(__file__),
+                   "--inside", *sys.argv[1:]]
+        proc = subprocess.Popen(command, start_new_session=True)
+        try:
+            return proc.wait(timeout=args.timeout_s)
+        except BaseException:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
