@@ -20,7 +20,9 @@ size (`--sizes`, float32 parameters) and cohort (`--per-node` clients on each of
 `tc` between runs. Per run: the rounds' wall times (the first set apart: nodes compile
 then), the bytes each node's link carried up and down per round (its veth's counters,
 everything Flower and TLS send), and the link floor, `up bytes / up rate + down bytes /
-down rate` of the busiest node. Namespaces and processes are removed on every exit
+down rate` of the busiest node (a round's bytes: a run's less a one-round run's, over
+the rounds it adds, so the app's download and the nodes' joining, paid once a run, are
+left out). Namespaces and processes are removed on every exit
 (and stale ones, by the `fxl-` prefix, before starting).
 
     sudo .venv/bin/python benchmarks/links.py [--sizes 1000000 10000000] \\
@@ -63,19 +65,20 @@ def _tc(ns: str, *args: str) -> None:
         raise RuntimeError(f"tc -n {ns} {' '.join(args)}: {out.stderr.strip()}")
 
 
-def node_ns(k: int) -> str:
-    return f"{PREFIX}n{k}"
+def node_ns(k: int, prefix: str = PREFIX) -> str:
+    return f"{prefix}n{k}"
 
 
 def node_ip(k: int) -> str:
     return f"{SUBNET}.{10 + k}"
 
 
-def remove_stale() -> None:
-    """Ends every process in, and deletes, each namespace of this benchmark's prefix."""
+def remove_stale(prefix: str = PREFIX) -> None:
+    """Ends every process in, and deletes, each namespace whose name starts with
+    `prefix` (this benchmark's)."""
     for line in _ip("netns", "list", check=False).splitlines():
         name = line.split()[0] if line.split() else ""
-        if not name.startswith(PREFIX):
+        if not name.startswith(prefix):
             continue
         for pid in _ip("netns", "pids", name, check=False).split():
             try:
@@ -86,51 +89,57 @@ def remove_stale() -> None:
 
 
 class Network:
-    """The hub and `nodes` node namespaces (module docstring); `shape` sets the links."""
+    """The hub and `nodes` node namespaces (module docstring), their names starting with
+    `prefix`; `shape` sets the links. Leaving the `with` (or the process) removes them."""
 
-    def __init__(self, nodes: int):
-        self.nodes = nodes
+    def __init__(self, nodes: int, prefix: str = PREFIX):
+        self.nodes, self.prefix = nodes, prefix
+        self.hub = prefix + "hub"
+
+    def ns(self, k: int) -> str:
+        return node_ns(k, self.prefix)
 
     def __enter__(self) -> "Network":
-        remove_stale()
-        atexit.register(remove_stale)
+        remove_stale(self.prefix)
+        atexit.register(remove_stale, self.prefix)
+        hub = self.hub
         try:
-            _ip("netns", "add", HUB)
-            _ip("-n", HUB, "link", "set", "lo", "up")
-            _ip("-n", HUB, "link", "add", "br0", "type", "bridge")
-            _ip("-n", HUB, "addr", "add", f"{HUB_IP}/24", "dev", "br0")
-            _ip("-n", HUB, "link", "set", "br0", "up")
+            _ip("netns", "add", hub)
+            _ip("-n", hub, "link", "set", "lo", "up")
+            _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", hub, "addr", "add", f"{HUB_IP}/24", "dev", "br0")
+            _ip("-n", hub, "link", "set", "br0", "up")
             for k in range(self.nodes):
-                ns = node_ns(k)
+                ns = self.ns(k)
                 _ip("netns", "add", ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
-                _ip("-n", HUB, "link", "add", f"hv{k}", "type", "veth", "peer", "name",
+                _ip("-n", hub, "link", "add", f"hv{k}", "type", "veth", "peer", "name",
                     "eth0", "netns", ns)
-                _ip("-n", HUB, "link", "set", f"hv{k}", "master", "br0", "up")
+                _ip("-n", hub, "link", "set", f"hv{k}", "master", "br0", "up")
                 _ip("-n", ns, "addr", "add", f"{node_ip(k)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
         except BaseException:
-            remove_stale()
+            remove_stale(self.prefix)
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        remove_stale()
+        remove_stale(self.prefix)
 
     def shape(self, k: int, up_mbit: float, down_mbit: float) -> None:
         """Node `k`'s uplink (its veth end's egress) and downlink (the hub end's)."""
-        for ns, dev, rate in ((node_ns(k), "eth0", up_mbit), (HUB, f"hv{k}", down_mbit)):
+        for ns, dev, rate in ((self.ns(k), "eth0", up_mbit), (self.hub, f"hv{k}", down_mbit)):
             burst = max(32 << 10, int(rate * 1e6 / 8 / 50))  # 20 ms of the rate
             _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                 f"{rate}mbit", "burst", str(burst), "latency", "200ms")
 
     def set_link(self, k: int, up: bool) -> None:
         """Takes node `k`'s link down (a cut cable) or brings it up again."""
-        _ip("-n", node_ns(k), "link", "set", "eth0", "up" if up else "down")
+        _ip("-n", self.ns(k), "link", "set", "eth0", "up" if up else "down")
 
     def counters(self, k: int) -> tuple:
         """(bytes node `k` sent, bytes it received) on its link so far."""
-        stats = json.loads(_ip("-n", node_ns(k), "-s", "-j", "link", "show", "eth0"))[0]
+        stats = json.loads(_ip("-n", self.ns(k), "-s", "-j", "link", "show", "eth0"))[0]
         return stats["stats64"]["tx"]["bytes"], stats["stats64"]["rx"]["bytes"]
 
 
@@ -203,8 +212,10 @@ def write_apps(folder: str, size: int, nodes: int, per_node: int, creds) -> tupl
 
 
 def run_once(deployment, network: Network, system: str, apps: dict, rounds: int,
-             out: str) -> dict:
-    """One `flwr run`: each round's wall time and each node's link bytes per round."""
+             out: str, base: dict = None) -> dict:
+    """One `flwr run`: each round's wall time and each node's link bytes per round
+    (with `base`, a run of one round: what the rounds after the first add, per round,
+    which leaves out what a run costs once, such as the app's download)."""
     before = [network.counters(k) for k in range(network.nodes)]
     app = apps["flower" if system == "flower" else "fax_bridge"]
     config = {"num-rounds": rounds, "out-dir": out}
@@ -224,9 +235,15 @@ def run_once(deployment, network: Network, system: str, apps: dict, rounds: int,
         walls = [r["wall_s"] for r in reports]
         reported = {"bytes_up_per_client": reports[-1]["bytes_up_per_client"],
                     "bytes_down_per_client": reports[-1]["bytes_down_per_client"]}
-    return {"wall_s": walls, "reported": reported,
-            "up_bytes": [(a[0] - b[0]) / rounds for a, b in zip(after, before)],
-            "down_bytes": [(a[1] - b[1]) / rounds for a, b in zip(after, before)]}
+    up = [a[0] - b[0] for a, b in zip(after, before)]
+    down = [a[1] - b[1] for a, b in zip(after, before)]
+    got = {"wall_s": walls, "reported": reported, "run_up_bytes": up,
+           "run_down_bytes": down, "rounds": rounds}
+    if base is not None and rounds > 1:
+        got["up_bytes"] = [(a - b) / (rounds - 1) for a, b in zip(up, base["run_up_bytes"])]
+        got["down_bytes"] = [(a - b) / (rounds - 1)
+                             for a, b in zip(down, base["run_down_bytes"])]
+    return got
 
 
 def summarize(runs: list, up_mbit: float, down_mbit: float) -> dict:
@@ -267,29 +284,34 @@ def inside(args: argparse.Namespace) -> int:
                         for k in range(args.nodes):
                             network.shape(k, up, down)
                         runs: dict = {s: [] for s in systems}
+                        base = {}  # one round a run: what a run costs besides its rounds
+                        for system in systems:
+                            base[system] = run_once(
+                                deployment, network, system, apps, 1,
+                                os.path.join(sub, f"out-{system}-{up}-base"))
                         for repeat in range(args.repeats):
                             order = systems if repeat % 2 == 0 else systems[::-1]
                             for system in order:
                                 out = os.path.join(sub, f"out-{system}-{up}-{repeat}")
                                 got = run_once(deployment, network, system, apps,
-                                               args.rounds, out)
+                                               args.rounds, out, base[system])
                                 got["load_average"] = os.getloadavg()[0]
                                 runs[system].append(got)
                                 print(f"{size} x{per_node} {up:g}/{down:g} {system} "
                                       f"#{repeat}: rounds "
                                       + ", ".join(f"{w:.2f}" for w in got["wall_s"])
-                                      + f" s; up {max(got['up_bytes']) / 1e6:.2f} MB, "
-                                      f"down {max(got['down_bytes']) / 1e6:.2f} MB a node"
-                                      f" (load {got['load_average']:.1f})", flush=True)
+                                      + f" s; a round: up {max(got['up_bytes']) / 1e6:.2f}"
+                                      f" MB, down {max(got['down_bytes']) / 1e6:.2f} MB a "
+                                      f"node (load {got['load_average']:.1f})", flush=True)
                         for system in systems:
                             row = {"size": size, "per_node": per_node,
                                    "link": f"{up:g}/{down:g}", "system": system,
                                    **summarize(runs[system], up, down),
                                    "runs": runs[system]}
                             results["rows"].append(row)
-                        fax = results["rows"][-len(systems)]
                         flower = results["rows"][-len(systems) + 1]
-                        fax["to_flower"] = fax["round_s"] / flower["round_s"]
+                        for row in results["rows"][-len(systems):]:
+                            row["to_flower"] = row["round_s"] / flower["round_s"]
     print(results["machine"])
     print(f"{'link':>9s} {'size':>9s} {'cl/node':>7s} {'system':>19s} {'round s':>8s} "
           f"{'up MB':>7s} {'down MB':>8s} {'floor s':>8s} {'/floor':>6s} {'/flower':>7s}")
@@ -303,6 +325,123 @@ def inside(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def _idle(network: Network, k: int, quiet_s: float = 2.0, most_s: float = 90.0) -> None:
+    """Waits (at most `most_s`) until node `k`'s uplink has carried nothing for
+    `quiet_s`: a stale answer still uploading would slow the next scenario."""
+    end, last, since = time.monotonic() + most_s, None, time.monotonic()
+    while time.monotonic() < end:
+        now = network.counters(k)[0]
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+
+
+def _reports(out: str) -> list:
+    """The fax_bridge app's round reports of a run: round, participants, lost nodes
+    (named with the reason), error."""
+    path = os.path.join(out, "reports.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [{k: r.get(k) for k in ("round", "participants", "lost_devices", "error",
+                                       "wall_s")} for r in map(json.loads, f)]
+
+
+def fault_runs(args: argparse.Namespace, deployment, network: Network, app: str,
+               folder: str) -> list:
+    """The faults (module docstring of `faults`), each a run of fax_bridge's app; what
+    each run's reports say and whether `flwr run` ended."""
+    import threading
+
+    out, deadline = [], args.deadline_s
+    base = {"round-deadline-s": deadline, "first-round-timeout-s": deadline,
+            "min-clients": 1}
+
+    def run(name: str, rounds: int, **config) -> dict:
+        path = os.path.join(folder, f"fault-{name}-{len(out)}")
+        start = time.perf_counter()
+        done = deployment.run(app, {**base, "num-rounds": rounds, "out-dir": path, **config},
+                              timeout_s=rounds * (deadline + 60) + 120)
+        got = {"scenario": name, "returncode": done.returncode,
+               "run_s": time.perf_counter() - start, "reports": _reports(path)}
+        if done.returncode:
+            got["output"] = done.stdout[-1500:]
+        out.append(got)
+        print(json.dumps(got)[:1500], flush=True)
+        return got
+
+    for k in range(network.nodes):
+        network.shape(k, 20, 100)
+    # A straggler: node 1's uplink at 1 Mbit/s, its answer slower than the deadline.
+    network.shape(1, 1, 100)
+    run("straggler-1mbit", 2)
+    network.shape(1, 20, 100)
+    _idle(network, 1)
+    # A cut link: node 1's veth taken down once a quarter of its answer went up.
+    answer = args.sizes[0] * 4
+    network.shape(1, 2, 100)  # so that its upload lasts longer than the watch's step
+    stop = threading.Event()
+
+    def cut() -> None:
+        start = network.counters(1)[0]
+        end = time.monotonic() + deadline + 120
+        while not stop.is_set() and time.monotonic() < end:
+            if network.counters(1)[0] - start > answer // 4:
+                network.set_link(1, False)
+                print("node 1's link taken down mid-upload", flush=True)
+                stop.wait(deadline + 5)
+                network.set_link(1, True)
+                return
+            time.sleep(0.05)
+
+    watch = threading.Thread(target=cut, daemon=True)
+    watch.start()
+    try:
+        run("link-down-mid-upload", 2)
+    finally:
+        stop.set()
+        watch.join(timeout=deadline + 30)
+        network.set_link(1, True)
+    network.shape(1, 20, 100)
+    _idle(network, 1)
+    # A SuperLink restart between rounds: round 1 checkpointed, the SuperLink ended and
+    # started again, the nodes reconnect, the rerun resumes with round 2.
+    checkpoint = os.path.join(folder, "checkpoint")
+    run("before-superlink-restart", 1, **{"checkpoint-dir": checkpoint})
+    deployment.restart_superlink()
+    run("after-superlink-restart", 2, **{"checkpoint-dir": checkpoint,
+                                         "wait-nodes-s": 120.0})
+    return out
+
+
+def faults(args: argparse.Namespace) -> int:
+    """The faults on shaped links, inside the hub namespace: a straggler behind a
+    1 Mbit/s uplink against the round's deadline, a node whose link goes down while it
+    uploads its answer, and a SuperLink restart between rounds (a checkpointed run
+    resumed). Each round must end as the policy says, its report naming a dropped node
+    and why, the next round must run, and no run may outlast its bound."""
+    sys.path.insert(0, ROOT)
+    from fax_bridge.flower.deployment import LocalDeployment
+    from fax_bridge.flower.security import local_credentials
+
+    network = Network(args.nodes)
+    with tempfile.TemporaryDirectory(prefix="links-faults-") as folder:
+        creds = local_credentials(os.path.join(folder, "creds"), hosts=[HUB_IP])
+        configs, apps = write_apps(folder, args.sizes[0], args.nodes, 1, creds)
+        with LocalDeployment(configs, os.path.join(folder, "flwr"), host=HUB_IP,
+                             wrap=wrap, credentials=creds,
+                             start_timeout_s=600) as deployment:
+            found = fault_runs(args, deployment, network, apps["fax_bridge"], folder)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"machine": f"{os.cpu_count()} CPUs", "size": args.sizes[0],
+                       "deadline_s": args.deadline_s, "runs": found}, f, indent=1)
+    return 0 if all(r["returncode"] == 0 for r in found) else 1
 
 
 def parser() -> argparse.ArgumentParser:
@@ -319,6 +458,11 @@ def parser() -> argparse.ArgumentParser:
                    help="also run fax_bridge's app with rounded-partials=true")
     p.add_argument("--json", default=None)
     p.add_argument("--timeout-s", type=float, default=7200)
+    p.add_argument("--faults", action="store_true",
+                   help="run the faults instead (a cut link, a 1 Mbit/s straggler, a "
+                        "SuperLink restart) at the first size")
+    p.add_argument("--deadline-s", type=float, default=20.0,
+                   help="the faults' round deadline")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -326,7 +470,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = parser().parse_args()
     if args.inside:
-        return inside(args)
+        return faults(args) if args.faults else inside(args)
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("links: needs root with `ip` and `tc` (network namespaces); skipped",
               file=sys.stderr)

@@ -227,17 +227,10 @@ class LocalDeployment:
         with open(os.path.join(self.home, "config.toml"), "w") as f:
             f.write(connection_toml(self.address,
                                     root_certificates=creds and creds.ca_cert))
-        security = ["--insecure"] if creds is None else [
-            "--ssl-ca-certfile", creds.ca_cert, "--ssl-certfile", creds.server_cert,
-            "--ssl-keyfile", creds.server_key] + (
-            ["--enable-supernode-auth"] if creds.node_auth else [])
-        self.superlink = self._spawn("superlink", [
-            "flower-superlink", *security, "--host", self.host, "--port", str(self.port),
-            "--disable-runtime-dependency-installation"])
+        self._start_superlink()
         configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
             if self.warm else self.nodes
-        wait_port(self.port, self.superlink, "flower-superlink", self.start_timeout_s,
-                  os.path.join(self.log_dir, "superlink.log"), self.host)
+        self._wait_superlink()
         if creds is not None and creds.node_auth:
             self.register([public for _, public in creds.node_keys[:len(configs)]])
         for i, config in enumerate(configs):
@@ -245,6 +238,32 @@ class LocalDeployment:
             self.supernodes.append(self.start_supernode(config, key, f"supernode-{i}"))
         for i, worker in enumerate(self.workers):
             self._wait_worker(i, int(configs[i]["worker"].rsplit(":", 1)[1]), worker)
+
+    def _start_superlink(self) -> None:
+        creds = self.credentials
+        security = ["--insecure"] if creds is None else [
+            "--ssl-ca-certfile", creds.ca_cert, "--ssl-certfile", creds.server_cert,
+            "--ssl-keyfile", creds.server_key] + (
+            ["--enable-supernode-auth"] if creds.node_auth else [])
+        self.superlink = self._spawn("superlink", [
+            "flower-superlink", *security, "--host", self.host, "--port", str(self.port),
+            "--disable-runtime-dependency-installation"])
+
+    def _wait_superlink(self) -> None:
+        wait_port(self.port, self.superlink, "flower-superlink", self.start_timeout_s,
+                  os.path.join(self.log_dir, "superlink.log"), self.host)
+
+    def restart_superlink(self) -> None:
+        """Ends the SuperLink (with every process it started) and starts it again on
+        the same address; the SuperNodes reconnect by themselves. Its state (runs, node
+        ids) starts empty: with node authentication the keys are registered again."""
+        if self.superlink is not None:
+            end_group(self.superlink)
+        self._start_superlink()
+        self._wait_superlink()
+        creds = self.credentials
+        if creds is not None and creds.node_auth:
+            self.register([public for _, public in creds.node_keys[:len(self.nodes)]])
 
     def start_supernode(self, config: dict, private_key: Optional[str] = None,
                         name: str = "supernode-extra") -> subprocess.Popen:
