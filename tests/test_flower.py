@@ -864,3 +864,32 @@ def test_a_tls_deployment_with_node_auth_has_the_same_bits_and_refuses_unknown_n
     (report,) = _reports(out)
     assert report["participants"] == list(range(N)) and report["devices"] == 2
     assert _npz_bits(f"{out}/result.npz") == _bits(_expected(made, args, 1), made)
+
+
+def test_a_state_over_the_bundle_limit_is_read_from_initial_state(tmp_path, quickstart,
+                                                                  populations, monkeypatch):
+    prog, args, made = quickstart
+    folder = tmp_path / "app"
+    without = os.path.getsize(bundle.write_round(made, str(tmp_path / "probe"),
+                                                 str(tmp_path / "probe.npz")))
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", without + 16)  # the state: over it
+    app_dir.write_app(made, str(folder))
+    state_path = str(folder / app_dir.STATE_FILE)
+    with open(folder / "pyproject.toml") as f:
+        assert f'initial-state = "{state_path}"' in f.read()
+    package = str(folder / app_dir.PACKAGE)
+    with open(os.path.join(package, bundle.FILE_NAME)) as f:
+        assert json.load(f)["state"] is None  # only its layout travels in the bundle
+    grid = _grid(str(folder), populations)
+    with pytest.raises(FleetError, match="set the run config's initial-state"):
+        server.run_server(grid, {"num-rounds": 1}, package, log=lambda text: None)
+    out = str(tmp_path / "out")
+    got = server.run_server(grid, {"num-rounds": 3, "out-dir": out,
+                                   "initial-state": state_path}, package,
+                            log=lambda text: None)
+    assert _bits(got, made) == _bits(_expected(made, args, 3), made)
+    other = [np.zeros((2,), np.float32)]
+    bundle.write_state(other, str(tmp_path / "other.npz"))
+    with pytest.raises(ExportError, match="written for another round"):
+        server.run_server(grid, {"num-rounds": 1, "initial-state": str(
+            tmp_path / "other.npz")}, package, log=lambda text: None)

@@ -5,6 +5,8 @@
     DIR/fax_round/client_app.py   app = fax_bridge.flower.client.client_app(here)
     DIR/fax_round/round.json      the exported round and its initial state (`bundle`)
     DIR/README.md                 how to start the SuperLink and SuperNodes and run it
+    DIR/initial_state.npz         only for a state over the bundle's 10 MB: read by the
+                                  ServerApp from the run config's `initial-state` path
     DIR/.flwr/config.toml         the SuperLink connection `fax-bridge`
                                   (FLWR_HOME=DIR/.flwr; TLS with `root_certificates`)
 
@@ -19,10 +21,12 @@ import os
 import shlex
 from typing import Optional
 
+from fax_bridge.errors import ExportError
 from fax_bridge.flower.bundle import FlowerRound, write_round
 from fax_bridge.flower.deployment import CONNECTION, connection_toml, node_config_text
 
 PACKAGE = "fax_round"
+STATE_FILE = "initial_state.npz"  # a state too large for the bundle (bundle.write_state)
 
 DEFAULT_CONFIG = {
     "num-rounds": 3, "cohort-size": 0, "dropout": 0.0, "seed": 0, "min-clients": 1,
@@ -149,7 +153,8 @@ first-round-timeout-s (the least the first round waits: nodes start then), min-n
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
 out-dir (reports.json, result.npz), checkpoint-dir (resume after a crash) and
 secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
-unmask a lost one; 0: a strict majority) and rounded-partials (true: each node sends
+unmask a lost one; 0: a strict majority), initial-state (a state over the bundle's 10 MB:
+the .npz the ServerApp reads it from, a path on the SuperLink's host) and rounded-partials (true: each node sends
 its float sums rounded once to float32, Flower's bytes, and the result agrees with the
 exact one within that rounding instead of bit for bit; a node of one client sends its
 exact float32 addend either way).
@@ -204,7 +209,12 @@ def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:909
     home = os.path.join(folder, ".flwr")
     os.makedirs(package, exist_ok=True)
     os.makedirs(home, exist_ok=True)
-    written = [write_round(made, package)]
+    try:
+        written = [write_round(made, package)]
+    except ExportError:  # a state over the bundle's 10 MB: a file of its own beside it
+        state_path = os.path.join(os.path.abspath(folder), STATE_FILE)
+        written = [write_round(made, package, state_path), state_path]
+        settings["initial-state"] = state_path
     files = {
         os.path.join(folder, "pyproject.toml"): pyproject(name, settings),
         os.path.join(package, "__init__.py"): '"""A fax_bridge round as a Flower app."""\n',

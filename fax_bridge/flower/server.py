@@ -67,6 +67,7 @@ class Settings:
     out_dir: str = ""
     checkpoint_dir: str = ""
     secagg_threshold: float = 0.0
+    initial_state: str = ""
 
     @classmethod
     def from_run_config(cls, config) -> "Settings":
@@ -94,7 +95,8 @@ class Settings:
                    out_dir=get("out-dir", str, ""),
                    checkpoint_dir=get("checkpoint-dir", str, ""),
                    secagg_threshold=secagg.checked_threshold(
-                       get("secagg-threshold", float, 0.0)))
+                       get("secagg-threshold", float, 0.0)),
+                   initial_state=get("initial-state", str, ""))
 
     def deadline_s(self, first: bool) -> float:
         """How long a round waits for the nodes' answers: `round-deadline-s`, else
@@ -195,7 +197,17 @@ def _resume(made, settings: Settings) -> tuple:
     meta = {"computation": str(made.prepared.type),
             "program": checkpoint.program_fingerprint(made.proto),
             "policy": repr(settings.policy), "num_rounds": settings.num_rounds}
-    state, start = made.state_value(made.state), 0
+    tensors = made.state
+    if made.state_outside:  # too large for the bundle: a file on the SuperLink's host
+        from fax_bridge.flower.bundle import read_state
+
+        if not settings.initial_state:
+            raise FleetError("this round's initial state is not in its app bundle; set "
+                             "the run config's initial-state to the initial_state.npz "
+                             "`fax-bridge flower` wrote beside the app (a path on the "
+                             "SuperLink's host)")
+        tensors = read_state(settings.initial_state, made.state)
+    state, start = made.state_value(tensors), 0
     if settings.checkpoint_dir:
         saved = checkpoint.resume(settings.checkpoint_dir, meta, setting="checkpoint-dir")
         if saved is not None:
