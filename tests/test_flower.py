@@ -893,3 +893,38 @@ def test_a_state_over_the_bundle_limit_is_read_from_initial_state(tmp_path, quic
     with pytest.raises(ExportError, match="written for another round"):
         server.run_server(grid, {"num-rounds": 1, "initial-state": str(
             tmp_path / "other.npz")}, package, log=lambda text: None)
+
+
+def test_a_reply_still_uploading_does_not_hold_the_exchange_past_its_deadline(
+        quickstart, populations, app):
+    from fax_bridge.flower import nodes as flower_nodes
+
+    grid = _grid(app, populations)
+    released = threading.Event()
+    slow_node = 101
+    pull = grid.pull_messages
+
+    def pull_messages(message_ids):  # Flower's pull waits while a reply's arrays upload
+        ids = list(message_ids)
+        if any(grid.destinations.get(i) == slow_node for i in ids):
+            released.wait(60)
+        return pull(ids)
+
+    grid.destinations = {}
+    push = grid.push_messages
+
+    def push_messages(messages):
+        ids = push(messages)
+        grid.destinations.update((i, m.metadata.dst_node_id) for i, m in zip(ids, messages))
+        return ids
+
+    grid.push_messages, grid.pull_messages = push_messages, pull_messages
+    from flwr.app import Message, MessageType, RecordDict
+
+    messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
+                for node in (100, slow_node)]
+    try:
+        replies = flower_nodes.exchange(grid, messages, timeout_s=1.0, poll_s=0.05)
+        assert set(replies) == {100} and not released.is_set()  # returned without it
+    finally:
+        released.set()
