@@ -1,6 +1,6 @@
 """Flower's own FedAvg of a model of any size, as a Flower app (flwr 1.42), for `links.py`.
 
-The model is one float32 vector of `size` parameters (zeros at first). Each client c
+The model is one float32 vector of `size` parameters (`init` at first). Each client c
 trains it as fax_bridge's round in `links.py` does: `params * 0.5 + x_c` with
 `x_c = (c + 1) / 1000`, weighted by `c + 1` examples. The ServerApp is
 `flwr.serverapp.strategy.FedAvg` as it comes, one message per cohort client (client c
@@ -81,7 +81,7 @@ def main(grid: Grid, context: Context) -> None:
             ends.append(time.perf_counter())
         return None
 
-    init = [np.zeros(int(config["size"]), np.float32)]
+    init = [np.full(int(config["size"]), float(config["init"]), np.float32)]
     strategy.start(PollingGrid(grid, float(config["poll-s"])), ArrayRecord(init),
                    num_rounds=int(config["num-rounds"]), timeout=1200,
                    evaluate_fn=round_done)

@@ -20,9 +20,10 @@ size (`--sizes`, float32 parameters) and cohort (`--per-node` clients on each of
 `tc` between runs. Per run: the rounds' wall times (the first set apart: nodes compile
 then), the bytes each node's link carried up and down per round (its veth's counters,
 everything Flower and TLS send), and the link floor, `up bytes / up rate + down bytes /
-down rate` of the busiest node (a round's bytes: a run's less a one-round run's, over
-the rounds it adds, so the app's download and the nodes' joining, paid once a run, are
-left out). Namespaces and processes are removed on every exit
+down rate` of the busiest node (a round's bytes: a run's over its rounds, so they hold
+the run's share of what it pays once, such as the app's download: kilobytes). Every
+run starts from a model of its own (Flower does not send arrays again that it moved
+before). Namespaces and processes are removed on every exit
 (and stale ones, by the `fxl-` prefix, before starting).
 
     sudo .venv/bin/python benchmarks/links.py [--sizes 1000000 10000000] \\
@@ -36,6 +37,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,7 +47,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PREFIX = "fxl-"
-HUB = PREFIX + "hub"
 SUBNET = "10.77.0"
 HUB_IP = f"{SUBNET}.1"
 SYSTEMS = ("fax_bridge", "flower")
@@ -137,18 +138,19 @@ class Network:
         """Takes node `k`'s link down (a cut cable) or brings it up again."""
         _ip("-n", self.ns(k), "link", "set", "eth0", "up" if up else "down")
 
+    def wrap(self, name: str) -> list:
+        """`LocalDeployment`'s command prefix: SuperNode K and its worker on node K's
+        host; the SuperLink and `flwr run` where this runs (the hub)."""
+        if name.startswith(("supernode-", "worker-")):
+            return ["ip", "netns", "exec", self.ns(int(name.rsplit("-", 1)[1]))]
+        return []
+
     def counters(self, k: int) -> tuple:
         """(bytes node `k` sent, bytes it received) on its link so far."""
         stats = json.loads(_ip("-n", self.ns(k), "-s", "-j", "link", "show", "eth0"))[0]
         return stats["stats64"]["tx"]["bytes"], stats["stats64"]["rx"]["bytes"]
 
 
-def wrap(name: str) -> list:
-    """`LocalDeployment`'s command prefix: SuperNode K and its worker in `fxl-nK`; the
-    SuperLink and `flwr run` where this runs (the hub)."""
-    if name.startswith(("supernode-", "worker-")):
-        return ["ip", "netns", "exec", node_ns(int(name.rsplit("-", 1)[1]))]
-    return []
 
 
 def fax_round(cohort: int):
@@ -207,18 +209,33 @@ def write_apps(folder: str, size: int, nodes: int, per_node: int, creds) -> tupl
             "[tool.flwr.app.components]", 'serverapp = "flower_links.apps:server_app"',
             'clientapp = "flower_links.apps:client_app"', "", "[tool.flwr.app.config]",
             "num-rounds = 3", f"size = {size}", f"clients-per-node = {per_node}",
-            f"min-nodes = {nodes}", "poll-s = 0.05", 'out-dir = ""', ""]))
+            f"min-nodes = {nodes}", "poll-s = 0.05", "init = 0.0", 'out-dir = ""', ""]))
     return configs, {"fax_bridge": fax, "flower": flower}
 
 
+_RUNS = [0]  # runs so far: each starts from a model of its own
+
+
 def run_once(deployment, network: Network, system: str, apps: dict, rounds: int,
-             out: str, base: dict = None) -> dict:
-    """One `flwr run`: each round's wall time and each node's link bytes per round
-    (with `base`, a run of one round: what the rounds after the first add, per round,
-    which leaves out what a run costs once, such as the app's download)."""
+             out: str, size: int) -> dict:
+    """One `flwr run`: each round's wall time and each node's link bytes a round. Each
+    run starts from a model no run had (all `init`, a value of its own): Flower keeps
+    the arrays it has moved by their content and does not send them again, so a run
+    repeating an earlier one's rounds would cross the links with almost nothing."""
+    from fax_bridge.flower.bundle import write_state
+
+    import numpy as np
+
+    _RUNS[0] += 1
+    init = _RUNS[0] / 1024
     before = [network.counters(k) for k in range(network.nodes)]
     app = apps["flower" if system == "flower" else "fax_bridge"]
     config = {"num-rounds": rounds, "out-dir": out}
+    if system == "flower":
+        config["init"] = init
+    else:
+        config["initial-state"] = write_state([np.full(size, init, np.float32)],
+                                              out + "-initial.npz")
     if system == "fax_bridge_rounded":
         config["rounded-partials"] = True
     run = deployment.run(app, config, timeout_s=1800)
@@ -235,15 +252,9 @@ def run_once(deployment, network: Network, system: str, apps: dict, rounds: int,
         walls = [r["wall_s"] for r in reports]
         reported = {"bytes_up_per_client": reports[-1]["bytes_up_per_client"],
                     "bytes_down_per_client": reports[-1]["bytes_down_per_client"]}
-    up = [a[0] - b[0] for a, b in zip(after, before)]
-    down = [a[1] - b[1] for a, b in zip(after, before)]
-    got = {"wall_s": walls, "reported": reported, "run_up_bytes": up,
-           "run_down_bytes": down, "rounds": rounds}
-    if base is not None and rounds > 1:
-        got["up_bytes"] = [(a - b) / (rounds - 1) for a, b in zip(up, base["run_up_bytes"])]
-        got["down_bytes"] = [(a - b) / (rounds - 1)
-                             for a, b in zip(down, base["run_down_bytes"])]
-    return got
+    return {"wall_s": walls, "reported": reported, "rounds": rounds,
+            "up_bytes": [(a[0] - b[0]) / rounds for a, b in zip(after, before)],
+            "down_bytes": [(a[1] - b[1]) / rounds for a, b in zip(after, before)]}
 
 
 def summarize(runs: list, up_mbit: float, down_mbit: float) -> dict:
@@ -265,7 +276,7 @@ def inside(args: argparse.Namespace) -> int:
     from fax_bridge.flower.deployment import LocalDeployment
     from fax_bridge.flower.security import local_credentials
 
-    network = Network(args.nodes)  # made by main; only shaped and read here
+    network = Network(args.nodes, args.prefix)  # made by main; only shaped and read here
     links = [tuple(float(x) for x in link.split("/")) for link in args.links]
     systems = list(SYSTEMS) + (["fax_bridge_rounded"] if args.rounded else [])
     results = {"machine": f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} "
@@ -278,23 +289,18 @@ def inside(args: argparse.Namespace) -> int:
                 sub = os.path.join(folder, f"{size}-{per_node}")
                 configs, apps = write_apps(sub, size, args.nodes, per_node, creds)
                 with LocalDeployment(configs, os.path.join(sub, "flwr"), host=HUB_IP,
-                                     wrap=wrap, credentials=creds,
+                                     wrap=network.wrap, credentials=creds,
                                      start_timeout_s=600) as deployment:
                     for up, down in links:
                         for k in range(args.nodes):
                             network.shape(k, up, down)
                         runs: dict = {s: [] for s in systems}
-                        base = {}  # one round a run: what a run costs besides its rounds
-                        for system in systems:
-                            base[system] = run_once(
-                                deployment, network, system, apps, 1,
-                                os.path.join(sub, f"out-{system}-{up}-base"))
                         for repeat in range(args.repeats):
                             order = systems if repeat % 2 == 0 else systems[::-1]
                             for system in order:
                                 out = os.path.join(sub, f"out-{system}-{up}-{repeat}")
                                 got = run_once(deployment, network, system, apps,
-                                               args.rounds, out, base[system])
+                                               args.rounds, out, size)
                                 got["load_average"] = os.getloadavg()[0]
                                 runs[system].append(got)
                                 print(f"{size} x{per_node} {up:g}/{down:g} {system} "
@@ -358,14 +364,15 @@ def fault_runs(args: argparse.Namespace, deployment, network: Network, app: str,
     import threading
 
     out, deadline = [], args.deadline_s
-    base = {"round-deadline-s": deadline, "first-round-timeout-s": deadline,
+    # a run's first round waits longer (each node starts its ClientApp processes then)
+    base = {"round-deadline-s": deadline, "first-round-timeout-s": 120.0,
             "min-clients": 1}
 
     def run(name: str, rounds: int, **config) -> dict:
         path = os.path.join(folder, f"fault-{name}-{len(out)}")
         start = time.perf_counter()
         done = deployment.run(app, {**base, "num-rounds": rounds, "out-dir": path, **config},
-                              timeout_s=rounds * (deadline + 60) + 120)
+                              timeout_s=rounds * (deadline + 60) + 240)
         got = {"scenario": name, "returncode": done.returncode,
                "run_s": time.perf_counter() - start, "reports": _reports(path)}
         if done.returncode:
@@ -376,21 +383,23 @@ def fault_runs(args: argparse.Namespace, deployment, network: Network, app: str,
 
     for k in range(network.nodes):
         network.shape(k, 20, 100)
-    # A straggler: node 1's uplink at 1 Mbit/s, its answer slower than the deadline.
+    # A straggler: node 1's uplink at 1 Mbit/s, its answer slower than the deadline
+    # (the first round waits for it: it waits 120 s).
     network.shape(1, 1, 100)
-    run("straggler-1mbit", 2)
+    run("straggler-1mbit", 3)
     network.shape(1, 20, 100)
     _idle(network, 1)
-    # A cut link: node 1's veth taken down once a quarter of its answer went up.
+    # A cut link: node 1's veth taken down once a quarter of its second round's answer
+    # went up, and up again after the deadline.
     answer = args.sizes[0] * 4
     network.shape(1, 2, 100)  # so that its upload lasts longer than the watch's step
     stop = threading.Event()
 
     def cut() -> None:
         start = network.counters(1)[0]
-        end = time.monotonic() + deadline + 120
+        end = time.monotonic() + 3 * deadline + 300
         while not stop.is_set() and time.monotonic() < end:
-            if network.counters(1)[0] - start > answer // 4:
+            if network.counters(1)[0] - start > answer + answer // 4:
                 network.set_link(1, False)
                 print("node 1's link taken down mid-upload", flush=True)
                 stop.wait(deadline + 5)
@@ -401,7 +410,7 @@ def fault_runs(args: argparse.Namespace, deployment, network: Network, app: str,
     watch = threading.Thread(target=cut, daemon=True)
     watch.start()
     try:
-        run("link-down-mid-upload", 2)
+        run("link-down-mid-upload", 3)
     finally:
         stop.set()
         watch.join(timeout=deadline + 30)
@@ -445,12 +454,12 @@ def faults(args: argparse.Namespace) -> int:
     from fax_bridge.flower.deployment import LocalDeployment
     from fax_bridge.flower.security import local_credentials
 
-    network = Network(args.nodes)
+    network = Network(args.nodes, args.prefix)
     with tempfile.TemporaryDirectory(prefix="links-faults-") as folder:
         creds = local_credentials(os.path.join(folder, "creds"), hosts=[HUB_IP])
         configs, apps = write_apps(folder, args.sizes[0], args.nodes, 1, creds)
         with LocalDeployment(configs, os.path.join(folder, "flwr"), host=HUB_IP,
-                             wrap=wrap, credentials=creds,
+                             wrap=network.wrap, credentials=creds,
                              start_timeout_s=600) as deployment:
             found = fault_runs(args, deployment, network, apps["fax_bridge"], folder)
     if args.json:
@@ -481,20 +490,27 @@ def parser() -> argparse.ArgumentParser:
                         "SuperLink restart) at the first size")
     p.add_argument("--deadline-s", type=float, default=20.0,
                    help="the faults' round deadline")
+    p.add_argument("--prefix", default=PREFIX, help="the namespaces' name prefix")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     args = parser().parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # so that every exit path cleans up
     if args.inside:
         return faults(args) if args.faults else inside(args)
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("links: needs root with `ip` and `tc` (network namespaces); skipped",
               file=sys.stderr)
         return 2
-    with Network(args.nodes):
-        command = ["ip", "netns", "exec", HUB, sys.executable, os.path.abspath(__file__),
+    with Network(args.nodes, args.prefix) as network:
+        command = ["ip", "netns", "exec", network.hub, sys.executable,
+                   os.path.abspath(__file__),
                    "--inside", *sys.argv[1:]]
         proc = subprocess.Popen(command, start_new_session=True)
         try:

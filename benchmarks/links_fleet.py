@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -198,6 +199,10 @@ def inside(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
@@ -209,6 +214,7 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=3600)
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # so that every exit path cleans up
     if args.inside:
         return inside(args)
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:

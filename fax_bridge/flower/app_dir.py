@@ -33,7 +33,7 @@ DEFAULT_CONFIG = {
     "round-deadline-s": 0.0, "node-timeout-s": 120.0, "first-round-timeout-s": 300.0,
     "min-nodes": 1,
     "wait-nodes-s": 60.0, "poll-s": 0.05, "out-dir": "", "checkpoint-dir": "",
-    "secagg-threshold": 0.0, "rounded-partials": False,
+    "secagg-threshold": 0.0, "rounded-partials": False, "initial-state": "",
 }
 
 _SERVER = '''"""The ServerApp of this round (written by `fax-bridge flower`)."""
@@ -153,8 +153,9 @@ first-round-timeout-s (the least the first round waits: nodes start then), min-n
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
 out-dir (reports.json, result.npz), checkpoint-dir (resume after a crash) and
 secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
-unmask a lost one; 0: a strict majority), initial-state (a state over the bundle's 10 MB:
-the .npz the ServerApp reads it from, a path on the SuperLink's host) and rounded-partials (true: each node sends
+unmask a lost one; 0: a strict majority), initial-state (an .npz on the SuperLink's host
+the run starts from instead of the bundle's state, `bundle.write_state`; a state over
+the bundle's 10 MB is written there by itself) and rounded-partials (true: each node sends
 its float sums rounded once to float32, Flower's bytes, and the result agrees with the
 exact one within that rounding instead of bit for bit; a node of one client sends its
 exact float32 addend either way).

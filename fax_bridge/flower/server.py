@@ -198,15 +198,15 @@ def _resume(made, settings: Settings) -> tuple:
             "program": checkpoint.program_fingerprint(made.proto),
             "policy": repr(settings.policy), "num_rounds": settings.num_rounds}
     tensors = made.state
-    if made.state_outside:  # too large for the bundle: a file on the SuperLink's host
+    if settings.initial_state:  # a file on the SuperLink's host, instead of the bundle's
         from fax_bridge.flower.bundle import read_state
 
-        if not settings.initial_state:
-            raise FleetError("this round's initial state is not in its app bundle; set "
-                             "the run config's initial-state to the initial_state.npz "
-                             "`fax-bridge flower` wrote beside the app (a path on the "
-                             "SuperLink's host)")
         tensors = read_state(settings.initial_state, made.state)
+    elif made.state_outside:  # too large for the bundle
+        raise FleetError("this round's initial state is not in its app bundle; set "
+                         "the run config's initial-state to the initial_state.npz "
+                         "`fax-bridge flower` wrote beside the app (a path on the "
+                         "SuperLink's host)")
     state, start = made.state_value(tensors), 0
     if settings.checkpoint_dir:
         saved = checkpoint.resume(settings.checkpoint_dir, meta, setting="checkpoint-dir")
