@@ -1,6 +1,7 @@
 """Flower's own FedAvg of a model of any size, as a Flower app (flwr 1.42), for `links.py`.
 
-The model is one float32 vector of `size` parameters (`init` at first). Each client c
+The model is one float32 vector of `size` parameters (`start_model`: `init` plus seeded
+noise). Each client c
 trains it as fax_bridge's round in `links.py` does: `params * 0.5 + x_c` with
 `x_c = (c + 1) / 1000`, weighted by `c + 1` examples. The ServerApp is
 `flwr.serverapp.strategy.FedAvg` as it comes, one message per cohort client (client c
@@ -26,6 +27,14 @@ from flwr.serverapp.strategy import FedAvg
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from flower_numpy_app import PollingGrid  # noqa: E402  (copied beside this file)
+
+def start_model(size: int, init: float) -> np.ndarray:
+    """A run's first model: `init` plus noise seeded by it (no two chunks of it alike:
+    Flower sends a chunk it has sent before by reference)."""
+    rng = np.random.default_rng(int(init * 1024))
+    return (rng.standard_normal(size, np.float32) * np.float32(1e-3)
+            + np.float32(init)).astype(np.float32)
+
 
 client_app = ClientApp()
 server_app = ServerApp()
@@ -81,7 +90,7 @@ def main(grid: Grid, context: Context) -> None:
             ends.append(time.perf_counter())
         return None
 
-    init = [np.full(int(config["size"]), float(config["init"]), np.float32)]
+    init = [start_model(int(config["size"]), float(config["init"]))]
     strategy.start(PollingGrid(grid, float(config["poll-s"])), ArrayRecord(init),
                    num_rounds=int(config["num-rounds"]), timeout=1200,
                    evaluate_fn=round_done)

@@ -216,6 +216,17 @@ def write_apps(folder: str, size: int, nodes: int, per_node: int, creds) -> tupl
 _RUNS = [0]  # runs so far: each starts from a model of its own
 
 
+def start_model(size: int, init: float):
+    """A run's first model, as `flower_links_app.start_model` makes Flower's: `init`
+    plus noise seeded by it (Flower sends a chunk it has sent before by reference, so
+    a constant model would barely cross the links)."""
+    import numpy as np
+
+    rng = np.random.default_rng(int(init * 1024))
+    return (rng.standard_normal(size, np.float32) * np.float32(1e-3)
+            + np.float32(init)).astype(np.float32)
+
+
 def run_once(deployment, network: Network, system: str, apps: dict, rounds: int,
              out: str, size: int) -> dict:
     """One `flwr run`: each round's wall time and each node's link bytes a round. Each
@@ -234,7 +245,7 @@ def run_once(deployment, network: Network, system: str, apps: dict, rounds: int,
     if system == "flower":
         config["init"] = init
     else:
-        config["initial-state"] = write_state([np.full(size, init, np.float32)],
+        config["initial-state"] = write_state([start_model(size, init)],
                                               out + "-initial.npz")
     if system == "fax_bridge_rounded":
         config["rounded-partials"] = True

@@ -192,6 +192,7 @@ class LocalDeployment:
         self.superlink: Optional[subprocess.Popen] = None
         self.supernodes: list = []
         self.workers: list = []
+        self._configs: list = []  # the SuperNodes' node configs, as started
         self._logs: list = []
 
     @property
@@ -211,7 +212,7 @@ class LocalDeployment:
         self.stop()
 
     def _spawn(self, name: str, command: list) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         self._logs.append(log)
         return subprocess.Popen(self.wrap(name) + command, env=self.env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -233,11 +234,16 @@ class LocalDeployment:
         self._wait_superlink()
         if creds is not None and creds.node_auth:
             self.register([public for _, public in creds.node_keys[:len(configs)]])
-        for i, config in enumerate(configs):
-            key = creds.node_keys[i][0] if creds is not None and creds.node_auth else None
-            self.supernodes.append(self.start_supernode(config, key, f"supernode-{i}"))
+        self._configs = configs
+        self._start_supernodes()
         for i, worker in enumerate(self.workers):
             self._wait_worker(i, int(configs[i]["worker"].rsplit(":", 1)[1]), worker)
+
+    def _start_supernodes(self) -> None:
+        creds = self.credentials
+        for i, config in enumerate(self._configs):
+            key = creds.node_keys[i][0] if creds is not None and creds.node_auth else None
+            self.supernodes.append(self.start_supernode(config, key, f"supernode-{i}"))
 
     def _start_superlink(self) -> None:
         creds = self.credentials
@@ -254,9 +260,14 @@ class LocalDeployment:
                   os.path.join(self.log_dir, "superlink.log"), self.host)
 
     def restart_superlink(self) -> None:
-        """Ends the SuperLink (with every process it started) and starts it again on
-        the same address; the SuperNodes reconnect by themselves. Its state (runs, node
-        ids) starts empty: with node authentication the keys are registered again."""
+        """Ends the SuperLink (with every process it started, a run's ServerApp too)
+        and starts it again on the same address, then the SuperNodes: the new
+        SuperLink's state (runs, node ids) starts empty, and Flower 1.42's SuperNodes do
+        not join it again by themselves. Their warm workers stay (and keep the compiled
+        client part); with node authentication the keys are registered again."""
+        for proc in self.supernodes:
+            end_group(proc)
+        self.supernodes = []
         if self.superlink is not None:
             end_group(self.superlink)
         self._start_superlink()
@@ -264,6 +275,7 @@ class LocalDeployment:
         creds = self.credentials
         if creds is not None and creds.node_auth:
             self.register([public for _, public in creds.node_keys[:len(self.nodes)]])
+        self._start_supernodes()
 
     def start_supernode(self, config: dict, private_key: Optional[str] = None,
                         name: str = "supernode-extra") -> subprocess.Popen:
