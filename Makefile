@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test doctest demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes clean
+.PHONY: venv test doctest demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links clean
 
 venv: $(STAMP)
 
@@ -79,6 +79,17 @@ bench-scaling: $(STAMP)
 # and a LocalFleet for scale (docs/benchmarks.md).
 bench-flower: $(STAMP)
 	$(PY) benchmarks/flower_rounds.py --rounds 6 --repeats 2 --json out/bench/flower_rounds.json
+
+# fax_bridge's Flower app beside Flower's own NumPy FedAvg app on shaped links: the SuperLink
+# and each SuperNode in network namespaces of their own joined by veth pairs (tc tbf: 20
+# Mbit/s up and 100 down, then 100/1000), TLS on, 1M and 10M parameters, a cohort of one
+# client a node and of two; then the faults (a cut link, a 1 Mbit/s straggler, a SuperLink
+# restart); and the gRPC fleet's coordinator and devices on such hosts (mutual TLS). Needs
+# root, `ip netns` and `tc` (docs/links.md).
+bench-links: $(STAMP)
+	$(PY) benchmarks/links.py --json out/bench/links.json
+	$(PY) benchmarks/links.py --faults --json out/bench/links_faults.json
+	$(PY) benchmarks/links_fleet.py --json out/bench/links_fleet.json
 
 # One FedAvg round per model size (four models, 10k to 10M parameters, four aggregations):
 # fax_bridge under jax.jit against hand-written jit(vmap) and DrJAX 0.2.1; a table,

@@ -27,6 +27,7 @@ class InProcessTransport:
     inputs (`round_split.client_partials`)."""
 
     reject_nonfinite = False
+    rounded_partials = False
     traffic = None
 
     def __init__(self, arg: Any, split: round_split.RoundSplit, backend=None):

@@ -192,7 +192,7 @@ def test_spans_outside_the_segment_or_beside_bytes_or_without_one_are_refused(sh
     with pytest.raises(FleetError, match="also holds bytes"):
         wire.decode_value(message, segment=segment)
     # A partial's spans: without a segment, or beside the field's own bytes.
-    partial = aggregation.partial_of("sum", [np.ones(2048, np.float32)])
+    partial = aggregation.partial_of("sum", [np.ones(2048, np.float32)] * 2)
     answer, segment = _write(shared, lambda w: partials.to_message(partial, shared=w))
     assert answer.leaves[0].HasField("doubles_at") and not answer.leaves[0].doubles
     with pytest.raises(FleetError, match="names no segment"):
@@ -462,3 +462,16 @@ def test_a_device_without_the_directory_refuses_shared_payloads(monkeypatch):
             assert not os.listdir(directory.path)
         finally:
             directory.remove()
+
+
+def test_one_clients_addend_crosses_a_segment_in_its_own_dtype(shared):
+    value = np.linspace(-3, 3, 2048, dtype=np.float32)
+    partial = aggregation.partial_of("sum", [value])
+    answer, segment = _write(shared, lambda w: partials.to_message(partial, shared=w))
+    leaf = answer.leaves[0]
+    assert leaf.addend.HasField("data_at") and leaf.addend.data_at.length == value.nbytes
+    checked, payload = validate.check_partial(
+        shm.view_partial(answer, segment, "device 0"), "sum",
+        [fl.TensorType(np.float32, [2048])], [], 1, "device 0")
+    assert payload == value.nbytes
+    assert aggregation.finish(checked)[0].tobytes() == value.tobytes()

@@ -1187,3 +1187,67 @@ def test_a_tls_deployment_with_node_auth_has_the_same_bits_and_refuses_unknown_n
     (report,) = _reports(out)
     assert report["participants"] == list(range(N)) and report["devices"] == 2
     assert _npz_bits(f"{out}/result.npz") == _bits(_expected(made, args, 1), made)
+
+
+def test_a_state_over_the_bundle_limit_is_read_from_initial_state(tmp_path, quickstart,
+                                                                  populations, monkeypatch):
+    prog, args, made = quickstart
+    folder = tmp_path / "app"
+    without = os.path.getsize(bundle.write_round(made, str(tmp_path / "probe"),
+                                                 str(tmp_path / "probe.npz")))
+    monkeypatch.setattr(bundle, "MAX_BUNDLE_BYTES", without + 16)  # the state: over it
+    app_dir.write_app(made, str(folder))
+    state_path = str(folder / app_dir.STATE_FILE)
+    with open(folder / "pyproject.toml") as f:
+        assert f'initial-state = "{state_path}"' in f.read()
+    package = str(folder / app_dir.PACKAGE)
+    with open(os.path.join(package, bundle.FILE_NAME)) as f:
+        assert json.load(f)["state"] is None  # only its layout travels in the bundle
+    grid = _grid(str(folder), populations)
+    with pytest.raises(FleetError, match="set the run config's initial-state"):
+        server.run_server(grid, {"num-rounds": 1}, package, log=lambda text: None)
+    out = str(tmp_path / "out")
+    got = server.run_server(grid, {"num-rounds": 3, "out-dir": out,
+                                   "initial-state": state_path}, package,
+                            log=lambda text: None)
+    assert _bits(got, made) == _bits(_expected(made, args, 3), made)
+    other = [np.zeros((2,), np.float32)]
+    bundle.write_state(other, str(tmp_path / "other.npz"))
+    with pytest.raises(ExportError, match="written for another round"):
+        server.run_server(grid, {"num-rounds": 1, "initial-state": str(
+            tmp_path / "other.npz")}, package, log=lambda text: None)
+
+
+def test_a_reply_still_uploading_does_not_hold_the_exchange_past_its_deadline(
+        quickstart, populations, app):
+    from fax_bridge.flower import nodes as flower_nodes
+
+    grid = _grid(app, populations)
+    released = threading.Event()
+    slow_node = 101
+    pull = grid.pull_messages
+
+    def pull_messages(message_ids):  # Flower's pull waits while a reply's arrays upload
+        ids = list(message_ids)
+        if any(grid.destinations.get(i) == slow_node for i in ids):
+            released.wait(60)
+        return pull(ids)
+
+    grid.destinations = {}
+    push = grid.push_messages
+
+    def push_messages(messages):
+        ids = push(messages)
+        grid.destinations.update((i, m.metadata.dst_node_id) for i, m in zip(ids, messages))
+        return ids
+
+    grid.push_messages, grid.pull_messages = push_messages, pull_messages
+    from flwr.app import Message, MessageType, RecordDict
+
+    messages = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.QUERY)
+                for node in (100, slow_node)]
+    try:
+        replies = flower_nodes.exchange(grid, messages, timeout_s=1.0, poll_s=0.05)
+        assert set(replies) == {100} and not released.is_set()  # returned without it
+    finally:
+        released.set()

@@ -51,6 +51,7 @@ class _Holders:
 
     backend = None
     reject_nonfinite = False
+    rounded_partials = False
 
     def __init__(self, arg, cuts, lost=(), forged=None):
         self.inputs = [arg[i] for i in SPLIT.client_inputs]

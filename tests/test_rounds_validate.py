@@ -48,8 +48,16 @@ def _limbs(partial: aggregation.Partial) -> aggregation.Partial:
 
 
 def _answer(kind, members, weights=None, limbs=True):
+    """The answer in the exact form, even over one client (whose devices send addends:
+    tests/test_rounds_partials.py)."""
     partial = aggregation.partial_of(kind, members, weights)
-    return partials.to_message(_limbs(partial) if limbs else partial)
+    partial = _limbs(partial) if limbs else partial
+    out = pb.AggregateResponse(num_clients=partial.count)
+    for leaf in partial.leaves:
+        partials.leaf_message(leaf, out.leaves.add())
+    if partial.weights is not None:
+        partials.leaf_message(partial.weights, out.weight_leaves.add())
+    return out
 
 
 def test_partials_are_checked_leaf_by_leaf():

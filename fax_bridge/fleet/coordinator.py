@@ -95,6 +95,8 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
                          max_message_bytes=max_message_bytes, shared_memory=shared_memory)
         self.message_bytes = int(message_bytes)
         self.reject_nonfinite = bool(reject_nonfinite)
+        # Set by the fleet from its policy (`RoundPolicy.rounded_partials`).
+        self.rounded_partials = False
         # A random start keeps this backend's handles apart from those an earlier
         # coordinator (crashed, or closed with values still referenced) left behind.
         self._handles = itertools.count(1 + secrets.randbelow(1 << 52))

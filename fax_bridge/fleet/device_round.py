@@ -66,7 +66,8 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
         found = round_split.client_partials(fn, head.computation_hash, sent, members, specs, guard)
         answer = pb.RoundResponse(num_clients=len(members))
         for partial in found:
-            partials.to_message(partial, answer.partials.add(), writer)
+            partials.to_message(partial, answer.partials.add(), writer,
+                                rounded=head.rounded_partials)
         del found
         if writer is not None and writer.length:
             try:

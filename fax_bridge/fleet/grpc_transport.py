@@ -164,6 +164,7 @@ class GrpcTransport:
         self.num_clients = split.num_clients(arg)
         self.delays = delays
         self.reject_nonfinite = backend.reject_nonfinite
+        self.rounded_partials = backend.rounded_partials
         self.traffic = backend.traffic
         self._answer_segments: list = []  # (device address, name, mapped Segment)
 
@@ -243,7 +244,8 @@ class GrpcTransport:
                 delay = float(mine.max()) if mine.size else 0.0
             longest = max(longest, delay)
             head = pb.RoundRequest(computation_hash=key, aggregations=specs,
-                                   delay_seconds=delay)
+                                   delay_seconds=delay,
+                                   rounded_partials=backend.rounded_partials)
             if index in sharing:
                 if segment_ref is not None:
                     head.broadcast_segment.CopyFrom(segment_ref)

@@ -186,6 +186,7 @@ class FleetRounds:
             arg = bound.runtime_value()
             if split is not None:
                 grpc_transport.check_inputs(split, arg)
+                backend.rounded_partials = self.policy.rounded_partials
                 transport = grpc_transport.GrpcTransport(backend, split, arg,
                                                          backend.take_delays())
                 ended = False

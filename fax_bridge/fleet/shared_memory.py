@@ -389,6 +389,7 @@ class LeafView:
         self.base_limb = message.base_limb
         self.num_limbs = message.num_limbs
         self.extreme = TensorView(message.extreme, segment, where)
+        self.addend = TensorView(message.addend, segment, where)
         for field in ("limbs", "nonfinite", "doubles", "spilled"):
             setattr(self, field, wire.field_bytes(message, field, segment, where))
 

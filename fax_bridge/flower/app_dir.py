@@ -5,6 +5,8 @@
     DIR/fax_round/client_app.py   app = fax_bridge.flower.client.client_app(here)
     DIR/fax_round/round.json      the exported round and its initial state (`bundle`)
     DIR/README.md                 how to start the SuperLink and SuperNodes and run it
+    DIR/initial_state.npz         only for a state over the bundle's 10 MB: read by the
+                                  ServerApp from the run config's `initial-state` path
     DIR/.flwr/config.toml         the SuperLink connection `fax-bridge`
                                   (FLWR_HOME=DIR/.flwr; TLS with `root_certificates`)
 
@@ -19,17 +21,19 @@ import os
 import shlex
 from typing import Optional
 
+from fax_bridge.errors import ExportError
 from fax_bridge.flower.bundle import FlowerRound, write_round
 from fax_bridge.flower.deployment import CONNECTION, connection_toml, node_config_text
 
 PACKAGE = "fax_round"
+STATE_FILE = "initial_state.npz"  # a state too large for the bundle (bundle.write_state)
 
 DEFAULT_CONFIG = {
     "num-rounds": 3, "cohort-size": 0, "dropout": 0.0, "seed": 0, "min-clients": 1,
     "round-deadline-s": 0.0, "node-timeout-s": 120.0, "first-round-timeout-s": 300.0,
     "min-nodes": 1,
     "wait-nodes-s": 60.0, "poll-s": 0.05, "out-dir": "", "checkpoint-dir": "",
-    "secagg-threshold": 0.0,
+    "secagg-threshold": 0.0, "rounded-partials": False, "initial-state": "",
 }
 
 _SERVER = '''"""The ServerApp of this round (written by `fax-bridge flower`)."""
@@ -94,6 +98,14 @@ def pyproject(name: str, config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def node_starter(node: dict, node_security: str, superlink: str, port: int) -> str:
+    """The one-line command (`fax_bridge.flower.supernode`) starting a warm SuperNode
+    for the share `node` (a node config: population, first-client, ...)."""
+    share = " ".join(f"--{key} {shlex.quote(str(value))}" for key, value in node.items())
+    return (f"python -m fax_bridge.flower.supernode {node_security} --superlink "
+            f"{shlex.quote(superlink)} --port {port} \\\n    {share} &")
+
+
 def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
            root_certificates: Optional[str] = None) -> str:
     """DIR/README.md: what the app runs and the commands that run it (with TLS when
@@ -107,18 +119,9 @@ def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
         "    --ssl-certfile SERVER.crt --ssl-keyfile SERVER.key")
     examples = nodes or [{"population": "/path/to/population", "first-client": 0}]
     node_lines = "\n".join(
-        f"flower-supernode {node_security} --superlink {q(superlink)} --port {9094 + i} "
-        f"\\\n    --node-config {q(node_config_text(n))} &"
+        node_starter(n, node_security, superlink, 9094 + i)
         for i, n in enumerate(examples))
-    warm_lines = "\n".join(
-        f"python -m fax_bridge.flower.worker --listen 127.0.0.1:{9300 + i} "
-        f"--token-file TOKEN-{i} \\\n    "
-        + " ".join(f"--{key} {q(str(value))}" for key, value in n.items()) + " &\n"
-        f"flower-supernode {node_security} --superlink {q(superlink)} --port {9094 + i} "
-        f"\\\n    --node-config "
-        + q(node_config_text({"worker": f"127.0.0.1:{9300 + i}",
-                              "worker-token-file": f"TOKEN-{i}"})) + " &"
-        for i, n in enumerate(examples))
+    cold = examples[0]
     app = os.path.abspath(folder)
     host, port = superlink.rsplit(":", 1)
     connection = "insecure" if ca is None else f"TLS, checked against {ca}"
@@ -154,21 +157,28 @@ client), dropout, seed, min-clients, round-deadline-s (0: none; else how long a 
 waits for the nodes), node-timeout-s (the wait without a deadline),
 first-round-timeout-s (the least the first round waits: nodes start then), min-nodes and
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
-out-dir (reports.jsonl, one round's report a line, and result.npz), checkpoint-dir
-(resume after a crash) and secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
-unmask a lost one; 0: a strict majority).
+out-dir (reports.jsonl, one round's report a line, and result.npz), checkpoint-dir (resume after a crash) and
+secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
+unmask a lost one; 0: a strict majority), initial-state (an .npz on the SuperLink's host
+the run starts from instead of the bundle's state, `bundle.write_state`; a state over
+the bundle's 10 MB is written there by itself) and rounded-partials (true: each node sends
+its float sums rounded once to float32, Flower's bytes, and the result agrees with the
+exact one within that rounding instead of bit for bit; a node of one client sends its
+exact float32 addend either way).
 
-Warm SuperNodes: Flower starts a process per message, so a node computing in it loads
-jax and compiles the round's client part every round. Start a worker beside each node
-once instead, and name it in the node's config (the population settings move to the
-worker):
+Each `python -m fax_bridge.flower.supernode` line starts a warm SuperNode: a worker
+that loads jax and compiles the round's client part once, on the node's loopback with a
+private token, then Flower's own `flower-supernode` naming it; ending the command ends
+both. Add `--auth-supernode-private-key KEY` with SuperNode authentication (below).
+
+Cold SuperNodes (the slow path): Flower starts a process per message, so a SuperNode
+started alone, its population in its `--node-config`, loads jax and compiles the
+client part in every round's ClientApp process (tens of seconds a round):
 
 ```
-{warm_lines}
+flower-supernode {node_security} --superlink {q(superlink)} --port 9094 \
+    --node-config {q(node_config_text(cold))} &
 ```
-
-(TOKEN-0, ...: files of mode 0600 holding 16+ random characters each, e.g.
-`(umask 077; python -c "import secrets; print(secrets.token_hex(32))" > TOKEN-0)`.)
 
 ## Did it work?
 
@@ -214,7 +224,12 @@ def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:909
     home = os.path.join(folder, ".flwr")
     os.makedirs(package, exist_ok=True)
     os.makedirs(home, exist_ok=True)
-    written = [write_round(made, package)]
+    try:
+        written = [write_round(made, package)]
+    except ExportError:  # a state over the bundle's 10 MB: a file of its own beside it
+        state_path = os.path.join(os.path.abspath(folder), STATE_FILE)
+        written = [write_round(made, package, state_path), state_path]
+        settings["initial-state"] = state_path
     files = {
         os.path.join(folder, "pyproject.toml"): pyproject(name, settings),
         os.path.join(package, "__init__.py"): '"""A fax_bridge round as a Flower app."""\n',

@@ -14,7 +14,11 @@ state (the example state's tensors, depth first over the state's type).
 
 A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
 10 MB, so `round.json` holds the proto base64-encoded and the state's tensors likewise.
-`read_round(folder)` reads it back where the ServerApp and ClientApps run.
+`read_round(folder)` reads it back where the ServerApp and ClientApps run. A state too
+large for that (a model of millions of parameters) is written to an .npz of its own
+instead (`write_round(..., state_path=...)`, `write_state`), which the ServerApp reads
+from the path its run config names (`initial-state`, `read_state`); the nodes never
+need it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class FlowerRound:
 
     proto: Any
     state: list  # the initial state's tensors, depth first
+    # True when round.json holds only the state's layout (`state` then holds zeros of
+    # it) and the run config's initial-state names the file (`read_state`)
+    state_outside: bool = False
 
     @functools.cached_property
     def prepared(self) -> interpreter.Prepared:
@@ -130,9 +137,50 @@ def _tensor_from_json(entry: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(entry["base64"]), dtype).reshape(shape).copy()
 
 
-def write_round(made: FlowerRound, folder: str) -> str:
-    """Writes `round.json` into `folder`; returns its path. Refuses a round whose file
-    would not fit in a Flower app bundle."""
+def write_state(tensors: list, path: str) -> str:
+    """Writes a state's tensors (depth first) as an .npz (keys "0", "1", ...; dtypes
+    numpy cannot save as their bytes, their names in "dtypes"); returns its path."""
+    arrays = {str(i): np.asarray(t) for i, t in enumerate(tensors)}
+    names = [wire.dtype_name(np.asarray(t).dtype) for t in tensors]
+    for key, value in arrays.items():
+        if value.dtype.name != np.dtype(value.dtype.str).name or value.dtype.kind == "V":
+            arrays[key] = value.reshape(value.shape + (1,)).view(np.uint8)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        np.savez(f, dtypes=np.array(names), **arrays)
+    return path
+
+
+def read_state(path: str, like: list) -> list:
+    """The tensors `write_state` wrote at `path`, checked against the dtypes and shapes
+    of `like` (the state's tensors as the round expects them)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            names = [str(n) for n in f["dtypes"]]
+            found = []
+            for i, name in enumerate(names):
+                value = np.asarray(f[str(i)])
+                dtype = wire.dtype_from_name(name)
+                if value.dtype != dtype:
+                    value = value.view(dtype).reshape(value.shape[:-1])
+                found.append(value)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"initial-state {path} cannot be read as a round's initial state "
+                          f"({type(e).__name__}: {e}); write it with `fax-bridge flower` "
+                          "(initial_state.npz beside the app)") from None
+    want = [(wire.dtype_name(t.dtype), tuple(t.shape)) for t in like]
+    got = [(wire.dtype_name(t.dtype), tuple(t.shape)) for t in found]
+    if got != want:
+        raise ExportError(f"initial-state {path} holds tensors {got[:8]}; the round's state "
+                          f"is {want[:8]}; it was written for another round")
+    return found
+
+
+def write_round(made: FlowerRound, folder: str, state_path: Optional[str] = None) -> str:
+    """Writes `round.json` into `folder`; returns its path. With `state_path`, the
+    initial state goes to that .npz instead (`write_state`) and `round.json` holds only
+    its tensors' dtypes and shapes. Refuses a round whose file would not fit in a Flower
+    app bundle."""
     from fax_bridge.rounds import checkpoint
 
     text = json.dumps({
@@ -140,13 +188,18 @@ def write_round(made: FlowerRound, folder: str) -> str:
         "type": str(made.prepared.type),
         "program": checkpoint.program_fingerprint(made.proto),
         "round": base64.b64encode(made.proto.SerializeToString(deterministic=True)).decode(),
-        "state": [_tensor_json(t) for t in made.state],
+        "state": [_tensor_json(t) for t in made.state] if state_path is None else None,
+        "state-layout": [[wire.dtype_name(np.asarray(t).dtype), list(np.shape(t))]
+                         for t in made.state],
     })
     if len(text) > MAX_BUNDLE_BYTES:
         raise ExportError(
             f"the round and its initial state take {len(text)} bytes as {FILE_NAME}, over "
             f"the {MAX_BUNDLE_BYTES} bytes a Flower app bundle may hold; make the state "
-            "smaller or load it on the server from a file of its own")
+            "smaller or load it on the server from a file of its own (write_round's "
+            "state_path; `fax-bridge flower` does so by itself)")
+    if state_path is not None:
+        write_state(made.state, state_path)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, FILE_NAME)
     with open(path, "w") as f:
@@ -164,8 +217,14 @@ def read_round(folder: str) -> FlowerRound:
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
         proto = interpreter.as_proto(base64.b64decode(data["round"]))
-        state = [_tensor_from_json(e) for e in data["state"]]
+        if data["state"] is None:  # outside the bundle: its layout, for read_state
+            state = [np.zeros(tuple(int(d) for d in shape), wire.dtype_from_name(name))
+                     for name, shape in data["state-layout"]]
+            outside = True
+        else:
+            state = [_tensor_from_json(e) for e in data["state"]]
+            outside = False
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ExportError(f"{path} is not a fax_bridge Flower round ({e}); write it again "
                           "with `fax-bridge flower`") from None
-    return FlowerRound(proto=proto, state=state)
+    return FlowerRound(proto=proto, state=state, state_outside=outside)

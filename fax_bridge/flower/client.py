@@ -174,7 +174,9 @@ def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
     found = partials_for(bundle_dir, share, ids, broadcast, most)
     plain = [p for p in found if p.kind not in SECURE_KINDS]
     kept = [x for p in found if p.kind in SECURE_KINDS for x in aggregation.finish(p)]
-    out, layout, counts = records.partials_layout([partials.to_message(p) for p in plain])
+    rounded = bool(header[records.ROUND].get("rounded-partials", False))
+    out, layout, counts = records.partials_layout(
+        [partials.to_message(p, rounded=rounded) for p in plain])
     out.update({f"{relay.KEPT}{i}": x for i, x in enumerate(kept)})
     # ---------------------------------------------------------------------------------
     return out, {"layout": layout, "counts": counts,

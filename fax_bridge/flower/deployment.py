@@ -1,4 +1,4 @@
-"""A Flower deployment on this machine: one SuperLink and SuperNodes on loopback.
+"""A Flower deployment started from here: one SuperLink and SuperNodes.
 
     with LocalDeployment(nodes=[{"population": "/pop", "first-client": 0,
                                  "num-clients": 4}, ...], home="/tmp/flwr") as d:
@@ -18,6 +18,15 @@ processes). Flower's commands are found beside the
 running Python, and that folder leads PATH, because the SuperLink and SuperNodes start
 `flower-superexec` by name. Apps' dependencies are not installed at run time
 (`--disable-runtime-dependency-installation`): fax_bridge and flwr are already here.
+
+By default everything listens on loopback. `host="10.0.0.1"` binds the SuperLink to
+that address instead (the SuperNodes and `flwr run` connect to it; with TLS its
+certificate must name it: `security.local_credentials(..., hosts=["10.0.0.1"])`), and
+`wrap(name)` gives a command prefix per process (`superlink`, `supernode-I`,
+`worker-I`, `flwr`), e.g. `["ip", "netns", "exec", "node-1"]` to run a SuperNode and
+its worker on a host of their own: the code a multi-host deployment and the shaped
+network benchmark (`benchmarks/links.py`) run is the same. A warm worker always serves
+its SuperNode on that node's loopback.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from fax_bridge.errors import FleetError
 
@@ -36,10 +45,28 @@ CONNECTION = "fax-bridge"
 LOOPBACK = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
+_PROBE = ("import socket, sys, time\n"
+          "end = time.monotonic() + float(sys.argv[2])\n"
+          "while time.monotonic() < end:\n"
+          "    try:\n"
+          "        socket.create_connection(('127.0.0.1', int(sys.argv[1])), 0.5).close()\n"
+          "        sys.exit(0)\n"
+          "    except OSError:\n"
+          "        time.sleep(0.2)\n"
+          "sys.exit(1)\n")
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on `host` (an address of this host) that was free a moment ago; one
+    on loopback when `host` is not an address here (another host's, or one inside a
+    network namespace)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError:
+            s.close()
+            return free_port() if host != LOOPBACK else 0
         return s.getsockname()[1]
 
 
@@ -176,19 +203,21 @@ def _tail(path: Optional[str], chars: int = 2000) -> str:
         return ""
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float,
-               log: Optional[str] = None) -> None:
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float,
+              log: Optional[str] = None, host: str = LOOPBACK) -> None:
+    """Waits until `host`:`port` accepts connections; FleetError (quoting `log`) when
+    `proc` exits first or `timeout_s` passes."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise FleetError(f"{what} exited with code {proc.returncode} before it listened "
                              f"on port {port}{_tail(log)}")
         try:
-            with socket.create_connection((LOOPBACK, port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.1)
-    raise FleetError(f"{what} did not listen on {LOOPBACK}:{port} within {timeout_s}s"
+    raise FleetError(f"{what} did not listen on {host}:{port} within {timeout_s}s"
                      f"{_tail(log)}")
 
 
@@ -197,8 +226,11 @@ class LocalDeployment:
 
     def __init__(self, nodes: list, home: str, *, warm: bool = True, poll_s: float = 0.05,
                  log_dir: Optional[str] = None, start_timeout_s: float = 120.0,
-                 credentials=None):
+                 credentials=None, host: str = LOOPBACK,
+                 wrap: Optional[Callable[[str], list]] = None):
         self.nodes = [dict(n) for n in nodes]
+        self.host = host
+        self.wrap = wrap or (lambda name: [])
         self.credentials = credentials  # security.Credentials, or None: insecure
         if credentials is not None and credentials.node_auth and \
                 len(credentials.node_keys) < len(self.nodes):
@@ -214,11 +246,13 @@ class LocalDeployment:
         self.superlink: Optional[subprocess.Popen] = None
         self.supernodes: list = []
         self.workers: list = []
+        self._configs: list = []  # the SuperNodes' node configs, as started
         self._logs: list = []
 
     @property
     def address(self) -> str:
-        return f"{LOOPBACK}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
 
     def __enter__(self) -> "LocalDeployment":
         try:
@@ -232,41 +266,70 @@ class LocalDeployment:
         self.stop()
 
     def _spawn(self, name: str, command: list) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "wb")
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         self._logs.append(log)
-        return subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(self.wrap(name) + command, env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
 
     def start(self) -> None:
         """Starts the SuperLink, waits for it, registers the nodes' keys (with node
         authentication), then starts the SuperNodes."""
         os.makedirs(self.home, exist_ok=True)
         os.makedirs(self.log_dir, exist_ok=True)
-        self.port = free_port()
+        self.port = free_port(self.host)
         creds = self.credentials
         with open(os.path.join(self.home, "config.toml"), "w") as f:
             f.write(connection_toml(self.address,
                                     root_certificates=creds and creds.ca_cert))
+        self._start_superlink()
+        configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
+            if self.warm else self.nodes
+        self._wait_superlink()
+        if creds is not None and creds.node_auth:
+            self.register([public for _, public in creds.node_keys[:len(configs)]])
+        self._configs = configs
+        self._start_supernodes()
+        for i, worker in enumerate(self.workers):
+            self._wait_worker(i, int(configs[i]["worker"].rsplit(":", 1)[1]), worker)
+
+    def _start_supernodes(self) -> None:
+        creds = self.credentials
+        for i, config in enumerate(self._configs):
+            key = creds.node_keys[i][0] if creds is not None and creds.node_auth else None
+            self.supernodes.append(self.start_supernode(config, key, f"supernode-{i}"))
+
+    def _start_superlink(self) -> None:
+        creds = self.credentials
         security = ["--insecure"] if creds is None else [
             "--ssl-ca-certfile", creds.ca_cert, "--ssl-certfile", creds.server_cert,
             "--ssl-keyfile", creds.server_key] + (
             ["--enable-supernode-auth"] if creds.node_auth else [])
         self.superlink = self._spawn("superlink", [
-            "flower-superlink", *security, "--host", LOOPBACK, "--port", str(self.port),
+            "flower-superlink", *security, "--host", self.host, "--port", str(self.port),
             "--disable-runtime-dependency-installation"])
-        configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
-            if self.warm else self.nodes
-        _wait_port(self.port, self.superlink, "flower-superlink", self.start_timeout_s,
-                   os.path.join(self.log_dir, "superlink.log"))
+
+    def _wait_superlink(self) -> None:
+        wait_port(self.port, self.superlink, "flower-superlink", self.start_timeout_s,
+                  os.path.join(self.log_dir, "superlink.log"), self.host)
+
+    def restart_superlink(self) -> None:
+        """Ends the SuperLink (with every process it started, a run's ServerApp too)
+        and starts it again on the same address, then the SuperNodes: the new
+        SuperLink's state (runs, node ids) starts empty, and Flower 1.42's SuperNodes do
+        not join it again by themselves. Their warm workers stay (and keep the compiled
+        client part); with node authentication the keys are registered again."""
+        for proc in self.supernodes:
+            end_group(proc)
+        self.supernodes = []
+        if self.superlink is not None:
+            end_group(self.superlink)
+        self._start_superlink()
+        self._wait_superlink()
+        creds = self.credentials
         if creds is not None and creds.node_auth:
-            self.register([public for _, public in creds.node_keys[:len(configs)]])
-        for i, config in enumerate(configs):
-            key = creds.node_keys[i][0] if creds is not None and creds.node_auth else None
-            self.supernodes.append(self.start_supernode(config, key, f"supernode-{i}"))
-        for i, worker in enumerate(self.workers):
-            _wait_port(int(configs[i]["worker"].rsplit(":", 1)[1]), worker,
-                       f"the worker of SuperNode {i}", self.start_timeout_s,
-                       os.path.join(self.log_dir, f"worker-{i}.log"))
+            self.register([public for _, public in creds.node_keys[:len(self.nodes)]])
+        self._start_supernodes()
 
     def start_supernode(self, config: dict, private_key: Optional[str] = None,
                         name: str = "supernode-extra") -> subprocess.Popen:
@@ -296,13 +359,31 @@ class LocalDeployment:
             try:
                 out, _ = proc.communicate(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                _end_group(proc)
+                end_group(proc)
                 out, _ = proc.communicate()
             if proc.returncode != 0:
                 failed.append(f"{key}: {out.decode(errors='replace')[-1000:]}")
         if failed:
             raise FleetError("the SuperLink did not register these SuperNode keys: "
                              + "; ".join(failed))
+
+    def _wait_worker(self, index: int, port: int, worker: subprocess.Popen) -> None:
+        """Waits for worker `index` to listen on its node's loopback (seen from the
+        node's own host, through `wrap`)."""
+        log = os.path.join(self.log_dir, f"worker-{index}.log")
+        prefix = self.wrap(f"worker-{index}")
+        if not prefix:
+            wait_port(port, worker, f"the worker of SuperNode {index}",
+                      self.start_timeout_s, log)
+            return
+        probe = prefix + [sys.executable, "-c", _PROBE, str(port),
+                          str(self.start_timeout_s)]
+        if subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=self.start_timeout_s + 30).returncode != 0 \
+                or worker.poll() is not None:
+            raise FleetError(f"the worker of SuperNode {index} did not listen on its "
+                             f"loopback port {port} within {self.start_timeout_s}s"
+                             f"{_tail(log)}")
 
     def _start_worker(self, index: int, config: dict) -> dict:
         """Starts node `index`'s warm worker; returns the node's config naming it."""
@@ -312,7 +393,7 @@ class LocalDeployment:
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        address = f"{LOOPBACK}:{free_port()}"
+        address = f"{LOOPBACK}:{free_port()}"  # free here: likely free on its host too
         command = [sys.executable, "-m", "fax_bridge.flower.worker", "--listen", address,
                    "--token-file", token_file]
         for key, value in config.items():
@@ -327,13 +408,14 @@ class LocalDeployment:
         command = ["flwr", "run", os.path.abspath(app_dir), CONNECTION, "--stream"]
         if run_config:
             command += ["--run-config", node_config_text(run_config)]
-        proc = subprocess.Popen(command, env=self.env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(self.wrap("flwr") + command, env=self.env,
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _end_group(proc)
+            end_group(proc)
             out, _ = proc.communicate()
             raise FleetError(f"`{' '.join(command)}` did not finish within {timeout_s}s; "
                              f"its output:\n{out.decode(errors='replace')[-4000:]}") from None
@@ -342,16 +424,16 @@ class LocalDeployment:
 
     def kill_node(self, index: int) -> None:
         """SIGKILLs SuperNode `index`, everything it started, and its worker."""
-        _end_group(self.supernodes[index], signal.SIGKILL)
+        end_group(self.supernodes[index], signal.SIGKILL)
         if self.workers:
-            _end_group(self.workers[index], signal.SIGKILL)
+            end_group(self.workers[index], signal.SIGKILL)
 
     def pids(self) -> list:
         """The ids of every process the deployment runs now: its own and all they
         started (SuperExecs, ServerApp and ClientApp processes)."""
         procs = self.supernodes + self.workers + (
             [self.superlink] if self.superlink else [])
-        return [p.pid for p in procs] + [c for p in procs for c in _descendants(p.pid)]
+        return [p.pid for p in procs] + [c for p in procs for c in descendants(p.pid)]
 
     def log(self, name: str) -> str:
         """The output so far of `superlink` or `supernode-I`."""
@@ -362,7 +444,7 @@ class LocalDeployment:
         """Ends the SuperNodes, then the SuperLink, each with its process group."""
         for proc in self.supernodes + self.workers + (
                 [self.superlink] if self.superlink else []):
-            _end_group(proc)
+            end_group(proc)
         self.supernodes, self.workers, self.superlink = [], [], None
         for log in self._logs:
             log.close()
@@ -390,7 +472,7 @@ def _children() -> dict:
     return out
 
 
-def _descendants(pid: int) -> list:
+def descendants(pid: int) -> list:
     """Every process started under `pid`, however deep (some of Flower's start a
     session of their own, so the process group alone does not reach them)."""
     children, found, stack = _children(), [], [pid]
@@ -409,11 +491,11 @@ def _signal(pids: list, sig: int) -> None:
             pass
 
 
-def _end_group(proc: subprocess.Popen, sig: int = signal.SIGTERM,
+def end_group(proc: subprocess.Popen, sig: int = signal.SIGTERM,
                grace_s: float = 5.0) -> None:
     """Sends `sig` to `proc`'s process group and to every process started under it
     (SIGKILL to what is left after `grace_s`), and reaps `proc`."""
-    below = _descendants(proc.pid)
+    below = descendants(proc.pid)
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
@@ -423,7 +505,7 @@ def _end_group(proc: subprocess.Popen, sig: int = signal.SIGTERM,
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    below += _descendants(proc.pid) if proc.poll() is None else []
+    below += descendants(proc.pid) if proc.poll() is None else []
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
     except ProcessLookupError:

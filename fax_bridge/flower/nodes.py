@@ -6,11 +6,17 @@ Flower's own waits 3 s between pulls and has no option to change it, so a round 
 wait up to 3 s after the last node answered. It pushes the messages once, pulls the
 outstanding replies every `poll_s` until all are in or `timeout_s` has passed (a node
 that has not answered by then is late), and returns the replies by destination node.
+Flower's `pull_messages` returns a reply once its message is in, then fetches the
+reply's arrays, waiting while they still upload; so each outstanding reply is pulled
+on a thread of its own (daemon: one still fetching when the deadline passes is left
+behind, and does not hold the round), and a node behind a slow link is late by the
+deadline instead of holding the round until its upload ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Iterable
 
@@ -37,16 +43,43 @@ def exchange(grid, messages: list, timeout_s: float, poll_s: float) -> dict:
     for message_id, message in zip(grid.push_messages(messages), messages):
         sent[message_id] = message.metadata.dst_node_id
     replies: dict = {}
+    lock = threading.Lock()
+    arrived = threading.Event()
+    pulling: set = set()  # message ids with a pull in flight
+
+    def pull(message_id: str) -> None:
+        try:
+            got = list(grid.pull_messages([message_id]))
+        except Exception:  # noqa: BLE001 - a failed pull is retried at the next poll
+            got = []
+        with lock:
+            pulling.discard(message_id)
+            for reply in got:
+                node = sent.get(reply.metadata.reply_to_message_id)
+                if node is not None and node not in replies:
+                    replies[node] = reply
+        if got:  # else the next poll pulls again, poll_s later
+            arrived.set()
+
     end = time.monotonic() + timeout_s
-    while sent:
-        for reply in grid.pull_messages(list(sent)):
-            node = sent.pop(reply.metadata.reply_to_message_id, None)
-            if node is not None:
-                replies[node] = reply
-        if not sent or time.monotonic() >= end:
+    while True:
+        with lock:
+            waiting = [m for m, node in sent.items()
+                       if node not in replies and m not in pulling]
+            pulling.update(waiting)
+            done = len(replies) == len(sent)
+        if done:
             break
-        time.sleep(min(poll_s, max(0.0, end - time.monotonic())))
-    return replies
+        for message_id in waiting:
+            threading.Thread(target=pull, args=(message_id,), daemon=True,
+                             name=f"pull {message_id[:12]}").start()
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        arrived.wait(min(poll_s, left))
+        arrived.clear()
+    with lock:
+        return dict(replies)
 
 
 def wait_for_nodes(grid, count: int, timeout_s: float, poll_s: float) -> list:

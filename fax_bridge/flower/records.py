@@ -6,10 +6,13 @@ do not say (dtype names, shapes, limb bases) and a `MetricRecord` of counts:
 
 - the broadcast: its tensors depth first, keys "0", "1", ...;
 - a node's clients: one int64 array of population ids, key "ids";
-- a node's partials: for aggregation j and tensor i, `aJ.vI.doubles` (float64, an exact
-  sum that float64 holds), `aJ.vI.limbs` (int64 [limbs, size], the fleet's exact
-  limbs) with `aJ.vI.flags` (uint8, non-finite addends), or `aJ.vI.extreme` (a min or
-  max); `aJ.w.*` the same for a weighted mean's weights.
+- a node's partials: for aggregation j and tensor i, `aJ.vI.addend` (in the value's
+  own dtype: a node of one client sends its addend, 4 bytes an element for float32,
+  as Flower's own apps do; a round of rounded partials sends each float sum so),
+  `aJ.vI.doubles` (float64, an exact sum that float64 holds), `aJ.vI.limbs` (int64
+  [limbs, size], the fleet's exact limbs) with `aJ.vI.flags` (uint8, non-finite
+  addends), or `aJ.vI.extreme` (a min or max); `aJ.w.*` the same for a weighted
+  mean's weights.
 
 Partials are the fleet's (`rounds.partials`): a node builds its `AggregateResponse` with
 `partials.to_message` and `partials_layout` lays its fields out as arrays; the server
@@ -181,9 +184,11 @@ def ids_from_arrays(arrays: dict, where: str) -> np.ndarray:
 
 def _leaf_out(prefix: str, leaf: pb.LeafPartial, arrays: dict, layout: dict) -> None:
     shape = [int(d) for d in leaf.shape]
-    if leaf.HasField("extreme"):
-        value = wire.decode_tensor(leaf.extreme)
-        arrays[f"{prefix}.extreme"] = value
+    for field in ("extreme", "addend"):
+        if not leaf.HasField(field):
+            continue
+        value = wire.decode_tensor(getattr(leaf, field))
+        arrays[f"{prefix}.{field}"] = value
         layout[f"{prefix}.dtype"] = wire.dtype_name(value.dtype)
         layout[f"{prefix}.shape"] = [int(d) for d in value.shape]
         return
@@ -226,10 +231,11 @@ def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
     dtype = dtype_of(layout[f"{prefix}.dtype"], f"partial tensor {prefix}'s dtype", where)
     shape = list(shape_of(layout[f"{prefix}.shape"], f"partial tensor {prefix}'s shape",
                           where))
-    if f"{prefix}.extreme" in arrays:
-        wire.encode_tensor(numpy_of(arrays[f"{prefix}.extreme"], dtype, shape, where),
-                           out.extreme)
-        return out
+    for field in ("extreme", "addend"):
+        if f"{prefix}.{field}" in arrays:
+            wire.encode_tensor(numpy_of(arrays[f"{prefix}.{field}"], dtype, shape, where),
+                               getattr(out, field))
+            return out
     out.dtype = wire.dtype_name(dtype)
     out.shape.extend(shape)
     if f"{prefix}.doubles" in arrays:

@@ -41,6 +41,18 @@ from fax_bridge.flower import secagg
 from fax_bridge.rounds.policy import RoundPolicy, RoundReport
 
 
+def _flag(value) -> bool:
+    """A run config's yes/no value: a TOML boolean, or true/false, 1/0 written as text."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise ValueError(text)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The run config of a Flower round (keys as in `[tool.flwr.app.config]`)."""
@@ -55,6 +67,7 @@ class Settings:
     out_dir: str = ""
     checkpoint_dir: str = ""
     secagg_threshold: float = 0.0
+    initial_state: str = ""
 
     @classmethod
     def from_run_config(cls, config) -> "Settings":
@@ -77,7 +90,8 @@ class Settings:
                              dropout=get("dropout", float, 0.0),
                              round_deadline_s=deadline if deadline > 0 else None,
                              min_clients=get("min-clients", int, 1),
-                             seed=get("seed", int, 0), emulate_delays=False)
+                             seed=get("seed", int, 0), emulate_delays=False,
+                             rounded_partials=get("rounded-partials", _flag, False))
         return cls(num_rounds=get("num-rounds", int, 1), policy=policy,
                    node_timeout_s=get("node-timeout-s", float, 120.0),
                    first_round_timeout_s=get("first-round-timeout-s", float, 300.0),
@@ -87,7 +101,8 @@ class Settings:
                    out_dir=get("out-dir", str, ""),
                    checkpoint_dir=get("checkpoint-dir", str, ""),
                    secagg_threshold=secagg.checked_threshold(
-                       get("secagg-threshold", float, 0.0)))
+                       get("secagg-threshold", float, 0.0)),
+                   initial_state=get("initial-state", str, ""))
 
     def deadline_s(self, first: bool) -> float:
         """How long a round waits for the nodes' answers: `round-deadline-s`, else
@@ -124,7 +139,8 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
     try:
         transport = FlowerTransport(grid, nodes, rep.participants.array(), round_index, wait,
                                     settings.poll_s, rep.traffic, settings.secagg_threshold,
-                                    cohort=policy.cohort_size or population)
+                                    cohort=policy.cohort_size or population,
+                                    rounded_partials=policy.rounded_partials)
         return engine.run_round(made.split, made.server_arg(state), transport,
                                 made.prepared.result, on_lost=drop)
     except BaseException as e:
@@ -187,7 +203,17 @@ def _resume(made, settings: Settings) -> tuple:
     meta = {"computation": str(made.prepared.type),
             "program": checkpoint.program_fingerprint(made.proto),
             "policy": repr(settings.policy), "num_rounds": settings.num_rounds}
-    state, start = made.state_value(made.state), 0
+    tensors = made.state
+    if settings.initial_state:  # a file on the SuperLink's host, instead of the bundle's
+        from fax_bridge.flower.bundle import read_state
+
+        tensors = read_state(settings.initial_state, made.state)
+    elif made.state_outside:  # too large for the bundle
+        raise FleetError("this round's initial state is not in its app bundle; set "
+                         "the run config's initial-state to the initial_state.npz "
+                         "`fax-bridge flower` wrote beside the app (a path on the "
+                         "SuperLink's host)")
+    state, start = made.state_value(tensors), 0
     if settings.checkpoint_dir:
         saved = checkpoint.resume(settings.checkpoint_dir, meta, setting="checkpoint-dir")
         if saved is not None:

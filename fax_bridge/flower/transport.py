@@ -28,11 +28,13 @@ from fax_bridge.flower import records, secagg
 
 
 def train_messages(split: RoundSplit, sent: Any, nodes: list, ids: np.ndarray,
-                   round_index: int, ttl_s: float, cohort: int = 0) -> list:
+                   round_index: int, ttl_s: float, cohort: int = 0,
+                   rounded: bool = False) -> list:
     """(node, its participants, message) for each node holding participants of the
     round; the messages expire when the round stops waiting (`ttl_s`), so a node that
     comes back later does not work on a round that is over. `cohort`: the most clients
-    any round of the run samples (0: not known), which a warm worker compiles for."""
+    any round of the run samples (0: not known), which a warm worker compiles for;
+    `rounded`: the nodes send rounded partials (`RoundPolicy.rounded_partials`)."""
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
     from fax_bridge.runtime.backend import as_numpy, leaves
@@ -48,7 +50,8 @@ def train_messages(split: RoundSplit, sent: Any, nodes: list, ids: np.ndarray,
             records.BROADCAST: arrays, records.LAYOUT: layout,
             records.IDS: records.ids_to_record(mine),
             records.ROUND: ConfigRecord({"round": round_index, "cohort": int(cohort),
-                                         "client-part": split.client_part_hash})})
+                                         "client-part": split.client_part_hash,
+                                         "rounded-partials": bool(rounded)})})
         out.append((node, mine, Message(content, dst_node_id=node.node_id,
                                         message_type=MessageType.TRAIN,
                                         group_id=str(round_index), ttl=ttl_s)))
@@ -66,8 +69,10 @@ class FlowerTransport:
     reject_nonfinite = False
 
     def __init__(self, grid, nodes: list, ids: np.ndarray, round_index: int, wait_s: float,
-                 poll_s: float, traffic: Traffic, threshold: float = 0.0, cohort: int = 0):
+                 poll_s: float, traffic: Traffic, threshold: float = 0.0, cohort: int = 0,
+                 rounded_partials: bool = False):
         self.grid, self.nodes, self.ids = grid, nodes, ids
+        self.rounded_partials = bool(rounded_partials)
         self.threshold, self.cohort = threshold, cohort
         self.round_index, self.wait_s, self.poll_s = round_index, wait_s, poll_s
         self.num_clients = len(ids)
@@ -75,7 +80,7 @@ class FlowerTransport:
 
     def run_clients(self, split: RoundSplit, sent: Any) -> Answers:
         sends = train_messages(split, sent, self.nodes, self.ids, self.round_index,
-                               max(self.wait_s, 1.0), self.cohort)
+                               max(self.wait_s, 1.0), self.cohort, self.rounded_partials)
         # bytes_*: every record of the messages (SecAgg+'s too, `secagg.aggregate`);
         # payload_*: the round's arrays (broadcast and ids down, partials up)
         self.traffic.bytes_down += sum(records.content_bytes(m.content) for _, _, m in sends)

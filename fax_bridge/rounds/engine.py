@@ -93,12 +93,14 @@ class Transport(Protocol):
     `num_clients`: the round's clients; `backend`: what the server steps' interpreter
     path runs on (None where there is none); `reject_nonfinite`: refuse NaN and
     infinities in answers; `traffic`: where the engine adds the partials' payload and
-    the holders' compute (None: not counted).
+    the holders' compute (None: not counted); `rounded_partials`: the holders send
+    rounded float partials (`RoundPolicy.rounded_partials`), which the checks accept.
     """
 
     num_clients: int
     backend: Any
     reject_nonfinite: bool
+    rounded_partials: bool
     traffic: Optional[Traffic]
 
     def run_clients(self, split: RoundSplit, sent: structure.Struct) -> Answers:
@@ -121,9 +123,10 @@ def check_and_merge(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
 
 def check_answers(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
                   reject_nonfinite: bool = False,
-                  traffic: Optional[Traffic] = None) -> list:
+                  traffic: Optional[Traffic] = None, rounded: bool = False) -> list:
     """Each answer's partials (`aggregation.Partial`, one per entry of `checks`), every
-    one checked (`check_and_merge`), in the answers' order; nothing is merged."""
+    one checked (`check_and_merge`), in the answers' order; nothing is merged.
+    `rounded`: the round asked for rounded partials (`RoundPolicy.rounded_partials`)."""
     out, pending = [], []
     for answer in answers:
         if len(answer.partials) != len(checks):
@@ -139,7 +142,7 @@ def check_answers(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
                 continue
             partial, payload = validate.check_partial(
                 message, kind, value_types, weight_types, answer.num_clients, answer.where,
-                reject_nonfinite, tops, pending=pending)
+                reject_nonfinite, tops, pending=pending, rounded=rounded)
             if traffic is not None:
                 traffic.payload_up += payload
             found.append(partial)
@@ -187,7 +190,7 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
     merged = split.aggregations if answers.secure is None else plain_aggregations(split)
     checks = split_checks(merged)
     checked = check_answers(checks, answers.answered, transport.reject_nonfinite,
-                            transport.traffic)
+                            transport.traffic, transport.rounded_partials)
     out: set = set()  # answers the secure phase left out
 
     def drop(lost: list) -> None:

@@ -6,7 +6,11 @@ send them with `to_message`; the coordinator reads them with `validate.check_par
 client order. `from_message` decodes a trusted message. Exact sums travel as their
 integer limbs, or as float64 values where those hold them exactly (`doubles`, with the
 few elements whose float64 sum would not be exact as limbs beside them, `spilled`), so
-nothing is rounded before the coordinator finishes the aggregate. With a
+nothing is rounded before the coordinator finishes the aggregate. A partial over one
+client travels as that client's addend in its own dtype (`addend`: 4 bytes an element
+for float32, half the doubles), from which the receiver builds the same exact sum
+(`sum_of_addend`); with `rounded=True` (a round of rounded partials) every sum-like
+partial travels so, its exact sum rounded once to the dtype. With a
 `shared_memory.Writer`, `to_message` puts the large bytes fields in a shared-memory
 segment instead (their `*_at` spans set, the fields empty).
 """
@@ -20,7 +24,7 @@ import numpy as np
 
 from fax_bridge.rounds import wire
 from fax_bridge.runtime.aggregation import EXTREMES, Partial
-from fax_bridge.runtime.double_sums import DoubleSum
+from fax_bridge.runtime.double_sums import DoubleSum, results, sums_of
 from fax_bridge.runtime.exact import ExactSum
 from fax_bridge.v1 import device_pb2 as pb
 
@@ -49,7 +53,9 @@ def _limbs_message(acc: ExactSum, out: pb.LeafPartial, shared=None) -> None:
         wire.put_bytes(out, "nonfinite", np.ascontiguousarray(flags, np.uint8), shared)
 
 
-def _leaf_message(leaf, out: pb.LeafPartial, shared=None) -> None:
+def leaf_message(leaf, out: pb.LeafPartial, shared=None) -> None:
+    """Writes one leaf of a partial in its exact form into `out`: an extreme's tensor,
+    or a sum's float64 values (`doubles`, with `spilled` limbs) or its limbs."""
     if isinstance(leaf, DoubleSum):
         out.dtype = wire.dtype_name(leaf.dtype)
         out.shape.extend(leaf.shape)
@@ -65,6 +71,12 @@ def _leaf_message(leaf, out: pb.LeafPartial, shared=None) -> None:
         wire.encode_tensor(leaf, out.extreme, shared)
 
 
+def sum_of_addend(addend: np.ndarray):
+    """The exact sum (`DoubleSum` or `ExactSum`) whose one addend is `addend`: what a
+    device would have sent for its one client, built by the receiver."""
+    return sums_of([addend.reshape((1,) + addend.shape)])[0]
+
+
 def leaf_from_message(kind: str, message: pb.LeafPartial, doubles: Optional[bytes] = None,
                       limbs: bytes = b"", flags: bytes = b"", spilled: bytes = b""):
     """One leaf of a partial: an extreme's array, a `DoubleSum` or an `ExactSum`.
@@ -72,6 +84,8 @@ def leaf_from_message(kind: str, message: pb.LeafPartial, doubles: Optional[byte
     read them already (each read of a bytes field copies it); None reads them here."""
     if kind in EXTREMES:
         return np.array(wire.decode_tensor(message.extreme))
+    if message.addend.dtype:
+        return sum_of_addend(wire.decode_tensor(message.addend))
     dtype = wire.dtype_from_name(message.dtype)
     shape = tuple(message.shape)
     if doubles is None:
@@ -97,17 +111,28 @@ def _limbs_of(dtype: np.dtype, shape: tuple, message: pb.LeafPartial, limbs: byt
 
 
 def to_message(partial: Partial, out: Optional[pb.AggregateResponse] = None,
-               shared=None) -> pb.AggregateResponse:
+               shared=None, rounded: bool = False) -> pb.AggregateResponse:
     """The partial as an `AggregateResponse`: written into `out` (an empty one, e.g.
     a new element of a repeated field, so nothing is copied) or a new message. `shared`:
-    a `shared_memory.Writer` that takes the large bytes fields (their spans are set)."""
+    a `shared_memory.Writer` that takes the large bytes fields (their spans are set).
+    A sum-like partial over one client, or over any number of float values with
+    `rounded`, travels as `addend`s: each exact sum rounded once to its dtype (for one
+    client, exactly its addend; integer sums are never rounded)."""
     if out is None:
         out = pb.AggregateResponse()
     out.num_clients = partial.count
+    sums = [*partial.leaves] + ([] if partial.weights is None else [partial.weights])
+    if partial.kind not in EXTREMES and sums and (partial.count == 1 or (
+            rounded and all(s.is_float for s in sums))):
+        found = results(sums)  # rounded together: one pass per dtype
+        for i, value in enumerate(found):
+            leaf = out.leaves.add() if i < len(partial.leaves) else out.weight_leaves.add()
+            wire.encode_tensor(value, leaf.addend, shared)
+        return out
     for leaf in partial.leaves:
-        _leaf_message(leaf, out.leaves.add(), shared)
+        leaf_message(leaf, out.leaves.add(), shared)
     if partial.weights is not None:
-        _leaf_message(partial.weights, out.weight_leaves.add(), shared)
+        leaf_message(partial.weights, out.weight_leaves.add(), shared)
     return out
 
 

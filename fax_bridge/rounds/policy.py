@@ -63,6 +63,11 @@ class RoundPolicy:
       min_clients: the round fails (FleetError) when fewer clients report.
       seed: seeds every random choice, together with the round number.
       emulate_delays: devices really wait for their slowest reporting client's delay.
+      rounded_partials: each device or node sends its float sums rounded once to the
+        value's dtype (4 bytes an element for float32, the bytes Flower's own apps
+        send) instead of exact partials (about 8): the round's result then agrees with
+        the exact one within the rounding of those partials, not bit for bit. A holder
+        of one client sends its exact addend either way (the same 4 bytes).
     """
 
     cohort_size: Optional[int] = None
@@ -72,6 +77,7 @@ class RoundPolicy:
     min_clients: int = 1
     seed: int = 0
     emulate_delays: bool = True
+    rounded_partials: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.dropout < 1.0:
@@ -144,6 +150,8 @@ class RoundReport:
     and `compute_s` (its `compute_seconds`).
     `lost_devices` are devices that stopped answering during the round (addresses);
     `lost_clients` the participants they held, which the round then finished without.
+    `bytes_up_per_client`, `bytes_down_per_client`: the round's bytes over its
+    participants (what one client's share of the uplink and downlink cost).
     """
 
     round: int
@@ -170,6 +178,16 @@ class RoundReport:
     shared_down = _counter("shared_down")
     shared_up = _counter("shared_up")
 
+    @property
+    def bytes_up_per_client(self) -> float:
+        """`bytes_up` over the participants (0 when none reported)."""
+        return self.bytes_up / len(self.participants) if len(self.participants) else 0.0
+
+    @property
+    def bytes_down_per_client(self) -> float:
+        """`bytes_down` over the participants (0 when none reported)."""
+        return self.bytes_down / len(self.participants) if len(self.participants) else 0.0
+
     def as_dict(self) -> dict:
         """The report as plain Python values (id sets as lists, delays as a dict, the
         traffic counters under the report's names)."""
@@ -178,6 +196,8 @@ class RoundReport:
             value = getattr(self, field.name)
             if isinstance(value, Traffic):
                 out.update((name, getattr(self, name)) for name in _COUNTERS)
+                out["bytes_up_per_client"] = self.bytes_up_per_client
+                out["bytes_down_per_client"] = self.bytes_down_per_client
                 continue
             if isinstance(value, ClientIds):
                 value = list(value)
@@ -199,7 +219,9 @@ class RoundReport:
                 "devices" if self.lost_devices else "")
         return (f"round {self.round}: {len(self.participants)}/{len(self.cohort)} clients "
                 f"reported ({len(self.dropped)} dropped, {len(self.late)} late{lost}) in "
-                f"{self.wall_s:.3f}s; {self.bytes_down} B down, {self.bytes_up} B up"
+                f"{self.wall_s:.3f}s; {self.bytes_down} B down, {self.bytes_up} B up "
+                f"({self.bytes_down_per_client:.0f} B down, {self.bytes_up_per_client:.0f}"
+                " B up a client)"
                 + (f" over gRPC, {self.shared_down} B down and {self.shared_up} B up "
                    "through shared memory" if self.shared_down or self.shared_up else ""))
 

@@ -22,7 +22,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError, FleetError
-from fax_bridge.rounds import wire
+from fax_bridge.rounds import partials, wire
 from fax_bridge.runtime import double_sums, limits, threads
 from fax_bridge.runtime.aggregation import EXTREMES, Partial
 from fax_bridge.runtime.float_bits import float_params
@@ -119,13 +119,18 @@ def _honest(dtype: np.dtype, count: int) -> tuple[int, int, bool]:
 def _check_sum_leaf(leaf: pb.LeafPartial, type_: federated_language.TensorType, where: str,
                     reject_nonfinite: bool, count: int,
                     pending: Optional[list] = None, top: Optional[int] = None,
-                    nonnegative: bool = False) -> tuple:
+                    nonnegative: bool = False, rounded: bool = False) -> tuple:
     """Checks one leaf of an exact-sum partial; returns (the sum it holds, its payload
     bytes). A float64-form leaf's values are appended to `pending` (checked with the
     others of their dtype by `check_pending`) when it is given, checked here otherwise.
     `top`: the largest value one client may add (a secure sum's bound), so the sum lies
     in [0, count * top]. `nonnegative`: a sum of addends >= 0 (a weighted mean's
-    weights), so no element is below 0 nor -inf."""
+    weights), so no element is below 0 nor -inf. `rounded`: the round asked for
+    rounded partials (an `addend` may then stand for more than one client's float
+    values)."""
+    if leaf.addend.dtype:
+        return _check_addend(leaf, type_, where, reject_nonfinite, count, top, rounded,
+                             nonnegative)
     name, want, dtype, fits = _leaf_spec(type_)
     shape = tuple(leaf.shape)
     if leaf.dtype != name or (shape != want if want is not None
@@ -165,6 +170,32 @@ def _negative(where: str, least) -> None:
     raise FleetError(f"{where}: a partial sum of weights holds {least}; a weighted mean's "
                      f"weights are >= 0 on every client, so an honest partial of them is "
                      f"too; {_FORGED}")
+
+
+def _check_addend(leaf: pb.LeafPartial, type_: federated_language.TensorType, where: str,
+                  reject_nonfinite: bool, count: int, top: Optional[int],
+                  rounded: bool, nonnegative: bool = False) -> tuple:
+    """A partial sent as one addend in the value's own dtype (`partials.to_message`):
+    one client's addend, or in a round of rounded partials a float sum rounded once;
+    returns (the exact sum of that addend, its payload bytes)."""
+    if leaf.dtype or len(leaf.shape) or leaf.num_limbs or leaf.base_limb or leaf.limbs \
+            or leaf.nonfinite or leaf.doubles or leaf.spilled:
+        raise FleetError(f"{where}: a partial sent both as an addend and in another form; "
+                         f"devices send one form; {_FORGED}")
+    array = wire.decode_tensor(leaf.addend)
+    check_tensor(array, type_, where, reject_nonfinite)
+    float_sum = array.dtype.kind == "f" or double_sums.fits(array.dtype)
+    if count < 1 or (count > 1 and not (rounded and float_sum)):
+        raise FleetError(f"{where}: a partial over {count} clients sent as one addend; "
+                         "devices send that for one client, or for float sums in a round "
+                         f"of rounded partials; {_FORGED}")
+    if top is not None and array.size and (int(array.min()) < 0 or int(array.max()) > top):
+        raise FleetError(f"{where}: a secure sum's addend holds {int(array.min())} .. "
+                         f"{int(array.max())}; one client within the bound keeps it in "
+                         f"[0, {top}]; {_FORGED}")
+    if nonnegative and array.size and np.minimum.reduce(array, axis=None) < 0:
+        _negative(where, np.minimum.reduce(array, axis=None))
+    return partials.sum_of_addend(np.asarray(array)), array.nbytes
 
 
 def _check_limbs_leaf(leaf: pb.LeafPartial, dtype: np.dtype, shape: tuple, where: str,
@@ -357,14 +388,15 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
                   weight_types: list, num_clients: int, where: str,
                   reject_nonfinite: bool = False,
                   tops: Optional[Sequence[int]] = None,
-                  pending: Optional[list] = None) -> tuple[Partial, int]:
+                  pending: Optional[list] = None,
+                  rounded: bool = False) -> tuple[Partial, int]:
     """Raises FleetError unless an AggregateResponse fits the aggregated value's type and
     could come from an honest device holding `num_clients` clients; returns (the partial
     it holds, its payload bytes). `tops`: for a secure sum, the largest value one client
     may add to each leaf (`aggregation.secure_bounds`). `pending`: a list that keeps the
     checks of float64-form values for the caller's one `check_pending(pending)` over
     several answers, which must pass before the partials are used; without it they run
-    here."""
+    here. `rounded`: the round asked for rounded partials (`partials.to_message`)."""
     if answer.num_clients != num_clients:
         raise FleetError(f"{where}: a partial over {answer.num_clients} clients; the "
                          f"device holds {num_clients}")
@@ -384,7 +416,8 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
             payload += array.nbytes  # decode_tensor checked it is the data's length
         else:
             value, size = _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients,
-                                          pending, None if tops is None else tops[i])
+                                          pending, None if tops is None else tops[i],
+                                          rounded)
             leaves.append(value)
             payload += size
     want_weights = 1 if kind == "weighted_mean" else 0
@@ -400,7 +433,7 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
                              f"{len(weight_types)} tensors")
         weights, size = _check_sum_leaf(answer.weight_leaves[0], _scalar(weight_t.dtype),
                                         f"{where}, weight", reject_nonfinite, num_clients,
-                                        pending, nonnegative=True)
+                                        pending, None, nonnegative=True, rounded=rounded)
         payload += size
     if mine:
         check_pending(pending)

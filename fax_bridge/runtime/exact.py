@@ -152,8 +152,8 @@ class ExactSum:
         live = values != 0
         if not live.all():
             values, cols = values[live], cols[live]
-            if not values.size:
-                return
+        if not values.size:  # nothing to add (an empty tensor too)
+            return
         frac, expo = np.frexp(values)
         mant = np.ldexp(frac, 53).astype(np.int64)  # signed, |mant| < 2^53
         pos = expo.astype(np.int64) - (53 + emin_sub)  # of mant's lowest bit, in units

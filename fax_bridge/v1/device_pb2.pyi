@@ -231,7 +231,7 @@ class ZipResponse(_message.Message):
     def __init__(self, num_clients: _Optional[int] = ...) -> None: ...
 
 class LeafPartial(_message.Message):
-    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme", "nonfinite", "doubles", "spilled", "limbs_at", "nonfinite_at", "doubles_at", "spilled_at")
+    __slots__ = ("dtype", "shape", "base_limb", "num_limbs", "limbs", "extreme", "nonfinite", "doubles", "spilled", "limbs_at", "nonfinite_at", "doubles_at", "spilled_at", "addend")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BASE_LIMB_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class LeafPartial(_message.Message):
     NONFINITE_AT_FIELD_NUMBER: _ClassVar[int]
     DOUBLES_AT_FIELD_NUMBER: _ClassVar[int]
     SPILLED_AT_FIELD_NUMBER: _ClassVar[int]
+    ADDEND_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     base_limb: int
@@ -258,7 +259,8 @@ class LeafPartial(_message.Message):
     nonfinite_at: SharedSpan
     doubles_at: SharedSpan
     spilled_at: SharedSpan
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bytes] = ..., doubles: _Optional[bytes] = ..., spilled: _Optional[bytes] = ..., limbs_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., nonfinite_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., doubles_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., spilled_at: _Optional[_Union[SharedSpan, _Mapping]] = ...) -> None: ...
+    addend: Tensor
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., base_limb: _Optional[int] = ..., num_limbs: _Optional[int] = ..., limbs: _Optional[bytes] = ..., extreme: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bytes] = ..., doubles: _Optional[bytes] = ..., spilled: _Optional[bytes] = ..., limbs_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., nonfinite_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., doubles_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., spilled_at: _Optional[_Union[SharedSpan, _Mapping]] = ..., addend: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
     __slots__ = ("value", "kind", "weights", "bitwidth")
@@ -319,7 +321,7 @@ class RoundAggregation(_message.Message):
     def __init__(self, kind: _Optional[_Union[Aggregation, str]] = ..., value_index: _Optional[int] = ..., weight_index: _Optional[int] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("computation_hash", "broadcast", "aggregations", "values", "from_store", "delay_seconds", "broadcast_segment", "answer_segment")
+    __slots__ = ("computation_hash", "broadcast", "aggregations", "values", "from_store", "delay_seconds", "broadcast_segment", "answer_segment", "rounded_partials")
     COMPUTATION_HASH_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
     AGGREGATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +330,7 @@ class RoundRequest(_message.Message):
     DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     ANSWER_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUNDED_PARTIALS_FIELD_NUMBER: _ClassVar[int]
     computation_hash: str
     broadcast: Value
     aggregations: _containers.RepeatedCompositeFieldContainer[RoundAggregation]
@@ -336,7 +339,8 @@ class RoundRequest(_message.Message):
     delay_seconds: float
     broadcast_segment: SharedSegment
     answer_segment: SharedSegment
-    def __init__(self, computation_hash: _Optional[str] = ..., broadcast: _Optional[_Union[Value, _Mapping]] = ..., aggregations: _Optional[_Iterable[_Union[RoundAggregation, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., from_store: _Optional[_Union[StoreRead, _Mapping]] = ..., delay_seconds: _Optional[float] = ..., broadcast_segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., answer_segment: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
+    rounded_partials: bool
+    def __init__(self, computation_hash: _Optional[str] = ..., broadcast: _Optional[_Union[Value, _Mapping]] = ..., aggregations: _Optional[_Iterable[_Union[RoundAggregation, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., from_store: _Optional[_Union[StoreRead, _Mapping]] = ..., delay_seconds: _Optional[float] = ..., broadcast_segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., answer_segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., rounded_partials: _Optional[bool] = ...) -> None: ...
 
 class RoundResponse(_message.Message):
     __slots__ = ("partials", "num_clients", "compute_seconds", "segment")

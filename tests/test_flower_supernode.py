@@ -1,0 +1,110 @@
+"""fax_bridge.flower.supernode: the app README's node commands start warm SuperNodes
+(a worker, then Flower's `flower-supernode` naming it), and ending the command ends
+every process it started."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from fax_bridge.data import write_population  # noqa: E402
+from fax_bridge.flower import app_dir, bundle, supernode  # noqa: E402
+from fax_bridge.flower.deployment import free_port  # noqa: E402
+from fax_bridge.flower.security import local_credentials  # noqa: E402
+from fax_bridge.tff.cli import resolve_program  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
+
+
+def _commands(text: str, start: str) -> list:
+    """The shell commands of `text` beginning with `start` (continuations joined)."""
+    joined = text.replace("\\\n", " ")
+    return [shlex.split(line.rstrip(" &")) for line in joined.splitlines()
+            if line.startswith(start)]
+
+
+def test_the_written_readme_starts_a_warm_supernode_per_share(tmp_path):
+    prog, args, placements = resolve_program(f"{QUICKSTART}:fedavg_round", 6)
+    made = bundle.build_round(prog, *args, placements=placements)
+    creds = local_credentials(str(tmp_path / "creds"), hosts=["10.77.0.1"])
+    nodes = [{"population": str(tmp_path / "pop a"), "first-client": 0, "num-clients": 4},
+             {"population": str(tmp_path / "pop'b"), "first-client": 4}]
+    folder = tmp_path / "app"
+    app_dir.write_app(made, str(folder), superlink="10.77.0.1:9093", nodes=nodes,
+                      root_certificates=creds.ca_cert)
+    text = (folder / "README.md").read_text()
+    warm, cold = text.split("Cold SuperNodes", 1)
+    starters = _commands(warm, "python -m fax_bridge.flower.supernode")
+    assert len(starters) == len(nodes)
+    for command, node in zip(starters, nodes):
+        parsed = supernode._parser().parse_args(command[3:])
+        assert supernode.share_config(parsed) == {"first-row": 0, **node}
+        assert parsed.superlink == "10.77.0.1:9093" and not parsed.insecure
+        assert parsed.root_certificates == creds.ca_cert and not parsed.cold
+    assert "flower-supernode" not in warm.split("```")[1]  # the fast path's block
+    assert "flower-supernode" in cold  # the slow path, documented below it
+    assert "rounded-partials" in text
+
+
+def _alive(pids: list) -> list:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
+    from fax_bridge.flower.deployment import descendants
+
+    population = str(tmp_path / "pop")
+    write_population(population, [{"x": np.ones(3, np.float32)} for _ in range(2)])
+    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fax_bridge.flower.supernode", "--insecure",
+         "--superlink", f"127.0.0.1:{free_port()}", "--population", population],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        started: list = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            below = descendants(proc.pid)
+            names = []
+            for pid in below:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        names.append(f.read().replace(b"\0", b" ").decode())
+                except OSError:
+                    pass
+            if any("flower-supernode" in n for n in names) and any(
+                    "fax_bridge.flower.worker" in n for n in names):
+                started = below
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert started, "the worker and the SuperNode did not both start"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        end = time.monotonic() + 30
+        while _alive(started) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not _alive(started)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
