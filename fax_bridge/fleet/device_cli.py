@@ -41,7 +41,8 @@ def _run(args: argparse.Namespace) -> int:
                      idle_timeout_s=args.idle_timeout_s,
                      max_call_seconds=args.max_call_seconds,
                      max_delay_seconds=args.max_delay_seconds,
-                     shared_memory=args.shared_memory)
+                     shared_memory=args.shared_memory,
+                     client_runtime=args.client_runtime)
     except FleetError as e:
         print(f"fax-bridge device: {e}", file=sys.stderr)
         return 2
@@ -102,6 +103,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a directory (mode 0700, this user's) of shared-memory "
                              "segments through which a coordinator on this host passes "
                              "large payloads; LocalFleet gives its devices one")
+    parser.add_argument("--client-runtime", default="xla", choices=("xla", "litert"),
+                        help="what runs a round's client part: its XLA (default) or the "
+                             "LiteRT interpreter, as phones run it (fax_bridge.litert)")
     parser.add_argument("--log-level", default="warning", type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"),
                         help="stderr log level")

@@ -214,7 +214,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
           idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
           max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
           max_delay_seconds: float = MAX_DELAY_SECONDS,
-          shared_memory: Optional[str] = None) -> int:
+          shared_memory: Optional[str] = None, client_runtime: str = "xla") -> int:
     """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
 
     On SIGTERM, waits (Map delays) end at once and long calls stop between clients; the
@@ -225,6 +225,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
     reads by id (named `population_name`, by default the directory's base name).
     `shared_memory`: the launcher's directory of shared-memory segments (`LocalFleet`
     gives one to the devices it starts); removed on exit when the launcher is gone.
+    `client_runtime`: "litert" runs rounds' client parts in the LiteRT interpreter.
     """
     if not token:
         if not allow_no_auth:
@@ -239,7 +240,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
                               population=population, population_name=population_name,
                               max_clients=max_clients, max_call_seconds=max_call_seconds,
                               max_delay_seconds=max_delay_seconds,
-                              shared_memory=shared_memory)
+                              shared_memory=shared_memory, client_runtime=client_runtime)
     server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
                                 allow_remote=allow_remote, max_message_bytes=max_message_bytes,
                                 max_connections=max_connections,

@@ -35,6 +35,7 @@ from typing import Any, Optional, Union
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
+from fax_bridge.rounds import round_split
 from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 from fax_bridge.fleet.session import FleetRounds
 from fax_bridge.runtime import population as pop
@@ -105,6 +106,9 @@ class LocalFleet(FleetRounds):
         instead of over gRPC (default; the devices run on this host); False sends
         every payload over gRPC, as to remote devices. Ignored where there is no
         /dev/shm. The round report says which bytes went which way (`shared_up`).
+      client_runtime: "litert" has each device run rounds' client parts as LiteRT models
+        in the LiteRT interpreter (`fax_bridge.litert`; converted once per round shape),
+        "xla" (default) as their XLA; requests, partials and checks are the same.
     """
 
     def __init__(self, devices: int = 2, *, policy: Optional[RoundPolicy] = None,
@@ -121,7 +125,8 @@ class LocalFleet(FleetRounds):
                  max_stored_bytes: Optional[int] = None,
                  population: Optional[Union[str, os.PathLike]] = None,
                  population_name: Optional[str] = None, share_cpus: bool = True,
-                 shared_memory: bool = True, **policy_fields: Any):
+                 shared_memory: bool = True, client_runtime: str = "xla",
+                 **policy_fields: Any):
         if devices < 1:
             raise FleetError(f"devices={devices}; a fleet needs at least one device")
         super().__init__(
@@ -157,6 +162,7 @@ class LocalFleet(FleetRounds):
         self._cpus = cpu_shares(self.num_devices) if share_cpus else [None] * self.num_devices
         self._use_shared_memory = bool(shared_memory) and shm.available()
         self._shared: Optional[shm.SharedDir] = None
+        self.client_runtime = round_split.check_client_runtime(client_runtime)
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -222,6 +228,8 @@ class LocalFleet(FleetRounds):
                         "--population-name", self.population_name]
         if self._shared is not None:
             command += ["--shared-memory", self._shared.path]
+        if self.client_runtime != "xla":
+            command += ["--client-runtime", self.client_runtime]
         return command
 
     def _popen(self, index: int, env: dict) -> subprocess.Popen:
