@@ -40,12 +40,13 @@ JAX_SOURCES = {
                                      "use an average pool or a strided convolution"),
     "stablehlo.reduce_window": ("reduce_window (pooling, cumulative sums)",
                                 "use a strided convolution or jnp.cumsum"),
-    "stablehlo.while": ("while_loop with a trip count known only at run time",
-                        "use lax.scan or fori_loop with Python-int bounds"),
     "stablehlo.complex": ("complex numbers", "keep real and imaginary parts apart"),
     "stablehlo.convert": ("convert_element_type to a type LiteRT lacks (float64, int64 "
                           "without x64, float8)", "keep the client work in float32/int32"),
 }
+
+
+_TERMINATORS = {"stablehlo.return", "mhlo.return"}  # a region's end, named beside its op
 
 
 class ConversionRefused(ComputationError):
@@ -71,7 +72,7 @@ def describe(op: str) -> str:
 
 def refuse(what: str, ops: list, detail: str = "") -> ConversionRefused:
     """The refusal naming each of `ops` (`describe`)."""
-    ops = sorted(set(ops))
+    ops = sorted(set(ops) - _TERMINATORS)
     named = "; ".join(describe(op) for op in ops) if ops else "(the converter named no op)"
     text = f"the client part cannot run in LiteRT: {what}: {named}"
     if detail:
@@ -82,6 +83,8 @@ def refuse(what: str, ops: list, detail: str = "") -> ConversionRefused:
 def ops_in_message(text: str) -> list:
     """The StableHLO / LiteRT op names an error message mentions."""
     found = re.findall(r"'?((?:stablehlo|chlo|mhlo|vhlo)\.[a-z_0-9]+)'?", text)
-    found += [m.lower() for m in re.findall(r"builtin opcode '([A-Z_0-9]+)'", text)]
+    for name in re.findall(r"builtin opcode '([A-Z_0-9]+)'", text):
+        found.append("stablehlo." + name[len("STABLEHLO_"):].lower()
+                      if name.startswith("STABLEHLO_") else name)
     found += [f"CUSTOM:{m}" for m in re.findall(r"custom op '?([A-Za-z_0-9]+)", text)]
-    return sorted(set(found))
+    return sorted(set(found) - _TERMINATORS)
