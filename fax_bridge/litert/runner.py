@@ -64,7 +64,8 @@ class ClientRunner:
                 for t, leaf in zip(self.model.inputs, leaves)}
         with self._lock:
             out = self._run(**feed)
-        return [np.array(out[t.name], copy=True) for t in self.model.outputs]
+        # A scalar may come back as shape [1]: the signature's shape is the round's.
+        return [np.array(out[t.name], copy=True).reshape(t.shape) for t in self.model.outputs]
 
 
 _RUNNERS: dict = {}
