@@ -16,6 +16,7 @@ parity report prints under a mismatched output.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Optional, Sequence
 
@@ -201,6 +202,8 @@ _TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "
                    "tan", "pow", "erf", "erf_inv", "rsqrt", "sqrt", "cbrt", "atan2", "lgamma",
                    "digamma"}
 ULPS_OF_FUNCTIONS = 4.0
+# While `aggregand_bounds` runs: (kind, per-client bounds of each operand) per aggregation.
+_AGGREGANDS: contextvars.ContextVar = contextvars.ContextVar("aggregands", default=None)
 
 
 def _eps(value) -> float:
@@ -351,6 +354,9 @@ def _eqn_bounds(eqn, invals: list, inerrs: list) -> tuple:
         return _run_bounds(sub[0], sub[1], invals, inerrs)
     outs = _bind(eqn, invals)
     kind = facts.kind if facts is not None else None
+    record = _AGGREGANDS.get()
+    if record is not None and facts is not None and facts.aggregates:
+        record.append((kind, [np.asarray(e, np.float64) for e in inerrs]))
     if kind in _FLOAT_KINDS and is_float(np.asarray(invals[0]).dtype):
         x, e = _abs64(invals[0]), np.asarray(inerrs[0], np.float64)
         n = x.shape[0]
@@ -418,3 +424,16 @@ def evaluation_bounds(comp: Any, args: tuple) -> list[np.ndarray]:
     _, errs = _run_bounds(comp.jaxpr.jaxpr, comp.jaxpr.consts, flat,
                           [_zeros(a) for a in flat])
     return [np.asarray(e, np.float64) for e in errs]
+
+
+def aggregand_bounds(comp: Any, args: tuple) -> list[tuple]:
+    """(kind, [per-client bounds of the aggregand, of the weights]) for each aggregation
+    over clients of `comp` at `args`, in evaluation order (clients on axis 0): the bound
+    of `evaluation_bounds` on what each client hands to the aggregation."""
+    record: list = []
+    token = _AGGREGANDS.set(record)
+    try:
+        evaluation_bounds(comp, args)
+    finally:
+        _AGGREGANDS.reset(token)
+    return record
