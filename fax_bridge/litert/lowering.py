@@ -143,15 +143,22 @@ def build(type_: federated_language.Type, leaves: Iterator) -> Any:
     return next(leaves)
 
 
-def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
-    """The StableHLO text of the client part as a jitted function of the signature's
-    input leaves (in order) giving its output leaves (in order)."""
+def flat_function(fn: computation_pb2.Computation, signature: ClientSignature):
+    """The client part as a function of the signature's input leaves (in order) giving
+    its output leaves (in order); jax traces it (what `lower` lowers, and what a
+    benchmark jits to time the client part under XLA)."""
     compiled = local_eval.compile_local(fn)
 
     def flat(*leaves):
         arg = build(signature.parameter, iter(leaves))
         return tuple(flatten(compiled(arg), signature.result, []))
 
+    return flat
+
+
+def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
+    """The StableHLO text of `flat_function(fn, signature)`, jitted."""
+    flat = flat_function(fn, signature)
     avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype)) for t in signature.inputs]
     try:
         lowered = jax.jit(flat).lower(*avals)
