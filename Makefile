@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test demo protos tff-venv litert-venv litert-table tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes clean
+.PHONY: venv test demo protos tff-venv litert-venv bench-litert tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes clean
 
 venv: $(STAMP)
 
@@ -81,6 +81,12 @@ bench-flower: $(STAMP)
 # out/model_sizes.json and the plot docs/img/model_sizes.png (`--quick`: smallest sizes).
 bench-sizes: $(STAMP)
 	$(PY) benchmarks/model_sizes.py --json out/model_sizes.json --plot docs/img/model_sizes.png
+
+# Rounds' client parts as LiteRT models: which algorithms convert (max error against the
+# stated bound), model sizes 100k-10M, client-step time against jit, a LiteRT device's
+# memory, a fleet round with LiteRT devices against XLA ones (docs/litert.md).
+bench-litert: $(STAMP) litert-venv
+	$(PY) benchmarks/litert_sizes.py --json out/bench/litert.json
 
 clean:
 	rm -rf $(VENV) .venv-tff .venv-litert build *.egg-info .pytest_cache out

@@ -63,13 +63,19 @@ def _median_s(fn, repeats: int) -> float:
     return float(np.median(samples))
 
 
-def _leaves(proto, args, runtime: str) -> list:
+def _leaves(proto, args, runtime: str, like: Any) -> list:
+    """The round's output leaves, run in process, in the order of jit's result `like`."""
+    from fax_bridge.parity import leaves_in_type_order
+
     split = round_split.split_round(proto)
     prepared = interpreter.prepare(proto)
     arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
     got = values.check_value(in_process.run_in_process(split, arg, client_runtime=runtime),
                              prepared.result, "result")
-    return jax.tree_util.tree_leaves(values.to_pytree(got, prepared.result))
+    tree = values.to_pytree(got, prepared.result)
+    if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(like):
+        return leaves_in_type_order(tree, prepared.result)
+    return jax.tree_util.tree_leaves(tree)
 
 
 def _extra_targets(clients: int) -> dict:
@@ -123,7 +129,8 @@ def algorithms(clients: int) -> list[dict]:
         row.update(status="runs", bytes=model.size, convert_s=time.perf_counter() - start,
                    scatter_fixes=model.scatter_fixes)
         convert._MADE[split.client_part_hash] = model  # the runs below use this one
-        xla, lite = _leaves(proto, args, "xla"), _leaves(proto, args, "litert")
+        like = jax.jit(prog)(*args)
+        xla, lite = _leaves(proto, args, "xla", like), _leaves(proto, args, "litert", like)
         comp = tracing.trace(prog, *args, placements=placements)
         bounds = parity_rounding.evaluation_bounds(comp, args)
         floats = [i for i, leaf in enumerate(xla) if np.asarray(leaf).dtype.kind == "f"]

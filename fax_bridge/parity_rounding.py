@@ -276,11 +276,28 @@ def _rule(eqn, vals: list, errs: list, outs: list) -> list:
     try:
         tangents = _jvp_of(eqn, floats)(
             list(vals), [np.asarray(errs[i], np.asarray(vals[i]).dtype) for i in floats])
-        return [np.abs(np.asarray(t, np.float64)) if is_float(np.asarray(o).dtype)
-                else _zeros(o) for t, o in zip(tangents, outs)]
+        return [_no_nan(np.abs(np.asarray(t, np.float64)), errs)
+                if is_float(np.asarray(o).dtype) else _zeros(o)
+                for t, o in zip(tangents, outs)]
     except Exception:  # noqa: BLE001 - no jvp rule: the largest input bound, as moved
         worst = max((float(np.max(e, initial=0.0)) for e in errs), default=0.0)
         return [np.full(np.shape(o), worst) for o in outs]
+
+
+def _no_nan(tangent: np.ndarray, errs: list) -> np.ndarray:
+    """A tangent's NaNs (0 * inf: an infinite derivative, sqrt at 0, times no error) as
+    0 where every same-shaped input is known exactly there, else inf."""
+    bad = np.isnan(tangent)
+    if not bad.any():
+        return tangent
+    exact = np.ones(tangent.shape, bool)
+    for e in errs:
+        e = np.asarray(e)
+        if e.shape == tangent.shape:
+            exact &= e == 0
+        elif np.any(e != 0):
+            exact[:] = False
+    return np.where(bad, np.where(exact, 0.0, np.inf), tangent)
 
 
 _JVPS: dict = {}  # id(eqn) -> (eqn, its jitted tangent map): loops run an eqn many times
