@@ -211,7 +211,14 @@ def _eps(value) -> float:
     return float(jnp.finfo(value.dtype).eps) if is_float(value.dtype) else 0.0
 
 
+def _is_key(value) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _zeros(value) -> np.ndarray:
+    if _is_key(value):  # a PRNG key: no float to round
+        return np.zeros(value.shape, np.float32)
     value = np.asarray(value)
     return np.zeros(value.shape, value.dtype if is_float(value.dtype) else np.float32)
 
@@ -360,16 +367,21 @@ def _eqn_bounds(eqn, invals: list, inerrs: list) -> tuple:
     if facts is not None and name.startswith("federated_map") and \
             str(params.get("placement", "clients")).lower().endswith("clients"):
         sub, consts = _jaxpr_of(params)
-        per = [_run_bounds(sub, consts, [np.asarray(x)[c] for x in invals],
+        per = [_run_bounds(sub, consts, [x[c] if _is_key(x) else np.asarray(x)[c]
+                                         for x in invals],
                            [np.asarray(e)[c] for e in inerrs])
                for c in range(np.shape(invals[0])[0])]
-        return ([np.stack([np.asarray(p[0][k]) for p in per]) for k in range(len(per[0][0]))],
+        return ([jnp.stack([p[0][k] for p in per]) if _is_key(per[0][0][k])
+                 else np.stack([np.asarray(p[0][k]) for p in per])
+                 for k in range(len(per[0][0]))],
                 [np.stack([np.asarray(p[1][k]) for p in per]) for k in range(len(per[0][1]))])
     sub = _jaxpr_of(params)
     if sub is not None and (name in _CALLS or name.startswith(("custom_", "checkpoint",
                                                                  "remat", "federated_"))):
         return _run_bounds(sub[0], sub[1], invals, inerrs)
     outs = _bind(eqn, invals)
+    if any(_is_key(v) for v in [*invals, *outs]):  # random bits: drawn alike on both paths
+        return outs, [_zeros(o) for o in outs]
     kind = facts.kind if facts is not None else None
     record = _AGGREGANDS.get()
     if record is not None and facts is not None and facts.aggregates:
@@ -437,7 +449,7 @@ def evaluation_bounds(comp: Any, args: tuple) -> list[np.ndarray]:
     its inputs are carried through it (|f'(x)| * bound). Two evaluations that each stay
     within it (jit, and the fleet whose clients run LiteRT and whose sums are exact)
     differ by at most twice it."""
-    flat = [np.asarray(a) for a in jax.tree_util.tree_leaves(args)]
+    flat = [a if _is_key(a) else np.asarray(a) for a in jax.tree_util.tree_leaves(args)]
     _, errs = _run_bounds(comp.jaxpr.jaxpr, comp.jaxpr.consts, flat,
                           [_zeros(a) for a in flat])
     return [np.asarray(e, np.float64) for e in errs]

@@ -70,15 +70,18 @@ def _case(arch: str, batch: int, width: int, classes: int, loss: str, steps: int
     return one_round, (params, x, y)
 
 
-def _run(prog, args, client_runtime: str):
+def _runs(prog, args, runtimes: tuple):
+    """(the round's split, its output leaves run in process with each client runtime)."""
     proto = fb.export_tff(prog, *args, placements=PLACE)
     split = P.split_round(proto)
     prepared = interpreter.prepare(proto)
     arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
-    got = values.check_value(in_process.run_in_process(split, arg,
-                                                       client_runtime=client_runtime),
-                             prepared.result, "result")
-    return split, jax.tree_util.tree_leaves(values.to_pytree(got, prepared.result))
+    out = []
+    for runtime in runtimes:
+        got = values.check_value(in_process.run_in_process(split, arg, client_runtime=runtime),
+                                 prepared.result, "result")
+        out.append(jax.tree_util.tree_leaves(values.to_pytree(got, prepared.result)))
+    return split, out
 
 
 @settings(max_examples=1, deadline=None, derandomize=True,
@@ -92,8 +95,7 @@ def _run(prog, args, client_runtime: str):
 def test_generated_client_updates_run_in_litert_within_the_rounding_bound(
         arch, batch, width, classes, loss, steps, seed):
     prog, args = _case(arch, batch, width, classes, loss, steps, seed)
-    split, xla = _run(prog, args, "xla")
-    _, lite = _run(prog, args, "litert")
+    split, (xla, lite, again) = _runs(prog, args, ("xla", "litert", "litert"))
     model = convert.convert_round(split)
     assert not flatbuffer.non_builtin(model.operators)
     assert [t.name for t in model.inputs][:2] == ["broadcast/0/b", "broadcast/0/w"] or \
@@ -106,7 +108,7 @@ def test_generated_client_updates_run_in_litert_within_the_rounding_bound(
         assert np.shape(got) == np.shape(want)
         diff = np.abs(np.asarray(want, np.float64) - np.asarray(got, np.float64))
         assert np.all(diff <= 2 * bound), (diff.max(), bound.max())
-    _, again = _run(prog, args, "litert")  # reproducible run to run
+    # reproducible run to run
     assert [np.asarray(a).tobytes() for a in again] == [np.asarray(a).tobytes() for a in lite]
 
 
