@@ -146,14 +146,21 @@ def algorithms(clients: int) -> list[dict]:
 
 
 _PEAK = """
-import resource, sys, numpy as np
+import sys, numpy as np
+
+
+def hwm():  # this process's peak resident set (VmHWM starts anew at exec; ru_maxrss not)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+
+
 from ai_edge_litert.interpreter import Interpreter
 data = {k: v for k, v in np.load(sys.argv[2]).items()}
-floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+floor = hwm()
 it = Interpreter(model_path=sys.argv[1], num_threads=1)
 run = it.get_signature_runner("client_update")
 run(**{n: data[f"in_{i}"] for i, n in enumerate(sys.argv[3].split(","))})
-print(floor, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(floor, hwm())
 """
 
 

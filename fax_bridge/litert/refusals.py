@@ -65,6 +65,9 @@ def describe(op: str) -> str:
         source = ((f"a TensorFlow op ({name[4:]})" if name.startswith("Flex")
                    else f"the custom op {name}"),
                   "express it with the StableHLO ops jax lowers jnp arithmetic to")
+    if source is None and op.startswith("tfl."):
+        return (f"{op}, a LiteRT builtin with no kernel for these operand types (unsigned "
+                "or narrow integers): cast to int32 or float32 before it")
     if source is None:
         return f"{op} (no LiteRT builtin)"
     return f"{op}, from jax's {source[0]}: {source[1]}"
@@ -83,6 +86,7 @@ def refuse(what: str, ops: list, detail: str = "") -> ConversionRefused:
 def ops_in_message(text: str) -> list:
     """The StableHLO / LiteRT op names an error message mentions."""
     found = re.findall(r"'?((?:stablehlo|chlo|mhlo|vhlo)\.[a-z_0-9]+)'?", text)
+    found += re.findall(r"legalize operation '(tfl\.[a-z_0-9]+)'", text)
     for name in re.findall(r"builtin opcode '([A-Z_0-9]+)'", text):
         found.append("stablehlo." + name[len("STABLEHLO_"):].lower()
                       if name.startswith("STABLEHLO_") else name)

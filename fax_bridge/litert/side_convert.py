@@ -125,7 +125,7 @@ def _outline(module, ir, func) -> None:
 
 def _unconverted(text: str) -> list:
     """The StableHLO operations the converter's message names."""
-    return sorted(set(re.findall(r"'((?:stablehlo|chlo|mhlo|vhlo)\.[a-z_0-9]+)'", text)))
+    return sorted(set(re.findall(r"'((?:stablehlo|chlo|mhlo|vhlo|tfl)\.[a-z_0-9]+)'", text)))
 
 
 def main(argv: list) -> int:
