@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test doctest demo protos tff-venv tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links clean
+.PHONY: venv test doctest demo protos tff-venv litert-venv bench-litert tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,10 @@ protos: $(STAMP)
 tff-venv:
 	tools/tff087/setup.sh
 
+# litert-converter 0.5.0 in .venv-litert (it cannot share .venv with Flower: docs/litert.md).
+litert-venv:
+	tools/litert/setup.sh
+
 # Every example exported, then read back by TensorFlow Federated 0.87 itself, which must
 # see the same type signatures as federated_language (and the TFF-written test data too).
 tff-check: $(STAMP) tff-venv
@@ -34,11 +38,11 @@ tff-check: $(STAMP) tff-venv
 forms-check: $(STAMP) tff-venv
 	$(PY) tools/forms_check.py --out out/forms
 
-# The two venvs build side by side and so do the two TFF checks (each half waits on the
+# The venvs (.venv, .venv-tff, .venv-litert) build two at a time and so do the two TFF checks (each half waits on the
 # network or on one core); pytest runs on two workers, a test file to a worker so that
 # module-scoped fixtures (a Flower deployment, a fleet) start once.
 test:
-	$(MAKE) -j2 $(STAMP) tff-venv
+	$(MAKE) -j2 $(STAMP) tff-venv litert-venv
 	$(MAKE) -j2 tff-check forms-check
 	$(PY) -m pytest -q -n 2 --dist loadfile
 	$(MAKE) doctest
@@ -97,5 +101,11 @@ bench-links: $(STAMP)
 bench-sizes: $(STAMP)
 	$(PY) benchmarks/model_sizes.py --json out/model_sizes.json --plot docs/img/model_sizes.png
 
+# Rounds' client parts as LiteRT models: which algorithms convert (max error against the
+# stated bound), model sizes 100k-10M, client-step time against jit, a LiteRT device's
+# memory, a fleet round with LiteRT devices against XLA ones (docs/litert.md).
+bench-litert: $(STAMP) litert-venv
+	$(PY) benchmarks/litert_sizes.py --json out/bench/litert.json
+
 clean:
-	rm -rf $(VENV) .venv-tff build *.egg-info .pytest_cache out
+	rm -rf $(VENV) .venv-tff .venv-litert build *.egg-info .pytest_cache out

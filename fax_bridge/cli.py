@@ -23,6 +23,7 @@ _SUBCOMMAND_MODULES = (
     "fax_bridge.fleet.run_cli",
     "fax_bridge.fleet.device_cli",
     "fax_bridge.flower.cli",
+    "fax_bridge.litert.cli",
 )
 
 

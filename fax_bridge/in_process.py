@@ -30,7 +30,9 @@ class InProcessTransport:
     rounded_partials = False
     traffic = None
 
-    def __init__(self, arg: Any, split: round_split.RoundSplit, backend=None):
+    def __init__(self, arg: Any, split: round_split.RoundSplit, backend=None,
+                 client_runtime: str = "xla"):
+        self.client_runtime = round_split.check_client_runtime(client_runtime)
         self.inputs = [arg[i] for i in split.client_inputs]
         self.num_clients = split.num_clients(arg)
         self.backend = backend
@@ -41,13 +43,16 @@ class InProcessTransport:
                    for c in range(self.num_clients)]
         specs = [a.spec for a in split.aggregations]  # secure sums too, summed exactly
         found = round_split.client_partials(split.client_part, split.client_part_hash, sent,
-                                            members, specs)
+                                            members, specs, runtime=self.client_runtime)
         return engine.Answers([engine.HolderAnswer("this process", self.num_clients, found)])
 
 
-def run_in_process(split: round_split.RoundSplit, arg: Any, backend=None) -> Any:
-    """Runs a split with no devices (`arg`: the runtime value of the parameter)."""
-    return engine.run_round(split, arg, InProcessTransport(arg, split, backend))
+def run_in_process(split: round_split.RoundSplit, arg: Any, backend=None,
+                   client_runtime: str = "xla") -> Any:
+    """Runs a split with no devices (`arg`: the runtime value of the parameter);
+    `client_runtime="litert"`: the client part in the LiteRT interpreter."""
+    return engine.run_round(split, arg, InProcessTransport(arg, split, backend,
+                                                           client_runtime))
 
 
 def round_split_of(prepared: interpreter.Prepared) -> Optional[round_split.RoundSplit]:

@@ -15,11 +15,13 @@ from typing import Any, Callable, Optional
 
 import federated_language
 import jax
+import numpy as np
 
 from fax_bridge import parity_rounding, tracing
 from fax_bridge.errors import ArgumentError
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.parity_report import LeafParity, ParityReport, compare_leaves
+from fax_bridge.rounds import round_split
 from fax_bridge.runtime import interpreter
 from fax_bridge.tff import export as tff_export
 from fax_bridge.tff import types as tff_types
@@ -74,10 +76,32 @@ def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -
     return tuple(args)
 
 
+def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list) -> list[LeafParity]:
+    """Leaf-by-leaf comparison where leaf i may differ by 2 * bounds[i] elementwise
+    (`parity_rounding.evaluation_bounds`: each path within the bound of the exact
+    result); integer and bool leaves must be equal."""
+    leaves = compare_leaves(local, remote, 0.0, 0.0, paths=paths)
+    want, got = jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(remote)
+    if len(want) != len(got) or len(bounds) != len(want):
+        return leaves
+    for leaf, w, g, b in zip(leaves, want, got, bounds):
+        if leaf.note or not parity_rounding.is_float(leaf.dtype):
+            continue
+        diff = np.abs(np.asarray(w, np.float64) - np.asarray(g, np.float64))
+        allowed = 2.0 * np.asarray(b, np.float64)
+        leaf.ok = bool(np.all((diff <= allowed) | (np.isnan(diff) & np.isnan(allowed))))
+        leaf.bound = float(np.max(allowed, initial=0.0))
+        leaf.explanation = (
+            f"LiteRT and jit each stay within n*eps*sum|x| through the client steps "
+            f"of the exact result: they may differ by up to {leaf.bound:.3g} here "
+            f"(elementwise), and differ by at most {leaf.max_abs:.3g}")
+    return leaves
+
+
 def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
                  devices: int = 2, rtol: float = 1e-5, atol: float = 1e-6,
                  clients: Optional[int] = None, flower: Any = None,
-                 rounds: int = 1) -> ParityReport:
+                 rounds: int = 1, client_runtime: str = "xla") -> ParityReport:
     """Runs `fn(*args)` with jit and as an exported TFF proto on a fleet; compares them.
 
     `fleet` is a running `fax_bridge.LocalFleet` (or any object with the same `run`);
@@ -92,6 +116,13 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     also says whether the result has the bits of the fleet's round plan
     (`ParityReport.fleet_bits`, part of `.ok`).
 
+    `client_runtime="litert"`: the fleet's devices run the round's client part as a
+    LiteRT model in the LiteRT interpreter (`fax_bridge.litert`). Its float rounding is
+    not XLA's, so each float leaf may differ from jit by twice the first-order rounding
+    bound of the program (`parity_rounding.evaluation_bounds`: n*eps*sum|x| at every sum
+    of the client steps and the aggregations, carried through), which the report states
+    per leaf; `rtol`/`atol` are not used.
+
     Args:
       fn: the program.
       *args: its arguments; CLIENTS ones carry a leading clients axis.
@@ -102,6 +133,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
       clients: the number of clients, for a plain function.
       flower: True, or a running `LocalDeployment`, to compare on Flower instead.
       rounds: rounds to run on Flower.
+      client_runtime: "litert" to run the client part in the LiteRT interpreter (above).
 
     Returns:
       A `ParityReport`: `.ok`, and `.table()` with every output's errors.
@@ -116,6 +148,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
       >>> report.ok, report.devices
       (True, 1)
     """
+    round_split.check_client_runtime(client_runtime)
     if flower is not None and flower is not False:
         if fleet is not None:
             raise ArgumentError("check_parity: give fleet= or flower=, not both")
@@ -124,6 +157,12 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         return check.check_round(fn, args, placements=placements, clients=clients,
                                  deployment=None if flower is True else flower,
                                  nodes=devices, rounds=rounds, rtol=rtol, atol=atol)
+    if client_runtime != "xla" and fleet is not None and \
+            getattr(fleet, "client_runtime", "xla") != client_runtime:
+        raise ArgumentError(f"check_parity: client_runtime={client_runtime!r}, but the fleet "
+                            "given runs client parts with "
+                            f"{getattr(fleet, 'client_runtime', 'xla')!r}; start it with "
+                            f"LocalFleet(..., client_runtime={client_runtime!r})")
     if rounds != 1:
         raise ArgumentError(f"check_parity: rounds={rounds!r} needs flower=; a fleet "
                             "check compares one call of the program")
@@ -144,7 +183,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         return result, time.perf_counter() - t0
 
     if fleet is None:
-        with LocalFleet(devices=devices) as own:
+        with LocalFleet(devices=devices, client_runtime=client_runtime) as own:
             remote, fleet_s = run_on(own)
         used = devices
     else:
@@ -154,10 +193,16 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         else fn_type
     if jax.tree_util.tree_structure(remote) != jax.tree_util.tree_structure(local):
         remote = leaves_in_type_order(remote, result_type)  # the generic structure
-    leaves = compare_leaves(local, remote, rtol, atol,
-                            paths=[p.replace("out", "result", 1) for p in comp.out_paths])
-    explain_mismatches(leaves, comp, args)
+    paths = [p.replace("out", "result", 1) for p in comp.out_paths]
+    if client_runtime == "litert":
+        leaves = bounded_leaves(local, remote,
+                                parity_rounding.evaluation_bounds(comp, args), paths)
+        rtol = atol = 0.0
+    else:
+        leaves = compare_leaves(local, remote, rtol, atol, paths=paths)
+        explain_mismatches(leaves, comp, args)
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
+                        client_runtime=client_runtime,
                         local_s=local_s, fleet_s=fleet_s, signature=str(
                             federated_language.framework.ComputationBuildingBlock.from_proto(
                                 proto).type_signature)

@@ -5,7 +5,9 @@ parity table and exits non-zero on a mismatch. Example arguments come from the m
 as for `fax-bridge export`. With `--flower` the program, a round `(state, client_data)
 -> (new_state, output)`, runs `--rounds` rounds on a loopback Flower deployment of K
 SuperNodes instead (each serving a block of the example clients), compared with as many
-rounds of jit and with the bits of the fleet's round plan.
+rounds of jit and with the bits of the fleet's round plan. With `--litert` the devices
+run the client part in the LiteRT interpreter, and the report states the rounding bound
+each float output is held to.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def _run(args: argparse.Namespace) -> int:
         prog, example, placements = resolve_program(args.target, args.clients)
         report = check_parity(prog, *example, placements=placements, devices=args.devices,
                               rtol=args.rtol, atol=args.atol, flower=args.flower or None,
-                              rounds=args.rounds)
+                              rounds=args.rounds,
+                              client_runtime="litert" if args.litert else "xla")
     except FaxBridgeError as e:
         print(f"fax-bridge parity: {e}", file=sys.stderr)
         return 2
@@ -53,4 +56,8 @@ def register(subparsers) -> None:
     p.add_argument("--rounds", type=cli_args.int_in(1, 10_000), default=1,
                    help="with --flower: rounds to run, each fed the state the round "
                         "before returned (1..10000, default 1)")
+    p.add_argument("--litert", action="store_true",
+                   help="the fleet's devices run the round's client part as a LiteRT model "
+                        "in the LiteRT interpreter; float leaves are compared within the "
+                        "rounding bound the report states (docs/litert.md)")
     p.set_defaults(func=_run)

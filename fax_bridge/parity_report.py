@@ -25,6 +25,7 @@ class LeafParity:
     ok: bool
     note: str = ""
     explanation: str = ""  # why jit and the fleet may differ (float rounding), if known
+    bound: Optional[float] = None  # the largest difference the rounding bound allows
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class ParityReport:
     signature: str
     target: str = "fleet"  # what ran the proto: "fleet" (devices) or "flower" (SuperNodes)
     fleet_bits: Optional[bool] = None  # Flower: whether the result has the fleet plan's bits
+    client_runtime: str = "xla"  # what ran the client parts: "xla" or "litert" (LiteRT)
 
     @property
     def ok(self) -> bool:
@@ -47,18 +49,25 @@ class ParityReport:
 
     def table(self) -> str:
         """A plain-text table, one row per output leaf."""
-        rows = [("output", "shape", "dtype", "max abs err", "max rel err", "status")]
+        bounded = any(leaf.bound is not None for leaf in self.leaves)
+        rows = [("output", "shape", "dtype", "max abs err",
+                 "bound" if bounded else "max rel err", "status")]
         for leaf in self.leaves:
             rows.append((leaf.path, str(leaf.shape), leaf.dtype, f"{leaf.max_abs:.3e}",
-                         f"{leaf.max_rel:.3e}",
+                         (f"{leaf.bound:.3e}" if leaf.bound is not None else "exact")
+                         if bounded else f"{leaf.max_rel:.3e}",
                          ("ok" if leaf.ok else "MISMATCH") + (f" ({leaf.note})" if leaf.note
                                                               else "")))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         where = (f"Flower deployment of {self.devices} SuperNode(s)" if self.target == "flower"
                  else f"fleet of {self.devices} device(s)")
+        if self.client_runtime != "xla":
+            where += f" running client parts in {self.client_runtime}"
+        tolerance = ("bound: 2 x n*eps*sum|x| through the client steps and aggregations"
+                     if bounded else f"rtol={self.rtol:g} atol={self.atol:g}")
         lines = [f"parity: {self.signature}",
                  f"local jit {self.local_s * 1e3:.2f} ms, {where} "
-                 f"{self.fleet_s * 1e3:.1f} ms, rtol={self.rtol:g} atol={self.atol:g}"]
+                 f"{self.fleet_s * 1e3:.1f} ms, {tolerance}"]
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:

@@ -16,6 +16,7 @@ parity report prints under a mismatched output.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Optional, Sequence
 
@@ -184,3 +185,284 @@ def _ceil(value: float) -> str:
     digits = 1 - int(np.floor(np.log10(value)))
     rounded = np.ceil(value * 10.0 ** digits) / 10.0 ** digits
     return f"{rounded:.2g}"
+
+
+# ---------------------------------------------------------------------------------------
+# Rounding through the client steps: how far two float evaluations of one program (jit's
+# XLA and the LiteRT interpreter) may each be from the exact result.
+
+# Ops that move or pick values (no rounding of their own); the rest add eps*|result|.
+_MOVES = {"reshape", "transpose", "broadcast_in_dim", "slice", "squeeze", "concatenate",
+          "select_n", "gather", "dynamic_slice", "dynamic_update_slice", "pad", "copy",
+          "copy_p", "expand_dims", "rev", "max", "min", "reduce_max", "reduce_min", "neg",
+          "abs", "iota", "sign", "stop_gradient", "argmax", "argmin", "clamp",
+          "federated_broadcast", "sort"}
+# Elementwise functions an interpreter's kernels compute within a few ulp, not 0.5.
+_TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos",
+                   "tan", "pow", "erf", "erf_inv", "rsqrt", "sqrt", "cbrt", "atan2", "lgamma",
+                   "digamma"}
+ULPS_OF_FUNCTIONS = 4.0
+# While `aggregand_bounds` runs: (kind, per-client bounds of each operand) per aggregation.
+_AGGREGANDS: contextvars.ContextVar = contextvars.ContextVar("aggregands", default=None)
+
+
+def _eps(value) -> float:
+    value = np.asarray(value)
+    return float(jnp.finfo(value.dtype).eps) if is_float(value.dtype) else 0.0
+
+
+def _is_key(value) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _zeros(value) -> np.ndarray:
+    if _is_key(value):  # a PRNG key: no float to round
+        return np.zeros(value.shape, np.float32)
+    value = np.asarray(value)
+    return np.zeros(value.shape, value.dtype if is_float(value.dtype) else np.float32)
+
+
+def _jaxpr_of(params: dict):
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = params.get(name)
+        if isinstance(sub, core.ClosedJaxpr):
+            return sub.jaxpr, sub.consts
+        if isinstance(sub, core.Jaxpr):
+            return sub, []
+    return None
+
+
+def _bind(eqn, invals):
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _abs64(x) -> np.ndarray:
+    return np.abs(np.asarray(x, np.float64))
+
+
+def _rule(eqn, vals: list, errs: list, outs: list) -> list:
+    """Each output's error bound from its inputs' values and bounds (first order)."""
+    name = eqn.primitive.name
+    out = np.asarray(outs[0]) if len(outs) == 1 else None
+    if name in ("add", "sub", "add_any"):
+        return [np.asarray(errs[0]) + np.asarray(errs[1])]
+    if name == "mul":
+        return [_abs64(vals[1]) * errs[0] + _abs64(vals[0]) * errs[1]]
+    if name == "div":
+        return [(np.asarray(errs[0]) + _abs64(out) * errs[1]) / _abs64(vals[1])]
+    if name in ("dot_general", "conv_general_dilated"):
+        a, b = _abs64(vals[0]), _abs64(vals[1])
+        ea, eb = (np.asarray(e, np.float64) for e in errs[:2])
+        params = eqn.primitive.get_bind_params(eqn.params)
+
+        def f(x, y):
+            with eqn.ctx.manager:
+                return np.asarray(eqn.primitive.bind(x.astype(np.float32),
+                                                     y.astype(np.float32), **params),
+                                  np.float64)
+        if name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            n = int(np.prod([np.shape(vals[0])[d] for d in contract], dtype=np.int64))
+        else:
+            rhs = np.shape(vals[1])
+            n = int(np.prod(rhs)) // max(1, rhs[eqn.params["dimension_numbers"].rhs_spec[0]])
+        return [f(a, eb) + f(ea, b) + n * _eps(out) * f(a, b)]
+    if name in ("reduce_sum", "cumsum"):
+        x, e = _abs64(vals[0]), np.asarray(errs[0], np.float64)
+        n = int(np.prod([np.shape(vals[0])[d] for d in eqn.params.get(
+            "axes", (eqn.params.get("axis", 0),))], dtype=np.int64))
+        return [np.asarray(_bind(eqn, [e.astype(vals[0].dtype)])[0], np.float64)
+                + n * _eps(out) * np.asarray(_bind(eqn, [x.astype(vals[0].dtype)])[0],
+                                             np.float64)]
+    if name == "stop_gradient":
+        return [errs[0]]
+    floats = tuple(i for i, v in enumerate(vals) if is_float(np.asarray(v).dtype))
+    try:
+        tangents = _jvp_of(eqn, floats)(
+            list(vals), [np.asarray(errs[i], np.asarray(vals[i]).dtype) for i in floats])
+        return [_no_nan(np.abs(np.asarray(t, np.float64)), errs)
+                if is_float(np.asarray(o).dtype) else _zeros(o)
+                for t, o in zip(tangents, outs)]
+    except Exception:  # noqa: BLE001 - no jvp rule: the largest input bound, as moved
+        worst = max((float(np.max(e, initial=0.0)) for e in errs), default=0.0)
+        return [np.full(np.shape(o), worst) for o in outs]
+
+
+def _no_nan(tangent: np.ndarray, errs: list) -> np.ndarray:
+    """A tangent's NaNs (0 * inf: an infinite derivative, sqrt at 0, times no error) as
+    0 where every same-shaped input is known exactly there, else inf."""
+    bad = np.isnan(tangent)
+    if not bad.any():
+        return tangent
+    exact = np.ones(tangent.shape, bool)
+    for e in errs:
+        e = np.asarray(e)
+        if e.shape == tangent.shape:
+            exact &= e == 0
+        elif np.any(e != 0):
+            exact[:] = False
+    return np.where(bad, np.where(exact, 0.0, np.inf), tangent)
+
+
+_JVPS: dict = {}  # id(eqn) -> (eqn, its jitted tangent map): loops run an eqn many times
+
+
+def _jvp_of(eqn, floats: tuple):
+    """jit((values, tangents of the float ones) -> the outputs' tangents) for `eqn`."""
+    hit = _JVPS.get((id(eqn), floats))
+    if hit is not None and hit[0] is eqn:
+        return hit[1]
+
+    def tangents(vals, tans):
+        def f(*fl):
+            args = list(vals)
+            for i, v in zip(floats, fl):
+                args[i] = v
+            return tuple(_bind(eqn, args))
+        return jax.jvp(f, tuple(vals[i] for i in floats), tuple(tans))[1]
+
+    fn = jax.jit(tangents)
+    if len(_JVPS) > 4096:
+        _JVPS.clear()
+    _JVPS[(id(eqn), floats)] = (eqn, fn)
+    return fn
+
+
+def _run_bounds(jaxpr, consts: Sequence, vals: Sequence, errs: Sequence) -> tuple:
+    """Runs `jaxpr` on values and their error bounds; (outputs, their bounds)."""
+    env: dict = {}
+
+    def read(v):
+        if isinstance(v, core.Literal):
+            return v.val, _zeros(v.val)
+        return env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = (c, _zeros(c))
+    for v, x, e in zip(jaxpr.invars, vals, errs):
+        env[v] = (x, e)
+    for eqn in jaxpr.eqns:
+        pairs = [read(v) for v in eqn.invars]
+        invals, inerrs = [p[0] for p in pairs], [p[1] for p in pairs]
+        outs, outerrs = _eqn_bounds(eqn, invals, inerrs)
+        for v, o, e in zip(eqn.outvars, outs, outerrs):
+            env[v] = (o, e)
+    pairs = [read(v) for v in jaxpr.outvars]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _eqn_bounds(eqn, invals: list, inerrs: list) -> tuple:
+    name, params = eqn.primitive.name, eqn.params
+    facts = primitive_facts.facts_of(eqn.primitive)
+    if name == "scan":
+        return _scan_bounds(params, invals, inerrs)
+    if name == "while":
+        return _while_bounds(params, invals, inerrs)
+    if name == "cond":
+        branch = params["branches"][int(np.asarray(invals[0]))]
+        return _run_bounds(branch.jaxpr, branch.consts, invals[1:], inerrs[1:])
+    if facts is not None and name.startswith("federated_map") and \
+            str(params.get("placement", "clients")).lower().endswith("clients"):
+        sub, consts = _jaxpr_of(params)
+        per = [_run_bounds(sub, consts, [x[c] if _is_key(x) else np.asarray(x)[c]
+                                         for x in invals],
+                           [np.asarray(e)[c] for e in inerrs])
+               for c in range(np.shape(invals[0])[0])]
+        return ([jnp.stack([p[0][k] for p in per]) if _is_key(per[0][0][k])
+                 else np.stack([np.asarray(p[0][k]) for p in per])
+                 for k in range(len(per[0][0]))],
+                [np.stack([np.asarray(p[1][k]) for p in per]) for k in range(len(per[0][1]))])
+    sub = _jaxpr_of(params)
+    if sub is not None and (name in _CALLS or name.startswith(("custom_", "checkpoint",
+                                                                 "remat", "federated_"))):
+        return _run_bounds(sub[0], sub[1], invals, inerrs)
+    outs = _bind(eqn, invals)
+    if any(_is_key(v) for v in [*invals, *outs]):  # random bits: drawn alike on both paths
+        return outs, [_zeros(o) for o in outs]
+    kind = facts.kind if facts is not None else None
+    record = _AGGREGANDS.get()
+    if record is not None and facts is not None and facts.aggregates:
+        record.append((kind, [np.asarray(e, np.float64) for e in inerrs]))
+    if kind in _FLOAT_KINDS and is_float(np.asarray(invals[0]).dtype):
+        x, e = _abs64(invals[0]), np.asarray(inerrs[0], np.float64)
+        n = x.shape[0]
+        if kind == "weighted_mean":
+            w = _abs64(invals[1]).reshape((n,) + (1,) * (x.ndim - 1))
+            total = max(float(w.sum()), np.finfo(np.float64).tiny)
+            err, abs_sum = (w * e).sum(0) / total, (w * x).sum(0) / total
+        else:
+            scale = n if kind == "mean" else 1
+            err, abs_sum = e.sum(0) / scale, x.sum(0) / scale
+        return outs, [err + n * _eps(outs[0]) * abs_sum] + [_zeros(o) for o in outs[1:]]
+    if facts is not None and facts.aggregates:
+        return outs, [np.max(np.asarray(e, np.float64), axis=0) if np.ndim(e) else
+                      np.asarray(e, np.float64) for e in inerrs[:len(outs)]]
+    errs = _rule(eqn, invals, inerrs, outs)
+    scale = (ULPS_OF_FUNCTIONS if name in _TRANSCENDENTAL else 0.0 if name in _MOVES
+             else 1.0)
+    return outs, [np.asarray(e, np.float64) + scale * _eps(o) * _abs64(o)
+                  if is_float(np.asarray(o).dtype) else _zeros(o) for e, o in zip(errs, outs)]
+
+
+def _scan_bounds(params: dict, invals: list, inerrs: list) -> tuple:
+    body = params["jaxpr"]
+    nc, ncarry, length = params["num_consts"], params["num_carry"], params["length"]
+    consts, cerrs = invals[:nc], inerrs[:nc]
+    carry, carry_err = list(invals[nc:nc + ncarry]), list(inerrs[nc:nc + ncarry])
+    xs, xerrs = invals[nc + ncarry:], inerrs[nc + ncarry:]
+    ys: list = []
+    order = range(length - 1, -1, -1) if params.get("reverse") else range(length)
+    for i in order:
+        outs, errs = _run_bounds(body.jaxpr, body.consts,
+                                 consts + carry + [np.asarray(x)[i] for x in xs],
+                                 cerrs + carry_err + [np.asarray(e)[i] for e in xerrs])
+        carry, carry_err = outs[:ncarry], errs[:ncarry]
+        ys.append((outs[ncarry:], errs[ncarry:]))
+    if params.get("reverse"):
+        ys.reverse()
+    count = len(body.jaxpr.outvars) - ncarry
+    stacked = [np.stack([np.asarray(y[0][k]) for y in ys]) for k in range(count)] if ys else []
+    stacked_err = [np.stack([np.asarray(y[1][k]) for y in ys]) for k in range(count)] \
+        if ys else []
+    return carry + stacked, carry_err + stacked_err
+
+
+def _while_bounds(params: dict, invals: list, inerrs: list) -> tuple:
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cconsts, bconsts, berrs = invals[:nc], invals[nc:nc + nb], inerrs[nc:nc + nb]
+    carry, carry_err = list(invals[nc + nb:]), list(inerrs[nc + nb:])
+    while bool(np.asarray(core.jaxpr_as_fun(cond)(*cconsts, *carry)[0])):
+        carry, carry_err = _run_bounds(body.jaxpr, body.consts, bconsts + carry,
+                                       berrs + carry_err)
+    return carry, carry_err
+
+
+def evaluation_bounds(comp: Any, args: tuple) -> list[np.ndarray]:
+    """Per output leaf of the traced program `comp` at `args`, elementwise, a first-order
+    bound on how far a float evaluation is from the exact result: every float op rounds
+    its result (0.5 ulp; `ULPS_OF_FUNCTIONS` for exp, log, tanh, ...), a sum of n terms
+    (a dot, a reduction, an aggregation over clients) by n*eps*sum|x|, and the bounds of
+    its inputs are carried through it (|f'(x)| * bound). Two evaluations that each stay
+    within it (jit, and the fleet whose clients run LiteRT and whose sums are exact)
+    differ by at most twice it."""
+    flat = [a if _is_key(a) else np.asarray(a) for a in jax.tree_util.tree_leaves(args)]
+    _, errs = _run_bounds(comp.jaxpr.jaxpr, comp.jaxpr.consts, flat,
+                          [_zeros(a) for a in flat])
+    return [np.asarray(e, np.float64) for e in errs]
+
+
+def aggregand_bounds(comp: Any, args: tuple) -> list[tuple]:
+    """(kind, [per-client bounds of the aggregand, of the weights]) for each aggregation
+    over clients of `comp` at `args`, in evaluation order (clients on axis 0): the bound
+    of `evaluation_bounds` on what each client hands to the aggregation."""
+    record: list = []
+    token = _AGGREGANDS.set(record)
+    try:
+        evaluation_bounds(comp, args)
+    finally:
+        _AGGREGANDS.reset(token)
+    return record

@@ -181,7 +181,7 @@ def _grid(app_folder: str, configs: list, silent=(), lose_at=None) -> LocalGrid:
                      lose_at={100 + k: v for k, v in (lose_at or {}).items()})
 
 
-def _expected(made, args, rounds: int, clients=None, state=None):
+def _expected(made, args, rounds: int, clients=None, state=None, client_runtime="xla"):
     """The fleet plan's results (run in process) over `rounds` rounds."""
     bound = values.bind_arguments(made.prepared.parameter, args, {})
     if clients is not None:
@@ -191,7 +191,7 @@ def _expected(made, args, rounds: int, clients=None, state=None):
     result = None
     for _ in range(rounds):
         result = in_process.run_in_process(made.split, structure.Struct(
-            [("params", state), ("data", data)]))
+            [("params", state), ("data", data)]), client_runtime=client_runtime)
         state = result[0]
     return result
 
@@ -364,6 +364,19 @@ def test_rounds_in_process_have_the_fleet_plans_bits(tmp_path, quickstart, popul
     assert [r["round"] for r in reports] == [0, 1, 2]
     assert all(r["participants"] == list(range(N)) and r["devices"] == 2 and
                r["bytes_up"] > 0 and r["error"] is None for r in reports)
+
+
+def test_supernodes_configured_for_litert_run_the_client_part_in_the_interpreter(
+        tmp_path, quickstart, populations, app):
+    _, args, made = quickstart
+    configs = [dict(c, **{"client-runtime": "litert"}) for c in populations]
+    got = server.run_server(_grid(app, configs), {"num-rounds": 2}, os.path.join(
+        app, app_dir.PACKAGE), log=lambda text: None)
+    # the bits of the same plan with the client part in LiteRT, wherever its clients sit
+    assert _bits(got, made) == _bits(_expected(made, args, 2, client_runtime="litert"), made)
+    assert _bits(got, made) != _bits(_expected(made, args, 2), made)  # not XLA's rounding
+    with pytest.raises(FleetError, match="client-runtime.*expected one of"):
+        client.NodeShare.from_config(dict(populations[0], **{"client-runtime": "tflite"}))
 
 
 def test_a_silent_node_is_dropped_and_min_clients_is_kept(tmp_path, quickstart,

@@ -122,3 +122,34 @@ def test_bfloat16_sums_are_explained_too():
     [leaf] = report.leaves
     assert not leaf.ok and leaf.explanation.startswith("float rounding explains it")
     assert "6 bfloat16 values" in leaf.explanation and "exact 3" in leaf.explanation
+
+
+@fb.program(clients=3)
+def _client_steps(w, x):
+    def local(w, x):
+        h = jnp.tanh(x @ w)
+        return h.sum() * w + jnp.exp(-h.mean()) * x.sum(axis=0)
+
+    return fb.federated_mean(fb.federated_map_clients(local, (fb.federated_broadcast(w), x)))
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_float32_results_stay_within_the_evaluation_bound_of_the_exact_result(seed, scale):
+    """`evaluation_bounds` bounds how far a float32 evaluation (jit's) is from the exact
+    one (float64 here), output element by element, through dots, transcendental
+    functions and the mean over clients."""
+    from fax_bridge.parity_rounding import evaluation_bounds
+
+    rng = np.random.default_rng(seed)
+    w = (rng.normal(size=4) * scale).astype(np.float32)
+    x = (rng.normal(size=(3, 5, 4)) * scale).astype(np.float32)
+    got = np.asarray(_client_steps(w, x), np.float64)
+    w64, x64 = w.astype(np.float64), x.astype(np.float64)
+    h = np.tanh(x64 @ w64)
+    exact = np.mean([h[c].sum() * w64 + np.exp(-h[c].mean()) * x64[c].sum(axis=0)
+                     for c in range(3)], axis=0)
+    (bound,) = evaluation_bounds(trace(_client_steps, w, x, placements=("server", "clients")),
+                                 (w, x))
+    assert bound.shape == got.shape and np.all(bound > 0)
+    assert np.all(np.abs(got - exact) <= bound), (np.abs(got - exact), bound)

@@ -29,7 +29,8 @@ LAYERS: tuple = (
       "multihost", "algorithms", "privacy"),),
     (("runtime",),),      # the proto machine: grammar, evaluator, values, exact sums, HLO
     (("tff",),),          # export to TFF protos, forms
-    (("rounds",),),       # round split, engine, policy, checkpoints, codecs, checks
+    (("rounds", "litert"),),  # round split, engine, policy, checkpoints, codecs, checks;
+    # the client part as a LiteRT model (`litert`) beside its XLA form
     (("in_process",), ("fleet",), ("flower",)),  # transports, beside each other
     (("parity", "parity_rounding", "parity_flower"),),
 )

@@ -53,6 +53,9 @@ class FleetConfig:
         instead of over gRPC (default; the devices run on this host); False sends
         every payload over gRPC, as to remote devices. Ignored where there is no
         /dev/shm. The round report says which bytes went which way (`shared_up`).
+      client_runtime: "litert" has each device run rounds' client parts as LiteRT models
+        in the LiteRT interpreter (`fax_bridge.litert`; converted once per round shape),
+        "xla" (default) as their XLA; requests, partials and checks are the same.
     """
 
     rpc_timeout_s: float = 60.0
@@ -73,6 +76,7 @@ class FleetConfig:
     population_name: Optional[str] = None
     share_cpus: bool = True
     shared_memory: bool = True
+    client_runtime: str = "xla"
 
     def __post_init__(self):
         if (self.device_tls is None) != (self.coordinator_tls is None):

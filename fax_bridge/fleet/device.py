@@ -41,7 +41,7 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import DataError, FaxBridgeError, FleetError
 from fax_bridge.fleet import memory
-from fax_bridge.rounds import partials, wire
+from fax_bridge.rounds import partials, round_split, wire
 from fax_bridge.fleet.shared_memory import SharedDir
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import aggregation
@@ -119,8 +119,10 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                  max_clients: int = DEFAULT_MAX_CLIENTS,
                  max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
                  max_delay_seconds: float = MAX_DELAY_SECONDS,
-                 shared_memory: Optional[str] = None):
+                 shared_memory: Optional[str] = None, client_runtime: str = "xla"):
         self.device_id = device_id
+        # What runs a round's client part (`round_split.CLIENT_RUNTIMES`).
+        self.client_runtime = round_split.check_client_runtime(client_runtime)
         # The launcher's directory of shared-memory segments (`--shared-memory`), if any.
         self.shared_memory = None if shared_memory is None else SharedDir(shared_memory)
         self.max_stored_bytes = int(max_stored_bytes)

@@ -36,7 +36,8 @@ def _run(args: argparse.Namespace) -> int:
                      allow_no_auth=args.insecure_no_auth,
                      limits=DeviceLimits.from_flags(args), population=args.population,
                      population_name=args.population_name,
-                     shared_memory=args.shared_memory)
+                     shared_memory=args.shared_memory,
+                     client_runtime=args.client_runtime)
     except FleetError as e:
         print(f"fax-bridge device: {e}", file=sys.stderr)
         return 2
@@ -97,6 +98,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a directory (mode 0700, this user's) of shared-memory "
                              "segments through which a coordinator on this host passes "
                              "large payloads; LocalFleet gives its devices one")
+    parser.add_argument("--client-runtime", default="xla", choices=("xla", "litert"),
+                        help="what runs a round's client part: its XLA (default) or the "
+                             "LiteRT interpreter, as phones run it (fax_bridge.litert)")
     parser.add_argument("--log-level", default="warning", type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"),
                         help="stderr log level")

@@ -204,7 +204,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
           tls: Optional[security.TlsConfig] = None, allow_remote: bool = False,
           allow_no_auth: bool = False, limits: Optional[DeviceLimits] = None,
           population: Optional[str] = None, population_name: Optional[str] = None,
-          shared_memory: Optional[str] = None) -> int:
+          shared_memory: Optional[str] = None, client_runtime: str = "xla") -> int:
     """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
 
     On SIGTERM, waits (Map delays) end at once and long calls stop between clients; the
@@ -217,6 +217,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
     reads by id (named `population_name`, by default the directory's base name).
     `shared_memory`: the launcher's directory of shared-memory segments (`LocalFleet`
     gives one to the devices it starts); removed on exit when the launcher is gone.
+    `client_runtime`: "litert" runs rounds' client parts in the LiteRT interpreter.
     """
     if not token:
         if not allow_no_auth:
@@ -233,7 +234,7 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
                               max_clients=limits.max_clients,
                               max_call_seconds=limits.max_call_seconds,
                               max_delay_seconds=limits.max_delay_seconds,
-                              shared_memory=shared_memory)
+                              shared_memory=shared_memory, client_runtime=client_runtime)
     server, port = start_server(listen, servicer, max_workers, token=token, tls=tls,
                                 allow_remote=allow_remote,
                                 max_message_bytes=limits.max_message_bytes,

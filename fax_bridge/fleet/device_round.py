@@ -63,7 +63,8 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
         specs = [(kind, spec.value_index,
                   spec.weight_index if kind == "weighted_mean" else None)
                  for spec, kind in zip(head.aggregations, kinds)]
-        found = round_split.client_partials(fn, head.computation_hash, sent, members, specs, guard)
+        found = round_split.client_partials(fn, head.computation_hash, sent, members, specs,
+                                            guard, runtime=device.client_runtime)
         answer = pb.RoundResponse(num_clients=len(members))
         for partial in found:
             partials.to_message(partial, answer.partials.add(), writer,

@@ -36,6 +36,7 @@ from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
 from fax_bridge.fleet.config import FleetConfig, resolve_config
+from fax_bridge.rounds import round_split
 from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 from fax_bridge.fleet.session import FleetRounds
 from fax_bridge.runtime import population as pop
@@ -117,6 +118,7 @@ class LocalFleet(FleetRounds):
                       else [None] * self.num_devices)
         self._use_shared_memory = bool(c.shared_memory) and shm.available()
         self._shared: Optional[shm.SharedDir] = None
+        self.client_runtime = round_split.check_client_runtime(c.client_runtime)
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -182,6 +184,8 @@ class LocalFleet(FleetRounds):
                         "--population-name", self.population_name]
         if self._shared is not None:
             command += ["--shared-memory", self._shared.path]
+        if self.client_runtime != "xla":
+            command += ["--client-runtime", self.client_runtime]
         return command
 
     def _popen(self, index: int, env: dict) -> subprocess.Popen:

@@ -10,6 +10,9 @@ Each SuperNode serves a block of the population, named by its `--node-config`:
                              shared by every node)
     keys="x,y"               the stored array of each tensor of the client data, depth
                              first (default: by the data's element names)
+    client-runtime="litert"  run the round's client part as a LiteRT model in the LiteRT
+                             interpreter, as a phone would (`fax_bridge.litert`; the
+                             model is converted once per round shape); default "xla"
 
 A `query` message answers with that block. A `train` message brings the broadcast and
 the population ids of the node's clients in the round; the node reads only their rows,
@@ -45,6 +48,7 @@ class NodeShare:
     count: int
     first_row: int = 0
     keys: Optional[tuple] = None
+    client_runtime: str = "xla"
 
     @property
     def stop(self) -> int:
@@ -69,7 +73,14 @@ class NodeShare:
                 "must exist")
         keys = config.get("keys")
         keys = tuple(k.strip() for k in str(keys).split(",")) if keys else None
-        return cls(directory, first, count, first_row, keys)
+        from fax_bridge.errors import ArgumentError
+        from fax_bridge.rounds.round_split import check_client_runtime
+
+        try:
+            runtime = check_client_runtime(str(config.get("client-runtime", "xla")))
+        except ArgumentError as e:
+            raise FleetError(f"--node-config client-runtime: {e}") from None
+        return cls(directory, first, count, first_row, keys, runtime)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """The store rows of population ids `ids` (each must be this node's)."""
@@ -149,7 +160,7 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     sent = from_leaves(made.sent_type, broadcast)
     specs = [a.spec for a in split.aggregations]
     return client_partials(split.client_part, split.client_part_hash, sent, members, specs,
-                           least_rows=most)
+                           least_rows=most, runtime=share.client_runtime)
 
 
 def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:

@@ -363,8 +363,23 @@ def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computa
     return out
 
 
+CLIENT_RUNTIMES = ("xla", "litert")
+
+
+def check_client_runtime(name: str) -> str:
+    """`name` if it names a client runtime (`CLIENT_RUNTIMES`), else ArgumentError."""
+    if name not in CLIENT_RUNTIMES:
+        from fax_bridge.errors import ArgumentError
+
+        raise ArgumentError(f"client_runtime={name!r}: expected one of {list(CLIENT_RUNTIMES)} "
+                            "(\"xla\": the client part's XLA; \"litert\": the LiteRT "
+                            "interpreter, as phones run it)")
+    return name
+
+
 def client_partials(fn: Computation, key: str, sent: Any, members: Any,
-                    specs: list, guard: Any = None, least_rows: int = 0) -> list:
+                    specs: list, guard: Any = None, least_rows: int = 0,
+                    runtime: str = "xla") -> list:
     """The client part `fn` over the clients' `members` (one Struct of inputs each) with
     the broadcast values `sent`, aggregated: one exact partial per
     `(kind, value_index, weight_index or None[, bound])` of `specs` (the bound of a
@@ -372,7 +387,13 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
     client part's result those indices select. Batched clients are aggregated from
     their stacked results (`client_map.map_clients_stacked`), others one by one; the
     partials are the same. `guard`: the caller's caps (`client_map.Guard`);
-    `least_rows`: `client_map.map_clients_stacked`'s."""
+    `least_rows`: `client_map.map_clients_stacked`'s. `runtime="litert"`: the client
+    part runs as a LiteRT model in the LiteRT interpreter (`fax_bridge.litert.runner`),
+    which gives partials of the same form (LiteRT's float rounding is not XLA's)."""
+    if check_client_runtime(runtime) == "litert":
+        from fax_bridge.litert import runner
+
+        return runner.client_partials(fn, key, sent, members, specs, guard)
     stacked = client_map.map_clients_stacked(fn, members, sent, key=key, guard=guard,
                                              keep=False, least_rows=least_rows)
     if stacked is not None:

@@ -1,0 +1,77 @@
+"""`fax-bridge litert MODULE_OR_FILE:FUNCTION --clients N -o DIR`: a round's client part as
+a LiteRT model for phones.
+
+Exports the program with its example arguments (as `fax-bridge export` does), splits the
+round, converts its client part (`convert`), and writes the model, its manifest, the
+example client and `check.py` into DIR (`manifest`); then runs the check (the model on
+the example client in the LiteRT interpreter against XLA, within the rounding bound),
+unless `--no-check`. Exit status 0 when written and checked, 1 when the check fails,
+2 when the program cannot be a LiteRT client part (the message names why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+
+from fax_bridge import cli_args
+from fax_bridge.errors import FaxBridgeError
+
+
+def _run(args: argparse.Namespace) -> int:
+    import federated_language
+
+    import fax_bridge as fb
+    from fax_bridge import parity_rounding, tracing
+    from fax_bridge.litert import convert, manifest
+    from fax_bridge.rounds import round_split
+    from fax_bridge.runtime import interpreter, values
+    from fax_bridge.tff.cli import resolve_program
+
+    try:
+        prog, example, placements = resolve_program(args.target, args.clients)
+        proto = fb.export_tff(prog, *example, placements=placements)
+        split = round_split.split_round(proto)
+        if split is None:
+            raise FaxBridgeError(
+                f"{args.target} is not one round of the form broadcast -> client work -> "
+                "aggregations (two trips, or client-placed state): it has no single client "
+                "part to convert; write the round so that what the clients compute is "
+                "aggregated once")
+        model = convert.convert_round(split)
+        prepared = interpreter.prepare(proto)
+        arg = values.bind_arguments(prepared.parameter, example, {}).runtime_value()
+        comp = tracing.trace(prog, *example, placements=placements)
+        bounds = manifest.output_bounds(split, model,
+                                        parity_rounding.aggregand_bounds(comp, example))
+        signature = str(federated_language.framework.ComputationBuildingBlock.from_proto(
+            proto).type_signature)
+        out = pathlib.Path(args.out)
+        written = manifest.write(out, split, model, signature,
+                                 manifest.example_client(split, arg), bounds)
+    except FaxBridgeError as e:
+        print(f"fax-bridge litert: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out / manifest.MODEL_FILE} ({model.size} bytes, signature "
+          f"{model.signature!r}: {len(written['inputs'])} inputs, "
+          f"{len(written['outputs'])} outputs), manifest.json, {manifest.EXAMPLE_FILE}, "
+          "check.py")
+    if args.no_check:
+        return 0
+    return subprocess.call([sys.executable, str(out / "check.py")])
+
+
+def register(subparsers) -> None:
+    """Adds the `litert` subcommand."""
+    p = subparsers.add_parser(
+        "litert", help="write a round's client part as a LiteRT model (.tflite) for phones",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
+    p.add_argument("--clients", type=cli_args.int_in(1), required=True,
+                   help="number of clients of the example arguments (>= 1)")
+    p.add_argument("-o", "--out", required=True, help="directory to write into")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not run check.py after writing")
+    p.set_defaults(func=_run)

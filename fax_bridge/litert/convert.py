@@ -1,0 +1,191 @@
+"""A round's client part -> a LiteRT model (`.tflite`) with one named signature.
+
+`convert_round(split)` (or `convert_client_part(fn, aggregations)`) lowers the client part
+to StableHLO (`lowering`), has litert-converter turn it into a flatbuffer in the
+converter's side environment (`side_convert.py` run by `.venv-litert`'s python:
+`tools/litert/setup.sh`, `make litert-venv`; `FAX_BRIDGE_LITERT_PYTHON` names another),
+fixes its scatter regions (`flatbuffer.fix_scatter_regions`), and checks that the model
+uses LiteRT builtin ops only and that the interpreter prepares it; anything else is a
+`refusals.ConversionRefused` naming the op, its jax primitive and the rewrite.
+
+A model is made once per client part and shapes: kept in this process by content hash,
+and on disk (`FAX_BRIDGE_LITERT_CACHE`, default `~/.cache/fax_bridge/litert`) by the
+sha256 of its StableHLO and signature, so the devices of one machine convert a round
+shape once between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Optional
+
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ComputationError
+from fax_bridge.litert import flatbuffer, lowering, refusals
+from fax_bridge.runtime import local_eval
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SIDE_SCRIPT = pathlib.Path(__file__).resolve().with_name("side_convert.py")
+SETUP_HINT = "build it with `make litert-venv` (tools/litert/setup.sh)"
+CONVERTER = "litert-converter 0.5.0"
+SIGNATURE = "client_update"
+TIMEOUT_S = 600.0
+
+
+class ConverterMissing(ComputationError):
+    """The converter's side environment is not built."""
+
+
+@dataclasses.dataclass
+class ClientModel:
+    """A client part as a LiteRT model, and what its signature's tensors are."""
+
+    tflite: bytes
+    signature: str
+    signature_types: lowering.ClientSignature  # types and named leaves, in leaf order
+    client_part_hash: str
+    operators: list            # LiteRT operator names the model uses
+    scatter_fixes: int         # scatter region operators rewritten (`flatbuffer`)
+    convert_s: float           # lowering + conversion time (0 when taken from a cache)
+
+    @property
+    def inputs(self) -> tuple:
+        return self.signature_types.inputs
+
+    @property
+    def outputs(self) -> tuple:
+        return self.signature_types.outputs
+
+    @property
+    def size(self) -> int:
+        return len(self.tflite)
+
+
+def converter_python() -> pathlib.Path:
+    """The interpreter of the converter's side environment."""
+    return pathlib.Path(os.environ.get("FAX_BRIDGE_LITERT_PYTHON",
+                                       REPO / ".venv-litert" / "bin" / "python"))
+
+
+def cache_dir() -> pathlib.Path:
+    """Where converted models are kept between processes."""
+    return pathlib.Path(os.environ.get("FAX_BRIDGE_LITERT_CACHE",
+                                       pathlib.Path.home() / ".cache" / "fax_bridge" / "litert"))
+
+
+def stablehlo_to_tflite(text: str, inputs: list, outputs: list,
+                        signature: str = SIGNATURE, timeout_s: float = TIMEOUT_S) -> bytes:
+    """The flatbuffer of the StableHLO module `text` (its `main` as the signature
+    `signature` with those input and output names), as litert-converter writes it."""
+    python = converter_python()
+    if not python.exists():
+        raise ConverterMissing(f"the LiteRT converter's interpreter {python} does not exist; "
+                               f"{SETUP_HINT}, or set FAX_BRIDGE_LITERT_PYTHON")
+    with tempfile.TemporaryDirectory(prefix="fax_litert_") as tmp:
+        tmp = pathlib.Path(tmp)
+        (tmp / "module.mlir").write_text(text)
+        (tmp / "spec.json").write_text(json.dumps(
+            {"signature": signature, "inputs": inputs, "outputs": outputs}))
+        try:
+            proc = subprocess.run(
+                [str(python), "-P", str(SIDE_SCRIPT), str(tmp / "module.mlir"),
+                 str(tmp / "model.tflite"), str(tmp / "spec.json")],
+                capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise ComputationError(f"the LiteRT converter did not finish within "
+                                   f"{timeout_s:g} s") from None
+        err = proc.stderr.decode(errors="replace")
+        try:
+            answer = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            raise ComputationError(f"the LiteRT converter exited with status "
+                                   f"{proc.returncode} and no answer; its stderr:\n"
+                                   f"{err[-2000:]}") from None
+        if not answer["ok"]:
+            ops = answer.get("ops") or refusals.ops_in_message(answer["error"] + err)
+            raise refusals.refuse(f"{CONVERTER} has no builtin for", ops, answer["error"])
+        return (tmp / "model.tflite").read_bytes()
+
+
+def _check_runs(model: bytes) -> None:
+    """Refuses a model that needs non-builtin ops or that the interpreter cannot prepare."""
+    names = flatbuffer.operators(model)
+    foreign = flatbuffer.non_builtin(names)
+    if foreign:
+        raise refusals.refuse("the model needs ops outside LiteRT's builtins", foreign)
+    from ai_edge_litert.interpreter import Interpreter
+
+    try:
+        Interpreter(model_content=model, num_threads=1).allocate_tensors()
+    except (RuntimeError, ValueError) as e:
+        found = refusals.ops_in_message(str(e)) or [
+            n for n in names if n.lower() in str(e).lower()]
+        raise refusals.refuse("the LiteRT interpreter refuses", found, str(e)) from None
+
+
+_MADE: dict = {}
+_LOCK = threading.Lock()
+
+
+def convert_client_part(fn: computation_pb2.Computation, param, result,
+                        aggregations: Optional[list] = None, *, key: Optional[str] = None,
+                        use_cache: bool = True) -> ClientModel:
+    """The client part `fn`, of type `param -> result`, as a LiteRT model (module
+    docstring). `aggregations`: the split's, which name the outputs; `key`: `fn`'s
+    content hash where the caller has it."""
+    key = key or local_eval.content_hash(fn)
+    with _LOCK:
+        if use_cache and key in _MADE:
+            return _MADE[key]
+    start = time.perf_counter()
+    sig = lowering.client_signature(param, result, aggregations)
+    text = lowering.lower(fn, sig)
+    ins, outs = [t.name for t in sig.inputs], [t.name for t in sig.outputs]
+    digest = hashlib.sha256(json.dumps([CONVERTER, SIGNATURE, ins, outs]).encode()
+                            + text.encode()).hexdigest()
+    path = cache_dir() / f"{digest}.tflite"
+    model = path.read_bytes() if use_cache and path.is_file() else None
+    fixes = 0
+    if model is None:
+        model, fixes = flatbuffer.fix_scatter_regions(stablehlo_to_tflite(text, ins, outs))
+        _check_runs(model)
+        if use_cache:
+            _store(path, model)
+        took = time.perf_counter() - start
+    else:
+        took = 0.0
+    made = ClientModel(model, SIGNATURE, sig, key,
+                       flatbuffer.operators(model), fixes, took)
+    with _LOCK:
+        if use_cache:
+            _MADE[key] = made
+    return made
+
+
+def _store(path: pathlib.Path, model: bytes) -> None:
+    """Writes `model` at `path` atomically (devices may read the cache at once)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
+        with os.fdopen(fd, "wb") as f:
+            f.write(model)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache costs a conversion per process, not the round
+
+
+def convert_round(split) -> ClientModel:
+    """The client part of a round split (`rounds.round_split.RoundSplit`) as a model
+    whose outputs are named by the aggregation each feeds."""
+    param, result = lowering.split_types(split)
+    return convert_client_part(split.client_part, param, result, split.aggregations,
+                               key=split.client_part_hash)

@@ -1,0 +1,57 @@
+"""`fax-bridge litert`: the quickstart round's client part written as a LiteRT model with
+its manifest, example client and a check that passes; a program with no single client
+part is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from fax_bridge import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
+
+
+def test_litert_writes_the_model_manifest_example_and_a_passing_check(tmp_path, capsys):
+    out = tmp_path / "litert"
+    assert cli.main(["litert", f"{QUICKSTART}:fedavg_round", "--clients", "3", "-o",
+                     str(out), "--no-check"]) == 0
+    assert "client_update.tflite" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["signature"] == "client_update"
+    assert manifest["model"]["bytes"] == (out / "client_update.tflite").stat().st_size
+    assert not [op for op in manifest["model"]["operators"] if op.startswith("CUSTOM")]
+    assert [t["name"] for t in manifest["inputs"]] == [
+        "broadcast/0/b", "broadcast/0/w", "client/0/x", "client/0/y"]
+    assert {(t["kind"], t["role"]) for t in manifest["outputs"]} == {
+        ("weighted_mean", "value"), ("weighted_mean", "weight"), ("mean", "value")}
+    assert all(t["bound"] is not None and t["bound"] >= 0 for t in manifest["outputs"])
+    example = np.load(out / "example_client.npz")
+    assert [tuple(example[f"in_{i}"].shape) for i in range(4)] == \
+        [tuple(t["shape"]) for t in manifest["inputs"]]
+    check = subprocess.run([sys.executable, str(out / "check.py")], capture_output=True,
+                           text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "CHECK OK" in check.stdout
+
+
+def test_litert_refuses_a_program_without_one_client_part(tmp_path, capsys):
+    path = tmp_path / "two_trips.py"
+    path.write_text(
+        "import numpy as np\nimport fax_bridge as fb\n\n"
+        "def two_trips(params, x):\n"
+        "    m = fb.federated_mean(fb.federated_map_clients(lambda p, x: p * x,\n"
+        "        (fb.federated_broadcast(params), x)))\n"
+        "    return fb.federated_sum(fb.federated_map_clients(lambda m, x: m + x,\n"
+        "        (fb.federated_broadcast(m), x)))\n\n"
+        "def example_args(clients):\n"
+        "    return (np.ones(2, np.float32), np.ones((clients, 2), np.float32)), "
+        "('server', 'clients')\n")
+    assert cli.main(["litert", f"{path}:two_trips", "--clients", "2", "-o",
+                     str(tmp_path / "out")]) == 2
+    assert "no single client part" in capsys.readouterr().err
