@@ -520,16 +520,21 @@ def main() -> int:
               file=sys.stderr)
         return 2
     with Network(args.nodes, args.prefix) as network:
-        command = ["ip", "netns", "exec", network.hub, sys.executable,
-                   os.path.abspath(__file__),
-                   "--inside", *sys.argv[1:]]
-        proc = subprocess.Popen(command, start_new_session=True)
-        try:
-            return proc.wait(timeout=args.timeout_s)
-        except BaseException:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            raise
+        return run_in_hub(network, __file__, args.timeout_s)
+
+
+def run_in_hub(network: "Network", script: str, timeout_s: float) -> int:
+    """Runs `script` again with this command's arguments and `--inside`, in the network's
+    hub namespace; the whole process group is killed on timeout or interruption."""
+    command = ["ip", "netns", "exec", network.hub, sys.executable, os.path.abspath(script),
+               "--inside", *sys.argv[1:]]
+    proc = subprocess.Popen(command, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except BaseException:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        raise
 
 
 if __name__ == "__main__":

@@ -221,15 +221,7 @@ def main() -> int:
         print("links_fleet: needs root with `ip` and `tc`; skipped", file=sys.stderr)
         return 2
     with links.Network(args.nodes, PREFIX) as network:
-        proc = subprocess.Popen(["ip", "netns", "exec", network.hub, sys.executable,
-                                 os.path.abspath(__file__), "--inside", *sys.argv[1:]],
-                                start_new_session=True)
-        try:
-            return proc.wait(timeout=args.timeout_s)
-        except BaseException:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            raise
+        return links.run_in_hub(network, __file__, args.timeout_s)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def test_rounds_match_the_papers_equations_in_numpy(streaming):
 def test_the_fleet_carries_packed_codes_both_ways():
     """One sync on a LocalFleet, one device per worker: what goes up is each worker's
     packed codes and scales as they are (a decode-sum's members), or without quantizing
-    its exact partial of the float32 mean (float64 sums, twice the bytes); what is
+    its float32 outer gradient as it is (one client's addend); what is
     broadcast is the re-quantized mean's."""
     params = {"a": jnp.zeros((9, 4)), "b": jnp.zeros(4)}
     data = {"x": np.ones((3, 2, 2, 9), np.float32), "y": np.ones((3, 2, 2), np.float32)}
@@ -176,13 +176,13 @@ def test_the_fleet_carries_packed_codes_both_ways():
             measured[quant] = rep
             per_worker = alg.payload_bytes[0]
             assert per_worker == (payload_bytes(jax.tree.leaves(params), quant))
-            # up: the workers' messages, and each device's partial sum of the int32
-            # acknowledgements (8 bytes: an integer sum's partial is carried in int64)
+            # up: the workers' messages, and each device's int32 acknowledgement: a device
+            # of one client sends its addends in their own dtype (float32 for the mean)
             assert int(got[2]) == 3
-            assert rep.payload_up == 3 * per_worker * (1 if quant else 2) + 3 * 8
+            assert rep.payload_up == 3 * per_worker + 3 * 4
             # down: placing the payloads on the workers, then one broadcast to each
             assert rep.payload_down == 3 * per_worker + 3 * per_worker
-    assert measured[True].payload_up == 3 * ((36 + 1) // 2 + 4 + 2 + 4) + 3 * 8
+    assert measured[True].payload_up == 3 * ((36 + 1) // 2 + 4 + 2 + 4) + 3 * 4
     assert 4 * measured[True].payload_up < measured[False].payload_up
 
 

@@ -263,7 +263,9 @@ def test_health_is_answered_beside_hundreds_of_idle_connections_and_stalled_stre
                     try:
                         stub.Release(pb.ReleaseRequest(handles=[1]), timeout=10, metadata=MD)
                     except grpc.RpcError as e:
-                        refused = e
+                        # a deadline on a loaded machine is no answer: ask again
+                        if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                            refused = e
                     tries += 1
                     threading.Event().wait(0.05)
                 assert refused is not None

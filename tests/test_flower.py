@@ -931,7 +931,7 @@ def test_a_check_reads_only_what_its_own_run_wrote_and_surfaces_its_error(
     """`flwr run` exits 0 when the ServerApp fails; the check reads the run's own
     reports and result in a folder made for that run (never an earlier run's
     result.npz beside it), and any failure is a FleetError quoting the run's error."""
-    from fax_bridge.flower import check
+    from fax_bridge import parity_flower as check
 
     out = tmp_path_factory.mktemp("results")
     np.savez(out / "result.npz", stale=np.zeros(1))  # an earlier run's

@@ -66,8 +66,9 @@ class LyingDevice(device.DeviceServicer):
 def _as_limbs(leaf: pb.LeafPartial) -> pb.LeafPartial:
     """A float64-form sum leaf as the same sum in limbs."""
     sent = partials.from_message("sum", pb.AggregateResponse(leaves=[leaf], num_clients=1))
-    limbs = aggregation.Partial("sum", [sent.leaves[0].exact()], count=1)
-    return partials.to_message(limbs).leaves[0]
+    out = pb.LeafPartial()
+    partials.leaf_message(sent.leaves[0].exact(), out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -227,18 +228,23 @@ def test_lying_devices_are_caught_and_named(devices, mode, by_partials, pattern)
 
 def test_partials_are_checked_against_the_type():
     member = fl.TensorType(np.float32, [3])
-    answer = partials.to_message(aggregation.partial_of("sum", [np.ones(3, np.float32)]))
+    two = [np.ones(3, np.float32), np.full(3, 0.5, np.float32)]
+    answer = partials.to_message(aggregation.partial_of("sum", two))
     from fax_bridge.rounds import validate
 
-    validate.check_partial(answer, "sum", [member], [], 1, "d")
-    with pytest.raises(FleetError, match="over 1 clients; the device holds 2"):
-        validate.check_partial(answer, "sum", [member], [], 2, "d")
+    validate.check_partial(answer, "sum", [member], [], 2, "d")
+    with pytest.raises(FleetError, match="over 2 clients; the device holds 3"):
+        validate.check_partial(answer, "sum", [member], [], 3, "d")
     answer.leaves[0].doubles = answer.leaves[0].doubles[:-8]
     with pytest.raises(FleetError, match="should hold"):
-        validate.check_partial(answer, "sum", [member], [], 1, "d")
-    answer = partials.to_message(aggregation.partial_of("sum", [np.ones(3, np.float32)]))
+        validate.check_partial(answer, "sum", [member], [], 2, "d")
+    answer = partials.to_message(aggregation.partial_of("sum", two))
     answer.leaves[0].CopyFrom(_as_limbs(answer.leaves[0]))
-    validate.check_partial(answer, "sum", [member], [], 1, "d")
+    validate.check_partial(answer, "sum", [member], [], 2, "d")
     answer.leaves[0].limbs = answer.leaves[0].limbs[:-8]
     with pytest.raises(FleetError, match="should hold"):
-        validate.check_partial(answer, "sum", [member], [], 1, "d")
+        validate.check_partial(answer, "sum", [member], [], 2, "d")
+    one = partials.to_message(aggregation.partial_of("sum", two[:1]))  # one client's addend
+    validate.check_partial(one, "sum", [member], [], 1, "d")
+    with pytest.raises(FleetError, match="a partial over 1 clients; the device holds 2"):
+        validate.check_partial(one, "sum", [member], [], 2, "d")

@@ -417,7 +417,7 @@ def check_partial(answer: pb.AggregateResponse, kind: str, value_types: list,
         else:
             value, size = _check_sum_leaf(leaf, t, leaf_where, reject_nonfinite, num_clients,
                                           pending, None if tops is None else tops[i],
-                                          rounded)
+                                          rounded=rounded)
             leaves.append(value)
             payload += size
     want_weights = 1 if kind == "weighted_mean" else 0
