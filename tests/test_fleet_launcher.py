@@ -14,24 +14,17 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import sample_computations as sc
+from processes import alive, running
 from fax_bridge.fleet import device_cli, security
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.launcher import LocalFleet
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pids, timeout_s=10.0) -> list:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return running(pids)
 
 
 def test_register_adds_the_device_subcommand():
@@ -64,7 +57,7 @@ def test_no_device_outlives_the_fleet_even_after_an_exception():
     with pytest.raises(RuntimeError, match="inside the block"):
         with LocalFleet(devices=2) as fleet:
             pids = fleet.pids
-            assert all(_alive(p) for p in pids)
+            assert all(alive(p) for p in pids)
             got = fleet.run(proto, np.ones((4, 2), np.float32), np.ones(2, np.float32))
             np.testing.assert_array_equal(got, [4.0, 4.0])
             raise RuntimeError("inside the block")
@@ -83,7 +76,7 @@ def test_devices_exit_when_their_launcher_is_killed():
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         pid = int(launcher.stdout.readline())
-        assert _alive(pid)
+        assert alive(pid)
     finally:
         os.killpg(launcher.pid, 9)  # no atexit, no __exit__: only the device's watchdog
         launcher.wait(timeout=10)

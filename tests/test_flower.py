@@ -19,6 +19,7 @@ import federated_language
 import jax
 import numpy as np
 import pytest
+from processes import running
 from federated_language.common_libs import structure
 from hypothesis import example, given, settings, strategies as st
 
@@ -1053,19 +1054,6 @@ def test_an_app_for_a_tls_superlink_names_its_ca_as_flower_reads_it(tmp_path, qu
 # ------------------------------------------------------------------- deployment
 
 
-def _alive(pids: list) -> list:
-    """Those of `pids` that still run (not ended, not a zombie)."""
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
-
-
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory, populations):
     """One SuperLink and two warm SuperNodes on loopback, insecure, shared by the
@@ -1079,7 +1067,7 @@ def deployed(tmp_path_factory, populations):
     with LocalDeployment(populations, str(tmp_path_factory.mktemp("flwr"))) as d:
         yield d, folder
         pids = d.pids()
-    assert not _alive(pids), f"processes left running: {_alive(pids)}"
+    assert not running(pids), f"processes left running: {running(pids)}"
 
 
 @pytest.mark.slow
@@ -1193,7 +1181,7 @@ def test_a_tls_deployment_with_node_auth_has_the_same_bits_and_refuses_unknown_n
                 intruder.kill()
                 intruder.wait()
         pids = d.pids()
-    assert not _alive(pids), f"processes left running: {_alive(pids)}"
+    assert not running(pids), f"processes left running: {running(pids)}"
     assert intruder.returncode != 0 and "Failed to activate SuperNode" in d.log("intruder")
     assert "Uvicorn running on https://" in d.log("superlink")
     assert run.returncode == 0, run.stdout[-3000:]

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from processes import running
 
 pytest.importorskip("flwr")
 
@@ -56,18 +57,6 @@ def test_the_written_readme_starts_a_warm_supernode_per_share(tmp_path):
     assert "rounded-partials" in text
 
 
-def _alive(pids: list) -> list:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
-
-
 def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
     from fax_bridge.flower.deployment import descendants
 
@@ -101,9 +90,9 @@ def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         end = time.monotonic() + 30
-        while _alive(started) and time.monotonic() < end:
+        while running(started) and time.monotonic() < end:
             time.sleep(0.2)
-        assert not _alive(started)
+        assert not running(started)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from processes import alive
 
 from federated_language.compiler import building_blocks
 from federated_language.proto import computation_pb2
@@ -143,15 +144,6 @@ def test_main_exit_status_on_mismatch(tmp_path, capsys):
     assert "MISMATCH" in out and "federated_mean.pb" in out
 
 
-def _alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (killed, not yet reaped by its new parent) is dead."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def test_reader_timeout_kills_process_group(tmp_path):
     pid_file = tmp_path / "child.pid"
     fake = _fake_reader(tmp_path, (
@@ -163,7 +155,7 @@ def test_reader_timeout_kills_process_group(tmp_path):
         tff_check.read_tff_signatures([DATA / "federated_mean.pb"], tff_python=fake, timeout_s=3)
     pid = int(pid_file.read_text())
     for _ in range(50):  # the killed child may take a moment to die
-        if not _alive(pid):
+        if not alive(pid):
             break
         time.sleep(0.1)
     else:
