@@ -9,8 +9,8 @@ packed 4-bit E3M0 codes. Every configuration runs the same number of inner steps
 
 Bytes are measured, not computed: after training, each fragment's sync (`syncs[f]`:
 the workers' messages aggregated, the server's outer step, the broadcast every worker
-decodes) is exported and run on a LocalFleet with one device process per worker, each
-worker's message fetched as it is (no preaggregation on the devices). `up` is the
+decodes) is exported and run on a LocalFleet with one device process per worker, so
+each worker's message travels as it is (a device of one client sends its own values). `up` is the
 RoundReport's bytes_up (gRPC messages, devices to coordinator); `down` is its
 bytes_down minus the bytes_down of a run that only places the same messages on the
 workers (in a deployment they are computed there). A warm-up run loads the
