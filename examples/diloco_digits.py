@@ -7,15 +7,15 @@ overlaps each sync with tau inner steps, and sends its outer gradients in float3
 packed 4-bit E3M0 codes. Every configuration runs the same number of inner steps:
 `--rounds` outer steps of H inner steps.
 
-Bytes are measured, not computed: after training, each fragment's sync (`syncs[f]`:
-the workers' messages aggregated, the server's outer step, the broadcast every worker
+Bytes are measured, not computed: after training, each fragment's sync (`syncs[f]`: the
+workers' messages aggregated, the server's outer step, the broadcast every worker
 decodes) is exported and run on a LocalFleet with one device process per worker, so
-each worker's message travels as it is (a device of one client sends its own values). `up` is the
-RoundReport's bytes_up (gRPC messages, devices to coordinator); `down` is its
-bytes_down minus the bytes_down of a run that only places the same messages on the
-workers (in a deployment they are computed there). A warm-up run loads the
-computations first. Per outer step: `peak` is the largest single sync (up + down),
-`total` the sum over the P fragments' syncs.
+each worker's message travels as it is (a device of one client sends its own values).
+`up` is the RoundReport's bytes_up (gRPC messages, devices to coordinator); `down` is
+its bytes_down minus the bytes_down of a run that only places the same messages on the
+workers (in a deployment they are computed there). A warm-up run loads the computations
+first. Per outer step: `peak` is the largest single sync (up + down), `total` the sum
+over the P fragments' syncs.
 """
 
 import os
