@@ -268,6 +268,7 @@ def _put_models(package: str, packed: list, stage: str) -> list:
         from fax_bridge.litert import carried
 
         staged = tempfile.mkdtemp(prefix="litert-", dir=stage)
+        os.chmod(staged, 0o755)  # as the app's other folders (mkdtemp makes it 0700)
         carried.write(staged, packed)
         paths = [os.path.join(final, name) for name, _ in packed]
     if os.path.isdir(final):

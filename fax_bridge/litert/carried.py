@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import pathlib
+import threading
 from typing import Optional
 
 from fax_bridge.errors import ComputationError
@@ -28,6 +29,10 @@ from fax_bridge.litert import convert, flatbuffer, lowering, manifest
 FORMAT = "fax_bridge.litert.carried/1"
 REWRITE = ("write the models again from this round (`fax-bridge flower ... --litert` "
            "rewrites a Flower app with them)")
+
+
+_FOUND: dict = {}  # (file, its mtime and size, signature) -> ClientModel
+_LOCK = threading.Lock()
 
 
 class CarriedMismatch(ComputationError):
@@ -92,7 +97,29 @@ def find(folder: Optional[str], key: str, signature):
             f"the LiteRT models carried in {folder} are of client part "
             f"{', '.join(found)}, but the round asks for client part {key}: they were "
             f"written for another round; {REWRITE}")
-    data = _read(pathlib.Path(folder) / f"{key}.json")
+    path = pathlib.Path(folder) / f"{key}.json"
+    try:
+        stat = path.stat()
+    except OSError:
+        stat = None
+    cache_key = (str(path), stat and (stat.st_mtime_ns, stat.st_size),
+                 signature.inputs, signature.outputs)
+    with _LOCK:
+        if cache_key in _FOUND:
+            return _FOUND[cache_key]
+    try:
+        model = _load(folder, path, key, signature)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged manifest
+        raise ComputationError(f"the carried LiteRT model {path} has a manifest that "
+                               f"cannot be read ({type(e).__name__}: {e}); {REWRITE}") from None
+    with _LOCK:
+        _FOUND[cache_key] = model
+    return model
+
+
+def _load(folder: str, path: pathlib.Path, key: str, signature):
+    """`find`'s model, read from `path` and checked."""
+    data = _read(path)
     built = data["manifest"]
     if built["round"]["version"] != key:
         raise CarriedMismatch(
@@ -110,6 +137,25 @@ def find(folder: Optional[str], key: str, signature):
                 f"part has {[(list(t.shape), t.dtype) for t in mine][:6]}; {REWRITE}")
         named.append(tuple(lowering.Tensor(t["name"], tuple(t["shape"]), t["dtype"])
                            for t in theirs))
+    _check_signature(data["tflite"], built["model"]["signature"], named, path)
     sig = lowering.ClientSignature(signature.parameter, signature.result, *named)
     return convert.ClientModel(data["tflite"], built["model"]["signature"], sig, key,
                                flatbuffer.operators(data["tflite"]), 0, 0.0)
+
+
+def _check_signature(tflite: bytes, name: str, named: list, path: pathlib.Path) -> None:
+    """Refuses a manifest whose signature or tensor names are not the model's own."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    try:
+        found = Interpreter(model_content=tflite, num_threads=1).get_signature_list()
+    except (RuntimeError, ValueError) as e:
+        raise ComputationError(f"the carried LiteRT model {path} cannot be loaded ({e}); "
+                               f"{REWRITE}") from None
+    want = {"inputs": sorted(t.name for t in named[0]),
+            "outputs": sorted(t.name for t in named[1])}
+    have = found.get(name)
+    if have is None or {k: sorted(have[k]) for k in want} != want:
+        raise ComputationError(
+            f"the carried LiteRT model {path} names signature {name!r} with tensors "
+            f"{want}, but the model has signatures {found}; {REWRITE}")
