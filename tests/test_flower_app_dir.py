@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import textwrap
 
@@ -121,6 +122,19 @@ def test_the_written_app_carries_the_model_and_its_manifest_by_client_part_hash(
         text = f.read()
     assert "## LiteRT SuperNodes" in text and 'client-runtime="litert"' in text \
         and "--client-runtime litert" in text
+    # The commands start LiteRT nodes: a cold one's node config, a warm one's flag.
+    from flwr.common.config import parse_config_args
+
+    from fax_bridge.flower import supernode
+
+    litert_part = text.split("## LiteRT SuperNodes", 1)[1].split("```")[1]
+    config = shlex.split(litert_part.replace("\\\n", " "))
+    config = parse_config_args([config[config.index("--node-config") + 1]])
+    assert config["client-runtime"] == "litert"
+    warm = supernode._parser().parse_args(["--superlink", "h:1", "--insecure",
+                                           "--population", "p", "--client-runtime",
+                                           "litert"])
+    assert supernode.share_config(warm)["client-runtime"] == "litert"
     # Without --litert nothing changes, and a rewritten app drops an older model.
     plain = str(tmp_path / "plain")
     app_dir.write_app(made, plain)
