@@ -583,7 +583,7 @@ def test_written_commands_survive_any_path_the_shell_could_break_on(
     root = tmp_path_factory.mktemp("quoted")
     folder, population = str(root / f"app {name}"), str(root / f"pop {name}")
     text = app_dir.readme(quickstart[2], folder, "127.0.0.1:9093",
-                          [{"population": population, "first-client": 0}])
+                          [{"population": population, "first-client": 0}], litert=True)
     commands = []
     for block in text.split("```")[1::2]:
         commands += [shlex.split(c) for c in block.replace("\\\n", " ").split("\n") if c]

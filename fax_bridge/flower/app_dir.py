@@ -4,13 +4,18 @@
     DIR/fax_round/server_app.py   app = fax_bridge.flower.server.server_app(here)
     DIR/fax_round/client_app.py   app = fax_bridge.flower.client.client_app(here)
     DIR/fax_round/round.json      the exported round and its initial state (`bundle`)
+    DIR/fax_round/litert/         only with `litert`: the client part as a LiteRT model
+                                  and its manifest (`<client part hash>.json`,
+                                  `fax_bridge.litert.carried`), converted here, which
+                                  SuperNodes with client-runtime="litert" run as it is
     DIR/README.md                 how to start the SuperLink and SuperNodes and run it
     DIR/initial_state.npz         only for a state over the bundle's 10 MB: read by the
                                   ServerApp from the run config's `initial-state` path
     DIR/.flwr/config.toml         the SuperLink connection `fax-bridge`
                                   (FLWR_HOME=DIR/.flwr; TLS with `root_certificates`)
 
-Everything in the app bundle is a file type Flower ships (.py, .toml, .md, .json);
+Everything in the app bundle is a file type Flower ships (.py, .toml, .md, .json: so
+the `.tflite` travels base64-encoded inside its JSON);
 `.flwr/` is left out of bundles by Flower itself. fax_bridge and flwr must be installed
 where the SuperLink and SuperNodes run; nothing is installed at run time.
 """
@@ -19,10 +24,13 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import Optional
+import shutil
+import tempfile
+from typing import Optional, Union
 
 from fax_bridge.errors import ExportError
-from fax_bridge.flower.bundle import FlowerRound, write_round
+from fax_bridge.flower.bundle import (LITERT_DIR, MAX_BUNDLE_BYTES, FlowerRound,
+                                      models_dir, write_round)
 from fax_bridge.flower.deployment import CONNECTION, connection_toml, node_config_text
 
 PACKAGE = "fax_round"
@@ -106,11 +114,33 @@ def node_starter(node: dict, node_security: str, superlink: str, port: int) -> s
             f"{shlex.quote(superlink)} --port {port} \\\n    {share} &")
 
 
+def litert_section(node_security: str, superlink: str, node: dict) -> str:
+    """README's steps for SuperNodes that run the carried LiteRT model."""
+    q = shlex.quote
+    litert_node = dict(node, **{"client-runtime": "litert"})
+    return f"""
+## LiteRT SuperNodes
+
+This app carries the round's client part as a LiteRT model (`fax_round/{LITERT_DIR}/`,
+converted by `fax-bridge flower ... --litert`). A SuperNode whose node config says
+`client-runtime="litert"` runs it in the LiteRT interpreter, as a phone would, and needs
+no converter (only ai-edge-litert beside fax_bridge); a model of another round is
+refused by name. Add `--client-runtime litert` to a warm node's command above, or start a
+cold one so:
+
+```
+flower-supernode {node_security} --superlink {q(superlink)} --port 9094 \\
+    --node-config {q(node_config_text(litert_node))} &
+```
+"""
+
+
 def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
-           root_certificates: Optional[str] = None) -> str:
+           root_certificates: Optional[str] = None, litert: bool = False) -> str:
     """DIR/README.md: what the app runs and the commands that run it (with TLS when
     `root_certificates`, the CA certificate, is given; every path and value quoted for
-    the shell with `shlex.quote`)."""
+    the shell with `shlex.quote`); with `litert`, how to start SuperNodes that run the
+    LiteRT model the app carries."""
     q = shlex.quote
     ca = root_certificates and os.path.abspath(root_certificates)
     node_security = "--insecure" if ca is None else f"--root-certificates {q(ca)}"
@@ -176,10 +206,10 @@ started alone, its population in its `--node-config`, loads jax and compiles the
 client part in every round's ClientApp process (tens of seconds a round):
 
 ```
-flower-supernode {node_security} --superlink {q(superlink)} --port 9094 \
+flower-supernode {node_security} --superlink {q(superlink)} --port 9094 \\
     --node-config {q(node_config_text(cold))} &
 ```
-
+{litert_section(node_security, superlink, cold) if litert else ""}
 ## Did it work?
 
 `flwr run` exits 0 even when the ServerApp fails: read the run's `reports.jsonl` in
@@ -211,12 +241,55 @@ whose key is not registered (the node exits: "Failed to activate SuperNode").
 """
 
 
+def litert_models(made: FlowerRound) -> list:
+    """The round's client part converted to a LiteRT model, packed for the app
+    (`carried.pack`); a client part that cannot convert is refused here, naming the op
+    (`refusals.ConversionRefused`), and a model too large for an app bundle too."""
+    from fax_bridge.litert import carried
+
+    packed = [carried.pack(made.split, str(made.prepared.type))]
+    size = sum(len(text) for _, text in packed)
+    if size > MAX_BUNDLE_BYTES:
+        raise ExportError(
+            f"the LiteRT model takes {size} bytes in the app, over the {MAX_BUNDLE_BYTES} "
+            "bytes a Flower app bundle may hold; write the app without --litert (each "
+            "LiteRT node then converts the model itself)")
+    return packed
+
+
+def _put_models(package: str, packed: list, stage: str) -> list:
+    """Replaces the app's carried models (`package`/litert) by `packed` (none: removed,
+    so that a rewritten app never carries a model of an older round); written in `stage`
+    first (a folder of the same file system that no bundle holds) and moved in whole."""
+    final = models_dir(package)
+    paths = []
+    staged = None
+    if packed:
+        from fax_bridge.litert import carried
+
+        staged = tempfile.mkdtemp(prefix="litert-", dir=stage)
+        os.chmod(staged, 0o755)  # as the app's other folders (mkdtemp makes it 0700)
+        carried.write(staged, packed)
+        paths = [os.path.join(final, name) for name, _ in packed]
+    if os.path.isdir(final):
+        old = tempfile.mkdtemp(prefix="litert-old-", dir=stage)
+        os.replace(final, os.path.join(old, LITERT_DIR))
+        shutil.rmtree(old, ignore_errors=True)
+    if staged is not None:
+        os.replace(staged, final)
+    return paths
+
+
 def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:9093",
               config: Optional[dict] = None, nodes: Optional[list] = None,
               name: str = "fax-bridge-round",
-              root_certificates: Optional[str] = None) -> list:
+              root_certificates: Optional[str] = None,
+              litert: Union[bool, list] = False) -> list:
     """Writes the app directory (module docstring); returns the paths written. With
-    `root_certificates` (a CA certificate) the connection and README use TLS."""
+    `root_certificates` (a CA certificate) the connection and README use TLS. With
+    `litert` (True, or `litert_models`' list made beforehand) the app carries the
+    client part as a LiteRT model, converted before anything is written."""
+    packed = litert_models(made) if litert is True else list(litert or [])
     settings = dict(DEFAULT_CONFIG)
     settings["out-dir"] = os.path.join(os.path.abspath(folder), "results")
     settings.update(config or {})
@@ -230,13 +303,14 @@ def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:909
         state_path = os.path.join(os.path.abspath(folder), STATE_FILE)
         written = [write_round(made, package, state_path), state_path]
         settings["initial-state"] = state_path
+    written += _put_models(package, packed, home)
     files = {
         os.path.join(folder, "pyproject.toml"): pyproject(name, settings),
         os.path.join(package, "__init__.py"): '"""A fax_bridge round as a Flower app."""\n',
         os.path.join(package, "server_app.py"): _SERVER,
         os.path.join(package, "client_app.py"): _CLIENT,
         os.path.join(folder, "README.md"): readme(made, folder, superlink, nodes or [],
-                                                    root_certificates),
+                                                    root_certificates, bool(packed)),
         os.path.join(home, "config.toml"): connection_toml(
             superlink, root_certificates=root_certificates),
     }

@@ -40,6 +40,7 @@ from fax_bridge.runtime import backend, interpreter, values
 
 FORMAT = "fax_bridge.flower.round.v1"
 FILE_NAME = "round.json"
+LITERT_DIR = "litert"  # beside round.json: the LiteRT models the app carries (`carried`)
 MAX_BUNDLE_BYTES = 10 * 1024 * 1024  # what Flower accepts in an app bundle
 
 
@@ -205,6 +206,12 @@ def write_round(made: FlowerRound, folder: str, state_path: Optional[str] = None
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def models_dir(folder: str) -> str:
+    """Where the app whose `round.json` is in `folder` carries its LiteRT models
+    (`fax_bridge.litert.carried`; `fax-bridge flower ... --litert` writes them)."""
+    return os.path.join(folder, LITERT_DIR)
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,4 +1,4 @@
-"""`fax-bridge flower MODULE_OR_FILE:FUNCTION -o DIR [--clients N] [--rounds R]`.
+"""`fax-bridge flower MODULE_OR_FILE:FUNCTION -o DIR [--clients N] [--rounds R] [--litert]`.
 
 Writes a Flower app directory for a round `(state, client_data) -> (new_state, output)`
 (`app_dir.write_app`): `flwr run DIR fax-bridge --stream` runs it against a SuperLink
@@ -9,7 +9,10 @@ the example clients are also written as K populations (one per SuperNode, contig
 blocks) and DIR/README.md gives the commands that start those SuperNodes. `--check`
 then runs the rounds on a loopback deployment and compares the result with jax.jit as
 `fax-bridge parity` does (and with the fleet's bits). A round that one broadcast and
-aggregations cannot run is refused with the operations and the fix.
+aggregations cannot run is refused with the operations and the fix. `--litert` also
+converts the round's client part to a LiteRT model and puts it, with its manifest, in
+the app (`fax_round/litert/`), for SuperNodes with `client-runtime="litert"`; a client
+part that cannot convert is refused, naming the op, before anything is written.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         prog, prog_args, placements = resolve_program(args.target, args.clients)
         made = bundle.build_round(prog, *prog_args, placements=placements)
+        models = app_dir.litert_models(made) if args.litert else []  # before any write
         nodes = []
         check_dir = os.path.join(args.output, ".flwr", "check")  # outside the bundle
         pops = args.write_population or (os.path.join(check_dir, "pops") if args.check
@@ -38,7 +42,8 @@ def _run(args: argparse.Namespace) -> int:
         written = app_dir.write_app(made, args.output, superlink=args.superlink,
                                     config={"num-rounds": args.rounds,
                                             "min-nodes": max(1, len(nodes))},
-                                    nodes=nodes, root_certificates=args.root_certificates)
+                                    nodes=nodes, root_certificates=args.root_certificates,
+                                    litert=models)
     except FaxBridgeError as e:
         print(f"fax-bridge flower: {e}", file=sys.stderr)
         return 2
@@ -86,6 +91,11 @@ def register(subparsers) -> None:
                    help="also write the example clients as one population per SuperNode")
     p.add_argument("--nodes", type=cli_args.int_in(1), default=2,
                    help="SuperNodes for --write-population and --check (default 2)")
+    p.add_argument("--litert", action="store_true",
+                   help="convert the round's client part to a LiteRT model now and carry "
+                        "it in the app, so SuperNodes with client-runtime=\"litert\" run it "
+                        "with no converter (a client part LiteRT cannot run is refused "
+                        "here, naming the op)")
     p.add_argument("--check", action="store_true",
                    help="then run --rounds rounds on a loopback deployment (a SuperLink and "
                         "--nodes SuperNodes) and compare the result with jax.jit and with "

@@ -11,8 +11,10 @@ Each SuperNode serves a block of the population, named by its `--node-config`:
     keys="x,y"               the stored array of each tensor of the client data, depth
                              first (default: by the data's element names)
     client-runtime="litert"  run the round's client part as a LiteRT model in the LiteRT
-                             interpreter, as a phone would (`fax_bridge.litert`; the
-                             model is converted once per round shape); default "xla"
+                             interpreter, as a phone would (`fax_bridge.litert`): the
+                             model the app carries (`fax-bridge flower ... --litert`),
+                             else one converted here once per round shape, which needs
+                             the converter's environment; default "xla"
 
 A `query` message answers with that block. A `train` message brings the broadcast and
 the population ids of the node's clients in the round; the node reads only their rows,
@@ -145,7 +147,7 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     import federated_language
 
     from fax_bridge.rounds.round_split import client_partials
-    from fax_bridge.flower.bundle import read_round
+    from fax_bridge.flower.bundle import models_dir, read_round
     from fax_bridge.runtime import population
     from fax_bridge.runtime.backend import from_leaves
 
@@ -160,7 +162,8 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     sent = from_leaves(made.sent_type, broadcast)
     specs = [a.spec for a in split.aggregations]
     return client_partials(split.client_part, split.client_part_hash, sent, members, specs,
-                           least_rows=most, runtime=share.client_runtime)
+                           least_rows=most, runtime=share.client_runtime,
+                           models=models_dir(bundle_dir))
 
 
 def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:

@@ -2,7 +2,8 @@
 
     python -m fax_bridge.flower.supernode --superlink 10.0.0.1:9093 \\
         --root-certificates ca.crt [--auth-supernode-private-key node-0.key] \\
-        --population /data/pop --first-client 0 [--num-clients 4]
+        --population /data/pop --first-client 0 [--num-clients 4] \\
+        [--client-runtime litert]
 
 starts the node's warm `worker` (jax loaded once, the round's client part compiled
 once, served on loopback with a token written to a private file), waits until it
@@ -38,6 +39,8 @@ def share_config(args: argparse.Namespace) -> dict:
         config["num-clients"] = args.num_clients
     if args.keys:
         config["keys"] = args.keys
+    if args.client_runtime:
+        config["client-runtime"] = args.client_runtime
     return config
 
 
@@ -89,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-clients", type=int, default=None)
     parser.add_argument("--first-row", type=int, default=0)
     parser.add_argument("--keys", default=None, help="stored arrays, comma-separated")
+    parser.add_argument("--client-runtime", default=None, choices=("xla", "litert"),
+                        help="litert: run the client part in the LiteRT interpreter, from "
+                             "the model the app carries (`fax-bridge flower --litert`)")
     parser.add_argument("--cold", action="store_true",
                         help="no worker: each round's ClientApp loads jax and compiles "
                              "(slow)")

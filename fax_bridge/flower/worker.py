@@ -103,6 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--num-clients", type=int, default=None)
     parser.add_argument("--first-row", type=int, default=0)
     parser.add_argument("--keys", default=None, help="stored arrays, comma-separated")
+    parser.add_argument("--client-runtime", default=None,
+                        help="xla (default) or litert (`client.NodeShare`)")
     args = parser.parse_args(argv)
     config = {"population": args.population, "first-client": args.first_client,
               "first-row": args.first_row}
@@ -110,6 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config["num-clients"] = args.num_clients
     if args.keys:
         config["keys"] = args.keys
+    if args.client_runtime:
+        config["client-runtime"] = args.client_runtime
     from fax_bridge.errors import FaxBridgeError
 
     try:

@@ -11,7 +11,8 @@ uses LiteRT builtin ops only and that the interpreter prepares it; anything else
 A model is made once per client part and shapes: kept in this process by content hash,
 and on disk (`FAX_BRIDGE_LITERT_CACHE`, default `~/.cache/fax_bridge/litert`) by the
 sha256 of its StableHLO and signature, so the devices of one machine convert a round
-shape once between them.
+shape once between them. A node that must not convert takes a model carried with its
+app instead (`carried`, looked up first by `runner.model_for`).
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ def stablehlo_to_tflite(text: str, inputs: list, outputs: list,
     python = converter_python()
     if not python.exists():
         raise ConverterMissing(f"the LiteRT converter's interpreter {python} does not exist; "
-                               f"{SETUP_HINT}, or set FAX_BRIDGE_LITERT_PYTHON")
+                               f"{SETUP_HINT}, or set FAX_BRIDGE_LITERT_PYTHON; or let the "
+                               "app carry the model, converted where it is written, so "
+                               "that this node needs no converter (`fax-bridge flower ... "
+                               "--litert`: docs/litert.md)")
     with tempfile.TemporaryDirectory(prefix="fax_litert_") as tmp:
         tmp = pathlib.Path(tmp)
         (tmp / "module.mlir").write_text(text)

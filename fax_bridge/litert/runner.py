@@ -9,6 +9,10 @@ answers the coordinator in the same form. A process loads a model once per clien
 and shapes (`runner_for`) and runs one client at a time, on one thread, so a client's
 result does not depend on how clients are split over devices.
 
+A model carried with an app or deployment (`carried`: a directory of models converted
+where the app was written) is taken before any conversion (`model_for`), so a node
+without the converter's environment runs it.
+
 A client whose inputs do not have the shapes the model was converted for (another batch
 size) is refused, naming the input and the fix.
 """
@@ -17,14 +21,14 @@ from __future__ import annotations
 
 import threading
 import types
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import AggregationError, ArgumentError, ComputationError
-from fax_bridge.litert import convert, lowering
+from fax_bridge.litert import carried, convert, lowering
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.local_eval import select_element
 
@@ -101,14 +105,36 @@ def run_clients(model: convert.ClientModel, sent: Any, members, guard=None) -> l
     return results
 
 
+def model_for(fn: computation_pb2.Computation, key: str, sent: Any, members: Any,
+              specs: list, split: Any = None,
+              models: Optional[str] = None) -> convert.ClientModel:
+    """The LiteRT model of client part `fn` (content hash `key`): the one carried in the
+    directory `models` where it holds one (`carried.find`: never converted then, and a
+    carried model of another client part is refused), else converted (`convert`)."""
+    aggregations = split.aggregations if split is not None else [
+        types.SimpleNamespace(value_index=vi, weight_index=wi) for _, vi, wi, *_ in specs]
+    param_result = None
+    if models and carried.versions(models):
+        param_result = (lowering.split_types(split) if split is not None
+                        else _types_of(fn, sent, members))
+        found = carried.find(models, key, lowering.client_signature(*param_result,
+                                                                    aggregations))
+        if found is not None:
+            return found
+    if split is not None:
+        return convert.convert_round(split)
+    return convert.convert_client_part(fn, *(param_result or _types_of(fn, sent, members)),
+                                       key=key, aggregations=aggregations)
+
+
 def client_partials(fn: computation_pb2.Computation, key: str, sent: Any, members: Any,
-                    specs: list, guard: Any = None, split: Any = None) -> list:
+                    specs: list, guard: Any = None, split: Any = None,
+                    models: Optional[str] = None) -> list:
     """`round_split.client_partials` run by the LiteRT interpreter (module docstring).
     `split`: the round split the client part comes from, where the caller has it (it
-    names the outputs; the model is the same either way)."""
-    model = convert.convert_round(split) if split is not None else \
-        convert.convert_client_part(fn, *_types_of(fn, sent, members), key=key, aggregations=[
-            types.SimpleNamespace(value_index=vi, weight_index=wi) for _, vi, wi, *_ in specs])
+    names the outputs; the model is the same either way); `models`: a directory of
+    carried models (`model_for`)."""
+    model = model_for(fn, key, sent, members, specs, split, models)
     results = run_clients(model, sent, members, guard)
     out = []
     for kind, vi, wi, *bound in specs:
@@ -146,4 +172,4 @@ def _types_of(fn, sent, members) -> tuple:
     return param, type_of(result)
 
 
-__all__ = ["ClientRunner", "client_partials", "run_clients", "runner_for"]
+__all__ = ["ClientRunner", "client_partials", "model_for", "run_clients", "runner_for"]

@@ -379,7 +379,7 @@ def check_client_runtime(name: str) -> str:
 
 def client_partials(fn: Computation, key: str, sent: Any, members: Any,
                     specs: list, guard: Any = None, least_rows: int = 0,
-                    runtime: str = "xla") -> list:
+                    runtime: str = "xla", models: Optional[str] = None) -> list:
     """The client part `fn` over the clients' `members` (one Struct of inputs each) with
     the broadcast values `sent`, aggregated: one exact partial per
     `(kind, value_index, weight_index or None[, bound])` of `specs` (the bound of a
@@ -389,11 +389,13 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
     partials are the same. `guard`: the caller's caps (`client_map.Guard`);
     `least_rows`: `client_map.map_clients_stacked`'s. `runtime="litert"`: the client
     part runs as a LiteRT model in the LiteRT interpreter (`fax_bridge.litert.runner`),
-    which gives partials of the same form (LiteRT's float rounding is not XLA's)."""
+    which gives partials of the same form (LiteRT's float rounding is not XLA's);
+    `models`: a directory of LiteRT models carried with the app (`litert.carried`),
+    taken before any conversion."""
     if check_client_runtime(runtime) == "litert":
         from fax_bridge.litert import runner
 
-        return runner.client_partials(fn, key, sent, members, specs, guard)
+        return runner.client_partials(fn, key, sent, members, specs, guard, models=models)
     stacked = client_map.map_clients_stacked(fn, members, sent, key=key, guard=guard,
                                              keep=False, least_rows=least_rows)
     if stacked is not None:

@@ -1,0 +1,214 @@
+"""Flower apps that carry the client part as a LiteRT model (`fax-bridge flower --litert`):
+what the app holds, a SuperNode with no converter running the carried model with the
+fleet LiteRT device's bits, the refusal of a model of another round, and the refusal at
+write time of a client part LiteRT cannot run, before anything is written."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import textwrap
+
+import numpy as np
+import pytest
+from federated_language.common_libs import structure
+
+pytest.importorskip("flwr")
+
+from fax_bridge import cli  # noqa: E402
+from fax_bridge.data import write_population  # noqa: E402
+from fax_bridge.flower import app_dir, bundle, client  # noqa: E402
+from fax_bridge.litert import carried, convert, refusals, runner  # noqa: E402
+from fax_bridge.rounds import partials, round_split, server_steps  # noqa: E402
+from fax_bridge.runtime import backend, population  # noqa: E402
+from fax_bridge.tff.cli import resolve_program  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
+N = 4
+
+SORTING_ROUND = '''
+import jax.numpy as jnp
+import numpy as np
+
+import fax_bridge as fb
+
+
+def sorting_round(state, data):
+    """A client part with a sort, which LiteRT has no builtin for."""
+    top = fb.federated_map_clients(lambda s, x: jnp.sort(x)[-2:] * s,
+                                   (fb.federated_broadcast(state), data))
+    return state + 1.0, fb.federated_mean(top)
+
+
+def example_args(clients):
+    x = np.arange(clients * 5, dtype=np.float32).reshape(clients, 5)
+    return (np.float32(1.0), x), ("server", "clients")
+'''
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    prog, args, placements = resolve_program(f"{QUICKSTART}:fedavg_round", N)
+    return args, bundle.build_round(prog, *args, placements=placements)
+
+
+@pytest.fixture(scope="module")
+def litert_app(tmp_path_factory, quickstart):
+    folder = str(tmp_path_factory.mktemp("litert_app"))
+    app_dir.write_app(quickstart[1], folder, litert=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, quickstart):
+    """A LiteRT SuperNode's config serving all N clients, and one round's inputs to it:
+    (config, client ids, broadcast tensors, the clients' members)."""
+    (_, data), made = quickstart
+    path = str(tmp_path_factory.mktemp("population") / "node-0")
+    write_population(path, [{k: v[i] for k, v in data.items()} for i in range(N)])
+    split = made.split
+    env = server_steps.prepare(split, made.server_arg(made.state_value(made.state)),
+                               None, 1)
+    sent = structure.Struct([(None, env[name]) for name in split.broadcasts])
+    config = {"population": path, "first-client": 0, "client-runtime": "litert"}
+    ids = np.arange(N)
+    store = population.open_store(path)
+    share = client.NodeShare.from_config(config)
+    import federated_language
+
+    member_type = federated_language.StructType([(None, t) for t in split.input_types])
+    keys = [k for t in split.input_types for k in population.default_keys(t, None)]
+    members = population.read_members(store, member_type,
+                                      population.plan_columns(store, member_type, keys),
+                                      share.rows(ids))
+    return config, ids, backend.leaves(backend.as_numpy(sent)), sent, members
+
+
+@pytest.fixture
+def no_converter(monkeypatch, tmp_path):
+    """A node with no converter environment and nothing converted yet."""
+    monkeypatch.setenv("FAX_BRIDGE_LITERT_PYTHON", str(tmp_path / "no" / "python"))
+    monkeypatch.setenv("FAX_BRIDGE_LITERT_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(convert, "_MADE", {})
+    monkeypatch.setattr(runner, "_RUNNERS", {})
+
+
+def _bits(found) -> list:
+    """The partials as the bytes a node sends."""
+    return [partials.to_message(p).SerializeToString(deterministic=True) for p in found]
+
+
+def test_the_written_app_carries_the_model_and_its_manifest_by_client_part_hash(
+        tmp_path, quickstart, litert_app):
+    _, made = quickstart
+    key = made.split.client_part_hash
+    models = bundle.models_dir(os.path.join(litert_app, app_dir.PACKAGE))
+    assert os.listdir(models) == [f"{key}.json"]  # a file type a Flower bundle carries
+    with open(os.path.join(models, f"{key}.json")) as f:
+        data = json.load(f)
+    manifest = data["manifest"]
+    tflite = base64.b64decode(data["tflite_base64"])
+    assert manifest["round"]["version"] == key
+    assert manifest["round"]["type_signature"] == str(made.prepared.type)
+    assert manifest["model"]["sha256"] == hashlib.sha256(tflite).hexdigest()
+    assert manifest["model"]["bytes"] == len(tflite) and tflite[4:8] == b"TFL3"
+    assert [o["name"] for o in manifest["outputs"]][0].startswith("aggregate/0/")
+    with open(os.path.join(litert_app, "README.md")) as f:
+        text = f.read()
+    assert "## LiteRT SuperNodes" in text and 'client-runtime="litert"' in text \
+        and "--client-runtime litert" in text
+    # The commands start LiteRT nodes: a cold one's node config, a warm one's flag.
+    from flwr.common.config import parse_config_args
+
+    from fax_bridge.flower import supernode
+
+    litert_part = text.split("## LiteRT SuperNodes", 1)[1].split("```")[1]
+    config = shlex.split(litert_part.replace("\\\n", " "))
+    config = parse_config_args([config[config.index("--node-config") + 1]])
+    assert config["client-runtime"] == "litert"
+    warm = supernode._parser().parse_args(["--superlink", "h:1", "--insecure",
+                                           "--population", "p", "--client-runtime",
+                                           "litert"])
+    assert supernode.share_config(warm)["client-runtime"] == "litert"
+    # Without --litert nothing changes, and a rewritten app drops an older model.
+    plain = str(tmp_path / "plain")
+    app_dir.write_app(made, plain)
+    shutil.copytree(litert_app, str(tmp_path / "again"))
+    app_dir.write_app(made, str(tmp_path / "again"))
+    for folder in (plain, str(tmp_path / "again")):
+        assert not os.path.exists(bundle.models_dir(os.path.join(folder, app_dir.PACKAGE)))
+        with open(os.path.join(folder, "README.md")) as f:
+            assert "LiteRT" not in f.read()
+
+
+def test_a_node_without_a_converter_runs_the_carried_model_with_the_devices_bits(
+        quickstart, litert_app, node, request):
+    _, made = quickstart
+    split = made.split
+    config, ids, broadcast, sent, members = node
+    specs = [a.spec for a in split.aggregations]
+    # What a fleet device running LiteRT answers (it converts: the converter is here).
+    want = round_split.client_partials(split.client_part, split.client_part_hash, sent,
+                                       members, specs, runtime="litert")
+    request.getfixturevalue("no_converter")
+    bundle_dir = os.path.join(litert_app, app_dir.PACKAGE)
+    share = client.NodeShare.from_config(config)
+    got = client.partials_for(bundle_dir, share, ids, broadcast)
+    assert _bits(got) == _bits(want)
+    assert convert._MADE == {}  # taken as carried: nothing converted here
+    xla = round_split.client_partials(split.client_part, split.client_part_hash, sent,
+                                      members, specs)
+    assert _bits(got) != _bits(xla)  # LiteRT's rounding, not XLA's
+
+
+def test_without_a_carried_model_a_node_needs_the_converter_and_says_so(
+        tmp_path, quickstart, node, no_converter):
+    _, made = quickstart
+    folder = str(tmp_path / "plain")
+    app_dir.write_app(made, folder)
+    config, ids, broadcast, _, _ = node
+    with pytest.raises(convert.ConverterMissing, match=r"(?s)does not exist.*carry the "
+                                                       r"model.*fax-bridge flower.*--litert"):
+        client.partials_for(os.path.join(folder, app_dir.PACKAGE),
+                            client.NodeShare.from_config(config), ids, broadcast)
+
+
+def test_a_carried_model_of_another_round_is_refused_naming_both_hashes(
+        tmp_path, quickstart, litert_app, node, no_converter):
+    _, made = quickstart
+    key = made.split.client_part_hash
+    folder = str(tmp_path / "app")
+    shutil.copytree(litert_app, folder)
+    models = bundle.models_dir(os.path.join(folder, app_dir.PACKAGE))
+    other = "0" * 64
+    os.replace(os.path.join(models, f"{key}.json"), os.path.join(models, f"{other}.json"))
+    config, ids, broadcast, _, _ = node
+    with pytest.raises(carried.CarriedMismatch) as caught:
+        client.partials_for(os.path.join(folder, app_dir.PACKAGE),
+                            client.NodeShare.from_config(config), ids, broadcast)
+    assert other in str(caught.value) and key in str(caught.value)
+    assert "fax-bridge flower ... --litert" in str(caught.value)
+
+
+def test_a_client_part_litert_cannot_run_is_refused_before_anything_is_written(
+        tmp_path, capsys):
+    source = tmp_path / "sorting.py"
+    source.write_text(textwrap.dedent(SORTING_ROUND))
+    out, pops = tmp_path / "app", tmp_path / "pops"
+    code = cli.main(["flower", f"{source}:sorting_round", "-o", str(out), "--clients", "2",
+                     "--litert", "--write-population", str(pops), "--nodes", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "stablehlo.sort" in err and "jnp.sort" in err and "cannot run in LiteRT" in err
+    assert not out.exists() and not pops.exists()
+    # The refusal is the converter's own (`refusals.ConversionRefused`).
+    prog, args, placements = resolve_program(f"{source}:sorting_round", 2)
+    made = bundle.build_round(prog, *args, placements=placements)
+    with pytest.raises(refusals.ConversionRefused) as caught:
+        app_dir.write_app(made, str(out), litert=True)
+    assert "stablehlo.sort" in caught.value.ops and not out.exists()
