@@ -55,6 +55,36 @@ def float_at_least(low: float) -> Callable[[str], float]:
     return parse
 
 
+def program_subcommand(subparsers, name: str, help: str, description: str,
+                       run: Callable, *, clients_default: Optional[int] = None,
+                       clients_help: str = "number of clients") -> argparse.ArgumentParser:
+    """Adds subcommand `name` of a command that takes a program: `target`
+    (MODULE_OR_FILE:FUNCTION) and `--clients` (>= 1; required unless `clients_default`).
+
+    Args:
+      subparsers: what `ArgumentParser.add_subparsers` returned.
+      name, help: the subcommand and its line in `fax-bridge --help`.
+      description: its `--help` text (the command module's docstring), printed as written.
+      run: called with the parsed arguments; returns the exit status.
+      clients_default: `--clients` when not given; None makes it required.
+      clients_help: what `--clients` counts.
+
+    Returns:
+      The subcommand's parser, for its own arguments.
+    """
+    p = subparsers.add_parser(name, help=help, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
+    if clients_default is None:
+        p.add_argument("--clients", type=int_in(1), required=True,
+                       help=f"{clients_help} (>= 1)")
+    else:
+        p.add_argument("--clients", type=int_in(1), default=clients_default,
+                       help=f"{clients_help} (>= 1, default {clients_default})")
+    p.set_defaults(func=run)
+    return p
+
+
 def listen_address(text: str) -> str:
     """An argparse type: HOST:PORT to listen on, port in 0..65535 (0: a free port)."""
     from fax_bridge.errors import AddressError

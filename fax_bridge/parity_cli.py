@@ -38,12 +38,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     """Adds the `parity` subcommand."""
-    p = subparsers.add_parser(
-        "parity", help="compare the local path with the exported proto on a fleet",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
-    p.add_argument("--clients", type=cli_args.int_in(1), required=True,
-                   help="number of clients (>= 1)")
+    p = cli_args.program_subcommand(
+        subparsers, "parity", "compare the local path with the exported proto on a fleet",
+        __doc__, _run)
     p.add_argument("--devices", type=cli_args.int_in(1, 1024), default=2,
                    help="local devices (1..1024, default 2)")
     p.add_argument("--rtol", type=cli_args.float_at_least(0.0), default=1e-5,
@@ -60,4 +57,3 @@ def register(subparsers) -> None:
                    help="the fleet's devices run the round's client part as a LiteRT model "
                         "in the LiteRT interpreter; float leaves are compared within the "
                         "rounding bound the report states (docs/litert.md)")
-    p.set_defaults(func=_run)

@@ -71,13 +71,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     """Adds the `flower` subcommand."""
-    p = subparsers.add_parser(
-        "flower", help="write a Flower app that runs a round on Flower's Deployment Engine",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
+    p = cli_args.program_subcommand(
+        subparsers, "flower",
+        "write a Flower app that runs a round on Flower's Deployment Engine", __doc__, _run,
+        clients_default=8, clients_help="clients of the example arguments")
     p.add_argument("-o", "--output", required=True, help="the app directory to write")
-    p.add_argument("--clients", type=cli_args.int_in(1), default=8,
-                   help="clients of the example arguments (>= 1, default 8)")
     p.add_argument("--rounds", type=cli_args.int_in(1), default=3,
                    help="num-rounds in the app's run config (default 3)")
     p.add_argument("--superlink", default="127.0.0.1:9093",
@@ -100,4 +98,3 @@ def register(subparsers) -> None:
                    help="then run --rounds rounds on a loopback deployment (a SuperLink and "
                         "--nodes SuperNodes) and compare the result with jax.jit and with "
                         "the fleet's round plan; exit 1 on a mismatch")
-    p.set_defaults(func=_run)

@@ -65,13 +65,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     """Adds the `litert` subcommand."""
-    p = subparsers.add_parser(
-        "litert", help="write a round's client part as a LiteRT model (.tflite) for phones",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
-    p.add_argument("--clients", type=cli_args.int_in(1), required=True,
-                   help="number of clients of the example arguments (>= 1)")
+    p = cli_args.program_subcommand(
+        subparsers, "litert",
+        "write a round's client part as a LiteRT model (.tflite) for phones", __doc__, _run,
+        clients_help="number of clients of the example arguments")
     p.add_argument("-o", "--out", required=True, help="directory to write into")
     p.add_argument("--no-check", action="store_true",
                    help="do not run check.py after writing")
-    p.set_defaults(func=_run)

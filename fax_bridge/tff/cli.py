@@ -128,12 +128,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     """Adds the `export` subcommand."""
-    p = subparsers.add_parser(
-        "export", help="export a FAX program as a TFF Computation proto",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
-    p.add_argument("--clients", type=cli_args.int_in(1), required=True,
-                   help="number of clients (>= 1)")
+    p = cli_args.program_subcommand(
+        subparsers, "export", "export a FAX program as a TFF Computation proto", __doc__,
+        _run)
     p.add_argument("-o", "--output", type=cli_args.output_file,
                    help="write the serialized proto here")
-    p.set_defaults(func=_run)

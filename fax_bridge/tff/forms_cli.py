@@ -39,14 +39,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     """Adds the `forms` subcommand."""
-    p = subparsers.add_parser(
-        "forms", help="build TFF's DistributeAggregateForm or MapReduceForm of a round",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
+    p = cli_args.program_subcommand(
+        subparsers, "forms",
+        "build TFF's DistributeAggregateForm or MapReduceForm of a round", __doc__, _run,
+        clients_default=3)
     p.add_argument("--form", choices=("daf", "mrf"), required=True,
                    help="daf: DistributeAggregateForm (Xla parts); mrf: MapReduceForm "
                         "(TensorFlow parts holding XlaCallModule)")
-    p.add_argument("--clients", type=cli_args.int_in(1), default=3,
-                   help="number of clients (>= 1, default 3)")
     p.add_argument("-o", "--output", required=True, help="folder for the pieces and manifest")
-    p.set_defaults(func=_run)
