@@ -528,26 +528,25 @@ def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(
                           log=lambda text: None)
 
 
-def test_a_run_config_cohort_size_the_nodes_cannot_serve_is_refused_before_any_round(
-        app, populations):
-    """The run's cohort is derived once from the run config and the SuperNodes' blocks
-    (`server.cohort_of`): a cohort-size over the N clients they serve, or a negative one,
-    is refused by name before any node is sent a round."""
-    from fax_bridge.rounds.cohort import CohortError
-
-    bundle_dir = os.path.join(app, app_dir.PACKAGE)
+@pytest.mark.parametrize("cohort_size", [N + 1, -1])
+def test_a_run_config_cohort_the_nodes_cannot_hold_is_refused_before_any_round(
+        tmp_path, app, populations, cohort_size):
+    """The run config's cohort-size against the clients the SuperNodes' blocks hold: one
+    refusal naming both, before any round message (only the nodes' queries went out)."""
     grid = _grid(app, populations)
-    push = grid.push_messages
-    kinds = []
-    grid.push_messages = lambda messages: kinds.extend(
-        m.metadata.message_type for m in messages) or push(messages)
-    with pytest.raises(CohortError, match=re.escape(
-            f"run config cohort-size={N + 1} exceeds the population of {N} clients (the "
-            "SuperNodes' blocks, their --node-config num-clients)")):
-        server.run_server(grid, {"cohort-size": N + 1}, bundle_dir, log=lambda text: None)
-    assert kinds and set(kinds) == {"query"}  # the nodes were asked their blocks only
-    with pytest.raises(FleetError, match="run config cohort-size=-2 is negative"):
-        server.Settings.from_run_config({"cohort-size": -2})
+    sent, push = [], grid.push_messages
+    grid.push_messages = lambda messages: push(
+        sent.extend(m.metadata.message_type for m in messages) or messages)
+    out = str(tmp_path / "out")
+    want = (rf"run config cohort-size={N + 1} exceeds the population of {N} clients "
+            r"\(the SuperNodes' blocks, their --node-config num-clients\); lower run config "
+            rf"cohort-size to at most {N}" if cohort_size > 0 else
+            "run config cohort-size=-1 is negative; give 0")
+    with pytest.raises(FleetError, match=want):
+        server.run_server(grid, {"num-rounds": 2, "cohort-size": cohort_size,
+                                 "out-dir": out}, os.path.join(app, app_dir.PACKAGE),
+                          log=lambda text: None)
+    assert set(sent) <= {"query"} and not os.path.exists(os.path.join(out, "reports.jsonl"))
 
 
 def test_node_configs_that_do_not_tile_the_population_are_refused(app, populations):

@@ -16,7 +16,8 @@ from fax_bridge.data import CohortSampler
 from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.rounds import cohort, round_split
-from fax_bridge.rounds.cohort import Cohort, CohortError
+from fax_bridge.errors import CohortError
+from fax_bridge.rounds.cohort import Cohort
 from fax_bridge.rounds.policy import RoundPolicy, plan_round
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.population import PopulationRef

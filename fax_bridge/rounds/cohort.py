@@ -17,12 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from fax_bridge.errors import ComputationError, FleetError
+from fax_bridge.errors import CohortError, ComputationError
 from fax_bridge.runtime.values import BoundArguments
 
-
-class CohortError(FleetError):
-    """A round's cohort size and its population disagree (`Cohort.of`, `population_of`)."""
+__all__ = ["Cohort", "CohortError", "clients_of", "population_of"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Optional, Union
 import numpy as np
 
 from fax_bridge.data import sampling
-from fax_bridge.errors import ArgumentError, FleetError
-from fax_bridge.rounds.cohort import Cohort, CohortError
+from fax_bridge.errors import ArgumentError, CohortError, FleetError
+from fax_bridge.rounds.cohort import Cohort
 from fax_bridge.rounds.ids import ClientDelays, ClientIds
 
 
