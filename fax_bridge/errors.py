@@ -54,6 +54,12 @@ class CheckpointError(FleetError):
     """A checkpoint is truncated or corrupt, or was made by another program."""
 
 
+class CohortError(FleetError):
+    """A round's cohort size and its population disagree (`rounds.cohort`: the policy's
+    cohort size over the population, or `num_clients=` beside CLIENTS arguments that
+    hold another number of clients)."""
+
+
 class PrivacyError(FaxBridgeError, ValueError):
     """A differential-privacy setting is invalid or cannot give the requested guarantee."""
 

@@ -17,7 +17,7 @@ from federated_language.common_libs import structure
 from federated_language.proto.computation_pb2 import Computation
 
 from fax_bridge.errors import ComputationError, FaxBridgeError
-from fax_bridge.rounds import engine, round_split
+from fax_bridge.rounds import cohort, engine, round_split
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.backend import ClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -30,11 +30,11 @@ class InProcessTransport:
     rounded_partials = False
     traffic = None
 
-    def __init__(self, arg: Any, split: round_split.RoundSplit, backend=None,
-                 client_runtime: str = "xla"):
+    def __init__(self, arg: Any, split: round_split.RoundSplit, num_clients: int,
+                 backend=None, client_runtime: str = "xla"):
         self.client_runtime = round_split.check_client_runtime(client_runtime)
         self.inputs = [arg[i] for i in split.client_inputs]
-        self.num_clients = split.num_clients(arg)
+        self.num_clients = num_clients  # `cohort.clients_of`, counted once by the caller
         self.backend = backend
 
     def run_clients(self, split: round_split.RoundSplit,
@@ -48,10 +48,14 @@ class InProcessTransport:
 
 
 def run_in_process(split: round_split.RoundSplit, arg: Any, backend=None,
-                   client_runtime: str = "xla") -> Any:
+                   client_runtime: str = "xla", num_clients: Optional[int] = None) -> Any:
     """Runs a split with no devices (`arg`: the runtime value of the parameter);
-    `client_runtime="litert"`: the client part in the LiteRT interpreter."""
-    return engine.run_round(split, arg, InProcessTransport(arg, split, backend,
+    `client_runtime="litert"`: the client part in the LiteRT interpreter. `num_clients`:
+    the clients `arg` holds where the caller counted them (`cohort.clients_of`), else
+    counted here."""
+    if num_clients is None:
+        num_clients = cohort.clients_of(split, arg)
+    return engine.run_round(split, arg, InProcessTransport(arg, split, num_clients, backend,
                                                            client_runtime))
 
 
@@ -61,14 +65,15 @@ def round_split_of(prepared: interpreter.Prepared) -> Optional[round_split.Round
     return round_split.split_of(prepared.proto)
 
 
-def _by_engine(split: Optional[round_split.RoundSplit], arg: Any) -> bool:
-    """Whether the round engine takes this call: a split whose CLIENTS inputs are all
+def _engine_clients(split: Optional[round_split.RoundSplit], arg: Any) -> int:
+    """The clients of the round the engine takes (`cohort.clients_of`, counted once), or
+    0 where it does not take this call: it takes a split whose CLIENTS inputs are all
     values (no population references) for at least one client."""
     if split is None or not split.client_inputs:
-        return False
+        return 0
     if any(isinstance(arg[i], PopulationRef) for i in split.client_inputs):
-        return False
-    return split.num_clients(arg) > 0
+        return 0
+    return cohort.clients_of(split, arg)
 
 
 def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *args: Any,
@@ -111,12 +116,13 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
     bound = values.bind_arguments(prepared.parameter, args, kwargs)
     arg = bound.runtime_value()
     split = round_split_of(prepared)
-    if not _by_engine(split, arg):
+    clients = _engine_clients(split, arg)
+    if not clients:
         result = interpreter.evaluate(prepared, arg)
     else:
         try:
-            result = values.check_value(run_in_process(split, arg), prepared.result,
-                                        "result")
+            result = values.check_value(run_in_process(split, arg, num_clients=clients),
+                                        prepared.result, "result")
         except FaxBridgeError:
             raise
         except Exception as e:  # as the interpreter reports what a malformed proto does

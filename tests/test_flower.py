@@ -529,6 +529,27 @@ def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(
                           log=lambda text: None)
 
 
+@pytest.mark.parametrize("cohort_size", [N + 1, -1])
+def test_a_run_config_cohort_the_nodes_cannot_hold_is_refused_before_any_round(
+        tmp_path, app, populations, cohort_size):
+    """The run config's cohort-size against the clients the SuperNodes' blocks hold: one
+    refusal naming both, before any round message (only the nodes' queries went out)."""
+    grid = _grid(app, populations)
+    sent, push = [], grid.push_messages
+    grid.push_messages = lambda messages: push(
+        sent.extend(m.metadata.message_type for m in messages) or messages)
+    out = str(tmp_path / "out")
+    want = (rf"run config cohort-size={N + 1} exceeds the population of {N} clients "
+            r"\(the SuperNodes' blocks, their --node-config num-clients\); lower run config "
+            rf"cohort-size to at most {N}" if cohort_size > 0 else
+            "run config cohort-size=-1 is negative; give 0")
+    with pytest.raises(FleetError, match=want):
+        server.run_server(grid, {"num-rounds": 2, "cohort-size": cohort_size,
+                                 "out-dir": out}, os.path.join(app, app_dir.PACKAGE),
+                          log=lambda text: None)
+    assert set(sent) <= {"query"} and not os.path.exists(os.path.join(out, "reports.jsonl"))
+
+
 def test_node_configs_that_do_not_tile_the_population_are_refused(app, populations):
     with pytest.raises(FleetError, match="names no population.*--node-config"):
         client.NodeShare.from_config({"first-client": 0})

@@ -94,4 +94,4 @@ def test_a_round_given_a_backend_or_population_references_is_interpreted(monkeyp
     assert _bits(got) == _bits(want) and not calls
     split = run.round_split_of(interpreter.prepare(PROTOS[3]))
     arg = [params, PopulationRef("p", [0, 1, 2])]
-    assert not run._by_engine(split, arg)
+    assert run._engine_clients(split, arg) == 0

@@ -4,7 +4,6 @@ as the phase-by-phase fleet path, and the round semantics kept on the split path
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import grpc
 import numpy as np
@@ -523,23 +522,3 @@ def test_round_streams_make_each_message_when_grpc_asks_for_it():
         ahead.append(Recording.read - (10 + len(ids)))
     assert ids == list(range(10, 40)) and max(ahead) <= 1  # the next client at most
     assert streams[3].messages == 30 and streams[3].payload == 30 * 64 * 4
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(0, 6), min_size=2, max_size=2))
-def test_a_round_counts_its_clients_once_from_every_input(counts):
-    """The one count every transport takes: the CLIENTS inputs' members (or the ids a
-    PopulationRef names), refused naming both counts when they disagree."""
-    from fax_bridge.runtime.population import PopulationRef
-
-    split = P.split_of(PROTO)
-    xs, ws = (list(range(counts[0])), list(range(counts[1])))
-    arg = [None] * (max(split.client_inputs) + 1)
-    arg[split.client_inputs[0]], arg[split.client_inputs[1]] = xs, PopulationRef(
-        client_ids=ws)
-    if counts[0] == counts[1]:
-        assert split.num_clients(arg) == counts[0]
-    else:
-        with pytest.raises(ComputationError, match=re.escape(
-                f"disagree on the number of clients: {sorted(set(counts))}")):
-            split.num_clients(arg)

@@ -47,7 +47,19 @@ def sample_cohort(num_clients: int, cohort_size: int, round_index: int, seed: in
     p = None
     if weights is not None:
         p = _probabilities(weights, num_clients, cohort_size)
-    rng = np.random.default_rng([seed, round_index])
+    return draw(round_generator(seed, round_index), num_clients, cohort_size, p)
+
+
+def round_generator(seed: int, round_index: int) -> np.random.Generator:
+    """The random generator of round `round_index` of a run seeded `seed`: the cohort is
+    its first draw (`draw`), here and in a fleet's round plan (`rounds.policy`)."""
+    return np.random.default_rng([seed, round_index])
+
+
+def draw(rng: np.random.Generator, num_clients: int, cohort_size: int,
+         p: Optional[np.ndarray] = None) -> np.ndarray:
+    """`cohort_size` distinct ids of `num_clients`, sorted, drawn from `rng` (the draw of
+    `sample_cohort` and of a fleet's round plan; arguments checked by the caller)."""
     return np.sort(rng.choice(num_clients, size=cohort_size, replace=False, p=p))
 
 

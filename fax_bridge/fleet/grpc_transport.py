@@ -153,15 +153,16 @@ class GrpcTransport:
     """The devices of a `GrpcClientsBackend` as an `engine.Transport` (module docstring).
 
     `arg`: the round's parameter value (its CLIENTS inputs: values, or `PopulationRef`s
-    naming the cohort's ids); `delays`: each client's emulated delay, in client order
+    naming the cohort's ids); `num_clients`: how many (the round plan's participants,
+    counted once by the caller); `delays`: each client's emulated delay, in client order
     (a device waits for its slowest client's).
     """
 
-    def __init__(self, backend, split: RoundSplit, arg: Any,
+    def __init__(self, backend, split: RoundSplit, arg: Any, num_clients: int,
                  delays: Optional[np.ndarray] = None):
         self.backend = backend
         self.inputs = [arg[i] for i in split.client_inputs]
-        self.num_clients = split.num_clients(arg)
+        self.num_clients = num_clients
         self.delays = delays
         self.reject_nonfinite = backend.reject_nonfinite
         self.rounded_partials = backend.rounded_partials

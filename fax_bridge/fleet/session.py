@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import grpc_transport
-from fax_bridge.rounds import checkpoint, engine, round_split
+from fax_bridge.rounds import checkpoint, cohort, engine, round_split
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.rounds.ids import ClientIds
 from fax_bridge.fleet.protocol import partition
@@ -121,22 +121,25 @@ class FleetRounds:
         None, lists) when `proto` was exported in this process, so it can be fed to
         `jax.jit(program)` or to the next round; a proto read from a file gives the
         generic structure (`runtime.result_structure`).
-        `num_clients` gives the population when no argument is placed at CLIENTS; a
-        computation that places nothing at CLIENTS itself needs neither.
+        `num_clients` gives the population when no argument is placed at CLIENTS (beside
+        CLIENTS arguments it must equal their number of clients: CohortError otherwise);
+        a computation that places nothing at CLIENTS itself needs neither.
         """
         if self.backend is None or self._closed:
             raise FleetError(f"the fleet is not running; use `with {type(self).__name__}"
                              "(...) as fleet:`")
         prepared = interpreter.prepare(proto)
         bound = values.bind_arguments(prepared.parameter, args, kwargs)
+        # The round's cohort, derived and checked once (`rounds.cohort`) before the round
+        # takes its index: a refused cohort leaves the run's rounds and seeds as they were.
+        population, source = cohort.population_of(bound, num_clients,
+                                                  self._population_size)
+        counted = cohort.Cohort.of(self.policy.cohort_size, population or 0, source)
+        clients_given = source == cohort.FROM_ARGUMENTS
         round_index = self.next_round
         self.next_round += 1
-        population = bound.num_clients(self._population_size)
-        clients_given = population is not None
-        if population is None and num_clients is not None:
-            population = int(num_clients)
-        rep = engine.open_round(self.policy, population, round_index, self.reports,
-                                self.num_devices)
+        rep = engine.open_round(self.policy, None if population is None else counted,
+                                round_index, self.reports, self.num_devices)
         while True:
             try:
                 result = self._attempt(prepared, bound, clients_given,
@@ -188,6 +191,7 @@ class FleetRounds:
                 grpc_transport.check_inputs(split, arg)
                 backend.rounded_partials = self.policy.rounded_partials
                 transport = grpc_transport.GrpcTransport(backend, split, arg,
+                                                         len(participants),
                                                          backend.take_delays())
                 ended = False
                 try:

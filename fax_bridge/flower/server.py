@@ -38,6 +38,7 @@ import numpy as np
 from fax_bridge.errors import FleetError
 from fax_bridge.flower import nodes as flower_nodes
 from fax_bridge.flower import secagg
+from fax_bridge.rounds.cohort import Cohort
 from fax_bridge.rounds.policy import RoundPolicy, RoundReport
 
 
@@ -85,6 +86,10 @@ class Settings:
                                  ) from None
 
         cohort = get("cohort-size", int, 0)
+        if cohort < 0:
+            raise FleetError(f"run config cohort-size={cohort} is negative; give 0 (every "
+                             "client takes part in each round) or the clients a round "
+                             "samples")
         deadline = get("round-deadline-s", float, 0.0)
         policy = RoundPolicy(cohort_size=cohort if cohort > 0 else None,
                              dropout=get("dropout", float, 0.0),
@@ -114,16 +119,17 @@ class Settings:
 
 
 def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: Settings,
-              population: int, reports: list, first: bool = False) -> Any:
+              cohort: Cohort, reports: list, first: bool = False) -> Any:
     """One round (module docstring) through the round engine over the SuperNodes
-    (`flower.transport.FlowerTransport`); returns its result. Its `RoundReport` is
-    appended to `reports` before anything runs, so a failed round leaves one too.
-    `first`: the run's first round (`Settings.deadline_s`)."""
+    (`flower.transport.FlowerTransport`); returns its result. `cohort`: the run's
+    (`cohort_of`). Its `RoundReport` is appended to `reports` before anything runs, so
+    a failed round leaves one too. `first`: the run's first round
+    (`Settings.deadline_s`)."""
     from fax_bridge.rounds import engine
     from fax_bridge.flower.transport import FlowerTransport
 
     policy = settings.policy
-    rep = engine.open_round(policy, population, round_index, reports, len(nodes))
+    rep = engine.open_round(policy, cohort, round_index, reports, len(nodes))
     start = time.perf_counter()
     wait = settings.deadline_s(first)
 
@@ -139,7 +145,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
     try:
         transport = FlowerTransport(grid, nodes, rep.participants.array(), round_index, wait,
                                     settings.poll_s, rep.traffic, settings.secagg_threshold,
-                                    cohort=policy.cohort_size or population,
+                                    cohort=cohort.size,
                                     rounded_partials=policy.rounded_partials)
         return engine.run_round(made.split, made.server_arg(state), transport,
                                 made.prepared.result, on_lost=drop)
@@ -148,6 +154,15 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
         raise
     finally:
         rep.wall_s = time.perf_counter() - start
+
+
+def cohort_of(settings: Settings, nodes: list) -> Cohort:
+    """The run's cohort (`rounds.cohort.Cohort.of`): the run config's cohort-size of the
+    clients the SuperNodes' blocks hold together (`nodes.discover`, in population
+    order), refused by name when the nodes hold fewer."""
+    return Cohort.of(settings.policy.cohort_size, nodes[-1].stop if nodes else 0,
+                     source="the SuperNodes' blocks, their --node-config num-clients",
+                     setting="run config cohort-size")
 
 
 class _Outputs:
@@ -234,8 +249,8 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
     node_ids = flower_nodes.wait_for_nodes(grid, settings.min_nodes, settings.wait_nodes_s,
                                            settings.poll_s)
     nodes = flower_nodes.discover(grid, node_ids, settings.node_timeout_s, settings.poll_s)
-    population = nodes[-1].stop
-    log(f"fax_bridge: {len(nodes)} SuperNodes serve {population} clients: "
+    cohort = cohort_of(settings, nodes)  # every round's, checked once before any round
+    log(f"fax_bridge: {len(nodes)} SuperNodes serve {cohort.population} clients: "
         + ", ".join(n.name for n in nodes))
     state, start, meta = _resume(made, settings)
     outputs = _Outputs(settings.out_dir)
@@ -243,7 +258,7 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
     result = None
     for r in range(start, settings.num_rounds):
         try:
-            result = run_round(grid, made, nodes, state, r, settings, population, reports,
+            result = run_round(grid, made, nodes, state, r, settings, cohort, reports,
                                first=r == start)
             state = result[0]
             if settings.checkpoint_dir:

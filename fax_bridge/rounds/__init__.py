@@ -9,6 +9,8 @@ Engine `fax_bridge.flower`), which import it and never each other:
 - `engine`: one round of a split over a `Transport` (`run_round`), every answer checked
   before any is merged (`check_and_merge`), and the round's policy applied once
   (`open_round`, `drop_lost`).
+- `cohort`: how many clients a round has, derived and checked once (`Cohort.of`) and
+  handed to every transport.
 - `policy`: who takes part in a round and how it behaves (`RoundPolicy`, `plan_round`),
   what it reports (`RoundReport`, `Traffic`); `ids`: sets of client ids.
 - `wire` and `partials`: values and partials as messages (bytes, or a span a transport

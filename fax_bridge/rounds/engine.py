@@ -33,13 +33,14 @@ cohort (`policy.plan_round`), records the `RoundReport` and applies `min_clients
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import FleetError
 from fax_bridge.rounds import server_steps, validate
+from fax_bridge.rounds.cohort import Cohort
 from fax_bridge.rounds.ids import ClientIds
 from fax_bridge.rounds.round_split import RoundSplit, client_partials
 from fax_bridge.rounds.policy import (RoundPolicy, RoundReport, Traffic, check_min_clients,
@@ -90,7 +91,9 @@ class Answers:
 class Transport(Protocol):
     """How a round's client part reaches the clients and their partials come back.
 
-    `num_clients`: the round's clients; `backend`: what the server steps' interpreter
+    `num_clients`: the round's clients, as its caller counted them once (the plan's
+    participants, or `cohort.clients_of` in process: the transport counts nothing
+    itself); `backend`: what the server steps' interpreter
     path runs on (None where there is none); `reject_nonfinite`: refuse NaN and
     infinities in answers; `traffic`: where the engine adds the partials' payload and
     the holders' compute (None: not counted); `rounded_partials`: the holders send
@@ -217,14 +220,17 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
 # -- the round's policy, for every fleet -------------------------------------------------
 
 
-def open_round(policy: RoundPolicy, population: Optional[int], round_index: int,
+def open_round(policy: RoundPolicy, population: Union[Cohort, int, None], round_index: int,
                reports: list, devices: int) -> RoundReport:
-    """Samples round `round_index`'s clients (`policy.plan_round`) and appends its
-    `RoundReport` to `reports` (before anything runs, so a failed round leaves one too);
-    raises FleetError, recorded in the report, when fewer than `min_clients` take part.
-    `population` None: no client takes part, nothing to check."""
-    planned = plan_round(policy, population or 0, round_index)
-    rep = RoundReport(round=round_index, population=population or 0, cohort=planned.cohort,
+    """Samples round `round_index`'s clients (`policy.plan_round`) from `population`, the
+    round's `Cohort` (`Cohort.of`: derived and checked once) or the population's size,
+    and appends its `RoundReport` to `reports` (before anything runs, so a failed round
+    leaves one too); raises FleetError, recorded in the report, when fewer than
+    `min_clients` take part. `population` None: no client takes part, nothing to check."""
+    counted = (population if isinstance(population, Cohort)
+               else Cohort.of(policy.cohort_size, population or 0))
+    planned = plan_round(policy, counted, round_index)
+    rep = RoundReport(round=round_index, population=counted.population, cohort=planned.cohort,
                       dropped=planned.dropped, late=planned.late,
                       participants=planned.participants, delays_s=planned.delays_s,
                       devices=devices)

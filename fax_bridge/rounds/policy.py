@@ -11,11 +11,13 @@ and delays as `ids.ClientDelays` (one array), never as per-client Python objects
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from fax_bridge.errors import ArgumentError, FleetError
+from fax_bridge.data import sampling
+from fax_bridge.errors import ArgumentError, CohortError, FleetError
+from fax_bridge.rounds.cohort import Cohort
 from fax_bridge.rounds.ids import ClientDelays, ClientIds
 
 
@@ -82,8 +84,11 @@ class RoundPolicy:
     def __post_init__(self):
         if not 0.0 <= self.dropout < 1.0:
             raise FleetError(f"dropout={self.dropout} must lie in [0, 1)")
-        if self.cohort_size is not None and self.cohort_size < 1:
-            raise FleetError(f"cohort_size={self.cohort_size} must be at least 1 (or None)")
+        if self.cohort_size is not None and (
+                isinstance(self.cohort_size, bool)
+                or not isinstance(self.cohort_size, (int, np.integer)) or self.cohort_size < 1):
+            raise FleetError(f"cohort_size={self.cohort_size!r} must be a whole number of "
+                             "at least 1 (or None: every client)")
         if self.straggler_delay_s < 0:
             raise FleetError(f"straggler_delay_s={self.straggler_delay_s} must be >= 0")
         if self.round_deadline_s is not None and self.round_deadline_s <= 0:
@@ -226,22 +231,25 @@ class RoundReport:
                    "through shared memory" if self.shared_down or self.shared_up else ""))
 
 
-def plan_round(policy: RoundPolicy, population: int, round_index: int) -> RoundPlan:
-    """Samples the cohort and decides dropouts and delays of round `round_index`."""
-    if population < 0:
-        raise FleetError(f"population {population} must be >= 0")
-    size = population if policy.cohort_size is None else policy.cohort_size
-    if size > population:
-        raise FleetError(
-            f"cohort_size={size} exceeds the population of {population} clients; lower "
-            "cohort_size or place more clients")
+def plan_round(policy: RoundPolicy, population: Union[int, Cohort],
+               round_index: int) -> RoundPlan:
+    """Samples the cohort and decides dropouts and delays of round `round_index`.
+    `population`: the round's `Cohort` (`Cohort.of`, which checks the policy's cohort
+    size against the population), or the population's size to derive it from."""
+    counted = (population if isinstance(population, Cohort)
+               else Cohort.of(policy.cohort_size, population))
+    if counted.size != (policy.cohort_size or counted.population):
+        raise CohortError(f"a cohort of {counted.size} clients planned with a policy of "
+                          f"cohort_size={policy.cohort_size}; derive it from that policy "
+                          "(Cohort.of(policy.cohort_size, ...))")
+    population, size = counted.population, counted.size
     if size == population and policy.dropout == 0 and policy.straggler_delay_s == 0:
         # Nothing to draw: every client takes part, as the draws below would decide.
         everyone = ClientIds.span(0, population)
         return RoundPlan(cohort=everyone, dropped=ClientIds(), late=ClientIds(),
                          participants=everyone, delays_s=ClientDelays(everyone, None))
-    rng = np.random.default_rng([policy.seed, round_index])
-    chosen = np.sort(rng.choice(population, size=size, replace=False))
+    rng = sampling.round_generator(policy.seed, round_index)
+    chosen = sampling.draw(rng, population, size)  # as `data.sample_cohort` draws it
     cohort = (ClientIds.span(0, population) if size == population else ClientIds(chosen))
     del chosen
     drops = rng.random(size) < policy.dropout

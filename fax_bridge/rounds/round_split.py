@@ -110,19 +110,6 @@ class RoundSplit:
     def __post_init__(self):
         self.client_part_hash = local_eval.content_hash(self.client_part)
 
-    def num_clients(self, arg: Any) -> int:
-        """How many clients the round's CLIENTS inputs in `arg` (its parameter value)
-        hold: the one count every transport takes, from the ids a `PopulationRef` names
-        or the values' number of members. ComputationError when two inputs disagree."""
-        counts = set()
-        for i in self.client_inputs:
-            n = getattr(arg[i], "num_clients", None)
-            counts.add(int(n) if n is not None else len(arg[i]))
-        if len(counts) != 1:
-            raise ComputationError(
-                f"CLIENTS inputs disagree on the number of clients: {sorted(counts)}")
-        return counts.pop()
-
     @functools.cached_property
     def server_program(self):
         """The server prepare and result compiled once (`server_steps.compile_server`),
