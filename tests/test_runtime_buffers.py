@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import buffers
 
 SIZE = buffers.MIN_BYTES // 8  # float64 elements of the smallest kept array
@@ -202,7 +203,7 @@ def test_every_kind_shares_one_cap_and_nothing_live_is_handed_out_or_written_ove
             h for k, _, h in taken if k == buffers.SEGMENTS)
 
 
-def test_the_cap_is_one_environment_variable_checked_when_the_runtime_loads():
+def test_the_cap_is_one_environment_variable_checked_when_the_runtime_loads(monkeypatch):
     import os
     import subprocess
     import sys
@@ -212,8 +213,10 @@ def test_the_cap_is_one_environment_variable_checked_when_the_runtime_loads():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["12345"]
-    env[buffers.ENV_VAR] = "1.5GB"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode != 0
-    assert "FAX_BRIDGE_MAX_KEPT_BYTES='1.5GB' is not a number of bytes" in out.stderr
+    for bad in ("1.5GB", "-1"):  # refused with what was wrong and how to set it
+        monkeypatch.setenv(buffers.ENV_VAR, bad)
+        with pytest.raises(ComputationError, match=rf"FAX_BRIDGE_MAX_KEPT_BYTES='{bad}' "
+                                                   r"is not a number of bytes; set it"):
+            buffers._cap_from_env(1 << 30)
+    monkeypatch.setenv(buffers.ENV_VAR, " ")
+    assert buffers._cap_from_env(1 << 30) == 1 << 30  # unset or blank: the default
