@@ -220,3 +220,54 @@ def test_the_cap_is_one_environment_variable_checked_when_the_runtime_loads(monk
             buffers._cap_from_env(1 << 30)
     monkeypatch.setenv(buffers.ENV_VAR, " ")
     assert buffers._cap_from_env(1 << 30) == 1 << 30  # unset or blank: the default
+
+
+def test_threads_taking_and_giving_at_once_share_the_cap_and_never_one_array(monkeypatch):
+    """Worker threads make arrays (as the sums do) and give back and take spare sets (as
+    batched calls do) at the same time, under a cap that makes them push each other out:
+    the kept bytes never pass it, no array is ever handed to two holders (each keeps
+    what its thread wrote), and a spare set is taken by one thread only."""
+    import threading
+
+    cap = 6 * BLOCK
+    monkeypatch.setattr(buffers, "MAX_KEPT_BYTES", cap)
+    monkeypatch.setattr(buffers, "MIN_BYTES", BLOCK)
+    buffers.release()
+    failures: list = []
+    taken_ids: list = []
+    start = threading.Barrier(4)
+
+    def work(me: int) -> None:
+        start.wait()
+        held = []
+        for step in range(300):
+            value = me * 1000 + step
+            a = buffers.empty((step % 3 + 1) * BLOCK // 8, np.float64)
+            a[:] = value
+            held.append((a, value))
+            if len(held) > 2:
+                held.pop(0)
+            spare = buffers.take(buffers.SPARES, "plan")
+            if spare is not None:
+                taken_ids.append(id(spare))
+            mine = spare if spare is not None else np.empty(BLOCK, np.uint8)
+            mine[:] = value % 251
+            for h, v in held:  # time for another thread to write over it, were it shared
+                h.sum()
+            if not np.all(mine == value % 251):
+                failures.append(f"thread {me}'s spare written by another")
+            buffers.give(buffers.SPARES, "plan", mine, mine.nbytes, per_key=3)
+            if buffers.kept_bytes() > cap:
+                failures.append(f"kept {buffers.kept_bytes()} bytes over a cap of {cap}")
+            for h, v in held:
+                if not (h[0] == v and h[-1] == v):
+                    failures.append(f"thread {me}'s array written by another")
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert failures == []
+    assert taken_ids  # the threads did take each other's spares
+    assert buffers.kept_bytes() <= cap
