@@ -387,6 +387,25 @@ def test_kept_answer_segments_are_taken_once_and_dropped_with_their_devices(shar
     assert os.listdir(shared.path) == ["a-2"] and shared.kept("host:2") is None
 
 
+def test_kept_answer_segments_count_against_the_process_cap_with_all_kept_memory(
+        shared, monkeypatch):
+    from fax_bridge.runtime import buffers
+
+    for name in ("a-1", "a-2", "a-3"):
+        with open(shared.file(name), "wb") as f:
+            f.write(bytes(1000))
+    monkeypatch.setattr(buffers, "MAX_KEPT_BYTES", buffers.kept_bytes() + 2500)
+    assert shared.keep("host:1", "a-1") and shared.keep("host:2", "a-2")
+    assert buffers.kept_bytes(buffers.SEGMENTS) == 2000
+    assert shared.keep("host:3", "a-3")  # over the cap: the least recently kept goes
+    assert sorted(os.listdir(shared.path)) == ["a-2", "a-3"] and shared.kept("host:1") is None
+    monkeypatch.setattr(buffers, "MAX_KEPT_BYTES", 0)
+    assert not shared.keep("host:2", shared.kept("host:2"))  # does not fit: removed
+    assert sorted(os.listdir(shared.path)) == ["a-3"]
+    shared.remove()  # its kept segments leave the count with it
+    assert buffers.kept_bytes(buffers.SEGMENTS) == 0
+
+
 def test_a_segment_written_over_holds_exactly_its_new_arrays(shared):
     big, small = np.arange(5000, dtype=np.float64), np.arange(7, dtype=np.int32)
     for arrays in ([big, small], [small], [big]):

@@ -10,7 +10,7 @@ from federated_language.compiler import building_blocks as bb
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import client_map, local_eval, threads
+from fax_bridge.runtime import buffers, client_map, local_eval, threads
 from fax_bridge.tff.xla import typed_xla_computation
 from sample_computations import conv_weight_gradient
 
@@ -469,18 +469,35 @@ def test_later_calls_write_over_spare_results_never_over_results_still_held(call
             assert [[leaf.tobytes() for leaf in np.asarray(c)] for c in got.columns] == columns
 
 
+def test_spare_call_results_are_counted_with_all_memory_kept_for_reuse(monkeypatch):
+    monkeypatch.setattr(threads, "workers", lambda: 2)
+    fn, shared, members, _ = _round_setup(1, 6)
+    buffers.drop(buffers.SPARES)
+    client_map.map_clients_stacked(fn, members, shared, keep=False)  # two calls of 3
+    spares = buffers.kept(buffers.SPARES)
+    assert len(spares) == 2  # one set per worker thread
+    assert buffers.kept_bytes(buffers.SPARES) == sum(a.nbytes for s in spares for a in s)
+    _, _, more, _ = _round_setup(2, 12)  # a larger bucket, another executable: its
+    client_map.map_clients_stacked(fn, more, shared, keep=False)  # spares replace them
+    now = buffers.kept(buffers.SPARES)
+    assert len(now) == 2 and not any(s is t for s in now for t in spares)
+    assert all(a.shape[0] == 8 for s in now for a in s)
+    buffers.drop(buffers.SPARES)
+    assert buffers.kept_bytes(buffers.SPARES) == 0
+
+
 def test_a_spare_call_result_is_written_over_once_nothing_holds_it(monkeypatch):
     monkeypatch.setattr(threads, "workers", lambda: 1)
     fn, shared, members, _ = _round_setup(0, 5)
     client_map.map_clients_stacked(fn, members, shared, keep=False)
-    spare = client_map._spares.sets[-1]
+    spare = buffers.kept(buffers.SPARES)[-1]
     held = client_map.map_clients_stacked(fn, members, shared, keep=False)
     assert all(a.is_deleted() for a in spare)  # written over: nothing held it
-    spare = client_map._spares.sets[-1]
+    spare = buffers.kept(buffers.SPARES)[-1]
     client_map.map_clients_stacked(fn, members, shared, keep=False)
     assert not any(a.is_deleted() for a in spare)  # `held` views it: left alone
     del held
-    monkeypatch.setattr(client_map, "MAX_SPARE_BYTES", 0)  # nothing kept beyond the cap
-    client_map._spares.sets.clear()
+    monkeypatch.setattr(buffers, "MAX_KEPT_BYTES", 0)  # nothing kept beyond the cap
+    buffers.drop(buffers.SPARES)
     client_map.map_clients_stacked(fn, members, shared, keep=False)
-    assert client_map._spares.sets == []
+    assert buffers.kept(buffers.SPARES) == []

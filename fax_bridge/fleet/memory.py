@@ -7,6 +7,14 @@ encoded) and, once it passes `RELEASE_AFTER_BYTES`, returns the freed heap to th
 system with glibc's `malloc_trim(0)` (nothing on other C libraries), in a thread of its
 own: it took 20-114 ms after each 100 MB call on a loaded 2-core machine, and the call's
 answer need not wait for it (nor the call's own request, freed once it returns).
+
+This is release, not reuse: what `malloc_trim` hands back is heap that nothing holds
+and nothing will hand out again (glibc's free lists), so it is not memory kept for
+reuse and has no place under that memory's cap. What the process keeps for reuse
+(`runtime/buffers.py`: arrays, spare call outputs, answer segments, one cap for all) is
+live memory `malloc_trim` cannot touch. It stays in the fleet because only gRPC's many
+small receive buffers leave such a heap behind; `RELEASE_AFTER_BYTES` says when to
+trim, not how much may be kept.
 """
 
 from __future__ import annotations

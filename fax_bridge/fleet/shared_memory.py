@@ -26,9 +26,13 @@ answers were copied out when read: `Segment.close`), the coordinator keeps the f
 (`SharedDir.keep`) and names it again in that device's next request, with a new
 generation; the device writes over it in place. Its pages are then neither freed nor
 faulted in and zeroed again: at 10M parameters a device wrote its 80 MB answer into a
-new segment in 30 ms, and freeing a 32 MB segment took the coordinator 5 ms. The
-copies readers make land in memory `buffers.empty` hands out again round after round,
-for the same reason.
+new segment in 30 ms, and freeing a 32 MB segment took the coordinator 5 ms. The kept
+files are memory this process keeps for reuse, so `runtime/buffers.py` holds them (kind
+`SEGMENTS`) and counts their bytes against the process's one cap with everything else
+kept: past it, the least recently used kept memory of any kind goes first (a segment
+pushed out is removed, and that device's next answer gets a new one). The copies
+readers make land in memory `buffers.empty` hands out again round after round, for the
+same reason.
 
 Clean-up: every other segment name the coordinator handed out is removed when the round
 ends (answered, failed, device killed), whatever is under the name, as is a kept answer
@@ -48,13 +52,13 @@ import secrets
 import shutil
 import stat
 import struct
-import threading
 from typing import Optional, Sequence
 
 import numpy as np
 
 from fax_bridge.errors import FleetError
 from fax_bridge.rounds import wire
+from fax_bridge.runtime import buffers
 from fax_bridge.v1 import device_pb2 as pb
 
 MAGIC = b"FAXSHM01"
@@ -102,8 +106,6 @@ class SharedDir:
             raise FleetError(f"shared-memory directory {path} must belong to this user "
                              f"and be closed to others (mode 0700; it is "
                              f"{info.st_mode & 0o777:o})")
-        self._kept: dict[str, str] = {}  # device address -> its answer segment kept
-        self._kept_lock = threading.Lock()
 
     @classmethod
     def create(cls) -> "SharedDir":
@@ -130,30 +132,33 @@ class SharedDir:
         except IsADirectoryError:
             shutil.rmtree(path, ignore_errors=True)
 
-    def keep(self, address: str, name: str) -> None:
+    def keep(self, address: str, name: str) -> bool:
         """Keeps answer segment `name` for the next answer of the device at `address`
-        (removing one kept for it before)."""
-        with self._kept_lock:
-            earlier = self._kept.get(address)
-            self._kept[address] = name
-        if earlier is not None and earlier != name:
-            self.unlink(earlier)
+        (removing one kept for it before), counted in `buffers` with the rest of what
+        this process keeps; True if kept, else (over the cap, or its file is gone) the
+        segment is removed."""
+        try:
+            nbytes = os.stat(self.file(name), follow_symlinks=False).st_size
+        except OSError:
+            self.unlink(name)
+            buffers.drop(buffers.SEGMENTS, lambda key: key != (self.path, address))
+            return False
+        return buffers.give(buffers.SEGMENTS, (self.path, address), name, nbytes,
+                            release=self.unlink, per_key=1)
 
     def kept(self, address: str) -> Optional[str]:
         """Takes the answer segment kept for the device at `address`, if any."""
-        with self._kept_lock:
-            return self._kept.pop(address, None)
+        return buffers.take(buffers.SEGMENTS, (self.path, address))
 
     def drop_kept(self, keep_addresses: Sequence[str] = ()) -> None:
         """Removes the answer segments kept for devices not at `keep_addresses`."""
-        staying = set(keep_addresses)
-        with self._kept_lock:
-            names = [self._kept.pop(a) for a in list(self._kept) if a not in staying]
-        for name in names:
-            self.unlink(name)
+        staying = {(self.path, a) for a in keep_addresses}
+        buffers.drop(buffers.SEGMENTS,
+                     lambda key: key[0] != self.path or key in staying)
 
     def remove(self) -> None:
         """Deletes the directory and every segment in it (idempotent)."""
+        buffers.drop(buffers.SEGMENTS, lambda key: key[0] != self.path)
         shutil.rmtree(self.path, ignore_errors=True)
 
 
@@ -324,8 +329,6 @@ def open_segment(directory: SharedDir, ref: pb.SharedSegment, where: str,
                              f"{magic!r}, generation {generation:x}, {length} bytes); its "
                              f"reference says generation {ref.generation:x}, {ref.length} "
                              "bytes (a stale or foreign segment)")
-        from fax_bridge.runtime import buffers
-
         data = _read_exact(fd, memoryview(buffers.empty(length, np.uint8)), HEADER_BYTES,
                            where, path)
     finally:

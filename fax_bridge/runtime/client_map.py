@@ -16,10 +16,11 @@ computed). A cohort runs as one call per CPU of this process (`part_size`), at o
 the worker threads (`threads`), each call over its share of the clients and never over
 `MAX_ROWS`. The executable is compiled once per (computation, layout, bucket): cohorts
 that shrink by dropouts reuse it. It writes its results over arrays it is given
-(donated): the results of an earlier call that its caller read once and dropped
-(`_Spares`), else new zeros, so that a round does not fault in and zero fresh memory
-for every call's results. A client's result has the same bits whatever cohort
-and call it runs in and wherever it sits there. Matmuls, sums and elementwise arithmetic give the bits of the Xla parts' own
+(donated): the results of an earlier call that its caller read once and dropped,
+kept for the next call in `buffers` (kind `SPARES`), else new zeros, so that a round
+does not fault in and zero fresh memory for every call's results. A client's result
+has the same bits whatever cohort and call it runs in and wherever it sits there.
+Matmuls, sums and elementwise arithmetic give the bits of the Xla parts' own
 executables; XLA may round a transcendental fused into a reduction (`sum(sin(x))`) an
 ulp apart inside the loop, which is why every path maps clients here.
 
@@ -49,13 +50,12 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.runtime import hlo, local_eval, threads
+from fax_bridge.runtime import buffers, hlo, local_eval, threads
 from fax_bridge.runtime.backend import ClientRows, LocalValue, as_numpy
 
 NO_SHARED = object()  # `shared` when the computation takes the member alone
 MAX_ROWS = 1024  # the largest bucket: larger cohorts run as several calls of it
 MAX_PAD_BYTES = 64 << 20  # `least_rows` widens a bucket while its padding stays under this
-MAX_SPARE_BYTES = 2 << 30  # the most a process keeps of calls' results for later calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,42 +89,23 @@ class _Batched:
 
     def outputs(self, reuse: bool) -> tuple:
         """Arrays for a call to write its results over (it takes them donated): with
-        `reuse`, an earlier call's results when one is spare (`_Spares`), else zeros."""
-        spare = _spares.take(self) if reuse else None
+        `reuse`, an earlier call's results when one is spare (`spare`), else zeros."""
+        spare = buffers.take(buffers.SPARES, self) if reuse else None
         if spare is not None:
             return spare
         return tuple(jnp.zeros((self.rows, *shape), dtype) for shape, dtype in self.result_specs)
 
-
-class _Spares:
-    """The results of recent calls, kept so that a later call of the same executable
-    writes its results over them instead of over a new buffer: allocating and zeroing a
-    fresh one (the page faults of a new mapping) cost about 20 ms per 40 MB row of a
-    bucket, as much as a client's work at 10M parameters. jax writes over a donated
-    array only when no view of it is alive, else it allocates anew, so a caller still
-    reading earlier results keeps them intact. Kept: the results of the most recently
-    used executable only (a round reuses one), one set per worker thread, and none
-    beyond `MAX_SPARE_BYTES`."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.plan: Optional[_Batched] = None
-        self.sets: list = []
-
-    def take(self, plan: _Batched) -> Optional[tuple]:
-        with self.lock:
-            return self.sets.pop() if self.plan is plan and self.sets else None
-
-    def give(self, plan: _Batched, outputs: tuple) -> None:
-        with self.lock:
-            if self.plan is not plan:
-                self.plan, self.sets = plan, []
-            if (len(self.sets) + 1) * plan.output_bytes <= MAX_SPARE_BYTES and \
-                    len(self.sets) < threads.workers():
-                self.sets.append(outputs)
-
-
-_spares = _Spares()
+    def spare(self, outputs: tuple) -> None:
+        """Keeps a call's results, read and dropped by its caller, so that a later call
+        of this executable writes its results over them instead of over a new buffer:
+        allocating and zeroing a fresh one (the page faults of a new mapping) cost about
+        20 ms per 40 MB row of a bucket, as much as a client's work at 10M parameters.
+        jax writes over a donated array only when no view of it is alive, else it
+        allocates anew, so a caller still reading earlier results keeps them intact.
+        Kept in `buffers` under the process's one cap: the results of the most recently
+        used executable only (a round reuses one), one set per worker thread."""
+        buffers.give(buffers.SPARES, self, outputs, self.output_bytes,
+                     per_key=threads.workers(), latest_key_only=True)
 
 
 _lock = threading.Lock()
@@ -135,8 +116,8 @@ def bucket(count: int) -> int:
     """The padded number of rows for `count` clients: the next power of two, at least 2
     (XLA simplifies the row slicing of a one-row loop, which can change a result's last
     bit, and a client's bits must not depend on its cohort). Padding rows compute
-    nothing, and a call that writes over an earlier call's results (`_Spares`) does not
-    touch their share of the output either."""
+    nothing, and a call that writes over an earlier call's results (`_Batched.spare`)
+    does not touch their share of the output either."""
     return max(2, 1 << max(0, count - 1).bit_length())
 
 
@@ -519,6 +500,6 @@ def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
             guard.tick()
     if not keep:  # spare once every call is done: no call of this run writes over another's
         for outs in outputs:
-            _spares.give(plan, outs)
+            plan.spare(outs)
     counts = [min(part, count - start) for start in range(0, count, part)]
     return Stacked(plan.result_tree, chunks, counts)
