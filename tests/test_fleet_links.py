@@ -97,9 +97,12 @@ def hosts(tmp_path_factory):
             proto, _ = forms.round_proto(links.fax_round(CLIENTS), params,
                                          _data(range(CLIENTS)),
                                          placements=("server", "clients"))
-            yield Hosts(network, [f"{h}:{links_fleet.PORT}" for h in ips],
-                        security.TlsConfig(tls["ca"], *tls["coordinator"]), token_file,
-                        proto)
+            made = Hosts(network, [f"{h}:{links_fleet.PORT}" for h in ips],
+                         security.TlsConfig(tls["ca"], *tls["coordinator"]), token_file,
+                         proto)
+            with made.fleet(rpc_timeout_s=120) as fleet:  # the devices compile, unhurried
+                fleet.run(proto, params, _data(range(CLIENTS)))
+            yield made
         finally:
             for proc in procs:
                 end_group(proc)
@@ -123,7 +126,7 @@ def test_a_device_of_one_client_sends_4_bytes_a_parameter_up_a_shaped_link(hosts
         hosts.network.shape(k, 20, 100)
     params = _params(1)
     with hosts.fleet(rpc_timeout_s=120) as fleet:
-        fleet.run(hosts.proto, params, _data(range(CLIENTS)))  # the devices compile
+        fleet.run(hosts.proto, params, _data(range(CLIENTS)))  # it sends the computation
         before = [hosts.network.counters(k) for k in range(CLIENTS)]
         (new, weight), rep = fleet.run(hosts.proto, params, _data(range(CLIENTS)),
                                        report=True)
