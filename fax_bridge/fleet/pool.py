@@ -384,11 +384,12 @@ class DevicePool:
         """The error of a failed call; `timeout_s` the deadline it had (default the
         fleet's `rpc_timeout_s`; longer for a round with emulated delays)."""
         hint = ""
-        lost = False
+        lost = late = False
         if isinstance(error, grpc.RpcError):
             code = error.code()
             lost = code in LOST_CODES
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            late = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            if late:
                 waited = self.rpc_timeout_s if timeout_s is None else timeout_s
                 extra = (" plus the round's emulated delays" if waited > self.rpc_timeout_s
                          else "")
@@ -400,8 +401,8 @@ class DevicePool:
                 hint = "; the device refused the fleet token"
         reason = f"{method} failed: {_describe(error)}{hint}"
         message = f"device {device.index} at {device.address}: {reason}"
-        late = [device.index] if "deadline of" in hint else []
-        return (DeviceLostError(message, [device.index], {device.index: reason}, late)
+        return (DeviceLostError(message, [device.index], {device.index: reason},
+                                [device.index] if late else [])
                 if lost else FleetError(message))
 
     def _unary(self, device: _Device, method: str, request, timeout: Optional[float] = None):
