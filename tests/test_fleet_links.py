@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 PREFIX = "fxq-"  # apart from the benchmarks' and the other tests' namespaces
 SIZE = 300_000  # float32 parameters: 1.2 MB a client's answer, 9.6 s at 1 Mbit/s
-DEADLINE_S = 4.0  # the fleet's rpc_timeout_s in the fault tests
+DEADLINE_S = 6.0  # the fault tests' rpc_timeout_s: a margin for the fast device under load
 CLIENTS = 2  # one a device
 
 
@@ -146,7 +146,7 @@ def test_a_device_of_one_client_sends_4_bytes_a_parameter_up_a_shaped_link(hosts
 
 def test_a_straggler_behind_1_mbit_is_dropped_at_the_deadline_and_named(hosts):
     hosts.network.shape(0, 20, 100)
-    hosts.network.shape(1, 1, 100)  # its 1.2 MB answer needs 9.6 s; the deadline is 4 s
+    hosts.network.shape(1, 1, 100)  # its 1.2 MB answer needs 9.6 s; the deadline is 6 s
     params = _params(2)
     try:
         with hosts.fleet(rpc_timeout_s=DEADLINE_S, probe_timeout_s=1.0,
