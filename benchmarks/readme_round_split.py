@@ -13,7 +13,10 @@ out: each stage is timed as the round runs. Flower's FedAvg app
 `FedAvg.aggregate_train` on the same grid messages. Medians over `--rounds` rounds after
 a first one (the workers compile then). Flower starts a ClientApp process for every
 message a SuperNode gets; the seconds a fresh interpreter takes to import each app's
-ClientApp module (as the app bundles have them) are timed too, `--imports` times each.
+ClientApp module (as the app bundles have them) are timed too, `--imports` times each,
+and so is what each of those processes does with the app's bundle (FAB) before it runs
+the app: flwr 1.42's `install_from_fab` (hash, unzip, check every file's hash; the app is
+installed already after the first).
 
     .venv/bin/python benchmarks/readme_round_split.py [--size 1000000] [--rounds 5]
         [--imports 5]
@@ -221,14 +224,37 @@ def import_seconds(folder: str, module: str, attribute: str, env: dict,
                                  check=True).stdout.split()[-1]) for _ in range(times)]
 
 
+def install_seconds(app: str, env: dict, times: int) -> tuple:
+    """(the app's FAB bytes, seconds a fresh interpreter's `install_from_fab` of them
+    takes, `times` times, the first installing it)."""
+    from pathlib import Path
+
+    from flwr.cli.build import build_fab_from_disk
+
+    fab = os.path.join(os.path.dirname(app), os.path.basename(app) + ".fab")
+    with open(fab, "wb") as f:
+        f.write(build_fab_from_disk(Path(app)))
+    code = ("import sys, time; from pathlib import Path; "
+            "from flwr.cli.install import install_from_fab; "
+            "content = Path(sys.argv[1]).read_bytes(); t = time.perf_counter(); "
+            "install_from_fab(content, skip_prompt=True); print(time.perf_counter() - t)")
+    seconds = [float(subprocess.run([sys.executable, "-c", code, fab], env=env,
+                                    capture_output=True, text=True, timeout=300,
+                                    check=True).stdout.split()[-1]) for _ in range(times)]
+    return os.path.getsize(fab), seconds
+
+
 def imports(folder: str, size: int, nodes: int, env: dict, times: int) -> dict:
-    """{app: seconds to import its ClientApp module, each time}."""
+    """{app: (seconds to import its ClientApp module, FAB bytes, seconds to install
+    the FAB), each time}."""
     import links
 
     flower = links.write_flower_app(os.path.join(folder, "flower_app"), size, nodes, 1)
-    return {"fax_bridge": import_seconds(os.path.join(folder, "app"),
-                                         "fax_round.client_app", "app", env, times),
-            "flower": import_seconds(flower, "flower_links.apps", "client_app", env, times)}
+    fax = os.path.join(folder, "app")
+    return {"fax_bridge": (import_seconds(fax, "fax_round.client_app", "app", env, times),
+                           *install_seconds(fax, env, times)),
+            "flower": (import_seconds(flower, "flower_links.apps", "client_app", env, times),
+                       *install_seconds(flower, env, times))}
 
 
 def main() -> int:
@@ -263,9 +289,12 @@ def main() -> int:
         print(f"  {name}: {sum(values) / per_round:.3f} s a round "
               f"({len(values) // per_round} a round)")
     print(f"flower round (after the first): {statistics.median(flower_walls[1:]):.3f} s")
-    for app, seconds in started.items():
+    for app, (seconds, fab_bytes, installs) in started.items():
         print(f"{app}: ClientApp module import in a fresh interpreter, median "
               f"{statistics.median(seconds):.3f} s ({', '.join(f'{s:.2f}' for s in seconds)})")
+        print(f"{app}: FAB of {fab_bytes} bytes, install_from_fab median after the first "
+              f"{statistics.median(installs[1:]):.3f} s "
+              f"({', '.join(f'{s:.3f}' for s in installs)})")
     return 0
 
 
