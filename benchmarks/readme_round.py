@@ -13,7 +13,9 @@ times each, the order reversed every repeat. Every run starts from a model of it
 a new `init`): Flower sends a chunk it has moved before by reference.
 
 Each `flwr run`'s output is kept with the second each line arrived (`timed_output` in
-the JSON): where the run's time outside its rounds goes.
+the JSON): where the run's time outside its rounds goes; so is the README commands'
+(`background_output`, seconds from the start, as each run's `began_s`): when each
+SuperNode took a round's message and sent its reply.
 A round's time is what each app measures itself: fax_bridge's `reports.jsonl` (`wall_s`,
 the ServerApp's round from its server step to the result) and Flower's `rounds.json`
 (from `configure_train` to the aggregated model); the first round of a run is set apart
@@ -38,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -137,6 +140,14 @@ def _timed_run(command: str, env: dict, log: str) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(command, proc.returncode, "".join(lines))
 
 
+def _keep_lines(stream, lines: list, start: float) -> None:
+    """Appends each line of `stream` to `lines` after the seconds since `start` at
+    which it arrived (a SuperNode's "Receiving" and "Sending" lines: when it took a
+    round's message and when it sent the reply)."""
+    for line in stream:
+        lines.append(f"{time.perf_counter() - start:8.2f} {line.rstrip()}")
+
+
 def write_app(folder: str, nodes: int, size: int, seed: int, env: dict) -> str:
     """`fax-bridge flower` as the user types it; the README's text. Each seed writes
     the (same) populations to a folder of its own: the running SuperNodes hold the
@@ -174,12 +185,17 @@ def main() -> int:
     flower = links.write_flower_app(os.path.join(folder, "flower_app"), args.size,
                                     args.nodes, 1)
     flower_run = run.replace(os.path.join(folder, "app") + " ", flower + " ", 1)
-    procs, results = [], {"load_average_start": os.getloadavg()[0], "runs": []}
+    procs, results = [], {"load_average_start": os.getloadavg()[0], "runs": [],
+                          "background": background, "background_output": []}
     try:
-        for command in background:
+        for k, command in enumerate(background):
             procs.append(subprocess.Popen(["bash", "-c", command], env=env,
                                           start_new_session=True, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+            results["background_output"].append([])
+            threading.Thread(target=_keep_lines, daemon=True, args=(
+                procs[-1].stdout, results["background_output"][k], start)).start()
             if command.startswith("flower-superlink"):
                 port = int(re.search(r"--port (\d+)", command).group(1))
                 _wait_port(port, 120, procs)
@@ -198,6 +214,7 @@ def main() -> int:
                     command = (flower_run + " --run-config "
                                + shlex.quote(f'init={repeat + 1}.0 out-dir="{out}"'))
                 began = time.perf_counter()
+                got_began = began - start
                 log = os.path.join(folder, f"{system}-{repeat}.log")
                 done = _timed_run(command, env, log)
                 run_s = time.perf_counter() - began
@@ -214,7 +231,8 @@ def main() -> int:
                         walls, compute = json.load(f)["wall_s"], None
                 if done.returncode or len(walls) < 2:
                     raise SystemExit(f"{system}: {command} failed:\n{done.stdout[-3000:]}")
-                got = {"system": system, "repeat": repeat, "wall_s": walls,
+                got = {"system": system, "repeat": repeat, "began_s": got_began,
+                       "wall_s": walls,
                        "compute_s": compute, "flwr_run_s": run_s,
                        "load_average": os.getloadavg()[0]}
                 print(json.dumps(got), flush=True)
