@@ -33,124 +33,24 @@ before). Namespaces and processes are removed on every exit
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from netns import Network, run_in_hub  # noqa: E402
+
 PREFIX = "fxl-"
-SUBNET = "10.77.0"
-HUB_IP = f"{SUBNET}.1"
+HUB_IP = "10.77.0.1"  # a Network's hub on its default subnet
 SYSTEMS = ("fax_bridge", "flower")
-
-
-def _ip(*args: str, check: bool = True) -> str:
-    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and out.returncode:
-        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
-    return out.stdout
-
-
-def _tc(ns: str, *args: str) -> None:
-    out = subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True,
-                         timeout=30)
-    if out.returncode:
-        raise RuntimeError(f"tc -n {ns} {' '.join(args)}: {out.stderr.strip()}")
-
-
-def node_ns(k: int, prefix: str = PREFIX) -> str:
-    return f"{prefix}n{k}"
-
-
-def node_ip(k: int) -> str:
-    return f"{SUBNET}.{10 + k}"
-
-
-def remove_stale(prefix: str = PREFIX) -> None:
-    """Ends every process in, and deletes, each namespace whose name starts with
-    `prefix` (this benchmark's)."""
-    for line in _ip("netns", "list", check=False).splitlines():
-        name = line.split()[0] if line.split() else ""
-        if not name.startswith(prefix):
-            continue
-        for pid in _ip("netns", "pids", name, check=False).split():
-            try:
-                os.kill(int(pid), 9)
-            except (ProcessLookupError, ValueError):
-                pass
-        _ip("netns", "del", name, check=False)
-
-
-class Network:
-    """The hub and `nodes` node namespaces (module docstring), their names starting with
-    `prefix`; `shape` sets the links. Leaving the `with` (or the process) removes them."""
-
-    def __init__(self, nodes: int, prefix: str = PREFIX):
-        self.nodes, self.prefix = nodes, prefix
-        self.hub = prefix + "hub"
-
-    def ns(self, k: int) -> str:
-        return node_ns(k, self.prefix)
-
-    def __enter__(self) -> "Network":
-        remove_stale(self.prefix)
-        atexit.register(remove_stale, self.prefix)
-        hub = self.hub
-        try:
-            _ip("netns", "add", hub)
-            _ip("-n", hub, "link", "set", "lo", "up")
-            _ip("-n", hub, "link", "add", "br0", "type", "bridge")
-            _ip("-n", hub, "addr", "add", f"{HUB_IP}/24", "dev", "br0")
-            _ip("-n", hub, "link", "set", "br0", "up")
-            for k in range(self.nodes):
-                ns = self.ns(k)
-                _ip("netns", "add", ns)
-                _ip("-n", ns, "link", "set", "lo", "up")
-                _ip("-n", hub, "link", "add", f"hv{k}", "type", "veth", "peer", "name",
-                    "eth0", "netns", ns)
-                _ip("-n", hub, "link", "set", f"hv{k}", "master", "br0", "up")
-                _ip("-n", ns, "addr", "add", f"{node_ip(k)}/24", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
-        except BaseException:
-            remove_stale(self.prefix)
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        remove_stale(self.prefix)
-
-    def shape(self, k: int, up_mbit: float, down_mbit: float) -> None:
-        """Node `k`'s uplink (its veth end's egress) and downlink (the hub end's)."""
-        for ns, dev, rate in ((self.ns(k), "eth0", up_mbit), (self.hub, f"hv{k}", down_mbit)):
-            burst = max(32 << 10, int(rate * 1e6 / 8 / 50))  # 20 ms of the rate
-            _tc(ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
-                f"{rate}mbit", "burst", str(burst), "latency", "200ms")
-
-    def set_link(self, k: int, up: bool) -> None:
-        """Takes node `k`'s link down (a cut cable) or brings it up again."""
-        _ip("-n", self.ns(k), "link", "set", "eth0", "up" if up else "down")
-
-    def wrap(self, name: str) -> list:
-        """`LocalDeployment`'s command prefix: SuperNode K and its worker on node K's
-        host; the SuperLink and `flwr run` where this runs (the hub)."""
-        if name.startswith(("supernode-", "worker-")):
-            return ["ip", "netns", "exec", self.ns(int(name.rsplit("-", 1)[1]))]
-        return []
-
-    def counters(self, k: int) -> tuple:
-        """(bytes node `k` sent, bytes it received) on its link so far."""
-        stats = json.loads(_ip("-n", self.ns(k), "-s", "-j", "link", "show", "eth0"))[0]
-        return stats["stats64"]["tx"]["bytes"], stats["stats64"]["rx"]["bytes"]
-
-
 
 
 def fax_round(cohort: int):
@@ -192,7 +92,13 @@ def write_apps(folder: str, size: int, nodes: int, per_node: int, creds) -> tupl
     app_dir.write_app(made, fax, superlink=f"{HUB_IP}:9093", nodes=configs,
                       root_certificates=creds.ca_cert,
                       config={"min-nodes": nodes, "poll-s": 0.05})
-    flower = os.path.join(folder, "flower_app")
+    flower = write_flower_app(os.path.join(folder, "flower_app"), size, nodes, per_node)
+    return configs, {"fax_bridge": fax, "flower": flower}
+
+
+def write_flower_app(flower: str, size: int, nodes: int, per_node: int) -> str:
+    """Flower's own FedAvg app of a `size`-parameter vector (`flower_links_app.py`, its
+    run config: 3 rounds, `per_node` clients on each of `nodes` SuperNodes) in `flower`."""
     package = os.path.join(flower, "flower_links")
     os.makedirs(package)
     shutil.copy(os.path.join(HERE, "flower_links_app.py"), os.path.join(package, "apps.py"))
@@ -210,7 +116,7 @@ def write_apps(folder: str, size: int, nodes: int, per_node: int, creds) -> tupl
             'clientapp = "flower_links.apps:client_app"', "", "[tool.flwr.app.config]",
             "num-rounds = 3", f"size = {size}", f"clients-per-node = {per_node}",
             f"min-nodes = {nodes}", "poll-s = 0.05", "init = 0.0", 'out-dir = ""', ""]))
-    return configs, {"fax_bridge": fax, "flower": flower}
+    return flower
 
 
 _RUNS = [0]  # runs so far: each starts from a model of its own
@@ -521,20 +427,6 @@ def main() -> int:
         return 2
     with Network(args.nodes, args.prefix) as network:
         return run_in_hub(network, __file__, args.timeout_s)
-
-
-def run_in_hub(network: "Network", script: str, timeout_s: float) -> int:
-    """Runs `script` again with this command's arguments and `--inside`, in the network's
-    hub namespace; the whole process group is killed on timeout or interruption."""
-    command = ["ip", "netns", "exec", network.hub, sys.executable, os.path.abspath(script),
-               "--inside", *sys.argv[1:]]
-    proc = subprocess.Popen(command, start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except BaseException:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        raise
 
 
 if __name__ == "__main__":

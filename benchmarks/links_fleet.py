@@ -36,6 +36,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import links  # noqa: E402
+import netns  # noqa: E402
 
 PORT = 50051
 PREFIX = "fxf-"  # its own namespaces, apart from links.py's
@@ -90,7 +91,7 @@ def fleet_tls(folder: str, hosts: list) -> dict:
 def start_devices(network, folder: str, tls: dict, token_file: str) -> list:
     procs = []
     for k in range(network.nodes):
-        host = links.node_ip(k)
+        host = network.node_ip(k)
         log = open(os.path.join(folder, f"device-{k}.log"), "wb")
         procs.append(subprocess.Popen(
             ["ip", "netns", "exec", network.ns(k), sys.executable, "-m",
@@ -102,8 +103,9 @@ def start_devices(network, folder: str, tls: dict, token_file: str) -> list:
     return procs
 
 
-def wait_listening(procs: list, timeout_s: float = 600.0) -> None:
-    """Waits until every device accepts connections (they load jax first)."""
+def wait_listening(procs: list, hosts: list, timeout_s: float = 600.0) -> None:
+    """Waits until the device at each of `hosts` (its process in `procs`) accepts
+    connections (they load jax first)."""
     import socket
 
     end = time.monotonic() + timeout_s
@@ -112,7 +114,7 @@ def wait_listening(procs: list, timeout_s: float = 600.0) -> None:
             if proc.poll() is not None:
                 raise SystemExit(f"device {k} exited with code {proc.returncode}")
             try:
-                socket.create_connection((links.node_ip(k), PORT), timeout=1).close()
+                socket.create_connection((hosts[k], PORT), timeout=1).close()
                 break
             except OSError:
                 if time.monotonic() > end:
@@ -129,17 +131,17 @@ def inside(args: argparse.Namespace) -> int:
     from fax_bridge.flower.deployment import end_group
     from fax_bridge.tff import forms
 
-    network = links.Network(args.nodes, PREFIX)
+    network = netns.Network(args.nodes, PREFIX)
     results = {"machine": f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} "
                           "at start", "nodes": args.nodes, "rounds": args.rounds, "rows": []}
     with tempfile.TemporaryDirectory(prefix="links-fleet-") as folder:
-        hosts = [links.node_ip(k) for k in range(args.nodes)]
+        hosts = [network.node_ip(k) for k in range(args.nodes)]
         tls = fleet_tls(folder, hosts)
         token_file = os.path.join(folder, "token")
         security.write_token_file(token_file, secrets.token_hex(32))
         procs = start_devices(network, folder, tls, token_file)
         try:
-            wait_listening(procs)
+            wait_listening(procs, hosts)
             for size in args.sizes:
                 for per_node in args.per_node:
                     cohort = args.nodes * per_node
@@ -220,8 +222,8 @@ def main() -> int:
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("links_fleet: needs root with `ip` and `tc`; skipped", file=sys.stderr)
         return 2
-    with links.Network(args.nodes, PREFIX) as network:
-        return links.run_in_hub(network, __file__, args.timeout_s)
+    with netns.Network(args.nodes, PREFIX) as network:
+        return netns.run_in_hub(network, __file__, args.timeout_s)
 
 
 if __name__ == "__main__":

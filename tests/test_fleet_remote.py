@@ -12,7 +12,6 @@ import os
 import pathlib
 import secrets
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +32,9 @@ from fax_bridge.fleet.remote import RemoteFleet
 
 PACKAGE_ROOT = str(pathlib.Path(fax_bridge.__file__).resolve().parents[1])
 TESTS_DIR = str(pathlib.Path(__file__).resolve().parent)  # sample_computations
+sys.path.insert(0, str(pathlib.Path(TESTS_DIR).parent / "benchmarks"))
+
+import netns  # noqa: E402
 TOKEN = secrets.token_hex(16)
 N = 12
 
@@ -252,7 +254,8 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
         finally:
             killer.cancel()
         lost = [list(range(N))[j] for j in partition(N, 3)[2]]
-        assert rep.lost_devices == [addresses[2]] and rep.lost_clients == lost
+        assert [w.split(": ", 1)[0] for w in rep.lost_devices] == [addresses[2]]
+        assert "no Health answer" in rep.lost_devices[0] and rep.lost_clients == lost
         assert rep.participants == [c for c in range(N) if c not in lost]
         assert rep.devices == 2 and fleet.addresses == addresses[:2]
         np.testing.assert_array_equal(got, _expected(rep.participants))
@@ -319,54 +322,18 @@ COORDINATOR = textwrap.dedent("""
 """)
 
 
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if done.returncode:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-
-
-def _netns_unavailable() -> str:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs the `ip` tool (apt-get install iproute2)"
-    probe = f"fbprobe{os.getpid()}"
-    try:
-        _ip("netns", "add", probe)
-    except (RuntimeError, OSError) as e:
-        return f"`ip netns` does not work here ({e})"
-    _ip("netns", "del", probe)
-    return ""
-
-
 @pytest.fixture
 def namespaces():
-    reason = _netns_unavailable()
-    if reason:
-        pytest.skip(reason)
-    tag = f"{os.getpid() % 10000:04d}{secrets.token_hex(1)}"
-    hub = f"fbhub{tag}"
-    made, links, addresses = [], [], []
-    try:
-        _ip("netns", "add", hub)
-        made.append(hub)
-        for k in range(3):
-            ns = f"fbd{k}{tag}"
-            _ip("netns", "add", ns)
-            made.append(ns)
-            hub_end, dev_end = f"fb{tag}h{k}", f"fb{tag}d{k}"
-            _ip("link", "add", hub_end, "netns", hub, "type", "veth",
-                "peer", "name", dev_end, "netns", ns)
-            _ip("-n", hub, "addr", "add", f"10.200.{k}.1/24", "dev", hub_end)
-            _ip("-n", ns, "addr", "add", f"10.200.{k}.2/24", "dev", dev_end)
-            _ip("-n", hub, "link", "set", hub_end, "up")
-            _ip("-n", ns, "link", "set", dev_end, "up")
-            links.append(hub_end)
-            addresses.append((ns, f"10.200.{k}.2"))
-        yield hub, addresses, links
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    """A hub namespace and three device namespaces joined by veth links
+    (`benchmarks/netns.py`, the link benchmarks' hosts): (hub, [(namespace, address)],
+    the hub's end of each device's link)."""
+    why_not = netns.unavailable()
+    if why_not:
+        pytest.skip(why_not)
+    with netns.Network(3, "fxr-", subnet="10.200.0") as network:
+        yield (network.hub, [(network.ns(k), network.node_ip(k)) for k in range(3)],
+               [f"hv{k}" for k in range(3)])
+    assert netns.names("fxr-") == []
 
 
 def test_devices_in_namespaces_with_a_link_cut_mid_round(namespaces):
@@ -396,7 +363,8 @@ def test_devices_in_namespaces_with_a_link_cut_mid_round(namespaces):
     np.testing.assert_array_equal(r["full"]["result"], _expected(range(N)))
     cut = r["cut"]
     lost = list(partition(N, 3)[2])
-    assert cut["lost_devices"] == [addresses[2]] and cut["lost_clients"] == lost
+    assert [w.split(": ", 1)[0] for w in cut["lost_devices"]] == [addresses[2]]
+    assert "no Health answer" in cut["lost_devices"][0] and cut["lost_clients"] == lost
     assert cut["participants"] == [c for c in range(N) if c not in lost]
     assert cut["devices"] == 2 and "lost with 1 unreachable" in cut["summary"]
     np.testing.assert_array_equal(cut["result"], _expected(cut["participants"]))

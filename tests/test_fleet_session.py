@@ -1,7 +1,8 @@
 """Fleet rounds keep the structure jit gives a program's results (an algorithm's
 NamedTuple state with its optax state, dataclasses, None, lists), through `run_loop`, its
 checkpoints and parity; `run_loop` shows per-round progress. One LocalFleet, three
-fleet rounds."""
+fleet rounds. A failed try loses the devices that died and those that missed their
+deadline, each named with why."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.algorithms import fed_avg
+from fax_bridge.fleet.pool import DeviceLostError
+from fax_bridge.fleet.protocol import partition
+from fax_bridge.fleet.session import FleetRounds
+from fax_bridge.rounds import engine
+from fax_bridge.rounds.ids import ClientIds
+from fax_bridge.rounds.policy import RoundPolicy
 
 CLIENTS = 4
 
@@ -88,3 +96,73 @@ def test_parity_and_a_fleet_round_keep_dataclasses_none_and_lists(fleet):
     proto = fb.export_tff(summarize, scale, data, placements=("server", "clients"))
     _same(fleet.run(proto, scale, data), jax.jit(summarize)(scale, data))
     assert len(report.leaves) == 3
+
+
+# ---------------------------------------------------------------------------------------
+# Which devices a failed try loses: those that die, and those that miss their deadline
+# even while they still answer Health (stragglers); never all of them.
+
+class _Probed:
+    """A backend whose devices answer Health as `alive` says."""
+
+    def __init__(self, alive):
+        self.alive, self.rpc_timeout_s, self.shared_memory = list(alive), 1.0, None
+
+    def probe(self, timeout_s):
+        return list(self.alive)
+
+    def close(self):
+        pass
+
+    def take_handles(self, old):
+        pass
+
+
+class _Fleet(FleetRounds):
+    def __init__(self, alive):
+        super().__init__(policy=RoundPolicy(), rpc_timeout_s=1.0, progress=False,
+                         survive_device_loss=True, probe_timeout_s=0.5,
+                         reject_nonfinite=False)
+        self.addresses = [f"10.0.0.{i}:5005" for i in range(len(alive))]
+        self.num_devices = len(alive)
+        self.backend = _Probed(alive)
+
+    def _connect(self, addresses, connect_timeout_s):
+        return _Probed([True] * len(addresses))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_failed_try_loses_the_dead_and_the_late_devices_and_says_why(data):
+    devices = data.draw(st.integers(1, 5))
+    alive = data.draw(st.lists(st.booleans(), min_size=devices, max_size=devices))
+    failed = data.draw(st.sets(st.integers(0, devices - 1)))
+    late = data.draw(st.sets(st.sampled_from(sorted(failed)))) if failed else set()
+    reasons = {i: ("RoundOnce failed: DEADLINE_EXCEEDED; it did not answer RoundOnce "
+                   "within its deadline of 1s" if i in late else
+                   "RoundOnce failed: UNAVAILABLE") for i in failed}
+    error = DeviceLostError("the try failed", sorted(failed), reasons, sorted(late))
+    fleet = _Fleet(alive)
+    addresses = list(fleet.addresses)
+    clients = data.draw(st.integers(devices, 3 * devices))
+    rep = engine.open_round(RoundPolicy(), clients, 0, [], devices)
+    lost = fleet._lose_unreachable_devices(ClientIds(np.arange(clients)), rep, error)
+
+    gone = sorted({i for i in range(devices) if not alive[i]} | late)
+    if not gone or len(gone) == devices:  # every device answered in time, or none did
+        assert lost == [] and fleet.addresses == addresses
+        return
+    assert [h.where.split(": ", 1)[0] for h in lost] == [addresses[i] for i in gone]
+    blocks = partition(clients, devices)
+    for i, holder in zip(gone, lost):
+        assert list(holder.clients) == list(range(blocks[i].start, blocks[i].stop))
+        why = holder.where
+        assert ("deadline" in why) == (i in late), why
+        if alive[i]:
+            assert "still answers Health: a straggler" in why, why
+        else:
+            assert "no Health answer within 0.5s" in why, why
+        if i not in failed:
+            assert "after the round's try failed" in why, why
+    assert fleet.addresses == [a for i, a in enumerate(addresses) if i not in gone]
+    assert fleet.num_devices == devices - len(gone)

@@ -33,11 +33,16 @@ LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 
 class DeviceLostError(FleetError):
-    """Devices died or missed their deadline; `devices` lists their indices."""
+    """Devices died or missed their deadline; `devices` lists their indices, `reasons`
+    what each one's call ended with (by index, where known), `late` those whose call
+    ran past its deadline."""
 
-    def __init__(self, message: str, devices: Sequence[int]):
+    def __init__(self, message: str, devices: Sequence[int],
+                 reasons: Optional[dict] = None, late: Sequence[int] = ()):
         super().__init__(message)
         self.devices = sorted(set(devices))
+        self.reasons = dict(reasons or {})
+        self.late = sorted(set(late))
 
 
 class _Device:
@@ -379,11 +384,12 @@ class DevicePool:
         """The error of a failed call; `timeout_s` the deadline it had (default the
         fleet's `rpc_timeout_s`; longer for a round with emulated delays)."""
         hint = ""
-        lost = False
+        lost = late = False
         if isinstance(error, grpc.RpcError):
             code = error.code()
             lost = code in LOST_CODES
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            late = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            if late:
                 waited = self.rpc_timeout_s if timeout_s is None else timeout_s
                 extra = (" plus the round's emulated delays" if waited > self.rpc_timeout_s
                          else "")
@@ -393,9 +399,11 @@ class DevicePool:
                 hint = "; the device process is not reachable (did it exit? see its log)"
             elif code == grpc.StatusCode.UNAUTHENTICATED:
                 hint = "; the device refused the fleet token"
-        message = (f"device {device.index} at {device.address}: {method} failed: "
-                   f"{_describe(error)}{hint}")
-        return DeviceLostError(message, [device.index]) if lost else FleetError(message)
+        reason = f"{method} failed: {_describe(error)}{hint}"
+        message = f"device {device.index} at {device.address}: {reason}"
+        return (DeviceLostError(message, [device.index], {device.index: reason},
+                                [device.index] if late else [])
+                if lost else FleetError(message))
 
     def _unary(self, device: _Device, method: str, request, timeout: Optional[float] = None):
         self.traffic.rpcs += 1
@@ -415,7 +423,9 @@ class DevicePool:
         lost = [e for e in errors if isinstance(e, DeviceLostError)]
         if lost:
             raise DeviceLostError("; ".join(str(e) for e in lost),
-                                  [d for e in lost for d in e.devices])
+                                  [d for e in lost for d in e.devices],
+                                  {i: r for e in lost for i, r in e.reasons.items()},
+                                  [d for e in lost for d in e.late])
         raise errors[0]
 
     def call_each(self, method: str, requests: dict[int, object],

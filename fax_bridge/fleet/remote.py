@@ -37,7 +37,7 @@ class RemoteFleet(FleetRounds):
       tls: a `fax_bridge.fleet.security.TlsConfig` (or a mapping of its fields) for
         mutual TLS; default the fleet file's `tls`.
       survive_device_loss: finish a round on the devices that still answer when some
-        stop answering (default); False fails the round instead.
+        die or miss their deadline (default); False fails the round instead.
       probe_timeout_s: how long a device may take to answer Health after a failed try.
       connect_timeout_s: how long to wait for every device to answer Health on start.
       population: the name of the population every device hosts (`fax-bridge device

@@ -8,8 +8,9 @@ through the round engine (`engine.run_round` over a `grpc_transport.GrpcTranspor
 any other computation runs phase by phase (`interpreter.evaluate` on the same backend):
 the computation's shape picks the path (`round_split.split_of`), nothing else. The
 policy (cohort, `min_clients`, lost devices, the report) is the engine's (`engine.open_round`, `engine.drop_lost`). When
-devices stop answering and `survive_device_loss` is set, the round is finished on the
-devices that still answer.
+devices stop answering or miss their deadline (`rpc_timeout_s`) and
+`survive_device_loss` is set, the round is finished on the devices that answered in
+time; each lost one is named in the report with why.
 `run_loop` threads server state through rounds and checkpoints it (`checkpoint`).
 """
 
@@ -213,25 +214,40 @@ class FleetRounds:
 
     def _lose_unreachable_devices(self, participants: ClientIds, rep: RoundReport,
                                   error: FleetError) -> list:
-        """After a failed try: finds the devices that no longer answer Health.
+        """After a failed try: finds the devices that no longer answer Health, and those
+        whose call of the try ran past its deadline (stragglers, answering Health or not).
 
-        Returns them as `engine.LostHolder`s (their addresses and the participants they
-        held; none when every device answers, or when this fleet does not survive device
-        loss), after reconnecting to the survivors.
+        Returns them as `engine.LostHolder`s (their addresses with why, and the
+        participants they held; none when every device answers in time, when none would
+        be left, or when this fleet does not survive device loss), after reconnecting to
+        the others.
         """
         if not self.survive_device_loss or self.backend is None:
             return []
         alive = self.backend.probe(self.probe_timeout_s)
-        dead = [i for i, ok in enumerate(alive) if not ok]
+        late = set(getattr(error, "late", ()))
+        dead = [i for i, ok in enumerate(alive) if not ok or i in late]
         if not dead or len(dead) == len(alive):
             return []
         blocks = partition(len(participants), len(alive))
         ids = participants.array()
-        lost = [engine.LostHolder(self.addresses[i], ids[blocks[i].start:blocks[i].stop])
-                for i in dead]
+        lost = [engine.LostHolder(self._why_lost(i, error, alive[i]),
+                                  ids[blocks[i].start:blocks[i].stop]) for i in dead]
         self._reconnect([a for i, a in enumerate(self.addresses) if i not in dead])
         rep.devices = self.num_devices
         return lost
+
+    def _why_lost(self, index: int, error: FleetError, answers_health: bool) -> str:
+        """Device `index`'s address and why the round lost it: what its call of the
+        failed try ended with (a deadline, an unreachable device), then whether it still
+        answers Health (a straggler) or not."""
+        reason = getattr(error, "reasons", {}).get(index)
+        after = (f"it still answers Health: a straggler, left out of this fleet's rounds"
+                 if answers_health else
+                 f"no Health answer within {self.probe_timeout_s:g}s")
+        if reason is None:
+            return f"{self.addresses[index]}: {after} after the round's try failed"
+        return f"{self.addresses[index]}: {reason}; then {after}"
 
     def _reconnect(self, addresses: list[str]) -> None:
         """Replaces the backend by one over `addresses` (handles keep counting)."""

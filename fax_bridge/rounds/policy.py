@@ -153,7 +153,8 @@ class RoundReport:
     `payload_down`, `payload_up` (array data, however it went), `shared_down`,
     `shared_up` (the payload that went through shared memory instead of gRPC), `rpcs`
     and `compute_s` (its `compute_seconds`).
-    `lost_devices` are devices that stopped answering during the round (addresses);
+    `lost_devices` are devices that stopped answering during the round (each its
+    address or node name, then why: what its call ended with, such as a deadline);
     `lost_clients` the participants they held, which the round then finished without.
     `bytes_up_per_client`, `bytes_down_per_client`: the round's bytes over its
     participants (what one client's share of the uplink and downlink cost).
