@@ -29,19 +29,7 @@ from typing import Optional, Sequence
 
 from fax_bridge.flower.deployment import (LOOPBACK, end_group, flower_env, free_port,
                                           node_config_text, wait_port)
-
-
-def share_config(args: argparse.Namespace) -> dict:
-    """The node's block of the population, as `client.NodeShare` reads it."""
-    config = {"population": os.path.abspath(args.population),
-              "first-client": args.first_client, "first-row": args.first_row}
-    if args.num_clients is not None:
-        config["num-clients"] = args.num_clients
-    if args.keys:
-        config["keys"] = args.keys
-    if args.client_runtime:
-        config["client-runtime"] = args.client_runtime
-    return config
+from fax_bridge.flower.worker import share_config
 
 
 def supernode_command(args: argparse.Namespace, node_config: dict) -> list:

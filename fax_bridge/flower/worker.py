@@ -93,6 +93,20 @@ def serve(listen: str, token: str, config: dict) -> http.server.HTTPServer:
     return server
 
 
+def share_config(args: argparse.Namespace) -> dict:
+    """The node's block of the population, as `client.NodeShare` reads it (from the
+    worker's arguments, or the warm SuperNode starter's, which share their names)."""
+    config = {"population": os.path.abspath(args.population),
+              "first-client": args.first_client, "first-row": args.first_row}
+    if args.num_clients is not None:
+        config["num-clients"] = args.num_clients
+    if args.keys:
+        config["keys"] = args.keys
+    if args.client_runtime:
+        config["client-runtime"] = args.client_runtime
+    return config
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--listen", required=True, help="127.0.0.1:PORT")
@@ -106,14 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--client-runtime", default=None,
                         help="xla (default) or litert (`client.NodeShare`)")
     args = parser.parse_args(argv)
-    config = {"population": args.population, "first-client": args.first_client,
-              "first-row": args.first_row}
-    if args.num_clients is not None:
-        config["num-clients"] = args.num_clients
-    if args.keys:
-        config["keys"] = args.keys
-    if args.client_runtime:
-        config["client-runtime"] = args.client_runtime
+    config = share_config(args)
     from fax_bridge.errors import FaxBridgeError
 
     try:
