@@ -589,6 +589,26 @@ def test_node_config_numbers_are_whole_or_refused_by_name(populations, key, valu
             server.Settings.from_run_config({run_key: value})
 
 
+_RUN_CONFIG_KINDS = {"num-rounds": "a whole number", "cohort-size": "a whole number",
+                     "min-clients": "a whole number", "seed": "a whole number",
+                     "dropout": "a number", "round-deadline-s": "a number",
+                     "rounded-partials": "true or false"}
+
+
+@settings(max_examples=30, deadline=None)
+@given(key=st.sampled_from(sorted(_RUN_CONFIG_KINDS)),
+       value=st.sampled_from(["two", "maybe", "1,5", "", [1], {"a": 1}, None]))
+def test_a_run_config_value_of_the_wrong_kind_is_refused_naming_what_it_takes(key, value):
+    """Every run config setting refuses a value it cannot read with the setting, the
+    value, the kind it takes and an example (never a Python type's name)."""
+    if value == "" and key == "rounded-partials":
+        assert server.Settings.from_run_config({key: value}).policy.rounded_partials is False
+        return
+    with pytest.raises(FleetError, match=rf"run config {key}=.* is not "
+                                         rf"{_RUN_CONFIG_KINDS[key]}; give e\.g\. {key}="):
+        server.Settings.from_run_config({key: value})
+
+
 @settings(max_examples=15, deadline=None)
 @given(name=st.text(st.sampled_from("ab '\"$`\\;&|*!"), min_size=1, max_size=8))
 def test_written_commands_survive_any_path_the_shell_could_break_on(

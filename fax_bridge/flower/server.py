@@ -81,9 +81,10 @@ class Settings:
             try:
                 return kind(value)
             except (TypeError, ValueError, OverflowError):
-                raise FleetError(f"run config {key}={value!r} is not a "
-                                 f"{'whole number' if kind is int else kind.__name__}"
-                                 ) from None
+                wanted = {int: "a whole number", float: "a number",
+                          _flag: "true or false"}[kind]
+                raise FleetError(f"run config {key}={value!r} is not {wanted}; give e.g. "
+                                 f"{key}={str(default).lower()}") from None
 
         cohort = get("cohort-size", int, 0)
         if cohort < 0:
