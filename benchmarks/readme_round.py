@@ -79,7 +79,9 @@ def example_args(clients: int):
 def readme_commands(readme: str) -> tuple:
     """The README's first command block: ({exported variable: value}, [background
     commands], the `flwr run` command), continuation lines joined."""
-    block = re.search(r"```\n(.*?)```", readme, re.S).group(1)
+    from fax_bridge.flower.app_dir import command_blocks
+
+    block = command_blocks(readme)[0]
     lines = block.replace("\\\n", " ").splitlines()
     env, background, run = {}, [], None
     for line in (" ".join(l.split()) for l in lines if l.strip()):

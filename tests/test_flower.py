@@ -626,7 +626,7 @@ def test_written_commands_survive_any_path_the_shell_could_break_on(
     text = app_dir.readme(quickstart[2], folder, "127.0.0.1:9093",
                           [{"population": population, "first-client": 0}], litert=True)
     commands = []
-    for block in text.split("```")[1::2]:
+    for block in app_dir.command_blocks(text):
         commands += [shlex.split(c) for c in block.replace("\\\n", " ").split("\n") if c]
     words = [w for c in commands for w in c]
     assert os.path.abspath(folder) in words

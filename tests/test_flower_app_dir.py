@@ -16,6 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 from federated_language.common_libs import structure
+from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("flwr")
 
@@ -127,7 +128,7 @@ def test_the_written_app_carries_the_model_and_its_manifest_by_client_part_hash(
 
     from fax_bridge.flower import supernode
 
-    litert_part = text.split("## LiteRT SuperNodes", 1)[1].split("```")[1]
+    litert_part = app_dir.command_blocks(text.split("## LiteRT SuperNodes", 1)[1])[0]
     config = shlex.split(litert_part.replace("\\\n", " "))
     config = parse_config_args([config[config.index("--node-config") + 1]])
     assert config["client-runtime"] == "litert"
@@ -212,3 +213,16 @@ def test_a_client_part_litert_cannot_run_is_refused_before_anything_is_written(
     with pytest.raises(refusals.ConversionRefused) as caught:
         app_dir.write_app(made, str(out), litert=True)
     assert "stablehlo.sort" in caught.value.ops and not out.exists()
+
+
+@settings(max_examples=200, deadline=None)
+@given(bodies=st.lists(st.text(st.sampled_from("ab `'\"\\\n$"), max_size=24).filter(
+    lambda body: body.strip("\n") == body and body.strip() != ""), min_size=1, max_size=4))
+def test_any_block_body_reads_back_whole_whatever_backticks_it_holds(bodies):
+    """A README's code blocks (`app_dir.fenced`) hold any text, backtick runs of any
+    length and lines of only backticks included, and `app_dir.command_blocks` (how the
+    tests and the README benchmark read the commands, as CommonMark does) gives each
+    body back whole, in order."""
+    text = "# Title\n\n" + "\n\nA paragraph with `code`.\n\n".join(
+        app_dir.fenced(body) for body in bodies) + "\n"
+    assert app_dir.command_blocks(text) == [body + "\n" for body in bodies]

@@ -52,7 +52,7 @@ def test_the_written_readme_starts_a_warm_supernode_per_share(tmp_path):
         assert supernode.share_config(parsed) == {"first-row": 0, **node}
         assert parsed.superlink == "10.77.0.1:9093" and not parsed.insecure
         assert parsed.root_certificates == creds.ca_cert and not parsed.cold
-    assert "flower-supernode" not in warm.split("```")[1]  # the fast path's block
+    assert "flower-supernode" not in app_dir.command_blocks(warm)[0]  # the fast path's
     assert "flower-supernode" in cold  # the slow path, documented below it
     assert "rounded-partials" in text
 

@@ -23,6 +23,7 @@ where the SuperLink and SuperNodes run; nothing is installed at run time.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -106,6 +107,34 @@ def pyproject(name: str, config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fenced(body: str) -> str:
+    """`body` as a Markdown code block whose fence (CommonMark: a line of three or more
+    backticks, closed by a line of at least as many) is longer than any run of backticks
+    in it, so that a path holding backticks neither ends the block nor shows outside it."""
+    runs = [len(run) for run in re.findall(r"`+", body)]
+    fence = "`" * max([3] + [n + 1 for n in runs])
+    return f"{fence}\n{body.rstrip(chr(10))}\n{fence}"
+
+
+def command_blocks(text: str) -> list:
+    """The bodies of the fenced code blocks of a README `readme` wrote, in order: each
+    opened by a line of three or more backticks (and an optional info string) and closed
+    by the next line of only backticks, at least as many."""
+    blocks, lines, i = [], text.split("\n"), 0
+    while i < len(lines):
+        opening = re.match(r"(`{3,})[^`]*$", lines[i])
+        i += 1
+        if not opening:
+            continue
+        width, body = len(opening.group(1)), []
+        while i < len(lines) and not re.fullmatch(r"`{%d,}" % width, lines[i].strip()):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        blocks.append("\n".join(body) + "\n")
+    return blocks
+
+
 def node_starter(node: dict, node_security: str, superlink: str, port: int) -> str:
     """The one-line command (`fax_bridge.flower.supernode`) starting a warm SuperNode
     for the share `node` (a node config: population, first-client, ...)."""
@@ -118,6 +147,8 @@ def litert_section(node_security: str, superlink: str, node: dict) -> str:
     """README's steps for SuperNodes that run the carried LiteRT model."""
     q = shlex.quote
     litert_node = dict(node, **{"client-runtime": "litert"})
+    cold_node = (f"flower-supernode {node_security} --superlink {q(superlink)} --port 9094 "
+                 f"\\\n    --node-config {q(node_config_text(litert_node))} &")
     return f"""
 ## LiteRT SuperNodes
 
@@ -128,10 +159,7 @@ no converter (only ai-edge-litert beside fax_bridge); a model of another round i
 refused by name. Add `--client-runtime litert` to a warm node's command above, or start a
 cold one so:
 
-```
-flower-supernode {node_security} --superlink {q(superlink)} --port 9094 \\
-    --node-config {q(node_config_text(litert_node))} &
-```
+{fenced(cold_node)}
 """
 
 
@@ -155,6 +183,13 @@ def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
     app = os.path.abspath(folder)
     host, port = superlink.rsplit(":", 1)
     connection = "insecure" if ca is None else f"TLS, checked against {ca}"
+    run_block = (f"export FLWR_TELEMETRY_ENABLED=0\n"
+                 f"flower-superlink {link_security} --host {host} --port {port} \\\n"
+                 f"    --disable-runtime-dependency-installation &\n{node_lines}\n"
+                 f"FLWR_HOME={q(os.path.join(app, '.flwr'))} \\\n"
+                 f"    flwr run {q(app)} {CONNECTION} --stream")
+    cold_block = (f"flower-supernode {node_security} --superlink {q(superlink)} --port 9094 "
+                  f"\\\n    --node-config {q(node_config_text(cold))} &")
     return f"""# A fax_bridge round on Flower
 
 Round: `{made.prepared.type}`
@@ -168,14 +203,7 @@ clients of its own population (its `--node-config`), so no client's data leaves 
 fax_bridge and flwr must be installed where these run (the same Python environment);
 its `bin` folder must be on PATH, since Flower starts `flower-superexec` by name.
 
-```
-export FLWR_TELEMETRY_ENABLED=0
-flower-superlink {link_security} --host {host} --port {port} \\
-    --disable-runtime-dependency-installation &
-{node_lines}
-FLWR_HOME={q(os.path.join(app, '.flwr'))} \\
-    flwr run {q(app)} {CONNECTION} --stream
-```
+{fenced(run_block)}
 
 The SuperLink installs each app it is sent under `~/.flwr/apps` (its own FLWR_HOME) and
 runs it from there, so edits to this folder reach it only through the next `flwr run`.
@@ -205,10 +233,7 @@ Cold SuperNodes (the slow path): Flower starts a process per message, so a Super
 started alone, its population in its `--node-config`, loads jax and compiles the
 client part in every round's ClientApp process (tens of seconds a round):
 
-```
-flower-supernode {node_security} --superlink {q(superlink)} --port 9094 \\
-    --node-config {q(node_config_text(cold))} &
-```
+{fenced(cold_block)}
 {litert_section(node_security, superlink, cold) if litert else ""}
 ## Did it work?
 
