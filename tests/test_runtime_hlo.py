@@ -2,6 +2,7 @@
 
 import re
 import string
+import threading
 import time
 
 import jax
@@ -205,6 +206,38 @@ def test_the_helper_process_restarts_after_idling_and_is_killed_past_its_time_li
     with pytest.raises(hlo_import.Died, match="did not finish importing it"):
         hasty.convert(_two_outputs(9.0))
     assert hasty._proc is None
+
+
+@pytest.mark.parametrize("paused_s", [0.0, 1.5])
+def test_a_helpers_start_never_counts_against_a_modules_time_limit(monkeypatch, paused_s):
+    """A new helper held up as it starts (stopped for `paused_s`, as a busy machine
+    holds a process loading jaxlib) still gives the module its whole limit, 0.5 s; a
+    helper that never becomes ready within its start-up limit is a `Died` saying so."""
+    import os
+    import signal as signals
+    import subprocess
+
+    spawn = subprocess.Popen
+
+    def resume(proc) -> None:
+        if proc.poll() is None:  # not one the start-up limit has killed
+            proc.send_signal(signals.SIGCONT)
+
+    def slow_start(*args, **kwargs):
+        proc = spawn(*args, **kwargs)
+        if paused_s:
+            os.kill(proc.pid, signals.SIGSTOP)
+            threading.Timer(paused_s, resume, (proc,)).start()
+        return proc
+
+    monkeypatch.setattr(hlo_import.subprocess, "Popen", slow_start)
+    importer = hlo_import.Importer(timeout_seconds=0.5)
+    assert importer.convert(_two_outputs(12.0))[0]
+    if paused_s:
+        stuck = hlo_import.Importer(startup_seconds=0.5)
+        with pytest.raises(hlo_import.Died, match="did not start within 0.5 s") as e:
+            stuck.convert(_two_outputs(12.0))
+        assert e.value.timed_out and not e.value.crash and stuck._proc is None
 
 
 def test_remembered_imports_are_bounded_in_bytes():

@@ -58,11 +58,12 @@ def _key_pem(key, openssh: bool = False) -> bytes:
 
 def node_key_pair(folder: str, name: str) -> tuple:
     """Writes `name.key` and `name.pub` of a new P-256 key, both in OpenSSH's format
-    (the one `flower-supernode` and `flwr supernode register` read); returns their
-    paths."""
+    (the one `flower-supernode` and `flwr supernode register` read) into `folder`,
+    made if missing; returns their paths."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
+    os.makedirs(folder, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                            serialization.PublicFormat.OpenSSH)

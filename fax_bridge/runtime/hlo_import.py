@@ -9,11 +9,14 @@ says whether XLA itself stopped the helper (SIGABRT on a CHECK, SIGSEGV, ..., or
 non-zero exit): a helper killed from outside (SIGKILL, SIGTERM, ...) or past its time
 limit says nothing about the module. The time limit is armed before the module is
 written: a helper that stops reading (SIGSTOP) cannot hold the caller past it, however
-large the module (writes go through a non-blocking pipe, waiting with `select`). The helper is
+large the module (writes go through a non-blocking pipe, waiting with `select`). It
+counts from a helper that is ready: a new helper's start (loading jaxlib, seconds on a
+busy machine) has a limit of its own, `STARTUP_SECONDS`. The helper is
 reused for later modules and exits by itself after `IDLE_SECONDS` without one, or when
 its parent goes away (end of its input).
 
-Protocol, on the helper's stdin and stdout: a request is an 8-byte little-endian length
+Protocol, on the helper's stdin and stdout: once it has loaded jaxlib the helper writes
+one byte, `READY`; then a request is an 8-byte little-endian length
 and the module's bytes; an answer is one status byte (0: converted, 1: XLA refused the
 module), an 8-byte length and the StableHLO bytecode or XLA's error text.
 """
@@ -33,6 +36,8 @@ from typing import Optional
 
 IDLE_SECONDS = 60.0
 TIMEOUT_SECONDS = 600.0  # one module's import; XLA converting a large model takes seconds
+STARTUP_SECONDS = 120.0  # a new helper's start, up to its READY byte
+READY = b"\x01"
 _HEAD = struct.Struct("<BQ")
 _LENGTH = struct.Struct("<Q")
 
@@ -99,9 +104,11 @@ class Importer:
     """One helper process at a time, started on demand; thread-safe (one import at a time)."""
 
     def __init__(self, idle_seconds: float = IDLE_SECONDS,
-                 timeout_seconds: float = TIMEOUT_SECONDS):
+                 timeout_seconds: float = TIMEOUT_SECONDS,
+                 startup_seconds: float = STARTUP_SECONDS):
         self._idle = idle_seconds
         self._timeout = timeout_seconds
+        self._startup = startup_seconds
         self._lock = threading.Lock()
         self._proc: Optional[subprocess.Popen] = None
         self._log = None
@@ -116,6 +123,20 @@ class Importer:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             close_fds=True)
         os.set_blocking(self._proc.stdin.fileno(), False)  # writes wait under the deadline
+        try:
+            ready = _read_exact(self._proc.stdout.fileno(), len(READY),
+                                time.monotonic() + self._startup)
+        except TimeoutError:
+            ready = None
+        if ready != READY:
+            code = self._proc.poll()
+            self._log.seek(0)
+            words = _last_words(self._log.read())
+            self._close()
+            why = (f"did not start within {self._startup:g} s" if code is None
+                   else f"exited with status {code} as it started")
+            raise Died(f"the XLA import process {why}" + (f" ({words})" if words else ""),
+                       timed_out=code is None)
         return self._proc
 
     def _close(self) -> None:
@@ -176,6 +197,7 @@ def _serve(idle_seconds: float) -> int:
     """The helper's loop: import modules until end of input or `idle_seconds` of quiet."""
     from jaxlib import _jax  # jaxlib alone, not jax: a quarter of the start-up time
 
+    _write_all(1, READY)
     while True:
         if not select.select([0], [], [], idle_seconds)[0]:
             return 0

@@ -33,7 +33,8 @@ start=$SECONDS
 rm -rf "$venv"
 "$python" -m venv "$venv"
 # A complete pinned list: installed as it is, with no resolution.
-"$venv/bin/python" -m pip install --quiet --progress-bar off --no-deps -r "$req"
+# --no-compile: modules are byte-compiled as they are first imported, not all up front.
+"$venv/bin/python" -m pip install --quiet --progress-bar off --no-deps --no-compile -r "$req"
 "$venv/bin/python" -c 'import litert_converter.converter_api_ext' 2>/dev/null || {
     echo "setup.sh: installed, but 'import litert_converter.converter_api_ext' fails in $venv; see the error with:" >&2
     echo "  $venv/bin/python -c 'import litert_converter.converter_api_ext'" >&2

@@ -39,10 +39,10 @@ if [[ -e "$venv" && ! -f "$venv/pyvenv.cfg" ]]; then
 fi
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --progress-bar off --upgrade pip
 # The list is a complete, pinned environment; pip's resolver cannot satisfy TFF's own
 # pins (jax==0.4.14 has no Python 3.11 jaxlib), so dependencies are not resolved.
-"$venv/bin/python" -m pip install --quiet --progress-bar off --no-deps -r "$req"
+# --no-compile: modules are byte-compiled as they are first imported, not all up front.
+"$venv/bin/python" -m pip install --quiet --progress-bar off --no-deps --no-compile -r "$req"
 "$venv/bin/python" -c 'import tensorflow_federated' 2>/dev/null || {
     echo "setup.sh: installed, but 'import tensorflow_federated' fails in $venv; see the error with:" >&2
     echo "  $venv/bin/python -c 'import tensorflow_federated'" >&2
