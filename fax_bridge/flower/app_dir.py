@@ -143,12 +143,16 @@ def node_starter(node: dict, node_security: str, superlink: str, port: int) -> s
             f"{shlex.quote(superlink)} --port {port} \\\n    {share} &")
 
 
+def cold_starter(node: dict, node_security: str, superlink: str) -> str:
+    """The command starting a plain `flower-supernode` (no warm worker) for the share
+    `node`, its population in its `--node-config`."""
+    return (f"flower-supernode {node_security} --superlink {shlex.quote(superlink)} "
+            f"--port 9094 \\\n    --node-config {shlex.quote(node_config_text(node))} &")
+
+
 def litert_section(node_security: str, superlink: str, node: dict) -> str:
     """README's steps for SuperNodes that run the carried LiteRT model."""
-    q = shlex.quote
     litert_node = dict(node, **{"client-runtime": "litert"})
-    cold_node = (f"flower-supernode {node_security} --superlink {q(superlink)} --port 9094 "
-                 f"\\\n    --node-config {q(node_config_text(litert_node))} &")
     return f"""
 ## LiteRT SuperNodes
 
@@ -159,7 +163,7 @@ no converter (only ai-edge-litert beside fax_bridge); a model of another round i
 refused by name. Add `--client-runtime litert` to a warm node's command above, or start a
 cold one so:
 
-{fenced(cold_node)}
+{fenced(cold_starter(litert_node, node_security, superlink))}
 """
 
 
@@ -188,8 +192,6 @@ def readme(made: FlowerRound, folder: str, superlink: str, nodes: list,
                  f"    --disable-runtime-dependency-installation &\n{node_lines}\n"
                  f"FLWR_HOME={q(os.path.join(app, '.flwr'))} \\\n"
                  f"    flwr run {q(app)} {CONNECTION} --stream")
-    cold_block = (f"flower-supernode {node_security} --superlink {q(superlink)} --port 9094 "
-                  f"\\\n    --node-config {q(node_config_text(cold))} &")
     return f"""# A fax_bridge round on Flower
 
 Round: `{made.prepared.type}`
@@ -233,7 +235,7 @@ Cold SuperNodes (the slow path): Flower starts a process per message, so a Super
 started alone, its population in its `--node-config`, loads jax and compiles the
 client part in every round's ClientApp process (tens of seconds a round):
 
-{fenced(cold_block)}
+{fenced(cold_starter(cold, node_security, superlink))}
 {litert_section(node_security, superlink, cold) if litert else ""}
 ## Did it work?
 
