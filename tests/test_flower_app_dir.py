@@ -226,3 +226,30 @@ def test_any_block_body_reads_back_whole_whatever_backticks_it_holds(bodies):
     text = "# Title\n\n" + "\n\nA paragraph with `code`.\n\n".join(
         app_dir.fenced(body) for body in bodies) + "\n"
     assert app_dir.command_blocks(text) == [body + "\n" for body in bodies]
+
+
+@settings(max_examples=25, deadline=None)
+@given(offset=st.integers(-64, 64))
+def test_only_a_small_state_travels_in_the_bundle_and_the_server_starts_from_it_either_way(
+        quickstart, tmp_path_factory, offset):
+    """Flower hands the bundle to every ClientApp process, which never uses the state:
+    a state over `MAX_STATE_IN_BUNDLE_BYTES` is written beside the app and named by the
+    run config's initial-state, one at or under it stays in round.json; either way the
+    state the ServerApp starts from has the example's bits."""
+    _, made = quickstart
+    size = sum(np.asarray(t).nbytes for t in made.state)
+    limit = max(0, size + offset)
+    folder = tmp_path_factory.mktemp("app")
+    import unittest.mock
+
+    with unittest.mock.patch.object(bundle, "MAX_STATE_IN_BUNDLE_BYTES", limit):
+        app_dir.write_app(made, str(folder))
+    read = bundle.read_round(str(folder / app_dir.PACKAGE))
+    state_path = str(folder / app_dir.STATE_FILE)
+    with open(folder / "pyproject.toml") as f:
+        named = f'initial-state = "{state_path}"' in f.read()
+    assert read.state_outside == named == (size > limit)
+    assert os.path.exists(state_path) == named
+    start = bundle.read_state(state_path, read.state) if named else read.state
+    assert [np.asarray(t).tobytes() for t in start] == [
+        np.asarray(t).tobytes() for t in made.state]

@@ -9,8 +9,9 @@
                                   `fax_bridge.litert.carried`), converted here, which
                                   SuperNodes with client-runtime="litert" run as it is
     DIR/README.md                 how to start the SuperLink and SuperNodes and run it
-    DIR/initial_state.npz         only for a state over the bundle's 10 MB: read by the
-                                  ServerApp from the run config's `initial-state` path
+    DIR/initial_state.npz         a state over 64 kB (`bundle.state_in_bundle`), which
+                                  only the ServerApp needs: read from the run config's
+                                  `initial-state` path, on the SuperLink's host
     DIR/.flwr/config.toml         the SuperLink connection `fax-bridge`
                                   (FLWR_HOME=DIR/.flwr; TLS with `root_certificates`)
 
@@ -31,11 +32,11 @@ from typing import Optional, Union
 
 from fax_bridge.errors import ExportError
 from fax_bridge.flower.bundle import (LITERT_DIR, MAX_BUNDLE_BYTES, FlowerRound,
-                                      models_dir, write_round)
+                                      models_dir, state_in_bundle, write_round)
 from fax_bridge.flower.deployment import CONNECTION, connection_toml, node_config_text
 
 PACKAGE = "fax_round"
-STATE_FILE = "initial_state.npz"  # a state too large for the bundle (bundle.write_state)
+STATE_FILE = "initial_state.npz"  # a state kept out of the bundle (bundle.write_state)
 
 DEFAULT_CONFIG = {
     "num-rounds": 3, "cohort-size": 0, "dropout": 0.0, "seed": 0, "min-clients": 1,
@@ -220,8 +221,9 @@ wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
 out-dir (reports.jsonl, one round's report a line, and result.npz), checkpoint-dir (resume after a crash) and
 secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
 unmask a lost one; 0: a strict majority), initial-state (an .npz on the SuperLink's host
-the run starts from instead of the bundle's state, `bundle.write_state`; a state over
-the bundle's 10 MB is written there by itself) and rounded-partials (true: each node sends
+the run starts from instead of the bundle's state, `bundle.write_state`: a state over
+64 kB is written beside this app as {STATE_FILE} and named here, since the nodes never
+need it; copy it to the SuperLink's host if that is another one and give its path) and rounded-partials (true: each node sends
 its float sums rounded once to float32, Flower's bytes, and the result agrees with the
 exact one within that rounding instead of bit for bit; a node of one client sends its
 exact float32 addend either way).
@@ -324,10 +326,14 @@ def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:909
     home = os.path.join(folder, ".flwr")
     os.makedirs(package, exist_ok=True)
     os.makedirs(home, exist_ok=True)
-    try:
-        written = [write_round(made, package)]
-    except ExportError:  # a state over the bundle's 10 MB: a file of its own beside it
-        state_path = os.path.join(os.path.abspath(folder), STATE_FILE)
+    state_path = os.path.join(os.path.abspath(folder), STATE_FILE)
+    written = None
+    if state_in_bundle(made):
+        try:
+            written = [write_round(made, package)]
+        except ExportError:  # the round with it over the bundle's 10 MB
+            pass
+    if written is None:  # beside the app: only the ServerApp reads it
         written = [write_round(made, package, state_path), state_path]
         settings["initial-state"] = state_path
     written += _put_models(package, packed, home)

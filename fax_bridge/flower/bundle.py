@@ -14,11 +14,13 @@ state (the example state's tensors, depth first over the state's type).
 
 A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
 10 MB, so `round.json` holds the proto base64-encoded and the state's tensors likewise.
-`read_round(folder)` reads it back where the ServerApp and ClientApps run. A state too
-large for that (a model of millions of parameters) is written to an .npz of its own
-instead (`write_round(..., state_path=...)`, `write_state`), which the ServerApp reads
-from the path its run config names (`initial-state`, `read_state`); the nodes never
-need it.
+`read_round(folder)` reads it back where the ServerApp and ClientApps run. Flower hands
+the whole bundle to every ClientApp process it starts (one a message), which hashes,
+unpacks and checks it before running, and the ClientApps never use the state; so a
+state over `MAX_STATE_IN_BUNDLE_BYTES` (`state_in_bundle`: a model of more than 16k
+float32 parameters) is written to an .npz of its own instead (`write_round(...,
+state_path=...)`, `write_state`), which the ServerApp reads from the path its run
+config names (`initial-state`, `read_state`); the nodes never receive it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ FORMAT = "fax_bridge.flower.round.v1"
 FILE_NAME = "round.json"
 LITERT_DIR = "litert"  # beside round.json: the LiteRT models the app carries (`carried`)
 MAX_BUNDLE_BYTES = 10 * 1024 * 1024  # what Flower accepts in an app bundle
+# the largest state (its tensors' bytes) an app carries in its bundle: a larger one
+# would only slow every ClientApp's start, so it goes beside the app (module docstring)
+MAX_STATE_IN_BUNDLE_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass
@@ -175,6 +180,12 @@ def read_state(path: str, like: list) -> list:
         raise ExportError(f"initial-state {path} holds tensors {got[:8]}; the round's state "
                           f"is {want[:8]}; it was written for another round")
     return found
+
+
+def state_in_bundle(made: FlowerRound) -> bool:
+    """Whether the app carries `made`'s initial state in its bundle: only a state of at
+    most `MAX_STATE_IN_BUNDLE_BYTES`; a larger one goes to an .npz (`write_state`)."""
+    return sum(np.asarray(t).nbytes for t in made.state) <= MAX_STATE_IN_BUNDLE_BYTES
 
 
 def write_round(made: FlowerRound, folder: str, state_path: Optional[str] = None) -> str:
