@@ -170,13 +170,14 @@ def run_fax(folder: str, addresses: dict, token: str, rounds: int) -> list:
     made = read_round(bundle)
     nodes = flower_nodes.discover(grid, grid.get_node_ids(), 60, 0.05)
     state = made.state_value(made.state)
+    cohort = server.cohort_of(settings, nodes)
     walls = []
     for r in range(rounds + 1):
         if r == 1:
             TIMES.clear()
         began = time.perf_counter()
-        state = server.run_round(grid, made, nodes, state, r, settings, nodes[-1].stop,
-                                 [], first=r == 0)[0]
+        state = server.run_round(grid, made, nodes, state, r, settings, cohort, [],
+                                 first=r == 0)[0]
         walls.append(time.perf_counter() - began)
     return walls
 
@@ -264,6 +265,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--imports", type=int, default=5)
     args = p.parse_args()
+    if args.rounds < 1 or args.imports < 2:
+        p.error("--rounds must be at least 1 (the first round is set apart) and --imports "
+                "at least 2 (the first install is set apart)")
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1  # a ServerApp's

@@ -30,7 +30,8 @@ import numpy as np
 
 from fax_bridge.errors import FleetError
 from fax_bridge.rounds import wire
-from fax_bridge.flower.relay import BROADCAST, IDS, LAYOUT, METRICS, PARTIALS, ROUND
+from fax_bridge.flower.relay import (BROADCAST, IDS, LAYOUT, METRICS, PARTIALS, ROUND,
+                                    array_view)
 from fax_bridge.v1 import device_pb2 as pb
 
 __all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND"]
@@ -55,11 +56,11 @@ def array(value: np.ndarray):
 
 
 def numpy_dict(record, where: str) -> dict:
-    """{key: numpy array} of a Flower ArrayRecord."""
+    """{key: numpy array} of a Flower ArrayRecord (read-only views of its bytes)."""
     out = {}
     for key, item in record.items():
         try:
-            out[key] = item.numpy()
+            out[key] = array_view(item)
         except Exception as e:  # noqa: BLE001 - whatever numpy or Flower raise on bad bytes
             raise FleetError(f"{where}: array {key!r} cannot be read "
                              f"({type(e).__name__}: {e})") from None
@@ -223,8 +224,9 @@ def partials_layout(answers: list) -> tuple:
     return {k: savable(v) for k, v in arrays.items()}, layout, counts
 
 
-def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
-    out = pb.LeafPartial()
+def _leaf_in(prefix: str, arrays, layout, where: str, out: pb.LeafPartial) -> None:
+    """Fills `out` (a new element of a repeated field: appending a filled message would
+    copy its bytes) with the partial tensor `prefix` of a node's answer."""
     for key in (f"{prefix}.dtype", f"{prefix}.shape"):
         if key not in layout:
             raise FleetError(f"{where}: the partial's layout has no {key!r}")
@@ -235,13 +237,13 @@ def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
         if f"{prefix}.{field}" in arrays:
             wire.encode_tensor(numpy_of(arrays[f"{prefix}.{field}"], dtype, shape, where),
                                getattr(out, field))
-            return out
+            return
     out.dtype = wire.dtype_name(dtype)
     out.shape.extend(shape)
     if f"{prefix}.doubles" in arrays:
         out.doubles = np.ascontiguousarray(
             numpy_of(arrays[f"{prefix}.doubles"], np.float64, shape, where), "<f8").tobytes()
-        return out
+        return
     if f"{prefix}.limbs" not in arrays:
         raise FleetError(f"{where}: partial tensor {prefix} has neither doubles, limbs "
                          "nor an extreme")
@@ -255,7 +257,6 @@ def _leaf_in(prefix: str, arrays, layout, where: str) -> pb.LeafPartial:
     out.limbs = np.ascontiguousarray(limbs, "<i8").tobytes()
     if f"{prefix}.flags" in arrays:
         out.nonfinite = np.ascontiguousarray(arrays[f"{prefix}.flags"], np.uint8).tobytes()
-    return out
 
 
 def from_layout(arrays: dict, layout, counts: list, kinds: list, where: str) -> list:
@@ -274,9 +275,9 @@ def from_layout(arrays: dict, layout, counts: list, kinds: list, where: str) -> 
             counts[j], f"the client count of aggregation {j}", where, 0, 2 ** 62))
         for i in range(whole(layout.get(f"a{j}.leaves"), f"aggregation {j}'s tensors",
                              where, 0, 1 << 20)):
-            answer.leaves.append(_leaf_in(f"a{j}.v{i}", arrays, layout, where))
+            _leaf_in(f"a{j}.v{i}", arrays, layout, where, answer.leaves.add())
         if whole(layout.get(f"a{j}.weights"), f"aggregation {j}'s weights", where, 0, 1):
-            answer.weight_leaves.append(_leaf_in(f"a{j}.w", arrays, layout, where))
+            _leaf_in(f"a{j}.w", arrays, layout, where, answer.weight_leaves.add())
         out.append(answer)
     return out
 

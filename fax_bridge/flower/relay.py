@@ -9,8 +9,10 @@ started once beside it, which keeps jax loaded and the compiled client part) in 
     worker="127.0.0.1:9300" worker-token-file="/path/token"
 
 The ClientApp then only relays: it sends the round's broadcast and client ids to the
-worker (HTTP on loopback, the token in a header, arrays as an npz read with
-`allow_pickle=False`) and turns the worker's partials into Flower records. This module
+worker (HTTP on loopback, the token in a header, the arrays framed by `pack`: a JSON
+header naming each array's dtype, shape and span, then their bytes, which `unpack`
+views in place after checking every span; no pickles, no zip) and turns the worker's
+partials into Flower records. This module
 imports only the standard library, numpy and flwr, never fax_bridge's package (whose
 `__init__` loads jax), so the app loads it by file path (`app_dir`). Without `worker`
 the ClientApp computes in its own process: `client_app(..., local)` calls `local()`
@@ -32,6 +34,8 @@ import hmac
 import http.client
 import io
 import json
+import math
+import struct
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -43,7 +47,8 @@ PARTIALS = "partials"
 LAYOUT = "layout"
 METRICS = "metrics"
 TOKEN_HEADER = "X-Fax-Bridge-Token"
-HEADER_KEY = "__header__"
+MAGIC = b"FAXRELAY1\n"  # what a `pack`ed body begins with
+ALIGN = 64  # every array's bytes start at a multiple of this in a packed body
 MAX_BODY_BYTES = 1 << 30
 KEPT = "secure."            # a node's partials of the round's secure sums, kept back
 KEPT_RECORD = "fax-secure"  # where the node's run state holds them (ArrayRecord),
@@ -53,22 +58,81 @@ ROUND_KEY = "fax-round"            # FitIns config of the masked stage: the roun
 CENTER_KEY = "fax-secure-center"   # and C, subtracted from each kept partial
 
 
-def pack(arrays: dict, header: dict) -> bytes:
-    """An npz of `arrays` with `header` (JSON) beside them."""
-    out = io.BytesIO()
-    data = dict(arrays)
-    data[HEADER_KEY] = np.frombuffer(json.dumps(header).encode(), np.uint8)
-    np.savez(out, **data)
-    return out.getvalue()
+def _descr(name: str, value: np.ndarray) -> str:
+    """The dtype of `value` as `unpack` takes it: a number, bool or plain bytes type."""
+    dtype = value.dtype
+    if dtype.kind not in "biufcV" or dtype.hasobject or dtype.fields is not None:
+        raise ValueError(f"array {name!r} has dtype {dtype}, which a worker message does "
+                         "not carry (numbers, booleans and plain bytes only)")
+    return dtype.str
 
 
-def unpack(data: bytes) -> tuple:
-    """(arrays, header) of a `pack`ed npz (nothing is unpickled)."""
-    with np.load(io.BytesIO(data), allow_pickle=False) as f:
-        arrays = {k: f[k] for k in f.files}
-    header = json.loads(bytes(arrays.pop(HEADER_KEY)).decode())
-    if not isinstance(header, dict):
-        raise ValueError("the npz header is not a JSON object")
+def pack(arrays: dict, header: dict) -> bytearray:
+    """`arrays` (name -> numpy array) and `header` (a JSON object) as one body: `MAGIC`,
+    the JSON's length (8 bytes, little-endian), the JSON {"header", "arrays": [[name,
+    dtype, shape, offset, bytes], ...]}, then each array's bytes at its offset (a
+    multiple of `ALIGN`). `unpack` reads it back."""
+    values = {}
+    for k, v in arrays.items():
+        v = np.asarray(v)  # (np.ascontiguousarray would make a 0-d array 1-d)
+        values[str(k)] = v if v.flags.c_contiguous else v.copy(order="C")
+    entries, offset = [], 0
+    for name, value in values.items():
+        entries.append([name, _descr(name, value), list(value.shape), offset, value.nbytes])
+        offset += -(-value.nbytes // ALIGN) * ALIGN
+    text = json.dumps({"header": header, "arrays": entries}).encode()
+    start = -(-(len(MAGIC) + 8 + len(text)) // ALIGN) * ALIGN
+    body = bytearray(start + offset)
+    body[:len(MAGIC) + 8 + len(text)] = MAGIC + struct.pack("<Q", len(text)) + text
+    for (_, _, _, at, size), value in zip(entries, values.values()):
+        np.frombuffer(body, np.uint8, size, start + at)[:] = value.reshape(-1).view(np.uint8)
+    return body
+
+
+def unpack(data) -> tuple:
+    """(arrays, header) of a `pack`ed body; each array views `data` (read-only) where
+    its entry says, after checking the entry against the body: anything else (another
+    format, a span outside the body, a dtype of objects) is a ValueError naming it."""
+    data = memoryview(data).cast("B").toreadonly()
+    head = len(MAGIC) + 8
+    if len(data) < head or bytes(data[:len(MAGIC)]) != MAGIC:
+        raise ValueError("the body is not a fax_bridge worker message (its first bytes "
+                         "are not the relay's); are both sides the same fax_bridge?")
+    (length,) = struct.unpack("<Q", data[len(MAGIC):head])
+    if length > len(data) - head:
+        raise ValueError(f"the message's header claims {length} bytes; the body has "
+                         f"{len(data) - head} after it")
+    try:
+        framed = json.loads(bytes(data[head:head + length]).decode())
+        header, entries = framed["header"], framed["arrays"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"the message's header is not the relay's JSON ({e})") from None
+    if not isinstance(header, dict) or not isinstance(entries, list):
+        raise ValueError("the message's header is not a JSON object with a list of arrays")
+    start = -(-(head + length) // ALIGN) * ALIGN
+    arrays, end = {}, start
+    for entry in entries:
+        try:
+            name, descr, shape, offset, size = entry
+            dtype = np.dtype(str(descr))
+            shape = tuple(int(d) for d in shape)
+            ok = (isinstance(name, str) and _descr(name, np.empty(0, dtype)) == dtype.str
+                  and all(d >= 0 for d in shape) and isinstance(offset, int)
+                  and isinstance(size, int) and 0 <= offset
+                  and size == math.prod(shape) * dtype.itemsize
+                  and start + offset + size <= len(data))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"the message's array entry {str(entry)[:80]} is malformed "
+                             f"({e})") from None
+        if not ok:
+            raise ValueError(f"the message's array entry {str(entry)[:80]} does not fit "
+                             f"its body of {len(data)} bytes or its own dtype and shape")
+        arrays[name] = np.frombuffer(data, dtype, math.prod(shape),
+                                     start + offset).reshape(shape)
+        end = max(end, start + -(-(offset + size) // ALIGN) * ALIGN)
+    if len(data) != end:
+        raise ValueError(f"the message's body has {len(data)} bytes; its header frames "
+                         f"{end} (cut short, or bytes after its arrays)")
     return arrays, header
 
 
@@ -102,11 +166,30 @@ def call(address: str, token: str, path: str, body: bytes = b"",
     return data
 
 
+def array_view(item) -> np.ndarray:
+    """A Flower `Array`'s numpy array, read-only, viewing its bytes in place (what
+    `Array.numpy()` gives, without its copy): the .npy header read as numpy reads it,
+    never unpickling; a dtype of objects is a ValueError."""
+    if item.stype != "numpy.ndarray":
+        raise ValueError(f"an array serialized as {item.stype!r}; expected numpy.ndarray")
+    data = item.data
+    header = io.BytesIO(data)  # shares `data`'s bytes until written
+    version = np.lib.format.read_magic(header)
+    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+            else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read(header)
+    if dtype.hasobject:
+        raise ValueError(f"an array of dtype {dtype}: objects are never read")
+    count = math.prod(shape)
+    flat = np.frombuffer(data, dtype, count, header.tell())
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+
+
 def request_of(content) -> tuple:
     """(arrays, header) of a `train` message's content, as a worker takes them."""
-    arrays = {IDS: content[IDS][IDS].numpy()}
+    arrays = {IDS: array_view(content[IDS][IDS])}
     for key, item in content[BROADCAST].items():
-        arrays[f"b{key}"] = item.numpy()
+        arrays[f"b{key}"] = array_view(item)
     header = {LAYOUT: dict(content[LAYOUT]), ROUND: dict(content[ROUND])}
     return arrays, header
 
