@@ -4,7 +4,7 @@ The app `fax-bridge flower` writes (`readme_round.links_round`, `--size` float32
 parameters, two nodes of one client) runs its rounds through the ServerApp's own code
 (`flower.server.run_round`: the round engine, `FlowerTransport`, `nodes.exchange`) on a
 grid held in this process, whose nodes answer as the app's ClientApp does (`relay`:
-the train message's arrays packed into an npz, sent over loopback HTTP to a real warm
+the train message's arrays packed into one body, sent over loopback HTTP to a real warm
 worker, `python -m fax_bridge.flower.worker`, one a node, started as the README starts
 it, and its answer turned into records). What the SuperLink, the SuperNodes and their
 ClientApp processes add (moving the messages, the same bytes for both apps) is left
@@ -109,11 +109,11 @@ def fax_node(addresses: dict, token: str, bundle: str):
                                          "compute-s": float(info["compute-s"])}),
             relay.ROUND: ConfigRecord(header[relay.ROUND])}), reply_to=msg)
         done = time.perf_counter()
-        TIMES["node: records to npz"].append(packed - began)
+        TIMES["node: records to a relay body"].append(packed - began)
         TIMES["node: worker's client part (compute_s)"].append(info["compute-s"])
-        TIMES["node: HTTP to the worker and back, npz in and out there"].append(
+        TIMES["node: HTTP to the worker and back, bodies read and written there"].append(
             called - packed - info["compute-s"])
-        TIMES["node: npz to records"].append(done - called)
+        TIMES["node: relay body to records"].append(done - called)
         return reply
 
     return answer
