@@ -100,3 +100,15 @@ def test_a_flower_arrays_view_is_what_its_numpy_gives_without_a_copy(value, fort
     got = relay.array_view(item)
     assert _same(got, item.numpy()) and not got.flags.writeable
     assert np.shares_memory(got, np.frombuffer(item.data, np.uint8)) or got.nbytes == 0
+
+
+def test_an_array_of_another_npy_version_or_serialization_is_refused_by_name():
+    from flwr.app import Array
+
+    item = Array(np.arange(3, dtype=np.float32))
+    item.data = item.data[:6] + bytes([3]) + item.data[7:]  # .npy format 3.0
+    with pytest.raises(ValueError, match="format version"):
+        relay.array_view(item)
+    item.stype = "torch.Tensor"
+    with pytest.raises(ValueError, match="expected numpy.ndarray"):
+        relay.array_view(item)

@@ -58,6 +58,11 @@ ROUND_KEY = "fax-round"            # FitIns config of the masked stage: the roun
 CENTER_KEY = "fax-secure-center"   # and C, subtracted from each kept partial
 
 
+def _aligned(size: int) -> int:
+    """`size` rounded up to a multiple of `ALIGN`."""
+    return -(-size // ALIGN) * ALIGN
+
+
 def _descr(name: str, value: np.ndarray) -> str:
     """The dtype of `value` as `unpack` takes it: a number, bool or plain bytes type."""
     dtype = value.dtype
@@ -79,9 +84,9 @@ def pack(arrays: dict, header: dict) -> bytearray:
     entries, offset = [], 0
     for name, value in values.items():
         entries.append([name, _descr(name, value), list(value.shape), offset, value.nbytes])
-        offset += -(-value.nbytes // ALIGN) * ALIGN
+        offset += _aligned(value.nbytes)
     text = json.dumps({"header": header, "arrays": entries}).encode()
-    start = -(-(len(MAGIC) + 8 + len(text)) // ALIGN) * ALIGN
+    start = _aligned(len(MAGIC) + 8 + len(text))
     body = bytearray(start + offset)
     body[:len(MAGIC) + 8 + len(text)] = MAGIC + struct.pack("<Q", len(text)) + text
     for (_, _, _, at, size), value in zip(entries, values.values()):
@@ -109,7 +114,7 @@ def unpack(data) -> tuple:
         raise ValueError(f"the message's header is not the relay's JSON ({e})") from None
     if not isinstance(header, dict) or not isinstance(entries, list):
         raise ValueError("the message's header is not a JSON object with a list of arrays")
-    start = -(-(head + length) // ALIGN) * ALIGN
+    start = _aligned(head + length)
     arrays, end = {}, start
     for entry in entries:
         try:
@@ -129,7 +134,7 @@ def unpack(data) -> tuple:
                              f"its body of {len(data)} bytes or its own dtype and shape")
         arrays[name] = np.frombuffer(data, dtype, math.prod(shape),
                                      start + offset).reshape(shape)
-        end = max(end, start + -(-(offset + size) // ALIGN) * ALIGN)
+        end = max(end, start + _aligned(offset + size))
     if len(data) != end:
         raise ValueError(f"the message's body has {len(data)} bytes; its header frames "
                          f"{end} (cut short, or bytes after its arrays)")
@@ -175,6 +180,8 @@ def array_view(item) -> np.ndarray:
     data = item.data
     header = io.BytesIO(data)  # shares `data`'s bytes until written
     version = np.lib.format.read_magic(header)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f".npy format version {version}; Flower writes 1.0 (or 2.0)")
     read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
             else np.lib.format.read_array_header_2_0)
     shape, fortran, dtype = read(header)
