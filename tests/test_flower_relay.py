@@ -3,6 +3,8 @@ both sides exchange, and the zero-copy view of Flower's arrays."""
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -83,6 +85,17 @@ def test_arrays_of_objects_or_strings_are_refused_by_name():
     for bad in (np.array([object()]), np.array(["text"]), np.zeros(2, "i4,f4")):
         with pytest.raises(ValueError, match="array 'x' has dtype"):
             relay.pack({"x": bad}, {})
+
+
+@pytest.mark.parametrize("descr", ["|O", "(2,)<f4", "<U3", "[('a', '<f4')]", "nonsense"])
+def test_an_entry_naming_a_dtype_the_relay_does_not_carry_is_refused(descr):
+    """A forged entry whose span and size fit (8 bytes, one element of 8) but whose
+    dtype is objects, a sub-array, text, a record or no dtype at all."""
+    text = json.dumps({"header": {}, "arrays": [["x", descr, [1], 0, 8]]}).encode()
+    forged = relay.MAGIC + len(text).to_bytes(8, "little") + text
+    forged += b"\0" * (-(-len(forged) // relay.ALIGN) * relay.ALIGN - len(forged) + 64)
+    with pytest.raises(ValueError, match="array entry"):
+        relay.unpack(forged)
 
 
 def test_a_body_of_another_format_is_refused_by_name():

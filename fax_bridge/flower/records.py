@@ -31,7 +31,7 @@ import numpy as np
 from fax_bridge.errors import FleetError
 from fax_bridge.rounds import wire
 from fax_bridge.flower.relay import (BROADCAST, IDS, LAYOUT, METRICS, PARTIALS, ROUND,
-                                    array_view)
+                                    array_view, c_order)
 from fax_bridge.v1 import device_pb2 as pb
 
 __all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND"]
@@ -40,9 +40,7 @@ __all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND"]
 def savable(value: np.ndarray) -> np.ndarray:
     """`value` C-contiguous, as its bytes (uint8, flat) when numpy cannot save its dtype
     (an ml_dtypes one such as bfloat16, whose name and shape travel beside it)."""
-    value = np.asarray(value)
-    if not value.flags.c_contiguous:  # (np.ascontiguousarray would make a scalar 1-d)
-        value = value.copy(order="C")
+    value = c_order(value)
     if value.dtype.kind == "V" or value.dtype.name != np.dtype(value.dtype.str).name:
         value = value.reshape(-1).view(np.uint8)  # flat: a 0-d array has no bytes view
     return value

@@ -63,10 +63,17 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def _descr(name: str, value: np.ndarray) -> str:
-    """The dtype of `value` as `unpack` takes it: a number, bool or plain bytes type."""
-    dtype = value.dtype
-    if dtype.kind not in "biufcV" or dtype.hasobject or dtype.fields is not None:
+def c_order(value) -> np.ndarray:
+    """`value` as a C-contiguous array, keeping its shape (np.ascontiguousarray would
+    make a 0-d array 1-d)."""
+    value = np.asarray(value)
+    return value if value.flags.c_contiguous else value.copy(order="C")
+
+
+def _descr(name: str, dtype: np.dtype) -> str:
+    """`dtype` as `unpack` takes it: a number, bool or plain bytes type."""
+    if dtype.kind not in "biufcV" or dtype.hasobject or dtype.fields is not None \
+            or dtype.subdtype is not None:
         raise ValueError(f"array {name!r} has dtype {dtype}, which a worker message does "
                          "not carry (numbers, booleans and plain bytes only)")
     return dtype.str
@@ -77,13 +84,11 @@ def pack(arrays: dict, header: dict) -> bytearray:
     the JSON's length (8 bytes, little-endian), the JSON {"header", "arrays": [[name,
     dtype, shape, offset, bytes], ...]}, then each array's bytes at its offset (a
     multiple of `ALIGN`). `unpack` reads it back."""
-    values = {}
-    for k, v in arrays.items():
-        v = np.asarray(v)  # (np.ascontiguousarray would make a 0-d array 1-d)
-        values[str(k)] = v if v.flags.c_contiguous else v.copy(order="C")
+    values = {str(k): c_order(v) for k, v in arrays.items()}
     entries, offset = [], 0
     for name, value in values.items():
-        entries.append([name, _descr(name, value), list(value.shape), offset, value.nbytes])
+        entries.append([name, _descr(name, value.dtype), list(value.shape), offset,
+                        value.nbytes])
         offset += _aligned(value.nbytes)
     text = json.dumps({"header": header, "arrays": entries}).encode()
     start = _aligned(len(MAGIC) + 8 + len(text))
@@ -121,7 +126,7 @@ def unpack(data) -> tuple:
             name, descr, shape, offset, size = entry
             dtype = np.dtype(str(descr))
             shape = tuple(int(d) for d in shape)
-            ok = (isinstance(name, str) and _descr(name, np.empty(0, dtype)) == dtype.str
+            ok = (isinstance(name, str) and _descr(name, dtype) == dtype.str
                   and all(d >= 0 for d in shape) and isinstance(offset, int)
                   and isinstance(size, int) and 0 <= offset
                   and size == math.prod(shape) * dtype.itemsize
