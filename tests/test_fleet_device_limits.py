@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -227,7 +228,8 @@ def test_a_value_naming_a_client_twice_is_refused_naming_the_id(stub, case, meth
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + SETTINGS
 
 
-def test_health_is_answered_beside_hundreds_of_idle_connections_and_stalled_streams():
+def test_health_is_answered_beside_hundreds_of_idle_connections_and_stalled_streams(
+        monkeypatch):
     """300 loopback connections that never make a call (half silent since connecting,
     half idle after the HTTP/2 preface) and as many never-sending Put streams as the
     device admits (twice what it runs at once): a new caller's Health is still answered,
@@ -237,6 +239,13 @@ def test_health_is_answered_beside_hundreds_of_idle_connections_and_stalled_stre
     import threading
 
     device_process.raise_fd_limit()  # the test process holds both ends of every socket
+    gates, init = [], device_process.CallGate.__init__
+
+    def recording(self, *args, **kwargs):  # the server's gate, to see what it admitted
+        init(self, *args, **kwargs)
+        gates.append(self)
+
+    monkeypatch.setattr(device_process.CallGate, "__init__", recording)
     servicer = device.DeviceServicer("idle")
     server, port = device_process.start_server("127.0.0.1:0", servicer, max_workers=2,
                                                max_concurrent_calls=4, token=TOKEN)
@@ -254,12 +263,18 @@ def test_health_is_answered_beside_hundreds_of_idle_connections_and_stalled_stre
         with grpc.insecure_channel(address) as busy:
             stalled = [pb_grpc.DeviceStub(busy).Put.future(never_sends(), timeout=30,
                                                            metadata=MD) for _ in range(4)]
+            # all four admitted before one more call is tried (on a loaded machine a
+            # call sent now could reach the gate before the last stream and take its place)
+            admitted_by = time.monotonic() + 20
+            while gates[0].in_progress < 4 and time.monotonic() < admitted_by:
+                threading.Event().wait(0.02)
+            assert gates[0].in_progress == 4, [call.done() for call in stalled]
             with grpc.insecure_channel(address) as channel:  # a new connection
                 stub = pb_grpc.DeviceStub(channel)
                 answer = stub.Health(pb.HealthRequest(), timeout=10, metadata=MD)
                 assert answer.status == "SERVING"
                 refused, tries = None, 0
-                while refused is None and tries < 100:  # once all 4 streams are admitted
+                while refused is None and tries < 100:
                     try:
                         stub.Release(pb.ReleaseRequest(handles=[1]), timeout=10, metadata=MD)
                     except grpc.RpcError as e:

@@ -60,6 +60,12 @@ class CallGate(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._gated: dict = {}  # method -> (its handler, that handler gated)
 
+    @property
+    def in_progress(self) -> int:
+        """Calls admitted and not yet finished (running or waiting for their turn)."""
+        with self._lock:
+            return self._calls
+
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         method = handler_call_details.method
