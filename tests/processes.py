@@ -24,3 +24,28 @@ def alive(pid: int) -> bool:
 def running(pids: Iterable[int]) -> list:
     """Those of `pids` that still run."""
     return [pid for pid in pids if alive(pid)]
+
+
+def children(pid: int) -> set:
+    """The processes whose parent is `pid` (empty once it is gone)."""
+    found = set()
+    try:
+        tasks = list(pathlib.Path(f"/proc/{pid}/task").iterdir())
+    except (FileNotFoundError, ProcessLookupError):
+        return found
+    for task in tasks:
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found
+
+
+def descendants(pid: int) -> set:
+    """Every process below `pid`: its children, theirs, and so on."""
+    found, todo = set(), [pid]
+    while todo:
+        for child in children(todo.pop()) - found:
+            found.add(child)
+            todo.append(child)
+    return found

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from fax_bridge import cli
+from processes import descendants, running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -107,27 +108,41 @@ def test_a_real_ctrl_c_while_devices_start(tmp_path):
         [sys.executable, "-c", as_from_a_terminal, "run", COMP, "--inputs", INPUTS,
          "--devices", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True, env=env, text=True)
-    children: list[int] = []
-    deadline = time.monotonic() + 60
-    while len(children) < 2 and time.monotonic() < deadline and proc.poll() is None:
+    devices: list[int] = []  # its own children, or forked by its fork server (which
+    deadline = time.monotonic() + 60  # shows the modules it holds: not counted)
+    while len(devices) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-        try:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                children = [int(c) for c in f.read().split() if _is_device(int(c))]
-        except OSError:
-            break
-    assert len(children) == 2, "the command never started its devices"
+        devices = [pid for pid in descendants(proc.pid) if _is_device(pid) and not (
+            _parent(pid) == proc.pid and b"fax_bridge.forks" in _cmdline(pid))]
+    assert len(devices) >= 2, "the command never started its devices"
+    started = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err == "fax-bridge run: interrupted (Ctrl-C); the processes it started are " \
                   "stopped\n"
-    assert not [pid for pid in children if _is_device(pid)]  # stopped and reaped
+    assert not running(devices)  # stopped (and reaped)
+    deadline = time.monotonic() + 30  # the fork server follows once its launcher is gone
+    while running(started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(started)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _is_device(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"fax_bridge.fleet.device" in f.read()
-    except OSError:
-        return False
+    return b"fax_bridge.fleet.device" in _cmdline(pid)

@@ -11,10 +11,38 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from fax_bridge import forks
 from fax_bridge.errors import ComputationError, ExportError, HloModuleError
 from fax_bridge.runtime import hlo, hlo_import
 from fax_bridge.tff import xla as tff_xla
 from sample_computations import conv_weight_gradient
+
+
+@pytest.fixture(scope="module")
+def fork_server():
+    """A fork server holding jaxlib, as the one that forks a fleet's devices."""
+    import os
+    import sys
+
+    if not forks.available():
+        pytest.skip("needs Linux pidfds")
+    server = forks.ForkServer.start(sys.executable, dict(os.environ, OMP_NUM_THREADS="1"),
+                                    ["jaxlib._jax"])
+    yield server
+    server.close()
+
+
+@pytest.fixture(params=["fresh", "forked"])
+def helpers(request, monkeypatch):
+    """Where the helper processes come from: a fresh interpreter each, or (as in a
+    device forked by `fax_bridge.forks`) forked by the server that forked this process.
+    Either way the process has its own importer and remembers no verdict yet."""
+    if request.param == "forked":
+        server = request.getfixturevalue("fork_server")
+        monkeypatch.setattr(forks.ForkServer, "inherited", classmethod(lambda cls: server))
+    monkeypatch.setattr(hlo, "_importer", hlo_import.Importer())
+    monkeypatch.setattr(hlo, "_verdicts", hlo._Verdicts())
+    return request.param
 
 
 def _hlo(fn, *specs):
@@ -160,7 +188,7 @@ def _crasher(where: str, scale: float) -> bytes:
 
 @pytest.mark.parametrize("where,signal", [("root", "SIGSEGV"), ("host", "SIGABRT")])
 def test_xla_dying_on_a_module_is_a_named_error_and_the_caller_lives(
-        monkeypatch, where, signal):
+        monkeypatch, helpers, where, signal):
     with pytest.raises(HloModuleError, match="refused before XLA read it"):
         hlo.compile_hlo(_crasher(where, scale=0.5 + (where == "host")))
     # Past the structural checks, XLA itself dies on it: only its helper process goes.
@@ -195,9 +223,10 @@ def test_each_module_is_imported_once_per_process(monkeypatch):
     assert calls == [module]
 
 
-def test_the_helper_process_restarts_after_idling_and_is_killed_past_its_time_limit():
+def test_the_helper_process_restarts_after_idling_and_is_killed_past_its_time_limit(helpers):
     importer = hlo_import.Importer(idle_seconds=0.2)
     assert importer.convert(_two_outputs(8.0))[0]
+    assert isinstance(importer._proc, forks.ForkedProcess) == (helpers == "forked")
     first = importer._proc.pid
     time.sleep(1.0)  # the helper has exited by itself
     converted, payload = importer.convert(b"\x0a\x03abc\x12")  # XLA refuses it
@@ -252,7 +281,7 @@ def test_remembered_imports_are_bounded_in_bytes():
 
 
 @pytest.mark.parametrize("size", [70 << 10, 4 << 20])
-def test_a_stopped_helper_cannot_hold_the_caller_past_its_time_limit(size):
+def test_a_stopped_helper_cannot_hold_the_caller_past_its_time_limit(helpers, size):
     """The deadline is armed before the module is written: a helper stopped with
     SIGSTOP (it reads nothing, so a module larger than the pipe's 64 KiB would block
     the write) costs the caller its time limit, then a Died naming it."""
@@ -280,7 +309,7 @@ def test_a_stopped_helper_cannot_hold_the_caller_past_its_time_limit(size):
 
 
 def test_a_helper_killed_from_outside_is_retried_and_never_the_modules_verdict(
-        monkeypatch):
+        monkeypatch, helpers):
     """SIGKILL from outside while a module is imported: the module is imported again
     in a fresh helper, and its result is the one an undisturbed import gives."""
     import os

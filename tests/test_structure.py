@@ -23,7 +23,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "fax_bridge"
 LAYERS: tuple = (
     # base: errors, placements, the primitives' records, addresses, data, wire protos
     (("errors", "placements", "member_rules", "primitive_facts", "pytree_names",
-      "addresses", "cli_args", "parity_report", "data", "v1"),),
+      "addresses", "cli_args", "parity_report", "forks", "data", "v1"),),
     # the federated language and its jit path, and what is written in it
     (("tracing", "local", "lowering", "primitives", "api", "secure", "drjax",
       "multihost", "algorithms", "privacy"),),

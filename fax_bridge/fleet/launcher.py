@@ -5,7 +5,9 @@
         print(fleet.last_report.summary())
 
 Each device is `python -m fax_bridge.fleet.device_cli --listen 127.0.0.1:0` in its own
-process group; the fleet reads the port each one prints, waits for Health, and on exit
+process group, forked by a server that has already imported it (`fax_bridge.forks`: a device
+then starts without importing jax again) where the platform allows, else started as a
+fresh interpreter; the fleet reads the port each one prints, waits for Health, and on exit
 (normal, exception or Ctrl-C) stops every process: SIGTERM to the group, SIGKILL after a
 grace period. An atexit hook covers interpreters that exit without leaving the `with`
 block, and each device also exits by itself when its launching process is gone.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import selectors
@@ -33,6 +36,7 @@ import weakref
 from typing import Any, Optional, Union
 
 from fax_bridge.errors import FleetError
+from fax_bridge import forks
 from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
 from fax_bridge.fleet.config import FleetConfig, resolve_config
@@ -52,6 +56,13 @@ _DEVICE_ENV = {
     # pages: faulting them in 4 KiB pages took half of a large model's round.
     "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
 }
+
+log = logging.getLogger("fax_bridge.fleet")
+# What the fork server imports for the devices it forks: all a device imports before it
+# listens, and what its first Load and round import.
+DEVICE_MODULES = ("fax_bridge.fleet.device_cli", "fax_bridge.fleet.device_round",
+                  "fax_bridge.runtime.hlo", "fax_bridge.runtime.local_eval",
+                  "fax_bridge.runtime.client_map", "fax_bridge.runtime.population")
 
 _live: "weakref.WeakSet[LocalFleet]" = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -112,7 +123,7 @@ class LocalFleet(FleetRounds):
         self._max_stored_bytes = c.max_stored_bytes
         self._keep_logs = c.log_dir is not None
         self._log_dir = pathlib.Path(c.log_dir) if c.log_dir is not None else None
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list = []  # subprocess.Popen or forks.ForkedProcess
         self._logs: list = []
         self._cpus = (cpu_shares(self.num_devices) if c.share_cpus
                       else [None] * self.num_devices)
@@ -168,10 +179,10 @@ class LocalFleet(FleetRounds):
         env[security.TOKEN_ENV] = self._token  # the environment is private to the user
         return env
 
-    def _device_command(self, index: int) -> list[str]:
-        command = [self.python, "-m", "fax_bridge.fleet.device_cli",
-                   "--listen", "127.0.0.1:0", "--device-id", f"device-{index}",
-                   "--parent-pid", str(os.getpid())]
+    def _device_args(self, index: int, parent_pid: int) -> list[str]:
+        """`device_cli`'s command line for device `index`, watching `parent_pid`."""
+        command = ["--listen", "127.0.0.1:0", "--device-id", f"device-{index}",
+                   "--parent-pid", str(parent_pid)]
         if self._device_tls is not None:
             command += ["--tls-ca", self._device_tls.ca_cert, "--tls-cert",
                         self._device_tls.cert, "--tls-key", self._device_tls.key]
@@ -188,15 +199,40 @@ class LocalFleet(FleetRounds):
             command += ["--client-runtime", self.client_runtime]
         return command
 
-    def _popen(self, index: int, env: dict) -> subprocess.Popen:
-        log = open(self._log_dir / f"device-{index}.log", "ab")
+    def _fork_server(self, env: dict) -> Optional[forks.ForkServer]:
+        """The fork server for this fleet's devices, or None where there is none (the
+        devices then start as fresh interpreters)."""
+        if not forks.available():
+            return None
+        try:
+            return forks.shared(self.python, env, DEVICE_MODULES, (security.TOKEN_ENV,),
+                                self.startup_timeout_s)
+        except forks.ForkServerError as e:
+            log.warning("starting devices without a fork server: %s", e)
+            return None
+
+    def _popen(self, index: int, env: dict) -> Union[subprocess.Popen, forks.ForkedProcess]:
+        log_file = open(self._log_dir / f"device-{index}.log", "ab")
         if index < len(self._logs):
             self._logs[index].close()
-            self._logs[index] = log
+            self._logs[index] = log_file
         else:
-            self._logs.append(log)
+            self._logs.append(log_file)
+        server = self._fork_server(env)
+        if server is not None:
+            cpus = self._cpus[index]
+            if cpus is None and hasattr(os, "sched_getaffinity"):
+                cpus = os.sched_getaffinity(0)
+            try:
+                return server.run("fax_bridge.fleet.device_cli",
+                                  self._device_args(index, server.pid), env=env,
+                                  cwd=os.getcwd(), cpus=cpus, stderr_fd=log_file.fileno())
+            except forks.ForkServerError as e:
+                log.warning("device %d starts without the fork server: %s", index, e)
         proc = subprocess.Popen(
-            self._device_command(index), stdout=subprocess.PIPE, stderr=log,
+            [self.python, "-m", "fax_bridge.fleet.device_cli",
+             *self._device_args(index, os.getpid())],
+            stdout=subprocess.PIPE, stderr=log_file,
             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         if self._cpus[index] is not None:
             try:  # before the interpreter has started any thread, which would not follow

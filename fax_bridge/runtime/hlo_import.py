@@ -2,7 +2,8 @@
 
 XLA stops its process on internal CHECK failures, and some malformed modules that pass
 `hlo_check` may still make it crash. `Importer.convert` sends the module to a helper
-process (this file run as a script, loading only jaxlib: about 0.25 s to start) and
+process (this file run as a script, loading only jaxlib: about 0.25 s to start; in a
+device forked by `fax_bridge.forks`, forked by the same server, with jaxlib loaded) and
 reads the StableHLO bytecode back; if the helper dies, the caller gets `Died` with the
 signal and XLA's last words, and the next module starts a fresh helper. `Died.crash`
 says whether XLA itself stopped the helper (SIGABRT on a CHECK, SIGSEGV, ..., or a
@@ -118,10 +119,12 @@ class Importer:
             return self._proc
         self._close()
         self._log = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-P", os.path.abspath(__file__), str(self._idle)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            close_fds=True)
+        self._proc = self._forked()
+        if self._proc is None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-P", os.path.abspath(__file__), str(self._idle)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                close_fds=True)
         os.set_blocking(self._proc.stdin.fileno(), False)  # writes wait under the deadline
         try:
             ready = _read_exact(self._proc.stdout.fileno(), len(READY),
@@ -138,6 +141,21 @@ class Importer:
             raise Died(f"the XLA import process {why}" + (f" ({words})" if words else ""),
                        timed_out=code is None)
         return self._proc
+
+    def _forked(self):
+        """A helper (`forks.ForkedProcess`) forked by the server that forked this process
+        (a fleet's device), which has jaxlib loaded already; None where there is none."""
+        from fax_bridge import forks  # here: the helper, run as a script, loads jaxlib only
+
+        server = forks.ForkServer.inherited()
+        if server is None:
+            return None
+        try:
+            return server.run("fax_bridge.runtime.hlo_import", [str(self._idle)],
+                              env=dict(os.environ), cwd=os.getcwd(),
+                              stderr_fd=self._log.fileno(), stdin_pipe=True)
+        except forks.ForkServerError:
+            return None  # a fresh interpreter, as without the server
 
     def _close(self) -> None:
         if self._proc is not None:
