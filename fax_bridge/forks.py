@@ -67,6 +67,7 @@ def available() -> bool:
 
 
 _servers: dict = {}  # (python, environment, modules) -> the server `shared` started
+_failed: dict = {}  # the same keys -> (pid, ForkServerError) of a start that failed
 _servers_lock = threading.Lock()
 _inherited: Optional[tuple] = None  # (pid, handle) in a forked child
 
@@ -283,16 +284,26 @@ class ForkServer:
 def shared(python: str, env: dict, modules: Sequence[str], secrets: Sequence[str] = (),
            startup_timeout_s: float = 120.0) -> ForkServer:
     """The server for children started by `python` in `env` (less the `secrets`
-    variables) having imported `modules`: started on first use, kept while it runs."""
+    variables) having imported `modules`: started on first use, kept while it runs. A
+    server that failed to start is not tried again by this process: its error is
+    raised again at once (each of a fleet's devices would otherwise pay a start)."""
     server_env = {k: v for k, v in env.items() if k not in secrets}
     key = (python, tuple(sorted(server_env.items())), tuple(modules))
     with _servers_lock:
+        failed = _failed.get(key)
+        if failed is not None and failed[0] == os.getpid():
+            raise failed[1]
         server = _servers.get(key)
         if server is None or not server.alive():
             if server is not None and server._owner == os.getpid():
                 server.close()
-            server = _servers[key] = ForkServer.start(python, server_env, modules,
-                                                      startup_timeout_s)
+            try:
+                server = _servers[key] = ForkServer.start(python, server_env, modules,
+                                                          startup_timeout_s)
+            except ForkServerError as e:
+                _servers.pop(key, None)
+                _failed[key] = (os.getpid(), e)
+                raise
         return server
 
 
