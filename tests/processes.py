@@ -26,6 +26,15 @@ def running(pids: Iterable[int]) -> list:
     return [pid for pid in pids if alive(pid)]
 
 
+def parent(pid: int) -> int:
+    """The parent's pid of `pid` (0 once it is gone)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def children(pid: int) -> set:
     """The processes whose parent is `pid` (empty once it is gone)."""
     found = set()

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from fax_bridge import cli
-from processes import descendants, running
+from processes import descendants, parent, running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -113,7 +113,7 @@ def test_a_real_ctrl_c_while_devices_start(tmp_path):
     while len(devices) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
         devices = [pid for pid in descendants(proc.pid) if _is_device(pid) and not (
-            _parent(pid) == proc.pid and b"fax_bridge.forks" in _cmdline(pid))]
+            parent(pid) == proc.pid and b"fax_bridge.forks" in _cmdline(pid))]
     assert len(devices) >= 2, "the command never started its devices"
     started = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
@@ -126,14 +126,6 @@ def test_a_real_ctrl_c_while_devices_start(tmp_path):
     while running(started) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(started)
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return 0
 
 
 def _cmdline(pid: int) -> bytes:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 import sample_computations as sc
-from processes import alive, children
+from processes import alive, children, parent
 from fax_bridge import forks
 from fax_bridge.fleet import security
 from fax_bridge.fleet.launcher import DEVICE_MODULES, LocalFleet
@@ -24,11 +24,6 @@ from fax_bridge.fleet.launcher import DEVICE_MODULES, LocalFleet
 DEVICE = "fax_bridge.fleet.device_cli"
 
 pytestmark = pytest.mark.skipif(not forks.available(), reason="needs Linux pidfds")
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _device_env(**extra) -> dict:
@@ -59,14 +54,14 @@ def test_fleets_fork_their_devices_from_one_server_that_never_holds_a_token():
     for _ in range(2):
         with LocalFleet(devices=2) as fleet:
             assert all(isinstance(p, forks.ForkedProcess) for p in fleet._procs)
-            parents = {_parent(pid) for pid in fleet.pids}
+            parents = {parent(pid) for pid in fleet.pids}
             assert len(parents) == 1 and parents.pop() not in fleet.pids + [os.getpid()]
-            servers.add(_parent(fleet.pids[0]))
+            servers.add(parent(fleet.pids[0]))
             got = fleet.run(proto, np.ones((4, 2), np.float32), np.ones(2, np.float32))
             np.testing.assert_array_equal(got, [4.0, 4.0])
             # each device's XLA import helper was forked by the server too
             assert not any(children(pid) for pid in fleet.pids)
-            assert len(children(_parent(fleet.pids[0])) - set(fleet.pids)) >= 2
+            assert len(children(parent(fleet.pids[0])) - set(fleet.pids)) >= 2
             token = fleet._token
             pids = fleet.pids
         assert not any(alive(p) for p in pids)
@@ -95,7 +90,7 @@ def test_a_forked_device_reports_its_exit_status_as_subprocess_would(server, tmp
     proc = _spawn(server, env, log_path, "--listen", "127.0.0.1:0")
     try:
         info = json.loads(proc.stdout.readline())
-        assert info["pid"] == proc.pid and _parent(proc.pid) == server.pid
+        assert info["pid"] == proc.pid and parent(proc.pid) == server.pid
         assert proc.poll() is None
         proc.send_signal(signum)
         want = 0 if signum in (signal.SIGTERM, signal.SIGINT) else -signum
@@ -149,13 +144,18 @@ def test_a_server_with_threads_refuses_and_the_fleet_starts_fresh_interpreters(
         forks.ForkServer.start(sys.executable, _device_env(PYTHONPATH=os.environ["PYTHONPATH"]),
                                DEVICE_MODULES)
     proto = sc.scaled_aggregate((2,), "sum")
+    starts = []
+    start = forks.ForkServer.start
+    monkeypatch.setattr(forks.ForkServer, "start",
+                        classmethod(lambda cls, *a, **k: starts.append(a) or start(*a, **k)))
     with caplog.at_level(logging.WARNING, logger="fax_bridge.fleet"):
-        with LocalFleet(devices=1) as fleet:
-            assert not isinstance(fleet._procs[0], forks.ForkedProcess)
-            assert _parent(fleet.pids[0]) == os.getpid()
+        with LocalFleet(devices=2) as fleet:
+            assert not any(isinstance(p, forks.ForkedProcess) for p in fleet._procs)
+            assert {parent(pid) for pid in fleet.pids} == {os.getpid()}
             got = fleet.run(proto, np.ones((3, 2), np.float32), np.ones(2, np.float32))
     np.testing.assert_array_equal(got, [3.0, 3.0])
     assert "without a fork server" in caplog.text and "threads after the imports" in caplog.text
+    assert len(starts) == 1  # tried once for the fleet, not once a device
 
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
