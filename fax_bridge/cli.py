@@ -2,16 +2,20 @@
 
 Ctrl-C (SIGINT) stops any subcommand with one line on stderr and exit code 130; what
 the command started (device processes) is stopped first, and a second Ctrl-C during
-that cleanup is ignored so it cannot leave processes behind.
+that cleanup is ignored so it cannot leave processes behind. A Ctrl-C is never lost: one
+whose KeyboardInterrupt is dropped (raised in a garbage-collector callback, a `__del__`)
+or swallowed (by a bare `except`) is raised again in the command's own code.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import importlib
 import signal
 import sys
 import threading
+import time
 from typing import Optional, Sequence
 
 # Modules that provide `register(subparsers)`, adding one subcommand each whose parser
@@ -42,9 +46,72 @@ def build_parser() -> argparse.ArgumentParser:
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
 
 
+class _Interrupt:
+    """While `main` runs: the KeyboardInterrupts Ctrl-C raised (the first, and each one
+    raised again after it was lost), the thread that watches for a lost one, whether
+    `main` is ending, and the unraisable hook `main` replaced."""
+
+    raised: list = []
+    watcher: Optional[threading.Thread] = None
+    ending = False
+    hook = staticmethod(sys.unraisablehook)
+
+
+ASK_EVERY_S = 0.01  # how often the watcher has the main thread check the interrupt
+
+
+def _ours(exc: Optional[BaseException]) -> bool:
+    """Whether `exc`, or an exception it was raised while handling, is one of ours."""
+    seen: set = set()
+    while exc is not None and id(exc) not in seen:
+        if any(exc is raised for raised in _Interrupt.raised):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__
+    return False
+
+
+def _in_hook(frame) -> bool:
+    while frame is not None:
+        if frame.f_code is _unraisable.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _interrupt(signum, frame) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the cleanup the first one starts end
-    raise KeyboardInterrupt
+    """SIGINT's handler while `main` runs. The first Ctrl-C raises KeyboardInterrupt;
+    later calls (a second Ctrl-C, or the watcher asking) do nothing while that exception
+    is still on its way up (being handled: a cleanup runs), and raise it again where it
+    was lost: raised in code whose exceptions Python drops (a garbage-collector callback
+    such as jax's, a `__del__`, a weakref callback) or swallowed by a bare `except`
+    (grpc's channels do that when collected)."""
+    if _Interrupt.ending or _in_hook(frame) or (
+            _Interrupt.raised and _ours(sys.exc_info()[1])):
+        return
+    _Interrupt.raised.append(KeyboardInterrupt())
+    if _Interrupt.watcher is None:
+        _Interrupt.watcher = threading.Thread(target=_watch, daemon=True,
+                                              name="fax-bridge-ctrl-c")
+        _Interrupt.watcher.start()
+    raise _Interrupt.raised[-1]
+
+
+def _watch() -> None:
+    """In a thread of its own, from the first Ctrl-C until `main` ends: has the main
+    thread run `_interrupt` every `ASK_EVERY_S`, which raises the interrupt again if it
+    was lost."""
+    while not _Interrupt.ending:
+        time.sleep(ASK_EVERY_S)
+        _thread.interrupt_main(signal.SIGINT)
+
+
+def _unraisable(args) -> None:
+    """`sys.unraisablehook` while `main` runs: a KeyboardInterrupt of ours that Python
+    dropped is not printed (the watcher has it raised again); anything else goes to the
+    hook that was there before."""
+    if not _ours(args.exc_value):
+        _Interrupt.hook(args)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -56,6 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = "fax-bridge"
     try:
         if in_main_thread:
+            _Interrupt.raised, _Interrupt.watcher, _Interrupt.ending = [], None, False
+            _Interrupt.hook, sys.unraisablehook = sys.unraisablehook, _unraisable
             signal.signal(signal.SIGINT, _interrupt)
         args = build_parser().parse_args(argv)
         command = f"fax-bridge {args.command}"
@@ -65,9 +134,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return INTERRUPTED
     finally:
-        if in_main_thread:  # None: a handler not set from Python, left to the default
+        if in_main_thread:
+            _Interrupt.ending = True  # the watcher stops; a Ctrl-C now changes nothing
+            if _Interrupt.watcher is not None:
+                _Interrupt.watcher.join()
+            # None: a handler not set from Python, left to the default (setting it runs
+            # `_interrupt` first for a signal still pending)
             signal.signal(signal.SIGINT, previous if previous is not None
                           else signal.default_int_handler)
+            sys.unraisablehook = _Interrupt.hook
+            _Interrupt.raised, _Interrupt.watcher = [], None
 
 
 if __name__ == "__main__":

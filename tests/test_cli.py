@@ -91,6 +91,88 @@ def test_ctrl_c_is_one_line_exit_130_and_stops_the_devices(monkeypatch, capsys, 
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def _ctrl_c_inside(where: str) -> None:
+    """Sends this process SIGINT from code whose exceptions Python drops (reporting them
+    to sys.unraisablehook) or that swallows them, so the handler's KeyboardInterrupt is
+    raised there and lost."""
+    import gc
+    import signal
+    import weakref
+
+    def ctrl_c(*args) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs here, between these bytecodes
+            pass
+
+    class Dropped:
+        def __del__(self):
+            ctrl_c()
+
+    if where == "__del__":
+        Dropped()
+    elif where == "gc callback":  # as jax's own callback, where a real one landed
+        gc.callbacks.append(ctrl_c)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(ctrl_c)
+    elif where == "weakref finalizer":
+        obj = type("Obj", (), {})()
+        weakref.finalize(obj, ctrl_c)
+        del obj
+    else:  # a bare except, as grpc's channels have in __del__
+        try:
+            ctrl_c()
+        except:  # noqa: E722
+            pass
+
+
+@pytest.mark.parametrize("where", ["__del__", "gc callback", "weakref finalizer",
+                                   "bare except"])
+@pytest.mark.parametrize("later", [0, 1, 3])
+def test_a_ctrl_c_raised_where_python_drops_exceptions_still_stops_the_command(
+        monkeypatch, capsys, where, later):
+    """A Ctrl-C whose KeyboardInterrupt lands in a gc callback, a __del__ or a weakref
+    finalizer (Python reports it as unraisable and goes on), or in a bare except that
+    swallows it, still ends the command: one line and 130, not the command running to its end; it lands `later` steps into the
+    command's work, and a second Ctrl-C during the cleanup stays ignored."""
+    import signal
+    import time
+
+    from fax_bridge.tff import cli as tff_cli
+
+    hook = sys.unraisablehook
+    done, cleaned = [], []
+
+    def export_tff(*args, **kwargs):
+        try:
+            for call in range(later + 100):  # the work goes on for 0.2 s after it
+                if call == later:
+                    _ctrl_c_inside(where)
+                time.sleep(0.002)
+            done.append("ran to its end")  # only when the interrupt was lost
+            return 0
+        except KeyboardInterrupt:
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C, during the cleanup
+            for _ in range(1000):
+                pass
+            cleaned.append("cleaned up")
+            raise
+
+    monkeypatch.setattr(tff_cli, "export_tff", export_tff)
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:  # (an xdist worker ignores SIGINT, and so would the command)
+        before = signal.getsignal(signal.SIGINT)
+        code = cli.main(["export", f"{QUICKSTART}:fedavg_round", "--clients", "2"])
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    assert (code, done, cleaned) == (130, [], ["cleaned up"])
+    assert capsys.readouterr().err == "fax-bridge export: interrupted (Ctrl-C); the " \
+        "processes it started are stopped\n"
+    assert after is before and sys.unraisablehook is hook
+
+
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
                     reason="needs /proc/PID/task/PID/children")
 def test_a_real_ctrl_c_while_devices_start(tmp_path):
