@@ -66,6 +66,12 @@ def available() -> bool:
             and hasattr(socket, "send_fds") and hasattr(signal, "pidfd_send_signal"))
 
 
+# Variables that change from one request to the next and that no import reads: the test
+# runner's name of the test running now (pytest sets it for each test's every phase).
+# They stay out of `shared`'s key, so a suite's fleets share one server; each child gets
+# the requester's own value.
+VOLATILE = ("PYTEST_CURRENT_TEST",)
+
 _servers: dict = {}  # (python, environment, modules) -> the server `shared` started
 _failed: dict = {}  # the same keys -> (pid, ForkServerError) of a start that failed
 _servers_lock = threading.Lock()
@@ -284,11 +290,13 @@ class ForkServer:
 def shared(python: str, env: dict, modules: Sequence[str], secrets: Sequence[str] = (),
            startup_timeout_s: float = 120.0) -> ForkServer:
     """The server for children started by `python` in `env` (less the `secrets`
-    variables) having imported `modules`: started on first use, kept while it runs. A
+    variables; `VOLATILE` ones are not told apart) having imported `modules`: started
+    on first use, kept while it runs. A
     server that failed to start is not tried again by this process: its error is
     raised again at once (each of a fleet's devices would otherwise pay a start)."""
     server_env = {k: v for k, v in env.items() if k not in secrets}
-    key = (python, tuple(sorted(server_env.items())), tuple(modules))
+    key = (python, tuple(sorted((k, v) for k, v in server_env.items() if k not in VOLATILE)),
+           tuple(modules))
     with _servers_lock:
         failed = _failed.get(key)
         if failed is not None and failed[0] == os.getpid():

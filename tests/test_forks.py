@@ -74,6 +74,28 @@ def test_fleets_fork_their_devices_from_one_server_that_never_holds_a_token():
     assert security.TOKEN_ENV.encode() not in environ
 
 
+def test_one_server_serves_requests_whose_environments_differ_only_in_volatile_names():
+    """pytest names the running test in PYTEST_CURRENT_TEST, so every test's fleet
+    would otherwise start (and pay the imports of) a server of its own; a change of
+    any other variable still gets its own server, since imports may read it."""
+    base = {k: v for k, v in _device_env(FAX_BRIDGE_FORKS_TEST="1").items()
+            if k != security.TOKEN_ENV}
+    started = []
+    try:
+        first = forks.shared(sys.executable, dict(base, PYTEST_CURRENT_TEST="a (call)"),
+                             ("json",))
+        started.append(first)
+        again = forks.shared(sys.executable, dict(base, PYTEST_CURRENT_TEST="b (setup)"),
+                             ("json",))
+        other = forks.shared(sys.executable, dict(base, FAX_BRIDGE_FORKS_TEST="2"),
+                             ("json",))
+        started.append(other)
+        assert again is first and other is not first and other.pid != first.pid
+    finally:
+        for server in started:
+            server.close()
+
+
 # A device stops cleanly on SIGTERM and SIGINT; any other signal ends it as it would end
 # a fresh interpreter, which subprocess reports as minus the signal's number.
 @settings(max_examples=6, deadline=None)
