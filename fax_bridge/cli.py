@@ -85,16 +85,17 @@ def _interrupt(signum, frame) -> None:
     is still on its way up (being handled: a cleanup runs), and raise it again where it
     was lost: raised in code whose exceptions Python drops (a garbage-collector callback
     such as jax's, a `__del__`, a weakref callback) or swallowed by a bare `except`
-    (grpc's channels do that when collected)."""
-    if _Interrupt.ending or _in_hook(frame) or (
-            _Interrupt.raised and _ours(sys.exc_info()[1])):
+    (grpc's channels do that when collected). Inside the unraisable hook, where a raise
+    would be dropped too, it is only noted, and the watcher asks again in a moment."""
+    if _Interrupt.ending or (_Interrupt.raised and _ours(sys.exc_info()[1])):
         return
     _Interrupt.raised.append(KeyboardInterrupt())
     if _Interrupt.watcher is None:
         _Interrupt.watcher = threading.Thread(target=_watch, daemon=True,
                                               name="fax-bridge-ctrl-c")
         _Interrupt.watcher.start()
-    raise _Interrupt.raised[-1]
+    if not _in_hook(frame):
+        raise _Interrupt.raised[-1]
 
 
 def _watch() -> None:
@@ -110,7 +111,7 @@ def _unraisable(args) -> None:
     """`sys.unraisablehook` while `main` runs: a KeyboardInterrupt of ours that Python
     dropped is not printed (the watcher has it raised again); anything else goes to the
     hook that was there before."""
-    if not _ours(args.exc_value):
+    if not any(args.exc_value is raised for raised in _Interrupt.raised):
         _Interrupt.hook(args)
 
 

@@ -291,9 +291,9 @@ def shared(python: str, env: dict, modules: Sequence[str], secrets: Sequence[str
            startup_timeout_s: float = 120.0) -> ForkServer:
     """The server for children started by `python` in `env` (less the `secrets`
     variables; `VOLATILE` ones are not told apart) having imported `modules`: started
-    on first use, kept while it runs. A
-    server that failed to start is not tried again by this process: its error is
-    raised again at once (each of a fleet's devices would otherwise pay a start)."""
+    on first use, kept while it runs. A server that failed to start is not tried again
+    by this process: its error is raised again at once (each of a fleet's devices would
+    otherwise pay a start)."""
     server_env = {k: v for k, v in env.items() if k not in secrets}
     key = (python, tuple(sorted((k, v) for k, v in server_env.items() if k not in VOLATILE)),
            tuple(modules))

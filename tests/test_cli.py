@@ -91,57 +91,71 @@ def test_ctrl_c_is_one_line_exit_130_and_stops_the_devices(monkeypatch, capsys, 
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def _ctrl_c(*args) -> None:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):  # the handler runs here, between these bytecodes
+        pass
+
+
 def _ctrl_c_inside(where: str) -> None:
     """Sends this process SIGINT from code whose exceptions Python drops (reporting them
-    to sys.unraisablehook) or that swallows them, so the handler's KeyboardInterrupt is
-    raised there and lost."""
+    to sys.unraisablehook), that swallows them, or from the unraisable hook itself while
+    it reports another exception, so the handler's KeyboardInterrupt is raised there and
+    lost."""
     import gc
-    import signal
     import weakref
-
-    def ctrl_c(*args) -> None:
-        os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(1000):  # the handler runs here, between these bytecodes
-            pass
 
     class Dropped:
         def __del__(self):
-            ctrl_c()
+            if where == "unraisable hook":
+                raise ValueError("dropped, then reported by the hook")
+            _ctrl_c()
 
-    if where == "__del__":
+    if where in ("__del__", "unraisable hook"):
         Dropped()
     elif where == "gc callback":  # as jax's own callback, where a real one landed
-        gc.callbacks.append(ctrl_c)
+        gc.callbacks.append(_ctrl_c)
         try:
             gc.collect()
         finally:
-            gc.callbacks.remove(ctrl_c)
+            gc.callbacks.remove(_ctrl_c)
     elif where == "weakref finalizer":
         obj = type("Obj", (), {})()
-        weakref.finalize(obj, ctrl_c)
+        weakref.finalize(obj, _ctrl_c)
         del obj
     else:  # a bare except, as grpc's channels have in __del__
         try:
-            ctrl_c()
+            _ctrl_c()
         except:  # noqa: E722
             pass
 
 
 @pytest.mark.parametrize("where", ["__del__", "gc callback", "weakref finalizer",
-                                   "bare except"])
+                                   "bare except", "unraisable hook"])
 @pytest.mark.parametrize("later", [0, 1, 3])
 def test_a_ctrl_c_raised_where_python_drops_exceptions_still_stops_the_command(
         monkeypatch, capsys, where, later):
     """A Ctrl-C whose KeyboardInterrupt lands in a gc callback, a __del__ or a weakref
-    finalizer (Python reports it as unraisable and goes on), or in a bare except that
-    swallows it, still ends the command: one line and 130, not the command running to its end; it lands `later` steps into the
-    command's work, and a second Ctrl-C during the cleanup stays ignored."""
+    finalizer (Python reports it as unraisable and goes on), in a bare except that
+    swallows it, or in the unraisable hook reporting another exception, still ends the
+    command (and only that other exception is reported): one line and 130, not the
+    command running to its end; it lands `later` steps into the command's work, and a
+    second Ctrl-C during the cleanup stays ignored."""
     import signal
     import time
 
     from fax_bridge.tff import cli as tff_cli
 
-    hook = sys.unraisablehook
+    reported = []
+
+    def reporting(args) -> None:  # the hook before the command's (pytest's, a user's)
+        reported.append(args.exc_type)
+        if where == "unraisable hook":
+            _ctrl_c()
+
+    monkeypatch.setattr(sys, "unraisablehook", reporting)
     done, cleaned = [], []
 
     def export_tff(*args, **kwargs):
@@ -170,7 +184,8 @@ def test_a_ctrl_c_raised_where_python_drops_exceptions_still_stops_the_command(
     assert (code, done, cleaned) == (130, [], ["cleaned up"])
     assert capsys.readouterr().err == "fax-bridge export: interrupted (Ctrl-C); the " \
         "processes it started are stopped\n"
-    assert after is before and sys.unraisablehook is hook
+    assert after is before and sys.unraisablehook is reporting
+    assert reported == ([ValueError] if where == "unraisable hook" else [])  # not ours
 
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
