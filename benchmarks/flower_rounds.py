@@ -20,12 +20,16 @@ in turn, `--repeats` times each:
   naming its cohort clients, replies pulled every 0.05 s.
   Per round (both): `configure_train` to the aggregated model, in the ServerApp.
 
+The ServerApp and ClientApp processes are forked from a server per host that has Flower
+loaded (`fax_bridge.flower.forked_apps`, the deployment's default); with
+`--fresh-apps` each is Flower's own command, a fresh interpreter.
+
 Every round of every repeat is kept; the first of a run is set apart (nodes start,
 the warm workers compile). Then, for scale, the same workload on a `LocalFleet` of 2
 devices (`peers/fax_bridge_peer.py --mode fleet`). Results go to `--json`.
 
     .venv/bin/python benchmarks/flower_rounds.py [--rounds 6] [--repeats 2] [--json OUT]
-        [--systems fax_bridge flower flower_matched fleet]
+        [--systems fax_bridge flower flower_matched fleet] [--fresh-apps]
 """
 
 from __future__ import annotations
@@ -197,6 +201,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--fresh-apps", action="store_true",
+                        help="ServerApp and ClientApp processes as Flower's own commands "
+                             "(fresh interpreters), not forked")
     args = parser.parse_args()
     sys.path.insert(0, PEERS)
     import workload
@@ -206,7 +213,9 @@ def main() -> int:
                                 f"{os.getloadavg()[0]:.1f} at start",
                      "rounds": args.rounds, "repeats": args.repeats,
                      "deployment": f"1 SuperLink, {NODES} SuperNodes on loopback, warm "
-                                   "fax_bridge workers, SuperExec task poll 0.05 s",
+                                   "fax_bridge workers, SuperExec task poll 0.05 s, app "
+                                   "processes " + ("fresh" if args.fresh_apps else
+                                                   "forked"),
                      "runs": {}}
     deployed = [s for s in args.systems if s != "fleet"]
     with tempfile.TemporaryDirectory(prefix="flower-rounds-") as folder:
@@ -217,7 +226,8 @@ def main() -> int:
                 "flower": write_flower_app(folder, data, args.seed)}
         if deployed:
             start = time.perf_counter()
-            with LocalDeployment(configs, os.path.join(folder, "flwr")) as deployment:
+            with LocalDeployment(configs, os.path.join(folder, "flwr"),
+                                 fork_apps=not args.fresh_apps) as deployment:
                 results["start_s"] = time.perf_counter() - start
                 for repeat in range(args.repeats):
                     for system in deployed:

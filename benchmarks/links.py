@@ -7,7 +7,9 @@ pair whose node end is shaped to the uplink rate and whose hub end to the downli
 (`tc tbf` on each end's egress). The deployment is `fax_bridge.flower.deployment.
 LocalDeployment` bound to 10.77.0.1 with each SuperNode and its warm worker run in its
 node's namespace (`wrap`), TLS on (a CA and a SuperLink certificate for 10.77.0.1,
-`security.local_credentials`): the code a multi-host deployment runs.
+`security.local_credentials`): the code a multi-host deployment runs. Its ServerApp
+and ClientApp processes are Flower's own commands, fresh interpreters
+(`fork_apps=False`), for both apps.
 
 Two apps run on it, in turns, `--repeats` times each per link: fax_bridge's (a FedAvg
 round `params * 0.5 + x_c`, weighted by each client's count (and the counts' sum as
@@ -206,7 +208,7 @@ def inside(args: argparse.Namespace) -> int:
                 sub = os.path.join(folder, f"{size}-{per_node}")
                 configs, apps = write_apps(sub, size, args.nodes, per_node, creds)
                 with LocalDeployment(configs, os.path.join(sub, "flwr"), host=HUB_IP,
-                                     wrap=network.wrap, credentials=creds,
+                                     wrap=network.wrap, credentials=creds, fork_apps=False,
                                      start_timeout_s=600) as deployment:
                     for up, down in links:
                         for k in range(args.nodes):
@@ -376,7 +378,7 @@ def faults(args: argparse.Namespace) -> int:
         creds = local_credentials(os.path.join(folder, "creds"), hosts=[HUB_IP])
         configs, apps = write_apps(folder, args.sizes[0], args.nodes, 1, creds)
         with LocalDeployment(configs, os.path.join(folder, "flwr"), host=HUB_IP,
-                             wrap=network.wrap, credentials=creds,
+                             wrap=network.wrap, credentials=creds, fork_apps=False,
                              start_timeout_s=600) as deployment:
             found = fault_runs(args, deployment, network, apps["fax_bridge"], folder)
     if args.json:

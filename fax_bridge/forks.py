@@ -3,17 +3,22 @@
 A device process spends most of its start importing jax, grpc and fax_bridge (about
 three CPU-seconds, several times that on a busy machine), and its XLA import helper
 another half second loading jaxlib; a fleet starts several of each. So `LocalFleet`
-starts its devices through a fork server: one process, `python -m fax_bridge.forks FD
-IDLE_SECONDS MODULE...`, imports the given modules once (it starts no thread and no XLA
-backend, and checks that it runs one thread), then forks a child for each request. A
-child runs a module as `python -m MODULE ARGS...` would (`runpy`, as `__main__`), with
-the arguments, environment, working directory and CPUs it was given, its standard
-streams on the descriptors the requester sent, in a session of its own: the process a
-fresh interpreter would be, less the imports.
+starts its devices through a fork server: one process, `python PATH/forks.py FD
+IDLE_SECONDS MODULE...` (by path: no package imported that no module needs), imports
+the given modules once (it starts no thread and no XLA backend, and checks that it
+runs one thread), then forks a child for each request. A child runs a module as
+`python -m MODULE ARGS...` would (`runpy`, as `__main__`), or an entry point
+`MODULE:FUNCTION` as its console script would (`sys.argv` is the request's argv, its
+first the command's name), with the environment, working directory and CPUs it was
+given, its standard streams on the descriptors the requester sent, in a session of its
+own: the process a fresh interpreter would be, less the imports.
 
 A forked child can ask the same server for children of its own (`inherited()`: a device
 forks its XLA import helper so): each child gets its own socket to the server, named by
-`FAX_BRIDGE_FORK_SERVER` ("FD:PID", valid only in that process).
+`FAX_BRIDGE_FORK_SERVER` ("FD:PID", valid only in that process). A server started with
+`listen=PATH` also takes requesters that connect to that Unix socket (`connect(PATH)`):
+any process of the same user, such as the ClientApp commands Flower's SuperNodes start
+(`flower.forked_apps`).
 
 One server serves every request of a launching process that uses the same interpreter,
 environment and modules (`shared`; secrets such as the fleet token travel with each
@@ -23,7 +28,8 @@ children watching their parent then see it gone; it also exits after `IDLE_SECON
 no request and no child alive.
 
 Protocol: datagrams on Unix SOCK_SEQPACKET sockets, each a JSON object, descriptors
-passed beside them (SCM_RIGHTS). The server first says `{"ready": pid}`. A request
+passed beside them (SCM_RIGHTS). The server first says `{"ready": pid}` (also to each
+requester that connects, once it has checked it runs as the server's user). A request
 `{"run": module, "argv", "env", "cwd", "cpus", "stdin"}` with [stdin if asked, stdout,
 stderr] is answered `{"pid": N}` with a pidfd of the child; `{"status": pid}` (asked once
 the pidfd says the child ended) is answered `{"returncode": code}` as `subprocess` gives
@@ -145,15 +151,26 @@ class ForkServer:
 
     @classmethod
     def start(cls, python: str, env: dict, modules: Sequence[str],
-              startup_timeout_s: float = 120.0,
-              idle_seconds: float = IDLE_SECONDS) -> "ForkServer":
-        """A new server run by `python` in `env`, having imported `modules`."""
+              startup_timeout_s: float = 120.0, idle_seconds: float = IDLE_SECONDS, *,
+              listen: Optional[str] = None, prefix: Sequence[str] = (),
+              log_path: Optional[str] = None) -> "ForkServer":
+        """A new server run by `python` in `env`, having imported `modules`.
+
+        Args:
+            listen: a path for a Unix socket where other processes of this user connect
+                as requesters (`connect`); its folder should be private (mode 0700).
+            prefix: the command it runs under (`ip netns exec HOST`: its children too).
+            log_path: the server's stderr, where it also writes a line for each child
+                it forks; by default a temporary file, read for the reason it exited.
+        """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        log = tempfile.TemporaryFile()
+        log = open(log_path, "ab+") if log_path else tempfile.TemporaryFile()
+        options = (["--listen", listen] if listen else []) + (
+            ["--log-children"] if log_path else [])
         try:
             proc = subprocess.Popen(
-                [python, "-m", "fax_bridge.forks", str(theirs.fileno()), str(idle_seconds),
-                 *modules],
+                [*prefix, python, os.path.abspath(__file__), str(theirs.fileno()),
+                 str(idle_seconds), *options, *modules],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         except OSError as e:
@@ -164,14 +181,32 @@ class ForkServer:
             theirs.close()
         server = cls(ours, 0, proc, log)
         try:
-            hello = server._receive(startup_timeout_s)[0]
-            if "ready" not in hello:
-                raise ForkServerError(f"the fork server refused to serve: {hello.get('error')}")
+            server.pid = server._hello(startup_timeout_s)
         except ForkServerError:
             server.close()
             raise
-        server.pid = int(hello["ready"])
         return server
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = 30.0) -> "ForkServer":
+        """A handle on the server listening at `path` (`start(listen=path)`)."""
+        server = cls(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET), 0)
+        try:
+            try:
+                server._sock.connect(path)
+            except OSError as e:
+                raise ForkServerError(f"no fork server listens at {path} ({e})") from None
+            server.pid = server._hello(timeout_s)
+        except ForkServerError:
+            server.close()
+            raise
+        return server
+
+    def _hello(self, timeout_s: float) -> int:
+        hello = self._receive(timeout_s)[0]
+        if "ready" not in hello:
+            raise ForkServerError(f"the fork server refused to serve: {hello.get('error')}")
+        return int(hello["ready"])
 
     @classmethod
     def inherited(cls) -> Optional["ForkServer"]:
@@ -225,24 +260,30 @@ class ForkServer:
         return os.getpid() == self._owner and (self._proc is None or self._proc.poll() is None)
 
     def run(self, module: str, argv: Sequence[str], *, env: dict, cwd: str,
-            cpus: Optional[set] = None, stderr_fd: int, stdin_pipe: bool = False
-            ) -> ForkedProcess:
-        """Forks a child running `python -m module *argv`. Its stdout is a pipe (the
-        result's `stdout`), its stdin one too with `stdin_pipe` (else /dev/null), its
-        stderr `stderr_fd`."""
+            cpus: Optional[set] = None, stderr_fd: int = 2, stdin_pipe: bool = False,
+            stdio: Optional[Sequence[int]] = None) -> ForkedProcess:
+        """Forks a child running `python -m module *argv`, or the entry point
+        `module:function` with `sys.argv = argv`. Its stdout is a pipe (the result's
+        `stdout`), its stdin one too with `stdin_pipe` (else /dev/null), its stderr
+        `stderr_fd`; or, with `stdio`, its standard streams are those three descriptors
+        (a command that forks its work in its own place passes its own: 0, 1, 2)."""
         mine, theirs = [], []
         try:
-            out_r, out_w = os.pipe()
-            mine.append(out_r)
-            theirs.append(out_w)
-            if stdin_pipe:
-                in_r, in_w = os.pipe()
-                mine.append(in_w)
-                theirs.insert(0, in_r)
+            if stdio is None:
+                out_r, out_w = os.pipe()
+                mine.append(out_r)
+                theirs.append(out_w)
+                if stdin_pipe:
+                    in_r, in_w = os.pipe()
+                    mine.append(in_w)
+                    theirs.insert(0, in_r)
+                sent = theirs + [stderr_fd]
+            else:
+                stdin_pipe, sent = False, list(stdio)
             answer, fds = self._ask(
                 {"run": module, "argv": list(argv), "env": env, "cwd": cwd,
-                 "cpus": sorted(cpus) if cpus is not None else None, "stdin": stdin_pipe},
-                theirs + [stderr_fd])
+                 "cpus": sorted(cpus) if cpus is not None else None,
+                 "stdin": stdin_pipe or stdio is not None}, sent)
         except BaseException:
             for fd in mine:
                 os.close(fd)
@@ -255,7 +296,8 @@ class ForkServer:
                 os.close(fd)
             raise ForkServerError(f"the fork server could not fork: {answer.get('error')}")
         stdin = open(mine[1], "wb", buffering=0) if stdin_pipe else None
-        return ForkedProcess(self, int(answer["pid"]), fds[0], stdin, open(mine[0], "rb"))
+        stdout = open(mine[0], "rb") if stdio is None else None
+        return ForkedProcess(self, int(answer["pid"]), fds[0], stdin, stdout)
 
     def returncode(self, pid: int, wait_s: float = 5.0) -> int:
         """The exit status of a child whose pidfd says it ended (asked again for up to
@@ -363,6 +405,8 @@ def _checked(data: bytes, fds: int) -> dict:
     if request["cpus"] is not None and not all(type(c) is int and c >= 0
                                                for c in request["cpus"]):
         raise ValueError(f"cpus is {request['cpus']!r}")
+    if ":" in request["run"] and not request["argv"]:
+        raise ValueError("an entry point's argv starts with the command's name")
     if fds != 2 + request["stdin"]:
         raise ValueError(f"{fds} descriptors with a run request (stdin={request['stdin']})")
     return request
@@ -393,11 +437,31 @@ def _become_child(request: dict, fds: list, own: socket.socket, others: list) ->
     raise _Child(request["run"], list(request["argv"]))
 
 
-def _serve(launcher: socket.socket, idle_seconds: float) -> None:
+def _accept(listener: socket.socket, sockets: list) -> None:
+    """Takes a requester connecting to the listening socket if it runs as our user."""
+    try:
+        sock, _ = listener.accept()
+    except OSError:
+        return
+    uid = int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8],
+                         sys.byteorder)
+    try:
+        _send(sock, {"ready": os.getpid()} if uid == os.getuid() else
+              {"error": f"a requester of user {uid}, not {os.getuid()}"})
+    except OSError:
+        uid = -1
+    if uid == os.getuid():
+        sockets.append(sock)
+    else:
+        sock.close()
+
+
+def _serve(launcher: socket.socket, idle_seconds: float,
+           listener: Optional[socket.socket] = None, log_children: bool = False) -> None:
     """Forks children on request until the launcher's end closes or the server idles."""
     statuses: dict[int, int] = {}
     live: set[int] = set()
-    sockets = [launcher]  # the launcher's, then each live child's
+    sockets = [launcher]  # the launcher's, then each live child's and connected requester's
     quiet_since = time.monotonic()
 
     def reap() -> None:
@@ -414,13 +478,16 @@ def _serve(launcher: socket.socket, idle_seconds: float) -> None:
 
     while True:
         reap()
-        ready = select.select(sockets, [], [], 1.0)[0]
+        ready = select.select(sockets + ([listener] if listener else []), [], [], 1.0)[0]
         if not ready:
             if not live and time.monotonic() - quiet_since > idle_seconds:
                 return
             continue
         quiet_since = time.monotonic()
         for sock in ready:
+            if sock is listener:
+                _accept(listener, sockets)
+                continue
             data, fds, _, _ = socket.recv_fds(sock, MAX_DATAGRAM, 3)
             if not data:
                 if sock is launcher:
@@ -461,7 +528,8 @@ def _serve(launcher: socket.socket, idle_seconds: float) -> None:
                 continue
             if pid == 0:
                 try:
-                    _become_child(request, fds, own, sockets + [kept])
+                    _become_child(request, fds, own,
+                                  sockets + [kept] + ([listener] if listener else []))
                 except _Child:
                     raise
                 except BaseException as e:  # its log says why; the requester sees it end
@@ -471,6 +539,9 @@ def _serve(launcher: socket.socket, idle_seconds: float) -> None:
             own.close()
             sockets.append(kept)
             live.add(pid)
+            if log_children:
+                os.write(2, f"fax_bridge.forks: forked {pid} to run {request['run']}\n"
+                         .encode(errors="replace"))
             for fd in fds:
                 os.close(fd)
             pidfd = os.pidfd_open(pid)
@@ -485,8 +556,20 @@ def main(argv: Sequence[str]) -> int:
     import runpy
 
     launcher = socket.socket(fileno=int(argv[0]))
+    modules, listener, log_children = list(argv[2:]), None, False
+    if modules[:1] == ["--listen"]:
+        path, modules = modules[1], modules[2:]
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(path)
+            listener.listen(64)
+        except OSError as e:
+            _send(launcher, {"error": f"cannot listen at {path}: {e}"})
+            return 1
+    if modules[:1] == ["--log-children"]:
+        log_children, modules = True, modules[1:]
     try:
-        for name in argv[2:]:
+        for name in modules:
             importlib.import_module(name)
         threads = len(os.listdir("/proc/self/task"))
         if threads != 1:
@@ -494,12 +577,24 @@ def main(argv: Sequence[str]) -> int:
                                       "needs one; set OMP_NUM_THREADS=1)"})
             return 1
         _send(launcher, {"ready": os.getpid()})
-        _serve(launcher, float(argv[1]))
+        try:
+            _serve(launcher, float(argv[1]), listener, log_children)
+        finally:  # in the server, not in a child leaving through _Child
+            if listener is not None and listener.fileno() >= 0:
+                listener.close()
+                os.unlink(path)
     except _Child as child:
-        sys.argv = [child.module, *child.argv]
-        runpy.run_module(child.module, run_name="__main__", alter_sys=True)
+        module, _, function = child.module.partition(":")
+        if not function:
+            sys.argv = [child.module, *child.argv]
+            runpy.run_module(child.module, run_name="__main__", alter_sys=True)
+            return 0
+        sys.argv = child.argv
+        return getattr(importlib.import_module(module), function)()
     return 0
 
 
 if __name__ == "__main__":
+    if not __package__:  # run by its path (no package imported): as `-m` would, the
+        sys.path[0] = os.getcwd()  # working directory leads the path, not this folder
     sys.exit(main(sys.argv[1:]))

@@ -210,7 +210,7 @@ def test_a_real_ctrl_c_while_devices_start(tmp_path):
     while len(devices) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
         devices = [pid for pid in descendants(proc.pid) if _is_device(pid) and not (
-            parent(pid) == proc.pid and b"fax_bridge.forks" in _cmdline(pid))]
+            parent(pid) == proc.pid and b"fax_bridge/forks.py" in _cmdline(pid))]
     assert len(devices) >= 2, "the command never started its devices"
     started = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)

@@ -1148,6 +1148,11 @@ def test_check_parity_on_a_deployment_runs_fed_avg_on_digits_as_jit_does(digits,
     text = report.table()
     assert "Flower deployment of 2 SuperNode(s)" in text and "PARITY OK" in text
     assert "the same bits as the fleet's round plan: yes" in text
+    # The run's ServerApp and every ClientApp (a query and two rounds a node) were forked
+    # from their host's server, which has Flower loaded (`forked_apps`).
+    forked = {name: f.forked() for name, f in deployed.deployment.forks.items()}
+    assert forked["superlink"] >= 1 and forked["supernode-0"] >= 3, forked
+    assert forked["supernode-1"] >= 3, forked
 
 
 @pytest.mark.slow

@@ -80,13 +80,13 @@ def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
                         names.append(f.read().replace(b"\0", b" ").decode())
                 except OSError:
                     pass
-            if any("flower-supernode" in n for n in names) and any(
-                    "fax_bridge.flower.worker" in n for n in names):
+            if all(any(part in n for n in names) for part in (
+                    "flower-supernode", "fax_bridge.flower.worker", "fax_bridge/forks.py")):
                 started = below
                 break
             time.sleep(0.5)
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert started, "the worker and the SuperNode did not both start"
+        assert started, "the worker, the SuperNode and the fork server did not all start"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         end = time.monotonic() + 30

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -205,3 +206,55 @@ def test_a_request_the_server_cannot_serve_is_answered_and_serving_goes_on(serve
         answer, fds = server._receive(30)
     assert fds == [] and set(answer) == {"error"} and answer["error"], answer
     assert server.returncode(os.getpid(), wait_s=0) == -signal.SIGKILL  # not its child
+
+
+_CONNECT_AS_ANOTHER_USER = """
+import json, socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sock.connect(sys.argv[1])
+print(json.loads(sock.recv(4096)))
+"""
+
+
+def test_a_listening_server_serves_its_users_processes_and_refuses_others(tmp_path):
+    """A server started with `listen=PATH` serves whoever connects as its own user (an
+    entry point runs as its console script would: argv as given, the exit status its
+    return), refuses an entry point without the command's name, answers a requester of
+    another user with an error naming that user, and removes the socket when it ends."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    try:
+        os.chmod(folder, 0o755)
+        path = os.path.join(folder, "forks.sock")
+        server = forks.ForkServer.start(sys.executable, dict(os.environ, OMP_NUM_THREADS="1"),
+                                        ("json.tool",),
+                                        listen=path, log_path=str(tmp_path / "log"))
+        connected = forks.ForkServer.connect(path)
+        assert connected.pid == server.pid
+        (tmp_path / "in.json").write_text('{"a": [1, 2]}')
+        read, write = os.pipe()
+        with open(os.devnull, "rb") as devnull:
+            child = connected.run("json.tool:main", ["json-tool", "--compact",
+                                                     str(tmp_path / "in.json")],
+                                  env=dict(os.environ), cwd=str(tmp_path),
+                                  stdio=(devnull.fileno(), write, 2))
+        os.close(write)
+        with open(read, "rb") as out:
+            assert out.read() == b'{"a":[1,2]}\n'
+        assert child.wait(60) == 0 and child.stdout is None
+        with pytest.raises(forks.ForkServerError, match="command's name"):
+            connected.run("json.tool:main", [], env={}, cwd="/", stdio=(0, 1, 2))
+        assert "forked" in (tmp_path / "log").read_text()
+        if os.getuid() == 0 and shutil.which("python3", path="/usr/bin"):
+            os.chmod(path, 0o777)
+            other = subprocess.run(["/usr/bin/python3", "-c", _CONNECT_AS_ANOTHER_USER,
+                                    path], user=65534, capture_output=True, text=True,
+                                   timeout=60)
+            assert "a requester of user 65534, not 0" in other.stdout, other.stderr
+        connected.close()
+        server.close()
+        assert not os.path.exists(path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

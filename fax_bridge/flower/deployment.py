@@ -14,9 +14,11 @@ private key; a SuperNode whose key is not registered is refused by the SuperLink
 with `warm=True` (the default) a warm worker per SuperNode (`worker`; the node's config
 then names it), each in a process group of its own so that `stop()` (also on leaving
 the `with`) ends it and every process it started (SuperExec, ServerApp and ClientApp
-processes). Flower's commands are found beside the
-running Python, and that folder leads PATH, because the SuperLink and SuperNodes start
-`flower-superexec` by name. Apps' dependencies are not installed at run time
+processes). With `fork_apps=True` (the default) the SuperLink and each SuperNode have a
+fork server that has Flower loaded, and the ServerApp and ClientApp processes their
+SuperExecs start are forked from it (`forked_apps`: Flower's own commands less their
+imports). Flower's commands are found beside the running Python, and that folder leads
+PATH, because the SuperLink and SuperNodes start `flower-superexec` by name. Apps' dependencies are not installed at run time
 (`--disable-runtime-dependency-installation`): fax_bridge and flwr are already here.
 
 By default everything listens on loopback. `host="10.0.0.1"` binds the SuperLink to
@@ -31,6 +33,7 @@ its SuperNode on that node's loopback.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -41,6 +44,7 @@ from typing import Callable, Optional
 
 from fax_bridge.errors import FleetError
 
+log = logging.getLogger("fax_bridge.flower")
 CONNECTION = "fax-bridge"
 LOOPBACK = "127.0.0.1"
 
@@ -227,7 +231,7 @@ class LocalDeployment:
     def __init__(self, nodes: list, home: str, *, warm: bool = True, poll_s: float = 0.05,
                  log_dir: Optional[str] = None, start_timeout_s: float = 120.0,
                  credentials=None, host: str = LOOPBACK,
-                 wrap: Optional[Callable[[str], list]] = None):
+                 wrap: Optional[Callable[[str], list]] = None, fork_apps: bool = True):
         self.nodes = [dict(n) for n in nodes]
         self.host = host
         self.wrap = wrap or (lambda name: [])
@@ -237,7 +241,8 @@ class LocalDeployment:
             raise FleetError(f"{len(self.nodes)} SuperNodes but keys for only "
                              f"{len(credentials.node_keys)}; make one key pair per node "
                              "(security.local_credentials(folder, nodes=...))")
-        self.warm = warm
+        self.warm, self.fork_apps = warm, fork_apps
+        self.forks: dict = {}  # "superlink", "supernode-I" -> forked_apps.AppForks
         self.home = os.path.abspath(home)
         self.env = flower_env(self.home, poll_s)
         self.log_dir = log_dir or os.path.join(self.home, "logs")
@@ -268,9 +273,24 @@ class LocalDeployment:
     def _spawn(self, name: str, command: list) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         self._logs.append(log)
-        return subprocess.Popen(self.wrap(name) + command, env=self.env, stdout=log,
+        forks = self.forks.get(name)
+        return subprocess.Popen(self.wrap(name) + command,
+                                env=self.env if forks is None else forks.env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
+
+    def _start_forks(self) -> None:
+        """A fork server for the SuperLink's and each SuperNode's Flower commands, each
+        starting on a thread of its own (`forked_apps.AppForks`)."""
+        from fax_bridge.flower import forked_apps
+
+        node_modules = forked_apps.NODE_MODULES if self.warm else \
+            forked_apps.COLD_NODE_MODULES
+        hosts = {"superlink": forked_apps.LINK_MODULES}
+        hosts.update({f"supernode-{i}": node_modules for i in range(len(self.nodes))})
+        for name, modules in hosts.items():
+            self.forks[name] = forked_apps.AppForks(
+                os.path.join(self.home, "forks", name), self.env, modules, self.wrap(name))
 
     def start(self) -> None:
         """Starts the SuperLink, waits for it, registers the nodes' keys (with node
@@ -282,6 +302,8 @@ class LocalDeployment:
         with open(os.path.join(self.home, "config.toml"), "w") as f:
             f.write(connection_toml(self.address,
                                     root_certificates=creds and creds.ca_cert))
+        if self.fork_apps and not self.forks:
+            self._start_forks()
         self._start_superlink()
         configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
             if self.warm else self.nodes
@@ -292,6 +314,10 @@ class LocalDeployment:
         self._start_supernodes()
         for i, worker in enumerate(self.workers):
             self._wait_worker(i, int(configs[i]["worker"].rsplit(":", 1)[1]), worker)
+        for name, forks in self.forks.items():
+            if not forks.wait(self.start_timeout_s):
+                log.warning("%s starts Flower's own app commands, not forks: %s", name,
+                            forks.error or "its fork server did not start in time")
 
     def _start_supernodes(self) -> None:
         creds = self.credentials
@@ -433,7 +459,9 @@ class LocalDeployment:
         started (SuperExecs, ServerApp and ClientApp processes)."""
         procs = self.supernodes + self.workers + (
             [self.superlink] if self.superlink else [])
-        return [p.pid for p in procs] + [c for p in procs for c in descendants(p.pid)]
+        pids = [p.pid for p in procs] + [pid for f in self.forks.values()
+                                         for pid in f.pids()]
+        return pids + [c for pid in pids for c in descendants(pid)]
 
     def log(self, name: str) -> str:
         """The output so far of `superlink` or `supernode-I`."""
@@ -446,8 +474,11 @@ class LocalDeployment:
                 [self.superlink] if self.superlink else []):
             end_group(proc)
         self.supernodes, self.workers, self.superlink = [], [], None
-        for log in self._logs:
-            log.close()
+        for forks in self.forks.values():
+            forks.close()
+        self.forks = {}
+        for file in self._logs:
+            file.close()
         self._logs = []
 
 

@@ -10,7 +10,10 @@ once, served on loopback with a token written to a private file), waits until it
 listens, then starts Flower's own `flower-supernode` with a `--node-config` naming the
 worker, and stays in front of both: a SIGTERM or SIGINT ends both, and when either
 exits the other is ended too, each with every process it started; the exit status is
-the SuperNode's. This is the fast path the app README's commands use. `--cold` starts
+the SuperNode's. The ClientApp processes Flower starts for each message are forked from
+a process that has Flower loaded (`forked_apps`; `--no-fork-apps`: Flower's own
+command, a fresh interpreter each). This is the fast path the app README's commands
+use. `--cold` starts
 the SuperNode alone, its node config naming the population: every round's ClientApp
 process then loads jax and compiles the client part itself (the slow path).
 """
@@ -27,6 +30,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from fax_bridge.flower import forked_apps
 from fax_bridge.flower.deployment import (LOOPBACK, end_group, flower_env, free_port,
                                           node_config_text, wait_port)
 from fax_bridge.flower.worker import share_config
@@ -86,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cold", action="store_true",
                         help="no worker: each round's ClientApp loads jax and compiles "
                              "(slow)")
+    parser.add_argument("--no-fork-apps", action="store_true",
+                        help="start each ClientApp as Flower's own command, a fresh "
+                             "interpreter (by default they are forked from a process "
+                             "that has Flower loaded: fax_bridge.flower.forked_apps)")
     parser.add_argument("--start-timeout-s", type=float, default=300.0,
                         help="how long the worker may take to listen")
     return parser
@@ -104,8 +112,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     procs: list = []
+    forks = None
     with tempfile.TemporaryDirectory(prefix="fax-bridge-node-") as folder:
         try:
+            if not args.no_fork_apps:
+                forks = forked_apps.AppForks(
+                    os.path.join(folder, "forks"), dict(os.environ),
+                    forked_apps.COLD_NODE_MODULES if args.cold else forked_apps.NODE_MODULES)
             node_config = config
             if not args.cold:
                 worker, node_config = start_worker(config, folder, args.worker_port)
@@ -126,6 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               f"{args.start_timeout_s}s", file=sys.stderr)
                     return 2 if not stopping else 0
             node = subprocess.Popen(supernode_command(args, node_config),
+                                    env=forks.env if forks else None,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(node)
             while not stopping and all(p.poll() is None for p in procs):
@@ -134,6 +148,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finally:
             for proc in reversed(procs):
                 end_group(proc)
+            if forks is not None:
+                forks.close()
 
 
 if __name__ == "__main__":
