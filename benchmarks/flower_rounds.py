@@ -22,14 +22,16 @@ in turn, `--repeats` times each:
 
 The ServerApp and ClientApp processes are forked from a server per host that has Flower
 loaded (`fax_bridge.flower.forked_apps`, the deployment's default); with
-`--fresh-apps` each is Flower's own command, a fresh interpreter.
+`--fresh-apps` each is Flower's own command, a fresh interpreter. With `--cold` the
+SuperNodes have no warm worker: each ClientApp computes the round itself (`client`),
+compiling its client part every round.
 
 Every round of every repeat is kept; the first of a run is set apart (nodes start,
 the warm workers compile). Then, for scale, the same workload on a `LocalFleet` of 2
 devices (`peers/fax_bridge_peer.py --mode fleet`). Results go to `--json`.
 
     .venv/bin/python benchmarks/flower_rounds.py [--rounds 6] [--repeats 2] [--json OUT]
-        [--systems fax_bridge flower flower_matched fleet] [--fresh-apps]
+        [--systems fax_bridge flower flower_matched fleet] [--fresh-apps] [--cold]
 """
 
 from __future__ import annotations
@@ -204,6 +206,8 @@ def main() -> int:
     parser.add_argument("--fresh-apps", action="store_true",
                         help="ServerApp and ClientApp processes as Flower's own commands "
                              "(fresh interpreters), not forked")
+    parser.add_argument("--cold", action="store_true",
+                        help="no warm workers: each ClientApp computes (and compiles)")
     args = parser.parse_args()
     sys.path.insert(0, PEERS)
     import workload
@@ -212,8 +216,9 @@ def main() -> int:
     results: dict = {"machine": f"{os.cpu_count()} CPUs; load average "
                                 f"{os.getloadavg()[0]:.1f} at start",
                      "rounds": args.rounds, "repeats": args.repeats,
-                     "deployment": f"1 SuperLink, {NODES} SuperNodes on loopback, warm "
-                                   "fax_bridge workers, SuperExec task poll 0.05 s, app "
+                     "deployment": f"1 SuperLink, {NODES} SuperNodes on loopback, "
+                                   + ("no workers" if args.cold else "warm fax_bridge "
+                                      "workers") + ", SuperExec task poll 0.05 s, app "
                                    "processes " + ("fresh" if args.fresh_apps else
                                                    "forked"),
                      "runs": {}}
@@ -227,7 +232,8 @@ def main() -> int:
         if deployed:
             start = time.perf_counter()
             with LocalDeployment(configs, os.path.join(folder, "flwr"),
-                                 fork_apps=not args.fresh_apps) as deployment:
+                                 fork_apps=not args.fresh_apps,
+                                 warm=not args.cold) as deployment:
                 results["start_s"] = time.perf_counter() - start
                 for repeat in range(args.repeats):
                     for system in deployed:
@@ -250,9 +256,10 @@ def main() -> int:
     print(f"{'system':15s} {'first round s':>22s} {'later median s':>15s} "
           f"{'later range s':>16s}  compiling rounds s")
     for system, s in results["summary"].items():
-        print(f"{system:15s} {', '.join(f'{x:.2f}' for x in s['first_s']):>22s} "
-              f"{s['later_median_s']:15.3f} "
-              f"{s['later_min_s']:7.3f}..{s['later_max_s']:.3f}  "
+        later = (f"{s['later_median_s']:15.3f} {s['later_min_s']:7.3f}.."
+                 f"{s['later_max_s']:.3f}" if s["later_rounds"] else  # every round compiled
+                 f"{'-':>15s} {'-':>16s}")
+        print(f"{system:15s} {', '.join(f'{x:.2f}' for x in s['first_s']):>22s} {later}  "
               + ", ".join(f"{x:.2f}" for x in s["compiling_rounds_s"]))
     for key in ("ratio_fax_bridge_to_flower", "ratio_fax_bridge_to_flower_matched"):
         if key in results:
