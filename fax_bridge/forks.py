@@ -17,8 +17,9 @@ A forked child can ask the same server for children of its own (`inherited()`: a
 forks its XLA import helper so): each child gets its own socket to the server, named by
 `FAX_BRIDGE_FORK_SERVER` ("FD:PID", valid only in that process). A server started with
 `listen=PATH` also takes requesters that connect to that Unix socket (`connect(PATH)`):
-any process of the same user, such as the ClientApp commands Flower's SuperNodes start
-(`flower.forked_apps`).
+any process of the same user, such as the commands Flower's SuperNodes start
+(`flower.forked_apps`). A child such a requester asked for is killed when the
+requester's connection closes while the child runs (the requester ended, however).
 
 One server serves every request of a launching process that uses the same interpreter,
 environment and modules (`shared`; secrets such as the fleet token travel with each
@@ -28,10 +29,9 @@ children watching their parent then see it gone; it also exits after `IDLE_SECON
 no request and no child alive.
 
 Protocol: datagrams on Unix SOCK_SEQPACKET sockets, each a JSON object, descriptors
-passed beside them (SCM_RIGHTS). The server first says `{"ready": pid}` (also to each
-requester that connects, once it has checked it runs as the server's user). A request
-`{"run": module, "argv", "env", "cwd", "cpus", "stdin"}` with [stdin if asked, stdout,
-stderr] is answered `{"pid": N}` with a pidfd of the child; `{"status": pid}` (asked once
+passed beside them (SCM_RIGHTS). The server first says `{"ready": pid}` (to one that
+connects, once it has checked its user). A request `{"run": module, "argv", "env",
+"cwd", "cpus", "stdin"}` with [stdin if asked, stdout, stderr] is answered `{"pid": N}` with a pidfd of the child; `{"status": pid}` (asked once
 the pidfd says the child ended) is answered `{"returncode": code}` as `subprocess` gives
 it (negative: the signal that ended it), or null while it still runs; a request the
 server cannot serve is answered `{"error": text}`.
@@ -95,8 +95,7 @@ class ForkedProcess:
 
     def __init__(self, server: "ForkServer", pid: int, pidfd: int, stdin=None, stdout=None):
         self.pid, self.stdin, self.stdout, self.returncode = pid, stdin, stdout, None
-        self.args = [f"forked:{pid}"]
-        self._server, self._pidfd = server, pidfd
+        self._server, self._pidfd, self.args = server, pidfd, [f"forked:{pid}"]
 
     def _ended(self, timeout: Optional[float]) -> bool:
         return self._pidfd < 0 or bool(select.select([self._pidfd], [], [], timeout)[0])
@@ -129,10 +128,10 @@ class ForkedProcess:
             except ProcessLookupError:
                 pass
 
-    def kill(self) -> None:
+    def kill(self) -> None:  # as Popen's
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
+    def terminate(self) -> None:  # as Popen's
         self.send_signal(signal.SIGTERM)
 
     def __del__(self):
@@ -154,15 +153,10 @@ class ForkServer:
               startup_timeout_s: float = 120.0, idle_seconds: float = IDLE_SECONDS, *,
               listen: Optional[str] = None, prefix: Sequence[str] = (),
               log_path: Optional[str] = None) -> "ForkServer":
-        """A new server run by `python` in `env`, having imported `modules`.
-
-        Args:
-            listen: a path for a Unix socket where other processes of this user connect
-                as requesters (`connect`); its folder should be private (mode 0700).
-            prefix: the command it runs under (`ip netns exec HOST`: its children too).
-            log_path: the server's stderr, where it also writes a line for each child
-                it forks; by default a temporary file, read for the reason it exited.
-        """
+        """A new server run by `python` in `env`, having imported `modules`; with `listen`
+        also serving whoever connects to that Unix socket path (`connect`; keep its
+        folder private), run under the command `prefix` (`ip netns exec HOST`), its
+        stderr and a line for each child it forks in `log_path` (else a temporary file)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         log = open(log_path, "ab+") if log_path else tempfile.TemporaryFile()
         options = (["--listen", listen] if listen else []) + (
@@ -437,7 +431,7 @@ def _become_child(request: dict, fds: list, own: socket.socket, others: list) ->
     raise _Child(request["run"], list(request["argv"]))
 
 
-def _accept(listener: socket.socket, sockets: list) -> None:
+def _accept(listener: socket.socket, sockets: list, connected: dict) -> None:
     """Takes a requester connecting to the listening socket if it runs as our user."""
     try:
         sock, _ = listener.accept()
@@ -452,6 +446,7 @@ def _accept(listener: socket.socket, sockets: list) -> None:
         uid = -1
     if uid == os.getuid():
         sockets.append(sock)
+        connected[sock] = []
     else:
         sock.close()
 
@@ -462,6 +457,7 @@ def _serve(launcher: socket.socket, idle_seconds: float,
     statuses: dict[int, int] = {}
     live: set[int] = set()
     sockets = [launcher]  # the launcher's, then each live child's and connected requester's
+    connected: dict = {}  # a connected requester -> its children, which end with it
     quiet_since = time.monotonic()
 
     def reap() -> None:
@@ -486,12 +482,15 @@ def _serve(launcher: socket.socket, idle_seconds: float,
         quiet_since = time.monotonic()
         for sock in ready:
             if sock is listener:
-                _accept(listener, sockets)
+                _accept(listener, sockets, connected)
                 continue
             data, fds, _, _ = socket.recv_fds(sock, MAX_DATAGRAM, 3)
             if not data:
                 if sock is launcher:
                     return  # the launcher is gone
+                for pid in connected.pop(sock, ()):
+                    if pid in live:  # its requester is gone, however it ended
+                        os.kill(pid, signal.SIGKILL)
                 sockets.remove(sock)
                 sock.close()
                 continue
@@ -539,6 +538,7 @@ def _serve(launcher: socket.socket, idle_seconds: float,
             own.close()
             sockets.append(kept)
             live.add(pid)
+            connected.get(sock, []).append(pid)
             if log_children:
                 os.write(2, f"fax_bridge.forks: forked {pid} to run {request['run']}\n"
                          .encode(errors="replace"))

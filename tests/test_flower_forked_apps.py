@@ -99,13 +99,16 @@ def test_a_forked_command_gets_what_flowers_own_would_and_exits_as_it_does(
 def test_a_signal_to_the_command_reaches_its_child(host):
     """SIGTERM to the command: the child's own handler runs and the command exits with
     the child's status; SIGKILL to a child: the command ends by SIGKILL as the child
-    did."""
+    did; SIGKILL to the command (which cannot pass it on): the server kills the child,
+    as a process group's SIGKILL would have."""
     served, _ = host
-    for sig, handled in ((signal.SIGTERM, 7), (signal.SIGKILL, -signal.SIGKILL)):
+    for to_child, sig, handled in ((False, signal.SIGTERM, 7),
+                                   (True, signal.SIGKILL, -signal.SIGKILL),
+                                   (False, signal.SIGKILL, -signal.SIGKILL)):
         proc = subprocess.Popen(["x-wait"], env=served.env, stdout=subprocess.PIPE)
         assert proc.stdout.readline() == b"started\n"
         (child,) = children(served.server.pid)
-        os.kill(proc.pid if sig == signal.SIGTERM else child, sig)
+        os.kill(child if to_child else proc.pid, sig)
         assert proc.wait(timeout=60) == handled
         deadline = time.monotonic() + 30
         while alive(child) and time.monotonic() < deadline:

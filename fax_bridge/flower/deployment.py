@@ -15,9 +15,10 @@ with `warm=True` (the default) a warm worker per SuperNode (`worker`; the node's
 then names it), each in a process group of its own so that `stop()` (also on leaving
 the `with`) ends it and every process it started (SuperExec, ServerApp and ClientApp
 processes). With `fork_apps=True` (the default) the SuperLink and each SuperNode have a
-fork server that has Flower loaded, and the ServerApp and ClientApp processes their
-SuperExecs start are forked from it (`forked_apps`: Flower's own commands less their
-imports). Flower's commands are found beside the running Python, and that folder leads
+fork server that has Flower loaded, and every Flower process of that host (the
+SuperLink or SuperNode itself, its SuperExec, the ServerApp and ClientApp processes,
+`flwr` on the SuperLink's host) is forked from it (`forked_apps`: Flower's own
+commands less their imports). Flower's commands are found beside the running Python, and that folder leads
 PATH, because the SuperLink and SuperNodes start `flower-superexec` by name. Apps' dependencies are not installed at run time
 (`--disable-runtime-dependency-installation`): fax_bridge and flwr are already here.
 
@@ -274,10 +275,28 @@ class LocalDeployment:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         self._logs.append(log)
         forks = self.forks.get(name)
+        if forks is not None:
+            command = [forks.command(command[0]), *command[1:]]
         return subprocess.Popen(self.wrap(name) + command,
                                 env=self.env if forks is None else forks.env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
+
+    def _cli(self, args: list, wrapped: bool = True) -> tuple:
+        """`flwr ARGS` as the deployment runs it (under `wrap("flwr")` when `wrapped`;
+        forked from the SuperLink's server when it runs on the SuperLink's host), and
+        its environment."""
+        prefix = self.wrap("flwr") if wrapped else []
+        forks = self.forks.get("superlink")
+        if forks is None or prefix != self.wrap("superlink"):
+            return prefix + ["flwr", *args], self.env
+        return prefix + [forks.command("flwr"), *args], forks.env
+
+    def _wait_forks(self, prefix: str) -> None:
+        for name, forks in self.forks.items():
+            if name.startswith(prefix) and not forks.wait(self.start_timeout_s):
+                log.warning("%s starts Flower's own commands, not forks: %s", name,
+                            forks.error or "its fork server did not start in time")
 
     def _start_forks(self) -> None:
         """A fork server for the SuperLink's and each SuperNode's Flower commands, each
@@ -304,20 +323,18 @@ class LocalDeployment:
                                     root_certificates=creds and creds.ca_cert))
         if self.fork_apps and not self.forks:
             self._start_forks()
-        self._start_superlink()
         configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
             if self.warm else self.nodes
+        self._wait_forks("superlink")
+        self._start_superlink()
         self._wait_superlink()
         if creds is not None and creds.node_auth:
             self.register([public for _, public in creds.node_keys[:len(configs)]])
         self._configs = configs
+        self._wait_forks("supernode-")
         self._start_supernodes()
         for i, worker in enumerate(self.workers):
             self._wait_worker(i, int(configs[i]["worker"].rsplit(":", 1)[1]), worker)
-        for name, forks in self.forks.items():
-            if not forks.wait(self.start_timeout_s):
-                log.warning("%s starts Flower's own app commands, not forks: %s", name,
-                            forks.error or "its fork server did not start in time")
 
     def _start_supernodes(self) -> None:
         creds = self.credentials
@@ -377,9 +394,10 @@ class LocalDeployment:
         """`flwr supernode register KEY fax-bridge` for each public key (OpenSSH), all at
         once; raises a `FleetError` quoting Flower's output when one is refused."""
         procs = [(key, subprocess.Popen(
-            ["flwr", "supernode", "register", key, CONNECTION], env=self.env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True)) for key in public_keys]
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)) for key in public_keys
+            for command, env in [self._cli(["supernode", "register", key, CONNECTION],
+                                           wrapped=False)]]
         failed = []
         for key, proc in procs:
             try:
@@ -434,7 +452,8 @@ class LocalDeployment:
         command = ["flwr", "run", os.path.abspath(app_dir), CONNECTION, "--stream"]
         if run_config:
             command += ["--run-config", node_config_text(run_config)]
-        proc = subprocess.Popen(self.wrap("flwr") + command, env=self.env,
+        argv, env = self._cli(command[1:])
+        proc = subprocess.Popen(argv, env=env,
                                 stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

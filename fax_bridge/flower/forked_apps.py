@@ -1,22 +1,24 @@
-"""Flower's ClientApp and ServerApp processes, forked from one that has Flower loaded.
+"""Flower's processes, forked from one that has Flower loaded.
 
 Flower 1.42's SuperNode starts a new `flwr-clientapp` process for every message it
 receives, and the SuperLink a `flwr-serverapp` process for every run; each first imports
-Flower (about 2.8 CPU-seconds, several seconds of every round on a busy machine). So a
-deployment started here (`deployment.LocalDeployment`, `python -m
-fax_bridge.flower.supernode`) gives each SuperNode, and its SuperLink, a fork server
-(`fax_bridge.forks`) that has imported what those commands import, listening on a Unix
-socket in a private folder, and leads that process's PATH with the folder's `bin/`,
-whose `flwr-clientapp` and `flwr-serverapp` run `main` here.
+Flower (about 2.8 CPU-seconds, several seconds of every round on a busy machine), as do
+its daemons (`flower-superlink`, `flower-supernode`, the `flower-superexec` each
+starts) and the `flwr` CLI. So a deployment started here (`deployment.LocalDeployment`,
+`python -m fax_bridge.flower.supernode`) gives each SuperNode, and its SuperLink, a
+fork server (`fax_bridge.forks`) that has imported what those commands import,
+listening on a Unix socket in a private folder, and leads that host's PATH with the
+folder's `bin/`, where each of `COMMANDS` runs `main` here; `LocalDeployment` also
+starts the SuperLink, its SuperNodes and `flwr` through them (`AppForks.command`).
 
-Started by Flower's SuperExec exactly as Flower's own command would be, such a command
-asks the server for a child that runs Flower's own entry point with the same arguments,
-environment, working directory, CPUs and standard streams, waits for it, passes on the
-signals it gets (SIGTERM, SIGINT, SIGHUP, SIGQUIT) and exits as the child did: the
-child is Flower's command less its imports. Flower's own watch of its parent
-(`--parent-pid`, the SuperExec) ends the child when the SuperNode or SuperLink is killed
-outright. Where the server is gone or refuses, the command says so on stderr and runs
-Flower's own command in its place (exec), as it would without any of this.
+Started as Flower's own command would be (by Flower's SuperExec, by name on PATH), such a
+command asks the server for a child that runs Flower's own entry point with the same
+arguments, environment, working directory, CPUs and standard streams, waits for it,
+passes on the signals it gets (SIGTERM, SIGINT, SIGHUP, SIGQUIT) and exits as the child
+did: the child is Flower's command less its imports. A command killed outright takes
+its child with it: the server kills a child whose requester's connection closes. Where
+the server is gone or refuses, the command says so on stderr and runs Flower's own
+command in its place (exec), as it would without any of this.
 
 This file imports only the standard library and loads `forks` by its path, never
 fax_bridge's package (whose `__init__` loads jax): the commands run it as a script. The
@@ -32,20 +34,25 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from typing import Optional, Sequence
 
 ENV = "FAX_BRIDGE_FLOWER_FORKS"  # the listening socket of this host's fork server
-# Each command and Flower's entry point that it is.
+# Each command and Flower's entry point that it is (what Flower's console script runs).
 COMMANDS = {"flwr-clientapp": "flwr.supernode.cli:flwr_clientapp",
-            "flwr-serverapp": "flwr.superlink.cli:flwr_serverapp"}
+            "flwr-serverapp": "flwr.superlink.cli:flwr_serverapp",
+            "flower-superexec": "flwr.supercore.cli:flower_superexec",
+            "flower-supernode": "flwr.supernode.cli:flower_supernode",
+            "flower-superlink": "flwr.superlink.cli:flower_superlink",
+            "flwr": "flwr.cli.app:app"}
 # What a SuperNode's server imports: the ClientApp command's imports, and numpy, which the
 # ClientApp (`relay`) imports; a node without a warm worker computes in the ClientApp,
 # which then imports `client` (jax) too.
 NODE_MODULES = ("flwr.supernode.cli", "numpy")
 COLD_NODE_MODULES = NODE_MODULES + ("fax_bridge.flower.client",)
 # A SuperLink's: the ServerApp command's imports and the ServerApp's own (jax; no backend
-# starts on import, so the server still runs one thread).
-LINK_MODULES = ("flwr.superlink.cli", "fax_bridge.flower.server")
+# starts on import, so the server still runs one thread), and the `flwr` CLI's.
+LINK_MODULES = ("flwr.superlink.cli", "fax_bridge.flower.server", "flwr.cli.app")
 MAX_SOCKET_PATH = 100  # bytes; Linux holds at most 107
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -119,6 +126,26 @@ def write_commands(folder: str, python: str = sys.executable) -> str:
     return bin_dir
 
 
+def _children(pid: int) -> list:
+    """The live (not yet ended) children of `pid` (Linux /proc)."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    live = []
+    for child in found:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    live.append(child)
+        except OSError:
+            pass
+    return live
+
+
 class AppForks:
     """The fork server of one host's Flower commands (a SuperNode's or a SuperLink's).
 
@@ -181,15 +208,29 @@ class AppForks:
         except OSError:
             return 0
 
+    def command(self, name: str) -> str:
+        """The path of the forked `name` (one of `COMMANDS`) where the server serves,
+        else `name` itself (Flower's own command, found on PATH)."""
+        return os.path.join(self.folder, "bin", name) if self.server is not None else name
+
     def pids(self) -> list:
         """The server's pid, while it runs (its children are its descendants)."""
         proc = self.server._proc if self.server is not None else None
         return [proc.pid] if proc is not None and proc.poll() is None else []
 
-    def close(self) -> None:
-        """Ends the server (a command still running ends with its SuperExec)."""
+    def close(self, grace_s: float = 5.0) -> None:
+        """Ends the server, once its children have ended (they end with the commands
+        that asked for them); those left after `grace_s` are killed."""
         self._thread.join()
         if self.server is not None:
+            end = time.monotonic() + grace_s
+            while _children(self.server.pid) and time.monotonic() < end:
+                time.sleep(0.05)
+            for pid in _children(self.server.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.server.close()
             self.server = None
         if self._short is not None:

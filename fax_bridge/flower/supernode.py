@@ -10,9 +10,9 @@ once, served on loopback with a token written to a private file), waits until it
 listens, then starts Flower's own `flower-supernode` with a `--node-config` naming the
 worker, and stays in front of both: a SIGTERM or SIGINT ends both, and when either
 exits the other is ended too, each with every process it started; the exit status is
-the SuperNode's. The ClientApp processes Flower starts for each message are forked from
-a process that has Flower loaded (`forked_apps`; `--no-fork-apps`: Flower's own
-command, a fresh interpreter each). This is the fast path the app README's commands
+the SuperNode's. The SuperNode, its SuperExec and the ClientApp processes Flower starts
+for each message are forked from a process that has Flower loaded (`forked_apps`;
+`--no-fork-apps`: Flower's own commands, a fresh interpreter each). This is the fast path the app README's commands
 use. `--cold` starts
 the SuperNode alone, its node config naming the population: every round's ClientApp
 process then loads jax and compiles the client part itself (the slow path).
@@ -138,6 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         print("fax_bridge supernode: the worker did not listen within "
                               f"{args.start_timeout_s}s", file=sys.stderr)
                     return 2 if not stopping else 0
+            if forks is not None:  # then `flower-supernode` on its PATH is forked too
+                forks.wait(args.start_timeout_s)
             node = subprocess.Popen(supernode_command(args, node_config),
                                     env=forks.env if forks else None,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
