@@ -83,7 +83,6 @@ _failed: dict = {}  # the same keys -> (pid, ForkServerError) of a start that fa
 _servers_lock = threading.Lock()
 _inherited: Optional[tuple] = None  # (pid, handle) in a forked child
 
-# ---------------------------------------------------------------------------------------
 # The requester's side
 
 
@@ -274,10 +273,9 @@ class ForkServer:
                 sent = theirs + [stderr_fd]
             else:
                 stdin_pipe, sent = False, list(stdio)
-            answer, fds = self._ask(
-                {"run": module, "argv": list(argv), "env": env, "cwd": cwd,
-                 "cpus": sorted(cpus) if cpus is not None else None,
-                 "stdin": stdin_pipe or stdio is not None}, sent)
+            answer, fds = self._ask({"run": module, "argv": list(argv), "env": env, "cwd": cwd,
+                                     "cpus": sorted(cpus) if cpus is not None else None,
+                                     "stdin": stdin_pipe or stdio is not None}, sent)
         except BaseException:
             for fd in mine:
                 os.close(fd)
@@ -360,7 +358,6 @@ def _close_all() -> None:
         server.close()
 
 
-# ---------------------------------------------------------------------------------------
 # The server
 
 
@@ -407,7 +404,10 @@ def _checked(data: bytes, fds: int) -> dict:
 
 
 def _send(sock: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
-    socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
+    try:
+        socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
+    except OSError:  # a requester already gone: its socket's end is read next
+        pass
 
 
 def _become_child(request: dict, fds: list, own: socket.socket, others: list) -> None:
@@ -439,11 +439,8 @@ def _accept(listener: socket.socket, sockets: list, connected: dict) -> None:
         return
     uid = int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8],
                          sys.byteorder)
-    try:
-        _send(sock, {"ready": os.getpid()} if uid == os.getuid() else
-              {"error": f"a requester of user {uid}, not {os.getuid()}"})
-    except OSError:
-        uid = -1
+    _send(sock, {"ready": os.getpid()} if uid == os.getuid() else
+          {"error": f"a requester of user {uid}, not {os.getuid()}"})
     if uid == os.getuid():
         sockets.append(sock)
         connected[sock] = []
@@ -484,7 +481,10 @@ def _serve(launcher: socket.socket, idle_seconds: float,
             if sock is listener:
                 _accept(listener, sockets, connected)
                 continue
-            data, fds, _, _ = socket.recv_fds(sock, MAX_DATAGRAM, 3)
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, MAX_DATAGRAM, 3)
+            except OSError:  # a requester gone before it read our answer: reset
+                data, fds = b"", []
             if not data:
                 if sock is launcher:
                     return  # the launcher is gone

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -247,6 +248,15 @@ def test_a_listening_server_serves_its_users_processes_and_refuses_others(tmp_pa
         with pytest.raises(forks.ForkServerError, match="command's name"):
             connected.run("json.tool:main", [], env={}, cwd="/", stdio=(0, 1, 2))
         assert "forked" in (tmp_path / "log").read_text()
+        for _ in range(5):  # requesters gone before they read the answer (a reset socket)
+            gone = forks.ForkServer.connect(path)
+            request = {"run": "json.tool:main", "argv": ["json-tool", "--help"],
+                       "env": dict(os.environ), "cwd": "/", "cpus": None, "stdin": True}
+            with open(os.devnull, "rb") as devnull, open(os.devnull, "wb") as sink:
+                socket.send_fds(gone._sock, [json.dumps(request).encode()],
+                                [devnull.fileno(), sink.fileno(), sink.fileno()])
+            gone._sock.close()
+        assert forks.ForkServer.connect(path).pid == server.pid  # the server still serves
         if os.getuid() == 0 and shutil.which("python3", path="/usr/bin"):
             os.chmod(path, 0o777)
             other = subprocess.run(["/usr/bin/python3", "-c", _CONNECT_AS_ANOTHER_USER,
