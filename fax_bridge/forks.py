@@ -31,10 +31,10 @@ no request and no child alive.
 Protocol: datagrams on Unix SOCK_SEQPACKET sockets, each a JSON object, descriptors
 passed beside them (SCM_RIGHTS). The server first says `{"ready": pid}` (to one that
 connects, once it has checked its user). A request `{"run": module, "argv", "env",
-"cwd", "cpus", "stdin"}` with [stdin if asked, stdout, stderr] is answered `{"pid": N}` with a pidfd of the child; `{"status": pid}` (asked once
-the pidfd says the child ended) is answered `{"returncode": code}` as `subprocess` gives
-it (negative: the signal that ended it), or null while it still runs; a request the
-server cannot serve is answered `{"error": text}`.
+"cwd", "cpus", "stdin"}` with [stdin if asked, stdout, stderr] is answered `{"pid": N}`
+with a pidfd of the child; `{"status": pid}` (asked once the pidfd says the child ended)
+is answered `{"returncode": code}` as `subprocess` gives it (negative: the signal that
+ended it), or null while it still runs; one it cannot serve, `{"error": text}`.
 
 Where it cannot run (not Linux, no pidfds) `available()` is False, and where the server
 does not start or answer `ForkServerError` is raised: callers then start a fresh

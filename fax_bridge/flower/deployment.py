@@ -18,8 +18,9 @@ processes). With `fork_apps=True` (the default) the SuperLink and each SuperNode
 fork server that has Flower loaded, and every Flower process of that host (the
 SuperLink or SuperNode itself, its SuperExec, the ServerApp and ClientApp processes,
 `flwr` on the SuperLink's host) is forked from it (`forked_apps`: Flower's own
-commands less their imports). Flower's commands are found beside the running Python, and that folder leads
-PATH, because the SuperLink and SuperNodes start `flower-superexec` by name. Apps' dependencies are not installed at run time
+commands less their imports). Flower's commands are found beside the running Python,
+and that folder leads PATH, because the SuperLink and SuperNodes start
+`flower-superexec` by name. Apps' dependencies are not installed at run time
 (`--disable-runtime-dependency-installation`): fax_bridge and flwr are already here.
 
 By default everything listens on loopback. `host="10.0.0.1"` binds the SuperLink to
@@ -493,6 +494,11 @@ class LocalDeployment:
                 [self.superlink] if self.superlink else []):
             end_group(proc)
         self.supernodes, self.workers, self.superlink = [], [], None
+        servers = [pid for forks in self.forks.values() for pid in forks.pids()]
+        end = time.monotonic() + 5.0  # their children end with the commands just ended
+        while any(descendants(pid) for pid in servers) and time.monotonic() < end:
+            time.sleep(0.05)
+        _signal([c for pid in servers for c in descendants(pid)], signal.SIGKILL)
         for forks in self.forks.values():
             forks.close()
         self.forks = {}

@@ -34,7 +34,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from typing import Optional, Sequence
 
 ENV = "FAX_BRIDGE_FLOWER_FORKS"  # the listening socket of this host's fork server
@@ -126,26 +125,6 @@ def write_commands(folder: str, python: str = sys.executable) -> str:
     return bin_dir
 
 
-def _children(pid: int) -> list:
-    """The live (not yet ended) children of `pid` (Linux /proc)."""
-    found = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-    live = []
-    for child in found:
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    live.append(child)
-        except OSError:
-            pass
-    return live
-
-
 class AppForks:
     """The fork server of one host's Flower commands (a SuperNode's or a SuperLink's).
 
@@ -209,28 +188,21 @@ class AppForks:
             return 0
 
     def command(self, name: str) -> str:
-        """The path of the forked `name` (one of `COMMANDS`) where the server serves,
-        else `name` itself (Flower's own command, found on PATH)."""
-        return os.path.join(self.folder, "bin", name) if self.server is not None else name
+        """The path of the forked `name` where the server serves and `name` is one of
+        `COMMANDS`, else `name` itself (Flower's own command, found on PATH)."""
+        return os.path.join(self.folder, "bin", name) \
+            if self.server is not None and name in COMMANDS else name
 
     def pids(self) -> list:
         """The server's pid, while it runs (its children are its descendants)."""
         proc = self.server._proc if self.server is not None else None
         return [proc.pid] if proc is not None and proc.poll() is None else []
 
-    def close(self, grace_s: float = 5.0) -> None:
-        """Ends the server, once its children have ended (they end with the commands
-        that asked for them); those left after `grace_s` are killed."""
+    def close(self) -> None:
+        """Ends the server. Its children end with the commands that asked for them
+        (`LocalDeployment.stop` waits for them first)."""
         self._thread.join()
         if self.server is not None:
-            end = time.monotonic() + grace_s
-            while _children(self.server.pid) and time.monotonic() < end:
-                time.sleep(0.05)
-            for pid in _children(self.server.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             self.server.close()
             self.server = None
         if self._short is not None:

@@ -8,14 +8,14 @@
 starts the node's warm `worker` (jax loaded once, the round's client part compiled
 once, served on loopback with a token written to a private file), waits until it
 listens, then starts Flower's own `flower-supernode` with a `--node-config` naming the
-worker, and stays in front of both: a SIGTERM or SIGINT ends both, and when either
-exits the other is ended too, each with every process it started; the exit status is
-the SuperNode's. The SuperNode, its SuperExec and the ClientApp processes Flower starts
-for each message are forked from a process that has Flower loaded (`forked_apps`;
-`--no-fork-apps`: Flower's own commands, a fresh interpreter each). This is the fast path the app README's commands
-use. `--cold` starts
-the SuperNode alone, its node config naming the population: every round's ClientApp
-process then loads jax and compiles the client part itself (the slow path).
+worker, and stays in front of both: a SIGTERM or SIGINT ends both, and when either exits
+the other is ended too, each with every process it started; the exit status is the
+SuperNode's. The SuperNode, its SuperExec and the ClientApp processes Flower starts for
+each message are forked from a process that has Flower loaded (`forked_apps`;
+`--no-fork-apps`: Flower's own commands, a fresh interpreter each). This is the fast
+path the app README's commands use. `--cold` starts the SuperNode alone, its node config
+naming the population: every round's ClientApp process then loads jax and compiles the
+client part itself (the slow path).
 """
 
 from __future__ import annotations
