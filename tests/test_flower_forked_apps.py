@@ -5,6 +5,7 @@ signals; where no server serves, Flower's own command runs in their place."""
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -88,7 +89,7 @@ def test_a_forked_command_gets_what_flowers_own_would_and_exits_as_it_does(
     env["X_VALUE"] = value
     run = subprocess.run(["x-report", *args], env=env, cwd=str(out), input=stdin,
                          capture_output=True)
-    argv, cwd, seen_value, ppid, seen_stdin = eval((out / "seen").read_text())
+    argv, cwd, seen_value, ppid, seen_stdin = ast.literal_eval((out / "seen").read_text())
     assert run.returncode == code, run.stderr
     assert argv == [os.path.join(served.folder, "bin", "x-report"), *args]
     assert (cwd, seen_value, seen_stdin) == (str(out), value, stdin)
