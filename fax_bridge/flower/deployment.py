@@ -394,11 +394,13 @@ class LocalDeployment:
     def register(self, public_keys: list, timeout_s: float = 120.0) -> None:
         """`flwr supernode register KEY fax-bridge` for each public key (OpenSSH), all at
         once; raises a `FleetError` quoting Flower's output when one is refused."""
-        procs = [(key, subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)) for key in public_keys
-            for command, env in [self._cli(["supernode", "register", key, CONNECTION],
-                                           wrapped=False)]]
+        procs = []
+        for key in public_keys:
+            command, env = self._cli(["supernode", "register", key, CONNECTION],
+                                     wrapped=False)
+            procs.append((key, subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)))
         failed = []
         for key, proc in procs:
             try:
