@@ -125,3 +125,143 @@ def test_an_array_of_another_npy_version_or_serialization_is_refused_by_name():
     item.stype = "torch.Tensor"
     with pytest.raises(ValueError, match="expected numpy.ndarray"):
         relay.array_view(item)
+
+
+def _framed(text: bytes, tail: bytes = b"") -> bytes:
+    """A body of `relay.MAGIC`, the length of `text`, `text`, padding and `tail`."""
+    body = relay.MAGIC + len(text).to_bytes(8, "little") + text
+    return body + b"\0" * (-len(body) % relay.ALIGN) + tail
+
+
+def _deep(depth: int, kind: str = "[]") -> str:
+    return kind[0] * depth + kind[1] * depth
+
+
+_NUMBERS = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1.5",
+                            "-1", "0", str(2 ** 63), str(2 ** 64), "9" * 5000, "true"])
+_JSON = st.recursive(
+    st.one_of(_NUMBERS, st.integers(-2 ** 70, 2 ** 70).map(str),
+              st.text(max_size=6).map(json.dumps), st.just("null")),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5).map(lambda xs: "[" + ",".join(xs) + "]"),
+        st.dictionaries(st.text(max_size=4), inner, max_size=4).map(
+            lambda d: "{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in d.items()) + "}")),
+    max_leaves=12)
+
+
+@st.composite
+def _entries(draw):
+    """A header's JSON text: entries of any values (numbers the relay never takes
+    among them), shapes and spans of any size, or nesting far past any limit."""
+    deep = draw(st.sampled_from([0, 0, 0, 70, 5000, 200000]))
+    if deep:
+        where = draw(st.sampled_from(["header", "arrays", "entry", "shape"]))
+        nested = _deep(deep, draw(st.sampled_from(["[]", "{}"]))) if where != "header" \
+            else _deep(deep)
+        nested = nested.replace("{}", '{"a":{}}', 0) if nested.startswith("{") else nested
+        if nested.startswith("{"):  # a nested object needs keys
+            nested = '{"a":' * deep + "0" + "}" * deep
+        return {"header": f'{{"header": {nested}, "arrays": []}}',
+                "arrays": f'{{"header": {{}}, "arrays": {nested}}}',
+                "entry": f'{{"header": {{}}, "arrays": [{nested}]}}',
+                "shape": f'{{"header": {{}}, "arrays": [["x", "<f4", {nested}, 0, 0]]}}',
+                }[where]
+    entry = [json.dumps(draw(st.text(max_size=3))),
+             draw(st.sampled_from(['"<f4"', '"|u1"', '"<f999999999999999999"', '"|O"',
+                                   "7", "null"])),
+             draw(st.one_of(_JSON, st.lists(_JSON, max_size=4).map(
+                 lambda xs: "[" + ",".join(xs) + "]"))),
+             draw(_JSON), draw(_JSON)]
+    entries = draw(st.sampled_from(["[[{}]]", "[{}]", "{}"]))
+    return ('{"header": ' + draw(_JSON) + ', "arrays": '
+            + entries.replace("{}", ", ".join(entry), 1) + "}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_entries(), tail=st.binary(max_size=200))
+def test_any_header_a_peer_frames_is_a_value_error_or_arrays_inside_the_body(text, tail):
+    """Whatever JSON a peer frames (NaN, Infinity, 1e400, integers past 2**63, text,
+    objects and lists nested 70 to 200000 deep, in the header, the entries or a shape):
+    a ValueError naming it, or arrays that lie inside the body; never an OverflowError,
+    a RecursionError or any other exception."""
+    body = _framed(text.encode(), tail)
+    try:
+        got, header = relay.unpack(body)
+    except ValueError as e:
+        assert str(e)
+        return
+    assert isinstance(header, (dict, list, str, int, float, type(None)))
+    for value in got.values():
+        assert value.nbytes <= len(body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=300))
+def test_arbitrary_bytes_after_the_magic_are_a_value_error(data):
+    for body in (relay.MAGIC + data, _framed(data), relay.MAGIC + len(data).to_bytes(
+            8, "little") + data):
+        with pytest.raises(ValueError):
+            relay.unpack(body)
+
+
+_HEADER_VALUES = st.recursive(
+    st.one_of(st.integers(-2 ** 70, 2 ** 70), st.floats(), st.text(max_size=4),
+              st.none(), st.booleans(), st.just(2 ** 64), st.builds(object)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    max_leaves=8)
+
+
+def _nested(depth: int):
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@settings(max_examples=150, deadline=None)
+@given(header=st.one_of(st.dictionaries(st.text(max_size=3), _HEADER_VALUES, max_size=4),
+                        st.sampled_from([70, 3000, 100000]).map(
+                            lambda d: {"deep": _nested(d)})))
+def test_a_header_pack_cannot_carry_is_a_value_error(header):
+    """A header of objects, NaN or infinities, integers JSON will not write, or lists
+    nested past the relay's limit (or past Python's recursion limit) is a ValueError
+    when packed; any other comes back equal."""
+    try:
+        body = relay.pack({"x": np.arange(3)}, header)
+    except ValueError as e:
+        assert str(e)
+        return
+    assert relay.unpack(body)[1] == header
+
+
+def _npy(header: str, payload: bytes = b"") -> bytes:
+    text = header.encode()
+    text += b" " * (-(len(text) + 11) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + payload
+
+
+@settings(max_examples=200, deadline=None)
+@given(descr=st.sampled_from(["'<f4'", "'|u1'", "'|O'", "[('a', '<f4')]",
+                              "[('a', " * 300 + "'<f4'" + ")]" * 300, "'<f4'"]),
+       shape=st.one_of(st.lists(st.integers(-2, 2 ** 65), max_size=40).map(
+           lambda xs: "(" + "".join(f"{x}," for x in xs) + ")"),
+           st.sampled_from(["(" * 2000 + ")" * 2000, "(-1,)", "(1.5,)", "'x'"])),
+       fortran=st.booleans(), payload=st.binary(max_size=64))
+def test_any_npy_header_a_peer_sends_is_a_value_error_or_an_array_of_its_bytes(
+        descr, shape, fortran, payload):
+    """A Flower array whose .npy header names any shape (negative, past 2**63, of more
+    dimensions than a message may carry, nested) or dtype (objects, deep records), over
+    any bytes: a ValueError, or an array exactly as large as the bytes after its header
+    (never an OverflowError or RecursionError)."""
+    from flwr.app import Array
+
+    item = Array(np.zeros(1, np.float32))
+    item.data = _npy(f"{{'descr': {descr}, 'fortran_order': {fortran}, "
+                     f"'shape': {shape}, }}", payload)
+    try:
+        got = relay.array_view(item)
+    except ValueError as e:
+        assert str(e)
+        return
+    assert got.nbytes == len(payload) and not got.flags.writeable

@@ -32,10 +32,14 @@ from __future__ import annotations
 
 import hmac
 import http.client
+import importlib
+import importlib.util
 import io
 import json
 import math
+import os
 import struct
+import sys
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -56,6 +60,66 @@ KEPT_INFO = "fax-secure-info"  # and their round and count (ConfigRecord; one na
 SECAGG_CONFIGS = "secaggplus_configs"  # flwr's RECORD_KEY_CONFIGS: a SecAgg+ stage
 ROUND_KEY = "fax-round"            # FitIns config of the masked stage: the round,
 CENTER_KEY = "fax-secure-center"   # and C, subtracted from each kept partial
+
+
+MAX_RANK = 32        # dimensions of an array a message may name (numpy takes 64)
+MAX_DEPTH = 64       # nesting of a message header's JSON
+_MAX_COUNT = 2 ** 63  # a dimension, offset or byte count is below this
+
+
+def _count(value) -> bool:
+    """Whether `value` (from a message's JSON) is a whole number in [0, 2**63): never a
+    bool, a float (1e400 is read as infinity) or text."""
+    return isinstance(value, int) and not isinstance(value, bool) and \
+        0 <= value < _MAX_COUNT
+
+
+def _shown(value) -> str:
+    """A short text of a value read from a message, for an error (any nesting)."""
+    try:
+        return str(value)[:80]
+    except RecursionError:
+        return f"<a {type(value).__name__} nested too deep to show>"
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number a message may carry")
+
+
+def _check_depth(value, depth: int = 0) -> None:
+    """ValueError when JSON `value` nests deeper than `MAX_DEPTH`."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"the message's header nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_depth(item, depth + 1)
+
+
+def _json_object(text: bytes) -> dict:
+    """A message header's JSON object: finite numbers only (no NaN, no Infinity, no
+    float that overflows), nested at most `MAX_DEPTH` deep; ValueError for anything
+    else, whatever the bytes (never a RecursionError or OverflowError)."""
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {literal[:40]} overflows a float")
+        return value
+
+    try:
+        framed = json.loads(text.decode(), parse_constant=_refuse_constant,
+                            parse_float=finite)
+    except RecursionError:
+        raise ValueError(f"the message's header nests deeper than {MAX_DEPTH} levels "
+                         "(JSON)") from None
+    except (ValueError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError too
+        raise ValueError(f"the message's header is not the relay's JSON "
+                         f"({str(e)[:200]})") from None
+    if not isinstance(framed, dict):
+        raise ValueError("the message's header is not a JSON object")
+    _check_depth(framed)
+    return framed
 
 
 def _aligned(size: int) -> int:
@@ -90,7 +154,12 @@ def pack(arrays: dict, header: dict) -> bytearray:
         entries.append([name, _descr(name, value.dtype), list(value.shape), offset,
                         value.nbytes])
         offset += _aligned(value.nbytes)
-    text = json.dumps({"header": header, "arrays": entries}).encode()
+    _check_depth(header)
+    try:
+        text = json.dumps({"header": header, "arrays": entries}, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ValueError("a worker message's header must be plain JSON (objects, lists, "
+                         f"strings, finite numbers): {str(e)[:200]}") from None
     start = _aligned(len(MAGIC) + 8 + len(text))
     body = bytearray(start + offset)
     body[:len(MAGIC) + 8 + len(text)] = MAGIC + struct.pack("<Q", len(text)) + text
@@ -112,33 +181,34 @@ def unpack(data) -> tuple:
     if length > len(data) - head:
         raise ValueError(f"the message's header claims {length} bytes; the body has "
                          f"{len(data) - head} after it")
-    try:
-        framed = json.loads(bytes(data[head:head + length]).decode())
-        header, entries = framed["header"], framed["arrays"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"the message's header is not the relay's JSON ({e})") from None
+    framed = _json_object(bytes(data[head:head + length]))
+    header, entries = framed.get("header"), framed.get("arrays")
     if not isinstance(header, dict) or not isinstance(entries, list):
         raise ValueError("the message's header is not a JSON object with a list of arrays")
     start = _aligned(head + length)
     arrays, end = {}, start
     for entry in entries:
+        shown = _shown(entry)
         try:
             name, descr, shape, offset, size = entry
-            dtype = np.dtype(str(descr))
-            shape = tuple(int(d) for d in shape)
-            ok = (isinstance(name, str) and _descr(name, dtype) == dtype.str
-                  and all(d >= 0 for d in shape) and isinstance(offset, int)
-                  and isinstance(size, int) and 0 <= offset
-                  and size == math.prod(shape) * dtype.itemsize
-                  and start + offset + size <= len(data))
+            ok = (isinstance(name, str) and isinstance(descr, str) and len(descr) <= 16
+                  and isinstance(shape, list) and len(shape) <= MAX_RANK
+                  and all(_count(d) for d in shape) and _count(offset) and _count(size))
+            dtype = np.dtype(descr) if ok else None
+            ok = ok and (_descr(name, dtype) == dtype.str
+                         and size == math.prod(shape) * dtype.itemsize
+                         and start + offset + size <= len(data))
+            if ok:
+                value = np.frombuffer(data, dtype, math.prod(shape), start + offset)
+                value = value.reshape(shape)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"the message's array entry {str(entry)[:80]} is malformed "
+            raise ValueError(f"the message's array entry {shown} is malformed "
                              f"({e})") from None
         if not ok:
-            raise ValueError(f"the message's array entry {str(entry)[:80]} does not fit "
-                             f"its body of {len(data)} bytes or its own dtype and shape")
-        arrays[name] = np.frombuffer(data, dtype, math.prod(shape),
-                                     start + offset).reshape(shape)
+            raise ValueError(f"the message's array entry {shown} does not fit its body of "
+                             f"{len(data)} bytes or its own dtype and shape (whole "
+                             f"numbers below 2**63, at most {MAX_RANK} dimensions)")
+        arrays[name] = value
         end = max(end, start + _aligned(offset + size))
     if len(data) != end:
         raise ValueError(f"the message's body has {len(data)} bytes; its header frames "
@@ -150,9 +220,23 @@ def token_matches(given: Optional[str], token: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
+def _private_files():
+    """`fax_bridge.private_files`: imported where fax_bridge's package is, else loaded
+    by its path (this module never loads the package, which loads jax)."""
+    if "fax_bridge" in sys.modules:
+        return importlib.import_module("fax_bridge.private_files")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "private_files.py")
+    spec = importlib.util.spec_from_file_location("_fax_bridge_private_files", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_token(path: str) -> str:
-    with open(path) as f:
-        token = f.read().strip()
+    """The worker token in `path`: a file of ours that others can neither read nor
+    write, never read through a link (`private_files.read_private`)."""
+    token = _private_files().read_private(path).decode(errors="replace").strip()
     if len(token) < 16:
         raise ValueError(f"the worker token in {path} is shorter than 16 characters")
     return token
@@ -192,7 +276,14 @@ def array_view(item) -> np.ndarray:
     shape, fortran, dtype = read(header)
     if dtype.hasobject:
         raise ValueError(f"an array of dtype {dtype}: objects are never read")
+    if len(shape) > MAX_RANK or not all(_count(d) for d in shape):
+        raise ValueError(f"an array of shape {_shown(shape)}: expected at most {MAX_RANK} "
+                         "whole dimensions, each in [0, 2**63)")
     count = math.prod(shape)
+    if count * dtype.itemsize != len(data) - header.tell():
+        raise ValueError(f"an array of shape {list(shape)} and dtype {dtype} takes "
+                         f"{count * dtype.itemsize} bytes; its .npy holds "
+                         f"{len(data) - header.tell()} after its header")
     flat = np.frombuffer(data, dtype, count, header.tell())
     return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
 
