@@ -39,6 +39,7 @@ from fax_bridge.errors import FleetError
 from fax_bridge import forks
 from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
+from fax_bridge.process_tree import signal_group
 from fax_bridge.fleet.config import FleetConfig, resolve_config
 from fax_bridge.rounds import round_split
 from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
@@ -254,7 +255,7 @@ class LocalFleet(FleetRounds):
 
     def kill_device(self, index: int, signum: int = signal.SIGKILL) -> None:
         """Sends `signum` to device `index` (a crash when SIGKILL, a hang when SIGSTOP)."""
-        _signal_group(self._procs[index], signum)
+        signal_group(self._procs[index], signum)
         if signum == signal.SIGKILL:
             try:
                 self._procs[index].wait(timeout=10.0)
@@ -270,7 +271,7 @@ class LocalFleet(FleetRounds):
             raise FleetError("the fleet is not running; start it before restarting devices")
         old = self._procs[index]
         if old.poll() is None:
-            _signal_group(old, signal.SIGKILL)
+            signal_group(old, signal.SIGKILL)
             old.wait(timeout=10.0)
         if old.stdout is not None:
             old.stdout.close()
@@ -413,7 +414,7 @@ def _terminate(procs: list, grace_s: float) -> None:
     """SIGTERM each process group, wait up to `grace_s`, then SIGKILL what is left."""
     for proc in procs:
         if proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for proc in procs:
         try:
@@ -422,18 +423,8 @@ def _terminate(procs: list, grace_s: float) -> None:
             pass
     for proc in procs:
         if proc.poll() is None:
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             try:
                 proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 pass
-
-
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)  # the device leads its own session and group
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.send_signal(signum)
-        except ProcessLookupError:
-            pass

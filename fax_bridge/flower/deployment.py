@@ -45,6 +45,7 @@ import time
 from typing import Callable, Optional
 
 from fax_bridge.errors import FleetError
+from fax_bridge.process_tree import descendants, end_group, signal_all
 
 log = logging.getLogger("fax_bridge.flower")
 CONNECTION = "fax-bridge"
@@ -500,76 +501,10 @@ class LocalDeployment:
         end = time.monotonic() + 5.0  # their children end with the commands just ended
         while any(descendants(pid) for pid in servers) and time.monotonic() < end:
             time.sleep(0.05)
-        _signal([c for pid in servers for c in descendants(pid)], signal.SIGKILL)
+        signal_all([c for pid in servers for c in descendants(pid)], signal.SIGKILL)
         for forks in self.forks.values():
             forks.close()
         self.forks = {}
         for file in self._logs:
             file.close()
         self._logs = []
-
-
-def _children() -> dict:
-    """{parent pid: [child pids]} of every process (Linux /proc; empty elsewhere)."""
-    out: dict = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1:
-            out.setdefault(int(fields[1]), []).append(int(name))
-    return out
-
-
-def descendants(pid: int) -> list:
-    """Every process started under `pid`, however deep (some of Flower's start a
-    session of their own, so the process group alone does not reach them)."""
-    children, found, stack = _children(), [], [pid]
-    while stack and len(found) < 10_000:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _signal(pids: list, sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def end_group(proc: subprocess.Popen, sig: int = signal.SIGTERM,
-               grace_s: float = 5.0) -> None:
-    """Sends `sig` to `proc`'s process group and to every process started under it
-    (SIGKILL to what is left after `grace_s`), and reaps `proc`."""
-    below = descendants(proc.pid)
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-    _signal(below, sig)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    below += descendants(proc.pid) if proc.poll() is None else []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
-    except ProcessLookupError:
-        pass
-    _signal(below, signal.SIGKILL)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass

@@ -17,6 +17,7 @@ import subprocess
 from typing import Optional, Sequence
 
 from fax_bridge.errors import FaxBridgeError
+from fax_bridge.process_tree import signal_group
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SETUP_HINT = "build it with `make tff-venv` (tools/tff087/setup.sh)"
@@ -43,10 +44,7 @@ def script(name: str) -> pathlib.Path:
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILLs the process group `proc` leads (started with `start_new_session`)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group(proc, signal.SIGKILL)
 
 
 def run_json(path: os.PathLike, args: Sequence[str], timeout_s: float,
