@@ -1,0 +1,237 @@
+"""Folders and files that no other local user can plant, swap or redirect.
+
+fax_bridge runs as root beside other users' processes, and writes into folders a user
+names (a Flower deployment's home, an app folder, a log folder), often under a shared
+`/tmp`. A folder another user made first, or one they can write into, lets them plant a
+symbolic link where a file is about to be written (root then overwrites the file it
+points to) or swap a program that root then runs. Every such write goes through here:
+
+- `check_chain(folder)`: every folder from `/` down to `folder` (the links on the way
+  followed, and checked too) belongs to root or to us and is writable by no one else,
+  unless it is sticky as `/tmp` is (there others cannot rename or remove what is ours).
+- `private_dir(path)`: makes `path` (and its missing parents) or verifies the one there:
+  a real folder (not a link), ours, writable by no one else; narrowed to `mode` (0700).
+- `atomic_file(path)` / `write_file(path, data)`: a new file in a checked folder
+  (`O_EXCL` under a temporary name, its mode set on the open file), renamed over `path`;
+  a link or another user's file already at `path` is refused, never followed.
+- `open_append(path)`: a log opened with `O_NOFOLLOW`, refused unless it is a regular
+  file of ours with one link.
+- `read_private(path)`: a secret (a token) opened with `O_NOFOLLOW`, refused unless it
+  is a regular file of ours that others can neither read nor write.
+
+A refusal is an `UnsafePathError` naming the path, what was wrong, and the fix. This
+module imports only the standard library (and `fax_bridge.errors`, when imported as part
+of the package), so the processes that never load fax_bridge's package load it by path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from typing import Iterator, Union
+
+if __name__ == "fax_bridge.private_files":
+    from fax_bridge.errors import FaxBridgeError
+else:  # loaded by its path (`relay`), where fax_bridge's package (jax) is never loaded
+    class FaxBridgeError(Exception):  # noqa: N818 - stands in for fax_bridge.errors'
+        """fax_bridge's base error, in a process that never loads the package."""
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
+MAX_SECRET_BYTES = 1 << 16
+_ELSEWHERE = ("Choose another path, in a folder of your own (under your home folder, or "
+              "one `mktemp -d` makes)")
+_ANOTHER = _ELSEWHERE + ", or remove this one if it holds nothing you need"
+
+
+class UnsafePathError(FaxBridgeError, PermissionError):
+    """A folder or file another local user could have planted or could swap."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _refuse(path: str, why: str, fix: str) -> UnsafePathError:
+    return UnsafePathError(f"{path} {why}; another local user could have planted it or "
+                           f"could swap what it holds. {fix}")
+
+
+def _check_folder(path: str, info: os.stat_result, euid: int) -> None:
+    if not stat.S_ISDIR(info.st_mode):
+        raise _refuse(path, "is not a folder", "Remove it or choose another path")
+    if info.st_uid not in (0, euid):
+        raise _refuse(path, f"belongs to {_owner(info.st_uid)}", _ELSEWHERE)
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise _refuse(path, f"is writable by others (mode {stat.S_IMODE(info.st_mode):o})",
+                      _ELSEWHERE)
+
+
+def check_chain(folder: str, make: bool = False) -> str:
+    """Checks every folder from `/` down to `folder` (module docstring); with `make`,
+    makes the missing ones (mode 0755 less the umask). Returns `folder`'s real path."""
+    euid = os.geteuid()
+    pending = [p for p in os.path.abspath(folder).split("/") if p]
+    current, links = "/", 0
+    _check_folder("/", os.lstat("/"), euid)
+    while pending:
+        name = pending.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            current = os.path.dirname(current)
+            continue
+        path = os.path.join(current, name)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            if not make:
+                raise
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o755)
+            info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            links += 1
+            if links > _MAX_LINKS:
+                raise _refuse(path, "leads through too many links", "Give a real path")
+            if info.st_uid not in (0, euid):
+                raise _refuse(path, f"is a link owned by {_owner(info.st_uid)}",
+                              "Remove it or choose another path")
+            target = os.readlink(path)
+            if target.startswith("/"):
+                current = "/"
+            pending[:0] = [p for p in target.split("/") if p]
+            continue
+        _check_folder(path, info, euid)
+        current = path
+    return current
+
+
+def private_dir(path: Union[str, os.PathLike], mode: int = 0o700) -> str:
+    """Makes folder `path` with `mode` (its missing parents 0755), or verifies the one
+    there: its parents pass `check_chain`, and it is a real folder (not a link) of ours
+    that no one else can write; its mode is then narrowed to `mode` (0755 for a folder
+    others may read). Returns its absolute path; `UnsafePathError` naming the path
+    otherwise."""
+    path = os.path.abspath(os.fspath(path))
+    check_chain(os.path.dirname(path), make=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    except OSError:
+        info = os.lstat(path)
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a folder"
+        raise _refuse(path, f"is {kind}", "Remove it or choose another path") from None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise _refuse(path, f"belongs to {_owner(info.st_uid)}, not to the user "
+                          f"running this ({_owner(os.geteuid())})", _ANOTHER)
+        if stat.S_IMODE(info.st_mode) & 0o022:
+            raise _refuse(path, "is writable by others (mode "
+                          f"{stat.S_IMODE(info.st_mode):o})", _ANOTHER)
+        if stat.S_IMODE(info.st_mode) & ~mode:
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) & mode)
+    finally:
+        os.close(fd)
+    return path
+
+
+def check_entry(path: Union[str, os.PathLike]) -> None:
+    """Refuses what is at `path`, if anything, unless it is ours and not a link (an
+    entry about to be replaced, removed or handed to another program to open)."""
+    path = os.fspath(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(info.st_mode):
+        raise _refuse(path, "is a symbolic link", "Remove it")
+    if info.st_uid != os.geteuid():
+        raise _refuse(path, f"belongs to {_owner(info.st_uid)}", "Remove it")
+
+
+@contextlib.contextmanager
+def atomic_file(path: Union[str, os.PathLike], mode: int = 0o600) -> Iterator:
+    """A binary file to write that replaces `path` once the block ends without an
+    error (a failed write leaves `path` as it was). `path`'s folder must pass
+    `check_chain`, and a link or another user's file at `path` is refused."""
+    path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(path)
+    check_chain(folder)
+    check_entry(path)
+    fd, part = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".part",
+                                dir=folder)  # O_CREAT | O_EXCL: never through a link
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.replace(part, path)  # renames over a link planted since, never through it
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
+
+
+def write_file(path: Union[str, os.PathLike], data: Union[bytes, str],
+               mode: int = 0o600) -> str:
+    """Writes `data` (text as UTF-8) to `path` through `atomic_file`; returns the path."""
+    with atomic_file(path, mode) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    return os.fspath(path)
+
+
+def _open_checked(path: str, flags: int, mode: int = 0o600) -> int:
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if os.path.islink(path):
+            raise _refuse(path, "is a symbolic link", "Remove it") from None
+        if os.path.lexists(path) and not os.path.isfile(path):  # a fifo with no reader
+            raise _refuse(path, "is not a regular file", "Remove it") from None
+        raise e
+    info = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(info.st_mode):
+        why = "is not a regular file"
+    elif info.st_uid != os.geteuid():
+        why = f"belongs to {_owner(info.st_uid)}"
+    elif info.st_nlink != 1 and flags & (os.O_WRONLY | os.O_RDWR):
+        why = f"has {info.st_nlink} hard links"
+    if why is not None:
+        os.close(fd)
+        raise _refuse(path, why, "Remove it")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_append(path: Union[str, os.PathLike], mode: int = 0o600):
+    """`path` opened to append in binary (made with `mode` if missing); refused unless
+    it is a regular file of ours with one link. Never follows a link at `path`."""
+    fd = _open_checked(os.fspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+    return os.fdopen(fd, "ab")
+
+
+def read_private(path: Union[str, os.PathLike], limit: int = MAX_SECRET_BYTES) -> bytes:
+    """The bytes of a secret at `path` (at most `limit`); refused unless it is a regular
+    file of ours that others can neither read nor write. Never follows a link."""
+    path = os.fspath(path)
+    fd = _open_checked(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        perm = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+        if perm & 0o077:
+            raise UnsafePathError(f"{path} has mode {perm:o}: other users could read or "
+                                  f"write it. Run `chmod 600 {path}`")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafePathError(f"{path} holds more than {limit} bytes; it is not a secret "
+                              "this reads (a token); give the right file")
+    return data

@@ -1,0 +1,210 @@
+"""fax_bridge.private_files: a folder or file another local user made first, can write
+into, or planted as a link is refused naming its path, and nothing is written through
+it; what is ours is made, verified, narrowed and replaced whole."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+import uuid
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fax_bridge import private_files
+from fax_bridge.errors import FaxBridgeError
+from fax_bridge.private_files import UnsafePathError
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user")
+ROOTS_TEXT = b"root's own file\n"
+
+
+def _nobody() -> int:
+    return pwd.getpwnam("nobody").pw_uid
+
+
+def _fresh(tmp_path) -> str:
+    folder = tmp_path / uuid.uuid4().hex[:8]
+    folder.mkdir(mode=0o700)
+    return str(folder)
+
+
+@pytest.fixture
+def roots_file(tmp_path):
+    """A file of the user running the tests that a planted link points at."""
+    path = tmp_path / "precious"
+    path.write_bytes(ROOTS_TEXT)
+    path.chmod(0o644)
+    return str(path)
+
+
+def _unchanged(path: str) -> None:
+    with open(path, "rb") as f:
+        assert f.read() == ROOTS_TEXT
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+
+
+def test_a_private_folder_is_made_with_its_parents_and_narrowed_when_ours(tmp_path):
+    home = os.path.join(str(tmp_path), "a", "b", "home")
+    assert private_files.private_dir(home) == home
+    assert stat.S_IMODE(os.lstat(home).st_mode) == 0o700
+    assert not stat.S_IMODE(os.lstat(os.path.dirname(home)).st_mode) & 0o022
+    os.chmod(home, 0o750)
+    assert private_files.private_dir(home) == home  # ours: verified again, narrowed
+    assert stat.S_IMODE(os.lstat(home).st_mode) == 0o700
+    app = os.path.join(str(tmp_path), "app")
+    private_files.private_dir(app, 0o755)
+    assert not stat.S_IMODE(os.lstat(app).st_mode) & 0o022
+
+
+@settings(max_examples=40, deadline=None)
+@given(mode=st.integers(0o500, 0o777), sticky=st.booleans())
+def test_a_folder_others_can_write_is_refused_whatever_its_mode(tmp_path_factory, mode,
+                                                                 sticky):
+    home = os.path.join(_fresh(tmp_path_factory.mktemp("modes")), "home")
+    os.mkdir(home)
+    os.chmod(home, mode | (stat.S_ISVTX if sticky else 0))
+    if mode & 0o022:
+        with pytest.raises(UnsafePathError, match=f"{home} is writable by others") as e:
+            private_files.private_dir(home)
+        assert "another path" in str(e.value)
+        assert stat.S_IMODE(os.lstat(home).st_mode) & 0o777 == mode  # left as it was
+    else:
+        private_files.private_dir(home)
+        assert stat.S_IMODE(os.lstat(home).st_mode) == mode & 0o700
+
+
+def test_a_link_or_a_file_where_the_folder_goes_is_refused(tmp_path, roots_file):
+    target = os.path.join(str(tmp_path), "elsewhere")
+    os.mkdir(target, 0o700)
+    link = os.path.join(str(tmp_path), "home")
+    os.symlink(target, link)
+    with pytest.raises(UnsafePathError, match=f"{link} is a symbolic link"):
+        private_files.private_dir(link)
+    with pytest.raises(UnsafePathError, match=f"{roots_file} is not a folder"):
+        private_files.private_dir(roots_file)
+    _unchanged(roots_file)
+
+
+@as_root
+def test_a_folder_another_user_made_first_is_refused(tmp_path):
+    home = os.path.join(str(tmp_path), "flwr")
+    os.mkdir(home, 0o700)
+    os.chown(home, _nobody(), -1)
+    with pytest.raises(UnsafePathError, match=f"{home} belongs to nobody") as e:
+        private_files.private_dir(home)
+    assert "another path" in str(e.value) and "mktemp -d" in str(e.value)
+    with pytest.raises(UnsafePathError, match=f"{home} belongs to nobody"):
+        private_files.private_dir(os.path.join(home, "forks"))  # a parent counts too
+    assert os.listdir(home) == []
+
+
+@as_root
+def test_the_parents_chain_is_checked_through_links(tmp_path):
+    base = str(tmp_path)
+    theirs = os.path.join(base, "theirs")
+    os.mkdir(theirs, 0o755)
+    os.chown(theirs, _nobody(), -1)
+    via = os.path.join(base, "via")
+    os.symlink(theirs, via)  # a link of ours to a folder another user can swap
+    with pytest.raises(UnsafePathError, match=f"{theirs} belongs to nobody"):
+        private_files.private_dir(os.path.join(via, "home"))
+    open_ = os.path.join(base, "open")
+    os.mkdir(open_)
+    os.chmod(open_, 0o777)
+    with pytest.raises(UnsafePathError, match=f"{open_} is writable by others"):
+        private_files.check_chain(os.path.join(open_))
+    os.chmod(open_, 0o1777)  # sticky as /tmp: others cannot swap what is ours there
+    assert private_files.check_chain(open_) == open_
+    link = os.path.join(base, "link")
+    os.symlink(base, link)
+    os.lchown(link, _nobody(), -1)
+    with pytest.raises(UnsafePathError, match=f"{link} is a link owned by nobody"):
+        private_files.check_chain(link)
+
+
+def test_a_file_is_written_whole_with_its_mode_and_a_failed_write_leaves_the_old(
+        tmp_path):
+    path = os.path.join(str(tmp_path), "config.toml")
+    private_files.write_file(path, "one")
+    assert open(path).read() == "one" and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    private_files.write_file(path, b"two", 0o644)
+    assert open(path).read() == "two" and stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    with pytest.raises(RuntimeError):
+        with private_files.atomic_file(path) as f:
+            f.write(b"half")
+            raise RuntimeError("the writer failed")
+    assert open(path).read() == "two"
+    assert os.listdir(str(tmp_path)) == ["config.toml"]  # no part left behind
+
+
+def _plant(kind: str, path: str, roots_file: str) -> None:
+    if kind == "link to our file":
+        os.symlink(roots_file, path)
+    elif kind == "dangling link":
+        os.symlink(path + ".new", path)
+    elif kind == "hard link to our file":
+        os.link(roots_file, path)
+    elif kind == "another user's file":
+        with open(path, "wb") as f:
+            f.write(b"theirs")
+        os.chown(path, _nobody(), -1)
+    elif kind == "fifo":
+        os.mkfifo(path, 0o600)
+
+
+KINDS = ["link to our file", "dangling link", "hard link to our file",
+         "another user's file", "fifo"]
+
+
+@as_root
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(KINDS), how=st.sampled_from(["write", "append", "read"]))
+def test_whatever_is_planted_under_a_files_name_is_refused_and_never_written_through(
+        tmp_path_factory, kind, how):
+    folder = _fresh(tmp_path_factory.mktemp("planted"))
+    roots_file = os.path.join(folder, "precious")
+    with open(roots_file, "wb") as f:
+        f.write(ROOTS_TEXT)
+    os.chmod(roots_file, 0o644)
+    path = os.path.join(folder, "worker-0.token")
+    _plant(kind, path, roots_file)
+    refused = {"write": kind != "hard link to our file" and kind != "fifo",
+               "append": True, "read": True}[how]
+    # writing anew replaces a hard link or a fifo of ours (never writes through them)
+    try:
+        if how == "write":
+            private_files.write_file(path, "token" * 8)
+        elif how == "append":
+            private_files.open_append(path).close()
+        else:
+            private_files.read_private(path)
+    except UnsafePathError as e:
+        assert refused, e
+        assert str(e).startswith(path) and isinstance(e, (FaxBridgeError, OSError))
+    else:
+        assert not refused
+        assert open(path).read() == "token" * 8 and not os.path.islink(path)
+    _unchanged(roots_file)
+
+
+def test_a_secret_others_can_read_is_refused_naming_the_fix(tmp_path):
+    path = os.path.join(str(tmp_path), "token")
+    private_files.write_file(path, "s" * 32)
+    assert private_files.read_private(path) == b"s" * 32
+    os.chmod(path, 0o640)
+    with pytest.raises(UnsafePathError, match=f"chmod 600 {path}"):
+        private_files.read_private(path)
+    os.chmod(path, 0o600)
+    with pytest.raises(UnsafePathError, match="more than 16 bytes"):
+        private_files.read_private(path, limit=16)
+
+
+def test_a_log_is_appended_to_and_never_truncated(tmp_path):
+    path = os.path.join(str(tmp_path), "superlink.log")
+    for line in (b"one\n", b"two\n"):
+        with private_files.open_append(path) as f:
+            f.write(line)
+    assert open(path, "rb").read() == b"one\ntwo\n"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
