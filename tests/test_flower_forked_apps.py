@@ -149,3 +149,138 @@ def test_the_commands_written_stand_for_flowers_own():
             real = os.path.join(os.path.dirname(sys.executable), name)
             assert text.startswith(f"#!{sys.executable}\n") and repr(entry) in text
             assert repr(real) in text and os.access(real, os.X_OK)
+
+
+# A deployment home another local user reaches first ------------------------------------
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (nobody)")
+ROOTS_TEXT = b"#!/bin/sh\n# root's own program\n"
+
+
+def _as_nobody(step) -> None:
+    """Runs `step()` in a forked child that is the user nobody."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            step()
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder every user may create in, sticky as /tmp (where the docs' homes go)."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="fax-shared-", dir="/tmp")
+    os.chmod(folder, 0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def roots_program(tmp_path):
+    path = tmp_path / "program"
+    path.write_bytes(ROOTS_TEXT)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _unchanged(path: str) -> None:
+    assert open(path, "rb").read() == ROOTS_TEXT and os.stat(path).st_mode & 0o777 == 0o755
+
+
+@as_root
+def test_a_home_another_user_made_first_is_refused_before_anything_is_written(
+        shared_tmp, roots_program):
+    home = os.path.join(shared_tmp, "flwr")
+    bin_dir = os.path.join(home, "forks", "superlink", "bin")
+
+    def plant():
+        os.makedirs(bin_dir, 0o755)
+        os.symlink(roots_program, os.path.join(bin_dir, "flwr"))
+
+    _as_nobody(plant)
+    with pytest.raises(PermissionError, match=f"{home} belongs to nobody") as e:
+        forked_apps.AppForks(os.path.join(home, "forks", "superlink"), dict(os.environ),
+                             ())
+    assert "another path" in str(e.value)
+    _unchanged(roots_program)
+    assert os.listdir(bin_dir) == ["flwr"] and os.path.islink(os.path.join(bin_dir, "flwr"))
+
+    from fax_bridge.flower.deployment import LocalDeployment
+
+    with pytest.raises(PermissionError, match=f"{home} belongs to nobody"):
+        with LocalDeployment([{"population": home}], home, fork_apps=False):
+            pass
+    assert sorted(os.listdir(home)) == ["forks"]  # no config, log or token written there
+
+
+@as_root
+@settings(max_examples=12, deadline=None)
+@given(entry=st.sampled_from(sorted(forked_apps.COMMANDS) + ["forks.log"]),
+       planted=st.sampled_from(["link", "another user's file"]))
+def test_an_entry_planted_in_the_forks_folder_is_refused_naming_it(
+        tmp_path_factory, entry, planted):
+    import pwd
+
+    folder = str(tmp_path_factory.mktemp("forks"))
+    roots_program = os.path.join(folder, "program")
+    with open(roots_program, "wb") as f:
+        f.write(ROOTS_TEXT)
+    os.chmod(roots_program, 0o755)
+    forks_dir = os.path.join(folder, "home", "forks", "superlink")
+    os.makedirs(os.path.join(forks_dir, "bin"), 0o700)
+    path = os.path.join(forks_dir, "bin", entry) if entry in forked_apps.COMMANDS else \
+        os.path.join(forks_dir, entry)
+    if planted == "link":
+        os.symlink(roots_program, path)
+    else:
+        open(path, "wb").close()
+        os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+    with pytest.raises(PermissionError) as e:
+        forked_apps.AppForks(forks_dir, dict(os.environ), ())
+    assert str(e.value).startswith(path)
+    _unchanged(roots_program)
+
+
+@pytest.mark.parametrize("entry", ["config.toml", "worker-0.token", "logs/worker-0.log"])
+def test_a_link_planted_in_a_deployment_home_is_refused_and_its_target_kept(
+        tmp_path, roots_program, entry):
+    from fax_bridge.flower.deployment import LocalDeployment
+
+    home = tmp_path / "home"
+    (home / "logs").mkdir(parents=True, mode=0o700)
+    home.chmod(0o700)
+    os.symlink(roots_program, home / entry)
+    with pytest.raises(PermissionError, match=f"{home / entry} is a symbolic link"):
+        with LocalDeployment([{"population": str(tmp_path)}], str(home), fork_apps=False):
+            pass
+    _unchanged(roots_program)
+
+
+def test_the_worker_refuses_a_token_file_that_is_a_link_or_others_can_read(
+        tmp_path, roots_program, capsys):
+    from fax_bridge.flower import worker
+
+    link = tmp_path / "worker.token"
+    os.symlink(roots_program, link)
+    args = ["--listen", "127.0.0.1:0", "--population", str(tmp_path)]
+    assert worker.main(args + ["--token-file", str(link)]) == 2
+    assert f"{link} is a symbolic link" in capsys.readouterr().err
+    link.unlink()
+    link.write_text("t" * 32)
+    link.chmod(0o644)
+    assert worker.main(args + ["--token-file", str(link)]) == 2
+    assert f"chmod 600 {link}" in capsys.readouterr().err
+    _unchanged(roots_program)

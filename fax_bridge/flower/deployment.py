@@ -1,8 +1,14 @@
 """A Flower deployment started from here: one SuperLink and SuperNodes.
 
     with LocalDeployment(nodes=[{"population": "/pop", "first-client": 0,
-                                 "num-clients": 4}, ...], home="/tmp/flwr") as d:
+                                 "num-clients": 4}, ...], home="~/flwr-home") as d:
         d.run("app/", {"num-rounds": 3, "out-dir": "/tmp/out"})
+
+The home (Flower's `FLWR_HOME`: its configuration, the processes' logs, the warm
+workers' tokens, the fork servers' folders) must be a folder of the user running the
+deployment, mode 0700, in folders no one else can write; one there already that is
+another user's, writable by others or a link is refused (`private_files`), as is a
+link planted under a file the deployment writes in it.
 
 Each process is Flower's own command (`flower-superlink`, `flower-supernode`, then
 `flwr run`), started on 127.0.0.1 with free ports, insecure or, with
@@ -44,6 +50,7 @@ import sys
 import time
 from typing import Callable, Optional
 
+from fax_bridge import private_files
 from fax_bridge.errors import FleetError
 from fax_bridge.process_tree import descendants, end_group, signal_all
 
@@ -246,7 +253,7 @@ class LocalDeployment:
                              "(security.local_credentials(folder, nodes=...))")
         self.warm, self.fork_apps = warm, fork_apps
         self.forks: dict = {}  # "superlink", "supernode-I" -> forked_apps.AppForks
-        self.home = os.path.abspath(home)
+        self.home = os.path.abspath(os.path.expanduser(home))
         self.env = flower_env(self.home, poll_s)
         self.log_dir = log_dir or os.path.join(self.home, "logs")
         self.start_timeout_s = start_timeout_s
@@ -274,7 +281,7 @@ class LocalDeployment:
         self.stop()
 
     def _spawn(self, name: str, command: list) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        log = private_files.open_append(os.path.join(self.log_dir, f"{name}.log"))
         self._logs.append(log)
         forks = self.forks.get(name)
         if forks is not None:
@@ -309,6 +316,7 @@ class LocalDeployment:
             forked_apps.COLD_NODE_MODULES
         hosts = {"superlink": forked_apps.LINK_MODULES}
         hosts.update({f"supernode-{i}": node_modules for i in range(len(self.nodes))})
+        private_files.private_dir(os.path.join(self.home, "forks"))
         for name, modules in hosts.items():
             self.forks[name] = forked_apps.AppForks(
                 os.path.join(self.home, "forks", name), self.env, modules, self.wrap(name))
@@ -316,13 +324,12 @@ class LocalDeployment:
     def start(self) -> None:
         """Starts the SuperLink, waits for it, registers the nodes' keys (with node
         authentication), then starts the SuperNodes."""
-        os.makedirs(self.home, exist_ok=True)
-        os.makedirs(self.log_dir, exist_ok=True)
+        private_files.private_dir(self.home)  # ours alone: Flower runs from it as us
+        private_files.private_dir(self.log_dir)
         self.port = free_port(self.host)
         creds = self.credentials
-        with open(os.path.join(self.home, "config.toml"), "w") as f:
-            f.write(connection_toml(self.address,
-                                    root_certificates=creds and creds.ca_cert))
+        private_files.write_file(os.path.join(self.home, "config.toml"), connection_toml(
+            self.address, root_certificates=creds and creds.ca_cert))
         if self.fork_apps and not self.forks:
             self._start_forks()
         configs = [self._start_worker(i, c) for i, c in enumerate(self.nodes)] \
@@ -437,10 +444,8 @@ class LocalDeployment:
         """Starts node `index`'s warm worker; returns the node's config naming it."""
         import secrets
 
-        token_file = os.path.join(self.home, f"worker-{index}.token")
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
+        token_file = private_files.write_file(
+            os.path.join(self.home, f"worker-{index}.token"), secrets.token_hex(32))
         address = f"{LOOPBACK}:{free_port()}"  # free here: likely free on its host too
         command = [sys.executable, "-m", "fax_bridge.flower.worker", "--listen", address,
                    "--token-file", token_file]

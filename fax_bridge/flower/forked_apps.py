@@ -22,7 +22,8 @@ command in its place (exec), as it would without any of this.
 
 This file imports only the standard library and loads `forks` by its path, never
 fax_bridge's package (whose `__init__` loads jax): the commands run it as a script. The
-server side (`AppForks`) imports `fax_bridge.forks` when it is called.
+server side (`AppForks`, `write_commands`) imports `fax_bridge.forks` and
+`fax_bridge.private_files` when it is called.
 """
 
 from __future__ import annotations
@@ -111,17 +112,20 @@ sys.exit(runpy.run_path({module!r})["main"]({real!r}, {entry!r}))
 
 
 def write_commands(folder: str, python: str = sys.executable) -> str:
-    """Writes `folder/bin/` with one executable per `COMMANDS` entry, each running
-    `main` with Flower's own command beside `python`; returns that `bin` folder."""
-    bin_dir = os.path.join(folder, "bin")
-    os.makedirs(bin_dir, exist_ok=True)
+    """Writes `folder/bin/` (private, 0700) with one executable per `COMMANDS` entry,
+    each running `main` with Flower's own command beside `python`; returns that `bin`
+    folder. Each is written anew and renamed into place (`private_files`): a link or
+    another user's file planted under a command's name is refused, never written
+    through."""
+    from fax_bridge import private_files
+
+    bin_dir = private_files.private_dir(os.path.join(folder, "bin"))
     for name, entry in COMMANDS.items():
-        path = os.path.join(bin_dir, name)
-        with open(path, "w") as f:
-            f.write(_COMMAND.format(python=python, name=name, entry=entry,
-                                    module=os.path.abspath(__file__),
-                                    real=os.path.join(os.path.dirname(python), name)))
-        os.chmod(path, 0o755)
+        private_files.write_file(
+            os.path.join(bin_dir, name),
+            _COMMAND.format(python=python, name=name, entry=entry,
+                            module=os.path.abspath(__file__),
+                            real=os.path.join(os.path.dirname(python), name)), 0o700)
     return bin_dir
 
 
@@ -129,8 +133,10 @@ class AppForks:
     """The fork server of one host's Flower commands (a SuperNode's or a SuperLink's).
 
     Args:
-        folder: made private (0700): the listening socket, `bin/`, and the server's log
-            `forks.log` (a line for each command it forks).
+        folder: made private (0700), or verified to be (`private_files.private_dir`:
+            ours, not a link, writable by no one else, nor its parents): the listening
+            socket, `bin/`, and the server's log `forks.log` (a line for each command
+            it forks).
         env: the environment of the process whose commands it serves; `env` here is that
             environment with `bin/` leading PATH and `ENV` naming the socket.
         modules: what the server imports (`NODE_MODULES`, `COLD_NODE_MODULES`,
@@ -144,15 +150,18 @@ class AppForks:
 
     def __init__(self, folder: str, env: dict, modules: Sequence[str],
                  prefix: Sequence[str] = (), python: str = sys.executable):
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        os.chmod(folder, 0o700)
+        from fax_bridge import private_files
+
+        folder = private_files.private_dir(folder)
         self.folder, self.socket = folder, os.path.join(folder, "forks.sock")
         self.log_path = os.path.join(folder, "forks.log")
+        private_files.open_append(self.log_path).close()  # a planted link is refused
         self._short = None
         if len(self.socket.encode()) > MAX_SOCKET_PATH:  # a Unix socket's path is short
             self._short = tempfile.mkdtemp(prefix="fax-flwr-")  # made 0700
             self.socket = os.path.join(self._short, "forks.sock")
-        elif os.path.exists(self.socket):
+        elif os.path.lexists(self.socket):
+            private_files.check_entry(self.socket)
             os.unlink(self.socket)  # a server of an earlier deployment here has ended
         bin_dir = write_commands(folder, python)
         self.env = dict(env, PATH=bin_dir + os.pathsep + env.get("PATH", ""),

@@ -30,6 +30,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from fax_bridge import private_files
 from fax_bridge.flower import forked_apps
 from fax_bridge.flower.deployment import (LOOPBACK, end_group, flower_env, free_port,
                                           node_config_text, wait_port)
@@ -50,12 +51,10 @@ def supernode_command(args: argparse.Namespace, node_config: dict) -> list:
 
 def start_worker(config: dict, folder: str, port: int = 0, log=None) -> tuple:
     """Starts a warm worker for the share `config` on loopback (its token in `folder`,
-    mode 0600); returns (its process, the node config naming it). Not yet listening:
-    `wait_port` the returned address's port."""
-    token_file = os.path.join(folder, "worker.token")
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    mode 0600, written by `private_files.write_file`); returns (its process, the node
+    config naming it). Not yet listening: `wait_port` the returned address's port."""
+    token_file = private_files.write_file(os.path.join(folder, "worker.token"),
+                                          secrets.token_hex(32))
     address = f"{LOOPBACK}:{port or free_port()}"
     command = [sys.executable, "-m", "fax_bridge.flower.worker", "--listen", address,
                "--token-file", token_file]
@@ -102,8 +101,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     config = share_config(args)
-    os.environ.update(flower_env(os.environ.get("FLWR_HOME", os.path.expanduser(
-        "~/.flwr"))))
+    home = os.environ.get("FLWR_HOME", os.path.expanduser("~/.flwr"))
+    try:  # Flower's processes write there as this user: it must be ours alone
+        private_files.private_dir(home)
+    except private_files.UnsafePathError as e:
+        print(f"fax_bridge supernode: FLWR_HOME: {e}", file=sys.stderr)
+        return 2
+    os.environ.update(flower_env(home))
     stopping = []
 
     def stop(signum, _frame) -> None:
