@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Any, Optional
@@ -54,9 +55,105 @@ def _flag(value) -> bool:
     raise ValueError(text)
 
 
+MAX_WAIT_S = 7 * 24 * 3600.0  # the longest wait a run config may ask for: a week
+MAX_CLIENTS = 2 ** 31 - 1     # the most clients a run config may name
+MAX_NODES = 1 << 16           # the most SuperNodes min-nodes may ask for
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    """One run config key: its kind ("whole", "number", "flag", "text"), default and
+    accepted range [`low`, `high`] (`low_open`, `high_open`: that end excluded)."""
+
+    kind: str
+    default: Any
+    low: float = 0
+    high: float = 0
+    low_open: bool = False
+    high_open: bool = False
+
+    def accepted(self) -> str:
+        if self.kind == "flag":
+            return "true or false"
+        if self.kind == "text":
+            return "a string (quoted in --run-config)"
+        show = (lambda x: str(int(x))) if self.kind == "whole" else (lambda x: f"{x:g}")
+        return (f"{'a whole number' if self.kind == 'whole' else 'a number'} in "
+                f"{'(' if self.low_open else '['}{show(self.low)}, {show(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+    def holds(self, number) -> bool:
+        return ((self.low < number if self.low_open else self.low <= number)
+                and (number < self.high if self.high_open else number <= self.high))
+
+
+# Every key `Settings.from_run_config` reads, as `[tool.flwr.app.config]` spells it.
+RUN_CONFIG = {
+    "num-rounds": _Key("whole", 1, 1, 10 ** 6),
+    "cohort-size": _Key("whole", 0, 0, MAX_CLIENTS),
+    "population-size": _Key("whole", 0, 0, MAX_CLIENTS),
+    "dropout": _Key("number", 0.0, 0.0, 1.0, high_open=True),
+    "round-deadline-s": _Key("number", 0.0, 0.0, MAX_WAIT_S),
+    "min-clients": _Key("whole", 1, 0, MAX_CLIENTS),
+    "seed": _Key("whole", 0, 0, 2 ** 63 - 1),
+    "rounded-partials": _Key("flag", False),
+    "node-timeout-s": _Key("number", 120.0, 0.0, MAX_WAIT_S, low_open=True),
+    "first-round-timeout-s": _Key("number", 300.0, 0.0, MAX_WAIT_S),
+    "min-nodes": _Key("whole", 1, 1, MAX_NODES),
+    "wait-nodes-s": _Key("number", 60.0, 0.0, MAX_WAIT_S),
+    "poll-s": _Key("number", 0.05, 0.0, 60.0, low_open=True),
+    "out-dir": _Key("text", ""),
+    "checkpoint-dir": _Key("text", ""),
+    "secagg-threshold": _Key("number", 0.0, 0.0, 1.0),
+    "initial-state": _Key("text", ""),
+}
+
+
+def run_config_value(config, key: str) -> Any:
+    """The run config's `key` (`RUN_CONFIG`), else its default, checked: a whole number
+    (an int, or a float or string of one), a finite number, true/false or a string, in
+    the key's range; a FleetError naming the key, the value and what it accepts
+    otherwise (never NaN, an infinity, a fraction cut to a whole number, or a type's
+    name)."""
+    spec = RUN_CONFIG[key]
+    value = config.get(key, spec.default)
+    shown = repr(value)[:60]
+    example = '""' if spec.kind == "text" else str(spec.default).lower()
+    refuse = FleetError(f"run config {key}={shown} is not {spec.accepted()}; give e.g. "
+                        f"{key}={example}")
+    if spec.kind == "flag":
+        try:
+            return _flag(value)
+        except ValueError:
+            raise refuse from None
+    if spec.kind == "text":
+        if not isinstance(value, str) or "\0" in value:
+            raise refuse
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, np.integer,
+                                                          np.floating)):
+        raise refuse
+    try:
+        number = int(value) if isinstance(value, (int, np.integer)) else float(value)
+        if spec.kind == "number":
+            number = float(number)
+    except (TypeError, ValueError, OverflowError):
+        raise refuse from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise refuse
+    if spec.kind == "whole" and isinstance(number, float):
+        if not number.is_integer():
+            raise refuse
+        number = int(number)
+    if not spec.holds(number):
+        raise refuse
+    return number
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """The run config of a Flower round (keys as in `[tool.flwr.app.config]`)."""
+    """The run config of a Flower round (keys as in `[tool.flwr.app.config]`, each
+    checked by `run_config_value` against `RUN_CONFIG`)."""
 
     num_rounds: int = 1
     policy: RoundPolicy = RoundPolicy()
@@ -69,46 +166,32 @@ class Settings:
     checkpoint_dir: str = ""
     secagg_threshold: float = 0.0
     initial_state: str = ""
+    population_size: int = 0  # 0: not declared (`nodes.MAX_UNDECLARED_CLIENTS` bounds it)
 
     @classmethod
     def from_run_config(cls, config) -> "Settings":
-        def get(key, kind, default):
-            value = config.get(key, default)
-            if kind is int and (isinstance(value, bool) or (
-                    isinstance(value, float) and not value.is_integer())):
-                raise FleetError(f"run config {key}={value!r} is not a whole number; "
-                                 f"give e.g. {key}={int(default)}")
-            try:
-                return kind(value)
-            except (TypeError, ValueError, OverflowError):
-                wanted = {int: "a whole number", float: "a number",
-                          _flag: "true or false"}[kind]
-                raise FleetError(f"run config {key}={value!r} is not {wanted}; give e.g. "
-                                 f"{key}={str(default).lower()}") from None
+        """The settings of run config `config` (a mapping), every key checked
+        (`run_config_value`); keys it does not name take their defaults."""
+        def get(key):
+            return run_config_value(config, key)
 
-        cohort = get("cohort-size", int, 0)
-        if cohort < 0:
-            raise FleetError(f"run config cohort-size={cohort} is negative; give 0 (every "
-                             "client takes part in each round) or the clients a round "
-                             "samples")
-        deadline = get("round-deadline-s", float, 0.0)
+        cohort = get("cohort-size")
+        deadline = get("round-deadline-s")
         policy = RoundPolicy(cohort_size=cohort if cohort > 0 else None,
-                             dropout=get("dropout", float, 0.0),
+                             dropout=get("dropout"),
                              round_deadline_s=deadline if deadline > 0 else None,
-                             min_clients=get("min-clients", int, 1),
-                             seed=get("seed", int, 0), emulate_delays=False,
-                             rounded_partials=get("rounded-partials", _flag, False))
-        return cls(num_rounds=get("num-rounds", int, 1), policy=policy,
-                   node_timeout_s=get("node-timeout-s", float, 120.0),
-                   first_round_timeout_s=get("first-round-timeout-s", float, 300.0),
-                   min_nodes=get("min-nodes", int, 1),
-                   wait_nodes_s=get("wait-nodes-s", float, 60.0),
-                   poll_s=get("poll-s", float, 0.05),
-                   out_dir=get("out-dir", str, ""),
-                   checkpoint_dir=get("checkpoint-dir", str, ""),
-                   secagg_threshold=secagg.checked_threshold(
-                       get("secagg-threshold", float, 0.0)),
-                   initial_state=get("initial-state", str, ""))
+                             min_clients=get("min-clients"),
+                             seed=get("seed"), emulate_delays=False,
+                             rounded_partials=get("rounded-partials"))
+        return cls(num_rounds=get("num-rounds"), policy=policy,
+                   node_timeout_s=get("node-timeout-s"),
+                   first_round_timeout_s=get("first-round-timeout-s"),
+                   min_nodes=get("min-nodes"), wait_nodes_s=get("wait-nodes-s"),
+                   poll_s=get("poll-s"), out_dir=get("out-dir"),
+                   checkpoint_dir=get("checkpoint-dir"),
+                   secagg_threshold=secagg.checked_threshold(get("secagg-threshold")),
+                   initial_state=get("initial-state"),
+                   population_size=get("population-size"))
 
     def deadline_s(self, first: bool) -> float:
         """How long a round waits for the nodes' answers: `round-deadline-s`, else
@@ -249,7 +332,8 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
     made.split  # refuses a round that cannot be split before any node is asked
     node_ids = flower_nodes.wait_for_nodes(grid, settings.min_nodes, settings.wait_nodes_s,
                                            settings.poll_s)
-    nodes = flower_nodes.discover(grid, node_ids, settings.node_timeout_s, settings.poll_s)
+    nodes = flower_nodes.discover(grid, node_ids, settings.node_timeout_s, settings.poll_s,
+                                  settings.population_size, settings.min_nodes, log)
     cohort = cohort_of(settings, nodes)  # every round's, checked once before any round
     log(f"fax_bridge: {len(nodes)} SuperNodes serve {cohort.population} clients: "
         + ", ".join(n.name for n in nodes))
