@@ -71,7 +71,8 @@ def _check_folder(path: str, info: os.stat_result, euid: int) -> None:
         raise _refuse(path, f"belongs to {_owner(info.st_uid)}", _ELSEWHERE)
     if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
         raise _refuse(path, f"is writable by others (mode {stat.S_IMODE(info.st_mode):o})",
-                      _ELSEWHERE)
+                      (f"Run `chmod go-w {path}` if it is yours alone to write, or c"
+                       if info.st_uid == euid else "C") + _ELSEWHERE[1:])
 
 
 def check_chain(folder: str, make: bool = False) -> str:
@@ -137,7 +138,9 @@ def private_dir(path: Union[str, os.PathLike], mode: int = 0o700) -> str:
                           f"running this ({_owner(os.geteuid())})", _ANOTHER)
         if stat.S_IMODE(info.st_mode) & 0o022:
             raise _refuse(path, "is writable by others (mode "
-                          f"{stat.S_IMODE(info.st_mode):o})", _ANOTHER)
+                          f"{stat.S_IMODE(info.st_mode):o})",
+                          f"If what it holds is yours, run `chmod {mode:o} {path}`; or c"
+                          + _ANOTHER[1:])
         if stat.S_IMODE(info.st_mode) & ~mode:
             os.fchmod(fd, stat.S_IMODE(info.st_mode) & mode)
     finally:

@@ -253,3 +253,18 @@ def test_only_a_small_state_travels_in_the_bundle_and_the_server_starts_from_it_
     start = bundle.read_state(state_path, read.state) if named else read.state
     assert [np.asarray(t).tobytes() for t in start] == [
         np.asarray(t).tobytes() for t in made.state]
+
+
+def test_a_state_file_is_written_anew_never_through_a_planted_link(tmp_path):
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"kept\n")
+    path = tmp_path / "app" / app_dir.STATE_FILE
+    tensors = [np.arange(3, dtype=np.float32), np.ones((2, 2), np.int32)]
+    bundle.write_state(tensors, str(path))
+    assert [t.tolist() for t in bundle.read_state(str(path), tensors)] == \
+        [t.tolist() for t in tensors]
+    path.unlink()
+    os.symlink(precious, path)
+    with pytest.raises(PermissionError, match=f"{path} is a symbolic link"):
+        bundle.write_state(tensors, str(path))
+    assert precious.read_bytes() == b"kept\n"

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 from federated_language.common_libs import structure
 
+from fax_bridge import private_files
 from fax_bridge.errors import ExportError
 from fax_bridge.rounds import round_split
 from fax_bridge.rounds import wire
@@ -151,8 +152,8 @@ def write_state(tensors: list, path: str) -> str:
     for key, value in arrays.items():
         if value.dtype.name != np.dtype(value.dtype.str).name or value.dtype.kind == "V":
             arrays[key] = value.reshape(value.shape + (1,)).view(np.uint8)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
+    private_files.private_dir(os.path.dirname(os.path.abspath(path)), 0o755)
+    with private_files.atomic_file(path, 0o644) as f:
         np.savez(f, dtypes=np.array(names), **arrays)
     return path
 
@@ -212,11 +213,8 @@ def write_round(made: FlowerRound, folder: str, state_path: Optional[str] = None
             "state_path; `fax-bridge flower` does so by itself)")
     if state_path is not None:
         write_state(made.state, state_path)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, FILE_NAME)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    private_files.private_dir(folder, 0o755)
+    return private_files.write_file(os.path.join(folder, FILE_NAME), text, 0o644)
 
 
 def models_dir(folder: str) -> str:

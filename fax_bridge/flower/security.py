@@ -12,8 +12,9 @@ NIST P-256 key pair per SuperNode (PEM private key, OpenSSH public key, the form
     flower-supernode --root-certificates CA --auth-supernode-private-key NODE.key
 
 and `.flwr/config.toml`'s connection names `root-certificates = CA`. Private keys are
-written with mode 0600. These are for a deployment on this machine (tests, trials); a
-real federation's certificates come from its own authority.
+written with mode 0600, each file anew in a folder of ours alone (`private_files`: a
+link planted under its name is refused). These are for a deployment on this machine
+(tests, trials); a real federation's certificates come from its own authority.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import datetime
 import ipaddress
 import os
 from typing import Optional
+
+from fax_bridge import private_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +44,7 @@ class Credentials:
 
 
 def _write(path: str, data: bytes, private: bool = False) -> str:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return path
+    return private_files.write_file(path, data, 0o600 if private else 0o644)
 
 
 def _key_pem(key, openssh: bool = False) -> bytes:
@@ -63,7 +63,7 @@ def node_key_pair(folder: str, name: str) -> tuple:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    os.makedirs(folder, exist_ok=True)
+    private_files.private_dir(folder, 0o755)
     key = ec.generate_private_key(ec.SECP256R1())
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                            serialization.PublicFormat.OpenSSH)
@@ -81,7 +81,7 @@ def local_credentials(folder: str, nodes: int = 0, days: int = 2,
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    os.makedirs(folder, exist_ok=True)
+    private_files.private_dir(folder, 0o755)
     now = datetime.datetime.now(datetime.timezone.utc)
     begin, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP256R1())
