@@ -29,9 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fax_bridge import chunking
 from fax_bridge import local as _local
 from fax_bridge import primitives as P
 from fax_bridge.errors import ArgumentError, PlacementError, ProgramError, WeightError
+from fax_bridge.execution import ClientsPerStep, is_unchunked
+from fax_bridge.execution import validate as validate_clients_per_step
 from fax_bridge.placements import aggregate_refusal, weights_refusal
 from fax_bridge.tracing import is_machinery
 
@@ -70,13 +73,20 @@ def current_clients(op: str) -> int:
 
 class Program:
     """A federated program: a function whose federated operations use `clients` members
-    of the placement named `placement`."""
+    of the placement named `placement`, run `clients_per_step` members at a time when
+    given (`fax_bridge.chunking`)."""
 
-    def __init__(self, fn: Callable, clients: int, placement: str = P.CLIENTS):
+    def __init__(self, fn: Callable, clients: int, placement: str = P.CLIENTS,
+                 clients_per_step: ClientsPerStep = None):
         self.fn = fn
         self.clients = clients
         self.placement = placement
+        self.clients_per_step = validate_clients_per_step(clients_per_step, placement)
         functools.update_wrapper(self, fn)
+
+    def with_clients_per_step(self, clients_per_step: ClientsPerStep) -> "Program":
+        """The same program run `clients_per_step` members at a time (None: all at once)."""
+        return Program(self.fn, self.clients, self.placement, clients_per_step)
 
     def __call__(self, *args, **kwargs):
         outer = _PROGRAMS.get()
@@ -90,13 +100,22 @@ class Program:
                     "differently (e.g. placements={'workers': M}) to nest a new level.")
         token = _PROGRAMS.set(outer + ((self.placement, self.clients),))
         try:
-            return self.fn(*args, **kwargs)
+            k = self.clients_per_step
+            if k is None or is_unchunked():
+                return self.fn(*args, **kwargs)
+            if k == "auto":
+                k = chunking.fitting_chunk(self, args, kwargs)
+            if k >= self.clients:
+                return self.fn(*args, **kwargs)
+            return chunking.run(self.fn, self.clients, self.placement, k, args, kwargs)
         finally:
             _PROGRAMS.reset(token)
 
     def __repr__(self) -> str:
+        step = "" if self.clients_per_step is None else \
+            f" clients_per_step={self.clients_per_step}"
         return (f"<fax_bridge.Program {getattr(self.fn, '__name__', '?')} "
-                f"{self.placement}={self.clients}>")
+                f"{self.placement}={self.clients}{step}>")
 
 
 def _validate_cardinality(clients: Any, name: str = P.CLIENTS) -> int:
@@ -118,7 +137,8 @@ def _validate_name(name: Any) -> str:
 
 
 def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
-            placements: Optional[Mapping[str, int]] = None):
+            placements: Optional[Mapping[str, int]] = None,
+            clients_per_step: ClientsPerStep = None):
     """Decorates a federated program: `@program(clients=N)` or `@program(placements={name: N})`.
 
     The placement name is free (`clients`, `workers`, ...); a mesh axis of that name, when
@@ -129,6 +149,11 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
       fn: the function to decorate; omitted when the decorator is called with arguments.
       clients: the number of members of the `clients` placement.
       placements: instead of `clients`, one `{name: members}` entry naming the placement.
+      clients_per_step: under `jax.jit`, run the members this many at a time (their
+        aggregates accumulated chunk by chunk, so temporaries are those of this many
+        members, `grad` included); "auto" picks the largest that fits the device's
+        memory. Export is the same for every value; float sums may differ from the
+        unchunked round's in the last bits (summation order). See `fax_bridge.chunking`.
 
     Returns:
       A `Program` (or, without `fn`, a decorator making one): callable as the function,
@@ -160,8 +185,8 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
         raise ProgramError("program needs the number of clients: @fax_bridge.program(clients=N).")
     n = _validate_cardinality(clients, name)
     if fn is None:
-        return lambda f: Program(f, n, name)
-    return Program(fn, n, name)
+        return lambda f: Program(f, n, name, clients_per_step)
+    return Program(fn, n, name, clients_per_step)
 
 
 # --------------------------------------------------------------------------- helpers

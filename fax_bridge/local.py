@@ -187,7 +187,8 @@ def _placement_shardings(mesh: Mesh, placements: Any, args: tuple, axis: str):
     return jax.tree_util.tree_unflatten(treedef, shardings)
 
 
-def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) -> Callable:
+def jit_program(fn: Callable, mesh: Mesh, placements: Any = None,
+                clients_per_step: Any = None, **jit_kwargs) -> Callable:
     """Jits `fn` so its placed arguments are split over `mesh`'s axis of that placement.
 
     `placements` is a pytree prefix of "server"/"clients" (or the program's own
@@ -200,6 +201,9 @@ def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) 
       mesh: a mesh with an axis named like the program's placement (`clients`); its size
         must divide the number of clients.
       placements: a pytree prefix of placements per argument.
+      clients_per_step: run the program's members this many at a time, over the whole
+        mesh (a multiple of the axis size: each device runs its share of every chunk),
+        as `fax_bridge.program(clients_per_step=...)` does; `fn` must be a program.
       **jit_kwargs: passed on to `jax.jit`.
 
     Returns:
@@ -218,6 +222,12 @@ def jit_program(fn: Callable, mesh: Mesh, placements: Any = None, **jit_kwargs) 
     """
     axis = getattr(fn, "placement", CLIENTS_AXIS)
     mesh = _check_mesh(mesh, axis)
+    if clients_per_step is not None:
+        if not hasattr(fn, "with_clients_per_step"):
+            raise ArgumentError(
+                "jit_program(clients_per_step=...) needs a fax_bridge.program; decorate "
+                "the function with @fax_bridge.program(clients=N).")
+        fn = fn.with_clients_per_step(clients_per_step)
 
     def run(*args):
         args = jax.device_put(args, _placement_shardings(mesh, placements, args, axis))

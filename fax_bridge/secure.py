@@ -58,6 +58,7 @@ from federated_language.compiler import intrinsic_defs
 from jax._src import core
 from jax._src.interpreters import ad
 
+from fax_bridge import chunking
 from fax_bridge import api as _api
 from fax_bridge import primitives as P
 from fax_bridge import primitive_facts as _facts
@@ -133,6 +134,9 @@ for _prim in (secure_sum_bitwidth_p, secure_sum_p):
         lambda x, _k=_kind, **p: (_int_sum_abstract_eval(x, kind=_k, **p),
                                   {jax._src.debugging.debug_effect}))
     P.register_impl_and_lowering(_prim, partial(_int_sum_impl, kind=_kind))
+    # in chunks: each chunk's integer sum, wrapping in the dtype as the whole sum does
+    chunking.register_aggregation(
+        _prim, lambda x, _k=_kind, **p: [_int_sum_impl(x, kind=_k, **p)], chunking.as_is)
     ad.defjvp_zero(_prim)  # integer inputs carry no tangent
     jax._src.interpreters.batching.fancy_primitive_batchers[_prim] = partial(
         _int_sum_batch, _prim)
@@ -327,7 +331,20 @@ def _secure_mean_batch(axis_data, args, dims, **params):
     return secure_mean_p.bind(P._move_batch_axis_after_clients(x, dx), keys, **params), 0
 
 
+def _secure_mean_partials(x, keys, *, lo, hi, bits, **params):
+    """One chunk's sum of codes (codes add exactly across chunks)."""
+    del params
+    codes = jax.vmap(lambda v, k: quantize(v, k, lo, hi, bits))(x, keys)
+    return [jnp.sum(codes, axis=0, dtype=jnp.int32)]
+
+
+def _secure_mean_finish(totals, x_aval, keys_aval, *, clients, lo, hi, bits, **params):
+    del keys_aval, params
+    return [dequantize(totals[0], clients, lo, hi, bits, x_aval.dtype)]
+
+
 secure_mean_p.def_abstract_eval(_secure_mean_abstract_eval)
+chunking.register_aggregation(secure_mean_p, _secure_mean_partials, _secure_mean_finish)
 jax._src.interpreters.batching.fancy_primitive_batchers[secure_mean_p] = _secure_mean_batch
 P.register_impl_and_lowering(secure_mean_p, _secure_mean_impl)
 ad.primitive_jvps[secure_mean_p] = _secure_mean_jvp

@@ -25,6 +25,7 @@ from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge.errors import PlacementError, ProgramError
+from fax_bridge.execution import unchunked
 from fax_bridge.member_rules import member_params
 from fax_bridge.placements import Placement, broadcast_placements
 from fax_bridge.primitive_facts import Movement, facts_of
@@ -476,7 +477,8 @@ def trace(fn: Callable, *args, placements: Any = None,
     if declared is not None and flat_placements is not None:
         _check_clients_arguments(in_paths, [_shape_of(leaf) for _, leaf in leaves_with_paths],
                                  flat_placements, declared)
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    with unchunked():  # chunk sizes are an execution choice: every one exports alike
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     closed = inline_calls(closed)
 

@@ -1,0 +1,485 @@
+"""Cohorts in chunks: a program's client work run `clients_per_step` clients at a time.
+
+`fb.program(clients=N, clients_per_step=k)` keeps what the program computes and changes
+only how `jax.jit` runs it: the program is traced to a jaxpr, and each *phase* of client
+work (the `federated_map_clients` calls, the per-client equations around them, and the
+aggregations of their results, up to the first value the server needs) runs as one
+`lax.scan` over chunks of k clients. The aggregations are accumulated as each chunk
+finishes, so the round's temporaries are those of k clients whatever N is; the scan body
+is under `jax.checkpoint`, so the backward pass of `jax.grad` runs in chunks too, its
+memory as flat as the forward pass's. A value a phase hands on (a CLIENTS-placed result,
+or one read by an equation that mixes clients) is stacked chunk by chunk: it is as large
+as it is unchunked.
+
+Chunk c of S = N // k holds clients c, c + S, c + 2S, ...: on a mesh whose `clients`
+axis splits the cohort, each device keeps running its own clients, k / devices of them
+a step (k must be a multiple of the axis size). When k does not divide N, the last
+N mod k clients run as one smaller chunk after the scan. Equations outside the client
+phases (the server step, anything between two trips) run as they are.
+
+What may differ from the unchunked round: the order of summation. A sum over the
+cohort becomes a sum of the chunks' sums, added in chunk order, so float aggregates may
+differ from the unchunked round's in the last bits (integer and secure sums are exact
+either way). With k >= N nothing is chunked and the bits are the unchunked round's.
+`fb.trace`, `fb.export_tff` and `check_parity`'s export see the unchunked program: the
+exported proto is the same for every k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
+
+from fax_bridge import local as _local
+from fax_bridge import lowering as _lowering
+from fax_bridge import primitives as P
+from fax_bridge.errors import ArgumentError
+from fax_bridge.member_rules import member_params
+from fax_bridge.placements import Placement
+
+# --------------------------------------------------------------------------- values
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """A broadcast not yet materialized: every member sees `value`."""
+    value: Any
+    params: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A CLIENTS value a phase computes chunk by chunk (slot `slot` of `phase`)."""
+    phase: "_Phase"
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Aggregate:
+    """A SERVER value a phase accumulates (result `index` of its aggregation `op`)."""
+    phase: "_Phase"
+    op: int
+    index: int
+
+
+# --------------------------------------------------------------------------- aggregations
+# Each aggregation a phase may hold: (partials of one chunk, the finished result from
+# the partials summed over the chunks). Partials add, so chunks combine in any grouping.
+
+
+def _sum_partials(x, *, clients, axis, mesh, **_):
+    return [_lowering.clients_sum(x, reduce=mesh is not None)]
+
+
+def _mean_finish(totals, x_aval, *, clients, **_):
+    return [(totals[0] / clients).astype(x_aval.dtype)]
+
+
+def _weighted_partials(x, w, *, clients, axis, mesh):
+    reduce = mesh is not None
+    return [_lowering.clients_sum(x, w, reduce=reduce), _lowering.clients_sum(w, reduce=reduce)]
+
+
+def _weighted_finish(totals, x_aval, w_aval, **_):
+    num, den = totals
+    den = den.astype(x_aval.dtype)
+    return [num / lax.expand_dims(den, tuple(range(den.ndim, num.ndim)))]
+
+
+def _decode_partials(*args, jaxpr, clients, name, axis, mesh):
+    return _lowering.IMPLEMENTATIONS[P.federated_decode_sum_p](
+        *args, jaxpr=jaxpr, clients=clients, name=name, axis=axis, mesh=mesh)
+
+
+def as_is(totals, *avals, **params):
+    """The finish of an aggregation whose partials are its result: the summed partials."""
+    del avals, params
+    return list(totals)
+
+
+_AGGREGATIONS: dict[core.Primitive, tuple[Callable, Callable]] = {
+    P.federated_sum_p: (_sum_partials, as_is),
+    P.federated_mean_p: (_sum_partials, _mean_finish),
+    P.federated_weighted_mean_p: (_weighted_partials, _weighted_finish),
+    P.federated_decode_sum_p: (_decode_partials, as_is),
+}
+
+
+def register_aggregation(prim: core.Primitive, partials: Callable, finish: Callable) -> None:
+    """How chunks run aggregation `prim`: `partials(*chunk operands, **params)` gives a
+    list of arrays that add across chunks, `finish(totals, *operand avals, **params)` the
+    results from their sums (`params["clients"]` is the chunk's size, then the cohort's).
+    Modules defining aggregations register them beside the primitive."""
+    _AGGREGATIONS[prim] = (partials, finish)
+
+
+def _aggregation(prim: core.Primitive) -> Optional[tuple[Callable, Callable]]:
+    return _AGGREGATIONS.get(prim)
+
+
+# --------------------------------------------------------------------------- phases
+
+
+@dataclasses.dataclass
+class _Op:
+    kind: str  # "map", "local" or "aggregate"
+    eqn: core.JaxprEqn
+    ins: list  # ("chunk", i) | ("shared", i) | ("slot", i)
+    outs: list  # slots (map, local) or None (aggregate)
+    params: Optional[dict] = None  # a local equation's member params
+
+
+class _Phase:
+    """Client work of one trip: ops run on every chunk, their aggregates accumulated."""
+
+    def __init__(self, clients: int, axis: str, mesh):
+        self.clients, self.axis, self.mesh = clients, axis, mesh
+        self.ops: list[_Op] = []
+        self.chunked: list = []  # N-leading arrays, sliced per chunk
+        self.shared: list = []  # whole values every member sees
+        self.slot_avals: list = []  # member avals of the slots
+        self.slot_vars: list = []
+        self.aggregate_vars: list = []  # the outvars of each aggregation
+        self.result: Optional[tuple] = None  # (slot values, aggregate results) once run
+
+    def operand(self, value, is_shared: bool) -> tuple:
+        pool, kind = (self.shared, "shared") if is_shared else (self.chunked, "chunk")
+        for i, v in enumerate(pool):
+            if v is value:
+                return (kind, i)
+        pool.append(value)
+        return (kind, len(pool) - 1)
+
+    def new_slots(self, outvars) -> list[int]:
+        first = len(self.slot_vars)
+        self.slot_vars.extend(outvars)
+        self.slot_avals.extend(P.member_aval(v.aval, P.CLIENTS) for v in outvars)
+        return list(range(first, len(self.slot_vars)))
+
+
+def _run_chunk(phase: _Phase, size: int, chunked: Sequence, shared: Sequence,
+               keep: Sequence[int]):
+    """Runs `phase`'s ops on one chunk of `size` clients: (each aggregation's partials,
+    the kept slots)."""
+    slots: dict[int, Any] = {}
+    partials = []
+
+    def value(ref):
+        kind, i = ref
+        if kind == "chunk":
+            return _local.place_leading(chunked[i], phase.axis, phase.mesh)
+        return shared[i] if kind == "shared" else slots[i]
+
+    for op in phase.ops:
+        args = [value(r) for r in op.ins]
+        is_shared = tuple(r[0] == "shared" for r in op.ins)
+        if op.kind == "map":
+            outs = P._map_impl(*args, **dict(op.eqn.params, clients=size), shared=is_shared)
+        elif op.kind == "local":
+            outs = _member_apply(op, args, is_shared, size)
+        else:
+            partial_fn, _ = _aggregation(op.eqn.primitive)
+            args = [jnp.broadcast_to(a, (size,) + jnp.shape(a)) if s else a
+                    for a, s in zip(args, is_shared)]
+            partials.append(partial_fn(*args, **dict(op.eqn.params, clients=size)))
+            continue
+        for slot, o in zip(op.outs, outs):
+            slots[slot] = o
+    return partials, [slots[s] for s in keep]
+
+
+def _member_apply(op: _Op, args, is_shared, size: int):
+    eqn = op.eqn
+    if op.params.get("__identity__"):
+        return [args[0]]
+    prim = eqn.primitive
+
+    def member(*a):
+        out = prim.bind(*a, **prim.get_bind_params(op.params))
+        return out if prim.multiple_results else [out]
+
+    return jax.vmap(member, in_axes=[None if s else 0 for s in is_shared],
+                    axis_size=size)(*args)
+
+
+def _split(x, steps: int, k: int):
+    """The first steps * k members as [k, steps, ...]: chunk c is column c, clients c,
+    c + steps, c + 2 steps, ... (a reshape: no copy)."""
+    return x[: steps * k].reshape((k, steps) + x.shape[1:])
+
+
+def _column(x, c):
+    return lax.dynamic_index_in_dim(x, c, axis=1, keepdims=False)
+
+
+def _unstrided(ys, steps: int, k: int):
+    return jnp.swapaxes(ys, 0, 1).reshape((steps * k,) + ys.shape[2:])
+
+
+def _execute(phase: _Phase, k: int, keep: Sequence[int]) -> None:
+    """Runs `phase` over the cohort in chunks of `k`: sets `phase.result`."""
+    steps, tail = divmod(phase.clients, k)
+    devices = 1 if phase.mesh is None else dict(
+        zip(phase.mesh.axis_names, phase.mesh.axis_sizes)).get(phase.axis, 1)
+    if k % devices:
+        raise ArgumentError(
+            f"clients_per_step={k} does not split over the mesh axis {phase.axis!r} of "
+            f"{devices} devices; use a multiple of {devices} so each device runs its share "
+            "of every chunk.")
+    shared = list(phase.shared)
+    split = [_split(x, steps, k) for x in phase.chunked]
+
+    def chunk_at(c, split, shared):
+        return _run_chunk(phase, k, [_column(x, c) for x in split], shared, keep)
+
+    step = jax.checkpoint(chunk_at, prevent_cse=False)
+    shapes, _ = jax.eval_shape(step, 0, split, shared)
+    zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    def body(totals, c):
+        partials, kept = step(c, split, shared)
+        return jax.tree_util.tree_map(jnp.add, totals, partials), kept
+
+    totals, ys = lax.scan(body, zeros, jnp.arange(steps))
+    kept = [_unstrided(y, steps, k) for y in ys]
+    if tail:
+        rest = [x[steps * k:] for x in phase.chunked]
+        partials, tail_kept = _run_chunk(phase, tail, rest, shared, keep)
+        totals = jax.tree_util.tree_map(jnp.add, totals, partials)
+        kept = [jnp.concatenate([a, b]) for a, b in zip(kept, tail_kept)]
+    aggregates = [op for op in phase.ops if op.kind == "aggregate"]
+    results = [_aggregation(op.eqn.primitive)[1](
+        t, *[v.aval for v in op.eqn.invars], **op.eqn.params)
+        for op, t in zip(aggregates, totals)]
+    phase.result = (dict(zip(keep, kept)), results)
+
+
+# --------------------------------------------------------------------------- interpreter
+
+
+class _Interpreter:
+    def __init__(self, jaxpr: core.Jaxpr, clients: int, axis: str, k: int):
+        self.jaxpr, self.clients, self.axis, self.k = jaxpr, clients, axis, k
+        self.env: dict = {}
+        self.phase: Optional[_Phase] = None
+        self.consumers: dict = {}
+        self.outvars = {v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if not isinstance(v, core.Literal):
+                    self.consumers.setdefault(v, set()).add(i)
+        self.members: dict = {}  # phase -> eqn indices it holds
+
+    # reading values ------------------------------------------------------------
+    def raw(self, v):
+        return v.val if isinstance(v, core.Literal) else self.env[v]
+
+    def concrete(self, v):
+        value = self.raw(v)
+        if isinstance(value, (_Pending, _Aggregate)):
+            if value.phase.result is None:
+                self.flush()
+            value = self.raw(v)
+        if isinstance(value, _Shared):
+            value = P.federated_broadcast_p.bind(self.resolved(value.value), **value.params)
+        return value
+
+    def resolved(self, value):
+        if isinstance(value, (_Pending, _Aggregate)):
+            if value.phase.result is None:
+                self.flush()
+            slots, aggregates = value.phase.result
+            return slots[value.slot] if isinstance(value, _Pending) else \
+                aggregates[value.op][value.index]
+        return value
+
+    # phases ----------------------------------------------------------------------
+    def is_members(self, value) -> bool:
+        """A whole N-leading array the current trip may slice into chunks."""
+        return (not isinstance(value, (_Shared, _Pending, _Aggregate))
+                and jnp.ndim(value) >= 1 and jnp.shape(value)[0] == self.clients)
+
+    def open_phase(self, mesh) -> _Phase:
+        if self.phase is None:
+            self.phase = _Phase(self.clients, self.axis, mesh)
+            self.members[self.phase] = set()
+        return self.phase
+
+    def flush(self) -> None:
+        phase, self.phase = self.phase, None
+        if phase is None:
+            return
+        held = self.members[phase]
+        keep = [s for s, v in enumerate(phase.slot_vars)
+                if v in self.outvars or self.consumers.get(v, set()) - held]
+        _execute(phase, self.k, keep)
+        slots, results = phase.result
+        for s in keep:
+            self.env[phase.slot_vars[s]] = slots[s]
+        for outvars, values in zip(phase.aggregate_vars, results):
+            for v, value in zip(outvars, values):
+                if not isinstance(v, core.DropVar):
+                    self.env[v] = value
+
+    def operands(self, eqn: core.JaxprEqn) -> Optional[list]:
+        """How each operand of `eqn` enters a chunk: ("slot", i) of the open phase,
+        ("chunk", array) sliced, ("shared", value) whole; None when it cannot."""
+        found = []
+        for v in eqn.invars:
+            value = self.raw(v)
+            if isinstance(value, _Pending):
+                if value.phase is not self.phase:
+                    return None
+                found.append(("slot", value.slot))
+            elif isinstance(value, _Aggregate):
+                return None
+            elif isinstance(value, _Shared):
+                found.append(("shared", value.value))
+            else:
+                found.append(("chunk" if self.is_members(value) else "shared", value))
+        return found
+
+    def lazy_inputs(self, eqn) -> bool:
+        return any(isinstance(self.raw(v), (_Pending, _Shared)) for v in eqn.invars
+                   if not isinstance(v, core.Literal))
+
+    def try_join(self, i: int, eqn: core.JaxprEqn) -> bool:
+        prim, params = eqn.primitive, eqn.params
+        ours = params.get("axis") == self.axis and params.get("clients") == self.clients
+        if prim is P.federated_broadcast_p and ours:
+            self.env[eqn.outvars[0]] = _Shared(self.resolved(self.raw(eqn.invars[0])),
+                                               dict(params))
+            return True
+        if prim is P.federated_map_p and ours and params["placement"] == P.CLIENTS:
+            kind = "map"
+        elif ours and _aggregation(prim) is not None and self.lazy_inputs(eqn):
+            kind = "aggregate"
+        elif not ours and "clients" not in params and self.lazy_inputs(eqn):
+            kind = "local"
+        else:
+            return False
+        if any(isinstance(self.raw(v), _Aggregate) and self.raw(v).phase is self.phase
+               for v in eqn.invars if not isinstance(v, core.Literal)):
+            self.flush()  # a second trip needs the first one's aggregates
+        member = None
+        if kind == "local":
+            ins = [Placement.CLIENTS if self._placed(v) else Placement.UNPLACED
+                   for v in eqn.invars]
+            member = member_params(eqn, ins, self.clients)
+            if member is None:
+                return False
+        found = self.operands(eqn)
+        if found is None or (kind == "local"
+                             and not any(k in ("slot", "chunk") for k, _ in found)):
+            return False  # shared operands only: the broadcast is materialized
+        phase = self.open_phase(params.get("mesh"))
+        refs = [(k, v) if k == "slot" else phase.operand(v, k == "shared")
+                for k, v in found]
+        self.members[phase].add(i)
+        if kind == "aggregate":
+            index = len(phase.aggregate_vars)
+            phase.aggregate_vars.append(list(eqn.outvars))
+            phase.ops.append(_Op(kind, eqn, refs, None))
+            for j, v in enumerate(eqn.outvars):
+                self.env[v] = _Aggregate(phase, index, j)
+        else:
+            slots = phase.new_slots(eqn.outvars)
+            phase.ops.append(_Op(kind, eqn, refs, slots, member))
+            for v, s in zip(eqn.outvars, slots):
+                self.env[v] = _Pending(phase, s)
+        return True
+
+    def _placed(self, v) -> bool:
+        if isinstance(v, core.Literal):
+            return False
+        value = self.raw(v)
+        return isinstance(value, (_Pending, _Shared)) or self.is_members(value)
+
+    def run(self, consts, args):
+        for v, c in zip(self.jaxpr.constvars, consts):
+            self.env[v] = c
+        for v, a in zip(self.jaxpr.invars, args):
+            self.env[v] = a
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            if self.try_join(i, eqn):
+                continue
+            invals = [self.concrete(v) for v in eqn.invars]
+            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for v, o in zip(eqn.outvars, outs):
+                if not isinstance(v, core.DropVar):
+                    self.env[v] = o
+        return [self.concrete(v) for v in self.jaxpr.outvars]
+
+
+def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict):
+    """Runs `fn(*args, **kwargs)` (a program's body, inside its placement context) with
+    its client phases in chunks of `k` clients."""
+    flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    store = {}
+
+    def flat_fn(*leaves):
+        a, kw = jax.tree_util.tree_unflatten(in_tree, leaves)
+        out = fn(*a, **kw)
+        out_leaves, store["tree"] = jax.tree_util.tree_flatten(out)
+        return out_leaves
+
+    avals = [core.typeof(x) for x in flat]
+    dbg = jax.api_util.debug_info("chunked program", fn, tuple(avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat_fn, debug_info=dbg), avals)
+    outs = _Interpreter(jaxpr, clients, axis, k).run(consts, flat)
+    return jax.tree_util.tree_unflatten(store["tree"], outs)
+
+
+def memory_limit() -> int:
+    """Bytes a round may take on the default device: its allocator's limit where it
+    reports one (TPU, GPU), else half the host's physical memory (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def round_bytes(program, k: int, args: tuple, kwargs: dict) -> int:
+    """Arguments, results and temporaries of `program`'s compiled round at chunk size k."""
+    specs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), (args, kwargs))
+    at_k = program.with_clients_per_step(k)
+    m = jax.jit(lambda a, kw: at_k(*a, **kw)).lower(*specs).compile().memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+
+
+def fitting_chunk(program, args: tuple, kwargs: dict) -> int:
+    """`clients_per_step="auto"`: the largest chunk size (the whole cohort, or a power of
+    two below it) whose compiled forward round fits `memory_limit()`, found by bisection
+    (memory grows with the chunk size); 1 when none fits. Cached per argument shapes."""
+    key = tuple((jnp.shape(x), str(jnp.result_type(x)))
+                for x in jax.tree_util.tree_leaves((args, kwargs)))
+    cache = program.__dict__.setdefault("_fitting", {})
+    if key in cache:
+        return cache[key]
+    n, limit = program.clients, memory_limit()
+    sizes = [1 << i for i in range(max(n - 1, 1).bit_length()) if (1 << i) < n] + [n]
+
+    def fits(k: int) -> bool:
+        return round_bytes(program, k, args, kwargs) <= limit
+
+    lo, hi = 0, len(sizes) - 1
+    best = 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(sizes[mid]):
+            best, lo = sizes[mid], mid + 1
+        else:
+            hi = mid - 1
+    cache[key] = best
+    return best

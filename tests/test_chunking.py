@@ -1,0 +1,229 @@
+"""Cohorts in chunks (`clients_per_step`): the chunked round computes the unchunked one
+(to the last bits of float sums, exactly for integers and with k >= N), its gradient
+too, with temporaries of k clients whatever the cohort; export does not see it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge import privacy
+from fax_bridge.errors import ArgumentError, ProgramError
+
+
+def _every_aggregation(n: int, k):
+    """A round with each aggregation, per-client equations outside the maps, a
+    CLIENTS-placed result and a second trip that needs the first one's mean."""
+
+    @fb.program(clients=n, clients_per_step=k)
+    def round_(w, data):
+        wc = fb.federated_broadcast(w)
+
+        def local(w, d):
+            g = jax.grad(lambda w: jnp.mean((d["x"] @ w - d["y"]) ** 2))(w)
+            return w - 0.1 * g, 1.0 + jnp.abs(d["y"][0]), jnp.sum(d["c"])
+
+        new_w, weight, count = fb.federated_map_clients(local, (wc, data))
+        mean = fb.federated_weighted_mean(new_w, weight)
+        scaled = new_w * 2.0 - wc  # per client, outside any map
+        codes = fb.federated_map_clients(lambda c: jnp.mod(c, 7), data["c"])
+        second = fb.federated_map_clients(
+            lambda m, x: jnp.sum(x @ m), (fb.federated_broadcast(mean), data["x"]))
+        return {
+            "weighted": mean,
+            "sum": fb.federated_sum(weight),
+            "mean": fb.federated_mean(scaled),
+            "ints": fb.federated_sum(count),
+            "secure": fb.federated_secure_sum_bitwidth(codes, 3),
+            "decoded": fb.federated_decode_sum(lambda c: c.astype(jnp.float32) / 2, codes),
+            "second_trip": fb.federated_mean(second),
+            "at_clients": scaled,
+        }
+
+    return round_
+
+
+def _data(n: int, seed: int = 0):
+    key = jax.random.PRNGKey(seed)
+    kx, ky, kc = jax.random.split(key, 3)
+    return {"x": jax.random.normal(kx, (n, 5, 3)), "y": jax.random.normal(ky, (n, 5)),
+            "c": jax.random.randint(kc, (n, 4), 0, 50, jnp.int32)}
+
+
+def _close(a, b, exact=False):
+    for key in a:
+        x, y = np.asarray(a[key]), np.asarray(b[key])
+        if exact or x.dtype.kind in "iu":
+            np.testing.assert_array_equal(x, y, err_msg=key)
+        else:
+            np.testing.assert_allclose(x, y, rtol=2e-6, atol=2e-6, err_msg=key)
+
+
+@settings(max_examples=5, deadline=None)
+@given(n=st.integers(2, 11), k=st.integers(1, 13), seed=st.integers(0, 3))
+def test_chunked_round_computes_the_unchunked_round(n, k, seed):
+    w, data = jnp.array([0.5, -1.0, 2.0]), _data(n, seed)
+    whole = jax.jit(_every_aggregation(n, None))(w, data)
+    chunked = jax.jit(_every_aggregation(n, k))(w, data)
+    _close(chunked, whole, exact=k >= n)  # k >= N: nothing chunked, the same bits
+
+
+def test_gradient_and_jvp_of_a_chunked_round():
+    n, w, data = 10, jnp.array([0.5, -1.0, 2.0]), _data(10)
+
+    def loss(k):
+        return lambda w: jnp.sum(_every_aggregation(n, k)(w, data)["weighted"] ** 2)
+
+    np.testing.assert_allclose(jax.jit(jax.grad(loss(4)))(w), jax.grad(loss(None))(w),
+                               rtol=1e-5)
+    _, t_chunked = jax.jvp(loss(3), (w,), (jnp.ones(3),))
+    _, t_whole = jax.jvp(loss(None), (w,), (jnp.ones(3),))
+    np.testing.assert_allclose(t_chunked, t_whole, rtol=1e-5)
+
+
+def _mlp_round(n, k, width=128):
+    @fb.program(clients=n, clients_per_step=k)
+    def round_(w, x):
+        def local(w, x):
+            g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w["a"]) @ w["b"]))(w)
+            return jax.tree.map(lambda a, b: a - 0.1 * b, w, g)
+        return fb.federated_mean(fb.federated_map_clients(local, (fb.federated_broadcast(w), x)))
+
+    w = {"a": jnp.full((width, width), 0.01), "b": jnp.ones((width,))}
+    return round_, w, jnp.ones((n, 16, width))
+
+
+def _temporaries(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_temporaries_stay_those_of_a_chunk_whatever_the_cohort(grad):
+    sizes = {}
+    for n in (8, 128):
+        for k in (None, 4):
+            round_, w, x = _mlp_round(n, k)
+            fn = (lambda w, x, r=round_: jax.grad(lambda w: r(w, x)["b"].sum())(w)) if grad \
+                else round_
+            sizes[n, k] = _temporaries(fn, w, x)
+    assert sizes[128, None] > 8 * sizes[8, None]  # unchunked: grows with the cohort
+    assert sizes[128, 4] <= 1.1 * sizes[8, 4]  # chunked: flat
+
+
+def test_dp_aggregator_and_secure_mean_in_chunks():
+    dp = privacy.gaussian_adaptive(noise_multiplier=1.0, clients_per_round=9)
+
+    def make(k):
+        @fb.program(clients=9, clients_per_step=k)
+        def dp_round(state, updates, keys):
+            mean, new_state, _ = dp.aggregate(state, updates)
+            quantized = fb.federated_secure_mean(updates, keys, value_range=(-2.0, 2.0))
+            return mean, new_state, quantized
+        return dp_round
+
+    updates = jax.random.normal(jax.random.PRNGKey(1), (9, 6))
+    keys = jax.random.key_data(jax.random.split(jax.random.PRNGKey(2), 9))
+    state = dp.init(0)
+    whole = jax.jit(make(None))(state, updates, keys)
+    chunked = jax.jit(make(4))(state, updates, keys)
+    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_nested_programs_chunk_the_outer_cohort():
+    @fb.program(placements={"workers": 3})
+    def inner(v, x):
+        return fb.federated_mean(fb.federated_map_clients(lambda v, x: v * x,
+                                                          (fb.federated_broadcast(v), x)))
+
+    def make(k):
+        @fb.program(clients=6, clients_per_step=k)
+        def outer(w, x):
+            per_client = fb.federated_map_clients(inner, (fb.federated_broadcast(w), x))
+            return fb.federated_sum(per_client)
+        return outer
+
+    w, x = jnp.float32(1.5), jnp.arange(18.0).reshape(6, 3)
+    np.testing.assert_allclose(jax.jit(make(4))(w, x), make(None)(w, x), rtol=1e-6)
+
+
+def test_export_is_the_same_for_every_chunk_size():
+    w, data = jnp.array([0.5, -1.0, 2.0]), _data(6)
+    protos = {k: fb.export_tff(_every_aggregation(6, k), w, data,
+                               placements=("server", "clients")).SerializeToString()
+              for k in (None, 2, "auto")}
+    assert protos[None] == protos[2] == protos["auto"]
+
+
+def test_auto_picks_the_largest_chunk_that_fits(monkeypatch):
+    from fax_bridge import chunking
+    round_, w, x = _mlp_round(32, "auto", width=64)
+    need = {k: chunking.round_bytes(round_, k, (w, x), {}) for k in (4, 8)}
+    monkeypatch.setattr(chunking, "memory_limit", lambda: (need[4] + need[8]) // 2)
+    assert chunking.fitting_chunk(round_, (w, x), {}) == 4
+    whole, _, _ = _mlp_round(32, None, width=64)
+    np.testing.assert_allclose(jax.jit(round_)(w, x)["b"], whole(w, x)["b"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "all", [4]])
+def test_a_bad_chunk_size_is_refused_naming_it(bad):
+    with pytest.raises(ProgramError, match="clients_per_step must be a positive integer"):
+        fb.program(clients=8, clients_per_step=bad)(lambda x: x)
+
+
+def test_jit_program_takes_the_chunk_size_for_programs_only():
+    mesh = jax.make_mesh((1,), ("clients",))
+    with pytest.raises(ArgumentError, match="needs a fax_bridge.program"):
+        fb.jit_program(lambda x: x, mesh, clients_per_step=2)
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import json, re
+    import jax, jax.numpy as jnp, numpy as np
+    import fax_bridge as fb
+    from fax_bridge.errors import ArgumentError
+
+    N = 40
+    @fb.program(clients=N)
+    def step(w, x):
+        g = fb.federated_map_clients(lambda a, b: jnp.tanh(b @ a) @ b,
+                                     (fb.federated_broadcast(w), x))
+        return w - 0.1 * fb.federated_mean(g), fb.federated_sum(g)
+
+    mesh = jax.make_mesh((8,), ("clients",))
+    w = jnp.ones(3) * 0.1
+    x = jnp.arange(N * 4 * 3, dtype=jnp.float32).reshape(N, 4, 3) / 1000
+    whole = fb.jit_program(step, mesh, placements=("server", "clients"))(w, x)
+    run = fb.jit_program(step, mesh, placements=("server", "clients"), clients_per_step=16)
+    out = run(w, x)
+    hlo = run.lower(w, x).compile().as_text()
+    try:
+        fb.jit_program(step, mesh, placements=("server", "clients"), clients_per_step=12)(w, x)
+        refused = ""
+    except ArgumentError as e:
+        refused = str(e)
+    print(json.dumps({
+        "err": max(float(np.max(np.abs(a - b))) for a, b in zip(out, whole)),
+        "chunk_shapes": sorted(set(re.findall(r"f32\\[(\\d+),4,3\\]", hlo))),
+        "refused": refused}))
+""")
+
+
+def test_each_device_runs_its_share_of_every_chunk():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["err"] < 1e-5
+    assert "2" in r["chunk_shapes"]  # 16 a step over 8 devices: 2 clients a device
+    assert "multiple of 8" in r["refused"]
