@@ -86,15 +86,61 @@ def program_subcommand(subparsers, name: str, help: str, description: str,
 
 
 def listen_address(text: str) -> str:
-    """An argparse type: HOST:PORT to listen on, port in 0..65535 (0: a free port)."""
+    """An argparse type: HOST:PORT to listen on, port in 0..65535 (0: a free port),
+    checked by `addresses.parse_address` and returned in its one spelling."""
+    return _address(text, allow_port_zero=True)
+
+
+def connect_address(text: str) -> str:
+    """An argparse type: HOST:PORT to connect to (a SuperLink), port in 1..65535,
+    checked by `addresses.parse_address` and returned in its one spelling."""
+    return _address(text, allow_port_zero=False)
+
+
+def _address(text: str, allow_port_zero: bool) -> str:
+    from fax_bridge.addresses import normalized
     from fax_bridge.errors import AddressError
-    from fax_bridge.addresses import parse_address
 
     try:
-        parse_address(text, "HOST:PORT", allow_port_zero=True)
+        return normalized(text, "HOST:PORT", allow_port_zero=allow_port_zero)
     except AddressError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def output_folder(text: str) -> str:
+    """An argparse type: a folder a command writes into (`output_folders.check_folder`:
+    not an existing file, a name the file system takes, writable or creatable)."""
+    from fax_bridge.output_folders import check_folder
+
+    try:
+        return check_folder(text, "folder")
+    except FaxBridgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def input_file(text: str) -> str:
+    """An argparse type: an existing file that can be read, its name valid Unicode (it is
+    written into config files)."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file path")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a UTF-8 name; rename the file") from None
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing file")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not readable")
     return text
+
+
+def add_force(parser: argparse.ArgumentParser) -> None:
+    """Adds `--force`: replace files in the output folder that fax-bridge did not write."""
+    parser.add_argument("--force", action="store_true",
+                        help="replace files in the output folder that fax-bridge did not "
+                             "write (without it such a file makes the command stop, "
+                             "naming it)")
 
 
 def output_file(text: str) -> str:

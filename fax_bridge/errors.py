@@ -46,6 +46,11 @@ class AddressError(FleetError, ValueError):
     """A HOST:PORT address is malformed (no port, a port out of range, IPv6 without brackets)."""
 
 
+class OutputError(FaxBridgeError):
+    """A command's output folder cannot be written: the path is a file, too long or not
+    writable, or writing would replace a file fax_bridge did not write there."""
+
+
 class ArgumentError(FaxBridgeError, TypeError):
     """A function got an argument it does not take, or a combination it cannot use."""
 

@@ -138,7 +138,7 @@ def check_round(fn, args: tuple, *, placements: Any = None, clients: Optional[in
     serving them) in a temporary folder, `rounds` rounds there and under jit, compared
     (`ParityReport` with `target="flower"` and `fleet_bits`)."""
     from fax_bridge.flower import app_dir, bundle
-    from fax_bridge.flower.deployment import write_populations
+    from fax_bridge.flower.populations import write_populations
 
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ArgumentError(f"rounds={rounds!r}: give a whole number of rounds >= 1")

@@ -76,17 +76,48 @@ def test_tolerances_must_be_finite_and_not_negative(capsys, flag, value):
         _refused(argv, flag, capsys)
 
 
+_GOOD_HOSTS = ["127.0.0.1", "localhost", "[::1]", "node-1.example.org", "a_b", "10.0.0.2",
+               "[fe80::1%eth0]"]
+_HOSTS = st.sampled_from(_GOOD_HOSTS + ["", "::1", "no host", "a\"b", "a'b", "é.org", "[x]",
+                                        "999.1.1.1", "h\n", "[::1%a\"b]", "-"]) | st.text(
+    max_size=10)
+_PORTS = st.integers(0, 70000) | st.sampled_from(["", "x", "08", "\u0663", " 1", "1 ", "+1"])
+
+
 @_WITH_CAPSYS
-@given(host=st.sampled_from(["127.0.0.1", "localhost", "[::1]", "", "::1"]),
-       port=st.integers(-5, 1 << 20) | st.sampled_from(["", "x", "08"]))
-def test_listen_takes_a_port_in_range_only(capsys, host, port):
+@given(flag=st.sampled_from(["--listen", "--superlink"]), host=_HOSTS, port=_PORTS)
+def test_addresses_are_read_strictly_once_and_are_safe_to_write_anywhere(
+        capsys, tmp_path_factory, flag, host, port):
+    """A HOST:PORT flag takes an IP address or DNS name and a port in range, spelled one
+    way; anything else (no host, a quote, a space, other characters, a port out of
+    range, digits of other scripts) is refused naming the flag, never a traceback."""
+    import re
+    import tomllib
+
+    from fax_bridge.flower.toml_text import connection_toml
+
     address = f"{host}:{port}"
-    argv = ["device", "--listen", address]
-    ok = host not in ("", "::1") and str(port).isdigit() and int(port) <= 65535
-    if ok:
-        assert cli.build_parser().parse_args(argv).listen == address
-    else:
-        _refused(argv, "--listen", capsys)
+    argv = (["device", "--listen", address] if flag == "--listen" else
+            ["flower", f"{QUICKSTART}:fedavg_round", "-o",
+             str(tmp_path_factory.mktemp("app")), "--superlink", address])
+    low = 0 if flag == "--listen" else 1
+    plain_port = isinstance(port, int) or port == "08"
+    if host in _GOOD_HOSTS and plain_port and low <= int(port) <= 65535:
+        parsed = cli.build_parser().parse_args(argv)
+        assert getattr(parsed, flag[2:]) == f"{host}:{int(port)}"
+    try:
+        parsed = cli.build_parser().parse_args(argv)
+    except SystemExit as e:
+        assert e.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}" in err and "Traceback" not in err
+        return
+    value = getattr(parsed, flag[2:])
+    assert low <= int(value.rsplit(":", 1)[1]) <= 65535
+    # nothing a shell or a config file reads apart
+    assert re.fullmatch(r"[A-Za-z0-9_.:%\[\]-]+", value), value
+    assert tomllib.loads(connection_toml(value))["superlink"]["fax-bridge"]["address"] \
+        == value
 
 
 def test_output_paths_are_checked_first_and_written_exactly(tmp_path, capsys):

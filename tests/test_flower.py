@@ -1029,45 +1029,6 @@ def test_flower_command_writes_an_app_flower_accepts(tmp_path, capsys):
                                          "first-client": 3}).stop == 6
 
 
-@settings(max_examples=20, deadline=None)
-@given(shapes=st.dictionaries(st.sampled_from(["x", "y", "w"]),
-                              st.sampled_from([(), (3,), (3, 2), (1,)]), min_size=1),
-       clients=st.integers(1, 5), nodes=st.integers(1, 6))
-def test_populations_are_written_whole_or_not_at_all(tmp_path_factory, shapes, clients,
-                                                     nodes):
-    """Every array needs an example axis after the clients axis; a value per client
-    (shape (clients,), a per-client weight) or too many nodes is refused naming the
-    array and the fix before anything is written, and an earlier population stays."""
-    from fax_bridge.flower.deployment import write_populations
-    from fax_bridge.runtime import population
-
-    folder = tmp_path_factory.mktemp("pops")
-    earlier = folder / "node-0"
-    earlier.mkdir()
-    (earlier / "mark").write_text("earlier")
-    data = {k: np.arange(clients * int(np.prod(s)), dtype=np.float32).reshape(
-        (clients,) + s) for k, s in shapes.items()}
-    per_client = [k for k, s in shapes.items() if not s]  # the first one is named
-    uneven = len({s[0] for s in shapes.values() if s}) > 1
-    if per_client or uneven or nodes > clients:
-        match = (f"client data {per_client[0]!r} has shape \\[{clients}\\].*example axis"
-                 if per_client else "different numbers of examples" if uneven else
-                 f"{nodes} SuperNodes for {clients} example clients")
-        with pytest.raises(FleetError, match=match):
-            write_populations(data, str(folder), nodes)
-        assert sorted(os.listdir(folder)) == ["node-0"] and \
-            os.listdir(earlier) == ["mark"]
-        assert not [p for p in os.listdir(folder.parent) if p.startswith(".populations-")]
-        return
-    configs = write_populations(data, str(folder), nodes)
-    assert sorted(os.listdir(folder)) == [f"node-{k}" for k in range(nodes)]
-    assert [c["first-client"] for c in configs] == \
-        [b.start for b in __import__("fax_bridge.fleet.protocol",
-                                     fromlist=["partition"]).partition(clients, nodes)]
-    assert sum(population.open_store(c["population"]).num_clients for c in configs) \
-        == clients
-
-
 def test_an_app_for_a_tls_superlink_names_its_ca_as_flower_reads_it(tmp_path, quickstart):
     import tomllib
 

@@ -26,14 +26,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
-import tempfile
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
+from fax_bridge import output_folders
 from fax_bridge.errors import ExportError
 from fax_bridge.flower.bundle import (LITERT_DIR, MAX_BUNDLE_BYTES, FlowerRound,
                                       models_dir, state_in_bundle, write_round)
-from fax_bridge.flower.deployment import CONNECTION, connection_toml, node_config_text
+from fax_bridge.flower.toml_text import (CONNECTION, connection_toml, node_config_text,
+                                         toml_string, toml_value)
 
 PACKAGE = "fax_round"
 STATE_FILE = "initial_state.npz"  # a state kept out of the bundle (bundle.write_state)
@@ -87,24 +87,16 @@ app = _relay().client_app(os.path.dirname(os.path.abspath(__file__)), _local)
 '''
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
-
-
 def pyproject(name: str, config: dict) -> str:
     """The app's pyproject.toml."""
     lines = [
-        "[project]", f'name = "{name}"', 'version = "1.0.0"',
+        "[project]", f"name = {toml_string(name)}", 'version = "1.0.0"',
         'description = "A fax_bridge round on Flower\'s Deployment Engine"',
         'license = "Apache-2.0"', "dependencies = []", "",
         "[tool.flwr.app]", 'publisher = "fax-bridge"', "",
         "[tool.flwr.app.components]", f'serverapp = "{PACKAGE}.server_app:app"',
         f'clientapp = "{PACKAGE}.client_app:app"', "", "[tool.flwr.app.config]"]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in config.items()]
+    lines += [f"{k} = {toml_value(v)}" for k, v in config.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -286,69 +278,78 @@ def litert_models(made: FlowerRound) -> list:
     return packed
 
 
-def _put_models(package: str, packed: list, stage: str) -> list:
-    """Replaces the app's carried models (`package`/litert) by `packed` (none: removed,
-    so that a rewritten app never carries a model of an older round); written in `stage`
-    first (a folder of the same file system that no bundle holds) and moved in whole."""
-    final = models_dir(package)
-    paths = []
-    staged = None
-    if packed:
-        from fax_bridge.litert import carried
-
-        staged = tempfile.mkdtemp(prefix="litert-", dir=stage)
-        os.chmod(staged, 0o755)  # as the app's other folders (mkdtemp makes it 0700)
-        carried.write(staged, packed)
-        paths = [os.path.join(final, name) for name, _ in packed]
-    if os.path.isdir(final):
-        old = tempfile.mkdtemp(prefix="litert-old-", dir=stage)
-        os.replace(final, os.path.join(old, LITERT_DIR))
-        shutil.rmtree(old, ignore_errors=True)
-    if staged is not None:
-        os.replace(staged, final)
-    return paths
+KIND = "flower app"  # this app's entries in the folder's record (`output_folders`)
 
 
 def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:9093",
               config: Optional[dict] = None, nodes: Optional[list] = None,
               name: str = "fax-bridge-round",
               root_certificates: Optional[str] = None,
-              litert: Union[bool, list] = False) -> list:
-    """Writes the app directory (module docstring); returns the paths written. With
-    `root_certificates` (a CA certificate) the connection and README use TLS. With
-    `litert` (True, or `litert_models`' list made beforehand) the app carries the
-    client part as a LiteRT model, converted before anything is written."""
+              litert: Union[bool, list] = False, force: bool = False,
+              reserve: Sequence[str] = ()) -> list:
+    """Writes the app directory (module docstring); returns the paths written.
+
+    The folder may hold other files: the app's replace only what fax_bridge wrote there
+    before, and one that is not is refused by name (`output_folders.place`) unless
+    `force`; files of an earlier app this one no longer has are removed.
+
+    Args:
+      made: the round (`bundle.build_round`).
+      folder: the app directory.
+      superlink: HOST:PORT of the SuperLink (checked: `addresses.parse_address`).
+      config: run config values over `DEFAULT_CONFIG`.
+      nodes: the SuperNodes' node configs README's commands start.
+      name: the app's name in pyproject.toml.
+      root_certificates: a CA certificate: the connection and README use TLS.
+      litert: True, or `litert_models`' list made beforehand: the app carries the
+        client part as a LiteRT model, converted before anything is written.
+      force: replace files fax_bridge did not write.
+      reserve: entries (relative, a folder ending in `/`) the caller writes into the
+        folder afterwards, claimed and recorded with the app's.
+
+    Returns:
+      The paths written, in the folder.
+    """
+    from fax_bridge.addresses import normalized
+
+    superlink = normalized(superlink, "the SuperLink address")
     packed = litert_models(made) if litert is True else list(litert or [])
     settings = dict(DEFAULT_CONFIG)
     settings["out-dir"] = os.path.join(os.path.abspath(folder), "results")
     settings.update(config or {})
-    package = os.path.join(folder, PACKAGE)
-    home = os.path.join(folder, ".flwr")
-    os.makedirs(package, exist_ok=True)
-    os.makedirs(home, exist_ok=True)
     state_path = os.path.join(os.path.abspath(folder), STATE_FILE)
-    written = None
-    if state_in_bundle(made):
-        try:
-            written = [write_round(made, package)]
-        except ExportError:  # the round with it over the bundle's 10 MB
-            pass
-    if written is None:  # beside the app: only the ServerApp reads it
-        written = [write_round(made, package, state_path), state_path]
-        settings["initial-state"] = state_path
-    written += _put_models(package, packed, home)
-    files = {
-        os.path.join(folder, "pyproject.toml"): pyproject(name, settings),
-        os.path.join(package, "__init__.py"): '"""A fax_bridge round as a Flower app."""\n',
-        os.path.join(package, "server_app.py"): _SERVER,
-        os.path.join(package, "client_app.py"): _CLIENT,
-        os.path.join(folder, "README.md"): readme(made, folder, superlink, nodes or [],
-                                                    root_certificates, bool(packed)),
-        os.path.join(home, "config.toml"): connection_toml(
-            superlink, root_certificates=root_certificates),
-    }
-    for path, text in files.items():
-        with open(path, "w") as f:
-            f.write(text)
-        written.append(path)
-    return written
+    placed: list = []
+    with output_folders.staged(folder, KIND, force=force, reserve=reserve,
+                               what="the app folder", placed=placed) as stage:
+        package = os.path.join(stage, PACKAGE)
+        written = False
+        if state_in_bundle(made):
+            try:
+                write_round(made, package)
+                written = True
+            except ExportError:  # the round with it over the bundle's 10 MB
+                pass
+        if not written:  # beside the app: only the ServerApp reads it
+            write_round(made, package, os.path.join(stage, STATE_FILE))
+            settings["initial-state"] = state_path
+        if packed:
+            from fax_bridge.litert import carried
+
+            carried.write(models_dir(package), packed)
+        files = {
+            "pyproject.toml": pyproject(name, settings),
+            os.path.join(PACKAGE, "__init__.py"):
+                '"""A fax_bridge round as a Flower app."""\n',
+            os.path.join(PACKAGE, "server_app.py"): _SERVER,
+            os.path.join(PACKAGE, "client_app.py"): _CLIENT,
+            "README.md": readme(made, folder, superlink, nodes or [], root_certificates,
+                                bool(packed)),
+            os.path.join(".flwr", "config.toml"): connection_toml(
+                superlink, root_certificates=root_certificates),
+        }
+        for path, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join(stage, path)), exist_ok=True)
+            with open(os.path.join(stage, path), "w", encoding="utf-8") as f:
+                f.write(text)
+    reserved = {os.path.join(folder, *r.rstrip("/").split("/")) for r in reserve}
+    return [path for path in placed if path not in reserved]

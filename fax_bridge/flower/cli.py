@@ -26,24 +26,26 @@ from fax_bridge.errors import FaxBridgeError
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fax_bridge.flower import app_dir, bundle, deployment
+    from fax_bridge.flower import app_dir, bundle, populations
     from fax_bridge.tff.cli import resolve_program
 
+    check_dir = os.path.join(args.output, ".flwr", "check")  # outside the bundle
     try:
         prog, prog_args, placements = resolve_program(args.target, args.clients)
         made = bundle.build_round(prog, *prog_args, placements=placements)
         models = app_dir.litert_models(made) if args.litert else []  # before any write
-        nodes = []
-        check_dir = os.path.join(args.output, ".flwr", "check")  # outside the bundle
         pops = args.write_population or (os.path.join(check_dir, "pops") if args.check
                                          else None)
-        if pops:
-            nodes = deployment.write_populations(prog_args[-1], pops, args.nodes)
+        nodes = populations.plan(prog_args[-1], pops, args.nodes) if pops else []
         written = app_dir.write_app(made, args.output, superlink=args.superlink,
                                     config={"num-rounds": args.rounds,
                                             "min-nodes": max(1, len(nodes))},
                                     nodes=nodes, root_certificates=args.root_certificates,
-                                    litert=models)
+                                    litert=models, force=args.force,
+                                    reserve=[".flwr/check/"] if args.check else [])
+        if pops:  # after the app, which claims the check's folder
+            populations.write_populations(prog_args[-1], pops, args.nodes,
+                                          force=args.force)
     except FaxBridgeError as e:
         print(f"fax-bridge flower: {e}", file=sys.stderr)
         return 2
@@ -75,18 +77,25 @@ def register(subparsers) -> None:
         subparsers, "flower",
         "write a Flower app that runs a round on Flower's Deployment Engine", __doc__, _run,
         clients_default=8, clients_help="clients of the example arguments")
-    p.add_argument("-o", "--output", required=True, help="the app directory to write")
+    p.add_argument("-o", "--output", required=True, type=cli_args.output_folder,
+                   help="the app directory to write (created if needed); files of an app "
+                        "written there before are replaced, any other file that would be "
+                        "is refused unless --force")
     p.add_argument("--rounds", type=cli_args.int_in(1), default=3,
                    help="num-rounds in the app's run config (default 3)")
-    p.add_argument("--superlink", default="127.0.0.1:9093",
+    p.add_argument("--superlink", default="127.0.0.1:9093", type=cli_args.connect_address,
                    help="HOST:PORT of the SuperLink `flwr run` talks to (default "
                         "127.0.0.1:9093)")
     p.add_argument("--root-certificates", default=None, metavar="CA",
+                   type=cli_args.input_file,
                    help="the CA certificate of a SuperLink serving TLS: the connection in "
                         "DIR/.flwr/config.toml and README's commands use TLS (default: "
                         "insecure)")
     p.add_argument("--write-population", default=None, metavar="FOLDER",
-                   help="also write the example clients as one population per SuperNode")
+                   type=cli_args.output_folder,
+                   help="also write the example clients as one population per SuperNode "
+                        "(FOLDER/node-K; other files there are kept, and one in the way "
+                        "is refused unless --force)")
     p.add_argument("--nodes", type=cli_args.int_in(1), default=2,
                    help="SuperNodes for --write-population and --check (default 2)")
     p.add_argument("--litert", action="store_true",
@@ -98,3 +107,4 @@ def register(subparsers) -> None:
                    help="then run --rounds rounds on a loopback deployment (a SuperLink and "
                         "--nodes SuperNodes) and compare the result with jax.jit and with "
                         "the fleet's round plan; exit 1 on a mismatch")
+    cli_args.add_force(p)

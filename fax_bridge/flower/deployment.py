@@ -52,10 +52,11 @@ from typing import Callable, Optional
 
 from fax_bridge import private_files
 from fax_bridge.errors import FleetError
+from fax_bridge.flower.toml_text import (CONNECTION, connection_toml,
+                                         node_config_text)
 from fax_bridge.process_tree import descendants, end_group, signal_all
 
 log = logging.getLogger("fax_bridge.flower")
-CONNECTION = "fax-bridge"
 LOOPBACK = "127.0.0.1"
 
 
@@ -84,45 +85,6 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def _toml_string(text: str) -> str:
-    """`text` as a TOML basic string Flower's config parser takes: it finds a quoted
-    value up to the next `"`, so a `"` (and a backslash or control character) inside is
-    written as an escape, never as itself."""
-    out = []
-    for ch in text:
-        if ch == "\\":
-            out.append("\\\\")
-        elif ch == '"' or ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def node_config_text(config: dict) -> str:
-    """A `--node-config` (or `--run-config`) value: space-separated key=value, strings
-    as TOML basic strings Flower's parser reads back as they are (`_toml_string`)."""
-    parts = []
-    for key, value in config.items():
-        if isinstance(value, str):
-            value = _toml_string(value)
-        elif isinstance(value, bool):
-            value = "true" if value else "false"
-        parts.append(f"{key}={value}")
-    return " ".join(parts)
-
-
-def connection_toml(address: str, name: str = CONNECTION,
-                    root_certificates: Optional[str] = None) -> str:
-    """The Flower configuration (`$FLWR_HOME/config.toml`) of a SuperLink: insecure, or
-    TLS checked against the CA certificate `root_certificates`."""
-    security = "insecure = true" if root_certificates is None else \
-        'root-certificates = "' + os.path.abspath(root_certificates).replace(
-            "\\", "\\\\").replace('"', '\\"') + '"'
-    return (f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
-            f'address = "{address}"\n{security}\n')
-
-
 def flower_env(home: str, poll_s: float = 0.05) -> dict:
     """The environment Flower's processes run in (module docstring)."""
     env = dict(os.environ)
@@ -133,75 +95,6 @@ def flower_env(home: str, poll_s: float = 0.05) -> dict:
     env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(poll_s)
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"  # no network look-ups from `flwr`
     return env
-
-
-def write_populations(data, folder: str, nodes: int) -> list:
-    """Writes the example clients (a dict of arrays with a leading clients axis, or one
-    array) as `nodes` populations, contiguous blocks of clients, one per SuperNode
-    (`folder/node-K`); returns each SuperNode's node config.
-
-    A population stores examples: every array needs an example axis after the clients
-    axis (shape (clients, examples, ...)); an array of one value per client (a
-    per-client weight of shape (clients,)) is refused before anything is written,
-    naming it and the fix. The populations are written beside `folder` first and moved
-    into it only once all are written, so a failure leaves nothing behind (and an
-    earlier `folder/node-K` stays as it was)."""
-    import shutil
-    import tempfile
-
-    import numpy as np
-
-    from fax_bridge.data import write_population
-    from fax_bridge.data.partition import contiguous_blocks as partition
-
-    if isinstance(data, dict):
-        columns = {str(k): np.asarray(v) for k, v in data.items()}
-    elif hasattr(data, "shape"):
-        columns = {"data": np.asarray(data)}
-    else:
-        raise FleetError(
-            f"the SuperNodes' populations are written from client data that is a dict of "
-            f"arrays or one array, not {type(data).__name__}; write the populations with "
-            "fax_bridge.data.write_population and pass keys= in the node config")
-    if not columns:
-        raise FleetError("the client data holds no arrays to write as populations")
-    count = len(next(iter(columns.values())))
-    for key, column in columns.items():
-        if column.ndim < 2 or len(column) != count:
-            raise FleetError(
-                f"client data {key!r} has shape {list(column.shape)}: a SuperNode's "
-                f"population stores examples, so every array needs the {count} clients "
-                "first, then an example axis (clients, examples, ...); a value per client "
-                "(a per-client weight) has none. Give it one row per example (e.g. "
-                "np.repeat(w[:, None], examples, axis=1), and read w[0] in the client "
-                "part), or keep it in the server state (see docs/flower.md)")
-    examples = {key: column.shape[1] for key, column in columns.items()}
-    if len(set(examples.values())) > 1:
-        raise FleetError(f"client data arrays hold different numbers of examples per client "
-                         f"{examples}; a population's arrays hold one row per example each, "
-                         "so give them the same second dimension")
-    if not 1 <= nodes <= count:
-        raise FleetError(f"{nodes} SuperNodes for {count} example clients: give 1..{count} "
-                         "nodes (--nodes, or devices= in check_parity)")
-    final = os.path.abspath(folder)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".populations-", dir=os.path.dirname(final))
-    try:
-        blocks = list(partition(count, nodes))
-        for k, block in enumerate(blocks):
-            write_population(os.path.join(staging, f"node-{k}"),
-                             ({key: col[i] for key, col in columns.items()} for i in block))
-        os.makedirs(final, exist_ok=True)
-        configs = []
-        for k, block in enumerate(blocks):
-            directory = os.path.join(final, f"node-{k}")
-            if os.path.isdir(directory) and not os.path.islink(directory):
-                shutil.rmtree(directory)  # an earlier population of that node
-            os.replace(os.path.join(staging, f"node-{k}"), directory)
-            configs.append({"population": directory, "first-client": block.start})
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return configs
 
 
 def _tail(path: Optional[str], chars: int = 2000) -> str:
