@@ -118,3 +118,22 @@ def test_devices_start_on_their_own_share_of_the_cpus():
         assert restarted and os.sched_getaffinity(fleet.pids[1]) == shares[1]
     with LocalFleet(devices=2, share_cpus=False) as fleet:
         assert all(os.sched_getaffinity(pid) == mine for pid in fleet.pids)
+
+
+@pytest.mark.parametrize("planted", ["link", "open folder"])
+def test_a_log_folder_or_log_another_user_could_plant_is_refused_before_devices_start(
+        tmp_path, planted):
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"kept\n")
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    if planted == "link":
+        os.symlink(precious, logs / "device-0.log")
+        match = f"{logs / 'device-0.log'} is a symbolic link"
+    else:
+        logs.chmod(0o777)
+        match = f"{logs} is writable by others"
+    fleet = LocalFleet(devices=1, log_dir=str(logs))
+    with pytest.raises(PermissionError, match=match):
+        fleet.start()
+    assert fleet.pids == [] and precious.read_bytes() == b"kept\n"

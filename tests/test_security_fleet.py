@@ -75,6 +75,24 @@ def test_token_files_must_be_private(tmp_path):
     assert security.resolve_token(environ={security.TOKEN_ENV: "abc" * 6}) == "abc" * 6
 
 
+def test_a_token_file_that_is_a_link_or_another_users_is_refused(tmp_path):
+    secret = tmp_path / "secret"
+    security.write_token_file(secret, TOKEN)
+    link = tmp_path / "fleet.token"
+    os.symlink(secret, link)
+    with pytest.raises(FleetError, match=f"{link} is a symbolic link"):
+        security.read_token_file(link)
+    with pytest.raises(FileExistsError):  # O_EXCL: never written through a link
+        security.write_token_file(link, "x" * 32)
+    assert security.read_token_file(secret) == TOKEN
+    if os.geteuid() == 0:
+        import pwd
+
+        os.chown(secret, pwd.getpwnam("nobody").pw_uid, -1)
+        with pytest.raises(FleetError, match=f"{secret} belongs to nobody"):
+            security.read_token_file(secret)
+
+
 def test_devices_bind_loopback_unless_told_otherwise(caplog):
     with pytest.raises(FleetError, match="not a loopback address"):
         device_process.start_server("0.0.0.0:0", device.DeviceServicer(), token=TOKEN)

@@ -22,6 +22,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
+from fax_bridge import private_files
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet.protocol import parse_address
 
@@ -129,13 +130,12 @@ def load_fleet_file(path: "os.PathLike | str") -> FleetSpec:
 
 def write_fleet_file(path: "os.PathLike | str", addresses: Sequence[str], *,
                      token_file: Optional[str] = None, tls: Optional[dict] = None) -> None:
-    """Writes a fleet file for `addresses` (checked as `load_fleet_file` would)."""
+    """Writes a fleet file for `addresses` (checked as `load_fleet_file` would), anew
+    and renamed into place (`private_files.write_file`: a link at `path` is refused)."""
     checked = _unique([check_address(a) for a in addresses], "addresses")
     data: dict = {"devices": checked}
     if token_file is not None:
         data["token_file"] = os.fspath(token_file)
     if tls is not None:
         data["tls"] = dict(tls)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+    private_files.write_file(path, json.dumps(data, indent=2) + "\n", 0o644)

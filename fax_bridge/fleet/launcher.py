@@ -36,7 +36,7 @@ import weakref
 from typing import Any, Optional, Union
 
 from fax_bridge.errors import FleetError
-from fax_bridge import forks
+from fax_bridge import forks, private_files
 from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
 from fax_bridge.process_tree import signal_group
@@ -213,7 +213,7 @@ class LocalFleet(FleetRounds):
             return None
 
     def _popen(self, index: int, env: dict) -> Union[subprocess.Popen, forks.ForkedProcess]:
-        log_file = open(self._log_dir / f"device-{index}.log", "ab")
+        log_file = private_files.open_append(self._log_dir / f"device-{index}.log")
         if index < len(self._logs):
             self._logs[index].close()
             self._logs[index] = log_file
@@ -245,7 +245,7 @@ class LocalFleet(FleetRounds):
     def _spawn(self) -> None:
         if self._log_dir is None:
             self._log_dir = pathlib.Path(tempfile.mkdtemp(prefix="fax_bridge_fleet_"))
-        self._log_dir.mkdir(parents=True, exist_ok=True)
+        private_files.private_dir(self._log_dir)  # ours alone: no log planted as a link
         env = self._device_env()
         with _interrupts_deferred():  # a Ctrl-C inside Popen would orphan its process
             for index in range(self.num_devices):

@@ -19,11 +19,11 @@ import ipaddress
 import logging
 import os
 import secrets
-import stat
 from typing import Mapping, Optional, Sequence
 
 import grpc
 
+from fax_bridge import private_files
 from fax_bridge.errors import FleetError
 
 TOKEN_ENV = "FAX_BRIDGE_FLEET_TOKEN"
@@ -51,15 +51,12 @@ def write_token_file(path: "os.PathLike | str", token: str) -> None:
 
 
 def read_token_file(path: "os.PathLike | str") -> str:
-    """Reads a token file; refuses one that other users may read or write."""
+    """Reads a token file; refuses one that other users may read or write, that is not
+    ours, or a link (`private_files.read_private`)."""
     try:
-        info = os.stat(path)
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise FleetError(
-                f"token file {path} has mode {stat.S_IMODE(info.st_mode):o}; other users "
-                f"could read it. Run `chmod 600 {path}`")
-        with open(path) as f:
-            token = f.read().strip()
+        token = private_files.read_private(path).decode(errors="replace").strip()
+    except private_files.UnsafePathError as e:
+        raise FleetError(f"token file {e}") from None
     except OSError as e:
         raise FleetError(f"cannot read the token file {path}: {e}") from None
     if not token:
