@@ -45,6 +45,21 @@ def explain_mismatches(leaves: list[LeafParity], comp: Any, args: tuple) -> None
             leaves[i].max_abs, roundings, depends[i], direct[i])
 
 
+def note_chunked_sums(leaves: list[LeafParity], fn: Any, clients: int) -> None:
+    """Adds to each explained mismatch that jit summed the clients in chunks, when `fn`
+    is a program run `clients_per_step` at a time (`fax_bridge.chunking`): another
+    summation order, which the rounding bound covers as it covers any order."""
+    k = getattr(fn, "clients_per_step", None)
+    if k is None or (k != "auto" and k >= clients):
+        return
+    how = "in chunks (clients_per_step='auto')" if k == "auto" else f"in chunks of {k}"
+    for leaf in leaves:
+        if leaf.explanation and not leaf.explanation.startswith("(no rounding"):
+            leaf.explanation += (f"; jit summed the {clients} clients {how}: a sum of the "
+                                 "chunks' sums, in chunk order, where the exported "
+                                 "paths sum exactly")
+
+
 def leaves_in_type_order(tree: Any, type_: federated_language.Type) -> list:
     """Leaves of a runtime result in the depth-first order of its TFF type.
 
@@ -201,6 +216,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     else:
         leaves = compare_leaves(local, remote, rtol, atol, paths=paths)
         explain_mismatches(leaves, comp, args)
+        note_chunked_sums(leaves, fn, comp.clients)
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
                         client_runtime=client_runtime,
                         local_s=local_s, fleet_s=fleet_s, signature=str(

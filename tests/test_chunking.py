@@ -227,3 +227,21 @@ def test_each_device_runs_its_share_of_every_chunk():
     assert r["err"] < 1e-5
     assert "2" in r["chunk_shapes"]  # 16 a step over 8 devices: 2 clients a device
     assert "multiple of 8" in r["refused"]
+
+
+def test_parity_explains_chunked_sums():
+    from fax_bridge.parity import note_chunked_sums
+    from fax_bridge.parity_report import LeafParity
+
+    def leaves():
+        return [LeafParity("result", (3,), "float32", 1e-7, 1e-7, False,
+                           explanation="float rounding explains it: ..."),
+                LeafParity("result[1]", (), "int32", 0, 0, True)]
+
+    chunked = fb.program(clients=8, clients_per_step=4)(lambda x: fb.federated_sum(x))
+    got = leaves()
+    note_chunked_sums(got, chunked, 8)
+    assert "in chunks of 4" in got[0].explanation and not got[1].explanation
+    whole = leaves()
+    note_chunked_sums(whole, chunked.with_clients_per_step(8), 8)  # k >= N: not chunked
+    assert "chunks" not in whole[0].explanation
