@@ -87,6 +87,19 @@ def test_truncated_or_damaged_checkpoints_give_a_named_error(tmp_path_factory, d
     np.testing.assert_array_equal(saved.state["opt"][1][0], STATE["opt"][1][0])
 
 
+def test_a_checkpoint_folder_another_user_could_write_is_refused(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(PermissionError, match=f"{folder} is writable by others"):
+        checkpoint.save(folder, 1, STATE, {"k": "v"})
+    assert os.listdir(folder) == []
+    link = tmp_path / "link"
+    os.symlink(tmp_path, link)
+    with pytest.raises(PermissionError, match=f"{link} is a symbolic link"):
+        checkpoint.save(link, 1, STATE, {"k": "v"})
+
+
 def test_a_checkpoint_flagged_encrypted_gives_a_named_error(tmp_path, flag_encrypted):
     """A damaged bit that marks the archive's entries encrypted (zipfile's RuntimeError)
     is reported like every other damage: naming the file, saying how to start over."""

@@ -42,6 +42,7 @@ import numpy as np
 from federated_language.proto import computation_pb2
 from google.protobuf import message as message_pb
 
+from fax_bridge import private_files
 from fax_bridge.errors import CheckpointError, ExportError, FleetError
 from fax_bridge.runtime import hlo
 from fax_bridge.tff.types import named_children
@@ -140,9 +141,10 @@ def _decode(node: Any, leaves: dict) -> Any:
 
 def save(directory: "os.PathLike | str", round_index: int, state: Any,
          meta: Optional[dict] = None) -> pathlib.Path:
-    """Writes the state after `round_index` atomically; returns the file's path."""
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    """Writes the state after `round_index` atomically; returns the file's path.
+    `directory` must be ours alone to write (`private_files.private_dir`): a resumed
+    run reads back what another user could otherwise have swapped in."""
+    directory = pathlib.Path(private_files.private_dir(directory, 0o755))
     leaves: list = []
     tree = _encode(state, leaves)
     header = {"format": FORMAT, "round": int(round_index), "tree": tree,
