@@ -115,8 +115,9 @@ def app(tmp_path_factory, quickstart):
 class LocalGrid(Grid):
     """A Grid that hands each message to a ClientApp in this process; `silent` nodes
     answer a query but never a round (a node killed after the run started); `lose_at`
-    {node: (SecAgg+ stage, "silent" or "error")}: a node that answers nothing, or an
-    error, from that stage of SecAgg+ on (lost after it answered the round)."""
+    {node: (SecAgg+ stage, "silent", "error" or "garbage")}: a node that answers
+    nothing, an error, or a reply cut short, from that stage of SecAgg+ on (lost after
+    it answered the round)."""
 
     def __init__(self, apps: dict, silent=(), lose_at=None):
         self.apps, self.silent, self.replies = apps, set(silent), {}
@@ -162,6 +163,13 @@ class LocalGrid(Grid):
             elif how == "error":
                 self.replies[message_id] = Message(
                     Error(code=0, reason="the ClientApp failed"), reply_to=message)
+            elif how == "garbage":  # an answer cut short: each list one item, bytes 3
+                clientapp, context = self.apps[node]
+                reply = clientapp(copy.deepcopy(message), context)
+                configs = reply.content.config_records[relay.SECAGG_CONFIGS]
+                for key in list(configs):
+                    configs[key] = configs[key][:1 if isinstance(configs[key], list) else 3]
+                self.replies[message_id] = reply
             ids.append(message_id)
         return ids
 
@@ -874,7 +882,7 @@ def _node_name(k: int) -> str:
 
 _LOSSES = st.dictionaries(st.integers(0, len(THREE) - 1),
                           st.tuples(st.sampled_from(Stage.all()),
-                                    st.sampled_from(["silent", "error"])),
+                                    st.sampled_from(["silent", "error", "garbage"])),
                           min_size=1, max_size=2)
 
 
@@ -888,6 +896,10 @@ _LOSSES = st.dictionaries(st.integers(0, len(THREE) - 1),
 @example(losses={1: ("share_keys", "silent")}, threshold=1.0, min_clients=1)
 @example(losses={0: ("collect_masked_vectors", "error")}, threshold=0.0, min_clients=5)
 @example(losses={0: ("setup", "silent"), 2: ("unmask", "error")}, threshold=0.0,
+         min_clients=1)
+@example(losses={1: ("setup", "garbage")}, threshold=0.0, min_clients=1)
+@example(losses={0: ("collect_masked_vectors", "garbage")}, threshold=0.0, min_clients=1)
+@example(losses={2: ("unmask", "garbage"), 1: ("share_keys", "garbage")}, threshold=0.0,
          min_clients=1)
 def test_a_node_lost_during_secaggplus_is_dropped_or_named_with_the_unmet_condition(
         secure_app, three_nodes, losses, threshold, min_clients):
@@ -934,8 +946,8 @@ def test_a_node_lost_during_secaggplus_is_dropped_or_named_with_the_unmet_condit
         stage, how = losses[k]
         assert lost.startswith(f"{_node_name(k)}: lost during SecAgg+'s "
                                f"{STAGE_WORDS[stage]} stage (")
-        assert ("no answer within 0.2s" if how == "silent" else "the ClientApp failed") \
-            in lost
+        assert {"silent": "no answer within 0.2s", "error": "the ClientApp failed",
+                "garbage": "a malformed reply: "}[how] in lost
         assert ("its clients stay in the round" in lost) == (stage == "unmask")
 
 

@@ -6,6 +6,7 @@ app-build time what no split of the clients can carry."""
 
 from __future__ import annotations
 
+import base64
 import os
 
 import federated_language
@@ -111,8 +112,13 @@ def test_secaggplus_carries_the_exact_sum_exactly_when_choose_accepts(case):
         quant = secagg.Quantization(levels=largest, nodes=n)
         zeros = [secagg.node_vector([np.zeros(shape, np.int64)], quant.center)] * n
         with np.errstate(all="ignore"):
-            got = secagg.recover(_secaggplus(zeros, quant), quant, n)
-        assert np.all(got != 0)
+            vector = _secaggplus(zeros, quant)
+        try:
+            got = secagg.recover(vector, quant, n)
+        except FleetError as e:  # a division by zero: refused, never cast to an int
+            assert "non-finite or far out of range" in str(e)
+        else:
+            assert np.all(got != 0)
         return
     quant = secagg.choose([agg], counts)
     assert quant.levels == max(largest, 1) and quant.nodes == n
@@ -184,3 +190,191 @@ def test_the_reconstruction_threshold_is_a_majority_or_the_fraction_asked():
         with pytest.raises(FleetError, match=f"secagg-threshold={wrong} is not a "
                                              r"fraction of the nodes in \[0, 1\]"):
             secagg.shares_needed(wrong, 3)
+
+
+# ------------------------------------------------ what a node may answer each stage
+
+NODES = [11, 12, 13]
+CARRIED = 4
+
+
+def _message(content, node: int):
+    from flwr.app import Message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    sent = Message(content, dst_node_id=node, message_type="train")
+    sent.metadata.__dict__["_message_id"] = f"m{node}"
+    return sent
+
+
+def _honest(stage: str, node: int = 12) -> tuple:
+    """(the stage's message to `node`, the reply an honest node gives, its configs as a
+    dict): what flwr's `secaggplus_mod` answers, built with flwr's own functions."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+    from flwr.common import Code, FitRes, Parameters, Status
+    from flwr.common.secure_aggregation.crypto.shamir import create_shares
+    from flwr.compat.common import recorddict_compat as compat
+    from flwr.compat.common.parameter import ndarray_to_bytes
+    from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+
+    from fax_bridge.flower.relay import SECAGG_CONFIGS
+
+    keys = {n: [public_key_to_bytes(generate_key_pairs()[1]) for _ in range(2)]
+            for n in NODES}
+    sent = {"setup": {"stage": "setup"},
+            "share_keys": {"stage": "share_keys", **{str(n): keys[n] for n in NODES}},
+            "collect_masked_vectors": {"stage": "collect_masked_vectors"},
+            "unmask": {"stage": "unmask", "active_nids": [13, 12], "dead_nids": [11]}}[stage]
+    sent = _message(RecordDict({SECAGG_CONFIGS: ConfigRecord(sent)}), node)
+    content = RecordDict()
+    if stage == "setup":
+        configs = {"pk1": keys[node][0], "pk2": keys[node][1]}
+    elif stage == "share_keys":
+        others = [n for n in NODES if n != node]
+        from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt
+
+        configs = {"dsts": others, "ctxts": [encrypt(base64.urlsafe_b64encode(
+            os.urandom(32)), os.urandom(396)) for _ in others]}
+    elif stage == "collect_masked_vectors":
+        content = compat.fitres_to_recorddict(FitRes(Status(Code.OK, ""), Parameters(
+            tensors=[], tensor_type="numpy.ndarray"), 1, {}), False)
+        content.array_records["fitres.parameters"] = ArrayRecord()
+        rng = np.random.default_rng(node)
+        configs = {"masked_params": [
+            ndarray_to_bytes(rng.integers(0, secagg.MOD_RANGE, (1,))),
+            ndarray_to_bytes(rng.integers(0, secagg.MOD_RANGE, (CARRIED,)))]}
+    else:
+        configs = {"nids": [13, 12, 11],
+                   "shares": create_shares(os.urandom(32), 2, 3)[:2]
+                   + create_shares(os.urandom(300), 2, 3)[2:]}
+    content.config_records[SECAGG_CONFIGS] = ConfigRecord(configs)
+    return sent, Message(content, reply_to=sent), configs
+
+
+def _expected():
+    from fax_bridge.flower.secagg_replies import Expected
+
+    return Expected(CARRIED, len(NODES))
+
+
+STAGE_NAMES = ["setup", "share_keys", "collect_masked_vectors", "unmask"]
+
+
+@pytest.mark.parametrize("stage", STAGE_NAMES)
+def test_an_honest_reply_of_each_stage_is_accepted(stage):
+    from fax_bridge.flower import secagg_replies
+
+    sent, reply, _ = _honest(stage)
+    secagg_replies.check(stage, sent, reply, _expected())
+
+
+_GARBAGE = st.one_of(
+    st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True),
+    st.text(max_size=8), st.binary(max_size=40),
+    st.lists(st.integers(-3, 2 ** 40), max_size=4), st.lists(st.binary(max_size=30),
+                                                             max_size=4),
+    st.sampled_from([[b""], [b"\x93NUMPY"], [11, 12], [12, 13], [13, 12, 11, 11],
+                     [b"x" * 5000]]))
+
+
+def _token(data: bytes) -> bool:
+    """Whether `data` decrypts as a Fernet token would need: its form."""
+    import base64
+    import binascii
+
+    try:
+        raw = base64.urlsafe_b64decode(data)
+    except binascii.Error:
+        return False
+    return base64.urlsafe_b64encode(raw) == data and raw[:1] == b"\x80" and \
+        len(raw) >= 73 and (len(raw) - 57) % 16 == 0
+
+
+def _forge(stage: str, configs: dict, draw) -> tuple:
+    """A copy of an honest reply's configs with one thing forged, and whether it still
+    equals the honest one (or differs only where one reply cannot show it)."""
+    from flwr.compat.common.parameter import ndarray_to_bytes
+
+    forged = dict(configs)
+    how = draw(st.sampled_from(["value", "drop", "extra", "item", "array"]))
+    key = draw(st.sampled_from(sorted(forged)))
+    if how == "value":
+        forged[key] = draw(_GARBAGE)
+    elif how == "drop":
+        del forged[key]
+    elif how == "extra":
+        forged[draw(st.sampled_from(["stage", "x", "params"]))] = 1
+    elif how == "item" and isinstance(forged[key], list) and forged[key]:
+        items = list(forged[key])
+        i = draw(st.integers(0, len(items) - 1))
+        items[i] = draw(st.sampled_from([items[(i + 1) % len(items)], 99, b"\0" * 20,
+                                         items[i][:-1] if isinstance(items[i], bytes)
+                                         else -1]))
+        forged[key] = items
+        # what no server can tell from one reply: another ciphertext (it cannot decrypt
+        # them) or another share of a valid form (whether shares combine shows only
+        # when they are combined)
+        form = (key == "ctxts" and isinstance(items[i], bytes) and _token(items[i])
+                and len(set(items)) == len(items)) or (
+                key == "shares" and isinstance(items[i], bytes) and len(items[i]) >= 20
+                and (len(items[i]) - 4) % 16 == 0
+                and 1 <= int.from_bytes(items[i][:4], "little") <= len(NODES))
+        return forged, forged == configs or bool(form)
+    elif stage == "collect_masked_vectors":
+        bad = draw(st.sampled_from([
+            np.zeros(CARRIED + 1, np.int64), np.zeros(CARRIED, np.float64),
+            np.full(CARRIED, 2 ** 32, np.int64), np.full(CARRIED, -1, np.int64),
+            np.zeros((CARRIED, 1), np.int64), np.zeros(CARRIED, ">i8"),
+            np.zeros(1, np.int32)]))
+        forged["masked_params"] = [forged["masked_params"][0], ndarray_to_bytes(bad)]
+    elif stage == "unmask":  # a share of another form: a bad index or ragged chunks
+        share = draw(st.sampled_from([(0).to_bytes(4, "little") + b"\0" * 48,
+                                      (4).to_bytes(4, "little") + b"\0" * 48,
+                                      (1).to_bytes(4, "little") + b"\0" * 47]))
+        forged["shares"] = [share] + list(forged["shares"][1:])
+    return forged, forged == configs
+
+
+@settings(max_examples=300, deadline=None)
+@given(stage=st.sampled_from(STAGE_NAMES), data=st.data())
+def test_a_forged_reply_at_any_stage_is_refused_saying_what_is_wrong(stage, data):
+    """A reply with any key's value forged (any type, wrong lengths, node ids of others
+    or repeated, arrays of another shape, dtype or range, shares of another form), a
+    key dropped or added: `secagg_replies.check` raises a FleetError saying what is
+    wrong; it accepts only what equals the honest reply."""
+    from flwr.app import ConfigRecord, Message
+
+    from fax_bridge.flower import secagg_replies
+    from fax_bridge.flower.relay import SECAGG_CONFIGS
+
+    sent, reply, configs = _honest(stage)
+    forged, same = _forge(stage, configs, data.draw)
+    record = ConfigRecord()
+    for key, value in forged.items():  # any value, as a peer's bytes could carry it
+        record.__dict__["_data"][key] = value
+    content = reply.content
+    content.config_records[SECAGG_CONFIGS] = record
+    try:
+        secagg_replies.check(stage, sent, Message(content, reply_to=sent), _expected())
+    except FleetError as e:
+        assert str(e) and not same
+        return
+    assert same, f"accepted a forged {stage} reply: {forged}"
+
+
+def test_a_reply_from_another_node_or_reusing_a_key_is_refused():
+    from flwr.app import Message
+
+    from fax_bridge.flower import secagg_replies
+
+    sent, reply, _ = _honest("setup")
+    expected = _expected()
+    secagg_replies.check("setup", sent, reply, expected)
+    other, _, _ = _honest("setup", node=13)
+    with pytest.raises(FleetError, match="its public key is node 12's"):
+        secagg_replies.check("setup", other, Message(reply.content, reply_to=other),
+                             expected)
+    reply.metadata.__dict__["_src_node_id"] = 13
+    with pytest.raises(FleetError, match="the reply came as node 13"):
+        secagg_replies.check("setup", sent, reply, _expected())

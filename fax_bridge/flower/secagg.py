@@ -160,7 +160,13 @@ def recover(vector: Sequence[np.ndarray], quant: Quantization, nodes: int) -> np
     shift = nodes * quant.center
     flat = [np.asarray(v, np.float64).reshape(-1) for v in vector]
     flat = np.concatenate(flat) if flat else np.zeros(0)
-    return np.rint(flat * nodes + shift).astype(np.int64)
+    with np.errstate(all="ignore"):
+        total = np.rint(flat * nodes + shift)
+    if not np.all(np.abs(total) < 2.0 ** 62):
+        raise FleetError(f"SecAgg+ gave totals that are not {nodes} nodes' partials "
+                         "(non-finite or far out of range): a node's masked weight or "
+                         "vector was forged")
+    return total.astype(np.int64)
 
 
 def totals_of(secure: Sequence, totals: np.ndarray, clients: int, where: str) -> dict:
@@ -226,9 +232,11 @@ class _Exchange:
     exchange, how many nodes were asked and which did not answer or answered with an
     error, and why (`sent`, `lost`)."""
 
-    def __init__(self, grid, poll_s: float, traffic=None):
+    def __init__(self, grid, poll_s: float, traffic=None, expected=None):
         self.grid, self.poll_s, self.sent, self.lost = grid, poll_s, 0, {}
         self.traffic = traffic  # a RoundReport's Traffic: SecAgg+'s messages counted
+        self.expected = expected  # secagg_replies.Expected: what the replies may hold
+        self.stage = ""  # the SecAgg+ stage (Flower's name) the exchange is for
 
     def send_and_receive(self, messages, *, timeout=None) -> list:
         from fax_bridge.flower import nodes
@@ -243,13 +251,24 @@ class _Exchange:
             self.traffic.bytes_down += sum(content_bytes(m.content) for m in messages)
             self.traffic.bytes_up += sum(content_bytes(r.content)
                                          for r in replies.values() if not r.has_error())
+        from fax_bridge.flower import secagg_replies
+
+        accepted = []
         for m in messages:
-            reply = replies.get(m.metadata.dst_node_id)
+            node = m.metadata.dst_node_id
+            reply = replies.get(node)
             if reply is None:
-                self.lost[m.metadata.dst_node_id] = f"no answer within {timeout}s"
+                self.lost[node] = f"no answer within {timeout}s"
             elif reply.has_error():
-                self.lost[m.metadata.dst_node_id] = reply.error.reason
-        return list(replies.values())
+                self.lost[node] = str(reply.error.reason)[:500]
+            else:
+                try:  # the workflow sees only replies of the stage's form
+                    secagg_replies.check(self.stage, m, reply, self.expected)
+                except FleetError as e:
+                    self.lost[node] = f"a malformed reply: {e}"
+                else:
+                    accepted.append(reply)
+        return accepted
 
 
 def _strategy(ids: list, config: dict):
@@ -291,9 +310,10 @@ def _strategy(ids: list, config: dict):
 
 
 def _stages(link: _Exchange, strategy, round_index: int, quant: Quantization,
-            shares: int, wait_s: float):
+            shares: int, wait_s: float, where: str):
     """Runs Flower's `SecAggPlusWorkflow` stage by stage over the strategy's nodes,
-    yielding (stage name, whether the workflow goes on) after each."""
+    yielding (stage name, whether the workflow goes on) after each; FleetError naming
+    `where` when a stage cannot use the replies it accepted (`secagg_replies`)."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
     from flwr.server.compat.legacy_context import LegacyContext
     from flwr.server.workflow import SecAggPlusWorkflow
@@ -317,12 +337,23 @@ def _stages(link: _Exchange, strategy, round_index: int, quant: Quantization,
         num_shares=1.0, reconstruction_threshold=shares, max_weight=1.0,
         clipping_range=float(quant.center), quantization_range=quant.levels,
         modulus_range=MOD_RANGE, timeout=wait_s)
+    from flwr.common.secure_aggregation.secaggplus_constants import Stage
+
     state = WorkflowState()
-    for name, step in zip(STAGES, (workflow.setup_stage, workflow.share_keys_stage,
-                                   workflow.collect_masked_vectors_stage,
-                                   workflow.unmask_stage)):
-        link.sent, link.lost = 0, {}
-        yield name, step(link, context, state)
+    for name, flwr_name, step in zip(STAGES, Stage.all(), (
+            workflow.setup_stage, workflow.share_keys_stage,
+            workflow.collect_masked_vectors_stage, workflow.unmask_stage)):
+        link.sent, link.lost, link.stage = 0, {}, flwr_name
+        try:
+            going = step(link, context, state)
+        except (ArithmeticError, LookupError, TypeError, ValueError) as e:
+            # what no single reply shows: the nodes' shares do not combine
+            raise FleetError(
+                f"{where}: SecAgg+'s {name} stage could not combine the replies of nodes "
+                f"{sorted(strategy.node_ids)} ({type(e).__name__}: {str(e)[:200]}): a node "
+                "sent shares or keys that do not fit the others' (forged, or another "
+                f"SecAgg+); {_LOSS_FIX}") from None
+        yield name, going
 
 
 def _lose(live: list, link: _Exchange, stage: str, shares: int, started: int, where: str,
@@ -388,8 +419,12 @@ def aggregate(grid, split, answered: Sequence, round_index: int, wait_s: float,
             shares = shares_needed(threshold, len(live))
         strategy = _strategy([node.node_id for node, _ in live],
                              {ROUND_KEY: round_index, CENTER_KEY: quant.center})
-        link, again = _Exchange(grid, poll_s, traffic), False
-        for stage, going in _stages(link, strategy, round_index, quant, shares, wait_s):
+        from fax_bridge.flower.secagg_replies import Expected
+
+        link = _Exchange(grid, poll_s, traffic, Expected(carried_size(secure), len(live)))
+        again = False
+        for stage, going in _stages(link, strategy, round_index, quant, shares, wait_s,
+                                    where):
             if link.lost:
                 live = _lose(live, link, stage, shares, len(answered), where, drop, index)
                 again = stage in STAGES[:2]
