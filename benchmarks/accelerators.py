@@ -1,0 +1,305 @@
+"""FedAvg rounds of a decoder language model on whatever `jax.devices()` offers.
+
+One process (an accelerator admits one). Each client takes K local SGD steps on its own
+token batches and sends its model delta; the server adds the mean delta. The same round
+runs as:
+
+- `hand_vmap`: a hand-written `jit(vmap)` round (every client at once);
+- `fax_bridge`: the round as a `fax_bridge.program`, under `jax.jit`;
+- `drjax`: the round as a DrJAX program (when drjax is installed);
+- `hand_chunked`: a hand-written round mapping k clients at a time (`lax.scan` over
+  chunks, `vmap` inside, deltas summed as it goes);
+- `fax_bridge_chunked`: the program with `clients_per_step=k`;
+- `exported`: the program exported to a TFF proto and run by
+  `fax_bridge.runtime.run_computation` in this process.
+
+For each: the round's time (median of the timed repeats, after a compiled warm-up),
+MFU (6 x parameters x tokens a round, attention excluded, against the chip's peak bf16
+rate), the compiled round's temporaries (`memory_analysis`), and the largest difference
+of its new model from the hand-written round's (`hand_vmap`, or `hand_chunked` where
+every client at once does not fit). Matmuls run in bfloat16, parameters and updates in
+float32.
+
+    python benchmarks/accelerators.py --model 110M --clients 4 --steps 4 --chunk 4
+        [--variants hand_vmap,fax_bridge,...] [--repeats 3] [--json OUT]
+
+`--model tiny` runs on a CPU in seconds (the suite's check of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import fax_bridge as fb
+
+# (width, layers, heads); vocabulary and sequence from VOCAB / SEQ unless tiny.
+MODELS = {"tiny": (64, 2, 4), "34M": (512, 6, 8), "110M": (768, 12, 12),
+          "268M": (1024, 19, 16)}
+VOCAB, SEQ, BATCH, LR = 32768, 512, 4, 0.01
+TINY = dict(vocab=512, seq=32, batch=2)
+# Peak dense bf16 rate by jax's device_kind (TFLOP/s): MFU is left out elsewhere.
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v5p": 459.0,
+               "TPU v6 lite": 918.0}
+VARIANTS = ("hand_vmap", "fax_bridge", "drjax", "hand_chunked", "fax_bridge_chunked",
+            "exported")
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def init_params(key, width: int, layers: int, vocab: int) -> dict:
+    """A decoder's parameters, the layers stacked on a leading axis (scanned over)."""
+    ks = jax.random.split(key, 5)
+    scale = 0.02
+
+    def normal(k, shape):
+        return scale * jax.random.normal(k, shape, jnp.float32)
+
+    return {
+        "embed": normal(ks[0], (vocab, width)),
+        "qkv": normal(ks[1], (layers, width, 3 * width)),
+        "out": normal(ks[2], (layers, width, width)),
+        "up": normal(ks[3], (layers, width, 4 * width)),
+        "down": normal(ks[4], (layers, 4 * width, width)),
+        "norms": jnp.ones((layers, 2, width), jnp.float32),
+        "final_norm": jnp.ones((width,), jnp.float32),
+    }
+
+
+def count_params(params: dict) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def _norm(x, g):
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (y * g).astype(jnp.bfloat16)
+
+
+def loss(params: dict, tokens, heads: int):
+    """Mean next-token cross-entropy of one batch [batch, seq]."""
+    bf = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    x = bf["embed"][tokens[:, :-1]]
+    b, t, d = x.shape
+    mask = jnp.tril(jnp.ones((t, t), bool))
+
+    def layer(x, p):
+        qkv_w, out_w, up_w, down_w, norms = p
+        h = _norm(x, norms[0])
+        q, k, v = jnp.split(h @ qkv_w, 3, axis=-1)
+        q, k, v = (a.reshape(b, t, heads, d // heads) for a in (q, k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d // heads)
+        a = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1).astype(jnp.bfloat16)
+        x = x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, t, d) @ out_w
+        h = _norm(x, norms[1])
+        return x + jax.nn.gelu(h @ up_w) @ down_w, None
+
+    x, _ = lax.scan(layer, x, (bf["qkv"], bf["out"], bf["up"], bf["down"], bf["norms"]))
+    logits = (_norm(x, bf["final_norm"]) @ bf["embed"].T).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def local_update(params: dict, tokens, heads: int) -> dict:
+    """One client's delta after a local SGD step per batch of `tokens` [steps, b, t]."""
+    def step(p, batch):
+        g = jax.grad(loss)(p, batch, heads)
+        return jax.tree.map(lambda w, gw: w - LR * gw, p, g), None
+
+    new, _ = lax.scan(step, params, tokens)
+    return jax.tree.map(jnp.subtract, new, params)
+
+
+# --------------------------------------------------------------------------- the rounds
+
+
+def hand_vmap(heads: int, clients: int, chunk: int) -> Callable:
+    del clients, chunk
+
+    def round_(params, data):
+        deltas = jax.vmap(lambda d: local_update(params, d, heads))(data)
+        return jax.tree.map(lambda w, d: w + jnp.mean(d, axis=0), params, deltas)
+    return round_
+
+
+def hand_chunked(heads: int, clients: int, chunk: int) -> Callable:
+    steps = clients // chunk
+
+    def round_(params, data):
+        chunks = data.reshape((steps, chunk) + data.shape[1:])
+
+        def body(total, part):
+            deltas = jax.vmap(lambda d: local_update(params, d, heads))(part)
+            return jax.tree.map(lambda t, d: t + jnp.sum(d, axis=0), total, deltas), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        total, _ = lax.scan(body, zeros, chunks)
+        return jax.tree.map(lambda w, t: w + t / clients, params, total)
+    return round_
+
+
+def fax_program(heads: int, clients: int, chunk: Optional[int]):
+    @fb.program(clients=clients, clients_per_step=chunk)
+    def fedavg(params, data):
+        deltas = fb.federated_map_clients(lambda p, d: local_update(p, d, heads),
+                                          (fb.federated_broadcast(params), data))
+        return jax.tree.map(jnp.add, params, fb.federated_mean(deltas))
+    return fedavg
+
+
+def drjax_round(heads: int, clients: int, chunk: int) -> Callable:
+    import drjax
+    del chunk
+
+    @drjax.program(placements={"clients": clients})
+    def round_(params, data):
+        deltas = drjax.map_fn(lambda p, d: local_update(p, d, heads),
+                              (drjax.broadcast(params), data))
+        return jax.tree.map(jnp.add, params, drjax.reduce_mean(deltas))
+    return round_
+
+
+def _jitted(variant: str, heads: int, clients: int, chunk: int) -> Callable:
+    if variant == "fax_bridge":
+        return jax.jit(fax_program(heads, clients, None))
+    if variant == "fax_bridge_chunked":
+        return jax.jit(fax_program(heads, clients, chunk))
+    builders = {"hand_vmap": hand_vmap, "hand_chunked": hand_chunked,
+                "drjax": drjax_round}
+    return jax.jit(builders[variant](heads, clients, chunk))
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _timed(fn: Callable, args: tuple, repeats: int) -> tuple[Any, list[float]]:
+    out = jax.block_until_ready(fn(*args))  # compiles, warms up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return out, times
+
+
+def _max_diff(a, b) -> float:
+    return float(max(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+                     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+
+def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str],
+            repeats: int, seed: int = 0) -> dict:
+    """Runs the chosen variants of one round; a row per variant (an error is a row)."""
+    width, layers, heads = MODELS[model]
+    sizes = TINY if model == "tiny" else dict(vocab=VOCAB, seq=SEQ, batch=BATCH)
+    key_p, key_d = jax.random.split(jax.random.PRNGKey(seed))
+    params = init_params(key_p, width, layers, sizes["vocab"])
+    data = jax.random.randint(key_d, (clients, steps, sizes["batch"], sizes["seq"] + 1), 0,
+                              sizes["vocab"], jnp.int32)
+    n_params = count_params(params)
+    tokens = clients * steps * sizes["batch"] * sizes["seq"]
+    device = jax.devices()[0]
+    peak = PEAK_TFLOPS.get(device.device_kind)
+    flops = 6.0 * n_params * tokens
+    report = {"model": model, "parameters": n_params, "clients": clients, "steps": steps,
+              "chunk": chunk, "tokens": tokens, "device": device.device_kind,
+              "devices": jax.device_count(), "peak_tflops": peak, "rows": []}
+    results: dict[str, Any] = {}
+    for variant in variants:
+        row: dict[str, Any] = {"variant": variant}
+        try:
+            if variant == "exported":
+                row.update(_exported(heads, clients, params, data, repeats, results))
+            else:
+                fn = _jitted(variant, heads, clients, chunk)
+                mem = fn.lower(params, data).compile().memory_analysis()
+                row["temp_gib"] = mem.temp_size_in_bytes / 2 ** 30
+                out, times = _timed(fn, (params, data), repeats)
+                results[variant] = out
+                row["round_s"] = statistics.median(times)
+        except Exception as e:  # noqa: BLE001 - an out-of-memory variant is a result
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if "round_s" in row and peak:
+            row["mfu"] = flops / row["round_s"] / (peak * 1e12)
+        report["rows"].append(row)
+    reference = results.get("hand_vmap", results.get("hand_chunked"))
+    for row in report["rows"]:
+        if reference is not None and row["variant"] in results:
+            row["max_diff"] = _max_diff(results[row["variant"]], reference)
+    return report
+
+
+def _exported(heads, clients, params, data, repeats, results) -> dict:
+    from fax_bridge.runtime import run_computation
+    program = fax_program(heads, clients, None)
+    start = time.perf_counter()
+    proto = fb.export_tff(program, params, data, placements=("server", "clients"))
+    export_s = time.perf_counter() - start
+    out, times = _timed(lambda p, d: run_computation(proto, p, d), (params, data), repeats)
+    results["exported"] = jax.tree.map(jnp.asarray, out)
+    return {"round_s": statistics.median(times), "export_s": export_s}
+
+
+def table(report: dict) -> str:
+    base = {r["variant"]: r.get("round_s") for r in report["rows"]}
+    ref = base.get("hand_vmap") or base.get("hand_chunked")
+    lines = [f"{report['model']} ({report['parameters'] / 1e6:.1f}M parameters), "
+             f"{report['clients']} clients x {report['steps']} steps, chunks of "
+             f"{report['chunk']}, on {report['devices']} x {report['device']}",
+             "| variant | round | vs hand-written | MFU | temporaries | max diff |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['error']} | | | | |")
+            continue
+        ratio = f"{r['round_s'] / ref:.2f}x" if ref else ""
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""
+        temp = f"{r['temp_gib']:.2f} GiB" if "temp_gib" in r else ""
+        diff = f"{r['max_diff']:.2g}" if "max_diff" in r else ""
+        lines.append(f"| {r['variant']} | {r['round_s']:.3f} s | {ratio} | {mfu} | {temp} "
+                     f"| {diff} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--clients", type=int, nargs="+", default=[4])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--chunk", type=int, default=4)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="append each report to this file as a JSON line")
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    bad = [n for n in args.clients if n % args.chunk and n > args.chunk]
+    if bad:
+        parser.error(f"--chunk {args.chunk} must divide every cohort (got {bad}) for the "
+                     "hand-written chunked round")
+    reports = []
+    for n in args.clients:
+        report = measure(args.model, n, args.steps, min(args.chunk, n), variants,
+                         args.repeats)
+        print(table(report), flush=True)
+        reports.append(report)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(report) + "\n")
+    return reports
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
