@@ -117,16 +117,19 @@ class LocalGrid(Grid):
     answer a query but never a round (a node killed after the run started); `lose_at`
     {node: (SecAgg+ stage, "silent", "error" or "garbage")}: a node that answers
     nothing, an error, or a reply cut short, from that stage of SecAgg+ on (lost after
-    it answered the round)."""
+    it answered the round); `forged` nodes answer a round without its layout record."""
 
-    def __init__(self, apps: dict, silent=(), lose_at=None):
+    def __init__(self, apps: dict, silent=(), lose_at=None, forged=()):
         self.apps, self.silent, self.replies = apps, set(silent), {}
+        self.forged = set(forged)
         self.lose_at = dict(lose_at or {})
 
     def lost(self, message) -> str | None:
         """How the destination of `message` fails it (None: it answers)."""
         if message.metadata.dst_node_id in self.silent:
             return "silent" if message.metadata.message_type != "query" else None
+        if message.metadata.dst_node_id in self.forged:
+            return "forged" if message.metadata.message_type != "query" else None
         if (message.metadata.dst_node_id not in self.lose_at
                 or relay.SECAGG_CONFIGS not in message.content.config_records):
             return None
@@ -163,6 +166,11 @@ class LocalGrid(Grid):
             elif how == "error":
                 self.replies[message_id] = Message(
                     Error(code=0, reason="the ClientApp failed"), reply_to=message)
+            elif how == "forged":  # a round answer without its partials' layout
+                clientapp, context = self.apps[node]
+                reply = clientapp(copy.deepcopy(message), context)
+                del reply.content.config_records[relay.LAYOUT]
+                self.replies[message_id] = reply
             elif how == "garbage":  # an answer cut short: each list one item, bytes 3
                 clientapp, context = self.apps[node]
                 reply = clientapp(copy.deepcopy(message), context)
@@ -180,14 +188,16 @@ class LocalGrid(Grid):
         raise AssertionError("the ServerApp pushes and pulls itself (`nodes.exchange`)")
 
 
-def _grid(app_folder: str, configs: list, silent=(), lose_at=None) -> LocalGrid:
+def _grid(app_folder: str, configs: list, silent=(), lose_at=None,
+          forged=()) -> LocalGrid:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
     clientapp = relay.client_app(os.path.join(app_folder, app_dir.PACKAGE), lambda: client)
     apps = {100 + k: (clientapp, Context(run_id=1, node_id=100 + k, node_config=c,
                                          state=RecordDict(), run_config={}))
             for k, c in enumerate(configs)}
     return LocalGrid(apps, silent={100 + k for k in silent},
-                     lose_at={100 + k: v for k, v in (lose_at or {}).items()})
+                     lose_at={100 + k: v for k, v in (lose_at or {}).items()},
+                     forged={100 + k for k in forged})
 
 
 def _expected(made, args, rounds: int, clients=None, state=None, client_runtime="xla"):
@@ -407,6 +417,15 @@ def test_a_silent_node_is_dropped_and_min_clients_is_kept(tmp_path, quickstart,
         server.run_server(grid, dict(quick, **{"min-clients": 5, "out-dir": out}),
                           bundle_dir, log=lambda text: None)
     assert "min_clients=5" in _reports(out)[0]["error"]
+    # a node whose answer is malformed is dropped the same way, named with what was wrong
+    got = server.run_server(_grid(app, populations, forged=[1]),
+                            dict(quick, **{"out-dir": out}), bundle_dir,
+                            log=lambda text: None)
+    assert _bits(got, made) == _bits(_expected(made, args, 1, clients=range(4)), made)
+    rep = _reports(out)[0]
+    assert rep["lost_clients"] == [4, 5] and rep["lost_devices"] == [
+        "node 101 (clients 4..5): its answer has no layout record; the message is corrupt "
+        "or forged; check that the node runs this fax_bridge (a malformed answer)"]
     with pytest.raises(FleetError, match="no SuperNode answered: node 100 "):
         server.run_server(_grid(app, populations, silent=[0, 1]),
                           dict(quick, **{"min-clients": 0, "out-dir": out}), bundle_dir,

@@ -2,9 +2,10 @@
 
 Each SuperNode holding participants of a round gets one `train` message (the broadcast
 and the ids of its participants) and answers with its clients' partials as records
-(`records`); a node that answers with an error or not within the wait comes back as a
-lost holder, named with the reason, for the engine's policy to drop. The engine checks
-and merges the partials as it does a device's.
+(`records`); a node that answers with an error, not within the wait, or with an answer
+`records.answer_of` refuses (a missing record, a malformed layout, counts or arrays)
+comes back as a lost holder, named with the reason, for the engine's policy to drop.
+The engine checks and merges the partials as it does a device's.
 
 The round's secure sums are not in the answers: a node keeps its partials of them
 back, and the transport hands the engine a secure phase (`engine.Answers.secure`) that
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from fax_bridge.errors import FleetError
 from fax_bridge.rounds.engine import Answers, HolderAnswer, LostHolder, plain_aggregations
 from fax_bridge.rounds.policy import Traffic
 from fax_bridge.rounds.round_split import RoundSplit
@@ -100,8 +102,15 @@ class FlowerTransport:
                     f"no answer within {self.wait_s}s" if reply is None
                     else reply.error.reason), mine))
                 continue
+            try:  # a malformed answer loses its node, named, as no answer does
+                if reply.metadata.src_node_id != node.node_id:
+                    raise FleetError(f"{node.name}: its answer came as node "
+                                     f"{reply.metadata.src_node_id}")
+                partials, seconds = records.answer_of(reply.content, kinds, node.name)
+            except FleetError as e:
+                out.lost.append(LostHolder(f"{e} (a malformed answer)", mine))
+                continue
             answered.append((node, mine))
-            partials, seconds = records.answer_of(reply.content, kinds, node.name)
             self.traffic.bytes_up += records.content_bytes(reply.content)
             self.traffic.payload_up += records.payload_bytes(reply.content[records.PARTIALS])
             out.answered.append(HolderAnswer(node.name, len(mine), partials, seconds))
