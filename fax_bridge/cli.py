@@ -1,5 +1,9 @@
 """The `fax-bridge` command line: each stage of the flow registers its own subcommand.
 
+The `FAX_BRIDGE_*` environment variables are checked once the arguments are read
+(`env_settings.check`): a bad value stops the command with one line naming it and the
+form it takes, exit code 2; `--help` works whatever they hold.
+
 Ctrl-C (SIGINT) stops any subcommand with one line on stderr and exit code 130; what
 the command started (device processes) is stopped first, and a second Ctrl-C during
 that cleanup is ignored so it cannot leave processes behind. A Ctrl-C is never lost: one
@@ -17,6 +21,9 @@ import sys
 import threading
 import time
 from typing import Optional, Sequence
+
+from fax_bridge import env_settings
+from fax_bridge.errors import FaxBridgeError
 
 # Modules that provide `register(subparsers)`, adding one subcommand each whose parser
 # sets `func` (called with the parsed namespace, returning an exit code).
@@ -127,8 +134,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _Interrupt.raised, _Interrupt.watcher, _Interrupt.ending = [], None, False
             _Interrupt.hook, sys.unraisablehook = sys.unraisablehook, _unraisable
             signal.signal(signal.SIGINT, _interrupt)
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # --help ends here, whatever the env
         command = f"fax-bridge {args.command}"
+        try:
+            env_settings.check()
+        except FaxBridgeError as e:
+            print(f"{command}: {e}", file=sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(f"{command}: interrupted (Ctrl-C); the processes it started are stopped",

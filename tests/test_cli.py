@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge import cli
+from fax_bridge import cli, env_settings
 from processes import descendants, parent, running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -210,7 +211,7 @@ def test_a_real_ctrl_c_while_devices_start(tmp_path):
     while len(devices) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
         devices = [pid for pid in descendants(proc.pid) if _is_device(pid) and not (
-            parent(pid) == proc.pid and b"fax_bridge/forks.py" in _cmdline(pid))]
+            parent(pid) == proc.pid and b"fax_bridge/fork_server.py" in _cmdline(pid))]
     assert len(devices) >= 2, "the command never started its devices"
     started = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
@@ -235,3 +236,30 @@ def _cmdline(pid: int) -> bytes:
 
 def _is_device(pid: int) -> bool:
     return b"fax_bridge.fleet.device" in _cmdline(pid)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(env_settings.VARIABLES)),
+       value=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"),
+                     max_size=12) | st.integers(-5, 1 << 40).map(str))
+def test_environment_numbers_are_checked_once_by_name_and_help_always_works(
+        monkeypatch, capsys, name, value):
+    """`--help` works whatever the environment holds; a command with a bad FAX_BRIDGE_*
+    number stops before any work with one line naming it and the form it takes."""
+    for other in env_settings.VARIABLES:  # examples share the test's monkeypatch
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["export", "--help"])
+    assert info.value.code == 0 and "MODULE_OR_FILE:FUNCTION" in capsys.readouterr().out
+    code = cli.main(["export", "no/such/file.py:f", "--clients", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    raw = value.strip()
+    low = env_settings.VARIABLES[name][1]
+    if not raw or (raw.isascii() and raw.isdigit() and int(raw) >= low):
+        assert "no such file" in err
+    else:
+        assert err.startswith(f"fax-bridge export: {name}=") and \
+            f"is not a whole number >= {low}" in err and "unset it" in err

@@ -203,23 +203,29 @@ def test_every_kind_shares_one_cap_and_nothing_live_is_handed_out_or_written_ove
             h for k, _, h in taken if k == buffers.SEGMENTS)
 
 
-def test_the_cap_is_one_environment_variable_checked_when_the_runtime_loads(monkeypatch):
+def test_the_cap_is_one_environment_variable_read_when_first_used(monkeypatch):
     import os
     import subprocess
     import sys
+
+    from fax_bridge import env_settings
 
     code = "from fax_bridge.runtime import buffers; print(buffers.MAX_KEPT_BYTES)"
     env = dict(os.environ, **{buffers.ENV_VAR: "12345"})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["12345"]
+    code = "from fax_bridge.runtime import buffers"  # a bad value never fails an import
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                         env=dict(os.environ, **{buffers.ENV_VAR: "1.5GB"}))
+    assert out.returncode == 0, out.stderr
     for bad in ("1.5GB", "-1"):  # refused with what was wrong and how to set it
         monkeypatch.setenv(buffers.ENV_VAR, bad)
         with pytest.raises(ComputationError, match=rf"FAX_BRIDGE_MAX_KEPT_BYTES='{bad}' "
-                                                   r"is not a number of bytes; set it"):
-            buffers._cap_from_env(1 << 30)
+                                                   r"is not a whole number >= 0; it sets"):
+            env_settings.whole_number(buffers.ENV_VAR)
     monkeypatch.setenv(buffers.ENV_VAR, " ")
-    assert buffers._cap_from_env(1 << 30) == 1 << 30  # unset or blank: the default
+    assert env_settings.whole_number(buffers.ENV_VAR) == 3 << 30  # blank: the default
 
 
 def test_threads_taking_and_giving_at_once_share_the_cap_and_never_one_array(monkeypatch):

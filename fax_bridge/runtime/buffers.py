@@ -23,11 +23,12 @@ everything it keeps for later is registered here, whatever its kind:
   here; a `release` callback given with it says how to let it go (a file is removed).
 
 One cap: `MAX_KEPT_BYTES` (3 GiB unless `FAX_BRIDGE_MAX_KEPT_BYTES` sets it, in bytes, for
-the process) bounds `kept_bytes()`, the bytes of every kind together. Whatever is added
-past it pushes out the least recently used entries nothing holds, of any kind, and only
-as many as it needs; when even that would not make room, the new one is not kept (and
-is released). An array someone still holds is never handed out, nor pushed out: a caller
-gets new memory instead. A kept entry is handed out once: `take` removes it.
+the process; read when first used, `env_settings`) bounds `kept_bytes()`, the bytes of
+every kind together. Whatever is added past it pushes out the least recently used
+entries nothing holds, of any kind, and only as many as it needs; when even that would
+not make room, the new one is not kept (and is released). An array someone still holds
+is never handed out, nor pushed out: a caller gets new memory instead. A kept entry is
+handed out once: `take` removes it.
 
 Memory that is freed but not returned to the system (glibc's free lists after gRPC's
 many small buffers) is not kept for reuse: `fleet/memory.py` hands it back.
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import threading
 from typing import Any, Callable, Hashable, Optional
@@ -54,24 +54,21 @@ MIN_BYTES = 4 << 20  # smaller arrays come from numpy's allocator as they are
 ENV_VAR = "FAX_BRIDGE_MAX_KEPT_BYTES"
 
 
-def _cap_from_env(default: int) -> int:
-    """The cap `ENV_VAR` sets, else `default`."""
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ComputationError(
-            f"{ENV_VAR}={raw!r} is not a number of bytes; set it to a whole number >= 0 "
-            f"(0 keeps nothing for reuse; e.g. {3 << 30} for 3 GiB) or unset it for the "
-            "default")
-    return value
+def __getattr__(name: str) -> Any:
+    """`MAX_KEPT_BYTES`, read from `ENV_VAR` when first used (`env_settings`: never on
+    import, so a bad value is one named error where it is used, not an import's)."""
+    if name == "MAX_KEPT_BYTES":
+        from fax_bridge import env_settings
+
+        globals()[name] = value = env_settings.whole_number(ENV_VAR)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-MAX_KEPT_BYTES = _cap_from_env(3 << 30)  # the most this process keeps for later, in all
+def _cap() -> int:
+    """The cap: `MAX_KEPT_BYTES` as set (tests set it), else as read from `ENV_VAR`."""
+    cap = globals().get("MAX_KEPT_BYTES")
+    return __getattr__("MAX_KEPT_BYTES") if cap is None else cap
 
 
 @dataclasses.dataclass(eq=False)
@@ -217,7 +214,7 @@ def _make_room(nbytes: int) -> Optional[list]:
     """Under the lock: removes the least recently used free entries while the kept
     bytes plus `nbytes` exceed the cap, and returns them (to release outside the lock);
     None, removing nothing, when even all of them would not make room."""
-    cap = MAX_KEPT_BYTES
+    cap = _cap()
     over = sum(e.nbytes for e in _kept) + nbytes - cap
     if over <= 0:
         return []

@@ -15,14 +15,13 @@ integers (no overflow) and compared with these caps first:
   function with its captured values; default 256 MiB).
 
 `FAX_BRIDGE_MAX_TENSOR_BYTES`, `FAX_BRIDGE_MAX_VALUE_BYTES`, `FAX_BRIDGE_MAX_EVAL_STEPS` and
-`FAX_BRIDGE_MAX_PROTO_BYTES` set them per process;
+`FAX_BRIDGE_MAX_PROTO_BYTES` set them per process (read when first used, `env_settings`);
 `set_limits` changes them at run time (a device and a coordinator each have their own).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import federated_language
@@ -41,20 +40,24 @@ class Limits:
     max_proto_bytes: int
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ComputationError(f"{name}={raw!r} is not an integer") from None
+def __getattr__(name: str) -> Limits:
+    """`LIMITS`, read from the environment when first used (`env_settings`: never on
+    import, so a bad value is one named error where it is used, not an import's)."""
+    if name == "LIMITS":
+        from fax_bridge.env_settings import whole_number
+
+        globals()[name] = value = Limits(
+            max_tensor_bytes=whole_number("FAX_BRIDGE_MAX_TENSOR_BYTES"),
+            max_value_bytes=whole_number("FAX_BRIDGE_MAX_VALUE_BYTES"),
+            max_eval_steps=whole_number("FAX_BRIDGE_MAX_EVAL_STEPS"),
+            max_proto_bytes=whole_number("FAX_BRIDGE_MAX_PROTO_BYTES"))
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-LIMITS = Limits(max_tensor_bytes=_env_int("FAX_BRIDGE_MAX_TENSOR_BYTES", 4 << 30),
-                max_value_bytes=_env_int("FAX_BRIDGE_MAX_VALUE_BYTES", 16 << 30),
-                max_eval_steps=_env_int("FAX_BRIDGE_MAX_EVAL_STEPS", 1_000_000),
-                max_proto_bytes=_env_int("FAX_BRIDGE_MAX_PROTO_BYTES", 256 << 20))
+def _limits() -> Limits:
+    found = globals().get("LIMITS")
+    return __getattr__("LIMITS") if found is None else found
 
 
 def set_limits(max_tensor_bytes: Optional[int] = None,
@@ -62,22 +65,23 @@ def set_limits(max_tensor_bytes: Optional[int] = None,
                max_eval_steps: Optional[int] = None,
                max_proto_bytes: Optional[int] = None) -> Limits:
     """Changes the caps of this process; returns the previous ones."""
-    before = dataclasses.replace(LIMITS)
+    before = dataclasses.replace(_limits())
     if max_tensor_bytes is not None:
-        LIMITS.max_tensor_bytes = int(max_tensor_bytes)
+        _limits().max_tensor_bytes = int(max_tensor_bytes)
     if max_value_bytes is not None:
-        LIMITS.max_value_bytes = int(max_value_bytes)
+        _limits().max_value_bytes = int(max_value_bytes)
     if max_eval_steps is not None:
-        LIMITS.max_eval_steps = int(max_eval_steps)
+        _limits().max_eval_steps = int(max_eval_steps)
     if max_proto_bytes is not None:
-        LIMITS.max_proto_bytes = int(max_proto_bytes)
+        _limits().max_proto_bytes = int(max_proto_bytes)
     return before
 
 
 def too_many_steps(what: str) -> ComputationError:
     """The error for an evaluation that ran past `max_eval_steps`."""
     return ComputationError(
-        f"{what} took more than {LIMITS.max_eval_steps} steps (FAX_BRIDGE_MAX_EVAL_STEPS); "
+        f"{what} took more than {_limits().max_eval_steps} steps "
+        "(FAX_BRIDGE_MAX_EVAL_STEPS); "
         "a small proto that calls its functions exponentially often is refused here. "
         "Raise the cap if the computation is really that large")
 
@@ -99,11 +103,11 @@ def tensor_bytes(shape, itemsize: int, what: str) -> int:
         count *= d
         span *= max(d, 1)
     size = count * int(itemsize)
-    if max(size, span * int(itemsize)) > LIMITS.max_tensor_bytes:
+    if max(size, span * int(itemsize)) > _limits().max_tensor_bytes:
         raise ComputationError(
             f"{what}: a tensor of shape {dims} needs {size} bytes (its non-zero "
             f"dimensions span {span * int(itemsize)}), above the cap of "
-            f"{LIMITS.max_tensor_bytes} bytes (FAX_BRIDGE_MAX_TENSOR_BYTES); the shape is "
+            f"{_limits().max_tensor_bytes} bytes (FAX_BRIDGE_MAX_TENSOR_BYTES); the shape is "
             "likely corrupt, or raise the cap")
     return size
 
@@ -130,8 +134,8 @@ def type_bytes(type_, what: str = "a type") -> int:
             stack.append(t.result)
         elif isinstance(t, federated_language.SequenceType):
             stack.append(t.element)
-    if total > LIMITS.max_value_bytes:
+    if total > _limits().max_value_bytes:
         raise ComputationError(
             f"{what}: its tensors need {total} bytes together, above the cap of "
-            f"{LIMITS.max_value_bytes} bytes (FAX_BRIDGE_MAX_VALUE_BYTES)")
+            f"{_limits().max_value_bytes} bytes (FAX_BRIDGE_MAX_VALUE_BYTES)")
     return total
