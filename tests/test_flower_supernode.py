@@ -81,7 +81,7 @@ def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
                 except OSError:
                     pass
             if all(any(part in n for n in names) for part in (
-                    "flower-supernode", "fax_bridge.flower.worker", "fax_bridge/forks.py")):
+                    "flower-supernode", "fax_bridge.flower.worker", "fax_bridge/fork_server.py")):
                 started = below
                 break
             time.sleep(0.5)

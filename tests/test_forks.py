@@ -1,6 +1,7 @@
-"""Processes forked from one server (fax_bridge.forks): a fleet's devices and their XLA
-import helpers, their exit status, the server's lifetime, and the fresh-interpreter
-start where the server cannot fork."""
+"""Processes forked from one server (fax_bridge.forks, fork_server, fork_protocol): a
+fleet's devices and their XLA import helpers, their exit status, the server's lifetime,
+the fresh-interpreter start where the server cannot fork, and the server as a trust
+boundary (hostile requesters, planted paths, another user)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import sample_computations as sc
 from processes import alive, children, parent
-from fax_bridge import forks
+from fax_bridge import fork_protocol, fork_server, forks
 from fax_bridge.fleet import security
 from fax_bridge.fleet.launcher import DEVICE_MODULES, LocalFleet
 
@@ -184,37 +185,263 @@ def test_a_server_with_threads_refuses_and_the_fleet_starts_fresh_interpreters(
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                      lambda inner: st.lists(inner, max_size=3)
-                     | st.dictionaries(st.sampled_from(["run", "status", "argv", "env", "x"]),
+                     | st.dictionaries(st.sampled_from(["kind", "pid", "target", "argv",
+                                                        "env", "cpus", "x"]),
                                        inner, max_size=3), max_leaves=8)
+_REQUESTS = st.fixed_dictionaries(
+    {"kind": st.sampled_from(["run", "status", "other"]) | _JSON},
+    optional={key: _JSON for key in ("pid", "target", "argv", "env", "cpus")})
 
 
-_RUNS = st.fixed_dictionaries({key: _JSON for key in ("run", "argv", "env", "cwd", "cpus",
-                                                     "stdin")})
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 @settings(max_examples=80, deadline=None)
 @given(st.one_of(st.binary(min_size=1, max_size=40),
-                 st.one_of(_JSON, _RUNS).map(lambda v: json.dumps(v).encode())))
-def test_a_request_the_server_cannot_serve_is_answered_and_serving_goes_on(server, request):
-    """Whatever a requester sends that is no run of a module (with its descriptors) nor
-    the status of one of its children, the answer is an error naming it, and the next
-    request is served."""
-    import socket as sockets
-
+                 st.one_of(_JSON, _REQUESTS).map(lambda v: json.dumps(v).encode())),
+       st.integers(0, 6))
+def test_a_request_the_server_cannot_serve_is_refused_and_keeps_none_of_its_descriptors(
+        server, request, sent):
+    """Whatever a requester sends that is no run with its four descriptors nor the
+    status of one of its own children, with any number of descriptors (a status request
+    with some, a run with too few or too many), the answer is an error naming it, every
+    descriptor sent is closed, and the next request is served."""
     server, _ = server
-    with server._lock:
-        sockets.send_fds(server._sock, [request], [])
+    try:
+        parsed = fork_protocol.decode_request(request, sent)
+        assume(not isinstance(parsed, fork_protocol.Run))  # a run it could serve forks
+    except fork_protocol.ProtocolError:
+        pass
+    before = _open_fds(server.pid)
+    with open(os.devnull, "rb") as devnull, server._lock:
+        socket.send_fds(server._sock, [request], [devnull.fileno()] * sent)
         answer, fds = server._receive(30)
     assert fds == [] and set(answer) == {"error"} and answer["error"], answer
     assert server.returncode(os.getpid(), wait_s=0) == -signal.SIGKILL  # not its child
+    assert _open_fds(server.pid) == before
 
 
-_CONNECT_AS_ANOTHER_USER = """
-import json, socket, sys
-sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-sock.connect(sys.argv[1])
-print(json.loads(sock.recv(4096)))
+# A module the listening server's children run: exits with argv[1] (a negative one by
+# that signal), or sleeps ("sleep"; "term3": exits 3 on SIGTERM), or prints where its
+# working directory is ("cwd").
+_CHILD = """
+import os, signal, sys, time
+what = sys.argv[1] if __name__ == "__main__" else "import"
+if what == "cwd":
+    print(os.readlink("/proc/self/cwd"), flush=True)
+elif what in ("sleep", "term3"):
+    if what == "term3":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+    print("ready", flush=True)
+    time.sleep(600)
+elif what == "import":
+    pass
+elif int(what) < 0:
+    os.kill(os.getpid(), -int(what))
+else:
+    sys.exit(int(what))
 """
+
+
+def _listening_server(folder):
+    folder.mkdir(exist_ok=True)
+    (folder / "fork_test_child.py").write_text(_CHILD)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(folder)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    path = str(folder / "forks.sock")
+    return forks.ForkServer.start(sys.executable, env, ("json.tool", "fork_test_child"),
+                                  listen=path), path, env
+
+
+@pytest.fixture(scope="module")
+def listening(tmp_path_factory):
+    server, path, env = _listening_server(tmp_path_factory.mktemp("listening"))
+    yield path, env
+    server.close()
+
+
+def _child(handle, env, *argv, cwd="/"):
+    read, write = os.pipe()
+    try:
+        with open(os.devnull, "rb") as devnull:
+            child = handle.run("fork_test_child", list(argv), env=env, cwd=cwd,
+                               stdio=(devnull.fileno(), write, 2))
+    finally:
+        os.close(write)
+    return child, os.fdopen(read, "rb")
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 255) | st.sampled_from([-signal.SIGTERM, -signal.SIGKILL,
+                                               -signal.SIGUSR1]))
+def test_a_child_status_is_exact_and_goes_only_to_the_connection_that_asked(listening,
+                                                                            code):
+    path, env = listening
+    owner, other = forks.ForkServer.connect(path), forks.ForkServer.connect(path)
+    try:
+        child, out = _child(owner, env, str(code))
+        out.close()
+        assert other.returncode(child.pid, wait_s=0) == -signal.SIGKILL
+        with other._lock:
+            socket.send_fds(other._sock, [fork_protocol.encode_request(
+                fork_protocol.Status(child.pid))], [])
+            assert "only to the connection that asked" in other._receive(30)[0]["error"]
+        assert child.wait(60) == code and child.poll() == code
+    finally:
+        owner.close()
+        other.close()
+
+
+def test_a_requester_that_never_reads_is_dropped_and_holds_up_no_other(listening):
+    """It sends requests and never reads the answers: once more than MAX_UNREAD wait
+    for it the server drops it, and serves the others all the while."""
+    path, env = listening
+    stuck = forks.ForkServer.connect(path)
+    stuck._sock.settimeout(30)
+    request = fork_protocol.encode_request(fork_protocol.Status(1))
+    with pytest.raises(OSError):  # the server closed it: EPIPE, ECONNRESET
+        for sent in range(1_000_000):
+            stuck._sock.send(request)
+            if sent % 100 == 0:  # meanwhile another is served
+                honest = forks.ForkServer.connect(path)
+                child, out = _child(honest, env, "7")
+                out.close()
+                assert child.wait(60) == 7
+                honest.close()
+    assert sent > fork_server.MAX_UNREAD
+    stuck.close()
+
+
+_REQUESTER = """
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("_fax_bridge_forks", sys.argv[3])
+forks = importlib.util.module_from_spec(spec)  # by path, as Flower's commands load it
+spec.loader.exec_module(forks)
+server = forks.ForkServer.connect(sys.argv[1])
+with open(os.devnull, "rb") as devnull:
+    child = server.run("fork_test_child", ["sleep"], env=json.loads(sys.argv[2]),
+                       stdio=(devnull.fileno(), 1, 2))
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def _wait_gone(pid: int) -> bool:
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not alive(pid)
+
+
+def _kernel_keeps_exit_status() -> bool:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        proc.wait()
+        return forks.kernel_exit_status(pidfd) == 5
+    finally:
+        os.close(pidfd)
+
+
+def test_a_child_dies_with_its_requester_whatever_dies_first(listening, tmp_path):
+    path, env = listening
+    requester = subprocess.Popen([sys.executable, "-c", _REQUESTER, path, json.dumps(env),
+                                  forks.__file__], stdout=subprocess.PIPE, env=env)
+    pid = int(requester.stdout.readline().split()[0])
+    line = requester.stdout.readline()  # the child's own "ready"
+    assert line == b"ready\n" and alive(pid)
+    requester.kill()  # the requester first: the server kills its child
+    requester.wait()
+    requester.stdout.close()
+    assert _wait_gone(pid)
+
+    # The server first (killed), then the requester: the child got SIGTERM as its
+    # server died, and its exit status is still reported exactly where the kernel
+    # keeps it for the pidfd's holder.
+    server, own_path, own_env = _listening_server(tmp_path / "own")
+    handle = forks.ForkServer.connect(own_path)
+    child, out = _child(handle, own_env, "term3")
+    assert out.readline() == b"ready\n"
+    out.close()
+    server._proc.kill()
+    server._proc.wait()
+    assert _wait_gone(child.pid)
+    want = 3 if _kernel_keeps_exit_status() else -signal.SIGKILL
+    assert child.wait(60) == want
+    handle.close()
+    server.close()
+
+
+def test_a_child_runs_in_its_requesters_deleted_working_directory_as_a_fresh_one_would(
+        listening, tmp_path):
+    path, env = listening
+    handle = forks.ForkServer.connect(path)
+    here = os.getcwd()
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    os.chdir(gone)
+    try:
+        os.rmdir(gone)
+        child, out = _child(handle, env, "cwd", cwd=None)
+        with out:
+            forked = out.read()
+        fresh = subprocess.run([sys.executable, "-m", "fork_test_child", "cwd"], env=env,
+                               capture_output=True, check=True).stdout
+    finally:
+        os.chdir(here)
+    assert child.wait(60) == 0
+    assert forked == fresh == f"{gone} (deleted)\n".encode()
+    handle.close()
+
+
+@pytest.mark.parametrize("planted", ["folder", "link", "file"])
+def test_a_link_folder_or_file_at_the_socket_path_is_refused_by_name(listening, tmp_path,
+                                                                    planted):
+    live, _ = listening
+    path = str(tmp_path / "forks.sock")
+    if planted == "folder":
+        os.mkdir(path)
+    elif planted == "link":
+        os.symlink(live, path)  # a live server's socket: never reached through the link
+    else:
+        open(path, "w").close()
+    with pytest.raises(forks.ForkServerError, match=f"{path} is a {planted}"):
+        forks.ForkServer.connect(path)
+    with pytest.raises(forks.ForkServerError, match=f"{path} is a {planted}, not a socket"):
+        forks.ForkServer.start(sys.executable, dict(os.environ, OMP_NUM_THREADS="1"),
+                               ("json",), listen=path)
+    assert os.path.lexists(path) and os.path.islink(path) == (planted == "link")
+
+
+def test_a_server_of_another_protocol_version_is_refused_by_name(listening, monkeypatch):
+    path, _ = listening
+    monkeypatch.setattr(fork_protocol, "VERSION", fork_protocol.VERSION + 1)
+    with pytest.raises(forks.ForkServerError, match="speaks protocol version"):
+        forks.ForkServer.connect(path)
+
+
+def _connect_as_nobody(path: str) -> dict:
+    """What the server says to a requester of user nobody (a forked child of ours)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.connect(path)
+            sock.settimeout(30)
+            os.write(write, sock.recv(4096))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        said = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(said)
 
 
 def test_a_listening_server_serves_its_users_processes_and_refuses_others(tmp_path):
@@ -250,21 +477,26 @@ def test_a_listening_server_serves_its_users_processes_and_refuses_others(tmp_pa
         assert "forked" in (tmp_path / "log").read_text()
         for _ in range(5):  # requesters gone before they read the answer (a reset socket)
             gone = forks.ForkServer.connect(path)
-            request = {"run": "json.tool:main", "argv": ["json-tool", "--help"],
-                       "env": dict(os.environ), "cwd": "/", "cpus": None, "stdin": True}
+            request = fork_protocol.Run("json.tool:main", ("json-tool", "--help"),
+                                        dict(os.environ))
             with open(os.devnull, "rb") as devnull, open(os.devnull, "wb") as sink:
-                socket.send_fds(gone._sock, [json.dumps(request).encode()],
-                                [devnull.fileno(), sink.fileno(), sink.fileno()])
+                root = os.open("/", os.O_RDONLY)
+                socket.send_fds(gone._sock, [fork_protocol.encode_request(request)],
+                                [devnull.fileno(), sink.fileno(), sink.fileno(), root])
+                os.close(root)
             gone._sock.close()
         assert forks.ForkServer.connect(path).pid == server.pid  # the server still serves
-        if os.getuid() == 0 and shutil.which("python3", path="/usr/bin"):
+        assert stat_mode(path) == 0o600
+        if os.getuid() == 0:
             os.chmod(path, 0o777)
-            other = subprocess.run(["/usr/bin/python3", "-c", _CONNECT_AS_ANOTHER_USER,
-                                    path], user=65534, capture_output=True, text=True,
-                                   timeout=60)
-            assert "a requester of user 65534, not 0" in other.stdout, other.stderr
+            assert _connect_as_nobody(path) == {
+                "error": "a requester of user 65534, not 0"}
         connected.close()
         server.close()
         assert not os.path.exists(path)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def stat_mode(path: str) -> int:
+    return os.stat(path).st_mode & 0o777

@@ -83,7 +83,7 @@ def main(real: str, entry: str, argv: Optional[Sequence[str]] = None) -> int:
         if not path:
             raise forks.ForkServerError(f"{ENV} is not set")
         server = forks.ForkServer.connect(path)
-        child = server.run(entry, argv, env=dict(os.environ), cwd=os.getcwd(),
+        child = server.run(entry, argv, env=dict(os.environ),  # in our own directory
                            cpus=os.sched_getaffinity(0), stdio=(0, 1, 2))
     except forks.ForkServerError as e:
         os.write(2, f"{os.path.basename(argv[0])}: starting Flower's own command, not a "
