@@ -19,7 +19,10 @@ longer, `first-round-timeout-s`: nodes start then). Every round leaves a `RoundR
 (logged, and written to `reports.jsonl`).
 
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
-`flwr run --run-config`), see `Settings`. With `checkpoint-dir` the state is saved
+`flwr run --run-config`), see `Settings`: every key checked once against `RUN_CONFIG`.
+What a node answers is read strictly and a node whose answer deviates is dropped,
+named: its block (`nodes.discover`, bounded by `population-size`), its round answer
+(`transport`), its SecAgg+ replies (`secagg_replies`). With `checkpoint-dir` the state is saved
 after every round (`rounds.checkpoint`) and a rerun resumes after the last saved round
 (`checkpoint.resume`, which refuses a checkpoint of another run) with the same bits as
 an uninterrupted run.
