@@ -335,17 +335,14 @@ class LocalDeployment:
 
     def _start_worker(self, index: int, config: dict) -> dict:
         """Starts node `index`'s warm worker; returns the node's config naming it."""
-        import secrets
+        from fax_bridge.flower.worker import start_worker
 
-        token_file = private_files.write_file(
-            os.path.join(self.home, f"worker-{index}.token"), secrets.token_hex(32))
-        address = f"{LOOPBACK}:{free_port()}"  # free here: likely free on its host too
-        command = [sys.executable, "-m", "fax_bridge.flower.worker", "--listen", address,
-                   "--token-file", token_file]
-        for key, value in config.items():
-            command += [f"--{key}", str(value)]
-        self.workers.append(self._spawn(f"worker-{index}", command))
-        return {"worker": address, "worker-token-file": token_file}
+        worker, node_config = start_worker(
+            config, os.path.join(self.home, f"worker-{index}.token"),
+            f"{LOOPBACK}:{free_port()}",  # free here: likely free on its host too
+            lambda command: self._spawn(f"worker-{index}", command))
+        self.workers.append(worker)
+        return node_config
 
     def run(self, app_dir: str, run_config: Optional[dict] = None,
             timeout_s: float = 300.0) -> subprocess.CompletedProcess:

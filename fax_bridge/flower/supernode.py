@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -32,9 +31,10 @@ from typing import Optional, Sequence
 
 from fax_bridge import private_files
 from fax_bridge.flower import forked_apps
-from fax_bridge.flower.deployment import (LOOPBACK, end_group, flower_env, free_port,
+from fax_bridge.flower.deployment import (LOOPBACK, flower_env, free_port,
                                           node_config_text, wait_port)
-from fax_bridge.flower.worker import share_config
+from fax_bridge.flower.worker import share_config, start_worker
+from fax_bridge.process_tree import end_group
 
 
 def supernode_command(args: argparse.Namespace, node_config: dict) -> list:
@@ -47,22 +47,6 @@ def supernode_command(args: argparse.Namespace, node_config: dict) -> list:
     return ["flower-supernode", *security, "--superlink", args.superlink,
             "--host", LOOPBACK, "--port", str(args.port or free_port()),
             "--node-config", node_config_text(node_config)]
-
-
-def start_worker(config: dict, folder: str, port: int = 0, log=None) -> tuple:
-    """Starts a warm worker for the share `config` on loopback (its token in `folder`,
-    mode 0600, written by `private_files.write_file`); returns (its process, the node
-    config naming it). Not yet listening: `wait_port` the returned address's port."""
-    token_file = private_files.write_file(os.path.join(folder, "worker.token"),
-                                          secrets.token_hex(32))
-    address = f"{LOOPBACK}:{port or free_port()}"
-    command = [sys.executable, "-m", "fax_bridge.flower.worker", "--listen", address,
-               "--token-file", token_file]
-    for key, value in config.items():
-        command += [f"--{key}", str(value)]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    return proc, {"worker": address, "worker-token-file": token_file}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,7 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     forked_apps.COLD_NODE_MODULES if args.cold else forked_apps.NODE_MODULES)
             node_config = config
             if not args.cold:
-                worker, node_config = start_worker(config, folder, args.worker_port)
+                worker, node_config = start_worker(
+                    config, os.path.join(folder, "worker.token"),
+                    f"{LOOPBACK}:{args.worker_port or free_port()}")
                 procs.append(worker)
                 port = int(node_config["worker"].rsplit(":", 1)[1])
                 end = time.monotonic() + args.start_timeout_s

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from fax_bridge.flower import relay
 
@@ -105,6 +105,28 @@ def share_config(args: argparse.Namespace) -> dict:
     if args.client_runtime:
         config["client-runtime"] = args.client_runtime
     return config
+
+
+def start_worker(config: dict, token_file: str, address: str,
+                 spawn: Optional[Callable[[list], Any]] = None) -> tuple:
+    """Starts a warm worker for the share `config` serving `address` (a loopback
+    HOST:PORT), with a fresh token written to `token_file` (mode 0600, never through a
+    link: `private_files.write_file`); returns (its process, the node config naming
+    it). `spawn` starts its command line (default: a process in a session of its own,
+    stdin /dev/null). It does not listen yet: wait for the address's port."""
+    import secrets
+    import subprocess
+
+    from fax_bridge import private_files
+
+    token_file = private_files.write_file(token_file, secrets.token_hex(32))
+    command = [sys.executable, "-m", "fax_bridge.flower.worker", "--listen", address,
+               "--token-file", token_file]
+    for key, value in config.items():
+        command += [f"--{key}", str(value)]
+    proc = spawn(command) if spawn is not None else subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, {"worker": address, "worker-token-file": token_file}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
