@@ -58,7 +58,7 @@ def test_the_written_readme_starts_a_warm_supernode_per_share(tmp_path):
 
 
 def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
-    from fax_bridge.flower.deployment import descendants
+    from fax_bridge.process_tree import descendants
 
     population = str(tmp_path / "pop")
     write_population(population, [{"x": np.ones(3, np.float32)} for _ in range(2)])
