@@ -1,6 +1,7 @@
 """The `fax-bridge` command line: export prints the TFF signature and the tree."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,26 @@ def test_export_prints_signature_and_writes_proto(tmp_path, capsys):
         "@CLIENTS> -> <<b=float32,w=float32[4]>,float32>@SERVER)")
     assert "federated_broadcast" in text and "federated_weighted_mean" in text
     assert out.stat().st_size > 0
+
+
+def test_export_prints_one_call_a_line_and_gives_the_bytes_with_o_dash(capfdbinary):
+    from federated_language.compiler import building_blocks
+    from federated_language.proto import computation_pb2
+
+    target = f"{QUICKSTART}:fedavg_round"
+    assert cli.main(["export", target, "--clients", "3"]) == 0
+    lines = capfdbinary.readouterr().out.decode().splitlines()
+    assert len(lines) > 20 and max(map(len, lines[1:])) < 100  # a tree, not one line
+    assert any("federated_broadcast" in line for line in lines)
+    assert cli.main(["export", target, "--clients", "3", "-o", "-"]) == 0
+    out, err = capfdbinary.readouterr()
+    block = building_blocks.ComputationBuildingBlock.from_proto(
+        computation_pb2.Computation.FromString(out))
+    def unhashed(text):  # a function's hash differs from one export to the next
+        return re.sub(r"comp#[0-9a-f]+", "comp#", text)
+
+    assert unhashed(block.formatted_representation()) == unhashed("\n".join(lines[1:]))
+    assert f"wrote the proto to stdout ({len(out)} bytes)" in err.decode()
 
 
 def test_export_errors_are_clear(capsys):

@@ -1,4 +1,9 @@
-"""`fax-bridge export MODULE_OR_FILE:FUNCTION --clients N [-o out.pb]`.
+"""`fax-bridge export MODULE_OR_FILE:FUNCTION --clients N [-o out.pb | -o -]`.
+
+Prints the computation's type signature and its body, one call a line (as TFF's
+`formatted_representation` writes it). The serialized `Computation` proto goes to the
+file `-o` names, or with `-o -` to stdout alone (for a pipe; the summary then goes to
+stderr).
 
 Example arguments come from the program's module: a function `FUNCTION_example_args`
 or, failing that, `example_args`, called with the number of clients and returning
@@ -104,18 +109,33 @@ def export_spec(spec: str, clients: int):
 
 
 def _run(args: argparse.Namespace) -> int:
+    to_stdout = args.output == "-"
     try:
-        cli_args.refuse_overwriting(args.output, {"the program's file": args.target.rsplit(
-            ":", 1)[0]})
+        if not to_stdout:
+            cli_args.refuse_overwriting(args.output, {
+                "the program's file": args.target.rsplit(":", 1)[0]})
         proto = export_spec(args.target, args.clients)
     except FaxBridgeError as e:
         print(f"fax-bridge export: {e}", file=sys.stderr)
         return 2
+    data = proto.SerializeToString()
     block = building_blocks.ComputationBuildingBlock.from_proto(proto)
+    if to_stdout:  # the bytes alone on stdout, for a pipe; the summary on stderr
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        except BrokenPipeError:
+            # stdout is gone: Python's exit flush must not fail on it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print("fax-bridge export: stdout was closed before the proto was written "
+                  "whole; write it to a file with -o FILE", file=sys.stderr)
+            return 1
+        print(f"{block.type_signature}\nwrote the proto to stdout ({len(data)} bytes)",
+              file=sys.stderr)
+        return 0
     print(block.type_signature)
-    print(block.compact_representation())
+    print(block.formatted_representation())
     if args.output:
-        data = proto.SerializeToString()
         written, failed = cli_args.write_or_rescue(args.output, lambda f: f.write(data), ".pb",
                                                    "export")
         if failed:
@@ -126,10 +146,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output(text: str) -> str:
+    """`-o`'s argparse type: `-` (stdout) or a file path (`cli_args.output_file`)."""
+    return text if text == "-" else cli_args.output_file(text)
+
+
 def register(subparsers) -> None:
     """Adds the `export` subcommand."""
     p = cli_args.program_subcommand(
         subparsers, "export", "export a FAX program as a TFF Computation proto", __doc__,
         _run)
-    p.add_argument("-o", "--output", type=cli_args.output_file,
-                   help="write the serialized proto here")
+    p.add_argument("-o", "--output", type=_output,
+                   help="write the serialized proto (the Computation's bytes) to this "
+                        "file, or with `-o -` to stdout alone (the summary then goes to "
+                        "stderr); without -o only the signature and the computation, "
+                        "one call a line, are printed")
