@@ -17,22 +17,24 @@ from federated_language.common_libs import structure
 from federated_language.proto.computation_pb2 import Computation
 
 from fax_bridge.errors import ComputationError, FaxBridgeError
+from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds import cohort, engine, round_split
+from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.runtime import interpreter, values
 from fax_bridge.runtime.backend import ClientsBackend
 from fax_bridge.runtime.population import PopulationRef
 
 class InProcessTransport:
     """Every client in this process, as one holder: the client part over the clients'
-    inputs (`round_split.client_partials`)."""
+    inputs, run by `client_runtime` (`rounds.client_runtime`; a name is parsed)."""
 
     reject_nonfinite = False
     rounded_partials = False
     traffic = None
 
     def __init__(self, arg: Any, split: round_split.RoundSplit, num_clients: int,
-                 backend=None, client_runtime: str = "xla"):
-        self.client_runtime = round_split.check_client_runtime(client_runtime)
+                 backend=None, client_runtime: Union[str, ClientRuntime] = "xla"):
+        self.client_runtime = runtimes.resolve(client_runtime)
         self.inputs = [arg[i] for i in split.client_inputs]
         self.num_clients = num_clients  # `cohort.clients_of`, counted once by the caller
         self.backend = backend
@@ -42,21 +44,24 @@ class InProcessTransport:
         members = [structure.Struct([(None, column[c]) for column in self.inputs])
                    for c in range(self.num_clients)]
         specs = [a.spec for a in split.aggregations]  # secure sums too, summed exactly
-        found = round_split.client_partials(split.client_part, split.client_part_hash, sent,
-                                            members, specs, runtime=self.client_runtime)
+        found = self.client_runtime.client_partials(split.client_part, split.client_part_hash,
+                                                    sent, members, specs)
         return engine.Answers([engine.HolderAnswer("this process", self.num_clients, found)])
 
 
 def run_in_process(split: round_split.RoundSplit, arg: Any, backend=None,
-                   client_runtime: str = "xla", num_clients: Optional[int] = None) -> Any:
+                   client_runtime: Union[str, ClientRuntime] = "xla",
+                   num_clients: Optional[int] = None) -> Any:
     """Runs a split with no devices (`arg`: the runtime value of the parameter);
-    `client_runtime="litert"`: the client part in the LiteRT interpreter. `num_clients`:
+    `client_runtime`: what runs the client part ("xla", "litert": the LiteRT
+    interpreter, or a `ClientRuntime`), which checks the round first. `num_clients`:
     the clients `arg` holds where the caller counted them (`cohort.clients_of`), else
     counted here."""
     if num_clients is None:
         num_clients = cohort.clients_of(split, arg)
-    return engine.run_round(split, arg, InProcessTransport(arg, split, num_clients, backend,
-                                                           client_runtime))
+    transport = InProcessTransport(arg, split, num_clients, backend, client_runtime)
+    transport.client_runtime.check_round(split.proto, split)
+    return engine.run_round(split, arg, transport)
 
 
 def round_split_of(prepared: interpreter.Prepared) -> Optional[round_split.RoundSplit]:

@@ -11,7 +11,7 @@ tolerance that covers it (`parity_rounding`).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import federated_language
 import jax
@@ -21,7 +21,8 @@ from fax_bridge import parity_rounding, tracing
 from fax_bridge.errors import ArgumentError
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.parity_report import LeafParity, ParityReport, compare_leaves
-from fax_bridge.rounds import round_split
+from fax_bridge.rounds import client_runtime as runtimes
+from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.runtime import interpreter
 from fax_bridge.tff import export as tff_export
 from fax_bridge.tff import types as tff_types
@@ -116,7 +117,8 @@ def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list) -> list[L
 def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
                  devices: int = 2, rtol: float = 1e-5, atol: float = 1e-6,
                  clients: Optional[int] = None, flower: Any = None,
-                 rounds: int = 1, client_runtime: str = "xla") -> ParityReport:
+                 rounds: int = 1,
+                 client_runtime: Union[str, ClientRuntime] = "xla") -> ParityReport:
     """Runs `fn(*args)` with jit and as an exported TFF proto on a fleet; compares them.
 
     `fleet` is a running `fax_bridge.LocalFleet` (or any object with the same `run`);
@@ -131,8 +133,10 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     also says whether the result has the bits of the fleet's round plan
     (`ParityReport.fleet_bits`, part of `.ok`).
 
-    `client_runtime="litert"`: the fleet's devices run the round's client part as a
-    LiteRT model in the LiteRT interpreter (`fax_bridge.litert`). Its float rounding is
+    `client_runtime="litert"` (or a `LiteRTClientRuntime`): the fleet's devices run the
+    round's client part as a LiteRT model in the LiteRT interpreter (`fax_bridge.litert`),
+    converted before the round; a round with no single client part is refused, naming
+    why, as `fax-bridge litert` refuses it. Its float rounding is
     not XLA's, so each float leaf may differ from jit by twice the first-order rounding
     bound of the program (`parity_rounding.evaluation_bounds`: n*eps*sum|x| at every sum
     of the client steps and the aggregations, carried through), which the report states
@@ -148,7 +152,8 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
       clients: the number of clients, for a plain function.
       flower: True, or a running `LocalDeployment`, to compare on Flower instead.
       rounds: rounds to run on Flower.
-      client_runtime: "litert" to run the client part in the LiteRT interpreter (above).
+      client_runtime: "xla", "litert" (the LiteRT interpreter, above) or a
+        `rounds.client_runtime.ClientRuntime`.
 
     Returns:
       A `ParityReport`: `.ok`, and `.table()` with every output's errors.
@@ -163,21 +168,26 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
       >>> report.ok, report.devices
       (True, 1)
     """
-    round_split.check_client_runtime(client_runtime)
+    runtime = runtimes.resolve(client_runtime)
     if flower is not None and flower is not False:
         if fleet is not None:
             raise ArgumentError("check_parity: give fleet= or flower=, not both")
+        if runtime.name != "xla":
+            raise ArgumentError(
+                f"check_parity: client_runtime={runtime.name!r} with flower=: the "
+                "deployment's SuperNodes run XLA here; check LiteRT on a fleet (no "
+                "flower=), or start SuperNodes with --client-runtime litert and run the "
+                "app written by `fax-bridge flower ... --litert` (docs/litert.md)")
         from fax_bridge import parity_flower as check
 
         return check.check_round(fn, args, placements=placements, clients=clients,
                                  deployment=None if flower is True else flower,
                                  nodes=devices, rounds=rounds, rtol=rtol, atol=atol)
-    if client_runtime != "xla" and fleet is not None and \
-            getattr(fleet, "client_runtime", "xla") != client_runtime:
-        raise ArgumentError(f"check_parity: client_runtime={client_runtime!r}, but the fleet "
-                            "given runs client parts with "
-                            f"{getattr(fleet, 'client_runtime', 'xla')!r}; start it with "
-                            f"LocalFleet(..., client_runtime={client_runtime!r})")
+    theirs = getattr(getattr(fleet, "client_runtime", None), "name", "xla")
+    if runtime.name != "xla" and fleet is not None and theirs != runtime.name:
+        raise ArgumentError(f"check_parity: client_runtime={runtime.name!r}, but the fleet "
+                            f"given runs client parts with {theirs!r}; start it with "
+                            f"LocalFleet(..., client_runtime={runtime.name!r})")
     if rounds != 1:
         raise ArgumentError(f"check_parity: rounds={rounds!r} needs flower=; a fleet "
                             "check compares one call of the program")
@@ -198,7 +208,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         return result, time.perf_counter() - t0
 
     if fleet is None:
-        with LocalFleet(devices=devices, client_runtime=client_runtime) as own:
+        with LocalFleet(devices=devices, client_runtime=runtime) as own:
             remote, fleet_s = run_on(own)
         used = devices
     else:
@@ -209,7 +219,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     if jax.tree_util.tree_structure(remote) != jax.tree_util.tree_structure(local):
         remote = leaves_in_type_order(remote, result_type)  # the generic structure
     paths = [p.replace("out", "result", 1) for p in comp.out_paths]
-    if client_runtime == "litert":
+    if runtime.name != "xla":
         leaves = bounded_leaves(local, remote,
                                 parity_rounding.evaluation_bounds(comp, args), paths)
         rtol = atol = 0.0
@@ -218,7 +228,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         explain_mismatches(leaves, comp, args)
         note_chunked_sums(leaves, fn, comp.clients)
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
-                        client_runtime=client_runtime,
+                        client_runtime=runtime.name,
                         local_s=local_s, fleet_s=fleet_s, signature=str(
                             federated_language.framework.ComputationBuildingBlock.from_proto(
                                 proto).type_signature)

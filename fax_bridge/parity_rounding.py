@@ -366,15 +366,7 @@ def _eqn_bounds(eqn, invals: list, inerrs: list) -> tuple:
         return _run_bounds(branch.jaxpr, branch.consts, invals[1:], inerrs[1:])
     if facts is not None and name.startswith("federated_map") and \
             str(params.get("placement", "clients")).lower().endswith("clients"):
-        sub, consts = _jaxpr_of(params)
-        per = [_run_bounds(sub, consts, [x[c] if _is_key(x) else np.asarray(x)[c]
-                                         for x in invals],
-                           [np.asarray(e)[c] for e in inerrs])
-               for c in range(np.shape(invals[0])[0])]
-        return ([jnp.stack([p[0][k] for p in per]) if _is_key(per[0][0][k])
-                 else np.stack([np.asarray(p[0][k]) for p in per])
-                 for k in range(len(per[0][0]))],
-                [np.stack([np.asarray(p[1][k]) for p in per]) for k in range(len(per[0][1]))])
+        return _client_map_bounds(eqn, invals, inerrs)
     sub = _jaxpr_of(params)
     if sub is not None and (name in _CALLS or name.startswith(("custom_", "checkpoint",
                                                                  "remat", "federated_"))):
@@ -405,6 +397,25 @@ def _eqn_bounds(eqn, invals: list, inerrs: list) -> tuple:
              else 1.0)
     return outs, [np.asarray(e, np.float64) + scale * _eps(o) * _abs64(o)
                   if is_float(np.asarray(o).dtype) else _zeros(o) for e, o in zip(errs, outs)]
+
+
+def _client_map_bounds(eqn, invals: list, inerrs: list) -> tuple:
+    """A map at CLIENTS, client by client: its clients are the equation's (a map of no
+    operands has clients all the same), its outputs stacked on a leading clients axis
+    (empty ones, of the equation's shapes, for no clients)."""
+    sub, consts = _jaxpr_of(eqn.params)
+    clients = int(eqn.params.get("clients", np.shape(invals[0])[0] if invals else 0))
+    per = [_run_bounds(sub, consts, [x[c] if _is_key(x) else np.asarray(x)[c]
+                                     for x in invals],
+                       [np.asarray(e)[c] for e in inerrs])
+           for c in range(clients)]
+    if not per:
+        outs = _bind(eqn, invals)
+        return outs, [_zeros(o) for o in outs]
+    count = len(eqn.outvars)
+    return ([jnp.stack([p[0][k] for p in per]) if _is_key(per[0][0][k])
+             else np.stack([np.asarray(p[0][k]) for p in per]) for k in range(count)],
+            [np.stack([np.asarray(p[1][k]) for p in per]) for k in range(count)])
 
 
 def _scan_bounds(params: dict, invals: list, inerrs: list) -> tuple:

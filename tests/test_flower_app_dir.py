@@ -154,8 +154,9 @@ def test_a_node_without_a_converter_runs_the_carried_model_with_the_devices_bits
     config, ids, broadcast, sent, members = node
     specs = [a.spec for a in split.aggregations]
     # What a fleet device running LiteRT answers (it converts: the converter is here).
-    want = round_split.client_partials(split.client_part, split.client_part_hash, sent,
-                                       members, specs, runtime="litert")
+    want = runner.LiteRTClientRuntime().client_partials(split.client_part,
+                                                        split.client_part_hash,
+                                                        sent, members, specs)
     request.getfixturevalue("no_converter")
     bundle_dir = os.path.join(litert_app, app_dir.PACKAGE)
     share = client.NodeShare.from_config(config)

@@ -347,7 +347,10 @@ def test_a_hostile_round_request_gets_a_clear_error_and_the_device_keeps_serving
     head = _round_messages(split, split.client_part_hash, [member])[0]
     bad_kind = pb.RoundRequest()
     bad_kind.CopyFrom(head)
-    bad_kind.aggregations[0].kind = pb.SECURE_SUM
+    bad_kind.aggregations[0].kind = 99
+    no_bound = pb.RoundRequest()
+    no_bound.CopyFrom(head)
+    no_bound.aggregations[1].kind = pb.SECURE_SUM  # a secure sum with no bound
     bad_index = pb.RoundRequest()
     bad_index.CopyFrom(head)
     bad_index.aggregations[1].value_index = 7
@@ -355,6 +358,7 @@ def test_a_hostile_round_request_gets_a_clear_error_and_the_device_keeps_serving
             (pb.RoundRequest(computation_hash=split.client_part_hash, values=[value]),
              grpc.StatusCode.INVALID_ARGUMENT, "the shape is likely corrupt"),
             (bad_kind, grpc.StatusCode.INVALID_ARGUMENT, "cannot run in a round split"),
+            (no_bound, grpc.StatusCode.INVALID_ARGUMENT, "must carry a bound"),
             (bad_index, grpc.StatusCode.INVALID_ARGUMENT, "index 7 is out of range"),
             (pb.RoundRequest(computation_hash=split.client_part_hash,
                              from_store=pb.StoreRead(population_ids=[0])),

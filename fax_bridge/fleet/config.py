@@ -15,6 +15,8 @@ from typing import Any, Optional, Union
 
 from fax_bridge.errors import ArgumentError, FleetError
 from fax_bridge.fleet import security
+from fax_bridge.rounds import client_runtime as runtimes
+from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 
 
@@ -53,9 +55,13 @@ class FleetConfig:
         instead of over gRPC (default; the devices run on this host); False sends
         every payload over gRPC, as to remote devices. Ignored where there is no
         /dev/shm. The round report says which bytes went which way (`shared_up`).
-      client_runtime: "litert" has each device run rounds' client parts as LiteRT models
-        in the LiteRT interpreter (`fax_bridge.litert`; converted once per round shape),
-        "xla" (default) as their XLA; requests, partials and checks are the same.
+      client_runtime: what runs rounds' client parts on the devices, a
+        `rounds.client_runtime.ClientRuntime` (a name, "xla" or "litert", is parsed into
+        one here): `XlaClientRuntime()` (default) their XLA; `LiteRTClientRuntime(
+        models_dir=None)` LiteRT models in the LiteRT interpreter (`fax_bridge.litert`;
+        converted once per round shape, before the round, or taken from `models_dir`).
+        A LiteRT fleet refuses a round with no single client part, naming why, and an
+        answer a device computed otherwise; requests, partials and checks are the same.
     """
 
     rpc_timeout_s: float = 60.0
@@ -76,9 +82,10 @@ class FleetConfig:
     population_name: Optional[str] = None
     share_cpus: bool = True
     shared_memory: bool = True
-    client_runtime: str = "xla"
+    client_runtime: Union[str, ClientRuntime] = "xla"
 
     def __post_init__(self):
+        object.__setattr__(self, "client_runtime", runtimes.resolve(self.client_runtime))
         if (self.device_tls is None) != (self.coordinator_tls is None):
             raise FleetError("mutual TLS needs both device_tls and coordinator_tls (or "
                              "neither)")

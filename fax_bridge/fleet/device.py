@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import grpc
 import numpy as np
@@ -41,7 +41,9 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import DataError, FaxBridgeError, FleetError
 from fax_bridge.fleet import memory
-from fax_bridge.rounds import partials, round_split, wire
+from fax_bridge.rounds import partials, wire
+from fax_bridge.rounds import client_runtime as runtimes
+from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.fleet.shared_memory import SharedDir
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import aggregation
@@ -119,10 +121,11 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                  max_clients: int = DEFAULT_MAX_CLIENTS,
                  max_call_seconds: float = DEFAULT_MAX_CALL_SECONDS,
                  max_delay_seconds: float = MAX_DELAY_SECONDS,
-                 shared_memory: Optional[str] = None, client_runtime: str = "xla"):
+                 shared_memory: Optional[str] = None,
+                 client_runtime: Union[str, ClientRuntime] = "xla"):
         self.device_id = device_id
-        # What runs a round's client part (`round_split.CLIENT_RUNTIMES`).
-        self.client_runtime = round_split.check_client_runtime(client_runtime)
+        # What runs a round's client part (`rounds.client_runtime`), parsed once here.
+        self.client_runtime = runtimes.resolve(client_runtime)
         # The launcher's directory of shared-memory segments (`--shared-memory`), if any.
         self.shared_memory = None if shared_memory is None else SharedDir(shared_memory)
         self.max_stored_bytes = int(max_stored_bytes)

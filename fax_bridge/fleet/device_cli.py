@@ -11,7 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 from fax_bridge import cli_args
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import ArgumentError, FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet.device_process import serve
 from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_SECONDS,
@@ -19,6 +19,7 @@ from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_
                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_MESSAGE_BYTES,
                                       DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS,
                                       DeviceLimits)
+from fax_bridge.rounds import client_runtime as runtimes
 
 DESCRIPTION = ("The device server: one process hosting virtual clients, their data and "
                "their results.")
@@ -37,8 +38,9 @@ def _run(args: argparse.Namespace) -> int:
                      limits=DeviceLimits.from_flags(args), population=args.population,
                      population_name=args.population_name,
                      shared_memory=args.shared_memory,
-                     client_runtime=args.client_runtime)
-    except FleetError as e:
+                     client_runtime=runtimes.resolve(args.client_runtime,
+                                                          args.litert_models))
+    except (FleetError, ArgumentError) as e:
         print(f"fax-bridge device: {e}", file=sys.stderr)
         return 2
 
@@ -98,9 +100,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a directory (mode 0700, this user's) of shared-memory "
                              "segments through which a coordinator on this host passes "
                              "large payloads; LocalFleet gives its devices one")
-    parser.add_argument("--client-runtime", default="xla", choices=("xla", "litert"),
+    parser.add_argument("--client-runtime", default="xla", choices=runtimes.NAMES,
                         help="what runs a round's client part: its XLA (default) or the "
                              "LiteRT interpreter, as phones run it (fax_bridge.litert)")
+    parser.add_argument("--litert-models", default=None, metavar="DIR",
+                        help="with --client-runtime litert: a directory of LiteRT models "
+                             "(fax_bridge.litert.carried) taken before any conversion")
     parser.add_argument("--log-level", default="warning", type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"),
                         help="stderr log level")

@@ -15,13 +15,14 @@ import os
 import signal
 import threading
 from concurrent import futures
-from typing import Optional
+from typing import Optional, Union
 
 import grpc
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet.device import DeviceServicer
+from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_CALLS,
                                       DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_MESSAGE_BYTES,
                                       HANDSHAKE_TIMEOUT_MS, DeviceLimits, format_address,
@@ -210,7 +211,8 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
           tls: Optional[security.TlsConfig] = None, allow_remote: bool = False,
           allow_no_auth: bool = False, limits: Optional[DeviceLimits] = None,
           population: Optional[str] = None, population_name: Optional[str] = None,
-          shared_memory: Optional[str] = None, client_runtime: str = "xla") -> int:
+          shared_memory: Optional[str] = None,
+          client_runtime: Union[str, ClientRuntime] = "xla") -> int:
     """Runs a device until SIGTERM/SIGINT (or the parent's exit); returns an exit code.
 
     On SIGTERM, waits (Map delays) end at once and long calls stop between clients; the
@@ -223,7 +225,8 @@ def serve(listen: str = "127.0.0.1:0", device_id: str = "device", max_workers: i
     reads by id (named `population_name`, by default the directory's base name).
     `shared_memory`: the launcher's directory of shared-memory segments (`LocalFleet`
     gives one to the devices it starts); removed on exit when the launcher is gone.
-    `client_runtime`: "litert" runs rounds' client parts in the LiteRT interpreter.
+    `client_runtime`: what runs rounds' client parts (`rounds.client_runtime`: "xla",
+    "litert" or a runtime object).
     """
     if not token:
         if not allow_no_auth:

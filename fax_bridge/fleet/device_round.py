@@ -3,8 +3,9 @@
 The stream's first message names the round's client part (loaded before with `Load`,
 by content hash), the broadcast value and the aggregations; its messages bring this
 device's clients of the round (values, or `from_store` reads of the population the
-device hosts). The client part runs on <broadcast, member> for each client, in order
-(`runtime.client_map`: one XLA call for all of them where it can), and each
+device hosts). The client part runs on <broadcast, member> for each client, in order,
+by the device's client runtime (`rounds.client_runtime`: XLA, one call for all of them
+where it can, or the LiteRT interpreter), which the answer names, and each
 aggregation's exact partial over those clients is the answer (`runtime.aggregation`,
 `rounds.partials`). Nothing stays stored on the device. `RoundOnce` serves a request of
 one message by the same code, as a stream of that one message. A device started with
@@ -20,7 +21,8 @@ import grpc
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import shared_memory
-from fax_bridge.rounds import partials, round_split, wire
+from fax_bridge.primitive_facts import SECURE_KINDS
+from fax_bridge.rounds import partials, wire
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import client_map
 from fax_bridge.v1 import device_pb2 as pb
@@ -32,10 +34,10 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
     head, _, members, reads, received = device.read_clients(request_iterator, method)
     delay = device.check_delay(head.delay_seconds, method)
     fn = device.loaded(head.computation_hash, method)
-    kinds = []
+    specs = []
     for spec in head.aggregations:
         kind = partials.ENUM_TO_KIND.get(spec.kind)
-        if kind is None or kind in ("secure_sum_bitwidth", "secure_sum"):
+        if kind is None:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{method}: aggregation number {spec.kind} cannot run in a round "
                            "split")
@@ -43,7 +45,13 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{method}: a {kind} aggregation must name a weight_index exactly "
                            "when it is a weighted mean")
-        kinds.append(kind)
+        if (kind in SECURE_KINDS) != spec.HasField("bound"):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{method}: a {kind} aggregation must carry a bound exactly when "
+                           "it is a secure sum")
+        specs.append((kind, spec.value_index,
+                      spec.weight_index if kind == "weighted_mean" else None,
+                      wire.decode_value(spec.bound) if kind in SECURE_KINDS else None))
     if reads:
         _, members = device.read_store(reads)
     sent = wire.decode_value(head.broadcast, segment=_broadcast_segment(device, head, method))
@@ -60,12 +68,10 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
             room=lambda produced: device.check_room(received + produced,
                                                     f"{method}'s client results"),
             size=value_bytes)
-        specs = [(kind, spec.value_index,
-                  spec.weight_index if kind == "weighted_mean" else None)
-                 for spec, kind in zip(head.aggregations, kinds)]
-        found = round_split.client_partials(fn, head.computation_hash, sent, members, specs,
-                                            guard, runtime=device.client_runtime)
-        answer = pb.RoundResponse(num_clients=len(members))
+        runtime = device.client_runtime
+        found = runtime.client_partials(fn, head.computation_hash, sent, members, specs,
+                                        guard)
+        answer = pb.RoundResponse(num_clients=len(members), client_runtime=runtime.name)
         for partial in found:
             partials.to_message(partial, answer.partials.add(), writer,
                                 rounded=head.rounded_partials)

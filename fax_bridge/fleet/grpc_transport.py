@@ -155,12 +155,15 @@ class GrpcTransport:
     `arg`: the round's parameter value (its CLIENTS inputs: values, or `PopulationRef`s
     naming the cohort's ids); `num_clients`: how many (the round plan's participants,
     counted once by the caller); `delays`: each client's emulated delay, in client order
-    (a device waits for its slowest client's).
+    (a device waits for its slowest client's); `client_runtime`: the name of the client
+    runtime the devices must answer with (`RoundResponse.client_runtime`), None to take
+    any.
     """
 
     def __init__(self, backend, split: RoundSplit, arg: Any, num_clients: int,
-                 delays: Optional[np.ndarray] = None):
+                 delays: Optional[np.ndarray] = None, client_runtime: Optional[str] = None):
         self.backend = backend
+        self.client_runtime = client_runtime
         self.inputs = [arg[i] for i in split.client_inputs]
         self.num_clients = num_clients
         self.delays = delays
@@ -233,6 +236,8 @@ class GrpcTransport:
                                        value_index=agg.value_index)
             if agg.weight_index is not None:
                 spec.weight_index = agg.weight_index
+            if agg.secure:
+                wire.encode_value(as_numpy(agg.bound), spec.bound)
             specs.append(spec)
         longest = 0.0
 
@@ -269,6 +274,13 @@ class GrpcTransport:
                     f"{where} answered a round for {answer.num_clients} clients with "
                     f"{len(answer.partials)} partials; it was sent {len(clients)} clients "
                     f"and {len(split.aggregations)} aggregations")
+            if self.client_runtime is not None and \
+                    answer.client_runtime != self.client_runtime:
+                raise FleetError(
+                    f"{where} ran the client part with client runtime "
+                    f"{answer.client_runtime or 'unnamed'!r}, but this fleet runs client "
+                    f"parts with {self.client_runtime!r}; start its devices with "
+                    f"--client-runtime {self.client_runtime}")
             segment = None
             if answer.HasField("segment"):
                 if index not in sharing:

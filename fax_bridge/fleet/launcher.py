@@ -41,7 +41,6 @@ from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
 from fax_bridge.process_tree import signal_group
 from fax_bridge.fleet.config import FleetConfig, resolve_config
-from fax_bridge.rounds import round_split
 from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 from fax_bridge.fleet.session import FleetRounds
 from fax_bridge.runtime import population as pop
@@ -130,7 +129,7 @@ class LocalFleet(FleetRounds):
                       else [None] * self.num_devices)
         self._use_shared_memory = bool(c.shared_memory) and shm.available()
         self._shared: Optional[shm.SharedDir] = None
-        self.client_runtime = round_split.check_client_runtime(c.client_runtime)
+        self.client_runtime = c.client_runtime  # parsed by FleetConfig
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -196,8 +195,7 @@ class LocalFleet(FleetRounds):
                         "--population-name", self.population_name]
         if self._shared is not None:
             command += ["--shared-memory", self._shared.path]
-        if self.client_runtime != "xla":
-            command += ["--client-runtime", self.client_runtime]
+        command += self.client_runtime.device_args()
         return command
 
     def _fork_server(self, env: dict) -> Optional[forks.ForkServer]:

@@ -6,7 +6,10 @@ clients per the policy, runs the computation on the participants through a
 `GrpcClientsBackend`, and records a `RoundReport`. A round-shaped computation runs
 through the round engine (`engine.run_round` over a `grpc_transport.GrpcTransport`);
 any other computation runs phase by phase (`interpreter.evaluate` on the same backend):
-the computation's shape picks the path (`round_split.split_of`), nothing else. The
+the computation's shape picks the path (`round_split.split_of`), nothing else; a fleet
+whose devices run another client runtime than XLA has it check each round first
+(`ClientRuntime.check_round`: LiteRT converts the client part, or refuses a round with
+none), and refuses an answer computed by another. The
 policy (cohort, `min_clients`, lost devices, the report) is the engine's (`engine.open_round`, `engine.drop_lost`). When
 devices stop answering or miss their deadline (`rpc_timeout_s`) and
 `survive_device_loss` is set, the round is finished on the devices that answered in
@@ -24,6 +27,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import grpc_transport
 from fax_bridge.rounds import checkpoint, cohort, engine, round_split
+from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.rounds.ids import ClientIds
 from fax_bridge.fleet.protocol import partition
@@ -68,6 +72,9 @@ class FleetRounds:
         self.reports: list[RoundReport] = []
         self.next_round = 0
         self._closed = False
+        # What runs the client parts on the devices, where this fleet chose it
+        # (`LocalFleet`: its FleetConfig's); None takes what the devices run.
+        self.client_runtime: Optional[ClientRuntime] = None
 
     def __enter__(self):
         self.start()
@@ -185,15 +192,17 @@ class FleetRounds:
         try:
             split = (round_split.split_of(prepared.proto)
                      if participants is not None and clients_given else None)
+            if self.client_runtime is not None:  # converted, or refused, before any work
+                self.client_runtime.check_round(prepared.proto, split)
             # Checked and converted here. A round by split has its cohort selected
             # above, so every PopulationRef in it names its clients' ids.
             arg = bound.runtime_value()
             if split is not None:
                 grpc_transport.check_inputs(split, arg)
                 backend.rounded_partials = self.policy.rounded_partials
-                transport = grpc_transport.GrpcTransport(backend, split, arg,
-                                                         len(participants),
-                                                         backend.take_delays())
+                transport = grpc_transport.GrpcTransport(
+                    backend, split, arg, len(participants), backend.take_delays(),
+                    None if self.client_runtime is None else self.client_runtime.name)
                 ended = False
                 try:
                     result = engine.run_round(split, arg, transport, prepared.result)

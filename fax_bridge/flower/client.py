@@ -18,8 +18,8 @@ Each SuperNode serves a block of the population, named by its `--node-config`:
 
 A `query` message answers with that block. A `train` message brings the broadcast and
 the population ids of the node's clients in the round; the node reads only their rows,
-runs the round's client part over them (`rounds.round_split.client_partials`: one XLA
-call for all of them where it can, in the bucket of the most clients a round can bring
+runs the round's client part over them by the node's client runtime, parsed once from
+its config (`rounds.client_runtime`; XLA: one call for all of them where it can, in the bucket of the most clients a round can bring
 the node, from the cohort size the message names, so that it compiles once a run) and
 answers with one exact partial per aggregation (`records.partials_layout`). No client
 row leaves the node. The ClientApp itself is `relay.client_app`; this runs in its
@@ -36,6 +36,7 @@ import numpy as np
 
 from fax_bridge.errors import FleetError
 from fax_bridge.flower import records
+from fax_bridge.rounds.client_runtime import ClientRuntime, XlaClientRuntime
 
 NODE_CONFIG_HELP = ("start the SuperNode with --node-config 'population=\"DIR\" "
                     "first-client=0 num-clients=4' (see fax_bridge.flower.client)")
@@ -50,7 +51,7 @@ class NodeShare:
     count: int
     first_row: int = 0
     keys: Optional[tuple] = None
-    client_runtime: str = "xla"
+    client_runtime: ClientRuntime = XlaClientRuntime()  # parsed from the node config
 
     @property
     def stop(self) -> int:
@@ -76,10 +77,10 @@ class NodeShare:
         keys = config.get("keys")
         keys = tuple(k.strip() for k in str(keys).split(",")) if keys else None
         from fax_bridge.errors import ArgumentError
-        from fax_bridge.rounds.round_split import check_client_runtime
+        from fax_bridge.rounds import client_runtime as runtimes
 
         try:
-            runtime = check_client_runtime(str(config.get("client-runtime", "xla")))
+            runtime = runtimes.resolve(str(config.get("client-runtime", "xla")))
         except ArgumentError as e:
             raise FleetError(f"--node-config client-runtime: {e}") from None
         return cls(directory, first, count, first_row, keys, runtime)
@@ -146,7 +147,6 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     cohort varies."""
     import federated_language
 
-    from fax_bridge.rounds.round_split import client_partials
     from fax_bridge.flower.bundle import models_dir, read_round
     from fax_bridge.runtime import population
     from fax_bridge.runtime.backend import from_leaves
@@ -161,9 +161,9 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     members = population.read_members(store, member_type, columns, share.rows(ids))
     sent = from_leaves(made.sent_type, broadcast)
     specs = [a.spec for a in split.aggregations]
-    return client_partials(split.client_part, split.client_part_hash, sent, members, specs,
-                           least_rows=most, runtime=share.client_runtime,
-                           models=models_dir(bundle_dir))
+    runtime = share.client_runtime.carrying(models_dir(bundle_dir))  # the app's models
+    return runtime.client_partials(split.client_part, split.client_part_hash, sent, members,
+                                   specs, least_rows=most)
 
 
 def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:

@@ -26,6 +26,7 @@ def _run(args: argparse.Namespace) -> int:
     import fax_bridge as fb
     from fax_bridge import parity_rounding, tracing
     from fax_bridge.litert import convert, manifest
+    from fax_bridge.litert.runner import LiteRTClientRuntime
     from fax_bridge.rounds import round_split
     from fax_bridge.runtime import interpreter, values
     from fax_bridge.tff.cli import resolve_program
@@ -33,13 +34,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         prog, example, placements = resolve_program(args.target, args.clients)
         proto = fb.export_tff(prog, *example, placements=placements)
-        split = round_split.split_round(proto)
-        if split is None:
-            raise FaxBridgeError(
-                f"{args.target} is not one round of the form broadcast -> client work -> "
-                "aggregations (two trips, or client-placed state): it has no single client "
-                "part to convert; write the round so that what the clients compute is "
-                "aggregated once")
+        split = round_split.split_of(proto)  # as every runtime splits it, secure sums too
+        LiteRTClientRuntime().check_round(proto, split)  # refused here naming why
         model = convert.convert_round(split)
         prepared = interpreter.prepare(proto)
         arg = values.bind_arguments(prepared.parameter, example, {}).runtime_value()

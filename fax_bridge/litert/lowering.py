@@ -157,11 +157,13 @@ def flat_function(fn: computation_pb2.Computation, signature: ClientSignature):
 
 
 def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
-    """The StableHLO text of `flat_function(fn, signature)`, jitted."""
+    """The StableHLO text of `flat_function(fn, signature)`, jitted with every input
+    kept (an input the client part does not read is still one of the signature's, which
+    names one StableHLO argument per input)."""
     flat = flat_function(fn, signature)
     avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype)) for t in signature.inputs]
     try:
-        lowered = jax.jit(flat).lower(*avals)
+        lowered = jax.jit(flat, keep_unused=True).lower(*avals)
     except ComputationError:
         raise
     except Exception as e:  # noqa: BLE001 - jax's own errors, named

@@ -15,10 +15,16 @@ without the converter's environment runs it.
 
 A client whose inputs do not have the shapes the model was converted for (another batch
 size) is refused, naming the input and the fix.
+
+`LiteRTClientRuntime(models_dir=...)` is this runner as a client runtime
+(`rounds.client_runtime`): what a fleet, a device, a Flower node or an in-process round
+is handed when its client parts run in LiteRT. `loaded()` says which models this process
+ran, and on how many clients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import types
 from typing import Any, Optional
@@ -29,6 +35,7 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import AggregationError, ArgumentError, ComputationError
 from fax_bridge.litert import carried, convert, lowering
+from fax_bridge.rounds import round_split
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.local_eval import select_element
 
@@ -43,6 +50,7 @@ class ClientRunner:
         self._interpreter = Interpreter(model_content=model.tflite, num_threads=num_threads)
         self._run = self._interpreter.get_signature_runner(model.signature)
         self._lock = threading.Lock()  # an interpreter runs one call at a time
+        self.calls = 0  # clients run
 
     def check(self, leaves: list, where: str) -> None:
         """Refuses leaves of other shapes or dtypes than the model's inputs."""
@@ -68,6 +76,7 @@ class ClientRunner:
                 for t, leaf in zip(self.model.inputs, leaves)}
         with self._lock:
             out = self._run(**feed)
+            self.calls += 1
         # A scalar may come back as shape [1]: the signature's shape is the round's.
         return [np.array(out[t.name], copy=True).reshape(t.shape) for t in self.model.outputs]
 
@@ -84,6 +93,16 @@ def runner_for(model: convert.ClientModel) -> ClientRunner:
         if runner is None:
             runner = _RUNNERS[key] = ClientRunner(model)
         return runner
+
+
+def loaded() -> dict:
+    """{client part hash: clients run} of every model this process has loaded."""
+    with _LOCK:
+        runners = list(_RUNNERS.values())
+    out: dict = {}
+    for r in runners:
+        out[r.model.client_part_hash] = out.get(r.model.client_part_hash, 0) + r.calls
+    return out
 
 
 def run_clients(model: convert.ClientModel, sent: Any, members, guard=None) -> list:
@@ -148,6 +167,41 @@ def client_partials(fn: computation_pb2.Computation, key: str, sent: Any, member
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LiteRTClientRuntime:
+    """Client parts as LiteRT models in the LiteRT interpreter (`rounds.client_runtime`).
+
+    `models_dir`: a directory of models carried with an app or deployment
+    (`litert.carried`), taken before any conversion; None converts (`convert`, which
+    needs `.venv-litert`). Only rounds that split into one client part run
+    (`check_round` refuses the others, naming why).
+    """
+
+    models_dir: Optional[str] = None
+    name = "litert"
+
+    def check_round(self, proto: computation_pb2.Computation,
+                    split: Optional[round_split.RoundSplit]) -> None:
+        """Converts (or finds carried) the split's model once, before any client work;
+        refuses a round with no split, or a client part LiteRT cannot run."""
+        if split is None:
+            round_split.refuse_unsplit(self.name, proto)
+        model_for(split.client_part, split.client_part_hash, None, None,
+                  [a.spec for a in split.aggregations], split, self.models_dir)
+
+    def client_partials(self, fn, key, sent, members, specs, guard=None,
+                        least_rows: int = 0) -> list:
+        del least_rows  # one client per call: nothing is batched
+        return client_partials(fn, key, sent, members, specs, guard, models=self.models_dir)
+
+    def carrying(self, models_dir: Optional[str]) -> "LiteRTClientRuntime":
+        return dataclasses.replace(self, models_dir=models_dir)
+
+    def device_args(self) -> list:
+        return ["--client-runtime", self.name] + (
+            ["--litert-models", str(self.models_dir)] if self.models_dir else [])
+
+
 def _types_of(fn, sent, members) -> tuple:
     """(parameter type, result type) of a client part known only by its proto and the
     values it runs on: the parameter from the values, the result from one XLA trace."""
@@ -172,4 +226,5 @@ def _types_of(fn, sent, members) -> tuple:
     return param, type_of(result)
 
 
-__all__ = ["ClientRunner", "client_partials", "model_for", "run_clients", "runner_for"]
+__all__ = ["ClientRunner", "LiteRTClientRuntime", "client_partials", "loaded", "model_for",
+           "run_clients", "runner_for"]

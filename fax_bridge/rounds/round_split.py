@@ -14,14 +14,15 @@ inputs never depend on another aggregation's result, the round is
                    sit in the client part's result;
   server result    the remaining SERVER locals and the Block's result (coordinator).
 
-With `secure=True` (a Flower round: `flower/secagg.py` sums them through SecAgg+) a
-secure sum (`federated_secure_sum_bitwidth`, `federated_secure_sum`) whose bound is a
-literal is one more aggregation (`Aggregation.secure`), its bound kept with it; the
-fleet splits without them.
+With `secure=True` (`split_of`, which every path that runs rounds calls) a secure sum
+(`federated_secure_sum_bitwidth`, `federated_secure_sum`) whose bound is a literal is
+one more aggregation (`Aggregation.secure`), its bound kept with it: Flower sums it
+through SecAgg+ (`flower/secagg.py`), the fleet and the in-process transport exactly,
+as the other sums.
 
 `split_round` returns None for every other computation (it keeps the phase-by-phase
-path). `engine.run_round` runs a split over any transport (in process, the device
-fleet, Flower's SuperNodes).
+path); `why_not_split` says why, naming the local that stops it. `engine.run_round`
+runs a split over any transport (in process, the device fleet, Flower's SuperNodes).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import federated_language
 from federated_language.compiler import intrinsic_defs as defs
@@ -53,7 +54,13 @@ _SECURE = {uri: kind for uri, kind in KIND_OF_URI.items() if kind in SECURE_KIND
 _BROADCAST = defs.FEDERATED_BROADCAST.uri
 _MAP = defs.FEDERATED_MAP.uri
 _ZIP = defs.FEDERATED_ZIP_AT_CLIENTS.uri
+_EVAL = defs.FEDERATED_EVAL_AT_CLIENTS.uri  # a map of no operands: a call of no argument
 _X = "__split_x"  # the client part's parameter
+
+
+class Unsplit(ComputationError):
+    """A round with no single client part, where a client runtime runs only split rounds
+    (`refuse_unsplit`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +147,12 @@ _KEPT = 16
 
 
 def split_of(proto: Computation) -> Optional[RoundSplit]:
-    """`split_round(proto)`, made once per proto object (the last `_KEPT` are kept): what
-    every path that runs rounds by split calls."""
+    """`split_round(proto, secure=True)`, made once per proto object (the last `_KEPT`
+    are kept): what every path that runs rounds by split calls."""
     key = id(proto)
     hit = _MADE.get(key)
     if hit is None or hit[0] is not proto:
-        hit = (proto, split_round(proto))
+        hit = (proto, split_round(proto, secure=True))
         if len(_MADE) >= _KEPT:
             _MADE.pop(next(iter(_MADE)))
         _MADE[key] = hit
@@ -156,12 +163,43 @@ def split_round(proto: Computation, secure: bool = False) -> Optional[RoundSplit
     """The split of a round-shaped computation, or None (module docstring). `secure`:
     secure sums whose bound is a literal are aggregations too (kinds `SECURE_KINDS`,
     their `bound` kept)."""
+    made = _split(proto, secure)
+    return made if isinstance(made, RoundSplit) else None
+
+
+def why_not_split(proto: Computation, secure: bool = True) -> Optional[str]:
+    """Why `split_round(proto, secure)` is None, in words naming the local that stops it
+    (None when the computation splits)."""
+    made = _split(proto, secure)
+    return None if isinstance(made, RoundSplit) else made
+
+
+def refuse_unsplit(runtime: str, proto: Computation) -> None:
+    """Raises `Unsplit` for a round with no single client part, where client runtime
+    `runtime` (`rounds.client_runtime`) runs only split rounds, naming the local that
+    stops the split (`why_not_split`)."""
+    why = why_not_split(proto)
+    if why is None:
+        raise Unsplit(
+            f"client runtime {runtime!r} runs a round's one client part over the clients' "
+            "values, but this round's CLIENTS inputs are not given (no CLIENTS argument, "
+            "or only num_clients=), so it would run phase by phase, as XLA: pass the "
+            "clients' data as the CLIENTS arguments, or run it with client_runtime=\"xla\"")
+    raise Unsplit(
+        f"client runtime {runtime!r} runs only rounds of the form broadcast -> one client "
+        f"part -> aggregations, and this computation has no single client part: {why}. "
+        "Such a round runs phase by phase, as XLA: write it so that what the clients "
+        "compute is aggregated once, or run it with client_runtime=\"xla\"")
+
+
+def _split(proto: Computation, secure: bool) -> Union[RoundSplit, str]:
+    """`split_round`'s work: the split, or why there is none."""
     if which(proto) != "lambda":
-        return None
+        return "it is not a function (a Lambda)"
     lam = lambda_of(proto)
     param = lam.parameter_name
     if not param:
-        return None
+        return "its function has no parameter"
     body = _flattened(lam.result, param)
     client: dict = {}       # client local -> its translation in the client part
     client_order: list = []
@@ -195,22 +233,24 @@ def split_round(proto: Computation, secure: bool = False) -> Optional[RoundSplit
             if kind == "weighted_mean":
                 pair = struct_elements(arg, 2)
                 if pair is None:
-                    return None
+                    return f"{name}: a weighted mean whose value and weight are not a pair"
                 v, w = (reference_name(e) for e in pair)
             else:
                 v, w = reference_name(arg), None
             if v not in client or (kind == "weighted_mean" and w not in client):
-                return None
+                return (f"{name}: a {kind} of a value that is not a client local of the "
+                        "round's one client part")
             aggregates.append((name, kind, v, w, type_.member, None))
             depends_on_agg.add(name)
             continue
         if secure and uri in _SECURE:
             pair = struct_elements(arg, 2)
             if pair is None or which(pair[1]) != "literal":
-                return None
+                return f"{name}: a secure sum whose bound is not a literal"
             v = reference_name(pair[0])
             if v not in client:
-                return None
+                return (f"{name}: a secure sum of a value that is not a client local of the "
+                        "round's one client part")
             aggregates.append((name, _SECURE[uri], v, None, type_.member,
                                local_eval.read_literal(pair[1].literal)))
             depends_on_agg.add(name)
@@ -218,41 +258,50 @@ def split_round(proto: Computation, secure: bool = False) -> Optional[RoundSplit
         if uri == _BROADCAST:
             src = reference_name(arg)
             if src is None or src in client or src in depends_on_agg:
-                return None  # two trips, or not a plain broadcast of a server local
+                return (f"{name}: a broadcast of a value computed from an aggregate or from "
+                        "client values (two trips), or of no plain server local")
             client[name] = make_selection(make_selection(make_reference(_X), 0), len(broadcasts))
             broadcasts.append(src)
             client_order.append(name)
             continue
         if uri in (_MAP, _ZIP) or _is_clients(type_):
-            if uri == _MAP:
+            if uri == _EVAL:
+                if arg is None or free_references(arg):
+                    return (f"{name}: a federated_eval_at_clients of a function that reads "
+                            "values around it")
+                out = Computation()
+                out.call.function.CopyFrom(arg)
+            elif uri == _MAP:
                 pair = struct_elements(arg, 2)
                 if pair is None:
-                    return None
+                    return f"{name}: a federated_map whose argument is not a pair"
                 fn = pair[0]
                 src = _translate_zip(pair[1], client)
                 if src is None or free_references(fn):
-                    return None
+                    return (f"{name}: a federated_map of a function that reads values around "
+                            "it, or of a value that is not the clients' inputs or broadcasts")
                 out = Computation()
                 out.call.function.CopyFrom(fn)
                 out.call.argument.CopyFrom(src)
             elif uri == _ZIP:
                 out = _translate_zip(arg, client)
                 if out is None:
-                    return None
+                    return f"{name}: a federated_zip of values that are not client locals"
             else:
-                return None  # another intrinsic producing CLIENTS values
+                return (f"{name}: {uri or which(value)} places values at CLIENTS (client-placed "
+                        "state, or an intrinsic a round split does not take)")
             client[name] = out
             client_order.append(name)
             continue
         if refs & set(client) or param in refs:
-            return None  # a server step that reads client values (or all arguments)
+            return f"{name}: a server step that reads client values or the whole argument"
         if refs & depends_on_agg:
             depends_on_agg.add(name)
         server.append((name, value))
     if not aggregates or not inputs and not broadcasts:
-        return None
+        return "it has no aggregation of client values, or no client inputs and no broadcasts"
     if set(free_references(body.block.result)) & set(client):
-        return None
+        return "its result holds client-placed values"
     # The client part: the client locals, then the struct of aggregands (and weights).
     part = Computation()
     lambda_of(part).parameter_name = _X
@@ -350,23 +399,8 @@ def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computa
     return out
 
 
-CLIENT_RUNTIMES = ("xla", "litert")
-
-
-def check_client_runtime(name: str) -> str:
-    """`name` if it names a client runtime (`CLIENT_RUNTIMES`), else ArgumentError."""
-    if name not in CLIENT_RUNTIMES:
-        from fax_bridge.errors import ArgumentError
-
-        raise ArgumentError(f"client_runtime={name!r}: expected one of {list(CLIENT_RUNTIMES)} "
-                            "(\"xla\": the client part's XLA; \"litert\": the LiteRT "
-                            "interpreter, as phones run it)")
-    return name
-
-
 def client_partials(fn: Computation, key: str, sent: Any, members: Any,
-                    specs: list, guard: Any = None, least_rows: int = 0,
-                    runtime: str = "xla", models: Optional[str] = None) -> list:
+                    specs: list, guard: Any = None, least_rows: int = 0) -> list:
     """The client part `fn` over the clients' `members` (one Struct of inputs each) with
     the broadcast values `sent`, aggregated: one exact partial per
     `(kind, value_index, weight_index or None[, bound])` of `specs` (the bound of a
@@ -374,15 +408,9 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
     client part's result those indices select. Batched clients are aggregated from
     their stacked results (`client_map.map_clients_stacked`), others one by one; the
     partials are the same. `guard`: the caller's caps (`client_map.Guard`);
-    `least_rows`: `client_map.map_clients_stacked`'s. `runtime="litert"`: the client
-    part runs as a LiteRT model in the LiteRT interpreter (`fax_bridge.litert.runner`),
-    which gives partials of the same form (LiteRT's float rounding is not XLA's);
-    `models`: a directory of LiteRT models carried with the app (`litert.carried`),
-    taken before any conversion."""
-    if check_client_runtime(runtime) == "litert":
-        from fax_bridge.litert import runner
-
-        return runner.client_partials(fn, key, sent, members, specs, guard, models=models)
+    `least_rows`: `client_map.map_clients_stacked`'s. This is the client part run as
+    XLA (`client_runtime.XlaClientRuntime`); a holder runs it through the client runtime
+    it was given (`rounds.client_runtime`)."""
     stacked = client_map.map_clients_stacked(fn, members, sent, key=key, guard=guard,
                                              keep=False, least_rows=least_rows)
     if stacked is not None:

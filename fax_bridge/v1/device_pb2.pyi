@@ -311,14 +311,16 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class RoundAggregation(_message.Message):
-    __slots__ = ("kind", "value_index", "weight_index")
+    __slots__ = ("kind", "value_index", "weight_index", "bound")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VALUE_INDEX_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
     kind: Aggregation
     value_index: int
     weight_index: int
-    def __init__(self, kind: _Optional[_Union[Aggregation, str]] = ..., value_index: _Optional[int] = ..., weight_index: _Optional[int] = ...) -> None: ...
+    bound: Value
+    def __init__(self, kind: _Optional[_Union[Aggregation, str]] = ..., value_index: _Optional[int] = ..., weight_index: _Optional[int] = ..., bound: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
     __slots__ = ("computation_hash", "broadcast", "aggregations", "values", "from_store", "delay_seconds", "broadcast_segment", "answer_segment", "rounded_partials")
@@ -343,13 +345,15 @@ class RoundRequest(_message.Message):
     def __init__(self, computation_hash: _Optional[str] = ..., broadcast: _Optional[_Union[Value, _Mapping]] = ..., aggregations: _Optional[_Iterable[_Union[RoundAggregation, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., from_store: _Optional[_Union[StoreRead, _Mapping]] = ..., delay_seconds: _Optional[float] = ..., broadcast_segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., answer_segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., rounded_partials: _Optional[bool] = ...) -> None: ...
 
 class RoundResponse(_message.Message):
-    __slots__ = ("partials", "num_clients", "compute_seconds", "segment")
+    __slots__ = ("partials", "num_clients", "compute_seconds", "segment", "client_runtime")
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_RUNTIME_FIELD_NUMBER: _ClassVar[int]
     partials: _containers.RepeatedCompositeFieldContainer[AggregateResponse]
     num_clients: int
     compute_seconds: float
     segment: SharedSegment
-    def __init__(self, partials: _Optional[_Iterable[_Union[AggregateResponse, _Mapping]]] = ..., num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ...) -> None: ...
+    client_runtime: str
+    def __init__(self, partials: _Optional[_Iterable[_Union[AggregateResponse, _Mapping]]] = ..., num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., client_runtime: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,112 @@
+"""Client runtimes: what runs a round's client part on a holder of clients, chosen once.
+
+A `ClientRuntime` is an object picked at the edge (a fleet's `FleetConfig`, a device's
+command line, a Flower node's config, `check_parity`, `run_in_process`) and handed down
+to whatever runs client parts, as DrJAX picks its placed computations once. Two exist:
+
+  XlaClientRuntime()                 the client part's XLA (`round_split.client_partials`:
+                                     one batched call where it can); runs every round
+  LiteRTClientRuntime(models_dir=)   the client part as a LiteRT model in the LiteRT
+                                     interpreter, as phones run it (`litert.runner`);
+                                     runs only rounds that split into one client part
+
+Each says up front whether it can run a round (`check_round`: converts the LiteRT model
+once, or refuses naming why), runs a client part over a holder's clients
+(`client_partials`: one exact partial per aggregation, the same form either way), and
+names itself (`name`, which a device's answer carries back). `resolve(value)` is
+the one place a name ("xla", "litert") becomes a runtime; public entry points accept
+either.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Union, runtime_checkable
+
+from federated_language.proto import computation_pb2
+
+from fax_bridge.errors import ArgumentError
+from fax_bridge.rounds import round_split
+
+NAMES = ("xla", "litert")
+
+
+@runtime_checkable
+class ClientRuntime(Protocol):
+    """What runs a round's client part (module docstring)."""
+
+    name: str
+
+    def check_round(self, proto: computation_pb2.Computation,
+                    split: Optional[round_split.RoundSplit]) -> None:
+        """Refuses (`round_split.Unsplit`, or the conversion's refusal) a round whose
+        client parts this runtime cannot run; `split`: the round's split, None where the
+        round has none (it then runs phase by phase)."""
+
+    def client_partials(self, fn: computation_pb2.Computation, key: str, sent: Any,
+                        members: Any, specs: list, guard: Any = None,
+                        least_rows: int = 0) -> list:
+        """One exact partial per aggregation of `specs` over the clients' `members`
+        (`round_split.client_partials`' arguments)."""
+
+    def carrying(self, models_dir: Optional[str]) -> "ClientRuntime":
+        """This runtime taking models carried in `models_dir` (an app's) first."""
+
+    def device_args(self) -> list:
+        """The `fax-bridge device` options that start a device with this runtime."""
+
+
+class XlaClientRuntime:
+    """The client part's XLA: every round runs, by split or phase by phase."""
+
+    name = "xla"
+
+    def check_round(self, proto, split) -> None:
+        del proto, split
+
+    def client_partials(self, fn, key, sent, members, specs, guard=None,
+                        least_rows: int = 0) -> list:
+        return round_split.client_partials(fn, key, sent, members, specs, guard, least_rows)
+
+    def carrying(self, models_dir) -> "XlaClientRuntime":
+        del models_dir
+        return self
+
+    def device_args(self) -> list:
+        return []
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, XlaClientRuntime)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return "XlaClientRuntime()"
+
+
+def resolve(value: Union[str, ClientRuntime, None],
+                   models_dir: Optional[str] = None) -> ClientRuntime:
+    """The client runtime `value` names ("xla", default for None; "litert"), or `value`
+    itself when it is one; `models_dir`: where a LiteRT runtime takes carried models
+    first. ArgumentError for anything else."""
+    if value is None:
+        value = "xla"
+    if isinstance(value, str):
+        if value == "xla" and models_dir is None:
+            return XlaClientRuntime()
+        if value == "litert":
+            from fax_bridge.litert.runner import LiteRTClientRuntime
+
+            return LiteRTClientRuntime(models_dir=models_dir)
+        if value not in NAMES:
+            raise ArgumentError(
+                f"client_runtime={value!r}: expected one of {list(NAMES)} (\"xla\": the "
+                "client part's XLA; \"litert\": the LiteRT interpreter, as phones run it) "
+                "or a ClientRuntime (fax_bridge.rounds.client_runtime)")
+        raise ArgumentError(f"a models directory ({models_dir}) is for client_runtime="
+                            "\"litert\"; XLA converts nothing")
+    if isinstance(value, ClientRuntime) and isinstance(getattr(value, "name", None), str):
+        return value if models_dir is None else value.carrying(models_dir)
+    raise ArgumentError(f"client_runtime={value!r}: expected \"xla\", \"litert\" or a "
+                        "ClientRuntime (fax_bridge.rounds.client_runtime), got "
+                        f"{type(value).__name__}")
