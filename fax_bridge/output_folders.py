@@ -38,7 +38,7 @@ _STAGE_PREFIX = ".fax-bridge-stage-"
 FORCE_HINT = "give --force to replace it"
 
 
-def _shown(path: str, limit: int = 120) -> str:
+def _shown(path: str, limit: int = 300) -> str:
     text = repr(path)
     return text if len(text) <= limit else text[:limit - 5] + "...'"
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from federated_language.common_libs import structure
 
 import fax_bridge as fb
+from fax_bridge import output_folders
 from fax_bridge.cli import main as cli_main
 from fax_bridge.runtime.interpreter import evaluate
 from fax_bridge.tff import forms
@@ -129,6 +130,13 @@ def test_cli_writes_the_map_reduce_form_and_its_manifest(tmp_path, capsys):
     assert manifest["pieces"] == list(forms.MRF_PIECES)
     assert manifest["files"]["work"]["type"].startswith("(<<x=float32[16,4],y=float32[16]>,")
     _check_manifest(out, manifest)
+    (out / "round.pb").write_bytes(b"mine")  # the user's file where a piece goes
+    (out / output_folders.RECORD).unlink()
+    rc = cli_main(["forms", f"{REPO}/examples/quickstart.py:fedavg_round", "--form", "mrf",
+                   "--clients", "3", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"would replace '{out}{os.sep}" in err and "--force" in err, err
+    assert (out / "round.pb").read_bytes() == b"mine"
 
 
 def test_cli_refusal_exits_2_with_the_reason(tmp_path, capsys):

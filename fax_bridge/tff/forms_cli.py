@@ -4,8 +4,9 @@ Builds TFF's production form of a round `(state, *client_data) -> (new_state, ou
 (see `fax_bridge.tff.forms`) with TFF 0.87 in its side environment, and writes one
 `PIECE.pb` per piece, the round TFF re-derived from them (`round.pb`), the round that
 went in (`input_round.pb`) and `manifest.json` (form, type of every piece, bytes,
-sha256). The program and its example arguments are found as `fax-bridge export` finds
-them. A round no form can hold is refused with the operations, source lines and fix.
+sha256), replacing only files fax-bridge wrote in DIR before (`output_folders`; another
+file in the way is refused by name unless `--force`). The program and its example
+arguments are found as `fax-bridge export` finds them. A round no form can hold is refused with the operations, source lines and fix.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fax_bridge import cli_args
+from fax_bridge import cli_args, output_folders
 from fax_bridge.errors import FaxBridgeError
 
 
@@ -26,7 +27,9 @@ def _run(args: argparse.Namespace) -> int:
         build = (forms.to_distribute_aggregate_form if args.form == "daf"
                  else forms.to_map_reduce_form)
         form = build(prog, *prog_args, placements=placements)
-        manifest = forms.write_form(form, args.output)
+        with output_folders.staged(args.output, "forms", force=args.force,
+                                   what="-o") as stage:
+            manifest = forms.write_form(form, stage)
     except FaxBridgeError as e:
         print(f"fax-bridge forms: {e}", file=sys.stderr)
         return 2
@@ -46,4 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--form", choices=("daf", "mrf"), required=True,
                    help="daf: DistributeAggregateForm (Xla parts); mrf: MapReduceForm "
                         "(TensorFlow parts holding XlaCallModule)")
-    p.add_argument("-o", "--output", required=True, help="folder for the pieces and manifest")
+    p.add_argument("-o", "--output", required=True, type=cli_args.output_folder,
+                   help="folder for the pieces and manifest (created if needed; files "
+                        "fax-bridge wrote there before are replaced, any other file in "
+                        "the way is refused unless --force)")
+    cli_args.add_force(p)
