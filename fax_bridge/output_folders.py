@@ -93,6 +93,31 @@ def check_folder(path: str, what: str = "the output folder") -> str:
     return path
 
 
+def writable_folder(path: str, what: str) -> str:
+    """Makes folder `path` (or verifies the one there: `private_files.private_dir`, mode
+    0755) and proves it writable by making and removing a file in it, before any work
+    whose results go there starts; returns its absolute path. An `OutputError` naming
+    `what`, the path and the reason otherwise."""
+    check_folder(path, what)
+    try:
+        folder = private_files.private_dir(path, 0o755)
+        fd, probe = tempfile.mkstemp(prefix=_STAGE_PREFIX, dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:  # private_files' refusals are PermissionErrors, named
+        reason = e.strerror if e.strerror and not str(e).startswith(path) else str(e)
+        raise OutputError(f"{what} {_shown(path)} cannot be written ({reason}); give a "
+                          "folder this user may write") from None
+    return folder
+
+
+def rescue_folder(kind: str) -> str:
+    """A new folder of ours under the temporary directory for output whose own folder
+    failed while being written (a run's results must not be lost); its path is for the
+    caller to report."""
+    return tempfile.mkdtemp(prefix=f"fax-bridge-{kind}-")
+
+
 def _valid_entry(entry) -> bool:
     if not isinstance(entry, str) or not entry or "\0" in entry or entry.startswith("/"):
         return False

@@ -556,6 +556,56 @@ def test_cohorts_follow_the_policy_and_a_resumed_run_has_the_same_bits(
                           log=lambda text: None)
 
 
+@pytest.mark.parametrize("key", ["out-dir", "checkpoint-dir"])
+def test_a_result_folder_that_cannot_be_written_is_refused_before_any_node_is_asked(
+        tmp_path, app, key):
+    from fax_bridge.errors import OutputError
+
+    (tmp_path / "file").write_text("x")
+    bundle_dir = os.path.join(app, app_dir.PACKAGE)
+    for bad, why in [(str(tmp_path / "file"), "is a file"),
+                     (str(tmp_path / "file" / "sub"), "cannot be created"),
+                     (str(tmp_path / ("d" * 300)), "shorter name")]:
+        with pytest.raises(OutputError, match=f"run config {key} .*{why}"):
+            server.run_server(None, {"num-rounds": 1, key: bad}, bundle_dir)  # no grid
+
+
+def test_results_that_cannot_be_written_after_a_round_are_saved_elsewhere_and_said_so(
+        tmp_path, quickstart, populations, app, monkeypatch):
+    """out-dir failing after the rounds started (a full disk): the reports and result go
+    to a new folder the log names; a checkpoint failing loses no result either."""
+    from fax_bridge.rounds import checkpoint
+
+    out, logged = str(tmp_path / "out"), []
+    write_in = server._Outputs._write_in
+
+    def full_disk(folder, name, write):
+        if folder == out:
+            raise OSError(28, "No space left on device")
+        write_in(folder, name, write)
+
+    def no_checkpoint(*args, **kwargs):
+        raise OSError(13, "Permission denied")
+
+    monkeypatch.setattr(server._Outputs, "_write_in", staticmethod(full_disk))
+    monkeypatch.setattr(checkpoint, "save", no_checkpoint)
+    got = server.run_server(_grid(app, populations),
+                            {"num-rounds": 2, "out-dir": out,
+                             "checkpoint-dir": str(tmp_path / "ckpt")},
+                            os.path.join(app, app_dir.PACKAGE), log=logged.append)
+    moved = [line for line in logged if "cannot be written" in line]
+    assert len(moved) == 1 and "No space left on device" in moved[0], logged
+    rescue = moved[0].rsplit(" go to ", 1)[1].split(" instead")[0]
+    made = quickstart[2]
+    assert _bits(got, made) == _npz_bits(os.path.join(rescue, "result.npz"))
+    assert [r["round"] for r in _reports(rescue)] == [0, 1]
+    assert sum("checkpoint after round" in line for line in logged) == 2
+    assert os.listdir(out) == []
+    import shutil
+
+    shutil.rmtree(rescue)
+
+
 @pytest.mark.parametrize("cohort_size", [N + 1, -1])
 def test_a_run_config_cohort_the_nodes_cannot_hold_is_refused_before_any_round(
         tmp_path, app, populations, cohort_size):

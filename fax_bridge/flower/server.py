@@ -256,34 +256,58 @@ class _Outputs:
     """What a run leaves in `out-dir`: `reports.jsonl` (one `RoundReport` a line; a file
     type Flower leaves out of app bundles, so an out-dir inside the app stays out of
     them) and `result.npz` (the last round's result, keys as `fax-bridge run` writes
-    them)."""
+    them). The folder is made and proved writable before any round
+    (`output_folders.writable_folder`); if writing in it fails later, this run's reports
+    and result go to a new folder under the temporary directory instead, and the log
+    says where."""
 
-    def __init__(self, folder: str):
-        self.folder = folder
-        self.reports: list = []
-        if folder:
-            os.makedirs(folder, exist_ok=True)
+    def __init__(self, folder: str, log=print):
+        from fax_bridge import output_folders
+
+        self.folder = folder and output_folders.writable_folder(folder, "run config out-dir")
+        self.log = log
 
     def write_reports(self, reports: list) -> None:
         lines = [json.dumps(_plain_report(rep), default=_plain) for rep in reports]
-        self._write("reports.jsonl", "".join(line + "\n" for line in lines).encode())
+        data = "".join(line + "\n" for line in lines).encode()
+        self._write("reports.jsonl", lambda f: f.write(data))
 
     def result(self, made, result: Any) -> None:
         from fax_bridge.runtime import npz_keys
 
-        if self.folder:
-            path = os.path.join(self.folder, "result.npz")
-            tmp = path + ".tmp.npz"
-            np.savez(tmp, **npz_keys.result_to_npz(result, made.prepared.result))
-            os.replace(tmp, path)
+        arrays = npz_keys.result_to_npz(result, made.prepared.result)
+        self._write("result.npz", lambda f: np.savez(f, **arrays))
 
-    def _write(self, name: str, data: bytes) -> None:
+    def _write(self, name: str, write) -> None:
+        """`write(file)` into a new file renamed over `name` once complete."""
         if not self.folder:
             return
-        path = os.path.join(self.folder, name)
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
+        try:
+            self._write_in(self.folder, name, write)
+            return
+        except OSError as e:
+            from fax_bridge import output_folders
+
+            failed, self.folder = self.folder, output_folders.rescue_folder("out")
+            self.log(f"fax_bridge: run config out-dir {failed} cannot be written "
+                     f"({e.strerror or e}); this run's reports and result go to "
+                     f"{self.folder} instead")
+        self._write_in(self.folder, name, write)
+
+    @staticmethod
+    def _write_in(folder: str, name: str, write) -> None:
+        import tempfile
+
+        fd, part = tempfile.mkstemp(prefix=f".{name}.", dir=folder)  # never through a link
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+            os.chmod(part, 0o644)
+            os.replace(part, os.path.join(folder, name))
+        except BaseException:
+            if os.path.exists(part):
+                os.unlink(part)
+            raise
 
 
 def _plain_report(rep: RoundReport) -> dict:
@@ -331,6 +355,11 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
     from fax_bridge.runtime.backend import as_numpy, leaves
 
     settings = Settings.from_run_config(run_config)
+    outputs = _Outputs(settings.out_dir, log)  # folders refused before any node is asked
+    if settings.checkpoint_dir:
+        from fax_bridge import output_folders
+
+        output_folders.writable_folder(settings.checkpoint_dir, "run config checkpoint-dir")
     made = read_round(bundle_dir)
     made.split  # refuses a round that cannot be split before any node is asked
     node_ids = flower_nodes.wait_for_nodes(grid, settings.min_nodes, settings.wait_nodes_s,
@@ -341,7 +370,6 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
     log(f"fax_bridge: {len(nodes)} SuperNodes serve {cohort.population} clients: "
         + ", ".join(n.name for n in nodes))
     state, start, meta = _resume(made, settings)
-    outputs = _Outputs(settings.out_dir)
     reports: list = []
     result = None
     for r in range(start, settings.num_rounds):
@@ -349,9 +377,16 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
             result = run_round(grid, made, nodes, state, r, settings, cohort, reports,
                                first=r == start)
             state = result[0]
+            outputs.result(made, result)  # first: a failed checkpoint loses no result
             if settings.checkpoint_dir:
-                checkpoint.save(settings.checkpoint_dir, r, leaves(as_numpy(state)), meta)
-            outputs.result(made, result)
+                try:
+                    checkpoint.save(settings.checkpoint_dir, r, leaves(as_numpy(state)),
+                                    meta)
+                except OSError as e:
+                    log(f"fax_bridge: the checkpoint after round {r} was not saved in "
+                        f"run config checkpoint-dir {settings.checkpoint_dir} "
+                        f"({e.strerror or e}); the run goes on, and a rerun resumes from "
+                        "the last checkpoint saved")
         finally:  # the report last: once it names a round, that round's files are there
             outputs.write_reports(reports)
             if reports and reports[-1].round == r:
