@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from fax_bridge import cli
+from fax_bridge import cli, output_folders
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -38,6 +38,14 @@ def test_litert_writes_the_model_manifest_example_and_a_passing_check(tmp_path, 
                            text=True, timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "CHECK OK" in check.stdout
+    # written again: its own files replaced; a file of the user's in the way refused
+    (out / "notes.txt").write_text("mine")
+    (out / output_folders.RECORD).write_text('{"format": 1, "written": {"litert": '
+                                             '["manifest.json"]}}')
+    assert cli.main(["litert", f"{QUICKSTART}:fedavg_round", "--clients", "3", "-o",
+                     str(out), "--no-check"]) == 2
+    assert f"would replace '{out / 'check.py'}'" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_litert_refuses_a_program_without_one_client_part(tmp_path, capsys):

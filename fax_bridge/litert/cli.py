@@ -3,7 +3,9 @@ a LiteRT model for phones.
 
 Exports the program with its example arguments (as `fax-bridge export` does), splits the
 round, converts its client part (`convert`), and writes the model, its manifest, the
-example client and `check.py` into DIR (`manifest`); then runs the check (the model on
+example client and `check.py` into DIR (`manifest`; through `output_folders`: files
+fax-bridge wrote in DIR before are replaced, any other file in the way is refused by
+name unless `--force`); then runs the check (the model on
 the example client in the LiteRT interpreter against XLA, within the rounding bound),
 unless `--no-check`. Exit status 0 when written and checked, 1 when the check fails,
 2 when the program cannot be a LiteRT client part (the message names why).
@@ -16,7 +18,7 @@ import pathlib
 import subprocess
 import sys
 
-from fax_bridge import cli_args
+from fax_bridge import cli_args, output_folders
 from fax_bridge.errors import FaxBridgeError
 
 
@@ -45,8 +47,10 @@ def _run(args: argparse.Namespace) -> int:
         signature = str(federated_language.framework.ComputationBuildingBlock.from_proto(
             proto).type_signature)
         out = pathlib.Path(args.out)
-        written = manifest.write(out, split, model, signature,
-                                 manifest.example_client(split, arg), bounds)
+        with output_folders.staged(args.out, "litert", force=args.force,
+                                   what="-o") as stage:
+            written = manifest.write(pathlib.Path(stage), split, model, signature,
+                                     manifest.example_client(split, arg), bounds)
     except FaxBridgeError as e:
         print(f"fax-bridge litert: {e}", file=sys.stderr)
         return 2
@@ -65,6 +69,10 @@ def register(subparsers) -> None:
         subparsers, "litert",
         "write a round's client part as a LiteRT model (.tflite) for phones", __doc__, _run,
         clients_help="number of clients of the example arguments")
-    p.add_argument("-o", "--out", required=True, help="directory to write into")
+    p.add_argument("-o", "--out", required=True, type=cli_args.output_folder,
+                   help="directory to write into (created if needed; files fax-bridge "
+                        "wrote there before are replaced, any other file in the way is "
+                        "refused unless --force)")
+    cli_args.add_force(p)
     p.add_argument("--no-check", action="store_true",
                    help="do not run check.py after writing")
