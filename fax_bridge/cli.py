@@ -38,9 +38,17 @@ _SUBCOMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a bad argument is one line (the command, the
+    argument, what was wrong) pointing at `--help`, instead of the usage block first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Returns the parser with every available subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fax-bridge",
         description="Export FAX programs to TFF, run TFF computations on a simulated fleet.",
     )

@@ -269,3 +269,81 @@ def test_a_state_file_is_written_anew_never_through_a_planted_link(tmp_path):
     with pytest.raises(PermissionError, match=f"{path} is a symbolic link"):
         bundle.write_state(tensors, str(path))
     assert precious.read_bytes() == b"kept\n"
+
+
+# ------------------------------------------------------------ the app folder
+
+
+def _one_line_refusal(argv, capsys) -> str:
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # refused while the arguments are read
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_an_app_written_into_a_project_never_replaces_the_projects_files(
+        tmp_path, monkeypatch, capsys):
+    """`-o .` in a project refuses naming its pyproject.toml, README.md and
+    .flwr/config.toml and leaves them as they were; --force replaces them; written
+    again, the app replaces only its own files and keeps the user's."""
+    monkeypatch.chdir(tmp_path)
+    mine = {"pyproject.toml": '[project]\nname = "mine"\n', "README.md": "mine\n",
+            ".flwr/config.toml": "[superlink]\n"}
+    for name, text in mine.items():
+        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+        with open(name, "w") as f:
+            f.write(text)
+    argv = ["flower", f"{QUICKSTART}:fedavg_round", "--clients", str(N), "-o", "."]
+    err = _one_line_refusal(argv, capsys)
+    for name in mine:
+        assert os.path.join(".", name) in err or f"and {len(mine) - 2} more" in err
+        with open(name) as f:
+            assert f.read() == mine[name]
+    assert sorted(os.listdir(".")) == [".flwr", "README.md", "pyproject.toml"]
+    assert cli.main(argv + ["--force"]) == 0
+    capsys.readouterr()
+    with open("pyproject.toml") as f:
+        assert "fax_round.server_app:app" in f.read()
+    with open("notes.txt", "w") as f:
+        f.write("mine")
+    assert cli.main(argv + ["--write-population", "pops", "--nodes", "2"]) == 0
+    assert sorted(os.listdir("pops")) == [".fax-bridge-written", "node-0", "node-1"]
+    with open("notes.txt") as f:
+        assert f.read() == "mine"
+
+
+@pytest.mark.parametrize("flag", ["-o", "--write-population"])
+def test_an_output_path_that_cannot_be_a_folder_is_one_line_with_exit_2(
+        tmp_path, capsys, flag):
+    (tmp_path / "file").write_text("x")
+    base = ["flower", f"{QUICKSTART}:fedavg_round", "-o", str(tmp_path / "app")]
+    for bad, why in [(tmp_path / "file", "is a file"), (tmp_path / "file" / "x",
+                                                          "cannot be created"),
+                     (tmp_path / ("n" * 256), "shorter name"),
+                     (tmp_path / "/".join(["d" * 250] * 17), "shorter path")]:
+        argv = [a for a in base if flag != "-o" or a != str(tmp_path / "app")]
+        argv = argv + ([str(bad)] if flag == "-o" else [flag, str(bad)])
+        err = _one_line_refusal(argv, capsys)
+        assert f"argument {flag}" in err and why in err
+    assert (tmp_path / "file").read_text() == "x"
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.dictionaries(st.text(st.sampled_from("abc-_"), min_size=1, max_size=6),
+                              st.text(max_size=12) | st.integers() | st.booleans() |
+                              st.floats(allow_nan=False, allow_infinity=False)),
+       name=st.text(max_size=12))
+def test_any_run_config_value_reads_back_from_pyproject_as_written(values, name):
+    """Strings with quotes, backslashes, newlines or any Unicode end no string early and
+    add no key: pyproject.toml reads back exactly the values written."""
+    import tomllib
+
+    values = {k: v for k, v in values.items()
+              if not isinstance(v, str) or not any(0xD800 <= ord(c) <= 0xDFFF for c in v)}
+    name = "".join(c for c in name if not 0xD800 <= ord(c) <= 0xDFFF)
+    data = tomllib.loads(app_dir.pyproject(name, values))
+    assert data["project"]["name"] == name
+    assert data["tool"]["flwr"]["app"]["config"] == values
