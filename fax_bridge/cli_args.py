@@ -5,7 +5,10 @@ work starts; argparse then names the flag (`argument --clients: must be an integ
 got 0`). Output paths are written exactly as given, never over an input file, through a
 new file renamed into place; `save_result` never loses a finished result to a bad
 output path: when the file cannot be written it saves the result in the temporary
-directory and says where.
+directory and says where. Output folders are checked here (`output_folder`) and written
+through `output_folders`, with `--force` (`add_force`) to replace files fax-bridge did
+not write; HOST:PORT flags are read by `addresses` (`listen_address`,
+`connect_address`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ aggregations cannot run is refused with the operations and the fix. `--litert` a
 converts the round's client part to a LiteRT model and puts it, with its manifest, in
 the app (`fax_round/litert/`), for SuperNodes with `client-runtime="litert"`; a client
 part that cannot convert is refused, naming the op, before anything is written.
+
+DIR and FOLDER are written through `output_folders`: files fax-bridge wrote there before
+are replaced, any other file in the way (a project's own pyproject.toml with `-o .`) is
+refused by name unless `--force`. `--superlink` is checked as HOST:PORT
+(`addresses.parse_address`) when read.
 """
 
 from __future__ import annotations
