@@ -229,3 +229,16 @@ def test_a_folder_another_user_owns_is_refused_as_not_writable(tmp_path):
         finally:
             os._exit(code)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_folder_others_can_write_is_refused_before_anything_is_written(tmp_path):
+    """Another local user who can write the folder could swap a folder of it for a link
+    while root writes there: refused by name (`private_files.check_chain`)."""
+    from fax_bridge.errors import FaxBridgeError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(FaxBridgeError, match="writable by others"):
+        write(str(shared / "out"), ["a"], "x")
+    assert os.listdir(shared) == []

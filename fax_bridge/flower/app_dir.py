@@ -33,7 +33,7 @@ from fax_bridge.errors import ExportError
 from fax_bridge.flower.bundle import (LITERT_DIR, MAX_BUNDLE_BYTES, FlowerRound,
                                       models_dir, state_in_bundle, write_round)
 from fax_bridge.flower.toml_text import (CONNECTION, connection_toml, node_config_text,
-                                         toml_string, toml_value)
+                                         toml_key, toml_string, toml_value)
 
 PACKAGE = "fax_round"
 STATE_FILE = "initial_state.npz"  # a state kept out of the bundle (bundle.write_state)
@@ -96,7 +96,7 @@ def pyproject(name: str, config: dict) -> str:
         "[tool.flwr.app]", 'publisher = "fax-bridge"', "",
         "[tool.flwr.app.components]", f'serverapp = "{PACKAGE}.server_app:app"',
         f'clientapp = "{PACKAGE}.client_app:app"', "", "[tool.flwr.app.config]"]
-    lines += [f"{k} = {toml_value(v)}" for k, v in config.items()]
+    lines += [f"{toml_key(k)} = {toml_value(v)}" for k, v in config.items()]
     return "\n".join(lines) + "\n"
 
 
