@@ -7,6 +7,12 @@ part once over every client, as one batched XLA call, and its exact partials fin
 every other path finishes them. Anything else, and any call given its own `backend` or
 `num_clients`, is interpreted phase by phase (`interpreter.evaluate`). Both give the same
 bits: exact aggregations do not depend on how clients are grouped or ordered.
+
+On an accelerator (`device_sums.on_device`: by default wherever jax's default backend
+is not the CPU) a round keeps its values there: the client part's results stay jax
+arrays, its sums, means and weighted means are summed exactly there
+(`device_sums`), and the server result runs there under jit; only the round's
+result comes back. The bits are the host path's.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from fax_bridge.errors import ComputationError, FaxBridgeError
 from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds import cohort, engine, round_split
 from fax_bridge.rounds.client_runtime import ClientRuntime
-from fax_bridge.runtime import interpreter, values
+from fax_bridge.runtime import device_sums, interpreter, values
 from fax_bridge.runtime.backend import ClientsBackend
 from fax_bridge.runtime.population import PopulationRef
 
@@ -33,8 +39,12 @@ class InProcessTransport:
     traffic = None
 
     def __init__(self, arg: Any, split: round_split.RoundSplit, num_clients: int,
-                 backend=None, client_runtime: Union[str, ClientRuntime] = "xla"):
+                 backend=None, client_runtime: Union[str, ClientRuntime] = "xla",
+                 on_device: bool = False):
         self.client_runtime = runtimes.resolve(client_runtime)
+        # the XLA client part's results kept on the device (`device_sums.on_device`)
+        self.on_device = on_device and isinstance(self.client_runtime,
+                                                  runtimes.XlaClientRuntime)
         self.inputs = [arg[i] for i in split.client_inputs]
         self.num_clients = num_clients  # `cohort.clients_of`, counted once by the caller
         self.backend = backend
@@ -44,22 +54,27 @@ class InProcessTransport:
         members = [structure.Struct([(None, column[c]) for column in self.inputs])
                    for c in range(self.num_clients)]
         specs = [a.spec for a in split.aggregations]  # secure sums too, summed exactly
-        found = self.client_runtime.client_partials(split.client_part, split.client_part_hash,
-                                                    sent, members, specs)
+        if self.on_device:
+            found = round_split.client_partials(split.client_part, split.client_part_hash,
+                                                sent, members, specs, on_device=True)
+        else:
+            found = self.client_runtime.client_partials(
+                split.client_part, split.client_part_hash, sent, members, specs)
         return engine.Answers([engine.HolderAnswer("this process", self.num_clients, found)])
 
 
 def run_in_process(split: round_split.RoundSplit, arg: Any, backend=None,
                    client_runtime: Union[str, ClientRuntime] = "xla",
-                   num_clients: Optional[int] = None) -> Any:
+                   num_clients: Optional[int] = None, on_device: bool = False) -> Any:
     """Runs a split with no devices (`arg`: the runtime value of the parameter);
     `client_runtime`: what runs the client part ("xla", "litert": the LiteRT
     interpreter, or a `ClientRuntime`), which checks the round first. `num_clients`:
     the clients `arg` holds where the caller counted them (`cohort.clients_of`), else
-    counted here."""
+    counted here. `on_device`: values stay on jax's default device (module docstring)."""
     if num_clients is None:
         num_clients = cohort.clients_of(split, arg)
-    transport = InProcessTransport(arg, split, num_clients, backend, client_runtime)
+    transport = InProcessTransport(arg, split, num_clients, backend, client_runtime,
+                                   on_device)
     transport.client_runtime.check_round(split.proto, split)
     return engine.run_round(split, arg, transport)
 
@@ -83,7 +98,8 @@ def _engine_clients(split: Optional[round_split.RoundSplit], arg: Any) -> int:
 
 def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *args: Any,
                     backend: Optional[ClientsBackend] = None,
-                    num_clients: Optional[int] = None, **kwargs: Any) -> Any:
+                    num_clients: Optional[int] = None, on_device: Optional[bool] = None,
+                    **kwargs: Any) -> Any:
     """Runs a computation on python pytrees, one per parameter element; returns a pytree.
 
     CLIENTS arguments and results carry a leading clients axis. Named parameter elements
@@ -99,6 +115,9 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
       *args: one pytree per parameter element.
       backend: a clients backend to run the client work on (interprets the computation).
       num_clients: the number of clients, when no argument is placed at CLIENTS.
+      on_device: a round keeps its values on jax's default device and sums there (the
+        same bits); None: as `device_sums.on_device` decides (the environment variable
+        FAX_BRIDGE_ON_DEVICE, else whenever that device is not the CPU).
       **kwargs: named parameter elements.
 
     Returns:
@@ -126,8 +145,10 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
         result = interpreter.evaluate(prepared, arg)
     else:
         try:
-            result = values.check_value(run_in_process(split, arg, num_clients=clients),
-                                        prepared.result, "result")
+            result = values.check_value(
+                run_in_process(split, arg, num_clients=clients,
+                               on_device=device_sums.on_device(on_device)),
+                prepared.result, "result")
         except FaxBridgeError:
             raise
         except Exception as e:  # as the interpreter reports what a malformed proto does

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import WeightError
-from fax_bridge.runtime import interpreter
+from fax_bridge.runtime import device_sums, interpreter
 from fax_bridge import in_process as run
 from fax_bridge.runtime.population import PopulationRef
 
@@ -58,7 +58,7 @@ def test_a_round_is_split_and_other_computations_are_not():
         return fb.federated_sum(x)
 
     proto = fb.export_tff(no_round, np.ones((3, 2), np.float32), placements=("clients",))
-    assert np.array_equal(fb.runtime.run_computation(proto, np.ones((3, 2), np.float32)),
+    assert np.array_equal(run.run_computation(proto, np.ones((3, 2), np.float32)),
                           np.full(2, 3.0, np.float32))
 
 
@@ -74,7 +74,7 @@ def test_rounds_through_the_engine_have_the_interpreters_bits(clients, seed, dat
             with pytest.raises(WeightError):
                 runner(proto, params, batch)
         return
-    got = fb.runtime.run_computation(proto, params, batch)
+    got = run.run_computation(proto, params, batch)
     want = interpreter.interpret(proto, params, batch)
     assert _bits(got) == _bits(want)
     jitted = jax.jit(fb.program(clients=clients)(_round))(params, batch)
@@ -90,8 +90,71 @@ def test_a_round_given_a_backend_or_population_references_is_interpreted(monkeyp
     from fax_bridge.runtime.local_backend import LocalClientsBackend
 
     want = interpreter.interpret(PROTOS[3], params, batch)
-    got = fb.runtime.run_computation(PROTOS[3], params, batch, backend=LocalClientsBackend())
+    got = run.run_computation(PROTOS[3], params, batch, backend=LocalClientsBackend())
     assert _bits(got) == _bits(want) and not calls
     split = run.round_split_of(interpreter.prepare(PROTOS[3]))
     arg = [params, PopulationRef("p", [0, 1, 2])]
     assert run._engine_clients(split, arg) == 0
+
+
+# -- the device path (`device_sums.on_device`): the host path's bits ---------------------
+
+
+def _example_targets(clients: int) -> dict:
+    import importlib.util
+    import os
+    import sys
+
+    folder = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "algorithm_rounds", os.path.join(folder, "algorithm_rounds.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.export_targets(clients)
+    finally:
+        sys.path.remove(folder)
+
+
+@pytest.mark.parametrize("name", ["fed_avg", "fed_adam", "learned_client_weights"])
+def test_example_rounds_on_the_device_path_have_the_host_bits(name, monkeypatch):
+    original = device_sums.finish
+    program, args, placements = _example_targets(3)[name]
+    proto = fb.export_tff(program, *args, placements=placements)
+    host = run.run_computation(proto, *args, on_device=False)
+    finished = []
+    monkeypatch.setattr(device_sums, "finish", lambda *a: finished.append(a[0])
+                        or original(*a))
+    device = run.run_computation(proto, *args, on_device=True)
+    assert _bits(device) == _bits(host)
+    if run.round_split_of(interpreter.prepare(proto)) is not None:  # a round: its
+        assert finished  # aggregates were summed on the device
+
+
+@pytest.mark.parametrize("sample", [
+    dict(name="scaled_aggregate", kind="sum"), dict(name="scaled_aggregate", kind="mean"),
+    dict(name="scaled_aggregate", kind="max"),
+    dict(name="scaled_aggregate", kind="sum", dtype=np.int32),
+    dict(name="scaled_aggregate", kind="mean", dtype=np.float16),
+    dict(name="weighted_mean"), dict(name="linear_regression_step")])
+def test_sample_rounds_on_the_device_path_have_the_host_bits(sample, monkeypatch):
+    import sample_computations as samples
+
+    proto = samples.make(**sample)
+    rng = np.random.default_rng(1)
+    if sample["name"] == "scaled_aggregate":
+        dtype = sample.get("dtype", np.float32)
+        x = (rng.standard_normal((5, 3)) * 2.0 ** rng.integers(-12, 12, (5, 3)))
+        args = (x.astype(dtype), np.asarray([1.5, -3, 0.25]).astype(dtype))
+    elif sample["name"] == "weighted_mean":
+        args = (rng.standard_normal((5, 3)).astype(np.float32),
+                rng.integers(0, 9, 5).astype(np.float32))
+    else:
+        args = (rng.standard_normal(8).astype(np.float32),
+                rng.standard_normal((4, 16, 8)).astype(np.float32),
+                rng.standard_normal((4, 16)).astype(np.float32))
+    host = run.run_computation(proto, *args, on_device=False)
+    monkeypatch.setenv("FAX_BRIDGE_ON_DEVICE", "1")  # the environment's choice, once
+    device = run.run_computation(proto, *args)
+    assert _bits(device) == _bits(host)

@@ -33,12 +33,13 @@ import itertools
 from typing import Any, Optional, Union
 
 import federated_language
+import numpy as np
 from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
 from fax_bridge.primitive_facts import KIND_OF_URI, SECURE_KINDS
-from fax_bridge.runtime import aggregation, client_map, local_eval
+from fax_bridge.runtime import aggregation, client_map, device_sums, local_eval
 from fax_bridge.runtime.grammar import (free_references, intrinsic_call, lambda_of,
                                         make_reference, make_selection, reference_name,
                                         struct_elements, which)
@@ -400,7 +401,8 @@ def _translate_zip(arg: Optional[Computation], client: dict) -> Optional[Computa
 
 
 def client_partials(fn: Computation, key: str, sent: Any, members: Any,
-                    specs: list, guard: Any = None, least_rows: int = 0) -> list:
+                    specs: list, guard: Any = None, least_rows: int = 0,
+                    on_device: bool = False) -> list:
     """The client part `fn` over the clients' `members` (one Struct of inputs each) with
     the broadcast values `sent`, aggregated: one exact partial per
     `(kind, value_index, weight_index or None[, bound])` of `specs` (the bound of a
@@ -410,9 +412,13 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
     partials are the same. `guard`: the caller's caps (`client_map.Guard`);
     `least_rows`: `client_map.map_clients_stacked`'s. This is the client part run as
     XLA (`client_runtime.XlaClientRuntime`); a holder runs it through the client runtime
-    it was given (`rounds.client_runtime`)."""
+    it was given (`rounds.client_runtime`). `on_device`: the batched results stay on the
+    device, and the sums, means and weighted means of tensors it sums
+    (`device_sums.supports`) are partials of them there (`aggregation.device_partial`);
+    the other aggregations read them back to the host."""
     stacked = client_map.map_clients_stacked(fn, members, sent, key=key, guard=guard,
-                                             keep=False, least_rows=least_rows)
+                                             keep=False, least_rows=least_rows,
+                                             on_device=on_device)
     if stacked is not None:
         def pick(index: int) -> list:
             return stacked.element_parts(index)
@@ -434,6 +440,9 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
         if stacked is None:
             out.append(aggregation.partial_of(kind, values, weights, bound))
             continue
+        if on_device:
+            out.append(_device_partial(kind, values, weights, bound, stacked.counts))
+            continue
         # A partial per call of the batched run, merged in client order: the calls'
         # results are never joined into one stack (a copy as large as the results).
         partial = None
@@ -443,3 +452,27 @@ def client_partials(fn: Computation, key: str, sent: Any, members: Any,
             partial = part if partial is None else aggregation.merge(partial, part)
         out.append(partial)
     return out
+
+
+def _device_partial(kind: str, values: list, weights: Optional[list], bound: Any,
+                    counts: list) -> Any:
+    """The partial of one aggregation over the calls' results left on the device
+    (`values[i]`, `weights[i]`: call i's leaves, whole buckets of rows): kept there where
+    the device finishes it, else read back and made as the host makes it."""
+    leaves = [leaf for part in values for leaf in part]
+    if kind in device_sums.KINDS and all(device_sums.supports(leaf.dtype)
+                                         for leaf in leaves) and (
+            weights is None or all(len(part) == 1 for part in weights)):
+        return aggregation.device_partial(
+            kind, [list(column) for column in zip(*values)], counts,
+            None if weights is None else [part[0] for part in weights])
+    partial = None
+    for i, count in enumerate(counts):
+        def host(part: list) -> list:
+            return [np.asarray(leaf)[:count] for leaf in part]
+
+        part = aggregation.partial_of_columns(
+            kind, host(values[i]), count, None if weights is None else host(weights[i]),
+            bound)
+        partial = part if partial is None else aggregation.merge(partial, part)
+    return partial

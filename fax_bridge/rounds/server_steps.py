@@ -12,7 +12,10 @@ intrinsic on placed values, a `Data` computation) keep the interpreter
 (`compile_server` returns None); both give the same values, and the round's result is
 checked against the computation's type either way.
 
-`prepare` and `result` run a split's two pieces by whichever way it has.
+`prepare` and `result` run a split's two pieces by whichever way it has. Where the
+aggregates are jax arrays (a round on the device, `device_sums.on_device`) the compiled
+result piece runs under jit, so they stay on the device; a piece that cannot be traced
+runs as usual.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+import jax
+import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 from google.protobuf.message import DecodeError, EncodeError
@@ -42,6 +47,8 @@ class ServerProgram:
     prepare_names: tuple
     prepare: Callable
     result: Callable
+    # the result piece under jit, per layout of its argument (None: it cannot be traced)
+    jitted: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def _lambda(parameter: str, locals_: list, result: Computation) -> Computation:
@@ -113,11 +120,74 @@ def prepare(split, arg: Any, backend, num_clients: int) -> dict:
 def result(split, env: dict, backend, num_clients: int) -> Any:
     """The round's result from `env` (`prepare`'s, with each aggregate's local set)."""
     program = split.server_program
+    aggregates = structure.Struct([(None, env[a.local]) for a in split.aggregations])
+    on_device = any(isinstance(leaf, jax.Array) for leaf in _flat(aggregates)[1])
     if program is None:
+        if on_device:
+            env = dict(env, **{a.local: _on_host(env[a.local]) for a in split.aggregations})
         env = interpreter.evaluate_steps(_steps(split)[1] + [("__result", split.result)],
                                          env, backend, num_clients)
         return env["__result"]
-    return program.result(structure.Struct([
+    arg = structure.Struct([
         (None, env[split.parameter_name]),
         (None, structure.Struct([(None, env[k]) for k in program.prepare_names])),
-        (None, structure.Struct([(None, env[a.local]) for a in split.aggregations]))]))
+        (None, aggregates)])
+    return _on_device(program, arg) if on_device else program.result(arg)
+
+
+def _flat(value: Any) -> tuple:
+    """(the layout of a value: Struct names and nesting, None kept; its arrays)."""
+    leaves: list = []
+
+    def walk(v):
+        if isinstance(v, structure.Struct):
+            return tuple((name, walk(m)) for name, m in structure.iter_elements(v))
+        if v is None:
+            return None
+        leaves.append(v)
+        return "tensor"
+
+    return walk(value), leaves
+
+
+def _built(tree: Any, leaves) -> Any:
+    if tree is None:
+        return None
+    if tree == "tensor":
+        return next(leaves)
+    return structure.Struct([(name, _built(t, leaves)) for name, t in tree])
+
+
+def _on_host(value: Any) -> Any:
+    tree, leaves = _flat(value)
+    return _built(tree, iter([np.asarray(leaf) for leaf in leaves]))
+
+
+def _on_device(program: ServerProgram, arg: Any) -> Any:
+    """`program.result(arg)` under jit (compiled once per layout of `arg`), its result
+    left on the device; as usual, on the host, where the piece cannot be traced."""
+    tree, leaves = _flat(arg)
+    key = (tree, tuple((np.shape(x), np.dtype(x.dtype if hasattr(x, "dtype")
+                                              else np.asarray(x).dtype).str)
+                       for x in leaves))
+    if key not in program.jitted:
+        found: dict = {}
+
+        def traced(flat: list) -> list:
+            out_tree, out = _flat(program.result(_built(tree, iter(flat))))
+            found["tree"] = out_tree
+            return out
+
+        run = jax.jit(traced)
+        try:
+            out = run(leaves)
+        except Exception:  # not traceable (a generic intrinsic, a 64-bit module)
+            program.jitted[key] = None
+        else:
+            program.jitted[key] = (run, found["tree"])
+            return _built(found["tree"], iter(out))
+    entry = program.jitted[key]
+    if entry is None:
+        return program.result(_on_host(arg))
+    run, out_tree = entry
+    return _built(out_tree, iter(run(leaves)))

@@ -22,6 +22,10 @@ Kinds (as TFF's reference semantics state them):
   Both keep the values' dtype, so `check_secure_fits` refuses a secure sum whose clients
   at the bound's top would overflow it, before any value is read.
 
+Where a round runs on the accelerator (`device_sums.on_device`), a sum-like partial may
+hold its clients' tensors there as `device_sums.DeviceColumn`s (`device_partial`):
+merged by joining them, finished by `device_sums.finish` with the same bits.
+
 A partial over no clients is valid (it merges as nothing); finishing one is an error.
 Every refusal raises `AggregationError`; on a fleet, one found on a device reaches the
 coordinator as a FleetError naming the device and carrying the same message.
@@ -39,7 +43,7 @@ from federated_language.common_libs import structure
 from fax_bridge.errors import AggregationError, WeightError
 from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
 from fax_bridge.primitive_facts import AGGREGATION_KINDS
-from fax_bridge.runtime import exact, threads
+from fax_bridge.runtime import device_sums, exact, threads
 from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
 from fax_bridge.runtime.double_sums import (Sum, merged_all, results, sums_of,
                                            weighted_sums_of)
@@ -55,8 +59,8 @@ class Partial:
     """An aggregate in progress over `count` clients.
 
     `leaves` holds, per tensor of the value (depth first), an exact sum (`ExactSum` or
-    `DoubleSum`, sum-like kinds) or the running extreme (min, max); it is empty while
-    `count` is 0.
+    `DoubleSum`, sum-like kinds; or the addends on the device, `device_sums.DeviceColumn`)
+    or the running extreme (min, max); it is empty while `count` is 0.
     """
 
     kind: str
@@ -238,6 +242,30 @@ def partial_of_columns(kind: str, columns: Sequence[np.ndarray], count: int,
     return _partial(kind, list(columns), count, w, fresh=False)
 
 
+def device_partial(kind: str, columns: Sequence[Sequence], counts: Sequence[int],
+                   weights: Optional[Sequence] = None) -> Partial:
+    """The partial of a sum-like `kind` (`device_sums.KINDS`) over clients' tensors left
+    on the device by batched calls: `columns[j][i]` is tensor j of call i's results,
+    whose first `counts[i]` rows are its clients (client order), `weights[i]` those
+    clients' weights (weighted_mean). Nothing is summed until `finish`."""
+    if kind not in device_sums.KINDS:
+        raise AggregationError(f"the device finishes {list(device_sums.KINDS)}, not {kind!r}")
+    count = sum(counts)
+    leaves = [device_sums.DeviceColumn(list(parts), list(counts)) for parts in columns]
+    for leaf in leaves:
+        refusal = aggregate_refusal(f"federated_{kind}", leaf.dtype)
+        if refusal:
+            raise AggregationError(refusal)
+    w = None
+    if kind == "weighted_mean":
+        if weights is None or any(math.prod(x.shape[1:]) != 1 for x in weights):
+            raise AggregationError("a weighted_mean weight must be one scalar tensor per "
+                                   "client")
+        w = device_sums.DeviceColumn(list(weights), list(counts))
+    return Partial(kind=kind, leaves=leaves if count else [], weights=w if count else None,
+                   count=count)
+
+
 def _partial(kind: str, columns: list, count: int, w: Optional[np.ndarray],
              fresh: bool = True) -> Partial:
     """The partial of `count` clients' stacked tensors (`fresh`: the columns are this
@@ -300,7 +328,16 @@ def merge(into: Partial, other: Partial) -> Partial:
     if len(other.leaves) != len(into.leaves):
         raise AggregationError("partials disagree on the number of tensors of the value")
     extreme = EXTREMES.get(into.kind)
-    if extreme is not None:
+    on_device = [isinstance(p.leaves[0], device_sums.DeviceColumn) if p.leaves else None
+                 for p in (into, other)]
+    if on_device[0] != on_device[1]:
+        raise AggregationError("cannot merge a partial held on the device with one held "
+                               "on the host; run every part of the round on one of them")
+    if on_device[0]:
+        into.leaves = [a.joined(b) for a, b in zip(into.leaves, other.leaves)]
+        if into.weights is not None:
+            into.weights = into.weights.joined(other.weights)
+    elif extreme is not None:
         into.leaves = [extreme(a, b) for a, b in zip(into.leaves, other.leaves)]
     else:
         if into.weights is not None and other.weights is not None:
@@ -320,6 +357,9 @@ def finish(partial: Partial) -> list[np.ndarray]:
             "one client (check the cohort size, dropout and round deadline)")
     if partial.kind in EXTREMES:
         return [np.array(x) for x in partial.leaves]
+    if partial.leaves and isinstance(partial.leaves[0], device_sums.DeviceColumn):
+        return device_sums.finish(partial.kind, partial.leaves, partial.weights,
+                                  partial.count)
     if partial.kind in ("sum", "secure_sum_bitwidth", "secure_sum"):
         return results(partial.leaves)
     if partial.kind == "mean":

@@ -225,7 +225,7 @@ def map_clients(fn: computation_pb2.Computation, members: Sequence[LocalValue],
 def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[LocalValue],
                         shared: Any = NO_SHARED, *, key: Optional[str] = None,
                         guard: Optional[Guard] = None, keep: bool = True,
-                        least_rows: int = 0) -> Optional[Stacked]:
+                        least_rows: int = 0, on_device: bool = False) -> Optional[Stacked]:
     """`map_clients` for callers that take the results as columns (an aggregation):
     the batched run's results, never split per client; None when there are no clients
     or they run one at a time (then `map_clients` gives their results). `keep=False`:
@@ -234,14 +234,17 @@ def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[Local
     a cohort of this many clients would take (its `part_size`), so that a caller whose
     cohorts vary in size compiles once, for the largest; the padding rows cost no work and a
     client's bits do not depend on its bucket, but their inputs are stacked, so the
-    bucket is widened only while they take under `MAX_PAD_BYTES`."""
+    bucket is widened only while they take under `MAX_PAD_BYTES`. `on_device`: the
+    results stay jax arrays on the device, each call's whole bucket of rows (its first
+    `counts[i]` rows are its clients'), and a cohort runs as one call per `MAX_ROWS`
+    clients (the accelerator, not the CPUs, does the work)."""
     if not members:
         return None
     batch = _layouts(members, shared)
     if batch is None:
         return None
     shared_tree, member_tree, shared_leaves, source = batch
-    part = part_size(len(members))
+    part = min(len(members), MAX_ROWS) if on_device else part_size(len(members))
     rows = bucket(part)
     wider = bucket(part_size(least_rows))
     if wider > rows and (wider - part) * source.row_bytes() <= MAX_PAD_BYTES:
@@ -250,7 +253,7 @@ def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[Local
     if plan is None:
         return None
     return _run_batched(plan, part, rows, shared_leaves + source.fixed_leaves(), source,
-                        guard, keep)
+                        guard, keep, on_device)
 
 
 def part_size(count: int) -> int:
@@ -279,11 +282,11 @@ def _layout(value: LocalValue, leaves: list, lead: int = 0) -> Any:
             names.append(name)
             trees.append(tree)
         return ("struct", tuple(names), tuple(trees))
-    arr = np.asarray(value)
-    if not _jax_takes(arr.dtype):
+    arr = value if isinstance(value, jax.Array) else np.asarray(value)  # kept where it is
+    if not _jax_takes(np.dtype(arr.dtype)):
         return None
     leaves.append(arr)
-    return ("tensor", arr.shape[lead:], arr.dtype.str)
+    return ("tensor", tuple(arr.shape[lead:]), np.dtype(arr.dtype).str)
 
 
 def _jax_takes(dtype: np.dtype) -> bool:
@@ -469,9 +472,11 @@ def _compile(compiled, shared_tree, member_tree, rows: int,
 
 
 def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
-                 source: _Source, guard: Optional[Guard], keep: bool = True) -> Stacked:
+                 source: _Source, guard: Optional[Guard], keep: bool = True,
+                 on_device: bool = False) -> Stacked:
     """Runs the clients `part` at a time, each call padded to `rows`, the calls at once
-    on the worker threads (`part_size`)."""
+    on the worker threads (`part_size`); `on_device`: one after the other, their
+    results left on the device, padding rows and all."""
     count = source.count
     if guard is not None:
         guard.tick()
@@ -481,6 +486,9 @@ def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
         size = min(part, count - start)
         chunk = source.chunk(start, start + size, rows)
         try:
+            if on_device:
+                return list(plan.run(shared_leaves, chunk, np.int32(size),
+                                     plan.outputs(False))), ()
             # Results read once and dropped (not `keep`) are written over by a later call.
             outs = plan.run(shared_leaves, chunk, np.int32(size), plan.outputs(not keep))
             # Copied when kept and padded: no XLA buffer's padding rows stay alive behind
@@ -492,13 +500,15 @@ def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
             raise ComputationError(f"XLA execution failed: {e}") from e
 
     chunks, outputs = [], []
-    for done, outs in (threads.pool().map(call, range(0, count, part)) if part < count
-                       else [call(0)]):  # in client order
+    for done, outs in (threads.pool().map(call, range(0, count, part))
+                       if part < count and not on_device
+                       else map(call, range(0, count, part))):  # in client order
         chunks.append(done)
         outputs.append(outs)
         if guard is not None:
             guard.tick()
-    if not keep:  # spare once every call is done: no call of this run writes over another's
+    if not keep and not on_device:  # spare once every call is done (none writes over
+        #                             another's); results on the device are the caller's
         for outs in outputs:
             plan.spare(outs)
     counts = [min(part, count - start) for start in range(0, count, part)]

@@ -1,0 +1,408 @@
+"""Exact sums on the accelerator: `exact.ExactSum`'s bits, computed where the addends are.
+
+A round run on an accelerator (`on_device`) keeps the clients' results there (jax
+arrays) and sums them there with 32-bit integers only: TPUs have no float64 and jax's
+default has no int64. A float addend is an integer multiple of its dtype's smallest
+subnormal (the unit): a significand of p <= 24 bits at a bit position `pos` of the
+exponent field. The sum is kept element-wise as signed int32 limbs of 16-bit digits,
+limb k weighing 2^(16 * (base + k)) units, over a window chosen per tensor from its
+addends' actual positions (`_span`: one cheap reduction read back as two scalars), so a
+tensor whose values span a few binades takes 3 or 4 limbs, not the 18 that float32's
+whole range would; the limb count is bucketed (`LIMB_BUCKETS`) so the sum compiles for
+few shapes. The sum is then rounded once, to nearest-even, by integer operations, and
+non-finite addends and -0 follow `exact` (NaN if any addend is NaN or both infinities
+occur, else the infinity; -0 only if every addend is -0). Hence the result has the same
+bits as the host's `ExactSum` for the same addends, whatever the backend's float
+arithmetic does with subnormals. Integer sums wrap in their dtype, as the host's do.
+
+Magnitudes (why int32 never overflows): an addend adds to at most three limbs, each by
+less than 2^17 (a 16-bit low piece shifted by under 16 bits splits into < 2^16 and
+< 2^15; the high piece, under 2^8, adds < 2^16 and < 2^7). `BLOCK_ROWS` = 2^13 addends
+add below 2^30 to a limb; then carries are propagated (digits back in [0, 2^16), the top
+limb signed), and the next block adds to digits below 2^16, so nothing reaches 2^31.
+
+`DeviceColumn` holds one tensor's addends as the batched client calls left them (an
+array per call, padding rows after the clients'); `aggregation` merges and finishes
+partials made of them (`finish`: sum, mean, weighted_mean). `on_device` says, in one
+place, whether a run takes this path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fax_bridge.errors import AggregationError, ArgumentError, WeightError
+from fax_bridge.placements import weights_refusal
+from fax_bridge.runtime.float_bits import float_params
+
+DIGIT_BITS = 16
+_DIGIT_MASK = (1 << DIGIT_BITS) - 1
+BLOCK_ROWS = 1 << 13  # addends summed between carry propagations (module docstring)
+LIMB_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 20, 24, 32)  # limb counts compiled for
+KINDS = ("sum", "mean", "weighted_mean")  # the aggregations finished on the device
+ENV_VAR = "FAX_BRIDGE_ON_DEVICE"  # "1": rounds on the device path, "0": on the host
+
+
+def on_device(requested: Optional[bool] = None) -> bool:
+    """Whether a round keeps its values on jax's default device and sums there: as
+    `requested` where given, else as the environment variable `FAX_BRIDGE_ON_DEVICE`
+    says ("1" or "0"), else whenever jax's default backend is not the CPU."""
+    if requested is not None:
+        return bool(requested)
+    setting = os.environ.get(ENV_VAR, "").strip()
+    if setting in ("1", "0"):
+        return setting == "1"
+    if setting:
+        raise ArgumentError(f"{ENV_VAR}={setting!r}: expected 1 (sum rounds on the "
+                            "device) or 0 (on the host), or leave it unset")
+    return jax.default_backend() != "cpu"
+
+
+def _float_dtypes() -> tuple:
+    return (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
+
+
+def supports(dtype: np.dtype) -> bool:
+    """Whether `exact_sum` takes addends of `dtype` (floats of at most 4 bytes; the
+    integers jax holds as they are)."""
+    dtype = np.dtype(dtype)
+    if dtype in _float_dtypes():
+        return True
+    return dtype.kind in "iu" and (dtype.itemsize <= 4 or bool(jax.config.jax_enable_x64))
+
+
+@dataclasses.dataclass
+class DeviceColumn:
+    """One tensor's addends on the device: `parts[i]` ([rows, *shape]) holds
+    `counts[i]` addends in its first rows (the rest is padding, never read)."""
+
+    parts: list
+    counts: list
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.parts[0].dtype)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.parts[0].shape[1:])
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def joined(self, other: "DeviceColumn") -> "DeviceColumn":
+        """The addends of both, this one's first."""
+        if other.dtype != self.dtype or other.shape != self.shape:
+            raise AggregationError(
+                f"partial sums disagree: {self.dtype}{list(self.shape)} vs "
+                f"{other.dtype}{list(other.shape)}")
+        return DeviceColumn(self.parts + other.parts, self.counts + other.counts)
+
+
+# -- the exact sum ------------------------------------------------------------------------
+
+
+def exact_sum(column: DeviceColumn) -> jax.Array:
+    """The sum of the column's addends, rounded once to their dtype (`ExactSum`'s bits)."""
+    dtype = column.dtype
+    if not supports(dtype):
+        raise AggregationError(f"the device sums no tensors of dtype {dtype}; sum them on "
+                               "the host (on_device=False)")
+    counts = tuple(jnp.int32(c) for c in column.counts)
+    if dtype.kind in "iu":
+        return _integer_sum(tuple(column.parts), counts)
+    lo, hi = (int(v) for v in jax.device_get(_span(tuple(column.parts), counts)))
+    return _float_sum(tuple(column.parts), counts, jnp.int32(max(lo, 0) >> 4),
+                      limbs=_limb_count(dtype, lo, hi, column.count))
+
+
+def _limb_count(dtype: np.dtype, lo: int, hi: int, count: int) -> int:
+    """The bucketed number of limbs holding a sum of `count` addends whose lowest bit
+    lies at or above position `lo` and whose highest below `hi` + p (0: no finite
+    nonzero addend)."""
+    if hi < 0:
+        return 0
+    p = float_params(dtype)[0]
+    top = hi + p + int(max(1, count)).bit_length() + 1  # the sum's bits, and a sign
+    needed = -(-(top - DIGIT_BITS * (lo >> 4)) // DIGIT_BITS) + 1
+    for size in LIMB_BUCKETS:
+        if size >= needed:
+            return size
+    raise AggregationError(f"a sum of {count} addends needs {needed} limbs, more than "
+                           f"{LIMB_BUCKETS[-1]}; sum fewer addends at once")
+
+
+def _fields(x: jax.Array) -> tuple:
+    """(pos, mant, negative, nan, +inf, -inf, is -0) of float addends x ([rows, size]):
+    x is -1^negative * mant * 2^pos units; mant is 0 for zeros and non-finite values."""
+    dtype = np.dtype(x.dtype)
+    p, nexp, _, _ = float_params(dtype)
+    nbits = 8 * dtype.itemsize
+    uint = jnp.uint32 if nbits == 32 else jnp.uint16
+    bits = lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
+    negative = (bits >> (nbits - 1)) != 0
+    expo = ((bits >> (p - 1)) & ((1 << nexp) - 1)).astype(jnp.int32)
+    frac = (bits & ((1 << (p - 1)) - 1)).astype(jnp.int32)
+    special = expo == (1 << nexp) - 1
+    normal = expo > 0
+    mant = jnp.where(special, 0, jnp.where(normal, frac | (1 << (p - 1)), frac))
+    pos = jnp.maximum(expo - 1, 0)
+    infinite = special & (frac == 0)
+    return (pos, mant, negative, special & (frac != 0), infinite & ~negative,
+            infinite & negative, bits == jnp.uint32(1 << (nbits - 1)))
+
+
+def _rows_of(x: jax.Array, count) -> tuple:
+    """x as [rows, size], and which rows hold addends ([rows, 1])."""
+    flat = x.reshape((x.shape[0], -1))
+    return flat, (jnp.arange(x.shape[0]) < count)[:, None]
+
+
+@jax.jit
+def _span(parts: tuple, counts: tuple) -> jax.Array:
+    """[lowest, highest] bit position of the parts' finite nonzero addends ([big, -1]
+    when there is none)."""
+    lo, hi = jnp.int32(1 << 30), jnp.int32(-1)
+    for x, count in zip(parts, counts):
+        flat, valid = _rows_of(x, count)
+        pos, mant = _fields(flat)[:2]
+        live = valid & (mant != 0)
+        lo = jnp.minimum(lo, jnp.min(jnp.where(live, pos, 1 << 30), initial=1 << 30))
+        hi = jnp.maximum(hi, jnp.max(jnp.where(live, pos, -1), initial=-1))
+    return jnp.stack([lo, hi])
+
+
+def _carried(limbs: list) -> list:
+    """Carries propagated: digits in [0, 2^16) under a signed top limb."""
+    out, carry = [], jnp.int32(0)
+    for limb in limbs[:-1]:
+        total = limb + carry
+        out.append(total & _DIGIT_MASK)
+        carry = total >> DIGIT_BITS
+    return out + [limbs[-1] + carry]
+
+
+def _block_limbs(pos, mant, negative, live, base, limbs: int) -> list:
+    """The limbs of one block's addends (each limb below 2^30 in magnitude)."""
+    off = jnp.where(live, pos - DIGIT_BITS * base, 0)
+    idx, shift = off >> 4, off & 15
+    low, high = (mant & _DIGIT_MASK) << shift, (mant >> DIGIT_BITS) << shift
+    sign = jnp.where(live, jnp.where(negative, -1, 1), 0)
+    pieces = ((low & _DIGIT_MASK) * sign,
+              ((low >> DIGIT_BITS) + (high & _DIGIT_MASK)) * sign,
+              (high >> DIGIT_BITS) * sign)
+    return [sum(jnp.sum(jnp.where(idx == k - j, piece, 0), axis=0)
+                for j, piece in enumerate(pieces) if k - j >= 0) for k in range(limbs)]
+
+
+@functools.partial(jax.jit, static_argnames="limbs")
+def _float_sum(parts: tuple, counts: tuple, base: jax.Array, limbs: int) -> jax.Array:
+    dtype = np.dtype(parts[0].dtype)
+    size = math.prod(parts[0].shape[1:])
+    acc = [jnp.zeros(size, jnp.int32) for _ in range(limbs)]
+    nan = pos_inf = neg_inf = jnp.zeros(size, bool)
+    neg_zero = jnp.ones(size, bool)
+    for x, count in zip(parts, counts):
+        flat, valid = _rows_of(x, count)
+        for start in range(0, flat.shape[0], BLOCK_ROWS):
+            block, ok = flat[start:start + BLOCK_ROWS], valid[start:start + BLOCK_ROWS]
+            pos, mant, negative, is_nan, is_pos_inf, is_neg_inf, is_neg_zero = _fields(block)
+            nan |= jnp.any(ok & is_nan, axis=0)
+            pos_inf |= jnp.any(ok & is_pos_inf, axis=0)
+            neg_inf |= jnp.any(ok & is_neg_inf, axis=0)
+            neg_zero &= jnp.all(~ok | is_neg_zero, axis=0)
+            if limbs:
+                live = ok & (mant != 0)
+                added = _block_limbs(pos, mant, negative, live, base, limbs)
+                acc = _carried([a + b for a, b in zip(acc, added)])
+    bits = _rounded(acc, base, dtype) if limbs else jnp.zeros(size, jnp.uint32)
+    bits = _specials(bits, nan, pos_inf, neg_inf, neg_zero, dtype)
+    nbits = 8 * dtype.itemsize
+    uint = jnp.uint32 if nbits == 32 else jnp.uint16
+    return lax.bitcast_convert_type(bits.astype(uint), dtype).reshape(parts[0].shape[1:])
+
+
+def _take(rows: jax.Array, at: jax.Array) -> jax.Array:
+    """rows[at[e], e] for every element e."""
+    return jnp.take_along_axis(rows, at[None, :], axis=0)[0]
+
+
+def _rounded(limbs: list, base: jax.Array, dtype: np.dtype) -> jax.Array:
+    """The bits (uint32) of the finite sum held by carried `limbs`, rounded to nearest,
+    ties to even (an overflow gives the infinity)."""
+    p, nexp, _, _ = float_params(dtype)
+    negative = limbs[-1] < 0
+    magnitude = _carried([jnp.where(negative, -limb, limb) for limb in limbs])
+    zero = jnp.zeros_like(magnitude[0])
+    # Two zero digits below (the rounding reads up to 32 bits under the result's last
+    # bit) and two above (three digits are read from there): digit k weighs
+    # 2^(16 * (low + k)) units.
+    digits = jnp.stack([zero, zero, *magnitude, zero, zero])
+    low = base - 2
+    nonzero = digits != 0
+    index = jnp.arange(digits.shape[0], dtype=jnp.int32)[:, None]
+    top = jnp.max(jnp.where(nonzero, index, -1), axis=0)
+    is_zero = top < 0
+    top = jnp.maximum(top, 0)
+    head = _take(digits, top)
+    msb = DIGIT_BITS * (top + low) + (31 - lax.clz(head))  # the sum's highest bit, in units
+    ulp = jnp.maximum(msb - (p - 1), 0)  # the result's last bit
+    below = ulp - DIGIT_BITS * low - 1  # the rounding bit, from the window's bottom
+    first, shift = below >> 4, (below & 15).astype(jnp.uint32)
+    last = digits.shape[0] - 1
+    a, b, c = (_take(digits, jnp.minimum(first + j, last)).astype(jnp.uint32)
+               for j in range(3))
+    window = (a >> shift) | (b << (16 - shift)) | jnp.where(
+        shift == 0, jnp.uint32(0), c << jnp.minimum(32 - shift, 31))
+    window &= jnp.uint32((1 << (p + 2)) - 1)
+    half, q = window & 1, window >> 1
+    seen = lax.cummax(nonzero.astype(jnp.int32), axis=0)
+    sticky = ((a & ((jnp.uint32(1) << shift) - 1)) != 0) | (
+        (first >= 1) & (_take(seen, jnp.maximum(first - 1, 0)) != 0))
+    q = q + (half & (sticky | ((q & 1) != 0))).astype(jnp.uint32)
+    top_exponent = (1 << nexp) - 1
+    encoded = (jnp.minimum(ulp, top_exponent).astype(jnp.uint32) << (p - 1)) + q
+    encoded = jnp.minimum(encoded, jnp.uint32(top_exponent << (p - 1)))  # overflow: inf
+    encoded = jnp.where(is_zero, jnp.uint32(0), encoded)
+    return encoded | jnp.where(negative, jnp.uint32(1 << (8 * dtype.itemsize - 1)),
+                               jnp.uint32(0))
+
+
+def _specials(bits, nan, pos_inf, neg_inf, neg_zero, dtype: np.dtype) -> jax.Array:
+    """`ExactSum.result`'s rules for -0 and non-finite addends, on result bits."""
+    p, nexp, _, uint = float_params(dtype)
+    sign = 1 << (8 * dtype.itemsize - 1)
+    inf = ((1 << nexp) - 1) << (p - 1)
+    quiet_nan = int(np.array(np.nan).astype(dtype).view(uint))  # the host's NaN
+    bits = jnp.where(neg_zero, jnp.uint32(sign), bits)
+    return jnp.where(nan | (pos_inf & neg_inf), jnp.uint32(quiet_nan),
+                     jnp.where(pos_inf, jnp.uint32(inf),
+                               jnp.where(neg_inf, jnp.uint32(inf | sign), bits)))
+
+
+@jax.jit
+def _integer_sum(parts: tuple, counts: tuple) -> jax.Array:
+    """The wrapped sum of integer addends, in their dtype."""
+    total = jnp.zeros(parts[0].shape[1:], parts[0].dtype)
+    for x, count in zip(parts, counts):
+        valid = (jnp.arange(x.shape[0]) < count).reshape((-1,) + (1,) * (x.ndim - 1))
+        total = total + jnp.sum(jnp.where(valid, x, 0), axis=0, dtype=x.dtype)
+    return total
+
+
+# -- finishing an aggregation ---------------------------------------------------------------
+
+
+def finish(kind: str, columns: Sequence[DeviceColumn], weights: Optional[DeviceColumn],
+           count: int) -> list:
+    """The aggregate's tensors (jax arrays, depth first) of `kind` (one of `KINDS`) over
+    `count` clients' addends, as `aggregation.finish` computes them on the host: exact
+    sums rounded once, a mean divided by the clients, a weighted mean's products
+    rounded to the value's dtype before they are summed."""
+    if kind == "sum":
+        return [exact_sum(c) for c in columns]
+    if kind == "mean":
+        for c in columns:
+            _check_divisible(c.dtype)
+        return [_divide(exact_sum(c), np.asarray(count, c.dtype)) for c in columns]
+    least = float(jax.device_get(_least(tuple(weights.parts),
+                                        tuple(jnp.int32(n) for n in weights.counts))))
+    refusal = weights_refusal(least, False)  # each client's weight, as the host checks
+    if refusal:
+        raise WeightError(refusal)
+    by = exact_sum(weights)
+    total = by.reshape(())
+    refusal = weights_refusal(float(total), not bool(total))
+    if refusal:
+        raise WeightError(refusal)
+    out = []
+    for c in columns:
+        _check_divisible(c.dtype)
+        products = DeviceColumn([_weighted(x, w) for x, w in zip(c.parts, weights.parts)],
+                                list(c.counts))
+        out.append(_divide(exact_sum(products), total.astype(c.dtype)))
+    return out
+
+
+def _check_divisible(dtype: np.dtype) -> None:
+    if np.dtype(dtype).kind in "iub":
+        raise AggregationError(
+            f"federated mean and weighted_mean need floating-point values, got {dtype}; "
+            "cast the clients' values to a float type first")
+
+
+@jax.jit
+def _divide(total: jax.Array, by: jax.Array) -> jax.Array:
+    """total / by in total's dtype, as numpy divides on the host: the float32 quotient
+    rounded correctly (by integer operations: a backend's float division may be an ulp
+    off), then rounded to the dtype."""
+    quotient = _quotient(total.astype(jnp.float32), jnp.broadcast_to(
+        by.astype(jnp.float32), total.shape))
+    return quotient.astype(total.dtype)
+
+
+def _unpacked(bits: jax.Array) -> tuple:
+    """(significand with its leading bit at bit 23, the exponent of that bit) of finite
+    nonzero float32 bits; subnormals are normalized."""
+    expo = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    frac = bits & 0x7FFFFF
+    mant = jnp.where(expo > 0, frac | 0x800000, frac)
+    lead = lax.clz(mant).astype(jnp.int32) - 8
+    return mant << lead.astype(jnp.uint32), jnp.maximum(expo, 1) - 127 - lead
+
+
+def _quotient(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b for float32 arrays, rounded to nearest even; the backend's division gives
+    the zeros, infinities and NaN (exact cases)."""
+    a_bits = lax.bitcast_convert_type(a, jnp.uint32)
+    b_bits = lax.bitcast_convert_type(b, jnp.uint32)
+    plain = jnp.isfinite(a) & jnp.isfinite(b) & (a != 0) & (b != 0)
+    safe = jnp.uint32(0x3F800000)  # 1.0 where the backend's quotient is used
+    ma, ea = _unpacked(jnp.where(plain, a_bits, safe))
+    mb, eb = _unpacked(jnp.where(plain, b_bits, safe))
+    smaller = ma < mb
+    rest = jnp.where(smaller, ma << 1, ma)  # now rest / mb lies in [1, 2)
+    expo = ea - eb - smaller.astype(jnp.int32)
+    q = jnp.zeros_like(rest)
+    for _ in range(26):  # restoring division: 26 bits of rest / mb; rest < 2^26
+        bit = rest >= mb
+        q = (q << 1) | bit.astype(jnp.uint32)
+        rest = jnp.where(bit, rest - mb, rest) << 1
+    # q * 2^(expo - 25); in units of 2^-149 its last bit lies at expo + 124.
+    ulp = jnp.maximum(expo + 126, 0)
+    drop = jnp.minimum(ulp - expo - 124, 27).astype(jnp.uint32)
+    mant = q >> drop
+    half = (q >> (drop - 1)) & 1
+    sticky = ((q & ((jnp.uint32(1) << (drop - 1)) - 1)) != 0) | (rest != 0)
+    mant = mant + (half & (sticky | ((mant & 1) != 0))).astype(jnp.uint32)
+    encoded = (jnp.minimum(ulp, 255).astype(jnp.uint32) << 23) + mant
+    encoded = jnp.minimum(encoded, jnp.uint32(0x7F800000)) | (
+        (a_bits ^ b_bits) & jnp.uint32(0x80000000))
+    return jnp.where(plain, lax.bitcast_convert_type(encoded, jnp.float32), a / b)
+
+
+@jax.jit
+def _weighted(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Each row of x times its client's weight (cast to x's dtype first)."""
+    return x * w.reshape((x.shape[0],) + (1,) * (x.ndim - 1)).astype(x.dtype)
+
+
+@jax.jit
+def _least(parts: tuple, counts: tuple) -> jax.Array:
+    """The smallest weight over the parts' clients (NaN if one is NaN)."""
+    least = jnp.float32(jnp.inf)
+    for w, count in zip(parts, counts):
+        flat = w.reshape((w.shape[0], -1)).astype(jnp.float32)
+        valid = (jnp.arange(w.shape[0]) < count)[:, None]
+        least = jnp.minimum(least, jnp.min(jnp.where(valid, flat, jnp.inf)))
+    return least

@@ -1,0 +1,171 @@
+"""Exact sums on the device (jax, 32-bit integers): the bits of the host's `ExactSum`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fax_bridge.errors import ArgumentError, WeightError
+from fax_bridge.runtime import aggregation, device_sums
+from fax_bridge.runtime.device_sums import DeviceColumn
+from fax_bridge.runtime.exact import ExactSum
+from fax_bridge.runtime.float_bits import float_params
+
+FLOATS = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def _host(stack: np.ndarray) -> np.ndarray:
+    acc = ExactSum(stack.dtype, stack.shape[1:])
+    acc.add_many(stack)
+    return acc.result()
+
+
+def _specials(dtype: np.dtype) -> np.ndarray:
+    """Zeros, -0, the smallest and largest subnormals and normals, inf, NaN, +-1."""
+    p, nexp, _, uint = float_params(dtype)
+    top = (1 << nexp) - 1
+    words = [0, 1, (1 << (p - 1)) - 1, 1 << (p - 1), (top << (p - 1)) - 1,
+             top << (p - 1), (top << (p - 1)) | 1, ((top - 1) // 2) << (p - 1)]
+    sign = 1 << (8 * dtype.itemsize - 1)
+    return np.array(words + [w | sign for w in words], uint).view(dtype)
+
+
+ROWS, SIZE = 12, 24  # one shape: the sums compile once per limb count
+
+
+@st.composite
+def stacks(draw, dtype: np.dtype):
+    """[ROWS, SIZE] of `dtype`: random bit patterns (every class of value), values of a
+    few nearby binades (long carries, ties), and the special values, mixed."""
+    n, size = ROWS, SIZE
+    _, _, _, uint = float_params(dtype)
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    rng = np.random.default_rng(seed)
+    nbits = 8 * dtype.itemsize
+    raw = rng.integers(0, 1 << nbits, (n, size), dtype=np.uint64).astype(uint).view(dtype)
+    scale = draw(st.integers(-30, 30))
+    near = (rng.standard_normal((n, size)) * 2.0 ** scale).astype(np.float32)
+    near = np.asarray(near, dtype=np.float32).astype(dtype)
+    specials = _specials(dtype)[rng.integers(0, 16, (n, size))]
+    pick = rng.integers(0, 3, (n, size))
+    mix = draw(st.sampled_from(["raw", "near", "special", "mixed", "near_special"]))
+    if mix == "raw":
+        return raw
+    if mix == "near":
+        return near
+    if mix == "special":
+        return specials
+    if mix == "near_special":
+        return np.where(pick == 0, specials, near)
+    return np.where(pick == 0, raw, np.where(pick == 1, near, specials))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_float_sums_have_the_host_bits(dtype, data):
+    stack = data.draw(stacks(dtype))
+    count = data.draw(st.integers(1, ROWS))  # the rows after it are padding
+    got = device_sums.exact_sum(DeviceColumn([jnp.asarray(stack)], [count]))
+    np.testing.assert_array_equal(_bits(got), _bits(_host(stack[:count])))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_parts_with_padding_rows_sum_their_clients_only(dtype, data):
+    """Several calls' arrays, each with padding rows after its clients (any values,
+    never read): the sum of the clients' rows, in any grouping."""
+    first, second = data.draw(stacks(dtype)), data.draw(stacks(dtype))
+    cut = data.draw(st.integers(1, ROWS))
+    padded = np.concatenate([first, np.full((4, SIZE), np.nan, dtype)])
+    column = DeviceColumn([jnp.asarray(padded), jnp.asarray(second)], [cut, ROWS])
+    want = _host(np.concatenate([first[:cut], second]))
+    np.testing.assert_array_equal(_bits(device_sums.exact_sum(column)), _bits(want))
+
+
+def test_many_addends_carry_between_blocks():
+    """More addends than a block (carries propagated between blocks) of the largest
+    finite values, and of values that cancel down to a subnormal."""
+    rows = device_sums.BLOCK_ROWS + 5
+    big = np.full((rows, 3), np.finfo(np.float32).max, np.float32)
+    big[::2, 1] *= -1
+    big[:, 2] = np.float32(2.0 ** -126)
+    big[-1, 2] = -np.float32(2.0 ** -126 * (rows - 1)) + np.float32(2.0 ** -149)
+    got = device_sums.exact_sum(DeviceColumn([jnp.asarray(big)], [rows]))
+    np.testing.assert_array_equal(_bits(got), _bits(_host(big)))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint16], ids=str)
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), n=st.integers(1, 9))
+def test_integer_sums_wrap_as_the_host_does(dtype, seed, n):
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(seed)
+    stack = rng.integers(info.min, int(info.max) + 1, (9, 7), dtype=np.int64).astype(dtype)
+    stack[0, :2] = info.max, info.min
+    got = device_sums.exact_sum(DeviceColumn([jnp.asarray(stack)], [n]))
+    assert np.asarray(got).dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got), _host(stack[:n]))
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean", "weighted_mean"])
+def test_finished_aggregates_match_the_host(kind):
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal((5, 4, 3)) * 2.0 ** rng.integers(-20, 20, (5, 4, 3))
+              ).astype(np.float32)
+    weights = rng.integers(0, 7, (5,)).astype(np.float32)
+    w = [weights] if kind == "weighted_mean" else None
+    host = aggregation.finish(aggregation.partial_of_columns(kind, [values.copy()], 5, w))
+    device = aggregation.finish(aggregation.device_partial(
+        kind, [[jnp.asarray(values)]], [5], None if w is None else [jnp.asarray(weights)]))
+    np.testing.assert_array_equal(_bits(np.asarray(device[0])), _bits(host[0]))
+
+
+def test_weighted_mean_refuses_negative_and_zero_weights_on_the_device():
+    values = [[jnp.ones((2, 3), jnp.float32)]]
+    for weights, said in (([1.0, -2.0], "negative"), ([0.0, 0.0], "sum to zero")):
+        partial = aggregation.device_partial("weighted_mean", values, [2],
+                                             [jnp.asarray(weights, jnp.float32)])
+        with pytest.raises(WeightError, match=said):
+            aggregation.finish(partial)
+
+
+def test_on_device_reads_the_keyword_then_the_environment(monkeypatch):
+    monkeypatch.setenv(device_sums.ENV_VAR, "1")
+    assert device_sums.on_device() and not device_sums.on_device(False)
+    monkeypatch.setenv(device_sums.ENV_VAR, "0")
+    assert not device_sums.on_device() and device_sums.on_device(True)
+    monkeypatch.setenv(device_sums.ENV_VAR, "yes")
+    with pytest.raises(ArgumentError, match=device_sums.ENV_VAR):
+        device_sums.on_device()
+    monkeypatch.delenv(device_sums.ENV_VAR)
+    assert device_sums.on_device() is False  # the tests run on the CPU backend
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1))
+def test_division_is_numpy_s_on_any_bits(dtype, seed):
+    """A mean's division: the float32 quotient rounded correctly (not the backend's
+    division, which may be an ulp off), then rounded to the dtype, as numpy does."""
+    rng = np.random.default_rng(seed)
+    uint = float_params(dtype)[3]
+    a = rng.integers(0, 1 << (8 * dtype.itemsize), 4096, dtype=np.uint64).astype(uint)
+    b = np.concatenate([a[:1], np.array(3, dtype).view(uint)[None]]).view(dtype)
+    a = a.view(dtype)
+    for by in b:
+        with np.errstate(all="ignore"):
+            want = np.divide(a, np.asarray(by, dtype))
+        got = np.asarray(device_sums._divide(jnp.asarray(a), jnp.asarray(by)))
+        both_nan = np.isnan(want.astype(np.float32)) & np.isnan(got.astype(np.float32))
+        np.testing.assert_array_equal(np.where(both_nan, 0, _bits(got)),
+                                      np.where(both_nan, 0, _bits(want)))
