@@ -11,7 +11,9 @@ runs as:
   chunks, `vmap` inside, deltas summed as it goes);
 - `fax_bridge_chunked`: the program with `clients_per_step=k`;
 - `exported`: the program exported to a TFF proto and run by
-  `fax_bridge.runtime.run_computation` in this process.
+  `fax_bridge.runtime.run_computation` in this process, values kept on the device and
+  summed exactly there (`on_device=True`);
+- `exported_host`: the same with the exact sums and the server step on the host.
 
 For each: the round's time (median of the timed repeats, after a compiled warm-up),
 MFU (6 x parameters x tokens a round, attention excluded, against the chip's peak bf16
@@ -51,7 +53,8 @@ TINY = dict(vocab=512, seq=32, batch=2)
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v5p": 459.0,
                "TPU v6 lite": 918.0}
 VARIANTS = ("hand_vmap", "fax_bridge", "drjax", "hand_chunked", "fax_bridge_chunked",
-            "exported")
+            "exported", "exported_host")
+REFERENCES = ("hand_vmap", "hand_chunked")  # the hand-written rounds, in that preference
 
 
 # --------------------------------------------------------------------------- the model
@@ -193,7 +196,7 @@ def _timed(fn: Callable, args: tuple, repeats: int) -> tuple[Any, list[float]]:
 
 
 def _max_diff(a, b) -> float:
-    return float(max(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+    return float(max(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
                      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
 
 
@@ -214,40 +217,46 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
     report = {"model": model, "parameters": n_params, "clients": clients, "steps": steps,
               "chunk": chunk, "tokens": tokens, "device": device.device_kind,
               "devices": jax.device_count(), "peak_tflops": peak, "rows": []}
-    results: dict[str, Any] = {}
-    for variant in variants:
+    results: dict[str, Any] = {}  # new models, on the host (the chip keeps no old one)
+    for variant in sorted(variants, key=lambda v: v not in REFERENCES):
         row: dict[str, Any] = {"variant": variant}
         try:
-            if variant == "exported":
-                row.update(_exported(heads, clients, params, data, repeats, results))
+            if variant.startswith("exported"):
+                out, times, extra = _exported(heads, clients, params, data, repeats,
+                                              on_device=variant == "exported")
+                row.update(extra)
             else:
                 fn = _jitted(variant, heads, clients, chunk)
                 mem = fn.lower(params, data).compile().memory_analysis()
                 row["temp_gib"] = mem.temp_size_in_bytes / 2 ** 30
                 out, times = _timed(fn, (params, data), repeats)
-                results[variant] = out
-                row["round_s"] = statistics.median(times)
+            results[variant] = jax.tree.map(np.asarray, out)
+            del out
+            row["round_s"] = statistics.median(times)
         except Exception as e:  # noqa: BLE001 - an out-of-memory variant is a result
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if "round_s" in row and peak:
             row["mfu"] = flops / row["round_s"] / (peak * 1e12)
         report["rows"].append(row)
-    reference = results.get("hand_vmap", results.get("hand_chunked"))
+    reference = next((results[r] for r in REFERENCES if r in results), None)
     for row in report["rows"]:
         if reference is not None and row["variant"] in results:
             row["max_diff"] = _max_diff(results[row["variant"]], reference)
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    report["rows"].sort(key=lambda r: order[r["variant"]])
     return report
 
 
-def _exported(heads, clients, params, data, repeats, results) -> dict:
-    from fax_bridge.runtime import run_computation
+def _exported(heads, clients, params, data, repeats, on_device: bool):
+    from fax_bridge.runtime import interpreter, run_computation
     program = fax_program(heads, clients, None)
     start = time.perf_counter()
-    proto = fb.export_tff(program, params, data, placements=("server", "clients"))
+    proto = interpreter.prepare(
+        fb.export_tff(program, params, data, placements=("server", "clients")))
     export_s = time.perf_counter() - start
-    out, times = _timed(lambda p, d: run_computation(proto, p, d), (params, data), repeats)
-    results["exported"] = jax.tree.map(jnp.asarray, out)
-    return {"round_s": statistics.median(times), "export_s": export_s}
+    out, times = _timed(lambda p, d: run_computation(proto, p, d, on_device=on_device),
+                        (params, data), repeats)
+    return out, times, {"export_s": export_s}
 
 
 def table(report: dict) -> str:
