@@ -347,3 +347,26 @@ def test_any_run_config_value_reads_back_from_pyproject_as_written(values, name)
     data = tomllib.loads(app_dir.pyproject(name, values))
     assert data["project"]["name"] == name
     assert data["tool"]["flwr"]["app"]["config"] == values
+
+
+def test_every_run_config_key_the_server_reads_can_be_set_with_run_config(tmp_path,
+                                                                          quickstart):
+    """The written pyproject.toml lists every `RUN_CONFIG` key (population-size at 0,
+    not declared), so Flower's own `--run-config` merge takes each of them."""
+    import pathlib
+
+    from flwr.common.config import get_fused_config_from_dir, parse_config_args
+
+    from fax_bridge.flower.server import RUN_CONFIG, Settings
+
+    folder = tmp_path / "app"
+    app_dir.write_app(quickstart[1], str(folder))
+    assert set(app_dir.DEFAULT_CONFIG) == set(RUN_CONFIG)
+    written = get_fused_config_from_dir(pathlib.Path(folder), {})
+    assert set(written) == set(RUN_CONFIG) and written["population-size"] == 0
+    fused = get_fused_config_from_dir(
+        pathlib.Path(folder), parse_config_args(["population-size=12 cohort-size=3"]))
+    settings = Settings.from_run_config(fused)
+    assert (settings.population_size, fused["num-rounds"]) == (12, 3)
+    with pytest.raises(ValueError, match="not present"):  # Flower's refusal, kept
+        get_fused_config_from_dir(pathlib.Path(folder), {"no-such-key": 1})

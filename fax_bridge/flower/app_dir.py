@@ -32,19 +32,18 @@ from fax_bridge import output_folders
 from fax_bridge.errors import ExportError
 from fax_bridge.flower.bundle import (LITERT_DIR, MAX_BUNDLE_BYTES, FlowerRound,
                                       models_dir, state_in_bundle, write_round)
+from fax_bridge.flower.server import RUN_CONFIG
 from fax_bridge.flower.toml_text import (CONNECTION, connection_toml, node_config_text,
                                          toml_key, toml_string, toml_value)
 
 PACKAGE = "fax_round"
 STATE_FILE = "initial_state.npz"  # a state kept out of the bundle (bundle.write_state)
 
-DEFAULT_CONFIG = {
-    "num-rounds": 3, "cohort-size": 0, "dropout": 0.0, "seed": 0, "min-clients": 1,
-    "round-deadline-s": 0.0, "node-timeout-s": 120.0, "first-round-timeout-s": 300.0,
-    "min-nodes": 1,
-    "wait-nodes-s": 60.0, "poll-s": 0.05, "out-dir": "", "checkpoint-dir": "",
-    "secagg-threshold": 0.0, "rounded-partials": False, "initial-state": "",
-}
+# The run config a written app declares: every key the ServerApp reads (`RUN_CONFIG`),
+# at its default but for num-rounds, so that `flwr run --run-config` can set any of them
+# (Flower refuses a key the app's pyproject.toml does not list).
+DEFAULT_CONFIG = {**{key: spec.default for key, spec in RUN_CONFIG.items()},
+                  "num-rounds": 3}
 
 _SERVER = '''"""The ServerApp of this round (written by `fax-bridge flower`)."""
 
@@ -206,7 +205,8 @@ runs it from there, so edits to this folder reach it only through the next `flwr
 `.flwr/config.toml` here names the SuperLink connection `{CONNECTION}` ({superlink},
 {connection}). Settings (`[tool.flwr.app.config]` in pyproject.toml) can be overridden with
 `--run-config 'num-rounds=10 out-dir="/tmp/out"'`: num-rounds; cohort-size (0: every
-client), dropout, seed, min-clients, round-deadline-s (0: none; else how long a round
+client), population-size (the clients the SuperNodes hold together, so that no node can
+claim clients that do not exist; 0: not declared), dropout, seed, min-clients, round-deadline-s (0: none; else how long a round
 waits for the nodes), node-timeout-s (the wait without a deadline),
 first-round-timeout-s (the least the first round waits: nodes start then), min-nodes and
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
