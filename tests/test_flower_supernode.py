@@ -4,6 +4,8 @@ every process it started."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shlex
 import signal
@@ -13,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from processes import running
 
 pytest.importorskip("flwr")
@@ -97,3 +100,42 @@ def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+_ADDRESSES = (st.text(max_size=24)
+              | st.builds(lambda host, port: f"{host}:{port}",
+                          st.sampled_from(["10.0.0.1", "[::1]", "::1", "node-1.example",
+                                           "bad host", "[zz]", "256.1.1.1", ""]),
+                          st.integers(-1, 70000))
+              | st.sampled_from([" 10.0.0.1:9093 ", "[fe80::1%eth0]:9093", "host:0"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(address=_ADDRESSES)
+def test_superlink_is_read_as_every_other_command_reads_a_superlink(address):
+    """`--superlink` takes exactly what `cli_args.connect_address` (`parse_address`, port
+    1..65535) takes, in its one spelling; anything else stops argparse naming the flag
+    and parse_address's reason, before a worker or SuperNode starts."""
+    from fax_bridge import addresses
+    from fax_bridge.errors import AddressError
+
+    base = ["--insecure", "--population", "/nowhere", f"--superlink={address}"]
+    try:
+        want = addresses.normalized(address, "HOST:PORT")
+    except AddressError as e:
+        err = io.StringIO()
+        with pytest.raises(SystemExit) as stopped, contextlib.redirect_stderr(err):
+            supernode._parser().parse_args(base)
+        assert stopped.value.code == 2
+        err = err.getvalue()
+        assert "argument --superlink" in err and str(e) in err
+        return
+    assert supernode._parser().parse_args(base).superlink == want
+
+
+def test_the_loopback_ports_are_checked_when_read(capsys):
+    base = ["--insecure", "--population", "/nowhere", "--superlink", "127.0.0.1:9093"]
+    for flag in ("--port", "--worker-port"):
+        with pytest.raises(SystemExit):
+            supernode._parser().parse_args(base + [flag, "65536"])
+        assert f"argument {flag}: must be an integer in 0..65535" in capsys.readouterr().err

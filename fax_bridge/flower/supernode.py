@@ -29,7 +29,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from fax_bridge import private_files
+from fax_bridge import cli_args, private_files
 from fax_bridge.flower import forked_apps
 from fax_bridge.flower.deployment import (LOOPBACK, flower_env, free_port,
                                           node_config_text, wait_port)
@@ -51,16 +51,18 @@ def supernode_command(args: argparse.Namespace, node_config: dict) -> list:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--superlink", required=True, help="the SuperLink's HOST:PORT")
+    parser.add_argument("--superlink", required=True, type=cli_args.connect_address,
+                        help="the SuperLink's HOST:PORT (port 1..65535; an IPv6 host in "
+                             "brackets)")
     security = parser.add_mutually_exclusive_group(required=True)
     security.add_argument("--root-certificates", help="CA certificate the SuperLink's is "
                           "checked against (TLS)")
     security.add_argument("--insecure", action="store_true", help="no TLS (trials only)")
     parser.add_argument("--auth-supernode-private-key", default=None,
                         help="this node's private key (SuperNode authentication)")
-    parser.add_argument("--port", type=int, default=0,
+    parser.add_argument("--port", type=cli_args.int_in(0, 65535), default=0,
                         help="the SuperNode's own ClientAppIo port on loopback (0: free)")
-    parser.add_argument("--worker-port", type=int, default=0,
+    parser.add_argument("--worker-port", type=cli_args.int_in(0, 65535), default=0,
                         help="the worker's port on loopback (0: a free one)")
     parser.add_argument("--population", required=True, help="the node's population dir")
     parser.add_argument("--first-client", type=int, default=0)
