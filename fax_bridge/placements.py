@@ -163,3 +163,21 @@ def weights_refusal(least: float, total_is_zero: bool) -> str | None:
                 "is 0/0; give at least one client a positive weight (e.g. skip the "
                 "round, or fall back to federated_mean).")
     return None
+
+
+_GRAD_FIX = ("To differentiate, sum decoded values: federated_sum(federated_map_clients("
+             "decode, value)) is the same sum; or jax.lax.stop_gradient what clients encode.")
+_DECODE_SUM_REFUSALS = {
+    "jvp": "is not differentiable: it decodes at the server what clients send (codes). "
+           + _GRAD_FIX,
+    "transpose": "has no transpose: it is not linear in the codes it decodes. " + _GRAD_FIX,
+    "batch": "cannot be vmapped over its operands: a member is decoded as it was sent. vmap "
+             "the program with in_axes=None for the values given to federated_decode_sum "
+             "(the codes), or run it once per batch element (jax.lax.map).",
+}
+
+
+def decode_sum_refusal(rule: str, name: str) -> str:
+    """Why `federated_decode_sum` with decoder `name` refuses jax's `rule` ("jvp",
+    "transpose" or "batch": of operands the vmap batches), and the fix."""
+    return f"federated_decode_sum ({name}) {_DECODE_SUM_REFUSALS[rule]}"

@@ -23,12 +23,11 @@ Keeping the jaxpr in the equation is what lets the exporter turn it into a TFF
 partial evaluation and DCE all produce new `federated_map_p` equations with transformed
 per-member jaxprs).
 
-`federated_decode_sum_p` is an aggregation whose members cross to the server as they
-are (e.g. packed integer codes) and are decoded there: the sum over clients of
-`decode(member)`, `decode` carried as a closed jaxpr. It exports to TFF's
-`federated_aggregate` (accumulate = add the decoded member). It has abstract
-evaluation, an implementation and a lowering, but no JVP, transpose or batching rule:
-its operands are codes, not differentiable quantities.
+`federated_decode_sum_p` is an aggregation whose members (e.g. packed integer codes)
+cross to the server as they are and are decoded there: the sum over clients of
+`decode(member)`, `decode` a closed jaxpr, exported as TFF's `federated_aggregate`
+(accumulate = add the decoded member). Codes are neither differentiated nor batched:
+its JVP, transpose and batching rules (of batched operands) refuse, naming the fix.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from fax_bridge import local as _local
 from fax_bridge import lowering as _lowering
 from fax_bridge import primitive_facts as _facts
 from fax_bridge.errors import ArgumentError, PlacementError
-from fax_bridge.placements import aggregate_refusal
+from fax_bridge.placements import aggregate_refusal, decode_sum_refusal
 
 CLIENTS = "clients"
 SERVER = "server"
@@ -574,8 +573,25 @@ def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
     return [_lowering.clients_sum(d, reduce=mesh is not None) for d in decoded]
 
 
+def _decode_sum_refuse(rule: str, name: str):
+    raise ArgumentError(decode_sum_refusal(rule, name))
+
+
+def _decode_sum_batch(axis_data, args, dims, **params):
+    """Operands the vmap does not batch (it maps other arguments) pass; others refuse."""
+    if any(d is not None for d in dims):
+        _decode_sum_refuse("batch", params["name"])
+    outs = federated_decode_sum_p.bind(*args, **params)
+    return outs, [None] * len(outs)
+
+
 federated_decode_sum_p.def_abstract_eval(_decode_sum_abstract_eval)
 _lowering.register_impl_and_lowering(federated_decode_sum_p, _decode_sum_impl)
+ad.primitive_jvps[federated_decode_sum_p] = lambda _, __, name, **p: _decode_sum_refuse(
+    "jvp", name)
+ad.primitive_transposes[federated_decode_sum_p] = \
+    lambda _, *__, name, **p: _decode_sum_refuse("transpose", name)
+batching.fancy_primitive_batchers[federated_decode_sum_p] = _decode_sum_batch
 # Exported as federated_aggregate, whose own functions the runtime runs (no kind).
 _facts.register(_facts.PrimitiveFacts(
     federated_decode_sum_p, _facts.Movement.AGGREGATE, intrinsic_defs.FEDERATED_AGGREGATE,

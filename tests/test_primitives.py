@@ -257,3 +257,36 @@ def test_decode_sum_rejects_a_decoder_closing_over_traced_values():
         jax.jit(prog)(jnp.float32(2.0), np.ones((2, 3), np.uint8))
     with pytest.raises(fb.PlacementError, match="leading axis of size 2"):
         jax.jit(prog)(jnp.float32(2.0), np.ones((3,), np.uint8))
+
+
+def test_decode_sum_refuses_grad_vmap_and_transpose_naming_the_fix():
+    """jax's bare "rule not implemented" is replaced by refusals that say what to do;
+    where no derivative or batch axis reaches the codes, the program still transforms."""
+    codes = np.arange(8, dtype=np.uint8).reshape(2, 4)
+    scales = np.array([1.0, 0.5], np.float32)
+
+    @fb.program(clients=2)
+    def prog(w, codes, scales):
+        decoded = fb.federated_decode_sum(_decode, (codes, scales))
+        return w * decoded["value"].sum() + w ** 2
+
+    want = (codes * scales[:, None]).sum()
+    g = jax.grad(prog)(jnp.float32(3.0), codes, scales)          # no tangent at the codes
+    np.testing.assert_allclose(g, want + 6.0)
+    ws = jnp.arange(3, dtype=jnp.float32)                        # codes not batched
+    np.testing.assert_allclose(jax.vmap(prog, in_axes=(0, None, None))(ws, codes, scales),
+                               ws * want + ws ** 2)
+    with pytest.raises(fb.FaxBridgeError, match=r"\(_decode\) is not differentiable.*"
+                       r"federated_sum\(federated_map_clients\(decode, value\)\)"):
+        jax.grad(prog, argnums=2)(jnp.float32(3.0), codes, scales)
+    with pytest.raises(fb.FaxBridgeError, match=r"\(_decode\) is not differentiable"):
+        jax.jvp(lambda s: prog(jnp.float32(1.0), codes, s), (scales,), (scales,))
+    with pytest.raises(fb.FaxBridgeError, match=r"cannot be vmapped.*in_axes=None"):
+        jax.vmap(prog, in_axes=(None, 0, 0))(jnp.float32(3.0), codes[None], scales[None])
+
+    @fb.program(clients=2)
+    def linear(values):
+        return fb.federated_decode_sum(lambda v: v * 2.0, values)
+
+    with pytest.raises(fb.FaxBridgeError, match=r"has no transpose.*stop_gradient"):
+        jax.linear_transpose(linear, jnp.ones((2, 3)))(jnp.ones(3))
