@@ -249,32 +249,17 @@ def save_result(path: str, arrays: Mapping[str, np.ndarray]) -> tuple[str, Optio
 
 
 def load_npz(path: str, flag: str = "--inputs") -> dict[str, np.ndarray]:
-    """The arrays of an npz file, or a ComputationError naming the flag and the problem."""
+    """The arrays of an npz file (`npz_keys.read_npz`: a regular file, no pickles, each
+    header checked before its array is allocated), or a ComputationError naming the flag
+    and the problem."""
+    from fax_bridge.private_files import UnsafePathError
+    from fax_bridge.runtime import npz_keys
+
     try:
-        with np.load(path, allow_pickle=False) as f:
-            if not hasattr(f, "files"):
-                raise ValueError("it holds a single .npy array, not an npz archive")
-            out: dict[str, np.ndarray] = {}
-            for name in f.zip.namelist():  # each member once: np.load would read `a.npy`
-                key = name[:-4] if name.endswith(".npy") else name  # as `a` for key `a`
-                if key in out or not name.endswith(".npy"):
-                    raise ValueError(f"its member {name!r} is not one distinct .npy array")
-                with f.zip.open(name) as member:
-                    out[key] = np.lib.format.read_array(member, allow_pickle=False)
-            return out
+        return npz_keys.read_npz(path, what=flag)
     except FileNotFoundError:
         raise ComputationError(f"{flag} {path}: no such file") from None
-    except IsADirectoryError:
-        raise ComputationError(f"{flag} {path}: is a folder, not an npz file") from None
-    except Exception as e:  # noqa: BLE001 - any failure to parse the file's bytes
-        # numpy and zipfile raise many kinds for damaged bytes (BadZipFile, an unknown zip
-        # version's NotImplementedError, a flipped flag's "encrypted" RuntimeError, ...)
-        if "Object arrays" in str(e):
-            detail = "it holds object arrays, which are never unpickled"
-        elif "pickle" in str(e):
-            detail = "its bytes are neither an npz archive nor a .npy array"
-        else:
-            detail = f"{type(e).__name__}: {e}"
-        raise ComputationError(
-            f"{flag} {path} is not a readable npz archive of numeric arrays ({detail}); "
-            "write it with numpy.savez") from None
+    except UnsafePathError as e:  # a folder, a FIFO: named by the reader
+        raise ComputationError(str(e)) from None
+    except PermissionError as e:
+        raise ComputationError(f"{flag} {path}: {e.strerror or e}") from None

@@ -18,6 +18,9 @@ points to) or swap a program that root then runs. Every such write goes through 
   file of ours with one link.
 - `read_private(path)`: a secret (a token) opened with `O_NOFOLLOW`, refused unless it
   is a regular file of ours that others can neither read nor write.
+- `open_regular(path, limit)` / `read_regular(path, limit)`: data a run is handed (a
+  carried model, a state file), opened with `O_NOFOLLOW | O_NONBLOCK` (a FIFO never
+  hangs the reader), refused unless it is a regular file of at most `limit` bytes.
 
 A refusal is an `UnsafePathError` naming the path, what was wrong, and the fix. This
 module imports only the standard library (and `fax_bridge.errors`, when imported as part
@@ -221,6 +224,57 @@ def open_append(path: Union[str, os.PathLike], mode: int = 0o600):
     it is a regular file of ours with one link. Never follows a link at `path`."""
     fd = _open_checked(os.fspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
     return os.fdopen(fd, "ab")
+
+
+def open_regular(path: Union[str, os.PathLike], limit: int, *, follow_links: bool = False,
+                 ours: bool = False, what: str = "", fix: str = "") -> tuple:
+    """(`path` opened to read in binary, its size in bytes): refused with
+    `UnsafePathError` naming `what` and `path` unless it is a regular file (not a link
+    unless `follow_links`, not a FIFO, a device or a folder) of at most `limit` bytes,
+    and, with `ours`, of the user running this. The size is the open file's, so a
+    reader can bound what it allocates by it. `fix`: how to make the right file, ending
+    a refusal."""
+    path = os.fspath(path)
+    name = f"{what} {path}" if what else path
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else _NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if not follow_links and os.path.islink(path):
+            raise _refuse(name, "is a symbolic link",
+                          f"Give the file itself{'; ' + fix if fix else ''}") from None
+        raise e
+    info = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(info.st_mode):
+        why = ("is a folder" if stat.S_ISDIR(info.st_mode) else
+               "is a FIFO" if stat.S_ISFIFO(info.st_mode) else "is a device or socket")
+    elif ours and info.st_uid != os.geteuid():
+        why = f"belongs to {_owner(info.st_uid)}"
+    elif info.st_size > limit:
+        os.close(fd)
+        raise UnsafePathError(f"{name} holds {info.st_size} bytes, more than the {limit} "
+                              f"this reads; {fix or 'give the right file'}")
+    if why is not None:
+        os.close(fd)
+        raise UnsafePathError(f"{name} {why}, not a regular file this reads; " + (
+            fix or "give the file itself (write it again with the command that made it)")
+            if why.startswith("is a") else f"{name} {why}; {fix or 'give a file of your own'}")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), info.st_size
+
+
+def read_regular(path: Union[str, os.PathLike], limit: int, **kwargs) -> bytes:
+    """The bytes of `path` (`open_regular`'s checks and keywords): exactly its size
+    when opened, never more than `limit`."""
+    f, size = open_regular(path, limit, **kwargs)
+    with f:
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise UnsafePathError(f"{kwargs.get('what', '')} {os.fspath(path)}".strip()
+                              + " changed size while it was read; give a file nothing "
+                              "else writes")
+    return data
 
 
 def read_private(path: Union[str, os.PathLike], limit: int = MAX_SECRET_BYTES) -> bytes:

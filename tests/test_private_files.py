@@ -208,3 +208,32 @@ def test_a_log_is_appended_to_and_never_truncated(tmp_path):
             f.write(line)
     assert open(path, "rb").read() == b"one\ntwo\n"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_data_a_run_is_handed_is_read_only_from_a_regular_file(tmp_path, roots_file):
+    """A link (unless followed on purpose), a FIFO (never waited on), a folder, a file
+    over the limit and, where asked, another user's file are refused naming the path."""
+    assert private_files.read_regular(roots_file, 1024) == ROOTS_TEXT
+    link = os.path.join(str(tmp_path), "link")
+    os.symlink(roots_file, link)
+    with pytest.raises(UnsafePathError, match=f"state {link} is a symbolic link"):
+        private_files.read_regular(link, 1024, what="state")
+    assert private_files.read_regular(link, 1024, follow_links=True) == ROOTS_TEXT
+    fifo = os.path.join(str(tmp_path), "fifo")
+    os.mkfifo(fifo)
+    with pytest.raises(UnsafePathError, match=f"{fifo} is a FIFO"):
+        private_files.read_regular(fifo, 1024)
+    with pytest.raises(UnsafePathError, match="is a folder.*write it again"):
+        private_files.read_regular(str(tmp_path), 1024, fix="write it again")
+    with pytest.raises(UnsafePathError, match=f"holds {len(ROOTS_TEXT)} bytes, more than"):
+        private_files.read_regular(roots_file, len(ROOTS_TEXT) - 1)
+    with pytest.raises(FileNotFoundError):
+        private_files.read_regular(os.path.join(str(tmp_path), "absent"), 1024)
+    if os.geteuid() == 0:
+        theirs = os.path.join(str(tmp_path), "theirs")
+        with open(theirs, "wb") as f:
+            f.write(b"x")
+        os.chown(theirs, _nobody(), -1)
+        assert private_files.read_regular(theirs, 8) == b"x"
+        with pytest.raises(UnsafePathError, match="belongs to nobody"):
+            private_files.read_regular(theirs, 8, ours=True)

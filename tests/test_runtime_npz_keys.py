@@ -201,3 +201,48 @@ def test_a_cast_never_wraps_or_overflows_a_value(pair, numbers):
         assert np.isfinite(got).all()
     else:
         np.testing.assert_array_equal(got.astype(given_dtype), arr)
+
+
+def _member(shape, dtype, data: bytes) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, {"descr": np.dtype(dtype).str,
+                                               "fortran_order": False, "shape": shape})
+    return out.getvalue() + data
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(0, 2**31), max_size=3), size=st.integers(0, 64),
+       dtype=st.sampled_from(["<f4", "<i8", ">f8", "|u1", "|b1"]),
+       compressed=st.booleans())
+def test_a_member_whose_header_claims_other_bytes_is_refused_before_allocating(
+        tmp_path_factory, shape, size, dtype, compressed):
+    """Whatever shape a header claims over whatever bytes follow it, the reader gives
+    exactly those bytes as that array or refuses naming the member, never a
+    MemoryError (a claim of 2^40 elements included)."""
+    import zipfile
+
+    path = tmp_path_factory.mktemp("claims") / "x.npz"
+    data = bytes(range(size))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED if compressed
+                         else zipfile.ZIP_STORED) as archive:
+        archive.writestr("a.npy", _member(tuple(shape), dtype, data))
+    try:
+        got = npz_keys.read_npz(path, what="--inputs")
+    except npz_keys.NpzUnreadable as e:
+        assert f"--inputs {path}" in str(e) and "'a.npy'" in str(e)
+        assert int(np.prod(shape)) * np.dtype(dtype).itemsize != size
+        return
+    assert got["a"].shape == tuple(shape) and got["a"].tobytes() == data
+
+
+def test_a_recorded_hash_is_checked_before_the_arrays_are_read(tmp_path):
+    path = tmp_path / "x.npz"
+    np.savez(path, a=np.arange(3))
+    import hashlib
+
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert npz_keys.read_npz(path, sha256=digest)["a"].tolist() == [0, 1, 2]
+    with pytest.raises(npz_keys.NpzUnreadable, match=f"recorded {'0' * 64}"):
+        npz_keys.read_npz(path, sha256="0" * 64)

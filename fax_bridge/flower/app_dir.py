@@ -325,12 +325,12 @@ def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:909
         written = False
         if state_in_bundle(made):
             try:
-                write_round(made, package)
+                write_round(made, package, models=packed)
                 written = True
             except ExportError:  # the round with it over the bundle's 10 MB
                 pass
         if not written:  # beside the app: only the ServerApp reads it
-            write_round(made, package, os.path.join(stage, STATE_FILE))
+            write_round(made, package, os.path.join(stage, STATE_FILE), models=packed)
             settings["initial-state"] = state_path
         if packed:
             from fax_bridge.litert import carried

@@ -28,15 +28,18 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import hashlib
+import io
 import json
+import math
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge import private_files
-from fax_bridge.errors import ExportError
+from fax_bridge.errors import ComputationError, ExportError
 from fax_bridge.rounds import round_split
 from fax_bridge.rounds import wire
 from fax_bridge.runtime import backend, interpreter, values
@@ -59,6 +62,10 @@ class FlowerRound:
     # True when round.json holds only the state's layout (`state` then holds zeros of
     # it) and the run config's initial-state names the file (`read_state`)
     state_outside: bool = False
+    state_sha256: Optional[str] = None  # that file's, as written with the app
+    # {file name: sha256} of the LiteRT models written with the app (`carried.find`
+    # refuses any other); None for a round not read from an app
+    litert_models: Optional[dict] = None
 
     @functools.cached_property
     def prepared(self) -> interpreter.Prepared:
@@ -150,36 +157,82 @@ def write_state(tensors: list, path: str) -> str:
     arrays = {str(i): np.asarray(t) for i, t in enumerate(tensors)}
     names = [wire.dtype_name(np.asarray(t).dtype) for t in tensors]
     for key, value in arrays.items():
-        if value.dtype.name != np.dtype(value.dtype.str).name or value.dtype.kind == "V":
+        if _needs_bytes(value.dtype):
             arrays[key] = value.reshape(value.shape + (1,)).view(np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, dtypes=np.array(names), **arrays)
     private_files.private_dir(os.path.dirname(os.path.abspath(path)), 0o755)
-    with private_files.atomic_file(path, 0o644) as f:
-        np.savez(f, dtypes=np.array(names), **arrays)
-    return path
+    return private_files.write_file(path, buffer.getvalue(), 0o644)
 
 
-def read_state(path: str, like: list) -> list:
+def state_sha256(path: str) -> str:
+    """The sha256 of the state file `write_state` wrote at `path`, read back through
+    `private_files` (a regular file of ours, never through a link)."""
+    from fax_bridge.runtime import npz_keys
+
+    return hashlib.sha256(private_files.read_regular(
+        path, npz_keys.MAX_NPZ_FILE_BYTES, ours=True, what="the state file")).hexdigest()
+
+
+def _needs_bytes(dtype: np.dtype) -> bool:
+    """Whether `write_state` keeps tensors of `dtype` as their bytes (uint8, one more
+    axis): a dtype numpy cannot save as itself (bfloat16, float8 and such)."""
+    return dtype.name != np.dtype(dtype.str).name or dtype.kind == "V"
+
+
+def read_state(path: str, like: list, sha256: Optional[str] = None) -> list:
     """The tensors `write_state` wrote at `path`, checked against the dtypes and shapes
-    of `like` (the state's tensors as the round expects them)."""
+    of `like` (the state's tensors as the round expects them).
+
+    The file must be a regular file (a link is not followed, a FIFO never waited on),
+    its arrays no larger than `like`'s (checked from each header before anything is
+    allocated: `npz_keys.read_npz`), and each entry the dtype and shape the round
+    expects: a tensor is taken as its bytes only where `write_state` writes it so
+    (uint8 of its dtype's width), never another dtype relabelled. `sha256`: the digest
+    `write_round` recorded for the file, checked first. A refusal names the entry, what
+    the round expects and what the file holds.
+    """
+    from fax_bridge.runtime import npz_keys
+
+    fix = ("write it with `fax-bridge flower` (initial_state.npz beside the app), and "
+           "name that file in the run config's initial-state")
+    want = [(np.asarray(t).dtype, tuple(np.shape(t))) for t in like]
+    room = sum(math.prod(shape) * max(dtype.itemsize, 1) for dtype, shape in want)
+    room += 64 * (len(want) + 1)  # the dtypes' names
     try:
-        with np.load(path, allow_pickle=False) as f:
-            names = [str(n) for n in f["dtypes"]]
-            found = []
-            for i, name in enumerate(names):
-                value = np.asarray(f[str(i)])
-                dtype = wire.dtype_from_name(name)
-                if value.dtype != dtype:
-                    value = value.view(dtype).reshape(value.shape[:-1])
-                found.append(value)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ExportError(f"initial-state {path} cannot be read as a round's initial state "
-                          f"({type(e).__name__}: {e}); write it with `fax-bridge flower` "
-                          "(initial_state.npz beside the app)") from None
-    want = [(wire.dtype_name(t.dtype), tuple(t.shape)) for t in like]
-    got = [(wire.dtype_name(t.dtype), tuple(t.shape)) for t in found]
-    if got != want:
-        raise ExportError(f"initial-state {path} holds tensors {got[:8]}; the round's state "
-                          f"is {want[:8]}; it was written for another round")
+        arrays = npz_keys.read_npz(path, what="initial-state", follow_links=False,
+                                   max_bytes=room, sha256=sha256, fix=fix)
+    except FileNotFoundError:
+        raise ExportError(f"initial-state {path}: no such file; {fix}") from None
+    except (ComputationError, PermissionError) as e:
+        raise ExportError(str(e)) from None
+    keys = ["dtypes"] + [str(i) for i in range(len(want))]
+    if sorted(arrays) != sorted(keys):
+        raise ExportError(f"initial-state {path} holds the entries {sorted(arrays)[:12]}; "
+                          f"the round's state has {len(want)} tensors (entries "
+                          f"{keys[:12]}): it was written for another round; {fix}")
+    names = arrays["dtypes"]
+    if names.dtype.kind != "U" or names.shape != (len(want),):
+        raise ExportError(f"initial-state {path}: entry 'dtypes' is {names.dtype.name}"
+                          f"{list(names.shape)}, expected {len(want)} dtype names; {fix}")
+    found = []
+    for i, ((dtype, shape), name) in enumerate(zip(want, names)):
+        value = arrays[str(i)]
+        expected = f"{wire.dtype_name(dtype)}{list(shape)}"
+        held = f"{str(name)!r} labelling {value.dtype.name}{list(value.shape)}"
+        if str(name) != wire.dtype_name(dtype):
+            raise ExportError(f"initial-state {path}: entry '{i}' is {held}, but the "
+                              f"round's state expects {expected} there: it was written "
+                              f"for another round; {fix}")
+        if value.dtype == dtype and value.shape == shape:
+            found.append(value)
+        elif (_needs_bytes(dtype) and value.dtype == np.uint8
+              and value.shape == shape + (dtype.itemsize,)):
+            found.append(value.view(dtype).reshape(shape))
+        else:
+            raise ExportError(f"initial-state {path}: entry '{i}' is {held}, but the "
+                              f"round's state expects {expected} there (never "
+                              f"reinterpreted): it was written for another round; {fix}")
     return found
 
 
@@ -189,11 +242,13 @@ def state_in_bundle(made: FlowerRound) -> bool:
     return sum(np.asarray(t).nbytes for t in made.state) <= MAX_STATE_IN_BUNDLE_BYTES
 
 
-def write_round(made: FlowerRound, folder: str, state_path: Optional[str] = None) -> str:
+def write_round(made: FlowerRound, folder: str, state_path: Optional[str] = None,
+                models: Sequence = ()) -> str:
     """Writes `round.json` into `folder`; returns its path. With `state_path`, the
     initial state goes to that .npz instead (`write_state`) and `round.json` holds only
-    its tensors' dtypes and shapes. Refuses a round whose file would not fit in a Flower
-    app bundle."""
+    its tensors' dtypes and shapes and the file's sha256. `models`: the LiteRT models
+    the app carries (`carried.pack`'s pairs), whose sha256 `round.json` records. Refuses
+    a round whose file would not fit in a Flower app bundle."""
     from fax_bridge.rounds import checkpoint
 
     text = json.dumps({
@@ -204,15 +259,19 @@ def write_round(made: FlowerRound, folder: str, state_path: Optional[str] = None
         "state": [_tensor_json(t) for t in made.state] if state_path is None else None,
         "state-layout": [[wire.dtype_name(np.asarray(t).dtype), list(np.shape(t))]
                          for t in made.state],
+        "litert-models": {name: hashlib.sha256(model.encode()).hexdigest()
+                          for name, model in models},
     })
-    if len(text) > MAX_BUNDLE_BYTES:
+    if len(text) + 90 > MAX_BUNDLE_BYTES:  # with the state file's sha256
         raise ExportError(
             f"the round and its initial state take {len(text)} bytes as {FILE_NAME}, over "
             f"the {MAX_BUNDLE_BYTES} bytes a Flower app bundle may hold; make the state "
             "smaller or load it on the server from a file of its own (write_round's "
             "state_path; `fax-bridge flower` does so by itself)")
     if state_path is not None:
-        write_state(made.state, state_path)
+        data = json.loads(text)
+        data["state-sha256"] = state_sha256(write_state(made.state, state_path))
+        text = json.dumps(data)
     private_files.private_dir(folder, 0o755)
     return private_files.write_file(os.path.join(folder, FILE_NAME), text, 0o644)
 
@@ -240,7 +299,15 @@ def read_round(folder: str) -> FlowerRound:
         else:
             state = [_tensor_from_json(e) for e in data["state"]]
             outside = False
+        models = data.get("litert-models", {})
+        if not isinstance(models, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in models.items()):
+            raise ValueError("litert-models is not a map of file names to sha256")
+        state_sha256 = data.get("state-sha256")
+        if state_sha256 is not None and not isinstance(state_sha256, str):
+            raise ValueError("state-sha256 is not a string")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ExportError(f"{path} is not a fax_bridge Flower round ({e}); write it again "
                           "with `fax-bridge flower`") from None
-    return FlowerRound(proto=proto, state=state, state_outside=outside)
+    return FlowerRound(proto=proto, state=state, state_outside=outside,
+                       state_sha256=state_sha256, litert_models=models)

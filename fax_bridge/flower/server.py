@@ -333,7 +333,7 @@ def _resume(made, settings: Settings) -> tuple:
     if settings.initial_state:  # a file on the SuperLink's host, instead of the bundle's
         from fax_bridge.flower.bundle import read_state
 
-        tensors = read_state(settings.initial_state, made.state)
+        tensors = read_state(settings.initial_state, made.state, made.state_sha256)
     elif made.state_outside:  # too large for the bundle
         raise FleetError("this round's initial state is not in its app bundle; set "
                          "the run config's initial-state to the initial_state.npz "

@@ -1,0 +1,166 @@
+"""The ServerApp's initial state (`bundle.read_state`): only a regular file, never a
+link or a FIFO; each header checked before anything is allocated; each entry the dtype
+and shape the round expects, never another dtype relabelled; and, where round.json
+records it, the very file the app was written with."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import zipfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fax_bridge.errors import ExportError
+from fax_bridge.flower import bundle
+
+STATE = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(7, np.int32),
+         np.array([1.5, -2.0], ml_dtypes.bfloat16)]
+
+
+def _npz(**arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def test_the_state_written_reads_back_bit_for_bit_with_its_recorded_hash(tmp_path):
+    path = bundle.write_state(STATE, str(tmp_path / "s.npz"))
+    digest = bundle.state_sha256(path)
+    got = bundle.read_state(path, STATE, digest)
+    assert [(t.dtype, t.shape, t.tobytes()) for t in got] == \
+        [(t.dtype, t.shape, t.tobytes()) for t in STATE]
+
+
+def test_a_state_of_the_right_layout_but_not_the_one_recorded_is_refused(tmp_path):
+    recorded = bundle.state_sha256(bundle.write_state(STATE, str(tmp_path / "a.npz")))
+    other = [t + 1 for t in STATE]
+    path = bundle.write_state(other, str(tmp_path / "b.npz"))
+    bundle.read_state(path, STATE)  # the layout alone holds
+    with pytest.raises(ExportError) as caught:
+        bundle.read_state(path, STATE, recorded)
+    assert f"initial-state {path}" in str(caught.value) and recorded in str(caught.value)
+    assert "written for another round or changed since" in str(caught.value)
+
+
+def test_a_fifo_a_link_or_a_folder_is_refused_without_waiting(tmp_path):
+    fifo = tmp_path / "fifo.npz"
+    os.mkfifo(fifo)
+    done = []
+    reader = threading.Thread(target=lambda: done.append(_refusal(str(fifo))), daemon=True)
+    reader.start()
+    reader.join(60)
+    if reader.is_alive():  # release the reader before failing
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("reading a FIFO as the initial state waited for a writer")
+    assert "is a FIFO" in done[0]
+    real = bundle.write_state(STATE, str(tmp_path / "real.npz"))
+    os.symlink(real, tmp_path / "link.npz")
+    assert "is a symbolic link" in _refusal(str(tmp_path / "link.npz"))
+    assert "is a folder" in _refusal(str(tmp_path))
+    assert "no such file" in _refusal(str(tmp_path / "absent.npz"))
+
+
+def _refusal(path: str) -> str:
+    with pytest.raises(ExportError) as caught:
+        bundle.read_state(path, STATE)
+    assert path in str(caught.value) and "fax-bridge flower" in str(caught.value)
+    return str(caught.value)
+
+
+def _claiming(shape: tuple, dtype=np.float32, data: bytes = b"\0" * 16) -> bytes:
+    """An npz whose member '0.npy' has a header claiming `shape` over `data`."""
+    member = io.BytesIO()
+    np.lib.format.write_array_header_1_0(member, {"descr": np.dtype(dtype).str,
+                                                  "fortran_order": False, "shape": shape})
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("0.npy", member.getvalue() + data)
+        archive.writestr("dtypes.npy", _npz_member(np.array(["float32"])))
+    return buffer.getvalue()
+
+
+def _npz_member(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.lib.format.write_array(out, array)
+    return out.getvalue()
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(0, 2**20), min_size=1, max_size=4))
+def test_a_header_claiming_more_than_the_file_holds_is_refused_before_allocating(
+        tmp_path_factory, shape):
+    like = [np.zeros(4, np.float32)]
+    path = tmp_path_factory.mktemp("claim") / "s.npz"
+    path.write_bytes(_claiming(tuple(shape)))
+    try:
+        got = bundle.read_state(str(path), like)
+    except ExportError as e:
+        assert f"initial-state {path}" in str(e)
+        return
+    assert int(np.prod(shape)) == 4 and got[0].shape == (4,)
+
+
+def test_a_header_claiming_2_to_the_40_elements_is_a_named_refusal(tmp_path):
+    path = tmp_path / "huge.npz"
+    path.write_bytes(_claiming((2**40,)))
+    with pytest.raises(ExportError, match=r"claim.*\[1099511627776\]"):
+        bundle.read_state(str(path), [np.zeros(4, np.float32)])
+
+
+DTYPES = [np.float32, np.int32, np.float64, np.int64, np.uint8, np.bool_,
+          ml_dtypes.bfloat16, np.float16]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_any_entry_of_another_dtype_or_shape_is_refused_naming_it(tmp_path_factory, data):
+    """Each entry is the dtype and shape the round expects, or its bytes where
+    `write_state` keeps them so; an int32 entry labelled float32, or any other
+    relabelling, reshaping or widening, is refused naming the entry, never
+    reinterpreted."""
+    like = [np.zeros(data.draw(st.lists(st.integers(1, 3), max_size=2)),
+                     data.draw(st.sampled_from(DTYPES))) for _ in range(2)]
+    which = data.draw(st.integers(0, 1))
+    stored_dtype = data.draw(st.sampled_from(DTYPES))
+    stored_shape = data.draw(st.sampled_from([like[which].shape, like[which].shape + (2,),
+                                              (5,)]))
+    label = data.draw(st.sampled_from(["expected", "stored"]))
+    arrays = {str(i): np.asarray(t) for i, t in enumerate(like)}
+    names = [np.dtype(t.dtype).name for t in like]
+    value = np.zeros(stored_shape, stored_dtype)
+    if value.dtype.name != np.dtype(value.dtype.str).name:
+        value = value.reshape(value.shape + (1,)).view(np.uint8)  # as write_state would
+    arrays[str(which)] = value
+    if label == "stored":
+        names[which] = np.dtype(stored_dtype).name
+    for key, array in arrays.items():
+        if array.dtype.name != np.dtype(array.dtype.str).name:
+            arrays[key] = array.reshape(array.shape + (1,)).view(np.uint8)
+    path = tmp_path_factory.mktemp("entries") / "s.npz"
+    path.write_bytes(_npz(dtypes=np.array(names), **arrays))
+    want = like[which]
+    same = (np.dtype(stored_dtype) == want.dtype and stored_shape == want.shape) or (
+        bundle._needs_bytes(want.dtype) and np.dtype(stored_dtype) == np.uint8  # its bytes
+        and stored_shape == want.shape + (want.dtype.itemsize,))
+    try:
+        got = bundle.read_state(str(path), like)
+    except ExportError as e:
+        assert not same
+        assert f"entry '{which}'" in str(e) and "written for another round" in str(e)
+        assert f"{np.dtype(like[which].dtype).name}{list(like[which].shape)}" in str(e)
+        return
+    assert same and [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in like]
+
+
+def test_int32_data_labelled_float32_is_refused_not_reinterpreted(tmp_path):
+    path = tmp_path / "s.npz"
+    path.write_bytes(_npz(dtypes=np.array(["float32"]), **{"0": np.arange(4, dtype=np.int32)}))
+    with pytest.raises(ExportError, match=r"entry '0' is 'float32' labelling int32\[4\], but "
+                                          r"the round's state expects float32\[4\]"):
+        bundle.read_state(str(path), [np.zeros(4, np.float32)])
