@@ -62,14 +62,17 @@ def program_subcommand(subparsers, name: str, help: str, description: str,
                        run: Callable, *, clients_default: Optional[int] = None,
                        clients_help: str = "number of clients") -> argparse.ArgumentParser:
     """Adds subcommand `name` of a command that takes a program: `target`
-    (MODULE_OR_FILE:FUNCTION) and `--clients` (>= 1; required unless `clients_default`).
+    (MODULE_OR_FILE:FUNCTION) and `--clients` (>= 1). Without `clients_default`, a
+    missing `--clients` is None: the clients the program declares
+    (`@fb.program(clients=N)`), which `tff.cli.resolve_program` reads; a plain function
+    then needs `--clients`.
 
     Args:
       subparsers: what `ArgumentParser.add_subparsers` returned.
       name, help: the subcommand and its line in `fax-bridge --help`.
       description: its `--help` text (the command module's docstring), printed as written.
       run: called with the parsed arguments; returns the exit status.
-      clients_default: `--clients` when not given; None makes it required.
+      clients_default: `--clients` when not given; None: the program's own.
       clients_help: what `--clients` counts.
 
     Returns:
@@ -79,8 +82,9 @@ def program_subcommand(subparsers, name: str, help: str, description: str,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", help="MODULE_OR_FILE:FUNCTION")
     if clients_default is None:
-        p.add_argument("--clients", type=int_in(1), required=True,
-                       help=f"{clients_help} (>= 1)")
+        p.add_argument("--clients", type=int_in(1), default=None,
+                       help=f"{clients_help} (>= 1; default: the program's own, "
+                            "@fb.program(clients=N); required for a plain function)")
     else:
         p.add_argument("--clients", type=int_in(1), default=clients_default,
                        help=f"{clients_help} (>= 1, default {clients_default})")

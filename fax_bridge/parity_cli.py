@@ -1,4 +1,4 @@
-"""`fax-bridge parity MODULE_OR_FILE:FUNCTION --clients N --devices K [--flower]`.
+"""`fax-bridge parity MODULE_OR_FILE:FUNCTION [--clients N] --devices K [--flower]`.
 
 Runs the program with jit and, exported, on a local fleet of K devices; prints the
 parity table and exits non-zero on a mismatch. Example arguments come from the module

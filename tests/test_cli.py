@@ -284,3 +284,33 @@ def test_environment_numbers_are_checked_once_by_name_and_help_always_works(
     else:
         assert err.startswith(f"fax-bridge export: {name}=") and \
             f"is not a whole number >= {low}" in err and "unset it" in err
+
+
+@pytest.mark.parametrize("given", [None, 3, 5])
+def test_a_program_declaring_its_clients_needs_no_clients_flag(tmp_path, capsys, given):
+    """`--clients` left out: the program's own N; given: it must be N; a plain function
+    or a program built by export_targets needs it (each command taking a program reads
+    it so: `cli_args.program_subcommand`, `tff.cli.resolve_program`)."""
+    path = tmp_path / "declared.py"
+    path.write_text("import numpy as np\nimport fax_bridge as fb\n\n"
+                    "@fb.program(clients=3)\ndef total(x):\n    return fb.federated_sum(x)\n\n"
+                    "def plain(x):\n    return fb.federated_sum(x)\n\n"
+                    "def example_args(clients):\n"
+                    "    return (np.ones((clients, 2), np.float32),), ('clients',)\n")
+    flag = [] if given is None else ["--clients", str(given)]
+    code = cli.main(["export", f"{path}:total", *flag])
+    out, err = capsys.readouterr()
+    if given == 5:
+        assert code == 2 and "clients=3, but --clients 5 was given" in err
+    else:
+        assert code == 0 and out.splitlines()[0] == "({float32[2]}@CLIENTS -> float32[2]@SERVER)"
+    code = cli.main(["export", f"{path}:plain", *flag])
+    err = capsys.readouterr().err
+    if given is None:
+        assert code == 2 and "plain function" in err and "give --clients N" in err
+    else:
+        assert code == 0
+    if given is None:
+        target = os.path.join(ROOT, "examples", "algorithm_rounds.py") + ":fed_fish"
+        assert cli.main(["export", target]) == 2
+        assert "export_targets(clients): give --clients N" in capsys.readouterr().err

@@ -63,3 +63,41 @@ def test_litert_refuses_a_program_without_one_client_part(tmp_path, capsys):
     assert cli.main(["litert", f"{path}:two_trips", "--clients", "2", "-o",
                      str(tmp_path / "out")]) == 2
     assert "no single client part" in capsys.readouterr().err
+
+
+DECLARED = '''
+import numpy as np
+import fax_bridge as fb
+
+
+@fb.program(clients=3)
+def declared(w, x):
+    return fb.federated_mean(fb.federated_map_clients(lambda w, x: w * x,
+                                                      (fb.federated_broadcast(w), x)))
+
+
+def plain(w, x):
+    return declared.fn(w, x)
+
+
+def example_args(clients):
+    return (np.ones(2, np.float32), np.ones((clients, 2), np.float32)), ("server", "clients")
+'''
+
+
+def test_litert_takes_the_clients_a_program_declares(tmp_path, capsys):
+    """`--clients` may be left out for `@fb.program(clients=N)` (the program's N, as for
+    `fax-bridge export`); a plain function still needs it, and a different N is refused."""
+    path = tmp_path / "declared.py"
+    path.write_text(DECLARED)
+    out = tmp_path / "out"
+    assert cli.main(["litert", f"{path}:declared", "-o", str(out), "--no-check"]) == 0
+    capsys.readouterr()
+    assert np.load(out / "example_client.npz")["in_0"].shape == (2,)
+    assert json.loads((out / "manifest.json").read_text())["model"]["bytes"] > 0
+    assert cli.main(["litert", f"{path}:plain", "-o", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "is a plain function" in err and "give --clients N" in err
+    assert cli.main(["litert", f"{path}:declared", "--clients", "4", "-o",
+                     str(tmp_path / "o3")]) == 2
+    assert "clients=3, but --clients 4" in capsys.readouterr().err

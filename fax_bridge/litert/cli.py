@@ -1,7 +1,8 @@
-"""`fax-bridge litert MODULE_OR_FILE:FUNCTION --clients N -o DIR`: a round's client part as
-a LiteRT model for phones.
+"""`fax-bridge litert MODULE_OR_FILE:FUNCTION [--clients N] -o DIR`: a round's client part
+as a LiteRT model for phones.
 
-Exports the program with its example arguments (as `fax-bridge export` does), splits the
+Exports the program with its example arguments, at `--clients` or the clients the program
+declares (as `fax-bridge export` does, `tff.cli.resolve_program`), splits the
 round, converts its client part (`convert`), and writes the model, its manifest, the
 example client and `check.py` into DIR (`manifest`; through `output_folders`: files
 fax-bridge wrote in DIR before are replaced, any other file in the way is refused by

@@ -1,4 +1,4 @@
-"""`fax-bridge export MODULE_OR_FILE:FUNCTION --clients N [-o out.pb | -o -]`.
+"""`fax-bridge export MODULE_OR_FILE:FUNCTION [--clients N] [-o out.pb | -o -]`.
 
 Prints the computation's type signature and its body, one call a line (as TFF's
 `formatted_representation` writes it). The serialized `Computation` proto goes to the
@@ -10,7 +10,8 @@ or, failing that, `example_args`, called with the number of clients and returnin
 `(args, placements)`: a tuple of example arguments (arrays or
 `jax.ShapeDtypeStruct`s; CLIENTS values with a leading axis of `clients`) and the
 placements prefix ("server"/"clients" per argument). A plain function is wrapped in
-`fax_bridge.program(clients=N)`; an existing program must declare the same N.
+`fax_bridge.program(clients=N)` and needs `--clients`; a program declaring its clients
+(`@fax_bridge.program(clients=N)`) runs at its N, and a `--clients` given must be N.
 
 Programs built at run time (e.g. by `fax_bridge.algorithms`) are named through a
 module function `export_targets(clients)` returning `{NAME: (program, args,
@@ -24,7 +25,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from federated_language.compiler import building_blocks
 
@@ -70,9 +71,18 @@ def load_target(spec: str, allow_missing: bool = False) -> tuple[Any, Callable, 
     return module, getattr(module, name), name
 
 
-def resolve_program(spec: str, clients: int):
-    """(program, example args, placements) for `spec` at `clients` clients."""
+def resolve_program(spec: str, clients: Optional[int]):
+    """(program, example args, placements) for `spec` at `clients` clients; None: the
+    clients a program (`@fb.program(clients=N)`) declares, refused for anything else."""
     module, fn, name = load_target(spec, allow_missing=True)
+    if clients is None:
+        if not isinstance(fn, Program):
+            raise FaxBridgeError(
+                f"{spec} is built by export_targets(clients): give --clients N."
+                if fn is None else
+                f"{spec} is a plain function, not a program declaring its clients: give "
+                "--clients N, or decorate it with @fax_bridge.program(clients=N).")
+        clients = fn.clients
     if fn is None:
         targets = module.export_targets(clients)
         if name not in targets:
