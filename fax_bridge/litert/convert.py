@@ -6,7 +6,9 @@ converter's side environment (`side_convert.py` run by `.venv-litert`'s python:
 `tools/litert/setup.sh`, `make litert-venv`; `FAX_BRIDGE_LITERT_PYTHON` names another),
 fixes its scatter regions (`flatbuffer.fix_scatter_regions`), and checks that the model
 uses LiteRT builtin ops only and that the interpreter prepares it; anything else is a
-`refusals.ConversionRefused` naming the op, its jax primitive and the rewrite.
+`refusals.ConversionRefused` naming the op, the user's source lines that compute it,
+its jax primitive and the rewrite. The converter's side script first rewrites what has
+an exact builtin form (`side_rewrites`: a max pool's gradient).
 
 A model is made once per client part and shapes: kept in this process by content hash,
 and on disk (`FAX_BRIDGE_LITERT_CACHE`, default `~/.cache/fax_bridge/litert`) by the
@@ -160,8 +162,11 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
     model = path.read_bytes() if use_cache and path.is_file() else None
     fixes = 0
     if model is None:
-        model, fixes = flatbuffer.fix_scatter_regions(stablehlo_to_tflite(text, ins, outs))
-        _check_runs(model)
+        try:
+            model, fixes = flatbuffer.fix_scatter_regions(stablehlo_to_tflite(text, ins, outs))
+            _check_runs(model)
+        except refusals.ConversionRefused as e:
+            raise refusals.located(e, lowering.source_lines(fn, sig, e.ops)) from None
         if use_cache:
             _store(path, model)
         took = time.perf_counter() - start

@@ -13,12 +13,16 @@ The client part of a round split (`rounds.round_split`) is a local computation
 `lower` traces the client part (`local_eval.compile_local`, the callable every transport
 runs, its `Xla` parts inlined) over those leaves, in that order, and gives the StableHLO
 text of the jitted function: what the LiteRT converter takes (`convert`). `flatten` and
-`build` move between local values and leaves in that order.
+`build` move between local values and leaves in that order. `source_lines` finds where in
+the user's code the ops of a refused client part were written (the exported HLO keeps
+each op's stack).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 from typing import Any, Iterator, Optional
 
 import federated_language
@@ -156,10 +160,8 @@ def flat_function(fn: computation_pb2.Computation, signature: ClientSignature):
     return flat
 
 
-def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
-    """The StableHLO text of `flat_function(fn, signature)`, jitted with every input
-    kept (an input the client part does not read is still one of the signature's, which
-    names one StableHLO argument per input)."""
+def _lowered(fn: computation_pb2.Computation, signature: ClientSignature):
+    """jax's lowering of `flat_function(fn, signature)`, every input kept."""
     flat = flat_function(fn, signature)
     avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype)) for t in signature.inputs]
     try:
@@ -169,5 +171,83 @@ def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
     except Exception as e:  # noqa: BLE001 - jax's own errors, named
         raise ComputationError(f"the client part cannot be traced for LiteRT: "
                                f"{type(e).__name__}: {e}") from e
-    module = lowered.compiler_ir("stablehlo")
+    return lowered
+
+
+def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
+    """The StableHLO text of `flat_function(fn, signature)`, jitted with every input
+    kept (an input the client part does not read is still one of the signature's, which
+    names one StableHLO argument per input)."""
+    module = _lowered(fn, signature).compiler_ir("stablehlo")
     return module.operation.get_asm(large_elements_limit=None, enable_debug_info=False)
+
+
+_FRAME = re.compile(r'"([^"]*)"\("([^"]+)":(\d+):\d+\)')
+_LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent) + "/"
+                      for m in (jax, np)) + (str(pathlib.Path(__file__).resolve().parents[1]) + "/",)
+
+
+def _frames(location) -> list:
+    """(file, line, function) of each frame of an MLIR location, innermost first."""
+    return [(path, int(line), name) for name, path, line in _FRAME.findall(str(location))]
+
+
+def _user_frame(frames: list) -> Optional[str]:
+    """The innermost frame outside jax, numpy and fax_bridge (one outside any installed
+    package first), as `file:line (function)`."""
+    ours = [f for f in frames if not f[0].startswith(_LIBRARY_DIRS)
+            and not f[0].startswith("<")]
+    for path, line, name in ([f for f in ours if "-packages" not in f[0]] or ours):
+        return f"{path}:{line} ({name})"
+    return None
+
+
+def _walk(op, out: list) -> list:
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                _walk(child.operation, out)
+    out.append(op)
+    return out
+
+
+def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
+                 ops: list) -> dict:
+    """op name -> the user's source lines (`file:line (function)`) where the client part
+    computes it, for the StableHLO ops among `ops`; a LiteRT op (`tfl.*`, a builtin with
+    no kernel for unsigned integers) is looked for as the StableHLO ops on unsigned
+    integers. An op inside a called function takes the lines of its calls."""
+    module = _lowered(fn, signature).compiler_ir("stablehlo")
+    every = _walk(module.operation, [])
+    calls: dict = {}
+    for op in every:
+        if op.name == "func.call" and "callee" in op.attributes:
+            calls.setdefault(str(op.attributes["callee"]).lstrip("@"), []).append(op)
+
+    def lines(op, depth: int = 0) -> list:
+        found = _user_frame(_frames(op.location))
+        if found or depth > 16:
+            return [found] if found else []
+        parent = op.parent
+        while parent is not None and parent.name != "func.func":
+            parent = parent.parent
+        if parent is None:
+            return []
+        name = str(parent.attributes["sym_name"]).strip('"')
+        return [line for call in calls.get(name, []) for line in lines(call, depth + 1)]
+
+    def unsigned(op) -> bool:
+        return any(re.search(r"xui\d+>|<ui\d+>", str(r.type)) for r in op.results)
+
+    out: dict = {}
+    for wanted in ops:
+        hits = [op for op in every if op.name == wanted] if not wanted.startswith("tfl.") \
+            else [op for op in every if op.name.startswith("stablehlo.") and unsigned(op)]
+        seen: list = []
+        for op in hits:
+            for line in lines(op):
+                if line not in seen:
+                    seen.append(line)
+        if seen:
+            out[wanted] = seen[:3]
+    return out

@@ -4,7 +4,8 @@ and the rewrite that avoids it.
 `ConversionRefused` is raised at build time (`convert`) when the converter leaves a
 StableHLO op it has no builtin for, when the model needs custom or Flex (TensorFlow)
 ops, or when the interpreter refuses to prepare an op; its message names each op with
-the jax primitive that lowers to it (`JAX_SOURCES`) and how to write the client work
+the user's source lines that compute it (`located`, from `lowering.source_lines`), the
+jax primitive that lowers to it (`JAX_SOURCES`) and how to write the client work
 without it.
 """
 
@@ -36,8 +37,10 @@ JAX_SOURCES = {
                                    "solve on the server"),
     "stablehlo.scatter": ("scatter (x.at[i].set/add, the gradient of an index gather)",
                           "use a one-hot product (jax.nn.one_hot(i, n) * values)"),
-    "stablehlo.select_and_scatter": ("the gradient of a max pool (reduce_window max)",
-                                     "use an average pool or a strided convolution"),
+    "stablehlo.select_and_scatter": ("the gradient of a max pool (reduce_window max) whose "
+                                     "scatter does not add",
+                                     "use a max pool of jax's own gradient, an average pool "
+                                     "or a strided convolution"),
     "stablehlo.reduce_window": ("reduce_window (pooling, cumulative sums)",
                                 "use a strided convolution or jnp.cumsum"),
     "stablehlo.complex": ("complex numbers", "keep real and imaginary parts apart"),
@@ -52,13 +55,16 @@ _TERMINATORS = {"stablehlo.return", "mhlo.return"}  # a region's end, named besi
 class ConversionRefused(ComputationError):
     """A client part that no stock LiteRT runtime can run (builtin ops only)."""
 
-    def __init__(self, message: str, ops: list):
+    def __init__(self, message: str, ops: list, what: str = "", detail: str = ""):
         super().__init__(message)
         self.ops = list(ops)
+        self.what, self.detail = what, detail
 
 
-def describe(op: str) -> str:
-    """`op` with the jax primitive behind it and the rewrite, where known."""
+def describe(op: str, at: list | None = None) -> str:
+    """`op`, the user's source lines `at` that compute it, the jax primitive behind it
+    and the rewrite, where known."""
+    named = op + (f" (at {', '.join(at)})" if at else "")
     source = JAX_SOURCES.get(op)
     if source is None and op.startswith("CUSTOM:"):
         name = op.split(":", 1)[1]
@@ -66,21 +72,42 @@ def describe(op: str) -> str:
                    else f"the custom op {name}"),
                   "express it with the StableHLO ops jax lowers jnp arithmetic to")
     if source is None and op.startswith("tfl."):
-        return (f"{op}, a LiteRT builtin with no kernel for these operand types (unsigned "
-                "or narrow integers): cast to int32 or float32 before it")
+        return (f"{named}, a LiteRT builtin with no kernel for these operand types (unsigned "
+                "or narrow integers): cast to int32 or float32 before it; jax.random "
+                "(threefry on uint32 words) is such a source: draw a dropout mask with "
+                "fax_bridge.litert.layers.dropout(key, rate, x) from an int32 key, or pass "
+                "the noise in the client's data")
     if source is None:
-        return f"{op} (no LiteRT builtin)"
-    return f"{op}, from jax's {source[0]}: {source[1]}"
+        return f"{named} (no LiteRT builtin)"
+    return f"{named}, from jax's {source[0]}: {source[1]}"
 
 
-def refuse(what: str, ops: list, detail: str = "") -> ConversionRefused:
-    """The refusal naming each of `ops` (`describe`)."""
+def _informative(detail: str) -> str:
+    """`detail` without the lines that only announce a message (`Failed to export
+    flatbuffer:` with nothing after it)."""
+    kept = [line for line in detail.strip().splitlines()
+            if line.strip() and not re.fullmatch(r"[^:]+:\s*", line)]
+    return "\n".join(kept)[-1500:]
+
+
+def refuse(what: str, ops: list, detail: str = "", where: dict | None = None
+           ) -> ConversionRefused:
+    """The refusal naming each of `ops` (`describe`), with the source lines `where`
+    gives for it (op -> ["file:line (function)", ...])."""
     ops = sorted(set(ops) - _TERMINATORS)
-    named = "; ".join(describe(op) for op in ops) if ops else "(the converter named no op)"
+    where = where or {}
+    named = "; ".join(describe(op, where.get(op)) for op in ops) if ops else \
+        "(the converter named no op)"
     text = f"the client part cannot run in LiteRT: {what}: {named}"
+    detail = _informative(detail)
     if detail:
-        text += f"\n{detail.strip()[-1500:]}"
-    return ConversionRefused(text, ops)
+        text += f"\n{detail}"
+    return ConversionRefused(text, ops, what, detail)
+
+
+def located(refusal: ConversionRefused, where: dict) -> ConversionRefused:
+    """`refusal` naming the user's source lines of its ops."""
+    return refuse(refusal.what, refusal.ops, refusal.detail, where)
 
 
 def ops_in_message(text: str) -> list:

@@ -19,7 +19,9 @@ constants copied in. Prints one JSON object: {"ok": true} or {"ok": false, "stag
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
 import re
 import sys
 
@@ -123,6 +125,15 @@ def _outline(module, ir, func) -> None:
         loop.erase()
 
 
+def _rewrites():
+    """`side_rewrites.py` beside this file (run with -P, its folder is not on the path)."""
+    path = pathlib.Path(__file__).resolve().with_name("side_rewrites.py")
+    spec = importlib.util.spec_from_file_location("fax_litert_side_rewrites", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _unconverted(text: str) -> list:
     """The StableHLO operations the converter's message names."""
     return sorted(set(re.findall(r"'((?:stablehlo|chlo|mhlo|vhlo|tfl)\.[a-z_0-9]+)'", text)))
@@ -142,6 +153,7 @@ def main(argv: list) -> int:
         with open(module_path, "rb") as f:
             module = ir.Module.parse(f.read())
         _drop_barriers(module)
+        _rewrites().select_and_scatter(module, ir)
         try:
             api.run_convert_to_tfl_passes(module, passmanager.PassManager(),
                                           api.ConvertToTFLConfig())

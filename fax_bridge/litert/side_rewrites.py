@@ -1,0 +1,188 @@
+"""StableHLO rewrites into ops LiteRT has builtins for, run in the converter's side venv.
+
+Imported by `side_convert.py` (by path, in `.venv-litert`), so it uses only the standard
+library and litert-converter's MLIR bindings. Each rewrite computes exactly what the op
+it replaces computes.
+
+`select_and_scatter(module, ir)`: the gradient of a max (or min) pool is a
+`stablehlo.select_and_scatter`, for which the converter has no builtin. Each one whose
+select region is one `stablehlo.compare` of its two arguments and whose scatter region
+adds is replaced by strided slices, compares, selects and pads, following XLA's
+definition step by step: in every window the candidates are visited in row-major order,
+padding skipped; a candidate replaces the one held unless `select(held, candidate)` (so
+`GE` keeps the first maximum among ties, NaN handling included); each source value is
+added to the output at its window's choice, which starts at the init value. With
+non-overlapping windows (a 2x2 pool of stride 2) every output element receives one
+value or none, so the result is XLA's bit for bit; with overlapping windows the values
+landing on one element are summed in another order.
+
+The rewrite works on the module, whatever wrote the pool (`lax.reduce_window`, flax's
+`nn.max_pool`, an exported HLO from elsewhere): the client part reaches the converter as
+an exported module, not as the user's jax code.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+
+def _walk(op, out: list) -> list:
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                _walk(child.operation, out)
+    out.append(op)
+    return out
+
+
+def _region_op(region, n_args: int):
+    """The one op of a region `(a, b) -> op(a, b)` and the order it takes its arguments
+    in ((0, 1) or (1, 0)); None otherwise."""
+    block = region.blocks[0]
+    ops = list(block.operations)
+    if len(ops) != 2 or len(block.arguments) != n_args:
+        return None
+    op, ret = ops[0].operation, ops[1].operation
+    if len(ret.operands) != 1 or ret.operands[0] != op.results[0] or len(op.operands) != 2:
+        return None
+    args = list(block.arguments)
+    try:
+        order = tuple(next(i for i, a in enumerate(args) if a == v) for v in op.operands)
+    except StopIteration:
+        return None
+    return (op, order) if sorted(order) == [0, 1] else None
+
+
+class _Builder:
+    """Creates StableHLO ops before one op (generic form: no dialect bindings needed)."""
+
+    def __init__(self, ir):
+        self.ir = ir
+        self.i1 = ir.IntegerType.get_signless(1)
+        self.i32 = ir.IntegerType.get_signless(32)
+
+    def tensor(self, shape, element):
+        return self.ir.RankedTensorType.get(list(shape), element)
+
+    def op(self, name: str, result, operands: list, **attributes):
+        return self.ir.Operation.create(name, results=[result], operands=operands,
+                                        attributes=attributes).results[0]
+
+    def array(self, values):
+        return self.ir.DenseI64ArrayAttr.get([int(v) for v in values])
+
+    def splat(self, text: str, shape, element):
+        kind = self.tensor(shape, element)
+        return self.op("stablehlo.constant", kind, [],
+                       value=self.ir.Attribute.parse(f"dense<{text}> : {kind}"))
+
+    def mask(self, shape, dim: int, bits: list):
+        """A boolean of `shape` that is bits[i] along dimension `dim`."""
+        row = self.tensor([len(bits)], self.i1)
+        text = ", ".join("true" if b else "false" for b in bits)
+        const = self.op("stablehlo.constant", row, [],
+                        value=self.ir.Attribute.parse(f"dense<[{text}]> : {row}"))
+        return self.op("stablehlo.broadcast_in_dim", self.tensor(shape, self.i1), [const],
+                       broadcast_dimensions=self.array([dim]))
+
+
+def _rewrite_one(op, ir) -> bool:
+    """Replaces one `stablehlo.select_and_scatter` (module docstring); False when its
+    regions are not a compare and an add."""
+    select = _region_op(op.regions[0], 2)
+    scatter = _region_op(op.regions[1], 2)
+    if select is None or scatter is None or select[0].name != "stablehlo.compare" \
+            or scatter[0].name != "stablehlo.add":
+        return False
+    operand, source, init = op.operands
+    out_type = ir.RankedTensorType(op.results[0].type)
+    src_type = ir.RankedTensorType(source.type)
+    shape, tshape, element = list(out_type.shape), list(src_type.shape), out_type.element_type
+    rank = len(shape)
+    attr = {name: op.attributes[name] for name in op.attributes}
+    window = list(ir.DenseI64ArrayAttr(attr["window_dimensions"])) \
+        if "window_dimensions" in attr else [1] * rank
+    strides = list(ir.DenseI64ArrayAttr(attr["window_strides"])) \
+        if "window_strides" in attr else [1] * rank
+    pads = [(0, 0)] * rank
+    if "padding" in attr:
+        flat = [int(v) for v in ir.DenseIntElementsAttr(attr["padding"])]
+        pads = [(flat[2 * d], flat[2 * d + 1]) for d in range(rank)]
+    padded = [s + lo + hi for s, (lo, hi) in zip(shape, pads)]
+    compare, order = select
+    b = _Builder(ir)
+    with op.location, ir.InsertionPoint(op):
+        x = operand
+        if any(lo or hi for lo, hi in pads):  # padded places are masked out below
+            zero = b.splat("0.0" if str(element).startswith(("f", "bf")) else "0", [], element)
+            x = b.op("stablehlo.pad", b.tensor(padded, element), [x, zero],
+                     edge_padding_low=b.array(p[0] for p in pads),
+                     edge_padding_high=b.array(p[1] for p in pads),
+                     interior_padding=b.array([0] * rank))
+        offsets = list(itertools.product(*(range(w) for w in window)))
+        held = index = has = None
+        for k, offset in enumerate(offsets):
+            limit = [o + (t - 1) * s + 1 for o, t, s in zip(offset, tshape, strides)]
+            candidate = b.op("stablehlo.slice", b.tensor(tshape, element), [x],
+                             start_indices=b.array(offset), limit_indices=b.array(limit),
+                             strides=b.array(strides))
+            valid = None
+            for d, ((lo, hi), o, s) in enumerate(zip(pads, offset, strides)):
+                bits = [lo <= o + t * s < lo + shape[d] for t in range(tshape[d])]
+                if all(bits):
+                    continue
+                m = b.mask(tshape, d, bits)
+                valid = m if valid is None else b.op("stablehlo.and", m.type, [valid, m])
+            if k == 0:
+                held, has = candidate, valid
+                index = b.splat("0", tshape, b.i32)
+                continue
+            pair = [held, candidate]
+            keep = b.op("stablehlo.compare", b.tensor(tshape, b.i1),
+                        [pair[order[0]], pair[order[1]]],
+                        **{name: compare.attributes[name] for name in compare.attributes})
+            take = b.op("stablehlo.not", keep.type, [keep])
+            if has is not None:  # an earlier window place was padding: take the first real
+                fresh = b.op("stablehlo.not", keep.type, [has])
+                take = b.op("stablehlo.or", keep.type, [take, fresh])
+            if valid is not None:
+                take = b.op("stablehlo.and", keep.type, [take, valid])
+                if has is not None:
+                    has = b.op("stablehlo.or", keep.type, [has, valid])
+            else:
+                has = None  # every window holds this real place from here on
+            held = b.op("stablehlo.select", held.type, [take, candidate, held])
+            index = b.op("stablehlo.select", index.type,
+                         [take, b.splat(str(k), tshape, b.i32), index])
+        total = b.op("stablehlo.broadcast_in_dim", b.tensor(padded, element), [init],
+                     broadcast_dimensions=b.array([]))
+        zero = b.splat("0.0" if str(element).startswith(("f", "bf")) else "0", [], element)
+        zeros = b.op("stablehlo.broadcast_in_dim", b.tensor(tshape, element), [zero],
+                     broadcast_dimensions=b.array([]))
+        eq = ir.Attribute.parse("#stablehlo<comparison_direction EQ>")
+        for k, offset in enumerate(offsets):
+            chosen = b.op("stablehlo.compare", b.tensor(tshape, b.i1),
+                          [index, b.splat(str(k), tshape, b.i32)], comparison_direction=eq)
+            if has is not None:
+                chosen = b.op("stablehlo.and", chosen.type, [chosen, has])
+            part = b.op("stablehlo.select", zeros.type, [chosen, source, zeros])
+            high = [p - o - (t - 1) * s - 1 for p, o, t, s in
+                    zip(padded, offset, tshape, strides)]
+            part = b.op("stablehlo.pad", total.type, [part, zero],
+                        edge_padding_low=b.array(offset), edge_padding_high=b.array(high),
+                        interior_padding=b.array([s - 1 for s in strides]))
+            total = b.op("stablehlo.add", total.type, [total, part])
+        if padded != shape:
+            total = b.op("stablehlo.slice", out_type, [total],
+                         start_indices=b.array(p[0] for p in pads),
+                         limit_indices=b.array(p[0] + s for p, s in zip(pads, shape)),
+                         strides=b.array([1] * rank))
+    op.results[0].replace_all_uses_with(total)
+    op.erase()
+    return True
+
+
+def select_and_scatter(module, ir) -> int:
+    """Rewrites every `stablehlo.select_and_scatter` it can (module docstring); how many."""
+    ops = [op for op in _walk(module.operation, []) if op.name == "stablehlo.select_and_scatter"]
+    return sum(_rewrite_one(op, ir) for op in ops)
