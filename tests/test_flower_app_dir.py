@@ -197,6 +197,60 @@ def test_a_carried_model_of_another_round_is_refused_naming_both_hashes(
     assert "fax-bridge flower ... --litert" in str(caught.value)
 
 
+def test_a_model_the_app_was_not_written_with_is_refused_by_server_and_node(
+        tmp_path, quickstart, litert_app, node, no_converter):
+    """round.json records each carried model's sha256: a model of other content under
+    the expected name (here another client part's, its manifest made to name this one)
+    is refused by the ServerApp before any node is asked and by a node before it runs,
+    naming the file and both digests."""
+    from fax_bridge.flower import server
+
+    _, made = quickstart
+    key = made.split.client_part_hash
+    folder = str(tmp_path / "app")
+    shutil.copytree(litert_app, folder)
+    package = os.path.join(folder, app_dir.PACKAGE)
+    path = os.path.join(bundle.models_dir(package), f"{key}.json")
+    with open(path, "rb") as f:
+        raw = f.read()
+    recorded = bundle.read_round(package).litert_models
+    assert recorded == {f"{key}.json": hashlib.sha256(raw).hexdigest()}
+    data = json.loads(raw)
+    data["manifest"]["model"]["operators"] = ["ANOTHER"]  # what no check reads
+    changed = json.dumps(data).encode()
+    with open(path, "wb") as f:
+        f.write(changed)
+    bundle.read_round.cache_clear()
+    try:
+        with pytest.raises(carried.CarriedMismatch) as caught:
+            server.run_server(None, {}, package, log=lambda text: None)
+        for text in (str(caught.value),):
+            assert path in text and recorded[f"{key}.json"] in text
+            assert hashlib.sha256(changed).hexdigest() in text
+        config, ids, broadcast, _, _ = node
+        with pytest.raises(carried.CarriedMismatch, match="not the one the app was written"):
+            client.partials_for(package, client.NodeShare.from_config(config), ids,
+                                broadcast)
+    finally:
+        bundle.read_round.cache_clear()
+
+
+def test_the_state_beside_the_app_is_recorded_by_its_sha256(tmp_path, quickstart):
+    _, made = quickstart
+    folder = tmp_path / "app"
+    import unittest.mock
+
+    with unittest.mock.patch.object(bundle, "MAX_STATE_IN_BUNDLE_BYTES", 0):
+        app_dir.write_app(made, str(folder))
+    read = bundle.read_round(str(folder / app_dir.PACKAGE))
+    state_path = folder / app_dir.STATE_FILE
+    assert read.state_sha256 == hashlib.sha256(state_path.read_bytes()).hexdigest()
+    bundle.read_state(str(state_path), read.state, read.state_sha256)
+    bundle.write_state([np.asarray(t) + 1 for t in made.state], str(state_path))
+    with pytest.raises(Exception, match="written for another round or changed since"):
+        bundle.read_state(str(state_path), read.state, read.state_sha256)
+
+
 def test_a_client_part_litert_cannot_run_is_refused_before_anything_is_written(
         tmp_path, capsys):
     source = tmp_path / "sorting.py"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -103,3 +104,146 @@ def test_a_damaged_carried_model_is_refused_never_run(packed, tmp_path, at, flip
     assert found.tflite == made.tflite and found.signature == made.signature
     assert [t.name for t in found.inputs + found.outputs] == \
         [t.name for t in made.inputs + made.outputs]
+
+
+def _rewrite(raw: bytes, tflite: bytes = None, **manifest) -> bytes:
+    """A carried file's bytes with another flatbuffer (its manifest's sha256 made to
+    match, as a careless copy or a hand edit would) and manifest entries replaced."""
+    import hashlib
+
+    data = json.loads(raw)
+    if tflite is not None:
+        data["tflite_base64"] = base64.b64encode(tflite).decode()
+        data["manifest"]["model"]["sha256"] = hashlib.sha256(tflite).hexdigest()
+    for key, value in manifest.items():
+        data["manifest"][key] = value
+    return json.dumps(data).encode()
+
+
+def _other_round(scale: float, rows: int = 4):
+    @fb.program(clients=2)
+    def other_round(w, x):
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda p, c: jnp.tanh(c @ p) * scale, (fb.federated_broadcast(w), x)))
+
+    args = (np.ones((3, 2), np.float32), np.ones((2, rows, 3), np.float32))
+    return round_split.split_round(fb.export_tff(other_round, *args,
+                                                 placements=("server", "clients")))
+
+
+def _plant(tmp_path, name: str, raw: bytes) -> str:
+    folder = tmp_path / "models"
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_bytes(raw)
+    return str(folder)
+
+
+def test_another_rounds_model_under_the_expected_name_is_refused_by_the_apps_record(
+        packed, tmp_path):
+    """Another round's model of the same shapes, its manifest made to name this client
+    part, parses and declares the round's tensors: only the record of what the app was
+    written with tells it apart, and it does, naming the file and both digests."""
+    import hashlib
+
+    split, folder, name = packed
+    raw = (pathlib.Path(folder) / name).read_bytes()
+    other = convert.convert_round(_other_round(1.33))
+    data = json.loads(raw)
+    lying = _rewrite(raw, other.tflite, round=data["manifest"]["round"])
+    planted = _plant(tmp_path, name, lying)
+    record = {name: hashlib.sha256(raw).hexdigest()}
+    with pytest.raises(carried.CarriedMismatch) as caught:
+        carried.find(planted, split.client_part_hash, _signature(split), record)
+    text = str(caught.value)
+    assert os.path.join(planted, name) in text and record[name] in text
+    assert hashlib.sha256(lying).hexdigest() in text and "write the models again" in text
+    with pytest.raises(carried.CarriedMismatch, match="not a LiteRT model this app"):
+        carried.find(folder, split.client_part_hash, _signature(split), {})
+    assert carried.recorded_files(folder, record) == {name: raw}
+    carried.expect(planted, record)  # as the Flower ClientApp does from round.json
+    with pytest.raises(carried.CarriedMismatch, match="not the one the app was written"):
+        carried.find(planted, split.client_part_hash, _signature(split))
+    assert carried.find(folder, split.client_part_hash, _signature(split), record).tflite \
+        == base64.b64decode(data["tflite_base64"])
+
+
+def test_a_model_whose_manifest_lies_about_its_shapes_is_refused_before_it_runs(
+        packed, tmp_path):
+    split, folder, name = packed
+    raw = (pathlib.Path(folder) / name).read_bytes()
+    wider = convert.convert_round(_other_round(1.0, rows=5))  # client/0 is [5, 3] there
+    planted = _plant(tmp_path, name, _rewrite(raw, wider.tflite))
+    with pytest.raises(ComputationError) as caught:
+        carried.find(planted, split.client_part_hash, _signature(split))
+    text = str(caught.value)
+    assert f"the carried LiteRT model {planted}/{name}" in text
+    assert "float32[5, 3] in the model" in text and "needs float32[4, 3]" in text
+
+
+def _tree_of(raw: bytes):
+    from fax_bridge.litert import flatbuffer
+
+    return flatbuffer.read(base64.b64decode(json.loads(raw)["tflite_base64"]))
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_tensor_of_another_shape_or_dtype_or_a_custom_op_is_refused_naming_it(
+        packed, tmp_path_factory, data):
+    """The flatbuffer's own signature is checked against the round, whatever the
+    manifest beside it says: a signature tensor given another dtype or shape, or an
+    operator made a custom op, is refused naming the file and what differs."""
+    from fax_bridge.litert import flatbuffer
+
+    split, folder, name = packed
+    raw = (pathlib.Path(folder) / name).read_bytes()
+    tree = _tree_of(raw)
+    sig = tree.signatureDefs[0]
+    tensors = tree.subgraphs[sig.subgraphIndex].tensors
+    kind = data.draw(st.sampled_from(["dtype", "shape", "custom", "none"]))
+    entries = list(sig.inputs) + list(sig.outputs)
+    entry = entries[data.draw(st.integers(0, len(entries) - 1))]
+    tensor = tensors[entry.tensorIndex]
+    if kind == "dtype":
+        tensor.type = data.draw(st.sampled_from([2, 4, 6, 10]))  # int32 int64 bool f64
+    elif kind == "shape":
+        shape = data.draw(st.lists(st.integers(1, 6), max_size=3))
+        if list(shape) == list(tensor.shape):
+            shape = list(shape) + [7]
+        tensor.shape = np.array(shape, np.int32)
+    elif kind == "custom":
+        code = tree.operatorCodes[data.draw(st.integers(0, len(tree.operatorCodes) - 1))]
+        code.builtinCode, code.deprecatedBuiltinCode = 32, 32  # BuiltinOperator.CUSTOM
+        code.customCode = data.draw(st.sampled_from([b"MyOp", b"FlexSort"]))
+    planted = _plant(tmp_path_factory.mktemp("lie"), name,
+                     _rewrite(raw, flatbuffer.write(tree)))
+    try:
+        found = carried.find(planted, split.client_part_hash, _signature(split))
+    except ComputationError as e:
+        assert kind != "none" and f"{planted}/{name}" in str(e), str(e)
+        if kind == "custom":
+            assert "CUSTOM:" in str(e) and "builtins" in str(e)
+        else:
+            assert _text(entry.name) in str(e) and "the round's client part needs" in str(e)
+        return
+    assert kind == "none" and [t.name for t in found.inputs] == \
+        [t.name for t in _signature(split).inputs]
+
+
+def _text(name) -> str:
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def test_a_link_or_a_fifo_where_a_model_goes_is_refused_naming_it(packed, tmp_path):
+    split, folder, name = packed
+    links = tmp_path / "links"
+    links.mkdir()
+    os.symlink(os.path.join(folder, name), links / name)
+    with pytest.raises(ComputationError, match=f"{links}/{name} is a symbolic link"):
+        carried.find(str(links), split.client_part_hash, _signature(split))
+    fifos = tmp_path / "fifos"
+    fifos.mkdir()
+    os.mkfifo(fifos / name)
+    with pytest.raises(ComputationError, match=f"{fifos}/{name} is a FIFO"):
+        carried.find(str(fifos), split.client_part_hash, _signature(split))

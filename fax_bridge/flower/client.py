@@ -161,6 +161,10 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
     members = population.read_members(store, member_type, columns, share.rows(ids))
     sent = from_leaves(made.sent_type, broadcast)
     specs = [a.spec for a in split.aggregations]
+    if share.client_runtime.name == "litert" and made.litert_models is not None:
+        from fax_bridge.litert import carried
+
+        carried.expect(models_dir(bundle_dir), made.litert_models)  # round.json's record
     runtime = share.client_runtime.carrying(models_dir(bundle_dir))  # the app's models
     return runtime.client_partials(split.client_part, split.client_part_hash, sent, members,
                                    specs, least_rows=most)

@@ -362,6 +362,11 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
         output_folders.writable_folder(settings.checkpoint_dir, "run config checkpoint-dir")
     made = read_round(bundle_dir)
     made.split  # refuses a round that cannot be split before any node is asked
+    if made.litert_models is not None:  # the carried models are the app's, or refused
+        from fax_bridge.flower.bundle import models_dir
+        from fax_bridge.litert import carried
+
+        carried.recorded_files(models_dir(bundle_dir), made.litert_models)
     node_ids = flower_nodes.wait_for_nodes(grid, settings.min_nodes, settings.wait_nodes_s,
                                            settings.poll_s)
     nodes = flower_nodes.discover(grid, node_ids, settings.node_timeout_s, settings.poll_s,

@@ -11,6 +11,17 @@ and gives the file's name and text; `write(folder, packed)` puts them in a direc
   a model whose version is `key`   that model, never converted here;
   models, none of version `key`    `CarriedMismatch`, naming both hashes and the fix;
   no directory or no model         None: the caller converts as without carried models.
+
+Nothing carried is believed. A model file is read only as a regular file (never through
+a link, a FIFO never waited on, at most `MAX_FILE_BYTES`); where the folder's record is
+known (`expect(folder, {file name: sha256})`: the Flower ClientApp gives round.json's,
+written with the app), a file the record does not name, or whose sha256 is not the
+recorded one, is refused naming the file, both digests and the fix, before it is parsed
+(`recorded_files` is that check alone, which the ServerApp makes before any round). Its
+manifest must name the client part and the round's shapes, its bytes the manifest's
+sha256, and the flatbuffer itself (`model_check.check`) must parse, declare the round's
+tensors by name, shape and dtype in its signature and use builtin ops only, checked
+once per content before any client runs it.
 """
 
 from __future__ import annotations
@@ -21,28 +32,88 @@ import json
 import os
 import pathlib
 import threading
-from typing import Optional
+from typing import Mapping, Optional
 
+from fax_bridge import private_files
 from fax_bridge.errors import ComputationError
-from fax_bridge.litert import convert, flatbuffer, lowering, manifest
+from fax_bridge.litert import lowering
 
 FORMAT = "fax_bridge.litert.carried/1"
 REWRITE = ("write the models again from this round (`fax-bridge flower ... --litert` "
            "rewrites a Flower app with them)")
 
 
-_FOUND: dict = {}  # (file, its mtime and size, signature) -> ClientModel
+MAX_FILE_BYTES = 1 << 30
+_FOUND: dict = {}  # (file, its sha256, signature) -> ClientModel
+_EXPECTED: dict = {}  # folder (real path) -> {file name: sha256} written with it
 _LOCK = threading.Lock()
 
 
 class CarriedMismatch(ComputationError):
-    """The carried models are of another client part than the round asked for."""
+    """The carried models are of another client part, or other content, than the round
+    asked for."""
+
+
+def expect(folder: str, record: Mapping[str, str]) -> None:
+    """Holds `find` in `folder` to `record` ({file name: sha256} of the models written
+    with the app): any other file, or other content, is refused (module docstring)."""
+    with _LOCK:
+        _EXPECTED[os.path.realpath(folder)] = dict(record)
+
+
+def _record_of(folder: str) -> Optional[dict]:
+    with _LOCK:
+        return _EXPECTED.get(os.path.realpath(folder))
+
+
+def recorded_files(folder: str, record: Mapping[str, str]) -> dict:
+    """{file name: bytes} of the models in `folder`, each checked against `record`
+    ({file name: sha256}): a file the record does not name, a recorded file that is
+    missing, and one of other content are refused by name (`CarriedMismatch`)."""
+    _refuse_unrecorded(folder, record)
+    out = {}
+    for name, digest in sorted(record.items()):
+        out[name] = _checked_bytes(os.path.join(folder, name), digest)
+    return out
+
+
+def _refuse_unrecorded(folder: str, record: Mapping[str, str]) -> None:
+    extra = [f"{v}.json" for v in versions(folder) if f"{v}.json" not in record]
+    if extra:
+        raise CarriedMismatch(
+            f"{os.path.join(folder, extra[0])} is not a LiteRT model this app was written "
+            f"with (its record names {sorted(record) or 'none'}): it was added since, "
+            f"from another round; remove it, or {REWRITE}")
+
+
+def _checked_bytes(path: str, digest: Optional[str]) -> bytes:
+    """The bytes of the carried file `path` (a regular file, never through a link), and
+    with `digest` only where they have that sha256."""
+    try:
+        raw = private_files.read_regular(path, MAX_FILE_BYTES, what="the carried LiteRT model",
+                                         fix=REWRITE)
+    except FileNotFoundError:
+        raise CarriedMismatch(f"the carried LiteRT model {path} is missing, but the app was "
+                              f"written with it; {REWRITE}") from None
+    except OSError as e:
+        raise ComputationError(f"the carried LiteRT model {path} cannot be read "
+                               f"({e.strerror or e}); {REWRITE}") from None
+    if digest is not None:
+        found = hashlib.sha256(raw).hexdigest()
+        if found != digest:
+            raise CarriedMismatch(
+                f"the carried LiteRT model {path} is not the one the app was written with "
+                f"(sha256 {found}, the app records {digest}): another round's model, or "
+                f"one changed since; {REWRITE}")
+    return raw
 
 
 def pack(split, signature: str) -> tuple:
     """(file name, JSON text) of the round split's client part converted
     (`convert.convert_round`; a client part that cannot convert is refused here, naming
     the op) with its manifest."""
+    from fax_bridge.litert import convert, manifest
+
     model = convert.convert_round(split)
     built = manifest.build(split, model, signature)
     text = json.dumps({"format": FORMAT, "manifest": built,
@@ -52,19 +123,16 @@ def pack(split, signature: str) -> tuple:
 
 def write(folder: str, packed: list) -> list:
     """Writes the packed models (`pack`'s pairs) into `folder`; returns their paths."""
-    os.makedirs(folder, exist_ok=True)
-    paths = []
-    for name, text in packed:
-        path = os.path.join(folder, name)
-        with open(path, "w") as f:
-            f.write(text)
-        paths.append(path)
-    return paths
+    private_files.private_dir(folder, 0o755)
+    return [private_files.write_file(os.path.join(folder, name), text, 0o644)
+            for name, text in packed]
 
 
-def _read(path: pathlib.Path) -> dict:
+def _read(path: pathlib.Path, raw: bytes) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(raw.decode())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
         tflite = base64.b64decode(data["tflite_base64"], validate=True)
@@ -72,7 +140,7 @@ def _read(path: pathlib.Path) -> dict:
         if hashlib.sha256(tflite).hexdigest() != model["sha256"]:
             raise ValueError("the model's bytes do not have the sha256 its manifest names")
         data["manifest"]["round"]["version"]  # noqa: B018 - present, or KeyError
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ComputationError(f"the carried LiteRT model {path} cannot be read "
                                f"({type(e).__name__}: {e}); {REWRITE}") from None
     data["tflite"] = tflite
@@ -85,10 +153,16 @@ def versions(folder: str) -> list:
     return sorted(p.stem for p in path.glob("*.json")) if path.is_dir() else []
 
 
-def find(folder: Optional[str], key: str, signature):
+def find(folder: Optional[str], key: str, signature,
+         record: Optional[Mapping[str, str]] = None):
     """The carried model of client part `key` (module docstring) as a `convert.ClientModel`
     over `signature` (`lowering.ClientSignature`: the caller's types; the tensors' names
-    are the carried model's), or None where `folder` carries no model."""
+    are the carried model's), or None where `folder` carries no model. `record`: the
+    folder's {file name: sha256}, else the one `expect` was given, if any."""
+    if record is None and folder:
+        record = _record_of(folder)
+    if record is not None and folder:
+        _refuse_unrecorded(folder, record)
     found = versions(folder) if folder else []
     if not found:
         return None
@@ -98,17 +172,14 @@ def find(folder: Optional[str], key: str, signature):
             f"{', '.join(found)}, but the round asks for client part {key}: they were "
             f"written for another round; {REWRITE}")
     path = pathlib.Path(folder) / f"{key}.json"
-    try:
-        stat = path.stat()
-    except OSError:
-        stat = None
-    cache_key = (str(path), stat and (stat.st_mtime_ns, stat.st_size),
-                 signature.inputs, signature.outputs)
+    raw = _checked_bytes(str(path), None if record is None else record.get(path.name))
+    cache_key = (str(path), hashlib.sha256(raw).hexdigest(), signature.inputs,
+                 signature.outputs)
     with _LOCK:
         if cache_key in _FOUND:
             return _FOUND[cache_key]
     try:
-        model = _load(folder, path, key, signature)
+        model = _load(folder, path, raw, key, signature)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged manifest
         raise ComputationError(f"the carried LiteRT model {path} has a manifest that "
                                f"cannot be read ({type(e).__name__}: {e}); {REWRITE}") from None
@@ -117,9 +188,11 @@ def find(folder: Optional[str], key: str, signature):
     return model
 
 
-def _load(folder: str, path: pathlib.Path, key: str, signature):
-    """`find`'s model, read from `path` and checked."""
-    data = _read(path)
+def _load(folder: str, path: pathlib.Path, raw: bytes, key: str, signature):
+    """`find`'s model, read from `raw` (the bytes of `path`) and checked."""
+    from fax_bridge.litert import convert, model_check
+
+    data = _read(path, raw)
     built = data["manifest"]
     if built["round"]["version"] != key:
         raise CarriedMismatch(
@@ -137,25 +210,12 @@ def _load(folder: str, path: pathlib.Path, key: str, signature):
                 f"part has {[(list(t.shape), t.dtype) for t in mine][:6]}; {REWRITE}")
         named.append(tuple(lowering.Tensor(t["name"], tuple(t["shape"]), t["dtype"])
                            for t in theirs))
-    _check_signature(data["tflite"], built["model"]["signature"], named, path)
+    # `named`: the manifest's names with the round's shapes and dtypes (checked above),
+    # which the flatbuffer itself must declare
+    where = f"the carried LiteRT model {path}"
+    operators = model_check.check(data["tflite"], built["model"]["signature"], *named,
+                                  where=where, fix=REWRITE)
+    model_check.prepares(data["tflite"], where, REWRITE)
     sig = lowering.ClientSignature(signature.parameter, signature.result, *named)
     return convert.ClientModel(data["tflite"], built["model"]["signature"], sig, key,
-                               flatbuffer.operators(data["tflite"]), 0, 0.0)
-
-
-def _check_signature(tflite: bytes, name: str, named: list, path: pathlib.Path) -> None:
-    """Refuses a manifest whose signature or tensor names are not the model's own."""
-    from ai_edge_litert.interpreter import Interpreter
-
-    try:
-        found = Interpreter(model_content=tflite, num_threads=1).get_signature_list()
-    except (RuntimeError, ValueError) as e:
-        raise ComputationError(f"the carried LiteRT model {path} cannot be loaded ({e}); "
-                               f"{REWRITE}") from None
-    want = {"inputs": sorted(t.name for t in named[0]),
-            "outputs": sorted(t.name for t in named[1])}
-    have = found.get(name)
-    if have is None or {k: sorted(have[k]) for k in want} != want:
-        raise ComputationError(
-            f"the carried LiteRT model {path} names signature {name!r} with tensors "
-            f"{want}, but the model has signatures {found}; {REWRITE}")
+                               operators, 0, 0.0)
