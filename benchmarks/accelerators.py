@@ -238,6 +238,7 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
         if "round_s" in row and peak:
             row["mfu"] = flops / row["round_s"] / (peak * 1e12)
         report["rows"].append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # a row as soon as it is known
     reference = next((results[r] for r in REFERENCES if r in results), None)
     for row in report["rows"]:
         if reference is not None and row["variant"] in results:
