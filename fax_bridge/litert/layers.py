@@ -38,13 +38,20 @@ def _shift(h, k: int):
     return jax.lax.shift_right_arithmetic(h, jnp.int32(k))
 
 
+def _logical_shift(h, k: int):
+    """`h >>> k` (zeros shifted in) for 2 <= k <= 31 with the ops LiteRT has: the
+    arithmetic shift with its k copies of the sign bit cleared by a xor."""
+    return _shift(h, k) ^ (_shift(h, 31) * np.int32(2 ** (32 - k)))
+
+
 def _mix(h):
-    """An int32 -> int32 bijection that spreads every input bit over the word."""
-    h = h ^ _shift(h, 16)
+    """An int32 -> int32 bijection that spreads every input bit over the word (the
+    xor-shift-multiply finalizer of a 32-bit hash)."""
+    h = h ^ _logical_shift(h, 16)
     h = h * _M1
-    h = h ^ _shift(h, 15)
+    h = h ^ _logical_shift(h, 15)
     h = h * _M2
-    return h ^ _shift(h, 16)
+    return h ^ _logical_shift(h, 16)
 
 
 def uniform(key, shape: tuple) -> jax.Array:
