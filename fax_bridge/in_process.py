@@ -22,12 +22,13 @@ from typing import Any, Optional, Union
 from federated_language.common_libs import structure
 from federated_language.proto.computation_pb2 import Computation
 
-from fax_bridge.errors import ComputationError, FaxBridgeError
+from fax_bridge.errors import ArgumentError, ComputationError, FaxBridgeError
 from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds import cohort, engine, round_split
 from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.runtime import device_sums, interpreter, values
 from fax_bridge.runtime.backend import ClientsBackend
+from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
 
 class InProcessTransport:
@@ -99,6 +100,7 @@ def _engine_clients(split: Optional[round_split.RoundSplit], arg: Any) -> int:
 def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *args: Any,
                     backend: Optional[ClientsBackend] = None,
                     num_clients: Optional[int] = None, on_device: Optional[bool] = None,
+                    client_runtime: Union[str, ClientRuntime, None] = None,
                     **kwargs: Any) -> Any:
     """Runs a computation on python pytrees, one per parameter element; returns a pytree.
 
@@ -118,6 +120,10 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
       on_device: a round keeps its values on jax's default device and sums there (the
         same bits); None: as `device_sums.on_device` decides (the environment variable
         FAX_BRIDGE_ON_DEVICE, else whenever that device is not the CPU).
+      client_runtime: what runs the clients' work ("xla", "litert" or a
+        `rounds.client_runtime.ClientRuntime`, which checks the round first): the client
+        part of a round by split, each client map of one run phase by phase (LiteRT: a
+        model per trip, `litert.phases`). None: XLA.
       **kwargs: named parameter elements.
 
     Returns:
@@ -134,7 +140,14 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
       6.0
     """
     prepared = interpreter.prepare(proto)
+    runtime = None if client_runtime is None else runtimes.resolve(client_runtime)
     if backend is not None or num_clients is not None:
+        if runtime is not None:
+            if backend is not None:
+                raise ArgumentError("run_computation: give backend= or client_runtime=, "
+                                    "not both (a backend runs its clients' work itself)")
+            runtime.check_round(prepared.proto, None)
+            backend = LocalClientsBackend(client_runtime=runtime)
         return interpreter.interpret(prepared, *args, backend=backend,
                                      num_clients=num_clients, **kwargs)
     bound = values.bind_arguments(prepared.parameter, args, kwargs)
@@ -142,11 +155,15 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
     split = round_split_of(prepared)
     clients = _engine_clients(split, arg)
     if not clients:
-        result = interpreter.evaluate(prepared, arg)
+        if runtime is not None:  # its models made, or refused, before any client work
+            runtime.check_round(prepared.proto, None)
+        result = interpreter.evaluate(prepared, arg, None if runtime is None
+                                      else LocalClientsBackend(client_runtime=runtime))
     else:
         try:
             result = values.check_value(
                 run_in_process(split, arg, num_clients=clients,
+                               client_runtime=runtime or "xla",
                                on_device=device_sums.on_device(on_device)),
                 prepared.result, "result")
         except FaxBridgeError:

@@ -76,26 +76,38 @@ def test_a_name_is_parsed_once_into_a_runtime():
         runtimes.resolve("xla", models_dir="/m")
 
 
-def test_litert_refuses_a_round_without_one_client_part_everywhere_naming_why(tmp_path,
-                                                                             capsys):
+def _models_ran(proto, run) -> dict:
+    """{local of each client map that computes: (trip, clients LiteRT ran it on)} while
+    `run()` runs."""
+    maps = [m for m in round_split.client_maps(proto) if m.computes]
+    before = runner.loaded()
+    run()
+    after = runner.loaded()
+    return {m.local: (m.trip, after.get(m.key, 0) - before.get(m.key, 0)) for m in maps}
+
+
+def test_a_round_of_two_trips_runs_one_litert_model_per_trip_everywhere(tmp_path, capsys):
     args = _args()
     proto = fb.export_tff(two_trips, *args, placements=PLACE)
     assert round_split.split_of(proto) is None
-    why = round_split.why_not_split(proto)
-    assert "broadcast" in why and "two trips" in why
-    with pytest.raises(round_split.Unsplit, match="no single client part"):
-        LiteRTClientRuntime().check_round(proto, None)
-    with LocalFleet(devices=1, client_runtime="litert") as fleet:
-        with pytest.raises(round_split.Unsplit, match="two trips"):
-            fleet.run(proto, *args)
-        with pytest.raises(round_split.Unsplit, match="two trips"):
-            check_parity(two_trips, *args, placements=PLACE, fleet=fleet,
-                         client_runtime="litert")
+    assert "two trips" in round_split.why_not_split(proto)
+    LiteRTClientRuntime().check_round(proto, None)  # each trip's model, made up front
+    found: dict = {}
+    ran = _models_ran(proto, lambda: found.setdefault("alone", in_process.run_computation(
+        proto, *args, client_runtime="litert")))
+    assert sorted(ran.values()) == [(1, N), (2, N)]  # one model per trip, every client
+    with LocalFleet(devices=2, client_runtime="litert") as fleet:
+        got = fleet.run(proto, *args)  # every device's Map answered "litert"
+        report = check_parity(two_trips, *args, placements=PLACE, fleet=fleet,
+                              client_runtime="litert")
+    assert [np.asarray(x).tobytes() for x in jax_leaves(got)] == \
+        [np.asarray(x).tobytes() for x in jax_leaves(found["alone"])]
+    assert report.ok, report.table()
     path = tmp_path / "prog.py"
     path.write_text(SOURCE)
     assert cli.main(["litert", f"{path}:two_trips", "--clients", str(N), "-o",
                      str(tmp_path / "out"), "--no-check"]) == 2
-    assert "two trips" in capsys.readouterr().err
+    assert "two trips" in capsys.readouterr().err  # one model per file: refused by name
 
 
 def test_a_secure_sum_round_converts_and_runs_in_litert_on_every_path(tmp_path, capsys):
@@ -144,6 +156,9 @@ class _NamedLiteRTButStartsXla:
     def client_partials(self, *a, **k):
         raise AssertionError("runs on the devices")
 
+    def map_clients(self, *a, **k):
+        raise AssertionError("runs on the devices")
+
     def carrying(self, models_dir):
         return self
 
@@ -159,6 +174,9 @@ def test_a_fleet_refuses_answers_its_devices_computed_with_another_runtime():
         with pytest.raises(FleetError, match="client runtime 'xla', but this fleet runs "
                                              "client parts with 'litert'"):
             fleet.run(proto, *args)
+        with pytest.raises(FleetError, match="client map with client runtime 'xla', but "
+                                             "this fleet runs client work with 'litert'"):
+            fleet.run(fb.export_tff(two_trips, *args, placements=PLACE), *args)
 
 
 def test_check_parity_refuses_litert_on_flower():

@@ -32,16 +32,18 @@ def encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     k = jnp.floor(jnp.log2(jnp.maximum(r, tiny)))
     mant = r / jnp.exp2(k)                                   # in [1, 2)
     e = jnp.clip(k + (mant >= 1.5), MIN_EXP, 0)
-    code = jnp.where((r >= tiny) & (scale > 0), e - MIN_EXP + 1, 0).astype(jnp.uint8)
-    sign = (x < 0).astype(jnp.uint8) << 3
-    return code | sign, scale.astype(jnp.float32)
+    code = jnp.where((r >= tiny) & (scale > 0), e - MIN_EXP + 1, 0).astype(jnp.int32)
+    sign = (x < 0).astype(jnp.int32) * 8  # bit 3; int32 arithmetic: LiteRT's builtins
+    #                                       have no uint8 shifts, ORs or comparisons
+    return (code + sign).astype(jnp.uint8), scale.astype(jnp.float32)
 
 
 def decode(codes: jax.Array, scale: jax.Array) -> jax.Array:
     """Inverse of `encode` (up to the rounding it did)."""
-    c = (codes & 7).astype(jnp.int32)
+    codes = jnp.asarray(codes).astype(jnp.int32) % 16
+    c = codes % 8
     mag = jnp.where(c > 0, jnp.exp2((c - 1 + MIN_EXP).astype(jnp.float32)), 0.0)
-    sign = jnp.where((codes & 8) > 0, -1.0, 1.0)
+    sign = jnp.where(codes >= 8, -1.0, 1.0)
     return (sign * mag * scale).astype(jnp.float32)
 
 
@@ -53,18 +55,19 @@ def quantize(x: jax.Array) -> jax.Array:
 
 def pack(codes: jax.Array) -> jax.Array:
     """4-bit codes of any shape -> uint8[ceil(n / 2)], two codes per byte."""
-    flat = jnp.ravel(codes).astype(jnp.uint8)
+    flat = jnp.ravel(codes).astype(jnp.int32) % 16
     if flat.size % 2:
-        flat = jnp.concatenate([flat, jnp.zeros((1,), jnp.uint8)])
+        flat = jnp.concatenate([flat, jnp.zeros((1,), jnp.int32)])
     pairs = flat.reshape(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    return (pairs[:, 0] + pairs[:, 1] * 16).astype(jnp.uint8)
 
 
 def unpack(packed: jax.Array, shape: Sequence[int]) -> jax.Array:
     """Inverse of `pack` for a tensor of `shape`."""
     n = int(np.prod(shape))
-    both = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(-1)
-    return both[:n].reshape(tuple(shape))
+    packed = jnp.asarray(packed).astype(jnp.int32)
+    both = jnp.stack([packed % 16, packed // 16], axis=-1).reshape(-1)
+    return both[:n].reshape(tuple(shape)).astype(jnp.uint8)
 
 
 def encode_packed(x: jax.Array) -> tuple[jax.Array, jax.Array]:

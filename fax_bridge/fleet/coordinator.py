@@ -97,6 +97,9 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         self.reject_nonfinite = bool(reject_nonfinite)
         # Set by the fleet from its policy (`RoundPolicy.rounded_partials`).
         self.rounded_partials = False
+        # Set by the fleet: the client runtime its devices must name in Map answers
+        # (`MapResponse.client_runtime`); None takes what they run.
+        self.client_runtime: Optional[str] = None
         # A random start keeps this backend's handles apart from those an earlier
         # coordinator (crashed, or closed with values still referenced) left behind.
         self._handles = itertools.count(1 + secrets.randbelow(1 << 52))
@@ -333,6 +336,13 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
                 raise FleetError(
                     f"device {index} at {self._devices[index].address} mapped "
                     f"{answers[index].num_clients} clients; it holds {len(clients)}")
+            ran = answers[index].client_runtime or "unnamed"
+            if self.client_runtime is not None and ran != self.client_runtime:
+                raise FleetError(
+                    f"device {index} at {self._devices[index].address} ran a client map "
+                    f"with client runtime {ran!r}, but this fleet runs client work with "
+                    f"{self.client_runtime!r}; start its devices with --client-runtime "
+                    f"{self.client_runtime}")
         self.traffic.compute_seconds += sum(a.compute_seconds for a in answers.values())
         return result
 

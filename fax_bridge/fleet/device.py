@@ -447,13 +447,15 @@ class DeviceServicer(pb_grpc.DeviceServicer):
                 tick=lambda: self.check_time(clock, context, "Map"),
                 room=lambda produced: self.check_room(ids_bytes + produced, "Map's results"),
                 size=value_bytes)
-            results = client_map.map_clients(fn, members, key=request.computation_hash,
-                                             no_argument=request.no_argument, guard=guard)
+            results = self.client_runtime.map_clients(  # LiteRT: a model per client map
+                fn, members, key=request.computation_hash, no_argument=request.no_argument,
+                guard=guard)
             elapsed = time.perf_counter() - start
         if delay > 0 and self.stopping.wait(delay):
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "Map: the device is shutting down")
         self._store(request.result, Stored(client_ids=list(arg.client_ids), members=results))
-        return pb.MapResponse(num_clients=len(results), compute_seconds=elapsed)
+        return pb.MapResponse(num_clients=len(results), compute_seconds=elapsed,
+                              client_runtime=self.client_runtime.name)
 
     @_rpc
     def Zip(self, request, context):

@@ -8,8 +8,9 @@ through the round engine (`engine.run_round` over a `grpc_transport.GrpcTranspor
 any other computation runs phase by phase (`interpreter.evaluate` on the same backend):
 the computation's shape picks the path (`round_split.split_of`), nothing else; a fleet
 whose devices run another client runtime than XLA has it check each round first
-(`ClientRuntime.check_round`: LiteRT converts the client part, or refuses a round with
-none), and refuses an answer computed by another. The
+(`ClientRuntime.check_round`: LiteRT converts the client part, or each trip's client map
+of a round run phase by phase, or refuses naming the op), and refuses an answer (a
+round's, or a phase's map) computed by another. The
 policy (cohort, `min_clients`, lost devices, the report) is the engine's (`engine.open_round`, `engine.drop_lost`). When
 devices stop answering or miss their deadline (`rpc_timeout_s`) and
 `survive_device_loss` is set, the round is finished on the devices that answered in
@@ -194,6 +195,7 @@ class FleetRounds:
                      if participants is not None and clients_given else None)
             if self.client_runtime is not None:  # converted, or refused, before any work
                 self.client_runtime.check_round(prepared.proto, split)
+                backend.client_runtime = self.client_runtime.name
             # Checked and converted here. A round by split has its cohort selected
             # above, so every PopulationRef in it names its clients' ids.
             arg = bound.runtime_value()

@@ -34,7 +34,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import AggregationError, ArgumentError, ComputationError
-from fax_bridge.litert import carried, convert, lowering
+from fax_bridge.litert import carried, convert, lowering, phases
 from fax_bridge.rounds import round_split
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime.local_eval import select_element
@@ -173,8 +173,9 @@ class LiteRTClientRuntime:
 
     `models_dir`: a directory of models carried with an app or deployment
     (`litert.carried`), taken before any conversion; None converts (`convert`, which
-    needs `.venv-litert`). Only rounds that split into one client part run
-    (`check_round` refuses the others, naming why).
+    needs `.venv-litert`). A round that splits runs its one client part as one model; a
+    round of several trips runs each trip's client map as a model of its own
+    (`litert.phases`).
     """
 
     models_dir: Optional[str] = None
@@ -182,12 +183,19 @@ class LiteRTClientRuntime:
 
     def check_round(self, proto: computation_pb2.Computation,
                     split: Optional[round_split.RoundSplit]) -> None:
-        """Converts (or finds carried) the split's model once, before any client work;
-        refuses a round with no split, or a client part LiteRT cannot run."""
+        """Converts (or finds carried) the split's model once, before any client work,
+        or, for a round with no split, the model of each trip (`phases.convert_round`);
+        refuses a client computation LiteRT cannot run, naming the op."""
         if split is None:
-            round_split.refuse_unsplit(self.name, proto)
+            phases.convert_round(proto, self.models_dir)
+            return
         model_for(split.client_part, split.client_part_hash, None, None,
                   [a.spec for a in split.aggregations], split, self.models_dir)
+
+    def map_clients(self, fn, members, key=None, no_argument: bool = False,
+                    guard=None) -> list:
+        return phases.map_clients(fn, members, runner_for, key, no_argument, guard,
+                                  self.models_dir)
 
     def client_partials(self, fn, key, sent, members, specs, guard=None,
                         least_rows: int = 0) -> list:

@@ -8,12 +8,14 @@ to whatever runs client parts, as DrJAX picks its placed computations once. Two 
                                      one batched call where it can); runs every round
   LiteRTClientRuntime(models_dir=)   the client part as a LiteRT model in the LiteRT
                                      interpreter, as phones run it (`litert.runner`);
-                                     runs only rounds that split into one client part
+                                     a round of several trips: one model per trip
 
-Each says up front whether it can run a round (`check_round`: converts the LiteRT model
+Each says up front whether it can run a round (`check_round`: converts the LiteRT models
 once, or refuses naming why), runs a client part over a holder's clients
-(`client_partials`: one exact partial per aggregation, the same form either way), and
-names itself (`name`, which a device's answer carries back). `resolve(value)` is
+(`client_partials`: one exact partial per aggregation, the same form either way), runs
+each client map of a round that runs phase by phase (`map_clients`: a round of several
+trips, or with client state; LiteRT runs each trip's map as a model of its own,
+`litert.phases`), and names itself (`name`, which a device's answer carries back). `resolve(value)` is
 the one place a name ("xla", "litert") becomes a runtime; public entry points accept
 either.
 """
@@ -38,15 +40,22 @@ class ClientRuntime(Protocol):
 
     def check_round(self, proto: computation_pb2.Computation,
                     split: Optional[round_split.RoundSplit]) -> None:
-        """Refuses (`round_split.Unsplit`, or the conversion's refusal) a round whose
-        client parts this runtime cannot run; `split`: the round's split, None where the
-        round has none (it then runs phase by phase)."""
+        """Refuses (the conversion's refusal, naming the op) a round whose client parts
+        or client maps this runtime cannot run; `split`: the round's split, None where
+        the round has none (it then runs phase by phase)."""
 
     def client_partials(self, fn: computation_pb2.Computation, key: str, sent: Any,
                         members: Any, specs: list, guard: Any = None,
                         least_rows: int = 0) -> list:
         """One exact partial per aggregation of `specs` over the clients' `members`
         (`round_split.client_partials`' arguments)."""
+
+    def map_clients(self, fn: computation_pb2.Computation, members: Any,
+                    key: Optional[str] = None, no_argument: bool = False,
+                    guard: Any = None) -> list:
+        """One local value per client of the client computation `fn` over `members`
+        (`client_map.map_clients`' arguments): a round run phase by phase runs each of
+        its client maps (`round_split.client_maps`) through this."""
 
     def carrying(self, models_dir: Optional[str]) -> "ClientRuntime":
         """This runtime taking models carried in `models_dir` (an app's) first."""
@@ -66,6 +75,13 @@ class XlaClientRuntime:
     def client_partials(self, fn, key, sent, members, specs, guard=None,
                         least_rows: int = 0) -> list:
         return round_split.client_partials(fn, key, sent, members, specs, guard, least_rows)
+
+    def map_clients(self, fn, members, key=None, no_argument: bool = False,
+                    guard=None) -> list:
+        from fax_bridge.runtime import client_map
+
+        return client_map.map_clients(fn, members, key=key, no_argument=no_argument,
+                                      guard=guard)
 
     def carrying(self, models_dir) -> "XlaClientRuntime":
         del models_dir

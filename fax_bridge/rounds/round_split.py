@@ -42,7 +42,7 @@ from fax_bridge.primitive_facts import KIND_OF_URI, SECURE_KINDS
 from fax_bridge.runtime import aggregation, client_map, device_sums, local_eval
 from fax_bridge.runtime.grammar import (free_references, intrinsic_call, lambda_of,
                                         make_reference, make_selection, reference_name,
-                                        struct_elements, which)
+                                        struct_elements, walk, which)
 from fax_bridge.runtime.local_eval import select_element
 
 Computation = computation_pb2.Computation
@@ -60,8 +60,7 @@ _X = "__split_x"  # the client part's parameter
 
 
 class Unsplit(ComputationError):
-    """A round with no single client part, where a client runtime runs only split rounds
-    (`refuse_unsplit`)."""
+    """A round with no single client part, where one is needed (`refuse_unsplit`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,22 +174,78 @@ def why_not_split(proto: Computation, secure: bool = True) -> Optional[str]:
     return None if isinstance(made, RoundSplit) else made
 
 
-def refuse_unsplit(runtime: str, proto: Computation) -> None:
-    """Raises `Unsplit` for a round with no single client part, where client runtime
-    `runtime` (`rounds.client_runtime`) runs only split rounds, naming the local that
-    stops the split (`why_not_split`)."""
-    why = why_not_split(proto)
-    if why is None:
-        raise Unsplit(
-            f"client runtime {runtime!r} runs a round's one client part over the clients' "
-            "values, but this round's CLIENTS inputs are not given (no CLIENTS argument, "
-            "or only num_clients=), so it would run phase by phase, as XLA: pass the "
-            "clients' data as the CLIENTS arguments, or run it with client_runtime=\"xla\"")
+def refuse_unsplit(what: str, proto: Computation) -> None:
+    """Raises `Unsplit` for a round with no single client part, where `what` (a sentence
+    naming the consumer and what it takes) needs one, naming the local that stops the
+    split (`why_not_split`) and where such a round runs instead."""
+    why = why_not_split(proto) or (
+        "its CLIENTS inputs are not given (no CLIENTS argument, or only num_clients=)")
     raise Unsplit(
-        f"client runtime {runtime!r} runs only rounds of the form broadcast -> one client "
-        f"part -> aggregations, and this computation has no single client part: {why}. "
-        "Such a round runs phase by phase, as XLA: write it so that what the clients "
-        "compute is aggregated once, or run it with client_runtime=\"xla\"")
+        f"{what} takes a round of the form broadcast -> one client part -> aggregations, "
+        f"and this computation has no single client part: {why}. It runs phase by phase, "
+        "each trip's client computation a LiteRT model of its own, on a fleet "
+        "(LocalFleet(client_runtime=\"litert\")) or in process "
+        "(run_computation(..., client_runtime=\"litert\")); or write it so that what "
+        "the clients compute is aggregated once")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientMap:
+    """One computation a round runs on each client when it runs phase by phase
+    (`client_maps`): a federated map (or eval at clients) of the round's body."""
+
+    local: str          # the round's local it computes
+    fn: Computation     # the function each client runs, self-contained
+    key: str            # its content hash, which a holder loads it by
+    trip: int           # 1 + the aggregations its inputs wait on (a round's trips)
+    computes: bool      # False: it only selects and regroups values (no op to run)
+
+    @property
+    def fn_type(self):
+        return _type(self.fn)
+
+
+_MOVES_ONLY = frozenset(("reference", "selection", "struct", "lambda", "block", "call",
+                         "literal"))
+
+
+def computes(fn: Computation) -> bool:
+    """Whether the local function `fn` runs any op: False where it only selects, regroups
+    and calls functions that do the same (a client reads such a result off another's)."""
+    return any(which(c) not in _MOVES_ONLY for c in walk(fn))
+
+
+def client_maps(proto: Computation) -> list:
+    """The client computations of a round run phase by phase, in body order: each
+    federated map of a CLIENTS value and each eval at clients whose function is
+    self-contained (a function that reads values around it is closed over them at run
+    time, and met there), with the trip it runs in: trip 1 reads only the parameter and
+    what the server computes from it, trip k + 1 reads a value computed from the
+    aggregate of a trip-k map (a broadcast of it, or client values that waited for it).
+    Empty for what is not a function."""
+    if which(proto) != "lambda" or not lambda_of(proto).parameter_name:
+        return []
+    body = _flattened(lambda_of(proto).result, lambda_of(proto).parameter_name)
+    level: dict = {}    # local -> aggregations on the longest path into it
+    clients: set = set()
+    out = []
+    for local in body.block.local:
+        name, value = local.name, local.value
+        type_ = _type(value)
+        refs = set(free_references(value))
+        base = max((level[r] for r in refs if r in level), default=0)
+        placed = _is_clients(type_)
+        if placed:
+            clients.add(name)
+        level[name] = base + 1 if not placed and refs & clients else base
+        call = intrinsic_call(value)
+        if call is None or not placed or call[0] not in (_MAP, _EVAL):
+            continue
+        fn = call[1] if call[0] == _EVAL else (struct_elements(call[1], 2) or [None])[0]
+        if fn is None or which(fn) not in ("lambda", "xla") or free_references(fn):
+            continue
+        out.append(ClientMap(name, fn, local_eval.content_hash(fn), base + 1, computes(fn)))
+    return out
 
 
 def _split(proto: Computation, secure: bool) -> Union[RoundSplit, str]:

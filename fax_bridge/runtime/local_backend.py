@@ -75,7 +75,12 @@ class LocalClientsBackend(ClientsBackend):
     """Runs CLIENTS-placed work in this process (no devices, no network).
 
     CLIENTS inputs given as `PopulationRef(directory=...)` are read from that store here.
+    `client_runtime`: what runs the client maps (`rounds.client_runtime`; None: XLA,
+    by `client_map`).
     """
+
+    def __init__(self, client_runtime: Any = None) -> None:
+        self.client_runtime = client_runtime
 
     def _store(self, ref):
         if not getattr(ref, "directory", None):
@@ -118,6 +123,9 @@ class LocalClientsBackend(ClientsBackend):
     def map(self, fn: computation_pb2.Computation, fn_type: federated_language.FunctionType,
             arg: ClientsValue) -> LocalClientsValue:
         members = _members(arg)
+        if self.client_runtime is not None:
+            return LocalClientsValue(fn_type.result, self.client_runtime.map_clients(
+                fn, members, no_argument=fn_type.parameter is None))
         if fn_type.parameter is not None and members:  # results kept stacked
             stacked = client_map.map_clients_stacked(fn, members)
             if stacked is not None:

@@ -201,12 +201,14 @@ class MapRequest(_message.Message):
     def __init__(self, computation_hash: _Optional[str] = ..., arg: _Optional[int] = ..., result: _Optional[int] = ..., delay_seconds: _Optional[float] = ..., no_argument: _Optional[bool] = ...) -> None: ...
 
 class MapResponse(_message.Message):
-    __slots__ = ("num_clients", "compute_seconds")
+    __slots__ = ("num_clients", "compute_seconds", "client_runtime")
     NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_RUNTIME_FIELD_NUMBER: _ClassVar[int]
     num_clients: int
     compute_seconds: float
-    def __init__(self, num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    client_runtime: str
+    def __init__(self, num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., client_runtime: _Optional[str] = ...) -> None: ...
 
 class ZipField(_message.Message):
     __slots__ = ("handle", "name")
