@@ -52,7 +52,8 @@ test:
 # The examples in the public functions' docstrings (a few clients each: seconds).
 DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local.py fax_bridge/tracing.py \
 	fax_bridge/tff/export.py fax_bridge/tff/files.py fax_bridge/secure.py \
-	fax_bridge/parity.py fax_bridge/in_process.py fax_bridge/data
+	fax_bridge/parity.py fax_bridge/in_process.py fax_bridge/data \
+	fax_bridge/privacy/aggregator.py
 doctest: $(STAMP)
 	$(PY) -m pytest -q --doctest-modules $(DOCTEST_MODULES)
 

@@ -120,3 +120,47 @@ def test_the_default_clipped_count_noise_fits_every_noise_multiplier(z, n):
     small = z / 2 * 0.99
     with pytest.raises(PrivacyError, match="is too small for noise_multiplier"):
         privacy.gaussian_adaptive(z, n, clipped_count_stddev=small)
+
+
+@functools.lru_cache(maxsize=None)
+def _masked_mean():
+    """(aggregator, a program of its mean, that program under jit), made once."""
+    agg = privacy.gaussian_fixed(0.0, 3.0, clip=1.0)
+
+    @fb.program(clients=3)
+    def one_round(state, value, present):
+        return agg.aggregate(state, value, present)[0]
+
+    return agg, one_round, jax.jit(one_round)
+
+
+@settings(max_examples=40, deadline=None)
+@given(present=st.lists(st.sampled_from([0.0, 1.0, 2.0, 0.5, -1.0, 16.0, float("nan")]),
+                        min_size=3, max_size=3))
+def test_present_is_a_mask_never_a_weight(present):
+    """Weights passed as `present` (e.g. example counts) cannot scale a client past the
+    clip: concrete, anything but 0/1 is a PrivacyError naming it; under jit every
+    nonzero entry counts as 1, so the clipped sum stays within clip per client."""
+    agg, one_round, jitted = _masked_mean()
+    x = {"x": jnp.asarray([[3.0, 4.0], [0.3, 0.4], [6.0, 8.0]])}
+    mask = jnp.asarray(present, jnp.float32)
+    as_mask = jnp.asarray([p != 0 for p in present], jnp.float32)   # nan != 0
+    want = jitted(agg.init(0), x, as_mask)
+    np.testing.assert_array_equal(jitted(agg.init(0), x, mask)["x"], want["x"])
+    assert np.linalg.norm(np.asarray(want["x"]) * 3.0) <= 3.0 * (1 + 1e-6)
+    if all(p in (0.0, 1.0) for p in present):
+        np.testing.assert_array_equal(one_round(agg.init(0), x, mask)["x"], want["x"])
+    else:
+        with pytest.raises(PrivacyError, match="present must be 0 or 1 per client"):
+            one_round(agg.init(0), x, mask)
+
+
+def test_present_of_another_shape_is_refused_when_traced():
+    agg = privacy.gaussian_fixed(0.0, 2.0, clip=1.0)
+
+    @fb.program(clients=2)
+    def one_round(state, value, present):
+        return agg.aggregate(state, value, present)[0]
+
+    with pytest.raises(PrivacyError, match=r"one CLIENTS vector.*\(2, 3\)"):
+        jax.jit(one_round)(agg.init(0), jnp.ones((2, 3)), jnp.ones((2, 3)))

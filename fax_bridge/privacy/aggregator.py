@@ -34,6 +34,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fax_bridge import api as fx
 from fax_bridge.errors import PrivacyError
@@ -130,7 +131,23 @@ def adaptive_clip_noise_params(noise_multiplier: float, clients_per_round: float
 
 def _init_fn(initial_clip: float) -> Callable[..., DPState]:
     def init(seed: Any = 0) -> DPState:
-        """The state before round 1; `seed` an int or a jax PRNG key."""
+        """The SERVER state before round 1: the initial clip norm and the noise key.
+
+        Args:
+          seed: an int, a jax PRNG key (`jax.random.key(0)`) or raw key data (uint32[2],
+            `jax.random.PRNGKey(0)`): where the server's noise starts.
+
+        Returns:
+          A `DPState(clip, key)`: float32 `clip`, and `key` as raw uint32[2] key data, so
+          the state exports as TFF tensors. Pass it to the first `aggregate`.
+
+        Example:
+          >>> from fax_bridge import privacy
+          >>> dp = privacy.gaussian_fixed(noise_multiplier=1.0, clients_per_round=8, clip=0.5)
+          >>> state = dp.init(0)
+          >>> float(state.clip), state.key.dtype, state.key.shape
+          (0.5, dtype('uint32'), (2,))
+        """
         if isinstance(seed, (int,)) and not isinstance(seed, bool):
             key = jax.random.key(seed)
         else:
@@ -145,13 +162,38 @@ def _init_fn(initial_clip: float) -> Callable[..., DPState]:
 def _client_clip(adaptive: bool):
     def clip_one(clip, value, present):
         clipped, norm = clipping.clip_by_global_norm(value, clip)
-        present = present.astype(jnp.float32)
+        present = (present != 0).astype(jnp.float32)  # a mask: never scales the clip
         clipped = jax.tree.map(lambda x: x * present.astype(x.dtype), clipped)
         if adaptive:
             return clipped, clipping.below_indicator(norm, clip) * present
         return clipped
 
     return clip_one
+
+
+def _check_mask(present) -> None:
+    """PrivacyError unless `present` is a mask: one scalar per client, each 0 or 1 where
+    the values are concrete (traced values pass, and count nonzero as 1)."""
+    if present is None:
+        return
+    leaves = jax.tree.leaves(present)
+    if len(leaves) != 1 or jnp.ndim(leaves[0]) != 1:
+        shapes = [tuple(jnp.shape(x)) for x in leaves]
+        raise PrivacyError(
+            f"DP aggregate: present must be one CLIENTS vector, one 0 or 1 per client, got "
+            f"{len(leaves)} array(s) of shape(s) {shapes}.")
+    mask = leaves[0]
+    if isinstance(mask, jax.core.Tracer):
+        return
+    values = np.asarray(mask)  # read on the host: a jnp op would be staged into a trace
+    odd = values[(values != 0) & (values != 1)]
+    if odd.size:
+        raise PrivacyError(
+            f"DP aggregate: present must be 0 or 1 per client (1: a real client, 0: an "
+            f"empty slot), got {odd[:4].tolist()}{' ...' if odd.size > 4 else ''}. The DP "
+            "mean is unweighted, every client counts once (as TFF's), so weights such as "
+            "example counts cannot be honoured within the clip the noise is calibrated to: "
+            "pass a 0/1 mask (jnp.asarray(counts > 0, jnp.float32)) or present=None.")
 
 
 def _noise_like(key, tree, stddev):
@@ -188,6 +230,48 @@ def _make(noise_multiplier: float, value_noise_multiplier: float, clipped_count_
     clip_one = _client_clip(adaptive)
 
     def aggregate(state: DPState, value, present=None):
+        """The DP mean of the clients' `value`: clip each, sum, noise and normalise.
+
+        Call it inside a `fax_bridge.program`. Each client's update is clipped to global
+        L2 norm `state.clip`; the server adds Gaussian noise to the sum and divides by
+        `clients_per_round`. The mean is unweighted: every client counts once, whatever
+        its number of examples (TFF's `DifferentiallyPrivateFactory` does the same: a
+        weight would scale a client's contribution past the clip the noise is
+        calibrated to). A FedAvg round that weights by examples
+        (`federated_weighted_mean`) therefore becomes an unweighted one with DP.
+
+        Args:
+          state: the SERVER `DPState`, from `init` or the previous round.
+          value: a CLIENTS pytree of floating-point updates.
+          present: optional CLIENTS vector, one 0 or 1 per client (1: a real client,
+            0: an empty slot, which adds nothing): a mask, not a weight. A value other
+            than 0 or 1 (an example count, say) is refused where it is concrete (an
+            eager call) with a `PrivacyError`; under `jit` and on the exported paths
+            any nonzero value counts as 1.
+
+        Returns:
+          `(mean, new_state, metrics)`, all at SERVER: the noised mean with `value`'s
+          structure; the next round's `DPState`; `metrics['clip']`, the clip norm this
+          round used, and, adaptive, `metrics['unclipped_fraction']`, the noised
+          fraction of clients whose norm was within it.
+
+        Example:
+          >>> import jax.numpy as jnp, fax_bridge as fb
+          >>> from fax_bridge import privacy
+          >>> dp = privacy.gaussian_fixed(noise_multiplier=0.0, clients_per_round=2, clip=5.0)
+          >>> @fb.program(clients=2)
+          ... def dp_mean(state, updates, present):
+          ...     mean, new_state, metrics = dp.aggregate(state, updates, present)
+          ...     return mean
+          >>> updates = jnp.array([[6.0, 8.0], [1.0, 2.0]])  # norm 10, clipped to 5: [3, 4]
+          >>> print(dp_mean(dp.init(0), updates, jnp.array([1.0, 1.0])))  # ([3, 4] + [1, 2]) / 2
+          [2. 3.]
+          >>> dp_mean(dp.init(0), updates, jnp.array([16.0, 3.0]))  # doctest: +ELLIPSIS
+          Traceback (most recent call last):
+          ...
+          fax_bridge.errors.PrivacyError: DP aggregate: present must be 0 or 1 per client ...
+        """
+        _check_mask(present)
         if present is None:
             present = fx.federated_map_clients(
                 lambda leaf: jnp.ones((), jnp.float32), jax.tree.leaves(value)[0])
@@ -244,3 +328,9 @@ def gaussian_adaptive(noise_multiplier: float, clients_per_round: float,
     z_value, sigma_b = adaptive_clip_noise_params(z, n, clipped_count_stddev)
     return _make(z, z_value, sigma_b, n, c, adaptive=True, target_quantile=q,
                  learning_rate=lr)
+
+
+# doctest sees module-level docstrings only: these are the examples `help(dp.init)` and
+# `help(dp.aggregate)` show (made here without running anything).
+__test__ = {"DPAggregator.init": _init_fn(0.1),
+            "DPAggregator.aggregate": _make(0.0, 0.0, 0.0, 1.0, 1.0, adaptive=False).aggregate}
