@@ -32,6 +32,7 @@ import numpy as np
 from fax_bridge import chunking
 from fax_bridge import local as _local
 from fax_bridge import primitives as P
+from fax_bridge import pytree_names
 from fax_bridge.errors import ArgumentError, PlacementError, ProgramError, WeightError
 from fax_bridge.execution import ClientsPerStep, is_unchunked
 from fax_bridge.execution import validate as validate_clients_per_step
@@ -279,6 +280,7 @@ def _aggregate(prim, op: str, x):
     paths, arrays, treedef = _leaves_with_paths(x, op, "value")
     _check_clients_leaves(op, "value", paths, arrays, params["clients"], params["axis"])
     _refuse_dtypes(op, paths, arrays)
+    pytree_names.note_aggregand(op, paths)
     return jax.tree_util.tree_unflatten(treedef, [prim.bind(a, **params) for a in arrays])
 
 
@@ -384,6 +386,7 @@ def federated_weighted_mean(x, weights):
     paths, arrays, treedef = _leaves_with_paths(x, op, "value")
     _check_clients_leaves(op, "value", paths, arrays, n, name)
     _refuse_dtypes(op, paths, arrays)
+    pytree_names.note_aggregand(op, paths)
     out = []
     for path, a, w in zip(paths, arrays, _weight_leaves(op, weights, treedef, n)):
         member_x = tuple(a.shape[1:])

@@ -3,11 +3,20 @@ dict key or attribute name as the TFF struct element's name (None when positiona
 
 The exporter's types (`tff/types`), the runtime's values and the checkpoints all name a
 pytree's children with `named_children`, so a value written by one is read by another.
+
+A pytree path as a tensor name (a LiteRT signature's, an .npz key): `segments(path)`
+gives one text per key (a dict key, an attribute name, an index), `tensor_names` joins
+them with "/", keeps each to letters, digits, `_`, `.` and `-`, and makes the names
+unique. Inside `recording_aggregands()` each aggregation over clients notes the paths
+of its value's leaves (`note_aggregand`), which the export flattens away.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+import contextvars
+import re
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
 
@@ -50,3 +59,61 @@ def named_children(node: Any) -> Optional[list[tuple[Optional[str], Any]]]:
     if kids is None:
         return None
     return [(element_name(key, (key,)), child) for key, child in kids]
+
+
+def segments(path: Sequence[Any]) -> list[str]:
+    """One text per entry of a jax key path: a dict key, an attribute name, an index."""
+    out = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                out.append(str(getattr(key, attr)))
+                break
+        else:
+            out.append(str(key))
+    return out
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def tensor_names(paths: Sequence[Sequence[str]]) -> list[str]:
+    """Each path (a list of segments) as a name: segments joined by "/", every character
+    outside letters, digits, `_`, `.` and `-` as `_` (an empty segment is `_`), a name
+    already taken given the first free suffix `_2`, `_3`, ... (so the names stay
+    distinct and valid as TFLite signature names and .npz keys)."""
+    taken: set = set()
+    out = []
+    for path in paths:
+        base = "/".join(_UNSAFE.sub("_", s) or "_" for s in path) or "_"
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}_{n}"
+        taken.add(name)
+        out.append(name)
+    return out
+
+
+_AGGREGANDS: contextvars.ContextVar = contextvars.ContextVar("aggregand_paths",
+                                                             default=None)
+
+
+def note_aggregand(op: str, paths: Sequence[Sequence[Any]]) -> None:
+    """Notes an aggregation's op and its value's leaf paths, inside
+    `recording_aggregands` (nothing otherwise)."""
+    record = _AGGREGANDS.get()
+    if record is not None:
+        record.append((op, [segments(p) for p in paths]))
+
+
+@contextlib.contextmanager
+def recording_aggregands() -> Iterator[list]:
+    """A list that fills with (op, [the value's leaf paths as segments]) for each
+    aggregation over clients traced inside the block, in call order."""
+    record: list = []
+    token = _AGGREGANDS.set(record)
+    try:
+        yield record
+    finally:
+        _AGGREGANDS.reset(token)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -27,17 +28,37 @@ def test_litert_writes_the_model_manifest_example_and_a_passing_check(tmp_path, 
     assert manifest["model"]["bytes"] == (out / "client_update.tflite").stat().st_size
     assert not [op for op in manifest["model"]["operators"] if op.startswith("CUSTOM")]
     assert [t["name"] for t in manifest["inputs"]] == [
-        "broadcast/0/b", "broadcast/0/w", "client/0/x", "client/0/y"]
+        "broadcast/params/b", "broadcast/params/w", "client/data/x", "client/data/y"]
+    assert [t["name"] for t in manifest["outputs"]] == [
+        "aggregate/0/value/b", "aggregate/0/value/w", "aggregate/0/weight",
+        "aggregate/1/value"]
     assert {(t["kind"], t["role"]) for t in manifest["outputs"]} == {
         ("weighted_mean", "value"), ("weighted_mean", "weight"), ("mean", "value")}
     assert all(t["bound"] is not None and t["bound"] >= 0 for t in manifest["outputs"])
     example = np.load(out / "example_client.npz")
-    assert [tuple(example[f"in_{i}"].shape) for i in range(4)] == \
-        [tuple(t["shape"]) for t in manifest["inputs"]]
+    for t in manifest["inputs"] + manifest["outputs"]:
+        assert tuple(example[t["name"]].shape) == tuple(t["shape"])
+    # each output's bound, element by element, is twice the rounding analysis's
+    from fax_bridge import parity_rounding, tracing
+    from fax_bridge.tff.cli import resolve_program
+
+    prog, args, placements = resolve_program(f"{QUICKSTART}:fedavg_round", 3)
+    recorded = parity_rounding.aggregand_bounds(
+        tracing.trace(prog, *args, placements=placements), args)
+    analysis = [2 * errs[0][0] for _, errs in recorded] + [2 * recorded[0][1][1][0]]
+    by_name = dict(zip(["aggregate/0/value/b", "aggregate/0/value/w", "aggregate/1/value",
+                        "aggregate/0/weight"], analysis))
+    for t in manifest["outputs"]:
+        bound = example[f"bound/{t['name']}"]
+        assert np.array_equal(bound, by_name[t["name"]]), t["name"]
+        assert t["bound"] == float(np.max(bound, initial=0.0))
     check = subprocess.run([sys.executable, str(out / "check.py")], capture_output=True,
                            text=True, timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "CHECK OK" in check.stdout
+    for t in manifest["outputs"]:  # each output: its difference and its bound
+        assert re.search(re.escape(t["name"]) + r"\s+max \|LiteRT - jit\| \S+  bound there "
+                         r"\S+  largest bound \S+  ok", check.stdout), check.stdout
     # written again: its own files replaced; a file of the user's in the way refused
     (out / "notes.txt").write_text("mine")
     (out / output_folders.RECORD).write_text('{"format": 1, "written": {"litert": '
@@ -93,7 +114,7 @@ def test_litert_takes_the_clients_a_program_declares(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["litert", f"{path}:declared", "-o", str(out), "--no-check"]) == 0
     capsys.readouterr()
-    assert np.load(out / "example_client.npz")["in_0"].shape == (2,)
+    assert np.load(out / "example_client.npz")["broadcast/w"].shape == (2,)
     assert json.loads((out / "manifest.json").read_text())["model"]["bytes"] > 0
     assert cli.main(["litert", f"{path}:plain", "-o", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err

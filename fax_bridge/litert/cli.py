@@ -27,8 +27,8 @@ def _run(args: argparse.Namespace) -> int:
     import federated_language
 
     import fax_bridge as fb
-    from fax_bridge import parity_rounding, tracing
-    from fax_bridge.litert import convert, manifest
+    from fax_bridge import parity_rounding
+    from fax_bridge.litert import manifest
     from fax_bridge.litert.runner import LiteRTClientRuntime
     from fax_bridge.rounds import round_split
     from fax_bridge.runtime import interpreter, values
@@ -41,10 +41,10 @@ def _run(args: argparse.Namespace) -> int:
         if split is None:  # a round of several trips: a model per trip, run elsewhere
             round_split.refuse_unsplit("`fax-bridge litert` writes one model and", proto)
         LiteRTClientRuntime().check_round(proto, split)  # refused here naming the op
-        model = convert.convert_round(split)
+        comp, aggregands = manifest.traced_with_paths(prog, example, placements)
+        model = manifest.convert_named(split, aggregands)
         prepared = interpreter.prepare(proto)
         arg = values.bind_arguments(prepared.parameter, example, {}).runtime_value()
-        comp = tracing.trace(prog, *example, placements=placements)
         bounds = manifest.output_bounds(split, model,
                                         parity_rounding.aggregand_bounds(comp, example))
         signature = str(federated_language.framework.ComputationBuildingBlock.from_proto(

@@ -7,26 +7,39 @@ example client and a check that runs it.
                          largest difference from jit the rounding bound allows on the
                          example client), the round's type signature and version (the
                          client part's content hash), converter and interpreter versions
-  example_client.npz     the example client's inputs (`in_<i>`) and what the client part's
-                         XLA gives for them (`out_<i>`), in the manifest's order
+  example_client.npz     keyed by the tensors' names: the example client's inputs, what
+                         the client part's XLA gives for them, and under `bound/<output>`
+                         each output's bound element by element
   check.py               runs the model on the example client with the LiteRT
-                         interpreter and compares each output within its bound (needs
-                         only numpy and ai-edge-litert); exit status 0 when all are
+                         interpreter and prints, per output, the largest difference from
+                         XLA and its bound (needs only numpy and ai-edge-litert); exit
+                         status 0 when every element is within its bound
+
+Tensors are named by pytree path (`named_types`): `broadcast/<argument>/<path>` for a
+broadcast that is a program argument (else `broadcast/<i>/<path>`),
+`client/<argument>/<path>`, `aggregate/<k>/value/<path>` (the path of the aggregand's
+leaf, as `pytree_names.recording_aggregands` saw the program pass it) and
+`aggregate/<k>/weight`; each segment kept to letters, digits, `_`, `.` and `-`, and
+every name distinct (`pytree_names.tensor_names`).
 
 The example client is client 0 of the example arguments, its broadcast values computed
-by the round's server prepare step.
+by the round's server prepare step. Its bounds are twice the rounding analysis's
+(`parity_rounding.aggregand_bounds`, client 0, element by element).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
 from typing import Any, Optional
 
+import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 
+from fax_bridge import pytree_names
 from fax_bridge.litert import convert, lowering
 from fax_bridge.runtime import local_eval
 
@@ -36,8 +49,10 @@ EXAMPLE_FILE = "example_client.npz"
 INTERPRETER = "ai-edge-litert 2.3.0"
 
 CHECK_SCRIPT = '''"""Runs {model} on the example client with the LiteRT interpreter and compares each
-output with what jax's XLA gave, within the bound in manifest.json. Needs numpy and
-ai-edge-litert. Exit status 0 when every output is within its bound."""
+output with what jax's XLA gave, element by element within the bound in
+{example} (`bound/<output>`, twice the rounding analysis's). Prints, per output, the
+largest |LiteRT - jit|, the bound at that element and the largest bound. Needs numpy
+and ai-edge-litert. Exit status 0 when every element is within its bound."""
 import json
 import pathlib
 import sys
@@ -50,15 +65,22 @@ manifest = json.loads((here / "manifest.json").read_text())
 example = np.load(here / manifest["example"]["file"])
 interpreter = Interpreter(model_path=str(here / manifest["model"]["file"]))
 run = interpreter.get_signature_runner(manifest["model"]["signature"])
-out = run(**{{t["name"]: example[f"in_{{i}}"] for i, t in enumerate(manifest["inputs"])}})
+out = run(**{{t["name"]: example[t["name"]] for t in manifest["inputs"]}})
 ok = True
-for i, t in enumerate(manifest["outputs"]):
-    got = np.asarray(out[t["name"]], np.float64).reshape(t["shape"])
-    diff = float(np.max(np.abs(got - example[f"out_{{i}}"]), initial=0.0))
-    bound = t["bound"] if t["bound"] is not None else 0.0
-    fine = diff <= bound
+for t in manifest["outputs"]:
+    name = t["name"]
+    got = np.asarray(out[name], np.float64).reshape(t["shape"])
+    want = np.asarray(example[name], np.float64)
+    key = "bound/" + name
+    bound = (np.asarray(example[key], np.float64) if key in example.files
+             else np.full(want.shape, t["bound"] or 0.0))
+    diff = np.abs(got - want)
+    worst = int(np.argmax(diff)) if diff.size else 0
+    fine = bool(np.all(diff <= bound))
     ok = ok and fine
-    print(f"{{t['name']:40s}} max |LiteRT - jit| {{diff:.3e}}  bound {{bound:.3e}}  "
+    print(f"{{name:40s}} max |LiteRT - jit| {{float(diff.flat[worst]) if diff.size else 0.0:.3e}}"
+          f"  bound there {{float(bound.flat[worst]) if bound.size else 0.0:.3e}}"
+          f"  largest bound {{float(np.max(bound, initial=0.0)):.3e}}  "
           f"{{'ok' if fine else 'OVER THE BOUND'}}")
 print("CHECK OK" if ok else "CHECK FAILED")
 sys.exit(0 if ok else 1)
@@ -82,20 +104,143 @@ def example_client(split, arg: Any) -> tuple[list, list]:
 
 
 def output_bounds(split, model: convert.ClientModel, recorded: list) -> list:
-    """Per model output, twice the example client's rounding bound (`parity_rounding.
-    aggregand_bounds`, client 0), where the recorded aggregands line up with the
-    outputs leaf for leaf (same shapes in the same order); None otherwise."""
-    values = [e[0] for _, errs in recorded for e in errs[:1]]
-    weights = [e[0] for _, errs in recorded for e in errs[1:2]]
+    """Per model output, element by element, twice the example client's rounding bound
+    (`parity_rounding.aggregand_bounds`' entries, one per aggregated leaf in evaluation
+    order, client 0); None for an output whose aggregation's entries cannot be told
+    (another kind or shape than the output's)."""
+    entries = list(recorded)
+    at = 0
+    found: dict = {}  # (aggregation, role, leaf) -> bound
+    for k, agg in enumerate(split.aggregations):
+        values, _ = agg.leaf_types
+        mine = []
+        while at < len(entries) and len(mine) < len(values):
+            kind, errs = entries[at]
+            at += 1
+            if kind == agg.kind:
+                mine.append(errs)
+        for i, errs in enumerate(mine):
+            found[(k, "value", i)] = 2.0 * np.asarray(errs[0][0], np.float64)
+        if mine and len(mine[0]) > 1:
+            found[(k, "weight", 0)] = 2.0 * np.asarray(mine[0][1][0], np.float64)
     out: list = []
-    by_role = {"value": iter(values), "weight": iter(weights)}
+    seen: dict = {}
     for tensor in model.outputs:
-        role = tensor.name.split("/")[2] if tensor.name.startswith("aggregate/") else ""
-        found = next(by_role.get(role, iter(())), None)
-        if found is None or tuple(np.shape(found)) != tensor.shape:
-            return [None] * len(model.outputs)
-        out.append(float(2.0 * np.max(found, initial=0.0)))
+        parts = tensor.name.split("/")
+        role = (int(parts[1]), parts[2]) if parts[0] == "aggregate" and len(parts) > 2 \
+            else None
+        leaf = seen.get(role, 0)
+        seen[role] = leaf + 1
+        bound = found.get((*role, leaf)) if role else None
+        if bound is not None and bound.shape != tuple(tensor.shape):
+            bound = None
+        out.append(bound)
     return out
+
+
+def named_types(split, recorded: Optional[list] = None) -> tuple:
+    """(parameter type, result type) of the split's client part (`lowering.split_types`)
+    with its elements named by pytree path (module docstring): a broadcast or client
+    input by the program argument it is, each struct element by its name made safe,
+    each leaf of an aggregand by its path in `recorded` (`pytree_names.
+    recording_aggregands`' list, matched to the aggregations in order by kind and
+    number of leaves; an aggregation it does not match keeps its leaves' indices)."""
+    param, result = lowering.split_types(split)
+    arg_names = _argument_names(split)
+    server = dict(split.server_locals)
+    sent = [arg_names.get(_argument_index(server[name], split.parameter_name))
+            for name in split.broadcasts]
+    sent = _distinct([n or str(i) for i, n in enumerate(sent)])
+    inputs = _distinct([arg_names.get(j) or str(i)
+                        for i, j in enumerate(split.client_inputs)])
+    param = federated_language.StructType([
+        federated_language.StructType(list(zip(sent, map(_safe, param[0])))),
+        federated_language.StructType(list(zip(inputs, map(_safe, param[1]))))])
+    elements = [_safe(t) for t in result]
+    records = [(op.removeprefix("federated_"), paths) for op, paths in recorded or []]
+    at = 0
+    for agg in split.aggregations:
+        member = result[agg.value_index]
+        leaves = (list(member) if isinstance(member, federated_language.StructType)
+                  else None)
+        if not leaves or any(isinstance(t, federated_language.StructType) for t in leaves):
+            continue
+        for i in range(at, len(records)):
+            if records[i][0] == agg.kind and len(records[i][1]) == len(leaves):
+                at = i + 1
+                names = pytree_names.tensor_names(records[i][1])
+                elements[agg.value_index] = federated_language.StructType(
+                    list(zip(names, leaves)))
+                break
+    return param, federated_language.StructType([(None, t) for t in elements])
+
+
+def traced_with_paths(prog, args: tuple, placements: Any = None) -> tuple:
+    """(`tracing.trace` of the program at `args`, the aggregands' leaf paths as
+    `pytree_names.recording_aggregands` saw them), traced anew: jax keeps an earlier
+    trace of the same function, in which no aggregation would be seen."""
+    import functools
+
+    from fax_bridge import api, tracing
+
+    if isinstance(prog, api.Program):
+        inner = prog.fn
+        fresh = api.Program(lambda *a, **k: inner(*a, **k), prog.clients, prog.placement,
+                            prog.clients_per_step)
+    else:
+        fresh = functools.wraps(prog)(lambda *a, **k: prog(*a, **k))
+    with pytree_names.recording_aggregands() as record:
+        comp = tracing.trace(fresh, *args, placements=placements)
+    return comp, record
+
+
+def convert_named(split, recorded: Optional[list] = None) -> convert.ClientModel:
+    """The split's client part as a model whose tensors are named by pytree path
+    (`named_types`); its version is the client part's content hash, as
+    `convert.convert_round`'s."""
+    param, result = named_types(split, recorded)
+    names = hashlib.sha256(str((param, result)).encode()).hexdigest()[:16]
+    model = convert.convert_client_part(split.client_part, param, result, split.aggregations,
+                                        key=f"{split.client_part_hash}/{names}")
+    return dataclasses.replace(model, client_part_hash=split.client_part_hash)
+
+
+def _argument_names(split) -> dict:
+    """{parameter index: its element name, made safe} of the round's parameter."""
+    type_ = local_eval.parse_type(split.proto.type).parameter
+    if not isinstance(type_, federated_language.StructType):
+        return {}
+    return {i: _segment(name) for i, (name, _) in enumerate(type_.items()) if name}
+
+
+def _argument_index(comp, parameter: str) -> Optional[int]:
+    """The index `comp` selects from the round's parameter, where it is such a selection."""
+    if comp.WhichOneof("computation") != "selection":
+        return None
+    source = comp.selection.source
+    if source.WhichOneof("computation") != "reference" or source.reference.name != parameter:
+        return None
+    return comp.selection.index
+
+
+def _segment(name: str) -> str:
+    return pytree_names.tensor_names([[name]])[0]
+
+
+def _distinct(names: list) -> list:
+    return pytree_names.tensor_names([[n] for n in names])
+
+
+def _safe(type_):
+    """`type_` with every struct element name made safe and distinct (`_segment`)."""
+    if not isinstance(type_, federated_language.StructType):
+        return type_
+    items = list(type_.items())
+    names = [n for n, _ in items]
+    if all(n is None for n in names):
+        return federated_language.StructType([(None, _safe(t)) for _, t in items])
+    safe = _distinct([n if n else str(i) for i, n in enumerate(names)])
+    return federated_language.StructType([(n, _safe(t)) for n, (_, t) in zip(safe, items)])
 
 
 def build(split, model: convert.ClientModel, signature: str,
@@ -116,7 +261,8 @@ def build(split, model: convert.ClientModel, signature: str,
                         "kind": None if agg is None else agg.kind,
                         "role": parts[2] if agg is not None else None,
                         "aggregate_local": None if agg is None else agg.local,
-                        "bound": None if bounds is None else bounds[i]})
+                        "bound": None if bounds is None or bounds[i] is None
+                        else float(np.max(bounds[i], initial=0.0))})
     return {
         "format": FORMAT,
         "round": {"type_signature": signature, "version": model.client_part_hash,
@@ -142,7 +288,12 @@ def write(out_dir: pathlib.Path, split, model: convert.ClientModel, signature: s
     manifest = build(split, model, signature, bounds)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     inputs, outputs = example
-    np.savez(out_dir / EXAMPLE_FILE, **{f"in_{i}": x for i, x in enumerate(inputs)},
-             **{f"out_{i}": x for i, x in enumerate(outputs)})
-    (out_dir / "check.py").write_text(CHECK_SCRIPT.format(model=MODEL_FILE))
+    arrays = {t.name: x for t, x in zip(model.inputs, inputs)}
+    arrays.update((t.name, x) for t, x in zip(model.outputs, outputs))
+    arrays.update((f"bound/{t.name}", b) for t, b in zip(model.outputs, bounds or [])
+                  if b is not None)
+    with open(out_dir / EXAMPLE_FILE, "wb") as f:  # keys hold "/": savez's kwargs do not
+        np.savez(f, **arrays)
+    (out_dir / "check.py").write_text(CHECK_SCRIPT.format(model=MODEL_FILE,
+                                                          example=EXAMPLE_FILE))
     return manifest

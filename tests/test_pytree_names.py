@@ -1,0 +1,34 @@
+"""Pytree paths as tensor names: valid as TFLite signature names and .npz keys, and
+distinct, whatever the dict keys; an aggregation notes its leaves' paths while recorded."""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge import pytree_names
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.text(max_size=6), max_size=4), max_size=12))
+def test_any_paths_give_distinct_safe_names(paths):
+    names = pytree_names.tensor_names(paths)
+    assert len(names) == len(paths) == len(set(names))
+    for name in names:
+        assert re.fullmatch(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*", name), name
+
+
+def test_an_aggregation_notes_its_leaves_paths_only_while_recorded():
+    @fb.program(clients=2)
+    def round_(x):
+        return fb.federated_mean({"dense/w": x, "b": [x, x]})
+
+    x = jnp.ones((2, 3))
+    round_(x)  # nothing recorded outside the block
+    with pytree_names.recording_aggregands() as record:
+        round_(x)
+    assert record == [("federated_mean", [["b", "0"], ["b", "1"], ["dense/w"]])]
+    assert pytree_names.tensor_names(record[0][1]) == ["b/0", "b/1", "dense_w"]
