@@ -11,10 +11,11 @@ its jax primitive and the rewrite. The converter's side script first rewrites wh
 an exact builtin form (`side_rewrites`: a max pool's gradient).
 
 A model is made once per client part and shapes: kept in this process by content hash,
-and on disk (`FAX_BRIDGE_LITERT_CACHE`, default `~/.cache/fax_bridge/litert`) by the
-sha256 of its StableHLO and signature, so the devices of one machine convert a round
-shape once between them. A node that must not convert takes a model carried with its
-app instead (`carried`, looked up first by `runner.model_for`).
+and on disk (`model_cache`: `FAX_BRIDGE_LITERT_CACHE`, default `~/.cache/fax_bridge/
+litert`, each entry verified when read back) by the sha256 of its StableHLO and
+signature, so the devices of one machine convert a round shape once between them. A
+node that must not convert takes a model carried with its app instead (`carried`,
+looked up first by `runner.model_for`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Optional
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.litert import flatbuffer, lowering, refusals
+from fax_bridge.litert import flatbuffer, lowering, model_cache, refusals
 from fax_bridge.runtime import local_eval
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -77,12 +78,6 @@ def converter_python() -> pathlib.Path:
     """The interpreter of the converter's side environment."""
     return pathlib.Path(os.environ.get("FAX_BRIDGE_LITERT_PYTHON",
                                        REPO / ".venv-litert" / "bin" / "python"))
-
-
-def cache_dir() -> pathlib.Path:
-    """Where converted models are kept between processes."""
-    return pathlib.Path(os.environ.get("FAX_BRIDGE_LITERT_CACHE",
-                                       pathlib.Path.home() / ".cache" / "fax_bridge" / "litert"))
 
 
 def stablehlo_to_tflite(text: str, inputs: list, outputs: list,
@@ -158,8 +153,8 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
     ins, outs = [t.name for t in sig.inputs], [t.name for t in sig.outputs]
     digest = hashlib.sha256(json.dumps([CONVERTER, SIGNATURE, ins, outs]).encode()
                             + text.encode()).hexdigest()
-    path = cache_dir() / f"{digest}.tflite"
-    model = path.read_bytes() if use_cache and path.is_file() else None
+    cached = model_cache.read(digest, sig) if use_cache else model_cache.Lookup(None)
+    model = cached.model
     fixes = 0
     if model is None:
         try:
@@ -167,8 +162,12 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
             _check_runs(model)
         except refusals.ConversionRefused as e:
             raise refusals.located(e, lowering.source_lines(fn, sig, e.ops)) from None
+        except ConverterMissing as e:  # a damaged cache entry is named, not just missed
+            if cached.damaged is None:
+                raise
+            raise ConverterMissing(f"{cached.damaged} where the converter is. {e}") from None
         if use_cache:
-            _store(path, model)
+            model_cache.store(digest, model)
         took = time.perf_counter() - start
     else:
         took = 0.0
@@ -178,18 +177,6 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
         if use_cache:
             _MADE[key] = made
     return made
-
-
-def _store(path: pathlib.Path, model: bytes) -> None:
-    """Writes `model` at `path` atomically (devices may read the cache at once)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
-        with os.fdopen(fd, "wb") as f:
-            f.write(model)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # an unwritable cache costs a conversion per process, not the round
 
 
 def convert_round(split, use_cache: bool = True) -> ClientModel:

@@ -1,0 +1,149 @@
+"""The disk cache of converted LiteRT models (`litert.model_cache`): an entry is
+believed only when it is a regular file of ours whose header names its key and whose
+bytes have the recorded sha256 and the round's signature; a cut, zeroed, flipped or
+copied entry is named in a warning and rebuilt from the round, or, with no converter,
+refused naming the file and the fix."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge.rounds import round_split
+@pytest.fixture(scope="module")
+def converted():
+    """The round's split, its client signature and its model converted afresh."""
+    from fax_bridge.litert import convert, lowering
+
+    @fb.program(clients=2)
+    def one_round(w, x):
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda p, c: jnp.tanh(c @ p), (fb.federated_broadcast(w), x)))
+
+    args = (np.ones((3, 2), np.float32), np.ones((2, 4, 3), np.float32))
+    split = round_split.split_round(fb.export_tff(one_round, *args,
+                                                  placements=("server", "clients")))
+    param, result = lowering.split_types(split)
+    sig = lowering.client_signature(param, result, split.aggregations)
+    model = convert.convert_client_part(split.client_part, param, result,
+                                        split.aggregations, key=split.client_part_hash,
+                                        use_cache=False)
+    return split, sig, model.tflite
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    from fax_bridge.litert import convert, model_cache
+
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("FAX_BRIDGE_LITERT_CACHE", str(folder))
+    monkeypatch.setattr(convert, "_MADE", {})
+    monkeypatch.setattr(model_cache, "_WARNED", set())
+    return folder
+
+
+def _damage(raw: bytes, kind: str, at: int, flip: int) -> bytes:
+    line, _, model = raw.partition(b"\n")
+    if kind == "cut":
+        return raw[:at % len(raw)]
+    if kind == "zeroed":
+        return bytes(len(raw))
+    if kind == "flip":
+        out = bytearray(raw)
+        out[at % len(out)] ^= flip
+        return bytes(out)
+    if kind == "other key":  # another key's entry copied under this name
+        return line.replace(b'"key": "k"', b'"key": "other"') + b"\n" + model
+    return b""
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["cut", "zeroed", "flip", "other key", "empty"]),
+       at=st.integers(0, 10**6), flip=st.integers(1, 255))
+def test_a_damaged_cache_entry_is_never_believed_and_is_named(converted, cache, kind, at,
+                                                              flip):
+    """Cut, zeroed, flipped, empty, or another key's entry under this name: `read`
+    gives no model and names the file (a warning), or gives exactly the stored model
+    where the change was to nothing it holds (a flip inside the header's whitespace)."""
+    import warnings
+
+    from fax_bridge.litert import model_cache
+
+    _, sig, tflite = converted
+    model_cache.store("k", tflite)
+    path = model_cache.path_of("k")
+    raw = path.read_bytes()
+    path.write_bytes(_damage(raw, kind, at, flip))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = model_cache.read("k", sig)
+    if found.model is not None:
+        assert found.model == tflite and kind == "flip"
+        return
+    assert str(path) in found.damaged and f"rm {path}" in found.damaged
+    model_cache._WARNED.clear()
+    assert any(str(path) in str(w.message) for w in caught)
+
+
+def test_a_cache_entry_of_other_shapes_or_through_a_link_is_not_believed(converted, cache):
+    from fax_bridge.litert import lowering, model_cache
+
+    _, sig, tflite = converted
+    wider = lowering.Tensor(sig.inputs[-1].name, (9,), sig.inputs[-1].dtype)
+    other = lowering.ClientSignature(sig.parameter, sig.result, sig.inputs[:-1] + (wider,),
+                                     sig.outputs)
+    model_cache.store("k", tflite)
+    assert model_cache.read("k", sig).model == tflite
+    with pytest.warns(RuntimeWarning, match="needs float32\\[9\\]"):
+        assert model_cache.read("k", other).model is None
+    target = model_cache.path_of("k")
+    moved = target.with_name("elsewhere")
+    target.rename(moved)
+    target.symlink_to(moved)
+    with pytest.warns(RuntimeWarning, match="is a symbolic link"):
+        assert model_cache.read("k", sig).damaged is not None
+
+
+def test_a_cache_folder_others_can_write_is_not_used(converted, cache):
+    from fax_bridge.litert import model_cache
+
+    _, sig, tflite = converted
+    model_cache.store("k", tflite)
+    os.chmod(cache, 0o777)
+    with pytest.warns(RuntimeWarning, match="is not used"):
+        assert model_cache.read("k", sig).model is None
+        model_cache.store("k", tflite)
+
+
+def test_a_damaged_entry_is_rebuilt_from_the_round_or_refused_naming_it(
+        converted, cache, monkeypatch, tmp_path):
+    from fax_bridge.litert import convert, lowering, model_cache
+
+    split, sig, tflite = converted
+    param, result = lowering.split_types(split)
+
+    def convert_once():
+        monkeypatch.setattr(convert, "_MADE", {})
+        return convert.convert_client_part(split.client_part, param, result,
+                                           split.aggregations, key=split.client_part_hash)
+
+    assert convert_once().tflite == tflite
+    (entry,) = cache.glob(f"*{model_cache.SUFFIX}")
+    entry.write_bytes(entry.read_bytes()[:100])  # cut
+    with pytest.warns(RuntimeWarning, match=f"{entry}.*converting again"):
+        made = convert_once()
+    assert made.tflite == tflite and made.convert_s > 0
+    assert convert_once().convert_s == 0.0  # the entry was written anew, and holds
+    entry.write_bytes(bytes(entry.stat().st_size))  # zeroed
+    monkeypatch.setenv("FAX_BRIDGE_LITERT_PYTHON", str(tmp_path / "no" / "python"))
+    monkeypatch.setattr(model_cache, "_WARNED", set())
+    with pytest.warns(RuntimeWarning), \
+            pytest.raises(convert.ConverterMissing, match=f"(?s){entry}.*rm {entry}.*"
+                                                          "does not exist"):
+        convert_once()
