@@ -314,3 +314,29 @@ def test_a_program_declaring_its_clients_needs_no_clients_flag(tmp_path, capsys,
         target = os.path.join(ROOT, "examples", "algorithm_rounds.py") + ":fed_fish"
         assert cli.main(["export", target]) == 2
         assert "export_targets(clients): give --clients N" in capsys.readouterr().err
+
+
+def test_device_takes_a_models_folder_for_litert_only(tmp_path, capsys):
+    """`fax-bridge device --models DIR` (also spelt --litert-models) gives a LiteRT
+    device a folder of carried models; a missing folder, or models for an XLA device,
+    are refused in one line naming the fix, before the device serves."""
+    from fax_bridge.fleet import device_cli
+
+    seen = {}
+    real = device_cli.serve
+    try:
+        device_cli.serve = lambda *a, **k: seen.setdefault("runtime", k["client_runtime"]) and 0
+        for flag in ("--models", "--litert-models"):
+            seen.clear()
+            assert cli.main(["device", "--client-runtime", "litert", flag,
+                             str(tmp_path)]) == 0
+            assert seen["runtime"].name == "litert"
+            assert seen["runtime"].models_dir == str(tmp_path)
+        assert cli.main(["device", "--models", str(tmp_path)]) == 2
+        assert "client_runtime=\"litert\"" in capsys.readouterr().err
+    finally:
+        device_cli.serve = real
+    with pytest.raises(SystemExit):
+        cli.main(["device", "--client-runtime", "litert", "--models",
+                  str(tmp_path / "none")])
+    assert "is not a folder" in capsys.readouterr().err

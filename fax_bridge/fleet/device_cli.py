@@ -45,6 +45,15 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _models_folder(text: str) -> str:
+    """--models DIR: an existing folder (its models are checked when a round asks)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a folder; give the folder of LiteRT models (an app's "
+            "fax_round/litert, or carried.write's)")
+    return text
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0", type=cli_args.listen_address,
                         help="HOST:PORT to serve on (default 127.0.0.1:0: loopback, free port)")
@@ -103,9 +112,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client-runtime", default="xla", choices=runtimes.NAMES,
                         help="what runs a round's client part: its XLA (default) or the "
                              "LiteRT interpreter, as phones run it (fax_bridge.litert)")
-    parser.add_argument("--litert-models", default=None, metavar="DIR",
-                        help="with --client-runtime litert: a directory of LiteRT models "
-                             "(fax_bridge.litert.carried) taken before any conversion")
+    parser.add_argument("--models", "--litert-models", dest="litert_models", default=None,
+                        metavar="DIR", type=_models_folder,
+                        help="with --client-runtime litert: a folder of LiteRT models "
+                             "(fax_bridge.litert.carried, as an app written with "
+                             "`fax-bridge flower ... --litert` holds in fax_round/litert) "
+                             "run before any conversion, so the device needs no converter")
     parser.add_argument("--log-level", default="warning", type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"),
                         help="stderr log level")
