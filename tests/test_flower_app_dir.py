@@ -123,19 +123,22 @@ def test_the_written_app_carries_the_model_and_its_manifest_by_client_part_hash(
         text = f.read()
     assert "## LiteRT SuperNodes" in text and 'client-runtime="litert"' in text \
         and "--client-runtime litert" in text
-    # The commands start LiteRT nodes: a cold one's node config, a warm one's flag.
+    # Complete commands: every warm node's with the LiteRT flag, every cold one's with
+    # client-runtime="litert" in its node config, each parsed as its command parses it.
     from flwr.common.config import parse_config_args
 
     from fax_bridge.flower import supernode
 
-    litert_part = app_dir.command_blocks(text.split("## LiteRT SuperNodes", 1)[1])[0]
-    config = shlex.split(litert_part.replace("\\\n", " "))
-    config = parse_config_args([config[config.index("--node-config") + 1]])
-    assert config["client-runtime"] == "litert"
-    warm = supernode._parser().parse_args(["--superlink", "h:1", "--insecure",
-                                           "--population", "p", "--client-runtime",
-                                           "litert"])
-    assert supernode.share_config(warm)["client-runtime"] == "litert"
+    warm_block, cold_block = app_dir.command_blocks(text.split("## LiteRT SuperNodes", 1)[1])[:2]
+    for line in warm_block.replace("\\\n", " ").strip().splitlines():
+        argv = shlex.split(line.rstrip("&"))
+        assert argv[:3] == ["python", "-m", "fax_bridge.flower.supernode"], line
+        parsed = supernode._parser().parse_args(argv[3:])
+        assert supernode.share_config(parsed)["client-runtime"] == "litert"
+    for line in cold_block.replace("\\\n", " ").strip().splitlines():
+        argv = shlex.split(line.rstrip("&"))
+        config = parse_config_args([argv[argv.index("--node-config") + 1]])
+        assert argv[0] == "flower-supernode" and config["client-runtime"] == "litert"
     # Without --litert nothing changes, and a rewritten app drops an older model.
     plain = str(tmp_path / "plain")
     app_dir.write_app(made, plain)

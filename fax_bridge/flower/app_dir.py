@@ -142,20 +142,27 @@ def cold_starter(node: dict, node_security: str, superlink: str) -> str:
             f"--port 9094 \\\n    --node-config {shlex.quote(node_config_text(node))} &")
 
 
-def litert_section(node_security: str, superlink: str, node: dict) -> str:
-    """README's steps for SuperNodes that run the carried LiteRT model."""
-    litert_node = dict(node, **{"client-runtime": "litert"})
+def litert_section(node_security: str, superlink: str, nodes: list) -> str:
+    """README's steps for SuperNodes that run the carried LiteRT model: each node's full
+    command, warm and cold, with the LiteRT client runtime."""
+    warm = "\n".join(node_starter(n, node_security, superlink, 9094 + i).removesuffix(" &")
+                     + " --client-runtime litert &" for i, n in enumerate(nodes))
+    cold = "\n".join(cold_starter(dict(n, **{"client-runtime": "litert"}), node_security,
+                                  superlink) for n in nodes)
     return f"""
 ## LiteRT SuperNodes
 
 This app carries the round's client part as a LiteRT model (`fax_round/{LITERT_DIR}/`,
-converted by `fax-bridge flower ... --litert`). A SuperNode whose node config says
-`client-runtime="litert"` runs it in the LiteRT interpreter, as a phone would, and needs
-no converter (only ai-edge-litert beside fax_bridge); a model of another round is
-refused by name. Add `--client-runtime litert` to a warm node's command above, or start a
-cold one so:
+converted by `fax-bridge flower ... --litert`). A SuperNode with the LiteRT client
+runtime runs it in the LiteRT interpreter, as a phone would, and needs no converter
+(only ai-edge-litert beside fax_bridge); a model of another round is refused by name.
+Start the SuperLink as above, then these nodes instead of the XLA ones (warm):
 
-{fenced(cold_starter(litert_node, node_security, superlink))}
+{fenced(warm)}
+
+or cold:
+
+{fenced(cold)}
 """
 
 
@@ -230,7 +237,7 @@ started alone, its population in its `--node-config`, loads jax and compiles the
 client part in every round's ClientApp process (tens of seconds a round):
 
 {fenced(cold_starter(cold, node_security, superlink))}
-{litert_section(node_security, superlink, cold) if litert else ""}
+{litert_section(node_security, superlink, examples) if litert else ""}
 ## Did it work?
 
 `flwr run` exits 0 even when the ServerApp fails: read the run's `reports.jsonl` in
