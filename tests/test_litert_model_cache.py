@@ -82,7 +82,7 @@ def test_a_damaged_cache_entry_is_never_believed_and_is_named(converted, cache, 
     path.write_bytes(_damage(raw, kind, at, flip))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = model_cache.read("k", sig)
+        found = model_cache.read("k", sig, "client_update")
     if found.model is not None:
         assert found.model == tflite and kind == "flip"
         return
@@ -99,15 +99,15 @@ def test_a_cache_entry_of_other_shapes_or_through_a_link_is_not_believed(convert
     other = lowering.ClientSignature(sig.parameter, sig.result, sig.inputs[:-1] + (wider,),
                                      sig.outputs)
     model_cache.store("k", tflite)
-    assert model_cache.read("k", sig).model == tflite
+    assert model_cache.read("k", sig, "client_update").model == tflite
     with pytest.warns(RuntimeWarning, match="needs float32\\[9\\]"):
-        assert model_cache.read("k", other).model is None
+        assert model_cache.read("k", other, "client_update").model is None
     target = model_cache.path_of("k")
     moved = target.with_name("elsewhere")
     target.rename(moved)
     target.symlink_to(moved)
     with pytest.warns(RuntimeWarning, match="is a symbolic link"):
-        assert model_cache.read("k", sig).damaged is not None
+        assert model_cache.read("k", sig, "client_update").damaged is not None
 
 
 def test_a_cache_folder_others_can_write_is_not_used(converted, cache):
@@ -117,7 +117,7 @@ def test_a_cache_folder_others_can_write_is_not_used(converted, cache):
     model_cache.store("k", tflite)
     os.chmod(cache, 0o777)
     with pytest.warns(RuntimeWarning, match="is not used"):
-        assert model_cache.read("k", sig).model is None
+        assert model_cache.read("k", sig, "client_update").model is None
         model_cache.store("k", tflite)
 
 

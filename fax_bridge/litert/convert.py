@@ -153,7 +153,7 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
     ins, outs = [t.name for t in sig.inputs], [t.name for t in sig.outputs]
     digest = hashlib.sha256(json.dumps([CONVERTER, SIGNATURE, ins, outs]).encode()
                             + text.encode()).hexdigest()
-    cached = model_cache.read(digest, sig) if use_cache else model_cache.Lookup(None)
+    cached = model_cache.read(digest, sig, SIGNATURE) if use_cache else model_cache.Lookup(None)
     model = cached.model
     fixes = 0
     if model is None:

@@ -72,9 +72,10 @@ def _folder() -> Optional[str]:
         return None
 
 
-def read(key: str, signature) -> Lookup:
+def read(key: str, signature, name: str) -> Lookup:
     """The cached model of `key` if its entry holds (module docstring), checked against
-    `signature` (`lowering.ClientSignature`, whose tensor names the model's are)."""
+    `signature` (`lowering.ClientSignature`, whose tensor names the model's are) as its
+    signature `name`."""
     path = path_of(key)
     if not os.path.lexists(path) or _folder() is None:
         return Lookup(None)
@@ -94,10 +95,10 @@ def read(key: str, signature) -> Lookup:
     except (OSError, ValueError) as e:
         why = f"{type(e).__name__}: {e}"
     if why is None:
-        from fax_bridge.litert import convert, model_check
+        from fax_bridge.litert import model_check
 
         try:
-            model_check.check(model, convert.SIGNATURE, signature.inputs, signature.outputs,
+            model_check.check(model, name, signature.inputs, signature.outputs,
                               where="its model", fix="it is not this round's")
         except ComputationError as e:
             why = str(e)
