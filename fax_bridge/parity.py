@@ -156,7 +156,10 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         `rounds.client_runtime.ClientRuntime`.
 
     Returns:
-      A `ParityReport`: `.ok`, and `.table()` with every output's errors.
+      A `ParityReport`: `.ok`, and `.table()` with every output's errors. Its times are
+      per round (`local_s`: a compiled jit call; `fleet_s`: a second round on the
+      fleet, which runs the proto twice), with compiling and starting apart
+      (`startup_s`).
 
     Example:
       >>> import jax.numpy as jnp, fax_bridge as fb
@@ -193,7 +196,10 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
                             "check compares one call of the program")
     comp = tracing.trace(fn, *args, placements=placements, clients=clients)
     jitted = jax.jit(fn)
-    jax.block_until_ready(jitted(*args))  # compile
+    startup: dict[str, float] = {}
+    start = time.perf_counter()
+    jax.block_until_ready(jitted(*args))
+    startup["jit's first call (compiling)"] = time.perf_counter() - start
     start = time.perf_counter()
     local = jax.block_until_ready(jitted(*args))
     local_s = time.perf_counter() - start
@@ -203,12 +209,18 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     run_args = fleet_arguments(args, param)
 
     def run_on(f):
+        """The first round's result; it and a second, warm round timed apart."""
         t0 = time.perf_counter()
         result = f.run(proto, *run_args, num_clients=comp.clients)
-        return result, time.perf_counter() - t0
+        t1 = time.perf_counter()
+        f.run(proto, *run_args, num_clients=comp.clients)
+        startup["the fleet's first round (compiling)"] = t1 - t0
+        return result, time.perf_counter() - t1
 
     if fleet is None:
+        t0 = time.perf_counter()
         with LocalFleet(devices=devices, client_runtime=runtime) as own:
+            startup["fleet start"] = time.perf_counter() - t0
             remote, fleet_s = run_on(own)
         used = devices
     else:
@@ -229,7 +241,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         note_chunked_sums(leaves, fn, comp.clients)
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
                         client_runtime=runtime.name,
-                        local_s=local_s, fleet_s=fleet_s, signature=str(
+                        local_s=local_s, fleet_s=fleet_s, startup_s=startup, signature=str(
                             federated_language.framework.ComputationBuildingBlock.from_proto(
                                 proto).type_signature)
                         if hasattr(federated_language, "framework") else comp.signature())

@@ -37,14 +37,17 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     from fax_bridge import in_process
     from fax_bridge.runtime import npz_keys, values
 
-    start = time.perf_counter()
     state, data = args[0], args[1]
     step = jax.jit(prog)
-    result = None
-    for _ in range(rounds):
-        result = step(state, data)
-        state = result[0]
+    start = time.perf_counter()
+    result = jax.block_until_ready(step(state, data))
+    startup = {"jit's first round (compiling)": time.perf_counter() - start}
+    start = time.perf_counter()
+    jax.block_until_ready(step(state, data))  # a compiled round, timed
     local_s = time.perf_counter() - start
+    for _ in range(rounds - 1):
+        state = result[0]
+        result = step(state, data)
     result_type = made.prepared.result
     want = npz_keys.result_to_npz(values.from_pytree(jax.device_get(result), result_type),
                                 result_type)
@@ -53,9 +56,14 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     keys = sorted(want)
     leaves = compare_leaves([want[k] for k in keys], [got.get(k, np.zeros(0)) for k in keys],
                             rtol, atol, paths=keys)
+    walls = round_walls(os.path.dirname(result_npz))
+    if len(walls) > 1:
+        startup["the deployment's first round"] = walls[0]
+    startup[f"flwr run of {rounds} round(s), the app's start included"] = flower_s
     report = ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=nodes,
-                          local_s=local_s, fleet_s=flower_s,
-                          signature=str(made.prepared.type), target="flower")
+                          local_s=local_s, fleet_s=walls[-1] if walls else flower_s,
+                          startup_s=startup, signature=str(made.prepared.type),
+                          target="flower")
     bound = values.bind_arguments(made.prepared.parameter, args, {}).runtime_value()
     fleet_state = made.state_value(made.state)
     fleet = None
@@ -67,6 +75,21 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     report.fleet_bits = sorted(fleet_npz) == sorted(got) and all(
         fleet_npz[k].tobytes() == np.asarray(got[k]).tobytes() for k in fleet_npz)
     return report
+
+
+def round_walls(out: str) -> list:
+    """Each round's seconds at the ServerApp (`wall_s` of the run's `reports.jsonl` in
+    `out`), or [] where they cannot be read."""
+    import json
+
+    try:
+        with open(os.path.join(out, "reports.jsonl")) as f:
+            walls = [json.loads(line).get("wall_s") for line in f if line.strip()]
+    except (OSError, ValueError, AttributeError):
+        return []
+    ok = all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
+             for w in walls)
+    return [float(w) for w in walls] if ok else []
 
 
 def run_rounds(deployment, app: str, rounds: int, out: str,

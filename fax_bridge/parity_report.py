@@ -36,12 +36,14 @@ class ParityReport:
     rtol: float
     atol: float
     devices: int
-    local_s: float
-    fleet_s: float
+    local_s: float  # one round under jit, compiled
+    fleet_s: float  # one round on the exported path, warm
     signature: str
     target: str = "fleet"  # what ran the proto: "fleet" (devices) or "flower" (SuperNodes)
     fleet_bits: Optional[bool] = None  # Flower: whether the result has the fleet plan's bits
     client_runtime: str = "xla"  # what ran the client parts: "xla" or "litert" (LiteRT)
+    # seconds spent once, not per round, by what: compiling, starting processes
+    startup_s: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -64,10 +66,14 @@ class ParityReport:
         if self.client_runtime != "xla":
             where += f" running client parts in {self.client_runtime}"
         tolerance = ("bound: 2 x n*eps*sum|x| through the client steps and aggregations"
-                     if bounded else f"rtol={self.rtol:g} atol={self.atol:g}")
+                     if bounded else f"tolerance: rtol={self.rtol:g} atol={self.atol:g}")
         lines = [f"parity: {self.signature}",
-                 f"local jit {self.local_s * 1e3:.2f} ms, {where} "
-                 f"{self.fleet_s * 1e3:.1f} ms, {tolerance}"]
+                 f"per round: local jit {self.local_s * 1e3:.2f} ms, {where} "
+                 f"{self.fleet_s * 1e3:.2f} ms"]
+        if self.startup_s:
+            lines.append("once, not per round: " + ", ".join(
+                f"{what} {s * 1e3:,.0f} ms" for what, s in self.startup_s.items()))
+        lines.append(tolerance)
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:

@@ -380,6 +380,10 @@ def test_rounds_in_process_have_the_fleet_plans_bits(tmp_path, quickstart, popul
     assert report.ok and report.fleet_bits, describe(report, 3)
     assert "PARITY OK" in describe(report, 3)
     reports = _reports(out)
+    # per round: the last round's time at the ServerApp; its first round apart
+    assert report.fleet_s == reports[-1]["wall_s"]
+    assert report.startup_s["the deployment's first round"] == reports[0]["wall_s"]
+    assert "jit's first round (compiling)" in report.startup_s
     assert [r["round"] for r in reports] == [0, 1, 2]
     assert all(r["participants"] == list(range(N)) and r["devices"] == 2 and
                r["bytes_up"] > 0 and r["error"] is None for r in reports)

@@ -89,6 +89,34 @@ def test_parity_command(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "PARITY OK" in out and "result0['w']" in out
+    per_round, once = out.splitlines()[1:3]
+    assert per_round.startswith("per round: local jit ") and "fleet of 2 device(s)" in per_round
+    assert once.startswith("once, not per round: jit's first call (compiling) ")
+    assert "fleet start" in once and "the fleet's first round (compiling)" in once
+
+
+def test_parity_times_a_warm_round_apart_from_compiling(fleet):
+    """The fleet's time per round is a second round's: the proto runs twice, the first
+    round (the devices compiling) and the jit's first call reported apart."""
+    calls = []
+
+    class Counting:
+        num_devices = fleet.num_devices
+
+        def run(self, *args, **kwargs):
+            calls.append(args[0])
+            return fleet.run(*args, **kwargs)
+
+    w = jnp.array([0.1, 0.2, -0.3])
+    x = jnp.ones((N, 8, 3), jnp.float32)
+    report = fb.check_parity(loss_and_grad_round, w, x, placements=("server", "clients"),
+                             fleet=Counting())
+    assert report.ok, report.table()
+    assert len(calls) == 2 and calls[0] is calls[1]
+    assert list(report.startup_s) == ["jit's first call (compiling)",
+                                      "the fleet's first round (compiling)"]
+    assert all(s >= 0 for s in report.startup_s.values()) and report.fleet_s >= 0
+    assert "once, not per round: jit's first call (compiling)" in report.table()
 
 
 @settings(max_examples=15, deadline=None)
