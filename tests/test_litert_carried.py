@@ -247,3 +247,14 @@ def test_a_link_or_a_fifo_where_a_model_goes_is_refused_naming_it(packed, tmp_pa
     os.mkfifo(fifos / name)
     with pytest.raises(ComputationError, match=f"{fifos}/{name} is a FIFO"):
         carried.find(str(fifos), split.client_part_hash, _signature(split))
+
+
+def test_a_runtime_refuses_a_lying_model_before_any_round_starts(packed, tmp_path):
+    """`LiteRTClientRuntime.check_round`, which fleets and in-process rounds call before
+    any client work, refuses a carried model of other shapes, naming the file."""
+    split, folder, name = packed
+    raw = (pathlib.Path(folder) / name).read_bytes()
+    wider = convert.convert_round(_other_round(1.0, rows=5))
+    planted = _plant(tmp_path, name, _rewrite(raw, wider.tflite))
+    with pytest.raises(ComputationError, match=f"{planted}/{name}: input client"):
+        runner.LiteRTClientRuntime(models_dir=planted).check_round(None, split)
