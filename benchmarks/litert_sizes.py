@@ -16,11 +16,20 @@ Three tables (markdown), for docs/litert.md:
    and the peak resident memory of a fresh process that loads the model and runs the
    client (a LiteRT device), with what loading and running added to the process that
    held only the interpreter's module and the inputs.
-3. `--fleet`: one round of the 100k MLP on `LocalFleet(devices=2)` with XLA devices and
+3. `--workloads`: the models phones train in TFF's tasks, one client step each (one
+   SGD step on a client's batch; the reconstruction round's client part): the EMNIST
+   CNN (conv 3x3x32, conv 3x3x64, 2x2 max pool, dropout, dense 128, dropout, dense 62,
+   1.2M parameters), a Stack Overflow next-word model (vocabulary 10,004, embedding 96,
+   LSTM 670, dense 96, softmax over the vocabulary; sequences of 20) and Federated
+   Reconstruction's matrix factorization (3,706 items, dimension 50; the user's vector
+   local): parameters, model size, the largest |LiteRT - jit| on client 0 and that
+   element's bound (twice `parity_rounding.aggregand_bounds`; "within": every element
+   within its own), one client's step in LiteRT against jit.
+4. `--fleet`: one round of the 100k MLP on `LocalFleet(devices=2)` with XLA devices and
    with LiteRT devices (`client_runtime="litert"`), median of `--repeats` rounds after one
    warm-up round (which converts and loads the model).
 
-    python benchmarks/litert_sizes.py --json out/litert.json      # all three
+    python benchmarks/litert_sizes.py --json out/litert.json      # all four
     python benchmarks/litert_sizes.py --sizes --quick              # 100k only
 """
 
@@ -218,6 +227,156 @@ def sizes(quick: bool, repeats: int, clients: int = 2) -> list[dict]:
     return rows
 
 
+def _emnist_cnn(rng, clients: int, batch: int = 4):
+    import jax.numpy as jnp
+
+    from fax_bridge.litert import layers
+
+    conv = lambda *s: (rng.standard_normal(s) / np.sqrt(np.prod(s[:3]))).astype(np.float32)
+    dense = lambda a, b: (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
+    params = {"c1": conv(3, 3, 1, 32), "cb1": np.zeros(32, np.float32),
+              "c2": conv(3, 3, 32, 64), "cb2": np.zeros(64, np.float32),
+              "d1": dense(12 * 12 * 64, 128), "db1": np.zeros(128, np.float32),
+              "d2": dense(128, 62), "db2": np.zeros(62, np.float32)}
+    data = {"x": rng.random((clients, batch, 28, 28, 1)).astype(np.float32),
+            "y": rng.integers(0, 62, (clients, batch)).astype(np.int32),
+            "key": rng.integers(-2**31, 2**31 - 1, (clients, 2)).astype(np.int32)}
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def loss(p, b):
+        z = jax.nn.relu(jax.lax.conv_general_dilated(b["x"], p["c1"], (1, 1), "VALID",
+                                                     dimension_numbers=dn) + p["cb1"])
+        z = jax.nn.relu(jax.lax.conv_general_dilated(z, p["c2"], (1, 1), "VALID",
+                                                     dimension_numbers=dn) + p["cb2"])
+        z = jax.lax.reduce_window(z, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+                                  "VALID")
+        z = layers.dropout(b["key"], 0.25, z.reshape(z.shape[0], -1))
+        z = layers.dropout(b["key"] + 1, 0.5, jax.nn.relu(z @ p["d1"] + p["db1"]))
+        logits = z @ p["d2"] + p["db2"]
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(b["y"], 62), -1))
+
+    return params, data, loss
+
+
+def _stackoverflow_lstm(rng, clients: int, batch: int = 4, seq: int = 20):
+    import jax.numpy as jnp
+
+    vocab, d, h = 10004, 96, 670
+    dense = lambda a, b: (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
+    params = {"embed": (rng.standard_normal((vocab, d)) * 0.05).astype(np.float32),
+              "wi": dense(d, 4 * h), "wh": dense(h, 4 * h), "b": np.zeros(4 * h, np.float32),
+              "proj": dense(h, d), "pb": np.zeros(d, np.float32),
+              "out": dense(d, vocab), "ob": np.zeros(vocab, np.float32)}
+    data = {"tokens": rng.integers(0, vocab, (clients, batch, seq + 1)).astype(np.int32)}
+
+    def loss(p, b):
+        tokens = b["tokens"]
+        x = jax.nn.one_hot(tokens[:, :-1], vocab) @ p["embed"]
+
+        def cell(carry, xt):
+            hh, c = carry
+            i, f, g, o = jnp.split(xt @ p["wi"] + hh @ p["wh"] + p["b"], 4, -1)
+            c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+            hh = jax.nn.sigmoid(o) * jnp.tanh(c)
+            return (hh, c), hh
+
+        zero = jnp.zeros((tokens.shape[0], h), jnp.float32)
+        _, hs = jax.lax.scan(cell, (zero, zero), jnp.swapaxes(x, 0, 1))
+        logits = (jnp.swapaxes(hs, 0, 1) @ p["proj"] + p["pb"]) @ p["out"] + p["ob"]
+        target = jax.nn.one_hot(tokens[:, 1:], vocab)
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * target, -1))
+
+    return params, data, loss
+
+
+def _fedavg_round(loss, clients: int):
+    def update(p, b):
+        g = jax.grad(loss)(p, b)
+        return jax.tree.map(lambda a, gi: a - 0.1 * gi, p, g)
+
+    @fb.program(clients=clients)
+    def one_round(p, data):
+        return fb.federated_mean(fb.federated_map_clients(update, (fb.federated_broadcast(p),
+                                                                   data)))
+
+    return one_round
+
+
+def _reconstruction_mf(rng, clients: int, batches: int = 2, batch: int = 8):
+    import jax.numpy as jnp
+    import optax
+
+    from fax_bridge.algorithms import fed_reconstruction
+
+    items, d = 3706, 50
+
+    def loss(global_params, local_params, b):
+        rows = jax.nn.one_hot(b["item"], items) @ global_params["item_embeddings"]
+        return jnp.mean((rows @ local_params["user"] - b["rating"]) ** 2)
+
+    alg = fed_reconstruction(loss, {"user": jnp.zeros(d)}, clients=clients,
+                             client_optimizer=optax.sgd(0.1),
+                             reconstruction_optimizer=optax.sgd(0.5))
+    data = {"item": rng.integers(0, items, (clients, batches, batch)).astype(np.int32),
+            "rating": rng.integers(1, 6, (clients, batches, batch)).astype(np.float32)}
+    mask = np.ones((clients, batches, batch), bool)
+    params = {"item_embeddings": (rng.standard_normal((items, d)) * 0.1).astype(np.float32)}
+    return alg.next, (alg.init(params), data, mask, data, mask), alg.placements, \
+        items * d + d
+
+
+def workloads(repeats: int, clients: int = 2) -> list[dict]:
+    from fax_bridge import pytree_names
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for name, build in (("EMNIST CNN", _emnist_cnn), ("Stack Overflow LSTM", _stackoverflow_lstm)):
+        params, data, loss = build(rng, clients)
+        cases.append((name, _fedavg_round(loss, clients), (params, data),
+                      ("server", "clients"), sum(np.size(v) for v in params.values())))
+    prog, args, placements, count = _reconstruction_mf(rng, clients)
+    cases.append(("Reconstruction MF", prog, args, placements, count))
+    rows = []
+    for name, prog, args, placements, count in cases:
+        row: dict[str, Any] = {"model": name, "params": int(count)}
+        rows.append(row)
+        proto = fb.export_tff(prog, *args, placements=placements)
+        split = round_split.split_round(proto)
+        start = time.perf_counter()
+        try:
+            made = convert.convert_client_part(
+                split.client_part, *lowering.split_types(split), split.aggregations,
+                key=split.client_part_hash, use_cache=False)
+        except refusals.ConversionRefused as e:
+            row["status"] = "refused: " + ", ".join(e.ops)
+            print(json.dumps(row), flush=True)
+            continue
+        row.update(status="runs", bytes=made.size, convert_s=time.perf_counter() - start)
+        prepared = interpreter.prepare(proto)
+        arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
+        inputs, _ = litert_manifest.example_client(split, arg)
+        run = runner.ClientRunner(made)
+        flat = jax.jit(lowering.flat_function(split.client_part, made.signature_types))
+        lite, want = run(inputs), jax.block_until_ready(flat(*inputs))
+        with pytree_names.recording_aggregands():
+            comp = tracing.trace(prog, *args, placements=placements)
+        bounds = litert_manifest.output_bounds(
+            split, made, parity_rounding.aggregand_bounds(comp, args))
+        diffs = [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                 for a, b in zip(lite, want)]
+        worst = max(range(len(diffs)), key=lambda i: float(np.max(diffs[i], initial=0.0)))
+        row["max_err"] = float(np.max(diffs[worst], initial=0.0))
+        if bounds[worst] is not None:  # the bound of the element that differs most
+            at = np.unravel_index(np.argmax(diffs[worst]), np.shape(diffs[worst]))
+            row["bound"] = float(np.broadcast_to(bounds[worst], np.shape(diffs[worst]))[at])
+        row["within"] = all(b is not None and bool(np.all(d <= np.asarray(b)))
+                            for d, b in zip(diffs, bounds))
+        row["litert_ms"] = 1e3 * _median_s(lambda: run(inputs), repeats)
+        row["jit_ms"] = 1e3 * _median_s(lambda: jax.block_until_ready(flat(*inputs)), repeats)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def fleet(repeats: int, clients: int = 8) -> list[dict]:
     import model_sizes as M
 
@@ -253,12 +412,13 @@ def main(argv=None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algorithms", action="store_true")
     p.add_argument("--sizes", action="store_true")
+    p.add_argument("--workloads", action="store_true")
     p.add_argument("--fleet", action="store_true")
     p.add_argument("--quick", action="store_true", help="--sizes: the 100k models only")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    every = not (args.algorithms or args.sizes or args.fleet)
+    every = not (args.algorithms or args.sizes or args.workloads or args.fleet)
     load = os.getloadavg()
     out: dict[str, Any] = {"load_before": load}
     if every or args.algorithms:
@@ -275,6 +435,13 @@ def main(argv=None) -> dict:
             ("convert s", "convert_s", "{:.1f}"), ("LiteRT ms", "litert_ms", "{:.2f}"),
             ("jit ms", "jit_ms", "{:.2f}"), ("max abs err", "max_err", "{:.2e}"),
             ("peak MiB", "peak_mib", "{:.0f}"), ("+model MiB", "model_mib", "{:.0f}")]))
+    if every or args.workloads:
+        out["workloads"] = workloads(args.repeats)
+        print(_table(out["workloads"], [
+            ("model", "model", "{}"), ("params", "params", "{:,}"), ("LiteRT", "status", "{}"),
+            ("model bytes", "bytes", "{:,}"), ("max abs err", "max_err", "{:.2e}"),
+            ("bound", "bound", "{:.2e}"), ("within", "within", "{}"),
+            ("LiteRT ms", "litert_ms", "{:.2f}"), ("jit ms", "jit_ms", "{:.2f}")]))
     if every or args.fleet:
         out["fleet"] = fleet(args.repeats)
         print(_table(out["fleet"], [("devices run", "runtime", "{}"),
