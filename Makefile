@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test doctest demo protos tff-venv litert-venv bench-litert tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links clean
+.PHONY: venv test doctest demo protos tff-venv litert-venv bench-litert tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links bench-accel clean
 
 # Installs skip byte-compiling every module of every package (--no-compile): Python
 # compiles the ones a run imports, as it first imports them (a quarter to a third of the
@@ -109,6 +109,12 @@ bench-sizes: $(STAMP)
 # memory, a fleet round with LiteRT devices against XLA ones (docs/litert.md).
 bench-litert: $(STAMP) litert-venv
 	$(PY) benchmarks/litert_sizes.py --json out/bench/litert.json
+
+# FedAvg rounds of a decoder LM (34M-268M parameters) on whatever jax.devices() offers,
+# in one process: jit, hand-written, DrJAX, chunked cohorts, the exported round in process
+# (docs/accelerators.md). Install jax for the accelerator in .venv first.
+bench-accel: $(STAMP)
+	$(PY) benchmarks/accelerators.py --suite --json out/bench/accel.jsonl
 
 clean:
 	rm -rf $(VENV) .venv-tff .venv-litert build *.egg-info .pytest_cache out

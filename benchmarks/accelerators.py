@@ -24,6 +24,7 @@ float32.
 
     python benchmarks/accelerators.py --model 110M --clients 4 --steps 4 --chunk 4
         [--variants hand_vmap,fax_bridge,...] [--repeats 3] [--json OUT]
+    python benchmarks/accelerators.py --suite [--json OUT]    # SUITE, in one process
 
 `--model tiny` runs on a CPU in seconds (the suite's check of this script).
 """
@@ -54,7 +55,15 @@ PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v5p
                "TPU v6 lite": 918.0}
 VARIANTS = ("hand_vmap", "fax_bridge", "drjax", "hand_chunked", "fax_bridge_chunked",
             "exported", "exported_host")
-REFERENCES = ("hand_vmap", "hand_chunked")  # the hand-written rounds, in that preference
+REFERENCES = ("hand_vmap", "hand_chunked")
+JIT = "hand_vmap,fax_bridge,drjax,hand_chunked,fax_bridge_chunked"
+CHUNKED = "hand_chunked,fax_bridge_chunked"
+EXPORTED = "hand_vmap,exported,exported_host"
+# docs/accelerators.md's table: (model, clients, local steps, chunk, variants).
+SUITE = (("34M", 8, 4, 4, JIT), ("110M", 4, 4, 2, JIT), ("268M", 2, 2, 2, JIT),
+         ("110M", 64, 4, 4, "hand_vmap," + CHUNKED), ("110M", 1024, 1, 4, CHUNKED),
+         ("268M", 64, 1, 2, CHUNKED), ("34M", 8, 4, 4, EXPORTED),
+         ("110M", 4, 4, 4, EXPORTED), ("268M", 2, 2, 2, EXPORTED))  # the hand-written rounds, in that preference
 
 
 # --------------------------------------------------------------------------- the model
@@ -290,6 +299,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="append each report to this file as a JSON line")
+    parser.add_argument("--suite", action="store_true",
+                        help="run every configuration of SUITE (docs/accelerators.md)")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -299,10 +310,11 @@ def main(argv=None) -> list[dict]:
     if bad:
         parser.error(f"--chunk {args.chunk} must divide every cohort (got {bad}) for the "
                      "hand-written chunked round")
+    plan = [(m, n, k, c, v.split(",")) for m, n, k, c, v in SUITE] if args.suite else \
+        [(args.model, n, args.steps, min(args.chunk, n), variants) for n in args.clients]
     reports = []
-    for n in args.clients:
-        report = measure(args.model, n, args.steps, min(args.chunk, n), variants,
-                         args.repeats)
+    for model, n, steps, chunk, chosen in plan:
+        report = measure(model, n, steps, chunk, chosen, args.repeats)
         print(table(report), flush=True)
         reports.append(report)
         if args.json:
