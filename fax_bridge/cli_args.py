@@ -253,14 +253,14 @@ def save_result(path: str, arrays: Mapping[str, np.ndarray]) -> tuple[str, Optio
 
 
 def load_npz(path: str, flag: str = "--inputs") -> dict[str, np.ndarray]:
-    """The arrays of an npz file (`npz_keys.read_npz`: a regular file, no pickles, each
+    """The arrays of an npz file (`npz_files.read_npz`: a regular file, no pickles, each
     header checked before its array is allocated), or a ComputationError naming the flag
     and the problem."""
+    from fax_bridge.npz_files import read_npz
     from fax_bridge.private_files import UnsafePathError
-    from fax_bridge.runtime import npz_keys
 
     try:
-        return npz_keys.read_npz(path, what=flag)
+        return read_npz(path, what=flag)
     except FileNotFoundError:
         raise ComputationError(f"{flag} {path}: no such file") from None
     except UnsafePathError as e:  # a folder, a FIFO: named by the reader

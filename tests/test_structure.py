@@ -22,10 +22,14 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "fax_bridge"
 # names (modules or packages of fax_bridge) it holds.
 LAYERS: tuple = (
     # base: errors, placements, the primitives' records, addresses, data, wire protos
+    # and the trust-boundary helpers: private files and output folders, process trees,
+    # the fork server and its protocol, FAX_BRIDGE_* settings, the chunk size choice
     (("errors", "placements", "member_rules", "primitive_facts", "pytree_names",
-      "addresses", "cli_args", "parity_report", "forks", "data", "v1"),),
+      "addresses", "cli_args", "parity_report", "forks", "fork_protocol", "fork_server",
+      "private_files", "output_folders", "process_tree", "env_settings", "execution", "npz_files",
+      "data", "v1"),),
     # the federated language and its jit path, and what is written in it
-    (("tracing", "local", "lowering", "primitives", "api", "secure", "drjax",
+    (("tracing", "local", "lowering", "primitives", "chunking", "api", "secure", "drjax",
       "multihost", "algorithms", "privacy"),),
     (("runtime",),),      # the proto machine: grammar, evaluator, values, exact sums, HLO
     (("tff",),),          # export to TFF protos, forms
