@@ -50,7 +50,7 @@ test:
 	$(PY) -m pytest -q -n 2 --dist loadfile tests --doctest-modules $(DOCTEST_MODULES)
 
 # The examples in the public functions' docstrings (a few clients each: seconds).
-DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local.py fax_bridge/tracing.py \
+DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local.py fax_bridge/chunk_stream.py fax_bridge/tracing.py \
 	fax_bridge/tff/export.py fax_bridge/tff/files.py fax_bridge/secure.py \
 	fax_bridge/parity.py fax_bridge/in_process.py fax_bridge/data \
 	fax_bridge/privacy/aggregator.py

@@ -27,6 +27,7 @@ from fax_bridge.errors import (
     ProgramError,
     WeightError,
 )
+from fax_bridge.chunk_stream import stream_clients
 from fax_bridge.local import clients_mesh, jit_program, to_hlo
 from fax_bridge.placements import Placement
 from fax_bridge.tff.export import export_tff
@@ -101,6 +102,7 @@ __all__ = [
     "load_computation",
     "program",
     "save_computation",
+    "stream_clients",
     "to_distribute_aggregate_form",
     "to_hlo",
     "to_map_reduce_form",

@@ -19,11 +19,12 @@ program decides the placement the operations use.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import os
 import traceback
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -90,17 +91,7 @@ class Program:
         return Program(self.fn, self.clients, self.placement, clients_per_step)
 
     def __call__(self, *args, **kwargs):
-        outer = _PROGRAMS.get()
-        for name, n in outer:
-            if name == self.placement and n != self.clients:
-                raise PlacementError(
-                    f"program {getattr(self.fn, '__name__', self.fn)!r} declares "
-                    f"{self.placement}={self.clients} but is called inside a program with "
-                    f"{name}={n} (at {user_location()}). Nested programs must use the same "
-                    "number of members for one placement name; name the inner placement "
-                    "differently (e.g. placements={'workers': M}) to nest a new level.")
-        token = _PROGRAMS.set(outer + ((self.placement, self.clients),))
-        try:
+        with placement_context(self):
             k = self.clients_per_step
             if k is None or is_unchunked():
                 return self.fn(*args, **kwargs)
@@ -109,14 +100,32 @@ class Program:
             if k >= self.clients:
                 return self.fn(*args, **kwargs)
             return chunking.run(self.fn, self.clients, self.placement, k, args, kwargs)
-        finally:
-            _PROGRAMS.reset(token)
 
     def __repr__(self) -> str:
         step = "" if self.clients_per_step is None else \
             f" clients_per_step={self.clients_per_step}"
         return (f"<fax_bridge.Program {getattr(self.fn, '__name__', '?')} "
                 f"{self.placement}={self.clients}{step}>")
+
+
+@contextlib.contextmanager
+def placement_context(program: Program) -> Iterator[None]:
+    """Within this context federated operations use `program`'s placement and members
+    (as inside a call of it); a nested program must agree on a shared placement name."""
+    outer = _PROGRAMS.get()
+    for name, n in outer:
+        if name == program.placement and n != program.clients:
+            raise PlacementError(
+                f"program {getattr(program.fn, '__name__', program.fn)!r} declares "
+                f"{program.placement}={program.clients} but is called inside a program with "
+                f"{name}={n} (at {user_location()}). Nested programs must use the same "
+                "number of members for one placement name; name the inner placement "
+                "differently (e.g. placements={'workers': M}) to nest a new level.")
+    token = _PROGRAMS.set(outer + ((program.placement, program.clients),))
+    try:
+        yield
+    finally:
+        _PROGRAMS.reset(token)
 
 
 def _validate_cardinality(clients: Any, name: str = P.CLIENTS) -> int:

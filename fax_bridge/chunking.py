@@ -22,7 +22,8 @@ cohort becomes a sum of the chunks' sums, added in chunk order, so float aggrega
 differ from the unchunked round's in the last bits (integer and secure sums are exact
 either way). With k >= N nothing is chunked and the bits are the unchunked round's.
 `fb.trace`, `fb.export_tff` and `check_parity`'s export see the unchunked program: the
-exported proto is the same for every k.
+exported proto is the same for every k. Data that does not fit on the device can be fed
+chunk by chunk from the host instead (`fax_bridge.chunk_stream.stream_clients`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ from fax_bridge.member_rules import member_params
 from fax_bridge.placements import Placement
 
 # --------------------------------------------------------------------------- values
+
+
+@dataclasses.dataclass(frozen=True)
+class Streamed:
+    """Leaf `index` of an argument whose clients arrive chunk by chunk
+    (`chunk_stream`): only client work may read it."""
+    index: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +173,7 @@ class _Phase:
         return list(range(first, len(self.slot_vars)))
 
 
-def _run_chunk(phase: _Phase, size: int, chunked: Sequence, shared: Sequence,
+def run_chunk(phase: _Phase, size: int, chunked: Sequence, shared: Sequence,
                keep: Sequence[int]):
     """Runs `phase`'s ops on one chunk of `size` clients: (each aggregation's partials,
     the kept slots)."""
@@ -220,7 +228,7 @@ def _column(x, c):
     return lax.dynamic_index_in_dim(x, c, axis=1, keepdims=False)
 
 
-def _unstrided(ys, steps: int, k: int):
+def unstrided(ys, steps: int, k: int):
     return jnp.swapaxes(ys, 0, 1).reshape((steps * k,) + ys.shape[2:])
 
 
@@ -238,7 +246,7 @@ def _execute(phase: _Phase, k: int, keep: Sequence[int]) -> None:
     split = [_split(x, steps, k) for x in phase.chunked]
 
     def chunk_at(c, split, shared):
-        return _run_chunk(phase, k, [_column(x, c) for x in split], shared, keep)
+        return run_chunk(phase, k, [_column(x, c) for x in split], shared, keep)
 
     step = jax.checkpoint(chunk_at, prevent_cse=False)
     shapes, _ = jax.eval_shape(step, 0, split, shared)
@@ -249,12 +257,17 @@ def _execute(phase: _Phase, k: int, keep: Sequence[int]) -> None:
         return jax.tree_util.tree_map(jnp.add, totals, partials), kept
 
     totals, ys = lax.scan(body, zeros, jnp.arange(steps))
-    kept = [_unstrided(y, steps, k) for y in ys]
+    kept = [unstrided(y, steps, k) for y in ys]
     if tail:
         rest = [x[steps * k:] for x in phase.chunked]
-        partials, tail_kept = _run_chunk(phase, tail, rest, shared, keep)
+        partials, tail_kept = run_chunk(phase, tail, rest, shared, keep)
         totals = jax.tree_util.tree_map(jnp.add, totals, partials)
         kept = [jnp.concatenate([a, b]) for a, b in zip(kept, tail_kept)]
+    finish(phase, totals, kept, keep)
+
+
+def finish(phase: _Phase, totals: list, kept: list, keep: Sequence[int]) -> None:
+    """Sets `phase.result` from each aggregation's summed partials and the kept slots."""
     aggregates = [op for op in phase.ops if op.kind == "aggregate"]
     results = [_aggregation(op.eqn.primitive)[1](
         t, *[v.aval for v in op.eqn.invars], **op.eqn.params)
@@ -265,9 +278,14 @@ def _execute(phase: _Phase, k: int, keep: Sequence[int]) -> None:
 # --------------------------------------------------------------------------- interpreter
 
 
-class _Interpreter:
-    def __init__(self, jaxpr: core.Jaxpr, clients: int, axis: str, k: int):
+class Interpreter:
+    """Evaluates a program's jaxpr with its client phases run in chunks of `k` by
+    `execute(phase, k, kept slots)` (default: a `lax.scan` over the chunks)."""
+
+    def __init__(self, jaxpr: core.Jaxpr, clients: int, axis: str, k: int,
+                 execute: Optional[Callable] = None):
         self.jaxpr, self.clients, self.axis, self.k = jaxpr, clients, axis, k
+        self.execute = execute or _execute
         self.env: dict = {}
         self.phase: Optional[_Phase] = None
         self.consumers: dict = {}
@@ -284,6 +302,11 @@ class _Interpreter:
 
     def concrete(self, v):
         value = self.raw(v)
+        if isinstance(value, Streamed):
+            raise ArgumentError(
+                "an argument whose clients arrive chunk by chunk is read outside client "
+                "work; only federated_map_clients (and aggregations of its results) may "
+                "read it: pass it whole, or move that use into the mapped function.")
         if isinstance(value, (_Pending, _Aggregate)):
             if value.phase.result is None:
                 self.flush()
@@ -304,6 +327,8 @@ class _Interpreter:
     # phases ----------------------------------------------------------------------
     def is_members(self, value) -> bool:
         """A whole N-leading array the current trip may slice into chunks."""
+        if isinstance(value, Streamed):
+            return True
         return (not isinstance(value, (_Shared, _Pending, _Aggregate))
                 and jnp.ndim(value) >= 1 and jnp.shape(value)[0] == self.clients)
 
@@ -320,7 +345,7 @@ class _Interpreter:
         held = self.members[phase]
         keep = [s for s, v in enumerate(phase.slot_vars)
                 if v in self.outvars or self.consumers.get(v, set()) - held]
-        _execute(phase, self.k, keep)
+        self.execute(phase, self.k, keep)
         slots, results = phase.result
         for s in keep:
             self.env[phase.slot_vars[s]] = slots[s]
@@ -348,7 +373,7 @@ class _Interpreter:
         return found
 
     def lazy_inputs(self, eqn) -> bool:
-        return any(isinstance(self.raw(v), (_Pending, _Shared)) for v in eqn.invars
+        return any(isinstance(self.raw(v), (_Pending, _Shared, Streamed)) for v in eqn.invars
                    if not isinstance(v, core.Literal))
 
     def try_join(self, i: int, eqn: core.JaxprEqn) -> bool:
@@ -421,9 +446,9 @@ class _Interpreter:
         return [self.concrete(v) for v in self.jaxpr.outvars]
 
 
-def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict):
-    """Runs `fn(*args, **kwargs)` (a program's body, inside its placement context) with
-    its client phases in chunks of `k` clients."""
+def trace_flat(fn: Callable, args: tuple, kwargs: dict):
+    """`fn(*args, **kwargs)` as a jaxpr of the flat argument leaves: (jaxpr, consts,
+    flat leaves, a function giving the output treedef once traced)."""
     flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     store = {}
 
@@ -433,11 +458,19 @@ def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict
         out_leaves, store["tree"] = jax.tree_util.tree_flatten(out)
         return out_leaves
 
-    avals = [core.typeof(x) for x in flat]
+    avals = [core.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct)
+             else core.ShapedArray(x.shape, x.dtype) for x in flat]
     dbg = jax.api_util.debug_info("chunked program", fn, tuple(avals), {})
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat_fn, debug_info=dbg), avals)
-    outs = _Interpreter(jaxpr, clients, axis, k).run(consts, flat)
-    return jax.tree_util.tree_unflatten(store["tree"], outs)
+    return jaxpr, consts, flat, lambda: store["tree"]
+
+
+def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict):
+    """Runs `fn(*args, **kwargs)` (a program's body, inside its placement context) with
+    its client phases in chunks of `k` clients."""
+    jaxpr, consts, flat, out_tree = trace_flat(fn, args, kwargs)
+    outs = Interpreter(jaxpr, clients, axis, k).run(consts, flat)
+    return jax.tree_util.tree_unflatten(out_tree(), outs)
 
 
 def memory_limit() -> int:

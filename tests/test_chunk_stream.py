@@ -1,0 +1,80 @@
+"""Clients fed chunk by chunk from the host (`fb.stream_clients`): the streamed round
+computes the round with its data in memory, chunked the same way; the fetch function
+is asked for each chunk once; misuse is refused naming the fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fax_bridge as fb
+from fax_bridge.data import ClientStore, write_population
+from fax_bridge.errors import ArgumentError
+
+
+def _round(n, k):
+    @fb.program(clients=n, clients_per_step=k)
+    def fedavg(w, data):
+        def local(w, d):
+            g = jax.grad(lambda w: jnp.mean((d["x"] @ w - d["y"]) ** 2))(w)
+            return w - 0.1 * g, jnp.float32(d["y"].shape[0])
+        new_w, count = fb.federated_map_clients(local, (fb.federated_broadcast(w), data))
+        return fb.federated_weighted_mean(new_w, count), fb.federated_sum(count), new_w
+    return fedavg
+
+
+def test_a_streamed_round_computes_the_round_in_memory(tmp_path):
+    n, k = 11, 4
+    rng = np.random.default_rng(0)
+    clients = [{"x": rng.normal(size=(6, 3)).astype(np.float32),
+                "y": rng.normal(size=(6,)).astype(np.float32)} for _ in range(n)]
+    write_population(str(tmp_path / "pop"), clients)
+    asked = []
+    with ClientStore(str(tmp_path / "pop")) as store:
+        def fetch(ids):
+            asked.append([int(i) for i in ids])
+            return store.cohort(ids).data
+
+        w = jnp.array([0.3, -0.2, 0.5])
+        streamed = fb.stream_clients(_round(n, k), 1)(w, fetch)
+    in_memory = jax.jit(_round(n, k))(w, {key: np.stack([c[key] for c in clients])
+                                          for key in ("x", "y")})
+    for a, b in zip(streamed, in_memory):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    chunks = asked[1:]  # the first call reads client 0 for the data's structure
+    assert sorted(i for ids in chunks for i in ids) == list(range(n))
+    assert chunks[0] == [0, 2, 4, 6] and chunks[-1] == [8, 9, 10]  # strided, then the tail
+
+
+def test_a_fetch_of_another_structure_or_shape_is_refused():
+    data = np.arange(8.0, dtype=np.float32)
+
+    def fetch(ids):
+        return data[ids] if len(ids) == 1 else data[ids][:, None]
+
+    run = fb.stream_clients(_sum_program(), 1)
+    with pytest.raises(ArgumentError, match="one row a client"):
+        run(jnp.float32(1.0), fetch)
+
+
+def _sum_program():
+    @fb.program(clients=8, clients_per_step=4)
+    def total(w, x):
+        return fb.federated_sum(fb.federated_map_clients(lambda w, x: w * x,
+                                                         (fb.federated_broadcast(w), x)))
+    return total
+
+
+def test_misuse_is_refused_naming_the_fix():
+    data = np.arange(8.0, dtype=np.float32)
+    with pytest.raises(ArgumentError, match="integer clients_per_step"):
+        fb.stream_clients(fb.program(clients=8)(lambda w, x: x), 1)(1.0, lambda i: data[i])
+    with pytest.raises(ArgumentError, match="must be a function"):
+        fb.stream_clients(_sum_program(), 1)(jnp.float32(1.0), data)
+
+    @fb.program(clients=8, clients_per_step=4)
+    def reads_it_at_the_server(w, x):
+        return fb.federated_sum(x) + jnp.sum(x)
+
+    with pytest.raises(ArgumentError, match="outside client work"):
+        fb.stream_clients(reads_it_at_the_server, 1)(jnp.float32(1.0), lambda i: data[i])
