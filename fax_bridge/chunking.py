@@ -153,7 +153,6 @@ class _Phase:
         self.ops: list[_Op] = []
         self.chunked: list = []  # N-leading arrays, sliced per chunk
         self.shared: list = []  # whole values every member sees
-        self.slot_avals: list = []  # member avals of the slots
         self.slot_vars: list = []
         self.aggregate_vars: list = []  # the outvars of each aggregation
         self.result: Optional[tuple] = None  # (slot values, aggregate results) once run
@@ -169,12 +168,11 @@ class _Phase:
     def new_slots(self, outvars) -> list[int]:
         first = len(self.slot_vars)
         self.slot_vars.extend(outvars)
-        self.slot_avals.extend(P.member_aval(v.aval, P.CLIENTS) for v in outvars)
         return list(range(first, len(self.slot_vars)))
 
 
 def run_chunk(phase: _Phase, size: int, chunked: Sequence, shared: Sequence,
-               keep: Sequence[int]):
+              keep: Sequence[int]):
     """Runs `phase`'s ops on one chunk of `size` clients: (each aggregation's partials,
     the kept slots)."""
     slots: dict[int, Any] = {}
@@ -190,7 +188,8 @@ def run_chunk(phase: _Phase, size: int, chunked: Sequence, shared: Sequence,
         args = [value(r) for r in op.ins]
         is_shared = tuple(r[0] == "shared" for r in op.ins)
         if op.kind == "map":
-            outs = P._map_impl(*args, **dict(op.eqn.params, clients=size), shared=is_shared)
+            outs = _lowering.IMPLEMENTATIONS[P.federated_map_p](
+                *args, **dict(op.eqn.params, clients=size), shared=is_shared)
         elif op.kind == "local":
             outs = _member_apply(op, args, is_shared, size)
         else:
