@@ -393,8 +393,15 @@ def test_supernodes_configured_for_litert_run_the_client_part_in_the_interpreter
         tmp_path, quickstart, populations, app):
     _, args, made = quickstart
     configs = [dict(c, **{"client-runtime": "litert"}) for c in populations]
-    got = server.run_server(_grid(app, configs), {"num-rounds": 2}, os.path.join(
-        app, app_dir.PACKAGE), log=lambda text: None)
+    out = str(tmp_path / "out")
+    got = server.run_server(_grid(app, configs), {"num-rounds": 2, "out-dir": out},
+                            os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
+    from fax_bridge.litert import runner
+
+    # every node's answer, in every round, names LiteRT and the model that ran it
+    assert [[(v["client_runtime"], v["model_sha256"]) for v in r["served"].values()]
+            for r in _reports(out)] == 2 * [2 * [
+                ("litert", runner.served(made.split.client_part_hash) or "none ran")]]
     # the bits of the same plan with the client part in LiteRT, wherever its clients sit
     assert _bits(got, made) == _bits(_expected(made, args, 2, client_runtime="litert"), made)
     assert _bits(got, made) != _bits(_expected(made, args, 2), made)  # not XLA's rounding

@@ -21,8 +21,9 @@ the population ids of the node's clients in the round; the node reads only their
 runs the round's client part over them by the node's client runtime, parsed once from
 its config (`rounds.client_runtime`; XLA: one call for all of them where it can, in the bucket of the most clients a round can bring
 the node, from the cohort size the message names, so that it compiles once a run) and
-answers with one exact partial per aggregation (`records.partials_layout`). No client
-row leaves the node. The ClientApp itself is `relay.client_app`; this runs in its
+answers with one exact partial per aggregation (`records.partials_layout`) and names
+what computed them (`served_by`: the client runtime, the LiteRT model's sha256). No
+client row leaves the node. The ClientApp itself is `relay.client_app`; this runs in its
 process, or in a warm `worker`.
 """
 
@@ -172,7 +173,7 @@ def partials_for(bundle_dir: str, share: NodeShare, ids: np.ndarray,
 
 def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
     """A node's answer to a `train` message (as `relay.request_of` unpacks it): (the
-    partials' arrays by key, {"layout", "counts", "compute-s"}). The partials of the
+    partials' arrays by key, {"layout", "counts", "compute-s", "served"}: `served_by`). The partials of the
     round's secure sums are not among the partials: their exact totals over the node's
     clients come as `relay.KEPT` + "0", "1", ... (tensors depth first over the secure
     sums), which the ClientApp keeps for SecAgg+ (`secagg`) and never sends."""
@@ -198,4 +199,18 @@ def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
     out.update({f"{relay.KEPT}{i}": x for i, x in enumerate(kept)})
     # ---------------------------------------------------------------------------------
     return out, {"layout": layout, "counts": counts,
-                 "compute-s": time.perf_counter() - start}
+                 "compute-s": time.perf_counter() - start,
+                 "served": served_by(bundle_dir, share)}
+
+
+def served_by(bundle_dir: str, share: NodeShare) -> dict:
+    """What computed the node's answer, as its `relay.SERVED` record names it: the client
+    runtime's name, and the sha256 of the LiteRT model that ran the round's client part
+    here ("" for XLA, which runs no model)."""
+    model = ""
+    if share.client_runtime.name == "litert":
+        from fax_bridge.flower.bundle import read_round
+        from fax_bridge.litert import runner
+
+        model = runner.served(read_round(bundle_dir).split.client_part_hash) or ""
+    return {"client-runtime": share.client_runtime.name, "model-sha256": model}

@@ -12,7 +12,10 @@ do not say (dtype names, shapes, limb bases) and a `MetricRecord` of counts:
   `aJ.vI.doubles` (float64, an exact sum that float64 holds), `aJ.vI.limbs` (int64
   [limbs, size], the fleet's exact limbs) with `aJ.vI.flags` (uint8, non-finite
   addends), or `aJ.vI.extreme` (a min or max); `aJ.w.*` the same for a weighted
-  mean's weights.
+  mean's weights;
+- what computed a node's answer: a `ConfigRecord` "served" of "client-runtime" (a name
+  of `rounds.client_runtime.NAMES`) and "model-sha256" (the LiteRT model's, 64 hex
+  digits; "" for XLA), read by `served_of`.
 
 Partials are the fleet's (`rounds.partials`): a node builds its `AggregateResponse` with
 `partials.to_message` and `partials_layout` lays its fields out as arrays; the server
@@ -31,10 +34,10 @@ import numpy as np
 from fax_bridge.errors import FleetError
 from fax_bridge.rounds import wire
 from fax_bridge.flower.relay import (BROADCAST, IDS, LAYOUT, METRICS, PARTIALS, ROUND,
-                                    array_view, c_order)
+                                    SERVED, array_view, c_order)
 from fax_bridge.v1 import device_pb2 as pb
 
-__all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND"]
+__all__ = ["BROADCAST", "IDS", "LAYOUT", "METRICS", "PARTIALS", "ROUND", "SERVED"]
 
 
 def savable(value: np.ndarray) -> np.ndarray:
@@ -297,6 +300,39 @@ def answer_of(content, kinds: list, where: str) -> tuple:
     answers = from_layout(numpy_dict(content[PARTIALS], where), content[LAYOUT],
                           metrics.get("num-clients", []), kinds, where)
     return answers, float(seconds)
+
+
+SERVED_KEYS = ("client-runtime", "model-sha256")
+
+
+def served_of(content, where: str) -> tuple:
+    """(client runtime name, sha256 of the LiteRT model or None for XLA) that a node's
+    answer names in its `SERVED` record; FleetError naming `where` for a record missing
+    or with other keys, a runtime not in `rounds.client_runtime.NAMES`, a digest that is
+    not 64 lowercase hex digits, a LiteRT answer without one or an XLA answer with one."""
+    from fax_bridge.rounds.client_runtime import NAMES
+
+    if SERVED not in content:
+        raise FleetError(f"{where}: its answer has no {SERVED} record (which client "
+                         f"runtime computed it); {_FORGED}")
+    served = content[SERVED]
+    keys = list(served.keys()) if hasattr(served, "keys") else None
+    if keys is None or len(keys) != len(SERVED_KEYS) or set(keys) != set(SERVED_KEYS):
+        raise FleetError(f"{where}: its {SERVED} record has keys {str(keys)[:80]}; "
+                         f"expected {list(SERVED_KEYS)}; {_FORGED}")
+    runtime, digest = served["client-runtime"], served["model-sha256"]
+    if not isinstance(runtime, str) or runtime not in NAMES:
+        raise FleetError(f"{where}: its client runtime is {str(runtime)[:40]!r}; expected "
+                         f"one of {list(NAMES)}; {_FORGED}")
+    if not isinstance(digest, str) or (digest and (
+            len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest))):
+        raise FleetError(f"{where}: its model sha256 is {str(digest)[:80]!r}, not 64 hex "
+                         f"digits; {_FORGED}")
+    if (runtime == "litert") != bool(digest):
+        raise FleetError(f"{where}: a {runtime} answer " + (
+            "names no LiteRT model" if digest == "" else "names a LiteRT model") +
+            f"; {_FORGED}")
+    return runtime, digest or None
 
 
 def payload_bytes(arrays) -> int:

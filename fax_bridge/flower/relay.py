@@ -50,6 +50,7 @@ ROUND = "round"
 PARTIALS = "partials"
 LAYOUT = "layout"
 METRICS = "metrics"
+SERVED = "served"  # what computed a node's answer: client-runtime, model-sha256
 TOKEN_HEADER = "X-Fax-Bridge-Token"
 MAGIC = b"FAXRELAY1\n"  # what a `pack`ed body begins with
 ALIGN = 64  # every array's bytes start at a multiple of this in a packed body
@@ -386,6 +387,7 @@ def client_app(bundle_dir: str, local: Callable[[], Any]):
         return Message(RecordDict({
             PARTIALS: ArrayRecord({k: Array(v) for k, v in out.items()}),
             LAYOUT: ConfigRecord(info["layout"]), METRICS: metrics,
+            SERVED: ConfigRecord({k: str(v) for k, v in info["served"].items()}),
             ROUND: ConfigRecord(header[ROUND])}), reply_to=msg)
 
     return app

@@ -16,7 +16,9 @@ too), while fewer nodes than SecAgg+'s reconstruction threshold (`secagg-thresho
 `secagg.shares_needed`) fail the round; when fewer than `min-clients` clients remain
 the round fails with a `FleetError` naming the nodes (the run's first round waits
 longer, `first-round-timeout-s`: nodes start then). Every round leaves a `RoundReport`
-(logged, and written to `reports.jsonl`).
+(logged, and written to `reports.jsonl`), whose `served` names, for each node that
+answered, the client runtime that computed its answer and the sha256 of the LiteRT
+model that ran (None for XLA).
 
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
 `flwr run --run-config`), see `Settings`: every key checked once against `RUN_CONFIG`.
@@ -233,7 +235,8 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
         transport = FlowerTransport(grid, nodes, rep.participants.array(), round_index, wait,
                                     settings.poll_s, rep.traffic, settings.secagg_threshold,
                                     cohort=cohort.size,
-                                    rounded_partials=policy.rounded_partials)
+                                    rounded_partials=policy.rounded_partials,
+                                    served=rep.served)
         return engine.run_round(made.split, made.server_arg(state), transport,
                                 made.prepared.result, on_lost=drop)
     except BaseException as e:

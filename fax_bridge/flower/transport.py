@@ -5,6 +5,8 @@ and the ids of its participants) and answers with its clients' partials as recor
 (`records`); a node that answers with an error, not within the wait, or with an answer
 `records.answer_of` refuses (a missing record, a malformed layout, counts or arrays)
 comes back as a lost holder, named with the reason, for the engine's policy to drop.
+Each answer also names the client runtime that computed it and the sha256 of the LiteRT
+model that ran (`records.served_of`), which the round's report keeps (`served`).
 The engine checks and merges the partials as it does a device's.
 
 The round's secure sums are not in the answers: a node keeps its partials of them
@@ -17,7 +19,7 @@ engine then leaves out of the round's other aggregations too.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -65,15 +67,17 @@ class FlowerTransport:
     participants (population order), `wait_s` how long the round waits for answers,
     `threshold` SecAgg+'s reconstruction threshold as a fraction of the nodes that
     start it (`secagg.shares_needed`), `cohort` the most clients a round of the run
-    samples (`train_messages`)."""
+    samples (`train_messages`); `served` (the round report's) gets, for each node that
+    answers, the client runtime and LiteRT model its answer names (`records.served_of`)."""
 
     backend = None
     reject_nonfinite = False
 
     def __init__(self, grid, nodes: list, ids: np.ndarray, round_index: int, wait_s: float,
                  poll_s: float, traffic: Traffic, threshold: float = 0.0, cohort: int = 0,
-                 rounded_partials: bool = False):
+                 rounded_partials: bool = False, served: Optional[dict] = None):
         self.grid, self.nodes, self.ids = grid, nodes, ids
+        self.served = {} if served is None else served
         self.rounded_partials = bool(rounded_partials)
         self.threshold, self.cohort = threshold, cohort
         self.round_index, self.wait_s, self.poll_s = round_index, wait_s, poll_s
@@ -107,9 +111,11 @@ class FlowerTransport:
                     raise FleetError(f"{node.name}: its answer came as node "
                                      f"{reply.metadata.src_node_id}")
                 partials, seconds = records.answer_of(reply.content, kinds, node.name)
+                runtime, model = records.served_of(reply.content, node.name)
             except FleetError as e:
                 out.lost.append(LostHolder(f"{e} (a malformed answer)", mine))
                 continue
+            self.served[node.name] = {"client_runtime": runtime, "model_sha256": model}
             answered.append((node, mine))
             self.traffic.bytes_up += records.content_bytes(reply.content)
             self.traffic.payload_up += records.payload_bytes(reply.content[records.PARTIALS])

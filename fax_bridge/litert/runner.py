@@ -19,12 +19,14 @@ size) is refused, naming the input and the fix.
 `LiteRTClientRuntime(models_dir=...)` is this runner as a client runtime
 (`rounds.client_runtime`): what a fleet, a device, a Flower node or an in-process round
 is handed when its client parts run in LiteRT. `loaded()` says which models this process
-ran, and on how many clients.
+ran, and on how many clients; `served(key)` the sha256 of the model that last ran client
+part `key` here (what a Flower node's answer names).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import types
 from typing import Any, Optional
@@ -51,6 +53,7 @@ class ClientRunner:
         self._run = self._interpreter.get_signature_runner(model.signature)
         self._lock = threading.Lock()  # an interpreter runs one call at a time
         self.calls = 0  # clients run
+        self.sha256 = hashlib.sha256(model.tflite).hexdigest()  # the model's bytes
 
     def check(self, leaves: list, where: str) -> None:
         """Refuses leaves of other shapes or dtypes than the model's inputs."""
@@ -82,6 +85,7 @@ class ClientRunner:
 
 
 _RUNNERS: dict = {}
+_SERVED: dict = {}  # client part hash -> sha256 of the model that last ran it
 _LOCK = threading.Lock()
 
 
@@ -105,9 +109,18 @@ def loaded() -> dict:
     return out
 
 
+def served(key: str) -> Optional[str]:
+    """The sha256 of the model that last ran client part `key` in this process (None:
+    none has)."""
+    with _LOCK:
+        return _SERVED.get(key)
+
+
 def run_clients(model: convert.ClientModel, sent: Any, members, guard=None) -> list:
     """The client part's result (a local value) for each client, in client order."""
     runner = runner_for(model)
+    with _LOCK:
+        _SERVED[model.client_part_hash] = runner.sha256
     types = model.signature_types
     shared = lowering.flatten(sent, types.parameter[0], [])
     results, produced = [], 0
@@ -235,4 +248,4 @@ def _types_of(fn, sent, members) -> tuple:
 
 
 __all__ = ["ClientRunner", "LiteRTClientRuntime", "client_partials", "loaded", "model_for",
-           "run_clients", "runner_for"]
+           "run_clients", "runner_for", "served"]

@@ -156,6 +156,9 @@ class RoundReport:
     `lost_devices` are devices that stopped answering during the round (each its
     address or node name, then why: what its call ended with, such as a deadline);
     `lost_clients` the participants they held, which the round then finished without.
+    `served`: {holder name: {"client_runtime": its name, "model_sha256": the LiteRT
+    model's sha256 or None}} of each holder whose answer says what computed it (a
+    Flower node's; empty where holders do not say).
     `bytes_up_per_client`, `bytes_down_per_client`: the round's bytes over its
     participants (what one client's share of the uplink and downlink cost).
     """
@@ -173,6 +176,7 @@ class RoundReport:
     error: Optional[str] = None
     lost_devices: list = dataclasses.field(default_factory=list)
     lost_clients: ClientIds = dataclasses.field(default_factory=ClientIds)
+    served: dict = dataclasses.field(default_factory=dict)
 
     # The round's traffic counters, read as the report's own attributes.
     bytes_down = _counter("bytes_down")
@@ -209,8 +213,8 @@ class RoundReport:
                 value = list(value)
             elif isinstance(value, ClientDelays):
                 value = dict(zip(value.cohort, value.of(value.cohort.array()).tolist()))
-            elif isinstance(value, list):
-                value = list(value)
+            elif isinstance(value, (list, dict)):
+                value = type(value)(value)
             out[field.name] = value
         return out
 
