@@ -28,9 +28,18 @@ from fax_bridge.parity_report import ParityReport, compare_leaves
 
 def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
                   nodes: int, flower_s: float, rtol: float = 1e-5,
-                  atol: float = 1e-6) -> ParityReport:
+                  atol: float = 1e-6, client_runtime: Any = "xla") -> ParityReport:
     """The ParityReport of the run's result against `rounds` rounds of jit, with
-    `fleet_bits`: whether its bits equal the fleet split's run in process."""
+    `fleet_bits`: whether its bits equal the fleet split's run in process with the
+    nodes' `client_runtime` (`rounds.client_runtime`: "xla", "litert" or a runtime).
+
+    Args:
+      prog: the round program; args: its (state, client data) example arguments.
+      made: the app's round (`bundle.build_round` or `bundle.read_round`).
+      result_npz: the run's result.npz (`run_outcome`).
+      rounds: the rounds the run ran; nodes: its SuperNodes; flower_s: its seconds.
+      rtol, atol: the tolerances of each leaf against jit.
+      client_runtime: what ran the nodes' client parts."""
     import jax
     from federated_language.common_libs import structure
 
@@ -69,7 +78,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     fleet = None
     for _ in range(rounds):
         fleet = in_process.run_in_process(made.split, structure.Struct(
-            [(None, fleet_state), (None, bound[1])]))
+            [(None, fleet_state), (None, bound[1])]), client_runtime=client_runtime)
         fleet_state = fleet[0]
     fleet_npz = npz_keys.result_to_npz(fleet, result_type)
     report.fleet_bits = sorted(fleet_npz) == sorted(got) and all(
@@ -130,10 +139,11 @@ def run_outcome(out: str, rounds: int, output: str = "") -> str:
                          f"failed before its first round ended{tail}") from None
     except (OSError, ValueError) as e:
         raise FleetError(f"the Flower run's reports in {out} cannot be read ({e})") from None
-    failed = [r for r in reports if r.get("error")]
+    failed = [r for r in reports if isinstance(r, dict) and r.get("error")]
     if failed:
+        lost = "".join(f"\n  {line}" for line in node_lines(reports) if "lost" in line)
         raise FleetError(f"the Flower run's round {failed[0].get('round')} failed: "
-                         f"{failed[0]['error']}")
+                         f"{failed[0]['error']}{lost}")
     if len(reports) != rounds:
         raise FleetError(f"the Flower run reported {len(reports)} of its {rounds} rounds: "
                          f"its ServerApp stopped early{tail}")
@@ -142,6 +152,41 @@ def run_outcome(out: str, rounds: int, output: str = "") -> str:
         raise FleetError(f"the Flower run reported its {rounds} rounds but wrote no "
                          f"result.npz in {out}{tail}")
     return result
+
+
+def node_lines(reports: list) -> list:
+    """What each round's report (`reports.jsonl`'s lines) says of its SuperNodes, one
+    line a node: each node lost and why (`lost_devices`: its name, then the reason),
+    then what computed each answer (`served`: the client runtime, the LiteRT model's
+    sha256). Entries of another form are left out: the reports are a file's."""
+    out = []
+    for report in reports:
+        if not isinstance(report, dict):
+            continue
+        where = f"round {str(report.get('round'))[:20]}"
+        lost = report.get("lost_devices")
+        for entry in lost if isinstance(lost, list) else []:
+            out.append(f"{where}: lost {str(entry)[:300]}")
+        served = report.get("served")
+        for node, what in (served.items() if isinstance(served, dict) else []):
+            if isinstance(what, dict):
+                model = what.get("model_sha256")
+                out.append(f"{where}: {str(node)[:100]} computed by "
+                           f"{str(what.get('client_runtime'))[:20]}"
+                           + (f" (LiteRT model sha256 {str(model)[:64]})" if model else ""))
+    return out
+
+
+def read_reports(out: str) -> list:
+    """The round reports of the run whose out-dir is `out` ([] where there are none or
+    they cannot be read)."""
+    import json
+
+    try:
+        with open(os.path.join(out, "reports.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return []
 
 
 def run_check(app: str, nodes: list, home: str, rounds: int) -> tuple:
@@ -197,7 +242,15 @@ def describe(report: ParityReport, rounds: int) -> str:
 
 def check_app(prog, args: tuple, made: Any, app: str, nodes: list, home: str,
               rounds: int) -> tuple:
-    """`run_check` then `parity_of_run`: (text, ok)."""
+    """`run_check` then `parity_of_run`, with the client runtime the node configs name
+    (`client-runtime`): (text, ok). The text ends with what each round's report says of
+    its nodes (`node_lines`): on a mismatch, which node was lost and why."""
+    runtimes = {str(c.get("client-runtime", "xla")) for c in nodes} or {"xla"}
+    if len(runtimes) != 1:
+        raise ArgumentError(f"the check's nodes name client runtimes {sorted(runtimes)}; "
+                            "give every node the same client-runtime")
     _, result_npz, took = run_check(app, nodes, home, rounds)
-    report = parity_of_run(prog, args, made, result_npz, rounds, len(nodes), took)
-    return describe(report, rounds), report.ok
+    report = parity_of_run(prog, args, made, result_npz, rounds, len(nodes), took,
+                           client_runtime=runtimes.pop())
+    lines = node_lines(read_reports(os.path.dirname(result_npz)))
+    return "\n".join([describe(report, rounds)] + lines), report.ok

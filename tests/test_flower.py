@@ -1053,7 +1053,9 @@ class _ScriptedDeployment:
             with open(os.path.join(out, "reports.jsonl"), "w") as f:
                 for r in range(self.reported):
                     error = "FleetError: node 7 lost" if r == self.failed else None
-                    f.write(json.dumps({"round": r, "error": error}) + "\n")
+                    lost = ["node 7 (clients 0..3): no answer within 5s"] if error else []
+                    f.write(json.dumps({"round": r, "error": error,
+                                        "lost_devices": lost}) + "\n")
         if self.result:
             np.savez(os.path.join(out, "result.npz"), fresh=np.ones(1))
         return subprocess.CompletedProcess(["flwr"], 0, "ServerApp traceback ...", "")
@@ -1079,7 +1081,8 @@ def test_a_check_reads_only_what_its_own_run_wrote_and_surfaces_its_error(
         with pytest.raises(FleetError) as info:
             check.run_rounds(deployment, "app", rounds, str(out))
         if deployment.failed is not None:
-            assert f"round {failed} failed: FleetError: node 7 lost" in str(info.value)
+            assert f"round {failed} failed: FleetError: node 7 lost\n  round {failed}: " \
+                "lost node 7 (clients 0..3): no answer within 5s" in str(info.value)
         elif not reported:
             assert "left no reports.jsonl" in str(info.value)
     else:

@@ -54,3 +54,50 @@ def test_only_a_known_runtime_with_its_models_digest_is_believed(served):
 def test_an_answer_without_the_record_is_refused_by_name():
     with pytest.raises(FleetError, match=r"3\): its answer has no served record"):
         records.served_of({}, WHERE)
+
+
+def test_a_litert_check_deploys_litert_nodes_and_names_each_node_lost_and_why(
+        tmp_path, monkeypatch, capsys):
+    """`fax-bridge flower --check --litert` starts SuperNodes that run the carried model
+    and compares with the fleet plan run by LiteRT; its output names what computed each
+    node's answer and each node lost, with the reason its report gives."""
+    import json
+    import os
+
+    import numpy as np
+
+    from fax_bridge import cli, parity_flower
+    from fax_bridge.parity_report import LeafParity, ParityReport
+
+    asked = {}
+
+    def run_check(app, nodes, home, rounds):
+        asked["nodes"] = nodes
+        out = os.path.join(home, "results", "run-1")
+        os.makedirs(out)
+        with open(os.path.join(out, "reports.jsonl"), "w") as f:
+            f.write(json.dumps({"round": 0, "error": None, "lost_devices": [
+                "node 12 (clients 2..3): no answer within 5.0s"], "served": {
+                "node 11 (clients 0..1)": {"client_runtime": "litert",
+                                           "model_sha256": DIGEST}}}) + "\n")
+        np.savez(os.path.join(out, "result.npz"), result=np.zeros(1))
+        return "", os.path.join(out, "result.npz"), 1.0
+
+    def parity_of_run(*args, client_runtime="xla", **kwargs):
+        asked["client_runtime"] = client_runtime
+        return ParityReport([LeafParity("result", (1,), "float32", 1.0, 1.0, False)],
+                            1e-5, 1e-6, 2, 0.001, 1.0, "sig", target="flower")
+
+    monkeypatch.setattr(parity_flower, "run_check", run_check)
+    monkeypatch.setattr(parity_flower, "parity_of_run", parity_of_run)
+    quickstart = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "examples", "quickstart.py")
+    code = cli.main(["flower", f"{quickstart}:fedavg_round", "-o", str(tmp_path / "app"),
+                     "--clients", "4", "--litert", "--check", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert [c["client-runtime"] for c in asked["nodes"]] == ["litert", "litert"]
+    assert asked["client_runtime"] == "litert"
+    assert "round 0: lost node 12 (clients 2..3): no answer within 5.0s" in out
+    assert f"round 0: node 11 (clients 0..1) computed by litert (LiteRT model sha256 " \
+        f"{DIGEST})" in out

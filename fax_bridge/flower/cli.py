@@ -7,8 +7,10 @@ program and its example arguments are found as `fax-bridge export` finds them; t
 example state is the first round's state. With `--write-population FOLDER --nodes K`
 the example clients are also written as K populations (one per SuperNode, contiguous
 blocks) and DIR/README.md gives the commands that start those SuperNodes. `--check`
-then runs the rounds on a loopback deployment and compares the result with jax.jit as
-`fax-bridge parity` does (and with the fleet's bits). A round that one broadcast and
+then runs the rounds on a loopback deployment (its SuperNodes with
+`client-runtime="litert"` under `--litert`) and compares the result with jax.jit as
+`fax-bridge parity` does (and with the fleet's bits, the nodes' runtime in process),
+printing what each node's answer was computed by and each node lost, with why. A round that one broadcast and
 aggregations cannot run is refused with the operations and the fix. `--litert` also
 converts the round's client part to a LiteRT model and puts it, with its manifest, in
 the app (`fax_round/litert/`), for SuperNodes with `client-runtime="litert"`; a client
@@ -66,6 +68,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from fax_bridge.parity_flower import check_app
 
+    if args.litert:  # the check's nodes run the model the app carries
+        nodes = [dict(c, **{"client-runtime": "litert"}) for c in nodes]
     try:
         text, ok = check_app(prog, prog_args, made, args.output, nodes,
                              os.path.join(check_dir, "home"), args.rounds)
@@ -110,6 +114,7 @@ def register(subparsers) -> None:
                         "here, naming the op)")
     p.add_argument("--check", action="store_true",
                    help="then run --rounds rounds on a loopback deployment (a SuperLink and "
-                        "--nodes SuperNodes) and compare the result with jax.jit and with "
-                        "the fleet's round plan; exit 1 on a mismatch")
+                        "--nodes SuperNodes, running LiteRT with --litert) and compare the "
+                        "result with jax.jit and with the fleet's round plan; print what "
+                        "each node ran, and each node lost and why; exit 1 on a mismatch")
     cli_args.add_force(p)
