@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import ArgumentError, FleetError
 from fax_bridge.flower import records
 
 DIGEST = "0123456789abcdef" * 4
@@ -101,3 +101,120 @@ def test_a_litert_check_deploys_litert_nodes_and_names_each_node_lost_and_why(
     assert "round 0: lost node 12 (clients 2..3): no answer within 5.0s" in out
     assert f"round 0: node 11 (clients 0..1) computed by litert (LiteRT model sha256 " \
         f"{DIGEST})" in out
+
+
+# ------------------------------------------------------------------ a run's result
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """An app of the quickstart round and, in its default out-dir, what its ServerApp
+    leaves after 2 rounds: the fleet plan's result and two round reports."""
+    import json
+    import os
+
+    import numpy as np
+    from federated_language.common_libs import structure
+
+    from fax_bridge import in_process
+    from fax_bridge.flower import app_dir, bundle
+    from fax_bridge.runtime import npz_keys, values
+    from fax_bridge.tff.cli import resolve_program
+
+    quickstart = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "examples", "quickstart.py")
+    prog, args, placements = resolve_program(f"{quickstart}:fedavg_round", 6)
+    made = bundle.build_round(prog, *args, placements=placements)
+    app = str(tmp_path_factory.mktemp("app"))
+    app_dir.write_app(made, app)
+    state = made.state_value(made.state)
+    data = values.bind_arguments(made.prepared.parameter, args, {}).runtime_value()[1]
+    for _ in range(2):
+        result = in_process.run_in_process(made.split, structure.Struct(
+            [(None, state), (None, data)]))
+        state = result[0]
+    out = os.path.join(app, "results")
+    os.makedirs(out)
+    np.savez(os.path.join(out, "result.npz"),
+             **npz_keys.result_to_npz(result, made.prepared.result))
+    with open(os.path.join(out, "reports.jsonl"), "w") as f:
+        for r in range(2):
+            f.write(json.dumps({"round": r, "error": None, "wall_s": 0.5, "devices": 2,
+                                "lost_devices": [], "served": {
+                                    "node 1 (clients 0..2)": {"client_runtime": "xla",
+                                                              "model_sha256": None}}})
+                    + "\n")
+    return prog, args, placements, app, values.to_pytree(result, made.prepared.result)
+
+
+def test_a_runs_result_is_read_back_as_the_rounds_pytree(finished_run, tmp_path):
+    import os
+    import shutil
+
+    import jax
+    import numpy as np
+
+    from fax_bridge import flower
+
+    prog, args, _, app, want = finished_run
+    got = flower.load_result(app)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert isinstance(got, tuple) and set(got[0]) == {"w", "b"}  # (params, loss) by name
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.dtype == b.dtype and a.tobytes() == np.asarray(b).tobytes()
+    elsewhere = str(tmp_path / "out")
+    shutil.copytree(os.path.join(app, "results"), elsewhere)
+    for folder, kwargs in [(os.path.join(app, "results"), {}), (elsewhere, {"app": app})]:
+        again = flower.load_result(folder, **kwargs)
+        assert [x.tobytes() for x in jax.tree_util.tree_leaves(again)] == \
+            [x.tobytes() for x in jax.tree_util.tree_leaves(got)]
+    with pytest.raises(ArgumentError, match="load_result\\(out_dir, app=APP\\)"):
+        flower.load_result(elsewhere)
+
+
+def test_results_that_do_not_fit_the_round_or_a_failed_run_are_refused(finished_run,
+                                                                        tmp_path):
+    import json
+    import os
+    import shutil
+
+    import numpy as np
+
+    from fax_bridge import flower
+    from fax_bridge.errors import ComputationError
+
+    _, _, _, app, _ = finished_run
+    out = str(tmp_path / "out")
+    shutil.copytree(os.path.join(app, "results"), out)
+    with np.load(os.path.join(out, "result.npz")) as f:
+        good = {k: f[k] for k in f.files}
+    key = sorted(good)[0]
+    for bad in [dict(good, extra=np.zeros(1)),
+                {k: (v.astype(np.float64) if k == key else v) for k, v in good.items()},
+                {k: (np.zeros((7,) + v.shape, v.dtype) if k == key else v)
+                 for k, v in good.items()}]:
+        np.savez(os.path.join(out, "result.npz"), **bad)
+        with pytest.raises(ComputationError, match="result"):
+            flower.load_result(out, app=app)
+    with open(os.path.join(out, "reports.jsonl"), "a") as f:
+        f.write(json.dumps({"round": 2, "error": "FleetError: no SuperNode answered",
+                            "lost_devices": ["node 3 (clients 0..2): no answer within 5s"]})
+                + "\n")
+    with pytest.raises(FleetError, match="round 2 failed.*\n  round 2: lost node 3"):
+        flower.load_result(out, app=app)
+
+
+def test_a_deployment_started_by_hand_is_compared_with_jit(finished_run):
+    import jax
+    import jax.numpy as jnp
+
+    from fax_bridge import flower
+
+    prog, args, placements, app, _ = finished_run
+    report = flower.compare_with_jit(app, prog, *args, placements=placements)
+    assert report.ok and report.fleet_bits, report.table()
+    assert report.target == "flower" and report.devices == 2
+    other = (jax.tree_util.tree_map(lambda v: jnp.asarray(v, jnp.float16), args[0]),
+             args[1])  # another round: its state in another dtype
+    with pytest.raises(ArgumentError, match="not the round"):
+        flower.compare_with_jit(app, prog, *other, placements=placements)

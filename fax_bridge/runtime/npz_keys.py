@@ -72,17 +72,18 @@ def npz_layout(type_: federated_language.Type, root: str = ARG_KEY,
     return [(prefix or root, type_)]
 
 
-def _tree_from_npz(npz: Mapping[str, np.ndarray], type_, prefix: str):
+def _tree_from_npz(npz: Mapping[str, np.ndarray], type_, prefix: str,
+                   root: str = ARG_KEY):
     if isinstance(type_, federated_language.FederatedType):
-        return _tree_from_npz(npz, type_.member, prefix)
+        return _tree_from_npz(npz, type_.member, prefix, root)
     if isinstance(type_, federated_language.StructType):
         items = list(type_.items())
-        children = [_tree_from_npz(npz, t, _npz_join(prefix, n, i))
+        children = [_tree_from_npz(npz, t, _npz_join(prefix, n, i), root)
                     for i, (n, t) in enumerate(items)]
         if items and all(n for n, _ in items):
             return {n: c for (n, _), c in zip(items, children)}
         return tuple(children)
-    return np.asarray(npz[prefix or ARG_KEY])
+    return np.asarray(npz[prefix or root])
 
 
 def args_from_npz(npz: Mapping[str, np.ndarray],
@@ -146,3 +147,41 @@ def result_to_npz(value: Any, result_type: federated_language.Type) -> dict[str,
     out: dict[str, np.ndarray] = {}
     _flat_npz(to_pytree(value, result_type), result_type, "", out)
     return out
+
+
+def _placed_layout(type_, prefix: str = "", clients: bool = False) -> list:
+    """(npz key, tensor type, whether it carries a clients axis) of each tensor."""
+    if isinstance(type_, federated_language.FederatedType):
+        return _placed_layout(type_.member, prefix,
+                              type_.placement is federated_language.CLIENTS)
+    if isinstance(type_, federated_language.StructType):
+        return [entry for i, (n, t) in enumerate(type_.items())
+                for entry in _placed_layout(t, _npz_join(prefix, n, i), clients)]
+    return [(prefix or RESULT_KEY, type_, clients)]
+
+
+def result_from_npz(npz: Mapping[str, np.ndarray],
+                    result_type: federated_language.Type) -> Any:
+    """The result `result_to_npz` wrote, as the generic pytree of `result_type` (dicts
+    where every element is named, tuples otherwise). Its keys must be exactly the
+    type's and each array its tensor's dtype and shape (CLIENTS tensors with their
+    clients axis first); ComputationError naming the key otherwise."""
+    layout = _placed_layout(result_type)
+    wanted = [k for k, _, _ in layout]
+    if sorted(npz) != sorted(wanted):
+        raise ComputationError(
+            f"the result file does not fit the result {result_type}: keys "
+            f"{sorted(npz)[:20]}, expected exactly {sorted(wanted)[:20]}")
+    for key, tensor, clients in layout:
+        arr = np.asarray(npz[key])
+        shape = tuple(tensor.shape) if tensor.shape is not None else None
+        got = arr.shape[1:] if clients and arr.ndim else arr.shape
+        fits = arr.dtype == np.dtype(tensor.dtype) and (clients <= (arr.ndim > 0)) and (
+            shape is None or (len(got) == len(shape) and all(
+                d is None or d == a for d, a in zip(shape, got))))
+        if not fits:
+            raise ComputationError(
+                f"result key `{key}` holds {arr.dtype.name}{list(arr.shape)}, but the "
+                f"result's tensor there is {tensor}"
+                + (" (with a leading clients axis)" if clients else ""))
+    return _tree_from_npz(npz, result_type, "", RESULT_KEY)

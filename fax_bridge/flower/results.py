@@ -1,0 +1,128 @@
+"""A Flower run's result read back by name, and compared with jit.
+
+A run's ServerApp leaves `reports.jsonl` and `result.npz` (dotted keys, as `fax-bridge
+run` writes them) in its out-dir, `APP/results` unless the run config names another.
+`load_result(folder)` gives that result as the round's pytree: `folder` is the app (its
+`results` folder is read) or the out-dir (the app is the folder above it, or `app=`).
+The pytree is built from the round's result type, which the app's `round.json` records:
+dicts where every element is named, tuples otherwise (`npz_keys.result_from_npz`).
+Only a run that finished is read: every round reported, none failed
+(`parity_flower.run_outcome`).
+
+`compare_with_jit(app, program, *args)` is `check_parity(..., flower=...)` for a
+deployment started by hand: the ParityReport of that run's result against as many
+rounds of `jax.jit(program)` from `args` (`parity_flower.parity_of_run`), with whether
+it has the bits of the fleet's round plan run in process by the nodes' client runtime
+(each round report's `served`). The app must be the round `program` builds from
+`args`; another is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from fax_bridge.errors import ArgumentError
+from fax_bridge.parity_report import ParityReport
+
+
+def _locate(folder: str, app: Optional[str]) -> tuple:
+    """(the app's round folder, the run's out-dir) for `load_result`'s arguments."""
+    from fax_bridge.flower import app_dir, bundle
+
+    def round_folder(path: str) -> Optional[str]:
+        package = os.path.join(path, app_dir.PACKAGE)
+        return package if os.path.isfile(os.path.join(package, bundle.FILE_NAME)) else None
+
+    folder = os.path.abspath(os.fspath(folder))
+    if app is not None:
+        package = round_folder(os.path.abspath(os.fspath(app)))
+        if package is None:
+            raise ArgumentError(f"app={app!r} holds no {app_dir.PACKAGE}/{bundle.FILE_NAME}"
+                                "; give the folder `fax-bridge flower -o` wrote")
+        return package, folder
+    package = round_folder(folder)
+    if package is not None:
+        return package, os.path.join(folder, "results")
+    package = round_folder(os.path.dirname(folder))
+    if package is not None:
+        return package, folder
+    raise ArgumentError(
+        f"{folder} is neither a Flower app `fax-bridge flower` wrote nor the out-dir of "
+        "one of its runs inside it; for an out-dir elsewhere give the app too: "
+        "load_result(out_dir, app=APP)")
+
+
+def _finished(out: str) -> tuple:
+    """(result.npz path, the run's round reports) of the finished run in `out`."""
+    from fax_bridge.parity_flower import read_reports, run_outcome
+
+    reports = read_reports(out)
+    return run_outcome(out, max(1, len(reports))), reports
+
+
+def load_result(folder: str, app: Optional[str] = None) -> Any:
+    """The last round's result of the Flower run whose out-dir is `folder`, or whose
+    app is `folder` (its `results` out-dir), as the round's pytree (module docstring).
+
+    Args:
+      folder: the app `fax-bridge flower -o` wrote, or a run's out-dir.
+      app: the app, for an out-dir outside it.
+
+    Returns:
+      The result as a pytree of numpy arrays, e.g. `(state, metrics)` for a round
+      returning a pair. FleetError where the run failed or has not finished;
+      ComputationError where result.npz does not fit the app's round.
+    """
+    from fax_bridge.flower import bundle
+    from fax_bridge.runtime import npz_keys
+
+    package, out = _locate(folder, app)
+    path, _ = _finished(out)
+    made = bundle.read_round(package)
+    arrays = npz_keys.read_npz(path, what="the run's result.npz")
+    return npz_keys.result_from_npz(arrays, made.prepared.result)
+
+
+def compare_with_jit(app: str, program, *args, out_dir: Optional[str] = None,
+                     placements: Any = None, rtol: float = 1e-5,
+                     atol: float = 1e-6) -> ParityReport:
+    """The ParityReport of the Flower run of `app` (module docstring) against jit.
+
+    Args:
+      app: the app `fax-bridge flower -o` wrote for `program` and `args`.
+      program: the round `(state, client_data) -> (new_state, output)`.
+      *args: its (state, client data), the run's first state and every client.
+      out_dir: the run's out-dir (default `app/results`).
+      placements: the program's placements, as the app was written with them.
+      rtol, atol: each leaf's tolerances against jit.
+    """
+    from fax_bridge.flower import bundle
+    from fax_bridge.parity_flower import parity_of_run
+    from fax_bridge.rounds import checkpoint
+    from fax_bridge.rounds import client_runtime as runtimes
+
+    if len(args) != 2:
+        raise ArgumentError(f"a Flower round takes (state, client_data), here {len(args)} "
+                            "arguments")
+    package, out = _locate(app if out_dir is None else out_dir,
+                           None if out_dir is None else app)
+    ran = bundle.read_round(package)
+    made = bundle.build_round(program, *args, placements=placements)
+    if checkpoint.program_fingerprint(made.proto) != \
+            checkpoint.program_fingerprint(ran.proto):
+        raise ArgumentError(f"the app in {os.path.dirname(package)} runs {ran.prepared.type}"
+                            f", not the round {program!r} builds from these arguments "
+                            f"({made.prepared.type}); compare with the program and "
+                            "arguments the app was written from")
+    path, reports = _finished(out)
+    reports = [r for r in reports if isinstance(r, dict)]
+    names = {str(s.get("client_runtime")) for r in reports
+             for s in (r.get("served") or {}).values() if isinstance(s, dict)}
+    runtime = runtimes.resolve("litert", bundle.models_dir(package)) \
+        if names == {"litert"} else "xla"
+    walls = [r.get("wall_s", 0.0) for r in reports]
+    seconds = sum(w for w in walls if isinstance(w, (int, float)))
+    return parity_of_run(program, args, made, path, len(reports),
+                         int(reports[-1].get("devices") or 0), seconds, rtol, atol,
+                         client_runtime=runtime)
