@@ -449,6 +449,7 @@ def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickst
 
     token_file = tmp_path / "token"
     token_file.write_text("t" * 32)
+    token_file.chmod(0o600)  # a token others could read is refused
     servers, configs = [], []
     for config in populations:
         httpd = worker.serve("127.0.0.1:0", "t" * 32, config)
