@@ -154,10 +154,10 @@ def test_a_runs_result_is_read_back_as_the_rounds_pytree(finished_run, tmp_path)
     import jax
     import numpy as np
 
-    from fax_bridge import flower
+    from fax_bridge import flower_results
 
     prog, args, _, app, want = finished_run
-    got = flower.load_result(app)
+    got = flower_results.load_result(app)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     assert isinstance(got, tuple) and set(got[0]) == {"w", "b"}  # (params, loss) by name
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
@@ -165,11 +165,11 @@ def test_a_runs_result_is_read_back_as_the_rounds_pytree(finished_run, tmp_path)
     elsewhere = str(tmp_path / "out")
     shutil.copytree(os.path.join(app, "results"), elsewhere)
     for folder, kwargs in [(os.path.join(app, "results"), {}), (elsewhere, {"app": app})]:
-        again = flower.load_result(folder, **kwargs)
+        again = flower_results.load_result(folder, **kwargs)
         assert [x.tobytes() for x in jax.tree_util.tree_leaves(again)] == \
             [x.tobytes() for x in jax.tree_util.tree_leaves(got)]
     with pytest.raises(ArgumentError, match="load_result\\(out_dir, app=APP\\)"):
-        flower.load_result(elsewhere)
+        flower_results.load_result(elsewhere)
 
 
 def test_results_that_do_not_fit_the_round_or_a_failed_run_are_refused(finished_run,
@@ -180,7 +180,7 @@ def test_results_that_do_not_fit_the_round_or_a_failed_run_are_refused(finished_
 
     import numpy as np
 
-    from fax_bridge import flower
+    from fax_bridge import flower_results
     from fax_bridge.errors import ComputationError
 
     _, _, _, app, _ = finished_run
@@ -195,26 +195,26 @@ def test_results_that_do_not_fit_the_round_or_a_failed_run_are_refused(finished_
                  for k, v in good.items()}]:
         np.savez(os.path.join(out, "result.npz"), **bad)
         with pytest.raises(ComputationError, match="result"):
-            flower.load_result(out, app=app)
+            flower_results.load_result(out, app=app)
     with open(os.path.join(out, "reports.jsonl"), "a") as f:
         f.write(json.dumps({"round": 2, "error": "FleetError: no SuperNode answered",
                             "lost_devices": ["node 3 (clients 0..2): no answer within 5s"]})
                 + "\n")
     with pytest.raises(FleetError, match="round 2 failed.*\n  round 2: lost node 3"):
-        flower.load_result(out, app=app)
+        flower_results.load_result(out, app=app)
 
 
 def test_a_deployment_started_by_hand_is_compared_with_jit(finished_run):
     import jax
     import jax.numpy as jnp
 
-    from fax_bridge import flower
+    from fax_bridge import flower_results
 
     prog, args, placements, app, _ = finished_run
-    report = flower.compare_with_jit(app, prog, *args, placements=placements)
+    report = flower_results.compare_with_jit(app, prog, *args, placements=placements)
     assert report.ok and report.fleet_bits, report.table()
     assert report.target == "flower" and report.devices == 2
     other = (jax.tree_util.tree_map(lambda v: jnp.asarray(v, jnp.float16), args[0]),
              args[1])  # another round: its state in another dtype
     with pytest.raises(ArgumentError, match="not the round"):
-        flower.compare_with_jit(app, prog, *other, placements=placements)
+        flower_results.compare_with_jit(app, prog, *other, placements=placements)

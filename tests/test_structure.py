@@ -36,7 +36,7 @@ LAYERS: tuple = (
     (("rounds", "litert"),),  # round split, engine, policy, checkpoints, codecs, checks;
     # the client part as a LiteRT model (`litert`) beside its XLA form
     (("in_process",), ("fleet",), ("flower",)),  # transports, beside each other
-    (("parity", "parity_rounding", "parity_flower"),),
+    (("parity", "parity_rounding", "parity_flower", "flower_results"),),
 )
 
 
