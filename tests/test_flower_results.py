@@ -33,7 +33,7 @@ _VALUES = st.one_of(
     st.lists(st.text(max_size=3), max_size=3), st.none())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(served=st.one_of(
     st.dictionaries(st.sampled_from(["client-runtime", "model-sha256", "extra", "model"]),
                     _VALUES, max_size=4),

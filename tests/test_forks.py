@@ -197,7 +197,7 @@ def _open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.one_of(st.binary(min_size=1, max_size=40),
                  st.one_of(_JSON, _REQUESTS).map(lambda v: json.dumps(v).encode())),
        st.integers(0, 6))

@@ -117,7 +117,7 @@ def _example_targets(clients: int) -> dict:
         sys.path.remove(folder)
 
 
-@pytest.mark.parametrize("name", ["fed_avg", "fed_adam", "learned_client_weights"])
+@pytest.mark.parametrize("name", ["fed_avg", "learned_client_weights"])
 def test_example_rounds_on_the_device_path_have_the_host_bits(name, monkeypatch):
     original = device_sums.finish
     program, args, placements = _example_targets(3)[name]

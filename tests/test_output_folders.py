@@ -82,7 +82,7 @@ def expected_conflict(before: dict, entries) -> bool:
     return False
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ours=st.sets(paths, min_size=1, max_size=5).filter(_prefix_free),
        keep=st.integers(1, 5),

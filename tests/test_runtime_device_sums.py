@@ -69,7 +69,7 @@ def stacks(draw, dtype: np.dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(data=st.data())
 def test_float_sums_have_the_host_bits(dtype, data):
     stack = data.draw(stacks(dtype))
@@ -79,7 +79,7 @@ def test_float_sums_have_the_host_bits(dtype, data):
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_parts_with_padding_rows_sum_their_clients_only(dtype, data):
     """Several calls' arrays, each with padding rows after its clients (any values,
@@ -105,7 +105,7 @@ def test_many_addends_carry_between_blocks():
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint16], ids=str)
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2 ** 32 - 1), n=st.integers(1, 9))
 def test_integer_sums_wrap_as_the_host_does(dtype, seed, n):
     info = np.iinfo(dtype)
@@ -152,7 +152,7 @@ def test_on_device_reads_the_keyword_then_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2 ** 32 - 1))
 def test_division_is_numpy_s_on_any_bits(dtype, seed):
     """A mean's division: the float32 quotient rounded correctly (not the backend's
