@@ -32,6 +32,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.litert.side_rewrites import walk
 from fax_bridge.runtime import local_eval
 
 
@@ -202,15 +203,6 @@ def _user_frame(frames: list) -> Optional[str]:
     return None
 
 
-def _walk(op, out: list) -> list:
-    for region in op.regions:
-        for block in region.blocks:
-            for child in block.operations:
-                _walk(child.operation, out)
-    out.append(op)
-    return out
-
-
 def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
                  ops: list) -> dict:
     """op name -> the user's source lines (`file:line (function)`) where the client part
@@ -218,7 +210,7 @@ def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
     no kernel for unsigned integers) is looked for as the StableHLO ops on unsigned
     integers. An op inside a called function takes the lines of its calls."""
     module = _lowered(fn, signature).compiler_ir("stablehlo")
-    every = _walk(module.operation, [])
+    every = walk(module.operation, [])
     calls: dict = {}
     for op in every:
         if op.name == "func.call" and "callee" in op.attributes:

@@ -19,6 +19,7 @@ constants copied in. Prints one JSON object: {"ok": true} or {"ok": false, "stag
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import pathlib
@@ -30,13 +31,8 @@ _CONSTANTS = {"arith.constant", "tfl.pseudo_const", "tfl.no_value", "stablehlo.c
 
 
 def _walk(op, out: list) -> list:
-    """Every operation nested in `op`, children before their parent."""
-    for region in op.regions:
-        for block in region.blocks:
-            for child in block.operations:
-                _walk(child.operation, out)
-    out.append(op)
-    return out
+    """Every operation nested in `op`, children before their parent (`side_rewrites`)."""
+    return _rewrites().walk(op, out)
 
 
 def _inside(value, loop) -> bool:
@@ -125,8 +121,10 @@ def _outline(module, ir, func) -> None:
         loop.erase()
 
 
+@functools.lru_cache(maxsize=None)
 def _rewrites():
-    """`side_rewrites.py` beside this file (run with -P, its folder is not on the path)."""
+    """`side_rewrites.py` beside this file (run with -P, its folder is not on the path),
+    loaded once."""
     path = pathlib.Path(__file__).resolve().with_name("side_rewrites.py")
     spec = importlib.util.spec_from_file_location("fax_litert_side_rewrites", path)
     module = importlib.util.module_from_spec(spec)

@@ -26,11 +26,13 @@ from __future__ import annotations
 import itertools
 
 
-def _walk(op, out: list) -> list:
+def walk(op, out: list) -> list:
+    """Every operation nested in MLIR operation `op` appended to `out`, children before
+    their parent (any MLIR bindings: jax's, or the converter's in the side venv)."""
     for region in op.regions:
         for block in region.blocks:
             for child in block.operations:
-                _walk(child.operation, out)
+                walk(child.operation, out)
     out.append(op)
     return out
 
@@ -184,5 +186,5 @@ def _rewrite_one(op, ir) -> bool:
 
 def select_and_scatter(module, ir) -> int:
     """Rewrites every `stablehlo.select_and_scatter` it can (module docstring); how many."""
-    ops = [op for op in _walk(module.operation, []) if op.name == "stablehlo.select_and_scatter"]
+    ops = [op for op in walk(module.operation, []) if op.name == "stablehlo.select_and_scatter"]
     return sum(_rewrite_one(op, ir) for op in ops)
