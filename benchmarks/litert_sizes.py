@@ -173,6 +173,28 @@ print(floor, hwm())
 """
 
 
+def _converted(row: dict, proto, args: tuple):
+    """`proto`'s client part converted afresh, `row` given its status, size and
+    conversion time: (split, model, LiteRT runner, example client inputs, jitted client
+    part), or None when the converter refuses it (the row, printed, says why)."""
+    split = round_split.split_round(proto)
+    start = time.perf_counter()
+    try:
+        made = convert.convert_client_part(
+            split.client_part, *lowering.split_types(split), split.aggregations,
+            key=split.client_part_hash, use_cache=False)
+    except refusals.ConversionRefused as e:
+        row["status"] = "refused: " + ", ".join(e.ops)
+        print(json.dumps(row), flush=True)
+        return None
+    row.update(status="runs", bytes=made.size, convert_s=time.perf_counter() - start)
+    prepared = interpreter.prepare(proto)
+    arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
+    inputs, _ = litert_manifest.example_client(split, arg)
+    flat = jax.jit(lowering.flat_function(split.client_part, made.signature_types))
+    return split, made, runner.ClientRunner(made), inputs, flat
+
+
 def sizes(quick: bool, repeats: int, clients: int = 2) -> list[dict]:
     import model_sizes as M
 
@@ -188,22 +210,10 @@ def sizes(quick: bool, repeats: int, clients: int = 2) -> list[dict]:
                                "params": M.param_count(params)}
         rows.append(row)
         proto = fb.export_tff(prog, params, data, placements=("server", "clients"))
-        split = round_split.split_round(proto)
-        start = time.perf_counter()
-        try:
-            made = convert.convert_client_part(
-                split.client_part, *lowering.split_types(split), split.aggregations,
-                key=split.client_part_hash, use_cache=False)
-        except refusals.ConversionRefused as e:
-            row["status"] = "refused: " + ", ".join(e.ops)
-            print(json.dumps(row), flush=True)
+        converted = _converted(row, proto, (params, data))
+        if converted is None:
             continue
-        row.update(status="runs", bytes=made.size, convert_s=time.perf_counter() - start)
-        prepared = interpreter.prepare(proto)
-        arg = values.bind_arguments(prepared.parameter, (params, data), {}).runtime_value()
-        inputs, _ = litert_manifest.example_client(split, arg)
-        run = runner.ClientRunner(made)
-        flat = jax.jit(lowering.flat_function(split.client_part, made.signature_types))
+        split, made, run, inputs, flat = converted
         lite = run(inputs)
         want = jax.block_until_ready(flat(*inputs))
         row["max_err"] = max(float(np.max(np.abs(np.asarray(a, np.float64)
@@ -341,22 +351,10 @@ def workloads(repeats: int, clients: int = 2) -> list[dict]:
         row: dict[str, Any] = {"model": name, "params": int(count)}
         rows.append(row)
         proto = fb.export_tff(prog, *args, placements=placements)
-        split = round_split.split_round(proto)
-        start = time.perf_counter()
-        try:
-            made = convert.convert_client_part(
-                split.client_part, *lowering.split_types(split), split.aggregations,
-                key=split.client_part_hash, use_cache=False)
-        except refusals.ConversionRefused as e:
-            row["status"] = "refused: " + ", ".join(e.ops)
-            print(json.dumps(row), flush=True)
+        converted = _converted(row, proto, args)
+        if converted is None:
             continue
-        row.update(status="runs", bytes=made.size, convert_s=time.perf_counter() - start)
-        prepared = interpreter.prepare(proto)
-        arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
-        inputs, _ = litert_manifest.example_client(split, arg)
-        run = runner.ClientRunner(made)
-        flat = jax.jit(lowering.flat_function(split.client_part, made.signature_types))
+        split, made, run, inputs, flat = converted
         lite, want = run(inputs), jax.block_until_ready(flat(*inputs))
         with pytree_names.recording_aggregands():
             comp = tracing.trace(prog, *args, placements=placements)
