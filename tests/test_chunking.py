@@ -2,10 +2,6 @@
 (to the last bits of float sums, exactly for integers and with k >= N), its gradient
 too, with temporaries of k clients whatever the cohort; export does not see it."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -13,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from processes import run_on_cpu_devices
 
 import fax_bridge as fb
 from fax_bridge import privacy
@@ -218,12 +215,7 @@ MESH_SCRIPT = textwrap.dedent("""
 
 
 def test_each_device_runs_its_share_of_every_chunk():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_on_cpu_devices(MESH_SCRIPT)
     assert r["err"] < 1e-5
     assert "2" in r["chunk_shapes"]  # 16 a step over 8 devices: 2 clients a device
     assert "multiple of 8" in r["refused"]

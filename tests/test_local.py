@@ -1,14 +1,11 @@
 """Local path: CLIENTS values and the per-client computation sharded over a `clients` mesh
 axis (8 CPU devices in a subprocess), and the HLO text of a whole program."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax.numpy as jnp
 import pytest
+from processes import run_on_cpu_devices
 
 import fax_bridge as fb
 
@@ -44,12 +41,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_clients_are_sharded_over_the_mesh_axis():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_on_cpu_devices(SHARDED_SCRIPT)
     assert r["devices"] == 8
     assert r["g_spec"] in ("P('clients',)", "P('clients', None)")
     assert r["w_spec"] in ("P()", "P(None,)")  # SERVER values are replicated

@@ -4,13 +4,10 @@ through every primitive and its derivatives, on Auto and Explicit meshes, under
 `jax.set_mesh`, `clients_mesh`, `jit_program` and `mesh=`, with nested placements and
 `shard_map` inside per-client functions; bad meshes get clear errors."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from processes import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent(r"""
     import json, re
@@ -188,12 +185,7 @@ SCRIPT = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_cpu_devices(SCRIPT)
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
