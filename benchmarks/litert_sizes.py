@@ -127,16 +127,10 @@ def algorithms(clients: int) -> list[dict]:
         if split is None:
             row["status"] = "no single client part (runs phase by phase, as XLA)"
             continue
-        start = time.perf_counter()
-        try:
-            model = convert.convert_client_part(
-                split.client_part, *lowering.split_types(split), split.aggregations,
-                key=split.client_part_hash, use_cache=False)
-        except refusals.ConversionRefused as e:
-            row["status"] = "refused: " + ", ".join(e.ops)
+        model = _convert(row, split)
+        if model is None:
             continue
-        row.update(status="runs", bytes=model.size, convert_s=time.perf_counter() - start,
-                   scatter_fixes=model.scatter_fixes)
+        row["scatter_fixes"] = model.scatter_fixes
         convert._MADE[split.client_part_hash] = model  # the runs below use this one
         like = jax.jit(prog)(*args)
         xla, lite = _leaves(proto, args, "xla", like), _leaves(proto, args, "litert", like)
@@ -173,21 +167,30 @@ print(floor, hwm())
 """
 
 
+def _convert(row: dict, split):
+    """`split`'s client part converted afresh (no cache), `row` given its status and, when
+    it runs, the model's size and the conversion time; None when the converter refuses."""
+    start = time.perf_counter()
+    try:
+        model = convert.convert_client_part(
+            split.client_part, *lowering.split_types(split), split.aggregations,
+            key=split.client_part_hash, use_cache=False)
+    except refusals.ConversionRefused as e:
+        row["status"] = "refused: " + ", ".join(e.ops)
+        return None
+    row.update(status="runs", bytes=model.size, convert_s=time.perf_counter() - start)
+    return model
+
+
 def _converted(row: dict, proto, args: tuple):
     """`proto`'s client part converted afresh, `row` given its status, size and
     conversion time: (split, model, LiteRT runner, example client inputs, jitted client
     part), or None when the converter refuses it (the row, printed, says why)."""
     split = round_split.split_round(proto)
-    start = time.perf_counter()
-    try:
-        made = convert.convert_client_part(
-            split.client_part, *lowering.split_types(split), split.aggregations,
-            key=split.client_part_hash, use_cache=False)
-    except refusals.ConversionRefused as e:
-        row["status"] = "refused: " + ", ".join(e.ops)
+    made = _convert(row, split)
+    if made is None:
         print(json.dumps(row), flush=True)
         return None
-    row.update(status="runs", bytes=made.size, convert_s=time.perf_counter() - start)
     prepared = interpreter.prepare(proto)
     arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
     inputs, _ = litert_manifest.example_client(split, arg)
