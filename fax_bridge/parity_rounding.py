@@ -367,6 +367,8 @@ def _eqn_bounds(eqn, invals: list, inerrs: list) -> tuple:
     if facts is not None and name.startswith("federated_map") and \
             str(params.get("placement", "clients")).lower().endswith("clients"):
         return _client_map_bounds(eqn, invals, inerrs)
+    if name == "federated_decode_sum":
+        return _decode_sum_bounds(eqn, invals, inerrs)
     sub = _jaxpr_of(params)
     if sub is not None and (name in _CALLS or name.startswith(("custom_", "checkpoint",
                                                                  "remat", "federated_"))):
@@ -416,6 +418,35 @@ def _client_map_bounds(eqn, invals: list, inerrs: list) -> tuple:
     return ([jnp.stack([p[0][k] for p in per]) if _is_key(per[0][0][k])
              else np.stack([np.asarray(p[0][k]) for p in per]) for k in range(count)],
             [np.stack([np.asarray(p[1][k]) for p in per]) for k in range(count)])
+
+
+def _decode_sum_bounds(eqn, invals: list, inerrs: list) -> tuple:
+    """A decode-sum (`federated_decode_sum`): each client's member decoded with its
+    bounds (the decoder's jaxpr run client by client, as the server runs it), then
+    summed as `federated_sum` sums: the decoded bounds added, plus n*eps*sum|decoded|
+    for the float sum (jit rounds after each addition, the fleet once). The members'
+    bounds are recorded as an aggregation's (`aggregand_bounds`). Integer members (the
+    codes) carry no bound: a code is taken as the same on both paths (module docs)."""
+    closed = eqn.params["jaxpr"]
+    clients = int(eqn.params["clients"])
+    record = _AGGREGANDS.get()
+    if record is not None:
+        facts = primitive_facts.facts_of(eqn.primitive)
+        record.append((facts.kind if facts is not None else None,
+                       [np.asarray(e, np.float64) for e in inerrs]))
+    outs = _bind(eqn, invals)
+    per = [_run_bounds(closed.jaxpr, closed.consts, [np.asarray(x)[c] for x in invals],
+                       [np.asarray(e)[c] for e in inerrs]) for c in range(clients)]
+    errs = []
+    for k, out in enumerate(outs):
+        if not is_float(np.asarray(out).dtype):
+            errs.append(_zeros(out))
+            continue
+        decoded = np.stack([_abs64(p[0][k]) for p in per]) if per else None
+        carried = np.stack([np.asarray(p[1][k], np.float64) for p in per]) if per else None
+        errs.append(np.zeros(np.shape(out)) if not per else
+                    carried.sum(0) + clients * _eps(out) * decoded.sum(0))
+    return outs, errs
 
 
 # A loop carries its bounds through a whole step at once (`_step`): the carry's bound

@@ -135,11 +135,6 @@ def test_rounds_of_several_trips_run_a_litert_model_per_trip_within_the_bound(fl
     assert all(after.get(m.key, 0) - before.get(m.key, 0) == C for m in maps)
     got = fleet.run(proto, *args)  # each device's Map answered "litert", or it is refused
     assert _bits(got) == _bits(alone)
-    if name == "streaming_diloco":  # parity_rounding has no bound for a decode-sum yet
-        for a, b in zip(jax.tree_util.tree_leaves(got),
-                        jax.tree_util.tree_leaves(jax.jit(fn)(*args))):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-        return
     report = check_parity(fn, *args, placements=placements, fleet=fleet,
                           client_runtime="litert")
     assert report.ok, report.table()

@@ -216,3 +216,40 @@ def test_loop_bounds_hold_and_do_not_grow_geometrically_with_the_local_steps(see
         parity_rounding.MAX_JACOBIAN_ENTRIES = saved
     assert all(np.all(b <= o) for b, o in zip(bounds, op_by_op))
     assert float(op_by_op[0]) > 10 * float(bounds[0])
+
+
+@fb.program(clients=4)
+def _decoded_sum(x):
+    """Each client sends its values as int8 codes and a float32 scale (computed at the
+    client, so it carries rounding); the server decodes and sums them."""
+    def encode(v):
+        scale = jnp.max(jnp.abs(v)) / 7.0
+        return jnp.round(v / scale).astype(jnp.int8), scale
+
+    codes = fb.federated_map_clients(encode, x)
+    return fb.federated_decode_sum(lambda c, s: c.astype(jnp.float32) * s, codes)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 1.0, 1e4]))
+def test_a_decode_sum_is_bounded_client_by_client_then_as_a_sum(seed, scale):
+    """`evaluation_bounds` decodes each client's member with its bounds (the scale's
+    rounding at the client carried through the decoder) and sums as `federated_sum`
+    does: jit's float32 result is within it of the exact sum of the same codes."""
+    from fax_bridge.parity_rounding import aggregand_bounds, evaluation_bounds
+
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(4, 6)) * scale).astype(np.float32)
+    got = np.asarray(_decoded_sum(x), np.float64)
+    comp = trace(_decoded_sum, x, placements="clients")
+    (bound,) = evaluation_bounds(comp, (x,))
+    codes = np.stack([np.round(x[c] / (np.max(np.abs(x[c])) / np.float32(7.0)))
+                      for c in range(4)]).astype(np.float64)  # jit's codes, taken alike
+    exact = sum(codes[c] * (np.max(np.abs(x[c]).astype(np.float64)) / 7.0)
+                for c in range(4))
+    assert bound.shape == got.shape and np.all(np.isfinite(bound)) and np.all(bound > 0)
+    assert np.all(np.abs(got - exact) <= bound), (np.abs(got - exact), bound)
+    assert bound.max() <= 1e-5 * np.abs(codes).sum(0).max() * np.abs(x).max()  # not vacuous
+    ((_, members),) = [r for r in aggregand_bounds(comp, (x,)) if len(r[1]) == 2]
+    assert members[0].shape == (4, 6) and members[1].shape == (4,)  # per client
+    assert np.all(members[0] == 0) and np.all(members[1] > 0)  # codes exact, scales not
