@@ -118,7 +118,8 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
                  devices: int = 2, rtol: float = 1e-5, atol: float = 1e-6,
                  clients: Optional[int] = None, flower: Any = None,
                  rounds: int = 1,
-                 client_runtime: Union[str, ClientRuntime] = "xla") -> ParityReport:
+                 client_runtime: Union[str, ClientRuntime] = "xla",
+                 warm_round: bool = False) -> ParityReport:
     """Runs `fn(*args)` with jit and as an exported TFF proto on a fleet; compares them.
 
     `fleet` is a running `fax_bridge.LocalFleet` (or any object with the same `run`);
@@ -154,12 +155,14 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
       rounds: rounds to run on Flower.
       client_runtime: "xla", "litert" (the LiteRT interpreter, above) or a
         `rounds.client_runtime.ClientRuntime`.
+      warm_round: also time a second, warm round on the fleet (the proto runs twice;
+        `fax-bridge parity` does); without it `fleet_s` is None.
 
     Returns:
       A `ParityReport`: `.ok`, and `.table()` with every output's errors. Its times are
-      per round (`local_s`: a compiled jit call; `fleet_s`: a second round on the
-      fleet, which runs the proto twice), with compiling and starting apart
-      (`startup_s`).
+      per round (`local_s`: a compiled jit call; `fleet_s`: with `warm_round`, the
+      fleet's second round), with compiling and starting apart (`startup_s`, the
+      fleet's first round among them).
 
     Example:
       >>> import jax.numpy as jnp, fax_bridge as fb
@@ -209,12 +212,15 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     run_args = fleet_arguments(args, param)
 
     def run_on(f):
-        """The first round's result; it and a second, warm round timed apart."""
+        """The first round's result and, with `warm_round`, a second round's seconds
+        (the first, which compiles on the devices, is timed apart)."""
         t0 = time.perf_counter()
         result = f.run(proto, *run_args, num_clients=comp.clients)
         t1 = time.perf_counter()
-        f.run(proto, *run_args, num_clients=comp.clients)
         startup["the fleet's first round (compiling)"] = t1 - t0
+        if not warm_round:
+            return result, None
+        f.run(proto, *run_args, num_clients=comp.clients)
         return result, time.perf_counter() - t1
 
     if fleet is None:

@@ -28,7 +28,8 @@ def _run(args: argparse.Namespace) -> int:
         report = check_parity(prog, *example, placements=placements, devices=args.devices,
                               rtol=args.rtol, atol=args.atol, flower=args.flower or None,
                               rounds=args.rounds,
-                              client_runtime="litert" if args.litert else "xla")
+                              client_runtime="litert" if args.litert else "xla",
+                              warm_round=True)
     except FaxBridgeError as e:
         print(f"fax-bridge parity: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ class ParityReport:
     atol: float
     devices: int
     local_s: float  # one round under jit, compiled
-    fleet_s: float  # one round on the exported path, warm
+    fleet_s: Optional[float]  # one round on the exported path, warm (None: not timed)
     signature: str
     target: str = "fleet"  # what ran the proto: "fleet" (devices) or "flower" (SuperNodes)
     fleet_bits: Optional[bool] = None  # Flower: whether the result has the fleet plan's bits
@@ -67,9 +67,10 @@ class ParityReport:
             where += f" running client parts in {self.client_runtime}"
         tolerance = ("bound: 2 x n*eps*sum|x| through the client steps and aggregations"
                      if bounded else f"tolerance: rtol={self.rtol:g} atol={self.atol:g}")
+        fleet = (f"{self.fleet_s * 1e3:.2f} ms" if self.fleet_s is not None
+                 else "not timed warm (warm_round=True times a second round)")
         lines = [f"parity: {self.signature}",
-                 f"per round: local jit {self.local_s * 1e3:.2f} ms, {where} "
-                 f"{self.fleet_s * 1e3:.2f} ms"]
+                 f"per round: local jit {self.local_s * 1e3:.2f} ms, {where} {fleet}"]
         if self.startup_s:
             lines.append("once, not per round: " + ", ".join(
                 f"{what} {s * 1e3:,.0f} ms" for what, s in self.startup_s.items()))

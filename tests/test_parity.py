@@ -96,8 +96,10 @@ def test_parity_command(capsys):
 
 
 def test_parity_times_a_warm_round_apart_from_compiling(fleet):
-    """The fleet's time per round is a second round's: the proto runs twice, the first
-    round (the devices compiling) and the jit's first call reported apart."""
+    """With warm_round=True (as `fax-bridge parity` asks) the fleet's time per round is
+    a second round's: the proto runs twice, the first round (the devices compiling) and
+    the jit's first call reported apart. Without it the proto runs once and no warm
+    time is claimed."""
     calls = []
 
     class Counting:
@@ -110,13 +112,19 @@ def test_parity_times_a_warm_round_apart_from_compiling(fleet):
     w = jnp.array([0.1, 0.2, -0.3])
     x = jnp.ones((N, 8, 3), jnp.float32)
     report = fb.check_parity(loss_and_grad_round, w, x, placements=("server", "clients"),
-                             fleet=Counting())
+                             fleet=Counting(), warm_round=True)
     assert report.ok, report.table()
     assert len(calls) == 2 and calls[0] is calls[1]
     assert list(report.startup_s) == ["jit's first call (compiling)",
                                       "the fleet's first round (compiling)"]
     assert all(s >= 0 for s in report.startup_s.values()) and report.fleet_s >= 0
     assert "once, not per round: jit's first call (compiling)" in report.table()
+    calls.clear()
+    once = fb.check_parity(loss_and_grad_round, w, x, placements=("server", "clients"),
+                           fleet=Counting())
+    assert once.ok and len(calls) == 1 and once.fleet_s is None, once.table()
+    assert list(once.startup_s) == list(report.startup_s)
+    assert "fleet of 2 device(s) not timed warm" in once.table().splitlines()[1]
 
 
 @settings(max_examples=15, deadline=None)
