@@ -727,7 +727,7 @@ def test_written_commands_survive_any_path_the_shell_could_break_on(
     assert parse_config_args([configs[0]])["population"] == population
 
 
-def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
+def test_rounds_of_two_trips_are_refused_naming_the_trips_and_where_they_run():
     @fb.program(clients=3)
     def two_trips(w, x):
         mean = fb.federated_mean(fb.federated_map_clients(
@@ -736,8 +736,11 @@ def test_rounds_the_plan_cannot_split_get_the_forms_refusal():
         return w, fb.federated_sum(fb.federated_map_clients(lambda m, b: m + b, (again, x)))
 
     w, x = np.float32(1.0), np.ones((3, 2), np.float32)
-    with pytest.raises(ExportError, match="two server-client trips"):
+    with pytest.raises(ExportError, match=r"the round test_\w+\.two_trips cannot run on "
+                       "Flower: its round asks the clients 2 times") as caught:
         bundle.build_round(two_trips, w, x, placements=("server", "clients"))
+    assert "sends a value computed from federated_mean" in str(caught.value)
+    assert "LocalFleet" in str(caught.value) and "reads what" not in str(caught.value)
 
 
 

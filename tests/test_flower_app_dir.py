@@ -118,11 +118,16 @@ def test_the_written_app_carries_the_model_and_its_manifest_by_client_part_hash(
     assert manifest["round"]["type_signature"] == str(made.prepared.type)
     assert manifest["model"]["sha256"] == hashlib.sha256(tflite).hexdigest()
     assert manifest["model"]["bytes"] == len(tflite) and tflite[4:8] == b"TFL3"
-    assert [o["name"] for o in manifest["outputs"]][0].startswith("aggregate/0/")
+    # named by pytree path, as `fax-bridge litert` names the same client part's tensors
+    assert [t["name"] for t in manifest["inputs"]] == [
+        "broadcast/params/b", "broadcast/params/w", "client/data/x", "client/data/y"]
+    assert [o["name"] for o in manifest["outputs"]] == [
+        "aggregate/0/value/b", "aggregate/0/value/w", "aggregate/0/weight",
+        "aggregate/1/value"]
     with open(os.path.join(litert_app, "README.md")) as f:
         text = f.read()
     assert "## LiteRT SuperNodes" in text and 'client-runtime="litert"' in text \
-        and "--client-runtime litert" in text
+        and "--client-runtime litert" in text and "`aggregate/<k>/value/<path>`" in text
     # Complete commands: every warm node's with the LiteRT flag, every cold one's with
     # client-runtime="litert" in its node config, each parsed as its command parses it.
     from flwr.common.config import parse_config_args

@@ -164,3 +164,65 @@ def test_int32_data_labelled_float32_is_refused_not_reinterpreted(tmp_path):
     with pytest.raises(ExportError, match=r"entry '0' is 'float32' labelling int32\[4\], but "
                                           r"the round's state expects float32\[4\]"):
         bundle.read_state(str(path), [np.zeros(4, np.float32)])
+
+
+# -------------------------------------------- rounds of several trips, client state
+
+def _algorithm(name: str):
+    """(program, args, placements) of one round of `name` on softmax regression, at 3
+    clients (4 features, 3 classes, 2 batches of 4 per client)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from fax_bridge import algorithms as A
+
+    def loss(params, batch):
+        logp = jax.nn.log_softmax(batch["x"] @ params["w"] + params["b"])
+        return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=1))
+
+    rng = np.random.default_rng(1)
+    data = {"x": rng.normal(size=(3, 2, 4, 4)).astype(np.float32),
+            "y": rng.integers(0, 3, size=(3, 2, 4)).astype(np.int32)}
+    mask = np.ones((3, 2, 4), bool)
+    params = {"w": rng.normal(size=(4, 3)).astype(np.float32) * 0.1,
+              "b": np.zeros(3, np.float32)}
+    if name == "fed_sgd":
+        alg = A.fed_sgd(loss, clients=3)
+        return alg.next, (alg.init(params), data, mask), alg.placements
+    if name == "streaming_diloco":
+        alg = A.streaming_diloco(loss, params, clients=3, sync_every=4, num_fragments=2,
+                                 overlap=1, quantize=True)
+        return alg.rounds[0], (alg.init(params), data, mask), alg.placements
+    alg = getattr(A, name)(loss, optax.sgd(0.1), clients=3)
+    return alg.next, (alg.init(params), data, mask, data, mask), alg.placements
+
+
+# name -> (trips, [(trip, the earlier trip whose client values it reads)], client state)
+PHASED = {"fed_sgd": (2, [(2, 1)], None),
+          "learned_server_lr": (3, [(3, 2)], None),
+          "learned_client_weights": (4, [(3, 2), (4, 1)], "arg0.logits"),
+          "streaming_diloco": (2, [(2, 1)], "arg0.worker_params['b']")}
+
+
+@pytest.mark.parametrize("name", sorted(PHASED))
+def test_a_round_of_several_trips_or_client_state_is_refused_naming_why_and_where(name):
+    fn, args, placements = _algorithm(name)
+    with pytest.raises(ExportError) as caught:
+        bundle.build_round(fn, *args, placements=placements)
+    text = str(caught.value)
+    trips, kept, state = PHASED[name]
+    assert text.startswith(f"the round {name}.") and \
+        f"cannot run on Flower: its round asks the clients {trips} times " \
+        "(federated_broadcast at " in text
+    for trip, earlier in kept:
+        assert f"trip {trip}'s client computation (" in text
+        assert f"reads what each client computed in trip {earlier}" in text
+    assert "one `train` message to each SuperNode" in text
+    if state is None:
+        assert "state at the clients" not in text and "fed_sgd_one_trip" in text
+    else:
+        assert f"its round keeps state at the clients from round to round ({state}" in text
+        assert "would leave the SuperNode unaggregated" in text
+    assert 'LocalFleet(devices=N, client_runtime="xla" or "litert")' in text
+    assert "fax-bridge parity TARGET --devices N [--litert]" in text

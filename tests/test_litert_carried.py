@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import ComputationError
-from fax_bridge.litert import carried, convert, lowering, runner
+from fax_bridge.litert import carried, convert, lowering, manifest, runner
 from fax_bridge.rounds import round_split
 
 
@@ -46,13 +46,14 @@ def test_a_carried_model_is_found_by_its_hash_and_runs_as_converted(packed):
     key = split.client_part_hash
     assert name == f"{key}.json" and carried.versions(folder) == [key]
     found = carried.find(folder, key, _signature(split))
-    made = convert.convert_round(split)
+    made = manifest.convert_named(split)  # named by pytree path, as `pack` converts
     assert found.tflite == made.tflite and found.convert_s == 0.0
-    assert [t.name for t in found.inputs] == [t.name for t in made.inputs]
+    assert [t.name for t in found.inputs] == [t.name for t in made.inputs] == \
+        ["broadcast/w", "client/x"]
     leaves = [np.full((3, 2), 0.5, np.float32), np.arange(12, dtype=np.float32)
               .reshape(4, 3) / 12]
     got = runner.ClientRunner(found)(leaves)
-    want = runner.ClientRunner(made)(leaves)
+    want = runner.ClientRunner(convert.convert_round(split))(leaves)  # the names alone
     assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
     assert carried.find(None, key, _signature(split)) is None
     assert carried.find(os.path.join(folder, "absent"), key, _signature(split)) is None
@@ -100,7 +101,7 @@ def test_a_damaged_carried_model_is_refused_never_run(packed, tmp_path, at, flip
         assert str(damaged) in str(e) and "write the models again" in str(e)
         return
     # A change to what the node does not read (an operator list, a converter version).
-    made = convert.convert_round(split)
+    made = manifest.convert_named(split)
     assert found.tflite == made.tflite and found.signature == made.signature
     assert [t.name for t in found.inputs + found.outputs] == \
         [t.name for t in made.inputs + made.outputs]
@@ -147,7 +148,7 @@ def test_another_rounds_model_under_the_expected_name_is_refused_by_the_apps_rec
 
     split, folder, name = packed
     raw = (pathlib.Path(folder) / name).read_bytes()
-    other = convert.convert_round(_other_round(1.33))
+    other = manifest.convert_named(_other_round(1.33))
     data = json.loads(raw)
     lying = _rewrite(raw, other.tflite, round=data["manifest"]["round"])
     planted = _plant(tmp_path, name, lying)
@@ -171,7 +172,7 @@ def test_a_model_whose_manifest_lies_about_its_shapes_is_refused_before_it_runs(
         packed, tmp_path):
     split, folder, name = packed
     raw = (pathlib.Path(folder) / name).read_bytes()
-    wider = convert.convert_round(_other_round(1.0, rows=5))  # client/0 is [5, 3] there
+    wider = manifest.convert_named(_other_round(1.0, rows=5))  # client/x: [5, 3]
     planted = _plant(tmp_path, name, _rewrite(raw, wider.tflite))
     with pytest.raises(ComputationError) as caught:
         carried.find(planted, split.client_part_hash, _signature(split))
@@ -227,8 +228,7 @@ def test_any_tensor_of_another_shape_or_dtype_or_a_custom_op_is_refused_naming_i
         else:
             assert _text(entry.name) in str(e) and "the round's client part needs" in str(e)
         return
-    assert kind == "none" and [t.name for t in found.inputs] == \
-        [t.name for t in _signature(split).inputs]
+    assert kind == "none" and [t.name for t in found.inputs] == ["broadcast/w", "client/x"]
 
 
 def _text(name) -> str:
@@ -254,7 +254,7 @@ def test_a_runtime_refuses_a_lying_model_before_any_round_starts(packed, tmp_pat
     any client work, refuses a carried model of other shapes, naming the file."""
     split, folder, name = packed
     raw = (pathlib.Path(folder) / name).read_bytes()
-    wider = convert.convert_round(_other_round(1.0, rows=5))
+    wider = manifest.convert_named(_other_round(1.0, rows=5))
     planted = _plant(tmp_path, name, _rewrite(raw, wider.tflite))
     with pytest.raises(ComputationError, match=f"{planted}/{name}: input client"):
         runner.LiteRTClientRuntime(models_dir=planted).check_round(None, split)

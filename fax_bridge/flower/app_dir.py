@@ -156,6 +156,9 @@ This app carries the round's client part as a LiteRT model (`fax_round/{LITERT_D
 converted by `fax-bridge flower ... --litert`). A SuperNode with the LiteRT client
 runtime runs it in the LiteRT interpreter, as a phone would, and needs no converter
 (only ai-edge-litert beside fax_bridge); a model of another round is refused by name.
+Its manifest names each input and output by pytree path, as `fax-bridge litert` does
+(`broadcast/<argument>/<path>`, `client/<argument>/<path>`,
+`aggregate/<k>/value/<path>`, `aggregate/<k>/weight`).
 Start the SuperLink as above, then these nodes instead of the XLA ones (warm):
 
 {fenced(warm)}
@@ -275,7 +278,8 @@ def litert_models(made: FlowerRound) -> list:
     (`refusals.ConversionRefused`), and a model too large for an app bundle too."""
     from fax_bridge.litert import carried
 
-    packed = [carried.pack(made.split, str(made.prepared.type))]
+    packed = [carried.pack(made.split, str(made.prepared.type), made.aggregands,
+                           made.argument_names)]
     size = sum(len(text) for _, text in packed)
     if size > MAX_BUNDLE_BYTES:
         raise ExportError(

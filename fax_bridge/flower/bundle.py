@@ -2,9 +2,14 @@
 
 `build_round(fn, *args, placements=...)` exports a round `(state, client_data) ->
 (new_state, output)` in the production forms' type (`tff.forms.round_proto`, which
-refuses two server-client trips, client state and intrinsics no form holds, by name)
-and splits it with `rounds.round_split.split_round(secure=True)`; a round that cannot
-be split is refused too. Its secure sums (`federated_secure_sum_bitwidth`,
+refuses intrinsics no form holds by name) and splits it with
+`rounds.round_split.split_round(secure=True)`; a round that cannot be split is refused
+too. A round that asks its clients more than once or keeps state at them is refused by
+`refuse_phased`, naming the trips, what each client keeps between them, the CLIENTS
+state, why a SuperNode cannot hold them (a Flower round here is one message per node,
+and Flower keeps a node's `context.state` in its memory alone) and the fleet or
+in-process run to use instead. The round's tensors as a LiteRT model are named by
+pytree path (`aggregands`, `argument_names`: `carried.pack`). Its secure sums (`federated_secure_sum_bitwidth`,
 `federated_secure_sum`, and so `federated_secure_modular_sum` and
 `federated_secure_mean`, built on the bitwidth sum) are aggregations of the split that
 Flower's SecAgg+ sums (`flower/secagg.py`); one that SecAgg+ cannot carry exactly
@@ -66,6 +71,13 @@ class FlowerRound:
     # {file name: sha256} of the LiteRT models written with the app (`carried.find`
     # refuses any other); None for a round not read from an app
     litert_models: Optional[dict] = None
+    # the aggregands' leaf paths as the program passed them (`pytree_names.
+    # recording_aggregands`), which name the carried model's outputs; None when read
+    aggregands: Optional[list] = None
+    # the names of the round parameter's two elements (the program's state argument and
+    # client data argument, each where it is one argument), which name the carried
+    # model's inputs; None when read
+    argument_names: Optional[list] = None
 
     @functools.cached_property
     def prepared(self) -> interpreter.Prepared:
@@ -127,16 +139,116 @@ def build_round(fn: Callable, *args: Any, placements: Any = None,
     """The Flower round of a program and its example arguments (module docstring)."""
     from fax_bridge.tff import forms
 
-    proto, _ = forms.round_proto(fn, *args, placements=placements, clients=clients)
+    from fax_bridge import pytree_names
+    from fax_bridge.litert import manifest
+
+    try:
+        with pytree_names.recording_aggregands() as record:
+            proto, comp = forms.round_proto(manifest.fresh(fn), *args,
+                                            placements=placements, clients=clients)
+    except ExportError:
+        refuse_phased(fn, args, placements, clients)  # several trips, client state
+        raise
     prepared = interpreter.prepare(proto)
     bound = values.bind_arguments(prepared.parameter, args, {})
     state = bound.runtime_value()[0]
-    made = FlowerRound(proto=proto, state=backend.leaves(backend.as_numpy(state)))
+    made = FlowerRound(proto=proto, state=backend.leaves(backend.as_numpy(state)),
+                       aggregands=record, argument_names=_element_names(fn, comp))
     made.split  # refuses what cannot be split, here rather than on the nodes
     from fax_bridge.flower import secagg
 
     secagg.check_build(made.split, bound.num_clients() or 0)  # what SecAgg+ cannot carry
     return made
+
+
+def _element_names(fn: Callable, comp) -> list:
+    """The names of a forms-type round's `<server_state, client_data>`: the program's
+    SERVER argument and CLIENTS argument, each where it is the only one so placed, else
+    `server_state` / `client_data` (its members then positional)."""
+    import jax
+
+    from fax_bridge.placements import Placement
+    from fax_bridge.tff import export
+
+    tree = jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals))))
+    names = export.argument_names(fn, len(tree))
+    out = []
+    for placement, default in ((Placement.SERVER, "server_state"),
+                               (Placement.CLIENTS, "client_data")):
+        mine = [names[i] for i, sub in enumerate(tree) if any(
+            comp.in_placements[j] is placement for j in jax.tree_util.tree_leaves(sub))]
+        out.append(mine[0] if len(mine) == 1 and mine[0] else default)
+    return out
+
+
+ELSEWHERE = (
+    "Run it where each trip's client computation runs phase by phase (one LiteRT model "
+    "per trip under client_runtime=\"litert\") and the clients' values stay on the "
+    "devices that hold the clients: the gRPC fleet (`fax_bridge.LocalFleet(devices=N, "
+    "client_runtime=\"xla\" or \"litert\")`, or `fax-bridge parity TARGET --devices N "
+    "[--litert]`), or in process (`fax_bridge.in_process.run_computation(..., "
+    "client_runtime=\"litert\")`)")
+
+
+def _program_name(fn: Callable) -> str:
+    """A round program's qualified name, led by the algorithm that made it
+    (`fed_sgd.next_fn` for `fed_sgd.<locals>.next_fn`)."""
+    fn = getattr(fn, "fn", fn)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return name.replace(".<locals>.", ".")
+
+
+def refuse_phased(fn: Callable, args: tuple, placements: Any = None,
+                  clients: Optional[int] = None) -> None:
+    """Raises `ExportError` naming why the round of `fn` cannot run on Flower when it
+    asks its clients more than once or keeps state at them (the trips and what each
+    client keeps between them, the CLIENTS state, why a SuperNode cannot hold it, and
+    where the round runs instead); returns for any other round."""
+    from fax_bridge import tracing
+    from fax_bridge.tff import export, forms
+
+    comp = tracing.trace(fn, *args, placements=placements, clients=clients)
+    state_in, state_out = forms.client_state(comp)
+    lines = forms.second_trips(comp)
+    if not (state_in or state_out or lines):
+        return
+    proto = export.export_computation(comp, export.argument_names(fn, len(args)))
+    maps = [m for m in round_split.client_maps(proto) if m.computes]
+    why = []
+    if lines or len(maps) > 1:
+        trips = max((m.trip for m in maps), default=2)
+        kept = [f"trip {m.trip}'s client computation ({m.local}) reads what each client "
+                f"computed in trip {', '.join(map(str, m.kept_from))}"
+                for m in maps if m.kept_from]
+        why.append(
+            f"its round asks the clients {trips} times ({'; '.join(lines[:3])}"
+            f"{'; ...' if len(lines) > 3 else ''})" + (f", and {'; '.join(kept)}" if kept
+                                                       else "") +
+            ". A Flower round of this app is one `train` message to each SuperNode (one "
+            "broadcast, one client part, its partials), and a SuperNode starts a new "
+            "ClientApp process for every message: values a client keeps from one trip to "
+            "the next could wait only in the node's `context.state`, which Flower holds "
+            "in the SuperNode's memory alone, so this app carries no round over several "
+            "messages")
+    if state_in or state_out:
+        named = ", ".join((state_in or state_out)[:4])
+        more = len(state_in or state_out) - 4
+        why.append(
+            f"its round keeps state at the clients from round to round ({named}"
+            f"{f' and {more} more' if more > 0 else ''} placed at CLIENTS, argument and "
+            "result): each client's own values, computed from its private data. Returned "
+            "as the round's result they would leave the SuperNode unaggregated, which a "
+            "node of this app never does (only exact partials of aggregations leave it); "
+            "kept at the node they would live in `context.state`, which Flower holds in "
+            "the SuperNode's memory for one run only (gone when the node restarts, never "
+            "in the run's result or checkpoint), so the round's result, which includes "
+            "them, could be neither returned nor resumed")
+    raise ExportError(
+        f"the round {_program_name(fn)} cannot run on Flower: " + "; and ".join(why) + ". "
+        + ELSEWHERE + (". Or use a one-trip variant where there is one "
+                       "(fax_bridge.algorithms.fed_sgd_one_trip, "
+                       "learned_server_lr_one_trip), which runs on Flower"
+                       if lines and not (state_in or state_out) else "") + ".")
 
 
 def _tensor_json(t: np.ndarray) -> dict:

@@ -108,13 +108,16 @@ def _checked_bytes(path: str, digest: Optional[str]) -> bytes:
     return raw
 
 
-def pack(split, signature: str) -> tuple:
-    """(file name, JSON text) of the round split's client part converted
-    (`convert.convert_round`; a client part that cannot convert is refused here, naming
-    the op) with its manifest."""
-    from fax_bridge.litert import convert, manifest
+def pack(split, signature: str, aggregands: Optional[list] = None,
+         argument_names: Optional[list] = None) -> tuple:
+    """(file name, JSON text) of the round split's client part converted with its
+    tensors named by pytree path (`manifest.convert_named`: the aggregands' leaves by
+    `aggregands`, `pytree_names.recording_aggregands`' list, the round parameter's
+    elements by `argument_names`; a client part that cannot convert is refused here,
+    naming the op) with its manifest."""
+    from fax_bridge.litert import manifest
 
-    model = convert.convert_round(split)
+    model = manifest.convert_named(split, aggregands, argument_names)
     built = manifest.build(split, model, signature)
     text = json.dumps({"format": FORMAT, "manifest": built,
                        "tflite_base64": base64.b64encode(model.tflite).decode()})

@@ -33,7 +33,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import federated_language
 import numpy as np
@@ -138,15 +138,21 @@ def output_bounds(split, model: convert.ClientModel, recorded: list) -> list:
     return out
 
 
-def named_types(split, recorded: Optional[list] = None) -> tuple:
+def named_types(split, recorded: Optional[list] = None,
+                argument_names: Optional[Sequence[Optional[str]]] = None) -> tuple:
     """(parameter type, result type) of the split's client part (`lowering.split_types`)
     with its elements named by pytree path (module docstring): a broadcast or client
     input by the program argument it is, each struct element by its name made safe,
     each leaf of an aggregand by its path in `recorded` (`pytree_names.
     recording_aggregands`' list, matched to the aggregations in order by kind and
-    number of leaves; an aggregation it does not match keeps its leaves' indices)."""
+    number of leaves; an aggregation it does not match keeps its leaves' indices).
+    `argument_names`: the names of the round parameter's elements where its type has
+    none (a round in the forms' type: `<server_state, client_data>`)."""
     param, result = lowering.split_types(split)
     arg_names = _argument_names(split)
+    for i, name in enumerate(argument_names or ()):
+        if name and i not in arg_names:
+            arg_names[i] = _segment(name)
     server = dict(split.server_locals)
     sent = [arg_names.get(_argument_index(server[name], split.parameter_name))
             for name in split.broadcasts]
@@ -175,30 +181,39 @@ def named_types(split, recorded: Optional[list] = None) -> tuple:
     return param, federated_language.StructType([(None, t) for t in elements])
 
 
-def traced_with_paths(prog, args: tuple, placements: Any = None) -> tuple:
-    """(`tracing.trace` of the program at `args`, the aggregands' leaf paths as
-    `pytree_names.recording_aggregands` saw them), traced anew: jax keeps an earlier
-    trace of the same function, in which no aggregation would be seen."""
+def fresh(prog):
+    """`prog` as a function jax has never traced (a program stays a program), with its
+    name and signature, so a trace of it inside `pytree_names.recording_aggregands` sees
+    every aggregation: jax keeps an earlier trace of the same function, in which none
+    would be seen."""
     import functools
 
-    from fax_bridge import api, tracing
+    from fax_bridge import api
 
     if isinstance(prog, api.Program):
         inner = prog.fn
-        fresh = api.Program(lambda *a, **k: inner(*a, **k), prog.clients, prog.placement,
-                            prog.clients_per_step)
-    else:
-        fresh = functools.wraps(prog)(lambda *a, **k: prog(*a, **k))
+        return api.Program(functools.wraps(inner)(lambda *a, **k: inner(*a, **k)),
+                           prog.clients, prog.placement, prog.clients_per_step)
+    return functools.wraps(prog)(lambda *a, **k: prog(*a, **k))
+
+
+def traced_with_paths(prog, args: tuple, placements: Any = None) -> tuple:
+    """(`tracing.trace` of the program at `args`, the aggregands' leaf paths as
+    `pytree_names.recording_aggregands` saw them), traced anew (`fresh`)."""
+    from fax_bridge import tracing
+
     with pytree_names.recording_aggregands() as record:
-        comp = tracing.trace(fresh, *args, placements=placements)
+        comp = tracing.trace(fresh(prog), *args, placements=placements)
     return comp, record
 
 
-def convert_named(split, recorded: Optional[list] = None) -> convert.ClientModel:
+def convert_named(split, recorded: Optional[list] = None,
+                  argument_names: Optional[Sequence[Optional[str]]] = None
+                  ) -> convert.ClientModel:
     """The split's client part as a model whose tensors are named by pytree path
     (`named_types`); its version is the client part's content hash, as
     `convert.convert_round`'s."""
-    param, result = named_types(split, recorded)
+    param, result = named_types(split, recorded, argument_names)
     names = hashlib.sha256(str((param, result)).encode()).hexdigest()[:16]
     model = convert.convert_client_part(split.client_part, param, result, split.aggregations,
                                         key=f"{split.client_part_hash}/{names}")

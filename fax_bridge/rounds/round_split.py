@@ -199,6 +199,9 @@ class ClientMap:
     key: str            # its content hash, which a holder loads it by
     trip: int           # 1 + the aggregations its inputs wait on (a round's trips)
     computes: bool      # False: it only selects and regroups values (no op to run)
+    # the earlier trips whose client-computed values it reads: what each client keeps
+    # from one trip to the next (federated AD's residuals, a worker's model)
+    kept_from: tuple = ()
 
     @property
     def fn_type(self):
@@ -221,13 +224,15 @@ def client_maps(proto: Computation) -> list:
     self-contained (a function that reads values around it is closed over them at run
     time, and met there), with the trip it runs in: trip 1 reads only the parameter and
     what the server computes from it, trip k + 1 reads a value computed from the
-    aggregate of a trip-k map (a broadcast of it, or client values that waited for it).
-    Empty for what is not a function."""
+    aggregate of a trip-k map (a broadcast of it, or client values that waited for it);
+    `kept_from`: the earlier trips whose maps computed client values it reads. Empty for
+    what is not a function."""
     if which(proto) != "lambda" or not lambda_of(proto).parameter_name:
         return []
     body = _flattened(lambda_of(proto).result, lambda_of(proto).parameter_name)
     level: dict = {}    # local -> aggregations on the longest path into it
     clients: set = set()
+    made: dict = {}     # CLIENTS local -> the trips of the maps whose results it holds
     out = []
     for local in body.block.local:
         name, value = local.name, local.value
@@ -237,6 +242,7 @@ def client_maps(proto: Computation) -> list:
         placed = _is_clients(type_)
         if placed:
             clients.add(name)
+            made[name] = set().union(*(made[r] for r in refs if r in made))
         level[name] = base + 1 if not placed and refs & clients else base
         call = intrinsic_call(value)
         if call is None or not placed or call[0] not in (_MAP, _EVAL):
@@ -244,7 +250,11 @@ def client_maps(proto: Computation) -> list:
         fn = call[1] if call[0] == _EVAL else (struct_elements(call[1], 2) or [None])[0]
         if fn is None or which(fn) not in ("lambda", "xla") or free_references(fn):
             continue
-        out.append(ClientMap(name, fn, local_eval.content_hash(fn), base + 1, computes(fn)))
+        kept = tuple(sorted(t for t in made[name] if t < base + 1))
+        works = computes(fn)
+        if works:  # a map that only selects holds the trips of what it selects from
+            made[name] = {base + 1}
+        out.append(ClientMap(name, fn, local_eval.content_hash(fn), base + 1, works, kept))
     return out
 
 

@@ -88,33 +88,30 @@ def _form_role(eqn) -> Optional[str]:
     return None if facts is None else facts.form_role
 
 
-def check_round(comp: tracing.FederatedComputation) -> None:
-    """Raises `ExportError` when the traced round cannot be one production form."""
+def client_state(comp: tracing.FederatedComputation) -> tuple[list, list]:
+    """(argument paths, result paths) of the traced round's state kept at CLIENTS: the
+    CLIENTS leaves of an argument that also has leaves elsewhere (a state), and the
+    CLIENTS leaves of a `(new_state, output)` result."""
     tree = jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals))))
-    client_state = []
+    arguments = []
     for sub in tree:
         leaves = jax.tree_util.tree_leaves(sub)
         if len({comp.in_placements[j] for j in leaves}) > 1:
-            client_state += [comp.in_paths[j] for j in leaves
-                             if comp.in_placements[j] is Placement.CLIENTS]
+            arguments += [comp.in_paths[j] for j in leaves
+                          if comp.in_placements[j] is Placement.CLIENTS]
     out_tree = jax.tree_util.tree_unflatten(comp.out_tree, list(range(len(comp.out_avals))))
     if isinstance(out_tree, (tuple, list)) and len(out_tree) == 2:
-        client_out = [comp.out_paths[j] for j in jax.tree_util.tree_leaves(out_tree)
-                      if comp.out_placements[j] is Placement.CLIENTS]
+        results = [comp.out_paths[j] for j in jax.tree_util.tree_leaves(out_tree)
+                   if comp.out_placements[j] is Placement.CLIENTS]
     else:
-        client_out = []
-    if client_state or client_out:
-        where = []
-        if client_state:
-            where.append(f"arguments {', '.join(client_state[:6])} are placed at CLIENTS")
-        if client_out:
-            where.append(f"results {', '.join(client_out[:6])} are placed at CLIENTS")
-        raise ExportError(
-            "the round keeps client state: " + "; ".join(where) + ". A production form "
-            "keeps state only at the server (clients are stateless and sampled anew each "
-            "round). Move it to the server (e.g. one entry per client slot in the server "
-            "state, selected by a client id in the client data), or aggregate CLIENTS "
-            "results into SERVER metrics.")
+        results = []
+    return arguments, results
+
+
+def second_trips(comp: tracing.FederatedComputation) -> list[str]:
+    """One line per broadcast of the traced round that sends a value computed from an
+    aggregation ("federated_broadcast at FILE:LINE (fn) sends a value computed from
+    federated_sum at ..."), each once, in program order: the round's later trips."""
     depends: dict = {}  # var -> the first aggregate equation it depends on
     trips = []
     for eqn in comp.jaxpr.jaxpr.eqns:
@@ -128,14 +125,31 @@ def check_round(comp: tracing.FederatedComputation) -> None:
         if source is not None:
             for v in eqn.outvars:
                 depends[v] = source
-    if trips:
-        lines = list(dict.fromkeys(f"{_name(b)} sends a value computed from {_name(a)}"
-                                   for b, a in trips))
-        more = f" (and {len(lines) - 4} more)" if len(lines) > 4 else ""
-        lines = lines[:4]
+    return list(dict.fromkeys(f"{_name(b)} sends a value computed from {_name(a)}"
+                              for b, a in trips))
+
+
+def check_round(comp: tracing.FederatedComputation) -> None:
+    """Raises `ExportError` when the traced round cannot be one production form."""
+    client_args, client_out = client_state(comp)
+    if client_args or client_out:
+        where = []
+        if client_args:
+            where.append(f"arguments {', '.join(client_args[:6])} are placed at CLIENTS")
+        if client_out:
+            where.append(f"results {', '.join(client_out[:6])} are placed at CLIENTS")
         raise ExportError(
-            "the round needs two server-client trips: " + "; ".join(lines) + more + ". "
-            + _FIX_TWO_TRIPS)
+            "the round keeps client state: " + "; ".join(where) + ". A production form "
+            "keeps state only at the server (clients are stateless and sampled anew each "
+            "round). Move it to the server (e.g. one entry per client slot in the server "
+            "state, selected by a client id in the client data), or aggregate CLIENTS "
+            "results into SERVER metrics.")
+    lines = second_trips(comp)
+    if lines:
+        more = f" (and {len(lines) - 4} more)" if len(lines) > 4 else ""
+        raise ExportError(
+            "the round needs two server-client trips: " + "; ".join(lines[:4]) + more
+            + ". " + _FIX_TWO_TRIPS)
 
 
 def _walk(message, visit) -> None:
