@@ -120,7 +120,15 @@ def test_daf_built_by_tff_runs_piece_by_piece_like_jit(tmp_path):
     _check_manifest(tmp_path, manifest)
 
 
-def test_cli_writes_the_map_reduce_form_and_its_manifest(tmp_path, capsys):
+def test_cli_writes_the_map_reduce_form_and_its_manifest(tmp_path, capsys, monkeypatch):
+    built = []
+    build = forms.to_map_reduce_form
+
+    def build_once(*args, **kwargs):  # the second command refuses the folder, not TFF
+        built[:] = built or [build(*args, **kwargs)]
+        return built[0]
+
+    monkeypatch.setattr(forms, "to_map_reduce_form", build_once)
     out = tmp_path / "mrf"
     rc = cli_main(["forms", f"{REPO}/examples/quickstart.py:fedavg_round", "--form", "mrf",
                    "--clients", "3", "-o", str(out)])
