@@ -20,14 +20,17 @@ from sample_computations import conv_weight_gradient
 
 @pytest.fixture(scope="module")
 def fork_server():
-    """A fork server holding jaxlib, as the one that forks a fleet's devices."""
+    """A fork server holding what the one that forks a fleet's devices holds (jaxlib
+    and fax_bridge's device modules: a helper it forks imports nothing more)."""
     import os
     import sys
+
+    from fax_bridge.fleet.launcher import DEVICE_MODULES
 
     if not forks.available():
         pytest.skip("needs Linux pidfds")
     server = forks.ForkServer.start(sys.executable, dict(os.environ, OMP_NUM_THREADS="1"),
-                                    ["jaxlib._jax"])
+                                    list(DEVICE_MODULES))
     yield server
     server.close()
 
