@@ -211,6 +211,8 @@ def check_round(fn, args: tuple, *, placements: Any = None, clients: Optional[in
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ArgumentError(f"rounds={rounds!r}: give a whole number of rounds >= 1")
     if len(args) != 2:
+        # wrapping would not help a round of several trips or with client state
+        bundle.refuse_phased(fn, args, placements, clients)
         raise ArgumentError(
             f"a Flower round takes (state, client_data), here {len(args)} arguments; "
             "wrap the program in one taking the client arguments as one dict")

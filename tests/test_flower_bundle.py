@@ -226,3 +226,26 @@ def test_a_round_of_several_trips_or_client_state_is_refused_naming_why_and_wher
         assert "would leave the SuperNode unaggregated" in text
     assert 'LocalFleet(devices=N, client_runtime="xla" or "litert")' in text
     assert "fax-bridge parity TARGET --devices N [--litert]" in text
+
+
+def test_a_parity_check_on_flower_names_the_trips_before_the_argument_count():
+    """`check_parity(..., flower=True)` of fed_sgd (state, data, mask) says why no
+    wrapping into (state, client_data) would let it run, before the argument count;
+    a round of one trip with three arguments gets the argument count alone."""
+    import fax_bridge as fb
+    from fax_bridge.errors import ArgumentError
+
+    fn, args, placements = _algorithm("fed_sgd")
+    with pytest.raises(ExportError, match=r"the round fed_sgd\.next_fn cannot run on "
+                       "Flower: its round asks the clients 2 times"):
+        fb.check_parity(fn, *args, placements=placements, flower=True)
+
+    @fb.program(clients=3)
+    def one_trip(w, x, m):
+        return w, fb.federated_mean(fb.federated_map_clients(
+            lambda a, b, c: a * b * c, (fb.federated_broadcast(w), x, m)))
+
+    w, x = np.float32(1.0), np.ones((3, 2), np.float32)
+    with pytest.raises(ArgumentError, match=r"takes \(state, client_data\), here 3"):
+        fb.check_parity(one_trip, w, x, x, placements=("server", "clients", "clients"),
+                        flower=True)
