@@ -1,13 +1,14 @@
 """`fax-bridge parity MODULE_OR_FILE:FUNCTION [--clients N] --devices K [--flower]`.
 
 Runs the program with jit and, exported, on a local fleet of K devices; prints the
-parity table and exits non-zero on a mismatch. Example arguments come from the module
-as for `fax-bridge export`. With `--flower` the program, a round `(state, client_data)
--> (new_state, output)`, runs `--rounds` rounds on a loopback Flower deployment of K
-SuperNodes instead (each serving a block of the example clients), compared with as many
-rounds of jit and with the bits of the fleet's round plan. With `--litert` the devices
-run the client part in the LiteRT interpreter, and the report states the rounding bound
-each float output is held to.
+parity table (per round: jit's compiled call and the fleet's second, warm round; the
+first round and the starts on a line of their own) and exits non-zero on a mismatch.
+Example arguments come from the module as for `fax-bridge export`. With `--flower` the
+program, a round `(state, client_data) -> (new_state, output)`, runs `--rounds` rounds
+on a loopback Flower deployment of K SuperNodes instead (each serving a block of the
+example clients), compared with as many rounds of jit and with the bits of the fleet's
+round plan. With `--litert` the devices run the client part in the LiteRT interpreter,
+and the report states the rounding bound each float output is held to.
 """
 
 from __future__ import annotations
