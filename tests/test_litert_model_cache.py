@@ -147,3 +147,36 @@ def test_a_damaged_entry_is_rebuilt_from_the_round_or_refused_naming_it(
             pytest.raises(convert.ConverterMissing, match=f"(?s){entry}.*rm {entry}.*"
                                                           "does not exist"):
         convert_once()
+
+
+def test_a_model_of_more_than_ten_indexed_tensors_is_read_back_not_called_damaged(
+        cache, monkeypatch):
+    """A flatbuffer lists its signature's tensors sorted as text (`.../10` before
+    `.../2`); the entry is still the round's, so it is believed, with no warning and no
+    conversion."""
+    import warnings
+
+    from fax_bridge.litert import convert, lowering
+
+    @fb.program(clients=2)
+    def many(w, x):
+        return fb.federated_sum(fb.federated_map_clients(
+            lambda p, c: tuple(c[i] * p for i in range(12)), (fb.federated_broadcast(w), x)))
+
+    args = (np.float32(2.0), np.arange(24, dtype=np.float32).reshape(2, 12))
+    split = round_split.split_round(fb.export_tff(many, *args,
+                                                  placements=("server", "clients")))
+    param, result = lowering.split_types(split)
+
+    def convert_once():
+        monkeypatch.setattr(convert, "_MADE", {})
+        return convert.convert_client_part(split.client_part, param, result,
+                                           split.aggregations, key=split.client_part_hash)
+
+    first = convert_once()
+    names = [t.name for t in first.outputs]
+    assert names[2] == "aggregate/0/value/2" and sorted(names)[2] == "aggregate/0/value/10"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "damaged ... converting again" would raise
+        again = convert_once()
+    assert again.tflite == first.tflite and again.convert_s == 0.0

@@ -5,7 +5,8 @@ disk cache) is believed only once `check(model, signature, inputs, outputs, wher
 holds: its bytes parse as a LiteRT flatbuffer (a cut or zeroed file is refused, not left
 to fail every round with the interpreter's "unpack_from"), it uses LiteRT's builtin ops
 only (a custom or Flex op is refused by name), it has the signature `signature`, and
-that signature's tensors are exactly the round's client part's, name by name, each with
+that signature's tensors are exactly the round's client part's, name by name (in any
+order: the flatbuffer lists them sorted as text, the runner feeds them by name), each with
 its shape and dtype as the flatbuffer declares them (not as a manifest beside it says).
 `prepares` then has the interpreter allocate it. Each refusal is a `ModelRefused` naming
 `where` (the file), the mismatch and the fix.
@@ -67,17 +68,25 @@ def declared(model: bytes, signature: str, where: str, fix: str) -> tuple:
 def check(model: bytes, signature: str, inputs: tuple, outputs: tuple, where: str,
           fix: str) -> list:
     """Refuses `model` (module docstring) unless its signature `signature` has exactly
-    the tensors `inputs` and `outputs` (`lowering.Tensor`s, in order) and its ops are
-    builtins; returns the operators it uses."""
+    the tensors `inputs` and `outputs` (`lowering.Tensor`s; matched by name, in any
+    order) and its ops are builtins; returns the operators it uses."""
     have = declared(model, signature, where, fix)
     for role, want, got in (("input", inputs, have[0]), ("output", outputs, have[1])):
-        wanted = [(t.name, tuple(t.shape), t.dtype) for t in want]
-        if [n for n, _, _ in got] != [n for n, _, _ in wanted]:
+        # by name: the runner feeds and reads tensors by name, and a flatbuffer's
+        # signature lists them sorted as text (`x/10` before `x/2`), not in the round's
+        # order
+        wanted = {t.name: (tuple(t.shape), t.dtype) for t in want}
+        names = [n for n, _, _ in got]
+        if sorted(names) != sorted(wanted) or len(set(names)) != len(names):
+            extra = [n for n in names if n not in wanted]
+            missing = [n for n in wanted if n not in names]
             raise ModelRefused(
-                f"{where}: signature {signature!r} has {role}s "
-                f"{[n for n, _, _ in got][:8]}, but the round's client part has "
-                f"{[n for n, _, _ in wanted][:8]}; {fix}")
-        for (name, shape, dtype), (_, w_shape, w_dtype) in zip(got, wanted):
+                f"{where}: signature {signature!r} has {role}s {names[:8]}, but the "
+                f"round's client part has {list(wanted)[:8]} (the model's "
+                f"{extra[:4] or 'repeated names'} are not the round's; the round's "
+                f"{missing[:4] or 'none'} are missing); {fix}")
+        for name, shape, dtype in got:
+            w_shape, w_dtype = wanted[name]
             if (shape, dtype) != (w_shape, w_dtype):
                 raise ModelRefused(
                     f"{where}: {role} {name} is {dtype}{list(shape)} in the model, but the "
