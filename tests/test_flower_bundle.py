@@ -249,3 +249,25 @@ def test_a_parity_check_on_flower_names_the_trips_before_the_argument_count():
     with pytest.raises(ArgumentError, match=r"takes \(state, client_data\), here 3"):
         fb.check_parity(one_trip, w, x, x, placements=("server", "clients", "clients"),
                         flower=True)
+
+
+def test_the_one_trip_variant_the_refusal_names_builds_written_as_state_and_client_data():
+    import jax
+    import jax.numpy as jnp
+
+    from fax_bridge import algorithms as A
+
+    def loss(params, batch):
+        logp = jax.nn.log_softmax(batch["x"] @ params["w"] + params["b"])
+        return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=1))
+
+    _, (_, data, mask), _ = _algorithm("fed_sgd")
+    alg = A.fed_sgd_one_trip(loss, clients=3)
+    state = alg.init({"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)})
+
+    def one_trip_round(state, client_data):
+        return alg.next(state, client_data["data"], client_data["mask"])
+
+    made = bundle.build_round(one_trip_round, state, {"data": data, "mask": mask},
+                              placements=("server", "clients"))
+    assert made.argument_names == ["state", "client_data"] and len(made.aggregands) >= 1

@@ -247,7 +247,8 @@ def refuse_phased(fn: Callable, args: tuple, placements: Any = None,
         f"the round {_program_name(fn)} cannot run on Flower: " + "; and ".join(why) + ". "
         + ELSEWHERE + (". Or use a one-trip variant where there is one "
                        "(fax_bridge.algorithms.fed_sgd_one_trip, "
-                       "learned_server_lr_one_trip), which runs on Flower"
+                       "learned_server_lr_one_trip), which a Flower app runs written as "
+                       "a round (state, client_data)"
                        if lines and not (state_in or state_out) else "") + ".")
 
 
