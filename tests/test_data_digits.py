@@ -22,3 +22,26 @@ def test_digits_seeded():
     a = load_federated_digits(num_clients=10, seed=1)
     b = load_federated_digits(num_clients=10, seed=1)
     assert all(np.array_equal(x["y"], y["y"]) for x, y in zip(a.clients, b.clients))
+
+
+def test_the_shipped_file_is_read_as_scikit_learn_reads_it(monkeypatch):
+    """`digits_arrays` reads scikit-learn's digits file without importing scikit-learn,
+    with load_digits' values, dtypes and shapes; without the file it asks load_digits."""
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from fax_bridge.data import digits
+
+    raw = load_digits()
+    pixels, labels = digits.digits_arrays()
+    assert pixels.dtype == raw.data.dtype and labels.dtype == raw.target.dtype
+    np.testing.assert_array_equal(pixels, raw.data)
+    np.testing.assert_array_equal(labels, raw.target)
+    monkeypatch.setattr(digits.os.path, "isfile", lambda path: False)
+    calls = []
+    monkeypatch.setattr(sys.modules["sklearn.datasets"], "load_digits",
+                        lambda: calls.append(1) or raw)
+    fallback = digits.digits_arrays()
+    assert calls == [1] and fallback[0] is raw.data and fallback[1] is raw.target
+

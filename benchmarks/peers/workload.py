@@ -3,14 +3,14 @@
 Only numpy and scikit-learn are used here, so the module imports in every peer venv
 (numpy 1.x or 2.x) as well as in the main one. What it fixes:
 
-* Data: ``sklearn.datasets.load_digits`` (1797 8x8 images, 10 classes), pixels / 16 as
-  float32. One ``np.random.default_rng(SPLIT_SEED)`` generator first permutes the
-  examples and holds out the first 20% (359) as the test set, then splits the other
-  1438 over ``NUM_CLIENTS`` clients by Dirichlet label skew: for each class in turn,
-  its examples (shuffled) are cut by proportions drawn from Dirichlet(``ALPHA``). A draw
-  that leaves any client with fewer than ``MIN_CLIENT_EXAMPLES`` examples is redrawn
-  (same generator, so still deterministic). Each client's examples are then shuffled
-  once, so its batches mix its classes.
+* Data: scikit-learn's digits, read as ``load_digits`` reads them (1797 8x8 images, 10
+  classes), pixels / 16 as float32. One ``np.random.default_rng(SPLIT_SEED)`` generator
+  first permutes the examples and holds out the first 20% (359) as the test set, then
+  splits the other 1438 over ``NUM_CLIENTS`` clients by Dirichlet label skew: for each
+  class in turn, its examples (shuffled) are cut by proportions drawn from
+  Dirichlet(``ALPHA``). A draw that leaves any client with fewer than
+  ``MIN_CLIENT_EXAMPLES`` examples is redrawn (same generator, so still deterministic).
+  Each client's examples are then shuffled once, so its batches mix its classes.
 * Local data stream: a client's examples repeated end to end; local step ``s`` takes
   positions ``s*BATCH .. s*BATCH+BATCH-1`` of it (in order, cycling), so every batch
   has exactly ``BATCH`` rows and every round starts again from the first one.
@@ -78,12 +78,30 @@ class ClientData(NamedTuple):
 
 
 def load_digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
-    """The digits images as float32 [1797, 64] in [0, 1] and labels as int32."""
-    from sklearn.datasets import load_digits
+    """The digits images as float32 [1797, 64] in [0, 1] and labels as int32.
 
-    digits = load_digits()
-    x = (np.asarray(digits.data, dtype=np.float64) / 16.0).astype(np.float32)
-    y = np.asarray(digits.target, dtype=np.int32)
+    Read from the file scikit-learn ships, as ``load_digits`` reads it, without importing
+    scikit-learn (seconds in every peer process); ``load_digits`` where the file is not
+    found. (``fax_bridge.data.digits.digits_arrays`` does the same; this module cannot
+    import fax_bridge, which not every peer venv holds.)"""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    path = next((p for p in (os.path.join(folder, "datasets", "data", "digits.csv.gz")
+                             for folder in (spec.submodule_search_locations or []))
+                 if os.path.isfile(p)), None) if spec is not None else None
+    if path is not None:
+        with gzip.open(path, mode="rt", encoding="utf-8") as f:
+            data = np.loadtxt(f, delimiter=",")
+        pixels, labels = data[:, :-1], data[:, -1]
+    else:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        pixels, labels = digits.data, digits.target
+    x = (np.asarray(pixels, dtype=np.float64) / 16.0).astype(np.float32)
+    y = np.asarray(labels, dtype=np.int32)
     return x, y
 
 
