@@ -1,5 +1,7 @@
 """Every algorithm's round exports to a TFF proto and matches jit on a LocalFleet."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -60,14 +62,20 @@ def _case(name):
     return a.next, (a.init({"w": jnp.zeros(2)}), data, mask, data, mask), a.placements
 
 
+@functools.lru_cache(maxsize=None)
+def _exported(name):
+    """`_case(name)` and its round exported, once for the tests that read the proto."""
+    fn, args, placements = _case(name)
+    return fn, args, placements, fb.export_tff(fn, *args, placements=placements)
+
+
 NAMES = ["fed_avg", "fed_sgd", "fed_adam", "fed_fish", "learned_server_lr",
          "learned_client_weights", "streaming_diloco", "fed_reconstruction"]
 @pytest.mark.parametrize("name", NAMES)
 def test_round_exports_to_a_typed_tff_proto(name):
     from federated_language.compiler import building_blocks
 
-    fn, args, placements = _case(name)
-    proto = fb.export_tff(fn, *args, placements=placements)
+    proto = _exported(name)[3]
     sig = str(building_blocks.ComputationBuildingBlock.from_proto(proto).type_signature)
     assert "@CLIENTS" in sig.split("->")[0] and "@SERVER" in sig.split("->")[1]
 
@@ -82,8 +90,7 @@ def test_round_splits_run_the_server_pieces_compiled_with_the_interpreters_bits(
     from fax_bridge import in_process
     from fax_bridge.runtime import interpreter, values
 
-    fn, args, placements = _case(name)
-    proto = fb.export_tff(fn, *args, placements=placements)
+    _, args, _, proto = _exported(name)
     split = round_split.split_round(proto)
     if split is None:
         return  # two trips (or none): the phase path runs it
