@@ -11,12 +11,15 @@ bits: exact aggregations do not depend on how clients are grouped or ordered.
 On an accelerator (`device_sums.on_device`: by default wherever jax's default backend
 is not the CPU) a round keeps its values there: the client part's results stay jax
 arrays, its sums, means and weighted means are summed exactly there
-(`device_sums`), and the server result runs there under jit; only the round's
-result comes back. The bits are the host path's.
+(`device_sums`), and the server result runs there under jit. A model given as jax
+arrays is read where it is, and the round's result comes back as jax arrays on that
+device, as jit returns them (`values.device_arrays_kept`); CLIENTS data is read to the
+host, where the client calls stack it. The bits are the host path's.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Union
 
 from federated_language.common_libs import structure
@@ -118,7 +121,7 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
       backend: a clients backend to run the client work on (interprets the computation).
       num_clients: the number of clients, when no argument is placed at CLIENTS.
       on_device: a round keeps its values on jax's default device and sums there (the
-        same bits); None: as `device_sums.on_device` decides (the environment variable
+        same bits), returning its result there as jax arrays; None: as `device_sums.on_device` decides (the environment variable
         FAX_BRIDGE_ON_DEVICE, else whenever that device is not the CPU).
       client_runtime: what runs the clients' work ("xla", "litert" or a
         `rounds.client_runtime.ClientRuntime`, which checks the round first): the client
@@ -151,9 +154,13 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
         return interpreter.interpret(prepared, *args, backend=backend,
                                      num_clients=num_clients, **kwargs)
     bound = values.bind_arguments(prepared.parameter, args, kwargs)
-    arg = bound.runtime_value()
     split = round_split_of(prepared)
+    device = split is not None and device_sums.on_device(on_device)
+    with values.device_arrays_kept() if device else contextlib.nullcontext():
+        arg = bound.runtime_value()  # a model given as jax arrays stays on the device
     clients = _engine_clients(split, arg)
+    if device and not clients:
+        arg = bound.runtime_value()  # the interpreter reads numpy
     if not clients:
         if runtime is not None:  # its models made, or refused, before any client work
             runtime.check_round(prepared.proto, None)
@@ -161,15 +168,16 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
                                       else LocalClientsBackend(client_runtime=runtime))
     else:
         try:
-            result = values.check_value(
-                run_in_process(split, arg, num_clients=clients,
-                               client_runtime=runtime or "xla",
-                               on_device=device_sums.on_device(on_device)),
-                prepared.result, "result")
+            with values.device_arrays_kept() if device else contextlib.nullcontext():
+                result = values.check_value(
+                    run_in_process(split, arg, num_clients=clients,
+                                   client_runtime=runtime or "xla", on_device=device),
+                    prepared.result, "result")
         except FaxBridgeError:
             raise
         except Exception as e:  # as the interpreter reports what a malformed proto does
             raise ComputationError(
                 f"the computation could not be run ({type(e).__name__}: {e}); it is "
                 "likely malformed or ill-typed") from e
-    return values.to_pytree(result, prepared.result, prepared.structure)
+    with values.device_arrays_kept() if device else contextlib.nullcontext():
+        return values.to_pytree(result, prepared.result, prepared.structure)

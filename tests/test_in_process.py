@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge.errors import WeightError
+from fax_bridge.errors import ComputationError, WeightError
 from fax_bridge.runtime import device_sums, interpreter
 from fax_bridge import in_process as run
 from fax_bridge.runtime.population import PopulationRef
@@ -158,3 +158,26 @@ def test_sample_rounds_on_the_device_path_have_the_host_bits(sample, monkeypatch
     monkeypatch.setenv("FAX_BRIDGE_ON_DEVICE", "1")  # the environment's choice, once
     device = run.run_computation(proto, *args)
     assert _bits(device) == _bits(host)
+
+
+def test_the_device_path_takes_and_returns_jax_arrays_and_the_host_path_numpy():
+    @fb.program(clients=3)
+    def fedavg(params, data):
+        deltas = fb.federated_map_clients(
+            lambda p, x: jax.tree.map(lambda w: w * jnp.sum(x), p),
+            (fb.federated_broadcast(params), data))
+        return jax.tree.map(jnp.add, params, fb.federated_mean(deltas))
+
+    params = {"a": jnp.arange(4.0), "b": jnp.ones((2, 3), jnp.bfloat16)}
+    data = jnp.arange(6.0).reshape(3, 2)
+    proto = fb.export_tff(fedavg, params, data, placements=("server", "clients"))
+    device = run.run_computation(proto, params, data, on_device=True)
+    host = run.run_computation(proto, params, data, on_device=False)
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(device))
+    assert all(type(leaf) is np.ndarray for leaf in jax.tree.leaves(host))
+    assert _bits(device) == _bits(host)
+    # a model given as numpy, or a wrong shape, is read and checked as before
+    assert _bits(run.run_computation(proto, jax.tree.map(np.asarray, params), data,
+                                     on_device=True)) == _bits(host)
+    with pytest.raises(ComputationError, match=r"expected shape \[4\]"):
+        run.run_computation(proto, dict(params, a=jnp.zeros(5)), data, on_device=True)

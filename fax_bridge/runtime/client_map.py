@@ -286,7 +286,8 @@ def _layout(value: LocalValue, leaves: list, lead: int = 0) -> Any:
     if not _jax_takes(np.dtype(arr.dtype)):
         return None
     leaves.append(arr)
-    return ("tensor", tuple(arr.shape[lead:]), np.dtype(arr.dtype).str)
+    # the dtype itself: the `.str` of bfloat16 reads back as a void type
+    return ("tensor", tuple(arr.shape[lead:]), np.dtype(arr.dtype))
 
 
 def _jax_takes(dtype: np.dtype) -> bool:

@@ -5,12 +5,14 @@ arrays) and sums them there with 32-bit integers only: TPUs have no float64 and 
 default has no int64. A float addend is an integer multiple of its dtype's smallest
 subnormal (the unit): a significand of p <= 24 bits at a bit position `pos` of the
 exponent field. The sum is kept element-wise as signed int32 limbs of 16-bit digits,
-limb k weighing 2^(16 * (base + k)) units, over a window chosen per tensor from its
-addends' actual positions (`_span`: one cheap reduction read back as two scalars), so a
-tensor whose values span a few binades takes 3 or 4 limbs, not the 18 that float32's
-whole range would; the limb count is bucketed (`LIMB_BUCKETS`) so the sum compiles for
-few shapes. The sum is then rounded once, to nearest-even, by integer operations, and
-non-finite addends and -0 follow `exact` (NaN if any addend is NaN or both infinities
+limb k weighing 2^(16 * (base + k)) units, where each element's window starts at its
+own lowest addend bit (`_window`), so an element whose addends span a few binades takes
+3 or 4 limbs whatever the rest of the tensor holds. One reduction read back per dtype
+(`_spreads`: the widest window of each tensor) fixes the limb count, bucketed
+(`LIMB_BUCKETS`) so that the sums compile for few shapes, and then every tensor of that
+dtype is summed in one compiled call (`_float_sums`). The sum is rounded once, to
+nearest-even, by integer operations, element-wise throughout (digits picked by selects,
+not gathers, which are slow on a TPU), and non-finite addends and -0 follow `exact` (NaN if any addend is NaN or both infinities
 occur, else the infinity; -0 only if every addend is -0). Hence the result has the same
 bits as the host's `ExactSum` for the same addends, whatever the backend's float
 arithmetic does with subnormals. Integer sums wrap in their dtype, as the host's do.
@@ -114,27 +116,47 @@ class DeviceColumn:
 
 def exact_sum(column: DeviceColumn) -> jax.Array:
     """The sum of the column's addends, rounded once to their dtype (`ExactSum`'s bits)."""
-    dtype = column.dtype
-    if not supports(dtype):
-        raise AggregationError(f"the device sums no tensors of dtype {dtype}; sum them on "
-                               "the host (on_device=False)")
-    counts = tuple(jnp.int32(c) for c in column.counts)
-    if dtype.kind in "iu":
-        return _integer_sum(tuple(column.parts), counts)
-    lo, hi = (int(v) for v in jax.device_get(_span(tuple(column.parts), counts)))
-    return _float_sum(tuple(column.parts), counts, jnp.int32(max(lo, 0) >> 4),
-                      limbs=_limb_count(dtype, lo, hi, column.count))
+    return exact_sums([column])[0]
 
 
-def _limb_count(dtype: np.dtype, lo: int, hi: int, count: int) -> int:
-    """The bucketed number of limbs holding a sum of `count` addends whose lowest bit
-    lies at or above position `lo` and whose highest below `hi` + p (0: no finite
-    nonzero addend)."""
-    if hi < 0:
+def exact_sums(columns: Sequence[DeviceColumn]) -> list:
+    """`exact_sum` of each column: the float columns of one dtype in one compiled call,
+    after one read back of how many limbs they need (`_spreads`)."""
+    out: list = [None] * len(columns)
+    floats: dict = {}
+    for i, column in enumerate(columns):
+        dtype = column.dtype
+        if not supports(dtype):
+            raise AggregationError(f"the device sums no tensors of dtype {dtype}; sum them "
+                                   "on the host (on_device=False)")
+        if dtype.kind in "iu":
+            out[i] = _integer_sum(tuple(column.parts), _counts(column))
+        else:
+            floats.setdefault(dtype, []).append(i)
+    for dtype, at in floats.items():
+        group = [columns[i] for i in at]
+        parts = tuple(tuple(c.parts) for c in group)
+        counts = tuple(_counts(c) for c in group)
+        spreads = jax.device_get(_spreads(parts, counts))
+        limbs = max(_limb_count(dtype, int(s), c.count) for s, c in zip(spreads, group))
+        for i, total in zip(at, _float_sums(parts, counts, limbs=limbs)):
+            out[i] = total
+    return out
+
+
+def _counts(column: DeviceColumn) -> tuple:
+    return tuple(jnp.int32(c) for c in column.counts)
+
+
+def _limb_count(dtype: np.dtype, spread: int, count: int) -> int:
+    """The bucketed number of limbs holding, at every element, a sum of `count` addends
+    whose highest bit lies below `spread` + p above the bottom of the element's window
+    (`_window`; spread < 0: no finite nonzero addend anywhere)."""
+    if spread < 0:
         return 0
     p = float_params(dtype)[0]
-    top = hi + p + int(max(1, count)).bit_length() + 1  # the sum's bits, and a sign
-    needed = -(-(top - DIGIT_BITS * (lo >> 4)) // DIGIT_BITS) + 1
+    top = spread + p + int(max(1, count)).bit_length() + 1  # the sum's bits, and a sign
+    needed = -(-top // DIGIT_BITS) + 1
     for size in LIMB_BUCKETS:
         if size >= needed:
             return size
@@ -168,18 +190,34 @@ def _rows_of(x: jax.Array, count) -> tuple:
     return flat, (jnp.arange(x.shape[0]) < count)[:, None]
 
 
-@jax.jit
-def _span(parts: tuple, counts: tuple) -> jax.Array:
-    """[lowest, highest] bit position of the parts' finite nonzero addends ([big, -1]
-    when there is none)."""
-    lo, hi = jnp.int32(1 << 30), jnp.int32(-1)
+_NONE = 1 << 30  # the lowest position of an element with no finite nonzero addend
+
+
+def _window(parts: tuple, counts: tuple) -> tuple:
+    """Per element: the digit its window starts at (`base`: the lowest bit position of
+    its finite nonzero addends, over 16) and the highest such position (-1: none)."""
+    lo = hi = None
     for x, count in zip(parts, counts):
         flat, valid = _rows_of(x, count)
         pos, mant = _fields(flat)[:2]
         live = valid & (mant != 0)
-        lo = jnp.minimum(lo, jnp.min(jnp.where(live, pos, 1 << 30), initial=1 << 30))
-        hi = jnp.maximum(hi, jnp.max(jnp.where(live, pos, -1), initial=-1))
-    return jnp.stack([lo, hi])
+        least = jnp.min(jnp.where(live, pos, _NONE), axis=0)
+        most = jnp.max(jnp.where(live, pos, -1), axis=0)
+        lo = least if lo is None else jnp.minimum(lo, least)
+        hi = most if hi is None else jnp.maximum(hi, most)
+    return jnp.where(hi < 0, 0, lo >> 4), hi
+
+
+@jax.jit
+def _spreads(columns: tuple, counts: tuple) -> jax.Array:
+    """Per column: the largest distance, over its elements, from the bottom of an
+    element's window to its highest addend bit (-1 when no element has a finite
+    nonzero addend)."""
+    out = []
+    for parts, n in zip(columns, counts):
+        base, hi = _window(parts, n)
+        out.append(jnp.max(jnp.where(hi < 0, -1, hi - DIGIT_BITS * base), initial=-1))
+    return jnp.stack(out)
 
 
 def _carried(limbs: list) -> list:
@@ -206,9 +244,15 @@ def _block_limbs(pos, mant, negative, live, base, limbs: int) -> list:
 
 
 @functools.partial(jax.jit, static_argnames="limbs")
-def _float_sum(parts: tuple, counts: tuple, base: jax.Array, limbs: int) -> jax.Array:
+def _float_sums(columns: tuple, counts: tuple, limbs: int) -> list:
+    """Each column's exact sum, over `limbs` limbs an element from its own window."""
+    return [_float_sum(parts, n, limbs) for parts, n in zip(columns, counts)]
+
+
+def _float_sum(parts: tuple, counts: tuple, limbs: int) -> jax.Array:
     dtype = np.dtype(parts[0].dtype)
     size = math.prod(parts[0].shape[1:])
+    base = _window(parts, counts)[0][None, :]
     acc = [jnp.zeros(size, jnp.int32) for _ in range(limbs)]
     nan = pos_inf = neg_inf = jnp.zeros(size, bool)
     neg_zero = jnp.ones(size, bool)
@@ -225,21 +269,25 @@ def _float_sum(parts: tuple, counts: tuple, base: jax.Array, limbs: int) -> jax.
                 live = ok & (mant != 0)
                 added = _block_limbs(pos, mant, negative, live, base, limbs)
                 acc = _carried([a + b for a, b in zip(acc, added)])
-    bits = _rounded(acc, base, dtype) if limbs else jnp.zeros(size, jnp.uint32)
+    bits = _rounded(acc, base[0], dtype) if limbs else jnp.zeros(size, jnp.uint32)
     bits = _specials(bits, nan, pos_inf, neg_inf, neg_zero, dtype)
     nbits = 8 * dtype.itemsize
     uint = jnp.uint32 if nbits == 32 else jnp.uint16
     return lax.bitcast_convert_type(bits.astype(uint), dtype).reshape(parts[0].shape[1:])
 
 
-def _take(rows: jax.Array, at: jax.Array) -> jax.Array:
-    """rows[at[e], e] for every element e."""
-    return jnp.take_along_axis(rows, at[None, :], axis=0)[0]
+def _pick(digits: list, at: jax.Array) -> jax.Array:
+    """digits[at[e]][e] for every element e, by selects (a gather is slow on a TPU)."""
+    out = jnp.zeros_like(digits[0])
+    for k, digit in enumerate(digits):
+        out = jnp.where(at == k, digit, out)
+    return out
 
 
 def _rounded(limbs: list, base: jax.Array, dtype: np.dtype) -> jax.Array:
-    """The bits (uint32) of the finite sum held by carried `limbs`, rounded to nearest,
-    ties to even (an overflow gives the infinity)."""
+    """The bits (uint32) of the finite sum held by carried `limbs` (limb k weighing
+    2^(16 * (base + k)) units, `base` per element), rounded to nearest, ties to even (an
+    overflow gives the infinity). Element-wise throughout: it fuses into one pass."""
     p, nexp, _, _ = float_params(dtype)
     negative = limbs[-1] < 0
     magnitude = _carried([jnp.where(negative, -limb, limb) for limb in limbs])
@@ -247,28 +295,29 @@ def _rounded(limbs: list, base: jax.Array, dtype: np.dtype) -> jax.Array:
     # Two zero digits below (the rounding reads up to 32 bits under the result's last
     # bit) and two above (three digits are read from there): digit k weighs
     # 2^(16 * (low + k)) units.
-    digits = jnp.stack([zero, zero, *magnitude, zero, zero])
+    digits = [zero, zero, *magnitude, zero, zero]
     low = base - 2
-    nonzero = digits != 0
-    index = jnp.arange(digits.shape[0], dtype=jnp.int32)[:, None]
-    top = jnp.max(jnp.where(nonzero, index, -1), axis=0)
+    top = jnp.full_like(zero, -1)
+    for k, digit in enumerate(digits):
+        top = jnp.where(digit != 0, k, top)
     is_zero = top < 0
     top = jnp.maximum(top, 0)
-    head = _take(digits, top)
+    head = _pick(digits, top)
     msb = DIGIT_BITS * (top + low) + (31 - lax.clz(head))  # the sum's highest bit, in units
     ulp = jnp.maximum(msb - (p - 1), 0)  # the result's last bit
     below = ulp - DIGIT_BITS * low - 1  # the rounding bit, from the window's bottom
     first, shift = below >> 4, (below & 15).astype(jnp.uint32)
-    last = digits.shape[0] - 1
-    a, b, c = (_take(digits, jnp.minimum(first + j, last)).astype(jnp.uint32)
+    last = len(digits) - 1
+    a, b, c = (_pick(digits, jnp.minimum(first + j, last)).astype(jnp.uint32)
                for j in range(3))
     window = (a >> shift) | (b << (16 - shift)) | jnp.where(
         shift == 0, jnp.uint32(0), c << jnp.minimum(32 - shift, 31))
     window &= jnp.uint32((1 << (p + 2)) - 1)
     half, q = window & 1, window >> 1
-    seen = lax.cummax(nonzero.astype(jnp.int32), axis=0)
-    sticky = ((a & ((jnp.uint32(1) << shift) - 1)) != 0) | (
-        (first >= 1) & (_take(seen, jnp.maximum(first - 1, 0)) != 0))
+    lower = jnp.zeros(zero.shape, bool)  # a nonzero digit below digit `first`
+    for k, digit in enumerate(digits):
+        lower |= (digit != 0) & (k < first)
+    sticky = ((a & ((jnp.uint32(1) << shift) - 1)) != 0) | lower
     q = q + (half & (sticky | ((q & 1) != 0))).astype(jnp.uint32)
     top_exponent = (1 << nexp) - 1
     encoded = (jnp.minimum(ulp, top_exponent).astype(jnp.uint32) << (p - 1)) + q
@@ -310,11 +359,12 @@ def finish(kind: str, columns: Sequence[DeviceColumn], weights: Optional[DeviceC
     sums rounded once, a mean divided by the clients, a weighted mean's products
     rounded to the value's dtype before they are summed."""
     if kind == "sum":
-        return [exact_sum(c) for c in columns]
+        return exact_sums(columns)
     if kind == "mean":
         for c in columns:
             _check_divisible(c.dtype)
-        return [_divide(exact_sum(c), np.asarray(count, c.dtype)) for c in columns]
+        return _divide_all(tuple(exact_sums(columns)),
+                           tuple(np.asarray(count, c.dtype) for c in columns))
     least = float(jax.device_get(_least(tuple(weights.parts),
                                         tuple(jnp.int32(n) for n in weights.counts))))
     refusal = weights_refusal(least, False)  # each client's weight, as the host checks
@@ -325,13 +375,13 @@ def finish(kind: str, columns: Sequence[DeviceColumn], weights: Optional[DeviceC
     refusal = weights_refusal(float(total), not bool(total))
     if refusal:
         raise WeightError(refusal)
-    out = []
+    products = []
     for c in columns:
         _check_divisible(c.dtype)
-        products = DeviceColumn([_weighted(x, w) for x, w in zip(c.parts, weights.parts)],
-                                list(c.counts))
-        out.append(_divide(exact_sum(products), total.astype(c.dtype)))
-    return out
+        products.append(DeviceColumn([_weighted(x, w) for x, w in zip(c.parts, weights.parts)],
+                                     list(c.counts)))
+    return _divide_all(tuple(exact_sums(products)),
+                       tuple(total.astype(c.dtype) for c in columns))
 
 
 def _check_divisible(dtype: np.dtype) -> None:
@@ -339,6 +389,12 @@ def _check_divisible(dtype: np.dtype) -> None:
         raise AggregationError(
             f"federated mean and weighted_mean need floating-point values, got {dtype}; "
             "cast the clients' values to a float type first")
+
+
+@jax.jit
+def _divide_all(totals: tuple, bys: tuple) -> list:
+    """`_divide` of each total by its divisor, in one compiled call."""
+    return [_divide(t, b) for t, b in zip(totals, bys)]
 
 
 @jax.jit

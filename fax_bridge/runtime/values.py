@@ -26,10 +26,13 @@ Every mismatch raises `ComputationError` naming the path, what was expected and 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import federated_language
+import jax
 import numpy as np
 from federated_language.common_libs import structure
 
@@ -42,6 +45,23 @@ from fax_bridge.runtime.result_structure import with_structure
 LocalValue = Any  # np.ndarray | structure.Struct
 Pytree = Any
 
+
+
+_KEEP_DEVICE = contextvars.ContextVar("fax_bridge_keep_device_arrays", default=False)
+
+
+@contextlib.contextmanager
+def device_arrays_kept() -> Iterator[None]:
+    """Within: a jax array given as a tensor that is not CLIENTS-stacked is checked by
+    its shape and dtype and kept where it is (cast there when its dtype differs), not
+    read into numpy: a round on the device (`device_sums.on_device`) takes its model
+    and returns its result without a copy through the host. CLIENTS tensors are read
+    to the host as always (the client calls stack their rows there)."""
+    token = _KEEP_DEVICE.set(True)
+    try:
+        yield
+    finally:
+        _KEEP_DEVICE.reset(token)
 
 
 def _where(path: str) -> str:
@@ -71,7 +91,8 @@ def _tensor(value, type_: federated_language.TensorType, path: str, lead: int) -
         raise ComputationError(f"{_where(path)}: expected a tensor {type_}, got "
                                f"{_describe(value)}")
     try:
-        arr = np.asarray(value)
+        kept = not lead and isinstance(value, jax.Array) and _KEEP_DEVICE.get()
+        arr = value if kept else np.asarray(value)
     except Exception as e:
         raise ComputationError(f"{_where(path)}: cannot be read as an array ({e})") from e
     shape = tuple(type_.shape or ())
@@ -255,7 +276,7 @@ def local_to_pytree(value: LocalValue) -> Pytree:
         if names and all(names):
             return {n: local_to_pytree(v) for n, v in zip(names, value)}
         return tuple(local_to_pytree(v) for v in value)
-    return np.asarray(value)
+    return value if isinstance(value, jax.Array) and _KEEP_DEVICE.get() else np.asarray(value)
 
 
 def to_pytree(value: Any, type_: federated_language.Type,
