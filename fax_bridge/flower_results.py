@@ -4,14 +4,25 @@ A run's ServerApp leaves `reports.jsonl` and `result.npz` (dotted keys, as `fax-
 run` writes them) in its out-dir, `APP/results` unless the run config names another.
 `load_result(folder)` gives that result as the round's pytree: `folder` is the app (its
 `results` folder is read) or the out-dir (the app is the folder above it, or `app=`).
-The pytree is built from the round's result type, which the app's `round.json` records:
-dicts where every element is named, tuples otherwise (`npz_keys.result_from_npz`).
+The pytree has the structure `jax.jit(program)` gives the round's result: `fax-bridge
+flower` (`bundle.build_round`) records the program's output treedef in the app's
+`round.json`, and `load_result` rebuilds the result with it (`result_structure.
+with_structure`). Dicts, lists, tuples and None come back exactly; a NamedTuple,
+dataclass or other registered node comes back as its class where the calling process
+has already imported the class's module (nothing is imported for the file), else as a
+tuple of its children in jax's order (`result_structure.structure_from_json`); `structure=`
+(e.g. `jax.tree.structure(jax.eval_shape(program, *args))`) supplies the treedef instead.
+An app written before `round.json` recorded the structure gives the generic structure
+of the round's result type: dicts where every element is named, tuples otherwise
+(`npz_keys.result_from_npz`).
 Only a run that finished is read: every round reported, none failed
 (`parity_flower.run_outcome`).
 
 `compare_with_jit(app, program, *args)` is `check_parity(..., flower=...)` for a
 deployment started by hand: the ParityReport of that run's result against as many
-rounds of `jax.jit(program)` from `args` (`parity_flower.parity_of_run`), with whether
+rounds of `jax.jit(program)` from `args` (`parity_flower.parity_of_run`), the structure
+`load_result` gives against jit's (a "result structure" MISMATCH row where they
+differ), with whether
 it has the bits of the fleet's round plan run in process by the nodes' client runtime
 (each round report's `served`). The app must be the round `program` builds from
 `args`; another is refused by name.
@@ -61,27 +72,33 @@ def _finished(out: str) -> tuple:
     return run_outcome(out, max(1, len(reports))), reports
 
 
-def load_result(folder: str, app: Optional[str] = None) -> Any:
+def load_result(folder: str, app: Optional[str] = None, structure: Any = None) -> Any:
     """The last round's result of the Flower run whose out-dir is `folder`, or whose
     app is `folder` (its `results` out-dir), as the round's pytree (module docstring).
 
     Args:
       folder: the app `fax-bridge flower -o` wrote, or a run's out-dir.
       app: the app, for an out-dir outside it.
+      structure: the jax treedef of the program's output, instead of the one the app
+        recorded.
 
     Returns:
-      The result as a pytree of numpy arrays, e.g. `(state, metrics)` for a round
-      returning a pair. FleetError where the run failed or has not finished;
-      ComputationError where result.npz does not fit the app's round.
+      The result as a pytree of numpy arrays with the program's output structure, e.g.
+      `(state, metrics)` for a round returning a pair. FleetError where the run failed
+      or has not finished; ComputationError where result.npz does not fit the app's
+      round or `structure` has another number of leaves.
     """
     from fax_bridge.flower import bundle
-    from fax_bridge.runtime import npz_keys
+    from fax_bridge.runtime import npz_keys, result_structure
 
     package, out = _locate(folder, app)
     path, _ = _finished(out)
     made = bundle.read_round(package)
     arrays = npz_keys.read_npz(path, what="the run's result.npz")
-    return npz_keys.result_from_npz(arrays, made.prepared.result)
+    generic = npz_keys.result_from_npz(arrays, made.prepared.result)
+    treedef = result_structure.checked_structure(structure) or made.result_structure
+    return generic if treedef is None else result_structure.with_structure(generic,
+                                                                           treedef)
 
 
 def compare_with_jit(app: str, program, *args, out_dir: Optional[str] = None,
@@ -97,6 +114,8 @@ def compare_with_jit(app: str, program, *args, out_dir: Optional[str] = None,
       placements: the program's placements, as the app was written with them.
       rtol, atol: each leaf's tolerances against jit.
     """
+    import jax
+
     from fax_bridge.flower import bundle
     from fax_bridge.parity_flower import parity_of_run
     from fax_bridge.rounds import checkpoint
@@ -123,6 +142,8 @@ def compare_with_jit(app: str, program, *args, out_dir: Optional[str] = None,
         if names == {"litert"} else "xla"
     walls = [r.get("wall_s", 0.0) for r in reports]
     seconds = sum(w for w in walls if isinstance(w, (int, float)))
+    loaded = load_result(out, app=os.path.dirname(package))
     return parity_of_run(program, args, made, path, len(reports),
                          int(reports[-1].get("devices") or 0), seconds, rtol, atol,
-                         client_runtime=runtime)
+                         client_runtime=runtime,
+                         read_as=jax.tree_util.tree_structure(loaded))

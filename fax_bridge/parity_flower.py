@@ -23,12 +23,13 @@ from typing import Any, Optional
 import numpy as np
 
 from fax_bridge.errors import ArgumentError, FleetError
-from fax_bridge.parity_report import ParityReport, compare_leaves
+from fax_bridge.parity_report import LeafParity, ParityReport, compare_leaves
 
 
 def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
                   nodes: int, flower_s: float, rtol: float = 1e-5,
-                  atol: float = 1e-6, client_runtime: Any = "xla") -> ParityReport:
+                  atol: float = 1e-6, client_runtime: Any = "xla",
+                  read_as: Any = None) -> ParityReport:
     """The ParityReport of the run's result against `rounds` rounds of jit, with
     `fleet_bits`: whether its bits equal the fleet split's run in process with the
     nodes' `client_runtime` (`rounds.client_runtime`: "xla", "litert" or a runtime).
@@ -39,7 +40,9 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
       result_npz: the run's result.npz (`run_outcome`).
       rounds: the rounds the run ran; nodes: its SuperNodes; flower_s: its seconds.
       rtol, atol: the tolerances of each leaf against jit.
-      client_runtime: what ran the nodes' client parts."""
+      client_runtime: what ran the nodes' client parts.
+      read_as: the treedef the run's result is read back with (`flower_results.
+        load_result`); where it is not jit's, a "result structure" MISMATCH row."""
     import jax
     from federated_language.common_libs import structure
 
@@ -65,6 +68,10 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     keys = sorted(want)
     leaves = compare_leaves([want[k] for k in keys], [got.get(k, np.zeros(0)) for k in keys],
                             rtol, atol, paths=keys)
+    jitted = jax.tree_util.tree_structure(result)
+    if read_as is not None and read_as != jitted:
+        leaves.insert(0, LeafParity("result structure", (), "", 0.0, 0.0, False,
+                                    f"read back as {read_as}, jit gives {jitted}"))
     walls = round_walls(os.path.dirname(result_npz))
     if len(walls) > 1:
         startup["the deployment's first round"] = walls[0]

@@ -218,3 +218,89 @@ def test_a_deployment_started_by_hand_is_compared_with_jit(finished_run):
              args[1])  # another round: its state in another dtype
     with pytest.raises(ArgumentError, match="not the round"):
         flower_results.compare_with_jit(app, prog, *other, placements=placements)
+
+
+def test_a_result_read_back_in_another_structure_is_a_mismatch(finished_run, tmp_path):
+    import json
+    import os
+    import shutil
+
+    import jax
+
+    from fax_bridge import flower_results
+    from fax_bridge.flower import app_dir, bundle
+    from fax_bridge.runtime import result_structure
+
+    prog, args, placements, app, _ = finished_run
+    copy = str(tmp_path / "app")
+    shutil.copytree(app, copy)
+    path = os.path.join(copy, app_dir.PACKAGE, bundle.FILE_NAME)
+    with open(path) as f:
+        data = json.load(f)
+    jitted = jax.tree.structure(jax.eval_shape(prog, *args))
+    assert result_structure.structure_from_json(data["result-structure"]) == jitted
+    as_list = jax.tree.structure(list(jax.tree.unflatten(jitted, range(jitted.num_leaves))))
+    data["result-structure"] = result_structure.structure_to_json(as_list)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    assert isinstance(flower_results.load_result(copy), list)
+    report = flower_results.compare_with_jit(copy, prog, *args, placements=placements)
+    assert not report.ok and report.leaves[0].path == "result structure", report.table()
+    assert all(leaf.ok for leaf in report.leaves[1:]) and report.fleet_bits
+
+
+def _flower_round(extra):
+    """A Flower round `(state, client_data)` whose output has the structure of `extra`."""
+    import jax
+    import jax.numpy as jnp
+
+    import fax_bridge as fb
+
+    @fb.program(clients=3)
+    def step(state, data):
+        m = fb.federated_mean(data)
+        out = jax.tree.map(lambda x: fb.federated_map_server(
+            lambda w: jnp.sum(x).astype(jnp.float32) + w, m), extra)
+        return jax.tree.map(lambda x: x + m, state), {"mean": m, "extra": out}
+
+    return step
+
+
+@settings(max_examples=5, deadline=None)
+@given(extra=st.deferred(lambda: __import__("test_runtime_result_structure").PYTREES))
+def test_load_result_gives_the_structure_jit_gives(extra, tmp_path_factory):
+    """Lists, tuples, dicts, NamedTuples, dataclasses, None and empty containers in a
+    round's result come back from the app's result.npz as `jax.jit(program)` gives them."""
+    import json
+    import os
+
+    import jax
+    import numpy as np
+    from federated_language.common_libs import structure
+
+    from fax_bridge import flower_results, in_process
+    from fax_bridge.flower import app_dir, bundle
+    from fax_bridge.runtime import npz_keys, values
+
+    state = {"w": np.zeros(2, np.float32), "steps": [np.float32(1.0)]}
+    data = np.arange(3, dtype=np.float32)
+    step = _flower_round(extra)
+    want = jax.jit(step)(state, data)
+    made = bundle.build_round(step, state, data, placements=("server", "clients"))
+    app = str(tmp_path_factory.mktemp("app"))
+    app_dir.write_app(made, app)
+    result = in_process.run_in_process(made.split, structure.Struct(
+        [(None, made.state_value(made.state)),
+         (None, values.bind_arguments(made.prepared.parameter, (state, data),
+                                      {}).runtime_value()[1])]))
+    out = os.path.join(app, "results")
+    os.makedirs(out)
+    np.savez(os.path.join(out, "result.npz"),
+             **npz_keys.result_to_npz(result, made.prepared.result))
+    with open(os.path.join(out, "reports.jsonl"), "w") as f:
+        f.write(json.dumps({"round": 0, "error": None, "devices": 1}) + "\n")
+    got = flower_results.load_result(app)  # round.json read back, as another process does
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, np.asarray(w), rtol=1e-6)
+        assert g.dtype == np.asarray(w).dtype

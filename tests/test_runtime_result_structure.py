@@ -164,3 +164,42 @@ def test_a_structure_of_another_program_is_refused():
                                         jax.tree.structure([1, 2, 3]))
     with pytest.raises(ArgumentError, match="jax.tree.structure"):
         interpreter.prepare(b"", structure=[1, 2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=PYTREES)
+def test_a_structure_written_as_json_is_read_back_as_jit_gives_it(tree):
+    import json
+
+    want = jax.tree.structure(jax.jit(lambda t: t)(tree))
+    text = json.dumps(result_structure.structure_to_json(want))
+    assert result_structure.structure_from_json(json.loads(text)) == want
+
+
+def test_a_node_whose_class_is_not_imported_here_comes_back_as_a_tuple():
+    import json
+
+    tree = {"p": Pair(1, [2, None]), "t": Tagged(3, tag="x")}
+    text = json.dumps(result_structure.structure_to_json(jax.tree.structure(tree)))
+    text = text.replace(f"{__name__}:", "a_module_never_imported:")
+    got = result_structure.structure_from_json(json.loads(text))
+    assert got == jax.tree.structure({"p": (1, [2, None]), "t": (3,)})
+    assert "a_module_never_imported" not in __import__("sys").modules
+
+
+@pytest.mark.parametrize("hostile", [
+    None, {"format": 2, "tree": "*"}, {"format": 1, "tree": {"type": "tuple"}},
+    {"format": 1, "tree": {"type": "dict", "data": {"list": ["a"]}, "children": []}},
+    {"format": 1, "tree": {"type": "tuple", "data": {"set": [1]}, "children": []}},
+])
+def test_json_not_of_the_schema_is_refused(hostile):
+    with pytest.raises(ValueError, match="result structure"):
+        result_structure.structure_from_json(hostile)
+
+
+def test_a_structure_too_deep_is_refused_before_it_is_built():
+    tree: Any = "*"
+    for _ in range(300):
+        tree = {"type": "list", "children": [tree]}
+    with pytest.raises(ValueError, match="levels deep"):
+        result_structure.structure_from_json({"format": 1, "tree": tree})

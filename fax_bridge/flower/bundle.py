@@ -19,7 +19,9 @@ state (the example state's tensors, depth first over the state's type).
 
 A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
 10 MB, so `round.json` holds the proto base64-encoded and the state's tensors likewise.
-`read_round(folder)` reads it back where the ServerApp and ClientApps run. Flower hands
+`read_round(folder)` reads it back where the ServerApp and ClientApps run. It also
+records the program's output treedef, as jit gives it (`result_structure.
+structure_to_json`), which `flower_results.load_result` rebuilds the run's result with. Flower hands
 the whole bundle to every ClientApp process it starts (one a message), which hashes,
 unpacks and checks it before running, and the ClientApps never use the state; so a
 state over `MAX_STATE_IN_BUNDLE_BYTES` (`state_in_bundle`: a model of more than 16k
@@ -47,7 +49,7 @@ from fax_bridge import private_files
 from fax_bridge.errors import ComputationError, ExportError
 from fax_bridge.rounds import round_split
 from fax_bridge.rounds import wire
-from fax_bridge.runtime import backend, interpreter, values
+from fax_bridge.runtime import backend, interpreter, result_structure, values
 
 FORMAT = "fax_bridge.flower.round.v1"
 FILE_NAME = "round.json"
@@ -78,6 +80,10 @@ class FlowerRound:
     # client data argument, each where it is one argument), which name the carried
     # model's inputs; None when read
     argument_names: Optional[list] = None
+    # the jax treedef of the program's output as jit gives it (`build_round`), or as
+    # round.json recorded it (`result_structure.structure_from_json`); None for an app
+    # written before round.json recorded it
+    result_structure: Optional[Any] = None
 
     @functools.cached_property
     def prepared(self) -> interpreter.Prepared:
@@ -153,7 +159,8 @@ def build_round(fn: Callable, *args: Any, placements: Any = None,
     bound = values.bind_arguments(prepared.parameter, args, {})
     state = bound.runtime_value()[0]
     made = FlowerRound(proto=proto, state=backend.leaves(backend.as_numpy(state)),
-                       aggregands=record, argument_names=_element_names(fn, comp))
+                       aggregands=record, argument_names=_element_names(fn, comp),
+                       result_structure=comp.out_tree)
     made.split  # refuses what cannot be split, here rather than on the nodes
     from fax_bridge.flower import secagg
 
@@ -374,6 +381,8 @@ def write_round(made: FlowerRound, folder: str, state_path: Optional[str] = None
                          for t in made.state],
         "litert-models": {name: hashlib.sha256(model.encode()).hexdigest()
                           for name, model in models},
+        "result-structure": None if made.result_structure is None else
+        result_structure.structure_to_json(made.result_structure),
     })
     if len(text) + 90 > MAX_BUNDLE_BYTES:  # with the state file's sha256
         raise ExportError(
@@ -419,8 +428,12 @@ def read_round(folder: str) -> FlowerRound:
         state_sha256 = data.get("state-sha256")
         if state_sha256 is not None and not isinstance(state_sha256, str):
             raise ValueError("state-sha256 is not a string")
+        recorded = data.get("result-structure")
+        treedef = None if recorded is None else \
+            result_structure.structure_from_json(recorded)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ExportError(f"{path} is not a fax_bridge Flower round ({e}); write it again "
                           "with `fax-bridge flower`") from None
     return FlowerRound(proto=proto, state=state, state_outside=outside,
-                       state_sha256=state_sha256, litert_models=models)
+                       state_sha256=state_sha256, litert_models=models,
+                       result_structure=treedef)

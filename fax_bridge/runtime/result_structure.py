@@ -9,11 +9,22 @@ proto object it builds (`keep_structure`), `interpreter.prepare` finds it again
 (`kept_structure`), and `with_structure` rebuilds each result with it. A proto read
 from a file, copied or built elsewhere carries no treedef: its results keep the generic
 structure (`interpreter.prepare(proto, structure=treedef)` supplies one).
+
+A treedef written down for another process (a Flower app's `round.json`) goes through
+`structure_to_json` / `structure_from_json` (schema `STRUCTURE_FORMAT`): dicts, lists,
+tuples and None come back exactly; a NamedTuple, dataclass or other registered node
+comes back as its class only where the reading process has already imported the class's
+module (looked up by module and qualified name in `sys.modules`; the text never makes
+anything be imported) and registered it, and where its auxiliary data was plain (None,
+bool, int, float, str and tuples or lists of them). Any other node comes back as a tuple
+of its children in jax's flattening order. The text is read as untrusted input: its
+size and depth are bounded and nothing in it is executed.
 """
 
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from typing import Any, Optional
 
@@ -89,3 +100,116 @@ def kept_structure(proto: Any) -> Optional[Any]:
     with _kept_lock:
         hit = _KEPT_STRUCTURES.get(id(proto))
     return hit[1] if hit is not None and hit[0] is proto else None
+
+
+# `structure_to_json`'s schema: {"format": 1, "tree": NODE}; NODE is "*" (a leaf), null
+# (None) or {"type": "tuple" | "list" | "dict" | "MODULE:QUALNAME", "data": AUX (absent:
+# none), "opaque": true (aux data not written: read as a tuple), "children": [NODE...]};
+# AUX is a JSON scalar, {"tuple": [AUX...]} or {"list": [AUX...]}.
+# 1 (2026-12): first version.
+STRUCTURE_FORMAT = 1
+_MAX_NODES = 1_000_000
+_MAX_DEPTH = 200
+_BUILTIN = {tuple: "tuple", list: "list", dict: "dict"}
+_OPAQUE = object()
+
+
+def _aux_to_json(value: Any, depth: int = 0) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list) and depth < 32:
+        items = [_aux_to_json(v, depth + 1) for v in value]
+        if all(i is not _OPAQUE for i in items):
+            return {type(value).__name__: items}
+    return _OPAQUE
+
+
+def _aux_from_json(value: Any, depth: int = 0) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict) and len(value) == 1 and depth < 32:
+        (kind, items), = value.items()
+        if kind in ("tuple", "list") and isinstance(items, list):
+            made = [_aux_from_json(v, depth + 1) for v in items]
+            return tuple(made) if kind == "tuple" else made
+    raise ValueError(f"result structure: auxiliary data {str(value)[:80]} is not of the "
+                     "schema")
+
+
+def structure_to_json(structure: Any) -> dict:
+    """A jax treedef as JSON-able data (`STRUCTURE_FORMAT`), for `structure_from_json`."""
+    checked_structure(structure)
+
+    def node(tree) -> Any:
+        data = tree.node_data()
+        if data is None:
+            return "*"
+        kind, aux = data
+        if kind is type(None):
+            return None
+        out: dict = {"type": _BUILTIN.get(kind) or
+                     f"{kind.__module__}:{kind.__qualname__}"}
+        if aux is not None:
+            encoded = _aux_to_json(aux)
+            if encoded is _OPAQUE:
+                out["opaque"] = True
+            else:
+                out["data"] = encoded
+        out["children"] = [node(c) for c in tree.children()]
+        return out
+
+    return {"format": STRUCTURE_FORMAT, "tree": node(structure)}
+
+
+def _registered_class(name: str) -> Optional[type]:
+    """The class `MODULE:QUALNAME` names, from a module already imported, or None."""
+    module_name, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        if found is None or not part.isidentifier():
+            return None
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) else None
+
+
+def structure_from_json(data: Any) -> Any:
+    """The treedef `structure_to_json` wrote (module docstring: which nodes come back as
+    their class, and which as tuples). ValueError where `data` is not of the schema."""
+    if not isinstance(data, dict) or data.get("format") != STRUCTURE_FORMAT:
+        raise ValueError(f"result structure of format {str(data)[:40]}, expected "
+                         f"{{'format': {STRUCTURE_FORMAT}, ...}}")
+    registry = jax.tree_util.default_registry
+    make = jax.tree_util.PyTreeDef.from_node_data_and_children
+    count = [0]
+
+    def node(entry: Any, depth: int) -> Any:
+        count[0] += 1
+        if count[0] > _MAX_NODES or depth > _MAX_DEPTH:
+            raise ValueError(f"result structure over {_MAX_NODES} nodes or "
+                             f"{_MAX_DEPTH} levels deep")
+        if entry == "*":
+            return jax.tree_util.tree_structure(0)
+        if entry is None:
+            return jax.tree_util.tree_structure(None)
+        if not (isinstance(entry, dict) and isinstance(entry.get("type"), str)
+                and isinstance(entry.get("children"), list)):
+            raise ValueError(f"result structure: node {str(entry)[:80]} is not of the "
+                             "schema")
+        children = [node(c, depth + 1) for c in entry["children"]]
+        name = entry["type"]
+        aux = _aux_from_json(entry["data"]) if "data" in entry else None
+        kind = {v: k for k, v in _BUILTIN.items()}.get(name)
+        if kind is dict:
+            if not (isinstance(aux, list) and len(aux) == len(children)
+                    and len(set(map(repr, aux))) == len(aux)):
+                raise ValueError("result structure: a dict node without one key a child")
+        elif kind is None and not entry.get("opaque"):
+            kind = _registered_class(name)
+        if kind is not None:
+            try:
+                return make(registry, (kind, aux), children)
+            except (RuntimeError, TypeError, ValueError):
+                pass  # not registered here, or other aux data: a tuple (docstring)
+        return make(registry, (tuple, None), children)
+
+    return node(data.get("tree"), 0)
