@@ -8,7 +8,10 @@ it is done its entries (each file, or a folder written whole such as a populatio
 against the folder's record (`RECORD`, a small JSON file fax_bridge keeps there naming
 the entries each kind of output wrote): an entry already there that the record does not
 name, or a symlink or file where a folder goes, is another file, and the command is
-refused naming it, unless `force`. Entries the record names for the same kind that this
+refused naming it, unless `force`. A command whose output takes long to make (a
+conversion) first checks the entries it will write with `check_entries`, which refuses
+with the same text before any work starts; `place` checks again when moving, for a file
+that appeared meanwhile. Entries the record names for the same kind that this
 write no longer makes are removed, so a rewrite leaves no stale file of an older one;
 a record naming a path outside the folder is not a record of fax_bridge's, and refused
 so. Nothing is followed through a symlink inside the folder.
@@ -212,6 +215,38 @@ def _entries_of(stage: str, whole: Sequence[str]) -> list:
     return sorted(out)
 
 
+def _refuse_conflicts(folder: str, entries: Sequence[str], force: bool,
+                      what: str) -> dict:
+    """The folder's record; an OutputError, unless `force`, where writing `entries`
+    would replace a file fax_bridge did not write (or the record is not ours)."""
+    record = read_record(folder)
+    if record is None and not force:
+        raise OutputError(f"{what} {_shown(folder)}: {RECORD} there is not fax_bridge's "
+                          f"record of the files it wrote; remove it, or {FORCE_HINT}")
+    record = record or {}
+    ours = {e for entries in record.values() for e in entries}
+    conflicts = sorted({c for e in entries for c in _conflicts(folder, e, ours)})
+    if conflicts and not force:
+        shown = ", ".join(_shown(os.path.join(folder, c)) for c in conflicts[:3])
+        more = f" and {len(conflicts) - 3} more" if len(conflicts) > 3 else ""
+        raise OutputError(
+            f"{what} {_shown(folder)}: writing it would replace {shown}{more}, which "
+            f"fax-bridge did not write; move them away, choose another folder, or give "
+            "--force to replace them")
+    return record
+
+
+def check_entries(folder: str, entries: Sequence[str], *, force: bool = False,
+                  what: str = "the output folder") -> None:
+    """Refuses, before any work whose output goes to `folder` starts, what `place` would
+    refuse for these entries (files relative to `folder`, a folder written whole as
+    `name/`): an OutputError with the same text. Creates nothing; `place` checks again
+    when it moves the output, for a file that appeared meanwhile."""
+    check_folder(folder, what)
+    if _is_folder(folder):
+        _refuse_conflicts(folder, entries, force, what)
+
+
 def place(folder: str, stage: str, kind: str, *, force: bool = False,
           whole: Sequence[str] = (), reserve: Sequence[str] = (),
           what: str = "the output folder") -> list:
@@ -221,21 +256,8 @@ def place(folder: str, stage: str, kind: str, *, force: bool = False,
 
     Raises OutputError, moving nothing, when an entry would replace a file fax_bridge
     did not write (unless `force`)."""
-    record = read_record(folder)
-    if record is None and not force:
-        raise OutputError(f"{what} {_shown(folder)}: {RECORD} there is not fax_bridge's "
-                          f"record of the files it wrote; remove it, or {FORCE_HINT}")
-    record = record or {}
-    ours = {e for entries in record.values() for e in entries}
     entries = _entries_of(stage, whole) + list(reserve)
-    conflicts = sorted({c for e in entries for c in _conflicts(folder, e, ours)})
-    if conflicts and not force:
-        shown = ", ".join(_shown(os.path.join(folder, c)) for c in conflicts[:3])
-        more = f" and {len(conflicts) - 3} more" if len(conflicts) > 3 else ""
-        raise OutputError(
-            f"{what} {_shown(folder)}: writing it would replace {shown}{more}, which "
-            f"fax-bridge did not write; move them away, choose another folder, or give "
-            "--force to replace them")
+    record = _refuse_conflicts(folder, entries, force, what)
     stale = [e for e in record.get(kind, []) if e not in entries]
     record[kind] = sorted(set(record.get(kind, [])) | set(entries))
     for other in record:

@@ -122,3 +122,24 @@ def test_litert_takes_the_clients_a_program_declares(tmp_path, capsys):
     assert cli.main(["litert", f"{path}:declared", "--clients", "4", "-o",
                      str(tmp_path / "o3")]) == 2
     assert "clients=3, but --clients 4" in capsys.readouterr().err
+
+
+def test_litert_refuses_a_file_in_the_way_before_converting(tmp_path, capsys,
+                                                            monkeypatch):
+    import fax_bridge as fb
+    from fax_bridge.litert import manifest
+
+    def never(*args, **kwargs):
+        raise AssertionError("the round was exported or converted before the folder "
+                             "was checked")
+
+    monkeypatch.setattr(fb, "export_tff", never)
+    monkeypatch.setattr(manifest, "convert_named", never)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "check.py").write_text("mine")
+    assert cli.main(["litert", f"{QUICKSTART}:fedavg_round", "--clients", "3", "-o",
+                     str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"would replace '{out}{os.sep}check.py'" in err and "--force" in err, err
+    assert (out / "check.py").read_text() == "mine" and os.listdir(out) == ["check.py"]

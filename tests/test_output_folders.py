@@ -242,3 +242,40 @@ def test_a_folder_others_can_write_is_refused_before_anything_is_written(tmp_pat
     with pytest.raises(FaxBridgeError, match="writable by others"):
         write(str(shared / "out"), ["a"], "x")
     assert os.listdir(shared) == []
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ours=st.sets(paths, min_size=1, max_size=5).filter(_prefix_free),
+       theirs=st.lists(st.tuples(paths, st.sampled_from(["file", "dir", "link"])),
+                       max_size=5),
+       force=st.booleans())
+def test_entries_are_refused_before_any_work_exactly_as_the_write_refuses_them(
+        tmp_path_factory, ours, theirs, force):
+    root = tmp_path_factory.mktemp("out")
+    folder, victim = str(root / "folder"), str(root / "victim")
+    os.makedirs(victim)
+    os.makedirs(folder)
+    plant(folder, victim, theirs)
+    before = snapshot(folder)
+    try:
+        output_folders.check_entries(folder, sorted(ours), force=force)
+        early = None
+    except OutputError as e:
+        early = str(e)
+    assert snapshot(folder) == before  # nothing made: no stage, no folder, no record
+    assert not os.path.lexists(os.path.join(folder, output_folders.RECORD))
+    try:
+        write(folder, ours, "x", force=force)
+        late = None
+    except OutputError as e:
+        late = str(e)
+    assert early == late
+
+
+def test_entries_of_a_folder_not_there_yet_are_checked_without_making_it(tmp_path):
+    output_folders.check_entries(str(tmp_path / "new" / "out"), ["a", "b/c"])
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(OutputError, match="file"):
+        output_folders.check_entries(str(tmp_path / "file"), ["a"])

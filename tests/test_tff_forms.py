@@ -185,3 +185,22 @@ def test_refused_exactly_when_a_broadcast_depends_on_an_aggregate(steps):
     else:
         proto, _ = forms.round_proto(round_fn, W, X, placements=("server", "clients"))
         assert set(forms.intrinsic_uris(proto)) <= forms.FORM_INTRINSICS
+
+
+@pytest.mark.parametrize("form", ["daf", "mrf"])
+def test_cli_refuses_a_file_in_the_way_before_building_the_form(tmp_path, capsys,
+                                                                monkeypatch, form):
+    def never(*args, **kwargs):
+        raise AssertionError("the form was built before the folder was checked")
+
+    monkeypatch.setattr(forms, "to_distribute_aggregate_form", never)
+    monkeypatch.setattr(forms, "to_map_reduce_form", never)
+    out = tmp_path / "out"
+    out.mkdir()
+    piece = forms.form_files(form)[0]
+    (out / piece).write_bytes(b"mine")  # the user's file where a piece goes
+    rc = cli_main(["forms", f"{REPO}/examples/quickstart.py:fedavg_round", "--form", form,
+                   "--clients", "3", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"would replace '{out}{os.sep}{piece}'" in err and "--force" in err
+    assert (out / piece).read_bytes() == b"mine" and sorted(os.listdir(out)) == [piece]

@@ -36,6 +36,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         prog, example, placements = resolve_program(args.target, args.clients)
+        output_folders.check_entries(args.out, manifest.FILES, force=args.force,
+                                     what="-o")  # before converting
         proto = fb.export_tff(prog, *example, placements=placements)
         split = round_split.split_of(proto)  # as every runtime splits it, secure sums too
         if split is None:  # a round of several trips: a model per trip, run elsewhere

@@ -295,6 +295,9 @@ def build(split, model: convert.ClientModel, signature: str,
     }
 
 
+FILES = (MODEL_FILE, "manifest.json", EXAMPLE_FILE, "check.py")  # what `write` writes
+
+
 def write(out_dir: pathlib.Path, split, model: convert.ClientModel, signature: str,
           example: tuple, bounds: Optional[list] = None) -> dict:
     """Writes the four files (module docstring) into `out_dir`; returns the manifest."""

@@ -332,6 +332,13 @@ def to_map_reduce_form(fn: Callable, *args, placements: Any = None,
     return _to_form("mrf", fn, args, placements, clients, None)
 
 
+def form_files(kind: str) -> list:
+    """The files `write_form` writes for a form of `kind` ("daf" or "mrf") built by
+    `to_distribute_aggregate_form` / `to_map_reduce_form`, before it is built."""
+    pieces = FORMS[kind][1]
+    return [f"{name}.pb" for name in pieces + ("round", "input_round")] + ["manifest.json"]
+
+
 def write_form(form: Form, out_dir: str) -> dict:
     """Writes each piece as `PIECE.pb`, the re-derived round as `round.pb` and
     `manifest.json` (form, types, sizes, sha256 of each file); returns the manifest."""

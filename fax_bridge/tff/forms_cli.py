@@ -24,6 +24,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         prog, prog_args, placements = resolve_program(args.target, args.clients)
+        output_folders.check_entries(args.output, forms.form_files(args.form),
+                                     force=args.force, what="-o")  # before building
         build = (forms.to_distribute_aggregate_form if args.form == "daf"
                  else forms.to_map_reduce_form)
         form = build(prog, *prog_args, placements=placements)
