@@ -271,3 +271,66 @@ def test_the_one_trip_variant_the_refusal_names_builds_written_as_state_and_clie
     made = bundle.build_round(one_trip_round, state, {"data": data, "mask": mask},
                               placements=("server", "clients"))
     assert made.argument_names == ["state", "client_data"] and len(made.aggregands) >= 1
+
+
+THREE_ARGUMENTS = '''
+import jax.numpy as jnp
+import numpy as np
+import fax_bridge as fb
+
+
+def masked_mean(state, batches, mask):
+    total = fb.federated_map_clients(lambda b, m: jnp.sum(b * m), (batches, mask))
+    return state, fb.federated_mean(total)
+
+
+def flower_round(state, client_data):  # the wrapper the refusal shows
+    batches, mask = client_data
+    return masked_mean(state, batches, mask)
+
+
+def masked_mean_example_args(clients):
+    data = np.ones((clients, 4), np.float32)
+    return (np.float32(0), data, data > 0), ("server", "clients", "clients")
+
+
+def flower_round_example_args(clients):
+    (state, data, mask), _ = masked_mean_example_args(clients)
+    return (state, (data, mask)), ("server", "clients")
+'''
+
+
+def test_a_round_of_three_arguments_is_refused_naming_them_and_the_wrapper(
+        tmp_path, capsys, monkeypatch):
+    from fax_bridge import cli
+    from fax_bridge.tff import forms
+
+    path = tmp_path / "three.py"
+    path.write_text(THREE_ARGUMENTS)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the round was traced before its arguments were checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(forms, "round_proto", never)
+        rc = cli.main(["flower", f"{path}:masked_mean", "--clients", "3", "-o",
+                       str(tmp_path / "app")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "takes 2 arguments" not in err, err
+    assert "rounds (state, client_data)" in err and "masked_mean takes 3 (state@SERVER, " \
+        "batches@CLIENTS, mask@CLIENTS)" in err, err
+    assert "def flower_round(state, client_data):\n        batches, mask = client_data\n" \
+        "        return program(state, batches, mask)" in err, err
+    assert "(state, (batches, mask))" in err and not (tmp_path / "app").exists(), err
+    # the wrapper it shows is a round an app is written for
+    assert cli.main(["flower", f"{path}:flower_round", "--clients", "3", "-o",
+                     str(tmp_path / "app")]) == 0, capsys.readouterr().err
+
+
+def test_a_round_of_one_argument_is_refused_asking_for_the_clients_data():
+    def alone(state):
+        return state, state
+
+    with pytest.raises(ExportError, match=r"alone takes 1 \(state@SERVER\); give it the "
+                                          "clients' data as its second argument"):
+        bundle.build_round(alone, np.float32(0), placements=("server",))

@@ -14,7 +14,9 @@ pytree path (`aggregands`, `argument_names`: `carried.pack`). Its secure sums (`
 `federated_secure_mean`, built on the bitwidth sum) are aggregations of the split that
 Flower's SecAgg+ sums (`flower/secagg.py`); one that SecAgg+ cannot carry exactly
 however the example's clients are split over SuperNodes is refused by name
-(`secagg.check_build`). `FlowerRound` holds the round, its split and the initial server
+(`secagg.check_build`). A program of other than two arguments (an algorithm's
+`next(state, data, mask)`) is refused before it is traced (`refuse_arity`), naming its
+parameters and the round of two arguments that wraps it. `FlowerRound` holds the round, its split and the initial server
 state (the example state's tensors, depth first over the state's type).
 
 A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
@@ -148,6 +150,7 @@ def build_round(fn: Callable, *args: Any, placements: Any = None,
     from fax_bridge import pytree_names
     from fax_bridge.litert import manifest
 
+    refuse_arity(fn, args, placements)
     try:
         with pytree_names.recording_aggregands() as record:
             proto, comp = forms.round_proto(manifest.fresh(fn), *args,
@@ -186,6 +189,43 @@ def _element_names(fn: Callable, comp) -> list:
             comp.in_placements[j] is placement for j in jax.tree_util.tree_leaves(sub))]
         out.append(mine[0] if len(mine) == 1 and mine[0] else default)
     return out
+
+
+def refuse_arity(fn: Callable, args: tuple, placements: Any = None) -> None:
+    """Raises `ExportError` where `args` are not the two arguments `(state,
+    client_data)` of a Flower round, naming the program's parameters, their placements
+    and the round of two arguments that wraps it; returns otherwise."""
+    if len(args) == 2:
+        return
+    from fax_bridge.tff import export
+
+    names = [n or f"arg{i}" for i, n in enumerate(export.argument_names(fn, len(args)))]
+    if isinstance(placements, (list, tuple)) and len(placements) == len(args):
+        where = [str(getattr(p, "name", p)).upper() for p in placements]
+        shown = ", ".join(f"{n}@{w}" for n, w in zip(names, where))
+    else:
+        where, shown = [], ", ".join(names)
+    extra = names[1:]
+    clients = [n for n, w in zip(names[1:], where[1:]) if w == "CLIENTS"] or extra
+    others = [n for n in extra if n not in clients]
+    name = _program_name(fn)
+    head = (f"a Flower app runs rounds (state, client_data) -> (new_state, output): two "
+            f"arguments, the server state and the clients' data; {name} takes "
+            f"{len(args)} ({shown or 'none'})")
+    if len(args) < 2:
+        raise ExportError(head + "; give it the clients' data as its second argument, "
+                          "placed at CLIENTS")
+    state = names[0]
+    unpack = ", ".join(clients) + ("," if len(clients) == 1 else "")
+    raise ExportError(
+        head + ". Wrap it in a round of two arguments whose client_data holds its "
+        f"CLIENTS arguments ({', '.join(clients)}: a tuple, or a dict)"
+        + (f" and whose {state} holds its other SERVER arguments ({', '.join(others)})"
+           if others else "") +
+        f", e.g.\n    def flower_round({state}, client_data):\n        {unpack} = "
+        f"client_data\n        return program({', '.join(names)})\nwith program = "
+        f"{name}, example arguments ({state}, ({unpack})) and placements "
+        "(\"server\", \"clients\")")
 
 
 ELSEWHERE = (
