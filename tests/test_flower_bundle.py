@@ -309,7 +309,7 @@ def test_a_round_of_three_arguments_is_refused_naming_them_and_the_wrapper(
     path.write_text(THREE_ARGUMENTS)
 
     def never(*args, **kwargs):
-        raise AssertionError("the round was traced before its arguments were checked")
+        raise AssertionError("the round was exported before its arguments were checked")
 
     with monkeypatch.context() as m:
         m.setattr(forms, "round_proto", never)

@@ -15,8 +15,8 @@ pytree path (`aggregands`, `argument_names`: `carried.pack`). Its secure sums (`
 Flower's SecAgg+ sums (`flower/secagg.py`); one that SecAgg+ cannot carry exactly
 however the example's clients are split over SuperNodes is refused by name
 (`secagg.check_build`). A program of other than two arguments (an algorithm's
-`next(state, data, mask)`) is refused before it is traced (`refuse_arity`), naming its
-parameters and the round of two arguments that wraps it. `FlowerRound` holds the round, its split and the initial server
+`next(state, data, mask)`) is refused before it is exported (`refuse_arity`), naming
+its parameters and the round of two arguments that wraps it. `FlowerRound` holds the round, its split and the initial server
 state (the example state's tensors, depth first over the state's type).
 
 A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
@@ -150,6 +150,8 @@ def build_round(fn: Callable, *args: Any, placements: Any = None,
     from fax_bridge import pytree_names
     from fax_bridge.litert import manifest
 
+    if len(args) > 2:  # several trips or client state first: it runs elsewhere
+        refuse_phased(fn, args, placements, clients)
     refuse_arity(fn, args, placements)
     try:
         with pytree_names.recording_aggregands() as record:
