@@ -146,8 +146,9 @@ def test_any_entry_of_another_dtype_or_shape_is_refused_naming_it(tmp_path_facto
     path.write_bytes(_npz(dtypes=np.array(names), **arrays))
     want = like[which]
     same = (np.dtype(stored_dtype) == want.dtype and stored_shape == want.shape) or (
-        bundle._needs_bytes(want.dtype) and np.dtype(stored_dtype) == np.uint8  # its bytes
-        and stored_shape == want.shape + (want.dtype.itemsize,))
+        bundle._needs_bytes(want.dtype) and np.dtype(stored_dtype) == np.uint8  # its bytes,
+        and stored_shape == want.shape + (want.dtype.itemsize,)  # labelled as write_state
+        and label == "expected")  # labels them: with the round's dtype, not "uint8"
     try:
         got = bundle.read_state(str(path), like)
     except ExportError as e:
