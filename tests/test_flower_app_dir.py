@@ -432,3 +432,31 @@ def test_every_run_config_key_the_server_reads_can_be_set_with_run_config(tmp_pa
     assert (settings.population_size, fused["num-rounds"]) == (12, 3)
     with pytest.raises(ValueError, match="not present"):  # Flower's refusal, kept
         get_fused_config_from_dir(pathlib.Path(folder), {"no-such-key": 1})
+
+
+@pytest.mark.parametrize("mine", list(app_dir.FILES) + [".flwr/check/x"])
+def test_a_users_file_is_refused_before_the_round_is_built(tmp_path, monkeypatch, capsys,
+                                                           mine):
+    """Each file every app writes (`app_dir.FILES`, and the check's folder under
+    --check) is refused before the round is exported or converted, with the text the
+    placing check gives; the app written then holds every one of `FILES`."""
+    from fax_bridge.flower import bundle
+
+    (tmp_path / mine).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / mine).write_text("mine\n")
+    built = bundle.build_round
+
+    def never(*a, **k):
+        raise AssertionError("the round was built before the folder was checked")
+
+    monkeypatch.setattr(bundle, "build_round", never)
+    argv = ["flower", f"{QUICKSTART}:fedavg_round", "--clients", str(N), "-o",
+            str(tmp_path)] + (["--check"] if mine.startswith(".flwr/check") else [])
+    err = _one_line_refusal(argv, capsys)
+    assert "fax-bridge did not write" in err and "--force" in err
+    assert (tmp_path / mine).read_text() == "mine\n"
+    if mine == app_dir.FILES[0]:
+        monkeypatch.setattr(bundle, "build_round", built)
+        assert cli.main(argv + ["--force"]) == 0
+        for name in app_dir.FILES:
+            assert (tmp_path / name).is_file(), name

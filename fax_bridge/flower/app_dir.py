@@ -30,8 +30,8 @@ from typing import Optional, Sequence, Union
 
 from fax_bridge import output_folders
 from fax_bridge.errors import ExportError
-from fax_bridge.flower.bundle import (LITERT_DIR, MAX_BUNDLE_BYTES, FlowerRound,
-                                      models_dir, state_in_bundle, write_round)
+from fax_bridge.flower.bundle import (FILE_NAME, LITERT_DIR, MAX_BUNDLE_BYTES,
+                                      FlowerRound, models_dir, state_in_bundle, write_round)
 from fax_bridge.flower.server import RUN_CONFIG
 from fax_bridge.flower.toml_text import (CONNECTION, connection_toml, node_config_text,
                                          toml_key, toml_string, toml_value)
@@ -290,6 +290,18 @@ def litert_models(made: FlowerRound) -> list:
 
 
 KIND = "flower app"  # this app's entries in the folder's record (`output_folders`)
+# The entries every app writes (`write_app`), checked before a round is built or
+# converted (`check_folder`); the LiteRT models and a state kept beside the app are
+# checked when the app is placed.
+FILES = ("pyproject.toml", "README.md", ".flwr/config.toml", f"{PACKAGE}/__init__.py",
+         f"{PACKAGE}/server_app.py", f"{PACKAGE}/client_app.py", f"{PACKAGE}/{FILE_NAME}")
+
+
+def check_folder(folder: str, *, force: bool = False, reserve: Sequence[str] = ()) -> None:
+    """Refuses, before any round is built, an app folder whose files `write_app` would
+    refuse to replace (`output_folders.check_entries`, the same text)."""
+    output_folders.check_entries(folder, list(FILES) + list(reserve), force=force,
+                                 what="the app folder")
 
 
 def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:9093",

@@ -39,6 +39,8 @@ def _run(args: argparse.Namespace) -> int:
     check_dir = os.path.join(args.output, ".flwr", "check")  # outside the bundle
     try:
         prog, prog_args, placements = resolve_program(args.target, args.clients)
+        app_dir.check_folder(args.output, force=args.force,  # before building, converting
+                             reserve=[".flwr/check/"] if args.check else [])
         made = bundle.build_round(prog, *prog_args, placements=placements)
         models = app_dir.litert_models(made) if args.litert else []  # before any write
         pops = args.write_population or (os.path.join(check_dir, "pops") if args.check
