@@ -1184,8 +1184,11 @@ def deployed(tmp_path_factory, populations):
     assert cli.main(["flower", f"{QUICKSTART}:fedavg_round", "-o", folder, "--clients",
                      str(N)]) == 0
     creds = local_credentials(str(tmp_path_factory.mktemp("creds")), nodes=2)
+    # The SuperExecs poll for runs every 0.5 s, not LocalDeployment's 0.05 s: polling
+    # idle at that rate took a third of a core all through this module's tests (a run
+    # starts up to 0.45 s later).
     with LocalDeployment(populations, str(tmp_path_factory.mktemp("flwr")),
-                         credentials=creds) as d:
+                         credentials=creds, poll_s=0.5) as d:
         yield Deployed(d, folder, creds)
         pids = d.pids()
     assert not running(pids), f"processes left running: {running(pids)}"
