@@ -335,3 +335,18 @@ def test_a_round_of_one_argument_is_refused_asking_for_the_clients_data():
     with pytest.raises(ExportError, match=r"alone takes 1 \(state@SERVER\); give it the "
                                           "clients' data as its second argument"):
         bundle.build_round(alone, np.float32(0), placements=("server",))
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 4])
+def test_arguments_a_round_does_not_take_are_left_to_the_arity_refusal(count):
+    """refuse_phased traces nothing for arguments the program cannot take (no raw
+    TypeError from the user's function); `refuse_arity` then names what to give."""
+    def traced(*a, **k):
+        raise AssertionError("traced a call the program cannot take")
+
+    def step(state, client_data):
+        return traced()
+
+    bundle.refuse_phased(step, tuple(range(count)))  # returns
+    with pytest.raises(ExportError, match=f"step takes {count}"):
+        bundle.refuse_arity(step, tuple(range(count)))

@@ -247,6 +247,20 @@ def _program_name(fn: Callable) -> str:
     return name.replace(".<locals>.", ".")
 
 
+def _takes(fn: Callable, count: int) -> bool:
+    """Whether `fn` can be called with `count` positional arguments (True where its
+    signature cannot be read: tracing then says)."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
 def refuse_phased(fn: Callable, args: tuple, placements: Any = None,
                   clients: Optional[int] = None) -> None:
     """Raises `ExportError` naming why the round of `fn` cannot run on Flower when it
@@ -256,6 +270,8 @@ def refuse_phased(fn: Callable, args: tuple, placements: Any = None,
     from fax_bridge import tracing
     from fax_bridge.tff import export, forms
 
+    if not _takes(fn, len(args)):  # nothing to trace: the caller's arity refusal names it
+        return
     comp = tracing.trace(fn, *args, placements=placements, clients=clients)
     state_in, state_out = forms.client_state(comp)
     lines = forms.second_trips(comp)
