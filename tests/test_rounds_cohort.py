@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import sample_computations as sc
 from fax_bridge import in_process
 from fax_bridge.data import CohortSampler
-from fax_bridge.errors import ComputationError, FleetError
+from fax_bridge.errors import AggregationError, ComputationError, FleetError
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.rounds import cohort, round_split
 from fax_bridge.errors import CohortError
@@ -122,12 +122,14 @@ def test_every_transport_sees_the_owners_cohort_or_nothing_runs(
         assert list(CohortSampler(population, size, seed)(round_index)) == list(plan.cohort)
     assert len(plan.cohort) == owner.size
     ids = plan.participants.array()
+    if not len(ids):  # every client dropped: a sum over no clients is refused by name
+        with pytest.raises(AggregationError, match="over zero clients"):
+            fleet.run(PROTO, xs, S)
+        return
     got, rep = fleet.run(PROTO, xs, S, report=True)
     assert rep.population == owner.population and rep.cohort == plan.cohort
     assert rep.participants == plan.participants
     arg = values.bind_arguments(PREPARED.parameter, (xs, S), {}).select_clients(ids)
-    if not len(ids):
-        return  # a round of no clients: nothing for the in-process transport to run
     want = in_process.run_in_process(SPLIT, arg.runtime_value())
     np.testing.assert_array_equal(got, np.asarray(want))
     np.testing.assert_array_equal(got, (xs[ids] * S).sum(axis=0))
