@@ -42,12 +42,13 @@ forms-check: $(STAMP) tff-venv
 
 # The venvs (.venv, .venv-tff, .venv-litert) build two at a time and so do the two TFF checks (each half waits on the
 # network or on one core); pytest runs on two workers, a test file to a worker so that
-# module-scoped fixtures (a Flower deployment, a fleet) start once, and the docstrings'
-# examples run in the same session (`make doctest` runs them alone).
+# module-scoped fixtures (a Flower deployment, a fleet) start once, the longest files
+# first (`LONGEST_FIRST` in tests/conftest.py), and the docstrings' examples run in the
+# same session (`make doctest` runs them alone).
 test:
 	$(MAKE) -j2 $(STAMP) tff-venv litert-venv
 	$(MAKE) -j2 tff-check forms-check
-	$(PY) -m pytest -q -n 2 --dist loadfile tests --doctest-modules $(DOCTEST_MODULES)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests --doctest-modules $(DOCTEST_MODULES)
 
 # The examples in the public functions' docstrings (a few clients each: seconds).
 DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local.py fax_bridge/chunk_stream.py fax_bridge/tracing.py \

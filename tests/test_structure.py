@@ -142,3 +142,14 @@ def test_the_check_finds_an_upward_import(tmp_path):
                                     "fax_bridge.fleet.device_cli", "fax_bridge"])
 def test_entry_points_sit_on_top(module):
     assert _is_entry_point(module)
+
+
+def test_the_files_run_first_are_test_files_named_once():
+    """conftest's LONGEST_FIRST (the order `make test` hands files to its workers)
+    names existing test files, each once: a renamed file would silently run last."""
+    import conftest
+
+    here = pathlib.Path(__file__).resolve().parent
+    names = conftest.LONGEST_FIRST
+    assert len(set(names)) == len(names)
+    assert [n for n in names if not (here / n).is_file()] == []
