@@ -348,9 +348,13 @@ def test_a_child_dies_with_its_requester_whatever_dies_first(listening, tmp_path
     path, env = listening
     requester = subprocess.Popen([sys.executable, "-c", _REQUESTER, path, json.dumps(env),
                                   forks.__file__], stdout=subprocess.PIPE, env=env)
-    pid = int(requester.stdout.readline().split()[0])
-    line = requester.stdout.readline()  # the child's own "ready"
-    assert line == b"ready\n" and alive(pid)
+    # the requester's line (the child's pid) and the child's own "ready", in either
+    # order: both write to the requester's stdout
+    lines = sorted((requester.stdout.readline(), requester.stdout.readline()),
+                   key=lambda line: line != b"ready\n")
+    assert lines[0] == b"ready\n"
+    pid = int(lines[1].split()[0])
+    assert alive(pid)
     requester.kill()  # the requester first: the server kills its child
     requester.wait()
     requester.stdout.close()
