@@ -19,7 +19,6 @@ host, where the client calls stack it. The bits are the host path's.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional, Union
 
 from federated_language.common_libs import structure
@@ -121,8 +120,9 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
       backend: a clients backend to run the client work on (interprets the computation).
       num_clients: the number of clients, when no argument is placed at CLIENTS.
       on_device: a round keeps its values on jax's default device and sums there (the
-        same bits), returning its result there as jax arrays; None: as `device_sums.on_device` decides (the environment variable
-        FAX_BRIDGE_ON_DEVICE, else whenever that device is not the CPU).
+        same bits), returning its result there as jax arrays; None: as
+        `device_sums.on_device` decides (the environment variable FAX_BRIDGE_ON_DEVICE,
+        else whenever that device is not the CPU).
       client_runtime: what runs the clients' work ("xla", "litert" or a
         `rounds.client_runtime.ClientRuntime`, which checks the round first): the client
         part of a round by split, each client map of one run phase by phase (LiteRT: a
@@ -156,7 +156,7 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
     bound = values.bind_arguments(prepared.parameter, args, kwargs)
     split = round_split_of(prepared)
     device = split is not None and device_sums.on_device(on_device)
-    with values.device_arrays_kept() if device else contextlib.nullcontext():
+    with values.device_arrays_kept(device):
         arg = bound.runtime_value()  # a model given as jax arrays stays on the device
     clients = _engine_clients(split, arg)
     if device and not clients:
@@ -168,7 +168,7 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
                                       else LocalClientsBackend(client_runtime=runtime))
     else:
         try:
-            with values.device_arrays_kept() if device else contextlib.nullcontext():
+            with values.device_arrays_kept(device):
                 result = values.check_value(
                     run_in_process(split, arg, num_clients=clients,
                                    client_runtime=runtime or "xla", on_device=device),
@@ -179,5 +179,5 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
             raise ComputationError(
                 f"the computation could not be run ({type(e).__name__}: {e}); it is "
                 "likely malformed or ill-typed") from e
-    with values.device_arrays_kept() if device else contextlib.nullcontext():
+    with values.device_arrays_kept(device):
         return values.to_pytree(result, prepared.result, prepared.structure)

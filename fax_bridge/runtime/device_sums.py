@@ -12,8 +12,9 @@ own lowest addend bit (`_window`), so an element whose addends span a few binade
 (`LIMB_BUCKETS`) so that the sums compile for few shapes, and then every tensor of that
 dtype is summed in one compiled call (`_float_sums`). The sum is rounded once, to
 nearest-even, by integer operations, element-wise throughout (digits picked by selects,
-not gathers, which are slow on a TPU), and non-finite addends and -0 follow `exact` (NaN if any addend is NaN or both infinities
-occur, else the infinity; -0 only if every addend is -0). Hence the result has the same
+not gathers, which are slow on a TPU), and non-finite addends and -0 follow `exact`
+(NaN if any addend is NaN or both infinities occur, else the infinity; -0 only if every
+addend is -0). Hence the result has the same
 bits as the host's `ExactSum` for the same addends, whatever the backend's float
 arithmetic does with subnormals. Integer sums wrap in their dtype, as the host's do.
 
@@ -365,8 +366,7 @@ def finish(kind: str, columns: Sequence[DeviceColumn], weights: Optional[DeviceC
             _check_divisible(c.dtype)
         return _divide_all(tuple(exact_sums(columns)),
                            tuple(np.asarray(count, c.dtype) for c in columns))
-    least = float(jax.device_get(_least(tuple(weights.parts),
-                                        tuple(jnp.int32(n) for n in weights.counts))))
+    least = float(jax.device_get(_least(tuple(weights.parts), _counts(weights))))
     refusal = weights_refusal(least, False)  # each client's weight, as the host checks
     if refusal:
         raise WeightError(refusal)
@@ -378,8 +378,8 @@ def finish(kind: str, columns: Sequence[DeviceColumn], weights: Optional[DeviceC
     products = []
     for c in columns:
         _check_divisible(c.dtype)
-        products.append(DeviceColumn([_weighted(x, w) for x, w in zip(c.parts, weights.parts)],
-                                     list(c.counts)))
+        products.append(DeviceColumn(
+            [_weighted(x, w) for x, w in zip(c.parts, weights.parts)], list(c.counts)))
     return _divide_all(tuple(exact_sums(products)),
                        tuple(total.astype(c.dtype) for c in columns))
 

@@ -51,13 +51,14 @@ _KEEP_DEVICE = contextvars.ContextVar("fax_bridge_keep_device_arrays", default=F
 
 
 @contextlib.contextmanager
-def device_arrays_kept() -> Iterator[None]:
-    """Within: a jax array given as a tensor that is not CLIENTS-stacked is checked by
-    its shape and dtype and kept where it is (cast there when its dtype differs), not
+def device_arrays_kept(keep: bool = True) -> Iterator[None]:
+    """Within, where `keep` (else every tensor is read into numpy, as by default): a jax
+    array given as a tensor that is not CLIENTS-stacked is checked by its shape and
+    dtype and kept where it is (cast there when its dtype differs), not
     read into numpy: a round on the device (`device_sums.on_device`) takes its model
     and returns its result without a copy through the host. CLIENTS tensors are read
     to the host as always (the client calls stack their rows there)."""
-    token = _KEEP_DEVICE.set(True)
+    token = _KEEP_DEVICE.set(bool(keep))
     try:
         yield
     finally:
@@ -276,7 +277,8 @@ def local_to_pytree(value: LocalValue) -> Pytree:
         if names and all(names):
             return {n: local_to_pytree(v) for n, v in zip(names, value)}
         return tuple(local_to_pytree(v) for v in value)
-    return value if isinstance(value, jax.Array) and _KEEP_DEVICE.get() else np.asarray(value)
+    kept = isinstance(value, jax.Array) and _KEEP_DEVICE.get()
+    return value if kept else np.asarray(value)
 
 
 def to_pytree(value: Any, type_: federated_language.Type,
