@@ -439,8 +439,16 @@ def test_a_silent_node_is_dropped_and_min_clients_is_kept(tmp_path, quickstart,
         "or forged; check that the node runs this fax_bridge (a malformed answer)"]
     with pytest.raises(FleetError, match="no SuperNode answered: node 100 "):
         server.run_server(_grid(app, populations, silent=[0, 1]),
-                          dict(quick, **{"min-clients": 0, "out-dir": out}), bundle_dir,
+                          dict(quick, **{"out-dir": out}), bundle_dir,
                           log=lambda text: None)
+    # min-clients=0 would let a round run with no clients, where FedAvg's means have no
+    # value: refused before any node is asked
+    grid = _grid(app, populations)
+    with pytest.raises(FleetError, match=r"round 0: min_clients=0 .*federated_mean has "
+                                         r"no value over zero clients"):
+        server.run_server(grid, dict(quick, **{"min-clients": 0, "out-dir": out}),
+                          bundle_dir, log=lambda text: None)
+    assert not grid.replies and "min_clients=0" in _reports(out)[0]["error"]
 
 
 def test_a_warm_worker_answers_for_its_node_with_the_same_bits(tmp_path, quickstart,
@@ -864,6 +872,40 @@ def test_secure_sums_go_through_secaggplus_with_jits_exact_sums(
                                          r"1 answered"):
         server.run_server(_grid(folder, [{"population": one_node, "first-client": 0}]),
                           {"num-rounds": 1}, bundle_dir, log=lambda text: None)
+
+
+def test_a_round_whose_clients_all_drop_out_sums_to_zero_with_min_clients_0(
+        tmp_path, quickstart, populations):
+    """Every sampled client dropped out and min-clients=0: the round runs with no node
+    asked (SecAgg+ included), its sum and secure sum the zeros of their types."""
+    from fax_bridge.rounds.policy import plan_round
+
+    _, (_, data), _ = quickstart
+
+    def sums(params, data):
+        codes = fb.federated_map_clients(lambda d: (d["y"][:2] > 0).astype(np.int32), data)
+        total = fb.federated_sum(fb.federated_map_clients(lambda d: d["x"][0], data))
+        return params + 1.0, (total, fb.federated_secure_sum(codes, 1))
+
+    made = bundle.build_round(fb.program(clients=N)(sums), np.float32(2.0), data,
+                              placements=("server", "clients"))
+    folder = str(tmp_path / "sums")
+    app_dir.write_app(made, folder)
+    config = {"num-rounds": 1, "dropout": 0.9, "seed": 2, "min-clients": 0,
+              "out-dir": str(tmp_path / "out")}
+    settings_ = server.Settings.from_run_config(config)
+    plan = plan_round(settings_.policy, N, 0)
+    assert not len(plan.participants) and len(plan.dropped) == N  # this seed drops all
+    grid = _grid(folder, populations)
+    got = server.run_server(grid, config, os.path.join(folder, app_dir.PACKAGE),
+                            log=lambda text: None)
+    state, (total, secure) = values.to_pytree(got, made.prepared.result)
+    assert float(state) == 3.0 and not grid.replies
+    assert total.dtype == data["x"].dtype and total.shape == data["x"].shape[2:]
+    assert secure.dtype == np.int32 and secure.shape == (2,)
+    assert not total.any() and not secure.any()
+    rep = _reports(str(tmp_path / "out"))[0]
+    assert rep["participants"] == [] and rep["error"] is None
 
 
 _SECURE_KINDS = {

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import sample_computations as sc
 from fax_bridge import in_process
 from fax_bridge.data import CohortSampler
-from fax_bridge.errors import AggregationError, ComputationError, FleetError
+from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.rounds import cohort, round_split
 from fax_bridge.errors import CohortError
@@ -122,14 +122,29 @@ def test_every_transport_sees_the_owners_cohort_or_nothing_runs(
         assert list(CohortSampler(population, size, seed)(round_index)) == list(plan.cohort)
     assert len(plan.cohort) == owner.size
     ids = plan.participants.array()
-    if not len(ids):  # every client dropped: a sum over no clients is refused by name
-        with pytest.raises(AggregationError, match="over zero clients"):
-            fleet.run(PROTO, xs, S)
-        return
     got, rep = fleet.run(PROTO, xs, S, report=True)
     assert rep.population == owner.population and rep.cohort == plan.cohort
     assert rep.participants == plan.participants
+    if not len(ids):  # every client dropped (min_clients=0): a sum over none is zero
+        assert got.dtype == xs.dtype and got.shape == xs.shape[1:] and not got.any()
+        return
     arg = values.bind_arguments(PREPARED.parameter, (xs, S), {}).select_clients(ids)
     want = in_process.run_in_process(SPLIT, arg.runtime_value())
     np.testing.assert_array_equal(got, np.asarray(want))
     np.testing.assert_array_equal(got, (xs[ids] * S).sum(axis=0))
+
+
+def test_a_fleet_refuses_min_clients_0_for_a_mean_before_any_device_is_asked(fleet):
+    """A mean has no value over zero clients: with min_clients=0 the fleet refuses the
+    program before its round runs, whatever the round would draw, and reports it."""
+    fleet.policy, fleet.next_round = RoundPolicy(min_clients=0), 5
+    before = fleet.backend.traffic.rpcs
+    with pytest.raises(FleetError, match=r"^round 5: min_clients=0 lets a round run with "
+                                         r"no clients, but federated_mean has no value "
+                                         r"over zero clients"):
+        fleet.run(sc.scaled_aggregate((2,), "mean"), _clients(4, 0), S)
+    assert fleet.backend.traffic.rpcs == before
+    assert fleet.reports[-1].error.startswith("round 5: min_clients=0")
+    fleet.policy = RoundPolicy(min_clients=1)
+    got = fleet.run(sc.scaled_aggregate((2,), "mean"), _clients(4, 0), S)
+    np.testing.assert_array_equal(got, (_clients(4, 0) * S).mean(axis=0))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from federated_language.common_libs import structure
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import FleetError
@@ -268,3 +268,111 @@ def test_holders_the_secure_phase_loses_leave_every_aggregation_of_the_round(
         engine.run_round(SECURE_SPLIT, arg, _SecureHolders(arg, cuts, lost_in_phase=gone),
                          on_lost=lambda lost, answered: engine.drop_lost(
                              rep, RoundPolicy(min_clients=N), lost, "fix it"))
+
+
+# -- rounds over zero clients ----------------------------------------------------------
+
+
+def _one_kind(kind: str):
+    """A round of one aggregation of `kind` over the clients' values (min and max: a sum
+    whose intrinsic names them instead, as protos written elsewhere may)."""
+    import jax.numpy as jnp
+
+    aggregate = {
+        "sum": lambda v, c: fb.federated_sum(v), "min": lambda v, c: fb.federated_sum(v),
+        "max": lambda v, c: fb.federated_sum(v), "mean": lambda v, c: fb.federated_mean(v),
+        "weighted_mean": lambda v, c: fb.federated_weighted_mean(v, c),
+        "secure_sum_bitwidth": lambda v, c: fb.federated_secure_sum_bitwidth(
+            fb.federated_map_clients(lambda x: jnp.clip(x * 10, 0, 255).astype(
+                jnp.int32), v), 8),
+        "secure_sum": lambda v, c: fb.federated_secure_sum(
+            fb.federated_map_clients(lambda x: jnp.clip(x * 10, 0, 99).astype(
+                jnp.int16), v), 99)}[kind]
+
+    @fb.program(clients=N)
+    def one(params, x, counts):
+        at = fb.federated_broadcast(params)
+        return params * 2.0, aggregate(fb.federated_map_clients(
+            lambda p, x: jnp.abs(x * p), (at, x)), counts)
+
+    proto = fb.export_tff(one, *_args(0), placements=PLACE)
+    if kind in ("min", "max"):
+        for node in _intrinsics(proto):
+            if node.uri == "federated_sum":
+                node.uri = f"federated_{kind}"
+    return proto
+
+
+def _intrinsics(message):
+    from federated_language.proto import computation_pb2
+
+    if isinstance(message, computation_pb2.Intrinsic):
+        yield message
+        return
+    for field, value in message.ListFields():
+        if field.message_type is not None and \
+                field.message_type.full_name.startswith("federated_language."):
+            repeated = getattr(field, "is_repeated", None)
+            repeated = field.label == field.LABEL_REPEATED if repeated is None else repeated
+            for item in (value if repeated else [value]):
+                yield from _intrinsics(item)
+
+
+_KINDS = sorted(aggregation.KINDS)
+_ONE_KIND = {kind: _one_kind(kind) for kind in _KINDS}
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(_KINDS), population=st.integers(1, N),
+       dropout=st.sampled_from([0.0, 0.5, 0.9]), seed=st.integers(0, 2**16),
+       least=st.integers(0, N), cut=st.integers(0, N))
+@example(kind="sum", population=3, dropout=0.9, seed=0, least=0, cut=0)  # none left
+@example(kind="secure_sum", population=3, dropout=0.9, seed=0, least=0, cut=0)
+@example(kind="secure_sum_bitwidth", population=3, dropout=0.9, seed=0, least=0, cut=0)
+@example(kind="mean", population=3, dropout=0.0, seed=0, least=0, cut=0)  # all report
+@example(kind="max", population=3, dropout=0.9, seed=0, least=1, cut=0)
+@example(kind="weighted_mean", population=7, dropout=0.5, seed=1, least=2, cut=2)
+def test_a_round_over_zero_clients_sums_to_zero_or_is_refused_before_it_runs(
+        kind, population, dropout, seed, least, cut):
+    """Any population, dropout and min_clients in 0..population: a round that keeps at
+    least min_clients clients runs over them (holders' answers checked and merged); one
+    left with none (min_clients=0) gives its sums the zero of their type; and a program
+    with an aggregation that has no value over zero clients is refused with
+    min_clients=0 before its first round, whatever that round draws, naming the round,
+    the aggregation and the fix."""
+    min_clients = min(least, population)
+    policy = RoundPolicy(dropout=dropout, seed=seed, min_clients=min_clients)
+    proto = _ONE_KIND[kind]
+    split = round_split.split_round(proto, secure=True)
+    prepared = interpreter.prepare(proto)
+    reports: list = []
+    if min_clients == 0 and aggregation.empty_refusal(kind):
+        with pytest.raises(FleetError, match=rf"^round 3: min_clients=0 lets a round run "
+                                             rf"with no clients, but federated_{kind} has "
+                                             r"no value over zero clients \(.+\); set "
+                                             r"min_clients to at least 1.*federated_sum"):
+            engine.open_round(policy, population, 3, reports, 1, proto)
+        assert reports[0].error.startswith("round 3: min_clients=0")
+        return
+    try:
+        rep = engine.open_round(policy, population, 3, reports, 1, proto)
+    except FleetError:
+        assert 0 < min_clients and reports[0].error
+        return
+    ids = rep.participants.array()
+    assert len(ids) >= min_clients
+    args = [a[:population] if i else a for i, a in enumerate(_args(seed))]
+    bound = values.bind_arguments(prepared.parameter, args, {}).select_clients(ids)
+    arg = bound.runtime_value()
+    got = in_process.run_in_process(split, arg, num_clients=len(ids))
+    result_type = prepared.result
+    values.check_value(got, result_type, "result")
+    aggregate = np.asarray(got[1])
+    if not len(ids):  # the zero of the member type: its dtype and shape
+        assert aggregate.shape == (3,) and not aggregate.any()
+        assert aggregate.dtype == {"secure_sum": np.int16,
+                                   "secure_sum_bitwidth": np.int32}.get(kind, np.float32)
+        return
+    holders = _Holders(arg, [cut] if 0 < cut < len(ids) else [])
+    holders.inputs = [arg[i] for i in split.client_inputs]
+    assert _bits(engine.run_round(split, arg, holders, result_type)) == _bits(got)

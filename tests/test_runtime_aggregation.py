@@ -327,3 +327,48 @@ def test_large_results_rounded_and_divided_on_several_threads_give_one_threads_b
     want = finished(1, 1 << 17)
     got = finished(workers, 8)
     assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+
+
+_MEMBER_TYPES = st.sampled_from([
+    fl.TensorType(np.float32), fl.TensorType(np.int32, [3]),
+    fl.TensorType(np.float64, [2, 0]),
+    fl.StructType([("a", fl.TensorType(np.float32, [2])),
+                   ("b", fl.StructType([(None, fl.TensorType(np.uint8, [1, 2]))]))]),
+])
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(aggregation.KINDS), member_type=_MEMBER_TYPES,
+       splits=st.integers(0, 3))
+def test_over_zero_clients_a_sum_is_the_zero_of_its_type_and_the_rest_are_refused(
+        kind, member_type, splits):
+    """TFF's federated_sum reduces from generic_zero: over no clients (however many
+    empty partials merge) a sum or secure sum is the zero of the member type, with its
+    dtypes and shapes; a mean, weighted mean, min or max has no value and is refused
+    naming the aggregation and both fixes."""
+    total = aggregation.Partial(kind=kind, leaves=[])
+    for _ in range(splits):
+        aggregation.merge(total, aggregation.Partial(kind=kind, leaves=[]))
+    types = validate.leaf_types(member_type)
+    if kind in aggregation.ZERO_OVER_NONE:
+        got = aggregation.finish(total, member_type)
+        assert [(x.dtype, x.shape) for x in got] == [(t.dtype, tuple(t.shape)) for t in types]
+        assert not any(x.any() for x in got)
+        back = aggregation.reduce(kind, [], member_type=member_type)
+        assert [x.tobytes() for x in leaves(back)] == [x.tobytes() for x in got]
+        return
+    assert aggregation.empty_refusal(kind).startswith(f"federated_{kind} has no value")
+    for call in (lambda: aggregation.finish(total, member_type),
+                 lambda: aggregation.reduce(kind, [], member_type=member_type)):
+        with pytest.raises(AggregationError, match=rf"federated_{kind} has no value over "
+                                                   r"zero clients \(.*\); run it over at "
+                                                   r"least one client .*min_clients=1.*"
+                                                   r"or aggregate with federated_sum"):
+            call()
+
+
+def test_a_sum_over_zero_clients_needs_a_type_with_a_zero():
+    with pytest.raises(AggregationError, match="type, which was not given"):
+        aggregation.finish(aggregation.Partial(kind="sum", leaves=[]))
+    with pytest.raises(AggregationError, match="which has none.*fully defined shape"):
+        aggregation.reduce("sum", [], member_type=fl.TensorType(np.float32, [None]))

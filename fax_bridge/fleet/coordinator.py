@@ -397,7 +397,8 @@ class GrpcClientsBackend(DevicePool, ClientsBackend):
         if kind == "secure_sum" and bitwidth is None:
             raise AggregationError("federated_secure_sum needs a max_input")
         total = self._aggregate_on_devices(value, kind, weights, bitwidth)
-        return from_leaves(value.type_signature, aggregation.finish(total))
+        return from_leaves(value.type_signature,
+                           aggregation.finish(total, value.type_signature))
 
     def _aggregate_on_devices(self, value: GrpcClientsValue, kind: str,
                               weights: Optional[GrpcClientsValue],

@@ -148,7 +148,8 @@ class FleetRounds:
         round_index = self.next_round
         self.next_round += 1
         rep = engine.open_round(self.policy, None if population is None else counted,
-                                round_index, self.reports, self.num_devices)
+                                round_index, self.reports, self.num_devices,
+                                prepared.proto)
         while True:
             try:
                 result = self._attempt(prepared, bound, clients_given,

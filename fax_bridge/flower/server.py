@@ -218,7 +218,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
     from fax_bridge.flower.transport import FlowerTransport
 
     policy = settings.policy
-    rep = engine.open_round(policy, cohort, round_index, reports, len(nodes))
+    rep = engine.open_round(policy, cohort, round_index, reports, len(nodes), made.proto)
     start = time.perf_counter()
     wait = settings.deadline_s(first)
 

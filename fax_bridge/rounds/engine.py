@@ -26,8 +26,11 @@ fleet (`fleet.grpc_transport.GrpcTransport`) and Flower
 (`flower.transport.FlowerTransport`).
 
 The round's policy is here too, written once for every fleet: `open_round` samples the
-cohort (`policy.plan_round`), records the `RoundReport` and applies `min_clients`;
-`drop_lost` takes lost holders' clients out of a round and applies `min_clients` again.
+cohort (`policy.plan_round`), records the `RoundReport` and applies `min_clients`
+(with `min_clients=0`, a round may have no clients: its sums are then the zero of their
+types, and a program with a mean, weighted mean, min or max, which have no value there,
+is refused before its first round, `empty_rounds_refusal`); `drop_lost` takes lost
+holders' clients out of a round and applies `min_clients` again.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 from federated_language.common_libs import structure
+from federated_language.proto.computation_pb2 import Computation
 
 from fax_bridge.errors import FleetError
+from fax_bridge.primitive_facts import KIND_OF_URI
 from fax_bridge.rounds import server_steps, validate
 from fax_bridge.rounds.cohort import Cohort
 from fax_bridge.rounds.ids import ClientIds
@@ -207,11 +212,14 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
 
     if answers.lost:
         drop(answers.lost)
-    if answers.secure is not None:
+    if answers.secure is not None and len(answers.answered) > len(out):
         env.update(answers.secure(drop))
+    elif answers.secure is not None:  # no holder left: every aggregation is over none
+        merged, checks, checked = split.aggregations, split_checks(split.aggregations), []
     totals = merge_checked(checks, [c for i, c in enumerate(checked) if i not in out])
     for agg, total in zip(merged, totals):
-        env[agg.local] = from_leaves(agg.member_type, aggregation.finish(total))
+        env[agg.local] = from_leaves(agg.member_type,
+                                     aggregation.finish(total, agg.member_type))
     result = server_steps.result(split, env, transport.backend, n)
     return result if result_type is None else values.check_value(result, result_type,
                                                                  "result")
@@ -221,12 +229,16 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
 
 
 def open_round(policy: RoundPolicy, population: Union[Cohort, int, None], round_index: int,
-               reports: list, devices: int) -> RoundReport:
+               reports: list, devices: int,
+               program: Optional[Computation] = None) -> RoundReport:
     """Samples round `round_index`'s clients (`policy.plan_round`) from `population`, the
     round's `Cohort` (`Cohort.of`: derived and checked once) or the population's size,
     and appends its `RoundReport` to `reports` (before anything runs, so a failed round
     leaves one too); raises FleetError, recorded in the report, when fewer than
-    `min_clients` take part. `population` None: no client takes part, nothing to check."""
+    `min_clients` take part, or when `program` (the round's computation) aggregates
+    with a kind that has no value over zero clients while the policy lets a round run
+    with none (`empty_rounds_refusal`), whatever this round's draw. `population` None:
+    no client takes part, nothing to check."""
     counted = (population if isinstance(population, Cohort)
                else Cohort.of(policy.cohort_size, population or 0))
     planned = plan_round(policy, counted, round_index)
@@ -237,11 +249,34 @@ def open_round(policy: RoundPolicy, population: Union[Cohort, int, None], round_
     reports.append(rep)
     if population is not None:
         try:
+            refusal = empty_rounds_refusal(policy, program)
+            if refusal:
+                raise FleetError(f"round {round_index}: {refusal}")
             check_min_clients(policy, planned, round_index)
         except FleetError as e:
             rep.error = str(e)
             raise
     return rep
+
+
+def empty_rounds_refusal(policy: RoundPolicy, program: Optional[Computation]
+                         ) -> Optional[str]:
+    """Why `policy` cannot run rounds of `program`, or None: with `min_clients=0` a round
+    may be left with no clients, where a sum is the zero of its type but a mean,
+    weighted mean, min or max has no value (`aggregation.empty_refusal`); refused before
+    any round runs rather than in the round that happens to draw none."""
+    if policy.min_clients > 0 or program is None:
+        return None
+    from fax_bridge.tff.forms import intrinsic_uris
+
+    kinds = sorted({KIND_OF_URI[u] for u in intrinsic_uris(program) if u in KIND_OF_URI})
+    refusals = [r for r in map(aggregation.empty_refusal, kinds) if r]
+    if not refusals:
+        return None
+    return (f"min_clients=0 lets a round run with no clients, but {'; '.join(refusals)}; "
+            "set min_clients to at least 1 (min-clients in a Flower app's run config), "
+            "or aggregate with federated_sum, whose value over no clients is the zero "
+            "of its type")
 
 
 def drop_lost(rep: RoundReport, policy: RoundPolicy, lost: Sequence[LostHolder],

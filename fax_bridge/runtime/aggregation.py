@@ -26,7 +26,12 @@ Where a round runs on the accelerator (`device_sums.on_device`), a sum-like part
 hold its clients' tensors there as `device_sums.DeviceColumn`s (`device_partial`):
 merged by joining them, finished by `device_sums.finish` with the same bits.
 
-A partial over no clients is valid (it merges as nothing); finishing one is an error.
+A partial over no clients is valid (it merges as nothing). Finished, it follows TFF's
+reference semantics, where `federated_sum` is a reduction that starts at `generic_zero`:
+a sum or secure sum over zero clients is the zero of its member type (`finish` is given
+that type, which it knows when there are no members), while a mean, weighted mean, min
+or max over zero clients has no value and is refused (`empty_refusal`, which a round's
+policy also applies before a round that may have no clients runs: `rounds.engine`).
 Every refusal raises `AggregationError`; on a fleet, one found on a device reaches the
 coordinator as a FleetError naming the device and carrying the same message.
 """
@@ -37,20 +42,28 @@ import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
+import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 
-from fax_bridge.errors import AggregationError, WeightError
+from fax_bridge.errors import AggregationError, ComputationError, WeightError
 from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
 from fax_bridge.primitive_facts import AGGREGATION_KINDS
 from fax_bridge.runtime import device_sums, exact, threads
-from fax_bridge.runtime.backend import LocalValue, leaves, unflatten_like
+from fax_bridge.runtime.backend import LocalValue, from_leaves, leaves, unflatten_like
+from fax_bridge.runtime.local_eval import zeros_of_type
 from fax_bridge.runtime.double_sums import (Sum, merged_all, results, sums_of,
                                            weighted_sums_of)
 
 KINDS = tuple(AGGREGATION_KINDS.values())  # sum, mean, weighted_mean, min, max, secure
 SUM_LIKE = ("sum", "mean", "weighted_mean", "secure_sum_bitwidth", "secure_sum")
 EXTREMES = {"min": np.minimum, "max": np.maximum}
+# Kinds whose value over zero clients is the zero of the member type; the others have none.
+ZERO_OVER_NONE = ("sum", "secure_sum_bitwidth", "secure_sum")
+_NO_VALUE_WHY = {"mean": "it divides by the number of clients",
+                 "weighted_mean": "it divides by the clients' total weight",
+                 "min": "no client gives a value to take the least of",
+                 "max": "no client gives a value to take the greatest of"}
 MAX_SECURE_BITWIDTH = 62
 
 
@@ -67,6 +80,14 @@ class Partial:
     leaves: list
     weights: Optional[Sum] = None
     count: int = 0
+
+
+def empty_refusal(kind: str) -> Optional[str]:
+    """Why an aggregation of `kind` has no value over zero clients (None: it has one,
+    the zero of its member type), in the words errors use."""
+    why = _NO_VALUE_WHY.get(kind)
+    return None if why is None else (f"federated_{kind} has no value over zero clients "
+                                     f"({why})")
 
 
 def check_kind(kind: str) -> None:
@@ -349,12 +370,14 @@ def merge(into: Partial, other: Partial) -> Partial:
     return into
 
 
-def finish(partial: Partial) -> list[np.ndarray]:
-    """The aggregate's tensor leaves, depth first."""
+def finish(partial: Partial, member_type: Optional[federated_language.Type] = None
+           ) -> list[np.ndarray]:
+    """The aggregate's tensor leaves, depth first. `member_type`: the aggregated value's
+    type (its clients' member type), which gives a sum over zero clients its value, the
+    zero of that type; over zero clients, a kind with no value (`empty_refusal`) raises
+    AggregationError naming it and the fix."""
     if partial.count == 0:
-        raise AggregationError(
-            f"cannot compute federated {partial.kind} over zero clients; place at least "
-            "one client (check the cohort size, dropout and round deadline)")
+        return _over_no_clients(partial.kind, member_type)
     if partial.kind in EXTREMES:
         return [np.array(x) for x in partial.leaves]
     if partial.leaves and isinstance(partial.leaves[0], device_sums.DeviceColumn):
@@ -394,12 +417,34 @@ def _divide(total: np.ndarray, by) -> np.ndarray:
     return total
 
 
+def _over_no_clients(kind: str, member_type: Optional[federated_language.Type]
+                     ) -> list[np.ndarray]:
+    """`finish` of a partial over zero clients: the zero of `member_type` (a sum), or
+    the refusal of a kind that has no value there."""
+    check_kind(kind)
+    refusal = empty_refusal(kind)
+    if refusal:
+        raise AggregationError(
+            f"{refusal}; run it over at least one client (in rounds: RoundPolicy("
+            "min_clients=1) or more), or aggregate with federated_sum, whose value over "
+            "no clients is the zero of its type")
+    if member_type is None:
+        raise AggregationError(
+            f"federated_{kind} over zero clients is the zero of the value's type, which "
+            "was not given; place at least one client")
+    try:
+        return leaves(zeros_of_type(member_type))
+    except ComputationError as e:
+        raise AggregationError(f"federated_{kind} over zero clients is the zero of its "
+                               f"member type {member_type}, which has none: {e}") from None
+
+
 def reduce(kind: str, members: Sequence[LocalValue],
            weights: Optional[Sequence[LocalValue]] = None,
-           bitwidth: Optional[LocalValue] = None) -> LocalValue:
-    """The aggregate of `members` over clients, nested like each member."""
+           bitwidth: Optional[LocalValue] = None,
+           member_type: Optional[federated_language.Type] = None) -> LocalValue:
+    """The aggregate of `members` over clients, nested like each member (over no
+    members: `finish`'s value of `member_type`, the clients' member type)."""
     if not members:
-        check_kind(kind)
-        raise AggregationError(f"cannot compute federated {kind} over zero clients; "
-                               "place at least one client")
+        return from_leaves(member_type, _over_no_clients(kind, member_type))
     return unflatten_like(members[0], finish(partial_of(kind, members, weights, bitwidth)))

@@ -160,7 +160,7 @@ class LocalClientsBackend(ClientsBackend):
             partial = aggregation.partial_of_columns(kind, members.columns, len(members),
                                                      w_columns)
             return unflatten_like(members.stacked, aggregation.finish(partial))
-        return aggregation.reduce(kind, members, w, bitwidth)
+        return aggregation.reduce(kind, members, w, bitwidth, value.type_signature)
 
     def get(self, value: ClientsValue) -> list[LocalValue]:
         return list(_members(value))
