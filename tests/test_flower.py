@@ -874,6 +874,38 @@ def test_secure_sums_go_through_secaggplus_with_jits_exact_sums(
                           {"num-rounds": 1}, bundle_dir, log=lambda text: None)
 
 
+def test_a_node_whose_answer_reads_well_but_is_impossible_is_dropped_by_name(
+        tmp_path, quickstart, populations, app):
+    """A node's answer whose records parse but whose partials claim other clients than
+    it was sent is refused by the round engine naming the node and what was wrong; the
+    node leaves the round with its clients, as a lost node does."""
+    _, args, made = quickstart
+    grid = _grid(app, populations)
+    push = grid.push_messages
+
+    def forging_push(messages):
+        ids = push(messages)
+        for message, message_id in zip(messages, ids):
+            reply = grid.replies.get(message_id)
+            if message.metadata.dst_node_id == 101 and reply is not None \
+                    and records.PARTIALS in reply.content:
+                metrics = reply.content[relay.METRICS]
+                metrics["num-clients"] = [n + 1 for n in metrics["num-clients"]]
+        return ids
+
+    grid.push_messages = forging_push
+    out = str(tmp_path / "out")
+    got = server.run_server(grid, {"num-rounds": 1, "out-dir": out},
+                            os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
+    assert _bits(got, made) == _bits(_expected(made, args, 1, clients=range(4)), made)
+    rep = _reports(out)[0]
+    assert rep["participants"] == [0, 1, 2, 3] and rep["lost_clients"] == [4, 5]
+    assert len(rep["lost_devices"]) == 1
+    assert rep["lost_devices"][0].startswith("node 101 (clients 4..5)")
+    assert "a partial over 3 clients; the device holds 2 (an impossible answer)" in \
+        rep["lost_devices"][0]
+
+
 def test_a_round_whose_clients_all_drop_out_sums_to_zero_with_min_clients_0(
         tmp_path, quickstart, populations):
     """Every sampled client dropped out and min-clients=0: the round runs with no node

@@ -148,3 +148,42 @@ def test_a_fleet_refuses_min_clients_0_for_a_mean_before_any_device_is_asked(fle
     fleet.policy = RoundPolicy(min_clients=1)
     got = fleet.run(sc.scaled_aggregate((2,), "mean"), _clients(4, 0), S)
     np.testing.assert_array_equal(got, (_clients(4, 0) * S).mean(axis=0))
+
+
+@pytest.mark.parametrize("forgery", ["clients", "partial", "tensors"])
+def test_a_device_with_an_impossible_round_answer_leaves_the_round_named(
+        fleet, monkeypatch, forgery):
+    """A device is not trusted: its well-formed answer for other clients than it was
+    sent (to the transport), or with a partial no honest device sends (to the engine's
+    checks), is refused naming the device and what was wrong; the device's clients
+    leave the round as a lost device's do, and the round has the honest device's bits
+    unless too few clients are left for min_clients."""
+    xs = _clients(6, 1)
+    real = fleet.backend.call_each
+
+    def forging(method, requests, **kwargs):
+        answers = real(method, requests, **kwargs)
+        if method == "Round":
+            answer = answers[1]
+            if forgery == "clients":
+                answer.num_clients += 1
+            elif forgery == "partial":
+                answer.partials[0].num_clients += 1
+            else:
+                answer.partials[0].leaves.add().CopyFrom(answer.partials[0].leaves[0])
+        return answers
+
+    monkeypatch.setattr(fleet.backend, "call_each", forging)
+    fleet.policy, fleet.next_round = RoundPolicy(min_clients=3), 0
+    got, rep = fleet.run(PROTO, xs, S, report=True)
+    np.testing.assert_array_equal(got, (xs[:3] * S).sum(axis=0))
+    assert list(rep.participants) == [0, 1, 2] and list(rep.lost_clients) == [3, 4, 5]
+    assert len(rep.lost_devices) == 1 and rep.error is None
+    assert rep.lost_devices[0].startswith("device 1 at ")
+    assert rep.lost_devices[0].endswith("(an impossible answer)")
+    fleet.policy = RoundPolicy(min_clients=4)
+    with pytest.raises(FleetError, match=r"round 1: lost device 1 at .*an impossible "
+                                         r"answer.* only 3 clients are left but "
+                                         r"min_clients=4"):
+        fleet.run(PROTO, xs, S)
+    assert "min_clients=4" in fleet.reports[-1].error

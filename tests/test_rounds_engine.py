@@ -10,7 +10,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.errors import FleetError
-from fax_bridge.rounds import engine, partials
+from fax_bridge.rounds import engine, partials, wire
 from fax_bridge import in_process
 from fax_bridge.rounds import round_split
 from fax_bridge.rounds.ids import ClientIds
@@ -44,20 +44,55 @@ SPLIT = round_split.split_round(PROTO)
 PREPARED = interpreter.prepare(PROTO)
 
 
+def _forge(messages: list, how: str) -> None:
+    """Makes a holder's encoded partials (of `_round`'s aggregations: a weighted mean
+    of a [3] value, a sum and a mean of scalars) an answer no honest holder sends, well
+    formed on the wire: `how` names what is impossible in it."""
+    first = messages[0]
+    if how == "clients":  # a count other than the clients it was sent
+        first.num_clients += 1
+    elif how == "partials":  # a partial too few for the round's aggregations
+        messages.pop()
+    elif how == "tensors":  # a tensor too many for the aggregated value
+        first.leaves.add().CopyFrom(first.leaves[0])
+    elif how == "shape":
+        first.leaves[0].shape[:] = [3, 2]
+    elif how == "dtype":
+        first.leaves[0].dtype = "int32"
+    elif how == "weights":  # a weighted mean without its weights' partial
+        del first.weight_leaves[:]
+    elif how == "reach":  # weights no client gives (each client's weight is >= 0)
+        weight = first.weight_leaves[0]
+        if weight.HasField("addend"):
+            wire.encode_tensor(np.float32(-1.0), weight.addend)
+        else:
+            assert weight.doubles, weight
+            weight.doubles = np.float64([-1.0]).tobytes()
+    else:
+        raise AssertionError(how)
+
+
+FORGERIES = ("clients", "partials", "tensors", "shape", "dtype", "weights", "reach")
+
+
 class _Holders:
     """A transport over holders of consecutive blocks of the clients, answering with
     encoded partials as a device does (`lost`: holder indices that do not answer;
-    `forged`: a holder whose answer claims one client too many)."""
+    `forged`: holder indices whose answers are impossible as `forgery` says, `_forge`;
+    `ids`: the holders name their clients' population ids, so a refused one can leave
+    the round)."""
 
     backend = None
     reject_nonfinite = False
     rounded_partials = False
 
-    def __init__(self, arg, cuts, lost=(), forged=None):
+    def __init__(self, arg, cuts, lost=(), forged=(), forgery="clients", ids=False):
         self.inputs = [arg[i] for i in SPLIT.client_inputs]
         self.num_clients = len(self.inputs[0])
         self.blocks = [range(a, b) for a, b in zip([0, *cuts], [*cuts, self.num_clients])]
-        self.lost, self.forged = set(lost), forged
+        self.lost = set(lost)
+        self.forged = {forged} if isinstance(forged, int) else set(forged)
+        self.forgery, self.ids = forgery, ids
         self.traffic = Traffic()
 
     def answering(self, split, sent, out):
@@ -77,9 +112,11 @@ class _Holders:
         out = engine.Answers([])
         for h, block, found in self.answering(split, sent, out):
             messages = [partials.to_message(p) for p in found]
-            if h == self.forged:
-                messages[0].num_clients += 1
-            out.answered.append(engine.HolderAnswer(f"holder {h}", len(block), messages))
+            if h in self.forged:
+                _forge(messages, self.forgery)
+            out.answered.append(engine.HolderAnswer(
+                f"holder {h}", len(block), messages,
+                clients=np.arange(block.start, block.stop) if self.ids else None))
         return out
 
 
@@ -113,6 +150,49 @@ def test_a_forged_answer_is_refused_before_anything_is_merged(monkeypatch):
     with pytest.raises(FleetError, match="holder 2: a partial over 4 clients"):
         engine.run_round(SPLIT, _arg(1), _Holders(_arg(1), [2, 4], forged=2))
     assert merged == []  # holders 0 and 1 answered well, yet nothing was merged
+
+
+@settings(max_examples=40, deadline=None)
+@given(forgery=st.sampled_from(FORGERIES), seed=st.integers(0, 2**16),
+       cuts=st.sets(st.integers(1, N - 1), min_size=1, max_size=N - 1), data=st.data())
+def test_a_holder_with_an_impossible_answer_leaves_the_round_as_a_lost_one(
+        forgery, seed, cuts, data):
+    """A holder is not trusted: each kind of answer no honest holder of its clients
+    sends (well formed on the wire) is refused naming the holder and what was wrong;
+    the holder leaves the round with its clients, as a lost one does (the report's
+    lost_devices and lost_clients), min_clients is applied again, and the round has the
+    honest holders' bits; below min_clients it fails, naming them."""
+    arg, cuts = _arg(seed), sorted(cuts)
+    blocks = list(zip([0, *cuts], [*cuts, N]))
+    forged = data.draw(st.sets(st.integers(0, len(blocks) - 1), min_size=1,
+                               max_size=len(blocks) - 1), label="forged")
+    honest = [c for h, (a, b) in enumerate(blocks) if h not in forged for c in range(a, b)]
+    least = data.draw(st.integers(1, N), label="min_clients")
+    policy = RoundPolicy(min_clients=least)
+    reports: list = []
+    rep = engine.open_round(policy, N, 0, reports, devices=len(blocks))
+    answered = []
+
+    def on_lost(lost, left):
+        answered.append(left)
+        engine.drop_lost(rep, policy, lost, "fix it")
+
+    transport = _Holders(arg, cuts, forged=forged, forgery=forgery, ids=True)
+    if len(honest) < least:
+        with pytest.raises(FleetError, match=rf"round 0: lost holder {min(forged)}[:,] .*an "
+                                             rf"impossible answer.* only {len(honest)} "
+                                             rf"clients are left but min_clients={least}"):
+            engine.run_round(SPLIT, arg, transport, PREPARED.result, on_lost=on_lost)
+        assert "min_clients" in rep.error
+        return
+    got = engine.run_round(SPLIT, arg, transport, PREPARED.result, on_lost=on_lost)
+    assert _bits(got) == _bits(in_process.run_in_process(SPLIT, _arg(seed, honest)))
+    assert answered == [len(blocks) - len(forged)]
+    assert list(rep.participants) == honest and rep.error is None
+    assert sorted(set(range(N)) - set(honest)) == list(rep.lost_clients)
+    assert [w.split(":")[0].split(",")[0] for w in rep.lost_devices] == [
+        f"holder {h}" for h in sorted(forged)]
+    assert all(w.endswith("(an impossible answer)") for w in rep.lost_devices)
 
 
 def test_lost_holders_fail_the_round_unless_the_policy_drops_them():

@@ -8,8 +8,10 @@ exact partial per aggregation, which the engine checks and merges in client orde
 device's request that fits in one message (the head with its clients or their
 population ids, the common case) goes as one unary `RoundOnce` call instead, which
 costs less than a stream (`DevicePool.call_each`). Lost devices raise `DeviceLostError`
-as on the phase path, so rounds finish on the survivors the same way; token and TLS are
-the backend's channels. Devices that share this host's memory with the coordinator
+as on the phase path, so rounds finish on the survivors the same way; a device whose
+answer is for other clients or aggregations than it was sent, or names a segment it was
+not given, comes back as a `LostHolder` naming what was wrong (given the round's client
+ids), which the engine's policy drops. Token and TLS are the backend's channels. Devices that share this host's memory with the coordinator
 (`DevicePool.shares_memory`: those `LocalFleet` started) get the broadcast's large
 tensors in one shared-memory segment written once for all of them, and put their
 partials' large payloads in a segment each (`shared_memory`). Every segment of a round
@@ -29,7 +31,7 @@ from federated_language.common_libs import structure
 from fax_bridge.errors import FaxBridgeError, FleetError
 from fax_bridge.fleet import put_messages, shared_memory
 from fax_bridge.rounds import partials, wire
-from fax_bridge.rounds.engine import Answers, HolderAnswer
+from fax_bridge.rounds.engine import Answers, HolderAnswer, LostHolder
 from fax_bridge.rounds.round_split import RoundSplit
 from fax_bridge.fleet.pool import Serialized
 from fax_bridge.runtime import population
@@ -161,8 +163,10 @@ class GrpcTransport:
     """
 
     def __init__(self, backend, split: RoundSplit, arg: Any, num_clients: int,
-                 delays: Optional[np.ndarray] = None, client_runtime: Optional[str] = None):
+                 delays: Optional[np.ndarray] = None, client_runtime: Optional[str] = None,
+                 ids: Optional[np.ndarray] = None):
         self.backend = backend
+        self.ids = ids  # the round's clients' population ids, in client order
         self.client_runtime = client_runtime
         self.inputs = [arg[i] for i in split.client_inputs]
         self.num_clients = num_clients
@@ -264,16 +268,10 @@ class GrpcTransport:
         streams = _streams(backend, split, self.inputs, layout, head_of, broadcasts)
         answers = backend.call_each("Round", streams,
                                     timeout=backend.rpc_timeout_s + longest, once="RoundOnce")
-        out = []
+        out = Answers([])
         for index, clients in layout:  # device order is client order
             answer = answers[index]
             where = f"device {index} at {backend.addresses[index]}"
-            if answer.num_clients != len(clients) or \
-                    len(answer.partials) != len(split.aggregations):
-                raise FleetError(
-                    f"{where} answered a round for {answer.num_clients} clients with "
-                    f"{len(answer.partials)} partials; it was sent {len(clients)} clients "
-                    f"and {len(split.aggregations)} aggregations")
             if self.client_runtime is not None and \
                     answer.client_runtime != self.client_runtime:
                 raise FleetError(
@@ -281,24 +279,45 @@ class GrpcTransport:
                     f"{answer.client_runtime or 'unnamed'!r}, but this fleet runs client "
                     f"parts with {self.client_runtime!r}; start its devices with "
                     f"--client-runtime {self.client_runtime}")
-            segment = None
-            if answer.HasField("segment"):
-                if index not in sharing:
-                    raise FleetError(f"{where} answered through shared-memory segment "
-                                     f"{answer.segment.name[:40]!r}, which it was not asked "
-                                     "to use")
-                segment = shared_memory.open_segment(shared, answer.segment, where,
-                                                     expect=segments[index])
-                self._answer_segments.append((backend.addresses[index],
-                                              segments[index][0], segment))
-                self.traffic.shared_up += segment.length
-            if index in sharing and segment_ref is not None:
-                self.traffic.shared_down += segment_ref.length
-            out.append(HolderAnswer(
-                where, len(clients),
-                [shared_memory.view_partial(p, segment, where) for p in answer.partials],
-                answer.compute_seconds))
-        return Answers(out)
+            ids = None if self.ids is None else self.ids[clients.start:clients.stop]
+            try:
+                out.answered.append(self._answer(split, answer, index, clients, where,
+                                                 sharing, segments, segment_ref, ids))
+            except FleetError as e:  # an answer no honest device sends: it leaves
+                if ids is None:
+                    raise
+                out.lost.append(LostHolder(f"{e} (an impossible answer)", ids))
+        return out
+
+    def _answer(self, split: RoundSplit, answer, index: int, clients, where: str,
+                sharing: set, segments: dict, segment_ref, ids) -> HolderAnswer:
+        """Device `index`'s answer as a `HolderAnswer` (its partials viewed in its answer
+        segment, if any); FleetError naming it when the answer is for other clients or
+        aggregations than it was sent, or names a segment it was not given."""
+        backend, shared = self.backend, self.backend.shared_memory
+        if answer.num_clients != len(clients) or \
+                len(answer.partials) != len(split.aggregations):
+            raise FleetError(
+                f"{where} answered a round for {answer.num_clients} clients with "
+                f"{len(answer.partials)} partials; it was sent {len(clients)} clients "
+                f"and {len(split.aggregations)} aggregations")
+        segment = None
+        if answer.HasField("segment"):
+            if index not in sharing:
+                raise FleetError(f"{where} answered through shared-memory segment "
+                                 f"{answer.segment.name[:40]!r}, which it was not asked "
+                                 "to use")
+            segment = shared_memory.open_segment(shared, answer.segment, where,
+                                                 expect=segments[index])
+            self._answer_segments.append((backend.addresses[index],
+                                          segments[index][0], segment))
+            self.traffic.shared_up += segment.length
+        if index in sharing and segment_ref is not None:
+            self.traffic.shared_down += segment_ref.length
+        return HolderAnswer(
+            where, len(clients),
+            [shared_memory.view_partial(p, segment, where) for p in answer.partials],
+            answer.compute_seconds, clients=ids)
 
 
 def _broadcast_field(encoded: pb.Value) -> tuple:

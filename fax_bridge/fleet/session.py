@@ -14,7 +14,10 @@ round's, or a phase's map) computed by another. The
 policy (cohort, `min_clients`, lost devices, the report) is the engine's (`engine.open_round`, `engine.drop_lost`). When
 devices stop answering or miss their deadline (`rpc_timeout_s`) and
 `survive_device_loss` is set, the round is finished on the devices that answered in
-time; each lost one is named in the report with why.
+time; each lost one is named in the report with why. A device whose round answer no
+honest device could send (partials for other clients, tensors or aggregations than it
+was sent) is refused by the engine and its clients leave that round the same way,
+named in `lost_devices` with what was wrong; too few left for `min_clients` fails it.
 `run_loop` threads server state through rounds and checkpoints it (`checkpoint`).
 """
 
@@ -205,10 +208,15 @@ class FleetRounds:
                 backend.rounded_partials = self.policy.rounded_partials
                 transport = grpc_transport.GrpcTransport(
                     backend, split, arg, len(participants), backend.take_delays(),
-                    None if self.client_runtime is None else self.client_runtime.name)
+                    None if self.client_runtime is None else self.client_runtime.name,
+                    ids=participants.array())
                 ended = False
-                try:
-                    result = engine.run_round(split, arg, transport, prepared.result)
+                try:  # a device whose answer is refused leaves the round, named
+                    result = engine.run_round(
+                        split, arg, transport, prepared.result,
+                        on_lost=lambda lost, answered: engine.drop_lost(
+                            rep, self.policy, lost, "lower min_clients, or check those "
+                            "devices run this fax_bridge and take them out of the fleet"))
                     ended = True
                 finally:
                     transport.end_round(ended)

@@ -4,7 +4,9 @@ Each SuperNode holding participants of a round gets one `train` message (the bro
 and the ids of its participants) and answers with its clients' partials as records
 (`records`); a node that answers with an error, not within the wait, or with an answer
 `records.answer_of` refuses (a missing record, a malformed layout, counts or arrays)
-comes back as a lost holder, named with the reason, for the engine's policy to drop.
+comes back as a lost holder, named with the reason, for the engine's policy to drop;
+so does one whose answer reads well but holds partials no honest node could send (the
+engine's checks, `engine.check_answers`).
 Each answer also names the client runtime that computed it and the sha256 of the LiteRT
 model that ran (`records.served_of`), which the round's report keeps (`served`).
 The engine checks and merges the partials as it does a device's.
@@ -119,7 +121,8 @@ class FlowerTransport:
             answered.append((node, mine))
             self.traffic.bytes_up += records.content_bytes(reply.content)
             self.traffic.payload_up += records.payload_bytes(reply.content[records.PARTIALS])
-            out.answered.append(HolderAnswer(node.name, len(mine), partials, seconds))
+            out.answered.append(HolderAnswer(node.name, len(mine), partials, seconds,
+                                             clients=mine))
         if len(plain) < len(split.aggregations):
             out.secure = lambda drop: secagg.aggregate(
                 self.grid, split, answered, self.round_index, self.wait_s, self.poll_s,

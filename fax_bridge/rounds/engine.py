@@ -8,7 +8,9 @@ A round by split always runs the same way, wherever its clients live:
                    or this process) and returns one `HolderAnswer` per holder that
                    answered, in client order, and a `LostHolder` per holder that did not;
   check            every answer checked (`validate.check_partial`, `check_pending`)
-                   before any is merged;
+                   before any is merged; a holder is not trusted, so one whose answer
+                   no honest holder of its clients could send is refused by name and
+                   dropped from the round as a lost holder is;
   merge, finish    partials merged in client order (`aggregation.merge`), finished;
   secure sums      where the transport sums the split's secure sums itself (Flower's
                    SecAgg+: `Answers.secure`), the answers carry partials of the other
@@ -58,18 +60,22 @@ from fax_bridge.runtime.backend import from_leaves
 class HolderAnswer:
     """One holder's answer for its clients: one partial per aggregation, either as it
     arrived (an `AggregateResponse`, checked before use) or an `aggregation.Partial`
-    computed in this process (nothing to check)."""
+    computed in this process (nothing to check). `clients`: the population ids of the
+    clients it was sent, which leave the round with it when its answer is refused
+    (None: a refused answer fails the round)."""
 
     where: str         # names the holder in errors
     num_clients: int   # the clients it was sent
     partials: list
     compute_s: float = 0.0
+    clients: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass
 class LostHolder:
-    """A holder that did not answer: its name (and why), and the clients it held (that
-    the round goes on without). `answer`: for a holder a secure phase loses after it
+    """A holder that did not answer, or whose answer was refused: its name (and why),
+    and the clients it held (that the round goes on without). `answer`: for a holder
+    whose answer the engine refused (`check_answers`) or a secure phase lost after it
     answered, the index of its answer in `Answers.answered`, whose partials then leave
     the round too (None: it had not answered, or its answer stays in the round)."""
 
@@ -131,32 +137,73 @@ def check_and_merge(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
 
 def check_answers(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
                   reject_nonfinite: bool = False,
-                  traffic: Optional[Traffic] = None, rounded: bool = False) -> list:
+                  traffic: Optional[Traffic] = None, rounded: bool = False,
+                  refused: Optional[list] = None) -> list:
     """Each answer's partials (`aggregation.Partial`, one per entry of `checks`), every
     one checked (`check_and_merge`), in the answers' order; nothing is merged.
-    `rounded`: the round asked for rounded partials (`RoundPolicy.rounded_partials`)."""
-    out, pending = [], []
-    for answer in answers:
-        if len(answer.partials) != len(checks):
-            raise FleetError(f"{answer.where}: {len(answer.partials)} partials for "
-                             f"{len(checks)} aggregations")
+    `rounded`: the round asked for rounded partials (`RoundPolicy.rounded_partials`).
+    A holder is not trusted: an answer no honest holder of its clients could send (the
+    wrong number of partials, tensors, shapes, dtypes or clients, values out of reach)
+    raises FleetError naming the holder and what was wrong, or, given a `refused` list
+    and the holder's `clients`, is appended to it as a `LostHolder` (naming it, why,
+    its clients and its answer) and stands as None in the list returned."""
+    out: list = []
+    pending: list = []  # float64-form leaves of every answer, checked together
+    owners: list = []   # the answer each entry of `pending` came from
+
+    def refuse(index: int, error: FleetError) -> None:
+        answer = answers[index]
+        if refused is None or answer.clients is None:
+            raise error
+        refused.append(LostHolder(f"{error} (an impossible answer)", answer.clients,
+                                  answer=index))
+        out[index] = None
+
+    for index, answer in enumerate(answers):
+        out.append(None)
+        mine: list = []
+        try:
+            found, payload = _check_answer(checks, answer, reject_nonfinite, mine, rounded)
+        except FleetError as e:
+            refuse(index, e)
+            continue
+        out[index] = found
+        pending.extend(mine)
+        owners.extend([index] * len(mine))
         if traffic is not None:
             traffic.compute_seconds += answer.compute_s
-        found = []
-        for (kind, value_types, weight_types, tops), message in zip(checks,
-                                                                     answer.partials):
-            if isinstance(message, aggregation.Partial):
-                found.append(message)  # computed in this process
-                continue
-            partial, payload = validate.check_partial(
-                message, kind, value_types, weight_types, answer.num_clients, answer.where,
-                reject_nonfinite, tops, pending=pending, rounded=rounded)
-            if traffic is not None:
-                traffic.payload_up += payload
-            found.append(partial)
-        out.append(found)
-    validate.check_pending(pending)
+            traffic.payload_up += payload
+    try:
+        validate.check_pending(pending)
+    except FleetError:
+        if refused is None:
+            raise
+        for index in sorted(set(owners)):  # which answers hold what failed
+            try:
+                validate.check_pending([p for p, o in zip(pending, owners) if o == index])
+            except FleetError as e:
+                refuse(index, e)
     return out
+
+
+def _check_answer(checks: Sequence[tuple], answer: HolderAnswer, reject_nonfinite: bool,
+                  pending: list, rounded: bool) -> tuple[list, int]:
+    """(One answer's partials, checked but for the float64-form leaves left in
+    `pending`; their payload bytes); FleetError naming the holder otherwise."""
+    if len(answer.partials) != len(checks):
+        raise FleetError(f"{answer.where}: {len(answer.partials)} partials for "
+                         f"{len(checks)} aggregations")
+    found, payload = [], 0
+    for (kind, value_types, weight_types, tops), message in zip(checks, answer.partials):
+        if isinstance(message, aggregation.Partial):
+            found.append(message)  # computed in this process
+            continue
+        partial, size = validate.check_partial(
+            message, kind, value_types, weight_types, answer.num_clients, answer.where,
+            reject_nonfinite, tops, pending=pending, rounded=rounded)
+        payload += size
+        found.append(partial)
+    return found, payload
 
 
 def merge_checked(checks: Sequence[tuple], checked: Sequence[list]) -> list:
@@ -184,9 +231,11 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
               on_lost: Optional[Callable[[list, int], None]] = None) -> Any:
     """One round of `split` (module docstring); `arg` is the parameter's runtime value
     (its CLIENTS elements are the transport's business). `on_lost(lost, answered)` is
-    called with the lost holders (and how many answered and are still in the round)
-    after every answer is checked; it raises to fail the round, else the round finishes
-    without those clients. Without it, a lost holder fails the round. The result is
+    called with the lost holders and those whose answers were refused (`check_answers`:
+    an answer no honest holder could send; and how many answered and are still in the
+    round) after every answer is checked; it raises to fail the round, else the round
+    finishes without those clients. Without it, a lost holder or a refused answer fails
+    the round. The result is
     checked against `result_type` when given. Where the answers come with a secure
     phase (`Answers.secure`), the phase runs after `on_lost`, over the holders that
     answered; the holders it loses go through `on_lost` too and their answers are left
@@ -197,9 +246,10 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
     answers = transport.run_clients(split, sent)
     merged = split.aggregations if answers.secure is None else plain_aggregations(split)
     checks = split_checks(merged)
+    refused: Optional[list] = None if on_lost is None else []
     checked = check_answers(checks, answers.answered, transport.reject_nonfinite,
-                            transport.traffic, transport.rounded_partials)
-    out: set = set()  # answers the secure phase left out
+                            transport.traffic, transport.rounded_partials, refused)
+    out: set = set()  # answers refused, or left out by the secure phase
 
     def drop(lost: list) -> None:
         nonlocal n
@@ -210,8 +260,9 @@ def run_round(split: RoundSplit, arg: Any, transport: Transport, result_type=Non
         on_lost(lost, len(answers.answered) - len(out))
         n -= sum(len(h.clients) for h in lost)
 
-    if answers.lost:
-        drop(answers.lost)
+    lost = [*answers.lost, *(refused or [])]
+    if lost:
+        drop(lost)
     if answers.secure is not None and len(answers.answered) > len(out):
         env.update(answers.secure(drop))
     elif answers.secure is not None:  # no holder left: every aggregation is over none
