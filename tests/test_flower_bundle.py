@@ -350,3 +350,50 @@ def test_arguments_a_round_does_not_take_are_left_to_the_arity_refusal(count):
     bundle.refuse_phased(step, tuple(range(count)))  # returns
     with pytest.raises(ExportError, match=f"step takes {count}"):
         bundle.refuse_arity(step, tuple(range(count)))
+
+
+def test_the_wrapper_the_refusal_shows_folds_server_arguments_into_the_state():
+    """A program with SERVER arguments beside its state: the refusal shows a round of
+    two arguments that folds them into the state and carries them to the next round;
+    that wrapper, run as shown, builds a Flower round whose rounds are the program's."""
+    import textwrap
+
+    import jax.numpy as jnp
+
+    import fax_bridge as fb
+    from fax_bridge.in_process import run_computation
+
+    @fb.program(clients=3)
+    def scaled_mean(state, batches, lr, mask):
+        step = fb.federated_broadcast(state * lr)
+        total = fb.federated_map_clients(lambda s, b, m: jnp.sum(b * m) * s,
+                                         (step, batches, mask))
+        return state - fb.federated_mean(total), fb.federated_sum(total)
+
+    batches = np.arange(12, dtype=np.float32).reshape(3, 4)
+    args = (np.float32(1.0), batches, np.float32(0.5), batches > 2)
+    with pytest.raises(ExportError) as refused:
+        bundle.build_round(scaled_mean, *args, clients=3,
+                           placements=("server", "clients", "server", "clients"))
+    text = str(refused.value)
+    assert "whose state holds its SERVER arguments (state, lr)" in text, text
+    assert "example arguments ((state, lr), (batches, mask))" in text, text
+    shown = text.split("e.g.\n", 1)[1].split("\nwith program = ", 1)[0]
+    assert shown == ("    def flower_round(server_state, client_data):\n"
+                     "        state, lr = server_state\n"
+                     "        batches, mask = client_data\n"
+                     "        new_state, output = program(state, batches, lr, mask)\n"
+                     "        return (new_state, lr), output"), shown
+    scope = {"program": scaled_mean}
+    exec(textwrap.dedent(shown), scope)  # the wrapper exactly as the refusal shows it
+    state, _, lr, mask = args
+    made = bundle.build_round(scope["flower_round"], (state, lr), (batches, mask),
+                              placements=("server", "clients"), clients=3)
+    assert made.split is not None
+    carried = (state, lr)
+    for _ in range(2):  # the state carries lr to the next round unchanged
+        carried, output = run_computation(made.proto, carried, (batches, mask))
+        totals = (batches * mask).sum(axis=1) * state * lr
+        state = np.float32(state - totals.mean())
+        assert float(carried[1]) == float(lr) and np.isclose(float(carried[0]), state)
+        assert np.isclose(float(output), totals.sum())

@@ -16,7 +16,9 @@ Flower's SecAgg+ sums (`flower/secagg.py`); one that SecAgg+ cannot carry exactl
 however the example's clients are split over SuperNodes is refused by name
 (`secagg.check_build`). A program of other than two arguments (an algorithm's
 `next(state, data, mask)`) is refused before it is exported (`refuse_arity`), naming
-its parameters and the round of two arguments that wraps it. `FlowerRound` holds the round, its split and the initial server
+its parameters and the round of two arguments that wraps it (its CLIENTS arguments
+folded into the client data, its other SERVER arguments into the state, which carries
+them to the next round). `FlowerRound` holds the round, its split and the initial server
 state (the example state's tensors, depth first over the state's type).
 
 A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
@@ -217,17 +219,38 @@ def refuse_arity(fn: Callable, args: tuple, placements: Any = None) -> None:
     if len(args) < 2:
         raise ExportError(head + "; give it the clients' data as its second argument, "
                           "placed at CLIENTS")
+    raise ExportError(head + ". " + _wrapper_text(names, clients, others, name))
+
+
+def _wrapper_text(names: list, clients: list, others: list, name: str) -> str:
+    """`refuse_arity`'s advice: a round of two arguments that calls the program named
+    `name` (parameters `names`, the first its state), its CLIENTS arguments `clients`
+    folded into client_data and its other SERVER arguments `others` into the state
+    (carried unchanged from round to round), with the example arguments it takes."""
     state = names[0]
     unpack = ", ".join(clients) + ("," if len(clients) == 1 else "")
-    raise ExportError(
-        head + ". Wrap it in a round of two arguments whose client_data holds its "
-        f"CLIENTS arguments ({', '.join(clients)}: a tuple, or a dict)"
-        + (f" and whose {state} holds its other SERVER arguments ({', '.join(others)})"
-           if others else "") +
-        f", e.g.\n    def flower_round({state}, client_data):\n        {unpack} = "
-        f"client_data\n        return program({', '.join(names)})\nwith program = "
-        f"{name}, example arguments ({state}, ({unpack})) and placements "
-        "(\"server\", \"clients\")")
+    call = f"program({', '.join(names)})"
+    text = ("Wrap it in a round of two arguments whose client_data holds its CLIENTS "
+            f"arguments ({', '.join(clients)}: a tuple, or a dict)")
+    if not others:
+        return (text + f", e.g.\n    def flower_round({state}, client_data):\n"
+                f"        {unpack} = client_data\n        return {call}\nwith program = "
+                f"{name}, example arguments ({state}, ({unpack})) and placements "
+                "(\"server\", \"clients\")")
+    carried = next(c for c in ("server_state", "carried", "folded") if c not in names)
+    new = next(c for c in (f"new_{state}", "new_state", "updated") if c not in names)
+    folded = ", ".join([state, *others])
+    kept = ", ".join(others)
+    return (text + f" and whose state holds its SERVER arguments ({folded}): the "
+            f"round returns {kept} beside the program's new {state}, so the next round "
+            "gets them unchanged, e.g.\n"
+            f"    def flower_round({carried}, client_data):\n"
+            f"        {folded} = {carried}\n"
+            f"        {unpack} = client_data\n"
+            f"        {new}, output = {call}\n"
+            f"        return ({new}, {kept}), output\n"
+            f"with program = {name}, example arguments (({folded}), ({unpack})) and "
+            "placements (\"server\", \"clients\")")
 
 
 ELSEWHERE = (
