@@ -92,6 +92,26 @@ def test_parts_with_padding_rows_sum_their_clients_only(dtype, data):
     np.testing.assert_array_equal(_bits(device_sums.exact_sum(column)), _bits(want))
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_few_rows_read_a_row_at_a_time_have_the_host_bits(dtype, data):
+    """Columns of a few rows are summed in one element-wise pass (`unrolled`), over
+    however many limbs the addends need (forced here past the usual bounds): the same
+    bits, padding rows included (one shape: the sums compile once per limb count)."""
+    stack = data.draw(stacks(dtype))
+    cut, more = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
+    first = np.concatenate([stack[:cut], np.full((4 - cut, SIZE), np.nan, dtype)])
+    parts, counts = [jnp.asarray(first), jnp.asarray(stack[4:7])], [cut, more]
+    want = _host(np.concatenate([stack[:cut], stack[4:4 + more]]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(device_sums, "UNROLL_LIMBS", device_sums.LIMB_BUCKETS[-1])
+        patch.setattr(device_sums, "UNROLL_SIZE", 1)
+        assert device_sums.unrolled(sum(map(len, parts)), device_sums.LIMB_BUCKETS[-1], SIZE)
+        got = device_sums.exact_sum(DeviceColumn(parts, counts))
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def test_many_addends_carry_between_blocks():
     """More addends than a block (carries propagated between blocks) of the largest
     finite values, and of values that cancel down to a subnormal."""

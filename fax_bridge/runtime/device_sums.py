@@ -10,7 +10,10 @@ own lowest addend bit (`_window`), so an element whose addends span a few binade
 3 or 4 limbs whatever the rest of the tensor holds. One reduction read back per dtype
 (`_spreads`: the widest window of each tensor) fixes the limb count, bucketed
 (`LIMB_BUCKETS`) so that the sums compile for few shapes, and then every tensor of that
-dtype is summed in one compiled call (`_float_sums`). The sum is rounded once, to
+dtype is summed in one compiled call (`_float_sums`). A large tensor of a few clients'
+rows (`unrolled`: a round of few clients on a large model) is read a row at a time, so
+that its whole sum, window, limbs and rounding, is one element-wise pass over the rows;
+otherwise each limb is a reduction over the rows. The sum is rounded once, to
 nearest-even, by integer operations, element-wise throughout (digits picked by selects,
 not gathers, which are slow on a TPU), and non-finite addends and -0 follow `exact`
 (NaN if any addend is NaN or both infinities occur, else the infinity; -0 only if every
@@ -100,6 +103,10 @@ class DeviceColumn:
         return tuple(self.parts[0].shape[1:])
 
     @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def count(self) -> int:
         return sum(self.counts)
 
@@ -140,7 +147,9 @@ def exact_sums(columns: Sequence[DeviceColumn]) -> list:
         counts = tuple(_counts(c) for c in group)
         spreads = jax.device_get(_spreads(parts, counts))
         limbs = max(_limb_count(dtype, int(s), c.count) for s, c in zip(spreads, group))
-        for i, total in zip(at, _float_sums(parts, counts, limbs=limbs)):
+        unroll = tuple(unrolled(sum(x.shape[0] for x in c.parts), limbs, c.size)
+                       for c in group)
+        for i, total in zip(at, _float_sums(parts, counts, limbs=limbs, unroll=unroll)):
             out[i] = total
     return out
 
@@ -185,21 +194,42 @@ def _fields(x: jax.Array) -> tuple:
             infinite & negative, bits == jnp.uint32(1 << (nbits - 1)))
 
 
-def _rows_of(x: jax.Array, count) -> tuple:
-    """x as [rows, size], and which rows hold addends ([rows, 1])."""
-    flat = x.reshape((x.shape[0], -1))
-    return flat, (jnp.arange(x.shape[0]) < count)[:, None]
+# A column of at most UNROLL_ROWS rows summed over at most UNROLL_LIMBS limbs is read a
+# row at a time (`_slabs`): the sum is then one element-wise pass, reading each row
+# once. Its program grows with rows x limbs (compile time, a second or so per tensor),
+# so it is kept for tensors of at least UNROLL_SIZE elements, where the passes cost;
+# elsewhere the rows are reduced, a pass over them for every limb and flag.
+UNROLL_ROWS, UNROLL_LIMBS, UNROLL_SIZE = 8, 8, 1 << 16
+
+
+def unrolled(rows: int, limbs: int, size: int) -> bool:
+    """Whether a column of `rows` rows (padding included) and `size` elements a row,
+    summed over `limbs` limbs, is read a row at a time."""
+    return rows <= UNROLL_ROWS and limbs <= UNROLL_LIMBS and size >= UNROLL_SIZE
+
+
+def _slabs(parts: tuple, counts: tuple, unroll: bool) -> list:
+    """The parts' rows as [(slab [rows, size], which of them hold addends [rows, 1])]:
+    one slab per row if `unroll`, so that a sum over a slab's rows is an element-wise
+    add fusing with what computes and consumes it; else slabs of at most `BLOCK_ROWS`
+    rows (carries propagated between them)."""
+    out = []
+    for x, count in zip(parts, counts):
+        flat = x.reshape((x.shape[0], -1))
+        valid = (jnp.arange(x.shape[0]) < count)[:, None]
+        step = 1 if unroll else BLOCK_ROWS
+        out += [(flat[i:i + step], valid[i:i + step]) for i in range(0, x.shape[0], step)]
+    return out
 
 
 _NONE = 1 << 30  # the lowest position of an element with no finite nonzero addend
 
 
-def _window(parts: tuple, counts: tuple) -> tuple:
+def _window(parts: tuple, counts: tuple, unroll: bool) -> tuple:
     """Per element: the digit its window starts at (`base`: the lowest bit position of
     its finite nonzero addends, over 16) and the highest such position (-1: none)."""
     lo = hi = None
-    for x, count in zip(parts, counts):
-        flat, valid = _rows_of(x, count)
+    for flat, valid in _slabs(parts, counts, unroll):
         pos, mant = _fields(flat)[:2]
         live = valid & (mant != 0)
         least = jnp.min(jnp.where(live, pos, _NONE), axis=0)
@@ -216,7 +246,7 @@ def _spreads(columns: tuple, counts: tuple) -> jax.Array:
     nonzero addend)."""
     out = []
     for parts, n in zip(columns, counts):
-        base, hi = _window(parts, n)
+        base, hi = _window(parts, n, sum(x.shape[0] for x in parts) <= UNROLL_ROWS)
         out.append(jnp.max(jnp.where(hi < 0, -1, hi - DIGIT_BITS * base), initial=-1))
     return jnp.stack(out)
 
@@ -244,37 +274,40 @@ def _block_limbs(pos, mant, negative, live, base, limbs: int) -> list:
                 for j, piece in enumerate(pieces) if k - j >= 0) for k in range(limbs)]
 
 
-@functools.partial(jax.jit, static_argnames="limbs")
-def _float_sums(columns: tuple, counts: tuple, limbs: int) -> list:
-    """Each column's exact sum, over `limbs` limbs an element from its own window."""
-    return [_float_sum(parts, n, limbs) for parts, n in zip(columns, counts)]
+@functools.partial(jax.jit, static_argnames=("limbs", "unroll"))
+def _float_sums(columns: tuple, counts: tuple, limbs: int, unroll: tuple) -> list:
+    """Each column's exact sum, over `limbs` limbs an element from its own window; the
+    i-th read a row at a time where `unroll[i]`."""
+    return [_float_sum(parts, n, limbs, u).reshape(parts[0].shape[1:])
+            for parts, n, u in zip(columns, counts, unroll)]
 
 
-def _float_sum(parts: tuple, counts: tuple, limbs: int) -> jax.Array:
+def _float_sum(parts: tuple, counts: tuple, limbs: int, unroll: bool) -> jax.Array:
     dtype = np.dtype(parts[0].dtype)
     size = math.prod(parts[0].shape[1:])
-    base = _window(parts, counts)[0][None, :]
+    base = _window(parts, counts, unroll)[0][None, :]
     acc = [jnp.zeros(size, jnp.int32) for _ in range(limbs)]
     nan = pos_inf = neg_inf = jnp.zeros(size, bool)
     neg_zero = jnp.ones(size, bool)
-    for x, count in zip(parts, counts):
-        flat, valid = _rows_of(x, count)
-        for start in range(0, flat.shape[0], BLOCK_ROWS):
-            block, ok = flat[start:start + BLOCK_ROWS], valid[start:start + BLOCK_ROWS]
-            pos, mant, negative, is_nan, is_pos_inf, is_neg_inf, is_neg_zero = _fields(block)
-            nan |= jnp.any(ok & is_nan, axis=0)
-            pos_inf |= jnp.any(ok & is_pos_inf, axis=0)
-            neg_inf |= jnp.any(ok & is_neg_inf, axis=0)
-            neg_zero &= jnp.all(~ok | is_neg_zero, axis=0)
-            if limbs:
-                live = ok & (mant != 0)
-                added = _block_limbs(pos, mant, negative, live, base, limbs)
-                acc = _carried([a + b for a, b in zip(acc, added)])
-    bits = _rounded(acc, base[0], dtype) if limbs else jnp.zeros(size, jnp.uint32)
+    pending = 0  # rows added since the last carry propagation
+    for block, ok in _slabs(parts, counts, unroll):
+        pos, mant, negative, is_nan, is_pos_inf, is_neg_inf, is_neg_zero = _fields(block)
+        nan |= jnp.any(ok & is_nan, axis=0)
+        pos_inf |= jnp.any(ok & is_pos_inf, axis=0)
+        neg_inf |= jnp.any(ok & is_neg_inf, axis=0)
+        neg_zero &= jnp.all(~ok | is_neg_zero, axis=0)
+        if limbs:
+            if pending + block.shape[0] > BLOCK_ROWS:
+                acc, pending = _carried(acc), 0
+            live = ok & (mant != 0)
+            added = _block_limbs(pos, mant, negative, live, base, limbs)
+            acc = [a + b for a, b in zip(acc, added)]
+            pending += block.shape[0]
+    bits = _rounded(_carried(acc), base[0], dtype) if limbs else jnp.zeros(size, jnp.uint32)
     bits = _specials(bits, nan, pos_inf, neg_inf, neg_zero, dtype)
     nbits = 8 * dtype.itemsize
     uint = jnp.uint32 if nbits == 32 else jnp.uint16
-    return lax.bitcast_convert_type(bits.astype(uint), dtype).reshape(parts[0].shape[1:])
+    return lax.bitcast_convert_type(bits.astype(uint), dtype)
 
 
 def _pick(digits: list, at: jax.Array) -> jax.Array:
