@@ -231,7 +231,7 @@ def main() -> int:
                 "flower": write_flower_app(folder, data, args.seed)}
         if deployed:
             start = time.perf_counter()
-            with LocalDeployment(configs, os.path.join(folder, "flwr"),
+            with LocalDeployment(configs, os.path.join(folder, "flwr"), poll_s=0.05,
                                  fork_apps=not args.fresh_apps,
                                  warm=not args.cold) as deployment:
                 results["start_s"] = time.perf_counter() - start

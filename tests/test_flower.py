@@ -1258,9 +1258,8 @@ def deployed(tmp_path_factory, populations):
     assert cli.main(["flower", f"{QUICKSTART}:fedavg_round", "-o", folder, "--clients",
                      str(N)]) == 0
     creds = local_credentials(str(tmp_path_factory.mktemp("creds")), nodes=2)
-    # The SuperExecs poll for runs every 0.5 s, not LocalDeployment's 0.05 s: polling
-    # idle at that rate took a third of a core all through this module's tests (a run
-    # starts up to 0.45 s later).
+    # The SuperExecs poll for runs every 0.5 s (LocalDeployment's default): polling idle
+    # every 0.05 s took a third of a core all through this module's tests.
     with LocalDeployment(populations, str(tmp_path_factory.mktemp("flwr")),
                          credentials=creds, poll_s=0.5) as d:
         yield Deployed(d, folder, creds)
@@ -1456,3 +1455,19 @@ def test_a_reply_still_uploading_does_not_hold_the_exchange_past_its_deadline(
         assert set(replies) == {100} and not released.is_set()  # returned without it
     finally:
         released.set()
+
+
+def test_a_deployment_polls_for_tasks_at_the_interval_the_docs_measured(tmp_path):
+    """Flower's SuperExecs poll for tasks (a request each time, idle or not): a
+    deployment sets the interval docs/flower.md measured the idle cost of, unless told."""
+    from fax_bridge.flower.deployment import SUPEREXEC_POLL_S, LocalDeployment
+
+    nodes = [{"population": str(tmp_path / "pop")}]
+    default = LocalDeployment(nodes, str(tmp_path / "home"))  # nothing starts yet
+    assert default.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == str(SUPEREXEC_POLL_S)
+    faster = LocalDeployment(nodes, str(tmp_path / "home"), poll_s=0.05)
+    assert faster.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.05"
+    with open(os.path.join(ROOT, "docs", "flower.md")) as f:
+        doc = f.read()
+    assert f"`poll_s={SUPEREXEC_POLL_S}` by default" in doc
+    assert f"| {SUPEREXEC_POLL_S} s (the default) |" in doc

@@ -28,6 +28,7 @@ commands less their imports). Flower's commands are found beside the running Pyt
 and that folder leads PATH, because the SuperLink and SuperNodes start
 `flower-superexec` by name. Apps' dependencies are not installed at run time
 (`--disable-runtime-dependency-installation`): fax_bridge and flwr are already here.
+Each SuperExec polls for tasks every `poll_s` (0.5 s by default, `SUPEREXEC_POLL_S`).
 
 By default everything listens on loopback. `host="10.0.0.1"` binds the SuperLink to
 that address instead (the SuperNodes and `flwr run` connect to it; with TLS its
@@ -85,8 +86,14 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def flower_env(home: str, poll_s: float = 0.05) -> dict:
-    """The environment Flower's processes run in (module docstring)."""
+# How often each SuperExec asks for a task (Flower's FLWR_SUPEREXEC_TASK_POLL_INTERVAL):
+# idle, every poll is a request; docs/flower.md "Poll intervals" has what it costs.
+SUPEREXEC_POLL_S = 0.5
+
+
+def flower_env(home: str, poll_s: float = SUPEREXEC_POLL_S) -> dict:
+    """The environment Flower's processes run in (module docstring); `poll_s`: each
+    SuperExec's task poll."""
     env = dict(os.environ)
     bin_dir = os.path.dirname(sys.executable)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
@@ -131,7 +138,8 @@ def wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float,
 class LocalDeployment:
     """A SuperLink and one SuperNode per entry of `nodes` (their `--node-config`)."""
 
-    def __init__(self, nodes: list, home: str, *, warm: bool = True, poll_s: float = 0.05,
+    def __init__(self, nodes: list, home: str, *, warm: bool = True,
+                 poll_s: float = SUPEREXEC_POLL_S,
                  log_dir: Optional[str] = None, start_timeout_s: float = 120.0,
                  credentials=None, host: str = LOOPBACK,
                  wrap: Optional[Callable[[str], list]] = None, fork_apps: bool = True):
