@@ -1,5 +1,6 @@
 """Production forms: refusals naming operations, lines and fixes; StableHLO artifacts of
-the Xla parts; DAF and MRF built by TFF 0.87 (side environment) through the API and CLI."""
+the Xla parts; DAF and MRF built by TFF 0.87 (side environment) through the API and CLI,
+both in one start of TensorFlow (`tff_answers`)."""
 
 import hashlib
 import json
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from federated_language.common_libs import structure
+from federated_language.proto.computation_pb2 import Computation
 
 import fax_bridge as fb
 from fax_bridge import output_folders
@@ -104,7 +106,65 @@ def _check_manifest(folder, manifest):
         assert hashlib.sha256(data).hexdigest() == entry["sha256"]
 
 
-def test_daf_built_by_tff_runs_piece_by_piece_like_jit(tmp_path):
+QUICKSTART = f"{REPO}/examples/quickstart.py:fedavg_round"
+
+
+@pytest.fixture(scope="module")
+def tff_answers(tmp_path_factory):
+    """TFF's answers for the two forms the tests below build (the DAF of `one_trip`, the
+    MRF of the quickstart round at 3 clients), from one side-environment process: each
+    start of TensorFlow takes 15 s or more of a core. Keyed by `_without_call_sites`."""
+    from fax_bridge.tff.cli import resolve_program
+
+    prog, prog_args, placements = resolve_program(QUICKSTART, 3)
+    folder = str(tmp_path_factory.mktemp("forms"))
+    jobs = [forms.job(kind, forms.round_proto(fn, *a, placements=pl)[0], [kind],
+                      os.path.join(folder, kind))
+            for kind, fn, a, pl in (("daf", one_trip, (W, X), ("server", "clients")),
+                                    ("mrf", prog, prog_args, placements))]
+    answers = forms.build_forms(jobs, folder)
+    return {_without_call_sites(job["proto"]): (job, answers[job["name"]]) for job in jobs}
+
+
+def _without_call_sites(path: str) -> bytes:
+    """The round proto at `path` with every Xla part's HLO module as its text: the same
+    round exported from another caller differs only in the modules' Python stack
+    frames (metadata, which the text leaves out)."""
+    from jax._src.lib import xla_client
+
+    proto = Computation.FromString(pathlib.Path(path).read_bytes())
+
+    def strip(message) -> None:
+        for field, value in message.ListFields():
+            if field.name == "hlo_module":
+                value.value = xla_client.XlaComputation(value.value).as_hlo_text(
+                    print_large_constants=True).encode()
+            elif field.message_type is not None:
+                for item in (value if field.is_repeated else [value]):
+                    strip(item)
+
+    strip(proto)
+    return proto.SerializeToString()
+
+
+@pytest.fixture
+def built_once(tff_answers, monkeypatch):
+    """`forms.build_forms` answering from `tff_answers`, for a job whose round proto and
+    forms are those of a job TFF built there (any other job fails the test)."""
+    def replay(jobs, folder, timeout_s=600.0):
+        answers = {}
+        for job in jobs:
+            proto = _without_call_sites(job["proto"])
+            assert proto in tff_answers, f"a round TFF was not asked to build: {job}"
+            built, answer = tff_answers[proto]
+            assert job["forms"] == built["forms"], job
+            answers[job["name"]] = answer
+        return answers
+
+    monkeypatch.setattr(forms, "build_forms", replay)
+
+
+def test_daf_built_by_tff_runs_piece_by_piece_like_jit(tmp_path, built_once):
     daf = fb.to_distribute_aggregate_form(one_trip, W, X, placements=("server", "clients"))
     assert list(daf.pieces) == list(forms.DAF_PIECES)
     assert daf.type_signature == ("(<float32[2]@SERVER,{float32[4,2]}@CLIENTS> -> "
@@ -120,18 +180,9 @@ def test_daf_built_by_tff_runs_piece_by_piece_like_jit(tmp_path):
     _check_manifest(tmp_path, manifest)
 
 
-def test_cli_writes_the_map_reduce_form_and_its_manifest(tmp_path, capsys, monkeypatch):
-    built = []
-    build = forms.to_map_reduce_form
-
-    def build_once(*args, **kwargs):  # the second command refuses the folder, not TFF
-        built[:] = built or [build(*args, **kwargs)]
-        return built[0]
-
-    monkeypatch.setattr(forms, "to_map_reduce_form", build_once)
+def test_cli_writes_the_map_reduce_form_and_its_manifest(tmp_path, capsys, built_once):
     out = tmp_path / "mrf"
-    rc = cli_main(["forms", f"{REPO}/examples/quickstart.py:fedavg_round", "--form", "mrf",
-                   "--clients", "3", "-o", str(out)])
+    rc = cli_main(["forms", QUICKSTART, "--form", "mrf", "--clients", "3", "-o", str(out)])
     assert rc == 0, capsys.readouterr().err
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["form"] == "MapReduceForm"
@@ -140,8 +191,7 @@ def test_cli_writes_the_map_reduce_form_and_its_manifest(tmp_path, capsys, monke
     _check_manifest(out, manifest)
     (out / "round.pb").write_bytes(b"mine")  # the user's file where a piece goes
     (out / output_folders.RECORD).unlink()
-    rc = cli_main(["forms", f"{REPO}/examples/quickstart.py:fedavg_round", "--form", "mrf",
-                   "--clients", "3", "-o", str(out)])
+    rc = cli_main(["forms", QUICKSTART, "--form", "mrf", "--clients", "3", "-o", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and f"would replace '{out}{os.sep}" in err and "--force" in err, err
     assert (out / "round.pb").read_bytes() == b"mine"
