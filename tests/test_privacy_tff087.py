@@ -2,9 +2,10 @@
 
 With the noise multiplier at 0 the aggregators are deterministic, so fax_bridge's must
 give TFF's aggregate and TFF's clip-norm trajectory round after round, under jit and (one
-case) as the exported proto run by the runtime. TFF runs once, in .venv-tff, for every case, and
-also reads back an exported DP-FedAvg round and the secure aggregations (sums, mean and
-the mean's gradient program) with the signatures federated_language gives.
+case) as the exported proto run by the runtime. TFF runs once, in .venv-tff, for every case
+(while the test computes its own side), and also reads back an exported DP-FedAvg round
+and the secure aggregations (sums, mean and the mean's gradient program) with the
+signatures federated_language gives.
 """
 
 from __future__ import annotations
@@ -55,29 +56,43 @@ def _client_values():
     return rounds
 
 
-def _run_tff(rounds, read=()) -> dict:
-    spec = {"read": [str(p) for p in read],
-            "rounds": [[{k: r[k][i].tolist() for k in r} for i in range(CLIENTS)]
-                       for r in rounds],
-            "cases": [{"name": n, "factory": f, "kwargs": kw} for n, (f, kw) in CASES.items()]}
-    # Files, not pipes (side_env.run_json's): TFF's runtime starts worker processes that
-    # would hold a pipe open after the script exits; the whole group is ended afterwards.
-    with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, \
-            tempfile.TemporaryFile() as ferr:
-        fin.write(json.dumps(spec).encode())
-        fin.seek(0)
-        proc = subprocess.Popen([str(TFF_PYTHON), str(side_env.script("dp_reference.py"))],
-                                stdin=fin, stdout=fout, stderr=ferr, cwd=side_env.REPO,
-                                start_new_session=True)
+class _TffRun:
+    """TFF's answers, computed in .venv-tff while the test computes its own: starting
+    TensorFlow takes most of the run, so the test does not wait for it idle."""
+
+    def __init__(self, rounds, read=()):
+        spec = {"read": [str(p) for p in read],
+                "rounds": [[{k: r[k][i].tolist() for k in r} for i in range(CLIENTS)]
+                           for r in rounds],
+                "cases": [{"name": n, "factory": f, "kwargs": kw}
+                          for n, (f, kw) in CASES.items()]}
+        # Files, not pipes (side_env.run_json's): TFF's runtime starts worker processes
+        # that would hold a pipe open after the script exits; the whole group is ended
+        # afterwards.
+        self.fin, self.fout, self.ferr = (tempfile.TemporaryFile() for _ in range(3))
+        self.fin.write(json.dumps(spec).encode())
+        self.fin.seek(0)
+        self.proc = subprocess.Popen(
+            [str(TFF_PYTHON), str(side_env.script("dp_reference.py"))], stdin=self.fin,
+            stdout=self.fout, stderr=self.ferr, cwd=side_env.REPO, start_new_session=True)
+
+    def answer(self, timeout_s: float = 120.0) -> dict:
+        """Waits for TFF (about 15 s on an idle 2-core machine); its JSON answer."""
         try:
-            proc.wait(timeout=120)  # about 15 s on an idle 2-core machine
+            self.proc.wait(timeout=timeout_s)
         finally:
-            side_env.kill_group(proc)
-        fout.seek(0)
-        ferr.seek(0)
-        out, err = fout.read(), ferr.read()
-    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-    return json.loads(out)
+            self.stop()
+        self.fout.seek(0)
+        self.ferr.seek(0)
+        out, err = self.fout.read(), self.ferr.read()
+        for f in (self.fin, self.fout, self.ferr):
+            f.close()
+        assert self.proc.returncode == 0, err.decode(errors="replace")[-3000:]
+        return json.loads(out)
+
+    def stop(self) -> None:
+        """Ends TFF's whole process group (its runtime's workers too)."""
+        side_env.kill_group(self.proc)
 
 
 def _export_dp_fed_avg_round(folder: pathlib.Path) -> pathlib.Path:
@@ -133,31 +148,46 @@ def _ours(factory: str, kwargs: dict):
 def test_same_aggregate_and_clip_trajectory_as_tff(tmp_path):
     rounds = _client_values()
     exported = [_export_dp_fed_avg_round(tmp_path), *_export_secure(tmp_path)]
-    tff = _run_tff(rounds, read=exported)
+    tff_run = _TffRun(rounds, read=exported)
+    try:
+        ours = {name: _our_trajectory(name, rounds) for name in CASES}
+    except BaseException:
+        tff_run.stop()
+        raise
+    tff = tff_run.answer()
     for path in exported:
         want_sig = str(building_blocks.ComputationBuildingBlock.from_proto(
             fb.load_computation(path)).type_signature)
         assert tff["signatures"][str(path)] == {"type_signature": want_sig, "error": None}
-    for name, (factory, kwargs) in CASES.items():
-        agg, one_round = _ours(factory, kwargs)
-        step = jax.jit(one_round)
-        state = agg.init(0)
-        # the exported proto, run by the runtime, follows the same trajectory (one case)
-        proto = fb.export_tff(one_round, state, rounds[0], placements=("server", "clients")) \
-            if name == "adaptive_custom" else None
-        exported_state = state
-        for r, value in enumerate(rounds):
-            mean, state, metrics = step(state, value)
-            want = tff[name]
+    for name, (factory, _) in CASES.items():
+        want = tff[name]
+        for r, (mean, clip) in enumerate(ours[name]):
             for k in ("a", "b"):
                 np.testing.assert_allclose(mean[k], want["results"][r][k], rtol=2e-6,
                                            atol=1e-7, err_msg=f"{name} round {r} {k}")
-            np.testing.assert_allclose(state.clip, want["clips"][r], rtol=2e-6,
+            np.testing.assert_allclose(clip, want["clips"][r], rtol=2e-6,
                                        err_msg=f"{name} clip after round {r}")
-            if proto is not None:
-                e_mean, exported_state, _ = run_computation(proto, exported_state, value)
-                for k in ("a", "b"):
-                    np.testing.assert_allclose(e_mean[k], mean[k], rtol=1e-6, atol=1e-8)
-                np.testing.assert_allclose(exported_state.clip, state.clip, rtol=1e-6)
         if factory == "gaussian_adaptive":  # the clip really moved
             assert len(set(np.round(tff[name]["clips"], 6))) == ROUNDS, tff[name]["clips"]
+
+
+def _our_trajectory(name: str, rounds) -> list:
+    """(mean, clip) after each round of case `name` under jit; for one case the exported
+    proto, run by the runtime, must follow the same trajectory."""
+    factory, kwargs = CASES[name]
+    agg, one_round = _ours(factory, kwargs)
+    step = jax.jit(one_round)
+    state = agg.init(0)
+    proto = fb.export_tff(one_round, state, rounds[0], placements=("server", "clients")) \
+        if name == "adaptive_custom" else None
+    exported_state = state
+    trajectory = []
+    for value in rounds:
+        mean, state, metrics = step(state, value)
+        trajectory.append((mean, state.clip))
+        if proto is not None:
+            e_mean, exported_state, _ = run_computation(proto, exported_state, value)
+            for k in ("a", "b"):
+                np.testing.assert_allclose(e_mean[k], mean[k], rtol=1e-6, atol=1e-8)
+            np.testing.assert_allclose(exported_state.clip, state.clip, rtol=1e-6)
+    return trajectory
