@@ -3,6 +3,8 @@ interpreted, with the interpreter's bits and refusals either way."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,7 +102,10 @@ def test_a_round_given_a_backend_or_population_references_is_interpreted(monkeyp
 # -- the device path (`device_sums.on_device`): the host path's bits ---------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _example_targets(clients: int) -> dict:
+    """examples/algorithm_rounds.py's targets, built once a module (every algorithm's
+    initial state is computed to build them: seconds)."""
     import importlib.util
     import os
     import sys
