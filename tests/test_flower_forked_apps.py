@@ -15,7 +15,7 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from processes import alive, children
+from processes import alive, as_nobody, children
 from fax_bridge import forks
 from fax_bridge.flower import forked_apps
 
@@ -157,25 +157,6 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (no
 ROOTS_TEXT = b"#!/bin/sh\n# root's own program\n"
 
 
-def _as_nobody(step) -> None:
-    """Runs `step()` in a forked child that is the user nobody."""
-    import pwd
-
-    nobody = pwd.getpwnam("nobody")
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(nobody.pw_gid)
-            os.setuid(nobody.pw_uid)
-            step()
-            code = 0
-        finally:
-            os._exit(code)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-
-
 @pytest.fixture
 def shared_tmp():
     """A folder every user may create in, sticky as /tmp (where the docs' homes go)."""
@@ -210,7 +191,7 @@ def test_a_home_another_user_made_first_is_refused_before_anything_is_written(
         os.makedirs(bin_dir, 0o755)
         os.symlink(roots_program, os.path.join(bin_dir, "flwr"))
 
-    _as_nobody(plant)
+    as_nobody(plant)
     with pytest.raises(PermissionError, match=f"{home} belongs to nobody") as e:
         forked_apps.AppForks(os.path.join(home, "forks", "superlink"), dict(os.environ),
                              ())

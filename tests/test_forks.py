@@ -19,7 +19,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 import sample_computations as sc
-from processes import alive, children, parent
+from processes import alive, as_nobody, children, parent
 from fax_bridge import fork_protocol, fork_server, forks
 from fax_bridge.fleet import security
 from fax_bridge.fleet.launcher import DEVICE_MODULES, LocalFleet
@@ -428,24 +428,20 @@ def test_a_server_of_another_protocol_version_is_refused_by_name(listening, monk
 def _connect_as_nobody(path: str) -> dict:
     """What the server says to a requester of user nobody (a forked child of ours)."""
     read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            sock.connect(path)
-            sock.settimeout(30)
-            os.write(write, sock.recv(4096))
-        finally:
-            os._exit(0)
-    os.close(write)
+
+    def connect():
+        os.close(read)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(path)
+        sock.settimeout(30)
+        os.write(write, sock.recv(4096))  # within the pipe's buffer: read after it exits
+
+    try:
+        as_nobody(connect)
+    finally:
+        os.close(write)
     with os.fdopen(read, "rb") as f:
-        said = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(said)
+        return json.loads(f.read())
 
 
 def test_a_listening_server_serves_its_users_processes_and_refuses_others(tmp_path):

@@ -11,6 +11,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from processes import as_nobody
 from fax_bridge import output_folders
 from fax_bridge.errors import OutputError
 
@@ -208,27 +209,18 @@ def test_a_file_or_a_file_on_the_way_is_refused_by_name(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become nobody")
 def test_a_folder_another_user_owns_is_refused_as_not_writable(tmp_path):
-    import pwd
-
     os.chmod(tmp_path, 0o755)
-    nobody = pwd.getpwnam("nobody")
-    pid = os.fork()
-    if pid == 0:  # the child: as nobody, a folder of root's
-        code = 1
-        try:
-            os.setgid(nobody.pw_gid)
-            os.setuid(nobody.pw_uid)
-            for path in (str(tmp_path), str(tmp_path / "new")):
-                try:
-                    output_folders.check_folder(path, "-o")
-                except OutputError as e:
-                    assert "not writable" in str(e), e
-                else:
-                    raise AssertionError(f"{path} was taken")
-            code = 0
-        finally:
-            os._exit(code)
-    assert os.waitpid(pid, 0)[1] == 0
+
+    def check():  # as nobody, a folder of root's
+        for path in (str(tmp_path), str(tmp_path / "new")):
+            try:
+                output_folders.check_folder(path, "-o")
+            except OutputError as e:
+                assert "not writable" in str(e), e
+            else:
+                raise AssertionError(f"{path} was taken")
+
+    as_nobody(check)
 
 
 def test_a_folder_others_can_write_is_refused_before_anything_is_written(tmp_path):
