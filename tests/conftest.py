@@ -28,6 +28,40 @@ def flag_encrypted():
     return _flag_encrypted
 
 
+@pytest.fixture(scope="module")
+def small_round_split():
+    """A small round's split (2 clients, a tanh layer, a mean): the round the LiteRT
+    model-cache and carried-model tests convert and pack."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import fax_bridge as fb
+    from fax_bridge.rounds import round_split
+
+    @fb.program(clients=2)
+    def one_round(w, x):
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda p, c: jnp.tanh(c @ p), (fb.federated_broadcast(w), x)))
+
+    args = (np.ones((3, 2), np.float32), np.ones((2, 4, 3), np.float32))
+    return round_split.split_round(fb.export_tff(one_round, *args,
+                                                 placements=("server", "clients")))
+
+
+@pytest.fixture
+def empty_litert_cache(monkeypatch, tmp_path):
+    """Nothing converted or loaded for LiteRT yet in this process, and an empty model
+    cache (`FAX_BRIDGE_LITERT_CACHE`: the folder returned, not yet made)."""
+    from fax_bridge.litert import convert, model_cache, runner
+
+    folder = tmp_path / "litert-cache"
+    monkeypatch.setenv("FAX_BRIDGE_LITERT_CACHE", str(folder))
+    monkeypatch.setattr(convert, "_MADE", {})
+    monkeypatch.setattr(model_cache, "_WARNED", set())
+    monkeypatch.setattr(runner, "_RUNNERS", {})
+    return folder
+
+
 # The files that take longest (a Flower deployment, LiteRT conversions, side
 # environments, device processes), slowest first, as measured on the 2-core machine:
 # `make test` runs pytest-xdist's loadfile with --no-loadscope-reorder, which hands files

@@ -91,12 +91,9 @@ def node(tmp_path_factory, quickstart):
 
 
 @pytest.fixture
-def no_converter(monkeypatch, tmp_path):
+def no_converter(monkeypatch, tmp_path, empty_litert_cache):
     """A node with no converter environment and nothing converted yet."""
     monkeypatch.setenv("FAX_BRIDGE_LITERT_PYTHON", str(tmp_path / "no" / "python"))
-    monkeypatch.setenv("FAX_BRIDGE_LITERT_CACHE", str(tmp_path / "empty-cache"))
-    monkeypatch.setattr(convert, "_MADE", {})
-    monkeypatch.setattr(runner, "_RUNNERS", {})
 
 
 def _bits(found) -> list:

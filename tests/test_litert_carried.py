@@ -21,16 +21,9 @@ from fax_bridge.rounds import round_split
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
+def packed(tmp_path_factory, small_round_split):
     """A small round's split, its carried model's folder and file name."""
-    @fb.program(clients=2)
-    def one_round(w, x):
-        return fb.federated_mean(fb.federated_map_clients(
-            lambda p, c: jnp.tanh(c @ p), (fb.federated_broadcast(w), x)))
-
-    args = (np.ones((3, 2), np.float32), np.ones((2, 4, 3), np.float32))
-    split = round_split.split_round(fb.export_tff(one_round, *args,
-                                                  placements=("server", "clients")))
+    split = small_round_split
     folder = str(tmp_path_factory.mktemp("models"))
     pair = carried.pack(split, "one_round")
     carried.write(folder, [pair])

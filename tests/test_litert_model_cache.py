@@ -8,43 +8,26 @@ from __future__ import annotations
 
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fax_bridge as fb
 from fax_bridge.rounds import round_split
+
+
 @pytest.fixture(scope="module")
-def converted():
+def converted(small_round_split):
     """The round's split, its client signature and its model converted afresh."""
     from fax_bridge.litert import convert, lowering
 
-    @fb.program(clients=2)
-    def one_round(w, x):
-        return fb.federated_mean(fb.federated_map_clients(
-            lambda p, c: jnp.tanh(c @ p), (fb.federated_broadcast(w), x)))
-
-    args = (np.ones((3, 2), np.float32), np.ones((2, 4, 3), np.float32))
-    split = round_split.split_round(fb.export_tff(one_round, *args,
-                                                  placements=("server", "clients")))
+    split = small_round_split
     param, result = lowering.split_types(split)
     sig = lowering.client_signature(param, result, split.aggregations)
     model = convert.convert_client_part(split.client_part, param, result,
                                         split.aggregations, key=split.client_part_hash,
                                         use_cache=False)
     return split, sig, model.tflite
-
-
-@pytest.fixture
-def cache(monkeypatch, tmp_path):
-    from fax_bridge.litert import convert, model_cache
-
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("FAX_BRIDGE_LITERT_CACHE", str(folder))
-    monkeypatch.setattr(convert, "_MADE", {})
-    monkeypatch.setattr(model_cache, "_WARNED", set())
-    return folder
 
 
 def _damage(raw: bytes, kind: str, at: int, flip: int) -> bytes:
@@ -66,8 +49,8 @@ def _damage(raw: bytes, kind: str, at: int, flip: int) -> bytes:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["cut", "zeroed", "flip", "other key", "empty"]),
        at=st.integers(0, 10**6), flip=st.integers(1, 255))
-def test_a_damaged_cache_entry_is_never_believed_and_is_named(converted, cache, kind, at,
-                                                              flip):
+def test_a_damaged_cache_entry_is_never_believed_and_is_named(
+        converted, empty_litert_cache, kind, at, flip):
     """Cut, zeroed, flipped, empty, or another key's entry under this name: `read`
     gives no model and names the file (a warning), or gives exactly the stored model
     where the change was to nothing it holds (a flip inside the header's whitespace)."""
@@ -91,7 +74,8 @@ def test_a_damaged_cache_entry_is_never_believed_and_is_named(converted, cache, 
     assert any(str(path) in str(w.message) for w in caught)
 
 
-def test_a_cache_entry_of_other_shapes_or_through_a_link_is_not_believed(converted, cache):
+def test_a_cache_entry_of_other_shapes_or_through_a_link_is_not_believed(
+        converted, empty_litert_cache):
     from fax_bridge.litert import lowering, model_cache
 
     _, sig, tflite = converted
@@ -110,19 +94,19 @@ def test_a_cache_entry_of_other_shapes_or_through_a_link_is_not_believed(convert
         assert model_cache.read("k", sig, "client_update").damaged is not None
 
 
-def test_a_cache_folder_others_can_write_is_not_used(converted, cache):
+def test_a_cache_folder_others_can_write_is_not_used(converted, empty_litert_cache):
     from fax_bridge.litert import model_cache
 
     _, sig, tflite = converted
     model_cache.store("k", tflite)
-    os.chmod(cache, 0o777)
+    os.chmod(empty_litert_cache, 0o777)
     with pytest.warns(RuntimeWarning, match="is not used"):
         assert model_cache.read("k", sig, "client_update").model is None
         model_cache.store("k", tflite)
 
 
 def test_a_damaged_entry_is_rebuilt_from_the_round_or_refused_naming_it(
-        converted, cache, monkeypatch, tmp_path):
+        converted, empty_litert_cache, monkeypatch, tmp_path):
     from fax_bridge.litert import convert, lowering, model_cache
 
     split, sig, tflite = converted
@@ -134,7 +118,7 @@ def test_a_damaged_entry_is_rebuilt_from_the_round_or_refused_naming_it(
                                            split.aggregations, key=split.client_part_hash)
 
     assert convert_once().tflite == tflite
-    (entry,) = cache.glob(f"*{model_cache.SUFFIX}")
+    (entry,) = empty_litert_cache.glob(f"*{model_cache.SUFFIX}")
     entry.write_bytes(entry.read_bytes()[:100])  # cut
     with pytest.warns(RuntimeWarning, match=f"{entry}.*converting again"):
         made = convert_once()
@@ -150,7 +134,7 @@ def test_a_damaged_entry_is_rebuilt_from_the_round_or_refused_naming_it(
 
 
 def test_a_model_of_more_than_ten_indexed_tensors_is_read_back_not_called_damaged(
-        cache, monkeypatch):
+        empty_litert_cache, monkeypatch):
     """A flatbuffer lists its signature's tensors sorted as text (`.../10` before
     `.../2`); the entry is still the round's, so it is believed, with no warning and no
     conversion."""
