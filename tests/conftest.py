@@ -62,19 +62,22 @@ def empty_litert_cache(monkeypatch, tmp_path):
     return folder
 
 
-# The files that take longest (a Flower deployment, LiteRT conversions, side
-# environments, device processes), slowest first, as measured on the 2-core machine:
+# The files that take longest (a Flower deployment, eager derivatives, chunked rounds'
+# compiles, LiteRT conversions, device processes), slowest first, as measured on the
+# shared 2-core machine (a whole run on two workers at a load of about 5):
 # `make test` runs pytest-xdist's loadfile with --no-loadscope-reorder, which hands files
 # to the two workers in collection order, so the long ones start first and the short
 # ones fill in behind them instead of one long file running alone at the end.
 LONGEST_FIRST = (
-    "test_flower.py", "test_litert_runner.py", "test_benchmarks_bench.py",
-    "test_litert_convert.py", "test_tff_forms.py", "test_fleet_remote.py",
-    "test_fleet_links.py", "test_runtime_device_sums.py", "test_benchmarks_accelerators.py",
-    "test_forks.py", "test_secure.py", "test_chunking.py", "test_algorithms_diloco.py",
-    "test_reliability_faults.py", "test_in_process.py", "test_primitives.py",
-    "test_multihost.py", "test_privacy_tff087.py", "test_fleet_device_limits.py",
-    "test_algorithms_export.py")
+    "test_flower.py", "test_primitives.py", "test_chunking.py", "test_litert_convert.py",
+    "test_secure.py", "test_in_process.py", "test_litert_runner.py",
+    "test_benchmarks_accelerators.py", "test_runtime_client_map.py", "test_fleet_remote.py",
+    "test_forks.py", "test_runtime_hlo.py", "test_multihost.py", "test_algorithms_diloco.py",
+    "test_tff_forms.py", "test_litert_client_maps.py", "test_benchmarks_bench.py",
+    "test_reliability_fuzz.py", "test_fleet_links.py", "test_readme.py",
+    "test_benchmarks_peers.py", "test_fleet_device_limits.py", "test_fleet_backend.py",
+    "test_privacy_tff087.py", "test_algorithms_export.py", "test_reliability_faults.py",
+    "test_runtime_device_sums.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
