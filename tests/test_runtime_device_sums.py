@@ -137,12 +137,16 @@ def test_integer_sums_wrap_as_the_host_does(dtype, seed, n):
     np.testing.assert_array_equal(np.asarray(got), _host(stack[:n]))
 
 
+@pytest.mark.parametrize("unroll", [False, True], ids=["reduced", "one_pass"])
 @pytest.mark.parametrize("kind", ["sum", "mean", "weighted_mean"])
-def test_finished_aggregates_match_the_host(kind):
+def test_finished_aggregates_match_the_host(kind, unroll, monkeypatch):
+    """Sums, means and weighted means (each value times its weight, rounded, in the
+    pass that sums them) have the host's bits, the rows reduced or read one by one."""
+    monkeypatch.setattr(device_sums, "UNROLL_SIZE", 1 if unroll else 1 << 30)
     rng = np.random.default_rng(3)
     values = (rng.standard_normal((5, 4, 3)) * 2.0 ** rng.integers(-20, 20, (5, 4, 3))
               ).astype(np.float32)
-    weights = rng.integers(0, 7, (5,)).astype(np.float32)
+    weights = (rng.random(5) * 7).astype(np.float32)  # products round
     w = [weights] if kind == "weighted_mean" else None
     host = aggregation.finish(aggregation.partial_of_columns(kind, [values.copy()], 5, w))
     device = aggregation.finish(aggregation.device_partial(

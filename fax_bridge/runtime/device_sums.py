@@ -127,9 +127,13 @@ def exact_sum(column: DeviceColumn) -> jax.Array:
     return exact_sums([column])[0]
 
 
-def exact_sums(columns: Sequence[DeviceColumn]) -> list:
+def exact_sums(columns: Sequence[DeviceColumn],
+               weights: Optional[DeviceColumn] = None) -> list:
     """`exact_sum` of each column: the float columns of one dtype in one compiled call,
-    after one read back of how many limbs they need (`_spreads`)."""
+    after one read back of how many limbs they need (`_spreads`). With `weights` (a
+    column of one weight a client, its parts holding the columns' rows), the sums of
+    each client's value times its weight, the product rounded to the value's dtype
+    (computed as the rows are read: no copy of the products)."""
     out: list = [None] * len(columns)
     floats: dict = {}
     for i, column in enumerate(columns):
@@ -137,7 +141,7 @@ def exact_sums(columns: Sequence[DeviceColumn]) -> list:
         if not supports(dtype):
             raise AggregationError(f"the device sums no tensors of dtype {dtype}; sum them "
                                    "on the host (on_device=False)")
-        if dtype.kind in "iu":
+        if dtype.kind in "iu" and weights is None:
             out[i] = _integer_sum(tuple(column.parts), _counts(column))
         else:
             floats.setdefault(dtype, []).append(i)
@@ -145,11 +149,13 @@ def exact_sums(columns: Sequence[DeviceColumn]) -> list:
         group = [columns[i] for i in at]
         parts = tuple(tuple(c.parts) for c in group)
         counts = tuple(_counts(c) for c in group)
-        spreads = jax.device_get(_spreads(parts, counts))
+        scale = None if weights is None else tuple(weights.parts)
+        spreads = jax.device_get(_spreads(parts, counts, scale))
         limbs = max(_limb_count(dtype, int(s), c.count) for s, c in zip(spreads, group))
         unroll = tuple(unrolled(sum(x.shape[0] for x in c.parts), limbs, c.size)
                        for c in group)
-        for i, total in zip(at, _float_sums(parts, counts, limbs=limbs, unroll=unroll)):
+        for i, total in zip(at, _float_sums(parts, counts, scale, limbs=limbs,
+                                            unroll=unroll)):
             out[i] = total
     return out
 
@@ -208,14 +214,17 @@ def unrolled(rows: int, limbs: int, size: int) -> bool:
     return rows <= UNROLL_ROWS and limbs <= UNROLL_LIMBS and size >= UNROLL_SIZE
 
 
-def _slabs(parts: tuple, counts: tuple, unroll: bool) -> list:
-    """The parts' rows as [(slab [rows, size], which of them hold addends [rows, 1])]:
-    one slab per row if `unroll`, so that a sum over a slab's rows is an element-wise
-    add fusing with what computes and consumes it; else slabs of at most `BLOCK_ROWS`
-    rows (carries propagated between them)."""
+def _slabs(parts: tuple, counts: tuple, scale: Optional[tuple], unroll: bool) -> list:
+    """The parts' rows (times the rows of `scale`'s parts, rounded to their dtype, where
+    given) as [(slab [rows, size], which of them hold addends [rows, 1])]: one slab per
+    row if `unroll`, so that a sum over a slab's rows is an element-wise add fusing with
+    what computes and consumes it; else slabs of at most `BLOCK_ROWS` rows (carries
+    propagated between them)."""
     out = []
-    for x, count in zip(parts, counts):
+    for i, (x, count) in enumerate(zip(parts, counts)):
         flat = x.reshape((x.shape[0], -1))
+        if scale is not None:
+            flat = flat * scale[i].reshape((x.shape[0], 1)).astype(flat.dtype)
         valid = (jnp.arange(x.shape[0]) < count)[:, None]
         step = 1 if unroll else BLOCK_ROWS
         out += [(flat[i:i + step], valid[i:i + step]) for i in range(0, x.shape[0], step)]
@@ -225,11 +234,11 @@ def _slabs(parts: tuple, counts: tuple, unroll: bool) -> list:
 _NONE = 1 << 30  # the lowest position of an element with no finite nonzero addend
 
 
-def _window(parts: tuple, counts: tuple, unroll: bool) -> tuple:
+def _window(parts: tuple, counts: tuple, scale: Optional[tuple], unroll: bool) -> tuple:
     """Per element: the digit its window starts at (`base`: the lowest bit position of
     its finite nonzero addends, over 16) and the highest such position (-1: none)."""
     lo = hi = None
-    for flat, valid in _slabs(parts, counts, unroll):
+    for flat, valid in _slabs(parts, counts, scale, unroll):
         pos, mant = _fields(flat)[:2]
         live = valid & (mant != 0)
         least = jnp.min(jnp.where(live, pos, _NONE), axis=0)
@@ -240,13 +249,13 @@ def _window(parts: tuple, counts: tuple, unroll: bool) -> tuple:
 
 
 @jax.jit
-def _spreads(columns: tuple, counts: tuple) -> jax.Array:
+def _spreads(columns: tuple, counts: tuple, scale: Optional[tuple]) -> jax.Array:
     """Per column: the largest distance, over its elements, from the bottom of an
     element's window to its highest addend bit (-1 when no element has a finite
     nonzero addend)."""
     out = []
     for parts, n in zip(columns, counts):
-        base, hi = _window(parts, n, sum(x.shape[0] for x in parts) <= UNROLL_ROWS)
+        base, hi = _window(parts, n, scale, sum(x.shape[0] for x in parts) <= UNROLL_ROWS)
         out.append(jnp.max(jnp.where(hi < 0, -1, hi - DIGIT_BITS * base), initial=-1))
     return jnp.stack(out)
 
@@ -275,22 +284,25 @@ def _block_limbs(pos, mant, negative, live, base, limbs: int) -> list:
 
 
 @functools.partial(jax.jit, static_argnames=("limbs", "unroll"))
-def _float_sums(columns: tuple, counts: tuple, limbs: int, unroll: tuple) -> list:
-    """Each column's exact sum, over `limbs` limbs an element from its own window; the
-    i-th read a row at a time where `unroll[i]`."""
-    return [_float_sum(parts, n, limbs, u).reshape(parts[0].shape[1:])
+def _float_sums(columns: tuple, counts: tuple, scale: Optional[tuple], limbs: int,
+                unroll: tuple) -> list:
+    """Each column's exact sum (of its rows times `scale`'s, where given), over `limbs`
+    limbs an element from its own window; the i-th read a row at a time where
+    `unroll[i]`."""
+    return [_float_sum(parts, n, scale, limbs, u).reshape(parts[0].shape[1:])
             for parts, n, u in zip(columns, counts, unroll)]
 
 
-def _float_sum(parts: tuple, counts: tuple, limbs: int, unroll: bool) -> jax.Array:
+def _float_sum(parts: tuple, counts: tuple, scale: Optional[tuple], limbs: int,
+               unroll: bool) -> jax.Array:
     dtype = np.dtype(parts[0].dtype)
     size = math.prod(parts[0].shape[1:])
-    base = _window(parts, counts, unroll)[0][None, :]
+    base = _window(parts, counts, scale, unroll)[0][None, :]
     acc = [jnp.zeros(size, jnp.int32) for _ in range(limbs)]
     nan = pos_inf = neg_inf = jnp.zeros(size, bool)
     neg_zero = jnp.ones(size, bool)
     pending = 0  # rows added since the last carry propagation
-    for block, ok in _slabs(parts, counts, unroll):
+    for block, ok in _slabs(parts, counts, scale, unroll):
         pos, mant, negative, is_nan, is_pos_inf, is_neg_inf, is_neg_zero = _fields(block)
         nan |= jnp.any(ok & is_nan, axis=0)
         pos_inf |= jnp.any(ok & is_pos_inf, axis=0)
@@ -408,12 +420,9 @@ def finish(kind: str, columns: Sequence[DeviceColumn], weights: Optional[DeviceC
     refusal = weights_refusal(float(total), not bool(total))
     if refusal:
         raise WeightError(refusal)
-    products = []
     for c in columns:
         _check_divisible(c.dtype)
-        products.append(DeviceColumn(
-            [_weighted(x, w) for x, w in zip(c.parts, weights.parts)], list(c.counts)))
-    return _divide_all(tuple(exact_sums(products)),
+    return _divide_all(tuple(exact_sums(columns, weights)),
                        tuple(total.astype(c.dtype) for c in columns))
 
 
@@ -478,12 +487,6 @@ def _quotient(a: jax.Array, b: jax.Array) -> jax.Array:
     encoded = jnp.minimum(encoded, jnp.uint32(0x7F800000)) | (
         (a_bits ^ b_bits) & jnp.uint32(0x80000000))
     return jnp.where(plain, lax.bitcast_convert_type(encoded, jnp.float32), a / b)
-
-
-@jax.jit
-def _weighted(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Each row of x times its client's weight (cast to x's dtype first)."""
-    return x * w.reshape((x.shape[0],) + (1,) * (x.ndim - 1)).astype(x.dtype)
 
 
 @jax.jit
