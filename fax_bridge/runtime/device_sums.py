@@ -20,6 +20,8 @@ not gathers, which are slow on a TPU), and non-finite addends and -0 follow `exa
 addend is -0). Hence the result has the same
 bits as the host's `ExactSum` for the same addends, whatever the backend's float
 arithmetic does with subnormals. Integer sums wrap in their dtype, as the host's do.
+A weighted mean's products and a mean's division are integer operations too
+(`device_floats`: a TPU flushes subnormals in its float arithmetic).
 
 Magnitudes (why int32 never overflows): an addend adds to at most three limbs, each by
 less than 2^17 (a 16-bit low piece shifted by under 16 bits splits into < 2^16 and
@@ -48,6 +50,7 @@ from jax import lax
 
 from fax_bridge.errors import AggregationError, ArgumentError, WeightError
 from fax_bridge.placements import weights_refusal
+from fax_bridge.runtime.device_floats import astype, fields, product, quotient
 from fax_bridge.runtime.float_bits import float_params
 
 DIGIT_BITS = 16
@@ -180,26 +183,6 @@ def _limb_count(dtype: np.dtype, spread: int, count: int) -> int:
                            f"{LIMB_BUCKETS[-1]}; sum fewer addends at once")
 
 
-def _fields(x: jax.Array) -> tuple:
-    """(pos, mant, negative, nan, +inf, -inf, is -0) of float addends x ([rows, size]):
-    x is -1^negative * mant * 2^pos units; mant is 0 for zeros and non-finite values."""
-    dtype = np.dtype(x.dtype)
-    p, nexp, _, _ = float_params(dtype)
-    nbits = 8 * dtype.itemsize
-    uint = jnp.uint32 if nbits == 32 else jnp.uint16
-    bits = lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
-    negative = (bits >> (nbits - 1)) != 0
-    expo = ((bits >> (p - 1)) & ((1 << nexp) - 1)).astype(jnp.int32)
-    frac = (bits & ((1 << (p - 1)) - 1)).astype(jnp.int32)
-    special = expo == (1 << nexp) - 1
-    normal = expo > 0
-    mant = jnp.where(special, 0, jnp.where(normal, frac | (1 << (p - 1)), frac))
-    pos = jnp.maximum(expo - 1, 0)
-    infinite = special & (frac == 0)
-    return (pos, mant, negative, special & (frac != 0), infinite & ~negative,
-            infinite & negative, bits == jnp.uint32(1 << (nbits - 1)))
-
-
 # A column of at most UNROLL_ROWS rows summed over at most UNROLL_LIMBS limbs is read a
 # row at a time (`_slabs`): the sum is then one element-wise pass, reading each row
 # once. Its program grows with rows x limbs (compile time, a second or so per tensor),
@@ -223,8 +206,9 @@ def _slabs(parts: tuple, counts: tuple, scale: Optional[tuple], unroll: bool) ->
     out = []
     for i, (x, count) in enumerate(zip(parts, counts)):
         flat = x.reshape((x.shape[0], -1))
-        if scale is not None:
-            flat = flat * scale[i].reshape((x.shape[0], 1)).astype(flat.dtype)
+        if scale is not None:  # as the host: the weight cast to the dtype, a float32
+            by = astype(astype(scale[i].reshape((x.shape[0], 1)), flat.dtype), np.float32)
+            flat = astype(product(astype(flat, np.float32), by), flat.dtype)
         valid = (jnp.arange(x.shape[0]) < count)[:, None]
         step = 1 if unroll else BLOCK_ROWS
         out += [(flat[i:i + step], valid[i:i + step]) for i in range(0, x.shape[0], step)]
@@ -239,7 +223,7 @@ def _window(parts: tuple, counts: tuple, scale: Optional[tuple], unroll: bool) -
     its finite nonzero addends, over 16) and the highest such position (-1: none)."""
     lo = hi = None
     for flat, valid in _slabs(parts, counts, scale, unroll):
-        pos, mant = _fields(flat)[:2]
+        pos, mant = fields(flat)[:2]
         live = valid & (mant != 0)
         least = jnp.min(jnp.where(live, pos, _NONE), axis=0)
         most = jnp.max(jnp.where(live, pos, -1), axis=0)
@@ -303,7 +287,7 @@ def _float_sum(parts: tuple, counts: tuple, scale: Optional[tuple], limbs: int,
     neg_zero = jnp.ones(size, bool)
     pending = 0  # rows added since the last carry propagation
     for block, ok in _slabs(parts, counts, scale, unroll):
-        pos, mant, negative, is_nan, is_pos_inf, is_neg_inf, is_neg_zero = _fields(block)
+        pos, mant, negative, is_nan, is_pos_inf, is_neg_inf, is_neg_zero = fields(block)
         nan |= jnp.any(ok & is_nan, axis=0)
         pos_inf |= jnp.any(ok & is_pos_inf, axis=0)
         neg_inf |= jnp.any(ok & is_neg_inf, axis=0)
@@ -423,7 +407,7 @@ def finish(kind: str, columns: Sequence[DeviceColumn], weights: Optional[DeviceC
     for c in columns:
         _check_divisible(c.dtype)
     return _divide_all(tuple(exact_sums(columns, weights)),
-                       tuple(total.astype(c.dtype) for c in columns))
+                       tuple(_cast(total, c.dtype) for c in columns))
 
 
 def _check_divisible(dtype: np.dtype) -> None:
@@ -441,52 +425,17 @@ def _divide_all(totals: tuple, bys: tuple) -> list:
 
 @jax.jit
 def _divide(total: jax.Array, by: jax.Array) -> jax.Array:
-    """total / by in total's dtype, as numpy divides on the host: the float32 quotient
-    rounded correctly (by integer operations: a backend's float division may be an ulp
-    off), then rounded to the dtype."""
-    quotient = _quotient(total.astype(jnp.float32), jnp.broadcast_to(
-        by.astype(jnp.float32), total.shape))
-    return quotient.astype(total.dtype)
+    """total / by in total's dtype, as numpy divides on the host: the float32 quotient,
+    rounded to the dtype (`device_floats`: the bits whatever the backend's float
+    arithmetic does)."""
+    quotient_ = quotient(astype(total, np.float32),
+                         jnp.broadcast_to(astype(by, np.float32), total.shape))
+    return astype(quotient_, total.dtype)
 
 
-def _unpacked(bits: jax.Array) -> tuple:
-    """(significand with its leading bit at bit 23, the exponent of that bit) of finite
-    nonzero float32 bits; subnormals are normalized."""
-    expo = ((bits >> 23) & 0xFF).astype(jnp.int32)
-    frac = bits & 0x7FFFFF
-    mant = jnp.where(expo > 0, frac | 0x800000, frac)
-    lead = lax.clz(mant).astype(jnp.int32) - 8
-    return mant << lead.astype(jnp.uint32), jnp.maximum(expo, 1) - 127 - lead
-
-
-def _quotient(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a / b for float32 arrays, rounded to nearest even; the backend's division gives
-    the zeros, infinities and NaN (exact cases)."""
-    a_bits = lax.bitcast_convert_type(a, jnp.uint32)
-    b_bits = lax.bitcast_convert_type(b, jnp.uint32)
-    plain = jnp.isfinite(a) & jnp.isfinite(b) & (a != 0) & (b != 0)
-    safe = jnp.uint32(0x3F800000)  # 1.0 where the backend's quotient is used
-    ma, ea = _unpacked(jnp.where(plain, a_bits, safe))
-    mb, eb = _unpacked(jnp.where(plain, b_bits, safe))
-    smaller = ma < mb
-    rest = jnp.where(smaller, ma << 1, ma)  # now rest / mb lies in [1, 2)
-    expo = ea - eb - smaller.astype(jnp.int32)
-    q = jnp.zeros_like(rest)
-    for _ in range(26):  # restoring division: 26 bits of rest / mb; rest < 2^26
-        bit = rest >= mb
-        q = (q << 1) | bit.astype(jnp.uint32)
-        rest = jnp.where(bit, rest - mb, rest) << 1
-    # q * 2^(expo - 25); in units of 2^-149 its last bit lies at expo + 124.
-    ulp = jnp.maximum(expo + 126, 0)
-    drop = jnp.minimum(ulp - expo - 124, 27).astype(jnp.uint32)
-    mant = q >> drop
-    half = (q >> (drop - 1)) & 1
-    sticky = ((q & ((jnp.uint32(1) << (drop - 1)) - 1)) != 0) | (rest != 0)
-    mant = mant + (half & (sticky | ((mant & 1) != 0))).astype(jnp.uint32)
-    encoded = (jnp.minimum(ulp, 255).astype(jnp.uint32) << 23) + mant
-    encoded = jnp.minimum(encoded, jnp.uint32(0x7F800000)) | (
-        (a_bits ^ b_bits) & jnp.uint32(0x80000000))
-    return jnp.where(plain, lax.bitcast_convert_type(encoded, jnp.float32), a / b)
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return astype(x, dtype)
 
 
 @jax.jit
