@@ -193,3 +193,25 @@ def test_division_is_numpy_s_on_any_bits(dtype, seed):
         both_nan = np.isnan(want.astype(np.float32)) & np.isnan(got.astype(np.float32))
         np.testing.assert_array_equal(np.where(both_nan, 0, _bits(got)),
                                       np.where(both_nan, 0, _bits(want)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(weights=st.lists(st.sampled_from(
+    [0.0, -0.0, 1e-45, -1e-45, -1e-40, 2.5, -3.0, np.inf, np.nan, 1e-38]), min_size=1,
+    max_size=6))
+def test_weights_are_refused_as_the_host_refuses_them(weights):
+    """The device refuses a weighted mean's weights exactly where the host does: a
+    negative subnormal weight is negative, a NaN weight is not refused here."""
+    w = np.array(weights, np.float32)
+    values = np.ones((len(w), 3), np.float32)
+    host = lambda: aggregation.partial_of_columns("weighted_mean", [values.copy()], len(w),
+                                                  [w.copy()])
+    device = lambda: aggregation.device_partial("weighted_mean", [[jnp.asarray(values)]],
+                                                [len(w)], [jnp.asarray(w)])
+    outcomes = []
+    for partial in (host, device):
+        try:
+            outcomes.append(_bits(np.asarray(aggregation.finish(partial())[0])).tolist())
+        except WeightError as e:
+            outcomes.append(str(e).split(";")[0].split("(")[0])
+    assert outcomes[0] == outcomes[1]

@@ -440,10 +440,16 @@ def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
 
 @jax.jit
 def _least(parts: tuple, counts: tuple) -> jax.Array:
-    """The smallest weight over the parts' clients (NaN if one is NaN)."""
-    least = jnp.float32(jnp.inf)
+    """The smallest weight over the parts' clients (NaN if one is NaN), compared as
+    integers that order float32 bits as the floats (a negative subnormal weight is
+    negative here too, where a flushing backend would see zero)."""
+    least, nan = jnp.int32(0x7F800000), jnp.bool_(False)  # +inf's key
     for w, count in zip(parts, counts):
-        flat = w.reshape((w.shape[0], -1)).astype(jnp.float32)
+        flat = astype(w.reshape((w.shape[0], -1)), np.float32)
         valid = (jnp.arange(w.shape[0]) < count)[:, None]
-        least = jnp.minimum(least, jnp.min(jnp.where(valid, flat, jnp.inf)))
-    return least
+        bits = lax.bitcast_convert_type(flat, jnp.int32)
+        key = jnp.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # -0 just below +0
+        nan |= jnp.any(valid & (fields(flat)[3]))
+        least = jnp.minimum(least, jnp.min(jnp.where(valid, key, 0x7F800000)))
+    bits = jnp.where(least < 0, (-least) | jnp.int32(-0x80000000), least)
+    return jnp.where(nan, jnp.float32(jnp.nan), lax.bitcast_convert_type(bits, jnp.float32))
