@@ -472,22 +472,36 @@ def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict
     return jax.tree_util.tree_unflatten(out_tree(), outs)
 
 
-def memory_limit() -> int:
+def memory_limit(host_fallback: bool = True) -> Optional[int]:
     """Bytes a round may take on the default device: its allocator's limit where it
-    reports one (TPU, GPU), else half the host's physical memory (CPU)."""
+    reports one (TPU, GPU); else (CPU) half the host's physical memory, or None when
+    `host_fallback` is False."""
     stats = jax.devices()[0].memory_stats() or {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
+    if not host_fallback:
+        return None
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+def compiled_bytes(compiled) -> int:
+    """Device bytes a compiled computation holds at once, by its `memory_analysis()`:
+    arguments, results and temporaries, less the result bytes that reuse (alias) a
+    donated argument's."""
+    m = compiled.memory_analysis()
+    if m is None:
+        raise ValueError("this backend reports no memory_analysis() of a compiled "
+                         "computation, so its memory cannot be sized before it runs")
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
 def round_bytes(program, k: int, args: tuple, kwargs: dict) -> int:
-    """Arguments, results and temporaries of `program`'s compiled round at chunk size k."""
+    """`compiled_bytes` of `program`'s compiled round at chunk size k."""
     specs = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), (args, kwargs))
     at_k = program.with_clients_per_step(k)
-    m = jax.jit(lambda a, kw: at_k(*a, **kw)).lower(*specs).compile().memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    return compiled_bytes(jax.jit(lambda a, kw: at_k(*a, **kw)).lower(*specs).compile())
 
 
 def fitting_chunk(program, args: tuple, kwargs: dict) -> int:

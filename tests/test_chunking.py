@@ -171,6 +171,32 @@ def test_auto_picks_the_largest_chunk_that_fits(monkeypatch):
     np.testing.assert_allclose(jax.jit(round_)(w, x)["b"], whole(w, x)["b"], rtol=1e-5)
 
 
+def test_compiled_bytes_counts_a_donated_argument_once():
+    from fax_bridge import chunking
+    spec = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    kept = jax.jit(lambda x: 2 * x).lower(spec).compile()
+    donated = jax.jit(lambda x: 2 * x, donate_argnums=0).lower(spec).compile()
+    assert chunking.compiled_bytes(kept) >= 8000       # the argument and the result
+    assert chunking.compiled_bytes(donated) == 4000    # the result reuses the argument
+
+
+def test_memory_limit_says_when_the_device_reports_none(monkeypatch):
+    from fax_bridge import chunking
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(jax, "devices", lambda: [Device({"bytes_limit": 1 << 34})])
+    assert chunking.memory_limit() == chunking.memory_limit(host_fallback=False) == 1 << 34
+    monkeypatch.setattr(jax, "devices", lambda: [Device(None)])
+    assert chunking.memory_limit(host_fallback=False) is None
+    assert chunking.memory_limit() > 0                 # half the host's memory
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "all", [4]])
 def test_a_bad_chunk_size_is_refused_naming_it(bad):
     with pytest.raises(ProgramError, match="clients_per_step must be a positive integer"):
