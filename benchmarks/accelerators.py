@@ -22,8 +22,17 @@ of its new model from the hand-written round's (`hand_vmap`, or `hand_chunked` w
 every client at once does not fit). Matmuls run in bfloat16, parameters and updates in
 float32.
 
+With `--largest-cohort [CAP]`, each jit variant's row also gives the largest cohort that
+fits the device's memory: the round is compiled, never run, from argument shapes
+(`jax.ShapeDtypeStruct`) at N = clients, 2 x clients, 4 x clients, ... up to CAP (4096),
+and N fits when its `memory_analysis()` (arguments, results and temporaries, less aliased
+bytes) is within the allocator's `bytes_limit` (`fax_bridge.chunking.memory_limit`) or
+`--memory-bytes`. The doubling stops at the first N that does not fit or fails to
+compile; "N+" says the cap was reached.
+
     python benchmarks/accelerators.py --model 110M --clients 4 --steps 4 --chunk 4
         [--variants hand_vmap,fax_bridge,...] [--repeats 3] [--json OUT]
+        [--largest-cohort [CAP]] [--memory-bytes BYTES]
     python benchmarks/accelerators.py --suite [--json OUT]    # SUITE, in one process
 
 `--model tiny` runs on a CPU in seconds (the suite's check of this script).
@@ -32,6 +41,7 @@ float32.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -44,12 +54,14 @@ import numpy as np
 from jax import lax
 
 import fax_bridge as fb
+from fax_bridge import chunking
 
 # (width, layers, heads); vocabulary and sequence from VOCAB / SEQ unless tiny.
 MODELS = {"tiny": (64, 2, 4), "34M": (512, 6, 8), "110M": (768, 12, 12),
           "268M": (1024, 19, 16)}
 VOCAB, SEQ, BATCH, LR = 32768, 512, 4, 0.01
 TINY = dict(vocab=512, seq=32, batch=2)
+COHORT_CAP = 4096  # --largest-cohort's default cap
 # Peak dense bf16 rate by jax's device_kind (TFLOP/s): MFU is left out elsewhere.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v5p": 459.0,
                "TPU v6 lite": 918.0}
@@ -181,7 +193,10 @@ def drjax_round(heads: int, clients: int, chunk: int) -> Callable:
     return round_
 
 
+@functools.lru_cache(maxsize=64)
 def _jitted(variant: str, heads: int, clients: int, chunk: int) -> Callable:
+    """The variant's round under `jax.jit`, one object per configuration, so the timed
+    round and the largest-cohort search share a compilation (jit caches by shapes)."""
     if variant == "fax_bridge":
         return jax.jit(fax_program(heads, clients, None))
     if variant == "fax_bridge_chunked":
@@ -210,10 +225,21 @@ def _max_diff(a, b) -> float:
 
 
 def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str],
-            repeats: int, seed: int = 0) -> dict:
-    """Runs the chosen variants of one round; a row per variant (an error is a row)."""
+            repeats: int, seed: int = 0, cohort_cap: Optional[int] = None,
+            memory_bytes: Optional[int] = None) -> dict:
+    """Runs the chosen variants of one round; a row per variant (an error is a row).
+
+    Args:
+      model, clients, steps, chunk: a key of MODELS, the cohort, the local steps of each
+        client and the chunk size of the chunked variants.
+      variants, repeats, seed: which of VARIANTS, how many timed rounds, the data's seed.
+      cohort_cap: when given, each jit variant's row gets `largest_cohort` (see
+        `largest_cohort`) searched up to this many clients.
+      memory_bytes: the memory that search fits rounds into; by default the device's
+        allocator limit, and none on a CPU (each row then says so).
+    """
     width, layers, heads = MODELS[model]
-    sizes = TINY if model == "tiny" else dict(vocab=VOCAB, seq=SEQ, batch=BATCH)
+    sizes = _sizes(model)
     key_p, key_d = jax.random.split(jax.random.PRNGKey(seed))
     params = init_params(key_p, width, layers, sizes["vocab"])
     data = jax.random.randint(key_d, (clients, steps, sizes["batch"], sizes["seq"] + 1), 0,
@@ -226,6 +252,9 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
     report = {"model": model, "parameters": n_params, "clients": clients, "steps": steps,
               "chunk": chunk, "tokens": tokens, "device": device.device_kind,
               "devices": jax.device_count(), "peak_tflops": peak, "rows": []}
+    if cohort_cap is not None:
+        memory_bytes = memory_bytes or chunking.memory_limit(host_fallback=False)
+        report.update(cohort_cap=cohort_cap, memory_bytes=memory_bytes)
     results: dict[str, Any] = {}  # new models, on the host (the chip keeps no old one)
     for variant in sorted(variants, key=lambda v: v not in REFERENCES):
         row: dict[str, Any] = {"variant": variant}
@@ -246,6 +275,12 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if "round_s" in row and peak:
             row["mfu"] = flops / row["round_s"] / (peak * 1e12)
+        if cohort_cap is not None and not variant.startswith("exported"):
+            row["largest_cohort"] = (
+                {"absent": f"{device.platform} reports no memory limit: give --memory-bytes"}
+                if memory_bytes is None else
+                largest_cohort(variant, model, clients, steps, chunk, cohort_cap,
+                               memory_bytes))
         report["rows"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)  # a row as soon as it is known
     reference = next((results[r] for r in REFERENCES if r in results), None)
@@ -255,6 +290,78 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
     order = {v: i for i, v in enumerate(VARIANTS)}
     report["rows"].sort(key=lambda r: order[r["variant"]])
     return report
+
+
+def _sizes(model: str) -> dict:
+    return TINY if model == "tiny" else dict(vocab=VOCAB, seq=SEQ, batch=BATCH)
+
+
+# --------------------------------------------------------------------------- the largest cohort
+
+
+def round_specs(model: str, clients: int, steps: int) -> tuple:
+    """The round's (parameters, data) as `jax.ShapeDtypeStruct`s: nothing allocated."""
+    width, layers, _ = MODELS[model]
+    sizes = _sizes(model)
+    params = jax.eval_shape(lambda k: init_params(k, width, layers, sizes["vocab"]),
+                            jax.random.PRNGKey(0))
+    data = jax.ShapeDtypeStruct((clients, steps, sizes["batch"], sizes["seq"] + 1),
+                                jnp.int32)
+    return params, data
+
+
+def cohort_bytes(variant: str, model: str, clients: int, steps: int, chunk: int) -> int:
+    """Device bytes of a jit variant's round compiled (not run) for `clients` clients."""
+    fn = _jitted(variant, MODELS[model][2], clients, chunk)
+    return chunking.compiled_bytes(fn.lower(*round_specs(model, clients, steps)).compile())
+
+
+def largest_cohort(variant: str, model: str, clients: int, steps: int, chunk: int,
+                   cap: int, limit: int) -> dict:
+    """The largest of clients x 2^i (up to `cap`) whose compiled round fits `limit` bytes.
+
+    Compiles the round at each doubling until one needs more than `limit` or fails to
+    compile (an out-of-memory refusal by the compiler is a result).
+
+    Args:
+      variant, model, steps, chunk: the round, as in `measure`.
+      clients: the first cohort tried; cap: the most clients tried.
+      limit: the device bytes a round may take (`cohort_bytes`).
+
+    Returns:
+      `clients` (None when the first does not fit) and its `bytes`; either `capped`
+      (the next doubling would pass `cap`) or `stop` (why the next one was not taken);
+      the search's `seconds`.
+    """
+    found: dict[str, Any] = {"clients": None, "bytes": None}
+    start, n = time.perf_counter(), clients
+    while n <= cap:
+        try:
+            need = cohort_bytes(variant, model, n, steps, chunk)
+        except Exception as e:  # noqa: BLE001 - a refusal to compile ends the search
+            found["stop"] = f"{n} clients: {type(e).__name__}: " \
+                            f"{(str(e).splitlines() or [''])[0][:200]}"
+            break
+        if need > limit:
+            found["stop"] = f"{n} clients need {need} bytes, over {limit}"
+            break
+        found.update(clients=n, bytes=need)
+        n *= 2
+    else:
+        found["capped"] = True
+    found["seconds"] = time.perf_counter() - start
+    return found
+
+
+def _cohort_cell(row: dict, clients: int) -> str:
+    found = row.get("largest_cohort")
+    if found is None:
+        return ""
+    if "absent" in found:
+        return found["absent"]
+    if found["clients"] is None:
+        return f"under {clients} ({found['stop']})"
+    return f"{found['clients']}+" if found.get("capped") else str(found["clients"])
 
 
 def _exported(heads, clients, params, data, repeats, on_device: bool):
@@ -277,16 +384,23 @@ def table(report: dict) -> str:
              f"{report['chunk']}, on {report['devices']} x {report['device']}",
              "| variant | round | vs hand-written | MFU | temporaries | max diff |",
              "|---|---:|---:|---:|---:|---:|"]
+    cohorts = "cohort_cap" in report
+    if cohorts:
+        limit = report["memory_bytes"]
+        lines[0] += f"; largest cohort within {limit / 2 ** 30:.3g} GiB" if limit else ""
+        lines[1] += f" largest cohort (to {report['cohort_cap']}) |"
+        lines[2] += "---:|"
     for r in report["rows"]:
+        cohort = f" {_cohort_cell(r, report['clients'])} |" if cohorts else ""
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['error']} | | | | |")
+            lines.append(f"| {r['variant']} | {r['error']} | | | | |{cohort}")
             continue
         ratio = f"{r['round_s'] / ref:.2f}x" if ref else ""
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""
         temp = f"{r['temp_gib']:.2f} GiB" if "temp_gib" in r else ""
         diff = f"{r['max_diff']:.2g}" if "max_diff" in r else ""
         lines.append(f"| {r['variant']} | {r['round_s']:.3f} s | {ratio} | {mfu} | {temp} "
-                     f"| {diff} |")
+                     f"| {diff} |{cohort}")
     return "\n".join(lines)
 
 
@@ -301,6 +415,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", help="append each report to this file as a JSON line")
     parser.add_argument("--suite", action="store_true",
                         help="run every configuration of SUITE (docs/accelerators.md)")
+    parser.add_argument("--largest-cohort", type=int, nargs="?", const=COHORT_CAP,
+                        metavar="CAP", help="also find each jit variant's largest cohort "
+                        f"(compiled, not run) that fits the memory, up to CAP ({COHORT_CAP})")
+    parser.add_argument("--memory-bytes", type=int, metavar="BYTES",
+                        help="the memory --largest-cohort fits into (default: the "
+                        "device's bytes_limit; a CPU reports none)")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -312,15 +432,29 @@ def main(argv=None) -> list[dict]:
                      "hand-written chunked round")
     plan = [(m, n, k, c, v.split(",")) for m, n, k, c, v in SUITE] if args.suite else \
         [(args.model, n, args.steps, min(args.chunk, n), variants) for n in args.clients]
+    _check_cohort_options(parser, args, max(n for _, n, _, _, _ in plan))
     reports = []
     for model, n, steps, chunk, chosen in plan:
-        report = measure(model, n, steps, chunk, chosen, args.repeats)
+        report = measure(model, n, steps, chunk, chosen, args.repeats,
+                         cohort_cap=args.largest_cohort, memory_bytes=args.memory_bytes)
         print(table(report), flush=True)
         reports.append(report)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(report) + "\n")
     return reports
+
+
+def _check_cohort_options(parser: argparse.ArgumentParser, args, clients: int) -> None:
+    cap, memory = args.largest_cohort, args.memory_bytes
+    if memory is not None and cap is None:
+        parser.error("--memory-bytes is the limit of the --largest-cohort search; give "
+                     "--largest-cohort [CAP] too")
+    if memory is not None and memory <= 0:
+        parser.error(f"--memory-bytes must be a positive number of bytes (got {memory})")
+    if cap is not None and cap < clients:
+        parser.error(f"--largest-cohort {cap} is below a cohort of {clients} clients; "
+                     f"give a cap of at least {clients}")
 
 
 if __name__ == "__main__":

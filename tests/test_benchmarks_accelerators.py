@@ -1,10 +1,12 @@
 """Smoke test of benchmarks/accelerators.py on the CPU: the tiny decoder, every jit
-variant and the exported round agree with the hand-written round (no timing)."""
+variant and the exported round agree with the hand-written round, and the largest-cohort
+search agrees with the compiled rounds' memory_analysis (no timing)."""
 
 import importlib.util
 import json
 import pathlib
 
+import jax
 import pytest
 
 _SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "accelerators.py"
@@ -41,3 +43,52 @@ def test_the_suite_names_only_known_variants(bench):
 def test_an_unknown_variant_is_refused(bench):
     with pytest.raises(SystemExit):
         bench.main(["--variants", "hand_vmap,warp"])
+
+
+def _analysed_bytes(bench, variant, clients, chunk):
+    """The round's memory_analysis, read here: arguments + results + temporaries - alias."""
+    fn = bench._jitted(variant, bench.MODELS["tiny"][2], clients, chunk)
+    m = fn.lower(*bench.round_specs("tiny", clients, 1)).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def test_the_largest_cohort_fits_and_its_double_does_not(bench):
+    # The limit is the vmap round's own need at 4 clients: 4 fits, 8 does not, while the
+    # chunked round (2 clients a step) stays under it up to the cap. The cohort, chunk and
+    # steps are the first test's, whose compiled rounds the search reuses.
+    limit = _analysed_bytes(bench, "hand_vmap", 4, 2)
+    (report,) = bench.main(["--model", "tiny", "--clients", "4", "--steps", "1", "--chunk",
+                            "2", "--repeats", "1", "--variants",
+                            "hand_vmap,fax_bridge_chunked", "--largest-cohort", "8",
+                            "--memory-bytes", str(limit)])
+    rows = {r["variant"]: r["largest_cohort"] for r in report["rows"]}
+    vmap, chunked = rows["hand_vmap"], rows["fax_bridge_chunked"]
+    n = vmap["clients"]
+    assert not vmap.get("capped") and n is not None
+    assert vmap["bytes"] == _analysed_bytes(bench, "hand_vmap", n, 2) <= limit
+    assert _analysed_bytes(bench, "hand_vmap", 2 * n, 2) > limit
+    assert str(2 * n) in vmap["stop"]
+    assert chunked["clients"] == 8 and chunked["capped"] and "stop" not in chunked
+    assert chunked["bytes"] == _analysed_bytes(bench, "fax_bridge_chunked", 8, 2) <= limit
+    text = bench.table(report)
+    assert "largest cohort (to 8)" in text and f"| {n} |" in text and "| 8+ |" in text
+
+
+@pytest.mark.skipif(bool((jax.devices()[0].memory_stats() or {}).get("bytes_limit")),
+                    reason="the device reports a memory limit")
+def test_without_a_memory_limit_the_column_says_why(bench):
+    (report,) = bench.main(["--model", "tiny", "--clients", "4", "--steps", "1", "--chunk",
+                            "2", "--repeats", "1", "--variants", "hand_vmap",
+                            "--largest-cohort", "8"])
+    assert "--memory-bytes" in report["rows"][0]["largest_cohort"]["absent"]
+    assert "give --memory-bytes" in bench.table(report)
+
+
+@pytest.mark.parametrize("argv", [["--memory-bytes", "1000"],
+                                  ["--largest-cohort", "--memory-bytes", "0"],
+                                  ["--clients", "8", "--largest-cohort", "4"]])
+def test_bad_cohort_options_are_refused(bench, argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert "--" in capsys.readouterr().err.splitlines()[-1]
