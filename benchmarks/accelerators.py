@@ -67,7 +67,7 @@ PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v4": 275.0, "TPU v5p
                "TPU v6 lite": 918.0}
 VARIANTS = ("hand_vmap", "fax_bridge", "drjax", "hand_chunked", "fax_bridge_chunked",
             "exported", "exported_host")
-REFERENCES = ("hand_vmap", "hand_chunked")
+REFERENCES = ("hand_vmap", "hand_chunked")  # the hand-written rounds, in that preference
 JIT = "hand_vmap,fax_bridge,drjax,hand_chunked,fax_bridge_chunked"
 CHUNKED = "hand_chunked,fax_bridge_chunked"
 EXPORTED = "hand_vmap,exported,exported_host"
@@ -75,7 +75,7 @@ EXPORTED = "hand_vmap,exported,exported_host"
 SUITE = (("34M", 8, 4, 4, JIT), ("110M", 4, 4, 2, JIT), ("268M", 2, 2, 2, JIT),
          ("110M", 64, 4, 4, "hand_vmap," + CHUNKED), ("110M", 1024, 1, 4, CHUNKED),
          ("268M", 64, 1, 2, CHUNKED), ("34M", 8, 4, 4, EXPORTED),
-         ("110M", 4, 4, 4, EXPORTED), ("268M", 2, 2, 2, EXPORTED))  # the hand-written rounds, in that preference
+         ("110M", 4, 4, 4, EXPORTED), ("268M", 2, 2, 2, EXPORTED))
 
 
 # --------------------------------------------------------------------------- the model
