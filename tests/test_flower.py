@@ -938,6 +938,19 @@ def test_a_round_whose_clients_all_drop_out_sums_to_zero_with_min_clients_0(
     assert not total.any() and not secure.any()
     rep = _reports(str(tmp_path / "out"))[0]
     assert rep["participants"] == [] and rep["error"] is None
+    # every node lost (silent), or its answer refused (forged): the same zeros, and the
+    # report names both nodes and their clients
+    config.update({"dropout": 0.0, "node-timeout-s": 0.2, "first-round-timeout-s": 0.0})
+    for fault in ({"silent": [0, 1]}, {"forged": [0, 1]}):
+        got = server.run_server(_grid(folder, populations, **fault), config,
+                                os.path.join(folder, app_dir.PACKAGE), log=lambda text: None)
+        state, (total, secure) = values.to_pytree(got, made.prepared.result)
+        assert float(state) == 3.0 and not total.any() and not secure.any()
+        assert total.dtype == data["x"].dtype and secure.dtype == np.int32
+        rep = _reports(str(tmp_path / "out"))[0]
+        assert rep["participants"] == [] and rep["lost_clients"] == list(range(N))
+        assert [w.split(" (")[0] for w in rep["lost_devices"]] == ["node 100", "node 101"]
+        assert rep["error"] is None
 
 
 _SECURE_KINDS = {

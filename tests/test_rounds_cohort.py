@@ -150,6 +150,26 @@ def test_a_fleet_refuses_min_clients_0_for_a_mean_before_any_device_is_asked(fle
     np.testing.assert_array_equal(got, (_clients(4, 0) * S).mean(axis=0))
 
 
+def _forge_round_answers(fleet, monkeypatch, devices: list, forgery: str) -> None:
+    """Makes the round answers of `devices` impossible as `forgery` says: for other
+    clients than sent, a partial over other clients, or a partial with a tensor more."""
+    real = fleet.backend.call_each
+
+    def forging(method, requests, **kwargs):
+        answers = real(method, requests, **kwargs)
+        if method == "Round":
+            for answer in (answers[d] for d in devices if d in answers):
+                if forgery == "clients":
+                    answer.num_clients += 1
+                elif forgery == "partial":
+                    answer.partials[0].num_clients += 1
+                else:
+                    answer.partials[0].leaves.add().CopyFrom(answer.partials[0].leaves[0])
+        return answers
+
+    monkeypatch.setattr(fleet.backend, "call_each", forging)
+
+
 @pytest.mark.parametrize("forgery", ["clients", "partial", "tensors"])
 def test_a_device_with_an_impossible_round_answer_leaves_the_round_named(
         fleet, monkeypatch, forgery):
@@ -159,21 +179,7 @@ def test_a_device_with_an_impossible_round_answer_leaves_the_round_named(
     leave the round as a lost device's do, and the round has the honest device's bits
     unless too few clients are left for min_clients."""
     xs = _clients(6, 1)
-    real = fleet.backend.call_each
-
-    def forging(method, requests, **kwargs):
-        answers = real(method, requests, **kwargs)
-        if method == "Round":
-            answer = answers[1]
-            if forgery == "clients":
-                answer.num_clients += 1
-            elif forgery == "partial":
-                answer.partials[0].num_clients += 1
-            else:
-                answer.partials[0].leaves.add().CopyFrom(answer.partials[0].leaves[0])
-        return answers
-
-    monkeypatch.setattr(fleet.backend, "call_each", forging)
+    _forge_round_answers(fleet, monkeypatch, [1], forgery)
     fleet.policy, fleet.next_round = RoundPolicy(min_clients=3), 0
     got, rep = fleet.run(PROTO, xs, S, report=True)
     np.testing.assert_array_equal(got, (xs[:3] * S).sum(axis=0))
@@ -187,3 +193,44 @@ def test_a_device_with_an_impossible_round_answer_leaves_the_round_named(
                                          r"min_clients=4"):
         fleet.run(PROTO, xs, S)
     assert "min_clients=4" in fleet.reports[-1].error
+
+
+@pytest.mark.parametrize("how", ["killed", "clients", "partial", "tensors"])
+def test_a_round_every_device_left_sums_to_zero_with_min_clients_0_else_is_refused(
+        fleet, monkeypatch, how):
+    """Every device of the fleet lost (killed) or answering what no honest device sends:
+    with min_clients=0 the round finishes over no clients, as one whose clients all
+    dropped out does (its sum the zero of its type), and the report names every device
+    lost with why; with min_clients=1 the round fails naming min_clients and them."""
+    xs = _clients(6, 2)
+    if how == "killed":
+        fleet.kill_device(0)
+        fleet.kill_device(1)
+    else:
+        _forge_round_answers(fleet, monkeypatch, [0, 1], how)
+    try:
+        fleet.policy, fleet.next_round = RoundPolicy(min_clients=0), 0
+        got, rep = fleet.run(PROTO, xs, S, report=True)
+        assert got.dtype == xs.dtype and got.shape == xs.shape[1:] and not got.any()
+        assert rep.error is None and len(rep.participants) == 0
+        assert list(rep.lost_clients) == list(range(6))
+        if how == "killed":  # each address, with what its call ended with
+            assert [w.split(": ")[0] for w in rep.lost_devices] == fleet.addresses
+            assert all("no Health answer" in w for w in rep.lost_devices)
+        else:
+            assert [w.split(" at ")[0] for w in rep.lost_devices] == ["device 0",
+                                                                    "device 1"]
+            assert all(w.endswith("(an impossible answer)") for w in rep.lost_devices)
+        fleet.policy = RoundPolicy(min_clients=1)
+        with pytest.raises(FleetError, match=r"^round 1: lost .* only 0 clients are left "
+                                             r"but min_clients=1"):
+            fleet.run(PROTO, xs, S)
+        assert len(fleet.reports[-1].lost_devices) == 2
+        assert "min_clients=1" in fleet.reports[-1].error
+    finally:
+        if how == "killed":
+            fleet.restart_device(0)
+            fleet.restart_device(1)
+    monkeypatch.undo()
+    fleet.policy = RoundPolicy()
+    np.testing.assert_array_equal(fleet.run(PROTO, xs, S), (xs * S).sum(axis=0))

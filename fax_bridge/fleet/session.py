@@ -14,7 +14,9 @@ round's, or a phase's map) computed by another. The
 policy (cohort, `min_clients`, lost devices, the report) is the engine's (`engine.open_round`, `engine.drop_lost`). When
 devices stop answering or miss their deadline (`rpc_timeout_s`) and
 `survive_device_loss` is set, the round is finished on the devices that answered in
-time; each lost one is named in the report with why. A device whose round answer no
+time (on none when every device is lost: a round over no clients, which `min_clients=0`
+allows for sums, as when every client drops out); each lost one is named in the report
+with why. A device whose round answer no
 honest device could send (partials for other clients, tensors or aggregations than it
 was sent) is refused by the engine and its clients leave that round the same way,
 named in `lost_devices` with what was wrong; too few left for `min_clients` fails it.
@@ -238,22 +240,26 @@ class FleetRounds:
         whose call of the try ran past its deadline (stragglers, answering Health or not).
 
         Returns them as `engine.LostHolder`s (their addresses with why, and the
-        participants they held; none when every device answers in time, when none would
-        be left, or when this fleet does not survive device loss), after reconnecting to
-        the others.
+        participants they held; none when every device answers in time, or when this
+        fleet does not survive device loss), after reconnecting to the others. When
+        every device is lost, all of them are returned, as a round whose holders all
+        left: the policy decides (`engine.drop_lost`: with `min_clients=0` the round
+        finishes over no clients, which asks no device anything), and the fleet keeps
+        their addresses, so the next round asks them again.
         """
         if not self.survive_device_loss or self.backend is None:
             return []
         alive = self.backend.probe(self.probe_timeout_s)
         late = set(getattr(error, "late", ()))
         dead = [i for i, ok in enumerate(alive) if not ok or i in late]
-        if not dead or len(dead) == len(alive):
+        if not dead:
             return []
         blocks = partition(len(participants), len(alive))
         ids = participants.array()
         lost = [engine.LostHolder(self._why_lost(i, error, alive[i]),
                                   ids[blocks[i].start:blocks[i].stop]) for i in dead]
-        self._reconnect([a for i, a in enumerate(self.addresses) if i not in dead])
+        if len(dead) < len(alive):  # none to reconnect to when every device is lost
+            self._reconnect([a for i, a in enumerate(self.addresses) if i not in dead])
         rep.devices = self.num_devices
         return lost
 

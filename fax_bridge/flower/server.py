@@ -15,10 +15,11 @@ during SecAgg+ before its masked vector is summed (its other partials leave the 
 too), while fewer nodes than SecAgg+'s reconstruction threshold (`secagg-threshold`,
 `secagg.shares_needed`) fail the round; when fewer than `min-clients` clients remain
 the round fails with a `FleetError` naming the nodes (the run's first round waits
-longer, `first-round-timeout-s`: nodes start then). Every round leaves a `RoundReport`
-(logged, and written to `reports.jsonl`), whose `served` names, for each node that
-answered, the client runtime that computed its answer and the sha256 of the LiteRT
-model that ran (None for XLA).
+longer, `first-round-timeout-s`: nodes start then), while with `min-clients=0` a round
+every node left finishes over no clients, its sums the zeros of their types. Every
+round leaves a `RoundReport` (logged, and written to `reports.jsonl`), whose `served`
+names, for each node that answered, the client runtime that computed its answer and the
+sha256 of the LiteRT model that ran (None for XLA).
 
 The run's settings are the app's run config (`[tool.flwr.app.config]`, overridable with
 `flwr run --run-config`), see `Settings`: every key checked once against `RUN_CONFIG`.
@@ -223,7 +224,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
     wait = settings.deadline_s(first)
 
     def drop(lost: list, answered: int) -> None:
-        if not answered:
+        if not answered and policy.min_clients > 0:  # else a round over no clients
             engine.record_lost(rep, lost)
             raise FleetError(f"round {round_index}: no SuperNode answered: "
                              f"{'; '.join(h.where for h in lost)}; restart them or raise "
