@@ -233,7 +233,7 @@ if what == "cwd":
 elif what in ("sleep", "term3"):
     if what == "term3":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
-    print("ready", flush=True)
+    os.write(1, b"ready\\n")  # one write: print() makes two where stdout is unbuffered
     time.sleep(600)
 elif what == "import":
     pass
@@ -322,7 +322,7 @@ server = forks.ForkServer.connect(sys.argv[1])
 with open(os.devnull, "rb") as devnull:
     child = server.run("fork_test_child", ["sleep"], env=json.loads(sys.argv[2]),
                        stdio=(devnull.fileno(), 1, 2))
-print(child.pid, flush=True)
+os.write(1, b"%d\\n" % child.pid)  # one write, which the child's line cannot split
 child.wait()
 """
 
