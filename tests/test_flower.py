@@ -437,8 +437,30 @@ def test_a_silent_node_is_dropped_and_min_clients_is_kept(tmp_path, quickstart,
     assert rep["lost_clients"] == [4, 5] and rep["lost_devices"] == [
         "node 101 (clients 4..5): its answer has no layout record; the message is corrupt "
         "or forged; check that the node runs this fax_bridge (a malformed answer)"]
-    with pytest.raises(FleetError, match="no SuperNode answered: node 100 "):
+    with pytest.raises(FleetError, match=r"round 0: no SuperNode answered: node 100 .*"
+                                         r"no client is left but min_clients=1; restart"):
         server.run_server(_grid(app, populations, silent=[0, 1]),
+                          dict(quick, **{"out-dir": out}), bundle_dir,
+                          log=lambda text: None)
+    # every node answered, but every answer was refused: said so, each with its reason
+    with pytest.raises(FleetError, match=(
+            r"round 0: 2 SuperNodes answered but their answers were refused: node 100 "
+            r"\(clients 0\.\.3\): its answer has no layout record.*\(a malformed "
+            r"answer\); node 101 \(clients 4\.\.5\): .*\(a malformed answer\); no "
+            r"client is left but min_clients=1; check that those nodes run this "
+            r"fax_bridge")) as info:
+        server.run_server(_grid(app, populations, forged=[0, 1]),
+                          dict(quick, **{"out-dir": out}), bundle_dir,
+                          log=lambda text: None)
+    assert "did not answer" not in str(info.value)
+    assert _reports(out)[0]["lost_clients"] == list(range(6))
+    # one refused and one silent: each counted and named
+    with pytest.raises(FleetError, match=(
+            r"round 0: 1 SuperNode answered but its answer was refused: node 100 .*"
+            r"; and 1 did not answer: node 101 .*no answer within 0\.2s; no client is "
+            r"left but min_clients=1; check that those nodes run this fax_bridge, and "
+            r"restart the silent ones")):
+        server.run_server(_grid(app, populations, forged=[0], silent=[1]),
                           dict(quick, **{"out-dir": out}), bundle_dir,
                           log=lambda text: None)
     # min-clients=0 would let a round run with no clients, where FedAvg's means have no
@@ -880,20 +902,25 @@ def test_a_node_whose_answer_reads_well_but_is_impossible_is_dropped_by_name(
     it was sent is refused by the round engine naming the node and what was wrong; the
     node leaves the round with its clients, as a lost node does."""
     _, args, made = quickstart
-    grid = _grid(app, populations)
-    push = grid.push_messages
+    forged = {101}
 
-    def forging_push(messages):
-        ids = push(messages)
-        for message, message_id in zip(messages, ids):
-            reply = grid.replies.get(message_id)
-            if message.metadata.dst_node_id == 101 and reply is not None \
-                    and records.PARTIALS in reply.content:
-                metrics = reply.content[relay.METRICS]
-                metrics["num-clients"] = [n + 1 for n in metrics["num-clients"]]
-        return ids
+    def forging(grid):
+        push = grid.push_messages
 
-    grid.push_messages = forging_push
+        def forging_push(messages):
+            ids = push(messages)
+            for message, message_id in zip(messages, ids):
+                reply = grid.replies.get(message_id)
+                if message.metadata.dst_node_id in forged and reply is not None \
+                        and records.PARTIALS in reply.content:
+                    metrics = reply.content[relay.METRICS]
+                    metrics["num-clients"] = [n + 1 for n in metrics["num-clients"]]
+            return ids
+
+        grid.push_messages = forging_push
+        return grid
+
+    grid = forging(_grid(app, populations))
     out = str(tmp_path / "out")
     got = server.run_server(grid, {"num-rounds": 1, "out-dir": out},
                             os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
@@ -904,6 +931,16 @@ def test_a_node_whose_answer_reads_well_but_is_impossible_is_dropped_by_name(
     assert rep["lost_devices"][0].startswith("node 101 (clients 4..5)")
     assert "a partial over 3 clients; the device holds 2 (an impossible answer)" in \
         rep["lost_devices"][0]
+    # every node's answer refused: the round says they answered and were refused
+    forged.add(100)
+    with pytest.raises(FleetError, match=r"round 0: 2 SuperNodes answered but their "
+                                         r"answers were refused: node 100 .*\(an "
+                                         r"impossible answer\); node 101 .*\(an "
+                                         r"impossible answer\); no client is left but "
+                                         r"min_clients=1"):
+        server.run_server(forging(_grid(app, populations)), {"num-rounds": 1, "out-dir": out},
+                          os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
+    assert _reports(out)[0]["lost_clients"] == list(range(6))
 
 
 def test_a_round_whose_clients_all_drop_out_sums_to_zero_with_min_clients_0(

@@ -286,7 +286,8 @@ class GrpcTransport:
             except FleetError as e:  # an answer no honest device sends: it leaves
                 if ids is None:
                     raise
-                out.lost.append(LostHolder(f"{e} (an impossible answer)", ids))
+                out.lost.append(LostHolder(f"{e} (an impossible answer)", ids,
+                                           refused=True))
         return out
 
     def _answer(self, split: RoundSplit, answer, index: int, clients, where: str,

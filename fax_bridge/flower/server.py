@@ -14,9 +14,11 @@ clients, as the fleet drops a lost device (`engine.drop_lost`); so is a node los
 during SecAgg+ before its masked vector is summed (its other partials leave the round
 too), while fewer nodes than SecAgg+'s reconstruction threshold (`secagg-threshold`,
 `secagg.shares_needed`) fail the round; when fewer than `min-clients` clients remain
-the round fails with a `FleetError` naming the nodes (the run's first round waits
-longer, `first-round-timeout-s`: nodes start then), while with `min-clients=0` a round
-every node left finishes over no clients, its sums the zeros of their types. Every
+the round fails with a `FleetError` naming the nodes (none left: how many did not
+answer and how many answered but had their answers refused, each with why; the run's
+first round waits longer, `first-round-timeout-s`: nodes start then), while with
+`min-clients=0` a round every node left finishes over no clients, its sums the zeros of
+their types. Every
 round leaves a `RoundReport` (logged, and written to `reports.jsonl`), whose `served`
 names, for each node that answered, the client runtime that computed its answer and the
 sha256 of the LiteRT model that ran (None for XLA).
@@ -226,9 +228,7 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
     def drop(lost: list, answered: int) -> None:
         if not answered and policy.min_clients > 0:  # else a round over no clients
             engine.record_lost(rep, lost)
-            raise FleetError(f"round {round_index}: no SuperNode answered: "
-                             f"{'; '.join(h.where for h in lost)}; restart them or raise "
-                             "the wait (node-timeout-s, round-deadline-s)")
+            raise FleetError(_none_left(round_index, lost, policy.min_clients))
         engine.drop_lost(rep, policy, lost, "lower min-clients, raise the deadline or "
                          "restart those SuperNodes")
 
@@ -245,6 +245,28 @@ def run_round(grid, made, nodes: list, state: Any, round_index: int, settings: S
         raise
     finally:
         rep.wall_s = time.perf_counter() - start
+
+
+def _none_left(round_index: int, lost: list, min_clients: int) -> str:
+    """Why round `round_index` failed when no SuperNode's answer is left in it (`lost`:
+    every node, as `engine.LostHolder`s): how many did not answer and how many answered
+    but had their answers refused, each named with why, and the fix for each."""
+    refused = [h.where for h in lost if h.refused]
+    silent = [h.where for h in lost if not h.refused]
+    said, fixes = [], []
+    if refused:
+        said.append(f"{len(refused)} SuperNode{'s' * (len(refused) > 1)} answered but "
+                    f"{'their answers were' if len(refused) > 1 else 'its answer was'} "
+                    f"refused: {'; '.join(refused)}")
+        fixes.append("check that those nodes run this fax_bridge")
+    if silent:
+        said.append(f"{len(silent)} did not answer: {'; '.join(silent)}" if refused
+                    else f"no SuperNode answered: {'; '.join(silent)}")
+        fixes.append("restart the silent ones or raise the wait (node-timeout-s, "
+                     "round-deadline-s)")
+    return (f"round {round_index}: {'; and '.join(said)}; no client is left but "
+            f"min_clients={min_clients}; {', and '.join(fixes)}, or set min-clients=0 "
+            "to let a round of sums finish over no clients")
 
 
 def cohort_of(settings: Settings, nodes: list) -> Cohort:

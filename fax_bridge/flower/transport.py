@@ -115,7 +115,8 @@ class FlowerTransport:
                 partials, seconds = records.answer_of(reply.content, kinds, node.name)
                 runtime, model = records.served_of(reply.content, node.name)
             except FleetError as e:
-                out.lost.append(LostHolder(f"{e} (a malformed answer)", mine))
+                out.lost.append(LostHolder(f"{e} (a malformed answer)", mine,
+                                           refused=True))
                 continue
             self.served[node.name] = {"client_runtime": runtime, "model_sha256": model}
             answered.append((node, mine))

@@ -77,11 +77,14 @@ class LostHolder:
     and the clients it held (that the round goes on without). `answer`: for a holder
     whose answer the engine refused (`check_answers`) or a secure phase lost after it
     answered, the index of its answer in `Answers.answered`, whose partials then leave
-    the round too (None: it had not answered, or its answer stays in the round)."""
+    the round too (None: it had not answered, or its answer stays in the round).
+    `refused`: it answered, but with an answer no honest holder could send, which was
+    refused (by the engine or the transport); False: it did not answer, or was lost."""
 
     where: str
     clients: np.ndarray
     answer: Optional[int] = None
+    refused: bool = False
 
 
 @dataclasses.dataclass
@@ -156,7 +159,7 @@ def check_answers(checks: Sequence[tuple], answers: Sequence[HolderAnswer],
         if refused is None or answer.clients is None:
             raise error
         refused.append(LostHolder(f"{error} (an impossible answer)", answer.clients,
-                                  answer=index))
+                                  answer=index, refused=True))
         out[index] = None
 
     for index, answer in enumerate(answers):
