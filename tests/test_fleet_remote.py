@@ -229,8 +229,12 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
     with RemoteFleet(fleet_file=path) as fleet:  # by default NaN propagates, as in jit
         assert np.isnan(fleet.run(proto, bad, s)[0])
     with RemoteFleet(fleet_file=path, reject_nonfinite=True) as fleet:
-        with pytest.raises(FleetError, match="reject_nonfinite"):
-            fleet.run(proto, bad, s)
+        # The device holding client 1 is refused by name and its clients leave the round.
+        got, rep = fleet.run(proto, bad, s, report=True)
+        assert 1 in list(rep.lost_clients) and len(rep.lost_devices) == 1
+        assert "reject_nonfinite" in rep.lost_devices[0]
+        left = sorted(set(range(N)) - set(rep.lost_clients))
+        np.testing.assert_array_equal(got, _expected(left))
 
     # `fax-bridge run --fleet-file`: the same round from files.
     from fax_bridge.fleet.run_cli import run_file
