@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from fax_bridge.errors import ArgumentError, WeightError
 from fax_bridge.runtime import aggregation, device_sums
@@ -201,6 +201,7 @@ def test_division_is_numpy_s_on_any_bits(dtype, seed):
 @given(weights=st.lists(st.sampled_from(
     [0.0, -0.0, 1e-45, -1e-45, -1e-40, 2.5, -3.0, np.inf, np.nan, 1e-38]), min_size=1,
     max_size=6))
+@example(weights=[np.inf])  # inf / inf: the host's own NaN
 def test_weights_are_refused_as_the_host_refuses_them(weights):
     """The device refuses a weighted mean's weights exactly where the host does: a
     negative subnormal weight is negative, a NaN weight is not refused here."""

@@ -23,7 +23,9 @@ from jax import lax
 
 from fax_bridge.runtime.float_bits import float_params
 
-_QUIET_NAN32 = 0x7FC00000
+with np.errstate(invalid="ignore"):  # the NaN this host's float32 operations make
+    _INF32 = np.array([np.inf], np.float32)
+    _MADE_NAN32 = int((_INF32 / _INF32).view(np.uint32)[0])
 
 
 def fields(x: jax.Array) -> tuple:
@@ -142,13 +144,18 @@ def product(a: jax.Array, b: jax.Array) -> jax.Array:
     nan = nan_a | nan_b | (inf_a & zero_b) | (inf_b & zero_a)
     bits = jnp.where(nan, quiet, jnp.where(
         inf_a | inf_b, inf, jnp.where(zero_a | zero_b, jnp.uint32(0), finite)))
-    return _signed(bits, _sign(na, nb, nan_a, nan_b, nan), np.dtype(np.float32))
+    return _result(bits, na, nb, nan_a, nan_b, nan)
 
 
-def _sign(na, nb, nan_a, nan_b, nan) -> jax.Array:
-    """A result's sign: a NaN operand's (numpy passes the first NaN on), else whether
-    the operands' signs differ (a NaN made of numbers: positive)."""
-    return jnp.where(nan_a, na, jnp.where(nan_b, nb, ~nan & (na ^ nb)))
+def _result(bits, na, nb, nan_a, nan_b, nan) -> jax.Array:
+    """The float32 result of magnitude `bits`: its sign a NaN operand's (numpy passes
+    the first NaN on), else whether the operands' signs differ; a NaN made of numbers
+    (inf * 0, inf / inf, 0 / 0) is the host's own (its sign differs between hosts)."""
+    out = _signed(bits, jnp.where(nan_a, na, jnp.where(nan_b, nb, na ^ nb)),
+                  np.dtype(np.float32))
+    made = nan & ~nan_a & ~nan_b
+    return jnp.where(made, lax.bitcast_convert_type(jnp.uint32(_MADE_NAN32), jnp.float32),
+                     out)
 
 
 def _unpacked(bits: jax.Array) -> tuple:
@@ -195,4 +202,4 @@ def quotient(a: jax.Array, b: jax.Array) -> jax.Array:
     nan = nan_a | nan_b | (inf_a & inf_b) | (zero_a & zero_b)
     bits = jnp.where(nan, quiet, jnp.where(
         inf_a | zero_b, inf, jnp.where(zero_a | inf_b, jnp.uint32(0), encoded)))
-    return _signed(bits, _sign(na, nb, nan_a, nan_b, nan), np.dtype(np.float32))
+    return _result(bits, na, nb, nan_a, nan_b, nan)
