@@ -381,25 +381,3 @@ def test_exports_are_byte_identical_across_calls():
     a = xla_computation(double, spec).SerializeToString()
     b = xla_computation(double, spec).SerializeToString()
     assert a == b  # no per-process module counter in the bytes
-
-
-def _exported_here(fn, x) -> bytes:
-    return xla.xla_computation(fn, x).SerializeToString(deterministic=True)
-
-
-def _exported_deeper(fn, x) -> bytes:
-    return (lambda: _exported_here(fn, x))()
-
-
-def test_one_program_exports_to_the_same_bytes_from_anywhere():
-    """Where the export is called from (files, functions, lines of the caller's stack)
-    leaves no trace in the bytes: caches keyed by their hash hit, protos compare."""
-    x = jax.ShapeDtypeStruct((3,), jnp.float32)
-
-    def fn(v):
-        return jnp.sin(v) * 2 + jnp.cumsum(v)
-
-    here = _exported_here(fn, x)
-    assert here == _exported_deeper(fn, x) == xla.xla_computation(fn, x).SerializeToString(
-        deterministic=True)
-    assert b"test_tff_xla" not in here

@@ -30,7 +30,6 @@ import jax
 import jax.extend.core
 import numpy as np
 from federated_language.proto import computation_pb2
-from jax._src import config as jax_config
 from google.protobuf import any_pb2
 
 from fax_bridge.errors import ExportError
@@ -213,23 +212,10 @@ def _check_against_hlo(
             )
 
 
-def _lowered(call: Callable, args: tuple, where: bool = False):
-    """`call` lowered for `args`. Its locations hold no Python frames unless `where`:
-    they would put the exporting program's call stack (files, functions, lines) into
-    the HLO module's bytes, so one program exported from two places would differ."""
-    if where:  # a new function: jax's caches hold the lowering without the lines
-        return jax.jit(lambda *a: call(*a), keep_unused=True).lower(*args)
-    with jax_config.traceback_in_locations_limit(0):
-        return jax.jit(call, keep_unused=True).lower(*args)
-
-
-def _refuse_custom_calls(lowered, relower: Callable) -> None:
-    """ExportError naming each custom call (native code outside the HLO) and its line
-    (`relower()`: the computation lowered again with its source lines)."""
+def _refuse_custom_calls(lowered) -> None:
+    """ExportError naming each custom call (native code outside the HLO) and its line."""
     try:
         calls = custom_calls(lowered.compiler_ir("stablehlo"))
-        if calls:
-            calls = custom_calls(relower().compiler_ir("stablehlo"))
     except Exception as e:  # reading the lowered module must not mask the real problem
         raise ExportError(f"cannot inspect the lowered local computation: {e}") from e
     if calls:
@@ -277,7 +263,7 @@ def xla_computation(
         lower_args = ()
 
     try:
-        lowered = _lowered(call, lower_args)
+        lowered = jax.jit(call, keep_unused=True).lower(*lower_args)
     except ExportError:
         raise
     except Exception as e:
@@ -285,7 +271,7 @@ def xla_computation(
             f"lowering the local computation to HLO failed: {type(e).__name__}: {e}"
         ) from e
 
-    _refuse_custom_calls(lowered, lambda: _lowered(call, lower_args, where=True))
+    _refuse_custom_calls(lowered)
     out_info = lowered.out_info
     try:
         out_specs = jax.tree_util.tree_map(
