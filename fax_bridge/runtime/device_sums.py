@@ -204,14 +204,16 @@ def _slabs(parts: tuple, counts: tuple, scale: Optional[tuple], unroll: bool) ->
     what computes and consumes it; else slabs of at most `BLOCK_ROWS` rows (carries
     propagated between them)."""
     out = []
-    for i, (x, count) in enumerate(zip(parts, counts)):
+    step = 1 if unroll else BLOCK_ROWS
+    for part, (x, count) in enumerate(zip(parts, counts)):
         flat = x.reshape((x.shape[0], -1))
         if scale is not None:  # as the host: the weight cast to the dtype, a float32
-            by = astype(astype(scale[i].reshape((x.shape[0], 1)), flat.dtype), np.float32)
+            by = astype(astype(scale[part].reshape((x.shape[0], 1)), flat.dtype),
+                        np.float32)
             flat = astype(product(astype(flat, np.float32), by), flat.dtype)
         valid = (jnp.arange(x.shape[0]) < count)[:, None]
-        step = 1 if unroll else BLOCK_ROWS
-        out += [(flat[i:i + step], valid[i:i + step]) for i in range(0, x.shape[0], step)]
+        out += [(flat[start:start + step], valid[start:start + step])
+                for start in range(0, x.shape[0], step)]
     return out
 
 
