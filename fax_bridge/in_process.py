@@ -99,6 +99,17 @@ def _engine_clients(split: Optional[round_split.RoundSplit], arg: Any) -> int:
     return cohort.clients_of(split, arg)
 
 
+def _why_not_a_round(split: Optional[round_split.RoundSplit]) -> str:
+    """Why the round engine does not take a computation (`_engine_clients` gave 0)."""
+    if split is None:
+        return ("is not round-shaped (server prepare, one broadcast, one client part, "
+                "aggregations, server result)")
+    if not split.client_inputs:
+        return "is a round with no CLIENTS input"
+    return ("is a round whose CLIENTS inputs are population references, or that has no "
+            "clients")
+
+
 def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *args: Any,
                     backend: Optional[ClientsBackend] = None,
                     num_clients: Optional[int] = None, on_device: Optional[bool] = None,
@@ -119,10 +130,12 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
       *args: one pytree per parameter element.
       backend: a clients backend to run the client work on (interprets the computation).
       num_clients: the number of clients, when no argument is placed at CLIENTS.
-      on_device: a round keeps its values on jax's default device and sums there (the
-        same bits), returning its result there as jax arrays; None: as
-        `device_sums.on_device` decides (the environment variable FAX_BRIDGE_ON_DEVICE,
-        else whenever that device is not the CPU).
+      on_device: True: a round keeps its values on jax's default device and sums
+        there (the same bits), returning its result there as jax arrays (refused, by
+        ArgumentError, for a computation that is not such a round, or with `backend` or
+        `num_clients`); False: on the host; None: as `device_sums.on_device` decides
+        (the environment variable FAX_BRIDGE_ON_DEVICE, else whenever that device is
+        not the CPU). Any other value is refused.
       client_runtime: what runs the clients' work ("xla", "litert" or a
         `rounds.client_runtime.ClientRuntime`, which checks the round first): the client
         part of a round by split, each client map of one run phase by phase (LiteRT: a
@@ -144,6 +157,11 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
     """
     prepared = interpreter.prepare(proto)
     runtime = None if client_runtime is None else runtimes.resolve(client_runtime)
+    wanted = device_sums.on_device(on_device)  # a value that is not a bool is refused
+    if on_device and (backend is not None or num_clients is not None):
+        raise ArgumentError("run_computation: on_device=True runs a round in this "
+                            "process; a call given backend= or num_clients= is "
+                            "interpreted phase by phase on the host: leave on_device out")
     if backend is not None or num_clients is not None:
         if runtime is not None:
             if backend is not None:
@@ -155,10 +173,15 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
                                      num_clients=num_clients, **kwargs)
     bound = values.bind_arguments(prepared.parameter, args, kwargs)
     split = round_split_of(prepared)
-    device = split is not None and device_sums.on_device(on_device)
+    device = split is not None and wanted
     with values.device_arrays_kept(device):
         arg = bound.runtime_value()  # a model given as jax arrays stays on the device
     clients = _engine_clients(split, arg)
+    if on_device and not clients:
+        raise ArgumentError(
+            "run_computation: on_device=True sums a round on the device, and this "
+            f"computation {_why_not_a_round(split)}, so it is interpreted on the host; "
+            "leave on_device out (or pass None) for such computations")
     if device and not clients:
         arg = bound.runtime_value()  # the interpreter reads numpy
     if not clients:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge.errors import ComputationError, WeightError
+from fax_bridge.errors import ArgumentError, ComputationError, WeightError
 from fax_bridge.runtime import device_sums, interpreter
 from fax_bridge import in_process as run
 from fax_bridge.runtime.population import PopulationRef
@@ -131,10 +131,15 @@ def test_example_rounds_on_the_device_path_have_the_host_bits(name, monkeypatch)
     finished = []
     monkeypatch.setattr(device_sums, "finish", lambda *a: finished.append(a[0])
                         or original(*a))
-    device = run.run_computation(proto, *args, on_device=True)
+    is_round = run.round_split_of(interpreter.prepare(proto)) is not None
+    if not is_round:  # on_device=True is refused where no round runs
+        with pytest.raises(ArgumentError, match="on_device=True"):
+            run.run_computation(proto, *args, on_device=True)
+        monkeypatch.setenv(device_sums.ENV_VAR, "1")  # the environment's: no refusal
+    device = run.run_computation(proto, *args, on_device=True if is_round else None)
     assert _bits(device) == _bits(host)
-    if run.round_split_of(interpreter.prepare(proto)) is not None:  # a round: its
-        assert finished  # aggregates were summed on the device
+    if is_round:  # its aggregates were summed on the device
+        assert finished
 
 
 @pytest.mark.parametrize("sample", [
@@ -163,6 +168,18 @@ def test_sample_rounds_on_the_device_path_have_the_host_bits(sample, monkeypatch
     monkeypatch.setenv("FAX_BRIDGE_ON_DEVICE", "1")  # the environment's choice, once
     device = run.run_computation(proto, *args)
     assert _bits(device) == _bits(host)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "False", "1", 0, 1, 1.0, []],
+                         ids=repr)
+def test_on_device_takes_only_true_false_or_none(value):
+    """A string, number or other value is refused by name (a non-empty string would
+    otherwise read as True), before any client work; so is True where no round runs."""
+    params, data = _args(np.random.default_rng(0), 3, [1.0] * 3)
+    with pytest.raises(ArgumentError, match=r"on_device=.*expected True"):
+        run.run_computation(PROTOS[3], params, data, on_device=value)
+    with pytest.raises(ArgumentError, match="num_clients"):
+        run.run_computation(PROTOS[3], params, data, num_clients=3, on_device=True)
 
 
 def test_the_device_path_takes_and_returns_jax_arrays_and_the_host_path_numpy():

@@ -63,10 +63,15 @@ ENV_VAR = "FAX_BRIDGE_ON_DEVICE"  # "1": rounds on the device path, "0": on the 
 
 def on_device(requested: Optional[bool] = None) -> bool:
     """Whether a round keeps its values on jax's default device and sums there: as
-    `requested` where given, else as the environment variable `FAX_BRIDGE_ON_DEVICE`
-    says ("1" or "0"), else whenever jax's default backend is not the CPU."""
-    if requested is not None:
+    `requested` where given (True or False; anything else, a string like "0" among
+    them, is refused), else as the environment variable `FAX_BRIDGE_ON_DEVICE` says
+    ("1" or "0"), else whenever jax's default backend is not the CPU."""
+    if isinstance(requested, (bool, np.bool_)):
         return bool(requested)
+    if requested is not None:
+        raise ArgumentError(f"on_device={requested!r}: expected True (sum rounds on the "
+                            "device), False (on the host) or None (as FAX_BRIDGE_ON_DEVICE "
+                            "or the default backend decides)")
     setting = os.environ.get(ENV_VAR, "").strip()
     if setting in ("1", "0"):
         return setting == "1"
