@@ -6,7 +6,9 @@ so), its sha256 checked first where the caller records one, each member an `.npy
 read without pickles whose header is checked before anything is allocated: the bytes it
 claims must be in the member, and all members together within a bound from the file's
 real size (`MAX_EXPANSION` times it; a compressed member may unpack that much), so a
-header claiming 2^40 elements is a named refusal, not a `MemoryError`.
+header claiming 2^40 elements is a named refusal, not a `MemoryError`. `read_npy(path)`
+reads one `.npy` file so (a population's `offsets.npy`): its header's claim must be
+exactly the bytes the file holds after it.
 """
 
 from __future__ import annotations
@@ -77,6 +79,37 @@ def read_npz(path: "os.PathLike | str", *, what: str = "npz file",
                         f"({detail}); {fix}")
 
 
+def read_npy(path: "os.PathLike | str", *, what: str = "npy file",
+             max_bytes: int = MAX_NPZ_FILE_BYTES,
+             fix: str = "write it with numpy.save") -> np.ndarray:
+    """The array of the `.npy` file at `path`, a regular file of at most `max_bytes`
+    (never a link; `FileNotFoundError` where there is none), checked by `parse_npy`."""
+    return parse_npy(private_files.read_regular(path, max_bytes, what=what, fix=fix),
+                     f"{what} {os.fspath(path)}", fix)
+
+
+def parse_npy(data: bytes, name: str, fix: str = "write it with numpy.save") -> np.ndarray:
+    """The array the `.npy` bytes `data` of the file `name` hold (no pickles): an
+    `NpzUnreadable` naming `name` and the problem unless its header claims exactly
+    the bytes that follow it. The array is a read-only view of `data`."""
+    import io
+
+    try:
+        f = io.BytesIO(data)
+        shape, fortran, dtype, at = _header(f, "")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if at + nbytes != len(data):
+            raise NpzUnreadable(f"its header claims {dtype.name}{list(shape)} ({nbytes} "
+                                f"bytes), but {max(0, len(data) - at)} bytes follow it")
+        return np.frombuffer(data, dtype, offset=at, count=math.prod(shape)).reshape(
+            shape, order="F" if fortran else "C")
+    except NpzUnreadable as e:
+        detail = str(e).replace("its member '' ", "it ")
+    except Exception as e:  # noqa: BLE001 - numpy's many refusals of a bad header
+        detail = f"{type(e).__name__}: {str(e)[:200]}"
+    raise NpzUnreadable(f"{name} is not a readable .npy array ({detail}); {fix}")
+
+
 def file_sha256(f) -> str:
     """The sha256 (hex) of what is left to read in the open binary file `f`."""
     digest = hashlib.sha256()
@@ -139,4 +172,6 @@ def _header(member, name: str) -> tuple:
     if dtype.hasobject:
         raise NpzUnreadable(f"its member {name!r} holds object arrays, which are never "
                             "unpickled")
+    if any(int(d) < 0 for d in shape):
+        raise NpzUnreadable(f"its member {name!r} claims the shape {list(shape)}")
     return tuple(int(d) for d in shape), bool(fortran), dtype, member.tell()

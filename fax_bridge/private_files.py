@@ -19,8 +19,17 @@ points to) or swap a program that root then runs. Every such write goes through 
 - `read_private(path)`: a secret (a token) opened with `O_NOFOLLOW`, refused unless it
   is a regular file of ours that others can neither read nor write.
 - `open_regular(path, limit)` / `read_regular(path, limit)`: data a run is handed (a
-  carried model, a state file), opened with `O_NOFOLLOW | O_NONBLOCK` (a FIFO never
-  hangs the reader), refused unless it is a regular file of at most `limit` bytes.
+  carried model, a state file, a population's files, a run's results), opened with
+  `O_NOFOLLOW | O_NONBLOCK` (a FIFO never hangs the reader), refused unless it is a
+  regular file of at most `limit` bytes (its size taken from the opened file before a
+  byte is read, and never more than `limit` + 1 bytes read).
+- `read_json(path, limit)` / `read_json_lines(path, limit)` / `parse_json(text, name)`:
+  JSON another party may have written: refused as a `HandedFileError` naming the file
+  (and the line) unless it is UTF-8 JSON nested at most `MAX_JSON_DEPTH` deep, whose
+  numbers are finite floats or integers within 2^63, whose objects repeat no key.
+  `json_field(data, key, kind, name)` takes one field of it as the kind the reader
+  needs (an int is never a bool or a float, a number never a bool), naming the file
+  and the field otherwise.
 
 A refusal is an `UnsafePathError` naming the path, what was wrong, and the fix. This
 module imports only the standard library (and `fax_bridge.errors`, when imported as part
@@ -30,10 +39,12 @@ of the package), so the processes that never load fax_bridge's package load it b
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import stat
 import tempfile
-from typing import Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 if __name__ == "fax_bridge.private_files":
     from fax_bridge.errors import FaxBridgeError
@@ -51,6 +62,11 @@ _ANOTHER = _ELSEWHERE + ", or remove this one if it holds nothing you need"
 
 class UnsafePathError(FaxBridgeError, PermissionError):
     """A folder or file another local user could have planted or could swap."""
+
+
+class HandedFileError(FaxBridgeError, ValueError):
+    """A file another party handed over whose content is not what its reader takes,
+    named with the file, the field and what was wrong."""
 
 
 def _owner(uid: int) -> str:
@@ -151,9 +167,22 @@ def private_dir(path: Union[str, os.PathLike], mode: int = 0o700) -> str:
     return path
 
 
-def check_entry(path: Union[str, os.PathLike]) -> None:
+_KINDS = {"socket": stat.S_ISSOCK, "regular file": stat.S_ISREG, "folder": stat.S_ISDIR}
+
+
+def _kind(mode: int) -> str:
+    for name, test in (("a symbolic link", stat.S_ISLNK), ("a folder", stat.S_ISDIR),
+                       ("a FIFO", stat.S_ISFIFO), ("a socket", stat.S_ISSOCK),
+                       ("a regular file", stat.S_ISREG)):
+        if test(mode):
+            return name
+    return "a device"
+
+
+def check_entry(path: Union[str, os.PathLike], kind: Optional[str] = None) -> None:
     """Refuses what is at `path`, if anything, unless it is ours and not a link (an
-    entry about to be replaced, removed or handed to another program to open)."""
+    entry about to be replaced, removed or handed to another program to open), and,
+    with `kind` ("socket", "regular file" or "folder"), unless it is one."""
     path = os.fspath(path)
     try:
         info = os.lstat(path)
@@ -161,6 +190,9 @@ def check_entry(path: Union[str, os.PathLike]) -> None:
         return
     if stat.S_ISLNK(info.st_mode):
         raise _refuse(path, "is a symbolic link", "Remove it")
+    if kind is not None and not _KINDS[kind](info.st_mode):
+        raise UnsafePathError(f"{path} is {_kind(info.st_mode)}, where only a {kind} "
+                              "this replaces may be; remove it, or choose another path")
     if info.st_uid != os.geteuid():
         raise _refuse(path, f"belongs to {_owner(info.st_uid)}", "Remove it")
 
@@ -292,3 +324,140 @@ def read_private(path: Union[str, os.PathLike], limit: int = MAX_SECRET_BYTES) -
         raise UnsafePathError(f"{path} holds more than {limit} bytes; it is not a secret "
                               "this reads (a token); give the right file")
     return data
+
+
+# JSON another party may have written (a round's file, a run's reports, a population's
+# layout): its depth, its numbers and its keys are bounded before a reader sees it.
+MAX_JSON_DEPTH = 64
+_MAX_JSON_INT = 2 ** 63
+
+
+def _json_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {literal[:40]} is beyond a float's range")
+    return value
+
+
+def _json_int(literal: str) -> int:
+    if len(literal) > 20:  # 2^63 has 19 digits: never convert a longer literal
+        raise ValueError(f"the integer {literal[:24]}... is beyond 2^63")
+    value = int(literal)
+    if not -_MAX_JSON_INT <= value < _MAX_JSON_INT:
+        raise ValueError(f"the integer {literal} is beyond 2^63")
+    return value
+
+
+def _json_constant(name: str):
+    raise ValueError(f"{name} is not a number this reads")
+
+
+def _json_object(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"an object holds the key {twice[:80]!r} twice")
+    return out
+
+
+def _json_depth(value: Any, limit: int) -> int:
+    """The nesting of JSON `value` (a scalar is 0), walked without recursion; stops past
+    `limit`."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                break
+            pending.extend((child, depth + 1) for child in
+                           (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def parse_json(text: Union[bytes, str], name: str, max_depth: int = MAX_JSON_DEPTH,
+               fix: str = "") -> Any:
+    """The JSON `text` of the file `name` (module docstring): `HandedFileError` naming
+    `name` and what was wrong unless it is UTF-8 JSON nested at most `max_depth` deep,
+    its floats finite, its integers within 2^63, no object repeating a key."""
+    try:
+        data = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text,
+                          parse_float=_json_float, parse_int=_json_int,
+                          parse_constant=_json_constant, object_pairs_hook=_json_object)
+    except RecursionError:
+        detail = f"it nests deeper than {max_depth} levels"
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, refused numbers
+        detail = str(e)[:300]
+    else:
+        if _json_depth(data, max_depth) <= max_depth:
+            return data
+        detail = f"it nests deeper than {max_depth} levels"
+    raise HandedFileError(f"{name} is not JSON this reads ({detail}); "
+                          f"{fix or 'give the file the command that reads it names'}")
+
+
+def read_json(path: Union[str, os.PathLike], limit: int, *, what: str = "",
+              fix: str = "", max_depth: int = MAX_JSON_DEPTH, **kwargs) -> Any:
+    """The JSON of the file at `path`: `read_regular`'s checks (at most `limit` bytes;
+    its keywords), then `parse_json`'s."""
+    data = read_regular(path, limit, what=what, fix=fix, **kwargs)
+    name = f"{what} {os.fspath(path)}" if what else os.fspath(path)
+    return parse_json(data, name, max_depth, fix)
+
+
+def read_json_lines(path: Union[str, os.PathLike], limit: int, *, what: str = "",
+                    fix: str = "", max_depth: int = MAX_JSON_DEPTH, **kwargs) -> list:
+    """The JSON value of each non-blank line of the file at `path` (`read_json`'s
+    checks, for the whole file and each line, the line named in a refusal)."""
+    data = read_regular(path, limit, what=what, fix=fix, **kwargs)
+    name = f"{what} {os.fspath(path)}" if what else os.fspath(path)
+    return [parse_json(line, f"{name} line {i}", max_depth, fix)
+            for i, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+
+
+_JSON_KINDS = {
+    "int": ((int,), "a whole number"), "number": ((int, float), "a number"),
+    "str": ((str,), "a string"), "list": ((list,), "a list"),
+    "object": ((dict,), "an object"), "bool": ((bool,), "true or false"),
+}
+_MISSING = object()
+
+
+def shown_json(value: Any) -> str:
+    """A short text of a JSON value for an error message."""
+    text = json.dumps(value) if _json_depth(value, 8) <= 8 else \
+        f"<a nested {type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def json_value(value: Any, kind: str, where: str, *, low: Optional[float] = None,
+               high: Optional[float] = None, none: bool = False) -> Any:
+    """`value` (from a handed-over file's JSON) as `kind` ("int", "number", "str",
+    "list", "object", "bool"), within [`low`, `high`] for numbers, None where `none`;
+    `HandedFileError` naming `where` (the file and the field) and the value otherwise.
+    A bool is never an int or a number; a float is never an int."""
+    if value is None and none:
+        return None
+    types, said = _JSON_KINDS[kind]
+    ok = isinstance(value, types) and (kind == "bool" or not isinstance(value, bool))
+    if ok and kind in ("int", "number"):
+        ok = (low is None or value >= low) and (high is None or value <= high)
+        if low is not None or high is not None:
+            said += (f" from {low:g}" if low is not None else "") + (
+                f" to {high:g}" if high is not None else "")
+    if not ok:
+        raise HandedFileError(f"{where} is {shown_json(value)}, expected {said}"
+                              + (" or null" if none else ""))
+    return value
+
+
+def json_field(data: dict, key: str, kind: str, name: str, *, default: Any = _MISSING,
+               **kwargs) -> Any:
+    """Field `key` of the JSON object `data` read from the file `name` (`json_value`'s
+    `kind` and keywords); `default` where it is absent, or a refusal naming it."""
+    if key not in data:
+        if default is not _MISSING:
+            return default
+        raise HandedFileError(f"{name} has no field {key!r}")
+    return json_value(data[key], kind, f"{name}: field {key!r}", **kwargs)

@@ -89,3 +89,57 @@ def dataset(name: str, value: Any) -> Mapping:
             raise DataError(f"{name}[{key!r}] has no leading example axis (got "
                             f"{shown(array)}); give every array one row per example.")
     return value
+
+
+NUMERIC_KINDS = "biufc"  # bool, signed and unsigned ints, floats, complex
+
+
+def _ml_dtype(name: str) -> Optional[np.dtype]:
+    """The ml_dtypes type `name` names (bfloat16, float8_e4m3fn, int4, ...), or None."""
+    import ml_dtypes  # jax's extended number types
+
+    found = getattr(ml_dtypes, name, None) if name.isidentifier() else None
+    if isinstance(found, type) and issubclass(found, np.generic):
+        return np.dtype(found)
+    return None
+
+
+def stored_dtype_name(dtype: np.dtype) -> str:
+    """How a file records `dtype` for `numeric_dtype` to read back: numpy's own with
+    its byte order ('<f4') for numpy's numbers, the name for an ml_dtypes type
+    ('bfloat16', which numpy records as the bytes 'V2'). DataError for any other."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in NUMERIC_KINDS and not dtype.fields and dtype.subdtype is None:
+        return dtype.str
+    if _ml_dtype(dtype.name) == dtype:
+        return dtype.name
+    raise DataError(f"dtype {dtype} is not a number type a file of numbers holds; give "
+                    "bool, integer, float or complex arrays (bfloat16 and the other "
+                    "ml_dtypes types too)")
+
+
+def numeric_dtype(name: Any, what: str, fix: str = "") -> np.dtype:
+    """The numeric dtype that `name`, read from a file another party may have written,
+    records (`stored_dtype_name`): numpy's bool, integer, float and complex types in any
+    byte order ('<f4', 'int32') and ml_dtypes' ('bfloat16'). Every other (objects,
+    whose bytes would be read as pointers; strings, structures, dates, voids of any
+    size) is a DataError naming `what` and the dtype: raw bytes are only ever read as
+    numbers."""
+    dtype = None
+    if isinstance(name, str) and 0 < len(name) <= 40:
+        dtype = _ml_dtype(name)
+        if dtype is None and name.isprintable():
+            try:
+                dtype = np.dtype(name)
+            except (TypeError, ValueError, SyntaxError):
+                dtype = None
+            if dtype is not None and (dtype.kind not in NUMERIC_KINDS or dtype.fields
+                                      or dtype.subdtype is not None):
+                raise DataError(
+                    f"{what} has dtype {shown(name)} ({dtype.name}), which is not a number "
+                    "type: only bool, integer, float and complex data (bfloat16 and the "
+                    f"other ml_dtypes types too) is read{'; ' + fix if fix else ''}.")
+    if dtype is None:
+        raise DataError(f"{what} has dtype {shown(name)}, which names no number type "
+                        f"numpy or ml_dtypes knows{'; ' + fix if fix else ''}.")
+    return dtype

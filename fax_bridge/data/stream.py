@@ -9,17 +9,34 @@ so a file changed under it is a clear error, not a crash).
 Layout of the directory: `<key>.bin` (raw C-order bytes), `offsets.npy` (int64, one more
 entry than clients: client i owns examples `offsets[i]:offsets[i+1]`) and
 `population.json` (per key: dtype and per-example shape).
+
+A population is written whole or not at all: its files are written into a private
+folder inside `directory` and renamed into place only once the last client is written,
+`population.json` removed first and put back last, so a reader finds the old population,
+none, or the new one (never new bytes under the old layout), and a write that fails
+(a generator that raises, a full disk) leaves the old population as it was. Its files
+are read as another party's (`population.json` and `offsets.npy` through
+`fax_bridge.private_files` and `npz_files.parse_npy`): regular files only (a FIFO
+never blocks the reader, a link is refused), sizes bounded before they are read, the
+layout's numbers whole and finite, and every array's dtype a number type
+(`checks.numeric_dtype`), so bytes are never read as object pointers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import math
 import os
+import shutil
+import tempfile
 import weakref
 from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from fax_bridge import npz_files, private_files
 from fax_bridge.data import checks
 from fax_bridge.data.padding import PaddedClients, pad_clients
 from fax_bridge.errors import DataError
@@ -29,12 +46,18 @@ META_FILE = "population.json"
 GAP_BYTES = 16 << 10
 OFFSETS_FILE = "offsets.npy"
 _FORMAT = 1
+MAX_META_BYTES = 1 << 20     # population.json: a dtype and a shape per array
+MAX_OFFSETS_BYTES = 1 << 34  # offsets.npy: two billion clients
+MAX_ARRAY_BYTES = 1 << 62
+MAX_EXAMPLE_RANK = 32
+_FIX = "write the population again with fax_bridge.data.write_population"
 
 
 def _safe_key(key: str) -> str:
     if not isinstance(key, str) or not key or not all(c.isalnum() or c in "_-" for c in key):
         raise DataError(
-            f"array key {key!r} cannot name a file; use letters, digits, '_' or '-'.")
+            f"array key {checks.shown(key)} cannot name a file; use letters, digits, '_' "
+            "or '-'.")
     return key
 
 
@@ -42,8 +65,12 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
                      overwrite: bool = False) -> int:
     """Writes client datasets to `directory`; returns the number of clients written.
 
-    Every client must have the same keys, and per key the same dtype and per-example
-    shape. An existing population is only replaced with `overwrite=True`.
+    Every client must have the same keys, and per key the same dtype (a number type:
+    bool, integer, float, complex, or an ml_dtypes type such as bfloat16) and
+    per-example shape. An existing population is only replaced with `overwrite=True`,
+    and only once every client is written (module docstring): a failed write leaves
+    it as it was. `directory` is made (0755) or must be a folder of the user running
+    this that no one else can write (`private_files.private_dir`).
 
     Args:
       directory: the folder to write (created if needed).
@@ -71,44 +98,156 @@ def write_population(directory: str, clients: Iterable[Mapping[str, np.ndarray]]
                         f"arrays), got {checks.shown(clients)}; wrap one client as [client].")
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise DataError(f"directory {str(directory)!r} is a file; pass a folder path.")
-    os.makedirs(directory, exist_ok=True)
-    if os.path.exists(os.path.join(directory, META_FILE)) and not overwrite:
+    directory = private_files.private_dir(directory, 0o755)
+    if os.path.lexists(os.path.join(directory, META_FILE)) and not overwrite:
         raise FileExistsError(
             f"{directory} already holds a population; pass overwrite=True to replace it.")
+    part = tempfile.mkdtemp(prefix=".population-", suffix=".part", dir=directory)
+    try:
+        spec, count = _write_files(part, clients)
+        _move_in(part, directory, spec)
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    return count
+
+
+def _write_files(part: str, clients: Iterable) -> tuple:
+    """Writes the population's files into the private folder `part`; (the layout's
+    arrays, the number of clients)."""
     spec: Optional[dict] = None
+    dtypes: dict = {}
     files: dict = {}
     offsets = [0]
+
+    def new_file(name: str):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        return os.fdopen(os.open(os.path.join(part, name), flags, 0o644), "wb")
+
     try:
         for i, client in enumerate(clients):
             checks.dataset(f"client {i}", client)
             if spec is None:
-                spec = {_safe_key(k): {"dtype": np.asarray(v).dtype.str,
-                                       "shape": list(np.shape(v)[1:])}
-                        for k, v in sorted(client.items())}
-                files = {k: open(os.path.join(directory, f"{k}.bin"), "wb") for k in spec}
+                spec = {}
+                for k, v in sorted(client.items()):
+                    dtypes[_safe_key(k)] = np.asarray(v).dtype
+                    try:
+                        name = checks.stored_dtype_name(dtypes[k])
+                    except DataError as e:
+                        raise DataError(f"client {i}: {k!r}: {e}") from None
+                    spec[k] = {"dtype": name, "shape": list(np.shape(v)[1:])}
+                files = {k: new_file(f"{k}.bin") for k in spec}
             if sorted(client) != sorted(spec):
                 raise DataError(f"client {i} has keys {sorted(client)}, expected {sorted(spec)}.")
             lengths = set()
             for k, s in spec.items():
                 a = np.ascontiguousarray(client[k])
-                if a.dtype.str != s["dtype"] or list(a.shape[1:]) != s["shape"]:
+                if a.dtype != dtypes[k] or list(a.shape[1:]) != s["shape"]:
                     raise DataError(
                         f"client {i}: {k!r} has dtype {a.dtype} and example shape "
-                        f"{a.shape[1:]}, expected {np.dtype(s['dtype'])} and {tuple(s['shape'])}.")
+                        f"{a.shape[1:]}, expected {dtypes[k]} and {tuple(s['shape'])}.")
                 lengths.add(a.shape[0])
                 files[k].write(a.tobytes())
             if len(lengths) != 1:
                 raise DataError(f"client {i}'s arrays have different lengths {sorted(lengths)}.")
             offsets.append(offsets[-1] + lengths.pop())
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
     finally:
         for f in files.values():
             f.close()
     if spec is None:
         raise DataError("write_population got no clients.")
-    np.save(os.path.join(directory, OFFSETS_FILE), np.asarray(offsets, dtype=np.int64))
-    with open(os.path.join(directory, META_FILE), "w") as f:
-        json.dump({"format": _FORMAT, "arrays": spec, "num_clients": len(offsets) - 1}, f)
-    return len(offsets) - 1
+    with new_file(OFFSETS_FILE) as f:
+        np.save(f, np.asarray(offsets, dtype=np.int64))
+    meta = {"format": _FORMAT, "arrays": spec, "num_clients": len(offsets) - 1}
+    with new_file(META_FILE) as f:
+        f.write(json.dumps(meta).encode())
+    return spec, len(offsets) - 1
+
+
+def _move_in(part: str, directory: str, spec: dict) -> None:
+    """Renames the files written into `part` over the population in `directory`:
+    `population.json` removed first and renamed in last, so no reader ever opens the
+    new arrays under the old layout; the old arrays the new layout lacks removed."""
+    names = [f"{k}.bin" for k in spec] + [OFFSETS_FILE, META_FILE]
+    for name in names:  # anything but a file of ours there: refused before any change
+        private_files.check_entry(os.path.join(directory, name), kind="regular file")
+    try:
+        old = set(_read_layout(directory)[1])
+    except (OSError, DataError):
+        old = set()
+    meta = os.path.join(directory, META_FILE)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(meta)
+    for name in names[:-1]:
+        os.replace(os.path.join(part, name), os.path.join(directory, name))
+    for key in old - set(spec):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, f"{key}.bin"))
+    os.replace(os.path.join(part, META_FILE), meta)
+
+
+def _read_file(path: str, limit: int, what: str) -> tuple:
+    """(the bytes, the `_identity` when opened) of the population file `path`."""
+    f, size = private_files.open_regular(path, limit, what=what, fix=_FIX)
+    with f:
+        opened = _identity(os.fstat(f.fileno()))
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise DataError(f"{what} {path} changed size while it was read; {_FIX}.")
+    return data, opened
+
+
+def _read_layout(directory: str) -> tuple:
+    """(population.json's data, checked, {key: (dtype, example shape)}, offsets,
+    {path: `_identity` when opened}) of the population in `directory`.
+    FileNotFoundError where it has no population.json; DataError (or
+    `private_files.UnsafePathError`) naming the file and the field otherwise."""
+    meta_path = os.path.join(directory, META_FILE)
+    offsets_path = os.path.join(directory, OFFSETS_FILE)
+    text, meta_id = _read_file(meta_path, MAX_META_BYTES, "population layout")
+    j = private_files
+    try:
+        meta = j.parse_json(text, meta_path, fix=_FIX)
+        j.json_value(meta, "object", meta_path)
+        j.json_field(meta, "format", "int", meta_path, low=_FORMAT, high=_FORMAT)
+        stored = j.json_field(meta, "arrays", "object", meta_path)
+        num_clients = j.json_field(meta, "num_clients", "int", meta_path, low=0)
+        arrays = {}
+        for key, entry in stored.items():
+            where = f"{meta_path}: array {key!r}"
+            j.json_value(entry, "object", where)
+            dtype = checks.numeric_dtype(j.json_field(entry, "dtype", "str", where),
+                                         where, _FIX)
+            shape = j.json_field(entry, "shape", "list", where)
+            if len(shape) > MAX_EXAMPLE_RANK:
+                raise DataError(f"{where} has an example shape of {len(shape)} dimensions,"
+                                f" more than {MAX_EXAMPLE_RANK}; {_FIX}.")
+            try:
+                _safe_key(key)
+            except DataError as e:
+                raise DataError(f"{meta_path}: {e}") from None
+            arrays[key] = (dtype, tuple(
+                j.json_value(d, "int", f"{where}: field 'shape'", low=0,
+                             high=MAX_ARRAY_BYTES) for d in shape))
+    except private_files.HandedFileError as e:
+        raise DataError(f"{e}; {_FIX}." if _FIX not in str(e) else str(e)) from None
+    if not arrays:
+        raise DataError(f"{meta_path} names no array; {_FIX}.")
+    data, offsets_id = _read_file(offsets_path, MAX_OFFSETS_BYTES, "population offsets")
+    try:
+        offsets = npz_files.parse_npy(data, f"population offsets {offsets_path}", _FIX)
+    except npz_files.NpzUnreadable as e:
+        raise DataError(str(e)) from None
+    if offsets.dtype != np.int64 or offsets.ndim != 1 or offsets.size != num_clients + 1 \
+            or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        raise DataError(
+            f"{offsets_path} is damaged: it holds {offsets.dtype.name}"
+            f"{list(offsets.shape)}, where {num_clients + 1} int64 offsets of "
+            f"{num_clients} clients ({META_FILE}) start at 0 and never decrease; {_FIX}.")
+    return meta, arrays, offsets.astype(np.int64), {meta_path: meta_id,
+                                                    offsets_path: offsets_id}
 
 
 class ClientStore:
@@ -129,64 +268,52 @@ class ClientStore:
     def __init__(self, directory: str):
         if not isinstance(directory, (str, os.PathLike)):
             raise DataError(f"directory must be a folder path, got {checks.shown(directory)}.")
-        meta_path = os.path.join(directory, META_FILE)
-        if not os.path.exists(meta_path):
+        directory = os.fspath(directory)
+        try:
+            meta, arrays, offsets, self._opened = _read_layout(directory)
+        except FileNotFoundError as e:
+            if os.path.basename(str(e.filename)) != META_FILE:
+                raise DataError(f"{directory} holds a damaged population ({e}); "
+                                f"{_FIX}.") from None
             raise FileNotFoundError(
                 f"{directory} holds no population ({META_FILE} missing); write one with "
-                "fax_bridge.data.write_population.")
+                "fax_bridge.data.write_population.") from None
         self.directory = directory
-        self._fds: dict[str, int] = {}
-        self._finalizer = weakref.finalize(self, _close_all, self._fds)
-        # path -> its identity when opened (what `check` compares it with)
-        self._opened: dict[str, tuple] = {}
-        offsets_path = os.path.join(directory, OFFSETS_FILE)
-        self._layout = [meta_path, offsets_path]
-        try:
-            with open(meta_path, "rb") as f:
-                self._opened[meta_path] = _identity(os.fstat(f.fileno()))
-                meta = json.loads(f.read())
-            if meta.get("format") != _FORMAT:
-                raise DataError(
-                    f"{meta_path} has format {meta.get('format')}, expected {_FORMAT}.")
-            with open(offsets_path, "rb") as f:
-                self._opened[offsets_path] = _identity(os.fstat(f.fileno()))
-                offsets = np.asarray(np.load(f, allow_pickle=False), np.int64)
-            arrays = {_safe_key(k): (np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"]))
-                      for k, s in meta["arrays"].items()}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            if isinstance(e, DataError):
-                raise
-            raise DataError(f"{directory} holds a damaged population ({type(e).__name__}: "
-                            f"{e}); write it again with write_population.") from None
-        if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or (
-                np.diff(offsets) < 0).any():
-            raise DataError(f"{directory}/{OFFSETS_FILE} is damaged (offsets must start at "
-                            "0 and never decrease); write the population again.")
+        self._layout = list(self._opened)
+        self._files: dict = {}
+        self._finalizer = weakref.finalize(self, _close_all, self._files)
         self.offsets = offsets
+        # what a device compares with other devices' populations: the layout as read
+        self.digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()
+                                     + offsets.tobytes()).hexdigest()[:32]
         total = int(self.offsets[-1])
-        self.spec: dict[str, tuple[np.dtype, tuple]] = {}  # key -> (dtype, example shape)
+        self.spec: dict[str, tuple[np.dtype, tuple]] = arrays  # key -> (dtype, example)
         self._paths: dict[str, str] = {}
         for k, (dtype, example) in arrays.items():
-            self.spec[k] = (dtype, example)
             if total == 0:
                 continue
             path = os.path.join(directory, f"{k}.bin")
-            want = total * int(np.prod(example, dtype=np.int64)) * dtype.itemsize
+            want = total * math.prod(example) * dtype.itemsize
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                f, size = private_files.open_regular(path, MAX_ARRAY_BYTES, fix=_FIX,
+                                                     what="population array")
             except FileNotFoundError:
-                size = -1
-            else:
-                self._fds[k] = fd
-                opened = os.fstat(fd)
-                size = opened.st_size
+                self.close()
+                raise DataError(
+                    f"population array {path} is missing, where {total} examples of "
+                    f"{dtype.name}{list(example)} need {want} bytes; {_FIX}.") from None
+            except BaseException:
+                self.close()
+                raise
+            self._files[k] = f
+            self._opened[path] = _identity(os.fstat(f.fileno()))
             if size != want:
                 self.close()
                 raise DataError(
                     f"population array {path} holds {size} bytes but {total} examples of "
-                    f"{dtype.name}{list(example)} need {want}; the store is damaged.")
+                    f"{dtype.name}{list(example)} need {want}; the store is damaged; "
+                    f"{_FIX}.")
             self._paths[k] = path
-            self._opened[path] = _identity(opened)
 
     def close(self) -> None:
         """Closes the store's files (reads fail afterwards)."""
@@ -242,7 +369,7 @@ class ClientStore:
             out.append(block)
             if not block.size:
                 continue
-            fd, path = self._fds[key], self._paths[key]
+            fd, path = self._files[key].fileno(), self._paths[key]
             step = block.nbytes // total  # bytes of one example
             for lo, hi, picks, count, places in runs.groups(max(1, GAP_BYTES // step)):
                 if count is not None:  # one run: straight into its place in the block
@@ -355,10 +482,8 @@ class _Runs:
                    np.repeat(dests[a:b], c) + within)
 
 
-def _close_all(fds: dict) -> None:
-    for fd in fds.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
+def _close_all(files: dict) -> None:
+    for f in files.values():
+        with contextlib.suppress(OSError):
+            f.close()
+    files.clear()

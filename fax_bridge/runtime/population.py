@@ -28,15 +28,13 @@ types.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from typing import Optional, Sequence
 
 import federated_language
 import numpy as np
 
-from fax_bridge.data.stream import META_FILE, OFFSETS_FILE, ClientStore
+from fax_bridge.data.stream import ClientStore
 from fax_bridge.runtime.backend import ClientRows, from_leaves
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime import limits
@@ -109,15 +107,10 @@ class PopulationRef:
 
 
 def store_digest(directory: str) -> str:
-    """A digest of a population's layout (array dtypes and shapes, client offsets)."""
-    h = hashlib.sha256()
-    with open(os.path.join(directory, META_FILE), "rb") as f:
-        meta = json.load(f)
-    h.update(json.dumps(meta, sort_keys=True).encode())
-    with open(os.path.join(directory, OFFSETS_FILE), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:32]
+    """A digest of a population's layout (array dtypes and shapes, client offsets), read
+    as `ClientStore` reads it (`ClientStore.digest`)."""
+    with ClientStore(directory) as store:
+        return store.digest
 
 
 def default_name(directory: str) -> str:
