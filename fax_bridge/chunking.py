@@ -7,7 +7,9 @@ aggregations of their results, up to the first value the server needs) runs as o
 `lax.scan` over chunks of k clients. The aggregations are accumulated as each chunk
 finishes, so the round's temporaries are those of k clients whatever N is; the scan body
 is under `jax.checkpoint`, so the backward pass of `jax.grad` runs in chunks too, its
-memory as flat as the forward pass's. A value a phase hands on (a CLIENTS-placed result,
+memory as flat as the forward pass's. What is differentiated is the unchunked program,
+by each federated primitive's own rule (`differentiable`), then run in chunks: a
+chunked round has the unchunked round's derivatives, and refuses what it refuses. A value a phase hands on (a CLIENTS-placed result,
 or one read by an equation that mixes clients) is stacked chunk by chunk: it is as large
 as it is unchunked.
 
@@ -37,7 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core
 from jax._src import linear_util as lu
+from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
+from jax.custom_derivatives import SymbolicZero
 
 from fax_bridge import local as _local
 from fax_bridge import lowering as _lowering
@@ -468,8 +472,36 @@ def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict
     """Runs `fn(*args, **kwargs)` (a program's body, inside its placement context) with
     its client phases in chunks of `k` clients."""
     jaxpr, consts, flat, out_tree = trace_flat(fn, args, kwargs)
-    outs = Interpreter(jaxpr, clients, axis, k).run(consts, flat)
+    closed = core.ClosedJaxpr(pe.convert_constvars_jaxpr(jaxpr), ())
+    outs = differentiable(closed, clients, axis, k)(*consts, *flat)
     return jax.tree_util.tree_unflatten(out_tree(), outs)
+
+
+def differentiable(closed: core.ClosedJaxpr, clients: int, axis: str, k: int) -> Callable:
+    """`closed` run in chunks of `k` clients, differentiated by its primitives' own rules.
+
+    Differentiating the chunked evaluation itself would differentiate how each
+    aggregation is split into chunks (a secure mean's integer codes, a decode-sum's
+    decoder) rather than the aggregation: the JVP is instead that of the unchunked
+    jaxpr (each federated primitive's own JVP rule, so what it refuses is refused
+    alike), itself run in chunks and differentiable the same way to any order.
+    """
+
+    @jax.custom_jvp
+    def call(*values):
+        return Interpreter(closed.jaxpr, clients, axis, k).run(closed.consts, values)
+
+    def jvp(primals, tangents):
+        nonzeros = [type(t) is not SymbolicZero for t in tangents]
+        jvp_closed, out_nonzeros = ad.jvp_jaxpr(closed, nonzeros, instantiate=False)
+        outs = differentiable(jvp_closed, clients, axis, k)(
+            *primals, *[t for t, nz in zip(tangents, nonzeros) if nz])
+        primals_out, nz_tangents = outs[:len(out_nonzeros)], iter(outs[len(out_nonzeros):])
+        return primals_out, [next(nz_tangents) if nz else SymbolicZero(a.to_tangent_aval())
+                             for nz, a in zip(out_nonzeros, closed.out_avals)]
+
+    call.defjvp(jvp, symbolic_zeros=True)
+    return call
 
 
 def memory_limit(host_fallback: bool = True) -> Optional[int]:

@@ -2,6 +2,7 @@
 (to the last bits of float sums, exactly for integers and with k >= N), its gradient
 too, with temporaries of k clients whatever the cohort; export does not see it."""
 
+import functools
 import textwrap
 
 import jax
@@ -85,6 +86,70 @@ def test_gradient_and_jvp_of_a_chunked_round():
     np.testing.assert_allclose(jax.jit(jax.grad(loss(4)))(w),
                                jax.jit(jax.grad(loss(None)))(w), rtol=1e-5)
     np.testing.assert_allclose(tangent(3), tangent(None), rtol=1e-5)
+
+
+def _mapped(w, x):
+    return fb.federated_map_clients(lambda w, x: jnp.sin(w * x), (fb.federated_broadcast(w), x))
+
+
+def _int_codes(w, x):
+    return fb.federated_map_clients(lambda v: jnp.round(4 * v + 4).astype(jnp.int32),
+                                    _mapped(w, x))
+
+
+def _summed(w, x, keys):
+    return fb.federated_sum(_mapped(w, x))
+
+
+# One small program per federated primitive, its result depending on w through it.
+USES = {
+    "federated_broadcast": _summed,
+    "federated_map": _summed,
+    "federated_sum": _summed,
+    "federated_mean": lambda w, x, keys: fb.federated_mean(_mapped(w, x)),
+    "federated_weighted_mean": lambda w, x, keys: fb.federated_weighted_mean(
+        _mapped(w, x), jnp.exp(_mapped(w, x))),  # weights with a tangent too
+    "federated_decode_sum": lambda w, x, keys: fb.federated_decode_sum(
+        lambda c: 2 * c, _mapped(w, x)),
+    "federated_secure_sum_bitwidth": lambda w, x, keys: w * fb.federated_secure_sum_bitwidth(
+        _int_codes(w, x), 4).astype(jnp.float32),
+    "federated_secure_sum": lambda w, x, keys: w * fb.federated_secure_sum(
+        _int_codes(w, x), 9).astype(jnp.float32),
+    "federated_secure_mean": lambda w, x, keys: fb.federated_secure_mean(
+        _mapped(w, x), keys, value_range=(-0.9, 0.9)),  # some clients clipped
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _derivatives(use, k, n=3):
+    """(grad, jvp) at w of program `use` in chunks of k, or the error class raised."""
+    program = fb.program(clients=n, clients_per_step=k)(use)
+    x = jnp.linspace(0.2, 1.5, n)
+    keys = jax.random.key_data(jax.random.split(jax.random.PRNGKey(0), n))
+
+    def f(w):
+        return program(w, x, keys)
+
+    try:
+        return jax.jit(lambda w: (jax.grad(f)(w), jax.jvp(f, (w,), (jnp.float32(1),))[1]))(
+            jnp.float32(1.1))
+    except Exception as e:  # compared by class below: refused alike, or not at all
+        return type(e)
+
+
+def test_every_primitive_differentiates_alike_chunked_or_not():
+    from fax_bridge import primitive_facts
+    assert set(USES) == {f.primitive.name for f in primitive_facts.registered()}, \
+        "give each registered primitive a use in USES"
+    for name in USES:
+        whole = _derivatives(USES[name], None)
+        for k in (1, 2):  # 2 does not divide the 3 clients
+            got = _derivatives(USES[name], k)
+            if isinstance(whole, type):
+                assert got is whole, (name, k, got)
+            else:
+                np.testing.assert_allclose(got, whole, rtol=1e-5, err_msg=f"{name} k={k}")
+                assert np.all(np.asarray(whole) != 0), name  # a derivative to compare
 
 
 def _mlp_round(n, k, width=128):
