@@ -41,6 +41,7 @@ EXPECTED_REFUSALS = {
     "streaming_diloco": "client state",
 }
 RTOL, ATOL = 2e-5, 2e-6
+FCP_ROUNDS = 3  # rounds of the FCP MapReduceForm's plan-shaped run, against jax.jit
 
 
 def targets(clients: int) -> dict:
@@ -119,6 +120,77 @@ def max_error(want: list, got: list) -> float:
     return worst
 
 
+def jit_rounds(prog, prog_args, rounds: int) -> list:
+    """[(flat state, flat output)] after each of `rounds` rounds of `jax.jit(prog)`."""
+    import jax
+
+    step, state, out = jax.jit(prog), prog_args[0], []
+    for _ in range(rounds):
+        state, output = step(state, *prog_args[1:])
+        out.append((_flat(state), _flat(output)))
+    return out
+
+
+def exact_error(want: list, got: list) -> float:
+    """`max_error`, but integer and boolean leaves (a PRNG key, counters) must be equal."""
+    if len(want) != len(got):
+        raise AssertionError(f"{len(got)} result tensors, expected {len(want)}")
+    for w, g in zip(want, got):
+        if w.dtype.kind in "biu" and not np.array_equal(np.asarray(g).view(w.dtype), w):
+            raise AssertionError(f"integer leaf {w.dtype}{list(w.shape)} differs: {g} != {w}")
+    return max_error([w for w in want if w.dtype.kind not in "biu"],
+                     [np.asarray(g) for g, w in zip(got, want) if w.dtype.kind not in "biu"])
+
+
+def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> list:
+    """The FCP forms' cells: each built within FCP's contract, the MRF's plan-shaped run
+    against `jax.jit` over the rounds (state after every round, outputs), TensorFlow's
+    own tf.Example read back here, and the plain forms' contract breaches caught."""
+    from fax_bridge.data.examples import Feature, decode_example, read_records
+    from fax_bridge.errors import ExportError
+    from fax_bridge.tff import fcp
+
+    fcp_result = result.get("fcp")
+    if fcp_result is None:
+        return []
+    cells = []
+    for kind in ("mrf", "daf"):
+        try:
+            fcp.check_result(kind, fcp_result)
+            cells.append(f"fcp-{kind} built")
+        except ExportError as e:
+            failures.append(name)
+            cells.append(f"fcp-{kind} FAILED ({str(e)[:400]})")
+    entry = fcp_result.get("mrf", {})
+    if "outputs" in entry:
+        def plan_error():
+            worst = 0.0
+            with np.load(entry["outputs"]) as z:
+                for r, (state, output) in enumerate(rounds):
+                    got = [z[f"state.{r}.{i}"] for i in range(len(state))] + [
+                        z[f"output.{r}.{i}"] for i in range(len(output))]
+                    worst = max(worst, exact_error(state + output, got))
+            return worst
+        cells.append(check(name, f"fcp-plan-{len(rounds)}-rounds", plan_error))
+    if "tf_examples" in fcp_result:
+        def tf_written():
+            features = [Feature(f["name"], np.dtype(f["dtype"]), tuple(f["shape"]))
+                        for f in fcp_result["info"]["features"]]
+            (record,) = read_records(fcp_result["tf_examples"]["path"])
+            values = decode_example(features, record)
+            for f in features:
+                want = np.arange(f.size) / (4 if f.kind == "float" else 1)
+                np.testing.assert_array_equal(values[f.name].ravel(), want.astype(f.dtype))
+            return 0.0
+        cells.append(check(name, "tf-example-read", tf_written))
+    for kind in ("mrf", "daf"):
+        caught = result.get(kind, {}).get("fcp_contract")
+        if caught is not None and not any("sequence<string>" in c for c in caught):
+            failures.append(name)
+            cells.append(f"plain-{kind} contract MISSED the client data")
+    return cells
+
+
 def write_inputs(path: str, args, clients: int) -> tuple[list, list]:
     """The MRF runner's npz: flat state leaves and each client's flat data leaves."""
     state = _flat(args[0])
@@ -146,7 +218,7 @@ def main(argv=None) -> int:
     import fax_bridge as fb
     from fax_bridge.errors import ExportError
     from fax_bridge.runtime.interpreter import evaluate
-    from fax_bridge.tff import forms
+    from fax_bridge.tff import fcp, forms
     from fax_bridge.tff.side_env import SideEnvError
 
     t0 = time.perf_counter()
@@ -177,7 +249,17 @@ def main(argv=None) -> int:
         os.makedirs(folder, exist_ok=True)
         in_path = os.path.join(folder, "inputs.npz")
         write_inputs(in_path, prog_args, args.clients)
-        jobs.append(forms.job(name, proto, ["daf", "mrf"], folder, in_path))
+        job = forms.job(name, proto, ["daf", "mrf"], folder, in_path)
+        clients_tree = prog_args[1] if len(prog_args) == 2 else tuple(prog_args[1:])
+        try:
+            run = fcp.make_run(proto, prog_args[0], clients_tree, args.clients, folder,
+                               FCP_ROUNDS)
+            fcp.with_fcp(job, proto, ["mrf", "daf"], run,
+                         os.path.join(folder, "tf_written.tfrecord"))
+        except ExportError as e:
+            rows.append((name, "NO FCP", str(e)))
+            failures.append(name)
+        jobs.append(job)
         expected[name] = (prog, prog_args)
         clients_tree = prog_args[1] if len(prog_args) == 2 else tuple(prog_args[1:])
         members = [jax.tree_util.tree_map(lambda a, j=j: np.asarray(a)[j], clients_tree)
@@ -187,8 +269,9 @@ def main(argv=None) -> int:
     # TFF builds the forms in its own process while jax.jit computes the references here.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         building = pool.submit(forms.build_forms, jobs, args.out, args.timeout)
-        expected = {name: _flat(jax.jit(prog)(*prog_args))
-                    for name, (prog, prog_args) in expected.items()}
+        rounds = {name: jit_rounds(prog, prog_args, FCP_ROUNDS)
+                  for name, (prog, prog_args) in expected.items()}
+        expected = {name: r[0][0] + r[0][1] for name, r in rounds.items()}
         try:
             built = building.result()
         except SideEnvError as e:
@@ -231,6 +314,7 @@ def main(argv=None) -> int:
                         z[f"output.{i}"] for i in range(len(z.files) - n_state)]
                 return max_error(want, got)
             cells.append(check(name, "mrf-tf", mrf_error))
+        cells += fcp_cells(name, result, rounds[name], check, failures)
         rows.append((name, "forms", "  ".join(cells)))
     t_fleet0 = time.perf_counter()
     if daf_forms:

@@ -22,6 +22,14 @@ output@SERVER>)`) is read with TFF's own proto and building blocks, and:
   piece by piece in TensorFlow sessions on the given inputs (flat leaves `state.I` and
   `client.J.I` in the npz; results `state.I`, `output.I`).
 
+With `"fcp": {"forms": [...], "run": {...}, "tf_examples": PATH}` a job also gets the
+forms Federated Compute's plan builder takes (`fcp_forms.py`: client data as serialized
+`tf.Example`s, TensorFlow parts, checkpoint dtypes, secure-sum bounds in the server
+state), written to `OUT/fcp_KIND.PIECE.pb`; `run` (`{"state": npz, "examples": [one
+TFRecord file per client], "rounds": R, "outputs": npz}`) runs the MRF's phases as a
+plan does (`plan_run.py`), and `tf_examples` writes one record with TensorFlow's own
+writer. Every form also reports `fcp_contract`: what FCP's builder would refuse in it.
+
 stdout receives one JSON object {name: {form: {...} or {"error": "..."}}}; all other
 printing goes to stderr. Exit status 2 means TFF could not be imported.
 """
@@ -39,6 +47,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 warnings.filterwarnings("ignore")
+# Run as a script, this module is `__main__`; `fcp_forms` and `plan_run` import its
+# helpers (and the TF / TFF modules `_imports` binds) as `build_forms`.
+sys.modules.setdefault("build_forms", sys.modules[__name__])
 
 DAF_PIECES = ("server_prepare", "server_to_client_broadcast", "client_work",
               "client_to_server_aggregation", "server_result")
@@ -266,6 +277,13 @@ def write_pieces(job: dict, form, prefix: str, names) -> dict:
     return pieces
 
 
+def fcp_contract(kind: str, form) -> list:
+    """What FCP's plan builder would refuse in this (plain) form."""
+    import fcp_forms
+
+    return fcp_forms.contract(kind, form)
+
+
 def build_daf(job: dict, comp) -> dict:
     t0 = time.perf_counter()
     daf = fu.get_distribute_aggregate_form_for_computation(comp)
@@ -275,7 +293,8 @@ def build_daf(job: dict, comp) -> dict:
     rederived = write(os.path.join(job["out"], "daf.round.pb"), proto_of(back))
     return {"seconds": seconds, "pieces": pieces, "round": rederived,
             "round_type": str(back.type_signature),
-            "same_type": back.type_signature.is_equivalent_to(comp.type_signature)}
+            "same_type": back.type_signature.is_equivalent_to(comp.type_signature),
+            "fcp_contract": fcp_contract("daf", daf)}
 
 
 def build_mrf(job: dict, proto) -> dict:
@@ -289,7 +308,8 @@ def build_mrf(job: dict, proto) -> dict:
     rederived = write(os.path.join(job["out"], "mrf.round.pb"), proto_of(back))
     result = {"xla_to_tf_seconds": t1 - t0, "seconds": t2 - t1, "pieces": pieces,
               "round": rederived, "round_type": str(back.type_signature),
-              "same_type": back.type_signature.is_equivalent_to(tf_round.type_signature)}
+              "same_type": back.type_signature.is_equivalent_to(tf_round.type_signature),
+              "fcp_contract": fcp_contract("mrf", mrf)}
     run = job.get("run_mrf")
     if run:
         with np.load(run["inputs"]) as z:
@@ -303,6 +323,72 @@ def build_mrf(job: dict, proto) -> dict:
                  **{f"output.{i}": v for i, v in enumerate(output)})
         result["outputs"] = run["outputs"]
     return result
+
+
+def build_fcp(job: dict, proto) -> dict:
+    """The FCP forms (`fcp_forms`): per form its pieces (`OUT/fcp_KIND.PIECE.pb`), the
+    re-derived round, what FCP's builder would refuse (`contract`, empty when built
+    right); with `run`, the MRF's plan-shaped rounds (`plan_run`)."""
+    import fcp_forms
+    import plan_run
+
+    spec = job["fcp"]
+    tf_round = concrete(xla_to_tensorflow(proto, job.get("artifacts", {})))
+    round_fn, info = fcp_forms.fcp_round(tf_round)
+    result = {"info": info, "type": str(round_fn.type_signature)}
+    for kind in spec.get("forms", ("mrf", "daf")):
+        try:
+            t0 = time.perf_counter()
+            if kind == "mrf":
+                form = fu.get_map_reduce_form_for_computation(round_fn)
+                back = fu.get_computation_for_map_reduce_form(form)
+            else:
+                form = fu.get_distribute_aggregate_form_for_computation(round_fn)
+                back = fu.get_computation_for_distribute_aggregate_form(form)
+            entry = {"seconds": time.perf_counter() - t0,
+                     "pieces": write_pieces(job, form, f"fcp_{kind}",
+                                            MRF_PIECES if kind == "mrf" else DAF_PIECES),
+                     "round": write(os.path.join(job["out"], f"fcp_{kind}.round.pb"),
+                                    proto_of(back)),
+                     "round_type": str(back.type_signature),
+                     "same_type": back.type_signature.is_equivalent_to(
+                         round_fn.type_signature),
+                     "contract": fcp_forms.contract(kind, form)}
+            run = spec.get("run")
+            if kind == "mrf" and run:
+                with np.load(run["state"]) as z:
+                    state = [z[f"state.{i}"] for i in range(int(z["num_state"]))]
+                t1 = time.perf_counter()
+                values = plan_run.run_rounds(form, state, run["examples"], run["rounds"],
+                                             os.path.join(job["out"], "plan"))
+                entry["run_seconds"] = time.perf_counter() - t1
+                np.savez(run["outputs"], **values)
+                entry["outputs"] = run["outputs"]
+            result[kind] = entry
+        except Exception as e:  # reported per job and form, never raised
+            result[kind] = {"error": f"{type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc()[-3000:]}
+    if spec.get("tf_examples"):
+        result["tf_examples"] = write_tf_examples(spec["tf_examples"], info["features"])
+    return result
+
+
+def write_tf_examples(path: str, features: list) -> dict:
+    """One record written by TensorFlow's own writer (`tf.train.Example`), each feature
+    counting up from 0 (as floats or int64), for the main side to read back."""
+    feature = {}
+    for f in features:
+        n = int(np.prod(f["shape"], dtype=np.int64))
+        if f["kind"] == "float":
+            feature[f["name"]] = tf.train.Feature(float_list=tf.train.FloatList(
+                value=np.arange(n, dtype=np.float32) / 4))
+        else:
+            feature[f["name"]] = tf.train.Feature(int64_list=tf.train.Int64List(
+                value=np.arange(n, dtype=np.int64)))
+    example = tf.train.Example(features=tf.train.Features(feature=feature))
+    with tf.io.TFRecordWriter(path) as w:
+        w.write(example.SerializeToString())
+    return {"path": path}
 
 
 def run_job(job: dict) -> dict:
@@ -320,6 +406,12 @@ def run_job(job: dict) -> dict:
         except Exception as e:  # reported per job and form, never raised
             results[form] = {"error": f"{type(e).__name__}: {e}",
                              "traceback": traceback.format_exc()[-3000:]}
+    if job.get("fcp"):
+        try:
+            results["fcp"] = build_fcp(job, proto)
+        except Exception as e:  # the round has no FCP form: named, never raised
+            results["fcp"] = {"error": f"{type(e).__name__}: {e}",
+                              "traceback": traceback.format_exc()[-3000:]}
     return results
 
 

@@ -1,0 +1,397 @@
+"""Client populations as TFRecord files of `tf.Example`s, what an example store serves.
+
+A Federated Compute client reads its round's data as a stream of serialized
+`tf.Example` protos (its example store's records); the forms `fax-bridge forms --for
+fcp` builds parse them, one feature per leaf of the program's client data named by the
+leaf's path (`data/x`), dense, with the leaf's shape and dtype fixed: floats (float32,
+float16, bfloat16) in a `float_list`, integers up to 32 bits, int64 and booleans in an
+`int64_list`. Each client serves exactly one example per round, holding its whole data.
+
+`write_population(directory, features, clients)` writes `client_00000.tfrecord`, ... (one
+record each) and `features.json` (name, dtype, shape per feature); `ExamplePopulation`
+reads them back. Neither needs TensorFlow: the TFRecord framing (little-endian uint64
+length, masked CRC-32C of the length, the bytes, masked CRC-32C of the bytes) and the
+Example message (field numbers of `tensorflow/core/example/example.proto` and
+`feature.proto`) are implemented here; TensorFlow reads these files, and these readers
+read what TensorFlow writes (checked by `make forms-check`).
+
+The files are read as another party's: regular files only, sizes bounded before they are
+read, every record's checksums verified, `features.json`'s dtypes number types
+(`checks.numeric_dtype`), and each feature's value count equal to its shape's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import tempfile
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from fax_bridge import private_files
+from fax_bridge.data import checks
+from fax_bridge.errors import DataError
+
+FEATURES_FILE = "features.json"
+MAX_FEATURES_BYTES = 1 << 20
+MAX_RECORD_BYTES = 1 << 31
+MAX_FILE_BYTES = 1 << 32
+_FORMAT = 1
+_FIX = "write the population again with fax_bridge.data.examples.write_population"
+
+# ---------------------------------------------------------------------------- CRC-32C
+
+
+def _crc_table() -> list:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _crc_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli) of `data`, as TFRecord files check it.
+
+    >>> hex(crc32c(b"123456789"))
+    '0xe3069283'
+    """
+    c = 0xFFFFFFFF
+    table = _TABLE
+    for b in data:
+        c = table[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def masked_crc(data: bytes) -> int:
+    """TFRecord's masked CRC: the CRC rotated right by 15 bits plus 0xa282ead8."""
+    c = crc32c(data)
+    return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------- TFRecord
+
+
+def frame(record: bytes) -> bytes:
+    """One TFRecord: length, its masked CRC, the bytes, their masked CRC."""
+    head = struct.pack("<Q", len(record))
+    return (head + struct.pack("<I", masked_crc(head)) + record
+            + struct.pack("<I", masked_crc(record)))
+
+
+def unframe(data: bytes, what: str = "TFRecord file") -> list:
+    """The records of a TFRecord file's bytes, each checksum verified."""
+    out, pos = [], 0
+    while pos < len(data):
+        if len(data) - pos < 12:
+            raise DataError(f"{what} ends inside a record header at byte {pos}; {_FIX}")
+        head = data[pos:pos + 8]
+        (length,), (crc,) = struct.unpack("<Q", head), struct.unpack("<I", data[pos + 8:pos + 12])
+        if crc != masked_crc(head):
+            raise DataError(f"{what}: the length of the record at byte {pos} fails its "
+                            f"checksum (a corrupt or non-TFRecord file); {_FIX}")
+        if length > MAX_RECORD_BYTES or pos + 16 + length > len(data):
+            raise DataError(f"{what}: the record at byte {pos} claims {length} bytes, more "
+                            f"than the file holds; {_FIX}")
+        record = data[pos + 12:pos + 12 + length]
+        (crc,) = struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])
+        if crc != masked_crc(record):
+            raise DataError(f"{what}: the record at byte {pos} fails its checksum; {_FIX}")
+        out.append(record)
+        pos += 16 + length
+    return out
+
+
+# ---------------------------------------------------------------------------- tf.Example
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # negative int64: ten bytes of two's complement
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _read_varint(data: bytes, pos: int, what: str) -> tuple:
+    n = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise DataError(f"{what} holds a malformed number; {_FIX}")
+        b = data[pos]
+        n |= (b & 0x7F) << shift
+        pos += 1
+        shift += 7
+        if not b & 0x80:
+            return n, pos
+
+
+def _fields(data: bytes, what: str) -> Iterator[tuple]:
+    """(field number, wire type, value) of a protobuf message's bytes: wire type 0 gives
+    an int, 2 the bytes, 5 four bytes, 1 eight bytes."""
+    pos = 0
+    while pos < len(data):
+        key, pos = _read_varint(data, pos, what)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(data, pos, what)
+        elif wire == 2:
+            size, pos = _read_varint(data, pos, what)
+            if pos + size > len(data):
+                raise DataError(f"{what} holds a field longer than its message; {_FIX}")
+            value, pos = data[pos:pos + size], pos + size
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            if pos + size > len(data):
+                raise DataError(f"{what} ends inside a field; {_FIX}")
+            value, pos = data[pos:pos + size], pos + size
+        else:
+            raise DataError(f"{what} holds a field of wire type {wire}, which a tf.Example "
+                            f"has not; {_FIX}")
+        yield number, wire, value
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """One dense feature: its name (the leaf's path), dtype and per-client shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple
+
+    @property
+    def kind(self) -> str:
+        """'float' or 'int64': the tf.Example list holding it."""
+        return feature_kind(self.dtype, self.name)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def feature_kind(dtype, name: str = "a leaf") -> str:
+    """'float' (float16, bfloat16, float32) or 'int64' (bool, integers but uint64): the
+    `tf.Example` list that holds values of `dtype` exactly; DataError for others."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32 or dtype == np.float16 or dtype.name == "bfloat16":
+        return "float"
+    if dtype == np.bool_ or (dtype.kind in "iu" and dtype != np.uint64):
+        return "int64"
+    raise DataError(f"{name} has dtype {dtype}, which no tf.Example feature holds exactly "
+                    "(float16, bfloat16 and float32 go in a float_list; bool, integers up "
+                    "to 32 bits and int64 in an int64_list); cast it in the program")
+
+
+def encode_example(features: Sequence[Feature], values: Mapping[str, np.ndarray]) -> bytes:
+    """The serialized `tf.Example` holding `values[f.name]` for each feature (packed
+    lists: field 1 of FloatList / Int64List; Feature's float_list is field 2, int64_list
+    field 3; Features' map is field 1 of (key=1, value=2) entries; Example.features 1)."""
+    entries = []
+    for f in features:
+        if f.name not in values:
+            raise DataError(f"the client's data has no value for feature {f.name!r}")
+        value = np.asarray(values[f.name])
+        if value.shape != tuple(f.shape):
+            raise DataError(f"feature {f.name!r} has shape {value.shape}, not {f.shape}")
+        if f.kind == "float":
+            packed = value.astype("<f4").tobytes()
+            feature = _field(2, _field(1, packed))
+        else:
+            packed = b"".join(_varint(int(v)) for v in value.astype(np.int64).ravel())
+            feature = _field(3, _field(1, packed))
+        entries.append(_field(1, _field(1, f.name.encode()) + _field(2, feature)))
+    return _field(1, b"".join(entries))
+
+
+def _list_values(data: bytes, kind: str, what: str) -> np.ndarray:
+    """A FloatList's / Int64List's values, packed or not."""
+    parts = []
+    for number, wire, value in _fields(data, what):
+        if number != 1:
+            continue
+        if kind == "float":
+            if wire == 2:
+                if len(value) % 4:
+                    raise DataError(f"{what}'s floats are not whole; {_FIX}")
+                parts.append(np.frombuffer(value, "<f4"))
+            elif wire == 5:
+                parts.append(np.frombuffer(value, "<f4"))
+        elif wire == 0:
+            parts.append(np.array([value], np.uint64).view(np.int64))
+        elif wire == 2:
+            ints, pos = [], 0
+            while pos < len(value):
+                n, pos = _read_varint(value, pos, what)
+                ints.append(n)
+            parts.append(np.array(ints, np.uint64).view(np.int64))
+    if not parts:
+        return np.zeros(0, np.float32 if kind == "float" else np.int64)
+    return np.concatenate(parts)
+
+
+def decode_example(features: Sequence[Feature], data: bytes,
+                   what: str = "example") -> dict:
+    """{name: array of the feature's dtype and shape} from a serialized `tf.Example`;
+    DataError naming a missing feature, the wrong list kind or value count."""
+    found = {}
+    for number, wire, value in _fields(data, what):
+        if number != 1 or wire != 2:
+            continue
+        for n2, w2, entry in _fields(value, what):
+            if n2 != 1 or w2 != 2:
+                continue
+            key, body = None, b""
+            for n3, w3, v3 in _fields(entry, what):
+                if n3 == 1 and w3 == 2:
+                    key = v3.decode(errors="replace")
+                elif n3 == 2 and w3 == 2:
+                    body = v3
+            if key is not None:
+                found[key] = body
+    out = {}
+    for f in features:
+        if f.name not in found:
+            raise DataError(f"{what} has no feature {f.name!r} (it has "
+                            f"{sorted(found)[:8]}); {_FIX}")
+        number = 2 if f.kind == "float" else 3
+        lists = [v for n, w, v in _fields(found[f.name], what) if n == number and w == 2]
+        values = _list_values(b"".join(lists), f.kind, f"{what}'s feature {f.name!r}")
+        if values.size != f.size:
+            raise DataError(f"{what}'s feature {f.name!r} holds {values.size} "
+                            f"{'float' if f.kind == 'float' else 'int64'} values, not the "
+                            f"{f.size} of shape {tuple(f.shape)}; {_FIX}")
+        out[f.name] = values.reshape(f.shape).astype(f.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------- populations
+
+
+def client_file(i: int) -> str:
+    return f"client_{i:05d}.tfrecord"
+
+
+def write_population(directory: str, features: Sequence[Feature],
+                     clients: Iterable[Mapping[str, np.ndarray]]) -> int:
+    """Writes each client's data as one `tf.Example` in `client_NNNNN.tfrecord` and the
+    features in `features.json`, replacing a population there before only once all is
+    written; returns the number of clients.
+
+    >>> import tempfile
+    >>> f = [Feature("data/x", np.dtype(np.float32), (2,))]
+    >>> d = tempfile.mkdtemp()
+    >>> write_population(d, f, [{"data/x": np.array([1., 2.], np.float32)}])
+    1
+    >>> ExamplePopulation(d).client(0)["data/x"]
+    array([1., 2.], dtype=float32)
+    """
+    features = [Feature(f.name, np.dtype(f.dtype), tuple(f.shape)) for f in features]
+    for f in features:
+        checks.numeric_dtype(checks.stored_dtype_name(f.dtype), f"feature {f.name!r}")
+        f.kind  # refuses a dtype no list holds exactly
+    os.makedirs(directory, exist_ok=True)
+    part = tempfile.mkdtemp(prefix=".examples-", dir=directory)
+    try:
+        count = 0
+        for i, values in enumerate(clients):
+            with open(os.path.join(part, client_file(i)), "wb") as out:
+                out.write(frame(encode_example(features, values)))
+            count = i + 1
+        spec = {"format": _FORMAT, "clients": count,
+                "features": [{"name": f.name, "dtype": checks.stored_dtype_name(f.dtype),
+                              "shape": list(f.shape)} for f in features]}
+        with open(os.path.join(part, FEATURES_FILE), "w") as out:
+            json.dump(spec, out, indent=1)
+        meta = os.path.join(directory, FEATURES_FILE)
+        if os.path.lexists(meta):
+            os.remove(meta)
+        for name in os.listdir(directory):
+            if name.startswith("client_") and name.endswith(".tfrecord"):
+                os.remove(os.path.join(directory, name))
+        for name in sorted(os.listdir(part)):
+            if name != FEATURES_FILE:
+                os.replace(os.path.join(part, name), os.path.join(directory, name))
+        os.replace(os.path.join(part, FEATURES_FILE), meta)
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    return count
+
+
+def read_features(directory: str) -> tuple:
+    """(features, number of clients) from `features.json`, checked."""
+    path = os.path.join(directory, FEATURES_FILE)
+    try:
+        data = private_files.read_regular(path, MAX_FEATURES_BYTES, what="features file",
+                                          fix=_FIX)
+        spec = json.loads(data)
+    except ValueError as e:
+        raise DataError(f"{path} is not valid JSON ({e}); {_FIX}") from None
+    if not isinstance(spec, dict) or spec.get("format") != _FORMAT:
+        raise DataError(f"{path} is not a features file of format {_FORMAT}; {_FIX}")
+    clients = checks.integer(f"{path}'s clients", spec.get("clients"))
+    features, names = [], set()
+    for entry in spec.get("features") if isinstance(spec.get("features"), list) else [None]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or \
+                not isinstance(entry.get("shape"), list):
+            raise DataError(f"{path} holds a feature without a name, dtype and shape; {_FIX}")
+        name = entry["name"]
+        if name in names:
+            raise DataError(f"{path} names feature {name!r} twice; {_FIX}")
+        names.add(name)
+        dtype = checks.numeric_dtype(entry.get("dtype"), f"{path}'s feature {name!r}", _FIX)
+        shape = tuple(checks.integer(f"{path}'s feature {name!r} dimension", d, 0, 1 << 40)
+                      for d in entry["shape"])
+        features.append(Feature(name, dtype, shape))
+        features[-1].kind
+    return features, clients
+
+
+class ExamplePopulation:
+    """A population written by `write_population`: `client(i)` is client i's data
+    ({feature name: array}), `paths` its files (what a TensorFlow reader takes)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.features, self.num_clients = read_features(directory)
+        self.paths = [os.path.join(directory, client_file(i)) for i in range(self.num_clients)]
+
+    def __len__(self) -> int:
+        return self.num_clients
+
+    def records(self, i: int) -> list:
+        """Client i's serialized examples."""
+        path = self.paths[checks.integer("client", i, 0, self.num_clients - 1)]
+        return read_records(path)
+
+    def client(self, i: int) -> dict:
+        records = self.records(i)
+        if len(records) != 1:
+            raise DataError(f"{self.paths[i]} holds {len(records)} examples; a client "
+                            f"serves exactly one per round; {_FIX}")
+        return decode_example(self.features, records[0], f"{self.paths[i]}'s example")
+
+
+def read_records(path: str) -> list:
+    """The records of the TFRecord file `path` (checked: a regular file, at most
+    MAX_FILE_BYTES, every checksum)."""
+    data = private_files.read_regular(path, MAX_FILE_BYTES, what="TFRecord file", fix=_FIX)
+    return unframe(data, path)

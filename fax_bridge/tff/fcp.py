@@ -1,0 +1,176 @@
+"""Forms for Google's Federated Compute (FCP): what its plan builder takes.
+
+FCP's artifact builder (`fcp/artifact_building/federated_compute_plan_builder.py`,
+`build_plan`) turns a MapReduceForm or DistributeAggregateForm into a `Plan`: a client
+phase a phone runs (a TensorFlow graph) and server phases that aggregate. It takes a
+form only when
+
+- the client work's data is `sequence<string>`: serialized `tf.Example`s, what the
+  device's example store serves (its `ExternalDataset` op);
+- every local part is TensorFlow (the DAF's too, not `Xla`);
+- the server state and output hold only dtypes a TF checkpoint can hold (not uint16,
+  uint32, uint64: a PRNG key);
+- each secure sum's bound is a value selected from the server's intermediate state, not
+  a literal.
+
+`with_fcp(job, ...)` asks the TFF side (`tools/tff087/fcp_forms.py`) for such forms of a
+round: the client data becomes one feature per leaf (`client_features`, named by the
+leaf's path in the client data's type, as `fax_bridge.data.examples` writes them),
+parsed inside the work; unsigned state leaves travel as the signed integers of the same
+bits (`encode_state` / `decode_state`, exact); bounds are constant TensorFlow
+computations. The forms come back checked against that contract (`contract`, empty).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from federated_language.proto import computation_pb2
+
+from fax_bridge.data.examples import Feature, feature_kind, write_population
+from fax_bridge.errors import ExportError
+
+# Unsigned dtypes a TF checkpoint cannot hold, stored as the signed twin's bits.
+CHECKPOINT_CODES = {np.dtype(np.uint16): np.dtype(np.int16),
+                    np.dtype(np.uint32): np.dtype(np.int32),
+                    np.dtype(np.uint64): np.dtype(np.int64)}
+# TF DataType numbers (federated_language's TensorType.dtype) of the dtypes that fit.
+_DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8,
+           9: np.int64, 10: np.bool_, 14: "bfloat16", 17: np.uint16, 19: np.float16,
+           22: np.uint32, 23: np.uint64}
+
+
+def _dtype(number: int, where: str) -> np.dtype:
+    if number not in _DTYPES:
+        raise ExportError(f"{where} has TF dtype number {number}, which the FCP forms do "
+                          "not carry; use a float, integer or bool leaf")
+    found = _DTYPES[number]
+    if found == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(found)
+
+
+def _leaves(t, path: list, where: str) -> list:
+    """(path, dtype, shape) per tensor of a federated_language Type proto, depth-first."""
+    kind = t.WhichOneof("type")
+    if kind == "federated":
+        return _leaves(t.federated.member, path, where)
+    if kind == "struct":
+        out = []
+        for i, e in enumerate(t.struct.element):
+            out += _leaves(e.value, path + [e.name or str(i)], where)
+        return out
+    if kind == "tensor":
+        dims = tuple(int(d) for d in t.tensor.dims)
+        if any(d < 0 for d in dims) or t.tensor.unknown_rank:
+            raise ExportError(f"{where} {'/'.join(path)} has no fixed shape")
+        return [("/".join(path) or "value", _dtype(t.tensor.dtype, where), dims)]
+    raise ExportError(f"{where} holds a {kind}; the FCP forms take tensors and structs")
+
+
+def client_features(proto: computation_pb2.Computation) -> list[Feature]:
+    """The features of a round's client data (its proto in the forms' type): one per
+    leaf, named by its path (element names, or indices where unnamed, joined by '/'),
+    depth-first, the order jax flattens the client arguments in."""
+    param = proto.type.function.parameter
+    if param.WhichOneof("type") != "struct" or len(param.struct.element) != 2:
+        raise ExportError("the round is not in the forms' type "
+                          "(<state@SERVER, data@CLIENTS> -> ...); export it with round_form")
+    out = []
+    for name, dtype, shape in _leaves(param.struct.element[1].value, [], "client data"):
+        feature_kind(dtype, f"client data leaf {name}")  # refuses what no list holds
+        out.append(Feature(name, dtype, shape))
+    return out
+
+
+def state_leaves(proto: computation_pb2.Computation) -> list:
+    """(path, dtype, shape) per leaf of the round's server state."""
+    param = proto.type.function.parameter
+    return _leaves(param.struct.element[0].value, [], "server state")
+
+
+def encode_state(leaves: Sequence[Any]) -> list:
+    """Flat state leaves as the FCP forms keep them: unsigned 16/32/64-bit leaves as the
+    signed integers of the same bits (a uint32 PRNG key as int32)."""
+    out = []
+    for x in leaves:
+        x = np.asarray(x)
+        out.append(x.view(CHECKPOINT_CODES[x.dtype]) if x.dtype in CHECKPOINT_CODES else x)
+    return out
+
+
+def decode_state(leaves: Sequence[Any], dtypes: Sequence[Any]) -> list:
+    """`encode_state` undone: each leaf viewed back as its original dtype (exact)."""
+    return [np.asarray(x).view(np.dtype(d)) if np.asarray(x).dtype != np.dtype(d)
+            else np.asarray(x) for x, d in zip(leaves, dtypes)]
+
+
+def client_values(features: Sequence[Feature], client_args: Any, clients: int) -> list:
+    """Per client, {feature name: its data}, from the program's CLIENTS arguments (a
+    leading clients axis on each leaf; several client arguments as a tuple)."""
+    leaves = jax.tree_util.tree_leaves(client_args)
+    if len(leaves) != len(features):
+        raise ExportError(f"the client arguments have {len(leaves)} leaves, the round's "
+                          f"client data {len(features)} features")
+    for x, f in zip(leaves, features):
+        x = np.asarray(x)
+        if x.shape[1:] != tuple(f.shape) or x.dtype != f.dtype:
+            raise ExportError(f"client leaf {f.name}: {x.dtype}{list(x.shape)} per cohort, "
+                              f"but the round takes {f.dtype}{list(f.shape)} per client")
+    return [{f.name: np.asarray(x)[j] for x, f in zip(leaves, features)}
+            for j in range(clients)]
+
+
+def with_fcp(job: dict, proto: computation_pb2.Computation, forms: Sequence[str],
+             run: Optional[dict] = None, tf_examples: Optional[str] = None) -> dict:
+    """`job` (from `forms.job`) also asking the TFF side for the FCP forms `forms`
+    ("mrf", "daf"); `run` as `make_run` gives it."""
+    job["fcp"] = {"forms": list(forms)}
+    if run:
+        job["fcp"]["run"] = run
+    if tf_examples:
+        job["fcp"]["tf_examples"] = tf_examples
+    client_features(proto)  # refuses client data no tf.Example holds, before TFF starts
+    if "artifacts" not in job:
+        from fax_bridge.tff.forms import write_artifacts
+
+        job["artifacts"] = write_artifacts(proto, os.path.join(job["out"], "stablehlo"))
+    return job
+
+
+def make_run(proto: computation_pb2.Computation, state: Any, client_args: Any,
+             clients: int, folder: str, rounds: int) -> dict:
+    """Writes what a plan-shaped run reads (the population as TFRecord files of
+    `tf.Example`, the encoded initial state) and returns the job's `run` entry."""
+    features = client_features(proto)
+    population = os.path.join(folder, "examples")
+    write_population(population, features, client_values(features, client_args, clients))
+    flat = encode_state(jax.tree_util.tree_leaves(state))
+    path = os.path.join(folder, "fcp_state.npz")
+    np.savez(path, num_state=len(flat), **{f"state.{i}": v for i, v in enumerate(flat)})
+    from fax_bridge.data.examples import ExamplePopulation
+
+    return {"state": path, "examples": ExamplePopulation(population).paths,
+            "rounds": rounds, "outputs": os.path.join(folder, "fcp_outputs.npz")}
+
+
+def check_result(kind: str, result: dict) -> None:
+    """Raises `ExportError` when the TFF side could not build the FCP `kind` form or
+    the form breaks FCP's contract."""
+    if "error" in result:
+        raise ExportError(f"no FCP form of this round: {result['error']}")
+    entry = result.get(kind)
+    if entry is None or "error" in entry:
+        raise ExportError(f"TFF could not build the FCP {kind.upper()}: "
+                          f"{(entry or {}).get('error', 'not asked for')}")
+    if not entry["same_type"]:
+        raise ExportError(f"TFF re-derived the FCP {kind.upper()} as {entry['round_type']}, "
+                          f"not the FCP round's type {result['type']}")
+    if entry["contract"]:
+        raise ExportError(f"the FCP {kind.upper()} breaks FCP's plan builder's contract: "
+                          + "; ".join(entry["contract"]))
