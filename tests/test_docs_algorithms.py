@@ -1,6 +1,7 @@
 """docs/algorithms.md's code runs as written: FedAvg rounds of an algorithm under jit on
 the digits of fax_bridge.data, then the round exported."""
 
+import math
 import os
 import re
 import subprocess
@@ -9,16 +10,64 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_algorithms_page_runs(tmp_path):
-    with open(os.path.join(ROOT, "docs", "algorithms.md")) as f:
-        text = f.read()
-    block = re.search(r"## Using an algorithm\n.*?```python\n(.*?)```", text, re.S).group(1)
+# Appended to the page's code: the loss of the initial (zero) model and of the trained
+# one on the last cohort's real examples, in numpy (an evaluation independent of the
+# algorithm's own metrics).
+_EVALUATE = """
+import numpy as np
+
+def _numpy_loss(p):
+    x, y = np.asarray(batches.data["x"], np.float64), np.asarray(batches.data["y"])
+    real = np.asarray(batches.mask, bool)
+    z = x[real] @ np.asarray(p["w"], np.float64) + np.asarray(p["b"], np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return float(-np.mean(logp[np.arange(len(z)), y[real]]))
+
+initial = alg.init({"w": jnp.zeros((64, 10)), "b": jnp.zeros(10)})
+print(f"initial loss {_numpy_loss(initial.params):.6f}")
+print(f"trained loss {_numpy_loss(state.params):.6f}")
+"""
+
+
+def _run_page(tmp_path, block: str) -> dict:
+    """The page's code with `_EVALUATE` appended, run: its printed losses by name."""
     script = tmp_path / "algorithms.py"
-    script.write_text(block)
+    script.write_text(block + _EVALUATE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    loss = float(re.search(r"round loss ([\d.]+)", out.stdout).group(1))
-    assert 0 < loss < 2.31  # below the loss of the zero model's uniform guess, ln(10)
+    return {name: float(v) for name, v in
+            re.findall(r"^(round|initial|trained) loss ([\d.]+)$", out.stdout, re.M)}
+
+
+def _trained(losses: dict) -> bool:
+    """The round's own loss and the trained model's (numpy) loss both well below the
+    initial model's: a quarter of the way down at least."""
+    return (losses["round"] < 0.75 * losses["initial"]
+            and losses["trained"] < 0.75 * losses["initial"])
+
+
+def _page_block() -> str:
+    with open(os.path.join(ROOT, "docs", "algorithms.md")) as f:
+        text = f.read()
+    return re.search(r"## Using an algorithm\n.*?```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_algorithms_page_runs(tmp_path):
+    losses = _run_page(tmp_path, _page_block())
+    assert set(losses) == {"round", "initial", "trained"}, losses
+    assert abs(losses["initial"] - math.log(10)) < 1e-6  # the zero model's uniform guess
+    assert _trained(losses), losses
+
+
+def test_the_check_fails_an_untrained_model():
+    # Both learning rates at 0 leave the zero model, whose every loss is ln 10: refused.
+    # So is a model trained a little (its loss a tenth of the way down).
+    untrained = {"round": math.log(10), "initial": math.log(10), "trained": math.log(10)}
+    assert not _trained(untrained)
+    assert not _trained(dict(untrained, round=0.9 * math.log(10)))
+    assert not _trained(dict(untrained, trained=0.9 * math.log(10)))
+    assert _trained(dict(untrained, round=0.5, trained=0.5))

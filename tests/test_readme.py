@@ -1,6 +1,7 @@
 """The README's code runs as written: its first program (with a passing parity check) and
 its DP snippet; its command-line section names every subcommand `fax-bridge` has."""
 
+import math
 import os
 import re
 import subprocess
@@ -33,9 +34,46 @@ def test_readme_first_program_runs(tmp_path):
     assert (tmp_path / "round.pb").stat().st_size > 0
 
 
+def _dp_snippet_reference() -> tuple:
+    """What the DP snippet must print, computed apart from fax_bridge.
+
+    epsilon: dp_accounting's PLD accountant itself, 50 Poisson-sampled (q=0.2) Gaussian
+    rounds of noise multiplier 1 at delta 1e-3. clip: the geometric quantile update of
+    Andrew et al. 2021 (clip * exp(-0.2 * (below - 0.5)) a round from 0.1): every client's
+    update (norm about 0.3) is above the clip in each of the 3 rounds, so without noise
+    the clip is 0.1 * exp(0.3); the clipped count's noise (standard deviation 2 on 8
+    clients) moves log(clip) by 0.05 a round (one standard deviation), returned as the
+    band of four standard deviations over 3 rounds."""
+    import dp_accounting
+
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(0.2, dp_accounting.GaussianDpEvent(1.0)),
+                50)
+    return acc.get_epsilon(1e-3), 0.1 * math.exp(0.3), 4 * 0.05 * math.sqrt(3)
+
+
+def _dp_output_agrees(stdout: str) -> bool:
+    found = re.search(r"clip (\d+\.\d+), epsilon (\d+\.\d+) after 50 rounds", stdout)
+    if found is None:
+        return False
+    clip, eps = float(found.group(1)), float(found.group(2))
+    want_eps, want_clip, log_band = _dp_snippet_reference()
+    return abs(eps - want_eps) <= 0.01 and abs(math.log(clip / want_clip)) <= log_band
+
+
 def test_readme_dp_snippet_runs(tmp_path):
     out = _run_section(tmp_path, "Differential privacy")
-    assert re.search(r"clip \d+\.\d+, epsilon \d+\.\d+ after 50 rounds", out.stdout)
+    assert _dp_output_agrees(out.stdout), out.stdout
+
+
+def test_dp_output_check_refuses_wrong_figures():
+    eps, clip, _ = _dp_snippet_reference()
+    line = "clip {:.3f}, epsilon {:.2f} after 50 rounds at q=0.2"
+    assert _dp_output_agrees(line.format(clip, eps))
+    assert not _dp_output_agrees(line.format(clip, eps + 0.05))   # another accountant's
+    assert not _dp_output_agrees(line.format(clip * 1.5, eps))    # moved the wrong way
+    assert not _dp_output_agrees(line.format(clip / 1.5, eps))
+    assert not _dp_output_agrees("clip nan, epsilon inf")
 
 
 def test_readme_command_line_names_every_subcommand():

@@ -24,6 +24,13 @@ def _batched_entries(fn) -> list:
     return [plan for k, plan in client_map._batched.items() if k[0] == key]
 
 
+def _assert_ran_batched(fn) -> None:
+    """`fn` ran as batched executables: at least one, and none refused (None)."""
+    entries = _batched_entries(fn)
+    assert entries, "no batched executable was made: every client ran alone"
+    assert all(p is not None for p in entries), entries
+
+
 def _per_client(fn, members, shared=client_map.NO_SHARED) -> list:
     compiled = local_eval.compile_local(fn)
     if shared is client_map.NO_SHARED:
@@ -128,8 +135,7 @@ def test_batched_results_do_not_depend_on_the_cohort(layout, count, seed):
     shared = rng.standard_normal((3, 2)).astype(F32)
     members = [_member(layout, rng) for _ in range(count)]
     got = client_map.map_clients(fn, members, shared)
-    entries = _batched_entries(fn)
-    assert entries and all(p is not None for p in entries)
+    _assert_ran_batched(fn)
     assert len(got) == count
     alone = client_map.map_clients(fn, members[-1:], shared)
     reversed_ = client_map.map_clients(fn, members[::-1], shared)
@@ -152,7 +158,7 @@ def test_batched_results_have_the_bits_of_one_call_per_client_for_plain_arithmet
     shared = rng.standard_normal((3, 2)).astype(F32)
     members = [rng.standard_normal((5, 3)).astype(F32) for _ in range(6)]
     got = client_map.map_clients(comp, members, shared)
-    assert all(p is not None for p in _batched_entries(comp))
+    _assert_ran_batched(comp)
     for g, w in zip(got, _per_client(comp, members, shared)):
         _assert_same_bits(g, w)
 
@@ -168,7 +174,7 @@ def test_batched_convolution_gradients_have_the_bits_of_one_call_per_client():
     shared = rng.standard_normal((3, 3, 2, 4)).astype(F32)
     members = [rng.standard_normal((3, 9, 9, 2)).astype(F32) for _ in range(5)]
     got = client_map.map_clients(comp, members, shared)
-    assert all(p is not None for p in _batched_entries(comp))
+    _assert_ran_batched(comp)
     for g, w in zip(got, _per_client(comp, members, shared)):
         _assert_same_bits(g, w)
 
@@ -184,7 +190,7 @@ def test_literals_and_constant_results_inside_the_batched_call():
     fn = bb.Lambda("x", vec, body).to_proto()
     members = [np.arange(3, dtype=F32) * i for i in range(3)]
     got = client_map.map_clients(fn, members)
-    assert all(p is not None for p in _batched_entries(fn))
+    _assert_ran_batched(fn)
     for g, w in zip(got, _per_client(fn, members)):
         _assert_same_bits(g, w)
 

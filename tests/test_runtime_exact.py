@@ -100,13 +100,21 @@ def test_integer_sums_wrap_like_numpy(dtype):
     assert got.dtype == dtype
 
 
-def test_many_random_float32_partitions_agree_bitwise():
+def test_many_random_float32_partitions_give_the_exact_sum_rounded_once():
     rng = np.random.default_rng(1)
     arrays = [(rng.standard_normal(64) * 10.0 ** rng.integers(-6, 6)).astype(np.float32)
               for _ in range(50)]
-    results = {_sum_in_groups(arrays, cuts).tobytes()
-               for cuts in ([], [25], [10, 20, 30], [1, 2, 3, 49])}
-    assert len(results) == 1
+    # Each element's exact sum rounded once to float32 (the reference does not group).
+    want = np.array([_rounded_exact([a[i] for a in arrays], np.float32) for i in range(64)],
+                    np.float32)
+    for cuts in ([], [25], [10, 20, 30], [1, 2, 3, 49]):
+        got = _sum_in_groups(arrays, cuts)
+        assert got.dtype == np.float32 and got.tobytes() == want.tobytes(), cuts
+    # The reference tells a sum rounded at each step from the exact one here.
+    naive = np.zeros(64, np.float32)
+    for a in arrays:
+        naive = naive + a
+    assert naive.tobytes() != want.tobytes()
 
 
 @settings(max_examples=60, deadline=None)
