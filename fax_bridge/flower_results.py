@@ -43,7 +43,10 @@ def _locate(folder: str, app: Optional[str]) -> tuple:
 
     def round_folder(path: str) -> Optional[str]:
         package = os.path.join(path, app_dir.PACKAGE)
-        return package if os.path.isfile(os.path.join(package, bundle.FILE_NAME)) else None
+        # anything there is the app's round file, which `read_round` refuses by name if
+        # it is not a regular file
+        return package if os.path.lexists(os.path.join(package, bundle.FILE_NAME)) \
+            else None
 
     folder = os.path.abspath(os.fspath(folder))
     if app is not None:
@@ -135,7 +138,6 @@ def compare_with_jit(app: str, program, *args, out_dir: Optional[str] = None,
                             f"({made.prepared.type}); compare with the program and "
                             "arguments the app was written from")
     path, reports = _finished(out)
-    reports = [r for r in reports if isinstance(r, dict)]
     names = {str(s.get("client_runtime")) for r in reports
              for s in (r.get("served") or {}).values() if isinstance(s, dict)}
     runtime = runtimes.resolve("litert", bundle.models_dir(package)) \

@@ -63,8 +63,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     result_type = made.prepared.result
     want = npz_keys.result_to_npz(values.from_pytree(jax.device_get(result), result_type),
                                 result_type)
-    with np.load(result_npz) as f:
-        got = {k: f[k] for k in f.files}
+    got = npz_keys.read_npz(result_npz, what="the run's result.npz")
     keys = sorted(want)
     leaves = compare_leaves([want[k] for k in keys], [got.get(k, np.zeros(0)) for k in keys],
                             rtol, atol, paths=keys)
@@ -95,17 +94,47 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
 
 def round_walls(out: str) -> list:
     """Each round's seconds at the ServerApp (`wall_s` of the run's `reports.jsonl` in
-    `out`), or [] where they cannot be read."""
-    import json
+    `out`, `read_reports`), or [] where a report has none."""
+    walls = [r.get("wall_s") for r in read_reports(out)]
+    return [float(w) for w in walls] if None not in walls else []
 
+
+REPORTS_FILE = "reports.jsonl"
+# a run of tens of thousands of rounds; a larger file is refused before it is read
+MAX_REPORTS_BYTES = 64 << 20
+# the fields of a round's report this reads, as `rounds.policy.RoundReport` writes them
+_REPORT_FIELDS = (("round", "int", {"low": 0}), ("devices", "int", {"low": 0}),
+                  ("wall_s", "number", {"low": 0}), ("error", "str", {"none": True}),
+                  ("lost_devices", "list", {}), ("served", "object", {}))
+
+
+def read_reports(out: str, missing_ok: bool = True) -> list:
+    """The round reports of the run whose out-dir is `out` (`reports.jsonl`, one JSON
+    object a line), read as a file another party may have written
+    (`private_files.read_json_lines`: a regular file of at most `MAX_REPORTS_BYTES`,
+    bounded JSON), each field this reads of the kind `RoundReport` writes: [] where
+    there is no file (`FileNotFoundError` unless `missing_ok`), else a FleetError naming
+    the file, the line and the field."""
+    from fax_bridge import private_files as j
+
+    path = os.path.join(out, REPORTS_FILE)
     try:
-        with open(os.path.join(out, "reports.jsonl")) as f:
-            walls = [json.loads(line).get("wall_s") for line in f if line.strip()]
-    except (OSError, ValueError, AttributeError):
-        return []
-    ok = all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0
-             for w in walls)
-    return [float(w) for w in walls] if ok else []
+        reports = j.read_json_lines(path, MAX_REPORTS_BYTES, what="the Flower run's reports",
+                                    fix="read the reports.jsonl the run's ServerApp wrote")
+        for i, report in enumerate(reports, 1):
+            where = f"{path} line {i}"
+            j.json_value(report, "object", where)
+            for key, kind, bounds in _REPORT_FIELDS:
+                j.json_field(report, key, kind, where, default=None, **bounds)
+            for node, what in report.get("served", {}).items():
+                j.json_value(what, "object", f"{where}: field 'served' entry {node[:80]!r}")
+    except FileNotFoundError:
+        if missing_ok:
+            return []
+        raise
+    except (j.HandedFileError, j.UnsafePathError) as e:
+        raise FleetError(f"the Flower run's reports cannot be read: {e}") from None
+    return reports
 
 
 def run_rounds(deployment, app: str, rounds: int, out: str,
@@ -135,18 +164,13 @@ def run_outcome(out: str, rounds: int, output: str = "") -> str:
     `reports.jsonl` shows `rounds` rounds, none failed; else FleetError with the
     ServerApp's own error (`output`: what `flwr run` printed, quoted when the run left
     no report)."""
-    import json
-
     tail = f"; `flwr run` printed:\n{output[-3000:]}" if output else ""
     try:
-        with open(os.path.join(out, "reports.jsonl")) as f:
-            reports = [json.loads(line) for line in f if line.strip()]
+        reports = read_reports(out, missing_ok=False)
     except FileNotFoundError:
         raise FleetError(f"the Flower run left no reports.jsonl in {out}: its ServerApp "
                          f"failed before its first round ended{tail}") from None
-    except (OSError, ValueError) as e:
-        raise FleetError(f"the Flower run's reports in {out} cannot be read ({e})") from None
-    failed = [r for r in reports if isinstance(r, dict) and r.get("error")]
+    failed = [r for r in reports if r.get("error")]
     if failed:
         lost = "".join(f"\n  {line}" for line in node_lines(reports) if "lost" in line)
         raise FleetError(f"the Flower run's round {failed[0].get('round')} failed: "
@@ -182,18 +206,6 @@ def node_lines(reports: list) -> list:
                            f"{str(what.get('client_runtime'))[:20]}"
                            + (f" (LiteRT model sha256 {str(model)[:64]})" if model else ""))
     return out
-
-
-def read_reports(out: str) -> list:
-    """The round reports of the run whose out-dir is `out` ([] where there are none or
-    they cannot be read)."""
-    import json
-
-    try:
-        with open(os.path.join(out, "reports.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError):
-        return []
 
 
 def run_check(app: str, nodes: list, home: str, rounds: int) -> tuple:

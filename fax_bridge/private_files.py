@@ -394,7 +394,7 @@ def parse_json(text: Union[bytes, str], name: str, max_depth: int = MAX_JSON_DEP
             return data
         detail = f"it nests deeper than {max_depth} levels"
     raise HandedFileError(f"{name} is not JSON this reads ({detail}); "
-                          f"{fix or 'give the file the command that reads it names'}")
+                          f"{fix or 'write it again with the command that made it'}")
 
 
 def read_json(path: Union[str, os.PathLike], limit: int, *, what: str = "",

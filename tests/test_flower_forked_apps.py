@@ -265,3 +265,43 @@ def test_the_worker_refuses_a_token_file_that_is_a_link_or_others_can_read(
     assert worker.main(args + ["--token-file", str(link)]) == 2
     assert f"chmod 600 {link}" in capsys.readouterr().err
     _unchanged(roots_program)
+
+
+@pytest.mark.parametrize("entry", ["folder", "file", "fifo", "link"])
+def test_anything_but_a_socket_at_the_socket_path_is_refused_naming_it(entry):
+    """The socket path is removed before the server listens: only a socket of ours is;
+    a folder, file, FIFO or link there is refused by name and left as it was."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="fb-")  # a socket path short enough to be used as is
+    try:
+        _socket_path_refusal(tmp, entry)
+    finally:
+        shutil.rmtree(tmp)
+
+
+def _socket_path_refusal(tmp: str, entry: str) -> None:
+    import socket as sockets
+
+    folder = os.path.join(tmp, "forks")
+    os.makedirs(folder, 0o700)
+    path = os.path.join(folder, "forks.sock")
+    if entry == "folder":
+        os.mkdir(path)
+    elif entry == "file":
+        open(path, "wb").close()
+    elif entry == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(tmp, path)
+    kind = {"folder": "a folder", "file": "a regular file", "fifo": "a FIFO",
+            "link": "a symbolic link"}[entry]
+    with pytest.raises(PermissionError, match=f"is {kind}") as e:
+        forked_apps.AppForks(folder, dict(os.environ), ())
+    assert str(e.value).startswith(path) and os.path.lexists(path)
+    os.rmdir(path) if entry == "folder" else os.unlink(path)
+    with sockets.socket(sockets.AF_UNIX) as left:  # a socket an ended server left
+        left.bind(path)
+    forks_ = forked_apps.AppForks(folder, dict(os.environ), (), python="/nonexistent")
+    forks_.close()

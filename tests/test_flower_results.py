@@ -304,3 +304,207 @@ def test_load_result_gives_the_structure_jit_gives(extra, tmp_path_factory):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, np.asarray(w), rtol=1e-6)
         assert g.dtype == np.asarray(w).dtype
+
+
+# ------------------------------------------- result files another party may have written
+
+
+def _copy_app(finished_run, tmp_path) -> str:
+    import os
+    import shutil
+
+    copy = str(tmp_path / "app")
+    shutil.copytree(finished_run[3], copy)
+    os.chmod(copy, 0o755)
+    return copy
+
+
+def _round_path(app: str) -> str:
+    import os
+
+    from fax_bridge.flower import app_dir, bundle
+
+    return os.path.join(app, app_dir.PACKAGE, bundle.FILE_NAME)
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+# round.json's text made from the good one (a dict `data`), and what the refusal names
+ROUND_FILES = {
+    "a list": (lambda data: "[1, 2]", r"round.json is \[1, 2\], expected an object"),
+    "a string": (lambda data: '"round"', "expected an object"),
+    "nested 300,000 deep": (lambda data: _deep(300_000), "nests deeper than"),
+    "nested in a field": (lambda data: __import__("json").dumps(data)[:-1]
+                          + ', "x": ' + _deep(5000) + "}", "nests deeper than"),
+    "format true": (lambda data: dict(data, format=True), "field 'format' is true"),
+    "format 1": (lambda data: dict(data, format=1), "field 'format' is 1, expected a str"),
+    "round not base64": (lambda data: dict(data, round="%%%"), "field 'round'"),
+    "state-layout Infinity": (
+        lambda data: __import__("json").dumps(dict(data, state=None)).replace(
+            '"state-layout": [[', '"state-layout": [[ "float32", [Infinity]], [', 1),
+        "Infinity is not a number"),
+    "state-layout 1e400": (
+        lambda data: __import__("json").dumps(dict(data, state=None)).replace(
+            '"state-layout": [[', '"state-layout": [[ "float32", [1e400]], [', 1),
+        "1e400 is beyond a float"),
+    "state-layout 2.0": (lambda data: dict(data, state=None, **{
+        "state-layout": [["float32", [2.0]]]}), r"'state-layout'\[0\]'s shape is 2.0"),
+    "state-layout true": (lambda data: dict(data, state=None, **{
+        "state-layout": [["float32", [True]]]}), "shape is true"),
+    "state-layout -1": (lambda data: dict(data, state=None, **{
+        "state-layout": [["float32", [-1]]]}), "shape is -1"),
+    "state-layout object dtype": (lambda data: dict(data, state=None, **{
+        "state-layout": [["object", [1]]]}), "unknown tensor dtype 'object'"),
+    "state-layout a string": (lambda data: dict(data, state=None, **{
+        "state-layout": "two"}), "field 'state-layout' is \"two\", expected a list"),
+    "state bytes short": (lambda data: dict(data, state=[dict(data["state"][0],
+                                                               base64="AAAA")]),
+                          r"'state'\[0\] holds 3 bytes"),
+    "state-sha256 a number": (lambda data: dict(data, **{"state-sha256": 5}),
+                              "field 'state-sha256' is 5"),
+    "litert-models a list": (lambda data: dict(data, **{"litert-models": ["a"]}),
+                             "field 'litert-models'"),
+    "a repeated field": (lambda data: __import__("json").dumps(data)[:-1]
+                         + ', "format": "x"}', "key 'format' twice"),
+    "dict keys 1 and 1.0": (lambda data: dict(data, **{"result-structure": {
+        "format": 1, "tree": {"type": "dict", "data": {"list": [1, 1.0]},
+                              "children": ["*", "*"]}}}), "not one distinct key"),
+    "dict keys true and 1": (lambda data: dict(data, **{"result-structure": {
+        "format": 1, "tree": {"type": "dict", "data": {"list": [True, 1]},
+                              "children": ["*", "*"]}}}), "not one distinct key"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUND_FILES))
+def test_a_forged_round_file_is_refused_naming_the_file_and_field(finished_run, tmp_path,
+                                                                   case):
+    import json
+
+    from fax_bridge import flower_results
+    from fax_bridge.errors import ExportError
+
+    app = _copy_app(finished_run, tmp_path)
+    path = _round_path(app)
+    with open(path) as f:
+        data = json.load(f)
+    make, match = ROUND_FILES[case]
+    text = make(data)
+    with open(path, "w") as f:
+        f.write(text if isinstance(text, str) else json.dumps(text))
+    with pytest.raises(ExportError, match=match) as e:
+        flower_results.load_result(app)
+    assert path in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "sparse 1 GB", "link", "folder"])
+def test_a_round_file_that_is_not_a_small_regular_file_is_refused_unread(
+        finished_run, tmp_path, kind):
+    """Refused from the opened file's own type and size: a FIFO never blocks the reader,
+    a sparse 1 GB file is never read."""
+    import os
+
+    from fax_bridge import flower_results
+    from fax_bridge.errors import ExportError
+
+    app = _copy_app(finished_run, tmp_path)
+    path = _round_path(app)
+    os.replace(path, str(tmp_path / "saved"))
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link":
+        os.symlink(str(tmp_path / "saved"), path)
+    elif kind == "folder":
+        os.mkdir(path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)
+    match = {"fifo": "is a FIFO", "link": "is a symbolic link", "folder": "is a folder",
+             "sparse 1 GB": f"holds {1 << 30} bytes, more than the 10485760"}[kind]
+    with pytest.raises((ExportError, ArgumentError), match=match if kind != "folder"
+                       else "is a folder|holds no"):
+        flower_results.load_result(app)
+
+
+# reports.jsonl's lines, and what the refusal names
+REPORT_LINES = {
+    "a list": ('[1, 2]', r"line 1 is \[1, 2\], expected an object"),
+    "a string": ('"done"', "line 1 is \"done\", expected an object"),
+    "nested 300,000 deep": (_deep(300_000), "line 1 is not JSON .*nests deeper"),
+    "devices two": ('{"round": 0, "devices": "two"}', "field 'devices' is \"two\""),
+    "devices 1e400": ('{"round": 0, "devices": 1e400}', "1e400 is beyond a float"),
+    "devices 2.0": ('{"round": 0, "devices": 2.0}', "field 'devices' is 2.0"),
+    "devices true": ('{"round": 0, "devices": true}', "field 'devices' is true"),
+    "devices -1": ('{"round": 0, "devices": -1}', "field 'devices' is -1"),
+    "served a list": ('{"round": 0, "served": ["node 1"]}', "field 'served' is"),
+    "served entry a string": ('{"round": 0, "served": {"n": "xla"}}',
+                              "field 'served' entry 'n' is \"xla\""),
+    "wall_s NaN": ('{"round": 0, "wall_s": NaN}', "NaN is not a number"),
+    "error a number": ('{"round": 0, "error": 7}', "field 'error' is 7"),
+    "round true": ('{"round": true}', "field 'round' is true"),
+    "not UTF-8": (b'{"round": 0, "error": "\xff"}', "utf-8"),
+}
+
+
+def _write_reports(out: str, line) -> None:
+    import os
+
+    with open(os.path.join(out, "reports.jsonl"), "wb") as f:
+        f.write((line.encode() if isinstance(line, str) else line) + b"\n")
+
+
+@pytest.mark.parametrize("case", sorted(REPORT_LINES))
+def test_forged_reports_are_refused_naming_the_file_line_and_field(finished_run, tmp_path,
+                                                                   case):
+    import os
+
+    from fax_bridge import flower_results
+
+    app = _copy_app(finished_run, tmp_path)
+    out = os.path.join(app, "results")
+    line, match = REPORT_LINES[case]
+    _write_reports(out, line)
+    with pytest.raises(FleetError, match=match) as e:
+        flower_results.load_result(app)
+    assert os.path.join(out, "reports.jsonl") in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "sparse 500 MB"])
+def test_reports_that_are_not_a_small_regular_file_are_refused_unread(
+        finished_run, tmp_path, kind):
+    import os
+
+    from fax_bridge import flower_results
+
+    app = _copy_app(finished_run, tmp_path)
+    path = os.path.join(app, "results", "reports.jsonl")
+    os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(500 << 20)
+    with pytest.raises(FleetError, match="is a FIFO" if kind == "fifo" else
+                       f"holds {500 << 20} bytes, more than the"):
+        flower_results.load_result(app)
+
+
+def test_an_app_written_again_is_read_again(finished_run, tmp_path):
+    """The round is parsed once per content of round.json, not once per folder: an app
+    written again in the same folder with another round gives that round's structure."""
+    import dataclasses
+
+    import jax
+
+    from fax_bridge import flower_results
+    from fax_bridge.flower import app_dir, bundle
+
+    prog, args, placements, _, _ = finished_run
+    app = _copy_app(finished_run, tmp_path)
+    assert isinstance(flower_results.load_result(app), tuple)
+    made = bundle.build_round(prog, *args, placements=placements)
+    jitted = made.result_structure
+    as_list = jax.tree.structure(list(jax.tree.unflatten(jitted, range(jitted.num_leaves))))
+    app_dir.write_app(dataclasses.replace(made, result_structure=as_list), app, force=True)
+    assert isinstance(flower_results.load_result(app), list)

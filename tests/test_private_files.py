@@ -237,3 +237,104 @@ def test_data_a_run_is_handed_is_read_only_from_a_regular_file(tmp_path, roots_f
         assert private_files.read_regular(theirs, 8) == b"x"
         with pytest.raises(UnsafePathError, match="belongs to nobody"):
             private_files.read_regular(theirs, 8, ours=True)
+
+
+# ----------------------------------------------------------- JSON another party wrote
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=_JSON)
+def test_json_within_the_bounds_reads_back_as_written(value):
+    import json
+
+    assert private_files.parse_json(json.dumps(value).encode(), "f") == value
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.binary(max_size=64) | st.text(alphabet='[]{}":,0123456789.eE-+ aNIfinity',
+                                             max_size=64))
+def test_any_bytes_are_read_or_refused_by_name(text):
+    try:
+        private_files.parse_json(text, "the file f")
+    except private_files.HandedFileError as e:
+        assert str(e).startswith("the file f is not JSON this reads")
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[" * 300_000 + "]" * 300_000, "nests deeper than 64"),
+    ("[" * 65 + "]" * 65, "nests deeper than 64"),
+    ('{"a": ' * 65 + "1" + "}" * 65, "nests deeper than 64"),
+    ("[1e400]", "1e400 is beyond a float"), ("-1e400", "beyond a float"),
+    ("[NaN]", "NaN is not a number"), ("Infinity", "Infinity is not"),
+    ("-Infinity", "Infinity is not"), (str(2 ** 63), "beyond 2\\^63"),
+    ("1" * 5000, "beyond 2\\^63"), ('{"a": 1, "a": 1}', "key 'a' twice"),
+    (b'"\xff"', "utf-8"), ("", "Expecting value"), ("[1,]", "Expecting value"),
+])
+def test_json_beyond_the_bounds_is_refused_naming_why(text, why):
+    with pytest.raises(private_files.HandedFileError, match=why):
+        private_files.parse_json(text, "f")
+    private_files.parse_json("[" * 64 + "]" * 64, "f")  # the bound itself is read
+
+
+@pytest.mark.parametrize("value, kind, ok", [
+    (1, "int", True), (True, "int", False), (1.0, "int", False), ("1", "int", False),
+    (1.5, "number", True), (1, "number", True), (False, "number", False),
+    (True, "bool", True), (1, "bool", False), ([], "list", True), ({}, "list", False),
+    ({}, "object", True), ("x", "str", True), (None, "str", False),
+])
+def test_a_field_is_only_the_kind_its_reader_needs(value, kind, ok):
+    if ok:
+        assert private_files.json_field({"k": value}, "k", kind, "f") == value
+        return
+    with pytest.raises(private_files.HandedFileError, match="f: field 'k' is .*expected"):
+        private_files.json_field({"k": value}, "k", kind, "f")
+
+
+def test_json_is_read_only_from_a_small_regular_file(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text('{"a": [1]}\n[2]\n')
+    with pytest.raises(private_files.HandedFileError, match="line 1 is not JSON|Extra data"):
+        private_files.read_json(str(path), 100)
+    assert private_files.read_json_lines(str(path), 100) == [{"a": [1]}, [2]]
+    with pytest.raises(UnsafePathError, match="holds 15 bytes, more than the 14"):
+        private_files.read_json(str(path), 14)
+    os.mkfifo(str(tmp_path / "fifo"))  # opened without blocking, refused by its type
+    with pytest.raises(UnsafePathError, match="is a FIFO"):
+        private_files.read_json_lines(str(tmp_path / "fifo"), 100)
+    with open(str(tmp_path / "sparse"), "wb") as f:
+        f.truncate(1 << 30)  # refused by its size, never read
+    with pytest.raises(UnsafePathError, match=f"holds {1 << 30} bytes"):
+        private_files.read_json(str(tmp_path / "sparse"), 10 << 20)
+
+
+@pytest.mark.parametrize("entry", ["folder", "file", "fifo", "socket", "link"])
+def test_an_entry_is_refused_unless_it_is_of_the_kind_replaced(tmp_path, entry):
+    import socket
+
+    path = str(tmp_path / "entry")
+    if entry == "folder":
+        os.mkdir(path)
+    elif entry == "file":
+        open(path, "wb").close()
+    elif entry == "fifo":
+        os.mkfifo(path)
+    elif entry == "link":
+        os.symlink(str(tmp_path), path)
+    else:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(path)
+    for kind in ("socket", "regular file", "folder"):
+        fits = {"socket": "socket", "regular file": "file", "folder": "folder"}[kind] == entry
+        if fits:
+            private_files.check_entry(path, kind=kind)
+            continue
+        with pytest.raises(UnsafePathError, match=f"^{path} is a"):
+            private_files.check_entry(path, kind=kind)
+    private_files.check_entry(str(tmp_path / "nothing"), kind="socket")

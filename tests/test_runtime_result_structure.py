@@ -187,10 +187,20 @@ def test_a_node_whose_class_is_not_imported_here_comes_back_as_a_tuple():
     assert "a_module_never_imported" not in __import__("sys").modules
 
 
+def _dict_node(keys: list) -> dict:
+    return {"format": 1, "tree": {"type": "dict", "data": {"list": keys},
+                                  "children": ["*"] * len(keys)}}
+
+
 @pytest.mark.parametrize("hostile", [
     None, {"format": 2, "tree": "*"}, {"format": 1, "tree": {"type": "tuple"}},
+    {"format": True, "tree": "*"}, {"format": 1.0, "tree": "*"},
     {"format": 1, "tree": {"type": "dict", "data": {"list": ["a"]}, "children": []}},
     {"format": 1, "tree": {"type": "tuple", "data": {"set": [1]}, "children": []}},
+    # keys one dict cannot hold apart: a dict of them would drop a child
+    _dict_node([1, 1.0]), _dict_node([True, 1]), _dict_node([0, False, "x"]),
+    _dict_node(["a", "a"]), _dict_node([{"list": [1]}, 2]),
+    _dict_node([{"tuple": [1, 2]}, {"tuple": [1.0, 2]}]),
 ])
 def test_json_not_of_the_schema_is_refused(hostile):
     with pytest.raises(ValueError, match="result structure"):
@@ -203,3 +213,40 @@ def test_a_structure_too_deep_is_refused_before_it_is_built():
         tree = {"type": "list", "children": [tree]}
     with pytest.raises(ValueError, match="levels deep"):
         result_structure.structure_from_json({"format": 1, "tree": tree})
+
+
+def test_distinct_dict_keys_come_back_whole():
+    import json
+
+    tree = {"a": {1: 1, 2: 2}, "b": {(1, 2): 3, (2, 1): 4}, "c": {1.5: 5, 2.5: 6}}
+    want = jax.tree.structure(tree)
+    data = json.loads(json.dumps(result_structure.structure_to_json(want)))
+    got = result_structure.structure_from_json(data)
+    assert got == want and jax.tree.unflatten(got, jax.tree.leaves(tree)) == tree
+
+
+def test_a_class_name_never_runs_a_modules_lazy_import_hook():
+    """The text names classes; a module's `__getattr__` (a package's lazy imports, such
+    as fax_bridge's own) would import what it names: names are looked up in the
+    modules' own dictionaries, so nothing new is imported and no hook runs."""
+    import sys
+    import types
+
+    calls = []
+    lazy = types.ModuleType("fax_bridge_test_lazy_module")
+    lazy.__getattr__ = lambda name: calls.append(name) or Pair
+    sys.modules[lazy.__name__] = lazy
+    try:
+        names = [f"{lazy.__name__}:Pair", f"{lazy.__name__}:Pair.b", "fax_bridge:LocalFleet",
+                 "fax_bridge:multihost.Fake", "concurrent.futures:ProcessPoolExecutor",
+                 "fax_bridge:tracing.trace"]
+        before = set(sys.modules)
+        for name in names:
+            node = {"format": 1, "tree": {"type": name, "children": ["*", "*"]}}
+            assert result_structure.structure_from_json(node) == jax.tree.structure((1, 2))
+        assert calls == [] and set(sys.modules) == before
+    finally:
+        del sys.modules[lazy.__name__]
+    # a class of a module already imported still comes back as itself
+    node = result_structure.structure_to_json(jax.tree.structure(Pair(1, 2)))
+    assert result_structure.structure_from_json(node) == jax.tree.structure(Pair(1, 2))

@@ -4,26 +4,22 @@
 (new_state, output)` in the production forms' type (`tff.forms.round_proto`, which
 refuses intrinsics no form holds by name) and splits it with
 `rounds.round_split.split_round(secure=True)`; a round that cannot be split is refused
-too. A round that asks its clients more than once or keeps state at them is refused by
-`refuse_phased`, naming the trips, what each client keeps between them, the CLIENTS
-state, why a SuperNode cannot hold them (a Flower round here is one message per node,
-and Flower keeps a node's `context.state` in its memory alone) and the fleet or
-in-process run to use instead. The round's tensors as a LiteRT model are named by
-pytree path (`aggregands`, `argument_names`: `carried.pack`). Its secure sums (`federated_secure_sum_bitwidth`,
-`federated_secure_sum`, and so `federated_secure_modular_sum` and
-`federated_secure_mean`, built on the bitwidth sum) are aggregations of the split that
-Flower's SecAgg+ sums (`flower/secagg.py`); one that SecAgg+ cannot carry exactly
-however the example's clients are split over SuperNodes is refused by name
-(`secagg.check_build`). A program of other than two arguments (an algorithm's
-`next(state, data, mask)`) is refused before it is exported (`refuse_arity`), naming
-its parameters and the round of two arguments that wraps it (its CLIENTS arguments
-folded into the client data, its other SERVER arguments into the state, which carries
-them to the next round). `FlowerRound` holds the round, its split and the initial server
-state (the example state's tensors, depth first over the state's type).
+too, and so are a round that asks its clients more than once or keeps state at them
+and a program of other than two arguments (`flower.round_refusals`: `refuse_phased`,
+`refuse_arity`), each named with the fix. The round's tensors as a LiteRT model are
+named by pytree path (`aggregands`, `argument_names`: `carried.pack`). Its secure sums
+(`federated_secure_sum_bitwidth`, `federated_secure_sum`, and so
+`federated_secure_modular_sum` and `federated_secure_mean`, built on the bitwidth sum)
+are aggregations of the split that Flower's SecAgg+ sums (`flower/secagg.py`); one that
+SecAgg+ cannot carry exactly however the example's clients are split over SuperNodes is
+refused by name (`secagg.check_build`). `FlowerRound` holds the round, its split and the
+initial server state (the example state's tensors, depth first over the state's type).
 
 A Flower app bundle carries only text files (.py, .toml, .md, .yaml, .json) up to
 10 MB, so `round.json` holds the proto base64-encoded and the state's tensors likewise.
-`read_round(folder)` reads it back where the ServerApp and ClientApps run. It also
+`read_round(folder)` reads it back where the ServerApp and ClientApps run, as a file
+another party may have written (a regular file within the bundle's size, bounded JSON,
+every field checked and named in a refusal), parsed once per content. It also
 records the program's output treedef, as jit gives it (`result_structure.
 structure_to_json`), which `flower_results.load_result` rebuilds the run's result with. Flower hands
 the whole bundle to every ClientApp process it starts (one a message), which hashes,
@@ -37,6 +33,7 @@ config names (`initial-state`, `read_state`); the nodes never receive it.
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -44,13 +41,15 @@ import io
 import json
 import math
 import os
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge import private_files
-from fax_bridge.errors import ComputationError, ExportError
+from fax_bridge.errors import ComputationError, ExportError, FleetError
+from fax_bridge.flower.round_refusals import ELSEWHERE, refuse_arity, refuse_phased  # noqa: F401
 from fax_bridge.rounds import round_split
 from fax_bridge.rounds import wire
 from fax_bridge.runtime import backend, interpreter, result_structure, values
@@ -195,161 +194,47 @@ def _element_names(fn: Callable, comp) -> list:
     return out
 
 
-def refuse_arity(fn: Callable, args: tuple, placements: Any = None) -> None:
-    """Raises `ExportError` where `args` are not the two arguments `(state,
-    client_data)` of a Flower round, naming the program's parameters, their placements
-    and the round of two arguments that wraps it; returns otherwise."""
-    if len(args) == 2:
-        return
-    from fax_bridge.tff import export
-
-    names = [n or f"arg{i}" for i, n in enumerate(export.argument_names(fn, len(args)))]
-    if isinstance(placements, (list, tuple)) and len(placements) == len(args):
-        where = [str(getattr(p, "name", p)).upper() for p in placements]
-        shown = ", ".join(f"{n}@{w}" for n, w in zip(names, where))
-    else:
-        where, shown = [], ", ".join(names)
-    extra = names[1:]
-    clients = [n for n, w in zip(names[1:], where[1:]) if w == "CLIENTS"] or extra
-    others = [n for n in extra if n not in clients]
-    name = _program_name(fn)
-    head = (f"a Flower app runs rounds (state, client_data) -> (new_state, output): two "
-            f"arguments, the server state and the clients' data; {name} takes "
-            f"{len(args)} ({shown or 'none'})")
-    if len(args) < 2:
-        raise ExportError(head + "; give it the clients' data as its second argument, "
-                          "placed at CLIENTS")
-    raise ExportError(head + ". " + _wrapper_text(names, clients, others, name))
-
-
-def _wrapper_text(names: list, clients: list, others: list, name: str) -> str:
-    """`refuse_arity`'s advice: a round of two arguments that calls the program named
-    `name` (parameters `names`, the first its state), its CLIENTS arguments `clients`
-    folded into client_data and its other SERVER arguments `others` into the state
-    (carried unchanged from round to round), with the example arguments it takes."""
-    state = names[0]
-    unpack = ", ".join(clients) + ("," if len(clients) == 1 else "")
-    call = f"program({', '.join(names)})"
-    text = ("Wrap it in a round of two arguments whose client_data holds its CLIENTS "
-            f"arguments ({', '.join(clients)}: a tuple, or a dict)")
-    if not others:
-        return (text + f", e.g.\n    def flower_round({state}, client_data):\n"
-                f"        {unpack} = client_data\n        return {call}\nwith program = "
-                f"{name}, example arguments ({state}, ({unpack})) and placements "
-                "(\"server\", \"clients\")")
-    carried = next(c for c in ("server_state", "carried", "folded") if c not in names)
-    new = next(c for c in (f"new_{state}", "new_state", "updated") if c not in names)
-    folded = ", ".join([state, *others])
-    kept = ", ".join(others)
-    return (text + f" and whose state holds its SERVER arguments ({folded}): the "
-            f"round returns {kept} beside the program's new {state}, so the next round "
-            "gets them unchanged, e.g.\n"
-            f"    def flower_round({carried}, client_data):\n"
-            f"        {folded} = {carried}\n"
-            f"        {unpack} = client_data\n"
-            f"        {new}, output = {call}\n"
-            f"        return ({new}, {kept}), output\n"
-            f"with program = {name}, example arguments (({folded}), ({unpack})) and "
-            "placements (\"server\", \"clients\")")
-
-
-ELSEWHERE = (
-    "Run it where each trip's client computation runs phase by phase (one LiteRT model "
-    "per trip under client_runtime=\"litert\") and the clients' values stay on the "
-    "devices that hold the clients: the gRPC fleet (`fax_bridge.LocalFleet(devices=N, "
-    "client_runtime=\"xla\" or \"litert\")`, or `fax-bridge parity TARGET --devices N "
-    "[--litert]`), or in process (`fax_bridge.in_process.run_computation(..., "
-    "client_runtime=\"litert\")`)")
-
-
-def _program_name(fn: Callable) -> str:
-    """A round program's qualified name, led by the algorithm that made it
-    (`fed_sgd.next_fn` for `fed_sgd.<locals>.next_fn`)."""
-    fn = getattr(fn, "fn", fn)
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-    return name.replace(".<locals>.", ".")
-
-
-def _takes(fn: Callable, count: int) -> bool:
-    """Whether `fn` can be called with `count` positional arguments (True where its
-    signature cannot be read: tracing then says)."""
-    import inspect
-
-    try:
-        inspect.signature(fn).bind(*range(count))
-    except TypeError:
-        return False
-    except ValueError:
-        return True
-    return True
-
-
-def refuse_phased(fn: Callable, args: tuple, placements: Any = None,
-                  clients: Optional[int] = None) -> None:
-    """Raises `ExportError` naming why the round of `fn` cannot run on Flower when it
-    asks its clients more than once or keeps state at them (the trips and what each
-    client keeps between them, the CLIENTS state, why a SuperNode cannot hold it, and
-    where the round runs instead); returns for any other round."""
-    from fax_bridge import tracing
-    from fax_bridge.tff import export, forms
-
-    if not _takes(fn, len(args)):  # nothing to trace: the caller's arity refusal names it
-        return
-    comp = tracing.trace(fn, *args, placements=placements, clients=clients)
-    state_in, state_out = forms.client_state(comp)
-    lines = forms.second_trips(comp)
-    if not (state_in or state_out or lines):
-        return
-    proto = export.export_computation(comp, export.argument_names(fn, len(args)))
-    maps = [m for m in round_split.client_maps(proto) if m.computes]
-    why = []
-    if lines or len(maps) > 1:
-        trips = max((m.trip for m in maps), default=2)
-        kept = [f"trip {m.trip}'s client computation ({m.local}) reads what each client "
-                f"computed in trip {', '.join(map(str, m.kept_from))}"
-                for m in maps if m.kept_from]
-        why.append(
-            f"its round asks the clients {trips} times ({'; '.join(lines[:3])}"
-            f"{'; ...' if len(lines) > 3 else ''})" + (f", and {'; '.join(kept)}" if kept
-                                                       else "") +
-            ". A Flower round of this app is one `train` message to each SuperNode (one "
-            "broadcast, one client part, its partials), and a SuperNode starts a new "
-            "ClientApp process for every message: values a client keeps from one trip to "
-            "the next could wait only in the node's `context.state`, which Flower holds "
-            "in the SuperNode's memory alone, so this app carries no round over several "
-            "messages")
-    if state_in or state_out:
-        named = ", ".join((state_in or state_out)[:4])
-        more = len(state_in or state_out) - 4
-        why.append(
-            f"its round keeps state at the clients from round to round ({named}"
-            f"{f' and {more} more' if more > 0 else ''} placed at CLIENTS, argument and "
-            "result): each client's own values, computed from its private data. Returned "
-            "as the round's result they would leave the SuperNode unaggregated, which a "
-            "node of this app never does (only exact partials of aggregations leave it); "
-            "kept at the node they would live in `context.state`, which Flower holds in "
-            "the SuperNode's memory for one run only (gone when the node restarts, never "
-            "in the run's result or checkpoint), so the round's result, which includes "
-            "them, could be neither returned nor resumed")
-    raise ExportError(
-        f"the round {_program_name(fn)} cannot run on Flower: " + "; and ".join(why) + ". "
-        + ELSEWHERE + (". Or use a one-trip variant where there is one "
-                       "(fax_bridge.algorithms.fed_sgd_one_trip, "
-                       "learned_server_lr_one_trip), which a Flower app runs written as "
-                       "a round (state, client_data)"
-                       if lines and not (state_in or state_out) else "") + ".")
-
-
 def _tensor_json(t: np.ndarray) -> dict:
     t = np.asarray(t)
     return {"dtype": wire.dtype_name(t.dtype), "shape": list(t.shape),
             "base64": base64.b64encode(t.tobytes()).decode()}
 
 
-def _tensor_from_json(entry: dict) -> np.ndarray:
-    dtype = wire.dtype_from_name(entry["dtype"])
-    shape = tuple(int(d) for d in entry["shape"])
-    return np.frombuffer(base64.b64decode(entry["base64"]), dtype).reshape(shape).copy()
+def _tensor_from_json(entry: Any, where: str, data: bool = True) -> np.ndarray:
+    """A tensor `_tensor_json` wrote, read from the field `where` names: its dtype a
+    number type, its shape whole numbers, its bytes exactly the shape's; with `data`
+    False the entry is [dtype, shape] (`state-layout`) and the tensor zeros of it
+    (a read-only view, whatever the shape claims, never allocated)."""
+    j = private_files
+    if data:
+        j.json_value(entry, "object", where)
+        name, shape = (j.json_field(entry, "dtype", "str", where),
+                       j.json_field(entry, "shape", "list", where))
+    else:
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise j.HandedFileError(f"{where} is {j.shown_json(entry)}, expected "
+                                    "[dtype, shape]")
+        name, shape = (j.json_value(entry[0], "str", f"{where}'s dtype"),
+                       j.json_value(entry[1], "list", f"{where}'s shape"))
+    try:
+        dtype = wire.dtype_from_name(name)
+    except FleetError as e:
+        raise j.HandedFileError(f"{where}: {e}") from None
+    if len(shape) > 32:
+        raise j.HandedFileError(f"{where}'s shape has {len(shape)} dimensions, over 32")
+    shape = tuple(j.json_value(d, "int", f"{where}'s shape", low=0, high=1 << 62)
+                  for d in shape)
+    if not data:
+        return np.broadcast_to(np.zeros((), dtype), shape)
+    raw = j.json_field(entry, "base64", "str", where)
+    try:
+        raw = base64.b64decode(raw, validate=True)
+    except ValueError:
+        raise j.HandedFileError(f"{where}'s base64 is not base64") from None
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise j.HandedFileError(f"{where} holds {len(raw)} bytes, where {dtype.name}"
+                                f"{list(shape)} takes {math.prod(shape) * dtype.itemsize}")
+    return np.frombuffer(raw, dtype).reshape(shape).copy()
 
 
 def write_state(tensors: list, path: str) -> str:
@@ -485,36 +370,77 @@ def models_dir(folder: str) -> str:
     return os.path.join(folder, LITERT_DIR)
 
 
-@functools.lru_cache(maxsize=4)
+_READ: "collections.OrderedDict[str, FlowerRound]" = collections.OrderedDict()
+_READ_LIMIT = 4
+_read_lock = threading.Lock()
+
+
 def read_round(folder: str) -> FlowerRound:
-    """The round `write_round` wrote into `folder` (read once per process)."""
+    """The round `write_round` wrote into `folder`. The file is read as another
+    party's (`private_files.read_json`: a regular file of at most `MAX_BUNDLE_BYTES`,
+    bounded JSON), each field checked (`_round_from_json`); an `ExportError` names the
+    file and the field. The file is read on every call and its round parsed once per
+    content (kept by the bytes' sha256, the last 4), so a file written again is read
+    again."""
     path = os.path.join(folder, FILE_NAME)
+    fix = "write it again with `fax-bridge flower`"
     try:
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-        proto = interpreter.as_proto(base64.b64decode(data["round"]))
-        if data["state"] is None:  # outside the bundle: its layout, for read_state
-            state = [np.zeros(tuple(int(d) for d in shape), wire.dtype_from_name(name))
-                     for name, shape in data["state-layout"]]
-            outside = True
-        else:
-            state = [_tensor_from_json(e) for e in data["state"]]
-            outside = False
-        models = data.get("litert-models", {})
-        if not isinstance(models, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in models.items()):
-            raise ValueError("litert-models is not a map of file names to sha256")
-        state_sha256 = data.get("state-sha256")
-        if state_sha256 is not None and not isinstance(state_sha256, str):
-            raise ValueError("state-sha256 is not a string")
-        recorded = data.get("result-structure")
+        raw = private_files.read_regular(path, MAX_BUNDLE_BYTES, what="the Flower round",
+                                         fix=fix)
+    except OSError as e:
+        raise ExportError(f"{path} is not a fax_bridge Flower round ({e}); {fix}") from None
+    digest = hashlib.sha256(raw).hexdigest()
+    with _read_lock:
+        if digest in _READ:
+            _READ.move_to_end(digest)
+            return _READ[digest]
+    try:
+        made = _round_from_json(private_files.parse_json(
+            raw, path, result_structure.MAX_JSON_DEPTH + 4, fix), path)
+    except (ValueError, TypeError) as e:  # HandedFileError and the proto's own refusals
+        raise ExportError(f"{path} is not a fax_bridge Flower round ({e}); {fix}") from None
+    with _read_lock:
+        _READ[digest] = made
+        while len(_READ) > _READ_LIMIT:
+            _READ.popitem(last=False)
+    return made
+
+
+read_round.cache_clear = _READ.clear  # as a functools cache offers it
+
+
+def _round_from_json(data: Any, path: str) -> FlowerRound:
+    """The round of `round.json`'s JSON `data` read from `path`, each field checked."""
+    j = private_files
+    j.json_value(data, "object", path)
+    if j.json_field(data, "format", "str", path) != FORMAT:
+        raise ValueError(f"field 'format' is {j.shown_json(data['format'])}, expected "
+                         f"{FORMAT!r}")
+    encoded = j.json_field(data, "round", "str", path)
+    try:
+        proto = interpreter.as_proto(base64.b64decode(encoded, validate=True))
+    except Exception as e:  # noqa: BLE001 - base64's and the proto parser's refusals
+        raise ValueError(f"field 'round' holds no computation proto ({str(e)[:200]})") \
+            from None
+    stored = j.json_field(data, "state", "list", path, none=True)
+    if stored is None:  # outside the bundle: its layout, for read_state
+        layout = j.json_field(data, "state-layout", "list", path)
+        state = [_tensor_from_json(e, f"{path}: field 'state-layout'[{i}]", data=False)
+                 for i, e in enumerate(layout)]
+    else:
+        state = [_tensor_from_json(e, f"{path}: field 'state'[{i}]")
+                 for i, e in enumerate(stored)]
+    models = j.json_field(data, "litert-models", "object", path, default={})
+    for name, digest in models.items():
+        j.json_value(digest, "str", f"{path}: field 'litert-models' entry {name[:80]!r}")
+    state_sha256 = j.json_field(data, "state-sha256", "str", path, none=True, default=None)
+    recorded = j.json_field(data, "result-structure", "object", path, none=True,
+                            default=None)
+    try:
         treedef = None if recorded is None else \
             result_structure.structure_from_json(recorded)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ExportError(f"{path} is not a fax_bridge Flower round ({e}); write it again "
-                          "with `fax-bridge flower`") from None
-    return FlowerRound(proto=proto, state=state, state_outside=outside,
+    except ValueError as e:
+        raise ValueError(f"field 'result-structure': {e}") from None
+    return FlowerRound(proto=proto, state=state, state_outside=stored is None,
                        state_sha256=state_sha256, litert_models=models,
                        result_structure=treedef)

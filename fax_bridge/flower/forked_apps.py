@@ -160,8 +160,8 @@ class AppForks:
         if len(self.socket.encode()) > MAX_SOCKET_PATH:  # a Unix socket's path is short
             self._short = tempfile.mkdtemp(prefix="fax-flwr-")  # made 0700
             self.socket = os.path.join(self._short, "forks.sock")
-        elif os.path.lexists(self.socket):
-            private_files.check_entry(self.socket)
+        elif os.path.lexists(self.socket):  # only a socket of ours: never a link, a
+            private_files.check_entry(self.socket, kind="socket")  # folder or a file
             os.unlink(self.socket)  # a server of an earlier deployment here has ended
         bin_dir = write_commands(folder, python)
         self.env = dict(env, PATH=bin_dir + os.pathsep + env.get("PATH", ""),

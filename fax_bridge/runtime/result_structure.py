@@ -14,7 +14,8 @@ A treedef written down for another process (a Flower app's `round.json`) goes th
 `structure_to_json` / `structure_from_json` (schema `STRUCTURE_FORMAT`): dicts, lists,
 tuples and None come back exactly; a NamedTuple, dataclass or other registered node
 comes back as its class only where the reading process has already imported the class's
-module (looked up by module and qualified name in `sys.modules`; the text never makes
+module (looked up by module and qualified name in `sys.modules`, each name in the
+module's or class's own `__dict__`, so no lazy-import hook runs: the text never makes
 anything be imported) and registered it, and where its auxiliary data was plain (None,
 bool, int, float, str and tuples or lists of them). Any other node comes back as a tuple
 of its children in jax's flattening order. The text is read as untrusted input: its
@@ -26,6 +27,7 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import types
 from typing import Any, Optional
 
 import jax
@@ -110,6 +112,10 @@ def kept_structure(proto: Any) -> Optional[Any]:
 STRUCTURE_FORMAT = 1
 _MAX_NODES = 1_000_000
 _MAX_DEPTH = 200
+_MAX_AUX_DEPTH = 32
+# the JSON nesting a written structure may reach: two levels a node ({"children": [...]})
+# and two a level of auxiliary data ({"tuple": [...]})
+MAX_JSON_DEPTH = 2 * (_MAX_DEPTH + 1) + 2 * (_MAX_AUX_DEPTH + 1) + 4
 _BUILTIN = {tuple: "tuple", list: "list", dict: "dict"}
 _OPAQUE = object()
 
@@ -117,7 +123,8 @@ _OPAQUE = object()
 def _aux_to_json(value: Any, depth: int = 0) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, (tuple, list)) and type(value) in (tuple, list) and depth < 32:
+    if isinstance(value, (tuple, list)) and type(value) in (tuple, list) and \
+            depth < _MAX_AUX_DEPTH:
         items = [_aux_to_json(v, depth + 1) for v in value]
         if all(i is not _OPAQUE for i in items):
             return {type(value).__name__: items}
@@ -127,7 +134,7 @@ def _aux_to_json(value: Any, depth: int = 0) -> Any:
 def _aux_from_json(value: Any, depth: int = 0) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, dict) and len(value) == 1 and depth < 32:
+    if isinstance(value, dict) and len(value) == 1 and depth < _MAX_AUX_DEPTH:
         (kind, items), = value.items()
         if kind in ("tuple", "list") and isinstance(items, list):
             made = [_aux_from_json(v, depth + 1) for v in items]
@@ -162,20 +169,45 @@ def structure_to_json(structure: Any) -> dict:
 
 
 def _registered_class(name: str) -> Optional[type]:
-    """The class `MODULE:QUALNAME` names, from a module already imported, or None."""
+    """The class `MODULE:QUALNAME` names, from a module already imported, or None.
+
+    Each name is looked up in the `__dict__` of the module or class that holds it,
+    never with `getattr`: a module's `__getattr__` (a package's lazy imports) or a lazy
+    module's loader would import what the text names."""
     module_name, _, qualname = name.partition(":")
     found: Any = sys.modules.get(module_name)
+    if not isinstance(found, types.ModuleType):
+        return None
     for part in qualname.split("."):
-        if found is None or not part.isidentifier():
+        if not part.isidentifier():
             return None
-        found = getattr(found, part, None)
+        try:
+            space = object.__getattribute__(found, "__dict__")  # never a hook
+        except AttributeError:
+            return None
+        found = space.get(part) if isinstance(space, (dict, types.MappingProxyType)) \
+            else None
+        if found is None:
+            return None
     return found if isinstance(found, type) else None
+
+
+def _distinct_keys(keys: Any, count: int) -> bool:
+    """Whether `keys` are `count` keys a dict can hold apart: hashable, and no two equal
+    as dict keys (1, 1.0 and True are one key), else a dict would drop children."""
+    if not isinstance(keys, list) or len(keys) != count:
+        return False
+    try:
+        return len(set(keys)) == count
+    except TypeError:  # a list among them
+        return False
 
 
 def structure_from_json(data: Any) -> Any:
     """The treedef `structure_to_json` wrote (module docstring: which nodes come back as
     their class, and which as tuples). ValueError where `data` is not of the schema."""
-    if not isinstance(data, dict) or data.get("format") != STRUCTURE_FORMAT:
+    if not isinstance(data, dict) or type(data.get("format")) is not int or \
+            data["format"] != STRUCTURE_FORMAT:
         raise ValueError(f"result structure of format {str(data)[:40]}, expected "
                          f"{{'format': {STRUCTURE_FORMAT}, ...}}")
     registry = jax.tree_util.default_registry
@@ -200,9 +232,9 @@ def structure_from_json(data: Any) -> Any:
         aux = _aux_from_json(entry["data"]) if "data" in entry else None
         kind = {v: k for k, v in _BUILTIN.items()}.get(name)
         if kind is dict:
-            if not (isinstance(aux, list) and len(aux) == len(children)
-                    and len(set(map(repr, aux))) == len(aux)):
-                raise ValueError("result structure: a dict node without one key a child")
+            if not _distinct_keys(aux, len(children)):
+                raise ValueError(f"result structure: a dict node's keys {str(aux)[:80]} "
+                                 "are not one distinct key a child")
         elif kind is None and not entry.get("opaque"):
             kind = _registered_class(name)
         if kind is not None:
