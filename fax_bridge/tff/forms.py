@@ -253,6 +253,10 @@ class Form:
     round: Computation
     seconds: float
     input_round: Optional[Computation] = None  # the round in the forms' type TFF was given
+    # For Federated Compute (`target="fcp"`): the client data's tf.Example features and,
+    # per state leaf, the signed dtype an unsigned leaf is kept as (None: as it is).
+    features: Optional[list] = None
+    state_codes: Optional[list] = None
 
     @property
     def name(self) -> str:
@@ -303,33 +307,54 @@ def build_forms(jobs: Sequence[dict], folder: str, timeout_s: float = 600.0) -> 
     return side_env.run_json(side_env.script("build_forms.py"), [path], timeout_s)
 
 
-def _to_form(kind: str, fn: Callable, args, placements, clients, out_dir) -> Form:
+TARGETS = ("tff", "fcp")
+
+
+def _to_form(kind: str, fn: Callable, args, placements, clients, target: str) -> Form:
+    from fax_bridge.tff import fcp
+
+    if target not in TARGETS:
+        raise ExportError(f"target {target!r} is not one of {TARGETS}: 'tff' builds TFF's "
+                          "form as it is, 'fcp' the form Federated Compute's plan builder "
+                          "takes")
     proto, _ = round_proto(fn, *args, placements=placements, clients=clients)
-    with tempfile.TemporaryDirectory(prefix="fax_bridge_forms_") as tmp:
-        folder = out_dir or tmp
-        result = build_forms([job(kind, proto, [kind], folder)], folder)[kind]
-        form = form_from_result(kind, result[kind])
+    with tempfile.TemporaryDirectory(prefix="fax_bridge_forms_") as folder:
+        if target == "tff":
+            result = build_forms([job(kind, proto, [kind], folder)], folder)[kind]
+            form = form_from_result(kind, result[kind])
+        else:
+            entry = fcp.with_fcp(job(kind, proto, [], folder), proto, [kind])
+            result = build_forms([entry], folder)[kind].get("fcp", {})
+            fcp.check_result(kind, result)
+            form = form_from_result(kind, result[kind])
+            form.features = fcp.client_features(proto)
+            form.state_codes = result["info"]["state_codes"]
     form.input_round = proto
     return form
 
 
 def to_distribute_aggregate_form(fn: Callable, *args, placements: Any = None,
-                                 clients: Optional[int] = None) -> Form:
+                                 clients: Optional[int] = None, target: str = "tff") -> Form:
     """The round `fn(state, *client_data) -> (new_state, output)` as TFF's
     DistributeAggregateForm (pieces with `Xla` parts), built by TFF 0.87.
+
+    With `target="fcp"`, the form Federated Compute's plan builder takes
+    (`fax_bridge.tff.fcp`): client data as serialized `tf.Example`s parsed in the client
+    work, TensorFlow parts only, unsigned state leaves kept as signed bits, secure-sum
+    bounds in the intermediate server state.
 
     Needs the TFF side environment (`make tff-venv`). Raises `ExportError` for rounds no
     form can hold (two trips, client state, other intrinsics), naming the fix.
     """
-    return _to_form("daf", fn, args, placements, clients, None)
+    return _to_form("daf", fn, args, placements, clients, target)
 
 
 def to_map_reduce_form(fn: Callable, *args, placements: Any = None,
-                       clients: Optional[int] = None) -> Form:
+                       clients: Optional[int] = None, target: str = "tff") -> Form:
     """The round as TFF's MapReduceForm: TensorFlow pieces whose local work is one
     `XlaCallModule` op (version 8) per Xla part, built by TFF 0.87 (see
-    `to_distribute_aggregate_form`)."""
-    return _to_form("mrf", fn, args, placements, clients, None)
+    `to_distribute_aggregate_form`, also for `target="fcp"`)."""
+    return _to_form("mrf", fn, args, placements, clients, target)
 
 
 def form_files(kind: str) -> list:
@@ -358,6 +383,12 @@ def write_form(form: Form, out_dir: str) -> dict:
     manifest = {"form": form.name, "type_signature": form.type_signature,
                 "pieces": list(form.pieces), "files": entries,
                 "tff_build_seconds": form.seconds}
+    if form.features is not None:  # a Federated Compute form: what its examples hold
+        manifest["for"] = "fcp"
+        manifest["features"] = [{"name": f.name, "dtype": f.dtype.name,
+                                 "shape": list(f.shape), "list": f.kind}
+                                for f in form.features]
+        manifest["state_codes"] = form.state_codes
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest

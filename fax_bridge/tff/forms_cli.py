@@ -7,6 +7,8 @@ went in (`input_round.pb`) and `manifest.json` (form, type of every piece, bytes
 sha256), replacing only files fax-bridge wrote in DIR before (`output_folders`; another
 file in the way is refused by name unless `--force`). The program and its example
 arguments are found as `fax-bridge export` finds them. A round no form can hold is refused with the operations, source lines and fix.
+`--for fcp` builds the form Google's Federated Compute plan builder takes
+(`fax_bridge.tff.fcp`); its manifest also lists the client data's tf.Example features.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def _run(args: argparse.Namespace) -> int:
                                      force=args.force, what="-o")  # before building
         build = (forms.to_distribute_aggregate_form if args.form == "daf"
                  else forms.to_map_reduce_form)
-        form = build(prog, *prog_args, placements=placements)
+        form = build(prog, *prog_args, placements=placements, target=args.target)
         with output_folders.staged(args.output, "forms", force=args.force,
                                    what="-o") as stage:
             manifest = forms.write_form(form, stage)
@@ -51,6 +53,10 @@ def register(subparsers) -> None:
     p.add_argument("--form", choices=("daf", "mrf"), required=True,
                    help="daf: DistributeAggregateForm (Xla parts); mrf: MapReduceForm "
                         "(TensorFlow parts holding XlaCallModule)")
+    p.add_argument("--for", dest="target", choices=("tff", "fcp"), default="tff",
+                   help="tff: TFF's form as it is; fcp: the form Federated Compute's plan "
+                        "builder takes (client data as serialized tf.Examples, TensorFlow "
+                        "parts only, checkpoint dtypes; manifest.json lists the features)")
     p.add_argument("-o", "--output", required=True, type=cli_args.output_folder,
                    help="folder for the pieces and manifest (created if needed; files "
                         "fax-bridge wrote there before are replaced, any other file in "

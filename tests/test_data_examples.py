@@ -1,0 +1,140 @@
+"""TFRecord files of tf.Example without TensorFlow: CRC-32C and framing, the Example's
+wire format (packed and unpacked lists), populations written whole and read back
+checked. That TensorFlow reads these files and these readers read TensorFlow's is
+checked by `make forms-check` (in the TFF side environment)."""
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fax_bridge.data import examples as E
+from fax_bridge.errors import DataError
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int32, np.int64, np.int8,
+          np.uint8, np.uint16, np.uint32, np.bool_]
+
+
+def test_crc32c_and_its_mask_match_the_published_values():
+    assert E.crc32c(b"") == 0
+    assert E.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert E.crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
+    c = E.crc32c(b"abc")
+    assert E.masked_crc(b"abc") == (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _features_and_values(draw_dtypes, shapes, rng):
+    features, values = [], {}
+    for i, (dtype, shape) in enumerate(zip(draw_dtypes, shapes)):
+        f = E.Feature(f"arg{i}/leaf", np.dtype(dtype), tuple(shape))
+        if np.dtype(dtype) == np.bool_:
+            v = rng.integers(0, 2, shape).astype(bool)
+        elif np.issubdtype(np.dtype(dtype), np.integer):
+            info = np.iinfo(dtype)
+            v = rng.integers(info.min, info.max, shape, dtype=np.int64, endpoint=True
+                             ).astype(dtype) if info.bits < 64 else rng.integers(
+                -2**63, 2**63 - 1, shape, dtype=np.int64)
+        else:
+            v = rng.normal(size=shape).astype(dtype)
+        features.append(f)
+        values[f.name] = v
+    return features, values
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtypes=st.lists(st.sampled_from(DTYPES), min_size=1, max_size=4),
+       shapes=st.lists(st.lists(st.integers(0, 3), max_size=3), min_size=4, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_every_leaf_dtype_round_trips_exactly(dtypes, shapes, seed):
+    features, values = _features_and_values(dtypes, shapes, np.random.default_rng(seed))
+    records = E.unframe(b"".join(E.frame(E.encode_example(features, values))
+                                 for _ in range(2)))
+    assert len(records) == 2
+    back = E.decode_example(features, records[1])
+    for f in features:
+        assert back[f.name].dtype == f.dtype and back[f.name].shape == f.shape
+        np.testing.assert_array_equal(back[f.name], values[f.name])
+
+
+def test_unpacked_lists_read_like_packed_ones():
+    f = [E.Feature("i", np.dtype(np.int32), (2,)), E.Feature("f", np.dtype(np.float32), ())]
+    # Int64List with two unpacked entries (-1 as ten bytes), FloatList one fixed32 entry.
+    ints = b"\x08\x05" + b"\x08" + E._varint(-1)
+    floats = b"\x0d" + struct.pack("<f", 1.5)
+    entry_i = E._field(1, b"i") + E._field(2, E._field(3, ints))
+    entry_f = E._field(1, b"f") + E._field(2, E._field(2, floats))
+    data = E._field(1, E._field(1, entry_i) + E._field(1, entry_f))
+    back = E.decode_example(f, data)
+    assert back["i"].tolist() == [5, -1] and back["f"] == np.float32(1.5)
+
+
+def test_refusals_name_the_feature_and_what_was_wrong():
+    f = [E.Feature("x", np.dtype(np.float32), (3,))]
+    data = E.encode_example(f, {"x": np.zeros(3, np.float32)})
+    with pytest.raises(DataError, match="'x' holds 3 float values, not the 4 of shape"):
+        E.decode_example([E.Feature("x", np.dtype(np.float32), (4,))], data)
+    with pytest.raises(DataError, match="has no feature 'y'"):
+        E.decode_example([E.Feature("y", np.dtype(np.float32), (3,))], data)
+    with pytest.raises(DataError, match="float64, which no tf.Example feature holds"):
+        E.Feature("z", np.dtype(np.float64), ()).kind
+    with pytest.raises(DataError, match="uint64"):
+        E.feature_kind(np.uint64)
+    with pytest.raises(DataError, match="shape"):
+        E.encode_example(f, {"x": np.zeros(2, np.float32)})
+
+
+@pytest.mark.parametrize("damage", ["length", "payload", "truncate", "garbage"])
+def test_a_damaged_record_is_refused_by_its_checksum(damage):
+    good = E.frame(b"some record")
+    bad = {"length": bytes([good[0] ^ 1]) + good[1:],
+           "payload": good[:14] + bytes([good[14] ^ 1]) + good[15:],
+           "truncate": good[:-3], "garbage": good + b"\x00" * 5}[damage]
+    with pytest.raises(DataError, match="checksum|ends inside|more than the file"):
+        E.unframe(bad, "f.tfrecord")
+
+
+def test_population_is_written_whole_and_read_back_checked(tmp_path):
+    features = [E.Feature("data/x", np.dtype(np.float32), (2, 3)),
+                E.Feature("1", np.dtype(np.uint32), (2,))]
+    clients = [{"data/x": np.full((2, 3), i, np.float32),
+                "1": np.array([i, 2**32 - 1], np.uint32)} for i in range(3)]
+    assert E.write_population(str(tmp_path), features, clients) == 3
+    pop = E.ExamplePopulation(str(tmp_path))
+    assert len(pop) == 3 and pop.features == features
+    np.testing.assert_array_equal(pop.client(2)["1"], clients[2]["1"])
+
+    def failing():  # a writer that fails leaves the old population as it was
+        yield clients[0]
+        raise RuntimeError("source failed")
+
+    with pytest.raises(RuntimeError):
+        E.write_population(str(tmp_path), features, failing())
+    assert len(E.ExamplePopulation(str(tmp_path))) == 3
+    assert sorted(os.listdir(tmp_path)) == ["client_00000.tfrecord", "client_00001.tfrecord",
+                                            "client_00002.tfrecord", "features.json"]
+
+
+def test_population_files_are_read_as_another_partys(tmp_path):
+    features = [E.Feature("x", np.dtype(np.float32), (1,))]
+    E.write_population(str(tmp_path), features, [{"x": np.ones(1, np.float32)}])
+    meta = tmp_path / "features.json"
+    spec = json.loads(meta.read_text())
+    spec["features"][0]["dtype"] = "O"
+    meta.write_text(json.dumps(spec))
+    with pytest.raises(DataError, match="not a number type"):
+        E.ExamplePopulation(str(tmp_path))
+    spec["features"][0]["dtype"] = "<f4"
+    meta.write_text(json.dumps(spec))
+    record = tmp_path / "client_00000.tfrecord"
+    record.unlink()
+    os.mkfifo(record)  # a FIFO never blocks the reader
+    with pytest.raises(Exception, match="FIFO"):
+        E.ExamplePopulation(str(tmp_path)).client(0)
+    record.unlink()
+    record.write_bytes(E.frame(b"x") * 2)
+    with pytest.raises(DataError, match="holds 2 examples"):
+        E.ExamplePopulation(str(tmp_path)).client(0)
