@@ -22,6 +22,7 @@ pytest.importorskip("flwr")
 
 from fax_bridge import cli  # noqa: E402
 from fax_bridge.data import write_population  # noqa: E402
+from fax_bridge.errors import ExportError  # noqa: E402
 from fax_bridge.flower import app_dir, bundle, client  # noqa: E402
 from fax_bridge.litert import carried, convert, refusals, runner  # noqa: E402
 from fax_bridge.rounds import partials, round_split, server_steps  # noqa: E402
@@ -252,7 +253,7 @@ def test_the_state_beside_the_app_is_recorded_by_its_sha256(tmp_path, quickstart
     assert read.state_sha256 == hashlib.sha256(state_path.read_bytes()).hexdigest()
     bundle.read_state(str(state_path), read.state, read.state_sha256)
     bundle.write_state([np.asarray(t) + 1 for t in made.state], str(state_path))
-    with pytest.raises(Exception, match="written for another round or changed since"):
+    with pytest.raises(ExportError, match="written for another round or changed since"):
         bundle.read_state(str(state_path), read.state, read.state_sha256)
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge.errors import WeightError
+from fax_bridge.errors import FleetError, WeightError
 from fax_bridge.rounds import partials, validate
 from fax_bridge.runtime import aggregation
 from fax_bridge.v1 import device_pb2 as pb
@@ -149,7 +149,7 @@ def test_an_addend_standing_for_several_clients_is_refused_unless_the_round_roun
     types = [federated_language.TensorType(np.float32, [2])]
     message = partials.to_message(aggregation.partial_of("sum", members), rounded=True)
     assert message.leaves[0].addend.dtype == "float32"
-    with pytest.raises(Exception, match="a partial over 2 clients sent as one addend"):
+    with pytest.raises(FleetError, match="a partial over 2 clients sent as one addend"):
         validate.check_partial(message, "sum", types, [], 2, "holder 0")
     checked, payload = validate.check_partial(message, "sum", types, [], 2, "holder 0",
                                               rounded=True)
@@ -159,12 +159,12 @@ def test_an_addend_standing_for_several_clients_is_refused_unless_the_round_roun
     assert not ints.leaves[0].addend.dtype  # integer sums are never rounded
     forged = partials.to_message(aggregation.partial_of("sum", members[:1]))
     forged.leaves[0].doubles = b"\0" * 16
-    with pytest.raises(Exception, match="both as an addend and in another form"):
+    with pytest.raises(FleetError, match="both as an addend and in another form"):
         validate.check_partial(forged, "sum", types, [], 1, "holder 0")
     secure = partials.to_message(aggregation.partial_of(
         "secure_sum_bitwidth", [np.array([1], np.int32)], bitwidth=np.int32(2)))
     secure.leaves[0].addend.data = np.array([9], np.int32).tobytes()
-    with pytest.raises(Exception, match=r"secure sum's addend holds 9 .. 9"):
+    with pytest.raises(FleetError, match=r"secure sum's addend holds 9 .. 9"):
         validate.check_partial(secure, "secure_sum_bitwidth",
                                [federated_language.TensorType(np.int32, [1])], [], 1, "h",
                                tops=[3])
