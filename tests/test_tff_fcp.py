@@ -1,0 +1,104 @@
+"""The main side of the Federated Compute forms: the client data's tf.Example features
+from the round's type, unsigned state leaves as signed bits (exact), a plan-shaped run's
+inputs, and the refusals. TFF building them, FCP's contract on them and their
+plan-shaped run against jax.jit are `make forms-check` (tools/forms_check.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge.data.examples import ExamplePopulation, Feature
+from fax_bridge.tff import fcp, forms
+
+N = 3
+
+
+@fb.program(clients=N)
+def secure_round(state, data, keys):
+    def work(w, d):
+        return jnp.tanh(d["x"] @ w["w"]).mean(0), d["n"].astype(jnp.float32).sum()
+
+    delta, count = fb.federated_map_clients(work, (fb.federated_broadcast(state), data))
+    mean = fb.federated_secure_mean(delta, keys, value_range=(-1.0, 1.0), bits=10)
+    new = fb.federated_map_server(
+        lambda s, m: {"w": s["w"] + m[:, None], "key": jax.random.key_data(
+            jax.random.split(jax.random.wrap_key_data(s["key"]))[0])}, (state, mean))
+    return new, fb.federated_mean(count)
+
+
+STATE = {"w": np.ones((4, 1), np.float32),
+         "key": np.asarray(jax.random.key_data(jax.random.key(7)))}
+DATA = {"x": np.arange(N * 5 * 4, dtype=np.float32).reshape(N, 5, 4) / 50,
+        "n": np.arange(N * 5, dtype=np.int32).reshape(N, 5)}
+KEYS = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), N)))
+PLACEMENTS = ("server", "clients", "clients")
+
+
+@pytest.fixture(scope="module")
+def proto():
+    return forms.round_proto(secure_round, STATE, DATA, KEYS, placements=PLACEMENTS)[0]
+
+
+def test_features_are_the_client_leaves_named_by_path_in_flatten_order(proto):
+    assert fcp.client_features(proto) == [
+        Feature("0/n", np.dtype(np.int32), (5,)), Feature("0/x", np.dtype(np.float32), (5, 4)),
+        Feature("1", np.dtype(np.uint32), (2,))]
+    assert [(p, d.name) for p, d, _ in fcp.state_leaves(proto)] == [
+        ("key", "uint32"), ("w", "float32")]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=4),
+       st.sampled_from([np.uint16, np.uint32, np.uint64]))
+def test_unsigned_state_leaves_travel_as_signed_bits_exactly(values, dtype):
+    info = np.iinfo(dtype)
+    key = np.array([min(v, info.max) for v in values], dtype)
+    w = np.float32([0.5, -1.0])
+    stored = fcp.encode_state([key, w])
+    assert stored[0].dtype == np.dtype(fcp.CHECKPOINT_CODES[np.dtype(dtype)])
+    assert stored[1] is not None and stored[1].dtype == np.float32
+    back = fcp.decode_state(stored, [dtype, np.float32])
+    np.testing.assert_array_equal(back[0], key)
+    assert back[0].dtype == dtype
+
+
+def test_a_plan_run_reads_the_population_written_as_examples(proto, tmp_path):
+    run = fcp.make_run(proto, STATE, (DATA, KEYS), N, str(tmp_path), rounds=3)
+    pop = ExamplePopulation(str(tmp_path / "examples"))
+    assert run["examples"] == pop.paths and len(pop) == N and run["rounds"] == 3
+    np.testing.assert_array_equal(pop.client(2)["1"], KEYS[2])
+    np.testing.assert_array_equal(pop.client(1)["0/x"], DATA["x"][1])
+    with np.load(run["state"]) as z:
+        assert int(z["num_state"]) == 2 and z["state.0"].dtype == np.int32
+        np.testing.assert_array_equal(z["state.0"].view(np.uint32), STATE["key"])
+
+
+def test_client_arguments_that_do_not_match_the_round_are_refused(proto):
+    features = fcp.client_features(proto)
+    with pytest.raises(fb.ExportError, match="2 leaves, the round's client data 3"):
+        fcp.client_values(features, DATA, N)
+    bad = {"x": DATA["x"].astype(np.float16), "n": DATA["n"]}
+    with pytest.raises(fb.ExportError, match=r"client leaf 0/x: float16\[3, 5, 4\]"):
+        fcp.client_values(features, (bad, KEYS), N)
+
+
+def test_an_unknown_target_is_refused_before_anything_is_built():
+    with pytest.raises(fb.ExportError, match="target 'fcpp' is not one of"):
+        fb.to_map_reduce_form(secure_round, STATE, DATA, KEYS, placements=PLACEMENTS,
+                              target="fcpp")
+
+
+def test_a_form_outside_the_builders_contract_is_refused_naming_each_breach():
+    entry = {"same_type": True, "round_type": "t", "contract": [
+        "work holds xla local computations, not TensorFlow",
+        "the server state holds uint32, which a TF checkpoint cannot hold"]}
+    with pytest.raises(fb.ExportError, match="contract: work holds xla.*; the server state "
+                                             "holds uint32"):
+        fcp.check_result("mrf", {"mrf": entry, "type": "t"})
+    with pytest.raises(fb.ExportError, match="no FCP form of this round: TypeError: x"):
+        fcp.check_result("daf", {"error": "TypeError: x"})
+    with pytest.raises(fb.ExportError, match="could not build the FCP DAF: boom"):
+        fcp.check_result("daf", {"daf": {"error": "boom"}, "type": "t"})
