@@ -37,6 +37,7 @@ from fax_bridge.errors import OutputError
 
 RECORD = ".fax-bridge-written"  # no extension: Flower leaves it out of app bundles
 FORMAT = 1
+MAX_RECORD_BYTES = 4 << 20  # the names of the files written there; larger is not ours
 _STAGE_PREFIX = ".fax-bridge-stage-"
 FORCE_HINT = "give --force to replace it"
 
@@ -136,12 +137,10 @@ def read_record(folder: str) -> Optional[dict]:
     path = os.path.join(folder, RECORD)
     if not os.path.lexists(path):
         return {}
-    if os.path.islink(path) or not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        kinds = data["written"] if data.get("format") == FORMAT else None
+    try:  # a regular file, not a link (a FIFO never blocks), bounded JSON
+        data = private_files.read_json(path, MAX_RECORD_BYTES, what="the folder's record")
+        kinds = data["written"] if data.get("format") == FORMAT and \
+            type(data["format"]) is int else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not isinstance(kinds, dict) or not all(

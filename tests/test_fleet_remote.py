@@ -167,8 +167,14 @@ def test_fleet_file_round_trip_and_errors(tmp_path):
         path.write_text(json.dumps(data))
         with pytest.raises(FleetError, match=message):
             fleet_file.load_fleet_file(path)
-    path.write_text("{not json")
-    with pytest.raises(FleetError, match="not valid JSON"):
+    for text in ["{not json", "[" * 300_000 + "]" * 300_000, '{"devices": [1e400]}',
+                 '{"devices": ["h:1"], "devices": ["h:2"]}']:
+        path.write_text(text)
+        with pytest.raises(FleetError, match="not valid JSON"):
+            fleet_file.load_fleet_file(path)
+    path.unlink()
+    os.mkfifo(path)  # opened without blocking, refused by its type
+    with pytest.raises(FleetError, match="is a FIFO"):
         fleet_file.load_fleet_file(path)
     with pytest.raises(FleetError, match="fd00::1"):
         fleet_file.parse_devices("fd00::1:50051")

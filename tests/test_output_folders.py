@@ -156,12 +156,16 @@ def test_kinds_keep_their_own_entries_in_one_folder(tmp_path):
 @pytest.mark.parametrize("record", [
     "not json", json.dumps({"format": 1, "written": {"x": ["../outside"]}}),
     json.dumps({"format": 1, "written": {"x": ["/etc/passwd"]}}),
-    json.dumps({"format": 99, "written": {}})])
+    json.dumps({"format": 99, "written": {}}), json.dumps({"format": True, "written": {}}),
+    "[" * 300_000 + "]" * 300_000, '{"format": 1e400}', "fifo"])
 def test_a_record_fax_bridge_did_not_write_is_refused_and_never_followed(tmp_path, record):
     folder = tmp_path / "out"
     folder.mkdir()
     (tmp_path / "outside").write_text("keep")
-    (folder / output_folders.RECORD).write_text(record)
+    if record == "fifo":  # opened without blocking, refused by its type
+        os.mkfifo(folder / output_folders.RECORD)
+    else:
+        (folder / output_folders.RECORD).write_text(record)
     with pytest.raises(OutputError, match="not fax_bridge's record"):
         write(str(folder), ["a"], "x")
     write(str(folder), ["a"], "x", force=True)  # forced: the record is replaced

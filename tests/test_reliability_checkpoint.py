@@ -59,6 +59,15 @@ def test_checkpoints_round_trip_without_pickle(tmp_path):
     (tmp_path / checkpoint.FILE_NAME).write_bytes(b"not an npz")
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         checkpoint.load(tmp_path)
+    for header in ["[" * 300_000 + "]" * 300_000, '{"format": NaN}', "[1e400]"]:
+        np.savez(tmp_path / checkpoint.FILE_NAME,
+                 header=np.frombuffer(header.encode(), np.uint8))
+        with pytest.raises(CheckpointError, match="truncated or corrupt.*not JSON"):
+            checkpoint.load(tmp_path)
+    os.unlink(tmp_path / checkpoint.FILE_NAME)
+    os.mkfifo(tmp_path / checkpoint.FILE_NAME)  # opened without blocking
+    with pytest.raises(CheckpointError, match="is a FIFO"):
+        checkpoint.load(tmp_path)
 
 
 STATE = {"w": np.arange(6, dtype=np.float32), "opt": (np.int64(4), [np.ones((2, 2))])}

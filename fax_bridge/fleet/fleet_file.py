@@ -12,7 +12,9 @@ clients are assigned to them. `token_file` (optional) names a file holding the f
 token, readable by its owner only; `tls` (optional) names PEM files for mutual TLS. The
 token itself never sits in the fleet file, so the file can be shared and committed.
 Relative paths are relative to the fleet file. `parse_devices("h1:p1,h2:p2")` reads the
-same addresses from a command line.
+same addresses from a command line. The file is read as another party's
+(`private_files.read_json`: a regular file of at most `MAX_FLEET_FILE_BYTES`, JSON of
+bounded depth with finite numbers).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fax_bridge.errors import FleetError
 from fax_bridge.fleet.protocol import parse_address
 
 _KEYS = {"devices", "token_file", "tls"}
+MAX_FLEET_FILE_BYTES = 1 << 20  # thousands of devices; a larger file is refused unread
 _TLS_KEYS = {"ca_cert", "cert", "key", "server_name"}
 
 
@@ -79,13 +82,13 @@ def _unique(addresses: Sequence[str], where: str) -> list[str]:
 def load_fleet_file(path: "os.PathLike | str") -> FleetSpec:
     """Reads and checks a fleet file (see the module docstring for the format)."""
     path = os.fspath(path)
-    try:
-        with open(path) as f:
-            data = json.load(f)
+    try:  # a regular file (a FIFO never blocks), bounded JSON (`private_files.read_json`)
+        data = private_files.read_json(path, MAX_FLEET_FILE_BYTES, what="the fleet file",
+                                       follow_links=True)
+    except private_files.HandedFileError as e:
+        raise FleetError(f"the fleet file is not valid JSON: {e}") from None
     except OSError as e:
         raise FleetError(f"cannot read the fleet file {path}: {e}") from None
-    except ValueError as e:
-        raise FleetError(f"the fleet file {path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise FleetError(f"the fleet file {path} must hold a JSON object with a 'devices' "
                          "list")

@@ -133,7 +133,7 @@ def write(folder: str, packed: list) -> list:
 
 def _read(path: pathlib.Path, raw: bytes) -> dict:
     try:
-        data = json.loads(raw.decode())
+        data = private_files.parse_json(raw, path, max_depth=256)  # bounded: a ValueError
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         if data.get("format") != FORMAT:

@@ -84,7 +84,7 @@ def read(key: str, signature, name: str) -> Lookup:
         raw = private_files.read_regular(path, MAX_ENTRY_BYTES, ours=True,
                                          what="the cached LiteRT model")
         line, _, model = raw.partition(b"\n")
-        header = json.loads(line.decode())
+        header = private_files.parse_json(line, path)  # bounded: a ValueError
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             why = "its header is not a fax_bridge cache entry's"
         elif header.get("key") != key:

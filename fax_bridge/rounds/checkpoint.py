@@ -186,10 +186,12 @@ def load(directory: "os.PathLike | str", like: Any = None) -> Optional[Checkpoin
     path = pathlib.Path(directory) / FILE_NAME
     if not path.exists():
         return None
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
-        header = json.loads(bytes(arrays.pop("header")).decode())
+    try:  # a regular file (a FIFO never blocks), headers checked before any allocation
+        from fax_bridge import npz_files
+
+        arrays = npz_files.read_npz(path, what="checkpoint")
+        header = private_files.parse_json(bytes(arrays.pop("header")), str(path),
+                                          max_depth=512)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except Exception as e:  # noqa: BLE001 - any failure to parse the file's bytes
