@@ -7,8 +7,11 @@ pytree's children with `named_children`, so a value written by one is read by an
 A pytree path as a tensor name (a LiteRT signature's, an .npz key): `segments(path)`
 gives one text per key (a dict key, an attribute name, an index), `tensor_names` joins
 them with "/", keeps each to letters, digits, `_`, `.` and `-`, and makes the names
-unique. Inside `recording_aggregands()` each aggregation over clients notes the paths
-of its value's leaves (`note_aggregand`), which the export flattens away.
+unique. Inside `recording_aggregands()` each aggregation over clients and each
+broadcast notes the paths of its value's leaves (`note_aggregand`, `note_broadcast`),
+which the export flattens away; `match_records` finds the records one communication of
+the exported round was made of (the exporter merges calls of one kind that share their
+weights and depth into one).
 """
 
 from __future__ import annotations
@@ -107,10 +110,35 @@ def note_aggregand(op: str, paths: Sequence[Sequence[Any]]) -> None:
         record.append((op, [segments(p) for p in paths]))
 
 
+def note_broadcast(paths: Sequence[Sequence[Any]]) -> None:
+    """Notes a broadcast's value's leaf paths, inside `recording_aggregands`."""
+    note_aggregand("federated_broadcast", paths)
+
+
+def match_records(records: Sequence[tuple], kind: str, leaves: int,
+                  start: int = 0) -> Optional[tuple[list, int]]:
+    """(the records that make one communication of `kind` with `leaves` leaves, the
+    index after the last of them), or None: the first run of consecutive records of
+    that kind from `start` on (records of other kinds skipped, not breaking a run) whose
+    leaves add up to `leaves`. `records`: `recording_aggregands`' (op, paths) entries;
+    `kind` the op without its `federated_` prefix."""
+    mine = [i for i in range(start, len(records))
+            if records[i][0].removeprefix("federated_") == kind]
+    for a in range(len(mine)):
+        total = 0
+        for b in range(a, len(mine)):
+            total += len(records[mine[b]][1])
+            if total == leaves:
+                return [records[i] for i in mine[a:b + 1]], mine[b] + 1
+            if total > leaves:
+                break
+    return None
+
+
 @contextlib.contextmanager
 def recording_aggregands() -> Iterator[list]:
     """A list that fills with (op, [the value's leaf paths as segments]) for each
-    aggregation over clients traced inside the block, in call order."""
+    aggregation over clients and each broadcast traced inside the block, in call order."""
     record: list = []
     token = _AGGREGANDS.set(record)
     try:

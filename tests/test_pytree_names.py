@@ -32,3 +32,25 @@ def test_an_aggregation_notes_its_leaves_paths_only_while_recorded():
         round_(x)
     assert record == [("federated_mean", [["b", "0"], ["b", "1"], ["dense/w"]])]
     assert pytree_names.tensor_names(record[0][1]) == ["b/0", "b/1", "dense_w"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["federated_sum", "federated_mean"]),
+                          st.integers(1, 4)), min_size=1, max_size=8), st.data())
+def test_the_records_of_one_merged_communication_are_found(calls, data):
+    """Calls of one kind merged into one communication (the exporter's merge of calls
+    that share their depth and weights) are found by their kind and total leaves."""
+    records = [(op, [[f"{i}", str(j)] for j in range(n)]) for i, (op, n) in enumerate(calls)]
+    start = data.draw(st.integers(0, len(records) - 1))
+    kind = records[start][0]
+    run = [start]
+    for i in range(start + 1, len(records)):  # the next calls of that kind, in order
+        if records[i][0] == kind:
+            if not data.draw(st.booleans()):
+                break
+            run.append(i)
+    leaves = sum(len(records[i][1]) for i in run)
+    found, after = pytree_names.match_records(records, kind.removeprefix("federated_"),
+                                              leaves, start)
+    assert found == [records[i] for i in run] and after == run[-1] + 1
+    assert pytree_names.match_records(records, "weighted_mean", leaves) is None

@@ -4,7 +4,8 @@ as a LiteRT model for phones.
 Exports the program with its example arguments, at `--clients` or the clients the program
 declares (as `fax-bridge export` does, `tff.cli.resolve_program`), splits the
 round, converts its client part (`convert`), and writes the model, its manifest, the
-example client and `check.py` into DIR (`manifest`; through `output_folders`: files
+example client and `check.py` into DIR (`manifest`: each tensor named by pytree path,
+with its dtype and shape, which it also prints; through `output_folders`: files
 fax-bridge wrote in DIR before are replaced, any other file in the way is refused by
 name unless `--force`); then runs the check (the model on
 the example client in the LiteRT interpreter against XLA, within the rounding bound),
@@ -63,6 +64,10 @@ def _run(args: argparse.Namespace) -> int:
           f"{model.signature!r}: {len(written['inputs'])} inputs, "
           f"{len(written['outputs'])} outputs), manifest.json, {manifest.EXAMPLE_FILE}, "
           "check.py")
+    for role in ("inputs", "outputs"):  # as manifest.json names them
+        print(f"{role}:")
+        for t in written[role]:
+            print(f"  {t['name']}: {t['dtype']}{t['shape']}")
     if args.no_check:
         return 0
     return subprocess.call([sys.executable, str(out / "check.py")])

@@ -139,16 +139,18 @@ _LOCK = threading.Lock()
 
 def convert_client_part(fn: computation_pb2.Computation, param, result,
                         aggregations: Optional[list] = None, *, key: Optional[str] = None,
-                        use_cache: bool = True) -> ClientModel:
+                        use_cache: bool = True, names: Optional[tuple] = None
+                        ) -> ClientModel:
     """The client part `fn`, of type `param -> result`, as a LiteRT model (module
-    docstring). `aggregations`: the split's, which name the outputs; `key`: `fn`'s
-    content hash where the caller has it."""
+    docstring). `aggregations`: the split's, which name the outputs; `names`: (input
+    names, output names) in their place (`lowering.client_signature`); `key`: `fn`'s
+    content hash (and names) where the caller has it."""
     key = key or local_eval.content_hash(fn)
     with _LOCK:
         if use_cache and key in _MADE:
             return _MADE[key]
     start = time.perf_counter()
-    sig = lowering.client_signature(param, result, aggregations)
+    sig = lowering.client_signature(param, result, aggregations, names)
     text = lowering.lower(fn, sig)
     ins, outs = [t.name for t in sig.inputs], [t.name for t in sig.outputs]
     digest = hashlib.sha256(json.dumps([CONVERTER, SIGNATURE, ins, outs]).encode()

@@ -102,10 +102,13 @@ def split_types(split) -> tuple:
 
 
 def client_signature(param: federated_language.Type, result: federated_language.Type,
-                     aggregations: Optional[list] = None) -> ClientSignature:
+                     aggregations: Optional[list] = None,
+                     names: Optional[tuple] = None) -> ClientSignature:
     """The named leaves of a client part of type `param -> result` (module docstring).
     `aggregations` (the split's `Aggregation`s) name the outputs by the aggregation they
-    feed; without them the outputs are `result/<i>/<path>`."""
+    feed; without them the outputs are `result/<i>/<path>`. `names`: (input names,
+    output names) that replace those, one per leaf in order (`litert.manifest.
+    signature_names`: by the program's pytree paths)."""
     if not isinstance(param, federated_language.StructType) or len(param) != 2:
         raise ComputationError(f"a client part takes <broadcasts, client inputs>; got {param}")
     inputs: list = []
@@ -122,6 +125,15 @@ def client_signature(param: federated_language.Type, result: federated_language.
     outputs: list = []
     for i, element in enumerate(result):
         _leaves(element, roles.get(i, f"result/{i}"), outputs, "output")
+    if names is not None:
+        ins, outs = names
+        if len(ins) != len(inputs) or len(outs) != len(outputs) or \
+                len(set(ins)) != len(ins) or len(set(outs)) != len(outs):
+            raise ComputationError(
+                f"{len(ins)} input and {len(outs)} output names for a client part of "
+                f"{len(inputs)} input and {len(outputs)} output tensors (each name once)")
+        inputs = [dataclasses.replace(t, name=n) for t, n in zip(inputs, ins)]
+        outputs = [dataclasses.replace(t, name=n) for t, n in zip(outputs, outs)]
     return ClientSignature(param, result, tuple(inputs), tuple(outputs))
 
 
@@ -208,7 +220,8 @@ def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
     """op name -> the user's source lines (`file:line (function)`) where the client part
     computes it, for the StableHLO ops among `ops`; a LiteRT op (`tfl.*`, a builtin with
     no kernel for unsigned integers) is looked for as the StableHLO ops on unsigned
-    integers. An op inside a called function takes the lines of its calls."""
+    integers, a sort also as a `lax.top_k` (whose values alone the converter makes a
+    sort). An op inside a called function takes the lines of its calls."""
     module = _lowered(fn, signature).compiler_ir("stablehlo")
     every = walk(module.operation, [])
     calls: dict = {}
@@ -231,10 +244,17 @@ def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
     def unsigned(op) -> bool:
         return any(re.search(r"xui\d+>|<ui\d+>", str(r.type)) for r in op.results)
 
+    def top_k(op) -> bool:  # lax.top_k, which becomes a sort where its indices go unused
+        return op.name == "stablehlo.custom_call" and "topk" in str(
+            op.attributes["call_target_name"]).lower() if "call_target_name" in \
+            op.attributes else False
+
     out: dict = {}
     for wanted in ops:
         hits = [op for op in every if op.name == wanted] if not wanted.startswith("tfl.") \
             else [op for op in every if op.name.startswith("stablehlo.") and unsigned(op)]
+        if wanted == "stablehlo.sort":
+            hits += [op for op in every if top_k(op)]
         seen: list = []
         for op in hits:
             for line in lines(op):

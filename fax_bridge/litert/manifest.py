@@ -15,12 +15,8 @@ example client and a check that runs it.
                          XLA and its bound (needs only numpy and ai-edge-litert); exit
                          status 0 when every element is within its bound
 
-Tensors are named by pytree path (`named_types`): `broadcast/<argument>/<path>` for a
-broadcast that is a program argument (else `broadcast/<i>/<path>`),
-`client/<argument>/<path>`, `aggregate/<k>/value/<path>` (the path of the aggregand's
-leaf, as `pytree_names.recording_aggregands` saw the program pass it) and
-`aggregate/<k>/weight`; each segment kept to letters, digits, `_`, `.` and `-`, and
-every name distinct (`pytree_names.tensor_names`).
+Tensors are named by pytree path (`tensor_names`: `broadcast/state/params/w0`,
+`client/batches/x`, `aggregate/0/value/w0`, `aggregate/0/weight`).
 
 The example client is client 0 of the example arguments, its broadcast values computed
 by the round's server prepare step. Its bounds are twice the rounding analysis's
@@ -40,7 +36,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge import pytree_names
-from fax_bridge.litert import convert, lowering
+from fax_bridge.litert import convert, lowering, tensor_names
 from fax_bridge.runtime import local_eval
 
 FORMAT = "fax_bridge.litert/1"
@@ -138,49 +134,6 @@ def output_bounds(split, model: convert.ClientModel, recorded: list) -> list:
     return out
 
 
-def named_types(split, recorded: Optional[list] = None,
-                argument_names: Optional[Sequence[Optional[str]]] = None) -> tuple:
-    """(parameter type, result type) of the split's client part (`lowering.split_types`)
-    with its elements named by pytree path (module docstring): a broadcast or client
-    input by the program argument it is, each struct element by its name made safe,
-    each leaf of an aggregand by its path in `recorded` (`pytree_names.
-    recording_aggregands`' list, matched to the aggregations in order by kind and
-    number of leaves; an aggregation it does not match keeps its leaves' indices).
-    `argument_names`: the names of the round parameter's elements where its type has
-    none (a round in the forms' type: `<server_state, client_data>`)."""
-    param, result = lowering.split_types(split)
-    arg_names = _argument_names(split)
-    for i, name in enumerate(argument_names or ()):
-        if name and i not in arg_names:
-            arg_names[i] = _segment(name)
-    server = dict(split.server_locals)
-    sent = [arg_names.get(_argument_index(server[name], split.parameter_name))
-            for name in split.broadcasts]
-    sent = _distinct([n or str(i) for i, n in enumerate(sent)])
-    inputs = _distinct([arg_names.get(j) or str(i)
-                        for i, j in enumerate(split.client_inputs)])
-    param = federated_language.StructType([
-        federated_language.StructType(list(zip(sent, map(_safe, param[0])))),
-        federated_language.StructType(list(zip(inputs, map(_safe, param[1]))))])
-    elements = [_safe(t) for t in result]
-    records = [(op.removeprefix("federated_"), paths) for op, paths in recorded or []]
-    at = 0
-    for agg in split.aggregations:
-        member = result[agg.value_index]
-        leaves = (list(member) if isinstance(member, federated_language.StructType)
-                  else None)
-        if not leaves or any(isinstance(t, federated_language.StructType) for t in leaves):
-            continue
-        for i in range(at, len(records)):
-            if records[i][0] == agg.kind and len(records[i][1]) == len(leaves):
-                at = i + 1
-                names = pytree_names.tensor_names(records[i][1])
-                elements[agg.value_index] = federated_language.StructType(
-                    list(zip(names, leaves)))
-                break
-    return param, federated_language.StructType([(None, t) for t in elements])
-
-
 def fresh(prog):
     """`prog` as a function jax has never traced (a program stays a program), with its
     name and signature, so a trace of it inside `pytree_names.recording_aggregands` sees
@@ -211,51 +164,15 @@ def convert_named(split, recorded: Optional[list] = None,
                   argument_names: Optional[Sequence[Optional[str]]] = None
                   ) -> convert.ClientModel:
     """The split's client part as a model whose tensors are named by pytree path
-    (`named_types`); its version is the client part's content hash, as
+    (`tensor_names.signature_names`); its version is the client part's content hash, as
     `convert.convert_round`'s."""
-    param, result = named_types(split, recorded, argument_names)
-    names = hashlib.sha256(str((param, result)).encode()).hexdigest()[:16]
+    param, result = lowering.split_types(split)
+    names = tensor_names.signature_names(split, recorded, argument_names)
+    digest = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:16]
     model = convert.convert_client_part(split.client_part, param, result, split.aggregations,
-                                        key=f"{split.client_part_hash}/{names}")
+                                        key=f"{split.client_part_hash}/{digest}",
+                                        names=names)
     return dataclasses.replace(model, client_part_hash=split.client_part_hash)
-
-
-def _argument_names(split) -> dict:
-    """{parameter index: its element name, made safe} of the round's parameter."""
-    type_ = local_eval.parse_type(split.proto.type).parameter
-    if not isinstance(type_, federated_language.StructType):
-        return {}
-    return {i: _segment(name) for i, (name, _) in enumerate(type_.items()) if name}
-
-
-def _argument_index(comp, parameter: str) -> Optional[int]:
-    """The index `comp` selects from the round's parameter, where it is such a selection."""
-    if comp.WhichOneof("computation") != "selection":
-        return None
-    source = comp.selection.source
-    if source.WhichOneof("computation") != "reference" or source.reference.name != parameter:
-        return None
-    return comp.selection.index
-
-
-def _segment(name: str) -> str:
-    return pytree_names.tensor_names([[name]])[0]
-
-
-def _distinct(names: list) -> list:
-    return pytree_names.tensor_names([[n] for n in names])
-
-
-def _safe(type_):
-    """`type_` with every struct element name made safe and distinct (`_segment`)."""
-    if not isinstance(type_, federated_language.StructType):
-        return type_
-    items = list(type_.items())
-    names = [n for n, _ in items]
-    if all(n is None for n in names):
-        return federated_language.StructType([(None, _safe(t)) for _, t in items])
-    safe = _distinct([n if n else str(i) for i, n in enumerate(names)])
-    return federated_language.StructType([(n, _safe(t)) for n, (_, t) in zip(safe, items)])
 
 
 def build(split, model: convert.ClientModel, signature: str,

@@ -17,8 +17,11 @@ from fax_bridge.errors import ComputationError
 
 # StableHLO op -> (the jax primitive(s) that lower to it, the rewrite that avoids it)
 JAX_SOURCES = {
-    "stablehlo.sort": ("sort (jnp.sort, jnp.argsort, lax.top_k, jnp.median)",
-                       "use max/min reductions, or sort on the server"),
+    "stablehlo.sort": ("sort (jnp.sort, jnp.argsort, jnp.median; lax.top_k when only its "
+                       "values are used)",
+                       "use max/min reductions, or sort on the server; for lax.top_k's "
+                       "values, use its indices, which LiteRT's TOPK_V2 gives: "
+                       "jnp.take_along_axis(x, lax.top_k(x, k)[1], axis=-1)"),
     "stablehlo.rng_bit_generator": ("random_bits (jax.random inside the client work)",
                                     "draw the noise on the server or pass it in the "
                                     "client's data"),

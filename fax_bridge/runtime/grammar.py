@@ -6,7 +6,9 @@ TensorFlow; a table of handlers by case checked against the proto's own list,
 `handlers`), the computations directly inside one (`children`) and every one inside,
 depth first (`walk`), the names it uses
 without binding them (`free_references`), the parts of an intrinsic call
-(`intrinsic_call`), and the small pieces a rewriter builds (`make_reference`,
+(`intrinsic_call`), what a value only selects from another (`selected_path`: through
+locals, selections and member-wise selection lambdas) or zips together
+(`zipped_elements`), and the small pieces a rewriter builds (`make_reference`,
 `make_selection`).
 """
 
@@ -161,3 +163,72 @@ def make_selection(source: Computation, index: int) -> Computation:
     out.selection.source.CopyFrom(source)
     out.selection.index = index
     return out
+
+
+# Intrinsics that apply a function to a placed value, member by member: a selection
+# lambda applied through one of them selects from every member alike.
+MEMBERWISE_APPLY = frozenset(("federated_apply", "federated_map", "federated_map_all_equal"))
+ZIPS = frozenset(("federated_zip_at_server", "federated_zip_at_clients"))
+
+
+def selection_lambda(fn: Computation) -> Optional[list[int]]:
+    """The indices `[i, j, ...]` of a Lambda `(x -> x[i][j]...)` (its result only selects
+    from its parameter); None for any other computation."""
+    if which(fn) != LAMBDA:
+        return None
+    lam = lambda_of(fn)
+    body, indices = lam.result, []
+    while which(body) == "selection":
+        indices.append(body.selection.index)
+        body = body.selection.source
+    if not lam.parameter_name or reference_name(body) != lam.parameter_name:
+        return None
+    return indices[::-1]
+
+
+def selected_path(comp: Computation, scope: Mapping[str, Computation],
+                  root: str) -> Optional[list[int]]:
+    """The indices by which `comp` selects a part of the value named `root`, unchanged:
+    through references to the locals in `scope` ({name: value}), selections, and
+    member-wise applications of selection lambdas (`MEMBERWISE_APPLY`); `[]` for `root`
+    itself, None where `comp` computes anything else."""
+    suffix: list[int] = []
+    for _ in range(10_000):  # a chain of locals; a cycle is a malformed proto
+        kind = which(comp)
+        if kind == "reference":
+            name = comp.reference.name
+            if name == root:
+                return suffix
+            if name not in scope:
+                return None
+            comp = scope[name]
+        elif kind == "selection":
+            suffix.insert(0, comp.selection.index)
+            comp = comp.selection.source
+        else:
+            call = intrinsic_call(comp)
+            pair = struct_elements(call[1], 2) if call and call[0] in MEMBERWISE_APPLY \
+                else None
+            picked = selection_lambda(pair[0]) if pair else None
+            if picked is None:
+                return None
+            suffix[:0] = picked
+            comp = pair[1]
+    return None
+
+
+def zipped_elements(comp: Computation, scope: Mapping[str, Computation]
+                    ) -> Optional[list[tuple[Optional[str], Computation]]]:
+    """The (name, value) elements a federated zip (`ZIPS`) of a struct puts together,
+    following references to the locals in `scope`; None for anything else."""
+    while which(comp) == "reference" and comp.reference.name in scope:
+        comp = scope[comp.reference.name]
+    call = intrinsic_call(comp)
+    if call is None or call[0] not in ZIPS or call[1] is None:
+        return None
+    arg = call[1]
+    while which(arg) == "reference" and arg.reference.name in scope:
+        arg = scope[arg.reference.name]
+    if which(arg) != "struct":
+        return None
+    return [(e.name or None, e.value) for e in arg.struct.element]
