@@ -280,6 +280,7 @@ def federated_broadcast(x, *, mesh=None):
     """
     params = _params("federated_broadcast", mesh)
     paths, arrays, treedef = _leaves_with_paths(x, "federated_broadcast", "value")
+    pytree_names.note_broadcast(paths)
     out = [_pin(P.federated_broadcast_p.bind(a, **params), params) for a in arrays]
     return jax.tree_util.tree_unflatten(treedef, out)
 
