@@ -263,3 +263,36 @@ def test_number_types_round_trip_and_others_are_refused_by_name(tmp_path):
                 np.zeros(2, "datetime64[s]"), np.zeros(2, "i4,f4")):
         with pytest.raises(DataError, match=f"client 0: 'x': dtype .* is not a number"):
             write_population(str(tmp_path / "bad"), [{"x": bad}], overwrite=True)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats()
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=10)
+_FIELDS = [("format",), ("num_clients",), ("arrays",), ("arrays", "x"),
+           ("arrays", "x", "dtype"), ("arrays", "x", "shape"), ("arrays", "x", "shape", 0)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(field=st.sampled_from(_FIELDS), value=_JSON)
+def test_any_value_in_any_layout_field_is_read_or_refused_by_name(tmp_path_factory, field,
+                                                                  value):
+    """Whatever JSON value stands in a field of population.json (floats beyond range
+    written as 1e999, NaN as NaN), the store reads the population or refuses it with a
+    DataError naming the layout file: never another error."""
+    import json as _json
+
+    meta = _meta(shape=[2])
+    node = meta
+    for key in field[:-1]:
+        node = node[key]
+    node[field[-1]] = value
+    directory = _forge(str(tmp_path_factory.mktemp("pop")), meta=_json.dumps(meta),
+                       offsets=[0, 1], x=b"\1\2")
+    try:
+        with ClientStore(directory) as store:
+            store.client(0)
+    except DataError as e:
+        assert directory in str(e)

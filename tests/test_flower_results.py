@@ -508,3 +508,46 @@ def test_an_app_written_again_is_read_again(finished_run, tmp_path):
     as_list = jax.tree.structure(list(jax.tree.unflatten(jitted, range(jitted.num_leaves))))
     app_dir.write_app(dataclasses.replace(made, result_structure=as_list), app, force=True)
     assert isinstance(flower_results.load_result(app), list)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats()
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(field=st.sampled_from(["format", "round", "state", "state-layout", "litert-models",
+                              "state-sha256", "result-structure"]),
+       value=_JSON, line=st.dictionaries(st.sampled_from(
+           ["round", "devices", "wall_s", "error", "lost_devices", "served"]), _JSON,
+           max_size=3) | _JSON)
+def test_any_value_in_a_result_file_is_read_or_refused_naming_the_file(
+        finished_run, tmp_path_factory, field, value, line):
+    import json
+    import os
+
+    from fax_bridge import parity_flower
+    from fax_bridge.errors import ExportError
+    from fax_bridge.flower import bundle
+
+    with open(_round_path(finished_run[3])) as f:
+        data = json.load(f)
+    if field == "state-layout":
+        data["state"] = None
+    data[field] = value
+    folder = str(tmp_path_factory.mktemp("round"))
+    path = os.path.join(folder, bundle.FILE_NAME)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    try:
+        bundle.read_round(folder)
+    except ExportError as e:
+        assert path in str(e)
+    _write_reports(folder, json.dumps(line))
+    try:
+        parity_flower.read_reports(folder)
+    except FleetError as e:
+        assert os.path.join(folder, "reports.jsonl") in str(e)
