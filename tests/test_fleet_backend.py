@@ -123,6 +123,9 @@ def test_preaggregation_makes_uplink_scale_with_devices_not_clients(fleet2):
         xs = RNG.integers(0, 4, size=(n, 256)).astype(np.float32)
         _, rep = fleet2.run(proto, xs, s, report=True)
         up[n] = rep.bytes_up
+        # each device is named with what computed its answer: XLA, no model
+        assert rep.served == {a: {"client_runtime": "xla", "model_sha256": None}
+                              for a in fleet2.addresses}
     assert up[32] < 1.5 * up[8]       # one partial per device, whatever the clients
     assert up[32] < 32 * 256 * 4 / 4  # far below every client's result
 

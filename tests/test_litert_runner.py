@@ -6,6 +6,8 @@ model per trip, in process and on the fleet, within that bound."""
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,9 @@ import fax_bridge as fb
 from fax_bridge import in_process
 from fax_bridge.errors import ArgumentError
 from fax_bridge.fleet.launcher import LocalFleet
-from fax_bridge.litert import runner
+from fax_bridge.litert import convert, runner
 from fax_bridge.parity import check_parity
+from fax_bridge.rounds import client_runtime
 from fax_bridge.rounds import round_split as P
 from fax_bridge.runtime import interpreter, values
 
@@ -63,6 +66,11 @@ def test_litert_devices_give_the_same_bits_run_to_run_and_however_clients_are_sp
     proto = fb.export_tff(one_round, *args, placements=PLACE)
     first = fleet.run(proto, *args)
     assert _bits(fleet.run(proto, *args)) == _bits(first)
+    # the report names each device's client runtime and the model it ran, by its bytes
+    model = convert.convert_round(P.split_round(proto))
+    assert fleet.last_report.served == {
+        address: client_runtime.served("litert", hashlib.sha256(model.tflite).hexdigest())
+        for address in fleet.addresses}
     prepared = interpreter.prepare(proto)
     arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
     alone = in_process.run_in_process(P.split_round(proto), arg, client_runtime="litert")

@@ -22,6 +22,7 @@ import grpc
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import shared_memory
 from fax_bridge.primitive_facts import SECURE_KINDS
+from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds import partials, wire
 from fax_bridge.fleet.device_common import RpcError, value_bytes
 from fax_bridge.runtime import client_map
@@ -71,7 +72,9 @@ def run_round(device, request_iterator, context, method: str = "Round") -> pb.Ro
         runtime = device.client_runtime
         found = runtime.client_partials(fn, head.computation_hash, sent, members, specs,
                                         guard)
-        answer = pb.RoundResponse(num_clients=len(members), client_runtime=runtime.name)
+        answer = pb.RoundResponse(num_clients=len(members), client_runtime=runtime.name,
+                                  model_sha256=runtimes.model_served(
+                                      runtime, head.computation_hash) or "")
         for partial in found:
             partials.to_message(partial, answer.partials.add(), writer,
                                 rounded=head.rounded_partials)

@@ -22,6 +22,7 @@ and the device writes its next answer over it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Iterator, Optional
 
@@ -30,6 +31,7 @@ from federated_language.common_libs import structure
 
 from fax_bridge.errors import FaxBridgeError, FleetError
 from fax_bridge.fleet import put_messages, shared_memory
+from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds import partials, wire
 from fax_bridge.rounds.engine import Answers, HolderAnswer, LostHolder
 from fax_bridge.rounds.round_split import RoundSplit
@@ -38,6 +40,8 @@ from fax_bridge.runtime import population
 from fax_bridge.runtime.backend import as_numpy
 from fax_bridge.runtime.population import PopulationRef
 from fax_bridge.v1 import device_pb2 as pb
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def check_inputs(split: RoundSplit, arg: Any) -> None:
@@ -159,13 +163,16 @@ class GrpcTransport:
     counted once by the caller); `delays`: each client's emulated delay, in client order
     (a device waits for its slowest client's); `client_runtime`: the name of the client
     runtime the devices must answer with (`RoundResponse.client_runtime`), None to take
-    any.
+    any; `served` (the round report's) gets, for each device that answers, the client
+    runtime and LiteRT model its answer names (`client_runtime.served`), keyed by the
+    device's address.
     """
 
     def __init__(self, backend, split: RoundSplit, arg: Any, num_clients: int,
                  delays: Optional[np.ndarray] = None, client_runtime: Optional[str] = None,
-                 ids: Optional[np.ndarray] = None):
+                 ids: Optional[np.ndarray] = None, served: Optional[dict] = None):
         self.backend = backend
+        self.served = {} if served is None else served
         self.ids = ids  # the round's clients' population ids, in client order
         self.client_runtime = client_runtime
         self.inputs = [arg[i] for i in split.client_inputs]
@@ -302,6 +309,13 @@ class GrpcTransport:
                 f"{where} answered a round for {answer.num_clients} clients with "
                 f"{len(answer.partials)} partials; it was sent {len(clients)} clients "
                 f"and {len(split.aggregations)} aggregations")
+        digest = answer.model_sha256
+        if (answer.client_runtime == "litert") != bool(digest) or \
+                (digest and not _SHA256.fullmatch(digest)):
+            raise FleetError(
+                f"{where} answered as client runtime {answer.client_runtime or 'unnamed'!r} "
+                f"with LiteRT model sha256 {digest[:80]!r}: a LiteRT answer names its "
+                "model's sha256 (64 lowercase hex digits), any other none")
         segment = None
         if answer.HasField("segment"):
             if index not in sharing:
@@ -315,6 +329,8 @@ class GrpcTransport:
             self.traffic.shared_up += segment.length
         if index in sharing and segment_ref is not None:
             self.traffic.shared_down += segment_ref.length
+        self.served[backend.addresses[index]] = runtimes.served(
+            answer.client_runtime or "xla", digest)
         return HolderAnswer(
             where, len(clients),
             [shared_memory.view_partial(p, segment, where) for p in answer.partials],

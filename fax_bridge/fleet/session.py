@@ -211,7 +211,7 @@ class FleetRounds:
                 transport = grpc_transport.GrpcTransport(
                     backend, split, arg, len(participants), backend.take_delays(),
                     None if self.client_runtime is None else self.client_runtime.name,
-                    ids=participants.array())
+                    ids=participants.array(), served=rep.served)
                 ended = False
                 try:  # a device whose answer is refused leaves the round, named
                     result = engine.run_round(

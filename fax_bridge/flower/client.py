@@ -210,7 +210,8 @@ def served_by(bundle_dir: str, share: NodeShare) -> dict:
     model = ""
     if share.client_runtime.name == "litert":
         from fax_bridge.flower.bundle import read_round
-        from fax_bridge.litert import runner
+        from fax_bridge.rounds.client_runtime import model_served
 
-        model = runner.served(read_round(bundle_dir).split.client_part_hash) or ""
+        model = model_served(share.client_runtime,
+                             read_round(bundle_dir).split.client_part_hash) or ""
     return {"client-runtime": share.client_runtime.name, "model-sha256": model}

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from fax_bridge.errors import FleetError
+from fax_bridge.rounds import client_runtime
 from fax_bridge.rounds.engine import Answers, HolderAnswer, LostHolder, plain_aggregations
 from fax_bridge.rounds.policy import Traffic
 from fax_bridge.rounds.round_split import RoundSplit
@@ -118,7 +119,7 @@ class FlowerTransport:
                 out.lost.append(LostHolder(f"{e} (a malformed answer)", mine,
                                            refused=True))
                 continue
-            self.served[node.name] = {"client_runtime": runtime, "model_sha256": model}
+            self.served[node.name] = client_runtime.served(runtime, model)
             answered.append((node, mine))
             self.traffic.bytes_up += records.content_bytes(reply.content)
             self.traffic.payload_up += records.payload_bytes(reply.content[records.PARTIALS])

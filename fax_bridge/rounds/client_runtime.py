@@ -18,6 +18,12 @@ trips, or with client state; LiteRT runs each trip's map as a model of its own,
 `litert.phases`), and names itself (`name`, which a device's answer carries back). `resolve(value)` is
 the one place a name ("xla", "litert") becomes a runtime; public entry points accept
 either.
+
+What computed a holder's answer is one record, `served(client_runtime, model_sha256)`:
+a round report keeps one per holder (`RoundReport.served`: a fleet's device, a Flower
+node), made from what the holder's answer names; a holder finds its own with
+`model_served(runtime, key)` (the sha256 of the LiteRT model that ran client part `key`
+in this process, None for XLA).
 """
 
 from __future__ import annotations
@@ -126,3 +132,20 @@ def resolve(value: Union[str, ClientRuntime, None],
     raise ArgumentError(f"client_runtime={value!r}: expected \"xla\", \"litert\" or a "
                         "ClientRuntime (fax_bridge.rounds.client_runtime), got "
                         f"{type(value).__name__}")
+
+
+def served(client_runtime: str, model_sha256: Optional[str]) -> dict:
+    """What computed a holder's answer, as `RoundReport.served` keeps it per holder:
+    `{"client_runtime": "xla" or "litert", "model_sha256": the LiteRT model's sha256, or
+    None where no model ran (XLA)}`."""
+    return {"client_runtime": client_runtime, "model_sha256": model_sha256 or None}
+
+
+def model_served(runtime: ClientRuntime, key: str) -> Optional[str]:
+    """The sha256 of the LiteRT model that last ran client part `key` in this process
+    under `runtime`; None for a runtime that runs no model (XLA) or none yet."""
+    if runtime.name != "litert":
+        return None
+    from fax_bridge.litert import runner
+
+    return runner.served(key)

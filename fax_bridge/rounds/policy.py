@@ -157,8 +157,9 @@ class RoundReport:
     address or node name, then why: what its call ended with, such as a deadline);
     `lost_clients` the participants they held, which the round then finished without.
     `served`: {holder name: {"client_runtime": its name, "model_sha256": the LiteRT
-    model's sha256 or None}} of each holder whose answer says what computed it (a
-    Flower node's; empty where holders do not say).
+    model's sha256 or None}} (`client_runtime.served`) of each holder whose answer says
+    what computed it: a fleet's device (by address) and a Flower node (by name), in a
+    round that runs by split; empty for a round run phase by phase.
     `bytes_up_per_client`, `bytes_down_per_client`: the round's bytes over its
     participants (what one client's share of the uplink and downlink cost).
     """

@@ -347,15 +347,17 @@ class RoundRequest(_message.Message):
     def __init__(self, computation_hash: _Optional[str] = ..., broadcast: _Optional[_Union[Value, _Mapping]] = ..., aggregations: _Optional[_Iterable[_Union[RoundAggregation, _Mapping]]] = ..., values: _Optional[_Iterable[_Union[ClientValue, _Mapping]]] = ..., from_store: _Optional[_Union[StoreRead, _Mapping]] = ..., delay_seconds: _Optional[float] = ..., broadcast_segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., answer_segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., rounded_partials: _Optional[bool] = ...) -> None: ...
 
 class RoundResponse(_message.Message):
-    __slots__ = ("partials", "num_clients", "compute_seconds", "segment", "client_runtime")
+    __slots__ = ("partials", "num_clients", "compute_seconds", "segment", "client_runtime", "model_sha256")
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     partials: _containers.RepeatedCompositeFieldContainer[AggregateResponse]
     num_clients: int
     compute_seconds: float
     segment: SharedSegment
     client_runtime: str
-    def __init__(self, partials: _Optional[_Iterable[_Union[AggregateResponse, _Mapping]]] = ..., num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., client_runtime: _Optional[str] = ...) -> None: ...
+    model_sha256: str
+    def __init__(self, partials: _Optional[_Iterable[_Union[AggregateResponse, _Mapping]]] = ..., num_clients: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., client_runtime: _Optional[str] = ..., model_sha256: _Optional[str] = ...) -> None: ...
