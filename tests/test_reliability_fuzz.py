@@ -69,14 +69,83 @@ def mutated(draw, seeds=SEEDS):
     return index, bytes(data)
 
 
+# What each seed computes on its ARGS, written out in numpy: scaled_aggregate's sum and
+# max of x * s, and one least-squares step from w = 0 on all-ones data (residual -1,
+# gradient -2 a feature, learning rate 0.1), leaves in jax's order (loss, losses, w).
+SEED_RESULTS = [
+    [np.sum(ARGS[0][0] * ARGS[0][1], axis=0)],
+    [np.max(ARGS[1][0] * ARGS[1][1], axis=0)],
+    [np.float32(1.0), np.ones(3, np.float32), np.full(2, 0.2, np.float32)]]
+
+# The interpreter's catch-all for an error it did not name (an internal exception
+# wrapped): a refusal that says what was wrong never takes this form.
+_UNNAMED = "could not be interpreted ("
+
+
+def _check_refusal(error: FaxBridgeError) -> None:
+    """A refusal says what was wrong: a message, never the catch-all wrapping an
+    internal exception (a KeyError or an IndexError of the interpreter's own)."""
+    message = str(error)
+    assert message.strip(), f"{type(error).__name__} with no message"
+    assert _UNNAMED not in message, message
+
+
+def _leaves(value) -> list:
+    import jax
+
+    return jax.tree_util.tree_leaves(value)
+
+
+def _same_bits(a, b) -> bool:
+    """The same leaves: arrays of one dtype, shape and bytes; anything else equal."""
+    def same(x, y) -> bool:
+        if not isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+            return type(x) is type(y) and x == y
+        x, y = np.asarray(x), np.asarray(y)
+        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+
+    left, right = _leaves(a), _leaves(b)
+    return len(left) == len(right) and all(same(x, y) for x, y in zip(left, right))
+
+
+def _check_mutated_run(index: int, data: bytes) -> None:
+    """One mutated proto: refused by name, or run; a run of the seed's own computation
+    (bytes that parse to it) gives the seed's numpy result, and any other run gives the
+    round engine's bits (`run_computation`, a second path) on the same arguments."""
+    try:
+        got = interpreter.interpret(data, *ARGS[index], backend=LocalClientsBackend())
+    except FaxBridgeError as e:
+        _check_refusal(e)
+        return
+    seed = computation_pb2.Computation.FromString(SEEDS[index])
+    if computation_pb2.Computation.FromString(data) == seed:
+        want = SEED_RESULTS[index]
+        assert len(_leaves(got)) == len(want)
+        for g, w in zip(_leaves(got), want):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6)
+        return
+    from fax_bridge.in_process import run_computation
+
+    assert _same_bits(got, run_computation(data, *ARGS[index]))
+
+
+def test_mutated_run_checks_fail_on_a_wrong_answer(monkeypatch):
+    # The seed unchanged runs; with the interpreter answering wrongly (or refusing
+    # without naming what was wrong) the checks fail.
+    _check_mutated_run(0, SEEDS[0])
+    real = interpreter.interpret
+    monkeypatch.setattr(interpreter, "interpret",
+                        lambda *a, **k: [np.asarray(x) + 1 for x in _leaves(real(*a, **k))])
+    with pytest.raises(AssertionError):
+        _check_mutated_run(0, SEEDS[0])
+    with pytest.raises(AssertionError):
+        _check_refusal(FaxBridgeError(f"the computation {_UNNAMED}KeyError: 'x')"))
+
+
 @FUZZ
 @given(mutated())
 def test_fuzz_interpreter_on_mutated_protos(case):
-    index, data = case
-    try:
-        interpreter.interpret(data, *ARGS[index], backend=LocalClientsBackend())
-    except FaxBridgeError:
-        pass
+    _check_mutated_run(*case)
 
 
 _URIS = list(intrinsics.SUPPORTED_INTRINSICS) + ["federated_teleport", "", "sequence_map"]
@@ -151,10 +220,20 @@ def _comp(draw, depth=0):
 @FUZZ
 @given(_comp(), st.sampled_from([None, 0, 3]))
 def test_fuzz_interpreter_on_generated_trees(comp, num_clients):
+    # Refused by name, or run: a run's result holds the value the tree computes, the
+    # same when evaluated again from its bytes (nothing carried over between runs).
     try:
-        interpreter.evaluate(comp, None, LocalClientsBackend(), num_clients=num_clients)
-    except FaxBridgeError:
-        pass
+        got = interpreter.evaluate(comp, None, LocalClientsBackend(), num_clients=num_clients)
+    except FaxBridgeError as e:
+        _check_refusal(e)
+        return
+    again = interpreter.evaluate(comp.SerializeToString(), None, LocalClientsBackend(),
+                                 num_clients=num_clients)
+    assert _same_bits(got, again)
+    if comp.WhichOneof("computation") == "literal":  # its value, read here with numpy
+        value = comp.literal.value
+        want = np.asarray(value.float32_list.value, np.float32).reshape(value.shape.dim)
+        assert _same_bits(np.asarray(got), want)
 
 
 # ---------------------------------------------------------------------------------------
