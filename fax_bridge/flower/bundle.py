@@ -49,7 +49,7 @@ from federated_language.common_libs import structure
 
 from fax_bridge import private_files
 from fax_bridge.errors import ComputationError, ExportError, FleetError
-from fax_bridge.flower.round_refusals import ELSEWHERE, refuse_arity, refuse_phased  # noqa: F401
+from fax_bridge.flower.round_refusals import refuse_arity, refuse_phased
 from fax_bridge.rounds import round_split
 from fax_bridge.rounds import wire
 from fax_bridge.runtime import backend, interpreter, result_structure, values
