@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -59,7 +60,8 @@ sys.path.insert(0, HERE)
 
 import bench_large  # noqa: E402  (benchmarks/)
 from bench_summary import (COMPARISON_HEADER, comparison_row, count, fmt,  # noqa: E402
-                           max_abs_diff, ratio, ratio_row, runner_rows, summarize_runs)
+                           max_abs_diff, max_abs_diff_leaves, ratio, ratio_row, runner_rows,
+                           summarize_runs)
 from run_peer import PeerFailed, kill_group, run_script  # noqa: E402  (benchmarks/peers)
 
 RUNNERS = ("fax_bridge_local", "fax_bridge_fleet", "fax", "tff", "flower")
@@ -204,13 +206,15 @@ def grad_agreement(ours: Optional[Dict[str, Any]],
     """Max abs differences of the check program's loss and gradient leaves."""
     if not ours or not theirs:
         return None
-    import numpy as np
-
-    grads = {k: float(np.max(np.abs(np.asarray(ours["grad"][k]) - np.asarray(theirs["grad"][k]))))
-             for k in sorted(ours["grad"])}
+    theirs_grad = theirs.get("grad") or {}
+    names = sorted(set(ours["grad"]) | set(theirs_grad))
+    # A leaf one side lacks, of another shape or holding a NaN differs by inf.
+    grads = {k: max_abs_diff_leaves({k: ours["grad"].get(k, [])}, {k: theirs_grad[k]})
+             if k in theirs_grad and k in ours["grad"] else math.inf for k in names}
     loss_diff = abs(float(ours["loss"]) - float(theirs["loss"]))
+    loss_diff = math.inf if math.isnan(loss_diff) else loss_diff
     return {"loss": float(ours["loss"]), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grads,
-            "ok": loss_diff <= LOSS_ATOL and max(grads.values()) <= GRAD_ATOL}
+            "ok": bool(grads) and loss_diff <= LOSS_ATOL and max(grads.values()) <= GRAD_ATOL}
 
 
 # ---------------------------------------------------------------------------------------

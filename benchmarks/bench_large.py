@@ -16,10 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-import numpy as np
-
 from bench_summary import (COMPARISON_HEADER, comparison_row, count, fmt, max_abs_diff,
-                           ratio_row, runner_rows, summarize_runs)
+                           max_abs_diff_leaves, ratio_row, runner_rows, summarize_runs)
 
 RUNNERS = ("fax_bridge_fleet", "flower")
 # float32 agreement of the final server models. Flower adds the 1,000 scaled client
@@ -49,13 +47,6 @@ def numpy_reference(rounds: int, seed: int) -> Optional[Dict[str, Any]]:
             "final_params": {k: v.tolist() for k, v in history[-1].items()}}
 
 
-def _params_diff(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]]) -> Optional[float]:
-    if not a or not b or sorted(a) != sorted(b):
-        return None
-    return float(max(np.max(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64)))
-                     for k in a))
-
-
 def agreement(runs: Dict[str, List[Dict[str, Any]]], reference: Optional[Dict[str, Any]],
               loss_atol: float) -> Dict[str, Any]:
     """Loss curves and final models of the last run of each runner against the numpy
@@ -66,12 +57,12 @@ def agreement(runs: Dict[str, List[Dict[str, Any]]], reference: Optional[Dict[st
     out: Dict[str, Any] = {"loss_vs_numpy": {}, "params_vs_numpy": {}}
     for runner, res in last.items():
         out["loss_vs_numpy"][runner] = max_abs_diff(res.get("loss_per_round"), ref_curve)
-        out["params_vs_numpy"][runner] = _params_diff(res.get("final_params"), ref_params)
+        out["params_vs_numpy"][runner] = max_abs_diff_leaves(res.get("final_params"), ref_params)
     fleet, flower = last.get("fax_bridge_fleet"), last.get("flower")
     out["loss_fleet_vs_flower"] = (max_abs_diff(fleet.get("loss_per_round"),
                                                flower.get("loss_per_round"))
                                    if fleet and flower else None)
-    out["params_fleet_vs_flower"] = (_params_diff(fleet.get("final_params"),
+    out["params_fleet_vs_flower"] = (max_abs_diff_leaves(fleet.get("final_params"),
                                                   flower.get("final_params"))
                                      if fleet and flower else None)
     fleet_runs = runs.get("fax_bridge_fleet") or []

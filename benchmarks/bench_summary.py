@@ -7,6 +7,7 @@ medians over repeats, the ours-over-theirs ratios, the comparison table and its 
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -32,10 +33,38 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def max_abs_diff(a: Optional[Sequence[float]], b: Optional[Sequence[float]]) -> Optional[float]:
-    """Largest absolute difference of two curves of the same length (None otherwise)."""
-    if not a or not b or len(a) != len(b):
+    """Largest absolute difference of two curves: None when either is missing (nothing
+    to compare), inf when they cannot agree (different lengths, a NaN on either side)."""
+    if not a or not b:
         return None
-    return float(max(abs(float(x) - float(y)) for x, y in zip(a, b)))
+    if len(a) != len(b):
+        return math.inf
+    diffs = [abs(float(x) - float(y)) for x, y in zip(a, b)]
+    return math.inf if any(math.isnan(d) for d in diffs) else float(max(diffs))
+
+
+def max_abs_diff_leaves(a: Optional[Dict[str, Any]],
+                        b: Optional[Dict[str, Any]]) -> Optional[float]:
+    """Largest absolute difference over named arrays (a model's parameters, gradients):
+    None when either is missing, inf when their names or shapes differ or a NaN is on
+    either side (never broadcast one onto the other)."""
+    import numpy as np
+
+    if not a or not b:
+        return None
+    if sorted(a) != sorted(b):
+        return math.inf
+    worst = 0.0
+    for k in a:
+        x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
+        if x.shape != y.shape:
+            return math.inf
+        if x.size:
+            d = float(np.max(np.abs(x - y)))
+            if math.isnan(d):
+                return math.inf
+            worst = max(worst, d)
+    return worst
 
 
 def summarize_runs(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:

@@ -336,3 +336,58 @@ def test_large_workload_from_json_and_skipped(bench: Any, monkeypatch: Any,
     assert bench.main(["--from-json", str(path)]) == 0
     assert "| fax_bridge_fleet | skipped: no .venv" in capsys.readouterr().out
     assert json.loads(path.read_text())["config"]["workload"] == "large"
+
+
+# ---------------------------------------------------------------------------------------
+# The agreement verdicts fail on inputs that disagree.
+
+def test_grad_agreement_fails_on_each_kind_of_disagreement(bench: Any) -> None:
+    ours = {"loss": 1.0, "grad": {"b": [0.5], "w": [[1.0, 2.0]]}}
+
+    def theirs(**change: Any) -> Dict[str, Any]:
+        grad = dict(ours["grad"], **change.pop("grad", {}))
+        return dict(ours, grad=grad, **change)
+
+    assert bench.grad_agreement(ours, theirs())["ok"]
+    assert bench.grad_agreement(ours, theirs(grad={"w": [[1.0, 2.0 + 1e-7]]}))["ok"]
+    wrong = [theirs(grad={"w": [[1.0, 2.0 + 1e-5]]}),      # a gradient leaf off by 1e-5
+             theirs(loss=1.0 + 1e-4),                      # the loss off
+             theirs(loss=float("nan")),
+             theirs(grad={"w": [[1.0, float("nan")]]}),    # a NaN after a close leaf
+             theirs(grad={"w": [1.0]}),                    # a shape numpy would broadcast
+             {"loss": 1.0, "grad": {"w": [[1.0, 2.0]]}},   # a leaf missing
+             theirs(grad={"extra": [0.0]})]                # a leaf ours lacks
+    for other in wrong:
+        assert not bench.grad_agreement(ours, other)["ok"], other
+        assert not bench.grad_agreement(other, ours)["ok"], other
+
+
+def test_loss_agreement_fails_on_each_kind_of_disagreement(bench: Any) -> None:
+    reference = [2.0, 1.5, 1.0, 0.5]
+
+    def agreeing(curve: Any) -> bool:
+        summary = {"fax_bridge_local": {"loss_per_round": curve}}
+        diffs = bench.loss_agreement(summary, reference)["fax_bridge_local"]
+        return all(v is None or v <= bench.LOSS_ATOL for v in diffs.values())
+
+    assert agreeing([2.0, 1.5, 1.0 + 1e-6, 0.5])
+    assert not agreeing([2.0, 1.5, 1.0 + 1e-4, 0.5])
+    assert not agreeing([2.0, 1.5, float("nan"), 0.5])   # Python's max would skip it
+    assert not agreeing([2.0, 1.5])                      # fewer rounds than the reference
+    fax = {"loss_per_round": [2.0, 1.5, 1.1, 0.5]}
+    vs_fax = bench.loss_agreement({"fax_bridge_local": {"loss_per_round": reference},
+                                   "fax": fax}, None)["fax_bridge_local"]["vs_fax"]
+    assert vs_fax == pytest.approx(0.1)
+
+
+def test_large_agreement_fails_on_models_that_cannot_be_compared(bench: Any) -> None:
+    params = {"w": [[1.0, 2.0]]}
+    reference = {"loss_per_round": [2.0], "final_params": params}
+    fleet = {"loss_per_round": [2.0], "final_params": params,
+             "one_request_per_device": True, "round_path": "plan"}
+    ok = bench.bench_large.agreement({"fax_bridge_fleet": [fleet]}, reference, 1e-5)
+    assert ok["ok"]
+    for final in ({"w": [1.0]}, {"v": [[1.0, 2.0]]}, {"w": [[1.0, float("nan")]]}):
+        bad = bench.bench_large.agreement(
+            {"fax_bridge_fleet": [dict(fleet, final_params=final)]}, reference, 1e-5)
+        assert not bad["ok"], final
