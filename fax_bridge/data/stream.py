@@ -13,8 +13,9 @@ entry than clients: client i owns examples `offsets[i]:offsets[i+1]`) and
 A population is written whole or not at all: its files are written into a private
 folder inside `directory` and renamed into place only once the last client is written,
 `population.json` removed first and put back last, so a reader finds the old population,
-none, or the new one (never new bytes under the old layout), and a write that fails
-(a generator that raises, a full disk) leaves the old population as it was. Its files
+none, or the new one, never new bytes under the old layout (a store that opened files of
+both while they were renamed refuses its first read: `ClientStore.check`); a write that
+fails (a generator that raises, a full disk) leaves the old population as it was. Its files
 are read as another party's (`population.json` and `offsets.npy` through
 `fax_bridge.private_files` and `npz_files.parse_npy`): regular files only (a FIFO
 never blocks the reader, a link is refused), sizes bounded before they are read, the
