@@ -64,7 +64,10 @@ def collect_pb_paths(pb_dirs: Iterable[os.PathLike | str] = (),
     for d in map(pathlib.Path, pb_dirs):
         if not d.is_dir():
             raise CheckError(f"--pb-dir {d} is not a folder")
-        found.extend(sorted(d.glob("*.pb")))
+        inside = sorted(d.glob("*.pb"))
+        if not inside:  # an exporter that wrote nothing must not pass unseen
+            raise CheckError(f"--pb-dir {d} holds no .pb file")
+        found.extend(inside)
     found.extend(map(pathlib.Path, paths))
     unique: dict[pathlib.Path, None] = {}
     for p in found:
@@ -131,6 +134,10 @@ def compare(paths: Sequence[os.PathLike | str],
             errors.append(f"federated_language: {fl_err}")
         if tff_err:
             errors.append(f"TFF: {tff_err}")
+        if fl_sig is None and not fl_err:
+            errors.append("federated_language: no signature and no error")
+        if tff_sig is None and not tff_err:
+            errors.append("TFF: no signature and no error")
         if errors:
             rows.append(Row(p, fl_sig, tff_sig, ERROR, "; ".join(errors)))
         elif fl_sig != tff_sig:
