@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test doctest demo protos tff-venv litert-venv bench-litert tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links bench-accel clean
+.PHONY: venv test test-peers doctest demo protos tff-venv litert-venv bench-litert tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links bench-accel clean
 
 # Installs skip byte-compiling every module of every package (--no-compile): Python
 # compiles the ones a run imports, as it first imports them (a quarter to a third of the
@@ -54,6 +54,16 @@ test:
 	$(MAKE) -j2 $(STAMP) tff-venv litert-venv
 	$(MAKE) -j2 tff-check forms-check
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests --doctest-modules $(DOCTEST_MODULES)
+
+# The comparisons with the peers, each in its own venv (google-fax 0.0.2 on jax 0.4.26,
+# TFF 0.87, Flower's simulation engine): one round of each peer against the numpy
+# reference, google-fax's gradient against ours, Flower's large workload and model
+# sizes. `make test` deselects them (marker `peers`); CI runs this after it. The venvs
+# are cached like .venv-tff (rebuilt when their package lists change).
+test-peers: $(STAMP) tff-venv
+	benchmarks/peers/setup_venvs.sh fax
+	benchmarks/peers/setup_venvs.sh flower
+	$(PY) -m pytest -q -n 2 --dist loadfile --peers -m peers tests
 
 # The examples in the public functions' docstrings (a few clients each: seconds).
 DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local.py fax_bridge/chunk_stream.py fax_bridge/tracing.py \
@@ -123,4 +133,4 @@ bench-accel: $(STAMP)
 	$(PY) benchmarks/accelerators.py --suite --json out/bench/accel.jsonl
 
 clean:
-	rm -rf $(VENV) .venv-tff .venv-litert build *.egg-info .pytest_cache out
+	rm -rf $(VENV) .venv-tff .venv-litert .venv-fax .venv-flower build *.egg-info .pytest_cache out

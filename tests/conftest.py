@@ -80,7 +80,42 @@ LONGEST_FIRST = (
     "test_runtime_device_sums.py")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--peers", action="store_true", default=False,
+        help="also run the comparisons with google-fax, TFF and Flower's own apps (tests "
+             "marked peers), each in its own venv: `make test-peers` builds them and runs "
+             "these; without the option they are deselected, never skipped")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "peers: compares with a peer in its own venv (.venv-fax, .venv-tff, "
+                   ".venv-flower); runs with --peers (make test-peers)")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Runs the files of `LONGEST_FIRST` first, in that order; the rest keep theirs."""
+    """Runs the files of `LONGEST_FIRST` first, in that order; the rest keep theirs.
+    Without --peers the peer comparisons are deselected (`make test-peers` runs them)."""
+    if not config.getoption("--peers"):
+        peers = [item for item in items if item.get_closest_marker("peers")]
+        if peers:
+            config.hook.pytest_deselected(items=peers)
+            items[:] = [item for item in items if not item.get_closest_marker("peers")]
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture
+def peer_venv():
+    """`peer_venv(name)`: the python of `.venv-<name>`; a test that needs a peer's venv
+    fails, naming the command that builds it, when it is missing (never skipped)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def python(name: str) -> str:
+        path = os.path.join(root, f".venv-{name}", "bin", "python")
+        if not os.access(path, os.X_OK):
+            pytest.fail(f".venv-{name} is not built: run benchmarks/peers/setup_venvs.sh "
+                        f"{name} (make test-peers builds every peer's venv)")
+        return path
+    return python

@@ -2,9 +2,9 @@
 
 fax_bridge's local mode runs one round in a subprocess and must report the peers' JSON
 fields and the numpy reference's round-0 loss; the gradient check must match plain
-numpy backprop; the table formatter and the goal verdicts run on canned data. The
-google-fax comparison runs only when ``.venv-fax`` exists (built by
-``benchmarks/peers/setup_venvs.sh fax``, never by the tests).
+numpy backprop; the table formatter and the goal verdicts run on canned data, agreeing
+and disagreeing. The comparisons with google-fax and Flower (marked ``peers``) run with
+``--peers``: ``make test-peers`` builds their venvs and runs them.
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def test_grad_check_matches_numpy_backprop(bench: Any) -> None:
         np.testing.assert_allclose(np.asarray(result["grad"][k]), want, atol=1e-6)
 
 
-@pytest.mark.skipif(not os.access(ROOT / ".venv-fax" / "bin" / "python", os.X_OK),
-                    reason=".venv-fax not built (benchmarks/peers/setup_venvs.sh fax)")
-def test_grad_check_agrees_with_google_fax(bench: Any) -> None:
+@pytest.mark.peers
+def test_grad_check_agrees_with_google_fax(bench: Any, peer_venv: Any) -> None:
+    peer_venv("fax")
     ours = bench.run_runner("fax_bridge_local", ["--grad-check"], timeout_s=300)
     theirs = bench.run_runner("fax", ["--grad-check"], timeout_s=300)
     agreement = bench.grad_agreement(ours, theirs)
@@ -268,10 +268,9 @@ def test_large_population_is_written_once(tmp_path: pathlib.Path) -> None:
         fax_bridge_peer.write_large_population(directory, large_workload.Population(10))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.access(ROOT / ".venv-flower" / "bin" / "python", os.X_OK),
-                    reason=".venv-flower not built (benchmarks/peers/setup_venvs.sh flower)")
-def test_large_flower_maps_clients_onto_fewer_supernodes(bench: Any) -> None:
+@pytest.mark.peers
+def test_large_flower_maps_clients_onto_fewer_supernodes(bench: Any, peer_venv: Any) -> None:
+    peer_venv("flower")
     args = bench.bench_large.runner_args("flower", 2, 0, 2, 20, "unused")
     result = bench.run_runner("flower", args + SMALL, timeout_s=600)
     assert result["supernodes"] == 20 and result["population"] == 200

@@ -1,9 +1,9 @@
 """Smoke tests of the peer benchmarks in benchmarks/peers/.
 
 The workload checks (split, batches, cohorts, initial weights, numpy reference) need
-only numpy and scikit-learn and always run. Each peer is then run for one round
-through ``run_peer`` when its venv exists, and skipped otherwise: those venvs are
-built by ``benchmarks/peers/setup_venvs.sh``, never by the test suite.
+only numpy and scikit-learn and always run. Each peer then runs for one round through
+``run_peer`` (marked ``peers``: ``make test-peers`` builds the peers' venvs with
+``benchmarks/peers/setup_venvs.sh`` and runs these with ``--peers``).
 """
 
 from __future__ import annotations
@@ -139,11 +139,10 @@ def reference_round0() -> float:
     return losses[0]
 
 
-@pytest.mark.slow
+@pytest.mark.peers
 @pytest.mark.parametrize("peer", run_peer.PEERS)
-def test_peer_runs_one_round(peer: str, reference_round0: float) -> None:
-    if not run_peer.peer_available(peer):
-        pytest.skip(f".venv-{peer} is not built (benchmarks/peers/setup_venvs.sh {peer})")
+def test_peer_runs_one_round(peer: str, reference_round0: float, peer_venv) -> None:
+    peer_venv(peer)
     result = run_peer.run_peer(peer, rounds=1, seed=0)
     assert result["peer"] == peer
     for key in ("setup_s", "round_s_median", "round_s_all", "peak_rss_mb",
@@ -161,10 +160,9 @@ def test_run_flower_sizes_reports_a_missing_venv(tmp_path) -> None:
         run_peer.run_flower_sizes(["10k"], rounds=2, repo=str(tmp_path))
 
 
-@pytest.mark.slow
-def test_flower_sizes_matches_the_numpy_reference() -> None:
-    if not run_peer.peer_available("flower"):
-        pytest.skip(".venv-flower is not built (benchmarks/peers/setup_venvs.sh flower)")
+@pytest.mark.peers
+def test_flower_sizes_matches_the_numpy_reference(peer_venv) -> None:
+    peer_venv("flower")
     import flower_sizes
 
     (result,) = run_peer.run_flower_sizes(["10k"], rounds=2, seed=0)

@@ -53,7 +53,7 @@ build_venv() {
     rm -rf "$venv"
     "$python" -m venv "$venv"
     timeout "$pip_timeout" "$venv/bin/python" -m pip install --quiet --progress-bar off --upgrade pip
-    timeout "$pip_timeout" "$venv/bin/python" -m pip install --quiet --progress-bar off "$@"
+    timeout "$pip_timeout" "$venv/bin/python" -m pip install --quiet --progress-bar off --no-compile "$@"
     if ! timeout 300 "$venv/bin/python" -c "$check"; then
         echo "setup_venvs.sh: .venv-$name installed, but its import check fails: $check" >&2
         exit 1
