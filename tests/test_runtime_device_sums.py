@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from fax_bridge.errors import ArgumentError, WeightError
-from fax_bridge.runtime import aggregation, device_sums
+from fax_bridge.runtime import aggregation, device_exact, device_sums
 from fax_bridge.runtime.device_sums import DeviceColumn
 from fax_bridge.runtime.exact import ExactSum
 from fax_bridge.runtime.float_bits import float_params
@@ -98,26 +99,45 @@ def test_parts_with_padding_rows_sum_their_clients_only(dtype, data):
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @settings(max_examples=8, deadline=None)
 @given(data=st.data())
-def test_few_rows_read_a_row_at_a_time_have_the_host_bits(dtype, data):
-    """Columns of a few rows are summed in one element-wise pass (`unrolled`): the same
-    bits, padding rows included (values of a few binades, whose sums take at most
-    `UNROLL_LIMBS` limbs; one shape: the sums compile once per limb count)."""
-    stack = data.draw(stacks(dtype, ("near",)))
-    cut, more = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
-    first = np.concatenate([stack[:cut], np.full((4 - cut, SIZE), np.nan, dtype)])
-    parts, counts = [jnp.asarray(first), jnp.asarray(stack[4:7])], [cut, more]
-    want = _host(np.concatenate([stack[:cut], stack[4:4 + more]]))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(device_sums, "UNROLL_SIZE", 1)
-        assert device_sums.unrolled(sum(map(len, parts)), device_sums.UNROLL_LIMBS, SIZE)
-        got = device_sums.exact_sum(DeviceColumn(parts, counts))
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+def test_sums_of_chunks_merged_have_the_host_bits(dtype, data):
+    """Addends summed in any grouping (sums of chunks joined, windows moved down as
+    lower addends arrive, the wider limbs of a joined sum) give the host's bits."""
+    stack = data.draw(stacks(dtype))
+    counts = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 6))
+    parts = [device_sums.partial_of("sum", [DeviceColumn([jnp.asarray(rows)], [n])])
+             for rows, n in zip((stack[:6], stack[6:]), counts)]
+    joined = parts[0].joined(parts[1])
+    assert joined.count == sum(counts)
+    want = _host(np.concatenate([stack[:counts[0]], stack[6:6 + counts[1]]]))
+    np.testing.assert_array_equal(_bits(device_sums.finish(joined)[0]), _bits(want))
+
+
+def test_compiles_once_whatever_the_tensors_and_the_data():
+    """One tensor or many of one dtype: one compiled sum; data of any scale or spread
+    within the window: no new compile (a compile counter, not a timing)."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_k: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    rng = np.random.default_rng(0)
+
+    def run(scale, tensors):
+        columns = [DeviceColumn([jnp.asarray((rng.standard_normal((3, 5)) * scale
+                                              ).astype(np.float32))], [3])
+                   for _ in range(tensors)]
+        return device_sums.exact_sums(columns)
+
+    run(1.0, 40)
+    before = len(compiles)
+    for scale in (1e-30, 1e-3, 7.0, 1e20, 1e35):
+        run(scale, 40)
+    assert len(compiles) == before
 
 
 def test_many_addends_carry_between_blocks():
     """More addends than a block (carries propagated between blocks) of the largest
     finite values, and of values that cancel down to a subnormal."""
-    rows = device_sums.BLOCK_ROWS + 5
+    rows = device_exact.BLOCK_ROWS + 5
     big = np.full((rows, 3), np.finfo(np.float32).max, np.float32)
     big[::2, 1] *= -1
     big[:, 2] = np.float32(2.0 ** -126)
@@ -139,21 +159,22 @@ def test_integer_sums_wrap_as_the_host_does(dtype, seed, n):
     np.testing.assert_array_equal(np.asarray(got), _host(stack[:n]))
 
 
-@pytest.mark.parametrize("unroll", [False, True], ids=["reduced", "one_pass"])
 @pytest.mark.parametrize("kind", ["sum", "mean", "weighted_mean"])
-def test_finished_aggregates_match_the_host(kind, unroll, monkeypatch):
+def test_finished_aggregates_match_the_host(kind):
     """Sums, means and weighted means (each value times its weight, rounded, in the
-    pass that sums them) have the host's bits, the rows reduced or read one by one."""
-    monkeypatch.setattr(device_sums, "UNROLL_SIZE", 1 if unroll else 1 << 30)
+    pass that sums them) have the host's bits, over tensors of several dtypes."""
     rng = np.random.default_rng(3)
-    values = (rng.standard_normal((5, 4, 3)) * 2.0 ** rng.integers(-20, 20, (5, 4, 3))
-              ).astype(np.float32)
+    values = [(rng.standard_normal((5, 4, 3)) * 2.0 ** rng.integers(-20, 20, (5, 4, 3))
+               ).astype(dtype) for dtype in (np.float32, ml_dtypes.bfloat16, np.float32)]
     weights = (rng.random(5) * 7).astype(np.float32)  # products round
     w = [weights] if kind == "weighted_mean" else None
-    host = aggregation.finish(aggregation.partial_of_columns(kind, [values.copy()], 5, w))
+    host = aggregation.finish(aggregation.partial_of_columns(
+        kind, [v.copy() for v in values], 5, w))
     device = aggregation.finish(aggregation.device_partial(
-        kind, [[jnp.asarray(values)]], [5], None if w is None else [jnp.asarray(weights)]))
-    np.testing.assert_array_equal(_bits(np.asarray(device[0])), _bits(host[0]))
+        kind, [[jnp.asarray(v)] for v in values], [5],
+        None if w is None else [jnp.asarray(weights)]))
+    for d, h in zip(device, host):
+        np.testing.assert_array_equal(_bits(np.asarray(d)), _bits(h))
 
 
 def test_weighted_mean_refuses_negative_and_zero_weights_on_the_device():
@@ -191,7 +212,7 @@ def test_division_is_numpy_s_on_any_bits(dtype, seed):
     for by in b:
         with np.errstate(all="ignore"):
             want = np.divide(a, np.asarray(by, dtype))
-        got = np.asarray(device_sums._divide(jnp.asarray(a), jnp.asarray(by)))
+        got = np.asarray(device_sums.divide(jnp.asarray(a), jnp.asarray(by)))
         both_nan = np.isnan(want.astype(np.float32)) & np.isnan(got.astype(np.float32))
         np.testing.assert_array_equal(np.where(both_nan, 0, _bits(got)),
                                       np.where(both_nan, 0, _bits(want)))
@@ -209,8 +230,9 @@ def test_weights_are_refused_as_the_host_refuses_them(weights):
     values = np.ones((len(w), 3), np.float32)
     host = lambda: aggregation.partial_of_columns("weighted_mean", [values.copy()], len(w),
                                                   [w.copy()])
-    device = lambda: aggregation.device_partial("weighted_mean", [[jnp.asarray(values)]],
-                                                [len(w)], [jnp.asarray(w)])
+    padded = np.concatenate([w, np.full(6 - len(w), np.nan, np.float32)])  # one shape
+    device = lambda: aggregation.device_partial(
+        "weighted_mean", [[jnp.ones((6, 3), jnp.float32)]], [len(w)], [jnp.asarray(padded)])
     outcomes = []
     for partial in (host, device):
         try:

@@ -23,8 +23,9 @@ Kinds (as TFF's reference semantics state them):
   at the bound's top would overflow it, before any value is read.
 
 Where a round runs on the accelerator (`device_sums.on_device`), a sum-like partial may
-hold its clients' tensors there as `device_sums.DeviceColumn`s (`device_partial`):
-merged by joining them, finished by `device_sums.finish` with the same bits.
+hold its clients' running sums there, as one `device_sums.DeviceSums` (its one leaf;
+`device_partial`, `device_sums_partial`): merged by joining them, finished by
+`device_sums.finish` with the same bits.
 
 A partial over no clients is valid (it merges as nothing). Finished, it follows TFF's
 reference semantics, where `federated_sum` is a reduction that starts at `generic_zero`:
@@ -72,8 +73,9 @@ class Partial:
     """An aggregate in progress over `count` clients.
 
     `leaves` holds, per tensor of the value (depth first), an exact sum (`ExactSum` or
-    `DoubleSum`, sum-like kinds; or the addends on the device, `device_sums.DeviceColumn`)
-    or the running extreme (min, max); it is empty while `count` is 0.
+    `DoubleSum`, sum-like kinds) or the running extreme (min, max), or one
+    `device_sums.DeviceSums` for all of them (sums on the device); it is empty while
+    `count` is 0.
     """
 
     kind: str
@@ -268,7 +270,7 @@ def device_partial(kind: str, columns: Sequence[Sequence], counts: Sequence[int]
     """The partial of a sum-like `kind` (`device_sums.KINDS`) over clients' tensors left
     on the device by batched calls: `columns[j][i]` is tensor j of call i's results,
     whose first `counts[i]` rows are its clients (client order), `weights[i]` those
-    clients' weights (weighted_mean). Nothing is summed until `finish`."""
+    clients' weights (weighted_mean); summed there (`device_sums.partial_of`)."""
     if kind not in device_sums.KINDS:
         raise AggregationError(f"the device finishes {list(device_sums.KINDS)}, not {kind!r}")
     count = sum(counts)
@@ -283,8 +285,15 @@ def device_partial(kind: str, columns: Sequence[Sequence], counts: Sequence[int]
             raise AggregationError("a weighted_mean weight must be one scalar tensor per "
                                    "client")
         w = device_sums.DeviceColumn(list(weights), list(counts))
-    return Partial(kind=kind, leaves=leaves if count else [], weights=w if count else None,
-                   count=count)
+    if not count:
+        return Partial(kind=kind, leaves=[])
+    return device_sums_partial(device_sums.partial_of(kind, leaves, w))
+
+
+def device_sums_partial(sums: device_sums.DeviceSums) -> Partial:
+    """The partial held by running sums on the device (`device_sums.DeviceSums`: its
+    one leaf)."""
+    return Partial(kind=sums.kind, leaves=[sums] if sums.count else [], count=sums.count)
 
 
 def _partial(kind: str, columns: list, count: int, w: Optional[np.ndarray],
@@ -346,18 +355,16 @@ def merge(into: Partial, other: Partial) -> Partial:
     if into.count == 0:
         into.leaves, into.weights, into.count = other.leaves, other.weights, other.count
         return into
-    if len(other.leaves) != len(into.leaves):
-        raise AggregationError("partials disagree on the number of tensors of the value")
     extreme = EXTREMES.get(into.kind)
-    on_device = [isinstance(p.leaves[0], device_sums.DeviceColumn) if p.leaves else None
+    on_device = [isinstance(p.leaves[0], device_sums.DeviceSums) if p.leaves else None
                  for p in (into, other)]
     if on_device[0] != on_device[1]:
         raise AggregationError("cannot merge a partial held on the device with one held "
                                "on the host; run every part of the round on one of them")
+    if len(other.leaves) != len(into.leaves):
+        raise AggregationError("partials disagree on the number of tensors of the value")
     if on_device[0]:
-        into.leaves = [a.joined(b) for a, b in zip(into.leaves, other.leaves)]
-        if into.weights is not None:
-            into.weights = into.weights.joined(other.weights)
+        into.leaves = [into.leaves[0].joined(other.leaves[0])]
     elif extreme is not None:
         into.leaves = [extreme(a, b) for a, b in zip(into.leaves, other.leaves)]
     else:
@@ -380,9 +387,8 @@ def finish(partial: Partial, member_type: Optional[federated_language.Type] = No
         return _over_no_clients(partial.kind, member_type)
     if partial.kind in EXTREMES:
         return [np.array(x) for x in partial.leaves]
-    if partial.leaves and isinstance(partial.leaves[0], device_sums.DeviceColumn):
-        return device_sums.finish(partial.kind, partial.leaves, partial.weights,
-                                  partial.count)
+    if partial.leaves and isinstance(partial.leaves[0], device_sums.DeviceSums):
+        return device_sums.finish(partial.leaves[0])
     if partial.kind in ("sum", "secure_sum_bitwidth", "secure_sum"):
         return results(partial.leaves)
     if partial.kind == "mean":
