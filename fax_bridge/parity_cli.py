@@ -9,11 +9,17 @@ on a loopback Flower deployment of K SuperNodes instead (each serving a block of
 example clients), compared with as many rounds of jit and with the bits of the fleet's
 round plan. With `--litert` the devices run the client part in the LiteRT interpreter,
 and the report states the rounding bound each float output is held to.
+
+The report starts with a summary (the verdict, what ran, how jit ran the clients where
+in chunks, the worst leaf and the share of its bound or tolerance it used), the type
+signature cut short, then the `--top` worst leaves' rows (default 20; 0 for the summary
+alone); `--json FILE` writes the whole report, every leaf and the whole signature.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from fax_bridge import cli_args
@@ -34,7 +40,13 @@ def _run(args: argparse.Namespace) -> int:
     except FaxBridgeError as e:
         print(f"fax-bridge parity: {e}", file=sys.stderr)
         return 2
-    print(report.table())
+    if args.json:
+        text = json.dumps(report.to_json(), indent=1) + "\n"
+        written, why = cli_args.write_or_rescue(args.json, lambda f: f.write(text.encode()),
+                                                ".json", "parity")
+        if why:
+            print(f"fax-bridge parity: {why}; the report is in {written}", file=sys.stderr)
+    print(report.table(top=args.top))
     return 0 if report.ok else 1
 
 
@@ -55,6 +67,11 @@ def register(subparsers) -> None:
     p.add_argument("--rounds", type=cli_args.int_in(1, 10_000), default=1,
                    help="with --flower: rounds to run, each fed the state the round "
                         "before returned (1..10000, default 1)")
+    p.add_argument("--top", type=cli_args.int_in(0, 10**9), default=20,
+                   help="rows of the worst leaves to print, worst first (default 20; 0: "
+                        "the summary alone)")
+    p.add_argument("--json", type=cli_args.output_file, metavar="FILE",
+                   help="write the whole report (every leaf, the whole signature) as JSON")
     p.add_argument("--litert", action="store_true",
                    help="the fleet's devices run the round's client part as a LiteRT model "
                         "in the LiteRT interpreter; float leaves are compared within the "

@@ -2,11 +2,18 @@
 
 `compare_leaves` compares two results leaf by leaf; `parity.check_parity` (jit against a
 fleet, the interpreter or a Flower deployment) and `parity_flower.py` report with it.
+
+`ParityReport.table(top=N)` prints a summary first (the verdict, the leaves, what ran
+them, how jit ran the clients where in chunks, and the worst leaf: the one that used
+the largest share of what it may differ by, `LeafParity.used`), the round's type
+signature abbreviated, the timings and the rule, then the N worst leaves' rows, worst
+first (every row without `top`); `to_json()` is the whole report, every leaf with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import jax
@@ -26,6 +33,23 @@ class LeafParity:
     note: str = ""
     explanation: str = ""  # why jit and the fleet may differ (float rounding), if known
     bound: Optional[float] = None  # the largest difference the rounding bound allows
+    bound_method: str = ""  # what gave the bound (`parity_rounding.evaluation_bounds`)
+    # max over elements of |difference| / (atol + rtol |jit's value|) (`compare_leaves`)
+    tolerance_used: Optional[float] = None
+
+    @property
+    def used(self) -> float:
+        """The share of what this leaf may differ by that it does differ by: its largest
+        difference over its largest bound (a bounded leaf), or the largest of each
+        element's difference over its tolerance; 0 where the values are equal, inf
+        where they differ and nothing is allowed (or the leaf could not be compared)."""
+        if self.bound is not None:
+            if self.max_abs == 0:
+                return 0.0
+            return self.max_abs / self.bound if self.bound > 0 else math.inf
+        if self.tolerance_used is not None:
+            return self.tolerance_used
+        return 0.0 if self.max_abs == 0 else math.inf
 
 
 @dataclasses.dataclass
@@ -44,41 +68,97 @@ class ParityReport:
     client_runtime: str = "xla"  # what ran the client parts: "xla" or "litert" (LiteRT)
     # seconds spent once, not per round, by what: compiling, starting processes
     startup_s: dict = dataclasses.field(default_factory=dict)
+    chunking: str = ""  # how jit ran the clients where in chunks (`chunking_of`)
 
     @property
     def ok(self) -> bool:
         return all(leaf.ok for leaf in self.leaves) and self.fleet_bits is not False
 
-    def table(self) -> str:
-        """A plain-text table, one row per output leaf."""
-        bounded = any(leaf.bound is not None for leaf in self.leaves)
-        rows = [("output", "shape", "dtype", "max abs err",
-                 "bound" if bounded else "max rel err", "status")]
-        for leaf in self.leaves:
-            rows.append((leaf.path, str(leaf.shape), leaf.dtype, f"{leaf.max_abs:.3e}",
-                         (f"{leaf.bound:.3e}" if leaf.bound is not None else "exact")
-                         if bounded else f"{leaf.max_rel:.3e}",
-                         ("ok" if leaf.ok else "MISMATCH") + (f" ({leaf.note})" if leaf.note
-                                                              else "")))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    def worst(self) -> list:
+        """The leaves, worst first: mismatches, then by the share of their allowance
+        used (`LeafParity.used`), each kind in output order."""
+        order = sorted(range(len(self.leaves)), key=lambda i: (
+            self.leaves[i].ok, -_finite(self.leaves[i].used), i))
+        return [self.leaves[i] for i in order]
+
+    def where(self) -> str:
+        """What ran the exported round: a fleet or a Flower deployment, and its runtime."""
         where = (f"Flower deployment of {self.devices} SuperNode(s)" if self.target == "flower"
                  else f"fleet of {self.devices} device(s)")
         if self.client_runtime != "xla":
             where += f" running client parts in {self.client_runtime}"
+        return where
+
+    def summary(self) -> list:
+        """The summary's lines (module docstring)."""
+        verdict = "PARITY OK" if self.ok else "PARITY MISMATCH"
+        failed = sum(not leaf.ok for leaf in self.leaves)
+        first = (f"{verdict}: {len(self.leaves)} output leaves"
+                 + (f", {failed} mismatched" if failed else "")
+                 + f"; jit against a {self.where()}")
+        if self.chunking:
+            first += f"; jit ran the clients {self.chunking}"
+        lines = [first]
+        if self.leaves:
+            leaf = self.worst()[0]
+            allowed = (f"bound {leaf.bound:.3e}" if leaf.bound is not None
+                       else f"rtol={self.rtol:g} atol={self.atol:g}")
+            how = f", {leaf.bound_method}" if getattr(leaf, "bound_method", "") else ""
+            share = leaf.used
+            lines.append(
+                f"worst leaf: {leaf.path} {leaf.dtype}{list(leaf.shape)}: max abs err "
+                f"{leaf.max_abs:.3e}, {allowed}{how}: "
+                + (f"{share:.1%} of what it may differ by" if math.isfinite(share)
+                   else "it may not differ")
+                + ("" if leaf.ok else f" ({leaf.note or 'MISMATCH'})"))
+        return lines
+
+    def table(self, top: Optional[int] = None, signature_chars: Optional[int] = 200
+              ) -> str:
+        """The report as text (module docstring): the summary, then one row per output
+        leaf, the `top` worst first (every leaf, in output order, without `top`); the
+        type signature cut at `signature_chars` characters (None: whole)."""
+        bounded = any(leaf.bound is not None for leaf in self.leaves)
+        shown = self.leaves if top is None else self.worst()[:max(top, 0)]
+        methods = any(getattr(leaf, "bound_method", "") for leaf in self.leaves)
+        rows = [("output", "shape", "dtype", "max abs err",
+                 "bound" if bounded else "max rel err", "status")
+                + (("bound from",) if methods else ())]
+        for leaf in shown:
+            rows.append((leaf.path, str(leaf.shape), leaf.dtype, f"{leaf.max_abs:.3e}",
+                         (f"{leaf.bound:.3e}" if leaf.bound is not None else "exact")
+                         if bounded else f"{leaf.max_rel:.3e}",
+                         ("ok" if leaf.ok else "MISMATCH") + (f" ({leaf.note})" if leaf.note
+                                                              else ""))
+                        + ((getattr(leaf, "bound_method", ""),) if methods else ()))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         tolerance = ("bound: 2 x n*eps*sum|x| through the client steps and aggregations"
                      if bounded else f"tolerance: rtol={self.rtol:g} atol={self.atol:g}")
         fleet = (f"{self.fleet_s * 1e3:.2f} ms" if self.fleet_s is not None
                  else "not timed warm (warm_round=True times a second round)")
-        lines = [f"parity: {self.signature}",
-                 f"per round: local jit {self.local_s * 1e3:.2f} ms, {where} {fleet}"]
+        signature = self.signature
+        if signature_chars is not None and len(signature) > signature_chars:
+            signature = (f"{signature[:signature_chars]}... ({len(signature):,} "
+                         "characters; whole in the report's JSON)")
+        lines = self.summary() + [
+            f"parity: {signature}",
+            f"per round: local jit {self.local_s * 1e3:.2f} ms, {self.where()} {fleet}"]
         if self.startup_s:
             lines.append("once, not per round: " + ", ".join(
                 f"{what} {s * 1e3:,.0f} ms" for what, s in self.startup_s.items()))
         lines.append(tolerance)
+        if len(shown) < len(self.leaves):
+            lines.append(f"the {len(shown)} worst of {len(self.leaves)} leaves, worst first:")
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        if len(shown) < len(self.leaves):
+            rest = self.leaves[len(shown):] if top is None else self.worst()[len(shown):]
+            bad = sum(not leaf.ok for leaf in rest)
+            lines.append(f"... {len(rest)} more leaves, "
+                         + (f"{bad} of them mismatched" if bad else "all ok")
+                         + " (every row: the report's JSON)")
         lines.extend(f"{leaf.path}: {leaf.explanation}" for leaf in self.leaves
                      if leaf.explanation and not leaf.ok)
         if self.fleet_bits is not None:
@@ -86,6 +166,42 @@ class ParityReport:
                          + ("yes" if self.fleet_bits else "NO"))
         lines.append("PARITY OK" if self.ok else "PARITY MISMATCH")
         return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """The whole report as JSON-ready data: the verdict, what ran, the timings, the
+        whole type signature and every leaf (its fields, and `used`), in output order;
+        a non-finite number as its text ("inf", "nan")."""
+        def number(x):
+            return x if not isinstance(x, float) or math.isfinite(x) else str(x)
+
+        leaves = []
+        for leaf in self.leaves:
+            row = {k: number(v) for k, v in dataclasses.asdict(leaf).items()}
+            row["shape"] = list(leaf.shape)
+            row["used"] = number(leaf.used)
+            leaves.append(row)
+        return {"ok": self.ok, "target": self.target, "devices": self.devices,
+                "client_runtime": self.client_runtime, "chunking": self.chunking,
+                "rtol": self.rtol, "atol": self.atol, "signature": self.signature,
+                "local_s": self.local_s, "fleet_s": self.fleet_s,
+                "startup_s": dict(self.startup_s), "fleet_bits": self.fleet_bits,
+                "leaves": leaves}
+
+
+def _finite(x: float) -> float:
+    """`x` with inf as the largest float and nan as -1 (for sorting)."""
+    return -1.0 if math.isnan(x) else min(x, 1.7976931348623157e308)
+
+
+def chunking_of(fn: Any, clients: int) -> str:
+    """How jit runs `fn`'s clients where it runs them in chunks (`fax_bridge.chunking`:
+    a program with `clients_per_step` below its clients): "in chunks of 4 (of 64
+    clients)", "in chunks (clients_per_step='auto')"; "" otherwise."""
+    k = getattr(fn, "clients_per_step", None)
+    if k is None or (k != "auto" and k >= clients):
+        return ""
+    return ("in chunks (clients_per_step='auto')" if k == "auto"
+            else f"in chunks of {k} (of {clients} clients)")
 
 
 def compare_leaves(local: Any, remote: Any, rtol: float, atol: float,
@@ -114,6 +230,11 @@ def compare_leaves(local: Any, remote: Any, rtol: float, atol: float,
         max_rel = float(rel.max()) if rel.size else 0.0
         ok = bool(np.allclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True))
         note = "" if w.dtype == g.dtype else f"fleet dtype {g.dtype}"
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(diff == 0, 0.0, diff / (atol + rtol * np.abs(wf)))
+        same = (wf == gf) | (np.isnan(wf) & np.isnan(gf))
+        share = np.where(same, 0.0, np.nan_to_num(share, nan=np.inf))
         out.append(LeafParity(path, tuple(w.shape), str(w.dtype), max_abs, max_rel,
-                              ok and not note, note))
+                              ok and not note, note,
+                              tolerance_used=float(share.max()) if share.size else 0.0))
     return out
