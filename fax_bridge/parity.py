@@ -20,7 +20,7 @@ import numpy as np
 from fax_bridge import parity_rounding, tracing
 from fax_bridge.errors import ArgumentError
 from fax_bridge.fleet.launcher import LocalFleet
-from fax_bridge.parity_report import LeafParity, ParityReport, compare_leaves
+from fax_bridge.parity_report import LeafParity, ParityReport, chunking_of, compare_leaves
 from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.runtime import interpreter
@@ -246,7 +246,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         explain_mismatches(leaves, comp, args)
         note_chunked_sums(leaves, fn, comp.clients)
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
-                        client_runtime=runtime.name,
+                        client_runtime=runtime.name, chunking=chunking_of(fn, comp.clients),
                         local_s=local_s, fleet_s=fleet_s, startup_s=startup, signature=str(
                             federated_language.framework.ComputationBuildingBlock.from_proto(
                                 proto).type_signature)
