@@ -116,14 +116,27 @@ def tff_answers(tmp_path_factory):
     start of TensorFlow takes 15 s or more of a core. Keyed by `_without_call_sites`."""
     from fax_bridge.tff.cli import resolve_program
 
+    from fax_bridge.tff import fcp
+
     prog, prog_args, placements = resolve_program(QUICKSTART, 3)
     folder = str(tmp_path_factory.mktemp("forms"))
     jobs = [forms.job(kind, forms.round_proto(fn, *a, placements=pl)[0], [kind],
                       os.path.join(folder, kind))
             for kind, fn, a, pl in (("daf", one_trip, (W, X), ("server", "clients")),
                                     ("mrf", prog, prog_args, placements))]
+    # Federated Compute's forms of `one_trip` (both kinds, no plain form).
+    proto = forms.round_proto(one_trip, W, X, placements=("server", "clients"))[0]
+    jobs.append(fcp.with_fcp(forms.job("fcp", proto, [], os.path.join(folder, "fcp")),
+                             proto, ["mrf", "daf"]))
     answers = forms.build_forms(jobs, folder)
-    return {_without_call_sites(job["proto"]): (job, answers[job["name"]]) for job in jobs}
+    return {_key(job): (job, answers[job["name"]]) for job in jobs}
+
+
+def _key(job: dict) -> tuple:
+    """A job as `tff_answers` keys it: its round (`_without_call_sites`), forms and FCP
+    forms."""
+    return (_without_call_sites(job["proto"]), tuple(job["forms"]),
+            "fcp" in job)
 
 
 def _without_call_sites(path: str) -> bytes:
@@ -154,10 +167,11 @@ def built_once(tff_answers, monkeypatch):
     def replay(jobs, folder, timeout_s=600.0):
         answers = {}
         for job in jobs:
-            proto = _without_call_sites(job["proto"])
-            assert proto in tff_answers, f"a round TFF was not asked to build: {job}"
-            built, answer = tff_answers[proto]
-            assert job["forms"] == built["forms"], job
+            key = _key(job)
+            assert key in tff_answers, f"a round TFF was not asked to build: {job}"
+            built, answer = tff_answers[key]
+            assert set(job.get("fcp", {}).get("forms", ())) <= set(
+                built.get("fcp", {}).get("forms", ())), job
             answers[job["name"]] = answer
         return answers
 
@@ -254,3 +268,29 @@ def test_cli_refuses_a_file_in_the_way_before_building_the_form(tmp_path, capsys
     err = capsys.readouterr().err
     assert rc == 2 and f"would replace '{out}{os.sep}{piece}'" in err and "--force" in err
     assert (out / piece).read_bytes() == b"mine" and sorted(os.listdir(out)) == [piece]
+
+
+def test_federated_compute_forms_through_the_api_and_the_cli(tmp_path, capsys, built_once):
+    from fax_bridge.data.examples import Feature
+
+    mrf = fb.to_map_reduce_form(one_trip, W, X, placements=("server", "clients"),
+                                target="fcp")
+    assert list(mrf.pieces) == list(forms.MRF_PIECES)
+    assert mrf.features == [Feature("value", np.dtype(np.float32), (4, 2))]
+    assert mrf.piece_types["work"].startswith("(<str*,"), mrf.piece_types["work"]
+    assert mrf.state_codes == [None]
+    manifest = fb.write_form(mrf, str(tmp_path / "api"))
+    assert manifest["for"] == "fcp" and manifest["features"] == [
+        {"name": "value", "dtype": "float32", "shape": [4, 2], "list": "float"}]
+    _check_manifest(tmp_path / "api", manifest)
+    out = tmp_path / "cli"
+    rc = cli_main(["forms", f"{__file__}:one_trip", "--form", "daf", "--for", "fcp",
+                   "-o", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["form"] == "DistributeAggregateForm" and manifest["for"] == "fcp"
+    assert manifest["files"]["client_work"]["type"].startswith("(<{str*}@CLIENTS,")
+
+
+def one_trip_example_args(clients):  # for `fax-bridge forms THIS_FILE:one_trip`
+    return (W, X[:clients]), ("server", "clients")

@@ -30,7 +30,7 @@ def _run(args: argparse.Namespace) -> int:
                                      force=args.force, what="-o")  # before building
         build = (forms.to_distribute_aggregate_form if args.form == "daf"
                  else forms.to_map_reduce_form)
-        form = build(prog, *prog_args, placements=placements, target=args.target)
+        form = build(prog, *prog_args, placements=placements, target=args.for_system)
         with output_folders.staged(args.output, "forms", force=args.force,
                                    what="-o") as stage:
             manifest = forms.write_form(form, stage)
@@ -53,7 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--form", choices=("daf", "mrf"), required=True,
                    help="daf: DistributeAggregateForm (Xla parts); mrf: MapReduceForm "
                         "(TensorFlow parts holding XlaCallModule)")
-    p.add_argument("--for", dest="target", choices=("tff", "fcp"), default="tff",
+    p.add_argument("--for", dest="for_system", choices=("tff", "fcp"), default="tff",
                    help="tff: TFF's form as it is; fcp: the form Federated Compute's plan "
                         "builder takes (client data as serialized tf.Examples, TensorFlow "
                         "parts only, checkpoint dtypes; manifest.json lists the features)")

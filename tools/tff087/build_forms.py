@@ -299,7 +299,7 @@ def build_daf(job: dict, comp) -> dict:
 
 def build_mrf(job: dict, proto) -> dict:
     t0 = time.perf_counter()
-    tf_round = concrete(xla_to_tensorflow(proto, job.get("artifacts", {})))
+    tf_round = job["tf_round"] = concrete(xla_to_tensorflow(proto, job.get("artifacts", {})))
     t1 = time.perf_counter()
     mrf = fu.get_map_reduce_form_for_computation(tf_round)
     t2 = time.perf_counter()
@@ -333,9 +333,11 @@ def build_fcp(job: dict, proto) -> dict:
     import plan_run
 
     spec = job["fcp"]
-    tf_round = concrete(xla_to_tensorflow(proto, job.get("artifacts", {})))
+    t0 = time.perf_counter()
+    tf_round = job.get("tf_round") or concrete(xla_to_tensorflow(proto, job.get("artifacts", {})))
     round_fn, info = fcp_forms.fcp_round(tf_round)
-    result = {"info": info, "type": str(round_fn.type_signature)}
+    result = {"info": info, "type": str(round_fn.type_signature),
+              "wrap_seconds": time.perf_counter() - t0}
     for kind in spec.get("forms", ("mrf", "daf")):
         try:
             t0 = time.perf_counter()
