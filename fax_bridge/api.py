@@ -79,16 +79,28 @@ class Program:
     given (`fax_bridge.chunking`)."""
 
     def __init__(self, fn: Callable, clients: int, placement: str = P.CLIENTS,
-                 clients_per_step: ClientsPerStep = None):
+                 clients_per_step: ClientsPerStep = None, progress: bool = False):
         self.fn = fn
         self.clients = clients
         self.placement = placement
         self.clients_per_step = validate_clients_per_step(clients_per_step, placement)
+        if not isinstance(progress, bool):
+            raise ProgramError(f"progress must be True or False, got {progress!r}.")
+        self.progress = progress
         functools.update_wrapper(self, fn)
 
     def with_clients_per_step(self, clients_per_step: ClientsPerStep) -> "Program":
         """The same program run `clients_per_step` members at a time (None: all at once)."""
-        return Program(self.fn, self.clients, self.placement, clients_per_step)
+        return Program(self.fn, self.clients, self.placement, clients_per_step, self.progress)
+
+    def chunk_size(self, *args, memory_bytes: Optional[int] = None, **kwargs) -> Optional[int]:
+        """The members a step this program runs with these arguments (None: all at once):
+        its `clients_per_step`, "auto" resolved (`fax_bridge.chunk_size`) against the
+        device's memory or `memory_bytes`."""
+        k = self.clients_per_step
+        if k == "auto":
+            k = chunking.fitting_chunk(self, args, kwargs, memory_bytes)
+        return None if k is None or k >= self.clients else k
 
     def __call__(self, *args, **kwargs):
         with placement_context(self):
@@ -99,7 +111,8 @@ class Program:
                 k = chunking.fitting_chunk(self, args, kwargs)
             if k >= self.clients:
                 return self.fn(*args, **kwargs)
-            return chunking.run(self.fn, self.clients, self.placement, k, args, kwargs)
+            return chunking.run(self.fn, self.clients, self.placement, k, args, kwargs,
+                                self.progress)
 
     def __repr__(self) -> str:
         step = "" if self.clients_per_step is None else \
@@ -148,7 +161,7 @@ def _validate_name(name: Any) -> str:
 
 def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
             placements: Optional[Mapping[str, int]] = None,
-            clients_per_step: ClientsPerStep = None):
+            clients_per_step: ClientsPerStep = None, progress: bool = False):
     """Decorates a federated program: `@program(clients=N)` or `@program(placements={name: N})`.
 
     The placement name is free (`clients`, `workers`, ...); a mesh axis of that name, when
@@ -164,6 +177,7 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
         members, `grad` included); "auto" picks the largest that fits the device's
         memory. Export is the same for every value; float sums may differ from the
         unchunked round's in the last bits (summation order). See `fax_bridge.chunking`.
+      progress: show a tqdm bar of the members done in each chunked trip (off by default).
 
     Returns:
       A `Program` (or, without `fn`, a decorator making one): callable as the function,
@@ -195,8 +209,8 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
         raise ProgramError("program needs the number of clients: @fax_bridge.program(clients=N).")
     n = _validate_cardinality(clients, name)
     if fn is None:
-        return lambda f: Program(f, n, name, clients_per_step)
-    return Program(fn, n, name, clients_per_step)
+        return lambda f: Program(f, n, name, clients_per_step, progress)
+    return Program(fn, n, name, clients_per_step, progress)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -4,25 +4,33 @@
 with its argument `argnum` not passed whole but *read* chunk by chunk: the caller gives a
 function `fetch(ids)` returning the data of clients `ids` (a numpy pytree with a leading
 axis of `len(ids)`, e.g. `store.cohort(ids).data` of a `fax_bridge.data.ClientStore`).
-Each client phase then runs as a loop on the host: one compiled step per chunk
-(`chunking.run_chunk`), the aggregates summed as the steps finish, and while the device
-works on chunk c a thread reads chunk c + 1 and copies it to the device. Only client work
-may read the streamed argument.
+Only client work may read the streamed argument.
 
-Chunks are those of `fax_bridge.chunking` (chunk c holds clients c, c + N // k, ...; the
-last N mod k clients after them), so a streamed round sums in the same order as the
-same program run with its data in memory. Equations outside the client phases run as
-jax runs them eagerly (one dispatch each): keep the server step small, or jit it.
+The round is the in-memory chunked round (`chunking.scan_chunks`) compiled once per
+argument shapes, as `jax.jit(program)` is, with each chunk of the streamed argument read
+by a host callback where the in-memory round slices its argument: while the device works
+on chunk c, a thread reads chunk c + 1. The chunks, the program around them and so the
+order of every sum are those of the in-memory round: on the same device the results are
+the same bits (tested on this CPU). With k at least the cohort, the whole cohort is one
+chunk (fetched at once).
+
+Every answer of `fetch` is checked alike, the first one (clients [0], read once per call
+for the data's structure) included: the same structure and per-client shapes and dtypes
+every time, numeric arrays only, one row a client. Values the program closes over are read
+when it is first traced for these shapes, as under `jax.jit`. Calls of one streamed
+program run one at a time.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from fax_bridge import api
 from fax_bridge import chunking
@@ -41,33 +49,78 @@ def _check_argnum(program, argnum: int, args: tuple) -> None:
             f"{type(args[argnum]).__name__ if 0 <= argnum < len(args) else 'no argument'}.")
 
 
-class _Source:
-    """The streamed argument: its treedef, per-client leaf specs and `fetch`."""
+def _numeric(leaf) -> Optional[np.ndarray]:
+    """`leaf` as a numpy array when it is one of numbers (bool, integer, float, complex)."""
+    if not isinstance(leaf, (np.ndarray, np.generic, jax.Array, int, float, complex)):
+        return None
+    array = np.asarray(leaf)
+    if not (jnp.issubdtype(array.dtype, jnp.number) or array.dtype == np.bool_):
+        return None
+    return array
 
-    def __init__(self, fetch: Callable, clients: int):
-        self.fetch, self.clients = fetch, clients
-        first = fetch(np.arange(1))
-        leaves, self.treedef = jax.tree_util.tree_flatten(first)
-        self.specs = [(tuple(np.shape(x))[1:], np.asarray(x).dtype) for x in leaves]
 
-    def abstract(self):
-        return jax.tree_util.tree_unflatten(self.treedef, [
-            jax.ShapeDtypeStruct((self.clients,) + shape, dtype) for shape, dtype in self.specs])
+def _checked(got: Any, ids: np.ndarray, want=None) -> tuple:
+    """(leaves as numpy arrays, treedef, per-client (shape, dtype) specs) of one answer of
+    fetch(ids); `want` (treedef, specs) is what every answer must match."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(got)
+    where = f"fetch(ids) for clients {[int(i) for i in ids[:4]]}{'...' if len(ids) > 4 else ''}"
+    if not paths:
+        raise ArgumentError(f"{where} gave no arrays ({type(got).__name__}); give a numpy "
+                            "array, or a pytree of them, with one row a client.")
+    if want is not None and treedef != want[0]:
+        raise ArgumentError(f"{where} gave a {treedef}, but {want[0]} for client 0; give "
+                            "every chunk one structure.")
+    leaves, specs = [], []
+    for j, (path, leaf) in enumerate(paths):
+        name = f"fetch(ids){jax.tree_util.keystr(path)}"
+        array = _numeric(leaf)
+        if array is None:
+            kind = getattr(np.asarray(leaf) if isinstance(leaf, (str, bytes, np.ndarray))
+                           else leaf, "dtype", type(leaf).__name__)
+            raise ArgumentError(f"{where}: {name} is {kind}, not an array of numbers; give "
+                                "numeric arrays (bool, integer, float) only.")
+        if array.ndim < 1 or array.shape[0] != len(ids):
+            raise ArgumentError(f"{where}: {name} has shape {list(array.shape)}; its leading "
+                                f"axis must have one row a client ({len(ids)}).")
+        spec = (tuple(array.shape[1:]), jax.dtypes.canonicalize_dtype(array.dtype))
+        if want is not None and spec != want[1][j]:
+            shape, dtype = want[1][j]
+            raise ArgumentError(
+                f"{where}: {name} is {array.dtype}{list(array.shape)}; expected "
+                f"{dtype}{[len(ids), *shape]} (one row a client, as for client 0).")
+        leaves.append(array.astype(spec[1], copy=False))
+        specs.append(spec)
+    return leaves, treedef, tuple(specs)
 
-    def read(self, ids: np.ndarray) -> list:
-        got = self.fetch(ids)
-        leaves, treedef = jax.tree_util.tree_flatten(got)
-        if treedef != self.treedef:
-            raise ArgumentError(f"fetch(ids) gave a {treedef} for clients {ids[:4]}..., but "
-                                f"{self.treedef} for client 0; give every chunk one structure.")
-        for leaf, (shape, dtype) in zip(leaves, self.specs):
-            want = (len(ids),) + shape
-            if tuple(np.shape(leaf)) != want or np.asarray(leaf).dtype != dtype:
-                raise ArgumentError(
-                    f"fetch(ids) gave a leaf {np.asarray(leaf).dtype}{list(np.shape(leaf))} "
-                    f"for {len(ids)} clients; expected {dtype}{list(want)} (one row a "
-                    "client, as for client 0).")
-        return jax.device_put(leaves)
+
+class _Reads:
+    """One call's reads: chunk i's leaves, the next chunk read by a thread meanwhile."""
+
+    def __init__(self, fetch: Callable, want: tuple, chunks: list):
+        self.fetch, self.want, self.chunks = fetch, want, chunks
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.pending: dict[int, concurrent.futures.Future] = {}
+        self.error: Optional[BaseException] = None
+
+    def _read(self, i: int) -> list:
+        ids = self.chunks[i]
+        return _checked(self.fetch(ids), ids, self.want)[0]
+
+    def leaves(self, i: int, indices) -> list:
+        try:
+            future = self.pending.pop(i, None)
+            got = future.result() if future is not None else self._read(i)
+            if i + 1 < len(self.chunks) and i + 1 not in self.pending:
+                self.pending[i + 1] = self.pool.submit(self._read, i + 1)
+            return [got[j] for j in indices]
+        except BaseException as e:  # raised again, as it is, by the caller
+            self.error = self.error or e
+            raise
+
+    def close(self) -> None:
+        for future in self.pending.values():
+            future.cancel()
+        self.pool.shutdown(wait=True)
 
 
 def _chunk_ids(clients: int, k: int) -> list[np.ndarray]:
@@ -76,50 +129,64 @@ def _chunk_ids(clients: int, k: int) -> list[np.ndarray]:
     return ids + ([steps * k + np.arange(tail)] if tail else [])
 
 
-def _executor(source: _Source):
-    """Runs a phase as a host loop over chunks, the next chunk read while one computes."""
+class _StreamedRound:
+    """A program with argument `argnum` streamed: compiled once per argument shapes."""
 
-    def execute(phase, k: int, keep) -> None:
-        steps = phase.clients // k
-        shared = list(phase.shared)
-        steps_of: dict[int, Callable] = {}
+    def __init__(self, program: "api.Program", argnum: int):
+        self.program, self.argnum = program, argnum
+        self.k = min(program.clients_per_step, program.clients)
+        self.lock = threading.Lock()
+        self.reads: Optional[_Reads] = None
+        self.compiled = jax.jit(self._round, static_argnums=(0, 1))
 
-        def compiled(size: int) -> Callable:
-            if size not in steps_of:
-                steps_of[size] = jax.jit(lambda chunk, shared: chunking.run_chunk(
-                    phase, size, chunk, shared, keep))
-            return steps_of[size]
+    def _read(self, i, size: int, indices) -> list:
+        """Chunk i's streamed leaves `indices` of `size` clients, from a host callback."""
+        specs = self.want[1]
+        shapes = [jax.ShapeDtypeStruct((size,) + specs[j][0], specs[j][1]) for j in indices]
+        return io_callback(lambda i: self.reads.leaves(int(i), indices), shapes, i,
+                           ordered=True)  # chunk order: the next chunk is read ahead
 
-        def inputs(ids: np.ndarray) -> list:
-            streamed = None
-            out = []
-            for x in phase.chunked:
-                if isinstance(x, chunking.Streamed):
-                    streamed = source.read(ids) if streamed is None else streamed
-                    out.append(streamed[x.index])
-                else:
-                    out.append(jnp.take(x, jnp.asarray(ids), axis=0))
-            return out
+    def _round(self, want: tuple, tree, *flat):
+        self.want = want
+        others, kwargs = jax.tree_util.tree_unflatten(tree, flat)
+        source_tree, specs = want
+        abstract = list(others)
+        abstract[self.argnum] = jax.tree_util.tree_unflatten(source_tree, [
+            jax.ShapeDtypeStruct((self.program.clients,) + shape, dtype)
+            for shape, dtype in specs])
+        with api.placement_context(self.program):
+            jaxpr, consts, leaves, out_tree = chunking.trace_flat(
+                self.program.fn, tuple(abstract), kwargs)
+            before = len(jax.tree_util.tree_leaves(tuple(abstract[:self.argnum])))
+            values = [chunking.Streamed(i - before) if before <= i < before + len(specs)
+                      else x for i, x in enumerate(leaves)]
 
-        chunks = _chunk_ids(phase.clients, k)
-        totals, kept = None, []
-        with concurrent.futures.ThreadPoolExecutor(1) as reader:
-            pending = reader.submit(inputs, chunks[0])
-            for i, ids in enumerate(chunks):
-                chunk = pending.result()
-                if i + 1 < len(chunks):
-                    pending = reader.submit(inputs, chunks[i + 1])
-                partials, kept_here = compiled(len(ids))(chunk, shared)
-                totals = partials if totals is None else jax.tree_util.tree_map(
-                    jnp.add, totals, partials)
-                kept.append(kept_here)
-        slots = []
-        for j in range(len(keep)):
-            main = chunking.unstrided(jnp.stack([c[j] for c in kept[:steps]]), steps, k)
-            slots.append(main if len(kept) == steps else jnp.concatenate([main, kept[-1][j]]))
-        chunking.finish(phase, totals, slots, keep)
+            def execute(phase, k, keep):
+                chunking.scan_chunks(phase, k, keep, self._read, self.program.progress)
 
-    return execute
+            outs = chunking.Interpreter(jaxpr, self.program.clients, self.program.placement,
+                                        self.k, execute).run(consts, values)
+        return jax.tree_util.tree_unflatten(out_tree(), outs)
+
+    def __call__(self, args: tuple, kwargs: dict):
+        fetch = args[self.argnum]
+        first = np.arange(1)
+        _, treedef, specs = _checked(fetch(first), first)
+        others = list(args)
+        others[self.argnum] = None
+        flat, tree = jax.tree_util.tree_flatten((tuple(others), kwargs))
+        with self.lock:
+            self.reads = _Reads(fetch, (treedef, specs), _chunk_ids(self.program.clients,
+                                                                    self.k))
+            try:
+                return jax.block_until_ready(self.compiled((treedef, specs), tree, *flat))
+            except Exception:
+                if self.reads.error is not None:  # fetch's own error, not the callback's
+                    raise self.reads.error from None
+                raise
+            finally:
+                self.reads.close()
+                self.reads = None
 
 
 def stream_clients(program: "api.Program", argnum: int) -> Callable[..., Any]:
@@ -133,7 +200,7 @@ def stream_clients(program: "api.Program", argnum: int) -> Callable[..., Any]:
       A function of the program's arguments in which argument `argnum` is `fetch(ids)`,
       a function giving clients `ids`' data (numpy arrays with a leading axis of
       `len(ids)`, the same structure and per-client shapes for every call); it returns
-      the program's result.
+      the program's result. It compiles once per argument shapes.
 
     Example:
       >>> import numpy as np, jax.numpy as jnp, fax_bridge as fb
@@ -149,20 +216,9 @@ def stream_clients(program: "api.Program", argnum: int) -> Callable[..., Any]:
 
     def run(*args, **kwargs):
         _check_argnum(program, argnum, args)
-        source = _Source(args[argnum], program.clients)
-        abstract = list(args)
-        abstract[argnum] = source.abstract()
-        with api.placement_context(program):
-            jaxpr, consts, flat, out_tree = chunking.trace_flat(program.fn, tuple(abstract),
-                                                                kwargs)
-            leaves_before = len(jax.tree_util.tree_leaves(tuple(args[:argnum])))
-            count = len(source.specs)
-            values = [chunking.Streamed(i - leaves_before)
-                      if leaves_before <= i < leaves_before + count else x
-                      for i, x in enumerate(flat)]
-            interpreter = chunking.Interpreter(jaxpr, program.clients, program.placement,
-                                               program.clients_per_step, _executor(source))
-            outs = interpreter.run(consts, values)
-        return jax.tree_util.tree_unflatten(out_tree(), outs)
+        rounds = program.__dict__.setdefault("_streamed", {})  # lives as long as program
+        if argnum not in rounds:
+            rounds[argnum] = _StreamedRound(program, argnum)
+        return rounds[argnum](args, kwargs)
 
     return run

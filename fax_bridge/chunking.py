@@ -31,7 +31,7 @@ chunk by chunk from the host instead (`fax_bridge.chunk_stream.stream_clients`).
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -46,6 +46,9 @@ from jax.custom_derivatives import SymbolicZero
 from fax_bridge import local as _local
 from fax_bridge import lowering as _lowering
 from fax_bridge import primitives as P
+# sizing (`clients_per_step="auto"`) lives in chunk_size; its names stay readable here
+from fax_bridge.chunk_size import (  # noqa: F401
+    compiled_bytes, fitting_chunk, memory_limit, round_bytes)
 from fax_bridge.errors import ArgumentError
 from fax_bridge.member_rules import member_params
 from fax_bridge.placements import Placement
@@ -235,8 +238,12 @@ def unstrided(ys, steps: int, k: int):
     return jnp.swapaxes(ys, 0, 1).reshape((steps * k,) + ys.shape[2:])
 
 
-def _execute(phase: _Phase, k: int, keep: Sequence[int]) -> None:
-    """Runs `phase` over the cohort in chunks of `k`: sets `phase.result`."""
+def scan_chunks(phase: _Phase, k: int, keep: Sequence[int], read: Optional[Callable] = None,
+                progress: bool = False) -> None:
+    """Runs `phase` over the cohort in chunks of `k` (a `lax.scan`, then the tail): sets
+    `phase.result`. The phase's `Streamed` operands come from `read(i, size, indices)`,
+    chunk i's arrays of those streamed leaves (i = N // k for the tail); `progress`
+    shows a tqdm bar of the clients done."""
     steps, tail = divmod(phase.clients, k)
     devices = 1 if phase.mesh is None else dict(
         zip(phase.mesh.axis_names, phase.mesh.axis_sizes)).get(phase.axis, 1)
@@ -246,27 +253,61 @@ def _execute(phase: _Phase, k: int, keep: Sequence[int]) -> None:
             f"{devices} devices; use a multiple of {devices} so each device runs its share "
             "of every chunk.")
     shared = list(phase.shared)
-    split = [_split(x, steps, k) for x in phase.chunked]
+    streamed = [x.index for x in phase.chunked if isinstance(x, Streamed)]
+    split = [None if isinstance(x, Streamed) else _split(x, steps, k) for x in phase.chunked]
+    tick = Progress(phase.clients, k).tick if progress else None
 
-    def chunk_at(c, split, shared):
-        return run_chunk(phase, k, [_column(x, c) for x in split], shared, keep)
+    def fetched(i, size):
+        return read(i, size, streamed) if streamed else []
+
+    def chunk_at(c, split, shared, got):
+        got = iter(got)
+        return run_chunk(phase, k, [next(got) if x is None else _column(x, c) for x in split],
+                         shared, keep)
 
     step = jax.checkpoint(chunk_at, prevent_cse=False)
-    shapes, _ = jax.eval_shape(step, 0, split, shared)
+    shapes, _ = jax.eval_shape(lambda c: step(c, split, shared, fetched(c, k)), 0)
     zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
     def body(totals, c):
-        partials, kept = step(c, split, shared)
+        if tick:
+            jax.debug.callback(tick, c)
+        partials, kept = step(c, split, shared, fetched(c, k))
         return jax.tree_util.tree_map(jnp.add, totals, partials), kept
 
     totals, ys = lax.scan(body, zeros, jnp.arange(steps))
     kept = [unstrided(y, steps, k) for y in ys]
     if tail:
-        rest = [x[steps * k:] for x in phase.chunked]
+        if tick:
+            jax.debug.callback(tick, steps)
+        got = iter(fetched(steps, tail))
+        rest = [next(got) if isinstance(x, Streamed) else x[steps * k:] for x in phase.chunked]
         partials, tail_kept = run_chunk(phase, tail, rest, shared, keep)
         totals = jax.tree_util.tree_map(jnp.add, totals, partials)
         kept = [jnp.concatenate([a, b]) for a, b in zip(kept, tail_kept)]
     finish(phase, totals, kept, keep)
+
+
+class Progress:
+    """A tqdm bar of a phase's clients, advanced by `tick(i)` as chunk i starts (in any
+    order: a jitted round's callbacks are not ordered); a new bar each round."""
+
+    def __init__(self, clients: int, k: int):
+        self.clients, self.k = clients, k
+        self.steps, self.tail = divmod(clients, k)
+        self.bar, self.done = None, 0
+
+    def tick(self, i) -> None:
+        from tqdm.auto import tqdm
+        if self.bar is None:
+            self.bar = tqdm(total=self.clients, unit="client", leave=False,
+                            desc=f"clients, {self.k} a step")
+        size = self.tail if int(i) >= self.steps else self.k
+        self.bar.update(size)
+        self.done += size
+        if self.done >= self.clients:
+            self.bar.close()
+            self.bar, self.done = None, 0
 
 
 def finish(phase: _Phase, totals: list, kept: list, keep: Sequence[int]) -> None:
@@ -288,7 +329,7 @@ class Interpreter:
     def __init__(self, jaxpr: core.Jaxpr, clients: int, axis: str, k: int,
                  execute: Optional[Callable] = None):
         self.jaxpr, self.clients, self.axis, self.k = jaxpr, clients, axis, k
-        self.execute = execute or _execute
+        self.execute = execute or scan_chunks
         self.env: dict = {}
         self.phase: Optional[_Phase] = None
         self.consumers: dict = {}
@@ -468,16 +509,18 @@ def trace_flat(fn: Callable, args: tuple, kwargs: dict):
     return jaxpr, consts, flat, lambda: store["tree"]
 
 
-def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict):
+def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict,
+        progress: bool = False):
     """Runs `fn(*args, **kwargs)` (a program's body, inside its placement context) with
-    its client phases in chunks of `k` clients."""
+    its client phases in chunks of `k` clients (a tqdm bar of each with `progress`)."""
     jaxpr, consts, flat, out_tree = trace_flat(fn, args, kwargs)
     closed = core.ClosedJaxpr(pe.convert_constvars_jaxpr(jaxpr), ())
-    outs = differentiable(closed, clients, axis, k)(*consts, *flat)
+    outs = differentiable(closed, clients, axis, k, progress)(*consts, *flat)
     return jax.tree_util.tree_unflatten(out_tree(), outs)
 
 
-def differentiable(closed: core.ClosedJaxpr, clients: int, axis: str, k: int) -> Callable:
+def differentiable(closed: core.ClosedJaxpr, clients: int, axis: str, k: int,
+                   progress: bool = False) -> Callable:
     """`closed` run in chunks of `k` clients, differentiated by its primitives' own rules.
 
     Differentiating the chunked evaluation itself would differentiate how each
@@ -489,12 +532,13 @@ def differentiable(closed: core.ClosedJaxpr, clients: int, axis: str, k: int) ->
 
     @jax.custom_jvp
     def call(*values):
-        return Interpreter(closed.jaxpr, clients, axis, k).run(closed.consts, values)
+        execute = functools.partial(scan_chunks, progress=progress)
+        return Interpreter(closed.jaxpr, clients, axis, k, execute).run(closed.consts, values)
 
     def jvp(primals, tangents):
         nonzeros = [type(t) is not SymbolicZero for t in tangents]
         jvp_closed, out_nonzeros = ad.jvp_jaxpr(closed, nonzeros, instantiate=False)
-        outs = differentiable(jvp_closed, clients, axis, k)(
+        outs = differentiable(jvp_closed, clients, axis, k, progress)(
             *primals, *[t for t, nz in zip(tangents, nonzeros) if nz])
         primals_out, nz_tangents = outs[:len(out_nonzeros)], iter(outs[len(out_nonzeros):])
         return primals_out, [next(nz_tangents) if nz else SymbolicZero(a.to_tangent_aval())
@@ -502,62 +546,3 @@ def differentiable(closed: core.ClosedJaxpr, clients: int, axis: str, k: int) ->
 
     call.defjvp(jvp, symbolic_zeros=True)
     return call
-
-
-def memory_limit(host_fallback: bool = True) -> Optional[int]:
-    """Bytes a round may take on the default device: its allocator's limit where it
-    reports one (TPU, GPU); else (CPU) half the host's physical memory, or None when
-    `host_fallback` is False."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    if not host_fallback:
-        return None
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
-def compiled_bytes(compiled) -> int:
-    """Device bytes a compiled computation holds at once, by its `memory_analysis()`:
-    arguments, results and temporaries, less the result bytes that reuse (alias) a
-    donated argument's."""
-    m = compiled.memory_analysis()
-    if m is None:
-        raise ValueError("this backend reports no memory_analysis() of a compiled "
-                         "computation, so its memory cannot be sized before it runs")
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-
-
-def round_bytes(program, k: int, args: tuple, kwargs: dict) -> int:
-    """`compiled_bytes` of `program`'s compiled round at chunk size k."""
-    specs = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), (args, kwargs))
-    at_k = program.with_clients_per_step(k)
-    return compiled_bytes(jax.jit(lambda a, kw: at_k(*a, **kw)).lower(*specs).compile())
-
-
-def fitting_chunk(program, args: tuple, kwargs: dict) -> int:
-    """`clients_per_step="auto"`: the largest chunk size (the whole cohort, or a power of
-    two below it) whose compiled forward round fits `memory_limit()`, found by bisection
-    (memory grows with the chunk size); 1 when none fits. Cached per argument shapes."""
-    key = tuple((jnp.shape(x), str(jnp.result_type(x)))
-                for x in jax.tree_util.tree_leaves((args, kwargs)))
-    cache = program.__dict__.setdefault("_fitting", {})
-    if key in cache:
-        return cache[key]
-    n, limit = program.clients, memory_limit()
-    sizes = [1 << i for i in range(max(n - 1, 1).bit_length()) if (1 << i) < n] + [n]
-
-    def fits(k: int) -> bool:
-        return round_bytes(program, k, args, kwargs) <= limit
-
-    lo, hi = 0, len(sizes) - 1
-    best = 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(sizes[mid]):
-            best, lo = sizes[mid], mid + 1
-        else:
-            hi = mid - 1
-    cache[key] = best
-    return best

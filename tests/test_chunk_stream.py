@@ -1,6 +1,9 @@
 """Clients fed chunk by chunk from the host (`fb.stream_clients`): the streamed round
-computes the round with its data in memory, chunked the same way; the fetch function
-is asked for each chunk once; misuse is refused naming the fix."""
+computes the round with its data in memory, chunked the same way, to the bit; it
+compiles once per shapes; the fetch function is asked for each chunk once and every
+answer is checked alike; misuse is refused naming the fix."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +42,8 @@ def test_a_streamed_round_computes_the_round_in_memory(tmp_path):
         streamed = fb.stream_clients(_round(n, k), 1)(w, fetch)
     in_memory = jax.jit(_round(n, k))(w, {key: np.stack([c[key] for c in clients])
                                           for key in ("x", "y")})
-    for a, b in zip(streamed, in_memory):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(streamed, in_memory):  # the same chunks, program and sums: same bits
+        np.testing.assert_array_equal(a, b)
     chunks = asked[1:]  # the first call reads client 0 for the data's structure
     assert sorted(i for ids in chunks for i in ids) == list(range(n))
     assert chunks[0] == [0, 2, 4, 6] and chunks[-1] == [8, 9, 10]  # strided, then the tail
@@ -78,3 +81,68 @@ def test_misuse_is_refused_naming_the_fix():
 
     with pytest.raises(ArgumentError, match="outside client work"):
         fb.stream_clients(reads_it_at_the_server, 1)(jnp.float32(1.0), lambda i: data[i])
+
+
+def _compiles(fn) -> int:
+    """How many XLA compiles `fn()` ran."""
+    seen = []
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(seen)
+
+
+def test_a_streamed_round_compiles_once_per_shapes():
+    data = np.arange(8.0, dtype=np.float32)
+    program = _sum_program()
+    assert _compiles(lambda: fb.stream_clients(program, 1)(jnp.float32(1.0),
+                                                          lambda i: data[i])) > 0
+    again = fb.stream_clients(program, 1)  # a new wrapper of the same program: its cache
+    assert _compiles(lambda: again(jnp.float32(2.0), lambda i: 2 * data[i])) == 0
+    assert float(again(jnp.float32(2.0), lambda i: 2 * data[i])) == 2 * 2 * data.sum()
+
+
+def test_a_chunk_size_above_the_cohort_streams_one_chunk():
+    n = 5
+    data = {"x": np.arange(n * 18, dtype=np.float32).reshape(n, 6, 3) / 100,
+            "y": np.ones((n, 6), np.float32)}
+    asked = []
+
+    def fetch(ids):
+        asked.append(len(ids))
+        return {key: v[ids] for key, v in data.items()}
+
+    w = jnp.array([0.3, -0.2, 0.5])
+    streamed = fb.stream_clients(_round(n, 8), 1)(w, fetch)
+    in_memory = jax.jit(_round(n, 8))(w, data)
+    for a, b in zip(streamed, in_memory):  # new_w, a CLIENTS value, too
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert asked == [1, n]
+
+
+BAD_ANSWERS = {  # what fetch(ids) gives, and what the refusal says
+    "objects": (lambda n: np.array([object()] * n), "is object, not an array of numbers"),
+    "strings": (lambda n: np.array(["a"] * n), "is <U1, not an array of numbers"),
+    "none": (lambda n: None, "gave no arrays|one structure"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_ANSWERS))
+@pytest.mark.parametrize("first", [True, False])
+def test_every_fetch_answer_is_checked_alike(bad, first):
+    data = np.arange(8.0, dtype=np.float32)
+    answer, says = BAD_ANSWERS[bad]
+
+    def fetch(ids):  # the first answer (client 0 alone), or a later chunk's
+        return answer(len(ids)) if first == (len(ids) == 1) else data[ids]
+
+    with pytest.raises(ArgumentError, match=r"fetch\(ids\)") as refused:
+        fb.stream_clients(_sum_program(), 1)(jnp.float32(1.0), fetch)
+    assert re.search(says, str(refused.value)), str(refused.value)

@@ -3,6 +3,7 @@
 too, with temporaries of k clients whatever the cohort; export does not see it."""
 
 import functools
+import logging
 import textwrap
 
 import jax
@@ -13,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from processes import run_on_cpu_devices
 
 import fax_bridge as fb
-from fax_bridge import privacy
+from fax_bridge import chunk_size, privacy
 from fax_bridge.errors import ArgumentError, ProgramError
 
 
@@ -226,27 +227,75 @@ def test_export_is_the_same_for_every_chunk_size():
     assert protos[None] == protos[2] == protos["auto"]
 
 
-def test_auto_picks_the_largest_chunk_that_fits(monkeypatch):
-    from fax_bridge import chunking
-    round_, w, x = _mlp_round(32, "auto", width=64)
-    need = {k: chunking.round_bytes(round_, k, (w, x), {}) for k in (4, 8)}
-    monkeypatch.setattr(chunking, "memory_limit", lambda: (need[4] + need[8]) // 2)
-    assert chunking.fitting_chunk(round_, (w, x), {}) == 4
-    whole, _, _ = _mlp_round(32, None, width=64)
+def test_auto_picks_the_largest_chunk_that_fits_and_says_so(monkeypatch, caplog):
+    round_, w, x = _mlp_round(16, "auto", width=64)
+    need = {k: chunk_size.round_bytes(round_, k, (w, x), {}) for k in (4, 8)}
+    assert chunk_size.round_bytes(round_, 4, (w, x), {}, gradient=True) > need[4]
+    budget = (need[4] + need[8]) // 2
+    with caplog.at_level(logging.INFO, logger="fax_bridge.chunk_size"):
+        assert round_.chunk_size(w, x, memory_bytes=budget) == 4
+    assert "4 of 16 clients a step (forward round" in caplog.text
+    monkeypatch.setattr(chunk_size, "memory_limit", lambda: budget)  # "auto" in a call
+    whole, _, _ = _mlp_round(16, None, width=64)
     np.testing.assert_allclose(jax.jit(round_)(w, x)["b"], whole(w, x)["b"], rtol=1e-5)
+    with pytest.raises(ArgumentError, match="memory_bytes must be a positive"):
+        round_.chunk_size(w, x, memory_bytes=0)
+
+
+def _federated_dot(n: int):
+    return fb.program(clients=n, clients_per_step="auto")(lambda w, x: fb.federated_sum(
+        fb.federated_map_clients(lambda w, x: w * x, (fb.federated_broadcast(w), x))))
+
+
+def test_auto_takes_a_compile_refused_for_memory_as_not_fitting(monkeypatch):
+    refused = []
+
+    def compile_on_a_small_chip(program, k, args, kwargs, gradient=False):
+        if k > 2:  # as jax raises a TPU's refusal from compile()
+            refused.append(k)
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
+                "memory space hbm. Used 30.61G of 15.75G hbm. Exceeded hbm capacity by "
+                "14.86G. Total hbm usage >= 30.61G: ... HLO temporaries (30.61G) exceeds "
+                "available HBM (15.75G)")
+        return 1000 * k
+
+    monkeypatch.setattr(chunk_size, "round_bytes", compile_on_a_small_chip)
+    program, x = _federated_dot(16), jnp.arange(16.0)
+    assert program.chunk_size(1.0, x, memory_bytes=1 << 40) == 2 and refused
+
+    def broken(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: no answer about memory")
+
+    monkeypatch.setattr(chunk_size, "round_bytes", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        program.chunk_size(1.0, x, memory_bytes=1 << 39)
+
+
+def test_auto_sizes_the_gradient_of_a_differentiated_round(monkeypatch, caplog):
+    def sized(program, k, args, kwargs, gradient=False):
+        return (3 if gradient else 1) * 1000 * k  # a gradient takes 3x the forward round
+
+    monkeypatch.setattr(chunk_size, "round_bytes", sized)
+    monkeypatch.setattr(chunk_size, "memory_limit", lambda: 8000)
+    program, x = _federated_dot(16), jnp.arange(16.0)
+    with caplog.at_level(logging.INFO, logger="fax_bridge.chunk_size"):
+        assert float(program(2.0, x)) == 2 * float(x.sum())
+        assert float(jax.grad(program)(2.0, x)) == float(x.sum())
+    assert "8 of 16 clients a step (forward round: 8000" in caplog.text
+    assert "2 of 16 clients a step (gradient: 6000" in caplog.text
+    assert program.chunk_size(2.0, x) == 8
 
 
 def test_compiled_bytes_counts_a_donated_argument_once():
-    from fax_bridge import chunking
     spec = jax.ShapeDtypeStruct((1000,), jnp.float32)
     kept = jax.jit(lambda x: 2 * x).lower(spec).compile()
     donated = jax.jit(lambda x: 2 * x, donate_argnums=0).lower(spec).compile()
-    assert chunking.compiled_bytes(kept) >= 8000       # the argument and the result
-    assert chunking.compiled_bytes(donated) == 4000    # the result reuses the argument
+    assert chunk_size.compiled_bytes(kept) >= 8000       # the argument and the result
+    assert chunk_size.compiled_bytes(donated) == 4000    # the result reuses the argument
 
 
 def test_memory_limit_says_when_the_device_reports_none(monkeypatch):
-    from fax_bridge import chunking
 
     class Device:
         def __init__(self, stats):
@@ -256,10 +305,39 @@ def test_memory_limit_says_when_the_device_reports_none(monkeypatch):
             return self.stats
 
     monkeypatch.setattr(jax, "devices", lambda: [Device({"bytes_limit": 1 << 34})])
-    assert chunking.memory_limit() == chunking.memory_limit(host_fallback=False) == 1 << 34
+    assert chunk_size.memory_limit() == chunk_size.memory_limit(host_fallback=False) == 1 << 34
     monkeypatch.setattr(jax, "devices", lambda: [Device(None)])
-    assert chunking.memory_limit(host_fallback=False) is None
-    assert chunking.memory_limit() > 0                 # half the host's memory
+    assert chunk_size.memory_limit(host_fallback=False) is None
+    assert chunk_size.memory_limit() > 0                 # half the host's memory
+
+
+def test_progress_counts_the_clients_of_each_chunked_round(monkeypatch):
+    import tqdm.auto
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.updates, self.closed = total, [], False
+            bars.append(self)
+
+        def update(self, n):
+            self.updates.append(n)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    quiet, x = _federated_dot(5).with_clients_per_step(2), np.arange(5.0, dtype=np.float32)
+    shown = fb.program(clients=5, clients_per_step=2, progress=True)(quiet.fn)
+    jax.block_until_ready(jax.jit(quiet)(2.0, x))
+    assert not bars  # off by default
+    jax.block_until_ready(jax.jit(shown)(2.0, x))
+    jax.block_until_ready(jax.grad(shown)(2.0, x))
+    fb.stream_clients(shown, 1)(2.0, lambda ids: x[ids])
+    jax.effects_barrier()
+    assert [(b.total, sorted(b.updates), b.closed) for b in bars] == [(5, [1, 2, 2], True)] * 3
+    with pytest.raises(ProgramError, match="progress must be True or False"):
+        fb.program(clients=5, progress="yes")(quiet.fn)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "all", [4]])

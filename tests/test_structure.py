@@ -29,7 +29,8 @@ LAYERS: tuple = (
       "private_files", "output_folders", "process_tree", "env_settings", "execution", "npz_files",
       "data", "v1"),),
     # the federated language and its jit path, and what is written in it
-    (("tracing", "local", "lowering", "primitives", "chunking", "api", "chunk_stream", "secure", "drjax",
+    (("tracing", "local", "lowering", "primitives", "chunk_size", "chunking", "api", "chunk_stream",
+      "secure", "drjax",
       "multihost", "algorithms", "privacy"),),
     (("runtime",),),      # the proto machine: grammar, evaluator, values, exact sums, HLO
     (("tff",),),          # export to TFF protos, forms
