@@ -24,6 +24,7 @@ program run one at a time.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from typing import Any, Callable, Optional
 
@@ -139,15 +140,13 @@ class _StreamedRound:
         self.reads: Optional[_Reads] = None
         self.compiled = jax.jit(self._round, static_argnums=(0, 1))
 
-    def _read(self, i, size: int, indices) -> list:
+    def _read(self, specs: tuple, i, size: int, indices) -> list:
         """Chunk i's streamed leaves `indices` of `size` clients, from a host callback."""
-        specs = self.want[1]
         shapes = [jax.ShapeDtypeStruct((size,) + specs[j][0], specs[j][1]) for j in indices]
         return io_callback(lambda i: self.reads.leaves(int(i), indices), shapes, i,
                            ordered=True)  # chunk order: the next chunk is read ahead
 
     def _round(self, want: tuple, tree, *flat):
-        self.want = want
         others, kwargs = jax.tree_util.tree_unflatten(tree, flat)
         source_tree, specs = want
         abstract = list(others)
@@ -162,7 +161,8 @@ class _StreamedRound:
                       else x for i, x in enumerate(leaves)]
 
             def execute(phase, k, keep):
-                chunking.scan_chunks(phase, k, keep, self._read, self.program.progress)
+                chunking.scan_chunks(phase, k, keep, functools.partial(self._read, specs),
+                                     self.program.progress)
 
             outs = chunking.Interpreter(jaxpr, self.program.clients, self.program.placement,
                                         self.k, execute).run(consts, values)

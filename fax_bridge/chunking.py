@@ -132,7 +132,9 @@ def register_aggregation(prim: core.Primitive, partials: Callable, finish: Calla
     """How chunks run aggregation `prim`: `partials(*chunk operands, **params)` gives a
     list of arrays that add across chunks, `finish(totals, *operand avals, **params)` the
     results from their sums (`params["clients"]` is the chunk's size, then the cohort's).
-    Modules defining aggregations register them beside the primitive."""
+    Neither is differentiated (a chunked round's derivatives come from the primitive's
+    own JVP rule, `differentiable`), so partials may be integer codes. Modules defining
+    aggregations register them beside the primitive."""
     _AGGREGATIONS[prim] = (partials, finish)
 
 
