@@ -175,8 +175,9 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
       clients_per_step: under `jax.jit`, run the members this many at a time (their
         aggregates accumulated chunk by chunk, so temporaries are those of this many
         members, `grad` included); "auto" picks the largest that fits the device's
-        memory (`Program.chunk_size` says which). Export is the same for every value; float sums may differ from the
-        unchunked round's in the last bits (summation order). See `fax_bridge.chunking`.
+        memory (`Program.chunk_size` says which). Export is the same for every value;
+        float sums may differ from the unchunked round's in the last bits (summation
+        order). See `fax_bridge.chunking`.
       progress: show a tqdm bar of the members done in each chunked trip (off by default).
 
     Returns:
