@@ -28,7 +28,7 @@ from fax_bridge.errors import ArgumentError, ComputationError, FaxBridgeError
 from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds import cohort, engine, round_split
 from fax_bridge.rounds.client_runtime import ClientRuntime
-from fax_bridge.runtime import device_sums, interpreter, values
+from fax_bridge.runtime import device_rounds, device_sums, interpreter, values
 from fax_bridge.runtime.backend import ClientsBackend
 from fax_bridge.runtime.local_backend import LocalClientsBackend
 from fax_bridge.runtime.population import PopulationRef
@@ -43,8 +43,10 @@ class InProcessTransport:
 
     def __init__(self, arg: Any, split: round_split.RoundSplit, num_clients: int,
                  backend=None, client_runtime: Union[str, ClientRuntime] = "xla",
-                 on_device: bool = False):
+                 on_device: bool = False, clients_per_step: Union[int, str, None] = None,
+                 progress: bool = False):
         self.client_runtime = runtimes.resolve(client_runtime)
+        self.clients_per_step, self.progress = clients_per_step, progress
         # the XLA client part's results kept on the device (`device_sums.on_device`)
         self.on_device = on_device and isinstance(self.client_runtime,
                                                   runtimes.XlaClientRuntime)
@@ -58,8 +60,13 @@ class InProcessTransport:
                    for c in range(self.num_clients)]
         specs = [a.spec for a in split.aggregations]  # secure sums too, summed exactly
         if self.on_device:
-            found = round_split.client_partials(split.client_part, split.client_part_hash,
-                                                sent, members, specs, on_device=True)
+            found = device_rounds.client_partials(
+                split.client_part, split.client_part_hash, sent, members, specs,
+                self.clients_per_step, self.progress)
+            if found is None:  # aggregations the device does not finish: read back
+                found = round_split.client_partials(
+                    split.client_part, split.client_part_hash, sent, members, specs,
+                    on_device=True)
         else:
             found = self.client_runtime.client_partials(
                 split.client_part, split.client_part_hash, sent, members, specs)
@@ -68,16 +75,20 @@ class InProcessTransport:
 
 def run_in_process(split: round_split.RoundSplit, arg: Any, backend=None,
                    client_runtime: Union[str, ClientRuntime] = "xla",
-                   num_clients: Optional[int] = None, on_device: bool = False) -> Any:
+                   num_clients: Optional[int] = None, on_device: bool = False,
+                   clients_per_step: Union[int, str, None] = None,
+                   progress: bool = False) -> Any:
     """Runs a split with no devices (`arg`: the runtime value of the parameter);
     `client_runtime`: what runs the client part ("xla", "litert": the LiteRT
     interpreter, or a `ClientRuntime`), which checks the round first. `num_clients`:
     the clients `arg` holds where the caller counted them (`cohort.clients_of`), else
-    counted here. `on_device`: values stay on jax's default device (module docstring)."""
+    counted here. `on_device`: values stay on jax's default device (module docstring),
+    the clients run `clients_per_step` at a time (`device_rounds`), with a progress
+    bar if `progress`."""
     if num_clients is None:
         num_clients = cohort.clients_of(split, arg)
     transport = InProcessTransport(arg, split, num_clients, backend, client_runtime,
-                                   on_device)
+                                   on_device, clients_per_step, progress)
     transport.client_runtime.check_round(split.proto, split)
     return engine.run_round(split, arg, transport)
 
@@ -114,6 +125,7 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
                     backend: Optional[ClientsBackend] = None,
                     num_clients: Optional[int] = None, on_device: Optional[bool] = None,
                     client_runtime: Union[str, ClientRuntime, None] = None,
+                    clients_per_step: Union[int, str, None] = None, progress: bool = False,
                     **kwargs: Any) -> Any:
     """Runs a computation on python pytrees, one per parameter element; returns a pytree.
 
@@ -136,6 +148,12 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
         `num_clients`); False: on the host; None: as `device_sums.on_device` decides
         (the environment variable FAX_BRIDGE_ON_DEVICE, else whenever that device is
         not the CPU). Any other value is refused.
+      clients_per_step: on the device path, how many clients one compiled step runs,
+        its results summed into the round's exact sums before the next (the device
+        holds one chunk's work whatever the cohort; the same bits whatever the
+        chunks): a whole number, or None / "auto" (as many as hold 1 GiB of results,
+        `device_rounds.chunk_size`).
+      progress: on the device path, a tqdm bar of the clients as chunks finish.
       client_runtime: what runs the clients' work ("xla", "litert" or a
         `rounds.client_runtime.ClientRuntime`, which checks the round first): the client
         part of a round by split, each client map of one run phase by phase (LiteRT: a
@@ -194,7 +212,8 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
             with values.device_arrays_kept(device):
                 result = values.check_value(
                     run_in_process(split, arg, num_clients=clients,
-                                   client_runtime=runtime or "xla", on_device=device),
+                                   client_runtime=runtime or "xla", on_device=device,
+                                   clients_per_step=clients_per_step, progress=progress),
                     prepared.result, "result")
         except FaxBridgeError:
             raise

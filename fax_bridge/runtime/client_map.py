@@ -69,11 +69,18 @@ class Guard:
 
 @dataclasses.dataclass(frozen=True)
 class _Batched:
-    run: Callable          # compiled: (shared leaves, stacked member leaves, count, outputs
-    #                        to write over, donated) -> stacked results
+    traced: Callable       # traceable: (shared leaves, stacked member leaves, count,
+    #                        outputs to write over) -> stacked results
+    lowered: Any           # `traced` lowered for this layout and bucket
     result_tree: Any       # the layout of one client's result
     result_specs: tuple    # (shape, dtype) of each result leaf, per client
     rows: int              # the bucket
+
+    @functools.cached_property
+    def run(self) -> Callable:
+        """`traced` compiled, its outputs donated (on first use: a caller that compiles
+        `traced` into its own program never compiles it alone)."""
+        return self.lowered.compile()
 
     @functools.cached_property
     def example(self) -> LocalValue:
@@ -469,7 +476,48 @@ def _compile(compiled, shared_tree, member_tree, rows: int,
     lowered = jax.jit(batched, donate_argnums=3).lower(
         shared_in, member_in, jax.ShapeDtypeStruct((), np.int32), outputs_in)
     specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in results)
-    return _Batched(lowered.compile(), found["tree"], specs, rows)
+    return _Batched(batched, lowered, found["tree"], specs, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A cohort ready to run `rows` clients at a time inside a caller's own program:
+    `traced(shared_leaves, members(start, stop), count, outputs)` (traceable) gives
+    the stacked result leaves of clients [start, stop) (padded to `rows`; `outputs`:
+    zeros of `result_specs` stacked over `rows`); `leaves_of(index)` the span of
+    result leaves element `index` of a struct result holds."""
+
+    traced: Callable
+    shared_leaves: list
+    result_tree: Any
+    result_specs: tuple
+    rows: int
+    count: int
+    _source: Any
+
+    def members(self, start: int, stop: int) -> list:
+        """The stacked member leaves of clients [start, stop), padded to `rows`."""
+        return self._source.chunk(start, stop, self.rows)
+
+    def leaves_of(self, index: int) -> tuple[int, int]:
+        return Stacked(self.result_tree, [], [])._leaves_of(index)
+
+
+def batch(fn: computation_pb2.Computation, members: Sequence[LocalValue], shared: Any,
+          rows: int, *, key: Optional[str] = None) -> Optional[Batch]:
+    """`fn` over `members` (with `shared`) as a `Batch` of `rows` clients a call, or
+    None where the clients cannot run batched (see the module docstring)."""
+    if not members:
+        return None
+    found = _layouts(members, shared)
+    if found is None:
+        return None
+    shared_tree, member_tree, shared_leaves, source = found
+    plan = _plan(fn, key, shared_tree, member_tree, rows, source.fixed)
+    if plan is None:
+        return None
+    return Batch(plan.traced, shared_leaves + source.fixed_leaves(), plan.result_tree,
+                 plan.result_specs, rows, source.count, source)
 
 
 def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
