@@ -149,6 +149,11 @@ def test_every_primitive_differentiates_alike_chunked_or_not():
             else:
                 np.testing.assert_allclose(got, whole, rtol=1e-5, err_msg=f"{name} k={k}")
                 assert np.all(np.asarray(whole) != 0), name  # a derivative to compare
+    x, keys = jnp.linspace(0.2, 1.5, 3), jax.random.key_data(jax.random.split(
+        jax.random.PRNGKey(0), 3))
+    eager = jax.grad(fb.program(clients=3, clients_per_step=2)(USES["federated_secure_mean"]))
+    np.testing.assert_allclose(eager(jnp.float32(1.1), x, keys),
+                               _derivatives(USES["federated_secure_mean"], None)[0], rtol=1e-5)
 
 
 def _mlp_round(n, k, width=128):
