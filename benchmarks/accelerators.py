@@ -70,26 +70,38 @@ VARIANTS = ("hand_vmap", "fax_bridge", "drjax", "hand_chunked", "fax_bridge_chun
 REFERENCES = ("hand_vmap", "hand_chunked")  # the hand-written rounds, in that preference
 JIT = "hand_vmap,fax_bridge,drjax,hand_chunked,fax_bridge_chunked"
 CHUNKED = "hand_chunked,fax_bridge_chunked"
-EXPORTED = "hand_vmap,exported,exported_host"
-# docs/accelerators.md's table: (model, clients, local steps, chunk, variants).
+EXPORTED = "hand_vmap,exported"
+B8x256 = dict(batch=8, seq=256)  # batches at which the hand round's MFU is near its best
+PER_LAYER = dict(B8x256, layout="per-layer")
+# docs/accelerators.md's table: (model, clients, local steps, chunk, variants[, how]),
+# `how`: `measure`'s layout, batch and seq.
 SUITE = (("34M", 8, 4, 4, JIT), ("110M", 4, 4, 2, JIT), ("268M", 2, 2, 2, JIT),
          ("110M", 64, 4, 4, "hand_vmap," + CHUNKED), ("110M", 1024, 1, 4, CHUNKED),
-         ("268M", 64, 1, 2, CHUNKED), ("34M", 8, 4, 4, EXPORTED),
-         ("110M", 4, 4, 4, EXPORTED), ("268M", 2, 2, 2, EXPORTED))
+         ("268M", 64, 1, 2, CHUNKED),
+         ("34M", 8, 4, 4, EXPORTED, B8x256), ("110M", 4, 4, 4, EXPORTED, B8x256),
+         ("268M", 2, 2, 2, EXPORTED, B8x256), ("34M", 8, 4, 4, EXPORTED, PER_LAYER),
+         ("110M", 4, 4, 4, EXPORTED, PER_LAYER), ("268M", 2, 2, 2, EXPORTED, PER_LAYER),
+         ("110M", 1024, 1, 4, "hand_chunked,exported", PER_LAYER))
 
 
 # --------------------------------------------------------------------------- the model
 
 
-def init_params(key, width: int, layers: int, vocab: int) -> dict:
-    """A decoder's parameters, the layers stacked on a leading axis (scanned over)."""
+LAYER_WEIGHTS = ("qkv", "out", "up", "down", "norms")
+LAYOUTS = ("stacked", "per-layer")
+
+
+def init_params(key, width: int, layers: int, vocab: int, layout: str = "stacked") -> dict:
+    """A decoder's parameters: the layers stacked on a leading axis (scanned over), or
+    (`per-layer`) one leaf per layer weight, as flax, haiku and equinox models hold
+    them (`l3_qkv`, ...; the same values)."""
     ks = jax.random.split(key, 5)
     scale = 0.02
 
     def normal(k, shape):
         return scale * jax.random.normal(k, shape, jnp.float32)
 
-    return {
+    params = {
         "embed": normal(ks[0], (vocab, width)),
         "qkv": normal(ks[1], (layers, width, 3 * width)),
         "out": normal(ks[2], (layers, width, width)),
@@ -98,6 +110,11 @@ def init_params(key, width: int, layers: int, vocab: int) -> dict:
         "norms": jnp.ones((layers, 2, width), jnp.float32),
         "final_norm": jnp.ones((width,), jnp.float32),
     }
+    if layout == "per-layer":
+        for name in LAYER_WEIGHTS:
+            stacked = params.pop(name)
+            params.update({f"l{i:02d}_{name}": stacked[i] for i in range(layers)})
+    return params
 
 
 def count_params(params: dict) -> int:
@@ -128,7 +145,11 @@ def loss(params: dict, tokens, heads: int):
         h = _norm(x, norms[1])
         return x + jax.nn.gelu(h @ up_w) @ down_w, None
 
-    x, _ = lax.scan(layer, x, (bf["qkv"], bf["out"], bf["up"], bf["down"], bf["norms"]))
+    if "qkv" in bf:  # stacked: scanned over
+        x, _ = lax.scan(layer, x, tuple(bf[name] for name in LAYER_WEIGHTS))
+    else:  # one leaf per layer weight: unrolled
+        for i in range(sum(name.endswith("_qkv") for name in bf)):
+            x, _ = layer(x, tuple(bf[f"l{i:02d}_{name}"] for name in LAYER_WEIGHTS))
     logits = (_norm(x, bf["final_norm"]) @ bf["embed"].T).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
@@ -226,7 +247,8 @@ def _max_diff(a, b) -> float:
 
 def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str],
             repeats: int, seed: int = 0, cohort_cap: Optional[int] = None,
-            memory_bytes: Optional[int] = None) -> dict:
+            memory_bytes: Optional[int] = None, layout: str = "stacked",
+            batch: Optional[int] = None, seq: Optional[int] = None) -> dict:
     """Runs the chosen variants of one round; a row per variant (an error is a row).
 
     Args:
@@ -237,11 +259,15 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
         `largest_cohort`) searched up to this many clients.
       memory_bytes: the memory that search fits rounds into; by default the device's
         allocator limit, and none on a CPU (each row then says so).
+      layout, batch, seq: the parameters' layout (LAYOUTS), and the token batches'
+        size and length (default BATCH x SEQ).
     """
     width, layers, heads = MODELS[model]
-    sizes = _sizes(model)
+    sizes = dict(_sizes(model))
+    if model != "tiny":
+        sizes.update({k: v for k, v in (("batch", batch), ("seq", seq)) if v})
     key_p, key_d = jax.random.split(jax.random.PRNGKey(seed))
-    params = init_params(key_p, width, layers, sizes["vocab"])
+    params = init_params(key_p, width, layers, sizes["vocab"], layout)
     data = jax.random.randint(key_d, (clients, steps, sizes["batch"], sizes["seq"] + 1), 0,
                               sizes["vocab"], jnp.int32)
     n_params = count_params(params)
@@ -250,7 +276,9 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
     peak = PEAK_TFLOPS.get(device.device_kind)
     flops = 6.0 * n_params * tokens
     report = {"model": model, "parameters": n_params, "clients": clients, "steps": steps,
-              "chunk": chunk, "tokens": tokens, "device": device.device_kind,
+              "chunk": chunk, "tokens": tokens, "layout": layout,
+              "leaves": len(jax.tree.leaves(params)), "batch": sizes["batch"],
+              "seq": sizes["seq"], "device": device.device_kind,
               "devices": jax.device_count(), "peak_tflops": peak, "rows": []}
     if cohort_cap is not None:
         memory_bytes = memory_bytes or chunking.memory_limit(host_fallback=False)
@@ -261,7 +289,7 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
         try:
             if variant.startswith("exported"):
                 out, times, extra = _exported(heads, clients, params, data, repeats,
-                                              on_device=variant == "exported")
+                                              variant == "exported", chunk)
                 row.update(extra)
             else:
                 fn = _jitted(variant, heads, clients, chunk)
@@ -364,23 +392,37 @@ def _cohort_cell(row: dict, clients: int) -> str:
     return f"{found['clients']}+" if found.get("capped") else str(found["clients"])
 
 
-def _exported(heads, clients, params, data, repeats, on_device: bool):
-    from fax_bridge.runtime import interpreter, run_computation
+def _exported(heads, clients, params, data, repeats, on_device: bool, chunk: int):
+    """The exported round's result and times, and its export time, first call (compiles
+    included) and, on the device path, its chunk step's temporaries (`memory_analysis`
+    of the program that runs `chunk` clients and adds their results to the sums)."""
+    from fax_bridge.runtime import device_rounds, interpreter, run_computation
     program = fax_program(heads, clients, None)
     start = time.perf_counter()
     proto = interpreter.prepare(
         fb.export_tff(program, params, data, placements=("server", "clients")))
     export_s = time.perf_counter() - start
-    out, times = _timed(lambda p, d: run_computation(proto, p, d, on_device=on_device),
-                        (params, data), repeats)
-    return out, times, {"export_s": export_s}
+    start = time.perf_counter()
+
+    def run(p, d):
+        return run_computation(proto, p, d, on_device=on_device, clients_per_step=chunk)
+
+    jax.block_until_ready(run(params, data))
+    extra = {"export_s": export_s, "first_s": time.perf_counter() - start}
+    out, times = _timed(run, (params, data), repeats)
+    mem = device_rounds.step_memory() if on_device else None
+    if mem is not None:
+        extra["temp_gib"] = mem.temp_size_in_bytes / 2 ** 30
+    return out, times, extra
 
 
 def table(report: dict) -> str:
     base = {r["variant"]: r.get("round_s") for r in report["rows"]}
     ref = base.get("hand_vmap") or base.get("hand_chunked")
-    lines = [f"{report['model']} ({report['parameters'] / 1e6:.1f}M parameters), "
-             f"{report['clients']} clients x {report['steps']} steps, chunks of "
+    lines = [f"{report['model']} ({report['parameters'] / 1e6:.1f}M parameters, "
+             f"{report.get('layout', 'stacked')}: {report.get('leaves', '?')} leaves), "
+             f"{report['clients']} clients x {report['steps']} steps of "
+             f"{report.get('batch', '?')} x {report.get('seq', '?')} tokens, chunks of "
              f"{report['chunk']}, on {report['devices']} x {report['device']}",
              "| variant | round | vs hand-written | MFU | temporaries | max diff |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -410,6 +452,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--clients", type=int, nargs="+", default=[4])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=4)
+    parser.add_argument("--layout", choices=LAYOUTS, default="stacked",
+                        help="the layers stacked (scanned) or one leaf per layer weight")
+    parser.add_argument("--batch", type=int, help=f"sequences a step (default {BATCH})")
+    parser.add_argument("--seq", type=int, help=f"tokens a sequence (default {SEQ})")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="append each report to this file as a JSON line")
@@ -430,13 +476,17 @@ def main(argv=None) -> list[dict]:
     if bad:
         parser.error(f"--chunk {args.chunk} must divide every cohort (got {bad}) for the "
                      "hand-written chunked round")
-    plan = [(m, n, k, c, v.split(",")) for m, n, k, c, v in SUITE] if args.suite else \
-        [(args.model, n, args.steps, min(args.chunk, n), variants) for n in args.clients]
-    _check_cohort_options(parser, args, max(n for _, n, _, _, _ in plan))
+    shape = dict(layout=args.layout, batch=args.batch, seq=args.seq)
+    plan = [(m, n, k, c, v.split(","), dict(shape, **more))
+            for m, n, k, c, v, *extra in SUITE for more in [extra[0] if extra else {}]] \
+        if args.suite else [(args.model, n, args.steps, min(args.chunk, n), variants, shape)
+                            for n in args.clients]
+    _check_cohort_options(parser, args, max(p[1] for p in plan))
     reports = []
-    for model, n, steps, chunk, chosen in plan:
+    for model, n, steps, chunk, chosen, how in plan:
         report = measure(model, n, steps, chunk, chosen, args.repeats,
-                         cohort_cap=args.largest_cohort, memory_bytes=args.memory_bytes)
+                         cohort_cap=args.largest_cohort, memory_bytes=args.memory_bytes,
+                         **how)
         print(table(report), flush=True)
         reports.append(report)
         if args.json:

@@ -23,8 +23,9 @@ def bench():
 def test_every_variant_computes_the_hand_written_round(bench, tmp_path):
     out = tmp_path / "accel.jsonl"
     (report,) = bench.main(["--model", "tiny", "--clients", "4", "--steps", "1", "--chunk",
-                            "2", "--repeats", "1", "--json", str(out),
-                            "--variants", "hand_vmap,fax_bridge_chunked,exported"])
+                            "2", "--repeats", "1", "--json", str(out), "--layout",
+                            "per-layer", "--variants", "hand_vmap,fax_bridge_chunked,exported"])
+    assert report["layout"] == "per-layer" and report["leaves"] == 12
     rows = {r["variant"]: r for r in report["rows"]}
     assert set(rows) == {"hand_vmap", "fax_bridge_chunked", "exported"}
     assert not [r for r in rows.values() if "error" in r]
@@ -35,8 +36,9 @@ def test_every_variant_computes_the_hand_written_round(bench, tmp_path):
 
 
 def test_the_suite_names_only_known_variants(bench):
-    for model, clients, steps, chunk, variants in bench.SUITE:
+    for model, clients, steps, chunk, variants, *how in bench.SUITE:
         assert model in bench.MODELS and set(variants.split(",")) <= set(bench.VARIANTS)
+        assert not how or how[0].get("layout", "stacked") in bench.LAYOUTS
         assert clients % chunk == 0 or chunk >= clients
 
 

@@ -34,6 +34,7 @@ AUTO_BYTES = 1 << 30  # "auto": clients a chunk while their results fit in this 
 
 _lock = threading.Lock()
 _steps: dict = {}  # (the batched body, layouts, spans, rows) -> the compiled chunk step
+_last: dict = {}  # "step": (the chunk step run last, its arguments' shapes)
 
 
 def chunk_size(requested: Union[int, str, None], count: int, client_bytes: int) -> int:
@@ -127,8 +128,11 @@ def _run(batch: client_map.Batch, layouts: tuple, spans: tuple, progress: bool) 
     try:
         for start in range(0, batch.count, batch.rows):
             size = min(batch.rows, batch.count - start)
-            states = step(states, batch.shared_leaves, batch.members(start, start + size),
-                          np.int32(size))
+            members = batch.members(start, start + size)
+            if start == 0:
+                _last["step"] = (step, jax.tree.map(_spec, (states, batch.shared_leaves,
+                                                            members)))
+            states = step(states, batch.shared_leaves, members, np.int32(size))
             if bar is not None:
                 jax.block_until_ready(states)  # the bar follows the device, not dispatch
                 bar.update(size)
@@ -136,6 +140,21 @@ def _run(batch: client_map.Batch, layouts: tuple, spans: tuple, progress: bool) 
         if bar is not None:
             bar.close()
     return states
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype")
+                                else x.dtype)
+
+
+def step_memory() -> Any:
+    """The `memory_analysis()` of the chunk step this process ran last (compiled again
+    from its arguments' shapes, or found in jax's cache), or None before any."""
+    if "step" not in _last:
+        return None
+    step, (states, shared, members) = _last["step"]
+    return step.lower(states, shared, members,
+                      jax.ShapeDtypeStruct((), np.int32)).compile().memory_analysis()
 
 
 def _compiled(batch: client_map.Batch, layouts: tuple, spans: tuple) -> tuple:
