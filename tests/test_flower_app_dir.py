@@ -200,7 +200,7 @@ def test_a_carried_model_of_another_round_is_refused_naming_both_hashes(
         client.partials_for(os.path.join(folder, app_dir.PACKAGE),
                             client.NodeShare.from_config(config), ids, broadcast)
     assert other in str(caught.value) and key in str(caught.value)
-    assert "fax-bridge flower ... --litert" in str(caught.value)
+    assert "`fax-bridge flower MODULE:FUNCTION -o APP --litert`" in str(caught.value)
 
 
 def test_a_model_the_app_was_not_written_with_is_refused_by_server_and_node(

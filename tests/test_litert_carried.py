@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import pathlib
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +59,7 @@ def test_models_of_another_client_part_or_shape_are_refused_naming_both(packed):
     with pytest.raises(carried.CarriedMismatch) as caught:
         carried.find(folder, "f" * 64, _signature(split))
     assert "f" * 64 in str(caught.value) and key in str(caught.value)
-    assert "fax-bridge flower ... --litert" in str(caught.value)
+    assert f"`fax-bridge litert MODULE:FUNCTION --clients N -o {folder}`" in str(caught.value)
     sig = _signature(split)
     wider = lowering.Tensor(sig.inputs[-1].name, (5, 3), sig.inputs[-1].dtype)
     other = lowering.ClientSignature(sig.parameter, sig.result,
@@ -251,3 +252,61 @@ def test_a_runtime_refuses_a_lying_model_before_any_round_starts(packed, tmp_pat
     planted = _plant(tmp_path, name, _rewrite(raw, wider.tflite))
     with pytest.raises(ComputationError, match=f"{planted}/{name}: input client"):
         runner.LiteRTClientRuntime(models_dir=planted).check_round(None, split)
+
+
+OTHER_PROGRAM = """
+import jax.numpy as jnp
+import numpy as np
+import fax_bridge as fb
+
+
+def other_round(w, x):
+    return fb.federated_mean(fb.federated_map_clients(
+        lambda p, c: jnp.tanh(c @ p) * 1.33, (fb.federated_broadcast(w), x)))
+
+
+def example_args(clients):
+    return (np.ones((3, 2), np.float32), np.ones((clients, 4, 3), np.float32)), \
+        ("server", "clients")
+"""
+
+
+def test_a_program_exported_again_finds_its_model_and_another_gets_a_command_that_works(
+        packed, tmp_path, empty_litert_cache):
+    """A carried model is found for the same program exported anywhere (its proto's
+    bytes, so its hash, depend on the exporting call stack; what it computes does not);
+    a folder of another program's models is refused with the command that writes this
+    round's model there, which, run, makes the round find it."""
+    from fax_bridge import cli
+
+    split, folder, name = packed
+    @fb.program(clients=2)
+    def one_round(w, x):  # conftest's small round, exported here
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda p, c: jnp.tanh(c @ p), (fb.federated_broadcast(w), x)))
+
+    again = round_split.split_round(fb.export_tff(
+        one_round, np.ones((3, 2), np.float32), np.ones((2, 4, 3), np.float32),
+        placements=("server", "clients")))
+    assert again.client_part_hash != split.client_part_hash
+    found = carried.find(folder, again.client_part_hash, _signature(again),
+                         fn=again.client_part)
+    assert found.tflite == manifest.convert_named(split).tflite
+    assert found.client_part_hash == again.client_part_hash  # what the runner serves
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / name).write_bytes((pathlib.Path(folder) / name).read_bytes())
+    other = _other_round(1.33)
+    with pytest.raises(carried.CarriedMismatch) as caught:
+        carried.find(str(models), other.client_part_hash, _signature(other),
+                     fn=other.client_part)
+    command = re.search(r"`fax-bridge (litert MODULE:FUNCTION --clients N -o \S+)`",
+                        str(caught.value)).group(1).split()
+    (tmp_path / "other.py").write_text(OTHER_PROGRAM)
+    command[1:4] = [f"{tmp_path / 'other.py'}:other_round", "--clients", "2"]
+    assert cli.main(command + ["--no-check"]) == 0
+    found = carried.find(str(models), other.client_part_hash, _signature(other),
+                         fn=other.client_part)
+    assert found.program_sha256 == convert.program_sha256_of(
+        other.client_part, _signature(other))

@@ -2,14 +2,20 @@
 before any conversion, so that a node without the converter runs them.
 
 A carried model is one JSON file, `<version>.json`, in a models directory: its
-`manifest` (`manifest.build`'s, whose `round.version` is the client part's content hash)
-and the `.tflite` flatbuffer base64-encoded (`tflite_base64`), since app bundles such as
-Flower's carry text files only. `pack(split, signature)` converts a round's client part
-and gives the file's name and text; `write(folder, packed)` puts them in a directory;
-`find(folder, key, signature)` is the lookup `runner.model_for` makes before it converts:
+`manifest` (`manifest.build`'s, whose `round.version` is the client part's content hash
+and `round.program` what it computes, `convert.program_sha256`) and the `.tflite`
+flatbuffer base64-encoded (`tflite_base64`), since app bundles such as Flower's carry
+text files only. `pack(split, signature)` converts a round's client part and gives the
+file's name and text; `write(folder, packed)` puts them in a directory (`fax-bridge
+flower ... --litert` into an app, `fax-bridge litert ... -o DIR` into DIR);
+`find(folder, key, signature, fn=...)` is the lookup `runner.model_for` makes before it
+converts:
 
   a model whose version is `key`   that model, never converted here;
-  models, none of version `key`    `CarriedMismatch`, naming both hashes and the fix;
+  else one that computes what `fn` does (the same program exported again elsewhere: its
+  proto bytes, so its hash, differ, `convert.program_sha256` does not): that model;
+  models, none of these            `CarriedMismatch`, naming both hashes and the command
+                                   that writes this round's model there;
   no directory or no model         None: the caller converts as without carried models.
 
 Nothing carried is believed. A model file is read only as a regular file (never through
@@ -31,6 +37,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import threading
 from typing import Mapping, Optional
 
@@ -39,8 +46,16 @@ from fax_bridge.errors import ComputationError
 from fax_bridge.litert import lowering
 
 FORMAT = "fax_bridge.litert.carried/1"
-REWRITE = ("write the models again from this round (`fax-bridge flower ... --litert` "
-           "rewrites a Flower app with them)")
+REWRITE = ("write the models again from the program this round runs: `fax-bridge flower "
+           "MODULE:FUNCTION -o APP --litert` rewrites a Flower app with them, `fax-bridge "
+           "litert MODULE:FUNCTION --clients N -o DIR` a models folder (--litert-models DIR)")
+
+
+def write_here(folder: str) -> str:
+    """The command that writes this round's model into the models folder `folder`."""
+    return (f"write this round's model there: `fax-bridge litert MODULE:FUNCTION --clients "
+            f"N -o {folder}` with the program this round runs (its output folder is a "
+            "models folder), or give no models folder and the model is converted here")
 
 
 MAX_FILE_BYTES = 1 << 30
@@ -150,18 +165,25 @@ def _read(path: pathlib.Path, raw: bytes) -> dict:
     return data
 
 
+_VERSION = re.compile(r"[0-9a-f]{64}")
+
+
 def versions(folder: str) -> list:
-    """The client-part hashes of the models carried in `folder` (sorted)."""
+    """The client-part hashes of the models carried in `folder` (sorted): its files
+    named `<64 hex digits>.json` (a `fax-bridge litert` folder's `manifest.json` beside
+    them is not one)."""
     path = pathlib.Path(folder)
-    return sorted(p.stem for p in path.glob("*.json")) if path.is_dir() else []
+    return sorted(p.stem for p in path.glob("*.json")
+                  if _VERSION.fullmatch(p.stem)) if path.is_dir() else []
 
 
 def find(folder: Optional[str], key: str, signature,
-         record: Optional[Mapping[str, str]] = None):
+         record: Optional[Mapping[str, str]] = None, fn=None):
     """The carried model of client part `key` (module docstring) as a `convert.ClientModel`
     over `signature` (`lowering.ClientSignature`: the caller's types; the tensors' names
     are the carried model's), or None where `folder` carries no model. `record`: the
-    folder's {file name: sha256}, else the one `expect` was given, if any."""
+    folder's {file name: sha256}, else the one `expect` was given, if any. `fn`: the
+    client part, whose program a model of another version may compute."""
     if record is None and folder:
         record = _record_of(folder)
     if record is not None and folder:
@@ -169,20 +191,24 @@ def find(folder: Optional[str], key: str, signature,
     found = versions(folder) if folder else []
     if not found:
         return None
-    if key not in found:
+    version = key if key in found else _computing(folder, found, record, fn, key,
+                                                  signature)
+    if version is None:
+        fix = REWRITE if record is not None else write_here(folder)
         raise CarriedMismatch(
             f"the LiteRT models carried in {folder} are of client part "
-            f"{', '.join(found)}, but the round asks for client part {key}: they were "
-            f"written for another round; {REWRITE}")
-    path = pathlib.Path(folder) / f"{key}.json"
+            f"{', '.join(found)}, but the round asks for client part {key}, and none "
+            f"computes what it does: they were written from another program or for other "
+            f"shapes; {fix}")
+    path = pathlib.Path(folder) / f"{version}.json"
     raw = _checked_bytes(str(path), None if record is None else record.get(path.name))
-    cache_key = (str(path), hashlib.sha256(raw).hexdigest(), signature.inputs,
+    cache_key = (str(path), hashlib.sha256(raw).hexdigest(), key, signature.inputs,
                  signature.outputs)
     with _LOCK:
         if cache_key in _FOUND:
             return _FOUND[cache_key]
     try:
-        model = _load(folder, path, raw, key, signature)
+        model = _load(folder, path, raw, version, signature, key)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged manifest
         raise ComputationError(f"the carried LiteRT model {path} has a manifest that "
                                f"cannot be read ({type(e).__name__}: {e}); {REWRITE}") from None
@@ -191,24 +217,43 @@ def find(folder: Optional[str], key: str, signature,
     return model
 
 
-def _load(folder: str, path: pathlib.Path, raw: bytes, key: str, signature):
-    """`find`'s model, read from `raw` (the bytes of `path`) and checked."""
+def _computing(folder: str, found: list, record: Optional[Mapping[str, str]], fn,
+               key: str, signature) -> Optional[str]:
+    """The version among `found` whose manifest says it computes what the client part
+    `fn` (content hash `key`) does over `signature` (`convert.program_sha256`); None
+    without `fn` or where none does."""
+    if fn is None:
+        return None
+    from fax_bridge.litert import convert
+
+    wanted = convert.program_sha256_of(fn, signature, key)
+    for version in found:
+        path = pathlib.Path(folder) / f"{version}.json"
+        raw = _checked_bytes(str(path), None if record is None else record.get(path.name))
+        if _read(path, raw)["manifest"]["round"].get("program") == wanted:
+            return version
+    return None
+
+
+def _load(folder: str, path: pathlib.Path, raw: bytes, version: str, signature,
+          key: str):
+    """`find`'s model of version `version` for client part `key`, read from `raw` (the
+    bytes of `path`) and checked."""
     from fax_bridge.litert import convert, model_check
 
     data = _read(path, raw)
     built = data["manifest"]
-    if built["round"]["version"] != key:
+    if built["round"]["version"] != version:
         raise CarriedMismatch(
-            f"the carried LiteRT model {key}.json in {folder} is of client part "
-            f"{built['round']['version']}, but the round asks for client part {key}; "
-            f"{REWRITE}")
+            f"the carried LiteRT model {version}.json in {folder} is of client part "
+            f"{built['round']['version']}, but its name says {version}; {REWRITE}")
     named = []
     for role, mine in (("inputs", signature.inputs), ("outputs", signature.outputs)):
         theirs = built[role]
         if [(list(t.shape), t.dtype) for t in mine] != \
                 [(list(t["shape"]), t["dtype"]) for t in theirs]:
             raise CarriedMismatch(
-                f"the carried LiteRT model {key}.json in {folder} has {role} "
+                f"the carried LiteRT model {version}.json in {folder} has {role} "
                 f"{[(t['shape'], t['dtype']) for t in theirs][:6]}, but the round's client "
                 f"part has {[(list(t.shape), t.dtype) for t in mine][:6]}; {REWRITE}")
         named.append(tuple(lowering.Tensor(t["name"], tuple(t["shape"]), t["dtype"])
@@ -221,4 +266,5 @@ def _load(folder: str, path: pathlib.Path, raw: bytes, key: str, signature):
     model_check.prepares(data["tflite"], where, REWRITE)
     sig = lowering.ClientSignature(signature.parameter, signature.result, *named)
     return convert.ClientModel(data["tflite"], built["model"]["signature"], sig, key,
-                               operators, 0, 0.0)
+                               operators, 0, 0.0,
+                               program_sha256=built["round"].get("program") or "")

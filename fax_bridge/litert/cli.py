@@ -5,7 +5,10 @@ Exports the program with its example arguments, at `--clients` or the clients th
 declares (as `fax-bridge export` does, `tff.cli.resolve_program`), splits the
 round, converts its client part (`convert`), and writes the model, its manifest, the
 example client and `check.py` into DIR (`manifest`: each tensor named by pytree path,
-with its dtype and shape, which it also prints; through `output_folders`: files
+with its dtype and shape, which it also prints), and the model as a carried one,
+`<client part hash>.json` (`carried`), so that DIR is a models folder a fleet's devices
+take instead of converting (`fax-bridge device --litert-models DIR`,
+`LiteRTClientRuntime(models_dir=DIR)`); through `output_folders`: files
 fax-bridge wrote in DIR before are replaced, any other file in the way is refused by
 name unless `--force`); then runs the check (the model on
 the example client in the LiteRT interpreter against XLA, within the rounding bound),
@@ -29,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
 
     import fax_bridge as fb
     from fax_bridge import parity_rounding
-    from fax_bridge.litert import manifest
+    from fax_bridge.litert import carried, manifest
     from fax_bridge.litert.runner import LiteRTClientRuntime
     from fax_bridge.rounds import round_split
     from fax_bridge.runtime import interpreter, values
@@ -38,11 +41,14 @@ def _run(args: argparse.Namespace) -> int:
     try:
         prog, example, placements = resolve_program(args.target, args.clients)
         output_folders.check_entries(args.out, manifest.FILES, force=args.force,
-                                     what="-o")  # before converting
+                                     what="-o")  # before exporting and converting
         proto = fb.export_tff(prog, *example, placements=placements)
         split = round_split.split_of(proto)  # as every runtime splits it, secure sums too
         if split is None:  # a round of several trips: a model per trip, run elsewhere
             round_split.refuse_unsplit("`fax-bridge litert` writes one model and", proto)
+        carried_name = f"{split.client_part_hash}.json"
+        output_folders.check_entries(args.out, [carried_name], force=args.force,
+                                     what="-o")  # its name known once exported
         LiteRTClientRuntime().check_round(proto, split)  # refused here naming the op
         comp, aggregands = manifest.traced_with_paths(prog, example, placements)
         model = manifest.convert_named(split, aggregands)
@@ -57,13 +63,15 @@ def _run(args: argparse.Namespace) -> int:
                                    what="-o") as stage:
             written = manifest.write(pathlib.Path(stage), split, model, signature,
                                      manifest.example_client(split, arg), bounds)
+            # the same model as a carried one: DIR is a models folder for devices
+            carried.write(stage, [carried.pack(split, signature, aggregands)])
     except FaxBridgeError as e:
         print(f"fax-bridge litert: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out / manifest.MODEL_FILE} ({model.size} bytes, signature "
           f"{model.signature!r}: {len(written['inputs'])} inputs, "
           f"{len(written['outputs'])} outputs), manifest.json, {manifest.EXAMPLE_FILE}, "
-          "check.py")
+          f"check.py and {carried_name} (the model as `--litert-models {out}` takes it)")
     for role in ("inputs", "outputs"):  # as manifest.json names them
         print(f"{role}:")
         for t in written[role]:

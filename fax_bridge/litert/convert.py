@@ -60,6 +60,8 @@ class ClientModel:
     operators: list            # LiteRT operator names the model uses
     scatter_fixes: int         # scatter region operators rewritten (`flatbuffer`)
     convert_s: float           # lowering + conversion time (0 when taken from a cache)
+    # what the model computes, whatever the client part's proto bytes (`program_sha256`)
+    program_sha256: str = ""
 
     @property
     def inputs(self) -> tuple:
@@ -134,7 +136,32 @@ def _check_runs(model: bytes) -> None:
 
 
 _MADE: dict = {}
+_PROGRAMS: dict = {}  # (client part hash, tensor shapes) -> its `program_sha256`
 _LOCK = threading.Lock()
+
+
+def program_sha256(text: str, sig: lowering.ClientSignature) -> str:
+    """The sha256 of what a client part computes: its StableHLO text (`lowering.lower`,
+    without source locations) and its tensors' shapes and dtypes, in signature order.
+    Two exports of one program give client parts of other bytes (their HLO keeps the
+    exporting call stack) and so other content hashes, but this same digest."""
+    shapes = [[list(t.shape), t.dtype] for t in sig.inputs + sig.outputs]
+    return hashlib.sha256(json.dumps(shapes).encode() + text.encode()).hexdigest()
+
+
+def program_sha256_of(fn: computation_pb2.Computation, sig: lowering.ClientSignature,
+                      key: Optional[str] = None) -> str:
+    """`program_sha256` of the client part `fn` (content hash `key`) over `sig`, lowered
+    once per process."""
+    key = key or local_eval.content_hash(fn)
+    cache_key = (key, tuple((t.shape, t.dtype) for t in sig.inputs + sig.outputs))
+    with _LOCK:
+        if cache_key in _PROGRAMS:
+            return _PROGRAMS[cache_key]
+    digest = program_sha256(lowering.lower(fn, sig), sig)
+    with _LOCK:
+        _PROGRAMS[cache_key] = digest
+    return digest
 
 
 def convert_client_part(fn: computation_pb2.Computation, param, result,
@@ -174,7 +201,8 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
     else:
         took = 0.0
     made = ClientModel(model, SIGNATURE, sig, key,
-                       flatbuffer.operators(model), fixes, took)
+                       flatbuffer.operators(model), fixes, took,
+                       program_sha256=program_sha256(text, sig))
     with _LOCK:
         if use_cache:
             _MADE[key] = made

@@ -198,6 +198,7 @@ def build(split, model: convert.ClientModel, signature: str,
     return {
         "format": FORMAT,
         "round": {"type_signature": signature, "version": model.client_part_hash,
+                  "program": model.program_sha256,
                   "fax_bridge": __version__,
                   "aggregations": [{"index": k, "kind": a.kind, "local": a.local}
                                    for k, a in enumerate(split.aggregations)]},

@@ -150,7 +150,7 @@ def model_for(fn: computation_pb2.Computation, key: str, sent: Any, members: Any
         param_result = (lowering.split_types(split) if split is not None
                         else _types_of(fn, sent, members))
         found = carried.find(models, key, lowering.client_signature(*param_result,
-                                                                    aggregations))
+                                                                    aggregations), fn=fn)
         if found is not None:
             return found
     if split is not None:
