@@ -12,7 +12,7 @@ import fax_bridge as fb
 from fax_bridge import pytree_names
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.text(max_size=6), max_size=4), max_size=12))
 def test_any_paths_give_distinct_safe_names(paths):
     names = pytree_names.tensor_names(paths)
@@ -34,7 +34,7 @@ def test_an_aggregation_notes_its_leaves_paths_only_while_recorded():
     assert pytree_names.tensor_names(record[0][1]) == ["b/0", "b/1", "dense_w"]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["federated_sum", "federated_mean"]),
                           st.integers(1, 4)), min_size=1, max_size=8), st.data())
 def test_the_records_of_one_merged_communication_are_found(calls, data):
