@@ -31,7 +31,6 @@ import json
 import pathlib
 from typing import Any, Optional, Sequence
 
-import federated_language
 import numpy as np
 from federated_language.common_libs import structure
 
