@@ -102,3 +102,22 @@ def test_a_form_outside_the_builders_contract_is_refused_naming_each_breach():
         fcp.check_result("daf", {"error": "TypeError: x"})
     with pytest.raises(fb.ExportError, match="could not build the FCP DAF: boom"):
         fcp.check_result("daf", {"daf": {"error": "boom"}, "type": "t"})
+
+
+@pytest.mark.parametrize("number, name", [(2, "float64"), (23, "uint64")])
+def test_client_data_no_example_list_holds_exactly_is_refused(proto, number, name):
+    odd = type(proto).FromString(proto.SerializeToString())
+    data = odd.type.function.parameter.struct.element[1].value.federated.member
+    data.struct.element[1].value.tensor.dtype = number  # the keys' leaf
+    with pytest.raises(fb.ExportError, match=f"client data leaf 1 has dtype {name}, which "
+                                             "no tf.Example feature holds exactly"):
+        fcp.client_features(odd)
+
+
+def test_a_job_without_the_parts_artifacts_is_refused(proto, tmp_path):
+    job = forms.job("r", proto, ["daf"], str(tmp_path))
+    with pytest.raises(fb.ExportError, match=r"forms.job\(..., artifacts=True\)"):
+        fcp.with_fcp(job, proto, ["mrf"])
+    job = fcp.with_fcp(forms.job("r", proto, [], str(tmp_path), artifacts=True), proto,
+                       ["daf"])
+    assert job["fcp"] == {"forms": ["daf"]} and job["artifacts"]

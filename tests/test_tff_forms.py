@@ -126,8 +126,8 @@ def tff_answers(tmp_path_factory):
                                     ("mrf", prog, prog_args, placements))]
     # Federated Compute's forms of `one_trip` (both kinds, no plain form).
     proto = forms.round_proto(one_trip, W, X, placements=("server", "clients"))[0]
-    jobs.append(fcp.with_fcp(forms.job("fcp", proto, [], os.path.join(folder, "fcp")),
-                             proto, ["mrf", "daf"]))
+    jobs.append(fcp.with_fcp(forms.job("fcp", proto, [], os.path.join(folder, "fcp"),
+                                       artifacts=True), proto, ["mrf", "daf"]))
     answers = forms.build_forms(jobs, folder)
     return {_key(job): (job, answers[job["name"]]) for job in jobs}
 

@@ -1,6 +1,7 @@
 """Checks every single-round program against TFF 0.87's production forms.
 
     .venv/bin/python tools/forms_check.py [--clients 3] [--devices 2] [--out out/forms]
+        [--only NAME ...] [--fcp some|all|none]
 
 Rounds: the quickstart's `fedavg_round`, every target of
 `examples/algorithm_rounds.py` (each algorithm in `fax_bridge.algorithms`) and DP-FedAvg
@@ -15,6 +16,15 @@ for all rounds (`tools/tff087/build_forms.py`):
 - the MapReduceForm runs piece by piece in TensorFlow 2.14 sessions;
 - back here, the DistributeAggregateForm runs piece by piece in fax_bridge's runtime and
   on a `LocalFleet`, and the round TFF re-derived from it runs in the runtime.
+
+- for the rounds of `FCP_CHECKED` (`--fcp all`: every round), the forms Federated
+  Compute's plan builder takes (`fax_bridge.tff.fcp`) are built too,
+  checked against the builder's contract (the plain forms must break it), and both run
+  for `FCP_ROUNDS` rounds the way a plan's phases run (`tools/tff087/plan_run.py`,
+  `plan_run_daf.py`: checkpoint files between phases, each client's examples from the
+  TFRecord file `fax_bridge.data.examples` wrote), against as many rounds of `jax.jit`
+  (integer leaves such as a PRNG key equal); a tf.Example written by TensorFlow is read
+  back with `fax_bridge.data.examples`.
 
 Every result must equal `jax.jit` of the round to float32 tolerance. Exit status 0 when
 all do, 1 otherwise, 2 when the check could not run.
@@ -41,7 +51,11 @@ EXPECTED_REFUSALS = {
     "streaming_diloco": "client state",
 }
 RTOL, ATOL = 2e-5, 2e-6
-FCP_ROUNDS = 3  # rounds of the FCP MapReduceForm's plan-shaped run, against jax.jit
+FCP_ROUNDS = 3  # rounds of the FCP forms' plan-shaped runs, against jax.jit
+# Rounds whose FCP forms `make forms-check` builds and runs (`--fcp all`: every round;
+# about 3-4 s of the TFF process per round): plain FedAvg, a server optimizer's state,
+# a uint32 PRNG key in the state, and a secure sum.
+FCP_CHECKED = ("quickstart", "fed_adam", "dp_fed_avg", "secure_mean_round")
 
 
 def targets(clients: int) -> dict:
@@ -168,9 +182,12 @@ def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> l
         except ExportError as e:
             failures.append(name)
             cells.append(f"fcp-{kind} FAILED ({str(e)[:400]})")
-    entry = fcp_result.get("mrf", {})
-    if "outputs" in entry:
-        def plan_error():
+    for kind in ("mrf", "daf"):
+        entry = fcp_result.get(kind, {})
+        if "outputs" not in entry:
+            continue
+
+        def plan_error(entry=entry):
             worst = 0.0
             with np.load(entry["outputs"]) as z:
                 for r, (state, output) in enumerate(rounds):
@@ -178,7 +195,7 @@ def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> l
                         z[f"output.{r}.{i}"] for i in range(len(output))]
                     worst = max(worst, exact_error(state + output, got))
             return worst
-        cells.append(check(name, f"fcp-plan-{len(rounds)}-rounds", plan_error))
+        cells.append(check(name, f"fcp-{kind}-plan-{len(rounds)}-rounds", plan_error))
     if "tf_examples" in fcp_result:
         def tf_written():
             features = [Feature(f["name"], np.dtype(f["dtype"]), tuple(f["shape"]))
@@ -218,8 +235,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(REPO / "out" / "forms"))
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--only", nargs="+", metavar="NAME", help="check only these rounds")
-    parser.add_argument("--no-fcp", action="store_true",
-                        help="skip the Federated Compute forms and their plan-shaped run")
+    parser.add_argument("--fcp", choices=("some", "all", "none"), default="some",
+                        help="which rounds also get the Federated Compute forms and their "
+                             "plan-shaped runs: some (FCP_CHECKED, the default), all, none")
     args = parser.parse_args(argv)
 
     import jax
@@ -262,7 +280,7 @@ def main(argv=None) -> int:
         job = forms.job(name, proto, ["daf", "mrf"], folder, in_path)
         clients_tree = prog_args[1] if len(prog_args) == 2 else tuple(prog_args[1:])
         try:
-            if args.no_fcp:
+            if args.fcp == "none" or (args.fcp == "some" and name not in FCP_CHECKED):
                 raise _NoFcp
             t_fcp0 = time.perf_counter()
             run = fcp.make_run(proto, prog_args[0], clients_tree, args.clients, folder,
@@ -352,7 +370,7 @@ def main(argv=None) -> int:
     if any(sides):
         wrap = sum(f.get("wrap_seconds", 0.0) for f in sides)
         build = sum(f.get(k, {}).get("seconds", 0.0) for f in sides for k in ("mrf", "daf"))
-        plan = sum(f.get("mrf", {}).get("run_seconds", 0.0) for f in sides)
+        plan = sum(f.get(k, {}).get("run_seconds", 0.0) for f in sides for k in ("mrf", "daf"))
         print(f"FCP forms: population and state written {t_fcp_prepare:.1f} s; in the TFF "
               f"process: FCP rounds wrapped {wrap:.1f} s, MRF and DAF built {build:.1f} s, "
               f"plan-shaped runs ({FCP_ROUNDS} rounds each) {plan:.1f} s")

@@ -8,8 +8,9 @@ form only when
 - the client work's data is `sequence<string>`: serialized `tf.Example`s, what the
   device's example store serves (its `ExternalDataset` op);
 - every local part is TensorFlow (the DAF's too, not `Xla`);
-- the server state and output hold only dtypes a TF checkpoint can hold (not uint16,
-  uint32, uint64: a PRNG key);
+- the server state and output (and the DAF's intermediate server state, a checkpoint
+  between the server's two phases) hold only dtypes a TF checkpoint can hold (not
+  uint16, uint32, uint64: a PRNG key);
 - each secure sum's bound is a value selected from the server's intermediate state, not
   a literal.
 
@@ -31,7 +32,7 @@ import numpy as np
 from federated_language.proto import computation_pb2
 
 from fax_bridge.data.examples import Feature, feature_kind, write_population
-from fax_bridge.errors import ExportError
+from fax_bridge.errors import DataError, ExportError
 
 # Unsigned dtypes a TF checkpoint cannot hold, stored as the signed twin's bits.
 CHECKPOINT_CODES = {np.dtype(np.uint16): np.dtype(np.int16),
@@ -83,7 +84,10 @@ def client_features(proto: computation_pb2.Computation) -> list[Feature]:
                           "(<state@SERVER, data@CLIENTS> -> ...); export it with round_form")
     out = []
     for name, dtype, shape in _leaves(param.struct.element[1].value, [], "client data"):
-        feature_kind(dtype, f"client data leaf {name}")  # refuses what no list holds
+        try:
+            feature_kind(dtype, f"client data leaf {name}")
+        except DataError as e:  # no tf.Example list holds it exactly
+            raise ExportError(str(e)) from None
         out.append(Feature(name, dtype, shape))
     return out
 
@@ -128,7 +132,8 @@ def client_values(features: Sequence[Feature], client_args: Any, clients: int) -
 
 def with_fcp(job: dict, proto: computation_pb2.Computation, forms: Sequence[str],
              run: Optional[dict] = None, tf_examples: Optional[str] = None) -> dict:
-    """`job` (from `forms.job`) also asking the TFF side for the FCP forms `forms`
+    """`job` (from `forms.job(..., artifacts=True)`) also asking the TFF side for the FCP
+    forms `forms`
     ("mrf", "daf"); `run` as `make_run` gives it."""
     job["fcp"] = {"forms": list(forms)}
     if run:
@@ -137,9 +142,8 @@ def with_fcp(job: dict, proto: computation_pb2.Computation, forms: Sequence[str]
         job["fcp"]["tf_examples"] = tf_examples
     client_features(proto)  # refuses client data no tf.Example holds, before TFF starts
     if "artifacts" not in job:
-        from fax_bridge.tff.forms import write_artifacts
-
-        job["artifacts"] = write_artifacts(proto, os.path.join(job["out"], "stablehlo"))
+        raise ExportError("the job has no StableHLO artifacts of the round's Xla parts; "
+                          "make it with forms.job(..., artifacts=True)")
     return job
 
 

@@ -283,16 +283,18 @@ def form_from_result(kind: str, result: dict) -> Form:
 
 
 def job(name: str, proto: Computation, forms: Iterable[str], folder: str,
-        mrf_inputs: Optional[str] = None) -> dict:
-    """One job for the side environment: writes the proto (and artifacts for the MRF)."""
+        mrf_inputs: Optional[str] = None, artifacts: bool = False) -> dict:
+    """One job for the side environment: writes the proto (and the Xla parts' artifacts
+    for the MRF, or with `artifacts`: the Federated Compute forms need them too)."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "round.pb")
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
     forms = list(forms)
     entry = {"name": name, "proto": path, "forms": forms, "out": folder}
-    if "mrf" in forms:
+    if "mrf" in forms or artifacts:
         entry["artifacts"] = write_artifacts(proto, os.path.join(folder, "stablehlo"))
+    if "mrf" in forms:
         if mrf_inputs:
             entry["run_mrf"] = {"inputs": mrf_inputs,
                                 "outputs": os.path.join(folder, "mrf_outputs.npz")}
@@ -323,7 +325,7 @@ def _to_form(kind: str, fn: Callable, args, placements, clients, target: str) ->
             result = build_forms([job(kind, proto, [kind], folder)], folder)[kind]
             form = form_from_result(kind, result[kind])
         else:
-            entry = fcp.with_fcp(job(kind, proto, [], folder), proto, [kind])
+            entry = fcp.with_fcp(job(kind, proto, [], folder, artifacts=True), proto, [kind])
             result = build_forms([entry], folder)[kind].get("fcp", {})
             fcp.check_result(kind, result)
             form = form_from_result(kind, result[kind])

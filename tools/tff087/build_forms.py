@@ -331,6 +331,7 @@ def build_fcp(job: dict, proto) -> dict:
     right); with `run`, the MRF's plan-shaped rounds (`plan_run`)."""
     import fcp_forms
     import plan_run
+    import plan_run_daf
 
     spec = job["fcp"]
     t0 = time.perf_counter()
@@ -345,7 +346,8 @@ def build_fcp(job: dict, proto) -> dict:
                 form = fu.get_map_reduce_form_for_computation(round_fn)
                 back = fu.get_computation_for_map_reduce_form(form)
             else:
-                form = fu.get_distribute_aggregate_form_for_computation(round_fn)
+                form = fcp_forms.encode_intermediate(
+                    fu.get_distribute_aggregate_form_for_computation(round_fn))
                 back = fu.get_computation_for_distribute_aggregate_form(form)
             entry = {"seconds": time.perf_counter() - t0,
                      "pieces": write_pieces(job, form, f"fcp_{kind}",
@@ -357,15 +359,17 @@ def build_fcp(job: dict, proto) -> dict:
                          round_fn.type_signature),
                      "contract": fcp_forms.contract(kind, form)}
             run = spec.get("run")
-            if kind == "mrf" and run:
+            if run:
                 with np.load(run["state"]) as z:
                     state = [z[f"state.{i}"] for i in range(int(z["num_state"]))]
                 t1 = time.perf_counter()
-                values = plan_run.run_rounds(form, state, run["examples"], run["rounds"],
-                                             os.path.join(job["out"], "plan"))
+                runner = plan_run if kind == "mrf" else plan_run_daf
+                values = runner.run_rounds(form, state, run["examples"], run["rounds"],
+                                           os.path.join(job["out"], f"plan_{kind}"))
                 entry["run_seconds"] = time.perf_counter() - t1
-                np.savez(run["outputs"], **values)
-                entry["outputs"] = run["outputs"]
+                outputs = run["outputs"].replace(".npz", f"_{kind}.npz")
+                np.savez(outputs, **values)
+                entry["outputs"] = outputs
             result[kind] = entry
         except Exception as e:  # reported per job and form, never raised
             result[kind] = {"error": f"{type(e).__name__}: {e}",

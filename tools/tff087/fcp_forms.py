@@ -19,7 +19,9 @@ the FCP round is
   dtype; TFF merges it into `work` / `client_work`.
 - unsigned 16/32/64-bit leaves of the state and output, which a TF checkpoint cannot
   hold ("Tensor slice serialization not implemented"), travel as the signed integers of
-  the same bits (`tf.bitcast`, exact both ways).
+  the same bits (`tf.bitcast`, exact both ways); so do those of the DAF's intermediate
+  server state (`encode_intermediate`), a checkpoint between `server_prepare` and
+  `server_result`.
 - each secure sum's bound (a literal in the round) becomes the call of a constant
   TensorFlow computation, which the DistributeAggregateForm carries in its intermediate
   server state: FCP's builder reads the bound as a selection from that state.
@@ -118,6 +120,7 @@ def has_codes(t) -> bool:
 
 
 def _tensors(t) -> list:
+    t = getattr(t, "member", t)  # federated values: their member
     if isinstance(t, ct.StructType):
         return [x for _, e in structure.iter_elements(t) for x in _tensors(e)]
     return [t]
@@ -218,6 +221,79 @@ def fcp_round(tf_round):
     return round_fn, info
 
 
+def encode_intermediate(daf):
+    """The DAF with unsigned leaves of its intermediate server state kept as signed bits
+    (bitcast at the end of `server_prepare`, back at the start of `server_result`): that
+    state is a checkpoint between the two server phases. The same DAF when none."""
+    prepare_t = daf.server_prepare.type_signature
+    inter_t = prepare_t.result[1]
+    elements = list(structure.iter_elements(inter_t)) if isinstance(
+        inter_t, ct.StructType) else None
+    if elements is None or not any(has_codes(getattr(e, "member", e)) for _, e in elements):
+        return daf
+    coded = []
+    for name, e in elements:
+        member = getattr(e, "member", e)
+        if isinstance(member, ct.StructType) and not isinstance(e, ct.FederatedType):
+            raise TypeError("an unplaced struct in the intermediate state holds unsigned "
+                            "leaves; FCP's checkpoints cannot hold them")
+        c = coded_type(member)
+        coded.append((name, ct.FederatedType(c, e.placement, e.all_equal)
+                      if isinstance(e, ct.FederatedType) else c))
+    coded_t = ct.StructType(coded)
+
+    def convert(value, to_coded: bool):
+        out = []
+        for k, (name, e) in enumerate(elements):
+            member = getattr(e, "member", e)
+            x = value[k]
+            if has_codes(member):
+                src, dst = (member, coded_type(member)) if to_coded else (
+                    coded_type(member), member)
+                cast = bitcast_computation(src, dst)
+                x = tff.federated_map(cast, x) if isinstance(e, ct.FederatedType) else cast(x)
+            out.append((name, x))
+        return structure.Struct(out)
+
+    @tff.federated_computation(prepare_t.parameter)
+    def server_prepare(state):
+        result = daf.server_prepare(state)
+        return result[0], convert(result[1], True)
+
+    result_t = daf.server_result.type_signature
+
+    @tff.federated_computation(coded_t, result_t.parameter[1])
+    def server_result(inter, aggregate):
+        return daf.server_result(convert(inter, False), aggregate)
+
+    aggregation = _retyped_parameter(daf.client_to_server_aggregation, 0, coded_t)
+    return tff.backends.mapreduce.DistributeAggregateForm(
+        daf.type_signature, server_prepare, daf.server_to_client_broadcast,
+        daf.client_work, aggregation, server_result)
+
+
+def _retyped_parameter(comp, index: int, new_type):
+    """`comp` (a lambda over a struct) with element `index` of its parameter retyped to
+    `new_type`; refused when the body reads a leaf whose type changes."""
+    from build_forms import concrete
+
+    lam = comp.to_building_block()
+    old = lam.parameter_type
+    params = ct.StructType([(n, new_type if i == index else e)
+                            for i, (n, e) in enumerate(structure.iter_elements(old))])
+    ref = bb.Reference(lam.parameter_name, params)
+
+    def replace(block):
+        if isinstance(block, bb.Reference) and block.name == lam.parameter_name:
+            return ref, True
+        if isinstance(block, bb.Selection):
+            return bb.Selection(block.source, index=block.as_index()), True
+        return block, False
+
+    body, _ = transformation_utils.transform_postorder(lam.result, replace)
+    return concrete(bb.Lambda(lam.parameter_name, params, body).proto)
+
+
 # ------------------------------------------------------------------------ contract
 
 
@@ -271,6 +347,8 @@ def contract(kind: str, form) -> list:
         new_state = form.server_result.type_signature.result[0].member
         output = form.server_result.type_signature.result[1].member
         problems += _aggregation_problems(form)
+        problems += _dtype_problems("the intermediate server state",
+                                    form.server_prepare.type_signature.result[1])
     if not _is_sequence_of_strings(data):
         problems.append(f"the client work takes {data}, not sequence<string> (a stream of "
                         "serialized tf.Example)")

@@ -14,7 +14,8 @@ and run once per round or client, every value between phases going through a TF
   input checked against its bound first), as a secure aggregator outputs them;
 - server, finalize: `report`, the modulus applied, `update`, save the new state.
 
-`run_rounds` returns the state after each round and the outputs.
+`run_rounds` returns the state after each round and the outputs. `plan_run_daf.py` does
+the same for the DistributeAggregateForm (a plan's `server_phase_v2`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Graph:
         `inputs` (flat, TFF's binding order); its flat results."""
         from build_forms import proto_of
 
-        t = proto_of(comp).tensorflow
+        t = (comp if hasattr(comp, "tensorflow") else proto_of(comp)).tensorflow
         feeds = binding_names(t.parameter) if t.HasField("parameter") else []
         fetches = binding_names(t.result)
         if len(feeds) != len(inputs):
