@@ -163,6 +163,8 @@ def _forge_round_answers(fleet, monkeypatch, devices: list, forgery: str) -> Non
                     answer.num_clients += 1
                 elif forgery == "partial":
                     answer.partials[0].num_clients += 1
+                elif forgery == "served":  # XLA's answer naming a LiteRT model
+                    answer.model_sha256 = "ab" * 32
                 else:
                     answer.partials[0].leaves.add().CopyFrom(answer.partials[0].leaves[0])
         return answers
@@ -170,7 +172,7 @@ def _forge_round_answers(fleet, monkeypatch, devices: list, forgery: str) -> Non
     monkeypatch.setattr(fleet.backend, "call_each", forging)
 
 
-@pytest.mark.parametrize("forgery", ["clients", "partial", "tensors"])
+@pytest.mark.parametrize("forgery", ["clients", "partial", "tensors", "served"])
 def test_a_device_with_an_impossible_round_answer_leaves_the_round_named(
         fleet, monkeypatch, forgery):
     """A device is not trusted: its well-formed answer for other clients than it was
@@ -187,6 +189,10 @@ def test_a_device_with_an_impossible_round_answer_leaves_the_round_named(
     assert len(rep.lost_devices) == 1 and rep.error is None
     assert rep.lost_devices[0].startswith("device 1 at ")
     assert rep.lost_devices[0].endswith("(an impossible answer)")
+    if forgery == "served":
+        assert "with LiteRT model sha256 'abab" in rep.lost_devices[0]
+    if forgery in ("clients", "served"):  # refused by the transport: not named as served
+        assert list(rep.served) == fleet.addresses[:1]
     fleet.policy = RoundPolicy(min_clients=4)
     with pytest.raises(FleetError, match=r"round 1: lost device 1 at .*an impossible "
                                          r"answer.* only 3 clients are left but "
