@@ -27,6 +27,13 @@ def test_crc32c_and_its_mask_match_the_published_values():
     assert E.masked_crc(b"abc") == (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(0, 9 * E._LANE), seed=st.integers(0, 2**16))
+def test_the_lane_parallel_crc_equals_the_byte_by_byte_one(n, seed):
+    data = np.random.default_rng(seed).integers(0, 256, n).astype(np.uint8).tobytes()
+    assert E.crc32c(data) == E._raw(0xFFFFFFFF, data) ^ 0xFFFFFFFF
+
+
 def _features_and_values(draw_dtypes, shapes, rng):
     features, values = [], {}
     for i, (dtype, shape) in enumerate(zip(draw_dtypes, shapes)):
