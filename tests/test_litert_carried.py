@@ -272,7 +272,7 @@ def example_args(clients):
 
 
 def test_a_program_exported_again_finds_its_model_and_another_gets_a_command_that_works(
-        packed, tmp_path, empty_litert_cache):
+        packed, tmp_path, empty_litert_cache, capsys):
     """A carried model is found for the same program exported anywhere (its proto's
     bytes, so its hash, depend on the exporting call stack; what it computes does not);
     a folder of another program's models is refused with the command that writes this
@@ -306,6 +306,10 @@ def test_a_program_exported_again_finds_its_model_and_another_gets_a_command_tha
     (tmp_path / "other.py").write_text(OTHER_PROGRAM)
     command[1:4] = [f"{tmp_path / 'other.py'}:other_round", "--clients", "2"]
     assert cli.main(command + ["--no-check"]) == 0
+    printed = capsys.readouterr().out.splitlines()  # each tensor as the manifest has it
+    assert printed[1:5] == ["inputs:", "  broadcast/w: float32[3, 2]",
+                            "  client/x: float32[4, 3]", "outputs:"]
+    assert printed[5] == "  aggregate/0/value: float32[4, 2]"
     found = carried.find(str(models), other.client_part_hash, _signature(other),
                          fn=other.client_part)
     assert found.program_sha256 == convert.program_sha256_of(
