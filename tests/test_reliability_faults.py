@@ -64,22 +64,56 @@ def test_every_aggregation_gives_the_same_bits_on_any_device_count(fleet1, fleet
     np.testing.assert_allclose(results[0], (xs * w[:, None]).sum(0) / w.sum(), rtol=1e-4)
 
 
-def test_a_device_killed_mid_round_leaves_the_round_to_the_survivors(fleet3):
+def test_a_device_killed_mid_round_leaves_the_round_to_the_survivors(fleet3, monkeypatch):
+    from fax_bridge.fleet import put_messages
+
     proto = sc.scaled_aggregate((4,), "sum")
     xs = RNG.integers(0, 100, size=(12, 4)).astype(np.float32)
     s = np.ones(4, np.float32)
     policy = RoundPolicy(straggler_delay_s=1.0, min_clients=6, seed=3)
     plan = plan_round(policy, 12, 0)
     blocks = partition(len(plan.participants), 3)
-    # Precondition: device 1 waits long enough that the kill below lands inside the round.
-    assert max(plan.delays_s[plan.participants[j]] for j in blocks[1]) > 1.0
     fleet3.policy, fleet3.next_round = policy, 0
-    killer = threading.Timer(0.5, fleet3.kill_device, args=(1,))
-    killer.start()
-    try:
-        result, rep = fleet3.run(proto, xs, s, report=True)
-    finally:
-        killer.join()
+    # Device 1 is stopped as the round makes its Round requests (after the round's
+    # Load), so it cannot answer whenever its request comes; it is killed once every
+    # device's request has been handed to gRPC: mid-round by construction, whatever the
+    # machine's speed.
+    sent, streams = threading.Event(), []
+    make_stream = put_messages.stream
+
+    def watched(messages, what="Put"):
+        if what == "Round" and not streams:
+            streams.append("stopped")
+            fleet3.kill_device(1, signal.SIGSTOP)
+
+        def each():
+            yield from messages
+            streams.append(what)
+            if streams.count("Round") == 3:
+                sent.set()
+        return make_stream(each(), what)
+
+    monkeypatch.setattr(put_messages, "stream", watched)
+    outcome = {}
+
+    def run_round():
+        try:
+            outcome["round"] = fleet3.run(proto, xs, s, report=True)
+        except BaseException as e:  # re-raised below, in the test's thread
+            outcome["error"] = e
+        finally:
+            sent.set()
+
+    runner = threading.Thread(target=run_round)
+    runner.start()
+    assert sent.wait(timeout=600), "the round never sent its requests"
+    fleet3.kill_device(1)
+    runner.join()
+    monkeypatch.undo()
+    if "error" in outcome:
+        raise outcome["error"]
+    assert streams[:4] == ["stopped", "Round", "Round", "Round"], streams
+    result, rep = outcome["round"]
     lost = [plan.participants[j] for j in blocks[1]]
     assert sorted(rep.lost_clients) == sorted(lost) and len(rep.lost_devices) == 1
     assert rep.participants == [c for c in plan.participants if c not in lost]
