@@ -2,7 +2,6 @@
 (to the last bits of float sums, exactly for integers and with k >= N), its gradient
 too, with temporaries of k clients whatever the cohort; export does not see it."""
 
-import functools
 import logging
 import textwrap
 
@@ -119,41 +118,54 @@ USES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _derivatives(use, k, n=3):
-    """(grad, jvp) at w of program `use` in chunks of k, or the error class raised."""
-    program = fb.program(clients=n, clients_per_step=k)(use)
+def _differentiated(uses, k, n=3, compiled=True):
+    """(jacrev, jvp) at w of a program giving the results of `uses` stacked, in chunks
+    of k; with `compiled=False` only traced (to see what is refused)."""
+    program = fb.program(clients=n, clients_per_step=k)(
+        lambda w, x, keys: jnp.stack([use(w, x, keys) for use in uses]))
     x = jnp.linspace(0.2, 1.5, n)
     keys = jax.random.key_data(jax.random.split(jax.random.PRNGKey(0), n))
 
     def f(w):
         return program(w, x, keys)
 
+    both = lambda w: (jax.jacrev(f)(w), jax.jvp(f, (w,), (jnp.float32(1),))[1])  # noqa: E731
+    return (jax.jit(both) if compiled else jax.make_jaxpr(both))(jnp.float32(1.1))
+
+
+def _refusal(use, k):
     try:
-        return jax.jit(lambda w: (jax.grad(f)(w), jax.jvp(f, (w,), (jnp.float32(1),))[1]))(
-            jnp.float32(1.1))
-    except Exception as e:  # compared by class below: refused alike, or not at all
+        _differentiated((use,), k, compiled=False)
+    except Exception as e:  # compared by class: refused alike, or not at all
         return type(e)
+    return None
 
 
 def test_every_primitive_differentiates_alike_chunked_or_not():
     from fax_bridge import primitive_facts
     assert set(USES) == {f.primitive.name for f in primitive_facts.registered()}, \
         "give each registered primitive a use in USES"
-    for name in USES:
-        whole = _derivatives(USES[name], None)
+    uses = tuple(dict.fromkeys(USES.values()))  # one program may use several primitives
+    refused = {use: _refusal(use, None) for use in uses}
+    for use in (use for use, error in refused.items() if error):
         for k in (1, 2):  # 2 does not divide the 3 clients
-            got = _derivatives(USES[name], k)
-            if isinstance(whole, type):
-                assert got is whole, (name, k, got)
-            else:
-                np.testing.assert_allclose(got, whole, rtol=1e-5, err_msg=f"{name} k={k}")
-                assert np.all(np.asarray(whole) != 0), name  # a derivative to compare
+            assert _refusal(use, k) is refused[use], ([n for n, u in USES.items()
+                                                       if u is use], k)
+    uses = tuple(use for use in uses if not refused[use])
+    whole = _differentiated(uses, None)  # every use's derivatives, one compile
+    assert np.all(np.asarray(whole) != 0)  # a derivative to compare, for each
+    for k in (1, 2):
+        for got, want in zip(_differentiated(uses, k), whole):
+            for name, use in USES.items():
+                if use in uses:
+                    np.testing.assert_allclose(got[uses.index(use)], want[uses.index(use)],
+                                               rtol=1e-5, err_msg=f"{name} k={k}")
     x, keys = jnp.linspace(0.2, 1.5, 3), jax.random.key_data(jax.random.split(
         jax.random.PRNGKey(0), 3))
     eager = jax.grad(fb.program(clients=3, clients_per_step=2)(USES["federated_secure_mean"]))
     np.testing.assert_allclose(eager(jnp.float32(1.1), x, keys),
-                               _derivatives(USES["federated_secure_mean"], None)[0], rtol=1e-5)
+                               whole[0][uses.index(USES["federated_secure_mean"])],
+                               rtol=1e-5)
 
 
 def _mlp_round(n, k, width=128):
