@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
@@ -25,6 +24,7 @@ import pytest
 import fax_bridge
 from fax_bridge.errors import FleetError
 import sample_computations as sc
+from processes import at_round_requests
 from fax_bridge.fleet import device, device_cli, fleet_file
 from fax_bridge.fleet.coordinator import GrpcClientsBackend
 from fax_bridge.fleet.protocol import partition
@@ -253,16 +253,15 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
     np.testing.assert_array_equal(out["result"], _expected(range(N)))
     assert rep.devices == 3
 
-    # Emulated delays keep the devices in Map while device 2 is killed: with this seed
-    # the first round's slowest client of each device waits 0.58 s or more.
-    with RemoteFleet(addresses, straggler_delay_s=0.5, rpc_timeout_s=20,
-                     probe_timeout_s=2.0, seed=2, **_token_kwargs()) as fleet:
-        killer = threading.Timer(0.3, lambda: os.killpg(procs[2].pid, signal.SIGKILL))
-        killer.start()
-        try:
+    # Device 2 is stopped as the round makes its requests (after its Load: it cannot
+    # answer whenever its request comes) and killed once every request has gone.
+    with RemoteFleet(addresses, rpc_timeout_s=20, probe_timeout_s=2.0, seed=2,
+                     **_token_kwargs()) as fleet:
+        with at_round_requests(lambda: os.killpg(procs[2].pid, signal.SIGSTOP),
+                               lambda: os.killpg(procs[2].pid, signal.SIGKILL),
+                               devices=3) as reached:
             got, rep = fleet.run(proto, x, s, report=True)
-        finally:
-            killer.cancel()
+        assert reached["made"] and reached["sent"] >= 3, reached
         lost = [list(range(N))[j] for j in partition(N, 3)[2]]
         assert [w.split(": ", 1)[0] for w in rep.lost_devices] == [addresses[2]]
         assert "no Health answer" in rep.lost_devices[0] and rep.lost_clients == lost
@@ -285,10 +284,11 @@ def test_remote_fleet_runs_rounds_and_survives_a_killed_device(loopback_devices,
 # namespace, veth links between them; a link cut mid-round.
 
 COORDINATOR = textwrap.dedent("""
-    import json, subprocess, sys, threading
+    import json, subprocess, sys
     import numpy as np
     from fax_bridge.errors import FleetError
     import sample_computations as sc
+    from processes import at_round_requests
     from fax_bridge.fleet.remote import RemoteFleet
 
     cfg = json.loads(sys.argv[1])
@@ -298,36 +298,33 @@ COORDINATOR = textwrap.dedent("""
     proto = sc.scaled_aggregate((2,), "sum")
     out = {}
 
-    def cut_later(command):
-        timer = threading.Timer(0.3, subprocess.run, args=(command,),
-                                kwargs={"check": True})
-        timer.start()
-        return timer
+    def cut_at_requests(command):
+        # The link goes down as the round makes its requests (after its Load).
+        return at_round_requests(lambda: subprocess.run(command, check=True))
 
     with RemoteFleet(cfg["addresses"]) as fleet:
         got, rep = fleet.run(proto, x, s, report=True)
         out["full"] = {"result": got.tolist(), "devices": rep.devices}
-    # Link of device 2 goes down mid-round (its clients' emulated delays keep it in Map
-    # for 0.96 s with this seed): the round finishes on devices 0 and 1.
-    with RemoteFleet(cfg["addresses"], straggler_delay_s=0.5, rpc_timeout_s=2,
-                     probe_timeout_s=1.0, seed=2) as fleet:
-        timer = cut_later(["ip", "link", "set", cfg["links"][2], "down"])
-        got, rep = fleet.run(proto, x, s, report=True)
-        timer.join()
+    # Link of device 2 goes down mid-round: the round finishes on devices 0 and 1.
+    with RemoteFleet(cfg["addresses"], rpc_timeout_s=2, probe_timeout_s=1.0,
+                     seed=2) as fleet:
+        with cut_at_requests(["ip", "link", "set", cfg["links"][2], "down"]) as reached:
+            got, rep = fleet.run(proto, x, s, report=True)
+        assert reached["made"], reached
         out["cut"] = {"result": got.tolist(), "lost_devices": rep.lost_devices,
                       "lost_clients": list(rep.lost_clients),
                       "participants": list(rep.participants),
                       "devices": rep.devices, "summary": rep.summary()}
     # Device 1's link is deleted mid-round and every client is required: FleetError.
-    with RemoteFleet(cfg["addresses"][:2], straggler_delay_s=0.5, rpc_timeout_s=2,
-                     probe_timeout_s=1.0, min_clients=n, seed=2) as fleet:
-        timer = cut_later(["ip", "link", "del", cfg["links"][1]])
-        try:
-            fleet.run(proto, x, s)
-            out["strict"] = {"error": None}
-        except FleetError as e:
-            out["strict"] = {"error": str(e)}
-        timer.join()
+    with RemoteFleet(cfg["addresses"][:2], rpc_timeout_s=2, probe_timeout_s=1.0,
+                     min_clients=n, seed=2) as fleet:
+        with cut_at_requests(["ip", "link", "del", cfg["links"][1]]) as reached:
+            try:
+                fleet.run(proto, x, s)
+                out["strict"] = {"error": None}
+            except FleetError as e:
+                out["strict"] = {"error": str(e)}
+        assert reached["made"], reached
     print(json.dumps(out), flush=True)
 """)
 

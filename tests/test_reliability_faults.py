@@ -13,6 +13,7 @@ from federated_language.compiler import building_blocks as bb
 from fax_bridge.errors import FleetError
 from fax_bridge.runtime import interpreter
 import sample_computations as sc
+from processes import at_round_requests
 from fax_bridge.fleet.protocol import partition
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.rounds.policy import RoundPolicy, plan_round
@@ -64,9 +65,7 @@ def test_every_aggregation_gives_the_same_bits_on_any_device_count(fleet1, fleet
     np.testing.assert_allclose(results[0], (xs * w[:, None]).sum(0) / w.sum(), rtol=1e-4)
 
 
-def test_a_device_killed_mid_round_leaves_the_round_to_the_survivors(fleet3, monkeypatch):
-    from fax_bridge.fleet import put_messages
-
+def test_a_device_killed_mid_round_leaves_the_round_to_the_survivors(fleet3):
     proto = sc.scaled_aggregate((4,), "sum")
     xs = RNG.integers(0, 100, size=(12, 4)).astype(np.float32)
     s = np.ones(4, np.float32)
@@ -75,45 +74,12 @@ def test_a_device_killed_mid_round_leaves_the_round_to_the_survivors(fleet3, mon
     blocks = partition(len(plan.participants), 3)
     fleet3.policy, fleet3.next_round = policy, 0
     # Device 1 is stopped as the round makes its Round requests (after the round's
-    # Load), so it cannot answer whenever its request comes; it is killed once every
-    # device's request has been handed to gRPC: mid-round by construction, whatever the
-    # machine's speed.
-    sent, streams = threading.Event(), []
-    make_stream = put_messages.stream
-
-    def watched(messages, what="Put"):
-        if what == "Round" and not streams:
-            streams.append("stopped")
-            fleet3.kill_device(1, signal.SIGSTOP)
-
-        def each():
-            yield from messages
-            streams.append(what)
-            if streams.count("Round") == 3:
-                sent.set()
-        return make_stream(each(), what)
-
-    monkeypatch.setattr(put_messages, "stream", watched)
-    outcome = {}
-
-    def run_round():
-        try:
-            outcome["round"] = fleet3.run(proto, xs, s, report=True)
-        except BaseException as e:  # re-raised below, in the test's thread
-            outcome["error"] = e
-        finally:
-            sent.set()
-
-    runner = threading.Thread(target=run_round)
-    runner.start()
-    assert sent.wait(timeout=600), "the round never sent its requests"
-    fleet3.kill_device(1)
-    runner.join()
-    monkeypatch.undo()
-    if "error" in outcome:
-        raise outcome["error"]
-    assert streams[:4] == ["stopped", "Round", "Round", "Round"], streams
-    result, rep = outcome["round"]
+    # Load), so it cannot answer whenever its request comes, and killed once every
+    # device's request has gone: mid-round by construction, whatever the machine's speed.
+    with at_round_requests(lambda: fleet3.kill_device(1, signal.SIGSTOP),
+                           lambda: fleet3.kill_device(1), devices=3) as reached:
+        result, rep = fleet3.run(proto, xs, s, report=True)
+    assert reached["made"] and reached["sent"] >= 3, reached
     lost = [plan.participants[j] for j in blocks[1]]
     assert sorted(rep.lost_clients) == sorted(lost) and len(rep.lost_devices) == 1
     assert rep.participants == [c for c in plan.participants if c not in lost]
