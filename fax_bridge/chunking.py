@@ -9,9 +9,9 @@ finishes, so the round's temporaries are those of k clients whatever N is; the s
 is under `jax.checkpoint`, so the backward pass of `jax.grad` runs in chunks too, its
 memory as flat as the forward pass's. What is differentiated is the unchunked program,
 by each federated primitive's own rule (`differentiable`), then run in chunks: a
-chunked round has the unchunked round's derivatives, and refuses what it refuses. A value a phase hands on (a CLIENTS-placed result,
-or one read by an equation that mixes clients) is stacked chunk by chunk: it is as large
-as it is unchunked.
+chunked round has the unchunked round's derivatives, and refuses what it refuses. A
+value a phase hands on (a CLIENTS-placed result, or one read by an equation that mixes
+clients) is stacked chunk by chunk: it is as large as it is unchunked.
 
 Chunk c of S = N // k holds clients c, c + S, c + 2S, ...: on a mesh whose `clients`
 axis splits the cohort, each device keeps running its own clients, k / devices of them
@@ -26,6 +26,8 @@ either way). With k >= N nothing is chunked and the bits are the unchunked round
 `fb.trace`, `fb.export_tff` and `check_parity`'s export see the unchunked program: the
 exported proto is the same for every k. Data that does not fit on the device can be fed
 chunk by chunk from the host instead (`fax_bridge.chunk_stream.stream_clients`).
+`clients_per_step="auto"` is resolved by `fax_bridge.chunk_size`; a program declared with
+`progress=True` shows a tqdm bar of each trip's clients (`Progress`), under jit too.
 """
 
 from __future__ import annotations
