@@ -16,7 +16,7 @@ import fax_bridge as fb
 from fax_bridge import pytree_names
 from fax_bridge.litert import lowering, manifest, tensor_names
 from fax_bridge.rounds import round_split
-from fax_bridge.tff.cli import resolve_program
+from fax_bridge.tff.cli import load_target, resolve_program
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -51,7 +51,7 @@ def targets(monkeypatch) -> dict:
     """Every round of `examples/algorithm_rounds.py` (the algorithms of
     `fax_bridge.algorithms`, less `SKIPPED`) and DP-FedAvg, at the digits examples'
     model with its parameters drawn by numpy (the names depend on the pytree only), and
-    each example's `__exportable__` program."""
+    every program an example gives example arguments for (`_programs`)."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import _digits
     import algorithm_rounds
@@ -68,17 +68,25 @@ def targets(monkeypatch) -> dict:
                                   noise_multiplier=1.0)
     _, (_, data, mask), _ = made["fed_avg"]
     made["dp_fed_avg"] = (dp.next, (dp.init(init_mlp(0)), data, mask), dp.placements)
-    for path in sorted(EXAMPLES.glob("*.py")):
-        for name in _exportable(path.read_text()):
-            made[f"{path.name}:{name}"] = resolve_program(f"{path}:{name}", 2)
+    for path in sorted(EXAMPLES.glob("[!_]*.py")):
+        if "example_args" not in path.read_text():
+            continue
+        module = load_target(f"{path}:__name__")[0]
+        for name in _programs(module):
+            declared = isinstance(getattr(module, name), fb.api.Program)
+            made[f"{path.name}:{name}"] = resolve_program(f"{path}:{name}",
+                                                          None if declared else 2)
     return made
 
 
-def _exportable(text: str) -> list:
-    """The names an example's `__exportable__ = [...]` line lists (none without one)."""
-    line = next((line for line in text.splitlines() if line.startswith("__exportable__")),
-                "__exportable__ = []")
-    return [n.strip(" '\"") for n in line.split("[", 1)[1].rstrip("]").split(",") if n.strip()]
+def _programs(module) -> list:
+    """The programs an example gives example arguments for: those `__exportable__`
+    names (beside its `example_args`), and each `NAME` of a `NAME_example_args`."""
+    names = list(getattr(module, "__exportable__", ())) if hasattr(
+        module, "example_args") else []
+    names += [a[:-len("_example_args")] for a in dir(module)
+              if a.endswith("_example_args") and a != "_example_args"]
+    return sorted(set(names))
 
 
 def test_every_algorithm_and_example_names_its_tensors_by_pytree_path(targets):
