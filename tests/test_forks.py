@@ -134,14 +134,43 @@ def test_a_device_that_cannot_start_gives_its_status_and_its_reason(server, tmp_
     proc.stdout.close()
 
 
+def test_the_serving_loop_stays_while_a_child_lives_and_leaves_at_its_first_quiet_poll(
+        monkeypatch):
+    """The idle rule itself, on quiet polls counted instead of waited for: with an idle
+    time of 0 the loop leaves at its first quiet poll once no child is alive, never
+    while one is."""
+    launcher, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    polls = []
+
+    class QuietPoll:
+        def register(self, *args) -> None:
+            pass
+
+        def poll(self, timeout_ms):
+            if len(polls) == 3:
+                server.owners.clear()  # the last child ends after three quiet polls
+            polls.append(bool(server.owners))
+            return []
+
+    try:
+        server = fork_server.Server(launcher, idle_seconds=0.0)
+        server.owners[12345] = server.launcher
+        monkeypatch.setattr(server, "_reap", lambda: None)
+        monkeypatch.setattr(fork_server.select, "poll", QuietPoll)
+        server.serve()
+        assert polls == [True, True, True, False]  # left at the first poll with none
+    finally:
+        launcher.close()
+        other.close()
+
+
 def test_the_server_stays_while_a_device_lives_and_leaves_once_idle(tmp_path):
     env = _device_env()
-    server = forks.ForkServer.start(sys.executable, env, DEVICE_MODULES, idle_seconds=1.0)
+    server = forks.ForkServer.start(sys.executable, env, DEVICE_MODULES, idle_seconds=0.0)
     try:
         proc = _spawn(server, env, tmp_path / "device.log", "--listen", "127.0.0.1:0",
                       "--parent-pid", str(server.pid))
         json.loads(proc.stdout.readline())
-        time.sleep(2.5)
         assert server.alive() and proc.poll() is None  # a live device keeps it
         proc.terminate()
         assert proc.wait(timeout=30) == 0
