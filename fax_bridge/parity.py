@@ -92,25 +92,33 @@ def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -
     return tuple(args)
 
 
-def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list) -> list[LeafParity]:
+def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list,
+                   methods: Optional[list] = None) -> list[LeafParity]:
     """Leaf-by-leaf comparison where leaf i may differ by 2 * bounds[i] elementwise
     (`parity_rounding.evaluation_bounds`: each path within the bound of the exact
-    result); integer and bool leaves must be equal."""
+    result; `methods[i]` says what gave it); integer and bool leaves must be equal, and
+    a NaN or infinity must be the same on both paths."""
     leaves = compare_leaves(local, remote, 0.0, 0.0, paths=paths)
     want, got = jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(remote)
     if len(want) != len(got) or len(bounds) != len(want):
         return leaves
-    for leaf, w, g, b in zip(leaves, want, got, bounds):
+    methods = list(methods or []) + [""] * (len(want) - len(methods or []))
+    for leaf, w, g, b, method in zip(leaves, want, got, bounds, methods):
         if leaf.note or not parity_rounding.is_float(leaf.dtype):
             continue
-        diff = np.abs(np.asarray(w, np.float64) - np.asarray(g, np.float64))
-        allowed = 2.0 * np.asarray(b, np.float64)
-        leaf.ok = bool(np.all((diff <= allowed) | (np.isnan(diff) & np.isnan(allowed))))
+        w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(w - g)
+            allowed = 2.0 * np.asarray(b, np.float64)
+            same = (w == g) | (np.isnan(w) & np.isnan(g))
+            leaf.ok = bool(np.all(same | (diff <= allowed)))
         leaf.bound = float(np.max(allowed, initial=0.0))
+        leaf.bound_method = method
+        how = f" ({method})" if method else ""
         leaf.explanation = (
-            f"LiteRT and jit each stay within n*eps*sum|x| through the client steps "
-            f"of the exact result: they may differ by up to {leaf.bound:.3g} here "
-            f"(elementwise), and differ by at most {leaf.max_abs:.3g}")
+            f"LiteRT and jit each stay within the rounding bound{how} of the exact "
+            f"result: they may differ by up to {leaf.bound:.3g} here (elementwise), and "
+            f"differ by at most {leaf.max_abs:.3g}")
     return leaves
 
 
@@ -138,10 +146,10 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     round's client part as a LiteRT model in the LiteRT interpreter (`fax_bridge.litert`),
     converted before the round; a round with no single client part is refused, naming
     why, as `fax-bridge litert` refuses it. Its float rounding is
-    not XLA's, so each float leaf may differ from jit by twice the first-order rounding
-    bound of the program (`parity_rounding.evaluation_bounds`: n*eps*sum|x| at every sum
-    of the client steps and the aggregations, carried through), which the report states
-    per leaf; `rtol`/`atol` are not used.
+    not XLA's, so each float leaf may differ from jit by twice the program's rounding
+    bound (`parity_rounding.evaluation_bounds`: the smaller of the first-order worst
+    case and a float64 shadow's measure of float32's error), which the report states
+    per leaf with the method that gave it; `rtol`/`atol` are not used.
 
     Args:
       fn: the program.
@@ -238,8 +246,10 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         remote = leaves_in_type_order(remote, result_type)  # the generic structure
     paths = [p.replace("out", "result", 1) for p in comp.out_paths]
     if runtime.name != "xla":
-        leaves = bounded_leaves(local, remote,
-                                parity_rounding.evaluation_bounds(comp, args), paths)
+        methods: list = []
+        bounds = parity_rounding.evaluation_bounds(
+            comp, args, methods, float32=jax.tree_util.tree_leaves(local))
+        leaves = bounded_leaves(local, remote, bounds, paths, methods)
         rtol = atol = 0.0
     else:
         leaves = compare_leaves(local, remote, rtol, atol, paths=paths)

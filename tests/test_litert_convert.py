@@ -274,6 +274,8 @@ def _layer_case(family: str, rng):
     layer family."""
     dn = ("NHWC", "HWIO", "NHWC")
     d, h, vocab, steps = 3, 4, 7, 4
+    if family == "lstm":
+        steps = 10
     f32 = lambda *s: (rng.normal(size=s) * 0.3).astype(np.float32)  # noqa: E731
     if family in ("max_pool", "avg_pool"):
         params = {"k": f32(3, 3, 1, 4), "w": f32(16, 3)}
@@ -315,7 +317,8 @@ def _layer_case(family: str, rng):
             _, hs = jax.lax.scan(cell, (zero, zero), jnp.swapaxes(b["x"], 0, 1))
             return jnp.mean(hs ** 2)
     elif family == "attention_layer_norm":
-        params = {"qkv": f32(h, 3 * h), "g": np.ones(h, np.float32), "b": np.zeros(h, np.float32)}
+        params = {"qkv": f32(h, 3 * h), "g": np.ones(h, np.float32), "b": np.zeros(h, np.float32),
+                  "up": f32(h, 2 * h), "down": f32(2 * h, h)}
         data = {"x": rng.normal(size=(N, 2, steps, h)).astype(np.float32)}
 
         def loss(p, b):
@@ -325,7 +328,14 @@ def _layer_case(family: str, rng):
             q, k, v = jnp.split((x * p["g"] + p["b"]) @ p["qkv"], 3, -1)
             a = jnp.einsum("bqc,bkc->bqk", q, k) / np.sqrt(h)
             a = jnp.where(jnp.tril(jnp.ones((steps, steps), bool)), a, -1e9)
-            return jnp.mean(jnp.einsum("bqk,bkc->bqc", jax.nn.softmax(a, -1), v) ** 2)
+            x = x + jnp.einsum("bqk,bkc->bqc", jax.nn.softmax(a, -1), v)
+            return jnp.mean((x + jax.nn.gelu(x @ p["up"]) @ p["down"]) ** 2)
+    elif family == "mlp":
+        params = {"w0": f32(d, h), "b0": np.zeros(h, np.float32), "w1": f32(h, 2)}
+        data = {"x": rng.normal(size=(N, 2, d)).astype(np.float32)}
+
+        def loss(p, b):
+            return jnp.mean(jax.nn.relu(b["x"] @ p["w0"] + p["b0"]) @ p["w1"])
     else:  # dropout from a key
         from fax_bridge.litert import layers
 
@@ -338,10 +348,24 @@ def _layer_case(family: str, rng):
     return params, data, loss
 
 
-@pytest.mark.parametrize("family", ["max_pool", "avg_pool", "embedding_gather",
+def _ceiling(values) -> float:
+    """The largest bound a float leaf may have: 1e-4 x its largest |value| plus the
+    float32 spacing there (a bound above it would pass a wrong answer)."""
+    top = np.float32(np.max(np.abs(np.asarray(values, np.float64)), initial=0.0))
+    return 1e-4 * float(top) + float(np.spacing(top))
+
+
+@pytest.mark.parametrize("family", ["mlp", "max_pool", "avg_pool", "embedding_gather",
                                     "embedding_one_hot", "lstm", "attention_layer_norm",
                                     "dropout"])
 def test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound(family):
+    """Each family's LiteRT round is within the rounding bound of XLA's, element by
+    element; every bound is under 1e-4 of its leaf's values; and a LiteRT client whose
+    result is wrong by a relative 1e-4 in one element is caught on the leaf it feeds."""
+    from perturbed_runtime import Perturbed
+
+    from fax_bridge.parity import bounded_leaves
+
     params, data, loss = _layer_case(family, np.random.default_rng(3))
 
     def update(p, b):
@@ -354,15 +378,27 @@ def test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound
                                                                    data)))
 
     args = (params, data)
-    split, (xla, lite) = _runs(one_round, args, ("xla", "litert"), ("server", "clients"))
+    wrong = Perturbed("litert", client=1)
+    split, (xla, lite, bad) = _runs(one_round, args, ("xla", "litert", wrong),
+                                    ("server", "clients"))
     model = convert.convert_round(split)
     assert not flatbuffer.non_builtin(model.operators)
     assert not any(op.startswith("STABLEHLO_SELECT_AND_SCATTER") for op in model.operators)
-    bounds = parity_rounding.evaluation_bounds(
-        tracing.trace(one_round, *args, placements=("server", "clients")), args)
+    comp = tracing.trace(one_round, *args, placements=("server", "clients"))
+    methods: list = []
+    bounds = parity_rounding.evaluation_bounds(comp, args, methods, float32=xla)
     for want, got, bound in zip(xla, lite, bounds):
         diff = np.abs(np.asarray(want, np.float64) - np.asarray(got, np.float64))
         assert np.all(diff <= 2 * bound), (family, diff.max(), np.max(bound))
+        assert np.max(bound) <= _ceiling(want), (family, np.max(bound), _ceiling(want))
+    assert len(methods) == len(bounds) and all(  # the report says what gave each bound
+        parity_rounding.SHADOW in m or parity_rounding.FIRST_ORDER in m for m in methods)
+    paths = comp.out_paths
+    assert all(leaf.ok for leaf in bounded_leaves(xla, lite, bounds, paths, methods))
+    changed = [np.asarray(a).tobytes() != np.asarray(b).tobytes() for a, b in zip(lite, bad)]
+    assert wrong.done and sum(changed) == 1, (wrong.done, changed)
+    caught = [not leaf.ok for leaf in bounded_leaves(xla, bad, bounds, paths, methods)]
+    assert caught == changed, (family, caught, changed)
 
 
 def test_dropout_masks_are_the_same_bits_in_litert_and_xla():

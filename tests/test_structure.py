@@ -37,7 +37,8 @@ LAYERS: tuple = (
     (("rounds", "litert"),),  # round split, engine, policy, checkpoints, codecs, checks;
     # the client part as a LiteRT model (`litert`) beside its XLA form
     (("in_process",), ("fleet",), ("flower",)),  # transports, beside each other
-    (("parity", "parity_rounding", "parity_flower", "flower_results"),),
+    (("parity", "parity_rounding", "parity_first_order", "parity_shadow", "parity_flower",
+      "flower_results"),),
 )
 
 
