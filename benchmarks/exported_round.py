@@ -10,7 +10,12 @@ runs once to compile, then `--repeats` times; the median is reported with its ra
 jit's. The printed results also say whether the two paths gave the same bits.
 
     .venv/bin/python benchmarks/exported_round.py [--params 1000000] [--clients 4]
-        [--layers 4] [--batch 8] [--repeats 3] [--json OUT]
+        [--layers 4] [--batch 8] [--repeats 3] [--clients-per-step K] [--json OUT]
+    .venv/bin/python benchmarks/exported_round.py --memory 16 32 64 128 [--params ...]
+
+The first calls (compiles included) are reported too; `--memory` runs the device path
+at each cohort in a fresh process and reports its peak resident set and its chunk
+step's `memory_analysis()`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -58,37 +65,64 @@ def make_args(params: int, clients: int, layers: int, batch: int, seed: int = 0)
     return model, data
 
 
-def _timed(fn, repeats: int) -> tuple[float, object]:
-    """(median seconds of `repeats` calls after one to compile, the last result)."""
+def _timed(fn, repeats: int) -> tuple[float, float, object]:
+    """(seconds of the first call, compiles included; median seconds of `repeats` calls
+    after it; the last result)."""
+    start = time.perf_counter()
     out = jax.block_until_ready(fn())
+    first = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         out = jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+    return first, statistics.median(times), out
 
 
 def measure(params: int, clients: int, layers: int = 4, batch: int = 8,
-            repeats: int = 3) -> dict:
-    """Round times (seconds) of jit, the host path and the device path, and ratios."""
+            repeats: int = 3, clients_per_step=None) -> dict:
+    """Round times (seconds) of jit, the host path and the device path (its clients
+    `clients_per_step` at a time), first calls (compiles included), and ratios."""
     program = make_round(clients)
     model, data = make_args(params, clients, layers, batch)
     proto = fb.export_tff(program, model, data, placements=("server", "clients"))
     jitted = jax.jit(program)
     on_chip = jax.device_put((model, data))
-    jit_s, _ = _timed(lambda: jitted(*on_chip), repeats)
-    host_s, host = _timed(lambda: run_computation(proto, model, data, on_device=False),
-                          repeats)
-    device_s, device = _timed(lambda: run_computation(proto, model, data, on_device=True),
-                              repeats)
+    jit_first, jit_s, _ = _timed(lambda: jitted(*on_chip), repeats)
+    host_first, host_s, host = _timed(
+        lambda: run_computation(proto, model, data, on_device=False), repeats)
+    device_first, device_s, device = _timed(
+        lambda: run_computation(proto, model, data, on_device=True,
+                                clients_per_step=clients_per_step), repeats)
     same = all(np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
                for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(device)))
     total = sum(int(np.size(w)) for w in model.values())
     return {"backend": jax.default_backend(), "params": total, "clients": clients,
+            "layers": layers, "jit_first_s": jit_first, "host_first_s": host_first,
+            "device_first_s": device_first, "device_first_over_host": device_first / host_first,
             "jit_s": jit_s, "host_s": host_s, "device_s": device_s,
             "host_over_jit": host_s / jit_s, "device_over_jit": device_s / jit_s,
             "host_over_device": host_s / device_s, "same_bits": same}
+
+
+def peak_memory(params: int, clients: int, layers: int = 4, batch: int = 8,
+                clients_per_step=None) -> dict:
+    """The device path's memory at `clients` clients, in a fresh process: its peak
+    resident set after two rounds (`ru_maxrss`; on the CPU jax's arrays are this
+    process's memory) and its chunk step's `memory_analysis()`."""
+    code = (f"import json, resource, sys; sys.path.insert(0, {repr(__file__.rsplit('/', 1)[0])});"
+            "import exported_round as e; from fax_bridge.runtime import device_rounds as d;"
+            f"p = e.make_round({clients}); m, x = e.make_args({params}, {clients}, "
+            f"{layers}, {batch}); import fax_bridge as fb;"
+            "proto = fb.export_tff(p, m, x, placements=('server', 'clients'));"
+            "[e.run_computation(proto, m, x, on_device=True, "
+            f"clients_per_step={clients_per_step!r}) for _ in range(2)];"
+            "a = d.step_memory(); print(json.dumps(dict(peak_rss_bytes=resource.getrusage("
+            "resource.RUSAGE_SELF).ru_maxrss * 1024, step_temp_bytes=a.temp_size_in_bytes,"
+            " step_argument_bytes=a.argument_size_in_bytes)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    return dict(json.loads(done.stdout.splitlines()[-1]), clients=clients, params=params)
 
 
 def main(argv=None) -> dict:
@@ -99,9 +133,27 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--clients-per-step", type=int,
+                        help="the device path's chunk (default: \"auto\")")
+    parser.add_argument("--memory", type=int, nargs="+", metavar="CLIENTS",
+                        help="instead: the device path's peak memory at these cohorts")
     args = parser.parse_args(argv)
-    out = measure(int(args.params), args.clients, args.layers, args.batch, args.repeats)
+    if args.memory:
+        rows = [peak_memory(int(args.params), n, args.layers, args.batch,
+                            args.clients_per_step) for n in args.memory]
+        for row in rows:
+            print(f"{row['clients']:5d} clients: peak RSS {row['peak_rss_bytes'] / 2**20:.0f} "
+                  f"MiB, chunk step temporaries {row['step_temp_bytes'] / 2**20:.1f} MiB")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return {"memory": rows}
+    out = measure(int(args.params), args.clients, args.layers, args.batch, args.repeats,
+                  args.clients_per_step)
     print(f"{out['backend']}: {out['params']:,} parameters, {out['clients']} clients")
+    print(f"  first calls: jit {out['jit_first_s']:.2f} s, host path "
+          f"{out['host_first_s']:.2f} s, device path {out['device_first_s']:.2f} s "
+          f"({out['device_first_over_host']:.2f}x the host path's)")
     print(f"  jit          {out['jit_s']:.4f} s")
     print(f"  host path    {out['host_s']:.4f} s  ({out['host_over_jit']:.1f}x jit)")
     print(f"  device path  {out['device_s']:.4f} s  ({out['device_over_jit']:.1f}x jit, "

@@ -325,7 +325,8 @@ def finish(sums: DeviceSums) -> list:
     """The aggregate's tensors (jax arrays, depth first), as `aggregation.finish`
     computes them on the host: exact sums rounded once, a mean divided by the clients,
     a weighted mean's products rounded to the value's dtype before they are summed."""
-    out, least, total = _finished(sums.layout, sums.state, np.int32(sums.count))
+    flats, least, total = _finished(sums.layout, sums.state, np.int32(sums.count))
+    out = _split(sums.layout, flats)
     if sums.kind == "weighted_mean":
         least, total = jax.device_get((least, total))
         refusal = weights_refusal(float(least), False)  # each client's, as the host checks
@@ -338,9 +339,23 @@ def finish(sums: DeviceSums) -> list:
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _finished(layout: Layout, state: dict, count: jax.Array) -> tuple:
-    """(the tensors, the least weight, the total weight): the sums rounded, divided."""
+def _split(layout: Layout, flats: dict) -> list:
+    """The tensors (depth first) of each dtype's flat results. A program of its own:
+    inside the one that computes them, XLA moves the cuts up through the element-wise
+    computation and compiles (and runs) it once per tensor."""
     out: list = [None] * len(layout.tensors)
+    for name, members in layout.groups.items():
+        for i, tensor in zip(members, device_exact.split(
+                flats[name], [layout.tensors[i][1] for i in members])):
+            out[i] = tensor
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _finished(layout: Layout, state: dict, count: jax.Array) -> tuple:
+    """(each dtype's flat results, the least weight, the total weight): the sums
+    rounded, divided."""
+    out: dict = {}
     least = total = jnp.float32(0)
     by = None
     if layout.kind == "mean":
@@ -356,9 +371,7 @@ def _finished(layout: Layout, state: dict, count: jax.Array) -> tuple:
         if by is not None:
             flat = _divide(flat, astype(by, dtype) if layout.weight is not None
                            else by.astype(dtype))
-        for i, tensor in zip(members, device_exact.split(
-                flat, [layout.tensors[i][1] for i in members])):
-            out[i] = tensor
+        out[name] = flat
     return out, astype(least, np.float32), astype(total, np.float32)
 
 
