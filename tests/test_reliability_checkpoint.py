@@ -135,13 +135,15 @@ fleet = LocalFleet(devices=2, cohort_size={POLICY['cohort_size']}, dropout={POLI
 print(json.dumps({{"devices": fleet.pids}}), flush=True)
 def on_round(r, result, rep):
     print(json.dumps({{"round": r}}), flush=True)
-    time.sleep(0.4)
+    if r == 1:
+        sys.stdin.read()  # held here (the test never writes) until it is killed
 fleet.run_loop(proto, w0, {ROUNDS}, data, next_state=lambda out: out["w"],
                checkpoint_dir={str(ckpt)!r}, on_round=on_round)
 print(json.dumps({{"finished": True}}), flush=True)
 """
     proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            stdin=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu",
                                  "PYTHONPATH": os.pathsep.join(  # sample_computations
                                      [HERE, os.environ.get("PYTHONPATH", "")])})
@@ -157,9 +159,10 @@ print(json.dumps({{"finished": True}}), flush=True)
     finally:
         proc.wait(timeout=30)
         proc.stdout.close()
+        proc.stdin.close()
     saved = checkpoint.load(ckpt)
     assert saved is not None and saved.round < ROUNDS - 1  # it really was interrupted
-    deadline = time.monotonic() + 15  # its devices notice and exit by themselves
+    deadline = time.monotonic() + 120  # its devices notice and exit by themselves
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and open(
             f"/proc/{p}/stat").read().split()[2] != "Z" for p in device_pids):
         time.sleep(0.1)
