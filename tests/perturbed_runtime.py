@@ -4,7 +4,7 @@ wrong answers parity checks must catch (`tests/test_parity_mutations.py`,
 
 `Perturbed(base, how)` runs client parts as `base` ("xla": the client part's XLA, one
 client at a time; "litert": the LiteRT interpreter) and, before aggregating, changes
-client `client`'s value for aggregation `spec` at the element of largest magnitude of
+client `client`'s value for aggregation `spec` (its index or kind) at the element of largest magnitude of
 the value's float (for "plus_one", integer) tensors: "relative" multiplies
 it by 1 + `rel`, "nan" makes it NaN, "plus_one" adds 1. It names itself as `base` does,
 so a fleet or `check_parity` treats it as that runtime.
@@ -13,7 +13,7 @@ so a fleet or `check_parity` treats it as that runtime.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Union
 
 import numpy as np
 from federated_language.common_libs import structure
@@ -28,7 +28,8 @@ class Perturbed:
     how: str = "relative"  # "relative", "nan" or "plus_one"
     rel: float = 1e-4
     client: int = 0
-    spec: Optional[int] = None  # None: the first aggregation with such a tensor
+    spec: Union[int, str, None] = None  # an aggregation's index or kind; None: the first
+    # aggregation with such a tensor
     done: list = dataclasses.field(default_factory=list)  # (spec, tensor, element) changed
 
     @property
@@ -94,8 +95,7 @@ class Perturbed:
         for s, (kind, vi, wi, *bound) in enumerate(specs):
             values = [select_element(r, vi) for r in results]
             weights = None if wi is None else [select_element(r, wi) for r in results]
-            if not self.done and (self.spec is None or self.spec == s) \
-                    and self.client < len(values):
+            if not self.done and self.spec in (None, s, kind) and self.client < len(values):
                 changed = self._perturb(values[self.client], s)
                 if changed is not None:
                     values[self.client] = changed
@@ -105,7 +105,8 @@ class Perturbed:
 
 
 class InProcessFleet:
-    """A fleet of no devices: the runtime in this process with `client_runtime`."""
+    """A fleet of no devices: the round engine in this process with `client_runtime`
+    (a round that splits; its clients are its arguments')."""
 
     num_devices = 0
 
@@ -115,5 +116,6 @@ class InProcessFleet:
     def run(self, proto, *args, num_clients=None):
         from fax_bridge.runtime import run_computation
 
-        return run_computation(proto, *args, num_clients=num_clients,
-                               client_runtime=self.client_runtime)
+        del num_clients  # given, it would interpret the proto phase by phase
+        self.last = run_computation(proto, *args, client_runtime=self.client_runtime)
+        return self.last
