@@ -53,6 +53,9 @@ NODES = 2
 FLOWER_PACKAGE = "flower_fedavg"
 SYSTEMS = ("fax_bridge", "flower", "flower_matched", "fleet")
 COMPILING_S = 0.5  # nodes' compute in a round above this: a worker compiled
+sys.path.insert(0, HERE)
+
+import flower_runs  # noqa: E402  (benchmarks/)
 
 
 def fax_round(cohort: int):
@@ -140,16 +143,12 @@ def run_system(deployment, system: str, apps: dict, rounds: int, out: str) -> di
             "num-rounds": rounds, "out-dir": out, "per-node": system == "flower_matched",
             "poll-s": 0.05 if system == "flower_matched" else 0.0}, timeout_s=1200)
     took = time.perf_counter() - start
-    if run.returncode != 0:
-        raise SystemExit(f"{system}: flwr run failed:\n{run.stdout[-3000:]}")
     if system == "fax_bridge":
-        with open(os.path.join(out, "reports.jsonl")) as f:
-            reports = [json.loads(line) for line in f]
+        reports = flower_runs.outcome(run, out, system, rounds)
         return {"run_s": took, "wall_s": [r["wall_s"] for r in reports],
                 "compute_s": [r["compute_s"] for r in reports],
                 "participants": [len(r["participants"]) for r in reports]}
-    with open(os.path.join(out, "rounds.json")) as f:
-        got = json.load(f)
+    got = flower_runs.outcome(run, out, "flower", rounds)
     return {"run_s": took, "wall_s": got["wall_s"], "loss": got["loss"]}
 
 

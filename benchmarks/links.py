@@ -48,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+import flower_runs  # noqa: E402
 from netns import Network, run_in_hub  # noqa: E402
 
 PREFIX = "fxl-"
@@ -159,15 +160,12 @@ def run_once(deployment, network: Network, system: str, apps: dict, rounds: int,
         config["rounded-partials"] = True
     run = deployment.run(app, config, timeout_s=1800)
     after = [network.counters(k) for k in range(network.nodes)]
-    if run.returncode != 0:
-        raise SystemExit(f"{system}: flwr run failed:\n{run.stdout[-3000:]}")
+    got = flower_runs.outcome(run, out, "flower" if system == "flower" else system, rounds)
     if system == "flower":
-        with open(os.path.join(out, "rounds.json")) as f:
-            walls = json.load(f)["wall_s"]
+        walls = got["wall_s"]
         reported = None
     else:
-        with open(os.path.join(out, "reports.jsonl")) as f:
-            reports = [json.loads(line) for line in f]
+        reports = got
         walls = [r["wall_s"] for r in reports]
         reported = {"bytes_up_per_client": reports[-1]["bytes_up_per_client"],
                     "bytes_down_per_client": reports[-1]["bytes_down_per_client"]}
@@ -398,7 +396,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--per-node", type=int, nargs="+", default=[1, 2],
                    help="cohort clients on each node")
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds a run, at least 2: the first is reported apart (first_s), "
+                        "the round time is a median over the others")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rounded", action="store_true",
                    help="also run fax_bridge's app with rounded-partials=true")
@@ -418,8 +418,12 @@ def _exit_on_signal(signum, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def main() -> int:
-    args = parser().parse_args()
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.rounds < 2 and not args.faults:
+        p.error(f"--rounds {args.rounds}: give at least 2 (the first round is reported "
+                "apart; the round time is a median over the rounds after it)")
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so that every exit path cleans up
     if args.inside:
         return faults(args) if args.faults else inside(args)

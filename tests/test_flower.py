@@ -1453,23 +1453,35 @@ def test_a_state_over_the_bundle_limit_is_read_from_initial_state(tmp_path, quic
     app_dir.write_app(made, str(folder))
     state_path = str(folder / app_dir.STATE_FILE)
     with open(folder / "pyproject.toml") as f:
-        assert f'initial-state = "{state_path}"' in f.read()
+        assert f'app-state = "{state_path}"' in f.read()
     package = str(folder / app_dir.PACKAGE)
     with open(os.path.join(package, bundle.FILE_NAME)) as f:
         assert json.load(f)["state"] is None  # only its layout travels in the bundle
     grid = _grid(str(folder), populations)
-    with pytest.raises(FleetError, match="set the run config's initial-state"):
+    with pytest.raises(FleetError, match="set the run config's app-state"):
         server.run_server(grid, {"num-rounds": 1}, package, log=lambda text: None)
     out = str(tmp_path / "out")
     got = server.run_server(grid, {"num-rounds": 3, "out-dir": out,
-                                   "initial-state": state_path}, package,
+                                   "app-state": state_path}, package,
                             log=lambda text: None)
     assert _bits(got, made) == _bits(_expected(made, args, 3), made)
     other = [np.zeros((2,), np.float32)]
     bundle.write_state(other, str(tmp_path / "other.npz"))
-    with pytest.raises(ExportError, match="written for another round"):
-        server.run_server(grid, {"num-rounds": 1, "initial-state": str(
-            tmp_path / "other.npz")}, package, log=lambda text: None)
+    for key in ("app-state", "initial-state"):  # another round's state: refused either way
+        with pytest.raises(ExportError, match="written for another round"):
+            server.run_server(grid, {"num-rounds": 1, key: str(tmp_path / "other.npz")},
+                              package, log=lambda text: None)
+    # A start of the user's own (the round's state, changed: a warm start) is input,
+    # checked entry by entry, and runs where the app's recorded digest refuses it.
+    warm = [np.asarray(t) + 1 for t in made.state]
+    bundle.write_state(warm, str(tmp_path / "warm.npz"))
+    with pytest.raises(ExportError, match="not the file that was recorded with it"):
+        server.run_server(grid, {"num-rounds": 1, "app-state": str(tmp_path / "warm.npz")},
+                          package, log=lambda text: None)
+    got = server.run_server(grid, {"num-rounds": 1, "initial-state": str(
+        tmp_path / "warm.npz")}, package, log=lambda text: None)
+    assert _bits(got, made) == _bits(
+        _expected(made, args, 1, state=made.state_value(warm)), made)
 
 
 def test_a_reply_still_uploading_does_not_hold_the_exchange_past_its_deadline(

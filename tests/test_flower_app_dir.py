@@ -295,7 +295,7 @@ def test_only_a_small_state_travels_in_the_bundle_and_the_server_starts_from_it_
         quickstart, tmp_path_factory, offset):
     """Flower hands the bundle to every ClientApp process, which never uses the state:
     a state over `MAX_STATE_IN_BUNDLE_BYTES` is written beside the app and named by the
-    run config's initial-state, one at or under it stays in round.json; either way the
+    run config's app-state, one at or under it stays in round.json; either way the
     state the ServerApp starts from has the example's bits."""
     _, made = quickstart
     size = sum(np.asarray(t).nbytes for t in made.state)
@@ -308,7 +308,7 @@ def test_only_a_small_state_travels_in_the_bundle_and_the_server_starts_from_it_
     read = bundle.read_round(str(folder / app_dir.PACKAGE))
     state_path = str(folder / app_dir.STATE_FILE)
     with open(folder / "pyproject.toml") as f:
-        named = f'initial-state = "{state_path}"' in f.read()
+        named = f'app-state = "{state_path}"' in f.read()
     assert read.state_outside == named == (size > limit)
     assert os.path.exists(state_path) == named
     start = bundle.read_state(state_path, read.state) if named else read.state

@@ -11,7 +11,7 @@
     DIR/README.md                 how to start the SuperLink and SuperNodes and run it
     DIR/initial_state.npz         a state over 64 kB (`bundle.state_in_bundle`), which
                                   only the ServerApp needs: read from the run config's
-                                  `initial-state` path, on the SuperLink's host
+                                  `app-state` path, on the SuperLink's host
     DIR/.flwr/config.toml         the SuperLink connection `fax-bridge`
                                   (FLWR_HOME=DIR/.flwr; TLS with `root_certificates`)
 
@@ -222,10 +222,12 @@ first-round-timeout-s (the least the first round waits: nodes start then), min-n
 wait-nodes-s (SuperNodes to wait for), poll-s (the ServerApp's pull interval),
 out-dir (reports.jsonl, one round's report a line, and result.npz), checkpoint-dir (resume after a crash) and
 secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs left to
-unmask a lost one; 0: a strict majority), initial-state (an .npz on the SuperLink's host
-the run starts from instead of the bundle's state, `bundle.write_state`: a state over
-64 kB is written beside this app as {STATE_FILE} and named here, since the nodes never
-need it; copy it to the SuperLink's host if that is another one and give its path) and rounded-partials (true: each node sends
+unmask a lost one; 0: a strict majority), app-state (a state over 64 kB is written
+beside this app as {STATE_FILE} and named here, since the nodes never need it; copy it
+to the SuperLink's host if that is another one and give its path: it must be that very
+file, as its sha256 was recorded with the app), initial-state (an .npz of your own on the
+SuperLink's host, `bundle.write_state`, to start from instead, e.g. a trained model:
+each entry's dtype and shape must be the round's state's) and rounded-partials (true: each node sends
 its float sums rounded once to float32, Flower's bytes, and the result agrees with the
 exact one within that rounding instead of bit for bit; a node of one client sends its
 exact float32 addend either way).
@@ -354,7 +356,7 @@ def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:909
                 pass
         if not written:  # beside the app: only the ServerApp reads it
             write_round(made, package, os.path.join(stage, STATE_FILE), models=packed)
-            settings["initial-state"] = state_path
+            settings["app-state"] = state_path
         if packed:
             from fax_bridge.litert import carried
 

@@ -114,6 +114,7 @@ RUN_CONFIG = {
     "checkpoint-dir": _Key("text", ""),
     "secagg-threshold": _Key("number", 0.0, 0.0, 1.0),
     "initial-state": _Key("text", ""),
+    "app-state": _Key("text", ""),
 }
 
 
@@ -173,7 +174,8 @@ class Settings:
     out_dir: str = ""
     checkpoint_dir: str = ""
     secagg_threshold: float = 0.0
-    initial_state: str = ""
+    initial_state: str = ""  # a state of the user's (a warm start): checked as input
+    app_state: str = ""  # the state written with the app: its recorded sha256 too
     population_size: int = 0  # 0: not declared (`nodes.MAX_UNDECLARED_CLIENTS` bounds it)
 
     @classmethod
@@ -198,7 +200,7 @@ class Settings:
                    poll_s=get("poll-s"), out_dir=get("out-dir"),
                    checkpoint_dir=get("checkpoint-dir"),
                    secagg_threshold=secagg.checked_threshold(get("secagg-threshold")),
-                   initial_state=get("initial-state"),
+                   initial_state=get("initial-state"), app_state=get("app-state"),
                    population_size=get("population-size"))
 
     def deadline_s(self, first: bool) -> float:
@@ -355,16 +357,21 @@ def _resume(made, settings: Settings) -> tuple:
     meta = {"computation": str(made.prepared.type),
             "program": checkpoint.program_fingerprint(made.proto),
             "policy": repr(settings.policy), "num_rounds": settings.num_rounds}
-    tensors = made.state
-    if settings.initial_state:  # a file on the SuperLink's host, instead of the bundle's
-        from fax_bridge.flower.bundle import read_state
+    from fax_bridge.flower.bundle import read_state
 
-        tensors = read_state(settings.initial_state, made.state, made.state_sha256)
+    tensors = made.state
+    if settings.initial_state:
+        # The user's own start (a model of theirs, a warm start from a trained one): any
+        # file holding the round's state, checked as input (a regular file, each entry's
+        # dtype, shape and size), never against the digest of the app's own state.
+        tensors = read_state(settings.initial_state, made.state)
+    elif settings.app_state:  # the state written beside the app: exactly that file
+        tensors = read_state(settings.app_state, made.state, made.state_sha256)
     elif made.state_outside:  # too large for the bundle
         raise FleetError("this round's initial state is not in its app bundle; set "
-                         "the run config's initial-state to the initial_state.npz "
+                         "the run config's app-state to the initial_state.npz "
                          "`fax-bridge flower` wrote beside the app (a path on the "
-                         "SuperLink's host)")
+                         "SuperLink's host), or initial-state to a state of your own")
     state, start = made.state_value(tensors), 0
     if settings.checkpoint_dir:
         saved = checkpoint.resume(settings.checkpoint_dir, meta, setting="checkpoint-dir")
