@@ -205,17 +205,22 @@ def _exit_on_signal(signum, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     p.add_argument("--links", nargs="+", default=["20/100", "100/1000"])
     p.add_argument("--per-node", type=int, nargs="+", default=[1, 2])
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds a row, at least 2: the first compiles and is reported "
+                        "apart (first_s), the figures are medians over the others")
     p.add_argument("--json", default=None)
     p.add_argument("--timeout-s", type=float, default=3600)
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.rounds < 2:
+        p.error(f"--rounds {args.rounds}: give at least 2 (the first round compiles and is "
+                "reported apart; a row's figures are medians over the rounds after it)")
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so that every exit path cleans up
     if args.inside:
         return inside(args)

@@ -549,7 +549,7 @@ def main(argv=None) -> dict[str, Any]:
     import drjax
 
     flower = run_flower(rows, args.clients, repeats) if args.flower else None
-    if flower is not None:
+    if flower is not None and "skipped" not in flower:
         paths += ("flower",)
     result = {
         "config": {"clients": args.clients, "repeats": repeats, "slow_s": args.slow,
@@ -567,6 +567,8 @@ def main(argv=None) -> dict[str, Any]:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     report(result, args.plot, table=flower is not None)
+    if flower is not None and "skipped" in flower:  # said again under the tables
+        print(f"\nNo Flower column: {flower['skipped']}", flush=True)
     return result
 
 
@@ -581,7 +583,10 @@ def run_flower(rows: list[dict[str, Any]], clients: int, repeats: int) -> dict[s
 
     linear = [r for r in rows if r["model"] == "linear" and r["kind"] == "weighted"]
     if not linear:
-        return {"skipped": "no linear weighted rows to stand beside"}
+        why = ("Flower runs the linear model's weighted round only, and no such row ran "
+               "(add --models linear and --kinds weighted)")
+        print(f"Flower: skipped ({why})", flush=True)
+        return {"skipped": why}
     sizes = sorted({str(r["params"]) for r in linear}, key=int)
     print(f"Flower simulation at {', '.join(sizes)} parameters ...", flush=True)
     try:
@@ -591,6 +596,10 @@ def run_flower(rows: list[dict[str, Any]], clients: int, repeats: int) -> dict[s
         print(f"Flower: skipped ({e})", flush=True)
         return {"skipped": str(e)}
     by_params = {int(f["params"]): f for f in found}
+    missing = sorted({r["params"] for r in linear} - set(by_params))
+    if missing:
+        print(f"Flower: no result at {missing} parameters: those rows have no Flower "
+              "figure", flush=True)
     for r in linear:
         f = by_params.get(r["params"])
         if f is None:
@@ -599,7 +608,7 @@ def run_flower(rows: list[dict[str, Any]], clients: int, repeats: int) -> dict[s
         r["flower_round"] = {k: f.get(k) for k in (
             "round_s_all", "peak_rss_mb", "driver_peak_rss_mb", "bytes_moved_per_round",
             "payload_bytes_per_round", "loadavg")}
-    return {"sizes": sizes, "rounds": repeats + 1}
+    return {"sizes": sizes, "rounds": repeats + 1, "missing": missing}
 
 
 def memory_table(rows: list[dict[str, Any]]) -> None:

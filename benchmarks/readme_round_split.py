@@ -107,6 +107,7 @@ def fax_node(addresses: dict, token: str, bundle: str):
             relay.LAYOUT: ConfigRecord(info["layout"]),
             relay.METRICS: MetricRecord({"num-clients": [int(c) for c in info["counts"]],
                                          "compute-s": float(info["compute-s"])}),
+            relay.SERVED: ConfigRecord({k: str(v) for k, v in info["served"].items()}),
             relay.ROUND: ConfigRecord(header[relay.ROUND])}), reply_to=msg)
         done = time.perf_counter()
         TIMES["node: records to a relay body"].append(packed - began)
@@ -123,10 +124,11 @@ def fax_rounds(folder: str, nodes: int, size: int, rounds: int, env: dict) -> li
     """The rounds' wall times; the workers end with it."""
     readme = readme_round.write_app(folder, nodes, size, 0, env)
     _, background, _ = readme_round.readme_commands(readme)
+    from fax_bridge.private_files import write_file
+
     token_file = os.path.join(folder, "worker.token")
     token = uuid.uuid4().hex
-    with open(token_file, "w") as f:
-        f.write(token)
+    write_file(token_file, token)  # owner-only (0600): a worker refuses a readable token
     workers, addresses = [], {}
     try:
         for k, line in enumerate(l for l in background if "supernode" in l):
