@@ -61,7 +61,9 @@ def _timed(owner: Any, name: str, log: list, label: str) -> None:
 
 
 def _device_shim(argv: list[str]) -> None:
-    """Installs the device timers, then runs `python -m fax_bridge.fleet.device_cli ...`."""
+    """Installs the device timers, then runs what the fleet asked its python to run: the
+    fork server's script (`python SCRIPT ...`: the devices it forks inherit the timers),
+    or a device started fresh (`python -m fax_bridge.fleet.device_cli ...`)."""
     import runpy
 
     from fax_bridge.fleet import device, device_round, shared_memory
@@ -77,7 +79,6 @@ def _device_shim(argv: list[str]) -> None:
     _timed(aggregation, "partial_of_columns", log, "of which the partial sums (float64)")
     _timed(partials, "to_message", log, "encode the partials")
     _timed(shared_memory.Writer, "write", log, "write the answer's shared-memory segment")
-    path = os.path.join(os.environ[PROFILE_DIR_ENV], f"device_{os.getpid()}.jsonl")
     original = device_round.run_round
 
     def run_round(*args, **kwargs):
@@ -87,13 +88,23 @@ def _device_shim(argv: list[str]) -> None:
             return original(*args, **kwargs)
         finally:
             end = time.perf_counter()
+            # The device's own pid, read here: devices forked from one server share
+            # everything the shim set up in it.
+            path = os.path.join(os.environ[PROFILE_DIR_ENV], f"device_{os.getpid()}.jsonl")
             with open(path, "a") as f:
                 f.write(json.dumps({"handler": [start, end], "parts": log}) + "\n")
 
     device_round.run_round = run_round
-    module = argv[argv.index("-m") + 1]
-    sys.argv = [module] + argv[argv.index("-m") + 2:]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    at = 0
+    while at < len(argv) and argv[at].startswith("-") and argv[at] != "-m":
+        at += 1  # the interpreter's own options
+    rest = argv[at:]
+    if rest[:1] == ["-m"]:
+        sys.argv = [rest[1]] + rest[2:]
+        runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(rest)
+        runpy.run_path(rest[0], run_name="__main__")
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,6 +157,7 @@ def profile(devices: int, rounds: int) -> dict:
     import workload  # noqa: E402
 
     import fax_bridge as fb
+    from fax_bridge import forks
 
     data = workload.client_data(workload.load_split())
     params = workload.load_init_params()
@@ -162,6 +174,10 @@ def profile(devices: int, rounds: int) -> dict:
         rounds_log: list = []
         with fb.LocalFleet(devices=devices, population=population,
                            python=shim_script(scratch)) as fleet:
+            # As users get them: forked by the fork server, not started afresh (its
+            # fallback, slower to start and to serve its first rounds).
+            forked = forks.available() and all(
+                isinstance(p, forks.ForkedProcess) for p in fleet._procs)
             for r in range(rounds):
                 ids = workload.cohort(0, r)
                 cohort = tuple(fb.PopulationRef(keys=[k], client_ids=ids)
@@ -175,7 +191,9 @@ def profile(devices: int, rounds: int) -> dict:
                                    "compute_s": report.compute_s})
         device_logs = [[json.loads(line) for line in open(path)]
                        for path in sorted(glob.glob(os.path.join(scratch, "device_*.jsonl")))]
-    return _table(rounds_log[1:], [d[1:] for d in device_logs], devices)
+    rows = _table(rounds_log[1:], [d[1:] for d in device_logs], devices)
+    rows["devices_forked"] = forked
+    return rows
 
 
 def _table(rounds_log: list, device_logs: list, devices: int) -> dict:
@@ -220,7 +238,10 @@ def _table(rounds_log: list, device_logs: list, devices: int) -> dict:
 
 
 def _print(rows: dict) -> None:
-    print(f"{rows['devices']} devices, {rows['rounds']} rounds after the first; medians, ms")
+    how = ("forked by the fork server" if rows.get("devices_forked")
+           else "started afresh (no fork server)")
+    print(f"{rows['devices']} devices ({how}), {rows['rounds']} rounds after the first; "
+          "medians, ms")
     for section in ("coordinator_ms", "rpc_gaps_ms", "device_ms"):
         print(f"\n| {section.replace('_ms', '')} | ms |\n|---|---:|")
         for label, ms in rows[section].items():

@@ -17,6 +17,13 @@ def test_profile_times_the_coordinator_and_each_device(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert rows["devices"] == 2 and rows["rounds"] == 2
+    # The devices users get: forked by the fork server, whose start the shim must not
+    # break (a fleet then falls back to fresh interpreters and says so).
+    from fax_bridge import forks
+
+    assert rows["devices_forked"] == forks.available(), done.stderr[-2000:]
+    assert "without a fork server" not in done.stderr
+    assert "without the fork server" not in done.stderr
     # The device timers ran inside the device processes (through the shim), and the
     # clocks of both sides line up into the three RPC gaps.
     for section, labels in (("coordinator_ms", ("RPCs (call_each)", "finish the aggregates",
