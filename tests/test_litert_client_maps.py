@@ -71,19 +71,36 @@ SHAPES = st.tuples(st.tuples(st.booleans(), st.booleans(), st.booleans()),
                    st.sampled_from(sorted(OUTS)), st.booleans(), st.booleans())
 
 
-@settings(max_examples=12, deadline=None)
+def _ceiling(values) -> float:
+    """1e-4 x the largest |value| plus the float32 spacing there: a bound above it would
+    pass an answer wrong by 1e-4."""
+    top = np.float32(np.max(np.abs(np.asarray(values, np.float64)), initial=0.0))
+    return 1e-4 * float(top) + float(np.spacing(top))
+
+
+@settings(max_examples=6, deadline=None)
 @given(SHAPES)
 def test_rounding_bounds_cover_client_maps_of_every_shape(shape):
+    """Every output's bound holds jit's float32 result to the float64 one, and is under
+    1e-4 of the output's values; each aggregation's per-client bounds likewise."""
     prog, args = round_of(*shape), args_of()
     comp = tracing.trace(prog, *args, placements=PLACE)
     bounds = parity_rounding.evaluation_bounds(comp, args)
     local = jax.tree_util.tree_leaves(jax.jit(prog)(*args))
+    with jax.enable_x64(True):
+        exact = jax.tree_util.tree_leaves(prog(*jax.tree.map(
+            lambda a: np.asarray(a, np.float64), args)))
     assert [np.shape(b) for b in bounds] == [np.shape(x) for x in local]
-    assert all(np.all(np.isfinite(b)) and np.all(b >= 0) for b in bounds)
+    for got, want, bound in zip(local, exact, bounds):
+        diff = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+        assert np.all(diff <= bound), (diff, bound)
+        assert np.max(bound) <= _ceiling(got), (np.max(bound), _ceiling(got))
     found = parity_rounding.aggregand_bounds(comp, args)
     leaves = len(jax.tree.leaves(OUTS[shape[1]](jnp.float32(1))))  # a sum per leaf
     assert [kind for kind, _ in found] == ["sum"] * (leaves + shape[2])
     assert all(np.shape(e)[:1] == (N,) for _, errs in found for e in errs)
+    for (_, [errs]), total in zip(found, local):  # each client's value is under its sum's
+        assert np.max(errs) <= _ceiling(total), (np.max(errs), _ceiling(total))
 
 
 def test_a_client_map_of_no_operands_takes_its_clients_from_the_map():
@@ -95,9 +112,10 @@ def test_a_client_map_of_no_operands_takes_its_clients_from_the_map():
     x = np.ones(4, np.float32)
     comp = tracing.trace(count, x, placements="clients")
     (bound,) = parity_rounding.evaluation_bounds(comp, (x,))
-    assert bound >= 0 and np.isfinite(bound)
+    assert 0 <= bound <= _ceiling(4.0)  # a sum of four ones
     [(kind, [errs])] = parity_rounding.aggregand_bounds(comp, (x,))
     assert kind == "sum" and np.shape(errs) == (4,)
+    assert np.all(errs == 0)  # a constant: the same on every path
 
 
 @pytest.fixture(scope="module")

@@ -102,12 +102,13 @@ def test_generated_client_updates_run_in_litert_within_the_rounding_bound(
         [t.name for t in model.inputs][:2] == ["broadcast/0/k", "broadcast/0/w"]
     assert {t.name.split("/")[0] for t in model.outputs} == {"aggregate"}
     bounds = parity_rounding.evaluation_bounds(
-        tracing.trace(prog, *args, placements=PLACE), args)
+        tracing.trace(prog, *args, placements=PLACE), args, float32=xla)
     assert len(bounds) == len(xla) == len(lite)
     for want, got, bound in zip(xla, lite, bounds):
         assert np.shape(got) == np.shape(want)
         diff = np.abs(np.asarray(want, np.float64) - np.asarray(got, np.float64))
         assert np.all(diff <= 2 * bound), (diff.max(), bound.max())
+        assert np.max(bound) <= _ceiling(want), (np.max(bound), _ceiling(want))
     # reproducible run to run
     assert [np.asarray(a).tobytes() for a in again] == [np.asarray(a).tobytes() for a in lite]
 
