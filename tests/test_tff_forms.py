@@ -282,6 +282,10 @@ def test_federated_compute_forms_through_the_api_and_the_cli(tmp_path, capsys, b
     manifest = fb.write_form(mrf, str(tmp_path / "api"))
     assert manifest["for"] == "fcp" and manifest["features"] == [
         {"name": "value", "dtype": "float32", "shape": [4, 2], "list": "float"}]
+    assert manifest["files"]["round"]["type"].startswith("(<state=float32[2]@SERVER,"
+                                                         "examples={str*}@CLIENTS>")
+    assert manifest["files"]["input_round"]["type"].startswith(
+        "(<float32[2]@SERVER,{float32[4,2]}@CLIENTS>")
     _check_manifest(tmp_path / "api", manifest)
     out = tmp_path / "cli"
     rc = cli_main(["forms", f"{__file__}:one_trip", "--form", "daf", "--for", "fcp",

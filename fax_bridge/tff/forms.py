@@ -29,6 +29,7 @@ import os
 import tempfile
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+import federated_language
 import jax
 from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
@@ -382,6 +383,9 @@ def write_form(form: Form, out_dir: str) -> dict:
         entries[name] = {"file": f"{name}.pb", "bytes": len(data),
                          "sha256": hashlib.sha256(data).hexdigest(),
                          "type": form.piece_types.get(name, form.type_signature)}
+        if name == "input_round":  # the round before any FCP wrapping: its own type
+            entries[name]["type"] = str(federated_language.FunctionType.from_proto(
+                proto.type))
     manifest = {"form": form.name, "type_signature": form.type_signature,
                 "pieces": list(form.pieces), "files": entries,
                 "tff_build_seconds": form.seconds}

@@ -234,7 +234,8 @@ def encode_intermediate(daf):
     coded = []
     for name, e in elements:
         member = getattr(e, "member", e)
-        if isinstance(member, ct.StructType) and not isinstance(e, ct.FederatedType):
+        if isinstance(member, ct.StructType) and not isinstance(e, ct.FederatedType) \
+                and has_codes(member):
             raise TypeError("an unplaced struct in the intermediate state holds unsigned "
                             "leaves; FCP's checkpoints cannot hold them")
         c = coded_type(member)
@@ -274,7 +275,7 @@ def encode_intermediate(daf):
 
 def _retyped_parameter(comp, index: int, new_type):
     """`comp` (a lambda over a struct) with element `index` of its parameter retyped to
-    `new_type`; refused when the body reads a leaf whose type changes."""
+    `new_type`; a body that reads a leaf whose type changes fails TFF's type checks."""
     from build_forms import concrete
 
     lam = comp.to_building_block()
