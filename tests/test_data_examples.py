@@ -134,6 +134,15 @@ def test_population_files_are_read_as_another_partys(tmp_path):
     meta.write_text(json.dumps(spec))
     with pytest.raises(DataError, match="not a number type"):
         E.ExamplePopulation(str(tmp_path))
+    for field, value, said in (("shape", [1.0], "expected a whole number"),
+                               ("name", 3, "expected a string"),
+                               ("shape", [1] * 40, "40 dimensions")):
+        bad = json.loads(json.dumps(spec))
+        bad["features"][0]["dtype"] = "<f4"
+        bad["features"][0][field] = value
+        meta.write_text(json.dumps(bad))
+        with pytest.raises(DataError, match=said):
+            E.ExamplePopulation(str(tmp_path))
     spec["features"][0]["dtype"] = "<f4"
     meta.write_text(json.dumps(spec))
     record = tmp_path / "client_00000.tfrecord"

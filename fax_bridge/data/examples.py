@@ -40,6 +40,7 @@ FEATURES_FILE = "features.json"
 MAX_FEATURES_BYTES = 1 << 20
 MAX_RECORD_BYTES = 1 << 31
 MAX_FILE_BYTES = 1 << 32
+MAX_RANK = 32
 _FORMAT = 1
 _FIX = "write the population again with fax_bridge.data.examples.write_population"
 
@@ -386,31 +387,36 @@ def write_population(directory: str, features: Sequence[Feature],
 
 
 def read_features(directory: str) -> tuple:
-    """(features, number of clients) from `features.json`, checked."""
+    """(features, number of clients) from `features.json`, read as another party's file
+    (`private_files.read_json`: a regular file of bounded size, bounded depth, finite
+    numbers; each field of the kind written), dtypes number types, names unrepeated."""
     path = os.path.join(directory, FEATURES_FILE)
+    j = private_files
     try:
-        data = private_files.read_regular(path, MAX_FEATURES_BYTES, what="features file",
-                                          fix=_FIX)
-        spec = json.loads(data)
-    except ValueError as e:
-        raise DataError(f"{path} is not valid JSON ({e}); {_FIX}") from None
-    if not isinstance(spec, dict) or spec.get("format") != _FORMAT:
-        raise DataError(f"{path} is not a features file of format {_FORMAT}; {_FIX}")
-    clients = checks.integer(f"{path}'s clients", spec.get("clients"))
-    features, names = [], set()
-    for entry in spec.get("features") if isinstance(spec.get("features"), list) else [None]:
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or \
-                not isinstance(entry.get("shape"), list):
-            raise DataError(f"{path} holds a feature without a name, dtype and shape; {_FIX}")
-        name = entry["name"]
-        if name in names:
-            raise DataError(f"{path} names feature {name!r} twice; {_FIX}")
-        names.add(name)
-        dtype = checks.numeric_dtype(entry.get("dtype"), f"{path}'s feature {name!r}", _FIX)
-        shape = tuple(checks.integer(f"{path}'s feature {name!r} dimension", d, 0, 1 << 40)
-                      for d in entry["shape"])
-        features.append(Feature(name, dtype, shape))
-        features[-1].kind
+        spec = j.read_json(path, MAX_FEATURES_BYTES, what="features file", fix=_FIX)
+        j.json_value(spec, "object", path)
+        j.json_field(spec, "format", "int", path, low=_FORMAT, high=_FORMAT)
+        clients = j.json_field(spec, "clients", "int", path, low=0, high=1 << 40)
+        features, names = [], set()
+        for k, entry in enumerate(j.json_field(spec, "features", "list", path)):
+            where = f"{path}: feature {k}"
+            j.json_value(entry, "object", where)
+            name = j.json_field(entry, "name", "str", where)
+            if name in names:
+                raise DataError(f"{path} names feature {name!r} twice; {_FIX}")
+            names.add(name)
+            dtype = checks.numeric_dtype(j.json_field(entry, "dtype", "str", where),
+                                         f"{path}'s feature {name!r}", _FIX)
+            shape = j.json_field(entry, "shape", "list", where)
+            if len(shape) > MAX_RANK:
+                raise DataError(f"{where} has {len(shape)} dimensions, more than "
+                                f"{MAX_RANK}; {_FIX}")
+            shape = tuple(j.json_value(d, "int", f"{where}: field 'shape'", low=0,
+                                       high=MAX_RECORD_BYTES) for d in shape)
+            features.append(Feature(name, dtype, shape))
+            features[-1].kind  # a dtype no tf.Example list holds exactly is refused
+    except private_files.HandedFileError as e:
+        raise DataError(f"{e}; {_FIX}" if _FIX not in str(e) else str(e)) from None
     return features, clients
 
 
