@@ -86,39 +86,55 @@ UNSPLIT = {"fed_sgd": "two trips", "learned_server_lr": "two trips",
            "streaming_diloco": "a server step that reads client values"}
 
 
-@pytest.mark.parametrize("name", NAMES)
+def _interpreted(name):
+    """(round, args, proto, prepared, runtime argument, the interpreter's result)."""
+    from fax_bridge.runtime import interpreter, values
+
+    fn, args, _, proto = _exported(name)
+    prepared = interpreter.prepare(proto)
+    arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
+    return fn, args, proto, prepared, arg, interpreter.evaluate(prepared, arg)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in UNSPLIT])
 def test_round_splits_run_the_server_pieces_compiled_with_the_interpreters_bits(name):
     """Each algorithm whose round is one trip gets its server prepare and result
     compiled (`rounds.server_steps`), and the split gives the interpreter's bits."""
     import jax
 
-    from fax_bridge.rounds import round_split
     from fax_bridge import in_process
-    from fax_bridge.runtime import interpreter, values
+    from fax_bridge.rounds import round_split
+    from fax_bridge.runtime import values
 
-    fn, args, _, proto = _exported(name)
+    _, _, proto, prepared, arg, want = _interpreted(name)
     split = round_split.split_round(proto)
-    prepared = interpreter.prepare(proto)
-    arg = values.bind_arguments(prepared.parameter, args, {}).runtime_value()
-    want = interpreter.evaluate(prepared, arg)
-    if name in UNSPLIT:
-        # Not one trip: refused by name, and the phase path (the interpreter) that runs
-        # it instead gives what jax.jit gives.
-        assert split is None
-        assert UNSPLIT[name] in round_split.why_not_split(proto, secure=False)
-        local = jax.jit(fn)(*args)
-        ran = jax.tree_util.tree_leaves(values.to_pytree(
-            want, prepared.result, jax.tree_util.tree_structure(local)))
-        local = jax.tree_util.tree_leaves(local)
-        assert len(local) == len(ran) > 0
-        for a, b in zip(ran, local):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-        return
     assert split is not None and split.server_program is not None
     got = values.check_value(in_process.run_in_process(split, arg), prepared.result, "result")
     bits = [[np.asarray(v).tobytes() for v in jax.tree_util.tree_leaves(
         values.to_pytree(r, prepared.result))] for r in (got, want)]
     assert bits[0] == bits[1]
+
+
+@pytest.mark.parametrize("name", sorted(UNSPLIT))
+def test_rounds_of_two_trips_are_refused_a_split_by_name_and_interpreted_as_jit_runs_them(
+        name):
+    """Not one trip: refused a split by name, and the phase path (the interpreter) that
+    runs them instead gives what jax.jit gives."""
+    import jax
+
+    from fax_bridge.rounds import round_split
+    from fax_bridge.runtime import values
+
+    fn, args, proto, prepared, _, want = _interpreted(name)
+    assert round_split.split_round(proto) is None
+    assert UNSPLIT[name] in round_split.why_not_split(proto, secure=False)
+    local = jax.jit(fn)(*args)
+    ran = jax.tree_util.tree_leaves(values.to_pytree(
+        want, prepared.result, jax.tree_util.tree_structure(local)))
+    local = jax.tree_util.tree_leaves(local)
+    assert len(local) == len(ran) > 0
+    for a, b in zip(ran, local):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,7 @@ def test_summary_ratios_verdicts_and_table(bench: Any) -> None:
     assert bench.verdicts(bench.compare(bench.summarize_runs(slow_repeat)))[
         "fleet_vs_flower_round"] is False
     losses = bench.loss_agreement(summary, [2.0, 1.5, 1.0, 0.5])
-    assert all(a["vs_numpy"] == 0.0 for a in losses.values())
+    assert set(losses) == set(runs) and all(a["vs_numpy"] == 0.0 for a in losses.values())
     grad = bench.grad_agreement({"loss": 1.0, "grad": {"w": [[1.0, 2.0]]}},
                                 {"loss": 1.0, "grad": {"w": [[1.0, 2.0 + 1e-8]]}})
     assert grad["ok"]

@@ -27,6 +27,7 @@ def test_main_runs_and_versions_agree(bench, tmp_path, capsys):
     assert result["config"]["params"] == 8 * 16 + 16 + 16 * 4 + 4
     assert result["max_abs_diff"] <= 1e-5
     assert set(result["median_s"]) == {"fax_bridge", "hand"}
+    assert set(result["times_s"]) == {"fax_bridge", "hand"}
     assert all(len(t) == 2 for t in result["times_s"].values())
     assert result["ratio"] > 0
     assert json.loads(out.read_text())["config"]["aggregate"] == aggregate

@@ -56,6 +56,7 @@ def test_fleets_fork_their_devices_from_one_server_that_never_holds_a_token():
     servers = set()
     for _ in range(2):
         with LocalFleet(devices=2) as fleet:
+            assert len(fleet._procs) == 2
             assert all(isinstance(p, forks.ForkedProcess) for p in fleet._procs)
             parents = {parent(pid) for pid in fleet.pids}
             assert len(parents) == 1 and parents.pop() not in fleet.pids + [os.getpid()]
@@ -204,6 +205,7 @@ def test_a_server_with_threads_refuses_and_the_fleet_starts_fresh_interpreters(
                         classmethod(lambda cls, *a, **k: starts.append(a) or start(*a, **k)))
     with caplog.at_level(logging.WARNING, logger="fax_bridge.fleet"):
         with LocalFleet(devices=2) as fleet:
+            assert len(fleet._procs) == 2
             assert not any(isinstance(p, forks.ForkedProcess) for p in fleet._procs)
             assert {parent(pid) for pid in fleet.pids} == {os.getpid()}
             got = fleet.run(proto, np.ones((3, 2), np.float32), np.ones(2, np.float32))

@@ -137,8 +137,8 @@ def test_one_client_holders_send_their_addend_and_the_bits_stay(kind, dtype, cli
     for size, answer, payload in zip(sizes, answers, payloads):
         leaves = [*answer.leaves, *answer.weight_leaves]
         if size == 1:  # the client's own dtype: as many bytes as its values
-            assert all(leaf.addend.dtype and not leaf.doubles and not leaf.limbs
-                       for leaf in leaves)
+            assert leaves and all(leaf.addend.dtype and not leaf.doubles and not leaf.limbs
+                                  for leaf in leaves)
             assert payload == width * dtype.itemsize + (4 if weights else 0)
         else:
             assert not any(leaf.addend.dtype for leaf in leaves)

@@ -498,7 +498,7 @@ def test_a_spare_call_result_is_written_over_once_nothing_holds_it(monkeypatch):
     client_map.map_clients_stacked(fn, members, shared, keep=False)
     spare = buffers.kept(buffers.SPARES)[-1]
     held = client_map.map_clients_stacked(fn, members, shared, keep=False)
-    assert all(a.is_deleted() for a in spare)  # written over: nothing held it
+    assert spare and all(a.is_deleted() for a in spare)  # written over: nothing held it
     spare = buffers.kept(buffers.SPARES)[-1]
     client_map.map_clients_stacked(fn, members, shared, keep=False)
     assert not any(a.is_deleted() for a in spare)  # `held` views it: left alone
