@@ -207,11 +207,38 @@ def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> l
                 np.testing.assert_array_equal(values[f.name].ravel(), want.astype(f.dtype))
             return 0.0
         cells.append(check(name, "tf-example-read", tf_written))
-    for kind in ("mrf", "daf"):
+    return cells
+
+
+def plain_breaches(proto) -> dict:
+    """What FCP's builder must find wrong in the plain forms of the round `proto`, per
+    form: {kind: {what: text its contract line holds}}."""
+    from fax_bridge.tff import fcp, forms
+
+    both = {"client data": "sequence<string>"}
+    if any(d in fcp.CHECKPOINT_CODES for _, d, _ in fcp.state_leaves(proto)):
+        both["state dtype"] = "cannot hold"
+    daf = dict(both, **{"Xla parts": "not TensorFlow"})
+    if any("secure" in uri for uri in forms.intrinsic_uris(proto)):
+        daf["literal bound"] = "takes a Literal"
+    return {"mrf": both, "daf": daf}
+
+
+def contract_cells(name: str, result: dict, breaches: dict, failures: list) -> list:
+    """FCP's contract shown failing: each plain form breaks it exactly where expected
+    (`plain_breaches`), every line of the contract's answer one of those."""
+    cells = []
+    for kind, want in breaches.items():
         caught = result.get(kind, {}).get("fcp_contract")
-        if caught is not None and not any("sequence<string>" in c for c in caught):
+        if caught is None:
+            continue
+        missed = [what for what, text in want.items() if not any(text in c for c in caught)]
+        extra = [c for c in caught if not any(text in c for text in want.values())]
+        if missed or extra:
             failures.append(name)
-            cells.append(f"plain-{kind} contract MISSED the client data")
+            cells.append(f"plain-{kind} contract MISSED {missed} / UNEXPECTED {extra}")
+        else:
+            cells.append(f"plain-{kind} breaks {len(want)}")
     return cells
 
 
@@ -250,7 +277,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     rows, jobs, expected, inputs, failures = [], [], {}, {}, []
-    t_fcp_prepare = 0.0
+    t_fcp_prepare, breaches = 0.0, {}
     chosen = targets(args.clients)
     unknown = sorted(set(args.only or ()) - set(chosen))
     if unknown:
@@ -278,6 +305,7 @@ def main(argv=None) -> int:
         in_path = os.path.join(folder, "inputs.npz")
         write_inputs(in_path, prog_args, args.clients)
         job = forms.job(name, proto, ["daf", "mrf"], folder, in_path)
+        breaches[name] = plain_breaches(proto)
         clients_tree = prog_args[1] if len(prog_args) == 2 else tuple(prog_args[1:])
         try:
             if args.fcp == "none" or (args.fcp == "some" and name not in FCP_CHECKED):
@@ -350,6 +378,7 @@ def main(argv=None) -> int:
                 return max_error(want, got)
             cells.append(check(name, "mrf-tf", mrf_error))
         cells += fcp_cells(name, result, rounds[name], check, failures)
+        cells += contract_cells(name, result, breaches[name], failures)
         rows.append((name, "forms", "  ".join(cells)))
     t_fleet0 = time.perf_counter()
     if daf_forms:
