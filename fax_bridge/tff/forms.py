@@ -40,7 +40,7 @@ from fax_bridge.errors import ExportError
 from fax_bridge.placements import Placement
 from fax_bridge.primitive_facts import facts_of
 from fax_bridge.runtime import grammar
-from fax_bridge.tff import side_env
+from fax_bridge.tff import fcp, side_env
 from fax_bridge.tff import xla as tff_xla
 from fax_bridge.tff.export import argument_names, export_computation
 
@@ -314,8 +314,6 @@ TARGETS = ("tff", "fcp")
 
 
 def _to_form(kind: str, fn: Callable, args, placements, clients, target: str) -> Form:
-    from fax_bridge.tff import fcp
-
     if target not in TARGETS:
         raise ExportError(f"target {target!r} is not one of {TARGETS}: 'tff' builds TFF's "
                           "form as it is, 'fcp' the form Federated Compute's plan builder "
