@@ -68,11 +68,11 @@ def measure(size: int, clients: int, spread: bool, seed: int = 0) -> dict:
             "lossless_width_bytes": None if used is None else -(-used // 8)}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 16, 64])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"{'clients':>7s} {'spread':>6s} {'exact B/param':>13s} {'rounded':>8s} "
           f"{'spilled':>7s} {'bits used':>9s} {'median':>6s} {'lossless width B':>16s}")
     for spread in (False, True):

@@ -75,7 +75,7 @@ LONGEST_FIRST = (
     "test_forks.py", "test_runtime_hlo.py", "test_multihost.py", "test_algorithms_diloco.py",
     "test_tff_forms.py", "test_litert_client_maps.py", "test_benchmarks_bench.py",
     "test_reliability_fuzz.py", "test_fleet_links.py", "test_readme.py",
-    "test_benchmarks_peers.py", "test_fleet_device_limits.py", "test_fleet_backend.py",
+    "test_benchmarks_smoke.py", "test_fleet_device_limits.py", "test_fleet_backend.py",
     "test_privacy_tff087.py", "test_algorithms_export.py", "test_reliability_faults.py",
     "test_runtime_device_sums.py")
 

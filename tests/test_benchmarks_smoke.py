@@ -1,0 +1,87 @@
+"""Smoke runs of the benchmark scripts no other test runs, each at its smallest size in
+this one process (they share its jax): each finishes with figures, on the path users
+get (the devices forked by the fork server, never its fallback). Scripts with tests of
+their own have them in tests/test_benchmarks_<script>.py; those needing a Flower
+deployment run in `make test-peers` (marker `peers`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+FALLBACK = ("without a fork server", "without the fork server")
+
+
+def _no_fallback(caplog, stderr: str = "") -> None:
+    said = stderr + "\n".join(r.getMessage() for r in caplog.records)
+    assert not any(f in said for f in FALLBACK), said[-2000:]
+
+
+def test_exported_round_runs_both_paths_with_the_same_bits(tmp_path):
+    import exported_round
+
+    out = tmp_path / "er.json"
+    got = exported_round.main(["--params", "1000", "--clients", "2", "--layers", "1",
+                               "--repeats", "1", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["clients"] == 2 and saved["same_bits"] is True
+    for key in ("jit_s", "host_s", "device_s", "host_over_jit"):
+        assert math.isfinite(saved[key]) and saved[key] > 0, key
+    assert got["same_bits"] is True
+
+
+def test_partial_bytes_measures_every_count(capsys):
+    import partial_bytes
+
+    assert partial_bytes.main(["--size", "100", "--clients", "1", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "False"), ("2", "False"), ("1", "True"),
+                                            ("2", "True")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def test_fleet_overhead_runs_a_round_on_forked_devices(tmp_path, caplog):
+    import fleet_overhead
+
+    out = tmp_path / "fo.json"
+    with caplog.at_level(logging.WARNING):
+        assert fleet_overhead.main(["--clients", "4", "--devices", "1", "--rounds", "1",
+                                    "--json", str(out)]) == 0
+    _no_fallback(caplog)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["clients"] == 4 and row["devices"] == 1
+    assert row["fleet_s"] > 0 and row["local_s"] > 0 and row["bytes_down"] > 0
+
+
+def test_scaling_runs_a_round_and_measures_memory(tmp_path, caplog):
+    out = tmp_path / "scaling.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--clients", "10",
+                           "--devices", "1", "--rounds", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _no_fallback(caplog, done.stderr)
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["clients"] == 10 and result["devices"] == 1 and result["rounds"] == 1
+    assert result["round_s"] > 0 and result["coordinator_rss_mib"] > 0
+
+
+@pytest.mark.peers
+def test_readme_round_split_times_each_stage_of_a_flower_round():
+    # A warm worker a node, fresh interpreters importing each app: about 90 s.
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "readme_round_split.py"),
+                           "--size", "1000", "--rounds", "1", "--imports", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fax_bridge round (after the first):" in done.stdout
+    assert "node: worker's client part (compute_s)" in done.stdout
+    assert "flower round (after the first):" in done.stdout
