@@ -80,6 +80,9 @@ def test_client_arguments_that_do_not_match_the_round_are_refused(proto):
     features = fcp.client_features(proto)
     with pytest.raises(fb.ExportError, match="2 leaves, the round's client data 3"):
         fcp.client_values(features, DATA, N)
+    with pytest.raises(fb.ExportError, match=r"client leaf 0/n has shape \[3, 5\], not a "
+                                             "leading axis of the 4 clients"):
+        fcp.client_values(features, (DATA, KEYS), 4)
     bad = {"x": DATA["x"].astype(np.float16), "n": DATA["n"]}
     with pytest.raises(fb.ExportError, match=r"client leaf 0/x: float16\[3, 5, 4\]"):
         fcp.client_values(features, (bad, KEYS), N)

@@ -123,6 +123,9 @@ def client_values(features: Sequence[Feature], client_args: Any, clients: int) -
                           f"client data {len(features)} features")
     for x, f in zip(leaves, features):
         x = np.asarray(x)
+        if x.ndim == 0 or x.shape[0] != clients:
+            raise ExportError(f"client leaf {f.name} has shape {list(x.shape)}, not a "
+                              f"leading axis of the {clients} clients")
         if x.shape[1:] != tuple(f.shape) or x.dtype != f.dtype:
             raise ExportError(f"client leaf {f.name}: {x.dtype}{list(x.shape)} per cohort, "
                               f"but the round takes {f.dtype}{list(f.shape)} per client")
