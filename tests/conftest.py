@@ -84,7 +84,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--peers", action="store_true", default=False,
         help="also run the comparisons with google-fax, TFF and Flower's own apps, each in "
-             "its own venv, and the benchmarks' end-to-end Flower runs (tests marked peers): "
+             "its own venv, and the benchmarks' end-to-end runs of a minute or more (tests "
+             "marked peers): "
              "`make test-peers` builds the venvs and runs these; without the option they "
              "are deselected, never skipped")
 
@@ -92,8 +93,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "peers: compares with a peer in its own venv (.venv-fax, .venv-tff, "
-                   ".venv-flower), or runs a benchmark end to end on a Flower deployment; "
-                   "runs with --peers (make test-peers)")
+                   ".venv-flower), or runs a benchmark end to end for a minute or more (a "
+                   "Flower deployment, LiteRT conversions); runs with --peers "
+                   "(make test-peers)")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -116,25 +116,14 @@ def test_round_splits_run_the_server_pieces_compiled_with_the_interpreters_bits(
 
 
 @pytest.mark.parametrize("name", sorted(UNSPLIT))
-def test_rounds_of_two_trips_are_refused_a_split_by_name_and_interpreted_as_jit_runs_them(
-        name):
-    """Not one trip: refused a split by name, and the phase path (the interpreter) that
-    runs them instead gives what jax.jit gives."""
-    import jax
-
+def test_rounds_of_two_trips_are_refused_a_split_by_name(name):
+    """Not one trip: no split, and the reason named; the phase path runs them instead
+    (`test_round_parity_on_local_fleet` compares that with jax.jit)."""
     from fax_bridge.rounds import round_split
-    from fax_bridge.runtime import values
 
-    fn, args, proto, prepared, _, want = _interpreted(name)
+    proto = _exported(name)[3]
     assert round_split.split_round(proto) is None
     assert UNSPLIT[name] in round_split.why_not_split(proto, secure=False)
-    local = jax.jit(fn)(*args)
-    ran = jax.tree_util.tree_leaves(values.to_pytree(
-        want, prepared.result, jax.tree_util.tree_structure(local)))
-    local = jax.tree_util.tree_leaves(local)
-    assert len(local) == len(ran) > 0
-    for a, b in zip(ran, local):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

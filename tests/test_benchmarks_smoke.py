@@ -2,7 +2,8 @@
 this one process (they share its jax): each finishes with figures, on the path users
 get (the devices forked by the fork server, never its fallback). Scripts with tests of
 their own have them in tests/test_benchmarks_<script>.py; those needing a Flower
-deployment run in `make test-peers` (marker `peers`)."""
+deployment or LiteRT conversions (a minute or more each) run in `make test-peers`
+(marker `peers`)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ FALLBACK = ("without a fork server", "without the fork server")
 
 
 def _no_fallback(caplog, stderr: str = "") -> None:
-    said = stderr + "\n".join(r.getMessage() for r in caplog.records)
-    assert not any(f in said for f in FALLBACK), said[-2000:]
+    _no_fallback_text(stderr + "\n".join(r.getMessage() for r in caplog.records))
 
 
 def test_exported_round_runs_both_paths_with_the_same_bits(tmp_path):
@@ -85,3 +85,50 @@ def test_readme_round_split_times_each_stage_of_a_flower_round():
     assert "fax_bridge round (after the first):" in done.stdout
     assert "node: worker's client part (compute_s)" in done.stdout
     assert "flower round (after the first):" in done.stdout
+
+
+def _script(tmp_path, name: str, *args: str, timeout: int = 900) -> dict:
+    """Runs benchmarks/`name` with `args` and `--json`; its JSON report."""
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    _no_fallback_text(done.stderr)
+    return json.loads(out.read_text())
+
+
+def _no_fallback_text(text: str) -> None:
+    assert not any(f in text for f in FALLBACK), text[-2000:]
+
+
+@pytest.mark.peers
+def test_readme_round_runs_both_apps_as_the_readme_starts_them(tmp_path):
+    # The README's deployment, both apps, one repeat: about 3 minutes here.
+    report = _script(tmp_path, "readme_round.py", "--size", "1000", "--repeats", "1")
+    assert {r["system"] for r in report["runs"]} == {"fax_bridge", "flower"}
+    for system in ("fax_bridge", "flower"):
+        assert report["summary"][system]["round_s"] > 0, report["summary"]
+    assert all(len(r["wall_s"]) >= 2 for r in report["runs"])
+
+
+@pytest.mark.peers
+def test_flower_rounds_runs_both_apps_on_warm_forked_nodes(tmp_path):
+    # A deployment, both apps, two rounds each: about 2.5 minutes here.
+    report = _script(tmp_path, "flower_rounds.py", "--rounds", "2", "--repeats", "1",
+                     "--systems", "fax_bridge", "flower")
+    assert "warm fax_bridge workers" in report["deployment"]
+    assert "app processes forked" in report["deployment"]
+    for system in ("fax_bridge", "flower"):
+        (run,) = report["runs"][system]
+        assert len(run["wall_s"]) == 2 and all(w > 0 for w in run["wall_s"])
+    assert report["runs"]["fax_bridge"][0]["participants"] == [10, 10]
+
+
+@pytest.mark.peers
+def test_litert_sizes_converts_and_runs_the_smallest_models(tmp_path):
+    # Two conversions and their runs against jit: about a minute here.
+    report = _script(tmp_path, "litert_sizes.py", "--sizes", "--quick", "--repeats", "1")
+    assert [s["status"] for s in report["sizes"]] == ["runs", "runs"]
+    for s in report["sizes"]:
+        assert s["bytes"] > 0 and s["litert_ms"] > 0 and s["jit_ms"] > 0
+        assert math.isfinite(s["max_err"]), s
