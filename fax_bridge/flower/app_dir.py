@@ -225,12 +225,12 @@ secagg-threshold (a round with secure sums: the fraction of nodes SecAgg+ needs 
 unmask a lost one; 0: a strict majority), app-state (a state over 64 kB is written
 beside this app as {STATE_FILE} and named here, since the nodes never need it; copy it
 to the SuperLink's host if that is another one and give its path: it must be that very
-file, as its sha256 was recorded with the app), initial-state (an .npz of your own on the
-SuperLink's host, `bundle.write_state`, to start from instead, e.g. a trained model:
-each entry's dtype and shape must be the round's state's) and rounded-partials (true: each node sends
-its float sums rounded once to float32, Flower's bytes, and the result agrees with the
-exact one within that rounding instead of bit for bit; a node of one client sends its
-exact float32 addend either way).
+file, as its sha256 was recorded with the app), initial-state (an .npz of your own on
+the SuperLink's host, `bundle.write_state`, to start from instead, e.g. a trained model:
+each entry's dtype and shape must be the round's state's) and rounded-partials (true:
+each node sends its float sums rounded once to float32, Flower's bytes, and the result
+agrees with the exact one within that rounding instead of bit for bit; a node of one
+client sends its exact float32 addend either way).
 
 Each `python -m fax_bridge.flower.supernode` line starts a warm SuperNode: a worker
 that loads jax and compiles the round's client part once, on the node's loopback with a
