@@ -89,33 +89,35 @@ def empty(size: int, limbs: int) -> Acc:
                jnp.ones(size, bool), jnp.zeros((), bool))
 
 
-def carried(limbs: jax.Array) -> jax.Array:
-    """Carries propagated through limbs [n, size]: digits in [0, 2^16) under a signed
-    top limb."""
+def carried(limbs) -> list:
+    """Carries propagated through limbs (a list of [size] arrays, or [n, size]): digits
+    in [0, 2^16) under a signed top limb, as a list (element-wise: it fuses)."""
     out, carry = [], jnp.int32(0)
+    limbs = list(limbs)
     for limb in limbs[:-1]:
         total = limb + carry
         out.append(total & _DIGIT_MASK)
         carry = total >> DIGIT_BITS
-    return jnp.stack(out + [limbs[-1] + carry])
+    return out + [limbs[-1] + carry]
 
 
-def _shifted(limbs: jax.Array, by: jax.Array) -> jax.Array:
+def _shifted(limbs: jax.Array, by: jax.Array) -> list:
     """Carried limbs ([n, size]) moved up by `by` (>= 0, per element) whole digits: the
     same value over a window `by` digits lower, carried. The new top limb is the signed
     value of the digits from there up: modulo 2^32 (int32 arithmetic wraps), only the
     two lowest of them count, and where the value fits the window that is its exact
-    value (a value that does not fit is lost: the caller's `overflow` says so)."""
+    value (a value that does not fit is lost: the caller's `overflow` says so). Built
+    limb by limb from element-wise selects, which fuse: no stack is written per
+    distance."""
     n = limbs.shape[0]
-    folded = limbs + jnp.concatenate([limbs[1:] << DIGIT_BITS,
-                                      jnp.zeros_like(limbs[:1])])  # limb k and k+1's
-    out = jnp.zeros_like(limbs)
-    row = jnp.arange(n)[:, None]
-    for t in range(n):  # one select of the whole stack per distance
-        moved = jnp.concatenate([jnp.zeros_like(limbs[:t]), limbs[:n - t]])
-        if t:
-            moved = jnp.where(row == n - 1, folded[n - 1 - t][None], moved)
-        out = jnp.where(by[None] == t, moved, out)
+    rows = [limbs[i] for i in range(n)]
+    out = []
+    for j in range(n):
+        limb = rows[j]
+        for t in range(1, j + 1):
+            moved = rows[j - t] if j < n - 1 else rows[j - t] + (rows[j - t + 1] << DIGIT_BITS)
+            limb = jnp.where(by == t, moved, limb)
+        out.append(jnp.where(by > j, jnp.zeros_like(limb), limb) if j < n - 1 else limb)
     return out
 
 
@@ -124,9 +126,9 @@ def _fits(top, base, p: int, bits: int, limbs: int) -> jax.Array:
     return (top < 0) | (top + p + bits - DIGIT_BITS * base <= DIGIT_BITS * limbs)
 
 
-def _block_limbs(pos, mant, negative, live, base, limbs: int) -> jax.Array:
-    """The limbs ([limbs, size]) of one block's addends ([rows, size]; each limb below
-    2^30 in magnitude): one add per addend and limb, whatever the limb count."""
+def _block_limbs(pos, mant, negative, live, base, limbs: int) -> list:
+    """The limbs (`limbs` arrays [size]) of one block's addends ([rows, size]; each limb below
+    2^30 in magnitude)."""
     off = jnp.where(live, pos - DIGIT_BITS * base, 0)
     idx, shift = off >> 4, off & 15
     low, high = (mant & _DIGIT_MASK) << shift, (mant >> DIGIT_BITS) << shift
@@ -134,11 +136,11 @@ def _block_limbs(pos, mant, negative, live, base, limbs: int) -> jax.Array:
     pieces = ((low & _DIGIT_MASK) * sign,
               ((low >> DIGIT_BITS) + (high & _DIGIT_MASK)) * sign,
               (high >> DIGIT_BITS) * sign)
-    k = jnp.arange(limbs)[None, :, None]  # [1, limbs, 1] against [rows, 1, size]
-    at = idx[:, None, :]
-    total = sum(jnp.where(at + j == k, piece[:, None, :], 0)
-                for j, piece in enumerate(pieces))
-    return jnp.sum(total, axis=0)
+    # One reduction over the rows per limb, each fusing with the selects that feed it
+    # (a [rows, limbs, size] stack of the pieces would be written out whole).
+    return [jnp.sum(sum(jnp.where(idx == k - j, piece, 0)
+                        for j, piece in enumerate(pieces) if k - j >= 0), axis=0)
+            for k in range(limbs)]
 
 
 def weighted(rows: jax.Array, weights: jax.Array) -> jax.Array:
@@ -165,7 +167,7 @@ def add(acc: Acc, rows: jax.Array, valid: jax.Array, count: int) -> Acc:
         top = jnp.maximum(acc.top, jnp.max(jnp.where(live, pos, -1), axis=0))
         moved = _shifted(acc.limbs, jnp.where(acc.base < _NONE, acc.base - base, 0))
         added = _block_limbs(pos, mant, negative, live, base[None], limbs)
-        acc = Acc(base, top, carried(moved + added),
+        acc = Acc(base, top, jnp.stack(carried([a + b for a, b in zip(moved, added)])),
                   acc.nan | jnp.any(ok & is_nan, axis=0),
                   acc.pos_inf | jnp.any(ok & is_pos_inf, axis=0),
                   acc.neg_inf | jnp.any(ok & is_neg_inf, axis=0),
@@ -180,10 +182,10 @@ def merged(a: Acc, b: Acc, dtype: np.dtype, count: int) -> Acc:
     base = jnp.minimum(a.base, b.base)
     top = jnp.maximum(a.top, b.top)
 
-    def moved(x: Acc) -> jax.Array:
+    def moved(x: Acc) -> list:
         return _shifted(x.limbs, jnp.where(x.base < _NONE, x.base - base, 0))
 
-    limbs = carried(moved(a) + moved(b))
+    limbs = jnp.stack(carried([x + y for x, y in zip(moved(a), moved(b))]))
     fits = jnp.all(_fits(top, base, p, count_bits(count), limbs.shape[0]))
     return Acc(base, top, limbs, a.nan | b.nan, a.pos_inf | b.pos_inf,
                a.neg_inf | b.neg_inf, a.neg_zero & b.neg_zero,
@@ -201,27 +203,32 @@ def result(acc: Acc, dtype: np.dtype) -> jax.Array:
     return lax.bitcast_convert_type(bits.astype(uint), dtype)
 
 
-def _pick(digits: jax.Array, at: jax.Array) -> jax.Array:
-    """digits[at[e], e] for every element e, by selects (a gather is slow on a TPU)."""
-    row = jnp.arange(digits.shape[0])[:, None]
-    return jnp.sum(jnp.where(row == at[None], digits, 0), axis=0)
+def _pick(digits: list, at: jax.Array) -> jax.Array:
+    """digits[at[e]][e] for every element e, by selects (a gather is slow on a TPU)."""
+    out = jnp.zeros_like(digits[0])
+    for k, digit in enumerate(digits):
+        out = jnp.where(at == k, digit, out)
+    return out
 
 
 def _rounded(limbs: jax.Array, base: jax.Array, dtype: np.dtype) -> jax.Array:
     """The bits (uint32) of the finite sum held by carried `limbs` ([n, size], limb k
     weighing 2^(16 * (base + k)) units, `base` per element), rounded to nearest, ties to
-    even (an overflow gives the infinity). Element-wise, whatever the limb count."""
+    even (an overflow gives the infinity). Element-wise throughout: it fuses into one
+    pass."""
     p, nexp, _, _ = float_params(dtype)
     negative = limbs[-1] < 0
-    magnitude = carried(jnp.where(negative[None], -limbs, limbs))
-    zero = jnp.zeros_like(magnitude[:1])
+    magnitude = carried([jnp.where(negative, -limbs[k], limbs[k])
+                         for k in range(limbs.shape[0])])
+    zero = jnp.zeros_like(magnitude[0])
     # Two zero digits below (the rounding reads up to 32 bits under the result's last
     # bit) and two above (three digits are read from there): digit k weighs
     # 2^(16 * (low + k)) units.
-    digits = jnp.concatenate([zero, zero, magnitude, zero, zero])
-    row = jnp.arange(digits.shape[0])[:, None]
+    digits = [zero, zero, *magnitude, zero, zero]
     low = base - 2
-    top = jnp.max(jnp.where(digits != 0, row, -1), axis=0)
+    top = jnp.full_like(zero, -1)
+    for k, digit in enumerate(digits):
+        top = jnp.where(digit != 0, k, top)
     is_zero = top < 0
     top = jnp.maximum(top, 0)
     head = _pick(digits, top)
@@ -229,14 +236,16 @@ def _rounded(limbs: jax.Array, base: jax.Array, dtype: np.dtype) -> jax.Array:
     ulp = jnp.maximum(msb - (p - 1), 0)  # the result's last bit
     below = ulp - DIGIT_BITS * low - 1  # the rounding bit, from the window's bottom
     first, shift = below >> 4, (below & 15).astype(jnp.uint32)
-    last = digits.shape[0] - 1
+    last = len(digits) - 1
     a, b, c = (_pick(digits, jnp.minimum(first + j, last)).astype(jnp.uint32)
                for j in range(3))
     window = (a >> shift) | (b << (16 - shift)) | jnp.where(
         shift == 0, jnp.uint32(0), c << jnp.minimum(32 - shift, 31))
     window &= jnp.uint32((1 << (p + 2)) - 1)
     half, q = window & 1, window >> 1
-    lower = jnp.any((digits != 0) & (row < first[None]), axis=0)  # a digit below `first`
+    lower = jnp.zeros(zero.shape, bool)  # a nonzero digit below digit `first`
+    for k, digit in enumerate(digits):
+        lower |= (digit != 0) & (k < first)
     sticky = ((a & ((jnp.uint32(1) << shift) - 1)) != 0) | lower
     q = q + (half & (sticky | ((q & 1) != 0))).astype(jnp.uint32)
     top_exponent = (1 << nexp) - 1

@@ -245,7 +245,8 @@ def _widened(acc: device_exact.Acc, limbs: int) -> device_exact.Acc:
     if extra <= 0:
         return acc
     zeros = jnp.zeros((extra,) + acc.limbs.shape[1:], jnp.int32)
-    return acc._replace(limbs=device_exact.carried(jnp.concatenate([acc.limbs, zeros])))
+    limbs = device_exact.carried(jnp.concatenate([acc.limbs, zeros]))
+    return acc._replace(limbs=jnp.stack(limbs))
 
 
 # -- addends held as rows -------------------------------------------------------------------
