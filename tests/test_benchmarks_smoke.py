@@ -63,7 +63,10 @@ def test_fleet_overhead_runs_a_round_on_forked_devices(tmp_path, caplog):
     assert row["fleet_s"] > 0 and row["local_s"] > 0 and row["bytes_down"] > 0
 
 
+@pytest.mark.peers
 def test_scaling_runs_a_round_and_measures_memory(tmp_path, caplog):
+    # A coordinator and a device in processes of their own: 10-20 s, kept out of the
+    # suite's ten minutes.
     out = tmp_path / "scaling.json"
     done = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--clients", "10",
                            "--devices", "1", "--rounds", "1", "--out", str(out)],
