@@ -52,6 +52,16 @@ def test_chunks_of_any_size_give_the_host_bits(capsys):
     assert "clients, 2 a step" in capsys.readouterr().err  # the bar, asked for once
 
 
+def test_values_spread_past_the_window_are_summed_over_the_whole_range():
+    """Clients whose deltas differ by 2^100 in one element: the window overflows, the
+    chunks run again over the dtype's whole range, and the bits are still the host's."""
+    params, data = _args(0.1)
+    data["lr"] = np.array([1e-30, 1.0, 3e-12, 1e5, 2.0], np.float32)
+    host = run_computation(PROTO, params, data, on_device=False)
+    assert _bits(run_computation(PROTO, params, data, on_device=True,
+                                 clients_per_step=2)) == _bits(host)
+
+
 def test_rounds_whose_deltas_change_scale_compile_once():
     """Ten rounds, each's deltas 10x the last's: no compile after the first (a compile
     counter, not a timing)."""

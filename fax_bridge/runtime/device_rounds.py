@@ -64,7 +64,9 @@ def client_partials(fn: Any, key: str, sent: Any, members: Sequence, specs: list
         return None
     client_bytes = _bytes(sent) + _bytes(members[0])  # a result about the model's size
     k = chunk_size(clients_per_step, len(members), client_bytes)
-    batch = client_map.batch(fn, members, sent, k, key=key)
+    # at least 2 rows, as every batched call has (`client_map.bucket`: a client's bits
+    # must not depend on its chunk); a chunk of 1 leaves the second row padding
+    batch = client_map.batch(fn, members, sent, max(2, k), key=key)
     if batch is None:
         return None
     aggregations = _aggregations(batch, specs)
@@ -72,7 +74,8 @@ def client_partials(fn: Any, key: str, sent: Any, members: Sequence, specs: list
         return None
     for full in (False, True):
         layouts = tuple(layout.widened() if full else layout for layout, _ in aggregations)
-        states = _run(batch, layouts, tuple(span for _, span in aggregations), progress)
+        states = _run(batch, k, layouts, tuple(span for _, span in aggregations),
+                      progress)
         if full or not bool(jax.device_get(_any_overflow(states))):
             return [aggregation.device_sums_partial(
                 device_sums.DeviceSums(layout, state, batch.count))
@@ -116,18 +119,19 @@ def _any_overflow(states: tuple) -> jax.Array:
     return functools.reduce(jnp.logical_or, flags, jnp.zeros((), bool))
 
 
-def _run(batch: client_map.Batch, layouts: tuple, spans: tuple, progress: bool) -> list:
-    """The running sums after every chunk of the cohort."""
+def _run(batch: client_map.Batch, k: int, layouts: tuple, spans: tuple,
+         progress: bool) -> list:
+    """The running sums after every chunk of `k` clients of the cohort."""
     step, empty = _compiled(batch, layouts, spans)
     states = empty()
     bar = None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=batch.count, unit="client", leave=False,
-                   desc=f"clients, {batch.rows} a step")
+                   desc=f"clients, {k} a step")
     try:
-        for start in range(0, batch.count, batch.rows):
-            size = min(batch.rows, batch.count - start)
+        for start in range(0, batch.count, k):
+            size = min(k, batch.count - start)
             members = batch.members(start, start + size)
             if start == 0:
                 _last["step"] = (step, jax.tree.map(_spec, (states, batch.shared_leaves,
