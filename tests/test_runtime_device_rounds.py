@@ -53,12 +53,18 @@ def test_chunks_of_any_size_give_the_host_bits(capsys):
 
 
 def test_values_spread_past_the_window_are_summed_over_the_whole_range():
-    """Clients whose deltas differ by 2^100 in one element: the window overflows, the
+    """Clients whose values differ by 2^100 in one element: the window overflows, the
     chunks run again over the dtype's whole range, and the bits are still the host's."""
-    params, data = _args(0.1)
-    data["lr"] = np.array([1e-30, 1.0, 3e-12, 1e5, 2.0], np.float32)
-    host = run_computation(PROTO, params, data, on_device=False)
-    assert _bits(run_computation(PROTO, params, data, on_device=True,
+    @fb.program(clients=CLIENTS)
+    def scaled_sum(scale, x):
+        return fb.federated_sum(fb.federated_map_clients(
+            lambda s, v: v * s, (fb.federated_broadcast(scale), x)))
+
+    x = np.array([[1e-30, 1.0], [1.0, 3e-12], [1e5, -1.0], [2.0, 7.0], [-1e5, 1e20]],
+                 np.float32)
+    proto = fb.export_tff(scaled_sum, np.float32(3), x, placements=("server", "clients"))
+    host = run_computation(proto, np.float32(3), x, on_device=False)
+    assert _bits(run_computation(proto, np.float32(3), x, on_device=True,
                                  clients_per_step=2)) == _bits(host)
 
 
