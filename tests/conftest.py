@@ -77,7 +77,7 @@ LONGEST_FIRST = (
     "test_reliability_fuzz.py", "test_fleet_links.py", "test_readme.py",
     "test_benchmarks_smoke.py", "test_fleet_device_limits.py", "test_fleet_backend.py",
     "test_privacy_tff087.py", "test_algorithms_export.py", "test_reliability_faults.py",
-    "test_runtime_device_sums.py")
+    "test_runtime_device_sums.py", "test_runtime_device_rounds.py")
 
 
 def pytest_addoption(parser):
