@@ -4,7 +4,9 @@
 over clients: a device's `Map` and `Round`, the in-process backend's map and a round
 split's client part all call it, so they all give the same bits. `map_clients_stacked`
 is its batched run with the results left stacked over clients (`Stacked`), for callers
-that aggregate them (a round split's client part) and so never need them per client.
+that aggregate them (a round split's client part) and so never need them per client;
+`batch` hands the batched loop, uncompiled, to a caller that compiles it into a program
+of its own (`device_rounds`: each chunk's results summed in the same program).
 
 Batched: when the computation has a parameter and the clients' members (and the shared
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
@@ -257,7 +259,7 @@ def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[Local
     if wider > rows and (wider - part) * source.row_bytes() <= MAX_PAD_BYTES:
         rows = wider
     plan = _plan(fn, key, shared_tree, member_tree, rows, source.fixed)
-    if plan is None:
+    if plan is None or _refused(plan):
         return None
     return _run_batched(plan, part, rows, shared_leaves + source.fixed_leaves(), source,
                         guard, keep, on_device)
@@ -423,6 +425,16 @@ def _plan(fn, key, shared_tree, member_tree, rows: int,
         plan = None
     with _lock:
         return _batched.setdefault(cache_key, plan)
+
+
+def _refused(plan: _Batched) -> bool:
+    """Whether XLA refuses to compile the batched executable (those clients then run one
+    at a time, which names the problem)."""
+    try:
+        plan.run
+    except Exception:  # noqa: BLE001 - as a refused trace, it runs per client
+        return True
+    return False
 
 
 def _compile(compiled, shared_tree, member_tree, rows: int,
