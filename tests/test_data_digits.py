@@ -19,9 +19,18 @@ def test_digits_split_sizes_and_test_set():
 
 
 def test_digits_seeded():
+    """The same seed gives the same split (every client's examples and the held-out
+    set); another seed another split."""
     a = load_federated_digits(num_clients=10, seed=1)
     b = load_federated_digits(num_clients=10, seed=1)
-    assert all(np.array_equal(x["y"], y["y"]) for x, y in zip(a.clients, b.clients))
+    c = load_federated_digits(num_clients=10, seed=2)
+    assert len(a.clients) == len(b.clients) == len(c.clients) == 10
+    for x, y in zip(a.clients, b.clients):
+        np.testing.assert_array_equal(x["x"], y["x"])
+        np.testing.assert_array_equal(x["y"], y["y"])
+    np.testing.assert_array_equal(a.test["y"], b.test["y"])
+    np.testing.assert_array_equal(a.test["x"], b.test["x"])
+    assert not all(np.array_equal(x["y"], z["y"]) for x, z in zip(a.clients, c.clients))
 
 
 def test_the_shipped_file_is_read_as_scikit_learn_reads_it(monkeypatch):

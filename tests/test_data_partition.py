@@ -33,7 +33,7 @@ def test_dirichlet_is_a_partition_and_deterministic():
     a = dirichlet_label_skew(y, 8, alpha=0.5, seed=3)
     b = dirichlet_label_skew(y, 8, alpha=0.5, seed=3)
     c = dirichlet_label_skew(y, 8, alpha=0.5, seed=4)
-    assert len(a) == 8
+    assert len(a) == len(b) == len(c) == 8
     all_idx = np.concatenate(a)
     assert np.array_equal(np.sort(all_idx), np.arange(y.size))
     assert all(np.array_equal(i, j) for i, j in zip(a, b))

@@ -57,13 +57,14 @@ def test_no_device_outlives_the_fleet_even_after_an_exception():
     with pytest.raises(RuntimeError, match="inside the block"):
         with LocalFleet(devices=2) as fleet:
             pids = fleet.pids
-            assert all(alive(p) for p in pids)
+            assert len(pids) == 2 and all(alive(p) for p in pids)
             got = fleet.run(proto, np.ones((4, 2), np.float32), np.ones(2, np.float32))
             np.testing.assert_array_equal(got, [4.0, 4.0])
             raise RuntimeError("inside the block")
     assert _wait_gone(pids) == []
     with LocalFleet(devices=1) as fleet:
         pids = fleet.pids
+        assert len(pids) == 1 and alive(pids[0])
     assert _wait_gone(pids) == []
 
 

@@ -228,9 +228,6 @@ def _suite_findings(skip: Optional[set] = None) -> list:
 # test): each is to be fixed there, and leaves this list then (an entry that no longer
 # matches a finding fails the check below, so the list only shrinks).
 TO_FIX = {
-    ("test_data_digits.py", "test_digits_seeded"),
-    ("test_data_partition.py", "test_dirichlet_is_a_partition_and_deterministic"),
-    ("test_fleet_launcher.py", "test_no_device_outlives_the_fleet_even_after_an_exception"),
     ("test_flower.py", "test_secure_sums_go_through_secaggplus_with_jits_exact_sums"),
     ("test_flower.py",
      "test_a_node_lost_during_secaggplus_is_dropped_or_named_with_the_unmet_condition"),
