@@ -195,8 +195,12 @@ def test_the_device_path_takes_and_returns_jax_arrays_and_the_host_path_numpy():
     proto = fb.export_tff(fedavg, params, data, placements=("server", "clients"))
     device = run.run_computation(proto, params, data, on_device=True)
     host = run.run_computation(proto, params, data, on_device=False)
-    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(device))
-    assert all(type(leaf) is np.ndarray for leaf in jax.tree.leaves(host))
+    model = jax.tree.structure(params)  # the round returns the model's tree
+    assert jax.tree.structure(device) == model and jax.tree.structure(host) == model
+    device_leaves, host_leaves = jax.tree.leaves(device), jax.tree.leaves(host)
+    assert len(device_leaves) == len(host_leaves) == 2
+    assert all(isinstance(leaf, jax.Array) for leaf in device_leaves)
+    assert all(type(leaf) is np.ndarray for leaf in host_leaves)
     assert _bits(device) == _bits(host)
     # a model given as numpy, or a wrong shape, is read and checked as before
     assert _bits(run.run_computation(proto, jax.tree.map(np.asarray, params), data,

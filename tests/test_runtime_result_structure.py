@@ -112,7 +112,8 @@ def test_runtime_results_have_the_structure_jit_gives(state, extra):
     # Without the program (a copy, as if read from a file): the generic structure.
     copy = type(proto).FromString(proto.SerializeToString())
     generic = run_computation(copy, state, DATA)
-    assert all(type(node) in (dict, tuple) for node in _nodes_of(generic))
+    nodes = list(_nodes_of(generic))  # the (state, outputs) pair and the outputs' dict
+    assert len(nodes) >= 2 and all(type(node) in (dict, tuple) for node in nodes), nodes
     _same(result_structure.with_structure(generic, jax.tree.structure(want)), want)
     _same(run_computation(interpreter.prepare(copy, jax.tree.structure(want)), state,
                           DATA), want)

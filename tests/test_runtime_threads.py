@@ -26,7 +26,8 @@ def test_in_spans_covers_every_position_once_in_whole_blocks_and_in_order(monkey
     monkeypatch.setattr(threads, "MIN_SPAN_BLOCKS", 2)
     spans = threads.in_spans(size, 8, lambda lo, hi: (lo, hi))
     assert spans[0][0] == 0 and spans[-1][1] == size
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # in order, no gap
+    covered = [i for lo, hi in spans for i in range(lo, hi)]
+    assert covered == list(range(size))  # every position once, in order, no gap
     assert all(lo % 8 == 0 for lo, _ in spans)  # spans of whole blocks
     assert len(spans) <= max(1, workers)
 

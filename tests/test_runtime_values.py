@@ -68,7 +68,7 @@ def test_errors_name_path_expected_and_actual():
 def test_check_value_for_per_client_lists():
     t = clients(V2)
     checked = values.check_value([np.zeros(2), [1, 2]], t)
-    assert all(c.dtype == F32 for c in checked)
+    assert [(c.dtype, c.tolist()) for c in checked] == [(F32, [0, 0]), (F32, [1, 2])]
     with pytest.raises(ComputationError, match=r"\[client 1\]"):
         values.check_value([np.zeros(2), np.zeros(3)], t)
     with pytest.raises(ComputationError, match="one member per client"):

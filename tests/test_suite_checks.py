@@ -235,22 +235,14 @@ TO_FIX = {
     ("test_flower_secagg.py",
      "test_secaggplus_carries_the_exact_sum_exactly_when_choose_accepts"),
     ("test_flower_secagg.py", "test_an_honest_reply_of_each_stage_is_accepted"),
-    ("test_in_process.py",
-     "test_the_device_path_takes_and_returns_jax_arrays_and_the_host_path_numpy"),
     ("test_litert_convert.py", "test_a_client_part_without_builtins_is_refused_naming_the_op"),
     ("test_litert_convert.py",
      "test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound"),
     ("test_parity_rounding.py",
      "test_loop_bounds_hold_and_do_not_grow_geometrically_with_the_local_steps"),
-    ("test_private_files.py", "test_a_field_is_only_the_kind_its_reader_needs"),
     ("test_runtime_buffers.py",
      "test_every_kind_shares_one_cap_and_nothing_live_is_handed_out_or_written_over"),
-    ("test_runtime_result_structure.py", "test_runtime_results_have_the_structure_jit_gives"),
-    ("test_runtime_threads.py",
-     "test_in_spans_covers_every_position_once_in_whole_blocks_and_in_order"),
-    ("test_runtime_values.py", "test_check_value_for_per_client_lists"),
     ("test_tff_stages.py", "test_communications_of_one_kind_and_depth_are_batched"),
-    ("test_tff_types.py", "test_check_flatten_order_accepts_unnamed_struct_for_a_dict"),
 }
 
 

@@ -193,11 +193,15 @@ def test_check_flatten_order_rejects_wrong_names_and_counts():
 
 
 def test_check_flatten_order_accepts_unnamed_struct_for_a_dict():
-    tree = {"a": S((), jnp.float32), "b": S((2,), jnp.float32)}
-    unnamed = federated_language.StructType(
-        [federated_language.TensorType(np.float32), federated_language.TensorType(np.float32, [2])]
-    )
-    types.check_flatten_order(tree, unnamed)
+    """An unnamed struct lines up with a dict by position, in jax's order (sorted keys,
+    not the dict's insertion order): that order is accepted, the other refused."""
+    tree = {"b": S((2,), jnp.float32), "a": S((), jnp.float32)}
+    scalar, vector = (federated_language.TensorType(np.float32),
+                      federated_language.TensorType(np.float32, [2]))
+    assert types.check_flatten_order(tree, federated_language.StructType([scalar, vector])) \
+        is None
+    with pytest.raises(ExportError, match=r"leaf 0 at \['a'\] is float32 but tensor 0"):
+        types.check_flatten_order(tree, federated_language.StructType([vector, scalar]))
 
 
 def test_federated_types_and_defaults():
