@@ -108,6 +108,7 @@ def test_every_kind_shares_one_cap_and_nothing_live_is_handed_out_or_written_ove
     while it is kept or handed out (one pushed out or not kept is removed)."""
     import os
     import tempfile
+    from collections import Counter
 
     cap = 8 * BLOCK
     per_key = {buffers.SPARES: 2, buffers.SEGMENTS: 1}
@@ -122,6 +123,9 @@ def test_every_kind_shares_one_cap_and_nothing_live_is_handed_out_or_written_ove
 
         def unlink(name):
             os.remove(os.path.join(folder, name))
+
+        def ident(kind, value):
+            return id(value) if kind == buffers.SPARES else value
 
         def holds(kind, value) -> bool:
             if kind == buffers.SPARES:
@@ -185,7 +189,11 @@ def test_every_kind_shares_one_cap_and_nothing_live_is_handed_out_or_written_ove
                 assert a[0] == v and a[-1] == v
             for kind, key, held in taken:
                 assert holds(kind, held)
-                assert not any(k is held for k in buffers.kept(kind))
+            # a spare by its identity, a segment by its file's name
+            handed_out = {ident(kind, held) for kind, _, held in taken}
+            kept_now = {ident(k, held) for k in (buffers.SPARES, buffers.SEGMENTS)
+                        for held in buffers.kept(k)}
+            assert handed_out & kept_now == set()
             for k in (buffers.SPARES, buffers.SEGMENTS):
                 for held in buffers.kept(k):
                     assert holds(k, held)
@@ -195,7 +203,8 @@ def test_every_kind_shares_one_cap_and_nothing_live_is_handed_out_or_written_ove
                 kept_names + [h for k, _, h in taken if k == buffers.SEGMENTS])
             for k, most in per_key.items():
                 kept_keys = [keys[id(h) if k == buffers.SPARES else h] for h in buffers.kept(k)]
-                assert all(kept_keys.count(key_) <= most for key_ in kept_keys)
+                over = {key_: n for key_, n in Counter(kept_keys).items() if n > most}
+                assert over == {}, f"{k} keeps more than {most} under a key: {over}"
                 if k == buffers.SPARES:  # the latest key only
                     assert len(set(kept_keys)) <= 1
         buffers.release()  # the kept segments removed, those held left to their holders

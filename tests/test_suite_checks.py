@@ -240,9 +240,6 @@ TO_FIX = {
      "test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound"),
     ("test_parity_rounding.py",
      "test_loop_bounds_hold_and_do_not_grow_geometrically_with_the_local_steps"),
-    ("test_runtime_buffers.py",
-     "test_every_kind_shares_one_cap_and_nothing_live_is_handed_out_or_written_over"),
-    ("test_tff_stages.py", "test_communications_of_one_kind_and_depth_are_batched"),
 }
 
 
