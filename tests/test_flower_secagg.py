@@ -123,7 +123,7 @@ def test_secaggplus_carries_the_exact_sum_exactly_when_choose_accepts(case):
     quant = secagg.choose([agg], counts)
     assert quant.levels == max(largest, 1) and quant.nodes == n
     vectors = [secagg.node_vector([p], quant.center) for p in partials]
-    assert all(len(v) == 1 and v[0].shape == (max(1, p.size),)
+    assert len(vectors) == len(partials) == n >= 2 and all(len(v) == 1 and v[0].shape == (max(1, p.size),)
                for v, p in zip(vectors, partials))  # one flat vector, never 0-d
     got = secagg.recover(_secaggplus(vectors, quant), quant, n)
     want = np.sum(partials, axis=0)
@@ -265,8 +265,14 @@ STAGE_NAMES = ["setup", "share_keys", "collect_masked_vectors", "unmask"]
 def test_an_honest_reply_of_each_stage_is_accepted(stage):
     from fax_bridge.flower import secagg_replies
 
+    """Accepted by its own stage's check (no FleetError), and refused by every other
+    stage's, whose keys it does not hold: the check reads the reply it accepts."""
     sent, reply, _ = _honest(stage)
-    secagg_replies.check(stage, sent, reply, _expected())
+    assert secagg_replies.check(stage, sent, reply, _expected()) is None
+    for other in STAGE_NAMES:
+        if other != stage:
+            with pytest.raises(FleetError, match=f"the {other} stage answers exactly"):
+                secagg_replies.check(other, sent, reply, _expected())
 
 
 _GARBAGE = st.one_of(
