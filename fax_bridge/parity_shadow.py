@@ -24,7 +24,9 @@ sqrt(k * mean square) plus k/n of the sum). Each sample draws these errors unifo
 `Shadow.bounds(...)` turns it into a bound per element: `SAFETY` times the larger of
 the samples' spread (scaled up by how much more the float32 path itself is off the
 truth anywhere in that output, should the model understate it) and the float32 path's
-own error there, plus one ulp of the value. A second float evaluation (LiteRT's, the
+own error there, plus one ulp of the value, and at least `FLOOR_ULPS` ulps of the
+output's largest value (an element small by cancellation errs as the terms it was
+computed from). A second float evaluation (LiteRT's, the
 fleet's exact sums) is taken to err as the float32 path does, so the two may differ by
 twice it. It is a measurement, not a guarantee: it follows the program's own
 cancellations (LayerNorm's division, softmax, a recurrence that contracts, a max pool
@@ -48,6 +50,7 @@ from fax_bridge import primitive_facts
 
 SAMPLES = 4  # noisy shadow runs
 SAFETY = 4.0  # the bound's factor over the measured error
+FLOOR_ULPS = 2.0  # the least bound: ulps of the output's largest |value|
 ULPS_OF_FUNCTIONS = 4.0
 # Ops that move or pick values (no rounding of their own).
 MOVES = {"reshape", "transpose", "broadcast_in_dim", "slice", "squeeze", "concatenate",
@@ -378,9 +381,17 @@ class Shadow:
         return [(kind, [bound(*v) for v in operands]) for kind, operands in self.aggregands]
 
 
+def _spacing(x: np.ndarray, dtype) -> np.ndarray:
+    """The ulp at |x| (float64 values) in `dtype`, as float64."""
+    info = jnp.finfo(dtype)
+    exponent = np.floor(np.log2(np.maximum(x, float(info.tiny))))
+    return np.exp2(exponent) * float(info.eps)
+
+
 def bound(float32, truth, spread) -> np.ndarray:
     """`SAFETY` x the larger of the spread (scaled up where the float32 path's own error
-    exceeds it) and that error, plus one ulp of the value; inf where not finite."""
+    exceeds it) and that error, plus one ulp of the value (at least `FLOOR_ULPS` ulps of
+    the largest value); inf where not finite."""
     if _is_key(float32) or not is_float(np.asarray(float32).dtype):
         return np.zeros(np.shape(float32), np.float64)
     value = np.asarray(float32)
@@ -393,7 +404,11 @@ def bound(float32, truth, spread) -> np.ndarray:
         top_spread = float(np.max(s, where=finite, initial=0.0))
         ratio = top_err / top_spread if top_spread > 0 else 1.0
         measured = np.maximum(s * max(ratio, 1.0), err)
-        ulp = np.spacing(np.abs(value)).astype(np.float64)
+        # an element small by cancellation errs as the terms it came from: at least
+        # the ulps of the output's largest value
+        top = np.max(np.abs(f), where=np.isfinite(f), initial=0.0)
+        ulp = np.maximum(_spacing(np.abs(f), value.dtype),
+                         FLOOR_ULPS * _spacing(np.asarray(top), value.dtype))
         out = SAFETY * measured + ulp
     return np.where(finite, out, np.inf)
 

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -22,3 +24,6 @@ def test_the_chain_of_step_jacobians_bounds_what_compounding_their_absolutes_doe
     assert 0 < row["chain_abs"] <= row["abs_chain"] * (1 + 1e-9)
     assert 0 < row["chain_bound"] <= row["analysis_bound"] * (1 + 1e-6)
     assert row["float32_error"] <= row["chain_bound"]  # a bound of what float32 does
+    # the shadow's bound holds float32 too, within 1e-4 of the carry's values
+    top = np.float32(row["carry_max"])
+    assert row["float32_error"] <= row["shadow_bound"] <= 1e-4 * top + np.spacing(top)
