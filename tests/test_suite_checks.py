@@ -228,10 +228,6 @@ def _suite_findings(skip: Optional[set] = None) -> list:
 # test): each is to be fixed there, and leaves this list then (an entry that no longer
 # matches a finding fails the check below, so the list only shrinks).
 TO_FIX = {
-    ("test_flower.py", "test_secure_sums_go_through_secaggplus_with_jits_exact_sums"),
-    ("test_flower.py",
-     "test_a_node_lost_during_secaggplus_is_dropped_or_named_with_the_unmet_condition"),
-    ("test_flower_results.py", "test_a_result_read_back_in_another_structure_is_a_mismatch"),
     ("test_litert_convert.py", "test_a_client_part_without_builtins_is_refused_naming_the_op"),
     ("test_litert_convert.py",
      "test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound"),
