@@ -14,25 +14,27 @@ equation (the jaxpr is walked here, so a float32 fixed in user code, such as a s
             through the rest of the program by the program itself, moves each element
 
 A rounding is modelled by the equation's kind: ops that only move or pick values add
-none; an elementwise op moves its result by up to eps * |y| (one ulp: a reciprocal then
-a multiply is two roundings); `exp`, `log`, `tanh`, ... by `ULPS_OF_FUNCTIONS` ulps; a
-sum of n terms (a dot, a convolution, a reduction, a window sum, an aggregation over
-clients) by up to eps * sqrt(n) * (sqrt(sum terms^2) + |sum|), the size n random
-roundings of its partial sums reach (a partial sum of k terms is about
-sqrt(k * mean square) plus k/n of the sum). Each sample draws these errors uniformly, independently per element.
+none, nor do `add`, `sub` and `mul` (`ALIKE`: IEEE operations every implementation
+rounds alike from the same operands); another elementwise op (a division, a narrowing
+cast) moves its result by up to eps * |y|; `exp`, `log`, `tanh`, ... by
+`ULPS_OF_FUNCTIONS` ulps; a sum of n terms (a dot, a convolution, a reduction, a window
+sum, a scatter-add, an aggregation over clients) by up to
+eps * sqrt(n) * (sqrt(sum terms^2) + |sum|), the size n random roundings of its partial
+sums reach (a partial sum of k terms is about sqrt(k * mean square) plus k/n of the
+sum). Each sample draws these errors uniformly, independently per element.
 
-`Shadow.bounds(...)` turns it into a bound per element: `SAFETY` times the larger of
-the samples' spread (scaled up by how much more the float32 path itself is off the
-truth at most elements of that output, the `CALIBRATION` quantile, should the model
-understate it) and the float32 path's
-own error there, plus one ulp of the value, and at least `FLOOR_ULPS` ulps of the
-output's largest value (an element small by cancellation errs as the terms it was
-computed from). A second float evaluation (LiteRT's, the
-fleet's exact sums) is taken to err as the float32 path does, so the two may differ by
-twice it. It is a measurement, not a guarantee: it follows the program's own
-cancellations (LayerNorm's division, softmax, a recurrence that contracts, a max pool
-that picks one of its inputs) where a worst-case analysis compounds every operation's
-derivative without its sign.
+`Shadow.bounds()` turns it into a bound per element: `SAFETY` times the larger of the
+samples' spread (scaled up by how much more the float32 path itself is off the truth at
+most elements of that output, the `CALIBRATION` quantile, should the model understate
+it) and the float32 path's own error there, plus one ulp of the value, and at least
+`FLOOR_ULPS` ulps of the output's largest value (an element small by cancellation errs
+as the terms it was computed from). A second float evaluation (LiteRT's, the fleet's
+exact sums) is taken to err as the float32 path does, so the two may differ by twice
+it. It is a measurement, not a guarantee: it follows the program's own cancellations
+(LayerNorm's division, softmax, a recurrence that contracts, a max pool that picks one
+of its inputs) where a worst-case analysis compounds every operation's derivative
+without its sign; where float32 and float64 take another branch or code (a comparison
+at a tie, a value rounded to a quantization step) the element's bound is that step.
 """
 
 from __future__ import annotations
@@ -78,7 +80,6 @@ _DTYPE_PARAMS = ("new_dtype", "dtype", "preferred_element_type", "out_dtype")
 _SCATTERS = {"scatter-add": lax.scatter_add, "scatter_add": lax.scatter_add,
              "scatter-mul": lax.scatter_mul, "scatter-min": lax.scatter_min,
              "scatter-max": lax.scatter_max, "scatter": lax.scatter}
-_FALLBACKS: set = set()  # primitives evaluated in their own dtypes (refused float64)
 
 
 def is_float(dtype) -> bool:
@@ -238,7 +239,7 @@ def _bind(eqn, invals: list, mode: _Mode) -> list:
                 outs = eqn.primitive.bind(*invals, **wide)
             return list(outs) if eqn.primitive.multiple_results else [outs]
         except Exception:  # noqa: BLE001 - e.g. a bitcast of float32's bits: float32
-            _FALLBACKS.add(eqn.primitive.name)
+            pass
     if mode.wide:
         narrow = [jnp.asarray(x).astype(v.aval.dtype if isinstance(v, core.Var)
                                         else np.asarray(v.val).dtype)

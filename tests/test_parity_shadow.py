@@ -1,0 +1,62 @@
+"""The float64 shadow (`parity_shadow`): the program's own float64 truth, where user code
+fixes float32 (a scan carry made with `jnp.zeros(..., jnp.float32)`, which a float64
+re-run under x64 refuses), and bounds that hold jit's float32 result to it, under 1e-4
+of the values, drawn alike run to run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+import fax_bridge as fb
+from fax_bridge import parity_shadow
+from fax_bridge.tracing import trace
+
+
+@fb.program(clients=2)
+def _steps(w, x):
+    def local(w, x):
+        def step(h, xt):
+            h = jnp.tanh(xt @ w + h)
+            return h, h.sum()
+
+        h, sums = jax.lax.scan(step, jnp.zeros(w.shape[1], jnp.float32), x)
+        return h, sums
+
+    h, sums = fb.federated_map_clients(local, (fb.federated_broadcast(w), x))
+    return fb.federated_mean(h), fb.federated_sum(sums)
+
+
+def _reference(w, x):
+    w, x = w.astype(np.float64), x.astype(np.float64)
+    hs, all_sums = [], []
+    for c in range(x.shape[0]):
+        h, sums = np.zeros(w.shape[1]), []
+        for t in range(x.shape[1]):
+            h = np.tanh(x[c, t] @ w + h)
+            sums.append(h.sum())
+        hs.append(h)
+        all_sums.append(sums)
+    return np.mean(hs, 0), np.sum(all_sums, 0)
+
+
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_the_truth_is_float64_through_a_float32_carry_and_the_bound_holds_jit(seed):
+    rng = np.random.default_rng(seed)
+    w = (rng.normal(size=(3, 4)) * 0.5).astype(np.float32)
+    x = rng.normal(size=(2, 12, 3)).astype(np.float32)
+    comp = trace(_steps, w, x, placements=("server", "clients"))
+    shadow = parity_shadow.measure(comp, (w, x))
+    got = [np.asarray(v, np.float64) for v in _steps(w, x)]
+    for truth, want, jit, bound in zip(shadow.truth, _reference(w, x), got,
+                                       shadow.bounds()):
+        np.testing.assert_allclose(truth, want, rtol=1e-12, atol=1e-12)
+        assert np.all(np.abs(jit - want) <= bound), (np.abs(jit - want), bound)
+        top = np.float32(np.abs(jit).max())
+        assert np.all(bound > 0) and bound.max() <= 1e-4 * top + np.spacing(top)
+    again = parity_shadow.measure(comp, (w, x))  # the same draws: the same bounds
+    assert all(np.array_equal(a, b) for a, b in zip(shadow.bounds(), again.bounds()))
+    kinds = [kind for kind, _ in shadow.aggregands]
+    assert kinds == ["mean", "sum"] and all(  # per client, what each hands over
+        np.shape(b)[:1] == (2,) for _, bs in shadow.aggregand_bounds() for b in bs)
