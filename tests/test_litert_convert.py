@@ -170,7 +170,7 @@ def test_a_client_part_without_builtins_is_refused_naming_the_op(name, client, o
     # the line of this file that wrote the op, not fax_bridge's, and no empty message line
     line = client.__code__.co_firstlineno
     assert f"(at {__file__}:{line} (<lambda>))" in text, text
-    assert all(not ln.rstrip().endswith(":") for ln in text.splitlines()), text
+    assert [ln for ln in text.splitlines() if ln.rstrip().endswith(":")] == [], text
 
 
 def test_jax_random_in_a_client_is_refused_at_the_users_line_naming_the_dropout_helper():
@@ -395,7 +395,8 @@ def test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound
     assert len(methods) == len(bounds) and all(  # the report says what gave each bound
         parity_rounding.SHADOW in m or parity_rounding.FIRST_ORDER in m for m in methods)
     paths = comp.out_paths
-    assert all(leaf.ok for leaf in bounded_leaves(xla, lite, bounds, paths, methods))
+    leaves = bounded_leaves(xla, lite, bounds, paths, methods)
+    assert len(leaves) == len(xla) and all(leaf.ok for leaf in leaves)
     changed = [np.asarray(a).tobytes() != np.asarray(b).tobytes() for a, b in zip(lite, bad)]
     assert wrong.done and sum(changed) == 1, (wrong.done, changed)
     caught = [not leaf.ok for leaf in bounded_leaves(xla, bad, bounds, paths, methods)]

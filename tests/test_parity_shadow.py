@@ -56,7 +56,10 @@ def test_the_truth_is_float64_through_a_float32_carry_and_the_bound_holds_jit(se
         top = np.float32(np.abs(jit).max())
         assert np.all(bound > 0) and bound.max() <= 1e-4 * top + np.spacing(top)
     again = parity_shadow.measure(comp, (w, x))  # the same draws: the same bounds
-    assert all(np.array_equal(a, b) for a, b in zip(shadow.bounds(), again.bounds()))
+    assert len(shadow.bounds()) == len(again.bounds()) == len(got) and \
+        all(np.array_equal(a, b) for a, b in zip(shadow.bounds(), again.bounds()))
     kinds = [kind for kind, _ in shadow.aggregands]
-    assert kinds == ["mean", "sum"] and all(  # per client, what each hands over
-        np.shape(b)[:1] == (2,) for _, bs in shadow.aggregand_bounds() for b in bs)
+    assert kinds == ["mean", "sum"]
+    # per client (2), what each hands over: its last h (4) and its 12 steps' sums
+    assert [(kind, [np.shape(b) for b in bs]) for kind, bs in shadow.aggregand_bounds()] \
+        == [("mean", [(2, 4)]), ("sum", [(2, 12)])]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 TESTS = pathlib.Path(__file__).resolve().parent
 MARKER = "# checked by "
@@ -215,37 +215,16 @@ def findings(source: str, filename: str = "<test>") -> list:
     return out
 
 
-def _suite_findings(skip: Optional[set] = None) -> list:
+def _suite_findings() -> list:
     out = []
     for path in sorted(TESTS.glob("test_*.py")):
-        if skip and path.name in skip:
-            continue
         out += findings(path.read_text(), path.name)
     return out
 
 
-# Findings in tests whose modules are being changed by others at the moment, by (file,
-# test): each is to be fixed there, and leaves this list then (an entry that no longer
-# matches a finding fails the check below, so the list only shrinks).
-TO_FIX = {
-    ("test_litert_convert.py", "test_a_client_part_without_builtins_is_refused_naming_the_op"),
-    ("test_litert_convert.py",
-     "test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound"),
-    ("test_parity_rounding.py",
-     "test_loop_bounds_hold_and_do_not_grow_geometrically_with_the_local_steps"),
-}
-
-
-def _test_of(what: str) -> str:
-    return what.split(":", 1)[0].split(" ", 1)[0]
-
-
 def test_the_suite_has_no_test_that_cannot_fail():
     found = _suite_findings()
-    new = [(f, line, what) for f, line, what in found if (f, _test_of(what)) not in TO_FIX]
-    assert new == [], "\n".join(f"tests/{f}:{line}: {what}" for f, line, what in new)
-    fixed = TO_FIX - {(f, _test_of(what)) for f, _, what in found}
-    assert not fixed, f"fixed, so take them off TO_FIX: {sorted(fixed)}"
+    assert found == [], "\n".join(f"tests/{f}:{line}: {what}" for f, line, what in found)
 
 
 def test_the_checker_flags_each_kind():
