@@ -132,7 +132,8 @@ class ParityReport:
                                                               else ""))
                         + ((getattr(leaf, "bound_method", ""),) if methods else ()))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        tolerance = ("bound: 2 x n*eps*sum|x| through the client steps and aggregations"
+        tolerance = ("bound: 2 x each leaf's float32 rounding bound (its 'bound from' "
+                     "column: a float64 shadow's measure or the first-order worst case)"
                      if bounded else f"tolerance: rtol={self.rtol:g} atol={self.atol:g}")
         fleet = (f"{self.fleet_s * 1e3:.2f} ms" if self.fleet_s is not None
                  else "not timed warm (warm_round=True times a second round)")

@@ -86,7 +86,7 @@ def test_check_parity_holds_litert_to_the_stated_bound(fleet):
     assert floats and all(leaf.bound is not None and leaf.max_abs <= leaf.bound
                           for leaf in floats)
     assert "running client parts in litert" in report.table()
-    assert "n*eps*sum|x|" in report.table()
+    assert "float32 rounding bound" in report.table()
 
 
 def test_parity_refuses_a_fleet_of_another_client_runtime():

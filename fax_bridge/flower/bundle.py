@@ -27,7 +27,8 @@ unpacks and checks it before running, and the ClientApps never use the state; so
 state over `MAX_STATE_IN_BUNDLE_BYTES` (`state_in_bundle`: a model of more than 16k
 float32 parameters) is written to an .npz of its own instead (`write_round(...,
 state_path=...)`, `write_state`), which the ServerApp reads from the path its run
-config names (`initial-state`, `read_state`); the nodes never receive it.
+config's `app-state` names (`read_state`; a state of the user's own is named by
+`initial-state` instead); the nodes never receive it.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class FlowerRound:
     proto: Any
     state: list  # the initial state's tensors, depth first
     # True when round.json holds only the state's layout (`state` then holds zeros of
-    # it) and the run config's initial-state names the file (`read_state`)
+    # it) and the run config's app-state names the file (`read_state`)
     state_outside: bool = False
     state_sha256: Optional[str] = None  # that file's, as written with the app
     # {file name: sha256} of the LiteRT models written with the app (`carried.find`
@@ -266,7 +267,8 @@ def _needs_bytes(dtype: np.dtype) -> bool:
     return dtype.name != np.dtype(dtype.str).name or dtype.kind == "V"
 
 
-def read_state(path: str, like: list, sha256: Optional[str] = None) -> list:
+def read_state(path: str, like: list, sha256: Optional[str] = None,
+               key: str = "initial-state") -> list:
     """The tensors `write_state` wrote at `path`, checked against the dtypes and shapes
     of `like` (the state's tensors as the round expects them).
 
@@ -275,31 +277,33 @@ def read_state(path: str, like: list, sha256: Optional[str] = None) -> list:
     allocated: `npz_keys.read_npz`), and each entry the dtype and shape the round
     expects: a tensor is taken as its bytes only where `write_state` writes it so
     (uint8 of its dtype's width), never another dtype relabelled. `sha256`: the digest
-    `write_round` recorded for the file, checked first. A refusal names the entry, what
+    `write_round` recorded for the file, checked first. `key`: the run config's key that
+    named the file (`initial-state`, a state of the user's own, or `app-state`, the one
+    written with the app), which every refusal names. A refusal names the entry, what
     the round expects and what the file holds.
     """
     from fax_bridge.runtime import npz_keys
 
     fix = ("write it with `fax-bridge flower` (initial_state.npz beside the app), and "
-           "name that file in the run config's initial-state")
+           f"name that file in the run config's {key}")
     want = [(np.asarray(t).dtype, tuple(np.shape(t))) for t in like]
     room = sum(math.prod(shape) * max(dtype.itemsize, 1) for dtype, shape in want)
     room += 64 * (len(want) + 1)  # the dtypes' names
     try:
-        arrays = npz_keys.read_npz(path, what="initial-state", follow_links=False,
+        arrays = npz_keys.read_npz(path, what=key, follow_links=False,
                                    max_bytes=room, sha256=sha256, fix=fix)
     except FileNotFoundError:
-        raise ExportError(f"initial-state {path}: no such file; {fix}") from None
+        raise ExportError(f"{key} {path}: no such file; {fix}") from None
     except (ComputationError, PermissionError) as e:
         raise ExportError(str(e)) from None
     keys = ["dtypes"] + [str(i) for i in range(len(want))]
     if sorted(arrays) != sorted(keys):
-        raise ExportError(f"initial-state {path} holds the entries {sorted(arrays)[:12]}; "
+        raise ExportError(f"{key} {path} holds the entries {sorted(arrays)[:12]}; "
                           f"the round's state has {len(want)} tensors (entries "
                           f"{keys[:12]}): it was written for another round; {fix}")
     names = arrays["dtypes"]
     if names.dtype.kind != "U" or names.shape != (len(want),):
-        raise ExportError(f"initial-state {path}: entry 'dtypes' is {names.dtype.name}"
+        raise ExportError(f"{key} {path}: entry 'dtypes' is {names.dtype.name}"
                           f"{list(names.shape)}, expected {len(want)} dtype names; {fix}")
     found = []
     for i, ((dtype, shape), name) in enumerate(zip(want, names)):
@@ -307,7 +311,7 @@ def read_state(path: str, like: list, sha256: Optional[str] = None) -> list:
         expected = f"{wire.dtype_name(dtype)}{list(shape)}"
         held = f"{str(name)!r} labelling {value.dtype.name}{list(value.shape)}"
         if str(name) != wire.dtype_name(dtype):
-            raise ExportError(f"initial-state {path}: entry '{i}' is {held}, but the "
+            raise ExportError(f"{key} {path}: entry '{i}' is {held}, but the "
                               f"round's state expects {expected} there: it was written "
                               f"for another round; {fix}")
         if value.dtype == dtype and value.shape == shape:
@@ -316,7 +320,7 @@ def read_state(path: str, like: list, sha256: Optional[str] = None) -> list:
               and value.shape == shape + (dtype.itemsize,)):
             found.append(value.view(dtype).reshape(shape))
         else:
-            raise ExportError(f"initial-state {path}: entry '{i}' is {held}, but the "
+            raise ExportError(f"{key} {path}: entry '{i}' is {held}, but the "
                               f"round's state expects {expected} there (never "
                               f"reinterpreted): it was written for another round; {fix}")
     return found

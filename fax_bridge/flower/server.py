@@ -366,7 +366,8 @@ def _resume(made, settings: Settings) -> tuple:
         # dtype, shape and size), never against the digest of the app's own state.
         tensors = read_state(settings.initial_state, made.state)
     elif settings.app_state:  # the state written beside the app: exactly that file
-        tensors = read_state(settings.app_state, made.state, made.state_sha256)
+        tensors = read_state(settings.app_state, made.state, made.state_sha256,
+                             key="app-state")
     elif made.state_outside:  # too large for the bundle
         raise FleetError("this round's initial state is not in its app bundle; set "
                          "the run config's app-state to the initial_state.npz "
