@@ -67,9 +67,9 @@ test-peers: $(STAMP) tff-venv
 	$(PY) -m pytest -q -n 2 --dist loadfile --peers -m peers tests
 
 # The examples in the public functions' docstrings (a few clients each: seconds).
-DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local.py fax_bridge/chunk_stream.py fax_bridge/tracing.py \
-	fax_bridge/tff/export.py fax_bridge/tff/files.py fax_bridge/secure.py \
-	fax_bridge/parity.py fax_bridge/in_process.py fax_bridge/data \
+DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local/jit.py fax_bridge/local/chunk_stream.py fax_bridge/language/tracing.py \
+	fax_bridge/tff/export.py fax_bridge/tff/files.py fax_bridge/language/secure.py \
+	fax_bridge/parity/check.py fax_bridge/in_process.py fax_bridge/data \
 	fax_bridge/privacy/aggregator.py
 doctest: $(STAMP)
 	$(PY) -m pytest -q --doctest-modules $(DOCTEST_MODULES)

@@ -26,7 +26,7 @@ With `--largest-cohort [CAP]`, each jit variant's row also gives the largest coh
 fits the device's memory: the round is compiled, never run, from argument shapes
 (`jax.ShapeDtypeStruct`) at N = clients, 2 x clients, 4 x clients, ... up to CAP (4096),
 and N fits when its `memory_analysis()` (arguments, results and temporaries, less aliased
-bytes) is within the allocator's `bytes_limit` (`fax_bridge.chunking.memory_limit`) or
+bytes) is within the allocator's `bytes_limit` (`fax_bridge.local.chunking.memory_limit`) or
 `--memory-bytes`. The doubling stops at the first N that does not fit or fails to
 compile; "N+" says the cap was reached.
 
@@ -54,7 +54,7 @@ import numpy as np
 from jax import lax
 
 import fax_bridge as fb
-from fax_bridge import chunking
+from fax_bridge.local import chunking
 
 # (width, layers, heads); vocabulary and sequence from VOCAB / SEQ unless tiny.
 MODELS = {"tiny": (64, 2, 4), "34M": (512, 6, 8), "110M": (768, 12, 12),

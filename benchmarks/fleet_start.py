@@ -1,5 +1,5 @@
 """Benchmark: how long a `LocalFleet` takes to start and run its first round, with its
-devices forked by `fax_bridge.forks` against started as fresh interpreters.
+devices forked by `fax_bridge.system.forks` against started as fresh interpreters.
 
 For each device count, alternating the two ways (`fresh` is the launcher with the fork
 server taken away, as on a platform without one), each repeat starts a fleet, runs one
@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from fax_bridge import forks  # noqa: E402
+from fax_bridge.system import forks  # noqa: E402
 from fax_bridge.fleet import launcher  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))

@@ -128,7 +128,7 @@ def inside(args: argparse.Namespace) -> int:
 
     from fax_bridge.fleet import security
     from fax_bridge.fleet.remote import RemoteFleet
-    from fax_bridge.process_tree import end_group
+    from fax_bridge.system.process_tree import end_group
     from fax_bridge.tff import forms
 
     network = netns.Network(args.nodes, PREFIX)

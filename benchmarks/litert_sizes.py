@@ -7,7 +7,7 @@ Three tables (markdown), for docs/litert.md:
    client part (a round split), whether it converts (or the op it is refused for), the
    model's size and conversion time, the largest |LiteRT - XLA| over the round's float
    outputs (the round run in process both ways) and the bound the parity check holds it
-   to (twice `parity_rounding.evaluation_bounds`, the largest over the outputs).
+   to (twice `parity.rounding.evaluation_bounds`, the largest over the outputs).
 2. `--sizes`: FedAvg-style rounds of `benchmarks/model_sizes.py`'s MLP, CNN and
    transformer LM at about 100k, 1M and 10M parameters (one SGD step on a client's
    batch): parameters, model file size, conversion time, one client's step in the
@@ -23,7 +23,7 @@ Three tables (markdown), for docs/litert.md:
    LSTM 670, dense 96, softmax over the vocabulary; sequences of 20) and Federated
    Reconstruction's matrix factorization (3,706 items, dimension 50; the user's vector
    local): parameters, model size, the largest |LiteRT - jit| on client 0 and that
-   element's bound (twice `parity_rounding.aggregand_bounds`; "within": every element
+   element's bound (twice `parity.rounding.aggregand_bounds`; "within": every element
    within its own), one client's step in LiteRT against jit.
 4. `--fleet`: one round of the 100k MLP on `LocalFleet(devices=2)` with XLA devices and
    with LiteRT devices (`client_runtime="litert"`), median of `--repeats` rounds after one
@@ -50,7 +50,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "examples")]
 
 import fax_bridge as fb  # noqa: E402
-from fax_bridge import in_process, parity_rounding, tracing  # noqa: E402
+from fax_bridge import in_process  # noqa: E402
+from fax_bridge.parity import rounding as parity_rounding  # noqa: E402
+from fax_bridge.language import tracing  # noqa: E402
 from fax_bridge.litert import convert, lowering, refusals, runner  # noqa: E402
 from fax_bridge.litert import manifest as litert_manifest  # noqa: E402
 from fax_bridge.rounds import round_split  # noqa: E402
@@ -74,7 +76,7 @@ def _median_s(fn, repeats: int) -> float:
 
 def _leaves(proto, args, runtime: str, like: Any) -> list:
     """The round's output leaves, run in process, in the order of jit's result `like`."""
-    from fax_bridge.parity import leaves_in_type_order
+    from fax_bridge.parity.check import leaves_in_type_order
 
     split = round_split.split_round(proto)
     prepared = interpreter.prepare(proto)
@@ -339,7 +341,7 @@ def _reconstruction_mf(rng, clients: int, batches: int = 2, batch: int = 8):
 
 
 def workloads(repeats: int, clients: int = 2) -> list[dict]:
-    from fax_bridge import pytree_names
+    from fax_bridge.language import pytree_names
 
     rng = np.random.default_rng(0)
     cases = []

@@ -1,7 +1,7 @@
 """Why the first-order rounding analysis's bound on the Stack Overflow LSTM is vacuous,
 and what the float64 shadow measures instead, in figures.
 
-`parity_first_order` carries a loop's error bound from step to step through |J|, the
+`parity.first_order` carries a loop's error bound from step to step through |J|, the
 step's Jacobian with every entry made positive (or op by op, which is no tighter): it
 assumes each step's rounding errors line up with the sign pattern of every later step.
 For an LSTM cell that compounds the row sums of |J|, while the error actually carried
@@ -15,12 +15,12 @@ weights N(0, 1/fan_in) as that benchmark draws them, 20 tokens; the carry is (h,
   spectral_J          ||J_t||_2
   abs_chain           max of |J_T| ... |J_1| 1 (what compounding |J| gives)
   chain_abs           max row sum of |J_T ... J_1| (the first-order worst case)
-  analysis_bound      `parity_first_order.first_order_bounds` of the carry after T steps
+  analysis_bound      `parity.first_order.first_order_bounds` of the carry after T steps
   chain_bound         the first-order worst case of the same carry: sum over steps t of
                       |J_T ... J_(t+1)| r_t, where r_t is step t's own rounding bound
                       (`first_order_bounds` of one step from exact inputs)
-  shadow_bound        `parity_rounding.evaluation_bounds` of the carry after T steps:
-                      the float64 shadow's (`parity_shadow`), what parity checks use
+  shadow_bound        `parity.rounding.evaluation_bounds` of the carry after T steps:
+                      the float64 shadow's (`parity.shadow`), what parity checks use
   float32_error       |float32 - float64| of that carry (jit's f32 run against the
                       same cell in float64)
 
@@ -39,7 +39,9 @@ jax.config.update("jax_enable_x64", True)  # the float64 reference; the run stay
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fax_bridge import parity_first_order, parity_rounding, tracing  # noqa: E402
+from fax_bridge.parity import first_order as parity_first_order  # noqa: E402
+from fax_bridge.parity import rounding as parity_rounding  # noqa: E402
+from fax_bridge.language import tracing  # noqa: E402
 
 
 def _model(hidden: int, steps: int, embed: int = 96, vocab: int = 10004, seed: int = 0):

@@ -9,12 +9,12 @@ and prints per family over the rounds' float outputs:
 
   max_diff        the largest |runtime - jit|
   max_allowed     the largest difference the check allows (twice the bound,
-                  `parity_rounding.evaluation_bounds`)
+                  `parity.rounding.evaluation_bounds`)
   diff/allowed    the largest share of its own allowance an element used
   bound/limit     the largest per-leaf bound over 1e-4 x the leaf's largest |value| plus
                   its float32 spacing (at most 1 is the target)
   first_order     with --first-order: the largest bound of the first-order analysis
-                  alone (`parity_first_order`), twice it as above
+                  alone (`parity.first_order`), twice it as above
   bound_s         seconds to make the bounds (the float64 shadow; with the first-order
                   analysis for loop-free rounds)
   method          what gave the leaves' bounds (`LeafParity.bound_method`'s first words)
@@ -40,7 +40,9 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import phone_models  # noqa: E402
 
 import fax_bridge as fb  # noqa: E402
-from fax_bridge import parity_first_order, parity_rounding, tracing  # noqa: E402
+from fax_bridge.parity import first_order as parity_first_order  # noqa: E402
+from fax_bridge.parity import rounding as parity_rounding  # noqa: E402
+from fax_bridge.language import tracing  # noqa: E402
 from fax_bridge.runtime import run_computation  # noqa: E402
 
 

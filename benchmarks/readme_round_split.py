@@ -124,7 +124,7 @@ def fax_rounds(folder: str, nodes: int, size: int, rounds: int, env: dict) -> li
     """The rounds' wall times; the workers end with it."""
     readme = readme_round.write_app(folder, nodes, size, 0, env)
     _, background, _ = readme_round.readme_commands(readme)
-    from fax_bridge.private_files import write_file
+    from fax_bridge.system.private_files import write_file
 
     token_file = os.path.join(folder, "worker.token")
     token = uuid.uuid4().hex

@@ -157,7 +157,7 @@ def profile(devices: int, rounds: int) -> dict:
     import workload  # noqa: E402
 
     import fax_bridge as fb
-    from fax_bridge import forks
+    from fax_bridge.system import forks
 
     data = workload.client_data(workload.load_split())
     params = workload.load_init_params()

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fax_bridge as fb
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge import data as fd
 
 BATCH = 8

@@ -27,7 +27,7 @@ import optax
 
 import _digits as D
 import fax_bridge as fb
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge import data as fd
 from fax_bridge.algorithms import diloco, streaming_diloco
 from fax_bridge.algorithms.diloco import SYNC_PLACEMENTS

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 import _digits as D
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge import data as fd
 from fax_bridge import privacy
 from fax_bridge.algorithms import dp_fed_avg

@@ -9,7 +9,7 @@ import os
 import optax
 
 import _digits as D
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge import data as fd
 from fax_bridge.algorithms import fed_adagrad, fed_adam, fed_yogi
 

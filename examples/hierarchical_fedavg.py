@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fax_bridge as fb
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 
 FEATURES = 4
 EXAMPLES = 8

@@ -27,13 +27,13 @@ from fax_bridge.errors import (
     ProgramError,
     WeightError,
 )
-from fax_bridge.chunk_stream import stream_clients
-from fax_bridge.local import clients_mesh, jit_program, to_hlo
-from fax_bridge.placements import Placement
+from fax_bridge.local.chunk_stream import stream_clients
+from fax_bridge.local.jit import clients_mesh, jit_program, to_hlo
+from fax_bridge.language.placements import Placement
 from fax_bridge.tff.export import export_tff
 from fax_bridge.tff.files import load_computation, save_computation
-from fax_bridge.tracing import FederatedComputation, trace
-from fax_bridge.secure import (
+from fax_bridge.language.tracing import FederatedComputation, trace
+from fax_bridge.language.secure import (
     SecureAggregationError,
     federated_secure_mean,
     federated_secure_modular_sum,
@@ -47,21 +47,29 @@ __version__ = "0.1.0"
 _LAZY = {
     "FleetConfig": ("fax_bridge.fleet.config", "FleetConfig"),
     "LocalFleet": ("fax_bridge.fleet.launcher", "LocalFleet"),
-    "ParityReport": ("fax_bridge.parity", "ParityReport"),
+    "ParityReport": ("fax_bridge.parity.check", "ParityReport"),
     "RemoteFleet": ("fax_bridge.fleet.remote", "RemoteFleet"),
     "PopulationRef": ("fax_bridge.runtime.population", "PopulationRef"),
-    "check_parity": ("fax_bridge.parity", "check_parity"),
+    "check_parity": ("fax_bridge.parity.check", "check_parity"),
     "to_distribute_aggregate_form": ("fax_bridge.tff.forms", "to_distribute_aggregate_form"),
     "to_map_reduce_form": ("fax_bridge.tff.forms", "to_map_reduce_form"),
     "write_form": ("fax_bridge.tff.forms", "write_form"),
+}
+
+# Modules also served at the top (`from fax_bridge import multihost`), for programs
+# written so: each loads from its room on first use.
+_MODULES = {
+    "cli_args": "fax_bridge.system.cli_args",
+    "flower_results": "fax_bridge.parity.flower_results",
+    "multihost": "fax_bridge.local.multihost",
 }
 
 
 def __getattr__(name):
     # Fleet, parity, forms and multihost load on first use: together they add about a
     # quarter to `import fax_bridge` (gRPC, the interpreter, jax.distributed).
-    if name == "multihost":
-        return importlib.import_module("fax_bridge.multihost")
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)

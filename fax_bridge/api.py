@@ -30,15 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fax_bridge import chunking
-from fax_bridge import local as _local
-from fax_bridge import primitives as P
-from fax_bridge import pytree_names
+from fax_bridge.local import chunking
+from fax_bridge.local import jit as _local
+from fax_bridge.language import primitives as P
+from fax_bridge.language import pytree_names
 from fax_bridge.errors import ArgumentError, PlacementError, ProgramError, WeightError
-from fax_bridge.execution import ClientsPerStep, is_unchunked
-from fax_bridge.execution import validate as validate_clients_per_step
-from fax_bridge.placements import aggregate_refusal, weights_refusal
-from fax_bridge.tracing import is_machinery
+from fax_bridge.local.execution import ClientsPerStep, is_unchunked
+from fax_bridge.local.execution import validate as validate_clients_per_step
+from fax_bridge.language.placements import aggregate_refusal, weights_refusal
+from fax_bridge.language.tracing import is_machinery
 
 # The enclosing programs, outermost first: (placement name, number of members).
 _PROGRAMS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
@@ -76,7 +76,7 @@ def current_clients(op: str) -> int:
 class Program:
     """A federated program: a function whose federated operations use `clients` members
     of the placement named `placement`, run `clients_per_step` members at a time when
-    given (`fax_bridge.chunking`)."""
+    given (`fax_bridge.local.chunking`)."""
 
     def __init__(self, fn: Callable, clients: int, placement: str = P.CLIENTS,
                  clients_per_step: ClientsPerStep = None, progress: bool = False):
@@ -95,7 +95,7 @@ class Program:
 
     def chunk_size(self, *args, memory_bytes: Optional[int] = None, **kwargs) -> Optional[int]:
         """The members a step this program runs with these arguments (None: all at once):
-        its `clients_per_step`, "auto" resolved (`fax_bridge.chunk_size`) against the
+        its `clients_per_step`, "auto" resolved (`fax_bridge.local.chunk_size`) against the
         device's memory or `memory_bytes`."""
         k = self.clients_per_step
         if k == "auto":
@@ -177,7 +177,7 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
         members, `grad` included); "auto" picks the largest that fits the device's
         memory (`Program.chunk_size` says which). Export is the same for every value;
         float sums may differ from the unchunked round's in the last bits (summation
-        order). See `fax_bridge.chunking`.
+        order). See `fax_bridge.local.chunking`.
       progress: show a tqdm bar of the members done in each chunked trip (off by default).
 
     Returns:

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from fax_bridge import env_settings
+from fax_bridge.system import env_settings
 from fax_bridge.errors import FaxBridgeError
 
 # Modules that provide `register(subparsers)`, adding one subcommand each whose parser
@@ -30,7 +30,7 @@ from fax_bridge.errors import FaxBridgeError
 _SUBCOMMAND_MODULES = (
     "fax_bridge.tff.cli",
     "fax_bridge.tff.forms_cli",
-    "fax_bridge.parity_cli",
+    "fax_bridge.parity.cli",
     "fax_bridge.fleet.run_cli",
     "fax_bridge.fleet.device_cli",
     "fax_bridge.flower.cli",

@@ -1,4 +1,4 @@
-"""Whether test processes still run: `fax_bridge.process_tree`'s readers of /proc, with
+"""Whether test processes still run: `fax_bridge.system.process_tree`'s readers of /proc, with
 sets where the tests compare groups of processes; scripts run in a fresh interpreter on
 emulated CPU devices (`run_on_cpu_devices`); and a step run as another user
 (`as_nobody`, for the trust-boundary tests); and a fault injected at a known point of a
@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Callable, Iterator, Optional
 
-from fax_bridge.process_tree import alive, children, parent, running
+from fax_bridge.system.process_tree import alive, children, parent, running
 
 __all__ = ["alive", "as_nobody", "at_round_requests", "children", "descendants", "parent",
            "run_on_cpu_devices", "running"]
@@ -58,7 +58,7 @@ def as_nobody(step) -> None:
 
 def descendants(pid: int) -> set:
     """Every process below `pid`: its children, theirs, and so on."""
-    from fax_bridge import process_tree
+    from fax_bridge.system import process_tree
 
     return set(process_tree.descendants(pid))
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge import primitives as P
+from fax_bridge.language import primitives as P
 from fax_bridge.runtime import run_computation
 
 N = 4

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fax_bridge import forks
+from fax_bridge.system import forks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                 "benchmarks"))

@@ -49,7 +49,7 @@ def test_the_fax_bridge_run_of_the_links_benchmark_finishes_from_its_own_model(t
     assert len(got["wall_s"]) == 1 and got["wall_s"][0] > 0
     # The round started from the benchmark's model, not the app's: the result is its
     # weighted mean of each client's p * 0.5 + x (clients 1 and 2 of weights 1 and 2).
-    from fax_bridge.npz_files import read_npz
+    from fax_bridge.system.npz_files import read_npz
 
     start = links.start_model(size, links._RUNS[0] / 1024)
     x, w = np.float32([0.001, 0.002]), np.float32([1, 2])

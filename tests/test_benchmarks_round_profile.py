@@ -19,7 +19,7 @@ def test_profile_times_the_coordinator_and_each_device(tmp_path):
     assert rows["devices"] == 2 and rows["rounds"] == 2
     # The devices users get: forked by the fork server, whose start the shim must not
     # break (a fleet then falls back to fresh interpreters and says so).
-    from fax_bridge import forks
+    from fax_bridge.system import forks
 
     assert rows["devices_forked"] == forks.available(), done.stderr[-2000:]
     assert "without a fork server" not in done.stderr

@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 from processes import run_on_cpu_devices
 
 import fax_bridge as fb
-from fax_bridge import chunk_size, privacy
+from fax_bridge import privacy
+from fax_bridge.local import chunk_size
 from fax_bridge.errors import ArgumentError, ProgramError
 
 
@@ -142,7 +143,7 @@ def _refusal(use, k):
 
 
 def test_every_primitive_differentiates_alike_chunked_or_not():
-    from fax_bridge import primitive_facts
+    from fax_bridge.language import primitive_facts
     assert set(USES) == {f.primitive.name for f in primitive_facts.registered()}, \
         "give each registered primitive a use in USES"
     uses = tuple(dict.fromkeys(USES.values()))  # one program may use several primitives
@@ -247,7 +248,7 @@ def test_auto_picks_the_largest_chunk_that_fits_and_says_so(monkeypatch, caplog)
     need = {k: chunk_size.round_bytes(round_, k, (w, x), {}) for k in (4, 8)}
     assert chunk_size.round_bytes(round_, 4, (w, x), {}, gradient=True) > need[4]
     budget = (need[4] + need[8]) // 2
-    with caplog.at_level(logging.INFO, logger="fax_bridge.chunk_size"):
+    with caplog.at_level(logging.INFO, logger="fax_bridge.local.chunk_size"):
         assert round_.chunk_size(w, x, memory_bytes=budget) == 4
     assert "4 of 16 clients a step (forward round" in caplog.text
     monkeypatch.setattr(chunk_size, "memory_limit", lambda: budget)  # "auto" in a call
@@ -294,7 +295,7 @@ def test_auto_sizes_the_gradient_of_a_differentiated_round(monkeypatch, caplog):
     monkeypatch.setattr(chunk_size, "round_bytes", sized)
     monkeypatch.setattr(chunk_size, "memory_limit", lambda: 8000)
     program, x = _federated_dot(16), jnp.arange(16.0)
-    with caplog.at_level(logging.INFO, logger="fax_bridge.chunk_size"):
+    with caplog.at_level(logging.INFO, logger="fax_bridge.local.chunk_size"):
         assert float(program(2.0, x)) == 2 * float(x.sum())
         assert float(jax.grad(program)(2.0, x)) == float(x.sum())
     assert "8 of 16 clients a step (forward round: 8000" in caplog.text
@@ -407,8 +408,8 @@ def test_each_device_runs_its_share_of_every_chunk():
 
 
 def test_parity_explains_chunked_sums():
-    from fax_bridge.parity import note_chunked_sums
-    from fax_bridge.parity_report import LeafParity
+    from fax_bridge.parity.check import note_chunked_sums
+    from fax_bridge.parity.report import LeafParity
 
     def leaves():
         return [LeafParity("result", (3,), "float32", 1e-7, 1e-7, False,

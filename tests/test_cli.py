@@ -8,7 +8,8 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge import cli, env_settings
+from fax_bridge import cli
+from fax_bridge.system import env_settings
 from processes import descendants, parent, running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +92,7 @@ def _interrupted_at(monkeypatch, owner, name):
 def test_ctrl_c_is_one_line_exit_130_and_stops_the_devices(monkeypatch, capsys, command):
     import signal
 
-    from fax_bridge import parity
+    from fax_bridge.parity import check as parity
     from fax_bridge.tff import cli as tff_cli
 
     before = signal.getsignal(signal.SIGINT)
@@ -232,7 +233,7 @@ def test_a_real_ctrl_c_while_devices_start(tmp_path):
     while len(devices) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
         devices = [pid for pid in descendants(proc.pid) if _is_device(pid) and not (
-            parent(pid) == proc.pid and b"fax_bridge/fork_server.py" in _cmdline(pid))]
+            parent(pid) == proc.pid and b"fax_bridge/system/fork_server.py" in _cmdline(pid))]
     assert len(devices) >= 2, "the command never started its devices"
     started = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge import cli, cli_args
+from fax_bridge import cli
+from fax_bridge.system import cli_args
 from fax_bridge.errors import ComputationError, FleetError
 from fax_bridge.fleet import security
 

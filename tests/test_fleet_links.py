@@ -80,7 +80,7 @@ def hosts(tmp_path_factory):
     import links
     import links_fleet
     from fax_bridge.fleet import security
-    from fax_bridge.process_tree import end_group
+    from fax_bridge.system.process_tree import end_group
     from fax_bridge.tff import forms
 
     folder = str(tmp_path_factory.mktemp("links"))

@@ -374,7 +374,7 @@ def test_rounds_in_process_have_the_fleet_plans_bits(tmp_path, quickstart, popul
     for a, b in zip(jax.tree_util.tree_leaves(got_tree),
                     jax.tree_util.tree_leaves((params, loss))):
         np.testing.assert_allclose(a, b, rtol=1e-5)
-    from fax_bridge.parity_flower import describe, parity_of_run
+    from fax_bridge.parity.flower import describe, parity_of_run
 
     report = parity_of_run(prog, args, made, f"{out}/result.npz", 3, 2, 0.0)
     assert report.ok and report.fleet_bits, describe(report, 3)
@@ -397,7 +397,7 @@ def test_a_node_whose_answer_is_wrong_in_one_element_fails_parity(tmp_path, monk
     off, within jit's rtol=1e-5 and atol=1e-6 here) as the leaf that is not."""
     from perturbed_runtime import Perturbed
 
-    from fax_bridge.parity_flower import describe, parity_of_run
+    from fax_bridge.parity.flower import describe, parity_of_run
     from fax_bridge.rounds import client_runtime as runtimes
 
     prog, args, made = quickstart
@@ -1226,7 +1226,7 @@ def test_a_check_reads_only_what_its_own_run_wrote_and_surfaces_its_error(
     """`flwr run` exits 0 when the ServerApp fails; the check reads the run's own
     reports and result in a folder made for that run (never an earlier run's
     result.npz beside it), and any failure is a FleetError quoting the run's error."""
-    from fax_bridge import parity_flower as check
+    from fax_bridge.parity import flower as check
 
     out = tmp_path_factory.mktemp("results")
     np.savez(out / "result.npz", stale=np.zeros(1))  # an earlier run's

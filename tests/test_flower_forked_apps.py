@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from processes import alive, as_nobody, children
-from fax_bridge import forks
+from fax_bridge.system import forks
 from fax_bridge.flower import forked_apps
 
 pytestmark = pytest.mark.skipif(not forks.available(), reason="needs Linux pidfds")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fax_bridge import output_folders
+from fax_bridge.system import output_folders
 from fax_bridge.errors import FleetError, OutputError
 from fax_bridge.flower.populations import plan, write_populations
 from fax_bridge.fleet.protocol import partition

@@ -66,8 +66,9 @@ def test_a_litert_check_deploys_litert_nodes_and_names_each_node_lost_and_why(
 
     import numpy as np
 
-    from fax_bridge import cli, parity_flower
-    from fax_bridge.parity_report import LeafParity, ParityReport
+    from fax_bridge import cli
+    from fax_bridge.parity import flower as parity_flower
+    from fax_bridge.parity.report import LeafParity, ParityReport
 
     asked = {}
 
@@ -154,7 +155,7 @@ def test_a_runs_result_is_read_back_as_the_rounds_pytree(finished_run, tmp_path)
     import jax
     import numpy as np
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
 
     prog, args, _, app, want = finished_run
     got = flower_results.load_result(app)
@@ -180,7 +181,7 @@ def test_results_that_do_not_fit_the_round_or_a_failed_run_are_refused(finished_
 
     import numpy as np
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
     from fax_bridge.errors import ComputationError
 
     _, _, _, app, _ = finished_run
@@ -208,7 +209,7 @@ def test_a_deployment_started_by_hand_is_compared_with_jit(finished_run):
     import jax
     import jax.numpy as jnp
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
 
     prog, args, placements, app, _ = finished_run
     report = flower_results.compare_with_jit(app, prog, *args, placements=placements)
@@ -227,7 +228,7 @@ def test_a_result_read_back_in_another_structure_is_a_mismatch(finished_run, tmp
 
     import jax
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
     from fax_bridge.flower import app_dir, bundle
     from fax_bridge.runtime import result_structure
 
@@ -280,7 +281,8 @@ def test_load_result_gives_the_structure_jit_gives(extra, tmp_path_factory):
     import numpy as np
     from federated_language.common_libs import structure
 
-    from fax_bridge import flower_results, in_process
+    from fax_bridge import in_process
+    from fax_bridge.parity import flower_results
     from fax_bridge.flower import app_dir, bundle
     from fax_bridge.runtime import npz_keys, values
 
@@ -384,7 +386,7 @@ def test_a_forged_round_file_is_refused_naming_the_file_and_field(finished_run, 
                                                                    case):
     import json
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
     from fax_bridge.errors import ExportError
 
     app = _copy_app(finished_run, tmp_path)
@@ -407,7 +409,7 @@ def test_a_round_file_that_is_not_a_small_regular_file_is_refused_unread(
     a sparse 1 GB file is never read."""
     import os
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
     from fax_bridge.errors import ExportError
 
     app = _copy_app(finished_run, tmp_path)
@@ -461,7 +463,7 @@ def test_forged_reports_are_refused_naming_the_file_line_and_field(finished_run,
                                                                    case):
     import os
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
 
     app = _copy_app(finished_run, tmp_path)
     out = os.path.join(app, "results")
@@ -477,7 +479,7 @@ def test_reports_that_are_not_a_small_regular_file_are_refused_unread(
         finished_run, tmp_path, kind):
     import os
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
 
     app = _copy_app(finished_run, tmp_path)
     path = os.path.join(app, "results", "reports.jsonl")
@@ -499,7 +501,7 @@ def test_an_app_written_again_is_read_again(finished_run, tmp_path):
 
     import jax
 
-    from fax_bridge import flower_results
+    from fax_bridge.parity import flower_results
     from fax_bridge.flower import app_dir, bundle
 
     prog, args, placements, _, _ = finished_run
@@ -531,7 +533,7 @@ def test_any_value_in_a_result_file_is_read_or_refused_naming_the_file(
     import json
     import os
 
-    from fax_bridge import parity_flower
+    from fax_bridge.parity import flower as parity_flower
     from fax_bridge.errors import ExportError
     from fax_bridge.flower import bundle
 

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("cryptography")
 
 from fax_bridge.flower.security import local_credentials  # noqa: E402
-from fax_bridge.private_files import UnsafePathError  # noqa: E402
+from fax_bridge.system.private_files import UnsafePathError  # noqa: E402
 
 
 def test_keys_are_private_and_certificates_readable(tmp_path):

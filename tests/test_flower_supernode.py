@@ -61,7 +61,7 @@ def test_the_written_readme_starts_a_warm_supernode_per_share(tmp_path):
 
 
 def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
-    from fax_bridge.process_tree import descendants
+    from fax_bridge.system.process_tree import descendants
 
     population = str(tmp_path / "pop")
     write_population(population, [{"x": np.ones(3, np.float32)} for _ in range(2)])
@@ -84,7 +84,8 @@ def test_ending_the_starter_ends_its_worker_and_supernode(tmp_path):
                 except OSError:
                     pass
             if all(any(part in n for n in names) for part in (
-                    "flower-supernode", "fax_bridge.flower.worker", "fax_bridge/fork_server.py")):
+                    "flower-supernode", "fax_bridge.flower.worker",
+                    "fax_bridge/system/fork_server.py")):
                 started = below
                 break
             time.sleep(0.5)
@@ -116,7 +117,7 @@ def test_superlink_is_read_as_every_other_command_reads_a_superlink(address):
     """`--superlink` takes exactly what `cli_args.connect_address` (`parse_address`, port
     1..65535) takes, in its one spelling; anything else stops argparse naming the flag
     and parse_address's reason, before a worker or SuperNode starts."""
-    from fax_bridge import addresses
+    from fax_bridge.system import addresses
     from fax_bridge.errors import AddressError
 
     base = ["--insecure", "--population", "/nowhere", f"--superlink={address}"]

@@ -1,4 +1,4 @@
-"""Processes forked from one server (fax_bridge.forks, fork_server, fork_protocol): a
+"""Processes forked from one server (fax_bridge.system.forks, fork_server, fork_protocol): a
 fleet's devices and their XLA import helpers, their exit status, the server's lifetime,
 the fresh-interpreter start where the server cannot fork, and the server as a trust
 boundary (hostile requesters, planted paths, another user)."""
@@ -20,7 +20,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import sample_computations as sc
 from processes import alive, as_nobody, children, parent
-from fax_bridge import fork_protocol, fork_server, forks
+from fax_bridge.system import fork_protocol, fork_server, forks
 from fax_bridge.fleet import security
 from fax_bridge.fleet.launcher import DEVICE_MODULES, LocalFleet
 

@@ -12,7 +12,8 @@ import sys
 
 import numpy as np
 
-from fax_bridge import cli, output_folders
+from fax_bridge import cli
+from fax_bridge.system import output_folders
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -41,7 +42,8 @@ def test_litert_writes_the_model_manifest_example_and_a_passing_check(tmp_path, 
         top = np.float32(np.abs(example[t["name"]]).max())
         assert 0 <= t["bound"] <= 2 * (1e-4 * top + np.spacing(top)), (t, top)
     # each output's bound, element by element, is twice the rounding analysis's
-    from fax_bridge import parity_rounding, tracing
+    from fax_bridge.parity import rounding as parity_rounding
+    from fax_bridge.language import tracing
     from fax_bridge.tff.cli import resolve_program
 
     prog, args, placements = resolve_program(f"{QUICKSTART}:fedavg_round", 3)

@@ -1,6 +1,6 @@
 """Client maps of every shape through every LiteRT entry point: a map of no operands (as
 the DP aggregator's count of present clients), of no outputs, of one input or several,
-of nested pytrees and scalars. The rounding bounds (`parity_rounding`, which `fax-bridge
+of nested pytrees and scalars. The rounding bounds (`parity.rounding`, which `fax-bridge
 litert` and `check_parity(client_runtime="litert")` use) are made for all of them, and
 the round converts and runs alike in `fax-bridge litert`, in process, on a LiteRT
 fleet and where `fax-bridge flower --litert` writes an app."""
@@ -14,10 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge import in_process, parity_rounding, privacy, tracing
+from fax_bridge import in_process, privacy
+from fax_bridge.parity import rounding as parity_rounding
+from fax_bridge.language import tracing
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.litert import carried, manifest, runner
-from fax_bridge.parity import check_parity
+from fax_bridge.parity.check import check_parity
 from fax_bridge.rounds import round_split
 from fax_bridge.runtime import interpreter, values
 

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge import in_process, parity_rounding, tracing
+from fax_bridge import in_process
+from fax_bridge.parity import rounding as parity_rounding
+from fax_bridge.language import tracing
 from fax_bridge.errors import ArgumentError
 from fax_bridge.litert import convert, flatbuffer, lowering, refusals, runner
 from fax_bridge.rounds import round_split as P
@@ -365,7 +367,7 @@ def test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound
     result is wrong by a relative 1e-4 in one element is caught on the leaf it feeds."""
     from perturbed_runtime import Perturbed
 
-    from fax_bridge.parity import bounded_leaves
+    from fax_bridge.parity.check import bounded_leaves
 
     params, data, loss = _layer_case(family, np.random.default_rng(3))
 

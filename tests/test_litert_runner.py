@@ -19,7 +19,7 @@ from fax_bridge import in_process
 from fax_bridge.errors import ArgumentError
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.litert import convert, runner
-from fax_bridge.parity import check_parity
+from fax_bridge.parity.check import check_parity
 from fax_bridge.rounds import client_runtime
 from fax_bridge.rounds import round_split as P
 from fax_bridge.runtime import interpreter, values

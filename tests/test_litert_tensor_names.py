@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import fax_bridge as fb
-from fax_bridge import pytree_names
+from fax_bridge.language import pytree_names
 from fax_bridge.litert import lowering, manifest, tensor_names
 from fax_bridge.rounds import round_split
 from fax_bridge.tff.cli import load_target, resolve_program

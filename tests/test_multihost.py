@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fax_bridge as fb
-from fax_bridge import multihost
+from fax_bridge.local import multihost
 
 N = 16
 
@@ -27,7 +27,7 @@ WORKER = textwrap.dedent("""
     import json, sys
     import numpy as np
     process_id, num_processes, port, n = map(int, sys.argv[1:5])
-    from fax_bridge import multihost
+    from fax_bridge.local import multihost
     multihost.initialize(f"127.0.0.1:{port}", num_processes, process_id,
                          initialization_timeout_s=60)
     import jax, jax.numpy as jnp
@@ -101,7 +101,7 @@ WORKER_2D = textwrap.dedent("""
     import json, sys
     import numpy as np
     process_id, num_processes, port, n = map(int, sys.argv[1:5])
-    from fax_bridge import multihost
+    from fax_bridge.local import multihost
     multihost.initialize(f"127.0.0.1:{port}", num_processes, process_id,
                          initialization_timeout_s=60)
     import jax, jax.numpy as jnp

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from processes import as_nobody
-from fax_bridge import output_folders
+from fax_bridge.system import output_folders
 from fax_bridge.errors import OutputError
 
 NAMES = ["a", "b", "README.md", "pyproject.toml", ".flwr", "config.toml", "node-0", "ü",

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import fax_bridge as fb
 from fax_bridge import cli
 from fax_bridge.errors import ArgumentError
-from fax_bridge.parity import compare_leaves
+from fax_bridge.parity.check import compare_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
@@ -154,8 +154,8 @@ def test_parity_command_with_flower_checks_on_a_deployment(monkeypatch, capsys):
     """`fax-bridge parity ... --flower --devices 3 --rounds 2` asks check_parity for a
     Flower deployment of 3 SuperNodes and 2 rounds, prints its table, and exits 1 when
     the result lacks the fleet plan's bits."""
-    from fax_bridge import parity
-    from fax_bridge.parity_report import LeafParity, ParityReport
+    from fax_bridge.parity import check as parity
+    from fax_bridge.parity.report import LeafParity, ParityReport
 
     asked = {}
 

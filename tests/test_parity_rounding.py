@@ -10,10 +10,10 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge.parity import check_parity, compare_leaves
-from fax_bridge.parity_rounding import Rounding, aggregation_roundings, explain
+from fax_bridge.parity.check import check_parity, compare_leaves
+from fax_bridge.parity.rounding import Rounding, aggregation_roundings, explain
 from fax_bridge.runtime import run_computation
-from fax_bridge.tracing import trace
+from fax_bridge.language.tracing import trace
 
 N = 6
 
@@ -141,8 +141,8 @@ def test_float32_results_stay_within_the_evaluation_bound_of_the_exact_result(se
     functions and the mean over clients; so does the first-order analysis alone. The
     bound is under 1e-4 of the output's values (a bound above it would pass answers
     wrong by that much), and says which method gave it."""
-    from fax_bridge.parity_first_order import first_order_bounds
-    from fax_bridge.parity_rounding import FIRST_ORDER, SHADOW, evaluation_bounds
+    from fax_bridge.parity.first_order import first_order_bounds
+    from fax_bridge.parity.rounding import FIRST_ORDER, SHADOW, evaluation_bounds
 
     rng = np.random.default_rng(seed)
     w = (rng.normal(size=4) * scale).astype(np.float32)
@@ -203,7 +203,8 @@ def test_loop_bounds_hold_and_do_not_grow_geometrically_with_the_local_steps(see
     by each op's |J| every step (hundreds on a loss of a few tenths)."""
     import jax
 
-    from fax_bridge import parity_first_order, parity_rounding
+    from fax_bridge.parity import first_order as parity_first_order
+    from fax_bridge.parity import rounding as parity_rounding
 
     rng = np.random.default_rng(seed)
     params = ((rng.normal(size=(3, 3, 2, 4)) * 0.3).astype(np.float32),
@@ -256,7 +257,7 @@ def test_a_decode_sum_is_bounded_client_by_client_then_as_a_sum(seed, scale):
     """`evaluation_bounds` decodes each client's member with its bounds (the scale's
     rounding at the client carried through the decoder) and sums as `federated_sum`
     does: jit's float32 result is within it of the exact sum of the same codes."""
-    from fax_bridge.parity_rounding import aggregand_bounds, evaluation_bounds
+    from fax_bridge.parity.rounding import aggregand_bounds, evaluation_bounds
 
     rng = np.random.default_rng(seed)
     x = (rng.normal(size=(4, 6)) * scale).astype(np.float32)

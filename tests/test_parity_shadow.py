@@ -1,4 +1,4 @@
-"""The float64 shadow (`parity_shadow`): the program's own float64 truth, where user code
+"""The float64 shadow (`parity.shadow`): the program's own float64 truth, where user code
 fixes float32 (a scan carry made with `jnp.zeros(..., jnp.float32)`, which a float64
 re-run under x64 refuses), and bounds that hold jit's float32 result to it, under 1e-4
 of the values, drawn alike run to run."""
@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge import parity_shadow
-from fax_bridge.tracing import trace
+from fax_bridge.parity import shadow as parity_shadow
+from fax_bridge.language.tracing import trace
 
 
 @fb.program(clients=2)

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 import fax_bridge as fb
 from fax_bridge.errors import AggregationError
 from fax_bridge.runtime import aggregation, run_computation
-from fax_bridge.placements import (Placement, aggregate_refusal, broadcast_placements,
+from fax_bridge.language.placements import (Placement, aggregate_refusal, broadcast_placements,
                                    parse_placement)
 
 S, C = Placement.SERVER, Placement.CLIENTS

@@ -11,10 +11,10 @@ from federated_language.compiler import intrinsic_defs
 from jax._src import core
 
 import fax_bridge as fb
-from fax_bridge import primitive_facts, primitives, secure
+from fax_bridge.language import primitive_facts, primitives, secure
 from fax_bridge.errors import ArgumentError
-from fax_bridge.placements import Placement
-from fax_bridge.primitive_facts import Batching, Movement, PrimitiveFacts, facts_of
+from fax_bridge.language.placements import Placement
+from fax_bridge.language.primitive_facts import Batching, Movement, PrimitiveFacts, facts_of
 from fax_bridge.runtime import aggregation
 from fax_bridge.runtime import intrinsics as runtime_intrinsics
 from fax_bridge.runtime.interpreter import interpret

@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 import fax_bridge as fb
-from fax_bridge import primitives as P
+from fax_bridge.language import primitives as P
 
 N = 4
 WEIGHTS = jnp.arange(1.0, N + 1.0)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge import lowering
+from fax_bridge.language import lowering
 
 FLOATS = {np.float32: 2e-6, jnp.bfloat16: 2e-2, np.float16: 2e-3}
 

@@ -1,4 +1,4 @@
-"""fax_bridge.private_files: a folder or file another local user made first, can write
+"""fax_bridge.system.private_files: a folder or file another local user made first, can write
 into, or planted as a link is refused naming its path, and nothing is written through
 it; what is ours is made, verified, narrowed and replaced whole."""
 
@@ -12,9 +12,9 @@ import uuid
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import FaxBridgeError
-from fax_bridge.private_files import UnsafePathError
+from fax_bridge.system.private_files import UnsafePathError
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user")
 ROOTS_TEXT = b"root's own file\n"

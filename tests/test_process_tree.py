@@ -1,4 +1,4 @@
-"""fax_bridge.process_tree: a process's tree read from /proc, and ending it whole."""
+"""fax_bridge.system.process_tree: a process's tree read from /proc, and ending it whole."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fax_bridge import process_tree
+from fax_bridge.system import process_tree
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(f"/proc/{os.getpid()}"),
                                 reason="needs Linux /proc")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from hypothesis import given, settings, strategies as st
 
 import fax_bridge as fb
-from fax_bridge import pytree_names
+from fax_bridge.language import pytree_names
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,7 +14,7 @@ from fax_bridge.fleet.config import FleetConfig
 from fax_bridge.fleet.launcher import LocalFleet
 from fax_bridge.litert import runner
 from fax_bridge.litert.runner import LiteRTClientRuntime
-from fax_bridge.parity import check_parity
+from fax_bridge.parity.check import check_parity
 from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds import round_split
 from fax_bridge.runtime import interpreter, values

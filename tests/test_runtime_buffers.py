@@ -217,7 +217,7 @@ def test_the_cap_is_one_environment_variable_read_when_first_used(monkeypatch):
     import subprocess
     import sys
 
-    from fax_bridge import env_settings
+    from fax_bridge.system import env_settings
 
     # One fresh interpreter: a bad value never fails the import, and the value the
     # variable holds when the cap is first used is the one read.

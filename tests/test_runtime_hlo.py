@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fax_bridge import forks
+from fax_bridge.system import forks
 from fax_bridge.errors import ComputationError, ExportError, HloModuleError
 from fax_bridge.runtime import hlo, hlo_import
 from fax_bridge.tff import xla as tff_xla
@@ -38,7 +38,7 @@ def fork_server():
 @pytest.fixture(params=["fresh", "forked"])
 def helpers(request, monkeypatch):
     """Where the helper processes come from: a fresh interpreter each, or (as in a
-    device forked by `fax_bridge.forks`) forked by the server that forked this process.
+    device forked by `fax_bridge.system.forks`) forked by the server that forked this process.
     Either way the process has its own importer and remembers no verdict yet."""
     if request.param == "forked":
         server = request.getfixturevalue("fork_server")

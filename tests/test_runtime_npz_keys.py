@@ -117,7 +117,7 @@ def test_npz_keys_never_collide_and_round_trip_through_a_file(tmp_path_factory, 
     """Any element names (dots, %, backslashes, NUL, digits, empty) give one distinct key
     per tensor, which `split_npz_key` reads back as the tensor's path, and a result
     saved and loaded comes back as the same argument."""
-    from fax_bridge import cli_args
+    from fax_bridge.system import cli_args
 
     t = server(t) if placed else t
     local = values.to_local(_fill(t.member if placed else t, [0]), t.member if placed else t)

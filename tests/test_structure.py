@@ -18,36 +18,44 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "fax_bridge"
 
-# Bottom to top; each inner tuple a layer of groups, each group a tuple of the top-level
-# names (modules or packages of fax_bridge) it holds.
+
+# Bottom to top; each inner tuple a layer of groups, each group a tuple of names:
+# top-level modules and packages of fax_bridge (a room: `language`), or dotted
+# modules of a room that sit in another layer than their room (`language.placements`).
+# A module's layer is that of the longest name that is it or holds it.
 LAYERS: tuple = (
-    # base: errors, placements, the primitives' records, addresses, data, wire protos
-    # and the trust-boundary helpers: private files and output folders, process trees,
-    # the fork server and its protocol, FAX_BRIDGE_* settings, the chunk size choice
-    (("errors", "placements", "member_rules", "primitive_facts", "pytree_names",
-      "addresses", "cli_args", "parity_report", "forks", "fork_protocol", "fork_server",
-      "private_files", "output_folders", "process_tree", "env_settings", "execution", "npz_files",
-      "data", "v1"),),
+    # base: errors, the language's records (placements, member rules, primitive
+    # facts, pytree names), the chunk size a program declares, the parity report,
+    # system/ (the trust boundaries' helpers, processes and forks), data, wire protos
+    (("errors", "language.placements", "language.member_rules", "language.primitive_facts",
+     "language.pytree_names", "system", "parity.report", "local.execution", "data", "v1"),),
     # the federated language and its jit path, and what is written in it
-    (("tracing", "local", "lowering", "primitives", "chunk_size", "chunking", "api", "chunk_stream",
-      "secure", "drjax",
-      "multihost", "algorithms", "privacy"),),
-    (("runtime",),),      # the proto machine: grammar, evaluator, values, exact sums, HLO
-    (("tff",),),          # export to TFF protos, forms
-    (("rounds", "litert"),),  # round split, engine, policy, checkpoints, codecs, checks;
-    # the client part as a LiteRT model (`litert`) beside its XLA form
-    (("in_process",), ("fleet",), ("flower",)),  # transports, beside each other
-    (("parity", "parity_rounding", "parity_first_order", "parity_shadow", "parity_flower",
-      "flower_results"),),
+    (("language", "local", "api", "drjax", "algorithms", "privacy"),),
+    # the proto machine: grammar, evaluator, values, exact sums, HLO
+    (("runtime",),),
+    # export to TFF protos, forms
+    (("tff",),),
+    # round split, engine, policy, checkpoints, codecs, checks; the client part
+    # as a LiteRT model (`litert`) beside its XLA form
+    (("rounds", "litert"),),
+    # transports, beside each other
+    (("in_process",), ("fleet",), ("flower",),),
+    # the parity check
+    (("parity",),),
 )
 
 
-def _group_of(top: str) -> tuple[int, int]:
-    for level, groups in enumerate(LAYERS):
-        for g, names in enumerate(groups):
-            if top in names:
-                return level, g
-    raise KeyError(top)
+def _group_of(module: str) -> tuple[int, int]:
+    """(layer, group) of a fax_bridge module: those of the longest name in `LAYERS` (a
+    top-level module or package, or a dotted module inside a room) that is it or holds it."""
+    parts = module.split(".")[1:]
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        for level, groups in enumerate(LAYERS):
+            for g, names in enumerate(groups):
+                if name in names:
+                    return level, g
+    raise KeyError(module)
 
 
 def _modules(pkg: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -94,14 +102,14 @@ def upward_imports(pkg: pathlib.Path = PKG) -> list[str]:
     for module, path in sorted(mods.items()):
         if _is_entry_point(module):
             continue
-        mine = _group_of(module.split(".")[1])
+        mine = _group_of(module)
         for line, target in _imports(module, path, mods):
             if target == "fax_bridge":
                 bad.append(f"{path.relative_to(pkg.parent)}:{line}: {module} imports the "
                            "package root (everything); import the module that defines "
                            "the name")
                 continue
-            theirs = _group_of(target.split(".")[1])
+            theirs = _group_of(target)
             if theirs[0] > mine[0] or (theirs[0] == mine[0] and theirs[1] != mine[1]):
                 bad.append(f"{path.relative_to(pkg.parent)}:{line}: {module} (layer "
                            f"{mine[0]}) imports {target} (layer {theirs[0]}"
@@ -109,14 +117,20 @@ def upward_imports(pkg: pathlib.Path = PKG) -> list[str]:
     return bad
 
 
-def test_every_top_level_name_has_a_layer():
-    tops = {p.stem if p.suffix == ".py" else p.name for p in PKG.iterdir()
-            if (p.suffix == ".py" or (p / "__init__.py").exists())
-            and p.name != "__init__.py"}
-    missing = sorted(t for t in tops if not _is_entry_point(f"fax_bridge.{t}")
-                     and not any(t in names for groups in LAYERS for names in groups))
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in _modules(PKG) if m != "fax_bridge"
+                     and not _is_entry_point(m) and not _has_layer(m))
     assert not missing, (f"{missing} have no layer in tests/test_structure.py's LAYERS: "
-                         "add each where its imports put it (and to docs/structure.md)")
+                         "add each (its room, or its dotted name) where its imports put "
+                         "it (and to docs/structure.md)")
+
+
+def _has_layer(module: str) -> bool:
+    try:
+        _group_of(module)
+    except KeyError:
+        return False
+    return True
 
 
 def test_imports_run_only_down_the_layers():
@@ -140,6 +154,20 @@ def test_the_check_finds_an_upward_import(tmp_path):
                    "fax_bridge.fleet.pool (layer 5)"]
 
 
+def test_the_check_reads_a_room_by_its_dotted_names(tmp_path):
+    """A room's module listed below its room (`language.placements`) importing one of the
+    room's higher modules is named, with both layers."""
+    pkg = tmp_path / "fax_bridge"
+    (pkg / "language").mkdir(parents=True)
+    for f in ("__init__.py", "language/__init__.py", "language/tracing.py", "errors.py"):
+        (pkg / f).write_text('"""x"""\n')
+    (pkg / "language" / "placements.py").write_text(
+        '"""x"""\nfrom fax_bridge.language import tracing\n')
+    assert upward_imports(pkg) == [
+        "fax_bridge/language/placements.py:2: fax_bridge.language.placements (layer 0) "
+        "imports fax_bridge.language.tracing (layer 1)"]
+
+
 @pytest.mark.parametrize("module", ["fax_bridge.cli", "fax_bridge.flower.cli",
                                     "fax_bridge.fleet.device_cli", "fax_bridge"])
 def test_entry_points_sit_on_top(module):
@@ -155,3 +183,21 @@ def test_the_files_run_first_are_test_files_named_once():
     names = conftest.LONGEST_FIRST
     assert len(set(names)) == len(names)
     assert [n for n in names if not (here / n).is_file()] == []
+
+
+OLD_TOP_PATHS = {
+    "cli_args": "fax_bridge.system.cli_args",
+    "flower_results": "fax_bridge.parity.flower_results",
+    "multihost": "fax_bridge.local.multihost",
+}
+
+
+def test_modules_served_at_the_top_are_their_rooms_modules():
+    """Programs that import these modules from the package's top (`from fax_bridge
+    import multihost`) get the module of its room."""
+    import importlib
+
+    import fax_bridge
+
+    for old, new in OLD_TOP_PATHS.items():
+        assert getattr(fax_bridge, old) is importlib.import_module(new)

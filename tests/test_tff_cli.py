@@ -65,5 +65,5 @@ def test_targets_that_cannot_be_resolved_say_why(module_file, tmp_path):
     ]:
         with pytest.raises(FaxBridgeError, match=message):
             cli.resolve_program(spec, 2)
-    module, fn, name = cli.load_target("fax_bridge.placements:parse_placement")
+    module, fn, name = cli.load_target("fax_bridge.language.placements:parse_placement")
     assert name == "parse_placement" and callable(fn)

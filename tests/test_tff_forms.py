@@ -16,7 +16,7 @@ from federated_language.common_libs import structure
 from federated_language.proto.computation_pb2 import Computation
 
 import fax_bridge as fb
-from fax_bridge import output_folders
+from fax_bridge.system import output_folders
 from fax_bridge.cli import main as cli_main
 from fax_bridge.runtime.interpreter import evaluate
 from fax_bridge.tff import forms

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fax_bridge as fb
-from fax_bridge.placements import Placement
+from fax_bridge.language.placements import Placement
 from fax_bridge.tff import stages
 
 N = 4

@@ -187,7 +187,7 @@ def test_locations_point_at_the_program_s_own_code_algorithms_included():
     (whose rounds are programs like a user's), never fax_bridge's machinery."""
     import os
 
-    from fax_bridge import tracing
+    from fax_bridge.language import tracing
     from fax_bridge.algorithms import fed_sgd
 
     def _loc_files(comp):
@@ -217,9 +217,9 @@ def test_machinery_is_the_package_directory_itself_not_its_name_as_a_prefix():
     machinery, except `fax_bridge.algorithms`."""
     import os
 
-    from fax_bridge import tracing
+    from fax_bridge.language import tracing
 
-    package = os.path.dirname(os.path.abspath(tracing.__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(tracing.__file__)))
     assert tracing.is_machinery(os.path.join(package, "api.py"))
     assert tracing.is_machinery(os.path.join(package, "fleet", "plan.py"))
     assert not tracing.is_machinery(os.path.join(package, "algorithms", "fedsgd.py"))

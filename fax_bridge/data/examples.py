@@ -32,7 +32,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.data import checks
 from fax_bridge.errors import DataError
 

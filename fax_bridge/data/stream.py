@@ -17,7 +17,7 @@ none, or the new one, never new bytes under the old layout (a store that opened 
 both while they were renamed refuses its first read: `ClientStore.check`); a write that
 fails (a generator that raises, a full disk) leaves the old population as it was. Its files
 are read as another party's (`population.json` and `offsets.npy` through
-`fax_bridge.private_files` and `npz_files.parse_npy`): regular files only (a FIFO
+`fax_bridge.system.private_files` and `npz_files.parse_npy`): regular files only (a FIFO
 never blocks the reader, a link is refused), sizes bounded before they are read, the
 layout's numbers whole and finite, and every array's dtype a number type
 (`checks.numeric_dtype`), so bytes are never read as object pointers.
@@ -37,7 +37,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from fax_bridge import npz_files, private_files
+from fax_bridge.system import npz_files, private_files
 from fax_bridge.data import checks
 from fax_bridge.data.padding import PaddedClients, pad_clients
 from fax_bridge.errors import DataError

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge.errors import ArgumentError, FleetError
 from fax_bridge.fleet import security
 from fax_bridge.fleet.device_process import serve

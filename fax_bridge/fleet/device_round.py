@@ -21,7 +21,7 @@ import grpc
 
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet import shared_memory
-from fax_bridge.primitive_facts import SECURE_KINDS
+from fax_bridge.language.primitive_facts import SECURE_KINDS
 from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds import partials, wire
 from fax_bridge.fleet.device_common import RpcError, value_bytes

@@ -24,7 +24,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import FleetError
 from fax_bridge.fleet.protocol import parse_address
 

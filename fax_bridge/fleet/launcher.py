@@ -5,7 +5,7 @@
         print(fleet.last_report.summary())
 
 Each device is `python -m fax_bridge.fleet.device_cli --listen 127.0.0.1:0` in its own
-process group, forked by a server that has already imported it (`fax_bridge.forks`: a device
+process group, forked by a server that has already imported it (`fax_bridge.system.forks`: a device
 then starts without importing jax again) where the platform allows, else started as a
 fresh interpreter; the fleet reads the port each one prints, waits for Health, and on exit
 (normal, exception or Ctrl-C) stops every process: SIGTERM to the group, SIGKILL after a
@@ -36,10 +36,10 @@ import weakref
 from typing import Any, Optional, Union
 
 from fax_bridge.errors import FleetError
-from fax_bridge import forks, private_files
+from fax_bridge.system import forks, private_files
 from fax_bridge.fleet import security
 from fax_bridge.fleet import shared_memory as shm
-from fax_bridge.process_tree import signal_group
+from fax_bridge.system.process_tree import signal_group
 from fax_bridge.fleet.config import FleetConfig, resolve_config
 from fax_bridge.rounds.policy import RoundPolicy, resolve_policy
 from fax_bridge.fleet.session import FleetRounds

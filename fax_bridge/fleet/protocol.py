@@ -2,7 +2,7 @@
 
 Both sides import these from here (the device server never imports the client side and
 the client never imports the server). HOST:PORT strings are read by
-`fax_bridge.addresses` and the clients' blocks cut by `data.partition.contiguous_blocks`
+`fax_bridge.system.addresses` and the clients' blocks cut by `data.partition.contiguous_blocks`
 (re-exported here as `parse_address`, `format_address` and `partition`). Nothing here
 needs gRPC.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fax_bridge.addresses import format_address, parse_address  # noqa: F401 (re-exported)
+from fax_bridge.system.addresses import format_address, parse_address  # noqa: F401 (re-exported)
 from fax_bridge.data.partition import contiguous_blocks as partition  # noqa: F401
 from fax_bridge.errors import FleetError
 

@@ -20,7 +20,7 @@ import sys
 import federated_language
 import numpy as np
 
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge.errors import ComputationError, FaxBridgeError
 
 

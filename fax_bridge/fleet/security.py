@@ -23,7 +23,7 @@ from typing import Mapping, Optional, Sequence
 
 import grpc
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import FleetError
 
 TOKEN_ENV = "FAX_BRIDGE_FLEET_TOKEN"

@@ -8,5 +8,5 @@ SuperNode's warm `worker`; `records` lays a round's values out as Flower records
 `nodes` finds the SuperNodes and exchanges messages with them;
 `deployment.LocalDeployment` starts a SuperLink and SuperNodes on loopback. A run's
 result read back as the round's pytree, and a run compared with jit:
-`fax_bridge.flower_results` (`load_result`, `compare_with_jit`). See docs/flower.md.
+`fax_bridge.parity.flower_results` (`load_result`, `compare_with_jit`). See docs/flower.md.
 """

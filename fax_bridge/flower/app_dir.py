@@ -28,7 +28,7 @@ import re
 import shlex
 from typing import Optional, Sequence, Union
 
-from fax_bridge import output_folders
+from fax_bridge.system import output_folders
 from fax_bridge.errors import ExportError
 from fax_bridge.flower.bundle import (FILE_NAME, LITERT_DIR, MAX_BUNDLE_BYTES,
                                       FlowerRound, models_dir, state_in_bundle, write_round)
@@ -335,7 +335,7 @@ def write_app(made: FlowerRound, folder: str, *, superlink: str = "127.0.0.1:909
     Returns:
       The paths written, in the folder.
     """
-    from fax_bridge.addresses import normalized
+    from fax_bridge.system.addresses import normalized
 
     superlink = normalized(superlink, "the SuperLink address")
     packed = litert_models(made) if litert is True else list(litert or [])

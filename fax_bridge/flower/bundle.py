@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from federated_language.common_libs import structure
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import ComputationError, ExportError, FleetError
 from fax_bridge.flower.round_refusals import refuse_arity, refuse_phased
 from fax_bridge.rounds import round_split
@@ -149,7 +149,7 @@ def build_round(fn: Callable, *args: Any, placements: Any = None,
     """The Flower round of a program and its example arguments (module docstring)."""
     from fax_bridge.tff import forms
 
-    from fax_bridge import pytree_names
+    from fax_bridge.language import pytree_names
     from fax_bridge.litert import manifest
 
     if len(args) > 2:  # several trips or client state first: it runs elsewhere
@@ -181,7 +181,7 @@ def _element_names(fn: Callable, comp) -> list:
     `server_state` / `client_data` (its members then positional)."""
     import jax
 
-    from fax_bridge.placements import Placement
+    from fax_bridge.language.placements import Placement
     from fax_bridge.tff import export
 
     tree = jax.tree_util.tree_unflatten(comp.in_tree, list(range(len(comp.in_avals))))

@@ -28,7 +28,7 @@ import argparse
 import os
 import sys
 
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge.errors import FaxBridgeError
 
 
@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
           f"(start the SuperLink and SuperNodes first: {args.output}/README.md)")
     if not args.check:
         return 0
-    from fax_bridge.parity_flower import check_app
+    from fax_bridge.parity.flower import check_app
 
     if args.litert:  # the check's nodes run the model the app carries
         nodes = [dict(c, **{"client-runtime": "litert"}) for c in nodes]

@@ -51,11 +51,11 @@ import sys
 import time
 from typing import Callable, Optional
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import FleetError
 from fax_bridge.flower.toml_text import (CONNECTION, connection_toml,
                                          node_config_text)
-from fax_bridge.process_tree import descendants, end_group, signal_all
+from fax_bridge.system.process_tree import descendants, end_group, signal_all
 
 log = logging.getLogger("fax_bridge.flower")
 LOOPBACK = "127.0.0.1"

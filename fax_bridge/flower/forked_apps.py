@@ -6,7 +6,7 @@ Flower (about 2.8 CPU-seconds, several seconds of every round on a busy machine)
 its daemons (`flower-superlink`, `flower-supernode`, the `flower-superexec` each
 starts) and the `flwr` CLI. So a deployment started here (`deployment.LocalDeployment`,
 `python -m fax_bridge.flower.supernode`) gives each SuperNode, and its SuperLink, a
-fork server (`fax_bridge.forks`) that has imported what those commands import,
+fork server (`fax_bridge.system.forks`) that has imported what those commands import,
 listening on a Unix socket in a private folder, and leads that host's PATH with the
 folder's `bin/`, where each of `COMMANDS` runs `main` here; `LocalDeployment` also
 starts the SuperLink, its SuperNodes and `flwr` through them (`AppForks.command`).
@@ -22,8 +22,8 @@ command in its place (exec), as it would without any of this.
 
 This file imports only the standard library and loads `forks` by its path, never
 fax_bridge's package (whose `__init__` loads jax): the commands run it as a script. The
-server side (`AppForks`, `write_commands`) imports `fax_bridge.forks` and
-`fax_bridge.private_files` when it is called.
+server side (`AppForks`, `write_commands`) imports `fax_bridge.system.forks` and
+`fax_bridge.system.private_files` when it is called.
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def _forks():
-    """`fax_bridge.forks`: the imported module where there is one, else loaded by path."""
-    if "fax_bridge.forks" in sys.modules:
-        return sys.modules["fax_bridge.forks"]
+    """`fax_bridge.system.forks`: the imported module where there is one, else loaded by path."""
+    if "fax_bridge.system.forks" in sys.modules:
+        return sys.modules["fax_bridge.system.forks"]
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "forks.py")
+                        "system", "forks.py")
     spec = importlib.util.spec_from_file_location("_fax_bridge_forks", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -117,7 +117,7 @@ def write_commands(folder: str, python: str = sys.executable) -> str:
     folder. Each is written anew and renamed into place (`private_files`): a link or
     another user's file planted under a command's name is refused, never written
     through."""
-    from fax_bridge import private_files
+    from fax_bridge.system import private_files
 
     bin_dir = private_files.private_dir(os.path.join(folder, "bin"))
     for name, entry in COMMANDS.items():
@@ -150,7 +150,7 @@ class AppForks:
 
     def __init__(self, folder: str, env: dict, modules: Sequence[str],
                  prefix: Sequence[str] = (), python: str = sys.executable):
-        from fax_bridge import private_files
+        from fax_bridge.system import private_files
 
         folder = private_files.private_dir(folder)
         self.folder, self.socket = folder, os.path.join(folder, "forks.sock")
@@ -174,7 +174,7 @@ class AppForks:
         self._thread.start()
 
     def _start(self, python: str, env: dict, modules: tuple, prefix: list) -> None:
-        from fax_bridge import forks
+        from fax_bridge.system import forks
 
         try:
             self.server = forks.ForkServer.start(
@@ -192,7 +192,7 @@ class AppForks:
         """How many commands the server has forked so far."""
         try:
             with open(self.log_path, "rb") as f:
-                return f.read().count(b"fax_bridge.forks: forked ")
+                return f.read().count(b"fax_bridge.system.forks: forked ")
         except OSError:
             return 0
 

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from fax_bridge import output_folders
+from fax_bridge.system import output_folders
 from fax_bridge.errors import FleetError
 
 KIND = "populations"  # their entries in the folder's record

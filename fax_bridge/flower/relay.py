@@ -222,12 +222,12 @@ def token_matches(given: Optional[str], token: str) -> bool:
 
 
 def _private_files():
-    """`fax_bridge.private_files`: imported where fax_bridge's package is, else loaded
+    """`fax_bridge.system.private_files`: imported where fax_bridge's package is, else loaded
     by its path (this module never loads the package, which loads jax)."""
     if "fax_bridge" in sys.modules:
-        return importlib.import_module("fax_bridge.private_files")
+        return importlib.import_module("fax_bridge.system.private_files")
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "private_files.py")
+                        "system", "private_files.py")
     spec = importlib.util.spec_from_file_location("_fax_bridge_private_files", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

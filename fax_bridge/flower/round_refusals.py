@@ -114,7 +114,7 @@ def refuse_phased(fn: Callable, args: tuple, placements: Any = None,
     asks its clients more than once or keeps state at them (the trips and what each
     client keeps between them, the CLIENTS state, why a SuperNode cannot hold it, and
     where the round runs instead); returns for any other round."""
-    from fax_bridge import tracing
+    from fax_bridge.language import tracing
     from fax_bridge.tff import export, forms
 
     if not _takes(fn, len(args)):  # nothing to trace: the caller's arity refusal names it

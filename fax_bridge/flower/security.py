@@ -25,7 +25,7 @@ import ipaddress
 import os
 from typing import Optional
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 
 
 @dataclasses.dataclass(frozen=True)

@@ -290,7 +290,7 @@ class _Outputs:
     says where."""
 
     def __init__(self, folder: str, log=print):
-        from fax_bridge import output_folders
+        from fax_bridge.system import output_folders
 
         self.folder = folder and output_folders.writable_folder(folder, "run config out-dir")
         self.log = log
@@ -314,7 +314,7 @@ class _Outputs:
             self._write_in(self.folder, name, write)
             return
         except OSError as e:
-            from fax_bridge import output_folders
+            from fax_bridge.system import output_folders
 
             failed, self.folder = self.folder, output_folders.rescue_folder("out")
             self.log(f"fax_bridge: run config out-dir {failed} cannot be written "
@@ -391,7 +391,7 @@ def run_server(grid, run_config, bundle_dir: str, log=print) -> Optional[Any]:
     settings = Settings.from_run_config(run_config)
     outputs = _Outputs(settings.out_dir, log)  # folders refused before any node is asked
     if settings.checkpoint_dir:
-        from fax_bridge import output_folders
+        from fax_bridge.system import output_folders
 
         output_folders.writable_folder(settings.checkpoint_dir, "run config checkpoint-dir")
     made = read_round(bundle_dir)

@@ -29,12 +29,12 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from fax_bridge import cli_args, private_files
+from fax_bridge.system import cli_args, private_files
 from fax_bridge.flower import forked_apps
 from fax_bridge.flower.deployment import (LOOPBACK, flower_env, free_port,
                                           node_config_text, wait_port)
 from fax_bridge.flower.worker import share_config, start_worker
-from fax_bridge.process_tree import end_group
+from fax_bridge.system.process_tree import end_group
 
 
 def supernode_command(args: argparse.Namespace, node_config: dict) -> list:

@@ -117,7 +117,7 @@ def start_worker(config: dict, token_file: str, address: str,
     import secrets
     import subprocess
 
-    from fax_bridge import private_files
+    from fax_bridge.system import private_files
 
     token_file = private_files.write_file(token_file, secrets.token_hex(32))
     command = [sys.executable, "-m", "fax_bridge.flower.worker", "--listen", address,

@@ -41,7 +41,7 @@ import re
 import threading
 from typing import Mapping, Optional
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import ComputationError
 from fax_bridge.litert import lowering
 

@@ -23,7 +23,7 @@ import pathlib
 import subprocess
 import sys
 
-from fax_bridge import cli_args, output_folders
+from fax_bridge.system import cli_args, output_folders
 from fax_bridge.errors import FaxBridgeError
 
 
@@ -31,7 +31,7 @@ def _run(args: argparse.Namespace) -> int:
     import federated_language
 
     import fax_bridge as fb
-    from fax_bridge import parity_rounding
+    from fax_bridge.parity import rounding as parity_rounding
     from fax_bridge.litert import carried, manifest
     from fax_bridge.litert.runner import LiteRTClientRuntime
     from fax_bridge.rounds import round_split

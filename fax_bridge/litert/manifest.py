@@ -20,7 +20,7 @@ Tensors are named by pytree path (`tensor_names`: `broadcast/state/params/w0`,
 
 The example client is client 0 of the example arguments, its broadcast values computed
 by the round's server prepare step. Its bounds are twice the rounding analysis's
-(`parity_rounding.aggregand_bounds`, client 0, element by element).
+(`parity.rounding.aggregand_bounds`, client 0, element by element).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from federated_language.common_libs import structure
 
-from fax_bridge import pytree_names
+from fax_bridge.language import pytree_names
 from fax_bridge.litert import convert, lowering, tensor_names
 from fax_bridge.runtime import local_eval
 
@@ -100,7 +100,7 @@ def example_client(split, arg: Any) -> tuple[list, list]:
 
 def output_bounds(split, model: convert.ClientModel, recorded: list) -> list:
     """Per model output, element by element, twice the example client's rounding bound
-    (`parity_rounding.aggregand_bounds`' entries, one per aggregated leaf in evaluation
+    (`parity.rounding.aggregand_bounds`' entries, one per aggregated leaf in evaluation
     order, client 0); None for an output whose aggregation's entries cannot be told
     (another kind or shape than the output's)."""
     entries = list(recorded)
@@ -152,7 +152,7 @@ def fresh(prog):
 def traced_with_paths(prog, args: tuple, placements: Any = None) -> tuple:
     """(`tracing.trace` of the program at `args`, the aggregands' leaf paths as
     `pytree_names.recording_aggregands` saw them), traced anew (`fresh`)."""
-    from fax_bridge import tracing
+    from fax_bridge.language import tracing
 
     with pytree_names.recording_aggregands() as record:
         comp = tracing.trace(fresh(prog), *args, placements=placements)

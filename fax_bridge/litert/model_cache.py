@@ -26,7 +26,7 @@ import pathlib
 import warnings
 from typing import Optional
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import ComputationError
 
 FORMAT = "fax_bridge.litert.cache/1"

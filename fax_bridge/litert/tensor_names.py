@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import federated_language
 
-from fax_bridge import pytree_names
+from fax_bridge.language import pytree_names
 from fax_bridge.litert import lowering
 from fax_bridge.runtime import grammar, local_eval
 

@@ -42,7 +42,7 @@ import numpy as np
 from federated_language.proto import computation_pb2
 from google.protobuf import message as message_pb
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import CheckpointError, ExportError, FleetError
 from fax_bridge.runtime import hlo
 from fax_bridge.tff.types import named_children
@@ -187,7 +187,7 @@ def load(directory: "os.PathLike | str", like: Any = None) -> Optional[Checkpoin
     if not path.exists():
         return None
     try:  # a regular file (a FIFO never blocks), headers checked before any allocation
-        from fax_bridge import npz_files
+        from fax_bridge.system import npz_files
 
         arrays = npz_files.read_npz(path, what="checkpoint")
         header = private_files.parse_json(bytes(arrays.pop("header")), str(path),

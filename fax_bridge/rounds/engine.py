@@ -45,7 +45,7 @@ from federated_language.common_libs import structure
 from federated_language.proto.computation_pb2 import Computation
 
 from fax_bridge.errors import FleetError
-from fax_bridge.primitive_facts import KIND_OF_URI
+from fax_bridge.language.primitive_facts import KIND_OF_URI
 from fax_bridge.rounds import server_steps, validate
 from fax_bridge.rounds.cohort import Cohort
 from fax_bridge.rounds.ids import ClientIds

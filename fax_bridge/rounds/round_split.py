@@ -38,7 +38,7 @@ from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.primitive_facts import KIND_OF_URI, SECURE_KINDS
+from fax_bridge.language.primitive_facts import KIND_OF_URI, SECURE_KINDS
 from fax_bridge.runtime import aggregation, client_map, device_sums, local_eval
 from fax_bridge.runtime.grammar import (free_references, intrinsic_call, lambda_of,
                                         make_reference, make_selection, reference_name,

@@ -48,8 +48,8 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import AggregationError, ComputationError, WeightError
-from fax_bridge.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
-from fax_bridge.primitive_facts import AGGREGATION_KINDS
+from fax_bridge.language.placements import aggregate_refusal, secure_sum_refusal, weights_refusal
+from fax_bridge.language.primitive_facts import AGGREGATION_KINDS
 from fax_bridge.runtime import device_sums, exact, threads
 from fax_bridge.runtime.backend import LocalValue, from_leaves, leaves, unflatten_like
 from fax_bridge.runtime.local_eval import zeros_of_type

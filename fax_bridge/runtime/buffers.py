@@ -58,7 +58,7 @@ def __getattr__(name: str) -> Any:
     """`MAX_KEPT_BYTES`, read from `ENV_VAR` when first used (`env_settings`: never on
     import, so a bad value is one named error where it is used, not an import's)."""
     if name == "MAX_KEPT_BYTES":
-        from fax_bridge import env_settings
+        from fax_bridge.system import env_settings
 
         globals()[name] = value = env_settings.whole_number(ENV_VAR)
         return value

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fax_bridge.errors import AggregationError, ArgumentError, WeightError
-from fax_bridge.placements import weights_refusal
+from fax_bridge.language.placements import weights_refusal
 from fax_bridge.runtime import device_exact
 from fax_bridge.runtime.device_floats import astype, quotient
 

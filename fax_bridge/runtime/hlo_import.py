@@ -3,7 +3,7 @@
 XLA stops its process on internal CHECK failures, and some malformed modules that pass
 `hlo_check` may still make it crash. `Importer.convert` sends the module to a helper
 process (this file run as a script, loading only jaxlib: about 0.25 s to start; in a
-device forked by `fax_bridge.forks`, forked by the same server, with jaxlib loaded) and
+device forked by `fax_bridge.system.forks`, forked by the same server, with jaxlib loaded) and
 reads the StableHLO bytecode back; if the helper dies, the caller gets `Died` with the
 signal and XLA's last words, and the next module starts a fresh helper. `Died.crash`
 says whether XLA itself stopped the helper (SIGABRT on a CHECK, SIGSEGV, ..., or a
@@ -145,7 +145,7 @@ class Importer:
     def _forked(self):
         """A helper (`forks.ForkedProcess`) forked by the server that forked this process
         (a fleet's device), which has jaxlib loaded already; None where there is none."""
-        from fax_bridge import forks  # here: the helper, run as a script, loads jaxlib only
+        from fax_bridge.system import forks  # here: the helper, run as a script, loads jaxlib only
 
         server = forks.ForkServer.inherited()
         if server is None:

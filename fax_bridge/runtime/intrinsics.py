@@ -23,7 +23,7 @@ from federated_language.compiler import intrinsic_defs
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.primitive_facts import AGGREGATION_KINDS, SECURE_KINDS
+from fax_bridge.language.primitive_facts import AGGREGATION_KINDS, SECURE_KINDS
 from fax_bridge.runtime import aggregation, evaluator, local_eval
 from fax_bridge.runtime.backend import ClientsValue
 

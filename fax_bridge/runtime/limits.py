@@ -44,7 +44,7 @@ def __getattr__(name: str) -> Limits:
     """`LIMITS`, read from the environment when first used (`env_settings`: never on
     import, so a bad value is one named error where it is used, not an import's)."""
     if name == "LIMITS":
-        from fax_bridge.env_settings import whole_number
+        from fax_bridge.system.env_settings import whole_number
 
         globals()[name] = value = Limits(
             max_tensor_bytes=whole_number("FAX_BRIDGE_MAX_TENSOR_BYTES"),

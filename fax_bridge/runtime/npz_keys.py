@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional
 import federated_language
 import numpy as np
 
-from fax_bridge.npz_files import (MAX_EXPANSION, MAX_NPZ_FILE_BYTES,  # noqa: F401
+from fax_bridge.system.npz_files import (MAX_EXPANSION, MAX_NPZ_FILE_BYTES,  # noqa: F401
                                   NpzUnreadable, file_sha256, read_npz)
 from fax_bridge.errors import ComputationError
 from fax_bridge.runtime.values import from_pytree, to_pytree

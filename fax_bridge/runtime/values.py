@@ -37,7 +37,7 @@ import numpy as np
 from federated_language.common_libs import structure
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.pytree_names import named_children
+from fax_bridge.language.pytree_names import named_children
 from fax_bridge.runtime.backend import ClientRows, ClientsValue, leaves
 from fax_bridge.runtime.population import PopulationRef
 from fax_bridge.runtime.result_structure import with_structure

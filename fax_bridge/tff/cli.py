@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from federated_language.compiler import building_blocks
 
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge.api import Program, program
 from fax_bridge.errors import FaxBridgeError
 from fax_bridge.tff.export import export_tff

@@ -24,10 +24,10 @@ from federated_language.compiler import building_blocks as bb
 from federated_language.compiler import intrinsic_defs
 from jax._src import core
 
-from fax_bridge import primitives as P
-from fax_bridge import secure as S
-from fax_bridge.placements import Placement
-from fax_bridge.primitive_facts import facts_of
+from fax_bridge.language import primitives as P
+from fax_bridge.language import secure as S
+from fax_bridge.language.placements import Placement
+from fax_bridge.language.primitive_facts import facts_of
 from fax_bridge.tff import xla as tff_xla
 
 

@@ -35,12 +35,12 @@ from federated_language.proto import computation_pb2
 from google.protobuf.message import DecodeError
 from jax._src import core
 
-from fax_bridge import primitives as P
-from fax_bridge import tracing
+from fax_bridge.language import primitives as P
+from fax_bridge.language import tracing
 from fax_bridge.errors import ExportError
-from fax_bridge.member_rules import ELEMENTWISE
-from fax_bridge.placements import Placement
-from fax_bridge.primitive_facts import Movement, facts_of
+from fax_bridge.language.member_rules import ELEMENTWISE
+from fax_bridge.language.placements import Placement
+from fax_bridge.language.primitive_facts import Movement, facts_of
 from fax_bridge.runtime import result_structure
 from fax_bridge.tff import emitters, stages
 from fax_bridge.tff import types as tff_types

@@ -12,9 +12,9 @@ from typing import NoReturn, Optional, Sequence
 import jax
 from jax._src import core
 
-from fax_bridge import tracing
+from fax_bridge.language import tracing
 from fax_bridge.errors import ExportError
-from fax_bridge.primitive_facts import Movement, facts_of
+from fax_bridge.language.primitive_facts import Movement, facts_of
 from fax_bridge.tff import types as tff_types
 
 

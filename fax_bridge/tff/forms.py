@@ -35,10 +35,10 @@ from federated_language.compiler import intrinsic_defs as defs
 from federated_language.proto import computation_pb2
 from jax._src import core
 
-from fax_bridge import tracing
+from fax_bridge.language import tracing
 from fax_bridge.errors import ExportError
-from fax_bridge.placements import Placement
-from fax_bridge.primitive_facts import facts_of
+from fax_bridge.language.placements import Placement
+from fax_bridge.language.primitive_facts import facts_of
 from fax_bridge.runtime import grammar
 from fax_bridge.tff import fcp, side_env
 from fax_bridge.tff import xla as tff_xla

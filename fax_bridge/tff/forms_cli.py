@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fax_bridge import cli_args, output_folders
+from fax_bridge.system import cli_args, output_folders
 from fax_bridge.errors import FaxBridgeError
 
 

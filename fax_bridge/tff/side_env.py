@@ -17,7 +17,7 @@ import subprocess
 from typing import Optional, Sequence
 
 from fax_bridge.errors import FaxBridgeError
-from fax_bridge.process_tree import signal_group
+from fax_bridge.system.process_tree import signal_group
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SETUP_HINT = "build it with `make tff-venv` (tools/tff087/setup.sh)"

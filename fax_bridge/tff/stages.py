@@ -16,8 +16,8 @@ from typing import Callable, Collection, Union
 
 from jax._src import core
 
-from fax_bridge.placements import Placement
-from fax_bridge.primitive_facts import Batching, facts_of
+from fax_bridge.language.placements import Placement
+from fax_bridge.language.primitive_facts import Batching, facts_of
 
 
 @dataclasses.dataclass(frozen=True)

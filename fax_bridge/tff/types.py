@@ -17,10 +17,10 @@ import jax
 import numpy as np
 
 from fax_bridge.errors import ExportError
-from fax_bridge.pytree_names import children as _children
-from fax_bridge.pytree_names import element_name as _element_name
-from fax_bridge.pytree_names import named_children  # noqa: F401 (re-exported)
-from fax_bridge.pytree_names import path_str as _path_str
+from fax_bridge.language.pytree_names import children as _children
+from fax_bridge.language.pytree_names import element_name as _element_name
+from fax_bridge.language.pytree_names import named_children  # noqa: F401 (re-exported)
+from fax_bridge.language.pytree_names import path_str as _path_str
 
 __all__ = [
     "TensorLeaf",

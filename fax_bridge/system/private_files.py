@@ -46,7 +46,7 @@ import stat
 import tempfile
 from typing import Any, Iterator, Optional, Union
 
-if __name__ == "fax_bridge.private_files":
+if __name__ == "fax_bridge.system.private_files":
     from fax_bridge.errors import FaxBridgeError
 else:  # loaded by its path (`relay`), where fax_bridge's package (jax) is never loaded
     class FaxBridgeError(Exception):  # noqa: N818 - stands in for fax_bridge.errors'

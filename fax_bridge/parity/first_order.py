@@ -7,8 +7,8 @@ of its result (`ULPS_OF_FUNCTIONS` for exp, log, tanh, ...), every sum of n term
 dot, a convolution, a reduction, an aggregation over clients) n*eps*sum|x|, and other
 ops carry their inputs' bounds through their derivative; a loop carries its carry's
 bound through each whole step's Jacobian. `first_order_aggregands` records what each
-client hands each aggregation. `parity_rounding.evaluation_bounds` takes the smaller of
-this and the float64 shadow's measure (`parity_shadow`).
+client hands each aggregation. `parity.rounding.evaluation_bounds` takes the smaller of
+this and the float64 shadow's measure (`parity.shadow`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from fax_bridge import parity_shadow, primitive_facts
+from fax_bridge.parity import shadow as parity_shadow
+from fax_bridge.language import primitive_facts
 
 _FLOAT_KINDS = ("sum", "mean", "weighted_mean")
 _CALLS = parity_shadow.CALLS  # sub-jaxprs evaluated in place

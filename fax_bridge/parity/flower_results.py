@@ -16,11 +16,11 @@ An app written before `round.json` recorded the structure gives the generic stru
 of the round's result type: dicts where every element is named, tuples otherwise
 (`npz_keys.result_from_npz`).
 Only a run that finished is read: every round reported, none failed
-(`parity_flower.run_outcome`).
+(`parity.flower.run_outcome`).
 
 `compare_with_jit(app, program, *args)` is `check_parity(..., flower=...)` for a
 deployment started by hand: the ParityReport of that run's result against as many
-rounds of `jax.jit(program)` from `args` (`parity_flower.parity_of_run`), the structure
+rounds of `jax.jit(program)` from `args` (`parity.flower.parity_of_run`), the structure
 `load_result` gives against jit's (a "result structure" MISMATCH row where they
 differ), with whether
 it has the bits of the fleet's round plan run in process by the nodes' client runtime
@@ -34,7 +34,7 @@ import os
 from typing import Any, Optional
 
 from fax_bridge.errors import ArgumentError
-from fax_bridge.parity_report import ParityReport
+from fax_bridge.parity.report import ParityReport
 
 
 def _locate(folder: str, app: Optional[str]) -> tuple:
@@ -69,7 +69,7 @@ def _locate(folder: str, app: Optional[str]) -> tuple:
 
 def _finished(out: str) -> tuple:
     """(result.npz path, the run's round reports) of the finished run in `out`."""
-    from fax_bridge.parity_flower import read_reports, run_outcome
+    from fax_bridge.parity.flower import read_reports, run_outcome
 
     reports = read_reports(out)
     return run_outcome(out, max(1, len(reports))), reports
@@ -120,7 +120,7 @@ def compare_with_jit(app: str, program, *args, out_dir: Optional[str] = None,
     import jax
 
     from fax_bridge.flower import bundle
-    from fax_bridge.parity_flower import parity_of_run
+    from fax_bridge.parity.flower import parity_of_run
     from fax_bridge.rounds import checkpoint
     from fax_bridge.rounds import client_runtime as runtimes
 

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from jax._src import core
 
-from fax_bridge.placements import Placement
+from fax_bridge.language.placements import Placement
 
 MemberRule = Callable[[dict, list, Sequence[Placement], list, int], Optional[dict]]
 MEMBER_RULES: dict[str, MemberRule] = {}

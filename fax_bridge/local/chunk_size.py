@@ -15,7 +15,7 @@ jitted first and differentiated afterwards (`jax.grad(jax.jit(program))`) is tra
 its derivative exists, so it is sized by its forward round: give it an integer
 `clients_per_step` (e.g. from `Program.chunk_size(..., memory_bytes=...)`) to choose.
 
-Each choice is logged (logger `fax_bridge.chunk_size`, level INFO) and cached per
+Each choice is logged (logger `fax_bridge.local.chunk_size`, level INFO) and cached per
 argument shapes; `Program.chunk_size(*args, **kwargs)` returns it.
 """
 

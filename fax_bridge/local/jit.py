@@ -21,8 +21,8 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from fax_bridge.errors import ArgumentError, MeshError, PlacementError
-from fax_bridge.placements import Placement, broadcast_placements
-from fax_bridge.tracing import check_placements
+from fax_bridge.language.placements import Placement, broadcast_placements
+from fax_bridge.language.tracing import check_placements
 
 CLIENTS_AXIS = "clients"
 

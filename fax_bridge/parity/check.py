@@ -2,10 +2,10 @@
 
 `check_parity(fn, *args, placements=...)` runs the program locally (jit), exports it to
 a TFF proto, runs the proto on a `LocalFleet` of device processes (or a fleet you pass,
-or, with `flower=`, a round on Flower's Deployment Engine: `parity_flower.py`), and
-compares the two results leaf by leaf (`parity_report`). A mismatched float output that
+or, with `flower=`, a round on Flower's Deployment Engine: `parity/flower.py`), and
+compares the two results leaf by leaf (`parity.report`). A mismatched float output that
 an aggregation's float rounding may explain says so, with the rounding bound and the
-tolerance that covers it (`parity_rounding`).
+tolerance that covers it (`parity.rounding`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import federated_language
 import jax
 import numpy as np
 
-from fax_bridge import parity_rounding, tracing
+from fax_bridge.parity import rounding as parity_rounding
+from fax_bridge.language import tracing
 from fax_bridge.errors import ArgumentError
 from fax_bridge.fleet.launcher import LocalFleet
-from fax_bridge.parity_report import LeafParity, ParityReport, chunking_of, compare_leaves
+from fax_bridge.parity.report import LeafParity, ParityReport, chunking_of, compare_leaves
 from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds.client_runtime import ClientRuntime
 from fax_bridge.runtime import interpreter
@@ -30,7 +31,7 @@ from fax_bridge.tff import types as tff_types
 
 def explain_mismatches(leaves: list[LeafParity], comp: Any, args: tuple) -> None:
     """Sets the `explanation` of each mismatched float leaf that float rounding in an
-    aggregation over clients may explain (`parity_rounding`)."""
+    aggregation over clients may explain (`parity.rounding`)."""
     wrong = [i for i, leaf in enumerate(leaves) if not leaf.ok and not leaf.note
              and parity_rounding.is_float(leaf.dtype)]
     if not wrong or len(leaves) != len(comp.out_avals):
@@ -48,7 +49,7 @@ def explain_mismatches(leaves: list[LeafParity], comp: Any, args: tuple) -> None
 
 def note_chunked_sums(leaves: list[LeafParity], fn: Any, clients: int) -> None:
     """Adds to each explained mismatch that jit summed the clients in chunks, when `fn`
-    is a program run `clients_per_step` at a time (`fax_bridge.chunking`): another
+    is a program run `clients_per_step` at a time (`fax_bridge.local.chunking`): another
     summation order, which the rounding bound covers as it covers any order."""
     k = getattr(fn, "clients_per_step", None)
     if k is None or (k != "auto" and k >= clients):
@@ -95,7 +96,7 @@ def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -
 def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list,
                    methods: Optional[list] = None) -> list[LeafParity]:
     """Leaf-by-leaf comparison where leaf i may differ by 2 * bounds[i] elementwise
-    (`parity_rounding.evaluation_bounds`: each path within the bound of the exact
+    (`parity.rounding.evaluation_bounds`: each path within the bound of the exact
     result; `methods[i]` says what gave it); integer and bool leaves must be equal, and
     a NaN or infinity must be the same on both paths."""
     leaves = compare_leaves(local, remote, 0.0, 0.0, paths=paths)
@@ -147,7 +148,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     converted before the round; a round with no single client part is refused, naming
     why, as `fax-bridge litert` refuses it. Its float rounding is
     not XLA's, so each float leaf may differ from jit by twice the program's rounding
-    bound (`parity_rounding.evaluation_bounds`: the smaller of the first-order worst
+    bound (`parity.rounding.evaluation_bounds`: the smaller of the first-order worst
     case and a float64 shadow's measure of float32's error), which the report states
     per leaf with the method that gave it; `rtol`/`atol` are not used.
 
@@ -192,7 +193,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
                 "deployment's SuperNodes run XLA here; check LiteRT on a fleet (no "
                 "flower=), or start SuperNodes with --client-runtime litert and run the "
                 "app written by `fax-bridge flower ... --litert` (docs/litert.md)")
-        from fax_bridge import parity_flower as check
+        from fax_bridge.parity import flower as check
 
         return check.check_round(fn, args, placements=placements, clients=clients,
                                  deployment=None if flower is True else flower,

@@ -105,7 +105,7 @@ def connect_address(text: str) -> str:
 
 
 def _address(text: str, allow_port_zero: bool) -> str:
-    from fax_bridge.addresses import normalized
+    from fax_bridge.system.addresses import normalized
     from fax_bridge.errors import AddressError
 
     try:
@@ -117,7 +117,7 @@ def _address(text: str, allow_port_zero: bool) -> str:
 def output_folder(text: str) -> str:
     """An argparse type: a folder a command writes into (`output_folders.check_folder`:
     not an existing file, a name the file system takes, writable or creatable)."""
-    from fax_bridge.output_folders import check_folder
+    from fax_bridge.system.output_folders import check_folder
 
     try:
         return check_folder(text, "folder")
@@ -256,8 +256,8 @@ def load_npz(path: str, flag: str = "--inputs") -> dict[str, np.ndarray]:
     """The arrays of an npz file (`npz_files.read_npz`: a regular file, no pickles, each
     header checked before its array is allocated), or a ComputationError naming the flag
     and the problem."""
-    from fax_bridge.npz_files import read_npz
-    from fax_bridge.private_files import UnsafePathError
+    from fax_bridge.system.npz_files import read_npz
+    from fax_bridge.system.private_files import UnsafePathError
 
     try:
         return read_npz(path, what=flag)

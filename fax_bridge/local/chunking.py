@@ -25,8 +25,8 @@ differ from the unchunked round's in the last bits (integer and secure sums are 
 either way). With k >= N nothing is chunked and the bits are the unchunked round's.
 `fb.trace`, `fb.export_tff` and `check_parity`'s export see the unchunked program: the
 exported proto is the same for every k. Data that does not fit on the device can be fed
-chunk by chunk from the host instead (`fax_bridge.chunk_stream.stream_clients`).
-`clients_per_step="auto"` is resolved by `fax_bridge.chunk_size`; a program declared with
+chunk by chunk from the host instead (`fax_bridge.local.chunk_stream.stream_clients`).
+`clients_per_step="auto"` is resolved by `fax_bridge.local.chunk_size`; a program declared with
 `progress=True` shows a tqdm bar of each trip's clients (`Progress`), under jit too.
 """
 
@@ -45,15 +45,15 @@ from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
-from fax_bridge import local as _local
-from fax_bridge import lowering as _lowering
-from fax_bridge import primitives as P
+from fax_bridge.local import jit as _local
+from fax_bridge.language import lowering as _lowering
+from fax_bridge.language import primitives as P
 # sizing (`clients_per_step="auto"`) lives in chunk_size; its names stay readable here
-from fax_bridge.chunk_size import (  # noqa: F401
+from fax_bridge.local.chunk_size import (  # noqa: F401
     compiled_bytes, fitting_chunk, memory_limit, round_bytes)
 from fax_bridge.errors import ArgumentError
-from fax_bridge.member_rules import member_params
-from fax_bridge.placements import Placement
+from fax_bridge.language.member_rules import member_params
+from fax_bridge.language.placements import Placement
 
 # --------------------------------------------------------------------------- values
 

@@ -62,7 +62,7 @@ def _protocol():
     """`fork_protocol`: the package's module where it is imported, else loaded by its
     path (as this file runs: without the package)."""
     if __package__:
-        return importlib.import_module("fax_bridge.fork_protocol")
+        return importlib.import_module("fax_bridge.system.fork_protocol")
     name = "_fax_bridge_fork_protocol"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, os.path.join(
@@ -290,7 +290,7 @@ class Server:
         requester.children[pid] = None
         self.owners[pid] = requester
         if self.log_children:
-            os.write(2, f"fax_bridge.forks: forked {pid} to run {request.target}\n"
+            os.write(2, f"fax_bridge.system.forks: forked {pid} to run {request.target}\n"
                      .encode(errors="replace"))
         self._send(requester, protocol.answer(pid=pid), [os.pidfd_open(pid)])
 
@@ -322,7 +322,7 @@ class Server:
             os.environ.update(request.env)
             os.environ[ENV] = f"{own.fileno()}:{os.getpid()}"
         except BaseException as e:  # its stderr says why; the requester sees it end
-            os.write(2, f"fax_bridge.forks: the child could not start: {e!r}\n"
+            os.write(2, f"fax_bridge.system.forks: the child could not start: {e!r}\n"
                      .encode(errors="replace"))
             os._exit(1)
         raise _Child(request.target, list(request.argv))

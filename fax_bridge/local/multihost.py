@@ -2,7 +2,7 @@
 
 Every process runs the same script:
 
-    from fax_bridge import multihost
+    from fax_bridge.local import multihost
     multihost.initialize("10.0.0.1:1234", num_processes=P, process_id=i)
     mesh = multihost.global_clients_mesh()           # every device of every process
     rows = multihost.process_clients(N, mesh)         # the clients this process loads
@@ -36,8 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from fax_bridge.errors import MeshError
-from fax_bridge.addresses import parse_address
-from fax_bridge.local import CLIENTS_AXIS, clients_sharding, jit_program, replicated
+from fax_bridge.system.addresses import parse_address
+from fax_bridge.local.jit import CLIENTS_AXIS, clients_sharding, jit_program, replicated
 
 _CPU_COLLECTIVES = "jax_cpu_collectives_implementation"
 
@@ -98,7 +98,7 @@ def _clients_sharding(mesh: Mesh) -> NamedSharding:
     if CLIENTS_AXIS not in mesh.axis_names:
         raise MeshError(
             f"the mesh has axes {mesh.axis_names} but no {CLIENTS_AXIS!r} axis; build it "
-            "with fax_bridge.multihost.global_clients_mesh()")
+            "with fax_bridge.local.multihost.global_clients_mesh()")
     return clients_sharding(mesh)
 
 
@@ -240,7 +240,7 @@ def run_program_multihost(fn: Callable, mesh: Mesh, placements: Any, *args: Any,
     program. Returns the program's outputs as global arrays:
     read SERVER ones with `server_value`, CLIENTS ones with `local_clients` or `gather`.
     """
-    from fax_bridge.placements import Placement, broadcast_placements
+    from fax_bridge.language.placements import Placement, broadcast_placements
 
     flat_placements = broadcast_placements(placements, args, getattr(fn, "placement", None))
     leaves, treedef = jax.tree_util.tree_flatten(args)

@@ -1,7 +1,7 @@
 """A parity comparison's result: one `LeafParity` per output leaf in a `ParityReport`.
 
 `compare_leaves` compares two results leaf by leaf; `parity.check_parity` (jit against a
-fleet, the interpreter or a Flower deployment) and `parity_flower.py` report with it.
+fleet, the interpreter or a Flower deployment) and `parity/flower.py` report with it.
 
 `ParityReport.table(top=N)` prints a summary first (the verdict, the leaves, what ran
 them, how jit ran the clients where in chunks, and the worst leaf: the one that used
@@ -33,7 +33,7 @@ class LeafParity:
     note: str = ""
     explanation: str = ""  # why jit and the fleet may differ (float rounding), if known
     bound: Optional[float] = None  # the largest difference the rounding bound allows
-    bound_method: str = ""  # what gave the bound (`parity_rounding.evaluation_bounds`)
+    bound_method: str = ""  # what gave the bound (`parity.rounding.evaluation_bounds`)
     # max over elements of |difference| / (atol + rtol |jit's value|) (`compare_leaves`)
     tolerance_used: Optional[float] = None
 
@@ -195,7 +195,7 @@ def _finite(x: float) -> float:
 
 
 def chunking_of(fn: Any, clients: int) -> str:
-    """How jit runs `fn`'s clients where it runs them in chunks (`fax_bridge.chunking`:
+    """How jit runs `fn`'s clients where it runs them in chunks (`fax_bridge.local.chunking`:
     a program with `clients_per_step` below its clients): "in chunks of 4 (of 64
     clients)", "in chunks (clients_per_step='auto')"; "" otherwise."""
     k = getattr(fn, "clients_per_step", None)

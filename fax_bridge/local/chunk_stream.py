@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from fax_bridge import api
-from fax_bridge import chunking
+from fax_bridge.local import chunking
 from fax_bridge.errors import ArgumentError
 
 

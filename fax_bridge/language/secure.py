@@ -58,12 +58,12 @@ from federated_language.compiler import intrinsic_defs
 from jax._src import core
 from jax._src.interpreters import ad
 
-from fax_bridge import chunking
+from fax_bridge.local import chunking
 from fax_bridge import api as _api
-from fax_bridge import primitives as P
-from fax_bridge import primitive_facts as _facts
+from fax_bridge.language import primitives as P
+from fax_bridge.language import primitive_facts as _facts
 from fax_bridge.errors import ArgumentError, PlacementError, SecureAggregationError
-from fax_bridge.placements import secure_sum_refusal
+from fax_bridge.language.placements import secure_sum_refusal
 
 SECURE_SUM_BITWIDTH = intrinsic_defs.FEDERATED_SECURE_SUM_BITWIDTH.uri
 SECURE_SUM = intrinsic_defs.FEDERATED_SECURE_SUM.uri

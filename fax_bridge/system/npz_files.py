@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import ComputationError
 
 MAX_EXPANSION = 1032  # deflate's largest ratio: what a compressed member may unpack to

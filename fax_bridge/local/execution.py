@@ -2,7 +2,7 @@
 
 `clients_per_step` is an execution choice, not part of what a program computes: tracing
 for export runs inside `unchunked()`, so a program exports alike whatever it declares.
-`fax_bridge.chunking` runs the chunks.
+`fax_bridge.local.chunking` runs the chunks.
 """
 
 from __future__ import annotations

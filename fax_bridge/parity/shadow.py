@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core
 
-from fax_bridge import primitive_facts
+from fax_bridge.language import primitive_facts
 
 SAMPLES = 4  # noisy shadow runs
 SAFETY = 4.0  # the bound's factor over the measured error

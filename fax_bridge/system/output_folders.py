@@ -32,7 +32,7 @@ import shutil
 import tempfile
 from typing import Iterator, Optional, Sequence
 
-from fax_bridge import private_files
+from fax_bridge.system import private_files
 from fax_bridge.errors import OutputError
 
 RECORD = ".fax-bridge-written"  # no extension: Flower leaves it out of app bundles

@@ -51,11 +51,11 @@ from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import partial_eval as pe
 
-from fax_bridge import local as _local
-from fax_bridge import lowering as _lowering
-from fax_bridge import primitive_facts as _facts
+from fax_bridge.local import jit as _local
+from fax_bridge.language import lowering as _lowering
+from fax_bridge.language import primitive_facts as _facts
 from fax_bridge.errors import ArgumentError, PlacementError
-from fax_bridge.placements import aggregate_refusal, decode_sum_refusal
+from fax_bridge.language.placements import aggregate_refusal, decode_sum_refusal
 
 CLIENTS = "clients"
 SERVER = "server"
@@ -89,7 +89,7 @@ def _unplaced(aval) -> core.ShapedArray:
     return aval.update(shape=tuple(aval.shape[1:]), sharding=aval.sharding.update(spec=spec))
 
 
-# Modules that define more federated primitives (fax_bridge.secure) register through it.
+# Modules that define more federated primitives (fax_bridge.language.secure) register through it.
 register_impl_and_lowering = _register_impl_and_lowering = _lowering.register_impl_and_lowering
 
 

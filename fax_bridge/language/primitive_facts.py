@@ -25,7 +25,7 @@ from federated_language.compiler import intrinsic_defs
 from jax._src import core
 
 from fax_bridge.errors import ArgumentError
-from fax_bridge.placements import Placement
+from fax_bridge.language.placements import Placement
 
 
 class Movement(enum.Enum):
@@ -130,7 +130,7 @@ def kind_table_mismatches() -> list:
 
 
 if kind_table_mismatches():  # a federated_language that moved an intrinsic
-    raise ImportError("fax_bridge.primitive_facts.AGGREGATION_KINDS disagrees with this "
+    raise ImportError("fax_bridge.language.primitive_facts.AGGREGATION_KINDS disagrees with this "
                       f"federated_language's intrinsic_defs: {kind_table_mismatches()}")
 
 

@@ -22,12 +22,12 @@ import argparse
 import json
 import sys
 
-from fax_bridge import cli_args
+from fax_bridge.system import cli_args
 from fax_bridge.errors import FaxBridgeError
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fax_bridge.parity import check_parity
+    from fax_bridge.parity.check import check_parity
     from fax_bridge.tff.cli import resolve_program
 
     try:

@@ -25,12 +25,12 @@ from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge.errors import PlacementError, ProgramError
-from fax_bridge.execution import unchunked
-from fax_bridge.member_rules import member_params
-from fax_bridge.placements import Placement, broadcast_placements
-from fax_bridge.primitive_facts import Movement, facts_of
+from fax_bridge.local.execution import unchunked
+from fax_bridge.language.member_rules import member_params
+from fax_bridge.language.placements import Placement, broadcast_placements
+from fax_bridge.language.primitive_facts import Movement, facts_of
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fax_bridge/
 _ALGORITHMS_DIR = os.path.join(_PACKAGE_DIR, "algorithms")
 
 

@@ -16,7 +16,7 @@ parity report prints under a mismatched output.
 `evaluation_bounds(comp, args)` bounds, output element by output element, how far one
 float evaluation of the whole program (jit's XLA; a LiteRT client's interpreter) may be
 from the exact result: the smaller of the first-order worst case
-(`parity_first_order`) and the float64 shadow's measure (`parity_shadow`), saying per
+(`parity.first_order`) and the float64 shadow's measure (`parity.shadow`), saying per
 output which gave it; `aggregand_bounds` does the same for what each client hands each
 aggregation. A LiteRT parity check holds each float output to twice it.
 """
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from fax_bridge import parity_first_order, parity_shadow, primitive_facts, tracing
+from fax_bridge.parity import first_order as parity_first_order, shadow as parity_shadow
+from fax_bridge.language import primitive_facts, tracing
 from fax_bridge.runtime import aggregation
 
 # The aggregation kinds (a primitive's record, `primitive_facts`) jit rounds in floats.
@@ -232,9 +233,9 @@ def evaluation_bounds(comp: Any, args: tuple, methods: Optional[list] = None,
                       float32: Optional[Sequence] = None) -> list[np.ndarray]:
     """Per output leaf of the traced program `comp` at `args`, elementwise, how far one
     float evaluation may be from the exact result: the float64 shadow's measure
-    (`parity_shadow`: the program run in float64, with and without float32's rounding
+    (`parity.shadow`: the program run in float64, with and without float32's rounding
     drawn at every op), or the first-order analysis's worst case
-    (`parity_first_order`) where that is smaller, on programs without loops (through
+    (`parity.first_order`) where that is smaller, on programs without loops (through
     loops it compounds far above the shadow, and costs a Jacobian per step). Two
     evaluations (jit, and a fleet whose clients run LiteRT and whose sums are exact)
     may differ by twice it.

@@ -7,7 +7,7 @@ an app's rounds with `flwr run` on a deployment (every client in every round);
 `parity_of_run` compares the last round's result (`result.npz`, read from a folder made
 for that run alone, once the run's own `reports.jsonl` shows every round done without
 an error: `run_outcome`) leaf by leaf with the same rounds under `jax.jit`, as
-`fax-bridge parity` compares the fleet (`parity_report.compare_leaves`, its
+`fax-bridge parity` compares the fleet (`parity.report.compare_leaves`, its
 tolerances), and says whether the run also has the bits of the fleet's round plan run
 in process. `check_round` does all of it for a
 program and its example arguments.
@@ -23,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from fax_bridge.errors import ArgumentError, FleetError
-from fax_bridge.parity_report import LeafParity, ParityReport, compare_leaves
+from fax_bridge.parity.report import LeafParity, ParityReport, compare_leaves
 
 
 def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
@@ -119,7 +119,7 @@ def read_reports(out: str, missing_ok: bool = True) -> list:
     bounded JSON), each field this reads of the kind `RoundReport` writes: [] where
     there is no file (`FileNotFoundError` unless `missing_ok`), else a FleetError naming
     the file, the line and the field."""
-    from fax_bridge import private_files as j
+    from fax_bridge.system import private_files as j
 
     path = os.path.join(out, REPORTS_FILE)
     try:
