@@ -55,6 +55,9 @@ def _analysed_bytes(bench, variant, clients, chunk):
             - m.alias_size_in_bytes)
 
 
+# Compiles rounds of many cohort sizes: 20-25 s, kept out of the suite's ten minutes
+# (make test-peers runs it, as CI does).
+@pytest.mark.peers
 def test_the_largest_cohort_fits_and_its_double_does_not(bench):
     # The limit is the vmap round's own need at 4 clients: 4 fits, 8 does not, while the
     # chunked round (2 clients a step) stays under it up to the cap. The cohort, chunk and

@@ -5,9 +5,14 @@ the check allows and every bound within its limit (no timing)."""
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Runs a family's rounds beside their float64 shadow: 15-25 s, kept out of the
+# suite's ten minutes (make test-peers runs it, as CI does).
+@pytest.mark.peers
 def test_the_benchmark_measures_a_family_within_its_bounds(tmp_path, capsys):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
