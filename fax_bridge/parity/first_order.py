@@ -52,16 +52,6 @@ def _zeros(value) -> np.ndarray:
     return np.zeros(value.shape, value.dtype if is_float(value.dtype) else np.float32)
 
 
-def _jaxpr_of(params: dict):
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = params.get(name)
-        if isinstance(sub, core.ClosedJaxpr):
-            return sub.jaxpr, sub.consts
-        if isinstance(sub, core.Jaxpr):
-            return sub, []
-    return None
-
-
 def _bind(eqn, invals):
     with eqn.ctx.manager:
         outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
@@ -198,7 +188,7 @@ def _eqn_bounds(eqn, invals: list, inerrs: list) -> tuple:
         return _client_map_bounds(eqn, invals, inerrs)
     if name == "federated_decode_sum":
         return _decode_sum_bounds(eqn, invals, inerrs)
-    sub = _jaxpr_of(params)
+    sub = parity_shadow.inner_jaxpr(params)
     if sub is not None and (name in _CALLS or name.startswith(("custom_", "checkpoint",
                                                                  "remat", "federated_"))):
         return _run_bounds(sub[0], sub[1], invals, inerrs)
@@ -234,7 +224,7 @@ def _client_map_bounds(eqn, invals: list, inerrs: list) -> tuple:
     """A map at CLIENTS, client by client: its clients are the equation's (a map of no
     operands has clients all the same), its outputs stacked on a leading clients axis
     (empty ones, of the equation's shapes, for no clients)."""
-    sub, consts = _jaxpr_of(eqn.params)
+    sub, consts = parity_shadow.inner_jaxpr(eqn.params)
     clients = int(eqn.params.get("clients", np.shape(invals[0])[0] if invals else 0))
     per = [_run_bounds(sub, consts, [x[c] if _is_key(x) else np.asarray(x)[c]
                                      for x in invals],

@@ -110,7 +110,9 @@ class _Mode:
         return dataclasses.replace(self, key=key, record=None)
 
 
-def _sub(params: dict):
+def inner_jaxpr(params: dict):
+    """(jaxpr, consts) of the program an equation calls (a jit, a custom rule's body),
+    from its params; None for an equation that calls none."""
     for name in _SUB_JAXPRS:
         sub = params.get(name)
         if isinstance(sub, core.ClosedJaxpr):
@@ -182,7 +184,7 @@ def _eval(jaxpr, consts: Sequence, args: Sequence, mode: _Mode) -> list:
 def _equation(eqn, invals: list, mode: _Mode, key) -> list:
     name, params = eqn.primitive.name, eqn.params
     facts = primitive_facts.facts_of(eqn.primitive)
-    sub = _sub(params)
+    sub = inner_jaxpr(params)
     if name == "scan":
         return _scan(params, invals, mode, key)
     if name == "while":
