@@ -99,6 +99,31 @@ def names(prefix: str, n: int) -> list:
     return [f"{prefix}/{i}" for i in range(n)]
 
 
+class ClientPhase:
+    """A plan's client phase, built once for both forms: restore the broadcast from its
+    checkpoint, iterate the client's TFRecord examples as `work` (the MRF's work, the
+    DAF's client_work) takes them, save the update; `run` runs it for one client."""
+
+    def __init__(self, work, bcast_t: list, scope: str):
+        g = self.graph = Graph()
+        with g.graph.as_default():
+            self.bcast, self.examples, self.out = (
+                tf.compat.v1.placeholder(tf.string, [], n)
+                for n in ("broadcast_in", "examples", "update_out"))
+            bcast = restore(self.bcast, names("client", len(bcast_t)), bcast_t)
+            data = tf.data.experimental.to_variant(tf.data.TFRecordDataset(self.examples))
+            update = g.call(work, [data] + bcast, scope)
+            self.save = save(self.out, names("update", len(update)), update)
+        g.session()
+
+    def run(self, bcast_path: str, examples_path: str, out_path: str) -> None:
+        self.graph.sess.run(self.save, {self.bcast: bcast_path,
+                                        self.examples: examples_path, self.out: out_path})
+
+    def close(self) -> None:
+        self.graph.sess.close()
+
+
 class PlanRunner:
     """The phases of one MapReduceForm, built once; `round` runs one round."""
 
@@ -125,18 +150,7 @@ class PlanRunner:
                                g.call(mrf.prepare, state, "prepare"))
         g.session()
 
-        # client
-        g = self.client = Graph()
-        with g.graph.as_default():
-            self.c_bcast, self.c_examples, self.c_out = (
-                tf.compat.v1.placeholder(string, [], n)
-                for n in ("broadcast_in", "examples", "update_out"))
-            dataset = tf.data.TFRecordDataset(self.c_examples)
-            bcast = restore(self.c_bcast, names("client", len(bcast_t)), bcast_t)
-            update = g.call(mrf.work, [tf.data.experimental.to_variant(dataset)] + bcast,
-                            "work")
-            self.c_save = save(self.c_out, names("update", len(update)), update)
-        g.session()
+        self.client = ClientPhase(mrf.work, bcast_t, "work")
 
         # server, accumulate one client's update
         update_t = [x for p in parts for x in p]
@@ -227,8 +241,7 @@ class PlanRunner:
         self.zero.sess.run(self.z_save, {self.z_out: acc})
         for j, path in enumerate(examples):
             update = os.path.join(f, f"update{j}.ckpt")
-            self.client.sess.run(self.c_save, {self.c_bcast: bcast, self.c_examples: path,
-                                               self.c_out: update})
+            self.client.run(bcast, path, update)
             nxt = os.path.join(f, f"acc{(j + 1) % 2}.ckpt")
             self.accumulate.sess.run(self.a_save, {self.a_acc: acc, self.a_update: update,
                                                    self.a_out: nxt})
@@ -239,7 +252,8 @@ class PlanRunner:
         return [np.asarray(x) for x in output]
 
     def close(self) -> None:
-        for g in (self.prepare, self.client, self.accumulate, self.zero, self.finalize):
+        self.client.close()
+        for g in (self.prepare, self.accumulate, self.zero, self.finalize):
             g.sess.close()
 
 

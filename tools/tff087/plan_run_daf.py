@@ -29,7 +29,7 @@ from tensorflow_federated.python.core.backends.mapreduce import compiler
 from tensorflow_federated.python.core.impl.compiler import building_blocks as bb
 from tensorflow_federated.python.core.impl.types import computation_types as ct
 
-from plan_run import Graph, names, read_state, restore, save, write_state
+from plan_run import ClientPhase, Graph, names, read_state, restore, save, write_state
 
 
 def local(piece):
@@ -133,16 +133,7 @@ class DafRunner:
                                 out[nb:])]
         g.session()
 
-        g = self.client = Graph()
-        with g.graph.as_default():
-            self.c_bcast, self.c_examples, self.c_out = (
-                tf.compat.v1.placeholder(string, [], n)
-                for n in ("broadcast_in", "examples", "update_out"))
-            bcast = restore(self.c_bcast, names("client", len(self.bcast_t)), self.bcast_t)
-            data = tf.data.experimental.to_variant(tf.data.TFRecordDataset(self.c_examples))
-            update = g.call(local(daf.client_work), [data] + bcast, "client_work")
-            self.c_save = save(self.c_out, names("update", len(update)), update)
-        g.session()
+        self.client = ClientPhase(local(daf.client_work), self.bcast_t, "client_work")
 
         result_t = daf.server_result.type_signature
         self.agg_t = flat(result_t.parameter[1])
@@ -195,8 +186,7 @@ class DafRunner:
         updates = []
         for j, path in enumerate(examples):
             update = os.path.join(f, f"update{j}.ckpt")
-            self.client.sess.run(self.c_save, {self.c_bcast: bcast, self.c_examples: path,
-                                               self.c_out: update})
+            self.client.run(bcast, path, update)
             updates.append(read_checkpoint(update, "update", self.update_t))
         aggregates = self._aggregations(inter_values, updates)
         feed = {self.r_inter: inter, self.r_state: out_path}
@@ -206,7 +196,8 @@ class DafRunner:
         return [np.asarray(x) for x in output]
 
     def close(self) -> None:
-        for g in (self.prepare, self.client, self.result):
+        self.client.close()
+        for g in (self.prepare, self.result):
             g.sess.close()
 
 
