@@ -232,7 +232,10 @@ def test_fuzz_interpreter_on_generated_trees(comp, num_clients):
     assert _same_bits(got, again)
     if comp.WhichOneof("computation") == "literal":  # its value, read here with numpy
         value = comp.literal.value
-        want = np.asarray(value.float32_list.value, np.float32).reshape(value.shape.dim)
+        # float32 values (an int32 literal runs only when it holds none: values in
+        # another kind's list are refused), of the dtype the literal declares
+        declared = {1: np.float32, 3: np.int32}[value.dtype]
+        want = np.asarray(value.float32_list.value, declared).reshape(value.shape.dim)
         assert _same_bits(np.asarray(got), want)
 
 

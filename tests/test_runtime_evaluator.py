@@ -147,3 +147,21 @@ def test_tensorflow_parts_are_refused_under_every_table():
     for table in _TABLES:
         with pytest.raises(ComputationError, match="TensorFlow"):
             evaluator.compile_node(comp, table)
+
+
+@pytest.mark.parametrize("dtype,kind,values", [
+    (3, "float32_list", [0.0]),        # an int32 literal of float32 values
+    (1, "int32_list", [1, 2]),         # a float32 literal of int32 values
+    (10, "float32_list", [1.0]),       # a bool literal of float32 values
+])
+def test_a_literal_whose_values_are_in_another_kinds_list_is_refused(dtype, kind, values):
+    from federated_language.proto import computation_pb2
+
+    from fax_bridge.runtime import evaluator
+
+    literal = computation_pb2.Literal()
+    literal.value.dtype = dtype
+    literal.value.shape.dim[:] = [len(values)]
+    getattr(literal.value, kind).value[:] = values
+    with pytest.raises(ComputationError, match=f"holds its values in {kind}; put them in"):
+        evaluator.read_literal(literal)

@@ -399,12 +399,36 @@ def _parse_type_bytes(data: bytes) -> federated_language.Type:
     return type_
 
 
+_LIST_NAMES = {"DT_FLOAT": "float32", "DT_DOUBLE": "float64", "DT_HALF": "float16"}
+
+
+def _list_of(dtype: int):
+    """The name of the Array proto's list that holds values of DataType `dtype`
+    (`int32_list` for DT_INT32); None for a number that names no DataType."""
+    from federated_language.proto import data_type_pb2
+
+    try:
+        name = data_type_pb2.DataType.Name(dtype)
+    except ValueError:
+        return None
+    if name == "DT_INVALID":
+        return None
+    return f"{_LIST_NAMES.get(name, name[3:].lower())}_list"
+
+
 def read_literal(literal) -> np.ndarray:
     """The array of a `Literal` proto, its declared shape checked against the caps first.
     Read-only: a node returns the same array on every run."""
     shape = literal.value.shape
     dims = list(shape.dim) if shape is not None else []
     limits.tensor_bytes(dims, 1, "a Literal")
+    # The array is read from the list its dtype names: values held in another kind's
+    # list would be ignored (an int32 literal of float32 values read as no values).
+    held, wanted = literal.value.WhichOneof("kind"), _list_of(literal.value.dtype)
+    if held is not None and wanted is not None and held != wanted:
+        raise ComputationError(
+            f"a Literal of dtype {wanted[:-5]} holds its values in {held}; put them in "
+            f"{wanted}, or declare the dtype of the values it holds")
     try:
         value = np.array(fl_array.from_proto(literal.value))
     except Exception as e:
