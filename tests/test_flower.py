@@ -1351,14 +1351,17 @@ def test_check_parity_on_a_deployment_runs_fed_avg_on_digits_as_jit_does(digits,
     """`check_parity(..., flower=deployment, rounds=2)`: two rounds of fed_avg on the
     digits clients on the running deployment (round 0 compiles on the nodes, round 1 is
     warm and fed round 0's state; the app is written as `fax-bridge flower` writes one)
-    equal two rounds under jit within the fleet's tolerances, and have the fleet plan's
-    bits."""
+    equal two rounds under jit within the rounding bound of two chained rounds, and have
+    the fleet plan's bits."""
     prog, args = digits
     report = fb.check_parity(prog, *args, placements=("server", "clients"),
                              flower=deployed.deployment, rounds=2)
     assert report.ok, report.table()
     assert report.target == "flower" and report.fleet_bits and report.devices == 2
-    assert (report.rtol, report.atol) == (1e-5, 1e-6)
+    assert (report.rtol, report.atol) == (0.0, 0.0)  # held to the rounding bound
+    floats = [leaf for leaf in report.leaves if leaf.dtype == "float32"]
+    assert floats and all(leaf.bound is not None and "2 chained rounds" in
+                          leaf.bound_method for leaf in floats), report.table()
     paths = [leaf.path for leaf in report.leaves]
     assert len(paths) == len(jax.tree_util.tree_leaves(jax.jit(prog)(*args)))
     assert any("loss" in p for p in paths) and any("w0" in p for p in paths)

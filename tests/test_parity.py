@@ -162,7 +162,7 @@ def test_parity_command_with_flower_checks_on_a_deployment(monkeypatch, capsys):
     def fake(prog, *args, **kwargs):
         asked.update(kwargs)
         return ParityReport([LeafParity("result", (3,), "float32", 0.0, 0.0, True)],
-                            kwargs["rtol"], kwargs["atol"], kwargs["devices"], 0.001, 1.0,
+                            0.0, 0.0, kwargs["devices"], 0.001, 1.0,
                             "sig", target="flower", fleet_bits=asked.get("bits", True))
 
     monkeypatch.setattr(parity, "check_parity", fake)
@@ -171,6 +171,7 @@ def test_parity_command_with_flower_checks_on_a_deployment(monkeypatch, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert asked["flower"] is True and asked["devices"] == 3 and asked["rounds"] == 2
+    assert asked["rtol"] is None and asked["atol"] is None  # the rounding bounds
     assert "Flower deployment of 3 SuperNode(s)" in out and "PARITY OK" in out
     asked["bits"] = False
     assert cli.main(argv) == 1

@@ -71,11 +71,11 @@ def honest(request):
 
 
 def test_the_honest_runtime_passes(honest):
+    """Every float leaf is held to a bound under 1e-4 of its largest value, on either
+    runtime."""
     name, report, leaves = honest
     assert report.ok, report.table()
     assert report.client_runtime == name
-    if name != "litert":
-        return
     floats = 0
     for leaf, value in zip(report.leaves, leaves):  # float leaves: a bound under 1e-4
         if leaf.dtype != "float32":
@@ -107,3 +107,46 @@ def test_a_wrong_answer_in_one_element_fails_on_the_leaf_it_feeds(honest, how, s
     at = [leaf.path for leaf in report.leaves].index(leaf.path)
     if how == "nan":  # NaN where jit has a number
         assert np.isnan(got[at]).any() and not np.isnan(right[at]).any()
+
+
+@fb.program(clients=N)
+def _update_round(params, data):
+    """A FedAvg round: the new model is the old one plus the clients' mean change, so a
+    client's change reaches the output scaled down by the cohort, beside the model."""
+    def local(p, d):
+        g = jax.grad(_loss)(p, d)
+        return jax.tree.map(lambda a: -0.05 * a, g)
+
+    delta = fb.federated_mean(fb.federated_map_clients(
+        local, (fb.federated_broadcast(params), data)))
+    return fb.federated_map_server(lambda p, d: jax.tree.map(jnp.add, p, d), (params, delta))
+
+
+@pytest.mark.parametrize("name", ["xla", "litert"])
+def test_a_wrong_model_update_fails_where_fixed_tolerances_pass_it(name):
+    """One client's update 1e-4 off moves the new model by far less than 1e-5 of its
+    value: the default tolerances (rtol=1e-5, atol=1e-6) take it; the rounding bound
+    does not."""
+    args = _args()
+    right = InProcessFleet(runtimes.resolve(name))
+    honest = fb.check_parity(_update_round, *args, placements=PLACE, fleet=right,
+                             client_runtime=right.client_runtime)
+    assert honest.ok, honest.table()
+    wrong = Perturbed(name, how="relative", client=1, spec="mean")
+    fleet = InProcessFleet(wrong)
+    report = fb.check_parity(_update_round, *args, placements=PLACE, fleet=fleet,
+                             client_runtime=wrong)
+    assert wrong.done and not report.ok, report.table()
+    moved = [np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()
+             for a, b in zip(jax.tree_util.tree_leaves(right.last),
+                             jax.tree_util.tree_leaves(fleet.last))]
+    (at,) = [i for i, m in enumerate(moved) if m > 0]
+    failed = [i for i, leaf in enumerate(report.leaves) if not leaf.ok]
+    assert failed == [at]
+    top = float(np.abs(np.asarray(jax.tree_util.tree_leaves(right.last)[at])).max())
+    assert moved[at] < 1e-5 * top  # what fixed tolerances cannot see
+    loose = fb.check_parity(_update_round, *args, placements=PLACE,
+                            fleet=InProcessFleet(Perturbed(name, how="relative", client=1,
+                                                           spec="mean")),
+                            client_runtime=wrong, rtol=1e-5, atol=1e-6)
+    assert loose.ok

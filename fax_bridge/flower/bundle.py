@@ -88,6 +88,9 @@ class FlowerRound:
     # round.json recorded it (`result_structure.structure_from_json`); None for an app
     # written before round.json recorded it
     result_structure: Optional[Any] = None
+    # the traced program (`tracing.trace`) the round was built from, which parity checks
+    # bound the rounding of (`parity.rounding.evaluation_bounds`); None when read
+    traced: Optional[Any] = None
 
     @functools.cached_property
     def prepared(self) -> interpreter.Prepared:
@@ -167,7 +170,7 @@ def build_round(fn: Callable, *args: Any, placements: Any = None,
     state = bound.runtime_value()[0]
     made = FlowerRound(proto=proto, state=backend.leaves(backend.as_numpy(state)),
                        aggregands=record, argument_names=_element_names(fn, comp),
-                       result_structure=comp.out_tree)
+                       result_structure=comp.out_tree, traced=comp)
     made.split  # refuses what cannot be split, here rather than on the nodes
     from fax_bridge.flower import secagg
 

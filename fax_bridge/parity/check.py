@@ -93,12 +93,46 @@ def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -
     return tuple(args)
 
 
+# The tolerances of a comparison that asks for them (`rtol=` or `atol=`); without
+# either, float leaves are held to the rounding bound (`bounded_comparison`).
+DEFAULT_RTOL, DEFAULT_ATOL = 1e-5, 1e-6
+
+
+def tolerances(rtol: Optional[float], atol: Optional[float]) -> Optional[tuple]:
+    """(rtol, atol) where a caller gave either (the other at its default); None where it
+    gave neither: the comparison then holds each float leaf to the rounding bound."""
+    if rtol is None and atol is None:
+        return None
+    return (DEFAULT_RTOL if rtol is None else rtol, DEFAULT_ATOL if atol is None else atol)
+
+
+def bounded_comparison(comp: Any, args: tuple, local: list, remote: list, paths: list,
+                       who: str, rounds: int = 1, carry: int = 0) -> tuple:
+    """(leaves, rtol, atol): `local` (jit's output leaves for `args`, after `rounds`
+    chained rounds that carry their first `carry` leaves) against `remote` (what `who`
+    computed), each float leaf within twice the program's rounding bound
+    (`parity.rounding.evaluation_bounds`), integer and bool leaves equal. Where no bound
+    can be had, the default tolerances, said on every float leaf."""
+    methods: list = []
+    try:
+        bounds = parity_rounding.evaluation_bounds(comp, args, methods, float32=local,
+                                                   rounds=rounds, carry=carry)
+    except ValueError as e:
+        leaves = compare_leaves(local, remote, DEFAULT_RTOL, DEFAULT_ATOL, paths=paths)
+        for leaf in leaves:
+            if parity_rounding.is_float(leaf.dtype):
+                leaf.explanation = (f"(no rounding bound: {e}; compared with rtol="
+                                    f"{DEFAULT_RTOL:g} atol={DEFAULT_ATOL:g})")
+        return leaves, DEFAULT_RTOL, DEFAULT_ATOL
+    return bounded_leaves(local, remote, bounds, paths, methods, who), 0.0, 0.0
+
+
 def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list,
-                   methods: Optional[list] = None) -> list[LeafParity]:
+                   methods: Optional[list] = None, who: str = "LiteRT") -> list[LeafParity]:
     """Leaf-by-leaf comparison where leaf i may differ by 2 * bounds[i] elementwise
     (`parity.rounding.evaluation_bounds`: each path within the bound of the exact
-    result; `methods[i]` says what gave it); integer and bool leaves must be equal, and
-    a NaN or infinity must be the same on both paths."""
+    result; `methods[i]` says what gave it; `who` names the other path); integer and
+    bool leaves must be equal, and a NaN or infinity must be the same on both paths."""
     leaves = compare_leaves(local, remote, 0.0, 0.0, paths=paths)
     want, got = jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(remote)
     if len(want) != len(got) or len(bounds) != len(want):
@@ -117,14 +151,15 @@ def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list,
         leaf.bound_method = method
         how = f" ({method})" if method else ""
         leaf.explanation = (
-            f"LiteRT and jit each stay within the rounding bound{how} of the exact "
+            f"{who} and jit each stay within the rounding bound{how} of the exact "
             f"result: they may differ by up to {leaf.bound:.3g} here (elementwise), and "
             f"differ by at most {leaf.max_abs:.3g}")
     return leaves
 
 
 def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
-                 devices: int = 2, rtol: float = 1e-5, atol: float = 1e-6,
+                 devices: int = 2, rtol: Optional[float] = None,
+                 atol: Optional[float] = None,
                  clients: Optional[int] = None, flower: Any = None,
                  rounds: int = 1,
                  client_runtime: Union[str, ClientRuntime] = "xla",
@@ -146,11 +181,17 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     `client_runtime="litert"` (or a `LiteRTClientRuntime`): the fleet's devices run the
     round's client part as a LiteRT model in the LiteRT interpreter (`fax_bridge.litert`),
     converted before the round; a round with no single client part is refused, naming
-    why, as `fax-bridge litert` refuses it. Its float rounding is
-    not XLA's, so each float leaf may differ from jit by twice the program's rounding
-    bound (`parity.rounding.evaluation_bounds`: the smaller of the first-order worst
-    case and a float64 shadow's measure of float32's error), which the report states
-    per leaf with the method that gave it; `rtol`/`atol` are not used.
+    why, as `fax-bridge litert` refuses it.
+
+    What may differ: jit rounds in float32 as it goes (sums over clients among it), the
+    fleet sums exactly and its LiteRT clients round with other kernels; each path stays
+    within the program's rounding bound of the exact result
+    (`parity.rounding.evaluation_bounds`: a float64 shadow's measure of float32's error,
+    or the first-order worst case where smaller), so each float leaf may differ from
+    jit by twice it, elementwise, which the report states per leaf with the method
+    that gave it; integer and bool leaves must be equal. Give `rtol` or `atol` to
+    compare with fixed tolerances instead (the other at its default: 1e-5, 1e-6), as
+    `numpy.allclose` does, integers among them.
 
     Args:
       fn: the program.
@@ -158,7 +199,7 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
       placements: a pytree prefix of placements per argument.
       fleet: a running fleet to use; default a `LocalFleet(devices=devices)`.
       devices: device processes (or Flower SuperNodes) to start when none is given.
-      rtol, atol: the tolerances of the comparison.
+      rtol, atol: fixed tolerances of the comparison instead of the rounding bound.
       clients: the number of clients, for a plain function.
       flower: True, or a running `LocalDeployment`, to compare on Flower instead.
       rounds: rounds to run on Flower.
@@ -246,13 +287,15 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
     if jax.tree_util.tree_structure(remote) != jax.tree_util.tree_structure(local):
         remote = leaves_in_type_order(remote, result_type)  # the generic structure
     paths = [p.replace("out", "result", 1) for p in comp.out_paths]
-    if runtime.name != "xla":
-        methods: list = []
-        bounds = parity_rounding.evaluation_bounds(
-            comp, args, methods, float32=jax.tree_util.tree_leaves(local))
-        leaves = bounded_leaves(local, remote, bounds, paths, methods)
-        rtol = atol = 0.0
+    given = tolerances(rtol, atol)
+    if given is None:
+        who = ("the fleet's LiteRT clients" if runtime.name == "litert" else
+               f"the fleet ({runtime.name} clients, exact sums)")
+        leaves, rtol, atol = bounded_comparison(
+            comp, args, jax.tree_util.tree_leaves(local),
+            jax.tree_util.tree_leaves(remote), paths, who)
     else:
+        rtol, atol = given
         leaves = compare_leaves(local, remote, rtol, atol, paths=paths)
         explain_mismatches(leaves, comp, args)
         note_chunked_sums(leaves, fn, comp.clients)

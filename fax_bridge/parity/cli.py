@@ -7,8 +7,10 @@ Example arguments come from the module as for `fax-bridge export`. With `--flowe
 program, a round `(state, client_data) -> (new_state, output)`, runs `--rounds` rounds
 on a loopback Flower deployment of K SuperNodes instead (each serving a block of the
 example clients), compared with as many rounds of jit and with the bits of the fleet's
-round plan. With `--litert` the devices run the client part in the LiteRT interpreter,
-and the report states the rounding bound each float output is held to.
+round plan. With `--litert` the devices run the client part in the LiteRT interpreter.
+Each float output is held to twice the program's rounding bound (a float64 shadow's
+measure of float32's error), which the report states per output, and integer outputs to
+equality; `--rtol`/`--atol` compare with fixed tolerances instead.
 
 The report starts with a summary (the verdict, what ran, how jit ran the clients where
 in chunks, the worst leaf and the share of its bound or tolerance it used), the type
@@ -57,10 +59,12 @@ def register(subparsers) -> None:
         __doc__, _run)
     p.add_argument("--devices", type=cli_args.int_in(1, 1024), default=2,
                    help="local devices (1..1024, default 2)")
-    p.add_argument("--rtol", type=cli_args.float_at_least(0.0), default=1e-5,
-                   help="relative tolerance (>= 0)")
-    p.add_argument("--atol", type=cli_args.float_at_least(0.0), default=1e-6,
-                   help="absolute tolerance (>= 0)")
+    p.add_argument("--rtol", type=cli_args.float_at_least(0.0), default=None,
+                   help="compare with this relative tolerance (>= 0; --atol's default "
+                        "1e-6 beside it) instead of each float output's rounding bound")
+    p.add_argument("--atol", type=cli_args.float_at_least(0.0), default=None,
+                   help="compare with this absolute tolerance (>= 0; --rtol's default "
+                        "1e-5 beside it) instead of each float output's rounding bound")
     p.add_argument("--flower", action="store_true",
                    help="run the round on a loopback Flower deployment (a SuperLink and "
                         "--devices SuperNodes) instead of a fleet")

@@ -27,8 +27,8 @@ from fax_bridge.parity.report import LeafParity, ParityReport, compare_leaves
 
 
 def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
-                  nodes: int, flower_s: float, rtol: float = 1e-5,
-                  atol: float = 1e-6, client_runtime: Any = "xla",
+                  nodes: int, flower_s: float, rtol: Optional[float] = None,
+                  atol: Optional[float] = None, client_runtime: Any = "xla",
                   read_as: Any = None) -> ParityReport:
     """The ParityReport of the run's result against `rounds` rounds of jit, with
     `fleet_bits`: whether its bits equal the fleet split's run in process with the
@@ -39,7 +39,10 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
       made: the app's round (`bundle.build_round` or `bundle.read_round`).
       result_npz: the run's result.npz (`run_outcome`).
       rounds: the rounds the run ran; nodes: its SuperNodes; flower_s: its seconds.
-      rtol, atol: the tolerances of each leaf against jit.
+      rtol, atol: fixed tolerances of each leaf against jit; without either, each
+        float leaf is held to twice the rounding bound of `rounds` chained rounds
+        (`check.bounded_comparison`; `made.traced`, the program `build_round` traced),
+        integer leaves to equality, as `check_parity` holds a fleet.
       client_runtime: what ran the nodes' client parts.
       read_as: the treedef the run's result is read back with (`flower_results.
         load_result`); where it is not jit's, a "result structure" MISMATCH row."""
@@ -47,6 +50,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     from federated_language.common_libs import structure
 
     from fax_bridge import in_process
+    from fax_bridge.parity import check
     from fax_bridge.runtime import npz_keys, values
 
     state, data = args[0], args[1]
@@ -64,9 +68,18 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     want = npz_keys.result_to_npz(values.from_pytree(jax.device_get(result), result_type),
                                 result_type)
     got = npz_keys.read_npz(result_npz, what="the run's result.npz")
-    keys = sorted(want)
-    leaves = compare_leaves([want[k] for k in keys], [got.get(k, np.zeros(0)) for k in keys],
-                            rtol, atol, paths=keys)
+    keys = npz_keys.result_keys(result_type)  # in the order of jit's output leaves
+    mine, theirs = [want[k] for k in keys], [got.get(k, np.zeros(0)) for k in keys]
+    given = check.tolerances(rtol, atol)
+    if given is None and made.traced is not None:
+        name = getattr(client_runtime, "name", client_runtime)
+        leaves, rtol, atol = check.bounded_comparison(
+            made.traced, tuple(args), jax.tree_util.tree_leaves(result), theirs, keys,
+            f"the SuperNodes ({name} clients, exact sums)", rounds=rounds,
+            carry=len(jax.tree_util.tree_leaves(args[0])))
+    else:
+        rtol, atol = given or (check.DEFAULT_RTOL, check.DEFAULT_ATOL)
+        leaves = compare_leaves(mine, theirs, rtol, atol, paths=keys)
     jitted = jax.tree_util.tree_structure(result)
     if read_as is not None and read_as != jitted:
         leaves.insert(0, LeafParity("result structure", (), "", 0.0, 0.0, False,
@@ -223,7 +236,8 @@ def run_check(app: str, nodes: list, home: str, rounds: int) -> tuple:
 
 def check_round(fn, args: tuple, *, placements: Any = None, clients: Optional[int] = None,
                 deployment: Any = None, nodes: int = 2, rounds: int = 1,
-                rtol: float = 1e-5, atol: float = 1e-6) -> ParityReport:
+                rtol: Optional[float] = None, atol: Optional[float] = None
+                ) -> ParityReport:
     """`check_parity(fn, *args, flower=...)`: the round's app (and, without a running
     `deployment`, the example clients as `nodes` populations and a loopback deployment
     serving them) in a temporary folder, `rounds` rounds there and under jit, compared

@@ -105,8 +105,8 @@ def load_result(folder: str, app: Optional[str] = None, structure: Any = None) -
 
 
 def compare_with_jit(app: str, program, *args, out_dir: Optional[str] = None,
-                     placements: Any = None, rtol: float = 1e-5,
-                     atol: float = 1e-6) -> ParityReport:
+                     placements: Any = None, rtol: Optional[float] = None,
+                     atol: Optional[float] = None) -> ParityReport:
     """The ParityReport of the Flower run of `app` (module docstring) against jit.
 
     Args:
@@ -115,7 +115,8 @@ def compare_with_jit(app: str, program, *args, out_dir: Optional[str] = None,
       *args: its (state, client data), the run's first state and every client.
       out_dir: the run's out-dir (default `app/results`).
       placements: the program's placements, as the app was written with them.
-      rtol, atol: each leaf's tolerances against jit.
+      rtol, atol: fixed tolerances of each leaf against jit instead of the rounding
+        bound (`parity.flower.parity_of_run`).
     """
     import jax
 

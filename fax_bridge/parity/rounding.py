@@ -213,9 +213,11 @@ def _least(first: np.ndarray, shadow: Optional[np.ndarray], why: str) -> tuple:
     return out, f"{SHADOW}; {FIRST_ORDER} at {tighter} of {first.size} elements"
 
 
-def _shadow(comp: Any, args: tuple, float32: Optional[Sequence] = None) -> tuple:
+def _shadow(comp: Any, args: tuple, float32: Optional[Sequence] = None,
+            rounds: int = 1, carry: int = 0) -> tuple:
     try:
-        return parity_shadow.measure(comp, args, float32=float32), ""
+        return parity_shadow.measure(comp, args, float32=float32, rounds=rounds,
+                                     carry=carry), ""
     except Exception as e:  # noqa: BLE001 - the first-order bound stands alone
         return None, f"{type(e).__name__}: {str(e)[:200]}"
 
@@ -230,7 +232,8 @@ def _first_order(comp: Any, args: tuple, shadow: Any, run) -> Optional[list]:
 
 
 def evaluation_bounds(comp: Any, args: tuple, methods: Optional[list] = None,
-                      float32: Optional[Sequence] = None) -> list[np.ndarray]:
+                      float32: Optional[Sequence] = None, rounds: int = 1,
+                      carry: int = 0) -> list[np.ndarray]:
     """Per output leaf of the traced program `comp` at `args`, elementwise, how far one
     float evaluation may be from the exact result: the float64 shadow's measure
     (`parity.shadow`: the program run in float64, with and without float32's rounding
@@ -245,15 +248,32 @@ def evaluation_bounds(comp: Any, args: tuple, methods: Optional[list] = None,
       methods: a list that gets each leaf's method appended (`SHADOW`, `FIRST_ORDER`,
         or both, saying at how many elements the first-order bound is the tighter).
       float32: the output leaves jit gave for `args`, where the caller has them (the
-        shadow then compiles only the float64 program)."""
-    shadow, why = _shadow(comp, args, float32)
-    first = _first_order(comp, args, shadow, parity_first_order.first_order_bounds)
+        shadow then compiles only the float64 program).
+      rounds, carry: bound the last of `rounds` chained rounds, each fed the first
+        `carry` output leaves of the one before as its first argument leaves (a round's
+        state); the shadow alone measures a chain (`parity.shadow.measure`).
+
+    Raises ValueError where neither method can bound the program (the reason of each)."""
+    shadow, why = _shadow(comp, args, float32, rounds, carry)
+    if rounds > 1:
+        if shadow is None:
+            raise ValueError(f"no {SHADOW} of {rounds} chained rounds: {why}")
+        first, loop_why = None, f"{rounds} chained rounds"
+    else:
+        loop_why = "the program loops"
+        try:
+            first = _first_order(comp, args, shadow, parity_first_order.first_order_bounds)
+        except Exception as e:  # noqa: BLE001 - the shadow's bound stands alone
+            if shadow is None:
+                raise ValueError(f"no rounding bound: no {SHADOW} ({why}) and no "
+                                 f"{FIRST_ORDER} ({type(e).__name__}: {e})") from e
+            first, loop_why = None, f"{type(e).__name__} in it"
     measured = shadow.bounds() if shadow is not None else [None] * len(first)
     out = []
     for i, m in enumerate(measured):
         if first is None:
             bound, method = np.asarray(m, np.float64), (
-                f"{SHADOW} (the program loops: no {FIRST_ORDER})")
+                f"{SHADOW} ({loop_why}: no {FIRST_ORDER})")
         else:
             bound, method = _least(first[i], m, why)
         out.append(bound)

@@ -463,20 +463,39 @@ def _compiled(closed) -> tuple:
 
 
 def measure(comp: Any, args: tuple, samples: int = SAMPLES, seed: int = 0,
-            float32: Optional[Sequence] = None) -> Shadow:
+            float32: Optional[Sequence] = None, rounds: int = 1,
+            carry: int = 0) -> Shadow:
     """The traced program `comp` at `args` evaluated in float32, in float64 and in
     `samples` noisy float64 runs (module docstring). `float32`: the program's output
-    leaves as a float32 path gave them (jit's), which saves compiling it again here;
-    the aggregations' operands are then not measured (`Shadow.aggregands` empty)."""
+    leaves as a float32 path gave them (jit's; after `rounds` rounds), which saves
+    compiling it again here; the aggregations' operands are then not measured
+    (`Shadow.aggregands` empty).
+
+    `rounds` > 1 measures a chain of rounds: each evaluation feeds its own first `carry`
+    output leaves (a round's new state) back as the first `carry` argument leaves of
+    the next round, so the rounding of every round is carried through the rest, and the
+    last round is measured (its aggregations' operands are those of the last round)."""
     flat = list(jax.tree_util.tree_leaves(args))
+    if rounds < 1 or not 0 <= carry <= len(flat) or (rounds > 1 and carry == 0):
+        raise ValueError(f"measure: rounds={rounds} with carry={carry} of {len(flat)} "
+                         "argument leaves; chained rounds carry at least one leaf")
     run, kinds = _compiled(comp.jaxpr)
 
+    def chained(step, key=None, scale=None):
+        """The last round's (outputs, aggregands); each round draws its own errors."""
+        state = flat
+        for r in range(rounds):
+            extra = () if key is None else (key if r == 0 else _mix(key, -r), scale)
+            got = step(state, *extra)
+            state = list(got[0][:carry]) + flat[carry:]
+        return got
+
     with jax.enable_x64(True):
-        narrow = run[0](flat) if float32 is None else (list(float32), None)
+        narrow = chained(run[0]) if float32 is None else (list(float32), None)
         wide = run[1]
         key = jnp.float64(seed)
-        truth = wide(flat, key, 0.0)
-        runs = [wide(flat, _mix(key, i + 1), 1.0) for i in range(samples)]
+        truth = chained(wide, key, 0.0)
+        runs = [chained(wide, _mix(key, i + 1), 1.0) for i in range(samples)]
         got = jax.device_get((narrow, truth, runs))
     narrow, truth, runs = got
 

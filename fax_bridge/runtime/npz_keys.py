@@ -160,6 +160,12 @@ def _placed_layout(type_, prefix: str = "", clients: bool = False) -> list:
     return [(prefix or RESULT_KEY, type_, clients)]
 
 
+def result_keys(result_type: federated_language.Type) -> list[str]:
+    """The npz keys `result_to_npz` writes for `result_type`, in the type's depth-first
+    order: the order of the program's flattened outputs."""
+    return [key for key, _, _ in _placed_layout(result_type)]
+
+
 def result_from_npz(npz: Mapping[str, np.ndarray],
                     result_type: federated_language.Type) -> Any:
     """The result `result_to_npz` wrote, as the generic pytree of `result_type` (dicts
