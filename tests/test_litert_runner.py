@@ -66,8 +66,11 @@ def test_litert_devices_give_the_same_bits_run_to_run_and_however_clients_are_sp
     proto = fb.export_tff(one_round, *args, placements=PLACE)
     first = fleet.run(proto, *args)
     assert _bits(fleet.run(proto, *args)) == _bits(first)
-    # the report names each device's client runtime and the model it ran, by its bytes
+    # the report names each device's client runtime and the model it ran, by its bytes:
+    # the round's model, named by pytree path, though a device has the client part alone
     model = convert.convert_round(P.split_round(proto))
+    assert [t.name for t in model.inputs] == ["broadcast/params/b", "broadcast/params/w",
+                                              "client/x", "client/w"]
     assert fleet.last_report.served == {
         address: client_runtime.served("litert", hashlib.sha256(model.tflite).hexdigest())
         for address in fleet.addresses}

@@ -1,7 +1,9 @@
 """A round's LiteRT tensors are named by the program's pytree paths: every algorithm of
 `fax_bridge.algorithms` and every example, broadcasts of a part of the state, merged
 weighted means, broadcasts of computed values. Names come from the export and one trace
-of the program; nothing is converted here."""
+of the program. The models a fleet's devices convert from the client part alone take
+the names the round gave it on their machine, and a trip's model of a round of several
+trips the paths its map's types carry, running bit for bit as index-named ones."""
 
 from __future__ import annotations
 
@@ -12,10 +14,15 @@ import numpy as np
 import optax
 import pytest
 
+import federated_language
+from federated_language.common_libs import structure
+
 import fax_bridge as fb
 from fax_bridge.language import pytree_names
-from fax_bridge.litert import lowering, manifest, tensor_names
-from fax_bridge.rounds import round_split
+from fax_bridge.litert import (convert, lowering, manifest, model_cache, phases, runner,
+                               tensor_names)
+from fax_bridge.rounds import round_split, server_steps
+from fax_bridge.runtime import interpreter, values
 from fax_bridge.tff.cli import load_target, resolve_program
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -162,3 +169,106 @@ def test_names_that_do_not_fit_the_signature_are_refused():
         lowering.client_signature(param, result, split.aggregations, (["a", "a"], ["v"]))
     with pytest.raises(ComputationError, match="1 input and 1 output names"):
         lowering.client_signature(param, result, split.aggregations, (["a"], ["v"]))
+
+
+def _signature_names(model) -> tuple:
+    """(input names, output names) the .tflite's signature declares, sorted."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    found = Interpreter(model_content=model.tflite).get_signature_list()[model.signature]
+    return sorted(found["inputs"]), sorted(found["outputs"])
+
+
+def _bits(model, leaves: list) -> list:
+    return [x.tobytes() for x in runner.ClientRunner(model)(leaves)]
+
+
+def test_a_device_given_the_client_part_alone_names_its_model_as_the_round_did(
+        empty_litert_cache, monkeypatch):
+    @fb.program(clients=2)
+    def one_round(params, x):
+        return fb.federated_mean(fb.federated_map_clients(
+            lambda p, c: jnp.tanh(c @ p["w"]) + p["b"], (fb.federated_broadcast(params), x)))
+
+    args = ({"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2),
+             "b": np.float32([0.5, -0.25])},
+            np.linspace(0, 1, 24, dtype=np.float32).reshape(2, 4, 3))
+    proto = fb.export_tff(one_round, *args, placements=("server", "clients"))
+    split = round_split.split_round(proto)
+    monkeypatch.setattr(convert, "_NAMES", {})
+    # a fleet's coordinator converts the round with its split before any client work
+    runner.LiteRTClientRuntime().check_round(proto, split)
+    made = convert.convert_round(split)
+    named = (["broadcast/params/b", "broadcast/params/w", "client/x"], ["aggregate/0/value"])
+    assert _signature_names(made) == named
+    # a device process of this machine has the client part, the values and the specs
+    arg = values.bind_arguments(interpreter.prepare(proto).parameter, args, {}) \
+        .runtime_value()
+    env = server_steps.prepare(split, arg, None, 2)
+    sent = structure.Struct([(None, env[name]) for name in split.broadcasts])
+    members = [structure.Struct([(None, arg[i][c]) for i in split.client_inputs])
+               for c in range(2)]
+    specs = [a.spec for a in split.aggregations]
+
+    def on_a_device():
+        monkeypatch.setattr(convert, "_MADE", {})
+        monkeypatch.setattr(convert, "_NAMES", {})
+        return runner.model_for(split.client_part, split.client_part_hash, sent, members,
+                                specs)
+
+    device = on_a_device()
+    assert device.tflite == made.tflite and device.convert_s == 0.0  # the machine's model
+    # a damaged record of the names is named, and the device names its model by index,
+    # which computes the same bits
+    record = model_cache.names_path(split.client_part_hash)
+    record.write_text(record.read_text().replace("broadcast/params/b", "broadcast/params/w"))
+    with pytest.warns(RuntimeWarning, match=f"{record} is damaged.*named by index"):
+        indexed = on_a_device()
+    assert _signature_names(indexed) == (["broadcast/0/b", "broadcast/0/w", "client/0"],
+                                         ["aggregate/0/value"])
+    leaves = lowering.flatten(sent, made.signature_types.parameter[0], []) + \
+        lowering.flatten(members[1], made.signature_types.parameter[1], [])
+    assert _bits(indexed, leaves) == _bits(made, leaves)
+
+
+def test_a_trip_of_a_round_of_several_trips_names_its_model_by_its_maps_paths(
+        empty_litert_cache):
+    @fb.program(clients=2)
+    def two_trips(params, x):
+        first = fb.federated_mean(fb.federated_map_clients(
+            lambda p, c: (jnp.sum(c["a"]) * p["w"], jnp.sum(c["b"])),
+            (fb.federated_broadcast(params), x)))
+        return fb.federated_sum(fb.federated_map_clients(
+            lambda g, c: jnp.sum(g[0]) * jnp.sum(c["a"]) + g[1],
+            (fb.federated_broadcast(first), x)))
+
+    args = ({"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)},
+            {"a": np.linspace(0, 1, 24, dtype=np.float32).reshape(2, 4, 3),
+             "b": np.float32([1.5, 2.5])})
+    proto = fb.export_tff(two_trips, *args, placements=("server", "clients"))
+    assert round_split.split_of(proto) is None
+    (m1, first), (m2, second) = [(m, model) for m, model in phases.convert_round(proto)
+                                 if model is not None]
+    # the round's parameter and the client's data carry their names; the zips and a
+    # map's result none
+    assert _signature_names(first) == (["client/0/w", "client/1/a", "client/1/b"],
+                                       ["result/0", "result/1"])
+    assert _signature_names(second) == (["client/0/0", "client/0/1", "client/1/a",
+                                         "client/1/b"], ["result"])
+    assert phases.model_of(m1.fn, m1.key) is first  # every device names it alike
+    part, param, result = phases._wrapped(m1.fn)
+    indexed = convert.convert_client_part(part, param, result, key=m1.key)
+    assert _signature_names(indexed)[0] == ["client/0/0/w", "client/0/1/a", "client/0/1/b"]
+    leaves = [args[0]["w"], args[1]["a"][1], args[1]["b"][1]]
+    assert _bits(first, leaves) == _bits(indexed, leaves)
+
+
+def test_a_client_maps_names_are_valid_and_distinct_whatever_its_types_name():
+    f32 = federated_language.TensorType(np.float32)
+    fn_type = federated_language.FunctionType(
+        federated_language.StructType([("a b", f32), ("a_b", f32), (None, f32)]),
+        federated_language.StructType([("out/x", f32)]))
+    assert tensor_names.client_map_names(fn_type) == (
+        ("client/a_b", "client/a_b_2", "client/2"), ("result/out_x",))
+    bare = federated_language.FunctionType(None, f32)
+    assert tensor_names.client_map_names(bare) == ((), ("result",))

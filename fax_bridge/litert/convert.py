@@ -10,12 +10,22 @@ uses LiteRT builtin ops only and that the interpreter prepares it; anything else
 its jax primitive and the rewrite. The converter's side script first rewrites what has
 an exact builtin form (`side_rewrites`: a max pool's gradient).
 
-A model is made once per client part and shapes: kept in this process by content hash,
-and on disk (`model_cache`: `FAX_BRIDGE_LITERT_CACHE`, default `~/.cache/fax_bridge/
-litert`, each entry verified when read back) by the sha256 of its StableHLO and
-signature, so the devices of one machine convert a round shape once between them. A
-node that must not convert takes a model carried with its app instead (`carried`,
-looked up first by `runner.model_for`).
+`convert_round(split)` names the tensors by pytree path as far as the round's proto
+names them (`tensor_names.signature_names(split)`: `broadcast/params/w`, `client/x`,
+`aggregate/0/value/<path>`; `fax-bridge litert` adds the paths one trace of the
+program records, `manifest.convert_named`). A device given the client part alone (a
+fleet's: no round, no split) converts it with `convert_without_split`, named as the
+round named it where this machine converted it with its split (`round_names`: this
+process's, else `model_cache`'s record, which a fleet's coordinator writes before any
+client work), else by index (`lowering.client_signature`: `broadcast/0/w`,
+`client/0`). Names change the flatbuffer's bytes, never what it computes.
+
+A model is made once per client part, names and shapes: kept in this process by
+content hash and names, and on disk (`model_cache`: `FAX_BRIDGE_LITERT_CACHE`, default
+`~/.cache/fax_bridge/litert`, each entry verified when read back) by the sha256 of its
+StableHLO and signature (names included), so the devices of one machine convert a
+round shape once between them. A node that must not convert takes a model carried with
+its app instead (`carried`, looked up first by `runner.model_for`).
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from typing import Optional
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.litert import flatbuffer, lowering, model_cache, refusals
+from fax_bridge.litert import flatbuffer, lowering, model_cache, refusals, tensor_names
 from fax_bridge.runtime import local_eval
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -135,7 +145,8 @@ def _check_runs(model: bytes) -> None:
         raise refusals.refuse("the LiteRT interpreter refuses", found, str(e)) from None
 
 
-_MADE: dict = {}
+_MADE: dict = {}  # (client part hash, input names, output names) -> ClientModel
+_NAMES: dict = {}  # client part hash -> the names `convert_round` last gave it here
 _PROGRAMS: dict = {}  # (client part hash, tensor shapes) -> its `program_sha256`
 _LOCK = threading.Lock()
 
@@ -171,15 +182,16 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
     """The client part `fn`, of type `param -> result`, as a LiteRT model (module
     docstring). `aggregations`: the split's, which name the outputs; `names`: (input
     names, output names) in their place (`lowering.client_signature`); `key`: `fn`'s
-    content hash (and names) where the caller has it."""
+    content hash where the caller has it (a model is kept by it and its names)."""
     key = key or local_eval.content_hash(fn)
-    with _LOCK:
-        if use_cache and key in _MADE:
-            return _MADE[key]
     start = time.perf_counter()
     sig = lowering.client_signature(param, result, aggregations, names)
-    text = lowering.lower(fn, sig)
     ins, outs = [t.name for t in sig.inputs], [t.name for t in sig.outputs]
+    made_key = (key, tuple(ins), tuple(outs))  # names change the model's bytes
+    with _LOCK:
+        if use_cache and made_key in _MADE:
+            return _MADE[made_key]
+    text = lowering.lower(fn, sig)
     digest = hashlib.sha256(json.dumps([CONVERTER, SIGNATURE, ins, outs]).encode()
                             + text.encode()).hexdigest()
     cached = model_cache.read(digest, sig, SIGNATURE) if use_cache else model_cache.Lookup(None)
@@ -205,13 +217,49 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
                        program_sha256=program_sha256(text, sig))
     with _LOCK:
         if use_cache:
-            _MADE[key] = made
+            _MADE[made_key] = made
     return made
 
 
 def convert_round(split, use_cache: bool = True) -> ClientModel:
     """The client part of a round split (`rounds.round_split.RoundSplit`) as a model
-    whose outputs are named by the aggregation each feeds."""
+    whose tensors are named by pytree path as far as the round's proto names them
+    (`tensor_names.signature_names(split)`: the outputs by the aggregation each feeds);
+    the names are kept for the client part (`round_names`), so that a device of this
+    machine given the client part alone names its model alike."""
     param, result = lowering.split_types(split)
-    return convert_client_part(split.client_part, param, result, split.aggregations,
-                               key=split.client_part_hash, use_cache=use_cache)
+    names = tuple(tuple(n) for n in tensor_names.signature_names(split))
+    made = convert_client_part(split.client_part, param, result, split.aggregations,
+                               key=split.client_part_hash, use_cache=use_cache,
+                               names=names)
+    with _LOCK:
+        _NAMES[split.client_part_hash] = names
+    if use_cache and model_cache.read_names(split.client_part_hash) != names:
+        model_cache.store_names(split.client_part_hash, names)
+    return made
+
+
+def round_names(key: str) -> Optional[tuple]:
+    """(input names, output names) the round gave client part `key` where this machine
+    converted it with its split (`convert_round`): this process's, else the model
+    cache's record (`model_cache.read_names`); None where none has."""
+    with _LOCK:
+        names = _NAMES.get(key)
+    return names if names is not None else model_cache.read_names(key)
+
+
+def convert_without_split(fn: computation_pb2.Computation, param, result,
+                          aggregations: Optional[list] = None, *,
+                          key: Optional[str] = None) -> ClientModel:
+    """The client part `fn` (content hash `key`, of type `param -> result`) of a round
+    not at hand (a fleet device's: `runner.model_for`) as a model named as its round
+    named it (`round_names`), else by index (`lowering.client_signature`); names that
+    do not fit its tensors (a record of other leaves) are not used."""
+    key = key or local_eval.content_hash(fn)
+    names = round_names(key)
+    if names is not None:
+        try:
+            lowering.client_signature(param, result, aggregations, names)
+        except ComputationError:
+            names = None
+    return convert_client_part(fn, param, result, aggregations, key=key, names=names)

@@ -25,7 +25,6 @@ by the round's server prepare step. Its bounds are twice the rounding analysis's
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import pathlib
@@ -163,15 +162,13 @@ def convert_named(split, recorded: Optional[list] = None,
                   argument_names: Optional[Sequence[Optional[str]]] = None
                   ) -> convert.ClientModel:
     """The split's client part as a model whose tensors are named by pytree path
-    (`tensor_names.signature_names`); its version is the client part's content hash, as
-    `convert.convert_round`'s."""
+    (`tensor_names.signature_names`, with the paths one trace of the program recorded:
+    `recorded`); its version is the client part's content hash, as
+    `convert.convert_round`'s (the model is the same where the trace adds no name)."""
     param, result = lowering.split_types(split)
     names = tensor_names.signature_names(split, recorded, argument_names)
-    digest = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:16]
-    model = convert.convert_client_part(split.client_part, param, result, split.aggregations,
-                                        key=f"{split.client_part_hash}/{digest}",
-                                        names=names)
-    return dataclasses.replace(model, client_part_hash=split.client_part_hash)
+    return convert.convert_client_part(split.client_part, param, result, split.aggregations,
+                                       key=split.client_part_hash, names=names)
 
 
 def build(split, model: convert.ClientModel, signature: str,

@@ -14,6 +14,13 @@ entry: a warning names the file and why, and the caller converts again and `stor
 replaces it; where it cannot convert, `Lookup.damaged` names the file in its refusal
 and how to fix it. A cache folder that is unsafe or unwritable costs a conversion per
 process (warned once), never the round.
+
+Beside the models, `store_names(part, names)` keeps the tensor names a round gave client
+part `part` (`convert.convert_round`, which has the round), as `<sha256 of part>.names`
+(one JSON object: `NAMES_FORMAT`, the client part's hash, its input and output names),
+so that a device of this machine given the client part alone names its model alike
+(`read_names`, believed on the same terms as an entry: a damaged record is named in a
+warning and the model is named by index).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import warnings
 from typing import Optional
 
@@ -32,6 +40,10 @@ from fax_bridge.errors import ComputationError
 FORMAT = "fax_bridge.litert.cache/1"
 SUFFIX = ".litert"
 MAX_ENTRY_BYTES = 1 << 30
+NAMES_FORMAT = "fax_bridge.litert.names/1"
+NAMES_SUFFIX = ".names"
+MAX_NAMES_BYTES = 1 << 24
+_NAME = re.compile(r"[A-Za-z0-9_./-]{1,1024}")  # what `pytree_names.tensor_names` gives
 _WARNED: set = set()
 
 
@@ -123,3 +135,56 @@ def store(key: str, model: bytes) -> None:
     except OSError as e:
         _warn_once(f"fax_bridge: the LiteRT model cache {folder} cannot be written "
                    f"({e.strerror or e}); each process converts its models")
+
+
+def names_path(part: str) -> pathlib.Path:
+    """The names record of client part `part` (its content hash)."""
+    return cache_dir() / f"{hashlib.sha256(part.encode()).hexdigest()}{NAMES_SUFFIX}"
+
+
+def store_names(part: str, names: tuple) -> None:
+    """Records `names` ((input names, output names)) as those a round gave client part
+    `part`, whole or not at all; an unusable cache records nothing."""
+    folder = _folder()
+    if folder is None:
+        return
+    text = json.dumps({"format": NAMES_FORMAT, "client_part": part,
+                       "inputs": list(names[0]), "outputs": list(names[1])})
+    try:
+        private_files.write_file(names_path(part), text, 0o600)
+    except OSError as e:
+        _warn_once(f"fax_bridge: the LiteRT model cache {folder} cannot be written "
+                   f"({e.strerror or e}); each process converts its models")
+
+
+def read_names(part: str) -> Optional[tuple]:
+    """(input names, output names) a round gave client part `part` on this machine
+    (`store_names`), or None: none recorded, or a record not believed (a regular file of
+    ours, of this format and client part, whose names are lists of distinct valid
+    tensor names; anything else is named in a warning)."""
+    path = names_path(part)
+    if not os.path.lexists(path) or _folder() is None:
+        return None
+    why = None
+    try:
+        raw = private_files.read_regular(path, MAX_NAMES_BYTES, ours=True,
+                                         what="the LiteRT tensor names record")
+        data = private_files.parse_json(raw, path)  # bounded: a ValueError
+        if not isinstance(data, dict) or data.get("format") != NAMES_FORMAT:
+            why = "it is not a fax_bridge tensor names record"
+        elif data.get("client_part") != part:
+            why = f"it is the record of client part {data.get('client_part')!r}"
+        else:
+            found = (data.get("inputs"), data.get("outputs"))
+            if not all(isinstance(n, list) and len(set(map(str, n))) == len(n)
+                       and all(isinstance(x, str) and _NAME.fullmatch(x) for x in n)
+                       for n in found):
+                why = "its inputs and outputs are not lists of distinct tensor names"
+    except (OSError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}"
+    if why is None:
+        return tuple(data["inputs"]), tuple(data["outputs"])
+    _warn_once(f"fax_bridge: the LiteRT tensor names record {path} is damaged ({why}); "
+               f"the model of client part {part[:16]} is named by index (`rm {path}`: "
+               "the round's next conversion with its split records the names again)")
+    return None

@@ -6,14 +6,19 @@ federated AD's backward trip) or that keeps state at the clients has no single c
 part (`round_split.why_not_split`); it runs phase by phase, and each federated map of a
 CLIENTS value (`round_split.client_maps`) is what every client computes in one trip. A
 LiteRT runtime runs each such map as a model of its own, keyed by the map function's
-content hash (`model_of`):
+content hash (`model_of`), its tensors named by their paths in the map's types
+(`tensor_names.client_map_names`: the element names they carry, else indices):
 
-  inputs   `client/0/<path>`: the leaves of the map's argument, which holds what the
+  inputs   `client/<path>`: the leaves of the map's argument, which holds what the
            server broadcast in this trip, the client's data, its state (a CLIENTS
            argument of the round) and what an earlier trip left at the client
-           (federated AD's residuals), zipped as the round zips them;
-  outputs  `result/0/<path>`: the leaves of the map's result, which the round aggregates,
+           (federated AD's residuals), zipped as the round zips them (`client/0/b`,
+           `client/1/x`, `client/2`: a zip's elements carry no names);
+  outputs  `result/<path>`: the leaves of the map's result, which the round aggregates,
            keeps at the client for a later trip, or returns as the client's new state.
+
+The names come from the map alone, so every device and check names one map's model
+alike.
 
 So client state and values carried between trips travel as a model's inputs and
 outputs; nothing but the interpreter's zips and selections sits between two models. A
@@ -32,7 +37,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.litert import carried, convert, lowering
+from fax_bridge.litert import carried, convert, lowering, tensor_names
 from fax_bridge.rounds import round_split
 from fax_bridge.runtime import local_eval
 from fax_bridge.runtime.backend import as_numpy
@@ -43,8 +48,8 @@ _X = "__map_x"  # the wrapped map's parameter: <<>, <the map's argument>>
 
 def _wrapped(fn: computation_pb2.Computation) -> tuple:
     """(the map as a client part of no broadcasts, its parameter type, its result type):
-    `x -> <fn(x[1][0])>`, which `lowering.client_signature` names `client/0/...` in and
-    `result/0/...` out."""
+    `x -> <fn(x[1][0])>`, whose leaves are the map's argument's and result's, in order
+    (`model_of` names them)."""
     fn_type = local_eval.parse_type(fn.type)
     if not isinstance(fn_type, federated_language.FunctionType):
         raise ComputationError(f"a client map of type {fn_type}, not a function")
@@ -66,14 +71,16 @@ def _wrapped(fn: computation_pb2.Computation) -> tuple:
 def model_of(fn: computation_pb2.Computation, key: Optional[str] = None,
              models: Optional[str] = None) -> convert.ClientModel:
     """The LiteRT model of client map `fn` (content hash `key`): carried in `models`
-    where that directory holds one of this hash, else converted (`convert`)."""
+    where that directory holds one of this hash (named as its manifest names it), else
+    converted (`convert`) with its tensors named by path (module docstring)."""
     key = key or local_eval.content_hash(fn)
     part, param, result = _wrapped(fn)
     if models and key in carried.versions(models):
         found = carried.find(models, key, lowering.client_signature(param, result))
         if found is not None:
             return found
-    return convert.convert_client_part(part, param, result, key=key)
+    names = tensor_names.client_map_names(local_eval.parse_type(fn.type))
+    return convert.convert_client_part(part, param, result, key=key, names=names)
 
 
 def map_clients(fn: computation_pb2.Computation, members: Any, load: Callable,

@@ -5,9 +5,9 @@ with the client part run by the LiteRT interpreter (ai-edge-litert) through the 
 named signature instead of XLA: each client's leaves are fed by name, its outputs read
 back into the client part's result, and each aggregation's exact partial is made by the
 same code (`runtime.aggregation.partial_of`), so a device or SuperNode running LiteRT
-answers the coordinator in the same form. A process loads a model once per client part
-and shapes (`runner_for`) and runs one client at a time, on one thread, so a client's
-result does not depend on how clients are split over devices.
+answers the coordinator in the same form. A process loads a model once per client part,
+tensor names and shapes (`runner_for`) and runs one client at a time, on one thread, so
+a client's result does not depend on how clients are split over devices.
 
 A model carried with an app or deployment (`carried`: a directory of models converted
 where the app was written) is taken before any conversion (`model_for`), so a node
@@ -90,8 +90,10 @@ _LOCK = threading.Lock()
 
 
 def runner_for(model: convert.ClientModel) -> ClientRunner:
-    """The process's runner of `model`, loaded on first use."""
-    key = (model.client_part_hash, tuple(t.shape for t in model.inputs))
+    """The process's runner of `model`, loaded on first use: one per client part,
+    tensors' names and shapes (models of one client part named otherwise are other
+    bytes, which `served` names)."""
+    key = (model.client_part_hash, model.inputs, model.outputs)
     with _LOCK:
         runner = _RUNNERS.get(key)
         if runner is None:
@@ -142,7 +144,10 @@ def model_for(fn: computation_pb2.Computation, key: str, sent: Any, members: Any
               models: Optional[str] = None) -> convert.ClientModel:
     """The LiteRT model of client part `fn` (content hash `key`): the one carried in the
     directory `models` where it holds one (`carried.find`: never converted then, and a
-    carried model of another client part is refused), else converted (`convert`)."""
+    carried model of another client part is refused), else converted (`convert`):
+    named by pytree path from `split` where given (`convert.convert_round`), else (a
+    fleet device has the client part alone) as the round named it where this machine
+    converted it with its split, else by index (`convert.convert_without_split`)."""
     aggregations = split.aggregations if split is not None else [
         types.SimpleNamespace(value_index=vi, weight_index=wi) for _, vi, wi, *_ in specs]
     param_result = None
@@ -155,8 +160,8 @@ def model_for(fn: computation_pb2.Computation, key: str, sent: Any, members: Any
             return found
     if split is not None:
         return convert.convert_round(split)
-    return convert.convert_client_part(fn, *(param_result or _types_of(fn, sent, members)),
-                                       key=key, aggregations=aggregations)
+    return convert.convert_without_split(fn, *(param_result or _types_of(fn, sent, members)),
+                                         aggregations, key=key)
 
 
 def client_partials(fn: computation_pb2.Computation, key: str, sent: Any, members: Any,

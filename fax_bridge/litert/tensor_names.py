@@ -25,9 +25,20 @@ the split's client part, one per leaf in the signature's order
   aggregate/<k>/weight        a weighted mean's weight.
 
 `recorded` is `pytree_names.recording_aggregands`' list from a trace of the program
-(`manifest.traced_with_paths`); without it, what the round's proto itself names is
-named (its parameter's paths) and the rest by index. Each segment is kept to letters,
-digits, `_`, `.` and `-`, and every name is distinct (`pytree_names.tensor_names`).
+(`manifest.traced_with_paths`); without it (`convert.convert_round`: a fleet's, an
+in-process round's), what the round's proto itself names is named (its parameter's
+paths) and the rest by index. Each segment is kept to letters, digits, `_`, `.` and
+`-`, and every name is distinct (`pytree_names.tensor_names`).
+
+`client_map_names(fn_type)` names the model of one trip's client map (`litert.phases`):
+
+  client/<path>               a leaf of the map's argument, by its path there;
+  result/<path>               a leaf of the map's result, by its path there;
+
+each path the element names the map's types carry, else indices: the zips a round makes
+of what it broadcast, the client's data and its state carry none (`client/0/w`,
+`client/1/x`, `client/2`, `result/0`), and a model's tensors must not depend on the round (a device
+runs the map alone).
 """
 
 from __future__ import annotations
@@ -122,6 +133,17 @@ def signature_names(split, recorded: Optional[list] = None,
         element if element is not None else
         [["result", str(i)] + rel for rel in _leaf_segments(result[i])])]
     return (pytree_names.tensor_names(inputs), pytree_names.tensor_names(outputs))
+
+
+def client_map_names(fn_type: federated_language.FunctionType) -> tuple:
+    """(input names, output names) of the model of a client map of type `fn_type` (a
+    `federated_language.FunctionType`), in `lowering.flatten`'s leaf order (module
+    docstring): `client/<path>` in, `result/<path>` out."""
+    inputs = [] if fn_type.parameter is None else [
+        ["client"] + rel for rel in _leaf_segments(fn_type.parameter)]
+    outputs = [["result"] + rel for rel in _leaf_segments(fn_type.result)]
+    return (tuple(pytree_names.tensor_names(inputs)),
+            tuple(pytree_names.tensor_names(outputs)))
 
 
 def _leaf_segments(type_) -> list:
