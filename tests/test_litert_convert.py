@@ -100,8 +100,8 @@ def test_generated_client_updates_run_in_litert_within_the_rounding_bound(
     split, (xla, lite, again) = _runs(prog, args, ("xla", "litert", "litert"))
     model = convert.convert_round(split)
     assert not flatbuffer.non_builtin(model.operators)
-    assert [t.name for t in model.inputs][:2] == ["broadcast/0/b", "broadcast/0/w"] or \
-        [t.name for t in model.inputs][:2] == ["broadcast/0/k", "broadcast/0/w"]
+    assert [t.name for t in model.inputs][:2] == ["broadcast/params/b", "broadcast/params/w"] \
+        or [t.name for t in model.inputs][:2] == ["broadcast/params/k", "broadcast/params/w"]
     assert {t.name.split("/")[0] for t in model.outputs} == {"aggregate"}
     bounds = parity_rounding.evaluation_bounds(
         tracing.trace(prog, *args, placements=PLACE), args, float32=xla)
@@ -145,7 +145,7 @@ def test_a_model_fed_another_batch_size_is_refused_with_the_fix(gather_round):
     run = runner.runner_for(model)
     leaves = [params["b"], params["w"], x[0], y[0]]
     assert len(run(leaves)) == len(model.outputs)
-    with pytest.raises(ArgumentError, match=r"client/0 is float32\[5, 4\].*converted for "
+    with pytest.raises(ArgumentError, match=r"client/x is float32\[5, 4\].*converted for "
                                             r"float32\[2, 4\].*pad the client's data"):
         run([params["b"], params["w"], np.zeros((5, 4), np.float32), y[0]])
 
