@@ -422,6 +422,18 @@ def bound(float32, truth, spread) -> np.ndarray:
 
 
 _COMPILED: dict = {}  # the program's text and constants -> its jitted evaluations
+# The shadow runs a few times on example data: compiled with less optimization, which
+# takes a quarter less time to compile (the float64 program of a round is large).
+_QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _host():
+    """The CPU, where float64 runs on every machine (a TPU has none); the default
+    device where jax was started without its CPU backend."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
 
 
 def _constants(closed):
@@ -454,8 +466,8 @@ def _compiled(closed) -> tuple:
         kinds[:] = [k for k, _ in record]
         return outs, [vals for _, vals in record]
 
-    made = ((jax.jit(lambda a: run(a, None, 0.0, False)),
-             jax.jit(lambda a, k, s: run(a, k, s, True))), kinds)
+    made = ((jax.jit(lambda a: run(a, None, 0.0, False), compiler_options=_QUICK),
+             jax.jit(lambda a, k, s: run(a, k, s, True), compiler_options=_QUICK)), kinds)
     if len(_COMPILED) >= 16:
         _COMPILED.clear()
     _COMPILED[digest.hexdigest()] = made
@@ -480,6 +492,9 @@ def measure(comp: Any, args: tuple, samples: int = SAMPLES, seed: int = 0,
         raise ValueError(f"measure: rounds={rounds} with carry={carry} of {len(flat)} "
                          "argument leaves; chained rounds carry at least one leaf")
     run, kinds = _compiled(comp.jaxpr)
+    host = _host()
+    if host is not None:  # arrays an accelerator holds, copied to the CPU
+        flat = jax.device_put(flat, host)
 
     def chained(step, key=None, scale=None):
         """The last round's (outputs, aggregands); each round draws its own errors."""
@@ -490,7 +505,7 @@ def measure(comp: Any, args: tuple, samples: int = SAMPLES, seed: int = 0,
             state = list(got[0][:carry]) + flat[carry:]
         return got
 
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), jax.default_device(host):
         narrow = chained(run[0]) if float32 is None else (list(float32), None)
         wide = run[1]
         key = jnp.float64(seed)
