@@ -69,15 +69,16 @@ def empty_litert_cache(monkeypatch, tmp_path):
 # to the two workers in collection order, so the long ones start first and the short
 # ones fill in behind them instead of one long file running alone at the end.
 LONGEST_FIRST = (
-    "test_flower.py", "test_primitives.py", "test_chunking.py", "test_litert_convert.py",
-    "test_secure.py", "test_in_process.py", "test_litert_runner.py",
-    "test_benchmarks_accelerators.py", "test_runtime_client_map.py", "test_fleet_remote.py",
-    "test_forks.py", "test_runtime_hlo.py", "test_multihost.py", "test_algorithms_diloco.py",
-    "test_tff_forms.py", "test_litert_client_maps.py", "test_benchmarks_bench.py",
-    "test_reliability_fuzz.py", "test_fleet_links.py", "test_readme.py",
-    "test_benchmarks_smoke.py", "test_fleet_device_limits.py", "test_fleet_backend.py",
-    "test_privacy_tff087.py", "test_algorithms_export.py", "test_reliability_faults.py",
-    "test_runtime_device_sums.py", "test_runtime_device_rounds.py")
+    "test_flower.py", "test_runtime_device_sums.py", "test_litert_runner.py",
+    "test_litert_convert.py", "test_algorithms_export.py", "test_secure.py",
+    "test_benchmarks_accelerators.py", "test_chunking.py", "test_in_process.py",
+    "test_litert_tensor_names.py", "test_runtime_client_map.py", "test_parity_rounding.py",
+    "test_runtime_double_sums.py", "test_primitives.py", "test_litert_client_maps.py",
+    "test_fleet_links.py", "test_algorithms_diloco.py", "test_runtime_hlo.py",
+    "test_benchmarks_bench.py", "test_algorithms_dp_fedavg.py", "test_readme.py",
+    "test_parity.py", "test_runtime_device_floats.py", "test_runtime_device_rounds.py",
+    "test_forks.py", "test_benchmarks_local_overhead.py", "test_fleet_remote.py",
+    "test_reliability_faults.py", "test_algorithms_e3m0.py", "test_tff_forms.py")
 
 
 def pytest_addoption(parser):
