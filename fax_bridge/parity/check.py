@@ -21,6 +21,7 @@ from fax_bridge.parity import rounding as parity_rounding
 from fax_bridge.language import tracing
 from fax_bridge.errors import ArgumentError
 from fax_bridge.fleet.launcher import LocalFleet
+from fax_bridge.parity.bounded import bounded_comparison, bounded_leaves, tolerances
 from fax_bridge.parity.report import LeafParity, ParityReport, chunking_of, compare_leaves
 from fax_bridge.rounds import client_runtime as runtimes
 from fax_bridge.rounds.client_runtime import ClientRuntime
@@ -91,70 +92,6 @@ def fleet_arguments(args: tuple, parameter: Optional[federated_language.Type]) -
     if len(args) == 1 and isinstance(parameter, federated_language.StructType):
         args = tuple(child for _, child in tff_types.named_children(args[0]))
     return tuple(args)
-
-
-# The tolerances of a comparison that asks for them (`rtol=` or `atol=`); without
-# either, float leaves are held to the rounding bound (`bounded_comparison`).
-DEFAULT_RTOL, DEFAULT_ATOL = 1e-5, 1e-6
-
-
-def tolerances(rtol: Optional[float], atol: Optional[float]) -> Optional[tuple]:
-    """(rtol, atol) where a caller gave either (the other at its default); None where it
-    gave neither: the comparison then holds each float leaf to the rounding bound."""
-    if rtol is None and atol is None:
-        return None
-    return (DEFAULT_RTOL if rtol is None else rtol, DEFAULT_ATOL if atol is None else atol)
-
-
-def bounded_comparison(comp: Any, args: tuple, local: list, remote: list, paths: list,
-                       who: str, rounds: int = 1, carry: int = 0) -> tuple:
-    """(leaves, rtol, atol): `local` (jit's output leaves for `args`, after `rounds`
-    chained rounds that carry their first `carry` leaves) against `remote` (what `who`
-    computed), each float leaf within twice the program's rounding bound
-    (`parity.rounding.evaluation_bounds`), integer and bool leaves equal. Where no bound
-    can be had, the default tolerances, said on every float leaf."""
-    methods: list = []
-    try:
-        bounds = parity_rounding.evaluation_bounds(comp, args, methods, float32=local,
-                                                   rounds=rounds, carry=carry)
-    except ValueError as e:
-        leaves = compare_leaves(local, remote, DEFAULT_RTOL, DEFAULT_ATOL, paths=paths)
-        for leaf in leaves:
-            if parity_rounding.is_float(leaf.dtype):
-                leaf.explanation = (f"(no rounding bound: {e}; compared with rtol="
-                                    f"{DEFAULT_RTOL:g} atol={DEFAULT_ATOL:g})")
-        return leaves, DEFAULT_RTOL, DEFAULT_ATOL
-    return bounded_leaves(local, remote, bounds, paths, methods, who), 0.0, 0.0
-
-
-def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list,
-                   methods: Optional[list] = None, who: str = "LiteRT") -> list[LeafParity]:
-    """Leaf-by-leaf comparison where leaf i may differ by 2 * bounds[i] elementwise
-    (`parity.rounding.evaluation_bounds`: each path within the bound of the exact
-    result; `methods[i]` says what gave it; `who` names the other path); integer and
-    bool leaves must be equal, and a NaN or infinity must be the same on both paths."""
-    leaves = compare_leaves(local, remote, 0.0, 0.0, paths=paths)
-    want, got = jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(remote)
-    if len(want) != len(got) or len(bounds) != len(want):
-        return leaves
-    methods = list(methods or []) + [""] * (len(want) - len(methods or []))
-    for leaf, w, g, b, method in zip(leaves, want, got, bounds, methods):
-        if leaf.note or not parity_rounding.is_float(leaf.dtype):
-            continue
-        w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
-        with np.errstate(invalid="ignore"):
-            diff = np.abs(w - g)
-            allowed = 2.0 * np.asarray(b, np.float64)
-            same = (w == g) | (np.isnan(w) & np.isnan(g))
-            leaf.ok = bool(np.all(same | (diff <= allowed)))
-        leaf.bound = float(np.max(allowed, initial=0.0))
-        leaf.bound_method = method
-        how = f" ({method})" if method else ""
-        leaf.explanation = (
-            f"{who} and jit each stay within the rounding bound{how} of the exact "
-            f"result: they may differ by up to {leaf.bound:.3g} here (elementwise), and "
-            f"differ by at most {leaf.max_abs:.3g}")
-    return leaves
 
 
 def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,

@@ -41,7 +41,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
       rounds: the rounds the run ran; nodes: its SuperNodes; flower_s: its seconds.
       rtol, atol: fixed tolerances of each leaf against jit; without either, each
         float leaf is held to twice the rounding bound of `rounds` chained rounds
-        (`check.bounded_comparison`; `made.traced`, the program `build_round` traced),
+        (`bounded.bounded_comparison`; `made.traced`, the program `build_round` traced),
         integer leaves to equality, as `check_parity` holds a fleet.
       client_runtime: what ran the nodes' client parts.
       read_as: the treedef the run's result is read back with (`flower_results.
@@ -50,7 +50,7 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     from federated_language.common_libs import structure
 
     from fax_bridge import in_process
-    from fax_bridge.parity import check
+    from fax_bridge.parity import bounded
     from fax_bridge.runtime import npz_keys, values
 
     state, data = args[0], args[1]
@@ -70,15 +70,15 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     got = npz_keys.read_npz(result_npz, what="the run's result.npz")
     keys = npz_keys.result_keys(result_type)  # in the order of jit's output leaves
     mine, theirs = [want[k] for k in keys], [got.get(k, np.zeros(0)) for k in keys]
-    given = check.tolerances(rtol, atol)
+    given = bounded.tolerances(rtol, atol)
     if given is None and made.traced is not None:
         name = getattr(client_runtime, "name", client_runtime)
-        leaves, rtol, atol = check.bounded_comparison(
+        leaves, rtol, atol = bounded.bounded_comparison(
             made.traced, tuple(args), jax.tree_util.tree_leaves(result), theirs, keys,
             f"the SuperNodes ({name} clients, exact sums)", rounds=rounds,
             carry=len(jax.tree_util.tree_leaves(args[0])))
     else:
-        rtol, atol = given or (check.DEFAULT_RTOL, check.DEFAULT_ATOL)
+        rtol, atol = given or (bounded.DEFAULT_RTOL, bounded.DEFAULT_ATOL)
         leaves = compare_leaves(mine, theirs, rtol, atol, paths=keys)
     jitted = jax.tree_util.tree_structure(result)
     if read_as is not None and read_as != jitted:
