@@ -15,7 +15,6 @@ from typing import Any, Callable, Optional, Union
 
 import federated_language
 import jax
-import numpy as np
 
 from fax_bridge.parity import rounding as parity_rounding
 from fax_bridge.language import tracing
