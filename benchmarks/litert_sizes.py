@@ -385,7 +385,7 @@ def fleet(repeats: int, clients: int = 8) -> list[dict]:
 
     from fax_bridge.fleet.launcher import LocalFleet
 
-    init, batch, loss = M.mlp_model(100)
+    init, batch, loss = M.BUILDERS["mlp"](100)
     rng = np.random.default_rng(0)
     params, data = init(rng), batch(rng, clients, M.BATCH["mlp"])
     prog = M.fax_round(M.make_local(loss, "mean"), "mean", clients)
