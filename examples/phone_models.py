@@ -14,7 +14,9 @@
 
 Each is a round of `CLIENTS` clients with `NAME_example_args(clients)` (two batches
 of two examples per client), so `fax-bridge export`, `parity` and `litert` find its
-example arguments; `make_round(name, clients)` builds one at another cohort size.
+example arguments; `make_round(name, clients, algorithm)` builds one at another cohort
+size, or under another algorithm of `ALGORITHMS` (fed_sgd, streaming_diloco,
+dp_fed_avg, ...) on the same model and data.
 """
 
 from __future__ import annotations
@@ -183,29 +185,70 @@ def _vectors(clients: int, seed: int) -> tuple:
     return {"x": x, "y": y}, np.ones((clients, STEPS, BATCH), bool)
 
 
-def make_round(name: str, clients: int) -> tuple:
-    """(program, example args, placements) of round `name` (module docstring)."""
+# family -> (loss, initial parameters, data builder and its seed, the family's algorithm)
+_FAMILIES = {
+    "transformer": (transformer_loss, transformer_init, _tokens, 1, "fed_avg"),
+    "cnn": (cnn_loss, cnn_init, _images, 2, "fed_adam"),
+    "cnn_avg": (cnn_avg_loss, cnn_init, _images, 2, "fed_avg"),
+    "gru": (rnn_loss, lambda: rnn_init(0, "gru"), _tokens, 3, "fed_avg"),
+    "lstm": (rnn_loss, lambda: rnn_init(0, "lstm"), _tokens, 3, "fed_avg"),
+    "mlp": (mlp_loss, mlp_init, _vectors, 4, "fed_sgd_one_trip"),
+}
+ALGORITHMS = ("fed_avg", "fed_adam", "fed_sgd", "fed_sgd_one_trip", "streaming_diloco",
+              "dp_fed_avg", "dp_fed_avg_adaptive")
+
+
+def own_algorithm(name: str) -> str:
+    """The algorithm round `name` runs when `make_round` is given none."""
+    _check_name(name)
+    return _FAMILIES[name][4]
+
+
+def _check_name(name: str) -> None:
+    if name not in _FAMILIES:
+        raise ValueError(f"no round {name!r}: one of {', '.join(_FAMILIES)}")
+
+
+def make_round(name: str, clients: int, algorithm: str | None = None) -> tuple:
+    """(program, example args, placements) of round `name` (module docstring) under
+    `algorithm` (one of `ALGORITHMS`; None: the family's own).
+
+    Every algorithm takes the same data, `STEPS` batches of `BATCH` examples per client:
+    fed_sgd and fed_sgd_one_trip one step over all of them; streaming_diloco is
+    `rounds[0]` (two fragments, H = 2 x STEPS so a round runs STEPS inner steps, overlap
+    1, E3M0-quantized outer gradients); dp_fed_avg clips each client's update to L2
+    norm 1 and adds Gaussian noise of multiplier 0.5 (`dp_fed_avg_adaptive`: the clip
+    adapts to the median update norm).
+    """
+    program, init_state, placements = _algorithm(name, clients, algorithm)
+    _, init, data_of, seed, _ = _FAMILIES[name]
+    return program, (init_state(init()), *data_of(clients, seed)), placements
+
+
+def _algorithm(name: str, clients: int, algorithm: str | None) -> tuple:
+    """(program, params -> its state, placements): the round without its arguments."""
+    _check_name(name)
+    loss, init, _, _, own = _FAMILIES[name]
+    algorithm = own if algorithm is None else algorithm
     sgd = optax.sgd(0.1)
-    if name == "transformer":
-        alg, params, data = (A.fed_avg(transformer_loss, sgd, clients=clients),
-                             transformer_init(), _tokens(clients, 1))
-    elif name in ("cnn", "cnn_avg"):
-        loss = cnn_loss if name == "cnn" else cnn_avg_loss
-        make = A.fed_adam if name == "cnn" else A.fed_avg
-        alg, params, data = make(loss, sgd, clients=clients), cnn_init(), _images(clients, 2)
-    elif name in ("gru", "lstm"):
-        alg, params, data = (A.fed_avg(rnn_loss, sgd, clients=clients), rnn_init(0, name),
-                             _tokens(clients, 3))
-    elif name == "mlp":
-        alg, params, data = (A.fed_sgd_one_trip(mlp_loss, clients=clients), mlp_init(),
-                             _vectors(clients, 4))
+    if algorithm in ("fed_avg", "fed_adam"):
+        alg = getattr(A, algorithm)(loss, sgd, clients=clients)
+    elif algorithm in ("fed_sgd", "fed_sgd_one_trip"):
+        alg = getattr(A, algorithm)(loss, clients=clients)
+    elif algorithm == "streaming_diloco":
+        alg = A.streaming_diloco(loss, init(), clients=clients, sync_every=2 * STEPS,
+                                 num_fragments=2, overlap=1, quantize=True)
+        return alg.rounds[0], alg.init, alg.placements
+    elif algorithm in ("dp_fed_avg", "dp_fed_avg_adaptive"):
+        clip = 1.0 if algorithm == "dp_fed_avg" else None
+        alg = A.dp_fed_avg(loss, sgd, clients=clients, noise_multiplier=0.5, clip=clip)
     else:
-        raise ValueError(f"no round {name!r}: one of transformer, cnn, cnn_avg, gru, "
-                         "lstm, mlp")
-    return alg.next, (alg.init(params), *data), alg.placements
+        raise ValueError(f"no algorithm {algorithm!r} for round {name!r}: one of "
+                         f"{', '.join(ALGORITHMS)}, or None for its own ({own})")
+    return alg.next, alg.init, alg.placements
 
 
-ROUNDS = ("transformer", "cnn", "cnn_avg", "gru", "lstm", "mlp")
+ROUNDS = tuple(_FAMILIES)
 CLIENTS = 3  # the cohort each round declares
 
 
@@ -217,5 +260,5 @@ def _example_args(name: str):
 
 
 for _name in ROUNDS:
-    globals()[f"{_name}_round"] = make_round(_name, CLIENTS)[0]
+    globals()[f"{_name}_round"] = _algorithm(_name, CLIENTS, None)[0]
     globals()[f"{_name}_round_example_args"] = _example_args(_name)
