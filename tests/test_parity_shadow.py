@@ -63,3 +63,44 @@ def test_the_truth_is_float64_through_a_float32_carry_and_the_bound_holds_jit(se
     # per client (2), what each hands over: its last h (4) and its 12 steps' sums
     assert [(kind, [np.shape(b) for b in bs]) for kind, bs in shadow.aggregand_bounds()] \
         == [("mean", [(2, 4)]), ("sum", [(2, 12)])]
+
+
+def _coded_values(rng, clients: int, size: int) -> np.ndarray:
+    """Per client, `size` values each 1.25 x a power of two of its largest magnitude
+    (the middle of an E3M0 level), signs drawn: no value near a code's edge."""
+    exponents = rng.integers(-6, 1, size=(clients, size)).astype(np.float64)
+    r = np.where(exponents == 0, 1.0, 1.25 * 2.0 ** exponents)
+    scale = rng.uniform(0.5, 4.0, size=(clients, 1))
+    signs = rng.choice([-1.0, 1.0], size=(clients, size))
+    return (signs * r * scale).astype(np.float32)
+
+
+@fb.program(clients=3)
+def _coded_mean(x):
+    from fax_bridge.algorithms import e3m0
+
+    return fb.federated_mean(fb.federated_map_clients(e3m0.quantize, x))
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_exact_conversions_draw_no_rounding(seed):
+    """A comparison's bool and a quantization code made floats, and random bits read
+    as a float, are exact: the shadow draws no rounding there, so clients sending E3M0
+    codes of values away from a code's edge get a bound of rounding, not of a whole
+    quantization level (drawn there, the top level dropped to half in the samples)."""
+    x = _coded_values(np.random.default_rng(seed), 3, 16)
+    shadow = parity_shadow.measure(trace(_coded_mean, x, placements="clients"), (x,))
+    (bound,) = shadow.bounds()
+    top = np.float32(np.abs(np.asarray(_coded_mean(x))).max())
+    assert bound.max() <= 1e-4 * top + np.spacing(top), (bound.max(), top)
+
+    @fb.program(clients=2)
+    def uniform(w):  # float32 bits made a float in [1, 2), less 1: no rounding at all
+        return fb.federated_map_server(
+            lambda w: w * 0.0 + jax.random.uniform(jax.random.key(seed % 1000), w.shape),
+            w)
+
+    w = np.ones(64, np.float32)
+    (bound,) = parity_shadow.measure(trace(uniform, w, placements="server"), (w,)).bounds()
+    assert bound.max() <= 3 * np.spacing(np.float32(1.0)), bound.max()

@@ -13,8 +13,9 @@ equation (the jaxpr is walked here, so a float32 fixed in user code, such as a s
             the spread of these around the truth is how far float32 rounding, carried
             through the rest of the program by the program itself, moves each element
 
-A rounding is modelled by the equation's kind: ops that only move or pick values add
-none, nor do `add`, `sub` and `mul` (`ALIKE`: IEEE operations every implementation
+A rounding is modelled by the equation's kind: ops that only move, pick or reinterpret
+values add none (a bitcast; a bool or integer made a float the type holds exactly,
+such as a comparison's result or a quantization code), nor do `add`, `sub` and `mul` (`ALIKE`: IEEE operations every implementation
 rounds alike from the same operands); another elementwise op (a division, a narrowing
 cast) moves its result by up to eps * |y|; `exp`, `log`, `tanh`, ... by
 `ULPS_OF_FUNCTIONS` ulps; a sum of n terms (a dot, a convolution, a reduction, a window
@@ -62,7 +63,8 @@ MOVES = {"reshape", "transpose", "broadcast_in_dim", "slice", "squeeze", "concat
          "copy_p", "expand_dims", "rev", "max", "min", "reduce_max", "reduce_min", "neg",
          "abs", "iota", "sign", "stop_gradient", "argmax", "argmin", "clamp",
          "federated_broadcast", "sort", "reduce_window_max", "reduce_window_min",
-         "split", "top_k", "floor", "ceil", "round", "optimization_barrier"}
+         "split", "top_k", "floor", "ceil", "round", "optimization_barrier",
+         "bitcast_convert_type"}
 # Elementwise functions an interpreter's kernels compute within a few ulp, not 0.5.
 TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos",
                   "tan", "pow", "erf", "erfc", "erf_inv", "rsqrt", "sqrt", "cbrt", "atan2",
@@ -262,6 +264,9 @@ def _rounded(eqn, invals: list, y, dtype, mode: _Mode, key):
         before = invals[0]
         if _floating(before) and _eps(eqn.invars[0].aval.dtype) >= eps:
             return y  # widening, or the same type: exact
+        if not _floating(before):  # a bool or an integer: exact while the type holds it
+            exact = jnp.abs(y) <= 2.0 ** (jnp.finfo(dtype).nmant + 1)
+            return _noise(y, jnp.where(exact, 0.0, eps * jnp.abs(y)), mode, key)
         return _noise(y, eps * jnp.abs(y), mode, key)
     if name in TRANSCENDENTAL:
         return _noise(y, ULPS_OF_FUNCTIONS * eps * jnp.abs(y), mode, key)
