@@ -63,7 +63,8 @@ def test_the_benchmark_measures_a_family_within_its_bounds(tmp_path, capsys):
     assert "| lstm | fed_avg | 2 | 1 |" in capsys.readouterr().out
 
 
-# The MLP under Streaming DiLoCo's first round (E3M0 codes up and down): ~10-20 s.
+# The MLP under Streaming DiLoCo's first round (E3M0 codes up and down), within its
+# limit: ~10-20 s.
 @pytest.mark.peers
 def test_the_benchmark_measures_a_family_under_another_algorithm(capsys):
     parity_bounds = _benchmark()
@@ -71,8 +72,9 @@ def test_the_benchmark_measures_a_family_under_another_algorithm(capsys):
                                  "--clients", "2", "--runtime", "xla"])
     assert "error" not in row, row
     assert row["model"] == "mlp" and row["algorithm"] == "streaming_diloco"
-    figures = [row[k] for k in ("max_diff", "max_allowed", "diff/allowed", "bound/limit")]
-    assert all(math.isfinite(x) for x in figures), row
-    assert 0 < row["max_allowed"] and row["diff/allowed"] <= 1.0
+    assert math.isfinite(row["max_diff"]) and 0 < row["max_allowed"] < math.inf, row
+    assert row["diff/allowed"] <= 1.0
+    # E3M0's codes are exact conversions: no drawn rounding moves every top code
+    assert 0 < row["bound/limit"] <= 1.0, row
     assert row["worst_bound"].startswith("round 1 ")  # names the leaf nearest its limit
     assert "| mlp | streaming_diloco | 2 | 1 |" in capsys.readouterr().out
