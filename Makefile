@@ -46,14 +46,16 @@ forms-check: $(STAMP) tff-venv
 	$(PY) tools/forms_check.py --out out/forms
 
 # The venvs (.venv, .venv-tff, .venv-litert) build two at a time and so do the two TFF checks (each half waits on the
-# network or on one core); pytest runs on two workers, a test file to a worker so that
+# network or on one core); pytest runs on three workers, a test file to a worker so that
 # module-scoped fixtures (a Flower deployment, a fleet) start once, the longest files
 # first (`LONGEST_FIRST` in tests/conftest.py), and the docstrings' examples run in the
-# same session (`make doctest` runs them alone).
+# same session (`make doctest` runs them alone). Three workers on two cores: a worker
+# waiting on its device processes, a socket or a round's deadline leaves its core to
+# the others (the suite took 450 s so on the shared 2-core machine, 525 s on two).
 test:
 	$(MAKE) -j2 $(STAMP) tff-venv litert-venv
 	$(MAKE) -j2 tff-check forms-check
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests --doctest-modules $(DOCTEST_MODULES)
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests --doctest-modules $(DOCTEST_MODULES)
 
 # The comparisons with the peers, each in its own venv (google-fax 0.0.2 on jax 0.4.26,
 # TFF 0.87, Flower's simulation engine): one round of each peer against the numpy

@@ -66,7 +66,7 @@ def empty_litert_cache(monkeypatch, tmp_path):
 # compiles, LiteRT conversions, device processes), slowest first, as measured on the
 # shared 2-core machine (a whole run on two workers at a load of about 5):
 # `make test` runs pytest-xdist's loadfile with --no-loadscope-reorder, which hands files
-# to the two workers in collection order, so the long ones start first and the short
+# to the workers in collection order, so the long ones start first and the short
 # ones fill in behind them instead of one long file running alone at the end.
 LONGEST_FIRST = (
     "test_flower.py", "test_runtime_device_sums.py", "test_litert_runner.py",
