@@ -256,16 +256,10 @@ def _emnist_cnn(rng, clients: int, batch: int = 4):
     data = {"x": rng.random((clients, batch, 28, 28, 1)).astype(np.float32),
             "y": rng.integers(0, 62, (clients, batch)).astype(np.int32),
             "key": rng.integers(-2**31, 2**31 - 1, (clients, 2)).astype(np.int32)}
-    dn = ("NHWC", "HWIO", "NHWC")
+    from size_models import cnn_features
 
     def loss(p, b):
-        z = jax.nn.relu(jax.lax.conv_general_dilated(b["x"], p["c1"], (1, 1), "VALID",
-                                                     dimension_numbers=dn) + p["cb1"])
-        z = jax.nn.relu(jax.lax.conv_general_dilated(z, p["c2"], (1, 1), "VALID",
-                                                     dimension_numbers=dn) + p["cb2"])
-        z = jax.lax.reduce_window(z, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
-                                  "VALID")
-        z = layers.dropout(b["key"], 0.25, z.reshape(z.shape[0], -1))
+        z = layers.dropout(b["key"], 0.25, cnn_features(p, b["x"]))
         z = layers.dropout(b["key"] + 1, 0.5, jax.nn.relu(z @ p["d1"] + p["db1"]))
         logits = z @ p["d2"] + p["db2"]
         return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(b["y"], 62), -1))

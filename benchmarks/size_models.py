@@ -60,6 +60,19 @@ def mlp_model(h: int):
     return init, batch, loss
 
 
+def cnn_features(p, x):
+    """The CNN's two ReLU 3x3 convolutions (`c1`, `cb1`, `c2`, `cb2`) and its 2x2 max
+    pool on NHWC images `x`, flattened per example."""
+    dn = ("NHWC", "HWIO", "NHWC")
+    z = jax.nn.relu(jax.lax.conv_general_dilated(x, p["c1"], (1, 1), "VALID",
+                                                 dimension_numbers=dn) + p["cb1"])
+    z = jax.nn.relu(jax.lax.conv_general_dilated(z, p["c2"], (1, 1), "VALID",
+                                                 dimension_numbers=dn) + p["cb2"])
+    z = jax.lax.reduce_window(z, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+                              "VALID")
+    return z.reshape(z.shape[0], -1)
+
+
 def cnn_model(c1: int, c2: int, k: int):
     flat = 12 * 12 * c2
 
@@ -76,14 +89,7 @@ def cnn_model(c1: int, c2: int, k: int):
                 "y": rng.integers(0, 62, (clients, n)).astype(np.int32)}
 
     def loss(p, b):
-        dn = ("NHWC", "HWIO", "NHWC")
-        z = jax.nn.relu(jax.lax.conv_general_dilated(b["x"], p["c1"], (1, 1), "VALID",
-                                                     dimension_numbers=dn) + p["cb1"])
-        z = jax.nn.relu(jax.lax.conv_general_dilated(z, p["c2"], (1, 1), "VALID",
-                                                     dimension_numbers=dn) + p["cb2"])
-        z = jax.lax.reduce_window(z, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
-                                  "VALID")
-        z = jax.nn.relu(z.reshape(z.shape[0], -1) @ p["d1"] + p["db1"])
+        z = jax.nn.relu(cnn_features(p, b["x"]) @ p["d1"] + p["db1"])
         return _xent(z @ p["d2"] + p["db2"], b["y"])
 
     return init, batch, loss
