@@ -126,28 +126,46 @@ def _no_nan(tangent: np.ndarray, errs: list) -> np.ndarray:
     return np.where(bad, np.where(exact, 0.0, np.inf), tangent)
 
 
-_JVPS: dict = {}  # id(eqn) -> (eqn, its jitted tangent map): loops run an eqn many times
+class _ByIdentity:
+    """Jitted maps kept per (object, float positions): keyed by the object's id and
+    checked by identity (an id is reused once its object is gone), all dropped past
+    `cap` entries. Loops run an equation, or a body, many times."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.entries: dict = {}
+
+    def get(self, obj, floats: tuple, make):
+        """The map kept for (`obj`, `floats`), else `make()`'s, kept."""
+        hit = self.entries.get((id(obj), floats))
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        fn = make()
+        if len(self.entries) > self.cap:
+            self.entries.clear()
+        self.entries[(id(obj), floats)] = (obj, fn)
+        return fn
+
+
+def _with_floats(vals: Sequence, floats: tuple, new: Sequence) -> list:
+    """`vals` with `new` at the positions `floats`."""
+    args = list(vals)
+    for i, v in zip(floats, new):
+        args[i] = v
+    return args
+
+
+_JVPS = _ByIdentity(4096)  # an equation's jitted tangent map
 
 
 def _jvp_of(eqn, floats: tuple):
     """jit((values, tangents of the float ones) -> the outputs' tangents) for `eqn`."""
-    hit = _JVPS.get((id(eqn), floats))
-    if hit is not None and hit[0] is eqn:
-        return hit[1]
-
     def tangents(vals, tans):
         def f(*fl):
-            args = list(vals)
-            for i, v in zip(floats, fl):
-                args[i] = v
-            return tuple(_bind(eqn, args))
+            return tuple(_bind(eqn, _with_floats(vals, floats, fl)))
         return jax.jvp(f, tuple(vals[i] for i in floats), tuple(tans))[1]
 
-    fn = jax.jit(tangents)
-    if len(_JVPS) > 4096:
-        _JVPS.clear()
-    _JVPS[(id(eqn), floats)] = (eqn, fn)
-    return fn
+    return _JVPS.get(eqn, floats, lambda: jax.jit(tangents))
 
 
 def _run_bounds(jaxpr, consts: Sequence, vals: Sequence, errs: Sequence) -> tuple:
@@ -275,30 +293,20 @@ def _decode_sum_bounds(eqn, invals: list, inerrs: list) -> tuple:
 # of `p - lr * grad(p)`), which grows it geometrically with the local steps: bounds of
 # 500 on a loss of 0.2 after five SGD steps of a small CNN, 0.4 this way.
 MAX_JACOBIAN_ENTRIES = 1 << 24  # above: carried op by op (the Jacobian's memory)
-_JACOBIANS: dict = {}  # (id(body), float carry positions) -> (body, jitted jacobian)
+_JACOBIANS = _ByIdentity(256)  # a loop body's jitted Jacobian in its float carries
 
 
 def _jacobian_of(body, floats: tuple):
     """jit(values -> d(outputs)/d(the float carries at `floats`)) of the loop body."""
-    hit = _JACOBIANS.get((id(body), floats))
-    if hit is not None and hit[0] is body:
-        return hit[1]
     fn = core.jaxpr_as_fun(body)
 
     def jacobian(vals):
         def f(*carried):
-            args = list(vals)
-            for i, v in zip(floats, carried):
-                args[i] = v
-            return tuple(fn(*args))
+            return tuple(fn(*_with_floats(vals, floats, carried)))
         return jax.jacfwd(f, argnums=tuple(range(len(floats))))(
             *(vals[i] for i in floats))
 
-    jitted = jax.jit(jacobian)
-    if len(_JACOBIANS) > 256:
-        _JACOBIANS.clear()
-    _JACOBIANS[(id(body), floats)] = (body, jitted)
-    return jitted
+    return _JACOBIANS.get(body, floats, lambda: jax.jit(jacobian))
 
 
 def _step(body, vals: list, errs: list, carry_at: range) -> tuple:
