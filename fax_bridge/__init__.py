@@ -5,8 +5,6 @@ Write a program once with the FAX building blocks, run it with `jit` on accelera
 proto, and run that proto on a simulated device fleet.
 """
 
-import importlib
-
 from fax_bridge.api import (
     Program,
     federated_broadcast,
@@ -28,6 +26,7 @@ from fax_bridge.errors import (
     WeightError,
 )
 from fax_bridge.local.chunk_stream import stream_clients
+from fax_bridge.system import lazy_names
 from fax_bridge.local.jit import clients_mesh, jit_program, to_hlo
 from fax_bridge.language.placements import Placement
 from fax_bridge.tff.export import export_tff
@@ -43,17 +42,19 @@ from fax_bridge.language.secure import (
 
 __version__ = "0.1.0"
 
-# The fleet (gRPC, device processes) and parity load on first use.
+# The fleet (gRPC, device processes), parity, forms and multihost load on first use:
+# together they add about a quarter to `import fax_bridge` (gRPC, the interpreter,
+# jax.distributed).
 _LAZY = {
-    "FleetConfig": ("fax_bridge.fleet.config", "FleetConfig"),
-    "LocalFleet": ("fax_bridge.fleet.launcher", "LocalFleet"),
-    "ParityReport": ("fax_bridge.parity.check", "ParityReport"),
-    "RemoteFleet": ("fax_bridge.fleet.remote", "RemoteFleet"),
-    "PopulationRef": ("fax_bridge.runtime.population", "PopulationRef"),
-    "check_parity": ("fax_bridge.parity.check", "check_parity"),
-    "to_distribute_aggregate_form": ("fax_bridge.tff.forms", "to_distribute_aggregate_form"),
-    "to_map_reduce_form": ("fax_bridge.tff.forms", "to_map_reduce_form"),
-    "write_form": ("fax_bridge.tff.forms", "write_form"),
+    "FleetConfig": "fax_bridge.fleet.config",
+    "LocalFleet": "fax_bridge.fleet.launcher",
+    "ParityReport": "fax_bridge.parity.check",
+    "RemoteFleet": "fax_bridge.fleet.remote",
+    "PopulationRef": "fax_bridge.runtime.population",
+    "check_parity": "fax_bridge.parity.check",
+    "to_distribute_aggregate_form": "fax_bridge.tff.forms",
+    "to_map_reduce_form": "fax_bridge.tff.forms",
+    "write_form": "fax_bridge.tff.forms",
 }
 
 # Modules also served at the top (`from fax_bridge import multihost`), for programs
@@ -64,16 +65,7 @@ _MODULES = {
     "multihost": "fax_bridge.local.multihost",
 }
 
-
-def __getattr__(name):
-    # Fleet, parity, forms and multihost load on first use: together they add about a
-    # quarter to `import fax_bridge` (gRPC, the interpreter, jax.distributed).
-    if name in _MODULES:
-        return importlib.import_module(_MODULES[name])
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'fax_bridge' has no attribute {name!r}")
+__getattr__, _ = lazy_names.served(__name__, _LAZY, _MODULES)
 
 __all__ = [
     "ComputationError",

@@ -24,7 +24,7 @@ Names are imported on first use, so `python -m fax_bridge.fleet.device_cli` load
 device needs.
 """
 
-import importlib
+from fax_bridge.system import lazy_names
 
 _EXPORTS = {
     "GrpcClientsBackend": "fax_bridge.fleet.coordinator",
@@ -43,7 +43,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'fax_bridge.fleet' has no attribute {name!r}")
+__getattr__, _ = lazy_names.served(__name__, _EXPORTS)

@@ -7,7 +7,7 @@ import check_parity`); they load on first use, so that the report alone (which
 the transports use) does not load the fleet.
 """
 
-import importlib
+from fax_bridge.system import lazy_names
 
 _HOME = "fax_bridge.parity.check"
 
@@ -25,11 +25,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in __all__:
-        return getattr(importlib.import_module(_HOME), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names.served(__name__, dict.fromkeys(__all__, _HOME))

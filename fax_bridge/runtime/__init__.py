@@ -12,7 +12,7 @@ as one XLA call).
 The names below load their module on first use.
 """
 
-import importlib
+from fax_bridge.system import lazy_names
 
 _LAZY = {
     "evaluate": "interpreter",
@@ -31,10 +31,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fax_bridge.runtime' has no attribute {name!r}")
-    if "." not in module:
-        module = f"fax_bridge.runtime.{module}"
-    return getattr(importlib.import_module(module), name)
+__getattr__, _ = lazy_names.served(__name__, _LAZY)
