@@ -38,9 +38,12 @@ def bounded_comparison(comp: Any, args: tuple, local: list, remote: list, paths:
     chained rounds that carry their first `carry` leaves) against `remote` (what `who`
     computed), each float leaf within twice the program's rounding bound
     (`parity.rounding.evaluation_bounds`), integer and bool leaves equal. Where no bound
-    can be had, the default tolerances, said on every float leaf."""
+    can be had (`comp` None: no traced program), the default tolerances, said on every
+    float leaf."""
     methods: list = []
     try:
+        if comp is None:
+            raise ValueError("the round was not traced here (read from its app)")
         bounds = parity_rounding.evaluation_bounds(comp, args, methods, float32=local,
                                                    rounds=rounds, carry=carry)
     except ValueError as e:

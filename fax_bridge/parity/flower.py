@@ -71,14 +71,14 @@ def parity_of_run(prog, args: tuple, made, result_npz: str, rounds: int,
     keys = npz_keys.result_keys(result_type)  # in the order of jit's output leaves
     mine, theirs = [want[k] for k in keys], [got.get(k, np.zeros(0)) for k in keys]
     given = bounded.tolerances(rtol, atol)
-    if given is None and made.traced is not None:
+    if given is None:
         name = getattr(client_runtime, "name", client_runtime)
         leaves, rtol, atol = bounded.bounded_comparison(
             made.traced, tuple(args), jax.tree_util.tree_leaves(result), theirs, keys,
             f"the SuperNodes ({name} clients, exact sums)", rounds=rounds,
             carry=len(jax.tree_util.tree_leaves(args[0])))
     else:
-        rtol, atol = given or (bounded.DEFAULT_RTOL, bounded.DEFAULT_ATOL)
+        rtol, atol = given
         leaves = compare_leaves(mine, theirs, rtol, atol, paths=keys)
     jitted = jax.tree_util.tree_structure(result)
     if read_as is not None and read_as != jitted:
