@@ -164,3 +164,29 @@ def test_a_model_of_more_than_ten_indexed_tensors_is_read_back_not_called_damage
         warnings.simplefilter("error")  # "damaged ... converting again" would raise
         again = convert_once()
     assert again.tflite == first.tflite and again.convert_s == 0.0
+
+
+def test_a_names_record_through_a_link_or_of_another_owner_is_not_believed(
+        empty_litert_cache, tmp_path):
+    """The tensor names a round recorded for a client part are read as a file another
+    party may have planted: a link to a record elsewhere, or a record another user owns,
+    is named in a warning and the model is named by index (None here)."""
+    import os
+
+    from fax_bridge.litert import model_cache
+
+    names = (("broadcast/params/w",), ("aggregate/0/value",))
+    model_cache.store_names("part", names)
+    assert model_cache.read_names("part") == names
+    record = model_cache.names_path("part")
+    planted = tmp_path / "planted.names"
+    planted.write_text(record.read_text())
+    record.unlink()
+    record.symlink_to(planted)
+    with pytest.warns(RuntimeWarning, match="names record .* is damaged.*named by index"):
+        assert model_cache.read_names("part") is None
+    record.unlink()
+    model_cache.store_names("part", names)
+    os.chown(record, 65534, 65534)  # as another user (the tests run as root)
+    with pytest.warns(RuntimeWarning, match="names record .* is damaged.*named by index"):
+        assert model_cache.read_names("part") is None
