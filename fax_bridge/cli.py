@@ -16,6 +16,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import importlib
+import logging
 import signal
 import sys
 import threading
@@ -130,6 +131,29 @@ def _unraisable(args) -> None:
         _Interrupt.hook(args)
 
 
+class _progress_lines:
+    """Within it, the progress of long work (logger `fax_bridge.parity`, level INFO:
+    the float64 shadow's compiles and runs) is printed to stderr, one line each, led by
+    the command's name."""
+
+    def __init__(self, command: str):
+        self.logger = logging.getLogger("fax_bridge.parity")
+        self.handler = logging.StreamHandler(sys.stderr)
+        self.handler.setFormatter(logging.Formatter(f"{command}: %(message)s"))
+        self.level = self.logger.level
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        if self.handler in self.logger.handlers:
+            self.logger.removeHandler(self.handler)
+            self.logger.setLevel(self.level)
+        return False
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the console script."""
     previous = signal.getsignal(signal.SIGINT)
@@ -149,7 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except FaxBridgeError as e:
             print(f"{command}: {e}", file=sys.stderr)
             return 2
-        return int(args.func(args) or 0)
+        with _progress_lines(command):
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(f"{command}: interrupted (Ctrl-C); the processes it started are stopped",
               file=sys.stderr)

@@ -135,3 +135,17 @@ def test_litert_sizes_converts_and_runs_the_smallest_models(tmp_path):
     for s in report["sizes"]:
         assert s["bytes"] > 0 and s["litert_ms"] > 0 and s["jit_ms"] > 0
         assert math.isfinite(s["max_err"]), s
+
+
+@pytest.mark.peers
+def test_parity_cost_times_the_default_bound_against_the_jit_round(tmp_path, capsys):
+    import parity_cost
+
+    out = tmp_path / "cost.json"
+    assert parity_cost.main(["--clients", "2", "--devices", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["verdict"] == "OK" and row["fixed_verdict"] == "OK"
+    for key in ("jit_compile_s", "jit_round_s", "parity_s", "shadow_s", "fixed_s"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert row["shadow_s"] < row["parity_s"]  # the shadow is a part of the verdict
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["2", "1"]

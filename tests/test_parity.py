@@ -86,8 +86,11 @@ def test_mismatch_is_reported_per_leaf():
 def test_parity_command(capsys):
     code = cli.main(["parity", f"{QUICKSTART}:fedavg_round", "--clients", "4",
                      "--devices", "2"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert code == 0, out
+    # long work shows progress on stderr: the shadow's compile and each of its runs
+    assert "fax-bridge parity: float64 shadow: compiled a program in " in err, err
+    assert "fax-bridge parity: float64 shadow: sample 4 of 4 (" in err, err
     assert "PARITY OK" in out and "result0['w']" in out
     lines = out.splitlines()
     assert lines[0].startswith("PARITY OK: ") and lines[1].startswith("worst leaf: ")

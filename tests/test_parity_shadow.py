@@ -104,3 +104,4 @@ def test_exact_conversions_draw_no_rounding(seed):
     w = np.ones(64, np.float32)
     (bound,) = parity_shadow.measure(trace(uniform, w, placements="server"), (w,)).bounds()
     assert bound.max() <= 3 * np.spacing(np.float32(1.0)), bound.max()
+

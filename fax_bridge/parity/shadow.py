@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from typing import Any, Optional, Sequence
 
 import jax
@@ -51,6 +52,7 @@ from jax import lax
 from jax.extend import core
 
 from fax_bridge.language import primitive_facts
+from fax_bridge.parity import shadow_compile
 
 SAMPLES = 4  # noisy shadow runs
 SAFETY = 4.0  # the bound's factor over the measured error
@@ -427,11 +429,6 @@ def bound(float32, truth, spread) -> np.ndarray:
 
 
 _COMPILED: dict = {}  # the program's text and constants -> its jitted evaluations
-# The shadow runs a few times on example data: compiled with less optimization, which
-# takes a quarter less time to compile (the float64 program of a round is large).
-_QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def _host():
     """The CPU, where float64 runs on every machine (a TPU has none); the default
     device where jax was started without its CPU backend."""
@@ -471,8 +468,8 @@ def _compiled(closed) -> tuple:
         kinds[:] = [k for k, _ in record]
         return outs, [vals for _, vals in record]
 
-    made = ((jax.jit(lambda a: run(a, None, 0.0, False), compiler_options=_QUICK),
-             jax.jit(lambda a, k, s: run(a, k, s, True), compiler_options=_QUICK)), kinds)
+    made = ((shadow_compile.Compiled(lambda a: run(a, None, 0.0, False), closed),
+             shadow_compile.Compiled(lambda a, k, s: run(a, k, s, True), closed)), kinds)
     if len(_COMPILED) >= 16:
         _COMPILED.clear()
     _COMPILED[digest.hexdigest()] = made
@@ -510,12 +507,20 @@ def measure(comp: Any, args: tuple, samples: int = SAMPLES, seed: int = 0,
             state = list(got[0][:carry]) + flat[carry:]
         return got
 
+    start = time.perf_counter()
+    log = shadow_compile.LOG
+    log.info("float64 shadow: measuring float rounding (%d float64 run(s) of %d round(s))",
+             samples + 1, rounds)
     with jax.enable_x64(True), jax.default_device(host):
         narrow = chained(run[0]) if float32 is None else (list(float32), None)
         wide = run[1]
         key = jnp.float64(seed)
-        truth = chained(wide, key, 0.0)
-        runs = [chained(wide, _mix(key, i + 1), 1.0) for i in range(samples)]
+        truth = jax.block_until_ready(chained(wide, key, 0.0))
+        runs = []
+        for i in range(samples):
+            runs.append(jax.block_until_ready(chained(wide, _mix(key, i + 1), 1.0)))
+            log.info("float64 shadow: sample %d of %d (%.1f s)", i + 1, samples,
+                     time.perf_counter() - start)
         got = jax.device_get((narrow, truth, runs))
     narrow, truth, runs = got
 
