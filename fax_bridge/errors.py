@@ -42,6 +42,12 @@ class FleetError(FaxBridgeError):
     """A simulated device fleet could not complete a request (too few clients, dead devices...)."""
 
 
+class TransferError(FleetError):
+    """A value arrived other than its sender sent it: its sha256 on arrival is not the
+    one the sender computed (a codec, a relay or a transport altered it), so a round
+    fails rather than run on it."""
+
+
 class AddressError(FleetError, ValueError):
     """A HOST:PORT address is malformed (no port, a port out of range, IPv6 without brackets)."""
 

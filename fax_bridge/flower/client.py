@@ -21,8 +21,10 @@ the population ids of the node's clients in the round; the node reads only their
 runs the round's client part over them by the node's client runtime, parsed once from
 its config (`rounds.client_runtime`; XLA: one call for all of them where it can, in the bucket of the most clients a round can bring
 the node, from the cohort size the message names, so that it compiles once a run) and
-answers with one exact partial per aggregation (`records.partials_layout`) and names
-what computed them (`served_by`: the client runtime, the LiteRT model's sha256). No
+answers with one exact partial per aggregation (`records.partials_layout`, each tensor
+with its sha256, which the ServerApp checks on what it reads back), the sha256 of the
+broadcast and ids it received (`records.RECEIVED`, checked against what was sent), and
+names what computed them (`served_by`: the client runtime, the LiteRT model's sha256). No
 client row leaves the node. The ClientApp itself is `relay.client_app`; this runs in its
 process, or in a warm `worker`.
 """
@@ -196,6 +198,7 @@ def serve_round(bundle_dir: str, config, arrays: dict, header: dict) -> tuple:
     rounded = bool(header[records.ROUND].get("rounded-partials", False))
     out, layout, counts = records.partials_layout(
         [partials.to_message(p, rounded=rounded) for p in plain])
+    layout[records.RECEIVED] = records.tensors_sha256([*broadcast, ids])  # as it arrived
     out.update({f"{relay.KEPT}{i}": x for i, x in enumerate(kept)})
     # ---------------------------------------------------------------------------------
     return out, {"layout": layout, "counts": counts,

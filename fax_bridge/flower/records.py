@@ -9,13 +9,20 @@ do not say (dtype names, shapes, limb bases) and a `MetricRecord` of counts:
 - a node's partials: for aggregation j and tensor i, `aJ.vI.addend` (in the value's
   own dtype: a node of one client sends its addend, 4 bytes an element for float32,
   as Flower's own apps do; a round of rounded partials sends each float sum so),
-  `aJ.vI.doubles` (float64, an exact sum that float64 holds), `aJ.vI.limbs` (int64
-  [limbs, size], the fleet's exact limbs) with `aJ.vI.flags` (uint8, non-finite
-  addends), or `aJ.vI.extreme` (a min or max); `aJ.w.*` the same for a weighted
-  mean's weights;
+  `aJ.vI.doubles` (float64, an exact sum that float64 holds; the few elements it
+  would not hold exactly are +0.0 there, their positions in `aJ.vI.spilled`, int64,
+  and their sums in limbs over those positions alone), `aJ.vI.limbs` (int64 [limbs,
+  size], the fleet's exact limbs) with `aJ.vI.flags` (uint8, non-finite addends), or
+  `aJ.vI.extreme` (a min or max); `aJ.w.*` the same for a weighted mean's weights;
+  every field of the fleet's `LeafPartial` is carried, and a leaf with a field a
+  record has no place for is refused, never sent without it;
 - what computed a node's answer: a `ConfigRecord` "served" of "client-runtime" (a name
   of `rounds.client_runtime.NAMES`) and "model-sha256" (the LiteRT model's, 64 hex
-  digits; "" for XLA), read by `served_of`.
+  digits; "" for XLA), read by `served_of`;
+- digests of what was sent, checked where it arrives: `aJ.vI.sha256` in a node's layout
+  (`leaf_sha256` of each partial tensor as the fleet's message held it before it was
+  laid out), and `RECEIVED` (`tensors_sha256` of the broadcast and ids the node
+  received); a difference is a `TransferError` (`from_layout`, `check_received`).
 
 Partials are the fleet's (`rounds.partials`): a node builds its `AggregateResponse` with
 `partials.to_message` and `partials_layout` lays its fields out as arrays; the server
@@ -27,11 +34,12 @@ and the ClientApp's own process decode the same way. The record names are `relay
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import FleetError, TransferError
 from fax_bridge.rounds import wire
 from fax_bridge.flower.relay import (BROADCAST, IDS, LAYOUT, METRICS, PARTIALS, ROUND,
                                     SERVED, array_view, c_order)
@@ -129,6 +137,55 @@ def numpy_of(value: np.ndarray, dtype: np.dtype, shape, where: str) -> np.ndarra
 
 
 # ---------------------------------------------------------------------------------------
+# Digests: what a side sent, checked where it arrives
+
+
+def leaf_sha256(leaf: pb.LeafPartial) -> str:
+    """The sha256 (hex) of a partial tensor as the fleet's message holds it: what a node
+    computes before laying it out as records (`partials_layout`) and the ServerApp
+    again on the message it reads back (`from_layout`)."""
+    return hashlib.sha256(leaf.SerializeToString(deterministic=True)).hexdigest()
+
+
+def tensors_sha256(tensors: list) -> str:
+    """The sha256 (hex) of tensors in order: each one's dtype name, shape and bytes (C
+    order). What the ServerApp sends a node (its broadcast, then the ids of its
+    clients), and what the node computes on what it received and names in its answer
+    (`RECEIVED`)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = c_order(t)
+        digest.update(f"{wire.dtype_name(t.dtype)}{list(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+RECEIVED = "received.sha256"  # an answer's layout entry: `tensors_sha256` of the message
+
+
+def _sha256_of(value, what: str, where: str) -> str:
+    """A digest another process sent: 64 lowercase hex digits, else FleetError."""
+    if not isinstance(value, str) or len(value) != 64 or \
+            any(c not in "0123456789abcdef" for c in value):
+        raise FleetError(f"{where}: {what} is {str(value)[:80]!r}, not a sha256 (64 hex "
+                         f"digits); {_FORGED}")
+    return value
+
+
+def check_received(layout, sent: str, where: str) -> None:
+    """TransferError naming `where` when a node's answer says it received other tensors
+    than the ServerApp sent it (`sent`: their `tensors_sha256`); FleetError when the
+    answer names none."""
+    got = _sha256_of(layout.get(RECEIVED), "the digest of the message it received", where)
+    if got != sent:
+        raise TransferError(
+            f"{where}: the round's message arrived at the node other than this ServerApp "
+            f"sent it (sha256 {got[:16]}... received, {sent[:16]}... sent: its broadcast "
+            "or its client ids were altered on the way); the round does not run on it. "
+            "Check that the nodes and the ServerApp run the same fax_bridge")
+
+
+# ---------------------------------------------------------------------------------------
 # Broadcast and ids
 
 
@@ -184,7 +241,23 @@ def ids_from_arrays(arrays: dict, where: str) -> np.ndarray:
 # Partials
 
 
+# The fields of a `LeafPartial` a record carries; `_leaf_out` refuses a leaf with any
+# other field set (a shared-memory span, a field added later) rather than drop it.
+_CARRIED = frozenset({"dtype", "shape", "base_limb", "num_limbs", "limbs", "nonfinite",
+                      "doubles", "spilled", "extreme", "addend"})
+
+
 def _leaf_out(prefix: str, leaf: pb.LeafPartial, arrays: dict, layout: dict) -> None:
+    """Lays out every field of one partial tensor: an `extreme` or `addend` tensor; or a
+    sum's `doubles` (float64, the leaf's shape) with, where elements spilled, their
+    positions (`spilled`, int64) and their sums' limbs over those positions alone; or
+    the sum's limbs over every element."""
+    other = sorted(f.name for f, _ in leaf.ListFields() if f.name not in _CARRIED)
+    if other:
+        raise FleetError(f"partial tensor {prefix} has field(s) {other}, which a Flower "
+                         "record does not carry; only the fleet's shared-memory answers "
+                         "set them")
+    layout[f"{prefix}.sha256"] = leaf_sha256(leaf)  # checked by `from_layout`
     shape = [int(d) for d in leaf.shape]
     for field in ("extreme", "addend"):
         if not leaf.HasField(field):
@@ -196,11 +269,14 @@ def _leaf_out(prefix: str, leaf: pb.LeafPartial, arrays: dict, layout: dict) -> 
         return
     layout[f"{prefix}.dtype"] = leaf.dtype
     layout[f"{prefix}.shape"] = shape
+    size = math.prod(shape)
     if leaf.doubles:
         arrays[f"{prefix}.doubles"] = np.frombuffer(leaf.doubles, "<f8").reshape(shape)
-        return
+        if not leaf.spilled:
+            return
+        arrays[f"{prefix}.spilled"] = np.frombuffer(leaf.spilled, "<i8")
+        size = arrays[f"{prefix}.spilled"].size  # the limbs cover those elements alone
     layout[f"{prefix}.base"] = int(leaf.base_limb)
-    size = int(np.prod(shape))
     arrays[f"{prefix}.limbs"] = np.frombuffer(leaf.limbs, "<i8").reshape(
         (int(leaf.num_limbs), size))
     if leaf.nonfinite:
@@ -227,7 +303,24 @@ def partials_layout(answers: list) -> tuple:
 
 def _leaf_in(prefix: str, arrays, layout, where: str, out: pb.LeafPartial) -> None:
     """Fills `out` (a new element of a repeated field: appending a filled message would
-    copy its bytes) with the partial tensor `prefix` of a node's answer."""
+    copy its bytes) with the partial tensor `prefix` of a node's answer, then checks it
+    is what the node sent: its sha256 the one the node computed before laying it out
+    (TransferError naming the tensor otherwise)."""
+    _fill_leaf(prefix, arrays, layout, where, out)
+    sent = _sha256_of(layout.get(f"{prefix}.sha256"), f"partial tensor {prefix}'s sha256",
+                      where)
+    got = leaf_sha256(out)
+    if got != sent:
+        raise TransferError(
+            f"{where}: partial tensor {prefix} arrived other than the node sent it (sha256 "
+            f"{got[:16]}... here, {sent[:16]}... at the node): its answer was altered "
+            "between the node's fax_bridge and this ServerApp (their records' conversion, "
+            "the relay or the transport), so the round does not run on it. Check that "
+            "the nodes and the ServerApp run the same fax_bridge")
+
+
+def _fill_leaf(prefix: str, arrays, layout, where: str, out: pb.LeafPartial) -> None:
+    """`_leaf_in`'s filling of `out`, every field `_leaf_out` laid out."""
     for key in (f"{prefix}.dtype", f"{prefix}.shape"):
         if key not in layout:
             raise FleetError(f"{where}: the partial's layout has no {key!r}")
@@ -244,10 +337,20 @@ def _leaf_in(prefix: str, arrays, layout, where: str, out: pb.LeafPartial) -> No
     if f"{prefix}.doubles" in arrays:
         out.doubles = np.ascontiguousarray(
             numpy_of(arrays[f"{prefix}.doubles"], np.float64, shape, where), "<f8").tobytes()
-        return
+        if f"{prefix}.spilled" not in arrays:
+            return
+        cols = np.asarray(arrays[f"{prefix}.spilled"])
+        if cols.dtype != np.int64 or cols.ndim != 1:
+            raise FleetError(f"{where}: spilled positions of {prefix} must be one int64 "
+                             f"vector, got {cols.dtype}{list(cols.shape)}")
+        out.spilled = np.ascontiguousarray(cols, "<i8").tobytes()  # checked by validate
+    elif f"{prefix}.spilled" in arrays:
+        raise FleetError(f"{where}: partial tensor {prefix} has spilled positions but no "
+                         f"doubles; {_FORGED}")
     if f"{prefix}.limbs" not in arrays:
         raise FleetError(f"{where}: partial tensor {prefix} has neither doubles, limbs "
-                         "nor an extreme")
+                         "nor an extreme" + (" (its spilled elements' limbs are missing)"
+                                             if f"{prefix}.spilled" in arrays else ""))
     limbs = np.asarray(arrays[f"{prefix}.limbs"])
     if limbs.dtype != np.int64 or limbs.ndim != 2:
         raise FleetError(f"{where}: limbs of {prefix} must be an int64 matrix, got "
@@ -283,10 +386,12 @@ def from_layout(arrays: dict, layout, counts: list, kinds: list, where: str) -> 
     return out
 
 
-def answer_of(content, kinds: list, where: str) -> tuple:
+def answer_of(content, kinds: list, where: str, sent: str = "") -> tuple:
     """(one `AggregateResponse` per aggregation of `kinds`, the node's compute seconds)
     from the content of a node's answer to a `train` message; FleetError naming `where`
-    when a record is missing or malformed."""
+    when a record is missing or malformed. TransferError when the answer is not what
+    the node sent (a partial tensor's sha256, `from_layout`) or says the node received
+    other than `sent` (the `tensors_sha256` of the message sent it; "": not checked)."""
     missing = [name for name in (PARTIALS, LAYOUT, METRICS) if name not in content]
     if missing:
         raise FleetError(f"{where}: its answer has no {', '.join(missing)} record; "
@@ -297,6 +402,8 @@ def answer_of(content, kinds: list, where: str) -> tuple:
             not 0.0 <= seconds < float("inf"):
         raise FleetError(f"{where}: its compute time is {str(seconds)[:40]!r}, not seconds; "
                          f"{_FORGED}")
+    if sent:
+        check_received(content[LAYOUT], sent, where)
     answers = from_layout(numpy_dict(content[PARTIALS], where), content[LAYOUT],
                           metrics.get("num-clients", []), kinds, where)
     return answers, float(seconds)

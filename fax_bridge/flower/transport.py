@@ -6,7 +6,13 @@ and the ids of its participants) and answers with its clients' partials as recor
 `records.answer_of` refuses (a missing record, a malformed layout, counts or arrays)
 comes back as a lost holder, named with the reason, for the engine's policy to drop;
 so does one whose answer reads well but holds partials no honest node could send (the
-engine's checks, `engine.check_answers`).
+engine's checks, `engine.check_answers`). An answer that is not what the node sent
+(a partial tensor whose sha256 is not the one the node computed before laying it out
+as records), or that says the node received another broadcast or other client ids than
+were sent (`records.check_received`), fails the round with a `TransferError` naming the
+node and the tensor: no honest node sends it, but unlike a forged answer it is what a
+codec, relay or transport that alters values gives every node it touches, which
+dropping would turn into a smaller round reported as a success.
 Each answer also names the client runtime that computed it and the sha256 of the LiteRT
 model that ran (`records.served_of`), which the round's report keeps (`served`).
 The engine checks and merges the partials as it does a device's.
@@ -25,7 +31,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from fax_bridge.errors import FleetError
+from fax_bridge.errors import FleetError, TransferError
 from fax_bridge.rounds import client_runtime
 from fax_bridge.rounds.engine import Answers, HolderAnswer, LostHolder, plain_aggregations
 from fax_bridge.rounds.policy import Traffic
@@ -88,8 +94,11 @@ class FlowerTransport:
         self.traffic = traffic
 
     def run_clients(self, split: RoundSplit, sent: Any) -> Answers:
+        from fax_bridge.runtime.backend import as_numpy, leaves
+
         sends = train_messages(split, sent, self.nodes, self.ids, self.round_index,
                                max(self.wait_s, 1.0), self.cohort, self.rounded_partials)
+        tensors = [t for value in sent for t in leaves(as_numpy(value))]  # as sent
         # bytes_*: every record of the messages (SecAgg+'s too, `secagg.aggregate`);
         # payload_*: the round's arrays (broadcast and ids down, partials up)
         self.traffic.bytes_down += sum(records.content_bytes(m.content) for _, _, m in sends)
@@ -113,8 +122,12 @@ class FlowerTransport:
                 if reply.metadata.src_node_id != node.node_id:
                     raise FleetError(f"{node.name}: its answer came as node "
                                      f"{reply.metadata.src_node_id}")
-                partials, seconds = records.answer_of(reply.content, kinds, node.name)
+                partials, seconds = records.answer_of(
+                    reply.content, kinds, node.name,
+                    sent=records.tensors_sha256([*tensors, np.asarray(mine, np.int64)]))
                 runtime, model = records.served_of(reply.content, node.name)
+            except TransferError:  # altered on the way: the round fails, never smaller
+                raise
             except FleetError as e:
                 out.lost.append(LostHolder(f"{e} (a malformed answer)", mine,
                                            refused=True))
