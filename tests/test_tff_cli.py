@@ -67,3 +67,37 @@ def test_targets_that_cannot_be_resolved_say_why(module_file, tmp_path):
             cli.resolve_program(spec, 2)
     module, fn, name = cli.load_target("fax_bridge.language.placements:parse_placement")
     assert name == "parse_placement" and callable(fn)
+
+
+TARGETS_MODULE = textwrap.dedent("""
+    import numpy as np
+    import fax_bridge as fb
+    from fax_bridge.algorithms import fed_adam   # imported: the name export_targets uses
+
+    def _round(clients):
+        @fb.program(clients=clients)
+        def total(x):
+            return fb.federated_sum(x)
+        return total
+
+    def export_targets(clients):
+        x = np.ones((clients, 2), np.float32)
+        return {"fed_adam": (_round(clients), (x,), "clients"), "bare": _round(clients)}
+""")
+
+
+def test_an_imported_name_export_targets_builds_resolves_to_its_entry(tmp_path):
+    """A module importing `fed_adam` and building its round under that name in
+    export_targets: the target is the entry, and the errors name export_targets."""
+    path = tmp_path / "cnn_round.py"
+    path.write_text(TARGETS_MODULE)
+    prog, args, placements = cli.resolve_program(f"{path}:fed_adam", 3)
+    assert isinstance(prog, Program) and prog.clients == 3 and args[0].shape == (3, 2)
+    with pytest.raises(FaxBridgeError, match="built by export_targets"):
+        cli.resolve_program(f"{path}:fed_adam", None)
+    with pytest.raises(FaxBridgeError, match=r"\[.bare.\] must be \(program, args, "
+                                             r"placements\), got Program"):
+        cli.resolve_program(f"{path}:bare", 3)
+    (tmp_path / "plain.py").write_text("def f(x):\n    return x\n")
+    with pytest.raises(FaxBridgeError, match="nor export_targets"):
+        cli.resolve_program(f"{tmp_path}/plain.py:f", 3)

@@ -75,26 +75,40 @@ def resolve_program(spec: str, clients: Optional[int]):
     """(program, example args, placements) for `spec` at `clients` clients; None: the
     clients a program (`@fb.program(clients=N)`) declares, refused for anything else."""
     module, fn, name = load_target(spec, allow_missing=True)
+    maker = getattr(module, f"{name}_example_args", None) or getattr(module, "example_args",
+                                                                      None)
+    targets_fn = getattr(module, "export_targets", None)
+    # a name the module holds (an imported function, say) without example arguments, in
+    # a module whose export_targets may build it: the target is export_targets' entry
+    shadowed = fn is not None and maker is None and callable(targets_fn)
     if clients is None:
-        if not isinstance(fn, Program):
+        if not isinstance(fn, Program) or shadowed:
             raise FaxBridgeError(
                 f"{spec} is built by export_targets(clients): give --clients N."
-                if fn is None else
+                if fn is None or shadowed else
                 f"{spec} is a plain function, not a program declaring its clients: give "
                 "--clients N, or decorate it with @fax_bridge.program(clients=N).")
         clients = fn.clients
-    if fn is None:
-        targets = module.export_targets(clients)
+    if fn is None or shadowed:
+        targets = targets_fn(clients)
         if name not in targets:
+            also = (f"; {name!r} is also a module-level {type(fn).__name__} (imported or "
+                    f"defined there), but the module defines neither {name}_example_args"
+                    "(clients) nor example_args(clients) for it" if shadowed else "")
             raise FaxBridgeError(f"{spec}: export_targets({clients}) has no {name!r}; it "
-                                 f"has {sorted(targets)}.")
-        return targets[name]
-    maker = getattr(module, f"{name}_example_args", None) or getattr(module, "example_args",
-                                                                      None)
+                                 f"has {sorted(targets)}{also}.")
+        made = targets[name]
+        if not (isinstance(made, tuple) and len(made) == 3):
+            raise FaxBridgeError(
+                f"{spec}: export_targets({clients})[{name!r}] must be (program, args, "
+                f"placements), got {type(made).__name__}.")
+        return made
     if maker is None:
         raise FaxBridgeError(
             f"{spec}: the module defines neither {name}_example_args(clients) nor "
-            "example_args(clients); add one returning (args, placements).")
+            "example_args(clients) nor export_targets(clients); add example_args "
+            "returning (args, placements), or export_targets returning {name: "
+            "(program, args, placements)}.")
     made = maker(clients)
     if not (isinstance(made, tuple) and len(made) == 2):
         raise FaxBridgeError(
