@@ -286,7 +286,8 @@ def masked_mean(state, batches, mask):
 
 
 def flower_round(state, client_data):  # the wrapper the refusal shows
-    batches, mask = client_data
+    batches = client_data['batches']
+    mask = client_data['mask']
     return masked_mean(state, batches, mask)
 
 
@@ -297,7 +298,7 @@ def masked_mean_example_args(clients):
 
 def flower_round_example_args(clients):
     (state, data, mask), _ = masked_mean_example_args(clients)
-    return (state, (data, mask)), ("server", "clients")
+    return (state, {'batches': data, 'mask': mask}), ("server", "clients")
 '''
 
 
@@ -320,12 +321,15 @@ def test_a_round_of_three_arguments_is_refused_naming_them_and_the_wrapper(
     assert rc == 2 and "takes 2 arguments" not in err, err
     assert "rounds (state, client_data)" in err and "masked_mean takes 3 (state@SERVER, " \
         "batches@CLIENTS, mask@CLIENTS)" in err, err
-    assert "def flower_round(state, client_data):\n        batches, mask = client_data\n" \
+    assert "def flower_round(state, client_data):\n        batches = client_data['batches']\n" \
+        "        mask = client_data['mask']\n" \
         "        return program(state, batches, mask)" in err, err
-    assert "(state, (batches, mask))" in err and not (tmp_path / "app").exists(), err
-    # the wrapper it shows is a round an app is written for
+    assert "(state, {'batches': batches, 'mask': mask})" in err, err
+    assert "a tuple" not in err and not (tmp_path / "app").exists(), err
+    # the wrapper it shows is a round an app is written for, populations and all
     assert cli.main(["flower", f"{path}:flower_round", "--clients", "3", "-o",
-                     str(tmp_path / "app")]) == 0, capsys.readouterr().err
+                     str(tmp_path / "app"), "--write-population",
+                     str(tmp_path / "pops")]) == 0, capsys.readouterr().err
 
 
 def test_a_round_of_one_argument_is_refused_asking_for_the_clients_data():
@@ -377,23 +381,63 @@ def test_the_wrapper_the_refusal_shows_folds_server_arguments_into_the_state():
                            placements=("server", "clients", "server", "clients"))
     text = str(refused.value)
     assert "whose state holds its SERVER arguments (state, lr)" in text, text
-    assert "example arguments ((state, lr), (batches, mask))" in text, text
+    assert "example arguments ((state, lr), {'batches': batches, 'mask': mask})" in text, text
     shown = text.split("e.g.\n", 1)[1].split("\nwith program = ", 1)[0]
     assert shown == ("    def flower_round(server_state, client_data):\n"
                      "        state, lr = server_state\n"
-                     "        batches, mask = client_data\n"
+                     "        batches = client_data['batches']\n"
+                     "        mask = client_data['mask']\n"
                      "        new_state, output = program(state, batches, lr, mask)\n"
                      "        return (new_state, lr), output"), shown
     scope = {"program": scaled_mean}
     exec(textwrap.dedent(shown), scope)  # the wrapper exactly as the refusal shows it
     state, _, lr, mask = args
-    made = bundle.build_round(scope["flower_round"], (state, lr), (batches, mask),
+    made = bundle.build_round(scope["flower_round"], (state, lr),
+                              {"batches": batches, "mask": mask},
                               placements=("server", "clients"), clients=3)
     assert made.split is not None
     carried = (state, lr)
     for _ in range(2):  # the state carries lr to the next round unchanged
-        carried, output = run_computation(made.proto, carried, (batches, mask))
+        carried, output = run_computation(made.proto, carried,
+                                          {"batches": batches, "mask": mask})
         totals = (batches * mask).sum(axis=1) * state * lr
         state = np.float32(state - totals.mean())
         assert float(carried[1]) == float(lr) and np.isclose(float(carried[0]), state)
         assert np.isclose(float(output), totals.sum())
+
+
+def test_the_wrapper_for_an_algorithm_round_holds_a_dict_arguments_entries_flat():
+    """An algorithm's `next(state, batches, mask)` with batches a dict of arrays: the
+    wrapper the refusal shows takes one flat dict of arrays (what a SuperNode's
+    population stores), the round's real name leading it; run as shown, it builds."""
+    import textwrap
+
+    import jax.numpy as jnp
+    import optax
+
+    from fax_bridge import algorithms as A
+
+    def loss(params, batch):
+        return jnp.mean((batch["x"] @ params - batch["y"]) ** 2)
+
+    alg = A.fed_adam(loss, optax.sgd(0.1), clients=3)
+    batches = {"x": np.ones((3, 2, 4, 5), np.float32), "y": np.ones((3, 2, 4), np.float32)}
+    mask = np.ones((3, 2, 4), bool)
+    state = alg.init(np.zeros(5, np.float32))
+    with pytest.raises(ExportError) as refused:
+        bundle.build_round(alg.next, state, batches, mask, placements=alg.placements)
+    text = str(refused.value)
+    assert "fed_adam.next_fn takes 3" in text and "a tuple" not in text, text
+    shown = text.split("e.g.\n", 1)[1].split("\nwith program = ", 1)[0]
+    assert shown == ("    def flower_round(state, client_data):\n"
+                     "        batches = {'x': client_data['x'], 'y': client_data['y']}\n"
+                     "        mask = client_data['mask']\n"
+                     "        return program(state, batches, mask)"), shown
+    assert "example arguments (state, {'x': batches['x'], 'y': batches['y'], " \
+        "'mask': mask})" in text, text
+    scope = {"program": alg.next}
+    exec(textwrap.dedent(shown), scope)
+    made = bundle.build_round(scope["flower_round"], state,
+                              {"x": batches["x"], "y": batches["y"], "mask": mask},
+                              placements=("server", "clients"))
+    assert made.argument_names == ["state", "client_data"]

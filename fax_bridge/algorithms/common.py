@@ -43,6 +43,15 @@ class FederatedAlgorithm(NamedTuple):
     placements: tuple
 
 
+def named(alg: FederatedAlgorithm, builder: str) -> FederatedAlgorithm:
+    """`alg`, its round's function named for the `builder` that made it (`fed_adam`'s
+    round is `fed_adam.next_fn`, not the `fed_avg.next_fn` it builds on), as errors and
+    logs name a round."""
+    fn = getattr(alg.next, "fn", alg.next)
+    fn.__qualname__ = f"{builder}.{getattr(fn, '__name__', 'next_fn')}"
+    return alg
+
+
 def check_loss(loss: Any, name: str = "loss") -> Loss:
     if not callable(loss):
         raise ArgumentError(

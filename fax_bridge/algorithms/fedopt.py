@@ -90,8 +90,9 @@ def fed_opt(loss: C.Loss, client_optimizer: optax.GradientTransformation,
             server_optimizer: optax.GradientTransformation, *, clients: int,
             local_epochs: int = 1) -> C.FederatedAlgorithm:
     """FedAvg with an arbitrary optax server optimizer (fed -Δ_t as its gradient)."""
-    return fed_avg(loss, client_optimizer, clients=clients,
-                   server_optimizer=server_optimizer, local_epochs=local_epochs)
+    return C.named(fed_avg(loss, client_optimizer, clients=clients,
+                           server_optimizer=server_optimizer, local_epochs=local_epochs),
+                   "fed_opt")
 
 
 def fed_adam(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, clients: int,
@@ -106,7 +107,8 @@ def fed_adam(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cl
     server_lr, b1, b2, tau = _check_settings(server_lr, b1, b2, tau)
     opt = (reddi_server_optimizer("adam", server_lr, b1=b1, b2=b2, tau=tau) if paper_exact
            else optax.adam(server_lr, b1=b1, b2=b2, eps=tau))
-    return fed_opt(loss, client_optimizer, opt, clients=clients, local_epochs=local_epochs)
+    return C.named(fed_opt(loss, client_optimizer, opt, clients=clients,
+                           local_epochs=local_epochs), "fed_adam")
 
 
 def fed_yogi(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, clients: int,
@@ -121,7 +123,8 @@ def fed_yogi(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cl
     server_lr, b1, b2, tau = _check_settings(server_lr, b1, b2, tau)
     opt = (reddi_server_optimizer("yogi", server_lr, b1=b1, b2=b2, tau=tau) if paper_exact
            else optax.yogi(server_lr, b1=b1, b2=b2, eps=tau))
-    return fed_opt(loss, client_optimizer, opt, clients=clients, local_epochs=local_epochs)
+    return C.named(fed_opt(loss, client_optimizer, opt, clients=clients,
+                           local_epochs=local_epochs), "fed_yogi")
 
 
 def fed_adagrad(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
@@ -130,4 +133,5 @@ def fed_adagrad(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
     """FedAdagrad exactly as Algorithm 2: v_t = v_{t-1} + Δ_t², v_{-1} = τ², momentum β1,
     step η m_t / (√v_t + τ) (τ outside the square root, no bias correction)."""
     opt = reddi_server_optimizer("adagrad", server_lr, b1=b1, tau=tau)
-    return fed_opt(loss, client_optimizer, opt, clients=clients, local_epochs=local_epochs)
+    return C.named(fed_opt(loss, client_optimizer, opt, clients=clients,
+                           local_epochs=local_epochs), "fed_adagrad")

@@ -43,23 +43,55 @@ def refuse_arity(fn: Callable, args: tuple, placements: Any = None) -> None:
     if len(args) < 2:
         raise ExportError(head + "; give it the clients' data as its second argument, "
                           "placed at CLIENTS")
-    raise ExportError(head + ". " + _wrapper_text(names, clients, others, name))
+    values = dict(zip(names, args))
+    raise ExportError(head + ". " + _wrapper_text(names, clients, others, name,
+                                                  {n: values[n] for n in clients}))
 
 
-def _wrapper_text(names: list, clients: list, others: list, name: str) -> str:
+def _keys(clients: dict) -> dict:
+    """{CLIENTS argument: [(client_data key, the argument's own key or None)]}: a
+    dict argument of arrays gives one key per entry (led by the argument's name where
+    two arguments share an entry's name), an array its own name: client_data is the
+    flat dict of arrays a SuperNode's population stores."""
+    counts: dict = {}
+    for value in clients.values():
+        for k in (value if isinstance(value, dict) else ()):
+            counts[str(k)] = counts.get(str(k), 0) + 1
+    out = {}
+    for arg, value in clients.items():
+        if isinstance(value, dict) and value and all(hasattr(v, "shape")
+                                                     for v in value.values()):
+            out[arg] = [(str(k) if counts[str(k)] == 1 and str(k) not in clients
+                         else f"{arg}_{k}", k) for k in value]
+        else:
+            out[arg] = [(arg, None)]
+    return out
+
+
+def _wrapper_text(names: list, clients: list, others: list, name: str,
+                  values: Optional[dict] = None) -> str:
     """`refuse_arity`'s advice: a round of two arguments that calls the program named
     `name` (parameters `names`, the first its state), its CLIENTS arguments `clients`
-    folded into client_data and its other SERVER arguments `others` into the state
-    (carried unchanged from round to round), with the example arguments it takes."""
+    folded into client_data, one flat dict of arrays (a dict argument's entries become
+    keys of their own), and its other SERVER arguments `others` into the state (carried
+    unchanged from round to round), with the example arguments it takes."""
     state = names[0]
-    unpack = ", ".join(clients) + ("," if len(clients) == 1 else "")
+    keys = _keys({n: (values or {}).get(n) for n in clients})
+    unpack = "\n".join(
+        f"        {arg} = client_data[{pairs[0][0]!r}]" if pairs[0][1] is None else
+        f"        {arg} = {{" + ", ".join(f"{k!r}: client_data[{key!r}]"
+                                          for key, k in pairs) + "}"
+        for arg, pairs in keys.items())
+    example = "{" + ", ".join(
+        f"{key!r}: {arg}" if k is None else f"{key!r}: {arg}[{k!r}]"
+        for arg, pairs in keys.items() for key, k in pairs) + "}"
     call = f"program({', '.join(names)})"
-    text = ("Wrap it in a round of two arguments whose client_data holds its CLIENTS "
-            f"arguments ({', '.join(clients)}: a tuple, or a dict)")
+    text = ("Wrap it in a round of two arguments whose client_data is one dict of arrays "
+            f"holding its CLIENTS arguments ({', '.join(clients)})")
     if not others:
         return (text + f", e.g.\n    def flower_round({state}, client_data):\n"
-                f"        {unpack} = client_data\n        return {call}\nwith program = "
-                f"{name}, example arguments ({state}, ({unpack})) and placements "
+                f"{unpack}\n        return {call}\nwith program = "
+                f"{name}, example arguments ({state}, {example}) and placements "
                 "(\"server\", \"clients\")")
     carried = next(c for c in ("server_state", "carried", "folded") if c not in names)
     new = next(c for c in (f"new_{state}", "new_state", "updated") if c not in names)
@@ -70,10 +102,10 @@ def _wrapper_text(names: list, clients: list, others: list, name: str) -> str:
             "gets them unchanged, e.g.\n"
             f"    def flower_round({carried}, client_data):\n"
             f"        {folded} = {carried}\n"
-            f"        {unpack} = client_data\n"
+            f"{unpack}\n"
             f"        {new}, output = {call}\n"
             f"        return ({new}, {kept}), output\n"
-            f"with program = {name}, example arguments (({folded}), ({unpack})) and "
+            f"with program = {name}, example arguments (({folded}), {example}) and "
             "placements (\"server\", \"clients\")")
 
 
