@@ -343,3 +343,38 @@ def test_a_full_device_is_written_as_given_and_the_result_rescued():
     finally:
         os.unlink(written)
     assert not os.path.exists("/dev/full.npz")
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=300), limit=st.one_of(st.none(), st.integers(0, 250)))
+def test_a_shortened_line_keeps_its_start_and_says_its_length_and_where_it_is_whole(
+        text, limit):
+    got = cli_args.shortened(text, limit, "in FILE")
+    if limit is None or len(text) <= limit:
+        assert got == text
+    else:
+        assert got.startswith(text[:limit] + "... ") and \
+            got.endswith(f"({len(text):,} characters; whole in FILE)")
+
+
+def test_forms_prints_types_cut_short_unless_verbose(tmp_path, capsys, monkeypatch):
+    """A form's signature runs to kilobytes on one line: `fax-bridge forms` prints the
+    first SIGNATURE_CHARS characters of each type and says where the whole one is."""
+    from fax_bridge import cli
+    from fax_bridge.tff import forms, forms_cli
+
+    long_type = "<" + ",".join(f"w{i}=float32[1568,64]" for i in range(200)) + ">"
+    manifest = {"form": "DistributeAggregateForm", "type_signature": long_type,
+                "files": {"server_prepare": {"file": "server_prepare.pb", "bytes": 10,
+                                             "type": long_type}}}
+    monkeypatch.setattr(forms, "to_distribute_aggregate_form", lambda *a, **k: None)
+    monkeypatch.setattr(forms, "write_form", lambda form, stage: manifest)
+    argv = ["forms", f"{QUICKSTART}:fedavg_round", "--clients", "2", "--form", "daf",
+            "-o", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert long_type not in out and f"({len(long_type):,} characters; whole in " in out
+    cut = forms_cli.SIGNATURE_CHARS
+    assert out.count(long_type[:cut] + "... (") == 2 and long_type[:cut + 1] not in out
+    assert cli.main(argv + ["--verbose"]) == 0
+    assert capsys.readouterr().out.count(long_type) == 2

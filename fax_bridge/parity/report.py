@@ -19,6 +19,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from fax_bridge.system import cli_args
+
 
 @dataclasses.dataclass
 class LeafParity:
@@ -137,10 +139,8 @@ class ParityReport:
                      if bounded else f"tolerance: rtol={self.rtol:g} atol={self.atol:g}")
         fleet = (f"{self.fleet_s * 1e3:.2f} ms" if self.fleet_s is not None
                  else "not timed warm (warm_round=True times a second round)")
-        signature = self.signature
-        if signature_chars is not None and len(signature) > signature_chars:
-            signature = (f"{signature[:signature_chars]}... ({len(signature):,} "
-                         "characters; whole in the report's JSON)")
+        signature = cli_args.shortened(self.signature, signature_chars,
+                                       "in the report's JSON")
         lines = self.summary() + [
             f"parity: {signature}",
             f"per round: local jit {self.local_s * 1e3:.2f} ms, {self.where()} {fleet}"]

@@ -27,6 +27,15 @@ import numpy as np
 from fax_bridge.errors import ComputationError, FaxBridgeError
 
 
+def shortened(text: str, limit: Optional[int], whole: str) -> str:
+    """`text` cut to its first `limit` characters where longer (None: never), saying
+    how long it was and where it is `whole` (a terminal line of a type signature can
+    run to kilobytes)."""
+    if limit is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text):,} characters; whole {whole})"
+
+
 def int_in(low: int, high: Optional[int] = None) -> Callable[[str], int]:
     """An argparse type: an integer in [low, high] (no upper bound without `high`)."""
 

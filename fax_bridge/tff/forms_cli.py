@@ -20,6 +20,9 @@ from fax_bridge.system import cli_args, output_folders
 from fax_bridge.errors import FaxBridgeError
 
 
+SIGNATURE_CHARS = 200  # a type printed on a terminal line: at most this, then where whole
+
+
 def _run(args: argparse.Namespace) -> int:
     from fax_bridge.tff import forms
     from fax_bridge.tff.cli import resolve_program
@@ -37,9 +40,13 @@ def _run(args: argparse.Namespace) -> int:
     except FaxBridgeError as e:
         print(f"fax-bridge forms: {e}", file=sys.stderr)
         return 2
-    print(f"{manifest['form']} {manifest['type_signature']}")
+    limit = None if args.verbose else SIGNATURE_CHARS
+    whole = f"in {args.output}/manifest.json, or with --verbose"
+    print(f"{manifest['form']} "
+          f"{cli_args.shortened(manifest['type_signature'], limit, whole)}")
     for name, entry in manifest["files"].items():
-        print(f"  {entry['file']:36s} {entry['bytes']:>10d} bytes  {entry['type']}")
+        print(f"  {entry['file']:36s} {entry['bytes']:>10d} bytes  "
+              f"{cli_args.shortened(entry['type'], limit, whole)}")
     print(f"wrote {args.output}/manifest.json")
     return 0
 
@@ -61,4 +68,7 @@ def register(subparsers) -> None:
                    help="folder for the pieces and manifest (created if needed; files "
                         "fax-bridge wrote there before are replaced, any other file in "
                         "the way is refused unless --force)")
+    p.add_argument("--verbose", action="store_true",
+                   help=f"print whole type signatures (default: the first "
+                        f"{SIGNATURE_CHARS} characters of each; manifest.json has them all)")
     cli_args.add_force(p)
