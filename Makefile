@@ -72,7 +72,7 @@ test-peers: $(STAMP) tff-venv
 DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local/jit.py fax_bridge/local/chunk_stream.py fax_bridge/language/tracing.py \
 	fax_bridge/tff/export.py fax_bridge/tff/files.py fax_bridge/language/secure.py \
 	fax_bridge/parity/check.py fax_bridge/in_process.py fax_bridge/data \
-	fax_bridge/privacy/aggregator.py
+	fax_bridge/privacy/aggregator.py fax_bridge/algorithms/evaluation.py
 doctest: $(STAMP)
 	$(PY) -m pytest -q --doctest-modules $(DOCTEST_MODULES)
 

@@ -30,15 +30,17 @@ print(f"trained loss {_numpy_loss(state.params):.6f}")
 """
 
 
-def _run_page(tmp_path, block: str) -> dict:
-    """The page's code with `_EVALUATE` appended, run: its printed losses by name."""
+def _run_page(tmp_path, block: str, after: str = "") -> dict:
+    """The page's code with `_EVALUATE` (and `after`) appended, run: its printed losses
+    by name."""
     script = tmp_path / "algorithms.py"
-    script.write_text(block + _EVALUATE)
+    script.write_text(block + _EVALUATE + after)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert not after or "held-out evaluation checked" in out.stdout, out.stdout
     return {name: float(v) for name, v in
             re.findall(r"^(round|initial|trained) loss ([\d.]+)$", out.stdout, re.M)}
 
@@ -56,8 +58,32 @@ def _page_block() -> str:
     return re.search(r"## Using an algorithm\n.*?```python\n(.*?)```", text, re.S).group(1)
 
 
+def _evaluation_block() -> str:
+    with open(os.path.join(ROOT, "docs", "algorithms.md")) as f:
+        text = f.read()
+    return re.search(r"## Padding, masks and evaluation\n.*?```python\n(.*?)```", text,
+                     re.S).group(1)
+
+
+# After the evaluation block: its values against numpy's on the held-out cohort.
+_HELD_OUT = """
+got = jax.jit(evaluate)(state.params, held_out.data, held_out.mask)
+batches = held_out
+real = np.asarray(held_out.mask, bool)
+z = np.asarray(held_out.data["x"], np.float64)[real] @ np.asarray(state.params["w"]) \
+    + np.asarray(state.params["b"])
+assert abs(float(got["loss"]) - _numpy_loss(state.params)) < 1e-4, got
+assert abs(float(got["accuracy"]) - np.mean(z.argmax(1) == np.asarray(
+    held_out.data["y"])[real])) < 1e-6, got
+assert float(got["examples"]) == real.sum(), got
+print("held-out evaluation checked")
+"""
+
+
 def test_algorithms_page_runs(tmp_path):
-    losses = _run_page(tmp_path, _page_block())
+    """The page's round, then its evaluation on a held-out cohort checked against numpy
+    (one process: one start of jax)."""
+    losses = _run_page(tmp_path, _page_block(), _evaluation_block() + _HELD_OUT)
     assert set(losses) == {"round", "initial", "trained"}, losses
     assert abs(losses["initial"] - math.log(10)) < 1e-6  # the zero model's uniform guess
     assert _trained(losses), losses

@@ -18,12 +18,14 @@ from fax_bridge.algorithms.reconstruction import Reconstruction, fed_reconstruct
 from fax_bridge.algorithms.one_trip import (
     OneTripLRState, fed_sgd_one_trip, learned_server_lr_one_trip)
 from fax_bridge.algorithms.dp_fedavg import DPServerState, dp_fed_avg
+from fax_bridge.algorithms.evaluation import accuracy, federated_evaluation
 
 __all__ = [
     "DPServerState", "DiLoCoState", "FederatedAlgorithm", "OneTripLRState", "Reconstruction",
-    "ServerState", "StreamingDiLoCo", "diloco", "dp_fed_avg", "fed_adagrad", "fed_adam",
-    "fed_avg", "fed_fish", "fed_opt", "fed_reconstruction", "fed_sgd", "fed_sgd_one_trip",
-    "fed_yogi", "federated_loss", "fisher_diagonal",
+    "ServerState", "StreamingDiLoCo", "accuracy", "diloco", "dp_fed_avg", "fed_adagrad",
+    "fed_adam", "fed_avg", "fed_fish", "fed_opt", "fed_reconstruction", "fed_sgd",
+    "fed_sgd_one_trip", "fed_yogi", "federated_evaluation", "federated_loss",
+    "fisher_diagonal",
     "learned_client_weights", "learned_server_lr", "learned_server_lr_one_trip",
     "quantize_e3m0", "reddi_server_optimizer",
     "streaming_diloco",
