@@ -1,7 +1,8 @@
 """How many clients a step: `clients_per_step="auto"` sized against the device's memory.
 
-`fitting_chunk` compiles the program's round at chunk sizes found by bisection (the whole
-cohort, or a power of two below it) and keeps the largest that fits: one whose compiled
+`fitting_chunk` compiles the program's round for the whole cohort first (one compile
+where it fits), else at powers of two below it found by bisection, and keeps the largest
+that fits: one whose compiled
 arguments, results and temporaries (`memory_analysis()`) are within the budget, where a
 compile the device refuses for memory (a TPU's `RESOURCE_EXHAUSTED ... exceeds available
 HBM`, raised by `compile()` itself) does not fit. The budget is `memory_limit()` (the
@@ -15,14 +16,17 @@ jitted first and differentiated afterwards (`jax.grad(jax.jit(program))`) is tra
 its derivative exists, so it is sized by its forward round: give it an integer
 `clients_per_step` (e.g. from `Program.chunk_size(..., memory_bytes=...)`) to choose.
 
-Each choice is logged (logger `fax_bridge.local.chunk_size`, level INFO) and cached per
-argument shapes; `Program.chunk_size(*args, **kwargs)` returns it.
+Each size compiled and each choice (with the bytes of every size tried) is logged (logger
+`fax_bridge.local.chunk_size`, level INFO), a program made with `progress=True` shows a
+bar over the compiles, and the choice is cached per argument shapes;
+`Program.chunk_size(*args, **kwargs)` returns it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Optional
 
 import jax
@@ -129,26 +133,43 @@ def fitting_chunk(program, args: tuple, kwargs: dict,
     n = program.clients
     sizes = [1 << i for i in range(max(n - 1, 1).bit_length()) if (1 << i) < n] + [n]
     needs: dict[int, Optional[int]] = {}
+    what = "gradient" if gradient else "forward round"
+    bar = _bar(program, len(sizes).bit_length() + 1)
 
     def fits(k: int) -> bool:
+        LOG.info("clients_per_step='auto' for %s: compiling the %s at %d of %d clients a "
+                 "step to measure its memory", _name(program), what, k, n)
+        start = time.perf_counter()
         try:
             needs[k] = round_bytes(program, k, args, kwargs, gradient)
         except jax.errors.JaxRuntimeError as e:
             if not is_out_of_memory(e):
                 raise
             needs[k] = None  # refused by the compiler: more than the device holds
-            return False
-        return needs[k] <= limit
+        finally:
+            if bar is not None:
+                bar.update(1)
+        ok = needs[k] is not None and needs[k] <= limit
+        LOG.info("clients_per_step='auto' for %s: %d clients a step need %s: %s (%.1f s)",
+                 _name(program), k, _bytes(needs[k]), "fits" if ok else "does not fit",
+                 time.perf_counter() - start)
+        return ok
 
-    lo, hi = 0, len(sizes) - 1
-    best = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(sizes[mid]):
-            best, lo = sizes[mid], mid + 1
-        else:
-            hi = mid - 1
-    what = "gradient" if gradient else "forward round"
+    try:
+        # memory grows with the chunk: the whole cohort first (one compile where it
+        # fits, as most cohorts do), then bisection below it
+        best = n if fits(n) else None
+        lo, hi = 0, len(sizes) - 2  # the sizes below the cohort
+        while best != n and lo <= hi:
+            mid = (lo + hi) // 2
+            if fits(sizes[mid]):
+                best, lo = sizes[mid], mid + 1
+            else:
+                hi = mid - 1
+    finally:
+        if bar is not None:
+            bar.close()
+    tried = ", ".join(f"{k}: {_bytes(v)}" for k, v in sorted(needs.items()))
     if best is None:
         LOG.warning("clients_per_step='auto' for %s: no chunk size fits %d bytes (one client "
                     "a step needs %s); running 1 client a step", _name(program), limit,
@@ -156,9 +177,21 @@ def fitting_chunk(program, args: tuple, kwargs: dict,
         best = 1
     else:
         LOG.info("clients_per_step='auto' for %s: %d of %d clients a step (%s: %s of %d "
-                 "bytes)", _name(program), best, n, what, _bytes(needs[best]), limit)
+                 "bytes; the largest size tried that fits, of %s)", _name(program), best, n,
+                 what, _bytes(needs[best]), limit, tried)
     cache[key] = best
     return best
+
+
+def _bar(program, total: int):
+    """A tqdm bar over the compiles of the sizes tried, for a program made with
+    `progress=True` (the compiles of a large round take a while); else None."""
+    if not getattr(program, "progress", False):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="compile", leave=False,
+                desc=f"sizing clients_per_step='auto' for {_name(program)}")
 
 
 def _name(program) -> str:
