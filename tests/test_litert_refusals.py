@@ -49,3 +49,69 @@ def test_the_rewrite_the_refusal_names_runs_in_litert_as_jit_does(empty_litert_c
     assert "TOPK_V2" in convert.convert_round(round_split.split_of(proto)).operators
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(program)(*ARGS)),
                                rtol=0, atol=1e-6)
+
+
+# the interpreter's message for the gradient of a stride-2 "SAME" convolution inside a
+# scan, before the converter's TRANSPOSE_CONV was given a padding it computes right
+_KERNEL_FAILED = ("tflite/kernels/transpose_conv.cc:315 computed_input_height != "
+                  "SizeOfDimension(input, 1) (6 != 7)Node number 79 (TRANSPOSE_CONV) failed "
+                  "to prepare.Node number 1 (WHILE) failed to prepare.Node number 0 (WHILE) "
+                  "failed to prepare.")
+
+
+def test_no_litert_builtin_is_called_missing_and_a_failed_kernel_is_named_alone():
+    from ai_edge_litert import schema_py_generated as schema
+
+    for name in (k for k in vars(schema.BuiltinOperator) if not k.startswith("_")):
+        for spelling in (name, "tfl." + name.lower()):
+            text = refusals.describe(spelling)
+            assert "no LiteRT builtin" not in text and "does not write as" not in text, text
+            assert refusals.builtin(spelling) == name
+    assert refusals.failed_node(_KERNEL_FAILED) == ["TRANSPOSE_CONV"]  # not the loops
+    text = str(refusals.refuse("the LiteRT interpreter refuses",
+                               refusals.failed_node(_KERNEL_FAILED), _KERNEL_FAILED))
+    assert "TRANSPOSE_CONV, a LiteRT builtin" in text and "WHILE" not in text.split("\n")[0]
+    assert "gradient of a strided convolution" in text and "feature_group_count=1" in text
+    # an op the converter leaves is named as the StableHLO op it comes from
+    assert refusals.refuse("x", ["mhlo.convolution", "tfl.conv_2d"]).ops == \
+        ["stablehlo.convolution"]
+
+
+DN = ("NHWC", "HWIO", "NHWC")
+CONV_ARGS = (np.random.default_rng(1).normal(size=(3, 3, 1, 4)).astype(np.float32) * 0.3,
+             np.random.default_rng(2).normal(size=(2, 2, 6, 6, 4)).astype(np.float32))
+
+
+def _conv_round(conv):
+    def client(k, x):
+        return k - 0.1 * jax.grad(lambda k: jnp.mean(jnp.tanh(conv(x, k))))(k)
+
+    return _round(client)
+
+
+def test_a_depthwise_kernel_gradient_is_refused_at_the_users_line_with_a_rewrite(
+        empty_litert_cache):
+    depthwise = lambda x, k: jax.lax.conv_general_dilated(  # noqa: E731 - its line is named
+        x, k, (1, 1), "SAME", dimension_numbers=DN, feature_group_count=4)
+    proto = fb.export_tff(_conv_round(depthwise), *CONV_ARGS, placements=("server", "clients"))
+    with pytest.raises(refusals.ConversionRefused) as caught:
+        convert.convert_round(round_split.split_of(proto), use_cache=False)
+    text = str(caught.value)
+    assert caught.value.ops == ["tfl.conv_2d"], text  # the converter's op, a builtin
+    assert f"(at {__file__}:{depthwise.__code__.co_firstlineno} (" in text, text
+    assert "jnp.eye(channels)" in text and "unsigned" not in text, text
+
+
+def test_the_depthwise_rewrite_the_refusal_names_runs_in_litert_as_jit_does(
+        empty_litert_cache):
+    def masked(x, k):  # a full convolution whose kernel keeps each channel to its own
+        full = k * jnp.eye(k.shape[-1], dtype=k.dtype)[None, None]
+        return jax.lax.conv_general_dilated(x, full, (1, 1), "SAME", dimension_numbers=DN)
+
+    depthwise = lambda x, k: jax.lax.conv_general_dilated(  # noqa: E731
+        x, k, (1, 1), "SAME", dimension_numbers=DN, feature_group_count=4)
+    program = _conv_round(masked)
+    proto = fb.export_tff(program, *CONV_ARGS, placements=("server", "clients"))
+    got = run_computation(proto, *CONV_ARGS, client_runtime="litert")
+    want = jax.jit(_conv_round(depthwise))(*CONV_ARGS)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)

@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import tempfile
 import threading
@@ -127,7 +128,7 @@ def stablehlo_to_tflite(text: str, inputs: list, outputs: list,
                                    f"{err[-2000:]}") from None
         if not answer["ok"]:
             ops = answer.get("ops") or refusals.ops_in_message(answer["error"] + err)
-            raise refusals.refuse(f"{CONVERTER} has no builtin for", ops, answer["error"])
+            raise refusals.refuse(f"{CONVERTER} cannot convert", ops, answer["error"])
         return (tmp / "model.tflite").read_bytes()
 
 
@@ -142,8 +143,8 @@ def _check_runs(model: bytes) -> None:
     try:
         Interpreter(model_content=model, num_threads=1).allocate_tensors()
     except (RuntimeError, ValueError) as e:
-        found = refusals.ops_in_message(str(e)) or [
-            n for n in names if n.lower() in str(e).lower()]
+        found = refusals.failed_node(str(e)) or refusals.ops_in_message(str(e)) or [
+            n for n in names if re.search(rf"\b{n}\b", str(e))]
         raise refusals.refuse("the LiteRT interpreter refuses", found, str(e)) from None
 
 
