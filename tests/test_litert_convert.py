@@ -273,20 +273,25 @@ def test_a_max_pool_gradient_is_rewritten_with_xlas_first_maximum(size, window, 
 
 
 def _convolution_vjp_module(stride: int, padding: str, size: int, kernel: int, cin: int,
-                            cout: int) -> tuple:
-    """(StableHLO text, jitted function) of a convolution and its vjp: (x, w, g) ->
-    (conv(x, w), its gradients with respect to x and w for cotangent g)."""
+                            cout: int, depthwise: bool, dilation: int) -> tuple:
+    """(StableHLO text, jitted function, shapes) of a convolution and its vjp: (x, w, g)
+    -> (conv(x, w), its gradients with respect to x and w for cotangent g); `depthwise`:
+    grouped by input channel (`cout` outputs each); `dilation`: the kernel's."""
     dn = ("NHWC", "HWIO", "NHWC")
+    groups = cin if depthwise else 1
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (stride, stride), padding,
+                                            rhs_dilation=(dilation, dilation),
+                                            dimension_numbers=dn, feature_group_count=groups)
 
     def fn(x, w, g):
-        y, vjp = jax.vjp(lambda x, w: jax.lax.conv_general_dilated(
-            x, w, (stride, stride), padding, dimension_numbers=dn), x, w)
+        y, vjp = jax.vjp(conv, x, w)
         return (y, *vjp(g))
 
     x = jax.ShapeDtypeStruct((2, size, size + 1, cin), np.float32)
-    w = jax.ShapeDtypeStruct((kernel, kernel, cin, cout), np.float32)
-    g = jax.eval_shape(lambda x, w: jax.lax.conv_general_dilated(
-        x, w, (stride, stride), padding, dimension_numbers=dn), x, w)
+    w = jax.ShapeDtypeStruct((kernel, kernel, cin // groups, cout * groups), np.float32)
+    g = jax.eval_shape(conv, x, w)
     text = jax.jit(fn).lower(x, w, g).compiler_ir("stablehlo").operation.get_asm(
         large_elements_limit=None, enable_debug_info=False)
     return text, jax.jit(fn), (x.shape, w.shape, g.shape)
@@ -294,22 +299,34 @@ def _convolution_vjp_module(stride: int, padding: str, size: int, kernel: int, c
 
 @settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@example(stride=2, padding="SAME", size=8, kernel=3, cin=3, cout=2, seed=0)  # TRANSPOSE_CONV
-@example(stride=2, padding="SAME", size=7, kernel=5, cin=1, cout=2, seed=1)  # left unconverted
-@example(stride=2, padding="VALID", size=8, kernel=3, cin=2, cout=1, seed=2)
+@example(stride=2, padding="SAME", size=8, kernel=3, cin=3, cout=2, depthwise=False,
+         dilation=1, seed=0)  # was a TRANSPOSE_CONV the interpreter refused
+@example(stride=2, padding="SAME", size=7, kernel=5, cin=1, cout=2, depthwise=False,
+         dilation=1, seed=1)  # was left unconverted
+@example(stride=2, padding="VALID", size=8, kernel=3, cin=3, cout=1, depthwise=True,
+         dilation=1, seed=2)  # a depthwise kernel gradient: batch groups
+@example(stride=2, padding="SAME", size=8, kernel=3, cin=3, cout=2, depthwise=False,
+         dilation=2, seed=3)  # an input gradient dilated twice: no TRANSPOSE_CONV
 @given(stride=st.sampled_from([1, 2]), padding=st.sampled_from(["SAME", "VALID"]),
        size=st.integers(5, 10), kernel=st.sampled_from([3, 5]), cin=st.sampled_from([1, 3]),
-       cout=st.integers(1, 3), seed=st.integers(0, 2**16))
+       cout=st.integers(1, 3), depthwise=st.booleans(), dilation=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**16))
 def test_strided_and_padded_convolution_gradients_convert_and_equal_jits(
-        stride, padding, size, kernel, cin, cout, seed):
+        stride, padding, size, kernel, cin, cout, depthwise, dilation, seed):
     """Each convolution of a CNN (stride 1 or 2, SAME or VALID, odd or even sizes, 3x3 or
-    5x5, one or several channels) converts with its gradients, whose input gradient is a
-    convolution of a dilated input (a TRANSPOSE_CONV in LiteRT), and gives jit's bits:
-    small integers, so every sum is exact in any order and a misplaced row or column is
-    caught at once."""
+    5x5, one or several channels, full or depthwise, a dilated kernel or not) converts
+    with its gradients (the input gradient a convolution of a dilated input, a
+    TRANSPOSE_CONV in LiteRT; a depthwise kernel gradient one of batch groups) and gives
+    jit's bits: small integers, so every sum is exact in any order and a misplaced row,
+    column or channel is caught."""
     from ai_edge_litert.interpreter import Interpreter
 
-    text, jitted, shapes = _convolution_vjp_module(stride, padding, size, kernel, cin, cout)
+    if padding == "VALID" and (kernel - 1) * dilation + 1 > size:
+        kernel = 3  # a VALID window no larger than the input
+        if 2 * dilation + 1 > size:
+            dilation = 1
+    text, jitted, shapes = _convolution_vjp_module(stride, padding, size, kernel, cin, cout,
+                                                   depthwise, dilation)
     rng = np.random.default_rng(seed)
     x, w, g = (rng.integers(-2, 3, size=s).astype(np.float32) for s in shapes)
     model = convert.stablehlo_to_tflite(text, ["x", "w", "g"], ["y", "dx", "dw"])

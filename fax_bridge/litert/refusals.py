@@ -55,11 +55,12 @@ JAX_SOURCES = {
 
 _CONV_SOURCE = ("conv_general_dilated or its gradient (jax.grad of a convolution, "
                 "lax.conv_transpose) in a form litert-converter 0.5.0 does not write as a "
-                "builtin: a grouped (depthwise, feature_group_count > 1) convolution's kernel "
-                "gradient, a dilated kernel (rhs_dilation) with a stride")
-_CONV_FIX = ("write the layer with feature_group_count=1 (a depthwise layer as a full "
-             "convolution whose kernel is multiplied by jnp.eye(channels)[None, None], so each "
-             "channel still sees only its own), and rhs_dilation=1 where the stride is not 1")
+                "builtin, even after side_rewrites (which handle the strides, paddings, "
+                "dilations and depthwise groups of 2-d CNNs)")
+_CONV_FIX = ("compute it at stride 1 with the strided convolution's own padding and keep "
+             "every s-th output: lax.conv_general_dilated(x, k, (1, 1), "
+             "lax.padtype_to_pads(x.shape[1:3], dilated kernel shape, (s, s), padding), "
+             "rhs_dilation=d)[:, ::s, ::s] (NHWC)")
 JAX_SOURCES["stablehlo.convolution"] = (_CONV_SOURCE, _CONV_FIX)
 
 # LiteRT builtin -> (the StableHLO op it is made from, whose source lines are the user's;
