@@ -272,6 +272,71 @@ def test_a_max_pool_gradient_is_rewritten_with_xlas_first_maximum(size, window, 
     np.testing.assert_array_equal(got, want)
 
 
+def _convolution_vjp_module(stride: int, padding: str, size: int, kernel: int, cin: int,
+                            cout: int, depthwise: bool, dilation: int) -> tuple:
+    """(StableHLO text, jitted function, shapes) of a convolution and its vjp: (x, w, g)
+    -> (conv(x, w), its gradients with respect to x and w for cotangent g); `depthwise`:
+    grouped by input channel (`cout` outputs each); `dilation`: the kernel's."""
+    dn = ("NHWC", "HWIO", "NHWC")
+    groups = cin if depthwise else 1
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (stride, stride), padding,
+                                            rhs_dilation=(dilation, dilation),
+                                            dimension_numbers=dn, feature_group_count=groups)
+
+    def fn(x, w, g):
+        y, vjp = jax.vjp(conv, x, w)
+        return (y, *vjp(g))
+
+    x = jax.ShapeDtypeStruct((2, size, size + 1, cin), np.float32)
+    w = jax.ShapeDtypeStruct((kernel, kernel, cin // groups, cout * groups), np.float32)
+    g = jax.eval_shape(conv, x, w)
+    text = jax.jit(fn).lower(x, w, g).compiler_ir("stablehlo").operation.get_asm(
+        large_elements_limit=None, enable_debug_info=False)
+    return text, jax.jit(fn), (x.shape, w.shape, g.shape)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@example(stride=2, padding="SAME", size=8, kernel=3, cin=3, cout=2, depthwise=False,
+         dilation=1, seed=0)  # was a TRANSPOSE_CONV the interpreter refused
+@example(stride=2, padding="SAME", size=7, kernel=5, cin=1, cout=2, depthwise=False,
+         dilation=1, seed=1)  # was left unconverted
+@example(stride=2, padding="VALID", size=8, kernel=3, cin=3, cout=1, depthwise=True,
+         dilation=1, seed=2)  # a depthwise kernel gradient: batch groups
+@example(stride=2, padding="SAME", size=8, kernel=3, cin=3, cout=2, depthwise=False,
+         dilation=2, seed=3)  # an input gradient dilated twice: no TRANSPOSE_CONV
+@given(stride=st.sampled_from([1, 2]), padding=st.sampled_from(["SAME", "VALID"]),
+       size=st.integers(5, 10), kernel=st.sampled_from([3, 5]), cin=st.sampled_from([1, 3]),
+       cout=st.integers(1, 3), depthwise=st.booleans(), dilation=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**16))
+def test_strided_and_padded_convolution_gradients_convert_and_equal_jits(
+        stride, padding, size, kernel, cin, cout, depthwise, dilation, seed):
+    """Each convolution of a CNN (stride 1 or 2, SAME or VALID, odd or even sizes, 3x3 or
+    5x5, one or several channels, full or depthwise, a dilated kernel or not) converts
+    with its gradients (the input gradient a convolution of a dilated input, a
+    TRANSPOSE_CONV in LiteRT; a depthwise kernel gradient one of batch groups) and gives
+    jit's bits: small integers, so every sum is exact in any order and a misplaced row,
+    column or channel is caught."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    if padding == "VALID" and (kernel - 1) * dilation + 1 > size:
+        kernel = 3  # a VALID window no larger than the input
+        if 2 * dilation + 1 > size:
+            dilation = 1
+    text, jitted, shapes = _convolution_vjp_module(stride, padding, size, kernel, cin, cout,
+                                                   depthwise, dilation)
+    rng = np.random.default_rng(seed)
+    x, w, g = (rng.integers(-2, 3, size=s).astype(np.float32) for s in shapes)
+    model = convert.stablehlo_to_tflite(text, ["x", "w", "g"], ["y", "dx", "dw"])
+    assert not flatbuffer.non_builtin(flatbuffer.operators(model))
+    got = Interpreter(model_content=model, num_threads=1).get_signature_runner(
+        "client_update")(x=x, w=w, g=g)
+    for name, want in zip(("y", "dx", "dw"), jitted(x, w, g)):
+        np.testing.assert_array_equal(got[name], np.asarray(want), err_msg=name)
+
+
 def _layer_case(family: str, rng):
     """(params, one client's data for each of N clients, loss) of a small model of one
     layer family."""
@@ -280,7 +345,17 @@ def _layer_case(family: str, rng):
     if family == "lstm":
         steps = 10
     f32 = lambda *s: (rng.normal(size=s) * 0.3).astype(np.float32)  # noqa: E731
-    if family in ("max_pool", "avg_pool"):
+    if family == "strided_conv":  # a stride-2 "SAME" CNN: its input gradient's padding
+        params = {"k1": f32(3, 3, 1, 3), "k2": f32(3, 3, 3, 4), "w": f32(16, 3)}
+        data = {"x": rng.normal(size=(N, 2, 9, 9, 1)).astype(np.float32)}
+
+        def loss(p, b):
+            conv = lambda v, k, pad: jax.lax.conv_general_dilated(  # noqa: E731
+                v, k, (2, 2), pad, dimension_numbers=dn)
+            z = jax.nn.relu(conv(b["x"], p["k1"], "VALID"))   # 9 -> 4, odd
+            z = jax.nn.relu(conv(z, p["k2"], "SAME"))         # 4 -> 2, even
+            return jnp.mean(jnp.tanh(z.reshape(z.shape[0], -1) @ p["w"]))
+    elif family in ("max_pool", "avg_pool"):
         params = {"k": f32(3, 3, 1, 4), "w": f32(16, 3)}
         # integer pixels: the ReLU's zeros and equal values tie in the pool's windows
         data = {"x": rng.integers(0, 3, size=(N, 2, 6, 6, 1)).astype(np.float32)}
@@ -358,9 +433,9 @@ def _ceiling(values) -> float:
     return 1e-4 * float(top) + float(np.spacing(top))
 
 
-@pytest.mark.parametrize("family", ["mlp", "max_pool", "avg_pool", "embedding_gather",
-                                    "embedding_one_hot", "lstm", "attention_layer_norm",
-                                    "dropout"])
+@pytest.mark.parametrize("family", ["mlp", "strided_conv", "max_pool", "avg_pool",
+                                    "embedding_gather", "embedding_one_hot", "lstm",
+                                    "attention_layer_norm", "dropout"])
 def test_each_layer_family_converts_and_its_client_step_is_jits_within_the_bound(family):
     """Each family's LiteRT round is within the rounding bound of XLA's, element by
     element; every bound is under 1e-4 of its leaf's values; and a LiteRT client whose

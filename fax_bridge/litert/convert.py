@@ -24,17 +24,20 @@ A model is made once per client part, names and shapes: kept in this process by
 content hash and names, and on disk (`model_cache`: `FAX_BRIDGE_LITERT_CACHE`, default
 `~/.cache/fax_bridge/litert`, each entry verified when read back) by the sha256 of its
 StableHLO and signature (names included), so the devices of one machine convert a
-round shape once between them. A node that must not convert takes a model carried with
-its app instead (`carried`, looked up first by `runner.model_for`).
+round shape once between them (the key holds the side scripts' sha256 too, so a model
+made before they changed is made again). A node that must not convert takes a model
+carried with its app instead (`carried`, looked up first by `runner.model_for`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import tempfile
 import threading
@@ -125,7 +128,7 @@ def stablehlo_to_tflite(text: str, inputs: list, outputs: list,
                                    f"{err[-2000:]}") from None
         if not answer["ok"]:
             ops = answer.get("ops") or refusals.ops_in_message(answer["error"] + err)
-            raise refusals.refuse(f"{CONVERTER} has no builtin for", ops, answer["error"])
+            raise refusals.refuse(f"{CONVERTER} cannot convert", ops, answer["error"])
         return (tmp / "model.tflite").read_bytes()
 
 
@@ -140,8 +143,8 @@ def _check_runs(model: bytes) -> None:
     try:
         Interpreter(model_content=model, num_threads=1).allocate_tensors()
     except (RuntimeError, ValueError) as e:
-        found = refusals.ops_in_message(str(e)) or [
-            n for n in names if n.lower() in str(e).lower()]
+        found = refusals.failed_node(str(e)) or refusals.ops_in_message(str(e)) or [
+            n for n in names if re.search(rf"\b{n}\b", str(e))]
         raise refusals.refuse("the LiteRT interpreter refuses", found, str(e)) from None
 
 
@@ -175,6 +178,16 @@ def program_sha256_of(fn: computation_pb2.Computation, sig: lowering.ClientSigna
     return digest
 
 
+@functools.lru_cache(maxsize=None)
+def _side_digest() -> str:
+    """The sha256 of the side scripts (`side_convert.py`, `side_rewrites.py`): part of a
+    cached model's key, so a model made before they changed is made again."""
+    h = hashlib.sha256()
+    for name in ("side_convert.py", "side_rewrites.py"):
+        h.update(SIDE_SCRIPT.with_name(name).read_bytes())
+    return h.hexdigest()
+
+
 def convert_client_part(fn: computation_pb2.Computation, param, result,
                         aggregations: Optional[list] = None, *, key: Optional[str] = None,
                         use_cache: bool = True, names: Optional[tuple] = None
@@ -192,8 +205,8 @@ def convert_client_part(fn: computation_pb2.Computation, param, result,
         if use_cache and made_key in _MADE:
             return _MADE[made_key]
     text = lowering.lower(fn, sig)
-    digest = hashlib.sha256(json.dumps([CONVERTER, SIGNATURE, ins, outs]).encode()
-                            + text.encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps([CONVERTER, SIGNATURE, ins, outs, _side_digest()])
+                            .encode() + text.encode()).hexdigest()
     cached = model_cache.read(digest, sig, SIGNATURE) if use_cache else model_cache.Lookup(None)
     model = cached.model
     fixes = 0

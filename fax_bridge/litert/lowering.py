@@ -32,6 +32,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.litert import refusals
 from fax_bridge.litert.side_rewrites import walk
 from fax_bridge.runtime import local_eval
 
@@ -218,10 +219,12 @@ def _user_frame(frames: list) -> Optional[str]:
 def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
                  ops: list) -> dict:
     """op name -> the user's source lines (`file:line (function)`) where the client part
-    computes it, for the StableHLO ops among `ops`; a LiteRT op (`tfl.*`, a builtin with
-    no kernel for unsigned integers) is looked for as the StableHLO ops on unsigned
-    integers, a sort also as a `lax.top_k` (whose values alone the converter makes a
-    sort). An op inside a called function takes the lines of its calls."""
+    computes it, for the StableHLO ops among `ops` and the LiteRT builtins whose StableHLO
+    source `refusals.stablehlo_source` knows (a TRANSPOSE_CONV: the convolutions of a
+    dilated input, a strided convolution's input gradient); another LiteRT op (`tfl.*`, a
+    builtin with no kernel for unsigned integers) is looked for as the StableHLO ops on
+    unsigned integers, a sort also as a `lax.top_k` (whose values alone the converter
+    makes a sort). An op inside a called function takes the lines of its calls."""
     module = _lowered(fn, signature).compiler_ir("stablehlo")
     every = walk(module.operation, [])
     calls: dict = {}
@@ -249,10 +252,18 @@ def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
             op.attributes["call_target_name"]).lower() if "call_target_name" in \
             op.attributes else False
 
+    def dilated_input(op) -> bool:  # a transposed convolution's (TRANSPOSE_CONV's) form
+        return "lhs_dilation" in op.attributes and any(
+            int(d) != 1 for d in re.findall(r"\d+", str(op.attributes["lhs_dilation"]))[1:])
+
     out: dict = {}
     for wanted in ops:
-        hits = [op for op in every if op.name == wanted] if not wanted.startswith("tfl.") \
-            else [op for op in every if op.name.startswith("stablehlo.") and unsigned(op)]
+        source = refusals.stablehlo_source(wanted)
+        hits = [op for op in every if op.name == source] if source is not None \
+            else [op for op in every if op.name.startswith("stablehlo.") and unsigned(op)] \
+            if wanted.startswith("tfl.") else []
+        if refusals.builtin(wanted) == "TRANSPOSE_CONV":
+            hits = [op for op in hits if dilated_input(op)] or hits
         if wanted == "stablehlo.sort":
             hits += [op for op in every if top_k(op)]
         seen: list = []

@@ -1,12 +1,14 @@
 """What a client part that LiteRT cannot run is refused with: the op, its jax primitive,
-and the rewrite that avoids it.
+the user's source lines and the rewrite that avoids it.
 
 `ConversionRefused` is raised at build time (`convert`) when the converter leaves a
-StableHLO op it has no builtin for, when the model needs custom or Flex (TensorFlow)
-ops, or when the interpreter refuses to prepare an op; its message names each op with
-the user's source lines that compute it (`located`, from `lowering.source_lines`), the
-jax primitive that lowers to it (`JAX_SOURCES`) and how to write the client work
-without it.
+StableHLO op it cannot legalize, when the model needs custom or Flex (TensorFlow) ops, or
+when the interpreter refuses to prepare an op; its message names each op with the user's
+source lines that compute it (`located`, from `lowering.source_lines`, which looks a
+LiteRT op up by the StableHLO op it comes from: `stablehlo_source`), the jax primitive
+that lowers to it (`JAX_SOURCES`, `KERNELS`) and how to write the client work without
+it. A LiteRT builtin is never called one LiteRT lacks: an interpreter refusal names the
+op whose kernel failed to prepare (`failed_node`), not the loops around it.
 """
 
 from __future__ import annotations
@@ -51,8 +53,60 @@ JAX_SOURCES = {
                           "without x64, float8)", "keep the client work in float32/int32"),
 }
 
+_CONV_SOURCE = ("conv_general_dilated or its gradient (jax.grad of a convolution, "
+                "lax.conv_transpose) in a form litert-converter 0.5.0 does not write as a "
+                "builtin, even after side_rewrites (which handle the strides, paddings, "
+                "dilations and depthwise groups of 2-d CNNs)")
+_CONV_FIX = ("compute it at stride 1 with the strided convolution's own padding and keep "
+             "every s-th output: lax.conv_general_dilated(x, k, (1, 1), "
+             "lax.padtype_to_pads(x.shape[1:3], dilated kernel shape, (s, s), padding), "
+             "rhs_dilation=d)[:, ::s, ::s] (NHWC)")
+JAX_SOURCES["stablehlo.convolution"] = (_CONV_SOURCE, _CONV_FIX)
+
+# LiteRT builtin -> (the StableHLO op it is made from, whose source lines are the user's;
+# the jax primitive behind it; the rewrite that avoids it), for builtins whose kernel can
+# refuse what the converter wrote (`tfl.<name>` is the same op inside the converter)
+KERNELS = {
+    "TRANSPOSE_CONV": ("stablehlo.convolution",
+                       "the gradient of a strided convolution with respect to its input "
+                       "(jax.grad of lax.conv_general_dilated), or lax.conv_transpose", _CONV_FIX),
+    "CONV_2D": ("stablehlo.convolution", "jax's conv_general_dilated or its gradient",
+                _CONV_FIX),
+    "DEPTHWISE_CONV_2D": ("stablehlo.convolution", "jax's conv_general_dilated with "
+                          "feature_group_count > 1, or its gradient", _CONV_FIX),
+}
+
 
 _TERMINATORS = {"stablehlo.return", "mhlo.return"}  # a region's end, named beside its op
+
+
+def _builtin_names() -> frozenset:
+    """LiteRT's builtin operator names (its schema's)."""
+    try:
+        from ai_edge_litert import schema_py_generated as schema
+    except ImportError:  # the interpreter not installed: names in LiteRT's own spelling
+        return frozenset()
+    return frozenset(k for k in vars(schema.BuiltinOperator) if not k.startswith("_"))
+
+
+def builtin(op: str) -> str | None:
+    """The LiteRT builtin `op` names (`TRANSPOSE_CONV`, or `tfl.transpose_conv` as the
+    converter spells it), None for any other op."""
+    name = op[len("tfl."):].upper() if op.startswith("tfl.") else op
+    names = _builtin_names()
+    if name in names or (not names and re.fullmatch(r"[A-Z][A-Z0-9_]*", name)):
+        return name
+    return None
+
+
+def stablehlo_source(op: str) -> str | None:
+    """The StableHLO op whose source lines are `op`'s: itself for a StableHLO op (an
+    `mhlo.` op is the converter's copy of one), the op a LiteRT builtin is made from
+    where `KERNELS` knows it; None where none is known."""
+    if op.startswith(("stablehlo.", "mhlo.")):
+        return "stablehlo." + op.split(".", 1)[1]
+    kernel = KERNELS.get(builtin(op) or "")
+    return kernel[0] if kernel else None
 
 
 class ConversionRefused(ComputationError):
@@ -74,14 +128,22 @@ def describe(op: str, at: list | None = None) -> str:
         source = ((f"a TensorFlow op ({name[4:]})" if name.startswith("Flex")
                    else f"the custom op {name}"),
                   "express it with the StableHLO ops jax lowers jnp arithmetic to")
+    kernel = KERNELS.get(builtin(op) or "")
+    if source is None and kernel is not None:
+        return (f"{named}, a LiteRT builtin that refused the operands litert-converter "
+                f"gave it, made from {kernel[1]}: {kernel[2]}")
     if source is None and op.startswith("tfl."):
         return (f"{named}, a LiteRT builtin with no kernel for these operand types (unsigned "
                 "or narrow integers): cast to int32 or float32 before it; jax.random "
                 "(threefry on uint32 words) is such a source: draw a dropout mask with "
                 "fax_bridge.litert.layers.dropout(key, rate, x) from an int32 key, or pass "
                 "the noise in the client's data")
+    if source is None and builtin(op) is not None:
+        return (f"{named}, a LiteRT builtin that refused what litert-converter gave it (the "
+                "check that failed is below): compute this step with other jnp operations")
     if source is None:
-        return f"{named} (no LiteRT builtin)"
+        return (f"{named}, which litert-converter 0.5.0 does not write as a LiteRT builtin: "
+                "compute this step with other jnp operations")
     return f"{named}, from jax's {source[0]}: {source[1]}"
 
 
@@ -97,7 +159,10 @@ def refuse(what: str, ops: list, detail: str = "", where: dict | None = None
            ) -> ConversionRefused:
     """The refusal naming each of `ops` (`describe`), with the source lines `where`
     gives for it (op -> ["file:line (function)", ...])."""
-    ops = sorted(set(ops) - _TERMINATORS)
+    ops = {"stablehlo." + op[len("mhlo."):] if op.startswith("mhlo.") else op
+           for op in ops} - _TERMINATORS
+    # a converter op (tfl.conv_2d) named beside the StableHLO op it is made from: one failure
+    ops = sorted(op for op in ops if not (op.startswith("tfl.") and stablehlo_source(op) in ops))
     where = where or {}
     named = "; ".join(describe(op, where.get(op)) for op in ops) if ops else \
         "(the converter named no op)"
@@ -111,6 +176,14 @@ def refuse(what: str, ops: list, detail: str = "", where: dict | None = None
 def located(refusal: ConversionRefused, where: dict) -> ConversionRefused:
     """`refusal` naming the user's source lines of its ops."""
     return refuse(refusal.what, refusal.ops, refusal.detail, where)
+
+
+def failed_node(text: str) -> list:
+    """The op whose kernel failed to prepare, from the interpreter's message ("Node number
+    79 (TRANSPOSE_CONV) failed to prepare.", then one such line for each loop around it,
+    innermost first): [that op], or [] where the message names none."""
+    found = re.search(r"Node number \d+ \(([A-Z][A-Z0-9_]*)\) failed to prepare", text)
+    return [found.group(1)] if found else []
 
 
 def ops_in_message(text: str) -> list:

@@ -152,6 +152,8 @@ def main(argv: list) -> int:
             module = ir.Module.parse(f.read())
         _drop_barriers(module)
         _rewrites().select_and_scatter(module, ir)
+        _rewrites().batch_grouped_convolutions(module, ir)
+        _rewrites().lhs_dilated_convolutions(module, ir)
         try:
             api.run_convert_to_tfl_passes(module, passmanager.PassManager(),
                                           api.ConvertToTFLConfig())

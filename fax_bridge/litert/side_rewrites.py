@@ -4,6 +4,29 @@ Imported by `side_convert.py` (by path, in `.venv-litert`), so it uses only the 
 library and litert-converter's MLIR bindings. Each rewrite computes exactly what the op
 it replaces computes.
 
+`batch_grouped_convolutions(module, ir)`: the kernel gradient of a grouped (depthwise)
+convolution is a `stablehlo.convolution` with `batch_group_count` G > 1, which the
+converter writes as a plain CONV_2D of the wrong shape. Each one is rewritten as
+StableHLO defines it: G convolutions of the G contiguous slices of the input's batch
+dimension and of the kernel's output features, concatenated along the output features.
+
+`lhs_dilated_convolutions(module, ir)`: the gradient of a strided convolution with
+respect to its input (and `lax.conv_transpose`) is a `stablehlo.convolution` whose input
+is dilated (`lhs_dilation` = the stride) and padded by (k-1-lo, k-1-hi+r) for the
+forward padding (lo, hi) and remainder r. litert-converter 0.5.0 makes such a
+convolution a TRANSPOSE_CONV correctly only when it is padded by k-1 on both sides (the
+"full" transposed convolution, size (n-1)s+k); other paddings (a stride-2 "SAME"
+convolution's, any stride-2 convolution of an even input) it either leaves unconverted
+(`mhlo.convolution`) or writes as a TRANSPOSE_CONV with the wrong padding, which the
+interpreter refuses ("computed_input_height != SizeOfDimension(input, 1)"). Each one is
+rewritten as the full transposed convolution followed by a slice of the rows and columns
+the original keeps and, where its padding reaches past the full one, zero padding (an
+output position whose window holds only padding is 0): the same sums of the same
+products, element by element. One whose kernel is dilated too (the input gradient of a
+dilated strided convolution), which no TRANSPOSE_CONV takes, becomes a `stablehlo.pad`
+that dilates and pads its input, as XLA defines lhs dilation, and a convolution of
+neither.
+
 `select_and_scatter(module, ir)`: the gradient of a max (or min) pool is a
 `stablehlo.select_and_scatter`, for which the converter has no builtin. Each one whose
 select region is one `stablehlo.compare` of its two arguments and whose scatter region
@@ -24,6 +47,7 @@ an exported module, not as the user's jax code.
 from __future__ import annotations
 
 import itertools
+import re
 
 
 def walk(op, out: list) -> list:
@@ -188,3 +212,186 @@ def select_and_scatter(module, ir) -> int:
     """Rewrites every `stablehlo.select_and_scatter` it can (module docstring); how many."""
     ops = [op for op in walk(module.operation, []) if op.name == "stablehlo.select_and_scatter"]
     return sum(_rewrite_one(op, ir) for op in ops)
+
+
+_CONV_DIMS = re.compile(r"#stablehlo\.conv<\[([^\]]*)\]x\[([^\]]*)\]->\[([^\]]*)\]>")
+
+
+def _spatial(spec: str) -> list:
+    """The positions of the spatial dimensions 0, 1, ... in a dimension spec `b, 0, 1, f`."""
+    parts = [p.strip() for p in spec.split(",")]
+    return [i for _, i in sorted((int(p), i) for i, p in enumerate(parts) if p.isdigit())]
+
+
+def _ints(ir, attr, default: list) -> list:
+    return list(ir.DenseI64ArrayAttr(attr)) if attr is not None else default
+
+
+def _dilate_by_padding(op, ir, attr: dict, lhs_dims: list, dilation: list,
+                       pads: list) -> bool:
+    """Replaces one lhs-dilated convolution by a `stablehlo.pad` that dilates and pads
+    its input (negative padding cut by a slice) and a convolution of neither."""
+    lhs = op.operands[0]
+    kind = ir.RankedTensorType(lhs.type)
+    rank, element = len(kind.shape), kind.element_type
+    b = _Builder(ir)
+    low, high, interior = [0] * rank, [0] * rank, [0] * rank
+    for d, axis in enumerate(lhs_dims):
+        low[axis], high[axis] = max(pads[d][0], 0), max(pads[d][1], 0)
+        interior[axis] = dilation[d] - 1
+    shape = [(s - 1) * (i + 1) + 1 + lo + hi if s else lo + hi
+             for s, i, lo, hi in zip(kind.shape, interior, low, high)]
+    with op.location, ir.InsertionPoint(op):
+        zero = b.splat("0.0" if str(element).startswith(("f", "bf")) else "0", [], element)
+        value = b.op("stablehlo.pad", b.tensor(shape, element), [lhs, zero],
+                     edge_padding_low=b.array(low), edge_padding_high=b.array(high),
+                     interior_padding=b.array(interior))
+        if any(lo < 0 or hi < 0 for lo, hi in pads):
+            start, limit = [0] * rank, list(shape)
+            for d, axis in enumerate(lhs_dims):
+                start[axis] = max(-pads[d][0], 0)
+                limit[axis] = shape[axis] - max(-pads[d][1], 0)
+            shape = [hi - lo for lo, hi in zip(start, limit)]
+            value = b.op("stablehlo.slice", b.tensor(shape, element), [value],
+                         start_indices=b.array(start), limit_indices=b.array(limit),
+                         strides=b.array([1] * rank))
+        attr = dict(attr)
+        attr["lhs_dilation"] = b.array([1] * len(lhs_dims))
+        attr["padding"] = ir.Attribute.parse(
+            f"dense<0> : tensor<{len(lhs_dims)}x2xi64>")
+        new = ir.Operation.create("stablehlo.convolution", results=[op.results[0].type],
+                                  operands=[value, op.operands[1]],
+                                  attributes=attr).results[0]
+    op.results[0].replace_all_uses_with(new)
+    op.erase()
+    return True
+
+
+def _rewrite_convolution(op, ir) -> bool:
+    """Replaces one lhs-dilated convolution by its full form, sliced and padded (module
+    docstring); False when it needs no rewrite or is not of that form."""
+    attr = {name: op.attributes[name] for name in op.attributes}
+    dims = _CONV_DIMS.fullmatch(str(attr.get("dimension_numbers", "")))
+    if dims is None:
+        return False
+    lhs_dims, rhs_dims, out_dims = (_spatial(g) for g in dims.groups())
+    n = len(out_dims)
+    dilation = _ints(ir, attr.get("lhs_dilation"), [1] * n)
+    if all(d == 1 for d in dilation) or any(
+            s != 1 for s in _ints(ir, attr.get("window_strides"), [1] * n)):
+        return False
+    rhs_dilation = _ints(ir, attr.get("rhs_dilation"), [1] * n)
+    pads = [(0, 0)] * n
+    if "padding" in attr:
+        flat = [int(v) for v in ir.DenseIntElementsAttr(attr["padding"])]
+        pads = [(flat[2 * d], flat[2 * d + 1]) for d in range(n)]
+    if any(d != 1 for d in rhs_dilation):  # no TRANSPOSE_CONV takes a dilated kernel
+        return _dilate_by_padding(op, ir, attr, lhs_dims, dilation, pads)
+    lhs = list(ir.RankedTensorType(op.operands[0].type).shape)
+    rhs = list(ir.RankedTensorType(op.operands[1].type).shape)
+    out_type = ir.RankedTensorType(op.results[0].type)
+    out = list(out_type.shape)
+    full_shape, starts, limits, lows, highs = list(out), [0] * len(out), list(out), \
+        [0] * len(out), [0] * len(out)
+    full_pads = []
+    for d in range(n):
+        edge = (rhs[rhs_dims[d]] - 1) * rhs_dilation[d]  # k_eff - 1
+        full = (lhs[lhs_dims[d]] - 1) * dilation[d] + 1 + edge
+        offset = edge - pads[d][0]  # out[j] = full[j + offset]
+        axis, size = out_dims[d], out[out_dims[d]]
+        start, limit = max(offset, 0), min(offset + size, full)
+        if limit <= start:
+            return False  # every output is padding alone: left to the converter
+        full_pads.append((edge, edge))
+        full_shape[axis], starts[axis], limits[axis] = full, start, limit
+        lows[axis] = max(-offset, 0)
+        highs[axis] = size - lows[axis] - (limit - start)
+    if full_pads == pads:
+        return False  # already the full form, which the converter writes correctly
+    b = _Builder(ir)
+    element = out_type.element_type
+    text = ", ".join(f"[{lo}, {hi}]" for lo, hi in full_pads)
+    attr["padding"] = ir.Attribute.parse(f"dense<[{text}]> : tensor<{n}x2xi64>")
+    with op.location, ir.InsertionPoint(op):
+        value = ir.Operation.create("stablehlo.convolution",
+                                    results=[b.tensor(full_shape, element)],
+                                    operands=list(op.operands), attributes=attr).results[0]
+        if (starts, limits) != ([0] * len(out), full_shape):
+            value = b.op("stablehlo.slice",
+                         b.tensor([hi - lo for lo, hi in zip(starts, limits)], element),
+                         [value], start_indices=b.array(starts),
+                         limit_indices=b.array(limits), strides=b.array([1] * len(out)))
+        if any(lows) or any(highs):
+            zero = b.splat("0.0" if str(element).startswith(("f", "bf")) else "0", [],
+                           element)
+            value = b.op("stablehlo.pad", out_type, [value, zero],
+                         edge_padding_low=b.array(lows), edge_padding_high=b.array(highs),
+                         interior_padding=b.array([0] * len(out)))
+    op.results[0].replace_all_uses_with(value)
+    op.erase()
+    return True
+
+
+def _dimension(spec: str, letter: str) -> int:
+    """The position of `letter` (b, f, i or o) in a dimension spec `b, 0, 1, f`."""
+    return [p.strip() for p in spec.split(",")].index(letter)
+
+
+def _split_batch_groups(op, ir) -> bool:
+    """Replaces one convolution of batch_group_count > 1 by its groups, concatenated
+    (module docstring); False when it has one group or is not of that form."""
+    attr = {name: op.attributes[name] for name in op.attributes}
+    groups = int(ir.IntegerAttr(attr["batch_group_count"]).value) \
+        if "batch_group_count" in attr else 1
+    dims = _CONV_DIMS.fullmatch(str(attr.get("dimension_numbers", "")))
+    if groups == 1 or dims is None:
+        return False
+    batch, kernel_out, out_feature = (_dimension(dims.group(1), "b"),
+                                      _dimension(dims.group(2), "o"),
+                                      _dimension(dims.group(3), "f"))
+    lhs_type, rhs_type = (ir.RankedTensorType(v.type) for v in op.operands)
+    out_type = ir.RankedTensorType(op.results[0].type)
+    if lhs_type.shape[batch] % groups or rhs_type.shape[kernel_out] % groups:
+        return False
+    b = _Builder(ir)
+    attr["batch_group_count"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 1)
+
+    def part(value, kind, axis: int, g: int):
+        shape = list(kind.shape)
+        size = shape[axis] // groups
+        start, limit = [0] * len(shape), list(shape)
+        start[axis], limit[axis] = g * size, (g + 1) * size
+        shape[axis] = size
+        return b.op("stablehlo.slice", b.tensor(shape, kind.element_type), [value],
+                    start_indices=b.array(start), limit_indices=b.array(limit),
+                    strides=b.array([1] * len(shape)))
+
+    shape = list(out_type.shape)
+    shape[out_feature] //= groups
+    with op.location, ir.InsertionPoint(op):
+        parts = [ir.Operation.create(
+            "stablehlo.convolution", results=[b.tensor(shape, out_type.element_type)],
+            operands=[part(op.operands[0], lhs_type, batch, g),
+                      part(op.operands[1], rhs_type, kernel_out, g)],
+            attributes=attr).results[0] for g in range(groups)]
+        whole = ir.Operation.create(
+            "stablehlo.concatenate", results=[out_type], operands=parts,
+            attributes={"dimension": ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
+                                                         out_feature)}).results[0]
+    op.results[0].replace_all_uses_with(whole)
+    op.erase()
+    return True
+
+
+def batch_grouped_convolutions(module, ir) -> int:
+    """Splits every convolution of batch_group_count > 1 into its groups (module
+    docstring); how many."""
+    ops = [op for op in walk(module.operation, []) if op.name == "stablehlo.convolution"]
+    return sum(_split_batch_groups(op, ir) for op in ops)
+
+
+def lhs_dilated_convolutions(module, ir) -> int:
+    """Rewrites every lhs-dilated convolution not in its full form (module docstring);
+    how many."""
+    ops = [op for op in walk(module.operation, []) if op.name == "stablehlo.convolution"]
+    return sum(_rewrite_convolution(op, ir) for op in ops)

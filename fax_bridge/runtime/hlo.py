@@ -475,7 +475,8 @@ def canonical_convolutions(stablehlo: bytes) -> bytes:
     kernel instead: a gradient's weight convolution of a small CNN takes several times
     as long there. `call_traced` inlines a module into `client_map`'s loop over clients,
     so the module is canonicalized before, and its convolutions run there as in its own
-    executable.
+    executable. Every op keeps its source location (what names the user's line when
+    LiteRT refuses an op of the module).
     """
     with _mlir.make_ir_context():
         module = _ir.Module.parse(stablehlo)
@@ -493,7 +494,7 @@ def canonical_convolutions(stablehlo: bytes) -> bytes:
         if not changed:
             return stablehlo
         module.operation.verify()
-        return bytes(module.operation.get_asm(binary=True))
+        return bytes(module.operation.get_asm(binary=True, enable_debug_info=True))
 
 
 def _canonicalize_convolution(op) -> bool:
