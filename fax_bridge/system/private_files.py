@@ -15,7 +15,8 @@ points to) or swap a program that root then runs. Every such write goes through 
   (`O_EXCL` under a temporary name, its mode set on the open file), renamed over `path`;
   a link or another user's file already at `path` is refused, never followed.
 - `open_append(path)`: a log opened with `O_NOFOLLOW`, refused unless it is a regular
-  file of ours with one link.
+  file of ours with one link. `open_in_place(path)`: an existing device or FIFO (ours
+  or root's) or a file of ours, opened to write where it is, never through a link.
 - `read_private(path)`: a secret (a token) opened with `O_NOFOLLOW`, refused unless it
   is a regular file of ours that others can neither read nor write.
 - `open_regular(path, limit)` / `read_regular(path, limit)`: data a run is handed (a
@@ -225,6 +226,34 @@ def write_file(path: Union[str, os.PathLike], data: Union[bytes, str],
     with atomic_file(path, mode) as f:
         f.write(data.encode() if isinstance(data, str) else data)
     return os.fspath(path)
+
+
+def open_in_place(path: Union[str, os.PathLike]):
+    """The existing `path` opened to write in binary where it is, emptied first if a
+    regular file: a device or FIFO of ours or root's (`/dev/null`, a terminal), or a
+    regular file of ours with one link (one whose folder cannot hold a new file). A link
+    at `path` is refused, never followed, and so is another user's entry."""
+    path = os.fspath(path)
+    info = os.lstat(path)
+    regular = stat.S_ISREG(info.st_mode)
+    if stat.S_ISLNK(info.st_mode):
+        raise _refuse(path, "is a symbolic link", "Give the file itself, or remove it")
+    if stat.S_ISDIR(info.st_mode) or stat.S_ISSOCK(info.st_mode):
+        raise UnsafePathError(f"{path} is {_kind(info.st_mode)}, not a file to write; "
+                              "give a file path")
+    if info.st_uid not in ((os.geteuid(),) if regular else (0, os.geteuid())):
+        raise _refuse(path, f"belongs to {_owner(info.st_uid)}", _ANOTHER)
+    fd = os.open(path, os.O_WRONLY | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    now = os.fstat(fd)
+    if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino) or (
+            regular and now.st_nlink != 1):
+        os.close(fd)
+        raise _refuse(path, "was swapped while it was opened" if now.st_ino != info.st_ino
+                      else f"has {now.st_nlink} hard links", "Remove it")
+    os.set_blocking(fd, True)
+    if regular:
+        os.ftruncate(fd, 0)
+    return os.fdopen(fd, "wb")
 
 
 def _open_checked(path: str, flags: int, mode: int = 0o600) -> int:
