@@ -32,7 +32,8 @@ points to) or swap a program that root then runs. Every such write goes through 
   needs (an int is never a bool or a float, a number never a bool), naming the file
   and the field otherwise.
 
-A refusal is an `UnsafePathError` naming the path, what was wrong, and the fix. This
+A refusal is an `UnsafePathError` naming the path, what was wrong, and the fix; so is a
+loop of symbolic links on the way to a path, or a socket where a file is read. This
 module imports only the standard library (and `fax_bridge.errors`, when imported as part
 of the package), so the processes that never load fax_bridge's package load it by path.
 """
@@ -40,6 +41,7 @@ of the package), so the processes that never load fax_bridge's package load it b
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -82,6 +84,26 @@ def _owner(uid: int) -> str:
 def _refuse(path: str, why: str, fix: str) -> UnsafePathError:
     return UnsafePathError(f"{path} {why}; another local user could have planted it or "
                            f"could swap what it holds. {fix}")
+
+
+def _explained(path: str, error: OSError, name: str = "") -> OSError:
+    """`error` (raised opening or looking up `path`) as an `UnsafePathError` naming
+    `name` (or the path) and the fix where it has a cause this names: a loop of symbolic
+    links on the way (ELOOP), a socket or a FIFO nothing reads at the path (ENXIO);
+    `error` itself otherwise."""
+    name = name or path
+    if error.errno == errno.ELOOP:
+        return UnsafePathError(f"{name} leads through a loop of symbolic links (or more "
+                               f"than {_MAX_LINKS} of them); give a path of real folders "
+                               "and files")
+    if error.errno == errno.ENXIO:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                return UnsafePathError(f"{name} is a socket, not a regular file; give "
+                                       "the file itself")
+        return UnsafePathError(f"{name} is a FIFO or device with nothing at its other "
+                               "end, not a regular file; give the file itself")
+    return error
 
 
 def _check_folder(path: str, info: os.stat_result, euid: int) -> None:
@@ -189,6 +211,8 @@ def check_entry(path: Union[str, os.PathLike], kind: Optional[str] = None) -> No
         info = os.lstat(path)
     except FileNotFoundError:
         return
+    except OSError as e:
+        raise _explained(path, e) from None
     if stat.S_ISLNK(info.st_mode):
         raise _refuse(path, "is a symbolic link", "Remove it")
     if kind is not None and not _KINDS[kind](info.st_mode):
@@ -234,7 +258,10 @@ def open_in_place(path: Union[str, os.PathLike]):
     regular file of ours with one link (one whose folder cannot hold a new file). A link
     at `path` is refused, never followed, and so is another user's entry."""
     path = os.fspath(path)
-    info = os.lstat(path)
+    try:
+        info = os.lstat(path)
+    except OSError as e:
+        raise _explained(path, e) from None
     regular = stat.S_ISREG(info.st_mode)
     if stat.S_ISLNK(info.st_mode):
         raise _refuse(path, "is a symbolic link", "Give the file itself, or remove it")
@@ -243,7 +270,10 @@ def open_in_place(path: Union[str, os.PathLike]):
                               "give a file path")
     if info.st_uid not in ((os.geteuid(),) if regular else (0, os.geteuid())):
         raise _refuse(path, f"belongs to {_owner(info.st_uid)}", _ANOTHER)
-    fd = os.open(path, os.O_WRONLY | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_WRONLY | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise _explained(path, e) from None
     now = os.fstat(fd)
     if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino) or (
             regular and now.st_nlink != 1):
@@ -264,7 +294,7 @@ def _open_checked(path: str, flags: int, mode: int = 0o600) -> int:
             raise _refuse(path, "is a symbolic link", "Remove it") from None
         if os.path.lexists(path) and not os.path.isfile(path):  # a fifo with no reader
             raise _refuse(path, "is not a regular file", "Remove it") from None
-        raise e
+        raise _explained(path, e) from None
     info = os.fstat(fd)
     why = None
     if not stat.S_ISREG(info.st_mode):
@@ -304,7 +334,7 @@ def open_regular(path: Union[str, os.PathLike], limit: int, *, follow_links: boo
         if not follow_links and os.path.islink(path):
             raise _refuse(name, "is a symbolic link",
                           f"Give the file itself{'; ' + fix if fix else ''}") from None
-        raise e
+        raise _explained(path, e, name) from None
     info = os.fstat(fd)
     why = None
     if not stat.S_ISREG(info.st_mode):
