@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fax_bridge as fb
 from fax_bridge.data import ClientStore, write_population
@@ -146,3 +148,38 @@ def test_every_fetch_answer_is_checked_alike(bad, first):
     with pytest.raises(ArgumentError, match=r"fetch\(ids\)") as refused:
         fb.stream_clients(_sum_program(), 1)(jnp.float32(1.0), fetch)
     assert re.search(says, str(refused.value)), str(refused.value)
+
+
+class _ReusedBuffer:
+    """A fetch that fills one preallocated buffer per call and returns it (or a view of it,
+    or a dict of such buffers): each answer is overwritten by the next call."""
+
+    def __init__(self, data: np.ndarray, k: int, kind: str):
+        self.data, self.kind = data, kind
+        self.buffer = np.empty((k + 1,) + data.shape[1:], data.dtype)
+
+    def __call__(self, ids):
+        rows = self.buffer[:len(ids)] if self.kind == "view" else np.empty(0)
+        if self.kind != "view":
+            if len(self.buffer) != len(ids):
+                self.buffer = np.empty((len(ids),) + self.data.shape[1:], self.data.dtype)
+            rows = self.buffer
+        rows[...] = self.data[ids]
+        return {"x": rows} if self.kind == "dict" else rows
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(2, 24), k=st.integers(1, 6),
+       kind=st.sampled_from(["same array", "view", "dict"]))
+def test_a_fetch_that_reuses_its_buffer_streams_every_client_s_own_rows(n, k, kind):
+    data = (1000.0 * np.arange(n)[:, None] + np.arange(3)).astype(np.float32)
+
+    @fb.program(clients=n, clients_per_step=k)
+    def rows(w, x):
+        x = x["x"] if kind == "dict" else x
+        mapped = fb.federated_map_clients(lambda w, x: w * x, (fb.federated_broadcast(w), x))
+        return fb.federated_sum(mapped), mapped
+
+    total, each = fb.stream_clients(rows, 1)(jnp.float32(1.0), _ReusedBuffer(data, k, kind))
+    np.testing.assert_array_equal(np.asarray(each), data)  # every client its own rows
+    np.testing.assert_array_equal(np.asarray(total), data.sum(axis=0))

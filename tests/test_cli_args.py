@@ -3,6 +3,7 @@ finished results are never lost to a bad output path; input files give named err
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 
@@ -285,9 +286,12 @@ def test_the_output_is_never_one_of_the_inputs(tmp_path_factory, capsys, monkeyp
         argv = ["export", f"{program}:f", "--clients", "2", "-o", output]
     else:
         argv = ["run", comp, "--inputs", inputs, "--fleet-file", fleet, "--output", output]
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert f"--output {output} is the same file as" in err and target in err, err
+    if how == "symlink":  # no output is written through a link, to an input or not
+        assert f"{output!r} is a symbolic link" in _refused(argv, "--output", capsys)
+    else:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--output {output} is the same file as" in err and target in err, err
     assert open(target, "rb").read() == before
 
 
@@ -378,3 +382,56 @@ def test_forms_prints_types_cut_short_unless_verbose(tmp_path, capsys, monkeypat
     assert out.count(long_type[:cut] + "... (") == 2 and long_type[:cut + 1] not in out
     assert cli.main(argv + ["--verbose"]) == 0
     assert capsys.readouterr().out.count(long_type) == 2
+
+
+def _plant_at(kind: str, path: str, victim: str) -> None:
+    """What another user (uid nobody) leaves at an output path: a link to `victim` (a
+    file of ours), a dangling link to `victim`, their file or their FIFO."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    if kind in ("link", "dangling link"):
+        os.symlink(victim, path)
+        os.lchown(path, nobody, -1)
+    elif kind == "their file":
+        with open(path, "wb") as f:
+            f.write(b"theirs")
+        os.chown(path, nobody, -1)
+    else:
+        os.mkfifo(path, 0o666)
+        os.chown(path, nobody, -1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user")
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["link", "dangling link", "their file", "fifo"]),
+       writer=st.sampled_from(["report", "result"]))
+def test_an_output_file_another_user_planted_is_refused_and_the_output_rescued(
+        tmp_path_factory, kind, writer):
+    folder = tmp_path_factory.mktemp("shared")
+    os.chmod(folder, 0o1777)  # a shared, sticky folder such as /tmp
+    victim, path = str(folder / "precious"), str(folder / "report.json")
+    if kind != "dangling link":
+        with open(victim, "wb") as f:
+            f.write(b"ours")
+    _plant_at(kind, path, victim)
+    with pytest.raises(argparse.ArgumentTypeError, match="symbolic link|another user"):
+        cli_args.output_file(path)  # refused when the command line is read
+    if writer == "report":  # as `fax-bridge parity --json` writes its report
+        written, why = cli_args.write_or_rescue(path, lambda f: f.write(b'{"ok": true}'),
+                                                ".json", "parity")
+    else:
+        written, why = cli_args.save_result(path, {"result": np.arange(2.0)})
+    try:
+        assert written != path and why and path in why, why
+        assert ("symbolic link" if "link" in kind else "belongs to nobody") in why, why
+        assert os.stat(written).st_uid == os.geteuid()
+    finally:
+        os.unlink(written)
+    if kind == "dangling link":
+        assert not os.path.lexists(victim)  # nothing made where the link pointed
+    else:
+        assert open(victim, "rb").read() == b"ours"
+    if kind == "their file":
+        assert open(path, "rb").read() == b"theirs"

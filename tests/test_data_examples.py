@@ -154,3 +154,107 @@ def test_population_files_are_read_as_another_partys(tmp_path):
     record.write_bytes(E.frame(b"x") * 2)
     with pytest.raises(DataError, match="holds 2 examples"):
         E.ExamplePopulation(str(tmp_path)).client(0)
+
+
+NARROW = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.bool_,
+          np.float16, ml_dtypes.bfloat16]
+
+
+def _as_stored(name: str, wide, values) -> bytes:
+    """An example whose feature `name` holds `values` as the list of `wide` stores them."""
+    f = E.Feature(name, np.dtype(wide), (len(values),))
+    return E.encode_example([f], {name: np.asarray(values, wide)})
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from(NARROW), data=st.data())
+def test_a_value_beyond_the_declared_dtype_is_refused_by_name(dtype, data):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f" or dtype.name == "bfloat16":
+        big = float(ml_dtypes.finfo(dtype).max)
+        top = float(np.finfo(np.float32).max)
+        value = data.draw(st.one_of(st.floats(width=32), st.floats(big, top, width=32),
+                                    st.floats(-top, -big, width=32)))
+        stored = _as_stored("x", np.float32, [0.5, value])
+        with np.errstate(over="ignore"):
+            beyond = bool(np.isfinite(value)
+                          and not np.isfinite(np.float32(value).astype(dtype)))
+    else:
+        low, high = (0, 1) if dtype == np.bool_ else (int(np.iinfo(dtype).min),
+                                                      int(np.iinfo(dtype).max))
+        value = data.draw(st.one_of(st.integers(-2**63, 2**63 - 1),
+                                    st.integers(low - 4, high + 4)))
+        stored = _as_stored("x", np.int64, [1, value])
+        beyond = not low <= value <= high
+    feature = E.Feature("x", dtype, (2,))
+    if beyond:
+        with pytest.raises(DataError, match=f"'x' holds .* at index 1, beyond {dtype.name}"):
+            E.decode_example([feature], stored)
+    else:
+        got = E.decode_example([feature], stored)["x"]
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got.astype(np.float64)[1],
+                                      np.asarray(value).astype(dtype).astype(np.float64))
+
+
+def _int64_list(payload: bytes, packed: bool) -> bytes:
+    """An example whose feature 'i' is an Int64List of the varints in `payload`."""
+    body = E._field(1, payload) if packed else b"".join(
+        b"\x08" + v for v in _split_varints(payload))
+    return E._field(1, E._field(1, E._field(1, b"i") + E._field(2, E._field(3, body))))
+
+
+def _split_varints(payload: bytes) -> list:
+    out, start = [], 0
+    for i, b in enumerate(payload):
+        if b < 0x80:
+            out.append(payload[start:i + 1])
+            start = i + 1
+    return out + ([payload[start:]] if start < len(payload) else [])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("number", [b"\xff" * 9 + b"\x02", b"\xff" * 9 + b"\x7f",
+                                    b"\x80" * 10 + b"\x01", b"\xff" * 3])
+def test_a_varint_beyond_64_bits_or_cut_short_is_refused_by_name(packed, number):
+    data = _int64_list(E._varint(7) + number, packed)
+    with pytest.raises(DataError, match="malformed number|beyond 64 bits|ends inside"):
+        E.decode_example([E.Feature("i", np.dtype(np.int64), (2,))], data)
+
+
+def test_a_shape_whose_size_wraps_int64_is_refused_before_anything_is_read(tmp_path):
+    shape = (2**31, 2**31, 4)  # 2**64 values: 0 in int64
+    data = E.encode_example([E.Feature("x", np.dtype(np.float32), (0,))],
+                            {"x": np.zeros(0, np.float32)})
+    with pytest.raises(DataError, match=r"'x' holds 0 float values, not the "
+                       r"18446744073709551616 of shape \(2147483648, 2147483648, 4\)"):
+        E.decode_example([E.Feature("x", np.dtype(np.float32), shape)], data)
+    E.write_population(str(tmp_path), [E.Feature("x", np.dtype(np.float32), (1,))],
+                       [{"x": np.ones(1, np.float32)}])
+    spec = json.loads((tmp_path / "features.json").read_text())
+    spec["features"][0]["shape"] = list(shape)
+    (tmp_path / "features.json").write_text(json.dumps(spec))
+    with pytest.raises(DataError, match="18446744073709551616 values, more than a record"):
+        E.ExamplePopulation(str(tmp_path))
+
+
+@pytest.mark.parametrize("declared", [1 << 20, 4])
+def test_int64_lists_of_one_byte_varints_take_memory_bounded_by_their_shape(declared):
+    import tracemalloc
+
+    n = 1 << 20
+    data = _int64_list((np.arange(n) % 100).astype(np.uint8).tobytes(), packed=True)  # 1 MiB of 1-byte varints
+    feature = E.Feature("i", np.dtype(np.int64), (declared,))
+    tracemalloc.start()
+    try:
+        if declared == n:
+            got = E.decode_example([feature], data)["i"]
+            assert got[:3].tolist() == [0, 1, 2] and got.size == n
+        else:  # more values than the shape has: refused before they are decoded
+            with pytest.raises(DataError, match=f"more than the {declared} values of its shape"):
+                E.decode_example([feature], data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # the int64 result and a few copies of the bytes, not a Python int per byte
+    assert peak <= 8 * declared + 8 * len(data), peak

@@ -92,3 +92,27 @@ def test_parity_command_prints_the_worst_rows_and_writes_every_leaf(tmp_path, ca
     assert [line.split()[0] for line in lines if line.startswith("result[")] == [
         "result['w1']"]
     assert len(json.loads(out.read_text())["leaves"]) == 3
+
+
+INTEGERS = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
+            np.int64, np.uint64]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(INTEGERS), st.data())
+def test_integers_of_every_width_differing_by_one_mismatch(dtype, data):
+    info = np.iinfo(dtype) if dtype is not np.bool_ else None
+    low, high = (0, 1) if info is None else (int(info.min), int(info.max))
+    values = st.one_of(st.integers(low, high), st.integers(max(low, high - 2**20), high),
+                       st.integers(low, min(high, low + 2**20)))  # and near both ends
+    want = np.asarray(data.draw(st.lists(values, min_size=1, max_size=5)), dtype)
+    i = data.draw(st.integers(0, want.size - 1))
+    got = want.copy()
+    step = 1 if int(want[i]) < high else -1  # one more, or one less at the top
+    got[i] = int(want[i]) + step
+    [leaf] = compare_leaves(want, got, 0.0, 0.0)
+    assert not leaf.ok and leaf.max_abs == 1.0, (want, got, leaf)
+    [leaf] = fb.parity.bounded_leaves(want, got, [np.zeros(want.shape)], ["result"])
+    assert not leaf.ok, (want, got, leaf)
+    [leaf] = compare_leaves(want, want.copy(), 0.0, 0.0)
+    assert leaf.ok and leaf.max_abs == 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import stat
 import uuid
 
@@ -342,3 +343,40 @@ def test_an_entry_is_refused_unless_it_is_of_the_kind_replaced(tmp_path, entry):
         with pytest.raises(UnsafePathError, match=f"^{path} is a"):
             private_files.check_entry(path, kind=kind)
     private_files.check_entry(str(tmp_path / "nothing"), kind="socket")
+
+
+_OPENERS = {
+    "read_regular": lambda p: private_files.read_regular(p, 100),
+    "read_regular following links": lambda p: private_files.read_regular(
+        p, 100, follow_links=True),
+    "read_json": lambda p: private_files.read_json(p, 100),
+    "open_append": lambda p: private_files.open_append(p).close(),
+    "read_private": private_files.read_private,
+    "open_in_place": lambda p: private_files.open_in_place(p).close(),
+    "write_file": lambda p: private_files.write_file(p, b"x"),
+    "check_entry": private_files.check_entry,
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(opener=st.sampled_from(sorted(_OPENERS)),
+       planted=st.sampled_from(["loop at the path", "loop on the way", "socket"]))
+def test_a_link_loop_or_a_socket_is_refused_by_name_not_a_raw_os_error(
+        tmp_path_factory, opener, planted):
+    import socket
+
+    folder = _fresh(tmp_path_factory.mktemp("odd"))
+    os.symlink("b", os.path.join(folder, "a"))
+    os.symlink("a", os.path.join(folder, "b"))
+    path = os.path.join(folder, {"loop at the path": "a", "loop on the way": "a/x",
+                                 "socket": "sock"}[planted])
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(os.path.join(folder, "sock"))
+        if planted == "socket" and opener in ("write_file", "check_entry"):
+            return  # a socket of ours is replaced whole, never written through
+        with pytest.raises(UnsafePathError) as refused:
+            _OPENERS[opener](path)
+    said = str(refused.value)
+    assert path.split("/a/x")[0] in said, said
+    assert re.search("symbolic link|loop|too many links" if "loop" in planted
+                     else "socket|not a regular file", said), said

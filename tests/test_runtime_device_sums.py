@@ -240,3 +240,51 @@ def test_weights_are_refused_as_the_host_refuses_them(weights):
         except WeightError as e:
             outcomes.append(str(e).split(";")[0].split("(")[0])
     assert outcomes[0] == outcomes[1]
+
+
+
+NARROW = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+def _identical(dtype: np.dtype, kind: str, n: int, weight: float, wide_weights: bool,
+               v: np.ndarray) -> tuple:
+    """(n clients each holding `v`, the weights of a weighted mean or None)."""
+    values = np.broadcast_to(v, (n, v.size)).copy()
+    if kind != "weighted_mean":
+        return values, None
+    return values, [np.full(n, weight, np.float32 if wide_weights else dtype)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from(NARROW), kind=st.sampled_from(["mean", "weighted_mean"]),
+       n=st.one_of(st.integers(1, 300), st.sampled_from([2049, 65520, 70001])),
+       weight=st.sampled_from([1.0, 0.5, 4.0]), wide_weights=st.booleans(),
+       data=st.data())
+def test_a_narrow_mean_of_identical_values_is_that_value(dtype, kind, n, weight,
+                                                         wide_weights, data):
+    """float16/bfloat16 means are summed exactly, rounded to float32, divided there and
+    rounded once to the dtype: the mean of n copies of v is v (not the sum rounded to
+    the dtype, which drifts from 2,049 float16 clients and overflows at 65,520), for
+    every v whose sum fits float32 (bfloat16's range is float32's)."""
+    top = float(np.float32(min(float(ml_dtypes.finfo(dtype).max),
+                               float(np.finfo(np.float32).max) / n) / 8))
+    v = np.array([data.draw(st.floats(-top, top, width=32)) for _ in range(2)] + [1, 3],
+                 np.float32).astype(dtype)
+    values, w = _identical(dtype, kind, n, weight, wide_weights, v)
+    host = aggregation.finish(aggregation.partial_of_columns(kind, [values], n, w))[0]
+    np.testing.assert_array_equal(_bits(host), _bits(v))
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+@pytest.mark.parametrize("kind", ["mean", "weighted_mean"])
+def test_a_narrow_mean_on_the_device_has_the_host_s_bits(dtype, kind):
+    rng = np.random.default_rng(5)
+    n = 2049  # float16 sums of 2,049 threes drift when rounded to float16
+    v = np.concatenate([rng.standard_normal(6) * 100, [1, 3]]).astype(dtype)
+    values, w = _identical(dtype, kind, n, 0.5, dtype == NARROW[0], v)
+    values[:, :3] = (rng.standard_normal((n, 3)) * 50).astype(dtype)  # and other values
+    host = aggregation.finish(aggregation.partial_of_columns(kind, [values.copy()], n, w))[0]
+    device = aggregation.finish(aggregation.device_partial(
+        kind, [[jnp.asarray(values)]], [n], None if w is None else [jnp.asarray(w[0])]))[0]
+    np.testing.assert_array_equal(_bits(host)[3:], _bits(v)[3:])
+    np.testing.assert_array_equal(_bits(np.asarray(device)), _bits(host))

@@ -17,19 +17,27 @@ read what TensorFlow writes (checked by `make forms-check`).
 
 The files are read as another party's: regular files only, sizes bounded before they are
 read, every record's checksums verified, `features.json`'s dtypes number types
-(`checks.numeric_dtype`), and each feature's value count equal to its shape's.
+(`checks.numeric_dtype`) and shapes no larger than a record holds, each feature's value
+count equal to its shape's (more values are refused before they are decoded; an int64
+list takes 8 bytes a value, not a Python int), a number beyond 64 bits refused, and
+every value within its declared dtype (an int32 feature holding 2**40, a uint8 one
+holding -1, a bool one holding 5, a float16 one holding 1e10 are refused by name, not
+wrapped or rounded to infinity).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import array
 import json
+import math
 import os
 import shutil
 import struct
 import tempfile
 from typing import Iterable, Iterator, Mapping, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from fax_bridge.system import private_files
@@ -186,8 +194,12 @@ def _read_varint(data: bytes, pos: int, what: str) -> tuple:
     n = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
-            raise DataError(f"{what} holds a malformed number; {_FIX}")
+            raise DataError(f"{what} holds a malformed number (it ends inside one, or one "
+                            f"runs past 10 bytes); {_FIX}")
         b = data[pos]
+        if shift == 63 and b > 1:
+            raise DataError(f"{what} holds a malformed number beyond 64 bits (its 10th "
+                            f"byte is {b:#04x}); {_FIX}")
         n |= (b & 0x7F) << shift
         pos += 1
         shift += 7
@@ -235,7 +247,8 @@ class Feature:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        """The number of values (a Python integer: a shape's size never wraps)."""
+        return math.prod(int(d) for d in self.shape)
 
 
 def feature_kind(dtype, name: str = "a leaf") -> str:
@@ -272,30 +285,120 @@ def encode_example(features: Sequence[Feature], values: Mapping[str, np.ndarray]
     return _field(1, b"".join(entries))
 
 
-def _list_values(data: bytes, kind: str, what: str) -> np.ndarray:
-    """A FloatList's / Int64List's values, packed or not."""
-    parts = []
+_HIGH_BYTES = bytes(range(0x80, 0x100))
+_VARINT_CHUNK = 1 << 14  # bytes of packed varints decoded at a time
+
+
+def _varint_count(value: bytes) -> int:
+    """The varints packed in `value`: its bytes without the continuation bit."""
+    return len(value.translate(None, _HIGH_BYTES))
+
+
+def _packed_varints(value: bytes, what: str) -> np.ndarray:
+    """The varints packed in `value` as uint64, decoded with numpy a chunk at a time (8
+    bytes a value and bounded temporaries, not a Python int per byte)."""
+    data = np.frombuffer(value, np.uint8)
+    if data.size and data[-1] & 0x80:
+        raise DataError(f"{what} holds a malformed number (it ends inside one); {_FIX}")
+    out = np.empty(_varint_count(value), np.uint64)
+    pos = done = 0
+    while pos < data.size:
+        chunk = data[pos:pos + _VARINT_CHUNK]
+        ends = np.flatnonzero(chunk < 0x80)
+        if ends.size == 0:
+            raise DataError(f"{what} holds a malformed number (one runs past 10 bytes); "
+                            f"{_FIX}")
+        chunk = chunk[:ends[-1] + 1]
+        starts = np.concatenate(([0], ends[:-1] + 1))
+        lengths = ends - starts + 1
+        if lengths.max() > 10:
+            raise DataError(f"{what} holds a malformed number (one runs past 10 bytes); "
+                            f"{_FIX}")
+        values = np.zeros(ends.size, np.uint64)
+        for k in range(int(lengths.max())):
+            at = np.flatnonzero(lengths > k)
+            byte = chunk[starts[at] + k]
+            if k == 9 and byte.max() > 1:
+                raise DataError(f"{what} holds a malformed number beyond 64 bits (its 10th "
+                                f"byte is {int(byte.max()):#04x}); {_FIX}")
+            values[at] |= (byte & 0x7F).astype(np.uint64) << np.uint64(7 * k)
+        out[done:done + ends.size] = values
+        done += ends.size
+        pos += chunk.size
+    return out
+
+
+def _list_values(data: bytes, kind: str, what: str, limit: int) -> np.ndarray:
+    """A FloatList's / Int64List's values, packed or not, in order; refused once they
+    number more than `limit` (what the feature's shape holds), before they are decoded.
+    Memory: the values' own (4 or 8 bytes each) and bounded temporaries."""
+    parts: list = []
+    count = 0
+    single = bytearray() if kind == "float" else array.array("Q")  # unpacked values
+
+    def flush():
+        nonlocal single
+        if single:
+            parts.append(np.frombuffer(single, "<f4" if kind == "float" else np.uint64))
+            single = bytearray() if kind == "float" else array.array("Q")
+
     for number, wire, value in _fields(data, what):
         if number != 1:
             continue
+        if kind == "float" and wire == 2 and len(value) % 4:
+            raise DataError(f"{what}'s floats are not whole; {_FIX}")
         if kind == "float":
-            if wire == 2:
-                if len(value) % 4:
-                    raise DataError(f"{what}'s floats are not whole; {_FIX}")
-                parts.append(np.frombuffer(value, "<f4"))
-            elif wire == 5:
-                parts.append(np.frombuffer(value, "<f4"))
-        elif wire == 0:
-            parts.append(np.array([value], np.uint64).view(np.int64))
-        elif wire == 2:
-            ints, pos = [], 0
-            while pos < len(value):
-                n, pos = _read_varint(value, pos, what)
-                ints.append(n)
-            parts.append(np.array(ints, np.uint64).view(np.int64))
+            new = len(value) // 4 if wire in (2, 5) else 0
+        else:
+            new = 1 if wire == 0 else _varint_count(value) if wire == 2 else 0
+        count += new
+        if count > limit:
+            raise DataError(f"{what} holds more than the {limit} values of its shape "
+                            f"(refused before they are decoded); {_FIX}")
+        if not new:
+            continue
+        if wire in (0, 5):  # one value, unpacked
+            if kind == "float":
+                single.extend(value)
+            else:
+                single.append(value)
+            continue
+        flush()
+        parts.append(np.frombuffer(value, "<f4") if kind == "float"
+                     else _packed_varints(value, what))
+    flush()
     if not parts:
         return np.zeros(0, np.float32 if kind == "float" else np.int64)
-    return np.concatenate(parts)
+    out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return out if kind == "float" else out.view(np.int64)
+
+
+def _in_range(values: np.ndarray, f: "Feature", what: str) -> np.ndarray:
+    """`values` (float32 or int64, as their list holds them) as `f.dtype`; DataError
+    naming the feature, the first value beyond the dtype's range and where it is (a
+    float16/bfloat16 overflow to infinity, an integer outside the dtype, a bool neither
+    0 nor 1) instead of a value wrapped or rounded to another."""
+    dtype = np.dtype(f.dtype)
+    if f.kind == "float":
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            cast = values.astype(dtype)
+        bad = np.isfinite(values) & ~np.isfinite(cast)
+        top = float(ml_dtypes.finfo(dtype).max)
+        limits = f"[-{top:g}, {top:g}]"
+    else:
+        low, high = (0, 1) if dtype == np.bool_ else (int(np.iinfo(dtype).min),
+                                                      int(np.iinfo(dtype).max))
+        bad = (values < low) | (values > high) if dtype != np.int64 else None
+        limits = f"[{low}, {high}]"
+        cast = values.astype(dtype, copy=False)
+    if bad is not None and bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        at = np.unravel_index(i, f.shape) if f.shape else ()
+        raise DataError(f"{what}'s feature {f.name!r} holds {values[i].item()!r} at index "
+                        f"{i}{f' {list(map(int, at))}' if len(f.shape) > 1 else ''}, beyond "
+                        f"{dtype.name}'s range {limits}; write values of its dtype, or "
+                        f"declare a wider one; {_FIX}")
+    return cast.reshape(f.shape)
 
 
 def decode_example(features: Sequence[Feature], data: bytes,
@@ -324,12 +427,14 @@ def decode_example(features: Sequence[Feature], data: bytes,
                             f"{sorted(found)[:8]}); {_FIX}")
         number = 2 if f.kind == "float" else 3
         lists = [v for n, w, v in _fields(found[f.name], what) if n == number and w == 2]
-        values = _list_values(b"".join(lists), f.kind, f"{what}'s feature {f.name!r}")
+        name = f"{what}'s feature {f.name!r}"
+        values = _list_values(lists[0] if len(lists) == 1 else b"".join(lists), f.kind, name,
+                              min(f.size, MAX_RECORD_BYTES))
         if values.size != f.size:
-            raise DataError(f"{what}'s feature {f.name!r} holds {values.size} "
+            raise DataError(f"{name} holds {values.size} "
                             f"{'float' if f.kind == 'float' else 'int64'} values, not the "
                             f"{f.size} of shape {tuple(f.shape)}; {_FIX}")
-        out[f.name] = values.reshape(f.shape).astype(f.dtype)
+        out[f.name] = _in_range(values, f, what)
     return out
 
 
@@ -413,6 +518,10 @@ def read_features(directory: str) -> tuple:
                                 f"{MAX_RANK}; {_FIX}")
             shape = tuple(j.json_value(d, "int", f"{where}: field 'shape'", low=0,
                                        high=MAX_RECORD_BYTES) for d in shape)
+            if math.prod(shape) > MAX_RECORD_BYTES:  # a value takes a byte at least
+                raise DataError(f"{where} has shape {list(shape)}: {math.prod(shape)} "
+                                f"values, more than a record of at most {MAX_RECORD_BYTES} "
+                                f"bytes holds; {_FIX}")
             features.append(Feature(name, dtype, shape))
             features[-1].kind  # a dtype no tf.Example list holds exactly is refused
     except private_files.HandedFileError as e:

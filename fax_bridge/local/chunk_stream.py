@@ -19,12 +19,18 @@ for the data's structure) included: the same structure and per-client shapes and
 every time, numeric arrays only, one row a client. Values the program closes over are read
 when it is first traced for these shapes, as under `jax.jit`. Calls of one streamed
 program run one at a time.
+
+An answer of `fetch` is owned before the next fetch runs: a fetch may fill one
+preallocated buffer per call (or return views of one) and every chunk still keeps its own
+rows. An array that nothing but the answer refers to and that owns its memory (what
+`data[ids]` or `store.cohort(ids).data` give) is taken as it is; any other is copied once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -94,6 +100,26 @@ def _checked(got: Any, ids: np.ndarray, want=None) -> tuple:
     return leaves, treedef, tuple(specs)
 
 
+def _references(items: list, j: int) -> int:
+    """How many references `items[j]` has, counted the one way `_owned` compares."""
+    return sys.getrefcount(items[j])
+
+
+_ONLY_IN_A_LIST = _references([np.empty(1)], 0) if hasattr(sys, "getrefcount") else -1
+
+
+def _owned(leaves: list) -> list:
+    """`leaves` (one answer of fetch, checked) with every array the caller could still
+    write to copied: all but those owning their memory that only `leaves` refers to. The
+    next fetch may overwrite a buffer it returned before (one preallocated array filled per
+    call), while the device still reads that chunk."""
+    for j in range(len(leaves)):
+        if not (leaves[j].flags.owndata and leaves[j].base is None
+                and _references(leaves, j) == _ONLY_IN_A_LIST):
+            leaves[j] = np.array(leaves[j], copy=True)
+    return leaves
+
+
 class _Reads:
     """One call's reads: chunk i's leaves, the next chunk read by a thread meanwhile."""
 
@@ -105,7 +131,7 @@ class _Reads:
 
     def _read(self, i: int) -> list:
         ids = self.chunks[i]
-        return _checked(self.fetch(ids), ids, self.want)[0]
+        return _owned(_checked(self.fetch(ids), ids, self.want)[0])
 
     def leaves(self, i: int, indices) -> list:
         try:

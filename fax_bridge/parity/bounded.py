@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from fax_bridge.parity import rounding as parity_rounding
-from fax_bridge.parity.report import LeafParity, compare_leaves
+from fax_bridge.parity.report import LeafParity, compare_leaves, difference
 
 
 # The tolerances of a comparison that asks for them (`rtol=` or `atol=`); without
@@ -61,7 +61,8 @@ def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list,
     """Leaf-by-leaf comparison where leaf i may differ by 2 * bounds[i] elementwise
     (`parity.rounding.evaluation_bounds`: each path within the bound of the exact
     result; `methods[i]` says what gave it; `who` names the other path); integer and
-    bool leaves must be equal, and a NaN or infinity must be the same on both paths."""
+    bool leaves must be equal (exactly, at every width), and a NaN or infinity must be
+    the same on both paths (class and sign), whatever the bound."""
     leaves = compare_leaves(local, remote, 0.0, 0.0, paths=paths)
     want, got = jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(remote)
     if len(want) != len(got) or len(bounds) != len(want):
@@ -70,12 +71,10 @@ def bounded_leaves(local: Any, remote: Any, bounds: list, paths: list,
     for leaf, w, g, b, method in zip(leaves, want, got, bounds, methods):
         if leaf.note or not parity_rounding.is_float(leaf.dtype):
             continue
-        w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
-        with np.errstate(invalid="ignore"):
-            diff = np.abs(w - g)
-            allowed = 2.0 * np.asarray(b, np.float64)
-            same = (w == g) | (np.isnan(w) & np.isnan(g))
-            leaf.ok = bool(np.all(same | (diff <= allowed)))
+        diff, same = difference(np.asarray(w), np.asarray(g))
+        allowed = 2.0 * np.asarray(b, np.float64)
+        with np.errstate(invalid="ignore"):  # a non-finite value only against the same
+            leaf.ok = bool(np.all(same | (np.isfinite(diff) & (diff <= allowed))))
         leaf.bound = float(np.max(allowed, initial=0.0))
         leaf.bound_method = method
         how = f" ({method})" if method else ""

@@ -205,6 +205,29 @@ def chunking_of(fn: Any, clients: int) -> str:
             else f"in chunks of {k} (of {clients} clients)")
 
 
+def difference(want: np.ndarray, got: np.ndarray) -> tuple:
+    """(|want - got| as float64, where the two are the same) elementwise. Integers of
+    every width (int64 and uint64 among them) are subtracted exactly, so two that differ
+    never show a difference of 0 (float64 holds no int64 above 2**53 exactly); floats
+    are the same where equal or both NaN, and differ by inf where either is not finite
+    and they are not the same (+inf against -inf, or against a number)."""
+    if want.dtype.kind in "biu" and got.dtype.kind in "biu":
+        if want.dtype.kind == got.dtype.kind == "u" or np.uint64 not in (want.dtype, got.dtype):
+            wide = np.uint64 if want.dtype.kind == got.dtype.kind == "u" else np.int64
+            a, b = want.astype(wide), got.astype(wide)
+            # the larger minus the smaller, taken modulo 2**64: exact in uint64
+            ua, ub = a.astype(np.uint64), b.astype(np.uint64)
+            diff = np.where(a >= b, ua - ub, ub - ua).astype(np.float64)
+        else:  # uint64 against a signed integer: python integers
+            diff = np.abs(want.astype(object) - got.astype(object)).astype(np.float64)
+        return diff, diff == 0
+    w, g = want.astype(np.float64), got.astype(np.float64)
+    same = (w == g) | (np.isnan(w) & np.isnan(g))
+    with np.errstate(invalid="ignore"):
+        diff = np.where(same, 0.0, np.abs(w - g))
+    return np.where(same | (np.isfinite(w) & np.isfinite(g)), diff, np.inf), same
+
+
 def compare_leaves(local: Any, remote: Any, rtol: float, atol: float,
                    paths: Optional[list[str]] = None) -> list[LeafParity]:
     """Leaf-by-leaf comparison of two results with the same flattened order."""
@@ -224,16 +247,18 @@ def compare_leaves(local: Any, remote: Any, rtol: float, atol: float,
                                   False, f"fleet shape {g.shape}"))
             continue
         wf, gf = w.astype(np.float64), g.astype(np.float64)
-        diff = np.abs(wf - gf)
+        diff, same = difference(w, g)
         max_abs = float(diff.max()) if diff.size else 0.0
-        with np.errstate(over="ignore"):  # a difference next to a zero: inf
+        with np.errstate(over="ignore", invalid="ignore"):  # next to a zero: inf
             rel = diff / np.maximum(np.abs(wf), np.finfo(np.float64).tiny)
-        max_rel = float(rel.max()) if rel.size else 0.0
-        ok = bool(np.allclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True))
+        max_rel = float(np.nan_to_num(rel, nan=np.inf).max()) if rel.size else 0.0
+        with np.errstate(invalid="ignore"):
+            close = diff <= atol + rtol * np.abs(wf)
+        # a NaN or infinity only against the same (numpy.isclose's rule), whatever rtol
+        ok = bool(np.all(same | (close & np.isfinite(wf) & np.isfinite(gf))))
         note = "" if w.dtype == g.dtype else f"fleet dtype {g.dtype}"
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(diff == 0, 0.0, diff / (atol + rtol * np.abs(wf)))
-        same = (wf == gf) | (np.isnan(wf) & np.isnan(gf))
         share = np.where(same, 0.0, np.nan_to_num(share, nan=np.inf))
         out.append(LeafParity(path, tuple(w.shape), str(w.dtype), max_abs, max_rel,
                               ok and not note, note,

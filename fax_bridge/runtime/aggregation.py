@@ -10,7 +10,9 @@ Kinds (as TFF's reference semantics state them):
 - sum, min, max: elementwise over clients.
 - mean: sum / number of clients. weighted_mean: sum(w_i * x_i) / sum(w_i), with the
   scalar weight of each client broadcast over its value (each product rounded to the
-  value's dtype, then summed exactly). Both need floating-point values. A weighted
+  value's dtype, then summed exactly). Both need floating-point values; float16 and
+  bfloat16 sums (and weight totals) are rounded to float32, divided there and the
+  quotient rounded once to the dtype, so a mean of identical values is that value. A weighted
   mean's weights must be >= 0 (checked where each client's weight is: in process, or
   on the device that holds it) and must not sum to zero (checked when the partials
   meet): `WeightError` otherwise, the rule of `placements.weights_refusal`.
@@ -391,15 +393,17 @@ def finish(partial: Partial, member_type: Optional[federated_language.Type] = No
         return device_sums.finish(partial.leaves[0])
     if partial.kind in ("sum", "secure_sum_bitwidth", "secure_sum"):
         return results(partial.leaves)
+    # float16/bfloat16 sums rounded to float32 and divided there, then rounded once more
+    dtypes = [acc.dtype for acc in partial.leaves]
     if partial.kind == "mean":
-        sums, by = results(partial.leaves), partial.count
-    else:
-        *sums, by = results([*partial.leaves, partial.weights])  # rounded together
+        sums, by = results(partial.leaves, wide=True), partial.count
+    else:  # rounded together
+        *sums, by = results([*partial.leaves, partial.weights], wide=True)
         refusal = weights_refusal(float(by), not by)  # the total, where all meet
         if refusal:
             raise WeightError(refusal)
-    with np.errstate(divide="ignore", invalid="ignore"):  # once for all the leaves
-        return [_divide(s, by) for s in sums]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # once for all
+        return [_divide(s, by).astype(dtype, copy=False) for s, dtype in zip(sums, dtypes)]
 
 
 def _divide(total: np.ndarray, by) -> np.ndarray:

@@ -192,15 +192,17 @@ def merged(a: Acc, b: Acc, dtype: np.dtype, count: int) -> Acc:
                a.overflow | b.overflow | ~fits)
 
 
-def result(acc: Acc, dtype: np.dtype) -> jax.Array:
-    """The sum, rounded once to `dtype` (flat; `ExactSum.result`'s bits unless
+def result(acc: Acc, dtype: np.dtype, into: Optional[np.dtype] = None) -> jax.Array:
+    """The sum of addends of `dtype`, rounded once to `dtype`, or to `into` (float32,
+    for a float16 or bfloat16 sum) (flat; `ExactSum.result`'s bits unless
     `acc.overflow`)."""
     dtype = np.dtype(dtype)
+    into = dtype if into is None else np.dtype(into)
     base = jnp.where(acc.base < _NONE, acc.base, 0)
-    bits = _rounded(acc.limbs, base, dtype)
-    bits = _specials(bits, acc.nan, acc.pos_inf, acc.neg_inf, acc.neg_zero, dtype)
-    uint = jnp.uint32 if dtype.itemsize == 4 else jnp.uint16
-    return lax.bitcast_convert_type(bits.astype(uint), dtype)
+    bits = _rounded(acc.limbs, base, dtype, into)
+    bits = _specials(bits, acc.nan, acc.pos_inf, acc.neg_inf, acc.neg_zero, into)
+    uint = jnp.uint32 if into.itemsize == 4 else jnp.uint16
+    return lax.bitcast_convert_type(bits.astype(uint), into)
 
 
 def _pick(digits: list, at: jax.Array) -> jax.Array:
@@ -211,12 +213,14 @@ def _pick(digits: list, at: jax.Array) -> jax.Array:
     return out
 
 
-def _rounded(limbs: jax.Array, base: jax.Array, dtype: np.dtype) -> jax.Array:
+def _rounded(limbs: jax.Array, base: jax.Array, dtype: np.dtype,
+             into: np.dtype) -> jax.Array:
     """The bits (uint32) of the finite sum held by carried `limbs` ([n, size], limb k
-    weighing 2^(16 * (base + k)) units, `base` per element), rounded to nearest, ties to
-    even (an overflow gives the infinity). Element-wise throughout: it fuses into one
-    pass."""
-    p, nexp, _, _ = float_params(dtype)
+    weighing 2^(16 * (base + k)) units of `dtype`, `base` per element), rounded to
+    nearest `into` (`dtype` or a wider float), ties to even (an overflow gives the
+    infinity). Element-wise throughout: it fuses into one pass."""
+    p, nexp, into_lsb, _ = float_params(into)
+    offset = float_params(dtype)[2] - into_lsb  # dtype's unit in units of `into`'s
     negative = limbs[-1] < 0
     magnitude = carried([jnp.where(negative, -limbs[k], limbs[k])
                          for k in range(limbs.shape[0])])
@@ -233,8 +237,8 @@ def _rounded(limbs: jax.Array, base: jax.Array, dtype: np.dtype) -> jax.Array:
     top = jnp.maximum(top, 0)
     head = _pick(digits, top)
     msb = DIGIT_BITS * (top + low) + (31 - lax.clz(head))  # the sum's highest bit, in units
-    ulp = jnp.maximum(msb - (p - 1), 0)  # the result's last bit
-    below = ulp - DIGIT_BITS * low - 1  # the rounding bit, from the window's bottom
+    ulp = jnp.maximum(msb + offset - (p - 1), 0)  # the result's last bit, in into's units
+    below = ulp - offset - DIGIT_BITS * low - 1  # the rounding bit, from the window's bottom
     first, shift = below >> 4, (below & 15).astype(jnp.uint32)
     last = len(digits) - 1
     a, b, c = (_pick(digits, jnp.minimum(first + j, last)).astype(jnp.uint32)
@@ -252,7 +256,7 @@ def _rounded(limbs: jax.Array, base: jax.Array, dtype: np.dtype) -> jax.Array:
     encoded = (jnp.minimum(ulp, top_exponent).astype(jnp.uint32) << (p - 1)) + q
     encoded = jnp.minimum(encoded, jnp.uint32(top_exponent << (p - 1)))  # overflow: inf
     encoded = jnp.where(is_zero, jnp.uint32(0), encoded)
-    return encoded | jnp.where(negative, jnp.uint32(1 << (8 * dtype.itemsize - 1)),
+    return encoded | jnp.where(negative, jnp.uint32(1 << (8 * into.itemsize - 1)),
                                jnp.uint32(0))
 
 

@@ -16,7 +16,8 @@ element's addends spread wider than the window (`device_exact.WINDOW_SPREAD` bit
 sum says so (`overflowed`, one flag read back) and the caller sums again with the dtype's
 whole range (`full`). `finish` rounds each element once and divides a mean by its
 clients or a weighted mean by its total weight (`device_floats`: integer operations, a
-TPU flushing subnormals in its float arithmetic), in one compiled call. Hence the
+TPU flushing subnormals in its float arithmetic), in one compiled call; a float16 or
+bfloat16 mean's sum is rounded to float32 and divided there, as the host does. Hence the
 results have the bits of the host's `aggregation.finish` for the same addends, whatever
 the backend's float arithmetic does. `on_device` says, in one place, whether a run takes
 this path.
@@ -36,7 +37,7 @@ import numpy as np
 
 from fax_bridge.errors import AggregationError, ArgumentError, WeightError
 from fax_bridge.language.placements import weights_refusal
-from fax_bridge.runtime import device_exact
+from fax_bridge.runtime import device_exact, exact
 from fax_bridge.runtime.device_floats import astype, quotient
 
 KINDS = ("sum", "mean", "weighted_mean")  # the aggregations finished on the device
@@ -363,17 +364,29 @@ def _finished(layout: Layout, state: dict, count: jax.Array) -> tuple:
         by = count
     if layout.weight is not None:
         least = device_exact.weight_of_key(*state["least weight"])
-        total = device_exact.result(state["weight sum"], layout.weight).reshape(())
+        total = device_exact.result(state["weight sum"], layout.weight,
+                                    _wide(layout.weight)).reshape(())
         by = total
     for name, members in layout.groups.items():
         dtype = np.dtype(layout.tensors[members[0]][0])
         acc = state[name]
-        flat = acc if dtype.kind in "iu" else device_exact.result(acc, dtype)
-        if by is not None:
-            flat = _divide(flat, astype(by, dtype) if layout.weight is not None
-                           else by.astype(dtype))
+        if dtype.kind in "iu":
+            flat = acc
+        elif by is None:
+            flat = device_exact.result(acc, dtype)
+        else:  # a float16/bfloat16 sum rounded to float32, divided there, then to dtype
+            flat = device_exact.result(acc, dtype, _wide(dtype))
+            flat = astype(_divide(flat, astype(by, flat.dtype) if layout.weight is not None
+                                  else by.astype(flat.dtype)), dtype)
         out[name] = flat
     return out, astype(least, np.float32), astype(total, np.float32)
+
+
+def _wide(dtype: np.dtype) -> np.dtype:
+    """What a mean of `dtype` values is divided in: float32 for float16 and bfloat16
+    (`exact.WIDE`, as the host divides), else `dtype`."""
+    dtype = np.dtype(dtype)
+    return exact.WIDE if dtype.itemsize < exact.WIDE.itemsize else dtype
 
 
 def _divide(total: jax.Array, by: jax.Array) -> jax.Array:

@@ -84,22 +84,24 @@ class DoubleSum:
             acc.merge(self.rest.placed((cols.size,), at))
         return acc
 
-    def result(self) -> np.ndarray:
-        """The sum rounded once to the dtype (nearest, ties to even)."""
+    def result(self, into: Optional[np.dtype] = None) -> np.ndarray:
+        """The sum rounded once to the dtype (nearest, ties to even), or to `into`
+        (float32, for a float16 or bfloat16 sum: `ExactSum.result`)."""
         with np.errstate(over="ignore"):
-            return self._rounded()
+            return self._rounded(into)
 
-    def _rounded(self) -> np.ndarray:
+    def _rounded(self, into: Optional[np.dtype] = None) -> np.ndarray:
         """`result` for a caller that already ignores overflow (np.errstate)."""
+        into = self.dtype if into is None else np.dtype(into)
         out = self.values
-        if self.dtype != np.float32:  # float16, bfloat16: through float32 rounded to odd
-            out = to_odd_float32(out).astype(self.dtype)
+        if into != np.float32:  # float16, bfloat16: through float32 rounded to odd
+            out = to_odd_float32(out).astype(into)
         else:  # large ones in spans of blocks on the worker threads
             out = buffers.empty(self.size, np.float32)
             threads.in_spans(self.size, exact.BLOCK_ELEMENTS,
                              lambda lo, hi: _cast_span(self.values, out, lo, hi))
         if self.cols.size:
-            out[self.cols] = self.rest.result()
+            out[self.cols] = self.rest.result(into)
         return out.reshape(self.shape)
 
 
@@ -378,14 +380,15 @@ def merged_all(intos: Sequence[Sum], others: Sequence[Sum]) -> list:
     return out
 
 
-def results(sums: Sequence[Sum]) -> list[np.ndarray]:
-    """Each sum rounded once to its dtype (`exact.results` for the limbs)."""
+def results(sums: Sequence[Sum], wide: bool = False) -> list[np.ndarray]:
+    """Each sum rounded once to its dtype (`exact.results` for the limbs); with `wide`,
+    float16 and bfloat16 sums to float32 (`exact.WIDE`) instead."""
     out: list = [None] * len(sums)
     limbs = [i for i, s in enumerate(sums) if not isinstance(s, DoubleSum)]
-    for i, value in zip(limbs, exact.results([sums[i] for i in limbs])):
+    for i, value in zip(limbs, exact.results([sums[i] for i in limbs], wide)):
         out[i] = value
     with np.errstate(over="ignore"):  # once for all: entering it costs a microsecond
         for i, s in enumerate(sums):
             if isinstance(s, DoubleSum):
-                out[i] = s._rounded()
+                out[i] = s._rounded(exact.WIDE if wide and s.dtype.itemsize < 4 else None)
     return out

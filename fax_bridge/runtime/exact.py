@@ -36,6 +36,9 @@ from fax_bridge.runtime.float_bits import (exact_in_doubles, float_params,
                                            to_odd_float32)
 
 LIMB_BITS = 32
+# what a mean of float16 or bfloat16 values is divided in: their sum is rounded to it, the
+# quotient rounded once to the values' dtype (`aggregation.finish`)
+WIDE = np.dtype(np.float32)
 _MASK = np.int64((1 << LIMB_BITS) - 1)
 _FOLD_LIMIT = 1 << 29  # a top limb below this folds into the one beneath it
 TOP_LIMIT = 1 << 61  # every limb of a compacted stack (`to_limbs`) is smaller in magnitude
@@ -282,18 +285,21 @@ class ExactSum:
 
     # -- result -------------------------------------------------------------------
 
-    def result(self) -> np.ndarray:
-        """The sum, rounded once to the dtype (nearest, ties to even)."""
+    def result(self, into: Optional[np.dtype] = None) -> np.ndarray:
+        """The sum, rounded once to the dtype (nearest, ties to even); with `into`
+        (float32, for a float16 or bfloat16 sum), rounded once to that wider dtype."""
         if not self.is_float:
             return self.limbs[0].astype(self.dtype).reshape(self.shape)
-        out = self._round_to_odd() if float_params(self.dtype)[0] <= 24 else self._round()
+        into = self.dtype if into is None else np.dtype(into)
+        out = (self._round_to_odd(into) if float_params(self.dtype)[0] <= 24
+               else self._round())
         out[self.neg_zero] = -0.0
         out = np.where(self.nan | (self.pos_inf & self.neg_inf), np.nan,
                        np.where(self.pos_inf, np.inf, np.where(self.neg_inf, -np.inf, out)))
         with np.errstate(over="ignore"):
-            return out.astype(self.dtype).reshape(self.shape)
+            return out.astype(into).reshape(self.shape)
 
-    def _round_to_odd(self) -> np.ndarray:
+    def _round_to_odd(self, into: Optional[np.dtype] = None) -> np.ndarray:
         """The finite part rounded to odd with at least 33 significant bits, as float64
         (float32 with 24 for bfloat16), for dtypes of at most 24 significant bits.
 
@@ -308,7 +314,7 @@ class ExactSum:
         out = np.concatenate([_round_block_to_odd(self.limbs[:, lo:lo + step], self.base,
                                                   emin_sub)
                               for lo in range(0, self.size, step)])
-        if self.dtype.name == "bfloat16":  # its cast from float64 rounds twice via float32
+        if (into or self.dtype).name == "bfloat16":  # a cast from float64 rounds twice
             out = to_odd_float32(out)
         return out
 
@@ -460,9 +466,10 @@ def sums_of(stacks: Sequence[np.ndarray]) -> list[ExactSum]:
     return out
 
 
-def results(accs: Sequence[ExactSum]) -> list[np.ndarray]:
+def results(accs: Sequence[ExactSum], wide: bool = False) -> list[np.ndarray]:
     """`[acc.result() for acc in accs]`, with the float sums of one dtype rounded together:
-    one set of array operations over all their elements instead of one per accumulator."""
+    one set of array operations over all their elements instead of one per accumulator.
+    With `wide`, float16 and bfloat16 sums are rounded to float32 instead (`WIDE`)."""
     out: list = [None] * len(accs)
     groups: dict = {}
     for i, acc in enumerate(accs):
@@ -471,10 +478,11 @@ def results(accs: Sequence[ExactSum]) -> list[np.ndarray]:
         else:
             out[i] = acc.result()
     for dtype, members in groups.items():
+        into = WIDE if wide and dtype.itemsize < WIDE.itemsize else None
         if len(members) == 1:
-            out[members[0]] = accs[members[0]].result()
+            out[members[0]] = accs[members[0]].result(into)
             continue
-        flat = _joined([accs[i] for i in members]).result()
+        flat = _joined([accs[i] for i in members]).result(into)
         start = 0
         for i in members:
             out[i] = flat[start:start + accs[i].size].reshape(accs[i].shape)

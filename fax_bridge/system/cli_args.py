@@ -3,7 +3,8 @@
 The `argparse` types here refuse a bad value when the command line is read, before any
 work starts; argparse then names the flag (`argument --clients: must be an integer >= 1,
 got 0`). Output paths are written exactly as given, never over an input file, through a
-new file renamed into place; `save_result` never loses a finished result to a bad
+new file renamed into place as the output folders' files are (`private_files`: a link
+or another user's file at the path is refused, never followed); `save_result` never loses a finished result to a bad
 output path: when the file cannot be written it saves the result in the temporary
 directory and says where. Output folders are checked here (`output_folder`) and written
 through `output_folders`, with `--force` (`add_force`) to replace files fax-bridge did
@@ -14,7 +15,6 @@ not write; HOST:PORT flags are read by `addresses` (`listen_address`,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import pathlib
 import stat
@@ -162,14 +162,22 @@ def add_force(parser: argparse.ArgumentParser) -> None:
 def output_file(text: str) -> str:
     """An argparse type: a file path that can be written, taken exactly as given.
 
-    An existing file (or device) must be writable; a new one needs a writable folder.
+    An existing file (or device) must be writable and ours (a device may be root's); a
+    new one needs a writable folder; a link is refused (it is never written through).
     """
     if not text or text.endswith(os.sep):
         raise argparse.ArgumentTypeError(f"{text!r} names a folder, not a file")
     path = pathlib.Path(text)
+    if path.is_symlink():
+        raise argparse.ArgumentTypeError(f"{text!r} is a symbolic link; give the file "
+                                         "itself (an output is never written through a link)")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
     if path.exists():
+        owner = path.lstat().st_uid
+        if owner != os.geteuid() and (owner != 0 or path.is_file()):
+            raise argparse.ArgumentTypeError(f"{text!r} belongs to another user (uid "
+                                             f"{owner}); give a path of your own")
         if not os.access(path, os.W_OK):
             raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
         return text
@@ -198,37 +206,37 @@ def refuse_overwriting(output: Optional[str], inputs: Mapping[str, Optional[str]
 
 
 def _write_file(path: str, write: Callable[[object], None]) -> None:
-    """`write(file)` into `path`: a new file renamed over it once complete.
+    """`write(file)` into `path` as the output folders' files are written
+    (`private_files.atomic_file`): a new file in `path`'s folder (the folders from `/`
+    down to it ours or root's and writable by no one else, or sticky as `/tmp` is),
+    renamed over `path` once complete, keeping an existing file's mode. A failed write
+    leaves an existing file as it was. A link at `path` is refused, never followed, and
+    so is another user's file (an `UnsafePathError` naming the path). A device or FIFO
+    (ours or root's), or a file of ours in a folder that cannot hold the new file, is
+    written in place (`private_files.open_in_place`)."""
+    from fax_bridge.system import private_files
 
-    A failed write leaves an existing file as it was. Devices, pipes and files in a
-    folder that cannot hold the new file are written in place.
-    """
-    target = os.path.realpath(path)
-    folder = os.path.dirname(target)
-    exists = os.path.exists(target)
-    if (exists and not os.path.isfile(target)) or not os.access(folder, os.W_OK):
-        with open(path, "wb") as f:
+    try:
+        info: Optional[os.stat_result] = os.lstat(path)
+    except FileNotFoundError:
+        info = None
+    regular = info is not None and stat.S_ISREG(info.st_mode)
+    folder = os.path.dirname(os.path.abspath(path))
+    if info is not None and not stat.S_ISLNK(info.st_mode) and (
+            not regular or not os.access(folder, os.W_OK)):
+        with private_files.open_in_place(path) as f:
             write(f)
         return
-    if exists:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
+    if regular:
+        mode = stat.S_IMODE(info.st_mode)
     else:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
-    fd, part = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".part",
-                                dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(part, mode)
-        os.replace(part, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(part)
-        raise
+    with private_files.atomic_file(path, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_or_rescue(path: str, write: Callable[[object], None], suffix: str,
@@ -240,8 +248,9 @@ def write_or_rescue(path: str, write: Callable[[object], None], suffix: str,
     try:
         _write_file(path, write)
         return path, None
-    except OSError as e:
-        reason = f"cannot write {path!r} ({e.strerror or e})"
+    except OSError as e:  # the refusals of private_files name the path and the fix
+        reason = (str(e) if isinstance(e, FaxBridgeError)
+                  else f"cannot write {path!r} ({e.strerror or e})")
     fd, rescue = tempfile.mkstemp(prefix=f"fax-bridge-{what}-", suffix=suffix)
     with os.fdopen(fd, "wb") as f:
         write(f)

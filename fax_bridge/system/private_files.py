@@ -15,7 +15,8 @@ points to) or swap a program that root then runs. Every such write goes through 
   (`O_EXCL` under a temporary name, its mode set on the open file), renamed over `path`;
   a link or another user's file already at `path` is refused, never followed.
 - `open_append(path)`: a log opened with `O_NOFOLLOW`, refused unless it is a regular
-  file of ours with one link.
+  file of ours with one link. `open_in_place(path)`: an existing device or FIFO (ours
+  or root's) or a file of ours, opened to write where it is, never through a link.
 - `read_private(path)`: a secret (a token) opened with `O_NOFOLLOW`, refused unless it
   is a regular file of ours that others can neither read nor write.
 - `open_regular(path, limit)` / `read_regular(path, limit)`: data a run is handed (a
@@ -31,7 +32,8 @@ points to) or swap a program that root then runs. Every such write goes through 
   needs (an int is never a bool or a float, a number never a bool), naming the file
   and the field otherwise.
 
-A refusal is an `UnsafePathError` naming the path, what was wrong, and the fix. This
+A refusal is an `UnsafePathError` naming the path, what was wrong, and the fix; so is a
+loop of symbolic links on the way to a path, or a socket where a file is read. This
 module imports only the standard library (and `fax_bridge.errors`, when imported as part
 of the package), so the processes that never load fax_bridge's package load it by path.
 """
@@ -39,6 +41,7 @@ of the package), so the processes that never load fax_bridge's package load it b
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -81,6 +84,26 @@ def _owner(uid: int) -> str:
 def _refuse(path: str, why: str, fix: str) -> UnsafePathError:
     return UnsafePathError(f"{path} {why}; another local user could have planted it or "
                            f"could swap what it holds. {fix}")
+
+
+def _explained(path: str, error: OSError, name: str = "") -> OSError:
+    """`error` (raised opening or looking up `path`) as an `UnsafePathError` naming
+    `name` (or the path) and the fix where it has a cause this names: a loop of symbolic
+    links on the way (ELOOP), a socket or a FIFO nothing reads at the path (ENXIO);
+    `error` itself otherwise."""
+    name = name or path
+    if error.errno == errno.ELOOP:
+        return UnsafePathError(f"{name} leads through a loop of symbolic links (or more "
+                               f"than {_MAX_LINKS} of them); give a path of real folders "
+                               "and files")
+    if error.errno == errno.ENXIO:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                return UnsafePathError(f"{name} is a socket, not a regular file; give "
+                                       "the file itself")
+        return UnsafePathError(f"{name} is a FIFO or device with nothing at its other "
+                               "end, not a regular file; give the file itself")
+    return error
 
 
 def _check_folder(path: str, info: os.stat_result, euid: int) -> None:
@@ -188,6 +211,8 @@ def check_entry(path: Union[str, os.PathLike], kind: Optional[str] = None) -> No
         info = os.lstat(path)
     except FileNotFoundError:
         return
+    except OSError as e:
+        raise _explained(path, e) from None
     if stat.S_ISLNK(info.st_mode):
         raise _refuse(path, "is a symbolic link", "Remove it")
     if kind is not None and not _KINDS[kind](info.st_mode):
@@ -227,6 +252,40 @@ def write_file(path: Union[str, os.PathLike], data: Union[bytes, str],
     return os.fspath(path)
 
 
+def open_in_place(path: Union[str, os.PathLike]):
+    """The existing `path` opened to write in binary where it is, emptied first if a
+    regular file: a device or FIFO of ours or root's (`/dev/null`, a terminal), or a
+    regular file of ours with one link (one whose folder cannot hold a new file). A link
+    at `path` is refused, never followed, and so is another user's entry."""
+    path = os.fspath(path)
+    try:
+        info = os.lstat(path)
+    except OSError as e:
+        raise _explained(path, e) from None
+    regular = stat.S_ISREG(info.st_mode)
+    if stat.S_ISLNK(info.st_mode):
+        raise _refuse(path, "is a symbolic link", "Give the file itself, or remove it")
+    if stat.S_ISDIR(info.st_mode) or stat.S_ISSOCK(info.st_mode):
+        raise UnsafePathError(f"{path} is {_kind(info.st_mode)}, not a file to write; "
+                              "give a file path")
+    if info.st_uid not in ((os.geteuid(),) if regular else (0, os.geteuid())):
+        raise _refuse(path, f"belongs to {_owner(info.st_uid)}", _ANOTHER)
+    try:
+        fd = os.open(path, os.O_WRONLY | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise _explained(path, e) from None
+    now = os.fstat(fd)
+    if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino) or (
+            regular and now.st_nlink != 1):
+        os.close(fd)
+        raise _refuse(path, "was swapped while it was opened" if now.st_ino != info.st_ino
+                      else f"has {now.st_nlink} hard links", "Remove it")
+    os.set_blocking(fd, True)
+    if regular:
+        os.ftruncate(fd, 0)
+    return os.fdopen(fd, "wb")
+
+
 def _open_checked(path: str, flags: int, mode: int = 0o600) -> int:
     try:
         fd = os.open(path, flags | _NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
@@ -235,7 +294,7 @@ def _open_checked(path: str, flags: int, mode: int = 0o600) -> int:
             raise _refuse(path, "is a symbolic link", "Remove it") from None
         if os.path.lexists(path) and not os.path.isfile(path):  # a fifo with no reader
             raise _refuse(path, "is not a regular file", "Remove it") from None
-        raise e
+        raise _explained(path, e) from None
     info = os.fstat(fd)
     why = None
     if not stat.S_ISREG(info.st_mode):
@@ -275,7 +334,7 @@ def open_regular(path: Union[str, os.PathLike], limit: int, *, follow_links: boo
         if not follow_links and os.path.islink(path):
             raise _refuse(name, "is a symbolic link",
                           f"Give the file itself{'; ' + fix if fix else ''}") from None
-        raise e
+        raise _explained(path, e, name) from None
     info = os.fstat(fd)
     why = None
     if not stat.S_ISREG(info.st_mode):
