@@ -29,7 +29,9 @@ ulp apart inside the loop, which is why every path maps clients here.
 Per client: otherwise (no parameter, members of different layouts, generic intrinsics on
 client values, 64-bit types while jax runs with 32-bit ones, anything the trace refuses)
 each client is one call of `compile_local(fn)`, which also gives the clear errors of a
-computation that cannot run. The choice is automatic, and remembered per layout.
+computation that cannot run. The choice is automatic, and remembered per layout. A
+computation whose batched call cannot be built (its trace or XLA's compilation fails)
+is named in an `UnbatchedWarning` with the reason, once per computation and reason.
 
 Caps: a `Guard` checks time and room around the work: one client at a time, `tick` runs
 before each client and `room` after each with the bytes produced so far; batched, `tick`
@@ -437,8 +439,7 @@ def _refused(plan: _Batched) -> bool:
     except Exception as e:  # noqa: BLE001 - as a refused trace, it runs per client
         with _lock:
             keys = [k for k, p in _batched.items() if p is plan]
-            for k in keys:
-                _batched[k] = None
+            _batched.update(dict.fromkeys(keys))
         _unbatched(keys[0][0] if keys else "?", "XLA's compilation of its batched call", e)
         return True
     return False
