@@ -28,13 +28,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as _xcore
-from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src.interpreters import partial_eval as _pe
 
 ClosedJaxpr = _xcore.ClosedJaxpr
 Jaxpr = _xcore.Jaxpr
-VERSION = jax.__version_info__[:3]
 
 
 def trace_lifting(fn: Callable, avals: Sequence, debug_name: str,
@@ -85,7 +83,7 @@ def transpose_closed(closed: ClosedJaxpr, in_linear: Sequence[bool],
     nonlinear = [a for a, lin in zip(in_avals, in_linear) if not lin]
     cts = [a.to_tangent_aval() for a, g in zip(out_avals, given) if g]
     live_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, lv in zip(in_avals, live) if lv]
-    run = _core.jaxpr_as_fun(closed)
+    run = _xcore.jaxpr_as_fun(closed)
 
     def transposed(*args):
         fixed, ct = args[:len(nonlinear)], iter(args[len(nonlinear):])
