@@ -100,3 +100,8 @@ class SecureAggregationError(FaxBridgeError, ValueError):
 class HloModuleError(ComputationError):
     """An Xla computation's HloModuleProto is malformed: refused by the checks run before
     XLA reads it, or XLA died reading it (in a separate process, so the caller lives)."""
+
+
+class UnbatchedWarning(RuntimeWarning):
+    """Clients run one call each where fax_bridge would run them as one batched call (the
+    message says which computation and why): the same results, at a loss of speed."""

@@ -265,3 +265,23 @@ def test_any_npy_header_a_peer_sends_is_a_value_error_or_an_array_of_its_bytes(
         assert str(e)
         return
     assert got.nbytes == len(payload) and not got.flags.writeable
+
+
+@settings(max_examples=60, deadline=None)
+@given(field=st.sampled_from(["descr", "shape"]),
+       broken=st.one_of(
+           st.integers(201, 3000).map(lambda n: "(" * n + ")" * n),  # past the parser's depth
+           st.integers(1, 40).map(lambda n: "(" * n + "1,"),  # never closed
+           st.sampled_from(["'<f4", "'x", "(1,)'", "\"<f4"])))  # an unterminated string
+def test_an_npy_header_python_cannot_tokenize_is_a_value_error(field, broken):
+    """A header numpy's reader cannot even split into tokens (parentheses deeper than the
+    tokenizer's limit, unbalanced, a string never closed: `tokenize.TokenError` on every
+    Python, for more headers from 3.12) is refused as any bad header is: a ValueError."""
+    from flwr.app import Array
+
+    entries = {"descr": "'<f4'", "fortran_order": "False", "shape": "(1,)", field: broken}
+    item = Array(np.zeros(1, np.float32))
+    item.data = _npy("{" + "".join(f"'{k}': {v}, " for k, v in entries.items()) + "}",
+                     np.zeros(1, np.float32).tobytes())
+    with pytest.raises(ValueError, match="header"):
+        relay.array_view(item)

@@ -28,7 +28,7 @@ LAYERS: tuple = (
     # facts, pytree names), the chunk size a program declares, the parity report,
     # system/ (the trust boundaries' helpers, processes and forks), data, wire protos
     (("errors", "language.placements", "language.member_rules", "language.primitive_facts",
-     "language.pytree_names", "system", "parity.report", "local.execution", "data", "v1"),),
+     "language.pytree_names", "language.jax_compat", "system", "parity.report", "local.execution", "data", "v1"),),
     # the federated language and its jit path, and what is written in it
     (("language", "local", "api", "drjax", "algorithms", "privacy"),),
     # the proto machine: grammar, evaluator, values, exact sums, HLO

@@ -40,6 +40,7 @@ import math
 import os
 import struct
 import sys
+import tokenize
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -264,7 +265,8 @@ def call(address: str, token: str, path: str, body: bytes = b"",
 def array_view(item) -> np.ndarray:
     """A Flower `Array`'s numpy array, read-only, viewing its bytes in place (what
     `Array.numpy()` gives, without its copy): the .npy header read as numpy reads it,
-    never unpickling; a dtype of objects is a ValueError."""
+    never unpickling; a dtype of objects, or a header that is not a Python literal, is a
+    ValueError."""
     if item.stype != "numpy.ndarray":
         raise ValueError(f"an array serialized as {item.stype!r}; expected numpy.ndarray")
     data = item.data
@@ -274,7 +276,10 @@ def array_view(item) -> np.ndarray:
         raise ValueError(f".npy format version {version}; Flower writes 1.0 (or 2.0)")
     read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
             else np.lib.format.read_array_header_2_0)
-    shape, fortran, dtype = read(header)
+    try:
+        shape, fortran, dtype = read(header)
+    except tokenize.TokenError as e:  # numpy lets the tokenizer's own error through
+        raise ValueError(f"a .npy header Python cannot read: {e}") from None
     if dtype.hasobject:
         raise ValueError(f"an array of dtype {dtype}: objects are never read")
     if len(shape) > MAX_RANK or not all(_count(d) for d in shape):

@@ -23,6 +23,8 @@ from jax._src.lib.mlir import ir
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec
 
+from fax_bridge.language import jax_compat as _compat
+
 # The plain-jax implementation of each federated primitive (what its lowering traces).
 IMPLEMENTATIONS: dict = {}
 
@@ -34,7 +36,7 @@ def register_impl_and_lowering(prim: core.Primitive, fn) -> None:
     IMPLEMENTATIONS[prim] = fn
 
 
-def eval_implemented(jaxpr: core.ClosedJaxpr, *args):
+def eval_implemented(jaxpr: _compat.ClosedJaxpr, *args):
     """Evaluates `jaxpr` with nested federated equations run as their plain-jax
     implementations, so transformations applied around it reach their constraints."""
     env: dict = {}

@@ -39,19 +39,19 @@ import jax
 import jax.numpy as jnp
 from federated_language.compiler import intrinsic_defs
 from jax import lax
-from jax._src import core  # Primitive, ShapedArray, ClosedJaxpr, Tracer, new_jaxpr_eqn
+from jax._src import core  # Primitive, ShapedArray, Tracer, new_jaxpr_eqn
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec
 
 # Rule tables and jaxpr utilities for higher-order primitives live in jax's internal
 # interpreter modules on jax 0.10 (the public `jax.interpreters.*` re-export only some).
-from jax._src import ad_checkpoint as _ad_checkpoint  # transpose_jaxpr
 from jax._src import dispatch as _dispatch
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge.local import jit as _local
+from fax_bridge.language import jax_compat as _compat
 from fax_bridge.language import lowering as _lowering
 from fax_bridge.language import primitive_facts as _facts
 from fax_bridge.errors import ArgumentError, PlacementError
@@ -343,22 +343,8 @@ def trace_member_fn(fn, member_avals: Sequence[core.ShapedArray], debug_name: st
     an enclosing trace are lifted out as `captured` (the jaxpr takes them first), concrete
     constants stay inside the closed jaxpr.
     """
-    import jax.api_util as api_util
-    from jax._src import linear_util as lu
-
-    dbg = api_util.debug_info(debug_name, fn, tuple(member_avals), {})
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=dbg), member_avals)
-    captured_idx = [i for i, c in enumerate(consts) if isinstance(c, core.Tracer)]
-    if not captured_idx:
-        return core.ClosedJaxpr(jaxpr, consts), []
-    # Move traced constants to the front of the invars; keep concrete ones closed.
-    constvars = list(jaxpr.constvars)
-    lifted = [constvars[i] for i in captured_idx]
-    lifted_set = set(captured_idx)
-    kept = [v for i, v in enumerate(constvars) if i not in lifted_set]
-    kept_consts = [c for i, c in enumerate(consts) if i not in lifted_set]
-    new_jaxpr = jaxpr.replace(constvars=kept, invars=lifted + list(jaxpr.invars))
-    return core.ClosedJaxpr(new_jaxpr, kept_consts), [consts[i] for i in captured_idx]
+    return _compat.trace_lifting(fn, member_avals, debug_name,
+                                 lambda c: isinstance(c, core.Tracer))
 
 
 def map_bind(fn, args: Sequence, placement: str, clients: int, name: str | None = None,
@@ -444,7 +430,7 @@ def _map_transpose(cts, *args, jaxpr, name, **params):
                    for x, lin in zip(args, in_linear)]
     if all(out_zeros):
         return zero_result
-    t_jaxpr, in_zeros = _ad_checkpoint.transpose_jaxpr(jaxpr, in_linear, out_zeros)
+    t_jaxpr, in_zeros = _compat.transpose_closed(jaxpr, in_linear, out_zeros)
     nonlinear = [x for x, lin in zip(args, in_linear) if not lin]
     nz_cts = [ct for ct in cts if type(ct) is not ad.Zero]
     outs = iter(federated_map_p.bind(*nonlinear, *nz_cts, jaxpr=t_jaxpr,
@@ -496,9 +482,8 @@ def _map_partial_eval(trace, *tracers, jaxpr, name, **params):
 def _map_dce(used_outputs, eqn):
     if not any(used_outputs):
         return [False] * len(eqn.invars), None
-    closed = eqn.params["jaxpr"]
-    new_jaxpr, used_inputs = pe.dce_jaxpr(closed.jaxpr, used_outputs)
-    new_params = dict(eqn.params, jaxpr=core.ClosedJaxpr(new_jaxpr, closed.consts))
+    new_closed, used_inputs = _compat.dce_closed(eqn.params["jaxpr"], used_outputs)
+    new_params = dict(eqn.params, jaxpr=new_closed)
     new_eqn = core.new_jaxpr_eqn(
         [v for v, u in zip(eqn.invars, used_inputs) if u],
         [v for v, u in zip(eqn.outvars, used_outputs) if u],
@@ -529,7 +514,7 @@ _lowering.IMPLEMENTATIONS[federated_map_p] = _map_impl
 ad.primitive_jvps[federated_map_p] = _map_jvp
 ad.primitive_transposes[federated_map_p] = _map_transpose
 pe.custom_partial_eval_rules[federated_map_p] = _map_partial_eval
-pe.dce_rules[federated_map_p] = _map_dce
+_compat.register_dce(federated_map_p, _map_dce)
 batching.fancy_primitive_batchers[federated_map_p] = _map_batch
 _facts.register(_facts.PrimitiveFacts(federated_map_p, _facts.Movement.MAP, None))
 

@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 from jax._src import core
 from jax._src import source_info_util
-from jax._src.interpreters import partial_eval as pe
 
 from fax_bridge.errors import PlacementError, ProgramError
 from fax_bridge.local.execution import unchunked
+from fax_bridge.language import jax_compat as _compat
 from fax_bridge.language.member_rules import member_params
 from fax_bridge.language.placements import Placement, broadcast_placements
 from fax_bridge.language.primitive_facts import Movement, facts_of
@@ -112,7 +112,7 @@ def _eval_inlined(jaxpr: core.Jaxpr, consts, *args):
             body_param = _INLINED_CALLS.get(eqn.primitive.name, "missing")
             if body_param not in ("missing", None) and body_param in eqn.params:
                 body = eqn.params[body_param]
-                if isinstance(body, core.ClosedJaxpr):
+                if isinstance(body, _compat.ClosedJaxpr):
                     outs = _eval_inlined(body.jaxpr, body.consts, *invals)
                 else:
                     outs = _eval_inlined(body, (), *invals)
@@ -127,14 +127,13 @@ def _eval_inlined(jaxpr: core.Jaxpr, consts, *args):
     return [read(v) for v in jaxpr.outvars]
 
 
-def inline_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def inline_calls(closed: _compat.ClosedJaxpr) -> _compat.ClosedJaxpr:
     """The same computation with nested jit/custom-derivative/checkpoint calls inlined
     and unused equations removed."""
     fn = lambda *args: _eval_inlined(closed.jaxpr, closed.consts, *args)
     inlined = jax.make_jaxpr(fn)(*closed.in_avals)
-    jaxpr, _ = pe.dce_jaxpr(inlined.jaxpr, [True] * len(inlined.jaxpr.outvars),
-                            instantiate=True)
-    return core.ClosedJaxpr(jaxpr, inlined.consts)
+    return _compat.dce_closed(inlined, [True] * len(inlined.jaxpr.outvars),
+                              instantiate=True)[0]
 
 
 # --------------------------------------------------------------------------- placements
@@ -256,7 +255,7 @@ class _Analysis:
 
     def _scan(self, eqn, ins):
         p = eqn.params
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = _compat.scan_counts(p)
         consts, carry, xs = ins[:nc], ins[nc:nc + nk], ins[nc + nk:]
         x_members = []
         for i, px in enumerate(xs):
@@ -347,7 +346,7 @@ def _clients_from_jaxpr(jaxpr: core.Jaxpr) -> set[int]:
 class FederatedComputation:
     """A traced federated program: closed jaxpr plus the placement of every value."""
 
-    jaxpr: core.ClosedJaxpr
+    jaxpr: _compat.ClosedJaxpr
     clients: int
     in_tree: Any
     out_tree: Any

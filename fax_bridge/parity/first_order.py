@@ -22,6 +22,7 @@ import numpy as np
 from jax.extend import core
 
 from fax_bridge.parity import shadow as parity_shadow
+from fax_bridge.language import jax_compat
 from fax_bridge.language import primitive_facts
 
 _FLOAT_KINDS = ("sum", "mean", "weighted_mean")
@@ -341,7 +342,7 @@ def _step(body, vals: list, errs: list, carry_at: range) -> tuple:
 
 def _scan_bounds(params: dict, invals: list, inerrs: list) -> tuple:
     body = params["jaxpr"]
-    nc, ncarry, length = params["num_consts"], params["num_carry"], params["length"]
+    (nc, ncarry), length = jax_compat.scan_counts(params), params["length"]
     consts, cerrs = invals[:nc], inerrs[:nc]
     carry, carry_err = list(invals[nc:nc + ncarry]), list(inerrs[nc:nc + ncarry])
     xs, xerrs = invals[nc + ncarry:], inerrs[nc + ncarry:]

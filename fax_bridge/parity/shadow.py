@@ -51,6 +51,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core
 
+from fax_bridge.language import jax_compat
 from fax_bridge.language import primitive_facts
 from fax_bridge.parity import shadow_compile
 
@@ -342,7 +343,7 @@ def _client_map(params: dict, invals: list, mode: _Mode, key) -> list:
 
 def _scan(params: dict, invals: list, mode: _Mode, key) -> list:
     body = params["jaxpr"]
-    nc, ncarry = params["num_consts"], params["num_carry"]
+    nc, ncarry = jax_compat.scan_counts(params)
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
 
     def step(carry, x):

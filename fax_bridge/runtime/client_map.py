@@ -29,7 +29,9 @@ ulp apart inside the loop, which is why every path maps clients here.
 Per client: otherwise (no parameter, members of different layouts, generic intrinsics on
 client values, 64-bit types while jax runs with 32-bit ones, anything the trace refuses)
 each client is one call of `compile_local(fn)`, which also gives the clear errors of a
-computation that cannot run. The choice is automatic, and remembered per layout.
+computation that cannot run. The choice is automatic, and remembered per layout. A
+computation whose batched call cannot be built (its trace or XLA's compilation fails)
+is named in an `UnbatchedWarning` with the reason, once per computation and reason.
 
 Caps: a `Guard` checks time and room around the work: one client at a time, `tick` runs
 before each client and `room` after each with the bytes produced so far; batched, `tick`
@@ -43,6 +45,7 @@ import dataclasses
 import functools
 import math
 import threading
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -51,7 +54,7 @@ import numpy as np
 from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
-from fax_bridge.errors import ComputationError
+from fax_bridge.errors import ComputationError, UnbatchedWarning
 from fax_bridge.runtime import buffers, hlo, local_eval, threads
 from fax_bridge.runtime.backend import ClientRows, LocalValue, as_numpy
 
@@ -421,7 +424,8 @@ def _plan(fn, key, shared_tree, member_tree, rows: int,
             return _batched[cache_key]
     try:
         plan = _compile(local_eval.compile_local(fn), shared_tree, member_tree, rows, fixed)
-    except Exception:  # what the trace refuses runs per client, which names the problem
+    except Exception as e:  # what the trace refuses runs per client, which names the problem
+        _unbatched(cache_key[0], "its batched trace", e)
         plan = None
     with _lock:
         return _batched.setdefault(cache_key, plan)
@@ -429,12 +433,31 @@ def _plan(fn, key, shared_tree, member_tree, rows: int,
 
 def _refused(plan: _Batched) -> bool:
     """Whether XLA refuses to compile the batched executable (those clients then run one
-    at a time, which names the problem)."""
+    at a time, which names the problem); remembered as a refused trace is."""
     try:
         plan.run
-    except Exception:  # noqa: BLE001 - as a refused trace, it runs per client
+    except Exception as e:  # noqa: BLE001 - as a refused trace, it runs per client
+        with _lock:
+            keys = [k for k, p in _batched.items() if p is plan]
+            _batched.update(dict.fromkeys(keys))
+        _unbatched(keys[0][0] if keys else "?", "XLA's compilation of its batched call", e)
         return True
     return False
+
+
+_warned: set = set()  # (computation, reason) already warned of
+
+
+def _unbatched(key: str, stage: str, error: Exception) -> None:
+    """Warns, once per computation and reason, that its clients run one call each."""
+    reason = f"{type(error).__name__}: {error}"[:1000]
+    with _lock:
+        if (key, reason) in _warned:
+            return
+        _warned.add((key, reason))
+    warnings.warn(f"the clients of computation {key[:12]} run one call per client, not as "
+                  f"one batched call: {stage} failed with {reason}", UnbatchedWarning,
+                  stacklevel=4)
 
 
 def _compile(compiled, shared_tree, member_tree, rows: int,

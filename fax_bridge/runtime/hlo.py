@@ -43,6 +43,7 @@ from jax._src.lib.mlir import ir as _ir
 from jax._src.lib.mlir.dialects import hlo as _hlo_dialect
 
 from fax_bridge.errors import ComputationError, HloModuleError
+from fax_bridge.language import jax_compat
 from fax_bridge.runtime import hlo_check, hlo_import, limits
 
 _COPY = _jax.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
@@ -357,7 +358,7 @@ class HloExecutable:
         self._exported: Optional[jax.export.Exported] = None
         backend = _xla_bridge.get_backend(platform)
         self._device = backend.devices()[0]
-        self._sharding = jax.sharding.SingleDeviceSharding(self._device)
+        self._sharding = jax.sharding.make_single_device_sharding(self._device)
         self._avals = [_core.ShapedArray(p.shape, p.dtype) for p in self.parameters]
         self._backend = backend
         self._executable = None  # compiled on first call: a module that only ever runs
@@ -420,7 +421,7 @@ class HloExecutable:
         ins = tuple(_core.ShapedArray(p.shape, p.dtype) for p in self.parameters)
         outs = tuple(_core.ShapedArray(r.shape, r.dtype) for r in self.results)
         nothing_in, nothing_out = (None,) * len(ins), (None,) * len(outs)
-        return jax.export.Exported(
+        return jax_compat.exported(
             fun_name="xla_computation",
             in_tree=jax.tree_util.tree_structure((tuple(range(len(ins))), {})),
             in_avals=ins, out_tree=jax.tree_util.tree_structure(tuple(range(len(outs)))),
