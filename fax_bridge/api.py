@@ -37,7 +37,8 @@ from fax_bridge.language import pytree_names
 from fax_bridge.errors import ArgumentError, PlacementError, ProgramError, WeightError
 from fax_bridge.local.execution import ClientsPerStep, is_unchunked
 from fax_bridge.local.execution import validate as validate_clients_per_step
-from fax_bridge.language.placements import aggregate_refusal, weights_refusal
+from fax_bridge.language.placements import (
+    aggregate_refusal, declared_members, declared_placement_name, weights_refusal)
 from fax_bridge.language.tracing import is_machinery
 
 # The enclosing programs, outermost first: (placement name, number of members).
@@ -87,11 +88,24 @@ class Program:
         if not isinstance(progress, bool):
             raise ProgramError(f"progress must be True or False, got {progress!r}.")
         self.progress = progress
-        functools.update_wrapper(self, fn)
+        # fn's name and docstring, not its attributes (a program's would replace these)
+        functools.update_wrapper(self, fn, updated=())
 
-    def with_clients_per_step(self, clients_per_step: ClientsPerStep) -> "Program":
-        """The same program run `clients_per_step` members at a time (None: all at once)."""
-        return Program(self.fn, self.clients, self.placement, clients_per_step, self.progress)
+    def with_clients_per_step(self, clients_per_step: ClientsPerStep,
+                              progress: Optional[bool] = None) -> "Program":
+        """The same program run `clients_per_step` members at a time (None: all at once;
+        "auto": the most that fit the device), showing a progress bar of each chunked
+        trip with `progress=True` (None: as this program declares). The program object
+        itself is left as it is; `fb.program(this, clients_per_step=k)` is the same.
+
+        Example:
+          >>> import fax_bridge as fb
+          >>> total = fb.program(clients=4)(lambda x: fb.federated_sum(x))
+          >>> total.with_clients_per_step(2)
+          <fax_bridge.Program <lambda> clients=4 clients_per_step=2>
+        """
+        return Program(self.fn, self.clients, self.placement, clients_per_step,
+                       self.progress if progress is None else progress)
 
     def chunk_size(self, *args, memory_bytes: Optional[int] = None, **kwargs) -> Optional[int]:
         """The members a step this program runs with these arguments (None: all at once):
@@ -141,32 +155,30 @@ def placement_context(program: Program) -> Iterator[None]:
         _PROGRAMS.reset(token)
 
 
-def _validate_cardinality(clients: Any, name: str = P.CLIENTS) -> int:
-    if isinstance(clients, bool) or not isinstance(clients, (int, np.integer)) or clients < 1:
-        raise ProgramError(
-            f"the number of {name} must be a positive integer, got {clients!r}; write "
-            f"@fax_bridge.program(clients=8) or placements={{{name!r}: 8}}.")
-    return int(clients)
+class _AsDeclared:
+    """The default of an option of `program`: None / False for a new program, the
+    existing value for a program given again."""
+
+    def __repr__(self) -> str:
+        return "<as declared>"
 
 
-def _validate_name(name: Any) -> str:
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ProgramError(f"a placement name must be an identifier string, got {name!r}.")
-    if name.lower() == P.SERVER:
-        raise ProgramError(
-            f"placements must not name {name!r}: SERVER has one member and needs no entry; "
-            "name the placed members, e.g. placements={'clients': 8}.")
-    return name
+_AS_DECLARED: Any = _AsDeclared()
 
 
 def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
             placements: Optional[Mapping[str, int]] = None,
-            clients_per_step: ClientsPerStep = None, progress: bool = False):
+            clients_per_step: ClientsPerStep = _AS_DECLARED,
+            progress: bool = _AS_DECLARED):
     """Decorates a federated program: `@program(clients=N)` or `@program(placements={name: N})`.
 
     The placement name is free (`clients`, `workers`, ...); a mesh axis of that name, when
     the mesh has one, splits its members over devices. One placement per program; nest
     programs for several levels.
+
+    `fn` may be a program already (e.g. an algorithm's round, `alg.next`): the result is
+    that program with the options given here applied and the others as it declared them
+    (`clients` and `placements` may be left out; given, they must be its own).
 
     Args:
       fn: the function to decorate; omitted when the decorator is called with arguments.
@@ -175,9 +187,9 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
       clients_per_step: under `jax.jit`, run the members this many at a time (their
         aggregates accumulated chunk by chunk, so temporaries are those of this many
         members, `grad` included); "auto" picks the largest that fits the device's
-        memory (`Program.chunk_size` says which). Export is the same for every value;
-        float sums may differ from the unchunked round's in the last bits (summation
-        order). See `fax_bridge.local.chunking`.
+        memory (`Program.chunk_size` says which); None (the default) all at once.
+        Export is the same for every value; float sums may differ from the unchunked
+        round's in the last bits (summation order). See `fax_bridge.local.chunking`.
       progress: show a tqdm bar of the members done in each chunked trip (off by default).
 
     Returns:
@@ -194,6 +206,8 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
       >>> print(total(jnp.array([1.0, 2.0, 3.0])))
       6.0
     """
+    if isinstance(fn, Program):
+        return _redeclared(fn, clients, placements, clients_per_step, progress)
     name = P.CLIENTS
     if placements is not None:
         if clients is not None:
@@ -205,13 +219,35 @@ def program(fn: Optional[Callable] = None, *, clients: Optional[int] = None,
                 "placements={'workers': M} inside federated_map_clients of a program over "
                 "placements={'clients': N}.")
         ((name, clients),) = placements.items()
-        name = _validate_name(name)
+        name = declared_placement_name(name)
     if clients is None:
         raise ProgramError("program needs the number of clients: @fax_bridge.program(clients=N).")
-    n = _validate_cardinality(clients, name)
+    n = declared_members(clients, name)
     if fn is None:
-        return lambda f: Program(f, n, name, clients_per_step, progress)
-    return Program(fn, n, name, clients_per_step, progress)
+        return lambda f: program(f, placements={name: n}, clients_per_step=clients_per_step,
+                                 progress=progress)
+    return Program(fn, n, name, None if clients_per_step is _AS_DECLARED else clients_per_step,
+                   False if progress is _AS_DECLARED else progress)
+
+
+def _redeclared(existing: Program, clients: Any, placements: Any,
+                clients_per_step: Any, progress: Any) -> Program:
+    """`program(existing, ...)`: `existing` with the options given applied; a cohort
+    other than its own is refused, naming both and the fix."""
+    if clients is not None or placements is not None:
+        cohort = program(existing.fn, clients=clients, placements=placements)  # checked
+        name, n = cohort.placement, cohort.clients
+        if (name, n) != (existing.placement, existing.clients):
+            raise ProgramError(
+                f"{existing!r} is already a program, over {existing.placement}="
+                f"{existing.clients}, but {name}={n} was given for it. The options of an "
+                "existing program may change, its cohort may not: leave clients and "
+                "placements out (e.g. fb.program(alg.next, clients_per_step=16)) or build "
+                f"the program for {n} members (an algorithm: its builder's clients=).")
+    return Program(existing.fn, existing.clients, existing.placement,
+                   existing.clients_per_step if clients_per_step is _AS_DECLARED
+                   else clients_per_step,
+                   existing.progress if progress is _AS_DECLARED else progress)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -423,3 +423,96 @@ def test_parity_explains_chunked_sums():
     whole = leaves()
     note_chunked_sums(whole, chunked.with_clients_per_step(8), 8)  # k >= N: not chunked
     assert "chunks" not in whole[0].explanation
+
+
+def _runs_in_chunks(fn, *args) -> bool:
+    """Whether jit of `fn` runs its clients in chunks: its traced jaxpr loops (`scan`)."""
+    return "scan" in str(jax.jit(fn).trace(*args).jaxpr)
+
+
+def _tracings():
+    """Every way a program is traced whole (for export or a parity check), each taking
+    (program, w, data)."""
+    where = ("server", "clients")
+    return {
+        "trace": lambda p, w, data: fb.trace(p, w, data, placements=where),
+        "export_tff": lambda p, w, data: fb.export_tff(p, w, data, placements=where),
+        "trace of its jit": lambda p, w, data: fb.trace(jax.jit(p), w, data,
+                                                        placements=where, clients=6),
+    }
+
+
+@pytest.mark.parametrize("tracing", list(_tracings()))
+def test_tracing_a_program_leaves_what_jit_of_it_computes(tracing):
+    """Tracing whole for export runs the same program object unchunked: jit of that
+    object afterwards still runs (and computes) in chunks, and a jitted object jitted
+    again sees the same."""
+    w, data = jnp.array([0.5, -1.0, 2.0]), _data(6)
+    fresh = jax.jit(_every_aggregation(6, 2))(w, data)
+    program = _every_aggregation(6, 2)
+    jitted = jax.jit(program)
+    _tracings()[tracing](program, w, data)
+    assert _runs_in_chunks(program, w, data) and _runs_in_chunks(jitted, w, data)
+    for got in (jax.jit(program)(w, data), jitted(w, data)):
+        _close(got, fresh, exact=True)  # the bits of an object never traced
+
+
+@pytest.mark.parametrize("tracing", list(_tracings()))
+def test_a_program_traces_whole_after_jit_ran_it_in_chunks(tracing):
+    w, data = jnp.array([0.5, -1.0, 2.0]), _data(6)
+    program = _every_aggregation(6, 2)
+    jax.block_until_ready(jax.jit(program)(w, data))
+    # one call site for both: an export records its callers' source lines
+    got, want = (_tracings()[tracing](p, w, data) for p in (program, _every_aggregation(6, 2)))
+    if tracing == "export_tff":
+        assert got.SerializeToString() == want.SerializeToString()
+    else:
+        assert str(got) == str(want) and "scan" not in str(got)
+
+
+@settings(max_examples=12, deadline=None)
+@given(declared=st.fixed_dictionaries({}, optional={
+           "clients_per_step": st.sampled_from([None, 2, 4, "auto"]),
+           "progress": st.booleans()}),
+       given_=st.fixed_dictionaries({}, optional={
+           "clients_per_step": st.sampled_from([None, 2, 3, "auto"]),
+           "progress": st.booleans(), "clients": st.just(6)}))
+def test_program_of_a_program_applies_the_options_given(declared, given_):
+    """fb.program(existing_program, ...) is that program with the options given applied
+    and the others as it declared them: none is dropped."""
+    existing = fb.program(clients=6, **declared)(_mapped)
+    again = fb.program(existing, **given_)
+    assert again.fn is _mapped and again.clients == 6 and again.placement == "clients"
+    for option in ("clients_per_step", "progress"):
+        want = given_.get(option, declared.get(option, False if option == "progress" else None))
+        assert getattr(again, option) == want, option
+    assert (existing.clients_per_step, existing.progress) == (
+        declared.get("clients_per_step"), declared.get("progress", False))  # left as it was
+    as_decorator = fb.program(**dict(given_, clients=6))(existing)
+    assert (as_decorator.clients_per_step, as_decorator.progress) == (
+        again.clients_per_step, again.progress)
+
+
+def test_program_of_a_program_runs_in_the_chunks_given():
+    existing = fb.program(clients=6)(_summed_program_body)
+    w, x = jnp.float32(0.5), jnp.linspace(0.0, 1.0, 6)
+    assert not _runs_in_chunks(existing, w, x)
+    assert _runs_in_chunks(fb.program(existing, clients=6, clients_per_step=2), w, x)
+    shown = existing.with_clients_per_step(2, progress=True)
+    assert (shown.clients_per_step, shown.progress) == (2, True)
+    assert existing.with_clients_per_step(3).progress is False  # kept as declared
+
+
+def _summed_program_body(w, x):
+    return fb.federated_sum(_mapped(w, x))
+
+
+@pytest.mark.parametrize("given_, named", [
+    (dict(clients=8), "clients=8"),
+    (dict(placements={"workers": 6}), "workers=6"),
+])
+def test_program_of_a_program_refuses_another_cohort_by_name(given_, named):
+    existing = fb.program(clients=6)(_mapped)
+    with pytest.raises(ProgramError, match="already a program") as info:
+        fb.program(existing, **given_)
+    assert named in str(info.value) and "clients_per_step" in str(info.value)

@@ -234,3 +234,26 @@ def test_namedtuples_and_registered_dataclasses_pass_parity(fleet, kind):
                              fleet=fleet)
     assert report.ok, report.table()
     assert [leaf.path for leaf in report.leaves] == ["result.w", "result.b"]
+
+
+@pytest.mark.parametrize("k", [2, "auto"])
+def test_parity_of_a_chunked_program_checks_its_jit_in_chunks(fleet, monkeypatch, k):
+    """check_parity traces the program whole for export, then runs the user's jit of
+    the same object: that jit runs in its chunks (each chunk ticks the progress bar),
+    and the report says which."""
+    from fax_bridge.local import chunking
+
+    chunks = []
+    monkeypatch.setattr(chunking.Progress, "tick", lambda self, i: chunks.append(self.k))
+    monkeypatch.setattr(chunking, "fitting_chunk", lambda program, args, kwargs, m=None: 2)
+    program = fb.program(clients=N, clients_per_step=k, progress=True)(
+        loss_and_grad_round.fn)
+    w = jnp.array([0.1, 0.2, -0.3])
+    x = jnp.linspace(-1.0, 1.0, N * 8 * 3, dtype=jnp.float32).reshape(N, 8, 3)
+    for fn in (program, jax.jit(program)):  # the program, or the user's jit of it
+        chunks.clear()
+        report = fb.check_parity(fn, w, x, placements=("server", "clients"), fleet=fleet)
+        assert report.ok, report.table()
+        assert chunks and set(chunks) == {2}, chunks  # jit ran the clients 2 at a time
+        assert report.chunking.startswith(f"in chunks of 2 (of {N} clients")
+        assert ("'auto'" in report.chunking) == (k == "auto")

@@ -181,3 +181,23 @@ def decode_sum_refusal(rule: str, name: str) -> str:
     """Why `federated_decode_sum` with decoder `name` refuses jax's `rule` ("jvp",
     "transpose" or "batch": of operands the vmap batches), and the fix."""
     return f"federated_decode_sum ({name}) {_DECODE_SUM_REFUSALS[rule]}"
+
+
+def declared_members(clients: Any, name: str = "clients") -> int:
+    """The number of members a program declares, checked: a positive integer."""
+    if isinstance(clients, bool) or not isinstance(clients, (int, np.integer)) or clients < 1:
+        raise ProgramError(
+            f"the number of {name} must be a positive integer, got {clients!r}; write "
+            f"@fax_bridge.program(clients=8) or placements={{{name!r}: 8}}.")
+    return int(clients)
+
+
+def declared_placement_name(name: Any) -> str:
+    """The placement name a program declares, checked: an identifier, not SERVER."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ProgramError(f"a placement name must be an identifier string, got {name!r}.")
+    if name.lower() == "server":
+        raise ProgramError(
+            f"placements must not name {name!r}: SERVER has one member and needs no entry; "
+            "name the placed members, e.g. placements={'clients': 8}.")
+    return name

@@ -3,36 +3,40 @@
 `clients_per_step` is an execution choice, not part of what a program computes: tracing
 for export runs inside `unchunked()`, so a program exports alike whatever it declares.
 `fax_bridge.local.chunking` runs the chunks.
+
+Whether a program runs whole is a jax user context (`jax.make_user_context`), part of
+the key of jax's tracing, lowering and compilation caches: a program object traced whole
+for export and the same object under `jax.jit` are two cache entries, so neither sees the
+other's trace (a context variable of our own would not be in that key: the first trace of
+an object would then stand for both).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Iterator, Union
+
+import jax
 
 from fax_bridge.errors import ProgramError
 
 ClientsPerStep = Union[int, str, None]
 
-_UNCHUNKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fax_bridge_unchunked", default=False)
+_UNCHUNKED = jax.make_user_context(default_value=False)
 
 
 @contextlib.contextmanager
 def unchunked() -> Iterator[None]:
     """Within this context programs run (and trace) whole, whatever `clients_per_step`
-    they declare: tracing for export uses it, so every chunk size exports alike."""
-    token = _UNCHUNKED.set(True)
-    try:
+    they declare: tracing for export uses it, so every chunk size exports alike. jit's
+    caches key on it, so what is traced here is never what jit runs outside it."""
+    with _UNCHUNKED(True):
         yield
-    finally:
-        _UNCHUNKED.reset(token)
 
 
 def is_unchunked() -> bool:
     """True inside `unchunked()`."""
-    return _UNCHUNKED.get()
+    return bool(_UNCHUNKED.value)
 
 
 def validate(clients_per_step: Any, name: str = "clients") -> ClientsPerStep:

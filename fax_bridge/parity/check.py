@@ -47,14 +47,14 @@ def explain_mismatches(leaves: list[LeafParity], comp: Any, args: tuple) -> None
             leaves[i].max_abs, roundings, depends[i], direct[i])
 
 
-def note_chunked_sums(leaves: list[LeafParity], fn: Any, clients: int) -> None:
+def note_chunked_sums(leaves: list[LeafParity], fn: Any, clients: int,
+                      args: Optional[tuple] = None) -> None:
     """Adds to each explained mismatch that jit summed the clients in chunks, when `fn`
     is a program run `clients_per_step` at a time (`fax_bridge.local.chunking`): another
     summation order, which the rounding bound covers as it covers any order."""
-    k = getattr(fn, "clients_per_step", None)
-    if k is None or (k != "auto" and k >= clients):
+    how = chunking_of(fn, clients, args)
+    if not how:
         return
-    how = "in chunks (clients_per_step='auto')" if k == "auto" else f"in chunks of {k}"
     for leaf in leaves:
         if leaf.explanation and not leaf.explanation.startswith("(no rounding"):
             leaf.explanation += (f"; jit summed the {clients} clients {how}: a sum of the "
@@ -234,9 +234,9 @@ def check_parity(fn: Callable, *args, placements: Any = None, fleet: Any = None,
         rtol, atol = given
         leaves = compare_leaves(local, remote, rtol, atol, paths=paths)
         explain_mismatches(leaves, comp, args)
-        note_chunked_sums(leaves, fn, comp.clients)
+        note_chunked_sums(leaves, fn, comp.clients, args)
     return ParityReport(leaves=leaves, rtol=rtol, atol=atol, devices=used,
-                        client_runtime=runtime.name, chunking=chunking_of(fn, comp.clients),
+                        client_runtime=runtime.name, chunking=chunking_of(fn, comp.clients, args),
                         local_s=local_s, fleet_s=fleet_s, startup_s=startup, signature=str(
                             federated_language.framework.ComputationBuildingBlock.from_proto(
                                 proto).type_signature)

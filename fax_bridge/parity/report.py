@@ -194,15 +194,33 @@ def _finite(x: float) -> float:
     return -1.0 if math.isnan(x) else min(x, 1.7976931348623157e308)
 
 
-def chunking_of(fn: Any, clients: int) -> str:
+def chunked_program(fn: Any) -> Any:
+    """The program object behind `fn`: `fn` itself, or the one a `jax.jit` (or other
+    `functools.wraps` wrapper) wraps; None when there is none (a plain function)."""
+    for _ in range(8):
+        if hasattr(fn, "clients_per_step") and hasattr(fn, "chunk_size"):
+            return fn
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return None
+    return None
+
+
+def chunking_of(fn: Any, clients: int, args: Optional[tuple] = None) -> str:
     """How jit runs `fn`'s clients where it runs them in chunks (`fax_bridge.local.chunking`:
-    a program with `clients_per_step` below its clients): "in chunks of 4 (of 64
-    clients)", "in chunks (clients_per_step='auto')"; "" otherwise."""
-    k = getattr(fn, "clients_per_step", None)
+    a program, or a jit of one, with `clients_per_step` below its clients): "in chunks
+    of 4 (of 64 clients)"; with `args`, "auto" resolved as jit resolves it for them: "in
+    chunks of 8 (of 64 clients, clients_per_step='auto')"; "" otherwise."""
+    program = chunked_program(fn)
+    k = getattr(program, "clients_per_step", None)
     if k is None or (k != "auto" and k >= clients):
         return ""
-    return ("in chunks (clients_per_step='auto')" if k == "auto"
-            else f"in chunks of {k} (of {clients} clients)")
+    if k != "auto":
+        return f"in chunks of {k} (of {clients} clients)"
+    if args is None:
+        return "in chunks (clients_per_step='auto')"
+    k = program.chunk_size(*args)
+    return "" if k is None else f"in chunks of {k} (of {clients} clients, clients_per_step='auto')"
 
 
 def difference(want: np.ndarray, got: np.ndarray) -> tuple:
