@@ -170,7 +170,7 @@ def _aggregate_abstract_eval(x, *, clients, axis, mesh, name):
 
 def _sum_impl(x, *, clients, axis, mesh):
     del clients, axis
-    return _lowering.clients_sum(x, reduce=mesh is not None)
+    return _lowering.clients_sum(x, reduce=mesh is not None).astype(x.dtype)
 
 
 def _mean_impl(x, *, clients, axis, mesh):
@@ -222,9 +222,9 @@ def _expand_weights(w, x):
 
 def _weighted_mean_impl(x, w, *, clients, axis, mesh):
     del clients, axis
-    total = _lowering.clients_sum(w, reduce=mesh is not None).astype(x.dtype)
     num = _lowering.clients_sum(x, w, reduce=mesh is not None)
-    return num / lax.expand_dims(total, tuple(range(total.ndim, num.ndim)))
+    total = _lowering.clients_sum(w, reduce=mesh is not None).astype(num.dtype)
+    return (num / lax.expand_dims(total, tuple(range(total.ndim, num.ndim)))).astype(x.dtype)
 
 
 def _weighted_mean_abstract_eval(x, w, *, clients, axis, mesh):
@@ -555,7 +555,8 @@ def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
     del name
     args = [_local.place_leading(a, axis, mesh) for a in args]
     decoded = jax.vmap(partial(_lowering.eval_implemented, jaxpr), axis_size=clients)(*args)
-    return [_lowering.clients_sum(d, reduce=mesh is not None) for d in decoded]
+    return [_lowering.clients_sum(d, reduce=mesh is not None).astype(d.dtype)
+            for d in decoded]
 
 
 def _decode_sum_refuse(rule: str, name: str):

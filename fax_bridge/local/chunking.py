@@ -96,6 +96,10 @@ def _sum_partials(x, *, clients, axis, mesh, **_):
     return [_lowering.clients_sum(x, reduce=mesh is not None)]
 
 
+def _sum_finish(totals, x_aval, **_):
+    return [totals[0].astype(x_aval.dtype)]  # partials accumulate wide: rounded once
+
+
 def _mean_finish(totals, x_aval, *, clients, **_):
     return [(totals[0] / clients).astype(x_aval.dtype)]
 
@@ -107,8 +111,9 @@ def _weighted_partials(x, w, *, clients, axis, mesh):
 
 def _weighted_finish(totals, x_aval, w_aval, **_):
     num, den = totals
-    den = den.astype(x_aval.dtype)
-    return [num / lax.expand_dims(den, tuple(range(den.ndim, num.ndim)))]
+    den = den.astype(num.dtype)
+    return [(num / lax.expand_dims(den, tuple(range(den.ndim, num.ndim))))
+            .astype(x_aval.dtype)]
 
 
 def _decode_partials(*args, jaxpr, clients, name, axis, mesh):
@@ -123,7 +128,7 @@ def as_is(totals, *avals, **params):
 
 
 _AGGREGATIONS: dict[core.Primitive, tuple[Callable, Callable]] = {
-    P.federated_sum_p: (_sum_partials, as_is),
+    P.federated_sum_p: (_sum_partials, _sum_finish),
     P.federated_mean_p: (_sum_partials, _mean_finish),
     P.federated_weighted_mean_p: (_weighted_partials, _weighted_finish),
     P.federated_decode_sum_p: (_decode_partials, as_is),
