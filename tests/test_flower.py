@@ -263,25 +263,22 @@ def test_rounds_in_process_have_the_fleet_plans_bits(tmp_path, quickstart, popul
                r["bytes_up"] > 0 and r["error"] is None for r in reports)
 
 
-def test_a_node_whose_answer_is_wrong_in_one_element_fails_parity(tmp_path, monkeypatch,
-                                                                    quickstart, populations,
-                                                                    app):
-    """A SuperNode's client runtime wrong by a relative 1e-4 in one client's loss: the
-    run's result is not the fleet plan's bits, and the report names the loss (1e-4/6
-    off, within jit's rtol=1e-5 and atol=1e-6 here) as the leaf that is not."""
-    from perturbed_runtime import Perturbed
-
+def test_a_node_whose_answer_is_wrong_in_one_element_fails_parity(tmp_path, quickstart,
+                                                                    populations, app):
+    """A SuperNode configured with a fault (`fault=` in its node config) wrong by a
+    relative 1e-4 in one client's loss: the run's result is not the fleet plan's bits,
+    and the report names the loss (1e-4/6 off, within jit's rtol=1e-5 and atol=1e-6
+    here) as the leaf that is not."""
     from fax_bridge.parity.flower import describe, parity_of_run
-    from fax_bridge.rounds import client_runtime as runtimes
 
     prog, args, made = quickstart
-    wrong = Perturbed("xla", client=1, spec="mean")
-    monkeypatch.setattr(runtimes, "resolve", lambda value, models_dir=None: wrong)
+    configs = [dict(populations[0], fault="client=1,aggregation=mean"),
+               *populations[1:]]
     out = str(tmp_path / "out")
-    server.run_server(_grid(app, populations), {"num-rounds": 1, "out-dir": out},
+    server.run_server(_grid(app, configs), {"num-rounds": 1, "out-dir": out},
                       os.path.join(app, app_dir.PACKAGE), log=lambda text: None)
-    monkeypatch.undo()
-    assert wrong.done
+    with pytest.raises(FleetError, match="--node-config fault: --fault: unknown key 'lief'"):
+        client.NodeShare.from_config(dict(populations[0], fault="lief=1"))
     report = parity_of_run(prog, args, made, f"{out}/result.npz", 1, 2, 0.0)
     assert report.fleet_bits is False and not report.ok
     assert [leaf.path for leaf in report.leaves if not leaf.ok] == ["1"], describe(report, 1)

@@ -1,5 +1,5 @@
 """Parity checks shown failing: a client runtime whose answer is wrong in one element of
-one client's result (`perturbed_runtime.Perturbed`) makes `check_parity` report a
+one client's result (`rounds.faults.Fault`) makes `check_parity` report a
 mismatch on exactly the output leaf that element feeds, while the honest runtime passes:
 a relative 1e-4 on a float, a NaN where jit has a number, an integer or secure sum off
 by one; on LiteRT clients (held to the rounding bound) and on XLA clients (held to the
@@ -94,7 +94,7 @@ def test_a_wrong_answer_in_one_element_fails_on_the_leaf_it_feeds(honest, how, s
     """A float 1e-4 off (relative) or NaN; the plain and the secure sum of the counts
     off by one."""
     name, _, right = honest
-    wrong = Perturbed(name, how=how, client=1, spec=spec)
+    wrong = Perturbed(name, how=how, client=1, aggregation=spec)
     report, got = _check(wrong)
     assert wrong.done, "nothing was perturbed"
     changed = [a.tobytes() != b.tobytes() for a, b in zip(right, got)]
@@ -132,7 +132,7 @@ def test_a_wrong_model_update_fails_where_fixed_tolerances_pass_it(name):
     honest = fb.check_parity(_update_round, *args, placements=PLACE, fleet=right,
                              client_runtime=right.client_runtime)
     assert honest.ok, honest.table()
-    wrong = Perturbed(name, how="relative", client=1, spec="mean")
+    wrong = Perturbed(name, how="relative", client=1, aggregation="mean")
     fleet = InProcessFleet(wrong)
     report = fb.check_parity(_update_round, *args, placements=PLACE, fleet=fleet,
                              client_runtime=wrong)
@@ -147,6 +147,6 @@ def test_a_wrong_model_update_fails_where_fixed_tolerances_pass_it(name):
     assert moved[at] < 1e-5 * top  # what fixed tolerances cannot see
     loose = fb.check_parity(_update_round, *args, placements=PLACE,
                             fleet=InProcessFleet(Perturbed(name, how="relative", client=1,
-                                                           spec="mean")),
+                                                           aggregation="mean")),
                             client_runtime=wrong, rtol=1e-5, atol=1e-6)
     assert loose.ok

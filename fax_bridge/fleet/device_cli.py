@@ -20,6 +20,7 @@ from fax_bridge.fleet.protocol import (DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CALL_
                                       DEFAULT_MAX_STORED_BYTES, MAX_DELAY_SECONDS,
                                       DeviceLimits)
 from fax_bridge.rounds import client_runtime as runtimes
+from fax_bridge.rounds import faults
 
 DESCRIPTION = ("The device server: one process hosting virtual clients, their data and "
                "their results.")
@@ -32,14 +33,17 @@ def _run(args: argparse.Namespace) -> int:
         token = security.resolve_token(token_file=args.token_file)
         os.environ.pop(security.TOKEN_ENV, None)  # not inherited by anything we start
         tls = security.tls_from_args(args.tls_ca, args.tls_cert, args.tls_key)
+        runtime = runtimes.resolve(args.client_runtime, args.litert_models)
+        if args.fault is not None:  # checked by _fault; now on the chosen runtime
+            runtime = faults.parse(args.fault, base=args.client_runtime,
+                                   models_dir=args.litert_models)
         return serve(args.listen, args.device_id, args.max_workers, args.parent_pid,
                      token=token, tls=tls, allow_remote=args.allow_remote,
                      allow_no_auth=args.insecure_no_auth,
                      limits=DeviceLimits.from_flags(args), population=args.population,
                      population_name=args.population_name,
                      shared_memory=args.shared_memory,
-                     client_runtime=runtimes.resolve(args.client_runtime,
-                                                          args.litert_models))
+                     client_runtime=runtime)
     except (FleetError, ArgumentError) as e:
         print(f"fax-bridge device: {e}", file=sys.stderr)
         return 2
@@ -51,6 +55,15 @@ def _models_folder(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a folder; give the folder of LiteRT models (an app's "
             "fax_round/litert, or carried.write's)")
+    return text
+
+
+def _fault(text: str) -> str:
+    """--fault KEY=VALUE,...: a fault this device plants (`rounds.faults.parse`)."""
+    try:
+        faults.parse(text)
+    except ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
@@ -118,6 +131,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(fax_bridge.litert.carried, as an app written with "
                              "`fax-bridge flower ... --litert` holds in fax_round/litert) "
                              "run before any conversion, so the device needs no converter")
+    parser.add_argument("--fault", default=None, type=_fault,
+                        metavar="client=N,aggregation=A,leaf=PATH,element=I,how=H,rel=R",
+                        help="compute wrongly on purpose, to watch a parity check fail: "
+                             "change one element of client N's value for aggregation A "
+                             "(index or kind) at leaf PATH (how: relative, times 1 + R; "
+                             "nan; plus_one); any key may be left out "
+                             "(fax_bridge.rounds.faults)")
     parser.add_argument("--log-level", default="warning", type=str.lower,
                         choices=("debug", "info", "warning", "error", "critical"),
                         help="stderr log level")

@@ -15,6 +15,8 @@ Each SuperNode serves a block of the population, named by its `--node-config`:
                              model the app carries (`fax-bridge flower ... --litert`),
                              else one converted here once per round shape, which needs
                              the converter's environment; default "xla"
+    fault="client=1,leaf=0"  compute wrongly on purpose, to watch a parity check fail
+                             (`rounds.faults`: `fax-bridge device --fault`'s value)
 
 A `query` message answers with that block. A `train` message brings the broadcast and
 the population ids of the node's clients in the round; the node reads only their rows,
@@ -86,6 +88,13 @@ class NodeShare:
             runtime = runtimes.resolve(str(config.get("client-runtime", "xla")))
         except ArgumentError as e:
             raise FleetError(f"--node-config client-runtime: {e}") from None
+        if "fault" in config:
+            from fax_bridge.rounds import faults
+
+            try:
+                runtime = faults.parse(str(config["fault"]), base=runtime.name)
+            except ArgumentError as e:
+                raise FleetError(f"--node-config fault: {e}") from None
         return cls(directory, first, count, first_row, keys, runtime)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
