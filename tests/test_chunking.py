@@ -169,6 +169,22 @@ def test_every_primitive_differentiates_alike_chunked_or_not():
                                rtol=1e-5)
 
 
+def test_linearize_of_a_chunked_round_gives_the_unchunked_value_and_derivative():
+    """jax.linearize (what jax.grad runs) finds the chunked round's value known from the
+    primals, whatever jax version partially evaluates it."""
+    x, keys = jnp.linspace(0.2, 1.5, 3), jax.random.key_data(jax.random.split(
+        jax.random.PRNGKey(0), 3))
+    uses = (USES["federated_secure_mean"], USES["federated_weighted_mean"])
+    results = {}
+    for k in (None, 2):
+        program = fb.program(clients=3, clients_per_step=k)(
+            lambda w, x, keys: jnp.stack([use(w, x, keys) for use in uses]))
+        value, linear = jax.linearize(lambda w: program(w, x, keys), jnp.float32(1.1))
+        results[k] = value, linear(jnp.float32(1.0))
+    for got, want in zip(results[2], results[None]):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def _mlp_round(n, k, width=128):
     @fb.program(clients=n, clients_per_step=k)
     def round_(w, x):

@@ -40,12 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
-from jax._src import linear_util as lu
 from jax._src.interpreters import ad
-from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
 from fax_bridge.local import jit as _local
+from fax_bridge.language import jax_compat as _compat
 from fax_bridge.language import lowering as _lowering
 from fax_bridge.language import primitives as P
 # sizing (`clients_per_step="auto"`) lives in chunk_size; its names stay readable here
@@ -499,9 +498,11 @@ class Interpreter:
         return [self.concrete(v) for v in self.jaxpr.outvars]
 
 
-def trace_flat(fn: Callable, args: tuple, kwargs: dict):
+def trace_flat(fn: Callable, args: tuple, kwargs: dict, lift_consts: bool = False):
     """`fn(*args, **kwargs)` as a jaxpr of the flat argument leaves: (jaxpr, consts,
-    flat leaves, a function giving the output treedef once traced)."""
+    flat leaves, a function giving the output treedef once traced). With `lift_consts`
+    the values it closes over are the jaxpr's leading inputs instead (the consts
+    returned are then those values and the jaxpr has no consts of its own)."""
     flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     store = {}
 
@@ -513,22 +514,23 @@ def trace_flat(fn: Callable, args: tuple, kwargs: dict):
 
     avals = [core.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct)
              else core.ShapedArray(x.shape, x.dtype) for x in flat]
-    dbg = jax.api_util.debug_info("chunked program", fn, tuple(avals), {})
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat_fn, debug_info=dbg), avals)
-    return jaxpr, consts, flat, lambda: store["tree"]
+    closed, lifted = _compat.trace_lifting(flat_fn, avals, "chunked program",
+                                           lambda c: lift_consts)
+    if lift_consts:
+        return closed, lifted, flat, lambda: store["tree"]
+    return closed.jaxpr, closed.consts, flat, lambda: store["tree"]
 
 
 def run(fn: Callable, clients: int, axis: str, k: int, args: tuple, kwargs: dict,
         progress: bool = False):
     """Runs `fn(*args, **kwargs)` (a program's body, inside its placement context) with
     its client phases in chunks of `k` clients (a tqdm bar of each with `progress`)."""
-    jaxpr, consts, flat, out_tree = trace_flat(fn, args, kwargs)
-    closed = core.ClosedJaxpr(pe.convert_constvars_jaxpr(jaxpr), ())
+    closed, consts, flat, out_tree = trace_flat(fn, args, kwargs, lift_consts=True)
     outs = differentiable(closed, clients, axis, k, progress)(*consts, *flat)
     return jax.tree_util.tree_unflatten(out_tree(), outs)
 
 
-def differentiable(closed: core.ClosedJaxpr, clients: int, axis: str, k: int,
+def differentiable(closed: _compat.ClosedJaxpr, clients: int, axis: str, k: int,
                    progress: bool = False) -> Callable:
     """`closed` run in chunks of `k` clients, differentiated by its primitives' own rules.
 
@@ -536,19 +538,23 @@ def differentiable(closed: core.ClosedJaxpr, clients: int, axis: str, k: int,
     aggregation is split into chunks (a secure mean's integer codes, a decode-sum's
     decoder) rather than the aggregation: the JVP is instead that of the unchunked
     jaxpr (each federated primitive's own JVP rule, so what it refuses is refused
-    alike), itself run in chunks and differentiable the same way to any order.
+    alike), itself run in chunks outside any `custom_jvp`: `jax.linearize` and
+    `jax.grad` split that run, chunk scan by chunk scan, into the values known from the
+    primals (the primal outputs among them) and the linear rest they transpose. (From
+    jax 0.12 partial evaluation no longer looks inside a `custom_jvp` whose inputs are
+    unknown: one around the JVP's run would leave its primal outputs unknown.)
     """
+    execute = functools.partial(scan_chunks, progress=progress)
 
     @jax.custom_jvp
     def call(*values):
-        execute = functools.partial(scan_chunks, progress=progress)
         return Interpreter(closed.jaxpr, clients, axis, k, execute).run(closed.consts, values)
 
     def jvp(primals, tangents):
         nonzeros = [type(t) is not SymbolicZero for t in tangents]
         jvp_closed, out_nonzeros = ad.jvp_jaxpr(closed, nonzeros, instantiate=False)
-        outs = differentiable(jvp_closed, clients, axis, k, progress)(
-            *primals, *[t for t, nz in zip(tangents, nonzeros) if nz])
+        outs = Interpreter(jvp_closed.jaxpr, clients, axis, k, execute).run(
+            jvp_closed.consts, [*primals, *[t for t, nz in zip(tangents, nonzeros) if nz]])
         primals_out, nz_tangents = outs[:len(out_nonzeros)], iter(outs[len(out_nonzeros):])
         return primals_out, [next(nz_tangents) if nz else SymbolicZero(a.to_tangent_aval())
                              for nz, a in zip(out_nonzeros, closed.out_avals)]
