@@ -60,8 +60,9 @@ test:
 # The comparisons with the peers, each in its own venv (google-fax 0.0.2 on jax 0.4.26,
 # TFF 0.87, Flower's simulation engine): one round of each peer against the numpy
 # reference, google-fax's gradient against ours, Flower's large workload and model
-# sizes; and the link benchmark's fax_bridge run on a loopback Flower deployment. `make
-# test` deselects them (marker `peers`); CI runs this after it. The venvs
+# sizes; the link benchmark's fax_bridge run and the parity, TLS, SecAgg+ and killed-node
+# checks on a loopback Flower deployment; the benchmarks' end-to-end runs. `make test`
+# deselects them (marker `peers`); CI runs this after it. The venvs
 # are cached like .venv-tff (rebuilt when their package lists change).
 test-peers: $(STAMP) tff-venv
 	benchmarks/peers/setup_venvs.sh fax

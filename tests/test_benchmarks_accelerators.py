@@ -20,6 +20,7 @@ def bench():
     return module
 
 
+@pytest.mark.peers  # every variant compiled and run end to end: make test-peers
 def test_every_variant_computes_the_hand_written_round(bench, tmp_path):
     out = tmp_path / "accel.jsonl"
     (report,) = bench.main(["--model", "tiny", "--clients", "4", "--steps", "1", "--chunk",

@@ -1368,7 +1368,7 @@ def deployed(tmp_path_factory, populations):
     assert not running(pids), f"processes left running: {running(pids)}"
 
 
-@pytest.mark.slow
+@pytest.mark.peers  # a loopback deployment's processes: make test-peers
 def test_check_parity_on_a_deployment_runs_fed_avg_on_digits_as_jit_does(digits, deployed):
     """`check_parity(..., flower=deployment, rounds=2)`: two rounds of fed_avg on the
     digits clients on the running deployment (round 0 compiles on the nodes, round 1 is
@@ -1399,7 +1399,7 @@ def test_check_parity_on_a_deployment_runs_fed_avg_on_digits_as_jit_does(digits,
     assert forked["supernode-1"] >= 5, forked
 
 
-@pytest.mark.slow
+@pytest.mark.peers  # a loopback deployment's processes: make test-peers
 def test_a_deployment_sums_secure_sums_through_secaggplus(tmp_path, secure_app, deployed):
     """`flwr run` of a round with secure sums on the shared deployment: SecAgg+'s four
     stages run through the SuperLink after the round's message, and the result has the
@@ -1417,7 +1417,7 @@ def test_a_deployment_sums_secure_sums_through_secaggplus(tmp_path, secure_app, 
     assert "round 0 (SecAgg+): summed the secure sums of nodes [" in run.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.peers  # a loopback deployment's processes: make test-peers
 def test_a_tls_deployment_with_node_auth_has_the_same_bits_and_refuses_unknown_nodes(
         tmp_path, quickstart, populations, deployed):
     """On the shared deployment (TLS, the SuperLink's certificate for loopback, both
@@ -1451,7 +1451,7 @@ def _trains(deployment, node: int) -> int:
     return deployment.log(f"supernode-{node}").count("Receiving: train message")
 
 
-@pytest.mark.slow
+@pytest.mark.peers  # a loopback deployment's processes: make test-peers
 def test_a_node_killed_mid_round_is_dropped_by_the_rounds_deadline(
         tmp_path, quickstart, deployed):
     """SuperNode 1 is SIGKILLed as soon as it has taken the round's message; the round
