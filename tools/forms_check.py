@@ -202,8 +202,13 @@ def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> l
                         for f in fcp_result["info"]["features"]]
             (record,) = read_records(fcp_result["tf_examples"]["path"])
             values = decode_example(features, record)
-            for f in features:
-                want = np.arange(f.size) / (4 if f.kind == "float" else 1)
+            for f in features:  # counting up from 0, wrapped at an integer's range
+                if f.kind == "float":
+                    want = np.arange(f.size) / 4
+                else:
+                    top = 1 if f.dtype == np.bool_ else int(np.iinfo(f.dtype).max)
+                    want = np.arange(f.size) % (top + 1) if top < f.size else \
+                        np.arange(f.size)
                 np.testing.assert_array_equal(values[f.name].ravel(), want.astype(f.dtype))
             return 0.0
         cells.append(check(name, "tf-example-read", tf_written))

@@ -381,7 +381,9 @@ def build_fcp(job: dict, proto) -> dict:
 
 def write_tf_examples(path: str, features: list) -> dict:
     """One record written by TensorFlow's own writer (`tf.train.Example`), each feature
-    counting up from 0 (as floats or int64), for the main side to read back."""
+    counting up from 0 (as floats or int64; an integer or bool feature's count wraps at
+    its dtype's range, which the reader holds values to), for the main side to read
+    back."""
     feature = {}
     for f in features:
         n = int(np.prod(f["shape"], dtype=np.int64))
@@ -389,8 +391,11 @@ def write_tf_examples(path: str, features: list) -> dict:
             feature[f["name"]] = tf.train.Feature(float_list=tf.train.FloatList(
                 value=np.arange(n, dtype=np.float32) / 4))
         else:
+            dtype = np.dtype(f["dtype"])
+            top = 1 if dtype == np.bool_ else int(np.iinfo(dtype).max)
             feature[f["name"]] = tf.train.Feature(int64_list=tf.train.Int64List(
-                value=np.arange(n, dtype=np.int64)))
+                value=np.arange(n, dtype=np.int64) % (top + 1) if top < n else
+                np.arange(n, dtype=np.int64)))
     example = tf.train.Example(features=tf.train.Features(feature=feature))
     with tf.io.TFRecordWriter(path) as w:
         w.write(example.SerializeToString())
