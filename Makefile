@@ -45,8 +45,10 @@ tff-check: $(STAMP) tff-venv
 forms-check: $(STAMP) tff-venv
 	$(PY) tools/forms_check.py --out out/forms
 
-# The venvs (.venv, .venv-tff, .venv-litert) build two at a time and so do the two TFF checks (each half waits on the
-# network or on one core); pytest runs on three workers, a test file to a worker so that
+# The venvs (.venv, .venv-tff, .venv-litert) build two at a time (each half waits on the
+# network or on one core); TFF 0.87 reads every exported example back (tff-check; the
+# production forms built and run piece by piece, forms-check, are make test-peers');
+# pytest runs on three workers, a test file to a worker so that
 # module-scoped fixtures (a Flower deployment, a fleet) start once, the longest files
 # first (`LONGEST_FIRST` in tests/conftest.py), and the docstrings' examples run in the
 # same session (`make doctest` runs them alone). Three workers on two cores: a worker
@@ -54,10 +56,12 @@ forms-check: $(STAMP) tff-venv
 # the others (the suite took 450 s so on the shared 2-core machine, 525 s on two).
 test:
 	$(MAKE) -j2 $(STAMP) tff-venv litert-venv
-	$(MAKE) -j2 tff-check forms-check
+	$(MAKE) tff-check
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests --doctest-modules $(DOCTEST_MODULES)
 
-# The comparisons with the peers, each in its own venv (google-fax 0.0.2 on jax 0.4.26,
+# The production forms of every single-round program built by TFF 0.87 and run piece by
+# piece (forms-check), then the comparisons with the peers, each in its own venv
+# (google-fax 0.0.2 on jax 0.4.26,
 # TFF 0.87, Flower's simulation engine): one round of each peer against the numpy
 # reference, google-fax's gradient against ours, Flower's large workload and model
 # sizes; the link benchmark's fax_bridge run and the parity, TLS, SecAgg+ and killed-node
@@ -65,6 +69,7 @@ test:
 # deselects them (marker `peers`); CI runs this after it. The venvs
 # are cached like .venv-tff (rebuilt when their package lists change).
 test-peers: $(STAMP) tff-venv
+	$(MAKE) forms-check
 	benchmarks/peers/setup_venvs.sh fax
 	benchmarks/peers/setup_venvs.sh flower
 	$(PY) -m pytest -q -n 2 --dist loadfile --peers -m peers tests
