@@ -96,7 +96,7 @@ def _blocked_sum(x, weights):
     x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
     x = x.reshape((blocks, block) + x.shape[1:])
     if weights is None:
-        sums = jax.vmap(lambda b: clients_sum(b))(x)
+        sums = jax.vmap(clients_sum)(x)
     else:
         w = jnp.pad(weights, [(0, pad)] + [(0, 0)] * (weights.ndim - 1))
         w = w.reshape((blocks, block) + w.shape[1:])
