@@ -34,6 +34,11 @@ compile; "N+" says the cap was reached.
         [--variants hand_vmap,fax_bridge,...] [--repeats 3] [--json OUT]
         [--largest-cohort [CAP]] [--memory-bytes BYTES]
     python benchmarks/accelerators.py --suite [--json OUT]    # SUITE, in one process
+    python benchmarks/accelerators.py --quick [--json OUT]    # QUICK: minutes, one process
+
+MFU is against `PEAK_TFLOPS` for the chips it names; on any other accelerator (a GPU) the
+peak is measured in the same process first (`measured_peak`: an 8192^3 bfloat16 matrix
+product, best of five) and each report says which (`peak_source`).
 
 `--model tiny` runs on a CPU in seconds (the suite's check of this script).
 """
@@ -82,6 +87,14 @@ SUITE = (("34M", 8, 4, 4, JIT), ("110M", 4, 4, 2, JIT), ("268M", 2, 2, 2, JIT),
          ("268M", 2, 2, 2, EXPORTED, B8x256), ("34M", 8, 4, 4, EXPORTED, PER_LAYER),
          ("110M", 4, 4, 4, EXPORTED, PER_LAYER), ("268M", 2, 2, 2, EXPORTED, PER_LAYER),
          ("110M", 1024, 1, 4, "hand_chunked,exported", PER_LAYER))
+# The few rows that say most, in minutes (`--quick`, one timed round each): the jit round
+# against the hand-written one at 110M and 268M in both layouts, chunked cohorts of 64
+# and 1,024 clients, and the exported round.
+VS_HAND = "hand_vmap,fax_bridge"
+QUICK = (("110M", 4, 4, 4, VS_HAND, B8x256), ("110M", 4, 4, 4, VS_HAND, PER_LAYER),
+         ("268M", 2, 2, 2, VS_HAND, B8x256), ("268M", 2, 2, 2, VS_HAND, PER_LAYER),
+         ("110M", 64, 1, 4, CHUNKED, B8x256), ("110M", 4, 4, 4, EXPORTED, B8x256),
+         ("110M", 1024, 1, 4, CHUNKED, B8x256))
 
 
 # --------------------------------------------------------------------------- the model
@@ -273,13 +286,14 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
     n_params = count_params(params)
     tokens = clients * steps * sizes["batch"] * sizes["seq"]
     device = jax.devices()[0]
-    peak = PEAK_TFLOPS.get(device.device_kind)
+    peak, peak_source = chip_peak(device)
     flops = 6.0 * n_params * tokens
     report = {"model": model, "parameters": n_params, "clients": clients, "steps": steps,
               "chunk": chunk, "tokens": tokens, "layout": layout,
               "leaves": len(jax.tree.leaves(params)), "batch": sizes["batch"],
               "seq": sizes["seq"], "device": device.device_kind,
-              "devices": jax.device_count(), "peak_tflops": peak, "rows": []}
+              "devices": jax.device_count(), "peak_tflops": peak,
+              "peak_source": peak_source, "rows": []}
     if cohort_cap is not None:
         memory_bytes = memory_bytes or chunking.memory_limit(host_fallback=False)
         report.update(cohort_cap=cohort_cap, memory_bytes=memory_bytes)
@@ -318,6 +332,27 @@ def measure(model: str, clients: int, steps: int, chunk: int, variants: list[str
     order = {v: i for i, v in enumerate(VARIANTS)}
     report["rows"].sort(key=lambda r: order[r["variant"]])
     return report
+
+
+def chip_peak(device) -> tuple[Optional[float], str]:
+    """(peak bf16 TFLOP/s, where the figure comes from): the table's for the chips it
+    names, measured here for any other accelerator, none on a CPU."""
+    if device.device_kind in PEAK_TFLOPS:
+        return PEAK_TFLOPS[device.device_kind], "table"
+    if device.platform == "cpu":
+        return None, "none on a CPU"
+    return measured_peak(), "measured: 8192^3 bf16 matmul, best of 5"
+
+
+@functools.lru_cache(maxsize=1)
+def measured_peak(n: int = 8192, repeats: int = 5) -> float:
+    """TFLOP/s of an n^3 bfloat16 matrix product on the default device, best of
+    `repeats` timed calls after a compiled warm-up."""
+    a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(matmul(a))
+    best = min(_timed(matmul, (a,), repeats)[1])
+    return 2.0 * n ** 3 / best / 1e12
 
 
 def _sizes(model: str) -> dict:
@@ -461,6 +496,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", help="append each report to this file as a JSON line")
     parser.add_argument("--suite", action="store_true",
                         help="run every configuration of SUITE (docs/accelerators.md)")
+    parser.add_argument("--quick", action="store_true",
+                        help="run QUICK's rows, one timed round each (minutes)")
     parser.add_argument("--largest-cohort", type=int, nargs="?", const=COHORT_CAP,
                         metavar="CAP", help="also find each jit variant's largest cohort "
                         f"(compiled, not run) that fits the memory, up to CAP ({COHORT_CAP})")
@@ -477,9 +514,14 @@ def main(argv=None) -> list[dict]:
         parser.error(f"--chunk {args.chunk} must divide every cohort (got {bad}) for the "
                      "hand-written chunked round")
     shape = dict(layout=args.layout, batch=args.batch, seq=args.seq)
+    if args.suite and args.quick:
+        parser.error("--suite and --quick are two row sets: give one")
+    if args.quick:
+        args.repeats = 1
+    rows = SUITE if args.suite else QUICK
     plan = [(m, n, k, c, v.split(","), dict(shape, **more))
-            for m, n, k, c, v, *extra in SUITE for more in [extra[0] if extra else {}]] \
-        if args.suite else [(args.model, n, args.steps, min(args.chunk, n), variants, shape)
+            for m, n, k, c, v, *extra in rows for more in [extra[0] if extra else {}]] \
+        if args.suite or args.quick else [(args.model, n, args.steps, min(args.chunk, n), variants, shape)
                             for n in args.clients]
     _check_cohort_options(parser, args, max(p[1] for p in plan))
     reports = []

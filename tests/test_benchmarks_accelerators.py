@@ -36,11 +36,33 @@ def test_every_variant_computes_the_hand_written_round(bench, tmp_path):
     assert "| fax_bridge_chunked |" in bench.table(report)
 
 
-def test_the_suite_names_only_known_variants(bench):
-    for model, clients, steps, chunk, variants, *how in bench.SUITE:
+@pytest.mark.parametrize("rows", ["SUITE", "QUICK"])
+def test_the_row_sets_name_only_known_variants(bench, rows):
+    for model, clients, steps, chunk, variants, *how in getattr(bench, rows):
         assert model in bench.MODELS and set(variants.split(",")) <= set(bench.VARIANTS)
         assert not how or how[0].get("layout", "stacked") in bench.LAYOUTS
         assert clients % chunk == 0 or chunk >= clients
+
+
+def test_the_quick_set_covers_both_layouts_both_sizes_and_every_path(bench):
+    layouts = {(m, how[0].get("layout", "stacked")) for m, _, _, _, v, *how in bench.QUICK
+               if "fax_bridge" in v.split(",")}
+    assert layouts == {(m, lay) for m in ("110M", "268M") for lay in bench.LAYOUTS}
+    cohorts = {n for _, n, _, _, v, *_ in bench.QUICK if "fax_bridge_chunked" in v}
+    assert cohorts == {64, 1024}
+    assert any("exported" in v.split(",") for *_, v, _ in bench.QUICK)
+
+
+def test_the_peak_comes_from_the_table_or_is_none_on_a_cpu(bench):
+    class Chip:
+        device_kind, platform = "TPU v5 lite", "tpu"
+    assert bench.chip_peak(Chip()) == (197.0, "table")
+    assert bench.chip_peak(jax.devices("cpu")[0])[0] is None
+
+
+def test_suite_and_quick_are_refused_together(bench):
+    with pytest.raises(SystemExit):
+        bench.main(["--suite", "--quick"])
 
 
 def test_an_unknown_variant_is_refused(bench):
