@@ -147,3 +147,19 @@ def test_litert_refuses_a_file_in_the_way_before_converting(tmp_path, capsys,
     err = capsys.readouterr().err
     assert f"would replace '{out}{os.sep}check.py'" in err and "--force" in err, err
     assert (out / "check.py").read_text() == "mine" and os.listdir(out) == ["check.py"]
+
+
+def test_litert_converts_the_client_part_once(tmp_path, monkeypatch):
+    # The check before writing and the named model written are one conversion: a model
+    # whose tensors are named by pytree path, checked (refused naming the op) as it is made.
+    from fax_bridge.litert import convert, model_cache
+
+    monkeypatch.setattr(model_cache, "read", lambda *a, **k: model_cache.Lookup(None))
+    monkeypatch.setattr(convert, "_MADE", {})
+    made = []
+    real = convert.stablehlo_to_tflite
+    monkeypatch.setattr(convert, "stablehlo_to_tflite",
+                        lambda *a, **k: made.append(a[1:]) or real(*a, **k))
+    assert cli.main(["litert", f"{QUICKSTART}:fedavg_round", "--clients", "3", "-o",
+                     str(tmp_path / "m"), "--no-check"]) == 0
+    assert len(made) == 1, made

@@ -33,7 +33,6 @@ def _run(args: argparse.Namespace) -> int:
     import fax_bridge as fb
     from fax_bridge.parity import rounding as parity_rounding
     from fax_bridge.litert import carried, manifest
-    from fax_bridge.litert.runner import LiteRTClientRuntime
     from fax_bridge.rounds import round_split
     from fax_bridge.runtime import interpreter, values
     from fax_bridge.tff.cli import resolve_program
@@ -49,8 +48,8 @@ def _run(args: argparse.Namespace) -> int:
         carried_name = f"{split.client_part_hash}.json"
         output_folders.check_entries(args.out, [carried_name], force=args.force,
                                      what="-o")  # its name known once exported
-        LiteRTClientRuntime().check_round(proto, split)  # refused here naming the op
         comp, aggregands = manifest.traced_with_paths(prog, example, placements)
+        # The one conversion: named by pytree path, refused here naming the op.
         model = manifest.convert_named(split, aggregands)
         prepared = interpreter.prepare(proto)
         arg = values.bind_arguments(prepared.parameter, example, {}).runtime_value()
