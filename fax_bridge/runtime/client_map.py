@@ -12,19 +12,31 @@ Batched: when the computation has a parameter and the clients' members (and the 
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
 and dtypes for every client), the members are stacked along a leading clients axis,
 padded up to a power-of-two bucket (at least 2) with copies of the first client, and
-the whole computation, every `Xla` part inside it (`HloExecutable.call_traced`), runs as
-ONE jitted loop over the first `count` rows (the padding sets the shapes, it is not
-computed). A cohort runs as one call per CPU of this process (`part_size`), at once on
-the worker threads (`threads`), each call over its share of the clients and never over
+the whole computation runs as ONE jitted call over the bucket's rows. Where every `Xla`
+part inside it reads as lax operations (`HloExecutable.lax_program`, `hlo_lax`), the
+rows run as `jax.vmap` of the computation over the member rows (shared leaves
+unmapped; padding rows computed too, their results never read); otherwise as XLA's loop
+over the first `count` rows, each part called as its module (`call_traced`), and a
+warning on logger `fax_bridge.runtime` says, once per computation and reason, which op
+kept it from vmap and where it comes from (`_Batched.vmapped` records which ran).
+A cohort runs as one call per CPU of this process (`part_size`), at once on the worker
+threads (`threads`), each call over its share of the clients and never over
 `MAX_ROWS`. The executable is compiled once per (computation, layout, bucket): cohorts
 that shrink by dropouts reuse it. It writes its results over arrays it is given
 (donated): the results of an earlier call that its caller read once and dropped,
 kept for the next call in `buffers` (kind `SPARES`), else new zeros, so that a round
-does not fault in and zero fresh memory for every call's results. A client's result
-has the same bits whatever cohort and call it runs in and wherever it sits there.
-Matmuls, sums and elementwise arithmetic give the bits of the Xla parts' own
-executables; XLA may round a transcendental fused into a reduction (`sum(sin(x))`) an
-ulp apart inside the loop, which is why every path maps clients here.
+does not fault in and zero fresh memory for every call's results.
+
+Bits: integer results are exact on every path. Vmapped, XLA fuses the parts' operations
+with each other and across rows, so a client's float result is within a few ulps of
+its parts' own executables (`tests/test_runtime_client_map.py`: `VMAP_ULPS` of the
+leaf's scale), not their bits; looped, matmuls, sums and elementwise arithmetic give
+those executables' bits and a transcendental fused into a reduction may land an ulp
+apart. Either way a client's result has the same bits whatever cohort, bucket and call
+it runs in and wherever it sits there (tested: alone, reversed, in a larger bucket),
+which is what makes the host path and the device path (buckets of different sizes)
+agree bit for bit; XLA does not promise that a batched matmul's rows keep their bits
+as the batch grows, the tests hold it for XLA's CPU kernels of this jax.
 
 Per client: otherwise (no parameter, members of different layouts, generic intrinsics on
 client values, 64-bit types while jax runs with 32-bit ones, anything the trace refuses)

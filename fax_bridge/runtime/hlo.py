@@ -1,7 +1,9 @@
 """Compiles serialized `xla.HloModuleProto` bytes with jax's XLA client and runs them.
 
 This is the only module of fax_bridge that touches private jax APIs (jax 0.10.2), with
-`hlo_import.py`, the helper process it runs XLA's HLO import in:
+`hlo_import.py`, the helper process it runs XLA's HLO import in, and `hlo_lax.py` /
+`hlo_lax_ops.py`, which read a module into lax operations with jaxlib's MLIR bindings
+(`HloExecutable.lax_program`; `call_traced` runs it inside `reading_as_lax()`):
 HLO -> StableHLO conversion, compilation with the default jax backend, raw executable
 calls, the module as a call inside a traced (jitted) jax function
 (`HloExecutable.call_traced`, through a `jax.export.Exported` built from the module),
