@@ -12,19 +12,31 @@ Batched: when the computation has a parameter and the clients' members (and the 
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
 and dtypes for every client), the members are stacked along a leading clients axis,
 padded up to a power-of-two bucket (at least 2) with copies of the first client, and
-the whole computation, every `Xla` part inside it (`HloExecutable.call_traced`), runs as
-ONE jitted loop over the first `count` rows (the padding sets the shapes, it is not
-computed). A cohort runs as one call per CPU of this process (`part_size`), at once on
-the worker threads (`threads`), each call over its share of the clients and never over
+the whole computation runs as ONE jitted call over the bucket's rows. Where every `Xla`
+part inside it reads as lax operations (`HloExecutable.lax_program`, `hlo_lax`), the
+rows run as `jax.vmap` of the computation over the member rows (shared leaves
+unmapped; padding rows computed too, their results never read); otherwise as XLA's loop
+over the first `count` rows, each part called as its module (`call_traced`), and a
+warning on logger `fax_bridge.runtime` says, once per computation and reason, which op
+kept it from vmap and where it comes from (`_Batched.vmapped` records which ran).
+A cohort runs as one call per CPU of this process (`part_size`), at once on the worker
+threads (`threads`), each call over its share of the clients and never over
 `MAX_ROWS`. The executable is compiled once per (computation, layout, bucket): cohorts
 that shrink by dropouts reuse it. It writes its results over arrays it is given
 (donated): the results of an earlier call that its caller read once and dropped,
 kept for the next call in `buffers` (kind `SPARES`), else new zeros, so that a round
-does not fault in and zero fresh memory for every call's results. A client's result
-has the same bits whatever cohort and call it runs in and wherever it sits there.
-Matmuls, sums and elementwise arithmetic give the bits of the Xla parts' own
-executables; XLA may round a transcendental fused into a reduction (`sum(sin(x))`) an
-ulp apart inside the loop, which is why every path maps clients here.
+does not fault in and zero fresh memory for every call's results.
+
+Bits: integer results are exact on every path. Vmapped, XLA fuses the parts' operations
+with each other and across rows, so a client's float result is within a few ulps of
+its parts' own executables (`tests/test_runtime_client_map.py`: `VMAP_ULPS` of the
+leaf's scale), not their bits; looped, matmuls, sums and elementwise arithmetic give
+those executables' bits and a transcendental fused into a reduction may land an ulp
+apart. Either way a client's result has the same bits whatever cohort, bucket and call
+it runs in and wherever it sits there (tested: alone, reversed, in a larger bucket),
+which is what makes the host path and the device path (buckets of different sizes)
+agree bit for bit; XLA does not promise that a batched matmul's rows keep their bits
+as the batch grows, the tests hold it for XLA's CPU kernels of this jax.
 
 Per client: otherwise (no parameter, members of different layouts, generic intrinsics on
 client values, 64-bit types while jax runs with 32-bit ones, anything the trace refuses)
@@ -43,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import threading
 import warnings
@@ -55,10 +68,12 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError, UnbatchedWarning
-from fax_bridge.runtime import buffers, hlo, local_eval, threads
+from fax_bridge.runtime import (buffers, client_layouts, grammar, hlo, hlo_lax, local_eval,
+                                threads, xla_function)
 from fax_bridge.runtime.backend import ClientRows, LocalValue, as_numpy
 
-NO_SHARED = object()  # `shared` when the computation takes the member alone
+LOG = logging.getLogger("fax_bridge.runtime")
+NO_SHARED = client_layouts.NO_SHARED  # `shared` when the computation takes the member alone
 MAX_ROWS = 1024  # the largest bucket: larger cohorts run as several calls of it
 MAX_PAD_BYTES = 64 << 20  # `least_rows` widens a bucket while its padding stays under this
 
@@ -80,6 +95,7 @@ class _Batched:
     result_tree: Any       # the layout of one client's result
     result_specs: tuple    # (shape, dtype) of each result leaf, per client
     rows: int              # the bucket
+    vmapped: bool          # rows run as jax.vmap (else as a loop, one after the other)
 
     @functools.cached_property
     def run(self) -> Callable:
@@ -90,7 +106,7 @@ class _Batched:
     @functools.cached_property
     def example(self) -> LocalValue:
         """One client's result of zeros (read-only views), for sizing results."""
-        return _build(self.result_tree, iter(np.broadcast_to(np.zeros((), dtype), shape)
+        return client_layouts.build(self.result_tree, iter(np.broadcast_to(np.zeros((), dtype), shape)
                                              for shape, dtype in self.result_specs))
 
     @functools.cached_property
@@ -165,12 +181,12 @@ class Stacked:
         for), or `members()` when the result has no tensors."""
         if not self.columns:
             return self.members()
-        return ClientRows(_build(self.tree, iter(self.columns)))
+        return ClientRows(client_layouts.build(self.tree, iter(self.columns)))
 
     def members(self) -> list:
         """One result per client, as `map_clients` returns them."""
         rows = zip(*self.columns) if self.columns else ([] for _ in range(self.count))
-        return [_build(self.tree, iter(row)) for row in rows]
+        return [client_layouts.build(self.tree, iter(row)) for row in rows]
 
     def element(self, index: int) -> list[np.ndarray]:
         """The columns of element `index` of the (struct) result, as a Selection picks
@@ -252,7 +268,7 @@ def map_clients_stacked(fn: computation_pb2.Computation, members: Sequence[Local
     clients (the accelerator, not the CPUs, does the work)."""
     if not members:
         return None
-    batch = _layouts(members, shared)
+    batch = client_layouts.layouts(members, shared)
     if batch is None:
         return None
     shared_tree, member_tree, shared_leaves, source = batch
@@ -276,144 +292,6 @@ def part_size(count: int) -> int:
     return max(1, min(-(-count // threads.workers()), MAX_ROWS))
 
 
-# ---------------------------------------------------------------------------------------
-# Layouts: a local value as (tree, leaves)
-
-
-def _layout(value: LocalValue, leaves: list, lead: int = 0) -> Any:
-    """The value's tree (Struct names and nesting, leaf shapes and dtypes), its leaves
-    appended to `leaves`; None when a leaf is not a tensor jax can take as it is.
-    `lead`: leading axes left out of the shapes (1: the tree of one row of stacked
-    members)."""
-    if isinstance(value, structure.Struct):
-        names, trees = [], []
-        for name, member in structure.iter_elements(value):
-            tree = _layout(member, leaves, lead)
-            if tree is None:
-                return None
-            names.append(name)
-            trees.append(tree)
-        return ("struct", tuple(names), tuple(trees))
-    arr = value if isinstance(value, jax.Array) else np.asarray(value)  # kept where it is
-    if not _jax_takes(np.dtype(arr.dtype)):
-        return None
-    leaves.append(arr)
-    # the dtype itself: the `.str` of bfloat16 reads back as a void type
-    return ("tensor", tuple(arr.shape[lead:]), np.dtype(arr.dtype))
-
-
-def _jax_takes(dtype: np.dtype) -> bool:
-    """Whether jax passes a `dtype` array through unchanged (no 64-bit narrowing)."""
-    if dtype.kind not in "biufc" and dtype.name != "bfloat16" or not dtype.isnative:
-        return False
-    wide = dtype.itemsize == 8 and dtype.kind != "c" or dtype.itemsize == 16
-    return not wide or bool(jax.config.jax_enable_x64)
-
-
-def _build(tree: Any, leaves) -> LocalValue:
-    """The value of `tree` around `leaves` (an iterator)."""
-    if tree[0] == "struct":
-        return structure.Struct([(n, _build(t, leaves)) for n, t in zip(tree[1], tree[2])])
-    return next(leaves)
-
-
-def _result_layout(value: LocalValue, leaves: list) -> Any:
-    """`_layout` of a traced result (tracers or constants among its leaves)."""
-    if isinstance(value, structure.Struct):
-        names, trees = [], []
-        for name, member in structure.iter_elements(value):
-            names.append(name)
-            trees.append(_result_layout(member, leaves))
-        return ("struct", tuple(names), tuple(trees))
-    if not hlo.is_traced(value):
-        value = np.asarray(value)
-        if not _jax_takes(value.dtype):
-            raise ComputationError(f"a result leaf of dtype {value.dtype} cannot be batched")
-    leaves.append(value)
-    return ("tensor",)
-
-
-# ---------------------------------------------------------------------------------------
-# The batched executable
-
-
-def _layouts(members: Sequence[LocalValue], shared: Any) -> Optional[tuple]:
-    """(shared tree, member tree, shared leaves, the members' leaves as a `_Source`) when
-    every member has the first one's layout; None otherwise."""
-    shared_leaves: list = []
-    shared_tree = None
-    if shared is not NO_SHARED:
-        shared_tree = _layout(shared, shared_leaves)
-        if shared_tree is None:
-            return None
-    if isinstance(members, ClientRows):
-        member_tree = _layout(members.stacked, [], lead=1)
-        if member_tree is None or not members.columns:
-            return None
-        return shared_tree, member_tree, shared_leaves, _Source(members.columns, None)
-    columns: list = []
-    member_tree = None
-    for member in members:
-        leaves: list = []
-        tree = _layout(member, leaves)
-        if tree is None or not leaves or member_tree is not None and tree != member_tree:
-            return None
-        member_tree = tree
-        columns.append(leaves)
-    return shared_tree, member_tree, shared_leaves, _Source(None, columns, _fixed(columns))
-
-
-def _fixed(columns: list) -> Optional[tuple]:
-    """Which leaves are the very same array in every member (a broadcast value zipped
-    into each client's member), or None when none is or all are: those run as shared
-    inputs of the batched call, not stacked once per client."""
-    if len(columns) < 2:
-        return None
-    first = columns[0]
-    fixed = tuple(all(c[j] is first[j] for c in columns[1:]) for j in range(len(first)))
-    return fixed if any(fixed) and not all(fixed) else None
-
-
-class _Source:
-    """The members' leaves, a bucket of rows at a time: `stacked` (clients on axis 0,
-    from `ClientRows`: sliced, no copy) or `columns` (each member's leaves: stacked per call,
-    so at most one call's rows are copied at once). Padding rows repeat the first.
-    `fixed`: which of the members' leaves are one array shared by all (`_fixed`); they
-    are not stacked, the call takes them once (`fixed_leaves`)."""
-
-    def __init__(self, stacked: Optional[list], columns: Optional[list],
-                 fixed: Optional[tuple] = None):
-        self.stacked, self.columns, self.fixed = stacked, columns, fixed
-        self.count = int(stacked[0].shape[0]) if stacked is not None else len(columns)
-
-    def row_bytes(self) -> int:
-        """The bytes of one row of the stacked inputs (a padding row's)."""
-        if self.stacked is not None:
-            return sum(leaf.nbytes // max(1, leaf.shape[0]) for leaf in self.stacked)
-        return sum(np.asarray(leaf).nbytes for j, leaf in enumerate(self.columns[0])
-                   if self.fixed is None or not self.fixed[j])
-
-    def fixed_leaves(self) -> list:
-        if self.fixed is None:
-            return []
-        return [leaf for leaf, f in zip(self.columns[0], self.fixed) if f]
-
-    def chunk(self, start: int, stop: int, rows: int) -> list:
-        """Members [start, stop), padded to `rows`."""
-        if self.stacked is None:
-            part = self.columns[start:stop]
-            part = part + [part[0]] * (rows - len(part))
-            return [np.stack([c[j] for c in part]) for j in range(len(part[0]))
-                    if self.fixed is None or not self.fixed[j]]
-        out = []
-        for leaf in self.stacked:
-            leaf = leaf[start:stop]
-            if leaf.shape[0] < rows:
-                leaf = np.concatenate([leaf, np.repeat(leaf[:1], rows - leaf.shape[0], 0)])
-            out.append(leaf)
-        return out
-
-
 def _plan(fn, key, shared_tree, member_tree, rows: int,
           fixed: Optional[tuple] = None) -> Optional[_Batched]:
     """The batched executable for this layout and bucket (and `fixed` member leaves),
@@ -423,7 +301,16 @@ def _plan(fn, key, shared_tree, member_tree, rows: int,
         if cache_key in _batched:
             return _batched[cache_key]
     try:
-        plan = _compile(local_eval.compile_local(fn), shared_tree, member_tree, rows, fixed)
+        compiled = local_eval.compile_local(fn)
+        reason = _unreadable(fn)
+        if reason is None:
+            try:
+                plan = _compile(compiled, shared_tree, member_tree, rows, fixed, True)
+            except Exception as e:  # noqa: BLE001 - the loop runs it, and says why
+                reason = f"its vmapped trace failed with {type(e).__name__}: {e}"
+        if reason is not None:
+            _looped(cache_key[0], reason)
+            plan = _compile(compiled, shared_tree, member_tree, rows, fixed, False)
     except Exception as e:  # what the trace refuses runs per client, which names the problem
         _unbatched(cache_key[0], "its batched trace", e)
         plan = None
@@ -445,6 +332,28 @@ def _refused(plan: _Batched) -> bool:
     return False
 
 
+def _unreadable(fn: computation_pb2.Computation) -> Optional[str]:
+    """Why the clients of `fn` cannot run vmapped: the first Xla part that does not read
+    as lax operations (`HloExecutable.lax_program`), and what in it; None when all do."""
+    for part in grammar.walk(fn):
+        if grammar.which(part) == "xla":
+            try:
+                xla_function.executable(part.xla.hlo_module.value).lax_program()
+            except hlo_lax.Unreadable as e:
+                return f"an Xla part does not read as lax operations: {e}"
+    return None
+
+
+def _looped(key: str, reason: str) -> None:
+    """Says, once per computation and reason, that its clients run as a loop over rows."""
+    with _lock:
+        if (key, reason) in _warned:
+            return
+        _warned.add((key, reason))
+    LOG.warning("the clients of computation %s run as a loop over rows, one client after "
+                "the other, not vmapped: %s", key[:12], reason[:1000])
+
+
 _warned: set = set()  # (computation, reason) already warned of
 
 
@@ -460,11 +369,12 @@ def _unbatched(key: str, stage: str, error: Exception) -> None:
                   stacklevel=4)
 
 
-def _compile(compiled, shared_tree, member_tree, rows: int,
-             fixed: Optional[tuple] = None) -> _Batched:
+def _compile(compiled, shared_tree, member_tree, rows: int, fixed: Optional[tuple],
+             vmapped: bool) -> _Batched:
     """The batched executable: (shared leaves, then the `fixed` member leaves; the other
     member leaves stacked over `rows`; count; the arrays to write the results over,
-    donated) -> the results stacked over `rows`."""
+    donated) -> the results stacked over `rows`. `vmapped`: the rows run as `jax.vmap`
+    over the member leaves (every Xla part read as lax operations); else as a loop."""
     found: dict = {}
     num_fixed = sum(fixed) if fixed else 0
 
@@ -472,18 +382,21 @@ def _compile(compiled, shared_tree, member_tree, rows: int,
         """One client's result leaves."""
         cut = len(shared_leaves) - num_fixed
         shared = (NO_SHARED if shared_tree is None
-                  else _build(shared_tree, iter(shared_leaves[:cut])))
+                  else client_layouts.build(shared_tree, iter(shared_leaves[:cut])))
         if fixed:
             given, stacked = iter(shared_leaves[cut:]), iter(row)
             row = [next(given) if f else next(stacked) for f in fixed]
-        member = _build(member_tree, iter(row))
+        member = client_layouts.build(member_tree, iter(row))
         arg = member if shared is NO_SHARED else structure.Struct(
             [(None, shared), (None, member)])
         out: list = []
-        found["tree"] = _result_layout(compiled(arg), out)
+        found["tree"] = client_layouts.result_layout(compiled(arg), out)
         return tuple(out)
 
     def batched(shared_leaves, member_leaves, count, outputs):
+        if vmapped:  # every row, padding too; the results take the outputs' buffers
+            with hlo.reading_as_lax():
+                return tuple(jax.vmap(one, in_axes=(None, 0))(shared_leaves, member_leaves))
         # The loop runs `count` rows: the padding rows give the bucket's shapes, not work,
         # and their share of `outputs` is left as it came.
         def step(i, outs):
@@ -508,10 +421,10 @@ def _compile(compiled, shared_tree, member_tree, rows: int,
     results = jax.eval_shape(one, shared_in,
                              [jax.ShapeDtypeStruct(m.shape[1:], m.dtype) for m in member_in])
     outputs_in = tuple(jax.ShapeDtypeStruct((rows, *a.shape), a.dtype) for a in results)
-    lowered = jax.jit(batched, donate_argnums=3).lower(
+    lowered = jax.jit(batched, donate_argnums=3, keep_unused=True).lower(
         shared_in, member_in, jax.ShapeDtypeStruct((), np.int32), outputs_in)
     specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in results)
-    return _Batched(batched, lowered, found["tree"], specs, rows)
+    return _Batched(batched, lowered, found["tree"], specs, rows, vmapped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,7 +457,7 @@ def batch(fn: computation_pb2.Computation, members: Sequence[LocalValue], shared
     None where the clients cannot run batched (see the module docstring)."""
     if not members:
         return None
-    found = _layouts(members, shared)
+    found = client_layouts.layouts(members, shared)
     if found is None:
         return None
     shared_tree, member_tree, shared_leaves, source = found
@@ -556,7 +469,7 @@ def batch(fn: computation_pb2.Computation, members: Sequence[LocalValue], shared
 
 
 def _run_batched(plan: _Batched, part: int, rows: int, shared_leaves: list,
-                 source: _Source, guard: Optional[Guard], keep: bool = True,
+                 source: client_layouts.Source, guard: Optional[Guard], keep: bool = True,
                  on_device: bool = False) -> Stacked:
     """Runs the clients `part` at a time, each call padded to `rows`, the calls at once
     on the worker threads (`part_size`); `on_device`: one after the other, their

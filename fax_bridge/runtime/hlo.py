@@ -1,7 +1,9 @@
 """Compiles serialized `xla.HloModuleProto` bytes with jax's XLA client and runs them.
 
 This is the only module of fax_bridge that touches private jax APIs (jax 0.10.2), with
-`hlo_import.py`, the helper process it runs XLA's HLO import in:
+`hlo_import.py`, the helper process it runs XLA's HLO import in, and `hlo_lax.py` /
+`hlo_lax_ops.py`, which read a module into lax operations with jaxlib's MLIR bindings
+(`HloExecutable.lax_program`; `call_traced` runs it inside `reading_as_lax()`):
 HLO -> StableHLO conversion, compilation with the default jax backend, raw executable
 calls, the module as a call inside a traced (jitted) jax function
 (`HloExecutable.call_traced`, through a `jax.export.Exported` built from the module),
@@ -26,11 +28,13 @@ holding any are refused here, before compilation, and by the exporter.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import re
 import threading
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import jax
 import numpy as np
@@ -44,15 +48,11 @@ from jax._src.lib.mlir.dialects import hlo as _hlo_dialect
 
 from fax_bridge.errors import ComputationError, HloModuleError
 from fax_bridge.language import jax_compat
-from fax_bridge.runtime import hlo_check, hlo_import, limits
+from fax_bridge.runtime import hlo_check, hlo_import, hlo_lax, limits
 
 _COPY = _jax.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
-_ELEMENT_TYPES = {
-    "f16": np.float16, "f32": np.float32, "f64": np.float64, "bf16": None,
-    "i1": np.bool_, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
-    "ui8": np.uint8, "ui16": np.uint16, "ui32": np.uint32, "ui64": np.uint64,
-    "complex<f32>": np.complex64, "complex<f64>": np.complex128,
-}
+# Set while a batched caller traces: `call_traced` reads modules as lax operations.
+_AS_LAX: contextvars.ContextVar[bool] = contextvars.ContextVar("as_lax", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +69,8 @@ class TensorSpec:
 
 def _spec_of(mlir_type) -> TensorSpec:
     tensor = _ir.RankedTensorType(mlir_type)
-    element = str(tensor.element_type)
-    if element == "bf16":
-        import ml_dtypes  # imported lazily: only bfloat16 programs need it
-
-        dtype = np.dtype(ml_dtypes.bfloat16)
-    else:
-        dtype = _ELEMENT_TYPES.get(element)
-        dtype = None if dtype is None else np.dtype(dtype)
-    return TensorSpec(tuple(int(d) for d in tensor.shape), dtype)
+    return TensorSpec(tuple(int(d) for d in tensor.shape),
+                      hlo_lax.element_dtype(tensor.element_type))
 
 
 def _signature(stablehlo: bytes) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -363,6 +356,20 @@ class HloExecutable:
         self._backend = backend
         self._executable = None  # compiled on first call: a module that only ever runs
         self._compiling = threading.Lock()  # inside `call_traced` is never compiled alone
+        self._program: Optional[hlo_lax.Program] = None
+        self._unreadable: Optional[str] = None
+
+    def lax_program(self) -> hlo_lax.Program:
+        """The module read as lax operations (`hlo_lax.read`, once); raises
+        `hlo_lax.Unreadable` naming what it cannot read."""
+        if self._program is None and self._unreadable is None:
+            try:
+                self._program = hlo_lax.read(self._stablehlo)
+            except hlo_lax.Unreadable as e:
+                self._unreadable = str(e)
+        if self._program is None:
+            raise hlo_lax.Unreadable(self._unreadable)
+        return self._program
 
     def _compiled(self):
         with self._compiling:
@@ -436,7 +443,8 @@ class HloExecutable:
     def call_traced(self, args: Sequence) -> list:
         """The module's outputs for `args` (jax values, tracers among them) inside a
         function jax is tracing: the module is inlined there, so XLA compiles it with its
-        caller.
+        caller. Inside `reading_as_lax()` the module runs as its lax operations
+        (`lax_program`), which jax can vmap; else as one opaque call.
 
         Raises ComputationError when the module cannot be called so (64-bit types while
         jax runs with 32-bit ones, a tuple-shaped result, shapes or dtypes that do not
@@ -451,6 +459,8 @@ class HloExecutable:
             raise ComputationError(
                 "the HLO module has 64-bit types and jax_enable_x64 is off; it runs only "
                 "as its own executable")
+        if _AS_LAX.get():
+            return list(self.lax_program()(*args))
         try:
             if self._exported is None:
                 self._exported = self._export()
@@ -463,6 +473,18 @@ class HloExecutable:
         except Exception as e:  # jax raises ValueErrors and MLIR errors of its own
             raise ComputationError(
                 f"cannot call the HLO module inside a traced function ({e})") from e
+
+
+@contextlib.contextmanager
+def reading_as_lax() -> Iterator[None]:
+    """While it lasts, `call_traced` runs each module as the lax operations it is read
+    into (`HloExecutable.lax_program`) instead of as one opaque call, so that what is
+    being traced can be vmapped (`client_map`'s batched clients)."""
+    token = _AS_LAX.set(True)
+    try:
+        yield
+    finally:
+        _AS_LAX.reset(token)
 
 
 def canonical_convolutions(stablehlo: bytes) -> bytes:

@@ -27,7 +27,8 @@ _lock = threading.Lock()
 _executables: dict[str, hlo.HloExecutable] = {}
 
 
-def _executable(hlo_bytes: bytes) -> hlo.HloExecutable:
+def executable(hlo_bytes: bytes) -> hlo.HloExecutable:
+    """The module's executable, made once per distinct module and process."""
     key = hashlib.sha256(hlo_bytes).hexdigest()
     with _lock:
         exe = _executables.get(key)
@@ -127,7 +128,7 @@ def xla_function(comp: computation_pb2.Computation,
         )
     if not isinstance(fn_type, federated_language.FunctionType):
         raise ComputationError(f"an Xla computation must have a function type, got {fn_type}")
-    exe = _executable(xla.hlo_module.value)
+    exe = executable(xla.hlo_module.value)
     has_param = xla.HasField("parameter")
     if has_param != (fn_type.parameter is not None):
         raise ComputationError(
