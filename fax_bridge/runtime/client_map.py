@@ -12,13 +12,17 @@ Batched: when the computation has a parameter and the clients' members (and the 
 part, if any) are tensors, or Structs of tensors, of one layout (the same names, shapes
 and dtypes for every client), the members are stacked along a leading clients axis,
 padded up to a power-of-two bucket (at least 2) with copies of the first client, and
-the whole computation runs as ONE jitted call over the bucket's rows. Where every `Xla`
-part inside it reads as lax operations (`HloExecutable.lax_program`, `hlo_lax`), the
-rows run as `jax.vmap` of the computation over the member rows (shared leaves
-unmapped; padding rows computed too, their results never read); otherwise as XLA's loop
-over the first `count` rows, each part called as its module (`call_traced`), and a
-warning on logger `fax_bridge.runtime` says, once per computation and reason, which op
-kept it from vmap and where it comes from (`_Batched.vmapped` records which ran).
+the whole computation runs as ONE jitted call over the bucket's rows: by default XLA's
+loop over the first `count` rows, each part called as its module (`call_traced`). With
+`FAX_BRIDGE_VMAP_CLIENTS=1`, where every `Xla` part inside it reads as lax operations
+(`HloExecutable.lax_program`, `hlo_lax`), the rows run as `jax.vmap` of the computation
+over the member rows instead (shared leaves unmapped; padding rows computed too, their
+results never read), and where one does not, a warning on logger `fax_bridge.runtime`
+says, once per computation and reason, which op kept it from vmap and where it comes
+from (`_Batched.vmapped` records which ran). The loop is the default because it was the
+faster of the two wherever measured (docs/accelerators.md: on a TPU v5e a 35.7M-parameter
+round took 0.330 s looped, 0.405 s vmapped, and vmapped chunks hold every row's
+activations at once; on a CPU the two were level), and it keeps each part's own bits.
 A cohort runs as one call per CPU of this process (`part_size`), at once on the worker
 threads (`threads`), each call over its share of the clients and never over
 `MAX_ROWS`. The executable is compiled once per (computation, layout, bucket): cohorts
@@ -27,16 +31,16 @@ that shrink by dropouts reuse it. It writes its results over arrays it is given
 kept for the next call in `buffers` (kind `SPARES`), else new zeros, so that a round
 does not fault in and zero fresh memory for every call's results.
 
-Bits: integer results are exact on every path. Vmapped, XLA fuses the parts' operations
-with each other and across rows, so a client's float result is within a few ulps of
-its parts' own executables (`tests/test_runtime_client_map.py`: `VMAP_ULPS` of the
-leaf's scale), not their bits; looped, matmuls, sums and elementwise arithmetic give
-those executables' bits and a transcendental fused into a reduction may land an ulp
-apart. Either way a client's result has the same bits whatever cohort, bucket and call
-it runs in and wherever it sits there (tested: alone, reversed, in a larger bucket),
-which is what makes the host path and the device path (buckets of different sizes)
-agree bit for bit; XLA does not promise that a batched matmul's rows keep their bits
-as the batch grows, the tests hold it for XLA's CPU kernels of this jax.
+Bits: integer results are exact on every path. Looped (the default), matmuls, sums and
+elementwise arithmetic give the parts' own executables' bits and a transcendental fused
+into a reduction may land an ulp apart, and a client's result has the same bits
+whatever cohort, bucket and call it runs in and wherever it sits there (tested: alone,
+reversed, in a larger bucket), which is what makes the host path and the device path
+(buckets of different sizes) agree bit for bit. Vmapped, XLA fuses the parts'
+operations with each other and batches a bucket's rows as one operation, so a client's
+float result is within a few ulps of its parts' own executables and may move by an ulp
+with the bucket (`tests/test_runtime_client_map.py`: `VMAP_ULPS` of the leaf's scale):
+there the host and device paths agree within parity's bounds, not bit for bit.
 
 Per client: otherwise (no parameter, members of different layouts, generic intrinsics on
 client values, 64-bit types while jax runs with 32-bit ones, anything the trace refuses)
@@ -71,6 +75,7 @@ from fax_bridge.errors import ComputationError, UnbatchedWarning
 from fax_bridge.runtime import (buffers, client_layouts, grammar, hlo, hlo_lax, local_eval,
                                 threads, xla_function)
 from fax_bridge.runtime.backend import ClientRows, LocalValue, as_numpy
+from fax_bridge.system import env_settings
 
 LOG = logging.getLogger("fax_bridge.runtime")
 NO_SHARED = client_layouts.NO_SHARED  # `shared` when the computation takes the member alone
@@ -296,20 +301,24 @@ def _plan(fn, key, shared_tree, member_tree, rows: int,
           fixed: Optional[tuple] = None) -> Optional[_Batched]:
     """The batched executable for this layout and bucket (and `fixed` member leaves),
     compiled on first use; None when this computation or layout runs per client."""
-    cache_key = (key or local_eval.content_hash(fn), shared_tree, member_tree, rows, fixed)
+    cache_key = (key or local_eval.content_hash(fn), shared_tree, member_tree, rows, fixed,
+                 vmap_clients())
     with _lock:
         if cache_key in _batched:
             return _batched[cache_key]
     try:
         compiled = local_eval.compile_local(fn)
-        reason = _unreadable(fn)
-        if reason is None:
-            try:
-                plan = _compile(compiled, shared_tree, member_tree, rows, fixed, True)
-            except Exception as e:  # noqa: BLE001 - the loop runs it, and says why
-                reason = f"its vmapped trace failed with {type(e).__name__}: {e}"
-        if reason is not None:
-            _looped(cache_key[0], reason)
+        plan = None
+        if vmap_clients():
+            reason = _unreadable(fn)
+            if reason is None:
+                try:
+                    plan = _compile(compiled, shared_tree, member_tree, rows, fixed, True)
+                except Exception as e:  # noqa: BLE001 - the loop runs it, and says why
+                    reason = f"its vmapped trace failed with {type(e).__name__}: {e}"
+            if reason is not None:
+                _looped(cache_key[0], reason)
+        if plan is None:
             plan = _compile(compiled, shared_tree, member_tree, rows, fixed, False)
     except Exception as e:  # what the trace refuses runs per client, which names the problem
         _unbatched(cache_key[0], "its batched trace", e)
@@ -330,6 +339,12 @@ def _refused(plan: _Batched) -> bool:
         _unbatched(keys[0][0] if keys else "?", "XLA's compilation of its batched call", e)
         return True
     return False
+
+
+def vmap_clients() -> bool:
+    """Whether batched rows run as `jax.vmap` where the parts read as lax operations
+    (`FAX_BRIDGE_VMAP_CLIENTS=1`; the module docstring says why the loop is the default)."""
+    return env_settings.whole_number("FAX_BRIDGE_VMAP_CLIENTS") > 0
 
 
 def _unreadable(fn: computation_pb2.Computation) -> Optional[str]:

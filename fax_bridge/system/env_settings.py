@@ -28,6 +28,9 @@ VARIABLES = {
                                   "1000000"),
     "FAX_BRIDGE_MAX_PROTO_BYTES": (256 << 20, 1, "the bytes of one proto built for the "
                                    "devices", "268435456 for 256 MiB"),
+    "FAX_BRIDGE_VMAP_CLIENTS": (0, 0, "whether an exported client part's batched rows run "
+                                "as jax.vmap of its lax reading (1) or as XLA's loop (0)",
+                                "1 for vmap"),
 }
 
 
