@@ -169,6 +169,66 @@ def test_every_primitive_differentiates_alike_chunked_or_not():
                                rtol=1e-5)
 
 
+def _second_derivatives(uses, k, n=3, compiled=True):
+    """Second derivatives at w of sin(3 * each use) (so each aggregate's value is itself
+    differentiated), in chunks of k: (grad of grad, jvp of grad, the jvp over x of the
+    grad over w); with `compiled=False` only traced (to see what is refused)."""
+    program = fb.program(clients=n, clients_per_step=k)(
+        lambda w, x, keys: jnp.sin(3 * jnp.stack([use(w, x, keys) for use in uses])))
+    keys = jax.random.key_data(jax.random.split(jax.random.PRNGKey(0), n))
+
+    def f(w, x):
+        return program(w, x, keys)
+
+    def all_three(w, x):
+        grad = jax.jacrev(f)
+        return (jax.jacrev(grad)(w, x), jax.jvp(lambda w: grad(w, x), (w,), (jnp.float32(1),))[1],
+                jax.jvp(lambda x: grad(w, x), (x,), (jnp.ones_like(x),))[1])
+
+    args = (jnp.float32(1.1), jnp.linspace(0.2, 1.5, n))
+    return (jax.jit(all_three) if compiled else jax.make_jaxpr(all_three))(*args)
+
+
+def _second_refusal(use, k, n=3):
+    try:
+        _second_derivatives((use,), k, n, compiled=False)
+    except Exception as e:  # compared by class: refused alike, or not at all
+        return type(e)
+    return None
+
+
+def test_every_primitive_differentiates_twice_alike_chunked_or_not():
+    """grad of grad, jvp of grad and a jvp over the data of the grad: each primitive's
+    second derivatives in chunks of 2 (which does not divide the 3 clients; sizes that
+    do: the test below) are the unchunked ones, or refused alike."""
+    uses = tuple(dict.fromkeys(USES.values()))
+    refused = {use: _second_refusal(use, None) for use in uses}
+    for use in (use for use, error in refused.items() if error):
+        assert _second_refusal(use, 2) is refused[use], [n for n, u in USES.items()
+                                                         if u is use]
+    uses = tuple(use for use in uses if not refused[use])
+    for which, got, want in zip(("grad of grad", "jvp of grad", "jvp over x"),
+                                _second_derivatives(uses, 2), _second_derivatives(uses, None)):
+        for name, use in USES.items():
+            if use in uses:
+                np.testing.assert_allclose(got[uses.index(use)], want[uses.index(use)],
+                                           rtol=2e-5, atol=1e-6, err_msg=f"{name}: {which}")
+
+
+@settings(max_examples=4, deadline=None)
+@given(name=st.sampled_from(sorted(USES)), n=st.integers(2, 6), k=st.integers(1, 6))
+def test_second_derivatives_in_chunks_of_any_size(name, n, k):
+    """Any registered primitive, any cohort, chunks that divide it or not (or cover it)."""
+    use = USES[name]
+    if _second_refusal(use, None, n):
+        assert _second_refusal(use, k, n) is _second_refusal(use, None, n)
+        return
+    for which, got, want in zip(("grad of grad", "jvp of grad", "jvp over x"),
+                                _second_derivatives((use,), k, n),
+                                _second_derivatives((use,), None, n)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=which)
+
+
 def test_linearize_of_a_chunked_round_gives_the_unchunked_value_and_derivative():
     """jax.linearize (what jax.grad runs) finds the chunked round's value known from the
     primals, whatever jax version partially evaluates it."""

@@ -196,3 +196,36 @@ def test_rounded_partials_agree_within_their_rounding(kind, clients, width, data
     moved = (moved + np.abs(products).sum(axis=0) * 2.0 ** -24) / (
         scale.sum() if kind == "weighted_mean" else clients if kind == "mean" else 1)
     assert np.all(np.abs(got - want.astype(np.float64)) <= 2 * moved + 1e-30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["sum", "mean", "weighted_mean"]), st.sampled_from(["float16",
+                                                                          "bfloat16"]),
+       st.integers(2, 9), st.integers(1, 3), st.data())
+def test_narrow_float_partials_of_a_rounded_round_are_rounded_once(kind, dtype, clients,
+                                                                   width, data):
+    """float16/bfloat16 sums and means accumulate in at least float32 and round once in a
+    round of rounded partials too: the exact path's bits, within half an ulp of the
+    float64 reference."""
+    dtype = _dtype(dtype)
+    values = st.floats(-300, 300, width=16).filter(lambda v: v == 0 or abs(v) > 1e-3)
+    members = [np.array(data.draw(st.lists(values, min_size=width, max_size=width)),
+                        np.float64).astype(dtype) for _ in range(clients)]
+    weights = ([np.float32(data.draw(st.sampled_from([0.5, 2.0, 3.25])))
+                for _ in range(clients)] if kind == "weighted_mean" else None)
+    types = [federated_language.TensorType(dtype, [width])]
+    weight_types = [federated_language.TensorType(np.float32)] if weights else []
+    sizes = _blocks(data, clients)
+    got = _through_holders(kind, members, weights, sizes, types, weight_types,
+                           rounded=True)[0][0]
+    exact = _through_holders(kind, members, weights, sizes, types, weight_types)[0][0]
+    assert got.tobytes() == exact.tobytes()
+    # float64 reference: a weighted mean's products are rounded to the dtype first
+    scale = [float(w) for w in weights] if weights else [1.0] * clients
+    terms = np.stack([(m.astype(np.float64) * s).astype(dtype).astype(np.float64)
+                      if weights else m.astype(np.float64) for m, s in zip(members, scale)])
+    by = sum(scale) if kind == "weighted_mean" else clients if kind == "mean" else 1
+    reference = terms.sum(axis=0) / by
+    spacing = np.array([float(np.spacing(dtype.type(abs(v)))) for v in got.reshape(-1)])
+    error = np.abs(got.astype(np.float64) - reference).reshape(-1)
+    assert np.all(error <= 0.5 * spacing * (1 + 2.0 ** -8) + 1e-30), (got, reference)

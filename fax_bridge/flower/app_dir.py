@@ -230,7 +230,8 @@ the SuperLink's host, `bundle.write_state`, to start from instead, e.g. a traine
 each entry's dtype and shape must be the round's state's) and rounded-partials (true:
 each node sends its float sums rounded once to float32, Flower's bytes, and the result
 agrees with the exact one within that rounding instead of bit for bit; a node of one
-client sends its exact float32 addend either way).
+client sends its exact float32 addend either way, and float16/bfloat16 sums travel
+exact, to be rounded once).
 
 Each `python -m fax_bridge.flower.supernode` line starts a warm SuperNode: a worker
 that loads jax and compiles the round's client part once, on the node's loopback with a

@@ -37,6 +37,35 @@ def register_impl_and_lowering(prim: core.Primitive, fn) -> None:
     IMPLEMENTATIONS[prim] = fn
 
 
+@jax.custom_jvp
+def derivative_of(value, proxy):
+    """`value`, whose derivative is taken as `proxy`'s (same shape and dtype).
+
+    Implementations are differentiated where their primitive's rule is not applied: a
+    chunked round's derivative of a derivative differentiates the chunks' run of the
+    first one, and a map's lowering the implementations of the equations nested in it.
+    An implementation whose value goes through steps that have no derivative (integer
+    codes) gives its value with `proxy`, a function of its inputs whose derivative is
+    the rule's, so that it differentiates as the primitive does, to every order."""
+    del proxy
+    return value
+
+
+@derivative_of.defjvp
+def _derivative_of_jvp(primals, tangents):
+    value, proxy = primals
+    return derivative_of(value, proxy), tangents[1]
+
+
+def refusing_derivatives(fn, refuse):
+    """`fn` (an implementation), calling `refuse()` (which raises) when differentiated
+    with a nonzero tangent: a primitive whose rule refuses refuses alike wherever its
+    implementation is differentiated directly."""
+    guarded = jax.custom_jvp(fn)
+    guarded.defjvp(lambda primals, tangents: refuse())
+    return guarded
+
+
 def eval_implemented(jaxpr: _compat.ClosedJaxpr, *args):
     """Evaluates `jaxpr` with nested federated equations run as their plain-jax
     implementations, so transformations applied around it reach their constraints."""

@@ -552,11 +552,17 @@ def _decode_sum_abstract_eval(*avals, jaxpr, clients, name, axis, mesh):
 
 
 def _decode_sum_impl(*args, jaxpr, clients, name, axis, mesh):
-    del name
-    args = [_local.place_leading(a, axis, mesh) for a in args]
-    decoded = jax.vmap(partial(_lowering.eval_implemented, jaxpr), axis_size=clients)(*args)
-    return [_lowering.clients_sum(d, reduce=mesh is not None).astype(d.dtype)
-            for d in decoded]
+    def decoded_sum(*args):
+        args = [_local.place_leading(a, axis, mesh) for a in args]
+        decoded = jax.vmap(partial(_lowering.eval_implemented, jaxpr),
+                           axis_size=clients)(*args)
+        return [_lowering.clients_sum(d, reduce=mesh is not None).astype(d.dtype)
+                for d in decoded]
+
+    # differentiated directly (a chunk of a differentiated round, nested in a map): as
+    # the rule, refused
+    return _lowering.refusing_derivatives(
+        decoded_sum, lambda: _decode_sum_refuse("jvp", name))(*args)
 
 
 def _decode_sum_refuse(rule: str, name: str):

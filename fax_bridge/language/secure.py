@@ -36,6 +36,9 @@ of the tangents where values were not clipped (rounding passes tangents straight
 through), a linear `federated_mean`, so `jax.grad` of a loss of a secure mean with respect
 to SERVER values transposes it to `federated_broadcast`: the gradient program uses only
 federated primitives, and its forward pass still aggregates through the secure path.
+Where the implementation itself is differentiated (a derivative of a chunked round's
+derivative, a secure mean nested in a map), the codes carry that same derivative: the
+mean of the unclipped values' (`lowering.derivative_of`).
 
 Exported: the integer sums as TFF's intrinsics with the bound as a literal; the secure
 mean as `federated_map` (clip, quantize) -> `federated_secure_sum_bitwidth`, beside a
@@ -60,6 +63,7 @@ from jax._src.interpreters import ad
 
 from fax_bridge.local import chunking
 from fax_bridge import api as _api
+from fax_bridge.language import lowering as _lowering
 from fax_bridge.language import primitives as P
 from fax_bridge.language import primitive_facts as _facts
 from fax_bridge.errors import ArgumentError, PlacementError, SecureAggregationError
@@ -299,10 +303,24 @@ def _secure_mean_abstract_eval(x, keys, *, clients, axis, mesh, lo, hi, bits):
     return P._unplaced(x)
 
 
+def _unclipped(x, lo: float, hi: float):
+    """The values inside [lo, hi], zero elsewhere: the secure mean's derivative is the
+    mean of theirs (the JVP rule's `inside`)."""
+    return jnp.where((x >= lo) & (x <= hi), x, jnp.zeros_like(x))
+
+
+def _unclipped_mean(total, clients, dtype):
+    return (total / clients).astype(dtype)
+
+
 def _secure_mean_impl(x, keys, *, clients, axis, mesh, lo, hi, bits):
-    del axis, mesh
+    del axis
     codes = jax.vmap(lambda v, k: quantize(v, k, lo, hi, bits))(x, keys)
-    return dequantize(jnp.sum(codes, axis=0, dtype=jnp.int32), clients, lo, hi, bits, x.dtype)
+    mean = dequantize(jnp.sum(codes, axis=0, dtype=jnp.int32), clients, lo, hi, bits, x.dtype)
+    # the codes have no derivative: differentiated directly, the implementation takes
+    # its rule's (XLA drops the proxy's sum where nothing differentiates it)
+    proxy = _lowering.clients_sum(_unclipped(x, lo, hi), reduce=mesh is not None)
+    return _lowering.derivative_of(mean, _unclipped_mean(proxy, clients, x.dtype))
 
 
 def _secure_mean_jvp(primals, tangents, **params):
@@ -331,16 +349,19 @@ def _secure_mean_batch(axis_data, args, dims, **params):
     return secure_mean_p.bind(P._move_batch_axis_after_clients(x, dx), keys, **params), 0
 
 
-def _secure_mean_partials(x, keys, *, lo, hi, bits, **params):
-    """One chunk's sum of codes (codes add exactly across chunks)."""
+def _secure_mean_partials(x, keys, *, lo, hi, bits, mesh, **params):
+    """One chunk's sum of codes (codes add exactly across chunks), and of its unclipped
+    values, whose mean carries the derivative (`_secure_mean_impl`)."""
     del params
     codes = jax.vmap(lambda v, k: quantize(v, k, lo, hi, bits))(x, keys)
-    return [jnp.sum(codes, axis=0, dtype=jnp.int32)]
+    return [jnp.sum(codes, axis=0, dtype=jnp.int32),
+            _lowering.clients_sum(_unclipped(x, lo, hi), reduce=mesh is not None)]
 
 
 def _secure_mean_finish(totals, x_aval, keys_aval, *, clients, lo, hi, bits, **params):
     del keys_aval, params
-    return [dequantize(totals[0], clients, lo, hi, bits, x_aval.dtype)]
+    return [_lowering.derivative_of(dequantize(totals[0], clients, lo, hi, bits, x_aval.dtype),
+                                    _unclipped_mean(totals[1], clients, x_aval.dtype))]
 
 
 secure_mean_p.def_abstract_eval(_secure_mean_abstract_eval)

@@ -138,9 +138,12 @@ def register_aggregation(prim: core.Primitive, partials: Callable, finish: Calla
     """How chunks run aggregation `prim`: `partials(*chunk operands, **params)` gives a
     list of arrays that add across chunks, `finish(totals, *operand avals, **params)` the
     results from their sums (`params["clients"]` is the chunk's size, then the cohort's).
-    Neither is differentiated (a chunked round's derivatives come from the primitive's
-    own JVP rule, `differentiable`), so partials may be integer codes. Modules defining
-    aggregations register them beside the primitive."""
+    A first derivative never differentiates them (it is the primitive's own JVP rule,
+    run in chunks: `differentiable`), but a derivative of a derivative differentiates
+    that chunked run, so finish(sum of partials) must differentiate as the primitive's
+    rule: partials that are integer codes carry the derivative on a float partial
+    beside them (`lowering.derivative_of`, as the secure mean does), or refuse it as the
+    rule does. Modules defining aggregations register them beside the primitive."""
     _AGGREGATIONS[prim] = (partials, finish)
 
 
@@ -543,6 +546,11 @@ def differentiable(closed: _compat.ClosedJaxpr, clients: int, axis: str, k: int,
     primals (the primal outputs among them) and the linear rest they transpose. (From
     jax 0.12 partial evaluation no longer looks inside a `custom_jvp` whose inputs are
     unknown: one around the JVP's run would leave its primal outputs unknown.)
+
+    A derivative of the derivative differentiates that run of the JVP directly: its
+    chunk scans, the maps' implementations and the aggregations' partials, each of
+    which differentiates as its primitive's rule does (`register_aggregation`,
+    `lowering.derivative_of`), so every order equals the unchunked program's.
     """
     execute = functools.partial(scan_chunks, progress=progress)
 

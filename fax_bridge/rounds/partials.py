@@ -10,7 +10,8 @@ nothing is rounded before the coordinator finishes the aggregate. A partial over
 client travels as that client's addend in its own dtype (`addend`: 4 bytes an element
 for float32, half the doubles), from which the receiver builds the same exact sum
 (`sum_of_addend`); with `rounded=True` (a round of rounded partials) every sum-like
-partial travels so, its exact sum rounded once to the dtype. With a
+partial of floats of 4 bytes or more travels so, its exact sum rounded once to the
+dtype (float16 and bfloat16 sums travel exact: they round once, at the end). With a
 `shared_memory.Writer`, `to_message` puts the large bytes fields in a shared-memory
 segment instead (their `*_at` spans set, the fields empty).
 """
@@ -110,20 +111,29 @@ def _limbs_of(dtype: np.dtype, shape: tuple, message: pb.LeafPartial, limbs: byt
                                np.frombuffer(flags, np.uint8) if flags else None)
 
 
+def _rounds_alone(total) -> bool:
+    """Whether a round of rounded partials sends `total` rounded to its dtype: a float
+    sum of at least 4 bytes. A float16/bfloat16 sum is accumulated in float32 or wider
+    and rounded once, after a mean's division: rounding each holder's sum to float16
+    would round it once per holder, so it travels exact."""
+    return total.is_float and np.dtype(total.dtype).itemsize >= 4
+
+
 def to_message(partial: Partial, out: Optional[pb.AggregateResponse] = None,
                shared=None, rounded: bool = False) -> pb.AggregateResponse:
     """The partial as an `AggregateResponse`: written into `out` (an empty one, e.g.
     a new element of a repeated field, so nothing is copied) or a new message. `shared`:
     a `shared_memory.Writer` that takes the large bytes fields (their spans are set).
-    A sum-like partial over one client, or over any number of float values with
-    `rounded`, travels as `addend`s: each exact sum rounded once to its dtype (for one
-    client, exactly its addend; integer sums are never rounded)."""
+    A sum-like partial over one client, or over any number of float values of 4 bytes
+    or more with `rounded`, travels as `addend`s: each exact sum rounded once to its
+    dtype (for one client, exactly its addend; integer sums are never rounded, nor
+    float16/bfloat16 ones over several clients)."""
     if out is None:
         out = pb.AggregateResponse()
     out.num_clients = partial.count
     sums = [*partial.leaves] + ([] if partial.weights is None else [partial.weights])
     if partial.kind not in EXTREMES and sums and (partial.count == 1 or (
-            rounded and all(s.is_float for s in sums))):
+            rounded and all(_rounds_alone(s) for s in sums))):
         found = results(sums)  # rounded together: one pass per dtype
         for i, value in enumerate(found):
             leaf = out.leaves.add() if i < len(partial.leaves) else out.weight_leaves.add()

@@ -69,7 +69,8 @@ class RoundPolicy:
         value's dtype (4 bytes an element for float32, the bytes Flower's own apps
         send) instead of exact partials (about 8): the round's result then agrees with
         the exact one within the rounding of those partials, not bit for bit. A holder
-        of one client sends its exact addend either way (the same 4 bytes).
+        of one client sends its exact addend either way (the same 4 bytes); float16 and
+        bfloat16 sums travel exact (they round once, at the end).
     """
 
     cohort_size: Optional[int] = None
