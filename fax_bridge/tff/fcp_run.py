@@ -9,8 +9,9 @@ TensorFlow from its TFRecord file), in the TFF 0.87 side environment (`side_env`
 main environment launches it; `make tff-venv` builds it). The population is one
 written by `fax_bridge.data.examples.write_population`, its features named as the
 round's client data (`data/x`, `mask`: `fcp.client_features`), checked before TFF
-starts. Each round's state and outputs come back (`PlanRun`); `write_state` writes the
-last state as the round's state leaves (`state.npz`, unsigned leaves restored).
+starts. Each round's state and outputs come back (`PlanRun`, unsigned leaves restored);
+`write_state` writes a state as `state.npz` holds it (unsigned leaves as signed bits),
+so a run's last state can start another.
 """
 
 from __future__ import annotations
