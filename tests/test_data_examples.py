@@ -268,8 +268,6 @@ CLIENT = {"data/x": np.float32([1.5, -2.0]), "data/y": np.int32(7),
 
 def test_features_named_after_the_arguments_read_back_and_their_positions_are_known():
     assert E.positional_names(["data/x", "data/y", "mask"]) == ["0/x", "0/y", "1"]
-    assert E.positional_names(["data/x", "data/y"]) == ["x", "y"]
-    assert E.positional_names(["data"]) == ["value"]
     assert E.positional_names(["0/x", "1"]) == ["0/x", "1"]  # unnamed: as they were
 
 

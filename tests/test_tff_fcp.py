@@ -136,15 +136,15 @@ def one_named_argument(state, data):
     return state, _counted(data)
 
 
-def one_unnamed_argument(state, *rest):
+def several_unnamed_arguments(state, *rest):
     return state, _counted(rest[0])
 
 
-@pytest.mark.parametrize("fn, names", [
-    (one_named_argument, ["data/n", "data/x"]),
-    (one_unnamed_argument, ["n", "x"]),  # no name to give: by position, as before
+@pytest.mark.parametrize("fn, args, names", [
+    (one_named_argument, (DATA,), ["n", "x"]),  # one argument: the client data itself
+    (several_unnamed_arguments, (DATA, KEYS), ["0/n", "0/x", "1"]),  # no names: positions
 ])
-def test_one_client_argument_is_named_too(fn, names):
-    proto, _ = forms.round_proto(fb.program(clients=N)(fn), STATE, DATA,
-                                 placements=("server", "clients"))
+def test_client_arguments_without_names_to_give_keep_their_paths(fn, args, names):
+    proto, _ = forms.round_proto(fb.program(clients=N)(fn), STATE, *args,
+                                 placements=("server",) + ("clients",) * len(args))
     assert [f.name for f in fcp.client_features(proto)] == names

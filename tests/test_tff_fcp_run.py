@@ -46,8 +46,7 @@ def test_forms_run_is_jit_on_the_users_population(tmp_path, capsys):
     (params, data), _ = quickstart.example_args(CLIENTS)
     rng = np.random.default_rng(1)
     data = {k: (v + rng.normal(size=v.shape)).astype(v.dtype) for k, v in data.items()}
-    features = [Feature("data/x", data["x"].dtype, data["x"].shape[1:]),
-                Feature("data/y", data["y"].dtype, data["y"].shape[1:])]
+    features = [Feature(k, data[k].dtype, data[k].shape[1:]) for k in ("x", "y")]
     write_population(pop, features, fcp.client_values(features, data, CLIENTS))
     capsys.readouterr()
     assert cli.main(["forms", "run", form_dir, "--population", pop,

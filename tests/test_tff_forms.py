@@ -276,16 +276,16 @@ def test_federated_compute_forms_through_the_api_and_the_cli(tmp_path, capsys, b
     mrf = fb.to_map_reduce_form(one_trip, W, X, placements=("server", "clients"),
                                 target="fcp")
     assert list(mrf.pieces) == list(forms.MRF_PIECES)
-    assert mrf.features == [Feature("x", np.dtype(np.float32), (4, 2))]  # the argument
+    assert mrf.features == [Feature("value", np.dtype(np.float32), (4, 2))]
     assert mrf.piece_types["work"].startswith("(<str*,"), mrf.piece_types["work"]
     assert mrf.state_codes == [None]
     manifest = fb.write_form(mrf, str(tmp_path / "api"))
     assert manifest["for"] == "fcp" and manifest["features"] == [
-        {"name": "x", "dtype": "float32", "shape": [4, 2], "list": "float"}]
+        {"name": "value", "dtype": "float32", "shape": [4, 2], "list": "float"}]
     assert manifest["files"]["round"]["type"].startswith("(<state=float32[2]@SERVER,"
                                                          "examples={str*}@CLIENTS>")
     assert manifest["files"]["input_round"]["type"].startswith(
-        "(<float32[2]@SERVER,{<x=float32[4,2]>}@CLIENTS>")
+        "(<float32[2]@SERVER,{float32[4,2]}@CLIENTS>")
     _check_manifest(tmp_path / "api", manifest)
     out = tmp_path / "cli"
     rc = cli_main(["forms", f"{__file__}:one_trip", "--form", "daf", "--for", "fcp",

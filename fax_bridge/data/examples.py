@@ -530,14 +530,10 @@ def read_features(directory: str) -> tuple:
 
 
 def positional_names(names: Sequence[str]) -> list:
-    """`data/x`, `mask` as named by argument position before: `0/x`, `1` (one: `x`)."""
+    """`data/x`, `mask` as named by argument position before: `0/x`, `1`."""
     tops = list(dict.fromkeys(n.split("/", 1)[0] for n in names))
-    out = []
-    for n in names:
-        top, _, rest = n.partition("/")
-        out.append(rest or "value" if len(tops) == 1 else "/".join(
-            [str(tops.index(top))] + ([rest] if rest else [])))
-    return out
+    return list(names) if len(tops) == 1 else [
+        "/".join([str(tops.index(n.partition("/")[0]))] + n.split("/")[1:]) for n in names]
 
 
 def check_population_features(directory: str, features: Sequence[Feature]) -> None:
@@ -548,7 +544,7 @@ def check_population_features(directory: str, features: Sequence[Feature]) -> No
     if got == want:
         return
     old = positional_names([n for n, _, _ in want])
-    if [n for n, _, _ in got] == old and old != [n for n, _, _ in want]:
+    if [(n, d, sh) for n, (_, d, sh) in zip(old, want)] == got and old != [w[0] for w in want]:
         renames = {o: n for o, (n, _, _) in zip(old, want)}
         raise DataError(
             f"{directory} names its features by position ({', '.join(old)}); the round "

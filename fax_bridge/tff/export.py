@@ -210,7 +210,7 @@ class _Exporter:
                     f"a round in the forms' shape needs a {placement.value.upper()} argument "
                     "(server state first, then client data); the program has none.")
             member = subs[0] if len(subs) == 1 else tuple(subs)
-            if placement is C:  # the client data named after the arguments (`data/x`)
+            if placement is C and len(subs) > 1:  # named after the arguments (`data/x`)
                 member = client_data(subs, names[C])
             parts.append((placement, member))
         ptype = federated_language.StructType(
@@ -457,11 +457,11 @@ def client_data(args: Sequence[Any], names: Sequence[Optional[str]]) -> Any:
     """A round's CLIENTS arguments as one value whose elements are named after the
     arguments (a namedtuple, in argument order: `<data=<x,y>,mask>`), so its leaves are
     named `data/x`, `mask` (the FCP forms' features); positional where a name is unknown,
-    repeated or cannot name a field."""
+    repeated or cannot name a field. (One client argument is the client data itself.)"""
     try:
         return collections.namedtuple("ClientData", names)(*args)
     except (TypeError, ValueError):  # None, `_x`, a keyword, a repeated name
-        return args[0] if len(args) == 1 else tuple(args)
+        return tuple(args)
 
 
 def argument_names(fn: Callable, count: int) -> list[Optional[str]]:
