@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import traceback
 from typing import Any, Optional
 
@@ -31,12 +32,13 @@ def is_machinery(path: str) -> bool:
 def user_location() -> str:
     """`file:line (function)` of the innermost stack frame of the program's own code:
     outside jax and fax_bridge's machinery (`is_machinery`)."""
-    for frame in reversed(traceback.extract_stack()):
-        path = os.path.abspath(frame.filename)
+    for frame, line in traceback.walk_stack(sys._getframe()):  # innermost first, unread
+        name = frame.f_code.co_filename
+        path = os.path.abspath(name)
         if is_machinery(path) or f"{os.sep}jax{os.sep}" in path \
                 or f"{os.sep}jax_" in path or "contextlib" in path:
             continue
-        return f"{frame.filename}:{frame.lineno} ({frame.name})"
+        return f"{name}:{line} ({frame.f_code.co_name})"
     return UNKNOWN_LOCATION
 
 
