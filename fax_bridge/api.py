@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
-import traceback
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jax
@@ -35,27 +33,15 @@ from fax_bridge.local import jit as _local
 from fax_bridge.language import primitives as P
 from fax_bridge.language import pytree_names
 from fax_bridge.errors import ArgumentError, PlacementError, ProgramError, WeightError
+from fax_bridge.errors import user_location  # noqa: F401 (fax_bridge.api.user_location)
 from fax_bridge.local.execution import ClientsPerStep, is_unchunked
 from fax_bridge.local.execution import validate as validate_clients_per_step
 from fax_bridge.language.placements import (
     aggregate_refusal, declared_members, declared_placement_name, weights_refusal)
-from fax_bridge.language.tracing import is_machinery
 
 # The enclosing programs, outermost first: (placement name, number of members).
 _PROGRAMS: contextvars.ContextVar[tuple] = contextvars.ContextVar(
     "fax_bridge_programs", default=())
-
-
-def user_location() -> str:
-    """`file:line (function)` of the innermost stack frame of the program's own code:
-    outside jax and fax_bridge's machinery (`tracing.is_machinery`)."""
-    for frame in reversed(traceback.extract_stack()):
-        path = os.path.abspath(frame.filename)
-        if is_machinery(path) or f"{os.sep}jax{os.sep}" in path \
-                or f"{os.sep}jax_" in path or "contextlib" in path:
-            continue
-        return f"{frame.filename}:{frame.lineno} ({frame.name})"
-    return "<unknown location>"
 
 
 def current_placement(op: str) -> tuple[str, int]:

@@ -56,7 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    importlib.import_module("fax_bridge.tff.forms_cli").register_run(sub)
     return parser
+
+
+def _two_word_commands(argv: Sequence[str]) -> list:
+    """`forms run ...` as the subcommand `forms-run ...` (the `forms` subcommand's first
+    argument is a program, so `run` cannot be one of its own subcommands)."""
+    argv = list(argv)
+    return ["forms-run"] + argv[2:] if argv[:2] == ["forms", "run"] else argv
 
 
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
@@ -166,6 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _Interrupt.raised, _Interrupt.watcher, _Interrupt.ending = [], None, False
             _Interrupt.hook, sys.unraisablehook = sys.unraisablehook, _unraisable
             signal.signal(signal.SIGINT, _interrupt)
+        argv = _two_word_commands(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)  # --help ends here, whatever the env
         command = f"fax-bridge {args.command}"
         try:

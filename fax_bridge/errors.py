@@ -1,14 +1,66 @@
-"""Exceptions raised by fax_bridge; each message names what was wrong and how to fix it."""
+"""Exceptions raised by fax_bridge; each message names what was wrong and how to fix it.
+
+A `PlacementError` or `ProgramError` also names the line of the program's own code that
+placed or called what it refuses (`user_location`: the innermost frame outside jax and
+fax_bridge's machinery, `fax_bridge.algorithms` counting as a program), unless its
+message names a line already (an equation's, found after tracing).
+"""
 
 from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from typing import Any, Optional
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))  # fax_bridge/
+_ALGORITHMS_DIR = os.path.join(_PACKAGE_DIR, "algorithms")
+_A_LINE = re.compile(r"\.py:\d+")
+UNKNOWN_LOCATION = "<unknown location>"
+
+
+def is_machinery(path: str) -> bool:
+    """Whether a source file is fax_bridge's own machinery, which error locations skip.
+    `fax_bridge.algorithms` is not: its rounds are programs like a user's, so an error in
+    one points at its line."""
+    path = os.path.abspath(path)
+    return path.startswith(_PACKAGE_DIR + os.sep) and \
+        not path.startswith(_ALGORITHMS_DIR + os.sep)
+
+
+def user_location() -> str:
+    """`file:line (function)` of the innermost stack frame of the program's own code:
+    outside jax and fax_bridge's machinery (`is_machinery`)."""
+    for frame, line in traceback.walk_stack(sys._getframe()):  # innermost first, unread
+        name = frame.f_code.co_filename
+        path = os.path.abspath(name)
+        if is_machinery(path) or f"{os.sep}jax{os.sep}" in path \
+                or f"{os.sep}jax_" in path or "contextlib" in path:
+            continue
+        return f"{name}:{line} ({frame.f_code.co_name})"
+    return UNKNOWN_LOCATION
+
+
+class _Located:
+    """An error whose message ends with the user's line (`location`) unless it names a
+    line already; `location=` gives it where the caller knows better."""
+
+    def __init__(self, message: Any = "", *args: Any, location: Optional[str] = None):
+        self.location = location or user_location()
+        if isinstance(message, str) and message and not _A_LINE.search(message) \
+                and self.location != UNKNOWN_LOCATION:
+            message = f"{message} (at {self.location})"
+        super().__init__(message, *args)
 
 
 class FaxBridgeError(Exception):
     """Base class of every error fax_bridge raises on purpose."""
 
 
-class PlacementError(FaxBridgeError, TypeError):
-    """A value is used at a placement it does not have (e.g. CLIENTS where SERVER is needed)."""
+class PlacementError(_Located, FaxBridgeError, TypeError):
+    """A value is used at a placement it does not have (e.g. CLIENTS where SERVER is
+    needed); the message names the user's line."""
 
 
 class ExportError(FaxBridgeError):
@@ -88,9 +140,9 @@ class MeshError(FaxBridgeError, ValueError):
     """A device mesh or a multi-process layout does not fit the clients."""
 
 
-class ProgramError(FaxBridgeError, ValueError):
+class ProgramError(_Located, FaxBridgeError, ValueError):
     """A program is declared wrongly: its placement name, its cardinality, or the
-    placements given for its arguments."""
+    placements given for its arguments; the message names the user's line."""
 
 
 class SecureAggregationError(FaxBridgeError, ValueError):

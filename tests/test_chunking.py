@@ -404,7 +404,7 @@ def test_memory_limit_says_when_the_device_reports_none(monkeypatch):
 
 
 def test_progress_counts_the_clients_of_each_chunked_round(monkeypatch):
-    import tqdm.auto
+    from fax_bridge.system import progress
     bars = []
 
     class Bar:
@@ -418,7 +418,7 @@ def test_progress_counts_the_clients_of_each_chunked_round(monkeypatch):
         def close(self):
             self.closed = True
 
-    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(progress, "bar", Bar)
     quiet, x = _federated_dot(5).with_clients_per_step(2), np.arange(5.0, dtype=np.float32)
     shown = fb.program(clients=5, clients_per_step=2, progress=True)(quiet.fn)
     jax.block_until_ready(jax.jit(quiet)(2.0, x))

@@ -258,3 +258,33 @@ def test_int64_lists_of_one_byte_varints_take_memory_bounded_by_their_shape(decl
         tracemalloc.stop()
     # the int64 result and a few copies of the bytes, not a Python int per byte
     assert peak <= 8 * declared + 8 * len(data), peak
+
+
+NAMED = [E.Feature("data/x", np.dtype(np.float32), (2,)),
+         E.Feature("data/y", np.dtype(np.int32), ()), E.Feature("mask", np.dtype(np.bool_), (2,))]
+CLIENT = {"data/x": np.float32([1.5, -2.0]), "data/y": np.int32(7),
+          "mask": np.array([True, False])}
+
+
+def test_features_named_after_the_arguments_read_back_and_their_positions_are_known():
+    assert E.positional_names(["data/x", "data/y", "mask"]) == ["0/x", "0/y", "1"]
+    assert E.positional_names(["0/x", "1"]) == ["0/x", "1"]  # unnamed: as they were
+
+
+def test_a_population_named_by_position_is_refused_with_its_renaming(tmp_path):
+    named, old = str(tmp_path / "named"), str(tmp_path / "old")
+    E.write_population(named, NAMED, [CLIENT])
+    E.check_population_features(named, NAMED)
+    renames = dict(zip(["0/x", "0/y", "1"], ["data/x", "data/y", "mask"]))
+    E.write_population(old, [E.Feature(o, f.dtype, f.shape) for o, f in zip(renames, NAMED)],
+                       [{o: CLIENT[n] for o, n in renames.items()}])
+    with pytest.raises(DataError, match=r"names its features by position \(0/x, 0/y, 1\).*"
+                                        r"rename_features\(.*'0/x': 'data/x'"):
+        E.check_population_features(old, NAMED)
+    assert E.rename_features(old, renames) == 1
+    E.check_population_features(old, NAMED)
+    for name, value in CLIENT.items():
+        np.testing.assert_array_equal(E.ExamplePopulation(old).client(0)[name], value)
+    other = [E.Feature("data/x", np.dtype(np.float32), (3,))] + NAMED[1:]
+    with pytest.raises(DataError, match=r"holds features .* but the round reads"):
+        E.check_population_features(named, other)

@@ -316,7 +316,7 @@ def test_round_form_zips_client_arguments_and_splits_state_from_output():
                           placements=("server", "clients", "clients"), round_form=True)
     assert str(block(default).type_signature).startswith("(<state=<w=float32[3]>@SERVER,x=")
     assert str(block(proto).type_signature) == (
-        "(<<w=float32[3]>@SERVER,{<float32[5,3],float32>}@CLIENTS> -> "
+        "(<<w=float32[3]>@SERVER,{<x=float32[5,3],scale=float32>}@CLIENTS> -> "
         "<<n=float32,w=float32[3]>@SERVER,<loss=float32>@SERVER>)")
     new, out = run_computation(proto, state, (X, scale))
     want_new, want_out = _round_two_client_args(*args)

@@ -42,10 +42,11 @@ def proto():
     return forms.round_proto(secure_round, STATE, DATA, KEYS, placements=PLACEMENTS)[0]
 
 
-def test_features_are_the_client_leaves_named_by_path_in_flatten_order(proto):
+def test_features_are_the_client_leaves_named_by_argument_and_path_in_flatten_order(proto):
     assert fcp.client_features(proto) == [
-        Feature("0/n", np.dtype(np.int32), (5,)), Feature("0/x", np.dtype(np.float32), (5, 4)),
-        Feature("1", np.dtype(np.uint32), (2,))]
+        Feature("data/n", np.dtype(np.int32), (5,)),
+        Feature("data/x", np.dtype(np.float32), (5, 4)),
+        Feature("keys", np.dtype(np.uint32), (2,))]
     assert [(p, d.name) for p, d, _ in fcp.state_leaves(proto)] == [
         ("key", "uint32"), ("w", "float32")]
 
@@ -69,8 +70,8 @@ def test_a_plan_run_reads_the_population_written_as_examples(proto, tmp_path):
     run = fcp.make_run(proto, STATE, (DATA, KEYS), N, str(tmp_path), rounds=3)
     pop = ExamplePopulation(str(tmp_path / "examples"))
     assert run["examples"] == pop.paths and len(pop) == N and run["rounds"] == 3
-    np.testing.assert_array_equal(pop.client(2)["1"], KEYS[2])
-    np.testing.assert_array_equal(pop.client(1)["0/x"], DATA["x"][1])
+    np.testing.assert_array_equal(pop.client(2)["keys"], KEYS[2])
+    np.testing.assert_array_equal(pop.client(1)["data/x"], DATA["x"][1])
     with np.load(run["state"]) as z:
         assert int(z["num_state"]) == 2 and z["state.0"].dtype == np.int32
         np.testing.assert_array_equal(z["state.0"].view(np.uint32), STATE["key"])
@@ -80,11 +81,11 @@ def test_client_arguments_that_do_not_match_the_round_are_refused(proto):
     features = fcp.client_features(proto)
     with pytest.raises(fb.ExportError, match="2 leaves, the round's client data 3"):
         fcp.client_values(features, DATA, N)
-    with pytest.raises(fb.ExportError, match=r"client leaf 0/n has shape \[3, 5\], not a "
+    with pytest.raises(fb.ExportError, match=r"client leaf data/n has shape \[3, 5\], not a "
                                              "leading axis of the 4 clients"):
         fcp.client_values(features, (DATA, KEYS), 4)
     bad = {"x": DATA["x"].astype(np.float16), "n": DATA["n"]}
-    with pytest.raises(fb.ExportError, match=r"client leaf 0/x: float16\[3, 5, 4\]"):
+    with pytest.raises(fb.ExportError, match=r"client leaf data/x: float16\[3, 5, 4\]"):
         fcp.client_values(features, (bad, KEYS), N)
 
 
@@ -112,7 +113,7 @@ def test_client_data_no_example_list_holds_exactly_is_refused(proto, number, nam
     odd = type(proto).FromString(proto.SerializeToString())
     data = odd.type.function.parameter.struct.element[1].value.federated.member
     data.struct.element[1].value.tensor.dtype = number  # the keys' leaf
-    with pytest.raises(fb.ExportError, match=f"client data leaf 1 has dtype {name}, which "
+    with pytest.raises(fb.ExportError, match=f"client data leaf keys has dtype {name}, which "
                                              "no tf.Example feature holds exactly"):
         fcp.client_features(odd)
 
@@ -124,3 +125,26 @@ def test_a_job_without_the_parts_artifacts_is_refused(proto, tmp_path):
     job = fcp.with_fcp(forms.job("r", proto, [], str(tmp_path), artifacts=True), proto,
                        ["daf"])
     assert job["fcp"] == {"forms": ["daf"]} and job["artifacts"]
+
+
+
+def _counted(data):
+    return fb.federated_sum(fb.federated_map_clients(lambda d: d["n"].sum(), data))
+
+
+def one_named_argument(state, data):
+    return state, _counted(data)
+
+
+def several_unnamed_arguments(state, *rest):
+    return state, _counted(rest[0])
+
+
+@pytest.mark.parametrize("fn, args, names", [
+    (one_named_argument, (DATA,), ["n", "x"]),  # one argument: the client data itself
+    (several_unnamed_arguments, (DATA, KEYS), ["0/n", "0/x", "1"]),  # no names: positions
+])
+def test_client_arguments_without_names_to_give_keep_their_paths(fn, args, names):
+    proto, _ = forms.round_proto(fb.program(clients=N)(fn), STATE, *args,
+                                 placements=("server",) + ("clients",) * len(args))
+    assert [f.name for f in fcp.client_features(proto)] == names

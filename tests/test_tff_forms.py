@@ -294,6 +294,8 @@ def test_federated_compute_forms_through_the_api_and_the_cli(tmp_path, capsys, b
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["form"] == "DistributeAggregateForm" and manifest["for"] == "fcp"
     assert manifest["files"]["client_work"]["type"].startswith("(<{str*}@CLIENTS,")
+    with np.load(out / "state.npz") as z:  # what `fax-bridge forms run` starts from
+        np.testing.assert_array_equal(z["state.0"], W)
 
 
 def one_trip_example_args(clients):  # for `fax-bridge forms THIS_FILE:one_trip`

@@ -169,7 +169,7 @@ def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> l
     own tf.Example read back here, and the plain forms' contract breaches caught."""
     from fax_bridge.data.examples import Feature, decode_example, read_records
     from fax_bridge.errors import ExportError
-    from fax_bridge.tff import fcp
+    from fax_bridge.tff import fcp, fcp_run
 
     fcp_result = result.get("fcp")
     if fcp_result is None:
@@ -189,11 +189,9 @@ def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> l
 
         def plan_error(entry=entry):
             worst = 0.0
-            with np.load(entry["outputs"]) as z:
-                for r, (state, output) in enumerate(rounds):
-                    got = [z[f"state.{r}.{i}"] for i in range(len(state))] + [
-                        z[f"output.{r}.{i}"] for i in range(len(output))]
-                    worst = max(worst, exact_error(state + output, got))
+            ran = fcp_run.plan_rounds(entry["outputs"], len(rounds))
+            for (state, output), (got_state, got_output) in zip(rounds, ran):
+                worst = max(worst, exact_error(state + output, got_state + got_output))
             return worst
         cells.append(check(name, f"fcp-{kind}-plan-{len(rounds)}-rounds", plan_error))
     if "tf_examples" in fcp_result:

@@ -3,6 +3,8 @@
 Each constructor takes a user model (a loss `loss(params, batch) -> scalar` and, through
 `init`, a parameter pytree) and optax optimizers, and returns a small named tuple of
 programs, optax style: `init(params) -> state` and `next(state, ...) -> (state, metrics)`.
+Every constructor also takes `clients_per_step=` and `progress=`, which it passes to each
+program it builds (`fax_bridge.program`'s options: how jit runs the cohort).
 """
 
 from fax_bridge.algorithms.common import FederatedAlgorithm, ServerState

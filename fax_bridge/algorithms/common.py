@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from fax_bridge.errors import ArgumentError, HyperparameterError
+from fax_bridge.local.execution import ClientsPerStep  # noqa: F401 (the builders' option)
 
 Loss = Callable[[Any, Any], jax.Array]
 

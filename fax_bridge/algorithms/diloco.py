@@ -149,7 +149,9 @@ def streaming_diloco(loss: C.Loss, params_example, *, clients: int, sync_every: 
                      mixing: float = 0.0,
                      inner_optimizer: Optional[optax.GradientTransformation] = None,
                      outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                     fragments: Optional[Sequence[Sequence[int]]] = None) -> StreamingDiLoCo:
+                     fragments: Optional[Sequence[Sequence[int]]] = None,
+                     clients_per_step: C.ClientsPerStep = None,
+                     progress: bool = False) -> StreamingDiLoCo:
     """Streaming DiLoCo over `clients` workers.
 
     `params_example` fixes the parameter structure (fragments are sets of leaves).
@@ -233,7 +235,7 @@ def streaming_diloco(loss: C.Loss, params_example, *, clients: int, sync_every: 
             server, (global_frag, outer_state, mean_grad))
         return new_frag, outer_state, fx.federated_broadcast(down)
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def init(params) -> DiLoCoState:
         params = jax.tree.map(jnp.asarray, params)
         outer_states = tuple(outer.init(frag_leaves(params, f)) for f in range(p))
@@ -264,7 +266,7 @@ def streaming_diloco(loss: C.Loss, params_example, *, clients: int, sync_every: 
                      for w, g in zip(frag_leaves(wp, f), new_frag)]
             return replace_leaves(wp, f, mixed), replace_leaves(wg, f, new_frag), w_outer
 
-        @fx.program(clients=n)
+        @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
         def round_fn(state: DiLoCoState, batches, mask):
             wp, st, payload, losses = fx.federated_map_clients(
                 worker_phase, (state.worker_params, state.inner_states, state.worker_global,
@@ -283,7 +285,7 @@ def streaming_diloco(loss: C.Loss, params_example, *, clients: int, sync_every: 
                                     w_outers)
             return new_state, {"loss": fx.federated_mean(losses)}
 
-        @fx.program(clients=n)
+        @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
         def sync_fn(global_frag, outer_state, payload):
             new_frag, outer_state, down = communicate(f, global_frag, outer_state, payload)
 
@@ -317,9 +319,11 @@ def streaming_diloco(loss: C.Loss, params_example, *, clients: int, sync_every: 
 
 def diloco(loss: C.Loss, params_example, *, clients: int, sync_every: int,
            inner_optimizer: Optional[optax.GradientTransformation] = None,
-           outer_lr: float = 0.7, outer_momentum: float = 0.9) -> StreamingDiLoCo:
+           outer_lr: float = 0.7, outer_momentum: float = 0.9,
+           clients_per_step: C.ClientsPerStep = None, progress: bool = False) -> StreamingDiLoCo:
     """Plain DiLoCo: all parameters synced every H inner steps, float32, no overlap."""
     return streaming_diloco(loss, params_example, clients=clients, sync_every=sync_every,
                             num_fragments=1, overlap=0, quantize=False, mixing=0.0,
                             inner_optimizer=inner_optimizer, outer_lr=outer_lr,
-                            outer_momentum=outer_momentum)
+                            outer_momentum=outer_momentum,
+                            clients_per_step=clients_per_step, progress=progress)

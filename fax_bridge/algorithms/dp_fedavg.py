@@ -47,7 +47,9 @@ def dp_fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
                server_optimizer: Optional[optax.GradientTransformation] = None,
                local_epochs: int = 1,
                clipped_count_stddev: Optional[float] = None,
-               aggregator: Optional[privacy.DPAggregator] = None) -> C.FederatedAlgorithm:
+               aggregator: Optional[privacy.DPAggregator] = None,
+               clients_per_step: C.ClientsPerStep = None,
+               progress: bool = False) -> C.FederatedAlgorithm:
     """DP-FedAvg with `clients` client slots per round.
 
     `noise_multiplier` z is the total noise multiplier to account for. `clip` fixes the
@@ -107,7 +109,7 @@ def dp_fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
         return (DPServerState(s.params, s.opt_state, s.round, dp_state),
                 loss_sum / jnp.maximum(count, 1.0))
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def next_fn(state: DPServerState, batches, mask):
         params_c = fx.federated_broadcast(state.params)
         delta, present, loss_sums, counts = fx.federated_map_clients(

@@ -40,7 +40,9 @@ def accuracy(logits: Callable, inputs: str = "x", labels: str = "y") -> C.Loss:
 
 
 def federated_evaluation(loss: C.Loss, *, clients: int,
-                         metrics: Optional[Mapping[str, C.Loss]] = None) -> fx.Program:
+                         metrics: Optional[Mapping[str, C.Loss]] = None,
+                         clients_per_step: C.ClientsPerStep = None,
+                         progress: bool = False) -> fx.Program:
     """The program `(params, data, mask) -> {"loss", *metrics, "examples"}` (module
     docstring): each value the example-weighted mean over the cohort's real examples,
     `examples` their number. `data` and `mask` as the rounds take them (`mask.shape`
@@ -78,7 +80,7 @@ def federated_evaluation(loss: C.Loss, *, clients: int,
             values[name] = C.masked_loss(fn, params, data, mask)
         return values, C.example_count(mask)
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def evaluate(params, data, mask):
         values, counts = fx.federated_map_clients(
             client_values, (fx.federated_broadcast(params), data, mask))

@@ -33,7 +33,9 @@ def client_update_fn(loss: C.Loss, client_optimizer: optax.GradientTransformatio
 
 def fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, clients: int,
             server_optimizer: Optional[optax.GradientTransformation] = None,
-            local_epochs: int = 1) -> C.FederatedAlgorithm:
+            local_epochs: int = 1,
+            clients_per_step: C.ClientsPerStep = None,
+            progress: bool = False) -> C.FederatedAlgorithm:
     """FedAvg over cohorts of `clients` clients.
 
     `next(state, batches, mask)`: `batches` is a CLIENTS pytree with leaves of shape
@@ -49,7 +51,7 @@ def fed_avg(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cli
     client_update = client_update_fn(loss, client_optimizer, local_epochs)
     server_update = C.server_step(server_optimizer)
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def next_fn(state: C.ServerState, batches, mask):
         params_c = fx.federated_broadcast(state.params)
         delta, counts, losses = fx.federated_map_clients(client_update,

@@ -38,7 +38,9 @@ def fisher_diagonal(loss: C.Loss, params, batch, mask):
 
 def fed_fish(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, clients: int,
              server_optimizer: Optional[optax.GradientTransformation] = None,
-             local_epochs: int = 1, damping: float = 1e-6) -> C.FederatedAlgorithm:
+             local_epochs: int = 1, damping: float = 1e-6,
+             clients_per_step: C.ClientsPerStep = None,
+             progress: bool = False) -> C.FederatedAlgorithm:
     """FedFish; `next(state, batches, mask)` as in `fed_avg`. Metrics: `loss`."""
     loss = C.check_loss(loss)
     n = C.check_clients(clients)
@@ -63,7 +65,7 @@ def fed_fish(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cl
     def divide(num, den):
         return jax.tree.map(jnp.divide, num, den)
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def next_fn(state: C.ServerState, batches, mask):
         params_c = fx.federated_broadcast(state.params)
         weighted, weight, counts, losses = fx.federated_map_clients(

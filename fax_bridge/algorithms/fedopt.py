@@ -88,17 +88,22 @@ def reddi_server_optimizer(kind: str, learning_rate: float, *, b1: float = DEFAU
 
 def fed_opt(loss: C.Loss, client_optimizer: optax.GradientTransformation,
             server_optimizer: optax.GradientTransformation, *, clients: int,
-            local_epochs: int = 1) -> C.FederatedAlgorithm:
+            local_epochs: int = 1,
+            clients_per_step: C.ClientsPerStep = None,
+            progress: bool = False) -> C.FederatedAlgorithm:
     """FedAvg with an arbitrary optax server optimizer (fed -Δ_t as its gradient)."""
     return C.named(fed_avg(loss, client_optimizer, clients=clients,
-                           server_optimizer=server_optimizer, local_epochs=local_epochs),
+                           server_optimizer=server_optimizer, local_epochs=local_epochs,
+                           clients_per_step=clients_per_step, progress=progress),
                    "fed_opt")
 
 
 def fed_adam(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, clients: int,
              server_lr: float = 1e-2, b1: float = DEFAULT_B1, b2: float = DEFAULT_B2,
              tau: float = DEFAULT_TAU, local_epochs: int = 1,
-             paper_exact: bool = False) -> C.FederatedAlgorithm:
+             paper_exact: bool = False,
+             clients_per_step: C.ClientsPerStep = None,
+             progress: bool = False) -> C.FederatedAlgorithm:
     """FedAdam. `paper_exact=True`: Algorithm 2 (v_{-1} = τ², no bias correction).
 
     Default: `optax.adam(server_lr, b1, b2, eps=tau)`, i.e. m and v start at 0 and are
@@ -108,13 +113,16 @@ def fed_adam(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cl
     opt = (reddi_server_optimizer("adam", server_lr, b1=b1, b2=b2, tau=tau) if paper_exact
            else optax.adam(server_lr, b1=b1, b2=b2, eps=tau))
     return C.named(fed_opt(loss, client_optimizer, opt, clients=clients,
-                           local_epochs=local_epochs), "fed_adam")
+                           local_epochs=local_epochs,
+                           clients_per_step=clients_per_step, progress=progress), "fed_adam")
 
 
 def fed_yogi(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, clients: int,
              server_lr: float = 1e-2, b1: float = DEFAULT_B1, b2: float = DEFAULT_B2,
              tau: float = DEFAULT_TAU, local_epochs: int = 1,
-             paper_exact: bool = False) -> C.FederatedAlgorithm:
+             paper_exact: bool = False,
+             clients_per_step: C.ClientsPerStep = None,
+             progress: bool = False) -> C.FederatedAlgorithm:
     """FedYogi. `paper_exact=True`: Algorithm 2 (v_{-1} = τ², no bias correction).
 
     Default: `optax.yogi(server_lr, b1, b2, eps=tau)`: m and v start at 1e-6 and are
@@ -124,14 +132,18 @@ def fed_yogi(loss: C.Loss, client_optimizer: optax.GradientTransformation, *, cl
     opt = (reddi_server_optimizer("yogi", server_lr, b1=b1, b2=b2, tau=tau) if paper_exact
            else optax.yogi(server_lr, b1=b1, b2=b2, eps=tau))
     return C.named(fed_opt(loss, client_optimizer, opt, clients=clients,
-                           local_epochs=local_epochs), "fed_yogi")
+                           local_epochs=local_epochs,
+                           clients_per_step=clients_per_step, progress=progress), "fed_yogi")
 
 
 def fed_adagrad(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
                 clients: int, server_lr: float = 1e-2, b1: float = DEFAULT_B1,
-                tau: float = DEFAULT_TAU, local_epochs: int = 1) -> C.FederatedAlgorithm:
+                tau: float = DEFAULT_TAU, local_epochs: int = 1,
+                clients_per_step: C.ClientsPerStep = None,
+                progress: bool = False) -> C.FederatedAlgorithm:
     """FedAdagrad exactly as Algorithm 2: v_t = v_{t-1} + Δ_t², v_{-1} = τ², momentum β1,
     step η m_t / (√v_t + τ) (τ outside the square root, no bias correction)."""
     opt = reddi_server_optimizer("adagrad", server_lr, b1=b1, tau=tau)
     return C.named(fed_opt(loss, client_optimizer, opt, clients=clients,
-                           local_epochs=local_epochs), "fed_adagrad")
+                           local_epochs=local_epochs,
+                           clients_per_step=clients_per_step, progress=progress), "fed_adagrad")

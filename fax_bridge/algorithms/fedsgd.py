@@ -19,14 +19,16 @@ from fax_bridge import api as fx
 from fax_bridge.algorithms import common as C
 
 
-def federated_loss(loss: C.Loss, clients: int):
+def federated_loss(loss: C.Loss, clients: int, *,
+                   clients_per_step: C.ClientsPerStep = None, progress: bool = False):
     """The program `(params, data, mask) -> weighted mean loss over every client's examples`."""
     loss = C.check_loss(loss)
 
     def client_loss(params, data, mask):
         return C.masked_loss(loss, params, data, mask), C.example_count(mask)
 
-    @fx.program(clients=C.check_clients(clients))
+    @fx.program(clients=C.check_clients(clients), clients_per_step=clients_per_step,
+                progress=progress)
     def fed_loss(params, data, mask):
         params_c = fx.federated_broadcast(params)
         losses, counts = fx.federated_map_clients(client_loss, (params_c, data, mask))
@@ -37,7 +39,9 @@ def federated_loss(loss: C.Loss, clients: int):
 
 def fed_sgd(loss: C.Loss, *, clients: int,
             server_optimizer: Optional[optax.GradientTransformation] = None,
-            learning_rate: float = 0.1) -> C.FederatedAlgorithm:
+            learning_rate: float = 0.1,
+            clients_per_step: C.ClientsPerStep = None,
+            progress: bool = False) -> C.FederatedAlgorithm:
     """FedSGD; the server optimizer defaults to `optax.sgd(learning_rate)`.
 
     `next(state, data, mask)`: CLIENTS data whose leaves lead with `mask.shape`
@@ -53,7 +57,7 @@ def fed_sgd(loss: C.Loss, *, clients: int,
         updates, opt_state = server_optimizer.update(grads, opt_state, params)
         return C.ServerState(optax.apply_updates(params, updates), opt_state, round_ + 1)
 
-    @fx.program(clients=clients)
+    @fx.program(clients=clients, clients_per_step=clients_per_step, progress=progress)
     def next_fn(state: C.ServerState, data, mask):
         value, grads = jax.value_and_grad(fed_loss)(state.params, data, mask)
         new_state = fx.federated_map_server(

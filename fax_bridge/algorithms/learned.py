@@ -53,7 +53,9 @@ def _axpy(params, lr, delta):
 def learned_server_lr(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
                       clients: int, initial_lr: float = 1.0,
                       meta_optimizer: optax.GradientTransformation | None = None,
-                      local_epochs: int = 1) -> C.FederatedAlgorithm:
+                      local_epochs: int = 1,
+                      clients_per_step: C.ClientsPerStep = None,
+                      progress: bool = False) -> C.FederatedAlgorithm:
     """FedAvg with a server learning rate learned from hypergradients.
 
     `next(state, batches, mask, val_data, val_mask)`; validation data may be the
@@ -79,7 +81,8 @@ def learned_server_lr(loss: C.Loss, client_optimizer: optax.GradientTransformati
         return LearnedLRState(_axpy(params, jnp.exp(log_lr), delta), log_lr, meta_state,
                               round_ + 1)
 
-    @fx.program(clients=C.check_clients(clients))
+    @fx.program(clients=C.check_clients(clients), clients_per_step=clients_per_step,
+                progress=progress)
     def next_fn(state: LearnedLRState, batches, mask, val_data, val_mask):
         params_c = fx.federated_broadcast(state.params)
         delta, counts, losses = fx.federated_map_clients(client_update,
@@ -106,7 +109,9 @@ def learned_server_lr(loss: C.Loss, client_optimizer: optax.GradientTransformati
 def learned_client_weights(loss: C.Loss, client_optimizer: optax.GradientTransformation, *,
                            clients: int,
                            meta_optimizer: optax.GradientTransformation | None = None,
-                           local_epochs: int = 1) -> C.FederatedAlgorithm:
+                           local_epochs: int = 1,
+                           clients_per_step: C.ClientsPerStep = None,
+                           progress: bool = False) -> C.FederatedAlgorithm:
     """FedAvg with learned per-client aggregation weights `n_i * exp(logit_i)`.
 
     `init(params)` is a program (it places zero logits at the clients).
@@ -126,7 +131,7 @@ def learned_client_weights(loss: C.Loss, client_optimizer: optax.GradientTransfo
         updates, meta_state = meta.update(grad, meta_state, logit)
         return optax.apply_updates(logit, updates), meta_state
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def init(params) -> LearnedWeightsState:
         params = jax.tree.map(jnp.asarray, params)
         zero = jnp.zeros((), jnp.float32)
@@ -134,7 +139,7 @@ def learned_client_weights(loss: C.Loss, client_optimizer: optax.GradientTransfo
         meta_state = fx.federated_broadcast(meta.init(zero))
         return LearnedWeightsState(params, jnp.zeros((), jnp.int32), logits, meta_state)
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def next_fn(state: LearnedWeightsState, batches, mask, val_data, val_mask):
         params_c = fx.federated_broadcast(state.params)
         delta, counts, losses = fx.federated_map_clients(client_update,

@@ -34,7 +34,9 @@ from fax_bridge.errors import HyperparameterError
 
 def fed_sgd_one_trip(loss: C.Loss, *, clients: int,
                      server_optimizer: Optional[optax.GradientTransformation] = None,
-                     learning_rate: float = 0.1) -> C.FederatedAlgorithm:
+                     learning_rate: float = 0.1,
+                     clients_per_step: C.ClientsPerStep = None,
+                     progress: bool = False) -> C.FederatedAlgorithm:
     """FedSGD in one broadcast and one aggregation; the same rounds as `fed_sgd`.
 
     `next(state, data, mask)` and the metrics (`loss`, before the step) are `fed_sgd`'s.
@@ -53,7 +55,8 @@ def fed_sgd_one_trip(loss: C.Loss, *, clients: int,
         updates, opt_state = server_optimizer.update(grads, opt_state, params)
         return C.ServerState(optax.apply_updates(params, updates), opt_state, round_ + 1)
 
-    @fx.program(clients=C.check_clients(clients))
+    @fx.program(clients=C.check_clients(clients), clients_per_step=clients_per_step,
+                progress=progress)
     def next_fn(state: C.ServerState, data, mask):
         params_c = fx.federated_broadcast(state.params)
         values, grads, counts = fx.federated_map_clients(client_grad, (params_c, data, mask))
@@ -79,7 +82,9 @@ class OneTripLRState(NamedTuple):
 def learned_server_lr_one_trip(loss: C.Loss, client_optimizer: optax.GradientTransformation,
                                *, clients: int, initial_lr: float = 1.0,
                                meta_optimizer: Optional[optax.GradientTransformation] = None,
-                               local_epochs: int = 1) -> C.FederatedAlgorithm:
+                               local_epochs: int = 1,
+                               clients_per_step: C.ClientsPerStep = None,
+                               progress: bool = False) -> C.FederatedAlgorithm:
     """FedAvg with a learned server rate, in one trip (see the module docstring).
 
     `next(state, batches, mask, val_data, val_mask)` as in `learned_server_lr`. Metrics:
@@ -113,7 +118,8 @@ def learned_server_lr_one_trip(loss: C.Loss, client_optimizer: optax.GradientTra
         new_params = jax.tree.map(lambda p, d: p + jnp.exp(log_lr) * d, params, delta)
         return OneTripLRState(new_params, log_lr, meta_state, round_ + 1, delta)
 
-    @fx.program(clients=C.check_clients(clients))
+    @fx.program(clients=C.check_clients(clients), clients_per_step=clients_per_step,
+                progress=progress)
     def next_fn(state: OneTripLRState, batches, mask, val_data, val_mask):
         params_c = fx.federated_broadcast(state.params)
         prev_c = fx.federated_broadcast(state.prev_delta)

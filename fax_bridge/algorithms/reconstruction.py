@@ -42,7 +42,9 @@ def fed_reconstruction(loss: Callable[[Any, Any, Any], jax.Array], local_init, *
                        reconstruction_optimizer: optax.GradientTransformation,
                        server_optimizer: Optional[optax.GradientTransformation] = None,
                        reconstruction_epochs: int = 1,
-                       local_epochs: int = 1) -> Reconstruction:
+                       local_epochs: int = 1,
+                       clients_per_step: C.ClientsPerStep = None,
+                       progress: bool = False) -> Reconstruction:
     """Federated Reconstruction with local parameters started at `local_init`."""
     if not callable(loss):
         raise ArgumentError("loss must be a function loss(global_params, local_params, batch).")
@@ -75,7 +77,7 @@ def fed_reconstruction(loss: Callable[[Any, Any, Any], jax.Array], local_init, *
         value = C.masked_loss(lambda gp, b: loss(gp, lp, b), global_params, eval_b, eval_m)
         return value, C.example_count(eval_m)
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def next_fn(state: C.ServerState, recon_b, recon_m, train_b, train_m):
         params_c = fx.federated_broadcast(state.params)
         delta, counts, losses = fx.federated_map_clients(
@@ -85,7 +87,7 @@ def fed_reconstruction(loss: Callable[[Any, Any, Any], jax.Array], local_init, *
             server_update, (state.params, state.opt_state, state.round, mean_delta))
         return new_state, {"loss": fx.federated_weighted_mean(losses, counts)}
 
-    @fx.program(clients=n)
+    @fx.program(clients=n, clients_per_step=clients_per_step, progress=progress)
     def evaluate(global_params, recon_b, recon_m, eval_b, eval_m):
         params_c = fx.federated_broadcast(global_params)
         values, counts = fx.federated_map_clients(

@@ -1,11 +1,11 @@
 """Client populations as TFRecord files of `tf.Example`s, what an example store serves.
 
 A Federated Compute client reads its round's data as a stream of serialized
-`tf.Example` protos (its example store's records); the forms `fax-bridge forms --for
-fcp` builds parse them, one feature per leaf of the program's client data named by the
-leaf's path (`data/x`), dense, with the leaf's shape and dtype fixed: floats (float32,
-float16, bfloat16) in a `float_list`, integers up to 32 bits, int64 and booleans in an
-`int64_list`. Each client serves exactly one example per round, holding its whole data.
+`tf.Example` protos; the forms `fax-bridge forms --for fcp` builds parse one feature per
+leaf of the client data, named by the round's argument and the leaf's path (`data/x`,
+`mask`; `check_population_features`, `rename_features` for ones named by position),
+dense, shape and dtype fixed: floats in a `float_list`, integers and booleans in an
+`int64_list`. A client serves exactly one example per round, holding its whole data.
 
 `write_population(directory, features, clients)` writes `client_00000.tfrecord`, ... (one
 record each) and `features.json` (name, dtype, shape per feature); `ExamplePopulation`
@@ -527,6 +527,41 @@ def read_features(directory: str) -> tuple:
     except private_files.HandedFileError as e:
         raise DataError(f"{e}; {_FIX}" if _FIX not in str(e) else str(e)) from None
     return features, clients
+
+
+def positional_names(names: Sequence[str]) -> list:
+    """`data/x`, `mask` as named by argument position before: `0/x`, `1`."""
+    tops = list(dict.fromkeys(n.split("/", 1)[0] for n in names))
+    return list(names) if len(tops) == 1 else [
+        "/".join([str(tops.index(n.partition("/")[0]))] + n.split("/")[1:]) for n in names]
+
+
+def check_population_features(directory: str, features: Sequence[Feature]) -> None:
+    """Refuses a population whose features are not `features`; one named by position
+    (as written before) with the `rename_features` call that reads it."""
+    want = [(f.name, np.dtype(f.dtype), tuple(f.shape)) for f in features]
+    got = [(f.name, f.dtype, tuple(f.shape)) for f in read_features(directory)[0]]
+    if got == want:
+        return
+    old = positional_names([n for n, _, _ in want])
+    if [(n, d, sh) for n, (_, d, sh) in zip(old, want)] == got and old != [w[0] for w in want]:
+        renames = {o: n for o, (n, _, _) in zip(old, want)}
+        raise DataError(
+            f"{directory} names its features by position ({', '.join(old)}); the round "
+            f"reads them named after its arguments ({', '.join(renames.values())}). "
+            f"Rename them: fax_bridge.data.examples.rename_features({directory!r}, "
+            f"{renames!r})")
+    raise DataError(f"{directory} holds features {got}, but the round reads {want}; write "
+                    "the population from the round's client arguments "
+                    "(fcp.client_features names them)")
+
+
+def rename_features(directory: str, renames: Mapping[str, str]) -> int:
+    """Writes the population in `directory` again with its features renamed."""
+    pop, name = ExamplePopulation(directory), lambda k: renames.get(k, k)
+    features = [Feature(name(f.name), f.dtype, f.shape) for f in pop.features]
+    return write_population(directory, features, ({name(k): v for k, v in
+                                                   pop.client(i).items()} for i in range(len(pop))))
 
 
 class ExamplePopulation:

@@ -352,7 +352,7 @@ class FleetRounds:
 
     def _progress_bar(self, total: int, initial: int = 0, show: Optional[bool] = None):
         """A tqdm bar over rounds, shown when `show` (default: the fleet's `progress`)."""
-        from tqdm.auto import tqdm
+        from fax_bridge.system.progress import bar as tqdm
 
         show = self.progress if show is None else show
         return tqdm(total=total, initial=initial, disable=not show, unit="round",

@@ -16,7 +16,6 @@ control-flow body, and infers the placement of every value:
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -24,24 +23,12 @@ from jax._src import core
 from jax._src import source_info_util
 
 from fax_bridge.errors import PlacementError, ProgramError
+from fax_bridge.errors import is_machinery  # noqa: F401 (tracing.is_machinery)
 from fax_bridge.local.execution import unchunked
 from fax_bridge.language import jax_compat as _compat
 from fax_bridge.language.member_rules import member_params
 from fax_bridge.language.placements import Placement, broadcast_placements
 from fax_bridge.language.primitive_facts import Movement, facts_of
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fax_bridge/
-_ALGORITHMS_DIR = os.path.join(_PACKAGE_DIR, "algorithms")
-
-
-def is_machinery(path: str) -> bool:
-    """Whether a source file is fax_bridge's own machinery, which error locations skip.
-    `fax_bridge.algorithms` is not: its rounds are programs like a user's, so an error in
-    one points at its line."""
-    path = os.path.abspath(path)
-    return path.startswith(_PACKAGE_DIR + os.sep) and \
-        not path.startswith(_ALGORITHMS_DIR + os.sep)
-
 
 # Call-like primitives whose body is inlined: name -> parameter holding the body.
 _INLINED_CALLS = {

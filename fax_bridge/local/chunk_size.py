@@ -188,7 +188,7 @@ def _bar(program, total: int):
     `progress=True` (the compiles of a large round take a while); else None."""
     if not getattr(program, "progress", False):
         return None
-    from tqdm.auto import tqdm
+    from fax_bridge.system.progress import bar as tqdm
 
     return tqdm(total=total, unit="compile", leave=False,
                 desc=f"sizing clients_per_step='auto' for {_name(program)}")

@@ -309,7 +309,7 @@ class Progress:
         self.bar, self.done = None, 0
 
     def tick(self, i) -> None:
-        from tqdm.auto import tqdm
+        from fax_bridge.system.progress import bar as tqdm
         if self.bar is None:
             self.bar = tqdm(total=self.clients, unit="client", leave=False,
                             desc=f"clients, {self.k} a step")

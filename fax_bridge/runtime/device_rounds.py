@@ -126,7 +126,7 @@ def _run(batch: client_map.Batch, k: int, layouts: tuple, spans: tuple,
     states = empty()
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from fax_bridge.system.progress import bar as tqdm
         bar = tqdm(total=batch.count, unit="client", leave=False,
                    desc=f"clients, {k} a step")
     try:

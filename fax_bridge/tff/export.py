@@ -22,6 +22,7 @@ one federated value of a struct, e.g. `{<x=float32[5,3],y=int32[5]>}@CLIENTS`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 from typing import Any, Callable, Optional, Sequence
@@ -189,6 +190,7 @@ class _Exporter:
         """`<server_state@SERVER, client_data@CLIENTS>`: the SERVER arguments zipped into
         one server value, the CLIENTS arguments into one client value."""
         groups: dict = {S: [], C: []}
+        names: dict = {S: [], C: []}
         for i, sub in enumerate(tree):
             placements = self._leaf_placements(sub)
             if len(placements) != 1 or placements & {U}:
@@ -198,7 +200,9 @@ class _Exporter:
                     "the forms' shape takes SERVER state and CLIENTS data only. Keep client "
                     "state at the server (e.g. one entry per client slot) or split it into "
                     "its own argument.")
-            groups[placements.pop()].append(sub)
+            placement = placements.pop()
+            groups[placement].append(sub)
+            names[placement].append(self.arg_names[i] if i < len(self.arg_names) else None)
         parts = []
         for placement, subs in ((S, groups[S]), (C, groups[C])):
             if not subs:
@@ -206,6 +210,8 @@ class _Exporter:
                     f"a round in the forms' shape needs a {placement.value.upper()} argument "
                     "(server state first, then client data); the program has none.")
             member = subs[0] if len(subs) == 1 else tuple(subs)
+            if placement is C and len(subs) > 1:  # named after the arguments (`data/x`)
+                member = client_data(subs, names[C])
             parts.append((placement, member))
         ptype = federated_language.StructType(
             [(None, _fed_type(tff_types.pytree_type(self._member_avals(m)), p))
@@ -445,6 +451,17 @@ class _Exporter:
 def _moves(eqn, movement: Movement) -> bool:
     facts = facts_of(eqn.primitive)
     return facts is not None and facts.movement is movement
+
+
+def client_data(args: Sequence[Any], names: Sequence[Optional[str]]) -> Any:
+    """A round's CLIENTS arguments as one value whose elements are named after the
+    arguments (a namedtuple, in argument order: `<data=<x,y>,mask>`), so its leaves are
+    named `data/x`, `mask` (the FCP forms' features); positional where a name is unknown,
+    repeated or cannot name a field. (One client argument is the client data itself.)"""
+    try:
+        return collections.namedtuple("ClientData", names)(*args)
+    except (TypeError, ValueError):  # None, `_x`, a keyword, a repeated name
+        return tuple(args)
 
 
 def argument_names(fn: Callable, count: int) -> list[Optional[str]]:

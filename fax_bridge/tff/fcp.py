@@ -98,6 +98,11 @@ def state_leaves(proto: computation_pb2.Computation) -> list:
     return _leaves(param.struct.element[0].value, [], "server state")
 
 
+def output_leaves(proto: computation_pb2.Computation) -> list:
+    """(path, dtype, shape) per leaf of the round's output (its result's second element)."""
+    return _leaves(proto.type.function.result.struct.element[1].value, [], "output")
+
+
 def encode_state(leaves: Sequence[Any]) -> list:
     """Flat state leaves as the FCP forms keep them: unsigned 16/32/64-bit leaves as the
     signed integers of the same bits (a uint32 PRNG key as int32)."""
