@@ -182,8 +182,14 @@ def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> l
         except ExportError as e:
             failures.append(name)
             cells.append(f"fcp-{kind} FAILED ({str(e)[:400]})")
-    for kind in ("mrf", "daf"):
-        entry = fcp_result.get(kind, {})
+    runs = [(kind, fcp_result.get(kind, {})) for kind in ("mrf", "daf")]
+    tflite = fcp_result.get("mrf", {}).get("tflite")
+    if tflite is not None and "error" in tflite:
+        failures.append(name)
+        cells.append(f"fcp-mrf-tflite FAILED ({tflite['error'][:400]})")
+    elif tflite is not None:
+        runs.append(("mrf-tflite", tflite))
+    for kind, entry in runs:
         if "outputs" not in entry:
             continue
 
@@ -319,7 +325,7 @@ def main(argv=None) -> int:
             run = fcp.make_run(proto, prog_args[0], clients_tree, args.clients, folder,
                                FCP_ROUNDS)
             fcp.with_fcp(job, proto, ["mrf", "daf"], run,
-                         os.path.join(folder, "tf_written.tfrecord"))
+                         os.path.join(folder, "tf_written.tfrecord"), tflite=True)
             t_fcp_prepare += time.perf_counter() - t_fcp0
         except _NoFcp:
             pass
