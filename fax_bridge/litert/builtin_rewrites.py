@@ -287,6 +287,14 @@ def _signless(ir, kind):
     return None
 
 
+def _make_signless(ir, value):
+    """`value` retyped signless where its type has unsigned integers; `value`."""
+    kind = _signless(ir, value.type)
+    if kind is not None:
+        value.set_type(kind)
+    return value
+
+
 def _touches_unsigned(op, ir) -> bool:
     values = list(op.operands) + list(op.results)
     values += [a for region in op.regions for block in region.blocks for a in block.arguments]
@@ -323,15 +331,14 @@ def _rewrite_sign_dependent(op, ir) -> None:
                           signless)
             a, c = b.binary("xor", lhs, low), b.binary("xor", rhs, low)
             for value in (a, c):
-                value.set_type(_signless(ir, value.type))
+                _make_signless(ir, value)
             if op.name == "stablehlo.compare":
                 direction = str(op.attributes["comparison_direction"]).split()[-1].rstrip(">")
                 new = b.compare(direction, a, c, signed=True)
             else:
                 keep = b.compare("GT" if op.name == "stablehlo.maximum" else "LT", a, c,
                                  signed=True)
-                new = b.select(keep, lhs, rhs)
-                new.set_type(_signless(ir, new.type))
+                new = _make_signless(ir, b.select(keep, lhs, rhs))
         elif op.name == "stablehlo.convert":
             target = ir.RankedTensorType(op.results[0].type).element_type
             if _is(ir.IntegerType, target):
@@ -354,8 +361,7 @@ def _rewrite_sign_dependent(op, ir) -> None:
                 high = b.op("stablehlo.shift_right_logical", b.like(lhs, signless),
                             [lhs, b.full(lhs, "16")])
                 low = b.binary("subtract", lhs, b.binary("multiply", high, b.full(lhs, "65536")))
-                for value in (high, low):
-                    value.set_type(_signless(ir, value.type))
+                _make_signless(ir, low)
                 hf, lf = b.convert(high, target), b.convert(low, target)
                 new = b.binary("add", b.binary("multiply", hf, b.full(hf, "65536.0")), lf)
         else:
@@ -401,9 +407,7 @@ def unsigned_integers(module, ir) -> list:
     for op in walk(module.operation, []):
         for value in list(op.results) + [a for region in op.regions
                                          for block in region.blocks for a in block.arguments]:
-            kind = _signless(ir, value.type)
-            if kind is not None:
-                value.set_type(kind)
+            _make_signless(ir, value)
         if op.name == "func.func":
             kind = _signless(ir, ir.TypeAttr(op.attributes["function_type"]).value)
             op.attributes["function_type"] = ir.TypeAttr.get(kind)

@@ -109,6 +109,12 @@ def _left(module, ir) -> list:
 def lower(hlo_module: bytes, where: str = "the client work") -> tuple[bytes, dict]:
     """(the part's portable StableHLO artifact after the rewrites, {rewrite: count}).
     Raises `ExportError` naming each operation the TFLite converter cannot take."""
+    bytecode, counts = rewritten(hlo_module, where)
+    return hlo.stablehlo_artifact(bytecode), counts
+
+
+def rewritten(hlo_module: bytes, where: str = "the client work") -> tuple[bytes, dict]:
+    """`lower`'s module as StableHLO bytecode (what XLA compiles), and the counts."""
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
 
@@ -135,8 +141,7 @@ def lower(hlo_module: bytes, where: str = "the client work") -> tuple[bytes, dic
                                      if len(problems) > 6 else ""))
         if not module.operation.verify():
             raise ExportError(f"{where}: the TFLite rewrites left an invalid module")
-        bytecode = mlir.module_to_bytecode(module)
-    return hlo.stablehlo_artifact(bytecode), counts
+        return mlir.module_to_bytecode(module), counts
 
 
 def write_artifacts(proto: computation_pb2.Computation, folder: str) -> dict:
