@@ -23,8 +23,10 @@ for all rounds (`tools/tff087/build_forms.py`):
   for `FCP_ROUNDS` rounds the way a plan's phases run (`tools/tff087/plan_run.py`,
   `plan_run_daf.py`: checkpoint files between phases, each client's examples from the
   TFRecord file `fax_bridge.data.examples` wrote), against as many rounds of `jax.jit`
-  (integer leaves such as a PRNG key equal); a tf.Example written by TensorFlow is read
-  back with `fax_bridge.data.examples`.
+  (integer leaves such as a PRNG key equal), and the MRF's again with its client work
+  converted by TF's TFLite converter and run by `tf.lite.Interpreter`
+  (`tools/tff087/tflite_client.py`); a tf.Example written by TensorFlow is read back
+  with `fax_bridge.data.examples`.
 
 Every result must equal `jax.jit` of the round to float32 tolerance. Exit status 0 when
 all do, 1 otherwise, 2 when the check could not run.
