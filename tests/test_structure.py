@@ -31,8 +31,10 @@ LAYERS: tuple = (
      "language.pytree_names", "language.jax_compat", "system", "parity.report", "local.execution", "data", "v1"),),
     # the federated language and its jit path, and what is written in it
     (("language", "local", "api", "drjax", "algorithms", "privacy"),),
-    # the proto machine: grammar, evaluator, values, exact sums, HLO
-    (("runtime",),),
+    # the proto machine: grammar, evaluator, values, exact sums, HLO; the StableHLO
+    # rewrites into TFLite builtins and the source lines of MLIR ops, which the
+    # Federated Compute forms (`tff`) and the LiteRT models both use
+    (("runtime", "litert.side_rewrites", "litert.builtin_rewrites", "litert.locations"),),
     # export to TFF protos, forms
     (("tff",),),
     # round split, engine, policy, checkpoints, codecs, checks; the client part

@@ -23,8 +23,10 @@ for all rounds (`tools/tff087/build_forms.py`):
   for `FCP_ROUNDS` rounds the way a plan's phases run (`tools/tff087/plan_run.py`,
   `plan_run_daf.py`: checkpoint files between phases, each client's examples from the
   TFRecord file `fax_bridge.data.examples` wrote), against as many rounds of `jax.jit`
-  (integer leaves such as a PRNG key equal); a tf.Example written by TensorFlow is read
-  back with `fax_bridge.data.examples`.
+  (integer leaves such as a PRNG key equal), and the MRF's again with its client work
+  converted by TF's TFLite converter and run by `tf.lite.Interpreter`
+  (`tools/tff087/tflite_client.py`); a tf.Example written by TensorFlow is read back
+  with `fax_bridge.data.examples`.
 
 Every result must equal `jax.jit` of the round to float32 tolerance. Exit status 0 when
 all do, 1 otherwise, 2 when the check could not run.
@@ -182,8 +184,14 @@ def fcp_cells(name: str, result: dict, rounds: list, check, failures: list) -> l
         except ExportError as e:
             failures.append(name)
             cells.append(f"fcp-{kind} FAILED ({str(e)[:400]})")
-    for kind in ("mrf", "daf"):
-        entry = fcp_result.get(kind, {})
+    runs = [(kind, fcp_result.get(kind, {})) for kind in ("mrf", "daf")]
+    tflite = fcp_result.get("mrf", {}).get("tflite")
+    if tflite is not None and "error" in tflite:
+        failures.append(name)
+        cells.append(f"fcp-mrf-tflite FAILED ({tflite['error'][:400]})")
+    elif tflite is not None:
+        runs.append(("mrf-tflite", tflite))
+    for kind, entry in runs:
         if "outputs" not in entry:
             continue
 
@@ -317,7 +325,7 @@ def main(argv=None) -> int:
             run = fcp.make_run(proto, prog_args[0], clients_tree, args.clients, folder,
                                FCP_ROUNDS)
             fcp.with_fcp(job, proto, ["mrf", "daf"], run,
-                         os.path.join(folder, "tf_written.tfrecord"))
+                         os.path.join(folder, "tf_written.tfrecord"), tflite=True)
             t_fcp_prepare += time.perf_counter() - t_fcp0
         except _NoFcp:
             pass

@@ -21,7 +21,6 @@ each op's stack).
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import re
 from typing import Any, Iterator, Optional
 
@@ -32,7 +31,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
-from fax_bridge.litert import refusals
+from fax_bridge.litert import locations, refusals
 from fax_bridge.litert.side_rewrites import walk
 from fax_bridge.runtime import local_eval
 
@@ -196,26 +195,6 @@ def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
     return module.operation.get_asm(large_elements_limit=None, enable_debug_info=False)
 
 
-_FRAME = re.compile(r'"([^"]*)"\("([^"]+)":(\d+):\d+\)')
-_LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent) + "/"
-                      for m in (jax, np)) + (str(pathlib.Path(__file__).resolve().parents[1]) + "/",)
-
-
-def _frames(location) -> list:
-    """(file, line, function) of each frame of an MLIR location, innermost first."""
-    return [(path, int(line), name) for name, path, line in _FRAME.findall(str(location))]
-
-
-def _user_frame(frames: list) -> Optional[str]:
-    """The innermost frame outside jax, numpy and fax_bridge (one outside any installed
-    package first), as `file:line (function)`."""
-    ours = [f for f in frames if not f[0].startswith(_LIBRARY_DIRS)
-            and not f[0].startswith("<")]
-    for path, line, name in ([f for f in ours if "-packages" not in f[0]] or ours):
-        return f"{path}:{line} ({name})"
-    return None
-
-
 def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
                  ops: list) -> dict:
     """op name -> the user's source lines (`file:line (function)`) where the client part
@@ -227,22 +206,7 @@ def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
     makes a sort). An op inside a called function takes the lines of its calls."""
     module = _lowered(fn, signature).compiler_ir("stablehlo")
     every = walk(module.operation, [])
-    calls: dict = {}
-    for op in every:
-        if op.name == "func.call" and "callee" in op.attributes:
-            calls.setdefault(str(op.attributes["callee"]).lstrip("@"), []).append(op)
-
-    def lines(op, depth: int = 0) -> list:
-        found = _user_frame(_frames(op.location))
-        if found or depth > 16:
-            return [found] if found else []
-        parent = op.parent
-        while parent is not None and parent.name != "func.func":
-            parent = parent.parent
-        if parent is None:
-            return []
-        name = str(parent.attributes["sym_name"]).strip('"')
-        return [line for call in calls.get(name, []) for line in lines(call, depth + 1)]
+    where = locations.Lines(module)
 
     def unsigned(op) -> bool:
         return any(re.search(r"xui\d+>|<ui\d+>", str(r.type)) for r in op.results)
@@ -268,7 +232,7 @@ def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
             hits += [op for op in every if top_k(op)]
         seen: list = []
         for op in hits:
-            for line in lines(op):
+            for line in where.of(op):
                 if line not in seen:
                     seen.append(line)
         if seen:

@@ -61,7 +61,7 @@ def walk(op, out: list) -> list:
     return out
 
 
-def _region_op(region, n_args: int):
+def region_op(region, n_args: int):
     """The one op of a region `(a, b) -> op(a, b)` and the order it takes its arguments
     in ((0, 1) or (1, 0)); None otherwise."""
     block = region.blocks[0]
@@ -79,7 +79,7 @@ def _region_op(region, n_args: int):
     return (op, order) if sorted(order) == [0, 1] else None
 
 
-class _Builder:
+class Builder:
     """Creates StableHLO ops before one op (generic form: no dialect bindings needed)."""
 
     def __init__(self, ir):
@@ -115,8 +115,8 @@ class _Builder:
 def _rewrite_one(op, ir) -> bool:
     """Replaces one `stablehlo.select_and_scatter` (module docstring); False when its
     regions are not a compare and an add."""
-    select = _region_op(op.regions[0], 2)
-    scatter = _region_op(op.regions[1], 2)
+    select = region_op(op.regions[0], 2)
+    scatter = region_op(op.regions[1], 2)
     if select is None or scatter is None or select[0].name != "stablehlo.compare" \
             or scatter[0].name != "stablehlo.add":
         return False
@@ -136,7 +136,7 @@ def _rewrite_one(op, ir) -> bool:
         pads = [(flat[2 * d], flat[2 * d + 1]) for d in range(rank)]
     padded = [s + lo + hi for s, (lo, hi) in zip(shape, pads)]
     compare, order = select
-    b = _Builder(ir)
+    b = Builder(ir)
     with op.location, ir.InsertionPoint(op):
         x = operand
         if any(lo or hi for lo, hi in pads):  # padded places are masked out below
@@ -234,7 +234,7 @@ def _dilate_by_padding(op, ir, attr: dict, lhs_dims: list, dilation: list,
     lhs = op.operands[0]
     kind = ir.RankedTensorType(lhs.type)
     rank, element = len(kind.shape), kind.element_type
-    b = _Builder(ir)
+    b = Builder(ir)
     low, high, interior = [0] * rank, [0] * rank, [0] * rank
     for d, axis in enumerate(lhs_dims):
         low[axis], high[axis] = max(pads[d][0], 0), max(pads[d][1], 0)
@@ -308,7 +308,7 @@ def _rewrite_convolution(op, ir) -> bool:
         highs[axis] = size - lows[axis] - (limit - start)
     if full_pads == pads:
         return False  # already the full form, which the converter writes correctly
-    b = _Builder(ir)
+    b = Builder(ir)
     element = out_type.element_type
     text = ", ".join(f"[{lo}, {hi}]" for lo, hi in full_pads)
     attr["padding"] = ir.Attribute.parse(f"dense<[{text}]> : tensor<{n}x2xi64>")
@@ -353,7 +353,7 @@ def _split_batch_groups(op, ir) -> bool:
     out_type = ir.RankedTensorType(op.results[0].type)
     if lhs_type.shape[batch] % groups or rhs_type.shape[kernel_out] % groups:
         return False
-    b = _Builder(ir)
+    b = Builder(ir)
     attr["batch_group_count"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 1)
 
     def part(value, kind, axis: int, g: int):

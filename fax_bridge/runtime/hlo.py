@@ -205,7 +205,7 @@ def portable_artifact(hlo_module: bytes, target: str = PORTABLE_TARGET
     try:
         stablehlo = to_stablehlo(hlo_module)
         params, results = _signature(stablehlo)
-        artifact = _jax.mlir.serialize_portable_artifact(stablehlo, target)
+        artifact = stablehlo_artifact(stablehlo, target)
     except HloModuleError as e:
         raise HloModuleError(
             f"cannot convert the HLO module to a StableHLO {target} artifact: {e}") from None
@@ -215,6 +215,11 @@ def portable_artifact(hlo_module: bytes, target: str = PORTABLE_TARGET
         raise ComputationError(
             f"cannot convert the HLO module to a StableHLO {target} artifact ({e})") from e
     return bytes(artifact), params, results
+
+
+def stablehlo_artifact(stablehlo: bytes, target: str = PORTABLE_TARGET) -> bytes:
+    """StableHLO bytecode (or text) as a portable artifact for `target`."""
+    return bytes(_jax.mlir.serialize_portable_artifact(stablehlo, target))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,8 +330,11 @@ class HloExecutable:
     """An HLO module to call with numpy arrays, giving a list of numpy arrays (XLA compiles
     it on the first call)."""
 
-    def __init__(self, hlo_module: bytes, platform: Optional[str] = None):
-        stablehlo = to_stablehlo(hlo_module)
+    def __init__(self, hlo_module: bytes, platform: Optional[str] = None,
+                 stablehlo: Optional[bytes] = None):
+        """`stablehlo`: the module as StableHLO bytecode already (`hlo_module` ignored)."""
+        if stablehlo is None:
+            stablehlo = to_stablehlo(hlo_module)
         try:
             self.parameters, self.results = _signature(stablehlo)
         except ComputationError:

@@ -12,7 +12,9 @@ form only when
   between the server's two phases) hold only dtypes a TF checkpoint can hold (not
   uint16, uint32, uint64: a PRNG key);
 - each secure sum's bound is a value selected from the server's intermediate state, not
-  a literal.
+  a literal;
+- the client work converts to TensorFlow Lite, which devices run: its client parts are
+  lowered into what TF's TFLite converter takes first (`fcp_client`).
 
 `with_fcp(job, ...)` asks the TFF side (`tools/tff087/fcp_forms.py`) for such forms of a
 round: the client data becomes one feature per leaf (`client_features`, named by the
@@ -33,6 +35,7 @@ from federated_language.proto import computation_pb2
 
 from fax_bridge.data.examples import Feature, feature_kind, write_population
 from fax_bridge.errors import DataError, ExportError
+from fax_bridge.tff import fcp_client
 
 # Unsigned dtypes a TF checkpoint cannot hold, stored as the signed twin's bits.
 CHECKPOINT_CODES = {np.dtype(np.uint16): np.dtype(np.int16),
@@ -139,19 +142,25 @@ def client_values(features: Sequence[Feature], client_args: Any, clients: int) -
 
 
 def with_fcp(job: dict, proto: computation_pb2.Computation, forms: Sequence[str],
-             run: Optional[dict] = None, tf_examples: Optional[str] = None) -> dict:
+             run: Optional[dict] = None, tf_examples: Optional[str] = None,
+             tflite: bool = False) -> dict:
     """`job` (from `forms.job(..., artifacts=True)`) also asking the TFF side for the FCP
-    forms `forms`
-    ("mrf", "daf"); `run` as `make_run` gives it."""
+    forms `forms` ("mrf", "daf"); `run` as `make_run` gives it; with `tflite` the MRF's
+    run is repeated with its client work converted to TFLite and run by TFLite's
+    interpreter (`tools/tff087/tflite_client.py`)."""
     job["fcp"] = {"forms": list(forms)}
     if run:
         job["fcp"]["run"] = run
+        job["fcp"]["tflite"] = bool(tflite)
     if tf_examples:
         job["fcp"]["tf_examples"] = tf_examples
     client_features(proto)  # refuses client data no tf.Example holds, before TFF starts
     if "artifacts" not in job:
         raise ExportError("the job has no StableHLO artifacts of the round's Xla parts; "
                           "make it with forms.job(..., artifacts=True)")
+    # The client parts lowered for the devices' TFLite client (or refused, named, here).
+    job["fcp"]["artifacts"] = fcp_client.write_artifacts(
+        proto, os.path.join(job["out"], "fcp_client"))
     return job
 
 

@@ -27,7 +27,8 @@ forms Federated Compute's plan builder takes (`fcp_forms.py`: client data as ser
 `tf.Example`s, TensorFlow parts, checkpoint dtypes, secure-sum bounds in the server
 state), written to `OUT/fcp_KIND.PIECE.pb`; `run` (`{"state": npz, "examples": [one
 TFRecord file per client], "rounds": R, "outputs": npz}`) runs the MRF's phases as a
-plan does (`plan_run.py`), and `tf_examples` writes one record with TensorFlow's own
+plan does (`plan_run.py`), with `"tflite": true` also with the client work converted by
+TF's TFLite converter and run in `tf.lite.Interpreter` (`tflite_client.py`), and `tf_examples` writes one record with TensorFlow's own
 writer. Every form also reports `fcp_contract`: what FCP's builder would refuse in it.
 
 stdout receives one JSON object {name: {form: {...} or {"error": "..."}}}; all other
@@ -335,7 +336,10 @@ def build_fcp(job: dict, proto) -> dict:
 
     spec = job["fcp"]
     t0 = time.perf_counter()
-    tf_round = job.get("tf_round") or concrete(xla_to_tensorflow(proto, job.get("artifacts", {})))
+    # The client parts lowered for TFLite (`spec["artifacts"]`) replace the plain ones.
+    artifacts = dict(job.get("artifacts", {}), **spec.get("artifacts", {}))
+    tf_round = concrete(xla_to_tensorflow(proto, artifacts)) if spec.get("artifacts") \
+        else job.get("tf_round") or concrete(xla_to_tensorflow(proto, artifacts))
     round_fn, info = fcp_forms.fcp_round(tf_round)
     result = {"info": info, "type": str(round_fn.type_signature),
               "wrap_seconds": time.perf_counter() - t0}
@@ -370,6 +374,8 @@ def build_fcp(job: dict, proto) -> dict:
                 outputs = run["outputs"].replace(".npz", f"_{kind}.npz")
                 np.savez(outputs, **values)
                 entry["outputs"] = outputs
+            if run and kind == "mrf" and spec.get("tflite"):
+                entry["tflite"] = run_tflite(form, state, run, job["out"])
             result[kind] = entry
         except Exception as e:  # reported per job and form, never raised
             result[kind] = {"error": f"{type(e).__name__}: {e}",
@@ -377,6 +383,35 @@ def build_fcp(job: dict, proto) -> dict:
     if spec.get("tf_examples"):
         result["tf_examples"] = write_tf_examples(spec["tf_examples"], info["features"])
     return result
+
+
+def run_tflite(mrf, state: list, run: dict, out: str) -> dict:
+    """The FCP MRF's plan-shaped rounds with the client work converted by TF's TFLite
+    converter and run by `tf.lite.Interpreter` (`tflite_client`); never raises."""
+    import plan_run
+    import tflite_client
+
+    made = []
+
+    def client(work, bcast_t, scope):
+        t0 = time.perf_counter()
+        phase = tflite_client.ClientPhase(work, bcast_t, scope)
+        made.append((phase, time.perf_counter() - t0))
+        return phase
+
+    try:
+        t0 = time.perf_counter()
+        values = plan_run.run_rounds(mrf, state, run["examples"], run["rounds"],
+                                     os.path.join(out, "plan_tflite"), client=client)
+        outputs = run["outputs"].replace(".npz", "_mrf_tflite.npz")
+        np.savez(outputs, **values)
+        phase, convert_seconds = made[0]
+        return {"outputs": outputs, "ops": phase.ops, "bytes": len(phase.model),
+                "convert_seconds": convert_seconds,
+                "run_seconds": time.perf_counter() - t0 - convert_seconds}
+    except Exception as e:  # the client work does not convert or run: named, not raised
+        return {"error": f"{type(e).__name__}: {e}"[-3000:],
+                "traceback": traceback.format_exc()[-3000:]}
 
 
 def write_tf_examples(path: str, features: list) -> dict:

@@ -127,7 +127,7 @@ class ClientPhase:
 class PlanRunner:
     """The phases of one MapReduceForm, built once; `round` runs one round."""
 
-    def __init__(self, mrf, folder: str):
+    def __init__(self, mrf, folder: str, client=None):
         self.folder = folder
         os.makedirs(folder, exist_ok=True)
         state_t = leaves(mrf.prepare.type_signature.parameter)
@@ -150,7 +150,7 @@ class PlanRunner:
                                g.call(mrf.prepare, state, "prepare"))
         g.session()
 
-        self.client = ClientPhase(mrf.work, bcast_t, "work")
+        self.client = (client or ClientPhase)(mrf.work, bcast_t, "work")
 
         # server, accumulate one client's update
         update_t = [x for p in parts for x in p]
@@ -270,9 +270,11 @@ def read_state(path: str, types: list) -> list:
             restore(tf.constant(path), names("server", len(types)), types))]
 
 
-def run_rounds(mrf, state: list, examples: list, rounds: int, folder: str) -> dict:
-    """`rounds` rounds from `state` (flat, stored dtypes); {"state.R.I", "output.R.I"}."""
-    runner = PlanRunner(mrf, folder)
+def run_rounds(mrf, state: list, examples: list, rounds: int, folder: str,
+               client=None) -> dict:
+    """`rounds` rounds from `state` (flat, stored dtypes); {"state.R.I", "output.R.I"}.
+    `client`: the client phase's class (`ClientPhase`, or `tflite_client.ClientPhase`)."""
+    runner = PlanRunner(mrf, folder, client)
     state_t = leaves(mrf.prepare.type_signature.parameter)
     out = {}
     try:
