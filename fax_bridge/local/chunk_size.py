@@ -16,6 +16,10 @@ jitted first and differentiated afterwards (`jax.grad(jax.jit(program))`) is tra
 its derivative exists, so it is sized by its forward round: give it an integer
 `clients_per_step` (e.g. from `Program.chunk_size(..., memory_bytes=...)`) to choose.
 
+The search itself, `largest_fitting` (given what one size needs, a budget and names for
+the log), is shared with the exported round's device path (`runtime.device_rounds`: None
+or "auto" there sizes its compiled chunk step against its own budget).
+
 Each size compiled and each choice (with the bytes of every size tried) is logged (logger
 `fax_bridge.local.chunk_size`, level INFO), a program made with `progress=True` shows a
 bar over the compiles, and the choice is cached per argument shapes;
@@ -146,18 +150,18 @@ def fitting_chunk(program, args: tuple, kwargs: dict,
     return best
 
 
-def largest_fitting(sizes: Sequence[int], need: Callable[[int], int], limit: int,
-                    subject: str, what: str,
+def largest_fitting(sizes: Sequence[int], need: Callable[[int], Optional[int]],
+                    limit: int, subject: str, what: str,
                     compiled: Optional[Callable[[], None]] = None) -> int:
     """The largest of `sizes` (ascending: powers of two, then the cohort) whose `need(k)`
     (the bytes of what runs at k clients a step, compiled to measure them) is within
     `limit`: the last size first (one compile where the whole cohort fits, as most do),
     then bisection below it (memory grows with the chunk); the smallest size when none
-    fits, with a warning. A `need` the device refuses to compile for memory
-    (`is_out_of_memory`) does not fit; any other error is raised. Each size compiled and
-    the choice (with the bytes of every size tried) are logged under `subject` (e.g.
-    "clients_per_step='auto' for fedavg"), `what` naming what is compiled; `compiled` is
-    called after each compile (a progress bar)."""
+    fits, with a warning. A `need` of None, or one the device refuses to compile for
+    memory (`is_out_of_memory`), does not fit; any other error is raised. Each size
+    compiled and the choice (with the bytes of every size tried) are logged under
+    `subject` (e.g. "clients_per_step='auto' for fedavg"), `what` naming what is
+    compiled; `compiled` is called after each compile (a progress bar)."""
     n = sizes[-1]
     needs: dict[int, Optional[int]] = {}
 

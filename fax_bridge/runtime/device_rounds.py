@@ -141,8 +141,8 @@ def client_partials(fn: Any, key: str, sent: Any, members: Sequence, specs: list
     states = _run(step, batch, k, progress)
     if bool(jax.device_get(_any_overflow(states))):
         LOG.info("the exported round's sums: some element's clients spread past the sums' "
-                 "window (%d bits); summing its %d clients again over the dtypes' whole "
-                 "ranges", device_exact.WINDOW_SPREAD, batch.count)
+                 "window (at least %d bits); summing its %d clients again over the dtypes' "
+                 "whole ranges", device_exact.WINDOW_SPREAD, batch.count)
         layouts = tuple(layout.widened() for layout in layouts)
         states = None  # freed before the whole-range sums start: never both at once
         states = _run(twin.result(), batch, k, progress)
@@ -226,10 +226,10 @@ def _chosen_size(requested: Union[int, str, None], probe: client_map.Batch,
             return _chosen[key]
     made: dict = {}
 
-    def need(k: int) -> int:
+    def need(k: int) -> Optional[int]:
         batch = batch_of(k)
-        if batch is None:
-            raise ArgumentError("the clients of this round cannot run batched")
+        if batch is None:  # not batched at k rows: no step to size (the caller falls back)
+            return None
         with _lock:  # a step this process compiled before (another option, say)
             step = _steps.get((batch.traced, layouts, spans, batch.rows, shapes.key))
         made[k] = (batch, step or _compile(batch, layouts, spans, shapes))
