@@ -151,7 +151,8 @@ def run_computation(proto: Union[Computation, bytes, interpreter.Prepared], *arg
       clients_per_step: on the device path, how many clients one compiled step runs,
         its results summed into the round's exact sums before the next (the device
         holds one chunk's work whatever the cohort; the same bits whatever the
-        chunks): a whole number, or None / "auto" (as many as hold 1 GiB of results,
+        chunks): a whole number, or None / "auto" (the most whose compiled step
+        holds at most FAX_BRIDGE_STEP_BYTES, 1 GiB, by its memory_analysis():
         `device_rounds.chunk_size`).
       progress: on the device path, a tqdm bar of the clients as chunks finish.
       client_runtime: what runs the clients' work ("xla", "litert" or a

@@ -40,6 +40,18 @@ def test_exported_round_runs_both_paths_with_the_same_bits(tmp_path):
     assert got["same_bits"] is True
 
 
+def test_stream_round_times_both_ways_with_the_same_bits(tmp_path):
+    import stream_round
+
+    out = tmp_path / "sr.json"
+    got = stream_round.main(["--clients", "4", "--chunk", "2", "--width", "8", "--steps",
+                             "1", "--batch", "2", "--repeats", "1", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["same_bits"] is True and got["same_bits"] is True
+    for key in ("in_memory_s", "streamed_s", "streamed_over_in_memory", "fastest_ratio"):
+        assert math.isfinite(saved[key]) and saved[key] > 0, key
+
+
 def test_partial_bytes_measures_every_count(capsys):
     import partial_bytes
 

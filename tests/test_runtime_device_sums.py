@@ -288,3 +288,35 @@ def test_a_narrow_mean_on_the_device_has_the_host_s_bits(dtype, kind):
         kind, [[jnp.asarray(values)]], [n], None if w is None else [jnp.asarray(w[0])]))[0]
     np.testing.assert_array_equal(_bits(host)[3:], _bits(v)[3:])
     np.testing.assert_array_equal(_bits(np.asarray(device)), _bits(host))
+
+
+def _state_bytes(layout: device_sums.Layout) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(jax.eval_shape(layout.empty)))
+
+
+@pytest.mark.parametrize("count, each", [(5, 36), (255, 36), (256, 36), (4095, 36),
+                                         (4096, 40)])
+def test_float32_sums_hold_36_bytes_an_element_up_to_4095_clients(count, each):
+    """Six int32 limbs leave a window of at least `WINDOW_SPREAD` bits (44) between an
+    element's lowest and highest addend bits up to 4,095 clients: no seventh limb (40
+    bytes an element) before the carries of 4,096 clients need it."""
+    layout = device_sums.Layout("sum", ((np.dtype(np.float32), (10,)),), None, count)
+    assert _state_bytes(layout) == each * 10 + 1  # and the one overflow flag
+    window = 16 * device_exact.limbs_for(np.float32, count) - 24 - 15 - \
+        device_exact.count_bits(count)
+    assert device_exact.WINDOW_SPREAD <= window < device_exact.WINDOW_SPREAD + 16
+
+
+def test_a_window_cut_to_six_limbs_still_gives_the_host_bits():
+    """4,000 clients (six limbs, a window of 44 bits): addends spread 44 bits sum in the
+    window; spread 80 bits, the sum says so and the whole range gives the host's bits."""
+    rng = np.random.default_rng(3)
+    stack = rng.standard_normal((4000, 3)).astype(np.float32)
+    stack[0, 0], stack[1, 0] = np.float32(2.0 ** 20), np.float32(2.0 ** -24)  # 44 bits
+    stack[0, 1], stack[1, 1] = np.float32(2.0 ** 40), np.float32(2.0 ** -40)  # 80 bits
+    for spread, cols in ((44, [0, 2]), (80, [0, 1, 2])):
+        rows = np.ascontiguousarray(stack[:, cols])
+        sums = device_sums.partial_of("sum", [DeviceColumn([jnp.asarray(rows)], [4000])])
+        assert sums.layout.full == (spread == 80)
+        np.testing.assert_array_equal(_bits(device_sums.finish(sums)[0]), _bits(_host(rows)))

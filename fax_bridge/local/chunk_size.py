@@ -16,6 +16,10 @@ jitted first and differentiated afterwards (`jax.grad(jax.jit(program))`) is tra
 its derivative exists, so it is sized by its forward round: give it an integer
 `clients_per_step` (e.g. from `Program.chunk_size(..., memory_bytes=...)`) to choose.
 
+The search itself, `largest_fitting` (given what one size needs, a budget and names for
+the log), is shared with the exported round's device path (`runtime.device_rounds`: None
+or "auto" there sizes its compiled chunk step against its own budget).
+
 Each size compiled and each choice (with the bytes of every size tried) is logged (logger
 `fax_bridge.local.chunk_size`, level INFO), a program made with `progress=True` shows a
 bar over the compiles, and the choice is cached per argument shapes;
@@ -27,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -132,54 +136,70 @@ def fitting_chunk(program, args: tuple, kwargs: dict,
         return cache[key]
     n = program.clients
     sizes = [1 << i for i in range(max(n - 1, 1).bit_length()) if (1 << i) < n] + [n]
-    needs: dict[int, Optional[int]] = {}
     what = "gradient" if gradient else "forward round"
     bar = _bar(program, len(sizes).bit_length() + 1)
+    try:
+        best = largest_fitting(
+            sizes, lambda k: round_bytes(program, k, args, kwargs, gradient), limit,
+            f"clients_per_step='auto' for {_name(program)}", what,
+            None if bar is None else (lambda: bar.update(1)))
+    finally:
+        if bar is not None:
+            bar.close()
+    cache[key] = best
+    return best
+
+
+def largest_fitting(sizes: Sequence[int], need: Callable[[int], Optional[int]],
+                    limit: int, subject: str, what: str,
+                    compiled: Optional[Callable[[], None]] = None) -> int:
+    """The largest of `sizes` (ascending: powers of two, then the cohort) whose `need(k)`
+    (the bytes of what runs at k clients a step, compiled to measure them) is within
+    `limit`: the last size first (one compile where the whole cohort fits, as most do),
+    then bisection below it (memory grows with the chunk); the smallest size when none
+    fits, with a warning. A `need` of None, or one the device refuses to compile for
+    memory (`is_out_of_memory`), does not fit; any other error is raised. Each size
+    compiled and the choice (with the bytes of every size tried) are logged under
+    `subject` (e.g. "clients_per_step='auto' for fedavg"), `what` naming what is
+    compiled; `compiled` is called after each compile (a progress bar)."""
+    n = sizes[-1]
+    needs: dict[int, Optional[int]] = {}
 
     def fits(k: int) -> bool:
-        LOG.info("clients_per_step='auto' for %s: compiling the %s at %d of %d clients a "
-                 "step to measure its memory", _name(program), what, k, n)
+        LOG.info("%s: compiling the %s at %d of %d clients a step to measure its memory",
+                 subject, what, k, n)
         start = time.perf_counter()
         try:
-            needs[k] = round_bytes(program, k, args, kwargs, gradient)
+            needs[k] = need(k)
         except jax.errors.JaxRuntimeError as e:
             if not is_out_of_memory(e):
                 raise
             needs[k] = None  # refused by the compiler: more than the device holds
         finally:
-            if bar is not None:
-                bar.update(1)
+            if compiled is not None:
+                compiled()
         ok = needs[k] is not None and needs[k] <= limit
-        LOG.info("clients_per_step='auto' for %s: %d clients a step need %s: %s (%.1f s)",
-                 _name(program), k, _bytes(needs[k]), "fits" if ok else "does not fit",
-                 time.perf_counter() - start)
+        LOG.info("%s: %d clients a step need %s: %s (%.1f s)", subject, k, _bytes(needs[k]),
+                 "fits" if ok else "does not fit", time.perf_counter() - start)
         return ok
 
-    try:
-        # memory grows with the chunk: the whole cohort first (one compile where it
-        # fits, as most cohorts do), then bisection below it
-        best = n if fits(n) else None
-        lo, hi = 0, len(sizes) - 2  # the sizes below the cohort
-        while best != n and lo <= hi:
-            mid = (lo + hi) // 2
-            if fits(sizes[mid]):
-                best, lo = sizes[mid], mid + 1
-            else:
-                hi = mid - 1
-    finally:
-        if bar is not None:
-            bar.close()
+    best = n if fits(n) else None
+    lo, hi = 0, len(sizes) - 2  # the sizes below the cohort
+    while best != n and lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(sizes[mid]):
+            best, lo = sizes[mid], mid + 1
+        else:
+            hi = mid - 1
     tried = ", ".join(f"{k}: {_bytes(v)}" for k, v in sorted(needs.items()))
     if best is None:
-        LOG.warning("clients_per_step='auto' for %s: no chunk size fits %d bytes (one client "
-                    "a step needs %s); running 1 client a step", _name(program), limit,
-                    _bytes(needs.get(1)))
-        best = 1
+        best = sizes[0]
+        LOG.warning("%s: no chunk size fits %d bytes (%d clients a step need %s); running "
+                    "%d a step", subject, limit, best, _bytes(needs.get(best)), best)
     else:
-        LOG.info("clients_per_step='auto' for %s: %d of %d clients a step (%s: %s of %d "
-                 "bytes; the largest size tried that fits, of %s)", _name(program), best, n,
-                 what, _bytes(needs[best]), limit, tried)
-    cache[key] = best
+        LOG.info("%s: %d of %d clients a step (%s: %s of %d bytes; the largest size tried "
+                 "that fits, of %s)", subject, best, n, what, _bytes(needs[best]), limit,
+                 tried)
     return best
 
 

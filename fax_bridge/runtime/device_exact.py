@@ -7,8 +7,10 @@ k weighing 2^(16 * (base + k)) units, where each element's window starts at the 
 its own lowest addend bit so far (`base`): an element whose addends span a few binades
 needs a few limbs whatever the rest of the buffer holds. The number of limbs is fixed
 when the sum starts, from the dtype and the number of addends alone (`limbs_for`), so a
-program that adds to it compiles once whatever the data: a window of `WINDOW_SPREAD` bits
-between an element's lowest and highest addend bits, or (`full`) the dtype's whole range.
+program that adds to it compiles once whatever the data: a window of at least
+`WINDOW_SPREAD` bits between an element's lowest and highest addend bits (whatever whole
+limbs leave: 44 to 59 bits; a float32 sum of up to 4,095 addends holds 6 limbs, 36 bytes
+an element with its base, top and flags), or (`full`) the dtype's whole range.
 An addend below an element's window moves the window down (its limbs shift up by whole
 digits, exactly); an element whose addends spread wider than the window marks the sum
 `overflow` (its bits are then not kept), which the caller reads once and, where it is
@@ -44,7 +46,7 @@ from fax_bridge.runtime.float_bits import float_params
 DIGIT_BITS = 16
 _DIGIT_MASK = (1 << DIGIT_BITS) - 1
 BLOCK_ROWS = 1 << 13  # addends added between carry propagations (module docstring)
-WINDOW_SPREAD = 48  # bits between an element's lowest and highest addend bits kept
+WINDOW_SPREAD = 44  # bits between an element's lowest and highest addend bits, at least
 _NONE = 1 << 26  # the base of an element with no finite nonzero addend yet
 
 
@@ -73,9 +75,10 @@ def count_bits(count: int) -> int:
 
 
 def limbs_for(dtype: np.dtype, count: int, full: bool = False) -> int:
-    """Limbs of a sum of `count` addends of `dtype`: a window of `WINDOW_SPREAD` bits
-    between an element's lowest and highest addend bits (or its dtype's whole range, if
-    `full` or narrower), its significand's bits, a digit's alignment and the carries."""
+    """Limbs of a sum of `count` addends of `dtype`: a window of at least `WINDOW_SPREAD`
+    bits between an element's lowest and highest addend bits (or its dtype's whole range,
+    if `full` or narrower), its significand's bits, a digit's alignment and the carries;
+    the window is whatever the whole limbs leave (`add` checks against them)."""
     p = float_params(np.dtype(dtype))[0]
     spread = max_position(dtype) if full else min(WINDOW_SPREAD, max_position(dtype))
     return -(-(spread + p + DIGIT_BITS - 1 + count_bits(count)) // DIGIT_BITS)

@@ -340,6 +340,23 @@ def finish(sums: DeviceSums) -> list:
     return out
 
 
+def compile_finish(layout: Layout) -> None:
+    """Compiles what `finish` runs for sums of `layout` held on the default device (its
+    rounding and division, and the cut into tensors), so that finishing them compiles
+    nothing then: a round compiles its whole-range sums beside its first
+    (`device_rounds`), not when a later round's values first need them."""
+    where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def placed(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                            tree)
+
+    state, count = placed(jax.eval_shape(layout.empty)), jax.ShapeDtypeStruct((), np.int32)
+    _finished.lower(layout, state, count).compile()
+    flats = jax.eval_shape(functools.partial(_finished, layout), state, count)[0]
+    _split.lower(layout, placed(flats)).compile()
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _split(layout: Layout, flats: dict) -> list:
     """The tensors (depth first) of each dtype's flat results. A program of its own:

@@ -26,6 +26,9 @@ VARIABLES = {
                                    "17179869184 for 16 GiB"),
     "FAX_BRIDGE_MAX_EVAL_STEPS": (1_000_000, 1, "the steps one evaluation may take",
                                   "1000000"),
+    "FAX_BRIDGE_STEP_BYTES": (1 << 30, 1, "the bytes a chunk step of an exported round "
+                              "on the device may hold when clients_per_step is None or "
+                              "'auto'", "1073741824 for 1 GiB"),
     "FAX_BRIDGE_MAX_PROTO_BYTES": (256 << 20, 1, "the bytes of one proto built for the "
                                    "devices", "268435456 for 256 MiB"),
     "FAX_BRIDGE_VMAP_CLIENTS": (0, 0, "whether an exported client part's batched rows run "
