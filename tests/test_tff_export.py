@@ -13,6 +13,7 @@ from federated_language.proto import computation_pb2
 
 import fax_bridge as fb
 from fax_bridge.runtime import run_computation
+from fax_bridge.tff import export
 from fax_bridge.tff import xla as tff_xla
 
 N = 5
@@ -501,13 +502,17 @@ def test_proto_bytes_grow_linearly_with_the_leaves():
     assert 0.8 < second / first < 1.25, sizes
 
 
-def test_leaves_picked_out_of_their_groups_compute_what_jit_computes():
-    fn, w, x = _many_leaves_round(5)
+@pytest.mark.parametrize("leaves", [5, 12])
+def test_leaves_picked_out_of_their_groups_compute_what_jit_computes(leaves):
+    """5 leaves: selected one by one; 12 (more than `SELECT_AT_MOST`): by Xla parts.
+    The same type and results either way."""
+    fn, w, x = _many_leaves_round(leaves)
     proto = fb.export_tff(fn, w, x, placements=("server", "clients"))
     got, want = run_computation(proto, w, x), jax.jit(fn)(w, x)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(g, e, rtol=1e-6)
-    assert str(block(proto).type_signature).endswith(
-        "-> <<p0000=float32[2],p0001=float32[2],p0002=float32[2],p0003=float32[2],"
-        "p0004=float32[2]>,float32>@SERVER)")
+    names = ",".join(f"p{i:04d}=float32[2]" for i in range(leaves))
+    assert str(block(proto).type_signature).endswith(f"-> <<{names}>,float32>@SERVER)")
+    # the clients' update; beyond SELECT_AT_MOST, the mean's operands and the result
+    assert len(xla_parts(proto)) == 1 + 2 * (leaves > export.SELECT_AT_MOST)

@@ -54,6 +54,13 @@ S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
 # an UNPLACED operand is the same for every client.
 _ROW_OPERANDS = ELEMENTWISE | {"concatenate"}
 
+# Up to this many leaves are selected out of their federated structs one by one (each
+# selection repeats its struct's type, so this bounds the bytes at this many times the
+# struct's); more are gathered by one Xla part (`_Exporter.arrange`), whose bytes grow
+# with the struct and the leaves, never their product. Small programs keep their
+# selections and need no Xla part more.
+SELECT_AT_MOST = 8
+
 
 @dataclasses.dataclass
 class _Group:
@@ -299,11 +306,16 @@ class _Exporter:
         if len(vs) == 1:
             g = self.single(vs[0], placement, eqn)
             return g.ref, g.member_avals
+        if len(vs) <= SELECT_AT_MOST:
+            singles = [self.single(v, placement, eqn) for v in vs]
+            return (factory.create_federated_zip(bb.Struct([g.ref for g in singles])),
+                    tuple(g.member_avals for g in singles))
         return self.arrange(vs, jax.tree_util.tree_structure(tuple(vs)), placement, eqn)
 
     def arrange(self, vs: list, treedef, placement: Placement, eqn):
         """One federated value whose member is `treedef` holding `vs`: (expression, member
-        avals pytree), in bytes and time linear in the groups `vs` come from.
+        avals pytree), in bytes and time linear in the groups `vs` come from (used for
+        more than `SELECT_AT_MOST` leaves).
 
         A group holding exactly `vs` in that structure is used as it is; several leaves
         are picked out of their groups by one Xla computation (mapped or applied). Every
@@ -475,9 +487,13 @@ class _Exporter:
             if isinstance(sub, int):
                 return self.single(outvars[sub], comp.out_placements[sub], None).ref
             children = tff_types.named_children(sub)
-            if len(ps) == 1 and children:
-                return self.arrange([outvars[i] for i in jax.tree_util.tree_leaves(sub)],
+            leaves = jax.tree_util.tree_leaves(sub)
+            if len(ps) == 1 and children and len(leaves) > SELECT_AT_MOST:
+                return self.arrange([outvars[i] for i in leaves],
                                     jax.tree_util.tree_structure(sub), ps.pop(), None)[0]
+            if len(ps) == 1 and children:
+                struct = bb.Struct([(name, build(child)) for name, child in children])
+                return factory.create_federated_zip(struct)
             return bb.Struct([(name, build(child)) for name, child in children])
 
         if self.round_form:
