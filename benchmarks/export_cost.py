@@ -33,8 +33,18 @@ in one TFF 0.87 side-environment process for all sizes and repeats, the
 DistributeAggregateForm and the MapReduceForm built by TFF (its build times, the Xla ->
 XlaCallModule replacement time, and the bytes of all pieces of each form).
 
+With `--leaves 100,1000,3000,10000`, the sweep is over the number of leaves instead:
+a FedAvg-style round over a dict of that many float32[4] parameters, whose client
+update touches every leaf (`leaves_round`), exported once (`export` s, proto bytes,
+Xla parts), then run twice by `fax_bridge.runtime.run_computation` on the host
+(`on_device=False`) and twice on jax's default device (`on_device=True`): each run's
+time, and the seconds XLA's backend compile took within the first (jax's
+`backend_compile_duration` events). `--runs host` or `--runs none` leaves the device
+runs, or both, out. Slopes are against the number of leaves.
+
     python benchmarks/export_cost.py [--sizes 10k,30k,100k,1M,3M,10M] [--repeats 5] \
         [--forms] [--json OUT]
+    python benchmarks/export_cost.py --leaves 100,1000,3000,10000 [--runs host,device]
 """
 
 from __future__ import annotations
@@ -378,6 +388,84 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- many leaves
+
+LEAF_CLIENTS = 4
+
+
+def leaves_round(leaves: int) -> tuple[Callable, dict, np.ndarray]:
+    """(round, parameters, client data): a broadcast of a dict of `leaves` float32[4]
+    parameters, a client update of every leaf, their mean."""
+    @fax_bridge.program(clients=LEAF_CLIENTS)
+    def round_(w, data):
+        def local(w, d):
+            return jax.tree_util.tree_map(lambda p: p - LR * d * p, w)
+        return fax_bridge.federated_mean(
+            fax_bridge.federated_map_clients(local, (fax_bridge.federated_broadcast(w), data)))
+
+    w = {f"p{i:05d}": np.full((4,), i % 97, np.float32) for i in range(leaves)}
+    return round_, w, np.linspace(0.5, 1.5, LEAF_CLIENTS, dtype=np.float32)
+
+
+def _compile_seconds() -> list:
+    """A list that fills with the seconds of each XLA backend compile from now on."""
+    seen: list = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: seen.append(secs)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    return seen
+
+
+def measure_leaves(leaves: int, runs: Sequence[str], compiles: list) -> dict[str, Any]:
+    """One leaf count: export time and proto, then two runs per path in `runs`."""
+    from fax_bridge.runtime import run_computation
+
+    fn, w, data = leaves_round(leaves)
+    t0 = time.perf_counter()
+    proto = fax_bridge.export_tff(fn, w, data, placements=("server", "clients"))
+    row: dict[str, Any] = {"leaves": leaves, "export_s": time.perf_counter() - t0,
+                           "proto_bytes": proto.ByteSize(), "xla_parts": len(xla_parts(proto))}
+    for path in runs:
+        for which in ("first", "second"):
+            before, t0 = len(compiles), time.perf_counter()
+            out = run_computation(proto, w, data, on_device=path == "device")
+            jax.block_until_ready(out)
+            row[f"{path}_{which}_s"] = time.perf_counter() - t0
+            row[f"{path}_{which}_xla_compile_s"] = sum(compiles[before:])
+    return row
+
+
+def leaves_main(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--leaves` sweep: prints a table and the slopes, returns the rows."""
+    counts = [_parse_size(s) for s in args.leaves.split(",") if s.strip()]
+    runs = [r for r in args.runs.split(",") if r in ("host", "device")]
+    print(f"Round over a dict of float32[4] leaves, {LEAF_CLIENTS} clients; jax "
+          f"{jax.__version__} on {jax.default_backend()}, {platform.machine()} "
+          f"{os.cpu_count()} CPUs", flush=True)
+    compiles = _compile_seconds()
+    rows = []
+    for leaves in counts:
+        rows.append(measure_leaves(leaves, runs, compiles))
+        print("  " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v:,}"
+                               for k, v in rows[-1].items()), flush=True)
+    keys = [k for k in rows[0] if k.endswith("_s") or k == "proto_bytes"]
+    print()
+    print(f"{'leaves':>7} " + " ".join(f"{k.removesuffix('_s'):>22}" for k in keys))
+    for r in rows:
+        print(f"{r['leaves']:>7,} " + " ".join(
+            f"{r[k]:>22,}" if isinstance(r[k], int) else f"{r[k]:>22.3f}" for k in keys))
+    slopes = {k: loglog_slope(counts, [max(r[k], 1e-6) for r in rows]) for k in keys}
+    print("log-log slope vs leaves (1 = linear): " +
+          ", ".join(f"{k} {v:.2f}" for k, v in slopes.items()))
+    result = {"config": {"clients": LEAF_CLIENTS, "runs": runs, "jax": jax.__version__,
+                         "backend": jax.default_backend(), "cpus": os.cpu_count()},
+              "rows": rows, "slopes": slopes}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Runs the benchmark, prints the table and slopes, returns (and optionally saves) it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -393,7 +481,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="also measure the conversion to TFF's production forms (needs "
                              "the TFF 0.87 side environment, make tff-venv)")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    parser.add_argument("--leaves", metavar="N,N,...",
+                        help="sweep the number of leaves instead of the model size")
+    parser.add_argument("--runs", default="host,device",
+                        help="with --leaves: which runs to time (host, device, none)")
     args = parser.parse_args(argv)
+    if args.leaves:
+        return leaves_main(args)
     sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
 
     print(f"FedAvg round export: {args.clients} clients, {args.steps} local steps, batch "

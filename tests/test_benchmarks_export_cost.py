@@ -79,3 +79,19 @@ def test_stablehlo_conversion_of_the_round_does_not_grow_with_the_model(bench):
 
     signature = str(building_blocks.ComputationBuildingBlock.from_proto(proto).type_signature)
     assert signature.endswith("@SERVER,float32@SERVER>)")  # state and output apart
+
+
+def test_leaves_sweep_runs_and_its_proto_grows_linearly(bench, tmp_path):
+    """`--leaves`: each count exported and run on the host; the proto grows by the same
+    bytes per leaf from 12 to 24 to 48 leaves (quadratic: 3 times as many per leaf)."""
+    result = bench.main(["--leaves", "12,24,48", "--runs", "host",
+                         "--json", str(tmp_path / "leaves.json")])
+    rows = result["rows"]
+    assert [r["leaves"] for r in rows] == [12, 24, 48]
+    for row in rows:
+        assert row["host_first_s"] > 0 and row["host_second_s"] > 0
+        assert row["host_first_xla_compile_s"] >= row["host_second_xla_compile_s"] >= 0
+    per_leaf = [(b["proto_bytes"] - a["proto_bytes"]) / (b["leaves"] - a["leaves"])
+                for a, b in zip(rows, rows[1:])]
+    assert 0.8 < per_leaf[1] / per_leaf[0] < 1.25, per_leaf
+    assert json.loads((tmp_path / "leaves.json").read_text())["config"]["runs"] == ["host"]

@@ -13,6 +13,7 @@ from federated_language.proto import computation_pb2
 
 import fax_bridge as fb
 from fax_bridge.runtime import run_computation
+from fax_bridge.tff import export
 from fax_bridge.tff import xla as tff_xla
 
 N = 5
@@ -469,3 +470,49 @@ def test_deeply_nested_pytrees_export_or_get_a_named_error(kinds):
         assert f"nest {len(kinds)} levels deep" in str(e)
         return
     assert proto.ByteSize() > 0
+
+
+def _many_leaves_round(leaves: int):
+    """A round over a dict of `leaves` float32[2] parameters: each client updates every
+    leaf; the mean of the updates and the sum of a loss are two communications, so the
+    mean's operands are picked out of the client stage's results, and the result dict
+    out of the server's."""
+    @fb.program(clients=2)
+    def round_(w, x):
+        def local(w, x):
+            new = jax.tree_util.tree_map(lambda p: p - 0.1 * x * p, w)
+            return new, sum(jnp.sum(p * p) for p in new.values())
+        new, loss = fb.federated_map_clients(local, (fb.federated_broadcast(w), x))
+        return fb.federated_mean(new), fb.federated_sum(loss)
+
+    w = {f"p{i:04d}": np.full((2,), i, np.float32) for i in range(leaves)}
+    return round_, w, np.arange(2, dtype=np.float32)
+
+
+def test_proto_bytes_grow_linearly_with_the_leaves():
+    """Every node of a proto carries its type: picking leaves out of a struct one
+    selection each repeated the struct's type per leaf, bytes quadratic in the leaves.
+    From 16 to 32 to 64 leaves the proto grows by equal steps per leaf (a quadratic
+    proto's second step is 4 times its first per leaf, not 1); the sizes, not a timing."""
+    sizes = []
+    for leaves in (16, 32, 64):
+        fn, w, x = _many_leaves_round(leaves)
+        sizes.append(fb.export_tff(fn, w, x, placements=("server", "clients")).ByteSize())
+    first, second = (sizes[1] - sizes[0]) / 16, (sizes[2] - sizes[1]) / 32
+    assert 0.8 < second / first < 1.25, sizes
+
+
+@pytest.mark.parametrize("leaves", [5, 12])
+def test_leaves_picked_out_of_their_groups_compute_what_jit_computes(leaves):
+    """5 leaves: selected one by one; 12 (more than `SELECT_AT_MOST`): by Xla parts.
+    The same type and results either way."""
+    fn, w, x = _many_leaves_round(leaves)
+    proto = fb.export_tff(fn, w, x, placements=("server", "clients"))
+    got, want = run_computation(proto, w, x), jax.jit(fn)(w, x)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, e, rtol=1e-6)
+    names = ",".join(f"p{i:04d}=float32[2]" for i in range(leaves))
+    assert str(block(proto).type_signature).endswith(f"-> <<{names}>,float32>@SERVER)")
+    # the clients' update; beyond SELECT_AT_MOST, the mean's operands and the result
+    assert len(xla_parts(proto)) == 1 + 2 * (leaves > export.SELECT_AT_MOST)

@@ -16,6 +16,7 @@ control-flow body, and infers the placement of every value:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -347,13 +348,15 @@ class FederatedComputation:
     name: str = "program"
     axis: str = Placement.CLIENTS.value  # the placement's name (TFF CLIENTS when exported)
 
-    @property
-    def in_avals(self):
-        return self.jaxpr.in_avals
+    # Read once: the jaxpr builds a new list of its avals on every read, so a caller that
+    # indexes them leaf by leaf would do work quadratic in the leaves.
+    @functools.cached_property
+    def in_avals(self) -> tuple:
+        return tuple(self.jaxpr.in_avals)
 
-    @property
-    def out_avals(self):
-        return self.jaxpr.out_avals
+    @functools.cached_property
+    def out_avals(self) -> tuple:
+        return tuple(self.jaxpr.out_avals)
 
     def placement_of(self, var) -> Placement:
         """The placement inferred for a jaxpr variable (or Literal: UNPLACED)."""

@@ -137,7 +137,8 @@ def _struct_items(value, type_: federated_language.StructType, path: str):
                     f"{_where(path)}: {type_} has unnamed elements, pass a tuple, not a "
                     "dict")
             missing = [n for n in names if n not in value]
-            extra = sorted(str(k) for k in value if k not in names)
+            known = set(names)  # a key looked up in the list: quadratic in the keys
+            extra = sorted(str(k) for k in value if k not in known)
             if missing or extra:
                 raise ComputationError(
                     f"{_where(path)}: expected keys {names} ({type_}); missing {missing}, "

@@ -55,6 +55,13 @@ S, C, U = Placement.SERVER, Placement.CLIENTS, Placement.UNPLACED
 # an UNPLACED operand is the same for every client.
 _ROW_OPERANDS = ELEMENTWISE | {"concatenate"}
 
+# Up to this many leaves are selected out of their federated structs one by one (each
+# selection repeats its struct's type, so this bounds the bytes at this many times the
+# struct's); more are gathered by one Xla part (`_Exporter.arrange`), whose bytes grow
+# with the struct and the leaves, never their product. Small programs keep their
+# selections and need no Xla part more.
+SELECT_AT_MOST = 8
+
 
 @dataclasses.dataclass
 class _Group:
@@ -305,9 +312,64 @@ class _Exporter:
         if len(vs) == 1:
             g = self.single(vs[0], placement, eqn)
             return g.ref, g.member_avals
-        singles = [self.single(v, placement, eqn) for v in vs]
-        return (factory.create_federated_zip(bb.Struct([g.ref for g in singles])),
-                tuple(g.member_avals for g in singles))
+        if len(vs) <= SELECT_AT_MOST:
+            singles = [self.single(v, placement, eqn) for v in vs]
+            return (factory.create_federated_zip(bb.Struct([g.ref for g in singles])),
+                    tuple(g.member_avals for g in singles))
+        return self.arrange(vs, jax.tree_util.tree_structure(tuple(vs)), placement, eqn)
+
+    def arrange(self, vs: list, treedef, placement: Placement, eqn):
+        """One federated value whose member is `treedef` holding `vs`: (expression, member
+        avals pytree), in bytes and time linear in the groups `vs` come from (used for
+        more than `SELECT_AT_MOST` leaves).
+
+        A group holding exactly `vs` in that structure is used as it is; several leaves
+        are picked out of their groups by one Xla computation (mapped or applied). Every
+        node of a proto carries its type, so selecting the leaves one by one would repeat
+        the type of their whole group once per leaf: quadratic in the number of leaves.
+        """
+        groups: list[_Group] = []
+        index: dict = {}  # id(group) -> its place in groups
+        positions: list[dict] = []  # per group: leaf var -> its index in the member
+        flat_avals: list[list] = []
+        picks = []  # per leaf of vs: (group index, leaf index)
+        for v in vs:
+            if self._is_const(v) or v in self.singles or v not in self.where:
+                group = self.single(v, placement, eqn)
+            else:
+                group = self.where[v][0]
+            gi = index.get(id(group))
+            if gi is None:
+                index[id(group)] = gi = len(groups)
+                groups.append(group)
+                positions.append({})
+                for li, var in enumerate(group.leaf_vars):
+                    if not isinstance(var, core.Literal):
+                        positions[-1].setdefault(var, li)
+                flat_avals.append(jax.tree_util.tree_leaves(group.member_avals))
+            picks.append((gi, 0 if isinstance(v, core.Literal) else positions[gi][v]))
+        avals = [flat_avals[gi][li] for gi, li in picks]
+        member = jax.tree_util.tree_unflatten(treedef, avals)
+        if len(groups) == 1 and list(groups[0].leaf_vars) == list(vs) and \
+                tff_types.pytree_type(groups[0].member_avals) == tff_types.pytree_type(member):
+            return groups[0].ref, groups[0].member_avals
+        if treedef.num_leaves == 1 and treedef.num_nodes == 1:
+            return self.single(vs[0], placement, eqn).ref, member
+
+        def pick(value):
+            flat = [jax.tree_util.tree_leaves(x)
+                    for x in ((value,) if len(groups) == 1 else value)]
+            return jax.tree_util.tree_unflatten(treedef, [flat[gi][li] for gi, li in picks])
+
+        arg_avals = groups[0].member_avals if len(groups) == 1 else tuple(
+            g.member_avals for g in groups)
+        compiled = bb.CompiledComputation(tff_xla.xla_computation(pick, arg_avals),
+                                          name=f"arrange{self.count}")
+        arg = groups[0].ref if len(groups) == 1 else factory.create_federated_zip(
+            bb.Struct([g.ref for g in groups]))
+        call = (factory.create_federated_map(compiled, arg) if placement is C
+                else factory.create_federated_apply(compiled, arg))
+        return self._local(call, "_a"), member
 
     def communicate(self, eqns: list) -> None:
         """Equations of one kind (and weights) at one depth, emitted by `emitters.emit`."""
@@ -431,6 +493,10 @@ class _Exporter:
             if isinstance(sub, int):
                 return self.single(outvars[sub], comp.out_placements[sub], None).ref
             children = tff_types.named_children(sub)
+            leaves = jax.tree_util.tree_leaves(sub)
+            if len(ps) == 1 and children and len(leaves) > SELECT_AT_MOST:
+                return self.arrange([outvars[i] for i in leaves],
+                                    jax.tree_util.tree_structure(sub), ps.pop(), None)[0]
             if len(ps) == 1 and children:
                 struct = bb.Struct([(name, build(child)) for name, child in children])
                 return factory.create_federated_zip(struct)
