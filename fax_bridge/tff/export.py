@@ -22,9 +22,7 @@ one federated value of a struct, e.g. `{<x=float32[5,3],y=int32[5]>}@CLIENTS`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import inspect
 from typing import Any, Callable, Optional, Sequence
 
 import federated_language
@@ -43,6 +41,7 @@ from fax_bridge.language.member_rules import ELEMENTWISE
 from fax_bridge.language.placements import Placement
 from fax_bridge.language.primitive_facts import Movement, facts_of
 from fax_bridge.runtime import result_structure
+from fax_bridge.tff.arguments import argument_names, client_data  # noqa: F401 - served here too
 from fax_bridge.tff import emitters, stages
 from fax_bridge.tff import types as tff_types
 from fax_bridge.tff import xla as tff_xla
@@ -517,30 +516,6 @@ class _Exporter:
 def _moves(eqn, movement: Movement) -> bool:
     facts = facts_of(eqn.primitive)
     return facts is not None and facts.movement is movement
-
-
-def client_data(args: Sequence[Any], names: Sequence[Optional[str]]) -> Any:
-    """A round's CLIENTS arguments as one value whose elements are named after the
-    arguments (a namedtuple, in argument order: `<data=<x,y>,mask>`), so its leaves are
-    named `data/x`, `mask` (the FCP forms' features); positional where a name is unknown,
-    repeated or cannot name a field. (One client argument is the client data itself.)"""
-    try:
-        return collections.namedtuple("ClientData", names)(*args)
-    except (TypeError, ValueError):  # None, `_x`, a keyword, a repeated name
-        return tuple(args)
-
-
-def argument_names(fn: Callable, count: int) -> list[Optional[str]]:
-    """The Python names of `fn`'s first `count` positional parameters (None if unknown);
-    they name the elements of the exported parameter struct."""
-    target = getattr(fn, "fn", fn)
-    try:
-        params = list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):
-        return [None] * count
-    names = [p.name for p in params
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:count]
-    return names + [None] * (count - len(names))
 
 
 def export_computation(comp: tracing.FederatedComputation,
