@@ -32,6 +32,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.language import jax_compat
 from fax_bridge.litert import refusals
 from fax_bridge.litert.side_rewrites import walk
 from fax_bridge.runtime import local_eval
@@ -179,7 +180,7 @@ def _lowered(fn: computation_pb2.Computation, signature: ClientSignature):
     flat = flat_function(fn, signature)
     avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype)) for t in signature.inputs]
     try:
-        lowered = jax.jit(flat, keep_unused=True).lower(*avals)
+        lowered = jax_compat.lower_embedded(jax.jit(flat, keep_unused=True), *avals)
     except ComputationError:
         raise
     except Exception as e:  # noqa: BLE001 - jax's own errors, named
@@ -196,7 +197,9 @@ def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
     return module.operation.get_asm(large_elements_limit=None, enable_debug_info=False)
 
 
-_FRAME = re.compile(r'"([^"]*)"\("([^"]+)":(\d+):\d+\)')
+# a frame `"name"("file":line:col)`; the MLIR of jax 0.12 prints its column range as
+# well (`"file":line:col to :endcol`, or `to endline:endcol`)
+_FRAME = re.compile(r'"([^"]*)"\("([^"]+)":(\d+):\d+(?: to (?:\d+)?:\d+)?\)')
 _LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent) + "/"
                       for m in (jax, np)) + (str(pathlib.Path(__file__).resolve().parents[1]) + "/",)
 
