@@ -94,7 +94,8 @@ test-peers: $(STAMP) tff-venv $(OLDEST_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --peers -m peers tests
 	$(MAKE) test-oldest
 
-# The core tests on the oldest jax of the range (tools/jax/oldest.txt), Python 3.11.
+# The core tests on the oldest jax of the range (tools/jax/oldest.txt), Python 3.11;
+# the TFF forms' and LiteRT refusals' tests read .venv-tff and .venv-litert too.
 CORE_TESTS := $(addprefix tests/test_,jax_compat.py tracing.py primitives.py \
 	primitives_sums.py placements.py primitive_facts.py pytree_names.py secure.py api.py \
 	local.py chunking.py chunk_size.py chunk_stream.py sharding.py nested.py \
@@ -102,7 +103,7 @@ CORE_TESTS := $(addprefix tests/test_,jax_compat.py tracing.py primitives.py \
 	runtime_client_map.py runtime_local_eval.py runtime_aggregation.py \
 	parity.py parity_shadow.py parity_shadow_compile.py parity_rounding.py \
 	tff_export.py tff_xla.py tff_stages.py tff_forms.py tff_types.py litert_refusals.py)
-test-oldest: $(OLDEST_STAMP)
+test-oldest: $(OLDEST_STAMP) tff-venv litert-venv
 	$(OLDEST_VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(CORE_TESTS)
 
 # The examples in the public functions' docstrings (a few clients each: seconds).
