@@ -85,7 +85,7 @@ test:
 # checks on a loopback Flower deployment; the benchmarks' end-to-end runs. `make test`
 # deselects them (marker `peers`); CI runs this after it. The venvs
 # are cached like .venv-tff (rebuilt when their package lists change). Then the core
-# tests (CORE_TESTS: language, local, runtime, parity, the TFF export) on the oldest jax
+# tests (CORE_TESTS: where jax versions differ) on the oldest jax
 # of the range and Python 3.11, in .venv-oldest.
 test-peers: $(STAMP) tff-venv $(OLDEST_STAMP)
 	$(MAKE) forms-check
