@@ -84,10 +84,12 @@ def test_options_reach_the_programs(name):
     plain = programs(build())
     assert plain and all(isinstance(p, fb.Program) for p in plain)
     assert all(p.clients_per_step is None and p.progress is False for p in plain)
-    for p in programs(build(clients_per_step=2, progress=True)):
-        assert (p.clients, p.clients_per_step, p.progress) == (CLIENTS, 2, True)
-    assert all(p.clients_per_step == "auto"
-               for p in programs(build(clients_per_step="auto")))
+    chunked = programs(build(clients_per_step=2, progress=True))
+    assert len(chunked) == len(plain)
+    assert [(p.clients, p.clients_per_step, p.progress) for p in chunked] == \
+        [(CLIENTS, 2, True)] * len(plain)
+    assert [p.clients_per_step for p in programs(build(clients_per_step="auto"))] == \
+        ["auto"] * len(plain)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
