@@ -1,12 +1,21 @@
 # fax_bridge developer entry points. `make test` and `make demo` work from a fresh clone
-# with only Python 3.11: they build .venv (and .venv-tff for the TFF 0.87 checks).
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# with Python 3.12 and 3.11: they build .venv on 3.12 with the newest jax of the range
+# (tools/jax/newest.txt), and the side venvs on 3.11 (.venv-tff for the TFF 0.87 checks,
+# .venv-litert for the LiteRT converter). `make test-peers` runs the core tests again on
+# the oldest jax (tools/jax/oldest.txt) and Python 3.11, in .venv-oldest.
+# PYTHON: the first Python 3.12 that runs (a pyenv shim on PATH runs only where pyenv
+# selects 3.12, so pyenv's own 3.12 is tried next); PYTHON=... picks another.
+PYTHON ?= $(shell for p in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' 2>/dev/null && break; done)
+OLDEST_PYTHON ?= $(shell command -v python3.11)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+OLDEST_VENV := .venv-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
 TFF_OUT := out/tff
 
-.PHONY: venv test test-peers doctest demo protos tff-venv litert-venv bench-litert tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links bench-accel clean
+.PHONY: venv test test-peers test-oldest doctest demo protos tff-venv litert-venv bench-litert tff-check forms-check fuzz bench bench-scaling bench-flower bench-sizes bench-links bench-accel clean
 
 # Installs skip byte-compiling every module of every package (--no-compile): Python
 # compiles the ones a run imports, as it first imports them (a quarter to a third of the
@@ -18,10 +27,18 @@ TFF_OUT := out/tff
 unexport PYTHONDONTWRITEBYTECODE
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile -e '.[test]'
+$(STAMP): pyproject.toml tools/jax/newest.txt
+	@test -n "$(PYTHON)" || { echo "make: no Python 3.12 found; install it or pass PYTHON=/path/to/python3.12" >&2; exit 2; }
+	$(PYTHON) -m venv --clear $(VENV)
+	$(PY) -m pip install --quiet --no-compile -e '.[test]' -c tools/jax/newest.txt
 	touch $(STAMP)
+
+# The oldest jax of the range on Python 3.11 (make test-peers' core tests).
+$(OLDEST_STAMP): pyproject.toml tools/jax/oldest.txt
+	@test -n "$(OLDEST_PYTHON)" || { echo "make: no python3.11 found; install it or pass OLDEST_PYTHON=/path/to/python3.11" >&2; exit 2; }
+	$(OLDEST_PYTHON) -m venv --clear $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --no-compile -e '.[test]' -c tools/jax/oldest.txt
+	touch $(OLDEST_STAMP)
 
 # Generated gRPC modules are committed; this regenerates them (a test checks they match).
 protos: $(STAMP)
@@ -67,12 +84,23 @@ test:
 # sizes; the link benchmark's fax_bridge run and the parity, TLS, SecAgg+ and killed-node
 # checks on a loopback Flower deployment; the benchmarks' end-to-end runs. `make test`
 # deselects them (marker `peers`); CI runs this after it. The venvs
-# are cached like .venv-tff (rebuilt when their package lists change).
-test-peers: $(STAMP) tff-venv
+# are cached like .venv-tff (rebuilt when their package lists change). Then the core
+# tests (CORE_TESTS: where jax versions differ) on the oldest jax
+# of the range and Python 3.11, in .venv-oldest.
+test-peers: $(STAMP) tff-venv $(OLDEST_STAMP)
 	$(MAKE) forms-check
 	benchmarks/peers/setup_venvs.sh fax
 	benchmarks/peers/setup_venvs.sh flower
 	$(PY) -m pytest -q -n 2 --dist loadfile --peers -m peers tests
+	$(MAKE) test-oldest
+
+# The core tests on the oldest jax of the range (tools/jax/oldest.txt), Python 3.11;
+# the TFF forms' and LiteRT refusals' tests read .venv-tff and .venv-litert too.
+CORE_TESTS := $(addprefix tests/test_,jax_compat.py tracing.py primitives.py secure.py \
+	chunking.py chunk_stream.py runtime_hlo.py runtime_hlo_lax.py runtime_client_map.py \
+	parity_shadow.py tff_xla.py tff_export.py litert_refusals.py builtin_rewrites.py)
+test-oldest: $(OLDEST_STAMP) tff-venv litert-venv
+	$(OLDEST_VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(CORE_TESTS)
 
 # The examples in the public functions' docstrings (a few clients each: seconds).
 DOCTEST_MODULES := fax_bridge/api.py fax_bridge/local/jit.py fax_bridge/local/chunk_stream.py fax_bridge/language/tracing.py \
@@ -142,4 +170,4 @@ bench-accel: $(STAMP)
 	$(PY) benchmarks/accelerators.py --suite --json out/bench/accel.jsonl
 
 clean:
-	rm -rf $(VENV) .venv-tff .venv-litert .venv-fax .venv-flower build *.egg-info .pytest_cache out
+	rm -rf $(VENV) $(OLDEST_VENV) .venv-tff .venv-litert .venv-fax .venv-flower build *.egg-info .pytest_cache out

@@ -64,12 +64,15 @@ def test_unsigned_and_bitwise_rewrites_keep_every_bit(a, b, k, name):
     np.testing.assert_array_equal(got, want)
 
 
-def test_jax_random_in_a_client_lowers_to_signed_ops_with_the_same_bits():
+# jax's threefry counters are an iota times a stride per dimension, added up: every
+# shape's counter must fold (one element, odd sizes, several dimensions).
+@pytest.mark.parametrize("shape", [(1,), (5,), (3, 5), (2, 3, 4)])
+def test_jax_random_in_a_client_lowers_to_signed_ops_with_the_same_bits(shape):
     def client(key, x):
         return x + jax.random.uniform(jax.random.wrap_key_data(key), x.shape)
 
     key = np.asarray(jax.random.key_data(jax.random.key(3)))
-    x = np.zeros((5,), np.float32)
+    x = np.zeros(shape, np.float32)
     (got,), counts = _lowered(client, key, x)
     np.testing.assert_array_equal(got, np.asarray(jax.jit(client)(key, x)))
     assert counts["bitwise_ops"] > 0

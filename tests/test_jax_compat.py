@@ -159,3 +159,14 @@ def test_exported_names_the_fields_it_was_not_given():
     del fields["in_avals"], fields["nr_devices"]
     with pytest.raises(TypeError, match=r"requires \['in_avals', 'nr_devices'\]"):
         jax_compat.exported(**fields)
+
+
+def test_lower_embedded_keeps_closed_over_arrays_in_the_module():
+    """Every closed-over array is a constant of the lowered module, its parameters are
+    the function's own (jax 0.12 hoists arrays over 1 KiB into parameters by default)."""
+    table = np.arange(2048, dtype=np.float32)
+    lowered = jax_compat.lower_embedded(jax.jit(lambda x: x * jnp.asarray(table)),
+                                        jax.ShapeDtypeStruct((2048,), jnp.float32))
+    assert len(lowered.compiler_ir("hlo").program_shape().parameter_shapes()) == 1
+    x = np.full(2048, 2.0, np.float32)
+    np.testing.assert_array_equal(np.asarray(lowered.compile()(x)), 2.0 * table)

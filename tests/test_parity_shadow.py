@@ -105,3 +105,135 @@ def test_exact_conversions_draw_no_rounding(seed):
     (bound,) = parity_shadow.measure(trace(uniform, w, placements="server"), (w,)).bounds()
     assert bound.max() <= 3 * np.spacing(np.float32(1.0)), bound.max()
 
+
+
+# ---------------------------------------------------------------------------------------
+# Decisions on floats (a comparison, argmax, a float made an index, floor, sign, a while
+# predicate) follow the float32 path: 1 + 2^-25 is 1.0 in float32 (a tie, to even) and
+# above 1 in float64, so a shadow deciding in float64 takes the other branch there.
+
+TIE, ABOVE, BELOW = 2.0 ** -25, 2.0 ** -20, -(2.0 ** -20)
+
+
+def _above_one(t):
+    """Each kind of decision that `t > 1` is, as a 0/1 float."""
+    pick = jnp.stack([jnp.float32(0.0), jnp.float32(1.0)])
+    index = jnp.clip(((t - 1.0) * 2.0 ** 25).astype(jnp.int32), 0, 1)
+    return {"where": jnp.where(t > 1.0, 1.0, 0.0),
+            "cond": jax.lax.cond(t > 1.0, lambda: 1.0, lambda: 0.0),
+            "argmax": pick[jnp.argmax(jnp.stack([jnp.float32(1.0), t]))],
+            "index": pick[index],
+            "floor": jnp.clip(jnp.floor((t - 1.0) * 2.0 ** 25), 0.0, 1.0),
+            "sign": jnp.clip(jnp.sign(t - 1.0), 0.0, 1.0)}
+
+
+def _decided_steps(kind):
+    @fb.program(clients=3)
+    def steps(x, a):
+        def local(x, a):
+            def step(h, xt):
+                up = _above_one(xt[0] + xt[1])[kind]
+                h = h * 0.75 + (2.0 * up - 1.0) * a
+                return h, h.sum()
+
+            return jax.lax.scan(step, jnp.zeros_like(a), x)
+
+        h, sums = fb.federated_map_clients(local, (x, a))
+        return fb.federated_mean(h), fb.federated_sum(sums)
+
+    return steps
+
+
+_DECIDED = {kind: _decided_steps(kind) for kind in
+            ("where", "cond", "argmax", "index", "floor", "sign")}
+
+
+def _decided_reference(x, a):
+    """The program in float64 on float32's branches (numpy)."""
+    hs, all_sums = [], []
+    for c in range(x.shape[0]):
+        h, sums = np.zeros(a.shape[1]), []
+        for t in range(x.shape[1]):
+            up = float(np.float32(x[c, t, 0]) + np.float32(x[c, t, 1]) > np.float32(1.0))
+            h = h * 0.75 + (2.0 * up - 1.0) * a[c].astype(np.float64)
+            sums.append(h.sum())
+        hs.append(h)
+        all_sums.append(sums)
+    return np.mean(hs, 0), np.sum(all_sums, 0)
+
+
+def _holds_jit_tightly(shadow, got, want):
+    """The shadow's truth is `want`, its bounds hold jit's result to it within 1e-4 of
+    the values, and a jit result off by a relative 1e-3 at its largest element is not."""
+    for truth, expect, jit, bound in zip(shadow.truth, want, got, shadow.bounds()):
+        np.testing.assert_allclose(truth, expect, rtol=1e-12, atol=1e-12)
+        assert np.all(np.abs(jit - expect) <= bound), (np.abs(jit - expect), bound)
+        top = np.float32(np.abs(jit).max())
+        assert bound.max() <= 1e-4 * top + np.spacing(top), (bound.max(), top)
+        i = np.unravel_index(np.argmax(np.abs(jit)), np.shape(jit))
+        off = np.array(jit, copy=True)
+        off[i] *= 1.0 + 1e-3
+        assert np.abs(off - expect)[i] > np.asarray(bound)[i]
+
+
+@settings(max_examples=2, deadline=None)
+@given(kind=st.sampled_from(sorted(_DECIDED)), seed=st.integers(0, 2**31 - 1))
+def test_decisions_on_floats_follow_float32_s_branch(kind, seed):
+    """Per step of a scan in a client map, a decision `t > 1` made as a comparison, a
+    `cond`, an argmax, a float made an index, a floor or a sign, where t is a sum float32
+    rounds to 1.0 at some steps and float64 does not: the shadow's truth is the program
+    on float32's branches, and its bound is float32's rounding there (deciding in
+    float64, it was the other branch's: a bound of a whole step, so a result 1e-3 off
+    passed)."""
+    rng = np.random.default_rng(seed)
+    x = np.ones((3, 5, 2), np.float32)
+    x[..., 1] = rng.choice([TIE, ABOVE, BELOW], size=(3, 5))
+    x[0, 0, 1] = TIE
+    a = rng.uniform(0.5, 2.0, size=(3, 4)).astype(np.float32)
+    program = _DECIDED[kind]
+    shadow = parity_shadow.measure(trace(program, x, a, placements="clients"), (x, a))
+    got = [np.asarray(v, np.float64) for v in program(x, a)]
+    _holds_jit_tightly(shadow, got, _decided_reference(x, a))
+
+
+@fb.program(clients=3)
+def _until_one(x, w):
+    """Per client, from t = x0 + x1, steps down by float32's ulp at 1 while t > 1 (at
+    most 4 steps), accumulating w each step."""
+    def local(x, w):
+        def more(s):
+            return (s[0] > 1.0) & (s[2] < 4)
+
+        def step(s):
+            t, acc, k = s
+            return t - 2.0 ** -23, acc * 0.75 + w, k + 1
+
+        _, acc, k = jax.lax.while_loop(more, step, (x[0] + x[1], jnp.ones_like(w), 0))
+        return acc, k
+
+    acc, trips = fb.federated_map_clients(local, (x, w))
+    return fb.federated_mean(acc), fb.federated_sum(trips)
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_a_while_loop_runs_float32_s_trip_count(seed):
+    """A while loop whose predicate reads a float that float32 rounds to the limit (no
+    trip) and float64 does not (one trip): the shadow runs float32's trip count."""
+    rng = np.random.default_rng(seed)
+    x = np.ones((3, 2), np.float32)
+    x[:, 1] = rng.choice([TIE, ABOVE, BELOW], size=3)
+    x[0, 1] = TIE
+    w = rng.uniform(0.5, 2.0, size=(3, 4)).astype(np.float32)
+    accs, trips = [], 0
+    for c in range(3):
+        t, acc = np.float32(x[c, 0]) + np.float32(x[c, 1]), np.ones(4)
+        k = 0
+        while t > np.float32(1.0) and k < 4:
+            t, acc, k = t - np.float32(2.0 ** -23), acc * 0.75 + w[c].astype(np.float64), k + 1
+        accs.append(acc)
+        trips += k
+    shadow = parity_shadow.measure(trace(_until_one, x, w, placements="clients"), (x, w))
+    got = [np.asarray(v, np.float64) for v in _until_one(x, w)]
+    assert int(got[1]) == trips and int(shadow.float32[1]) == trips
+    _holds_jit_tightly(shadow, got[:1], [np.mean(accs, 0)])

@@ -24,8 +24,8 @@ def _programs_options(fn, *args, placements="clients"):
     """The compile options the shadow chose for `fn`'s float64 program at `args`."""
     comp = trace(fn, *args, placements=placements)
     parity_shadow.measure(comp, args, samples=1)
-    run, _ = parity_shadow._compiled(comp.jaxpr)
-    (options,) = [p for p in run[1].chosen.values()]
+    programs, _ = parity_shadow._compiled(comp.jaxpr)
+    (options,) = [o for p in programs.values() for o in p.chosen.values()]
     return options
 
 

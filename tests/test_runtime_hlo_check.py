@@ -27,6 +27,13 @@ MODULES = {
     "sort and gather": _hlo(lambda a, i: jnp.sort(a, axis=0)[i], X, np.array([0, 2])),
     "grad": _hlo(jax.grad(lambda a: jnp.tanh(a @ a.T).sum()), X),
     "no parameters": _hlo(lambda: jnp.arange(3)),
+    # elementwise ops each jax version writes as an XLA opcode of its own (jax 0.12:
+    # cosh, sinh, exp2, log2, and fma in the normal sampler's polynomial)
+    "elementwise": _hlo(lambda a, i: (
+        jnp.cosh(a), jnp.sinh(a), jnp.exp2(a), jnp.log2(a), jax.lax.clz(i),
+        jax.lax.population_count(i), jax.scipy.special.erfinv(a * 0.5),
+        jax.random.normal(jax.random.key(0), a.shape), jnp.cbrt(a), jnp.tan(a)),
+        X, np.arange(3, dtype=np.int32)),
 }
 
 

@@ -160,6 +160,17 @@ def test_unused_arguments_keep_their_parameters():
     _assert_runs_like(comp, fn, value)
 
 
+@pytest.mark.parametrize("size", [3, 256, 4096])
+def test_arrays_the_function_closes_over_are_in_the_module(size):
+    """A closed-over array, however large, is a constant of the module, never one more
+    parameter (jax 0.12 passes those over 1 KiB to a jitted function as arguments)."""
+    table = np.arange(size, dtype=np.float32)
+    fn = lambda x: x + jnp.asarray(table)  # noqa: E731
+    comp = xla.xla_computation(fn, S((size,), jnp.float32))
+    assert _signature(comp) == f"(float32[{size}] -> float32[{size}])"
+    _assert_runs_like(comp, fn, np.full(size, 0.5, np.float32))
+
+
 def test_zero_argument_constant():
     fn = lambda: {"c": jnp.arange(4, dtype=jnp.float32) * 0.5, "n": jnp.int32(3)}
     comp = xla.xla_computation(fn)

@@ -16,7 +16,9 @@ here, so a new jax version is one module's work:
 - `scan_counts`: a scan equation's (consts, carries) counts;
 - `register_dce`: a DCE rule written as `(used_outputs, eqn)`, registered with the
   signature the installed jax calls;
-- `exported`: a `jax.export.Exported` built from the fields the installed jax has.
+- `exported`: a `jax.export.Exported` built from the fields the installed jax has;
+- `lower_embedded`: a jitted function lowered to a module of its own, the arrays it
+  closes over constants of the module (jax 0.12 makes those over 1 KiB parameters).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as _xcore
 from jax._src import linear_util as _lu
+from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 
 ClosedJaxpr = _xcore.ClosedJaxpr
@@ -141,3 +144,14 @@ def exported(**fields: Any) -> jax.export.Exported:
                         f"{missing}, which fax_bridge does not give; "
                         "fax_bridge.language.jax_compat.exported needs them")
     return jax.export.Exported(**{f.name: fields[f.name] for f in known if f.name in fields})
+
+
+def lower_embedded(jitted: Callable, *args: Any) -> Any:
+    """`jitted.lower(*args)` with every array the function closes over a constant of
+    the module, its parameters the function's own: a module that stands alone (an Xla
+    computation's HLO, the StableHLO a converter reads), as `jax.export` lowers. From
+    jax 0.12 (`jax_use_simplified_jaxpr_constants`) a plain `lower` makes each array
+    over `jax_embedded_constants_max_bytes` (1 KiB) one more parameter, given by jax
+    when it runs the executable itself; 0.10 and 0.11 embed them all."""
+    return jitted.trace(*args).lower(
+        _private_parameters=_mlir.LoweringParameters(hoist_constants_as_args=False))

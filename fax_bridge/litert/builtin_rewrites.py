@@ -24,7 +24,8 @@ meaning depends on the sign are rewritten: compare, maximum and minimum flip the
 of both operands and compare as signed; a convert widening an unsigned value adds 2^width
 where the signed one is negative; one to a float converts the high and low 16 bits apart
 (one rounding, as the unsigned convert). A right shift of a 64-bit iota by at least as
-many bits as its values have is zero (jax's threefry counters: `jax.random` in a client).
+many bits as its values have is zero (jax's threefry counters, an iota times a stride per
+dimension added up: `jax.random` in a client).
 Others (divide, remainder, a convert from a float to an unsigned type or from a 64-bit
 unsigned to a float, ...) are not rewritten: `unsigned_integers` returns them, and leaves
 the module untouched.
@@ -370,17 +371,39 @@ def _rewrite_sign_dependent(op, ir) -> None:
     op.erase()
 
 
+def _largest(ir, value):
+    """The largest value a non-negative integer counter `value` can hold: an iota, a
+    splat constant, broadcasts and reshapes of them, and their sums and products, as
+    jax builds its threefry counters (an iota times a stride per dimension, added up);
+    else None."""
+    owner = value.owner
+    op = getattr(owner, "operation", owner)
+    if not hasattr(op, "name"):
+        return None
+    if op.name == "stablehlo.iota":
+        shape = ir.RankedTensorType(op.results[0].type).shape
+        dim = ir.IntegerAttr(op.attributes["iota_dimension"]).value
+        return max(shape[dim] - 1, 0) if shape else 0
+    if op.name in ("stablehlo.broadcast_in_dim", "stablehlo.reshape"):
+        return _largest(ir, op.operands[0])
+    if op.name in ("stablehlo.add", "stablehlo.multiply"):
+        a, b = (_largest(ir, x) for x in op.operands)
+        if a is None or b is None:
+            return None
+        return a + b if op.name == "stablehlo.add" else a * b
+    found = _constant_int(ir, value)
+    return found if found is not None and found >= 0 else None
+
+
 def _fold_counter_shift(op, ir) -> bool:
-    """A logical right shift of an iota of N values by c bits, N <= 2^c: zeros."""
+    """A logical right shift by c bits of a counter (`_largest`) under 2^c: zeros."""
     if op.name != "stablehlo.shift_right_logical":
         return False
-    source = op.operands[0].owner
-    source = getattr(source, "operation", source)
     shift = _constant_int(ir, op.operands[1])
-    if not hasattr(source, "name") or source.name != "stablehlo.iota" or shift is None:
+    if shift is None or not 0 <= shift < 64:
         return False
-    size = max(ir.RankedTensorType(source.results[0].type).shape or [1])
-    if not 0 <= shift < 64 or size > (1 << shift):
+    top = _largest(ir, op.operands[0])
+    if top is None or top >= (1 << shift):
         return False
     b = _Ops(ir)
     with op.location, ir.InsertionPoint(op):

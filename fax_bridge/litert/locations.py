@@ -18,7 +18,9 @@ import numpy as np
 
 from fax_bridge.litert.side_rewrites import walk
 
-_FRAME = re.compile(r'"([^"]*)"\("([^"]+)":(\d+):\d+\)')
+# a frame `"name"("file":line:col)`; the MLIR of jax 0.12 prints its column range as
+# well (`"file":line:col to :endcol`, or `to endline:endcol`)
+_FRAME = re.compile(r'"([^"]*)"\("([^"]+)":(\d+):\d+(?: to (?:\d+)?:\d+)?\)')
 _LIBRARY_DIRS = tuple(str(pathlib.Path(m.__file__).resolve().parent) + "/"
                       for m in (jax, np)) + (str(pathlib.Path(__file__).resolve().parents[1]) + "/",)
 

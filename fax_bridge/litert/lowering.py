@@ -31,6 +31,7 @@ from federated_language.common_libs import structure
 from federated_language.proto import computation_pb2
 
 from fax_bridge.errors import ComputationError
+from fax_bridge.language import jax_compat
 from fax_bridge.litert import locations, refusals
 from fax_bridge.litert.side_rewrites import walk
 from fax_bridge.runtime import local_eval
@@ -178,7 +179,7 @@ def _lowered(fn: computation_pb2.Computation, signature: ClientSignature):
     flat = flat_function(fn, signature)
     avals = [jax.ShapeDtypeStruct(t.shape, np.dtype(t.dtype)) for t in signature.inputs]
     try:
-        lowered = jax.jit(flat, keep_unused=True).lower(*avals)
+        lowered = jax_compat.lower_embedded(jax.jit(flat, keep_unused=True), *avals)
     except ComputationError:
         raise
     except Exception as e:  # noqa: BLE001 - jax's own errors, named

@@ -21,17 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from fax_bridge.parity import shadow as parity_shadow
+from fax_bridge.parity import shadow_eval
 from fax_bridge.language import jax_compat
 from fax_bridge.language import primitive_facts
 
 _FLOAT_KINDS = ("sum", "mean", "weighted_mean")
-_CALLS = parity_shadow.CALLS  # sub-jaxprs evaluated in place
-is_float = parity_shadow.is_float
+_CALLS = shadow_eval.CALLS  # sub-jaxprs evaluated in place
+is_float = shadow_eval.is_float
 
 
-_MOVES, _TRANSCENDENTAL = parity_shadow.MOVES, parity_shadow.TRANSCENDENTAL
-ULPS_OF_FUNCTIONS = parity_shadow.ULPS_OF_FUNCTIONS
+_MOVES, _TRANSCENDENTAL = shadow_eval.MOVES, shadow_eval.TRANSCENDENTAL
+ULPS_OF_FUNCTIONS = shadow_eval.ULPS_OF_FUNCTIONS
 # While `first_order_aggregands` runs: (kind, per-client bounds of each operand) per aggregation.
 _AGGREGANDS: contextvars.ContextVar = contextvars.ContextVar("aggregands", default=None)
 
@@ -207,7 +207,7 @@ def _eqn_bounds(eqn, invals: list, inerrs: list) -> tuple:
         return _client_map_bounds(eqn, invals, inerrs)
     if name == "federated_decode_sum":
         return _decode_sum_bounds(eqn, invals, inerrs)
-    sub = parity_shadow.inner_jaxpr(params)
+    sub = shadow_eval.inner_jaxpr(params)
     if sub is not None and (name in _CALLS or name.startswith(("custom_", "checkpoint",
                                                                  "remat", "federated_"))):
         return _run_bounds(sub[0], sub[1], invals, inerrs)
@@ -243,7 +243,7 @@ def _client_map_bounds(eqn, invals: list, inerrs: list) -> tuple:
     """A map at CLIENTS, client by client: its clients are the equation's (a map of no
     operands has clients all the same), its outputs stacked on a leading clients axis
     (empty ones, of the equation's shapes, for no clients)."""
-    sub, consts = parity_shadow.inner_jaxpr(eqn.params)
+    sub, consts = shadow_eval.inner_jaxpr(eqn.params)
     clients = int(eqn.params.get("clients", np.shape(invals[0])[0] if invals else 0))
     per = [_run_bounds(sub, consts, [x[c] if _is_key(x) else np.asarray(x)[c]
                                      for x in invals],

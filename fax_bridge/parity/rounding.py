@@ -32,13 +32,14 @@ import numpy as np
 from jax.extend import core
 
 from fax_bridge.parity import first_order as parity_first_order, shadow as parity_shadow
+from fax_bridge.parity import shadow_eval
 from fax_bridge.language import primitive_facts, tracing
 from fax_bridge.runtime import aggregation
 
 # The aggregation kinds (a primitive's record, `primitive_facts`) jit rounds in floats.
 _FLOAT_KINDS = ("sum", "mean", "weighted_mean")
-_CALLS = parity_shadow.CALLS  # sub-jaxprs evaluated in place
-is_float = parity_shadow.is_float
+_CALLS = shadow_eval.CALLS  # sub-jaxprs evaluated in place
+is_float = shadow_eval.is_float
 
 
 @dataclasses.dataclass

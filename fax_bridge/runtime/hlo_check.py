@@ -43,23 +43,27 @@ ELEMENT_TYPES = {
     23: "f8e4m3b11fnuz", 24: "f8e5m2fnuz", 25: "f8e4m3fnuz", 28: "f8e4m3", 29: "f8e3m4",
     32: "f4e2m1fn", 33: "f8e8m0fnu",
 }
-_UNARY = ("abs", "bitcast", "bitcast-convert", "broadcast", "cbrt", "ceil", "clz",
-          "convert", "copy", "cosine", "erf", "exponential", "exponential-minus-one",
-          "floor", "get-dimension-size", "imag", "is-finite", "log", "log-plus-one",
+# The opcodes are those of the XLA versions of jaxlib 0.10.2 to 0.12.x together (jax
+# 0.12 writes cosh, sinh, exp2, log2 and fma where older ones wrote expansions): an XLA
+# that lacks one refuses it itself, as an unknown opcode, an error and no crash.
+_UNARY = ("abs", "acos", "acosh", "asin", "asinh", "atanh", "bitcast", "bitcast-convert",
+          "broadcast", "cbrt", "ceil", "convert", "copy", "cosh", "cosine",
+          "count-leading-zeros", "erf", "exp2", "exponential", "exponential-minus-one",
+          "floor", "get-dimension-size", "imag", "is-finite", "log", "log2", "log-plus-one",
           "logistic", "negate", "not", "popcnt", "real", "reduce-precision", "reshape",
           "reverse", "round-nearest-afz", "round-nearest-even", "rsqrt", "sign", "sine",
-          "slice", "sqrt", "tan", "tanh", "transpose", "get-tuple-element")
+          "sinh", "slice", "sqrt", "tan", "tanh", "transpose", "get-tuple-element")
 _BINARY = ("add", "and", "atan2", "compare", "complex", "divide", "maximum",
            "minimum", "multiply", "or", "pad", "power", "remainder", "shift-left",
            "shift-right-arithmetic", "shift-right-logical", "subtract", "xor",
            "stochastic-convert", "set-dimension-size", "add-dependency")
-_TERNARY = ("clamp", "select")
+_TERNARY = ("clamp", "fma", "select")
 _NULLARY = ("constant", "iota", "parameter", "partition-id", "replica-id",
             "rng-get-and-update-state")
 # Operand counts of the operations of fixed arity.
 ARITY = {**{op: 1 for op in _UNARY}, **{op: 2 for op in _BINARY},
          **{op: 3 for op in _TERNARY}, **{op: 0 for op in _NULLARY}}
-# Every other operation of this XLA version (any operand count here; `dot` too, as a
+# Every other operation of these XLA versions (any operand count here; `dot` too, as a
 # sparse dot has more than two).
 _VARIADIC = (
     "after-all", "all-gather", "all-gather-done", "all-gather-start", "all-reduce",

@@ -154,8 +154,12 @@ def _members(f, size: int, bound: int) -> dict[str, np.ndarray]:
                     if not n:
                         raise NpzUnreadable(f"its member {name!r} ends early")
                     got += n
-            out[key] = np.frombuffer(buf, dtype).reshape(shape, order="F" if fortran
-                                                         else "C")
+            try:
+                out[key] = np.frombuffer(buf, dtype).reshape(shape, order="F" if fortran
+                                                             else "C")
+            except ValueError as e:  # no element, but too large in its other dimensions
+                raise NpzUnreadable(f"its member {name!r} claims the shape {list(shape)}, "
+                                    f"which numpy refuses: {e}") from None
     return out
 
 

@@ -33,6 +33,7 @@ from federated_language.proto import computation_pb2
 from google.protobuf import any_pb2
 
 from fax_bridge.errors import ExportError
+from fax_bridge.language import jax_compat
 from fax_bridge.runtime.hlo import HLO_MODULE_TYPE_URL, custom_calls
 from fax_bridge.runtime import grammar
 from fax_bridge.tff import types as tff_types
@@ -263,7 +264,7 @@ def xla_computation(
         lower_args = ()
 
     try:
-        lowered = jax.jit(call, keep_unused=True).lower(*lower_args)
+        lowered = jax_compat.lower_embedded(jax.jit(call, keep_unused=True), *lower_args)
     except ExportError:
         raise
     except Exception as e:
