@@ -125,7 +125,7 @@ def test_a_job_without_the_parts_artifacts_is_refused(proto, tmp_path):
     job = fcp.with_fcp(forms.job("r", proto, [], str(tmp_path), artifacts=True), proto,
                        ["daf"])
     assert job["fcp"]["forms"] == ["daf"] and job["artifacts"]
-    assert set(job["fcp"]) == {"forms", "artifacts"}  # the client parts lowered for TFLite
+    assert set(job["fcp"]) == {"forms", "aggregated_as", "artifacts"}  # parts lowered
 
 
 
@@ -215,3 +215,15 @@ def test_bfloat16_state_and_outputs_travel_as_int16_bits_exactly():
     (stored,) = fcp.encode_state([x])
     assert stored.dtype == np.int16
     assert fcp.decode_state([stored], [x.dtype])[0].tobytes() == x.tobytes()
+
+
+def test_client_work_the_tflite_client_cannot_take_is_refused_before_the_job_changes(tmp_path):
+    proto, _ = forms.round_proto(narrow_results_round, np.ones(4, np.float32), DATA,
+                                 placements=("server", "clients"))
+    job = forms.job("r", proto, [], str(tmp_path), artifacts=True)
+    with pytest.raises(fb.ExportError, match=r"cannot run as TFLite.*bfloat16"):
+        fcp.with_fcp(job, proto, ["mrf"])
+    assert "fcp" not in job
+    # forms for a check without the devices' TFLite client keep the client work as it is
+    job = fcp.with_fcp(job, proto, ["mrf"], lower_client=False)
+    assert job["fcp"]["forms"] == ["mrf"] and "artifacts" not in job["fcp"]

@@ -226,26 +226,30 @@ def client_values(features: Sequence[Feature], client_args: Any, clients: int) -
 
 def with_fcp(job: dict, proto: computation_pb2.Computation, forms: Sequence[str],
              run: Optional[dict] = None, tf_examples: Optional[str] = None,
-             tflite: bool = False) -> dict:
+             tflite: bool = False, lower_client: bool = True) -> dict:
     """`job` (from `forms.job(..., artifacts=True)`) also asking the TFF side for the FCP
     forms `forms` ("mrf", "daf"); `run` as `make_run` gives it; with `tflite` the MRF's
     run is repeated with its client work converted to TFLite and run by TFLite's
-    interpreter (`tools/tff087/tflite_client.py`)."""
-    job["fcp"] = {"forms": list(forms)}
+    interpreter (`tools/tff087/tflite_client.py`). The client work is lowered for the
+    devices' TFLite client (`fcp_client`), what it cannot take refused by name before
+    `job` changes; `lower_client=False` keeps it as jax wrote it (forms whose
+    aggregation and plan are checked in TensorFlow, which no TFLite client could run)."""
+    entry: dict = {"forms": list(forms)}
     if run:
-        job["fcp"]["run"] = run
-        job["fcp"]["tflite"] = bool(tflite)
+        entry["run"] = run
+        entry["tflite"] = bool(tflite) and lower_client
     if tf_examples:
-        job["fcp"]["tf_examples"] = tf_examples
+        entry["tf_examples"] = tf_examples
     client_features(proto)  # refuses client data no tf.Example holds, before TFF starts
     aggregation_codes(proto)  # refuses client results no FCP type carries, likewise
-    job["fcp"]["aggregated_as"] = {d.name: c.name for d, c in AGGREGATED_AS.items()}
+    entry["aggregated_as"] = {d.name: c.name for d, c in AGGREGATED_AS.items()}
     if "artifacts" not in job:
         raise ExportError("the job has no StableHLO artifacts of the round's Xla parts; "
                           "make it with forms.job(..., artifacts=True)")
-    # The client parts lowered for the devices' TFLite client (or refused, named, here).
-    job["fcp"]["artifacts"] = fcp_client.write_artifacts(
-        proto, os.path.join(job["out"], "fcp_client"))
+    if lower_client:  # the client parts lowered for the devices' TFLite client
+        entry["artifacts"] = fcp_client.write_artifacts(
+            proto, os.path.join(job["out"], "fcp_client"))
+    job["fcp"] = entry
     return job
 
 
