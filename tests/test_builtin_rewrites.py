@@ -35,6 +35,9 @@ UNSIGNED = {
     "to_float": lambda a, b, k: a.astype(jnp.float32),
     "widen": lambda a, b, k: a.astype(jnp.uint16).astype(jnp.uint32)
     + (a.astype(jnp.uint8).astype(jnp.float32) > 100),
+    # a reduction's region (and its block arguments) made signless too: a wrapping sum
+    "reduce_sum": lambda a, b, k: (a * b).reshape(2, 2).sum(0).repeat(2)
+    + jnp.max(a).astype(jnp.uint32),
 }
 
 words = st.integers(0, 2**32 - 1)
@@ -111,3 +114,21 @@ def test_what_no_rewrite_covers_is_refused_with_its_source_line():
     args = (np.array([7], np.uint32), np.array([2], np.uint32))
     with pytest.raises(ExportError, match=r"stablehlo.divide at .*test_builtin_rewrites.py"):
         fcp_client.lower(_hlo(client, *args))
+
+
+def test_a_bfloat16_tensor_in_the_client_work_is_refused_with_its_source_line():
+    def client(x):
+        return (x * 2).astype(jnp.bfloat16)  # a bfloat16 client result
+
+    with pytest.raises(ExportError, match=r"stablehlo.convert at .*test_builtin_rewrites.py"
+                       r".*bfloat16.*float32"):
+        fcp_client.lower(_hlo(client, np.ones(3, np.float32)))
+
+
+def test_a_float_converted_to_an_unsigned_integer_is_refused_naming_the_fix():
+    def client(x):
+        return x.astype(jnp.uint8) * jnp.uint8(3)
+
+    with pytest.raises(ExportError, match=r"stablehlo.convert at .*test_builtin_rewrites.py"
+                       r".*a float converted to an unsigned integer.*int32 first"):
+        fcp_client.lower(_hlo(client, np.ones(3, np.float32)))

@@ -125,7 +125,7 @@ def test_a_job_without_the_parts_artifacts_is_refused(proto, tmp_path):
     job = fcp.with_fcp(forms.job("r", proto, [], str(tmp_path), artifacts=True), proto,
                        ["daf"])
     assert job["fcp"]["forms"] == ["daf"] and job["artifacts"]
-    assert set(job["fcp"]) == {"forms", "artifacts"}  # the client parts lowered for TFLite
+    assert set(job["fcp"]) == {"forms", "aggregated_as", "artifacts"}  # parts lowered
 
 
 
@@ -149,3 +149,81 @@ def test_client_arguments_without_names_to_give_keep_their_paths(fn, args, names
     proto, _ = forms.round_proto(fb.program(clients=N)(fn), STATE, *args,
                                  placements=("server",) + ("clients",) * len(args))
     assert [f.name for f in fcp.client_features(proto)] == names
+
+
+@fb.program(clients=N)
+def narrow_results_round(state, data):
+    def work(w, d):
+        return ((d["x"] @ w).astype(jnp.bfloat16).mean(0),
+                d["n"].astype(jnp.uint32).sum() * jnp.uint32(2**31 - 1), d["n"].astype(jnp.uint8))
+
+    value, count, codes = fb.federated_map_clients(work, (fb.federated_broadcast(state), data))
+    return state, (fb.federated_mean(value), fb.federated_sum(count), fb.federated_sum(codes))
+
+
+def test_client_results_fcp_cannot_aggregate_travel_as_a_type_it_does():
+    proto, _ = forms.round_proto(narrow_results_round, np.ones(4, np.float32), DATA,
+                                 placements=("server", "clients"))
+    assert [(uri, path, d.name, c.name) for uri, path, d, c in fcp.aggregation_codes(proto)] \
+        == [("federated_mean", "value", "bfloat16", "float32"),
+            ("federated_sum", "0", "uint32", "int64"),  # the two sums: one of a struct
+            ("federated_sum", "1", "uint8", "int64")]
+    assert all(c in fcp.FCP_AGGREGATES for _, _, _, c in fcp.aggregation_codes(proto))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["uint8", "uint16", "uint32", "uint64", "int8", "int16"]),
+       st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=6))
+def test_an_integer_sum_carried_in_its_fcp_type_gives_the_programs_wrapped_bits(name, raw):
+    dtype = np.dtype(name)
+    values = np.array([v % 2 ** (8 * dtype.itemsize) for v in raw], np.uint64)
+    values = values.astype(dtype.str.replace("i", "u")).view(dtype)  # every bit pattern
+    carried = fcp.aggregated_dtype(dtype, "federated_sum", "x")
+    assert carried in fcp.FCP_AGGREGATES
+    with np.errstate(over="ignore"):  # jit's sum over clients wraps in the dtype
+        program = values.sum(dtype=dtype)
+    with np.errstate(over="ignore"):  # the carried sum wraps as two's complement
+        fcp_sum = values.astype(carried).sum(dtype=carried).astype(dtype)
+    assert fcp_sum.tobytes() == np.asarray(program).tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["bfloat16", "float16"]),
+       st.lists(st.floats(-1e4, 1e4, width=16), min_size=1, max_size=6))
+def test_a_narrow_float_mean_carried_as_float32_is_rounded_once(name, raw):
+    dtype = jnp.dtype(name)
+    values = np.asarray(jnp.asarray(raw, dtype))
+    carried = fcp.aggregated_dtype(dtype, "federated_mean", "x")
+    assert carried == np.float32 and np.array_equal(
+        values.astype(carried).astype(dtype), values)  # the widening is exact
+    program = (jnp.sum(jnp.asarray(values, jnp.float32)) / len(raw)).astype(dtype)
+    fcp_mean = (values.astype(carried).sum(dtype=carried) / np.float32(len(raw))).astype(dtype)
+    assert fcp_mean == np.asarray(program)  # the same value (+0 and -0 alike)
+
+
+@pytest.mark.parametrize("dtype, uri, match", [
+    ("uint64", "federated_max", "federated_max of uint64 client results .* no FCP type"),
+    ("complex64", "federated_sum", "federated_sum of complex64 client results"),
+])
+def test_client_results_no_fcp_type_carries_exactly_are_refused_by_name(dtype, uri, match):
+    with pytest.raises(fb.ExportError, match=match):
+        fcp.aggregated_dtype(np.dtype(dtype), uri, "x")
+
+
+def test_bfloat16_state_and_outputs_travel_as_int16_bits_exactly():
+    x = np.asarray(jnp.asarray([1.5, -3.0, 1e30, float("nan")], jnp.bfloat16))
+    (stored,) = fcp.encode_state([x])
+    assert stored.dtype == np.int16
+    assert fcp.decode_state([stored], [x.dtype])[0].tobytes() == x.tobytes()
+
+
+def test_client_work_the_tflite_client_cannot_take_is_refused_before_the_job_changes(tmp_path):
+    proto, _ = forms.round_proto(narrow_results_round, np.ones(4, np.float32), DATA,
+                                 placements=("server", "clients"))
+    job = forms.job("r", proto, [], str(tmp_path), artifacts=True)
+    with pytest.raises(fb.ExportError, match=r"cannot run as TFLite.*bfloat16"):
+        fcp.with_fcp(job, proto, ["mrf"])
+    assert "fcp" not in job
+    # forms for a check without the devices' TFLite client keep the client work as it is
+    job = fcp.with_fcp(job, proto, ["mrf"], lower_client=False)
+    assert job["fcp"]["forms"] == ["mrf"] and "artifacts" not in job["fcp"]

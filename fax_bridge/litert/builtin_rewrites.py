@@ -302,14 +302,20 @@ def _touches_unsigned(op, ir) -> bool:
     return any((_int_type(ir, v) or (0, False))[1] for v in values)
 
 
+def float_to_unsigned(op, ir) -> bool:
+    """Whether the convert `op` makes a float an unsigned integer."""
+    source, target = _int_type(ir, op.operands[0]), _int_type(ir, op.results[0])
+    return target is not None and target[1] and source is None
+
+
 def _unsupported(op, ir) -> bool:
     """Whether the unsigned rewrite cannot keep the meaning of `op`."""
     if op.name not in SAME_BITS:
         return True
     if op.name == "stablehlo.convert":
         source, target = _int_type(ir, op.operands[0]), _int_type(ir, op.results[0])
-        if target is not None and target[1] and source is None:
-            return True  # a float to an unsigned integer
+        if float_to_unsigned(op, ir):
+            return True
         if source is not None and source[1] and target is None and source[0] > 32:
             return True  # a 64-bit unsigned to a float
     return False

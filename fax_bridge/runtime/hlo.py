@@ -48,7 +48,7 @@ from jax._src.lib.mlir.dialects import hlo as _hlo_dialect
 
 from fax_bridge.errors import ComputationError, HloModuleError
 from fax_bridge.language import jax_compat
-from fax_bridge.runtime import hlo_check, hlo_import, hlo_lax, limits
+from fax_bridge.runtime import hlo_check, hlo_import, hlo_lax, limits, portable_fma
 
 _COPY = _jax.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
 # Set while a batched caller traces: `call_traced` reads modules as lax operations.
@@ -218,7 +218,21 @@ def portable_artifact(hlo_module: bytes, target: str = PORTABLE_TARGET
 
 
 def stablehlo_artifact(stablehlo: bytes, target: str = PORTABLE_TARGET) -> bytes:
-    """StableHLO bytecode (or text) as a portable artifact for `target`."""
+    """StableHLO bytecode (or text) as a portable artifact for `target`; a narrow-float
+    `stablehlo.fma` an older target has no op for is first rewritten with the same bits
+    (`portable_fma`)."""
+    try:
+        return bytes(_jax.mlir.serialize_portable_artifact(stablehlo, target))
+    except Exception as e:  # the serializer raises plain runtime errors
+        if "fma" not in str(e):
+            raise
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    with mlir.make_ir_context(), ir.Location.unknown():
+        module = ir.Module.parse(stablehlo)
+        portable_fma.fma_as_float64(module, ir)
+        stablehlo = mlir.module_to_bytecode(module)
     return bytes(_jax.mlir.serialize_portable_artifact(stablehlo, target))
 
 

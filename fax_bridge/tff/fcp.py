@@ -30,6 +30,7 @@ import os
 from typing import Any, Optional, Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
 from federated_language.proto import computation_pb2
 
@@ -37,10 +38,26 @@ from fax_bridge.data.examples import Feature, feature_kind, write_population
 from fax_bridge.errors import DataError, ExportError
 from fax_bridge.tff import fcp_client
 
-# Unsigned dtypes a TF checkpoint cannot hold, stored as the signed twin's bits.
+# Dtypes a TF (tensor-slice) checkpoint cannot hold, stored as a signed integer's bits.
 CHECKPOINT_CODES = {np.dtype(np.uint16): np.dtype(np.int16),
                     np.dtype(np.uint32): np.dtype(np.int32),
-                    np.dtype(np.uint64): np.dtype(np.int64)}
+                    np.dtype(np.uint64): np.dtype(np.int64),
+                    np.dtype(ml_dtypes.bfloat16): np.dtype(np.int16)}
+# What FCP's aggregation takes (its aggregation core's dtypes) for a client result.
+FCP_AGGREGATES = tuple(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64))
+# Client results of other dtypes travel as these (an exact widening; uint64 as int64's
+# bits, whose two's complement sum wraps as the program's uint64 sum does), the server
+# casting the aggregate back once: a narrow float's sum or mean rounded once from float32,
+# an integer sum wrapped to its dtype, as jit's sum over clients gives them.
+AGGREGATED_AS = {np.dtype(d): np.dtype(c) for d, c in (
+    (ml_dtypes.bfloat16, np.float32), (np.float16, np.float32), (np.int8, np.int64),
+    (np.int16, np.int64), (np.uint8, np.int64), (np.uint16, np.int64),
+    (np.uint32, np.int64), (np.uint64, np.int64))}
+# The aggregations whose client results the FCP forms carry as AGGREGATED_AS says.
+AGGREGATION_URIS = ("federated_sum", "federated_mean", "federated_weighted_mean",
+                    "federated_min", "federated_max")
+_OTHER_AGGREGATIONS = ("federated_aggregate", "federated_secure_sum_bitwidth",
+                       "federated_secure_sum", "federated_secure_modular_sum")
 # TF DataType numbers (federated_language's TensorType.dtype) of the dtypes that fit.
 _DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8,
            9: np.int64, 10: np.bool_, 14: "bfloat16", 17: np.uint16, 19: np.float16,
@@ -52,11 +69,7 @@ def _dtype(number: int, where: str) -> np.dtype:
         raise ExportError(f"{where} has TF dtype number {number}, which the FCP forms do "
                           "not carry; use a float, integer or bool leaf")
     found = _DTYPES[number]
-    if found == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(found)
+    return np.dtype(ml_dtypes.bfloat16 if found == "bfloat16" else found)
 
 
 def _leaves(t, path: list, where: str) -> list:
@@ -106,6 +119,76 @@ def output_leaves(proto: computation_pb2.Computation) -> list:
     return _leaves(proto.type.function.result.struct.element[1].value, [], "output")
 
 
+def aggregated_dtype(dtype: Any, uri: str, where: str) -> np.dtype:
+    """The dtype FCP's aggregation `uri` takes a client result of `dtype` in (itself when
+    FCP aggregates it); `ExportError` naming the leaf `where` when none carries it
+    exactly."""
+    dtype = np.dtype(dtype)
+    if dtype in FCP_AGGREGATES:
+        return dtype
+    carried = AGGREGATED_AS.get(dtype)
+    if carried is None or (uri in ("federated_min", "federated_max")
+                           and carried.itemsize == dtype.itemsize
+                           and dtype.kind != carried.kind):
+        raise ExportError(
+            f"{uri} of {dtype} client results ({where}) has no FCP type that carries them "
+            f"exactly (FCP aggregates {', '.join(d.name for d in FCP_AGGREGATES)}); cast "
+            "them in the client work to one that holds them")
+    return carried
+
+
+def _intrinsic_types(message) -> list:
+    """(uri, Type proto) of every intrinsic inside a federated_language message."""
+    if isinstance(message, computation_pb2.Computation) and \
+            message.WhichOneof("computation") == "intrinsic":
+        return [(message.intrinsic.uri, message.type)]
+    found = []
+    for field, value in message.ListFields():
+        if field.message_type is None or \
+                not field.message_type.full_name.startswith("federated_language."):
+            continue
+        repeated = getattr(field, "is_repeated", None)
+        repeated = field.label == field.LABEL_REPEATED if repeated is None else repeated
+        for item in (value if repeated else [value]):
+            found += _intrinsic_types(item)
+    return found
+
+
+def aggregation_codes(proto: computation_pb2.Computation) -> list:
+    """(uri, leaf path, dtype, the dtype FCP aggregates it in) per client-result leaf of
+    each aggregation the round calls that FCP does not take as it is (a weighted mean's
+    weight leaves under `weight/`); refuses (`aggregated_dtype`) what none carries, and
+    client results of other aggregations (`federated_aggregate`, secure sums) outside
+    FCP's dtypes."""
+    out = []
+    for uri, t in _intrinsic_types(proto):
+        if uri not in AGGREGATION_URIS + _OTHER_AGGREGATIONS:
+            continue
+        param = t.function.parameter
+        parts = [("", param)]
+        if param.WhichOneof("type") == "struct":
+            parts = [(e.name or str(i), e.value) for i, e in enumerate(param.struct.element)]
+            if uri == "federated_weighted_mean":
+                parts = [("", parts[0][1]), ("weight/", parts[1][1])]
+        for prefix, p in parts:
+            if p.WhichOneof("type") != "federated" or \
+                    p.federated.placement.value.uri != "clients":
+                continue
+            for path, dtype, _ in _leaves(p, [], f"{uri}'s client results"):
+                where = f"{prefix}{path}" if prefix else path
+                if uri not in AGGREGATION_URIS:
+                    if dtype not in FCP_AGGREGATES:
+                        raise ExportError(
+                            f"{uri} of {dtype} client results ({where}): FCP aggregates "
+                            f"{', '.join(d.name for d in FCP_AGGREGATES)}; cast them in "
+                            "the client work")
+                    continue
+                carried = aggregated_dtype(dtype, uri, where)
+                if carried != dtype:
+                    out.append((uri, where, dtype, carried))
+    return out
+
+
 def encode_state(leaves: Sequence[Any]) -> list:
     """Flat state leaves as the FCP forms keep them: unsigned 16/32/64-bit leaves as the
     signed integers of the same bits (a uint32 PRNG key as int32)."""
@@ -143,24 +226,30 @@ def client_values(features: Sequence[Feature], client_args: Any, clients: int) -
 
 def with_fcp(job: dict, proto: computation_pb2.Computation, forms: Sequence[str],
              run: Optional[dict] = None, tf_examples: Optional[str] = None,
-             tflite: bool = False) -> dict:
+             tflite: bool = False, lower_client: bool = True) -> dict:
     """`job` (from `forms.job(..., artifacts=True)`) also asking the TFF side for the FCP
     forms `forms` ("mrf", "daf"); `run` as `make_run` gives it; with `tflite` the MRF's
     run is repeated with its client work converted to TFLite and run by TFLite's
-    interpreter (`tools/tff087/tflite_client.py`)."""
-    job["fcp"] = {"forms": list(forms)}
+    interpreter (`tools/tff087/tflite_client.py`). The client work is lowered for the
+    devices' TFLite client (`fcp_client`), what it cannot take refused by name before
+    `job` changes; `lower_client=False` keeps it as jax wrote it (forms whose
+    aggregation and plan are checked in TensorFlow, which no TFLite client could run)."""
+    entry: dict = {"forms": list(forms)}
     if run:
-        job["fcp"]["run"] = run
-        job["fcp"]["tflite"] = bool(tflite)
+        entry["run"] = run
+        entry["tflite"] = bool(tflite) and lower_client
     if tf_examples:
-        job["fcp"]["tf_examples"] = tf_examples
+        entry["tf_examples"] = tf_examples
     client_features(proto)  # refuses client data no tf.Example holds, before TFF starts
+    aggregation_codes(proto)  # refuses client results no FCP type carries, likewise
+    entry["aggregated_as"] = {d.name: c.name for d, c in AGGREGATED_AS.items()}
     if "artifacts" not in job:
         raise ExportError("the job has no StableHLO artifacts of the round's Xla parts; "
                           "make it with forms.job(..., artifacts=True)")
-    # The client parts lowered for the devices' TFLite client (or refused, named, here).
-    job["fcp"]["artifacts"] = fcp_client.write_artifacts(
-        proto, os.path.join(job["out"], "fcp_client"))
+    if lower_client:  # the client parts lowered for the devices' TFLite client
+        entry["artifacts"] = fcp_client.write_artifacts(
+            proto, os.path.join(job["out"], "fcp_client"))
+    job["fcp"] = entry
     return job
 
 

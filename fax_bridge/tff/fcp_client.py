@@ -12,6 +12,10 @@ is rewritten (`fax_bridge.litert.builtin_rewrites`, exact):
 - unsigned integers (`jax.random`'s threefry) as signed ones, and the 32-bit bitwise
   ops TFLite has no builtin for as arithmetic.
 
+What the converter cannot take is refused here, each op with the fix: among them a
+bfloat16 tensor (the converter has no bfloat16 type; FCP aggregates a bfloat16 client
+result in float32 anyway) and a float converted to an unsigned integer.
+
 `client_parts(proto)` finds the `Xla` parts a round maps at CLIENTS; `lower(hlo_module)`
 gives a part's portable StableHLO artifact after the rewrites, or raises `ExportError`
 naming each operation no rewrite covers (`LEFT`) with the user's source lines, at write
@@ -93,11 +97,30 @@ def client_parts(proto: computation_pb2.Computation) -> list:
     return list(found.values())
 
 
+_BFLOAT16 = ("a bfloat16 tensor, which TF's TFLite converter has no type for: compute "
+             "and return the client's results in float32 (FCP aggregates a bfloat16 client "
+             "result in float32) and cast to bfloat16 at the server")
+
+
+def _unsigned_why(op, ir) -> str:
+    """Why the unsigned rewrite refused `op`, and what to write instead."""
+    if op.name == "stablehlo.convert" and builtin_rewrites.float_to_unsigned(op, ir):
+        return ("a float converted to an unsigned integer, whose out-of-range values the "
+                "signed convert does not give: convert the float to int32 first "
+                "(x.astype(jnp.int32).astype(jnp.uint8))")
+    return ("an op on unsigned integers whose meaning the rewrite to signed ones cannot "
+            "keep (a divide, a remainder, a 64-bit unsigned converted to a float): compute "
+            "it in int32 or float32")
+
+
 def _left(module, ir) -> list:
     """(op, why) for each operation TFLite's converter cannot take after the rewrites."""
     out = []
     for op in walk(module.operation, []):
-        if op.name in LEFT:
+        if op.name != "func.func" and any(
+                "bf16" in str(v.type) for v in list(op.operands) + list(op.results)):
+            out.append((op, _BFLOAT16))
+        elif op.name in LEFT:
             out.append((op, LEFT[op.name]))
         elif op.name in _WIDE_BITWISE and re.search(r"x(?:u?i64)>|<u?i64>",
                                                     str(op.results[0].type)):
@@ -122,9 +145,7 @@ def rewritten(hlo_module: bytes, where: str = "the client work") -> tuple[bytes,
     with mlir.make_ir_context(), ir.Location.unknown():
         module = ir.Module.parse(stablehlo)
         counts = {"scatter_adds": builtin_rewrites.scatter_adds(module, ir)}
-        refused = [(op, "an op on unsigned integers whose meaning the rewrite to signed "
-                        "ones cannot keep (a divide, a float converted to unsigned, ...): "
-                        "compute it in int32 or float32")
+        refused = [(op, _unsigned_why(op, ir))
                    for op in builtin_rewrites.unsigned_integers(module, ir)]
         counts["bitwise_ops"] = builtin_rewrites.bitwise_ops(module, ir)
         problems = refused or _left(module, ir)

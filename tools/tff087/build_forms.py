@@ -340,7 +340,7 @@ def build_fcp(job: dict, proto) -> dict:
     artifacts = dict(job.get("artifacts", {}), **spec.get("artifacts", {}))
     tf_round = concrete(xla_to_tensorflow(proto, artifacts)) if spec.get("artifacts") \
         else job.get("tf_round") or concrete(xla_to_tensorflow(proto, artifacts))
-    round_fn, info = fcp_forms.fcp_round(tf_round)
+    round_fn, info = fcp_forms.fcp_round(tf_round, spec.get("aggregated_as"))
     result = {"info": info, "type": str(round_fn.type_signature),
               "wrap_seconds": time.perf_counter() - t0}
     for kind in spec.get("forms", ("mrf", "daf")):

@@ -44,7 +44,14 @@ from tensorflow_federated.python.core.impl.types import computation_types as ct
 
 # Signed integers of the same width for what a TF (tensor-slice) checkpoint cannot hold.
 CHECKPOINT_CODES = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32,
-                    np.dtype(np.uint64): np.int64}
+                    np.dtype(np.uint64): np.int64,
+                    np.dtype(tf.bfloat16.as_numpy_dtype): np.int16}
+# What FCP's aggregation takes for a client result (its aggregation core's dtypes).
+AGGREGATES = tuple(np.dtype(d) for d in (np.float32, np.float64, np.int32, np.int64))
+# The aggregations whose client results of other dtypes travel widened
+# (`fax_bridge.tff.fcp.AGGREGATED_AS`, the job's "aggregated_as").
+WIDENED_URIS = ("federated_sum", "federated_mean", "federated_weighted_mean",
+                "federated_min", "federated_max")
 SECURE_URIS = ("federated_secure_sum_bitwidth", "federated_secure_sum",
                "federated_secure_modular_sum")
 FLOAT_FEATURES = (np.float16, np.float32, tf.bfloat16.as_numpy_dtype)
@@ -181,15 +188,88 @@ def bounds_as_calls(tree):
     return tree
 
 
+# ------------------------------------------------------------------------ client results
+
+
+def _retyped(t, table: dict):
+    """`t` with each leaf whose dtype `table` names as the dtype it maps to."""
+    if isinstance(t, ct.StructType):
+        return ct.StructType([(n, _retyped(e, table)) for n, e in structure.iter_elements(t)])
+    to = table.get(np.dtype(t.dtype).name)
+    return t if to is None else ct.TensorType(np.dtype(to), t.shape)
+
+
+def cast_computation(source, target):
+    """TF computation `source -> target` casting each leaf whose dtype differs
+    (`tf.cast`: exact widenings; back, a float rounded once to nearest even, an integer
+    wrapped to its width)."""
+    leaves_in, leaves_out = _tensors(source), _tensors(target)
+
+    @tff.tensorflow.computation(source)
+    def cast(value):
+        flat = structure.flatten(value) if isinstance(source, ct.StructType) else [value]
+        out = [x if a.dtype == b.dtype else tf.cast(x, b.dtype)
+               for x, a, b in zip(flat, leaves_in, leaves_out)]
+        return _pack(target, out) if isinstance(target, ct.StructType) else out[0]
+
+    return cast
+
+
+def widened_aggregations(tree, table: dict):
+    """Each sum, mean, weighted mean, min or max whose client results hold a dtype FCP's
+    aggregation does not take (`table`: dtype name -> the name of the one it travels
+    as) made `federated_map(back, intrinsic(federated_map(widen, value)))`: the clients
+    widen, FCP aggregates, the server casts the aggregate back once."""
+    from tensorflow_federated.python.core.impl.compiler import building_block_factory as bbf
+
+    def widen(value):
+        member = value.type_signature.member
+        wide = _retyped(member, table)
+        if wide.is_equivalent_to(member):
+            return value, None
+        cast = cast_computation(member, wide).to_building_block()
+        return bbf.create_federated_map_or_apply(cast, value), member
+
+    def replace(block):
+        if not (isinstance(block, bb.Call) and isinstance(block.function, bb.Intrinsic)
+                and block.function.uri in WIDENED_URIS):
+            return block, False
+        uri = block.function.uri
+        if uri == "federated_weighted_mean":
+            value, member = widen(bb.Selection(block.argument, index=0))
+            weight, weight_member = widen(bb.Selection(block.argument, index=1))
+            if member is None and weight_member is None:
+                return block, False
+            call = bbf.create_federated_mean(value, weight)
+        else:
+            value, member = widen(block.argument)
+            if member is None:
+                return block, False
+            call = {"federated_sum": bbf.create_federated_sum,
+                    "federated_mean": bbf.create_federated_mean,
+                    "federated_min": bbf.create_federated_min,
+                    "federated_max": bbf.create_federated_max}[uri](
+                        *((value, None) if uri == "federated_mean" else (value,)))
+        original = block.type_signature.member
+        back = cast_computation(call.type_signature.member, original).to_building_block()
+        return bbf.create_federated_map_or_apply(back, call), True
+
+    tree, _ = transformation_utils.transform_postorder(tree, replace)
+    return tree
+
+
 # ------------------------------------------------------------------------ the FCP round
 
 
-def fcp_round(tf_round):
-    """The FCP round of a round in the forms' type whose parts are TensorFlow; also the
-    feature list and the state's / output's checkpoint codes."""
+def fcp_round(tf_round, aggregated_as: dict | None = None):
+    """The FCP round of a round in the forms' type whose parts are TensorFlow (client
+    results FCP does not aggregate widened as `aggregated_as` says); also the feature
+    list and the state's / output's checkpoint codes."""
     from build_forms import concrete  # the TFF side's shared helpers
 
     tree = bounds_as_calls(tf_round.to_building_block())
+    if aggregated_as:
+        tree = widened_aggregations(tree, aggregated_as)
     inner = concrete(tree.proto)
     state_type = inner.type_signature.parameter[0].member
     client_type = inner.type_signature.parameter[1].member
@@ -353,10 +433,22 @@ def contract(kind: str, form) -> list:
     if not _is_sequence_of_strings(data):
         problems.append(f"the client work takes {data}, not sequence<string> (a stream of "
                         "serialized tf.Example)")
+    problems += _aggregate_problems(
+        form.work.type_signature.result[0] if kind == "mrf"
+        else form.client_work.type_signature.result)
     problems += _dtype_problems("the server state", state)
     problems += _dtype_problems("the new server state", new_state)
     problems += _dtype_problems("the server output", output)
     return problems
+
+
+def _aggregate_problems(update) -> list:
+    """The client update's leaves FCP's aggregation does not take (the MRF's for its
+    plain aggregation, the DAF's whole update)."""
+    bad = sorted({np.dtype(x.dtype).name for x in _tensors(update)
+                  if np.dtype(x.dtype) not in AGGREGATES})
+    return [f"the client update holds {', '.join(bad)}, which FCP's aggregation does not "
+            "take"] if bad else []
 
 
 def _aggregation_problems(daf) -> list:
