@@ -215,6 +215,9 @@ def test_every_primitive_differentiates_twice_alike_chunked_or_not():
                                            rtol=2e-5, atol=1e-6, err_msg=f"{name}: {which}")
 
 
+# Compiles second derivatives of several cohorts twice each (about 20 s): make
+# test-peers; every primitive's second derivative at one chunk size is in make test.
+@pytest.mark.peers
 @settings(max_examples=4, deadline=None)
 @given(name=st.sampled_from(sorted(USES)), n=st.integers(2, 6), k=st.integers(1, 6))
 def test_second_derivatives_in_chunks_of_any_size(name, n, k):
