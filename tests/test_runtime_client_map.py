@@ -637,3 +637,31 @@ def test_an_exported_mlp_round_runs_its_clients_vmapped_on_both_paths(vmapped):
     assert made and all(p is not None and p.vmapped for p in made), made
     for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(device)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_a_client_drawing_normal_noise_runs_batched_with_jits_values():
+    # jax 0.12 writes jax.random.normal's erf_inv with `fma`, which StableHLO of four
+    # weeks before cannot hold: the module inlined into the batched call is serialized at
+    # this jaxlib's own version, so it runs batched (no UnbatchedWarning) on every jax.
+    import warnings
+
+    import jax
+
+    import fax_bridge as fb
+    from fax_bridge.runtime import run_computation
+
+    @fb.program(clients=3)
+    def noisy(params, keys):
+        def local(p, k):
+            return p + jax.random.normal(jax.random.wrap_key_data(k), p.shape)
+        return fb.federated_mean(fb.federated_map_clients(
+            local, (fb.federated_broadcast(params), keys)))
+
+    params = np.zeros(4, F32)
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 3)))
+    proto = fb.export_tff(noisy, params, keys, placements=("server", "clients"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnbatchedWarning)
+        got = run_computation(proto, params, keys, on_device=False)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(noisy)(params, keys)),
+                               rtol=1e-6, atol=1e-6)

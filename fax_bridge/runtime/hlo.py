@@ -440,9 +440,12 @@ class HloExecutable:
     def _export(self) -> jax.export.Exported:
         """The module as a `jax.export.Exported` (one platform, no effects, no shardings):
         its `main` is called, after jax inlines it, by the function being traced. On CPU
-        its convolutions are put in canonical form first (`canonical_convolutions`)."""
+        its convolutions are put in canonical form first (`canonical_convolutions`). The
+        artifact is read back by this same jaxlib, so it is serialized at this jaxlib's
+        own StableHLO version: an older target refuses ops it lacks (jax 0.12 writes
+        `fma`, which StableHLO of four weeks before cannot hold)."""
         target = _hlo_dialect.get_version_from_compatibility_requirement(
-            _hlo_dialect.StablehloCompatibilityRequirement.WEEK_4)
+            _hlo_dialect.StablehloCompatibilityRequirement.NONE)
         stablehlo = self._stablehlo
         if self._backend.platform == "cpu":
             stablehlo = canonical_convolutions(stablehlo)
