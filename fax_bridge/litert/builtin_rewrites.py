@@ -142,12 +142,18 @@ def _int_type(ir, value):
     return kind.width, kind.is_unsigned
 
 
+def _defining_op(value):
+    """The operation that gives `value`, or None for a block argument."""
+    owner = value.owner
+    op = getattr(owner, "operation", owner)
+    return op if hasattr(op, "name") else None
+
+
 def _constant_int(ir, value):
     """The one integer every element of `value` holds (a splat constant, maybe broadcast),
     else None."""
-    owner = value.owner
-    op = getattr(owner, "operation", owner)
-    if not hasattr(op, "name"):
+    op = _defining_op(value)
+    if op is None:
         return None
     if op.name == "stablehlo.broadcast_in_dim":
         return _constant_int(ir, op.operands[0])
@@ -382,9 +388,8 @@ def _largest(ir, value):
     splat constant, broadcasts and reshapes of them, and their sums and products, as
     jax builds its threefry counters (an iota times a stride per dimension, added up);
     else None."""
-    owner = value.owner
-    op = getattr(owner, "operation", owner)
-    if not hasattr(op, "name"):
+    op = _defining_op(value)
+    if op is None:
         return None
     if op.name == "stablehlo.iota":
         shape = ir.RankedTensorType(op.results[0].type).shape
