@@ -495,3 +495,30 @@ def test_dropout_masks_are_the_same_bits_in_litert_and_xla():
     assert 0.05 < dropped < 0.5  # about a quarter of each client's 64, summed over 2
     with pytest.raises(ArgumentError, match="int32"):
         layers.dropout(np.uint32(1), 0.5, np.ones(3, np.float32))
+
+
+def test_ops_newer_than_the_converter_are_rewritten_as_ops_it_has():
+    # jax 0.12 writes log2, exp2 and fma, which the LiteRT converter's StableHLO cannot
+    # parse: they become log / ln 2, exp(x ln 2) and a multiply and an add, within float
+    # rounding of the fused ops.
+    import jax
+    import jax.numpy as jnp
+    from jax._src.interpreters import mlir
+
+    from fax_bridge.litert import lowering as litert_lowering
+    from fax_bridge.runtime import hlo
+
+    def fn(x, y):
+        return jnp.log2(x) + jnp.exp2(y) + jax.lax.mul(x, y) + 1.0, jax.random.normal(
+            jax.random.key(0), (5,))
+
+    x = np.linspace(0.5, 9.0, 5, dtype=np.float32)
+    y = np.linspace(-3.0, 3.0, 5, dtype=np.float32)
+    module = jax.jit(fn).lower(x, y).compiler_ir("stablehlo")
+    litert_lowering.older_ops(module)
+    text = str(module)
+    assert not [op for op in ("stablehlo.log2", "stablehlo.exp2", "stablehlo.fma")
+                if op in text]
+    got = hlo.HloExecutable(b"", stablehlo=mlir.module_to_bytecode(module))([x, y])
+    for g, w in zip(got, jax.jit(fn)(x, y)):
+        np.testing.assert_allclose(g, np.asarray(w), rtol=2e-6, atol=1e-6)

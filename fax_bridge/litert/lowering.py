@@ -193,7 +193,45 @@ def lower(fn: computation_pb2.Computation, signature: ClientSignature) -> str:
     kept (an input the client part does not read is still one of the signature's, which
     names one StableHLO argument per input)."""
     module = _lowered(fn, signature).compiler_ir("stablehlo")
+    older_ops(module)
     return module.operation.get_asm(large_elements_limit=None, enable_debug_info=False)
+
+
+# Ops newer jax writes that the LiteRT converter's StableHLO cannot parse, as the ops it
+# has: log2(x) = log(x) / ln 2, exp2(x) = exp(x ln 2), fma(a, b, c) = a b + c (each
+# within float rounding of the fused op, which the parity bound covers).
+_LN2 = "0.693147180559945309417232121458176568"
+
+
+def older_ops(module) -> int:
+    """Rewrites `log2`, `exp2` and `fma` in `module` (above); how many."""
+    from jax._src.lib.mlir import ir
+
+    from fax_bridge.litert.side_rewrites import Builder
+
+    ops = [op for op in walk(module.operation, [])
+           if op.name in ("stablehlo.log2", "stablehlo.exp2", "stablehlo.fma")]
+    with module.context:
+        b = Builder(ir)
+        for op in ops:
+            kind = op.results[0].type
+            shaped = ir.RankedTensorType(kind)
+            with op.location, ir.InsertionPoint(op):
+                if op.name == "stablehlo.fma":
+                    a, m, c = op.operands
+                    value = b.op("stablehlo.add", kind,
+                                 [b.op("stablehlo.multiply", kind, [a, m]), c])
+                else:
+                    ln2 = b.splat(_LN2, shaped.shape, shaped.element_type)
+                    (x,) = op.operands
+                    value = (b.op("stablehlo.divide", kind,
+                                  [b.op("stablehlo.log", kind, [x]), ln2])
+                             if op.name == "stablehlo.log2" else
+                             b.op("stablehlo.exponential", kind,
+                                  [b.op("stablehlo.multiply", kind, [x, ln2])]))
+            op.results[0].replace_all_uses_with(value)
+            op.erase()
+    return len(ops)
 
 
 def source_lines(fn: computation_pb2.Computation, signature: ClientSignature,
