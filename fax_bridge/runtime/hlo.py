@@ -81,14 +81,8 @@ def _signature(stablehlo: bytes) -> tuple[list[TensorSpec], list[TensorSpec]]:
             if _ir.StringAttr(op.attributes["sym_name"]).value != "main":
                 continue
             fn_type = _ir.FunctionType(_ir.TypeAttr(op.attributes["function_type"]).value)
-            results: list[TensorSpec] = []
-            for t in fn_type.results:
-                if t.typeid == _ir.TupleType.static_typeid:
-                    tup = _ir.TupleType(t)
-                    results.extend(_spec_of(tup.get_type(i)) for i in range(tup.num_types))
-                else:
-                    results.append(_spec_of(t))
-            return [_spec_of(t) for t in fn_type.inputs], results
+            return ([_spec_of(t) for t in fn_type.inputs],
+                    [_spec_of(t) for t in hlo_lax.flat_types(fn_type.results)])
     raise ComputationError("the HLO module has no entry function `main`")
 
 

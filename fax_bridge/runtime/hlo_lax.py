@@ -156,6 +156,19 @@ def _flat(values: Sequence) -> list:
     return out
 
 
+def flat_types(types) -> list:
+    """MLIR types with each tuple type replaced by its elements, in order (the results
+    of a `main` that XLA's HLO import gives a tuple)."""
+    out: list = []
+    for t in types:
+        if t.typeid == _ir.TupleType.static_typeid:
+            tup = _ir.TupleType(t)
+            out.extend(tup.get_type(i) for i in range(tup.num_types))
+        else:
+            out.append(t)
+    return out
+
+
 def read(stablehlo: bytes) -> Program:
     """The module (StableHLO text or bytecode) as a `Program`; raises `Unreadable`
     naming the first op, type or attribute it cannot read as lax operations."""
@@ -167,11 +180,5 @@ def read(stablehlo: bytes) -> Program:
             raise Unreadable("the module has no entry function `main`")
         fn_type = _ir.FunctionType(_ir.TypeAttr(main.attributes["function_type"]).value)
         params = tuple(tensor_type(t) for t in fn_type.inputs)
-        results: list[Any] = []
-        for t in fn_type.results:
-            if t.typeid == _ir.TupleType.static_typeid:
-                tup = _ir.TupleType(t)
-                results.extend(tensor_type(tup.get_type(i)) for i in range(tup.num_types))
-            else:
-                results.append(tensor_type(t))
-        return Program(reader.function("main"), params, tuple(results))
+        results = tuple(tensor_type(t) for t in flat_types(fn_type.results))
+        return Program(reader.function("main"), params, results)
