@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from jax._src.interpreters import mlir as _mlir
 from jax._src.lib.mlir import ir as _ir
