@@ -141,18 +141,24 @@ def coded_type(t):
     return t if code is None else ct.TensorType(code, t.shape)
 
 
-def bitcast_computation(source, target):
-    """TF computation `source -> target` bitcasting each leaf whose dtype differs."""
+def _leafwise(source, target, convert):
+    """TF computation `source -> target` applying `convert(x, dtype)` to each leaf whose
+    dtype differs."""
     leaves_in, leaves_out = _tensors(source), _tensors(target)
 
     @tff.tensorflow.computation(source)
     def cast(value):
         flat = structure.flatten(value) if isinstance(source, ct.StructType) else [value]
-        out = [x if a.dtype == b.dtype else tf.bitcast(x, b.dtype)
+        out = [x if a.dtype == b.dtype else convert(x, b.dtype)
                for x, a, b in zip(flat, leaves_in, leaves_out)]
         return _pack(target, out) if isinstance(target, ct.StructType) else out[0]
 
     return cast
+
+
+def bitcast_computation(source, target):
+    """TF computation `source -> target` bitcasting each leaf whose dtype differs."""
+    return _leafwise(source, target, tf.bitcast)
 
 
 def code_list(t) -> list:
@@ -203,16 +209,7 @@ def cast_computation(source, target):
     """TF computation `source -> target` casting each leaf whose dtype differs
     (`tf.cast`: exact widenings; back, a float rounded once to nearest even, an integer
     wrapped to its width)."""
-    leaves_in, leaves_out = _tensors(source), _tensors(target)
-
-    @tff.tensorflow.computation(source)
-    def cast(value):
-        flat = structure.flatten(value) if isinstance(source, ct.StructType) else [value]
-        out = [x if a.dtype == b.dtype else tf.cast(x, b.dtype)
-               for x, a, b in zip(flat, leaves_in, leaves_out)]
-        return _pack(target, out) if isinstance(target, ct.StructType) else out[0]
-
-    return cast
+    return _leafwise(source, target, tf.cast)
 
 
 def widened_aggregations(tree, table: dict):
